@@ -1,0 +1,3 @@
+//! # headroom-amp
+//!
+//! Mixed precision: dynamic loss scaler (GradScaler semantics), autocast policy, fp32 master weights, bf16 stochastic rounding. (Under construction.)

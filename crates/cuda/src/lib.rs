@@ -1,0 +1,1 @@
+//! # headroom-cuda (under construction)

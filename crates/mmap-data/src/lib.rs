@@ -1,0 +1,3 @@
+//! # headroom-mmap-data
+//!
+//! Memory-mapped token datasets (nanoGPT, llm.c, Megatron), samplers, prefetching loader, synthetic source. (Under construction.)

@@ -1,0 +1,3 @@
+//! # headroom-profiler
+//!
+//! Memory profiling by category: tracker, budgets, reports, timeline export, estimator. (Under construction.)
