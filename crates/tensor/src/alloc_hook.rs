@@ -262,9 +262,13 @@ mod tests {
         assert!(events[0].0 && !events[1].0);
         assert_eq!(events[0].1, events[1].1);
 
-        let err = TrackedAllocation::register(Some(&hook), 4096, DType::F32, Device::Cpu)
-            .unwrap_err();
+        let err =
+            TrackedAllocation::register(Some(&hook), 4096, DType::F32, Device::Cpu).unwrap_err();
         assert!(matches!(err, Error::AllocationRejected { bytes: 4096, .. }));
-        assert_eq!(log.0.lock().unwrap().len(), 2, "a rejected allocation is never freed");
+        assert_eq!(
+            log.0.lock().unwrap().len(),
+            2,
+            "a rejected allocation is never freed"
+        );
     }
 }

@@ -88,8 +88,7 @@ pub trait Backend: Send + Sync {
     /// For each tensor, `x *= inv_scale`; returns `true` if any input element was infinite or
     /// NaN. The gradients are unscaled in place either way (as PyTorch's
     /// `_amp_foreach_non_finite_check_and_unscale_` does); the caller skips the step.
-    fn unscale_and_check(&self, tensors: &mut [&mut Self::Tensor], inv_scale: f32)
-        -> Result<bool>;
+    fn unscale_and_check(&self, tensors: &mut [&mut Self::Tensor], inv_scale: f32) -> Result<bool>;
 
     /// Wait until all work queued on this backend has finished (a no-op on the CPU).
     fn synchronize(&self) -> Result<()>;

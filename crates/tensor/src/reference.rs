@@ -43,17 +43,24 @@ impl ToF32Ref for bf16 {
 
 /// Reference cast: widen to f32, then round to the destination type.
 pub fn cast<S: ToF32Ref, D: ToF32Ref>(src: &[S]) -> Vec<D> {
-    src.iter().map(|s| D::from_f32_ref(s.to_f32_ref())).collect()
+    src.iter()
+        .map(|s| D::from_f32_ref(s.to_f32_ref()))
+        .collect()
 }
 
 /// Reference `x * alpha`.
 pub fn scale<T: ToF32Ref>(x: &[T], alpha: f32) -> Vec<T> {
-    x.iter().map(|v| T::from_f32_ref(v.to_f32_ref() * alpha)).collect()
+    x.iter()
+        .map(|v| T::from_f32_ref(v.to_f32_ref() * alpha))
+        .collect()
 }
 
 /// Reference `y + alpha * x` (product rounded to f32, then the sum).
 pub fn axpy<T: ToF32Ref>(alpha: f32, x: &[T], y: &[f32]) -> Vec<f32> {
-    x.iter().zip(y).map(|(x, y)| y + alpha * x.to_f32_ref()).collect()
+    x.iter()
+        .zip(y)
+        .map(|(x, y)| y + alpha * x.to_f32_ref())
+        .collect()
 }
 
 /// Reference `Σ x²`, sequential in f64.

@@ -79,7 +79,8 @@ impl FloatSliceMut<'_> {
 pub fn f32_to_bf16_bits(x: f32) -> u16 {
     let b = x.to_bits();
     let is_nan = (b & 0x7fff_ffff) > 0x7f80_0000;
-    let rounded = (b + 0x7fff + ((b >> 16) & 1)) >> 16;
+    // Wrapping: only NaN inputs can overflow here, and their result is discarded below.
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
     let quiet_nan = (b >> 16) | 0x0040;
     (if is_nan { quiet_nan } else { rounded }) as u16
 }
@@ -104,17 +105,21 @@ fn par_zip<A: Sync, B: Send>(a: &[A], b: &mut [B], f: impl Fn(&[A], &mut [B]) + 
     }
 }
 
-fn par_each<A: Send>(a: &mut [A], f: impl Fn(&mut [A]) + Sync) {
+fn par_each<A: Send>(a: &mut [A], f: impl Fn(&mut [A]) + Sync + Send) {
     if a.len() <= CHUNK {
         f(a);
     } else {
-        a.par_chunks_mut(CHUNK).for_each(|c| f(c));
+        a.par_chunks_mut(CHUNK).for_each(f);
     }
 }
 
 /// Run `f` on each `BLOCK` of `src` after widening it to f32 in a stack buffer.
 #[inline(always)]
-fn widen_blocks<T: Copy>(src: &[T], widen: impl Fn(&[T], &mut [f32]), mut f: impl FnMut(usize, &[f32])) {
+fn widen_blocks<T: Copy>(
+    src: &[T],
+    widen: impl Fn(&[T], &mut [f32]),
+    mut f: impl FnMut(usize, &[f32]),
+) {
     let mut buf = [0f32; BLOCK];
     for (i, block) in src.chunks(BLOCK).enumerate() {
         let w = &mut buf[..block.len()];
@@ -217,7 +222,9 @@ pub fn axpy(alpha: f32, x: FloatSlice<'_>, y: &mut [f32]) {
             }
         }),
         FloatSlice::F16(x) => par_zip(x, y, |x, y| {
-            widen_blocks(x, widen_f16, |o, w| axpy_f32(alpha, w, &mut y[o..o + w.len()]))
+            widen_blocks(x, widen_f16, |o, w| {
+                axpy_f32(alpha, w, &mut y[o..o + w.len()])
+            })
         }),
     }
 }
@@ -244,7 +251,12 @@ fn sum_squares_f32_chunk(x: &[f32]) -> f64 {
         acc[l] += v * v;
     }
     // Fixed pairwise combination of the lanes.
-    let a = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
+    let a = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
     (a[0] + a[2]) + (a[1] + a[3])
 }
 
@@ -263,7 +275,9 @@ fn chunked_sum(len: usize, partial: impl Fn(usize) -> f64 + Sync) -> f64 {
 pub fn sum_squares(x: FloatSlice<'_>) -> f64 {
     let range = |i: usize, len: usize| i * CHUNK..((i + 1) * CHUNK).min(len);
     match x {
-        FloatSlice::F32(x) => chunked_sum(x.len(), |i| sum_squares_f32_chunk(&x[range(i, x.len())])),
+        FloatSlice::F32(x) => {
+            chunked_sum(x.len(), |i| sum_squares_f32_chunk(&x[range(i, x.len())]))
+        }
         FloatSlice::BF16(x) => chunked_sum(x.len(), |i| {
             let mut total = 0f64;
             let mut buf = [0f32; BLOCK];
@@ -315,7 +329,10 @@ pub fn unscale_and_check(x: FloatSliceMut<'_>, inv_scale: f32) -> bool {
             if x.len() <= CHUNK {
                 return unscale_f32(x, inv_scale);
             }
-            any(x.len(), x.par_chunks_mut(CHUNK).map(|c| unscale_f32(c, inv_scale)))
+            any(
+                x.len(),
+                x.par_chunks_mut(CHUNK).map(|c| unscale_f32(c, inv_scale)),
+            )
         }
         FloatSliceMut::BF16(x) => {
             let f = |c: &mut [bf16]| {

@@ -183,7 +183,8 @@ impl Cpu {
     fn alloc(&self, shape: Shape, dtype: DType) -> Result<CpuTensor> {
         let bytes = shape.checked_bytes(dtype)?;
         // Report first: a refused allocation never touches memory.
-        let allocation = TrackedAllocation::register(self.hook.as_ref(), bytes, dtype, Device::Cpu)?;
+        let allocation =
+            TrackedAllocation::register(self.hook.as_ref(), bytes, dtype, Device::Cpu)?;
         let data = HostBuffer::zeroed(bytes).ok_or(Error::OutOfMemory {
             device: Device::Cpu,
             bytes,
