@@ -1,0 +1,2 @@
+//! Placeholder: filled by its crate's issue.
+fn main() {}
