@@ -1,0 +1,77 @@
+//! Errors of the offload crate.
+
+use std::path::PathBuf;
+
+/// Everything the optimizer, its state stores and the pipeline can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OffloadError {
+    /// Two buffers that must have the same length do not.
+    #[error("{what}: expected {expected} elements, got {got}")]
+    LengthMismatch {
+        /// Which buffer.
+        what: &'static str,
+        /// Required length.
+        expected: usize,
+        /// Given length.
+        got: usize,
+    },
+    /// A parameter index the optimizer was not built with.
+    #[error("no parameter {index} (the optimizer has {count})")]
+    UnknownParam {
+        /// The index asked for.
+        index: usize,
+        /// How many parameters exist.
+        count: usize,
+    },
+    /// A parameter group index that does not exist.
+    #[error("no parameter group {index} (the optimizer has {count})")]
+    UnknownGroup {
+        /// The index asked for.
+        index: usize,
+        /// How many groups exist.
+        count: usize,
+    },
+    /// A hyper-parameter outside its valid range.
+    #[error("invalid hyper-parameter {name} = {value}: {reason}")]
+    InvalidHyper {
+        /// Which hyper-parameter.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+        /// The valid range.
+        reason: &'static str,
+    },
+    /// A state file could not be created, opened, mapped or flushed.
+    #[error("state file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A state file exists but does not hold the state this optimizer expects.
+    #[error("state file {path} is not usable: {reason}")]
+    CorruptStateFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Saved optimizer state does not match the optimizer it is loaded into.
+    #[error("saved state does not match this optimizer: {0}")]
+    StateMismatch(String),
+    /// A tensor argument was unusable (wrong dtype, not host memory).
+    #[error(transparent)]
+    Tensor(#[from] headroom_tensor::Error),
+    /// The pipeline worker stopped (it panicked or was shut down).
+    #[error("the offload pipeline's worker is gone")]
+    PipelineClosed,
+    /// A bucket was submitted twice in one step, or names an unknown parameter.
+    #[error("pipeline: {0}")]
+    Pipeline(String),
+}
+
+/// `Result` with [`OffloadError`].
+pub type Result<T, E = OffloadError> = std::result::Result<T, E>;

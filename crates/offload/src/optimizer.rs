@@ -1,0 +1,511 @@
+//! [`CpuAdamW`]: PyTorch's AdamW on the host, with f32 or 8-bit moments in RAM or in a file.
+
+use std::path::Path;
+
+use headroom_tensor::cpu::kernels::{FloatSlice, FloatSliceMut};
+use headroom_tensor::{Cpu, CpuTensor, Tensor};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::adamw_kernel::{fused_step, step_serial, Isa, StepScalars};
+use crate::quantized::{dequantize_block, quantize_block, signed_book, unsigned_book, QUANT_BLOCK};
+use crate::state_store::{StateStore, StoreIdentity};
+use crate::{OffloadError, Result};
+
+/// AdamW hyper-parameters of one parameter group. Defaults are PyTorch's.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWHyper {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay β1.
+    pub beta1: f64,
+    /// Second-moment decay β2.
+    pub beta2: f64,
+    /// ε, added outside the square root.
+    pub eps: f64,
+    /// Decoupled weight decay (multiplies `lr`).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWHyper {
+    fn default() -> Self {
+        AdamWHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 1e-2,
+        }
+    }
+}
+
+impl AdamWHyper {
+    /// Check the ranges PyTorch checks.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |name, value: f64, reason| OffloadError::InvalidHyper {
+            name,
+            value,
+            reason,
+        };
+        if !(self.lr >= 0.0 && self.lr.is_finite()) {
+            return Err(bad("lr", self.lr, "must be finite and >= 0"));
+        }
+        if !(0.0..1.0).contains(&self.beta1) {
+            return Err(bad("beta1", self.beta1, "must be in [0, 1)"));
+        }
+        if !(0.0..1.0).contains(&self.beta2) {
+            return Err(bad("beta2", self.beta2, "must be in [0, 1)"));
+        }
+        if !(self.eps >= 0.0 && self.eps.is_finite()) {
+            return Err(bad("eps", self.eps, "must be finite and >= 0"));
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return Err(bad(
+                "weight_decay",
+                self.weight_decay,
+                "must be finite and >= 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How the two moments are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StatePrecision {
+    /// f32 `m` and `v`: 8 bytes per parameter, exact.
+    F32,
+    /// Blockwise 8-bit `m` and `√v` with an f32 scale per 2048 elements: ≈ 2.004 bytes per
+    /// parameter.
+    Int8,
+}
+
+impl StatePrecision {
+    fn code(self) -> u32 {
+        match self {
+            StatePrecision::F32 => 0,
+            StatePrecision::Int8 => 1,
+        }
+    }
+}
+
+/// One parameter the optimizer updates: its element count and its group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamSpec {
+    /// Number of elements.
+    pub numel: usize,
+    /// Index into the optimizer's groups.
+    pub group: usize,
+}
+
+/// Where a new optimizer keeps its moments.
+#[derive(Clone, Copy, Debug)]
+pub enum StoreSpec<'a> {
+    /// Host RAM allocated through this backend (reported to its allocation hook).
+    Ram(&'a Cpu),
+    /// A new memory-mapped file at this path (created or truncated).
+    File(&'a Path),
+}
+
+/// Everything but the moments: enough, with the moment bytes (or the store file), to continue a
+/// run exactly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWState {
+    /// Moment precision.
+    pub precision: StatePrecision,
+    /// Hyper-parameters per group.
+    pub groups: Vec<AdamWHyper>,
+    /// The parameters, in order.
+    pub params: Vec<ParamSpec>,
+    /// Steps taken per parameter (PyTorch keeps one per parameter too).
+    pub steps: Vec<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    spec: ParamSpec,
+    step: u64,
+    /// First element of this parameter in the flat moment arrays.
+    elem: usize,
+    /// First quantisation block of this parameter (8-bit only).
+    block: usize,
+}
+
+/// PyTorch AdamW on the CPU, bandwidth-bound, deterministic for any thread count.
+pub struct CpuAdamW {
+    precision: StatePrecision,
+    groups: Vec<AdamWHyper>,
+    slots: Vec<Slot>,
+    numel: usize,
+    blocks: usize,
+    store: StateStore,
+    isa: Isa,
+}
+
+impl std::fmt::Debug for CpuAdamW {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuAdamW")
+            .field("precision", &self.precision)
+            .field("params", &self.slots.len())
+            .field("numel", &self.numel)
+            .field("file_store", &self.store.is_file())
+            .field("isa", &self.isa)
+            .finish()
+    }
+}
+
+impl CpuAdamW {
+    /// An optimizer for `params` with zeroed moments.
+    pub fn new(
+        groups: Vec<AdamWHyper>,
+        params: &[ParamSpec],
+        precision: StatePrecision,
+        store: StoreSpec<'_>,
+    ) -> Result<Self> {
+        let (slots, numel, blocks) = Self::layout(&groups, params)?;
+        let id = Self::identity(precision, params, numel, blocks);
+        let store = match store {
+            StoreSpec::Ram(cpu) => StateStore::ram(cpu, id.payload_bytes as usize)?,
+            StoreSpec::File(path) => StateStore::create_file(path, id)?,
+        };
+        Ok(CpuAdamW {
+            precision,
+            groups,
+            slots,
+            numel,
+            blocks,
+            store,
+            isa: Isa::detect(),
+        })
+    }
+
+    /// Continue from saved state with moments in RAM (`moments` as returned by
+    /// [`CpuAdamW::moments`]).
+    pub fn restore(state: &AdamWState, cpu: &Cpu, moments: &[u8]) -> Result<Self> {
+        let mut opt = Self::new(
+            state.groups.clone(),
+            &state.params,
+            state.precision,
+            StoreSpec::Ram(cpu),
+        )?;
+        if moments.len() != opt.store.bytes().len() {
+            return Err(OffloadError::StateMismatch(format!(
+                "{} moment bytes, expected {}",
+                moments.len(),
+                opt.store.bytes().len()
+            )));
+        }
+        opt.store.bytes_mut().copy_from_slice(moments);
+        opt.set_steps(&state.steps)?;
+        Ok(opt)
+    }
+
+    /// Continue from saved state with moments in the store file a previous run flushed.
+    pub fn reopen(state: &AdamWState, path: &Path) -> Result<Self> {
+        let (slots, numel, blocks) = Self::layout(&state.groups, &state.params)?;
+        let id = Self::identity(state.precision, &state.params, numel, blocks);
+        let mut opt = CpuAdamW {
+            precision: state.precision,
+            groups: state.groups.clone(),
+            slots,
+            numel,
+            blocks,
+            store: StateStore::open_file(path, id)?,
+            isa: Isa::detect(),
+        };
+        opt.set_steps(&state.steps)?;
+        Ok(opt)
+    }
+
+    fn set_steps(&mut self, steps: &[u64]) -> Result<()> {
+        if steps.len() != self.slots.len() {
+            return Err(OffloadError::StateMismatch(format!(
+                "{} step counters for {} parameters",
+                steps.len(),
+                self.slots.len()
+            )));
+        }
+        for (slot, &s) in self.slots.iter_mut().zip(steps) {
+            slot.step = s;
+        }
+        Ok(())
+    }
+
+    fn layout(groups: &[AdamWHyper], params: &[ParamSpec]) -> Result<(Vec<Slot>, usize, usize)> {
+        for g in groups {
+            g.validate()?;
+        }
+        let mut slots = Vec::with_capacity(params.len());
+        let (mut elem, mut block) = (0usize, 0usize);
+        for p in params {
+            if p.group >= groups.len() {
+                return Err(OffloadError::UnknownGroup {
+                    index: p.group,
+                    count: groups.len(),
+                });
+            }
+            slots.push(Slot {
+                spec: *p,
+                step: 0,
+                elem,
+                block,
+            });
+            elem = elem
+                .checked_add(p.numel)
+                .ok_or(OffloadError::InvalidHyper {
+                    name: "numel",
+                    value: p.numel as f64,
+                    reason: "total parameter count overflows",
+                })?;
+            // Blocks never straddle two parameters, so each parameter quantises alone.
+            block += p.numel.div_ceil(QUANT_BLOCK);
+        }
+        Ok((slots, elem, block))
+    }
+
+    fn identity(
+        precision: StatePrecision,
+        params: &[ParamSpec],
+        numel: usize,
+        blocks: usize,
+    ) -> StoreIdentity {
+        // FNV-1a over the parameter sizes.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for p in params {
+            for b in (p.numel as u64).to_le_bytes() {
+                h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        let payload = match precision {
+            StatePrecision::F32 => 8 * numel,
+            StatePrecision::Int8 => 8 * blocks + 2 * numel,
+        };
+        StoreIdentity {
+            precision_code: precision.code(),
+            payload_bytes: payload as u64,
+            layout_fingerprint: h,
+        }
+    }
+
+    /// Run every update with this instruction set (tests compare paths); unsupported ones fall
+    /// back to the baseline.
+    pub fn with_isa(mut self, isa: Isa) -> Self {
+        self.isa = isa;
+        self
+    }
+
+    /// The instruction set updates run with.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Hyper-parameters of group `g`.
+    pub fn hyper(&self, g: usize) -> Result<&AdamWHyper> {
+        self.groups.get(g).ok_or(OffloadError::UnknownGroup {
+            index: g,
+            count: self.groups.len(),
+        })
+    }
+
+    /// Change the learning rate of group `g` (learning-rate schedules).
+    pub fn set_lr(&mut self, g: usize, lr: f64) -> Result<()> {
+        let count = self.groups.len();
+        let h = self
+            .groups
+            .get_mut(g)
+            .ok_or(OffloadError::UnknownGroup { index: g, count })?;
+        let mut new = *h;
+        new.lr = lr;
+        new.validate()?;
+        *h = new;
+        Ok(())
+    }
+
+    /// Number of parameters (tensors).
+    pub fn num_params(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Moment bytes per model parameter (8 for f32, ≈ 2.004 for 8-bit).
+    pub fn state_bytes_per_param(&self) -> f64 {
+        self.store.bytes().len() as f64 / self.numel.max(1) as f64
+    }
+
+    /// The raw moment bytes (to checkpoint a RAM store).
+    pub fn moments(&self) -> &[u8] {
+        self.store.bytes()
+    }
+
+    /// Everything but the moments.
+    pub fn state(&self) -> AdamWState {
+        AdamWState {
+            precision: self.precision,
+            groups: self.groups.clone(),
+            params: self.slots.iter().map(|s| s.spec).collect(),
+            steps: self.slots.iter().map(|s| s.step).collect(),
+        }
+    }
+
+    /// Write a file store's dirty pages to disk.
+    pub fn flush(&mut self) -> Result<()> {
+        self.store.flush()
+    }
+
+    /// One AdamW step of parameter `index`: `param` (f32 master) is updated in place from
+    /// `grad` (f32, bf16 or f16); if `copy` is given, the updated parameter is also written
+    /// there in its precision (the working copy to upload) in the same pass.
+    pub fn step(
+        &mut self,
+        index: usize,
+        param: &mut [f32],
+        grad: FloatSlice<'_>,
+        copy: Option<FloatSliceMut<'_>>,
+    ) -> Result<()> {
+        let slot = *self.slots.get(index).ok_or(OffloadError::UnknownParam {
+            index,
+            count: self.slots.len(),
+        })?;
+        let n = slot.spec.numel;
+        let check = |what, got| {
+            if got != n {
+                return Err(OffloadError::LengthMismatch {
+                    what,
+                    expected: n,
+                    got,
+                });
+            }
+            Ok(())
+        };
+        check("param", param.len())?;
+        check("grad", grad.len())?;
+        if let Some(c) = &copy {
+            check("working copy", c.len())?;
+        }
+        let h = self.groups[slot.spec.group];
+        let t = slot.step + 1;
+        let s = StepScalars::new(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, t);
+        let isa = self.isa;
+        match self.precision {
+            StatePrecision::F32 => {
+                let (m, v) = f32_moments(self.store.bytes_mut(), self.numel, slot.elem, n);
+                fused_step(isa, &s, param, grad, m, v, copy);
+            }
+            StatePrecision::Int8 => {
+                let st = Int8Slices::new(self.store.bytes_mut(), self.numel, self.blocks, slot, n);
+                int8_step(isa, &s, param, grad, st, copy);
+            }
+        }
+        self.slots[index].step = t;
+        Ok(())
+    }
+
+    /// [`CpuAdamW::step`] on host tensors: `param` f32, `grad` f32/bf16/f16, `copy` any float.
+    pub fn step_tensor(
+        &mut self,
+        index: usize,
+        param: &mut CpuTensor,
+        grad: &CpuTensor,
+        copy: Option<&mut CpuTensor>,
+    ) -> Result<()> {
+        let g = grad.float_slice("adamw grad")?;
+        let p = param.as_mut_slice::<f32>()?;
+        match copy {
+            None => self.step(index, p, g, None),
+            Some(c) => {
+                if c.numel() != p.len() {
+                    return Err(OffloadError::LengthMismatch {
+                        what: "working copy",
+                        expected: p.len(),
+                        got: c.numel(),
+                    });
+                }
+                let c = c.float_slice_mut("adamw working copy")?;
+                self.step(index, p, g, Some(c))
+            }
+        }
+    }
+}
+
+/// The f32 `m` and `v` of one parameter inside the payload `[m: numel][v: numel]`.
+fn f32_moments(bytes: &mut [u8], numel: usize, elem: usize, n: usize) -> (&mut [f32], &mut [f32]) {
+    let all: &mut [f32] = bytemuck::cast_slice_mut(&mut bytes[..8 * numel]);
+    let (m, v) = all.split_at_mut(numel);
+    (&mut m[elem..elem + n], &mut v[elem..elem + n])
+}
+
+/// The 8-bit state of one parameter inside the payload
+/// `[m scales: blocks][s scales: blocks][m codes: numel][s codes: numel]`.
+struct Int8Slices<'a> {
+    m_scale: &'a mut [f32],
+    s_scale: &'a mut [f32],
+    m_codes: &'a mut [u8],
+    s_codes: &'a mut [u8],
+}
+
+impl<'a> Int8Slices<'a> {
+    fn new(bytes: &'a mut [u8], numel: usize, blocks: usize, slot: Slot, n: usize) -> Self {
+        let (scales, codes) = bytes.split_at_mut(8 * blocks);
+        let scales: &mut [f32] = bytemuck::cast_slice_mut(scales);
+        let (m_scale, s_scale) = scales.split_at_mut(blocks);
+        let (m_codes, s_codes) = codes.split_at_mut(numel);
+        let nb = n.div_ceil(QUANT_BLOCK);
+        Int8Slices {
+            m_scale: &mut m_scale[slot.block..slot.block + nb],
+            s_scale: &mut s_scale[slot.block..slot.block + nb],
+            m_codes: &mut m_codes[slot.elem..slot.elem + n],
+            s_codes: &mut s_codes[slot.elem..slot.elem + n],
+        }
+    }
+}
+
+/// AdamW with 8-bit moments: per block, dequantise `m` and `√v`, run the exact f32 update,
+/// requantise. Blocks are independent, so the result does not depend on the thread count.
+fn int8_step(
+    isa: Isa,
+    s: &StepScalars,
+    param: &mut [f32],
+    grad: FloatSlice<'_>,
+    st: Int8Slices<'_>,
+    copy: Option<FloatSliceMut<'_>>,
+) {
+    let isa = if isa.is_supported() {
+        isa
+    } else {
+        Isa::Baseline
+    };
+    let nb = param.len().div_ceil(QUANT_BLOCK);
+    let grads = crate::adamw_kernel::split_float(grad, QUANT_BLOCK);
+    let copies: Vec<Option<FloatSliceMut<'_>>> = match copy {
+        None => (0..nb).map(|_| None).collect(),
+        Some(c) => crate::adamw_kernel::split_float_mut(c, QUANT_BLOCK)
+            .into_iter()
+            .map(Some)
+            .collect(),
+    };
+    let (mb, sb) = (signed_book(), unsigned_book());
+    param
+        .par_chunks_mut(QUANT_BLOCK)
+        .zip(grads.into_par_iter())
+        .zip(copies.into_par_iter())
+        .zip(st.m_codes.par_chunks_mut(QUANT_BLOCK))
+        .zip(st.s_codes.par_chunks_mut(QUANT_BLOCK))
+        .zip(st.m_scale.par_iter_mut())
+        .zip(st.s_scale.par_iter_mut())
+        .for_each(|((((((p, g), c), mc), sc), ms), ss)| {
+            let n = p.len();
+            let mut m = [0f32; QUANT_BLOCK];
+            let mut v = [0f32; QUANT_BLOCK];
+            let (m, v) = (&mut m[..n], &mut v[..n]);
+            dequantize_block(mb, mc, *ms, m);
+            dequantize_block(sb, sc, *ss, v);
+            for x in v.iter_mut() {
+                *x *= *x;
+            }
+            step_serial(isa, s, p, g, m, v, c);
+            *ms = quantize_block(mb, m, mc);
+            for x in v.iter_mut() {
+                *x = x.sqrt();
+            }
+            *ss = quantize_block(sb, v, sc);
+        });
+}

@@ -1,0 +1,187 @@
+//! Where optimizer moments live: host RAM, or a memory-mapped file (NVMe offload in the spirit
+//! of ZeRO-Infinity). The optimizer sees both as one byte region; the file survives the process
+//! and can be reopened to continue a run.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
+use memmap2::MmapMut;
+
+use crate::{OffloadError, Result};
+
+/// File layout: a header page, then the payload (page-aligned, so f32 views are aligned).
+const HEADER_BYTES: usize = 4096;
+const MAGIC: &[u8; 8] = b"HRMOMENT";
+const VERSION: u32 = 1;
+
+/// What a store file must say about itself to be reopened by a given optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreIdentity {
+    /// 0 for f32 moments, 1 for 8-bit.
+    pub precision_code: u32,
+    /// Payload size in bytes.
+    pub payload_bytes: u64,
+    /// Hash of the parameter sizes, so a file of another model is refused.
+    pub layout_fingerprint: u64,
+}
+
+impl StoreIdentity {
+    fn encode(&self) -> [u8; 36] {
+        let mut h = [0u8; 36];
+        h[..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        h[12..16].copy_from_slice(&self.precision_code.to_le_bytes());
+        h[16..24].copy_from_slice(&self.payload_bytes.to_le_bytes());
+        h[24..32].copy_from_slice(&self.layout_fingerprint.to_le_bytes());
+        h[32..36].copy_from_slice(&0u32.to_le_bytes());
+        h
+    }
+}
+
+/// The byte region holding the moments.
+pub enum StateStore {
+    /// Host memory allocated through the CPU backend (reported as optimizer state).
+    Ram(CpuTensor),
+    /// A shared, writable mapping of a file.
+    File {
+        /// The mapping (header page + payload).
+        map: MmapMut,
+        /// The file's path, for errors.
+        path: PathBuf,
+    },
+}
+
+impl StateStore {
+    /// Zeroed moments in RAM, allocated through `cpu` under [`MemoryCategory::OptimizerState`].
+    pub fn ram(cpu: &Cpu, bytes: usize) -> Result<Self> {
+        let _g = MemoryCategory::OptimizerState.enter();
+        Ok(StateStore::Ram(cpu.zeros([bytes], DType::U8)?))
+    }
+
+    /// Create (or truncate) a store file of the right size, zero-filled, and map it.
+    pub fn create_file(path: &Path, id: StoreIdentity) -> Result<Self> {
+        let io = |source| OffloadError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io)?;
+        let len = HEADER_BYTES as u64 + id.payload_bytes;
+        file.set_len(len).map_err(io)?;
+        let mut map = Self::map(&file, path)?;
+        map[..36].copy_from_slice(&id.encode());
+        Ok(StateStore::File {
+            map,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Reopen a store file written by an optimizer of the same identity.
+    pub fn open_file(path: &Path, id: StoreIdentity) -> Result<Self> {
+        let io = |source| OffloadError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let corrupt = |reason: String| OffloadError::CorruptStateFile {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        let want = HEADER_BYTES as u64 + id.payload_bytes;
+        if len < HEADER_BYTES as u64 {
+            return Err(corrupt(format!("{len} bytes is shorter than the header")));
+        }
+        let map = Self::map(&file, path)?;
+        let header = &map[..36];
+        if &header[..8] != MAGIC {
+            return Err(corrupt("wrong magic".into()));
+        }
+        let found = id_from_header(header);
+        if found.0 != VERSION {
+            return Err(corrupt(format!("version {} (expected {VERSION})", found.0)));
+        }
+        if found.1 != id {
+            return Err(corrupt(format!(
+                "written for {:?}, this optimizer needs {:?}",
+                found.1, id
+            )));
+        }
+        if len != want {
+            return Err(corrupt(format!("{len} bytes, expected {want}")));
+        }
+        Ok(StateStore::File {
+            map,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn map(file: &File, path: &Path) -> Result<MmapMut> {
+        // SAFETY: the mapping is shared with the file. Another process truncating or writing
+        // the file while it is mapped would be undefined behaviour; the store file is private
+        // to this optimizer, which is the documented contract of a file store.
+        unsafe { MmapMut::map_mut(file) }.map_err(|source| OffloadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// The payload bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            StateStore::Ram(t) => t.as_bytes(),
+            StateStore::File { map, .. } => &map[HEADER_BYTES..],
+        }
+    }
+
+    /// The payload bytes, mutably.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            StateStore::Ram(t) => t.as_bytes_mut(),
+            StateStore::File { map, .. } => &mut map[HEADER_BYTES..],
+        }
+    }
+
+    /// Write dirty pages of a file store to disk (a no-op in RAM).
+    pub fn flush(&mut self) -> Result<()> {
+        match self {
+            StateStore::Ram(_) => Ok(()),
+            StateStore::File { map, path } => map.flush().map_err(|source| OffloadError::Io {
+                path: path.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// True for a file store.
+    pub fn is_file(&self) -> bool {
+        matches!(self, StateStore::File { .. })
+    }
+}
+
+fn id_from_header(h: &[u8]) -> (u32, StoreIdentity) {
+    let u32_at = |o: usize| u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
+    let u64_at = |o: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h[o..o + 8]);
+        u64::from_le_bytes(b)
+    };
+    (
+        u32_at(8),
+        StoreIdentity {
+            precision_code: u32_at(12),
+            payload_bytes: u64_at(16),
+            layout_fingerprint: u64_at(24),
+        },
+    )
+}

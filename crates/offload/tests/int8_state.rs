@@ -1,0 +1,129 @@
+//! 8-bit AdamW tracks f32 AdamW on a small least-squares problem, and its state really is
+//! about 2 bytes per parameter, as counted by the allocation hook.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
+use headroom_tensor::cpu::kernels::FloatSlice;
+use headroom_tensor::{AllocEvent, AllocHook, BoxedError, Cpu, MemoryCategory};
+
+/// Fit w in y = X·w_true + noise (more rows than unknowns, so the loss has a floor at the noise
+/// variance ≈ 3.3e-3) with mean squared error; returns the final loss.
+fn train(precision: StatePrecision, steps: usize) -> f64 {
+    // dim spans two quantisation blocks (2048 + 52).
+    let (rows, dim) = (2400usize, 2100usize);
+    let mut s = 12345u64;
+    let mut rnd = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    let x: Vec<f32> = (0..rows * dim).map(|_| rnd()).collect();
+    let w_true: Vec<f32> = (0..dim).map(|_| rnd() * 0.1).collect();
+    let y: Vec<f32> = (0..rows)
+        .map(|r| (0..dim).map(|c| x[r * dim + c] * w_true[c]).sum::<f32>() + 0.1 * rnd())
+        .collect();
+
+    let cpu = Cpu::new();
+    let h = AdamWHyper {
+        lr: 2e-3,
+        weight_decay: 0.0,
+        ..Default::default()
+    };
+    let mut opt = CpuAdamW::new(
+        vec![h],
+        &[ParamSpec {
+            numel: dim,
+            group: 0,
+        }],
+        precision,
+        StoreSpec::Ram(&cpu),
+    )
+    .unwrap();
+    let mut w = vec![0f32; dim];
+    let mut loss = 0.0;
+    for _ in 0..steps {
+        let mut grad = vec![0f32; dim];
+        loss = 0.0;
+        for r in 0..rows {
+            let row = &x[r * dim..(r + 1) * dim];
+            let err: f32 = row.iter().zip(&w).map(|(a, b)| a * b).sum::<f32>() - y[r];
+            loss += (err as f64).powi(2) / rows as f64;
+            for (g, a) in grad.iter_mut().zip(row) {
+                *g += 2.0 * err * a / rows as f32;
+            }
+        }
+        opt.step(0, &mut w, FloatSlice::F32(&grad), None).unwrap();
+    }
+    loss
+}
+
+#[test]
+fn int8_adamw_tracks_f32_adamw() {
+    let initial = train(StatePrecision::F32, 1);
+    let full = train(StatePrecision::F32, 120);
+    let int8 = train(StatePrecision::Int8, 120);
+    eprintln!("loss: initial {initial:.4e}, f32 {full:.4e}, int8 {int8:.4e}");
+    // Both make real progress, and 8-bit ends within 10% of f32's loss.
+    assert!(
+        full < 0.05 * initial,
+        "f32 did not train: {initial} -> {full}"
+    );
+    assert!(
+        int8 < 0.05 * initial,
+        "int8 did not train: {initial} -> {int8}"
+    );
+    assert!(
+        (int8 - full).abs() <= 0.10 * full,
+        "f32 {full} vs int8 {int8}"
+    );
+}
+
+#[derive(Default)]
+struct OptimizerBytes(AtomicUsize);
+impl AllocHook for OptimizerBytes {
+    fn on_alloc(&self, e: &AllocEvent) -> Result<(), BoxedError> {
+        if e.category == MemoryCategory::OptimizerState {
+            self.0.fetch_add(e.bytes, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+    fn on_free(&self, e: &AllocEvent) {
+        if e.category == MemoryCategory::OptimizerState {
+            self.0.fetch_sub(e.bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn state_bytes_per_parameter_as_the_tracker_counts_them() {
+    let hook = Arc::new(OptimizerBytes::default());
+    let cpu = Cpu::new().with_alloc_hook(hook.clone());
+    let specs: Vec<ParamSpec> = [1_000_000usize, 4096, 50_000]
+        .iter()
+        .map(|&n| ParamSpec { numel: n, group: 0 })
+        .collect();
+    let total: usize = specs.iter().map(|s| s.numel).sum();
+    let f32_opt = CpuAdamW::new(
+        vec![AdamWHyper::default()],
+        &specs,
+        StatePrecision::F32,
+        StoreSpec::Ram(&cpu),
+    )
+    .unwrap();
+    assert_eq!(hook.0.load(Ordering::Relaxed), 8 * total);
+    drop(f32_opt);
+    assert_eq!(hook.0.load(Ordering::Relaxed), 0);
+    let int8 = CpuAdamW::new(
+        vec![AdamWHyper::default()],
+        &specs,
+        StatePrecision::Int8,
+        StoreSpec::Ram(&cpu),
+    )
+    .unwrap();
+    let per_param = hook.0.load(Ordering::Relaxed) as f64 / total as f64;
+    assert!((2.0..2.01).contains(&per_param), "{per_param}");
+    assert_eq!(per_param, int8.state_bytes_per_param());
+}
