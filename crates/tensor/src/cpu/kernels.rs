@@ -268,7 +268,8 @@ fn chunked_sum(len: usize, partial: impl Fn(usize) -> f64 + Sync) -> f64 {
         (0..chunks).into_par_iter().map(&partial).collect()
     };
     // Sequential in chunk order: the result does not depend on how chunks were scheduled.
-    partials.iter().sum()
+    // (A fold from +0.0: `Sum` for floats starts at -0.0, which an empty input would return.)
+    partials.iter().fold(0.0, |acc, p| acc + p)
 }
 
 /// `Σ x²` in f64, reproducible for any thread count.
