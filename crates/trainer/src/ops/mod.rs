@@ -1,0 +1,157 @@
+//! The GPT's CPU kernels in f32, each a forward and an accumulating backward on plain slices,
+//! in llm.c's layouts. The model wires them together; the tests check each backward against
+//! central finite differences of its forward.
+
+pub mod cross_entropy;
+pub mod embedding;
+pub mod gelu;
+pub mod layernorm;
+pub mod matmul;
+
+#[cfg(test)]
+mod gradient_checks {
+    //! Each op's analytic gradient against central differences of its forward, in f32 with
+    //! h = 1e-2 on O(1) inputs: the tolerance is 2% of the gradient's max magnitude, which a
+    //! wrong formula (missing term, wrong sign, transposed index) exceeds by far.
+
+    use super::*;
+
+    fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Check `analytic` ≈ d(loss)/d(x) where loss(x) = Σ f(x) · w for fixed random w.
+    fn check(name: &str, x: &mut [f32], analytic: &[f32], loss: &mut dyn FnMut(&[f32]) -> f64) {
+        let h = 1e-2f32;
+        let scale = analytic.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+        for i in 0..x.len() {
+            let orig = x[i];
+            x[i] = orig + h;
+            let up = loss(x);
+            x[i] = orig - h;
+            let down = loss(x);
+            x[i] = orig;
+            let numeric = ((up - down) / (2.0 * h as f64)) as f32;
+            assert!(
+                (numeric - analytic[i]).abs() <= 0.02 * scale,
+                "{name}[{i}]: analytic {} vs numeric {numeric}",
+                analytic[i]
+            );
+        }
+    }
+
+    fn dot(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+    }
+
+    #[test]
+    fn matmul_gradients() {
+        let (n, c, oc) = (5, 7, 4);
+        let mut inp = rand_vec(1, n * c);
+        let mut w = rand_vec(2, oc * c);
+        let mut b = rand_vec(3, oc);
+        let dout = rand_vec(4, n * oc);
+        let (mut dinp, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; oc * c], vec![0.0; oc]);
+        matmul::backward(&mut dinp, &mut dw, Some(&mut db), &dout, &inp, &w, n, c, oc);
+        let f = |inp: &[f32], w: &[f32], b: &[f32]| {
+            let mut out = vec![0.0; n * oc];
+            matmul::forward(&mut out, inp, w, Some(b), n, c, oc);
+            dot(&out, &dout)
+        };
+        let (w0, b0) = (w.clone(), b.clone());
+        check("dinp", &mut inp.clone(), &dinp, &mut |x| f(x, &w0, &b0));
+        check("dweight", &mut w, &dw, &mut |x| f(&inp, x, &b0));
+        let w0 = w.clone();
+        check("dbias", &mut b, &db, &mut |x| f(&inp, &w0, x));
+        // Accumulates rather than overwrites.
+        let before = dinp.clone();
+        matmul::backward(&mut dinp, &mut dw, None, &dout, &inp, &w, n, c, oc);
+        assert!(dinp
+            .iter()
+            .zip(&before)
+            .all(|(a, b)| (a - 2.0 * b).abs() < 1e-5));
+        inp.clear();
+    }
+
+    #[test]
+    fn layernorm_gradients() {
+        let (n, c) = (3, 8);
+        let inp = rand_vec(5, n * c);
+        let w = rand_vec(6, c)
+            .iter()
+            .map(|v| 1.0 + 0.5 * v)
+            .collect::<Vec<_>>();
+        let b = rand_vec(7, c);
+        let dout = rand_vec(8, n * c);
+        let f = |inp: &[f32], w: &[f32], b: &[f32]| {
+            let (mut out, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+            layernorm::forward(&mut out, &mut m, &mut r, inp, w, b, c);
+            dot(&out, &dout)
+        };
+        let (mut out, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        layernorm::forward(&mut out, &mut m, &mut r, &inp, &w, &b, c);
+        let (mut di, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+        layernorm::backward(&mut di, &mut dw, &mut db, &dout, &inp, &w, &m, &r, c);
+        check("dinp", &mut inp.clone(), &di, &mut |x| f(x, &w, &b));
+        check("dweight", &mut w.clone(), &dw, &mut |x| f(&inp, x, &b));
+        check("dbias", &mut b.clone(), &db, &mut |x| f(&inp, &w, x));
+    }
+
+    #[test]
+    fn gelu_gradient() {
+        let inp: Vec<f32> = rand_vec(9, 40).iter().map(|v| 3.0 * v).collect();
+        let dout = rand_vec(10, 40);
+        let mut di = vec![0.0; 40];
+        gelu::backward(&mut di, &inp, &dout);
+        check("dinp", &mut inp.clone(), &di, &mut |x| {
+            let mut out = vec![0.0; 40];
+            gelu::forward(&mut out, x);
+            dot(&out, &dout)
+        });
+    }
+
+    #[test]
+    fn cross_entropy_gradient_and_value() {
+        let (n, v) = (4, 6);
+        let logits: Vec<f32> = rand_vec(11, n * v).iter().map(|x| 2.0 * x).collect();
+        let targets = [0u32, 5, 2, 2];
+        let dloss = [0.25f32; 4];
+        let mut d = vec![0.0; n * v];
+        cross_entropy::backward(&mut d, &logits, &targets, &dloss, v);
+        check("dlogits", &mut logits.clone(), &d, &mut |x| {
+            let mut l = vec![0.0; n];
+            cross_entropy::forward(&mut l, x, &targets, v);
+            l.iter().map(|v| *v as f64 * 0.25).sum()
+        });
+        // Uniform logits: loss is ln(v).
+        let mut l = vec![0.0; 1];
+        cross_entropy::forward(&mut l, &[3.0; 6], &[1], 6);
+        assert!((l[0] - (6f32).ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn embedding_gradients_scatter_by_token_and_position() {
+        let (t, c, vocab) = (3, 2, 4);
+        let tokens = [1u32, 3, 1, 0, 1, 2];
+        let dout: Vec<f32> = (0..tokens.len() * c).map(|i| i as f32).collect();
+        let (mut dwte, mut dwpe) = (vec![0.0; vocab * c], vec![0.0; t * c]);
+        embedding::backward(&mut dwte, &mut dwpe, &dout, &tokens, t, c);
+        // Token 1 appears at rows 0, 2, 4: its gradient is the sum of those rows.
+        assert_eq!(&dwte[2..4], &[0.0 + 4.0 + 8.0, 1.0 + 5.0 + 9.0]);
+        // Position 0 is rows 0 and 3.
+        assert_eq!(&dwpe[0..2], &[0.0 + 6.0, 1.0 + 7.0]);
+        let wte = rand_vec(12, vocab * c);
+        let wpe = rand_vec(13, t * c);
+        let mut out = vec![0.0; tokens.len() * c];
+        embedding::forward(&mut out, &tokens, &wte, &wpe, t, c);
+        assert_eq!(out[8], wte[2] + wpe[2]); // row 4: token 1, position 1
+    }
+}
