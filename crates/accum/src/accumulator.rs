@@ -5,7 +5,7 @@ use headroom_tensor::{Backend, BoxedError, DType, MemoryCategory, Shape, Tensor}
 use serde::{Deserialize, Serialize};
 
 use crate::clip::{check_max_norm, clip_grad_norm};
-use crate::{AccumError, GradUnscaler, Result, ZeroFill};
+use crate::{AccumError, GradUnscaler, Result};
 
 /// The counted (unmasked) tokens of one optimizer step, known before its first backward.
 ///
@@ -146,7 +146,7 @@ where
     }
 }
 
-impl<B: Backend + ZeroFill> GradAccumulator<B> {
+impl<B: Backend> GradAccumulator<B> {
     /// Allocate one zeroed f32 buffer per parameter shape, tagged
     /// [`MemoryCategory::Gradients`].
     pub fn new<S: Into<Shape>>(backend: B, shapes: impl IntoIterator<Item = S>) -> Result<Self> {
@@ -356,7 +356,7 @@ impl<B: Backend + ZeroFill> GradAccumulator<B> {
 
     fn zero_buffers(&mut self) -> Result<()> {
         for g in &mut self.grads {
-            self.backend.zero_fill(g)?;
+            self.backend.fill_zero(g)?;
         }
         Ok(())
     }

@@ -109,11 +109,9 @@ mod clip;
 mod error;
 mod grad_unscaler;
 mod micro_batch;
-mod zero_fill;
 
 pub use accumulator::{GradAccumulator, MicroBatchStats, StepOutcome, StepReport, StepTokens};
 pub use clip::{clip_grad_norm, global_grad_norm, ClipReport};
 pub use error::{AccumError, Result};
 pub use grad_unscaler::{GradUnscaler, NoLossScaling, StaticLossScale};
 pub use micro_batch::{MicroBatch, MicroBatchPlan, SequenceTokens, SplitBy};
-pub use zero_fill::ZeroFill;

@@ -123,6 +123,16 @@ impl Backend for Cuda {
         Ok(())
     }
 
+    fn fill_zero(&self, x: &mut CudaTensor) -> Result<()> {
+        self.check_device("fill_zero", x)?;
+        if let Some(d) = x.data.as_mut() {
+            self.stream()
+                .memset_zeros(d)
+                .map_err(self.driver_fail("fill_zero"))?;
+        }
+        Ok(())
+    }
+
     fn copy(&self, src: &CudaTensor, dst: &mut CudaTensor) -> Result<()> {
         self.check_device("copy", src)?;
         self.check_device("copy", dst)?;

@@ -611,6 +611,63 @@ fn cpu_edge_lengths() {
     }
 }
 
+/// `fill_zero` clears every element to +0 bits, non-finite ones included, for every dtype.
+fn check_fill_zero<B: Backend>(b: &B) {
+    for dtype in DType::ALL {
+        for len in [0usize, 1, 257, 70_001] {
+            let bytes: Vec<u8> = (0..len * dtype.size_in_bytes())
+                .map(|i| (i % 251) as u8 | 0x80)
+                .collect();
+            // The high bit set in every byte makes many float elements inf or NaN.
+            let mut t = upload_raw(b, dtype, &bytes);
+            b.fill_zero(&mut t).unwrap();
+            let back = download_raw(b, &t);
+            assert!(back.iter().all(|&x| x == 0), "{dtype} len {len}");
+        }
+    }
+}
+
+fn upload_raw<B: Backend>(b: &B, dtype: DType, bytes: &[u8]) -> B::Tensor {
+    use headroom_tensor::{bf16, f16};
+    let n = bytes.len() / dtype.size_in_bytes();
+    match dtype {
+        DType::F32 => b.upload::<f32>(bytemuck::cast_slice(&aligned::<u32>(bytes)), [n]),
+        DType::F16 => b.upload::<f16>(bytemuck::cast_slice(&aligned::<u16>(bytes)), [n]),
+        DType::BF16 => b.upload::<bf16>(bytemuck::cast_slice(&aligned::<u16>(bytes)), [n]),
+        DType::U16 => b.upload::<u16>(&aligned::<u16>(bytes), [n]),
+        DType::U32 => b.upload::<u32>(&aligned::<u32>(bytes), [n]),
+        DType::I32 => b.upload::<i32>(bytemuck::cast_slice(&aligned::<u32>(bytes)), [n]),
+        DType::I64 => b.upload::<i64>(bytemuck::cast_slice(&aligned::<u64>(bytes)), [n]),
+        _ => b.upload::<u8>(bytes, [n]),
+    }
+    .unwrap()
+}
+
+fn aligned<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+    v
+}
+
+fn download_raw<B: Backend>(b: &B, t: &B::Tensor) -> Vec<u8> {
+    use headroom_tensor::{bf16, f16};
+    match t.dtype() {
+        DType::F32 => bytemuck::cast_slice(&b.download::<f32>(t).unwrap()).to_vec(),
+        DType::F16 => bytemuck::cast_slice(&b.download::<f16>(t).unwrap()).to_vec(),
+        DType::BF16 => bytemuck::cast_slice(&b.download::<bf16>(t).unwrap()).to_vec(),
+        DType::U16 => bytemuck::cast_slice(&b.download::<u16>(t).unwrap()).to_vec(),
+        DType::U32 => bytemuck::cast_slice(&b.download::<u32>(t).unwrap()).to_vec(),
+        DType::I32 => bytemuck::cast_slice(&b.download::<i32>(t).unwrap()).to_vec(),
+        DType::I64 => bytemuck::cast_slice(&b.download::<i64>(t).unwrap()).to_vec(),
+        _ => b.download::<u8>(t).unwrap(),
+    }
+}
+
+#[test]
+fn cpu_fill_zero() {
+    check_fill_zero(&Cpu::new());
+}
+
 #[test]
 fn cpu_large_sum_squares() {
     check_large_sum_squares(&Cpu::new());
@@ -755,6 +812,12 @@ fn cuda_sum_squares_is_deterministic_and_close_to_cpu_on_large_input() {
     let g = check_large_sum_squares(cuda());
     let c = check_large_sum_squares(&Cpu::new());
     assert!((g - c).abs() <= 1e-12 * c, "gpu {g:e} cpu {c:e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_fill_zero() {
+    check_fill_zero(cuda());
 }
 
 #[test]

@@ -67,6 +67,10 @@ pub trait Backend: Send + Sync {
         Ok(out)
     }
 
+    /// Set every element to zero bits (`+0.0` for floats), whatever it held. Unlike
+    /// `scale(x, 0.0)` this also clears infinities and NaNs (`0 × inf` is NaN).
+    fn fill_zero(&self, x: &mut Self::Tensor) -> Result<()>;
+
     /// `dst = src`; same dtype and element count.
     fn copy(&self, src: &Self::Tensor, dst: &mut Self::Tensor) -> Result<()>;
 

@@ -248,6 +248,12 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn fill_zero(&self, x: &mut CpuTensor) -> Result<()> {
+        // A memset: memory-bound, and the buffers it clears are written again right after.
+        x.as_bytes_mut().fill(0);
+        Ok(())
+    }
+
     fn copy(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
         if src.dtype != dst.dtype {
             return Err(Error::DTypeMismatch {
