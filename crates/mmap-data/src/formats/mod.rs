@@ -1,0 +1,242 @@
+//! File formats: raw token files, llm.c shards, Megatron indexed datasets, and sets of shards
+//! (a directory or a glob) opened as one dataset. Readers and writers for each.
+
+pub mod llmc;
+pub mod megatron;
+pub mod raw;
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::dataset::{Document, Segment, TokenDataset};
+use crate::tokens::TokenType;
+use crate::{DataError, Result};
+
+/// How [`open`] treats files that are neither llm.c shards nor Megatron indexes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// Token type of headerless raw files (nanoGPT: `u16`).
+    pub raw_token_type: TokenType,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            raw_token_type: TokenType::U16,
+        }
+    }
+}
+
+/// Open `path` as one dataset, whatever it is:
+///
+/// - a glob (`data/shard_*.bin`: `*` and `?` in the file name) or a directory: every matching
+///   regular file in name order, each as its own segment (hidden files are skipped; in a
+///   directory, a `.idx`/`.bin` pair is one Megatron dataset);
+/// - a Megatron prefix, `.idx` or `.bin` with its `.idx` beside it;
+/// - a file starting with an llm.c magic number: an llm.c shard;
+/// - any other file: raw tokens of `options.raw_token_type`.
+pub fn open(path: impl AsRef<Path>, options: &OpenOptions) -> Result<TokenDataset> {
+    let path = path.as_ref();
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if name.contains(['*', '?']) {
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let mut files: Vec<PathBuf> = list_files(dir)?
+            .into_iter()
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| glob_match(name, n))
+            })
+            .collect();
+        files.sort();
+        return open_shards(&files, options, &path.display().to_string());
+    }
+    if path.is_dir() {
+        let mut files = list_files(path)?;
+        files.retain(|p| {
+            !p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with('.'))
+        });
+        files.sort();
+        return open_shards(&files, options, &path.display().to_string());
+    }
+    let (idx, _) = megatron::megatron_paths(path);
+    let ext = path.extension().and_then(|e| e.to_str());
+    if matches!(ext, Some("idx"))
+        || (idx.is_file() && (matches!(ext, Some("bin")) || !path.exists()))
+    {
+        return megatron::open_megatron(path);
+    }
+    let segment = open_file_segment(path, options)?;
+    TokenDataset::from_segments(vec![segment], None)
+}
+
+fn open_file_segment(path: &Path, options: &OpenOptions) -> Result<Segment> {
+    let mut head = [0u8; 4];
+    let n = fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+        .map_err(|e| DataError::io(path, e))?;
+    if n == 4 && llmc::looks_like_llmc(&head) {
+        llmc::llmc_segment(path)
+    } else {
+        raw::raw_segment(path, options.raw_token_type)
+    }
+}
+
+/// Open `files` (in the given order) as one dataset, one segment per shard. A `.idx` file
+/// opens its Megatron pair (its `.bin` is then not read again as a raw shard); documents are
+/// kept only when every shard has them.
+pub fn open_shards(files: &[PathBuf], options: &OpenOptions, what: &str) -> Result<TokenDataset> {
+    let megatron_bins: Vec<PathBuf> = files
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "idx"))
+        .map(|p| megatron::megatron_paths(p).1)
+        .collect();
+    let mut segments = Vec::new();
+    let mut documents: Option<Vec<Document>> = Some(Vec::new());
+    for file in files {
+        if megatron_bins.contains(file) {
+            continue;
+        }
+        if file.extension().is_some_and(|e| e == "idx") {
+            let ds = megatron::open_megatron(file)?;
+            let base = segments.len();
+            if let (Some(all), Some(docs)) = (documents.as_mut(), ds.documents()) {
+                all.extend(docs.iter().map(|d| Document {
+                    segment: d.segment + base,
+                    ..*d
+                }));
+            }
+            segments.extend(ds.segments().iter().cloned());
+        } else {
+            segments.push(open_file_segment(file, options)?);
+            documents = None;
+        }
+    }
+    if segments.is_empty() {
+        return Err(DataError::Empty { what: what.into() });
+    }
+    TokenDataset::from_segments(segments, documents)
+}
+
+fn list_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = fs::read_dir(dir).map_err(|e| DataError::io(dir, e))?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| DataError::io(dir, e))?;
+        let path = entry.path();
+        if path.is_file() {
+            files.push(path);
+        }
+    }
+    Ok(files)
+}
+
+/// Shell-style match of a file name: `*` is any run of characters, `?` any one character.
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let n: Vec<char> = name.chars().collect();
+    let (mut pi, mut ni) = (0, 0);
+    // Where the last `*` was and which name position it is currently standing for.
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        match p.get(pi) {
+            Some('*') => {
+                star = Some((pi, ni));
+                pi += 1;
+            }
+            Some(&c) if c == '?' || c == n[ni] => {
+                pi += 1;
+                ni += 1;
+            }
+            _ => match star {
+                Some((sp, sn)) => {
+                    pi = sp + 1;
+                    ni = sn + 1;
+                    star = Some((sp, sn + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+/// A file format to write tokens in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum TokenFileFormat {
+    /// A raw little-endian token file.
+    Raw(TokenType),
+    /// An llm.c shard.
+    Llmc(llmc::LlmcFlavor),
+    /// A Megatron `.idx` + `.bin` pair (the path is the prefix); the tokens are cut into
+    /// documents of `document_len` tokens (the last may be shorter).
+    Megatron {
+        /// Storage type of the `.bin`.
+        token_type: TokenType,
+        /// Tokens per document.
+        document_len: usize,
+    },
+}
+
+/// Write `tokens` to `path` in `format`.
+pub fn write_tokens(path: impl AsRef<Path>, tokens: &[u32], format: TokenFileFormat) -> Result<()> {
+    match format {
+        TokenFileFormat::Raw(t) => raw::write_raw(path, tokens, t),
+        TokenFileFormat::Llmc(f) => llmc::write_llmc(path, tokens, f),
+        TokenFileFormat::Megatron {
+            token_type,
+            document_len,
+        } => {
+            if document_len == 0 {
+                return Err(DataError::InvalidConfig(
+                    "document_len must be at least 1".into(),
+                ));
+            }
+            let docs: Vec<Vec<u32>> = tokens.chunks(document_len).map(<[u32]>::to_vec).collect();
+            megatron::write_megatron(path, &docs, token_type)
+        }
+    }
+}
+
+/// Write `parts` to `path` through a temporary file, fsync, then rename: a reader never sees a
+/// half-written file, and a failed write leaves any previous file intact.
+pub(crate) fn write_atomically(path: &Path, parts: &[&[u8]]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let result = (|| {
+        let mut f = fs::File::create(&tmp)?;
+        for p in parts {
+            f.write_all(p)?;
+        }
+        f.sync_all()?;
+        fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(|e| DataError::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::glob_match;
+
+    #[test]
+    fn glob_matches_like_a_shell() {
+        assert!(glob_match("shard_*.bin", "shard_000.bin"));
+        assert!(glob_match("shard_*.bin", "shard_.bin"));
+        assert!(!glob_match("shard_*.bin", "shard_000.idx"));
+        assert!(glob_match("a?c", "abc"));
+        assert!(!glob_match("a?c", "ac"));
+        assert!(glob_match("*a*b*", "xxaxxbxx"));
+        assert!(!glob_match("*a*b", "xxbxxa"));
+        assert!(glob_match("*", ""));
+    }
+}

@@ -1,0 +1,587 @@
+//! The prefetching loader: worker threads fill reused batch buffers ahead of the consumer.
+//!
+//! Batch `b` is the windows at sampler positions `b·B .. (b+1)·B`. Worker `w` of `W` fills
+//! batches `start + w, start + w + W, …` into buffers it owns, and sends them down its own
+//! bounded channel; the consumer reads the channels round-robin, so batches arrive in order
+//! without a reorder buffer. A buffer goes back to its worker's free list when the consumer
+//! drops the [`Batch`]. Giving each worker its own buffers (rather than one shared pool) is
+//! what rules out the deadlock where a fast worker holds every buffer while the consumer waits
+//! for a slow one.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use headroom_tensor::{AllocHook, Device, MemoryCategory, TrackedAllocation};
+use serde::{Deserialize, Serialize};
+
+use crate::dataset::TokenDataset;
+use crate::sampler::{SamplerConfig, WindowSampler};
+use crate::tokens::{OutputToken, OutputType};
+use crate::{DataError, Result};
+
+/// Token storage of one side (inputs or targets) of a batch.
+#[derive(Debug)]
+enum TokenBuf {
+    U32(Vec<u32>),
+    I64(Vec<i64>),
+}
+
+/// One batch's memory: `B × T` inputs and `B × T` targets (the inputs shifted by one token),
+/// row-major, allocated once and refilled for every batch it carries.
+#[derive(Debug)]
+pub struct BatchBuffer {
+    inputs: TokenBuf,
+    targets: TokenBuf,
+    batch_size: usize,
+    seq_len: usize,
+    index: u64,
+    epoch: u64,
+    _tracked: TrackedAllocation,
+}
+
+impl BatchBuffer {
+    /// Allocate a buffer for `batch_size × seq_len` tokens of `output`, reported to `hook` as
+    /// [`MemoryCategory::Data`] (the hook may refuse it: a memory budget).
+    pub fn new(
+        batch_size: usize,
+        seq_len: usize,
+        output: OutputType,
+        hook: Option<&Arc<dyn AllocHook>>,
+    ) -> Result<Self> {
+        let n = batch_size
+            .checked_mul(seq_len)
+            .filter(|&n| n > 0 && n.checked_mul(2 * output.width()).is_some())
+            .ok_or_else(|| {
+                DataError::InvalidConfig(format!("batch of {batch_size} × {seq_len} tokens"))
+            })?;
+        let tracked = TrackedAllocation::register_as(
+            hook,
+            2 * n * output.width(),
+            output.dtype(),
+            Device::Cpu,
+            MemoryCategory::Data,
+        )?;
+        let make = || match output {
+            OutputType::U32 => TokenBuf::U32(vec![0; n]),
+            OutputType::I64 => TokenBuf::I64(vec![0; n]),
+        };
+        Ok(BatchBuffer {
+            inputs: make(),
+            targets: make(),
+            batch_size,
+            seq_len,
+            index: 0,
+            epoch: 0,
+            _tracked: tracked,
+        })
+    }
+
+    /// Rows B.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Columns T.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    /// Which batch of the stream this is.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// Epoch of the batch's first window (0 in random mode).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Element type of inputs and targets.
+    pub fn output_type(&self) -> OutputType {
+        match self.inputs {
+            TokenBuf::U32(_) => OutputType::U32,
+            TokenBuf::I64(_) => OutputType::I64,
+        }
+    }
+
+    /// Bytes of inputs plus targets.
+    pub fn bytes(&self) -> usize {
+        2 * self.batch_size * self.seq_len * self.output_type().width()
+    }
+
+    /// Inputs as `u32`, if that is the output type.
+    pub fn inputs_u32(&self) -> Option<&[u32]> {
+        match &self.inputs {
+            TokenBuf::U32(v) => Some(v),
+            TokenBuf::I64(_) => None,
+        }
+    }
+
+    /// Targets as `u32`, if that is the output type.
+    pub fn targets_u32(&self) -> Option<&[u32]> {
+        match &self.targets {
+            TokenBuf::U32(v) => Some(v),
+            TokenBuf::I64(_) => None,
+        }
+    }
+
+    /// Inputs as `i64`, if that is the output type.
+    pub fn inputs_i64(&self) -> Option<&[i64]> {
+        match &self.inputs {
+            TokenBuf::I64(v) => Some(v),
+            TokenBuf::U32(_) => None,
+        }
+    }
+
+    /// Targets as `i64`, if that is the output type.
+    pub fn targets_i64(&self) -> Option<&[i64]> {
+        match &self.targets {
+            TokenBuf::I64(v) => Some(v),
+            TokenBuf::U32(_) => None,
+        }
+    }
+
+    /// Input token at `(row, col)` whatever the output type; `None` out of range.
+    pub fn input(&self, row: usize, col: usize) -> Option<u64> {
+        self.at(&self.inputs, row, col)
+    }
+
+    /// Target token at `(row, col)` whatever the output type; `None` out of range.
+    pub fn target(&self, row: usize, col: usize) -> Option<u64> {
+        self.at(&self.targets, row, col)
+    }
+
+    fn at(&self, buf: &TokenBuf, row: usize, col: usize) -> Option<u64> {
+        if col >= self.seq_len {
+            return None;
+        }
+        let i = row.checked_mul(self.seq_len)?.checked_add(col)?;
+        match buf {
+            TokenBuf::U32(v) => v.get(i).map(|&t| t.to_token()),
+            TokenBuf::I64(v) => v.get(i).map(|&t| t.to_token()),
+        }
+    }
+
+    /// Pointer to the input storage (to check buffer reuse in tests and tools).
+    pub fn inputs_ptr(&self) -> *const u8 {
+        match &self.inputs {
+            TokenBuf::U32(v) => v.as_ptr().cast(),
+            TokenBuf::I64(v) => v.as_ptr().cast(),
+        }
+    }
+}
+
+/// Fill `out` with batch `batch_index` of `sampler`'s stream over `dataset`.
+///
+/// This is the whole data path (the loader's workers call it too): for each row, find the
+/// window, decode `T` input tokens and the `T` targets one token later straight from the map
+/// into the output type, checking every token against the dataset's vocabulary.
+pub fn fill_batch(
+    dataset: &TokenDataset,
+    sampler: &WindowSampler,
+    batch_index: u64,
+    out: &mut BatchBuffer,
+) -> Result<()> {
+    let t = out.seq_len;
+    if t as u64 != sampler.config().seq_len {
+        return Err(DataError::InvalidConfig(format!(
+            "buffer has seq_len {t}, sampler {}",
+            sampler.config().seq_len
+        )));
+    }
+    let first = batch_index
+        .checked_mul(out.batch_size as u64)
+        .ok_or_else(|| DataError::InvalidConfig(format!("batch index {batch_index} overflows")))?;
+    out.index = batch_index;
+    out.epoch = sampler.epoch_of(first);
+    match (&mut out.inputs, &mut out.targets) {
+        (TokenBuf::U32(x), TokenBuf::U32(y)) => fill_rows(dataset, sampler, first, t, x, y),
+        (TokenBuf::I64(x), TokenBuf::I64(y)) => fill_rows(dataset, sampler, first, t, x, y),
+        _ => Err(DataError::InvalidConfig(
+            "inputs and targets differ in type".into(),
+        )),
+    }
+}
+
+fn fill_rows<O: OutputToken>(
+    dataset: &TokenDataset,
+    sampler: &WindowSampler,
+    first: u64,
+    t: usize,
+    inputs: &mut [O],
+    targets: &mut [O],
+) -> Result<()> {
+    let vocab = dataset.vocab_size();
+    let window_tokens = |row: usize| {
+        let window = sampler.window(first + row as u64);
+        let segment = dataset.segments().get(window.segment);
+        let start = usize::try_from(window.start).ok();
+        let tokens = segment
+            .zip(start)
+            .and_then(|(s, start)| s.tokens().sub(start, t + 1));
+        (window, segment, tokens)
+    };
+    // Random windows of a large file miss the TLB and the caches. Touching one byte per cache
+    // line of every window first issues all those misses back to back, so the memory system
+    // serves them in parallel; the copy pass below then runs on cached lines.
+    let mut touched = 0u8;
+    for row in 0..inputs.len() / t.max(1) {
+        if let (_, _, Some(tokens)) = window_tokens(row) {
+            for &b in tokens.as_bytes().iter().step_by(64) {
+                touched ^= b;
+            }
+        }
+    }
+    std::hint::black_box(touched);
+    for (row, (x, y)) in inputs
+        .chunks_exact_mut(t)
+        .zip(targets.chunks_exact_mut(t))
+        .enumerate()
+    {
+        let (window, segment, tokens) = window_tokens(row);
+        let (Some(segment), Some(tokens)) = (segment, tokens) else {
+            return Err(DataError::InvalidConfig(format!(
+                "window {window:?} lies outside the dataset (sampler built for other data?)"
+            )));
+        };
+        // Targets are the inputs shifted by one: decode the T inputs once, copy T - 1 of them
+        // (cache-hot, already converted and checked), and decode only the last target.
+        let last = tokens.sub(t, 1).unwrap_or(tokens);
+        let checked = tokens.decode_into(x, vocab).and_then(|()| {
+            let (head, tail) = y.split_at_mut(t - 1);
+            head.copy_from_slice(x.get(1..).unwrap_or(&[]));
+            last.decode_into(tail, vocab).map_err(|(_, v)| (t, v))
+        });
+        if let Err((i, value)) = checked {
+            return Err(DataError::TokenOutOfRange {
+                what: segment.name().to_string(),
+                position: window.start + i as u64,
+                value: i128::from(value),
+                vocab_size: vocab,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// How a [`Loader`] runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderConfig {
+    /// Rows per batch B.
+    pub batch_size: usize,
+    /// Element type of inputs and targets.
+    pub output: OutputType,
+    /// Worker threads; 0 fills batches on the calling thread (no prefetch).
+    pub workers: usize,
+    /// Most batches allocated at once (filled, queued or held by the consumer).
+    pub max_buffered_batches: usize,
+    /// Optional memory cap on batch buffers; the buffer count is lowered to fit it.
+    pub max_buffered_bytes: Option<usize>,
+}
+
+impl LoaderConfig {
+    /// `batch_size` rows of `i64`, two workers, four buffers, no byte cap.
+    pub fn new(batch_size: usize) -> Self {
+        LoaderConfig {
+            batch_size,
+            output: OutputType::I64,
+            workers: 2,
+            max_buffered_batches: 4,
+            max_buffered_bytes: None,
+        }
+    }
+}
+
+/// A loader's complete position: enough to rebuild it and continue the identical stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    /// The sampler (mode, sequence length, seed, shard).
+    pub sampler: SamplerConfig,
+    /// Rows per batch.
+    pub batch_size: u64,
+    /// The next batch `next_batch` will return.
+    pub next_batch: u64,
+    /// Epoch of that batch (informative: it follows from `next_batch`).
+    pub epoch: u64,
+    /// [`TokenDataset::fingerprint`] of the data the position refers to.
+    pub dataset_fingerprint: u64,
+}
+
+struct Filled {
+    result: Result<()>,
+    buffer: BatchBuffer,
+}
+
+enum Mode {
+    Inline {
+        free_tx: Sender<BatchBuffer>,
+        free_rx: Receiver<BatchBuffer>,
+    },
+    Workers {
+        filled: Vec<Receiver<Filled>>,
+        free: Vec<Sender<BatchBuffer>>,
+        handles: Vec<JoinHandle<()>>,
+    },
+}
+
+/// A batch lent by the loader; its buffer returns to the loader when this is dropped.
+#[derive(Debug)]
+pub struct Batch<'a> {
+    buffer: Option<BatchBuffer>,
+    home: &'a Sender<BatchBuffer>,
+}
+
+impl std::ops::Deref for Batch<'_> {
+    type Target = BatchBuffer;
+    fn deref(&self) -> &BatchBuffer {
+        // Only `drop` takes the buffer out.
+        self.buffer
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("batch buffer taken before drop"))
+    }
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.buffer.take() {
+            // Fails only when the loader is shutting down; then the buffer is simply freed.
+            let _ = self.home.send(b);
+        }
+    }
+}
+
+/// Hands out batches in order, prefetched by worker threads into a bounded set of reused
+/// buffers.
+pub struct Loader {
+    dataset: Arc<TokenDataset>,
+    sampler: Arc<WindowSampler>,
+    config: LoaderConfig,
+    start_batch: u64,
+    next_batch: u64,
+    buffers: usize,
+    mode: Option<Mode>,
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader")
+            .field("config", &self.config)
+            .field("next_batch", &self.next_batch)
+            .field("buffers", &self.buffers)
+            .finish()
+    }
+}
+
+impl Loader {
+    /// A loader over `dataset` from batch 0. Batch buffers are reported to `hook`.
+    pub fn new(
+        dataset: Arc<TokenDataset>,
+        sampler: SamplerConfig,
+        config: LoaderConfig,
+        hook: Option<Arc<dyn AllocHook>>,
+    ) -> Result<Self> {
+        Self::start(dataset, sampler, config, hook, 0)
+    }
+
+    /// A loader that continues exactly where `state` was saved.
+    pub fn resume(
+        dataset: Arc<TokenDataset>,
+        state: &LoaderState,
+        config: LoaderConfig,
+        hook: Option<Arc<dyn AllocHook>>,
+    ) -> Result<Self> {
+        if state.dataset_fingerprint != dataset.fingerprint() {
+            return Err(DataError::ResumeMismatch(
+                "the saved position belongs to a different dataset".into(),
+            ));
+        }
+        if state.batch_size != config.batch_size as u64 {
+            return Err(DataError::ResumeMismatch(format!(
+                "saved with batch size {}, resumed with {}",
+                state.batch_size, config.batch_size
+            )));
+        }
+        Self::start(
+            dataset,
+            state.sampler.clone(),
+            config,
+            hook,
+            state.next_batch,
+        )
+    }
+
+    fn start(
+        dataset: Arc<TokenDataset>,
+        sampler: SamplerConfig,
+        config: LoaderConfig,
+        hook: Option<Arc<dyn AllocHook>>,
+        start_batch: u64,
+    ) -> Result<Self> {
+        let seq_len = usize::try_from(sampler.seq_len)
+            .map_err(|_| DataError::InvalidConfig("seq_len exceeds usize".into()))?;
+        let sampler = Arc::new(WindowSampler::new(&dataset, sampler)?);
+        let batch_bytes = config
+            .batch_size
+            .saturating_mul(seq_len)
+            .saturating_mul(2 * config.output.width());
+        let by_bytes = config
+            .max_buffered_bytes
+            .map_or(usize::MAX, |cap| cap / batch_bytes.max(1));
+        let buffers = config.max_buffered_batches.min(by_bytes);
+        let lanes = config.workers.max(1);
+        if buffers < lanes {
+            return Err(DataError::InvalidConfig(format!(
+                "{buffers} batch buffers fit the limits but {lanes} are needed (one per worker)"
+            )));
+        }
+        let per_lane = buffers / lanes;
+        let mut pools = Vec::with_capacity(lanes);
+        for _ in 0..lanes {
+            let (tx, rx) = unbounded();
+            for _ in 0..per_lane {
+                let b = BatchBuffer::new(config.batch_size, seq_len, config.output, hook.as_ref())?;
+                // The receiver is alive right here, so this cannot fail.
+                let _ = tx.send(b);
+            }
+            pools.push((tx, rx));
+        }
+        let mode = if config.workers == 0 {
+            let (free_tx, free_rx) = pools.pop().ok_or_else(|| DataError::WorkerStopped(0))?;
+            Mode::Inline { free_tx, free_rx }
+        } else {
+            let mut filled = Vec::with_capacity(lanes);
+            let mut free = Vec::with_capacity(lanes);
+            let mut handles = Vec::with_capacity(lanes);
+            for (w, (free_tx, free_rx)) in pools.into_iter().enumerate() {
+                let (filled_tx, filled_rx) = bounded::<Filled>(per_lane);
+                let ds = Arc::clone(&dataset);
+                let sm = Arc::clone(&sampler);
+                let mut batch = start_batch + w as u64;
+                let stride = lanes as u64;
+                let handle = std::thread::Builder::new()
+                    .name(format!("headroom-data-{w}"))
+                    .spawn(move || {
+                        // Ends when the loader drops its free-list sender (recv fails) or the
+                        // filled receiver (send fails).
+                        while let Ok(mut buffer) = free_rx.recv() {
+                            let result = fill_batch(&ds, &sm, batch, &mut buffer);
+                            if filled_tx.send(Filled { result, buffer }).is_err() {
+                                break;
+                            }
+                            batch += stride;
+                        }
+                    })
+                    .map_err(|e| DataError::io("<worker thread>", e))?;
+                filled.push(filled_rx);
+                free.push(free_tx);
+                handles.push(handle);
+            }
+            Mode::Workers {
+                filled,
+                free,
+                handles,
+            }
+        };
+        Ok(Loader {
+            dataset,
+            sampler,
+            config,
+            start_batch,
+            next_batch: start_batch,
+            buffers: per_lane * lanes,
+            mode: Some(mode),
+        })
+    }
+
+    /// The next batch. An error (a token outside the vocabulary) consumes that batch's place
+    /// in the stream; the following call returns the batch after it.
+    pub fn next_batch(&mut self) -> Result<Batch<'_>> {
+        let b = self.next_batch;
+        self.next_batch += 1;
+        match self.mode.as_ref() {
+            Some(Mode::Inline { free_tx, free_rx }) => {
+                let mut buffer = free_rx
+                    .try_recv()
+                    .map_err(|_| DataError::WorkerStopped(0))?;
+                match fill_batch(&self.dataset, &self.sampler, b, &mut buffer) {
+                    Ok(()) => Ok(Batch {
+                        buffer: Some(buffer),
+                        home: free_tx,
+                    }),
+                    Err(e) => {
+                        let _ = free_tx.send(buffer);
+                        Err(e)
+                    }
+                }
+            }
+            Some(Mode::Workers { filled, free, .. }) => {
+                let lane = ((b - self.start_batch) % filled.len() as u64) as usize;
+                let (Some(rx), Some(home)) = (filled.get(lane), free.get(lane)) else {
+                    return Err(DataError::WorkerStopped(lane));
+                };
+                let Filled { result, buffer } =
+                    rx.recv().map_err(|_| DataError::WorkerStopped(lane))?;
+                match result {
+                    Ok(()) => Ok(Batch {
+                        buffer: Some(buffer),
+                        home,
+                    }),
+                    Err(e) => {
+                        let _ = home.send(buffer);
+                        Err(e)
+                    }
+                }
+            }
+            None => Err(DataError::WorkerStopped(0)),
+        }
+    }
+
+    /// The position to save: restoring it with [`Loader::resume`] continues with the batch the
+    /// next call to [`Loader::next_batch`] would have returned.
+    pub fn state(&self) -> LoaderState {
+        LoaderState {
+            sampler: self.sampler.config().clone(),
+            batch_size: self.config.batch_size as u64,
+            next_batch: self.next_batch,
+            epoch: self.sampler.epoch_of(
+                self.next_batch
+                    .saturating_mul(self.config.batch_size as u64),
+            ),
+            dataset_fingerprint: self.dataset.fingerprint(),
+        }
+    }
+
+    /// The sampler behind the stream.
+    pub fn sampler(&self) -> &WindowSampler {
+        &self.sampler
+    }
+
+    /// The dataset behind the stream.
+    pub fn dataset(&self) -> &Arc<TokenDataset> {
+        &self.dataset
+    }
+
+    /// Batch buffers allocated (the memory bound is this × [`BatchBuffer::bytes`]).
+    pub fn buffer_count(&self) -> usize {
+        self.buffers
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        if let Some(Mode::Workers {
+            filled,
+            free,
+            handles,
+        }) = self.mode.take()
+        {
+            // Closing both channel ends unblocks every worker wherever it waits.
+            drop(filled);
+            drop(free);
+            for h in handles {
+                let _ = h.join();
+            }
+        }
+    }
+}
