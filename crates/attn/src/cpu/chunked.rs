@@ -1,0 +1,199 @@
+//! Chunked attention on the CPU: `chunk_size` query rows at a time against every visible key,
+//! with an exact (two-pass) softmax per chunk. Extra memory per running task is
+//! `chunk_size × kv_len` scores (forward) or twice that (backward); only the logsumexp is kept.
+
+use headroom_tensor::Cpu;
+
+use super::matmul::{matmul, MatRef};
+use super::parallel::{self, BackwardSegment, ForwardTile, Grads};
+use super::softmax_rows::{dot, probs_from_lse_row, softmax_grad_row, softmax_row};
+use super::{Problem, SavedRows};
+use crate::{AttentionConfig, AttnError, Result};
+
+fn rows_of(data: &[f32], rows: std::ops::Range<usize>, hd: usize) -> Result<&[f32]> {
+    data.get(rows.start * hd..rows.end * hd)
+        .ok_or(AttnError::Internal("chunked rows"))
+}
+
+/// Chunked forward into `out` and `lse`.
+pub(crate) fn forward(
+    cpu: &Cpu,
+    p: &Problem<'_>,
+    chunk: usize,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let scratch = chunk * p.dims.kv_len;
+    parallel::for_each_forward_tile(cpu, p, chunk, out, lse, scratch, |tile, scratch| {
+        forward_chunk(p, tile, scratch)
+    })
+}
+
+fn forward_chunk(p: &Problem<'_>, tile: ForwardTile<'_>, scores: &mut [f32]) -> Result<()> {
+    let hd = p.dims.head_dim;
+    let (nq, nk) = (p.dims.q_len, p.dims.kv_len);
+    let ForwardTile { bh, rows, out, lse } = tile;
+    let cb = rows.len();
+    let q = rows_of(p.head(p.q, bh, nq)?, rows.clone(), hd)?;
+    let kv = p.kv_head_of(bh);
+    let (k, v) = (p.head(p.k, kv, nk)?, p.head(p.v, kv, nk)?);
+    // Only keys some row of the chunk can see: causal chunks stop at the diagonal.
+    let ke = p.visible(rows.end - 1);
+    if ke == 0 {
+        out.fill(0.0);
+        lse.fill(f32::NEG_INFINITY);
+        return Ok(());
+    }
+    let k_vis = rows_of(k, 0..ke, hd)?;
+    matmul(
+        scores,
+        ke,
+        MatRef::rows(q, cb, hd, hd),
+        MatRef::rows(k_vis, ke, hd, hd).t(),
+        p.scale,
+        false,
+        1,
+    )?;
+    for r in 0..cb {
+        let valid = p.visible(rows.start + r);
+        lse[r] = softmax_row(&mut scores[r * ke..(r + 1) * ke], valid);
+    }
+    matmul(
+        out,
+        hd,
+        MatRef::rows(scores, cb, ke, ke),
+        MatRef::rows(rows_of(v, 0..ke, hd)?, ke, hd, hd),
+        1.0,
+        false,
+        1,
+    )
+}
+
+/// Chunked backward into `grads`.
+pub(crate) fn backward(
+    cpu: &Cpu,
+    p: &Problem<'_>,
+    saved: &SavedRows<'_>,
+    chunk: usize,
+    config: &AttentionConfig,
+    grads: Grads<'_>,
+) -> Result<()> {
+    let seg_rows = parallel::segment_rows(&p.dims, chunk, config.backward_segments);
+    let scratch = 2 * chunk * p.dims.kv_len + chunk;
+    parallel::for_each_backward_segment(cpu, p, seg_rows, grads, scratch, |seg, scratch| {
+        backward_segment(p, saved, chunk, seg, scratch)
+    })
+}
+
+fn backward_segment(
+    p: &Problem<'_>,
+    saved: &SavedRows<'_>,
+    chunk: usize,
+    seg: BackwardSegment<'_>,
+    scratch: &mut [f32],
+) -> Result<()> {
+    let hd = p.dims.head_dim;
+    let (nq, nk) = (p.dims.q_len, p.dims.kv_len);
+    let BackwardSegment {
+        bh,
+        rows,
+        dq,
+        dk,
+        dv,
+    } = seg;
+    let q = p.head(p.q, bh, nq)?;
+    let d_out = p.head(saved.d_out, bh, nq)?;
+    let out = p.head(saved.out, bh, nq)?;
+    let lse = saved
+        .lse
+        .get(bh * nq..(bh + 1) * nq)
+        .ok_or(AttnError::Internal("chunked lse"))?;
+    let kv = p.kv_head_of(bh);
+    let (k, v) = (p.head(p.k, kv, nk)?, p.head(p.v, kv, nk)?);
+    let (probs, rest) = scratch.split_at_mut(chunk * nk);
+    let (dprobs, d_rows) = rest.split_at_mut(chunk * nk);
+
+    for c0 in rows.clone().step_by(chunk) {
+        let c1 = (c0 + chunk).min(rows.end);
+        let cb = c1 - c0;
+        let ke = p.visible(c1 - 1);
+        if ke == 0 {
+            continue;
+        }
+        let q_c = rows_of(q, c0..c1, hd)?;
+        let do_c = rows_of(d_out, c0..c1, hd)?;
+        let (k_vis, v_vis) = (rows_of(k, 0..ke, hd)?, rows_of(v, 0..ke, hd)?);
+        for (r, di) in d_rows.iter_mut().take(cb).enumerate() {
+            let i = c0 + r;
+            *di = dot(&d_out[i * hd..(i + 1) * hd], &out[i * hd..(i + 1) * hd]);
+        }
+        matmul(
+            probs,
+            ke,
+            MatRef::rows(q_c, cb, hd, hd),
+            MatRef::rows(k_vis, ke, hd, hd).t(),
+            p.scale,
+            false,
+            1,
+        )?;
+        for r in 0..cb {
+            probs_from_lse_row(
+                &mut probs[r * ke..(r + 1) * ke],
+                p.visible(c0 + r),
+                lse[c0 + r],
+            );
+        }
+        let dk_vis = dk
+            .get_mut(..ke * hd)
+            .ok_or(AttnError::Internal("chunked dk"))?;
+        let dv_vis = dv
+            .get_mut(..ke * hd)
+            .ok_or(AttnError::Internal("chunked dv"))?;
+        let p_c = MatRef::rows(probs, cb, ke, ke);
+        matmul(
+            dv_vis,
+            hd,
+            p_c.t(),
+            MatRef::rows(do_c, cb, hd, hd),
+            1.0,
+            true,
+            1,
+        )?;
+        matmul(
+            dprobs,
+            ke,
+            MatRef::rows(do_c, cb, hd, hd),
+            MatRef::rows(v_vis, ke, hd, hd).t(),
+            1.0,
+            false,
+            1,
+        )?;
+        for (r, &d_row) in d_rows.iter().take(cb).enumerate() {
+            let span = r * ke..(r + 1) * ke;
+            softmax_grad_row(&probs[span.clone()], &mut dprobs[span], d_row);
+        }
+        let ds_c = MatRef::rows(dprobs, cb, ke, ke);
+        matmul(
+            dk_vis,
+            hd,
+            ds_c.t(),
+            MatRef::rows(q_c, cb, hd, hd),
+            p.scale,
+            true,
+            1,
+        )?;
+        let dq_c = dq
+            .get_mut((c0 - rows.start) * hd..(c1 - rows.start) * hd)
+            .ok_or(AttnError::Internal("chunked dq"))?;
+        matmul(
+            dq_c,
+            hd,
+            ds_c,
+            MatRef::rows(k_vis, ke, hd, hd),
+            p.scale,
+            false,
+            1,
+        )?;
+    }
+    Ok(())
+}

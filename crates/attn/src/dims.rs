@@ -1,0 +1,184 @@
+//! [`AttentionDims`]: the validated sizes of one attention call, and the causal mask geometry.
+
+use headroom_tensor::{DType, Shape};
+
+use crate::{AttnError, Result, MAX_HEAD_DIM};
+
+/// The sizes of one attention call, checked for consistency.
+///
+/// Layout: every tensor is dense row-major `[batch, heads, seq, head_dim]`; `q` has
+/// `q_heads` heads of `q_len` rows, `k` and `v` have `kv_heads` heads of `kv_len` rows, and
+/// query head `h` reads key/value head `h / (q_heads / kv_heads)` (grouped-query attention;
+/// `kv_heads == 1` is multi-query attention).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionDims {
+    /// Batch size.
+    pub batch: usize,
+    /// Heads of `q` (and of the output).
+    pub q_heads: usize,
+    /// Heads of `k` and `v`; divides `q_heads`.
+    pub kv_heads: usize,
+    /// Query rows per head.
+    pub q_len: usize,
+    /// Key/value rows per head.
+    pub kv_len: usize,
+    /// Features per head, `1..=MAX_HEAD_DIM`.
+    pub head_dim: usize,
+    /// The element type shared by `q`, `k`, `v` (f32 or bf16).
+    pub dtype: DType,
+}
+
+fn rank4(tensor: &'static str, shape: &Shape) -> Result<[usize; 4]> {
+    match shape.dims() {
+        &[b, h, n, d] => Ok([b, h, n, d]),
+        _ => Err(AttnError::NotRank4 {
+            tensor,
+            shape: shape.clone(),
+        }),
+    }
+}
+
+impl AttentionDims {
+    /// Check `q`, `k`, `v` shapes and dtypes against each other.
+    pub fn new(
+        q: (&Shape, DType),
+        k: (&Shape, DType),
+        v: (&Shape, DType),
+    ) -> Result<AttentionDims> {
+        let [batch, q_heads, q_len, head_dim] = rank4("q", q.0)?;
+        let [kb, kv_heads, kv_len, kd] = rank4("k", k.0)?;
+        rank4("v", v.0)?;
+        if !matches!(q.1, DType::F32 | DType::BF16) {
+            return Err(AttnError::UnsupportedDType(q.1));
+        }
+        for (name, dtype) in [("k", k.1), ("v", v.1)] {
+            if dtype != q.1 {
+                return Err(AttnError::DTypeMismatch {
+                    tensor: name,
+                    expected: q.1,
+                    got: dtype,
+                });
+            }
+        }
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+            return Err(AttnError::HeadDim {
+                head_dim,
+                max: MAX_HEAD_DIM,
+            });
+        }
+        if kb != batch || kd != head_dim {
+            return Err(AttnError::ShapeMismatch {
+                tensor: "k",
+                expected: Shape::new(vec![batch, kv_heads, kv_len, head_dim]),
+                got: k.0.clone(),
+                reason: "k must share batch and head_dim with q",
+            });
+        }
+        if v.0 != k.0 {
+            return Err(AttnError::ShapeMismatch {
+                tensor: "v",
+                expected: k.0.clone(),
+                got: v.0.clone(),
+                reason: "v must have the shape of k",
+            });
+        }
+        if kv_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(AttnError::HeadGrouping { q_heads, kv_heads });
+        }
+        Ok(AttentionDims {
+            batch,
+            q_heads,
+            kv_heads,
+            q_len,
+            kv_len,
+            head_dim,
+            dtype: q.1,
+        })
+    }
+
+    /// Query heads per key/value head.
+    pub fn group_size(&self) -> usize {
+        self.q_heads / self.kv_heads.max(1)
+    }
+
+    /// The shape of `q`, the output and `dQ`.
+    pub fn q_shape(&self) -> Shape {
+        Shape::new(vec![self.batch, self.q_heads, self.q_len, self.head_dim])
+    }
+
+    /// The shape of `k`, `v`, `dK` and `dV`.
+    pub fn kv_shape(&self) -> Shape {
+        Shape::new(vec![self.batch, self.kv_heads, self.kv_len, self.head_dim])
+    }
+
+    /// The shape of the saved per-row logsumexp, `[batch, q_heads, q_len]`.
+    pub fn lse_shape(&self) -> Shape {
+        Shape::new(vec![self.batch, self.q_heads, self.q_len])
+    }
+
+    /// The shape of naive attention's probability matrix, `[batch, q_heads, q_len, kv_len]`.
+    pub fn probs_shape(&self) -> Shape {
+        Shape::new(vec![self.batch, self.q_heads, self.q_len, self.kv_len])
+    }
+
+    /// How many keys (a prefix `0..n` of the key rows) query row `row` attends to.
+    ///
+    /// Causal masks are bottom-right aligned: row `i` sees keys `j ≤ i + kv_len − q_len`, so
+    /// with `q_len > kv_len` the first rows see nothing (0).
+    pub fn visible_keys(&self, row: usize, causal: bool) -> usize {
+        if !causal {
+            return self.kv_len;
+        }
+        // row + 1 + kv_len − q_len, clamped to 0..=kv_len, without signed overflow.
+        (row + 1 + self.kv_len)
+            .saturating_sub(self.q_len)
+            .min(self.kv_len)
+    }
+
+    /// Forward FLOPs by FlashAttention's count: `4·q_len·kv_len·head_dim` per query head
+    /// (two matmuls), halved when causal. Backward is counted as 2.5× this.
+    pub fn forward_flops(&self, causal: bool) -> f64 {
+        let full = 4.0
+            * self.batch as f64
+            * self.q_heads as f64
+            * self.q_len as f64
+            * self.kv_len as f64
+            * self.head_dim as f64;
+        if causal {
+            full / 2.0
+        } else {
+            full
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(q_len: usize, kv_len: usize) -> AttentionDims {
+        AttentionDims {
+            batch: 1,
+            q_heads: 1,
+            kv_heads: 1,
+            q_len,
+            kv_len,
+            head_dim: 4,
+            dtype: DType::F32,
+        }
+    }
+
+    #[test]
+    fn causal_mask_is_bottom_right_aligned() {
+        let square = dims(4, 4);
+        let seen: Vec<_> = (0..4).map(|i| square.visible_keys(i, true)).collect();
+        assert_eq!(seen, [1, 2, 3, 4]);
+        let more_queries = dims(5, 2);
+        let seen: Vec<_> = (0..5).map(|i| more_queries.visible_keys(i, true)).collect();
+        assert_eq!(seen, [0, 0, 0, 1, 2]);
+        let more_keys = dims(2, 5);
+        let seen: Vec<_> = (0..2).map(|i| more_keys.visible_keys(i, true)).collect();
+        assert_eq!(seen, [4, 5]);
+        assert_eq!(more_keys.visible_keys(0, false), 5);
+    }
+}

@@ -1,0 +1,215 @@
+//! Shared by the integration tests: a scalar f64 reference of attention forward and backward,
+//! deterministic input data, and error metrics.
+#![allow(dead_code)]
+
+use headroom_attn::{AttentionBackend, AttentionConfig, AttentionForward, AttentionGradients};
+use headroom_tensor::{bf16, Backend, Cpu, CpuTensor, DType};
+
+/// Sizes of one test problem.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub head_dim: usize,
+}
+
+impl Sizes {
+    pub fn q_numel(&self) -> usize {
+        self.batch * self.q_heads * self.q_len * self.head_dim
+    }
+    pub fn kv_numel(&self) -> usize {
+        self.batch * self.kv_heads * self.kv_len * self.head_dim
+    }
+    pub fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.q_len, self.head_dim]
+    }
+    pub fn kv_shape(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.kv_len, self.head_dim]
+    }
+}
+
+/// Deterministic pseudo-random values in [-amp, amp) (a 64-bit LCG; tests need no rand crate).
+pub fn values(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
+/// Inputs `q, k, v, d_out` as host f32 (already rounded to bf16 when `dtype` is bf16, so the
+/// f64 reference sees exactly what the kernels see).
+pub struct Inputs {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub d_out: Vec<f32>,
+}
+
+pub fn round_to(dtype: DType, x: Vec<f32>) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => x.into_iter().map(|v| bf16::from_f32(v).to_f32()).collect(),
+        _ => x,
+    }
+}
+
+pub fn inputs(s: &Sizes, seed: u64, dtype: DType) -> Inputs {
+    Inputs {
+        q: round_to(dtype, values(s.q_numel(), seed, 1.5)),
+        k: round_to(dtype, values(s.kv_numel(), seed + 1, 1.5)),
+        v: round_to(dtype, values(s.kv_numel(), seed + 2, 1.0)),
+        d_out: round_to(dtype, values(s.q_numel(), seed + 3, 1.0)),
+    }
+}
+
+pub fn upload(cpu: &Cpu, data: &[f32], shape: [usize; 4], dtype: DType) -> CpuTensor {
+    match dtype {
+        DType::F32 => cpu.upload(data, shape).unwrap(),
+        DType::BF16 => {
+            let h: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+            cpu.upload(&h, shape).unwrap()
+        }
+        other => panic!("test helper: unsupported {other}"),
+    }
+}
+
+pub fn download(cpu: &Cpu, t: &CpuTensor) -> Vec<f32> {
+    match t.dtype_name() {
+        "f32" => cpu.download::<f32>(t).unwrap(),
+        _ => cpu
+            .download::<bf16>(t)
+            .unwrap()
+            .into_iter()
+            .map(|v| v.to_f32())
+            .collect(),
+    }
+}
+
+trait DTypeName {
+    fn dtype_name(&self) -> &'static str;
+}
+impl DTypeName for CpuTensor {
+    fn dtype_name(&self) -> &'static str {
+        use headroom_tensor::Tensor;
+        self.dtype().name()
+    }
+}
+
+/// Forward and backward through the library, results as host f32.
+pub struct Run {
+    pub out: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+    pub dv: Vec<f32>,
+}
+
+pub fn run(cpu: &Cpu, s: &Sizes, x: &Inputs, dtype: DType, config: &AttentionConfig) -> Run {
+    let q = upload(cpu, &x.q, s.q_shape(), dtype);
+    let k = upload(cpu, &x.k, s.kv_shape(), dtype);
+    let v = upload(cpu, &x.v, s.kv_shape(), dtype);
+    let d_out = upload(cpu, &x.d_out, s.q_shape(), dtype);
+    let fwd: AttentionForward<CpuTensor> = cpu.attention_forward(&q, &k, &v, config).unwrap();
+    let g: AttentionGradients<CpuTensor> =
+        cpu.attention_backward(&q, &k, &v, &fwd, &d_out).unwrap();
+    Run {
+        out: download(cpu, &fwd.output),
+        lse: cpu.download::<f32>(&fwd.logsumexp).unwrap(),
+        dq: download(cpu, &g.dq),
+        dk: download(cpu, &g.dk),
+        dv: download(cpu, &g.dv),
+    }
+}
+
+/// Plain scalar f64 attention: forward output, logsumexp and the three gradients.
+pub struct Reference {
+    pub out: Vec<f64>,
+    pub lse: Vec<f64>,
+    pub dq: Vec<f64>,
+    pub dk: Vec<f64>,
+    pub dv: Vec<f64>,
+}
+
+pub fn visible(s: &Sizes, causal: bool, i: usize) -> usize {
+    if !causal {
+        return s.kv_len;
+    }
+    ((i + 1 + s.kv_len) as isize - s.q_len as isize).clamp(0, s.kv_len as isize) as usize
+}
+
+pub fn reference(s: &Sizes, x: &Inputs, causal: bool, scale: f64) -> Reference {
+    let (nq, nk, d) = (s.q_len, s.kv_len, s.head_dim);
+    let group = s.q_heads / s.kv_heads;
+    let mut r = Reference {
+        out: vec![0.0; s.q_numel()],
+        lse: vec![f64::NEG_INFINITY; s.batch * s.q_heads * nq],
+        dq: vec![0.0; s.q_numel()],
+        dk: vec![0.0; s.kv_numel()],
+        dv: vec![0.0; s.kv_numel()],
+    };
+    for b in 0..s.batch {
+        for h in 0..s.q_heads {
+            let bh = b * s.q_heads + h;
+            let kvh = b * s.kv_heads + h / group;
+            let q = |i: usize, c: usize| x.q[(bh * nq + i) * d + c] as f64;
+            let k = |j: usize, c: usize| x.k[(kvh * nk + j) * d + c] as f64;
+            let v = |j: usize, c: usize| x.v[(kvh * nk + j) * d + c] as f64;
+            let dout = |i: usize, c: usize| x.d_out[(bh * nq + i) * d + c] as f64;
+            for i in 0..nq {
+                let vis = visible(s, causal, i);
+                if vis == 0 {
+                    continue;
+                }
+                let scores: Vec<f64> = (0..vis)
+                    .map(|j| scale * (0..d).map(|c| q(i, c) * k(j, c)).sum::<f64>())
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+                let p: Vec<f64> = scores.iter().map(|x| (x - m).exp() / z).collect();
+                r.lse[bh * nq + i] = m + z.ln();
+                for c in 0..d {
+                    r.out[(bh * nq + i) * d + c] = (0..vis).map(|j| p[j] * v(j, c)).sum();
+                }
+                // dP_j = dO·v_j; dS_j = P_j (dP_j − Σ P dP).
+                let dp: Vec<f64> = (0..vis)
+                    .map(|j| (0..d).map(|c| dout(i, c) * v(j, c)).sum())
+                    .collect();
+                let dsum: f64 = (0..vis).map(|j| p[j] * dp[j]).sum();
+                for j in 0..vis {
+                    let ds = p[j] * (dp[j] - dsum);
+                    for c in 0..d {
+                        r.dq[(bh * nq + i) * d + c] += scale * ds * k(j, c);
+                        r.dk[(kvh * nk + j) * d + c] += scale * ds * q(i, c);
+                        r.dv[(kvh * nk + j) * d + c] += p[j] * dout(i, c);
+                    }
+                }
+            }
+        }
+    }
+    r
+}
+
+/// max |a − b| / max(max |b|, floor): the error relative to the tensor's largest magnitude.
+pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1e-6f64, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+pub fn rel_err_f32(a: &[f32], b: &[f32]) -> f64 {
+    let b64: Vec<f64> = b.iter().map(|&x| x as f64).collect();
+    rel_err(a, &b64)
+}

@@ -1,0 +1,205 @@
+//! Memory, measured through the allocation hook: naive attention needs O(N²) extra bytes
+//! (saved probabilities plus `dP`), flash attention O(N·head_dim), with the exact counts printed
+//! (`cargo test -p headroom-attn --test memory -- --nocapture`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use headroom_attn::{
+    AttentionBackend, AttentionConfig, DEFAULT_FLASH_BLOCK_K as BK, DEFAULT_FLASH_BLOCK_Q as BQ,
+};
+use headroom_tensor::{AllocEvent, AllocHook, Backend, BoxedError, Cpu, DType, MemoryCategory};
+
+/// Live and peak bytes per category, plus the peak of workspace + saved activations together.
+#[derive(Default)]
+struct Peaks {
+    state: Mutex<PeakState>,
+}
+
+#[derive(Default)]
+struct PeakState {
+    live: HashMap<MemoryCategory, usize>,
+    peak: HashMap<MemoryCategory, usize>,
+    peak_extra: usize,
+}
+
+impl AllocHook for Peaks {
+    fn on_alloc(&self, e: &AllocEvent) -> Result<(), BoxedError> {
+        let mut s = self.state.lock().unwrap();
+        let live = s.live.entry(e.category).or_default();
+        *live += e.bytes;
+        let now = *live;
+        let peak = s.peak.entry(e.category).or_default();
+        *peak = (*peak).max(now);
+        let extra = s.live.get(&MemoryCategory::Workspace).copied().unwrap_or(0)
+            + s.live
+                .get(&MemoryCategory::Activations)
+                .copied()
+                .unwrap_or(0);
+        s.peak_extra = s.peak_extra.max(extra);
+        Ok(())
+    }
+    fn on_free(&self, e: &AllocEvent) {
+        let mut s = self.state.lock().unwrap();
+        *s.live.entry(e.category).or_default() -= e.bytes;
+    }
+}
+
+struct Measured {
+    peak_workspace: usize,
+    saved: usize,
+    peak_extra: usize,
+}
+
+const THREADS: usize = 2;
+const HEAD_DIM: usize = 64;
+
+/// Forward + backward of one causal f32 head of `n` tokens; the inputs are `Data`, the results
+/// `Other`, so `Workspace + Activations` is exactly what attention adds.
+fn measure(config: AttentionConfig, n: usize) -> Measured {
+    let hook = Arc::new(Peaks::default());
+    let cpu = Cpu::with_threads(THREADS)
+        .unwrap()
+        .with_alloc_hook(hook.clone());
+    let shape = [1, 1, n, HEAD_DIM];
+    let data: Vec<f32> = (0..n * HEAD_DIM).map(|i| (i as f32 * 0.1).sin()).collect();
+    let (q, k, v, d_out) = {
+        let _data = MemoryCategory::Data.enter();
+        let t = || cpu.upload(&data, shape).unwrap();
+        (t(), t(), t(), t())
+    };
+    let fwd = cpu
+        .attention_forward(&q, &k, &v, &config.causal(true))
+        .unwrap();
+    let saved = hook.state.lock().unwrap().live[&MemoryCategory::Activations];
+    let grads = cpu.attention_backward(&q, &k, &v, &fwd, &d_out).unwrap();
+    assert!(cpu
+        .download::<f32>(&grads.dq)
+        .unwrap()
+        .iter()
+        .all(|x| x.is_finite()));
+    drop((fwd, grads));
+    let s = hook.state.lock().unwrap();
+    assert_eq!(
+        s.live.get(&MemoryCategory::Workspace),
+        Some(&0),
+        "workspace is freed"
+    );
+    Measured {
+        peak_workspace: s.peak.get(&MemoryCategory::Workspace).copied().unwrap_or(0),
+        saved,
+        peak_extra: s.peak_extra,
+    }
+}
+
+/// The most flash may add for `n` tokens of one head: `lse` (4n), the backward's `dK`/`dV`
+/// partials (2 × segments × n × head_dim f32, at most 8 segments) and one scratch of
+/// `2·block_q·block_k + segment rows` floats per running thread.
+fn flash_bound(n: usize) -> usize {
+    4 * n + 2 * 8 * n * HEAD_DIM * 4 + THREADS * (2 * BQ * BK + n) * 4
+}
+
+#[test]
+fn flash_extra_memory_is_linear_in_n_and_naive_is_quadratic() {
+    let flash_1k = measure(AttentionConfig::flash(), 1024);
+    let flash_2k = measure(AttentionConfig::flash(), 2048);
+    let naive_1k = measure(AttentionConfig::naive(), 1024);
+    let unsplit_1k = measure(AttentionConfig::flash().backward_segments(1), 1024);
+    let unsplit_2k = measure(AttentionConfig::flash().backward_segments(1), 2048);
+    let chunked_1k = measure(AttentionConfig::chunked(), 1024);
+    let chunked_2k = measure(AttentionConfig::chunked(), 2048);
+    for (name, n, m) in [
+        ("flash", 1024, &flash_1k),
+        ("flash", 2048, &flash_2k),
+        ("flash/1seg", 1024, &unsplit_1k),
+        ("flash/1seg", 2048, &unsplit_2k),
+        ("naive", 1024, &naive_1k),
+        ("chunked", 1024, &chunked_1k),
+        ("chunked", 2048, &chunked_2k),
+    ] {
+        println!(
+            "{name:10} N={n:5}: saved {:>10} B, peak workspace {:>11} B, peak extra {:>11} B",
+            m.saved, m.peak_workspace, m.peak_extra
+        );
+    }
+    // Flash saves exactly the f32 logsumexp: 4 bytes per query row.
+    assert_eq!(flash_1k.saved, 4 * 1024);
+    assert_eq!(flash_2k.saved, 4 * 2048);
+    // Linear: doubling N at most doubles the extra bytes (plus per-thread scratch slack).
+    assert!(flash_2k.peak_extra <= 2 * flash_1k.peak_extra + THREADS * 2 * BQ * BK * 4);
+    assert!(flash_1k.peak_extra <= flash_bound(1024));
+    assert!(flash_2k.peak_extra <= flash_bound(2048));
+    // Naive keeps N² probabilities and materialises N² dP at the same time.
+    assert_eq!(naive_1k.saved, 4 * 1024 * 1024 + 4 * 1024);
+    assert!(naive_1k.peak_extra >= 2 * 4 * 1024 * 1024);
+    // One backward segment (no dK/dV partials): only the logsumexp, `D` and per-thread tiles.
+    let unsplit_bound = |n: usize| 4 * n + THREADS * (2 * BQ * BK + n) * 4;
+    assert!(unsplit_1k.peak_extra <= unsplit_bound(1024));
+    assert!(unsplit_2k.peak_extra <= unsplit_bound(2048));
+    assert!(naive_1k.peak_extra > 50 * unsplit_1k.peak_extra);
+    // Chunked: O(N·chunk) per thread; it saves only the logsumexp too.
+    assert_eq!(chunked_1k.saved, 4 * 1024);
+    assert!(chunked_2k.peak_extra <= 2 * chunked_1k.peak_extra + 4 * 4096);
+}
+
+#[test]
+fn flash_at_16k_tokens_adds_megabytes_where_naive_needs_gigabytes() {
+    let n = 16384;
+    let m = measure(AttentionConfig::flash(), n);
+    let naive_would_need = 2 * 4 * n * n;
+    println!(
+        "flash N={n}: saved {} B, peak workspace {} B, peak extra {} B ({:.1} MiB); naive needs ≥ {} B ({:.1} GiB)",
+        m.saved,
+        m.peak_workspace,
+        m.peak_extra,
+        m.peak_extra as f64 / (1 << 20) as f64,
+        naive_would_need,
+        naive_would_need as f64 / (1u64 << 30) as f64
+    );
+    assert_eq!(m.saved, 4 * n);
+    assert!(m.peak_extra <= flash_bound(n));
+    assert!(m.peak_extra * 16 < naive_would_need);
+}
+
+#[test]
+fn bf16_inputs_are_staged_as_workspace_and_results_keep_the_callers_category() {
+    let hook = Arc::new(Peaks::default());
+    let cpu = Cpu::new().with_alloc_hook(hook.clone());
+    let n = 100;
+    let data: Vec<headroom_tensor::bf16> = (0..n * 16)
+        .map(|i| headroom_tensor::bf16::from_f32((i as f32 * 0.3).cos()))
+        .collect();
+    let q = cpu.upload(&data, [1, 1, n, 16]).unwrap();
+    let before = hook.state.lock().unwrap().live[&MemoryCategory::Other];
+    let fwd = {
+        let _acts = MemoryCategory::Parameters.enter();
+        cpu.attention_forward(&q, &q, &q, &AttentionConfig::flash())
+            .unwrap()
+    };
+    assert_eq!(fwd.output.dtype_size(), DType::BF16.size_in_bytes());
+    let s = hook.state.lock().unwrap();
+    assert_eq!(
+        s.live[&MemoryCategory::Parameters],
+        n * 16 * 2,
+        "output in the caller's category"
+    );
+    assert_eq!(
+        s.live[&MemoryCategory::Activations],
+        n * 4,
+        "only the logsumexp is saved"
+    );
+    assert_eq!(s.live[&MemoryCategory::Other], before);
+    // Three f32 input copies + f32 output staging + tiles were workspace, now freed.
+    assert!(s.peak[&MemoryCategory::Workspace] >= 4 * n * 16 * 4);
+    assert_eq!(s.live[&MemoryCategory::Workspace], 0);
+}
+
+trait DTypeSize {
+    fn dtype_size(&self) -> usize;
+}
+impl DTypeSize for headroom_tensor::CpuTensor {
+    fn dtype_size(&self) -> usize {
+        use headroom_tensor::Tensor;
+        self.dtype().size_in_bytes()
+    }
+}
