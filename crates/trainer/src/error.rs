@@ -1,0 +1,32 @@
+//! The trainer's error type: every crate's error, kept as the source so the CLI can print the
+//! whole chain.
+
+/// Everything training can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// A model configuration that cannot be built.
+    #[error("invalid model config: {0}")]
+    Config(String),
+    /// A batch or token that does not fit the model.
+    #[error("invalid input: {0}")]
+    Input(String),
+    /// A tensor operation failed (allocation refused, shape mismatch, …).
+    #[error(transparent)]
+    Tensor(#[from] headroom_tensor::Error),
+    /// Attention failed.
+    #[error(transparent)]
+    Attention(#[from] headroom_attn::AttnError),
+    /// The optimizer failed.
+    #[error(transparent)]
+    Optimizer(#[from] headroom_offload::OffloadError),
+    /// Gradient clipping or accumulation failed.
+    #[error(transparent)]
+    Accum(#[from] headroom_accum::AccumError),
+    /// The data pipeline failed.
+    #[error(transparent)]
+    Data(#[from] headroom_mmap_data::DataError),
+}
+
+/// `Result` with [`TrainError`].
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;

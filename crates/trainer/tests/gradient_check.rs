@@ -1,0 +1,145 @@
+//! The model's analytic gradients against central finite differences of its loss, for every
+//! parameter tensor and every attention algorithm.
+//!
+//! f32 throughout, h = 1e-2: a sampled element passes when |numeric − analytic| ≤ 3e-3 +
+//! 5% · max|analytic| of its tensor. The loss is summed in f64, so its rounding (≈1e-7) is far
+//! below the differences measured; a wrong formula (a missing residual, a transposed weight, a
+//! lost 1/N) misses by orders of magnitude.
+
+use headroom_attn::AttentionConfig;
+use headroom_tensor::{Cpu, MemoryCategory};
+use headroom_trainer::model::{params, Geometry, Gpt, GptConfig};
+
+fn check(attention: AttentionConfig) {
+    let cpu = Cpu::new();
+    let cfg = GptConfig {
+        vocab: 11,
+        max_seq: 7,
+        layers: 2,
+        heads: 2,
+        channels: 8,
+    };
+    let mut gpt = Gpt::new(&cpu, cfg, attention, 3).unwrap();
+    // Larger than GPT-2's 0.02 init, so every path carries a measurable gradient.
+    for t in gpt.params.iter_mut() {
+        for (i, v) in t.as_mut_slice::<f32>().unwrap().iter_mut().enumerate() {
+            *v += 0.3 * ((i as f32 * 1.37).sin());
+        }
+    }
+    let g = Geometry { b: 2, t: 6 };
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 11).collect();
+    let targets: Vec<u32> = (0..12).map(|i| (i * 5 + 1) % 11).collect();
+    let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+    gpt.forward_backward(&tokens, &targets, g, &mut grads, 1.0)
+        .unwrap();
+
+    let h = 1e-2f32;
+    for (pi, info) in params::param_infos(&cfg).iter().enumerate() {
+        let analytic = grads[pi].as_slice::<f32>().unwrap().to_vec();
+        let scale = analytic.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let n = analytic.len();
+        // Up to 12 elements per tensor, spread over it.
+        for k in 0..n.min(12) {
+            let i = k * n / n.min(12);
+            let orig = gpt.params[pi].as_slice::<f32>().unwrap()[i];
+            gpt.params[pi].as_mut_slice::<f32>().unwrap()[i] = orig + h;
+            let up = gpt.loss(&tokens, &targets, g).unwrap();
+            gpt.params[pi].as_mut_slice::<f32>().unwrap()[i] = orig - h;
+            let down = gpt.loss(&tokens, &targets, g).unwrap();
+            gpt.params[pi].as_mut_slice::<f32>().unwrap()[i] = orig;
+            let numeric = (up - down) / (2.0 * h);
+            assert!(
+                (numeric - analytic[i]).abs() <= 3e-3 + 0.05 * scale,
+                "{} [{i}] ({:?}): analytic {} numeric {numeric}",
+                info.name,
+                attention.algorithm,
+                analytic[i]
+            );
+        }
+        assert!(scale > 0.0, "{} has an all-zero gradient", info.name);
+    }
+}
+
+#[test]
+fn gradients_match_finite_differences_naive() {
+    check(AttentionConfig::naive());
+}
+
+#[test]
+fn gradients_match_finite_differences_flash() {
+    check(AttentionConfig::flash());
+}
+
+#[test]
+fn attention_algorithms_give_the_same_gradients() {
+    let cpu = Cpu::new();
+    let cfg = GptConfig {
+        vocab: 13,
+        max_seq: 16,
+        layers: 2,
+        heads: 2,
+        channels: 16,
+    };
+    let g = Geometry { b: 2, t: 16 };
+    let tokens: Vec<u32> = (0..32).map(|i| (i * 7 + 3) % 13).collect();
+    let targets: Vec<u32> = (0..32).map(|i| (i * 5 + 1) % 13).collect();
+    let run = |a: AttentionConfig| {
+        let gpt = Gpt::new(&cpu, cfg, a, 9).unwrap();
+        let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+        let loss = gpt
+            .forward_backward(&tokens, &targets, g, &mut grads, 1.0)
+            .unwrap();
+        (
+            loss,
+            grads
+                .iter()
+                .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (l0, g0) = run(AttentionConfig::naive());
+    for a in [AttentionConfig::chunked(), AttentionConfig::flash()] {
+        let (l, gr) = run(a);
+        assert!((l - l0).abs() < 1e-5);
+        for (x, y) in gr.iter().zip(&g0) {
+            let scale = y.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            assert!(x.iter().zip(y).all(|(a, b)| (a - b).abs() <= 1e-4 * scale));
+        }
+    }
+}
+
+#[test]
+fn bad_batches_are_typed_errors() {
+    let cpu = Cpu::new();
+    let cfg = GptConfig {
+        vocab: 5,
+        max_seq: 4,
+        layers: 1,
+        heads: 1,
+        channels: 4,
+    };
+    let gpt = Gpt::new(&cpu, cfg, AttentionConfig::flash(), 0).unwrap();
+    let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+    assert!(gpt
+        .forward_backward(
+            &[0, 1, 2, 9],
+            &[0; 4],
+            Geometry { b: 1, t: 4 },
+            &mut grads,
+            1.0
+        )
+        .is_err());
+    assert!(gpt
+        .forward_backward(&[0; 5], &[0; 5], Geometry { b: 1, t: 5 }, &mut grads, 1.0)
+        .is_err());
+    assert!(gpt
+        .forward_backward(&[0; 3], &[0; 4], Geometry { b: 1, t: 4 }, &mut grads, 1.0)
+        .is_err());
+    assert!(Gpt::new(
+        &cpu,
+        GptConfig { heads: 3, ..cfg },
+        AttentionConfig::flash(),
+        0
+    )
+    .is_err());
+}
