@@ -202,6 +202,33 @@ impl Cuda {
             .map_err(|e| CudaError::driver("cuMemGetInfo", e))
     }
 
+    /// Bytes the device's default memory pool holds reserved (live allocations plus memory the
+    /// pool keeps cached), which is where stream-ordered allocations come from.
+    pub fn pool_reserved_bytes(&self) -> CudaResult<u64> {
+        use cudarc::driver::sys;
+        let context = &self.inner.context;
+        context
+            .bind_to_thread()
+            .map_err(|e| CudaError::driver("bind_to_thread", e))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is valid for writes and the device handle comes from a live context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device()) }
+            .result()
+            .map_err(|e| CudaError::driver("cuDeviceGetDefaultMemPool", e))?;
+        let mut reserved: u64 = 0;
+        // SAFETY: RESERVED_MEM_CURRENT writes one cuuint64_t into `reserved`.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                (&mut reserved as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| CudaError::driver("cuMemPoolGetAttribute", e))?;
+        Ok(reserved)
+    }
+
     /// The cudarc context, for crates that launch their own kernels.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.inner.context

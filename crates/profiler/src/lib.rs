@@ -67,6 +67,8 @@
 
 mod chrome_trace;
 mod comparison;
+#[cfg(feature = "cuda")]
+mod cuda_probe;
 mod error;
 pub mod estimator;
 mod label;

@@ -85,7 +85,7 @@ pub struct DeviceMemoryInfo {
 }
 
 /// Reads a device's memory figures. The extension point for backends: the `cuda` feature
-/// (not yet built) adds an implementation over `cuMemGetInfo` and headroom-cuda's pool, and
+/// implements it for `headroom_cuda::Cuda` over `cuMemGetInfo` and the default memory pool, and
 /// reports call it through this trait, so the CPU-only build needs no CUDA.
 pub trait DeviceMemoryProbe {
     /// The figures of `device`, or [`ProfilerError::Unavailable`] if this probe cannot see it.
