@@ -12,9 +12,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use headroom_accum::{
-    GradAccumulator, GradUnscaler, MicroBatchStats, StaticLossScale, StepTokens, ZeroFill,
-};
+use headroom_accum::{GradAccumulator, GradUnscaler, MicroBatchStats, StaticLossScale, StepTokens};
 use headroom_benches::size_label;
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType};
 
@@ -116,7 +114,7 @@ fn step_overhead(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("baseline_primitives", &label), |b| {
             b.iter(|| {
                 for g in &mut buffers {
-                    cpu.zero_fill(g).unwrap();
+                    cpu.fill_zero(g).unwrap();
                 }
                 let found = GradUnscaler::<Cpu>::unscale_and_check(&mut scaler, &cpu, &mut buffers)
                     .unwrap();
