@@ -22,6 +22,13 @@ fn lengths() -> impl Strategy<Value = usize> {
     ]
 }
 
+/// Lengths that also reach the threaded path (above `kernels::PAR_MIN`, 2^19 elements).
+const _: () = assert!(headroom_tensor::cpu::kernels::PAR_MIN < 600_000);
+
+fn lengths_threaded() -> impl Strategy<Value = usize> {
+    prop_oneof![lengths(), 600_000usize..1_100_000]
+}
+
 /// An f32 drawn from one of the bit-pattern classes that conversions must get right.
 fn f32_any_class() -> impl Strategy<Value = f32> {
     prop_oneof![
@@ -114,7 +121,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
     #[test]
-    fn narrowing_casts_match_half(len in lengths(), seed in prop::collection::vec(f32_any_class(), 1..64)) {
+    fn narrowing_casts_match_half(len in lengths_threaded(), seed in prop::collection::vec(f32_any_class(), 1..64)) {
         let cpu = Cpu::new();
         let src: Vec<f32> = (0..len).map(|i| seed[i % seed.len()]).collect();
         let got: Vec<bf16> = cast_via_backend(&cpu, &src);
@@ -151,7 +158,7 @@ proptest! {
 
     #[test]
     fn axpy_matches_reference(
-        len in lengths(),
+        len in lengths_threaded(),
         xs in prop::collection::vec(finite_f32(), 1..64),
         ys in prop::collection::vec(finite_f32(), 1..64),
         alpha in -3f32..3f32,
@@ -173,7 +180,7 @@ proptest! {
 
     #[test]
     fn sum_squares_matches_reference_and_ignores_thread_count(
-        len in lengths(),
+        len in lengths_threaded(),
         xs in prop::collection::vec(-1e4f32..1e4f32, 1..97),
     ) {
         let x: Vec<f32> = (0..len).map(|i| xs[i % xs.len()] * (1.0 + (i % 13) as f32 * 1e-3)).collect();
@@ -197,7 +204,7 @@ proptest! {
 
     #[test]
     fn unscale_finds_one_planted_non_finite_anywhere(
-        len in lengths().prop_filter("non-empty", |n| *n > 0),
+        len in lengths_threaded().prop_filter("non-empty", |n| *n > 0),
         pos_frac in 0.0f64..1.0,
         bad in prop_oneof![Just(f32::INFINITY), Just(f32::NEG_INFINITY), Just(f32::NAN)],
         xs in prop::collection::vec(finite_f32(), 1..64),
