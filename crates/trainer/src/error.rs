@@ -11,6 +11,14 @@ pub enum TrainError {
     /// A batch or token that does not fit the model.
     #[error("invalid input: {0}")]
     Input(String),
+    /// A checkpoint could not be written or read.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// A tensor operation failed (allocation refused, shape mismatch, …).
     #[error(transparent)]
     Tensor(#[from] headroom_tensor::Error),

@@ -27,6 +27,7 @@
 //! - Every activation is allocated through the backend in a named field, so the tracker's
 //!   activation bytes are exactly the model's.
 
+pub mod checkpoint;
 mod error;
 pub mod model;
 pub mod ops;

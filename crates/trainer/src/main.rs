@@ -30,7 +30,7 @@ enum AttentionKind {
     Flash,
 }
 
-#[derive(clap::Args, Default)]
+#[derive(Parser)]
 struct TrainArgs {
     /// Optimizer steps.
     #[arg(long)]
@@ -50,12 +50,24 @@ struct TrainArgs {
     /// Memory budget in MiB: allocations beyond it fail with the tracker's report.
     #[arg(long)]
     budget_mib: Option<u64>,
+    /// Write a checkpoint (safetensors + training state) into this directory.
+    #[arg(long)]
+    checkpoint_dir: Option<std::path::PathBuf>,
+    /// Steps between checkpoints.
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// Continue bit for bit from a checkpoint directory.
+    #[arg(long)]
+    resume: Option<std::path::PathBuf>,
+    /// Stop after this many steps (the schedule stays that of --steps).
+    #[arg(long)]
+    stop_after: Option<usize>,
 }
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let args = match cli.command {
         Some(Command::Train(a)) => a,
-        None => TrainArgs::default(),
+        None => TrainArgs::parse_from(["train"]),
     };
     let mut o = TrainOptions::tiny_default();
     if let Some(s) = args.steps {
@@ -78,6 +90,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         };
     }
     o.budget = args.budget_mib.map(|m| m << 20);
+    o.checkpoint = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
+    o.resume_from = args.resume;
+    o.stop_after = args.stop_after;
     println!(
         "headroom train: GPT {}L/{}H/{}C, context {}, vocab {} on the synthetic Markov source; batch {}×{}, {} steps, {} attention",
         o.model.layers, o.model.heads, o.model.channels, o.seq, o.model.vocab, o.batch, o.seq, o.steps, o.attention.algorithm.name()

@@ -2,6 +2,7 @@
 //! AdamW from headroom-offload, clipping from headroom-accum, data from headroom-mmap-data, and
 //! the profiler's tracker on every allocation.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -15,6 +16,7 @@ use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportCon
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, Cpu, Device, MemoryCategory};
 
+use crate::checkpoint::{self, TrainingState};
 use crate::model::{params, Geometry, Gpt, GptConfig};
 use crate::{Result, TrainError};
 
@@ -60,6 +62,13 @@ pub struct TrainOptions {
     pub attention: AttentionConfig,
     /// Optional memory budget in bytes (simulates a smaller device).
     pub budget: Option<u64>,
+    /// Where to write checkpoints, and after how many steps (0: never).
+    pub checkpoint: Option<(PathBuf, usize)>,
+    /// Continue from this checkpoint directory.
+    pub resume_from: Option<PathBuf>,
+    /// Stop after this many completed steps (as an interruption would), keeping the schedule
+    /// of the full run.
+    pub stop_after: Option<usize>,
 }
 
 impl TrainOptions {
@@ -85,6 +94,9 @@ impl TrainOptions {
             seed: 1337,
             attention: AttentionConfig::flash(),
             budget: None,
+            checkpoint: None,
+            resume_from: None,
+            stop_after: None,
         }
     }
 
@@ -122,7 +134,7 @@ pub struct StepLog {
 /// The outcome of a run.
 #[derive(Debug)]
 pub struct TrainReport {
-    /// Every step's log.
+    /// Every step's log (from the resumed step on, when resuming).
     pub steps: Vec<StepLog>,
     /// The data's entropy rate: the lowest achievable loss (nats/token).
     pub entropy_floor: f64,
@@ -167,12 +179,46 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     };
     let mut loader_cfg = LoaderConfig::new(opts.batch);
     loader_cfg.output = OutputType::U32;
+    let resume = match &opts.resume_from {
+        Some(dir) => {
+            let ck = checkpoint::load(dir)?;
+            if ck.state.config != opts.model {
+                return Err(TrainError::Config(format!(
+                    "checkpoint {} is for {:?}, this run is {:?}",
+                    dir.display(),
+                    ck.state.config,
+                    opts.model
+                )));
+            }
+            Some(ck)
+        }
+        None => None,
+    };
     let mut loader = {
         let _g = MemoryCategory::Data.enter();
-        Loader::new(dataset, sampler, loader_cfg, cpu.alloc_hook().cloned())?
+        match &resume {
+            Some(ck) => Loader::resume(
+                dataset,
+                &ck.state.loader,
+                loader_cfg,
+                cpu.alloc_hook().cloned(),
+            )?,
+            None => Loader::new(dataset, sampler, loader_cfg, cpu.alloc_hook().cloned())?,
+        }
     };
 
-    let gpt = Gpt::new(&cpu, opts.model, opts.attention, opts.seed)?;
+    let mut gpt = Gpt::new(&cpu, opts.model, opts.attention, opts.seed)?;
+    if let Some(ck) = &resume {
+        for (t, saved) in gpt.params.iter_mut().zip(&ck.params) {
+            let dst = t.as_mut_slice::<f32>()?;
+            if dst.len() != saved.len() {
+                return Err(TrainError::Config(
+                    "checkpoint parameter sizes differ from the model".into(),
+                ));
+            }
+            dst.copy_from_slice(saved);
+        }
+    }
     let mut grads = params::alloc_like_params(&cpu, &opts.model, MemoryCategory::Gradients)?;
     let infos = params::param_infos(&opts.model);
     // GPT-2 practice: decay matrices and embeddings, not biases or norm gains.
@@ -197,15 +243,20 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             ..Default::default()
         },
     ];
-    let mut opt = CpuAdamW::new(groups, &specs, StatePrecision::F32, StoreSpec::Ram(&cpu))?;
-    let mut gpt = gpt;
+    let mut opt = match &resume {
+        Some(ck) => CpuAdamW::restore(&ck.state.optimizer, &cpu, &ck.moments)?,
+        None => CpuAdamW::new(groups, &specs, StatePrecision::F32, StoreSpec::Ram(&cpu))?,
+    };
+    let start = resume.as_ref().map_or(0, |ck| ck.state.step);
+    drop(resume);
 
     let g = Geometry {
         b: opts.batch,
         t: opts.seq,
     };
     let mut logs = Vec::with_capacity(opts.steps);
-    for step in 0..opts.steps {
+    let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
+    for step in start..end {
         let t0 = Instant::now();
         let (tokens, targets) = {
             let batch = loader.next_batch()?;
@@ -253,6 +304,12 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         };
         on_step(&log);
         logs.push(log);
+        if let Some((dir, every)) = &opts.checkpoint {
+            if *every > 0 && (step + 1) % every == 0 {
+                let state = TrainingState::new(step + 1, opts.model, opt.state(), loader.state());
+                checkpoint::save(dir, &state, &gpt.params, opt.moments())?;
+            }
+        }
     }
     let memory = tracker.snapshot();
     let memory_table = memory_summary(&memory, &ReportContext::with_process_memory());

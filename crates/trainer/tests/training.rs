@@ -78,3 +78,86 @@ fn a_budget_too_small_fails_with_the_trackers_report() {
         "error chain does not explain the budget: {chain:?}"
     );
 }
+
+#[test]
+fn interrupted_then_resumed_run_reproduces_the_uninterrupted_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = TrainOptions {
+        steps: 12,
+        ..TrainOptions::tiny_default()
+    };
+    let full: Vec<u32> = train(&base, |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss.to_bits())
+        .collect();
+
+    // Checkpoint every 5 steps, "killed" after 7: the last checkpoint holds 5 steps.
+    let interrupted = TrainOptions {
+        checkpoint: Some((dir.path().to_path_buf(), 5)),
+        stop_after: Some(7),
+        ..base.clone()
+    };
+    let first = train(&interrupted, |_| {}).unwrap();
+    assert_eq!(first.steps.len(), 7);
+    let resumed = TrainOptions {
+        resume_from: Some(dir.path().to_path_buf()),
+        ..base.clone()
+    };
+    let rest: Vec<u32> = train(&resumed, |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss.to_bits())
+        .collect();
+    assert_eq!(rest.len(), 7, "steps 5..12");
+    assert_eq!(
+        &full[5..],
+        &rest[..],
+        "resumed losses differ from the uninterrupted run"
+    );
+}
+
+#[test]
+fn checkpoint_uses_hugging_face_names_and_layouts_and_rejects_corruption() {
+    use headroom_trainer::checkpoint;
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        steps: 2,
+        checkpoint: Some((dir.path().to_path_buf(), 2)),
+        ..TrainOptions::tiny_default()
+    };
+    train(&o, |_| {}).unwrap();
+    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let c = o.model.channels;
+    assert_eq!(
+        st.tensor("h.0.attn.c_attn.weight").unwrap().shape(),
+        &[c, 3 * c]
+    );
+    assert_eq!(
+        st.tensor("h.1.mlp.c_proj.weight").unwrap().shape(),
+        &[4 * c, c]
+    );
+    assert_eq!(
+        st.tensor("wte.weight").unwrap().shape(),
+        &[o.model.vocab, c]
+    );
+    assert_eq!(st.tensor("ln_f.bias").unwrap().shape(), &[c]);
+    let ck = checkpoint::load(dir.path()).unwrap();
+    assert_eq!(ck.state.step, 2);
+
+    // Truncated model file: a typed checkpoint error, not a panic.
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        &bytes[..bytes.len() / 2],
+    )
+    .unwrap();
+    assert!(matches!(
+        checkpoint::load(dir.path()),
+        Err(headroom_trainer::TrainError::Checkpoint { .. })
+    ));
+    std::fs::remove_file(dir.path().join("state.json")).unwrap();
+    assert!(checkpoint::load(dir.path()).is_err());
+}
