@@ -15,6 +15,80 @@ fn parallelism() -> Parallelism {
     }
 }
 
+/// A row-major `[rows, cols]` view given by its strides in elements: `(row stride, column
+/// stride)`; a transposed matrix is the same buffer with the strides swapped.
+#[derive(Clone, Copy)]
+struct Strided<'a> {
+    data: &'a [f32],
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> Strided<'a> {
+    /// A dense row-major matrix with `cols` columns.
+    fn rows(data: &'a [f32], cols: usize) -> Self {
+        Strided {
+            data,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+    /// The transpose of a dense row-major matrix with `cols` columns.
+    fn transposed(data: &'a [f32], cols: usize) -> Self {
+        Strided {
+            data,
+            row_stride: 1,
+            col_stride: cols,
+        }
+    }
+}
+
+/// `dst[m, n] (+)= lhs[m, k] · rhs[k, n]`, `dst` dense row-major; accumulates when
+/// `accumulate`, overwrites otherwise. The only place this module calls into gemm.
+fn gemm_into(
+    dst: &mut [f32],
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    debug_assert_eq!(dst.len(), m * n);
+    debug_assert!(
+        m == 0 || k == 0 || lhs.data.len() > (m - 1) * lhs.row_stride + (k - 1) * lhs.col_stride
+    );
+    debug_assert!(
+        k == 0 || n == 0 || rhs.data.len() > (k - 1) * rhs.row_stride + (n - 1) * rhs.col_stride
+    );
+    // SAFETY: the callers pass matrices whose strided extents lie inside their slices (checked
+    // in debug builds above), and `dst` is a distinct mutable borrow, so nothing aliases it.
+    unsafe {
+        // gemm computes dst := alpha·dst + beta·lhs·rhs (alpha read only when read_dst).
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr(),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(),
+        );
+    }
+}
+
 /// `out = inp · Wᵀ (+ bias)`; `inp` is `[n, c]`, `weight` `[oc, c]`, `out` `[n, oc]`.
 /// Lengths are the caller's contract (checked in debug builds).
 pub fn forward(
@@ -26,35 +100,17 @@ pub fn forward(
     c: usize,
     oc: usize,
 ) {
-    debug_assert_eq!(out.len(), n * oc);
     debug_assert_eq!(inp.len(), n * c);
     debug_assert_eq!(weight.len(), oc * c);
-    // SAFETY: the pointers cover exactly the described matrices (lengths asserted above by the
-    // callers' contract); `out` does not alias the inputs (distinct borrows).
-    unsafe {
-        gemm::gemm(
-            n,
-            oc,
-            c,
-            out.as_mut_ptr(),
-            1,
-            oc as isize,
-            false,
-            inp.as_ptr(),
-            1,
-            c as isize,
-            // Wᵀ as a [c, oc] matrix: row stride 1, column stride c.
-            weight.as_ptr(),
-            c as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        );
-    }
+    gemm_into(
+        out,
+        Strided::rows(inp, c),
+        Strided::transposed(weight, c),
+        n,
+        oc,
+        c,
+        false,
+    );
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(oc) {
             for (o, b) in row.iter_mut().zip(b) {
@@ -78,57 +134,27 @@ pub fn backward(
     c: usize,
     oc: usize,
 ) {
-    debug_assert_eq!(dinp.len(), n * c);
-    debug_assert_eq!(dweight.len(), oc * c);
     debug_assert_eq!(dout.len(), n * oc);
-    // SAFETY: as in `forward`; destinations are distinct from the sources.
-    unsafe {
-        // dinp[n, c] += dout[n, oc] · W[oc, c]
-        gemm::gemm(
-            n,
-            c,
-            oc,
-            dinp.as_mut_ptr(),
-            1,
-            c as isize,
-            true,
-            dout.as_ptr(),
-            1,
-            oc as isize,
-            weight.as_ptr(),
-            1,
-            c as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        );
-        // dweight[oc, c] += dout[n, oc]ᵀ · inp[n, c]
-        gemm::gemm(
-            oc,
-            c,
-            n,
-            dweight.as_mut_ptr(),
-            1,
-            c as isize,
-            true,
-            // doutᵀ as [oc, n]: column (inner) stride oc, row stride 1.
-            dout.as_ptr(),
-            oc as isize,
-            1,
-            inp.as_ptr(),
-            1,
-            c as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(),
-        );
-    }
+    // dinp[n, c] += dout[n, oc] · W[oc, c]
+    gemm_into(
+        dinp,
+        Strided::rows(dout, oc),
+        Strided::rows(weight, c),
+        n,
+        c,
+        oc,
+        true,
+    );
+    // dweight[oc, c] += dout[n, oc]ᵀ · inp[n, c]
+    gemm_into(
+        dweight,
+        Strided::transposed(dout, oc),
+        Strided::rows(inp, c),
+        oc,
+        c,
+        n,
+        true,
+    );
     if let Some(db) = dbias {
         for row in dout.chunks_exact(oc) {
             for (d, g) in db.iter_mut().zip(row) {
