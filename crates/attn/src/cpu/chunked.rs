@@ -7,7 +7,7 @@ use headroom_tensor::Cpu;
 use super::matmul::{matmul, MatRef};
 use super::parallel::{self, BackwardSegment, ForwardTile, Grads};
 use super::softmax_rows::{dot, probs_from_lse_row, softmax_grad_row, softmax_row};
-use super::{Problem, SavedRows};
+use super::{HeadBackward, Problem, SavedRows};
 use crate::{AttentionConfig, AttnError, Result};
 
 fn rows_of(data: &[f32], rows: std::ops::Range<usize>, hd: usize) -> Result<&[f32]> {
@@ -93,7 +93,7 @@ fn backward_segment(
     scratch: &mut [f32],
 ) -> Result<()> {
     let hd = p.dims.head_dim;
-    let (nq, nk) = (p.dims.q_len, p.dims.kv_len);
+    let nk = p.dims.kv_len;
     let BackwardSegment {
         bh,
         rows,
@@ -101,15 +101,14 @@ fn backward_segment(
         dk,
         dv,
     } = seg;
-    let q = p.head(p.q, bh, nq)?;
-    let d_out = p.head(saved.d_out, bh, nq)?;
-    let out = p.head(saved.out, bh, nq)?;
-    let lse = saved
-        .lse
-        .get(bh * nq..(bh + 1) * nq)
-        .ok_or(AttnError::Internal("chunked lse"))?;
-    let kv = p.kv_head_of(bh);
-    let (k, v) = (p.head(p.k, kv, nk)?, p.head(p.v, kv, nk)?);
+    let HeadBackward {
+        q,
+        d_out,
+        out,
+        lse,
+        k,
+        v,
+    } = HeadBackward::new(p, saved, bh)?;
     let (probs, rest) = scratch.split_at_mut(chunk * nk);
     let (dprobs, d_rows) = rest.split_at_mut(chunk * nk);
 

@@ -130,6 +130,35 @@ pub(crate) struct SavedRows<'a> {
     pub(crate) lse: &'a [f32],
 }
 
+/// One query head's slices of everything a chunked or flash backward reads: its `q`, `d_out`,
+/// `out` and logsumexp rows, and the `k`, `v` of the key/value head it attends to.
+pub(crate) struct HeadBackward<'a> {
+    pub(crate) q: &'a [f32],
+    pub(crate) d_out: &'a [f32],
+    pub(crate) out: &'a [f32],
+    pub(crate) lse: &'a [f32],
+    pub(crate) k: &'a [f32],
+    pub(crate) v: &'a [f32],
+}
+
+impl<'a> HeadBackward<'a> {
+    pub(crate) fn new(p: &Problem<'a>, saved: &SavedRows<'a>, bh: usize) -> Result<Self> {
+        let (nq, nk) = (p.dims.q_len, p.dims.kv_len);
+        let kv = p.kv_head_of(bh);
+        Ok(HeadBackward {
+            q: p.head(p.q, bh, nq)?,
+            d_out: p.head(saved.d_out, bh, nq)?,
+            out: p.head(saved.out, bh, nq)?,
+            lse: saved
+                .lse
+                .get(bh * nq..(bh + 1) * nq)
+                .ok_or(AttnError::Internal("backward lse"))?,
+            k: p.head(p.k, kv, nk)?,
+            v: p.head(p.v, kv, nk)?,
+        })
+    }
+}
+
 fn check_same(
     tensor: &'static str,
     t: &CpuTensor,
