@@ -48,13 +48,6 @@ fn require_float(op: &'static str, dtype: DType) -> Result<&'static str> {
     float_suffix(dtype).ok_or(Error::UnsupportedDType { op, dtype })
 }
 
-fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected != got {
-        return Err(Error::LengthMismatch { op, expected, got });
-    }
-    Ok(())
-}
-
 impl Cuda {
     fn kernel(
         &self,
@@ -90,7 +83,7 @@ impl Backend for Cuda {
 
     fn upload<T: Element>(&self, data: &[T], shape: impl Into<Shape>) -> Result<CudaTensor> {
         let shape = shape.into();
-        check_len("upload", shape.numel(), data.len())?;
+        Error::check_len("upload", shape.numel(), data.len())?;
         let mut t = self.alloc_tensor(shape, T::DTYPE, false)?;
         if let Some(dst) = t.data.as_mut() {
             // From pageable memory the driver stages the bytes before returning, so `data` may be
@@ -111,7 +104,7 @@ impl Backend for Cuda {
                 got: src.dtype,
             });
         }
-        check_len("download", src.numel(), dst.len())?;
+        Error::check_len("download", src.numel(), dst.len())?;
         if let Some(data) = src.data.as_ref() {
             let stream = self.stream();
             stream
@@ -143,7 +136,7 @@ impl Backend for Cuda {
                 got: src.dtype,
             });
         }
-        check_len("copy", dst.numel(), src.numel())?;
+        Error::check_len("copy", dst.numel(), src.numel())?;
         if let (Some(s), Some(d)) = (src.data.as_ref(), dst.data.as_mut()) {
             self.stream()
                 .memcpy_dtod(s, d)
@@ -155,7 +148,7 @@ impl Backend for Cuda {
     fn cast(&self, src: &CudaTensor, dst: &mut CudaTensor) -> Result<()> {
         self.check_device("cast", src)?;
         self.check_device("cast", dst)?;
-        check_len("cast", dst.numel(), src.numel())?;
+        Error::check_len("cast", dst.numel(), src.numel())?;
         if src.dtype == dst.dtype {
             return self.copy(src, dst);
         }
@@ -198,7 +191,7 @@ impl Backend for Cuda {
     fn axpy(&self, alpha: f32, x: &CudaTensor, y: &mut CudaTensor) -> Result<()> {
         self.check_device("axpy", x)?;
         self.check_device("axpy", y)?;
-        check_len("axpy", y.numel(), x.numel())?;
+        Error::check_len("axpy", y.numel(), x.numel())?;
         require_float("axpy", x.dtype)?;
         if y.dtype != DType::F32 {
             return Err(Error::DTypeMismatch {

@@ -3,7 +3,7 @@
 use std::fmt;
 
 use cudarc::driver::CudaSlice;
-use headroom_tensor::{DType, Device, Error, Result, Shape, Tensor, TrackedAllocation};
+use headroom_tensor::{DType, Device, Result, Shape, Tensor, TrackedAllocation};
 
 /// A dense row-major tensor in device memory.
 ///
@@ -48,14 +48,7 @@ impl Tensor for CudaTensor {
         Device::Cuda(self.ordinal)
     }
     fn reshape(&mut self, shape: Shape) -> Result<()> {
-        if shape.checked_numel() != Some(self.shape.numel()) {
-            return Err(Error::InvalidShape {
-                op: "reshape",
-                shape,
-                reason: "element count differs from the tensor's",
-            });
-        }
-        self.shape = shape;
+        self.shape = self.shape.reshape_to(shape)?;
         Ok(())
     }
 }

@@ -110,5 +110,16 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// `Ok` when `got == expected`, else [`Error::LengthMismatch`]: the element-count check
+    /// every backend makes before touching two buffers.
+    pub fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
+        if expected != got {
+            return Err(Error::LengthMismatch { op, expected, got });
+        }
+        Ok(())
+    }
+}
+
 /// `Result` with the tensor [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

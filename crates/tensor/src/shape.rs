@@ -56,6 +56,19 @@ impl Shape {
             })
     }
 
+    /// `new` if it has the same element count as `self` (a reshape), else
+    /// [`Error::InvalidShape`]. Backends implement `Tensor::reshape` with it.
+    pub fn reshape_to(&self, new: Shape) -> Result<Shape> {
+        if new.checked_numel() != Some(self.numel()) {
+            return Err(Error::InvalidShape {
+                op: "reshape",
+                shape: new,
+                reason: "element count differs from the tensor's",
+            });
+        }
+        Ok(new)
+    }
+
     /// Row-major strides in elements.
     pub fn strides(&self) -> Vec<usize> {
         let mut strides = vec![1usize; self.0.len()];

@@ -94,14 +94,7 @@ impl Tensor for CpuTensor {
         Device::Cpu
     }
     fn reshape(&mut self, shape: Shape) -> Result<()> {
-        if shape.checked_numel() != Some(self.shape.numel()) {
-            return Err(Error::InvalidShape {
-                op: "reshape",
-                shape,
-                reason: "element count differs from the tensor's",
-            });
-        }
-        self.shape = shape;
+        self.shape = self.shape.reshape_to(shape)?;
         Ok(())
     }
 }
@@ -204,13 +197,6 @@ impl Cpu {
     }
 }
 
-fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
-    if expected != got {
-        return Err(Error::LengthMismatch { op, expected, got });
-    }
-    Ok(())
-}
-
 impl Backend for Cpu {
     type Tensor = CpuTensor;
 
@@ -234,7 +220,7 @@ impl Backend for Cpu {
 
     fn upload<T: Element>(&self, data: &[T], shape: impl Into<Shape>) -> Result<CpuTensor> {
         let shape = shape.into();
-        check_len("upload", shape.numel(), data.len())?;
+        Error::check_len("upload", shape.numel(), data.len())?;
         let mut t = self.alloc(shape, T::DTYPE)?;
         t.as_bytes_mut().copy_from_slice(bytemuck::cast_slice(data));
         Ok(t)
@@ -243,7 +229,7 @@ impl Backend for Cpu {
     fn download_into<T: Element>(&self, src: &CpuTensor, dst: &mut [T]) -> Result<()> {
         Self::check_device("download", src)?;
         let s = src.as_slice::<T>()?;
-        check_len("download", s.len(), dst.len())?;
+        Error::check_len("download", s.len(), dst.len())?;
         dst.copy_from_slice(s);
         Ok(())
     }
@@ -262,13 +248,13 @@ impl Backend for Cpu {
                 got: src.dtype,
             });
         }
-        check_len("copy", dst.numel(), src.numel())?;
+        Error::check_len("copy", dst.numel(), src.numel())?;
         dst.as_bytes_mut().copy_from_slice(src.as_bytes());
         Ok(())
     }
 
     fn cast(&self, src: &CpuTensor, dst: &mut CpuTensor) -> Result<()> {
-        check_len("cast", dst.numel(), src.numel())?;
+        Error::check_len("cast", dst.numel(), src.numel())?;
         if src.dtype == dst.dtype {
             return self.copy(src, dst);
         }
@@ -285,7 +271,7 @@ impl Backend for Cpu {
     }
 
     fn axpy(&self, alpha: f32, x: &CpuTensor, y: &mut CpuTensor) -> Result<()> {
-        check_len("axpy", y.numel(), x.numel())?;
+        Error::check_len("axpy", y.numel(), x.numel())?;
         let xs = x.float_slice("axpy")?;
         let y_dtype = y.dtype;
         let ys = y.as_mut_slice::<f32>().map_err(|_| Error::DTypeMismatch {
