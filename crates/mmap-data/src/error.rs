@@ -115,6 +115,19 @@ pub enum DataError {
         /// The width it had to fit (`"u16"`, …).
         width: &'static str,
     },
+    /// A vocabulary whose largest id does not fit the chosen on-disk token type (writing):
+    /// refused before any file is touched.
+    #[error(
+        "a vocabulary of {vocab} ids does not fit {width} tokens (largest storable id {max_id})"
+    )]
+    VocabTooLarge {
+        /// The vocabulary size.
+        vocab: u64,
+        /// The storage type (`"u16"`, …).
+        width: &'static str,
+        /// The largest id that type stores.
+        max_id: u64,
+    },
     /// A window of `window` tokens cannot be cut from data this short.
     #[error("window of {window} tokens does not fit: longest usable run is {longest} tokens")]
     WindowTooLong {

@@ -14,7 +14,10 @@
 //!   stream.
 //! - **Synthetic data** ([`MarkovChain`]): a random sparse Markov chain with an exactly
 //!   computed entropy rate — the loss floor of a run trained on it.
-//! - **Text** ([`text`]): byte-level tokenisation of UTF-8 files.
+//! - **Text** ([`text`]): byte-level tokenisation of UTF-8 files, with an optional
+//!   end-of-text token between documents.
+//! - **Tools** ([`tools`]): what `headroom data synth|build|inspect` calls — write the
+//!   synthetic source or a tokenised text file in any format, describe any token file.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -63,6 +66,9 @@
 //! - A sampler is a pure function of (dataset shape, config, position): the epoch samplers
 //!   visit every window exactly once per epoch, shards are disjoint and cover the data, and a
 //!   restored [`LoaderState`] replays the identical batch stream whatever the worker count.
+//! - Every writer streams through [`formats::writer::TokenWriter`]: a temporary file beside the
+//!   target, fsynced and renamed into place, so a reader never sees a partial file and a failed
+//!   write leaves the previous file intact.
 //! - Files must not be modified while a dataset over them is open (as with any memory map).
 
 mod dataset;
@@ -75,6 +81,7 @@ mod sampler;
 mod synthetic;
 pub mod text;
 mod tokens;
+pub mod tools;
 
 pub use dataset::{Document, Segment, TokenDataset};
 pub use error::{DataError, Result};
@@ -82,5 +89,9 @@ pub use formats::llmc::LlmcFlavor;
 pub use formats::{open, OpenOptions, TokenFileFormat};
 pub use loader::{fill_batch, Batch, BatchBuffer, Loader, LoaderConfig, LoaderState};
 pub use sampler::{SamplerConfig, SamplingMode, Shard, Window, WindowSampler};
-pub use synthetic::MarkovChain;
+pub use synthetic::{MarkovChain, MarkovStream};
 pub use tokens::{OutputToken, OutputType, TokenSlice, TokenType};
+pub use tools::{
+    build_from_text, inspect, synthesize, BuildSpec, DatasetSummary, DetectedFormat, DtypeSource,
+    FileDescription, InspectOptions, SynthSpec,
+};

@@ -137,32 +137,41 @@ impl MarkovChain {
 
     /// `n` tokens of the chain, starting from a draw of π; deterministic in `seed`.
     pub fn generate(&self, n: usize, seed: u64) -> Vec<u32> {
-        let mut rng = Xoshiro256::seed_from_u64(derive_seed(&[seed, 0x6E4E_7A7E]));
-        let mut out = Vec::with_capacity(n);
-        if n == 0 {
-            return out;
+        let mut out = vec![0u32; n];
+        self.stream(seed).fill(&mut out);
+        out
+    }
+
+    /// The token stream of `seed` as a resumable generator: filling buffers one after
+    /// another yields exactly [`MarkovChain::generate`]'s tokens, in bounded memory.
+    pub fn stream(&self, seed: u64) -> MarkovStream<'_> {
+        MarkovStream {
+            chain: self,
+            rng: Xoshiro256::seed_from_u64(derive_seed(&[seed, 0x6E4E_7A7E])),
+            state: None,
         }
-        let u = rng.next_f64();
+    }
+
+    /// A state drawn from π with one uniform `u` in `[0, 1)`.
+    fn stationary_draw(&self, u: f64) -> u32 {
         let mut acc = 0.0;
-        let mut state = self.vocab - 1;
         for (i, &p) in self.stationary.iter().enumerate() {
             acc += p;
             if u < acc {
-                state = i as u32;
-                break;
+                return i as u32;
             }
         }
-        out.push(state);
+        // Round-off can leave Σπ a hair below 1.
+        self.vocab - 1
+    }
+
+    /// The successor of `state` picked by one uniform `u` in `[0, 1)`.
+    fn step(&self, state: u32, u: f64) -> u32 {
         let k = self.branching as usize;
-        for _ in 1..n {
-            let row = state as usize * k;
-            let u = rng.next_f64();
-            let cum = self.cumulative.get(row..row + k).unwrap_or(&[]);
-            let j = cum.iter().position(|&c| u < c).unwrap_or(k - 1);
-            state = self.successors.get(row + j).copied().unwrap_or(0);
-            out.push(state);
-        }
-        out
+        let row = state as usize * k;
+        let cum = self.cumulative.get(row..row + k).unwrap_or(&[]);
+        let j = cum.iter().position(|&c| u < c).unwrap_or(k - 1);
+        self.successors.get(row + j).copied().unwrap_or(0)
     }
 
     /// The smallest token type that holds this vocabulary.
@@ -191,6 +200,30 @@ impl MarkovChain {
         format: TokenFileFormat,
     ) -> Result<()> {
         write_tokens(path, &self.generate(n, seed), format)
+    }
+}
+
+/// A [`MarkovChain`]'s token stream in progress (see [`MarkovChain::stream`]).
+#[derive(Clone, Debug)]
+pub struct MarkovStream<'a> {
+    chain: &'a MarkovChain,
+    rng: Xoshiro256,
+    /// The last token handed out; `None` before the first (which is drawn from π).
+    state: Option<u32>,
+}
+
+impl MarkovStream<'_> {
+    /// Overwrite `out` with the next `out.len()` tokens of the stream.
+    pub fn fill(&mut self, out: &mut [u32]) {
+        for slot in out {
+            let u = self.rng.next_f64();
+            let next = match self.state {
+                None => self.chain.stationary_draw(u),
+                Some(s) => self.chain.step(s, u),
+            };
+            self.state = Some(next);
+            *slot = next;
+        }
     }
 }
 
@@ -233,4 +266,63 @@ fn stationary_distribution(
     Err(DataError::InvalidConfig(
         "stationary distribution did not converge (chain mixes too slowly)".into(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one-shot generator as it was first written (one loop, one uniform per token):
+    /// the plain reference the chunked stream must reproduce bit for bit, so data written
+    /// by earlier versions (and the trainer's default stream) is unchanged.
+    fn reference_generate(chain: &MarkovChain, n: usize, seed: u64) -> Vec<u32> {
+        let mut rng = Xoshiro256::seed_from_u64(derive_seed(&[seed, 0x6E4E_7A7E]));
+        let mut out = Vec::with_capacity(n);
+        if n == 0 {
+            return out;
+        }
+        let u = rng.next_f64();
+        let mut acc = 0.0;
+        let mut state = chain.vocab - 1;
+        for (i, &p) in chain.stationary.iter().enumerate() {
+            acc += p;
+            if u < acc {
+                state = i as u32;
+                break;
+            }
+        }
+        out.push(state);
+        let k = chain.branching as usize;
+        for _ in 1..n {
+            let row = state as usize * k;
+            let u = rng.next_f64();
+            let cum = &chain.cumulative[row..row + k];
+            let j = cum.iter().position(|&c| u < c).unwrap_or(k - 1);
+            state = chain.successors[row + j];
+            out.push(state);
+        }
+        out
+    }
+
+    #[test]
+    fn chunked_stream_equals_the_one_shot_reference() {
+        for (vocab, k, seed) in [(2, 2, 0), (37, 3, 5), (1000, 8, 42)] {
+            let chain = MarkovChain::random(vocab, k, seed).unwrap();
+            let want = reference_generate(&chain, 5000, seed + 1);
+            assert_eq!(chain.generate(5000, seed + 1), want);
+            // Uneven chunk sizes, including empty ones.
+            let mut stream = chain.stream(seed + 1);
+            let mut got = Vec::new();
+            for len in [0usize, 1, 7, 0, 1000, 3992] {
+                let mut buf = vec![u32::MAX; len];
+                stream.fill(&mut buf);
+                got.extend(buf);
+            }
+            assert_eq!(got, want);
+        }
+        assert!(MarkovChain::random(5, 2, 0)
+            .unwrap()
+            .generate(0, 1)
+            .is_empty());
+    }
 }

@@ -68,6 +68,34 @@ impl TokenType {
     }
 }
 
+impl std::str::FromStr for TokenType {
+    type Err = crate::DataError;
+
+    /// Parse a lowercase name as [`TokenType::name`] prints it (`"u16"`, …).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [
+            TokenType::U8,
+            TokenType::U16,
+            TokenType::U32,
+            TokenType::I32,
+            TokenType::I64,
+        ]
+        .into_iter()
+        .find(|t| t.name() == s)
+        .ok_or_else(|| {
+            crate::DataError::InvalidConfig(format!(
+                "unknown token type {s:?} (expected u8, u16, u32, i32 or i64)"
+            ))
+        })
+    }
+}
+
+impl std::fmt::Display for TokenType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The two element types a batch can be produced in: `u32` (compact, for our own kernels) and
 /// `i64` (what PyTorch's embedding and cross-entropy expect).
 pub trait OutputToken: Element + Default {

@@ -8,8 +8,9 @@
 use std::path::Path;
 
 use crate::dataset::{map_file, Segment, TokenDataset};
-use crate::formats::write_atomically;
-use crate::tokens::{encode_tokens, TokenType};
+use crate::formats::writer::TokenWriter;
+use crate::formats::TokenFileFormat;
+use crate::tokens::TokenType;
 use crate::{DataError, Result};
 
 /// Header size in bytes: 256 little-endian `i32`.
@@ -29,6 +30,17 @@ pub enum LlmcFlavor {
 }
 
 impl LlmcFlavor {
+    /// The token type of this flavour (`u16` for GPT-2, `u32` for Llama 3).
+    pub fn token_type(self) -> TokenType {
+        self.magic_version_type().2
+    }
+
+    /// Magic number and version of this flavour's header.
+    pub(crate) fn magic_version(self) -> (i32, i32) {
+        let (m, v, _) = self.magic_version_type();
+        (m, v)
+    }
+
     fn magic_version_type(self) -> (i32, i32, TokenType) {
         match self {
             LlmcFlavor::Gpt2 => (LLMC_MAGIC_GPT2, 1, TokenType::U16),
@@ -145,20 +157,9 @@ pub fn open_llmc(path: impl AsRef<Path>) -> Result<TokenDataset> {
     TokenDataset::from_segments(vec![llmc_segment(path.as_ref())?], None)
 }
 
-/// Write `tokens` as an llm.c shard of `flavor`.
+/// Write `tokens` as an llm.c shard of `flavor`, atomically (see [`TokenWriter`]).
 pub fn write_llmc(path: impl AsRef<Path>, tokens: &[u32], flavor: LlmcFlavor) -> Result<()> {
-    let (magic, version, token_type) = flavor.magic_version_type();
-    let count = i32::try_from(tokens.len()).map_err(|_| {
-        DataError::InvalidConfig(format!(
-            "llm.c shards hold at most {} tokens, got {}",
-            i32::MAX,
-            tokens.len()
-        ))
-    })?;
-    let mut header = vec![0u8; LLMC_HEADER_BYTES];
-    for (i, v) in [magic, version, count].into_iter().enumerate() {
-        header[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
-    }
-    let body = encode_tokens(tokens, token_type)?;
-    write_atomically(path.as_ref(), &[&header, &body])
+    let mut writer = TokenWriter::create(path, TokenFileFormat::Llmc(flavor))?;
+    writer.write(tokens)?;
+    writer.finish().map(drop)
 }

@@ -21,15 +21,16 @@
 use std::path::{Path, PathBuf};
 
 use crate::dataset::{map_file, Document, Segment, TokenDataset};
-use crate::formats::write_atomically;
-use crate::tokens::{encode_tokens, TokenType};
+use crate::formats::writer::TokenWriter;
+use crate::formats::TokenFileFormat;
+use crate::tokens::TokenType;
 use crate::{DataError, Result};
 
 /// The `.idx` magic bytes.
 pub const MEGATRON_MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
 /// The only `.idx` version Megatron-LM writes.
 pub const MEGATRON_VERSION: u64 = 1;
-const FIXED_HEADER: usize = 9 + 8 + 1 + 8 + 8;
+pub(crate) const FIXED_HEADER: usize = 9 + 8 + 1 + 8 + 8;
 
 /// Megatron's dtype code for a token type.
 pub fn megatron_dtype_code(token_type: TokenType) -> Option<u8> {
@@ -299,41 +300,21 @@ pub fn open_megatron(path: impl AsRef<Path>) -> Result<TokenDataset> {
     TokenDataset::from_segments(vec![segment], Some(index.documents()))
 }
 
-/// Write `documents` (one sequence each) as `prefix.idx` + `prefix.bin`.
+/// Write `documents` (one sequence each) as `prefix.idx` + `prefix.bin`, atomically (see
+/// [`TokenWriter`]). Empty documents are kept as zero-length sequences.
 pub fn write_megatron(
     prefix: impl AsRef<Path>,
     documents: &[Vec<u32>],
     token_type: TokenType,
 ) -> Result<()> {
-    let code = megatron_dtype_code(token_type).ok_or_else(|| {
-        DataError::InvalidConfig(format!(
-            "Megatron has no dtype code for {}",
-            token_type.name()
-        ))
-    })?;
-    let (idx_path, bin_path) = megatron_paths(prefix.as_ref());
-    let all: Vec<u32> = documents.iter().flatten().copied().collect();
-    let bin = encode_tokens(&all, token_type)?;
-    let mut idx = Vec::with_capacity(FIXED_HEADER + documents.len() * 20 + 8);
-    idx.extend_from_slice(MEGATRON_MAGIC);
-    idx.extend_from_slice(&MEGATRON_VERSION.to_le_bytes());
-    idx.push(code);
-    idx.extend_from_slice(&(documents.len() as u64).to_le_bytes());
-    idx.extend_from_slice(&(documents.len() as u64 + 1).to_le_bytes());
+    let format = TokenFileFormat::Megatron {
+        token_type,
+        document_len: usize::MAX,
+    };
+    let mut writer = TokenWriter::create(prefix, format)?;
     for d in documents {
-        let n = i32::try_from(d.len()).map_err(|_| {
-            DataError::InvalidConfig(format!("a sequence of {} tokens exceeds i32", d.len()))
-        })?;
-        idx.extend_from_slice(&n.to_le_bytes());
+        writer.write(d)?;
+        writer.close_document(true)?;
     }
-    let mut pointer = 0i64;
-    for d in documents {
-        idx.extend_from_slice(&pointer.to_le_bytes());
-        pointer += (d.len() * token_type.width()) as i64;
-    }
-    for i in 0..=documents.len() {
-        idx.extend_from_slice(&(i as i64).to_le_bytes());
-    }
-    write_atomically(&bin_path, &[&bin])?;
-    write_atomically(&idx_path, &[&idx])
+    writer.finish().map(drop)
 }

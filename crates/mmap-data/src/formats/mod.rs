@@ -4,9 +4,9 @@
 pub mod llmc;
 pub mod megatron;
 pub mod raw;
+pub mod writer;
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::dataset::{Document, Segment, TokenDataset};
@@ -65,15 +65,19 @@ pub fn open(path: impl AsRef<Path>, options: &OpenOptions) -> Result<TokenDatase
         files.sort();
         return open_shards(&files, options, &path.display().to_string());
     }
-    let (idx, _) = megatron::megatron_paths(path);
-    let ext = path.extension().and_then(|e| e.to_str());
-    if matches!(ext, Some("idx"))
-        || (idx.is_file() && (matches!(ext, Some("bin")) || !path.exists()))
-    {
+    if is_megatron_path(path) {
         return megatron::open_megatron(path);
     }
     let segment = open_file_segment(path, options)?;
     TokenDataset::from_segments(vec![segment], None)
+}
+
+/// True when [`open`] reads `path` as a Megatron dataset: a `.idx` path, or a `.bin` path or
+/// a prefix (that is not itself a file) with a `.idx` beside it.
+pub fn is_megatron_path(path: &Path) -> bool {
+    let (idx, _) = megatron::megatron_paths(path);
+    let ext = path.extension().and_then(|e| e.to_str());
+    matches!(ext, Some("idx")) || (idx.is_file() && (matches!(ext, Some("bin")) || !path.exists()))
 }
 
 fn open_file_segment(path: &Path, options: &OpenOptions) -> Result<Segment> {
@@ -184,44 +188,43 @@ pub enum TokenFileFormat {
     },
 }
 
-/// Write `tokens` to `path` in `format`.
-pub fn write_tokens(path: impl AsRef<Path>, tokens: &[u32], format: TokenFileFormat) -> Result<()> {
-    match format {
-        TokenFileFormat::Raw(t) => raw::write_raw(path, tokens, t),
-        TokenFileFormat::Llmc(f) => llmc::write_llmc(path, tokens, f),
-        TokenFileFormat::Megatron {
-            token_type,
-            document_len,
-        } => {
-            if document_len == 0 {
-                return Err(DataError::InvalidConfig(
-                    "document_len must be at least 1".into(),
-                ));
-            }
-            let docs: Vec<Vec<u32>> = tokens.chunks(document_len).map(<[u32]>::to_vec).collect();
-            megatron::write_megatron(path, &docs, token_type)
+impl TokenFileFormat {
+    /// The on-disk token type.
+    pub fn token_type(&self) -> TokenType {
+        match *self {
+            TokenFileFormat::Raw(t) => t,
+            TokenFileFormat::Llmc(f) => f.token_type(),
+            TokenFileFormat::Megatron { token_type, .. } => token_type,
         }
     }
 }
 
-/// Write `parts` to `path` through a temporary file, fsync, then rename: a reader never sees a
-/// half-written file, and a failed write leaves any previous file intact.
-pub(crate) fn write_atomically(path: &Path, parts: &[&[u8]]) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        for p in parts {
-            f.write_all(p)?;
+impl std::fmt::Display for TokenFileFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            TokenFileFormat::Raw(t) => write!(f, "raw {} (nanoGPT .bin)", t.name()),
+            TokenFileFormat::Llmc(llmc::LlmcFlavor::Gpt2) => f.write_str("llm.c GPT-2 shard (u16)"),
+            TokenFileFormat::Llmc(llmc::LlmcFlavor::Llama3) => {
+                f.write_str("llm.c Llama-3 shard (u32)")
+            }
+            TokenFileFormat::Megatron {
+                token_type,
+                document_len,
+            } => write!(
+                f,
+                "Megatron .idx/.bin {} (documents of at most {document_len} tokens)",
+                token_type.name()
+            ),
         }
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
     }
-    result.map_err(|e| DataError::io(path, e))
+}
+
+/// Write `tokens` to `path` in `format`, atomically (see [`writer::TokenWriter`], which
+/// also streams when the tokens do not fit in memory at once).
+pub fn write_tokens(path: impl AsRef<Path>, tokens: &[u32], format: TokenFileFormat) -> Result<()> {
+    let mut writer = writer::TokenWriter::create(path, format)?;
+    writer.write(tokens)?;
+    writer.finish().map(drop)
 }
 
 #[cfg(test)]

@@ -3,8 +3,9 @@
 use std::path::Path;
 
 use crate::dataset::{map_file, Segment, TokenDataset};
-use crate::formats::write_atomically;
-use crate::tokens::{encode_tokens, TokenType};
+use crate::formats::writer::TokenWriter;
+use crate::formats::TokenFileFormat;
+use crate::tokens::TokenType;
 use crate::{DataError, Result};
 
 /// Check that `byte_len` bytes of a raw file hold whole tokens; return the token count.
@@ -35,9 +36,10 @@ pub fn open_raw(path: impl AsRef<Path>, token_type: TokenType) -> Result<TokenDa
     TokenDataset::from_segments(vec![raw_segment(path.as_ref(), token_type)?], None)
 }
 
-/// Write `tokens` as a raw file of `token_type`; fails (writing nothing) if a token does not
-/// fit the type.
+/// Write `tokens` as a raw file of `token_type`, atomically (see [`TokenWriter`]); fails
+/// (writing nothing) if a token does not fit the type or there are no tokens.
 pub fn write_raw(path: impl AsRef<Path>, tokens: &[u32], token_type: TokenType) -> Result<()> {
-    let bytes = encode_tokens(tokens, token_type)?;
-    write_atomically(path.as_ref(), &[&bytes])
+    let mut writer = TokenWriter::create(path, TokenFileFormat::Raw(token_type))?;
+    writer.write(tokens)?;
+    writer.finish().map(drop)
 }
