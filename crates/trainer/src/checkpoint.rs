@@ -43,6 +43,9 @@ pub struct TrainingState {
     pub optimizer: AdamWState,
     /// The data loader's position.
     pub loader: LoaderState,
+    /// The fp16 loss scaler's state (absent in fp32/bf16 runs and in older checkpoints).
+    #[serde(default)]
+    pub scaler: Option<headroom_amp::LossScalerState>,
 }
 
 /// A loaded checkpoint, parameters in the trainer's layout.
@@ -207,6 +210,7 @@ impl TrainingState {
             config,
             optimizer,
             loader,
+            scaler: None,
         }
     }
 }

@@ -31,6 +31,21 @@ pub enum TrainError {
     /// Gradient clipping or accumulation failed.
     #[error(transparent)]
     Accum(#[from] headroom_accum::AccumError),
+    /// Mixed precision (master weights, loss scaling) failed.
+    #[error(transparent)]
+    Amp(#[from] headroom_amp::AmpError),
+    /// The checkpoint schedule or its executor failed.
+    #[error(transparent)]
+    Recompute(#[from] headroom_ckpt::CkptError),
+    /// A checkpoint schedule could not be built or planned.
+    #[error(transparent)]
+    Schedule(#[from] headroom_ckpt::ScheduleError),
+    /// The checkpoint planner found no schedule.
+    #[error(transparent)]
+    Plan(#[from] headroom_ckpt::PlanError),
+    /// The memory estimator rejected the setup.
+    #[error(transparent)]
+    Profiler(#[from] headroom_profiler::ProfilerError),
     /// The data pipeline failed.
     #[error(transparent)]
     Data(#[from] headroom_mmap_data::DataError),

@@ -6,29 +6,41 @@
 //! ```
 //! use headroom_attn::AttentionConfig;
 //! use headroom_tensor::Cpu;
-//! use headroom_trainer::model::{params, Geometry, Gpt, GptConfig};
+//! use headroom_ckpt::Schedule;
+//! use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
 //!
 //! # fn main() -> headroom_trainer::Result<()> {
 //! let cpu = Cpu::new();
-//! let cfg = GptConfig { vocab: 32, max_seq: 8, layers: 1, heads: 2, channels: 16 };
-//! let gpt = Gpt::new(&cpu, cfg, AttentionConfig::flash(), 0)?;
+//! let cfg = GptConfig { vocab: 32, max_seq: 8, layers: 4, heads: 2, channels: 16 };
+//! let opts = GptOptions { attention: AttentionConfig::flash(), precision: Precision::Bf16, ..Default::default() };
+//! let gpt = Gpt::new(&cpu, cfg, opts, 0)?;
 //! let mut grads = params::alloc_like_params(&cpu, &cfg, headroom_tensor::MemoryCategory::Gradients)?;
 //! let tokens: Vec<u32> = (0..16).map(|i| i % 32).collect();
 //! let targets: Vec<u32> = (1..17).map(|i| i % 32).collect();
-//! let loss = gpt.forward_backward(&tokens, &targets, Geometry { b: 2, t: 8 }, &mut grads, 1.0)?;
+//! // Keep every second block's input, recompute the rest in backward.
+//! let schedule = Schedule::every_k(cfg.layers, 2)?;
+//! let g = Geometry { b: 2, t: 8 };
+//! let (loss, stats) = gpt.forward_backward(&tokens, &targets, g, &mut grads, 1.0 / 16.0, &schedule)?;
 //! // An untrained model predicts roughly uniformly: loss ≈ ln(vocab).
 //! assert!((loss - (32f32).ln()).abs() < 0.1);
+//! assert!(stats.forward_count > cfg.layers); // some blocks ran forward twice
 //! # Ok(())
 //! # }
 //! ```
 //!
 //! ## Invariants
+//! - Every technique is a setting of one run ([`train::Techniques`]); each can be switched
+//!   on alone, and none changes the gradients beyond its stated numerics: checkpoint schedules
+//!   and selective recomputation are bitwise, micro-batching and the fused loss differ by f32
+//!   summation order, bf16/fp16 by their rounding.
 //! - The only crate that depends on technique crates; none depends on it.
 //! - Every activation is allocated through the backend in a named field, so the tracker's
 //!   activation bytes are exactly the model's.
 
 pub mod checkpoint;
 mod error;
+pub mod estimate;
+pub mod ladder;
 pub mod model;
 pub mod ops;
 pub mod train;

@@ -1,23 +1,36 @@
-//! The training loop: the reference GPT on the synthetic Markov source (or any token dataset),
-//! AdamW from headroom-offload, clipping from headroom-accum, data from headroom-mmap-data, and
-//! the profiler's tracker on every allocation.
+//! The training loop: the reference GPT composed with every technique crate — precision and
+//! loss scaling from headroom-amp, checkpoint schedules from headroom-ckpt, attention from
+//! headroom-attn, AdamW (resident or offloaded, f32 or 8-bit) from headroom-offload,
+//! token-weighted accumulation and clipping from headroom-accum, data from
+//! headroom-mmap-data, and the profiler's tracker on every allocation.
+//!
+//! ## Device and host on a CPU-only machine
+//! The run has two ledgers: the *device* (the [`Cpu`] backend the model computes on, whose
+//! tracker enforces `budget`) and the *host* (a second backend with its own tracker) where an
+//! offloaded optimizer keeps its moments and, in bf16/fp16, the fp32 master weights. On a
+//! GPU these are two memories; here both are RAM, and the split shows what would stay on the
+//! device.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use headroom_accum::clip_grad_norm;
+use headroom_accum::{GradAccumulator, GradUnscaler, MicroBatchStats, NoLossScaling, StepTokens};
+use headroom_amp::{LossScaler, LossScalerConfig, LossScalerState};
 use headroom_attn::AttentionConfig;
+use headroom_ckpt::{Planner, Schedule};
 use headroom_mmap_data::{
     Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode, Shard,
+    TokenDataset,
 };
 use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
 use headroom_tensor::cpu::kernels::FloatSlice;
-use headroom_tensor::{Backend, Cpu, Device, MemoryCategory};
+use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, Device, MemoryCategory};
 
 use crate::checkpoint::{self, TrainingState};
-use crate::model::{params, Geometry, Gpt, GptConfig};
+use crate::estimate;
+use crate::model::{params, Geometry, Gpt, GptConfig, GptOptions};
 use crate::{Result, TrainError};
 
 /// The built-in data: a random sparse Markov chain whose entropy rate is the loss floor.
@@ -33,13 +46,150 @@ pub struct SyntheticData {
     pub seed: u64,
 }
 
+/// Where training tokens come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DataSource {
+    /// The built-in Markov source (its entropy rate is the loss floor).
+    Synthetic(SyntheticData),
+    /// Any file headroom-mmap-data opens (nanoGPT raw u16, llm.c, Megatron, shards).
+    File(PathBuf),
+}
+
+/// Which block activations are kept and which are recomputed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckpointChoice {
+    /// Keep everything.
+    None,
+    /// Keep the input of every k-th block; recompute segments of k.
+    EveryK(usize),
+    /// Every k with k = ⌈√layers⌉.
+    SqrtN,
+    /// Keep every block but drop its layer-norm and GELU outputs (recomputed in backward).
+    Selective,
+    /// The planner's least-recompute schedule whose saved activations fit this many bytes
+    /// (`None`: what the run's budget leaves after the estimator's other categories).
+    Optimal(Option<u64>),
+}
+
+impl CheckpointChoice {
+    /// Short name for tables.
+    pub fn name(&self) -> String {
+        match self {
+            CheckpointChoice::None => "none".into(),
+            CheckpointChoice::EveryK(k) => format!("every-{k}"),
+            CheckpointChoice::SqrtN => "sqrt-n".into(),
+            CheckpointChoice::Selective => "selective".into(),
+            CheckpointChoice::Optimal(_) => "optimal".into(),
+        }
+    }
+}
+
+/// Where the optimizer's moments (and, in low precision, the fp32 masters) live.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OptimizerPlacement {
+    /// On the device, beside the model.
+    Resident,
+    /// In host RAM (ZeRO-Offload).
+    HostRam,
+    /// In a memory-mapped file (ZeRO-Infinity's NVMe offload); masters in host RAM.
+    File(PathBuf),
+}
+
+/// The optimizer's setup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OptimizerChoice {
+    /// Moment format: f32, or blockwise 8-bit.
+    pub state: StatePrecision,
+    /// Where the state lives.
+    pub placement: OptimizerPlacement,
+}
+
+impl OptimizerChoice {
+    /// f32 AdamW on the device.
+    pub fn resident() -> Self {
+        OptimizerChoice {
+            state: StatePrecision::F32,
+            placement: OptimizerPlacement::Resident,
+        }
+    }
+
+    /// Whether the state is off the device.
+    pub fn is_offloaded(&self) -> bool {
+        self.placement != OptimizerPlacement::Resident
+    }
+}
+
+/// Every memory technique of a run, each independent of the others.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Techniques {
+    /// Precision, attention algorithm, selective recomputation, fused loss.
+    pub model: GptOptions,
+    /// Block checkpointing.
+    pub checkpoint: CheckpointChoice,
+    /// Optimizer state format and placement.
+    pub optimizer: OptimizerChoice,
+    /// Sequences per micro-batch (`None`: the whole batch at once).
+    pub micro_batch: Option<usize>,
+}
+
+impl Techniques {
+    /// fp32, naive attention, nothing recomputed, resident AdamW: the baseline every saving is
+    /// measured against.
+    pub fn baseline() -> Self {
+        Techniques {
+            model: GptOptions {
+                attention: AttentionConfig::naive(),
+                ..GptOptions::default()
+            },
+            checkpoint: CheckpointChoice::None,
+            optimizer: OptimizerChoice::resident(),
+            micro_batch: None,
+        }
+    }
+
+    /// One line naming every setting.
+    pub fn describe(&self) -> String {
+        let opt = match (&self.optimizer.state, &self.optimizer.placement) {
+            (s, p) => format!(
+                "{} AdamW {}",
+                match s {
+                    StatePrecision::F32 => "f32",
+                    StatePrecision::Int8 => "8-bit",
+                },
+                match p {
+                    OptimizerPlacement::Resident => "resident".to_string(),
+                    OptimizerPlacement::HostRam => "offloaded to RAM".to_string(),
+                    OptimizerPlacement::File(p) => format!("offloaded to {}", p.display()),
+                }
+            ),
+        };
+        format!(
+            "{}, {} attention, checkpoint {}{}, {}{}{}",
+            self.model.precision.name(),
+            self.model.attention.algorithm.name(),
+            self.checkpoint.name(),
+            if self.model.selective && self.checkpoint != CheckpointChoice::Selective {
+                "+selective"
+            } else {
+                ""
+            },
+            opt,
+            self.model
+                .loss_chunk
+                .map_or(String::new(), |r| format!(", fused loss ({r} rows)")),
+            self.micro_batch
+                .map_or(String::new(), |m| format!(", micro-batch {m}")),
+        )
+    }
+}
+
 /// Everything a run needs.
 #[derive(Clone, Debug)]
 pub struct TrainOptions {
-    /// Model shape (its vocab must match the data's).
+    /// Model shape (its vocab must cover the data's ids).
     pub model: GptConfig,
-    /// Synthetic source.
-    pub data: SyntheticData,
+    /// Training tokens.
+    pub data: DataSource,
     /// Optimizer steps.
     pub steps: usize,
     /// Sequences per step.
@@ -58,12 +208,12 @@ pub struct TrainOptions {
     pub grad_clip: f64,
     /// Initialisation and data-order seed.
     pub seed: u64,
-    /// Attention algorithm.
-    pub attention: AttentionConfig,
-    /// Optional memory budget in bytes (simulates a smaller device).
+    /// Memory techniques.
+    pub techniques: Techniques,
+    /// Optional device memory budget in bytes (simulates a smaller device).
     pub budget: Option<u64>,
     /// Where to write checkpoints, and after how many steps (0: never).
-    pub checkpoint: Option<(PathBuf, usize)>,
+    pub save: Option<(PathBuf, usize)>,
     /// Continue from this checkpoint directory.
     pub resume_from: Option<PathBuf>,
     /// Stop after this many completed steps (as an interruption would), keeping the schedule
@@ -72,7 +222,7 @@ pub struct TrainOptions {
 }
 
 impl TrainOptions {
-    /// The default run: `tiny` on the synthetic source, about a minute on 2 cores.
+    /// The default run: `tiny` on the synthetic source, well under a minute on 2 cores.
     pub fn tiny_default() -> Self {
         let data = SyntheticData {
             vocab: 64,
@@ -82,7 +232,7 @@ impl TrainOptions {
         };
         TrainOptions {
             model: GptConfig::tiny(data.vocab as usize),
-            data,
+            data: DataSource::Synthetic(data),
             steps: 600,
             batch: 16,
             seq: 64,
@@ -92,11 +242,37 @@ impl TrainOptions {
             weight_decay: 0.1,
             grad_clip: 1.0,
             seed: 1337,
-            attention: AttentionConfig::flash(),
+            techniques: Techniques {
+                model: GptOptions::default(),
+                checkpoint: CheckpointChoice::None,
+                optimizer: OptimizerChoice::resident(),
+                micro_batch: None,
+            },
             budget: None,
-            checkpoint: None,
+            save: None,
             resume_from: None,
             stop_after: None,
+        }
+    }
+
+    /// `small` (6 layers, 6 heads, width 384, context 256, GPT-2's vocabulary) on a synthetic
+    /// source, batch 8×256: the comparison setting.
+    pub fn small_default() -> Self {
+        let data = SyntheticData {
+            vocab: 50257,
+            branching: 4,
+            tokens: 1 << 20,
+            seed: 1337,
+        };
+        TrainOptions {
+            model: GptConfig::small(data.vocab as usize),
+            data: DataSource::Synthetic(data),
+            steps: 20,
+            batch: 8,
+            seq: 256,
+            lr: 6e-4,
+            warmup: 2,
+            ..Self::tiny_default()
         }
     }
 
@@ -110,6 +286,18 @@ impl TrainOptions {
         let min = self.lr * self.min_lr_frac;
         min + 0.5 * (self.lr - min) * (1.0 + (std::f64::consts::PI * progress).cos())
     }
+
+    /// Sequences per micro-batch, checked to divide the batch.
+    pub fn micro_batch(&self) -> Result<usize> {
+        let m = self.techniques.micro_batch.unwrap_or(self.batch);
+        if m == 0 || self.batch % m != 0 {
+            return Err(TrainError::Config(format!(
+                "micro-batch {m} does not divide batch {}",
+                self.batch
+            )));
+        }
+        Ok(m)
+    }
 }
 
 /// One step's figures.
@@ -121,14 +309,22 @@ pub struct StepLog {
     pub loss: f32,
     /// Learning rate used.
     pub lr: f64,
-    /// Gradient norm before clipping.
+    /// Gradient norm before clipping (NaN when the step was skipped).
     pub grad_norm: f64,
+    /// Whether the optimizer ran (false: fp16 overflow, step skipped).
+    pub applied: bool,
+    /// Loss scale after the step (1 without loss scaling).
+    pub loss_scale: f32,
+    /// Block forwards run (more than the layer count when activations were recomputed).
+    pub block_forwards: usize,
     /// Wall time of the step.
     pub seconds: f64,
     /// Tokens per second.
     pub tokens_per_s: f64,
-    /// Live tracked bytes on the CPU after the step.
+    /// Live tracked device bytes after the step.
     pub live_bytes: u64,
+    /// Peak tracked device bytes so far.
+    pub peak_bytes: u64,
 }
 
 /// The outcome of a run.
@@ -136,12 +332,16 @@ pub struct StepLog {
 pub struct TrainReport {
     /// Every step's log (from the resumed step on, when resuming).
     pub steps: Vec<StepLog>,
-    /// The data's entropy rate: the lowest achievable loss (nats/token).
-    pub entropy_floor: f64,
-    /// Tracker snapshot at the end (peaks by category).
+    /// The synthetic source's entropy rate (the lowest achievable loss), if synthetic.
+    pub entropy_floor: Option<f64>,
+    /// Device tracker snapshot at the end (peaks by category).
     pub memory: MemorySnapshot,
-    /// The memory table.
+    /// Host tracker snapshot (offloaded optimizer state and masters).
+    pub host_memory: MemorySnapshot,
+    /// The device memory table.
     pub memory_table: String,
+    /// The checkpoint schedule the blocks ran under.
+    pub schedule: Schedule,
 }
 
 impl TrainReport {
@@ -150,27 +350,100 @@ impl TrainReport {
         let tail = &self.steps[self.steps.len().saturating_sub(k)..];
         tail.iter().map(|s| s.loss as f64).sum::<f64>() / tail.len().max(1) as f64
     }
+
+    /// Median step time over steps after the first `skip` (warm-up).
+    pub fn median_step_seconds(&self, skip: usize) -> f64 {
+        let mut t: Vec<f64> = self.steps.iter().skip(skip).map(|s| s.seconds).collect();
+        if t.is_empty() {
+            t = self.steps.iter().map(|s| s.seconds).collect();
+        }
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+    }
 }
 
-/// Train from scratch, calling `on_step` after every step.
-pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<TrainReport> {
-    if opts.model.vocab != opts.data.vocab as usize {
-        return Err(TrainError::Config(format!(
-            "model vocab {} differs from the data's {}",
-            opts.model.vocab, opts.data.vocab
-        )));
+/// The fp16 loss scaler behind headroom-accum's unscaling interface (the two crates do not
+/// know each other; the trainer joins them).
+struct ScalerAdapter<'a>(&'a mut LossScaler);
+
+impl GradUnscaler<Cpu> for ScalerAdapter<'_> {
+    fn unscale_and_check(
+        &mut self,
+        backend: &Cpu,
+        grads: &mut [CpuTensor],
+    ) -> std::result::Result<bool, BoxedError> {
+        let mut refs: Vec<&mut CpuTensor> = grads.iter_mut().collect();
+        let decision = self.0.unscale(backend, &mut refs)?;
+        Ok(!decision.should_step())
     }
+
+    fn update(&mut self, _found_non_finite: bool) -> std::result::Result<(), BoxedError> {
+        self.0.update()?;
+        Ok(())
+    }
+}
+
+/// The checkpoint schedule over the blocks for `choice`.
+pub fn block_schedule(
+    choice: CheckpointChoice,
+    cfg: &GptConfig,
+    setup_bytes: impl FnOnce() -> Result<(headroom_ckpt::ChainCost, u64)>,
+) -> Result<Schedule> {
+    let n = cfg.layers;
+    Ok(match choice {
+        CheckpointChoice::None | CheckpointChoice::Selective => Schedule::store_all(n)?,
+        CheckpointChoice::EveryK(k) => Schedule::every_k(n, k)?,
+        CheckpointChoice::SqrtN => Schedule::sqrt_n(n)?,
+        CheckpointChoice::Optimal(_) => {
+            let (costs, budget) = setup_bytes()?;
+            Planner::default().optimal(&costs, budget)?.schedule
+        }
+    })
+}
+
+fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
+    match &opts.data {
+        DataSource::Synthetic(d) => {
+            if opts.model.vocab < d.vocab as usize {
+                return Err(TrainError::Config(format!(
+                    "model vocab {} is smaller than the data's {}",
+                    opts.model.vocab, d.vocab
+                )));
+            }
+            let chain = MarkovChain::random(d.vocab, d.branching, d.seed)?;
+            let ds = chain.dataset(d.tokens, d.seed ^ 0x5eed)?;
+            Ok((Arc::new(ds), Some(chain.entropy_rate())))
+        }
+        DataSource::File(path) => {
+            let ds = headroom_mmap_data::open(path, &Default::default())?;
+            Ok((Arc::new(ds), None))
+        }
+    }
+}
+
+/// Train from scratch (or resume), calling `on_step` after every step.
+pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<TrainReport> {
     if opts.steps == 0 || opts.batch == 0 || opts.seq == 0 {
         return Err(TrainError::Config(
             "steps, batch and seq must be positive".into(),
         ));
     }
+    if opts.seq > opts.model.max_seq {
+        return Err(TrainError::Config(format!(
+            "sequence length {} exceeds the model's context {}",
+            opts.seq, opts.model.max_seq
+        )));
+    }
+    let tech = &opts.techniques;
+    let micro = opts.micro_batch()?;
+    let precision = tech.model.precision;
     let tracker = Arc::new(MemoryTracker::new());
     tracker.set_budget(Device::Cpu, opts.budget);
     let cpu = Cpu::new().with_alloc_hook(tracker.clone());
+    let host_tracker = Arc::new(MemoryTracker::new());
+    let host = Cpu::new().with_alloc_hook(host_tracker.clone());
 
-    let chain = MarkovChain::random(opts.data.vocab, opts.data.branching, opts.data.seed)?;
-    let dataset = Arc::new(chain.dataset(opts.data.tokens, opts.data.seed ^ 0x5eed)?);
+    let (dataset, entropy_floor) = open_data(opts)?;
     let sampler = SamplerConfig {
         mode: SamplingMode::EpochWindows,
         seq_len: opts.seq as u64,
@@ -207,9 +480,16 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         }
     };
 
-    let mut gpt = Gpt::new(&cpu, opts.model, opts.attention, opts.seed)?;
+    // fp32 masters: on the host when offloading a low-precision run (the device keeps only the
+    // working copy); otherwise they are the device's weights.
+    let masters_on = if precision.is_low() && tech.optimizer.is_offloaded() {
+        &host
+    } else {
+        &cpu
+    };
+    let mut masters = params::init_params(masters_on, &opts.model, opts.seed)?;
     if let Some(ck) = &resume {
-        for (t, saved) in gpt.params.iter_mut().zip(&ck.params) {
+        for (t, saved) in masters.iter_mut().zip(&ck.params) {
             let dst = t.as_mut_slice::<f32>()?;
             if dst.len() != saved.len() {
                 return Err(TrainError::Config(
@@ -219,14 +499,23 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             dst.copy_from_slice(saved);
         }
     }
-    let mut grads = params::alloc_like_params(&cpu, &opts.model, MemoryCategory::Gradients)?;
-    let infos = params::param_infos(&opts.model);
+    let mut model_opts = tech.model;
+    if tech.checkpoint == CheckpointChoice::Selective {
+        model_opts.selective = true;
+    }
+    let mut gpt = Gpt::from_masters(&cpu, opts.model, model_opts, masters)?;
+
+    let shapes: Vec<Vec<usize>> = params::param_infos(&opts.model)
+        .into_iter()
+        .map(|i| i.shape)
+        .collect();
+    let mut acc = GradAccumulator::new(cpu.clone(), shapes.iter().cloned())?;
     // GPT-2 practice: decay matrices and embeddings, not biases or norm gains.
-    let specs: Vec<ParamSpec> = infos
+    let specs: Vec<ParamSpec> = shapes
         .iter()
-        .map(|i| ParamSpec {
-            numel: i.shape.iter().product(),
-            group: if i.shape.len() >= 2 { 0 } else { 1 },
+        .map(|s| ParamSpec {
+            numel: s.iter().product(),
+            group: if s.len() >= 2 { 0 } else { 1 },
         })
         .collect();
     let groups = vec![
@@ -243,17 +532,71 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             ..Default::default()
         },
     ];
-    let mut opt = match &resume {
-        Some(ck) => CpuAdamW::restore(&ck.state.optimizer, &cpu, &ck.moments)?,
-        None => CpuAdamW::new(groups, &specs, StatePrecision::F32, StoreSpec::Ram(&cpu))?,
+    let state_backend = if tech.optimizer.is_offloaded() {
+        &host
+    } else {
+        &cpu
+    };
+    let mut opt = match (&resume, &tech.optimizer.placement) {
+        (Some(ck), OptimizerPlacement::File(path)) => {
+            // The file store persists by itself; the checkpoint's copy of the moments is
+            // written back into it so both agree with the saved step.
+            let mut o = CpuAdamW::new(
+                ck.state.optimizer.groups.clone(),
+                &ck.state.optimizer.params,
+                ck.state.optimizer.precision,
+                StoreSpec::File(path),
+            )?;
+            drop(o);
+            std::fs::write(path, &ck.moments).map_err(|e| TrainError::Checkpoint {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            o = CpuAdamW::reopen(&ck.state.optimizer, path)?;
+            o
+        }
+        (Some(ck), _) => CpuAdamW::restore(&ck.state.optimizer, state_backend, &ck.moments)?,
+        (None, OptimizerPlacement::File(path)) => {
+            CpuAdamW::new(groups, &specs, tech.optimizer.state, StoreSpec::File(path))?
+        }
+        (None, _) => CpuAdamW::new(
+            groups,
+            &specs,
+            tech.optimizer.state,
+            StoreSpec::Ram(state_backend),
+        )?,
+    };
+    let mut scaler = if precision.needs_loss_scaling() {
+        let cfg = LossScalerConfig::default();
+        Some(match resume.as_ref().and_then(|ck| ck.state.scaler.clone()) {
+            Some(state) => LossScaler::from_parts(cfg, state)?,
+            None => LossScaler::new(cfg)?,
+        })
+    } else {
+        None
     };
     let start = resume.as_ref().map_or(0, |ck| ck.state.step);
     drop(resume);
 
-    let g = Geometry {
-        b: opts.batch,
-        t: opts.seq,
-    };
+    let mg = Geometry { b: micro, t: opts.seq };
+    let schedule = block_schedule(tech.checkpoint, &opts.model, || {
+        let est = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
+        let budget = match tech.checkpoint {
+            CheckpointChoice::Optimal(Some(b)) => b,
+            _ => {
+                let total = opts.budget.ok_or_else(|| {
+                    TrainError::Config(
+                        "the optimal checkpoint schedule needs a byte budget (--budget-mib or an explicit one)"
+                            .into(),
+                    )
+                })?;
+                total.saturating_sub(est.device_total() - est.device[MemoryCategory::Activations])
+            }
+        };
+        Ok((est.block_chain_cost()?, budget))
+    })?;
+
+    let tokens_per_step = (opts.batch * opts.seq) as u64;
     let mut logs = Vec::with_capacity(opts.steps);
     let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
     for step in start..end {
@@ -270,20 +613,61 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                 .to_vec();
             (inputs, targets)
         };
-        for gr in grads.iter_mut() {
-            cpu.fill_zero(gr)?;
-        }
-        let loss = {
+        acc.begin_step(StepTokens::single_device(tokens_per_step)?)?;
+        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+        let mut block_forwards = 0;
+        let mut loss_sum = 0.0f64;
+        {
             let _phase = tracker.phase("forward+backward");
-            gpt.forward_backward(&tokens, &targets, g, &mut grads, 1.0)?
+            let rows = micro * opts.seq;
+            for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+                let mut mb_loss = 0.0f32;
+                let mut stats = None;
+                let r = acc.accumulate_in_place(
+                    MicroBatchStats {
+                        counted_tokens: rows as u64,
+                        loss_sum: 0.0,
+                    },
+                    |_, grads, weight| -> Result<()> {
+                        let (l, s) = gpt.forward_backward(
+                            tok,
+                            tgt,
+                            mg,
+                            grads,
+                            weight * loss_scale,
+                            &schedule,
+                        )?;
+                        mb_loss = l;
+                        stats = Some(s);
+                        Ok(())
+                    },
+                );
+                if let Err(e) = r {
+                    // The step is lost either way; the original error is the one to report.
+                    let _ = acc.abandon_step();
+                    return Err(e.into());
+                }
+                block_forwards += stats.map_or(0, |s| s.forward_count);
+                // Per-token losses are summed in f64 by the head; the micro-batch mean times
+                // its rows recovers that sum to f32 precision.
+                loss_sum += mb_loss as f64 * rows as f64;
+            }
+        }
+        let report = match scaler.as_mut() {
+            Some(s) => acc.finish_step(&mut ScalerAdapter(s), Some(opts.grad_clip))?,
+            None => acc.finish_step(&mut NoLossScaling, Some(opts.grad_clip))?,
         };
-        let clip = clip_grad_norm(&cpu, &mut grads, opts.grad_clip)?;
         let lr = opts.lr_at(step);
         opt.set_lr(0, lr)?;
         opt.set_lr(1, lr)?;
-        {
+        let (applied, grad_norm) = match report.outcome {
+            headroom_accum::StepOutcome::Applied { grad_norm, .. } => (true, grad_norm),
+            headroom_accum::StepOutcome::Skipped => (false, f64::NAN),
+        };
+        if applied {
             let _phase = tracker.phase("optimizer");
-            for (i, (p, gr)) in gpt.params.iter_mut().zip(&grads).enumerate() {
+            let grads = acc.gradients();
+            for (i, (p, gr)) in gpt.masters_mut().iter_mut().zip(grads).enumerate() {
                 opt.step(
                     i,
                     p.as_mut_slice::<f32>()?,
@@ -291,23 +675,31 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                     None,
                 )?;
             }
+            gpt.refresh_working()?;
         }
         let seconds = t0.elapsed().as_secs_f64();
         let log = StepLog {
             step,
-            loss,
+            loss: (loss_sum / tokens_per_step as f64) as f32,
             lr,
-            grad_norm: clip.norm,
+            grad_norm,
+            applied,
+            loss_scale: scaler.as_ref().map_or(1.0, |s| s.scale()),
+            block_forwards,
             seconds,
-            tokens_per_s: (g.b * g.t) as f64 / seconds,
+            tokens_per_s: tokens_per_step as f64 / seconds,
             live_bytes: tracker.live_bytes(Device::Cpu),
+            peak_bytes: tracker.peak_bytes(Device::Cpu),
         };
         on_step(&log);
         logs.push(log);
-        if let Some((dir, every)) = &opts.checkpoint {
+        if let Some((dir, every)) = &opts.save {
             if *every > 0 && (step + 1) % every == 0 {
-                let state = TrainingState::new(step + 1, opts.model, opt.state(), loader.state());
-                checkpoint::save(dir, &state, &gpt.params, opt.moments())?;
+                opt.flush()?;
+                let mut state =
+                    TrainingState::new(step + 1, opts.model, opt.state(), loader.state());
+                state.scaler = scaler.as_ref().map(|s| s.state().clone());
+                checkpoint::save(dir, &state, gpt.masters(), opt.moments())?;
             }
         }
     }
@@ -315,11 +707,16 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     let memory_table = memory_summary(&memory, &ReportContext::with_process_memory());
     Ok(TrainReport {
         steps: logs,
-        entropy_floor: chain.entropy_rate(),
+        entropy_floor,
         memory,
+        host_memory: host_tracker.snapshot(),
         memory_table,
+        schedule,
     })
 }
+
+/// Keep the scaler state type in the public API reachable from here (checkpoints carry it).
+pub type ScalerState = LossScalerState;
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,15 @@
 
 use headroom_attn::AttentionConfig;
 use headroom_tensor::{Cpu, MemoryCategory};
-use headroom_trainer::model::{params, Geometry, Gpt, GptConfig};
+use headroom_ckpt::Schedule;
+use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions};
+
+fn opts(attention: AttentionConfig) -> GptOptions {
+    GptOptions {
+        attention,
+        ..GptOptions::default()
+    }
+}
 
 fn check(attention: AttentionConfig) {
     let cpu = Cpu::new();
@@ -19,9 +27,9 @@ fn check(attention: AttentionConfig) {
         heads: 2,
         channels: 8,
     };
-    let mut gpt = Gpt::new(&cpu, cfg, attention, 3).unwrap();
+    let mut gpt = Gpt::new(&cpu, cfg, opts(attention), 3).unwrap();
     // Larger than GPT-2's 0.02 init, so every path carries a measurable gradient.
-    for t in gpt.params.iter_mut() {
+    for t in gpt.masters_mut().iter_mut() {
         for (i, v) in t.as_mut_slice::<f32>().unwrap().iter_mut().enumerate() {
             *v += 0.3 * ((i as f32 * 1.37).sin());
         }
@@ -30,7 +38,8 @@ fn check(attention: AttentionConfig) {
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 11).collect();
     let targets: Vec<u32> = (0..12).map(|i| (i * 5 + 1) % 11).collect();
     let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
-    gpt.forward_backward(&tokens, &targets, g, &mut grads, 1.0)
+    let all = Schedule::store_all(cfg.layers).unwrap();
+    gpt.forward_backward(&tokens, &targets, g, &mut grads, 1.0 / 12.0, &all)
         .unwrap();
 
     let h = 1e-2f32;
@@ -41,12 +50,12 @@ fn check(attention: AttentionConfig) {
         // Up to 12 elements per tensor, spread over it.
         for k in 0..n.min(12) {
             let i = k * n / n.min(12);
-            let orig = gpt.params[pi].as_slice::<f32>().unwrap()[i];
-            gpt.params[pi].as_mut_slice::<f32>().unwrap()[i] = orig + h;
+            let orig = gpt.masters_mut()[pi].as_slice::<f32>().unwrap()[i];
+            gpt.masters_mut()[pi].as_mut_slice::<f32>().unwrap()[i] = orig + h;
             let up = gpt.loss(&tokens, &targets, g).unwrap();
-            gpt.params[pi].as_mut_slice::<f32>().unwrap()[i] = orig - h;
+            gpt.masters_mut()[pi].as_mut_slice::<f32>().unwrap()[i] = orig - h;
             let down = gpt.loss(&tokens, &targets, g).unwrap();
-            gpt.params[pi].as_mut_slice::<f32>().unwrap()[i] = orig;
+            gpt.masters_mut()[pi].as_mut_slice::<f32>().unwrap()[i] = orig;
             let numeric = (up - down) / (2.0 * h);
             assert!(
                 (numeric - analytic[i]).abs() <= 3e-3 + 0.05 * scale,
@@ -84,10 +93,11 @@ fn attention_algorithms_give_the_same_gradients() {
     let tokens: Vec<u32> = (0..32).map(|i| (i * 7 + 3) % 13).collect();
     let targets: Vec<u32> = (0..32).map(|i| (i * 5 + 1) % 13).collect();
     let run = |a: AttentionConfig| {
-        let gpt = Gpt::new(&cpu, cfg, a, 9).unwrap();
+        let gpt = Gpt::new(&cpu, cfg, opts(a), 9).unwrap();
         let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
-        let loss = gpt
-            .forward_backward(&tokens, &targets, g, &mut grads, 1.0)
+        let all = Schedule::store_all(cfg.layers).unwrap();
+        let (loss, _) = gpt
+            .forward_backward(&tokens, &targets, g, &mut grads, 1.0 / 32.0, &all)
             .unwrap();
         (
             loss,
@@ -118,7 +128,8 @@ fn bad_batches_are_typed_errors() {
         heads: 1,
         channels: 4,
     };
-    let gpt = Gpt::new(&cpu, cfg, AttentionConfig::flash(), 0).unwrap();
+    let gpt = Gpt::new(&cpu, cfg, GptOptions::default(), 0).unwrap();
+    let all = Schedule::store_all(1).unwrap();
     let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
     assert!(gpt
         .forward_backward(
@@ -126,19 +137,20 @@ fn bad_batches_are_typed_errors() {
             &[0; 4],
             Geometry { b: 1, t: 4 },
             &mut grads,
-            1.0
+            1.0,
+            &all
         )
         .is_err());
     assert!(gpt
-        .forward_backward(&[0; 5], &[0; 5], Geometry { b: 1, t: 5 }, &mut grads, 1.0)
+        .forward_backward(&[0; 5], &[0; 5], Geometry { b: 1, t: 5 }, &mut grads, 1.0, &all)
         .is_err());
     assert!(gpt
-        .forward_backward(&[0; 3], &[0; 4], Geometry { b: 1, t: 4 }, &mut grads, 1.0)
+        .forward_backward(&[0; 3], &[0; 4], Geometry { b: 1, t: 4 }, &mut grads, 1.0, &all)
         .is_err());
     assert!(Gpt::new(
         &cpu,
         GptConfig { heads: 3, ..cfg },
-        AttentionConfig::flash(),
+        GptOptions::default(),
         0
     )
     .is_err());

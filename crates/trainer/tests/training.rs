@@ -38,7 +38,7 @@ fn default_run_reaches_within_5_percent_of_the_entropy_floor() {
     let report = train(&o, |_| {}).unwrap();
     let first = report.steps[0].loss as f64;
     let last = report.final_loss(20);
-    let floor = report.entropy_floor;
+    let floor = report.entropy_floor.unwrap();
     eprintln!("loss {first:.4} -> {last:.4}, floor {floor:.4}");
     assert!(
         last >= floor * 0.97,
@@ -95,7 +95,7 @@ fn interrupted_then_resumed_run_reproduces_the_uninterrupted_losses() {
 
     // Checkpoint every 5 steps, "killed" after 7: the last checkpoint holds 5 steps.
     let interrupted = TrainOptions {
-        checkpoint: Some((dir.path().to_path_buf(), 5)),
+        save: Some((dir.path().to_path_buf(), 5)),
         stop_after: Some(7),
         ..base.clone()
     };
@@ -125,7 +125,7 @@ fn checkpoint_uses_hugging_face_names_and_layouts_and_rejects_corruption() {
     let dir = tempfile::tempdir().unwrap();
     let o = TrainOptions {
         steps: 2,
-        checkpoint: Some((dir.path().to_path_buf(), 2)),
+        save: Some((dir.path().to_path_buf(), 2)),
         ..TrainOptions::tiny_default()
     };
     train(&o, |_| {}).unwrap();

@@ -1,94 +1,110 @@
-//! GPT-2 forward and backward, written out op by op as llm.c does. Every activation kept for
-//! backward is a named field of [`BlockActivations`] or [`HeadActivations`] with its shape
-//! beside it, allocated in one place ([`Gpt::block_forward`], [`Gpt::head_forward`]) under
-//! [`MemoryCategory::Activations`] so the tracker counts it.
+//! GPT-2 forward and backward, written out op by op as llm.c does. Every activation a block
+//! keeps for its backward is a named field of [`BlockSaved`] with its shape beside it; the
+//! blocks run as a chain under a [`headroom_ckpt::Schedule`] (see [`crate::model::block`]), so
+//! which of them are kept, dropped or recomputed is the schedule's choice.
+//!
+//! Memory categories: kept activations are allocated under [`MemoryCategory::Activations`],
+//! everything transient (activation gradients, f32 views of low-precision tensors, scratch)
+//! under [`MemoryCategory::Workspace`], so the tracker's numbers are the model's.
 //!
 //! Notation: B batch, T sequence, C channels, NH heads, hs = C/NH, V vocab.
 
-use headroom_attn::{AttentionBackend, AttentionConfig, AttentionForward};
-use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Tensor};
+use headroom_amp::{AutocastPreset, MasterWeights, MasterWeightsConfig};
+use headroom_attn::{AttentionConfig, AttentionForward};
+use headroom_ckpt::{Chain, Schedule, ScheduleStats};
+use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
-use crate::model::params::{self, layer, layer_index, ln_f_index, WPE, WTE};
-use crate::model::GptConfig;
-use crate::ops::{cross_entropy, embedding, gelu, layernorm, matmul};
+use crate::model::block::Block;
+use crate::model::params::{self, ln_f_index, PER_LAYER, WPE, WTE};
+use crate::model::{GptConfig, Precision};
+use crate::ops::{cross_entropy, embedding, layernorm, matmul};
 use crate::{Result, TrainError};
 
-/// What one block keeps for its backward.
-pub struct BlockActivations {
-    /// `[B, T, C]` residual stream entering the block.
-    pub inp: CpuTensor,
-    /// `[B, T, C]` first layer norm.
-    pub ln1: CpuTensor,
-    /// `[B, T]` its mean.
+/// How the model computes, independent of its shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptOptions {
+    /// Attention algorithm (causal is forced on).
+    pub attention: AttentionConfig,
+    /// Format of working weights and kept activations.
+    pub precision: Precision,
+    /// Selective recomputation: blocks drop their layer-norm and GELU outputs after forward
+    /// and recompute them in backward (cheap elementwise work, 6·B·T·C values per block).
+    pub selective: bool,
+    /// Fused head: compute logits, loss and their gradient this many token rows at a time, so
+    /// the `[B, T, V]` logits never exist whole. `None` materialises them (llm.c's way).
+    pub loss_chunk: Option<usize>,
+}
+
+impl Default for GptOptions {
+    fn default() -> Self {
+        GptOptions {
+            attention: AttentionConfig::flash(),
+            precision: Precision::Fp32,
+            selective: false,
+            loss_chunk: None,
+        }
+    }
+}
+
+/// What one block keeps for its backward, besides its input (which the chain executor keeps
+/// when the schedule says so). Low-precision modes keep these in bf16/f16, except the f32
+/// statistics and log-sum-exp.
+pub struct BlockSaved {
+    /// `[B, T, C]` first layer norm (`None` under selective recomputation).
+    pub ln1: Option<CpuTensor>,
+    /// `[B, T]` f32 its mean.
     pub ln1_mean: CpuTensor,
-    /// `[B, T]` its reciprocal standard deviation.
+    /// `[B, T]` f32 its reciprocal standard deviation.
     pub ln1_rstd: CpuTensor,
-    /// `[B, NH, T, hs]` queries, keys and values (the attention inputs, split from `ln1·Wqkvᵀ`).
+    /// `[B, NH, T, hs]` queries (split from `ln1·Wqkvᵀ`).
     pub q: CpuTensor,
-    /// `[B, NH, T, hs]`.
+    /// `[B, NH, T, hs]` keys.
     pub k: CpuTensor,
-    /// `[B, NH, T, hs]`.
+    /// `[B, NH, T, hs]` values.
     pub v: CpuTensor,
-    /// Attention output `[B, NH, T, hs]` and its logsumexp `[B, NH, T]` (naive also keeps
-    /// probabilities `[B, NH, T, T]`).
+    /// Attention output `[B, NH, T, hs]`, its logsumexp `[B, NH, T]` f32, and for naive
+    /// attention the probabilities `[B, NH, T, T]` f32. The heads-merged `[B, T, C]` copy the
+    /// projection reads is rebuilt in backward rather than kept twice.
     pub attn: AttentionForward<CpuTensor>,
-    /// `[B, T, C]` attention output with heads merged.
-    pub atty: CpuTensor,
     /// `[B, T, C]` residual after attention.
     pub res2: CpuTensor,
-    /// `[B, T, C]` second layer norm.
-    pub ln2: CpuTensor,
-    /// `[B, T]`.
+    /// `[B, T, C]` second layer norm (`None` under selective recomputation).
+    pub ln2: Option<CpuTensor>,
+    /// `[B, T]` f32.
     pub ln2_mean: CpuTensor,
-    /// `[B, T]`.
+    /// `[B, T]` f32.
     pub ln2_rstd: CpuTensor,
     /// `[B, T, 4C]` MLP pre-activation.
     pub fch: CpuTensor,
-    /// `[B, T, 4C]` after GELU.
-    pub fch_gelu: CpuTensor,
+    /// `[B, T, 4C]` after GELU (`None` under selective recomputation).
+    pub fch_gelu: Option<CpuTensor>,
 }
 
-impl BlockActivations {
-    /// Bytes this block keeps for backward.
-    pub fn bytes(&self) -> usize {
-        let t = [
-            &self.inp,
-            &self.ln1,
+impl headroom_ckpt::SavedState for BlockSaved {
+    fn size_in_bytes(&self) -> usize {
+        let opt = |t: &Option<CpuTensor>| t.as_ref().map_or(0, |t| t.size_in_bytes());
+        let a = &self.attn;
+        [
             &self.ln1_mean,
             &self.ln1_rstd,
             &self.q,
             &self.k,
             &self.v,
-            &self.atty,
             &self.res2,
-            &self.ln2,
             &self.ln2_mean,
             &self.ln2_rstd,
             &self.fch,
-            &self.fch_gelu,
-        ];
-        let a = &self.attn;
-        t.iter().map(|t| t.size_in_bytes()).sum::<usize>()
-            + a.output.size_in_bytes()
-            + a.logsumexp.size_in_bytes()
-            + a.probs.as_ref().map_or(0, |p| p.size_in_bytes())
+            &a.output,
+            &a.logsumexp,
+        ]
+        .iter()
+        .map(|t| t.size_in_bytes())
+        .sum::<usize>()
+            + opt(&self.ln1)
+            + opt(&self.ln2)
+            + opt(&self.fch_gelu)
+            + opt(&a.probs)
     }
-}
-
-/// What the final layer norm, the tied head and the loss keep.
-pub struct HeadActivations {
-    /// `[B, T, C]` residual stream after the last block.
-    pub residual: CpuTensor,
-    /// `[B, T, C]` final layer norm.
-    pub lnf: CpuTensor,
-    /// `[B, T]`.
-    pub lnf_mean: CpuTensor,
-    /// `[B, T]`.
-    pub lnf_rstd: CpuTensor,
-    /// `[B, T, V]` logits.
-    pub logits: CpuTensor,
-    /// `[B, T]` per-token losses.
-    pub losses: CpuTensor,
 }
 
 /// The batch geometry of one forward.
@@ -100,63 +116,199 @@ pub struct Geometry {
     pub t: usize,
 }
 
-/// A GPT-2 on the CPU backend: parameters and the attention algorithm.
+impl Geometry {
+    /// Token rows, `B·T`.
+    pub fn rows(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// A GPT-2 on the CPU backend: fp32 master weights with working copies in the chosen
+/// precision, and how it computes.
 pub struct Gpt {
     /// Shape.
     pub cfg: GptConfig,
-    /// Parameters in [`params::param_infos`] order.
-    pub params: Vec<CpuTensor>,
-    /// Attention algorithm (causal is forced on).
-    pub attention: AttentionConfig,
+    /// fp32 masters (what the optimizer updates and checkpoints hold) and the working copies
+    /// forward and backward read (the masters themselves under fp32).
+    pub weights: MasterWeights<Cpu>,
+    /// How it computes.
+    pub opts: GptOptions,
     cpu: Cpu,
 }
 
-fn f32s(t: &CpuTensor) -> Result<&[f32]> {
-    Ok(t.as_slice::<f32>()?)
+/// An f32 view of a tensor: the tensor itself when it is f32, else an upcast copy in
+/// workspace memory that lives as long as the view.
+pub(crate) enum View<'a> {
+    Borrowed(&'a CpuTensor),
+    Owned(CpuTensor),
 }
-fn f32s_mut(t: &mut CpuTensor) -> Result<&mut [f32]> {
+
+impl View<'_> {
+    pub(crate) fn tensor(&self) -> &CpuTensor {
+        match self {
+            View::Borrowed(t) => t,
+            View::Owned(t) => t,
+        }
+    }
+
+    pub(crate) fn s(&self) -> Result<&[f32]> {
+        Ok(match self {
+            View::Borrowed(t) => t.as_slice::<f32>()?,
+            View::Owned(t) => t.as_slice::<f32>()?,
+        })
+    }
+}
+
+pub(crate) fn f32s_mut(t: &mut CpuTensor) -> Result<&mut [f32]> {
     Ok(t.as_mut_slice::<f32>()?)
 }
 
 impl Gpt {
-    /// A freshly initialised model.
-    pub fn new(cpu: &Cpu, cfg: GptConfig, attention: AttentionConfig, seed: u64) -> Result<Self> {
+    /// A freshly initialised model whose masters live on `cpu`.
+    pub fn new(cpu: &Cpu, cfg: GptConfig, opts: GptOptions, seed: u64) -> Result<Self> {
         cfg.validate()?;
-        let params = params::init_params(cpu, &cfg, seed)?;
+        let masters = params::init_params(cpu, &cfg, seed)?;
+        Self::from_masters(cpu, cfg, opts, masters)
+    }
+
+    /// A model over existing fp32 masters, which may live on another backend than `cpu` (the
+    /// host, when the optimizer is offloaded): working copies are allocated on `cpu`.
+    pub fn from_masters(
+        cpu: &Cpu,
+        cfg: GptConfig,
+        opts: GptOptions,
+        masters: Vec<CpuTensor>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        if let Some(0) = opts.loss_chunk {
+            return Err(TrainError::Config("loss chunk must be at least 1 row".into()));
+        }
+        let infos = params::param_infos(&cfg);
+        if masters.len() != infos.len()
+            || masters
+                .iter()
+                .zip(&infos)
+                .any(|(m, i)| m.shape().dims() != i.shape.as_slice() || m.dtype() != DType::F32)
+        {
+            return Err(TrainError::Config(
+                "master weights do not match the model's parameter shapes".into(),
+            ));
+        }
+        let preset = match opts.precision {
+            Precision::Fp32 => AutocastPreset::Fp32,
+            Precision::Bf16 => AutocastPreset::Bf16,
+            Precision::Fp16 => AutocastPreset::Fp16,
+        };
+        let weights = MasterWeights::new(cpu, masters, MasterWeightsConfig::preset(preset))?;
         Ok(Gpt {
             cfg,
-            params,
-            attention: attention.causal(true),
+            weights,
+            opts: GptOptions {
+                attention: opts.attention.causal(true),
+                ..opts
+            },
             cpu: cpu.clone(),
         })
     }
 
-    /// The backend.
+    /// The backend activations and working weights live on.
     pub fn backend(&self) -> &Cpu {
         &self.cpu
     }
 
-    fn p(&self, i: usize) -> Result<&[f32]> {
-        f32s(&self.params[i])
+    /// The fp32 masters, in [`params::param_infos`] order.
+    pub fn masters(&self) -> &[CpuTensor] {
+        self.weights.masters()
     }
 
-    fn act(&self, shape: impl Into<headroom_tensor::Shape>) -> Result<CpuTensor> {
+    /// The fp32 masters, mutably: call [`Gpt::refresh_working`] after changing them.
+    pub fn masters_mut(&mut self) -> &mut [CpuTensor] {
+        self.weights.masters_mut()
+    }
+
+    /// Re-derive the working copies from the masters (round to nearest even); nothing to do
+    /// under fp32, where forward reads the masters.
+    pub fn refresh_working(&mut self) -> Result<()> {
+        Ok(self.weights.refresh(&self.cpu, 0)?)
+    }
+
+    /// Parameter `i` as f32 (an upcast copy of the working weight in low precision).
+    pub(crate) fn w(&self, i: usize) -> Result<View<'_>> {
+        self.view(self.weights.working(i)?)
+    }
+
+    pub(crate) fn view<'a>(&self, t: &'a CpuTensor) -> Result<View<'a>> {
+        if t.dtype() == DType::F32 {
+            return Ok(View::Borrowed(t));
+        }
+        let _g = MemoryCategory::Workspace.enter();
+        let mut out = self.cpu.uninit(t.shape().clone(), DType::F32)?;
+        self.cpu.cast(t, &mut out)?;
+        Ok(View::Owned(out))
+    }
+
+    /// `t` as an owned f32 tensor (itself when already f32).
+    pub(crate) fn into_f32(&self, t: CpuTensor) -> Result<CpuTensor> {
+        match self.view(&t)? {
+            View::Borrowed(_) => Ok(t),
+            View::Owned(o) => Ok(o),
+        }
+    }
+
+    /// An f32 buffer for an op's output that will be kept: it *is* the kept tensor under
+    /// fp32 (so `Activations`), and a transient before [`Gpt::keep`] rounds it otherwise.
+    pub(crate) fn fresh(&self, shape: impl Into<Shape>) -> Result<CpuTensor> {
+        let cat = if self.opts.precision.is_low() {
+            MemoryCategory::Workspace
+        } else {
+            MemoryCategory::Activations
+        };
+        let _g = cat.enter();
+        Ok(self.cpu.zeros(shape, DType::F32)?)
+    }
+
+    /// An f32 activation that is always kept in f32 (statistics).
+    pub(crate) fn stat(&self, shape: impl Into<Shape>) -> Result<CpuTensor> {
         let _g = MemoryCategory::Activations.enter();
         Ok(self.cpu.zeros(shape, DType::F32)?)
     }
 
-    fn work(&self, shape: impl Into<headroom_tensor::Shape>) -> Result<CpuTensor> {
+    /// Transient f32 scratch.
+    pub(crate) fn scratch(&self, shape: impl Into<Shape>) -> Result<CpuTensor> {
         let _g = MemoryCategory::Workspace.enter();
         Ok(self.cpu.zeros(shape, DType::F32)?)
     }
 
+    /// Keep an f32 result in the storage precision (rounding it, round to nearest even).
+    pub(crate) fn keep(&self, t: CpuTensor) -> Result<CpuTensor> {
+        let dt = self.opts.precision.storage();
+        if dt == DType::F32 {
+            return Ok(t);
+        }
+        let _g = MemoryCategory::Activations.enter();
+        let mut out = self.cpu.uninit(t.shape().clone(), dt)?;
+        self.cpu.cast(&t, &mut out)?;
+        Ok(out)
+    }
+
+    /// Round f32 values in place to the storage precision (for transients whose rounded value
+    /// is what a low-precision run would compute with).
+    pub(crate) fn round_in_place(&self, x: &mut [f32]) {
+        let p = self.opts.precision;
+        if p.is_low() {
+            for v in x {
+                *v = p.round(*v);
+            }
+        }
+    }
+
     /// Check tokens and targets: `[B, T]` ids below the vocab, `T ≤ max_seq`.
     pub fn check_batch(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
-        let n = g.b * g.t;
-        if g.t == 0 || g.t > self.cfg.max_seq {
+        let n = g.rows();
+        if g.b == 0 || g.t == 0 || g.t > self.cfg.max_seq {
             return Err(TrainError::Input(format!(
-                "sequence length {} not in 1..={}",
-                g.t, self.cfg.max_seq
+                "batch {}×{}: need at least one sequence of 1..={} tokens",
+                g.b, g.t, self.cfg.max_seq
             )));
         }
         if tokens.len() != n || targets.len() != n {
@@ -181,378 +333,116 @@ impl Gpt {
         Ok(())
     }
 
-    /// Token + position embeddings: `[B, T, C]`.
+    /// Token + position embeddings: `[B, T, C]` in the storage precision (the chain's input).
     pub fn embed(&self, tokens: &[u32], g: Geometry) -> Result<CpuTensor> {
         let c = self.cfg.channels;
-        let mut out = self.act([g.b, g.t, c])?;
+        let mut out = self.fresh([g.b, g.t, c])?;
         embedding::forward(
             f32s_mut(&mut out)?,
             tokens,
-            self.p(WTE)?,
-            self.p(WPE)?,
+            self.w(WTE)?.s()?,
+            self.w(WPE)?.s()?,
             g.t,
             c,
         );
-        Ok(out)
+        self.keep(out)
     }
 
-    /// Block `l` forward: returns the output residual `[B, T, C]` and what backward needs.
-    pub fn block_forward(
+    /// Final layer norm, tied head and loss, forward and backward at once (the head is the
+    /// chain's loss): returns the mean loss and the gradient `[B, T, C]` f32 of the residual
+    /// stream for `loss = Σ losses · dloss_per_token`. Accumulates into `dwte` and the final
+    /// layer norm's `dlnf_w`, `dlnf_b`.
+    ///
+    /// Trade-off: the logits are f32 in every precision (the loss is computed in f32, as
+    /// PyTorch's autocast does); low precision rounds their values. With
+    /// [`GptOptions::loss_chunk`] they exist `chunk` rows at a time instead of whole.
+    pub fn head(
         &self,
-        l: usize,
-        inp: CpuTensor,
-        g: Geometry,
-    ) -> Result<(CpuTensor, BlockActivations)> {
-        let (c, nh) = (self.cfg.channels, self.cfg.heads);
-        let hs = c / nh;
-        let n = g.b * g.t;
-        let w = |o| self.p(layer_index(l, o));
-
-        let mut ln1 = self.act([g.b, g.t, c])?;
-        let mut ln1_mean = self.act([g.b, g.t])?;
-        let mut ln1_rstd = self.act([g.b, g.t])?;
-        layernorm::forward(
-            f32s_mut(&mut ln1)?,
-            f32s_mut(&mut ln1_mean)?,
-            f32s_mut(&mut ln1_rstd)?,
-            f32s(&inp)?,
-            w(layer::LN1_W)?,
-            w(layer::LN1_B)?,
-            c,
-        );
-        // qkv is only a stepping stone to q, k, v: workspace, dropped at the end of forward.
-        let mut qkv = self.work([g.b, g.t, 3 * c])?;
-        matmul::forward(
-            f32s_mut(&mut qkv)?,
-            f32s(&ln1)?,
-            w(layer::QKV_W)?,
-            Some(w(layer::QKV_B)?),
-            n,
-            c,
-            3 * c,
-        );
-        let mut q = self.act([g.b, nh, g.t, hs])?;
-        let mut k = self.act([g.b, nh, g.t, hs])?;
-        let mut v = self.act([g.b, nh, g.t, hs])?;
-        split_heads(
-            f32s(&qkv)?,
-            [f32s_mut(&mut q)?, f32s_mut(&mut k)?, f32s_mut(&mut v)?],
-            g,
-            nh,
-            hs,
-        );
-        drop(qkv);
-        let attn = {
-            let _g = MemoryCategory::Activations.enter();
-            self.cpu.attention_forward(&q, &k, &v, &self.attention)?
-        };
-        let mut atty = self.act([g.b, g.t, c])?;
-        merge_heads(f32s(&attn.output)?, f32s_mut(&mut atty)?, g, nh, hs);
-        let mut res2 = self.act([g.b, g.t, c])?;
-        matmul::forward(
-            f32s_mut(&mut res2)?,
-            f32s(&atty)?,
-            w(layer::ATTN_PROJ_W)?,
-            Some(w(layer::ATTN_PROJ_B)?),
-            n,
-            c,
-            c,
-        );
-        for (r, x) in f32s_mut(&mut res2)?.iter_mut().zip(f32s(&inp)?) {
-            *r += x;
-        }
-        let mut ln2 = self.act([g.b, g.t, c])?;
-        let mut ln2_mean = self.act([g.b, g.t])?;
-        let mut ln2_rstd = self.act([g.b, g.t])?;
-        layernorm::forward(
-            f32s_mut(&mut ln2)?,
-            f32s_mut(&mut ln2_mean)?,
-            f32s_mut(&mut ln2_rstd)?,
-            f32s(&res2)?,
-            w(layer::LN2_W)?,
-            w(layer::LN2_B)?,
-            c,
-        );
-        let mut fch = self.act([g.b, g.t, 4 * c])?;
-        matmul::forward(
-            f32s_mut(&mut fch)?,
-            f32s(&ln2)?,
-            w(layer::FC_W)?,
-            Some(w(layer::FC_B)?),
-            n,
-            c,
-            4 * c,
-        );
-        let mut fch_gelu = self.act([g.b, g.t, 4 * c])?;
-        gelu::forward(f32s_mut(&mut fch_gelu)?, f32s(&fch)?);
-        // The block output is the next block's input: an activation it keeps.
-        let mut out = self.act([g.b, g.t, c])?;
-        matmul::forward(
-            f32s_mut(&mut out)?,
-            f32s(&fch_gelu)?,
-            w(layer::FC_PROJ_W)?,
-            Some(w(layer::FC_PROJ_B)?),
-            n,
-            4 * c,
-            c,
-        );
-        for (o, r) in f32s_mut(&mut out)?.iter_mut().zip(f32s(&res2)?) {
-            *o += r;
-        }
-        let saved = BlockActivations {
-            inp,
-            ln1,
-            ln1_mean,
-            ln1_rstd,
-            q,
-            k,
-            v,
-            attn,
-            atty,
-            res2,
-            ln2,
-            ln2_mean,
-            ln2_rstd,
-            fch,
-            fch_gelu,
-        };
-        Ok((out, saved))
-    }
-
-    /// Block `l` backward: accumulates parameter gradients into `grads`, returns `dinp`.
-    pub fn block_backward(
-        &self,
-        l: usize,
-        dout: CpuTensor,
-        s: BlockActivations,
-        grads: &mut [CpuTensor],
-        g: Geometry,
-    ) -> Result<CpuTensor> {
-        let (c, nh) = (self.cfg.channels, self.cfg.heads);
-        let hs = c / nh;
-        let n = g.b * g.t;
-        let w = |o| self.p(layer_index(l, o));
-        let gi = |o| layer_index(l, o);
-
-        // out = res2 + fcproj(fch_gelu): dres2 starts as dout, dfch_gelu from the projection.
-        let mut dfch_gelu = self.work([g.b, g.t, 4 * c])?;
-        {
-            let (dw, db) = two_mut(grads, gi(layer::FC_PROJ_W), gi(layer::FC_PROJ_B));
-            matmul::backward(
-                f32s_mut(&mut dfch_gelu)?,
-                f32s_mut(dw)?,
-                Some(f32s_mut(db)?),
-                f32s(&dout)?,
-                f32s(&s.fch_gelu)?,
-                w(layer::FC_PROJ_W)?,
-                n,
-                4 * c,
-                c,
-            );
-        }
-        let mut dfch = self.work([g.b, g.t, 4 * c])?;
-        gelu::backward(f32s_mut(&mut dfch)?, f32s(&s.fch)?, f32s(&dfch_gelu)?);
-        drop(dfch_gelu);
-        let mut dln2 = self.work([g.b, g.t, c])?;
-        {
-            let (dw, db) = two_mut(grads, gi(layer::FC_W), gi(layer::FC_B));
-            matmul::backward(
-                f32s_mut(&mut dln2)?,
-                f32s_mut(dw)?,
-                Some(f32s_mut(db)?),
-                f32s(&dfch)?,
-                f32s(&s.ln2)?,
-                w(layer::FC_W)?,
-                n,
-                c,
-                4 * c,
-            );
-        }
-        drop(dfch);
-        let mut dres2 = dout; // reuse the incoming gradient buffer as the residual's gradient
-        {
-            let (dw, db) = two_mut(grads, gi(layer::LN2_W), gi(layer::LN2_B));
-            layernorm::backward(
-                f32s_mut(&mut dres2)?,
-                f32s_mut(dw)?,
-                f32s_mut(db)?,
-                f32s(&dln2)?,
-                f32s(&s.res2)?,
-                w(layer::LN2_W)?,
-                f32s(&s.ln2_mean)?,
-                f32s(&s.ln2_rstd)?,
-                c,
-            );
-        }
-        drop(dln2);
-        // res2 = inp + attproj(atty).
-        let mut datty = self.work([g.b, g.t, c])?;
-        {
-            let (dw, db) = two_mut(grads, gi(layer::ATTN_PROJ_W), gi(layer::ATTN_PROJ_B));
-            matmul::backward(
-                f32s_mut(&mut datty)?,
-                f32s_mut(dw)?,
-                Some(f32s_mut(db)?),
-                f32s(&dres2)?,
-                f32s(&s.atty)?,
-                w(layer::ATTN_PROJ_W)?,
-                n,
-                c,
-                c,
-            );
-        }
-        let mut dy = self.work([g.b, nh, g.t, hs])?;
-        split_single(f32s(&datty)?, f32s_mut(&mut dy)?, g, nh, hs);
-        drop(datty);
-        let ag = {
-            let _g = MemoryCategory::Workspace.enter();
-            self.cpu
-                .attention_backward(&s.q, &s.k, &s.v, &s.attn, &dy)?
-        };
-        drop(dy);
-        let mut dqkv = self.work([g.b, g.t, 3 * c])?;
-        merge_qkv(
-            [f32s(&ag.dq)?, f32s(&ag.dk)?, f32s(&ag.dv)?],
-            f32s_mut(&mut dqkv)?,
-            g,
-            nh,
-            hs,
-        );
-        drop(ag);
-        let mut dln1 = self.work([g.b, g.t, c])?;
-        {
-            let (dw, db) = two_mut(grads, gi(layer::QKV_W), gi(layer::QKV_B));
-            matmul::backward(
-                f32s_mut(&mut dln1)?,
-                f32s_mut(dw)?,
-                Some(f32s_mut(db)?),
-                f32s(&dqkv)?,
-                f32s(&s.ln1)?,
-                w(layer::QKV_W)?,
-                n,
-                c,
-                3 * c,
-            );
-        }
-        drop(dqkv);
-        // The residual passes dres2 straight through to the block input.
-        let mut dinp = dres2;
-        {
-            let (dw, db) = two_mut(grads, gi(layer::LN1_W), gi(layer::LN1_B));
-            layernorm::backward(
-                f32s_mut(&mut dinp)?,
-                f32s_mut(dw)?,
-                f32s_mut(db)?,
-                f32s(&dln1)?,
-                f32s(&s.inp)?,
-                w(layer::LN1_W)?,
-                f32s(&s.ln1_mean)?,
-                f32s(&s.ln1_rstd)?,
-                c,
-            );
-        }
-        Ok(dinp)
-    }
-
-    /// Final layer norm, tied head and loss: returns the mean loss over the batch.
-    pub fn head_forward(
-        &self,
-        residual: CpuTensor,
+        residual: &CpuTensor,
         targets: &[u32],
         g: Geometry,
-    ) -> Result<(f32, HeadActivations)> {
+        dloss_per_token: f32,
+        head_grads: HeadGrads<'_>,
+    ) -> Result<(f32, CpuTensor)> {
         let (c, v) = (self.cfg.channels, self.cfg.vocab);
-        let n = g.b * g.t;
+        let n = g.rows();
         let lf = ln_f_index(&self.cfg);
-        let mut lnf = self.act([g.b, g.t, c])?;
-        let mut lnf_mean = self.act([g.b, g.t])?;
-        let mut lnf_rstd = self.act([g.b, g.t])?;
+        let x = self.view(residual)?;
+        let mut lnf = self.stat([g.b, g.t, c])?;
+        let mut lnf_mean = self.stat([g.b, g.t])?;
+        let mut lnf_rstd = self.stat([g.b, g.t])?;
         layernorm::forward(
             f32s_mut(&mut lnf)?,
             f32s_mut(&mut lnf_mean)?,
             f32s_mut(&mut lnf_rstd)?,
-            f32s(&residual)?,
-            self.p(lf)?,
-            self.p(lf + 1)?,
+            x.s()?,
+            self.w(lf)?.s()?,
+            self.w(lf + 1)?.s()?,
             c,
         );
-        let mut logits = self.act([g.b, g.t, v])?;
-        matmul::forward(
-            f32s_mut(&mut logits)?,
-            f32s(&lnf)?,
-            self.p(WTE)?,
-            None,
-            n,
-            c,
-            v,
-        );
-        let mut losses = self.act([g.b, g.t])?;
-        cross_entropy::forward(f32s_mut(&mut losses)?, f32s(&logits)?, targets, v);
-        let mean = f32s(&losses)?.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
-        Ok((
-            mean as f32,
-            HeadActivations {
-                residual,
-                lnf,
-                lnf_mean,
-                lnf_rstd,
-                logits,
-                losses,
-            },
-        ))
-    }
-
-    /// Backward of [`Gpt::head_forward`] for `loss = Σ losses · dloss_per_token`; returns the
-    /// gradient of the residual stream `[B, T, C]`.
-    pub fn head_backward(
-        &self,
-        h: HeadActivations,
-        targets: &[u32],
-        dloss_per_token: f32,
-        grads: &mut [CpuTensor],
-        g: Geometry,
-    ) -> Result<CpuTensor> {
-        let (c, v) = (self.cfg.channels, self.cfg.vocab);
-        let n = g.b * g.t;
-        let lf = ln_f_index(&self.cfg);
-        let dloss = vec![dloss_per_token; n];
-        let mut dlogits = self.work([g.b, g.t, v])?;
-        cross_entropy::backward(
-            f32s_mut(&mut dlogits)?,
-            f32s(&h.logits)?,
-            targets,
-            &dloss,
-            v,
-        );
-        drop(h.logits);
-        let mut dlnf = self.work([g.b, g.t, c])?;
-        // The tied head accumulates into wte's gradient; it has no bias.
-        matmul::backward(
-            f32s_mut(&mut dlnf)?,
-            f32s_mut(&mut grads[WTE])?,
-            None,
-            f32s(&dlogits)?,
-            f32s(&h.lnf)?,
-            self.p(WTE)?,
-            n,
-            c,
-            v,
-        );
-        drop(dlogits);
-        let mut dres = self.work([g.b, g.t, c])?;
-        let (dw, db) = two_mut(grads, lf, lf + 1);
+        self.round_in_place(f32s_mut(&mut lnf)?);
+        let wte = self.w(WTE)?;
+        let mut losses = self.stat([g.b, g.t])?;
+        let mut dlnf = self.scratch([g.b, g.t, c])?;
+        let rows = self.opts.loss_chunk.unwrap_or(n).min(n);
+        let (mut logits, mut dlogits) = {
+            let cat = if self.opts.loss_chunk.is_some() {
+                MemoryCategory::Workspace
+            } else {
+                MemoryCategory::Activations
+            };
+            let _g = cat.enter();
+            (
+                self.cpu.zeros([rows, v], DType::F32)?,
+                self.scratch([rows, v])?,
+            )
+        };
+        let dloss = vec![dloss_per_token; rows];
+        let lnf_s = lnf.as_slice::<f32>()?;
+        let mut r0 = 0;
+        while r0 < n {
+            let r = rows.min(n - r0);
+            let lg = &mut f32s_mut(&mut logits)?[..r * v];
+            matmul::forward(lg, &lnf_s[r0 * c..][..r * c], wte.s()?, None, r, c, v);
+            self.round_in_place(lg);
+            let ls = &mut f32s_mut(&mut losses)?[r0..r0 + r];
+            cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v);
+            let dl = &mut f32s_mut(&mut dlogits)?[..r * v];
+            cross_entropy::backward(dl, lg, &targets[r0..r0 + r], &dloss[..r], v);
+            // The tied head accumulates into wte's gradient; it has no bias.
+            matmul::backward(
+                &mut f32s_mut(&mut dlnf)?[r0 * c..][..r * c],
+                f32s_mut(head_grads.wte)?,
+                None,
+                dl,
+                &lnf_s[r0 * c..][..r * c],
+                wte.s()?,
+                r,
+                c,
+                v,
+            );
+            r0 += r;
+        }
+        drop((logits, dlogits, wte));
+        let mean = losses
+            .as_slice::<f32>()?
+            .iter()
+            .map(|&x| x as f64)
+            .sum::<f64>()
+            / n as f64;
+        let mut dres = self.scratch([g.b, g.t, c])?;
         layernorm::backward(
             f32s_mut(&mut dres)?,
-            f32s_mut(dw)?,
-            f32s_mut(db)?,
-            f32s(&dlnf)?,
-            f32s(&h.residual)?,
-            self.p(lf)?,
-            f32s(&h.lnf_mean)?,
-            f32s(&h.lnf_rstd)?,
+            f32s_mut(head_grads.lnf_w)?,
+            f32s_mut(head_grads.lnf_b)?,
+            dlnf.as_slice::<f32>()?,
+            x.s()?,
+            self.w(lf)?.s()?,
+            lnf_mean.as_slice::<f32>()?,
+            lnf_rstd.as_slice::<f32>()?,
             c,
         );
-        Ok(dres)
+        Ok((mean as f32, dres))
     }
 
     /// Embedding backward.
@@ -560,14 +450,14 @@ impl Gpt {
         &self,
         dres: &CpuTensor,
         tokens: &[u32],
-        grads: &mut [CpuTensor],
+        dwte: &mut CpuTensor,
+        dwpe: &mut CpuTensor,
         g: Geometry,
     ) -> Result<()> {
-        let (dwte, dwpe) = two_mut(grads, WTE, WPE);
         embedding::backward(
             f32s_mut(dwte)?,
             f32s_mut(dwpe)?,
-            f32s(dres)?,
+            dres.as_slice::<f32>()?,
             tokens,
             g.t,
             self.cfg.channels,
@@ -580,105 +470,105 @@ impl Gpt {
         self.check_batch(tokens, targets, g)?;
         let mut x = self.embed(tokens, g)?;
         for l in 0..self.cfg.layers {
-            x = self.block_forward(l, x, g)?.0;
+            x = self.block_forward(l, &x, g, false)?.0;
         }
-        Ok(self.head_forward(x, targets, g)?.0)
+        // The head's backward is computed into throwaway gradients: forward-only callers
+        // (evaluation, finite differences) are rare enough not to warrant a second head.
+        let lf = ln_f_index(&self.cfg);
+        let shapes = params::param_infos(&self.cfg);
+        let _g = MemoryCategory::Workspace.enter();
+        let mut wte = self.cpu.zeros(shapes[WTE].shape.clone(), DType::F32)?;
+        let mut lw = self.cpu.zeros(shapes[lf].shape.clone(), DType::F32)?;
+        let mut lb = self.cpu.zeros(shapes[lf + 1].shape.clone(), DType::F32)?;
+        let grads = HeadGrads {
+            wte: &mut wte,
+            lnf_w: &mut lw,
+            lnf_b: &mut lb,
+        };
+        Ok(self.head(&x, targets, g, 0.0, grads)?.0)
     }
 
-    /// Forward and backward of a whole batch, storing every activation: returns the mean loss
-    /// and accumulates `grads` (of the mean loss times `loss_weight`).
+    /// Forward and backward of a batch under a checkpoint `schedule` over the blocks: returns
+    /// the mean loss and the executor's figures, and *adds* to `grads` (f32, parameter order)
+    /// the gradient of `Σ losses · dloss_per_token` (`1/(B·T)` gives the mean loss's).
     pub fn forward_backward(
         &self,
         tokens: &[u32],
         targets: &[u32],
         g: Geometry,
         grads: &mut [CpuTensor],
-        loss_weight: f32,
-    ) -> Result<f32> {
+        dloss_per_token: f32,
+        schedule: &Schedule,
+    ) -> Result<(f32, ScheduleStats)> {
         self.check_batch(tokens, targets, g)?;
-        let mut x = self.embed(tokens, g)?;
-        let mut saved = Vec::with_capacity(self.cfg.layers);
-        for l in 0..self.cfg.layers {
-            let (y, s) = self.block_forward(l, x, g)?;
-            saved.push(s);
-            x = y;
+        let nl = self.cfg.layers;
+        if grads.len() != 2 + nl * PER_LAYER + 2 {
+            return Err(TrainError::Input(format!(
+                "{} gradient tensors for a model with {}",
+                grads.len(),
+                2 + nl * PER_LAYER + 2
+            )));
         }
-        let (loss, head) = self.head_forward(x, targets, g)?;
-        let mut d =
-            self.head_backward(head, targets, loss_weight / (g.b * g.t) as f32, grads, g)?;
-        for l in (0..self.cfg.layers).rev() {
-            let s = saved
-                .pop()
-                .ok_or_else(|| TrainError::Input("activation stack underflow".into()))?;
-            d = self.block_backward(l, d, s, grads, g)?;
-        }
-        self.embed_backward(&d, tokens, grads, g)?;
-        Ok(loss)
+        let (emb, rest) = grads.split_at_mut(2);
+        let (blocks, lnf) = rest.split_at_mut(nl * PER_LAYER);
+        let (dwte, dwpe) = emb.split_at_mut(1);
+        let (dlnf_w, dlnf_b) = lnf.split_at_mut(1);
+        let x = {
+            let _g = MemoryCategory::Activations.enter();
+            self.embed(tokens, g)?
+        };
+        let layers = blocks
+            .chunks_mut(PER_LAYER)
+            .enumerate()
+            .map(|(l, grads)| Block {
+                gpt: self,
+                index: l,
+                grads,
+                g,
+            })
+            .collect();
+        let mut chain = Chain::new(layers);
+        let mut loss = 0.0f32;
+        let out = chain
+            .step(&self.cpu, schedule, &x, |y| {
+                let grads = HeadGrads {
+                    wte: &mut dwte[0],
+                    lnf_w: &mut dlnf_w[0],
+                    lnf_b: &mut dlnf_b[0],
+                };
+                let (l, d) = self
+                    .head(y, targets, g, dloss_per_token, grads)
+                    .map_err(into_tensor_error)?;
+                loss = l;
+                Ok(d)
+            })
+            ?;
+        drop(x);
+        self.embed_backward(&out.input_grad, tokens, &mut dwte[0], &mut dwpe[0], g)?;
+        Ok((loss, out.stats))
     }
 }
 
-/// Two distinct mutable elements of a slice.
-fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
-    debug_assert!(i < j);
-    let (a, b) = v.split_at_mut(j);
-    (&mut a[i], &mut b[0])
+/// The gradients the head accumulates into.
+pub struct HeadGrads<'a> {
+    /// `wte`'s (the tied output head).
+    pub wte: &'a mut CpuTensor,
+    /// `ln_f.weight`'s.
+    pub lnf_w: &'a mut CpuTensor,
+    /// `ln_f.bias`'s.
+    pub lnf_b: &'a mut CpuTensor,
 }
 
-/// `[B, T, 3C]` → three `[B, NH, T, hs]`.
-fn split_heads(qkv: &[f32], out: [&mut [f32]; 3], g: Geometry, nh: usize, hs: usize) {
-    let c = nh * hs;
-    let [q, k, v] = out;
-    for b in 0..g.b {
-        for t in 0..g.t {
-            let row = &qkv[(b * g.t + t) * 3 * c..][..3 * c];
-            for h in 0..nh {
-                let dst = ((b * nh + h) * g.t + t) * hs;
-                q[dst..dst + hs].copy_from_slice(&row[h * hs..][..hs]);
-                k[dst..dst + hs].copy_from_slice(&row[c + h * hs..][..hs]);
-                v[dst..dst + hs].copy_from_slice(&row[2 * c + h * hs..][..hs]);
-            }
-        }
-    }
-}
-
-/// Three `[B, NH, T, hs]` → `[B, T, 3C]` (inverse of [`split_heads`]).
-fn merge_qkv(parts: [&[f32]; 3], qkv: &mut [f32], g: Geometry, nh: usize, hs: usize) {
-    let c = nh * hs;
-    for b in 0..g.b {
-        for t in 0..g.t {
-            let row = &mut qkv[(b * g.t + t) * 3 * c..][..3 * c];
-            for h in 0..nh {
-                let src = ((b * nh + h) * g.t + t) * hs;
-                for (p, part) in parts.iter().enumerate() {
-                    row[p * c + h * hs..][..hs].copy_from_slice(&part[src..src + hs]);
-                }
-            }
-        }
-    }
-}
-
-/// `[B, NH, T, hs]` → `[B, T, C]`.
-fn merge_heads(y: &[f32], out: &mut [f32], g: Geometry, nh: usize, hs: usize) {
-    let c = nh * hs;
-    for b in 0..g.b {
-        for h in 0..nh {
-            for t in 0..g.t {
-                let src = ((b * nh + h) * g.t + t) * hs;
-                out[(b * g.t + t) * c + h * hs..][..hs].copy_from_slice(&y[src..src + hs]);
-            }
-        }
-    }
-}
-
-/// `[B, T, C]` → `[B, NH, T, hs]` (inverse of [`merge_heads`]).
-fn split_single(x: &[f32], out: &mut [f32], g: Geometry, nh: usize, hs: usize) {
-    let c = nh * hs;
-    for b in 0..g.b {
-        for h in 0..nh {
-            for t in 0..g.t {
-                let dst = ((b * nh + h) * g.t + t) * hs;
-                out[dst..dst + hs].copy_from_slice(&x[(b * g.t + t) * c + h * hs..][..hs]);
-            }
-        }
+/// A trainer error crossing the ckpt layer contract (which speaks headroom-tensor's error):
+/// tensor errors pass through unchanged (so the tracker's out-of-budget report stays in the
+/// chain), anything else is wrapped as the source of a backend error.
+pub(crate) fn into_tensor_error(e: TrainError) -> headroom_tensor::Error {
+    match e {
+        TrainError::Tensor(t) => t,
+        other => headroom_tensor::Error::Backend {
+            device: headroom_tensor::Device::Cpu,
+            op: "gpt",
+            source: Box::new(other),
+        },
     }
 }

@@ -1,8 +1,13 @@
-//! The GPT-2 model: configuration, parameters, and explicit forward/backward.
+//! The GPT-2 model: configuration, parameters, numeric precision, and the explicit forward and
+//! backward (blocks as ckpt layers).
 
+mod block;
 mod config;
 mod gpt;
 pub mod params;
+mod precision;
 
+pub use block::Block;
 pub use config::GptConfig;
-pub use gpt::{BlockActivations, Geometry, Gpt, HeadActivations};
+pub use gpt::{BlockSaved, Geometry, Gpt, GptOptions, HeadGrads};
+pub use precision::Precision;

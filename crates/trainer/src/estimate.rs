@@ -1,0 +1,208 @@
+//! The memory a training run will need, per category, before running it: the profiler's
+//! estimator (`headroom_profiler::estimate`) specialised to this trainer's own activation set.
+//!
+//! The profiler's estimator counts llm.c's activation tensors; this trainer keeps a different
+//! set (q, k, v split by head, the attention output once, no separate projection outputs, no
+//! pre-softmax scores), so the terms below are the sizes of [`crate::model::BlockSaved`]'s
+//! fields and of the head's buffers, by name. Checkpoint schedules are predicted by
+//! headroom-ckpt's own simulator over the same byte sizes, so an every-k, √n or planned
+//! schedule is costed exactly as the executor will run it.
+//!
+//! Notation: `b` micro-batch, `T` sequence, `C` width, `H` heads, `V` vocab, `L` layers, `a`
+//! bytes per stored element (4 in fp32, 2 in bf16/fp16), `P` parameters.
+
+use headroom_ckpt::{ChainCost, LayerCost, Schedule};
+use headroom_offload::StatePrecision;
+use headroom_profiler::PerCategory;
+use headroom_tensor::MemoryCategory;
+use serde::Serialize;
+
+use crate::model::{params, GptConfig};
+use crate::train::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
+use crate::{Result, TrainError};
+
+/// Block-size of 8-bit optimizer state (headroom-offload's).
+const INT8_BLOCK: usize = 2048;
+/// Batch buffers the loader may hold at once (its default `max_buffered_batches`).
+const LOADER_BUFFERS: u64 = 4;
+
+/// Predicted peak bytes per category on the device and on the host.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrainerEstimate {
+    /// Parameters in the model.
+    pub parameter_count: u64,
+    /// Peak bytes per category on the device (the budgeted memory).
+    pub device: PerCategory<u64>,
+    /// Bytes per category an offloaded optimizer keeps on the host.
+    pub host: PerCategory<u64>,
+    /// Bytes one block keeps for backward (its [`crate::model::BlockSaved`]).
+    pub block_saved_bytes: u64,
+    /// Bytes of one block's input or output (`b·T·C·a`).
+    pub block_io_bytes: u64,
+    /// Blocks.
+    pub layers: usize,
+}
+
+impl TrainerEstimate {
+    /// Sum of the device categories' peaks (an upper bound on the device's total peak).
+    pub fn device_total(&self) -> u64 {
+        self.device.total()
+    }
+
+    /// The blocks as the checkpoint planner sees them: equal layers whose backward costs two
+    /// forwards (the usual matmul count), with the byte sizes above.
+    pub fn block_chain_cost(&self) -> Result<ChainCost> {
+        let layer = LayerCost {
+            forward_time: 1.0,
+            backward_time: 2.0,
+            input_bytes: self.block_io_bytes,
+            saved_bytes: self.block_saved_bytes,
+        };
+        let mut layers = vec![layer; self.layers];
+        // The first block's input is the caller's (the embedding): the executor never frees or
+        // counts it, so the planner must not either.
+        if let Some(first) = layers.first_mut() {
+            first.input_bytes = 0;
+        }
+        Ok(ChainCost::new(layers, self.block_io_bytes)?)
+    }
+}
+
+fn u(x: usize) -> u64 {
+    x as u64
+}
+
+/// Predict peak bytes per category for `cfg` trained on micro-batches of `micro` sequences of
+/// `seq` tokens (`batch` per step) with `tech`.
+pub fn estimate(
+    cfg: &GptConfig,
+    seq: usize,
+    micro: usize,
+    batch: usize,
+    tech: &Techniques,
+) -> Result<TrainerEstimate> {
+    cfg.validate()?;
+    if seq == 0 || micro == 0 || batch == 0 || batch % micro != 0 || seq > cfg.max_seq {
+        return Err(TrainError::Config(format!(
+            "batch {batch}, micro-batch {micro}, sequence {seq} (context {})",
+            cfg.max_seq
+        )));
+    }
+    let infos = params::param_infos(cfg);
+    let p: u64 = infos.iter().map(|i| u(i.shape.iter().product())).sum();
+    let precision = tech.model.precision;
+    let a = u(precision.storage().size_in_bytes());
+    let low = precision.is_low();
+    let offload = tech.optimizer.placement != OptimizerPlacement::Resident;
+    let mut device = PerCategory::<u64>::default();
+    let mut host = PerCategory::<u64>::default();
+
+    // Parameters: fp32 masters (forward reads them in fp32) plus the working copy in low
+    // precision; offloading a low-precision run moves the masters to the host.
+    if low {
+        device[MemoryCategory::Parameters] = p * a;
+        if offload {
+            host[MemoryCategory::Parameters] = p * 4;
+        } else {
+            device[MemoryCategory::Parameters] += p * 4;
+        }
+    } else {
+        device[MemoryCategory::Parameters] = p * 4;
+    }
+    // Gradients: the accumulator's f32 buffers.
+    device[MemoryCategory::Gradients] = p * 4;
+    // Optimizer state: two moments per parameter, f32 or u8 with an f32 scale per block of
+    // each tensor.
+    let state: u64 = match tech.optimizer.state {
+        StatePrecision::F32 => 8 * p,
+        StatePrecision::Int8 => infos
+            .iter()
+            .map(|i| {
+                let n = u(i.shape.iter().product());
+                2 * n + 2 * n.div_ceil(u(INT8_BLOCK)) * 4
+            })
+            .sum(),
+    };
+    match &tech.optimizer.placement {
+        OptimizerPlacement::Resident => device[MemoryCategory::OptimizerState] = state,
+        OptimizerPlacement::HostRam => host[MemoryCategory::OptimizerState] = state,
+        // A file-backed store is page cache, not allocated memory: neither ledger holds it.
+        OptimizerPlacement::File(_) => {}
+    }
+
+    // Activations.
+    let (b, t, c, h, v) = (u(micro), u(seq), u(cfg.channels), u(cfg.heads), u(cfg.vocab));
+    let bt = b * t;
+    let btc = bt * c;
+    let selective = tech.model.selective || tech.checkpoint == CheckpointChoice::Selective;
+    let naive = tech.model.attention.algorithm == headroom_attn::Algorithm::Naive;
+    let dropped_by_selective = 6 * btc * a; // ln1, ln2, fch_gelu
+    let block_saved = 2 * bt * 4 // ln1 mean, rstd
+        + 3 * btc * a // q, k, v
+        + btc * a // attention output
+        + b * h * t * 4 // logsumexp
+        + if naive { b * h * t * t * 4 } else { 0 } // probabilities
+        + btc * a // res2
+        + 2 * bt * 4 // ln2 mean, rstd
+        + 4 * btc * a // fch
+        + if selective { 0 } else { dropped_by_selective };
+    let io = btc * a;
+    let head_rows = tech.model.loss_chunk.map_or(bt, |r| u(r).min(bt));
+    // lnf, its statistics and the per-token losses; the logits too when not fused.
+    let head_act = btc * 4 + 3 * bt * 4 + if tech.model.loss_chunk.is_none() { bt * v * 4 } else { 0 };
+    let recompute_extra = if selective {
+        dropped_by_selective + 2 * bt * 4
+    } else {
+        0
+    };
+    let est = TrainerEstimate {
+        parameter_count: p,
+        device,
+        host,
+        block_saved_bytes: block_saved,
+        block_io_bytes: io,
+        layers: cfg.layers,
+    };
+    let schedule = match tech.checkpoint {
+        // The plan depends on a budget; costing it with the planner's own view of the chain
+        // is what the run will do too (the run supplies the budget).
+        CheckpointChoice::Optimal(None) => Schedule::store_all(cfg.layers)?,
+        other => {
+            let budget = match other {
+                CheckpointChoice::Optimal(Some(b)) => b,
+                _ => 0,
+            };
+            block_schedule(other, cfg, || Ok((est.block_chain_cost()?, budget)))?
+        }
+    };
+    let sim = schedule.simulate(&est.block_chain_cost()?)?;
+    let mut device = est.device;
+    // The embedding output is the chain's input (held by the caller throughout); the head runs
+    // when the chain's output is in hand, the peak of a store-all schedule.
+    device[MemoryCategory::Activations] =
+        io + sim.peak_saved_bytes + head_act.max(recompute_extra);
+
+    // Workspace: the larger of the head (dlnf and the logits' gradient — or both logit chunks
+    // when fused — plus f32 views of the residual and of wte in low precision) and a block's
+    // backward (the incoming gradient and the MLP's 4C-wide gradients, views in low precision).
+    let views_head = if low { btc * 4 + p_of(&infos, params::WTE) * 4 } else { 0 };
+    let logits_ws = if tech.model.loss_chunk.is_some() {
+        2 * head_rows * v * 4
+    } else {
+        head_rows * v * 4
+    };
+    let head_ws = btc * 4 + logits_ws + views_head;
+    let block_ws = if low {
+        // dout, x and res2 views, dfch_gelu, dfch, the fch view, and the weight view.
+        3 * btc * 4 + 12 * btc * 4 + 4 * c * c * 4
+    } else {
+        btc * 4 + 8 * btc * 4
+    };
+    device[MemoryCategory::Workspace] = head_ws.max(block_ws);
+    device[MemoryCategory::Data] = LOADER_BUFFERS * 2 * u(batch) * t * 4;
+    Ok(TrainerEstimate { device, ..est })
+}
+
+fn p_of(infos: &[params::ParamInfo], i: usize) -> u64 {
+    infos.get(i).map_or(0, |x| u(x.shape.iter().product()))
+}

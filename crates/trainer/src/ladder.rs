@@ -1,0 +1,181 @@
+//! The memory ladder: one model trained a few steps under a device budget with techniques
+//! added one at a time, each rung's peak memory per category taken from the tracker.
+
+use headroom_attn::AttentionConfig;
+use headroom_offload::StatePrecision;
+use headroom_profiler::{OutOfBudget, PerCategory};
+use headroom_tensor::{Device, MemoryCategory};
+
+use crate::estimate;
+use crate::model::Precision;
+use crate::train::{
+    train, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques, TrainOptions,
+};
+use crate::{Result, TrainError};
+
+/// One rung: a name and its techniques.
+#[derive(Clone, Debug)]
+pub struct Rung {
+    /// What this rung adds, e.g. `+flash`.
+    pub name: &'static str,
+    /// Everything switched on so far.
+    pub techniques: Techniques,
+}
+
+/// The standard ladder: fp32 baseline → +checkpoint (√n) → +bf16 → +flash → +fused loss →
+/// +offload (optimizer state and masters to the host) → +accumulation (micro-batches of a
+/// quarter of the batch, when the batch divides).
+pub fn standard_rungs(batch: usize) -> Vec<Rung> {
+    let mut t = Techniques::baseline();
+    let mut rungs = vec![Rung {
+        name: "fp32 baseline",
+        techniques: t.clone(),
+    }];
+    let mut push = |name, t: &Techniques| {
+        rungs.push(Rung {
+            name,
+            techniques: t.clone(),
+        })
+    };
+    t.checkpoint = CheckpointChoice::SqrtN;
+    push("+checkpoint (sqrt-n)", &t);
+    t.model.precision = Precision::Bf16;
+    push("+bf16", &t);
+    t.model.attention = AttentionConfig::flash();
+    push("+flash", &t);
+    t.model.loss_chunk = Some(128);
+    push("+fused loss", &t);
+    t.optimizer = OptimizerChoice {
+        state: StatePrecision::F32,
+        placement: OptimizerPlacement::HostRam,
+    };
+    push("+offload", &t);
+    if batch % 4 == 0 && batch >= 4 {
+        t.micro_batch = Some(batch / 4);
+        push("+accumulation", &t);
+    }
+    rungs
+}
+
+/// What one rung measured.
+#[derive(Clone, Debug)]
+pub struct RungResult {
+    /// The rung's name.
+    pub name: &'static str,
+    /// Its techniques, described.
+    pub description: String,
+    /// Device peak per category (tracker), from an unbudgeted run when the budgeted one
+    /// failed.
+    pub peak: PerCategory<u64>,
+    /// Device peak total (tracker).
+    pub peak_total: u64,
+    /// Host bytes (offloaded state and masters), peak per category.
+    pub host_peak: PerCategory<u64>,
+    /// The estimator's prediction of the device total.
+    pub estimated_total: u64,
+    /// Median step seconds (after the first step).
+    pub step_seconds: f64,
+    /// Whether the run fit the budget (ran to the end with the budget enforced).
+    pub fits: bool,
+    /// The last step's loss.
+    pub final_loss: f32,
+}
+
+fn is_out_of_budget(e: &TrainError) -> bool {
+    OutOfBudget::find(e).is_some()
+}
+
+/// Run every rung of `rungs` on `base` (its model, data, batch, steps) with `budget` enforced
+/// on the device. A rung that does not fit is measured again without the budget, so its
+/// real peak is known; `on_rung` is called after each.
+pub fn run_ladder(
+    base: &TrainOptions,
+    rungs: &[Rung],
+    budget: u64,
+    mut on_rung: impl FnMut(&RungResult),
+) -> Result<Vec<RungResult>> {
+    let mut out = Vec::with_capacity(rungs.len());
+    for rung in rungs {
+        let mut o = base.clone();
+        o.techniques = rung.techniques.clone();
+        o.budget = Some(budget);
+        o.save = None;
+        o.resume_from = None;
+        let micro = o.micro_batch()?;
+        let est = estimate::estimate(&o.model, o.seq, micro, o.batch, &o.techniques)?;
+        let (report, fits) = match train(&o, |_| {}) {
+            Ok(r) => (r, true),
+            Err(e) if is_out_of_budget(&e) => {
+                o.budget = None;
+                (train(&o, |_| {})?, false)
+            }
+            Err(e) => return Err(e),
+        };
+        let dev = report
+            .memory
+            .device(Device::Cpu)
+            .ok_or_else(|| TrainError::Input("the tracker saw no device allocation".into()))?;
+        let host_peak = report
+            .host_memory
+            .device(Device::Cpu)
+            .map_or_else(PerCategory::default, |d| d.peak);
+        let r = RungResult {
+            name: rung.name,
+            description: rung.techniques.describe(),
+            peak: dev.peak,
+            peak_total: dev.peak_total,
+            host_peak,
+            estimated_total: est.device_total(),
+            step_seconds: report.median_step_seconds(1),
+            fits,
+            final_loss: report.steps.last().map_or(f32::NAN, |s| s.loss),
+        };
+        on_rung(&r);
+        out.push(r);
+    }
+    Ok(out)
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1u64 << 20) as f64)
+}
+
+/// The ladder as a Markdown table: device peak per category (MiB), total, ratio to the first
+/// rung, host bytes, step time relative to the first rung, and whether it fit.
+pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "device budget {} MiB; peaks in MiB from the tracker\n",
+        mib(budget)
+    );
+    let _ = writeln!(
+        s,
+        "| rung | params | grads | optimizer | activations | workspace | device peak | vs baseline | host | step s | vs baseline | fits |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let base = results.first();
+    for r in results {
+        let p = |c: MemoryCategory| mib(r.peak[c]);
+        let ratio = base.map_or(f64::NAN, |b| b.peak_total as f64 / r.peak_total.max(1) as f64);
+        let time = base.map_or(f64::NAN, |b| r.step_seconds / b.step_seconds);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2}× smaller | {} | {:.2} | {:.2}× | {} |",
+            r.name,
+            p(MemoryCategory::Parameters),
+            p(MemoryCategory::Gradients),
+            p(MemoryCategory::OptimizerState),
+            p(MemoryCategory::Activations),
+            p(MemoryCategory::Workspace),
+            mib(r.peak_total),
+            ratio,
+            mib(r.host_peak.total()),
+            r.step_seconds,
+            time,
+            if r.fits { "yes" } else { "**no**" },
+        );
+    }
+    s
+}
