@@ -131,7 +131,13 @@ pub fn estimate(
     }
 
     // Activations.
-    let (b, t, c, h, v) = (u(micro), u(seq), u(cfg.channels), u(cfg.heads), u(cfg.vocab));
+    let (b, t, c, h, v) = (
+        u(micro),
+        u(seq),
+        u(cfg.channels),
+        u(cfg.heads),
+        u(cfg.vocab),
+    );
     let bt = b * t;
     let btc = bt * c;
     let selective = tech.model.selective || tech.checkpoint == CheckpointChoice::Selective;
@@ -149,7 +155,13 @@ pub fn estimate(
     let io = btc * a;
     let head_rows = tech.model.loss_chunk.map_or(bt, |r| u(r).min(bt));
     // lnf, its statistics and the per-token losses; the logits too when not fused.
-    let head_act = btc * 4 + 3 * bt * 4 + if tech.model.loss_chunk.is_none() { bt * v * 4 } else { 0 };
+    let head_act = btc * 4
+        + 3 * bt * 4
+        + if tech.model.loss_chunk.is_none() {
+            bt * v * 4
+        } else {
+            0
+        };
     let recompute_extra = if selective {
         dropped_by_selective + 2 * bt * 4
     } else {
@@ -179,24 +191,33 @@ pub fn estimate(
     let mut device = est.device;
     // The embedding output is the chain's input (held by the caller throughout); the head runs
     // when the chain's output is in hand, the peak of a store-all schedule.
-    device[MemoryCategory::Activations] =
-        io + sim.peak_saved_bytes + head_act.max(recompute_extra);
+    device[MemoryCategory::Activations] = io + sim.peak_saved_bytes + head_act.max(recompute_extra);
 
     // Workspace: the larger of the head (dlnf and the logits' gradient — or both logit chunks
     // when fused — plus f32 views of the residual and of wte in low precision) and a block's
     // backward (the incoming gradient and the MLP's 4C-wide gradients, views in low precision).
-    let views_head = if low { btc * 4 + p_of(&infos, params::WTE) * 4 } else { 0 };
+    let views_head = if low {
+        btc * 4 + p_of(&infos, params::WTE) * 4
+    } else {
+        0
+    };
     let logits_ws = if tech.model.loss_chunk.is_some() {
         2 * head_rows * v * 4
     } else {
         head_rows * v * 4
     };
     let head_ws = btc * 4 + logits_ws + views_head;
+    // A block's backward, at its two widest moments: the MLP (incoming gradient, dfch_gelu
+    // and dfch; in low precision also the f32 views of x, res2 and fch — or, one op earlier,
+    // of fch_gelu and the 4C² projection weight) and attention (incoming gradient, dres2, dy,
+    // dq/dk/dv, naive attention's [b, H, T, T] probability gradient; in low precision the f32
+    // views of x, q, k, v and the attention output).
+    let naive_ws = if naive { b * h * t * t * 4 } else { 0 };
     let block_ws = if low {
-        // dout, x and res2 views, dfch_gelu, dfch, the fch view, and the weight view.
-        3 * btc * 4 + 12 * btc * 4 + 4 * c * c * 4
+        let mlp = (15 * btc * 4).max(11 * btc * 4 + 16 * c * c);
+        mlp.max(11 * btc * 4 + naive_ws)
     } else {
-        btc * 4 + 8 * btc * 4
+        (9 * btc * 4).max(6 * btc * 4 + naive_ws)
     };
     device[MemoryCategory::Workspace] = head_ws.max(block_ws);
     device[MemoryCategory::Data] = LOADER_BUFFERS * 2 * u(batch) * t * 4;

@@ -158,7 +158,9 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
     let base = results.first();
     for r in results {
         let p = |c: MemoryCategory| mib(r.peak[c]);
-        let ratio = base.map_or(f64::NAN, |b| b.peak_total as f64 / r.peak_total.max(1) as f64);
+        let ratio = base.map_or(f64::NAN, |b| {
+            b.peak_total as f64 / r.peak_total.max(1) as f64
+        });
         let time = base.map_or(f64::NAN, |b| r.step_seconds / b.step_seconds);
         let _ = writeln!(
             s,

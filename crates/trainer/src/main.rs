@@ -16,8 +16,7 @@ use headroom_trainer::estimate::estimate;
 use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs};
 use headroom_trainer::model::{GptConfig, Precision};
 use headroom_trainer::train::{
-    train, CheckpointChoice, DataSource, OptimizerChoice, OptimizerPlacement, StepLog,
-    TrainOptions,
+    train, CheckpointChoice, DataSource, OptimizerChoice, OptimizerPlacement, StepLog, TrainOptions,
 };
 
 type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -284,12 +283,10 @@ fn parse_checkpoint(s: &str) -> CliResult<CheckpointChoice> {
         "optimal" => CheckpointChoice::Optimal(None),
         other => match other.strip_prefix("every-").map(str::parse::<usize>) {
             Some(Ok(k)) if k > 0 => CheckpointChoice::EveryK(k),
-            _ => {
-                return Err(format!(
-                    "unknown --checkpoint {other:?}: use none, every-K, sqrt-n, selective or optimal"
-                )
-                .into())
-            }
+            _ => return Err(format!(
+                "unknown --checkpoint {other:?}: use none, every-K, sqrt-n, selective or optimal"
+            )
+            .into()),
         },
     })
 }
@@ -300,9 +297,11 @@ fn check_device(d: DeviceArg) -> CliResult {
         DeviceArg::Cuda => {
             // Probe first: no GPU is the typed NoDevice error, with its reason.
             headroom_cuda::Cuda::new(0)?;
-            Err("the CUDA trainer path is not built yet: the device was found, but only \
+            Err(
+                "the CUDA trainer path is not built yet: the device was found, but only \
                  --device cpu can train (issue #11)"
-                .into())
+                    .into(),
+            )
         }
     }
 }
@@ -325,7 +324,9 @@ fn options(run: &RunArgs) -> CliResult<TrainOptions> {
         d.vocab = vocab as u32;
     }
     o.model = model_config(run, vocab);
-    o.seq = run.seq.unwrap_or(o.model.max_seq.min(o.seq.max(o.model.max_seq)));
+    o.seq = run
+        .seq
+        .unwrap_or(o.model.max_seq.min(o.seq.max(o.model.max_seq)));
     if run.model == ModelPreset::Tiny && run.seq.is_none() {
         o.seq = 64;
     }
@@ -582,7 +583,11 @@ fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
         Ok(e.device_total() <= budget)
     })?;
     let Some(best) = report.largest_fit else {
-        println!("no batch fits {:.1} MiB with {}", mib(budget), o.techniques.describe());
+        println!(
+            "no batch fits {:.1} MiB with {}",
+            mib(budget),
+            o.techniques.describe()
+        );
         return Ok(());
     };
     println!(
@@ -603,9 +608,14 @@ fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
             let verdict = match train(&m, |_| {}) {
                 Ok(r) => format!(
                     "fits (measured peak {:.1} MiB)",
-                    mib(r.memory.device(headroom_tensor::Device::Cpu).map_or(0, |d| d.peak_total))
+                    mib(r
+                        .memory
+                        .device(headroom_tensor::Device::Cpu)
+                        .map_or(0, |d| d.peak_total))
                 ),
-                Err(e) if OutOfBudget::find(&e).is_some() => "does not fit (tracker refused)".into(),
+                Err(e) if OutOfBudget::find(&e).is_some() => {
+                    "does not fit (tracker refused)".into()
+                }
                 Err(e) => return Err(e.into()),
             };
             println!("  measured batch {b}: {verdict}");
@@ -624,10 +634,9 @@ fn parse_format(s: &str) -> CliResult<TokenFileFormat> {
             document_len: 1024,
         },
         other => {
-            return Err(format!(
-                "unknown format {other:?}: use raw-u16, raw-u32, llmc or megatron"
+            return Err(
+                format!("unknown format {other:?}: use raw-u16, raw-u32, llmc or megatron").into(),
             )
-            .into())
         }
     })
 }

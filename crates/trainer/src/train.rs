@@ -20,8 +20,7 @@ use headroom_amp::{LossScaler, LossScalerConfig, LossScalerState};
 use headroom_attn::AttentionConfig;
 use headroom_ckpt::{Planner, Schedule};
 use headroom_mmap_data::{
-    Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode, Shard,
-    TokenDataset,
+    Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode, Shard, TokenDataset,
 };
 use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
@@ -568,17 +567,22 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     };
     let mut scaler = if precision.needs_loss_scaling() {
         let cfg = LossScalerConfig::default();
-        Some(match resume.as_ref().and_then(|ck| ck.state.scaler.clone()) {
-            Some(state) => LossScaler::from_parts(cfg, state)?,
-            None => LossScaler::new(cfg)?,
-        })
+        Some(
+            match resume.as_ref().and_then(|ck| ck.state.scaler.clone()) {
+                Some(state) => LossScaler::from_parts(cfg, state)?,
+                None => LossScaler::new(cfg)?,
+            },
+        )
     } else {
         None
     };
     let start = resume.as_ref().map_or(0, |ck| ck.state.step);
     drop(resume);
 
-    let mg = Geometry { b: micro, t: opts.seq };
+    let mg = Geometry {
+        b: micro,
+        t: opts.seq,
+    };
     let schedule = block_schedule(tech.checkpoint, &opts.model, || {
         let est = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
         let budget = match tech.checkpoint {

@@ -7,8 +7,8 @@
 //! lost 1/N) misses by orders of magnitude.
 
 use headroom_attn::AttentionConfig;
-use headroom_tensor::{Cpu, MemoryCategory};
 use headroom_ckpt::Schedule;
+use headroom_tensor::{Cpu, MemoryCategory};
 use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions};
 
 fn opts(attention: AttentionConfig) -> GptOptions {
@@ -142,10 +142,24 @@ fn bad_batches_are_typed_errors() {
         )
         .is_err());
     assert!(gpt
-        .forward_backward(&[0; 5], &[0; 5], Geometry { b: 1, t: 5 }, &mut grads, 1.0, &all)
+        .forward_backward(
+            &[0; 5],
+            &[0; 5],
+            Geometry { b: 1, t: 5 },
+            &mut grads,
+            1.0,
+            &all
+        )
         .is_err());
     assert!(gpt
-        .forward_backward(&[0; 3], &[0; 4], Geometry { b: 1, t: 4 }, &mut grads, 1.0, &all)
+        .forward_backward(
+            &[0; 3],
+            &[0; 4],
+            Geometry { b: 1, t: 4 },
+            &mut grads,
+            1.0,
+            &all
+        )
         .is_err());
     assert!(Gpt::new(
         &cpu,

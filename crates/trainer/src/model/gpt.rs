@@ -181,7 +181,9 @@ impl Gpt {
     ) -> Result<Self> {
         cfg.validate()?;
         if let Some(0) = opts.loss_chunk {
-            return Err(TrainError::Config("loss chunk must be at least 1 row".into()));
+            return Err(TrainError::Config(
+                "loss chunk must be at least 1 row".into(),
+            ));
         }
         let infos = params::param_infos(&cfg);
         if masters.len() != infos.len()
@@ -529,20 +531,18 @@ impl Gpt {
             .collect();
         let mut chain = Chain::new(layers);
         let mut loss = 0.0f32;
-        let out = chain
-            .step(&self.cpu, schedule, &x, |y| {
-                let grads = HeadGrads {
-                    wte: &mut dwte[0],
-                    lnf_w: &mut dlnf_w[0],
-                    lnf_b: &mut dlnf_b[0],
-                };
-                let (l, d) = self
-                    .head(y, targets, g, dloss_per_token, grads)
-                    .map_err(into_tensor_error)?;
-                loss = l;
-                Ok(d)
-            })
-            ?;
+        let out = chain.step(&self.cpu, schedule, &x, |y| {
+            let grads = HeadGrads {
+                wte: &mut dwte[0],
+                lnf_w: &mut dlnf_w[0],
+                lnf_b: &mut dlnf_b[0],
+            };
+            let (l, d) = self
+                .head(y, targets, g, dloss_per_token, grads)
+                .map_err(into_tensor_error)?;
+            loss = l;
+            Ok(d)
+        })?;
         drop(x);
         self.embed_backward(&out.input_grad, tokens, &mut dwte[0], &mut dwpe[0], g)?;
         Ok((loss, out.stats))

@@ -1,0 +1,101 @@
+//! The estimator's per-category prediction against the tracker's measured peaks, for several
+//! technique combinations: within 10% for every category that holds at least 1% of the total.
+
+use headroom_attn::AttentionConfig;
+use headroom_offload::StatePrecision;
+use headroom_tensor::{Device, MemoryCategory};
+use headroom_trainer::estimate::estimate;
+use headroom_trainer::model::{GptConfig, Precision};
+use headroom_trainer::train::{
+    train, CheckpointChoice, DataSource, OptimizerChoice, OptimizerPlacement, SyntheticData,
+    Techniques, TrainOptions,
+};
+
+fn base() -> TrainOptions {
+    let data = SyntheticData {
+        vocab: 512,
+        branching: 4,
+        tokens: 1 << 16,
+        seed: 5,
+    };
+    TrainOptions {
+        model: GptConfig {
+            vocab: 512,
+            max_seq: 64,
+            layers: 4,
+            heads: 4,
+            channels: 64,
+        },
+        data: DataSource::Synthetic(data),
+        steps: 2,
+        batch: 8,
+        seq: 64,
+        ..TrainOptions::tiny_default()
+    }
+}
+
+fn combos() -> Vec<(&'static str, Techniques)> {
+    let b = Techniques::baseline();
+    let flash = AttentionConfig::flash();
+    let mut v = vec![("fp32 baseline", b.clone())];
+    let mut t = b.clone();
+    t.checkpoint = CheckpointChoice::SqrtN;
+    v.push(("sqrt-n", t.clone()));
+    t.model.precision = Precision::Bf16;
+    v.push(("sqrt-n bf16", t.clone()));
+    t.model.attention = flash;
+    v.push(("sqrt-n bf16 flash", t.clone()));
+    t.model.loss_chunk = Some(64);
+    t.optimizer = OptimizerChoice {
+        state: StatePrecision::F32,
+        placement: OptimizerPlacement::HostRam,
+    };
+    v.push(("full stack", t.clone()));
+    t.micro_batch = Some(2);
+    v.push(("full stack + accumulation", t));
+    let mut s = b.clone();
+    s.checkpoint = CheckpointChoice::Selective;
+    s.model.attention = flash;
+    v.push(("selective flash", s));
+    let mut e = b.clone();
+    e.checkpoint = CheckpointChoice::EveryK(2);
+    e.model.precision = Precision::Fp16;
+    e.optimizer.state = StatePrecision::Int8;
+    v.push(("every-2 fp16 8-bit", e));
+    v
+}
+
+#[test]
+fn estimates_are_within_10_percent_of_the_trackers_peaks() {
+    let mut failures = Vec::new();
+    for (name, tech) in combos() {
+        let o = TrainOptions {
+            techniques: tech.clone(),
+            ..base()
+        };
+        let e = estimate(&o.model, o.seq, o.micro_batch().unwrap(), o.batch, &tech).unwrap();
+        let r = train(&o, |_| {}).unwrap();
+        let dev = r.memory.device(Device::Cpu).unwrap();
+        let total = dev.peak_total;
+        for c in MemoryCategory::ALL {
+            let (m, p) = (dev.peak[c], e.device[c]);
+            let err = (p as f64 - m as f64) / (m.max(1) as f64);
+            eprintln!(
+                "{name:<28} {c:?}: measured {m} predicted {p} ({:+.1}%)",
+                100.0 * err
+            );
+            if m.max(p) * 100 >= total && err.abs() > 0.10 {
+                failures.push(format!("{name}: {c:?} measured {m} predicted {p}"));
+            }
+        }
+        if let Some(h) = r.host_memory.device(Device::Cpu) {
+            for c in MemoryCategory::ALL {
+                let (m, p) = (h.peak[c], e.host[c]);
+                if m.max(p) > 0 && (p as f64 - m as f64).abs() > 0.10 * m as f64 {
+                    failures.push(format!("{name}: host {c:?} measured {m} predicted {p}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

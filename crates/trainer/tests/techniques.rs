@@ -1,0 +1,326 @@
+//! Every technique against the baseline: checkpoint schedules and selective recomputation give
+//! bitwise the same loss and gradients as storing everything; micro-batching, the fused loss
+//! and the attention algorithms agree within f32 summation-order tolerance; bf16/fp16 within
+//! their rounding; the optimizer gives the same bits wherever its state lives.
+
+use headroom_attn::AttentionConfig;
+use headroom_ckpt::{Planner, Schedule};
+use headroom_offload::StatePrecision;
+use headroom_tensor::{Cpu, Device, MemoryCategory};
+use headroom_trainer::estimate::estimate;
+use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
+use headroom_trainer::train::{
+    train, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques, TrainOptions,
+};
+use proptest::prelude::*;
+
+struct Run {
+    loss: f32,
+    grads: Vec<Vec<f32>>,
+}
+
+fn batch(cfg: &GptConfig, g: Geometry, seed: u32) -> (Vec<u32>, Vec<u32>) {
+    let v = cfg.vocab as u32;
+    let n = g.rows() as u32;
+    let tok = (0..n).map(|i| (i * 7 + 3 + seed) % v).collect();
+    let tgt = (0..n).map(|i| (i * 5 + 1 + 3 * seed) % v).collect();
+    (tok, tgt)
+}
+
+fn run(cfg: GptConfig, opts: GptOptions, g: Geometry, schedule: &Schedule, micro: usize) -> Run {
+    let cpu = Cpu::new();
+    let gpt = Gpt::new(&cpu, cfg, opts, 11).unwrap();
+    let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+    let (tok, tgt) = batch(&cfg, g, 0);
+    let rows = micro * g.t;
+    let mut loss = 0.0f64;
+    for (t, y) in tok.chunks(rows).zip(tgt.chunks(rows)) {
+        let mg = Geometry { b: micro, t: g.t };
+        let (l, _) = gpt
+            .forward_backward(t, y, mg, &mut grads, 1.0 / g.rows() as f32, schedule)
+            .unwrap();
+        loss += l as f64 * micro as f64 / g.b as f64;
+    }
+    Run {
+        loss: loss as f32,
+        grads: grads
+            .iter()
+            .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+            .collect(),
+    }
+}
+
+fn assert_close(a: &Run, b: &Run, rel: f32, what: &str) {
+    assert!(
+        (a.loss - b.loss).abs() <= rel * b.loss.abs().max(1.0),
+        "{what}: loss {} vs {}",
+        a.loss,
+        b.loss
+    );
+    for (i, (x, y)) in a.grads.iter().zip(&b.grads).enumerate() {
+        let scale = y.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let worst = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= rel * scale,
+            "{what}: gradient {i} differs by {worst} (scale {scale})"
+        );
+    }
+}
+
+fn assert_bitwise(a: &Run, b: &Run, what: &str) {
+    assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{what}: loss");
+    for (i, (x, y)) in a.grads.iter().zip(&b.grads).enumerate() {
+        assert!(
+            x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{what}: gradient tensor {i} differs"
+        );
+    }
+}
+
+fn small_cfg(layers: usize) -> GptConfig {
+    GptConfig {
+        vocab: 37,
+        max_seq: 16,
+        layers,
+        heads: 2,
+        channels: 16,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Any schedule (every-k, √n, a planned one under a random budget) and selective
+    /// recomputation, in any precision and attention algorithm: bitwise the stored gradients.
+    #[test]
+    fn recomputation_is_bitwise_exact(
+        layers in 1usize..6,
+        k in 1usize..4,
+        t in 1usize..12,
+        b in 1usize..3,
+        prec in 0usize..3,
+        algo in 0usize..3,
+        budget_frac in 0.0f64..1.0,
+    ) {
+        let cfg = small_cfg(layers);
+        let g = Geometry { b, t };
+        let opts = GptOptions {
+            attention: [AttentionConfig::naive(), AttentionConfig::chunked(), AttentionConfig::flash()][algo],
+            precision: [Precision::Fp32, Precision::Bf16, Precision::Fp16][prec],
+            ..GptOptions::default()
+        };
+        let all = Schedule::store_all(layers).unwrap();
+        let stored = run(cfg, opts, g, &all, b);
+        let mut tech = Techniques::baseline();
+        tech.model = opts;
+        let est = estimate(&cfg, t, b, b, &tech).unwrap();
+        let costs = est.block_chain_cost().unwrap();
+        let min = headroom_ckpt::min_memory(&costs).unwrap().0;
+        let full = all.simulate(&costs).unwrap().peak_saved_bytes;
+        let budget = min + ((full - min) as f64 * budget_frac) as u64;
+        let planned = Planner::default().optimal(&costs, budget).unwrap().schedule;
+        for (name, s) in [
+            ("every-k", Schedule::every_k(layers, k).unwrap()),
+            ("sqrt-n", Schedule::sqrt_n(layers).unwrap()),
+            ("planned", planned),
+        ] {
+            assert_bitwise(&run(cfg, opts, g, &s, b), &stored, name);
+        }
+        let selective = GptOptions { selective: true, ..opts };
+        assert_bitwise(&run(cfg, selective, g, &all, b), &stored, "selective");
+    }
+
+    /// k micro-batches of a batch give the big batch's gradient (f32 summation order aside).
+    #[test]
+    fn micro_batches_equal_the_big_batch(t in 1usize..12, micro in 1usize..4, k in 1usize..4) {
+        let cfg = small_cfg(2);
+        let g = Geometry { b: micro * k, t };
+        let all = Schedule::store_all(2).unwrap();
+        let opts = GptOptions::default();
+        assert_close(&run(cfg, opts, g, &all, micro), &run(cfg, opts, g, &all, g.b), 1e-5, "micro-batches");
+    }
+
+    /// The fused, chunked loss equals the materialised one.
+    #[test]
+    fn fused_loss_equals_the_materialised_loss(t in 1usize..12, b in 1usize..3, rows in 1usize..20) {
+        let cfg = small_cfg(2);
+        let g = Geometry { b, t };
+        let all = Schedule::store_all(2).unwrap();
+        let fused = GptOptions { loss_chunk: Some(rows), ..GptOptions::default() };
+        assert_close(&run(cfg, fused, g, &all, b), &run(cfg, GptOptions::default(), g, &all, b), 1e-5, "fused loss");
+    }
+}
+
+#[test]
+fn low_precision_gradients_track_fp32() {
+    let cfg = small_cfg(3);
+    let g = Geometry { b: 2, t: 12 };
+    let all = Schedule::store_all(3).unwrap();
+    let fp32 = run(cfg, GptOptions::default(), g, &all, 2);
+    // bf16 keeps 8 mantissa bits (relative rounding 2⁻⁹), fp16 11 (2⁻¹²); errors compound
+    // through 3 blocks, so the bounds are a few dozen roundings.
+    for (p, tol) in [(Precision::Bf16, 0.05), (Precision::Fp16, 0.01)] {
+        let opts = GptOptions {
+            precision: p,
+            ..GptOptions::default()
+        };
+        let low = run(cfg, opts, g, &all, 2);
+        assert_close(&low, &fp32, tol, p.name());
+        // And it really is low precision: not bitwise fp32.
+        assert_ne!(low.loss.to_bits(), fp32.loss.to_bits());
+    }
+}
+
+fn tiny(steps: usize, tech: Techniques) -> TrainOptions {
+    TrainOptions {
+        steps,
+        techniques: tech,
+        ..TrainOptions::tiny_default()
+    }
+}
+
+fn losses(o: &TrainOptions) -> Vec<u32> {
+    train(o, |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss.to_bits())
+        .collect()
+}
+
+#[test]
+fn the_optimizer_gives_the_same_bits_wherever_its_state_lives() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = Techniques::baseline();
+    t.model.precision = Precision::Bf16;
+    let resident = losses(&tiny(6, t.clone()));
+    for placement in [
+        OptimizerPlacement::HostRam,
+        OptimizerPlacement::File(dir.path().join("state.bin")),
+    ] {
+        let mut o = t.clone();
+        o.optimizer.placement = placement.clone();
+        assert_eq!(losses(&tiny(6, o)), resident, "{placement:?}");
+    }
+}
+
+#[test]
+fn offload_moves_state_and_masters_off_the_device() {
+    let mut t = Techniques::baseline();
+    t.model.precision = Precision::Bf16;
+    let resident = train(&tiny(2, t.clone()), |_| {}).unwrap();
+    t.optimizer.placement = OptimizerPlacement::HostRam;
+    let off = train(&tiny(2, t), |_| {}).unwrap();
+    let p = params::param_infos(&TrainOptions::tiny_default().model)
+        .iter()
+        .map(|i| i.shape.iter().product::<usize>() as u64)
+        .sum::<u64>();
+    let dev = |r: &headroom_trainer::train::TrainReport| r.memory.device(Device::Cpu).unwrap().peak;
+    let host = off.host_memory.device(Device::Cpu).unwrap().peak;
+    // Resident bf16: 4 (master) + 2 (working) + 4 (grad) + 8 (moments) bytes per parameter.
+    assert_eq!(dev(&resident)[MemoryCategory::Parameters], 6 * p);
+    assert_eq!(dev(&resident)[MemoryCategory::OptimizerState], 8 * p);
+    // Offloaded: the device keeps the bf16 working copy and the f32 gradients.
+    assert_eq!(dev(&off)[MemoryCategory::Parameters], 2 * p);
+    assert_eq!(dev(&off)[MemoryCategory::OptimizerState], 0);
+    assert_eq!(dev(&off)[MemoryCategory::Gradients], 4 * p);
+    assert_eq!(host[MemoryCategory::Parameters], 4 * p);
+    assert_eq!(host[MemoryCategory::OptimizerState], 8 * p);
+}
+
+#[test]
+fn every_combination_trains_and_8bit_state_tracks_f32() {
+    let steps = 40;
+    let f32_run = train(&tiny(steps, Techniques::baseline()), |_| {}).unwrap();
+    let start = f32_run.steps[0].loss as f64;
+    let end32 = f32_run.final_loss(5);
+    assert!(
+        end32 < start * 0.8,
+        "fp32 did not learn: {start} -> {end32}"
+    );
+    let mut combos = Vec::new();
+    let mut t = Techniques::baseline();
+    t.optimizer.state = StatePrecision::Int8;
+    combos.push(("8-bit AdamW", t.clone(), 0.03));
+    t.model.precision = Precision::Fp16;
+    t.checkpoint = CheckpointChoice::EveryK(1);
+    t.model.attention = AttentionConfig::flash();
+    combos.push(("8-bit, fp16, every-1, flash", t.clone(), 0.05));
+    let mut u = Techniques::baseline();
+    u.model.precision = Precision::Bf16;
+    u.checkpoint = CheckpointChoice::Selective;
+    u.model.loss_chunk = Some(100);
+    u.micro_batch = Some(4);
+    u.optimizer = OptimizerChoice {
+        state: StatePrecision::F32,
+        placement: OptimizerPlacement::HostRam,
+    };
+    combos.push((
+        "bf16, selective, fused loss, 4 micro-batches, offload",
+        u,
+        0.05,
+    ));
+    for (name, tech, tol) in combos {
+        let r = train(&tiny(steps, tech), |_| {}).unwrap();
+        let end = r.final_loss(5);
+        assert!(
+            r.steps.iter().all(|s| s.applied),
+            "{name}: a step was skipped"
+        );
+        assert!(
+            (end - end32).abs() <= tol * end32,
+            "{name}: final loss {end} vs fp32's {end32}"
+        );
+    }
+}
+
+#[test]
+fn resume_is_bit_for_bit_with_low_precision_and_offload() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = Techniques::baseline();
+    t.model.precision = Precision::Fp16;
+    t.checkpoint = CheckpointChoice::SqrtN;
+    t.optimizer = OptimizerChoice {
+        state: StatePrecision::Int8,
+        placement: OptimizerPlacement::HostRam,
+    };
+    let base = tiny(8, t);
+    let full = losses(&base);
+    let first = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 3)),
+        stop_after: Some(5),
+        ..base.clone()
+    };
+    train(&first, |_| {}).unwrap();
+    let rest = losses(&TrainOptions {
+        resume_from: Some(dir.path().to_path_buf()),
+        ..base
+    });
+    assert_eq!(&full[3..], &rest[..]);
+}
+
+#[test]
+fn optimal_schedule_needs_a_budget_and_fits_it() {
+    let mut t = Techniques::baseline();
+    t.checkpoint = CheckpointChoice::Optimal(None);
+    let err = train(&tiny(1, t.clone()), |_| {}).unwrap_err();
+    assert!(err.to_string().contains("budget"), "{err}");
+    // A budget between the minimum and store-all: the planner's schedule recomputes, fits.
+    let o = tiny(2, t);
+    let e = estimate(&o.model, o.seq, o.batch, o.batch, &o.techniques).unwrap();
+    let budget = e.device_total() - e.block_saved_bytes;
+    let r = train(
+        &TrainOptions {
+            budget: Some(budget),
+            ..o
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert!(r.memory.device(Device::Cpu).unwrap().peak_total <= budget);
+    assert!(r.steps[0].block_forwards > TrainOptions::tiny_default().model.layers);
+}
