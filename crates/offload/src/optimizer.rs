@@ -182,12 +182,13 @@ impl CpuAdamW {
     /// Continue from saved state with moments in RAM (`moments` as returned by
     /// [`CpuAdamW::moments`]).
     pub fn restore(state: &AdamWState, cpu: &Cpu, moments: &[u8]) -> Result<Self> {
-        let mut opt = Self::new(
-            state.groups.clone(),
-            &state.params,
-            state.precision,
-            StoreSpec::Ram(cpu),
-        )?;
+        Self::restore_into(state, StoreSpec::Ram(cpu), moments)
+    }
+
+    /// Continue from saved state and moment bytes, with the moments in a new store of any kind
+    /// (a checkpoint copied into a fresh memory-mapped file, say). The store is flushed.
+    pub fn restore_into(state: &AdamWState, store: StoreSpec<'_>, moments: &[u8]) -> Result<Self> {
+        let mut opt = Self::new(state.groups.clone(), &state.params, state.precision, store)?;
         if moments.len() != opt.store.bytes().len() {
             return Err(OffloadError::StateMismatch(format!(
                 "{} moment bytes, expected {}",
@@ -197,6 +198,7 @@ impl CpuAdamW {
         }
         opt.store.bytes_mut().copy_from_slice(moments);
         opt.set_steps(&state.steps)?;
+        opt.store.flush()?;
         Ok(opt)
     }
 

@@ -140,8 +140,9 @@ fn mib(b: u64) -> String {
     format!("{:.1}", b as f64 / (1u64 << 20) as f64)
 }
 
-/// The ladder as a Markdown table: device peak per category (MiB), total, ratio to the first
-/// rung, host bytes, step time relative to the first rung, and whether it fit.
+/// The ladder as a Markdown table: device peak per category (MiB), total, reduction (first
+/// rung's peak ÷ this rung's), host bytes, step time relative to the first rung, and whether
+/// it fit.
 pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
     use std::fmt::Write;
     let mut s = String::new();
@@ -152,7 +153,7 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
     );
     let _ = writeln!(
         s,
-        "| rung | params | grads | optimizer | activations | workspace | device peak | vs baseline | host | step s | vs baseline | fits |"
+        "| rung | params | grads | optimizer | activations | workspace | device peak | reduction | host | step s | time ratio | fits |"
     );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     let base = results.first();
@@ -164,7 +165,7 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
         let time = base.map_or(f64::NAN, |b| r.step_seconds / b.step_seconds);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2}× smaller | {} | {:.2} | {:.2}× | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2}× | {} | {:.2} | {:.2}× | {} |",
             r.name,
             p(MemoryCategory::Parameters),
             p(MemoryCategory::Gradients),

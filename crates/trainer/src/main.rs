@@ -283,10 +283,12 @@ fn parse_checkpoint(s: &str) -> CliResult<CheckpointChoice> {
         "optimal" => CheckpointChoice::Optimal(None),
         other => match other.strip_prefix("every-").map(str::parse::<usize>) {
             Some(Ok(k)) if k > 0 => CheckpointChoice::EveryK(k),
-            _ => return Err(format!(
+            _ => {
+                return Err(format!(
                 "unknown --checkpoint {other:?}: use none, every-K, sqrt-n, selective or optimal"
             )
-            .into()),
+                .into())
+            }
         },
     })
 }

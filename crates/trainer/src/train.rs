@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headroom_accum::{GradAccumulator, GradUnscaler, MicroBatchStats, NoLossScaling, StepTokens};
-use headroom_amp::{LossScaler, LossScalerConfig, LossScalerState};
+use headroom_amp::{LossScaler, LossScalerConfig};
 use headroom_attn::AttentionConfig;
 use headroom_ckpt::{Planner, Schedule};
 use headroom_mmap_data::{
@@ -148,20 +148,18 @@ impl Techniques {
 
     /// One line naming every setting.
     pub fn describe(&self) -> String {
-        let opt = match (&self.optimizer.state, &self.optimizer.placement) {
-            (s, p) => format!(
-                "{} AdamW {}",
-                match s {
-                    StatePrecision::F32 => "f32",
-                    StatePrecision::Int8 => "8-bit",
-                },
-                match p {
-                    OptimizerPlacement::Resident => "resident".to_string(),
-                    OptimizerPlacement::HostRam => "offloaded to RAM".to_string(),
-                    OptimizerPlacement::File(p) => format!("offloaded to {}", p.display()),
-                }
-            ),
-        };
+        let opt = format!(
+            "{} AdamW {}",
+            match self.optimizer.state {
+                StatePrecision::F32 => "f32",
+                StatePrecision::Int8 => "8-bit",
+            },
+            match &self.optimizer.placement {
+                OptimizerPlacement::Resident => "resident".to_string(),
+                OptimizerPlacement::HostRam => "offloaded to RAM".to_string(),
+                OptimizerPlacement::File(p) => format!("offloaded to {}", p.display()),
+            }
+        );
         format!(
             "{}, {} attention, checkpoint {}{}, {}{}{}",
             self.model.precision.name(),
@@ -538,21 +536,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     };
     let mut opt = match (&resume, &tech.optimizer.placement) {
         (Some(ck), OptimizerPlacement::File(path)) => {
-            // The file store persists by itself; the checkpoint's copy of the moments is
-            // written back into it so both agree with the saved step.
-            let mut o = CpuAdamW::new(
-                ck.state.optimizer.groups.clone(),
-                &ck.state.optimizer.params,
-                ck.state.optimizer.precision,
-                StoreSpec::File(path),
-            )?;
-            drop(o);
-            std::fs::write(path, &ck.moments).map_err(|e| TrainError::Checkpoint {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-            o = CpuAdamW::reopen(&ck.state.optimizer, path)?;
-            o
+            CpuAdamW::restore_into(&ck.state.optimizer, StoreSpec::File(path), &ck.moments)?
         }
         (Some(ck), _) => CpuAdamW::restore(&ck.state.optimizer, state_backend, &ck.moments)?,
         (None, OptimizerPlacement::File(path)) => {
@@ -567,12 +551,10 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     };
     let mut scaler = if precision.needs_loss_scaling() {
         let cfg = LossScalerConfig::default();
-        Some(
-            match resume.as_ref().and_then(|ck| ck.state.scaler.clone()) {
-                Some(state) => LossScaler::from_parts(cfg, state)?,
-                None => LossScaler::new(cfg)?,
-            },
-        )
+        Some(match resume.as_ref().and_then(|ck| ck.state.scaler) {
+            Some(state) => LossScaler::from_parts(cfg, state)?,
+            None => LossScaler::new(cfg)?,
+        })
     } else {
         None
     };
@@ -702,7 +684,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                 opt.flush()?;
                 let mut state =
                     TrainingState::new(step + 1, opts.model, opt.state(), loader.state());
-                state.scaler = scaler.as_ref().map(|s| s.state().clone());
+                state.scaler = scaler.as_ref().map(|s| *s.state());
                 checkpoint::save(dir, &state, gpt.masters(), opt.moments())?;
             }
         }
@@ -718,10 +700,6 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         schedule,
     })
 }
-
-/// Keep the scaler state type in the public API reachable from here (checkpoints carry it).
-pub type ScalerState = LossScalerState;
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -366,7 +366,7 @@ impl Gpt {
         let ag = {
             let _g = MemoryCategory::Workspace.enter();
             let fwd = AttentionForward {
-                output: self.into_f32(s.attn.output)?,
+                output: self.to_f32_owned(s.attn.output)?,
                 ..s.attn
             };
             let (qv, kv, vv) = (self.view(&s.q)?, self.view(&s.k)?, self.view(&s.v)?);

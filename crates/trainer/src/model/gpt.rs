@@ -250,7 +250,7 @@ impl Gpt {
     }
 
     /// `t` as an owned f32 tensor (itself when already f32).
-    pub(crate) fn into_f32(&self, t: CpuTensor) -> Result<CpuTensor> {
+    pub(crate) fn to_f32_owned(&self, t: CpuTensor) -> Result<CpuTensor> {
         match self.view(&t)? {
             View::Borrowed(_) => Ok(t),
             View::Owned(o) => Ok(o),
@@ -408,9 +408,8 @@ impl Gpt {
             matmul::forward(lg, &lnf_s[r0 * c..][..r * c], wte.s()?, None, r, c, v);
             self.round_in_place(lg);
             let ls = &mut f32s_mut(&mut losses)?[r0..r0 + r];
-            cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v);
             let dl = &mut f32s_mut(&mut dlogits)?[..r * v];
-            cross_entropy::backward(dl, lg, &targets[r0..r0 + r], &dloss[..r], v);
+            cross_entropy::forward_backward(ls, dl, lg, &targets[r0..r0 + r], &dloss[..r], v);
             // The tied head accumulates into wte's gradient; it has no bias.
             matmul::backward(
                 &mut f32s_mut(&mut dlnf)?[r0 * c..][..r * c],

@@ -1,30 +1,63 @@
-//! Softmax cross-entropy over the vocabulary, fused: forward returns per-row losses, backward
-//! writes `dlogits = (softmax − onehot) · dloss` in place of nothing extra (no stored probs).
+//! Softmax cross-entropy over the vocabulary, fused: per-row losses, and
+//! `dlogits = (softmax − onehot) · dloss` without storing the probabilities. Rows are split
+//! over threads; each row's arithmetic is independent of the split, so results do not depend
+//! on the thread count.
+
+use rayon::prelude::*;
+
+use crate::ops::fast_math::exp;
+
+/// Rows per rayon task: a 50k-wide row is 200 KB, so a few rows amortise the dispatch.
+const ROWS_PER_TASK: usize = 4;
+
+fn row_max_sum(row: &[f32]) -> (f32, f32) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let sum: f32 = row.iter().map(|&x| exp(x - max)).sum();
+    (max, sum)
+}
 
 /// Per-row loss `-log softmax(logits)[target]`, computed stably; `losses[n]`.
 pub fn forward(losses: &mut [f32], logits: &[f32], targets: &[u32], v: usize) {
-    for ((l, row), &t) in losses.iter_mut().zip(logits.chunks_exact(v)).zip(targets) {
-        let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let sum: f32 = row.iter().map(|x| (x - max).exp()).sum();
-        *l = (sum.ln() + max) - row[t as usize];
-    }
+    losses
+        .par_iter_mut()
+        .zip(logits.par_chunks_exact(v))
+        .zip(targets)
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|((l, row), &t)| {
+            let (max, sum) = row_max_sum(row);
+            *l = (sum.ln() + max) - row[t as usize];
+        });
 }
 
 /// `dlogits[row] = (softmax(row) − onehot(target)) · dloss[row]` (overwrites `dlogits`).
 pub fn backward(dlogits: &mut [f32], logits: &[f32], targets: &[u32], dloss: &[f32], v: usize) {
-    for (((d, row), &t), &dl) in dlogits
-        .chunks_exact_mut(v)
-        .zip(logits.chunks_exact(v))
+    let mut scratch = vec![0f32; targets.len()];
+    forward_backward(&mut scratch, dlogits, logits, targets, dloss, v);
+}
+
+/// [`forward`] and [`backward`] in one pass over the logits.
+pub fn forward_backward(
+    losses: &mut [f32],
+    dlogits: &mut [f32],
+    logits: &[f32],
+    targets: &[u32],
+    dloss: &[f32],
+    v: usize,
+) {
+    losses
+        .par_iter_mut()
+        .zip(dlogits.par_chunks_exact_mut(v))
+        .zip(logits.par_chunks_exact(v))
         .zip(targets)
         .zip(dloss)
-    {
-        let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let sum: f32 = row.iter().map(|x| (x - max).exp()).sum();
-        let inv = 1.0 / sum;
-        for (j, (dj, x)) in d.iter_mut().zip(row).enumerate() {
-            let p = (x - max).exp() * inv;
-            let onehot = if j == t as usize { 1.0 } else { 0.0 };
-            *dj = (p - onehot) * dl;
-        }
-    }
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|((((l, d), row), &t), &dl)| {
+            let (max, sum) = row_max_sum(row);
+            *l = (sum.ln() + max) - row[t as usize];
+            let scale = dl / sum;
+            for (dj, &x) in d.iter_mut().zip(row) {
+                *dj = exp(x - max) * scale;
+            }
+            d[t as usize] -= dl;
+        });
 }

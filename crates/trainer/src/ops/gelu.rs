@@ -1,23 +1,38 @@
-//! GELU with the tanh approximation (GPT-2's `gelu_new`).
+//! GELU with the tanh approximation (GPT-2's `gelu_new`), split over threads in fixed chunks.
+
+use rayon::prelude::*;
+
+use crate::ops::fast_math::tanh;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const K: f32 = 0.044_715;
+/// Elements per rayon task.
+const CHUNK: usize = 1 << 14;
 
 /// `out = 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
 pub fn forward(out: &mut [f32], inp: &[f32]) {
-    for (o, &x) in out.iter_mut().zip(inp) {
-        let u = SQRT_2_OVER_PI * (x + K * x * x * x);
-        *o = 0.5 * x * (1.0 + u.tanh());
-    }
+    out.par_chunks_mut(CHUNK)
+        .zip(inp.par_chunks(CHUNK))
+        .for_each(|(o, i)| {
+            for (o, &x) in o.iter_mut().zip(i) {
+                let u = SQRT_2_OVER_PI * (x + K * x * x * x);
+                *o = 0.5 * x * (1.0 + tanh(u));
+            }
+        });
 }
 
 /// Accumulate `dinp += gelu'(inp) · dout`.
 pub fn backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
-    for ((di, &x), &d) in dinp.iter_mut().zip(inp).zip(dout) {
-        let u = SQRT_2_OVER_PI * (x + K * x * x * x);
-        let t = u.tanh();
-        let sech2 = 1.0 - t * t;
-        let du = SQRT_2_OVER_PI * (1.0 + 3.0 * K * x * x);
-        *di += (0.5 * (1.0 + t) + 0.5 * x * sech2 * du) * d;
-    }
+    dinp.par_chunks_mut(CHUNK)
+        .zip(inp.par_chunks(CHUNK))
+        .zip(dout.par_chunks(CHUNK))
+        .for_each(|((di, i), d)| {
+            for ((di, &x), &d) in di.iter_mut().zip(i).zip(d) {
+                let u = SQRT_2_OVER_PI * (x + K * x * x * x);
+                let t = tanh(u);
+                let sech2 = 1.0 - t * t;
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * K * x * x);
+                *di += (0.5 * (1.0 + t) + 0.5 * x * sech2 * du) * d;
+            }
+        });
 }

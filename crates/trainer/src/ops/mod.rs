@@ -4,6 +4,7 @@
 
 pub mod cross_entropy;
 pub mod embedding;
+mod fast_math;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
