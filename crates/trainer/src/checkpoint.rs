@@ -92,7 +92,36 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// Save a checkpoint into `dir` (created if missing).
+/// transformers' `GPT2Config` for this shape: with it beside `model.safetensors`,
+/// `GPT2LMHeadModel.from_pretrained(dir)` loads the checkpoint (no dropout, tanh GELU, layer
+/// norm ε 1e-5, head tied to `wte`).
+fn hf_config(c: &GptConfig, dir: &Path) -> Result<Vec<u8>> {
+    let v = serde_json::json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab,
+        "n_positions": c.max_seq,
+        "n_ctx": c.max_seq,
+        "n_embd": c.channels,
+        "n_layer": c.layers,
+        "n_head": c.heads,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": true,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "torch_dtype": "float32",
+        // GPT-2's <|endoftext|> is its last id; for other vocabularies the last id too.
+        "bos_token_id": c.vocab.saturating_sub(1),
+        "eos_token_id": c.vocab.saturating_sub(1),
+    });
+    serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
+}
+
+/// Save a checkpoint into `dir` (created if missing): `model.safetensors` and `config.json`
+/// (Hugging Face GPT-2), `optimizer.bin` (moments), `state.json` (everything else; written
+/// last, so a checkpoint without it is incomplete).
 pub fn save(dir: &Path, state: &TrainingState, params: &[CpuTensor], moments: &[u8]) -> Result<()> {
     fs::create_dir_all(dir).map_err(io(dir))?;
     let infos = params::param_infos(&state.config);
@@ -130,6 +159,7 @@ pub fn save(dir: &Path, state: &TrainingState, params: &[CpuTensor], moments: &[
     let bytes = safetensors::serialize(views, None).map_err(|e| err(dir, e.to_string()))?;
     write_atomic(dir, "model.safetensors", &bytes)?;
     write_atomic(dir, "optimizer.bin", moments)?;
+    write_atomic(dir, "config.json", &hf_config(&state.config, dir)?)?;
     let json = serde_json::to_vec_pretty(state).map_err(|e| err(dir, e.to_string()))?;
     // The commit point: written last.
     write_atomic(dir, "state.json", &json)?;

@@ -161,3 +161,61 @@ fn checkpoint_uses_hugging_face_names_and_layouts_and_rejects_corruption() {
     std::fs::remove_file(dir.path().join("state.json")).unwrap();
     assert!(checkpoint::load(dir.path()).is_err());
 }
+
+/// The exported checkpoint loads in Hugging Face transformers (`GPT2LMHeadModel`) and computes
+/// the same loss as headroom's forward. Needs a Python with torch and transformers:
+/// `HEADROOM_PYTHON=/path/to/python cargo test -p headroom-trainer -- --ignored hugging_face`.
+#[test]
+#[ignore = "needs a Python with torch and transformers (HEADROOM_PYTHON)"]
+fn hugging_face_transformers_loads_the_checkpoint_with_the_same_loss() {
+    use headroom_tensor::Cpu;
+    use headroom_trainer::model::{Geometry, Gpt, GptOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        steps: 3,
+        save: Some((dir.path().to_path_buf(), 3)),
+        ..TrainOptions::tiny_default()
+    };
+    train(&o, |_| {}).unwrap();
+    let ck = headroom_trainer::checkpoint::load(dir.path()).unwrap();
+    let cpu = Cpu::new();
+    let masters = ck
+        .params
+        .iter()
+        .zip(headroom_trainer::model::params::param_infos(&o.model))
+        .map(|(p, i)| {
+            use headroom_tensor::Backend;
+            cpu.upload(p, i.shape.clone()).unwrap()
+        })
+        .collect();
+    let gpt = Gpt::from_masters(&cpu, o.model, GptOptions::default(), masters).unwrap();
+    let g = Geometry { b: 2, t: 32 };
+    let tokens: Vec<u32> = (0..64).map(|i| (i * 7 + 3) % 64).collect();
+    let targets: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 64).collect();
+    let loss = gpt.loss(&tokens, &targets, g).unwrap();
+    let rows = |v: &[u32]| v.chunks(32).map(|c| c.to_vec()).collect::<Vec<_>>();
+    let batch =
+        serde_json::json!({"tokens": rows(&tokens), "targets": rows(&targets), "loss": loss});
+    let batch_path = dir.path().join("batch.json");
+    std::fs::write(&batch_path, batch.to_string()).unwrap();
+    let python = std::env::var("HEADROOM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../scripts/check_hf_export.py"
+        ))
+        .arg(dir.path())
+        .arg(&batch_path)
+        .output()
+        .unwrap();
+    eprintln!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "transformers disagrees or could not run"
+    );
+}

@@ -10,9 +10,31 @@ use crate::ops::fast_math::exp;
 /// Rows per rayon task: a 50k-wide row is 200 KB, so a few rows amortise the dispatch.
 const ROWS_PER_TASK: usize = 4;
 
+/// Lanes of the row reductions: independent partial maxima and sums the compiler keeps in
+/// vector registers (a single f32 accumulator is a serial dependency chain it may not
+/// reorder). The lane count fixes the summation order, so results do not depend on the ISA.
+const LANES: usize = 16;
+
 fn row_max_sum(row: &[f32]) -> (f32, f32) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let sum: f32 = row.iter().map(|&x| exp(x - max)).sum();
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let mut m = [f32::NEG_INFINITY; LANES];
+    for c in chunks.clone() {
+        for (m, &x) in m.iter_mut().zip(c) {
+            *m = m.max(x);
+        }
+    }
+    let max = tail
+        .iter()
+        .chain(&m)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut acc = [0f32; LANES];
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += exp(x - max);
+        }
+    }
+    let sum = acc.iter().sum::<f32>() + tail.iter().map(|&x| exp(x - max)).sum::<f32>();
     (max, sum)
 }
 
