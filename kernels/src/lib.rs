@@ -18,16 +18,26 @@
 //! ## Invariants
 //! - This crate depends on nothing, not even `headroom-tensor`; it is text and constants.
 //! - Every [`KernelSource::source`] compiles alone: it includes no toolkit header (the NVRTC that
-//!   CI installs from PyPI ships none), only the [`FLOAT_BITS_PRELUDE`] prepended to it.
+//!   CI installs from PyPI ships none), only the [`FLOAT_BITS_PRELUDE`] prepended to it (and,
+//!   for the [`ATTENTION`] modules, the tensor-core helpers of `cu/flash_attn_common.cuh`).
 //! - Every entry point is `extern "C"` (unmangled) and listed in exactly one
-//!   [`KernelSource::functions`]; `headroom-cuda`'s NVRTC test checks the PTX has exactly the
+//!   [`KernelSource::functions`]; the NVRTC tests (`headroom-cuda`'s for [`ALL`],
+//!   `headroom-attn`'s under its `cuda` feature for [`ATTENTION`]) check the PTX has exactly the
 //!   listed entries.
+//! - The flash attention launch constants here ([`FLASH_THREADS`], tile sizes, shared memory)
+//!   equal the sources' `#define`s (tested), so host and kernel agree on every tile.
+//! - The flash attention kernels' own source also runs on the CPU: `tests/flash_emulator.rs`
+//!   compiles it with a C++20 compiler against `emu/host_emulator.h` (threads, barriers,
+//!   `mma.sync`/`ldmatrix`/`cp.async` from their PTX definitions) and checks forward and
+//!   backward against a double-precision reference — the GPU-free evidence the kernels compute
+//!   attention.
 //! - f16/bf16 conversions are bit operations, bit-identical to the `half` crate and to
 //!   `headroom_tensor::cpu::kernels` (round-to-nearest-even, NaN stays NaN).
 //! - Elementwise kernels are grid-stride loops: any element count (0 included) and any grid size
 //!   give the same result. Reductions are deterministic: fixed grid, fixed-order combination.
 
-/// Threads per block for every kernel in this crate (the `HR_BLOCK_THREADS` of the sources).
+/// Threads per block for every kernel in this crate but the flash attention tiles (those use
+/// [`FLASH_THREADS`]); the `HR_BLOCK_THREADS` of the sources.
 /// The sum-of-squares reductions require exactly this block size.
 pub const BLOCK_THREADS: u32 = 256;
 
@@ -118,12 +128,139 @@ pub const UNSCALE: KernelSource = kernel_source!(
     ]
 );
 
-/// Every kernel module, each compiled as one NVRTC program.
+/// Every module of `headroom-cuda`'s own `Backend`
+/// primitives, each compiled as one NVRTC program. `headroom-cuda` pins the launch signature of
+/// each of these in its tests; technique crates' modules are listed apart ([`ATTENTION`]) so
+/// that adding one never touches those tests. [`find`] searches every list.
 pub const ALL: &[KernelSource] = &[CAST, SCALE, AXPY, SUM_SQUARES, UNSCALE];
 
-/// The module that defines the entry point `function`, if any.
+/// Threads per block of every flash attention kernel but `flash_attn_bwd_dot_*` (which uses
+/// [`BLOCK_THREADS`]): [`FLASH_WARPS`] warps.
+pub const FLASH_THREADS: u32 = FLASH_WARPS * 32;
+/// Warps per flash attention block; each owns 16 rows of the block's tile.
+pub const FLASH_WARPS: u32 = 4;
+/// Padding, in 16-bit elements, after every row of a flash kernel's shared-memory tiles.
+pub const FLASH_SMEM_PAD: u32 = 8;
+/// Query rows per block of `flash_attn_fwd_*`.
+pub const FLASH_FWD_BLOCK_Q: u32 = FLASH_WARPS * 16;
+/// Key rows per step of `flash_attn_fwd_*`.
+pub const FLASH_FWD_BLOCK_K: u32 = 64;
+/// Query rows per block of `flash_attn_bwd_dq_*`.
+pub const FLASH_DQ_BLOCK_Q: u32 = FLASH_WARPS * 16;
+/// Key rows per step of `flash_attn_bwd_dq_*`.
+pub const FLASH_DQ_BLOCK_K: u32 = 64;
+/// Key/value tiles in flight per `flash_attn_bwd_dq_*` block (double buffering).
+pub const FLASH_DQ_KV_STAGES: u32 = 2;
+/// Query tiles in flight per `flash_attn_bwd_dkdv_*` block (double buffering).
+pub const FLASH_DKDV_Q_STAGES: u32 = 2;
+/// Key rows per block of `flash_attn_bwd_dkdv_*`.
+pub const FLASH_DKDV_BLOCK_K: u32 = FLASH_WARPS * 16;
+/// Head dimensions the flash kernels are instantiated for.
+pub const FLASH_HEAD_DIMS: &[u32] = &[64, 128];
+
+/// Query rows per step of `flash_attn_bwd_dkdv_*_d<head_dim>` (fewer for 128, whose dK/dV
+/// accumulators take more registers).
+pub const fn flash_dkdv_block_q(head_dim: u32) -> u32 {
+    if head_dim <= 64 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Bytes of one padded shared-memory tile of `rows` rows of `head_dim` 16-bit values.
+const fn flash_tile_bytes(rows: u32, head_dim: u32) -> u32 {
+    rows * (head_dim + FLASH_SMEM_PAD) * 2
+}
+
+/// Dynamic shared memory of `flash_attn_fwd_*_d<head_dim>`: Q, K and V tiles.
+pub const fn flash_fwd_smem_bytes(head_dim: u32) -> u32 {
+    flash_tile_bytes(FLASH_FWD_BLOCK_Q + 2 * FLASH_FWD_BLOCK_K, head_dim)
+}
+
+/// Dynamic shared memory of `flash_attn_bwd_dq_*_d<head_dim>`: Q and dO tiles, then
+/// [`FLASH_DQ_KV_STAGES`] stages of K and V tiles.
+pub const fn flash_dq_smem_bytes(head_dim: u32) -> u32 {
+    flash_tile_bytes(
+        2 * FLASH_DQ_BLOCK_Q + FLASH_DQ_KV_STAGES * 2 * FLASH_DQ_BLOCK_K,
+        head_dim,
+    )
+}
+
+/// Dynamic shared memory of `flash_attn_bwd_dkdv_*_d<head_dim>`: K and V tiles, then
+/// [`FLASH_DKDV_Q_STAGES`] stages of Q and dO tiles, then as many of the query tile's
+/// logsumexp and `dot` rows (f32).
+pub const fn flash_dkdv_smem_bytes(head_dim: u32) -> u32 {
+    let block_q = flash_dkdv_block_q(head_dim);
+    flash_tile_bytes(
+        2 * FLASH_DKDV_BLOCK_K + FLASH_DKDV_Q_STAGES * 2 * block_q,
+        head_dim,
+    ) + FLASH_DKDV_Q_STAGES * 2 * block_q * 4
+}
+
+// The attention modules carry one more prelude, the tensor-core helpers both share.
+macro_rules! attention_source {
+    ($name:literal, $file:literal, [$($f:literal),* $(,)?]) => {
+        KernelSource {
+            name: $name,
+            source: concat!(
+                include_str!("../cu/float_bits.cuh"),
+                "\n",
+                include_str!("../cu/flash_attn_common.cuh"),
+                "\n",
+                include_str!($file)
+            ),
+            functions: &[$($f),*],
+        }
+    };
+}
+
+/// FlashAttention-2 forward on tensor cores (sm_80+), 16-bit inputs, f32 accumulation:
+/// `flash_attn_fwd_<bf16|f16>_d<64|128>(q, k, v, out, lse, q_len, kv_len, q_heads, kv_heads,
+/// scale_log2, causal)`. Launch configuration in the source's header comment.
+pub const FLASH_ATTN_FWD: KernelSource = attention_source!(
+    "flash_attn_fwd",
+    "../cu/flash_attn_fwd.cu",
+    [
+        "flash_attn_fwd_bf16_d64",
+        "flash_attn_fwd_bf16_d128",
+        "flash_attn_fwd_f16_d64",
+        "flash_attn_fwd_f16_d128",
+    ]
+);
+
+/// FlashAttention-2 backward: `flash_attn_bwd_dot_<t>` (rowsum(dO∘O)), then
+/// `flash_attn_bwd_dq_<t>_d<D>` and `flash_attn_bwd_dkdv_<t>_d<D>`, deterministic (no atomics).
+/// Launch configurations in the source's header comment.
+pub const FLASH_ATTN_BWD: KernelSource = attention_source!(
+    "flash_attn_bwd",
+    "../cu/flash_attn_bwd.cu",
+    [
+        "flash_attn_bwd_dot_bf16",
+        "flash_attn_bwd_dot_f16",
+        "flash_attn_bwd_dq_bf16_d64",
+        "flash_attn_bwd_dq_bf16_d128",
+        "flash_attn_bwd_dq_f16_d64",
+        "flash_attn_bwd_dq_f16_d128",
+        "flash_attn_bwd_dkdv_bf16_d64",
+        "flash_attn_bwd_dkdv_bf16_d128",
+        "flash_attn_bwd_dkdv_f16_d64",
+        "flash_attn_bwd_dkdv_f16_d128",
+    ]
+);
+
+/// The attention modules (used by `headroom-attn`'s `cuda` feature). They need sm_80 or newer
+/// (`mma.sync` on 16-bit inputs, `ldmatrix`, `cp.async`).
+pub const ATTENTION: &[KernelSource] = &[FLASH_ATTN_FWD, FLASH_ATTN_BWD];
+
+/// Every registered module: [`ALL`], then [`ATTENTION`].
+pub fn modules() -> impl Iterator<Item = &'static KernelSource> {
+    ALL.iter().chain(ATTENTION.iter())
+}
+
+/// The module that defines the entry point `function`, if any, in any list.
 pub fn find(function: &str) -> Option<&'static KernelSource> {
-    ALL.iter().find(|k| k.functions.contains(&function))
+    modules().find(|k| k.functions.contains(&function))
 }
 
 #[cfg(test)]
@@ -160,7 +297,7 @@ mod tests {
 
     #[test]
     fn registry_matches_the_sources_exactly() {
-        for k in ALL {
+        for k in modules() {
             let mut declared = declared_entry_points(k.source);
             let mut listed: Vec<String> = k.functions.iter().map(|s| s.to_string()).collect();
             declared.sort();
@@ -173,7 +310,7 @@ mod tests {
     fn names_are_unique_and_findable() {
         let mut modules = HashSet::new();
         let mut functions = HashSet::new();
-        for k in ALL {
+        for k in super::modules() {
             assert!(modules.insert(k.name), "duplicate module {}", k.name);
             for f in k.functions {
                 assert!(functions.insert(*f), "duplicate entry point {f}");
@@ -181,13 +318,16 @@ mod tests {
             }
         }
         assert!(find("no_such_kernel").is_none());
-        // 6 casts + 3 scales + 3 axpys + 4 sum-of-squares + 3 unscales.
-        assert_eq!(functions.len(), 19);
+        // 6 casts + 3 scales + 3 axpys + 4 sum-of-squares + 3 unscales, then 4 flash forwards
+        // and 2 dot + 8 dQ/dK/dV flash backwards.
+        assert_eq!(functions.len(), 19 + 4 + 10);
+        assert_eq!(find("flash_attn_bwd_dkdv_bf16_d128"), Some(&FLASH_ATTN_BWD));
+        assert!(ALL.iter().all(|k| !ATTENTION.contains(k)));
     }
 
     #[test]
     fn sources_are_self_contained() {
-        for k in ALL {
+        for k in modules() {
             assert!(k.source.starts_with(FLOAT_BITS_PRELUDE), "{}", k.name);
             assert!(
                 !k.source
@@ -201,5 +341,92 @@ mod tests {
         // The Rust constant and the C macro agree.
         let define = format!("#define HR_BLOCK_THREADS {BLOCK_THREADS}");
         assert!(FLOAT_BITS_PRELUDE.contains(&define));
+    }
+
+    /// The value of `#define NAME value` in `source` (the first token after the name).
+    fn define<'s>(source: &'s str, name: &str) -> Option<&'s str> {
+        source.lines().find_map(|l| {
+            let rest = l.trim().strip_prefix("#define ")?.strip_prefix(name)?;
+            // `NAME value`, not `NAME_LONGER value` or a function-like `NAME(x)`.
+            rest.starts_with(' ').then(|| rest.trim())
+        })
+    }
+
+    /// The host sizes its launches (threads, grid, dynamic shared memory) from the Rust
+    /// constants; the kernels index their tiles with the C macros. They must agree exactly.
+    #[test]
+    fn flash_constants_match_the_kernel_macros() {
+        for k in ATTENTION {
+            let s = k.source;
+            let flash_warps = FLASH_WARPS.to_string();
+            let pad = FLASH_SMEM_PAD.to_string();
+            assert_eq!(define(s, "HR_FLASH_WARPS"), Some(flash_warps.as_str()));
+            assert_eq!(define(s, "HR_FLASH_THREADS"), Some("(HR_FLASH_WARPS * 32)"));
+            assert_eq!(define(s, "HR_FLASH_SMEM_PAD"), Some(pad.as_str()));
+        }
+        let fwd = FLASH_ATTN_FWD.source;
+        assert_eq!(FLASH_THREADS, FLASH_WARPS * 32);
+        assert_eq!(
+            define(fwd, "HR_FLASH_FWD_BLOCK_Q"),
+            Some("(HR_FLASH_WARPS * 16)")
+        );
+        assert_eq!(FLASH_FWD_BLOCK_Q, FLASH_WARPS * 16);
+        assert_eq!(
+            define(fwd, "HR_FLASH_FWD_BLOCK_K"),
+            Some(FLASH_FWD_BLOCK_K.to_string().as_str())
+        );
+        let bwd = FLASH_ATTN_BWD.source;
+        assert_eq!(
+            define(bwd, "HR_FLASH_DQ_BLOCK_Q"),
+            Some("(HR_FLASH_WARPS * 16)")
+        );
+        assert_eq!(FLASH_DQ_BLOCK_Q, FLASH_WARPS * 16);
+        assert_eq!(
+            define(bwd, "HR_FLASH_DQ_BLOCK_K"),
+            Some(FLASH_DQ_BLOCK_K.to_string().as_str())
+        );
+        assert_eq!(
+            define(bwd, "HR_FLASH_DKDV_BLOCK_K"),
+            Some("(HR_FLASH_WARPS * 16)")
+        );
+        assert_eq!(FLASH_DKDV_BLOCK_K, FLASH_WARPS * 16);
+        for &d in FLASH_HEAD_DIMS {
+            let name = format!("HR_FLASH_DKDV_BLOCK_Q_D{d}");
+            assert_eq!(
+                define(bwd, &name),
+                Some(flash_dkdv_block_q(d).to_string().as_str()),
+                "{name}"
+            );
+            // Every instantiated head dimension has a forward and both backward kernels.
+            for t in ["bf16", "f16"] {
+                for f in [
+                    format!("flash_attn_fwd_{t}_d{d}"),
+                    format!("flash_attn_bwd_dq_{t}_d{d}"),
+                    format!("flash_attn_bwd_dkdv_{t}_d{d}"),
+                ] {
+                    assert!(find(&f).is_some(), "{f} is not registered");
+                }
+            }
+        }
+        // Shared memory: tiles of (rows) × (head_dim + pad) 16-bit values, as the sources say.
+        assert_eq!(flash_fwd_smem_bytes(64), (64 + 128) * 72 * 2);
+        assert_eq!(flash_fwd_smem_bytes(128), (64 + 128) * 136 * 2);
+        // dQ: Q, dO and two stages of K, V; dK/dV: K, V and two stages of Q, dO, lse, dot.
+        assert_eq!(flash_dq_smem_bytes(128), (128 + 256) * 136 * 2);
+        assert_eq!(flash_dkdv_smem_bytes(64), (128 + 256) * 72 * 2 + 4 * 64 * 4);
+        assert_eq!(
+            flash_dkdv_smem_bytes(128),
+            (128 + 128) * 136 * 2 + 4 * 32 * 4
+        );
+        // Within the 227 KiB an sm_90 block may opt into (sm_80: 163 KiB).
+        for &d in FLASH_HEAD_DIMS {
+            for bytes in [
+                flash_fwd_smem_bytes(d),
+                flash_dq_smem_bytes(d),
+                flash_dkdv_smem_bytes(d),
+            ] {
+                assert!(bytes <= 163 * 1024, "d{d}: {bytes} B");
+            }
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! [`AttentionDims`]: the validated sizes of one attention call, and the causal mask geometry.
 
-use headroom_tensor::{DType, Shape};
+use headroom_tensor::{DType, Shape, Tensor};
 
 use crate::{AttnError, Result, MAX_HEAD_DIM};
 
@@ -150,6 +150,33 @@ impl AttentionDims {
             full
         }
     }
+}
+
+/// `Ok` when `t` has exactly `shape` and `dtype`, else the typed mismatch naming `tensor`.
+/// Shared by every backend so they reject the same inputs with the same errors.
+pub(crate) fn check_same<T: Tensor>(
+    tensor: &'static str,
+    t: &T,
+    shape: &Shape,
+    dtype: DType,
+    reason: &'static str,
+) -> Result<()> {
+    if t.shape() != shape {
+        return Err(AttnError::ShapeMismatch {
+            tensor,
+            expected: shape.clone(),
+            got: t.shape().clone(),
+            reason,
+        });
+    }
+    if t.dtype() != dtype {
+        return Err(AttnError::DTypeMismatch {
+            tensor,
+            expected: dtype,
+            got: t.dtype(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -63,6 +63,15 @@ pub enum AttnError {
     /// dtype or algorithm disagree).
     #[error("backward: {0}")]
     ForwardMismatch(&'static str),
+    /// A backend has no kernel for this otherwise valid call: the CUDA backend runs flash
+    /// attention only, on bf16 inputs, for a few head dimensions, within 32-bit launch sizes.
+    #[error("{backend} attention does not support {limit}")]
+    Unsupported {
+        /// The backend (`"cuda"`).
+        backend: &'static str,
+        /// What it lacks.
+        limit: BackendLimit,
+    },
     /// The tensor backend failed (allocation refused by a hook, out of memory, …).
     #[error(transparent)]
     Tensor(#[from] headroom_tensor::Error),
@@ -70,6 +79,75 @@ pub enum AttnError {
     /// error rather than a panic so the caller keeps control.
     #[error("internal error in {0}: operand out of bounds (please report)")]
     Internal(&'static str),
+}
+
+/// What a backend cannot do, in [`AttnError::Unsupported`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendLimit {
+    /// Only `supported` is implemented.
+    Algorithm {
+        /// The algorithm asked for (`Algorithm::name`).
+        requested: &'static str,
+        /// The one the backend implements.
+        supported: &'static str,
+    },
+    /// Inputs of `dtype` are not taken.
+    DType {
+        /// The dtype given.
+        dtype: DType,
+        /// The dtypes the backend takes.
+        supported: &'static [DType],
+    },
+    /// No kernel is built for `head_dim`.
+    HeadDim {
+        /// The head dimension given.
+        head_dim: usize,
+        /// The head dimensions with kernels.
+        supported: &'static [usize],
+    },
+    /// A size exceeds what one kernel launch can index.
+    Size {
+        /// Which size.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// The largest accepted.
+        max: usize,
+    },
+    /// The device is older than the kernels need.
+    ComputeCapability {
+        /// The device's `(major, minor)`.
+        found: (i32, i32),
+        /// The oldest supported `(major, minor)`.
+        required: (i32, i32),
+    },
+}
+
+impl std::fmt::Display for BackendLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendLimit::Algorithm {
+                requested,
+                supported,
+            } => write!(f, "the {requested} algorithm (it implements {supported})"),
+            BackendLimit::DType { dtype, supported } => {
+                write!(f, "{dtype} inputs (it takes {supported:?})")
+            }
+            BackendLimit::HeadDim {
+                head_dim,
+                supported,
+            } => write!(f, "head_dim {head_dim} (kernels exist for {supported:?})"),
+            BackendLimit::Size { what, value, max } => {
+                write!(f, "{what} = {value} (at most {max})")
+            }
+            BackendLimit::ComputeCapability { found, required } => write!(
+                f,
+                "compute capability {}.{} (needs {}.{} or newer)",
+                found.0, found.1, required.0, required.1
+            ),
+        }
+    }
 }
 
 /// `Result` with [`AttnError`].

@@ -35,8 +35,10 @@
 //! ```
 //!
 //! ## Invariants
-//! - This crate depends on `headroom-tensor` only (never on another technique crate); a CUDA
-//!   implementation of [`AttentionBackend`] will come behind a `cuda` feature.
+//! - This crate depends on `headroom-tensor` only (never on another technique crate); with the
+//!   `cuda` feature also on `headroom-cuda` and `headroom-kernels`, and `headroom_cuda::Cuda`
+//!   implements [`AttentionBackend`] with FlashAttention-2 kernels on tensor cores (bf16 inputs,
+//!   head_dim 64 or 128, sm_80+; anything else is [`AttnError::Unsupported`]).
 //! - Naive, chunked and flash agree up to rounding (property-tested: 1e-5 of the largest
 //!   magnitude for f32, forward and all three gradients, across random shapes, causal masks and
 //!   head groupings), and no result depends on chunk or tile size beyond that.
@@ -53,6 +55,8 @@
 mod backend_ext;
 mod config;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod dims;
 mod error;
 
@@ -61,5 +65,7 @@ pub use config::{
     Algorithm, AttentionConfig, DEFAULT_CHUNK_SIZE, DEFAULT_FLASH_BLOCK_K, DEFAULT_FLASH_BLOCK_Q,
     MAX_HEAD_DIM,
 };
+#[cfg(feature = "cuda")]
+pub use cuda::load_attention_kernels;
 pub use dims::AttentionDims;
-pub use error::{AttnError, Result};
+pub use error::{AttnError, BackendLimit, Result};

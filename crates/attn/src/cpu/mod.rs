@@ -14,6 +14,7 @@ mod softmax_rows;
 
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
+use crate::dims::check_same;
 use crate::{
     Algorithm, AttentionBackend, AttentionConfig, AttentionDims, AttentionForward,
     AttentionGradients, AttnError, Result,
@@ -157,31 +158,6 @@ impl<'a> HeadBackward<'a> {
             v: p.head(p.v, kv, nk)?,
         })
     }
-}
-
-fn check_same(
-    tensor: &'static str,
-    t: &CpuTensor,
-    shape: &Shape,
-    dtype: DType,
-    reason: &'static str,
-) -> Result<()> {
-    if t.shape() != shape {
-        return Err(AttnError::ShapeMismatch {
-            tensor,
-            expected: shape.clone(),
-            got: t.shape().clone(),
-            reason,
-        });
-    }
-    if t.dtype() != dtype {
-        return Err(AttnError::DTypeMismatch {
-            tensor,
-            expected: dtype,
-            got: t.dtype(),
-        });
-    }
-    Ok(())
 }
 
 /// The algorithm with chunk and tile sizes clamped to the sequence lengths: a tile larger than
