@@ -332,3 +332,49 @@ fn optimal_schedule_needs_a_budget_and_fits_it() {
     assert!(r.memory.device(Device::Cpu).unwrap().peak_total <= budget);
     assert!(r.steps[0].block_forwards > TrainOptions::tiny_default().model.layers);
 }
+
+#[test]
+fn the_ladder_fits_a_budget_the_baseline_cannot_with_4x_less_memory() {
+    use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs};
+    use headroom_trainer::train::{DataSource, SyntheticData};
+    // A vocabulary large next to the width, as GPT-2's is, so the head matters.
+    let data = SyntheticData {
+        vocab: 2048,
+        branching: 4,
+        tokens: 1 << 15,
+        seed: 3,
+    };
+    let base = TrainOptions {
+        model: GptConfig {
+            vocab: 2048,
+            max_seq: 64,
+            layers: 4,
+            heads: 4,
+            channels: 64,
+        },
+        data: DataSource::Synthetic(data),
+        steps: 2,
+        batch: 8,
+        seq: 64,
+        ..TrainOptions::tiny_default()
+    };
+    let rungs = standard_rungs(base.batch);
+    let last = rungs.last().unwrap();
+    let full = estimate(&base.model, base.seq, 2, base.batch, &last.techniques).unwrap();
+    let budget = full.device_total() + full.device_total() / 10;
+    let results = run_ladder(&base, &rungs, budget, |_| {}).unwrap();
+    eprintln!("{}", ladder_table(&results, budget));
+    let (first, end) = (&results[0], results.last().unwrap());
+    assert!(!first.fits && first.peak_total > budget);
+    assert!(end.fits && end.peak_total <= budget);
+    assert!(
+        first.peak_total >= 4 * end.peak_total,
+        "only {:.2}× lower",
+        first.peak_total as f64 / end.peak_total as f64
+    );
+    for r in &results {
+        // The estimate adds per-category peaks, which bound the measured total from above.
+        assert!(r.estimated_total >= r.peak_total, "{}: estimate below the peak", r.name);
+        assert!(r.final_loss.is_finite());
+    }
+}
