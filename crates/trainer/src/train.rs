@@ -436,7 +436,11 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     let precision = tech.model.precision;
     let tracker = Arc::new(MemoryTracker::new());
     tracker.set_budget(Device::Cpu, opts.budget);
-    let cpu = Cpu::new().with_alloc_hook(tracker.clone());
+    // Every step allocates the same shapes: reuse freed buffers rather than fault in fresh
+    // pages each step (the tracker still sees every tensor allocated and freed).
+    let cpu = Cpu::new()
+        .with_alloc_hook(tracker.clone())
+        .with_buffer_cache(usize::MAX);
     let host_tracker = Arc::new(MemoryTracker::new());
     let host = Cpu::new().with_alloc_hook(host_tracker.clone());
 

@@ -374,7 +374,11 @@ fn the_ladder_fits_a_budget_the_baseline_cannot_with_4x_less_memory() {
     );
     for r in &results {
         // The estimate adds per-category peaks, which bound the measured total from above.
-        assert!(r.estimated_total >= r.peak_total, "{}: estimate below the peak", r.name);
+        assert!(
+            r.estimated_total >= r.peak_total,
+            "{}: estimate below the peak",
+            r.name
+        );
         assert!(r.final_loss.is_finite());
     }
 }

@@ -117,6 +117,7 @@ impl fmt::Debug for CpuTensor {
 pub struct Cpu {
     pool: Option<Arc<rayon::ThreadPool>>,
     hook: Option<Arc<dyn AllocHook>>,
+    cache: Option<Arc<host_buffer::BufferCache>>,
 }
 
 impl fmt::Debug for Cpu {
@@ -124,6 +125,7 @@ impl fmt::Debug for Cpu {
         f.debug_struct("Cpu")
             .field("threads", &self.num_threads())
             .field("hooked", &self.hook.is_some())
+            .field("cached_bytes", &self.cached_bytes())
             .finish()
     }
 }
@@ -148,6 +150,7 @@ impl Cpu {
         Ok(Cpu {
             pool: Some(Arc::new(pool)),
             hook: None,
+            cache: None,
         })
     }
 
@@ -155,6 +158,21 @@ impl Cpu {
     pub fn with_alloc_hook(mut self, hook: Arc<dyn AllocHook>) -> Self {
         self.hook = Some(hook);
         self
+    }
+
+    /// The same backend, keeping freed tensor buffers (up to `max_bytes`) for reuse by later
+    /// allocations of the same size. A training loop that allocates the same shapes every step
+    /// then stops paying page faults and kernel page-clearing for them. Allocation hooks see
+    /// exactly what they see without the cache (cached bytes are not live tensors); the cache
+    /// is shared by clones of this backend.
+    pub fn with_buffer_cache(mut self, max_bytes: usize) -> Self {
+        self.cache = Some(Arc::new(host_buffer::BufferCache::new(max_bytes)));
+        self
+    }
+
+    /// Bytes of freed buffers held for reuse (0 without a cache).
+    pub fn cached_bytes(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.cached_bytes())
     }
 
     /// Threads the kernels run on.
@@ -178,7 +196,7 @@ impl Cpu {
         // Report first: a refused allocation never touches memory.
         let allocation =
             TrackedAllocation::register(self.hook.as_ref(), bytes, dtype, Device::Cpu)?;
-        let data = HostBuffer::zeroed(bytes).ok_or(Error::OutOfMemory {
+        let data = HostBuffer::zeroed_in(bytes, self.cache.as_ref()).ok_or(Error::OutOfMemory {
             device: Device::Cpu,
             bytes,
         })?;
