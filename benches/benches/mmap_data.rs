@@ -1,5 +1,5 @@
 //! mmap-data: nanoGPT-style `get_batch` throughput (64 × 256 random windows from a 100M-token
-//! `u16` file in page cache), compared with `benches/torch/get_batch.py` (numpy memmap
+//! `u16` file in page cache), compared with `benches/torch/mmap_data_get_batch.py` (numpy memmap
 //! re-mapped per batch, as nanoGPT does) measured in the same `cargo xtask bench` run.
 //!
 //! Records tokens/s for the prefetching loader (`headroom`, i64 output like PyTorch's

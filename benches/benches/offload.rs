@@ -6,7 +6,7 @@
 //! bound measured in the same run. `headroom_f32 / baseline` is the fraction of that bound.
 //!
 //! Outside criterion, a short timing of `headroom_f32` is recorded against PyTorch's fused
-//! AdamW (`benches/torch/adam.py`, same sizes); xtask fills in the ratio when torch ran.
+//! AdamW (`benches/torch/offload_adam.py`, same sizes); xtask fills in the ratio when torch ran.
 
 use std::hint::black_box;
 use std::time::Instant;
