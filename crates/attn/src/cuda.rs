@@ -30,7 +30,7 @@ use headroom_cuda::{cudarc, Cuda, CudaError, CudaTensor};
 use headroom_kernels as kernels;
 use headroom_tensor::{Backend, DType, Error as TensorError, MemoryCategory, Tensor};
 
-use crate::dims::check_same;
+use crate::dims::check_backward_inputs;
 use crate::{
     Algorithm, AttentionBackend, AttentionConfig, AttentionDims, AttentionForward,
     AttentionGradients, AttnError, BackendLimit, Result,
@@ -462,33 +462,8 @@ impl AttentionBackend for Cuda {
         d_out: &CudaTensor,
     ) -> Result<AttentionGradients<CudaTensor>> {
         let config = forward.config;
-        config.validate()?;
-        let dims = AttentionDims::new(
-            (q.shape(), q.dtype()),
-            (k.shape(), k.dtype()),
-            (v.shape(), v.dtype()),
-        )?;
-        if dims != forward.dims {
-            return Err(AttnError::ForwardMismatch(
-                "q, k, v differ in shape or dtype from the forward's inputs",
-            ));
-        }
+        let dims = check_backward_inputs(q, k, v, forward, d_out)?;
         let q_shape = dims.q_shape();
-        check_same("d_out", d_out, &q_shape, dims.dtype, "d_out has q's shape")?;
-        check_same(
-            "output",
-            &forward.output,
-            &q_shape,
-            dims.dtype,
-            "the forward output has q's shape",
-        )?;
-        check_same(
-            "logsumexp",
-            &forward.logsumexp,
-            &dims.lse_shape(),
-            DType::F32,
-            "logsumexp is [batch, q_heads, q_len] f32",
-        )?;
         same_device(
             self,
             "attention_backward",

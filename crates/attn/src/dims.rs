@@ -179,6 +179,46 @@ pub(crate) fn check_same<T: Tensor>(
     Ok(())
 }
 
+/// The checks every backend's `attention_backward` makes before touching memory, in one
+/// order: the config, q/k/v's shapes and dtypes, that they are the forward's, and that d_out,
+/// the forward output and its logsumexp have the shapes and dtypes the forward gave them.
+pub(crate) fn check_backward_inputs<T: Tensor>(
+    q: &T,
+    k: &T,
+    v: &T,
+    forward: &crate::AttentionForward<T>,
+    d_out: &T,
+) -> Result<AttentionDims> {
+    forward.config.validate()?;
+    let dims = AttentionDims::new(
+        (q.shape(), q.dtype()),
+        (k.shape(), k.dtype()),
+        (v.shape(), v.dtype()),
+    )?;
+    if dims != forward.dims {
+        return Err(AttnError::ForwardMismatch(
+            "q, k, v differ in shape or dtype from the forward's inputs",
+        ));
+    }
+    let q_shape = dims.q_shape();
+    check_same("d_out", d_out, &q_shape, dims.dtype, "d_out has q's shape")?;
+    check_same(
+        "output",
+        &forward.output,
+        &q_shape,
+        dims.dtype,
+        "the forward output has q's shape",
+    )?;
+    check_same(
+        "logsumexp",
+        &forward.logsumexp,
+        &dims.lse_shape(),
+        DType::F32,
+        "logsumexp is [batch, q_heads, q_len] f32",
+    )?;
+    Ok(dims)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

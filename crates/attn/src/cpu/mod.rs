@@ -14,7 +14,7 @@ mod softmax_rows;
 
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
-use crate::dims::check_same;
+use crate::dims::{check_backward_inputs, check_same};
 use crate::{
     Algorithm, AttentionBackend, AttentionConfig, AttentionDims, AttentionForward,
     AttentionGradients, AttnError, Result,
@@ -241,33 +241,8 @@ impl AttentionBackend for Cpu {
         d_out: &CpuTensor,
     ) -> Result<AttentionGradients<CpuTensor>> {
         let config = forward.config;
-        config.validate()?;
-        let dims = AttentionDims::new(
-            (q.shape(), q.dtype()),
-            (k.shape(), k.dtype()),
-            (v.shape(), v.dtype()),
-        )?;
-        if dims != forward.dims {
-            return Err(AttnError::ForwardMismatch(
-                "q, k, v differ in shape or dtype from the forward's inputs",
-            ));
-        }
+        let dims = check_backward_inputs(q, k, v, forward, d_out)?;
         let q_shape = dims.q_shape();
-        check_same("d_out", d_out, &q_shape, dims.dtype, "d_out has q's shape")?;
-        check_same(
-            "output",
-            &forward.output,
-            &q_shape,
-            dims.dtype,
-            "the forward output has q's shape",
-        )?;
-        check_same(
-            "logsumexp",
-            &forward.logsumexp,
-            &dims.lse_shape(),
-            DType::F32,
-            "logsumexp is [batch, q_heads, q_len] f32",
-        )?;
         let mut dq = F32Output::new(self, q_shape, dims.dtype)?;
         let mut dk = F32Output::new(self, dims.kv_shape(), dims.dtype)?;
         let mut dv = F32Output::new(self, dims.kv_shape(), dims.dtype)?;
