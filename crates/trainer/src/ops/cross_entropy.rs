@@ -15,27 +15,54 @@ const ROWS_PER_TASK: usize = 4;
 /// reorder). The lane count fixes the summation order, so results do not depend on the ISA.
 const LANES: usize = 16;
 
-fn row_max_sum(row: &[f32]) -> (f32, f32) {
+fn row_max(row: &[f32]) -> f32 {
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
     let mut m = [f32::NEG_INFINITY; LANES];
-    for c in chunks.clone() {
+    for c in chunks {
         for (m, &x) in m.iter_mut().zip(c) {
             *m = m.max(x);
         }
     }
-    let max = tail
-        .iter()
+    tail.iter()
         .chain(&m)
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// `Σ exp(x − max)` over the row, in [`LANES`] partial sums; with `out`, each term is also
+/// written there (so the gradient pass does not compute the exponentials again).
+fn row_exp_sum(row: &[f32], max: f32, out: Option<&mut [f32]>) -> f32 {
     let mut acc = [0f32; LANES];
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            *a += exp(x - max);
+    let mut tail_sum = 0f32;
+    let n = row.len() - row.len() % LANES;
+    match out {
+        Some(out) => {
+            for (c, o) in row[..n]
+                .chunks_exact(LANES)
+                .zip(out[..n].chunks_exact_mut(LANES))
+            {
+                for ((a, &x), o) in acc.iter_mut().zip(c).zip(o) {
+                    let e = exp(x - max);
+                    *o = e;
+                    *a += e;
+                }
+            }
+            for (&x, o) in row[n..].iter().zip(&mut out[n..]) {
+                let e = exp(x - max);
+                *o = e;
+                tail_sum += e;
+            }
+        }
+        None => {
+            for c in row[..n].chunks_exact(LANES) {
+                for (a, &x) in acc.iter_mut().zip(c) {
+                    *a += exp(x - max);
+                }
+            }
+            tail_sum = row[n..].iter().map(|&x| exp(x - max)).sum();
         }
     }
-    let sum = acc.iter().sum::<f32>() + tail.iter().map(|&x| exp(x - max)).sum::<f32>();
-    (max, sum)
+    acc.iter().sum::<f32>() + tail_sum
 }
 
 /// Per-row loss `-log softmax(logits)[target]`, computed stably; `losses[n]`.
@@ -46,7 +73,8 @@ pub fn forward(losses: &mut [f32], logits: &[f32], targets: &[u32], v: usize) {
         .zip(targets)
         .with_min_len(ROWS_PER_TASK)
         .for_each(|((l, row), &t)| {
-            let (max, sum) = row_max_sum(row);
+            let max = row_max(row);
+            let sum = row_exp_sum(row, max, None);
             *l = (sum.ln() + max) - row[t as usize];
         });
 }
@@ -74,11 +102,12 @@ pub fn forward_backward(
         .zip(dloss)
         .with_min_len(ROWS_PER_TASK)
         .for_each(|((((l, d), row), &t), &dl)| {
-            let (max, sum) = row_max_sum(row);
+            let max = row_max(row);
+            let sum = row_exp_sum(row, max, Some(d));
             *l = (sum.ln() + max) - row[t as usize];
             let scale = dl / sum;
-            for (dj, &x) in d.iter_mut().zip(row) {
-                *dj = exp(x - max) * scale;
+            for dj in d.iter_mut() {
+                *dj *= scale;
             }
             d[t as usize] -= dl;
         });
