@@ -3,7 +3,9 @@
 //!
 //! Tolerances are relative to the largest magnitude of the tensor compared (`rel_err`):
 //! f32 — 1e-5 everywhere; bf16 — 1e-2 (outputs and gradients are rounded to bf16, 2⁻⁸
-//! relative, on both sides, and the rounding of intermediate bf16 outputs feeds `D`).
+//! relative, on both sides, and the rounding of intermediate bf16 outputs feeds `D`). dQ and dK
+//! are measured against at least a tenth of the terms they sum (`score_grad_floors`): with one
+//! visible key or a saturated softmax they cancel to rounding noise of those terms.
 
 mod common;
 
@@ -41,15 +43,22 @@ fn sizes() -> impl Strategy<Value = Sizes> {
         )
 }
 
-fn check(name: &str, got: &Run, want: &Run, tol: f64) -> Result<(), TestCaseError> {
-    for (what, a, b) in [
-        ("out", &got.out, &want.out),
-        ("dq", &got.dq, &want.dq),
-        ("dk", &got.dk, &want.dk),
-        ("dv", &got.dv, &want.dv),
+fn check(
+    name: &str,
+    got: &Run,
+    want: &Run,
+    tol: f64,
+    (dq_floor, dk_floor): (f64, f64),
+) -> Result<(), TestCaseError> {
+    for (what, a, b, floor) in [
+        ("out", &got.out, &want.out, 0.0),
+        ("dq", &got.dq, &want.dq, dq_floor),
+        ("dk", &got.dk, &want.dk, dk_floor),
+        ("dv", &got.dv, &want.dv, 0.0),
     ] {
         prop_assert!(a.iter().all(|x| x.is_finite()), "{name} {what}: non-finite");
-        let e = rel_err_f32(a, b);
+        let b64: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
+        let e = rel_err_floor(a, &b64, floor);
         prop_assert!(e <= tol, "{name} {what}: relative error {e:e} > {tol:e}");
     }
     Ok(())
@@ -81,8 +90,9 @@ proptest! {
         let naive = run(&cpu, &s, &x, dtype, &with(Algorithm::Naive));
         let flash = run(&cpu, &s, &x, dtype, &with(Algorithm::Flash { block_q, block_k }));
         let chunked = run(&cpu, &s, &x, dtype, &with(Algorithm::Chunked { chunk_size: chunk }));
-        check("flash", &flash, &naive, tol)?;
-        check("chunked", &chunked, &naive, tol)?;
+        let floors = score_grad_floors(&s, &x, 1.0 / (s.head_dim as f64).sqrt());
+        check("flash", &flash, &naive, tol, floors)?;
+        check("chunked", &chunked, &naive, tol, floors)?;
         for (name, r) in [("flash", &flash), ("chunked", &chunked)] {
             for (a, b) in r.lse.iter().zip(&naive.lse) {
                 prop_assert!(
@@ -107,13 +117,14 @@ proptest! {
         let scale = scale.map_or(1.0 / (s.head_dim as f64).sqrt(), f64::from);
         let got = run(&cpu, &s, &x, DType::F32, &config);
         let want = reference(&s, &x, causal, scale);
-        for (what, a, b) in [
-            ("out", &got.out, &want.out),
-            ("dq", &got.dq, &want.dq),
-            ("dk", &got.dk, &want.dk),
-            ("dv", &got.dv, &want.dv),
+        let (dq_floor, dk_floor) = score_grad_floors(&s, &x, scale);
+        for (what, a, b, floor) in [
+            ("out", &got.out, &want.out, 0.0),
+            ("dq", &got.dq, &want.dq, dq_floor),
+            ("dk", &got.dk, &want.dk, dk_floor),
+            ("dv", &got.dv, &want.dv, 0.0),
         ] {
-            let e = rel_err(a, b);
+            let e = rel_err_floor(a, b, floor);
             prop_assert!(e <= F32_TOL, "naive {what}: relative error {e:e}");
         }
         for (a, b) in got.lse.iter().zip(&want.lse) {

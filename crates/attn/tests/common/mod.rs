@@ -212,6 +212,38 @@ pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
         / scale
 }
 
+/// `rel_err` with the magnitude floored at `floor` instead of 1e-3.
+pub fn rel_err_floor(a: &[f32], b: &[f64], floor: f64) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(floor.max(1e-3), |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// Magnitude floors for dQ and dK: a tenth of the terms they are sums of,
+/// `scale · max|dO·Vᵀ| · max|K|` and `… · max|Q|` (with `max|dO·Vᵀ| ≤ max‖dO_row‖₁ · max|V|`).
+///
+/// Why: dS = P∘(dP − D) cancels — exactly with a single visible key, almost when softmax
+/// saturates — so dQ and dK can be far smaller than the terms, and then hold rounding noise of
+/// a few f32 epsilons *of the terms* on every implementation. Measured against their own tiny
+/// size that noise reads as a large relative error and says nothing about correctness.
+pub fn score_grad_floors(s: &Sizes, x: &Inputs, scale: f64) -> (f64, f64) {
+    let max_abs = |v: &[f32]| v.iter().fold(0f64, |m, &a| m.max(f64::from(a.abs())));
+    let row_l1 = x
+        .d_out
+        .chunks(s.head_dim.max(1))
+        .map(|r| r.iter().map(|a| f64::from(a.abs())).sum::<f64>())
+        .fold(0f64, f64::max);
+    let dp = row_l1 * max_abs(&x.v);
+    (
+        0.1 * scale * dp * max_abs(&x.k),
+        0.1 * scale * dp * max_abs(&x.q),
+    )
+}
+
 pub fn rel_err_f32(a: &[f32], b: &[f32]) -> f64 {
     let b64: Vec<f64> = b.iter().map(|&x| x as f64).collect();
     rel_err(a, &b64)
