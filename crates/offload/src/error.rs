@@ -71,6 +71,53 @@ pub enum OffloadError {
     /// A bucket was submitted twice in one step, or names an unknown parameter.
     #[error("pipeline: {0}")]
     Pipeline(String),
+    /// A bucket index the pipeline's plan does not have.
+    #[error("no bucket {bucket} (the plan has {count})")]
+    UnknownBucket {
+        /// The bucket asked for.
+        bucket: usize,
+        /// How many buckets exist.
+        count: usize,
+    },
+    /// A bucket was handed over a second time before the step was finished.
+    #[error("bucket {bucket} was already handed over this step")]
+    BucketHandedTwice {
+        /// The bucket.
+        bucket: usize,
+    },
+    /// `finish` was called before every bucket was handed over; nothing was changed, so the
+    /// missing buckets can still be handed over and `finish` called again.
+    #[error("cannot finish the step: buckets {missing:?} were not handed over")]
+    BucketsMissing {
+        /// The buckets not handed over yet.
+        missing: Vec<usize>,
+    },
+    /// The caller's tensor list has no tensor for a parameter of the bucket.
+    #[error("no {role} tensor for parameter {param} ({given} given)")]
+    MissingTensor {
+        /// `"gradient"` or `"parameter"`.
+        role: &'static str,
+        /// The parameter index.
+        param: usize,
+        /// How many tensors were given.
+        given: usize,
+    },
+    /// A device tensor does not match the plan (element count, dtype or device).
+    #[error("{role} tensor of parameter {param}: expected {expected}, got {got}")]
+    TensorMismatch {
+        /// `"gradient"` or `"parameter"`.
+        role: &'static str,
+        /// The parameter index.
+        param: usize,
+        /// What the plan says.
+        expected: String,
+        /// What the tensor is.
+        got: String,
+    },
+    /// A CUDA driver call of the device pipeline failed, or there is no device.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] headroom_cuda::CudaError),
 }
 
 /// `Result` with [`OffloadError`].

@@ -37,20 +37,35 @@
 //! - RAM moments are allocated through the CPU backend as
 //!   [`MemoryCategory::OptimizerState`](headroom_tensor::MemoryCategory); file-backed moments
 //!   are page cache and are not reported as allocations.
-//! - The CUDA side of the pipeline (device→host copies on a side stream into ordinary pinned
-//!   memory) is not built yet; this crate has no `cuda` feature so far.
+//! - Offloading from a device is planned on the host ([`StagingPlan`]: every parameter in
+//!   exactly one bucket, each at a [`STAGING_ALIGN`]-aligned region of its bucket's staging
+//!   buffers) and updated by the same [`CpuAdamW`] with bit-identical results.
+//! - With the `cuda` feature, `CudaOffloadPipeline` copies each finished bucket's gradients
+//!   device→host on its own stream into ordinary (not write-combined) pinned memory, ordered
+//!   after backward by events, and uploads the updated parameters on another stream before the
+//!   next forward. Its pinned buffers are allocated once and reported to the allocation hook;
+//!   it allocates nothing on the device. Its GPU tests are `#[ignore = "needs a CUDA device"]`.
 
 mod adamw_kernel;
+#[cfg(feature = "cuda")]
+mod cuda_pipeline;
 mod error;
 mod optimizer;
 mod pipeline;
 mod quantized;
 pub mod reference;
+mod staging;
 mod state_store;
 
 pub use adamw_kernel::{fused_step, Isa, StepScalars, WorkingCopy};
+#[cfg(feature = "cuda")]
+pub use cuda_pipeline::CudaOffloadPipeline;
 pub use error::{OffloadError, Result};
 pub use optimizer::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
 pub use pipeline::{HostVec, OffloadPipeline, UpdatedBucket};
 pub use quantized::QUANT_BLOCK;
+pub use staging::{
+    update_staged_bucket, BucketLayout, DeviceParamSpec, StagedParam, StagingPlan, TensorRole,
+    STAGING_ALIGN,
+};
 pub use state_store::{StateStore, StoreIdentity};
