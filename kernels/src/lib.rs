@@ -19,11 +19,13 @@
 //! - This crate depends on nothing, not even `headroom-tensor`; it is text and constants.
 //! - Every [`KernelSource::source`] compiles alone: it includes no toolkit header (the NVRTC that
 //!   CI installs from PyPI ships none), only the [`FLOAT_BITS_PRELUDE`] prepended to it (and,
-//!   for the [`ATTENTION`] modules, the tensor-core helpers of `cu/flash_attn_common.cuh`).
+//!   for the [`ATTENTION`] modules, the tensor-core helpers of `cu/flash_attn_common.cuh`; for
+//!   the [`TRAINER_OPS`] modules, the block reductions of [`BLOCK_REDUCE_PRELUDE`]).
 //! - Every entry point is `extern "C"` (unmangled) and listed in exactly one
-//!   [`KernelSource::functions`]; the NVRTC tests (`headroom-cuda`'s for [`ALL`],
-//!   `headroom-attn`'s under its `cuda` feature for [`ATTENTION`]) check the PTX has exactly the
-//!   listed entries.
+//!   [`KernelSource::functions`]; the NVRTC tests (`headroom-cuda`'s for [`ALL`] and
+//!   [`TRAINER_OPS`], `headroom-attn`'s under its `cuda` feature for [`ATTENTION`]) check the
+//!   PTX has exactly the listed entries. `headroom-cuda` also runs the [`TRAINER_OPS`] sources
+//!   on the host under a small CUDA emulation (`tests/trainer_ops_emulator.rs`).
 //! - The flash attention launch constants here ([`FLASH_THREADS`], tile sizes, shared memory)
 //!   equal the sources' `#define`s (tested), so host and kernel agree on every tile.
 //! - The flash attention kernels' own source also runs on the CPU: `tests/flash_emulator.rs`
@@ -35,6 +37,7 @@
 //!   `headroom_tensor::cpu::kernels` (round-to-nearest-even, NaN stays NaN).
 //! - Elementwise kernels are grid-stride loops: any element count (0 included) and any grid size
 //!   give the same result. Reductions are deterministic: fixed grid, fixed-order combination.
+//!   No kernel uses floating-point atomics (gradient scatters are owner-computes).
 
 /// Threads per block for every kernel in this crate but the flash attention tiles (those use
 /// [`FLASH_THREADS`]); the `HR_BLOCK_THREADS` of the sources.
@@ -133,6 +136,119 @@ pub const UNSCALE: KernelSource = kernel_source!(
 /// each of these in its tests; technique crates' modules are listed apart ([`ATTENTION`]) so
 /// that adding one never touches those tests. [`find`] searches every list.
 pub const ALL: &[KernelSource] = &[CAST, SCALE, AXPY, SUM_SQUARES, UNSCALE];
+
+// The trainer-op modules carry one more prelude: fixed-order block reductions and the bit-exact
+// exp/tanh ports of headroom-trainer's fast_math.
+macro_rules! trainer_op_source {
+    ($name:literal, $file:literal, [$($f:literal),* $(,)?]) => {
+        KernelSource {
+            name: $name,
+            source: concat!(
+                include_str!("../cu/float_bits.cuh"),
+                "\n",
+                include_str!("../cu/block_reduce.cuh"),
+                "\n",
+                include_str!($file)
+            ),
+            functions: &[$($f),*],
+        }
+    };
+}
+
+/// Fixed-order block reductions and the exp/tanh ports, prepended (after
+/// [`FLOAT_BITS_PRELUDE`]) to every [`TRAINER_OPS`] module.
+pub const BLOCK_REDUCE_PRELUDE: &str = include_str!("../cu/block_reduce.cuh");
+
+/// Token + position embeddings: `embedding_forward_f32(out, tokens, wte, wpe, rows, t, c,
+/// vocab)` (grid-stride), `embedding_backward_wte_f32(dwte, dout, tokens, rows, c, vocab,
+/// vocab_per_block)` on a grid of (vocabulary blocks, channel blocks) and
+/// `embedding_backward_wpe_f32(dwpe, dout, rows, t, c)` (grid-stride). The backward is
+/// deterministic without atomics (each gradient element has one owning thread).
+pub const EMBEDDING: KernelSource = trainer_op_source!(
+    "embedding",
+    "../cu/embedding.cu",
+    [
+        "embedding_forward_f32",
+        "embedding_backward_wte_f32",
+        "embedding_backward_wpe_f32",
+    ]
+);
+
+/// Layer norm, one block per row: `layernorm_forward_f32(out, mean, rstd, inp, weight, bias,
+/// rows, c)`, `layernorm_backward_input_f32(dinp, dout, inp, weight, mean, rstd, rows, c)` and
+/// `layernorm_backward_param_partials_f32(partials_w, partials_b, dout, inp, mean, rstd, rows,
+/// c, rows_per_chunk)` (finished by `column_sum_finish_f32`).
+pub const LAYERNORM: KernelSource = trainer_op_source!(
+    "layernorm",
+    "../cu/layernorm.cu",
+    [
+        "layernorm_forward_f32",
+        "layernorm_backward_input_f32",
+        "layernorm_backward_param_partials_f32",
+    ]
+);
+
+/// Deterministic column sums (bias gradients): `column_sum_partials_f32(partials, x, rows, cols,
+/// rows_per_chunk)` then `column_sum_finish_f32(dst, partials, chunks, cols)`.
+pub const COLUMN_SUM: KernelSource = trainer_op_source!(
+    "column_sum",
+    "../cu/column_sum.cu",
+    ["column_sum_partials_f32", "column_sum_finish_f32"]
+);
+
+/// Tanh-GELU and the residual add, grid-stride: `gelu_forward_f32(out, inp, n)`,
+/// `gelu_backward_f32(dinp, inp, dout, n)` (accumulates), `residual_add_f32(y, x, n)`.
+pub const GELU: KernelSource = trainer_op_source!(
+    "gelu",
+    "../cu/gelu.cu",
+    ["gelu_forward_f32", "gelu_backward_f32", "residual_add_f32"]
+);
+
+/// Fused softmax cross-entropy, one block per row: `cross_entropy_forward_f32(losses, logits,
+/// targets, rows, v)` and `cross_entropy_forward_backward_f32(losses, dlogits, logits, targets,
+/// dloss, rows, v)`.
+pub const CROSS_ENTROPY: KernelSource = trainer_op_source!(
+    "cross_entropy",
+    "../cu/cross_entropy.cu",
+    [
+        "cross_entropy_forward_f32",
+        "cross_entropy_forward_backward_f32",
+    ]
+);
+
+/// AdamW, grid-stride, f32 parameters and moments: `adamw_<grad>(param, grad, m, v, n, decay,
+/// one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps)` and
+/// `adamw_copy_bf16_<grad>(param, grad, m, v, copy, n, …)` which also writes a bf16 copy.
+pub const ADAMW: KernelSource = trainer_op_source!(
+    "adamw",
+    "../cu/adamw.cu",
+    [
+        "adamw_f32",
+        "adamw_bf16",
+        "adamw_copy_bf16_f32",
+        "adamw_copy_bf16_bf16",
+    ]
+);
+
+/// f32 → bf16 stochastic rounding, headroom-amp's counter hash:
+/// `stochastic_round_f32_bf16(src, dst, n, seed, step, tensor)`, grid-stride.
+pub const STOCHASTIC_ROUND: KernelSource = trainer_op_source!(
+    "stochastic_round",
+    "../cu/stochastic_round.cu",
+    ["stochastic_round_f32_bf16"]
+);
+
+/// The trainer's ops (used by `headroom-cuda`'s op wrappers), listed apart from [`ALL`] so the
+/// backend primitives' tests stay as they are. [`find`] searches every list.
+pub const TRAINER_OPS: &[KernelSource] = &[
+    EMBEDDING,
+    LAYERNORM,
+    COLUMN_SUM,
+    GELU,
+    CROSS_ENTROPY,
+    ADAMW,
+    STOCHASTIC_ROUND,
+];
 
 /// Threads per block of every flash attention kernel but `flash_attn_bwd_dot_*` (which uses
 /// [`BLOCK_THREADS`]): [`FLASH_WARPS`] warps.
@@ -253,9 +369,9 @@ pub const FLASH_ATTN_BWD: KernelSource = attention_source!(
 /// (`mma.sync` on 16-bit inputs, `ldmatrix`, `cp.async`).
 pub const ATTENTION: &[KernelSource] = &[FLASH_ATTN_FWD, FLASH_ATTN_BWD];
 
-/// Every registered module: [`ALL`], then [`ATTENTION`].
+/// Every registered module: [`ALL`], then [`ATTENTION`], then [`TRAINER_OPS`].
 pub fn modules() -> impl Iterator<Item = &'static KernelSource> {
-    ALL.iter().chain(ATTENTION.iter())
+    ALL.iter().chain(ATTENTION.iter()).chain(TRAINER_OPS.iter())
 }
 
 /// The module that defines the entry point `function`, if any, in any list.
@@ -319,10 +435,15 @@ mod tests {
         }
         assert!(find("no_such_kernel").is_none());
         // 6 casts + 3 scales + 3 axpys + 4 sum-of-squares + 3 unscales, then 4 flash forwards
-        // and 2 dot + 8 dQ/dK/dV flash backwards.
-        assert_eq!(functions.len(), 19 + 4 + 10);
+        // and 2 dot + 8 dQ/dK/dV flash backwards, then the trainer ops: 3 embedding,
+        // 3 layer norm, 2 column sum, 3 GELU/residual, 2 cross-entropy, 4 AdamW, 1 rounding.
+        assert_eq!(functions.len(), 19 + 4 + 10 + 18);
         assert_eq!(find("flash_attn_bwd_dkdv_bf16_d128"), Some(&FLASH_ATTN_BWD));
         assert!(ALL.iter().all(|k| !ATTENTION.contains(k)));
+        assert!(TRAINER_OPS
+            .iter()
+            .all(|k| !ALL.contains(k) && !ATTENTION.contains(k)));
+        assert_eq!(find("adamw_copy_bf16_bf16"), Some(&ADAMW));
     }
 
     #[test]

@@ -89,6 +89,9 @@ fn version_string(v: i32) -> String {
 
 /// State shared by every clone of a [`Cuda`] handle.
 struct CudaInner {
+    /// The cuBLASLt handle, created on the first GEMM. First, so it is destroyed while the
+    /// context below is still alive (fields drop in declaration order).
+    cublaslt: Mutex<Option<crate::gemm::LtHandle>>,
     ordinal: usize,
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -158,6 +161,7 @@ impl Cuda {
                 multiprocessors: u32::try_from(multiprocessors).unwrap_or(1).max(1),
                 driver_version,
                 functions: Mutex::new(HashMap::new()),
+                cublaslt: Mutex::new(None),
             }),
             hook: None,
         })
@@ -242,7 +246,10 @@ impl Cuda {
     /// Compile and load every kernel module now, so the first operation does not pay for NVRTC
     /// (call it before timing anything). Without it modules load on first use.
     pub fn load_all_kernels(&self) -> CudaResult<()> {
-        for kernel in headroom_kernels::ALL {
+        for kernel in headroom_kernels::ALL
+            .iter()
+            .chain(headroom_kernels::TRAINER_OPS)
+        {
             for &function in kernel.functions {
                 self.function(function)?;
             }
@@ -250,8 +257,8 @@ impl Cuda {
         Ok(())
     }
 
-    /// The loaded entry point `function` of `headroom_kernels::ALL`, compiling and loading its
-    /// module on first use (compilation is cached per process; loaded modules per backend
+    /// The loaded entry point `function` of any `headroom_kernels` list, compiling and loading
+    /// its module on first use (compilation is cached per process; loaded modules per backend
     /// handle, shared by its clones).
     pub fn function(&self, function: &'static str) -> CudaResult<CudaFunction> {
         let mut loaded = self
@@ -411,6 +418,15 @@ impl Cuda {
             buffer,
             _token: token,
         })
+    }
+
+    /// The cuBLASLt handle slot, locked: GEMMs on one backend run their cuBLASLt calls one at
+    /// a time (they are queued on one stream anyway).
+    pub(crate) fn cublaslt_slot(&self) -> std::sync::MutexGuard<'_, Option<crate::gemm::LtHandle>> {
+        self.inner
+            .cublaslt
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn hook(&self) -> Option<&Arc<dyn AllocHook>> {

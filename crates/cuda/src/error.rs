@@ -58,6 +58,29 @@ pub enum CudaError {
         #[source]
         source: DriverErrorCode,
     },
+    /// libcublasLt could not be loaded or initialised (the GEMMs need it).
+    #[error("cuBLASLt is not available: {reason}")]
+    CublasUnavailable {
+        /// Why.
+        reason: String,
+    },
+    /// A cuBLASLt call failed.
+    #[error("cuBLASLt error in {op}: {status}")]
+    Cublas {
+        /// The call.
+        op: &'static str,
+        /// cuBLAS's status code, by name.
+        status: String,
+    },
+    /// A launch pushed arguments that differ from its kernel's recorded parameter list (a bug
+    /// in this crate, caught before the launch instead of corrupting memory).
+    #[error("launch of `{function}` pushed {pushed}, which is not its recorded signature")]
+    LaunchSignature {
+        /// The entry point.
+        function: &'static str,
+        /// The argument kinds that were pushed.
+        pushed: String,
+    },
     /// An entry point is not listed in `headroom_kernels::ALL` (a bug in this crate).
     #[error("kernel entry point `{function}` is not in headroom_kernels::ALL")]
     UnknownKernel {

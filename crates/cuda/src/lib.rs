@@ -5,6 +5,13 @@
 //! compute capability (once per process), and [`Cuda`], which implements
 //! [`headroom_tensor::Backend`] with the same semantics and errors as the CPU backend.
 //!
+//! Beyond the shared primitives it runs the reference GPT's whole step on the device: the
+//! linear layers' three products on cuBLASLt ([`Cuda::gemm`], [`Cuda::matmul_forward`],
+//! [`Cuda::matmul_backward`]; row-major, bf16/f16/f32 inputs, f32 accumulation, fused bias),
+//! and NVRTC kernels with the CPU ops' argument order and semantics for embedding, layer norm,
+//! tanh-GELU, the residual add, fused softmax cross-entropy, AdamW
+//! ([`Cuda::adamw_step`]) and f32 → bf16 stochastic rounding ([`Cuda::stochastic_round_bf16`]).
+//!
 //! It builds on machines with no CUDA at all (the driver and NVRTC are loaded at run time), and
 //! nothing in it panics when there is no GPU:
 //!
@@ -21,6 +28,10 @@
 //!         let mut h = cuda.zeros([2], DType::BF16)?;
 //!         cuda.cast(&x, &mut h)?;
 //!         assert_eq!(cuda.sum_squares(&h)?, 25.0);
+//!         // A trainer op: y += x, bitwise like the CPU.
+//!         let mut y = cuda.upload(&[1.0f32, 2.0], [2])?;
+//!         cuda.residual_add(&mut y, &x)?;
+//!         assert_eq!(cuda.download::<f32>(&y)?, vec![4.0, -2.0]);
 //!     }
 //!     Err(CudaError::NoDevice { reason }) => println!("no GPU here: {reason}"),
 //!     Err(other) => return Err(other.into()),
@@ -40,20 +51,32 @@
 //!   allocation hook, tensors in the thread's current category, scratch as `Workspace`.
 //! - Kernels are loaded as CUBIN for the device's exact architecture, so PTX from an NVRTC newer
 //!   than the driver is never JIT-compiled.
+//! - Trainer ops: embedding, GELU, residual add, AdamW and stochastic rounding are bitwise
+//!   equal to their CPU references (headroom-trainer's ops, headroom-offload's AdamW reference,
+//!   headroom-amp's rounding hash); layer norm, cross-entropy, bias gradients and GEMMs agree
+//!   to rounding. Every op is deterministic: no float atomics anywhere (gradient scatters are
+//!   owner-computes, column sums use fixed row chunks chosen from the shape alone).
+//! - Every op checks devices, dtypes and sizes — returning [`headroom_tensor::Error`] — before
+//!   it allocates or launches anything, and every launch's arguments are compared with
+//!   [`OP_LAUNCH_SIGNATURES`], which is tested against the kernels' PTX without a GPU.
 //! - This crate depends on `headroom-tensor` and `headroom-kernels` only (no technique crate).
 
 mod backend;
 mod device;
 mod error;
+mod gemm;
 mod nvrtc;
+mod ops;
 mod tensor;
 
 pub use device::{device_count, driver_library_present, Cuda};
 pub use error::{CudaError, CudaResult, DriverErrorCode};
+pub use gemm::{cublaslt_available, GemmOp, GemmShape};
 pub use nvrtc::{
     arch_for, compile, compile_cached, nvrtc_available, nvrtc_version, CompiledKernel,
     COMPILE_OPTIONS,
 };
+pub use ops::{AdamWStep, ParamKind, StochasticRoundingKey, OP_LAUNCH_SIGNATURES};
 pub use tensor::CudaTensor;
 
 /// cudarc, re-exported so extension crates launch their own kernels with the same version.

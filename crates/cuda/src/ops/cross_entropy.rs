@@ -1,0 +1,119 @@
+//! Fused softmax cross-entropy (headroom-trainer's `ops::cross_entropy`) on the device: one
+//! block per vocabulary row, the probabilities never stored.
+
+use headroom_tensor::{DType, Result};
+
+use super::{dim_u32, expect_dtype, expect_f32, row_config, rows_of, OpLaunch};
+use crate::device::Cuda;
+use crate::tensor::CudaTensor;
+
+/// Rows, and the vocabulary as the kernels take it, after checking logits and targets.
+fn check_rows(
+    op: &'static str,
+    logits: &CudaTensor,
+    targets: &CudaTensor,
+    v: usize,
+) -> Result<(usize, u32)> {
+    expect_dtype(op, logits, DType::F32)?;
+    expect_dtype(op, targets, DType::U32)?;
+    let v32 = dim_u32(op, logits, "v must be in 1..=u32::MAX", v)?;
+    let rows = rows_of(op, logits, v, "the element count is not a multiple of v")?;
+    super::expect_numel(op, targets, rows)?;
+    Ok((rows, v32))
+}
+
+impl Cuda {
+    /// Per-row loss `−log softmax(logits)[target]` into `losses` (f32 `[rows]`); `logits` is f32
+    /// `[rows, v]`, `targets` u32 `[rows]`. A target ≥ v gives a NaN loss (never an
+    /// out-of-bounds read).
+    pub fn cross_entropy_forward(
+        &self,
+        losses: &mut CudaTensor,
+        logits: &CudaTensor,
+        targets: &CudaTensor,
+        v: usize,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_forward";
+        self.check_devices(OP, &[losses, logits, targets])?;
+        let (rows, v32) = check_rows(OP, logits, targets, v)?;
+        expect_f32(OP, losses, rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let func = self.op_function(OP, "cross_entropy_forward_f32")?;
+        let rows64 = rows as u64;
+        let (logits_b, targets_b) = (self.buffer(OP, logits)?, self.buffer(OP, targets)?);
+        let losses_b = self.buffer_mut(OP, losses)?;
+        let mut launch = OpLaunch::new(self, "cross_entropy_forward_f32", &func);
+        launch
+            .output(losses_b)
+            .input(logits_b)
+            .input(targets_b)
+            .u64(&rows64)
+            .u32(&v32);
+        // SAFETY: losses holds rows f32, logits rows·v f32, targets rows u32 (checked).
+        unsafe { launch.launch(self, OP, row_config(rows64)) }
+    }
+
+    /// Losses and `dlogits = (softmax − onehot(target))·dloss[row]` in one pass over the
+    /// logits; `dlogits` is overwritten (as on the CPU), `dloss` is f32 `[rows]`.
+    pub fn cross_entropy_forward_backward(
+        &self,
+        losses: &mut CudaTensor,
+        dlogits: &mut CudaTensor,
+        logits: &CudaTensor,
+        targets: &CudaTensor,
+        dloss: &CudaTensor,
+        v: usize,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_forward_backward";
+        self.check_devices(OP, &[losses, dlogits, logits, targets, dloss])?;
+        let (rows, v32) = check_rows(OP, logits, targets, v)?;
+        expect_f32(OP, losses, rows)?;
+        expect_f32(OP, dloss, rows)?;
+        expect_f32(OP, dlogits, rows * v)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let func = self.op_function(OP, "cross_entropy_forward_backward_f32")?;
+        let rows64 = rows as u64;
+        let (logits_b, targets_b, dloss_b) = (
+            self.buffer(OP, logits)?,
+            self.buffer(OP, targets)?,
+            self.buffer(OP, dloss)?,
+        );
+        let losses_b = self.buffer_mut(OP, losses)?;
+        let dlogits_b = self.buffer_mut(OP, dlogits)?;
+        let mut launch = OpLaunch::new(self, "cross_entropy_forward_backward_f32", &func);
+        launch
+            .output(losses_b)
+            .output(dlogits_b)
+            .input(logits_b)
+            .input(targets_b)
+            .input(dloss_b)
+            .u64(&rows64)
+            .u32(&v32);
+        // SAFETY: losses/dloss hold rows f32, dlogits/logits rows·v f32, targets rows u32
+        // (checked); the two outputs are distinct mutable borrows.
+        unsafe { launch.launch(self, OP, row_config(rows64)) }
+    }
+
+    /// `dlogits = (softmax − onehot(target))·dloss[row]` alone (the losses go to a
+    /// `Workspace` scratch buffer, as the CPU op's go to a scratch vector).
+    pub fn cross_entropy_backward(
+        &self,
+        dlogits: &mut CudaTensor,
+        logits: &CudaTensor,
+        targets: &CudaTensor,
+        dloss: &CudaTensor,
+        v: usize,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_backward";
+        self.check_devices(OP, &[dlogits, logits, targets, dloss])?;
+        let (rows, _) = check_rows(OP, logits, targets, v)?;
+        let _scratch_category = headroom_tensor::MemoryCategory::Workspace.enter();
+        let mut losses =
+            self.alloc_tensor(headroom_tensor::Shape::from(vec![rows]), DType::F32, false)?;
+        self.cross_entropy_forward_backward(&mut losses, dlogits, logits, targets, dloss, v)
+    }
+}

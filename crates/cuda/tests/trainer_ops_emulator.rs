@@ -1,0 +1,749 @@
+//! The trainer-op kernels run on the CPU: their own CUDA C source (`headroom_kernels::
+//! TRAINER_OPS`), compiled by a C++20 compiler against a minimal host emulation of the CUDA
+//! features they use, and checked against the scalar references of `common/` with the same
+//! claims as the GPU tests (bitwise where the GPU tests say bitwise).
+//!
+//! The emulation: every CUDA thread of a block is a `std::thread`, `__syncthreads` is a real
+//! barrier (so the block reductions' synchronisation is exercised), blocks run one after
+//! another (so a `static` is the block's `__shared__` memory), and the `__f*_rn` intrinsics
+//! are plain IEEE binary32 operations compiled with `-ffp-contract=off` (what `--fmad=false`
+//! gives on the GPU). Kernels are called through a dispatch table generated from
+//! `OP_LAUNCH_SIGNATURES`, so the recorded parameter lists are exercised too.
+//!
+//! This is the evidence a machine without a GPU gives that the kernels compute the ops:
+//! indexing, grid-stride loops, tails, ownership in the scatters, chunked column sums, the
+//! reductions' barriers and the bit-level formulas. It cannot show timing, a misunderstanding
+//! of CUDA shared by the kernels and the emulation, or `logf`'s device rounding (host `logf`
+//! here; cross-entropy is compared with a tolerance anyway). Skipped with a message when no
+//! C++20 compiler with `<barrier>` is found (`$CXX`, `c++`, `g++`, `clang++`), unless
+//! `HEADROOM_REQUIRE_CXX=1`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use common::*;
+use headroom_cuda::{AdamWStep, ParamKind, StochasticRoundingKey, OP_LAUNCH_SIGNATURES};
+use headroom_kernels::{BLOCK_REDUCE_PRELUDE, FLOAT_BITS_PRELUDE, TRAINER_OPS};
+use headroom_tensor::bf16;
+
+/// The host stand-ins for the CUDA built-ins the kernels use.
+const HOST_CUDA: &str = r#"
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+#include <math.h>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __restrict__ __restrict
+// Blocks run one at a time, so a function-local static is exactly the block's shared memory.
+#define __shared__ static
+static std::barrier<>* g_barrier;
+static inline void __syncthreads() { g_barrier->arrive_and_wait(); }
+static inline float __int_as_float(int v) { float f; memcpy(&f, &v, 4); return f; }
+static inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, 4); return f; }
+static inline unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, 4); return u; }
+static inline int __clz(unsigned v) { return v == 0 ? 32 : __builtin_clz(v); }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
+"#;
+
+/// The script interpreter: `load ID PATH`, `launch NAME GX GY BX ARGS...` (`pID` a buffer,
+/// `uN` an integer, `fHEX` float bits), `save ID PATH`.
+const DRIVER: &str = r#"
+struct AnyPtr {
+    void* p;
+    template <class T> operator T*() const { return (T*)p; }
+};
+
+template <class F> static void emu_launch(unsigned gx, unsigned gy, unsigned bx, F f) {
+    gridDim = dim3{gx, gy, 1};
+    blockDim = dim3{bx, 1, 1};
+    for (unsigned y = 0; y < gy; ++y) {
+        for (unsigned x = 0; x < gx; ++x) {
+            std::barrier<> bar(bx);
+            g_barrier = &bar;
+            std::vector<std::thread> threads;
+            for (unsigned t = 0; t < bx; ++t) {
+                threads.emplace_back([&, t, x, y] {
+                    threadIdx = dim3{t, 0, 0};
+                    blockIdx = dim3{x, y, 0};
+                    f();
+                });
+            }
+            for (auto& th : threads) th.join();
+        }
+    }
+}
+
+static bool dispatch(const std::string& name, unsigned gx, unsigned gy, unsigned bx,
+                     const std::vector<void*>& P, const std::vector<unsigned long long>& U,
+                     const std::vector<float>& F);
+
+int main() {
+    std::map<int, std::vector<unsigned char>> bufs;
+    std::string line;
+    while (std::getline(std::cin, line)) {
+        std::istringstream in(line);
+        std::string cmd;
+        in >> cmd;
+        if (cmd == "load") {
+            int id; std::string path; in >> id >> path;
+            std::ifstream f(path, std::ios::binary);
+            bufs[id] = std::vector<unsigned char>((std::istreambuf_iterator<char>(f)), {});
+            bufs[id].resize(bufs[id].size() + 64);  // slack: a stray read past the end stays in bounds of the heap
+        } else if (cmd == "save") {
+            int id; std::string path; size_t bytes; in >> id >> path >> bytes;
+            std::ofstream f(path, std::ios::binary);
+            f.write((const char*)bufs[id].data(), bytes);
+        } else if (cmd == "launch") {
+            std::string name; unsigned gx, gy, bx; in >> name >> gx >> gy >> bx;
+            std::vector<void*> P; std::vector<unsigned long long> U; std::vector<float> F;
+            std::string a;
+            while (in >> a) {
+                if (a[0] == 'p') P.push_back(bufs.at(std::stoi(a.substr(1))).data());
+                else if (a[0] == 'u') U.push_back(std::stoull(a.substr(1)));
+                else if (a[0] == 'f') { unsigned b = (unsigned)std::stoul(a.substr(1), nullptr, 16); float v; memcpy(&v, &b, 4); F.push_back(v); }
+            }
+            if (!dispatch(name, gx, gy, bx, P, U, F)) { fprintf(stderr, "unknown kernel %s\n", name.c_str()); return 2; }
+        }
+    }
+    return 0;
+}
+"#;
+
+/// `dispatch`: one call per entry point, its arguments converted by the recorded signature.
+fn dispatch_source() -> String {
+    let mut s = String::from(
+        "static bool dispatch(const std::string& name, unsigned gx, unsigned gy, unsigned bx,\n\
+         const std::vector<void*>& P, const std::vector<unsigned long long>& U,\n\
+         const std::vector<float>& F) {\n",
+    );
+    for (name, kinds) in OP_LAUNCH_SIGNATURES {
+        let (mut p, mut u, mut f) = (0, 0, 0);
+        let args: Vec<String> = kinds
+            .iter()
+            .map(|k| match k {
+                ParamKind::Ptr => {
+                    p += 1;
+                    format!("AnyPtr{{P.at({})}}", p - 1)
+                }
+                ParamKind::U64 => {
+                    u += 1;
+                    format!("(hr_u64)U.at({})", u - 1)
+                }
+                ParamKind::U32 => {
+                    u += 1;
+                    format!("(hr_u32)U.at({})", u - 1)
+                }
+                ParamKind::F32 => {
+                    f += 1;
+                    format!("F.at({})", f - 1)
+                }
+            })
+            .collect();
+        s += &format!(
+            "    if (name == \"{name}\") {{ emu_launch(gx, gy, bx, [&] {{ {name}({}); }}); return true; }}\n",
+            args.join(", ")
+        );
+    }
+    s + "    return false;\n}\n"
+}
+
+/// The whole program: host built-ins, the preludes once, every module without its preludes,
+/// the dispatch table and the driver.
+fn program_source() -> String {
+    let prelude = format!("{FLOAT_BITS_PRELUDE}\n{BLOCK_REDUCE_PRELUDE}\n");
+    let mut s = format!("{HOST_CUDA}\n{prelude}");
+    for module in TRAINER_OPS {
+        let body = module
+            .source
+            .strip_prefix(prelude.as_str())
+            .unwrap_or_else(|| panic!("{} does not start with the preludes", module.name));
+        s += body;
+        s += "\n";
+    }
+    s + DRIVER + &dispatch_source()
+}
+
+/// Scratch space: the build's temporary directory, or the system's when the test binary runs
+/// somewhere else (a device bundle copied to another machine).
+fn scratch(name: &str) -> PathBuf {
+    let preferred = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("trainer_ops_emulator");
+    let dir = if std::fs::create_dir_all(&preferred).is_ok() {
+        preferred
+    } else {
+        std::env::temp_dir().join(format!(
+            "headroom_trainer_ops_emulator_{}",
+            std::process::id()
+        ))
+    };
+    let dir = dir.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The compiled emulator, built once per test process; `None` (with a message) when no
+/// C++20 compiler is available and none is required.
+fn emulator() -> Option<&'static Path> {
+    static BINARY: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            let dir = scratch("build");
+            let src = dir.join("trainer_ops.cpp");
+            std::fs::write(&src, program_source()).unwrap();
+            let binary = dir.join("trainer_ops");
+            let candidates: Vec<String> = std::env::var("CXX")
+                .ok()
+                .into_iter()
+                .chain(["c++", "g++", "clang++"].map(String::from))
+                .collect();
+            let mut last_error = String::new();
+            for cxx in candidates {
+                let Ok(out) = Command::new(&cxx)
+                    .args([
+                        "-std=c++20",
+                        "-O2",
+                        "-pthread",
+                        "-ffp-contract=off",
+                        "-Wall",
+                    ])
+                    .args(["-Wno-unused-function", "-Wno-unused-variable"])
+                    .arg(&src)
+                    .arg("-o")
+                    .arg(&binary)
+                    .output()
+                else {
+                    continue;
+                };
+                if out.status.success() {
+                    return Some(binary);
+                }
+                last_error = format!("{cxx}: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            let required = std::env::var("HEADROOM_REQUIRE_CXX").is_ok_and(|v| v == "1");
+            assert!(
+                !required,
+                "HEADROOM_REQUIRE_CXX=1 but no C++20 build: {last_error}"
+            );
+            // A compiler that exists but rejects the kernels is a failure, not a skip.
+            assert!(
+                !last_error.contains("error:") || last_error.contains("<barrier>"),
+                "the kernels do not compile on the host:\n{last_error}"
+            );
+            eprintln!("skipped: no C++20 compiler with <barrier> ({last_error})");
+            None
+        })
+        .as_deref()
+}
+
+/// One emulator run: buffers, launches, then every buffer read back.
+struct Run {
+    dir: PathBuf,
+    script: String,
+    sizes: Vec<usize>,
+}
+
+#[derive(Clone, Copy)]
+enum Arg {
+    Buf(usize),
+    U(u64),
+    F(f32),
+}
+
+impl Run {
+    fn new(name: &str) -> Run {
+        Run {
+            dir: scratch(name),
+            script: String::new(),
+            sizes: Vec::new(),
+        }
+    }
+
+    fn buf<T: bytemuck::Pod>(&mut self, data: &[T]) -> usize {
+        let id = self.sizes.len();
+        let path = self.dir.join(format!("in{id}.bin"));
+        std::fs::write(&path, bytemuck::cast_slice::<T, u8>(data)).unwrap();
+        self.script += &format!("load {id} {}\n", path.display());
+        self.sizes.push(std::mem::size_of_val(data));
+        id
+    }
+
+    fn launch(&mut self, name: &str, grid: (u32, u32), block: u32, args: &[Arg]) {
+        self.script += &format!("launch {name} {} {} {block}", grid.0, grid.1);
+        for a in args {
+            self.script += &match a {
+                Arg::Buf(id) => format!(" p{id}"),
+                Arg::U(v) => format!(" u{v}"),
+                Arg::F(v) => format!(" f{:x}", v.to_bits()),
+            };
+        }
+        self.script += "\n";
+    }
+
+    /// Run the script; every buffer's final bytes, by id.
+    fn finish(mut self, binary: &Path) -> Vec<Vec<u8>> {
+        for (id, bytes) in self.sizes.iter().enumerate() {
+            let path = self.dir.join(format!("out{id}.bin"));
+            self.script += &format!("save {id} {} {bytes}\n", path.display());
+        }
+        let mut child = Command::new(binary)
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(self.script.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "emulator failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (0..self.sizes.len())
+            .map(|id| std::fs::read(self.dir.join(format!("out{id}.bin"))).unwrap())
+            .collect()
+    }
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytemuck::pod_collect_to_vec(bytes)
+}
+
+const BLOCK: u32 = headroom_kernels::BLOCK_THREADS;
+
+#[test]
+fn the_emulator_dispatches_every_trainer_op() {
+    let source = dispatch_source();
+    for k in TRAINER_OPS {
+        for f in k.functions {
+            assert!(source.contains(&format!("if (name == \"{f}\")")), "{f}");
+        }
+    }
+}
+
+#[test]
+fn emulated_embedding_is_bitwise_equal_to_the_cpu_op() {
+    let Some(emu) = emulator() else { return };
+    let (b, t, c, vocab) = (3usize, 5usize, 300usize, 1100usize);
+    // Repeated tokens, and tokens on both sides of every vocabulary-block boundary.
+    let mut tokens: Vec<u32> = (0..b * t)
+        .map(|i| ((i * i * 7 + 3) % 1031) as u32)
+        .collect();
+    tokens[..8].copy_from_slice(&[0, 511, 512, 1023, 1024, 1099, 512, 0]);
+    let wte = values(vocab * c, 9, 1.0);
+    let wpe = values((t + 1) * c, 10, 1.0);
+    let dout = values(b * t * c, 11, 1.0);
+    let (dwte0, dwpe0) = (values(vocab * c, 12, 0.1), values((t + 1) * c, 13, 0.1));
+    let mut run = Run::new("embedding");
+    let (out, tk, we, pe) = (
+        run.buf(&vec![0f32; b * t * c]),
+        run.buf(&tokens),
+        run.buf(&wte),
+        run.buf(&wpe),
+    );
+    let (dwte, dwpe, d) = (run.buf(&dwte0), run.buf(&dwpe0), run.buf(&dout));
+    let rows = (b * t) as u64;
+    use Arg::{Buf, U};
+    // A small grid, so the grid-stride loops go round several times.
+    run.launch(
+        "embedding_forward_f32",
+        (3, 1),
+        BLOCK,
+        &[
+            Buf(out),
+            Buf(tk),
+            Buf(we),
+            Buf(pe),
+            U(rows),
+            U(t as u64),
+            U(c as u64),
+            U(vocab as u64),
+        ],
+    );
+    // 512 vocabulary rows per block (the wrapper's choice), channel blocks over c = 300.
+    let per = 512u64;
+    run.launch(
+        "embedding_backward_wte_f32",
+        ((vocab as u32).div_ceil(512), (c as u32).div_ceil(BLOCK)),
+        BLOCK,
+        &[
+            Buf(dwte),
+            Buf(d),
+            Buf(tk),
+            U(rows),
+            U(c as u64),
+            U(vocab as u64),
+            U(per),
+        ],
+    );
+    run.launch(
+        "embedding_backward_wpe_f32",
+        (2, 1),
+        BLOCK,
+        &[Buf(dwpe), Buf(d), U(rows), U(t as u64), U(c as u64)],
+    );
+    let got = run.finish(emu);
+    assert_bitwise(
+        "forward",
+        &f32s(&got[out]),
+        &ref_embedding_forward(&tokens, &wte, &wpe, t, c),
+    );
+    let (mut want_wte, mut want_wpe) = (dwte0.clone(), dwpe0.clone());
+    ref_embedding_backward(&mut want_wte, &mut want_wpe, &dout, &tokens, t, c);
+    assert_bitwise("dwte", &f32s(&got[dwte]), &want_wte);
+    assert_bitwise("dwpe", &f32s(&got[dwpe]), &want_wpe);
+}
+
+#[test]
+fn emulated_layernorm_and_column_sums_match_the_reference() {
+    let Some(emu) = emulator() else { return };
+    let (rows, c) = (37usize, 300usize);
+    let inp: Vec<f32> = values(rows * c, 16, 2.0).iter().map(|v| v + 0.5).collect();
+    let w: Vec<f32> = values(c, 17, 0.5).iter().map(|v| 1.0 + v).collect();
+    let b = values(c, 18, 0.5);
+    let dout = values(rows * c, 19, 1.0);
+    let (di0, dw0, db0) = (
+        values(rows * c, 20, 0.1),
+        values(c, 21, 0.1),
+        values(c, 22, 0.1),
+    );
+    // 16 rows per chunk (the wrapper's minimum): 3 chunks, the last one partial.
+    let (per, chunks) = (16u64, 3u32);
+    let mut run = Run::new("layernorm");
+    let (out, mean, rstd) = (
+        run.buf(&vec![0f32; rows * c]),
+        run.buf(&vec![0f32; rows]),
+        run.buf(&vec![0f32; rows]),
+    );
+    let (x, wb, bb, d) = (run.buf(&inp), run.buf(&w), run.buf(&b), run.buf(&dout));
+    let (di, dw, db) = (run.buf(&di0), run.buf(&dw0), run.buf(&db0));
+    let pw = run.buf(&vec![0f32; chunks as usize * c]);
+    let pb = run.buf(&vec![0f32; chunks as usize * c]);
+    let (r64, c64) = (rows as u64, c as u64);
+    use Arg::{Buf, U};
+    // Fewer blocks than rows: the row loop strides.
+    run.launch(
+        "layernorm_forward_f32",
+        (16, 1),
+        BLOCK,
+        &[
+            Buf(out),
+            Buf(mean),
+            Buf(rstd),
+            Buf(x),
+            Buf(wb),
+            Buf(bb),
+            U(r64),
+            U(c64),
+        ],
+    );
+    run.launch(
+        "layernorm_backward_input_f32",
+        (16, 1),
+        BLOCK,
+        &[
+            Buf(di),
+            Buf(d),
+            Buf(x),
+            Buf(wb),
+            Buf(mean),
+            Buf(rstd),
+            U(r64),
+            U(c64),
+        ],
+    );
+    run.launch(
+        "layernorm_backward_param_partials_f32",
+        (chunks, (c as u32).div_ceil(BLOCK)),
+        BLOCK,
+        &[
+            Buf(pw),
+            Buf(pb),
+            Buf(d),
+            Buf(x),
+            Buf(mean),
+            Buf(rstd),
+            U(r64),
+            U(c64),
+            U(per),
+        ],
+    );
+    for (dst, p) in [(dw, pw), (db, pb)] {
+        run.launch(
+            "column_sum_finish_f32",
+            (1, 1),
+            BLOCK,
+            &[Buf(dst), Buf(p), U(chunks as u64), U(c64)],
+        );
+    }
+    // The bias-gradient column sum of dout through the generic pair.
+    let (cs_dst0, cs_p) = (
+        values(c, 23, 0.1),
+        run.buf(&vec![0f32; chunks as usize * c]),
+    );
+    let cs_dst = run.buf(&cs_dst0);
+    run.launch(
+        "column_sum_partials_f32",
+        (chunks, (c as u32).div_ceil(BLOCK)),
+        BLOCK,
+        &[Buf(cs_p), Buf(d), U(r64), U(c64), U(per)],
+    );
+    run.launch(
+        "column_sum_finish_f32",
+        (2, 1),
+        BLOCK,
+        &[Buf(cs_dst), Buf(cs_p), U(chunks as u64), U(c64)],
+    );
+    let got = run.finish(emu);
+    let (want_out, want_mean, want_rstd) = ref_layernorm(&inp, &w, &b, c);
+    let (m, r) = (f32s(&got[mean]), f32s(&got[rstd]));
+    assert_close("mean", &m, &want_mean, 1e-5, 1e-6);
+    assert_close("rstd", &r, &want_rstd, 1e-5, 1e-6);
+    assert_close("out", &f32s(&got[out]), &want_out, 1e-5, 1e-5);
+    let (want_di, want_dw, want_db) =
+        ref_layernorm_backward(&di0, &dw0, &db0, &dout, &inp, &w, &m, &r, c);
+    assert_close("dinp", &f32s(&got[di]), &want_di, 1e-4, 1e-5);
+    assert_close("dweight", &f32s(&got[dw]), &want_dw, 1e-5, 1e-4);
+    assert_close("dbias", &f32s(&got[db]), &want_db, 1e-5, 1e-4);
+    let want_cs: Vec<f64> = (0..c)
+        .map(|j| cs_dst0[j] as f64 + (0..rows).map(|i| dout[i * c + j] as f64).sum::<f64>())
+        .collect();
+    assert_close("column sum", &f32s(&got[cs_dst]), &want_cs, 1e-5, 1e-4);
+}
+
+#[test]
+fn emulated_gelu_and_residual_are_bitwise_equal_to_the_cpu_ops() {
+    let Some(emu) = emulator() else { return };
+    let mut x = golden_inputs();
+    x.extend(values(5000, 23, 12.0));
+    x.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1e-40,
+        -1e-40,
+        88.0,
+        -88.0,
+    ]);
+    let n = x.len();
+    let (dout, di0) = (values(n, 24, 1.0), values(n, 25, 0.5));
+    let mut run = Run::new("gelu");
+    let (xb, out, d, di, y) = (
+        run.buf(&x),
+        run.buf(&vec![0f32; n]),
+        run.buf(&dout),
+        run.buf(&di0),
+        run.buf(&di0),
+    );
+    use Arg::{Buf, U};
+    run.launch(
+        "gelu_forward_f32",
+        (3, 1),
+        BLOCK,
+        &[Buf(out), Buf(xb), U(n as u64)],
+    );
+    run.launch(
+        "gelu_backward_f32",
+        (5, 1),
+        BLOCK,
+        &[Buf(di), Buf(xb), Buf(d), U(n as u64)],
+    );
+    run.launch(
+        "residual_add_f32",
+        (1, 1),
+        BLOCK,
+        &[Buf(y), Buf(d), U(n as u64)],
+    );
+    let got = run.finish(emu);
+    let want: Vec<f32> = x.iter().map(|&v| ref_gelu(v)).collect();
+    assert_bitwise("gelu forward", &f32s(&got[out]), &want);
+    let want: Vec<f32> = (0..n)
+        .map(|i| ref_gelu_backward(di0[i], x[i], dout[i]))
+        .collect();
+    assert_bitwise("gelu backward", &f32s(&got[di]), &want);
+    let want: Vec<f32> = di0.iter().zip(&dout).map(|(a, b)| a + b).collect();
+    assert_bitwise("residual", &f32s(&got[y]), &want);
+}
+
+#[test]
+fn emulated_cross_entropy_matches_the_reference() {
+    let Some(emu) = emulator() else { return };
+    let (rows, v) = (6usize, 1000usize);
+    let logits = values(rows * v, 26, 8.0);
+    let mut targets: Vec<u32> = (0..rows).map(|r| ((r * 7919) % v) as u32).collect();
+    targets[rows - 1] = v as u32; // out of range: NaN, no out-of-bounds read
+    let dloss: Vec<f32> = (0..rows)
+        .map(|r| 1.0 / rows as f32 + r as f32 * 1e-3)
+        .collect();
+    let mut run = Run::new("cross_entropy");
+    let (l, g, lo, t, dl, l2) = (
+        run.buf(&vec![0f32; rows]),
+        run.buf(&vec![f32::NAN; rows * v]),
+        run.buf(&logits),
+        run.buf(&targets),
+        run.buf(&dloss),
+        run.buf(&vec![0f32; rows]),
+    );
+    use Arg::{Buf, U};
+    run.launch(
+        "cross_entropy_forward_backward_f32",
+        (4, 1),
+        BLOCK,
+        &[
+            Buf(l),
+            Buf(g),
+            Buf(lo),
+            Buf(t),
+            Buf(dl),
+            U(rows as u64),
+            U(v as u64),
+        ],
+    );
+    run.launch(
+        "cross_entropy_forward_f32",
+        (rows as u32, 1),
+        BLOCK,
+        &[Buf(l2), Buf(lo), Buf(t), U(rows as u64), U(v as u64)],
+    );
+    let got = run.finish(emu);
+    let valid = rows - 1;
+    let (want_l, want_g) =
+        ref_cross_entropy(&logits[..valid * v], &targets[..valid], &dloss[..valid], v);
+    let (losses, grads) = (f32s(&got[l]), f32s(&got[g]));
+    assert_close("loss", &losses[..valid], &want_l, 1e-5, 1e-5);
+    assert_close("dlogits", &grads[..valid * v], &want_g, 1e-4, 1e-7);
+    assert!(losses[valid].is_nan() && grads[valid * v..].iter().all(|x| x.is_nan()));
+    assert_bitwise("forward-only loss", &f32s(&got[l2]), &losses);
+}
+
+#[test]
+fn emulated_adamw_is_bitwise_equal_to_the_offload_reference() {
+    let Some(emu) = emulator() else { return };
+    let n = 3001;
+    let (p0, g32, m0) = (values(n, 27, 1.0), values(n, 28, 0.1), values(n, 29, 0.01));
+    let v0: Vec<f32> = values(n, 30, 0.01).iter().map(|v| v * v).collect();
+    let g16: Vec<u16> = g32.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+    let g16f: Vec<f32> = g16.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+    let s = AdamWStep::new(6e-4, 0.9, 0.95, 1e-8, 0.1, 3);
+    let scalars = [
+        s.decay,
+        s.one_minus_beta1,
+        s.beta2,
+        s.one_minus_beta2,
+        s.step_size,
+        s.bc2_sqrt,
+        s.eps,
+    ];
+    let mut run = Run::new("adamw");
+    let mut cases = Vec::new();
+    for (function, bf16_grad, copy) in [
+        ("adamw_f32", false, false),
+        ("adamw_bf16", true, false),
+        ("adamw_copy_bf16_f32", false, true),
+        ("adamw_copy_bf16_bf16", true, true),
+    ] {
+        let (p, m, v) = (run.buf(&p0), run.buf(&m0), run.buf(&v0));
+        let g = if bf16_grad {
+            run.buf(&g16)
+        } else {
+            run.buf(&g32)
+        };
+        let c = copy.then(|| run.buf(&vec![0u16; n]));
+        let mut args = vec![Arg::Buf(p), Arg::Buf(g), Arg::Buf(m), Arg::Buf(v)];
+        args.extend(c.map(Arg::Buf));
+        args.push(Arg::U(n as u64));
+        args.extend(scalars.iter().map(|&x| Arg::F(x)));
+        run.launch(function, (2, 1), BLOCK, &args);
+        cases.push((function, bf16_grad, p, m, v, c));
+    }
+    let got = run.finish(emu);
+    for (function, bf16_grad, p, m, v, c) in cases {
+        let (mut wp, mut wm, mut wv) = (p0.clone(), m0.clone(), v0.clone());
+        ref_adamw(
+            &s,
+            &mut wp,
+            if bf16_grad { &g16f } else { &g32 },
+            &mut wm,
+            &mut wv,
+        );
+        assert_bitwise(function, &f32s(&got[p]), &wp);
+        assert_bitwise(function, &f32s(&got[m]), &wm);
+        assert_bitwise(function, &f32s(&got[v]), &wv);
+        if let Some(c) = c {
+            let copy: Vec<u16> = bytemuck::pod_collect_to_vec(&got[c]);
+            let want: Vec<u16> = wp.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+            assert_eq!(copy, want, "{function} copy");
+        }
+    }
+}
+
+#[test]
+fn emulated_stochastic_rounding_is_bitwise_equal_to_amp() {
+    let Some(emu) = emulator() else { return };
+    let mut x = golden_inputs();
+    x.extend(values(4099, 31, 1e4));
+    x.extend([
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::INFINITY,
+        f32::MAX,
+        -f32::MAX,
+        1e-40,
+    ]);
+    let key = StochasticRoundingKey {
+        seed: 0xdead_beef_0123_4567,
+        step: 9,
+        tensor: 3,
+    };
+    let mut run = Run::new("stochastic_round");
+    let (src, dst) = (run.buf(&x), run.buf(&vec![0u16; x.len()]));
+    run.launch(
+        "stochastic_round_f32_bf16",
+        (3, 1),
+        BLOCK,
+        &[
+            Arg::Buf(src),
+            Arg::Buf(dst),
+            Arg::U(x.len() as u64),
+            Arg::U(key.seed),
+            Arg::U(key.step),
+            Arg::U(key.tensor as u64),
+        ],
+    );
+    let got: Vec<u16> = bytemuck::pod_collect_to_vec(&run.finish(emu)[dst]);
+    let want: Vec<u16> = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| ref_stochastic_round(v, ref_random_bits(key, i as u64)))
+        .collect();
+    assert_eq!(got, want);
+}

@@ -1,0 +1,56 @@
+// AdamW, one element per thread, exactly headroom-offload's reference.rs (torch.optim.AdamW,
+// non-amsgrad): f32 parameters and moments, f32 or bf16 gradients, optionally writing the
+// updated parameter as bf16 (round to nearest even) for the forward pass in the same sweep.
+//
+// Every step is an explicitly rounded intrinsic (sqrt and division correctly rounded) and the
+// module is compiled with --fmad=false, so the update is bitwise equal to the CPU reference.
+// The step constants (headroom_offload::StepScalars' fields) come from the host.
+// All launches: grid-stride, any grid.
+
+__device__ __forceinline__ float hr_adamw_update(float* __restrict__ param, float g,
+                                                 float* __restrict__ m, float* __restrict__ v,
+                                                 hr_u64 i, float decay, float one_minus_beta1,
+                                                 float beta2, float one_minus_beta2,
+                                                 float step_size, float bc2_sqrt, float eps) {
+    float p = __fmul_rn(param[i], decay);
+    float mi = __fadd_rn(m[i], __fmul_rn(one_minus_beta1, __fsub_rn(g, m[i])));
+    float vi = __fadd_rn(__fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(one_minus_beta2, g), g));
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+    float updated = __fsub_rn(p, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+    param[i] = updated;
+    m[i] = mi;
+    v[i] = vi;
+    return updated;
+}
+
+#define HR_ADAMW_KERNEL(NAME, G, GTY)                                                     \
+    extern "C" __global__ void NAME(float* __restrict__ param, const GTY* __restrict__ grad, \
+                                    float* __restrict__ m, float* __restrict__ v, hr_u64 n, \
+                                    float decay, float one_minus_beta1, float beta2,       \
+                                    float one_minus_beta2, float step_size, float bc2_sqrt, \
+                                    float eps) {                                            \
+        HR_GRID_STRIDE(i, n) {                                                              \
+            hr_adamw_update(param, hr_load_##G(grad, i), m, v, i, decay, one_minus_beta1,   \
+                            beta2, one_minus_beta2, step_size, bc2_sqrt, eps);              \
+        }                                                                                   \
+    }
+
+#define HR_ADAMW_COPY_KERNEL(NAME, G, GTY)                                                \
+    extern "C" __global__ void NAME(float* __restrict__ param, const GTY* __restrict__ grad, \
+                                    float* __restrict__ m, float* __restrict__ v,          \
+                                    hr_u16* __restrict__ copy, hr_u64 n, float decay,      \
+                                    float one_minus_beta1, float beta2,                    \
+                                    float one_minus_beta2, float step_size, float bc2_sqrt, \
+                                    float eps) {                                            \
+        HR_GRID_STRIDE(i, n) {                                                              \
+            float p = hr_adamw_update(param, hr_load_##G(grad, i), m, v, i, decay,          \
+                                      one_minus_beta1, beta2, one_minus_beta2, step_size,   \
+                                      bc2_sqrt, eps);                                       \
+            hr_store_bf16(copy, i, p);                                                      \
+        }                                                                                   \
+    }
+
+HR_ADAMW_KERNEL(adamw_f32, f32, float)
+HR_ADAMW_KERNEL(adamw_bf16, bf16, hr_u16)
+HR_ADAMW_COPY_KERNEL(adamw_copy_bf16_f32, f32, float)
+HR_ADAMW_COPY_KERNEL(adamw_copy_bf16_bf16, bf16, hr_u16)

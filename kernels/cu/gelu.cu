@@ -1,0 +1,50 @@
+// GELU with the tanh approximation (GPT-2's gelu_new) and the residual add, f32.
+//
+// The formulas are headroom-trainer's ops::gelu operation for operation, with the same
+// exp/tanh (hr_tanh_f32 ports its fast_math), every step an explicitly rounded intrinsic and
+// the module compiled with --fmad=false: results are bitwise equal to the CPU's.
+// All launches: grid-stride, any grid.
+
+#define HR_GELU_SQRT_2_OVER_PI 0.7978846f
+#define HR_GELU_K 0.044715f
+
+__device__ __forceinline__ float hr_gelu_inner(float x) {
+    // SQRT_2_OVER_PI * (x + K * x * x * x)
+    float cube = __fmul_rn(__fmul_rn(__fmul_rn(HR_GELU_K, x), x), x);
+    return __fmul_rn(HR_GELU_SQRT_2_OVER_PI, __fadd_rn(x, cube));
+}
+
+// out = 0.5·x·(1 + tanh(u)).
+extern "C" __global__ void gelu_forward_f32(float* __restrict__ out,
+                                            const float* __restrict__ inp, hr_u64 n) {
+    HR_GRID_STRIDE(i, n) {
+        float x = inp[i];
+        float t = hr_tanh_f32(hr_gelu_inner(x));
+        out[i] = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
+    }
+}
+
+// dinp += gelu'(inp) · dout (accumulates, like the CPU op).
+extern "C" __global__ void gelu_backward_f32(float* __restrict__ dinp,
+                                             const float* __restrict__ inp,
+                                             const float* __restrict__ dout, hr_u64 n) {
+    HR_GRID_STRIDE(i, n) {
+        float x = inp[i];
+        float t = hr_tanh_f32(hr_gelu_inner(x));
+        float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
+        // SQRT_2_OVER_PI * (1.0 + 3.0 * K * x * x)
+        float three_k = __fmul_rn(3.0f, HR_GELU_K);
+        float du = __fmul_rn(HR_GELU_SQRT_2_OVER_PI,
+                             __fadd_rn(1.0f, __fmul_rn(__fmul_rn(three_k, x), x)));
+        // (0.5 * (1 + t) + 0.5 * x * sech2 * du) * d
+        float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+        float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), sech2), du);
+        dinp[i] = __fadd_rn(dinp[i], __fmul_rn(__fadd_rn(left, right), dout[i]));
+    }
+}
+
+// y += x: the residual connection (forward), and equally a gradient accumulation (backward).
+extern "C" __global__ void residual_add_f32(float* __restrict__ y, const float* __restrict__ x,
+                                            hr_u64 n) {
+    HR_GRID_STRIDE(i, n) { y[i] = __fadd_rn(y[i], x[i]); }
+}
