@@ -315,23 +315,19 @@ fn options(run: &RunArgs) -> CliResult<TrainOptions> {
         ModelPreset::Tiny => TrainOptions::tiny_default(),
         _ => TrainOptions::small_default(),
     };
+    // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary.
     let vocab = match (&run.data, &o.data) {
-        (Some(_), _) => 50257,
         (None, DataSource::Synthetic(d)) => d.vocab as usize,
-        (None, DataSource::File(_)) => 50257,
+        _ => 50257,
     };
     if let Some(path) = &run.data {
         o.data = DataSource::File(path.clone());
-    } else if let DataSource::Synthetic(d) = &mut o.data {
-        d.vocab = vocab as u32;
     }
     o.model = model_config(run, vocab);
-    o.seq = run
-        .seq
-        .unwrap_or(o.model.max_seq.min(o.seq.max(o.model.max_seq)));
-    if run.model == ModelPreset::Tiny && run.seq.is_none() {
-        o.seq = 64;
-    }
+    o.seq = run.seq.unwrap_or(match run.model {
+        ModelPreset::Tiny => o.seq,
+        _ => o.model.max_seq,
+    });
     if let Some(b) = run.batch {
         o.batch = b;
     }
@@ -363,12 +359,6 @@ fn options(run: &RunArgs) -> CliResult<TrainOptions> {
     t.micro_batch = run.micro_batch;
     o.budget = run.budget_mib.map(|m| m << 20);
     Ok(o)
-}
-
-impl PartialEq for ModelPreset {
-    fn eq(&self, other: &Self) -> bool {
-        std::mem::discriminant(self) == std::mem::discriminant(other)
-    }
 }
 
 fn mib(b: u64) -> f64 {
