@@ -18,7 +18,7 @@ use headroom_tensor::MemoryCategory;
 use serde::Serialize;
 
 use crate::model::{params, GptConfig};
-use crate::train::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
+use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
 
 /// Block-size of 8-bit optimizer state (headroom-offload's).

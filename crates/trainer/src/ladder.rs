@@ -8,9 +8,8 @@ use headroom_tensor::{Device, MemoryCategory};
 
 use crate::estimate;
 use crate::model::Precision;
-use crate::train::{
-    train, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques, TrainOptions,
-};
+use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques};
+use crate::train::{train, TrainOptions};
 use crate::{Result, TrainError};
 
 /// One rung: a name and its techniques.

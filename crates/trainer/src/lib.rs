@@ -29,7 +29,7 @@
 //! ```
 //!
 //! ## Invariants
-//! - Every technique is a setting of one run ([`train::Techniques`]); each can be switched
+//! - Every technique is a setting of one run ([`techniques::Techniques`]); each can be switched
 //!   on alone, and none changes the gradients beyond its stated numerics: checkpoint schedules
 //!   and selective recomputation are bitwise, micro-batching and the fused loss differ by f32
 //!   summation order, bf16/fp16 by their rounding.
@@ -43,6 +43,7 @@ pub mod estimate;
 pub mod ladder;
 pub mod model;
 pub mod ops;
+pub mod techniques;
 pub mod train;
 
 pub use error::{Result, TrainError};

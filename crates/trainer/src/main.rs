@@ -15,9 +15,8 @@ use headroom_tensor::MemoryCategory;
 use headroom_trainer::estimate::estimate;
 use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs};
 use headroom_trainer::model::{GptConfig, Precision};
-use headroom_trainer::train::{
-    train, CheckpointChoice, DataSource, OptimizerChoice, OptimizerPlacement, StepLog, TrainOptions,
-};
+use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
+use headroom_trainer::train::{train, DataSource, StepLog, TrainOptions};
 
 type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
@@ -114,7 +113,7 @@ struct RunArgs {
     /// Checkpoint schedule: none, every-K (e.g. every-2), sqrt-n, selective, optimal.
     #[arg(long, default_value = "none")]
     checkpoint: String,
-    /// Compute the loss this many token rows at a time (fused head; no [B,T,V] logits).
+    /// Compute the loss this many token rows at a time (fused head; no `[B,T,V]` logits).
     #[arg(long)]
     loss_chunk: Option<usize>,
     /// Where the optimizer state lives.

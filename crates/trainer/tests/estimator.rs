@@ -6,10 +6,10 @@ use headroom_offload::StatePrecision;
 use headroom_tensor::{Device, MemoryCategory};
 use headroom_trainer::estimate::estimate;
 use headroom_trainer::model::{GptConfig, Precision};
-use headroom_trainer::train::{
-    train, CheckpointChoice, DataSource, OptimizerChoice, OptimizerPlacement, SyntheticData,
-    Techniques, TrainOptions,
+use headroom_trainer::techniques::{
+    CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
 };
+use headroom_trainer::train::{train, DataSource, SyntheticData, TrainOptions};
 
 fn base() -> TrainOptions {
     let data = SyntheticData {

@@ -9,9 +9,10 @@ use headroom_offload::StatePrecision;
 use headroom_tensor::{Cpu, Device, MemoryCategory};
 use headroom_trainer::estimate::estimate;
 use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
-use headroom_trainer::train::{
-    train, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques, TrainOptions,
+use headroom_trainer::techniques::{
+    CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
 };
+use headroom_trainer::train::{train, TrainOptions};
 use proptest::prelude::*;
 
 struct Run {
