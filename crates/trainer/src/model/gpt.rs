@@ -296,11 +296,23 @@ impl Gpt {
     /// Round f32 values in place to the storage precision (for transients whose rounded value
     /// is what a low-precision run would compute with).
     pub(crate) fn round_in_place(&self, x: &mut [f32]) {
-        let p = self.opts.precision;
-        if p.is_low() {
-            for v in x {
-                *v = p.round(*v);
-            }
+        use headroom_tensor::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
+        use rayon::prelude::*;
+        // The logits are 100M values on `small`: split over threads, and for bf16 use the
+        // tensor crate's branch-free rounding (the same bits as `half`), which vectorises.
+        const CHUNK: usize = 1 << 15;
+        match self.opts.precision {
+            Precision::Fp32 => {}
+            Precision::Bf16 => x.par_chunks_mut(CHUNK).for_each(|c| {
+                for v in c {
+                    *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
+                }
+            }),
+            p @ Precision::Fp16 => x.par_chunks_mut(CHUNK).for_each(|c| {
+                for v in c {
+                    *v = p.round(*v);
+                }
+            }),
         }
     }
 

@@ -57,3 +57,28 @@ impl Precision {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use headroom_tensor::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
+
+    /// The trainer rounds bf16 two ways (per value through `half`, in bulk through the tensor
+    /// crate's bit trick); both must give the same bits, NaN aside.
+    #[test]
+    fn bulk_and_scalar_bf16_rounding_agree() {
+        let mut s = 0x1234_5678u32;
+        for _ in 0..200_000 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            let x = f32::from_bits(s);
+            if x.is_nan() {
+                continue;
+            }
+            let a = Precision::Bf16.round(x);
+            let b = bf16_bits_to_f32(f32_to_bf16_bits(x));
+            assert_eq!(a.to_bits(), b.to_bits(), "{x:e}");
+        }
+    }
+}
