@@ -38,6 +38,8 @@
 //!   activation bytes are exactly the model's.
 
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 pub mod estimate;
 pub mod ladder;

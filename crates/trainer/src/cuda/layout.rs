@@ -147,9 +147,7 @@ pub(crate) fn run_copies(
     let (src_len, dst_len) = (src.size_in_bytes(), dst.size_in_bytes());
     for c in copies {
         // The driver needs pitches of at least the width (a single row has no pitch).
-        let in_bounds = c
-                .ends()
-                .is_some_and(|(s, d)| s <= src_len && d <= dst_len)
+        let in_bounds = c.ends().is_some_and(|(s, d)| s <= src_len && d <= dst_len)
             && (c.height <= 1 || (c.src_pitch >= c.width && c.dst_pitch >= c.width));
         if !in_bounds {
             return Err(Error::InvalidShape {
@@ -188,6 +186,22 @@ pub(crate) fn run_copies(
     let (src_ptr, _src_sync) = src_slice.device_ptr(stream);
     let (dst_ptr, _dst_sync) = dst_slice.device_ptr_mut(stream);
     for c in copies {
+        if c.height == 1 {
+            // A single row is a plain copy (no pitch limit on its width).
+            // SAFETY: as below; the row lies inside both allocations (checked above).
+            let code = unsafe {
+                sys::cuMemcpyDtoDAsync_v2(
+                    dst_ptr + c.dst_offset as u64,
+                    src_ptr + c.src_offset as u64,
+                    c.width,
+                    stream.cu_stream(),
+                )
+            };
+            if code != CUresult::CUDA_SUCCESS {
+                return Err(fail("cuMemcpyDtoDAsync", code));
+            }
+            continue;
+        }
         let params = sys::CUDA_MEMCPY2D {
             srcXInBytes: 0,
             srcY: 0,
@@ -195,14 +209,14 @@ pub(crate) fn run_copies(
             srcHost: std::ptr::null(),
             srcDevice: src_ptr + c.src_offset as u64,
             srcArray: std::ptr::null_mut(),
-            srcPitch: c.src_pitch.max(c.width),
+            srcPitch: c.src_pitch,
             dstXInBytes: 0,
             dstY: 0,
             dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
             dstHost: std::ptr::null_mut(),
             dstDevice: dst_ptr + c.dst_offset as u64,
             dstArray: std::ptr::null_mut(),
-            dstPitch: c.dst_pitch.max(c.width),
+            dstPitch: c.dst_pitch,
             WidthInBytes: c.width,
             Height: c.height,
         };

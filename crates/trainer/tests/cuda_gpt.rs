@@ -1,0 +1,314 @@
+//! The CUDA GPT against the CPU reference. Everything that needs a GPU is
+//! `#[ignore = "needs a CUDA device"]` (run with `--include-ignored` on a GPU machine, e.g. from
+//! `cargo xtask device-bundle`); the no-device error is checked everywhere.
+//!
+//! Tolerances (bf16): the CPU model computes in f32 on bf16-rounded weights and activations;
+//! the device differs by GEMM summation order (cuBLASLt), by rounding activation gradients to
+//! bf16 before the backward GEMMs, and by flash attention's bf16 P/dS and bf16 gradients. So
+//! the loss is compared to 1e-2 relative and each gradient tensor by its relative L2 error
+//! `‖g_cuda − g_cpu‖ / ‖g_cpu‖ ≤ 5e-2` (bf16's unit roundoff is 3.9e-3; a handful of roundings
+//! compound through two blocks). Checkpoint schedules, by contrast, are compared bit for bit.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use headroom_ckpt::Schedule;
+use headroom_cuda::Cuda;
+use headroom_profiler::MemoryTracker;
+use headroom_tensor::{Backend, Cpu, MemoryCategory, Tensor};
+use headroom_trainer::cuda::{CudaGpt, CudaGptError};
+use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
+use headroom_trainer::TrainError;
+
+/// Two heads of 64 (the smallest head dimension the CUDA flash kernels have).
+fn cfg() -> GptConfig {
+    GptConfig {
+        vocab: 96,
+        max_seq: 32,
+        layers: 3,
+        heads: 2,
+        channels: 128,
+    }
+}
+
+fn bf16() -> GptOptions {
+    GptOptions {
+        precision: Precision::Bf16,
+        ..Default::default()
+    }
+}
+
+const G: Geometry = Geometry { b: 2, t: 24 };
+
+fn batch(cfg: &GptConfig) -> (Vec<u32>, Vec<u32>) {
+    let n = G.rows();
+    let v = cfg.vocab as u32;
+    let tokens = (0..n as u32).map(|i| (i * 7 + 3) % v).collect();
+    let targets = (0..n as u32).map(|i| (i * 13 + 5) % v).collect();
+    (tokens, targets)
+}
+
+fn cuda() -> Cuda {
+    Cuda::new(0).expect("this test needs a CUDA device")
+}
+
+/// CPU loss and gradients (f32 host vectors) of `gpt` for the standard batch.
+fn cpu_step(gpt: &Gpt, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
+    let (tokens, targets) = batch(&gpt.cfg);
+    let mut grads =
+        params::alloc_like_params(gpt.backend(), &gpt.cfg, MemoryCategory::Gradients).unwrap();
+    let (loss, _) = gpt
+        .forward_backward(
+            &tokens,
+            &targets,
+            G,
+            &mut grads,
+            1.0 / G.rows() as f32,
+            schedule,
+        )
+        .unwrap();
+    let host = grads
+        .iter()
+        .map(|g| g.as_slice::<f32>().unwrap().to_vec())
+        .collect();
+    (loss, host)
+}
+
+/// CUDA loss and gradients for the standard batch.
+fn cuda_step(gpt: &CudaGpt, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
+    let (tokens, targets) = batch(&gpt.cfg);
+    let mut grads = gpt.alloc_grads().unwrap();
+    let (loss, _) = gpt
+        .forward_backward(
+            &tokens,
+            &targets,
+            G,
+            &mut grads,
+            1.0 / G.rows() as f32,
+            schedule,
+        )
+        .unwrap();
+    (loss, gpt.download_grads(&grads).unwrap())
+}
+
+fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|&b| (b as f64).powi(2)).sum();
+    (diff / norm.max(1e-30)).sqrt()
+}
+
+fn assert_matches_cpu(opts: GptOptions) {
+    let cfg = cfg();
+    let cpu_gpt = Gpt::new(&Cpu::new(), cfg, opts, 7).unwrap();
+    let cuda_gpt = CudaGpt::from_cpu(&cuda(), &cpu_gpt).unwrap();
+    let store_all = Schedule::store_all(cfg.layers).unwrap();
+    let (cpu_loss, cpu_grads) = cpu_step(&cpu_gpt, &store_all);
+    let (cuda_loss, cuda_grads) = cuda_step(&cuda_gpt, &store_all);
+    assert!(cuda_loss.is_finite());
+    assert!(
+        ((cuda_loss - cpu_loss) / cpu_loss).abs() < 1e-2,
+        "loss: cuda {cuda_loss} vs cpu {cpu_loss}"
+    );
+    let infos = params::param_infos(&cfg);
+    assert_eq!(cuda_grads.len(), infos.len());
+    for ((got, want), info) in cuda_grads.iter().zip(&cpu_grads).zip(&infos) {
+        assert_eq!(got.len(), want.len(), "{}", info.name);
+        assert!(
+            want.iter().any(|&x| x != 0.0),
+            "{}: the CPU gradient is all zeros",
+            info.name
+        );
+        let err = relative_l2(got, want);
+        assert!(err <= 5e-2, "{}: relative L2 error {err}", info.name);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn loss_and_every_gradient_match_the_cpu_in_bf16() {
+    assert_matches_cpu(bf16());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn chunked_head_and_selective_recomputation_match_the_cpu() {
+    // 48 rows in chunks of 10: the last chunk is short.
+    assert_matches_cpu(GptOptions {
+        loss_chunk: Some(10),
+        selective: true,
+        ..bf16()
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn checkpoint_schedules_give_bitwise_the_store_all_gradients() {
+    let cfg = cfg();
+    let masters = params::init_params(&Cpu::new(), &cfg, 3).unwrap();
+    let gpt = CudaGpt::new(&cuda(), cfg, bf16(), &masters).unwrap();
+    let (loss, grads) = cuda_step(&gpt, &Schedule::store_all(cfg.layers).unwrap());
+    for schedule in [
+        Schedule::every_k(cfg.layers, 2).unwrap(),
+        Schedule::sqrt_n(cfg.layers).unwrap(),
+    ] {
+        let (l, gr) = cuda_step(&gpt, &schedule);
+        assert_eq!(l.to_bits(), loss.to_bits());
+        for (a, b) in gr.iter().zip(&grads) {
+            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        }
+    }
+    // The selective policy recomputes inside blocks, bit for bit too.
+    let selective = CudaGpt::new(
+        &cuda(),
+        cfg,
+        GptOptions {
+            selective: true,
+            ..bf16()
+        },
+        &masters,
+    )
+    .unwrap();
+    let (l, gr) = cuda_step(&selective, &Schedule::every_k(cfg.layers, 2).unwrap());
+    assert_eq!(l.to_bits(), loss.to_bits());
+    assert_eq!(gr, grads);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gradients_reach_the_host_exactly() {
+    let cfg = cfg();
+    let cpu = Cpu::new();
+    let masters = params::init_params(&cpu, &cfg, 5).unwrap();
+    let gpt = CudaGpt::new(&cuda(), cfg, bf16(), &masters).unwrap();
+    let (tokens, targets) = batch(&cfg);
+    let mut grads = gpt.alloc_grads().unwrap();
+    let schedule = Schedule::store_all(cfg.layers).unwrap();
+    let step = |grads: &mut [headroom_cuda::CudaTensor]| {
+        gpt.forward_backward(&tokens, &targets, G, grads, 0.5, &schedule)
+            .unwrap()
+    };
+    step(&mut grads);
+    let once = gpt.download_grads(&grads).unwrap();
+    // forward_backward adds: a second pass doubles every gradient (to f32 rounding: kernels
+    // that sum rows into the existing value round in another order than into zero).
+    step(&mut grads);
+    let twice = gpt.download_grads(&grads).unwrap();
+    for (a, b) in once.iter().zip(&twice) {
+        let doubled: Vec<f32> = a.iter().map(|x| 2.0 * x).collect();
+        assert!(relative_l2(b, &doubled) < 1e-5);
+        assert!(a.iter().any(|&x| x != 0.0));
+    }
+    // Into host tensors: overwrite, then add.
+    let mut host = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+    gpt.download_grads_into(&grads, &mut host).unwrap();
+    gpt.add_grads_into(&grads, &mut host).unwrap();
+    for (h, t) in host.iter().zip(&twice) {
+        let h = h.as_slice::<f32>().unwrap();
+        assert!(h
+            .iter()
+            .zip(t)
+            .all(|(x, y)| x.to_bits() == (2.0 * y).to_bits()));
+    }
+    gpt.zero_grads(&mut grads).unwrap();
+    assert!(gpt
+        .download_grads(&grads)
+        .unwrap()
+        .iter()
+        .flatten()
+        .all(|&x| x == 0.0));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_alloc_hook_sees_every_activation_freed_after_backward() {
+    let tracker = Arc::new(MemoryTracker::new());
+    let cuda = cuda().with_alloc_hook(tracker.clone());
+    let cfg = cfg();
+    let masters = params::init_params(&Cpu::new(), &cfg, 1).unwrap();
+    let gpt = CudaGpt::new(&cuda, cfg, bf16(), &masters).unwrap();
+    let mut grads = gpt.alloc_grads().unwrap();
+    let (tokens, targets) = batch(&cfg);
+    let device = cuda.device();
+    tracker.reset_peak();
+    let before = tracker.snapshot().device(device).unwrap().clone();
+    assert_eq!(before.live[MemoryCategory::Activations], 0);
+    let (_, stats) = gpt
+        .forward_backward(
+            &tokens,
+            &targets,
+            G,
+            &mut grads,
+            1.0 / G.rows() as f32,
+            &Schedule::store_all(cfg.layers).unwrap(),
+        )
+        .unwrap();
+    cuda.synchronize().unwrap();
+    let after = tracker.snapshot().device(device).unwrap().clone();
+    // Activations existed (at least everything the executor kept) and are all gone.
+    assert!(after.peak[MemoryCategory::Activations] >= stats.peak_saved_bytes);
+    assert!(stats.peak_saved_bytes > 0);
+    assert_eq!(after.live[MemoryCategory::Activations], 0);
+    assert_eq!(after.live[MemoryCategory::Workspace], 0);
+    // Parameters and gradients are what they were: nothing leaked into them, nothing freed.
+    for cat in [MemoryCategory::Parameters, MemoryCategory::Gradients] {
+        assert_eq!(after.live[cat], before.live[cat], "{cat:?}");
+    }
+    let grad_bytes: usize = grads.iter().map(|g| g.size_in_bytes()).sum();
+    assert_eq!(after.live[MemoryCategory::Gradients], grad_bytes as u64);
+}
+
+#[test]
+fn a_missing_device_is_a_typed_error_not_a_panic() {
+    let cfg = cfg();
+    let masters = params::init_params(&Cpu::new(), &cfg, 0).unwrap();
+    // No machine has a ten-thousandth GPU: this fails the same way everywhere, GPU or not.
+    let err = match CudaGpt::on_device(10_000, cfg, bf16(), &masters) {
+        Err(e) => e,
+        Ok(_) => panic!("device 10000 exists?"),
+    };
+    assert!(err.is_no_device(), "{err}");
+    assert!(matches!(
+        err,
+        CudaGptError::Device(headroom_cuda::CudaError::NoDevice { .. })
+    ));
+    // Through the trainer's error, the chain of sources still says so.
+    let train: TrainError = err.into();
+    let mut chain = vec![train.to_string()];
+    let mut source = std::error::Error::source(&train);
+    while let Some(s) = source {
+        chain.push(s.to_string());
+        source = s.source();
+    }
+    assert!(
+        chain.iter().any(|m| m.contains("no CUDA device")),
+        "{chain:?}"
+    );
+    // On a machine without any GPU, device 0 is refused the same way.
+    if headroom_cuda::device_count() == 0 {
+        let err = match CudaGpt::on_device(0, cfg, bf16(), &masters) {
+            Err(e) => e,
+            Ok(_) => panic!("device_count() is 0 but device 0 opened"),
+        };
+        assert!(err.is_no_device(), "{err}");
+    }
+}
+
+#[test]
+fn configs_the_device_cannot_run_are_refused_before_it_is_touched() {
+    let cfg = cfg();
+    let masters = params::init_params(&Cpu::new(), &cfg, 0).unwrap();
+    // fp32 is refused before the device is probed, so the error is a config error everywhere.
+    let err = match CudaGpt::on_device(10_000, cfg, GptOptions::default(), &masters) {
+        Err(e) => e,
+        Ok(_) => panic!("fp32 accepted"),
+    };
+    assert!(
+        matches!(err, CudaGptError::Train(TrainError::Config(_))),
+        "{err}"
+    );
+    assert!(!err.is_no_device());
+}
