@@ -112,7 +112,7 @@ pub fn run_ladder(
         };
         let dev = report
             .memory
-            .device(Device::Cpu)
+            .device(o.device.tracked())
             .ok_or_else(|| TrainError::Input("the tracker saw no device allocation".into()))?;
         let host_peak = report
             .host_memory

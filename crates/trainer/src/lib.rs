@@ -40,6 +40,7 @@
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod engine;
 mod error;
 pub mod estimate;
 pub mod ladder;

@@ -12,6 +12,7 @@ use headroom_mmap_data::{
 use headroom_offload::StatePrecision;
 use headroom_profiler::{search_max_fit, OutOfBudget};
 use headroom_tensor::MemoryCategory;
+use headroom_trainer::engine::ComputeDevice;
 use headroom_trainer::estimate::estimate;
 use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs};
 use headroom_trainer::model::{GptConfig, Precision};
@@ -135,8 +136,8 @@ struct RunArgs {
     /// the synthetic source.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Where to run. Only the CPU trainer exists yet; cuda probes for a device and fails with
-    /// the typed error without one.
+    /// Where to run. cuda (built with the `cuda` feature): bf16 with flash attention only,
+    /// optimizer on the host; without a GPU it fails with the typed "no CUDA device" error.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
 }
@@ -292,28 +293,26 @@ fn parse_checkpoint(s: &str) -> CliResult<CheckpointChoice> {
     })
 }
 
-fn check_device(d: DeviceArg) -> CliResult {
+/// The compute device: the CPU, or CUDA device 0 after probing it (a machine without a GPU
+/// gets the typed "no CUDA device" error here, whatever the build).
+fn compute_device(d: DeviceArg) -> CliResult<ComputeDevice> {
     match d {
-        DeviceArg::Cpu => Ok(()),
+        DeviceArg::Cpu => Ok(ComputeDevice::Cpu),
         DeviceArg::Cuda => {
-            // Probe first: no GPU is the typed NoDevice error, with its reason.
             headroom_cuda::Cuda::new(0)?;
-            Err(
-                "the CUDA trainer path is not built yet: the device was found, but only \
-                 --device cpu can train (issue #11)"
-                    .into(),
-            )
+            Ok(ComputeDevice::Cuda { ordinal: 0 })
         }
     }
 }
 
 /// Options for a run from the shared arguments.
 fn options(run: &RunArgs) -> CliResult<TrainOptions> {
-    check_device(run.device)?;
+    let device = compute_device(run.device)?;
     let mut o = match run.model {
         ModelPreset::Tiny => TrainOptions::tiny_default(),
         _ => TrainOptions::small_default(),
     };
+    o.device = device;
     // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary.
     let vocab = match (&run.data, &o.data) {
         (None, DataSource::Synthetic(d)) => d.vocab as usize,
@@ -475,7 +474,7 @@ fn cmd_train(args: TrainArgs) -> CliResult {
 }
 
 fn cmd_ladder(a: LadderArgs) -> CliResult {
-    check_device(a.device)?;
+    let device = compute_device(a.device)?;
     let mut base = match a.model {
         ModelPreset::Tiny => TrainOptions::tiny_default(),
         ModelPreset::Small => TrainOptions::small_default(),
@@ -485,6 +484,7 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
             o
         }
     };
+    base.device = device;
     base.batch = a.batch;
     base.seq = a.seq.unwrap_or(base.model.max_seq);
     base.steps = a.steps.max(2);

@@ -24,9 +24,10 @@ use headroom_mmap_data::{
 use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StoreSpec};
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
 use headroom_tensor::cpu::kernels::FloatSlice;
-use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, Device, MemoryCategory};
+use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, MemoryCategory};
 
 use crate::checkpoint::{self, TrainingState};
+use crate::engine::{ComputeDevice, Engine};
 use crate::estimate;
 use crate::model::{params, Geometry, Gpt, GptConfig, GptOptions};
 use crate::techniques::{
@@ -83,6 +84,8 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Memory techniques.
     pub techniques: Techniques,
+    /// Where the model computes.
+    pub device: ComputeDevice,
     /// Optional device memory budget in bytes (simulates a smaller device).
     pub budget: Option<u64>,
     /// Where to write checkpoints, and after how many steps (0: never).
@@ -121,6 +124,7 @@ impl TrainOptions {
                 optimizer: OptimizerChoice::resident(),
                 micro_batch: None,
             },
+            device: ComputeDevice::Cpu,
             budget: None,
             save: None,
             resume_from: None,
@@ -276,6 +280,41 @@ fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
     }
 }
 
+/// The CUDA model over host masters, its allocations reported to `tracker`.
+#[cfg(feature = "cuda")]
+fn cuda_engine(
+    ordinal: usize,
+    tracker: &Arc<MemoryTracker>,
+    cfg: GptConfig,
+    opts: GptOptions,
+    masters: Vec<CpuTensor>,
+) -> Result<Engine> {
+    let cuda = headroom_cuda::Cuda::new(ordinal)
+        .map_err(|e| TrainError::from(crate::cuda::CudaGptError::Device(e)))?
+        .with_alloc_hook(tracker.clone());
+    let model = crate::cuda::CudaGpt::new(&cuda, cfg, opts, &masters)?;
+    let grads = model.alloc_grads()?;
+    Ok(Engine::Cuda {
+        model,
+        masters,
+        grads,
+    })
+}
+
+/// Without the `cuda` feature a CUDA run is a typed configuration error.
+#[cfg(not(feature = "cuda"))]
+fn cuda_engine(
+    ordinal: usize,
+    _: &Arc<MemoryTracker>,
+    _: GptConfig,
+    _: GptOptions,
+    _: Vec<CpuTensor>,
+) -> Result<Engine> {
+    Err(TrainError::Config(format!(
+        "cuda:{ordinal} requested, but headroom-trainer was built without its `cuda` feature"
+    )))
+}
+
 /// Train from scratch (or resume), calling `on_step` after every step.
 pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<TrainReport> {
     if opts.steps == 0 || opts.batch == 0 || opts.seq == 0 {
@@ -293,7 +332,8 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     let micro = opts.micro_batch()?;
     let precision = tech.model.precision;
     let tracker = Arc::new(MemoryTracker::new());
-    tracker.set_budget(Device::Cpu, opts.budget);
+    let dev = opts.device.tracked();
+    tracker.set_budget(dev, opts.budget);
     // Every step allocates the same shapes: reuse freed buffers rather than fault in fresh
     // pages each step (the tracker still sees every tensor allocated and freed).
     let cpu = Cpu::new()
@@ -326,22 +366,24 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         }
         None => None,
     };
+    // Batch buffers are host memory: the device's ledger when the device is the CPU.
+    let data_hook = match opts.device {
+        ComputeDevice::Cpu => cpu.alloc_hook().cloned(),
+        ComputeDevice::Cuda { .. } => host.alloc_hook().cloned(),
+    };
     let mut loader = {
         let _g = MemoryCategory::Data.enter();
         match &resume {
-            Some(ck) => Loader::resume(
-                dataset,
-                &ck.state.loader,
-                loader_cfg,
-                cpu.alloc_hook().cloned(),
-            )?,
-            None => Loader::new(dataset, sampler, loader_cfg, cpu.alloc_hook().cloned())?,
+            Some(ck) => Loader::resume(dataset, &ck.state.loader, loader_cfg, data_hook)?,
+            None => Loader::new(dataset, sampler, loader_cfg, data_hook)?,
         }
     };
 
     // fp32 masters: on the host when offloading a low-precision run (the device keeps only the
     // working copy); otherwise they are the device's weights.
-    let masters_on = if precision.is_low() && tech.optimizer.is_offloaded() {
+    // On CUDA the masters, gradients' accumulation and optimizer live on the host.
+    let on_host = matches!(opts.device, ComputeDevice::Cuda { .. });
+    let masters_on = if on_host || (precision.is_low() && tech.optimizer.is_offloaded()) {
         &host
     } else {
         &cpu
@@ -362,13 +404,21 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     if tech.checkpoint == CheckpointChoice::Selective {
         model_opts.selective = true;
     }
-    let mut gpt = Gpt::from_masters(&cpu, opts.model, model_opts, masters)?;
+    let mut engine = match opts.device {
+        ComputeDevice::Cpu => {
+            Engine::Cpu(Gpt::from_masters(&cpu, opts.model, model_opts, masters)?)
+        }
+        ComputeDevice::Cuda { ordinal } => {
+            cuda_engine(ordinal, &tracker, opts.model, model_opts, masters)?
+        }
+    };
 
     let shapes: Vec<Vec<usize>> = params::param_infos(&opts.model)
         .into_iter()
         .map(|i| i.shape)
         .collect();
-    let mut acc = GradAccumulator::new(cpu.clone(), shapes.iter().cloned())?;
+    let acc_backend = if on_host { host.clone() } else { cpu.clone() };
+    let mut acc = GradAccumulator::new(acc_backend, shapes.iter().cloned())?;
     // GPT-2 practice: decay matrices and embeddings, not biases or norm gains.
     let specs: Vec<ParamSpec> = shapes
         .iter()
@@ -391,7 +441,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             ..Default::default()
         },
     ];
-    let state_backend = if tech.optimizer.is_offloaded() {
+    let state_backend = if on_host || tech.optimizer.is_offloaded() {
         &host
     } else {
         &cpu
@@ -477,7 +527,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                         loss_sum: 0.0,
                     },
                     |_, grads, weight| -> Result<()> {
-                        let (l, s) = gpt.forward_backward(
+                        let (l, s) = engine.micro_batch(
                             tok,
                             tgt,
                             mg,
@@ -515,7 +565,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         if applied {
             let _phase = tracker.phase("optimizer");
             let grads = acc.gradients();
-            for (i, (p, gr)) in gpt.masters_mut().iter_mut().zip(grads).enumerate() {
+            for (i, (p, gr)) in engine.masters_mut().iter_mut().zip(grads).enumerate() {
                 opt.step(
                     i,
                     p.as_mut_slice::<f32>()?,
@@ -523,7 +573,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                     None,
                 )?;
             }
-            gpt.refresh_working()?;
+            engine.refresh()?;
         }
         let seconds = t0.elapsed().as_secs_f64();
         let log = StepLog {
@@ -536,8 +586,8 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             block_forwards,
             seconds,
             tokens_per_s: tokens_per_step as f64 / seconds,
-            live_bytes: tracker.live_bytes(Device::Cpu),
-            peak_bytes: tracker.peak_bytes(Device::Cpu),
+            live_bytes: tracker.live_bytes(dev),
+            peak_bytes: tracker.peak_bytes(dev),
         };
         on_step(&log);
         logs.push(log);
@@ -547,7 +597,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                 let mut state =
                     TrainingState::new(step + 1, opts.model, opt.state(), loader.state());
                 state.scaler = scaler.as_ref().map(|s| *s.state());
-                checkpoint::save(dir, &state, gpt.masters(), opt.moments())?;
+                checkpoint::save(dir, &state, engine.masters(), opt.moments())?;
             }
         }
     }
