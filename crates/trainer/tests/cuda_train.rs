@@ -4,7 +4,6 @@
 use headroom_attn::AttentionConfig;
 use headroom_trainer::engine::ComputeDevice;
 use headroom_trainer::model::{GptConfig, Precision};
-use headroom_trainer::techniques::CheckpointChoice;
 use headroom_trainer::train::{train, DataSource, SyntheticData, TrainOptions};
 
 /// bf16 + flash with 64-wide heads: what the CUDA path runs.
@@ -62,6 +61,7 @@ fn a_cuda_run_without_a_gpu_is_a_typed_error() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_training_tracks_the_cpu_run_and_reports_device_memory() {
+    use headroom_trainer::techniques::CheckpointChoice;
     let cpu = train(&cuda_ready(30), |_| {}).unwrap();
     let mut o = cuda_ready(30);
     o.device = ComputeDevice::Cuda { ordinal: 0 };
