@@ -4,7 +4,7 @@ use crate::error::Result;
 use crate::workspace::{cargo, run_step, Workspace};
 
 /// The steps, as cargo argument lists. The last one is the README's test command.
-pub const STEPS: [&[&str]; 3] = [
+pub const STEPS: [&[&str]; 4] = [
     &["fmt", "--all", "--", "--check"],
     &[
         "clippy",
@@ -15,6 +15,8 @@ pub const STEPS: [&[&str]; 3] = [
         "-D",
         "warnings",
     ],
+    // Run with RUSTDOCFLAGS=-D warnings (see `run`): broken intra-doc links are errors.
+    &["doc", "--workspace", "--no-deps", "--all-features"],
     &["test", "--workspace", "--all-features"],
 ];
 
@@ -22,7 +24,13 @@ pub const STEPS: [&[&str]; 3] = [
 pub fn run(ws: &Workspace) -> Result<()> {
     for (i, args) in STEPS.iter().enumerate() {
         println!("[ci {}/{}]", i + 1, STEPS.len());
-        run_step(cargo().args(*args).current_dir(&ws.root))?;
+        let mut cmd = cargo();
+        cmd.args(*args).current_dir(&ws.root);
+        if args.first() == Some(&"doc") {
+            // Only for this step: in `cargo test` the same flags would also apply to doctests.
+            cmd.env("RUSTDOCFLAGS", "-D warnings");
+        }
+        run_step(&mut cmd)?;
     }
     println!("ci: all {} steps passed", STEPS.len());
     Ok(())

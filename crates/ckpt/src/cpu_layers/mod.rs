@@ -1,11 +1,11 @@
-//! Reference layers on the [`Cpu`](headroom_tensor::Cpu) backend, with deterministic kernels:
+//! Reference layers on the [`Cpu`] backend, with deterministic kernels:
 //! a dense layer with GELU ([`Dense`]) and a transformer-style MLP block ([`MlpBlock`]). They
 //! are what the property tests and benchmarks run, and a model for writing real layers.
 //!
 //! Parameters and their gradients live in plain host vectors (they are not activations and
 //! are not reported to the allocation hook); saved intermediates and outputs are backend
 //! tensors, allocated in the caller's memory category; temporaries are tagged
-//! [`MemoryCategory::Workspace`](headroom_tensor::MemoryCategory::Workspace).
+//! [`MemoryCategory::Workspace`].
 
 mod dense;
 pub mod kernels;
