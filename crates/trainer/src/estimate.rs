@@ -109,8 +109,22 @@ pub fn estimate(
     } else {
         device[MemoryCategory::Parameters] = p * 4;
     }
-    // Gradients: the accumulator's f32 buffers.
-    device[MemoryCategory::Gradients] = p * 4;
+    // Gradients: the accumulator's f32 buffers — on the host when offloading, where the
+    // device holds one part's gradients at a time: the head's (wte and ln_f), the embedding's
+    // (wte and wpe) or one block's.
+    if offload {
+        host[MemoryCategory::Gradients] = p * 4;
+        let numel = |i: usize| u(infos[i].shape.iter().product());
+        let lf = params::ln_f_index(cfg);
+        let head = numel(params::WTE) + numel(lf) + numel(lf + 1);
+        let embed = numel(params::WTE) + numel(params::WPE);
+        let block: u64 = (0..params::PER_LAYER)
+            .map(|o| numel(params::layer_index(0, o)))
+            .sum();
+        device[MemoryCategory::Gradients] = 4 * head.max(embed).max(block);
+    } else {
+        device[MemoryCategory::Gradients] = p * 4;
+    }
     // Optimizer state: two moments per parameter, f32 or u8 with an f32 scale per block of
     // each tensor.
     let state: u64 = match tech.optimizer.state {

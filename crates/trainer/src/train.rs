@@ -404,6 +404,10 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     if tech.checkpoint == CheckpointChoice::Selective {
         model_opts.selective = true;
     }
+    // Offloading the optimizer offloads the gradients too: they reach the host part by part
+    // as backward produces them, and the accumulator (and clipping) work there.
+    let grads_on_host = on_host || tech.optimizer.is_offloaded();
+    model_opts.offload_grads = tech.optimizer.is_offloaded() && !on_host;
     let mut engine = match opts.device {
         ComputeDevice::Cpu => {
             Engine::Cpu(Gpt::from_masters(&cpu, opts.model, model_opts, masters)?)
@@ -417,7 +421,11 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         .into_iter()
         .map(|i| i.shape)
         .collect();
-    let acc_backend = if on_host { host.clone() } else { cpu.clone() };
+    let acc_backend = if grads_on_host {
+        host.clone()
+    } else {
+        cpu.clone()
+    };
     let mut acc = GradAccumulator::new(acc_backend, shapes.iter().cloned())?;
     // GPT-2 practice: decay matrices and embeddings, not biases or norm gains.
     let specs: Vec<ParamSpec> = shapes

@@ -225,11 +225,21 @@ fn offload_moves_state_and_masters_off_the_device() {
     // Resident bf16: 4 (master) + 2 (working) + 4 (grad) + 8 (moments) bytes per parameter.
     assert_eq!(dev(&resident)[MemoryCategory::Parameters], 6 * p);
     assert_eq!(dev(&resident)[MemoryCategory::OptimizerState], 8 * p);
-    // Offloaded: the device keeps the bf16 working copy and the f32 gradients.
+    // Offloaded: the device keeps the bf16 working copy and one part's f32 gradients at a
+    // time — the embedding's (wte, wpe), the head's (wte, ln_f) or a block's, whichever is
+    // largest (here a block's: 12C² + 13C); masters, gradients and moments are on the host.
+    let c = TrainOptions::tiny_default().model;
+    let embed = (c.vocab + c.max_seq) * c.channels;
+    let head = c.vocab * c.channels + 2 * c.channels;
+    let block = 12 * c.channels * c.channels + 13 * c.channels;
+    let largest = embed.max(head).max(block);
+    assert_eq!(largest, block);
     assert_eq!(dev(&off)[MemoryCategory::Parameters], 2 * p);
     assert_eq!(dev(&off)[MemoryCategory::OptimizerState], 0);
-    assert_eq!(dev(&off)[MemoryCategory::Gradients], 4 * p);
+    assert_eq!(dev(&off)[MemoryCategory::Gradients], 4 * largest as u64);
+    assert!(dev(&off)[MemoryCategory::Gradients] < dev(&resident)[MemoryCategory::Gradients]);
     assert_eq!(host[MemoryCategory::Parameters], 4 * p);
+    assert_eq!(host[MemoryCategory::Gradients], 4 * p);
     assert_eq!(host[MemoryCategory::OptimizerState], 8 * p);
 }
 

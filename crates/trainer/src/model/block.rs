@@ -62,9 +62,11 @@ impl Layer<Cpu> for Block<'_> {
         saved: BlockSaved,
         grad_output: &CpuTensor,
     ) -> headroom_tensor::Result<CpuTensor> {
-        self.gpt
-            .block_backward(self.index, input, saved, grad_output, self.grads, self.g)
-            .map_err(into_tensor_error)
+        let (gpt, l, g) = (self.gpt, self.index, self.g);
+        gpt.with_staged_grads(self.grads, |grads| {
+            gpt.block_backward(l, input, saved, grad_output, grads, g)
+        })
+        .map_err(into_tensor_error)
     }
 }
 

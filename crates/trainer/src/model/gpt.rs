@@ -33,6 +33,11 @@ pub struct GptOptions {
     /// Fused head: compute logits, loss and their gradient this many token rows at a time, so
     /// the `[B, T, V]` logits never exist whole. `None` materialises them (llm.c's way).
     pub loss_chunk: Option<usize>,
+    /// Gradient offload: the caller's gradient buffers live off the device, so each block's
+    /// (and the head's, and the embedding's) gradients are computed into device buffers of
+    /// that part alone and added into the caller's as soon as its backward finishes — the
+    /// device never holds more than one part's gradients (ZeRO-Offload's order).
+    pub offload_grads: bool,
 }
 
 impl Default for GptOptions {
@@ -42,6 +47,7 @@ impl Default for GptOptions {
             precision: Precision::Fp32,
             selective: false,
             loss_chunk: None,
+            offload_grads: false,
         }
     }
 }
@@ -316,6 +322,30 @@ impl Gpt {
         }
     }
 
+    /// Run `f` on gradient buffers for `dst`: `dst` itself, or — under
+    /// [`GptOptions::offload_grads`] — zeroed device buffers of the same shapes (category
+    /// `Gradients`) whose contents are added into `dst` once `f` returns, then freed.
+    pub(crate) fn with_staged_grads<R>(
+        &self,
+        dst: &mut [CpuTensor],
+        f: impl FnOnce(&mut [CpuTensor]) -> Result<R>,
+    ) -> Result<R> {
+        if !self.opts.offload_grads {
+            return f(dst);
+        }
+        let mut staged = {
+            let _g = MemoryCategory::Gradients.enter();
+            dst.iter()
+                .map(|t| Ok(self.cpu.zeros(t.shape().clone(), DType::F32)?))
+                .collect::<Result<Vec<CpuTensor>>>()?
+        };
+        let out = f(&mut staged)?;
+        for (d, s) in dst.iter_mut().zip(&staged) {
+            self.cpu.axpy(1.0, s, d)?;
+        }
+        Ok(out)
+    }
+
     /// Check tokens and targets: `[B, T]` ids below the vocab, `T ≤ max_seq`.
     pub fn check_batch(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
         let n = g.rows();
@@ -524,8 +554,6 @@ impl Gpt {
         }
         let (emb, rest) = grads.split_at_mut(2);
         let (blocks, lnf) = rest.split_at_mut(nl * PER_LAYER);
-        let (dwte, dwpe) = emb.split_at_mut(1);
-        let (dlnf_w, dlnf_b) = lnf.split_at_mut(1);
         let x = {
             let _g = MemoryCategory::Activations.enter();
             self.embed(tokens, g)?
@@ -543,19 +571,27 @@ impl Gpt {
         let mut chain = Chain::new(layers);
         let mut loss = 0.0f32;
         let out = chain.step(&self.cpu, schedule, &x, |y| {
-            let grads = HeadGrads {
-                wte: &mut dwte[0],
-                lnf_w: &mut dlnf_w[0],
-                lnf_b: &mut dlnf_b[0],
-            };
             let (l, d) = self
-                .head(y, targets, g, dloss_per_token, grads)
+                .with_staged_grads(&mut emb[..1], |wte| {
+                    self.with_staged_grads(lnf, |lnf| {
+                        let (w, b) = lnf.split_at_mut(1);
+                        let grads = HeadGrads {
+                            wte: &mut wte[0],
+                            lnf_w: &mut w[0],
+                            lnf_b: &mut b[0],
+                        };
+                        self.head(y, targets, g, dloss_per_token, grads)
+                    })
+                })
                 .map_err(into_tensor_error)?;
             loss = l;
             Ok(d)
         })?;
         drop(x);
-        self.embed_backward(&out.input_grad, tokens, &mut dwte[0], &mut dwpe[0], g)?;
+        self.with_staged_grads(emb, |emb| {
+            let (wte, wpe) = emb.split_at_mut(1);
+            self.embed_backward(&out.input_grad, tokens, &mut wte[0], &mut wpe[0], g)
+        })?;
         Ok((loss, out.stats))
     }
 }
