@@ -8,8 +8,8 @@
 //! kernels or flash attention), forward-with-save and forward-with-discard produce the same
 //! bits, which is what makes checkpointed gradients equal stored ones.
 
-use headroom_attn::{AttentionBackend, AttentionForward};
-use headroom_ckpt::{Layer, SavedState};
+use headroom_attn::AttentionBackend;
+use headroom_ckpt::Layer;
 use headroom_cuda::{Cuda, CudaTensor};
 use headroom_tensor::{Backend, MemoryCategory, Tensor};
 
@@ -22,66 +22,10 @@ use crate::model::Geometry;
 /// Bytes of a bf16 element (the permutes move bf16 tensors).
 const BF16_BYTES: usize = 2;
 
-/// What one block keeps for its backward on the device, besides its input (the chain keeps
-/// that when the schedule says so): the CPU's [`crate::model::BlockSaved`] in bf16, with the
-/// statistics and flash's logsumexp in f32. Notation: B batch, T sequence, C channels, NH
-/// heads, hs = C/NH.
-pub struct CudaBlockSaved {
-    /// `[B, T, C]` bf16 first layer norm (`None` under selective recomputation).
-    pub ln1: Option<CudaTensor>,
-    /// `[B, T]` f32 its mean.
-    pub ln1_mean: CudaTensor,
-    /// `[B, T]` f32 its reciprocal standard deviation.
-    pub ln1_rstd: CudaTensor,
-    /// `[B, NH, T, hs]` bf16 queries (split from `ln1·Wqkvᵀ + b`).
-    pub q: CudaTensor,
-    /// `[B, NH, T, hs]` bf16 keys.
-    pub k: CudaTensor,
-    /// `[B, NH, T, hs]` bf16 values.
-    pub v: CudaTensor,
-    /// Flash attention's output `[B, NH, T, hs]` bf16 and logsumexp `[B, NH, T]` f32. The
-    /// heads-merged `[B, T, C]` copy the projection reads is rebuilt in backward.
-    pub attn: AttentionForward<CudaTensor>,
-    /// `[B, T, C]` bf16 residual after attention.
-    pub res2: CudaTensor,
-    /// `[B, T, C]` bf16 second layer norm (`None` under selective recomputation).
-    pub ln2: Option<CudaTensor>,
-    /// `[B, T]` f32.
-    pub ln2_mean: CudaTensor,
-    /// `[B, T]` f32.
-    pub ln2_rstd: CudaTensor,
-    /// `[B, T, 4C]` bf16 MLP pre-activation.
-    pub fch: CudaTensor,
-    /// `[B, T, 4C]` bf16 after GELU (`None` under selective recomputation).
-    pub fch_gelu: Option<CudaTensor>,
-}
-
-impl SavedState for CudaBlockSaved {
-    fn size_in_bytes(&self) -> usize {
-        let opt = |t: &Option<CudaTensor>| t.as_ref().map_or(0, |t| t.size_in_bytes());
-        let a = &self.attn;
-        [
-            &self.ln1_mean,
-            &self.ln1_rstd,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.res2,
-            &self.ln2_mean,
-            &self.ln2_rstd,
-            &self.fch,
-            &a.output,
-            &a.logsumexp,
-        ]
-        .iter()
-        .map(|t| t.size_in_bytes())
-        .sum::<usize>()
-            + opt(&self.ln1)
-            + opt(&self.ln2)
-            + opt(&self.fch_gelu)
-            + opt(&a.probs)
-    }
-}
+/// What a block keeps on the device for its backward: the CPU block's set field for field
+/// (`q`, `k`, `v`, attention output and the kept activations in bf16; layer-norm statistics
+/// and the logsumexp in f32), each with the shape written on [`crate::model::BlockSaved`].
+pub type CudaBlockSaved = crate::model::BlockSaved<CudaTensor>;
 
 /// Block `index` of a device model, with its 12 device gradient tensors, for one geometry.
 pub struct CudaBlock<'m> {

@@ -335,34 +335,7 @@ impl CudaGpt {
     /// Check tokens and targets: `[B, T]` ids below the vocab, `T ≤ max_seq` (the CPU
     /// model's checks and messages).
     pub fn check_batch(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> CudaGptResult<()> {
-        let n = g.rows();
-        if g.b == 0 || g.t == 0 || g.t > self.cfg.max_seq {
-            return Err(TrainError::Input(format!(
-                "batch {}×{}: need at least one sequence of 1..={} tokens",
-                g.b, g.t, self.cfg.max_seq
-            ))
-            .into());
-        }
-        if tokens.len() != n || targets.len() != n {
-            return Err(TrainError::Input(format!(
-                "{} tokens and {} targets for a {}×{} batch",
-                tokens.len(),
-                targets.len(),
-                g.b,
-                g.t
-            ))
-            .into());
-        }
-        if let Some(bad) = tokens
-            .iter()
-            .chain(targets)
-            .find(|&&t| t as usize >= self.cfg.vocab)
-        {
-            return Err(
-                TrainError::Input(format!("token id {bad} ≥ vocab {}", self.cfg.vocab)).into(),
-            );
-        }
-        Ok(())
+        Ok(crate::model::check_batch(&self.cfg, tokens, targets, g)?)
     }
 
     /// The bf16 working copy of GEMM weight `i`.

@@ -54,41 +54,42 @@ impl Default for GptOptions {
 
 /// What one block keeps for its backward, besides its input (which the chain executor keeps
 /// when the schedule says so). Low-precision modes keep these in bf16/f16, except the f32
-/// statistics and log-sum-exp.
-pub struct BlockSaved {
+/// statistics and log-sum-exp. Generic over the tensor type: the CUDA model keeps the same set
+/// on the device (`crate::cuda::CudaBlockSaved`).
+pub struct BlockSaved<T = CpuTensor> {
     /// `[B, T, C]` first layer norm (`None` under selective recomputation).
-    pub ln1: Option<CpuTensor>,
+    pub ln1: Option<T>,
     /// `[B, T]` f32 its mean.
-    pub ln1_mean: CpuTensor,
+    pub ln1_mean: T,
     /// `[B, T]` f32 its reciprocal standard deviation.
-    pub ln1_rstd: CpuTensor,
+    pub ln1_rstd: T,
     /// `[B, NH, T, hs]` queries (split from `ln1·Wqkvᵀ`).
-    pub q: CpuTensor,
+    pub q: T,
     /// `[B, NH, T, hs]` keys.
-    pub k: CpuTensor,
+    pub k: T,
     /// `[B, NH, T, hs]` values.
-    pub v: CpuTensor,
+    pub v: T,
     /// Attention output `[B, NH, T, hs]`, its logsumexp `[B, NH, T]` f32, and for naive
     /// attention the probabilities `[B, NH, T, T]` f32. The heads-merged `[B, T, C]` copy the
     /// projection reads is rebuilt in backward rather than kept twice.
-    pub attn: AttentionForward<CpuTensor>,
+    pub attn: AttentionForward<T>,
     /// `[B, T, C]` residual after attention.
-    pub res2: CpuTensor,
+    pub res2: T,
     /// `[B, T, C]` second layer norm (`None` under selective recomputation).
-    pub ln2: Option<CpuTensor>,
+    pub ln2: Option<T>,
     /// `[B, T]` f32.
-    pub ln2_mean: CpuTensor,
+    pub ln2_mean: T,
     /// `[B, T]` f32.
-    pub ln2_rstd: CpuTensor,
+    pub ln2_rstd: T,
     /// `[B, T, 4C]` MLP pre-activation.
-    pub fch: CpuTensor,
+    pub fch: T,
     /// `[B, T, 4C]` after GELU (`None` under selective recomputation).
-    pub fch_gelu: Option<CpuTensor>,
+    pub fch_gelu: Option<T>,
 }
 
-impl headroom_ckpt::SavedState for BlockSaved {
+impl<T: Tensor> headroom_ckpt::SavedState for BlockSaved<T> {
     fn size_in_bytes(&self) -> usize {
-        let opt = |t: &Option<CpuTensor>| t.as_ref().map_or(0, |t| t.size_in_bytes());
+        let opt = |t: &Option<T>| t.as_ref().map_or(0, |t| t.size_in_bytes());
         let a = &self.attn;
         [
             &self.ln1_mean,
@@ -348,33 +349,7 @@ impl Gpt {
 
     /// Check tokens and targets: `[B, T]` ids below the vocab, `T ≤ max_seq`.
     pub fn check_batch(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
-        let n = g.rows();
-        if g.b == 0 || g.t == 0 || g.t > self.cfg.max_seq {
-            return Err(TrainError::Input(format!(
-                "batch {}×{}: need at least one sequence of 1..={} tokens",
-                g.b, g.t, self.cfg.max_seq
-            )));
-        }
-        if tokens.len() != n || targets.len() != n {
-            return Err(TrainError::Input(format!(
-                "{} tokens and {} targets for a {}×{} batch",
-                tokens.len(),
-                targets.len(),
-                g.b,
-                g.t
-            )));
-        }
-        if let Some(bad) = tokens
-            .iter()
-            .chain(targets)
-            .find(|&&t| t as usize >= self.cfg.vocab)
-        {
-            return Err(TrainError::Input(format!(
-                "token id {bad} ≥ vocab {}",
-                self.cfg.vocab
-            )));
-        }
-        Ok(())
+        check_batch(&self.cfg, tokens, targets, g)
     }
 
     /// Token + position embeddings: `[B, T, C]` in the storage precision (the chain's input).
@@ -594,6 +569,38 @@ impl Gpt {
         })?;
         Ok((loss, out.stats))
     }
+}
+
+/// Check a batch against a model shape (shared by the CPU and CUDA models): `[B, T]` token
+/// and target ids below the vocab, `1 ≤ T ≤ max_seq`, at least one sequence.
+pub fn check_batch(cfg: &GptConfig, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
+    let n = g.rows();
+    if g.b == 0 || g.t == 0 || g.t > cfg.max_seq {
+        return Err(TrainError::Input(format!(
+            "batch {}×{}: need at least one sequence of 1..={} tokens",
+            g.b, g.t, cfg.max_seq
+        )));
+    }
+    if tokens.len() != n || targets.len() != n {
+        return Err(TrainError::Input(format!(
+            "{} tokens and {} targets for a {}×{} batch",
+            tokens.len(),
+            targets.len(),
+            g.b,
+            g.t
+        )));
+    }
+    if let Some(bad) = tokens
+        .iter()
+        .chain(targets)
+        .find(|&&t| t as usize >= cfg.vocab)
+    {
+        return Err(TrainError::Input(format!(
+            "token id {bad} ≥ vocab {}",
+            cfg.vocab
+        )));
+    }
+    Ok(())
 }
 
 /// The gradients the head accumulates into.

@@ -9,5 +9,5 @@ mod precision;
 
 pub use block::Block;
 pub use config::GptConfig;
-pub use gpt::{BlockSaved, Geometry, Gpt, GptOptions, HeadGrads};
+pub use gpt::{check_batch, BlockSaved, Geometry, Gpt, GptOptions, HeadGrads};
 pub use precision::Precision;
