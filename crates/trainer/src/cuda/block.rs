@@ -135,7 +135,8 @@ impl CudaGpt {
     /// GELU of the kept pre-activation, kept.
     fn block_gelu(&self, fch: &CudaTensor) -> CudaGptResult<CudaTensor> {
         let mut out = self.scratch(fch.shape().clone())?;
-        self.backend().gelu_forward(&mut out, self.view(fch)?.t())?;
+        self.backend()
+            .gelu_forward(&mut out, self.view(fch)?.tensor())?;
         self.keep(&out)
     }
 
@@ -167,7 +168,8 @@ impl CudaGpt {
         let li = |off| self.li(l, off);
         let x = self.view(inp)?;
 
-        let (ln1, ln1_mean, ln1_rstd) = self.block_layernorm(l, x.t(), o::LN1_W, o::LN1_B, g)?;
+        let (ln1, ln1_mean, ln1_rstd) =
+            self.block_layernorm(l, x.tensor(), o::LN1_W, o::LN1_B, g)?;
         // qkv is only a stepping stone to q, k, v: workspace, dropped once split.
         let qkv = {
             let mut qkv32 = self.scratch([g.b, g.t, 3 * c])?;
@@ -201,11 +203,11 @@ impl CudaGpt {
             c,
         )?;
         drop(atty);
-        cuda.residual_add(&mut res2, x.t())?;
+        cuda.residual_add(&mut res2, x.tensor())?;
         let res2 = self.keep(&res2)?;
         let res2v = self.view(&res2)?;
         let (ln2, ln2_mean, ln2_rstd) =
-            self.block_layernorm(l, res2v.t(), o::LN2_W, o::LN2_B, g)?;
+            self.block_layernorm(l, res2v.tensor(), o::LN2_W, o::LN2_B, g)?;
         let fch = {
             let mut fch32 = self.scratch([g.b, g.t, 4 * c])?;
             self.linear_forward(&mut fch32, &ln2, li(o::FC_W), li(o::FC_B), n, c, 4 * c)?;
@@ -223,7 +225,7 @@ impl CudaGpt {
             4 * c,
             c,
         )?;
-        cuda.residual_add(&mut out, res2v.t())?;
+        cuda.residual_add(&mut out, res2v.tensor())?;
         drop(res2v);
         let out = self.keep(&out)?;
         if !save {
@@ -271,11 +273,17 @@ impl CudaGpt {
         // kept (the statistics are recomputed too and discarded).
         let ln1 = match s.ln1 {
             Some(t) => t,
-            None => self.block_layernorm(l, x.t(), o::LN1_W, o::LN1_B, g)?.0,
+            None => {
+                self.block_layernorm(l, x.tensor(), o::LN1_W, o::LN1_B, g)?
+                    .0
+            }
         };
         let ln2 = match s.ln2 {
             Some(t) => t,
-            None => self.block_layernorm(l, res2v.t(), o::LN2_W, o::LN2_B, g)?.0,
+            None => {
+                self.block_layernorm(l, res2v.tensor(), o::LN2_W, o::LN2_B, g)?
+                    .0
+            }
         };
         let fch_gelu = match s.fch_gelu {
             Some(t) => t,
@@ -300,7 +308,7 @@ impl CudaGpt {
         }
         drop(fch_gelu);
         let mut dfch = self.scratch([g.b, g.t, 4 * c])?;
-        cuda.gelu_backward(&mut dfch, self.view(&s.fch)?.t(), &dfch_gelu)?;
+        cuda.gelu_backward(&mut dfch, self.view(&s.fch)?.tensor(), &dfch_gelu)?;
         drop(dfch_gelu);
         let mut dln2 = self.scratch([g.b, g.t, c])?;
         {
@@ -326,7 +334,7 @@ impl CudaGpt {
                 dw,
                 db,
                 &dln2,
-                res2v.t(),
+                res2v.tensor(),
                 self.w32(li(o::LN2_W))?,
                 &s.ln2_mean,
                 &s.ln2_rstd,
@@ -383,7 +391,7 @@ impl CudaGpt {
             self.linear_backward(
                 &mut dln1,
                 Self::grad_pair(grads, o::QKV_W, o::QKV_B)?,
-                dqkv.t(),
+                dqkv.tensor(),
                 &dqkv16,
                 &ln1,
                 li(o::QKV_W),
@@ -401,7 +409,7 @@ impl CudaGpt {
                 dw,
                 db,
                 &dln1,
-                x.t(),
+                x.tensor(),
                 self.w32(li(o::LN1_W))?,
                 &s.ln1_mean,
                 &s.ln1_rstd,

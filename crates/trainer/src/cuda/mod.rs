@@ -92,21 +92,8 @@ pub struct CudaGpt {
     f32_weights: Vec<Option<CudaTensor>>,
 }
 
-/// An f32 view of a device tensor: itself when f32, else an upcast copy in workspace memory
-/// that lives as long as the view.
-pub(crate) enum View<'a> {
-    Borrowed(&'a CudaTensor),
-    Owned(CudaTensor),
-}
-
-impl View<'_> {
-    pub(crate) fn t(&self) -> &CudaTensor {
-        match self {
-            View::Borrowed(t) => t,
-            View::Owned(t) => t,
-        }
-    }
-}
+/// An f32 view of a device tensor (the CPU model's view type over `CudaTensor`).
+pub(crate) type View<'a> = crate::model::View<'a, CudaTensor>;
 
 /// True for the parameters GEMMs read (bf16 on the device).
 fn is_gemm_weight(cfg: &GptConfig, i: usize) -> bool {
@@ -500,7 +487,7 @@ impl CudaGpt {
             &mut lnf32,
             &mut lnf_mean,
             &mut lnf_rstd,
-            x.t(),
+            x.tensor(),
             self.w32(lf)?,
             self.w32(lf + 1)?,
             c,
@@ -605,7 +592,7 @@ impl CudaGpt {
             grads.lnf_w,
             grads.lnf_b,
             &dlnf,
-            x.t(),
+            x.tensor(),
             self.w32(lf)?,
             &lnf_mean,
             &lnf_rstd,

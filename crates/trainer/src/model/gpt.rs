@@ -144,25 +144,24 @@ pub struct Gpt {
 }
 
 /// An f32 view of a tensor: the tensor itself when it is f32, else an upcast copy in
-/// workspace memory that lives as long as the view.
-pub(crate) enum View<'a> {
-    Borrowed(&'a CpuTensor),
-    Owned(CpuTensor),
+/// workspace memory that lives as long as the view. Used by the CPU and the CUDA model.
+pub(crate) enum View<'a, T = CpuTensor> {
+    Borrowed(&'a T),
+    Owned(T),
 }
 
-impl View<'_> {
-    pub(crate) fn tensor(&self) -> &CpuTensor {
+impl<T> View<'_, T> {
+    pub(crate) fn tensor(&self) -> &T {
         match self {
             View::Borrowed(t) => t,
             View::Owned(t) => t,
         }
     }
+}
 
+impl View<'_> {
     pub(crate) fn s(&self) -> Result<&[f32]> {
-        Ok(match self {
-            View::Borrowed(t) => t.as_slice::<f32>()?,
-            View::Owned(t) => t.as_slice::<f32>()?,
-        })
+        Ok(self.tensor().as_slice::<f32>()?)
     }
 }
 

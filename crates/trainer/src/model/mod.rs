@@ -9,5 +9,7 @@ mod precision;
 
 pub use block::Block;
 pub use config::GptConfig;
+#[cfg(feature = "cuda")]
+pub(crate) use gpt::View;
 pub use gpt::{check_batch, BlockSaved, Geometry, Gpt, GptOptions, HeadGrads};
 pub use precision::Precision;
