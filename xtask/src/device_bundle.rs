@@ -254,7 +254,10 @@ pub fn run(ws: &Workspace) -> Result<()> {
         mib(SIZE_LIMIT)
     );
     let archive = write_archive(&bundle)?;
-    println!("  on the device: ./run.sh (tests, GPU ones included) or ./run.sh bench");
+    println!(
+        "  on the device: ./run.sh (tests, GPU ones included), ./run.sh bench, \
+         ./run.sh compare (torch on the GPU), ./run.sh pack (one file back)"
+    );
     check_size(total, archive.as_ref())
 }
 
@@ -533,5 +536,68 @@ mod tests {
         );
 
         assert_eq!(run("nonsense").status.code(), Some(2));
+    }
+
+    /// `compare` runs only the scripts that take `--device`, with `--device cuda`, keeping their
+    /// JSON lines as records; `pack` leaves one archive holding everything in $OUT.
+    #[cfg(unix)]
+    #[test]
+    fn run_sh_compares_with_device_scripts_and_packs_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bundle, out, scripts) = (
+            dir.path().join("bundle"),
+            dir.path().join("out"),
+            dir.path().join("torch"),
+        );
+        std::fs::create_dir_all(&bundle).unwrap();
+        std::fs::create_dir_all(&scripts).unwrap();
+        std::fs::write(bundle.join("run.sh"), RUN_SH).unwrap();
+        std::fs::write(scripts.join("gpu.py"), "# takes --device\n").unwrap();
+        std::fs::write(scripts.join("cpu_only.py"), "# no device option\n").unwrap();
+        // The fake Python prints a log line and a record naming the script and its arguments.
+        let python = dir.path().join("python");
+        std::fs::write(
+            &python,
+            "#!/bin/sh\necho \"log line\"\necho \"{\\\"bench\\\": \\\"$(basename $1) $2 $3\\\"}\"\n",
+        )
+        .unwrap();
+        set_executable(&python).unwrap();
+
+        let run = |mode: &str| {
+            Command::new("bash")
+                .arg(bundle.join("run.sh"))
+                .arg(mode)
+                .env("OUT", &out)
+                .env("HEADROOM_TORCH_SCRIPTS", &scripts)
+                .env("HEADROOM_PYTHON", &python)
+                .output()
+                .unwrap()
+        };
+        let compare = run("compare");
+        let stdout = String::from_utf8_lossy(&compare.stdout);
+        assert!(compare.status.success(), "{stdout}");
+        assert!(stdout.contains("1 passed, 0 failed"), "{stdout}");
+        let records = std::fs::read_to_string(out.join("headroom-bench/records.jsonl")).unwrap();
+        assert_eq!(records.trim(), r#"{"bench": "gpu.py --device cuda"}"#);
+        let log = std::fs::read_to_string(out.join("headroom-bench/gpu.log")).unwrap();
+        assert!(log.contains("log line"), "{log}");
+
+        let pack = run("pack");
+        assert!(pack.status.success(), "{pack:?}");
+        let left: Vec<_> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, ["device-run.tar.gz"]);
+        let listing = Command::new("tar")
+            .arg("-tzf")
+            .arg(out.join("device-run.tar.gz"))
+            .output()
+            .unwrap();
+        let listing = String::from_utf8_lossy(&listing.stdout);
+        assert!(
+            listing.contains("headroom-bench/records.jsonl"),
+            "{listing}"
+        );
     }
 }

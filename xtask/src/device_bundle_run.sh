@@ -7,12 +7,20 @@
 #                       after a failure, prints pass/fail per binary, exits 1 if any failed
 #   ./run.sh bench      every criterion bench binary with --bench and short settings
 #   ./run.sh all        both
+#   ./run.sh compare    every comparison script that takes `--device` (benches/torch/*.py of
+#                       the checkout run.sh is started from, or $HEADROOM_TORCH_SCRIPTS), run
+#                       with `--device cuda` by $HEADROOM_PYTHON (else python3); their records
+#                       go beside the benches' records
+#   ./run.sh pack       replace everything under $OUT by one archive, $OUT/device-run.tar.gz
+#                       (the device tool brings back at most 8 files, 2 folders deep); unpack
+#                       it and give the folder to `cargo xtask bench-report`
 #
 # Extra arguments after the mode go to every binary (e.g. a test name filter).
 # With $OUT set, each binary's log goes to $OUT/logs/, criterion's output to $OUT/criterion/
 # and bench records to $OUT/headroom-bench/ (so `cargo xtask` can report them elsewhere).
 set -uo pipefail
 
+caller="$PWD"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 mode="${1:-test}"
 [ "$#" -gt 0 ] && shift
@@ -55,17 +63,22 @@ cd "$here" || exit 1
 export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
 
 case "$mode" in
-  test | bench | all) ;;
+  test | bench | all | compare) ;;
+  pack)
+    [ -n "$out" ] || { echo "pack needs \$OUT" >&2; exit 2; }
+    archive="$(mktemp -d)/device-run.tar.gz"
+    tar -czf "$archive" -C "$out" . || exit 1
+    find "$out" -mindepth 1 -delete && mv "$archive" "$out/" || exit 1
+    echo "packed into $out/device-run.tar.gz"
+    exit 0
+    ;;
   *)
-    echo "usage: $0 [test|bench|all] [args for every binary...]" >&2
+    echo "usage: $0 [test|bench|all|compare|pack] [args for every binary...]" >&2
     exit 2
     ;;
 esac
 
-if [ "$mode" = test ] || [ "$mode" = all ]; then
-  run_kind tests --include-ignored "$@"
-fi
-if [ "$mode" = bench ] || [ "$mode" = all ]; then
+bench_dirs() {
   if [ -n "$out" ]; then
     export CRITERION_HOME="$out/criterion"
     export HEADROOM_BENCH_DIR="$out/headroom-bench"
@@ -73,7 +86,30 @@ if [ "$mode" = bench ] || [ "$mode" = all ]; then
     export CRITERION_HOME="${CRITERION_HOME:-$here/criterion}"
     export HEADROOM_BENCH_DIR="${HEADROOM_BENCH_DIR:-$here/headroom-bench}"
   fi
+  mkdir -p "$HEADROOM_BENCH_DIR"
+}
+
+if [ "$mode" = test ] || [ "$mode" = all ]; then
+  run_kind tests --include-ignored "$@"
+fi
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
+  bench_dirs
   run_kind benches "${bench_args[@]}" "$@"
+fi
+if [ "$mode" = compare ]; then
+  bench_dirs
+  scripts="${HEADROOM_TORCH_SCRIPTS:-$caller/benches/torch}"
+  python="${HEADROOM_PYTHON:-python3}"
+  for script in "$scripts"/*.py; do
+    [ -f "$script" ] && grep -q -- "--device" "$script" || continue
+    name="compare/$(basename "$script" .py)"
+    echo "=== $name"
+    # Records (JSON lines) join the benches' records; everything else is log.
+    "$python" "$script" --device cuda 2>&1 | tee "$HEADROOM_BENCH_DIR/$(basename "$script" .py).log" |
+      grep '^{' >>"$HEADROOM_BENCH_DIR/records.jsonl"
+    status=${PIPESTATUS[0]}
+    if [ "$status" -eq 0 ]; then passed+=("$name"); else failed+=("$name (exit $status)"); fi
+  done
 fi
 
 echo
