@@ -18,6 +18,19 @@
 //!
 //! The torch script's records name `attn/<pass>/flash/T<N>` as their baseline, so the report
 //! shows torch / headroom-flash for the same run.
+//!
+//! With the `cuda` feature (issue 11) a GPU section runs after the CPU part: headroom's bf16
+//! FlashAttention-2 kernels, forward and forward+backward, at the shape of
+//! `benches/torch/attn.py --device cuda` (batch 4, 16 heads, N = 4096, head_dim 128, causal),
+//! first checked against the CPU flash path on two small cases with the tolerances of
+//! `crates/attn/tests/cuda.rs` (a bench must not time a wrong kernel), then timed with CUDA
+//! events like the torch script (10 warm-up calls, median of 50). Records
+//! `attn/cuda/<pass>/flash/bf16/T4096_D128`: `median_time` (ms) and `throughput`
+//! (TFLOP/s, the same FLOP count), each naming torch's
+//! `attn/cuda/<pass>/torch_sdpa/bf16/T4096_D128` as its baseline. Without a GPU, or when the
+//! kernels do not load or disagree with the CPU, it prints `attn/cuda: skipped: <why>` and the
+//! bench still succeeds with the CPU results written. Under `cargo test --benches` (no
+//! `--bench` argument) each pass runs once and nothing is recorded.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -255,5 +268,522 @@ fn memory(_c: &mut Criterion) {
     }
 }
 
+/// The GPU section (issue 11): headroom's bf16 flash attention on a CUDA device, next to torch
+/// SDPA on the same GPU (`benches/torch/attn.py --device cuda`).
+#[cfg(feature = "cuda")]
+mod on_cuda {
+    use criterion::Criterion;
+    use headroom_attn::{AttentionBackend, AttentionConfig, AttentionDims};
+    use headroom_benches::{Better, Record};
+    use headroom_cuda::cudarc::driver::sys::CUevent_flags;
+    use headroom_cuda::cudarc::driver::CudaEvent;
+    use headroom_cuda::{Cuda, CudaTensor};
+    use headroom_tensor::{bf16, Backend, Cpu, DType};
+
+    use super::{median, write};
+
+    /// The shape of `attn.py --device cuda`: FlashAttention-2's benchmark shape (batch × N =
+    /// 16k tokens, width 16 · 128 = 2048), issue 11's N = 4096, D = 128, causal, bf16.
+    const BATCH: usize = 4;
+    const HEADS: usize = 16;
+    const HEAD_DIM: usize = 128;
+    const SEQ_LEN: usize = 4096;
+    /// The record label `attn.py` uses for that shape.
+    const LABEL: &str = "bf16/T4096_D128";
+    /// Warm-up calls and timed calls per pass, as in `attn.py --device cuda` without `--quick`:
+    /// a call takes milliseconds, so the full count costs seconds even on a slow kernel.
+    const WARMUP_CALLS: usize = 10;
+    const TIMED_CALLS: usize = 50;
+
+    /// Tolerances of `crates/attn/tests/cuda.rs` (bf16 inputs, f32 accumulation, bf16
+    /// results, against the f32 CPU flash path on the same bf16-rounded inputs): per tensor,
+    /// the largest error as a fraction of the largest reference magnitude, and the rms error as
+    /// a fraction of the reference's rms; both magnitudes floored at `MAGNITUDE_FLOOR`.
+    struct Tolerance {
+        max: f64,
+        rms: f64,
+    }
+    const OUTPUT_TOL: Tolerance = Tolerance {
+        max: 1e-2,
+        rms: 6e-3,
+    };
+    const GRAD_TOL: Tolerance = Tolerance {
+        max: 2e-2,
+        rms: 1e-2,
+    };
+    /// Logsumexp (f32): |x − r| ≤ LSE_TOL · max(1, |r|).
+    const LSE_TOL: f64 = 1e-3;
+    const MAGNITUDE_FLOOR: f64 = 1e-3;
+    /// The numerics check: the benchmarked head_dim, causal, no GQA (as timed), batch 2 and 4
+    /// heads; one length on the kernels' 64-row tiles (as N = 4096 is) and one off them.
+    const CHECK_BATCH: usize = 2;
+    const CHECK_HEADS: usize = 4;
+    const CHECK_LENGTHS: [usize; 2] = [256, 300];
+
+    /// Why the GPU section did not run (or stopped); printed as `attn/cuda: skipped: <why>`.
+    type Skip = String;
+
+    /// How the bench binary was started: `cargo bench` and the device bundle pass `--bench`;
+    /// `cargo test --benches` does not, and then (like criterion's test mode) every pass runs
+    /// once as a smoke test and nothing is recorded.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Mode {
+        Bench,
+        Test,
+    }
+
+    /// Criterion's entry point for the GPU section; never panics for lack of a GPU.
+    pub fn timings(_c: &mut Criterion) {
+        let args: Vec<String> = std::env::args().collect();
+        if args.iter().any(|a| a == "--list") {
+            return; // nothing here is a criterion benchmark to list
+        }
+        let mode = if args.iter().any(|a| a == "--bench") {
+            Mode::Bench
+        } else {
+            Mode::Test
+        };
+        if let Err(why) = run(mode) {
+            println!("attn/cuda: skipped: {why}");
+        }
+    }
+
+    fn run(mode: Mode) -> Result<(), Skip> {
+        if let Err(e) = check_self_test() {
+            // A broken check is this bench's own bug: fail `cargo test --benches` loudly.
+            assert!(
+                mode == Mode::Bench,
+                "attn/cuda: the numerics check is broken: {e}"
+            );
+            return Err(format!("the numerics check is broken: {e}"));
+        }
+        println!(
+            "attn/cuda: numerics check self-test passed (the CPU's bf16 flash passes it, a 5% \
+             error in one dK value fails it)"
+        );
+        let cuda = Cuda::new(0).map_err(|e| e.to_string())?;
+        println!(
+            "attn/cuda: device {} ({}, compute capability {}.{}), driver CUDA {}.{}",
+            cuda.device_name(),
+            cuda.arch(),
+            cuda.compute_capability().0,
+            cuda.compute_capability().1,
+            cuda.driver_version() / 1000,
+            cuda.driver_version() % 1000 / 10,
+        );
+        // Compiles (NVRTC) and loads every attention kernel now, so no timed call pays for it.
+        headroom_attn::load_attention_kernels(&cuda)
+            .map_err(|e| format!("the attention kernels did not load: {}", with_sources(&e)))?;
+        if let Err(e) = check_numerics(&cuda) {
+            eprintln!("!!! attn/cuda: the CUDA flash kernels FAILED the check against the CPU !!!");
+            eprintln!("!!! {e}");
+            eprintln!("!!! nothing was timed: a bench must not time a wrong kernel");
+            return Err(format!("numerics check failed: {e}"));
+        }
+        time_benchmark_shape(&cuda, mode)
+    }
+
+    /// `e` and its chain of sources (a kernel load failure wraps NVRTC's or the driver's).
+    fn with_sources(e: &dyn std::error::Error) -> String {
+        let mut text = e.to_string();
+        let mut source = e.source();
+        while let Some(s) = source {
+            text.push_str(": ");
+            text.push_str(&s.to_string());
+            source = s.source();
+        }
+        text
+    }
+
+    // --------------------------------------------------------------------------------------
+    // Inputs.
+
+    /// `len` deterministic values, uniform in [-√3, √3): unit variance, like the
+    /// `torch.randn` inputs of `attn.py` (kernel time does not depend on the values).
+    fn unit_variance_values(len: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed.max(1);
+        let half_width = 3.0f32.sqrt();
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                let unit = (state >> 8) as f32 / (1u32 << 24) as f32; // [0, 1)
+                (2.0 * unit - 1.0) * half_width
+            })
+            .collect()
+    }
+
+    fn to_bf16(x: &[f32]) -> Vec<bf16> {
+        x.iter().map(|&v| bf16::from_f32(v)).collect()
+    }
+
+    /// q, k, v and the output gradient of one problem, as bf16 host values.
+    struct HostInputs {
+        q: Vec<bf16>,
+        k: Vec<bf16>,
+        v: Vec<bf16>,
+        d_out: Vec<bf16>,
+    }
+
+    fn host_inputs(len: usize, seed: u32) -> HostInputs {
+        let next = |i: u32| to_bf16(&unit_variance_values(len, seed.wrapping_add(i)));
+        HostInputs {
+            q: next(0),
+            k: next(1),
+            v: next(2),
+            d_out: next(3),
+        }
+    }
+
+    struct DeviceInputs {
+        q: CudaTensor,
+        k: CudaTensor,
+        v: CudaTensor,
+        d_out: CudaTensor,
+    }
+
+    fn upload(cuda: &Cuda, x: &HostInputs, shape: [usize; 4]) -> Result<DeviceInputs, Skip> {
+        let up = |data: &[bf16]| {
+            cuda.upload(data, shape)
+                .map_err(|e| format!("upload of {shape:?} bf16: {e}"))
+        };
+        Ok(DeviceInputs {
+            q: up(&x.q)?,
+            k: up(&x.k)?,
+            v: up(&x.v)?,
+            d_out: up(&x.d_out)?,
+        })
+    }
+
+    // --------------------------------------------------------------------------------------
+    // The numerics check.
+
+    /// Root mean square.
+    fn rms(x: impl Iterator<Item = f64>) -> f64 {
+        let (sum, n) = x.fold((0.0, 0usize), |(s, n), v| (s + v * v, n + 1));
+        if n == 0 {
+            0.0
+        } else {
+            (sum / n as f64).sqrt()
+        }
+    }
+
+    /// `got` against `want` within `tol`; on success the largest error relative to the largest
+    /// reference magnitude (what gets printed).
+    fn compare(what: &str, got: &[f32], want: &[f32], tol: &Tolerance) -> Result<f64, String> {
+        if got.len() != want.len() {
+            return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
+        }
+        if let Some(i) = got.iter().position(|x| !x.is_finite()) {
+            return Err(format!("{what}[{i}] = {} is not finite", got[i]));
+        }
+        let largest = want
+            .iter()
+            .fold(0.0f64, |m, &w| m.max(f64::from(w).abs()))
+            .max(MAGNITUDE_FLOOR);
+        let (worst, at) = got
+            .iter()
+            .zip(want)
+            .enumerate()
+            .map(|(i, (&g, &w))| ((f64::from(g) - f64::from(w)).abs(), i))
+            .fold((0.0, 0), |best, e| if e.0 > best.0 { e } else { best });
+        if worst > tol.max * largest {
+            return Err(format!(
+                "{what}: |error| {worst:.3e} at {at} (got {}, want {}) exceeds {} of max |ref| \
+                 {largest:.3e}",
+                got[at], want[at], tol.max
+            ));
+        }
+        let error_rms = rms(got
+            .iter()
+            .zip(want)
+            .map(|(&g, &w)| f64::from(g) - f64::from(w)));
+        let want_rms = rms(want.iter().map(|&w| f64::from(w))).max(MAGNITUDE_FLOOR);
+        if error_rms > tol.rms * want_rms {
+            return Err(format!(
+                "{what}: rms error {error_rms:.3e} exceeds {} of rms(ref) {want_rms:.3e}",
+                tol.rms
+            ));
+        }
+        Ok(worst / largest)
+    }
+
+    /// The logsumexp within `LSE_TOL`, `-inf` exactly where the reference has it; on success
+    /// the largest error relative to max(1, |ref|).
+    fn compare_lse(got: &[f32], want: &[f32]) -> Result<f64, String> {
+        if got.len() != want.len() {
+            return Err(format!("lse: {} values, want {}", got.len(), want.len()));
+        }
+        let mut worst = 0.0f64;
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            if w == f32::NEG_INFINITY {
+                if g != f32::NEG_INFINITY {
+                    return Err(format!("lse[{i}] = {g}, want -inf"));
+                }
+                continue;
+            }
+            let relative = (f64::from(g) - f64::from(w)).abs() / f64::from(w.abs()).max(1.0);
+            if !g.is_finite() || relative > LSE_TOL {
+                return Err(format!("lse[{i}] = {g}, want {w}"));
+            }
+            worst = worst.max(relative);
+        }
+        Ok(worst)
+    }
+
+    /// Output, logsumexp and gradients as host f32.
+    struct Results {
+        out: Vec<f32>,
+        lse: Vec<f32>,
+        dq: Vec<f32>,
+        dk: Vec<f32>,
+        dv: Vec<f32>,
+    }
+
+    fn widen(v: &[bf16]) -> Vec<f32> {
+        v.iter().map(|b| b.to_f32()).collect()
+    }
+
+    /// Causal flash forward and backward on `backend`, from `x` uploaded by `upload`, results
+    /// brought back to the host by `as_f32` (the logsumexp is f32 on every backend).
+    fn flash_results<B: AttentionBackend>(
+        backend: &B,
+        x: &HostInputs,
+        upload: impl Fn(&[bf16]) -> Result<B::Tensor, String>,
+        as_f32: impl Fn(&B::Tensor) -> Result<Vec<f32>, String>,
+    ) -> Result<Results, String> {
+        let (q, k, v, d_out) = (
+            upload(&x.q)?,
+            upload(&x.k)?,
+            upload(&x.v)?,
+            upload(&x.d_out)?,
+        );
+        let config = AttentionConfig::flash().causal(true);
+        let fwd = backend
+            .attention_forward(&q, &k, &v, &config)
+            .map_err(|e| format!("forward: {e}"))?;
+        let g = backend
+            .attention_backward(&q, &k, &v, &fwd, &d_out)
+            .map_err(|e| format!("backward: {e}"))?;
+        Ok(Results {
+            out: as_f32(&fwd.output)?,
+            lse: backend
+                .download::<f32>(&fwd.logsumexp)
+                .map_err(|e| format!("download of the logsumexp: {e}"))?,
+            dq: as_f32(&g.dq)?,
+            dk: as_f32(&g.dk)?,
+            dv: as_f32(&g.dv)?,
+        })
+    }
+
+    /// `backend`'s flash on bf16 inputs and results.
+    fn bf16_flash<B: AttentionBackend>(
+        backend: &B,
+        x: &HostInputs,
+        shape: [usize; 4],
+    ) -> Result<Results, String> {
+        flash_results(
+            backend,
+            x,
+            |data| {
+                backend
+                    .upload(data, shape)
+                    .map_err(|e| format!("upload: {e}"))
+            },
+            |t| {
+                backend
+                    .download::<bf16>(t)
+                    .map(|v| widen(&v))
+                    .map_err(|e| format!("download: {e}"))
+            },
+        )
+    }
+
+    /// The reference: the CPU's f32 flash on the same (bf16-rounded) inputs.
+    fn cpu_f32_flash(cpu: &Cpu, x: &HostInputs, shape: [usize; 4]) -> Result<Results, String> {
+        flash_results(
+            cpu,
+            x,
+            |data| {
+                cpu.upload(&widen(data), shape)
+                    .map_err(|e| format!("upload: {e}"))
+            },
+            |t| cpu.download::<f32>(t).map_err(|e| format!("download: {e}")),
+        )
+    }
+
+    /// Every tensor within its tolerance; on success the errors, as one printable line.
+    fn check(got: &Results, want: &Results) -> Result<String, String> {
+        let out = compare("output", &got.out, &want.out, &OUTPUT_TOL)?;
+        let lse = compare_lse(&got.lse, &want.lse)?;
+        let dq = compare("dq", &got.dq, &want.dq, &GRAD_TOL)?;
+        let dk = compare("dk", &got.dk, &want.dk, &GRAD_TOL)?;
+        let dv = compare("dv", &got.dv, &want.dv, &GRAD_TOL)?;
+        Ok(format!(
+            "max |error| / max |ref|: output {out:.2e} (tol {:.0e}), dq {dq:.2e}, dk {dk:.2e}, \
+             dv {dv:.2e} (tol {:.0e}); lse {lse:.2e} (tol {LSE_TOL:.0e})",
+            OUTPUT_TOL.max, GRAD_TOL.max
+        ))
+    }
+
+    /// The check must be able to fail: it passes the CPU's own bf16 flash (a correct
+    /// implementation with the GPU kernels' rounding) and rejects it once one dK value is off by
+    /// 5% of the largest. Runs everywhere, GPU or not.
+    fn check_self_test() -> Result<(), String> {
+        let cpu = Cpu::new();
+        let shape = [1, 2, 65, HEAD_DIM];
+        let x = host_inputs(shape.iter().product(), 0x0dd_5eed);
+        let want = cpu_f32_flash(&cpu, &x, shape)?;
+        let mut got = bf16_flash(&cpu, &x, shape)?;
+        check(&got, &want).map_err(|e| format!("the CPU's bf16 flash fails the check: {e}"))?;
+        let largest = want.dk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let Some(one) = got.dk.get_mut(3) else {
+            return Err("the self-test's dK has fewer than 4 values".into());
+        };
+        *one += 0.05 * largest;
+        match check(&got, &want) {
+            Err(e) if e.starts_with("dk") => Ok(()),
+            Err(e) => Err(format!("a wrong dK was rejected for another reason: {e}")),
+            Ok(_) => Err("a dK off by 5% of its largest value passed the check".into()),
+        }
+    }
+
+    /// The GPU's bf16 flash against the CPU's f32 flash on every check length; prints the
+    /// errors.
+    fn check_numerics(cuda: &Cuda) -> Result<(), String> {
+        let cpu = Cpu::new();
+        for n in CHECK_LENGTHS {
+            let shape = [CHECK_BATCH, CHECK_HEADS, n, HEAD_DIM];
+            let case = format!("{shape:?} causal");
+            let x = host_inputs(shape.iter().product(), 0x5eed_0000 + n as u32);
+            let want = cpu_f32_flash(&cpu, &x, shape).map_err(|e| format!("{case}: CPU {e}"))?;
+            let got = bf16_flash(cuda, &x, shape).map_err(|e| format!("{case}: CUDA {e}"))?;
+            let errors = check(&got, &want).map_err(|e| format!("{case}: {e}"))?;
+            println!("attn/cuda: numerics {case} vs the CPU's f32 flash: {errors}");
+        }
+        Ok(())
+    }
+
+    // --------------------------------------------------------------------------------------
+    // Timing.
+
+    fn timing_event(cuda: &Cuda) -> Result<CudaEvent, Skip> {
+        cuda.context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| format!("cuEventCreate: {e:?}"))
+    }
+
+    /// One call of the pass: forward, and backward when `backward`; results dropped (freed
+    /// stream-ordered) inside the call, as torch frees its outputs.
+    fn call(cuda: &Cuda, x: &DeviceInputs, backward: bool) -> Result<(), Skip> {
+        let config = AttentionConfig::flash().causal(true);
+        let fwd = cuda
+            .attention_forward(&x.q, &x.k, &x.v, &config)
+            .map_err(|e| format!("forward: {e}"))?;
+        if backward {
+            let grads = cuda
+                .attention_backward(&x.q, &x.k, &x.v, &fwd, &x.d_out)
+                .map_err(|e| format!("backward: {e}"))?;
+            drop(grads);
+        }
+        drop(fwd);
+        Ok(())
+    }
+
+    /// Device milliseconds of each of `calls` calls, each bracketed by two events on the
+    /// backend's stream (what `torch.cuda.Event` measures in `attn.py`).
+    fn event_times_ms(
+        cuda: &Cuda,
+        x: &DeviceInputs,
+        backward: bool,
+        calls: usize,
+    ) -> Result<Vec<f64>, Skip> {
+        let (start, end) = (timing_event(cuda)?, timing_event(cuda)?);
+        let mut times = Vec::with_capacity(calls);
+        for _ in 0..calls {
+            start
+                .record(cuda.stream())
+                .map_err(|e| format!("cuEventRecord: {e:?}"))?;
+            call(cuda, x, backward)?;
+            end.record(cuda.stream())
+                .map_err(|e| format!("cuEventRecord: {e:?}"))?;
+            // Waits for both events; a kernel fault surfaces here.
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(|e| format!("cuEventElapsedTime: {e:?}"))?;
+            times.push(f64::from(ms));
+        }
+        Ok(times)
+    }
+
+    fn time_benchmark_shape(cuda: &Cuda, mode: Mode) -> Result<(), Skip> {
+        let shape = [BATCH, HEADS, SEQ_LEN, HEAD_DIM];
+        let x = upload(
+            cuda,
+            &host_inputs(shape.iter().product(), 0x2545_f491),
+            shape,
+        )?;
+        let dims = AttentionDims {
+            batch: BATCH,
+            q_heads: HEADS,
+            kv_heads: HEADS,
+            q_len: SEQ_LEN,
+            kv_len: SEQ_LEN,
+            head_dim: HEAD_DIM,
+            dtype: DType::BF16,
+        };
+        // attn.py's count: 4·N²·d per head, halved for causal; forward+backward 3.5×.
+        let forward_flops = dims.forward_flops(true);
+        let (warmup, timed) = match mode {
+            Mode::Bench => (WARMUP_CALLS, TIMED_CALLS),
+            Mode::Test => (1, 1),
+        };
+        println!(
+            "attn/cuda: batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, N {SEQ_LEN}, bf16, \
+             causal; {warmup} warm-up calls, median of {timed}"
+        );
+        for (pass, backward, flops) in [
+            ("fwd", false, forward_flops),
+            ("fwd_bwd", true, 3.5 * forward_flops),
+        ] {
+            event_times_ms(cuda, &x, backward, warmup)?;
+            let ms = median(event_times_ms(cuda, &x, backward, timed)?);
+            let tflops = flops / (ms * 1e-3) / 1e12;
+            let bench = format!("attn/cuda/{pass}/flash/{LABEL}");
+            println!("{bench}: {ms:.3} ms, {tflops:.1} TFLOP/s");
+            if mode == Mode::Test {
+                continue;
+            }
+            // torch SDPA's records come from attn.py; xtask pairs them (baseline_value None).
+            let baseline = Some(format!("attn/cuda/{pass}/torch_sdpa/{LABEL}"));
+            write(Record {
+                bench: bench.clone(),
+                metric: "median_time".into(),
+                value: ms,
+                unit: "ms".into(),
+                baseline: baseline.clone(),
+                baseline_value: None,
+                ratio: None,
+                better: Better::Lower,
+            });
+            write(Record {
+                bench,
+                metric: "throughput".into(),
+                value: tflops,
+                unit: "TFLOP/s".into(),
+                baseline,
+                baseline_value: None,
+                ratio: None,
+                better: Better::Higher,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
 criterion_group!(benches, memory, timings);
+#[cfg(feature = "cuda")]
+criterion_group!(benches, memory, timings, on_cuda::timings);
 criterion_main!(benches);
