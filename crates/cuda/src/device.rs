@@ -82,6 +82,42 @@ fn no_device(what: &str, e: DriverError) -> CudaError {
     }
 }
 
+/// Raise the release threshold of the device's default memory pool (where cudarc's
+/// stream-ordered allocations come from) from its default of 0 to "never".
+///
+/// With 0, every stream, event or context synchronisation — a download, a loss readback, the
+/// overflow check of every step — hands all freed pool memory back to the driver, and the next
+/// step's allocations map fresh physical memory again. Keeping it is what NVIDIA's
+/// stream-ordered allocator guide recommends and what PyTorch's `cudaMallocAsync` backend does.
+/// Trade-off: the pool keeps its high-water mark reserved for the life of the process (as a
+/// caching allocator does); [`Cuda::pool_reserved_bytes`] reports it and the allocation hook
+/// still sees exact live bytes.
+fn keep_pool_memory(context: &CudaContext) -> CudaResult<()> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is valid for writes and the device handle comes from a live context.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device()) }
+        .result()
+        .map_err(|e| CudaError::driver("cuDeviceGetDefaultMemPool", e))?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: RELEASE_THRESHOLD reads one cuuint64_t from the pointer.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(|e| CudaError::driver("cuMemPoolSetAttribute", e))
+}
+
+/// The driver's `free` bytes plus the pool's idle reserve (`reserved − used`), at most `total`.
+fn with_idle_pool_memory(free: usize, total: usize, reserved: u64, used: u64) -> usize {
+    let idle = usize::try_from(reserved.saturating_sub(used)).unwrap_or(usize::MAX);
+    free.saturating_add(idle).min(total)
+}
+
 /// `12040` → `"12.4"`.
 fn version_string(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
@@ -149,6 +185,10 @@ impl Cuda {
         let multiprocessors = context
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| CudaError::driver("multiprocessor count", e))?;
+        if context.has_async_alloc() {
+            // Best effort: failing to raise the threshold costs speed, never correctness.
+            let _ = keep_pool_memory(&context);
+        }
         let stream = context.default_stream();
         Ok(Cuda {
             inner: Arc::new(CudaInner {
@@ -198,17 +238,45 @@ impl Cuda {
         self.inner.driver_version
     }
 
-    /// Free and total device memory in bytes, as the driver reports them now.
+    /// Free and total device memory in bytes. "Free" is what this process can still allocate:
+    /// the driver's free memory plus what the default memory pool holds reserved but unused
+    /// (the pool keeps freed memory instead of returning it, see `keep_pool_memory`; its own
+    /// allocations reuse it first).
     pub fn mem_info(&self) -> CudaResult<(usize, usize)> {
-        self.inner
+        let (free, total) = self
+            .inner
             .context
             .mem_get_info()
-            .map_err(|e| CudaError::driver("cuMemGetInfo", e))
+            .map_err(|e| CudaError::driver("cuMemGetInfo", e))?;
+        if !self.inner.context.has_async_alloc() {
+            return Ok((free, total));
+        }
+        use cudarc::driver::sys::CUmemPool_attribute as PoolAttr;
+        let reserved = self.pool_attribute(PoolAttr::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+        let used = self.pool_attribute(PoolAttr::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+        match (reserved, used) {
+            (Ok(reserved), Ok(used)) => {
+                Ok((with_idle_pool_memory(free, total, reserved, used), total))
+            }
+            // A runtime that cannot read pool counters still has the driver's figure, which
+            // only understates what is free; failing the caller over it would be worse.
+            _ => Ok((free, total)),
+        }
     }
 
     /// Bytes the device's default memory pool holds reserved (live allocations plus memory the
     /// pool keeps cached), which is where stream-ordered allocations come from.
     pub fn pool_reserved_bytes(&self) -> CudaResult<u64> {
+        self.pool_attribute(
+            cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        )
+    }
+
+    /// One 64-bit attribute of the device's default memory pool.
+    fn pool_attribute(
+        &self,
+        attribute: cudarc::driver::sys::CUmemPool_attribute,
+    ) -> CudaResult<u64> {
         use cudarc::driver::sys;
         let context = &self.inner.context;
         context
@@ -219,18 +287,12 @@ impl Cuda {
         unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, context.cu_device()) }
             .result()
             .map_err(|e| CudaError::driver("cuDeviceGetDefaultMemPool", e))?;
-        let mut reserved: u64 = 0;
-        // SAFETY: RESERVED_MEM_CURRENT writes one cuuint64_t into `reserved`.
-        unsafe {
-            sys::cuMemPoolGetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-                (&mut reserved as *mut u64).cast(),
-            )
-        }
-        .result()
-        .map_err(|e| CudaError::driver("cuMemPoolGetAttribute", e))?;
-        Ok(reserved)
+        let mut value: u64 = 0;
+        // SAFETY: the RESERVED/USED_MEM_CURRENT attributes write one cuuint64_t into `value`.
+        unsafe { sys::cuMemPoolGetAttribute(pool, attribute, (&mut value as *mut u64).cast()) }
+            .result()
+            .map_err(|e| CudaError::driver("cuMemPoolGetAttribute", e))?;
+        Ok(value)
     }
 
     /// The cudarc context, for crates that launch their own kernels.
@@ -444,6 +506,21 @@ pub(crate) struct Workspace<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn idle_pool_memory_counts_as_free_up_to_the_total() {
+        // 10 free, the pool holds 8 of which 5 are live: 3 more can be allocated.
+        assert_eq!(with_idle_pool_memory(10, 100, 8, 5), 13);
+        // Nothing idle, or counters read a moment apart (used > reserved): the driver's figure.
+        assert_eq!(with_idle_pool_memory(10, 100, 5, 5), 10);
+        assert_eq!(with_idle_pool_memory(10, 100, 5, 9), 10);
+        // Never more than the device has.
+        assert_eq!(with_idle_pool_memory(90, 100, 50, 0), 100);
+        assert_eq!(
+            with_idle_pool_memory(usize::MAX, usize::MAX, u64::MAX, 0),
+            usize::MAX
+        );
+    }
 
     #[test]
     fn versions_and_arch_names() {

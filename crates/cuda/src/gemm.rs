@@ -160,6 +160,47 @@ impl RowMajorProduct {
     }
 }
 
+impl std::fmt::Display for ColumnMajorGemm {
+    /// The call as cuBLASLt sees it, for error messages: a failed heuristic on the GPU is only
+    /// diagnosable with the transposes, sizes and leading dimensions it was asked about.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let op = |t: bool| if t { 'T' } else { 'N' };
+        let k = if self.trans_a {
+            self.a.rows
+        } else {
+            self.a.cols
+        };
+        write!(
+            f,
+            "column-major D[{}x{}] = op{}(A)·op{}(B), k = {k}, lda = {}, ldb = {}, ldd = {}",
+            self.d.rows,
+            self.d.cols,
+            op(self.trans_a),
+            op(self.trans_b),
+            self.a.ld,
+            self.b.ld,
+            self.d.ld
+        )
+    }
+}
+
+/// The alignment cuBLASLt's heuristic assumes of every pointer unless told otherwise (its
+/// `CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES` default), and the most it is told here.
+const MAX_POINTER_ALIGNMENT: u32 = 256;
+
+/// The largest power of two (at most [`MAX_POINTER_ALIGNMENT`]) that divides `ptr`: what the
+/// heuristic may assume of that operand. Whole device allocations are at least 256-byte
+/// aligned, so for them this is the default and changes nothing; a less aligned pointer would
+/// otherwise get an algorithm that needs more than it has, and the call would fail (PyTorch
+/// passes the same preference for the same reason).
+pub(crate) fn pointer_alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        return MAX_POINTER_ALIGNMENT;
+    }
+    let lowest_bit = 1u64 << ptr.trailing_zeros();
+    lowest_bit.min(u64::from(MAX_POINTER_ALIGNMENT)) as u32
+}
+
 /// Workspace offered to cuBLASLt: NVIDIA's recommendation (32 MiB on Hopper, 4 MiB before).
 fn workspace_bytes(compute_capability: (i32, i32)) -> usize {
     if compute_capability.0 >= 9 {
@@ -190,18 +231,20 @@ pub(crate) fn check_gemm<T: Tensor>(
 ) -> Result<()> {
     let name = op_name(op);
     let GemmShape { m, n, k } = shape;
-    let (out_len, a_len, b_len, bias_len) = match op {
-        GemmOp::Forward => (m * n, m * k, n * k, n),
-        GemmOp::InputGrad => (m * k, m * n, n * k, k),
-        GemmOp::WeightGrad => (n * k, m * n, m * k, k),
-    };
-    if m.checked_mul(n).is_none() || m.checked_mul(k).is_none() || n.checked_mul(k).is_none() {
+    // Checked before any product is formed: an overflowing shape is bad input, not a panic.
+    let (Some(mn), Some(mk), Some(nk)) = (m.checked_mul(n), m.checked_mul(k), n.checked_mul(k))
+    else {
         return Err(Error::InvalidShape {
             op: name,
             shape: out.shape().clone(),
             reason: "m·n, m·k or n·k overflows usize",
         });
-    }
+    };
+    let (out_len, a_len, b_len, bias_len) = match op {
+        GemmOp::Forward => (mn, mk, nk, n),
+        GemmOp::InputGrad => (mk, mn, nk, k),
+        GemmOp::WeightGrad => (nk, mn, mk, k),
+    };
     if cuda_type(a.dtype()).is_none() {
         return Err(Error::UnsupportedDType {
             op: name,
@@ -293,6 +336,18 @@ fn cublas_error(op: &'static str) -> impl Fn(lt::CublasError) -> CudaError {
     move |e| CudaError::Cublas {
         op,
         status: format!("{:?}", e.0),
+    }
+}
+
+/// [`cublas_error`] with the call's geometry and types appended to the status (described only
+/// when the call fails: the success path formats nothing).
+fn cublas_call_error<'d>(
+    op: &'static str,
+    describe: &'d impl Fn() -> String,
+) -> impl Fn(lt::CublasError) -> CudaError + 'd {
+    move |e| CudaError::Cublas {
+        op,
+        status: format!("{:?} ({})", e.0, describe()),
     }
 }
 
@@ -548,21 +603,51 @@ impl Cuda {
             }
             .map_err(cublas_error("matmul preference attribute"))
             .map_err(fail)?;
-            // SAFETY: every descriptor is live and describes the buffers below.
+            // The pointers are needed before the heuristic: it must know their alignment.
+            let (a_ptr, _a_sync) = rhs_buf.device_ptr(&stream);
+            let (b_ptr, _b_sync) = lhs_buf.device_ptr(&stream);
+            let (d_ptr, _d_sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(out_buf, &stream);
+            let (w_ptr, _w_sync) = workspace.buffer.device_ptr(&stream);
+            for (attr, ptr) in [
+                (PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, a_ptr),
+                (PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, b_ptr),
+                // C is D (same buffer, same layout).
+                (PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, d_ptr),
+                (PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d_ptr),
+            ] {
+                let alignment: u32 = pointer_alignment(ptr);
+                // SAFETY: `pref` is live; the attribute is one uint32_t.
+                unsafe {
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        attr,
+                        (&alignment as *const u32).cast(),
+                        std::mem::size_of::<u32>(),
+                    )
+                }
+                .map_err(cublas_error("matmul preference attribute"))
+                .map_err(fail)?;
+            }
+            let with_bias = bias_ptr.is_some();
+            let call = || {
+                format!(
+                    "{plan}, {in_type:?} inputs, {out_type:?} output, bias: {with_bias}, \
+                     beta: {}",
+                    u8::from(accumulate)
+                )
+            };
+            // SAFETY: every descriptor is live and describes the buffers below. Zero
+            // algorithms come back as CUBLAS_STATUS_NOT_SUPPORTED (cudarc checks the count).
             let heuristic = unsafe {
                 lt::get_matmul_algo_heuristic(
                     handle, desc, a_layout, b_layout, d_layout, d_layout, pref,
                 )
             }
-            .map_err(cublas_error("cublasLtMatmulAlgoGetHeuristic"))
+            .map_err(cublas_call_error("cublasLtMatmulAlgoGetHeuristic", &call))
             .map_err(fail)?;
 
             let alpha = 1.0f32;
             let beta = if accumulate { 1.0f32 } else { 0.0f32 };
-            let (a_ptr, _a_sync) = rhs_buf.device_ptr(&stream);
-            let (b_ptr, _b_sync) = lhs_buf.device_ptr(&stream);
-            let (d_ptr, _d_sync) = cudarc::driver::DevicePtrMut::device_ptr_mut(out_buf, &stream);
-            let (w_ptr, _w_sync) = workspace.buffer.device_ptr(&stream);
             // SAFETY: the layouts match the buffers' checked element counts and dtypes; D is
             // also C (read only when beta = 1); the workspace holds `ws_bytes` bytes; everything
             // stays alive until the call is queued, and the stream orders later frees after it.
@@ -586,7 +671,7 @@ impl Cuda {
                     stream.cu_stream() as sys::cudaStream_t,
                 )
             }
-            .map_err(cublas_error("cublasLtMatmul"))
+            .map_err(cublas_call_error("cublasLtMatmul", &call))
             .map_err(fail)
         })
     }
@@ -735,6 +820,26 @@ mod tests {
             ),
             Err(Error::DTypeMismatch { .. })
         ));
+        // Sizes whose products overflow are refused, not a panic (overflow checks are on in
+        // debug builds).
+        for op in [GemmOp::Forward, GemmOp::InputGrad, GemmOp::WeightGrad] {
+            let huge = GemmShape {
+                m: usize::MAX / 2,
+                n: 3,
+                k: 5,
+            };
+            assert!(matches!(
+                check_gemm(
+                    op,
+                    huge,
+                    &t(&cpu, 12, f),
+                    &t(&cpu, 20, f),
+                    &t(&cpu, 15, f),
+                    None
+                ),
+                Err(Error::InvalidShape { .. })
+            ));
+        }
         // An empty inner dimension with a non-empty output is refused; empty outputs are fine.
         let k0 = GemmShape { m: 2, n: 2, k: 0 };
         assert!(matches!(
@@ -829,6 +934,33 @@ mod tests {
                 proptest::prop_assert_eq!(got, want, "{:?}", op);
             }
         }
+    }
+
+    #[test]
+    fn pointer_alignment_is_the_lowest_set_bit_capped_at_the_default() {
+        // Whole allocations (256-byte aligned or better) keep cuBLASLt's default.
+        assert_eq!(pointer_alignment(0x7f00_0000_0000), 256);
+        assert_eq!(pointer_alignment(0x7f00_0000_0100), 256);
+        assert_eq!(pointer_alignment(0x7f00_0000_0200), 256);
+        // Interior pointers report what they really have.
+        assert_eq!(pointer_alignment(0x7f00_0000_0080), 128);
+        assert_eq!(pointer_alignment(0x7f00_0000_0010), 16);
+        assert_eq!(pointer_alignment(0x7f00_0000_0002), 2);
+        assert_eq!(pointer_alignment(0x7f00_0000_0001), 1);
+        assert_eq!(pointer_alignment(0), 256);
+    }
+
+    #[test]
+    fn failed_calls_describe_the_column_major_geometry() {
+        // Forward, m = 2 tokens, n = 3 outputs, k = 5: D is yᵀ (3×2), A is W's buffer read as
+        // k×n and transposed, B is x's buffer read as k×m.
+        let g = product(GemmOp::Forward, GemmShape { m: 2, n: 3, k: 5 })
+            .column_major()
+            .unwrap();
+        assert_eq!(
+            g.to_string(),
+            "column-major D[3x2] = opT(A)·opN(B), k = 5, lda = 5, ldb = 5, ldd = 3"
+        );
     }
 
     #[test]
