@@ -62,6 +62,21 @@ run_kind() {
 cd "$here" || exit 1
 export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
 
+# cudarc opens libcuda, libnvrtc and libcublasLt by name at run time. Where the loader cannot
+# find NVRTC or cuBLASLt (they often live only in the CUDA toolkit or in PyTorch's nvidia wheels),
+# add the first folders that hold them.
+need_lib() { ! ldconfig -p 2>/dev/null | grep -q "$1"; }
+if need_lib libnvrtc.so || need_lib libcublasLt.so; then
+  for lib in libnvrtc.so libcublasLt.so; do
+    dir="$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /opt /usr/lib \
+      -maxdepth 8 -name "$lib*" 2>/dev/null | head -n 1 | xargs -r dirname)"
+    if [ -n "$dir" ]; then
+      export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      echo "run.sh: $lib from $dir"
+    fi
+  done
+fi
+
 case "$mode" in
   test | bench | all | compare) ;;
   pack)
