@@ -210,8 +210,12 @@ impl StagedBuffers for CudaStaging {
 /// last kernels that read its parameters), call [`hand_bucket`](Self::hand_bucket); when every
 /// bucket is handed over, call [`finish`](Self::finish) before the next forward. Parameter and
 /// gradient tensors are passed as lists indexed by parameter index; they must stay alive and
-/// keep their shapes until `finish` returns. Results are bit-identical to running
-/// [`CpuAdamW::step`] on the downloaded gradients.
+/// keep their shapes until `finish` returns. From a bucket's `hand_bucket` until `finish`, no
+/// device work may write that bucket's gradients (the d2h copy is still reading them) or read
+/// or write its parameters (the h2d copy writes them): only the pipeline's own events order
+/// those copies, and cudarc's per-buffer tracking, when it is on, keeps only the latest read
+/// of a buffer. Results are bit-identical to running [`CpuAdamW::step`] on the downloaded
+/// gradients.
 ///
 /// ```
 /// use headroom_cuda::{Cuda, CudaError};

@@ -55,7 +55,9 @@
 //! ## Limits
 //! bf16 only ([`Precision::Bf16`]), flash attention only, head dimension 64 or 128 (the CUDA
 //! flash kernels'), compute capability 8.0 or newer. Anything else is a typed error before
-//! anything runs on the device.
+//! anything runs on the device (the compute capability when attention first runs).
+//! [`GptOptions::offload_grads`] has no effect here: every gradient stays in the caller's
+//! device buffers until the caller downloads them.
 
 mod block;
 mod error;
@@ -67,6 +69,7 @@ pub use error::{CudaGptError, CudaGptResult};
 use headroom_attn::Algorithm;
 use headroom_ckpt::{Chain, Schedule, ScheduleStats};
 use headroom_cuda::{Cuda, CudaTensor, GemmOp, GemmShape};
+use headroom_tensor::cpu::kernels::{axpy, FloatSlice};
 use headroom_tensor::{Backend, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
 use crate::model::params::{self, layer as o, layer_index, ln_f_index, PER_LAYER, WPE, WTE};
@@ -90,6 +93,9 @@ pub struct CudaGpt {
     /// f32 tensors holding the bf16-rounded working values of the weights f32 kernels read
     /// (embeddings, layer norms, biases); `None` for the block matrices.
     f32_weights: Vec<Option<CudaTensor>>,
+    /// Host ones the bias gradients' ones column is uploaded from (grow-only; see
+    /// [`CudaGpt::ones`]).
+    ones_host: std::sync::Mutex<Vec<f32>>,
 }
 
 /// An f32 view of a device tensor (the CPU model's view type over `CudaTensor`).
@@ -165,6 +171,7 @@ impl CudaGpt {
             cuda: cuda.clone(),
             gemm_weights,
             f32_weights,
+            ones_host: std::sync::Mutex::new(Vec::new()),
         };
         gpt.upload_masters(masters)?;
         Ok(gpt)
@@ -311,10 +318,12 @@ impl CudaGpt {
         for (g, h) in grads.iter().zip(host) {
             let dst = h.as_mut_slice::<f32>()?;
             staging.resize(dst.len(), 0.0f32);
+            // Synchronous: `staging` holds the gradient when this returns.
             self.cuda.download_into(g, &mut staging)?;
-            for (d, s) in dst.iter_mut().zip(&staging) {
-                *d += s;
-            }
+            // The tensor crate's threaded `y += 1·x` (no FMA): the same bits as a plain loop,
+            // on every core — at GPT-2 sizes a single-threaded add of every gradient costs
+            // about as much as the micro-batch's backward on the device.
+            axpy(1.0, FloatSlice::F32(&staging), dst);
         }
         Ok(())
     }
@@ -435,9 +444,19 @@ impl CudaGpt {
     }
 
     /// A `[n, 1]` f32 column of ones in workspace memory (the bias gradients' reducer).
+    ///
+    /// The host source is kept in the model rather than a temporary: CUDA documents an
+    /// upload from pageable memory only as "might be synchronous", so a buffer freed right
+    /// after the call could in principle still be read. It only grows, and grows only for a
+    /// larger batch — in a later step, after that step's loss download waited for the stream
+    /// and so for every earlier upload from the buffer it replaces.
     pub(crate) fn ones(&self, n: usize) -> CudaGptResult<CudaTensor> {
+        let mut host = self.ones_host.lock().unwrap_or_else(|p| p.into_inner());
+        if host.len() < n {
+            host.resize(n, 1.0);
+        }
         let _g = MemoryCategory::Workspace.enter();
-        Ok(self.cuda.upload(&vec![1.0f32; n], [n, 1])?)
+        Ok(self.cuda.upload(&host[..n], [n, 1])?)
     }
 
     /// Token + position embeddings `[B, T, C]`, kept in bf16 (the chain's input); `tokens`
@@ -502,10 +521,20 @@ impl CudaGpt {
         } else {
             MemoryCategory::Activations
         };
-        let mut loss_sum = 0.0f64;
-        let mut r0 = 0;
-        while r0 < n {
-            let r = rows.min(n - r0);
+        // Every chunk's per-token losses land in one device buffer that is downloaded once,
+        // after the loop: a download per chunk would stall the host on the device as many
+        // times as there are chunks. The targets go up once too (chunks are device copies),
+        // and the `dloss` host values outlive every upload that reads them.
+        let dloss_host = vec![dloss_per_token; rows];
+        let (mut losses_all, targets_all, dloss_full) = {
+            let _g = MemoryCategory::Workspace.enter();
+            (
+                cuda.zeros([n], DType::F32)?,
+                cuda.upload(targets, [n])?,
+                cuda.upload(&dloss_host, [rows])?,
+            )
+        };
+        for (r0, r) in loss_chunks(n, rows) {
             let whole = r == n;
             let lnf_chunk = if whole {
                 None
@@ -524,29 +553,42 @@ impl CudaGpt {
                 t
             };
             drop(logits16);
-            let (mut losses, mut dlogits, targets_dev, dloss) = {
+            let mut dlogits = {
                 let _g = MemoryCategory::Workspace.enter();
-                (
-                    cuda.zeros([r], DType::F32)?,
-                    cuda.zeros([r, v], DType::F32)?,
-                    cuda.upload(&targets[r0..r0 + r], [r])?,
-                    cuda.upload(&vec![dloss_per_token; r], [r])?,
-                )
+                cuda.zeros([r, v], DType::F32)?
             };
-            cuda.cross_entropy_forward_backward(
-                &mut losses,
-                &mut dlogits,
-                &logits,
-                &targets_dev,
-                &dloss,
-                v,
-            )?;
+            if whole {
+                cuda.cross_entropy_forward_backward(
+                    &mut losses_all,
+                    &mut dlogits,
+                    &logits,
+                    &targets_all,
+                    &dloss_full,
+                    v,
+                )?;
+            } else {
+                let (mut losses, targets_dev, dloss_short) = {
+                    let _g = MemoryCategory::Workspace.enter();
+                    let mut t = cuda.uninit([r], DType::U32)?;
+                    run_copies(cuda, &mut t, &targets_all, &[row_copy(r0, 0, r, 4)])?;
+                    let dloss_short = if r == rows {
+                        None
+                    } else {
+                        Some(cuda.upload(&dloss_host[..r], [r])?)
+                    };
+                    (cuda.zeros([r], DType::F32)?, t, dloss_short)
+                };
+                cuda.cross_entropy_forward_backward(
+                    &mut losses,
+                    &mut dlogits,
+                    &logits,
+                    &targets_dev,
+                    dloss_short.as_ref().unwrap_or(&dloss_full),
+                    v,
+                )?;
+                run_copies(cuda, &mut losses_all, &losses, &[row_copy(0, r0, r, 4)])?;
+            }
             drop(logits);
-            loss_sum += cuda
-                .download::<f32>(&losses)?
-                .iter()
-                .map(|&l| l as f64)
-                .sum::<f64>();
             let dlogits16 = self.to_bf16_scratch(&dlogits)?;
             drop(dlogits);
             let shape = GemmShape { m: r, n: v, k: c };
@@ -583,8 +625,15 @@ impl CudaGpt {
                 None,
                 true,
             )?;
-            r0 += r;
         }
+        // In token order, in f64, like the CPU model's mean. The download waits for the
+        // stream, so every upload above has finished reading `dloss_host` and `targets`.
+        let loss_sum: f64 = cuda
+            .download::<f32>(&losses_all)?
+            .iter()
+            .map(|&l| l as f64)
+            .sum();
+        drop((losses_all, targets_all, dloss_full, dloss_host));
         drop(lnf);
         let mut dres = self.scratch([g.b, g.t, c])?;
         cuda.layernorm_backward(
@@ -715,6 +764,13 @@ fn missing_weight(i: usize, kind: &str) -> CudaGptError {
     .into()
 }
 
+/// The head's row chunks `(first row, rows)` for `n` token rows in chunks of at most `chunk`
+/// (`chunk ≥ 1`): consecutive, covering `0..n` once, every chunk but the last full.
+fn loss_chunks(n: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    let chunk = chunk.max(1);
+    (0..n).step_by(chunk).map(move |r0| (r0, chunk.min(n - r0)))
+}
+
 /// What the CUDA path runs, checked before any device work.
 fn check_config(cfg: &GptConfig, opts: &GptOptions) -> CudaGptResult<()> {
     cfg.validate()?;
@@ -775,6 +831,25 @@ mod tests {
         for (i, info) in params::param_infos(&cfg).iter().enumerate() {
             let matrix = info.shape.len() == 2 && i != WTE && i != WPE;
             assert_eq!(is_f32_weight(&cfg, i), !matrix, "{}", info.name);
+        }
+    }
+
+    #[test]
+    fn loss_chunks_tile_the_rows_once_in_order() {
+        for n in 1..40 {
+            for chunk in 1..45 {
+                let chunks: Vec<(usize, usize)> = loss_chunks(n, chunk).collect();
+                let mut next = 0;
+                for (i, &(r0, r)) in chunks.iter().enumerate() {
+                    assert_eq!(r0, next, "n {n} chunk {chunk}");
+                    assert!(r >= 1 && r <= chunk);
+                    assert!(r == chunk || i + 1 == chunks.len(), "a short chunk inside");
+                    next += r;
+                }
+                assert_eq!(next, n);
+                // One chunk exactly when the chunk holds every row: the head's `whole` case.
+                assert_eq!(chunks.len() == 1, chunk >= n);
+            }
         }
     }
 
