@@ -127,16 +127,7 @@ pub fn estimate(
     }
     // Optimizer state: two moments per parameter, f32 or u8 with an f32 scale per block of
     // each tensor.
-    let state: u64 = match tech.optimizer.state {
-        StatePrecision::F32 => 8 * p,
-        StatePrecision::Int8 => infos
-            .iter()
-            .map(|i| {
-                let n = u(i.shape.iter().product());
-                2 * n + 2 * n.div_ceil(u(INT8_BLOCK)) * 4
-            })
-            .sum(),
-    };
+    let state = optimizer_state_bytes(&infos, tech.optimizer.state);
     match &tech.optimizer.placement {
         OptimizerPlacement::Resident => device[MemoryCategory::OptimizerState] = state,
         OptimizerPlacement::HostRam => host[MemoryCategory::OptimizerState] = state,
@@ -238,6 +229,167 @@ pub fn estimate(
     Ok(TrainerEstimate { device, ..est })
 }
 
+/// Bytes of AdamW's two moments over `infos`: f32, or u8 codes with an f32 scale per block of
+/// each tensor.
+fn optimizer_state_bytes(infos: &[params::ParamInfo], state: StatePrecision) -> u64 {
+    match state {
+        StatePrecision::F32 => {
+            8 * infos
+                .iter()
+                .map(|i| u(i.shape.iter().product()))
+                .sum::<u64>()
+        }
+        StatePrecision::Int8 => infos
+            .iter()
+            .map(|i| {
+                let n = u(i.shape.iter().product());
+                2 * n + 2 * n.div_ceil(u(INT8_BLOCK)) * 4
+            })
+            .sum(),
+    }
+}
+
+/// The parameter state of a CUDA run (feature `cuda`): peak bytes of `Parameters`,
+/// `Gradients` and `OptimizerState` on the device and on the host. Activations, workspace and
+/// data are not modelled here (the CUDA model keeps a different activation set from the CPU
+/// model's that [`estimate`] costs).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CudaParameterState {
+    /// Device bytes (only the three parameter-state categories are non-zero).
+    pub device: PerCategory<u64>,
+    /// Host bytes (likewise).
+    pub host: PerCategory<u64>,
+}
+
+/// Predict [`CudaParameterState`] for `cfg` trained with `tech` on a CUDA device. The tracker
+/// of such a run shows these peaks exactly:
+///
+/// - device `Parameters`: the working copies — bf16 for the weights GEMMs read (`wte` and each
+///   block's four matrices), f32 holding bf16 values for those f32 kernels read (everything
+///   but the block matrices; `wte` has both) — plus, resident, the fp32 masters;
+/// - `Gradients`: f32 for every parameter on the device (resident: the accumulator; offloaded:
+///   the model's per-micro-batch buffers), and offloaded also the host accumulator's;
+/// - `OptimizerState`: the moments on the device (resident, f32 only) or the host (RAM
+///   offload; a file store is page cache, on neither ledger);
+/// - host `Parameters`: the fp32 masters — offloaded, kept; resident, the initial copy the
+///   masters are uploaded from (dropped before the first step, but a peak).
+///
+/// Errors for a setup the CUDA path refuses (8-bit state resident on the device).
+pub fn cuda_parameter_state(cfg: &GptConfig, tech: &Techniques) -> Result<CudaParameterState> {
+    cfg.validate()?;
+    let resident = tech.optimizer.placement == OptimizerPlacement::Resident;
+    if resident && tech.optimizer.state == StatePrecision::Int8 {
+        return Err(TrainError::Config(
+            "8-bit optimizer state on CUDA runs only offloaded".into(),
+        ));
+    }
+    let infos = params::param_infos(cfg);
+    let p: u64 = infos.iter().map(|i| u(i.shape.iter().product())).sum();
+    // Block matrices are GEMM-only; wte is read by the embedding (f32) and the head (GEMM).
+    let block_matrix = |i: usize, info: &params::ParamInfo| {
+        info.shape.len() == 2 && i != params::WTE && i != params::WPE
+    };
+    let mut gemm = 0u64;
+    let mut views = 0u64;
+    for (i, info) in infos.iter().enumerate() {
+        let n = u(info.shape.iter().product());
+        if block_matrix(i, info) || i == params::WTE {
+            gemm += n;
+        }
+        if !block_matrix(i, info) {
+            views += n;
+        }
+    }
+    let mut device = PerCategory::<u64>::default();
+    let mut host = PerCategory::<u64>::default();
+    device[MemoryCategory::Parameters] = 2 * gemm + 4 * views + if resident { 4 * p } else { 0 };
+    host[MemoryCategory::Parameters] = 4 * p;
+    device[MemoryCategory::Gradients] = 4 * p;
+    let state = optimizer_state_bytes(&infos, tech.optimizer.state);
+    match &tech.optimizer.placement {
+        OptimizerPlacement::Resident => device[MemoryCategory::OptimizerState] = state,
+        OptimizerPlacement::HostRam => host[MemoryCategory::OptimizerState] = state,
+        OptimizerPlacement::File(_) => {}
+    }
+    if !resident {
+        host[MemoryCategory::Gradients] = 4 * p;
+    }
+    Ok(CudaParameterState { device, host })
+}
+
 fn p_of(infos: &[params::ParamInfo], i: usize) -> u64 {
     infos.get(i).map_or(0, |x| u(x.shape.iter().product()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::techniques::OptimizerChoice;
+
+    /// vocab 32, context 8, one block, width 4: every tensor counted by hand.
+    fn cfg() -> GptConfig {
+        GptConfig {
+            vocab: 32,
+            max_seq: 8,
+            layers: 1,
+            heads: 1,
+            channels: 4,
+        }
+    }
+
+    #[test]
+    fn cuda_parameter_state_counts_every_copy_by_hand() {
+        let c = 4u64;
+        let (wte, wpe) = (32 * c, 8 * c);
+        // The block's four matrices (qkv, attention projection, fc, fc projection) and its
+        // vectors (two layer norms' weight and bias, the four biases), then ln_f.
+        let matrices = c * 3 * c + c * c + c * 4 * c + 4 * c * c;
+        let vectors = 4 * c + 3 * c + c + 4 * c + c;
+        let lnf = 2 * c;
+        let p = wte + wpe + matrices + vectors + lnf;
+        let infos = params::param_infos(&cfg());
+        assert_eq!(
+            infos
+                .iter()
+                .map(|i| u(i.shape.iter().product()))
+                .sum::<u64>(),
+            p
+        );
+        let working = 2 * (wte + matrices) + 4 * (wte + wpe + vectors + lnf);
+
+        let mut tech = Techniques::baseline();
+        let r = cuda_parameter_state(&cfg(), &tech).unwrap();
+        assert_eq!(r.device[MemoryCategory::Parameters], working + 4 * p);
+        assert_eq!(r.device[MemoryCategory::Gradients], 4 * p);
+        assert_eq!(r.device[MemoryCategory::OptimizerState], 8 * p);
+        assert_eq!(r.host[MemoryCategory::Parameters], 4 * p);
+        assert_eq!(r.host[MemoryCategory::Gradients], 0);
+        assert_eq!(r.host[MemoryCategory::OptimizerState], 0);
+
+        tech.optimizer.placement = OptimizerPlacement::HostRam;
+        let r = cuda_parameter_state(&cfg(), &tech).unwrap();
+        assert_eq!(r.device[MemoryCategory::Parameters], working);
+        assert_eq!(r.device[MemoryCategory::Gradients], 4 * p);
+        assert_eq!(r.device[MemoryCategory::OptimizerState], 0);
+        assert_eq!(r.host[MemoryCategory::Parameters], 4 * p);
+        assert_eq!(r.host[MemoryCategory::Gradients], 4 * p);
+        assert_eq!(r.host[MemoryCategory::OptimizerState], 8 * p);
+
+        tech.optimizer = OptimizerChoice {
+            state: StatePrecision::Int8,
+            placement: OptimizerPlacement::File("unused".into()),
+        };
+        let r = cuda_parameter_state(&cfg(), &tech).unwrap();
+        assert_eq!(r.host[MemoryCategory::OptimizerState], 0, "page cache");
+        assert_eq!(r.device[MemoryCategory::OptimizerState], 0);
+
+        tech.optimizer = OptimizerChoice {
+            state: StatePrecision::Int8,
+            placement: OptimizerPlacement::Resident,
+        };
+        assert!(matches!(
+            cuda_parameter_state(&cfg(), &tech),
+            Err(TrainError::Config(_))
+        ));
+    }
 }

@@ -136,8 +136,9 @@ struct RunArgs {
     /// the synthetic source.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Where to run. cuda (built with the `cuda` feature): bf16 with flash attention only,
-    /// optimizer on the host; without a GPU it fails with the typed "no CUDA device" error.
+    /// Where to run. cuda (built with the `cuda` feature): bf16 with flash attention only;
+    /// masters and AdamW on the GPU unless an offload placement moves them to the host; without
+    /// a GPU it fails with the typed "no CUDA device" error.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
 }

@@ -17,16 +17,18 @@ use std::time::Instant;
 
 use headroom_accum::{GradAccumulator, GradUnscaler, MicroBatchStats, NoLossScaling, StepTokens};
 use headroom_amp::{LossScaler, LossScalerConfig};
-use headroom_ckpt::Schedule;
+use headroom_ckpt::{Schedule, ScheduleStats};
 use headroom_mmap_data::{
     Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode, Shard, TokenDataset,
 };
-use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StoreSpec};
+use headroom_offload::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, MemoryCategory};
 
 use crate::checkpoint::{self, TrainingState};
+#[cfg(feature = "cuda")]
+use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
 use crate::estimate;
 use crate::model::{params, Geometry, Gpt, GptConfig, GptOptions};
@@ -315,6 +317,249 @@ fn cuda_engine(
     )))
 }
 
+/// What the device-resident optimizer starts from.
+// Without the `cuda` feature a CUDA run is refused before these are read.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct ResidentSetup<'a> {
+    groups: Vec<AdamWHyper>,
+    specs: Vec<ParamSpec>,
+    shapes: Vec<Vec<usize>>,
+    /// A checkpoint's optimizer state and moment bytes, when resuming.
+    saved: Option<(&'a AdamWState, &'a [u8])>,
+}
+
+/// The CUDA model with masters, gradient accumulation and AdamW on the device (the resident
+/// placement), its allocations reported to `tracker`.
+#[cfg(feature = "cuda")]
+fn cuda_resident(
+    ordinal: usize,
+    tracker: &Arc<MemoryTracker>,
+    cfg: GptConfig,
+    opts: GptOptions,
+    masters: Vec<CpuTensor>,
+    setup: ResidentSetup<'_>,
+) -> Result<Stepper> {
+    // `masters` is the host copy the device's are uploaded from; it is dropped on return.
+    let cuda = headroom_cuda::Cuda::new(ordinal)
+        .map_err(|e| TrainError::from(crate::cuda::CudaGptError::Device(e)))?
+        .with_alloc_hook(tracker.clone());
+    let model = CudaResident::new(
+        &cuda,
+        cfg,
+        opts,
+        &masters,
+        setup.groups,
+        setup.specs,
+        setup.saved,
+    )?;
+    let acc = GradAccumulator::new(model.backend().clone(), setup.shapes)?;
+    Ok(Stepper::Device {
+        model: Box::new(model),
+        acc,
+    })
+}
+
+/// Without the `cuda` feature a CUDA run is a typed configuration error.
+#[cfg(not(feature = "cuda"))]
+fn cuda_resident(
+    ordinal: usize,
+    _: &Arc<MemoryTracker>,
+    _: GptConfig,
+    _: GptOptions,
+    _: Vec<CpuTensor>,
+    _: ResidentSetup<'_>,
+) -> Result<Stepper> {
+    Err(TrainError::Config(format!(
+        "cuda:{ordinal} requested, but headroom-trainer was built without its `cuda` feature"
+    )))
+}
+
+/// What the device-resident optimizer does not run, refused before anything is allocated.
+fn check_resident_cuda(tech: &Techniques) -> Result<()> {
+    if tech.optimizer.state == StatePrecision::Int8 {
+        return Err(TrainError::Config(
+            "8-bit optimizer state on CUDA runs only offloaded (the device-resident AdamW keeps \
+             f32 moments): use an offloaded placement or f32 state"
+                .into(),
+        ));
+    }
+    if tech.model.precision.needs_loss_scaling() {
+        return Err(TrainError::Config(format!(
+            "{} on CUDA is not supported (the CUDA model runs bf16, which needs no loss scaling)",
+            tech.model.precision.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Where a step's gradients accumulate and its optimizer runs, with the model they update.
+// One per run, built once and never moved in the loop: boxing the host variant would buy
+// nothing but an indirection.
+#[allow(clippy::large_enum_variant)]
+enum Stepper {
+    /// f32 accumulation and `CpuAdamW` beside the masters on a `Cpu` backend: the CPU model
+    /// (resident or offloaded), or the CUDA model with an offloaded placement.
+    Host {
+        engine: Engine,
+        acc: GradAccumulator<Cpu>,
+        opt: CpuAdamW,
+    },
+    /// The CUDA model with masters, accumulation and AdamW on the device (resident placement).
+    #[cfg(feature = "cuda")]
+    Device {
+        model: Box<CudaResident>,
+        acc: GradAccumulator<headroom_cuda::Cuda>,
+    },
+}
+
+/// Run one micro-batch's `backward` into `acc`'s buffers (it must *add* the gradient of
+/// `weight × Σ losses`); on failure the step is abandoned and the backward's error returned.
+fn accumulate_micro_batch<B: Backend>(
+    acc: &mut GradAccumulator<B>,
+    rows: usize,
+    backward: impl FnOnce(&mut [B::Tensor], f32) -> Result<(f32, ScheduleStats)>,
+) -> Result<Option<(f32, ScheduleStats)>> {
+    let mut out = None;
+    let r = acc.accumulate_in_place(
+        MicroBatchStats {
+            counted_tokens: rows as u64,
+            loss_sum: 0.0,
+        },
+        |_, grads, weight| -> Result<()> {
+            out = Some(backward(grads, weight)?);
+            Ok(())
+        },
+    );
+    if let Err(e) = r {
+        // The step is lost either way; the original error is the one to report.
+        let _ = acc.abandon_step();
+        return Err(e.into());
+    }
+    Ok(out)
+}
+
+impl Stepper {
+    fn begin_step(&mut self, tokens: StepTokens) -> Result<()> {
+        match self {
+            Stepper::Host { acc, .. } => acc.begin_step(tokens)?,
+            #[cfg(feature = "cuda")]
+            Stepper::Device { acc, .. } => acc.begin_step(tokens)?,
+        }
+        Ok(())
+    }
+
+    /// One micro-batch of `g` rows, its loss gradient seeded with the accumulator's token
+    /// weight times `loss_scale`: its mean loss and the schedule's figures.
+    fn micro_batch(
+        &mut self,
+        tokens: &[u32],
+        targets: &[u32],
+        g: Geometry,
+        loss_scale: f32,
+        schedule: &Schedule,
+    ) -> Result<Option<(f32, ScheduleStats)>> {
+        let rows = g.rows();
+        match self {
+            Stepper::Host { engine, acc, .. } => accumulate_micro_batch(acc, rows, |grads, w| {
+                engine.micro_batch(tokens, targets, g, grads, w * loss_scale, schedule)
+            }),
+            #[cfg(feature = "cuda")]
+            Stepper::Device { model, acc } => accumulate_micro_batch(acc, rows, |grads, w| {
+                model.micro_batch(tokens, targets, g, grads, w * loss_scale, schedule)
+            }),
+        }
+    }
+
+    /// Unscale (fp16), skip on overflow, clip to `max_norm`: headroom-accum's one
+    /// implementation on either backend, so the device's clip coefficient is the host's
+    /// formula (`max_norm / norm` from the per-tensor f64 sums of squares added in parameter
+    /// order).
+    fn finish_step(
+        &mut self,
+        scaler: Option<&mut LossScaler>,
+        max_norm: f64,
+    ) -> Result<headroom_accum::StepReport> {
+        Ok(match self {
+            Stepper::Host { acc, .. } => match scaler {
+                Some(s) => acc.finish_step(&mut ScalerAdapter(s), Some(max_norm))?,
+                None => acc.finish_step(&mut NoLossScaling, Some(max_norm))?,
+            },
+            #[cfg(feature = "cuda")]
+            Stepper::Device { acc, .. } => {
+                if scaler.is_some() {
+                    return Err(TrainError::Config(
+                        "loss scaling is not supported by the device-resident optimizer".into(),
+                    ));
+                }
+                acc.finish_step(&mut NoLossScaling, Some(max_norm))?
+            }
+        })
+    }
+
+    /// Both groups' learning rate.
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        for g in 0..2 {
+            match self {
+                Stepper::Host { opt, .. } => opt.set_lr(g, lr)?,
+                #[cfg(feature = "cuda")]
+                Stepper::Device { model, .. } => model.set_lr(g, lr)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// One AdamW step of every parameter from the finished step's gradients, and the
+    /// refresh of what the model computes with.
+    fn apply(&mut self) -> Result<()> {
+        match self {
+            Stepper::Host { engine, acc, opt } => {
+                let grads = acc.gradients();
+                for (i, (p, gr)) in engine.masters_mut().iter_mut().zip(grads).enumerate() {
+                    opt.step(
+                        i,
+                        p.as_mut_slice::<f32>()?,
+                        FloatSlice::F32(gr.as_slice::<f32>()?),
+                        None,
+                    )?;
+                }
+                engine.refresh()
+            }
+            #[cfg(feature = "cuda")]
+            Stepper::Device { model, acc } => model.apply(acc.gradients()),
+        }
+    }
+
+    /// Write a checkpoint after `step` completed steps (the device path in the host
+    /// optimizer's format, through transient host copies on `host`).
+    fn save(
+        &mut self,
+        dir: &std::path::Path,
+        step: usize,
+        config: GptConfig,
+        loader: &Loader,
+        scaler: Option<headroom_amp::LossScalerState>,
+        host: &Cpu,
+    ) -> Result<()> {
+        match self {
+            Stepper::Host { engine, opt, .. } => {
+                // The masters are host tensors already: no staging copy.
+                let _ = host;
+                opt.flush()?;
+                let mut state = TrainingState::new(step, config, opt.state(), loader.state());
+                state.scaler = scaler;
+                checkpoint::save(dir, &state, engine.masters(), opt.moments())
+            }
+            #[cfg(feature = "cuda")]
+            Stepper::Device { model, .. } => {
+                let (masters, opt_state, moments) = model.checkpoint_parts(host)?;
+                let mut state = TrainingState::new(step, config, opt_state, loader.state());
+                state.scaler = scaler;
+                checkpoint::save(dir, &state, &masters, &moments)
+            }
+        }
+    }
+}
+
 /// Train from scratch (or resume), calling `on_step` after every step.
 pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<TrainReport> {
     if opts.steps == 0 || opts.batch == 0 || opts.seq == 0 {
@@ -330,6 +575,9 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     }
     let tech = &opts.techniques;
     let micro = opts.micro_batch()?;
+    if matches!(opts.device, ComputeDevice::Cuda { .. }) && !tech.optimizer.is_offloaded() {
+        check_resident_cuda(tech)?;
+    }
     let precision = tech.model.precision;
     let tracker = Arc::new(MemoryTracker::new());
     let dev = opts.device.tracked();
@@ -380,10 +628,18 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     };
 
     // fp32 masters: on the host when offloading a low-precision run (the device keeps only the
-    // working copy); otherwise they are the device's weights.
-    // On CUDA the masters, gradients' accumulation and optimizer live on the host.
-    let on_host = matches!(opts.device, ComputeDevice::Cuda { .. });
-    let masters_on = if on_host || (precision.is_low() && tech.optimizer.is_offloaded()) {
+    // working copy); otherwise they are the device's weights. On CUDA they start on the host:
+    // an offloaded placement keeps them there (with accumulation and AdamW), the resident one
+    // copies them to the device and drops the host copy.
+    let on_cuda = matches!(opts.device, ComputeDevice::Cuda { .. });
+    // The device ordinal when everything stays on a CUDA device.
+    let resident_cuda = match opts.device {
+        ComputeDevice::Cuda { ordinal } if !tech.optimizer.is_offloaded() => Some(ordinal),
+        _ => None,
+    };
+    // CUDA with an offloaded placement: masters, accumulation and AdamW on the host.
+    let on_host = on_cuda && resident_cuda.is_none();
+    let masters_on = if on_cuda || (precision.is_low() && tech.optimizer.is_offloaded()) {
         &host
     } else {
         &cpu
@@ -404,29 +660,10 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     if tech.checkpoint == CheckpointChoice::Selective {
         model_opts.selective = true;
     }
-    // Offloading the optimizer offloads the gradients too: they reach the host part by part
-    // as backward produces them, and the accumulator (and clipping) work there.
-    let grads_on_host = on_host || tech.optimizer.is_offloaded();
-    model_opts.offload_grads = tech.optimizer.is_offloaded() && !on_host;
-    let mut engine = match opts.device {
-        ComputeDevice::Cpu => {
-            Engine::Cpu(Gpt::from_masters(&cpu, opts.model, model_opts, masters)?)
-        }
-        ComputeDevice::Cuda { ordinal } => {
-            cuda_engine(ordinal, &tracker, opts.model, model_opts, masters)?
-        }
-    };
-
     let shapes: Vec<Vec<usize>> = params::param_infos(&opts.model)
         .into_iter()
         .map(|i| i.shape)
         .collect();
-    let acc_backend = if grads_on_host {
-        host.clone()
-    } else {
-        cpu.clone()
-    };
-    let mut acc = GradAccumulator::new(acc_backend, shapes.iter().cloned())?;
     // GPT-2 practice: decay matrices and embeddings, not biases or norm gains.
     let specs: Vec<ParamSpec> = shapes
         .iter()
@@ -449,25 +686,63 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             ..Default::default()
         },
     ];
-    let state_backend = if on_host || tech.optimizer.is_offloaded() {
-        &host
+    let mut stepper = if let Some(ordinal) = resident_cuda {
+        let saved = resume
+            .as_ref()
+            .map(|ck| (&ck.state.optimizer, ck.moments.as_slice()));
+        cuda_resident(
+            ordinal,
+            &tracker,
+            opts.model,
+            model_opts,
+            masters,
+            ResidentSetup {
+                groups,
+                specs,
+                shapes,
+                saved,
+            },
+        )?
     } else {
-        &cpu
-    };
-    let mut opt = match (&resume, &tech.optimizer.placement) {
-        (Some(ck), OptimizerPlacement::File(path)) => {
-            CpuAdamW::restore_into(&ck.state.optimizer, StoreSpec::File(path), &ck.moments)?
-        }
-        (Some(ck), _) => CpuAdamW::restore(&ck.state.optimizer, state_backend, &ck.moments)?,
-        (None, OptimizerPlacement::File(path)) => {
-            CpuAdamW::new(groups, &specs, tech.optimizer.state, StoreSpec::File(path))?
-        }
-        (None, _) => CpuAdamW::new(
-            groups,
-            &specs,
-            tech.optimizer.state,
-            StoreSpec::Ram(state_backend),
-        )?,
+        // Offloading the optimizer offloads the gradients too: they reach the host part by
+        // part as backward produces them, and the accumulator (and clipping) work there.
+        let grads_on_host = on_host || tech.optimizer.is_offloaded();
+        model_opts.offload_grads = tech.optimizer.is_offloaded() && !on_host;
+        let engine = match opts.device {
+            ComputeDevice::Cpu => {
+                Engine::Cpu(Gpt::from_masters(&cpu, opts.model, model_opts, masters)?)
+            }
+            ComputeDevice::Cuda { ordinal } => {
+                cuda_engine(ordinal, &tracker, opts.model, model_opts, masters)?
+            }
+        };
+        let acc_backend = if grads_on_host {
+            host.clone()
+        } else {
+            cpu.clone()
+        };
+        let acc = GradAccumulator::new(acc_backend, shapes.iter().cloned())?;
+        let state_backend = if on_host || tech.optimizer.is_offloaded() {
+            &host
+        } else {
+            &cpu
+        };
+        let opt = match (&resume, &tech.optimizer.placement) {
+            (Some(ck), OptimizerPlacement::File(path)) => {
+                CpuAdamW::restore_into(&ck.state.optimizer, StoreSpec::File(path), &ck.moments)?
+            }
+            (Some(ck), _) => CpuAdamW::restore(&ck.state.optimizer, state_backend, &ck.moments)?,
+            (None, OptimizerPlacement::File(path)) => {
+                CpuAdamW::new(groups, &specs, tech.optimizer.state, StoreSpec::File(path))?
+            }
+            (None, _) => CpuAdamW::new(
+                groups,
+                &specs,
+                tech.optimizer.state,
+                StoreSpec::Ram(state_backend),
+            )?,
+        };
+        Stepper::Host { engine, acc, opt }
     };
     let mut scaler = if precision.needs_loss_scaling() {
         let cfg = LossScalerConfig::default();
@@ -519,7 +794,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                 .to_vec();
             (inputs, targets)
         };
-        acc.begin_step(StepTokens::single_device(tokens_per_step)?)?;
+        stepper.begin_step(StepTokens::single_device(tokens_per_step)?)?;
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
         let mut block_forwards = 0;
         let mut loss_sum = 0.0f64;
@@ -527,61 +802,24 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             let _phase = tracker.phase("forward+backward");
             let rows = micro * opts.seq;
             for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
-                let mut mb_loss = 0.0f32;
-                let mut stats = None;
-                let r = acc.accumulate_in_place(
-                    MicroBatchStats {
-                        counted_tokens: rows as u64,
-                        loss_sum: 0.0,
-                    },
-                    |_, grads, weight| -> Result<()> {
-                        let (l, s) = engine.micro_batch(
-                            tok,
-                            tgt,
-                            mg,
-                            grads,
-                            weight * loss_scale,
-                            &schedule,
-                        )?;
-                        mb_loss = l;
-                        stats = Some(s);
-                        Ok(())
-                    },
-                );
-                if let Err(e) = r {
-                    // The step is lost either way; the original error is the one to report.
-                    let _ = acc.abandon_step();
-                    return Err(e.into());
-                }
-                block_forwards += stats.map_or(0, |s| s.forward_count);
+                let out = stepper.micro_batch(tok, tgt, mg, loss_scale, &schedule)?;
+                let (mb_loss, stats) = out.unwrap_or_default();
+                block_forwards += stats.forward_count;
                 // Per-token losses are summed in f64 by the head; the micro-batch mean times
                 // its rows recovers that sum to f32 precision.
                 loss_sum += mb_loss as f64 * rows as f64;
             }
         }
-        let report = match scaler.as_mut() {
-            Some(s) => acc.finish_step(&mut ScalerAdapter(s), Some(opts.grad_clip))?,
-            None => acc.finish_step(&mut NoLossScaling, Some(opts.grad_clip))?,
-        };
+        let report = stepper.finish_step(scaler.as_mut(), opts.grad_clip)?;
         let lr = opts.lr_at(step);
-        opt.set_lr(0, lr)?;
-        opt.set_lr(1, lr)?;
+        stepper.set_lr(lr)?;
         let (applied, grad_norm) = match report.outcome {
             headroom_accum::StepOutcome::Applied { grad_norm, .. } => (true, grad_norm),
             headroom_accum::StepOutcome::Skipped => (false, f64::NAN),
         };
         if applied {
             let _phase = tracker.phase("optimizer");
-            let grads = acc.gradients();
-            for (i, (p, gr)) in engine.masters_mut().iter_mut().zip(grads).enumerate() {
-                opt.step(
-                    i,
-                    p.as_mut_slice::<f32>()?,
-                    FloatSlice::F32(gr.as_slice::<f32>()?),
-                    None,
-                )?;
-            }
-            engine.refresh()?;
+            stepper.apply()?;
         }
         let seconds = t0.elapsed().as_secs_f64();
         let log = StepLog {
@@ -601,11 +839,8 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         logs.push(log);
         if let Some((dir, every)) = &opts.save {
             if *every > 0 && (step + 1) % every == 0 {
-                opt.flush()?;
-                let mut state =
-                    TrainingState::new(step + 1, opts.model, opt.state(), loader.state());
-                state.scaler = scaler.as_ref().map(|s| *s.state());
-                checkpoint::save(dir, &state, engine.masters(), opt.moments())?;
+                let scaler_state = scaler.as_ref().map(|s| *s.state());
+                stepper.save(dir, step + 1, opts.model, &loader, scaler_state, &host)?;
             }
         }
     }

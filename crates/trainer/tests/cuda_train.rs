@@ -1,10 +1,14 @@
-//! `train` on a CUDA device: the same loop (host masters, accumulation, clipping, AdamW), with
-//! the model on the GPU. Needs the `cuda` feature; the GPU test is ignored without a device.
+//! `train` on a CUDA device: the same loop, with the model on the GPU and the optimizer either
+//! resident on the device (masters, accumulation, clipping, AdamW) or offloaded to the host.
+//! Needs the `cuda` feature; the GPU tests are ignored without a device.
 
 use headroom_attn::AttentionConfig;
+use headroom_offload::StatePrecision;
 use headroom_trainer::engine::ComputeDevice;
 use headroom_trainer::model::{GptConfig, Precision};
+use headroom_trainer::techniques::{OptimizerChoice, OptimizerPlacement};
 use headroom_trainer::train::{train, DataSource, SyntheticData, TrainOptions};
+use headroom_trainer::TrainError;
 
 /// bf16 + flash with 64-wide heads: what the CUDA path runs.
 fn cuda_ready(steps: usize) -> TrainOptions {
@@ -83,4 +87,339 @@ fn cuda_training_tracks_the_cpu_run_and_reports_device_memory() {
         .expect("device allocations are tracked");
     assert!(dev.peak[headroom_tensor::MemoryCategory::Activations] > 0);
     assert!(dev.peak[headroom_tensor::MemoryCategory::Gradients] > 0);
+}
+
+/// The resident placement's refusals come before any device work, so they are the same typed
+/// configuration error with or without a GPU (and without the `cuda` feature).
+#[test]
+fn resident_cuda_refuses_8_bit_state_and_fp16_with_a_config_error() {
+    let mut int8 = TrainOptions {
+        device: ComputeDevice::Cuda { ordinal: 0 },
+        ..cuda_ready(1)
+    };
+    int8.techniques.optimizer = OptimizerChoice {
+        state: StatePrecision::Int8,
+        placement: OptimizerPlacement::Resident,
+    };
+    let e = train(&int8, |_| {}).unwrap_err();
+    assert!(
+        matches!(&e, TrainError::Config(m) if m.contains("8-bit")),
+        "{e}"
+    );
+    let mut fp16 = TrainOptions {
+        device: ComputeDevice::Cuda { ordinal: 0 },
+        ..cuda_ready(1)
+    };
+    fp16.techniques.model.precision = Precision::Fp16;
+    let e = train(&fp16, |_| {}).unwrap_err();
+    assert!(
+        matches!(&e, TrainError::Config(m) if m.contains("fp16")),
+        "{e}"
+    );
+}
+
+#[cfg(feature = "cuda")]
+mod on_the_device {
+    use super::*;
+    use headroom_tensor::{Device, MemoryCategory};
+    use headroom_trainer::estimate::cuda_parameter_state;
+    use headroom_trainer::model::params;
+    use headroom_trainer::train::TrainReport;
+
+    fn on_cuda(steps: usize, placement: OptimizerPlacement) -> TrainOptions {
+        let mut o = TrainOptions {
+            device: ComputeDevice::Cuda { ordinal: 0 },
+            ..cuda_ready(steps)
+        };
+        o.techniques.optimizer.placement = placement;
+        o
+    }
+
+    fn parameter_count(o: &TrainOptions) -> u64 {
+        params::param_infos(&o.model)
+            .iter()
+            .map(|i| i.shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
+    fn peak(r: &TrainReport, host: bool, c: MemoryCategory) -> u64 {
+        let snap = if host { &r.host_memory } else { &r.memory };
+        let d = if host { Device::Cpu } else { Device::Cuda(0) };
+        snap.device(d).map_or(0, |s| s.peak[c])
+    }
+
+    /// Relative difference.
+    fn rel(a: f64, b: f64) -> f64 {
+        (a - b).abs() / a.abs().max(b.abs()).max(1e-30)
+    }
+
+    /// Why these agree (and when bitwise): both paths run the same forward/backward into
+    /// zeroed f32 gradients (one micro-batch a step: the host adds them to a zeroed buffer,
+    /// `0 + g = g`), clip with headroom-accum's one formula (the global norm's per-tensor f64
+    /// sums come from different reductions, so the f32 coefficient can differ only when
+    /// `max_norm / norm` lies within ~1e-15 of an f32 rounding boundary), and step with AdamW
+    /// kernels that are bitwise the CPU reference, writing the same round-to-nearest bf16
+    /// working copies. With deterministic kernels the losses are therefore bitwise equal;
+    /// the device's backward may sum with atomics (run-to-run noise at the f32 ulp), so the
+    /// test allows 1e-6 on the first loss (forward only) and 2e-3 after 12 steps of drift.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn resident_and_offloaded_cuda_runs_give_the_same_losses() {
+        let resident = train(&on_cuda(12, OptimizerPlacement::Resident), |_| {}).unwrap();
+        let offloaded = train(&on_cuda(12, OptimizerPlacement::HostRam), |_| {}).unwrap();
+        let bitwise = resident
+            .steps
+            .iter()
+            .zip(&offloaded.steps)
+            .all(|(a, b)| a.loss.to_bits() == b.loss.to_bits());
+        eprintln!("resident vs offloaded losses bitwise equal: {bitwise}");
+        for (r, h) in resident.steps.iter().zip(&offloaded.steps) {
+            let tol = if r.step == 0 { 1e-6 } else { 2e-3 };
+            assert!(
+                rel(r.loss.into(), h.loss.into()) <= tol,
+                "step {}: resident {} vs offloaded {}",
+                r.step,
+                r.loss,
+                h.loss
+            );
+            assert!(
+                rel(r.grad_norm, h.grad_norm) <= 10.0 * tol,
+                "step {}",
+                r.step
+            );
+            assert!(r.applied && h.applied);
+        }
+        assert_eq!(resident.steps.len(), 12);
+        assert!(resident.final_loss(3) < f64::from(resident.steps[0].loss));
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn the_tracker_shows_optimizer_state_on_the_device_only_when_resident() {
+        let o = on_cuda(2, OptimizerPlacement::Resident);
+        let p = parameter_count(&o);
+        let resident = train(&o, |_| {}).unwrap();
+        let offloaded = train(&on_cuda(2, OptimizerPlacement::HostRam), |_| {}).unwrap();
+        // Resident: f32 m and v (8 bytes a parameter) on the device, none on the host; the
+        // accumulator's f32 gradients and the fp32 masters on the device too.
+        let opt = MemoryCategory::OptimizerState;
+        assert_eq!(peak(&resident, false, opt), 8 * p);
+        assert_eq!(peak(&resident, true, opt), 0);
+        assert!(peak(&resident, false, MemoryCategory::Gradients) >= 4 * p);
+        assert_eq!(peak(&resident, true, MemoryCategory::Gradients), 0);
+        // Masters (4 bytes) plus at least the bf16 GEMM working copies.
+        assert!(peak(&resident, false, MemoryCategory::Parameters) > 4 * p);
+        // Offloaded: the moments and the accumulated gradients are on the host only.
+        assert_eq!(peak(&offloaded, false, opt), 0);
+        assert_eq!(peak(&offloaded, true, opt), 8 * p);
+        assert_eq!(peak(&offloaded, true, MemoryCategory::Gradients), 4 * p);
+        assert!(
+            peak(&offloaded, false, MemoryCategory::Parameters)
+                < peak(&resident, false, MemoryCategory::Parameters),
+            "the offloaded run keeps no fp32 masters on the device"
+        );
+        // And the estimator predicts every parameter-state peak on both ledgers exactly.
+        for (report, placement) in [
+            (&resident, OptimizerPlacement::Resident),
+            (&offloaded, OptimizerPlacement::HostRam),
+        ] {
+            let opts = on_cuda(2, placement.clone());
+            let est = cuda_parameter_state(&opts.model, &opts.techniques).unwrap();
+            for c in [
+                MemoryCategory::Parameters,
+                MemoryCategory::Gradients,
+                MemoryCategory::OptimizerState,
+            ] {
+                assert_eq!(
+                    peak(report, false, c),
+                    est.device[c],
+                    "{placement:?} device {c:?}"
+                );
+                assert_eq!(
+                    peak(report, true, c),
+                    est.host[c],
+                    "{placement:?} host {c:?}"
+                );
+            }
+        }
+    }
+
+    /// A resident run checkpointed after 3 steps resumes — resident or offloaded, since both
+    /// save the host optimizer's format — and follows the uninterrupted run.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn a_resident_checkpoint_resumes_on_either_placement() {
+        let whole = train(&on_cuda(6, OptimizerPlacement::Resident), |_| {}).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let first = TrainOptions {
+            save: Some((dir.path().to_path_buf(), 3)),
+            stop_after: Some(3),
+            ..on_cuda(6, OptimizerPlacement::Resident)
+        };
+        assert_eq!(train(&first, |_| {}).unwrap().steps.len(), 3);
+        let ck = headroom_trainer::checkpoint::load(dir.path()).unwrap();
+        assert_eq!(ck.state.step, 3);
+        assert_eq!(ck.state.optimizer.steps, vec![3; ck.params.len()]);
+        assert_eq!(ck.moments.len() as u64, 8 * parameter_count(&first));
+        for placement in [OptimizerPlacement::Resident, OptimizerPlacement::HostRam] {
+            let resumed = TrainOptions {
+                resume_from: Some(dir.path().to_path_buf()),
+                ..on_cuda(6, placement.clone())
+            };
+            let rest = train(&resumed, |_| {}).unwrap();
+            assert_eq!(rest.steps.first().map(|s| s.step), Some(3));
+            for (r, w) in rest.steps.iter().zip(&whole.steps[3..]) {
+                assert!(
+                    rel(r.loss.into(), w.loss.into()) <= 2e-3,
+                    "{placement:?} step {}: {} vs {}",
+                    r.step,
+                    r.loss,
+                    w.loss
+                );
+            }
+        }
+    }
+
+    /// The device step's pieces against the host's, bit for bit: one AdamW step of every
+    /// parameter from the same (device-computed) gradients gives the same masters and moments
+    /// as `CpuAdamW`, and leaves the working weights exactly as uploading the host's updated
+    /// masters would (same loss bits); re-deriving them from the device masters changes
+    /// nothing.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn the_device_adamw_step_is_the_host_step_bit_for_bit() {
+        use headroom_ckpt::Schedule;
+        use headroom_cuda::{AdamWStep, CudaTensor};
+        use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StoreSpec};
+        use headroom_tensor::cpu::kernels::FloatSlice;
+        use headroom_tensor::{Backend, Cpu, Tensor};
+        use headroom_trainer::cuda::CudaGpt;
+        use headroom_trainer::model::{Geometry, GptOptions};
+
+        let o = cuda_ready(1);
+        let cfg = o.model;
+        let opts = GptOptions {
+            precision: Precision::Bf16,
+            attention: AttentionConfig::flash(),
+            ..Default::default()
+        };
+        let cpu = Cpu::new();
+        let mut host_masters = params::init_params(&cpu, &cfg, 5).unwrap();
+        let mut gpt = CudaGpt::on_device(0, cfg, opts, &host_masters).unwrap();
+        let cuda = gpt.backend().clone();
+        let g = Geometry { b: 2, t: 32 };
+        let tokens: Vec<u32> = (0..64u32).map(|i| (i * 7 + 3) % 64).collect();
+        let targets: Vec<u32> = (0..64u32).map(|i| (i * 13 + 5) % 64).collect();
+        let schedule = Schedule::store_all(cfg.layers).unwrap();
+        let loss_of = |gpt: &CudaGpt| {
+            let mut grads = gpt.alloc_grads().unwrap();
+            let (loss, _) = gpt
+                .forward_backward(&tokens, &targets, g, &mut grads, 1.0 / 64.0, &schedule)
+                .unwrap();
+            (loss, grads)
+        };
+        let (_, grads) = loss_of(&gpt);
+        let host_grads = gpt.download_grads(&grads).unwrap();
+
+        let infos = params::param_infos(&cfg);
+        let specs: Vec<ParamSpec> = infos
+            .iter()
+            .map(|i| ParamSpec {
+                numel: i.shape.iter().product(),
+                group: if i.shape.len() >= 2 { 0 } else { 1 },
+            })
+            .collect();
+        let groups = vec![
+            AdamWHyper {
+                lr: 1e-2,
+                weight_decay: 0.1,
+                beta2: 0.95,
+                ..Default::default()
+            },
+            AdamWHyper {
+                lr: 1e-2,
+                weight_decay: 0.0,
+                beta2: 0.95,
+                ..Default::default()
+            },
+        ];
+        let mut opt = CpuAdamW::new(
+            groups.clone(),
+            &specs,
+            StatePrecision::F32,
+            StoreSpec::Ram(&cpu),
+        )
+        .unwrap();
+        let mut dev_masters: Vec<CudaTensor> = host_masters
+            .iter()
+            .map(|m| cuda.upload(m.as_slice::<f32>().unwrap(), m.shape().clone()))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let zeros = || -> Vec<CudaTensor> {
+            infos
+                .iter()
+                .map(|i| {
+                    cuda.zeros(i.shape.clone(), headroom_tensor::DType::F32)
+                        .unwrap()
+                })
+                .collect()
+        };
+        let (mut m, mut v) = (zeros(), zeros());
+        // Two steps, so the bias corrections of step 2 are covered too.
+        for t in 1..=2u64 {
+            for (i, spec) in specs.iter().enumerate() {
+                let h = groups[spec.group];
+                opt.step(
+                    i,
+                    host_masters[i].as_mut_slice::<f32>().unwrap(),
+                    FloatSlice::F32(&host_grads[i]),
+                    None,
+                )
+                .unwrap();
+                let s = AdamWStep::new(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, t);
+                gpt.adamw_step_parameter(
+                    i,
+                    &s,
+                    &mut dev_masters[i],
+                    &grads[i],
+                    &mut m[i],
+                    &mut v[i],
+                )
+                .unwrap();
+            }
+        }
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let numel: usize = specs.iter().map(|p| p.numel).sum();
+        let host_moments: Vec<f32> = opt
+            .moments()
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let mut at = 0;
+        for i in 0..specs.len() {
+            let n = specs[i].numel;
+            let dm = cuda.download::<f32>(&dev_masters[i]).unwrap();
+            assert_eq!(
+                bits(&dm),
+                bits(host_masters[i].as_slice::<f32>().unwrap()),
+                "master {i}"
+            );
+            let dmi = cuda.download::<f32>(&m[i]).unwrap();
+            let dvi = cuda.download::<f32>(&v[i]).unwrap();
+            assert_eq!(bits(&dmi), bits(&host_moments[at..at + n]), "m {i}");
+            assert_eq!(
+                bits(&dvi),
+                bits(&host_moments[numel + at..numel + at + n]),
+                "v {i}"
+            );
+            at += n;
+        }
+        // The working weights the step wrote are the host masters' rounding.
+        let (stepped, _) = loss_of(&gpt);
+        let uploaded = CudaGpt::on_device(0, cfg, opts, &host_masters).unwrap();
+        let (reference, _) = loss_of(&uploaded);
+        assert_eq!(stepped.to_bits(), reference.to_bits());
+        gpt.refresh_from_device_masters(&dev_masters).unwrap();
+        assert_eq!(loss_of(&gpt).0.to_bits(), reference.to_bits());
+    }
 }

@@ -34,7 +34,9 @@
 //! - Working weights are the masters rounded to bf16 (round to nearest even, bitwise the CPU's
 //!   working copies). Matrix weights live on the device in bf16 only (GEMM inputs); embeddings,
 //!   layer-norm parameters and biases as f32 holding those bf16 values (the f32 kernels' inputs,
-//!   the CPU's "f32 views"); the fp32 masters stay on the host.
+//!   the CPU's "f32 views"). The fp32 masters are the optimizer's: on the host
+//!   ([`CudaGpt::upload_masters`]) or on the device ([`CudaGpt::refresh_from_device_masters`],
+//!   [`CudaGpt::adamw_step_parameter`]); both derive the working copies by the same rounding.
 //! - Forward GEMMs read bf16, accumulate in f32 (cuBLASLt, other summation order than the
 //!   CPU) and write f32 with the f32 bias fused; the result is rounded to bf16 where the CPU
 //!   model rounds it (kept activations, q/k/v, logits). Elementwise ops run in f32 on f32
@@ -78,8 +80,8 @@ use crate::TrainError;
 use error::into_tensor_error;
 use layout::{row_copy, run_copies};
 
-/// A GPT-2 whose forward and backward run on a CUDA device: bf16 working weights uploaded
-/// from fp32 masters that stay on the host (the optimizer is the CPU's), f32 gradients on the
+/// A GPT-2 whose forward and backward run on a CUDA device: bf16 working weights derived
+/// from fp32 masters the optimizer keeps (on the host or on the device), f32 gradients on the
 /// device. Parameters are in [`params::param_infos`] order throughout.
 pub struct CudaGpt {
     /// Shape.
@@ -205,6 +207,80 @@ impl CudaGpt {
     /// step): each is uploaded as f32 into a transient `Workspace` buffer and rounded to bf16
     /// on the device (bitwise the CPU's round to nearest even).
     pub fn upload_masters(&mut self, masters: &[CpuTensor]) -> CudaGptResult<()> {
+        // Every shape is checked before the first upload, so a bad list changes nothing.
+        self.check_masters(masters)?;
+        let cuda = &self.cuda;
+        for ((m, w16), w32) in masters
+            .iter()
+            .zip(&mut self.gemm_weights)
+            .zip(&mut self.f32_weights)
+        {
+            let _ws = MemoryCategory::Workspace.enter();
+            let up = cuda.upload(m.as_slice::<f32>()?, m.shape().clone())?;
+            round_into_working(cuda, &up, w16.as_mut(), w32.as_mut())?;
+        }
+        Ok(())
+    }
+
+    /// Re-derive the device working weights from fp32 masters that live on this device (the
+    /// device-resident optimizer's): the same rounding as [`CudaGpt::upload_masters`] without
+    /// the upload.
+    pub fn refresh_from_device_masters(&mut self, masters: &[CudaTensor]) -> CudaGptResult<()> {
+        self.check_masters(masters)?;
+        let cuda = &self.cuda;
+        for ((m, w16), w32) in masters
+            .iter()
+            .zip(&mut self.gemm_weights)
+            .zip(&mut self.f32_weights)
+        {
+            let _ws = MemoryCategory::Workspace.enter();
+            round_into_working(cuda, m, w16.as_mut(), w32.as_mut())?;
+        }
+        Ok(())
+    }
+
+    /// One AdamW step of parameter `index` on the device (`master`, `m`, `v` f32; `grad` f32
+    /// or bf16), writing the updated master rounded to bf16 in the same sweep — into the
+    /// parameter's bf16 GEMM weight, or a transient for the others — and then the f32 view
+    /// from that bf16, so the working weights end bitwise as [`CudaGpt::upload_masters`] of
+    /// the updated master would leave them.
+    pub fn adamw_step_parameter(
+        &mut self,
+        index: usize,
+        step: &headroom_cuda::AdamWStep,
+        master: &mut CudaTensor,
+        grad: &CudaTensor,
+        m: &mut CudaTensor,
+        v: &mut CudaTensor,
+    ) -> CudaGptResult<()> {
+        let count = self.gemm_weights.len();
+        let (Some(w16), Some(w32)) = (
+            self.gemm_weights.get_mut(index),
+            self.f32_weights.get_mut(index),
+        ) else {
+            return Err(
+                TrainError::Input(format!("parameter {index} of a model with {count}")).into(),
+            );
+        };
+        let cuda = &self.cuda;
+        let _ws = MemoryCategory::Workspace.enter();
+        let mut transient;
+        let rounded = match w16 {
+            Some(t) => t,
+            None => {
+                transient = cuda.uninit(master.shape().clone(), DType::BF16)?;
+                &mut transient
+            }
+        };
+        cuda.adamw_step(step, master, grad, m, v, Some(&mut *rounded))?;
+        if let Some(w32) = w32 {
+            cuda.cast(rounded, w32)?;
+        }
+        Ok(())
+    }
+
+    /// Check a list of fp32 masters (host or device) against the model's parameters.
+    fn check_masters<T: Tensor>(&self, masters: &[T]) -> CudaGptResult<()> {
         if masters.len() != self.gemm_weights.len() {
             return Err(TrainError::Config(format!(
                 "{} master tensors for a model with {}",
@@ -213,7 +289,6 @@ impl CudaGpt {
             ))
             .into());
         }
-        // Every shape is checked before the first upload, so a bad list changes nothing.
         let infos = params::param_infos(&self.cfg);
         if let Some((m, info)) = masters
             .iter()
@@ -228,27 +303,6 @@ impl CudaGpt {
                 info.shape
             ))
             .into());
-        }
-        let cuda = &self.cuda;
-        for ((m, w16), w32) in masters
-            .iter()
-            .zip(&mut self.gemm_weights)
-            .zip(&mut self.f32_weights)
-        {
-            let _ws = MemoryCategory::Workspace.enter();
-            let up = cuda.upload(m.as_slice::<f32>()?, m.shape().clone())?;
-            let mut transient;
-            let rounded = match w16 {
-                Some(t) => t,
-                None => {
-                    transient = cuda.uninit(m.shape().clone(), DType::BF16)?;
-                    &mut transient
-                }
-            };
-            cuda.cast(&up, rounded)?;
-            if let Some(w32) = w32 {
-                cuda.cast(rounded, w32)?;
-            }
         }
         Ok(())
     }
@@ -757,6 +811,31 @@ pub struct CudaHeadGrads<'a> {
     pub lnf_b: &'a mut CudaTensor,
 }
 
+/// Round an f32 master on the device into a parameter's working copies: to bf16 (into its
+/// GEMM weight, or a transient `Workspace` buffer when it has none), then the f32 view from
+/// that bf16. The one place the working copies are derived, for host and device masters.
+fn round_into_working(
+    cuda: &Cuda,
+    master: &CudaTensor,
+    w16: Option<&mut CudaTensor>,
+    w32: Option<&mut CudaTensor>,
+) -> CudaGptResult<()> {
+    let _ws = MemoryCategory::Workspace.enter();
+    let mut transient;
+    let rounded = match w16 {
+        Some(t) => t,
+        None => {
+            transient = cuda.uninit(master.shape().clone(), DType::BF16)?;
+            &mut transient
+        }
+    };
+    cuda.cast(master, rounded)?;
+    if let Some(w32) = w32 {
+        cuda.cast(rounded, w32)?;
+    }
+    Ok(())
+}
+
 fn missing_weight(i: usize, kind: &str) -> CudaGptError {
     TrainError::Config(format!(
         "parameter {i} has no {kind} working copy on the device"
@@ -832,6 +911,25 @@ mod tests {
             let matrix = info.shape.len() == 2 && i != WTE && i != WPE;
             assert_eq!(is_f32_weight(&cfg, i), !matrix, "{}", info.name);
         }
+    }
+
+    #[test]
+    fn the_estimator_counts_the_working_copies_this_model_allocates() {
+        use crate::techniques::{OptimizerPlacement, Techniques};
+        let cfg = cfg();
+        let infos = params::param_infos(&cfg);
+        let numel = |i: usize| infos[i].shape.iter().product::<usize>() as u64;
+        let working: u64 = (0..infos.len())
+            .map(|i| {
+                let bf16 = if is_gemm_weight(&cfg, i) { 2 } else { 0 };
+                let f32_view = if is_f32_weight(&cfg, i) { 4 } else { 0 };
+                (bf16 + f32_view) * numel(i)
+            })
+            .sum();
+        let mut tech = Techniques::baseline();
+        tech.optimizer.placement = OptimizerPlacement::HostRam;
+        let est = crate::estimate::cuda_parameter_state(&cfg, &tech).unwrap();
+        assert_eq!(est.device[MemoryCategory::Parameters], working);
     }
 
     #[test]
