@@ -141,16 +141,13 @@ mod cuda_bench {
 
     use headroom_benches::Better;
     use headroom_cuda::{Cuda, CudaError};
-    use headroom_offload::StatePrecision;
     use headroom_profiler::OutOfBudget;
     use headroom_tensor::{Device, MemoryCategory};
     use headroom_trainer::engine::ComputeDevice;
-    use headroom_trainer::estimate::estimate;
+    use headroom_trainer::estimate::{cuda_parameter_state, estimate};
     use headroom_trainer::ladder::standard_rungs;
-    use headroom_trainer::model::{params, GptConfig};
-    use headroom_trainer::techniques::{
-        CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
-    };
+    use headroom_trainer::model::GptConfig;
+    use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, Techniques};
     use headroom_trainer::train::{train, TrainOptions, TrainReport};
 
     use super::{env_flag, put};
@@ -229,9 +226,8 @@ mod cuda_bench {
     /// (other precisions or attention algorithms are typed errors), and it is what PyTorch's
     /// bf16 autocast with SDPA runs too, which makes the baseline PyTorch's pair.
     ///
-    /// On CUDA the fp32 masters and the optimizer always live on the host (the engine's
-    /// ZeRO-Offload split, the only one it has), so +offload runs what +checkpoint runs;
-    /// it is kept so the table has the rungs and shows that it costs nothing more.
+    /// The baseline keeps the fp32 masters and AdamW on the device, as PyTorch eager does;
+    /// +offload moves them (and the gradient accumulation) to host RAM, ZeRO-Offload's split.
     fn rungs(batch: usize) -> BenchResult<Vec<CudaRung>> {
         let full = full_stack(batch)?;
         let base = baseline(batch)?;
@@ -294,50 +290,36 @@ mod cuda_bench {
         parameters: u64,
     }
 
-    /// Bytes of the device's working weights: the CUDA model keeps the matrices GEMMs read
-    /// (`wte` and each block's four) in bf16, and embeddings, biases and layer norms in f32
-    /// (`wte` in both), per `crates/trainer/src/cuda/mod.rs`.
-    fn cuda_parameter_bytes(cfg: &GptConfig) -> u64 {
-        params::param_infos(cfg)
-            .iter()
-            .enumerate()
-            .map(|(i, info)| {
-                let n = info.shape.iter().product::<usize>() as u64;
-                let gemm = info.shape.len() == 2 && i != params::WPE;
-                let f32_copy = i == params::WTE || !gemm;
-                (if gemm { 2 * n } else { 0 }) + (if f32_copy { 4 * n } else { 0 })
-            })
-            .sum()
-    }
-
-    /// The trainer's estimator (written for its CPU layout) moved to the CUDA path's: the
-    /// masters and optimizer on the host whatever the placement says, a full set of f32
-    /// gradients on the device (the engine adds them into the host's accumulator after each
-    /// micro-batch, rather than part by part), the working weights as
-    /// [`cuda_parameter_bytes`] counts them, and the batch buffers in host memory. Activations
-    /// and workspace stay the CPU model's: the CUDA model keeps the same activation set, but
-    /// its transient buffers differ, which the measured peak beside the prediction shows.
+    /// The trainer's estimator moved to the CUDA path: parameters, gradients and optimizer
+    /// state from [`cuda_parameter_state`] (exact for the CUDA model: resident masters and
+    /// moments on the device, offloaded ones on the host), batch buffers in host memory, and
+    /// activations and workspace from the CPU model's estimate — the CUDA model keeps the same
+    /// activation set, but its transient buffers differ, which the measured peak beside the
+    /// prediction shows.
     fn predict(
         cfg: &GptConfig,
         seq: usize,
         batch: usize,
         techniques: &Techniques,
     ) -> BenchResult<Prediction> {
-        let mut on_host = techniques.clone();
-        on_host.optimizer = OptimizerChoice {
-            state: StatePrecision::F32,
-            placement: OptimizerPlacement::HostRam,
-        };
         let micro = techniques.micro_batch.unwrap_or(batch);
-        let e = estimate(cfg, seq, micro, batch, &on_host)?;
+        let e = estimate(cfg, seq, micro, batch, techniques)?;
+        let state = cuda_parameter_state(cfg, techniques)?;
         let mut device = e.device;
-        device[MemoryCategory::Parameters] = cuda_parameter_bytes(cfg);
-        device[MemoryCategory::Gradients] = 4 * e.parameter_count;
-        device[MemoryCategory::OptimizerState] = 0;
+        let mut host = e.host;
+        for c in [
+            MemoryCategory::Parameters,
+            MemoryCategory::Gradients,
+            MemoryCategory::OptimizerState,
+        ] {
+            device[c] = state.device[c];
+            host[c] = state.host[c];
+        }
+        host[MemoryCategory::Data] += device[MemoryCategory::Data];
         device[MemoryCategory::Data] = 0;
         Ok(Prediction {
             device: device.total(),
-            host: e.host.total() + e.device[MemoryCategory::Data],
+            host: host.total(),
             parameters: e.parameter_count,
         })
     }
