@@ -238,6 +238,31 @@ pub const STOCHASTIC_ROUND: KernelSource = trainer_op_source!(
     ["stochastic_round_f32_bf16"]
 );
 
+/// Attention heads between a linear layer's `[B, T, parts·NH·hs]` rows and flash attention's
+/// `[B, NH, T, hs]`, either way: `permute_heads_b<unit>(dst, src, batch, seq, heads,
+/// head_units, parts, part, merge)` moves opaque units of 1, 2, 4, 8 or 16 bytes (the host picks
+/// the widest that divides a head row), rows grid-stride, any grid.
+pub const PERMUTE_HEADS: KernelSource = trainer_op_source!(
+    "permute_heads",
+    "../cu/permute_heads.cu",
+    [
+        "permute_heads_b1",
+        "permute_heads_b2",
+        "permute_heads_b4",
+        "permute_heads_b8",
+        "permute_heads_b16",
+    ]
+);
+
+/// Unit sizes of the [`PERMUTE_HEADS`] entry points, widest first, with their names.
+pub const PERMUTE_HEADS_UNITS: &[(usize, &str)] = &[
+    (16, "permute_heads_b16"),
+    (8, "permute_heads_b8"),
+    (4, "permute_heads_b4"),
+    (2, "permute_heads_b2"),
+    (1, "permute_heads_b1"),
+];
+
 /// The trainer's ops (used by `headroom-cuda`'s op wrappers), listed apart from [`ALL`] so the
 /// backend primitives' tests stay as they are. [`find`] searches every list.
 pub const TRAINER_OPS: &[KernelSource] = &[
@@ -248,6 +273,7 @@ pub const TRAINER_OPS: &[KernelSource] = &[
     CROSS_ENTROPY,
     ADAMW,
     STOCHASTIC_ROUND,
+    PERMUTE_HEADS,
 ];
 
 /// Threads per block of every flash attention kernel but `flash_attn_bwd_dot_*` (which uses
@@ -436,14 +462,34 @@ mod tests {
         assert!(find("no_such_kernel").is_none());
         // 6 casts + 3 scales + 3 axpys + 4 sum-of-squares + 3 unscales, then 4 flash forwards
         // and 2 dot + 8 dQ/dK/dV flash backwards, then the trainer ops: 3 embedding,
-        // 3 layer norm, 2 column sum, 3 GELU/residual, 2 cross-entropy, 4 AdamW, 1 rounding.
-        assert_eq!(functions.len(), 19 + 4 + 10 + 18);
+        // 3 layer norm, 2 column sum, 3 GELU/residual, 2 cross-entropy, 4 AdamW, 1 rounding,
+        // 5 head permutes.
+        assert_eq!(functions.len(), 19 + 4 + 10 + 23);
         assert_eq!(find("flash_attn_bwd_dkdv_bf16_d128"), Some(&FLASH_ATTN_BWD));
         assert!(ALL.iter().all(|k| !ATTENTION.contains(k)));
         assert!(TRAINER_OPS
             .iter()
             .all(|k| !ALL.contains(k) && !ATTENTION.contains(k)));
         assert_eq!(find("adamw_copy_bf16_bf16"), Some(&ADAMW));
+    }
+
+    #[test]
+    fn permute_units_name_every_entry_point_once_widest_first() {
+        let names: Vec<&str> = PERMUTE_HEADS_UNITS.iter().map(|(_, n)| *n).collect();
+        let mut listed = PERMUTE_HEADS.functions.to_vec();
+        let mut sorted = names.clone();
+        listed.sort();
+        sorted.sort();
+        assert_eq!(sorted, listed);
+        for pair in PERMUTE_HEADS_UNITS.windows(2) {
+            assert!(pair[0].0 > pair[1].0, "{pair:?}");
+        }
+        for (bytes, name) in PERMUTE_HEADS_UNITS {
+            assert_eq!(*name, format!("permute_heads_b{bytes}"));
+            assert!(bytes.is_power_of_two());
+        }
+        // A 1-byte unit exists, so every head row has a unit that divides it.
+        assert_eq!(PERMUTE_HEADS_UNITS.last().map(|u| u.0), Some(1));
     }
 
     #[test]

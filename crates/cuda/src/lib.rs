@@ -10,7 +10,9 @@
 //! [`Cuda::matmul_backward`]; row-major, bf16/f16/f32 inputs, f32 accumulation, fused bias),
 //! and NVRTC kernels with the CPU ops' argument order and semantics for embedding, layer norm,
 //! tanh-GELU, the residual add, fused softmax cross-entropy, AdamW
-//! ([`Cuda::adamw_step`]) and f32 → bf16 stochastic rounding ([`Cuda::stochastic_round_bf16`]).
+//! ([`Cuda::adamw_step`]), f32 → bf16 stochastic rounding ([`Cuda::stochastic_round_bf16`]) and
+//! the attention-head permutes between linear-layer rows and flash attention's layout
+//! ([`Cuda::split_heads`], [`Cuda::merge_heads`], one launch each).
 //!
 //! It builds on machines with no CUDA at all (the driver and NVRTC are loaded at run time), and
 //! nothing in it panics when there is no GPU:
@@ -76,7 +78,7 @@ pub use nvrtc::{
     arch_for, compile, compile_cached, nvrtc_available, nvrtc_version, CompiledKernel,
     COMPILE_OPTIONS,
 };
-pub use ops::{AdamWStep, ParamKind, StochasticRoundingKey, OP_LAUNCH_SIGNATURES};
+pub use ops::{AdamWStep, HeadLayout, ParamKind, StochasticRoundingKey, OP_LAUNCH_SIGNATURES};
 pub use tensor::CudaTensor;
 
 /// cudarc, re-exported so extension crates launch their own kernels with the same version.

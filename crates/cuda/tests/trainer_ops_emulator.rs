@@ -25,8 +25,12 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 use common::*;
-use headroom_cuda::{AdamWStep, ParamKind, StochasticRoundingKey, OP_LAUNCH_SIGNATURES};
-use headroom_kernels::{BLOCK_REDUCE_PRELUDE, FLOAT_BITS_PRELUDE, TRAINER_OPS};
+use headroom_cuda::{
+    AdamWStep, HeadLayout, ParamKind, StochasticRoundingKey, OP_LAUNCH_SIGNATURES,
+};
+use headroom_kernels::{
+    BLOCK_REDUCE_PRELUDE, FLOAT_BITS_PRELUDE, PERMUTE_HEADS_UNITS, TRAINER_OPS,
+};
 use headroom_tensor::bf16;
 
 /// The host stand-ins for the CUDA built-ins the kernels use.
@@ -746,4 +750,254 @@ fn emulated_stochastic_rounding_is_bitwise_equal_to_amp() {
         .map(|(i, &v)| ref_stochastic_round(v, ref_random_bits(key, i as u64)))
         .collect();
     assert_eq!(got, want);
+}
+
+// ------------------------------------------------------------------------------------------
+// Attention-head permutes.
+
+/// Bytes past the end of every permute destination, which must stay as they were.
+const GUARD: usize = 64;
+const SENTINEL: u8 = 0xA5;
+
+/// Deterministic pseudo-random bytes.
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (s >> 56) as u8
+        })
+        .collect()
+}
+
+/// Elements of `elem` bytes as opaque fixed-size values, so the CPU loops move whole elements.
+fn elements(bytes: &[u8], elem: usize) -> Vec<Vec<u8>> {
+    bytes.chunks_exact(elem).map(<[u8]>::to_vec).collect()
+}
+
+fn flat(elems: &[Vec<u8>]) -> Vec<u8> {
+    elems.concat()
+}
+
+/// One permute case: a layout, an element size and a launch shape.
+#[derive(Clone, Copy, Debug)]
+struct PermuteCase {
+    layout: HeadLayout,
+    elem: usize,
+    grid: u32,
+    block: u32,
+}
+
+/// Every unit that divides a head row of `case`, with its entry point.
+fn units_for(case: &PermuteCase) -> Vec<(usize, &'static str)> {
+    let row_bytes = case.layout.head_dim * case.elem;
+    PERMUTE_HEADS_UNITS
+        .iter()
+        .copied()
+        .filter(|(unit, _)| row_bytes % unit == 0)
+        .collect()
+}
+
+fn permute_args(dst: usize, src: usize, l: HeadLayout, head_units: usize, merge: bool) -> Vec<Arg> {
+    use Arg::{Buf, U};
+    vec![
+        Buf(dst),
+        Buf(src),
+        U(l.batch as u64),
+        U(l.seq as u64),
+        U(l.heads as u64),
+        U(head_units as u64),
+        U(l.parts as u64),
+        U(l.part as u64),
+        U(merge as u64),
+    ]
+}
+
+/// Run every unit's kernel on `case`: each part split out of random wide rows, every part merged
+/// back into a sentinel-filled wide tensor, and one part merged alone; all compared bitwise with
+/// the CPU loops, guard bytes included.
+fn check_permute_case(emu: &Path, name: &str, case: PermuteCase, seed: u64) {
+    let PermuteCase {
+        layout,
+        elem,
+        grid,
+        block,
+    } = case;
+    let wide_n = layout.wide_numel().unwrap();
+    let heads_n = layout.heads_numel().unwrap();
+    let wide = noise(wide_n * elem, seed);
+    let heads_in: Vec<Vec<u8>> = (0..layout.parts)
+        .map(|p| noise(heads_n * elem, seed ^ ((p as u64 + 1) << 32)))
+        .collect();
+    let guarded = |len: usize| vec![SENTINEL; len + GUARD];
+    let units = units_for(&case);
+    assert!(!units.is_empty());
+    let mut run = Run::new(name);
+    let wide_b = run.buf(&wide);
+    let heads_b: Vec<usize> = heads_in.iter().map(|h| run.buf(h)).collect();
+    let mut checks = Vec::new();
+    for &(unit, function) in &units {
+        let head_units = layout.head_dim * elem / unit;
+        let splits: Vec<usize> = (0..layout.parts)
+            .map(|part| {
+                let dst = run.buf(&guarded(heads_n * elem));
+                let l = layout.part_of(layout.parts, part);
+                run.launch(
+                    function,
+                    (grid, 1),
+                    block,
+                    &permute_args(dst, wide_b, l, head_units, false),
+                );
+                dst
+            })
+            .collect();
+        let merged_all = run.buf(&guarded(wide_n * elem));
+        for (part, &src) in heads_b.iter().enumerate() {
+            let l = layout.part_of(layout.parts, part);
+            run.launch(
+                function,
+                (grid, 1),
+                block,
+                &permute_args(merged_all, src, l, head_units, true),
+            );
+        }
+        let last = layout.parts - 1;
+        let merged_one = run.buf(&guarded(wide_n * elem));
+        let l = layout.part_of(layout.parts, last);
+        run.launch(
+            function,
+            (grid, 1),
+            block,
+            &permute_args(merged_one, heads_b[last], l, head_units, true),
+        );
+        checks.push((function, splits, merged_all, merged_one));
+    }
+    let got = run.finish(emu);
+    let wide_e = elements(&wide, elem);
+    let guard = [SENTINEL; GUARD];
+    for (function, splits, merged_all, merged_one) in checks {
+        let what = format!("{function} {case:?}");
+        for (part, &dst) in splits.iter().enumerate() {
+            let l = layout.part_of(layout.parts, part);
+            let want = flat(&ref_split_heads(&wide_e, l));
+            assert!(
+                got[dst][..heads_n * elem] == want[..],
+                "split part {part}: {what}"
+            );
+            assert_eq!(
+                &got[dst][heads_n * elem..],
+                &guard[..],
+                "split wrote past the end: {what}"
+            );
+        }
+        let mut want_all = elements(&guarded(wide_n * elem)[..wide_n * elem], elem);
+        for (part, h) in heads_in.iter().enumerate() {
+            ref_merge_heads(
+                &mut want_all,
+                &elements(h, elem),
+                layout.part_of(layout.parts, part),
+            );
+        }
+        assert!(
+            got[merged_all][..wide_n * elem] == flat(&want_all)[..],
+            "merge all: {what}"
+        );
+        assert_eq!(
+            &got[merged_all][wide_n * elem..],
+            &guard[..],
+            "merge wrote past the end: {what}"
+        );
+        let mut want_one = elements(&guarded(wide_n * elem)[..wide_n * elem], elem);
+        let last = layout.parts - 1;
+        ref_merge_heads(
+            &mut want_one,
+            &elements(&heads_in[last], elem),
+            layout.part_of(layout.parts, last),
+        );
+        // Only the merged part changed: every other part still holds the sentinel.
+        assert!(
+            got[merged_one][..wide_n * elem] == flat(&want_one)[..],
+            "merge one part: {what}"
+        );
+        assert_eq!(
+            &got[merged_one][wide_n * elem..],
+            &guard[..],
+            "merge wrote past the end: {what}"
+        );
+    }
+}
+
+#[test]
+fn head_permute_references_are_inverse_permutations() {
+    let l = HeadLayout::single(2, 3, 4, 5).part_of(3, 1);
+    let wide: Vec<u32> = (0..l.wide_numel().unwrap() as u32).collect();
+    let heads = ref_split_heads(&wide, l);
+    // A permutation of one part's elements: each exactly once.
+    let mut sorted = heads.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), l.heads_numel().unwrap());
+    // Element (b=1, h=2, t=0, d=3) comes from row (b=1, t=0), part 1, head 2, position 3.
+    let c = l.heads * l.head_dim;
+    assert_eq!(
+        heads[((l.heads + 2) * l.seq) * l.head_dim + 3],
+        (l.seq * 3 * c + c + 2 * l.head_dim + 3) as u32
+    );
+    let mut back = vec![u32::MAX; wide.len()];
+    for part in 0..3 {
+        let lp = l.part_of(3, part);
+        ref_merge_heads(&mut back, &ref_split_heads(&wide, lp), lp);
+    }
+    assert_eq!(back, wide);
+}
+
+#[test]
+fn emulated_head_permutes_are_the_cpu_permutation_for_every_unit() {
+    let Some(emu) = emulator() else { return };
+    let case = |b, t, nh, hs, parts, elem, grid, block| PermuteCase {
+        layout: HeadLayout::single(b, t, nh, hs).part_of(parts, 0),
+        elem,
+        grid,
+        block,
+    };
+    let cases = [
+        // GPT-2's bf16 qkv split (hs = 64, 16-byte units), odd T, a one-block grid-stride.
+        case(2, 7, 3, 64, 3, 2, 1, 256),
+        // hs = 128, more heads than positions.
+        case(1, 2, 5, 128, 1, 2, 2, 256),
+        // A single position, more heads than positions, a tiny block: rows loop.
+        case(3, 1, 4, 8, 3, 2, 2, 32),
+        // Odd head sizes in bf16: 6 bytes (2-byte units), 12 bytes (4-byte units).
+        case(2, 5, 3, 3, 3, 2, 3, 64),
+        case(1, 9, 2, 6, 1, 2, 1, 64),
+        // f32 (4-byte elements), 20-byte head rows; u8 with 7-byte rows (1-byte units).
+        case(2, 3, 2, 5, 3, 4, 2, 128),
+        case(2, 3, 3, 7, 2, 1, 2, 64),
+        // A head row longer than the block (37 units of 4 bytes, 32 threads): the unit loop.
+        case(1, 3, 2, 74, 1, 2, 2, 32),
+        // A block that is not a power of two: threads past its last whole row stay idle.
+        case(2, 3, 2, 64, 3, 2, 2, 96),
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check_permute_case(emu, "permute_heads", c, i as u64 + 1);
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
+
+    /// Random shapes (odd T, NH > T, every element size and unit), random small launches.
+    #[test]
+    fn emulated_head_permutes_match_the_cpu_for_random_shapes(
+        b in 1usize..4, t in 1usize..10, nh in 1usize..7, hs in 1usize..40, parts in 1usize..4,
+        elem in proptest::sample::select(vec![1usize, 2, 4, 8]),
+        grid in 1u32..4, block in proptest::sample::select(vec![32u32, 64, 96, 256]),
+        seed in 0u64..1 << 40,
+    ) {
+        let Some(emu) = emulator() else { return Ok(()) };
+        let layout = HeadLayout::single(b, t, nh, hs).part_of(parts, 0);
+        check_permute_case(emu, "permute_heads_random", PermuteCase { layout, elem, grid, block }, seed);
+    }
 }

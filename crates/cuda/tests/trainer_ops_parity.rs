@@ -8,7 +8,8 @@
 //!
 //! The GPU tests are `#[ignore = "needs a CUDA device"]`; each states its tolerance:
 //! - bitwise: embedding forward and backward, GELU forward and backward, residual add, AdamW
-//!   (f32 and bf16 gradients, with and without the bf16 copy), stochastic rounding;
+//!   (f32 and bf16 gradients, with and without the bf16 copy), stochastic rounding, and the
+//!   attention-head permutes (split and merge, every unit size, against plain loops);
 //! - to rounding, against f64 references: GEMMs (the worst-case bound of an f32 sum of k
 //!   products in any order, γ_k·Σ|a·b|, plus one output rounding), layer norm, cross-entropy
 //!   and bias-gradient column sums (relative tolerances stated at each check);
@@ -16,7 +17,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use headroom_cuda::{AdamWStep, Cuda, CudaTensor, GemmOp, GemmShape, StochasticRoundingKey};
+use headroom_cuda::{
+    AdamWStep, Cuda, CudaTensor, GemmOp, GemmShape, HeadLayout, StochasticRoundingKey,
+};
 use headroom_tensor::{
     bf16, f16, AllocEvent, AllocHook, Backend, BoxedError, DType, Element, Error, MemoryCategory,
 };
@@ -746,4 +749,128 @@ fn cuda_ops_refuse_bad_arguments_before_touching_anything() {
     // Nothing was written.
     assert_eq!(down(&cuda, &out), vec![7.0f32; 12]);
     assert_eq!(down(&cuda, &p), vec![1.0f32; 4]);
+}
+
+/// Every part split out of `wide` and merged back, on the device, against the CPU loops:
+/// bitwise, and a merge of one part leaves the other parts' bytes alone.
+fn check_head_permutes<T>(cuda: &Cuda, layout: HeadLayout, wide: &[T], sentinel: T)
+where
+    T: Element + Copy + PartialEq + std::fmt::Debug,
+{
+    let (b, t, nh, hs, parts) = (
+        layout.batch,
+        layout.seq,
+        layout.heads,
+        layout.head_dim,
+        layout.parts,
+    );
+    let c = nh * hs;
+    let what = format!("{layout:?} {}", T::DTYPE);
+    let twide = cuda.upload(wide, [b, t, parts * c]).unwrap();
+    let mut merged = cuda
+        .upload(&vec![sentinel; wide.len()], [b, t, parts * c])
+        .unwrap();
+    for part in 0..parts {
+        let l = layout.part_of(parts, part);
+        let mut heads = cuda
+            .upload(&vec![sentinel; b * c * t], [b, nh, t, hs])
+            .unwrap();
+        cuda.split_heads(&mut heads, &twide, l).unwrap();
+        let got = cuda.download::<T>(&heads).unwrap();
+        assert!(got == ref_split_heads(wide, l), "split part {part}: {what}");
+        // One part merged alone into a sentinel buffer: only that part changes.
+        let mut one = cuda
+            .upload(&vec![sentinel; wide.len()], [b, t, parts * c])
+            .unwrap();
+        cuda.merge_heads(&mut one, &heads, l).unwrap();
+        let mut want = vec![sentinel; wide.len()];
+        ref_merge_heads(&mut want, &got, l);
+        assert!(
+            cuda.download::<T>(&one).unwrap() == want,
+            "merge part {part}: {what}"
+        );
+        cuda.merge_heads(&mut merged, &heads, l).unwrap();
+    }
+    assert!(
+        cuda.download::<T>(&merged).unwrap() == wide,
+        "every part merged back: {what}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_head_permutes_are_the_cpu_permutation() {
+    let cuda = cuda();
+    let bits16 = |n: usize, seed: u32| -> Vec<u16> {
+        values(n, seed, 4.0)
+            .iter()
+            .map(|&v| bf16::from_f32(v).to_bits())
+            .collect()
+    };
+    let sentinel16 = bf16::from_f32(-1234.0).to_bits();
+    // GPT-2 124M's qkv at T = 1024 (16-byte units, a grid at its cap: rows stride), then odd
+    // T, more heads than positions, T = 1, and head rows of 6, 148 bytes (2- and 4-byte units).
+    for (i, (b, t, nh, hs, parts)) in [
+        (4, 1024, 12, 64, 3),
+        (2, 7, 12, 64, 3),
+        (1, 3, 5, 128, 1),
+        (3, 1, 4, 8, 3),
+        (2, 5, 3, 3, 3),
+        (2, 2, 6, 74, 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let layout = HeadLayout::single(b, t, nh, hs).part_of(parts, 0);
+        let wide = bits16(layout.wide_numel().unwrap(), 40 + i as u32);
+        check_head_permutes(&cuda, layout, &wide, sentinel16);
+        // The same layout in bf16 proper, the trainer's dtype.
+        let wide16: Vec<bf16> = wide.iter().map(|&x| bf16::from_bits(x)).collect();
+        check_head_permutes(&cuda, layout, &wide16, bf16::from_bits(sentinel16));
+    }
+    // Other element sizes: f32 with 20-byte head rows, u8 with 7-byte rows, i64.
+    let l = HeadLayout::single(2, 3, 2, 5).part_of(3, 0);
+    check_head_permutes(&cuda, l, &values(l.wide_numel().unwrap(), 50, 1.0), -7.0f32);
+    let l = HeadLayout::single(2, 3, 3, 7).part_of(2, 0);
+    let bytes: Vec<u8> = (0..l.wide_numel().unwrap())
+        .map(|i| (i % 251) as u8)
+        .collect();
+    check_head_permutes(&cuda, l, &bytes, 255u8);
+    let l = HeadLayout::single(1, 5, 3, 2).part_of(3, 0);
+    let longs: Vec<i64> = (0..l.wide_numel().unwrap() as i64).collect();
+    check_head_permutes(&cuda, l, &longs, -1i64);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_head_permutes_refuse_bad_arguments_before_touching_anything() {
+    let cuda = cuda();
+    let l = HeadLayout::single(2, 3, 2, 4).part_of(3, 0);
+    let wide = cuda.upload(&[1u16; 2 * 3 * 3 * 8], [2, 3, 24]).unwrap();
+    let mut heads = cuda.upload(&[7u16; 2 * 2 * 3 * 4], [2, 2, 3, 4]).unwrap();
+    // Part out of range.
+    assert!(matches!(
+        cuda.split_heads(&mut heads, &wide, l.part_of(3, 3)),
+        Err(Error::InvalidShape { .. })
+    ));
+    // Element counts that are not the layout's.
+    assert!(matches!(
+        cuda.split_heads(&mut heads, &wide, l.part_of(2, 0)),
+        Err(Error::LengthMismatch { .. })
+    ));
+    // Mixed dtypes.
+    let wide32 = cuda.zeros([2, 3, 24], DType::F32).unwrap();
+    assert!(matches!(
+        cuda.split_heads(&mut heads, &wide32, l),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    let mut wide_out = cuda.upload(&[9u16; 2 * 3 * 24], [2, 3, 24]).unwrap();
+    let heads32 = cuda.zeros([2, 2, 3, 4], DType::F32).unwrap();
+    assert!(matches!(
+        cuda.merge_heads(&mut wide_out, &heads32, l),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    // Nothing was written.
+    assert_eq!(cuda.download::<u16>(&heads).unwrap(), vec![7u16; 48]);
+    assert_eq!(cuda.download::<u16>(&wide_out).unwrap(), vec![9u16; 144]);
 }

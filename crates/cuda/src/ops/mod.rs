@@ -15,9 +15,11 @@ mod cross_entropy;
 mod elementwise;
 mod embedding;
 mod layernorm;
+mod permute;
 mod stochastic_round;
 
 pub use adamw::AdamWStep;
+pub use permute::HeadLayout;
 pub use stochastic_round::StochasticRoundingKey;
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
@@ -120,7 +122,16 @@ pub const OP_LAUNCH_SIGNATURES: &[(&str, &[ParamKind])] = &[
     ),
     // src, dst, n, seed, step, tensor
     ("stochastic_round_f32_bf16", &[Ptr, Ptr, U64, U64, U64, U32]),
+    // dst, src, batch, seq, heads, head_units, parts, part, merge
+    ("permute_heads_b1", &PERMUTE_HEADS_PARAMS),
+    ("permute_heads_b2", &PERMUTE_HEADS_PARAMS),
+    ("permute_heads_b4", &PERMUTE_HEADS_PARAMS),
+    ("permute_heads_b8", &PERMUTE_HEADS_PARAMS),
+    ("permute_heads_b16", &PERMUTE_HEADS_PARAMS),
 ];
+
+/// Every `permute_heads_b<unit>` entry point takes the same parameters.
+const PERMUTE_HEADS_PARAMS: [ParamKind; 9] = [Ptr, Ptr, U32, U32, U32, U32, U32, U32, U32];
 
 /// `head` followed by AdamW's seven f32 step scalars, as an array of `N` kinds.
 const fn concat_kinds<const N: usize>(head: &[ParamKind]) -> [ParamKind; N] {

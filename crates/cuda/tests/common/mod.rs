@@ -7,7 +7,7 @@
 // Each test crate uses a different subset.
 #![allow(dead_code)]
 
-use headroom_cuda::{AdamWStep, GemmOp, GemmShape, StochasticRoundingKey};
+use headroom_cuda::{AdamWStep, GemmOp, GemmShape, HeadLayout, StochasticRoundingKey};
 use headroom_tensor::{bf16, f16, DType};
 
 /// headroom-trainer `ops::fast_math::exp`, transcribed.
@@ -308,5 +308,42 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f64], rel: f64, abs: f64) {
             "{what}[{i}]: got {g:e}, want {w:e} (error {err:e}, allowed {:e})",
             rel * w.abs() + abs
         );
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Attention-head permutes, as plain loops over elements.
+
+/// Part `l.part` of the wide `[B, T, parts·NH·hs]` rows as `[B, NH, T, hs]`.
+pub fn ref_split_heads<T: Clone>(wide: &[T], l: HeadLayout) -> Vec<T> {
+    let c = l.heads * l.head_dim;
+    let mut heads = Vec::with_capacity(l.batch * c * l.seq);
+    for b in 0..l.batch {
+        for h in 0..l.heads {
+            for t in 0..l.seq {
+                for d in 0..l.head_dim {
+                    heads.push(
+                        wide[(b * l.seq + t) * l.parts * c + l.part * c + h * l.head_dim + d]
+                            .clone(),
+                    );
+                }
+            }
+        }
+    }
+    heads
+}
+
+/// `heads` `[B, NH, T, hs]` written into part `l.part` of the wide rows; the rest untouched.
+pub fn ref_merge_heads<T: Clone>(wide: &mut [T], heads: &[T], l: HeadLayout) {
+    let c = l.heads * l.head_dim;
+    for b in 0..l.batch {
+        for h in 0..l.heads {
+            for t in 0..l.seq {
+                for d in 0..l.head_dim {
+                    wide[(b * l.seq + t) * l.parts * c + l.part * c + h * l.head_dim + d] =
+                        heads[((b * l.heads + h) * l.seq + t) * l.head_dim + d].clone();
+                }
+            }
+        }
     }
 }

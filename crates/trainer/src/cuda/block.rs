@@ -10,17 +10,13 @@
 
 use headroom_attn::AttentionBackend;
 use headroom_ckpt::Layer;
-use headroom_cuda::{Cuda, CudaTensor};
+use headroom_cuda::{Cuda, CudaTensor, HeadLayout};
 use headroom_tensor::{Backend, MemoryCategory, Tensor};
 
 use super::error::into_tensor_error;
-use super::layout::{head_copies, run_copies, Copy2d};
 use super::{CudaGpt, CudaGptResult};
 use crate::model::params::layer as o;
 use crate::model::Geometry;
-
-/// Bytes of a bf16 element (the permutes move bf16 tensors).
-const BF16_BYTES: usize = 2;
 
 /// What a block keeps on the device for its backward: the CPU block's set field for field
 /// (`q`, `k`, `v`, attention output and the kept activations in bf16; layer-norm statistics
@@ -140,15 +136,18 @@ impl CudaGpt {
         self.keep(&out)
     }
 
+    /// The heads of one `[B, T, C]` tensor (`parts` = 1) for this model and geometry;
+    /// [`HeadLayout::part_of`] picks q, k or v of the fused `[B, T, 3C]` projection.
+    fn head_layout(&self, g: Geometry) -> HeadLayout {
+        let (c, nh) = (self.cfg.channels, self.cfg.heads);
+        HeadLayout::single(g.b, g.t, nh, c / nh)
+    }
+
     /// `[B, NH, T, hs]` bf16 → a fresh `[B, T, C]` bf16 workspace tensor.
     fn merge_heads(&self, heads: &CudaTensor, g: Geometry) -> CudaGptResult<CudaTensor> {
-        let (c, nh) = (self.cfg.channels, self.cfg.heads);
-        let mut out = self.scratch_bf16([g.b, g.t, c])?;
-        let copies: Vec<Copy2d> = head_copies(g, nh, c / nh, 1, 0, BF16_BYTES)
-            .into_iter()
-            .map(Copy2d::inverse)
-            .collect();
-        run_copies(self.backend(), &mut out, heads, &copies)?;
+        let mut out = self.scratch_bf16([g.b, g.t, self.cfg.channels])?;
+        self.backend()
+            .merge_heads(&mut out, heads, self.head_layout(g))?;
         Ok(out)
     }
 
@@ -180,8 +179,7 @@ impl CudaGpt {
             let _g = MemoryCategory::Activations.enter();
             let split = |part| -> CudaGptResult<CudaTensor> {
                 let mut t = cuda.uninit([g.b, nh, g.t, hs], headroom_tensor::DType::BF16)?;
-                let copies = head_copies(g, nh, hs, 3, part, BF16_BYTES);
-                run_copies(cuda, &mut t, &qkv, &copies)?;
+                cuda.split_heads(&mut t, &qkv, self.head_layout(g).part_of(3, part))?;
                 Ok(t)
             };
             [split(0)?, split(1)?, split(2)?]
@@ -363,12 +361,7 @@ impl CudaGpt {
             let datty16 = self.to_bf16_scratch(&datty)?;
             drop(datty);
             let mut dy = self.scratch_bf16([g.b, nh, g.t, hs])?;
-            run_copies(
-                cuda,
-                &mut dy,
-                &datty16,
-                &head_copies(g, nh, hs, 1, 0, BF16_BYTES),
-            )?;
+            cuda.split_heads(&mut dy, &datty16, self.head_layout(g))?;
             dy
         };
         let ag = {
@@ -376,13 +369,10 @@ impl CudaGpt {
             cuda.attention_backward(&s.q, &s.k, &s.v, &s.attn, &dy)?
         };
         drop(dy);
+        // Each merge writes only its third of every row; the three fill the buffer.
         let mut dqkv16 = self.scratch_bf16([g.b, g.t, 3 * c])?;
         for (part, d) in [&ag.dq, &ag.dk, &ag.dv].into_iter().enumerate() {
-            let copies: Vec<Copy2d> = head_copies(g, nh, hs, 3, part, BF16_BYTES)
-                .into_iter()
-                .map(Copy2d::inverse)
-                .collect();
-            run_copies(cuda, &mut dqkv16, d, &copies)?;
+            cuda.merge_heads(&mut dqkv16, d, self.head_layout(g).part_of(3, part))?;
         }
         drop(ag);
         let mut dln1 = self.scratch([g.b, g.t, c])?;
