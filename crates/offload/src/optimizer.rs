@@ -8,7 +8,9 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::adamw_kernel::{fused_step, step_serial, Isa, StepScalars};
-use crate::quantized::{dequantize_block, quantize_block, signed_book, unsigned_book, QUANT_BLOCK};
+use crate::quantized::{
+    dequantize_block, quantize_block, signed_book, unsigned_book, CodeBook, QUANT_BLOCK,
+};
 use crate::state_store::{StateStore, StoreIdentity};
 use crate::{OffloadError, Result};
 
@@ -494,20 +496,69 @@ fn int8_step(
         .zip(st.m_scale.par_iter_mut())
         .zip(st.s_scale.par_iter_mut())
         .for_each(|((((((p, g), c), mc), sc), ms), ss)| {
-            let n = p.len();
-            let mut m = [0f32; QUANT_BLOCK];
-            let mut v = [0f32; QUANT_BLOCK];
-            let (m, v) = (&mut m[..n], &mut v[..n]);
-            dequantize_block(mb, mc, *ms, m);
-            dequantize_block(sb, sc, *ss, v);
-            for x in v.iter_mut() {
-                *x *= *x;
+            let b = Int8Block {
+                p,
+                g,
+                c,
+                mc,
+                sc,
+                ms,
+                ss,
+            };
+            match isa {
+                // SAFETY: `isa` was checked by `Isa::is_supported` above.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { int8_block_avx512(mb, sb, s, b) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { int8_block_avx2(mb, sb, s, b) },
+                _ => int8_block(mb, sb, s, b, Isa::Baseline),
             }
-            step_serial(isa, s, p, g, m, v, c);
-            *ms = quantize_block(mb, m, mc);
-            for x in v.iter_mut() {
-                *x = x.sqrt();
-            }
-            *ss = quantize_block(sb, v, sc);
         });
+}
+
+/// One quantisation block of a parameter and its 8-bit state.
+struct Int8Block<'a, 'g> {
+    p: &'a mut [f32],
+    g: FloatSlice<'g>,
+    c: Option<FloatSliceMut<'g>>,
+    mc: &'a mut [u8],
+    sc: &'a mut [u8],
+    ms: &'a mut f32,
+    ss: &'a mut f32,
+}
+
+/// Dequantise `m` and `√v`, run the exact f32 update, requantise. Compiled once per ISA (the
+/// wrappers below) so the decode, square, square-root and encode loops around the update are
+/// vectorised for the same ISA as the update itself; every operation is IEEE-exact, so each
+/// compilation gives the same bits.
+#[inline(always)]
+fn int8_block(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>, isa: Isa) {
+    let n = b.p.len();
+    let mut m = [0f32; QUANT_BLOCK];
+    let mut v = [0f32; QUANT_BLOCK];
+    let (m, v) = (&mut m[..n], &mut v[..n]);
+    dequantize_block(mb, b.mc, *b.ms, m);
+    dequantize_block(sb, b.sc, *b.ss, v);
+    for x in v.iter_mut() {
+        *x *= *x;
+    }
+    step_serial(isa, s, b.p, b.g, m, v, b.c);
+    *b.ms = quantize_block(mb, m, b.mc);
+    for x in v.iter_mut() {
+        *x = x.sqrt();
+    }
+    *b.ss = quantize_block(sb, v, b.sc);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn int8_block_avx512(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>) {
+    int8_block(mb, sb, s, b, Isa::Avx512)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn int8_block_avx2(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>) {
+    int8_block(mb, sb, s, b, Isa::Avx2)
 }

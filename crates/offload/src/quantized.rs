@@ -142,6 +142,7 @@ pub(crate) fn unsigned_book() -> &'static CodeBook {
 }
 
 /// Quantise `x` into `codes` with one shared scale (its absolute maximum), returned.
+#[inline(always)]
 pub(crate) fn quantize_block(book: &CodeBook, x: &[f32], codes: &mut [u8]) -> f32 {
     let absmax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
     let inv = if absmax > 0.0 && absmax.is_finite() {
@@ -156,6 +157,7 @@ pub(crate) fn quantize_block(book: &CodeBook, x: &[f32], codes: &mut [u8]) -> f3
 }
 
 /// Inverse of [`quantize_block`].
+#[inline(always)]
 pub(crate) fn dequantize_block(book: &CodeBook, codes: &[u8], absmax: f32, out: &mut [f32]) {
     for (o, c) in out.iter_mut().zip(codes) {
         *o = book.decode(*c) * absmax;

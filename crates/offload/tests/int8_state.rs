@@ -127,3 +127,49 @@ fn state_bytes_per_parameter_as_the_tracker_counts_them() {
     assert!((2.0..2.01).contains(&per_param), "{per_param}");
     assert_eq!(per_param, int8.state_bytes_per_param());
 }
+
+/// The 8-bit path is compiled once per ISA around the same IEEE-exact operations: every ISA
+/// the machine has gives the same parameters and the same state bytes, including a block tail
+/// and bf16 gradients.
+#[test]
+fn every_isa_gives_the_same_int8_bits() {
+    use headroom_offload::Isa;
+    let cpu = Cpu::new();
+    let n = 2 * 2048 + 37;
+    let grads: Vec<Vec<f32>> = (0..4u32)
+        .map(|k| {
+            (0..n)
+                .map(|i| ((i as f32 * 0.37 + k as f32).sin() * 1e-2) * (1 + i % 7) as f32)
+                .collect()
+        })
+        .collect();
+    let run = |isa: Isa| {
+        let mut opt = CpuAdamW::new(
+            vec![AdamWHyper::default()],
+            &[ParamSpec { numel: n, group: 0 }],
+            StatePrecision::Int8,
+            StoreSpec::Ram(&cpu),
+        )
+        .unwrap()
+        .with_isa(isa);
+        let mut w: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
+        for (k, g) in grads.iter().enumerate() {
+            if k % 2 == 0 {
+                opt.step(0, &mut w, FloatSlice::F32(g), None).unwrap();
+            } else {
+                let g16: Vec<half::bf16> = g.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                opt.step(0, &mut w, FloatSlice::BF16(&g16), None).unwrap();
+            }
+        }
+        (
+            w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            opt.moments().to_vec(),
+        )
+    };
+    let reference = run(Isa::Baseline);
+    for isa in [Isa::Avx2, Isa::Avx512] {
+        if isa.is_supported() {
+            assert!(run(isa) == reference, "{isa:?} differs from the baseline");
+        }
+    }
+}
