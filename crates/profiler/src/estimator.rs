@@ -3,8 +3,10 @@
 //!
 //! The activation terms are not fitted constants: they are the byte sizes of the tensors each
 //! layer saves for backward, listed by name in [`block_saved_tensors`] and
-//! [`outside_saved_tensors`], in the llm.c layout (`train_gpt2.c`'s `ActivationTensors`) that the
-//! reference trainer allocates. Notation below: `L` layers, `H` heads, `C` width, `V` vocabulary,
+//! [`outside_saved_tensors`], in the llm.c layout (`train_gpt2.c`'s `ActivationTensors`): a
+//! trainer-independent estimate for GPT-2-style models. headroom's own reference trainer saves a
+//! slightly different set and predicts it to the byte with `headroom_trainer::estimate` (this
+//! crate cannot depend on the trainer). Notation below: `L` layers, `H` heads, `C` width, `V` vocabulary,
 //! `b` micro-batch, `T` sequence length, `a` bytes per element of the compute dtype, `P`
 //! parameter count.
 //!
