@@ -23,7 +23,7 @@
 //! FlashAttention-2 kernels, forward and forward+backward, at the shape of
 //! `benches/torch/attn.py --device cuda` (batch 4, 16 heads, N = 4096, head_dim 128, causal),
 //! first checked against the CPU flash path on two small cases with the tolerances of
-//! `crates/attn/tests/cuda.rs` (a bench must not time a wrong kernel), then timed with CUDA
+//! `headroom_attn::accuracy` (a bench must not time a wrong kernel), then timed with CUDA
 //! events like the torch script (10 warm-up calls, median of 50). Records
 //! `attn/cuda/<pass>/flash/bf16/T4096_D128`: `median_time` (ms) and `throughput`
 //! (TFLOP/s, the same FLOP count), each naming torch's
@@ -273,6 +273,7 @@ fn memory(_c: &mut Criterion) {
 #[cfg(feature = "cuda")]
 mod on_cuda {
     use criterion::Criterion;
+    use headroom_attn::accuracy::{compare, compare_lse, BF16_GRAD, BF16_OUTPUT, LSE_TOLERANCE};
     use headroom_attn::{AttentionBackend, AttentionConfig, AttentionDims};
     use headroom_benches::{Better, Record};
     use headroom_cuda::cudarc::driver::sys::CUevent_flags;
@@ -295,25 +296,6 @@ mod on_cuda {
     const WARMUP_CALLS: usize = 10;
     const TIMED_CALLS: usize = 50;
 
-    /// Tolerances of `crates/attn/tests/cuda.rs` (bf16 inputs, f32 accumulation, bf16
-    /// results, against the f32 CPU flash path on the same bf16-rounded inputs): per tensor,
-    /// the largest error as a fraction of the largest reference magnitude, and the rms error as
-    /// a fraction of the reference's rms; both magnitudes floored at `MAGNITUDE_FLOOR`.
-    struct Tolerance {
-        max: f64,
-        rms: f64,
-    }
-    const OUTPUT_TOL: Tolerance = Tolerance {
-        max: 1e-2,
-        rms: 6e-3,
-    };
-    const GRAD_TOL: Tolerance = Tolerance {
-        max: 2e-2,
-        rms: 1e-2,
-    };
-    /// Logsumexp (f32): |x − r| ≤ LSE_TOL · max(1, |r|).
-    const LSE_TOL: f64 = 1e-3;
-    const MAGNITUDE_FLOOR: f64 = 1e-3;
     /// The numerics check: the benchmarked head_dim, causal, no GQA (as timed), batch 2 and 4
     /// heads; one length on the kernels' 64-row tiles (as N = 4096 is) and one off them.
     const CHECK_BATCH: usize = 2;
@@ -459,79 +441,6 @@ mod on_cuda {
     // --------------------------------------------------------------------------------------
     // The numerics check.
 
-    /// Root mean square.
-    fn rms(x: impl Iterator<Item = f64>) -> f64 {
-        let (sum, n) = x.fold((0.0, 0usize), |(s, n), v| (s + v * v, n + 1));
-        if n == 0 {
-            0.0
-        } else {
-            (sum / n as f64).sqrt()
-        }
-    }
-
-    /// `got` against `want` within `tol`; on success the largest error relative to the largest
-    /// reference magnitude (what gets printed).
-    fn compare(what: &str, got: &[f32], want: &[f32], tol: &Tolerance) -> Result<f64, String> {
-        if got.len() != want.len() {
-            return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
-        }
-        if let Some(i) = got.iter().position(|x| !x.is_finite()) {
-            return Err(format!("{what}[{i}] = {} is not finite", got[i]));
-        }
-        let largest = want
-            .iter()
-            .fold(0.0f64, |m, &w| m.max(f64::from(w).abs()))
-            .max(MAGNITUDE_FLOOR);
-        let (worst, at) = got
-            .iter()
-            .zip(want)
-            .enumerate()
-            .map(|(i, (&g, &w))| ((f64::from(g) - f64::from(w)).abs(), i))
-            .fold((0.0, 0), |best, e| if e.0 > best.0 { e } else { best });
-        if worst > tol.max * largest {
-            return Err(format!(
-                "{what}: |error| {worst:.3e} at {at} (got {}, want {}) exceeds {} of max |ref| \
-                 {largest:.3e}",
-                got[at], want[at], tol.max
-            ));
-        }
-        let error_rms = rms(got
-            .iter()
-            .zip(want)
-            .map(|(&g, &w)| f64::from(g) - f64::from(w)));
-        let want_rms = rms(want.iter().map(|&w| f64::from(w))).max(MAGNITUDE_FLOOR);
-        if error_rms > tol.rms * want_rms {
-            return Err(format!(
-                "{what}: rms error {error_rms:.3e} exceeds {} of rms(ref) {want_rms:.3e}",
-                tol.rms
-            ));
-        }
-        Ok(worst / largest)
-    }
-
-    /// The logsumexp within `LSE_TOL`, `-inf` exactly where the reference has it; on success
-    /// the largest error relative to max(1, |ref|).
-    fn compare_lse(got: &[f32], want: &[f32]) -> Result<f64, String> {
-        if got.len() != want.len() {
-            return Err(format!("lse: {} values, want {}", got.len(), want.len()));
-        }
-        let mut worst = 0.0f64;
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            if w == f32::NEG_INFINITY {
-                if g != f32::NEG_INFINITY {
-                    return Err(format!("lse[{i}] = {g}, want -inf"));
-                }
-                continue;
-            }
-            let relative = (f64::from(g) - f64::from(w)).abs() / f64::from(w.abs()).max(1.0);
-            if !g.is_finite() || relative > LSE_TOL {
-                return Err(format!("lse[{i}] = {g}, want {w}"));
-            }
-            worst = worst.max(relative);
-        }
-        Ok(worst)
-    }
-
     /// Output, logsumexp and gradients as host f32.
     struct Results {
         out: Vec<f32>,
@@ -615,15 +524,15 @@ mod on_cuda {
 
     /// Every tensor within its tolerance; on success the errors, as one printable line.
     fn check(got: &Results, want: &Results) -> Result<String, String> {
-        let out = compare("output", &got.out, &want.out, &OUTPUT_TOL)?;
+        let out = compare("output", &got.out, &want.out, &BF16_OUTPUT)?;
         let lse = compare_lse(&got.lse, &want.lse)?;
-        let dq = compare("dq", &got.dq, &want.dq, &GRAD_TOL)?;
-        let dk = compare("dk", &got.dk, &want.dk, &GRAD_TOL)?;
-        let dv = compare("dv", &got.dv, &want.dv, &GRAD_TOL)?;
+        let dq = compare("dq", &got.dq, &want.dq, &BF16_GRAD)?;
+        let dk = compare("dk", &got.dk, &want.dk, &BF16_GRAD)?;
+        let dv = compare("dv", &got.dv, &want.dv, &BF16_GRAD)?;
         Ok(format!(
             "max |error| / max |ref|: output {out:.2e} (tol {:.0e}), dq {dq:.2e}, dk {dk:.2e}, \
-             dv {dv:.2e} (tol {:.0e}); lse {lse:.2e} (tol {LSE_TOL:.0e})",
-            OUTPUT_TOL.max, GRAD_TOL.max
+             dv {dv:.2e} (tol {:.0e}); lse {lse:.2e} (tol {LSE_TOLERANCE:.0e})",
+            BF16_OUTPUT.max, BF16_GRAD.max
         ))
     }
 

@@ -52,6 +52,7 @@
 //!   `Workspace`. Flash never allocates anything that grows with N².
 //! - Bad shapes, dtypes or configs are a typed [`AttnError`] before anything is computed.
 
+pub mod accuracy;
 mod backend_ext;
 mod config;
 mod cpu;

@@ -8,14 +8,8 @@
 //! without a GPU (run them with `cargo xtask device-bundle`, or on a GPU machine with
 //! `cargo test -p headroom-attn --features cuda --test cuda -- --include-ignored`).
 //!
-//! Tolerance (bf16 inputs, f32 accumulation; the kernels round P and dS to bf16 before their
-//! second matmul, as FlashAttention-2 does, and store bf16 results), per tensor, against the
-//! f32 CPU reference `r` of a result `x`:
-//! - output: max |x − r| ≤ 1e-2 · max |r| and rms(x − r) ≤ 6e-3 · rms(r);
-//! - dQ, dK, dV: max |x − r| ≤ 2e-2 · max |r| and rms(x − r) ≤ 1e-2 · rms(r);
-//! - (max |r| and rms(r) floored at 1e-3, so an all-zero reference allows rounding noise);
-//! - logsumexp (f32): |x − r| ≤ 1e-3 · max(1, |r|), and -inf exactly where r is -inf;
-//! - nothing NaN or infinite anywhere else.
+//! The tolerances are `headroom_attn::accuracy`'s (`BF16_OUTPUT`, `BF16_GRAD`, the
+//! logsumexp's), the ones the GPU bench also checks before it times anything.
 //!
 //! Without NVRTC nothing here needs CUDA; with NVRTC (`source .ci/nvrtc-env.sh`, which also sets
 //! `HEADROOM_REQUIRE_NVRTC=1` so a missing library fails instead of skipping) the attention
@@ -28,6 +22,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use common::{inputs, run, Inputs, Run, Sizes};
+use headroom_attn::accuracy::{compare, compare_lse, BF16_GRAD, BF16_OUTPUT};
 use headroom_attn::{
     AttentionBackend, AttentionConfig, AttnError, BackendLimit, DEFAULT_FLASH_BLOCK_K,
 };
@@ -40,92 +35,6 @@ use proptest::prelude::*;
 
 // ------------------------------------------------------------------------------------------
 // The comparison, generic over the backend.
-
-/// A per-tensor tolerance relative to the reference's magnitude.
-struct Tolerance {
-    /// Largest error, as a fraction of the largest reference magnitude.
-    max: f64,
-    /// Root-mean-square error, as a fraction of the reference's root mean square.
-    rms: f64,
-}
-
-const OUTPUT_TOL: Tolerance = Tolerance {
-    max: 1e-2,
-    rms: 6e-3,
-};
-const GRAD_TOL: Tolerance = Tolerance {
-    max: 2e-2,
-    rms: 1e-2,
-};
-const LSE_TOL: f64 = 1e-3;
-/// The smallest magnitude tolerances are relative to.
-const MAGNITUDE_FLOOR: f64 = 1e-3;
-
-fn rms(x: impl Iterator<Item = f64>) -> f64 {
-    let (sum, n) = x.fold((0.0, 0usize), |(s, n), v| (s + v * v, n + 1));
-    if n == 0 {
-        0.0
-    } else {
-        (sum / n as f64).sqrt()
-    }
-}
-
-fn compare(what: &str, got: &[f32], want: &[f32], tol: &Tolerance) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
-    }
-    if let Some(i) = got.iter().position(|x| !x.is_finite()) {
-        return Err(format!("{what}[{i}] = {} is not finite", got[i]));
-    }
-    // Magnitudes are floored at 1e-3 (inputs are O(1)): a reference that is exactly 0 (one key
-    // per row makes dS = P·(dP − D) vanish) is matched by rounding noise, not by exact zeros.
-    let largest = want
-        .iter()
-        .fold(0.0f64, |m, &w| m.max(f64::from(w).abs()))
-        .max(MAGNITUDE_FLOOR);
-    let (worst, at) = got
-        .iter()
-        .zip(want)
-        .enumerate()
-        .map(|(i, (&g, &w))| ((f64::from(g) - f64::from(w)).abs(), i))
-        .fold((0.0, 0), |best, e| if e.0 > best.0 { e } else { best });
-    if worst > tol.max * largest {
-        return Err(format!(
-            "{what}: |error| {worst:.3e} at {at} (got {}, want {}) exceeds {} of max |ref| {largest:.3e}",
-            got[at], want[at], tol.max
-        ));
-    }
-    let error_rms = rms(got
-        .iter()
-        .zip(want)
-        .map(|(&g, &w)| f64::from(g) - f64::from(w)));
-    let want_rms = rms(want.iter().map(|&w| f64::from(w))).max(MAGNITUDE_FLOOR);
-    if error_rms > tol.rms * want_rms {
-        return Err(format!(
-            "{what}: rms error {error_rms:.3e} exceeds {} of rms(ref) {want_rms:.3e}",
-            tol.rms
-        ));
-    }
-    Ok(())
-}
-
-fn compare_lse(got: &[f32], want: &[f32]) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("lse: {} values, want {}", got.len(), want.len()));
-    }
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = if w == f32::NEG_INFINITY {
-            g == f32::NEG_INFINITY
-        } else {
-            g.is_finite()
-                && (f64::from(g) - f64::from(w)).abs() <= LSE_TOL * f64::from(w.abs()).max(1.0)
-        };
-        if !ok {
-            return Err(format!("lse[{i}] = {g}, want {w}"));
-        }
-    }
-    Ok(())
-}
 
 fn to_bf16(x: &[f32]) -> Vec<bf16> {
     x.iter().map(|&v| bf16::from_f32(v)).collect()
@@ -181,11 +90,12 @@ fn sizes(batch: usize, heads: (usize, usize), lens: (usize, usize), head_dim: us
 
 /// `got` against the f32 CPU flash reference of the same inputs.
 fn check(got: &Run, want: &Run) -> Result<(), String> {
-    compare("output", &got.out, &want.out, &OUTPUT_TOL)?;
+    compare("output", &got.out, &want.out, &BF16_OUTPUT)?;
     compare_lse(&got.lse, &want.lse)?;
-    compare("dq", &got.dq, &want.dq, &GRAD_TOL)?;
-    compare("dk", &got.dk, &want.dk, &GRAD_TOL)?;
-    compare("dv", &got.dv, &want.dv, &GRAD_TOL)
+    compare("dq", &got.dq, &want.dq, &BF16_GRAD)?;
+    compare("dk", &got.dk, &want.dk, &BF16_GRAD)?;
+    compare("dv", &got.dv, &want.dv, &BF16_GRAD)?;
+    Ok(())
 }
 
 /// The test body: `backend`'s bf16 flash against the CPU's f32 flash, for every case.
@@ -281,8 +191,8 @@ fn the_comparison_rejects_wrong_results() {
     assert!(compare_lse(&lse, &causal.lse).is_err());
     // A uniform 1% error everywhere passes the max check but not the rms check of the output.
     let scaled: Vec<f32> = causal.out.iter().map(|v| v * 1.009).collect();
-    let e = compare("output", &scaled, &causal.out, &OUTPUT_TOL).unwrap_err();
-    assert!(e.contains("rms"), "{e}");
+    let e = compare("output", &scaled, &causal.out, &BF16_OUTPUT).unwrap_err();
+    assert!(e.0.contains("rms"), "{e}");
 }
 
 // ------------------------------------------------------------------------------------------
