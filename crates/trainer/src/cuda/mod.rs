@@ -281,30 +281,35 @@ impl CudaGpt {
 
     /// Check a list of fp32 masters (host or device) against the model's parameters.
     fn check_masters<T: Tensor>(&self, masters: &[T]) -> CudaGptResult<()> {
-        if masters.len() != self.gemm_weights.len() {
-            return Err(TrainError::Config(format!(
-                "{} master tensors for a model with {}",
-                masters.len(),
-                self.gemm_weights.len()
-            ))
-            .into());
-        }
+        self.check_per_parameter(masters, "master")
+            .map_err(|e| TrainError::Config(e).into())
+    }
+
+    /// Whether `list` holds one f32 tensor per parameter, in parameter order, each of its
+    /// parameter's shape; the reason when not (`what` names the list's tensors).
+    fn check_per_parameter<T: Tensor>(&self, list: &[T], what: &str) -> Result<(), String> {
         let infos = params::param_infos(&self.cfg);
-        if let Some((m, info)) = masters
+        if list.len() != infos.len() {
+            return Err(format!(
+                "{} {what} tensors for a model with {}",
+                list.len(),
+                infos.len()
+            ));
+        }
+        match list
             .iter()
             .zip(&infos)
-            .find(|(m, i)| m.shape().dims() != i.shape.as_slice() || m.dtype() != DType::F32)
+            .find(|(t, i)| t.shape().dims() != i.shape.as_slice() || t.dtype() != DType::F32)
         {
-            return Err(TrainError::Config(format!(
-                "master {} is {:?} {:?}, expected f32 {:?}",
+            Some((t, info)) => Err(format!(
+                "{what} {} is {:?} {:?}, expected f32 {:?}",
                 info.name,
-                m.dtype(),
-                m.shape().dims(),
+                t.dtype(),
+                t.shape().dims(),
                 info.shape
-            ))
-            .into());
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Zeroed f32 gradients for every parameter, on the device, as `Gradients`.
@@ -732,30 +737,9 @@ impl CudaGpt {
         schedule: &Schedule,
     ) -> CudaGptResult<(f32, ScheduleStats)> {
         self.check_batch(tokens, targets, g)?;
+        self.check_per_parameter(grads, "gradient")
+            .map_err(TrainError::Input)?;
         let nl = self.cfg.layers;
-        if grads.len() != 2 + nl * PER_LAYER + 2 {
-            return Err(TrainError::Input(format!(
-                "{} gradient tensors for a model with {}",
-                grads.len(),
-                2 + nl * PER_LAYER + 2
-            ))
-            .into());
-        }
-        let infos = params::param_infos(&self.cfg);
-        if let Some((gr, info)) = grads
-            .iter()
-            .zip(&infos)
-            .find(|(gr, i)| gr.shape().dims() != i.shape.as_slice() || gr.dtype() != DType::F32)
-        {
-            return Err(TrainError::Input(format!(
-                "gradient of {} is {:?} {:?}, expected f32 {:?}",
-                info.name,
-                gr.dtype(),
-                gr.shape().dims(),
-                info.shape
-            ))
-            .into());
-        }
         let tokens_dev = {
             let _g = MemoryCategory::Workspace.enter();
             self.cuda.upload(tokens, [g.b, g.t])?
