@@ -42,6 +42,13 @@ impl Default for AdamWHyper {
 }
 
 impl AdamWHyper {
+    /// The same hyper-parameters with learning rate `lr`, checked (learning-rate schedules).
+    pub fn with_lr(self, lr: f64) -> Result<Self> {
+        let h = AdamWHyper { lr, ..self };
+        h.validate()?;
+        Ok(h)
+    }
+
     /// Check the ranges PyTorch checks.
     pub fn validate(&self) -> Result<()> {
         let bad = |name, value: f64, reason| OffloadError::InvalidHyper {
@@ -318,10 +325,7 @@ impl CpuAdamW {
             .groups
             .get_mut(g)
             .ok_or(OffloadError::UnknownGroup { index: g, count })?;
-        let mut new = *h;
-        new.lr = lr;
-        new.validate()?;
-        *h = new;
+        *h = h.with_lr(lr)?;
         Ok(())
     }
 

@@ -396,10 +396,7 @@ mod resident {
                 .groups
                 .get_mut(g)
                 .ok_or(OffloadError::UnknownGroup { index: g, count })?;
-            let mut new = *h;
-            new.lr = lr;
-            new.validate()?;
-            *h = new;
+            *h = h.with_lr(lr)?;
             Ok(())
         }
 
