@@ -1,36 +1,140 @@
 //! Checkpoints: the model as safetensors with Hugging Face GPT-2 names, plus everything needed
-//! to continue a run bit for bit (optimizer state and moments, data position, step).
+//! to continue a run bit for bit (optimizer state and moments, data position, step), written so
+//! that a crash at any moment leaves either the previous complete checkpoint or the new one.
 //!
-//! A checkpoint is a directory:
-//! - `model.safetensors` — f32 tensors named as transformers' `GPT2Model` expects
-//!   (`wte.weight`, `h.0.attn.c_attn.weight`, …). The four Conv1D weights (`attn.c_attn`,
-//!   `attn.c_proj`, `mlp.c_fc`, `mlp.c_proj`) are written transposed, `[in, out]`, exactly as
-//!   Hugging Face stores them; prefix the names with `transformer.` to load them into
-//!   `GPT2LMHeadModel` (the head is tied to `wte`).
-//! - `optimizer.bin` — the AdamW moments, raw.
-//! - `state.json` — step, model config, optimizer state (groups, per-parameter steps) and the
-//!   loader's position. Written last: a directory without it is not a checkpoint.
+//! ## Layout
 //!
-//! Every file is written to a temporary name, fsynced and renamed, so a crash never leaves a
-//! half-written file under a real name.
+//! A checkpoint *root* (`--checkpoint-dir`) holds one directory per saved step:
+//!
+//! ```text
+//! root/
+//!   step-00000010/
+//!     model.safetensors   f32 tensors named as transformers' `GPT2Model` expects
+//!     config.json         transformers' GPT2Config for the shape
+//!     optimizer.bin       the AdamW moments (headroom-offload's documented byte layout)
+//!     state.json          step, model config, run settings, optimizer/loader/scaler state
+//!     manifest.json       format version, step, and every file's size and xxh3-64 checksum
+//!   step-00000020/
+//!   .partial-step-00000030-4711/   a save in progress (never read)
+//! ```
+//!
+//! `model.safetensors`: the four Conv1D weights (`attn.c_attn`, `attn.c_proj`, `mlp.c_fc`,
+//! `mlp.c_proj`) are written transposed, `[in, out]`, exactly as Hugging Face stores them;
+//! prefix the names with `transformer.` to load them into `GPT2LMHeadModel` (the head is tied
+//! to `wte`), or load a step directory directly with `from_pretrained`.
+//!
+//! ## Why this is crash-consistent
+//!
+//! A checkpoint is one unit, not a set of files. [`save`] writes every file into a fresh
+//! `.partial-…` directory, fsyncs each file, writes the manifest last, fsyncs the directory, and
+//! only then *publishes* it with one `rename` to `step-N` (atomic on POSIX file systems) followed
+//! by an fsync of the root. Readers only ever look at published `step-*` directories, so a kill
+//! at any instant leaves the previous checkpoints untouched and the new one either absent or
+//! complete. The manifest's checksums catch what a rename cannot: a directory edited, copied
+//! half-way or corrupted afterwards is refused with [`TrainError::Checkpoint`], never resumed.
+//!
+//! The trade-off: a save rewrites every file (no hard links to an unchanged previous file), and
+//! the last `keep` checkpoints occupy `keep`× the space; pruning happens after publishing, so a
+//! crash while pruning leaves one checkpoint too many, never one too few.
 
 use std::fs;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::LoaderState;
 use headroom_offload::AdamWState;
-use headroom_tensor::CpuTensor;
+use headroom_tensor::{Backend, Cpu, CpuTensor};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{params, GptConfig};
+use crate::model::{params, Gpt, GptConfig, GptOptions};
 use crate::{Result, TrainError};
 
-const FORMAT_VERSION: u32 = 1;
+/// Layout version of a checkpoint. Version 1 (flat directory, no manifest) is refused: its
+/// files cannot be shown to belong to the same step.
+pub const FORMAT_VERSION: u32 = 2;
+/// The manifest's file name inside a step directory.
+pub const MANIFEST: &str = "manifest.json";
+/// Files every checkpoint holds, in the order they are written (the manifest comes after).
+pub const FILES: [&str; 4] = [
+    "model.safetensors",
+    "config.json",
+    "optimizer.bin",
+    "state.json",
+];
+const STEP_PREFIX: &str = "step-";
+const PARTIAL_PREFIX: &str = ".partial-";
+const REPLACED_PREFIX: &str = ".replaced-";
+/// JSON files larger than this are not parsed (a manifest is a few hundred bytes, a state a
+/// few bytes per parameter tensor).
+const MAX_JSON_BYTES: u64 = 256 << 20;
 
-/// The small part of a checkpoint, as JSON.
+/// The settings of a run that decide its numbers: a checkpoint continues bit for bit only under
+/// the same ones. Techniques that do not change a bit (checkpoint schedules, optimizer
+/// placement) or that a user may change on purpose (attention algorithm, loss chunking,
+/// micro-batching: same mathematics, other f32 summation order) are not part of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunSpec {
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Initialisation and data-order seed.
+    pub seed: u64,
+    /// Planned steps (the learning-rate schedule's length).
+    pub steps: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Final learning rate as a fraction of `lr`.
+    pub min_lr_frac: f64,
+    /// Warmup steps.
+    pub warmup: usize,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Gradient-norm clip.
+    pub grad_clip: f64,
+    /// Working precision (`fp32`, `bf16`, `fp16`).
+    pub precision: String,
+}
+
+impl RunSpec {
+    /// The settings in which `self` (a checkpoint's) and `now` (this run's) differ, as
+    /// `name: checkpoint → now` lines naming the command-line option.
+    pub fn differences(&self, now: &RunSpec) -> Vec<String> {
+        let mut d = Vec::new();
+        let mut cmp = |name: &str, a: String, b: String| {
+            if a != b {
+                d.push(format!("{name}: checkpoint {a}, this run {b}"));
+            }
+        };
+        cmp("--batch", self.batch.to_string(), now.batch.to_string());
+        cmp("--seq", self.seq.to_string(), now.seq.to_string());
+        cmp("--seed", self.seed.to_string(), now.seed.to_string());
+        cmp("--steps", self.steps.to_string(), now.steps.to_string());
+        cmp("--lr", self.lr.to_string(), now.lr.to_string());
+        cmp(
+            "--min-lr",
+            (self.lr * self.min_lr_frac).to_string(),
+            (now.lr * now.min_lr_frac).to_string(),
+        );
+        cmp("--warmup", self.warmup.to_string(), now.warmup.to_string());
+        cmp(
+            "--weight-decay",
+            self.weight_decay.to_string(),
+            now.weight_decay.to_string(),
+        );
+        cmp(
+            "--grad-clip",
+            self.grad_clip.to_string(),
+            now.grad_clip.to_string(),
+        );
+        cmp("--precision", self.precision.clone(), now.precision.clone());
+        d
+    }
+}
+
+/// The small part of a checkpoint, as JSON (`state.json`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TrainingState {
     /// Layout version of the checkpoint directory.
@@ -39,23 +143,92 @@ pub struct TrainingState {
     pub step: usize,
     /// The model's shape.
     pub config: GptConfig,
+    /// The run's settings (checked on resume).
+    pub run: RunSpec,
     /// Optimizer state without the moments.
     pub optimizer: AdamWState,
     /// The data loader's position.
     pub loader: LoaderState,
-    /// The fp16 loss scaler's state (absent in fp32/bf16 runs and in older checkpoints).
+    /// The fp16 loss scaler's state (absent in fp32/bf16 runs).
     #[serde(default)]
     pub scaler: Option<headroom_amp::LossScalerState>,
 }
 
+impl TrainingState {
+    /// A state for [`save`].
+    pub fn new(
+        step: usize,
+        config: GptConfig,
+        run: RunSpec,
+        optimizer: AdamWState,
+        loader: LoaderState,
+    ) -> Self {
+        TrainingState {
+            format_version: FORMAT_VERSION,
+            step,
+            config,
+            run,
+            optimizer,
+            loader,
+            scaler: None,
+        }
+    }
+}
+
+/// One file of a checkpoint as the manifest records it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestFile {
+    /// File name inside the step directory.
+    pub name: String,
+    /// Exact size in bytes.
+    pub bytes: u64,
+    /// xxh3-64 of the content, 16 lowercase hex digits.
+    pub xxh3: String,
+}
+
+/// `manifest.json`: what a complete checkpoint holds. Written last inside the step directory.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Layout version ([`FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// Optimizer steps completed (equals `state.json`'s).
+    pub step: usize,
+    /// Every file, with size and checksum.
+    pub files: Vec<ManifestFile>,
+}
+
 /// A loaded checkpoint, parameters in the trainer's layout.
 pub struct Checkpoint {
+    /// The step directory it was read from.
+    pub dir: PathBuf,
     /// Step, config, optimizer and loader state.
     pub state: TrainingState,
     /// Parameters in [`params::param_infos`] order and layout.
     pub params: Vec<Vec<f32>>,
     /// The optimizer's moment bytes.
     pub moments: Vec<u8>,
+}
+
+impl Checkpoint {
+    /// The model this checkpoint holds, its parameters uploaded to `backend`.
+    pub fn into_model(self, backend: &Cpu, options: GptOptions) -> Result<Gpt> {
+        let infos = params::param_infos(&self.state.config);
+        let masters = {
+            let _g = headroom_tensor::MemoryCategory::Parameters.enter();
+            infos
+                .iter()
+                .zip(&self.params)
+                .map(|(info, p)| backend.upload(p, info.shape.clone()))
+                .collect::<std::result::Result<Vec<_>, _>>()?
+        };
+        Gpt::from_masters(backend, self.state.config, options, masters)
+    }
+}
+
+/// Build the model saved at `path` (a step directory, or a root whose newest checkpoint is
+/// used) in one call: every file checked against the manifest first.
+pub fn load_model(path: &Path, backend: &Cpu, options: GptOptions) -> Result<Gpt> {
+    load(path)?.into_model(backend, options)
 }
 
 fn err(path: &Path, reason: impl Into<String>) -> TrainError {
@@ -69,16 +242,34 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |e| err(path, e.to_string())
 }
 
-/// Write `bytes` to `dir/name` atomically: temporary file, fsync, rename.
-fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
-    let tmp = dir.join(format!(".{name}.tmp"));
-    let dst = dir.join(name);
-    let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
-    f.write_all(bytes).map_err(io(&tmp))?;
-    f.sync_all().map_err(io(&tmp))?;
-    drop(f);
-    fs::rename(&tmp, &dst).map_err(io(&dst))?;
-    Ok(())
+fn hex64(x: u64) -> String {
+    format!("{x:016x}")
+}
+
+fn checksum(bytes: &[u8]) -> String {
+    hex64(xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// Write `bytes` to `path` and fsync it (inside a partial directory: no rename needed).
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestFile> {
+    let mut f = fs::File::create(path).map_err(io(path))?;
+    f.write_all(bytes).map_err(io(path))?;
+    f.sync_all().map_err(io(path))?;
+    Ok(ManifestFile {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        bytes: bytes.len() as u64,
+        xxh3: checksum(bytes),
+    })
+}
+
+/// fsync a directory, so the renames and creations inside it are durable.
+fn sync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(dir))
 }
 
 /// `[rows, cols]` row-major → `[cols, rows]`.
@@ -119,18 +310,74 @@ fn hf_config(c: &GptConfig, dir: &Path) -> Result<Vec<u8>> {
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
 }
 
-/// Save a checkpoint into `dir` (created if missing): `model.safetensors` and `config.json`
-/// (Hugging Face GPT-2), `optimizer.bin` (moments), `state.json` (everything else; written
-/// last, so a checkpoint without it is incomplete).
-pub fn save(dir: &Path, state: &TrainingState, params: &[CpuTensor], moments: &[u8]) -> Result<()> {
-    fs::create_dir_all(dir).map_err(io(dir))?;
+fn step_dir_name(step: usize) -> String {
+    format!("{STEP_PREFIX}{step:08}")
+}
+
+/// The step of a published checkpoint directory name (`step-00000012` → 12).
+fn parse_step_dir(name: &str) -> Option<usize> {
+    let digits = name.strip_prefix(STEP_PREFIX)?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// The published checkpoints under `root`, oldest first, as (step, directory).
+pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let mut out = Vec::new();
+    let entries = match fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(err(root, e.to_string())),
+    };
+    for entry in entries {
+        let entry = entry.map_err(io(root))?;
+        let name = entry.file_name();
+        if let Some(step) = name.to_str().and_then(parse_step_dir) {
+            if entry.file_type().map_err(io(root))?.is_dir() {
+                out.push((step, entry.path()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Save a checkpoint as `root/step-N` (N = `state.step`) and keep the newest `keep` of them.
+/// Returns the published directory. See the module docs for why a crash at any point of this
+/// function leaves only complete checkpoints.
+pub fn save(
+    root: &Path,
+    state: &TrainingState,
+    params: &[CpuTensor],
+    moments: &[u8],
+    keep: usize,
+) -> Result<PathBuf> {
+    if keep == 0 {
+        return Err(err(
+            root,
+            "keeping 0 checkpoints would delete the one just saved",
+        ));
+    }
     let infos = params::param_infos(&state.config);
     if infos.len() != params.len() {
         return Err(err(
-            dir,
+            root,
             format!("{} parameters for a model of {}", params.len(), infos.len()),
         ));
     }
+    fs::create_dir_all(root).map_err(io(root))?;
+    let partial = root.join(format!(
+        "{PARTIAL_PREFIX}{}-{}",
+        step_dir_name(state.step),
+        std::process::id()
+    ));
+    if partial.exists() {
+        fs::remove_dir_all(&partial).map_err(io(&partial))?;
+    }
+    fs::create_dir(&partial).map_err(io(&partial))?;
+
     // Hugging Face layout: Conv1D weights transposed to [in, out].
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(infos.len());
     for (info, t) in infos.iter().zip(params) {
@@ -152,44 +399,231 @@ pub fn save(dir: &Path, state: &TrainingState, params: &[CpuTensor], moments: &[
         .map(|(n, s, b)| {
             Ok((
                 n.as_str(),
-                TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| err(dir, e.to_string()))?,
+                TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| err(root, e.to_string()))?,
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| err(dir, e.to_string()))?;
-    write_atomic(dir, "model.safetensors", &bytes)?;
-    write_atomic(dir, "optimizer.bin", moments)?;
-    write_atomic(dir, "config.json", &hf_config(&state.config, dir)?)?;
-    let json = serde_json::to_vec_pretty(state).map_err(|e| err(dir, e.to_string()))?;
-    // The commit point: written last.
-    write_atomic(dir, "state.json", &json)?;
-    // Make the renames durable too.
-    if let Ok(d) = fs::File::open(dir) {
-        let _ = d.sync_all();
+    let model = safetensors::serialize(views, None).map_err(|e| err(root, e.to_string()))?;
+    drop(owned);
+    let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
+    let contents: [(&str, &[u8]); 4] = [
+        (FILES[0], &model),
+        (FILES[1], &hf_config(&state.config, root)?),
+        (FILES[2], moments),
+        (FILES[3], &state_json),
+    ];
+    let mut files = Vec::with_capacity(contents.len());
+    for (name, bytes) in contents {
+        files.push(write_synced(&partial.join(name), bytes)?);
+    }
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        step: state.step,
+        files,
+    };
+    let manifest_json =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
+    write_synced(&partial.join(MANIFEST), &manifest_json)?;
+    sync_dir(&partial)?;
+
+    // Publish. A directory of the same step (a run resumed before it) is moved aside first:
+    // rename cannot replace a non-empty directory.
+    let published = root.join(step_dir_name(state.step));
+    if published.exists() {
+        let aside = root.join(format!(
+            "{REPLACED_PREFIX}{}-{}",
+            step_dir_name(state.step),
+            std::process::id()
+        ));
+        fs::rename(&published, &aside).map_err(io(&published))?;
+        fs::rename(&partial, &published).map_err(io(&published))?;
+        sync_dir(root)?;
+        fs::remove_dir_all(&aside).map_err(io(&aside))?;
+    } else {
+        fs::rename(&partial, &published).map_err(io(&published))?;
+        sync_dir(root)?;
+    }
+    prune(root, keep)?;
+    Ok(published)
+}
+
+/// Remove all but the newest `keep` published checkpoints, and leftovers of interrupted saves.
+fn prune(root: &Path, keep: usize) -> Result<()> {
+    let published = list(root)?;
+    let excess = published.len().saturating_sub(keep);
+    for (_, dir) in &published[..excess] {
+        fs::remove_dir_all(dir).map_err(io(dir))?;
+    }
+    for entry in fs::read_dir(root).map_err(io(root))? {
+        let entry = entry.map_err(io(root))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(PARTIAL_PREFIX) || name.starts_with(REPLACED_PREFIX) {
+            // Another process's save in progress would be removed too: one writer per root.
+            let _ = fs::remove_dir_all(entry.path());
+        }
     }
     Ok(())
 }
 
-/// Load a checkpoint written by [`save`], checking every tensor's name, dtype and shape.
-pub fn load(dir: &Path) -> Result<Checkpoint> {
-    let state_path: PathBuf = dir.join("state.json");
-    let json = fs::read(&state_path).map_err(io(&state_path))?;
+/// The step directory `path` names: `path` itself when it holds a manifest, else the newest
+/// published checkpoint under it.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join(MANIFEST).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if let Some((_, newest)) = list(path)?.pop() {
+        return Ok(newest);
+    }
+    if path.join("state.json").is_file() {
+        return Err(err(
+            path,
+            "a checkpoint without manifest.json (an older headroom's layout, or a directory \
+             whose save did not finish): its files cannot be shown to belong to one step",
+        ));
+    }
+    Err(err(
+        path,
+        "no checkpoint here (no manifest.json, no step-* directories)",
+    ))
+}
+
+/// Read a whole file whose size the manifest states, checking size and checksum.
+fn read_verified(dir: &Path, entry: &ManifestFile) -> Result<Vec<u8>> {
+    let path = dir.join(&entry.name);
+    let meta = fs::metadata(&path).map_err(io(&path))?;
+    if meta.len() != entry.bytes {
+        return Err(err(
+            &path,
+            format!(
+                "{} bytes, the manifest says {}: the checkpoint's files disagree",
+                meta.len(),
+                entry.bytes
+            ),
+        ));
+    }
+    let len = usize::try_from(entry.bytes)
+        .map_err(|_| err(&path, "larger than this machine's address space"))?;
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(len)
+        .map_err(|_| err(&path, format!("cannot allocate {len} bytes to read it")))?;
+    fs::File::open(&path)
+        .map_err(io(&path))?
+        .take(entry.bytes)
+        .read_to_end(&mut bytes)
+        .map_err(io(&path))?;
+    if bytes.len() as u64 != entry.bytes {
+        return Err(err(&path, "changed size while being read"));
+    }
+    let sum = checksum(&bytes);
+    if sum != entry.xxh3 {
+        return Err(err(
+            &path,
+            format!(
+                "checksum {sum}, the manifest says {}: the file was changed or corrupted",
+                entry.xxh3
+            ),
+        ));
+    }
+    Ok(bytes)
+}
+
+fn read_json_bounded(path: &Path) -> Result<Vec<u8>> {
+    let meta = fs::metadata(path).map_err(io(path))?;
+    if meta.len() > MAX_JSON_BYTES {
+        return Err(err(
+            path,
+            format!(
+                "{} bytes; a checkpoint's JSON is never this large",
+                meta.len()
+            ),
+        ));
+    }
+    fs::read(path).map_err(io(path))
+}
+
+/// Read and check the manifest of a step directory.
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let bytes = read_json_bounded(&path)?;
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| err(&path, e.to_string()))?;
+    if m.format_version != FORMAT_VERSION {
+        return Err(err(
+            &path,
+            format!(
+                "format version {} (this build reads {FORMAT_VERSION})",
+                m.format_version
+            ),
+        ));
+    }
+    for name in FILES {
+        if m.files.iter().filter(|f| f.name == name).count() != 1 {
+            return Err(err(&path, format!("does not list {name} exactly once")));
+        }
+    }
+    Ok(m)
+}
+
+/// Load the checkpoint at `path` (a step directory, or a root: its newest checkpoint), checking
+/// every file against the manifest, the state against the manifest, and every tensor's name,
+/// dtype and shape against the config. Sizes are checked before anything is allocated for them.
+pub fn load(path: &Path) -> Result<Checkpoint> {
+    let dir = resolve(path)?;
+    let manifest = read_manifest(&dir)?;
+    let entry = |name: &str| {
+        manifest
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
+    };
+    let state_entry = entry("state.json")?;
+    if state_entry.bytes > MAX_JSON_BYTES {
+        return Err(err(&dir.join("state.json"), "implausibly large"));
+    }
+    let state_path = dir.join("state.json");
+    let json = read_verified(&dir, state_entry)?;
     let state: TrainingState =
         serde_json::from_slice(&json).map_err(|e| err(&state_path, e.to_string()))?;
-    if state.format_version != FORMAT_VERSION {
+    if state.format_version != FORMAT_VERSION || state.step != manifest.step {
         return Err(err(
             &state_path,
             format!(
-                "format version {} (this build reads {FORMAT_VERSION})",
-                state.format_version
+                "format {} step {}, the manifest says format {FORMAT_VERSION} step {}",
+                state.format_version, state.step, manifest.step
             ),
         ));
     }
     state.config.validate()?;
+    let param_count = state.config.parameter_count()?;
+    let model_entry = entry("model.safetensors")?;
+    // f32 data plus a header of a few hundred bytes per tensor: a file much larger than that
+    // is not this model's, and is refused before it is read.
+    let tensors = state.config.tensor_count()? as u64;
+    let max_model_bytes = param_count
+        .checked_mul(4)
+        .and_then(|b| b.checked_add(tensors.saturating_mul(512) + 4096))
+        .ok_or_else(|| err(&dir, "parameter bytes overflow"))?;
+    if model_entry.bytes > max_model_bytes {
+        return Err(err(
+            &dir.join("model.safetensors"),
+            format!(
+                "{} bytes for a model of {param_count} parameters",
+                model_entry.bytes
+            ),
+        ));
+    }
     let model_path = dir.join("model.safetensors");
-    let bytes = fs::read(&model_path).map_err(io(&model_path))?;
+    let bytes = read_verified(&dir, model_entry)?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| err(&model_path, e.to_string()))?;
-    let mut out = Vec::new();
+    if st.len() as u64 != tensors {
+        return Err(err(
+            &model_path,
+            format!("{} tensors, the config needs {tensors}", st.len()),
+        ));
+    }
+    let mut out = Vec::with_capacity(st.len());
     for info in params::param_infos(&state.config) {
         let t = st
             .tensor(&info.name)
@@ -222,25 +656,41 @@ pub fn load(dir: &Path) -> Result<Checkpoint> {
             data
         });
     }
-    let opt_path = dir.join("optimizer.bin");
-    let moments = fs::read(&opt_path).map_err(io(&opt_path))?;
+    drop(bytes);
+    // The optimizer's parameters must be the model's before its moments are sized from them.
+    let opt_numel = state
+        .optimizer
+        .params
+        .iter()
+        .try_fold(0u64, |acc, p| acc.checked_add(p.numel as u64))
+        .ok_or_else(|| err(&state_path, "optimizer parameter sizes overflow"))?;
+    if state.optimizer.params.len() as u64 != tensors || opt_numel != param_count {
+        return Err(err(
+            &state_path,
+            format!(
+                "optimizer state for {} tensors / {opt_numel} parameters, the model has \
+                 {tensors} / {param_count}",
+                state.optimizer.params.len()
+            ),
+        ));
+    }
+    let opt_entry = entry("optimizer.bin")?;
+    // At most two f32 moments per parameter (8-bit state is smaller).
+    if opt_entry.bytes > param_count.saturating_mul(8) {
+        return Err(err(
+            &dir.join("optimizer.bin"),
+            format!(
+                "{} bytes of moments for {param_count} parameters",
+                opt_entry.bytes
+            ),
+        ));
+    }
+    let moments = read_verified(&dir, opt_entry)?;
+    read_verified(&dir, entry("config.json")?)?;
     Ok(Checkpoint {
+        dir,
         state,
         params: out,
         moments,
     })
-}
-
-impl TrainingState {
-    /// A state for `save`.
-    pub fn new(step: usize, config: GptConfig, optimizer: AdamWState, loader: LoaderState) -> Self {
-        TrainingState {
-            format_version: FORMAT_VERSION,
-            step,
-            config,
-            optimizer,
-            loader,
-            scaler: None,
-        }
-    }
 }

@@ -8,6 +8,37 @@ pub enum TrainError {
     /// A model configuration that cannot be built.
     #[error("invalid model config: {0}")]
     Config(String),
+    /// A run option out of range or inconsistent with the others; names the option.
+    #[error("{option}: {reason}")]
+    Option {
+        /// The command-line option (`--batch`, `--micro-batch`, …).
+        option: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
+    /// The run needs more memory than the machine has (predicted before allocating).
+    #[error(
+        "this run needs about {} MiB but the machine has {} MiB: reduce --batch or --seq, or \
+         add techniques (try `headroom estimate` with --checkpoint, --precision bf16, \
+         --loss-chunk, --offload, --micro-batch)",
+        need >> 20,
+        have >> 20
+    )]
+    MachineMemory {
+        /// Predicted peak bytes (device and host ledgers together).
+        need: u64,
+        /// Physical memory of the machine.
+        have: u64,
+    },
+    /// A checkpoint was written under other settings than this run's: resuming would not
+    /// continue it bit for bit.
+    #[error("cannot resume {path}: {}", differences.join("; "))]
+    ResumeMismatch {
+        /// The checkpoint's step directory.
+        path: std::path::PathBuf,
+        /// Each differing setting, `option: checkpoint value, this run value`.
+        differences: Vec<String>,
+    },
     /// A batch or token that does not fit the model.
     #[error("invalid input: {0}")]
     Input(String),

@@ -88,6 +88,7 @@ pub fn estimate(
             cfg.max_seq
         )));
     }
+    check_magnitude(cfg, seq, micro, batch)?;
     let infos = params::param_infos(cfg);
     let p: u64 = infos.iter().map(|i| u(i.shape.iter().product())).sum();
     let precision = tech.model.precision;
@@ -227,6 +228,40 @@ pub fn estimate(
     device[MemoryCategory::Workspace] = head_ws.max(block_ws);
     device[MemoryCategory::Data] = LOADER_BUFFERS * 2 * u(batch) * t * 4;
     Ok(TrainerEstimate { device, ..est })
+}
+
+/// Bytes no estimate may reach (2⁶²): with every term below this bound, the plain `u64`
+/// arithmetic of [`estimate`] cannot overflow.
+const MAX_ESTIMATE_BYTES: f64 = (1u64 << 62) as f64;
+
+/// Refuse shapes whose byte counts would overflow: an upper bound of every term the estimate
+/// adds (each with a generous constant). Computed in f64, which cannot overflow for any `usize`
+/// inputs; its relative rounding (1e-16) is immaterial against the 4× margin to 2⁶⁴.
+fn check_magnitude(cfg: &GptConfig, seq: usize, micro: usize, batch: usize) -> Result<()> {
+    let w = |x: usize| x as f64;
+    let (b, t, c, h, v, l) = (
+        w(micro),
+        w(seq),
+        w(cfg.channels),
+        w(cfg.heads),
+        w(cfg.vocab),
+        w(cfg.layers),
+    );
+    let p = cfg.parameter_count()? as f64;
+    let bt = b * t;
+    let per_block = bt * (c + 1.0) * 64.0 + b * h * t * t * 8.0;
+    let bound =
+        p * 64.0 + (l + 2.0) * per_block + bt * v * 16.0 + c * c * 64.0 + w(batch) * t * 64.0;
+    if bound > MAX_ESTIMATE_BYTES {
+        return Err(TrainError::Option {
+            option: "--batch",
+            reason: format!(
+                "batch {batch} (micro-batch {micro}) × {seq} tokens of {cfg:?} needs more than \
+                 2^62 bytes"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Bytes of AdamW's two moments over `infos`: f32, or u8 codes with an f32 scale per block of

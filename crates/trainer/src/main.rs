@@ -1,8 +1,11 @@
 //! The `headroom` command.
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::fmt;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use headroom_attn::AttentionConfig;
@@ -21,6 +24,44 @@ use headroom_trainer::train::{train, DataSource, StepLog, TrainOptions};
 
 type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
+/// Set when stdout's reader went away (`headroom train | head`): nothing more is printed and a
+/// training run stops as if interrupted, then the command exits quietly.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+/// The first stdout error other than a broken pipe (a full disk under `> file`), reported at
+/// exit.
+static STDOUT_ERROR: Mutex<Option<std::io::Error>> = Mutex::new(None);
+/// Set by SIGINT/SIGTERM and by a closed stdout: the training loop saves and stops.
+static STOP: std::sync::LazyLock<Arc<AtomicBool>> =
+    std::sync::LazyLock::new(|| Arc::new(AtomicBool::new(false)));
+
+/// Print one line to stdout; a broken pipe stops output (and training) instead of panicking.
+fn say_line(args: fmt::Arguments<'_>) {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.write_all(b"\n")) {
+        STDOUT_CLOSED.store(true, Ordering::Relaxed);
+        STOP.store(true, Ordering::SeqCst);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            let mut slot = STDOUT_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert(e);
+        }
+    }
+}
+
+macro_rules! say {
+    () => { say_line(format_args!("")) };
+    ($($t:tt)*) => { say_line(format_args!($($t)*)) };
+}
+
+/// A line to stderr; a closed stderr is ignored rather than a panic (`eprintln!` would).
+macro_rules! esay {
+    ($($t:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 #[derive(Parser)]
 #[command(
     name = "headroom",
@@ -35,7 +76,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train the reference GPT (default: `tiny` on the synthetic source, CPU).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Train the same model under a memory budget with techniques added one at a time.
     Ladder(LadderArgs),
     /// Predict peak memory per category for a config and technique set, without running.
@@ -127,10 +168,10 @@ struct RunArgs {
     #[arg(long)]
     adam_8bit: bool,
     /// Sequences per micro-batch (gradients accumulated exactly, token-weighted).
-    #[arg(long)]
-    micro_batch: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    micro_batch: Option<u64>,
     /// Device memory budget in MiB: allocations beyond it fail with the tracker's report.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET_MIB))]
     budget_mib: Option<u64>,
     /// Train on this token file (any format headroom data inspect recognises) instead of
     /// the synthetic source.
@@ -143,37 +184,71 @@ struct RunArgs {
     device: DeviceArg,
 }
 
+/// The largest `--budget-mib` (2⁴⁴ MiB = 16 EiB would overflow the byte count).
+const MAX_BUDGET_MIB: u64 = (u64::MAX >> 20) - 1;
+
+// Per-preset defaults, as `--help` shows them; a test checks them against `TrainOptions`.
+const HELP_STEPS: &str = "Optimizer steps [default: 600 for tiny, 20 for small and gpt2]";
+const HELP_LR: &str = "Peak learning rate [default: 3e-3 for tiny, 6e-4 for small and gpt2]";
+const HELP_WARMUP: &str =
+    "Linear warmup steps before the cosine decay [default: 20 for tiny, 2 for small and gpt2]";
+const HELP_MIN_LR: &str =
+    "Learning rate at the end of the cosine decay [default: 0.1 × the peak learning rate]";
+const HELP_WEIGHT_DECAY: &str =
+    "Decoupled weight decay of matrices and embeddings (none on biases and norms) [default: 0.1]";
+const HELP_GRAD_CLIP: &str =
+    "Clip the global gradient norm to this (inf: no clipping) [default: 1.0]";
+
 #[derive(Parser)]
 struct TrainArgs {
     #[command(flatten)]
     run: RunArgs,
-    /// Optimizer steps.
-    #[arg(long)]
+    #[arg(long, help = HELP_STEPS)]
     steps: Option<usize>,
-    /// Peak learning rate.
-    #[arg(long)]
+    #[arg(long, help = HELP_LR)]
     lr: Option<f64>,
+    #[arg(long, help = HELP_WARMUP)]
+    warmup: Option<usize>,
+    #[arg(long, help = HELP_MIN_LR)]
+    min_lr: Option<f64>,
+    #[arg(long, help = HELP_WEIGHT_DECAY)]
+    weight_decay: Option<f64>,
+    #[arg(long, help = HELP_GRAD_CLIP)]
+    grad_clip: Option<f64>,
+    /// fp16: the dynamic loss scale never backs off below this [default: no floor, as
+    /// PyTorch's GradScaler].
+    #[arg(long)]
+    min_loss_scale: Option<f32>,
     /// Seed for initialisation and data order.
     #[arg(long)]
     seed: Option<u64>,
-    /// Write a checkpoint (safetensors + training state) into this directory.
+    /// Save checkpoints under this directory (one `step-N` directory each, published
+    /// atomically; the run's last step is always saved, and on SIGINT/SIGTERM).
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
-    /// Steps between checkpoints.
+    /// Steps between checkpoints (0: only at the end and on a signal).
     #[arg(long, default_value_t = 100)]
     checkpoint_every: usize,
-    /// Continue bit for bit from a checkpoint directory.
+    /// Checkpoints to keep (the newest).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    keep_checkpoints: u64,
+    /// Continue bit for bit from a checkpoint: a step directory, or a checkpoint directory
+    /// (its newest complete checkpoint).
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Stop after this many steps (the schedule stays that of --steps).
+    /// Stop after this many steps without a final save, as a crash would (the schedule stays
+    /// that of --steps).
     #[arg(long)]
     stop_after: Option<usize>,
-    /// Append one JSON line of metrics per step to this file.
+    /// Write one JSON line of metrics per step to this file (appended to when resuming).
     #[arg(long)]
     metrics: Option<PathBuf>,
-    /// No progress bar (print a line every few steps instead).
+    /// No progress bar: print step lines instead (the default when stdout is not a terminal).
     #[arg(long)]
     no_progress: bool,
+    /// Print a step line every N steps when there is no progress bar [default: 1].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: Option<u64>,
 }
 
 #[derive(Parser)]
@@ -182,7 +257,7 @@ struct LadderArgs {
     #[arg(long, value_enum, default_value = "small")]
     model: ModelPreset,
     /// Device budget in MiB (the wall).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET_MIB))]
     budget_mib: u64,
     /// Sequences per step.
     #[arg(long, default_value_t = 8)]
@@ -306,9 +381,17 @@ fn compute_device(d: DeviceArg) -> CliResult<ComputeDevice> {
     }
 }
 
-/// Options for a run from the shared arguments.
-fn options(run: &RunArgs) -> CliResult<TrainOptions> {
-    let device = compute_device(run.device)?;
+/// Options for a run from the shared arguments; `probe` checks that a CUDA device exists
+/// (not needed to estimate).
+fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
+    let device = if probe {
+        compute_device(run.device)?
+    } else {
+        match run.device {
+            DeviceArg::Cpu => ComputeDevice::Cpu,
+            DeviceArg::Cuda => ComputeDevice::Cuda { ordinal: 0 },
+        }
+    };
     let mut o = match run.model {
         ModelPreset::Tiny => TrainOptions::tiny_default(),
         _ => TrainOptions::small_default(),
@@ -355,8 +438,11 @@ fn options(run: &RunArgs) -> CliResult<TrainOptions> {
             OffloadArg::File => OptimizerPlacement::File(run.offload_file.clone()),
         },
     };
-    t.micro_batch = run.micro_batch;
-    o.budget = run.budget_mib.map(|m| m << 20);
+    t.micro_batch = run
+        .micro_batch
+        .map(|m| usize::try_from(m).map_err(|_| format!("--micro-batch {m} is too large")))
+        .transpose()?;
+    o.budget = run.budget_mib.map(mib_to_bytes).transpose()?;
     Ok(o)
 }
 
@@ -364,21 +450,72 @@ fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
 
-fn cmd_train(args: TrainArgs) -> CliResult {
-    let mut o = options(&args.run)?;
+/// `--budget-mib` in bytes, checked (clap's range already keeps it below 2⁴⁴).
+fn mib_to_bytes(m: u64) -> CliResult<u64> {
+    m.checked_mul(1 << 20)
+        .ok_or_else(|| format!("--budget-mib {m} overflows a byte count").into())
+}
+
+/// Stop on SIGINT/SIGTERM: the first sets [`STOP`] (the run saves and returns), a second one
+/// exits at once (checkpoints are crash-consistent, so that loses nothing saved). Returns the
+/// cell that records which signal arrived.
+fn install_signal_handlers() -> CliResult<Arc<AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let which = Arc::new(AtomicUsize::new(0));
+    for sig in [SIGINT, SIGTERM] {
+        // Order matters: the conditional shutdown sees the flag before this signal sets it.
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, STOP.clone())?;
+        signal_hook::flag::register(sig, STOP.clone())?;
+        signal_hook::flag::register_usize(sig, which.clone(), sig as usize)?;
+    }
+    Ok(which)
+}
+
+fn open_metrics(path: &Path, append: bool) -> CliResult<std::io::BufWriter<std::fs::File>> {
+    let mut o = std::fs::OpenOptions::new();
+    if append {
+        o.append(true).create(true);
+    } else {
+        o.write(true).create(true).truncate(true);
+    }
+    let f = o
+        .open(path)
+        .map_err(|e| format!("cannot open metrics file {}: {e}", path.display()))?;
+    Ok(std::io::BufWriter::new(f))
+}
+
+fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
+    let mut o = options(&args.run, true)?;
     if let Some(s) = args.steps {
         o.steps = s;
     }
     if let Some(lr) = args.lr {
         o.lr = lr;
     }
+    if let Some(w) = args.warmup {
+        o.warmup = w;
+    }
+    if let Some(min_lr) = args.min_lr {
+        o.min_lr_frac = min_lr / o.lr;
+    }
+    if let Some(wd) = args.weight_decay {
+        o.weight_decay = wd;
+    }
+    if let Some(c) = args.grad_clip {
+        o.grad_clip = c;
+    }
+    o.min_loss_scale = args.min_loss_scale;
     if let Some(s) = args.seed {
         o.seed = s;
     }
     o.save = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
+    o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
     o.resume_from = args.resume;
     o.stop_after = args.stop_after;
-    println!(
+    o.validate()?;
+    let signal = install_signal_handlers()?;
+    o.stop = Some(STOP.clone());
+    say!(
         "headroom train: GPT {}L/{}H/{}C, context {}, vocab {}; batch {}×{}, {} steps; {}",
         o.model.layers,
         o.model.heads,
@@ -390,14 +527,14 @@ fn cmd_train(args: TrainArgs) -> CliResult {
         o.steps,
         o.techniques.describe()
     );
+    // A resumed run continues the metrics of the run it resumes.
     let mut metrics = match &args.metrics {
-        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
-            |e| format!("cannot create metrics file {}: {e}", p.display()),
-        )?)),
+        Some(p) => Some(open_metrics(p, o.resume_from.is_some())?),
         None => None,
     };
     let total = o.stop_after.map_or(o.steps, |s| s.min(o.steps)) as u64;
-    let bar = if args.no_progress {
+    let interactive = std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    let bar = if args.no_progress || !interactive {
         None
     } else {
         let b = indicatif::ProgressBar::new(total);
@@ -409,7 +546,7 @@ fn cmd_train(args: TrainArgs) -> CliResult {
         );
         Some(b)
     };
-    let every = (o.steps / 15).max(1);
+    let every = args.log_every.unwrap_or(1) as usize;
     let mut metrics_err: Option<std::io::Error> = None;
     let report = train(&o, |s: &StepLog| {
         if let Some(w) = metrics.as_mut() {
@@ -420,7 +557,8 @@ fn cmd_train(args: TrainArgs) -> CliResult {
                 "tokens_per_s": s.tokens_per_s, "live_bytes": s.live_bytes,
                 "peak_bytes": s.peak_bytes,
             });
-            if let Err(e) = writeln!(w, "{line}") {
+            // Flushed per line: a killed run's file ends at a whole line.
+            if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
                 metrics_err.get_or_insert(e);
             }
         }
@@ -438,7 +576,7 @@ fn cmd_train(args: TrainArgs) -> CliResult {
             }
             None => {
                 if s.step % every == 0 || s.step + 1 == o.steps {
-                    println!("step {:>5}  {msg}", s.step);
+                    say!("step {:>5}  {msg}", s.step);
                 }
             }
         }
@@ -449,21 +587,35 @@ fn cmd_train(args: TrainArgs) -> CliResult {
     if let Some(e) = metrics_err {
         return Err(format!("writing metrics: {e}").into());
     }
-    if let Some(mut w) = metrics {
-        w.flush()?;
+    if report.stopped {
+        let done = report.steps.last().map_or(0, |s| s.step + 1);
+        let saved = match &report.last_checkpoint {
+            Some(d) => format!("checkpoint {}", d.display()),
+            None => "no checkpoint (no --checkpoint-dir)".into(),
+        };
+        if STDOUT_CLOSED.load(Ordering::Relaxed) {
+            return Ok(ExitCode::SUCCESS);
+        }
+        let sig = signal.load(Ordering::SeqCst);
+        esay!("stopped by signal {sig} after step {done}; {saved}");
+        return Ok(ExitCode::from(u8::try_from(128 + sig).unwrap_or(1)));
     }
+    let k = report.steps.len().min(20);
     let last = report.final_loss(20);
     match report.entropy_floor {
-        Some(floor) => println!(
-            "final loss (mean of last 20 steps) {last:.4} nats/token; entropy floor of the source {floor:.4}; gap {:.1}%",
+        Some(floor) => say!(
+            "final loss (mean of last {k} steps) {last:.4} nats/token; entropy floor of the source {floor:.4}; gap {:.1}%",
             100.0 * (last - floor) / floor
         ),
-        None => println!("final loss (mean of last 20 steps) {last:.4} nats/token"),
+        None => say!("final loss (mean of last {k} steps) {last:.4} nats/token"),
     }
-    println!("{}", report.memory_table);
+    if let Some(d) = &report.last_checkpoint {
+        say!("checkpoint: {}", d.display());
+    }
+    say!("{}", report.memory_table);
     if let Some(h) = report.host_memory.device(headroom_tensor::Device::Cpu) {
         if h.peak_total > 0 {
-            println!(
+            say!(
                 "host (offloaded): {:.1} MiB peak (masters {:.1}, optimizer {:.1})",
                 mib(h.peak_total),
                 mib(h.peak[MemoryCategory::Parameters]),
@@ -471,7 +623,7 @@ fn cmd_train(args: TrainArgs) -> CliResult {
             );
         }
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
 fn cmd_ladder(a: LadderArgs) -> CliResult {
@@ -489,9 +641,9 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
     base.batch = a.batch;
     base.seq = a.seq.unwrap_or(base.model.max_seq);
     base.steps = a.steps.max(2);
-    let budget = a.budget_mib << 20;
+    let budget = mib_to_bytes(a.budget_mib)?;
     let rungs = standard_rungs(base.batch);
-    println!(
+    say!(
         "headroom ladder: GPT {}L/{}H/{}C vocab {}, batch {}×{}, {} steps per rung, budget {} MiB",
         base.model.layers,
         base.model.heads,
@@ -503,7 +655,7 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
         a.budget_mib
     );
     let results = run_ladder(&base, &rungs, budget, |r| {
-        println!(
+        say!(
             "  {:<22} peak {:>8.1} MiB (estimate {:>8.1})  step {:.2} s  {}",
             r.name,
             mib(r.peak_total),
@@ -512,15 +664,16 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
             if r.fits { "fits" } else { "does not fit" }
         );
     })?;
-    println!();
-    println!("{}", ladder_table(&results, budget));
+    say!();
+    say!("{}", ladder_table(&results, budget));
     Ok(())
 }
 
 fn cmd_estimate(run: RunArgs) -> CliResult {
-    let o = options(&run)?;
+    let o = options(&run, false)?;
+    o.validate()?;
     let e = estimate(&o.model, o.seq, o.micro_batch()?, o.batch, &o.techniques)?;
-    println!(
+    say!(
         "estimate for GPT {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}",
         o.model.layers,
         o.model.heads,
@@ -531,23 +684,23 @@ fn cmd_estimate(run: RunArgs) -> CliResult {
         o.seq,
         o.techniques.describe()
     );
-    println!("| category | device MiB | host MiB |\n|---|---|---|");
+    say!("| category | device MiB | host MiB |\n|---|---|---|");
     for c in MemoryCategory::ALL {
         if e.device[c] > 0 || e.host[c] > 0 {
-            println!(
+            say!(
                 "| {c:?} | {:.1} | {:.1} |",
                 mib(e.device[c]),
                 mib(e.host[c])
             );
         }
     }
-    println!(
+    say!(
         "| total | {:.1} | {:.1} |",
         mib(e.device_total()),
         mib(e.host.total())
     );
     if let Some(b) = o.budget {
-        println!(
+        say!(
             "budget {:.1} MiB: {}",
             mib(b),
             if e.device_total() <= b {
@@ -561,12 +714,12 @@ fn cmd_estimate(run: RunArgs) -> CliResult {
 }
 
 fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
-    let o = options(&a.run)?;
+    let o = options(&a.run, a.measure)?;
     let budget = o
         .budget
         .ok_or("max-batch needs --budget-mib (the memory to fit)")?;
     let micro_fixed = o.techniques.micro_batch;
-    let report = search_max_fit(o.batch.max(1), a.limit, |b| -> CliResult<bool> {
+    let report = search_max_fit(1, a.limit, |b| -> CliResult<bool> {
         let micro = micro_fixed.map_or(b, |m| m.min(b));
         if b % micro != 0 {
             return Ok(false);
@@ -575,14 +728,15 @@ fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
         Ok(e.device_total() <= budget)
     })?;
     let Some(best) = report.largest_fit else {
-        println!(
-            "no batch fits {:.1} MiB with {}",
+        return Err(format!(
+            "no batch fits {:.1} MiB with {} (not even 1 sequence of {} tokens)",
             mib(budget),
-            o.techniques.describe()
-        );
-        return Ok(());
+            o.techniques.describe(),
+            o.seq
+        )
+        .into());
     };
-    println!(
+    say!(
         "largest batch (estimated) that fits {:.1} MiB: {best} × {} tokens, with {} ({} trials)",
         mib(budget),
         o.seq,
@@ -610,7 +764,7 @@ fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
                 }
                 Err(e) => return Err(e.into()),
             };
-            println!("  measured batch {b}: {verdict}");
+            say!("  measured batch {b}: {verdict}");
         }
     }
     Ok(())
@@ -652,7 +806,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 format: parse_format(&format)?,
             };
             let s = headroom_mmap_data::synthesize(&spec, &out)?;
-            println!("{s}");
+            say!("{s}");
         }
         DataCommand::Build {
             input,
@@ -663,7 +817,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             let mut spec = BuildSpec::new(parse_format(&format)?);
             spec.document_separator = separator.map(String::into_bytes);
             let s = headroom_mmap_data::build_from_text(&input, &spec, &out)?;
-            println!("{s}");
+            say!("{s}");
         }
         DataCommand::Inspect { path, dtype } => {
             let mut opts = InspectOptions::default();
@@ -671,31 +825,43 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 opts.raw_token_type = Some(d.parse::<TokenType>()?);
             }
             let d = headroom_mmap_data::inspect(&path, &opts)?;
-            println!("{d}");
+            say!("{d}");
         }
     }
     Ok(())
 }
 
-fn run(cli: Cli) -> CliResult {
+fn run(cli: Cli) -> CliResult<ExitCode> {
+    let ok = |r: CliResult| r.map(|()| ExitCode::SUCCESS);
     match cli.command {
-        Some(Command::Train(a)) => cmd_train(a),
+        Some(Command::Train(a)) => cmd_train(*a),
         None => cmd_train(TrainArgs::parse_from(["train"])),
-        Some(Command::Ladder(a)) => cmd_ladder(a),
-        Some(Command::Estimate(a)) => cmd_estimate(a),
-        Some(Command::MaxBatch(a)) => cmd_max_batch(a),
-        Some(Command::Data(c)) => cmd_data(c),
+        Some(Command::Ladder(a)) => ok(cmd_ladder(a)),
+        Some(Command::Estimate(a)) => ok(cmd_estimate(a)),
+        Some(Command::MaxBatch(a)) => ok(cmd_max_batch(a)),
+        Some(Command::Data(c)) => ok(cmd_data(c)),
     }
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+    let result = run(Cli::parse());
+    let _ = std::io::stdout().flush();
+    if let Some(e) = STDOUT_ERROR
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+    {
+        esay!("error: writing to stdout: {e}");
+        return ExitCode::FAILURE;
+    }
+    match result {
+        Ok(code) => code,
+        Err(_) if STDOUT_CLOSED.load(Ordering::Relaxed) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            esay!("error: {e}");
             let mut source = e.source();
             while let Some(s) = source {
-                eprintln!("  caused by: {s}");
+                esay!("  caused by: {s}");
                 source = s.source();
             }
             ExitCode::FAILURE

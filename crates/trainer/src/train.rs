@@ -12,6 +12,7 @@
 //! device.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,7 +27,7 @@ use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportCon
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, MemoryCategory};
 
-use crate::checkpoint::{self, TrainingState};
+use crate::checkpoint::{self, RunSpec, TrainingState};
 #[cfg(feature = "cuda")]
 use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
@@ -82,6 +83,9 @@ pub struct TrainOptions {
     pub weight_decay: f64,
     /// Global gradient-norm clip.
     pub grad_clip: f64,
+    /// fp16: the loss scale never backs off below this (None: GradScaler's behaviour, no
+    /// floor).
+    pub min_loss_scale: Option<f32>,
     /// Initialisation and data-order seed.
     pub seed: u64,
     /// Memory techniques.
@@ -90,13 +94,23 @@ pub struct TrainOptions {
     pub device: ComputeDevice,
     /// Optional device memory budget in bytes (simulates a smaller device).
     pub budget: Option<u64>,
-    /// Where to write checkpoints, and after how many steps (0: never).
+    /// Checkpoint root and the steps between saves (0: only at the end). A run that ends
+    /// (all its steps, or stopped through [`TrainOptions::stop`]) always saves its last step.
+    /// A fresh run refuses a root that already holds checkpoints (resume it instead).
     pub save: Option<(PathBuf, usize)>,
-    /// Continue from this checkpoint directory.
+    /// Checkpoints kept in the root (the newest; at least 1).
+    pub keep_checkpoints: usize,
+    /// Continue from this checkpoint (a step directory, or a root: its newest checkpoint).
     pub resume_from: Option<PathBuf>,
-    /// Stop after this many completed steps (as an interruption would), keeping the schedule
-    /// of the full run.
+    /// Stop after this many completed steps without a final save (as a crash would), keeping
+    /// the schedule of the full run.
     pub stop_after: Option<usize>,
+    /// Checked after every step: when set, the run saves a checkpoint (if it has a root) and
+    /// returns early with [`TrainReport::stopped`] set. The command sets it on SIGINT/SIGTERM.
+    pub stop: Option<Arc<AtomicBool>>,
+    /// Refuse a CPU run whose predicted memory exceeds the machine's physical memory before
+    /// allocating anything (on by default; off for runs that expect to swap).
+    pub check_machine_memory: bool,
 }
 
 impl TrainOptions {
@@ -119,6 +133,7 @@ impl TrainOptions {
             warmup: 20,
             weight_decay: 0.1,
             grad_clip: 1.0,
+            min_loss_scale: None,
             seed: 1337,
             techniques: Techniques {
                 model: GptOptions::default(),
@@ -129,8 +144,11 @@ impl TrainOptions {
             device: ComputeDevice::Cpu,
             budget: None,
             save: None,
+            keep_checkpoints: 3,
             resume_from: None,
             stop_after: None,
+            stop: None,
+            check_machine_memory: true,
         }
     }
 
@@ -169,14 +187,131 @@ impl TrainOptions {
     /// Sequences per micro-batch, checked to divide the batch.
     pub fn micro_batch(&self) -> Result<usize> {
         let m = self.techniques.micro_batch.unwrap_or(self.batch);
-        if m == 0 || self.batch % m != 0 {
-            return Err(TrainError::Config(format!(
-                "micro-batch {m} does not divide batch {}",
-                self.batch
-            )));
+        if m == 0 {
+            return Err(TrainError::Option {
+                option: "--micro-batch",
+                reason: "must be at least 1 sequence".into(),
+            });
+        }
+        if self.batch % m != 0 {
+            return Err(TrainError::Option {
+                option: "--micro-batch",
+                reason: format!("{m} does not divide the batch {}", self.batch),
+            });
         }
         Ok(m)
     }
+
+    /// The settings a checkpoint of this run records and a resume must match.
+    pub fn run_spec(&self) -> RunSpec {
+        RunSpec {
+            batch: self.batch,
+            seq: self.seq,
+            seed: self.seed,
+            steps: self.steps,
+            lr: self.lr,
+            min_lr_frac: self.min_lr_frac,
+            warmup: self.warmup,
+            weight_decay: self.weight_decay,
+            grad_clip: self.grad_clip,
+            precision: self.techniques.model.precision.name().to_string(),
+        }
+    }
+
+    /// Check every size and setting before anything is allocated: positive, consistent and
+    /// bounded, with every product that sizes an allocation checked. Errors name the option.
+    pub fn validate(&self) -> Result<()> {
+        let opt = |option: &'static str, reason: String| Err(TrainError::Option { option, reason });
+        for (option, v) in [
+            ("--steps", self.steps),
+            ("--batch", self.batch),
+            ("--seq", self.seq),
+        ] {
+            if v == 0 {
+                return opt(option, "must be positive".into());
+            }
+        }
+        self.model.validate()?;
+        if self.seq > self.model.max_seq {
+            return opt(
+                "--seq",
+                format!(
+                    "{} exceeds the model's context {}",
+                    self.seq, self.model.max_seq
+                ),
+            );
+        }
+        if self
+            .batch
+            .checked_mul(self.seq)
+            .is_none_or(|n| n as u64 > MAX_TOKENS_PER_STEP)
+        {
+            return opt(
+                "--batch",
+                format!(
+                    "{} sequences of {} tokens exceed {MAX_TOKENS_PER_STEP} tokens per step",
+                    self.batch, self.seq
+                ),
+            );
+        }
+        self.micro_batch()?;
+        if let Some(m) = self.techniques.model.loss_chunk {
+            if m == 0 {
+                return opt("--loss-chunk", "must be at least 1 row".into());
+            }
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return opt("--lr", format!("{} is not a positive number", self.lr));
+        }
+        if !(self.min_lr_frac.is_finite() && (0.0..=1.0).contains(&self.min_lr_frac)) {
+            return opt(
+                "--min-lr",
+                format!(
+                    "{} is not between 0 and the peak learning rate {}",
+                    self.lr * self.min_lr_frac,
+                    self.lr
+                ),
+            );
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return opt(
+                "--weight-decay",
+                format!("{} is not a non-negative number", self.weight_decay),
+            );
+        }
+        if self.grad_clip.is_nan() || self.grad_clip <= 0.0 {
+            return opt(
+                "--grad-clip",
+                format!(
+                    "{} is not a positive number (inf: no clipping)",
+                    self.grad_clip
+                ),
+            );
+        }
+        if self.budget == Some(0) {
+            return opt("--budget-mib", "must be positive".into());
+        }
+        if let Some(m) = self.min_loss_scale {
+            if !(m.is_finite() && m > 0.0) {
+                return opt("--min-loss-scale", format!("{m} is not a positive number"));
+            }
+        }
+        if self.keep_checkpoints == 0 {
+            return opt("--keep-checkpoints", "must keep at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Tokens one step may hold (2³²): beyond it the batch buffers alone need tens of GiB.
+pub const MAX_TOKENS_PER_STEP: u64 = 1 << 32;
+
+/// Physical memory of this machine in bytes (Linux: `MemTotal` of /proc/meminfo).
+pub fn machine_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// One step's figures.
@@ -221,10 +356,14 @@ pub struct TrainReport {
     pub memory_table: String,
     /// The checkpoint schedule the blocks ran under.
     pub schedule: Schedule,
+    /// True when the run ended early because [`TrainOptions::stop`] was set.
+    pub stopped: bool,
+    /// The last checkpoint this run published.
+    pub last_checkpoint: Option<PathBuf>,
 }
 
 impl TrainReport {
-    /// Mean loss of the last `k` steps.
+    /// Mean loss of the last `k` steps (of all of them when fewer ran).
     pub fn final_loss(&self, k: usize) -> f64 {
         let tail = &self.steps[self.steps.len().saturating_sub(k)..];
         tail.iter().map(|s| s.loss as f64).sum::<f64>() / tail.len().max(1) as f64
@@ -531,30 +670,33 @@ impl Stepper {
 
     /// Write a checkpoint after `step` completed steps (the device path in the host
     /// optimizer's format, through transient host copies on `host`).
+    #[allow(clippy::too_many_arguments)]
     fn save(
         &mut self,
         dir: &std::path::Path,
+        keep: usize,
         step: usize,
         config: GptConfig,
+        run: RunSpec,
         loader: &Loader,
         scaler: Option<headroom_amp::LossScalerState>,
         host: &Cpu,
-    ) -> Result<()> {
+    ) -> Result<PathBuf> {
         match self {
             Stepper::Host { engine, opt, .. } => {
                 // The masters are host tensors already: no staging copy.
                 let _ = host;
                 opt.flush()?;
-                let mut state = TrainingState::new(step, config, opt.state(), loader.state());
+                let mut state = TrainingState::new(step, config, run, opt.state(), loader.state());
                 state.scaler = scaler;
-                checkpoint::save(dir, &state, engine.masters(), opt.moments())
+                checkpoint::save(dir, &state, engine.masters(), opt.moments(), keep)
             }
             #[cfg(feature = "cuda")]
             Stepper::Device { model, .. } => {
                 let (masters, opt_state, moments) = model.checkpoint_parts(host)?;
-                let mut state = TrainingState::new(step, config, opt_state, loader.state());
+                let mut state = TrainingState::new(step, config, run, opt_state, loader.state());
                 state.scaler = scaler;
-                checkpoint::save(dir, &state, &masters, &moments)
+                checkpoint::save(dir, &state, &masters, &moments, keep)
             }
         }
     }
@@ -562,19 +704,20 @@ impl Stepper {
 
 /// Train from scratch (or resume), calling `on_step` after every step.
 pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<TrainReport> {
-    if opts.steps == 0 || opts.batch == 0 || opts.seq == 0 {
-        return Err(TrainError::Config(
-            "steps, batch and seq must be positive".into(),
-        ));
-    }
-    if opts.seq > opts.model.max_seq {
-        return Err(TrainError::Config(format!(
-            "sequence length {} exceeds the model's context {}",
-            opts.seq, opts.model.max_seq
-        )));
-    }
+    opts.validate()?;
     let tech = &opts.techniques;
     let micro = opts.micro_batch()?;
+    // The estimator is exact for the CPU model: a run that cannot fit this machine is refused
+    // here, before the first allocation, rather than aborting or swapping half-way.
+    if opts.device == ComputeDevice::Cpu && opts.check_machine_memory {
+        let e = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
+        let need = e.device_total().saturating_add(e.host.total());
+        if let Some(have) = machine_memory_bytes() {
+            if need > have {
+                return Err(TrainError::MachineMemory { need, have });
+            }
+        }
+    }
     if matches!(opts.device, ComputeDevice::Cuda { .. }) && !tech.optimizer.is_offloaded() {
         check_resident_cuda(tech)?;
     }
@@ -602,17 +745,42 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     let resume = match &opts.resume_from {
         Some(dir) => {
             let ck = checkpoint::load(dir)?;
+            let mut differences = Vec::new();
             if ck.state.config != opts.model {
-                return Err(TrainError::Config(format!(
-                    "checkpoint {} is for {:?}, this run is {:?}",
-                    dir.display(),
-                    ck.state.config,
-                    opts.model
-                )));
+                differences.push(format!(
+                    "model: checkpoint {:?}, this run {:?}",
+                    ck.state.config, opts.model
+                ));
+            }
+            differences.extend(ck.state.run.differences(&opts.run_spec()));
+            if ck.state.step > opts.steps {
+                differences.push(format!(
+                    "the checkpoint is at step {}, past this run's {} steps",
+                    ck.state.step, opts.steps
+                ));
+            }
+            if !differences.is_empty() {
+                return Err(TrainError::ResumeMismatch {
+                    path: ck.dir.clone(),
+                    differences,
+                });
             }
             Some(ck)
         }
-        None => None,
+        None => {
+            if let Some((root, _)) = &opts.save {
+                if let Some((step, _)) = checkpoint::list(root)?.pop() {
+                    return Err(TrainError::Checkpoint {
+                        path: root.clone(),
+                        reason: format!(
+                            "already holds checkpoints of a run (newest: step {step}); resume \
+                             it (--resume) or save into an empty directory"
+                        ),
+                    });
+                }
+            }
+            None
+        }
     };
     // Batch buffers are host memory: the device's ledger when the device is the CPU.
     let data_hook = match opts.device {
@@ -745,7 +913,10 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         Stepper::Host { engine, acc, opt }
     };
     let mut scaler = if precision.needs_loss_scaling() {
-        let cfg = LossScalerConfig::default();
+        let cfg = LossScalerConfig {
+            min_scale: opts.min_loss_scale,
+            ..LossScalerConfig::default()
+        };
         Some(match resume.as_ref().and_then(|ck| ck.state.scaler) {
             Some(state) => LossScaler::from_parts(cfg, state)?,
             None => LossScaler::new(cfg)?,
@@ -778,8 +949,10 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     })?;
 
     let tokens_per_step = (opts.batch * opts.seq) as u64;
-    let mut logs = Vec::with_capacity(opts.steps);
     let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
+    let mut logs = Vec::with_capacity(end.saturating_sub(start));
+    let mut stopped = false;
+    let mut last_checkpoint = None;
     for step in start..end {
         let t0 = Instant::now();
         let (tokens, targets) = {
@@ -837,11 +1010,29 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         };
         on_step(&log);
         logs.push(log);
+        stopped = opts
+            .stop
+            .as_ref()
+            .is_some_and(|flag| flag.load(Ordering::SeqCst));
+        let done = step + 1;
         if let Some((dir, every)) = &opts.save {
-            if *every > 0 && (step + 1) % every == 0 {
+            let periodic = *every > 0 && done % every == 0;
+            if periodic || stopped || done == opts.steps {
                 let scaler_state = scaler.as_ref().map(|s| *s.state());
-                stepper.save(dir, step + 1, opts.model, &loader, scaler_state, &host)?;
+                last_checkpoint = Some(stepper.save(
+                    dir,
+                    opts.keep_checkpoints,
+                    done,
+                    opts.model,
+                    opts.run_spec(),
+                    &loader,
+                    scaler_state,
+                    &host,
+                )?);
             }
+        }
+        if stopped {
+            break;
         }
     }
     let memory = tracker.snapshot();
@@ -853,6 +1044,8 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         host_memory: host_tracker.snapshot(),
         memory_table,
         schedule,
+        stopped,
+        last_checkpoint,
     })
 }
 #[cfg(test)]

@@ -128,3 +128,164 @@ fn cuda_without_a_gpu_is_the_typed_no_device_error() {
     let e = stderr(&o).to_lowercase();
     assert!(e.contains("no cuda device"), "{e}");
 }
+
+/// `train --steps 4 --checkpoint-dir D` leaves a checkpoint of step 4 (saved at the end);
+/// `--metrics` continues on `--resume` instead of truncating; lines are printed per step when
+/// stdout is not a terminal; the final-loss line says over how many steps it averaged.
+#[test]
+fn train_saves_at_the_end_appends_metrics_on_resume_and_logs_without_a_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let metrics = dir.path().join("m.jsonl");
+    let args = |extra: &[&str]| {
+        let mut v = vec![
+            "train",
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ];
+        v.extend_from_slice(extra);
+        v.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let run = |a: Vec<String>| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        headroom(&a)
+    };
+    let o = run(args(&["--stop-after", "2", "--checkpoint-every", "1"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("step     0") && out.contains("step     1"),
+        "{out}"
+    );
+    assert!(out.contains("mean of last 2 steps"), "{out}");
+    let o = run(args(&[
+        "--resume",
+        ck.to_str().unwrap(),
+        "--checkpoint-every",
+        "0",
+    ]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let steps: Vec<u64> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, vec![0, 1, 2, 3]);
+    assert!(ck.join("step-00000004").join("manifest.json").is_file());
+    // A fresh run into the same directory is refused, the error says what to do.
+    let o = run(args(&[]));
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--resume"), "{}", stderr(&o));
+}
+
+/// `headroom train | head -1`: the reader goes away, the command ends quietly.
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args(["train", "--steps", "200", "--batch", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("headroom train"), "{first}");
+    // The reader is dropped here: the next line hits a broken pipe.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Sizes that used to abort, wrap or print nonsense are errors that name the option.
+#[test]
+fn absurd_sizes_are_errors_naming_the_option() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["train", "--budget-mib", "0"], "--budget-mib"),
+        (&["train", "--budget-mib", "17592186044416"], "--budget-mib"),
+        (&["train", "--micro-batch", "0"], "--micro-batch"),
+        (
+            &["train", "--batch", "1000000000", "--steps", "1"],
+            "--batch",
+        ),
+        (&["train", "--layers", "10000000", "--steps", "1"], "layers"),
+        (
+            &[
+                "estimate",
+                "--channels",
+                "4611686018427387904",
+                "--heads",
+                "1",
+            ],
+            "channels",
+        ),
+        (&["train", "--keep-checkpoints", "0"], "--keep-checkpoints"),
+        (&["train", "--grad-clip=-1", "--steps", "1"], "--grad-clip"),
+    ];
+    for (args, needle) in cases {
+        let o = headroom(args);
+        let e = stderr(&o);
+        assert!(!o.status.success(), "{args:?} succeeded: {}", stdout(&o));
+        assert!(e.contains(needle), "{args:?}: {e}");
+        assert!(
+            !e.contains("panicked") && !e.contains("memory allocation"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn estimate_for_cuda_runs_without_a_gpu() {
+    let o = headroom(&[
+        "estimate",
+        "--device",
+        "cuda",
+        "--model",
+        "small",
+        "--precision",
+        "bf16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// The per-preset defaults `--help` shows are the ones a run uses.
+#[test]
+fn help_shows_the_real_defaults() {
+    use headroom_trainer::train::TrainOptions;
+    let o = headroom(&["train", "--help"]);
+    let help = stdout(&o).split_whitespace().collect::<Vec<_>>().join(" ");
+    let (tiny, small) = (TrainOptions::tiny_default(), TrainOptions::small_default());
+    for needle in [
+        format!(
+            "{} for tiny, {} for small and gpt2",
+            tiny.steps, small.steps
+        ),
+        format!("{:e} for tiny, {:e} for small and gpt2", tiny.lr, small.lr),
+        format!(
+            "{} for tiny, {} for small and gpt2",
+            tiny.warmup, small.warmup
+        ),
+        format!("{} × the peak learning rate", tiny.min_lr_frac),
+        format!("[default: {}]", tiny.weight_decay),
+        format!("[default: {:.1}]", tiny.grad_clip),
+    ] {
+        assert!(help.contains(&needle), "--help lacks {needle:?}:\n{help}");
+    }
+    assert_eq!(
+        (tiny.weight_decay, tiny.grad_clip, tiny.min_lr_frac),
+        (small.weight_decay, small.grad_clip, small.min_lr_frac)
+    );
+}

@@ -129,7 +129,8 @@ fn checkpoint_uses_hugging_face_names_and_layouts_and_rejects_corruption() {
         ..TrainOptions::tiny_default()
     };
     train(&o, |_| {}).unwrap();
-    let bytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    let step_dir = dir.path().join("step-00000002");
+    let bytes = std::fs::read(step_dir.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let c = o.model.channels;
     assert_eq!(
@@ -150,7 +151,7 @@ fn checkpoint_uses_hugging_face_names_and_layouts_and_rejects_corruption() {
 
     // Truncated model file: a typed checkpoint error, not a panic.
     std::fs::write(
-        dir.path().join("model.safetensors"),
+        step_dir.join("model.safetensors"),
         &bytes[..bytes.len() / 2],
     )
     .unwrap();
@@ -158,7 +159,7 @@ fn checkpoint_uses_hugging_face_names_and_layouts_and_rejects_corruption() {
         checkpoint::load(dir.path()),
         Err(headroom_trainer::TrainError::Checkpoint { .. })
     ));
-    std::fs::remove_file(dir.path().join("state.json")).unwrap();
+    std::fs::remove_file(step_dir.join("state.json")).unwrap();
     assert!(checkpoint::load(dir.path()).is_err());
 }
 

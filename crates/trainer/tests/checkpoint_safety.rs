@@ -1,0 +1,412 @@
+//! Checkpoints as one unit: a directory whose files disagree is refused, the newest complete
+//! checkpoint is the one resumed, a run saves at its end and when stopped, old checkpoints are
+//! pruned, and sizes read from a checkpoint are bounded before anything is allocated.
+
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use headroom_trainer::checkpoint::{self, Manifest, FORMAT_VERSION, MANIFEST};
+use headroom_trainer::model::GptConfig;
+use headroom_trainer::train::{train, TrainOptions};
+use headroom_trainer::TrainError;
+
+fn tiny(steps: usize) -> TrainOptions {
+    TrainOptions {
+        steps,
+        batch: 4,
+        ..TrainOptions::tiny_default()
+    }
+}
+
+fn step_dirs(root: &Path) -> Vec<usize> {
+    checkpoint::list(root)
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect()
+}
+
+/// Rewrite a file of a step directory and its manifest entry, as a careful attacker (or a
+/// buggy tool) would: the checksum then agrees and only the content checks remain.
+fn rewrite_consistently(dir: &Path, name: &str, bytes: &[u8]) {
+    std::fs::write(dir.join(name), bytes).unwrap();
+    let mut m: Manifest =
+        serde_json::from_slice(&std::fs::read(dir.join(MANIFEST)).unwrap()).unwrap();
+    let e = m.files.iter_mut().find(|f| f.name == name).unwrap();
+    e.bytes = bytes.len() as u64;
+    e.xxh3 = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes));
+    std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+}
+
+#[test]
+fn a_run_saves_at_its_end_keeps_the_newest_and_resumes_the_newest() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 2)),
+        keep_checkpoints: 2,
+        ..tiny(5)
+    };
+    let r = train(&o, |_| {}).unwrap();
+    // Saved at 2 and 4 (every 2) and 5 (the end); the oldest pruned.
+    assert_eq!(step_dirs(dir.path()), vec![4, 5]);
+    assert_eq!(
+        r.last_checkpoint.as_deref(),
+        Some(dir.path().join("step-00000005").as_path())
+    );
+    let ck = checkpoint::load(dir.path()).unwrap();
+    assert_eq!(ck.state.step, 5);
+    assert_eq!(ck.state.run, o.run_spec());
+    // No leftovers of the saves.
+    for e in std::fs::read_dir(dir.path()).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(name.starts_with("step-"), "left behind: {name}");
+    }
+}
+
+#[test]
+fn checkpoint_every_zero_still_saves_the_last_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 0)),
+        ..tiny(3)
+    };
+    train(&o, |_| {}).unwrap();
+    assert_eq!(step_dirs(dir.path()), vec![3]);
+}
+
+#[test]
+fn a_stop_request_saves_and_returns_early_and_the_resume_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let full: Vec<u32> = train(&tiny(6), |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss.to_bits())
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 100)),
+        stop: Some(stop),
+        ..tiny(6)
+    };
+    // The "signal" arrives during step 2.
+    let r = train(&o, |s| {
+        if s.step == 2 {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    })
+    .unwrap();
+    assert!(r.stopped);
+    assert_eq!(r.steps.len(), 3);
+    assert_eq!(step_dirs(dir.path()), vec![3]);
+    let rest: Vec<u32> = train(
+        &TrainOptions {
+            resume_from: Some(dir.path().to_path_buf()),
+            ..tiny(6)
+        },
+        |_| {},
+    )
+    .unwrap()
+    .steps
+    .iter()
+    .map(|s| s.loss.to_bits())
+    .collect();
+    assert_eq!(&full[3..], &rest[..]);
+}
+
+#[test]
+fn files_from_different_steps_are_refused_not_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 1)),
+        keep_checkpoints: 5,
+        ..tiny(2)
+    };
+    train(&o, |_| {}).unwrap();
+    let (s1, s2) = (
+        dir.path().join("step-00000001"),
+        dir.path().join("step-00000002"),
+    );
+    // The failure of the old layout: step 2's model beside step 1's state.
+    std::fs::copy(s2.join("model.safetensors"), s1.join("model.safetensors")).unwrap();
+    let e = checkpoint::load(&s1)
+        .err()
+        .expect("a torn checkpoint loaded");
+    assert!(
+        matches!(&e, TrainError::Checkpoint { reason, .. } if reason.contains("checksum")),
+        "{e}"
+    );
+    // The same through a resume of that step directory.
+    let e = train(
+        &TrainOptions {
+            resume_from: Some(s1.clone()),
+            ..tiny(2)
+        },
+        |_| {},
+    )
+    .unwrap_err();
+    assert!(matches!(e, TrainError::Checkpoint { .. }), "{e}");
+    // A state whose step disagrees with the manifest, even with a matching checksum.
+    let state = std::fs::read_to_string(s2.join("state.json")).unwrap();
+    let forged = state.replacen("\"step\": 2", "\"step\": 1", 1);
+    assert_ne!(state, forged);
+    rewrite_consistently(&s2, "state.json", forged.as_bytes());
+    let e = checkpoint::load(&s2).err().expect("a forged step loaded");
+    assert!(e.to_string().contains("manifest"), "{e}");
+}
+
+#[test]
+fn a_missing_manifest_or_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 1)),
+        ..tiny(1)
+    };
+    train(&o, |_| {}).unwrap();
+    let s1 = dir.path().join("step-00000001");
+    std::fs::remove_file(s1.join("optimizer.bin")).unwrap();
+    assert!(matches!(
+        checkpoint::load(&s1),
+        Err(TrainError::Checkpoint { .. })
+    ));
+    // The layout of earlier versions (no manifest) is refused with a reason.
+    std::fs::remove_file(s1.join(MANIFEST)).unwrap();
+    let e = checkpoint::load(&s1).err().unwrap();
+    assert!(e.to_string().contains("manifest"), "{e}");
+    // A manifest of another format version.
+    let m = Manifest {
+        format_version: FORMAT_VERSION + 1,
+        step: 1,
+        files: vec![],
+    };
+    std::fs::write(s1.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+    let e = checkpoint::load(&s1).err().unwrap();
+    assert!(e.to_string().contains("format version"), "{e}");
+    // An empty directory.
+    let empty = tempfile::tempdir().unwrap();
+    assert!(checkpoint::load(empty.path()).is_err());
+}
+
+#[test]
+fn a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 1)),
+        ..tiny(2)
+    };
+    train(&o, |_| {}).unwrap();
+    let e = train(&o, |_| {}).unwrap_err();
+    assert!(e.to_string().contains("resume"), "{e}");
+    // Resuming into the same directory continues and saves there.
+    let more = TrainOptions {
+        steps: 2,
+        resume_from: Some(dir.path().to_path_buf()),
+        ..o.clone()
+    };
+    let r = train(&more, |_| {}).unwrap();
+    assert!(
+        r.steps.is_empty(),
+        "the checkpoint already holds every step"
+    );
+}
+
+#[test]
+fn resuming_under_other_settings_names_each_difference() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 1)),
+        ..tiny(3)
+    };
+    train(
+        &TrainOptions {
+            stop_after: Some(1),
+            ..o.clone()
+        },
+        |_| {},
+    )
+    .unwrap();
+    let other = TrainOptions {
+        seq: 32,
+        lr: 1e-3,
+        resume_from: Some(dir.path().to_path_buf()),
+        save: None,
+        ..o.clone()
+    };
+    match train(&other, |_| {}).unwrap_err() {
+        TrainError::ResumeMismatch { differences, .. } => {
+            assert!(differences.iter().any(|d| d.starts_with("--seq")));
+            assert!(differences.iter().any(|d| d.starts_with("--lr")));
+            // The floor of the schedule is 0.1 × lr: it moved with --lr.
+            assert!(differences.iter().any(|d| d.starts_with("--min-lr")));
+            assert_eq!(differences.len(), 3, "{differences:?}");
+        }
+        e => panic!("expected ResumeMismatch, got {e}"),
+    }
+}
+
+#[test]
+fn hostile_sizes_in_a_checkpoint_are_refused_before_allocating() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 1)),
+        ..tiny(1)
+    };
+    train(&o, |_| {}).unwrap();
+    let s1 = dir.path().join("step-00000001");
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(s1.join("state.json")).unwrap()).unwrap();
+    for (field, value) in [
+        ("layers", 1u64 << 40),
+        ("channels", 1u64 << 62),
+        ("vocab", 1u64 << 33),
+        ("max_seq", u64::MAX),
+        ("layers", 0),
+        ("heads", 3),
+    ] {
+        let mut bad = state.clone();
+        bad["config"][field] = value.into();
+        rewrite_consistently(&s1, "state.json", &serde_json::to_vec(&bad).unwrap());
+        let e = checkpoint::load(&s1)
+            .err()
+            .unwrap_or_else(|| panic!("{field} = {value} loaded"));
+        assert!(
+            matches!(e, TrainError::Config(_) | TrainError::Checkpoint { .. }),
+            "{field} = {value}: {e}"
+        );
+    }
+    // A config that is valid but not the one the tensors were saved for.
+    let mut bad = state.clone();
+    bad["config"]["layers"] = 3.into();
+    rewrite_consistently(&s1, "state.json", &serde_json::to_vec(&bad).unwrap());
+    let e = checkpoint::load(&s1).err().unwrap();
+    assert!(matches!(e, TrainError::Checkpoint { .. }), "{e}");
+    // Optimizer parameters that do not match the model's.
+    let mut bad = state.clone();
+    bad["optimizer"]["params"][0]["numel"] = (1u64 << 40).into();
+    rewrite_consistently(&s1, "state.json", &serde_json::to_vec(&bad).unwrap());
+    let e = checkpoint::load(&s1).err().unwrap();
+    assert!(e.to_string().contains("optimizer state"), "{e}");
+}
+
+#[test]
+fn the_model_loads_from_a_checkpoint_in_one_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 2)),
+        ..tiny(2)
+    };
+    train(&o, |_| {}).unwrap();
+    let cpu = headroom_tensor::Cpu::new();
+    let gpt = checkpoint::load_model(dir.path(), &cpu, Default::default()).unwrap();
+    let g = headroom_trainer::model::Geometry { b: 1, t: 8 };
+    let tokens: Vec<u32> = (0..8).collect();
+    let loss = gpt.loss(&tokens, &tokens, g).unwrap();
+    assert!(loss.is_finite());
+}
+
+#[test]
+fn config_sizes_are_bounded_and_checked() {
+    let ok = GptConfig::small(50257);
+    assert_eq!(ok.parameter_count().unwrap(), 30_044_544);
+    for bad in [
+        GptConfig {
+            layers: 10_000_000,
+            ..ok
+        },
+        GptConfig {
+            channels: 1 << 62,
+            heads: 1,
+            ..ok
+        },
+        GptConfig {
+            vocab: usize::MAX,
+            ..ok
+        },
+        GptConfig {
+            max_seq: 1 << 40,
+            ..ok
+        },
+    ] {
+        assert!(
+            matches!(bad.validate(), Err(TrainError::Config(_))),
+            "{bad:?}"
+        );
+    }
+}
+
+#[test]
+fn absurd_run_options_are_typed_errors_naming_the_option() {
+    let cases: Vec<(TrainOptions, &str)> = vec![
+        (
+            TrainOptions {
+                batch: 1_000_000_000,
+                ..tiny(1)
+            },
+            "--batch",
+        ),
+        (
+            TrainOptions {
+                batch: 1_000_000,
+                ..tiny(1)
+            },
+            "",
+        ),
+        (
+            TrainOptions {
+                budget: Some(0),
+                ..tiny(1)
+            },
+            "--budget-mib",
+        ),
+        (
+            {
+                let mut o = tiny(1);
+                o.techniques.micro_batch = Some(0);
+                o
+            },
+            "--micro-batch",
+        ),
+        (
+            {
+                let mut o = tiny(1);
+                o.techniques.micro_batch = Some(3);
+                o
+            },
+            "--micro-batch",
+        ),
+        (TrainOptions { seq: 65, ..tiny(1) }, "--seq"),
+        (
+            TrainOptions {
+                lr: f64::NAN,
+                ..tiny(1)
+            },
+            "--lr",
+        ),
+        (
+            TrainOptions {
+                grad_clip: 0.0,
+                ..tiny(1)
+            },
+            "--grad-clip",
+        ),
+        (
+            TrainOptions {
+                keep_checkpoints: 0,
+                ..tiny(1)
+            },
+            "--keep-checkpoints",
+        ),
+    ];
+    for (o, option) in cases {
+        let e = train(&o, |_| {}).unwrap_err();
+        let text = e.to_string();
+        match &e {
+            TrainError::Option { option: named, .. } => assert_eq!(*named, option, "{text}"),
+            // A million sequences fit the size bounds but not this machine.
+            TrainError::MachineMemory { .. } => assert_eq!(option, ""),
+            _ => panic!("{option}: unexpected error {text}"),
+        }
+    }
+}
