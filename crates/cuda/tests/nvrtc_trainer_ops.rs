@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 
 use headroom_cuda::{compile, compile_cached, nvrtc_available, OP_LAUNCH_SIGNATURES};
-use headroom_kernels::TRAINER_OPS;
+use headroom_kernels::{KernelSource, TRAINER_OPS};
 
 fn nvrtc_or_skip(test: &str) -> bool {
     if nvrtc_available() {
@@ -53,6 +53,24 @@ fn ptx_params(ptx: &str, name: &str) -> Vec<String> {
 /// implementation uses FMAs on purpose; its tolerance says so).
 const FMA_ALLOWED: &[&str] = &["cross_entropy"];
 
+/// Bitwise modules whose CPU reference fuses some multiply-adds on purpose (AdamW: PyTorch's
+/// lerp and addcmul), written as explicit `__fmaf_rn` calls. Their PTX may hold `fma.rn.f32`,
+/// but only where the source asks: [`without_explicit_fmas`] must compile to none.
+const EXPLICIT_FMA: &[&str] = &["adamw"];
+
+/// `kernel` with every `__fmaf_rn` replaced by a separately rounded multiply and add.
+fn without_explicit_fmas(kernel: &KernelSource) -> KernelSource {
+    let source = format!(
+        "__device__ __forceinline__ float hr_unfused(float a, float b, float c) {{\n\
+         return __fadd_rn(__fmul_rn(a, b), c);\n}}\n{}",
+        kernel.source.replace("__fmaf_rn(", "hr_unfused(")
+    );
+    KernelSource {
+        source: Box::leak(source.into_boxed_str()),
+        ..*kernel
+    }
+}
+
 #[test]
 fn nvrtc_compiles_every_trainer_op_for_sm80_and_sm90() {
     if !nvrtc_or_skip("nvrtc_compiles_every_trainer_op_for_sm80_and_sm90") {
@@ -77,7 +95,27 @@ fn nvrtc_compiles_every_trainer_op_for_sm80_and_sm90() {
                 kernel.name,
                 out.log
             );
-            if !FMA_ALLOWED.contains(&kernel.name) {
+            if EXPLICIT_FMA.contains(&kernel.name) {
+                let fmas: Vec<&str> = out.ptx.lines().filter(|l| l.contains("fma.")).collect();
+                assert!(
+                    !fmas.is_empty(),
+                    "{}/{arch}: the explicit FMAs are gone",
+                    kernel.name
+                );
+                assert!(
+                    fmas.iter()
+                        .all(|l| l.trim_start().starts_with("fma.rn.f32 ")),
+                    "{}/{arch}: unexpected FMA kinds {fmas:?}",
+                    kernel.name
+                );
+                let unfused =
+                    compile(&without_explicit_fmas(kernel), arch).unwrap_or_else(|e| panic!("{e}"));
+                assert!(
+                    !unfused.ptx.contains("fma."),
+                    "{}/{arch}: PTX has an FMA the source did not ask for",
+                    kernel.name
+                );
+            } else if !FMA_ALLOWED.contains(&kernel.name) {
                 assert!(
                     !out.ptx.contains("fma."),
                     "{}/{arch}: PTX has an FMA",

@@ -7,7 +7,7 @@
 //! barrier (so the block reductions' synchronisation is exercised), blocks run one after
 //! another (so a `static` is the block's `__shared__` memory), and the `__f*_rn` intrinsics
 //! are plain IEEE binary32 operations compiled with `-ffp-contract=off` (what `--fmad=false`
-//! gives on the GPU). Kernels are called through a dispatch table generated from
+//! gives on the GPU), `__fmaf_rn` the C library's `fmaf` (one rounding, as on the GPU). Kernels are called through a dispatch table generated from
 //! `OP_LAUNCH_SIGNATURES`, so the recorded parameter lists are exercised too.
 //!
 //! This is the evidence a machine without a GPU gives that the kernels compute the ops:
@@ -70,6 +70,7 @@ static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fsqrt_rn(float a) { return sqrtf(a); }
+static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
 "#;
@@ -656,40 +657,46 @@ fn emulated_adamw_is_bitwise_equal_to_the_offload_reference() {
     let v0: Vec<f32> = values(n, 30, 0.01).iter().map(|v| v * v).collect();
     let g16: Vec<u16> = g32.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
     let g16f: Vec<f32> = g16.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
-    let s = AdamWStep::new(6e-4, 0.9, 0.95, 1e-8, 0.1, 3);
-    let scalars = [
-        s.decay,
-        s.one_minus_beta1,
-        s.beta2,
-        s.one_minus_beta2,
-        s.step_size,
-        s.bc2_sqrt,
-        s.eps,
+    // β1 0.9 and 0.3: both of ATen's lerp formulas (1 - β1 below and above one half).
+    let steps = [
+        AdamWStep::new(6e-4, 0.9, 0.95, 1e-8, 0.1, 3),
+        AdamWStep::new(6e-4, 0.3, 0.95, 1e-8, 0.1, 3),
     ];
     let mut run = Run::new("adamw");
     let mut cases = Vec::new();
-    for (function, bf16_grad, copy) in [
-        ("adamw_f32", false, false),
-        ("adamw_bf16", true, false),
-        ("adamw_copy_bf16_f32", false, true),
-        ("adamw_copy_bf16_bf16", true, true),
-    ] {
-        let (p, m, v) = (run.buf(&p0), run.buf(&m0), run.buf(&v0));
-        let g = if bf16_grad {
-            run.buf(&g16)
-        } else {
-            run.buf(&g32)
-        };
-        let c = copy.then(|| run.buf(&vec![0u16; n]));
-        let mut args = vec![Arg::Buf(p), Arg::Buf(g), Arg::Buf(m), Arg::Buf(v)];
-        args.extend(c.map(Arg::Buf));
-        args.push(Arg::U(n as u64));
-        args.extend(scalars.iter().map(|&x| Arg::F(x)));
-        run.launch(function, (2, 1), BLOCK, &args);
-        cases.push((function, bf16_grad, p, m, v, c));
+    for s in steps {
+        let scalars = [
+            s.decay,
+            s.one_minus_beta1,
+            s.beta2,
+            s.one_minus_beta2,
+            s.step_size,
+            s.bc2_sqrt,
+            s.eps,
+        ];
+        for (function, bf16_grad, copy) in [
+            ("adamw_f32", false, false),
+            ("adamw_bf16", true, false),
+            ("adamw_copy_bf16_f32", false, true),
+            ("adamw_copy_bf16_bf16", true, true),
+        ] {
+            let (p, m, v) = (run.buf(&p0), run.buf(&m0), run.buf(&v0));
+            let g = if bf16_grad {
+                run.buf(&g16)
+            } else {
+                run.buf(&g32)
+            };
+            let c = copy.then(|| run.buf(&vec![0u16; n]));
+            let mut args = vec![Arg::Buf(p), Arg::Buf(g), Arg::Buf(m), Arg::Buf(v)];
+            args.extend(c.map(Arg::Buf));
+            args.push(Arg::U(n as u64));
+            args.extend(scalars.iter().map(|&x| Arg::F(x)));
+            run.launch(function, (2, 1), BLOCK, &args);
+            cases.push((s, function, bf16_grad, p, m, v, c));
+        }
     }
     let got = run.finish(emu);
-    for (function, bf16_grad, p, m, v, c) in cases {
+    for (s, function, bf16_grad, p, m, v, c) in cases {
         let (mut wp, mut wm, mut wv) = (p0.clone(), m0.clone(), v0.clone());
         ref_adamw(
             &s,
@@ -698,13 +705,14 @@ fn emulated_adamw_is_bitwise_equal_to_the_offload_reference() {
             &mut wm,
             &mut wv,
         );
-        assert_bitwise(function, &f32s(&got[p]), &wp);
-        assert_bitwise(function, &f32s(&got[m]), &wm);
-        assert_bitwise(function, &f32s(&got[v]), &wv);
+        let what = format!("{function} (1 - β1 = {})", s.one_minus_beta1);
+        assert_bitwise(&what, &f32s(&got[p]), &wp);
+        assert_bitwise(&what, &f32s(&got[m]), &wm);
+        assert_bitwise(&what, &f32s(&got[v]), &wv);
         if let Some(c) = c {
             let copy: Vec<u16> = bytemuck::pod_collect_to_vec(&got[c]);
             let want: Vec<u16> = wp.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-            assert_eq!(copy, want, "{function} copy");
+            assert_eq!(copy, want, "{what} copy");
         }
     }
 }

@@ -136,6 +136,33 @@ fn bitwise_references_match_the_crates_they_transcribe() {
     );
     assert_eq!(bits(&m), GOLDEN_ADAMW_M, "AdamW m vs headroom-offload");
     assert_eq!(bits(&v), GOLDEN_ADAMW_V, "AdamW v vs headroom-offload");
+
+    // 1 - β1 ≥ 0.5: ATen's other lerp formula.
+    let s = AdamWStep::new(3e-4, 0.3, 0.95, 1e-8, 0.1, 7);
+    assert_eq!(s.one_minus_beta1, 0.7);
+    assert_eq!(
+        s.step_size, 0.000_300_065_6,
+        "step size vs headroom-offload"
+    );
+    let mut p: Vec<f32> = x.iter().map(|v| v * 0.1).collect();
+    let mut m: Vec<f32> = x.iter().map(|v| v * 1e-3).collect();
+    let mut v: Vec<f32> = x.iter().map(|v| v * v * 1e-4).collect();
+    ref_adamw(&s, &mut p, &g, &mut m, &mut v);
+    assert_eq!(
+        bits(&p),
+        GOLDEN_ADAMW_LARGE_WEIGHT_PARAM,
+        "AdamW params (β1 0.3) vs headroom-offload"
+    );
+    assert_eq!(
+        bits(&m),
+        GOLDEN_ADAMW_LARGE_WEIGHT_M,
+        "AdamW m (β1 0.3) vs headroom-offload"
+    );
+    assert_eq!(
+        bits(&v),
+        GOLDEN_ADAMW_V,
+        "AdamW v (β1 0.3) vs headroom-offload"
+    );
 }
 
 #[test]
@@ -543,8 +570,8 @@ fn cuda_adamw_is_bitwise_equal_to_the_offload_reference() {
     let g32 = values(n, 28, 0.1);
     let m0 = values(n, 29, 0.01);
     let v0: Vec<f32> = values(n, 30, 0.01).iter().map(|v| v * v).collect();
-    for step in [1, 2, 1000] {
-        let s = AdamWStep::new(6e-4, 0.9, 0.95, 1e-8, 0.1, step);
+    for (beta1, step) in [(0.9, 1), (0.9, 2), (0.9, 1000), (0.3, 2)] {
+        let s = AdamWStep::new(6e-4, beta1, 0.95, 1e-8, 0.1, step);
         for grad_dtype in [DType::F32, DType::BF16] {
             let g = round_to(grad_dtype, &g32);
             let (mut wp, mut wm, mut wv) = (p0.clone(), m0.clone(), v0.clone());

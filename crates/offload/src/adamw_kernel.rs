@@ -1,15 +1,21 @@
 //! The fused AdamW update over (param, grad, m, v), one pass, with run-time ISA dispatch.
 //!
-//! One `#[inline(always)]` body is compiled three times: with AVX-512F, with AVX2, and for the
-//! baseline target; [`Isa::detect`] picks the widest the CPU supports, once. The body uses no
-//! fused multiply-add and only IEEE-exact operations (sqrt and division are correctly rounded in
-//! every ISA), so all three paths produce the same bits as the scalar reference in
-//! [`crate::reference`] — the property tests check exactly that.
+//! One `#[inline(always)]` body is compiled three times: with AVX-512F + FMA, with AVX2 + FMA,
+//! and for the baseline target; [`Isa::detect`] picks the widest the CPU supports, once. The
+//! body performs exactly the operations of [`crate::reference`] (PyTorch's single-tensor AdamW
+//! as its AVX2/AVX-512 CPU kernels compute it): a fused multiply-add (`f32::mul_add`) in the
+//! first-moment lerp and in the second moment's `addcmul`, everything else a separately
+//! rounded IEEE operation (correctly rounded sqrt and division). A fused multiply-add is one
+//! rounding whatever the hardware, so every path gives the reference's bits; the property tests
+//! and the PyTorch fixture check exactly that. The baseline build has no FMA instruction on
+//! x86-64 and calls the C library's `fmaf` instead: the same bits, more slowly.
 //!
-//! Trade-off: `denom = sqrt(v) / bc2_sqrt + eps` keeps PyTorch's division instead of multiplying
-//! by a precomputed reciprocal. A divide costs more than a multiply, but the kernel is bound by
-//! memory (28 bytes per parameter), not arithmetic, and keeping the formula keeps the bits.
+//! Trade-off: `denom = sqrt(v) / bc2_sqrt + eps` and `(step_size · m) / denom` keep PyTorch's
+//! two divisions instead of multiplying by reciprocals. A divide costs more than a multiply,
+//! but the kernel is bound by memory (28 bytes per parameter), not arithmetic, and keeping the
+//! formula keeps the bits.
 
+use std::hint::black_box;
 use std::sync::OnceLock;
 
 use half::bf16;
@@ -19,57 +25,78 @@ use headroom_tensor::cpu::kernels::{
 };
 use rayon::prelude::*;
 
+use crate::{OffloadError, Result};
+
 /// Parameters per parallel task. Elementwise, so any split gives the same bits.
 pub(crate) const CHUNK: usize = 1 << 15;
 /// Elements widened at a time for f16 gradients and narrowed for f16 working copies.
 const BLOCK: usize = 1024;
 
-/// The per-step constants of AdamW, computed once per parameter update in f64 and rounded to
-/// f32, as PyTorch's fused kernel does.
+/// The per-step constants of AdamW, computed as `torch.optim.AdamW` computes them: in Python
+/// floats (f64), then rounded to f32 where a float tensor operation takes them as a scalar.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepScalars {
-    /// `1 - lr · weight_decay` (decoupled weight decay).
+    /// `1 - lr · weight_decay` (decoupled weight decay, `param.mul_`).
     pub decay: f32,
-    /// `1 - β1`, the weight of the gradient in the first-moment lerp.
+    /// `1 - β1`, the weight of `exp_avg.lerp_(grad, 1 - β1)`.
     pub one_minus_beta1: f32,
-    /// β2.
+    /// β2 (`exp_avg_sq.mul_(β2)`).
     pub beta2: f32,
-    /// `1 - β2`.
+    /// `1 - β2` (the `value` of `addcmul_`).
     pub one_minus_beta2: f32,
-    /// `lr / (1 - β1^t)`.
+    /// `lr / (1 - β1^t)` (its negation is the `value` of `addcdiv_`).
     pub step_size: f32,
-    /// `sqrt(1 - β2^t)`.
+    /// `(1 - β2^t) ** 0.5`.
     pub bc2_sqrt: f32,
     /// ε, added outside the square root.
     pub eps: f32,
 }
 
 impl StepScalars {
-    /// Constants for step `t` (1-based) with the given hyper-parameters.
+    /// Constants for step `t` (1-based; 0 is treated as 1) with the given hyper-parameters.
+    ///
+    /// `β^t` and `x ** 0.5` are the C library's `pow`, as Python evaluates `beta1 ** step` and
+    /// `bias_correction2 ** 0.5` (PyTorch keeps the step as a float; below 2^24 steps it is
+    /// exact, so the values agree).
     pub fn new(lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64, t: u64) -> Self {
-        let t = t.max(1) as i32;
-        let bc1 = 1.0 - beta1.powi(t);
-        let bc2 = 1.0 - beta2.powi(t);
+        let t = t.max(1) as f64;
+        let bias_correction1 = 1.0 - c_pow(beta1, t);
+        let bias_correction2 = 1.0 - c_pow(beta2, t);
         StepScalars {
             decay: (1.0 - lr * weight_decay) as f32,
             one_minus_beta1: (1.0 - beta1) as f32,
             beta2: beta2 as f32,
             one_minus_beta2: (1.0 - beta2) as f32,
-            step_size: (lr / bc1) as f32,
-            bc2_sqrt: bc2.sqrt() as f32,
+            step_size: (lr / bias_correction1) as f32,
+            bc2_sqrt: c_pow(bias_correction2, 0.5) as f32,
             eps: eps as f32,
         }
     }
+
+    /// True when the lerp weight `1 - β1` is below one half in magnitude: ATen's lerp then
+    /// computes `start + w·(end - start)`, otherwise `end + (w - 1)·(end - start)`.
+    pub fn lerp_weight_is_small(&self) -> bool {
+        self.one_minus_beta1.abs() < 0.5
+    }
+}
+
+/// `x ** y` as CPython computes it for floats: the C library's `pow`. The operands go through
+/// `black_box` because LLVM rewrites `pow(x, 0.5)` into `sqrt(x)` and folds constant operands,
+/// and glibc's `pow(x, 0.5)` differs from the correctly rounded square root for about one
+/// double in a thousand.
+fn c_pow(x: f64, y: f64) -> f64 {
+    black_box(x).powf(black_box(y))
 }
 
 /// The instruction set the fused kernel runs with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// 512-bit vectors.
+    /// 512-bit vectors with FMA (`avx512f` and `fma`).
     Avx512,
-    /// 256-bit vectors.
+    /// 256-bit vectors with FMA (`avx2` and `fma`).
     Avx2,
-    /// Whatever the compilation target guarantees (SSE2 on x86-64).
+    /// Whatever the compilation target guarantees (SSE2 on x86-64); fused multiply-adds go
+    /// through the C library's `fmaf` where the target has no FMA instruction.
     Baseline,
 }
 
@@ -78,16 +105,10 @@ impl Isa {
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::is_x86_feature_detected!("avx512f") {
-                    return Isa::Avx512;
-                }
-                if std::is_x86_feature_detected!("avx2") {
-                    return Isa::Avx2;
-                }
-            }
-            Isa::Baseline
+            [Isa::Avx512, Isa::Avx2]
+                .into_iter()
+                .find(|isa| isa.is_supported())
+                .unwrap_or(Isa::Baseline)
         })
     }
 
@@ -96,48 +117,128 @@ impl Isa {
         match self {
             Isa::Baseline => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => std::is_x86_feature_detected!("avx2"),
+            Isa::Avx2 => {
+                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+            }
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => std::is_x86_feature_detected!("avx512f"),
+            Isa::Avx512 => {
+                std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma")
+            }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
     }
+
+    /// The CPU features `self` needs, as `/proc/cpuinfo` names them.
+    pub fn required_features(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512f, fma",
+            Isa::Avx2 => "avx2, fma",
+            Isa::Baseline => "none",
+        }
+    }
+
+    /// `self` if this CPU supports it, else [`OffloadError::UnsupportedIsa`].
+    pub(crate) fn checked(self) -> Result<SupportedIsa> {
+        if self.is_supported() {
+            Ok(SupportedIsa(self))
+        } else {
+            Err(OffloadError::UnsupportedIsa {
+                isa: self,
+                features: self.required_features(),
+            })
+        }
+    }
 }
 
-/// The update for one element, shared by every path (and mirrored by the reference).
+/// An [`Isa`] this CPU was confirmed to support: the only value the `unsafe` calls into
+/// `#[target_feature]` code accept, so no unchecked ISA can reach them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SupportedIsa(Isa);
+
+impl SupportedIsa {
+    /// The widest supported instruction set.
+    pub(crate) fn detect() -> SupportedIsa {
+        SupportedIsa(Isa::detect())
+    }
+
+    /// The instruction set.
+    pub(crate) fn isa(self) -> Isa {
+        self.0
+    }
+}
+
+/// The update for one element, shared by every path (the reference spells the same operations
+/// out with PyTorch's names). `SMALL_WEIGHT` is [`StepScalars::lerp_weight_is_small`], decided
+/// once per call instead of once per element.
 #[inline(always)]
-fn update(s: &StepScalars, p: &mut f32, g: f32, m: &mut f32, v: &mut f32) {
-    let pd = *p * s.decay;
-    let mn = *m + s.one_minus_beta1 * (g - *m);
-    let vn = *v * s.beta2 + (s.one_minus_beta2 * g) * g;
+fn update<const SMALL_WEIGHT: bool>(
+    s: &StepScalars,
+    p: &mut f32,
+    g: f32,
+    m: &mut f32,
+    v: &mut f32,
+) {
+    let decayed = *p * s.decay;
+    let diff = g - *m;
+    let mn = if SMALL_WEIGHT {
+        s.one_minus_beta1.mul_add(diff, *m)
+    } else {
+        (s.one_minus_beta1 - 1.0).mul_add(diff, g)
+    };
+    let vn = (s.one_minus_beta2 * g).mul_add(g, *v * s.beta2);
     let denom = vn.sqrt() / s.bc2_sqrt + s.eps;
-    *p = pd - s.step_size * (mn / denom);
+    *p = decayed - (s.step_size * mn) / denom;
     *m = mn;
     *v = vn;
 }
 
 #[inline(always)]
-fn body_f32(s: &StepScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+fn loop_f32<const SMALL_WEIGHT: bool>(
+    s: &StepScalars,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
     let n = p.len();
     let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
     for i in 0..n {
-        update(s, &mut p[i], g[i], &mut m[i], &mut v[i]);
+        update::<SMALL_WEIGHT>(s, &mut p[i], g[i], &mut m[i], &mut v[i]);
+    }
+}
+
+#[inline(always)]
+fn loop_bf16<const SMALL_WEIGHT: bool>(
+    s: &StepScalars,
+    p: &mut [f32],
+    g: &[bf16],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    for i in 0..n {
+        let g = bf16_bits_to_f32(g[i].to_bits());
+        update::<SMALL_WEIGHT>(s, &mut p[i], g, &mut m[i], &mut v[i]);
+    }
+}
+
+#[inline(always)]
+fn body_f32(s: &StepScalars, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    if s.lerp_weight_is_small() {
+        loop_f32::<true>(s, p, g, m, v)
+    } else {
+        loop_f32::<false>(s, p, g, m, v)
     }
 }
 
 #[inline(always)]
 fn body_bf16(s: &StepScalars, p: &mut [f32], g: &[bf16], m: &mut [f32], v: &mut [f32]) {
-    let n = p.len();
-    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
-    for i in 0..n {
-        update(
-            s,
-            &mut p[i],
-            bf16_bits_to_f32(g[i].to_bits()),
-            &mut m[i],
-            &mut v[i],
-        );
+    if s.lerp_weight_is_small() {
+        loop_bf16::<true>(s, p, g, m, v)
+    } else {
+        loop_bf16::<false>(s, p, g, m, v)
     }
 }
 
@@ -153,7 +254,7 @@ macro_rules! isa_variants {
         mod $name {
             use super::*;
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f")]
+            #[target_feature(enable = "avx512f,avx2,fma")]
             pub(super) unsafe fn avx512(
                 s: &StepScalars,
                 p: &mut [f32],
@@ -164,7 +265,7 @@ macro_rules! isa_variants {
                 $body(s, p, g, m, v)
             }
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2")]
+            #[target_feature(enable = "avx2,fma")]
             pub(super) unsafe fn avx2(
                 s: &StepScalars,
                 p: &mut [f32],
@@ -184,18 +285,19 @@ macro_rules! isa_variants {
                 $body(s, p, g, m, v)
             }
             pub(super) fn run(
-                isa: Isa,
+                isa: SupportedIsa,
                 s: &StepScalars,
                 p: &mut [f32],
                 g: &[$g],
                 m: &mut [f32],
                 v: &mut [f32],
             ) {
-                match isa {
-                    // SAFETY: `fused_step` only passes an ISA that `Isa::is_supported` confirmed.
+                match isa.isa() {
+                    // SAFETY: a `SupportedIsa` exists only for an ISA that
+                    // `Isa::is_supported` confirmed (avx512f and fma present).
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx512 => unsafe { avx512(s, p, g, m, v) },
-                    // SAFETY: as above.
+                    // SAFETY: as above (avx2 and fma present).
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => unsafe { avx2(s, p, g, m, v) },
                     _ => baseline(s, p, g, m, v),
@@ -213,7 +315,12 @@ pub type WorkingCopy<'a> = FloatSliceMut<'a>;
 
 /// One fused AdamW update of a whole parameter: `param`, `m`, `v` in f32, `grad` in f32, bf16 or
 /// f16, optionally writing the updated parameter to `copy` in its precision in the same pass.
-/// All lengths must already be equal (the optimizer checks). Threaded over fixed chunks.
+/// Threaded over fixed chunks; the bits do not depend on the thread count.
+///
+/// Errors: [`OffloadError::UnsupportedIsa`] when this CPU cannot run `isa` (nothing falls back
+/// silently: ask [`Isa::is_supported`] or use [`Isa::detect`]), and
+/// [`OffloadError::LengthMismatch`] when `grad`, `m`, `v` or `copy` is not as long as `param`.
+/// Nothing is written when either is returned.
 pub fn fused_step(
     isa: Isa,
     s: &StepScalars,
@@ -222,12 +329,38 @@ pub fn fused_step(
     m: &mut [f32],
     v: &mut [f32],
     copy: Option<WorkingCopy<'_>>,
+) -> Result<()> {
+    let isa = isa.checked()?;
+    let n = param.len();
+    let lengths = [
+        ("grad", grad.len()),
+        ("m", m.len()),
+        ("v", v.len()),
+        ("working copy", copy.as_ref().map_or(n, |c| c.len())),
+    ];
+    for (what, got) in lengths {
+        if got != n {
+            return Err(OffloadError::LengthMismatch {
+                what,
+                expected: n,
+                got,
+            });
+        }
+    }
+    fused_step_unchecked(isa, s, param, grad, m, v, copy);
+    Ok(())
+}
+
+/// [`fused_step`] with the ISA checked and every length equal to `param.len()`.
+pub(crate) fn fused_step_unchecked(
+    isa: SupportedIsa,
+    s: &StepScalars,
+    param: &mut [f32],
+    grad: FloatSlice<'_>,
+    m: &mut [f32],
+    v: &mut [f32],
+    copy: Option<WorkingCopy<'_>>,
 ) {
-    let isa = if isa.is_supported() {
-        isa
-    } else {
-        Isa::Baseline
-    };
     let chunk = |p: &mut [f32],
                  g: FloatSlice<'_>,
                  m: &mut [f32],
@@ -269,9 +402,9 @@ pub(crate) fn split_float_mut(x: FloatSliceMut<'_>, size: usize) -> Vec<FloatSli
 }
 
 /// The update of one contiguous piece on the calling thread; the copy is narrowed right after
-/// its piece is updated, while that piece is still in cache. `isa` must be supported.
+/// its piece is updated, while that piece is still in cache. Every slice must be as long as `p`.
 pub(crate) fn step_serial(
-    isa: Isa,
+    isa: SupportedIsa,
     s: &StepScalars,
     p: &mut [f32],
     g: FloatSlice<'_>,

@@ -42,6 +42,24 @@ pub enum OffloadError {
         /// The valid range.
         reason: &'static str,
     },
+    /// An instruction set was asked for explicitly ([`CpuAdamW::with_isa`](crate::CpuAdamW::with_isa),
+    /// [`fused_step`](crate::fused_step)) that this CPU does not have. Nothing falls back
+    /// silently: a run asked to use AVX-512 either uses it or says why not.
+    #[error("this CPU cannot run the {isa:?} AdamW kernel (it needs {features})")]
+    UnsupportedIsa {
+        /// The instruction set asked for.
+        isa: crate::Isa,
+        /// The CPU features it needs.
+        features: &'static str,
+    },
+    /// Typed access to f32 moments ([`CpuAdamW::exp_avg`](crate::CpuAdamW::exp_avg),
+    /// [`CpuAdamW::exp_avg_sq`](crate::CpuAdamW::exp_avg_sq)) on an optimizer whose moments
+    /// are stored in another precision.
+    #[error("the moments are stored as {precision:?}, not as f32 values")]
+    MomentsNotF32 {
+        /// How they are stored.
+        precision: crate::StatePrecision,
+    },
     /// A state file could not be created, opened, mapped or flushed.
     #[error("state file {path}: {source}")]
     Io {

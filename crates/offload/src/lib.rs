@@ -2,9 +2,11 @@
 //!
 //! Optimizer state off the accelerator: PyTorch's AdamW fused into one bandwidth-bound pass on
 //! the CPU (AVX-512 / AVX2 / baseline chosen at run time, threaded, bit-identical for any thread
-//! count), optional blockwise 8-bit moments (≈ 2 bytes per parameter instead of 8), moments in
-//! RAM or in a memory-mapped file, and a pipeline that updates finished gradient buckets while
-//! backward continues.
+//! count, and bit-identical to torch 2.15's single-tensor `torch.optim.AdamW` on an AVX2 or
+//! AVX-512 CPU wherever torch's square root is correctly rounded: see
+//! [`reference`](mod@reference)), optional blockwise 8-bit moments (≈ 2 bytes per parameter
+//! instead of 8), moments in RAM or in a memory-mapped file, and a pipeline that updates
+//! finished gradient buckets while backward continues.
 //!
 //! ```
 //! use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
@@ -30,8 +32,15 @@
 //!
 //! ## Invariants
 //! - Depends only on `headroom-tensor`; never on another technique crate.
-//! - Every ISA path equals the scalar reference ([`reference::adamw_step`]) bit for bit: no
-//!   fused multiply-add, IEEE sqrt and division only.
+//! - Every ISA path equals the scalar reference ([`reference::adamw_step`]) bit for bit: the
+//!   same operations in the same order, fused multiply-adds exactly where PyTorch's CPU kernels
+//!   fuse (the first-moment lerp and the second moment's `addcmul`), IEEE sqrt and division.
+//! - The reference equals `torch.optim.AdamW(foreach=False, fused=False)` (torch 2.15, CPU
+//!   capability AVX2) bit for bit in `param`, `exp_avg` and `exp_avg_sq` when torch's square root
+//!   is correctly rounded; stock x86-64 torch takes it from MKL, which is not (the moments still
+//!   match exactly). `tests/torch_fixture.rs` checks both against torch's own output.
+//! - An instruction set the CPU lacks is an error ([`OffloadError::UnsupportedIsa`]), never a
+//!   silent fallback.
 //! - Results do not depend on the number of threads, on RAM versus file storage, or on whether
 //!   the pipeline was used.
 //! - RAM moments are allocated through the CPU backend as

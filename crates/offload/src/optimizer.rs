@@ -7,7 +7,7 @@ use headroom_tensor::{Cpu, CpuTensor, Tensor};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::adamw_kernel::{fused_step, step_serial, Isa, StepScalars};
+use crate::adamw_kernel::{fused_step_unchecked, step_serial, Isa, StepScalars, SupportedIsa};
 use crate::quantized::{
     dequantize_block, quantize_block, signed_book, unsigned_book, CodeBook, QUANT_BLOCK,
 };
@@ -148,7 +148,7 @@ pub struct CpuAdamW {
     numel: usize,
     blocks: usize,
     store: StateStore,
-    isa: Isa,
+    isa: SupportedIsa,
 }
 
 impl std::fmt::Debug for CpuAdamW {
@@ -158,7 +158,7 @@ impl std::fmt::Debug for CpuAdamW {
             .field("params", &self.slots.len())
             .field("numel", &self.numel)
             .field("file_store", &self.store.is_file())
-            .field("isa", &self.isa)
+            .field("isa", &self.isa.isa())
             .finish()
     }
 }
@@ -184,12 +184,12 @@ impl CpuAdamW {
             numel,
             blocks,
             store,
-            isa: Isa::detect(),
+            isa: SupportedIsa::detect(),
         })
     }
 
-    /// Continue from saved state with moments in RAM (`moments` as returned by
-    /// [`CpuAdamW::moments`]).
+    /// Continue from saved state with moments in RAM. `moments` are bytes in the layout
+    /// [`CpuAdamW::moments`] documents (a checkpoint of it), checked only for their length.
     pub fn restore(state: &AdamWState, cpu: &Cpu, moments: &[u8]) -> Result<Self> {
         Self::restore_into(state, StoreSpec::Ram(cpu), moments)
     }
@@ -222,7 +222,7 @@ impl CpuAdamW {
             numel,
             blocks,
             store: StateStore::open_file(path, id)?,
-            isa: Isa::detect(),
+            isa: SupportedIsa::detect(),
         };
         opt.set_steps(&state.steps)?;
         Ok(opt)
@@ -298,16 +298,17 @@ impl CpuAdamW {
         }
     }
 
-    /// Run every update with this instruction set (tests compare paths); unsupported ones fall
-    /// back to the baseline.
-    pub fn with_isa(mut self, isa: Isa) -> Self {
-        self.isa = isa;
-        self
+    /// Run every update with this instruction set instead of the detected one (to compare
+    /// paths, or to pin one). [`OffloadError::UnsupportedIsa`] when this CPU cannot run it:
+    /// nothing falls back silently.
+    pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
+        self.isa = isa.checked()?;
+        Ok(self)
     }
 
     /// The instruction set updates run with.
     pub fn isa(&self) -> Isa {
-        self.isa
+        self.isa.isa()
     }
 
     /// Hyper-parameters of group `g`.
@@ -339,9 +340,57 @@ impl CpuAdamW {
         self.store.bytes().len() as f64 / self.numel.max(1) as f64
     }
 
-    /// The raw moment bytes (to checkpoint a RAM store).
+    /// The raw moment bytes, to checkpoint them and give them back to
+    /// [`CpuAdamW::restore`] / [`CpuAdamW::restore_into`]. For typed access to f32 moments use
+    /// [`CpuAdamW::exp_avg`] and [`CpuAdamW::exp_avg_sq`].
+    ///
+    /// Layout (a checkpoint format: it does not change). Values are in the machine's byte order
+    /// (little-endian on every target headroom supports). Parameter `i` starts at element
+    /// `offset(i)` = the sum of `numel` of parameters `0..i`, in the order the optimizer was
+    /// built with; `N` is the sum of all `numel`.
+    /// - [`StatePrecision::F32`]: `8·N` bytes, `[exp_avg: N × f32][exp_avg_sq: N × f32]`: every
+    ///   parameter's first moment, then every parameter's second moment (PyTorch's `exp_avg`
+    ///   and `exp_avg_sq`). Parameter `i`'s `exp_avg` is f32 elements
+    ///   `offset(i) .. offset(i) + numel(i)`, its `exp_avg_sq` the same range plus `N`.
+    /// - [`StatePrecision::Int8`]: `8·B + 2·N` bytes, where each parameter has
+    ///   `ceil(numel / QUANT_BLOCK)` blocks of its own (a block never spans two parameters) and
+    ///   `B` is their total: `[m scales: B × f32][√v scales: B × f32][m codes: N × u8]
+    ///   [√v codes: N × u8]`. A scale is its block's absolute maximum; a code indexes the signed
+    ///   (m) or unsigned (√v) dynamic code book, so `m ≈ book[code]·scale` and
+    ///   `v ≈ (book[code]·scale)²`. Parameter `i`'s blocks start at the sum of the block counts
+    ///   of parameters `0..i`, its codes at `offset(i)`.
     pub fn moments(&self) -> &[u8] {
         self.store.bytes()
+    }
+
+    /// PyTorch's `exp_avg` (first moment) of parameter `index`, for f32 moments.
+    /// [`OffloadError::UnknownParam`] for an index the optimizer was not built with,
+    /// [`OffloadError::MomentsNotF32`] for 8-bit moments.
+    pub fn exp_avg(&self, index: usize) -> Result<&[f32]> {
+        Ok(self.f32_moments_of(index)?.0)
+    }
+
+    /// PyTorch's `exp_avg_sq` (second moment) of parameter `index`, for f32 moments; errors as
+    /// [`CpuAdamW::exp_avg`].
+    pub fn exp_avg_sq(&self, index: usize) -> Result<&[f32]> {
+        Ok(self.f32_moments_of(index)?.1)
+    }
+
+    fn f32_moments_of(&self, index: usize) -> Result<(&[f32], &[f32])> {
+        let slot = self.slots.get(index).ok_or(OffloadError::UnknownParam {
+            index,
+            count: self.slots.len(),
+        })?;
+        if self.precision != StatePrecision::F32 {
+            return Err(OffloadError::MomentsNotF32 {
+                precision: self.precision,
+            });
+        }
+        let all: &[f32] = bytemuck::try_cast_slice(&self.store.bytes()[..8 * self.numel])
+            .map_err(|e| OffloadError::StateMismatch(format!("moment store: {e}")))?;
+        let (m, v) = all.split_at(self.numel);
+        let range = slot.elem..slot.elem + slot.spec.numel;
+        Ok((&m[range.clone()], &v[range]))
     }
 
     /// Everything but the moments.
@@ -396,7 +445,7 @@ impl CpuAdamW {
         match self.precision {
             StatePrecision::F32 => {
                 let (m, v) = f32_moments(self.store.bytes_mut(), self.numel, slot.elem, n);
-                fused_step(isa, &s, param, grad, m, v, copy);
+                fused_step_unchecked(isa, &s, param, grad, m, v, copy);
             }
             StatePrecision::Int8 => {
                 let st = Int8Slices::new(self.store.bytes_mut(), self.numel, self.blocks, slot, n);
@@ -469,18 +518,13 @@ impl<'a> Int8Slices<'a> {
 /// AdamW with 8-bit moments: per block, dequantise `m` and `√v`, run the exact f32 update,
 /// requantise. Blocks are independent, so the result does not depend on the thread count.
 fn int8_step(
-    isa: Isa,
+    isa: SupportedIsa,
     s: &StepScalars,
     param: &mut [f32],
     grad: FloatSlice<'_>,
     st: Int8Slices<'_>,
     copy: Option<FloatSliceMut<'_>>,
 ) {
-    let isa = if isa.is_supported() {
-        isa
-    } else {
-        Isa::Baseline
-    };
     let nb = param.len().div_ceil(QUANT_BLOCK);
     let grads = crate::adamw_kernel::split_float(grad, QUANT_BLOCK);
     let copies: Vec<Option<FloatSliceMut<'_>>> = match copy {
@@ -509,14 +553,15 @@ fn int8_step(
                 ms,
                 ss,
             };
-            match isa {
-                // SAFETY: `isa` was checked by `Isa::is_supported` above.
+            match isa.isa() {
+                // SAFETY: a `SupportedIsa` exists only for an ISA that `Isa::is_supported`
+                // confirmed (avx512f and fma present).
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => unsafe { int8_block_avx512(mb, sb, s, b) },
-                // SAFETY: as above.
+                Isa::Avx512 => unsafe { int8_block_avx512(mb, sb, s, b, isa) },
+                // SAFETY: as above (avx2 and fma present).
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => unsafe { int8_block_avx2(mb, sb, s, b) },
-                _ => int8_block(mb, sb, s, b, Isa::Baseline),
+                Isa::Avx2 => unsafe { int8_block_avx2(mb, sb, s, b, isa) },
+                _ => int8_block(mb, sb, s, b, isa),
             }
         });
 }
@@ -534,10 +579,16 @@ struct Int8Block<'a, 'g> {
 
 /// Dequantise `m` and `√v`, run the exact f32 update, requantise. Compiled once per ISA (the
 /// wrappers below) so the decode, square, square-root and encode loops around the update are
-/// vectorised for the same ISA as the update itself; every operation is IEEE-exact, so each
-/// compilation gives the same bits.
+/// vectorised for the same ISA as the update itself; every operation is IEEE-exact (the
+/// update's fused multiply-adds included), so each compilation gives the same bits.
 #[inline(always)]
-fn int8_block(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>, isa: Isa) {
+fn int8_block(
+    mb: &CodeBook,
+    sb: &CodeBook,
+    s: &StepScalars,
+    b: Int8Block<'_, '_>,
+    isa: SupportedIsa,
+) {
     let n = b.p.len();
     let mut m = [0f32; QUANT_BLOCK];
     let mut v = [0f32; QUANT_BLOCK];
@@ -556,13 +607,25 @@ fn int8_block(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn int8_block_avx512(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>) {
-    int8_block(mb, sb, s, b, Isa::Avx512)
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn int8_block_avx512(
+    mb: &CodeBook,
+    sb: &CodeBook,
+    s: &StepScalars,
+    b: Int8Block<'_, '_>,
+    isa: SupportedIsa,
+) {
+    int8_block(mb, sb, s, b, isa)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn int8_block_avx2(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>) {
-    int8_block(mb, sb, s, b, Isa::Avx2)
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int8_block_avx2(
+    mb: &CodeBook,
+    sb: &CodeBook,
+    s: &StepScalars,
+    b: Int8Block<'_, '_>,
+    isa: SupportedIsa,
+) {
+    int8_block(mb, sb, s, b, isa)
 }

@@ -151,7 +151,8 @@ fn every_isa_gives_the_same_int8_bits() {
             StoreSpec::Ram(&cpu),
         )
         .unwrap()
-        .with_isa(isa);
+        .with_isa(isa)
+        .unwrap();
         let mut w: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
         for (k, g) in grads.iter().enumerate() {
             if k % 2 == 0 {

@@ -1,4 +1,6 @@
-//! AdamW on the device, exactly headroom-offload's `reference.rs` formula.
+//! AdamW on the device, exactly headroom-offload's `reference.rs`: PyTorch's single-tensor
+//! `torch.optim.AdamW` as its AVX2/AVX-512 CPU kernels compute it (fused multiply-adds in the
+//! first-moment lerp and the second moment's `addcmul`, everything else rounded alone).
 
 use headroom_tensor::{DType, Error, Result, Tensor};
 
@@ -6,14 +8,15 @@ use super::{expect_dtype, expect_f32, expect_numel, OpLaunch};
 use crate::device::Cuda;
 use crate::tensor::CudaTensor;
 
-/// The per-step constants of AdamW, computed once per update in f64 and rounded to f32 — the
-/// same fields and formulas as `headroom_offload::StepScalars` (this crate does not depend on
-/// headroom-offload; a test pins the formulas).
+/// The per-step constants of AdamW, computed once per update in f64 (Python floats, as
+/// `torch.optim.AdamW` computes them) and rounded to f32 — the same fields and formulas as
+/// `headroom_offload::StepScalars` (this crate does not depend on headroom-offload; a test pins
+/// the formulas).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWStep {
     /// `1 − lr·weight_decay` (decoupled weight decay).
     pub decay: f32,
-    /// `1 − β1`.
+    /// `1 − β1`, the lerp weight (the kernel takes ATen's other lerp formula from 0.5 up).
     pub one_minus_beta1: f32,
     /// β2.
     pub beta2: f32,
@@ -21,35 +24,44 @@ pub struct AdamWStep {
     pub one_minus_beta2: f32,
     /// `lr / (1 − β1^t)`.
     pub step_size: f32,
-    /// `sqrt(1 − β2^t)`.
+    /// `(1 − β2^t) ** 0.5`.
     pub bc2_sqrt: f32,
     /// ε, added outside the square root.
     pub eps: f32,
 }
 
 impl AdamWStep {
-    /// Constants for step `t` (1-based; 0 is treated as 1).
+    /// Constants for step `t` (1-based; 0 is treated as 1). Powers are the C library's `pow`,
+    /// as Python evaluates `beta1 ** step` and `bias_correction2 ** 0.5`.
     pub fn new(lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64, t: u64) -> Self {
-        let t = i32::try_from(t.max(1)).unwrap_or(i32::MAX);
-        let bc1 = 1.0 - beta1.powi(t);
-        let bc2 = 1.0 - beta2.powi(t);
+        let t = t.max(1) as f64;
+        let bc1 = 1.0 - c_pow(beta1, t);
+        let bc2 = 1.0 - c_pow(beta2, t);
         AdamWStep {
             decay: (1.0 - lr * weight_decay) as f32,
             one_minus_beta1: (1.0 - beta1) as f32,
             beta2: beta2 as f32,
             one_minus_beta2: (1.0 - beta2) as f32,
             step_size: (lr / bc1) as f32,
-            bc2_sqrt: bc2.sqrt() as f32,
+            bc2_sqrt: c_pow(bc2, 0.5) as f32,
             eps: eps as f32,
         }
     }
+}
+
+/// `x ** y` as CPython computes it for floats: the C library's `pow`. `black_box` keeps LLVM
+/// from rewriting `pow(x, 0.5)` as `sqrt(x)` (glibc's `pow(x, 0.5)` differs from the correctly
+/// rounded root for about one double in a thousand) or folding constant operands.
+fn c_pow(x: f64, y: f64) -> f64 {
+    std::hint::black_box(x).powf(std::hint::black_box(y))
 }
 
 impl Cuda {
     /// One AdamW step on a whole parameter: `param`, `m`, `v` f32; `grad` f32 or bf16; all the
     /// same element count. With `copy` (bf16, same count) the updated parameter is also
     /// written rounded to nearest even, in the same sweep. Bitwise equal to the CPU reference
-    /// (`--fmad=false`, correctly rounded sqrt and division).
+    /// (`--fmad=false`, explicit fused multiply-adds where the reference has them, correctly
+    /// rounded sqrt and division).
     pub fn adamw_step(
         &self,
         s: &AdamWStep,
@@ -124,8 +136,8 @@ mod tests {
         assert_eq!(s.one_minus_beta1, (1.0f64 - 0.9) as f32);
         assert_eq!(s.beta2, 0.95f32);
         assert_eq!(s.one_minus_beta2, (1.0f64 - 0.95) as f32);
-        assert_eq!(s.step_size, (1e-3 / (1.0 - 0.9f64.powi(3))) as f32);
-        assert_eq!(s.bc2_sqrt, (1.0 - 0.95f64.powi(3)).sqrt() as f32);
+        assert_eq!(s.step_size, (1e-3 / (1.0 - 0.9f64 * 0.9 * 0.9)) as f32);
+        assert_eq!(s.bc2_sqrt, (1.0 - 0.95f64 * 0.95 * 0.95).sqrt() as f32);
         assert_eq!(s.eps, 1e-8f32);
         // Step 0 is step 1, and huge steps saturate instead of overflowing.
         assert_eq!(

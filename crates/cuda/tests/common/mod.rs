@@ -62,15 +62,22 @@ pub fn ref_gelu_backward(dinp: f32, x: f32, d: f32) -> f32 {
     dinp + (0.5 * (1.0 + t) + 0.5 * x * sech2 * du) * d
 }
 
-/// headroom-offload `reference::adamw_step`, transcribed.
+/// headroom-offload `reference::adamw_step` (PyTorch's single-tensor AdamW), transcribed:
+/// fused multiply-adds in ATen's lerp and in `addcmul`, every other operation rounded alone.
 pub fn ref_adamw(s: &AdamWStep, param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) {
     for i in 0..param.len() {
         let g = grad[i];
         let p = param[i] * s.decay;
-        let mi = m[i] + s.one_minus_beta1 * (g - m[i]);
-        let vi = v[i] * s.beta2 + (s.one_minus_beta2 * g) * g;
+        let w = s.one_minus_beta1;
+        let diff = g - m[i];
+        let mi = if w.abs() < 0.5 {
+            w.mul_add(diff, m[i])
+        } else {
+            (w - 1.0).mul_add(diff, g)
+        };
+        let vi = (s.one_minus_beta2 * g).mul_add(g, v[i] * s.beta2);
         let denom = vi.sqrt() / s.bc2_sqrt + s.eps;
-        param[i] = p - s.step_size * (mi / denom);
+        param[i] = p + (-s.step_size * mi) / denom;
         m[i] = mi;
         v[i] = vi;
     }
