@@ -1,14 +1,17 @@
 //! A simulated training step of a small GPT-shaped model on the CPU backend, tracked: prints the
-//! summary table and writes `memory_trace.json` (open in ui.perfetto.dev) and `memory.svg` into
-//! the directory given as the first argument (default: the current directory).
+//! summary table and writes `memory_trace.json` (open in ui.perfetto.dev), `memory.svg` (by
+//! time), `memory_events.svg` (by allocation event) and `memory_snapshot.pickle` (open at
+//! pytorch.org/memory_viz) into the directory given as the first argument (default: the current
+//! directory). A last step under a budget is refused, and the summary at the failure printed.
 //!
 //! `cargo run -p headroom-profiler --example memory_report -- /tmp/out`
 
 use std::sync::Arc;
 
 use headroom_profiler::{
-    label, memory_summary, stacked_timeline_svg, write_chrome_trace, MemoryTracker, PlotOptions,
-    ReportContext,
+    label, memory_summary, stacked_timeline_svg, validate_chrome_trace, write_chrome_trace,
+    write_torch_snapshot, MemoryTracker, OutOfBudget, PlotOptions, ReportContext,
+    TorchSnapshotOptions, XAxis,
 };
 use headroom_tensor::{Backend, Cpu, DType, Device, MemoryCategory};
 
@@ -82,17 +85,57 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{}",
         memory_summary(&snapshot, &ReportContext::with_process_memory())
     );
+    // A step that does not fit a budget: the refusal names what was live.
+    let budget = tracker.live_bytes(Device::Cpu) + (4 << 20);
+    tracker.set_budget(Device::Cpu, Some(budget));
+    let refused = {
+        let _phase = tracker.phase("forward");
+        let _c = MemoryCategory::Activations.enter();
+        let _l = label("block 0 / attn");
+        cpu.zeros([tokens, 12 * width], DType::F32).err()
+    };
+    if let Some(oob) = refused.as_ref().and_then(|e| OutOfBudget::find(e)) {
+        println!("{}", oob.summary(5));
+    }
     let timeline = tracker.stop_timeline().ok_or("timeline was recording")?;
     std::fs::create_dir_all(&out)?;
     write_chrome_trace(
         &timeline,
         std::fs::File::create(out.join("memory_trace.json"))?,
     )?;
+    let trace: serde_json::Value =
+        serde_json::from_reader(std::fs::File::open(out.join("memory_trace.json"))?)?;
+    let stats = validate_chrome_trace(&trace)?;
+    let plot = PlotOptions {
+        budget: Some(budget),
+        title: Some("simulated GPT step (4 layers, 512 tokens)".into()),
+        ..PlotOptions::default()
+    };
     std::fs::write(
         out.join("memory.svg"),
-        stacked_timeline_svg(&timeline, Device::Cpu, &PlotOptions::default()),
+        stacked_timeline_svg(&timeline, Device::Cpu, &plot),
     )?;
-    println!("wrote {}/memory_trace.json and memory.svg", out.display());
+    let by_event = PlotOptions {
+        x_axis: XAxis::EventIndex,
+        ..plot
+    };
+    std::fs::write(
+        out.join("memory_events.svg"),
+        stacked_timeline_svg(&timeline, Device::Cpu, &by_event),
+    )?;
+    let info = write_torch_snapshot(
+        &timeline,
+        &TorchSnapshotOptions::default(),
+        std::io::BufWriter::new(std::fs::File::create(out.join("memory_snapshot.pickle"))?),
+    )?;
+    println!(
+        "wrote {dir}/memory_trace.json ({} events, valid), memory.svg, memory_events.svg and \
+         memory_snapshot.pickle ({} trace entries; devices {:?})",
+        stats.events,
+        info.trace_entries,
+        info.devices,
+        dir = out.display()
+    );
     drop((params, optimizer_state));
     Ok(())
 }

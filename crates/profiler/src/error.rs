@@ -37,6 +37,16 @@ pub enum ProfilerError {
         /// The quantity that overflowed.
         what: &'static str,
     },
+    /// A Chrome trace does not follow the Trace Event Format
+    /// ([`crate::validate_chrome_trace`]).
+    #[error("invalid Chrome trace: event {index}: {reason}")]
+    InvalidTrace {
+        /// Position of the offending event in `traceEvents` (the number of events for a
+        /// problem found at the end, such as an unclosed slice).
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// Writing a report failed.
     #[error("writing a report failed")]
     Io(#[from] std::io::Error),
@@ -103,6 +113,101 @@ impl OutOfBudget {
         self.live_total
             .saturating_add(self.requested)
             .saturating_sub(self.budget)
+    }
+
+    /// The report to print at the failure: what was asked for, the budget, what was live by
+    /// category, and the `top` largest live (category, label) groups with their share of the
+    /// budget (the rest folded into one line).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use headroom_profiler::{label, MemoryTracker, OutOfBudget};
+    /// use headroom_tensor::{Backend, Cpu, DType, Device, MemoryCategory};
+    ///
+    /// let tracker = Arc::new(MemoryTracker::new());
+    /// tracker.set_budget(Device::Cpu, Some(4096));
+    /// let cpu = Cpu::new().with_alloc_hook(tracker.clone());
+    /// let _kept = {
+    ///     let _acts = MemoryCategory::Activations.enter();
+    ///     let _l = label("block 0 / attn");
+    ///     cpu.zeros([768], DType::F32).unwrap() // 3072 B
+    /// };
+    /// let err = cpu.zeros([512], DType::F32).unwrap_err();
+    /// let text = OutOfBudget::find(&err).unwrap().summary(5);
+    /// assert!(text.contains("block 0 / attn"), "{text}");
+    /// assert_eq!(tracker.last_refusal().map(|r| r.requested), Some(2048));
+    /// ```
+    pub fn summary(&self, top: usize) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        // `write!` into a String cannot fail.
+        let _ = write!(
+            out,
+            "out of budget on {}: {} requested for {}",
+            self.device,
+            human_bytes(self.requested),
+            self.category
+        );
+        if let Some(label) = &self.label {
+            let _ = write!(out, " ({label})");
+        }
+        let _ = writeln!(
+            out,
+            "\n  budget {}, live {} (short by {}), peak so far {}",
+            human_bytes(self.budget),
+            human_bytes(self.live_total),
+            human_bytes(self.shortfall()),
+            human_bytes(self.peak_total)
+        );
+        let share = |bytes: u64| {
+            if self.budget == 0 {
+                String::new()
+            } else {
+                format!("{:5.1}%", bytes as f64 * 100.0 / self.budget as f64)
+            }
+        };
+        let _ = writeln!(out, "  live by category:");
+        let mut any = false;
+        for (category, bytes) in self.live.iter().filter(|(_, b)| *b > 0) {
+            let _ = writeln!(
+                out,
+                "    {:<12} {:>11} {}",
+                category.name(),
+                human_bytes(bytes),
+                share(bytes)
+            );
+            any = true;
+        }
+        if !any {
+            let _ = writeln!(out, "    nothing");
+        }
+        if !self.live_entries.is_empty() {
+            let _ = writeln!(out, "  largest live (category, label):");
+            for e in self.live_entries.iter().take(top) {
+                let _ = writeln!(
+                    out,
+                    "    {:>11} {} {:<12} {} ({} allocation{})",
+                    human_bytes(e.bytes),
+                    share(e.bytes),
+                    e.category.name(),
+                    e.label.as_deref().unwrap_or("(unlabelled)"),
+                    e.count,
+                    if e.count == 1 { "" } else { "s" }
+                );
+            }
+            let rest = &self.live_entries[top.min(self.live_entries.len())..];
+            if !rest.is_empty() {
+                let bytes = rest.iter().fold(0u64, |a, e| a.saturating_add(e.bytes));
+                let _ = writeln!(
+                    out,
+                    "    {:>11} {} … {} more (category, label) groups",
+                    human_bytes(bytes),
+                    share(bytes),
+                    rest.len()
+                );
+            }
+        }
+        out
     }
 
     /// The first `OutOfBudget` in `error`'s source chain (the error itself included).

@@ -3,8 +3,16 @@
 //! Who holds memory, when, and what a change will do: a tracker that counts every allocation by
 //! category, label and device (live, peak, composition at the peak), budgets that simulate a
 //! smaller device, reports (a `torch.cuda.memory_summary`-style table, a Chrome-trace/Perfetto
-//! timeline, a stacked SVG plot, the process's peak RSS), an analytical estimator for GPT-style
-//! training, and a max-batch search.
+//! timeline with its validator, a stacked SVG plot by time or by allocation event, PyTorch's
+//! memory-snapshot pickle for pytorch.org/memory_viz, the summary at an out-of-budget failure,
+//! the process's peak RSS), an analytical estimator for GPT-style training, and a max-batch
+//! search with measured confirmation.
+//!
+//! What a training command needs for `--memory-trace`, `--memory-svg` and `--memory-snapshot`:
+//! record with [`MemoryTracker::start_timeline`], then hand the [`Timeline`] to
+//! [`write_chrome_trace`], [`stacked_timeline_svg`] and [`write_torch_snapshot`]. After a
+//! refusal, [`OutOfBudget::summary`] (from the error, or [`MemoryTracker::last_refusal`]) is
+//! what to print.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -55,8 +63,11 @@
 //!   first moment that peak was reached. Refused allocations change nothing but the refusal
 //!   count. (Property-tested with concurrent threads.)
 //! - A budget refuses exactly the allocations that would leave live bytes above it.
-//! - A recorded timeline replays (in the Chrome trace too) to exactly the live totals and the
-//!   peak the tracker saw.
+//! - A recorded timeline replays (in the Chrome trace and the PyTorch snapshot too) to exactly
+//!   the live totals and the peak the tracker saw. Every Chrome trace the crate writes passes
+//!   [`validate_chrome_trace`], whatever order phases end in; the snapshot's synthesised blocks
+//!   never overlap and lie inside their segment (property-tested).
+//! - Reports are pure functions of a timeline or snapshot: same input, same bytes.
 //! - The estimator's terms are byte sizes of named buffers ([`block_saved_tensors`]), in exact
 //!   integer arithmetic ([`estimator`] documents every formula); a tracked simulation that
 //!   allocates those buffers in forward/recompute/backward order measures exactly the
@@ -74,14 +85,18 @@ pub mod estimator;
 mod label;
 mod max_batch;
 mod per_category;
+mod pickle;
 mod process_memory;
 mod summary_table;
 mod svg_plot;
 mod timeline;
+mod torch_snapshot;
 mod tracker;
 mod units;
 
-pub use chrome_trace::{chrome_trace, write_chrome_trace};
+pub use chrome_trace::{
+    chrome_trace, validate_chrome_trace, write_chrome_trace, TraceStats, COUNTER_NAME,
+};
 pub use comparison::{compare_with_measured, comparison_table, CategoryComparison};
 pub use error::{LiveEntry, OutOfBudget, ProfilerError};
 pub use estimator::{
@@ -91,13 +106,17 @@ pub use estimator::{
 };
 pub use label::{label, label_absolute, LabelGuard, LabelId};
 pub use max_batch::{
-    fits_unless_out_of_budget, search_max_fit, validate_search_bounds, Attempt, SearchReport,
-    TrialResult,
+    confirm_boundary, fits_unless_out_of_budget, search_max_fit, validate_search_bounds, Attempt,
+    BoundaryCheck, MaxFit, SearchReport, TrialResult,
 };
 pub use per_category::{PerCategory, CATEGORY_COUNT};
 pub use process_memory::{parse_proc_status, DeviceMemoryInfo, DeviceMemoryProbe, ProcessMemory};
 pub use summary_table::{memory_summary, ReportContext};
-pub use svg_plot::{stacked_columns, stacked_timeline_svg, PlotOptions};
-pub use timeline::{EventKind, MarkKind, MemoryEvent, PhaseMark, Timeline};
+pub use svg_plot::{stacked_columns, stacked_timeline_svg, PlotOptions, XAxis, GLYPH_WIDTH};
+pub use timeline::{EventKind, LiveGroup, MarkKind, MemoryEvent, PhaseMark, Refusal, Timeline};
+pub use torch_snapshot::{
+    torch_device_indices, torch_snapshot, write_torch_snapshot, TorchSnapshotInfo,
+    TorchSnapshotOptions, BEFORE_RECORDING, BLOCK_ALIGN,
+};
 pub use tracker::{DeviceSnapshot, MemorySnapshot, MemoryTracker, PhaseGuard};
 pub use units::human_bytes;

@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::error::{LiveEntry, OutOfBudget};
 use crate::label::LabelId;
 use crate::per_category::{category_index, PerCategory, CATEGORY_COUNT};
-use crate::timeline::{EventKind, MarkKind, MemoryEvent, PhaseMark, Timeline};
+use crate::timeline::{EventKind, LiveGroup, MarkKind, MemoryEvent, PhaseMark, Refusal, Timeline};
 
 /// Counts memory by category, label and device; implements [`AllocHook`].
 ///
@@ -36,6 +36,9 @@ pub struct MemoryTracker {
     state: Mutex<State>,
     /// Mirrors `state.timeline.is_some()` so phase marks cost one atomic load when off.
     timeline_on: AtomicBool,
+    /// The most recent refusal, kept for reports after the error itself is gone. Written only
+    /// when a budget refuses, so it costs nothing otherwise.
+    last_refusal: Mutex<Option<OutOfBudget>>,
 }
 
 impl std::fmt::Debug for MemoryTracker {
@@ -261,6 +264,7 @@ impl MemoryTracker {
         MemoryTracker {
             state: Mutex::new(State::default()),
             timeline_on: AtomicBool::new(false),
+            last_refusal: Mutex::new(None),
         }
     }
 
@@ -295,6 +299,40 @@ impl MemoryTracker {
             .iter()
             .find(|d| d.device == device)
             .map_or(0, |d| d.live_total)
+    }
+
+    /// What is live on `device` now, by (category, label), largest first — the same as the
+    /// device's [`DeviceSnapshot::live_entries`], without copying every other statistic.
+    /// Allocations are aggregated per (category, label) pair with their count, which is what
+    /// the tracker keeps anyway; individual sizes are not stored.
+    pub fn live_entries(&self, device: Device) -> Vec<LiveEntry> {
+        let raw = self
+            .lock()
+            .devices
+            .iter()
+            .find(|d| d.device == device)
+            .map(DeviceState::current_labels)
+            .unwrap_or_default();
+        resolve_entries(raw)
+    }
+
+    /// The most recent allocation a budget refused (any device), with what was live at that
+    /// moment — the same value the refused allocation's error carried. Lets a caller print the
+    /// summary at the failure ([`OutOfBudget::summary`]) even after the error was converted or
+    /// dropped. `None` if nothing was refused since creation or [`MemoryTracker::clear_last_refusal`].
+    pub fn last_refusal(&self) -> Option<OutOfBudget> {
+        self.last_refusal
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Forget the remembered refusal (e.g. between the trials of a max-batch search).
+    pub fn clear_last_refusal(&self) {
+        *self
+            .last_refusal
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     /// Highest live bytes on `device` since creation or [`MemoryTracker::reset_peak`].
@@ -364,16 +402,35 @@ impl MemoryTracker {
         self.start_timeline_with_capacity(usize::MAX);
     }
 
-    /// Start recording a timeline that keeps at most `capacity` events; later ones are counted
-    /// in [`Timeline::dropped_events`].
+    /// Start recording a timeline that keeps at most `capacity` events (and at most `capacity`
+    /// refusals); later ones are counted in [`Timeline::dropped_events`].
     pub fn start_timeline_with_capacity(&self, capacity: usize) {
         let mut st = self.lock();
         let start_live = st.devices.iter().map(|d| (d.device, d.live)).collect();
+        let start_groups = st
+            .devices
+            .iter()
+            .flat_map(|d| {
+                d.current_labels()
+                    .into_iter()
+                    .map(move |(label, category, cell)| LiveGroup {
+                        device: d.device,
+                        category: MemoryCategory::ALL
+                            .get(category)
+                            .copied()
+                            .unwrap_or(MemoryCategory::Other),
+                        label,
+                        bytes: cell.bytes,
+                        count: cell.count,
+                    })
+            })
+            .collect();
         st.timeline = Some(TimelineState {
             start: Instant::now(),
             capacity,
             timeline: Timeline {
                 start_live,
+                start_groups,
                 ..Timeline::default()
             },
         });
@@ -543,7 +600,7 @@ impl AllocHook for MemoryTracker {
             let st = &mut *guard;
             let d = st.device_mut(event.device);
             let new_total = d.live_total.checked_add(bytes);
-            match (d.budget, new_total) {
+            let rejected = match (d.budget, new_total) {
                 (Some(budget), Some(t)) if t > budget => {
                     Some(Self::reject(d, event, label, budget))
                 }
@@ -585,11 +642,35 @@ impl AllocHook for MemoryTracker {
                     st.outstanding.insert(event.id.0, label);
                     None
                 }
+            };
+            if let (Some(raw), Some(tl)) = (&rejected, st.timeline.as_mut()) {
+                if tl.timeline.refusals.len() < tl.capacity {
+                    let t_ns = tl.now_ns();
+                    tl.timeline.refusals.push(Refusal {
+                        t_ns,
+                        device: raw.device,
+                        category: raw.category,
+                        label: raw.label,
+                        bytes: raw.requested,
+                        device_live: raw.live_total,
+                        budget: raw.budget,
+                    });
+                } else {
+                    tl.timeline.dropped_events += 1;
+                }
             }
+            rejected
         };
         match rejected {
             None => Ok(()),
-            Some(raw) => Err(Box::new(raw.resolve())),
+            Some(raw) => {
+                let refusal = raw.resolve();
+                *self
+                    .last_refusal
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = Some(refusal.clone());
+                Err(Box::new(refusal))
+            }
         }
     }
 

@@ -2,13 +2,16 @@
 //! - concurrent alloc/free interleavings: live = sum of outstanding, peak = max prefix sum of the
 //!   order the tracker saw, composition at the peak = the replayed state at that moment;
 //! - budgets refuse exactly the allocations that would cross them;
-//! - the Chrome trace is valid JSON whose counters replay to the tracker's peak.
+//! - the Chrome trace passes the Trace Event Format validator, whatever the order phases end
+//!   in, and its counters replay to the tracker's live totals and peak;
+//! - the SVG plot of the same timeline is well formed in both x-axis modes.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 
 use headroom_profiler::{
-    chrome_trace, label, stacked_columns, EventKind, MemoryTracker, OutOfBudget, Timeline,
+    chrome_trace, label, stacked_columns, stacked_timeline_svg, validate_chrome_trace, EventKind,
+    MarkKind, MemoryTracker, OutOfBudget, PlotOptions, Timeline, XAxis, COUNTER_NAME,
 };
 use headroom_tensor::{AllocHook, DType, Device, MemoryCategory, TrackedAllocation};
 use proptest::prelude::*;
@@ -33,6 +36,27 @@ enum Op {
     },
     /// Free the newest allocation in the shared pool, whichever thread made it.
     FreeShared,
+}
+
+const PHASES: [&str; 3] = ["forward", "backward", "optimizer"];
+
+/// What happens on the timeline beside an allocation op.
+#[derive(Clone, Debug)]
+enum TimelineOp {
+    Nothing,
+    Begin(usize),
+    /// End one of the open phases, not necessarily the innermost.
+    End(usize),
+    Mark(usize),
+}
+
+fn timeline_op() -> impl Strategy<Value = TimelineOp> {
+    prop_oneof![
+        4 => Just(TimelineOp::Nothing),
+        1 => (0usize..3).prop_map(TimelineOp::Begin),
+        1 => any::<usize>().prop_map(TimelineOp::End),
+        1 => (0usize..3).prop_map(TimelineOp::Mark),
+    ]
 }
 
 /// Sizes mixing tiny ones (so totals hit a peak or a budget plus or minus one byte) with
@@ -299,10 +323,10 @@ proptest! {
     }
 
     #[test]
-    fn chrome_trace_counters_replay_to_the_peak(
+    fn chrome_trace_is_valid_and_counters_replay_to_the_peak(
         before in prop::collection::vec(op(), 0..30),
-        during in prop::collection::vec(op(), 0..80),
-        phase_every in 1usize..20,
+        during in prop::collection::vec((op(), timeline_op()), 0..80),
+        budget in prop::option::of(0u64..6000),
         columns in 2usize..40,
     ) {
         let tracker = Arc::new(MemoryTracker::new());
@@ -314,14 +338,41 @@ proptest! {
         }
         tracker.start_timeline();
         tracker.reset_peak();
-        for (i, op) in during.iter().enumerate() {
-            let _phase = (i % phase_every == 0).then(|| tracker.phase("forward"));
-            apply(&hook, &mut held, &pool, op).unwrap();
+        tracker.set_budget(Device::Cuda(0), budget);
+        // Phases opened and closed in random order, so they need not nest.
+        let mut phases = Vec::new();
+        let mut begins = 0;
+        let mut refused = 0;
+        for (op, timeline_op) in &during {
+            match *timeline_op {
+                TimelineOp::Begin(name) => {
+                    phases.push(tracker.phase(PHASES[name]));
+                    begins += 1;
+                }
+                TimelineOp::End(pick) if !phases.is_empty() => {
+                    drop(phases.remove(pick % phases.len()));
+                }
+                TimelineOp::Mark(name) => tracker.mark(&format!("{} <&>", PHASES[name])),
+                _ => {}
+            }
+            if apply(&hook, &mut held, &pool, op).is_none() {
+                refused += 1;
+            }
         }
+        let open_at_end = phases.len();
         let timeline = tracker.stop_timeline().unwrap();
+        drop(phases);
         let text = serde_json::to_string(&chrome_trace(&timeline)).unwrap();
         let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let stats = validate_chrome_trace(&parsed);
+        prop_assert!(stats.is_ok(), "{:?}", stats);
+        let stats = stats.unwrap();
         let events = parsed["traceEvents"].as_array().unwrap();
+        prop_assert_eq!(timeline.refusals.len(), refused);
+        prop_assert_eq!(
+            events.iter().filter(|e| e["ph"] == "i" && e["tid"] == 2).count(),
+            refused
+        );
 
         let mut pid_of_device = BTreeMap::new();
         for e in events.iter().filter(|e| e["ph"] == "M" && e["name"] == "process_name") {
@@ -330,21 +381,33 @@ proptest! {
                 pid_of_device.insert(device.to_owned(), e["pid"].as_u64().unwrap());
             }
         }
+        let mut counter_tracks = 0;
         for device in DEVICES {
             let expected = tracker.peak_bytes(device);
             let Some(pid) = pid_of_device.get(&device.to_string()) else {
                 prop_assert_eq!(expected, 0);
                 continue;
             };
-            let mut live: BTreeMap<String, u64> = BTreeMap::new();
-            let (mut peak, mut last_ts) = (0u64, 0f64);
-            for e in events.iter().filter(|e| e["ph"] == "C" && e["pid"] == *pid) {
-                let ts = e["ts"].as_f64().unwrap();
-                prop_assert!(ts >= last_ts, "counter timestamps go back");
-                last_ts = ts;
-                live.insert(e["name"].as_str().unwrap().to_owned(),
-                            e["args"]["bytes"].as_u64().unwrap());
-                peak = peak.max(live.values().sum());
+            counter_tracks += 1;
+            // One counter track per device; every event carries every category, so the
+            // stacked sum after each event is the live total.
+            let counters: Vec<_> =
+                events.iter().filter(|e| e["ph"] == "C" && e["pid"] == *pid).collect();
+            prop_assert_eq!(
+                counters.len(),
+                1 + timeline.events.iter().filter(|e| e.device == device).count()
+            );
+            let mut peak = 0u64;
+            for (e, (_, live)) in counters.iter().zip(timeline.replay(device)) {
+                prop_assert_eq!(e["name"].as_str(), Some(COUNTER_NAME));
+                let args = e["args"].as_object().unwrap();
+                prop_assert_eq!(args.len(), MemoryCategory::ALL.len());
+                let total: u64 = args.values().map(|v| v.as_u64().unwrap()).sum();
+                prop_assert_eq!(total, live.total());
+                for c in MemoryCategory::ALL {
+                    prop_assert_eq!(args[c.name()].as_u64(), Some(live[c]));
+                }
+                peak = peak.max(total);
             }
             prop_assert_eq!(peak, expected);
             prop_assert_eq!(timeline.peak(device), expected);
@@ -352,7 +415,29 @@ proptest! {
                 stacked_columns(&timeline, device, columns).iter().map(|(_, l)| l.total()).max();
             prop_assert_eq!(columns_peak.unwrap_or(0), expected);
         }
-        let phases = events.iter().filter(|e| e["ph"] == "X").count();
-        prop_assert_eq!(phases, during.len().div_ceil(phase_every));
+        prop_assert_eq!(stats.counter_tracks, counter_tracks);
+        // Every phase is a slice (reopened pieces of overlapping phases add more), and the
+        // phases still open at the end are closed there.
+        let begin_events = events.iter().filter(|e| e["ph"] == "B").count();
+        prop_assert!(begin_events >= begins);
+        prop_assert_eq!(begin_events, events.iter().filter(|e| e["ph"] == "E").count());
+        prop_assert!(stats.max_depth >= open_at_end.min(1));
+        let marks = timeline.marks.iter().filter(|m| m.kind == MarkKind::Instant).count();
+        prop_assert_eq!(
+            events.iter().filter(|e| e["ph"] == "i" && e["s"] == "g").count(),
+            marks
+        );
+
+        // The SVG of the same timeline is well formed in both x modes.
+        for x_axis in [XAxis::Time, XAxis::EventIndex] {
+            let svg = stacked_timeline_svg(
+                &timeline,
+                Device::Cuda(0),
+                &PlotOptions { x_axis, budget, ..PlotOptions::default() },
+            );
+            prop_assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+            prop_assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
+            prop_assert!(!svg.contains("<&>"));
+        }
     }
 }

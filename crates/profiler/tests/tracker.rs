@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use headroom_profiler::{
-    chrome_trace, fits_unless_out_of_budget, label, memory_summary, search_max_fit,
-    stacked_columns, stacked_timeline_svg, MarkKind, MemoryTracker, OutOfBudget, PlotOptions,
-    ReportContext,
+    chrome_trace, confirm_boundary, fits_unless_out_of_budget, label, memory_summary,
+    search_max_fit, stacked_columns, stacked_timeline_svg, validate_chrome_trace, MarkKind, MaxFit,
+    MemoryTracker, OutOfBudget, PlotOptions, ReportContext,
 };
 use headroom_tensor::{
     AllocEvent, AllocHook, AllocId, Backend, Cpu, DType, Device, Error, MemoryCategory,
@@ -221,7 +221,33 @@ fn max_batch_search_under_a_budget() {
     })
     .unwrap();
     assert_eq!(report.largest_fit, Some(32));
+    assert_eq!(
+        report.outcome,
+        MaxFit::Found {
+            largest_fit: 32,
+            smallest_refused: 33
+        }
+    );
     assert!(report.attempts.iter().any(|a| !a.fits));
+    // An estimate of 20 confirmed by measuring: 32 fits, 33 does not.
+    let check = confirm_boundary(20, 1024, 16, |batch| {
+        fits_unless_out_of_budget(cpu.zeros([batch, 1024], DType::U8))
+    })
+    .unwrap();
+    assert_eq!(
+        check.outcome,
+        Some(MaxFit::Found {
+            largest_fit: 32,
+            smallest_refused: 33
+        })
+    );
+    assert_eq!(check.estimate_error(), Some(12));
+    // Everything up to the limit fits: a lower bound, not the answer.
+    let all = search_max_fit(1, 16, |batch| {
+        fits_unless_out_of_budget(cpu.zeros([batch, 1024], DType::U8))
+    })
+    .unwrap();
+    assert_eq!(all.outcome, MaxFit::LimitReached { limit: 16 });
     // Another error is not "does not fit".
     let other = search_max_fit(1, 8, |_| {
         fits_unless_out_of_budget(cpu.upload(&[1.0f32], [2]))
@@ -272,12 +298,22 @@ fn timeline_exports_phases_counters_and_svg() {
     let text = serde_json::to_string(&trace).unwrap();
     let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
     let events = parsed["traceEvents"].as_array().unwrap();
+    let stats = validate_chrome_trace(&parsed).unwrap();
+    assert_eq!(stats.slices, 2);
     let slices: Vec<_> = events
         .iter()
-        .filter(|e| e["ph"] == "X")
-        .map(|e| e["name"].as_str().unwrap())
+        .filter(|e| e["ph"] == "B" || e["ph"] == "E")
+        .map(|e| (e["ph"].as_str().unwrap(), e["name"].as_str().unwrap()))
         .collect();
-    assert_eq!(slices, ["forward", "optimizer"]);
+    assert_eq!(
+        slices,
+        [
+            ("B", "forward"),
+            ("E", "forward"),
+            ("B", "optimizer"),
+            ("E", "optimizer")
+        ]
+    );
     assert!(events.iter().any(|e| e["ph"] == "i" && e["name"] == "loss"));
     assert!(events
         .iter()
@@ -305,6 +341,7 @@ fn timeline_exports_phases_counters_and_svg() {
     assert!(svg.contains("peak 610 B") && svg.contains("budget 1000 B"));
     assert!(svg.contains(">optimizer</text>"));
     assert_eq!(svg.matches('<').count(), svg.matches('>').count());
+    assert!(svg.contains(">memory (B)</text>") && svg.contains(">time ("));
 
     let stopped = tracker.stop_timeline().unwrap();
     assert!(!tracker.is_recording());
@@ -331,4 +368,82 @@ fn timeline_capacity_keeps_a_consistent_prefix() {
             .max(),
         Some(16)
     );
+}
+
+#[test]
+fn the_summary_at_the_failure_names_what_was_live() {
+    let (tracker, cpu) = tracked();
+    tracker.set_budget(Device::Cpu, Some(64 << 10));
+    let _weights = {
+        let _c = MemoryCategory::Parameters.enter();
+        let _l = label("wte");
+        cpu.zeros([8 << 10], DType::F32).unwrap() // 32 KiB
+    };
+    let _saved: Vec<_> = {
+        let _c = MemoryCategory::Activations.enter();
+        (0..3)
+            .map(|block| {
+                let _l = label(&format!("block {block}"));
+                cpu.zeros([1 << 10, 2], DType::F32).unwrap() // 8 KiB each
+            })
+            .collect()
+    };
+    assert!(tracker.last_refusal().is_none());
+    let live = tracker.live_entries(Device::Cpu);
+    assert_eq!(live.len(), 4);
+    assert_eq!(live[0].label.as_deref(), Some("wte"));
+    assert_eq!(live.iter().map(|e| e.bytes).sum::<u64>(), 56 << 10);
+    assert!(tracker.live_entries(Device::Cuda(3)).is_empty());
+
+    let err = {
+        let _c = MemoryCategory::Workspace.enter();
+        let _l = label("block 3 / mlp");
+        cpu.zeros([4 << 10], DType::F32).unwrap_err() // 16 KiB > 8 KiB left
+    };
+    let oob = OutOfBudget::find(&err).unwrap();
+    assert_eq!(oob.shortfall(), 8 << 10);
+    let text = oob.summary(2);
+    for needed in [
+        "out of budget on cpu: 16.00 KiB requested for workspace (block 3 / mlp)",
+        "budget 64.00 KiB, live 56.00 KiB (short by 8.00 KiB)",
+        "params",
+        "32.00 KiB  50.0% params       wte (1 allocation)",
+        "… 2 more (category, label) groups",
+    ] {
+        assert!(text.contains(needed), "{needed:?} not in\n{text}");
+    }
+    assert_eq!(text.matches("block ").count(), 2, "{text}");
+    // The tracker remembers the refusal after the error is gone.
+    let remembered = tracker.last_refusal().unwrap();
+    assert_eq!(&remembered, oob);
+    drop(err);
+    tracker.clear_last_refusal();
+    assert!(tracker.last_refusal().is_none());
+}
+
+#[test]
+fn refusals_are_on_the_timeline() {
+    let (tracker, cpu) = tracked();
+    tracker.set_budget(Device::Cpu, Some(100));
+    tracker.start_timeline();
+    let _a = cpu.zeros([20], DType::F32).unwrap();
+    assert!(cpu.zeros([10], DType::F32).is_err());
+    let timeline = tracker.stop_timeline().unwrap();
+    assert_eq!(timeline.refusals.len(), 1);
+    let r = timeline.refusals[0];
+    assert_eq!((r.bytes, r.device_live, r.budget), (40, 80, 100));
+    assert!(r.t_ns >= timeline.events[0].t_ns);
+    let trace = chrome_trace(&timeline);
+    validate_chrome_trace(&trace).unwrap();
+    let refusal = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| {
+            e["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("out of budget"))
+        })
+        .unwrap();
+    assert_eq!(refusal["args"]["requested"], 40);
 }
