@@ -30,6 +30,11 @@ pub enum AmpError {
     #[error("update() called before unscale() in this step: no overflow check was recorded")]
     UpdateWithoutUnscale,
 
+    /// `record_found_inf` was called before this step's `unscale` or `unscale_external`: an
+    /// overflow flag can only be merged into a step whose gradients were unscaled.
+    #[error("record_found_inf() called before unscale() in this step: unscale (or unscale_external) first")]
+    FoundInfBeforeUnscale,
+
     /// An f16 gradient was handed to `unscale`. Dividing f16 in place flushes small
     /// gradients to zero; unscale f32 gradients instead, or opt in with
     /// `LossScalerConfig::allow_f16_gradients` (PyTorch's `allow_fp16`).

@@ -3,7 +3,11 @@
 //! Per optimizer step:
 //! 1. multiply the loss (or the gradient seed of backward) by [`LossScaler::scale`];
 //! 2. [`LossScaler::unscale`] the gradients once: each is multiplied by `1/scale` — computed in
-//!    f64 and rounded to f32, as PyTorch does — and checked for ∞/NaN in the same pass;
+//!    f64 and rounded to f32, as PyTorch does — and checked for ∞/NaN in the same pass.
+//!    When the gradients were unscaled elsewhere (a fused kernel, another device or rank),
+//!    [`LossScaler::unscale_external`] records that pass's overflow flag instead, and
+//!    [`LossScaler::record_found_inf`] merges further sources into the step (any ∞/NaN skips
+//!    it);
 //! 3. run the optimizer only if that returned [`StepDecision::Apply`];
 //! 4. [`LossScaler::update`]: after an overflow the scale is multiplied by `backoff_factor` and
 //!    the growth tracker resets; otherwise the tracker counts, and on reaching `growth_interval`
@@ -202,6 +206,14 @@ pub struct ScaleUpdate {
     pub scale: f32,
 }
 
+fn decision(found_inf: bool) -> StepDecision {
+    if found_inf {
+        StepDecision::Skip
+    } else {
+        StepDecision::Apply
+    }
+}
+
 /// A dynamic loss scaler (PyTorch `GradScaler` semantics; see the module docs).
 ///
 /// Serialises as `{config, state}`; deserialising validates both.
@@ -357,15 +369,57 @@ impl LossScaler {
         }
         let found_inf = backend.unscale_and_check(grads, inv_scale)?;
         self.state.phase = StepPhase::Unscaled { found_inf };
-        Ok(if found_inf {
-            StepDecision::Skip
-        } else {
-            StepDecision::Apply
-        })
+        Ok(decision(found_inf))
+    }
+
+    /// Record that this step's gradients were unscaled elsewhere — by a fused kernel, on
+    /// another device, by another rank — with `found_inf` the result of that pass's ∞/NaN
+    /// check. Everything then proceeds as after [`unscale`](Self::unscale): the returned
+    /// decision, [`found_inf`](Self::found_inf) and [`update`](Self::update) are exactly what
+    /// `unscale` of gradients with that overflow outcome gives.
+    ///
+    /// The external pass must have multiplied by [`inv_scale`](Self::inv_scale). Unscaling is
+    /// still once per step: after `unscale` or `unscale_external` this is
+    /// [`AmpError::AlreadyUnscaled`] (and `unscale` after this is too); further sources of the
+    /// same step are merged with [`record_found_inf`](Self::record_found_inf). A scale whose
+    /// reciprocal is not a finite f32 is [`AmpError::ScaleCollapsed`], as for `unscale`,
+    /// because the external pass could not have unscaled with it. On error the scaler is
+    /// unchanged.
+    pub fn unscale_external(&mut self, found_inf: bool) -> Result<StepDecision> {
+        if let StepPhase::Unscaled { .. } = self.state.phase {
+            return Err(AmpError::AlreadyUnscaled);
+        }
+        if !self.inv_scale().is_finite() {
+            return Err(AmpError::ScaleCollapsed {
+                scale: self.state.scale,
+            });
+        }
+        self.state.phase = StepPhase::Unscaled { found_inf };
+        Ok(decision(found_inf))
+    }
+
+    /// Merge one more overflow check into the current step: the step is skipped if any source
+    /// found ∞/NaN, as GradScaler does with the per-device (and, under data parallelism, the
+    /// all-reduced) flags. Typical callers: the OR of the other ranks' flags after the local
+    /// [`unscale`](Self::unscale), or the check of gradients a fused kernel unscaled.
+    ///
+    /// Needs an [`unscale`](Self::unscale) or [`unscale_external`](Self::unscale_external)
+    /// earlier in this step ([`AmpError::FoundInfBeforeUnscale`] otherwise: the flag would be
+    /// about gradients that were never unscaled). May be called any number of times; a
+    /// `false` changes nothing. Returns the step's decision with this flag included. The
+    /// merged flag is part of [`LossScalerState`], so a scaler saved mid-step keeps it.
+    pub fn record_found_inf(&mut self, found_inf: bool) -> Result<StepDecision> {
+        let StepPhase::Unscaled { found_inf: before } = self.state.phase else {
+            return Err(AmpError::FoundInfBeforeUnscale);
+        };
+        let merged = before || found_inf;
+        self.state.phase = StepPhase::Unscaled { found_inf: merged };
+        Ok(decision(merged))
     }
 
     /// Finish the step: count it as taken or skipped and move the scale by the rules. Requires
-    /// an [`unscale`](Self::unscale) in this step ([`AmpError::UpdateWithoutUnscale`]).
+    /// an [`unscale`](Self::unscale) or [`unscale_external`](Self::unscale_external) in this
+    /// step ([`AmpError::UpdateWithoutUnscale`]).
     pub fn update(&mut self) -> Result<ScaleUpdate> {
         let StepPhase::Unscaled { found_inf } = self.state.phase else {
             return Err(AmpError::UpdateWithoutUnscale);
@@ -832,6 +886,183 @@ mod tests {
                 prop_assert_eq!(decision, StepDecision::Apply);
                 prop_assert_eq!(update.scale, 65536.0);
                 prop_assert_eq!(scaler.steps_taken(), 1);
+            }
+        }
+    }
+
+    #[test]
+    fn external_unscale_follows_the_same_rules() {
+        let config = LossScalerConfig {
+            init_scale: 1024.0,
+            growth_interval: 2,
+            ..Default::default()
+        };
+        let mut s = LossScaler::new(config).unwrap();
+        assert!(matches!(s.update(), Err(AmpError::UpdateWithoutUnscale)));
+        assert!(matches!(
+            s.record_found_inf(true),
+            Err(AmpError::FoundInfBeforeUnscale)
+        ));
+        assert_eq!(s.found_inf(), None, "the refused record changed nothing");
+        assert_eq!(s.unscale_external(false).unwrap(), StepDecision::Apply);
+        assert_eq!(s.found_inf(), Some(false));
+        // Unscaling twice stays an error, whichever path came first.
+        assert!(matches!(
+            s.unscale_external(false),
+            Err(AmpError::AlreadyUnscaled)
+        ));
+        let cpu = Cpu::new();
+        let mut g = grad(&cpu, &[1024.0]);
+        assert!(matches!(
+            s.unscale(&cpu, &mut [&mut g]),
+            Err(AmpError::AlreadyUnscaled)
+        ));
+        assert_eq!(cpu.download::<f32>(&g).unwrap(), [1024.0], "g untouched");
+        assert_eq!(s.update().unwrap().scale, 1024.0);
+        // A second source with an overflow skips the step and backs off.
+        assert_eq!(s.unscale(&cpu, &mut [&mut g]).unwrap(), StepDecision::Apply);
+        assert!(matches!(
+            s.unscale_external(false),
+            Err(AmpError::AlreadyUnscaled)
+        ));
+        assert_eq!(s.record_found_inf(false).unwrap(), StepDecision::Apply);
+        assert_eq!(s.record_found_inf(true).unwrap(), StepDecision::Skip);
+        assert_eq!(
+            s.record_found_inf(false).unwrap(),
+            StepDecision::Skip,
+            "a later clean source does not undo an overflow"
+        );
+        // Saved mid-step, the merged flag survives.
+        let json = serde_json::to_string(&s).unwrap();
+        let mut resumed: LossScaler = serde_json::from_str(&json).unwrap();
+        assert_eq!(resumed.found_inf(), Some(true));
+        let u = resumed.update().unwrap();
+        assert_eq!(
+            u,
+            ScaleUpdate {
+                skipped: true,
+                previous_scale: 1024.0,
+                scale: 512.0
+            }
+        );
+        assert_eq!((resumed.steps_taken(), resumed.steps_skipped()), (1, 1));
+        assert_eq!(resumed.growth_tracker(), 0);
+        assert_eq!(resumed.unscale_external(true).unwrap(), StepDecision::Skip);
+        assert_eq!(resumed.update().unwrap().scale, 256.0);
+    }
+
+    #[test]
+    fn external_unscale_refuses_a_collapsed_scale() {
+        let config = LossScalerConfig {
+            init_scale: 1e-38,
+            ..Default::default()
+        };
+        let mut s = LossScaler::new(config).unwrap();
+        let mut collapsed = None;
+        for step in 0..200 {
+            match s.unscale_external(true) {
+                Ok(d) => {
+                    assert_eq!(d, StepDecision::Skip);
+                    s.update().unwrap();
+                }
+                Err(AmpError::ScaleCollapsed { scale }) => {
+                    collapsed = Some((step, scale));
+                    break;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let (_, scale) = collapsed.expect("the scale collapses");
+        assert_eq!(s.scale(), scale);
+        assert_eq!(s.found_inf(), None, "the refused call changed nothing");
+    }
+
+    /// How one step's overflow is reported to the scaler.
+    #[derive(Clone, Copy, Debug)]
+    enum Source {
+        /// `unscale` of real gradients, an ∞ planted when the step overflows.
+        Internal,
+        /// `unscale_external(flag)`.
+        External,
+        /// A clean `unscale`, then the flag from `record_found_inf`.
+        InternalThenRecord,
+        /// `unscale_external(first)` then `record_found_inf(second)` with `first || second`
+        /// equal to the step's flag.
+        Split(bool),
+    }
+
+    fn source_strategy() -> impl Strategy<Value = Source> {
+        prop_oneof![
+            Just(Source::Internal),
+            Just(Source::External),
+            Just(Source::InternalThenRecord),
+            any::<bool>().prop_map(Source::Split),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// For the same overflow flags, every way of reporting them (internal unscale,
+        /// external flag, merged sources, saving mid-step) gives bit for bit the scale
+        /// sequence and state of the internal path.
+        #[test]
+        fn external_flags_give_the_internal_scale_sequence(
+            config in config_strategy(),
+            steps in proptest::collection::vec((proptest::bool::weighted(0.3), source_strategy()), 0..120),
+            save_at in 0usize..120,
+        ) {
+            let cpu = Cpu::new();
+            let mut internal = LossScaler::new(config).unwrap();
+            let mut other = LossScaler::new(config).unwrap();
+            for (i, &(overflow, source)) in steps.iter().enumerate() {
+                let scale = internal.scale();
+                let mut g = grad(&cpu, &[scale, if overflow { f32::NAN } else { 1.0 }]);
+                let want = match internal.unscale(&cpu, &mut [&mut g]) {
+                    Ok(d) => d,
+                    Err(AmpError::ScaleCollapsed { .. }) => {
+                        // A collapsed scale is refused the same way on every path.
+                        let mut h = grad(&cpu, &[1.0]);
+                        let refused = match source {
+                            Source::Internal | Source::InternalThenRecord => other.unscale(&cpu, &mut [&mut h]),
+                            Source::External | Source::Split(_) => other.unscale_external(overflow),
+                        };
+                        let collapsed = matches!(refused, Err(AmpError::ScaleCollapsed { .. }));
+                        prop_assert!(collapsed, "{:?}", refused);
+                        prop_assert_eq!(&other, &internal);
+                        break;
+                    }
+                    Err(e) => panic!("{e}"),
+                };
+                let got = match source {
+                    Source::Internal => {
+                        let mut h = grad(&cpu, &[scale, if overflow { f32::INFINITY } else { 2.0 }]);
+                        other.unscale(&cpu, &mut [&mut h]).unwrap()
+                    }
+                    Source::External => other.unscale_external(overflow).unwrap(),
+                    Source::InternalThenRecord => {
+                        let mut h = grad(&cpu, &[scale]);
+                        prop_assert_eq!(other.unscale(&cpu, &mut [&mut h]).unwrap(), StepDecision::Apply);
+                        other.record_found_inf(overflow).unwrap()
+                    }
+                    Source::Split(first) => {
+                        let first = first && overflow;
+                        other.unscale_external(first).unwrap();
+                        other.record_found_inf(overflow && !first).unwrap()
+                    }
+                };
+                prop_assert_eq!(got, want);
+                prop_assert_eq!(other.found_inf(), Some(overflow));
+                if i == save_at {
+                    let json = serde_json::to_string(&other).unwrap();
+                    other = serde_json::from_str(&json).unwrap();
+                }
+                prop_assert_eq!(&other, &internal, "step {} before update", i);
+                let a = internal.update().unwrap();
+                let b = other.update().unwrap();
+                prop_assert_eq!(a, b);
+                prop_assert_eq!(other.scale().to_bits(), internal.scale().to_bits(), "step {}", i);
+                prop_assert_eq!(&other, &internal);
             }
         }
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::rng::derive_seed;
+use crate::rng::derive_seed_iter;
 use crate::tokens::{encode_tokens, TokenSlice, TokenType};
 use crate::{DataError, Result};
 
@@ -28,6 +28,24 @@ impl Backing {
     }
 }
 
+/// An empty vector with room for `n` elements, or [`DataError::Allocation`] (never an abort)
+/// when the memory cannot be had: for buffers whose size comes from the data.
+pub(crate) fn try_with_capacity<T>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    try_reserve(&mut v, n)?;
+    Ok(v)
+}
+
+/// Room for `n` more elements in `v`, or [`DataError::Allocation`] (never an abort).
+pub(crate) fn try_reserve<T>(v: &mut Vec<T>, n: usize) -> Result<()> {
+    v.try_reserve_exact(n).map_err(|_| {
+        DataError::Allocation(headroom_tensor::Error::OutOfMemory {
+            device: headroom_tensor::Device::Cpu,
+            bytes: n.saturating_mul(std::mem::size_of::<T>()),
+        })
+    })
+}
+
 /// Map `path` read-only. Empty files are an error (a zero-length map is not portable and an
 /// empty token file is never what a user meant).
 pub(crate) fn map_file(path: &Path) -> Result<Arc<Backing>> {
@@ -46,6 +64,166 @@ pub(crate) fn map_file(path: &Path) -> Result<Arc<Backing>> {
     Ok(Arc::new(Backing::Mapped(map)))
 }
 
+fn le_word<const N: usize>(bytes: &[u8], at: usize) -> Option<[u8; N]> {
+    bytes.get(at..at.checked_add(N)?)?.try_into().ok()
+}
+
+/// The sequence table of a Megatron `.idx` (per-sequence lengths and starts) and its document
+/// index, read in place from the mapped index file: no heap copy, however many sequences.
+///
+/// A sequence is a run of tokens Megatron-LM's preprocessing wrote as one unit (a sentence
+/// with `--split-sentences`, usually a whole document); a document is a run of consecutive
+/// sequences. Offsets are token positions inside the dataset segment the index belongs to.
+/// The index was validated when the dataset was opened (lengths non-negative, sequences
+/// contiguous from token 0 and covering the segment exactly, document index monotone from 0 to
+/// the sequence count), so the boundaries are sorted.
+///
+/// ```
+/// use headroom_mmap_data::formats::megatron::{open_megatron, write_megatron};
+/// use headroom_mmap_data::TokenType;
+///
+/// # fn main() -> headroom_mmap_data::Result<()> {
+/// let dir = tempfile::tempdir().unwrap();
+/// let prefix = dir.path().join("corpus");
+/// write_megatron(&prefix, &[vec![5, 6, 7], vec![], vec![8, 9]], TokenType::U16)?;
+/// let data = open_megatron(&prefix)?;
+/// let sequences = data.sequence_index(0).unwrap();
+/// assert_eq!(sequences.boundaries().collect::<Vec<_>>(), [0, 3, 3, 5]);
+/// assert_eq!(sequences.span(2), Some(3..5));
+/// assert_eq!(sequences.sequence_at(4), Some(2)); // token 4 lies in sequence 2
+/// assert_eq!(sequences.document_sequences(1), Some(1..2));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct SequenceIndex {
+    idx: Arc<Backing>,
+    sequences: usize,
+    lengths_at: usize,
+    pointers_at: usize,
+    documents_at: usize,
+    document_entries: usize,
+    width: u64,
+}
+
+impl std::fmt::Debug for SequenceIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceIndex")
+            .field("sequences", &self.sequences)
+            .field("documents", &self.document_count())
+            .finish()
+    }
+}
+
+impl SequenceIndex {
+    /// The table of a `.idx` already validated by `MegatronIndex::parse` (`sequences` entries,
+    /// `document_entries` document-index entries, tokens `width` bytes wide).
+    pub(crate) fn new(
+        idx: Arc<Backing>,
+        header: usize,
+        sequences: usize,
+        document_entries: usize,
+        width: usize,
+    ) -> Option<Self> {
+        let pointers_at = sequences.checked_mul(4)?.checked_add(header)?;
+        let documents_at = sequences.checked_mul(8)?.checked_add(pointers_at)?;
+        let end = document_entries.checked_mul(8)?.checked_add(documents_at)?;
+        (end <= idx.bytes().len() && width > 0).then_some(SequenceIndex {
+            idx,
+            sequences,
+            lengths_at: header,
+            pointers_at,
+            documents_at,
+            document_entries,
+            width: width as u64,
+        })
+    }
+
+    /// Number of sequences.
+    pub fn len(&self) -> usize {
+        self.sequences
+    }
+
+    /// True when the index has no sequence (never, for an index a dataset accepted).
+    pub fn is_empty(&self) -> bool {
+        self.sequences == 0
+    }
+
+    /// Tokens in sequence `i`; `None` past the end.
+    pub fn length(&self, i: usize) -> Option<u64> {
+        if i >= self.sequences {
+            return None;
+        }
+        let at = self.lengths_at.checked_add(i.checked_mul(4)?)?;
+        let n = i32::from_le_bytes(le_word(self.idx.bytes(), at)?);
+        u64::try_from(n).ok()
+    }
+
+    /// First token of sequence `i` in the segment; `None` past the end.
+    pub fn start(&self, i: usize) -> Option<u64> {
+        if i >= self.sequences {
+            return None;
+        }
+        let at = self.pointers_at.checked_add(i.checked_mul(8)?)?;
+        let byte = i64::from_le_bytes(le_word(self.idx.bytes(), at)?);
+        u64::try_from(byte).ok().map(|b| b / self.width)
+    }
+
+    /// The tokens of sequence `i` as a range of segment positions; `None` past the end.
+    pub fn span(&self, i: usize) -> Option<std::ops::Range<u64>> {
+        let start = self.start(i)?;
+        Some(start..start.checked_add(self.length(i)?)?)
+    }
+
+    /// The `len() + 1` sequence boundaries: the start of every sequence, then the end of the
+    /// last; sequence `i` is `b[i]..b[i + 1]` (an empty sequence repeats a boundary).
+    pub fn boundaries(&self) -> impl Iterator<Item = u64> + '_ {
+        let end = self
+            .sequences
+            .checked_sub(1)
+            .and_then(|last| self.span(last))
+            .map_or(0, |r| r.end);
+        (0..self.sequences)
+            .map(move |i| self.start(i).unwrap_or(end))
+            .chain(std::iter::once(end))
+    }
+
+    /// The non-empty sequence that holds segment token `token`; `None` past the last one.
+    /// A binary search over the mapped pointers.
+    pub fn sequence_at(&self, token: u64) -> Option<usize> {
+        // Sequences starting at or before `token`; of several starting at the same token
+        // (empty ones first), the last is the only one that can hold it.
+        let (mut lo, mut hi) = (0usize, self.sequences);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.start(mid)? <= token {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let i = lo.checked_sub(1)?;
+        self.span(i)?.contains(&token).then_some(i)
+    }
+
+    /// Number of documents in the index.
+    pub fn document_count(&self) -> usize {
+        self.document_entries.saturating_sub(1)
+    }
+
+    /// The sequences of document `d`, `None` past the end.
+    pub fn document_sequences(&self, d: usize) -> Option<std::ops::Range<usize>> {
+        if d >= self.document_count() {
+            return None;
+        }
+        let entry = |k: usize| -> Option<usize> {
+            let at = self.documents_at.checked_add(k.checked_mul(8)?)?;
+            usize::try_from(i64::from_le_bytes(le_word(self.idx.bytes(), at)?)).ok()
+        };
+        Some(entry(d)?..entry(d.checked_add(1)?)?)
+    }
+}
+
 /// A contiguous run of tokens: one raw file, one llm.c shard, or the token area of a Megatron
 /// `.bin`. Windows never cross segment boundaries.
 #[derive(Clone)]
@@ -55,6 +233,7 @@ pub struct Segment {
     len: usize,
     token_type: TokenType,
     name: Arc<str>,
+    sequences: Option<SequenceIndex>,
 }
 
 impl std::fmt::Debug for Segment {
@@ -86,6 +265,7 @@ impl Segment {
                 len,
                 token_type,
                 name: name.into(),
+                sequences: None,
             }),
             _ => Err(DataError::truncated(
                 name,
@@ -129,6 +309,18 @@ impl Segment {
     /// True when the tokens are read through a memory map.
     pub fn is_mapped(&self) -> bool {
         matches!(*self.backing, Backing::Mapped(_))
+    }
+
+    /// The Megatron sequence table of this segment; `None` for segments without one (raw
+    /// files, llm.c shards, in-memory tokens).
+    pub fn sequence_index(&self) -> Option<&SequenceIndex> {
+        self.sequences.as_ref()
+    }
+
+    /// This segment with `sequences` as its sequence table.
+    pub(crate) fn with_sequences(mut self, sequences: SequenceIndex) -> Self {
+        self.sequences = Some(sequences);
+        self
     }
 }
 
@@ -230,9 +422,18 @@ impl TokenDataset {
         &self.segments
     }
 
-    /// The document index, if the format has one.
+    /// The document index, if the format has one: every document as a token span (for a
+    /// Megatron dataset, the `.idx` document index resolved to tokens).
     pub fn documents(&self) -> Option<&[Document]> {
         self.documents.as_deref()
+    }
+
+    /// The Megatron sequence boundaries of segment `segment` (per-sequence lengths and starts,
+    /// and the document index in sequences), read in place from its `.idx`; `None` for a
+    /// segment that has none (raw files, llm.c shards, in-memory data) or does not exist. In a
+    /// shard set every Megatron pair keeps its own table.
+    pub fn sequence_index(&self, segment: usize) -> Option<&SequenceIndex> {
+        self.segments.get(segment)?.sequence_index()
     }
 
     /// Total tokens over all segments.
@@ -265,18 +466,37 @@ impl TokenDataset {
 
     /// A hash of the dataset's shape (segment lengths and types, documents, vocabulary), stored
     /// in a saved loader position so it cannot be resumed against different data.
+    ///
+    /// Streamed: no allocation however many documents the index holds.
     pub fn fingerprint(&self) -> u64 {
-        let mut words = vec![self.vocab_size, self.segments.len() as u64];
-        for s in &self.segments {
-            words.push(s.len as u64);
-            words.push(s.token_type.width() as u64);
-        }
-        if let Some(docs) = &self.documents {
-            words.push(docs.len() as u64);
-            for d in docs {
-                words.extend([d.segment as u64, d.start, d.len]);
-            }
-        }
-        derive_seed(&words)
+        let head = [self.vocab_size, self.segments.len() as u64];
+        let segments = self
+            .segments
+            .iter()
+            .flat_map(|s| [s.len as u64, s.token_type.width() as u64]);
+        let documents = self.documents.iter().flat_map(|docs| {
+            std::iter::once(docs.len() as u64)
+                .chain(docs.iter().flat_map(|d| [d.segment as u64, d.start, d.len]))
+        });
+        derive_seed_iter(head.into_iter().chain(segments).chain(documents))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::derive_seed;
+
+    /// The streamed fingerprint hashes exactly the words the collected one did, so positions
+    /// saved before it changed still resume.
+    #[test]
+    fn fingerprint_hashes_the_documented_words() {
+        let ds = TokenDataset::from_documents(&[vec![1, 2, 3], vec![], vec![4]], TokenType::U16)
+            .unwrap()
+            .with_vocab_size(10);
+        let words = [10, 1, 4, 2, 3, 0, 0, 3, 0, 3, 0, 0, 3, 1];
+        assert_eq!(ds.fingerprint(), derive_seed(&words));
+        let plain = TokenDataset::from_tokens(&[1, 2], TokenType::U32).unwrap();
+        assert_eq!(plain.fingerprint(), derive_seed(&[1 << 32, 1, 2, 4]));
     }
 }

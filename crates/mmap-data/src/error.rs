@@ -150,8 +150,10 @@ pub enum DataError {
         /// First invalid byte.
         offset: u64,
     },
-    /// The allocation hook refused the loader's batch buffers (a memory budget).
-    #[error("batch buffers rejected by the allocation hook: {0}")]
+    /// Memory could not be had: the allocation hook refused the loader's batch buffers (a
+    /// memory budget), or the system had no memory for a buffer whose size the data decides
+    /// (batch buffers, the tables of a Megatron index). Never an abort.
+    #[error("could not allocate: {0}")]
     Allocation(#[from] headroom_tensor::Error),
     /// A loader worker thread stopped (it panicked or was shut down).
     #[error("loader worker {0} stopped unexpectedly")]

@@ -61,8 +61,10 @@
 //!   copy of the dataset. Batch buffers are allocated once per loader and reported to the
 //!   allocation hook as [`headroom_tensor::MemoryCategory::Data`].
 //! - Every parser validates every field (magic, version, dtype, lengths, pointers, document
-//!   index) and returns a [`DataError`]; no input makes it panic or read out of bounds. Token
-//!   ids are checked against the vocabulary as they are copied.
+//!   index) and returns a [`DataError`]; no input makes it panic, hang or read out of bounds,
+//!   and buffers whose size a file decides are allocated fallibly ([`DataError::Allocation`],
+//!   never an abort). `tests/fuzz_readers.rs` fuzzes every reader to keep it so. Token ids are
+//!   checked against the vocabulary as they are copied.
 //! - A sampler is a pure function of (dataset shape, config, position): the epoch samplers
 //!   visit every window exactly once per epoch, shards are disjoint and cover the data, and a
 //!   restored [`LoaderState`] replays the identical batch stream whatever the worker count.
@@ -83,7 +85,7 @@ pub mod text;
 mod tokens;
 pub mod tools;
 
-pub use dataset::{Document, Segment, TokenDataset};
+pub use dataset::{Document, Segment, SequenceIndex, TokenDataset};
 pub use error::{DataError, Result};
 pub use formats::llmc::LlmcFlavor;
 pub use formats::{open, OpenOptions, TokenFileFormat};

@@ -15,7 +15,7 @@ use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use headroom_tensor::{AllocHook, Device, MemoryCategory, TrackedAllocation};
 use serde::{Deserialize, Serialize};
 
-use crate::dataset::TokenDataset;
+use crate::dataset::{try_with_capacity, TokenDataset};
 use crate::sampler::{SamplerConfig, WindowSampler};
 use crate::tokens::{OutputToken, OutputType};
 use crate::{DataError, Result};
@@ -40,6 +40,13 @@ pub struct BatchBuffer {
     _tracked: TrackedAllocation,
 }
 
+/// `n` zeros, or [`DataError::Allocation`] when the memory cannot be had.
+fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>> {
+    let mut v = try_with_capacity(n)?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
 impl BatchBuffer {
     /// Allocate a buffer for `batch_size × seq_len` tokens of `output`, reported to `hook` as
     /// [`MemoryCategory::Data`] (the hook may refuse it: a memory budget).
@@ -62,13 +69,17 @@ impl BatchBuffer {
             Device::Cpu,
             MemoryCategory::Data,
         )?;
-        let make = || match output {
-            OutputType::U32 => TokenBuf::U32(vec![0; n]),
-            OutputType::I64 => TokenBuf::I64(vec![0; n]),
+        // Fallible: the size comes from a sampler configuration that may have been read
+        // from a saved position, and a failed allocation must be an error, not an abort.
+        let make = || -> Result<TokenBuf> {
+            Ok(match output {
+                OutputType::U32 => TokenBuf::U32(zeroed(n)?),
+                OutputType::I64 => TokenBuf::I64(zeroed(n)?),
+            })
         };
         Ok(BatchBuffer {
-            inputs: make(),
-            targets: make(),
+            inputs: make()?,
+            targets: make()?,
             batch_size,
             seq_len,
             index: 0,
@@ -190,8 +201,11 @@ pub fn fill_batch(
             sampler.config().seq_len
         )));
     }
+    // The positions of all rows must be representable (a saved position can hold any value).
+    let rows = out.batch_size as u64;
     let first = batch_index
-        .checked_mul(out.batch_size as u64)
+        .checked_mul(rows)
+        .filter(|f| f.checked_add(rows).is_some())
         .ok_or_else(|| DataError::InvalidConfig(format!("batch index {batch_index} overflows")))?;
     out.index = batch_index;
     out.epoch = sampler.epoch_of(first);
@@ -402,6 +416,17 @@ impl Loader {
                 state.batch_size, config.batch_size
             )));
         }
+        // Every row of the next batch needs a position that fits in u64.
+        let end = state
+            .next_batch
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(state.batch_size));
+        if end.is_none() {
+            return Err(DataError::ResumeMismatch(format!(
+                "saved position (batch {} of {} rows) is past the last representable window",
+                state.next_batch, state.batch_size
+            )));
+        }
         Self::start(
             dataset,
             state.sampler.clone(),
@@ -457,7 +482,9 @@ impl Loader {
                 let (filled_tx, filled_rx) = bounded::<Filled>(per_lane);
                 let ds = Arc::clone(&dataset);
                 let sm = Arc::clone(&sampler);
-                let mut batch = start_batch + w as u64;
+                // Saturating: past the end of the position space `fill_batch` reports the
+                // overflow as an error instead of the worker panicking.
+                let mut batch = start_batch.saturating_add(w as u64);
                 let stride = lanes as u64;
                 let handle = std::thread::Builder::new()
                     .name(format!("headroom-data-{w}"))
@@ -469,7 +496,7 @@ impl Loader {
                             if filled_tx.send(Filled { result, buffer }).is_err() {
                                 break;
                             }
-                            batch += stride;
+                            batch = batch.saturating_add(stride);
                         }
                     })
                     .map_err(|e| DataError::io("<worker thread>", e))?;
@@ -498,7 +525,9 @@ impl Loader {
     /// in the stream; the following call returns the batch after it.
     pub fn next_batch(&mut self) -> Result<Batch<'_>> {
         let b = self.next_batch;
-        self.next_batch += 1;
+        self.next_batch = b.checked_add(1).ok_or_else(|| {
+            DataError::InvalidConfig("the batch counter has reached 2^64 - 1".into())
+        })?;
         match self.mode.as_ref() {
             Some(Mode::Inline { free_tx, free_rx }) => {
                 let mut buffer = free_rx

@@ -20,7 +20,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::dataset::{map_file, Document, Segment, TokenDataset};
+use crate::dataset::{map_file, try_with_capacity, Document, Segment, SequenceIndex, TokenDataset};
 use crate::formats::writer::TokenWriter;
 use crate::formats::TokenFileFormat;
 use crate::tokens::TokenType;
@@ -162,9 +162,10 @@ impl MegatronIndex {
                 "document index has no entries (needs at least [0])",
             ));
         }
-        // Lengths are now bounded by the file size, so these allocations are too.
-        let s = sequences as usize;
-        let mut sequence_lengths = Vec::with_capacity(s);
+        // Lengths are now bounded by the file size, so these allocations are too; they are
+        // still fallible, since a large index may not fit in memory.
+        let s = usize::try_from(sequences).map_err(|_| DataError::truncated(what, needed, have))?;
+        let mut sequence_lengths = try_with_capacity(s)?;
         for i in 0..s {
             let n = r.i32();
             if n < 0 {
@@ -176,7 +177,7 @@ impl MegatronIndex {
             sequence_lengths.push(n as u32);
         }
         let width = token_type.width() as u64;
-        let mut sequence_pointers = Vec::with_capacity(s);
+        let mut sequence_pointers = try_with_capacity(s)?;
         let mut expected_next = 0u64;
         for (i, &len) in sequence_lengths.iter().enumerate() {
             let p = r.i64();
@@ -210,7 +211,9 @@ impl MegatronIndex {
                 format!("sequences cover {expected_next} bytes but the .bin has {bin_len}"),
             ));
         }
-        let mut document_indices = Vec::with_capacity(doc_entries as usize);
+        let mut document_indices = try_with_capacity(
+            usize::try_from(doc_entries).map_err(|_| DataError::truncated(what, needed, have))?,
+        )?;
         let mut previous = 0u64;
         for d in 0..doc_entries {
             let v = r.i64();
@@ -245,26 +248,41 @@ impl MegatronIndex {
         self.sequence_lengths.iter().map(|&n| u64::from(n)).sum()
     }
 
-    /// Documents as token spans of segment 0.
+    /// Documents as token spans of segment 0. O(S + D): the total is computed once (it used
+    /// to be recomputed for every document ending at the last sequence, which made an index
+    /// with many trailing empty documents take O(S·D) time to open).
     pub fn documents(&self) -> Vec<Document> {
+        let mut out = Vec::new();
+        self.extend_documents(&mut out);
+        out
+    }
+
+    /// [`documents`](Self::documents), allocated fallibly ([`DataError::Allocation`]).
+    fn try_documents(&self) -> Result<Vec<Document>> {
+        let mut out = try_with_capacity(self.document_indices.len().saturating_sub(1))?;
+        self.extend_documents(&mut out);
+        Ok(out)
+    }
+
+    fn extend_documents(&self, out: &mut Vec<Document>) {
         let w = self.token_type.width() as u64;
+        let total = self.total_tokens();
         let starts_at = |seq: u64| -> u64 {
             usize::try_from(seq)
                 .ok()
                 .and_then(|i| self.sequence_pointers.get(i))
-                .map_or(self.total_tokens(), |&p| p / w)
+                .map_or(total, |&p| p / w)
         };
-        self.document_indices
-            .windows(2)
-            .map(|pair| {
-                let start = starts_at(pair[0]);
-                Document {
-                    segment: 0,
-                    start,
-                    len: starts_at(pair[1]) - start,
-                }
-            })
-            .collect()
+        out.extend(self.document_indices.windows(2).map(|pair| {
+            let start = starts_at(pair[0]);
+            Document {
+                segment: 0,
+                start,
+                // A validated index is monotone; saturating keeps a hand-built one from
+                // panicking.
+                len: starts_at(pair[1]).saturating_sub(start),
+            }
+        }));
     }
 }
 
@@ -282,22 +300,34 @@ pub fn megatron_paths(path: &Path) -> (PathBuf, PathBuf) {
 }
 
 /// Open a Megatron indexed dataset from its prefix (`data/corpus_text_document`), or from the
-/// path of its `.idx` or `.bin`. The dataset has one segment and a document index.
+/// path of its `.idx` or `.bin`. The dataset has one segment, a document index
+/// ([`TokenDataset::documents`]) and the sequence table ([`TokenDataset::sequence_index`],
+/// read in place: the `.idx` stays mapped while the dataset is open).
 pub fn open_megatron(path: impl AsRef<Path>) -> Result<TokenDataset> {
     let (idx_path, bin_path) = megatron_paths(path.as_ref());
     let what = idx_path.display().to_string();
     let idx = map_file(&idx_path)?;
     let bin = map_file(&bin_path)?;
     let index = MegatronIndex::parse(idx.bytes(), bin.bytes().len() as u64, &what)?;
-    let total = index.total_tokens() as usize;
+    let total = usize::try_from(index.total_tokens())
+        .map_err(|_| DataError::corrupt(&what, "more tokens than this platform can address"))?;
+    let sequences = SequenceIndex::new(
+        idx,
+        FIXED_HEADER,
+        index.sequence_lengths.len(),
+        index.document_indices.len(),
+        index.token_type.width(),
+    )
+    .ok_or_else(|| DataError::corrupt(&what, "sequence table outside the index file"))?;
     let segment = Segment::new(
         bin,
         0,
         total,
         index.token_type,
         &bin_path.display().to_string(),
-    )?;
-    TokenDataset::from_segments(vec![segment], Some(index.documents()))
+    )?
+    .with_sequences(sequences);
+    TokenDataset::from_segments(vec![segment], Some(index.try_documents()?))
 }
 
 /// Write `documents` (one sequence each) as `prefix.idx` + `prefix.bin`, atomically (see

@@ -9,7 +9,7 @@ pub mod writer;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::dataset::{Document, Segment, TokenDataset};
+use crate::dataset::{try_reserve, Document, Segment, TokenDataset};
 use crate::tokens::TokenType;
 use crate::{DataError, Result};
 
@@ -96,7 +96,8 @@ fn open_file_segment(path: &Path, options: &OpenOptions) -> Result<Segment> {
 /// opens its Megatron pair (its `.bin` is then not read again as a raw shard); documents are
 /// kept only when every shard has them.
 pub fn open_shards(files: &[PathBuf], options: &OpenOptions, what: &str) -> Result<TokenDataset> {
-    let megatron_bins: Vec<PathBuf> = files
+    // A set: a directory of many pairs must not cost (files × pairs) path comparisons.
+    let megatron_bins: std::collections::HashSet<PathBuf> = files
         .iter()
         .filter(|p| p.extension().is_some_and(|e| e == "idx"))
         .map(|p| megatron::megatron_paths(p).1)
@@ -111,6 +112,7 @@ pub fn open_shards(files: &[PathBuf], options: &OpenOptions, what: &str) -> Resu
             let ds = megatron::open_megatron(file)?;
             let base = segments.len();
             if let (Some(all), Some(docs)) = (documents.as_mut(), ds.documents()) {
+                try_reserve(all, docs.len())?;
                 all.extend(docs.iter().map(|d| Document {
                     segment: d.segment + base,
                     ..*d

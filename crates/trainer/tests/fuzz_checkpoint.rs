@@ -1,0 +1,186 @@
+//! Fuzz tests for the trainer's checkpoint reader (`checkpoint::load`: manifest, state and
+//! config JSON, safetensors, optimizer moments) with headroom-fuzzkit.
+//!
+//! Two campaigns over the files of a real checkpoint, bundled as one input:
+//! - `fuzz_checkpoint_as_is`: the mutated files as they are, so mostly the manifest's size and
+//!   checksum checks answer;
+//! - `fuzz_checkpoint_resealed`: the manifest is rewritten to match the mutated files, as a
+//!   careful forger would, so the content checks behind the checksums (JSON parsing, config
+//!   bounds, safetensors headers, tensor names and shapes, optimizer sizes) face every input.
+//!
+//! Whatever loads is used: the model is built from it. 0 panics and 0 hangs are asserted;
+//! `scripts/fuzz-long.sh` runs them long, each in its own process (an abort would show there).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use headroom_fuzzkit::{bundle, fuzz_seeds, iterations, unbundle, Field, FuzzReport, Seed};
+use headroom_trainer::checkpoint::{self, Manifest, ManifestFile, FILES, MANIFEST};
+use headroom_trainer::train::{train, TrainOptions};
+
+const CI_ITERATIONS: u64 = 200;
+
+/// The files of a small checkpoint (tiny model, 2 layers, width 16), in [`FILES`] order
+/// followed by the manifest.
+fn checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
+    static FILES_CELL: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
+    FILES_CELL.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = TrainOptions {
+            steps: 1,
+            batch: 2,
+            seq: 8,
+            save: Some((dir.path().to_path_buf(), 1)),
+            ..TrainOptions::tiny_default()
+        };
+        o.model.channels = 16;
+        o.model.max_seq = 8;
+        train(&o, |_| {}).unwrap();
+        let step = dir.path().join("step-00000001");
+        FILES
+            .iter()
+            .chain([&MANIFEST])
+            .map(|n| (n.to_string(), std::fs::read(step.join(n)).unwrap()))
+            .collect()
+    })
+}
+
+/// The safetensors header length (u64 little-endian) is the one binary header field.
+fn fields_of(name: &str) -> Vec<Field> {
+    if name == "model.safetensors" {
+        vec![Field::new("safetensors header length", 0, 8)]
+    } else {
+        vec![]
+    }
+}
+
+fn seed() -> Seed {
+    let files = checkpoint_files();
+    let fields: Vec<Vec<Field>> = files.iter().map(|(n, _)| fields_of(n)).collect();
+    let parts: Vec<(&str, &[u8], &[Field])> = files
+        .iter()
+        .zip(&fields)
+        .map(|((n, b), f)| (n.as_str(), b.as_slice(), f.as_slice()))
+        .collect();
+    bundle("tiny checkpoint", &parts)
+}
+
+struct Scratch {
+    dir: tempfile::TempDir,
+    next: AtomicU64,
+}
+
+impl Scratch {
+    fn new() -> Arc<Self> {
+        let shm = Path::new("/dev/shm");
+        let dir = if shm.is_dir() {
+            tempfile::Builder::new()
+                .prefix("headroom-fuzz-ck")
+                .tempdir_in(shm)
+                .or_else(|_| tempfile::tempdir())
+        } else {
+            tempfile::tempdir()
+        };
+        Arc::new(Scratch {
+            dir: dir.unwrap(),
+            next: AtomicU64::new(0),
+        })
+    }
+
+    fn fresh(&self) -> PathBuf {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        self.dir.path().join(format!("ck{n}"))
+    }
+}
+
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Write the bundle's files into a fresh step directory (`reseal`: with a manifest that
+/// matches them) and load it; a loaded checkpoint builds its model.
+fn load_input(
+    scratch: &Scratch,
+    bytes: &[u8],
+    reseal: bool,
+) -> Result<(), headroom_trainer::TrainError> {
+    let names = checkpoint_files();
+    let parts = unbundle(bytes, names.len());
+    let dir = scratch.fresh();
+    let _cleanup = Cleanup(dir.clone());
+    std::fs::create_dir_all(&dir).unwrap();
+    for ((name, _), part) in names.iter().zip(&parts) {
+        if name != MANIFEST || !reseal {
+            std::fs::write(dir.join(name), part).unwrap();
+        }
+    }
+    if reseal {
+        let m = Manifest {
+            format_version: checkpoint::FORMAT_VERSION,
+            step: 1,
+            files: names
+                .iter()
+                .zip(&parts)
+                .filter(|((n, _), _)| n != MANIFEST)
+                .map(|((n, _), p)| ManifestFile {
+                    name: n.clone(),
+                    bytes: p.len() as u64,
+                    xxh3: format!("{:016x}", xxhash_rust::xxh3::xxh3_64(p)),
+                })
+                .collect(),
+        };
+        std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+    }
+    let ck = checkpoint::load(&dir)?;
+    // The parameters the reader returned agree with the config it validated.
+    let infos = headroom_trainer::model::params::param_infos(&ck.state.config);
+    assert_eq!(ck.params.len(), infos.len());
+    for (p, i) in ck.params.iter().zip(&infos) {
+        assert_eq!(p.len(), i.shape.iter().product::<usize>());
+    }
+    let cpu = headroom_tensor::Cpu::new();
+    ck.into_model(&cpu, Default::default())?;
+    Ok(())
+}
+
+fn check(report: FuzzReport, expect_ok: bool) {
+    println!("{report}");
+    report.assert_clean();
+    if expect_ok {
+        assert!(
+            report.ok > 0,
+            "no input loaded: the seed is broken\n{report}"
+        );
+    }
+    assert!(report.errors > 0, "no input was refused\n{report}");
+}
+
+#[test]
+fn fuzz_checkpoint_as_is() {
+    let scratch = Scratch::new();
+    let report = fuzz_seeds(
+        "checkpoint-as-is",
+        &[seed()],
+        iterations(CI_ITERATIONS),
+        move |bytes| load_input(&scratch, bytes, false),
+    );
+    // Nearly every mutation breaks a checksum; unmutated parts still load.
+    check(report, false);
+}
+
+#[test]
+fn fuzz_checkpoint_resealed() {
+    let scratch = Scratch::new();
+    let report = fuzz_seeds(
+        "checkpoint-resealed",
+        &[seed()],
+        iterations(CI_ITERATIONS),
+        move |bytes| load_input(&scratch, bytes, true),
+    );
+    check(report, true);
+}
