@@ -39,6 +39,14 @@ pub enum TrainError {
         /// Each differing setting, `option: checkpoint value, this run value`.
         differences: Vec<String>,
     },
+    /// A memory report file could not be written.
+    #[error("memory report {path}: {reason}")]
+    Report {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// A batch or token that does not fit the model.
     #[error("invalid input: {0}")]
     Input(String),

@@ -41,10 +41,17 @@ pub struct TrainerEstimate {
     pub block_io_bytes: u64,
     /// Blocks.
     pub layers: usize,
+    /// The device's simultaneous peak: the constant categories plus the larger of the head's
+    /// moment (every kept activation, the head's buffers and workspace) and a block backward's
+    /// (kept activations, recomputed ones, the block's workspace). An upper bound of the
+    /// tracker's `peak_total`, tighter than [`TrainerEstimate::device_total`] (which adds each
+    /// category's own peak although they peak at different moments).
+    pub device_peak: u64,
 }
 
 impl TrainerEstimate {
-    /// Sum of the device categories' peaks (an upper bound on the device's total peak).
+    /// Sum of the device categories' peaks (an upper bound on the device's total peak; see
+    /// [`TrainerEstimate::device_peak`] for the simultaneous one).
     pub fn device_total(&self) -> u64 {
         self.device.total()
     }
@@ -180,6 +187,7 @@ pub fn estimate(
         block_saved_bytes: block_saved,
         block_io_bytes: io,
         layers: cfg.layers,
+        device_peak: 0,
     };
     let schedule = match tech.checkpoint {
         // The plan depends on a budget; costing it with the planner's own view of the chain
@@ -227,7 +235,17 @@ pub fn estimate(
     };
     device[MemoryCategory::Workspace] = head_ws.max(block_ws);
     device[MemoryCategory::Data] = LOADER_BUFFERS * 2 * u(batch) * t * 4;
-    Ok(TrainerEstimate { device, ..est })
+    let constant = device[MemoryCategory::Parameters]
+        + device[MemoryCategory::Gradients]
+        + device[MemoryCategory::OptimizerState]
+        + device[MemoryCategory::Data];
+    let device_peak =
+        constant + io + sim.peak_saved_bytes + (head_act + head_ws).max(recompute_extra + block_ws);
+    Ok(TrainerEstimate {
+        device,
+        device_peak,
+        ..est
+    })
 }
 
 /// Bytes no estimate may reach (2⁶²): with every term below this bound, the plain `u64`

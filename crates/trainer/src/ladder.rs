@@ -181,3 +181,117 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
     }
     s
 }
+
+/// A change of techniques the estimator predicts would fit a budget.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FitSuggestion {
+    /// The command-line options to add, e.g. `--checkpoint sqrt-n --precision bf16`.
+    pub flags: String,
+    /// Predicted device peak with them (the sum of per-category peaks: an upper bound).
+    pub predicted_peak: u64,
+}
+
+/// Technique changes to `opts` that the estimator predicts fit `budget`: each single change,
+/// then cumulative stacks in the ladder's order (checkpointing, bf16, fused loss, offload,
+/// 8-bit state, smaller micro-batches), fewest changes first. What an out-of-memory error
+/// suggests.
+pub fn suggest_fitting(opts: &TrainOptions, budget: u64) -> Result<Vec<FitSuggestion>> {
+    type Change = (String, fn(&mut Techniques, usize));
+    let mut changes: Vec<Change> = Vec::new();
+    let t = &opts.techniques;
+    if matches!(
+        t.checkpoint,
+        CheckpointChoice::None | CheckpointChoice::Selective
+    ) {
+        changes.push(("--checkpoint sqrt-n".into(), |t, _| {
+            t.checkpoint = CheckpointChoice::SqrtN
+        }));
+    }
+    if t.model.precision == Precision::Fp32 {
+        changes.push(("--precision bf16".into(), |t, _| {
+            t.model.precision = Precision::Bf16
+        }));
+    }
+    if t.model.attention.algorithm == headroom_attn::Algorithm::Naive {
+        changes.push(("--attention flash".into(), |t, _| {
+            t.model.attention = AttentionConfig::flash()
+        }));
+    }
+    if t.model.loss_chunk.is_none() {
+        changes.push(("--loss-chunk 128".into(), |t, _| {
+            t.model.loss_chunk = Some(128)
+        }));
+    }
+    if t.optimizer.placement == OptimizerPlacement::Resident {
+        changes.push(("--offload ram".into(), |t, _| {
+            t.optimizer.placement = OptimizerPlacement::HostRam
+        }));
+    }
+    if t.optimizer.state == StatePrecision::F32 {
+        changes.push(("--adam-8bit".into(), |t, _| {
+            t.optimizer.state = StatePrecision::Int8
+        }));
+    }
+    let micro_now = opts.micro_batch()?;
+    let mut micro = micro_now / 2;
+    while micro >= 1 && opts.batch % micro == 0 {
+        // One option per halving; the closure reads the micro-batch from its argument.
+        changes.push((format!("--micro-batch {micro}"), |t, m| {
+            t.micro_batch = Some(m)
+        }));
+        if micro == 1 {
+            break;
+        }
+        micro /= 2;
+    }
+    let micro_of = |flags: &str| -> usize {
+        flags
+            .split("--micro-batch ")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(micro_now)
+    };
+    let predict = |t: &Techniques, micro: usize| -> Result<u64> {
+        Ok(estimate::estimate(&opts.model, opts.seq, micro, opts.batch, t)?.device_total())
+    };
+    let mut out: Vec<FitSuggestion> = Vec::new();
+    // Single changes.
+    for (flags, apply) in &changes {
+        let mut t = t.clone();
+        let m = micro_of(flags);
+        apply(&mut t, m);
+        let peak = predict(&t, m)?;
+        if peak <= budget {
+            out.push(FitSuggestion {
+                flags: flags.clone(),
+                predicted_peak: peak,
+            });
+        }
+    }
+    // Stacks, in order, until one fits (micro-batch halvings replace each other).
+    if out.is_empty() {
+        let mut stacked = t.clone();
+        let mut flags: Vec<String> = Vec::new();
+        let mut m = micro_now;
+        for (f, apply) in &changes {
+            let this_micro = micro_of(f);
+            apply(&mut stacked, this_micro);
+            if f.starts_with("--micro-batch") {
+                flags.retain(|x| !x.starts_with("--micro-batch"));
+                m = this_micro;
+            }
+            flags.push(f.clone());
+            let peak = predict(&stacked, m)?;
+            if peak <= budget {
+                out.push(FitSuggestion {
+                    flags: flags.join(" "),
+                    predicted_peak: peak,
+                });
+                break;
+            }
+        }
+    }
+    out.sort_by_key(|s| s.predicted_peak);
+    Ok(out)
+}

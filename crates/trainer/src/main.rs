@@ -13,14 +13,14 @@ use headroom_mmap_data::{
     BuildSpec, InspectOptions, LlmcFlavor, SynthSpec, TokenFileFormat, TokenType,
 };
 use headroom_offload::StatePrecision;
-use headroom_profiler::{search_max_fit, OutOfBudget};
+use headroom_profiler::{confirm_boundary, search_max_fit, MaxFit, OutOfBudget};
 use headroom_tensor::MemoryCategory;
 use headroom_trainer::engine::ComputeDevice;
 use headroom_trainer::estimate::estimate;
-use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs};
+use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
 use headroom_trainer::model::{GptConfig, Precision};
 use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
-use headroom_trainer::train::{train, DataSource, StepLog, TrainOptions};
+use headroom_trainer::train::{train, DataSource, MemoryOutputs, StepLog, TrainOptions};
 
 type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
@@ -249,6 +249,24 @@ struct TrainArgs {
     /// Print a step line every N steps when there is no progress bar [default: 1].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: Option<u64>,
+    /// Write the device memory timeline as a Chrome/Perfetto trace (open in ui.perfetto.dev).
+    #[arg(long)]
+    memory_trace: Option<PathBuf>,
+    /// Write the device memory timeline as a stacked SVG plot by category.
+    #[arg(long)]
+    memory_svg: Option<PathBuf>,
+    /// The SVG's x axis: wall time, or allocation event (backward and the peak stay visible).
+    #[arg(long, value_enum, default_value = "event")]
+    memory_svg_axis: SvgAxis,
+    /// Write PyTorch's memory snapshot (pickle; open at pytorch.org/memory_viz).
+    #[arg(long)]
+    memory_snapshot: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SvgAxis {
+    Time,
+    Event,
 }
 
 #[derive(Parser)]
@@ -512,6 +530,12 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
     o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
     o.resume_from = args.resume;
     o.stop_after = args.stop_after;
+    o.memory_outputs = MemoryOutputs {
+        trace: args.memory_trace,
+        svg: args.memory_svg,
+        svg_by_event: matches!(args.memory_svg_axis, SvgAxis::Event),
+        snapshot: args.memory_snapshot,
+    };
     o.validate()?;
     let signal = install_signal_handlers()?;
     o.stop = Some(STOP.clone());
@@ -548,7 +572,7 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
     };
     let every = args.log_every.unwrap_or(1) as usize;
     let mut metrics_err: Option<std::io::Error> = None;
-    let report = train(&o, |s: &StepLog| {
+    let result = train(&o, |s: &StepLog| {
         if let Some(w) = metrics.as_mut() {
             let line = serde_json::json!({
                 "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
@@ -580,10 +604,19 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
                 }
             }
         }
-    })?;
+    });
     if let Some(b) = bar {
         b.finish();
     }
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(oob) = OutOfBudget::find(&e) {
+                explain_out_of_budget(&o, oob);
+            }
+            return Err(e.into());
+        }
+    };
     if let Some(e) = metrics_err {
         return Err(format!("writing metrics: {e}").into());
     }
@@ -624,6 +657,34 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// After an out-of-budget failure: what was live when the tracker refused, and the technique
+/// changes the estimator predicts would fit (on stderr, before the error chain).
+fn explain_out_of_budget(o: &TrainOptions, oob: &OutOfBudget) {
+    esay!("{}", oob.summary(10));
+    let Some(budget) = o.budget else { return };
+    match suggest_fitting(o, budget) {
+        Ok(s) if s.is_empty() => esay!(
+            "no single technique change is predicted to fit {:.1} MiB; try a smaller --batch \
+             or --seq (headroom max-batch finds the largest)",
+            mib(budget)
+        ),
+        Ok(s) => {
+            esay!("predicted to fit {:.1} MiB:", mib(budget));
+            for f in s.iter().take(8) {
+                esay!(
+                    "  {:<50} predicted peak {:>9.1} MiB",
+                    f.flags,
+                    mib(f.predicted_peak)
+                );
+            }
+        }
+        Err(e) => esay!("(no suggestions: {e})"),
+    }
+    if o.memory_outputs.any() {
+        esay!("the memory reports asked for were written up to the failure");
+    }
 }
 
 fn cmd_ladder(a: LadderArgs) -> CliResult {
@@ -695,76 +756,195 @@ fn cmd_estimate(run: RunArgs) -> CliResult {
         }
     }
     say!(
-        "| total | {:.1} | {:.1} |",
+        "| total (sum of category peaks) | {:.1} | {:.1} |",
         mib(e.device_total()),
         mib(e.host.total())
     );
+    say!("simultaneous device peak: {:.1} MiB", mib(e.device_peak));
+    let mut need = e.device_peak;
+    if let ComputeDevice::Cuda { .. } = o.device {
+        // Nothing runs, so no GPU is needed. The CUDA model's parameter state is exact; its
+        // activations are taken as the CPU model's (bf16 storage, as the CUDA model keeps).
+        let cuda = headroom_trainer::estimate::cuda_parameter_state(&o.model, &o.techniques)?;
+        let state: u64 = [
+            MemoryCategory::Parameters,
+            MemoryCategory::Gradients,
+            MemoryCategory::OptimizerState,
+        ]
+        .into_iter()
+        .map(|c| cuda.device[c])
+        .sum();
+        let rest = e.device_peak
+            - [
+                MemoryCategory::Parameters,
+                MemoryCategory::Gradients,
+                MemoryCategory::OptimizerState,
+            ]
+            .into_iter()
+            .map(|c| e.device[c])
+            .sum::<u64>();
+        need = state + rest + CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES;
+        // The stream-ordered pool rounds each allocation up to 2 MiB pages at worst.
+        let rounding = need / 20;
+        need += rounding;
+        say!(
+            "CUDA (no GPU probed): parameter state {:.1} MiB (the CUDA model's, exact), \
+             activations/workspace/data {:.1} MiB (the CPU model's), + allowances: CUDA \
+             context {:.0} MiB, cuBLASLt workspace {:.0} MiB, allocator rounding {:.1} MiB \
+             (5%) = {:.1} MiB",
+            mib(state),
+            mib(rest),
+            mib(CUDA_CONTEXT_BYTES),
+            mib(CUBLAS_WORKSPACE_BYTES),
+            mib(rounding),
+            mib(need)
+        );
+    }
     if let Some(b) = o.budget {
         say!(
             "budget {:.1} MiB: {}",
             mib(b),
-            if e.device_total() <= b {
-                "fits"
-            } else {
-                "does not fit"
-            }
+            if need <= b { "fits" } else { "does not fit" }
         );
     }
     Ok(())
 }
+
+/// What a CUDA context takes on an H100 with CUDA 12/13 before any allocation (the driver's
+/// code, the kernels' modules, the per-thread stacks): about 500 MiB, measured by PyTorch users
+/// as the first `torch.cuda.init()`'s `nvidia-smi` delta. An allowance, not a measurement of ours.
+const CUDA_CONTEXT_BYTES: u64 = 512 << 20;
+/// headroom-cuda's cuBLASLt workspace on Hopper (`gemm.rs`: 32 MiB from compute capability 9).
+const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
 
 fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
     let o = options(&a.run, a.measure)?;
     let budget = o
         .budget
         .ok_or("max-batch needs --budget-mib (the memory to fit)")?;
-    let micro_fixed = o.techniques.micro_batch;
-    let report = search_max_fit(1, a.limit, |b| -> CliResult<bool> {
-        let micro = micro_fixed.map_or(b, |m| m.min(b));
-        if b % micro != 0 {
-            return Ok(false);
+    // Accumulating: the batch is the user's, the question is the largest micro-batch that
+    // divides it and fits. Otherwise: the largest batch of one micro-batch.
+    let accumulating = o.techniques.micro_batch.is_some();
+    let what = if accumulating { "micro-batch" } else { "batch" };
+    let limit = if accumulating {
+        a.limit.min(o.batch)
+    } else {
+        a.limit
+    };
+    // Sizes are searched as the k-th valid size, so that a micro-batch search only sees
+    // divisors of the batch (the fit is monotone in them).
+    let sizes: Vec<usize> = if accumulating {
+        (1..=limit).filter(|m| o.batch % m == 0).collect()
+    } else {
+        (1..=limit).collect()
+    };
+    if sizes.is_empty() {
+        return Err(format!("--limit {} leaves nothing to try", a.limit).into());
+    }
+    let setup = |size: usize| -> TrainOptions {
+        let mut m = o.clone();
+        if accumulating {
+            m.techniques.micro_batch = Some(size);
+        } else {
+            m.batch = size;
+            m.techniques.micro_batch = None;
         }
-        let e = estimate(&o.model, o.seq, micro, b, &o.techniques)?;
-        Ok(e.device_total() <= budget)
+        m
+    };
+    let predicted = |size: usize| -> CliResult<u64> {
+        let m = setup(size);
+        Ok(estimate(&m.model, m.seq, m.micro_batch()?, m.batch, &m.techniques)?.device_peak)
+    };
+    let report = search_max_fit(1, sizes.len(), |k| -> CliResult<bool> {
+        Ok(predicted(sizes[k - 1])? <= budget)
     })?;
-    let Some(best) = report.largest_fit else {
-        return Err(format!(
-            "no batch fits {:.1} MiB with {} (not even 1 sequence of {} tokens)",
-            mib(budget),
-            o.techniques.describe(),
-            o.seq
-        )
-        .into());
+    let describe = o.techniques.describe();
+    let estimated = match report.outcome {
+        MaxFit::Found { largest_fit, .. } => sizes[largest_fit - 1],
+        MaxFit::LimitReached { .. } => {
+            say!(
+                "every {what} up to the limit {limit} is predicted to fit {:.1} MiB with \
+                 {describe}: raise --limit to find the largest",
+                mib(budget)
+            );
+            sizes[sizes.len() - 1]
+        }
+        MaxFit::NoneFits { .. } => {
+            return Err(format!(
+                "no {what} fits {:.1} MiB with {describe}: even 1 sequence of {} tokens is \
+                 predicted to need {:.1} MiB",
+                mib(budget),
+                o.seq,
+                mib(predicted(1)?)
+            )
+            .into())
+        }
     };
     say!(
-        "largest batch (estimated) that fits {:.1} MiB: {best} × {} tokens, with {} ({} trials)",
+        "largest {what} predicted to fit {:.1} MiB: {estimated} × {} tokens, predicted peak \
+         {:.1} MiB, with {describe}",
         mib(budget),
         o.seq,
-        o.techniques.describe(),
-        report.attempts.len()
+        mib(predicted(estimated)?)
     );
-    if a.measure {
-        for b in [best, best + 1] {
-            let mut m = o.clone();
-            m.batch = b;
-            m.steps = 1;
-            if let Some(mb) = micro_fixed {
-                m.techniques.micro_batch = Some(mb.min(b));
+    if !a.measure {
+        return Ok(());
+    }
+    // Measure one step at a time until a fit and the next size's refusal are both seen.
+    let start_k = sizes
+        .iter()
+        .position(|&s| s == estimated)
+        .map_or(1, |i| i + 1);
+    let check = confirm_boundary(start_k, sizes.len(), 24, |k| -> CliResult<bool> {
+        let size = sizes[k - 1];
+        let mut m = setup(size);
+        m.steps = 1;
+        m.check_machine_memory = true;
+        let verdict = match train(&m, |_| {}) {
+            Ok(r) => {
+                let peak = r
+                    .memory
+                    .device(m.device.tracked())
+                    .map_or(0, |d| d.peak_total);
+                say!(
+                    "  measured {what} {size}: fits (peak {:.1} MiB, predicted {:.1})",
+                    mib(peak),
+                    mib(predicted(size)?)
+                );
+                true
             }
-            let verdict = match train(&m, |_| {}) {
-                Ok(r) => format!(
-                    "fits (measured peak {:.1} MiB)",
-                    mib(r
-                        .memory
-                        .device(headroom_tensor::Device::Cpu)
-                        .map_or(0, |d| d.peak_total))
-                ),
-                Err(e) if OutOfBudget::find(&e).is_some() => {
-                    "does not fit (tracker refused)".into()
-                }
-                Err(e) => return Err(e.into()),
-            };
-            say!("  measured batch {b}: {verdict}");
+            Err(e) if OutOfBudget::find(&e).is_some() => {
+                say!("  measured {what} {size}: does not fit (the tracker refused)");
+                false
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(verdict)
+    })?;
+    match check.outcome {
+        Some(MaxFit::Found {
+            largest_fit,
+            smallest_refused,
+        }) => say!(
+            "largest {what} that fits {:.1} MiB, measured: {} ({} does not fit)",
+            mib(budget),
+            sizes[largest_fit - 1],
+            sizes[smallest_refused - 1]
+        ),
+        Some(MaxFit::LimitReached { .. }) => say!(
+            "measured: the limit {} fits; raise --limit to find the largest",
+            sizes[sizes.len() - 1]
+        ),
+        Some(MaxFit::NoneFits { .. }) => {
+            return Err(format!("measured: no {what} fits {:.1} MiB", mib(budget)).into())
+        }
+        None => {
+            return Err(format!(
+                "the measurements did not converge in {} trials (largest measured fit {:?})",
+                check.trials.len(),
+                check.largest_fit.map(|k| sizes[k - 1])
+            )
+            .into())
         }
     }
     Ok(())

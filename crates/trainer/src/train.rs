@@ -111,6 +111,77 @@ pub struct TrainOptions {
     /// Refuse a CPU run whose predicted memory exceeds the machine's physical memory before
     /// allocating anything (on by default; off for runs that expect to swap).
     pub check_machine_memory: bool,
+    /// Memory reports to write when the run ends — also when it fails, out of budget
+    /// included, so the files show the moment of the failure.
+    pub memory_outputs: MemoryOutputs,
+}
+
+/// Files the device's memory timeline is written to (nothing is recorded when all are `None`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MemoryOutputs {
+    /// Chrome / Perfetto trace JSON: one counter per category, phases, step markers.
+    pub trace: Option<PathBuf>,
+    /// A stacked-area SVG plot by category.
+    pub svg: Option<PathBuf>,
+    /// Index the SVG's x axis by allocation event instead of wall time (backward and the
+    /// peak stay visible when compute dominates the time).
+    pub svg_by_event: bool,
+    /// PyTorch's memory-snapshot pickle (`torch.cuda.memory._snapshot()` format), for
+    /// pytorch.org/memory_viz.
+    pub snapshot: Option<PathBuf>,
+}
+
+impl MemoryOutputs {
+    /// True when a file is asked for.
+    pub fn any(&self) -> bool {
+        self.trace.is_some() || self.svg.is_some() || self.snapshot.is_some()
+    }
+
+    /// Write every requested file from `timeline` (of `device`, drawn against `budget`).
+    pub fn write(
+        &self,
+        timeline: &headroom_profiler::Timeline,
+        device: headroom_tensor::Device,
+        budget: Option<u64>,
+        title: &str,
+    ) -> Result<()> {
+        let file = |p: &PathBuf| {
+            std::fs::File::create(p).map_err(|e| TrainError::Report {
+                path: p.clone(),
+                reason: e.to_string(),
+            })
+        };
+        if let Some(p) = &self.trace {
+            let w = std::io::BufWriter::new(file(p)?);
+            headroom_profiler::write_chrome_trace(timeline, w)?;
+        }
+        if let Some(p) = &self.svg {
+            let plot = headroom_profiler::PlotOptions {
+                title: Some(title.to_string()),
+                budget,
+                x_axis: if self.svg_by_event {
+                    headroom_profiler::XAxis::EventIndex
+                } else {
+                    headroom_profiler::XAxis::Time
+                },
+                ..Default::default()
+            };
+            let svg = headroom_profiler::stacked_timeline_svg(timeline, device, &plot);
+            std::fs::write(p, svg).map_err(|e| TrainError::Report {
+                path: p.clone(),
+                reason: e.to_string(),
+            })?;
+        }
+        if let Some(p) = &self.snapshot {
+            let w = std::io::BufWriter::new(file(p)?);
+            headroom_profiler::write_torch_snapshot(
+                timeline,
+                &headroom_profiler::TorchSnapshotOptions::default(),
+                w,
+            )?;
+        }
+        Ok(())
+    }
 }
 
 impl TrainOptions {
@@ -149,6 +220,7 @@ impl TrainOptions {
             stop_after: None,
             stop: None,
             check_machine_memory: true,
+            memory_outputs: MemoryOutputs::default(),
         }
     }
 
@@ -721,10 +793,47 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     if matches!(opts.device, ComputeDevice::Cuda { .. }) && !tech.optimizer.is_offloaded() {
         check_resident_cuda(tech)?;
     }
-    let precision = tech.model.precision;
     let tracker = Arc::new(MemoryTracker::new());
     let dev = opts.device.tracked();
     tracker.set_budget(dev, opts.budget);
+    let outputs = &opts.memory_outputs;
+    if outputs.any() {
+        tracker.start_timeline();
+    }
+    let result = train_tracked(opts, &tracker, &mut on_step);
+    if outputs.any() {
+        if let Some(timeline) = tracker.stop_timeline() {
+            // Short enough for the plot's width; the techniques are in the trace's metadata.
+            let title = format!(
+                "GPT {}L/{}H/{}C, batch {}×{}, {}, checkpoint {}",
+                opts.model.layers,
+                opts.model.heads,
+                opts.model.channels,
+                opts.batch,
+                opts.seq,
+                tech.model.precision.name(),
+                tech.checkpoint.name()
+            );
+            let written = outputs.write(&timeline, dev, opts.budget, &title);
+            // A failed run reports its own error; the files are best-effort then.
+            if result.is_ok() {
+                written?;
+            }
+        }
+    }
+    result
+}
+
+/// The run itself, its device allocations reported to `tracker`.
+fn train_tracked(
+    opts: &TrainOptions,
+    tracker: &Arc<MemoryTracker>,
+    on_step: &mut impl FnMut(&StepLog),
+) -> Result<TrainReport> {
+    let tech = &opts.techniques;
+    let micro = opts.micro_batch()?;
+    let precision = tech.model.precision;
+    let dev = opts.device.tracked();
     // Every step allocates the same shapes: reuse freed buffers rather than fault in fresh
     // pages each step (the tracker still sees every tensor allocated and freed).
     let cpu = Cpu::new()
@@ -789,6 +898,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     };
     let mut loader = {
         let _g = MemoryCategory::Data.enter();
+        let _l = headroom_profiler::label_absolute("data.batch");
         match &resume {
             Some(ck) => Loader::resume(dataset, &ck.state.loader, loader_cfg, data_hook)?,
             None => Loader::new(dataset, sampler, loader_cfg, data_hook)?,
@@ -860,7 +970,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
             .map(|ck| (&ck.state.optimizer, ck.moments.as_slice()));
         cuda_resident(
             ordinal,
-            &tracker,
+            tracker,
             opts.model,
             model_opts,
             masters,
@@ -881,7 +991,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
                 Engine::Cpu(Gpt::from_masters(&cpu, opts.model, model_opts, masters)?)
             }
             ComputeDevice::Cuda { ordinal } => {
-                cuda_engine(ordinal, &tracker, opts.model, model_opts, masters)?
+                cuda_engine(ordinal, tracker, opts.model, model_opts, masters)?
             }
         };
         let acc_backend = if grads_on_host {
@@ -889,7 +999,11 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         } else {
             cpu.clone()
         };
-        let acc = GradAccumulator::new(acc_backend, shapes.iter().cloned())?;
+        let acc = {
+            let _l = headroom_profiler::label_absolute("grads (accumulator)");
+            GradAccumulator::new(acc_backend, shapes.iter().cloned())?
+        };
+        let _l = headroom_profiler::label_absolute("optimizer.moments");
         let state_backend = if on_host || tech.optimizer.is_offloaded() {
             &host
         } else {
@@ -954,6 +1068,9 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     let mut stopped = false;
     let mut last_checkpoint = None;
     for step in start..end {
+        if tracker.is_recording() {
+            tracker.mark(&format!("step {step}"));
+        }
         let t0 = Instant::now();
         let (tokens, targets) = {
             let batch = loader.next_batch()?;

@@ -289,3 +289,57 @@ fn help_shows_the_real_defaults() {
         (small.weight_decay, small.grad_clip, small.min_lr_frac)
     );
 }
+
+/// `max-batch --measure` confirms the boundary with measured steps (a fit at b, a refusal at
+/// b + 1); with `--micro-batch` it searches the micro-batch (divisors of the batch); a limit
+/// that fits says so instead of posing as the answer; nothing fitting is an error.
+#[test]
+fn max_batch_confirms_the_boundary_by_measuring() {
+    let o = headroom(&[
+        "max-batch",
+        "--budget-mib",
+        "4",
+        "--limit",
+        "256",
+        "--measure",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("largest batch that fits"))
+        .unwrap_or_else(|| panic!("no measured answer:\n{out}"));
+    let b: usize = line
+        .split("measured: ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap();
+    assert!(out.contains(&format!("measured batch {b}: fits")), "{out}");
+    assert!(
+        out.contains(&format!("measured batch {}: does not fit", b + 1)),
+        "{out}"
+    );
+    let o = headroom(&[
+        "max-batch",
+        "--budget-mib",
+        "4",
+        "--batch",
+        "64",
+        "--micro-batch",
+        "1",
+        "--measure",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("largest micro-batch that fits"),
+        "{}",
+        stdout(&o)
+    );
+    let o = headroom(&["max-batch", "--budget-mib", "400", "--limit", "16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("raise --limit"), "{}", stdout(&o));
+    let o = headroom(&["max-batch", "--model", "small", "--budget-mib", "64"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no batch fits"), "{}", stderr(&o));
+}

@@ -5,8 +5,8 @@
 //! mismatch, the one outcome that must never happen.
 //!
 //! `cargo test -p headroom-trainer --test kill_resume` runs a few kills (CI); the campaign for
-//! the results file sets `HEADROOM_KILLS` (e.g. 120) and `HEADROOM_KILL_SEED`, and runs the
-//! ignored-free test with `--nocapture` to see the summary.
+//! the results file sets `HEADROOM_KILLS` (e.g. 120), `HEADROOM_KILL_SEED` and `HEADROOM_BIN`,
+//! and runs the test with `--nocapture` to see the summary.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -14,8 +14,12 @@ use std::time::{Duration, Instant};
 
 const STEPS: &str = "24";
 
+/// The binary under test; `HEADROOM_BIN` points a long campaign at a copy that a rebuild in
+/// the meantime cannot replace half-way.
 fn headroom() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_headroom"))
+    Command::new(
+        std::env::var_os("HEADROOM_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_headroom").into()),
+    )
 }
 
 fn train_args(dir: &Path) -> Vec<String> {

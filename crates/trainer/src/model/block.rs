@@ -63,6 +63,7 @@ impl Layer<Cpu> for Block<'_> {
         grad_output: &CpuTensor,
     ) -> headroom_tensor::Result<CpuTensor> {
         let (gpt, l, g) = (self.gpt, self.index, self.g);
+        let _t = gpt.tag(l, "backward");
         gpt.with_staged_grads(self.grads, |grads| {
             gpt.block_backward(l, input, saved, grad_output, grads, g)
         })
@@ -125,8 +126,12 @@ impl Gpt {
         let w = |off| self.w(layer_index(l, off));
         let x = self.view(inp)?;
 
+        // Every allocation below is labelled for the profiler's tables and traces; the guards
+        // shadow each other, so each label holds until the next one and all end with the block.
+        let _t = self.tag(l, "ln1");
         let (ln1, ln1_mean, ln1_rstd) = self.block_layernorm(l, x.s()?, o::LN1_W, o::LN1_B, g)?;
         // qkv is only a stepping stone to q, k, v: workspace, dropped once split.
+        let _t = self.tag(l, "attn.qkv");
         let mut qkv = self.scratch([g.b, g.t, 3 * c])?;
         matmul::forward(
             f32s_mut(&mut qkv)?,
@@ -149,6 +154,7 @@ impl Gpt {
         );
         drop(qkv);
         let (q, k, v) = (self.keep(q)?, self.keep(k)?, self.keep(v)?);
+        let _t = self.tag(l, "attn.out");
         let attn = {
             let (qv, kv, vv) = (self.view(&q)?, self.view(&k)?, self.view(&v)?);
             let out_cat = if self.opts.precision.is_low() {
@@ -168,6 +174,7 @@ impl Gpt {
                 ..f
             }
         };
+        let _t = self.tag(l, "attn.proj");
         let mut atty = self.scratch([g.b, g.t, c])?;
         merge_heads(
             self.view(&attn.output)?.s()?,
@@ -192,8 +199,10 @@ impl Gpt {
         }
         let res2 = self.keep(res2)?;
         let res2v = self.view(&res2)?;
+        let _t = self.tag(l, "ln2");
         let (ln2, ln2_mean, ln2_rstd) =
             self.block_layernorm(l, res2v.s()?, o::LN2_W, o::LN2_B, g)?;
+        let _t = self.tag(l, "mlp.fc");
         let mut fch = self.fresh([g.b, g.t, 4 * c])?;
         matmul::forward(
             f32s_mut(&mut fch)?,
@@ -205,8 +214,10 @@ impl Gpt {
             4 * c,
         );
         let fch = self.keep(fch)?;
+        let _t = self.tag(l, "mlp.gelu");
         let fch_gelu = self.block_gelu(&fch)?;
         // The block output is the next block's input: the chain decides whether it is kept.
+        let _t = self.tag(l, "mlp.proj");
         let mut out = self.fresh([g.b, g.t, c])?;
         matmul::forward(
             f32s_mut(&mut out)?,
@@ -264,6 +275,7 @@ impl Gpt {
         let res2v = self.view(&s.res2)?;
         // Selective recomputation: what forward dropped comes back, bit for bit, from what
         // it kept (the statistics are recomputed too and discarded).
+        let _t = self.tag(l, "recompute");
         let ln1 = match s.ln1 {
             Some(t) => t,
             None => self.block_layernorm(l, x.s()?, o::LN1_W, o::LN1_B, g)?.0,
@@ -281,6 +293,7 @@ impl Gpt {
         };
 
         // out = res2 + fcproj(fch_gelu): dres2 starts as dout, dfch_gelu from the projection.
+        let _t = self.tag(l, "mlp.backward");
         let mut dfch_gelu = self.scratch([g.b, g.t, 4 * c])?;
         {
             let (dw, db) = two_mut(grads, o::FC_PROJ_W, o::FC_PROJ_B);
@@ -320,6 +333,7 @@ impl Gpt {
             );
         }
         drop((dfch, ln2));
+        let _t = self.tag(l, "ln2.backward");
         let mut dres2 = self.scratch([g.b, g.t, c])?;
         f32s_mut(&mut dres2)?.copy_from_slice(dout.as_slice::<f32>()?);
         {
@@ -338,6 +352,7 @@ impl Gpt {
         }
         drop((dln2, res2v));
         // res2 = inp + attproj(atty), atty = the attention output with heads merged.
+        let _t = self.tag(l, "attn.backward");
         let mut atty = self.scratch([g.b, g.t, c])?;
         merge_heads(
             self.view(&s.attn.output)?.s()?,
@@ -389,6 +404,7 @@ impl Gpt {
             hs,
         );
         drop(ag);
+        let _t = self.tag(l, "ln1.backward");
         let mut dln1 = self.scratch([g.b, g.t, c])?;
         {
             let (dw, db) = two_mut(grads, o::QKV_W, o::QKV_B);

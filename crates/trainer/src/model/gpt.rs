@@ -12,6 +12,7 @@
 use headroom_amp::{AutocastPreset, MasterWeights, MasterWeightsConfig};
 use headroom_attn::{AttentionConfig, AttentionForward};
 use headroom_ckpt::{Chain, Schedule, ScheduleStats};
+use headroom_profiler::label_absolute;
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
 use crate::model::block::Block;
@@ -207,7 +208,10 @@ impl Gpt {
             Precision::Bf16 => AutocastPreset::Bf16,
             Precision::Fp16 => AutocastPreset::Fp16,
         };
-        let weights = MasterWeights::new(cpu, masters, MasterWeightsConfig::preset(preset))?;
+        let weights = {
+            let _l = label_absolute("params (working copies)");
+            MasterWeights::new(cpu, masters, MasterWeightsConfig::preset(preset))?
+        };
         Ok(Gpt {
             cfg,
             weights,
@@ -322,6 +326,12 @@ impl Gpt {
         }
     }
 
+    /// Label the allocations of block `l` with `block.{l}.{what}` until the guard drops
+    /// (the profiler's summary table, trace and snapshot name tensors by it).
+    pub(crate) fn tag(&self, l: usize, what: &str) -> headroom_profiler::LabelGuard {
+        headroom_profiler::label_absolute(&format!("block.{l}.{what}"))
+    }
+
     /// Run `f` on gradient buffers for `dst`: `dst` itself, or — under
     /// [`GptOptions::offload_grads`] — zeroed device buffers of the same shapes (category
     /// `Gradients`) whose contents are added into `dst` once `f` returns, then freed.
@@ -335,6 +345,13 @@ impl Gpt {
         }
         let mut staged = {
             let _g = MemoryCategory::Gradients.enter();
+            let _l = label_absolute(&format!(
+                "{}.grad",
+                headroom_profiler::LabelId::current()
+                    .name()
+                    .as_deref()
+                    .unwrap_or("params")
+            ));
             dst.iter()
                 .map(|t| Ok(self.cpu.zeros(t.shape().clone(), DType::F32)?))
                 .collect::<Result<Vec<CpuTensor>>>()?
@@ -353,6 +370,7 @@ impl Gpt {
 
     /// Token + position embeddings: `[B, T, C]` in the storage precision (the chain's input).
     pub fn embed(&self, tokens: &[u32], g: Geometry) -> Result<CpuTensor> {
+        let _l = label_absolute("embed.out");
         let c = self.cfg.channels;
         let mut out = self.fresh([g.b, g.t, c])?;
         embedding::forward(
@@ -385,6 +403,7 @@ impl Gpt {
         let (c, v) = (self.cfg.channels, self.cfg.vocab);
         let n = g.rows();
         let lf = ln_f_index(&self.cfg);
+        let _l = label_absolute("head.ln_f");
         let x = self.view(residual)?;
         let mut lnf = self.stat([g.b, g.t, c])?;
         let mut lnf_mean = self.stat([g.b, g.t])?;
@@ -399,10 +418,18 @@ impl Gpt {
             c,
         );
         self.round_in_place(f32s_mut(&mut lnf)?);
+        let _l = label_absolute("head.wte (f32 view)");
         let wte = self.w(WTE)?;
+        let _l = label_absolute("head.losses");
         let mut losses = self.stat([g.b, g.t])?;
+        let _l = label_absolute("head.dln_f");
         let mut dlnf = self.scratch([g.b, g.t, c])?;
         let rows = self.opts.loss_chunk.unwrap_or(n).min(n);
+        let _l = label_absolute(if rows < n {
+            "head.logits[chunk]"
+        } else {
+            "head.logits"
+        });
         let (mut logits, mut dlogits) = {
             let cat = if self.opts.loss_chunk.is_some() {
                 MemoryCategory::Workspace
@@ -447,6 +474,7 @@ impl Gpt {
             .map(|&x| x as f64)
             .sum::<f64>()
             / n as f64;
+        let _l = label_absolute("head.dresidual");
         let mut dres = self.scratch([g.b, g.t, c])?;
         layernorm::backward(
             f32s_mut(&mut dres)?,
@@ -545,6 +573,7 @@ impl Gpt {
         let mut chain = Chain::new(layers);
         let mut loss = 0.0f32;
         let out = chain.step(&self.cpu, schedule, &x, |y| {
+            let _l = label_absolute("head");
             let (l, d) = self
                 .with_staged_grads(&mut emb[..1], |wte| {
                     self.with_staged_grads(lnf, |lnf| {
@@ -562,6 +591,7 @@ impl Gpt {
             Ok(d)
         })?;
         drop(x);
+        let _l = label_absolute("embed");
         self.with_staged_grads(emb, |emb| {
             let (wte, wpe) = emb.split_at_mut(1);
             self.embed_backward(&out.input_grad, tokens, &mut wte[0], &mut wpe[0], g)

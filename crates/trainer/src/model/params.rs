@@ -96,9 +96,19 @@ pub fn alloc_like_params(
     category: MemoryCategory,
 ) -> Result<Vec<CpuTensor>> {
     let _g = category.enter();
+    // Labelled by Hugging Face name (`h.3.attn.c_attn.weight`, `wte.weight.grad`) so the
+    // profiler's tables name them.
+    let suffix = match category {
+        MemoryCategory::Parameters => "",
+        MemoryCategory::Gradients => ".grad",
+        _ => ".copy",
+    };
     param_infos(cfg)
         .iter()
-        .map(|i| Ok(cpu.zeros(i.shape.clone(), DType::F32)?))
+        .map(|i| {
+            let _l = headroom_profiler::label_absolute(&format!("{}{suffix}", i.name));
+            Ok(cpu.zeros(i.shape.clone(), DType::F32)?)
+        })
         .collect()
 }
 

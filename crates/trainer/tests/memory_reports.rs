@@ -1,0 +1,115 @@
+//! The profiler inside the trainer: every allocation labelled, the three report files written
+//! (also when the run fails out of budget), and the out-of-memory diagnosis of the command.
+
+use headroom_trainer::train::{train, MemoryOutputs, TrainOptions};
+
+fn full_stack_tiny(dir: &std::path::Path) -> TrainOptions {
+    let mut o = TrainOptions {
+        steps: 2,
+        batch: 4,
+        ..TrainOptions::tiny_default()
+    };
+    let t = &mut o.techniques;
+    t.model.precision = headroom_trainer::model::Precision::Bf16;
+    t.model.loss_chunk = Some(32);
+    t.checkpoint = headroom_trainer::techniques::CheckpointChoice::SqrtN;
+    t.optimizer.placement = headroom_trainer::techniques::OptimizerPlacement::HostRam;
+    t.micro_batch = Some(2);
+    o.memory_outputs = MemoryOutputs {
+        trace: Some(dir.join("trace.json")),
+        svg: Some(dir.join("memory.svg")),
+        svg_by_event: true,
+        snapshot: Some(dir.join("snapshot.pickle")),
+    };
+    o
+}
+
+#[test]
+fn a_full_stack_run_writes_a_valid_trace_a_plot_and_a_labelled_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = full_stack_tiny(dir.path());
+    let report = train(&o, |_| {}).unwrap();
+    // Nothing the trainer allocates is unlabelled.
+    assert!(
+        !report.memory_table.contains("(unlabelled)"),
+        "{}",
+        report.memory_table
+    );
+    assert!(
+        report.memory_table.contains("block."),
+        "{}",
+        report.memory_table
+    );
+
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("trace.json")).unwrap()).unwrap();
+    let stats = headroom_profiler::validate_chrome_trace(&trace).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let names: Vec<&str> = events.iter().filter_map(|e| e["name"].as_str()).collect();
+    for needle in ["step 0", "step 1", "forward+backward", "optimizer"] {
+        assert!(names.contains(&needle), "trace lacks {needle}: {stats:?}");
+    }
+
+    let svg = std::fs::read_to_string(dir.path().join("memory.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg") || svg.starts_with("<?xml"),
+        "{}",
+        &svg[..80]
+    );
+    assert!(svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("allocation event"), "the x axis is by event");
+
+    let snapshot = std::fs::read(dir.path().join("snapshot.pickle")).unwrap();
+    // Pickle protocol 2+ starts with PROTO; the labels are stored as UTF-8 strings.
+    assert_eq!(snapshot[0], 0x80);
+    let text = String::from_utf8_lossy(&snapshot);
+    for label in [
+        "block.0.mlp.fc",
+        "head.logits[chunk]",
+        "device_traces",
+        "segments",
+    ] {
+        assert!(text.contains(label), "snapshot lacks {label}");
+    }
+}
+
+#[test]
+fn an_out_of_budget_run_still_writes_its_reports_up_to_the_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        budget: Some(600 << 10),
+        ..full_stack_tiny(dir.path())
+    };
+    let e = train(&o, |_| {}).unwrap_err();
+    assert!(headroom_profiler::OutOfBudget::find(&e).is_some(), "{e}");
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("trace.json")).unwrap()).unwrap();
+    headroom_profiler::validate_chrome_trace(&trace).unwrap();
+    assert!(dir.path().join("snapshot.pickle").is_file());
+}
+
+#[test]
+fn the_command_explains_an_out_of_memory_and_suggests_what_fits() {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args([
+            "train",
+            "--model",
+            "small",
+            "--steps",
+            "1",
+            "--budget-mib",
+            "300",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    for needle in [
+        "largest live",
+        "predicted to fit 300.0 MiB",
+        "--offload ram",
+        "caused by",
+    ] {
+        assert!(err.contains(needle), "stderr lacks {needle}:\n{err}");
+    }
+}
