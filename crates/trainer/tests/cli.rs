@@ -343,3 +343,50 @@ fn max_batch_confirms_the_boundary_by_measuring() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("no batch fits"), "{}", stderr(&o));
 }
+
+/// SIGTERM (as SIGINT) saves a checkpoint of the last finished step and exits with 128 + 15;
+/// the checkpoint resumes.
+#[test]
+fn a_signal_saves_a_checkpoint_and_exits_cleanly() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args([
+            "train",
+            "--steps",
+            "100000",
+            "--batch",
+            "2",
+            "--checkpoint-every",
+            "0",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // Wait until training runs (the header, then step lines).
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("step     2") {
+            break;
+        }
+    }
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg(format!("kill -TERM {}", child.id()))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    // Keep reading so the child never blocks on a full pipe.
+    let drain = std::thread::spawn(move || lines.count());
+    let out = child.wait_with_output().unwrap();
+    drain.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 15), "{err}");
+    assert!(err.contains("stopped by signal 15"), "{err}");
+    let saved = headroom_trainer::checkpoint::load(&ck).unwrap();
+    assert!(saved.state.step >= 3, "step {}", saved.state.step);
+}
