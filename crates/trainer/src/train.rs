@@ -473,6 +473,42 @@ impl GradUnscaler<Cpu> for ScalerAdapter<'_> {
     }
 }
 
+/// Refuse a file that is text rather than tokens: read as a raw token file, its bytes would
+/// train silently on nonsense. Text here: the first 64 KiB are valid UTF-8 (a cut character at
+/// the end allowed) without NUL bytes and at least 95% printable or whitespace; token files
+/// fail this at once (llm.c and Megatron headers hold NUL bytes, as do small token ids).
+fn refuse_text(path: &std::path::Path) -> Result<()> {
+    use std::io::Read;
+    let mut head = Vec::with_capacity(64 << 10);
+    let read = std::fs::File::open(path)
+        .and_then(|f| f.take(64 << 10).read_to_end(&mut head))
+        .map_err(|e| TrainError::Input(format!("{}: {e}", path.display())))?;
+    if read == 0 || head.contains(&0) {
+        return Ok(());
+    }
+    let text = match std::str::from_utf8(&head) {
+        Ok(t) => t,
+        // A multi-byte character cut by the 64 KiB window still counts as text.
+        Err(e) if e.error_len().is_none() => std::str::from_utf8(&head[..e.valid_up_to()])
+            .map_err(|e| TrainError::Input(e.to_string()))?,
+        Err(_) => return Ok(()),
+    };
+    let chars = text.chars().count().max(1);
+    let printable = text
+        .chars()
+        .filter(|c| !c.is_control() || c.is_whitespace())
+        .count();
+    if printable * 100 >= chars * 95 {
+        return Err(TrainError::Input(format!(
+            "{} is UTF-8 text, not a token file: tokenise it first, e.g. `headroom data build \
+             {} tokens.bin`",
+            path.display(),
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
     match &opts.data {
         DataSource::Synthetic(d) => {
@@ -487,6 +523,7 @@ fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
             Ok((Arc::new(ds), Some(chain.entropy_rate())))
         }
         DataSource::File(path) => {
+            refuse_text(path)?;
             let ds = headroom_mmap_data::open(path, &Default::default())?;
             Ok((Arc::new(ds), None))
         }

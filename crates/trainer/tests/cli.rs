@@ -390,3 +390,19 @@ fn a_signal_saves_a_checkpoint_and_exits_cleanly() {
     let saved = headroom_trainer::checkpoint::load(&ck).unwrap();
     assert!(saved.state.step >= 3, "step {}", saved.state.step);
 }
+
+/// `--data` on a text file is refused with a pointer to `headroom data build`, never trained
+/// on as if its bytes were token ids.
+#[test]
+fn text_given_as_data_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("corpus.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox — jumps over the lazy dog.\n".repeat(200),
+    )
+    .unwrap();
+    let o = headroom(&["train", "--steps", "1", "--data", text.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("headroom data build"), "{}", stderr(&o));
+}
