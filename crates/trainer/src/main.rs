@@ -20,7 +20,9 @@ use headroom_trainer::estimate::estimate;
 use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
 use headroom_trainer::model::{GptConfig, Precision};
 use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
-use headroom_trainer::train::{train, DataSource, MemoryOutputs, StepLog, TrainOptions};
+use headroom_trainer::train::{
+    train, DataSource, EvalOptions, MemoryOutputs, StepLog, TrainOptions,
+};
 
 type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
@@ -249,6 +251,15 @@ struct TrainArgs {
     /// Print a step line every N steps when there is no progress bar [default: 1].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: Option<u64>,
+    /// Validation token file: a mean loss over fixed windows of it (the same every time).
+    #[arg(long)]
+    val_data: Option<PathBuf>,
+    /// Steps between validations (0: only after the last step).
+    #[arg(long, default_value_t = 0)]
+    eval_every: usize,
+    /// Batches (of the run's batch × seq) in the validation set.
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
     /// Write the device memory timeline as a Chrome/Perfetto trace (open in ui.perfetto.dev).
     #[arg(long)]
     memory_trace: Option<PathBuf>,
@@ -530,6 +541,11 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
     o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
     o.resume_from = args.resume;
     o.stop_after = args.stop_after;
+    o.eval = args.val_data.map(|data| EvalOptions {
+        data,
+        every: args.eval_every,
+        batches: args.eval_batches,
+    });
     o.memory_outputs = MemoryOutputs {
         trace: args.memory_trace,
         svg: args.memory_svg,
@@ -579,15 +595,18 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
                 "applied": s.applied, "loss_scale": s.loss_scale,
                 "block_forwards": s.block_forwards, "seconds": s.seconds,
                 "tokens_per_s": s.tokens_per_s, "live_bytes": s.live_bytes,
-                "peak_bytes": s.peak_bytes,
+                "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
             });
             // Flushed per line: a killed run's file ends at a whole line.
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
                 metrics_err.get_or_insert(e);
             }
         }
+        let val = s
+            .val_loss
+            .map_or(String::new(), |v| format!("  val {v:.4}"));
         let msg = format!(
-            "loss {:.4}  {:>6.0} tok/s  live {:.1} MiB  peak {:.1} MiB",
+            "loss {:.4}{val}  {:>6.0} tok/s  live {:.1} MiB  peak {:.1} MiB",
             s.loss,
             s.tokens_per_s,
             mib(s.live_bytes),
@@ -599,7 +618,7 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
                 b.set_message(msg);
             }
             None => {
-                if s.step % every == 0 || s.step + 1 == o.steps {
+                if s.step % every == 0 || s.step + 1 == o.steps || s.val_loss.is_some() {
                     say!("step {:>5}  {msg}", s.step);
                 }
             }
@@ -641,6 +660,9 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
             100.0 * (last - floor) / floor
         ),
         None => say!("final loss (mean of last {k} steps) {last:.4} nats/token"),
+    }
+    if let Some((v, tokens)) = report.val_loss {
+        say!("validation loss {v:.4} nats/token ({tokens} tokens)");
     }
     if let Some(d) = &report.last_checkpoint {
         say!("checkpoint: {}", d.display());

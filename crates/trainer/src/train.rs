@@ -111,10 +111,28 @@ pub struct TrainOptions {
     /// Refuse a CPU run whose predicted memory exceeds the machine's physical memory before
     /// allocating anything (on by default; off for runs that expect to swap).
     pub check_machine_memory: bool,
+    /// Validation: a loss over fixed windows of another token file, every few steps.
+    pub eval: Option<EvalOptions>,
     /// Memory reports to write when the run ends — also when it fails, out of budget
     /// included, so the files show the moment of the failure.
     pub memory_outputs: MemoryOutputs,
 }
+
+/// Validation during a run (`--val-data`, `--eval-every`, `--eval-batches`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalOptions {
+    /// The validation token file (any format headroom-mmap-data opens).
+    pub data: PathBuf,
+    /// Steps between evaluations (0: only after the last step). The last step is always
+    /// evaluated.
+    pub every: usize,
+    /// Batches of the run's shape (`batch × seq`) in the fixed validation set.
+    pub batches: usize,
+}
+
+/// The sampler seed of the validation windows: a constant, so that runs with different seeds
+/// are measured on the same windows.
+const VALIDATION_SEED: u64 = 0x7661_6c69_6461_7465;
 
 /// Files the device's memory timeline is written to (nothing is recorded when all are `None`).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -220,6 +238,7 @@ impl TrainOptions {
             stop_after: None,
             stop: None,
             check_machine_memory: true,
+            eval: None,
             memory_outputs: MemoryOutputs::default(),
         }
     }
@@ -368,6 +387,21 @@ impl TrainOptions {
                 return opt("--min-loss-scale", format!("{m} is not a positive number"));
             }
         }
+        if let Some(e) = &self.eval {
+            if e.batches == 0 {
+                return opt("--eval-batches", "must be at least 1".into());
+            }
+            if e.batches
+                .checked_mul(self.batch)
+                .and_then(|n| n.checked_mul(self.seq))
+                .is_none_or(|n| n as u64 > MAX_TOKENS_PER_STEP)
+            {
+                return opt(
+                    "--eval-batches",
+                    format!("{} batches exceed {MAX_TOKENS_PER_STEP} tokens", e.batches),
+                );
+            }
+        }
         if self.keep_checkpoints == 0 {
             return opt("--keep-checkpoints", "must keep at least 1".into());
         }
@@ -411,6 +445,8 @@ pub struct StepLog {
     pub live_bytes: u64,
     /// Peak tracked device bytes so far.
     pub peak_bytes: u64,
+    /// Mean validation loss after this step, when the step was evaluated.
+    pub val_loss: Option<f32>,
 }
 
 /// The outcome of a run.
@@ -432,6 +468,8 @@ pub struct TrainReport {
     pub stopped: bool,
     /// The last checkpoint this run published.
     pub last_checkpoint: Option<PathBuf>,
+    /// The last validation loss, and the tokens it was measured on.
+    pub val_loss: Option<(f32, u64)>,
 }
 
 impl TrainReport {
@@ -744,6 +782,33 @@ impl Stepper {
         })
     }
 
+    /// Mean loss over `batches` (forward only, `micro` sequences at a time).
+    fn eval_loss(&self, batches: &[(Vec<u32>, Vec<u32>)], micro: usize, seq: usize) -> Result<f32> {
+        let gpt =
+            match self {
+                Stepper::Host {
+                    engine: Engine::Cpu(gpt),
+                    ..
+                } => gpt,
+                #[allow(unreachable_patterns)]
+                _ => return Err(TrainError::Config(
+                    "validation runs on the CPU model only (the CUDA model has no forward-only \
+                     path yet)"
+                        .into(),
+                )),
+            };
+        let rows = micro * seq;
+        let g = Geometry { b: micro, t: seq };
+        let (mut sum, mut chunks) = (0.0f64, 0usize);
+        for (tokens, targets) in batches {
+            for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+                sum += gpt.loss(tok, tgt, g)? as f64;
+                chunks += 1;
+            }
+        }
+        Ok((sum / chunks.max(1) as f64) as f32)
+    }
+
     /// Both groups' learning rate.
     fn set_lr(&mut self, lr: f64) -> Result<()> {
         for g in 0..2 {
@@ -942,6 +1007,34 @@ fn train_tracked(
         }
     };
 
+    // The fixed validation set: `batches` batches of the run's shape from a constant seed,
+    // read once (host vectors, outside the device ledger: a few KiB to MiB of token ids).
+    let val_batches: Vec<(Vec<u32>, Vec<u32>)> = match &opts.eval {
+        None => Vec::new(),
+        Some(e) => {
+            refuse_text(&e.data)?;
+            let ds = Arc::new(headroom_mmap_data::open(&e.data, &Default::default())?);
+            let sampler = SamplerConfig {
+                mode: SamplingMode::EpochWindows,
+                seq_len: opts.seq as u64,
+                seed: VALIDATION_SEED,
+                shard: Shard::SINGLE,
+            };
+            let mut cfg = LoaderConfig::new(opts.batch);
+            cfg.output = OutputType::U32;
+            let mut val = Loader::new(ds, sampler, cfg, None)?;
+            (0..e.batches)
+                .map(|_| {
+                    let b = val.next_batch()?;
+                    let x = b.inputs_u32().map(<[u32]>::to_vec);
+                    let y = b.targets_u32().map(<[u32]>::to_vec);
+                    x.zip(y)
+                        .ok_or_else(|| TrainError::Input("validation loader gave no u32".into()))
+                })
+                .collect::<Result<_>>()?
+        }
+    };
+
     // fp32 masters: on the host when offloading a low-precision run (the device keeps only the
     // working copy); otherwise they are the device's weights. On CUDA they start on the host:
     // an offloaded placement keeps them there (with accumulation and AdamW), the resident one
@@ -1104,6 +1197,7 @@ fn train_tracked(
     let mut logs = Vec::with_capacity(end.saturating_sub(start));
     let mut stopped = false;
     let mut last_checkpoint = None;
+    let mut last_val = None;
     for step in start..end {
         if tracker.is_recording() {
             tracker.mark(&format!("step {step}"));
@@ -1149,6 +1243,15 @@ fn train_tracked(
             stepper.apply()?;
         }
         let seconds = t0.elapsed().as_secs_f64();
+        let val_loss = match &opts.eval {
+            Some(e) if (e.every > 0 && (step + 1) % e.every == 0) || step + 1 == end => {
+                let _phase = tracker.phase("eval");
+                let v = stepper.eval_loss(&val_batches, micro, opts.seq)?;
+                last_val = Some((v, (val_batches.len() * opts.batch * opts.seq) as u64));
+                Some(v)
+            }
+            _ => None,
+        };
         let log = StepLog {
             step,
             loss: (loss_sum / tokens_per_step as f64) as f32,
@@ -1161,6 +1264,7 @@ fn train_tracked(
             tokens_per_s: tokens_per_step as f64 / seconds,
             live_bytes: tracker.live_bytes(dev),
             peak_bytes: tracker.peak_bytes(dev),
+            val_loss,
         };
         on_step(&log);
         logs.push(log);
@@ -1200,6 +1304,7 @@ fn train_tracked(
         schedule,
         stopped,
         last_checkpoint,
+        val_loss: last_val,
     })
 }
 #[cfg(test)]

@@ -406,3 +406,37 @@ fn text_given_as_data_is_refused_with_what_to_do() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("headroom data build"), "{}", stderr(&o));
 }
+
+#[test]
+fn val_data_reports_a_validation_loss_in_lines_metrics_and_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("v.bin");
+    let o = headroom(&["data", "synth", data.to_str().unwrap(), "--tokens", "20000"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let metrics = dir.path().join("m.jsonl");
+    let o = headroom(&[
+        "train",
+        "--steps",
+        "4",
+        "--batch",
+        "2",
+        "--val-data",
+        data.to_str().unwrap(),
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "2",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("val "), "{out}");
+    assert!(out.contains("validation loss"), "{out}");
+    let vals: Vec<bool> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].is_number())
+        .collect();
+    assert_eq!(vals, vec![false, true, false, true]);
+}

@@ -220,3 +220,54 @@ fn hugging_face_transformers_loads_the_checkpoint_with_the_same_loss() {
         "transformers disagrees or could not run"
     );
 }
+
+/// Validation: a fixed set of windows (the same at every evaluation and in every run), a loss
+/// that falls as the model trains, and the last one in the report.
+#[test]
+fn validation_loss_is_on_fixed_windows_and_falls() {
+    use headroom_trainer::train::EvalOptions;
+    let dir = tempfile::tempdir().unwrap();
+    let val = dir.path().join("val.bin");
+    let spec = headroom_mmap_data::SynthSpec {
+        vocab: 64,
+        branching: 4,
+        tokens: 20_000,
+        chain_seed: 1337,
+        stream_seed: 99,
+        format: headroom_mmap_data::TokenFileFormat::Llmc(headroom_mmap_data::LlmcFlavor::Gpt2),
+    };
+    headroom_mmap_data::synthesize(&spec, &val).unwrap();
+    let run = |every: usize| {
+        let o = TrainOptions {
+            steps: 40,
+            batch: 8,
+            eval: Some(EvalOptions {
+                data: val.clone(),
+                every,
+                batches: 4,
+            }),
+            ..TrainOptions::tiny_default()
+        };
+        train(&o, |_| {}).unwrap()
+    };
+    let a = run(5);
+    let b = run(10);
+    let val_at = |r: &headroom_trainer::train::TrainReport, step: usize| {
+        r.steps[step]
+            .val_loss
+            .unwrap_or_else(|| panic!("no eval at {step}"))
+    };
+    // Same windows: the shared evaluations agree bit for bit.
+    assert_eq!(val_at(&a, 9).to_bits(), val_at(&b, 9).to_bits());
+    assert_eq!(val_at(&a, 39).to_bits(), val_at(&b, 39).to_bits());
+    assert!(a.steps[5].val_loss.is_none() && a.steps[4].val_loss.is_some());
+    assert!(
+        val_at(&a, 39) < val_at(&a, 4) - 0.3,
+        "{} → {}",
+        val_at(&a, 4),
+        val_at(&a, 39)
+    );
+    let (last, tokens) = a.val_loss.unwrap();
+    assert_eq!(last.to_bits(), val_at(&a, 39).to_bits());
+    assert_eq!(tokens, 4 * 8 * 64);
+}
