@@ -388,6 +388,14 @@ impl TrainOptions {
             }
         }
         if let Some(e) = &self.eval {
+            if self.device != ComputeDevice::Cpu {
+                return opt(
+                    "--val-data",
+                    "validation runs on the CPU model only (the CUDA model has no forward-only \
+                     path yet)"
+                        .into(),
+                );
+            }
             if e.batches == 0 {
                 return opt("--eval-batches", "must be at least 1".into());
             }
