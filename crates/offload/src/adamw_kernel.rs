@@ -428,6 +428,12 @@ pub(crate) fn step_serial(
             }
         }
     }
+    write_copy(p, c);
+}
+
+/// Writes the updated `p` to the working copy `c` (if any) in its precision.
+#[inline]
+pub(crate) fn write_copy(p: &[f32], c: Option<WorkingCopy<'_>>) {
     match c {
         None => {}
         Some(FloatSliceMut::F32(c)) => c.copy_from_slice(p),

@@ -577,10 +577,11 @@ struct Int8Block<'a, 'g> {
     ss: &'a mut f32,
 }
 
-/// Dequantise `m` and `√v`, run the exact f32 update, requantise. Compiled once per ISA (the
-/// wrappers below) so the decode, square, square-root and encode loops around the update are
-/// vectorised for the same ISA as the update itself; every operation is IEEE-exact (the
-/// update's fused multiply-adds included), so each compilation gives the same bits.
+/// Dequantise `m` and `√v`, run the exact f32 update, requantise: the portable path and the
+/// scalar reference of the 8-bit update. The AVX2 and AVX-512 wrappers below run the fused
+/// AVX2 kernel (`int8_avx2`) instead, which performs the same IEEE-exact operations per element
+/// (the update's fused multiply-adds included) in another order of passes, so every path gives
+/// the same bits (`tests/int8_state.rs`).
 #[inline(always)]
 fn int8_block(
     mb: &CodeBook,
@@ -613,9 +614,10 @@ unsafe fn int8_block_avx512(
     sb: &CodeBook,
     s: &StepScalars,
     b: Int8Block<'_, '_>,
-    isa: SupportedIsa,
+    _isa: SupportedIsa,
 ) {
-    int8_block(mb, sb, s, b, isa)
+    // SAFETY: the caller guarantees this function's features, which include AVX2 and FMA.
+    unsafe { int8_block_fused(mb, sb, s, b) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -625,7 +627,35 @@ unsafe fn int8_block_avx2(
     sb: &CodeBook,
     s: &StepScalars,
     b: Int8Block<'_, '_>,
-    isa: SupportedIsa,
+    _isa: SupportedIsa,
 ) {
-    int8_block(mb, sb, s, b, isa)
+    // SAFETY: the caller guarantees this function's features, which include AVX2 and FMA.
+    unsafe { int8_block_fused(mb, sb, s, b) }
+}
+
+/// [`int8_block`] by the fused AVX2 kernel (`int8_avx2`): the same operations per element, so
+/// the same bits. f16 gradients are widened into a buffer first (exactly, as `step_serial`
+/// widens them).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int8_block_fused(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>) {
+    use crate::int8_avx2::{block, Grad};
+    use half::slice::HalfFloatSliceExt;
+    let mut wide: [f32; QUANT_BLOCK];
+    let g = match b.g {
+        FloatSlice::F32(g) => Grad::F32(g),
+        FloatSlice::BF16(g) => Grad::Bf16(g),
+        FloatSlice::F16(g) => {
+            wide = [0f32; QUANT_BLOCK];
+            let w = &mut wide[..g.len()];
+            g.convert_to_f32_slice(w);
+            Grad::F32(w)
+        }
+    };
+    // SAFETY: the caller guarantees AVX2 and FMA.
+    unsafe { block(mb, sb, s, b.p, g, b.mc, b.sc, b.ms, b.ss) };
+    crate::adamw_kernel::write_copy(b.p, b.c);
 }

@@ -27,6 +27,12 @@ pub(crate) struct CodeBook {
     /// of the smallest value with those bits. Every such bucket holds at most one midpoint
     /// (checked when the table is built), so one comparison finishes the encoding.
     bucket_code: Box<[u8]>,
+    /// The same lookup for vectors, one 32-bit entry per bucket so that one gather finishes the
+    /// encoding with integer compares: the bucket's code in the low 8 bits and, above them (as a
+    /// signed value), `t - 1`, where `t` is the threshold on the key `low16(x)` (sign-flipped
+    /// for negative buckets: `low16(x) ^ 0xffff`) at and above which `x` reaches the midpoint
+    /// inside the bucket; `t = 0x1_0000` (never reached) for a bucket without one.
+    pub(crate) bucket_entry: Box<[u32]>,
 }
 
 impl CodeBook {
@@ -43,6 +49,7 @@ impl CodeBook {
             values,
             midpoints,
             bucket_code: vec![0u8; 1 << 16].into_boxed_slice(),
+            bucket_entry: vec![0u32; 1 << 16].into_boxed_slice(),
         };
         for hi in 0..=u16::MAX {
             let a = f32::from_bits((hi as u32) << 16);
@@ -65,6 +72,21 @@ impl CodeBook {
                 "bucket {hi:#06x} spans codes {c_lo}..={c_up}"
             );
             book.bucket_code[hi as usize] = c_lo;
+        }
+        for hi in 0..=u16::MAX as u32 {
+            let c = book.bucket_code[hi as usize];
+            let mid = book.midpoints[c as usize];
+            // `x >= mid` for `x` in this bucket: false throughout unless `mid` lies inside it
+            // (the bucket's smallest value encodes to `c`, so `mid` is above it); inside it,
+            // the top 16 bits agree and the order of the low 16 bits decides, reversed for
+            // negative floats.
+            let t: i32 = if !mid.is_nan() && mid.to_bits() >> 16 == hi {
+                let low = mid.to_bits() & 0xffff;
+                (if hi & 0x8000 == 0 { low } else { low ^ 0xffff }) as i32
+            } else {
+                0x1_0000
+            };
+            book.bucket_entry[hi as usize] = (((t - 1) << 8) as u32) | c as u32;
         }
         book
     }
@@ -89,6 +111,16 @@ impl CodeBook {
             step /= 2;
         }
         lo as u8
+    }
+
+    /// [`CodeBook::encode`] through [`CodeBook::bucket_entry`], integer operations only: the
+    /// scalar statement of what the vector encoders compute.
+    #[cfg(test)]
+    fn encode_by_entry(&self, x: f32) -> u8 {
+        let bits = x.to_bits();
+        let e = self.bucket_entry[(bits >> 16) as usize];
+        let key = ((bits ^ ((bits as i32 >> 31) as u32)) & 0xffff) as i32;
+        (e as u8) + (key > (e as i32 >> 8)) as u8
     }
 
     #[inline(always)]
@@ -189,6 +221,7 @@ mod tests {
                     if !x.is_nan() {
                         assert_eq!(book.encode(x), book.encode_exact(x), "{x:e}");
                     }
+                    assert_eq!(book.encode_by_entry(x), book.encode(x), "{x:e}");
                 }
                 s ^= s << 13;
                 s ^= s >> 17;
@@ -197,6 +230,7 @@ mod tests {
                 if !x.is_nan() {
                     assert_eq!(book.encode(x), book.encode_exact(x), "{x:e}");
                 }
+                assert_eq!(book.encode_by_entry(x), book.encode(x), "{x:e}");
             }
             for &m in &book.midpoints[..255] {
                 for x in [
@@ -205,6 +239,8 @@ mod tests {
                     f32::from_bits(m.to_bits().wrapping_sub(1)),
                 ] {
                     assert_eq!(book.encode(x), book.encode_exact(x), "{x:e}");
+                    assert_eq!(book.encode_by_entry(x), book.encode(x), "{x:e}");
+                    assert_eq!(book.encode_by_entry(-x), book.encode(-x), "{x:e}");
                 }
             }
         }

@@ -174,3 +174,89 @@ fn every_isa_gives_the_same_int8_bits() {
         }
     }
 }
+
+/// The fused AVX2 8-bit kernel against the portable path over what the test above leaves out:
+/// a lerp weight ≥ 0.5, f16 gradients, working copies in every precision, lengths around the
+/// vector width and the block, an all-zero gradient block, values spread over many decades.
+#[test]
+fn every_isa_gives_the_same_int8_bits_for_every_shape_and_option() {
+    use headroom_offload::Isa;
+    use headroom_tensor::cpu::kernels::FloatSliceMut;
+    let cpu = Cpu::new();
+    let hypers = [
+        AdamWHyper::default(),
+        AdamWHyper {
+            lr: 3e-2,
+            beta1: 0.3,
+            beta2: 0.9,
+            eps: 1e-6,
+            weight_decay: 0.1,
+        },
+    ];
+    for n in [1usize, 7, 8, 9, 23, 2048, 2048 + 8 + 3, 3 * 2048 - 5] {
+        let grads: Vec<Vec<f32>> = (0..5u32)
+            .map(|k| {
+                (0..n)
+                    .map(|i| {
+                        if k == 2 && i < 2048 {
+                            return 0.0;
+                        }
+                        let mag = 10f32.powi(-(((i * 7 + k as usize) % 9) as i32));
+                        (i as f32 * 0.61 + k as f32).sin() * mag
+                    })
+                    .collect()
+            })
+            .collect();
+        let run = |isa: Isa, h: AdamWHyper| {
+            let mut opt = CpuAdamW::new(
+                vec![h],
+                &[ParamSpec { numel: n, group: 0 }],
+                StatePrecision::Int8,
+                StoreSpec::Ram(&cpu),
+            )
+            .unwrap()
+            .with_isa(isa)
+            .unwrap();
+            let mut w: Vec<f32> = (0..n).map(|i| (i as f32 * 0.013).cos()).collect();
+            let mut copies = (
+                vec![0f32; n],
+                vec![half::bf16::ZERO; n],
+                vec![half::f16::ZERO; n],
+            );
+            for (k, g) in grads.iter().enumerate() {
+                let copy = match k % 3 {
+                    0 => Some(FloatSliceMut::F32(&mut copies.0)),
+                    1 => Some(FloatSliceMut::BF16(&mut copies.1)),
+                    _ => Some(FloatSliceMut::F16(&mut copies.2)),
+                };
+                match k % 3 {
+                    0 => opt.step(0, &mut w, FloatSlice::F32(g), copy).unwrap(),
+                    1 => {
+                        let g: Vec<half::bf16> =
+                            g.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                        opt.step(0, &mut w, FloatSlice::BF16(&g), copy).unwrap()
+                    }
+                    _ => {
+                        let g: Vec<half::f16> = g.iter().map(|&x| half::f16::from_f32(x)).collect();
+                        opt.step(0, &mut w, FloatSlice::F16(&g), copy).unwrap()
+                    }
+                }
+            }
+            (
+                w.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                opt.moments().to_vec(),
+                copies.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                copies.1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                copies.2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            )
+        };
+        for h in hypers {
+            let reference = run(Isa::Baseline, h);
+            for isa in [Isa::Avx2, Isa::Avx512] {
+                if isa.is_supported() {
+                    assert!(run(isa, h) == reference, "{isa:?} differs, n = {n}, {h:?}");
+                }
+            }
+        }
+    }
+}
