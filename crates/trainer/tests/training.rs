@@ -271,3 +271,51 @@ fn validation_loss_is_on_fixed_windows_and_falls() {
     assert_eq!(last.to_bits(), val_at(&a, 39).to_bits());
     assert_eq!(tokens, 4 * 8 * 64);
 }
+
+/// The forward-only loss (evaluation) is bit for bit the loss a training step reports, in
+/// every precision and with the fused loss, and allocates no gradient.
+#[test]
+fn forward_only_loss_equals_the_training_loss_and_allocates_no_gradient() {
+    use headroom_ckpt::Schedule;
+    use headroom_tensor::{Cpu, MemoryCategory};
+    use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
+    let cfg = GptConfig::tiny(64);
+    let g = Geometry { b: 2, t: 32 };
+    let tokens: Vec<u32> = (0..64).map(|i| (i * 7 + 3) % 64).collect();
+    let targets: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 64).collect();
+    for (precision, chunk) in [
+        (Precision::Fp32, None),
+        (Precision::Bf16, Some(24)),
+        (Precision::Fp16, Some(64)),
+    ] {
+        let tracker = std::sync::Arc::new(headroom_profiler::MemoryTracker::new());
+        let cpu = Cpu::new().with_alloc_hook(tracker.clone());
+        let opts = GptOptions {
+            precision,
+            loss_chunk: chunk,
+            ..Default::default()
+        };
+        let gpt = Gpt::new(&cpu, cfg, opts, 3).unwrap();
+        tracker.reset_peak();
+        let eval = gpt.loss(&tokens, &targets, g).unwrap();
+        let snap = tracker.snapshot();
+        let dev = snap.device(headroom_tensor::Device::Cpu).unwrap();
+        assert_eq!(dev.peak[MemoryCategory::Gradients], 0, "{precision:?}");
+        let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+        let (train_loss, _) = gpt
+            .forward_backward(
+                &tokens,
+                &targets,
+                g,
+                &mut grads,
+                1.0 / 64.0,
+                &Schedule::store_all(cfg.layers).unwrap(),
+            )
+            .unwrap();
+        assert_eq!(
+            eval.to_bits(),
+            train_loss.to_bits(),
+            "{precision:?} {chunk:?}"
+        );
+    }
+}

@@ -510,27 +510,71 @@ impl Gpt {
         Ok(())
     }
 
-    /// Mean loss of a batch, forward only (activations are dropped as soon as possible).
+    /// Mean loss of a batch, forward only (activations are dropped as soon as possible): the
+    /// same operations, in the same order, as the loss [`Gpt::forward_backward`] reports,
+    /// without a gradient buffer anywhere (evaluation costs no more memory than training).
     pub fn loss(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<f32> {
         self.check_batch(tokens, targets, g)?;
         let mut x = self.embed(tokens, g)?;
         for l in 0..self.cfg.layers {
             x = self.block_forward(l, &x, g, false)?.0;
         }
-        // The head's backward is computed into throwaway gradients: forward-only callers
-        // (evaluation, finite differences) are rare enough not to warrant a second head.
+        self.head_loss(&x, targets, g)
+    }
+
+    /// The head's forward alone: final layer norm, tied head (`loss_chunk` rows of logits at a
+    /// time, as in [`Gpt::head`]) and the mean cross-entropy.
+    fn head_loss(&self, residual: &CpuTensor, targets: &[u32], g: Geometry) -> Result<f32> {
+        let (c, v) = (self.cfg.channels, self.cfg.vocab);
+        let n = g.rows();
         let lf = ln_f_index(&self.cfg);
-        let shapes = params::param_infos(&self.cfg);
-        let _g = MemoryCategory::Workspace.enter();
-        let mut wte = self.cpu.zeros(shapes[WTE].shape.clone(), DType::F32)?;
-        let mut lw = self.cpu.zeros(shapes[lf].shape.clone(), DType::F32)?;
-        let mut lb = self.cpu.zeros(shapes[lf + 1].shape.clone(), DType::F32)?;
-        let grads = HeadGrads {
-            wte: &mut wte,
-            lnf_w: &mut lw,
-            lnf_b: &mut lb,
+        let _l = label_absolute("head.ln_f");
+        let x = self.view(residual)?;
+        let mut lnf = self.stat([g.b, g.t, c])?;
+        let mut lnf_mean = self.stat([g.b, g.t])?;
+        let mut lnf_rstd = self.stat([g.b, g.t])?;
+        layernorm::forward(
+            f32s_mut(&mut lnf)?,
+            f32s_mut(&mut lnf_mean)?,
+            f32s_mut(&mut lnf_rstd)?,
+            x.s()?,
+            self.w(lf)?.s()?,
+            self.w(lf + 1)?.s()?,
+            c,
+        );
+        self.round_in_place(f32s_mut(&mut lnf)?);
+        let _l = label_absolute("head.wte (f32 view)");
+        let wte = self.w(WTE)?;
+        let _l = label_absolute("head.losses");
+        let mut losses = self.stat([g.b, g.t])?;
+        let rows = self.opts.loss_chunk.unwrap_or(n).min(n);
+        let _l = label_absolute(if rows < n {
+            "head.logits[chunk]"
+        } else {
+            "head.logits"
+        });
+        let mut logits = {
+            let _g = MemoryCategory::Workspace.enter();
+            self.cpu.zeros([rows, v], DType::F32)?
         };
-        Ok(self.head(&x, targets, g, 0.0, grads)?.0)
+        let lnf_s = lnf.as_slice::<f32>()?;
+        let mut r0 = 0;
+        while r0 < n {
+            let r = rows.min(n - r0);
+            let lg = &mut f32s_mut(&mut logits)?[..r * v];
+            matmul::forward(lg, &lnf_s[r0 * c..][..r * c], wte.s()?, None, r, c, v);
+            self.round_in_place(lg);
+            let ls = &mut f32s_mut(&mut losses)?[r0..r0 + r];
+            cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v);
+            r0 += r;
+        }
+        let mean = losses
+            .as_slice::<f32>()?
+            .iter()
+            .map(|&x| x as f64)
+            .sum::<f64>()
+            / n as f64;
+        Ok(mean as f32)
     }
 
     /// Forward and backward of a batch under a checkpoint `schedule` over the blocks: returns
