@@ -69,6 +69,7 @@ pub mod bundle;
 pub mod mutate;
 pub mod rng;
 pub mod runner;
+pub mod scratch;
 
 pub use bundle::{bundle, unbundle};
 pub use mutate::{
@@ -79,3 +80,4 @@ pub use runner::{
     fuzz, fuzz_seeds, hex_preview, iterations, run, Campaign, Finding, FindingKind, FuzzConfig,
     FuzzReport, Seed, DEFAULT_ITERATIONS, DEFAULT_SEED, DEFAULT_TIMEOUT,
 };
+pub use scratch::{Cleanup, ScratchDir};

@@ -13,10 +13,11 @@
 //! `scripts/fuzz-long.sh` runs each test as its own process with a large count.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use headroom_fuzzkit::{bundle, fuzz_seeds, iterations, unbundle, Field, FuzzReport, Seed};
+use headroom_fuzzkit::{
+    bundle, fuzz_seeds, iterations, unbundle, Cleanup, Field, FuzzReport, ScratchDir, Seed,
+};
 use headroom_mmap_data::formats::llmc::{self, parse_llmc, LLMC_HEADER_BYTES};
 use headroom_mmap_data::formats::megatron::{self, MegatronIndex};
 use headroom_mmap_data::formats::{self, raw, OpenOptions, TokenFileFormat};
@@ -33,54 +34,6 @@ const CI_ITERATIONS: u64 = 300;
 /// Bytes of the fixed part of a Megatron `.idx` header (magic 9, version 8, dtype 1, two
 /// counts of 8); the arrays follow.
 const IDX_HEADER: usize = 34;
-
-/// A temporary directory handing out a fresh name per input, so no input ever reuses a file
-/// another (possibly abandoned) input still has mapped.
-struct Scratch {
-    dir: tempfile::TempDir,
-    next: AtomicU64,
-}
-
-impl Scratch {
-    /// In `/dev/shm` where there is one (every input is a few file creations, maps and
-    /// deletions: a RAM file system makes them several times cheaper), else the usual place.
-    fn new() -> Arc<Self> {
-        let shm = Path::new("/dev/shm");
-        let dir = if shm.is_dir() {
-            tempfile::Builder::new()
-                .prefix("headroom-fuzz")
-                .tempdir_in(shm)
-                .or_else(|_| tempfile::tempdir())
-        } else {
-            tempfile::tempdir()
-        };
-        Arc::new(Scratch {
-            dir: dir.unwrap(),
-            next: AtomicU64::new(0),
-        })
-    }
-
-    /// A new, unused path stem inside the directory.
-    fn fresh(&self) -> PathBuf {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        self.dir.path().join(format!("in{n}"))
-    }
-}
-
-/// Removes the files of one input when it goes out of scope (also after a panic).
-struct Cleanup(Vec<PathBuf>);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for p in &self.0 {
-            if p.is_dir() {
-                let _ = std::fs::remove_dir_all(p);
-            } else {
-                let _ = std::fs::remove_file(p);
-            }
-        }
-    }
-}
 
 fn write(path: &Path, bytes: &[u8]) {
     std::fs::write(path, bytes).unwrap();
@@ -348,7 +301,7 @@ fn fuzz_raw_files() {
     .into_iter()
     .map(|s| s.with_fields([Field::new("word[0]", 0, 4), Field::new("word[1]", 4, 4)]))
     .collect::<Vec<_>>();
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
     let report = fuzz_seeds("raw", &seeds, iterations(CI_ITERATIONS), move |bytes| {
         let path = scratch.fresh().with_extension("bin");
         let _cleanup = Cleanup(vec![path.clone()]);
@@ -381,7 +334,7 @@ fn fuzz_llmc_shards() {
         .with_fields(llmc_fields(4)),
         Seed::new("gpt2 x1", llmc_bytes(&[7], LlmcFlavor::Gpt2)).with_fields(llmc_fields(2)),
     ];
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
     let report = fuzz_seeds("llmc", &seeds, iterations(CI_ITERATIONS), move |bytes| {
         let parsed = parse_llmc(bytes, "fuzz");
         if let Ok(h) = &parsed {
@@ -436,7 +389,7 @@ fn fuzz_megatron_index() {
             Seed::new(format!("{t} {lengths:?}"), idx).with_fields(fields)
         })
         .collect();
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
     let bin = shared_bin();
     let report = fuzz_seeds(
         "megatron-idx",
@@ -501,7 +454,7 @@ fn fuzz_megatron_pairs() {
         )
     })
     .collect();
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
     let report = fuzz_seeds(
         "megatron-pair",
         &seeds,
@@ -566,7 +519,7 @@ fn fuzz_shard_sets() {
             ],
         ),
     ];
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
     let report = fuzz_seeds(
         "shard-set",
         &seeds,
@@ -618,7 +571,7 @@ fn fuzz_format_detection() {
     for s in &mut seeds {
         s.fields = llmc_fields(2);
     }
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
     let report = fuzz_seeds("detect", &seeds, iterations(CI_ITERATIONS), move |bytes| {
         let path = scratch.fresh().with_extension("bin");
         let _cleanup = Cleanup(vec![path.clone()]);
@@ -675,7 +628,7 @@ fn fuzz_text_build() {
         },
         BuildSpec::new(TokenFileFormat::Raw(TokenType::U8)),
     ];
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
     let report = fuzz_seeds(
         "text-build",
         &seeds,

@@ -19,6 +19,18 @@ fn tiny(steps: usize) -> TrainOptions {
     }
 }
 
+/// A tiny run of `steps` steps saving every `every` into a fresh directory: the directory
+/// and the options it ran with.
+fn trained_with_checkpoints(steps: usize, every: usize) -> (tempfile::TempDir, TrainOptions) {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), every)),
+        ..tiny(steps)
+    };
+    train(&o, |_| {}).unwrap();
+    (dir, o)
+}
+
 fn step_dirs(root: &Path) -> Vec<usize> {
     checkpoint::list(root)
         .unwrap()
@@ -66,12 +78,7 @@ fn a_run_saves_at_its_end_keeps_the_newest_and_resumes_the_newest() {
 
 #[test]
 fn checkpoint_every_zero_still_saves_the_last_step() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = TrainOptions {
-        save: Some((dir.path().to_path_buf(), 0)),
-        ..tiny(3)
-    };
-    train(&o, |_| {}).unwrap();
+    let (dir, _) = trained_with_checkpoints(3, 0);
     assert_eq!(step_dirs(dir.path()), vec![3]);
 }
 
@@ -159,12 +166,7 @@ fn files_from_different_steps_are_refused_not_resumed() {
 
 #[test]
 fn a_missing_manifest_or_file_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = TrainOptions {
-        save: Some((dir.path().to_path_buf(), 1)),
-        ..tiny(1)
-    };
-    train(&o, |_| {}).unwrap();
+    let (dir, _) = trained_with_checkpoints(1, 1);
     let s1 = dir.path().join("step-00000001");
     std::fs::remove_file(s1.join("optimizer.bin")).unwrap();
     assert!(matches!(
@@ -191,12 +193,7 @@ fn a_missing_manifest_or_file_is_refused() {
 
 #[test]
 fn a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = TrainOptions {
-        save: Some((dir.path().to_path_buf(), 1)),
-        ..tiny(2)
-    };
-    train(&o, |_| {}).unwrap();
+    let (dir, o) = trained_with_checkpoints(2, 1);
     let e = train(&o, |_| {}).unwrap_err();
     assert!(e.to_string().contains("resume"), "{e}");
     // Resuming into the same directory continues and saves there.
@@ -248,12 +245,7 @@ fn resuming_under_other_settings_names_each_difference() {
 
 #[test]
 fn hostile_sizes_in_a_checkpoint_are_refused_before_allocating() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = TrainOptions {
-        save: Some((dir.path().to_path_buf(), 1)),
-        ..tiny(1)
-    };
-    train(&o, |_| {}).unwrap();
+    let (dir, _) = trained_with_checkpoints(1, 1);
     let s1 = dir.path().join("step-00000001");
     let state: serde_json::Value =
         serde_json::from_slice(&std::fs::read(s1.join("state.json")).unwrap()).unwrap();
@@ -292,12 +284,7 @@ fn hostile_sizes_in_a_checkpoint_are_refused_before_allocating() {
 
 #[test]
 fn the_model_loads_from_a_checkpoint_in_one_call() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = TrainOptions {
-        save: Some((dir.path().to_path_buf(), 2)),
-        ..tiny(2)
-    };
-    train(&o, |_| {}).unwrap();
+    let (dir, _) = trained_with_checkpoints(2, 2);
     let cpu = headroom_tensor::Cpu::new();
     let gpt = checkpoint::load_model(dir.path(), &cpu, Default::default()).unwrap();
     let g = headroom_trainer::model::Geometry { b: 1, t: 8 };

@@ -11,11 +11,11 @@
 //! Whatever loads is used: the model is built from it. 0 panics and 0 hangs are asserted;
 //! `scripts/fuzz-long.sh` runs them long, each in its own process (an abort would show there).
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use headroom_fuzzkit::{bundle, fuzz_seeds, iterations, unbundle, Field, FuzzReport, Seed};
+use headroom_fuzzkit::{
+    bundle, fuzz_seeds, iterations, unbundle, Cleanup, Field, FuzzReport, ScratchDir, Seed,
+};
 use headroom_trainer::checkpoint::{self, Manifest, ManifestFile, FILES, MANIFEST};
 use headroom_trainer::train::{train, TrainOptions};
 
@@ -66,53 +66,17 @@ fn seed() -> Seed {
     bundle("tiny checkpoint", &parts)
 }
 
-struct Scratch {
-    dir: tempfile::TempDir,
-    next: AtomicU64,
-}
-
-impl Scratch {
-    fn new() -> Arc<Self> {
-        let shm = Path::new("/dev/shm");
-        let dir = if shm.is_dir() {
-            tempfile::Builder::new()
-                .prefix("headroom-fuzz-ck")
-                .tempdir_in(shm)
-                .or_else(|_| tempfile::tempdir())
-        } else {
-            tempfile::tempdir()
-        };
-        Arc::new(Scratch {
-            dir: dir.unwrap(),
-            next: AtomicU64::new(0),
-        })
-    }
-
-    fn fresh(&self) -> PathBuf {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        self.dir.path().join(format!("ck{n}"))
-    }
-}
-
-struct Cleanup(PathBuf);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Write the bundle's files into a fresh step directory (`reseal`: with a manifest that
 /// matches them) and load it; a loaded checkpoint builds its model.
 fn load_input(
-    scratch: &Scratch,
+    scratch: &ScratchDir,
     bytes: &[u8],
     reseal: bool,
 ) -> Result<(), headroom_trainer::TrainError> {
     let names = checkpoint_files();
     let parts = unbundle(bytes, names.len());
     let dir = scratch.fresh();
-    let _cleanup = Cleanup(dir.clone());
+    let _cleanup = Cleanup(vec![dir.clone()]);
     std::fs::create_dir_all(&dir).unwrap();
     for ((name, _), part) in names.iter().zip(&parts) {
         if name != MANIFEST || !reseal {
@@ -162,7 +126,7 @@ fn check(report: FuzzReport, expect_ok: bool) {
 
 #[test]
 fn fuzz_checkpoint_as_is() {
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
     let report = fuzz_seeds(
         "checkpoint-as-is",
         &[seed()],
@@ -175,7 +139,7 @@ fn fuzz_checkpoint_as_is() {
 
 #[test]
 fn fuzz_checkpoint_resealed() {
-    let scratch = Scratch::new();
+    let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
     let report = fuzz_seeds(
         "checkpoint-resealed",
         &[seed()],

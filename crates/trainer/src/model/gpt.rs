@@ -405,19 +405,7 @@ impl Gpt {
         let lf = ln_f_index(&self.cfg);
         let _l = label_absolute("head.ln_f");
         let x = self.view(residual)?;
-        let mut lnf = self.stat([g.b, g.t, c])?;
-        let mut lnf_mean = self.stat([g.b, g.t])?;
-        let mut lnf_rstd = self.stat([g.b, g.t])?;
-        layernorm::forward(
-            f32s_mut(&mut lnf)?,
-            f32s_mut(&mut lnf_mean)?,
-            f32s_mut(&mut lnf_rstd)?,
-            x.s()?,
-            self.w(lf)?.s()?,
-            self.w(lf + 1)?.s()?,
-            c,
-        );
-        self.round_in_place(f32s_mut(&mut lnf)?);
+        let (lnf, lnf_mean, lnf_rstd) = self.final_norm(x.s()?, g)?;
         let _l = label_absolute("head.wte (f32 view)");
         let wte = self.w(WTE)?;
         let _l = label_absolute("head.losses");
@@ -468,12 +456,7 @@ impl Gpt {
             r0 += r;
         }
         drop((logits, dlogits, wte));
-        let mean = losses
-            .as_slice::<f32>()?
-            .iter()
-            .map(|&x| x as f64)
-            .sum::<f64>()
-            / n as f64;
+        let mean = mean_loss(losses.as_slice::<f32>()?);
         let _l = label_absolute("head.dresidual");
         let mut dres = self.scratch([g.b, g.t, c])?;
         layernorm::backward(
@@ -487,7 +470,7 @@ impl Gpt {
             lnf_rstd.as_slice::<f32>()?,
             c,
         );
-        Ok((mean as f32, dres))
+        Ok((mean, dres))
     }
 
     /// Embedding backward.
@@ -522,14 +505,10 @@ impl Gpt {
         self.head_loss(&x, targets, g)
     }
 
-    /// The head's forward alone: final layer norm, tied head (`loss_chunk` rows of logits at a
-    /// time, as in [`Gpt::head`]) and the mean cross-entropy.
-    fn head_loss(&self, residual: &CpuTensor, targets: &[u32], g: Geometry) -> Result<f32> {
-        let (c, v) = (self.cfg.channels, self.cfg.vocab);
-        let n = g.rows();
-        let lf = ln_f_index(&self.cfg);
-        let _l = label_absolute("head.ln_f");
-        let x = self.view(residual)?;
+    /// The final layer norm of `x` `[B, T, C]` with its statistics (kept for backward), the
+    /// output rounded to the storage precision as the head's GEMM reads it.
+    fn final_norm(&self, x: &[f32], g: Geometry) -> Result<(CpuTensor, CpuTensor, CpuTensor)> {
+        let (c, lf) = (self.cfg.channels, ln_f_index(&self.cfg));
         let mut lnf = self.stat([g.b, g.t, c])?;
         let mut lnf_mean = self.stat([g.b, g.t])?;
         let mut lnf_rstd = self.stat([g.b, g.t])?;
@@ -537,12 +516,23 @@ impl Gpt {
             f32s_mut(&mut lnf)?,
             f32s_mut(&mut lnf_mean)?,
             f32s_mut(&mut lnf_rstd)?,
-            x.s()?,
+            x,
             self.w(lf)?.s()?,
             self.w(lf + 1)?.s()?,
             c,
         );
         self.round_in_place(f32s_mut(&mut lnf)?);
+        Ok((lnf, lnf_mean, lnf_rstd))
+    }
+
+    /// The head's forward alone: final layer norm, tied head (`loss_chunk` rows of logits at a
+    /// time, as in [`Gpt::head`]) and the mean cross-entropy.
+    fn head_loss(&self, residual: &CpuTensor, targets: &[u32], g: Geometry) -> Result<f32> {
+        let (c, v) = (self.cfg.channels, self.cfg.vocab);
+        let n = g.rows();
+        let _l = label_absolute("head.ln_f");
+        let x = self.view(residual)?;
+        let (lnf, _, _) = self.final_norm(x.s()?, g)?;
         let _l = label_absolute("head.wte (f32 view)");
         let wte = self.w(WTE)?;
         let _l = label_absolute("head.losses");
@@ -568,13 +558,8 @@ impl Gpt {
             cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v);
             r0 += r;
         }
-        let mean = losses
-            .as_slice::<f32>()?
-            .iter()
-            .map(|&x| x as f64)
-            .sum::<f64>()
-            / n as f64;
-        Ok(mean as f32)
+        let mean = mean_loss(losses.as_slice::<f32>()?);
+        Ok(mean)
     }
 
     /// Forward and backward of a batch under a checkpoint `schedule` over the blocks: returns
@@ -642,6 +627,11 @@ impl Gpt {
         })?;
         Ok((loss, out.stats))
     }
+}
+
+/// The mean of per-token losses, summed in f64 (the head's and the forward-only loss's).
+fn mean_loss(losses: &[f32]) -> f32 {
+    (losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len().max(1) as f64) as f32
 }
 
 /// Check a batch against a model shape (shared by the CPU and CUDA models): `[B, T]` token
