@@ -146,7 +146,7 @@ mod cuda_bench {
     use headroom_trainer::engine::ComputeDevice;
     use headroom_trainer::estimate::{cuda_parameter_state, estimate};
     use headroom_trainer::ladder::standard_rungs;
-    use headroom_trainer::model::GptConfig;
+    use headroom_trainer::model::ModelConfig;
     use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, Techniques};
     use headroom_trainer::train::{train, TrainOptions, TrainReport};
 
@@ -266,7 +266,7 @@ mod cuda_bench {
     /// A run of `cfg` at `batch`×`seq` on device `ordinal`.
     fn options(
         ordinal: usize,
-        cfg: GptConfig,
+        cfg: ModelConfig,
         batch: usize,
         seq: usize,
         steps: usize,
@@ -297,7 +297,7 @@ mod cuda_bench {
     /// activation set, but its transient buffers differ, which the measured peak beside the
     /// prediction shows.
     fn predict(
-        cfg: &GptConfig,
+        cfg: &ModelConfig,
         seq: usize,
         batch: usize,
         techniques: &Techniques,
@@ -382,7 +382,7 @@ mod cuda_bench {
     fn ladder(ordinal: usize, quick: bool) -> BenchResult<()> {
         // PyTorch's counts: 3 timed steps with --quick, else 10.
         let timed = if quick { 3 } else { 10 };
-        let cfg = GptConfig::gpt2();
+        let cfg = ModelConfig::gpt2();
         let tokens = (BATCH * SEQ) as f64;
         let mut baseline: Option<(f64, u64)> = None;
         for rung in rungs(BATCH)? {
@@ -500,12 +500,12 @@ mod cuda_bench {
     }
 
     /// A shape of the probe's list.
-    fn probe_config(layers: usize, channels: usize) -> GptConfig {
-        GptConfig {
+    fn probe_config(layers: usize, channels: usize) -> ModelConfig {
+        ModelConfig {
             layers,
             channels,
             heads: channels / 64,
-            ..GptConfig::gpt2()
+            ..ModelConfig::gpt2()
         }
     }
 
@@ -534,7 +534,7 @@ mod cuda_bench {
 
     /// One shape and batch the probe may confirm.
     struct Candidate {
-        cfg: GptConfig,
+        cfg: ModelConfig,
         batch: usize,
         techniques: Techniques,
         predicted: Prediction,
@@ -628,7 +628,7 @@ mod cuda_bench {
     /// Without running anything: each rung's prediction at GPT-2 124M, and the candidates the
     /// probe would confirm on a device with `device_gib` GiB free.
     fn print_plan(device_gib: f64) -> BenchResult<()> {
-        let cfg = GptConfig::gpt2();
+        let cfg = ModelConfig::gpt2();
         for rung in rungs(BATCH)? {
             let p = predict(&cfg, SEQ, BATCH, &rung.techniques)?;
             println!(

@@ -48,7 +48,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{params, Gpt, GptConfig, GptOptions};
+use crate::model::{params, Model, ModelConfig, ModelOptions};
 use crate::{Result, TrainError};
 
 /// Layout version of a checkpoint. Version 1 (flat directory, no manifest) is refused: its
@@ -142,7 +142,7 @@ pub struct TrainingState {
     /// Optimizer steps completed.
     pub step: usize,
     /// The model's shape.
-    pub config: GptConfig,
+    pub config: ModelConfig,
     /// The run's settings (checked on resume).
     pub run: RunSpec,
     /// Optimizer state without the moments.
@@ -158,7 +158,7 @@ impl TrainingState {
     /// A state for [`save`].
     pub fn new(
         step: usize,
-        config: GptConfig,
+        config: ModelConfig,
         run: RunSpec,
         optimizer: AdamWState,
         loader: LoaderState,
@@ -211,7 +211,7 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// The model this checkpoint holds, its parameters uploaded to `backend`.
-    pub fn into_model(self, backend: &Cpu, options: GptOptions) -> Result<Gpt> {
+    pub fn into_model(self, backend: &Cpu, options: ModelOptions) -> Result<Model> {
         let infos = params::param_infos(&self.state.config);
         let masters = {
             let _g = headroom_tensor::MemoryCategory::Parameters.enter();
@@ -221,13 +221,13 @@ impl Checkpoint {
                 .map(|(info, p)| backend.upload(p, info.shape.clone()))
                 .collect::<std::result::Result<Vec<_>, _>>()?
         };
-        Gpt::from_masters(backend, self.state.config, options, masters)
+        Model::from_masters(backend, self.state.config, options, masters)
     }
 }
 
 /// Build the model saved at `path` (a step directory, or a root whose newest checkpoint is
 /// used) in one call: every file checked against the manifest first.
-pub fn load_model(path: &Path, backend: &Cpu, options: GptOptions) -> Result<Gpt> {
+pub fn load_model(path: &Path, backend: &Cpu, options: ModelOptions) -> Result<Model> {
     load(path)?.into_model(backend, options)
 }
 
@@ -286,7 +286,7 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// transformers' `GPT2Config` for this shape: with it beside `model.safetensors`,
 /// `GPT2LMHeadModel.from_pretrained(dir)` loads the checkpoint (no dropout, tanh GELU, layer
 /// norm ε 1e-5, head tied to `wte`).
-fn hf_config(c: &GptConfig, dir: &Path) -> Result<Vec<u8>> {
+fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
     let v = serde_json::json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -21,7 +21,7 @@
 use headroom_ckpt::{Schedule, ScheduleStats};
 use headroom_tensor::{CpuTensor, Device};
 
-use crate::model::{Geometry, Gpt};
+use crate::model::{Geometry, Model};
 use crate::Result;
 
 /// Which device a run computes on.
@@ -51,7 +51,7 @@ impl ComputeDevice {
 /// The model a run trains, on its device.
 pub(crate) enum Engine {
     /// Masters and working copies on the (tracked) CPU backend.
-    Cpu(Gpt),
+    Cpu(Model),
     /// The CUDA model; masters on the host; `grads` are the device gradient buffers one
     /// micro-batch writes before they are added into the host accumulator.
     #[cfg(feature = "cuda")]
@@ -256,7 +256,7 @@ mod resident {
 
     use super::{adamw_step_of, check_f32_state, join_f32_moments, split_f32_moments};
     use crate::cuda::CudaGpt;
-    use crate::model::{params, Geometry, GptConfig, GptOptions};
+    use crate::model::{params, Geometry, ModelConfig, ModelOptions};
     use crate::Result;
 
     /// The AdamW constants of one update (headroom-cuda's type; the formulas of
@@ -288,8 +288,8 @@ mod resident {
         /// optimizer's format; checked before anything is allocated for them).
         pub(crate) fn new(
             cuda: &Cuda,
-            cfg: GptConfig,
-            opts: GptOptions,
+            cfg: ModelConfig,
+            opts: ModelOptions,
             host_masters: &[CpuTensor],
             groups: Vec<AdamWHyper>,
             specs: Vec<ParamSpec>,

@@ -17,7 +17,7 @@ use headroom_profiler::PerCategory;
 use headroom_tensor::MemoryCategory;
 use serde::Serialize;
 
-use crate::model::{params, GptConfig};
+use crate::model::{params, ModelConfig};
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
 
@@ -82,7 +82,7 @@ fn u(x: usize) -> u64 {
 /// Predict peak bytes per category for `cfg` trained on micro-batches of `micro` sequences of
 /// `seq` tokens (`batch` per step) with `tech`.
 pub fn estimate(
-    cfg: &GptConfig,
+    cfg: &ModelConfig,
     seq: usize,
     micro: usize,
     batch: usize,
@@ -123,11 +123,11 @@ pub fn estimate(
     if offload {
         host[MemoryCategory::Gradients] = p * 4;
         let numel = |i: usize| u(infos[i].shape.iter().product());
-        let lf = params::ln_f_index(cfg);
+        let lf = params::final_norm_index(cfg);
         let head = numel(params::WTE) + numel(lf) + numel(lf + 1);
         let embed = numel(params::WTE) + numel(params::WPE);
         let block: u64 = (0..params::PER_LAYER)
-            .map(|o| numel(params::layer_index(0, o)))
+            .map(|o| numel(params::layer_index(cfg, 0, o)))
             .sum();
         device[MemoryCategory::Gradients] = 4 * head.max(embed).max(block);
     } else {
@@ -255,7 +255,7 @@ const MAX_ESTIMATE_BYTES: f64 = (1u64 << 62) as f64;
 /// Refuse shapes whose byte counts would overflow: an upper bound of every term the estimate
 /// adds (each with a generous constant). Computed in f64, which cannot overflow for any `usize`
 /// inputs; its relative rounding (1e-16) is immaterial against the 4× margin to 2⁶⁴.
-fn check_magnitude(cfg: &GptConfig, seq: usize, micro: usize, batch: usize) -> Result<()> {
+fn check_magnitude(cfg: &ModelConfig, seq: usize, micro: usize, batch: usize) -> Result<()> {
     let w = |x: usize| x as f64;
     let (b, t, c, h, v, l) = (
         w(micro),
@@ -328,7 +328,7 @@ pub struct CudaParameterState {
 ///   masters are uploaded from (dropped before the first step, but a peak).
 ///
 /// Errors for a setup the CUDA path refuses (8-bit state resident on the device).
-pub fn cuda_parameter_state(cfg: &GptConfig, tech: &Techniques) -> Result<CudaParameterState> {
+pub fn cuda_parameter_state(cfg: &ModelConfig, tech: &Techniques) -> Result<CudaParameterState> {
     cfg.validate()?;
     let resident = tech.optimizer.placement == OptimizerPlacement::Resident;
     if resident && tech.optimizer.state == StatePrecision::Int8 {
@@ -380,13 +380,14 @@ mod tests {
     use crate::techniques::OptimizerChoice;
 
     /// vocab 32, context 8, one block, width 4: every tensor counted by hand.
-    fn cfg() -> GptConfig {
-        GptConfig {
+    fn cfg() -> ModelConfig {
+        ModelConfig {
             vocab: 32,
             max_seq: 8,
             layers: 1,
             heads: 1,
             channels: 4,
+            family: crate::model::Family::Gpt2,
         }
     }
 

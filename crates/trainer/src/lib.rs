@@ -1,19 +1,22 @@
 //! # headroom-trainer
 //!
-//! The reference GPT trainer — GPT-2's architecture with an explicit forward and backward per
-//! layer, every saved activation named with its shape — and the `headroom` command.
+//! The reference trainer — GPT-2 and Llama written once over the backend's model ops, with an
+//! explicit forward and backward per layer and every saved activation named with its shape —
+//! and the `headroom` command.
 //!
 //! ```
 //! use headroom_attn::AttentionConfig;
 //! use headroom_tensor::Cpu;
 //! use headroom_ckpt::Schedule;
-//! use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
+//! use headroom_trainer::model::{params, Geometry, Model, ModelConfig, ModelOptions, Precision};
+//! use headroom_trainer::model::Family;
 //!
 //! # fn main() -> headroom_trainer::Result<()> {
 //! let cpu = Cpu::new();
-//! let cfg = GptConfig { vocab: 32, max_seq: 8, layers: 4, heads: 2, channels: 16 };
-//! let opts = GptOptions { attention: AttentionConfig::flash(), precision: Precision::Bf16, ..Default::default() };
-//! let gpt = Gpt::new(&cpu, cfg, opts, 0)?;
+//! // A GPT-2 shape; `ModelConfig::llama_tiny(32)` gives a Llama (RMSNorm, rotary, SwiGLU, GQA).
+//! let cfg = ModelConfig { vocab: 32, max_seq: 8, layers: 4, heads: 2, channels: 16, family: Family::Gpt2 };
+//! let opts = ModelOptions { attention: AttentionConfig::flash(), precision: Precision::Bf16, ..Default::default() };
+//! let gpt = Model::new(&cpu, cfg, opts, 0)?;
 //! let mut grads = params::alloc_like_params(&cpu, &cfg, headroom_tensor::MemoryCategory::Gradients)?;
 //! let tokens: Vec<u32> = (0..16).map(|i| i % 32).collect();
 //! let targets: Vec<u32> = (1..17).map(|i| i % 32).collect();

@@ -18,7 +18,7 @@ use headroom_tensor::MemoryCategory;
 use headroom_trainer::engine::ComputeDevice;
 use headroom_trainer::estimate::estimate;
 use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
-use headroom_trainer::model::{GptConfig, Precision};
+use headroom_trainer::model::{ModelConfig, Precision};
 use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
 use headroom_trainer::train::{
     train, DataSource, EvalOptions, MemoryOutputs, StepLog, TrainOptions,
@@ -359,13 +359,13 @@ enum DataCommand {
     },
 }
 
-fn model_config(run: &RunArgs, vocab: usize) -> GptConfig {
+fn model_config(run: &RunArgs, vocab: usize) -> ModelConfig {
     let mut cfg = match run.model {
-        ModelPreset::Tiny => GptConfig::tiny(vocab),
-        ModelPreset::Small => GptConfig::small(vocab),
-        ModelPreset::Gpt2 => GptConfig {
+        ModelPreset::Tiny => ModelConfig::tiny(vocab),
+        ModelPreset::Small => ModelConfig::small(vocab),
+        ModelPreset::Gpt2 => ModelConfig {
             vocab,
-            ..GptConfig::gpt2()
+            ..ModelConfig::gpt2()
         },
     };
     if let Some(l) = run.layers {
@@ -716,7 +716,7 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
         ModelPreset::Small => TrainOptions::small_default(),
         ModelPreset::Gpt2 => {
             let mut o = TrainOptions::small_default();
-            o.model = GptConfig::gpt2();
+            o.model = ModelConfig::gpt2();
             o
         }
     };

@@ -1,5 +1,5 @@
 //! The memory techniques of a run, each an independent setting: precision, attention and the
-//! fused loss (in [`GptOptions`]), block checkpointing, the optimizer's state format and
+//! fused loss (in [`ModelOptions`]), block checkpointing, the optimizer's state format and
 //! placement, and micro-batching. [`Techniques::baseline`] is what every saving is measured
 //! against.
 
@@ -9,7 +9,7 @@ use headroom_attn::AttentionConfig;
 use headroom_ckpt::{Planner, Schedule};
 use headroom_offload::StatePrecision;
 
-use crate::model::{GptConfig, GptOptions};
+use crate::model::{ModelConfig, ModelOptions};
 use crate::Result;
 
 /// Which block activations are kept and which are recomputed.
@@ -80,7 +80,7 @@ impl OptimizerChoice {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Techniques {
     /// Precision, attention algorithm, selective recomputation, fused loss.
-    pub model: GptOptions,
+    pub model: ModelOptions,
     /// Block checkpointing.
     pub checkpoint: CheckpointChoice,
     /// Optimizer state format and placement.
@@ -94,9 +94,9 @@ impl Techniques {
     /// measured against.
     pub fn baseline() -> Self {
         Techniques {
-            model: GptOptions {
+            model: ModelOptions {
                 attention: AttentionConfig::naive(),
-                ..GptOptions::default()
+                ..ModelOptions::default()
             },
             checkpoint: CheckpointChoice::None,
             optimizer: OptimizerChoice::resident(),
@@ -141,7 +141,7 @@ impl Techniques {
 /// The checkpoint schedule over the blocks for `choice`.
 pub fn block_schedule(
     choice: CheckpointChoice,
-    cfg: &GptConfig,
+    cfg: &ModelConfig,
     setup_bytes: impl FnOnce() -> Result<(headroom_ckpt::ChainCost, u64)>,
 ) -> Result<Schedule> {
     let n = cfg.layers;

@@ -32,7 +32,7 @@ use crate::checkpoint::{self, RunSpec, TrainingState};
 use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
 use crate::estimate;
-use crate::model::{params, Geometry, Gpt, GptConfig, GptOptions};
+use crate::model::{params, Geometry, Model, ModelConfig, ModelOptions};
 use crate::techniques::{
     block_schedule, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
 };
@@ -64,7 +64,7 @@ pub enum DataSource {
 #[derive(Clone, Debug)]
 pub struct TrainOptions {
     /// Model shape (its vocab must cover the data's ids).
-    pub model: GptConfig,
+    pub model: ModelConfig,
     /// Training tokens.
     pub data: DataSource,
     /// Optimizer steps.
@@ -212,7 +212,7 @@ impl TrainOptions {
             seed: 1337,
         };
         TrainOptions {
-            model: GptConfig::tiny(data.vocab as usize),
+            model: ModelConfig::tiny(data.vocab as usize),
             data: DataSource::Synthetic(data),
             steps: 600,
             batch: 16,
@@ -225,7 +225,7 @@ impl TrainOptions {
             min_loss_scale: None,
             seed: 1337,
             techniques: Techniques {
-                model: GptOptions::default(),
+                model: ModelOptions::default(),
                 checkpoint: CheckpointChoice::None,
                 optimizer: OptimizerChoice::resident(),
                 micro_batch: None,
@@ -253,7 +253,7 @@ impl TrainOptions {
             seed: 1337,
         };
         TrainOptions {
-            model: GptConfig::small(data.vocab as usize),
+            model: ModelConfig::small(data.vocab as usize),
             data: DataSource::Synthetic(data),
             steps: 20,
             batch: 8,
@@ -581,8 +581,8 @@ fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
 fn cuda_engine(
     ordinal: usize,
     tracker: &Arc<MemoryTracker>,
-    cfg: GptConfig,
-    opts: GptOptions,
+    cfg: ModelConfig,
+    opts: ModelOptions,
     masters: Vec<CpuTensor>,
 ) -> Result<Engine> {
     let cuda = headroom_cuda::Cuda::new(ordinal)
@@ -602,8 +602,8 @@ fn cuda_engine(
 fn cuda_engine(
     ordinal: usize,
     _: &Arc<MemoryTracker>,
-    _: GptConfig,
-    _: GptOptions,
+    _: ModelConfig,
+    _: ModelOptions,
     _: Vec<CpuTensor>,
 ) -> Result<Engine> {
     Err(TrainError::Config(format!(
@@ -628,8 +628,8 @@ struct ResidentSetup<'a> {
 fn cuda_resident(
     ordinal: usize,
     tracker: &Arc<MemoryTracker>,
-    cfg: GptConfig,
-    opts: GptOptions,
+    cfg: ModelConfig,
+    opts: ModelOptions,
     masters: Vec<CpuTensor>,
     setup: ResidentSetup<'_>,
 ) -> Result<Stepper> {
@@ -658,8 +658,8 @@ fn cuda_resident(
 fn cuda_resident(
     ordinal: usize,
     _: &Arc<MemoryTracker>,
-    _: GptConfig,
-    _: GptOptions,
+    _: ModelConfig,
+    _: ModelOptions,
     _: Vec<CpuTensor>,
     _: ResidentSetup<'_>,
 ) -> Result<Stepper> {
@@ -858,7 +858,7 @@ impl Stepper {
         dir: &std::path::Path,
         keep: usize,
         step: usize,
-        config: GptConfig,
+        config: ModelConfig,
         run: RunSpec,
         loader: &Loader,
         scaler: Option<headroom_amp::LossScalerState>,
@@ -1126,7 +1126,7 @@ fn train_tracked(
         model_opts.offload_grads = tech.optimizer.is_offloaded() && !on_host;
         let engine = match opts.device {
             ComputeDevice::Cpu => {
-                Engine::Cpu(Gpt::from_masters(&cpu, opts.model, model_opts, masters)?)
+                Engine::Cpu(Model::from_masters(&cpu, opts.model, model_opts, masters)?)
             }
             ComputeDevice::Cuda { ordinal } => {
                 cuda_engine(ordinal, tracker, opts.model, model_opts, masters)?

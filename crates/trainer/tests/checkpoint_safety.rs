@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use headroom_trainer::checkpoint::{self, Manifest, FORMAT_VERSION, MANIFEST};
-use headroom_trainer::model::GptConfig;
+use headroom_trainer::model::ModelConfig;
 use headroom_trainer::train::{train, TrainOptions};
 use headroom_trainer::TrainError;
 
@@ -295,23 +295,23 @@ fn the_model_loads_from_a_checkpoint_in_one_call() {
 
 #[test]
 fn config_sizes_are_bounded_and_checked() {
-    let ok = GptConfig::small(50257);
+    let ok = ModelConfig::small(50257);
     assert_eq!(ok.parameter_count().unwrap(), 30_044_544);
     for bad in [
-        GptConfig {
+        ModelConfig {
             layers: 10_000_000,
             ..ok
         },
-        GptConfig {
+        ModelConfig {
             channels: 1 << 62,
             heads: 1,
             ..ok
         },
-        GptConfig {
+        ModelConfig {
             vocab: usize::MAX,
             ..ok
         },
-        GptConfig {
+        ModelConfig {
             max_seq: 1 << 40,
             ..ok
         },

@@ -17,22 +17,23 @@ use headroom_cuda::Cuda;
 use headroom_profiler::MemoryTracker;
 use headroom_tensor::{Backend, Cpu, MemoryCategory, Tensor};
 use headroom_trainer::cuda::{CudaGpt, CudaGptError};
-use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
+use headroom_trainer::model::{params, Geometry, Model, ModelConfig, ModelOptions, Precision};
 use headroom_trainer::TrainError;
 
 /// Two heads of 64 (the smallest head dimension the CUDA flash kernels have).
-fn cfg() -> GptConfig {
-    GptConfig {
+fn cfg() -> ModelConfig {
+    ModelConfig {
         vocab: 96,
         max_seq: 32,
         layers: 3,
         heads: 2,
         channels: 128,
+        family: headroom_trainer::model::Family::Gpt2,
     }
 }
 
-fn bf16() -> GptOptions {
-    GptOptions {
+fn bf16() -> ModelOptions {
+    ModelOptions {
         precision: Precision::Bf16,
         ..Default::default()
     }
@@ -40,7 +41,7 @@ fn bf16() -> GptOptions {
 
 const G: Geometry = Geometry { b: 2, t: 24 };
 
-fn batch(cfg: &GptConfig) -> (Vec<u32>, Vec<u32>) {
+fn batch(cfg: &ModelConfig) -> (Vec<u32>, Vec<u32>) {
     let n = G.rows();
     let v = cfg.vocab as u32;
     let tokens = (0..n as u32).map(|i| (i * 7 + 3) % v).collect();
@@ -53,7 +54,7 @@ fn cuda() -> Cuda {
 }
 
 /// CPU loss and gradients (f32 host vectors) of `gpt` for the standard batch.
-fn cpu_step(gpt: &Gpt, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
+fn cpu_step(gpt: &Model, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
     let (tokens, targets) = batch(&gpt.cfg);
     let mut grads =
         params::alloc_like_params(gpt.backend(), &gpt.cfg, MemoryCategory::Gradients).unwrap();
@@ -101,9 +102,9 @@ fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
     (diff / norm.max(1e-30)).sqrt()
 }
 
-fn assert_matches_cpu(opts: GptOptions) {
+fn assert_matches_cpu(opts: ModelOptions) {
     let cfg = cfg();
-    let cpu_gpt = Gpt::new(&Cpu::new(), cfg, opts, 7).unwrap();
+    let cpu_gpt = Model::new(&Cpu::new(), cfg, opts, 7).unwrap();
     let cuda_gpt = CudaGpt::from_cpu(&cuda(), &cpu_gpt).unwrap();
     let store_all = Schedule::store_all(cfg.layers).unwrap();
     let (cpu_loss, cpu_grads) = cpu_step(&cpu_gpt, &store_all);
@@ -152,7 +153,7 @@ fn loss_and_every_gradient_match_the_cpu_in_bf16() {
 #[ignore = "needs a CUDA device"]
 fn chunked_head_and_selective_recomputation_match_the_cpu() {
     // 48 rows in chunks of 10: the last chunk is short.
-    assert_matches_cpu(GptOptions {
+    assert_matches_cpu(ModelOptions {
         loss_chunk: Some(10),
         selective: true,
         ..bf16()
@@ -180,7 +181,7 @@ fn checkpoint_schedules_give_bitwise_the_store_all_gradients() {
     let selective = CudaGpt::new(
         &cuda(),
         cfg,
-        GptOptions {
+        ModelOptions {
             selective: true,
             ..bf16()
         },
@@ -317,7 +318,7 @@ fn configs_the_device_cannot_run_are_refused_before_it_is_touched() {
     let cfg = cfg();
     let masters = params::init_params(&Cpu::new(), &cfg, 0).unwrap();
     // fp32 is refused before the device is probed, so the error is a config error everywhere.
-    let err = match CudaGpt::on_device(10_000, cfg, GptOptions::default(), &masters) {
+    let err = match CudaGpt::on_device(10_000, cfg, ModelOptions::default(), &masters) {
         Err(e) => e,
         Ok(_) => panic!("fp32 accepted"),
     };

@@ -5,7 +5,7 @@
 use headroom_attn::AttentionConfig;
 use headroom_offload::StatePrecision;
 use headroom_trainer::engine::ComputeDevice;
-use headroom_trainer::model::{GptConfig, Precision};
+use headroom_trainer::model::{ModelConfig, Precision};
 use headroom_trainer::techniques::{OptimizerChoice, OptimizerPlacement};
 use headroom_trainer::train::{train, DataSource, SyntheticData, TrainOptions};
 use headroom_trainer::TrainError;
@@ -19,12 +19,13 @@ fn cuda_ready(steps: usize) -> TrainOptions {
         seed: 9,
     };
     let mut o = TrainOptions {
-        model: GptConfig {
+        model: ModelConfig {
             vocab: 64,
             max_seq: 64,
             layers: 2,
             heads: 2,
             channels: 128,
+            family: headroom_trainer::model::Family::Gpt2,
         },
         data: DataSource::Synthetic(data),
         steps,
@@ -294,11 +295,11 @@ mod on_the_device {
         use headroom_tensor::cpu::kernels::FloatSlice;
         use headroom_tensor::{Backend, Cpu, Tensor};
         use headroom_trainer::cuda::CudaGpt;
-        use headroom_trainer::model::{Geometry, GptOptions};
+        use headroom_trainer::model::{Geometry, ModelOptions};
 
         let o = cuda_ready(1);
         let cfg = o.model;
-        let opts = GptOptions {
+        let opts = ModelOptions {
             precision: Precision::Bf16,
             attention: AttentionConfig::flash(),
             ..Default::default()

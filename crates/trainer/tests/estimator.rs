@@ -5,7 +5,7 @@ use headroom_attn::AttentionConfig;
 use headroom_offload::StatePrecision;
 use headroom_tensor::{Device, MemoryCategory};
 use headroom_trainer::estimate::estimate;
-use headroom_trainer::model::{GptConfig, Precision};
+use headroom_trainer::model::{ModelConfig, Precision};
 use headroom_trainer::techniques::{
     CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
 };
@@ -19,12 +19,13 @@ fn base() -> TrainOptions {
         seed: 5,
     };
     TrainOptions {
-        model: GptConfig {
+        model: ModelConfig {
             vocab: 512,
             max_seq: 64,
             layers: 4,
             heads: 4,
             channels: 64,
+            family: headroom_trainer::model::Family::Gpt2,
         },
         data: DataSource::Synthetic(data),
         steps: 2,

@@ -1,5 +1,6 @@
 //! The model's analytic gradients against central finite differences of its loss, for every
-//! parameter tensor and every attention algorithm.
+//! parameter tensor of both families (GPT-2; Llama with grouped-query attention and an untied
+//! head, and with a tied one) and every attention algorithm.
 //!
 //! f32 throughout, h = 1e-2: a sampled element passes when |numeric − analytic| ≤ 3e-3 +
 //! 5% · max|analytic| of its tensor. The loss is summed in f64, so its rounding (≈1e-7) is far
@@ -9,25 +10,51 @@
 use headroom_attn::AttentionConfig;
 use headroom_ckpt::Schedule;
 use headroom_tensor::{Cpu, MemoryCategory};
-use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions};
+use headroom_trainer::model::{
+    params, Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions,
+};
 
-fn opts(attention: AttentionConfig) -> GptOptions {
-    GptOptions {
+fn opts(attention: AttentionConfig) -> ModelOptions {
+    ModelOptions {
         attention,
-        ..GptOptions::default()
+        ..ModelOptions::default()
     }
 }
 
-fn check(attention: AttentionConfig) {
-    let cpu = Cpu::new();
-    let cfg = GptConfig {
+fn gpt2() -> ModelConfig {
+    ModelConfig {
         vocab: 11,
         max_seq: 7,
         layers: 2,
         heads: 2,
         channels: 8,
-    };
-    let mut gpt = Gpt::new(&cpu, cfg, opts(attention), 3).unwrap();
+        family: Family::Gpt2,
+    }
+}
+
+/// Four query heads over two key/value heads of 4 dimensions (so the rotary embedding rotates
+/// two pairs per head), a SwiGLU width that is no multiple of the model width.
+fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
+    ModelConfig {
+        vocab: 11,
+        max_seq: 7,
+        layers: 2,
+        heads: 4,
+        channels: 16,
+        family: Family::Llama(LlamaShape {
+            kv_heads,
+            ffn: 24,
+            // A small base, so that the 6 positions turn every frequency measurably.
+            rope_theta: 100.0,
+            norm_eps: 1e-5,
+            tied_head,
+        }),
+    }
+}
+
+fn check(cfg: ModelConfig, attention: AttentionConfig) {
+    let cpu = Cpu::new();
+    let mut gpt = Model::new(&cpu, cfg, opts(attention), 3).unwrap();
     // Larger than GPT-2's 0.02 init, so every path carries a measurable gradient.
     for t in gpt.masters_mut().iter_mut() {
         for (i, v) in t.as_mut_slice::<f32>().unwrap().iter_mut().enumerate() {
@@ -71,29 +98,45 @@ fn check(attention: AttentionConfig) {
 
 #[test]
 fn gradients_match_finite_differences_naive() {
-    check(AttentionConfig::naive());
+    check(gpt2(), AttentionConfig::naive());
 }
 
 #[test]
 fn gradients_match_finite_differences_flash() {
-    check(AttentionConfig::flash());
+    check(gpt2(), AttentionConfig::flash());
+}
+
+#[test]
+fn llama_gradients_match_finite_differences_naive() {
+    check(llama(2, false), AttentionConfig::naive());
+}
+
+#[test]
+fn llama_gradients_match_finite_differences_flash() {
+    check(llama(2, false), AttentionConfig::flash());
+}
+
+#[test]
+fn llama_tied_multi_head_gradients_match_finite_differences() {
+    check(llama(4, true), AttentionConfig::chunked());
 }
 
 #[test]
 fn attention_algorithms_give_the_same_gradients() {
     let cpu = Cpu::new();
-    let cfg = GptConfig {
+    let cfg = ModelConfig {
         vocab: 13,
         max_seq: 16,
         layers: 2,
         heads: 2,
         channels: 16,
+        family: headroom_trainer::model::Family::Gpt2,
     };
     let g = Geometry { b: 2, t: 16 };
     let tokens: Vec<u32> = (0..32).map(|i| (i * 7 + 3) % 13).collect();
     let targets: Vec<u32> = (0..32).map(|i| (i * 5 + 1) % 13).collect();
     let run = |a: AttentionConfig| {
-        let gpt = Gpt::new(&cpu, cfg, opts(a), 9).unwrap();
+        let gpt = Model::new(&cpu, cfg, opts(a), 9).unwrap();
         let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
         let all = Schedule::store_all(cfg.layers).unwrap();
         let (loss, _) = gpt
@@ -121,14 +164,15 @@ fn attention_algorithms_give_the_same_gradients() {
 #[test]
 fn bad_batches_are_typed_errors() {
     let cpu = Cpu::new();
-    let cfg = GptConfig {
+    let cfg = ModelConfig {
         vocab: 5,
         max_seq: 4,
         layers: 1,
         heads: 1,
         channels: 4,
+        family: headroom_trainer::model::Family::Gpt2,
     };
-    let gpt = Gpt::new(&cpu, cfg, GptOptions::default(), 0).unwrap();
+    let gpt = Model::new(&cpu, cfg, ModelOptions::default(), 0).unwrap();
     let all = Schedule::store_all(1).unwrap();
     let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
     assert!(gpt
@@ -161,10 +205,10 @@ fn bad_batches_are_typed_errors() {
             &all
         )
         .is_err());
-    assert!(Gpt::new(
+    assert!(Model::new(
         &cpu,
-        GptConfig { heads: 3, ..cfg },
-        GptOptions::default(),
+        ModelConfig { heads: 3, ..cfg },
+        ModelOptions::default(),
         0
     )
     .is_err());

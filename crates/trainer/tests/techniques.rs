@@ -8,7 +8,7 @@ use headroom_ckpt::{Planner, Schedule};
 use headroom_offload::StatePrecision;
 use headroom_tensor::{Cpu, Device, MemoryCategory};
 use headroom_trainer::estimate::estimate;
-use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
+use headroom_trainer::model::{params, Geometry, Model, ModelConfig, ModelOptions, Precision};
 use headroom_trainer::techniques::{
     CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
 };
@@ -20,7 +20,7 @@ struct Run {
     grads: Vec<Vec<f32>>,
 }
 
-fn batch(cfg: &GptConfig, g: Geometry, seed: u32) -> (Vec<u32>, Vec<u32>) {
+fn batch(cfg: &ModelConfig, g: Geometry, seed: u32) -> (Vec<u32>, Vec<u32>) {
     let v = cfg.vocab as u32;
     let n = g.rows() as u32;
     let tok = (0..n).map(|i| (i * 7 + 3 + seed) % v).collect();
@@ -28,9 +28,15 @@ fn batch(cfg: &GptConfig, g: Geometry, seed: u32) -> (Vec<u32>, Vec<u32>) {
     (tok, tgt)
 }
 
-fn run(cfg: GptConfig, opts: GptOptions, g: Geometry, schedule: &Schedule, micro: usize) -> Run {
+fn run(
+    cfg: ModelConfig,
+    opts: ModelOptions,
+    g: Geometry,
+    schedule: &Schedule,
+    micro: usize,
+) -> Run {
     let cpu = Cpu::new();
-    let gpt = Gpt::new(&cpu, cfg, opts, 11).unwrap();
+    let gpt = Model::new(&cpu, cfg, opts, 11).unwrap();
     let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
     let (tok, tgt) = batch(&cfg, g, 0);
     let rows = micro * g.t;
@@ -82,13 +88,14 @@ fn assert_bitwise(a: &Run, b: &Run, what: &str) {
     }
 }
 
-fn small_cfg(layers: usize) -> GptConfig {
-    GptConfig {
+fn small_cfg(layers: usize) -> ModelConfig {
+    ModelConfig {
         vocab: 37,
         max_seq: 16,
         layers,
         heads: 2,
         channels: 16,
+        family: headroom_trainer::model::Family::Gpt2,
     }
 }
 
@@ -109,10 +116,10 @@ proptest! {
     ) {
         let cfg = small_cfg(layers);
         let g = Geometry { b, t };
-        let opts = GptOptions {
+        let opts = ModelOptions {
             attention: [AttentionConfig::naive(), AttentionConfig::chunked(), AttentionConfig::flash()][algo],
             precision: [Precision::Fp32, Precision::Bf16, Precision::Fp16][prec],
-            ..GptOptions::default()
+            ..ModelOptions::default()
         };
         let all = Schedule::store_all(layers).unwrap();
         let stored = run(cfg, opts, g, &all, b);
@@ -131,7 +138,7 @@ proptest! {
         ] {
             assert_bitwise(&run(cfg, opts, g, &s, b), &stored, name);
         }
-        let selective = GptOptions { selective: true, ..opts };
+        let selective = ModelOptions { selective: true, ..opts };
         assert_bitwise(&run(cfg, selective, g, &all, b), &stored, "selective");
     }
 
@@ -141,7 +148,7 @@ proptest! {
         let cfg = small_cfg(2);
         let g = Geometry { b: micro * k, t };
         let all = Schedule::store_all(2).unwrap();
-        let opts = GptOptions::default();
+        let opts = ModelOptions::default();
         assert_close(&run(cfg, opts, g, &all, micro), &run(cfg, opts, g, &all, g.b), 1e-5, "micro-batches");
     }
 
@@ -151,8 +158,8 @@ proptest! {
         let cfg = small_cfg(2);
         let g = Geometry { b, t };
         let all = Schedule::store_all(2).unwrap();
-        let fused = GptOptions { loss_chunk: Some(rows), ..GptOptions::default() };
-        assert_close(&run(cfg, fused, g, &all, b), &run(cfg, GptOptions::default(), g, &all, b), 1e-5, "fused loss");
+        let fused = ModelOptions { loss_chunk: Some(rows), ..ModelOptions::default() };
+        assert_close(&run(cfg, fused, g, &all, b), &run(cfg, ModelOptions::default(), g, &all, b), 1e-5, "fused loss");
     }
 }
 
@@ -161,13 +168,13 @@ fn low_precision_gradients_track_fp32() {
     let cfg = small_cfg(3);
     let g = Geometry { b: 2, t: 12 };
     let all = Schedule::store_all(3).unwrap();
-    let fp32 = run(cfg, GptOptions::default(), g, &all, 2);
+    let fp32 = run(cfg, ModelOptions::default(), g, &all, 2);
     // bf16 keeps 8 mantissa bits (relative rounding 2⁻⁹), fp16 11 (2⁻¹²); errors compound
     // through 3 blocks, so the bounds are a few dozen roundings.
     for (p, tol) in [(Precision::Bf16, 0.05), (Precision::Fp16, 0.01)] {
-        let opts = GptOptions {
+        let opts = ModelOptions {
             precision: p,
-            ..GptOptions::default()
+            ..ModelOptions::default()
         };
         let low = run(cfg, opts, g, &all, 2);
         assert_close(&low, &fp32, tol, p.name());
@@ -356,12 +363,13 @@ fn the_ladder_fits_a_budget_the_baseline_cannot_with_4x_less_memory() {
         seed: 3,
     };
     let base = TrainOptions {
-        model: GptConfig {
+        model: ModelConfig {
             vocab: 2048,
             max_seq: 64,
             layers: 4,
             heads: 4,
             channels: 64,
+            family: headroom_trainer::model::Family::Gpt2,
         },
         data: DataSource::Synthetic(data),
         steps: 2,

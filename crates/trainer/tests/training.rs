@@ -170,7 +170,7 @@ fn checkpoint_uses_hugging_face_names_and_layouts_and_rejects_corruption() {
 #[ignore = "needs a Python with torch and transformers (HEADROOM_PYTHON)"]
 fn hugging_face_transformers_loads_the_checkpoint_with_the_same_loss() {
     use headroom_tensor::Cpu;
-    use headroom_trainer::model::{Geometry, Gpt, GptOptions};
+    use headroom_trainer::model::{Geometry, Model, ModelOptions};
     let dir = tempfile::tempdir().unwrap();
     let o = TrainOptions {
         steps: 3,
@@ -189,7 +189,7 @@ fn hugging_face_transformers_loads_the_checkpoint_with_the_same_loss() {
             cpu.upload(p, i.shape.clone()).unwrap()
         })
         .collect();
-    let gpt = Gpt::from_masters(&cpu, o.model, GptOptions::default(), masters).unwrap();
+    let gpt = Model::from_masters(&cpu, o.model, ModelOptions::default(), masters).unwrap();
     let g = Geometry { b: 2, t: 32 };
     let tokens: Vec<u32> = (0..64).map(|i| (i * 7 + 3) % 64).collect();
     let targets: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 64).collect();
@@ -278,8 +278,8 @@ fn validation_loss_is_on_fixed_windows_and_falls() {
 fn forward_only_loss_equals_the_training_loss_and_allocates_no_gradient() {
     use headroom_ckpt::Schedule;
     use headroom_tensor::{Cpu, MemoryCategory};
-    use headroom_trainer::model::{params, Geometry, Gpt, GptConfig, GptOptions, Precision};
-    let cfg = GptConfig::tiny(64);
+    use headroom_trainer::model::{params, Geometry, Model, ModelConfig, ModelOptions, Precision};
+    let cfg = ModelConfig::tiny(64);
     let g = Geometry { b: 2, t: 32 };
     let tokens: Vec<u32> = (0..64).map(|i| (i * 7 + 3) % 64).collect();
     let targets: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 64).collect();
@@ -290,12 +290,12 @@ fn forward_only_loss_equals_the_training_loss_and_allocates_no_gradient() {
     ] {
         let tracker = std::sync::Arc::new(headroom_profiler::MemoryTracker::new());
         let cpu = Cpu::new().with_alloc_hook(tracker.clone());
-        let opts = GptOptions {
+        let opts = ModelOptions {
             precision,
             loss_chunk: chunk,
             ..Default::default()
         };
-        let gpt = Gpt::new(&cpu, cfg, opts, 3).unwrap();
+        let gpt = Model::new(&cpu, cfg, opts, 3).unwrap();
         tracker.reset_peak();
         let eval = gpt.loss(&tokens, &targets, g).unwrap();
         let snap = tracker.snapshot();

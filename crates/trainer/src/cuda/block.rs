@@ -17,11 +17,12 @@ use super::error::into_tensor_error;
 use super::{CudaGpt, CudaGptResult};
 use crate::model::params::layer as o;
 use crate::model::Geometry;
+use crate::model::NormStats;
 
 /// What a block keeps on the device for its backward: the CPU block's set field for field
 /// (`q`, `k`, `v`, attention output and the kept activations in bf16; layer-norm statistics
-/// and the logsumexp in f32), each with the shape written on [`crate::model::BlockSaved`].
-pub type CudaBlockSaved = crate::model::BlockSaved<CudaTensor>;
+/// and the logsumexp in f32), each with the shape written on [`crate::model::Gpt2Saved`].
+pub type CudaBlockSaved = crate::model::Gpt2Saved<CudaTensor>;
 
 /// Block `index` of a device model, with its 12 device gradient tensors, for one geometry.
 pub struct CudaBlock<'m> {
@@ -233,16 +234,20 @@ impl CudaGpt {
         let keep_unless_selective = |t: CudaTensor| if sel { None } else { Some(t) };
         let saved = CudaBlockSaved {
             ln1: keep_unless_selective(ln1),
-            ln1_mean,
-            ln1_rstd,
+            ln1_stats: NormStats {
+                mean: Some(ln1_mean),
+                rstd: ln1_rstd,
+            },
             q,
             k,
             v,
             attn,
             res2,
             ln2: keep_unless_selective(ln2),
-            ln2_mean,
-            ln2_rstd,
+            ln2_stats: NormStats {
+                mean: Some(ln2_mean),
+                rstd: ln2_rstd,
+            },
             fch,
             fch_gelu: keep_unless_selective(fch_gelu),
         };
@@ -334,8 +339,8 @@ impl CudaGpt {
                 &dln2,
                 res2v.tensor(),
                 self.w32(li(o::LN2_W))?,
-                &s.ln2_mean,
-                &s.ln2_rstd,
+                s.ln2_stats.mean.as_ref().ok_or_else(missing_mean)?,
+                &s.ln2_stats.rstd,
                 c,
             )?;
         }
@@ -401,11 +406,17 @@ impl CudaGpt {
                 &dln1,
                 x.tensor(),
                 self.w32(li(o::LN1_W))?,
-                &s.ln1_mean,
-                &s.ln1_rstd,
+                s.ln1_stats.mean.as_ref().ok_or_else(missing_mean)?,
+                &s.ln1_stats.rstd,
                 c,
             )?;
         }
         Ok(dinp)
     }
+}
+
+/// A GPT-2 block's layer norm always keeps its mean; its absence is a logic error surfaced as
+/// a typed one.
+fn missing_mean() -> crate::cuda::CudaGptError {
+    crate::cuda::CudaGptError::Train(crate::TrainError::Input("a layer norm kept no mean".into()))
 }

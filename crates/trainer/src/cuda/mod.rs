@@ -6,11 +6,11 @@
 //! use headroom_ckpt::Schedule;
 //! use headroom_tensor::Cpu;
 //! use headroom_trainer::cuda::CudaGpt;
-//! use headroom_trainer::model::{params, Geometry, GptConfig, GptOptions, Precision};
+//! use headroom_trainer::model::{params, Geometry, ModelConfig, ModelOptions, Precision};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let cfg = GptConfig { vocab: 64, max_seq: 16, layers: 2, heads: 2, channels: 128 };
-//! let opts = GptOptions { precision: Precision::Bf16, ..Default::default() };
+//! let cfg = ModelConfig { vocab: 64, max_seq: 16, layers: 2, heads: 2, channels: 128, family: crate::model::Family::Gpt2 };
+//! let opts = ModelOptions { precision: Precision::Bf16, ..Default::default() };
 //! let masters = params::init_params(&Cpu::new(), &cfg, 0)?; // the optimizer's, on the host
 //! let gpt = match CudaGpt::on_device(0, cfg, opts, &masters) {
 //!     Ok(gpt) => gpt,
@@ -52,13 +52,13 @@
 //! activations as `Activations` (bf16, the f32 statistics and flash's logsumexp), everything
 //! transient — f32 copies of bf16 activations, activation gradients, GEMM and head scratch,
 //! the token ids — as `Workspace`. The head keeps the final layer norm's output in bf16 (the
-//! CPU keeps it f32); under [`GptOptions::loss_chunk`] its logits exist `chunk` rows at a time.
+//! CPU keeps it f32); under [`ModelOptions::loss_chunk`] its logits exist `chunk` rows at a time.
 //!
 //! ## Limits
 //! bf16 only ([`Precision::Bf16`]), flash attention only, head dimension 64 or 128 (the CUDA
 //! flash kernels'), compute capability 8.0 or newer. Anything else is a typed error before
 //! anything runs on the device (the compute capability when attention first runs).
-//! [`GptOptions::offload_grads`] has no effect here: every gradient stays in the caller's
+//! [`ModelOptions::offload_grads`] has no effect here: every gradient stays in the caller's
 //! device buffers until the caller downloads them.
 
 mod block;
@@ -74,8 +74,8 @@ use headroom_cuda::{Cuda, CudaTensor, GemmOp, GemmShape};
 use headroom_tensor::cpu::kernels::{axpy, FloatSlice};
 use headroom_tensor::{Backend, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
-use crate::model::params::{self, layer as o, layer_index, ln_f_index, PER_LAYER, WPE, WTE};
-use crate::model::{Geometry, Gpt, GptConfig, GptOptions, Precision};
+use crate::model::params::{self, layer as o, PER_LAYER, WPE, WTE};
+use crate::model::{Geometry, Model, ModelConfig, ModelOptions, Precision};
 use crate::TrainError;
 use error::into_tensor_error;
 use layout::{row_copy, run_copies};
@@ -85,9 +85,9 @@ use layout::{row_copy, run_copies};
 /// device. Parameters are in [`params::param_infos`] order throughout.
 pub struct CudaGpt {
     /// Shape.
-    pub cfg: GptConfig,
+    pub cfg: ModelConfig,
     /// How it computes (causal flash attention, bf16).
-    pub opts: GptOptions,
+    pub opts: ModelOptions,
     cuda: Cuda,
     /// bf16 working copies of the weights GEMMs read (`wte` and each block's four matrices);
     /// `None` for the others.
@@ -104,12 +104,12 @@ pub struct CudaGpt {
 pub(crate) type View<'a> = crate::model::View<'a, CudaTensor>;
 
 /// True for the parameters GEMMs read (bf16 on the device).
-fn is_gemm_weight(cfg: &GptConfig, i: usize) -> bool {
+fn is_gemm_weight(cfg: &ModelConfig, i: usize) -> bool {
     if i == WTE {
         return true;
     }
     let first_block = 2;
-    let past_blocks = ln_f_index(cfg);
+    let past_blocks = params::final_norm_index(cfg);
     (first_block..past_blocks).contains(&i)
         && matches!(
             (i - first_block) % PER_LAYER,
@@ -119,7 +119,7 @@ fn is_gemm_weight(cfg: &GptConfig, i: usize) -> bool {
 
 /// True for the parameters f32 kernels read (`wte` is read by both the embedding and the
 /// head's GEMM).
-fn is_f32_weight(cfg: &GptConfig, i: usize) -> bool {
+fn is_f32_weight(cfg: &ModelConfig, i: usize) -> bool {
     i == WTE || !is_gemm_weight(cfg, i)
 }
 
@@ -131,8 +131,8 @@ impl CudaGpt {
     /// zero loss chunk, or masters of the wrong shapes.
     pub fn new(
         cuda: &Cuda,
-        cfg: GptConfig,
-        opts: GptOptions,
+        cfg: ModelConfig,
+        opts: ModelOptions,
         masters: &[CpuTensor],
     ) -> CudaGptResult<Self> {
         check_config(&cfg, &opts)?;
@@ -166,7 +166,7 @@ impl CudaGpt {
         }
         let mut gpt = CudaGpt {
             cfg,
-            opts: GptOptions {
+            opts: ModelOptions {
                 attention: opts.attention.causal(true),
                 ..opts
             },
@@ -184,8 +184,8 @@ impl CudaGpt {
     /// (see [`CudaGptError::is_no_device`]), never a panic.
     pub fn on_device(
         ordinal: usize,
-        cfg: GptConfig,
-        opts: GptOptions,
+        cfg: ModelConfig,
+        opts: ModelOptions,
         masters: &[CpuTensor],
     ) -> CudaGptResult<Self> {
         check_config(&cfg, &opts)?;
@@ -194,7 +194,7 @@ impl CudaGpt {
     }
 
     /// The device twin of a CPU model: same shape, options and (rounded) weights.
-    pub fn from_cpu(cuda: &Cuda, gpt: &Gpt) -> CudaGptResult<Self> {
+    pub fn from_cpu(cuda: &Cuda, gpt: &Model) -> CudaGptResult<Self> {
         Self::new(cuda, gpt.cfg, gpt.opts, gpt.masters())
     }
 
@@ -531,7 +531,7 @@ impl CudaGpt {
     /// Final layer norm, tied head and loss, forward and backward at once (the chain's loss):
     /// the mean loss and the f32 gradient `[B, T, C]` of the residual stream for
     /// `loss = Σ losses · dloss_per_token`; accumulates into `grads`' `wte`, `ln_f.weight`,
-    /// `ln_f.bias`. With [`GptOptions::loss_chunk`] the logits exist that many rows at a time.
+    /// `ln_f.bias`. With [`ModelOptions::loss_chunk`] the logits exist that many rows at a time.
     ///
     /// Trade-off: the logits come out of the GEMM in bf16 (the CPU's rounding) and are
     /// widened to f32 for the cross-entropy kernel, so a chunk costs 6 bytes a logit plus the
@@ -556,7 +556,7 @@ impl CudaGpt {
             ))
             .into());
         }
-        let lf = ln_f_index(&self.cfg);
+        let lf = params::final_norm_index(&self.cfg);
         let x = self.view(residual)?;
         let mut lnf32 = self.scratch([g.b, g.t, c])?;
         let mut lnf_mean = self.stat([g.b, g.t])?;
@@ -724,7 +724,7 @@ impl CudaGpt {
     }
 
     /// Forward and backward of a batch under a checkpoint `schedule` over the blocks, like
-    /// [`Gpt::forward_backward`]: returns the mean loss and the executor's figures, and *adds*
+    /// [`Model::forward_backward`]: returns the mean loss and the executor's figures, and *adds*
     /// to `grads` (device f32, parameter order, from [`CudaGpt::alloc_grads`]) the gradient of
     /// `Σ losses · dloss_per_token`.
     pub fn forward_backward(
@@ -781,7 +781,7 @@ impl CudaGpt {
 
     /// Index of block `l`'s parameter `offset` (see [`params::layer`]).
     pub(crate) fn li(&self, l: usize, offset: usize) -> usize {
-        layer_index(l, offset)
+        params::layer_index(&self.cfg, l, offset)
     }
 }
 
@@ -835,7 +835,7 @@ fn loss_chunks(n: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// What the CUDA path runs, checked before any device work.
-fn check_config(cfg: &GptConfig, opts: &GptOptions) -> CudaGptResult<()> {
+fn check_config(cfg: &ModelConfig, opts: &ModelOptions) -> CudaGptResult<()> {
     cfg.validate()?;
     let refuse = |m: String| Err(TrainError::Config(m).into());
     if opts.precision != Precision::Bf16 {
@@ -867,13 +867,14 @@ fn check_config(cfg: &GptConfig, opts: &GptOptions) -> CudaGptResult<()> {
 mod tests {
     use super::*;
 
-    fn cfg() -> GptConfig {
-        GptConfig {
+    fn cfg() -> ModelConfig {
+        ModelConfig {
             vocab: 32,
             max_seq: 8,
             layers: 2,
             heads: 2,
             channels: 128,
+            family: crate::model::Family::Gpt2,
         }
     }
 
@@ -886,7 +887,7 @@ mod tests {
         let mut want = vec![WTE];
         for l in 0..cfg.layers {
             for off in [o::QKV_W, o::ATTN_PROJ_W, o::FC_W, o::FC_PROJ_W] {
-                want.push(layer_index(l, off));
+                want.push(params::layer_index(&cfg, l, off));
             }
         }
         assert_eq!(gemm, want);
@@ -937,22 +938,22 @@ mod tests {
 
     #[test]
     fn unsupported_configs_are_refused_before_the_device() {
-        let bf16 = GptOptions {
+        let bf16 = ModelOptions {
             precision: Precision::Bf16,
             ..Default::default()
         };
         assert!(check_config(&cfg(), &bf16).is_ok());
         let bad = [
-            (cfg(), GptOptions::default()), // fp32
+            (cfg(), ModelOptions::default()), // fp32
             (
                 cfg(),
-                GptOptions {
+                ModelOptions {
                     attention: headroom_attn::AttentionConfig::naive(),
                     ..bf16
                 },
             ),
             (
-                GptConfig {
+                ModelConfig {
                     channels: 96,
                     ..cfg()
                 },
@@ -960,7 +961,7 @@ mod tests {
             ), // head_dim 48
             (
                 cfg(),
-                GptOptions {
+                ModelOptions {
                     loss_chunk: Some(0),
                     ..bf16
                 },

@@ -1,12 +1,41 @@
-//! GPT-2 shaped model configurations.
+//! Model shapes: the GPT-2 and Llama families.
 
 use serde::{Deserialize, Serialize};
 
 use crate::{Result, TrainError};
 
-/// The shape of a GPT-2 style model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GptConfig {
+/// Which architecture a [`ModelConfig`] describes, with what only that family has.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Family {
+    /// GPT-2: learned positions, layer norm with bias, GELU MLP 4C wide, biases everywhere,
+    /// head tied to the token embedding.
+    #[default]
+    Gpt2,
+    /// Llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases.
+    Llama(LlamaShape),
+}
+
+/// What a Llama model has beyond the shared shape (Hugging Face `LlamaConfig`'s names in
+/// brackets).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LlamaShape {
+    /// Key/value heads (`num_key_value_heads`): a divisor of the query heads; fewer is
+    /// grouped-query attention.
+    pub kv_heads: usize,
+    /// Width of the SwiGLU MLP (`intermediate_size`).
+    pub ffn: usize,
+    /// Rotary base (`rope_theta`).
+    pub rope_theta: f32,
+    /// RMSNorm epsilon (`rms_norm_eps`).
+    pub norm_eps: f32,
+    /// Whether the output head is the token embedding (`tie_word_embeddings`).
+    pub tied_head: bool,
+}
+
+/// The shape of a model of either family.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
     /// Vocabulary size.
     pub vocab: usize,
     /// Longest sequence (rows of the position embedding).
@@ -17,9 +46,12 @@ pub struct GptConfig {
     pub heads: usize,
     /// Model width.
     pub channels: usize,
+    /// The architecture (GPT-2 when absent, as in checkpoints written before Llama existed).
+    #[serde(default)]
+    pub family: Family,
 }
 
-impl GptConfig {
+impl ModelConfig {
     /// The most blocks a config may have (GPT-3 175B has 96).
     pub const MAX_LAYERS: usize = 4096;
     /// The widest model (GPT-3 175B is 12288 wide).
@@ -32,34 +64,75 @@ impl GptConfig {
 
     /// For tests and the default run: trains in seconds on 2 cores.
     pub fn tiny(vocab: usize) -> Self {
-        GptConfig {
+        ModelConfig {
             vocab,
             max_seq: 64,
             layers: 2,
             heads: 2,
             channels: 64,
+            family: Family::Gpt2,
         }
     }
 
     /// The size used for comparisons: 6 layers, 6 heads, width 384, context 256.
     pub fn small(vocab: usize) -> Self {
-        GptConfig {
+        ModelConfig {
             vocab,
             max_seq: 256,
             layers: 6,
             heads: 6,
             channels: 384,
+            family: Family::Gpt2,
         }
     }
 
     /// GPT-2 124M.
     pub fn gpt2() -> Self {
-        GptConfig {
+        ModelConfig {
             vocab: 50257,
             max_seq: 1024,
             layers: 12,
             heads: 12,
             channels: 768,
+            family: Family::Gpt2,
+        }
+    }
+
+    /// Llama-shaped and small enough for tests that train in seconds: 2 layers, 4 query
+    /// heads sharing 2 key/value heads, width 64, SwiGLU width 176, untied head.
+    pub fn llama_tiny(vocab: usize) -> Self {
+        ModelConfig {
+            vocab,
+            max_seq: 64,
+            layers: 2,
+            heads: 4,
+            channels: 64,
+            family: Family::Llama(LlamaShape {
+                kv_heads: 2,
+                ffn: 176,
+                rope_theta: 10_000.0,
+                norm_eps: 1e-5,
+                tied_head: false,
+            }),
+        }
+    }
+
+    /// The Llama of about `small`'s size, for comparisons: 6 layers, 6 query heads over 2
+    /// key/value heads, width 384, SwiGLU width 1024 (Llama's 8/3·C), context 256, untied.
+    pub fn llama_small(vocab: usize) -> Self {
+        ModelConfig {
+            vocab,
+            max_seq: 256,
+            layers: 6,
+            heads: 6,
+            channels: 384,
+            family: Family::Llama(LlamaShape {
+                kv_heads: 2,
+                ffn: 1024,
+                rope_theta: 10_000.0,
+                norm_eps: 1e-5,
+                tied_head: false,
+            }),
         }
     }
 
@@ -68,15 +141,48 @@ impl GptConfig {
         self.channels / self.heads.max(1)
     }
 
-    /// Parameter tensors: `wte`, `wpe`, 12 per block, `ln_f`'s two.
+    /// Key/value heads (the query heads' count outside grouped-query attention).
+    pub fn kv_heads(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => self.heads,
+            Family::Llama(s) => s.kv_heads,
+        }
+    }
+
+    /// Width of the MLP's hidden layer (`4C` for GPT-2).
+    pub fn ffn(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => 4 * self.channels,
+            Family::Llama(s) => s.ffn,
+        }
+    }
+
+    /// Short name of the family: `gpt2` or `llama`.
+    pub fn family_name(&self) -> &'static str {
+        match self.family {
+            Family::Gpt2 => "gpt2",
+            Family::Llama(_) => "llama",
+        }
+    }
+
+    /// Parameter tensors: GPT-2's `wte`, `wpe`, 12 per block and `ln_f`'s two; Llama's
+    /// embedding, 9 per block, the final norm and an untied head.
     pub fn tensor_count(&self) -> Result<usize> {
+        let (per_layer, outside) = match self.family {
+            Family::Gpt2 => (crate::model::params::PER_LAYER, 4),
+            Family::Llama(s) => (
+                crate::model::params::LLAMA_PER_LAYER,
+                2 + usize::from(!s.tied_head),
+            ),
+        };
         self.layers
-            .checked_mul(crate::model::params::PER_LAYER)
-            .and_then(|n| n.checked_add(4))
+            .checked_mul(per_layer)
+            .and_then(|n| n.checked_add(outside))
             .ok_or_else(|| TrainError::Config(format!("{} layers overflow", self.layers)))
     }
 
-    /// Parameters, `V·C + T·C + L·(12C² + 13C) + 2C`, every product checked.
+    /// Parameters, every product checked. GPT-2: `V·C + T·C + L·(12C² + 13C) + 2C`. Llama:
+    /// `V·C·(1 or 2) + L·(2C·(C + KV·hs) + 3C·F + 2C) + C`.
     pub fn parameter_count(&self) -> Result<u64> {
         let (v, t, l, c) = (
             self.vocab as u64,
@@ -84,20 +190,41 @@ impl GptConfig {
             self.layers as u64,
             self.channels as u64,
         );
-        let per_layer = c
-            .checked_mul(c)
-            .and_then(|c2| c2.checked_mul(12))
-            .and_then(|x| x.checked_add(c.checked_mul(13)?));
-        v.checked_add(t)
-            .and_then(|vt| vt.checked_mul(c))
-            .and_then(|e| e.checked_add(l.checked_mul(per_layer?)?))
-            .and_then(|x| x.checked_add(c.checked_mul(2)?))
-            .ok_or_else(|| {
-                TrainError::Config(format!("the parameter count of {self:?} overflows 64 bits"))
-            })
+        let overflow =
+            || TrainError::Config(format!("the parameter count of {self:?} overflows 64 bits"));
+        match self.family {
+            Family::Gpt2 => {
+                let per_layer = c
+                    .checked_mul(c)
+                    .and_then(|c2| c2.checked_mul(12))
+                    .and_then(|x| x.checked_add(c.checked_mul(13)?));
+                v.checked_add(t)
+                    .and_then(|vt| vt.checked_mul(c))
+                    .and_then(|e| e.checked_add(l.checked_mul(per_layer?)?))
+                    .and_then(|x| x.checked_add(c.checked_mul(2)?))
+                    .ok_or_else(overflow)
+            }
+            Family::Llama(s) => {
+                let hs = c / (self.heads.max(1) as u64);
+                let kv = (s.kv_heads as u64).checked_mul(hs).ok_or_else(overflow)?;
+                let f = s.ffn as u64;
+                // q and o are C×C (heads·hs = C), k and v C×kv, three C×F, two norms.
+                let per_layer = c
+                    .checked_add(kv)
+                    .and_then(|x| x.checked_mul(c)?.checked_mul(2))
+                    .and_then(|x| x.checked_add(c.checked_mul(f)?.checked_mul(3)?))
+                    .and_then(|x| x.checked_add(c.checked_mul(2)?));
+                let heads = if s.tied_head { 1u64 } else { 2 };
+                v.checked_mul(c)
+                    .and_then(|e| e.checked_mul(heads))
+                    .and_then(|e| e.checked_add(l.checked_mul(per_layer?)?))
+                    .and_then(|x| x.checked_add(c))
+                    .ok_or_else(overflow)
+            }
+        }
     }
 
-    /// Check that the shapes are consistent and within [`GptConfig::MAX_PARAMETERS`] and the
+    /// Check that the shapes are consistent and within [`ModelConfig::MAX_PARAMETERS`] and the
     /// per-dimension limits, with every size product checked (so a config read from a file
     /// can be trusted to size allocations).
     pub fn validate(&self) -> Result<()> {
@@ -115,6 +242,39 @@ impl GptConfig {
                 "channels {} not divisible by heads {}",
                 self.channels, self.heads
             ));
+        }
+        if let Family::Llama(s) = self.family {
+            let hs = self.channels / self.heads;
+            if s.kv_heads == 0 || self.heads % s.kv_heads != 0 {
+                return bad(format!(
+                    "key/value heads {} must divide the {} query heads",
+                    s.kv_heads, self.heads
+                ));
+            }
+            if hs % 2 != 0 {
+                return bad(format!(
+                    "rotary embeddings need an even head dimension, not {hs}"
+                ));
+            }
+            if s.ffn == 0 || s.ffn > Self::MAX_CHANNELS * 8 {
+                return bad(format!(
+                    "SwiGLU width {} out of 1..={}",
+                    s.ffn,
+                    Self::MAX_CHANNELS * 8
+                ));
+            }
+            if !(s.rope_theta.is_finite() && s.rope_theta > 1.0) {
+                return bad(format!(
+                    "rope theta {} must be finite and above 1",
+                    s.rope_theta
+                ));
+            }
+            if !(s.norm_eps.is_finite() && s.norm_eps > 0.0) {
+                return bad(format!(
+                    "RMSNorm epsilon {} must be finite and positive",
+                    s.norm_eps
+                ));
+            }
         }
         if self.vocab > u32::MAX as usize {
             return bad(format!("vocab {} does not fit token ids (u32)", self.vocab));

@@ -1,15 +1,22 @@
-//! The GPT-2 model: configuration, parameters, numeric precision, and the explicit forward and
-//! backward (blocks as ckpt layers).
+//! The models — GPT-2 and Llama — written once over the backend: configuration, parameters,
+//! numeric precision, the ops a backend implements ([`ModelOps`]), and the explicit forward
+//! and backward (blocks as ckpt layers).
 
-mod block;
 mod config;
-mod gpt;
+mod cpu_ops;
+mod gpt2_block;
+mod llama_block;
+pub mod ops;
 pub mod params;
 mod precision;
+mod transformer;
 
-pub use block::Block;
-pub use config::GptConfig;
-#[cfg(feature = "cuda")]
-pub(crate) use gpt::View;
-pub use gpt::{check_batch, BlockSaved, Geometry, Gpt, GptOptions, HeadGrads};
+pub use config::{Family, LlamaShape, ModelConfig};
+pub use ops::{HeadLossGrads, ModelOps};
 pub use precision::Precision;
+#[cfg(feature = "cuda")]
+pub(crate) use transformer::View;
+pub use transformer::{
+    check_batch, Block, BlockOutput, BlockSaved, Geometry, Gpt2Saved, HeadGrads, LlamaSaved, Model,
+    ModelOptions, NormStats,
+};

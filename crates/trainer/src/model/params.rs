@@ -1,20 +1,26 @@
-//! The parameter tensors: names (Hugging Face GPT-2's), shapes, initialisation, and the one
-//! place they and their gradients are allocated.
+//! The parameter tensors: names (Hugging Face's), shapes, initialisation, and the one place
+//! they and their gradients are allocated.
 //!
-//! Linear weights are stored `[out, in]` (llm.c's layout, so `y = x·Wᵀ`). Hugging Face's GPT-2
-//! keeps `attn.c_attn`, `attn.c_proj`, `mlp.c_fc` and `mlp.c_proj` as `Conv1D` weights of shape
-//! `[in, out]`: those four are transposed when a checkpoint is exported for transformers.
-//! `lm_head` is tied to `wte` and has no tensor of its own.
+//! Linear weights are stored `[out, in]` (llm.c's and `nn.Linear`'s layout, so `y = x·Wᵀ`).
+//! Hugging Face's GPT-2 keeps `attn.c_attn`, `attn.c_proj`, `mlp.c_fc` and `mlp.c_proj` as
+//! `Conv1D` weights of shape `[in, out]`: those four are transposed when a checkpoint is
+//! exported for transformers. A tied head has no tensor of its own.
+//!
+//! Order: the embeddings, then each block's tensors (its [`layer`] or [`llama_layer`]
+//! offsets), then the final norm, then an untied head.
 
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
 
-use crate::model::GptConfig;
+use crate::model::{Family, ModelConfig};
 use crate::Result;
 
-/// Tensors per transformer block.
+/// Tensors per GPT-2 block.
 pub const PER_LAYER: usize = 12;
 
-/// Offsets of a block's tensors within its 12.
+/// Tensors per Llama block.
+pub const LLAMA_PER_LAYER: usize = 9;
+
+/// Offsets of a GPT-2 block's tensors within its 12.
 #[allow(missing_docs)]
 pub mod layer {
     pub const LN1_W: usize = 0;
@@ -31,68 +37,144 @@ pub mod layer {
     pub const FC_PROJ_B: usize = 11;
 }
 
-/// Index of `wte` (also the tied output head).
+/// Offsets of a Llama block's tensors within its 9.
+#[allow(missing_docs)]
+pub mod llama_layer {
+    pub const INPUT_NORM: usize = 0;
+    pub const Q: usize = 1;
+    pub const K: usize = 2;
+    pub const V: usize = 3;
+    pub const O: usize = 4;
+    pub const POST_NORM: usize = 5;
+    pub const GATE: usize = 6;
+    pub const UP: usize = 7;
+    pub const DOWN: usize = 8;
+}
+
+/// Index of the token embedding (`wte`, `model.embed_tokens`; also a tied output head).
 pub const WTE: usize = 0;
-/// Index of `wpe`.
+/// Index of GPT-2's position embedding `wpe`.
 pub const WPE: usize = 1;
 
 /// A parameter's Hugging Face name and shape in our layout.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamInfo {
-    /// e.g. `h.3.attn.c_attn.weight`.
+    /// e.g. `h.3.attn.c_attn.weight`, `model.layers.3.self_attn.q_proj.weight`.
     pub name: String,
     /// Shape (`[out, in]` for linear weights).
     pub shape: Vec<usize>,
-    /// True for the four Conv1D weights transposed on export.
+    /// True for the four GPT-2 Conv1D weights transposed on export.
     pub transposed_in_hf: bool,
 }
 
-/// Every parameter in order: wte, wpe, the blocks, ln_f.
-pub fn param_infos(cfg: &GptConfig) -> Vec<ParamInfo> {
+/// Tensors per block of `cfg`'s family.
+pub fn per_layer(cfg: &ModelConfig) -> usize {
+    match cfg.family {
+        Family::Gpt2 => PER_LAYER,
+        Family::Llama(_) => LLAMA_PER_LAYER,
+    }
+}
+
+/// Embedding tensors before the first block: `wte`, `wpe` (GPT-2) or `embed_tokens` (Llama).
+pub fn embedding_count(cfg: &ModelConfig) -> usize {
+    match cfg.family {
+        Family::Gpt2 => 2,
+        Family::Llama(_) => 1,
+    }
+}
+
+/// Index of block `l`'s tensor `offset` (see [`layer`] and [`llama_layer`]).
+pub fn layer_index(cfg: &ModelConfig, l: usize, offset: usize) -> usize {
+    embedding_count(cfg) + l * per_layer(cfg) + offset
+}
+
+/// Index of the final norm's gain (GPT-2's `ln_f.bias` follows it).
+pub fn final_norm_index(cfg: &ModelConfig) -> usize {
+    embedding_count(cfg) + cfg.layers * per_layer(cfg)
+}
+
+/// Tensors of the final norm: gain and bias (GPT-2) or gain alone (Llama).
+pub fn final_norm_count(cfg: &ModelConfig) -> usize {
+    match cfg.family {
+        Family::Gpt2 => 2,
+        Family::Llama(_) => 1,
+    }
+}
+
+/// Index of the output head's weight `[V, C]`: the token embedding when tied, else the last.
+pub fn head_index(cfg: &ModelConfig) -> usize {
+    match cfg.family {
+        Family::Llama(s) if !s.tied_head => final_norm_index(cfg) + 1,
+        _ => WTE,
+    }
+}
+
+/// Every parameter in order: embeddings, blocks, final norm, untied head.
+pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
     let c = cfg.channels;
     let p = |name: String, shape: Vec<usize>, t: bool| ParamInfo {
         name,
         shape,
         transposed_in_hf: t,
     };
-    let mut v = vec![
-        p("wte.weight".into(), vec![cfg.vocab, c], false),
-        p("wpe.weight".into(), vec![cfg.max_seq, c], false),
-    ];
-    for l in 0..cfg.layers {
-        let h = |s: &str| format!("h.{l}.{s}");
-        v.push(p(h("ln_1.weight"), vec![c], false));
-        v.push(p(h("ln_1.bias"), vec![c], false));
-        v.push(p(h("attn.c_attn.weight"), vec![3 * c, c], true));
-        v.push(p(h("attn.c_attn.bias"), vec![3 * c], false));
-        v.push(p(h("attn.c_proj.weight"), vec![c, c], true));
-        v.push(p(h("attn.c_proj.bias"), vec![c], false));
-        v.push(p(h("ln_2.weight"), vec![c], false));
-        v.push(p(h("ln_2.bias"), vec![c], false));
-        v.push(p(h("mlp.c_fc.weight"), vec![4 * c, c], true));
-        v.push(p(h("mlp.c_fc.bias"), vec![4 * c], false));
-        v.push(p(h("mlp.c_proj.weight"), vec![c, 4 * c], true));
-        v.push(p(h("mlp.c_proj.bias"), vec![c], false));
+    match cfg.family {
+        Family::Gpt2 => {
+            let mut v = vec![
+                p("wte.weight".into(), vec![cfg.vocab, c], false),
+                p("wpe.weight".into(), vec![cfg.max_seq, c], false),
+            ];
+            for l in 0..cfg.layers {
+                let h = |s: &str| format!("h.{l}.{s}");
+                v.push(p(h("ln_1.weight"), vec![c], false));
+                v.push(p(h("ln_1.bias"), vec![c], false));
+                v.push(p(h("attn.c_attn.weight"), vec![3 * c, c], true));
+                v.push(p(h("attn.c_attn.bias"), vec![3 * c], false));
+                v.push(p(h("attn.c_proj.weight"), vec![c, c], true));
+                v.push(p(h("attn.c_proj.bias"), vec![c], false));
+                v.push(p(h("ln_2.weight"), vec![c], false));
+                v.push(p(h("ln_2.bias"), vec![c], false));
+                v.push(p(h("mlp.c_fc.weight"), vec![4 * c, c], true));
+                v.push(p(h("mlp.c_fc.bias"), vec![4 * c], false));
+                v.push(p(h("mlp.c_proj.weight"), vec![c, 4 * c], true));
+                v.push(p(h("mlp.c_proj.bias"), vec![c], false));
+            }
+            v.push(p("ln_f.weight".into(), vec![c], false));
+            v.push(p("ln_f.bias".into(), vec![c], false));
+            v
+        }
+        Family::Llama(s) => {
+            let hs = cfg.head_dim();
+            let (q, kv, f) = (cfg.heads * hs, s.kv_heads * hs, s.ffn);
+            let mut v = vec![p(
+                "model.embed_tokens.weight".into(),
+                vec![cfg.vocab, c],
+                false,
+            )];
+            for l in 0..cfg.layers {
+                let h = |s: &str| format!("model.layers.{l}.{s}");
+                v.push(p(h("input_layernorm.weight"), vec![c], false));
+                v.push(p(h("self_attn.q_proj.weight"), vec![q, c], false));
+                v.push(p(h("self_attn.k_proj.weight"), vec![kv, c], false));
+                v.push(p(h("self_attn.v_proj.weight"), vec![kv, c], false));
+                v.push(p(h("self_attn.o_proj.weight"), vec![c, q], false));
+                v.push(p(h("post_attention_layernorm.weight"), vec![c], false));
+                v.push(p(h("mlp.gate_proj.weight"), vec![f, c], false));
+                v.push(p(h("mlp.up_proj.weight"), vec![f, c], false));
+                v.push(p(h("mlp.down_proj.weight"), vec![c, f], false));
+            }
+            v.push(p("model.norm.weight".into(), vec![c], false));
+            if !s.tied_head {
+                v.push(p("lm_head.weight".into(), vec![cfg.vocab, c], false));
+            }
+            v
+        }
     }
-    v.push(p("ln_f.weight".into(), vec![c], false));
-    v.push(p("ln_f.bias".into(), vec![c], false));
-    v
-}
-
-/// Index of block `l`'s tensor `offset` (see [`layer`]).
-pub fn layer_index(l: usize, offset: usize) -> usize {
-    2 + l * PER_LAYER + offset
-}
-
-/// Index of `ln_f.weight` (`ln_f.bias` follows).
-pub fn ln_f_index(cfg: &GptConfig) -> usize {
-    2 + cfg.layers * PER_LAYER
 }
 
 /// Allocate every parameter-shaped tensor, zeroed, in `category`.
 pub fn alloc_like_params(
     cpu: &Cpu,
-    cfg: &GptConfig,
+    cfg: &ModelConfig,
     category: MemoryCategory,
 ) -> Result<Vec<CpuTensor>> {
     let _g = category.enter();
@@ -113,8 +195,10 @@ pub fn alloc_like_params(
 }
 
 /// GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual projections scaled by
-/// 1/√(2·layers), zero biases, unit layer-norm gains. Deterministic in `seed`.
-pub fn init_params(cpu: &Cpu, cfg: &GptConfig, seed: u64) -> Result<Vec<CpuTensor>> {
+/// 1/√(2·layers), zero biases, unit layer-norm gains. Llama's is transformers': N(0, 0.02)
+/// for every matrix and embedding (`initializer_range`), unit norm gains. Deterministic in
+/// `seed`.
+pub fn init_params(cpu: &Cpu, cfg: &ModelConfig, seed: u64) -> Result<Vec<CpuTensor>> {
     let mut params = alloc_like_params(cpu, cfg, MemoryCategory::Parameters)?;
     let infos = param_infos(cfg);
     let mut rng = Normal::new(seed);
@@ -124,14 +208,12 @@ pub fn init_params(cpu: &Cpu, cfg: &GptConfig, seed: u64) -> Result<Vec<CpuTenso
         let n = &info.name;
         if n.ends_with("bias") {
             continue;
-        } else if n.contains("ln_") {
+        } else if info.shape.len() == 1 {
+            // GPT-2's ln_*.weight, Llama's *layernorm.weight and model.norm.weight.
             x.fill(1.0);
         } else {
-            let std = if n.ends_with("c_proj.weight") {
-                residual_std
-            } else {
-                0.02
-            };
+            let gpt2_residual = cfg.family == Family::Gpt2 && n.ends_with("c_proj.weight");
+            let std = if gpt2_residual { residual_std } else { 0.02 };
             for v in x {
                 *v = rng.sample() * std;
             }

@@ -1,4 +1,4 @@
-//! The GPT's CPU kernels in f32, each a forward and an accumulating backward on plain slices,
+//! The models' CPU kernels in f32, each a forward and an accumulating backward on plain slices,
 //! in llm.c's layouts. The model wires them together; the tests check each backward against
 //! central finite differences of its forward.
 
@@ -8,6 +8,9 @@ mod fast_math;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
 
 #[cfg(test)]
 mod gradient_checks {
@@ -154,5 +157,130 @@ mod gradient_checks {
         let mut out = vec![0.0; tokens.len() * c];
         embedding::forward(&mut out, &tokens, &wte, &wpe, t, c);
         assert_eq!(out[8], wte[2] + wpe[2]); // row 4: token 1, position 1
+    }
+
+    #[test]
+    fn rmsnorm_gradients() {
+        let (n, c) = (3, 8);
+        let inp = rand_vec(21, n * c);
+        let w = rand_vec(22, c)
+            .iter()
+            .map(|v| 1.0 + 0.5 * v)
+            .collect::<Vec<_>>();
+        let dout = rand_vec(23, n * c);
+        let f = |inp: &[f32], w: &[f32]| {
+            let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+            rmsnorm::forward(&mut out, &mut r, inp, w, 1e-5, c);
+            dot(&out, &dout)
+        };
+        let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm::forward(&mut out, &mut r, &inp, &w, 1e-5, c);
+        // Each output row has unit root mean square before the gain.
+        for (row, &s) in inp.chunks(c).zip(&r) {
+            let ms: f32 = row.iter().map(|v| (v * s) * (v * s)).sum::<f32>() / c as f32;
+            assert!((ms - 1.0).abs() < 1e-3, "{ms}");
+        }
+        let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+        rmsnorm::backward(&mut di, &mut dw, &dout, &inp, &w, &r, c);
+        check("dinp", &mut inp.clone(), &di, &mut |x| f(x, &w));
+        check("dweight", &mut w.clone(), &dw, &mut |x| f(&inp, x));
+    }
+
+    #[test]
+    fn swiglu_gradients() {
+        let n = 40;
+        let gate: Vec<f32> = rand_vec(24, n).iter().map(|v| 3.0 * v).collect();
+        let up = rand_vec(25, n);
+        let dout = rand_vec(26, n);
+        let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+        swiglu::backward(&mut dg, &mut du, &gate, &up, &dout);
+        let f = |g: &[f32], u: &[f32]| {
+            let mut out = vec![0.0; n];
+            swiglu::forward(&mut out, g, u);
+            dot(&out, &dout)
+        };
+        check("dgate", &mut gate.clone(), &dg, &mut |x| f(x, &up));
+        check("dup", &mut up.clone(), &du, &mut |x| f(&gate, x));
+    }
+
+    #[test]
+    fn embedding_without_positions_gathers_and_scatters_rows() {
+        let (c, vocab) = (2, 4);
+        let tokens = [1u32, 3, 1];
+        let wte = rand_vec(27, vocab * c);
+        let mut out = vec![0.0; tokens.len() * c];
+        embedding::forward_tokens(&mut out, &tokens, &wte, c);
+        assert_eq!(&out[2..4], &wte[6..8]);
+        let dout: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        let mut dwte = vec![0.0; vocab * c];
+        embedding::backward_tokens(&mut dwte, &dout, &tokens, c);
+        assert_eq!(&dwte[2..4], &[0.0 + 4.0, 1.0 + 5.0]);
+        assert_eq!(&dwte[6..8], &[2.0, 3.0]);
+    }
+}
+
+#[cfg(test)]
+mod rope_reference {
+    //! The rotary embedding against transformers' formula written out plainly in f64:
+    //! `x·cos + rotate_half(x)·sin` with `cos`, `sin` of `cat(freqs, freqs)` and
+    //! `rotate_half(x) = cat(−x₂, x₁)`.
+
+    use super::rope;
+    use proptest::prelude::*;
+
+    fn reference(x: &[f32], t: usize, hs: usize, theta: f32) -> Vec<f64> {
+        let half = hs / 2;
+        let mut out = vec![0f64; x.len()];
+        for (head, o) in x.chunks(t * hs).zip(out.chunks_mut(t * hs)) {
+            for pos in 0..t {
+                let row = &head[pos * hs..][..hs];
+                for d in 0..hs {
+                    let i = d % half;
+                    let freq = 1.0 / (theta as f64).powf((2 * i) as f64 / hs as f64);
+                    let angle = pos as f64 * freq;
+                    let rotated = if d < half {
+                        -(row[d + half] as f64)
+                    } else {
+                        row[d - half] as f64
+                    };
+                    o[pos * hs + d] = row[d] as f64 * angle.cos() + rotated * angle.sin();
+                }
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #[test]
+        fn rope_matches_the_rotate_half_formula_and_inverts(
+            heads in 1usize..4,
+            t in 1usize..40,
+            half in 1usize..9,
+            theta in prop::sample::select(vec![100.0f32, 10_000.0, 500_000.0]),
+            seed in any::<u64>(),
+        ) {
+            let hs = 2 * half;
+            let mut s = seed | 1;
+            let x: Vec<f32> = (0..heads * t * hs)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect();
+            let (cos, sin) = rope::tables(t, hs, theta);
+            let mut y = x.clone();
+            rope::apply(&mut y, t, hs, &cos, &sin, false);
+            let want = reference(&x, t, hs, theta);
+            // f32 angles: t·inv_freq is rounded once (≤ 40·2⁻²⁴ rad), then two products.
+            for (i, (a, b)) in y.iter().zip(&want).enumerate() {
+                prop_assert!((*a as f64 - b).abs() <= 2e-5, "{i}: {a} vs {b}");
+            }
+            rope::apply(&mut y, t, hs, &cos, &sin, true);
+            for (a, b) in y.iter().zip(&x) {
+                prop_assert!((a - b).abs() <= 1e-5);
+            }
+        }
     }
 }

@@ -1,0 +1,518 @@
+//! [`ModelOps`] on the CPU backend: the f32 kernels of [`crate::ops`] on tensor slices.
+//!
+//! Numerics: every kernel computes in f32. An input stored in bf16/f16 is read through an f32
+//! copy made for the call (tagged `Workspace`, freed when the op returns) — the "f32 views"
+//! whose bytes the estimator counts; so a low-precision run computes on exactly the rounded
+//! values it stores, and the arithmetic is the fp32 run's.
+
+use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Tensor};
+
+use crate::model::ops::{HeadLossGrads, ModelOps};
+use crate::model::transformer::View;
+use crate::model::Precision;
+use crate::ops::{cross_entropy, embedding, gelu, layernorm, matmul, rmsnorm, rope, swiglu};
+use crate::{Result, TrainError};
+
+/// `t` as f32: itself, or an upcast copy in workspace memory for as long as the view lives.
+pub(crate) fn f32_view<'a>(cpu: &Cpu, t: &'a CpuTensor) -> Result<View<'a, CpuTensor>> {
+    if t.dtype() == DType::F32 {
+        return Ok(View::Borrowed(t));
+    }
+    let _g = MemoryCategory::Workspace.enter();
+    let mut out = cpu.uninit(t.shape().clone(), DType::F32)?;
+    cpu.cast(t, &mut out)?;
+    Ok(View::Owned(out))
+}
+
+fn out(t: &mut CpuTensor) -> Result<&mut [f32]> {
+    Ok(t.as_mut_slice::<f32>()?)
+}
+
+fn bad(op: &str, what: String) -> TrainError {
+    TrainError::Input(format!("{op}: {what}"))
+}
+
+/// The last dimension of `t` and the number of rows before it.
+fn rows_cols(t: &CpuTensor) -> (usize, usize) {
+    let c = t.shape().dims().last().copied().unwrap_or(1).max(1);
+    (t.numel() / c, c)
+}
+
+/// `(d0, d1, d2, d3)` of a 4-dimensional tensor.
+fn dims4(op: &str, t: &CpuTensor) -> Result<[usize; 4]> {
+    match t.shape().dims() {
+        &[a, b, c, d] => Ok([a, b, c, d]),
+        other => Err(bad(op, format!("expected a 4-d tensor, got {other:?}"))),
+    }
+}
+
+/// Check that `t` holds `n` elements.
+fn expect_len(op: &str, what: &str, t: &CpuTensor, n: usize) -> Result<()> {
+    if t.numel() != n {
+        return Err(bad(
+            op,
+            format!("{what} has {} elements, expected {n}", t.numel()),
+        ));
+    }
+    Ok(())
+}
+
+/// `[out, in]` of a linear weight.
+fn weight_dims(op: &str, w: &CpuTensor) -> Result<(usize, usize)> {
+    match w.shape().dims() {
+        &[o, i] => Ok((o, i)),
+        other => Err(bad(
+            op,
+            format!("weight of shape {other:?} is not [out, in]"),
+        )),
+    }
+}
+
+impl ModelOps for Cpu {
+    fn linear(
+        &self,
+        y: &mut CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        b: Option<&CpuTensor>,
+    ) -> Result<()> {
+        let (oc, c) = weight_dims("linear", w)?;
+        let n = x.numel() / c.max(1);
+        expect_len("linear", "input", x, n * c)?;
+        expect_len("linear", "output", y, n * oc)?;
+        if let Some(b) = b {
+            expect_len("linear", "bias", b, oc)?;
+        }
+        let (xv, wv) = (f32_view(self, x)?, f32_view(self, w)?);
+        let bv = b.map(|b| f32_view(self, b)).transpose()?;
+        let bs = match &bv {
+            Some(v) => Some(v.s()?),
+            None => None,
+        };
+        matmul::forward(out(y)?, xv.s()?, wv.s()?, bs, n, c, oc);
+        Ok(())
+    }
+
+    fn linear_backward(
+        &self,
+        dx: &mut CpuTensor,
+        dw: &mut CpuTensor,
+        db: Option<&mut CpuTensor>,
+        dy: &CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+    ) -> Result<()> {
+        let (oc, c) = weight_dims("linear backward", w)?;
+        let n = x.numel() / c.max(1);
+        expect_len("linear backward", "input", x, n * c)?;
+        expect_len("linear backward", "input gradient", dx, n * c)?;
+        expect_len("linear backward", "output gradient", dy, n * oc)?;
+        expect_len("linear backward", "weight gradient", dw, oc * c)?;
+        if let Some(db) = &db {
+            expect_len("linear backward", "bias gradient", db, oc)?;
+        }
+        let (dyv, xv, wv) = (f32_view(self, dy)?, f32_view(self, x)?, f32_view(self, w)?);
+        let db = match db {
+            Some(t) => Some(out(t)?),
+            None => None,
+        };
+        matmul::backward(out(dx)?, out(dw)?, db, dyv.s()?, xv.s()?, wv.s()?, n, c, oc);
+        Ok(())
+    }
+
+    fn layernorm(
+        &self,
+        y: &mut CpuTensor,
+        mean: &mut CpuTensor,
+        rstd: &mut CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        b: &CpuTensor,
+    ) -> Result<()> {
+        let (n, c) = rows_cols(x);
+        expect_len("layernorm", "output", y, n * c)?;
+        for (what, t) in [("mean", &*mean), ("rstd", &*rstd)] {
+            expect_len("layernorm", what, t, n)?;
+        }
+        for (what, t) in [("weight", w), ("bias", b)] {
+            expect_len("layernorm", what, t, c)?;
+        }
+        let (xv, wv, bv) = (f32_view(self, x)?, f32_view(self, w)?, f32_view(self, b)?);
+        layernorm::forward(
+            out(y)?,
+            out(mean)?,
+            out(rstd)?,
+            xv.s()?,
+            wv.s()?,
+            bv.s()?,
+            c,
+        );
+        Ok(())
+    }
+
+    fn layernorm_backward(
+        &self,
+        dx: &mut CpuTensor,
+        dw: &mut CpuTensor,
+        db: &mut CpuTensor,
+        dy: &CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        mean: &CpuTensor,
+        rstd: &CpuTensor,
+    ) -> Result<()> {
+        let (n, c) = rows_cols(x);
+        for (what, t) in [("input gradient", &*dx), ("output gradient", dy)] {
+            expect_len("layernorm backward", what, t, n * c)?;
+        }
+        for (what, t) in [
+            ("weight", w),
+            ("weight gradient", &*dw),
+            ("bias gradient", &*db),
+        ] {
+            expect_len("layernorm backward", what, t, c)?;
+        }
+        for (what, t) in [("mean", mean), ("rstd", rstd)] {
+            expect_len("layernorm backward", what, t, n)?;
+        }
+        let wv = f32_view(self, w)?;
+        layernorm::backward(
+            out(dx)?,
+            out(dw)?,
+            out(db)?,
+            dy.as_slice::<f32>()?,
+            x.as_slice::<f32>()?,
+            wv.s()?,
+            mean.as_slice::<f32>()?,
+            rstd.as_slice::<f32>()?,
+            c,
+        );
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &self,
+        y: &mut CpuTensor,
+        rstd: &mut CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        eps: f32,
+    ) -> Result<()> {
+        let (n, c) = rows_cols(x);
+        expect_len("rmsnorm", "output", y, n * c)?;
+        expect_len("rmsnorm", "rstd", rstd, n)?;
+        expect_len("rmsnorm", "weight", w, c)?;
+        let (xv, wv) = (f32_view(self, x)?, f32_view(self, w)?);
+        rmsnorm::forward(out(y)?, out(rstd)?, xv.s()?, wv.s()?, eps, c);
+        Ok(())
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut CpuTensor,
+        dw: &mut CpuTensor,
+        dy: &CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        rstd: &CpuTensor,
+    ) -> Result<()> {
+        let (n, c) = rows_cols(x);
+        for (what, t) in [("input gradient", &*dx), ("output gradient", dy)] {
+            expect_len("rmsnorm backward", what, t, n * c)?;
+        }
+        for (what, t) in [("weight", w), ("weight gradient", &*dw)] {
+            expect_len("rmsnorm backward", what, t, c)?;
+        }
+        expect_len("rmsnorm backward", "rstd", rstd, n)?;
+        let (dyv, xv, wv) = (f32_view(self, dy)?, f32_view(self, x)?, f32_view(self, w)?);
+        rmsnorm::backward(
+            out(dx)?,
+            out(dw)?,
+            dyv.s()?,
+            xv.s()?,
+            wv.s()?,
+            rstd.as_slice::<f32>()?,
+            c,
+        );
+        Ok(())
+    }
+
+    fn gelu(&self, y: &mut CpuTensor, x: &CpuTensor) -> Result<()> {
+        expect_len("gelu", "output", y, x.numel())?;
+        let xv = f32_view(self, x)?;
+        gelu::forward(out(y)?, xv.s()?);
+        Ok(())
+    }
+
+    fn gelu_backward(&self, dx: &mut CpuTensor, x: &CpuTensor, dy: &CpuTensor) -> Result<()> {
+        expect_len("gelu backward", "input gradient", dx, x.numel())?;
+        expect_len("gelu backward", "output gradient", dy, x.numel())?;
+        let (xv, dyv) = (f32_view(self, x)?, f32_view(self, dy)?);
+        gelu::backward(out(dx)?, xv.s()?, dyv.s()?);
+        Ok(())
+    }
+
+    fn swiglu(&self, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
+        expect_len("swiglu", "output", y, gate.numel())?;
+        expect_len("swiglu", "up", up, gate.numel())?;
+        let (gv, uv) = (f32_view(self, gate)?, f32_view(self, up)?);
+        swiglu::forward(out(y)?, gv.s()?, uv.s()?);
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &self,
+        dgate: &mut CpuTensor,
+        dup: &mut CpuTensor,
+        gate: &CpuTensor,
+        up: &CpuTensor,
+        dy: &CpuTensor,
+    ) -> Result<()> {
+        let n = gate.numel();
+        for (what, t) in [
+            ("gate gradient", &*dgate),
+            ("up gradient", &*dup),
+            ("up", up),
+            ("output gradient", dy),
+        ] {
+            expect_len("swiglu backward", what, t, n)?;
+        }
+        let (gv, uv, dyv) = (
+            f32_view(self, gate)?,
+            f32_view(self, up)?,
+            f32_view(self, dy)?,
+        );
+        swiglu::backward(out(dgate)?, out(dup)?, gv.s()?, uv.s()?, dyv.s()?);
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut CpuTensor, theta: f32, inverse: bool) -> Result<()> {
+        let [_, _, t, hs] = dims4("rope", x)?;
+        if hs % 2 != 0 {
+            return Err(bad("rope", format!("odd head dimension {hs}")));
+        }
+        let (cos, sin) = rope::tables(t, hs, theta);
+        rope::apply(out(x)?, t, hs, &cos, &sin, inverse);
+        Ok(())
+    }
+
+    fn embed(
+        &self,
+        y: &mut CpuTensor,
+        tokens: &[u32],
+        wte: &CpuTensor,
+        wpe: Option<&CpuTensor>,
+    ) -> Result<()> {
+        let (vocab, c) = rows_cols(wte);
+        expect_len("embed", "output", y, tokens.len() * c)?;
+        if let Some(bad_id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(bad("embed", format!("token {bad_id} ≥ vocab {vocab}")));
+        }
+        let wv = f32_view(self, wte)?;
+        match wpe {
+            Some(wpe) => {
+                let t = y.shape().dims().get(1).copied().unwrap_or(1).max(1);
+                if tokens.len() % t != 0 || wpe.numel() < t * c {
+                    return Err(bad("embed", format!("{t} positions do not fit the batch")));
+                }
+                let pv = f32_view(self, wpe)?;
+                embedding::forward(out(y)?, tokens, wv.s()?, pv.s()?, t, c);
+            }
+            None => embedding::forward_tokens(out(y)?, tokens, wv.s()?, c),
+        }
+        Ok(())
+    }
+
+    fn embed_backward(
+        &self,
+        dwte: &mut CpuTensor,
+        dwpe: Option<&mut CpuTensor>,
+        dy: &CpuTensor,
+        tokens: &[u32],
+    ) -> Result<()> {
+        let (vocab, c) = rows_cols(dwte);
+        expect_len("embed backward", "output gradient", dy, tokens.len() * c)?;
+        if let Some(bad_id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(bad(
+                "embed backward",
+                format!("token {bad_id} ≥ vocab {vocab}"),
+            ));
+        }
+        match dwpe {
+            Some(dwpe) => {
+                let t = dy.shape().dims().get(1).copied().unwrap_or(1).max(1);
+                if tokens.len() % t != 0 || dwpe.numel() < t * c {
+                    return Err(bad(
+                        "embed backward",
+                        format!("{t} positions do not fit the batch"),
+                    ));
+                }
+                embedding::backward(out(dwte)?, out(dwpe)?, dy.as_slice::<f32>()?, tokens, t, c);
+            }
+            None => embedding::backward_tokens(out(dwte)?, dy.as_slice::<f32>()?, tokens, c),
+        }
+        Ok(())
+    }
+
+    fn split_heads(&self, y: &mut CpuTensor, x: &CpuTensor, col: usize) -> Result<()> {
+        let [b, h, t, hs] = dims4("split heads", y)?;
+        let (rows, w) = rows_cols(x);
+        if rows != b * t || col + h * hs > w {
+            return Err(bad(
+                "split heads",
+                format!(
+                    "{:?} columns {col}.. into {:?}",
+                    x.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        let (src, dst) = (x.as_slice::<f32>()?, out(y)?);
+        for bi in 0..b {
+            for ti in 0..t {
+                let row = &src[(bi * t + ti) * w + col..][..h * hs];
+                for hi in 0..h {
+                    let d = ((bi * h + hi) * t + ti) * hs;
+                    dst[d..d + hs].copy_from_slice(&row[hi * hs..][..hs]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn merge_heads(&self, y: &mut CpuTensor, x: &CpuTensor, col: usize) -> Result<()> {
+        let [b, h, t, hs] = dims4("merge heads", x)?;
+        let (rows, w) = rows_cols(y);
+        if rows != b * t || col + h * hs > w {
+            return Err(bad(
+                "merge heads",
+                format!(
+                    "{:?} into columns {col}.. of {:?}",
+                    x.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        let xv = f32_view(self, x)?;
+        let (src, dst) = (xv.s()?, out(y)?);
+        for bi in 0..b {
+            for hi in 0..h {
+                for ti in 0..t {
+                    let s = ((bi * h + hi) * t + ti) * hs;
+                    dst[(bi * t + ti) * w + col + hi * hs..][..hs].copy_from_slice(&src[s..s + hs]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn round_to(&self, x: &mut CpuTensor, precision: Precision) -> Result<()> {
+        round_slice(out(x)?, precision);
+        Ok(())
+    }
+
+    fn head_loss(
+        &self,
+        losses: &mut CpuTensor,
+        x: &CpuTensor,
+        w: &CpuTensor,
+        targets: &[u32],
+        rows: usize,
+        precision: Precision,
+        logits_category: MemoryCategory,
+        grads: Option<HeadLossGrads<'_, CpuTensor>>,
+    ) -> Result<()> {
+        let (v, c) = weight_dims("head", w)?;
+        let n = targets.len();
+        expect_len("head", "input", x, n * c)?;
+        expect_len("head", "losses", losses, n)?;
+        if let Some(bad_id) = targets.iter().find(|&&t| t as usize >= v) {
+            return Err(bad("head", format!("target {bad_id} ≥ vocab {v}")));
+        }
+        if let Some(g) = &grads {
+            expect_len("head", "input gradient", g.dx, n * c)?;
+            expect_len("head", "weight gradient", g.dw, v * c)?;
+        }
+        let rows = rows.clamp(1, n.max(1));
+        let _l = headroom_profiler::label_absolute("head.wte (f32 view)");
+        let wv = f32_view(self, w)?;
+        let _l = headroom_profiler::label_absolute(if rows < n {
+            "head.logits[chunk]"
+        } else {
+            "head.logits"
+        });
+        let mut logits = {
+            let _g = logits_category.enter();
+            self.zeros([rows, v], DType::F32)?
+        };
+        let (mut grads, mut dlogits) = match grads {
+            Some(g) => {
+                let _g = MemoryCategory::Workspace.enter();
+                let d = self.zeros([rows, v], DType::F32)?;
+                (Some(g), Some(d))
+            }
+            None => (None, None),
+        };
+        let dloss = vec![grads.as_ref().map_or(0.0, |g| g.dloss_per_token); rows];
+        let xs = x.as_slice::<f32>()?;
+        let mut r0 = 0;
+        while r0 < n {
+            let r = rows.min(n - r0);
+            let lg = &mut out(&mut logits)?[..r * v];
+            let xr = &xs[r0 * c..][..r * c];
+            matmul::forward(lg, xr, wv.s()?, None, r, c, v);
+            round_slice(lg, precision);
+            let ls = &mut out(losses)?[r0..r0 + r];
+            match (&mut grads, &mut dlogits) {
+                (Some(g), Some(dl)) => {
+                    let dl = &mut out(dl)?[..r * v];
+                    cross_entropy::forward_backward(
+                        ls,
+                        dl,
+                        lg,
+                        &targets[r0..r0 + r],
+                        &dloss[..r],
+                        v,
+                    );
+                    // A tied head accumulates into the token embedding's gradient; no bias.
+                    matmul::backward(
+                        &mut out(g.dx)?[r0 * c..][..r * c],
+                        out(g.dw)?,
+                        None,
+                        dl,
+                        xr,
+                        wv.s()?,
+                        r,
+                        c,
+                        v,
+                    );
+                }
+                _ => cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v),
+            }
+            r0 += r;
+        }
+        Ok(())
+    }
+}
+
+/// Round f32 values in place to `precision` and back.
+fn round_slice(x: &mut [f32], precision: Precision) {
+    use headroom_tensor::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
+    use rayon::prelude::*;
+    // The logits are 100M values on `small`: split over threads, and for bf16 use the tensor
+    // crate's branch-free rounding (the same bits as `half`), which vectorises.
+    const CHUNK: usize = 1 << 15;
+    match precision {
+        Precision::Fp32 => {}
+        Precision::Bf16 => x.par_chunks_mut(CHUNK).for_each(|c| {
+            for v in c {
+                *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
+            }
+        }),
+        p @ Precision::Fp16 => x.par_chunks_mut(CHUNK).for_each(|c| {
+            for v in c {
+                *v = p.round(*v);
+            }
+        }),
+    }
+}

@@ -1,0 +1,379 @@
+//! The GPT-2 block: pre-norm attention and GELU MLP with biases, forward (keeping
+//! [`Gpt2Saved`]) and backward, written once over [`ModelOps`].
+//!
+//! In low precision each kept tensor is rounded to bf16/fp16 as soon as it is computed, and
+//! every later reader (the rest of forward, a recomputation, backward) reads the rounded
+//! values; so forward-with-save and forward-with-discard produce the same bits, which is what
+//! makes checkpointed gradients equal stored ones.
+
+use headroom_attn::AttentionForward;
+use headroom_tensor::{CpuTensor, MemoryCategory, Tensor};
+
+use crate::model::ops::ModelOps;
+use crate::model::params::{layer as o, layer_index};
+use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
+use crate::Result;
+
+/// What one GPT-2 block keeps for its backward, besides its input (which the chain executor
+/// keeps when the schedule says so). Low-precision modes keep these in bf16/f16, except the
+/// f32 statistics and log-sum-exp.
+pub struct Gpt2Saved<T = CpuTensor> {
+    /// `[B, T, C]` first layer norm (`None` under selective recomputation).
+    pub ln1: Option<T>,
+    /// `[B, T]` f32 its mean and reciprocal standard deviation.
+    pub ln1_stats: NormStats<T>,
+    /// `[B, NH, T, hs]` queries (split from `ln1·Wqkvᵀ`).
+    pub q: T,
+    /// `[B, NH, T, hs]` keys.
+    pub k: T,
+    /// `[B, NH, T, hs]` values.
+    pub v: T,
+    /// Attention output `[B, NH, T, hs]`, its logsumexp `[B, NH, T]` f32, and for naive
+    /// attention the probabilities `[B, NH, T, T]` f32. The heads-merged `[B, T, C]` copy the
+    /// projection reads is rebuilt in backward rather than kept twice.
+    pub attn: AttentionForward<T>,
+    /// `[B, T, C]` residual after attention.
+    pub res2: T,
+    /// `[B, T, C]` second layer norm (`None` under selective recomputation).
+    pub ln2: Option<T>,
+    /// `[B, T]` f32 its statistics.
+    pub ln2_stats: NormStats<T>,
+    /// `[B, T, 4C]` MLP pre-activation.
+    pub fch: T,
+    /// `[B, T, 4C]` after GELU (`None` under selective recomputation).
+    pub fch_gelu: Option<T>,
+}
+
+impl<T: Tensor> headroom_ckpt::SavedState for Gpt2Saved<T> {
+    fn size_in_bytes(&self) -> usize {
+        let opt = |t: &Option<T>| t.as_ref().map_or(0, |t| t.size_in_bytes());
+        let a = &self.attn;
+        [
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.res2,
+            &self.fch,
+            &a.output,
+            &a.logsumexp,
+        ]
+        .iter()
+        .map(|t| t.size_in_bytes())
+        .sum::<usize>()
+            + self.ln1_stats.size_in_bytes()
+            + self.ln2_stats.size_in_bytes()
+            + opt(&self.ln1)
+            + opt(&self.ln2)
+            + opt(&self.fch_gelu)
+            + opt(&a.probs)
+    }
+}
+
+/// Two distinct mutable elements of a slice (`i < j`).
+pub(crate) fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
+    let (a, b) = v.split_at_mut(j);
+    (&mut a[i], &mut b[0])
+}
+
+impl<B: ModelOps> Model<B> {
+    /// Layer norm of `x` with block `l`'s parameters `w_off`, `b_off`: the output (kept in the
+    /// storage precision) and its f32 statistics.
+    fn block_layernorm(
+        &self,
+        l: usize,
+        x: &B::Tensor,
+        w_off: usize,
+        b_off: usize,
+        g: Geometry,
+    ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
+        let mut out = self.fresh([g.b, g.t, self.cfg.channels])?;
+        let (w, b) = (
+            layer_index(&self.cfg, l, w_off),
+            layer_index(&self.cfg, l, b_off),
+        );
+        let stats = self.norm(&mut out, x, w, Some(b), g)?;
+        Ok((self.keep(out)?, stats))
+    }
+
+    /// GELU of the kept pre-activation, kept.
+    fn block_gelu(&self, fch: &B::Tensor) -> Result<B::Tensor> {
+        let mut out = self.fresh(fch.shape().clone())?;
+        let fv = self.view(fch)?;
+        self.backend().gelu(&mut out, fv.tensor())?;
+        drop(fv);
+        self.keep(out)
+    }
+
+    /// GPT-2 block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]` (storage
+    /// precision) and, when `save`, what backward needs.
+    pub(crate) fn gpt2_block_forward(
+        &self,
+        l: usize,
+        inp: &B::Tensor,
+        g: Geometry,
+        save: bool,
+    ) -> Result<BlockOutput<B::Tensor, Gpt2Saved<B::Tensor>>> {
+        let (c, nh) = (self.cfg.channels, self.cfg.heads);
+        let hs = c / nh;
+        let be = self.backend();
+        let x = self.view(inp)?;
+
+        // Every allocation below is labelled for the profiler's tables and traces; the guards
+        // shadow each other, so each label holds until the next one and all end with the block.
+        let _t = self.tag(l, "ln1");
+        let (ln1, ln1_stats) = self.block_layernorm(l, x.tensor(), o::LN1_W, o::LN1_B, g)?;
+        // qkv is only a stepping stone to q, k, v: workspace, dropped once split.
+        let _t = self.tag(l, "attn.qkv");
+        let mut qkv = self.scratch([g.b, g.t, 3 * c])?;
+        be.linear(
+            &mut qkv,
+            &ln1,
+            self.lw(l, o::QKV_W)?,
+            Some(self.lw(l, o::QKV_B)?),
+        )?;
+        let mut q = self.fresh([g.b, nh, g.t, hs])?;
+        let mut k = self.fresh([g.b, nh, g.t, hs])?;
+        let mut v = self.fresh([g.b, nh, g.t, hs])?;
+        be.split_heads(&mut q, &qkv, 0)?;
+        be.split_heads(&mut k, &qkv, c)?;
+        be.split_heads(&mut v, &qkv, 2 * c)?;
+        drop(qkv);
+        let (q, k, v) = (self.keep(q)?, self.keep(k)?, self.keep(v)?);
+        let _t = self.tag(l, "attn.out");
+        let attn = self.attention(&q, &k, &v)?;
+        let _t = self.tag(l, "attn.proj");
+        let mut atty = self.scratch([g.b, g.t, c])?;
+        be.merge_heads(&mut atty, &attn.output, 0)?;
+        let mut res2 = self.fresh([g.b, g.t, c])?;
+        be.linear(
+            &mut res2,
+            &atty,
+            self.lw(l, o::ATTN_PROJ_W)?,
+            Some(self.lw(l, o::ATTN_PROJ_B)?),
+        )?;
+        drop(atty);
+        be.axpy(1.0, x.tensor(), &mut res2)?;
+        let res2 = self.keep(res2)?;
+        let res2v = self.view(&res2)?;
+        let _t = self.tag(l, "ln2");
+        let (ln2, ln2_stats) = self.block_layernorm(l, res2v.tensor(), o::LN2_W, o::LN2_B, g)?;
+        let _t = self.tag(l, "mlp.fc");
+        let mut fch = self.fresh([g.b, g.t, 4 * c])?;
+        be.linear(
+            &mut fch,
+            &ln2,
+            self.lw(l, o::FC_W)?,
+            Some(self.lw(l, o::FC_B)?),
+        )?;
+        let fch = self.keep(fch)?;
+        let _t = self.tag(l, "mlp.gelu");
+        let fch_gelu = self.block_gelu(&fch)?;
+        // The block output is the next block's input: the chain decides whether it is kept.
+        let _t = self.tag(l, "mlp.proj");
+        let mut out = self.fresh([g.b, g.t, c])?;
+        be.linear(
+            &mut out,
+            &fch_gelu,
+            self.lw(l, o::FC_PROJ_W)?,
+            Some(self.lw(l, o::FC_PROJ_B)?),
+        )?;
+        be.axpy(1.0, res2v.tensor(), &mut out)?;
+        drop(res2v);
+        let out = self.keep(out)?;
+        if !save {
+            return Ok((out, None));
+        }
+        let sel = self.opts.selective;
+        let keep_unless_selective = |t: B::Tensor| if sel { None } else { Some(t) };
+        let saved = Gpt2Saved {
+            ln1: keep_unless_selective(ln1),
+            ln1_stats,
+            q,
+            k,
+            v,
+            attn,
+            res2,
+            ln2: keep_unless_selective(ln2),
+            ln2_stats,
+            fch,
+            fch_gelu: keep_unless_selective(fch_gelu),
+        };
+        Ok((out, Some(saved)))
+    }
+
+    /// Attention over kept `q`, `k`, `v`: the output is kept in the storage precision (its
+    /// f32 original is workspace in low precision), the log-sum-exp in f32.
+    pub(crate) fn attention(
+        &self,
+        q: &B::Tensor,
+        k: &B::Tensor,
+        v: &B::Tensor,
+    ) -> Result<AttentionForward<B::Tensor>> {
+        let (qv, kv, vv) = (self.view(q)?, self.view(k)?, self.view(v)?);
+        let out_cat = if self.opts.precision.is_low() {
+            MemoryCategory::Workspace
+        } else {
+            MemoryCategory::Activations
+        };
+        let _g = out_cat.enter();
+        let f = self.backend().attention_forward(
+            qv.tensor(),
+            kv.tensor(),
+            vv.tensor(),
+            &self.opts.attention,
+        )?;
+        Ok(AttentionForward {
+            output: self.keep(f.output)?,
+            ..f
+        })
+    }
+
+    /// Attention's backward from what [`Model::attention`] kept, `dy` the output's gradient
+    /// `[B, NH, T, hs]` f32.
+    pub(crate) fn attention_backward(
+        &self,
+        q: &B::Tensor,
+        k: &B::Tensor,
+        v: &B::Tensor,
+        attn: AttentionForward<B::Tensor>,
+        dy: &B::Tensor,
+    ) -> Result<headroom_attn::AttentionGradients<B::Tensor>> {
+        let _g = MemoryCategory::Workspace.enter();
+        let fwd = AttentionForward {
+            output: self.to_f32_owned(attn.output)?,
+            ..attn
+        };
+        let (qv, kv, vv) = (self.view(q)?, self.view(k)?, self.view(v)?);
+        Ok(self
+            .backend()
+            .attention_backward(qv.tensor(), kv.tensor(), vv.tensor(), &fwd, dy)?)
+    }
+
+    /// GPT-2 block `l` backward: accumulates parameter gradients into `grads` (the block's
+    /// 12), returns the gradient of `inp`.
+    pub(crate) fn gpt2_block_backward(
+        &self,
+        l: usize,
+        inp: &B::Tensor,
+        s: Gpt2Saved<B::Tensor>,
+        dout: &B::Tensor,
+        grads: &mut [B::Tensor],
+        g: Geometry,
+    ) -> Result<B::Tensor> {
+        let (c, be) = (self.cfg.channels, self.backend());
+        let li = |off| layer_index(&self.cfg, l, off);
+        let x = self.view(inp)?;
+        let res2v = self.view(&s.res2)?;
+        // Selective recomputation: what forward dropped comes back, bit for bit, from what
+        // it kept (the statistics are recomputed too and discarded).
+        let _t = self.tag(l, "recompute");
+        let ln1 = match s.ln1 {
+            Some(t) => t,
+            None => {
+                self.block_layernorm(l, x.tensor(), o::LN1_W, o::LN1_B, g)?
+                    .0
+            }
+        };
+        let ln2 = match s.ln2 {
+            Some(t) => t,
+            None => {
+                self.block_layernorm(l, res2v.tensor(), o::LN2_W, o::LN2_B, g)?
+                    .0
+            }
+        };
+        let fch_gelu = match s.fch_gelu {
+            Some(t) => t,
+            None => self.block_gelu(&s.fch)?,
+        };
+
+        // out = res2 + fcproj(fch_gelu): dres2 starts as dout, dfch_gelu from the projection.
+        let _t = self.tag(l, "mlp.backward");
+        let mut dfch_gelu = self.scratch([g.b, g.t, 4 * c])?;
+        {
+            let (dw, db) = two_mut(grads, o::FC_PROJ_W, o::FC_PROJ_B);
+            be.linear_backward(
+                &mut dfch_gelu,
+                dw,
+                Some(db),
+                dout,
+                &fch_gelu,
+                self.lw(l, o::FC_PROJ_W)?,
+            )?;
+        }
+        drop(fch_gelu);
+        let mut dfch = self.scratch([g.b, g.t, 4 * c])?;
+        be.gelu_backward(&mut dfch, &s.fch, &dfch_gelu)?;
+        drop(dfch_gelu);
+        let mut dln2 = self.scratch([g.b, g.t, c])?;
+        {
+            let (dw, db) = two_mut(grads, o::FC_W, o::FC_B);
+            be.linear_backward(&mut dln2, dw, Some(db), &dfch, &ln2, self.lw(l, o::FC_W)?)?;
+        }
+        drop((dfch, ln2));
+        let _t = self.tag(l, "ln2.backward");
+        let mut dres2 = self.scratch([g.b, g.t, c])?;
+        be.copy(dout, &mut dres2)?;
+        {
+            let (dw, db) = two_mut(grads, o::LN2_W, o::LN2_B);
+            self.norm_backward(
+                &mut dres2,
+                dw,
+                Some(db),
+                &dln2,
+                res2v.tensor(),
+                li(o::LN2_W),
+                &s.ln2_stats,
+            )?;
+        }
+        drop((dln2, res2v));
+        // res2 = inp + attproj(atty), atty = the attention output with heads merged.
+        let _t = self.tag(l, "attn.backward");
+        let mut atty = self.scratch([g.b, g.t, c])?;
+        be.merge_heads(&mut atty, &s.attn.output, 0)?;
+        let mut datty = self.scratch([g.b, g.t, c])?;
+        {
+            let (dw, db) = two_mut(grads, o::ATTN_PROJ_W, o::ATTN_PROJ_B);
+            be.linear_backward(
+                &mut datty,
+                dw,
+                Some(db),
+                &dres2,
+                &atty,
+                self.lw(l, o::ATTN_PROJ_W)?,
+            )?;
+        }
+        drop(atty);
+        let mut dy = self.scratch(s.q.shape().clone())?;
+        be.split_heads(&mut dy, &datty, 0)?;
+        drop(datty);
+        let ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
+        drop(dy);
+        let mut dqkv = self.scratch([g.b, g.t, 3 * c])?;
+        be.merge_heads(&mut dqkv, &ag.dq, 0)?;
+        be.merge_heads(&mut dqkv, &ag.dk, c)?;
+        be.merge_heads(&mut dqkv, &ag.dv, 2 * c)?;
+        drop(ag);
+        let _t = self.tag(l, "ln1.backward");
+        let mut dln1 = self.scratch([g.b, g.t, c])?;
+        {
+            let (dw, db) = two_mut(grads, o::QKV_W, o::QKV_B);
+            be.linear_backward(&mut dln1, dw, Some(db), &dqkv, &ln1, self.lw(l, o::QKV_W)?)?;
+        }
+        drop((dqkv, ln1));
+        // The residual passes dres2 straight through to the block input.
+        let mut dinp = dres2;
+        {
+            let (dw, db) = two_mut(grads, o::LN1_W, o::LN1_B);
+            self.norm_backward(
+                &mut dinp,
+                dw,
+                Some(db),
+                &dln1,
+                x.tensor(),
+                li(o::LN1_W),
+                &s.ln1_stats,
+            )?;
+        }
+        Ok(dinp)
+    }
+}

@@ -1,0 +1,351 @@
+//! The Llama block: RMSNorm, attention with rotary positions and grouped-query heads, RMSNorm,
+//! SwiGLU MLP, no biases — forward (keeping [`LlamaSaved`]) and backward, written once over
+//! [`ModelOps`]. Transformers' `LlamaDecoderLayer` computes the same function.
+//!
+//! As in the GPT-2 block, every kept tensor is rounded to the storage precision as soon as it
+//! is computed and every later reader reads the rounded values, so checkpointed gradients
+//! equal stored ones bit for bit. The rotation is applied in f32 to the projection's output
+//! and the rotated q, k are what is kept (attention's backward needs them).
+
+use headroom_attn::AttentionForward;
+use headroom_tensor::{CpuTensor, Tensor};
+
+use crate::model::gpt2_block::two_mut;
+use crate::model::ops::ModelOps;
+use crate::model::params::{layer_index, llama_layer as o};
+use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
+use crate::model::Family;
+use crate::{Result, TrainError};
+
+/// What one Llama block keeps for its backward, besides its input. Low-precision modes keep
+/// these in bf16/f16, except the f32 statistics and log-sum-exp.
+pub struct LlamaSaved<T = CpuTensor> {
+    /// `[B, T, C]` input RMSNorm (`None` under selective recomputation).
+    pub norm1: Option<T>,
+    /// `[B, T]` f32 its reciprocal root mean square.
+    pub norm1_stats: NormStats<T>,
+    /// `[B, NH, T, hs]` queries after the rotary embedding.
+    pub q: T,
+    /// `[B, KV, T, hs]` keys after the rotary embedding.
+    pub k: T,
+    /// `[B, KV, T, hs]` values.
+    pub v: T,
+    /// Attention output `[B, NH, T, hs]`, logsumexp `[B, NH, T]` f32 (and naive attention's
+    /// probabilities `[B, NH, T, T]` f32).
+    pub attn: AttentionForward<T>,
+    /// `[B, T, C]` residual after attention.
+    pub res2: T,
+    /// `[B, T, C]` post-attention RMSNorm (`None` under selective recomputation).
+    pub norm2: Option<T>,
+    /// `[B, T]` f32 its reciprocal root mean square.
+    pub norm2_stats: NormStats<T>,
+    /// `[B, T, F]` gate projection (SiLU's input).
+    pub gate: T,
+    /// `[B, T, F]` up projection.
+    pub up: T,
+    /// `[B, T, F]` `silu(gate) · up`, the down projection's input (`None` under selective
+    /// recomputation).
+    pub act: Option<T>,
+}
+
+impl<T: Tensor> headroom_ckpt::SavedState for LlamaSaved<T> {
+    fn size_in_bytes(&self) -> usize {
+        let opt = |t: &Option<T>| t.as_ref().map_or(0, |t| t.size_in_bytes());
+        let a = &self.attn;
+        [
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.res2,
+            &self.gate,
+            &self.up,
+            &a.output,
+            &a.logsumexp,
+        ]
+        .iter()
+        .map(|t| t.size_in_bytes())
+        .sum::<usize>()
+            + self.norm1_stats.size_in_bytes()
+            + self.norm2_stats.size_in_bytes()
+            + opt(&self.norm1)
+            + opt(&self.norm2)
+            + opt(&self.act)
+            + opt(&a.probs)
+    }
+}
+
+impl<B: ModelOps> Model<B> {
+    fn rope_theta(&self) -> Result<f32> {
+        match self.cfg.family {
+            Family::Llama(s) => Ok(s.rope_theta),
+            Family::Gpt2 => Err(TrainError::Config("GPT-2 has no rotary embedding".into())),
+        }
+    }
+
+    /// RMSNorm of `x` with block `l`'s gain at `w_off`: the output (kept in the storage
+    /// precision) and its f32 statistics.
+    fn block_rmsnorm(
+        &self,
+        l: usize,
+        x: &B::Tensor,
+        w_off: usize,
+        g: Geometry,
+    ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
+        let mut out = self.fresh([g.b, g.t, self.cfg.channels])?;
+        let stats = self.norm(&mut out, x, layer_index(&self.cfg, l, w_off), None, g)?;
+        Ok((self.keep(out)?, stats))
+    }
+
+    /// `silu(gate) · up` of the kept projections, kept.
+    fn block_swiglu(&self, gate: &B::Tensor, up: &B::Tensor) -> Result<B::Tensor> {
+        let mut out = self.fresh(gate.shape().clone())?;
+        self.backend().swiglu(&mut out, gate, up)?;
+        self.keep(out)
+    }
+
+    /// `x·Wᵀ` for block `l`'s projection `w_off`, split into `heads` heads `[B, heads, T, hs]`
+    /// (f32, not yet kept): the projection's `[B, T, heads·hs]` output is workspace.
+    fn project_heads(
+        &self,
+        l: usize,
+        x: &B::Tensor,
+        w_off: usize,
+        heads: usize,
+        g: Geometry,
+    ) -> Result<B::Tensor> {
+        let hs = self.cfg.head_dim();
+        let mut flat = self.scratch([g.b, g.t, heads * hs])?;
+        self.backend()
+            .linear(&mut flat, x, self.lw(l, w_off)?, None)?;
+        let mut out = self.fresh([g.b, heads, g.t, hs])?;
+        self.backend().split_heads(&mut out, &flat, 0)?;
+        Ok(out)
+    }
+
+    /// Llama block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]`
+    /// (storage precision) and, when `save`, what backward needs.
+    pub(crate) fn llama_block_forward(
+        &self,
+        l: usize,
+        inp: &B::Tensor,
+        g: Geometry,
+        save: bool,
+    ) -> Result<BlockOutput<B::Tensor, LlamaSaved<B::Tensor>>> {
+        let (c, nh, kvh) = (self.cfg.channels, self.cfg.heads, self.cfg.kv_heads());
+        let f = self.cfg.ffn();
+        let theta = self.rope_theta()?;
+        let be = self.backend();
+        let x = self.view(inp)?;
+
+        let _t = self.tag(l, "input_norm");
+        let (norm1, norm1_stats) = self.block_rmsnorm(l, x.tensor(), o::INPUT_NORM, g)?;
+        let _t = self.tag(l, "attn.q");
+        let mut q = self.project_heads(l, &norm1, o::Q, nh, g)?;
+        be.rope(&mut q, theta, false)?;
+        let q = self.keep(q)?;
+        let _t = self.tag(l, "attn.k");
+        let mut k = self.project_heads(l, &norm1, o::K, kvh, g)?;
+        be.rope(&mut k, theta, false)?;
+        let k = self.keep(k)?;
+        let _t = self.tag(l, "attn.v");
+        let v = self.project_heads(l, &norm1, o::V, kvh, g)?;
+        let v = self.keep(v)?;
+        let _t = self.tag(l, "attn.out");
+        let attn = self.attention(&q, &k, &v)?;
+        let _t = self.tag(l, "attn.o_proj");
+        let mut atty = self.scratch([g.b, g.t, c])?;
+        be.merge_heads(&mut atty, &attn.output, 0)?;
+        let mut res2 = self.fresh([g.b, g.t, c])?;
+        be.linear(&mut res2, &atty, self.lw(l, o::O)?, None)?;
+        drop(atty);
+        be.axpy(1.0, x.tensor(), &mut res2)?;
+        let res2 = self.keep(res2)?;
+        let res2v = self.view(&res2)?;
+        let _t = self.tag(l, "post_norm");
+        let (norm2, norm2_stats) = self.block_rmsnorm(l, res2v.tensor(), o::POST_NORM, g)?;
+        let _t = self.tag(l, "mlp.gate");
+        let mut gate = self.fresh([g.b, g.t, f])?;
+        be.linear(&mut gate, &norm2, self.lw(l, o::GATE)?, None)?;
+        let gate = self.keep(gate)?;
+        let _t = self.tag(l, "mlp.up");
+        let mut up = self.fresh([g.b, g.t, f])?;
+        be.linear(&mut up, &norm2, self.lw(l, o::UP)?, None)?;
+        let up = self.keep(up)?;
+        let _t = self.tag(l, "mlp.act");
+        let act = self.block_swiglu(&gate, &up)?;
+        let _t = self.tag(l, "mlp.down");
+        let mut out = self.fresh([g.b, g.t, c])?;
+        be.linear(&mut out, &act, self.lw(l, o::DOWN)?, None)?;
+        be.axpy(1.0, res2v.tensor(), &mut out)?;
+        drop(res2v);
+        let out = self.keep(out)?;
+        if !save {
+            return Ok((out, None));
+        }
+        let sel = self.opts.selective;
+        let keep_unless_selective = |t: B::Tensor| if sel { None } else { Some(t) };
+        let saved = LlamaSaved {
+            norm1: keep_unless_selective(norm1),
+            norm1_stats,
+            q,
+            k,
+            v,
+            attn,
+            res2,
+            norm2: keep_unless_selective(norm2),
+            norm2_stats,
+            gate,
+            up,
+            act: keep_unless_selective(act),
+        };
+        Ok((out, Some(saved)))
+    }
+
+    /// The backward of [`Model::project_heads`] for one of q, k, v: merges the heads'
+    /// gradient `dh` `[B, heads, T, hs]` and adds its input gradient into `dx`, its weight
+    /// gradient into `dw`.
+    fn project_heads_backward(
+        &self,
+        l: usize,
+        dx: &mut B::Tensor,
+        dw: &mut B::Tensor,
+        dh: &B::Tensor,
+        x: &B::Tensor,
+        w_off: usize,
+    ) -> Result<()> {
+        let (b, heads, t, hs) = match *dh.shape().dims() {
+            [b, h, t, hs] => (b, h, t, hs),
+            ref other => {
+                return Err(TrainError::Input(format!(
+                    "head gradient of shape {other:?} is not [B, H, T, hs]"
+                )))
+            }
+        };
+        let mut flat = self.scratch([b, t, heads * hs])?;
+        self.backend().merge_heads(&mut flat, dh, 0)?;
+        self.backend()
+            .linear_backward(dx, dw, None, &flat, x, self.lw(l, w_off)?)
+    }
+
+    /// Llama block `l` backward: accumulates parameter gradients into `grads` (the block's 9),
+    /// returns the gradient of `inp`.
+    pub(crate) fn llama_block_backward(
+        &self,
+        l: usize,
+        inp: &B::Tensor,
+        s: LlamaSaved<B::Tensor>,
+        dout: &B::Tensor,
+        grads: &mut [B::Tensor],
+        g: Geometry,
+    ) -> Result<B::Tensor> {
+        let (c, f) = (self.cfg.channels, self.cfg.ffn());
+        let theta = self.rope_theta()?;
+        let be = self.backend();
+        let li = |off| layer_index(&self.cfg, l, off);
+        let x = self.view(inp)?;
+        let res2v = self.view(&s.res2)?;
+        let _t = self.tag(l, "recompute");
+        let norm1 = match s.norm1 {
+            Some(t) => t,
+            None => self.block_rmsnorm(l, x.tensor(), o::INPUT_NORM, g)?.0,
+        };
+        let norm2 = match s.norm2 {
+            Some(t) => t,
+            None => self.block_rmsnorm(l, res2v.tensor(), o::POST_NORM, g)?.0,
+        };
+        let act = match s.act {
+            Some(t) => t,
+            None => self.block_swiglu(&s.gate, &s.up)?,
+        };
+
+        // out = res2 + down(silu(gate)·up).
+        let _t = self.tag(l, "mlp.backward");
+        let mut dact = self.scratch([g.b, g.t, f])?;
+        be.linear_backward(
+            &mut dact,
+            &mut grads[o::DOWN],
+            None,
+            dout,
+            &act,
+            self.lw(l, o::DOWN)?,
+        )?;
+        drop(act);
+        let mut dgate = self.scratch([g.b, g.t, f])?;
+        let mut dup = self.scratch([g.b, g.t, f])?;
+        be.swiglu_backward(&mut dgate, &mut dup, &s.gate, &s.up, &dact)?;
+        drop(dact);
+        let mut dnorm2 = self.scratch([g.b, g.t, c])?;
+        be.linear_backward(
+            &mut dnorm2,
+            &mut grads[o::GATE],
+            None,
+            &dgate,
+            &norm2,
+            self.lw(l, o::GATE)?,
+        )?;
+        drop(dgate);
+        be.linear_backward(
+            &mut dnorm2,
+            &mut grads[o::UP],
+            None,
+            &dup,
+            &norm2,
+            self.lw(l, o::UP)?,
+        )?;
+        drop((dup, norm2));
+        let _t = self.tag(l, "post_norm.backward");
+        let mut dres2 = self.scratch([g.b, g.t, c])?;
+        be.copy(dout, &mut dres2)?;
+        self.norm_backward(
+            &mut dres2,
+            &mut grads[o::POST_NORM],
+            None,
+            &dnorm2,
+            res2v.tensor(),
+            li(o::POST_NORM),
+            &s.norm2_stats,
+        )?;
+        drop((dnorm2, res2v));
+        // res2 = inp + o_proj(atty), atty = the attention output with heads merged.
+        let _t = self.tag(l, "attn.backward");
+        let mut atty = self.scratch([g.b, g.t, c])?;
+        be.merge_heads(&mut atty, &s.attn.output, 0)?;
+        let mut datty = self.scratch([g.b, g.t, c])?;
+        be.linear_backward(
+            &mut datty,
+            &mut grads[o::O],
+            None,
+            &dres2,
+            &atty,
+            self.lw(l, o::O)?,
+        )?;
+        drop(atty);
+        let mut dy = self.scratch(s.q.shape().clone())?;
+        be.split_heads(&mut dy, &datty, 0)?;
+        drop(datty);
+        let mut ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
+        drop(dy);
+        // The rotation is orthogonal: its backward rotates the gradient back.
+        be.rope(&mut ag.dq, theta, true)?;
+        be.rope(&mut ag.dk, theta, true)?;
+        let _t = self.tag(l, "input_norm.backward");
+        let mut dnorm1 = self.scratch([g.b, g.t, c])?;
+        for (dh, off) in [(&ag.dq, o::Q), (&ag.dk, o::K), (&ag.dv, o::V)] {
+            self.project_heads_backward(l, &mut dnorm1, &mut grads[off], dh, &norm1, off)?;
+        }
+        drop((ag, norm1));
+        // The residual passes dres2 straight through to the block input.
+        let mut dinp = dres2;
+        let (dw, _) = two_mut(grads, o::INPUT_NORM, o::Q);
+        self.norm_backward(
+            &mut dinp,
+            dw,
+            None,
+            &dnorm1,
+            x.tensor(),
+            li(o::INPUT_NORM),
+            &s.norm1_stats,
+        )?;
+        Ok(dinp)
+    }
+}

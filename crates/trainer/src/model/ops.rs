@@ -1,0 +1,182 @@
+//! The model's ops as an extension trait of a backend: what the layers of both families need
+//! and nothing else. [`crate::model::Model`] is written once against it; a backend adds
+//! kernels (the CPU's are in [`crate::ops`], wired up in `cpu_ops`), never a copy of the
+//! model.
+//!
+//! Conventions, for every implementation:
+//! - Outputs (`y`, `mean`, `rstd`, `losses`) are f32 tensors the op overwrites; gradients
+//!   (`dx`, `dw`, `db`, …) are f32 tensors the op *adds* into, so several consumers of one
+//!   tensor accumulate and the caller decides when to zero.
+//! - Inputs may be in any float dtype the backend reads (f32, or the run's bf16/f16 storage);
+//!   the backend decides how it reads them (the CPU upcasts to a transient f32 copy tagged
+//!   `Workspace`; a GPU reads bf16 straight into its GEMMs). Statistics are f32.
+//! - Shapes come from the tensors: activations are `[B, T, W]` row-major (any leading dims
+//!   whose product is the row count), per-head tensors `[B, H, T, hs]`, linear weights
+//!   `[out, in]`. A mismatch is an error, never a panic.
+//! - Reductions run in a fixed order whatever the thread count, so every op is deterministic
+//!   and checkpointed gradients equal stored ones.
+
+use headroom_attn::AttentionBackend;
+
+use crate::model::Precision;
+use crate::Result;
+
+/// The gradients the fused head adds into, and the weight of each token's loss.
+pub struct HeadLossGrads<'a, T> {
+    /// `∂loss/∂loss_i` for every token (`1/(B·T)` gives the mean loss's gradient).
+    pub dloss_per_token: f32,
+    /// `[N, C]` gradient of the head's input.
+    pub dx: &'a mut T,
+    /// `[V, C]` gradient of the head's weight.
+    pub dw: &'a mut T,
+}
+
+/// The model's ops on a backend (see the module documentation for the conventions).
+pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
+    /// `y = x·wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]`, `y` `[N, out]`.
+    fn linear(
+        &self,
+        y: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        b: Option<&Self::Tensor>,
+    ) -> Result<()>;
+
+    /// Adds `dy·w` into `dx`, `dyᵀ·x` into `dw` and the column sums of `dy` into `db`.
+    fn linear_backward(
+        &self,
+        dx: &mut Self::Tensor,
+        dw: &mut Self::Tensor,
+        db: Option<&mut Self::Tensor>,
+        dy: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+    ) -> Result<()>;
+
+    /// Layer norm over the last dimension (ε = 1e-5, GPT-2's): `y = (x - mean)·rstd·w + b`,
+    /// with the per-row `mean` and `rstd` `[N]` kept for backward.
+    fn layernorm(
+        &self,
+        y: &mut Self::Tensor,
+        mean: &mut Self::Tensor,
+        rstd: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        b: &Self::Tensor,
+    ) -> Result<()>;
+
+    /// Layer norm's backward from the forward's statistics (accumulating).
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward(
+        &self,
+        dx: &mut Self::Tensor,
+        dw: &mut Self::Tensor,
+        db: &mut Self::Tensor,
+        dy: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        mean: &Self::Tensor,
+        rstd: &Self::Tensor,
+    ) -> Result<()>;
+
+    /// RMSNorm (Llama's): `y = w · x · rstd`, `rstd = 1/√(mean(x²) + eps)` per row, kept.
+    fn rmsnorm(
+        &self,
+        y: &mut Self::Tensor,
+        rstd: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        eps: f32,
+    ) -> Result<()>;
+
+    /// RMSNorm's backward from the forward's `rstd` (accumulating).
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Self::Tensor,
+        dw: &mut Self::Tensor,
+        dy: &Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        rstd: &Self::Tensor,
+    ) -> Result<()>;
+
+    /// GELU, tanh approximation (GPT-2's `gelu_new`).
+    fn gelu(&self, y: &mut Self::Tensor, x: &Self::Tensor) -> Result<()>;
+
+    /// Adds `gelu'(x)·dy` into `dx`.
+    fn gelu_backward(
+        &self,
+        dx: &mut Self::Tensor,
+        x: &Self::Tensor,
+        dy: &Self::Tensor,
+    ) -> Result<()>;
+
+    /// SwiGLU's gate: `y = silu(gate) · up` elementwise.
+    fn swiglu(&self, y: &mut Self::Tensor, gate: &Self::Tensor, up: &Self::Tensor) -> Result<()>;
+
+    /// SwiGLU's backward: adds `∂y/∂gate · dy` into `dgate` and `silu(gate) · dy` into `dup`.
+    fn swiglu_backward(
+        &self,
+        dgate: &mut Self::Tensor,
+        dup: &mut Self::Tensor,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        dy: &Self::Tensor,
+    ) -> Result<()>;
+
+    /// Rotary position embedding in place on f32 `x` `[B, H, T, hs]`, position `t` for row
+    /// `t` of every sequence, in Hugging Face's rotate-half layout (dimension `i` pairs with
+    /// `i + hs/2`, frequency `theta^(-2i/hs)`). `inverse` rotates by the negative angle —
+    /// the backward of the forward rotation, which is orthogonal.
+    fn rope(&self, x: &mut Self::Tensor, theta: f32, inverse: bool) -> Result<()>;
+
+    /// Token embedding plus, when given, the learned position embedding: `y` `[B, T, C]`
+    /// from `tokens` `[B·T]` (host ids, checked below the vocab by the caller).
+    fn embed(
+        &self,
+        y: &mut Self::Tensor,
+        tokens: &[u32],
+        wte: &Self::Tensor,
+        wpe: Option<&Self::Tensor>,
+    ) -> Result<()>;
+
+    /// The embedding's backward: adds `dy`'s rows into the rows of `dwte` (and `dwpe`) they
+    /// came from, in token order (deterministic).
+    fn embed_backward(
+        &self,
+        dwte: &mut Self::Tensor,
+        dwpe: Option<&mut Self::Tensor>,
+        dy: &Self::Tensor,
+        tokens: &[u32],
+    ) -> Result<()>;
+
+    /// Columns `[col, col + H·hs)` of `x` `[B, T, W]` into heads `y` `[B, H, T, hs]`.
+    fn split_heads(&self, y: &mut Self::Tensor, x: &Self::Tensor, col: usize) -> Result<()>;
+
+    /// Heads `x` `[B, H, T, hs]` into columns `[col, col + H·hs)` of `y` `[B, T, W]`
+    /// (the inverse of [`ModelOps::split_heads`]; other columns untouched).
+    fn merge_heads(&self, y: &mut Self::Tensor, x: &Self::Tensor, col: usize) -> Result<()>;
+
+    /// Round f32 `x` in place to `precision` and back (what storing it would cost).
+    fn round_to(&self, x: &mut Self::Tensor, precision: Precision) -> Result<()>;
+
+    /// The output head and the loss, fused and `rows` token rows at a time (so the `[N, V]`
+    /// logits exist one chunk at a time when `rows < N`): `logits = x·wᵀ` rounded to
+    /// `precision`, `losses` `[N]` their per-token cross-entropy against `targets`; with
+    /// `grads`, the gradients of `Σ losses · dloss_per_token` added into `dx` and `dw`.
+    /// `x` `[N, C]` f32, `w` `[V, C]`. The logits buffer is tagged `logits_category`
+    /// (`Activations` when it is the whole `[N, V]`, as unfused training keeps it), every other
+    /// transient `Workspace`.
+    #[allow(clippy::too_many_arguments)]
+    fn head_loss(
+        &self,
+        losses: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        targets: &[u32],
+        rows: usize,
+        precision: Precision,
+        logits_category: headroom_tensor::MemoryCategory,
+        grads: Option<HeadLossGrads<'_, Self::Tensor>>,
+    ) -> Result<()>;
+}

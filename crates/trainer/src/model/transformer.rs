@@ -1,0 +1,770 @@
+//! The model of both families, written once over the backend's [`ModelOps`]: embedding,
+//! blocks as a [`headroom_ckpt::Chain`] under a [`headroom_ckpt::Schedule`], final norm, head
+//! and loss — forward and backward op by op, as llm.c does. Every activation a block keeps for
+//! its backward is a named field of [`Gpt2Saved`] or [`LlamaSaved`] with its shape beside it;
+//! which blocks keep theirs, drop them or recompute them is the schedule's choice.
+//!
+//! Memory categories: kept activations are allocated under [`MemoryCategory::Activations`],
+//! everything transient (activation gradients, f32 views of low-precision tensors, scratch)
+//! under [`MemoryCategory::Workspace`], so the tracker's numbers are the model's.
+//!
+//! Notation: B batch, T sequence, C channels, NH heads, KV key/value heads, hs = C/NH, F the
+//! MLP width, V vocab.
+
+use headroom_amp::{AutocastPreset, MasterWeights, MasterWeightsConfig};
+use headroom_attn::AttentionConfig;
+use headroom_ckpt::{Chain, Schedule, ScheduleStats};
+use headroom_profiler::label_absolute;
+use headroom_tensor::{Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
+
+pub use crate::model::gpt2_block::Gpt2Saved;
+pub use crate::model::llama_block::LlamaSaved;
+use crate::model::ops::{HeadLossGrads, ModelOps};
+use crate::model::params::{self, WPE, WTE};
+use crate::model::{Family, ModelConfig, Precision};
+use crate::{Result, TrainError};
+
+/// How the model computes, independent of its shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelOptions {
+    /// Attention algorithm (causal is forced on).
+    pub attention: AttentionConfig,
+    /// Format of working weights and kept activations.
+    pub precision: Precision,
+    /// Selective recomputation: blocks drop their layer-norm and GELU outputs after forward
+    /// and recompute them in backward (cheap elementwise work, 6·B·T·C values per block).
+    pub selective: bool,
+    /// Fused head: compute logits, loss and their gradient this many token rows at a time, so
+    /// the `[B, T, V]` logits never exist whole. `None` materialises them (llm.c's way).
+    pub loss_chunk: Option<usize>,
+    /// Gradient offload: the caller's gradient buffers live off the device, so each block's
+    /// (and the head's, and the embedding's) gradients are computed into device buffers of
+    /// that part alone and added into the caller's as soon as its backward finishes — the
+    /// device never holds more than one part's gradients (ZeRO-Offload's order).
+    pub offload_grads: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            attention: AttentionConfig::flash(),
+            precision: Precision::Fp32,
+            selective: false,
+            loss_chunk: None,
+            offload_grads: false,
+        }
+    }
+}
+
+/// What one block keeps for its backward, by family.
+pub enum BlockSaved<T = CpuTensor> {
+    /// A GPT-2 block's.
+    Gpt2(Gpt2Saved<T>),
+    /// A Llama block's.
+    Llama(LlamaSaved<T>),
+}
+
+impl<T: Tensor> headroom_ckpt::SavedState for BlockSaved<T> {
+    fn size_in_bytes(&self) -> usize {
+        match self {
+            BlockSaved::Gpt2(s) => s.size_in_bytes(),
+            BlockSaved::Llama(s) => s.size_in_bytes(),
+        }
+    }
+}
+
+/// The statistics a norm keeps for its backward: layer norm's mean and reciprocal standard
+/// deviation, RMSNorm's reciprocal root mean square; `[B, T]` f32.
+pub struct NormStats<T = CpuTensor> {
+    /// Layer norm's row means (`None` for RMSNorm).
+    pub mean: Option<T>,
+    /// Reciprocal standard deviation (layer norm) or root mean square (RMSNorm).
+    pub rstd: T,
+}
+
+impl<T: Tensor> NormStats<T> {
+    /// Bytes held.
+    pub fn size_in_bytes(&self) -> usize {
+        self.mean.as_ref().map_or(0, |m| m.size_in_bytes()) + self.rstd.size_in_bytes()
+    }
+}
+
+/// A block forward's result: its output and, when it was asked to save, what its backward
+/// needs.
+pub type BlockOutput<T, S> = (T, Option<S>);
+
+/// The batch geometry of one forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Sequences.
+    pub b: usize,
+    /// Tokens per sequence.
+    pub t: usize,
+}
+
+impl Geometry {
+    /// Token rows, `B·T`.
+    pub fn rows(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// A model of either family on a backend: fp32 master weights with working copies in the
+/// chosen precision, and how it computes.
+pub struct Model<B: ModelOps = Cpu> {
+    /// Shape.
+    pub cfg: ModelConfig,
+    /// fp32 masters (what the optimizer updates and checkpoints hold) and the working copies
+    /// forward and backward read (the masters themselves under fp32).
+    pub weights: MasterWeights<B>,
+    /// How it computes.
+    pub opts: ModelOptions,
+    backend: B,
+}
+
+/// An f32 view of a tensor: the tensor itself when it is f32, else an upcast copy in
+/// workspace memory that lives as long as the view.
+pub(crate) enum View<'a, T = CpuTensor> {
+    Borrowed(&'a T),
+    Owned(T),
+}
+
+impl<T> View<'_, T> {
+    pub(crate) fn tensor(&self) -> &T {
+        match self {
+            View::Borrowed(t) => t,
+            View::Owned(t) => t,
+        }
+    }
+}
+
+impl View<'_> {
+    pub(crate) fn s(&self) -> Result<&[f32]> {
+        Ok(self.tensor().as_slice::<f32>()?)
+    }
+}
+
+impl Model<Cpu> {
+    /// A freshly initialised model whose masters live on `cpu`.
+    pub fn new(cpu: &Cpu, cfg: ModelConfig, opts: ModelOptions, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let masters = params::init_params(cpu, &cfg, seed)?;
+        Self::from_masters(cpu, cfg, opts, masters)
+    }
+}
+
+impl<B: ModelOps + Clone> Model<B> {
+    /// A model over existing fp32 masters, which may live on another backend than `backend`
+    /// (the host, when the optimizer is offloaded): working copies are allocated on `backend`.
+    pub fn from_masters(
+        backend: &B,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        masters: Vec<B::Tensor>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        if let Some(0) = opts.loss_chunk {
+            return Err(TrainError::Config(
+                "loss chunk must be at least 1 row".into(),
+            ));
+        }
+        let infos = params::param_infos(&cfg);
+        if masters.len() != infos.len()
+            || masters
+                .iter()
+                .zip(&infos)
+                .any(|(m, i)| m.shape().dims() != i.shape.as_slice() || m.dtype() != DType::F32)
+        {
+            return Err(TrainError::Config(
+                "master weights do not match the model's parameter shapes".into(),
+            ));
+        }
+        let preset = match opts.precision {
+            Precision::Fp32 => AutocastPreset::Fp32,
+            Precision::Bf16 => AutocastPreset::Bf16,
+            Precision::Fp16 => AutocastPreset::Fp16,
+        };
+        let weights = {
+            let _l = label_absolute("params (working copies)");
+            MasterWeights::new(backend, masters, MasterWeightsConfig::preset(preset))?
+        };
+        Ok(Model {
+            cfg,
+            weights,
+            opts: ModelOptions {
+                attention: opts.attention.causal(true),
+                ..opts
+            },
+            backend: backend.clone(),
+        })
+    }
+}
+
+impl<B: ModelOps> Model<B> {
+    /// The backend activations and working weights live on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The fp32 masters, in [`params::param_infos`] order.
+    pub fn masters(&self) -> &[B::Tensor] {
+        self.weights.masters()
+    }
+
+    /// The fp32 masters, mutably: call [`Model::refresh_working`] after changing them.
+    pub fn masters_mut(&mut self) -> &mut [B::Tensor] {
+        self.weights.masters_mut()
+    }
+
+    /// Re-derive the working copies from the masters (round to nearest even); nothing to do
+    /// under fp32, where forward reads the masters.
+    pub fn refresh_working(&mut self) -> Result<()> {
+        Ok(self.weights.refresh(&self.backend, 0)?)
+    }
+
+    /// Working weight `i` as stored (the ops read it in whatever way the backend reads
+    /// low-precision tensors).
+    pub(crate) fn w(&self, i: usize) -> Result<&B::Tensor> {
+        Ok(self.weights.working(i)?)
+    }
+
+    /// Block `l`'s working weight at `offset` ([`params::layer`] / [`params::llama_layer`]).
+    pub(crate) fn lw(&self, l: usize, offset: usize) -> Result<&B::Tensor> {
+        self.w(params::layer_index(&self.cfg, l, offset))
+    }
+
+    /// `t` as f32, held for longer than one op: the tensor itself when f32, else an upcast
+    /// copy in workspace memory for as long as the view lives.
+    pub(crate) fn view<'a>(&self, t: &'a B::Tensor) -> Result<View<'a, B::Tensor>> {
+        if t.dtype() == DType::F32 {
+            return Ok(View::Borrowed(t));
+        }
+        let _g = MemoryCategory::Workspace.enter();
+        let mut out = self.backend.uninit(t.shape().clone(), DType::F32)?;
+        self.backend.cast(t, &mut out)?;
+        Ok(View::Owned(out))
+    }
+
+    /// `t` as an owned f32 tensor (itself when already f32).
+    pub(crate) fn to_f32_owned(&self, t: B::Tensor) -> Result<B::Tensor> {
+        match self.view(&t)? {
+            View::Borrowed(_) => Ok(t),
+            View::Owned(o) => Ok(o),
+        }
+    }
+
+    /// An f32 buffer for an op's output that will be kept: it *is* the kept tensor under
+    /// fp32 (so `Activations`), and a transient before [`Model::keep`] rounds it otherwise.
+    pub(crate) fn fresh(&self, shape: impl Into<Shape>) -> Result<B::Tensor> {
+        let cat = if self.opts.precision.is_low() {
+            MemoryCategory::Workspace
+        } else {
+            MemoryCategory::Activations
+        };
+        let _g = cat.enter();
+        Ok(self.backend.zeros(shape, DType::F32)?)
+    }
+
+    /// An f32 activation that is always kept in f32 (statistics).
+    pub(crate) fn stat(&self, shape: impl Into<Shape>) -> Result<B::Tensor> {
+        let _g = MemoryCategory::Activations.enter();
+        Ok(self.backend.zeros(shape, DType::F32)?)
+    }
+
+    /// Transient f32 scratch.
+    pub(crate) fn scratch(&self, shape: impl Into<Shape>) -> Result<B::Tensor> {
+        let _g = MemoryCategory::Workspace.enter();
+        Ok(self.backend.zeros(shape, DType::F32)?)
+    }
+
+    /// Keep an f32 result in the storage precision (rounding it, round to nearest even).
+    pub(crate) fn keep(&self, t: B::Tensor) -> Result<B::Tensor> {
+        let dt = self.opts.precision.storage();
+        if dt == DType::F32 {
+            return Ok(t);
+        }
+        let _g = MemoryCategory::Activations.enter();
+        let mut out = self.backend.uninit(t.shape().clone(), dt)?;
+        self.backend.cast(&t, &mut out)?;
+        Ok(out)
+    }
+
+    /// Label the allocations of block `l` with `block.{l}.{what}` until the guard drops
+    /// (the profiler's summary table, trace and snapshot name tensors by it).
+    pub(crate) fn tag(&self, l: usize, what: &str) -> headroom_profiler::LabelGuard {
+        headroom_profiler::label_absolute(&format!("block.{l}.{what}"))
+    }
+
+    /// Run `f` on gradient buffers for `dst`: `dst` itself, or — under
+    /// [`ModelOptions::offload_grads`] — zeroed device buffers of the same shapes (category
+    /// `Gradients`) whose contents are added into `dst` once `f` returns, then freed.
+    pub(crate) fn with_staged_grads<R>(
+        &self,
+        dst: &mut [B::Tensor],
+        f: impl FnOnce(&mut [B::Tensor]) -> Result<R>,
+    ) -> Result<R> {
+        if !self.opts.offload_grads {
+            return f(dst);
+        }
+        let mut staged = {
+            let _g = MemoryCategory::Gradients.enter();
+            let _l = label_absolute(&format!(
+                "{}.grad",
+                headroom_profiler::LabelId::current()
+                    .name()
+                    .as_deref()
+                    .unwrap_or("params")
+            ));
+            dst.iter()
+                .map(|t| Ok(self.backend.zeros(t.shape().clone(), DType::F32)?))
+                .collect::<Result<Vec<B::Tensor>>>()?
+        };
+        let out = f(&mut staged)?;
+        for (d, s) in dst.iter_mut().zip(&staged) {
+            self.backend.axpy(1.0, s, d)?;
+        }
+        Ok(out)
+    }
+
+    /// The norm of `x` `[B, T, C]` with gain `w` (and GPT-2's bias `b`): layer norm for GPT-2,
+    /// RMSNorm for Llama. The output is a fresh f32 buffer (see [`Model::fresh`]).
+    pub(crate) fn norm(
+        &self,
+        out: &mut B::Tensor,
+        x: &B::Tensor,
+        w: usize,
+        b: Option<usize>,
+        g: Geometry,
+    ) -> Result<NormStats<B::Tensor>> {
+        match (self.cfg.family, b) {
+            (Family::Gpt2, Some(b)) => {
+                let mut mean = self.stat([g.b, g.t])?;
+                let mut rstd = self.stat([g.b, g.t])?;
+                self.backend
+                    .layernorm(out, &mut mean, &mut rstd, x, self.w(w)?, self.w(b)?)?;
+                Ok(NormStats {
+                    mean: Some(mean),
+                    rstd,
+                })
+            }
+            (Family::Llama(s), None) => {
+                let mut rstd = self.stat([g.b, g.t])?;
+                self.backend
+                    .rmsnorm(out, &mut rstd, x, self.w(w)?, s.norm_eps)?;
+                Ok(NormStats { mean: None, rstd })
+            }
+            _ => Err(TrainError::Config(
+                "a norm's bias does not match the model family".into(),
+            )),
+        }
+    }
+
+    /// The backward of [`Model::norm`], accumulating into `dx`, `dw` (and `db`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn norm_backward(
+        &self,
+        dx: &mut B::Tensor,
+        dw: &mut B::Tensor,
+        db: Option<&mut B::Tensor>,
+        dy: &B::Tensor,
+        x: &B::Tensor,
+        w: usize,
+        stats: &NormStats<B::Tensor>,
+    ) -> Result<()> {
+        match (&stats.mean, db) {
+            (Some(mean), Some(db)) => {
+                self.backend
+                    .layernorm_backward(dx, dw, db, dy, x, self.w(w)?, mean, &stats.rstd)
+            }
+            (None, None) => self
+                .backend
+                .rmsnorm_backward(dx, dw, dy, x, self.w(w)?, &stats.rstd),
+            _ => Err(TrainError::Config(
+                "a norm's statistics do not match its gradients".into(),
+            )),
+        }
+    }
+
+    /// Check tokens and targets: `[B, T]` ids below the vocab, `T ≤ max_seq`.
+    pub fn check_batch(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
+        check_batch(&self.cfg, tokens, targets, g)
+    }
+
+    /// Token (+ GPT-2's position) embeddings: `[B, T, C]` in the storage precision (the
+    /// chain's input).
+    pub fn embed(&self, tokens: &[u32], g: Geometry) -> Result<B::Tensor> {
+        let _l = label_absolute("embed.out");
+        let c = self.cfg.channels;
+        let mut out = self.fresh([g.b, g.t, c])?;
+        let wpe = match self.cfg.family {
+            Family::Gpt2 => Some(self.w(WPE)?),
+            Family::Llama(_) => None,
+        };
+        self.backend.embed(&mut out, tokens, self.w(WTE)?, wpe)?;
+        self.keep(out)
+    }
+
+    /// Index and count of the final norm's tensors, and the bias's index (GPT-2).
+    fn final_norm_indices(&self) -> (usize, Option<usize>) {
+        let f = params::final_norm_index(&self.cfg);
+        match self.cfg.family {
+            Family::Gpt2 => (f, Some(f + 1)),
+            Family::Llama(_) => (f, None),
+        }
+    }
+
+    /// The final norm of `x` `[B, T, C]` with its statistics (kept for backward), the output
+    /// rounded to the storage precision as the head's GEMM reads it.
+    fn final_norm(&self, x: &B::Tensor, g: Geometry) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
+        let (w, b) = self.final_norm_indices();
+        let mut out = self.stat([g.b, g.t, self.cfg.channels])?;
+        let stats = self.norm(&mut out, x, w, b, g)?;
+        self.backend.round_to(&mut out, self.opts.precision)?;
+        Ok((out, stats))
+    }
+
+    /// Token rows per chunk of logits.
+    fn head_rows(&self, n: usize) -> usize {
+        self.opts.loss_chunk.unwrap_or(n).min(n)
+    }
+
+    /// Final norm, head and loss, forward and backward at once (the head is the chain's
+    /// loss): returns the mean loss and the gradient `[B, T, C]` f32 of the residual stream
+    /// for `loss = Σ losses · dloss_per_token`. Accumulates into the head's weight gradient
+    /// (the token embedding's when tied) and the final norm's.
+    ///
+    /// Trade-off: the logits are f32 in every precision (the loss is computed in f32, as
+    /// PyTorch's autocast does); low precision rounds their values. With
+    /// [`ModelOptions::loss_chunk`] they exist `chunk` rows at a time instead of whole.
+    pub fn head(
+        &self,
+        residual: &B::Tensor,
+        targets: &[u32],
+        g: Geometry,
+        dloss_per_token: f32,
+        head_grads: HeadGrads<'_, B::Tensor>,
+    ) -> Result<(f32, B::Tensor)> {
+        let c = self.cfg.channels;
+        let n = g.rows();
+        let _l = label_absolute("head.ln_f");
+        let x = self.view(residual)?;
+        let (lnf, stats) = self.final_norm(x.tensor(), g)?;
+        let _l = label_absolute("head.losses");
+        let mut losses = self.stat([g.b, g.t])?;
+        let _l = label_absolute("head.dln_f");
+        let mut dlnf = self.scratch([g.b, g.t, c])?;
+        let logits_category = if self.opts.loss_chunk.is_some() {
+            MemoryCategory::Workspace
+        } else {
+            MemoryCategory::Activations
+        };
+        self.backend.head_loss(
+            &mut losses,
+            &lnf,
+            self.w(params::head_index(&self.cfg))?,
+            targets,
+            self.head_rows(n),
+            self.opts.precision,
+            logits_category,
+            Some(HeadLossGrads {
+                dloss_per_token,
+                dx: &mut dlnf,
+                dw: head_grads.head,
+            }),
+        )?;
+        let mean = mean_loss(&self.backend.download::<f32>(&losses)?);
+        let _l = label_absolute("head.dresidual");
+        let mut dres = self.scratch([g.b, g.t, c])?;
+        let (w, _) = self.final_norm_indices();
+        self.norm_backward(
+            &mut dres,
+            head_grads.norm_w,
+            head_grads.norm_b,
+            &dlnf,
+            x.tensor(),
+            w,
+            &stats,
+        )?;
+        Ok((mean, dres))
+    }
+
+    /// Embedding backward: into the token embedding's gradient (and GPT-2's positions').
+    pub fn embed_backward(
+        &self,
+        dres: &B::Tensor,
+        tokens: &[u32],
+        dwte: &mut B::Tensor,
+        dwpe: Option<&mut B::Tensor>,
+    ) -> Result<()> {
+        self.backend.embed_backward(dwte, dwpe, dres, tokens)
+    }
+
+    /// Mean loss of a batch, forward only (activations are dropped as soon as possible): the
+    /// same operations, in the same order, as the loss [`Model::forward_backward`] reports,
+    /// without a gradient buffer anywhere (evaluation costs no more memory than training).
+    pub fn loss(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<f32> {
+        self.check_batch(tokens, targets, g)?;
+        let mut x = self.embed(tokens, g)?;
+        for l in 0..self.cfg.layers {
+            x = self.block_forward(l, &x, g, false)?.0;
+        }
+        self.head_loss(&x, targets, g)
+    }
+
+    /// The head's forward alone: final norm, head (`loss_chunk` rows of logits at a time, as
+    /// in [`Model::head`]) and the mean cross-entropy.
+    fn head_loss(&self, residual: &B::Tensor, targets: &[u32], g: Geometry) -> Result<f32> {
+        let n = g.rows();
+        let _l = label_absolute("head.ln_f");
+        let x = self.view(residual)?;
+        let (lnf, _) = self.final_norm(x.tensor(), g)?;
+        let _l = label_absolute("head.losses");
+        let mut losses = self.stat([g.b, g.t])?;
+        self.backend.head_loss(
+            &mut losses,
+            &lnf,
+            self.w(params::head_index(&self.cfg))?,
+            targets,
+            self.head_rows(n),
+            self.opts.precision,
+            MemoryCategory::Workspace,
+            None,
+        )?;
+        Ok(mean_loss(&self.backend.download::<f32>(&losses)?))
+    }
+
+    /// Block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]` (storage
+    /// precision) and, when `save`, what backward needs.
+    pub fn block_forward(
+        &self,
+        l: usize,
+        inp: &B::Tensor,
+        g: Geometry,
+        save: bool,
+    ) -> Result<BlockOutput<B::Tensor, BlockSaved<B::Tensor>>> {
+        match self.cfg.family {
+            Family::Gpt2 => {
+                let (out, saved) = self.gpt2_block_forward(l, inp, g, save)?;
+                Ok((out, saved.map(BlockSaved::Gpt2)))
+            }
+            Family::Llama(_) => {
+                let (out, saved) = self.llama_block_forward(l, inp, g, save)?;
+                Ok((out, saved.map(BlockSaved::Llama)))
+            }
+        }
+    }
+
+    /// Block `l` backward: accumulates parameter gradients into `grads` (the block's own
+    /// tensors, in [`params::layer`] / [`params::llama_layer`] order), returns the gradient
+    /// of `inp`.
+    pub fn block_backward(
+        &self,
+        l: usize,
+        inp: &B::Tensor,
+        saved: BlockSaved<B::Tensor>,
+        dout: &B::Tensor,
+        grads: &mut [B::Tensor],
+        g: Geometry,
+    ) -> Result<B::Tensor> {
+        match saved {
+            BlockSaved::Gpt2(s) => self.gpt2_block_backward(l, inp, s, dout, grads, g),
+            BlockSaved::Llama(s) => self.llama_block_backward(l, inp, s, dout, grads, g),
+        }
+    }
+
+    /// Forward and backward of a batch under a checkpoint `schedule` over the blocks: returns
+    /// the mean loss and the executor's figures, and *adds* to `grads` (f32, parameter order)
+    /// the gradient of `Σ losses · dloss_per_token` (`1/(B·T)` gives the mean loss's).
+    pub fn forward_backward(
+        &self,
+        tokens: &[u32],
+        targets: &[u32],
+        g: Geometry,
+        grads: &mut [B::Tensor],
+        dloss_per_token: f32,
+        schedule: &Schedule,
+    ) -> Result<(f32, ScheduleStats)> {
+        self.check_batch(tokens, targets, g)?;
+        let expected = self.cfg.tensor_count()?;
+        if grads.len() != expected {
+            return Err(TrainError::Input(format!(
+                "{} gradient tensors for a model with {expected}",
+                grads.len(),
+            )));
+        }
+        let cfg = &self.cfg;
+        let (embeddings, per_layer) = (params::embedding_count(cfg), params::per_layer(cfg));
+        let final_norm = params::final_norm_index(cfg);
+        let head = params::head_index(cfg);
+        let (emb, rest) = grads.split_at_mut(embeddings);
+        let (blocks, tail) = rest.split_at_mut(cfg.layers * per_layer);
+        // The tail is the final norm's tensors, then an untied head's.
+        let (norm, untied) = tail.split_at_mut(params::final_norm_count(cfg));
+        let x = {
+            let _g = MemoryCategory::Activations.enter();
+            self.embed(tokens, g)?
+        };
+        let layers = blocks
+            .chunks_mut(per_layer)
+            .enumerate()
+            .map(|(l, grads)| Block {
+                model: self,
+                index: l,
+                grads,
+                g,
+            })
+            .collect();
+        let mut chain = Chain::new(layers);
+        let mut loss = 0.0f32;
+        let out = chain.step(&self.backend, schedule, &x, |y| {
+            let _l = label_absolute("head");
+            let head_grad = if head == WTE {
+                &mut emb[..1]
+            } else {
+                debug_assert_eq!(head, final_norm + norm.len());
+                &mut untied[..1]
+            };
+            let (l, d) = self
+                .with_staged_grads(head_grad, |hg| {
+                    self.with_staged_grads(norm, |ng| {
+                        let (w, b) = ng.split_at_mut(1);
+                        let grads = HeadGrads {
+                            head: &mut hg[0],
+                            norm_w: &mut w[0],
+                            norm_b: b.first_mut(),
+                        };
+                        self.head(y, targets, g, dloss_per_token, grads)
+                    })
+                })
+                .map_err(into_tensor_error)?;
+            loss = l;
+            Ok(d)
+        })?;
+        drop(x);
+        let _l = label_absolute("embed");
+        self.with_staged_grads(emb, |emb| {
+            let (wte, wpe) = emb.split_at_mut(1);
+            self.embed_backward(&out.input_grad, tokens, &mut wte[0], wpe.first_mut())
+        })?;
+        Ok((loss, out.stats))
+    }
+}
+
+/// Block `index` of a model, with its gradient tensors, for one batch geometry: a
+/// [`headroom_ckpt::Layer`], so any checkpoint schedule can run the blocks.
+pub struct Block<'m, B: ModelOps = Cpu> {
+    /// The model.
+    pub model: &'m Model<B>,
+    /// Which block.
+    pub index: usize,
+    /// Its parameter gradients (f32, in the family's offset order), accumulated by backward.
+    pub grads: &'m mut [B::Tensor],
+    /// Batch geometry.
+    pub g: Geometry,
+}
+
+impl<B: ModelOps> headroom_ckpt::Layer<B> for Block<'_, B> {
+    type Saved = BlockSaved<B::Tensor>;
+
+    fn forward_save(
+        &self,
+        _: &B,
+        input: &B::Tensor,
+    ) -> headroom_tensor::Result<(B::Tensor, Self::Saved)> {
+        let (out, saved) = self
+            .model
+            .block_forward(self.index, input, self.g, true)
+            .map_err(into_tensor_error)?;
+        match saved {
+            Some(s) => Ok((out, s)),
+            None => Err(into_tensor_error(TrainError::Input(
+                "block forward kept nothing".into(),
+            ))),
+        }
+    }
+
+    fn forward_discard(&self, _: &B, input: &B::Tensor) -> headroom_tensor::Result<B::Tensor> {
+        Ok(self
+            .model
+            .block_forward(self.index, input, self.g, false)
+            .map_err(into_tensor_error)?
+            .0)
+    }
+
+    fn backward(
+        &mut self,
+        _: &B,
+        input: &B::Tensor,
+        saved: Self::Saved,
+        grad_output: &B::Tensor,
+    ) -> headroom_tensor::Result<B::Tensor> {
+        let (model, l, g) = (self.model, self.index, self.g);
+        let _t = model.tag(l, "backward");
+        model
+            .with_staged_grads(self.grads, |grads| {
+                model.block_backward(l, input, saved, grad_output, grads, g)
+            })
+            .map_err(into_tensor_error)
+    }
+}
+
+/// The mean of per-token losses, summed in f64 (the head's and the forward-only loss's).
+fn mean_loss(losses: &[f32]) -> f32 {
+    (losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len().max(1) as f64) as f32
+}
+
+/// Check a batch against a model shape: `[B, T]` token and target ids below the vocab,
+/// `1 ≤ T ≤ max_seq`, at least one sequence.
+pub fn check_batch(cfg: &ModelConfig, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
+    let n = g.rows();
+    if g.b == 0 || g.t == 0 || g.t > cfg.max_seq {
+        return Err(TrainError::Input(format!(
+            "batch {}×{}: need at least one sequence of 1..={} tokens",
+            g.b, g.t, cfg.max_seq
+        )));
+    }
+    if tokens.len() != n || targets.len() != n {
+        return Err(TrainError::Input(format!(
+            "{} tokens and {} targets for a {}×{} batch",
+            tokens.len(),
+            targets.len(),
+            g.b,
+            g.t
+        )));
+    }
+    if let Some(bad) = tokens
+        .iter()
+        .chain(targets)
+        .find(|&&t| t as usize >= cfg.vocab)
+    {
+        return Err(TrainError::Input(format!(
+            "token id {bad} ≥ vocab {}",
+            cfg.vocab
+        )));
+    }
+    Ok(())
+}
+
+/// The gradients the head accumulates into.
+pub struct HeadGrads<'a, T = CpuTensor> {
+    /// The head weight's (the token embedding's when tied).
+    pub head: &'a mut T,
+    /// The final norm's gain.
+    pub norm_w: &'a mut T,
+    /// The final norm's bias (GPT-2's `ln_f.bias`).
+    pub norm_b: Option<&'a mut T>,
+}
+
+/// A trainer error crossing the ckpt layer contract (which speaks headroom-tensor's error):
+/// tensor errors pass through unchanged (so the tracker's out-of-budget report stays in the
+/// chain), anything else is wrapped as the source of a backend error.
+pub(crate) fn into_tensor_error(e: TrainError) -> headroom_tensor::Error {
+    match e {
+        TrainError::Tensor(t) => t,
+        other => headroom_tensor::Error::Backend {
+            device: headroom_tensor::Device::Cpu,
+            op: "model",
+            source: Box::new(other),
+        },
+    }
+}

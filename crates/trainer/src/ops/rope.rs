@@ -1,0 +1,46 @@
+//! Rotary position embeddings in Hugging Face's rotate-half layout: in a head of `hs`
+//! dimensions, dimension `i < hs/2` and dimension `i + hs/2` form one pair, rotated by the
+//! angle `t · θ^(−2i/hs)` at position `t`.
+//!
+//! The angles follow transformers' `LlamaRotaryEmbedding` in f32 (inverse frequencies as
+//! `1 / θ^(2i/hs)`, the angle as the f32 product `t · inv_freq`); cos and sin are evaluated
+//! in f64 and rounded, within an ulp of torch's f32 ones.
+
+use rayon::prelude::*;
+
+/// `cos` and `sin` of every (position, frequency): two `[t, hs/2]` tables.
+pub fn tables(t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let half = hs / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hs as f32))
+        .collect();
+    let mut cos = vec![0f32; t * half];
+    let mut sin = vec![0f32; t * half];
+    for pos in 0..t {
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let angle = (pos as f32 * f) as f64;
+            cos[pos * half + i] = angle.cos() as f32;
+            sin[pos * half + i] = angle.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotate `x` `[B·H, t, hs]` in place: `(a, b) → (a·cos − b·sin, b·cos + a·sin)` for each pair
+/// `(a, b) = (x[i], x[i + hs/2])`, or by the negative angle when `inverse` (the backward).
+pub fn apply(x: &mut [f32], t: usize, hs: usize, cos: &[f32], sin: &[f32], inverse: bool) {
+    let half = hs / 2;
+    let sign = if inverse { -1.0f32 } else { 1.0 };
+    x.par_chunks_mut(t * hs).for_each(|head| {
+        for (pos, row) in head.chunks_exact_mut(hs).enumerate() {
+            let (a, b) = row.split_at_mut(half);
+            let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                let si = sign * s[i];
+                a[i] = x1 * c[i] - x2 * si;
+                b[i] = x2 * c[i] + x1 * si;
+            }
+        }
+    });
+}

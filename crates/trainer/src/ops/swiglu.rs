@@ -1,0 +1,39 @@
+//! SwiGLU's elementwise gate (Llama's MLP): `silu(gate) · up`, `silu(g) = g · σ(g)`.
+
+use rayon::prelude::*;
+
+const CHUNK: usize = 1 << 14;
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `out = silu(gate) · up`.
+pub fn forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    out.par_chunks_mut(CHUNK)
+        .zip(gate.par_chunks(CHUNK))
+        .zip(up.par_chunks(CHUNK))
+        .for_each(|((o, g), u)| {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g * sigmoid(g) * u;
+            }
+        });
+}
+
+/// Accumulate `dgate += silu'(gate) · up · dout` and `dup += silu(gate) · dout`, with
+/// `silu'(g) = σ(g) · (1 + g · (1 − σ(g)))`.
+pub fn backward(dgate: &mut [f32], dup: &mut [f32], gate: &[f32], up: &[f32], dout: &[f32]) {
+    dgate
+        .par_chunks_mut(CHUNK)
+        .zip(dup.par_chunks_mut(CHUNK))
+        .zip(gate.par_chunks(CHUNK))
+        .zip(up.par_chunks(CHUNK))
+        .zip(dout.par_chunks(CHUNK))
+        .for_each(|((((dg, du), g), u), d)| {
+            for i in 0..dg.len() {
+                let s = sigmoid(g[i]);
+                dg[i] += s * (1.0 + g[i] * (1.0 - s)) * u[i] * d[i];
+                du[i] += g[i] * s * d[i];
+            }
+        });
+}
