@@ -10,7 +10,7 @@
 //! root/
 //!   step-00000010/
 //!     model.safetensors   f32 tensors named as transformers' `GPT2Model` expects
-//!     config.json         transformers' GPT2Config for the shape
+//!     config.json         transformers' GPT2Config or LlamaConfig for the shape
 //!     optimizer.bin       the AdamW moments (headroom-offload's documented byte layout)
 //!     state.json          step, model config, run settings, optimizer/loader/scaler state
 //!     manifest.json       format version, step, and every file's size and xxh3-64 checksum
@@ -48,7 +48,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{params, Model, ModelConfig, ModelOptions};
+use crate::model::{params, Family, Model, ModelConfig, ModelOptions};
 use crate::{Result, TrainError};
 
 /// Layout version of a checkpoint. Version 1 (flat directory, no manifest) is refused: its
@@ -283,30 +283,56 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// transformers' `GPT2Config` for this shape: with it beside `model.safetensors`,
-/// `GPT2LMHeadModel.from_pretrained(dir)` loads the checkpoint (no dropout, tanh GELU, layer
-/// norm ε 1e-5, head tied to `wte`).
+/// transformers' config for this shape: with it beside `model.safetensors`,
+/// `AutoModelForCausalLM.from_pretrained(dir)` loads the checkpoint — a `GPT2LMHeadModel` (no
+/// dropout, tanh GELU, layer norm ε 1e-5, head tied to `wte`) or a `LlamaForCausalLM` (SiLU,
+/// no biases, the run's RMSNorm ε, rotary base, key/value heads and head tying).
 fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
-    let v = serde_json::json!({
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": c.vocab,
-        "n_positions": c.max_seq,
-        "n_ctx": c.max_seq,
-        "n_embd": c.channels,
-        "n_layer": c.layers,
-        "n_head": c.heads,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
-        "tie_word_embeddings": true,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "torch_dtype": "float32",
-        // GPT-2's <|endoftext|> is its last id; for other vocabularies the last id too.
-        "bos_token_id": c.vocab.saturating_sub(1),
-        "eos_token_id": c.vocab.saturating_sub(1),
-    });
+    // For vocabularies other than GPT-2's, the last id stands in for <|endoftext|>.
+    let eos = c.vocab.saturating_sub(1);
+    let v = match c.family {
+        Family::Gpt2 => serde_json::json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": c.vocab,
+            "n_positions": c.max_seq,
+            "n_ctx": c.max_seq,
+            "n_embd": c.channels,
+            "n_layer": c.layers,
+            "n_head": c.heads,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": 1e-5,
+            "tie_word_embeddings": true,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "torch_dtype": "float32",
+            "bos_token_id": eos,
+            "eos_token_id": eos,
+        }),
+        Family::Llama(s) => serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": c.vocab,
+            "hidden_size": c.channels,
+            "intermediate_size": s.ffn,
+            "num_hidden_layers": c.layers,
+            "num_attention_heads": c.heads,
+            "num_key_value_heads": s.kv_heads,
+            "head_dim": c.head_dim(),
+            "max_position_embeddings": c.max_seq,
+            "rms_norm_eps": s.norm_eps,
+            "rope_theta": s.rope_theta,
+            "tie_word_embeddings": s.tied_head,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "mlp_bias": false,
+            "attention_dropout": 0.0,
+            "torch_dtype": "float32",
+            "bos_token_id": eos,
+            "eos_token_id": eos,
+        }),
+    };
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
 }
 

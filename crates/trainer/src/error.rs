@@ -58,6 +58,16 @@ pub enum TrainError {
         /// What went wrong.
         reason: String,
     },
+    /// A Hugging Face model directory that cannot be loaded: names the file and what is wrong
+    /// (an unknown architecture, a missing, extra or misshapen tensor, a dtype, a corrupt
+    /// header).
+    #[error("pretrained model {path}: {reason}")]
+    Pretrained {
+        /// The file (or directory) at fault.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A tensor operation failed (allocation refused, shape mismatch, …).
     #[error(transparent)]
     Tensor(#[from] headroom_tensor::Error),

@@ -17,7 +17,7 @@ use headroom_profiler::PerCategory;
 use headroom_tensor::MemoryCategory;
 use serde::Serialize;
 
-use crate::model::{params, ModelConfig};
+use crate::model::{params, Family, ModelConfig};
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
 
@@ -118,15 +118,18 @@ pub fn estimate(
         device[MemoryCategory::Parameters] = p * 4;
     }
     // Gradients: the accumulator's f32 buffers — on the host when offloading, where the
-    // device holds one part's gradients at a time: the head's (wte and ln_f), the embedding's
-    // (wte and wpe) or one block's.
+    // device holds one part's gradients at a time: the head's (its weight and the final
+    // norm), the embedding's or one block's.
     if offload {
         host[MemoryCategory::Gradients] = p * 4;
         let numel = |i: usize| u(infos[i].shape.iter().product());
-        let lf = params::final_norm_index(cfg);
-        let head = numel(params::WTE) + numel(lf) + numel(lf + 1);
-        let embed = numel(params::WTE) + numel(params::WPE);
-        let block: u64 = (0..params::PER_LAYER)
+        let norm = params::final_norm_index(cfg);
+        let head = numel(params::head_index(cfg))
+            + (norm..norm + params::final_norm_count(cfg))
+                .map(numel)
+                .sum::<u64>();
+        let embed: u64 = (0..params::embedding_count(cfg)).map(numel).sum();
+        let block: u64 = (0..params::per_layer(cfg))
             .map(|o| numel(params::layer_index(cfg, 0, o)))
             .sum();
         device[MemoryCategory::Gradients] = 4 * head.max(embed).max(block);
@@ -143,7 +146,7 @@ pub fn estimate(
         OptimizerPlacement::File(_) => {}
     }
 
-    // Activations.
+    // Activations: the sizes of the kept fields of `Gpt2Saved` / `LlamaSaved`.
     let (b, t, c, h, v) = (
         u(micro),
         u(seq),
@@ -153,30 +156,43 @@ pub fn estimate(
     );
     let bt = b * t;
     let btc = bt * c;
+    let btf = bt * u(cfg.ffn());
+    // Keys' and values' width: C, or KV·hs under grouped-query attention.
+    let btk = bt * u(cfg.kv_heads() * cfg.head_dim());
     let selective = tech.model.selective || tech.checkpoint == CheckpointChoice::Selective;
     let naive = tech.model.attention.algorithm == headroom_attn::Algorithm::Naive;
-    let dropped_by_selective = 6 * btc * a; // ln1, ln2, fch_gelu
-    let block_saved = 2 * bt * 4 // ln1 mean, rstd
-        + 3 * btc * a // q, k, v
+    let probs = if naive { b * h * t * t * 4 } else { 0 };
+    let llama = matches!(cfg.family, Family::Llama(_));
+    // Per norm: layer norm keeps mean and rstd, RMSNorm rstd.
+    let norm_stats = if llama { bt * 4 } else { 2 * bt * 4 };
+    // What selective recomputation drops: GPT-2's ln1, ln2 and GELU output; Llama's two norms
+    // and the SwiGLU product.
+    let dropped_by_selective = (2 * btc + btf) * a;
+    let attention_saved = (btc + 2 * btk) * a // q, k, v
         + btc * a // attention output
         + b * h * t * 4 // logsumexp
-        + if naive { b * h * t * t * 4 } else { 0 } // probabilities
+        + probs;
+    let mlp_saved = if llama { 2 * btf * a } else { btf * a }; // gate and up, or fch
+    let block_saved = 2 * norm_stats
+        + attention_saved
         + btc * a // res2
-        + 2 * bt * 4 // ln2 mean, rstd
-        + 4 * btc * a // fch
+        + mlp_saved
         + if selective { 0 } else { dropped_by_selective };
     let io = btc * a;
     let head_rows = tech.model.loss_chunk.map_or(bt, |r| u(r).min(bt));
-    // lnf, its statistics and the per-token losses; the logits too when not fused.
+    // The final norm's output and statistics and the per-token losses; the logits too when
+    // not fused.
     let head_act = btc * 4
-        + 3 * bt * 4
+        + norm_stats
+        + bt * 4
         + if tech.model.loss_chunk.is_none() {
             bt * v * 4
         } else {
             0
         };
+    // A recomputed norm's statistics live until the next one is recomputed.
     let recompute_extra = if selective {
-        dropped_by_selective + 2 * bt * 4
+        dropped_by_selective + norm_stats
     } else {
         0
     };
@@ -208,10 +224,10 @@ pub fn estimate(
     device[MemoryCategory::Activations] = io + sim.peak_saved_bytes + head_act.max(recompute_extra);
 
     // Workspace: the larger of the head (dlnf and the logits' gradient — or both logit chunks
-    // when fused — plus f32 views of the residual and of wte in low precision) and a block's
-    // backward (the incoming gradient and the MLP's 4C-wide gradients, views in low precision).
+    // when fused — plus f32 views of the residual and of the head's weight in low precision)
+    // and a block's backward.
     let views_head = if low {
-        btc * 4 + p_of(&infos, params::WTE) * 4
+        btc * 4 + p_of(&infos, params::head_index(cfg)) * 4
     } else {
         0
     };
@@ -221,13 +237,15 @@ pub fn estimate(
         head_rows * v * 4
     };
     let head_ws = btc * 4 + logits_ws + views_head;
-    // A block's backward, at its two widest moments: the MLP (incoming gradient, dfch_gelu
-    // and dfch; in low precision also the f32 views of x, res2 and fch — or, one op earlier,
-    // of fch_gelu and the 4C² projection weight) and attention (incoming gradient, dres2, dy,
-    // dq/dk/dv, naive attention's [b, H, T, T] probability gradient; in low precision the f32
-    // views of x, q, k, v and the attention output).
-    let naive_ws = if naive { b * h * t * t * 4 } else { 0 };
-    let block_ws = if low {
+    let naive_ws = probs;
+    let block_ws = if llama {
+        llama_block_workspace(cfg, bt, low, naive_ws)
+    } else if low {
+        // GPT-2 at its two widest moments: the MLP (incoming gradient, dfch_gelu and dfch;
+        // the f32 views of x, res2 and fch — or, one op earlier, of fch_gelu and the 4C²
+        // projection weight) and attention (incoming gradient, dres2, dy, dq/dk/dv, naive
+        // attention's [b, H, T, T] probability gradient; the f32 views of x, q, k, v and the
+        // attention output).
         let mlp = (15 * btc * 4).max(11 * btc * 4 + 16 * c * c);
         mlp.max(11 * btc * 4 + naive_ws)
     } else {
@@ -246,6 +264,55 @@ pub fn estimate(
         device_peak,
         ..est
     })
+}
+
+/// A Llama block backward's workspace peak: the largest of its moments, each the sum of the
+/// f32 buffers live at once (`llama_block_backward` allocates them in this order). Always live:
+/// the incoming gradient; in low precision also the f32 views of the input and (through the
+/// MLP and the post-attention norm) of `res2`. Widths: C model, F SwiGLU, K keys and values.
+fn llama_block_workspace(cfg: &ModelConfig, bt: u64, low: bool, naive_ws: u64) -> u64 {
+    let (c, f) = (u(cfg.channels), u(cfg.ffn()));
+    let k = u(cfg.kv_heads() * cfg.head_dim());
+    let (btc, btf, btk) = (bt * c, bt * f, bt * k);
+    let elems = if low {
+        [
+            // down's backward: dact, views of act and of W_down.
+            3 * btc + 2 * btf + c * f,
+            // SwiGLU's backward: dact, dgate, dup, views of gate and up.
+            3 * btc + 5 * btf,
+            // gate's backward: dgate, dup, dnorm2, views of norm2 and W_gate.
+            5 * btc + 2 * btf + c * f,
+            // o_proj's backward: dres2, atty, datty, view of W_o.
+            5 * btc + c * c,
+            // attention's backward: dres2, dy, the f32 output, views and gradients of q, k, v.
+            7 * btc + 4 * btk,
+            // q's backward: dres2, dq, dk, dv, dnorm1, the merged dq, views of norm1 and W_q.
+            7 * btc + 2 * btk + c * c,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            * 4
+    } else {
+        [
+            // SwiGLU's backward: dact, dgate, dup.
+            btc + 3 * btf,
+            // q's backward: dres2, dq, dk, dv, dnorm1, the merged dq.
+            5 * btc + 2 * btk,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            * 4
+    };
+    // Naive attention's probability gradient, with dres2, dy and dq/dk/dv (and in low
+    // precision the views of the attention output and q, k, v).
+    let attention = if low {
+        (7 * btc + 4 * btk) * 4 + naive_ws
+    } else {
+        (4 * btc + 2 * btk) * 4 + naive_ws
+    };
+    elems.max(attention)
 }
 
 /// Bytes no estimate may reach (2⁶²): with every term below this bound, the plain `u64`
@@ -267,9 +334,10 @@ fn check_magnitude(cfg: &ModelConfig, seq: usize, micro: usize, batch: usize) ->
     );
     let p = cfg.parameter_count()? as f64;
     let bt = b * t;
-    let per_block = bt * (c + 1.0) * 64.0 + b * h * t * t * 8.0;
+    let f = w(cfg.ffn());
+    let per_block = bt * (c + f + 1.0) * 64.0 + b * h * t * t * 8.0;
     let bound =
-        p * 64.0 + (l + 2.0) * per_block + bt * v * 16.0 + c * c * 64.0 + w(batch) * t * 64.0;
+        p * 64.0 + (l + 2.0) * per_block + bt * v * 16.0 + c * (c + f) * 64.0 + w(batch) * t * 64.0;
     if bound > MAX_ESTIMATE_BYTES {
         return Err(TrainError::Option {
             option: "--batch",

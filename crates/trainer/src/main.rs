@@ -18,7 +18,7 @@ use headroom_tensor::MemoryCategory;
 use headroom_trainer::engine::ComputeDevice;
 use headroom_trainer::estimate::estimate;
 use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
-use headroom_trainer::model::{ModelConfig, Precision};
+use headroom_trainer::model::{Family, ModelConfig, Precision};
 use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
 use headroom_trainer::train::{
     train, DataSource, EvalOptions, MemoryOutputs, StepLog, TrainOptions,
@@ -106,9 +106,47 @@ enum PrecisionArg {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum ModelPreset {
+    /// GPT-2 shape, 2 layers, width 64 (tests, seconds).
     Tiny,
+    /// GPT-2 shape, 6 layers, 6 heads, width 384, context 256.
     Small,
+    /// GPT-2 124M.
     Gpt2,
+    /// Llama shape, 2 layers, 4 query heads over 2 key/value heads, width 64.
+    LlamaTiny,
+    /// Llama shape of about small's size: 6 layers, 6 heads over 2, width 384, SwiGLU 1024.
+    LlamaSmall,
+}
+
+impl ModelPreset {
+    /// The preset's shape with `vocab`.
+    fn config(self, vocab: usize) -> ModelConfig {
+        match self {
+            ModelPreset::Tiny => ModelConfig::tiny(vocab),
+            ModelPreset::Small => ModelConfig::small(vocab),
+            ModelPreset::Gpt2 => ModelConfig {
+                vocab,
+                ..ModelConfig::gpt2()
+            },
+            ModelPreset::LlamaTiny => ModelConfig::llama_tiny(vocab),
+            ModelPreset::LlamaSmall => ModelConfig::llama_small(vocab),
+        }
+    }
+
+    /// The run defaults of the preset (steps, learning rate, data): tiny's or small's.
+    fn defaults(self) -> TrainOptions {
+        let mut o = match self {
+            ModelPreset::Tiny | ModelPreset::LlamaTiny => TrainOptions::tiny_default(),
+            _ => TrainOptions::small_default(),
+        };
+        let vocab = o.model.vocab;
+        o.model = self.config(vocab);
+        o
+    }
+
+    fn is_tiny(self) -> bool {
+        matches!(self, ModelPreset::Tiny | ModelPreset::LlamaTiny)
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -130,9 +168,22 @@ enum DeviceArg {
 /// Model, data and technique options shared by train, estimate and max-batch.
 #[derive(Args, Clone)]
 struct RunArgs {
-    /// Model size: tiny (tests, seconds), small (6L/6H/384, context 256), gpt2 (124M).
+    /// Model: GPT-2 tiny (tests, seconds), small (6L/6H/384, context 256), gpt2 (124M); or
+    /// Llama llama-tiny, llama-small (RMSNorm, rotary, SwiGLU, grouped-query attention).
     #[arg(long, value_enum, default_value = "tiny")]
     model: ModelPreset,
+    /// Llama: key/value heads (a divisor of --heads; fewer is grouped-query attention).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Llama: width of the SwiGLU MLP.
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// Llama: base of the rotary embedding.
+    #[arg(long)]
+    rope_theta: Option<f32>,
+    /// Llama: tie the output head to the token embedding.
+    #[arg(long)]
+    tied_head: bool,
     /// Override the layer count of the preset.
     #[arg(long)]
     layers: Option<usize>,
@@ -359,15 +410,35 @@ enum DataCommand {
     },
 }
 
-fn model_config(run: &RunArgs, vocab: usize) -> ModelConfig {
-    let mut cfg = match run.model {
-        ModelPreset::Tiny => ModelConfig::tiny(vocab),
-        ModelPreset::Small => ModelConfig::small(vocab),
-        ModelPreset::Gpt2 => ModelConfig {
-            vocab,
-            ..ModelConfig::gpt2()
-        },
-    };
+fn model_config(run: &RunArgs, vocab: usize) -> CliResult<ModelConfig> {
+    let mut cfg = run.model.config(vocab);
+    match &mut cfg.family {
+        Family::Llama(shape) => {
+            if let Some(k) = run.kv_heads {
+                shape.kv_heads = k;
+            }
+            if let Some(f) = run.ffn {
+                shape.ffn = f;
+            }
+            if let Some(t) = run.rope_theta {
+                shape.rope_theta = t;
+            }
+            shape.tied_head |= run.tied_head;
+        }
+        Family::Gpt2 => {
+            if run.kv_heads.is_some()
+                || run.ffn.is_some()
+                || run.rope_theta.is_some()
+                || run.tied_head
+            {
+                return Err(
+                    "--kv-heads, --ffn, --rope-theta and --tied-head are Llama options: use \
+                     --model llama-tiny or llama-small"
+                        .into(),
+                );
+            }
+        }
+    }
     if let Some(l) = run.layers {
         cfg.layers = l;
     }
@@ -377,7 +448,7 @@ fn model_config(run: &RunArgs, vocab: usize) -> ModelConfig {
     if let Some(c) = run.channels {
         cfg.channels = c;
     }
-    cfg
+    Ok(cfg)
 }
 
 fn parse_checkpoint(s: &str) -> CliResult<CheckpointChoice> {
@@ -421,10 +492,7 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
             DeviceArg::Cuda => ComputeDevice::Cuda { ordinal: 0 },
         }
     };
-    let mut o = match run.model {
-        ModelPreset::Tiny => TrainOptions::tiny_default(),
-        _ => TrainOptions::small_default(),
-    };
+    let mut o = run.model.defaults();
     o.device = device;
     // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary.
     let vocab = match (&run.data, &o.data) {
@@ -434,10 +502,11 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
     if let Some(path) = &run.data {
         o.data = DataSource::File(path.clone());
     }
-    o.model = model_config(run, vocab);
-    o.seq = run.seq.unwrap_or(match run.model {
-        ModelPreset::Tiny => o.seq,
-        _ => o.model.max_seq,
+    o.model = model_config(run, vocab)?;
+    o.seq = run.seq.unwrap_or(if run.model.is_tiny() {
+        o.seq
+    } else {
+        o.model.max_seq
     });
     if let Some(b) = run.batch {
         o.batch = b;
@@ -556,7 +625,8 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
     let signal = install_signal_handlers()?;
     o.stop = Some(STOP.clone());
     say!(
-        "headroom train: GPT {}L/{}H/{}C, context {}, vocab {}; batch {}×{}, {} steps; {}",
+        "headroom train: {} {}L/{}H/{}C, context {}, vocab {}; batch {}×{}, {} steps; {}",
+        o.model.family_name(),
         o.model.layers,
         o.model.heads,
         o.model.channels,
@@ -711,15 +781,7 @@ fn explain_out_of_budget(o: &TrainOptions, oob: &OutOfBudget) {
 
 fn cmd_ladder(a: LadderArgs) -> CliResult {
     let device = compute_device(a.device)?;
-    let mut base = match a.model {
-        ModelPreset::Tiny => TrainOptions::tiny_default(),
-        ModelPreset::Small => TrainOptions::small_default(),
-        ModelPreset::Gpt2 => {
-            let mut o = TrainOptions::small_default();
-            o.model = ModelConfig::gpt2();
-            o
-        }
-    };
+    let mut base = a.model.defaults();
     base.device = device;
     base.batch = a.batch;
     base.seq = a.seq.unwrap_or(base.model.max_seq);
@@ -727,7 +789,8 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
     let budget = mib_to_bytes(a.budget_mib)?;
     let rungs = standard_rungs(base.batch);
     say!(
-        "headroom ladder: GPT {}L/{}H/{}C vocab {}, batch {}×{}, {} steps per rung, budget {} MiB",
+        "headroom ladder: {} {}L/{}H/{}C vocab {}, batch {}×{}, {} steps per rung, budget {} MiB",
+        base.model.family_name(),
         base.model.layers,
         base.model.heads,
         base.model.channels,
@@ -757,7 +820,8 @@ fn cmd_estimate(run: RunArgs) -> CliResult {
     o.validate()?;
     let e = estimate(&o.model, o.seq, o.micro_batch()?, o.batch, &o.techniques)?;
     say!(
-        "estimate for GPT {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}",
+        "estimate for {} {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}",
+        o.model.family_name(),
         o.model.layers,
         o.model.heads,
         o.model.channels,

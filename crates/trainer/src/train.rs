@@ -915,7 +915,8 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         if let Some(timeline) = tracker.stop_timeline() {
             // Short enough for the plot's width; the techniques are in the trace's metadata.
             let title = format!(
-                "GPT {}L/{}H/{}C, batch {}×{}, {}, checkpoint {}",
+                "{} {}L/{}H/{}C, batch {}×{}, {}, checkpoint {}",
+                opts.model.family_name(),
                 opts.model.layers,
                 opts.model.heads,
                 opts.model.channels,

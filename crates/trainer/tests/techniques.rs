@@ -89,13 +89,30 @@ fn assert_bitwise(a: &Run, b: &Run, what: &str) {
 }
 
 fn small_cfg(layers: usize) -> ModelConfig {
+    family_cfg(layers, false)
+}
+
+/// GPT-2, or a Llama of the same width with two query heads sharing one key/value head.
+fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
+    use headroom_trainer::model::{Family, LlamaShape};
+    let family = if llama {
+        Family::Llama(LlamaShape {
+            kv_heads: 1,
+            ffn: 40,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            tied_head: false,
+        })
+    } else {
+        Family::Gpt2
+    };
     ModelConfig {
         vocab: 37,
         max_seq: 16,
         layers,
         heads: 2,
         channels: 16,
-        family: headroom_trainer::model::Family::Gpt2,
+        family,
     }
 }
 
@@ -113,8 +130,9 @@ proptest! {
         prec in 0usize..3,
         algo in 0usize..3,
         budget_frac in 0.0f64..1.0,
+        llama in any::<bool>(),
     ) {
-        let cfg = small_cfg(layers);
+        let cfg = family_cfg(layers, llama);
         let g = Geometry { b, t };
         let opts = ModelOptions {
             attention: [AttentionConfig::naive(), AttentionConfig::chunked(), AttentionConfig::flash()][algo],
@@ -144,8 +162,13 @@ proptest! {
 
     /// k micro-batches of a batch give the big batch's gradient (f32 summation order aside).
     #[test]
-    fn micro_batches_equal_the_big_batch(t in 1usize..12, micro in 1usize..4, k in 1usize..4) {
-        let cfg = small_cfg(2);
+    fn micro_batches_equal_the_big_batch(
+        t in 1usize..12,
+        micro in 1usize..4,
+        k in 1usize..4,
+        llama in any::<bool>(),
+    ) {
+        let cfg = family_cfg(2, llama);
         let g = Geometry { b: micro * k, t };
         let all = Schedule::store_all(2).unwrap();
         let opts = ModelOptions::default();
@@ -154,8 +177,13 @@ proptest! {
 
     /// The fused, chunked loss equals the materialised one.
     #[test]
-    fn fused_loss_equals_the_materialised_loss(t in 1usize..12, b in 1usize..3, rows in 1usize..20) {
-        let cfg = small_cfg(2);
+    fn fused_loss_equals_the_materialised_loss(
+        t in 1usize..12,
+        b in 1usize..3,
+        rows in 1usize..20,
+        llama in any::<bool>(),
+    ) {
+        let cfg = family_cfg(2, llama);
         let g = Geometry { b, t };
         let all = Schedule::store_all(2).unwrap();
         let fused = ModelOptions { loss_chunk: Some(rows), ..ModelOptions::default() };
@@ -165,7 +193,15 @@ proptest! {
 
 #[test]
 fn low_precision_gradients_track_fp32() {
-    let cfg = small_cfg(3);
+    low_precision_tracks_fp32(small_cfg(3));
+}
+
+#[test]
+fn llama_low_precision_gradients_track_fp32() {
+    low_precision_tracks_fp32(family_cfg(3, true));
+}
+
+fn low_precision_tracks_fp32(cfg: ModelConfig) {
     let g = Geometry { b: 2, t: 12 };
     let all = Schedule::store_all(3).unwrap();
     let fp32 = run(cfg, ModelOptions::default(), g, &all, 2);
@@ -284,15 +320,56 @@ fn every_combination_trains_and_8bit_state_tracks_f32() {
     ));
     for (name, tech, tol) in combos {
         let r = train(&tiny(steps, tech), |_| {}).unwrap();
-        let end = r.final_loss(5);
-        assert!(
-            r.steps.iter().all(|s| s.applied),
-            "{name}: a step was skipped"
-        );
-        assert!(
-            (end - end32).abs() <= tol * end32,
-            "{name}: final loss {end} vs fp32's {end32}"
-        );
+        check_combination(name, &r, end32, tol);
+    }
+}
+
+fn check_combination(name: &str, r: &headroom_trainer::train::TrainReport, end32: f64, tol: f64) {
+    let end = r.final_loss(5);
+    assert!(
+        r.steps.iter().all(|s| s.applied),
+        "{name}: a step was skipped"
+    );
+    assert!(
+        (end - end32).abs() <= tol * end32,
+        "{name}: final loss {end} vs fp32's {end32}"
+    );
+}
+
+/// The Llama preset trains under the full stack of techniques as GPT-2 does.
+#[test]
+fn llama_trains_with_every_technique() {
+    let steps = 40;
+    let llama = |tech: Techniques| TrainOptions {
+        model: ModelConfig::llama_tiny(64),
+        ..tiny(steps, tech)
+    };
+    let f32_run = train(&llama(Techniques::baseline()), |_| {}).unwrap();
+    let (start, end32) = (f32_run.steps[0].loss as f64, f32_run.final_loss(5));
+    assert!(
+        end32 < start * 0.8,
+        "fp32 did not learn: {start} -> {end32}"
+    );
+    let mut a = Techniques::baseline();
+    a.optimizer.state = StatePrecision::Int8;
+    a.model.precision = Precision::Fp16;
+    a.checkpoint = CheckpointChoice::EveryK(1);
+    a.model.attention = AttentionConfig::naive();
+    let mut b = Techniques::baseline();
+    b.model.precision = Precision::Bf16;
+    b.checkpoint = CheckpointChoice::Selective;
+    b.model.loss_chunk = Some(100);
+    b.micro_batch = Some(4);
+    b.optimizer.placement = OptimizerPlacement::HostRam;
+    for (name, tech) in [
+        ("llama: 8-bit, fp16, every-1, naive", a),
+        (
+            "llama: bf16, selective, fused loss, 4 micro-batches, offload",
+            b,
+        ),
+    ] {
+        let r = train(&llama(tech), |_| {}).unwrap();
+        check_combination(name, &r, end32, 0.05);
     }
 }
 

@@ -511,6 +511,25 @@ impl<B: ModelOps> Model<B> {
         self.head_loss(&x, targets, g)
     }
 
+    /// The logits `[B, T, V]` of a batch (f32, row-major), forward only: the values the
+    /// loss is computed from (rounded to the storage precision, as the head rounds them).
+    pub fn logits(&self, tokens: &[u32], g: Geometry) -> Result<Vec<f32>> {
+        self.check_batch(tokens, tokens, g)?;
+        let mut x = self.embed(tokens, g)?;
+        for l in 0..self.cfg.layers {
+            x = self.block_forward(l, &x, g, false)?.0;
+        }
+        let xv = self.view(&x)?;
+        let (lnf, _) = self.final_norm(xv.tensor(), g)?;
+        drop(xv);
+        let _l = label_absolute("head.logits");
+        let mut logits = self.scratch([g.b, g.t, self.cfg.vocab])?;
+        let head = self.w(params::head_index(&self.cfg))?;
+        self.backend.linear(&mut logits, &lnf, head, None)?;
+        self.backend.round_to(&mut logits, self.opts.precision)?;
+        Ok(self.backend.download::<f32>(&logits)?)
+    }
+
     /// The head's forward alone: final norm, head (`loss_chunk` rows of logits at a time, as
     /// in [`Model::head`]) and the mean cross-entropy.
     fn head_loss(&self, residual: &B::Tensor, targets: &[u32], g: Geometry) -> Result<f32> {

@@ -1,0 +1,462 @@
+//! Hugging Face model directories in: `config.json` plus `model.safetensors` (or a sharded
+//! `model.safetensors.index.json`) for `GPT2LMHeadModel` and `LlamaForCausalLM`, with the
+//! tensor names and layouts transformers writes.
+//!
+//! Memory: each tensor is read from its file in bounded chunks straight into its fp32 master
+//! (allocated through the backend, so the tracker counts it as `Parameters`), converting
+//! bf16/f16 on the way and transposing GPT-2's `Conv1D` weights; nothing holds a second copy
+//! of the model. The safetensors header is parsed and checked here (offsets inside the file,
+//! no overlap, byte length = elements × dtype size, every product checked) before any size
+//! from it reaches an allocation.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
+use serde_json::Value;
+
+use crate::model::{params, Family, LlamaShape, ModelConfig};
+use crate::{Result, TrainError};
+
+/// The largest safetensors header read (transformers' files hold a few hundred KiB).
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+/// Bytes read per chunk while converting a tensor.
+const CHUNK_BYTES: usize = 1 << 20;
+
+fn bad(path: &Path, reason: impl Into<String>) -> TrainError {
+    TrainError::Pretrained {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// The element type of a stored tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum StoredDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl StoredDtype {
+    fn size(self) -> u64 {
+        match self {
+            StoredDtype::F32 => 4,
+            StoredDtype::Bf16 | StoredDtype::F16 => 2,
+        }
+    }
+}
+
+/// One tensor of a safetensors file: where its bytes are and what they hold.
+#[derive(Clone, Debug)]
+struct Stored {
+    file: PathBuf,
+    dtype: StoredDtype,
+    shape: Vec<usize>,
+    /// Absolute byte range in the file.
+    start: u64,
+    end: u64,
+}
+
+/// The tensors of one safetensors file, from its header, checked against the file's length.
+fn read_header(path: &Path) -> Result<BTreeMap<String, Stored>> {
+    let io = |e: std::io::Error| bad(path, e.to_string());
+    let mut f = File::open(path).map_err(io)?;
+    let file_len = f.metadata().map_err(io)?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|_| bad(path, "shorter than a safetensors header"))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER_BYTES || n > file_len.saturating_sub(8) {
+        return Err(bad(
+            path,
+            format!("header of {n} bytes in a file of {file_len}"),
+        ));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(io)?;
+    let json: Value = serde_json::from_slice(&header)
+        .map_err(|e| bad(path, format!("header is not JSON: {e}")))?;
+    let obj = json
+        .as_object()
+        .ok_or_else(|| bad(path, "header is not a JSON object"))?;
+    let data_start = 8 + n;
+    let data_len = file_len - data_start;
+    let mut out = BTreeMap::new();
+    let mut ranges = Vec::new();
+    for (name, entry) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let field = |k: &str| {
+            entry
+                .get(k)
+                .ok_or_else(|| bad(path, format!("{name}: no {k}")))
+        };
+        let dtype = match field("dtype")?.as_str() {
+            Some("F32") => StoredDtype::F32,
+            Some("BF16") => StoredDtype::Bf16,
+            Some("F16") => StoredDtype::F16,
+            other => {
+                return Err(bad(
+                    path,
+                    format!("{name}: dtype {other:?} (F32, BF16 and F16 load)"),
+                ))
+            }
+        };
+        let shape = field("shape")?
+            .as_array()
+            .ok_or_else(|| bad(path, format!("{name}: shape is not a list")))?
+            .iter()
+            .map(|d| {
+                d.as_u64()
+                    .and_then(|d| usize::try_from(d).ok())
+                    .ok_or_else(|| bad(path, format!("{name}: bad dimension {d}")))
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        let offsets = field("data_offsets")?
+            .as_array()
+            .filter(|a| a.len() == 2)
+            .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+            .ok_or_else(|| bad(path, format!("{name}: data_offsets is not [begin, end]")))?;
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+            .ok_or_else(|| bad(path, format!("{name}: shape {shape:?} overflows")))?;
+        let bytes = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| bad(path, format!("{name}: byte size overflows")))?;
+        if offsets.0 > offsets.1 || offsets.1 > data_len || offsets.1 - offsets.0 != bytes {
+            return Err(bad(
+                path,
+                format!(
+                    "{name}: bytes {}..{} do not hold {numel} {dtype:?} values inside the {data_len} \
+                     data bytes",
+                    offsets.0, offsets.1
+                ),
+            ));
+        }
+        ranges.push((offsets.0, offsets.1, name.clone()));
+        out.insert(
+            name.clone(),
+            Stored {
+                file: path.to_path_buf(),
+                dtype,
+                shape,
+                start: data_start + offsets.0,
+                end: data_start + offsets.1,
+            },
+        );
+    }
+    ranges.sort();
+    for w in ranges.windows(2) {
+        if w[0].1 > w[1].0 {
+            return Err(bad(path, format!("{} and {} overlap", w[0].2, w[1].2)));
+        }
+    }
+    Ok(out)
+}
+
+/// Every tensor of a model directory: `model.safetensors`, or the shards a
+/// `model.safetensors.index.json` names.
+fn read_tensors(dir: &Path) -> Result<BTreeMap<String, Stored>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return read_header(&single);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read(&index).map_err(|_| {
+        bad(
+            dir,
+            "neither model.safetensors nor model.safetensors.index.json",
+        )
+    })?;
+    let json: Value =
+        serde_json::from_slice(&text).map_err(|e| bad(&index, format!("not JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad(&index, "no weight_map"))?;
+    let mut shards: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(&index, format!("{name}: shard is not a file name")))?;
+        // A shard is a file beside the index, never a path elsewhere.
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(bad(
+                &index,
+                format!("{name}: shard {file:?} is not a plain name"),
+            ));
+        }
+        shards
+            .entry(file.to_string())
+            .or_default()
+            .push(name.clone());
+    }
+    let mut out = BTreeMap::new();
+    for (file, names) in shards {
+        let mut tensors = read_header(&dir.join(&file))?;
+        for name in names {
+            let t = tensors.remove(&name).ok_or_else(|| {
+                bad(
+                    &dir.join(&file),
+                    format!("{name} is in the index but not the shard"),
+                )
+            })?;
+            out.insert(name, t);
+        }
+    }
+    Ok(out)
+}
+
+fn get<'a>(cfg: &'a Value, path: &Path, key: &str) -> Result<&'a Value> {
+    cfg.get(key)
+        .ok_or_else(|| bad(path, format!("config.json has no {key}")))
+}
+
+fn get_usize(cfg: &Value, path: &Path, key: &str) -> Result<usize> {
+    get(cfg, path, key)?
+        .as_u64()
+        .and_then(|v| usize::try_from(v).ok())
+        .ok_or_else(|| bad(path, format!("{key} is not a non-negative integer")))
+}
+
+fn get_f64(cfg: &Value, path: &Path, key: &str) -> Result<Option<f64>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| bad(path, format!("{key} is not a number"))),
+    }
+}
+
+/// The model shape a Hugging Face `config.json` describes (GPT-2 or Llama), checked.
+pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let bytes = std::fs::read(&path).map_err(|e| bad(&path, e.to_string()))?;
+    let cfg: Value =
+        serde_json::from_slice(&bytes).map_err(|e| bad(&path, format!("not JSON: {e}")))?;
+    let arch = cfg
+        .get("architectures")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+        .and_then(Value::as_str)
+        .or_else(|| match cfg.get("model_type").and_then(Value::as_str) {
+            Some("gpt2") => Some("GPT2LMHeadModel"),
+            Some("llama") => Some("LlamaForCausalLM"),
+            _ => None,
+        })
+        .unwrap_or("(none)");
+    let config = match arch {
+        "GPT2LMHeadModel" => {
+            let act = cfg.get("activation_function").and_then(Value::as_str);
+            if !matches!(act, None | Some("gelu_new")) {
+                return Err(bad(
+                    &path,
+                    format!("GPT-2 activation {act:?}: only gelu_new"),
+                ));
+            }
+            let eps = get_f64(&cfg, &path, "layer_norm_epsilon")?.unwrap_or(1e-5);
+            if (eps - 1e-5).abs() > 1e-12 {
+                return Err(bad(&path, format!("layer_norm_epsilon {eps}: only 1e-5")));
+            }
+            if cfg.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
+                return Err(bad(&path, "an untied GPT-2 head is not supported"));
+            }
+            ModelConfig {
+                vocab: get_usize(&cfg, &path, "vocab_size")?,
+                max_seq: get_usize(&cfg, &path, "n_positions")?,
+                layers: get_usize(&cfg, &path, "n_layer")?,
+                heads: get_usize(&cfg, &path, "n_head")?,
+                channels: get_usize(&cfg, &path, "n_embd")?,
+                family: Family::Gpt2,
+            }
+        }
+        "LlamaForCausalLM" => {
+            let act = cfg.get("hidden_act").and_then(Value::as_str);
+            if !matches!(act, None | Some("silu")) {
+                return Err(bad(&path, format!("Llama activation {act:?}: only silu")));
+            }
+            for flag in ["attention_bias", "mlp_bias"] {
+                if cfg.get(flag).and_then(Value::as_bool) == Some(true) {
+                    return Err(bad(&path, format!("{flag} is not supported")));
+                }
+            }
+            // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters.
+            let rope = cfg.get("rope_parameters").filter(|v| !v.is_null());
+            let scaling = rope
+                .and_then(|r| r.get("rope_type"))
+                .or_else(|| cfg.get("rope_scaling").and_then(|s| s.get("rope_type")))
+                .and_then(Value::as_str);
+            if !matches!(scaling, None | Some("default")) {
+                return Err(bad(&path, format!("rope type {scaling:?}: only default")));
+            }
+            let theta = match rope {
+                Some(r) => get_f64(r, &path, "rope_theta")?,
+                None => get_f64(&cfg, &path, "rope_theta")?,
+            }
+            .unwrap_or(10_000.0);
+            let heads = get_usize(&cfg, &path, "num_attention_heads")?;
+            let channels = get_usize(&cfg, &path, "hidden_size")?;
+            if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
+                if heads == 0 || hd as usize * heads != channels {
+                    return Err(bad(
+                        &path,
+                        format!("head_dim {hd} × {heads} heads is not hidden_size {channels}"),
+                    ));
+                }
+            }
+            let kv_heads = match cfg.get("num_key_value_heads") {
+                None | Some(Value::Null) => heads,
+                Some(_) => get_usize(&cfg, &path, "num_key_value_heads")?,
+            };
+            ModelConfig {
+                vocab: get_usize(&cfg, &path, "vocab_size")?,
+                max_seq: get_usize(&cfg, &path, "max_position_embeddings")?,
+                layers: get_usize(&cfg, &path, "num_hidden_layers")?,
+                heads,
+                channels,
+                family: Family::Llama(LlamaShape {
+                    kv_heads,
+                    ffn: get_usize(&cfg, &path, "intermediate_size")?,
+                    rope_theta: theta as f32,
+                    norm_eps: get_f64(&cfg, &path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
+                    tied_head: cfg
+                        .get("tie_word_embeddings")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
+                }),
+            }
+        }
+        other => {
+            return Err(bad(
+                &path,
+                format!("architecture {other}: GPT2LMHeadModel and LlamaForCausalLM load"),
+            ))
+        }
+    };
+    config
+        .validate()
+        .map_err(|e| bad(&path, format!("unsupported shape: {e}")))?;
+    Ok(config)
+}
+
+/// Buffers some checkpoints store that are not parameters (GPT-2's causal masks, rotary
+/// frequencies): skipped.
+fn is_buffer(name: &str) -> bool {
+    name.ends_with(".attn.bias")
+        || name.ends_with(".attn.masked_bias")
+        || name.ends_with("rotary_emb.inv_freq")
+}
+
+/// Read a Hugging Face model directory: its shape and fp32 masters (in
+/// [`params::param_infos`] order, our layout), allocated on `backend` as `Parameters`.
+pub fn load(dir: &Path, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
+    let cfg = read_config(dir)?;
+    let mut stored = read_tensors(dir)?;
+    let infos = params::param_infos(&cfg);
+    let mut masters = Vec::with_capacity(infos.len());
+    let _g = MemoryCategory::Parameters.enter();
+    for info in &infos {
+        // GPT2LMHeadModel saves its body under `transformer.`; our own export does not.
+        let t = stored
+            .remove(&info.name)
+            .or_else(|| stored.remove(&format!("transformer.{}", info.name)))
+            .ok_or_else(|| bad(dir, format!("missing tensor {}", info.name)))?;
+        let want: Vec<usize> = if info.transposed_in_hf {
+            vec![info.shape[1], info.shape[0]]
+        } else {
+            info.shape.clone()
+        };
+        if t.shape != want {
+            return Err(bad(
+                &t.file,
+                format!("{} has shape {:?}, expected {want:?}", info.name, t.shape),
+            ));
+        }
+        let _l = headroom_profiler::label_absolute(&info.name);
+        let mut master = backend.zeros(info.shape.clone(), DType::F32)?;
+        let dst = master.as_mut_slice::<f32>()?;
+        read_into(&t, dst)?;
+        if info.transposed_in_hf {
+            transpose_in_place(dst, info.shape[1], info.shape[0]);
+        }
+        masters.push(master);
+    }
+    // A tied head may still be stored (transformers writes lm_head.weight for GPT-2 in
+    // some versions): it must then equal the embedding, which is what is used.
+    let tied_copy = if params::head_index(&cfg) == params::WTE {
+        stored.remove("lm_head.weight")
+    } else {
+        None
+    };
+    if let Some(t) = tied_copy {
+        if t.shape != infos[params::WTE].shape {
+            return Err(bad(
+                &t.file,
+                "lm_head.weight does not have the embedding's shape",
+            ));
+        }
+    }
+    stored.retain(|name, _| !is_buffer(name));
+    if let Some(extra) = stored.keys().next() {
+        return Err(bad(
+            dir,
+            format!(
+                "{} tensor(s) the model does not have, e.g. {extra}",
+                stored.len()
+            ),
+        ));
+    }
+    Ok((cfg, masters))
+}
+
+/// Convert `t`'s bytes into `dst` (f32), a bounded chunk at a time.
+fn read_into(t: &Stored, dst: &mut [f32]) -> Result<()> {
+    let io = |e: std::io::Error| bad(&t.file, e.to_string());
+    let mut f = File::open(&t.file).map_err(io)?;
+    f.seek(SeekFrom::Start(t.start)).map_err(io)?;
+    let size = t.dtype.size() as usize;
+    if (t.end - t.start) as usize != dst.len() * size {
+        return Err(bad(&t.file, "tensor byte length changed"));
+    }
+    let mut buf = vec![0u8; CHUNK_BYTES];
+    for out in dst.chunks_mut(CHUNK_BYTES / size) {
+        let bytes = &mut buf[..out.len() * size];
+        f.read_exact(bytes)
+            .map_err(|_| bad(&t.file, "file ends inside a tensor"))?;
+        match t.dtype {
+            StoredDtype::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            StoredDtype::Bf16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
+            StoredDtype::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `[rows, cols]` row-major → `[cols, rows]` in place, through a copy of this one tensor (the
+/// largest matrix at most, never the model).
+fn transpose_in_place(x: &mut [f32], rows: usize, cols: usize) {
+    let src = x.to_vec();
+    for r in 0..rows {
+        for c in 0..cols {
+            x[c * rows + r] = src[r * cols + c];
+        }
+    }
+}

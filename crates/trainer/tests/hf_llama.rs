@@ -1,0 +1,84 @@
+//! The Llama forward against transformers' `LlamaForCausalLM` on the same weights: committed
+//! fixtures written by `benches/torch/make_llama_fixture.py` (a model with grouped-query
+//! attention and an untied head, one with multi-head attention and a tied head), loaded from
+//! their `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and
+//! the mean cross-entropy within 1e-5, in f32.
+
+use std::path::PathBuf;
+
+use headroom_tensor::Cpu;
+use headroom_trainer::hf;
+use headroom_trainer::model::{Family, Geometry, Model, ModelOptions};
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn f32s(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn ids(st: &SafeTensors<'_>, name: &str) -> Vec<u32> {
+    st.tensor(name)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32)
+        .collect()
+}
+
+fn matches_transformers(name: &str, kv_heads: usize, tied: bool) {
+    let dir = fixture(name);
+    let cpu = Cpu::new();
+    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+    match cfg.family {
+        Family::Llama(s) => {
+            assert_eq!((s.kv_heads, s.tied_head, s.ffn), (kv_heads, tied, 72));
+            assert_eq!(s.rope_theta, 10_000.0);
+        }
+        Family::Gpt2 => panic!("{name} read as GPT-2"),
+    }
+    let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (tokens, targets) = (ids(&st, "tokens"), ids(&st, "targets"));
+    let g = Geometry { b: 2, t: 16 };
+    let want = f32s(&st, "logits");
+    let got = model.logits(&tokens, g).unwrap();
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("{name}: largest logit {scale}, worst difference {worst:e}");
+    assert!(
+        worst <= 1e-4 * scale,
+        "{name}: logits differ by {worst} (scale {scale})"
+    );
+    let loss = model.loss(&tokens, &targets, g).unwrap();
+    let want_loss = f32s(&st, "loss")[0];
+    assert!(
+        (loss - want_loss).abs() <= 1e-5 * want_loss.abs().max(1.0),
+        "{name}: loss {loss} vs transformers' {want_loss}"
+    );
+}
+
+#[test]
+fn llama_gqa_untied_matches_transformers() {
+    matches_transformers("hf-llama-gqa-untied", 2, false);
+}
+
+#[test]
+fn llama_mha_tied_matches_transformers() {
+    matches_transformers("hf-llama-mha-tied", 4, true);
+}
