@@ -168,6 +168,10 @@ enum DeviceArg {
 /// Model, data and technique options shared by train, estimate and max-batch.
 #[derive(Args, Clone)]
 struct RunArgs {
+    /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel
+    /// or LlamaForCausalLM): its shape and weights replace --model and its size options.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
     /// Model: GPT-2 tiny (tests, seconds), small (6L/6H/384, context 256), gpt2 (124M); or
     /// Llama llama-tiny, llama-small (RMSNorm, rotary, SwiGLU, grouped-query attention).
     #[arg(long, value_enum, default_value = "tiny")]
@@ -502,12 +506,39 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
     if let Some(path) = &run.data {
         o.data = DataSource::File(path.clone());
     }
-    o.model = model_config(run, vocab)?;
-    o.seq = run.seq.unwrap_or(if run.model.is_tiny() {
-        o.seq
-    } else {
-        o.model.max_seq
-    });
+    match &run.init_from {
+        Some(dir) => {
+            let sized = run.layers.is_some()
+                || run.heads.is_some()
+                || run.channels.is_some()
+                || run.kv_heads.is_some()
+                || run.ffn.is_some()
+                || run.rope_theta.is_some()
+                || run.tied_head;
+            if sized {
+                return Err(
+                    "--init-from takes the model's shape from its config.json: drop \
+                            --layers, --heads, --channels and the Llama size options"
+                        .into(),
+                );
+            }
+            o.model = headroom_trainer::hf::read_config(dir)?;
+            // The synthetic source draws ids below the model's vocabulary.
+            if let DataSource::Synthetic(d) = &mut o.data {
+                d.vocab = u32::try_from(o.model.vocab).unwrap_or(u32::MAX);
+            }
+            o.init_from = Some(dir.clone());
+            o.seq = run.seq.unwrap_or(o.seq.min(o.model.max_seq));
+        }
+        None => {
+            o.model = model_config(run, vocab)?;
+            o.seq = run.seq.unwrap_or(if run.model.is_tiny() {
+                o.seq
+            } else {
+                o.model.max_seq
+            });
+        }
+    }
     if let Some(b) = run.batch {
         o.batch = b;
     }

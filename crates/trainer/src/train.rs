@@ -113,6 +113,10 @@ pub struct TrainOptions {
     pub check_machine_memory: bool,
     /// Validation: a loss over fixed windows of another token file, every few steps.
     pub eval: Option<EvalOptions>,
+    /// Start from the weights of a Hugging Face model directory (`config.json` and
+    /// safetensors) instead of a random initialisation; its shape must be [`TrainOptions::model`]
+    /// (see [`crate::hf::read_config`]).
+    pub init_from: Option<PathBuf>,
     /// Memory reports to write when the run ends — also when it fails, out of budget
     /// included, so the files show the moment of the failure.
     pub memory_outputs: MemoryOutputs,
@@ -239,6 +243,7 @@ impl TrainOptions {
             stop: None,
             check_machine_memory: true,
             eval: None,
+            init_from: None,
             memory_outputs: MemoryOutputs::default(),
         }
     }
@@ -1061,7 +1066,23 @@ fn train_tracked(
     } else {
         &cpu
     };
-    let mut masters = params::init_params(masters_on, &opts.model, opts.seed)?;
+    let mut masters = match &opts.init_from {
+        Some(dir) => {
+            let (cfg, masters) = crate::hf::load(dir, masters_on)?;
+            if cfg != opts.model {
+                return Err(TrainError::Option {
+                    option: "--init-from",
+                    reason: format!(
+                        "{} holds {cfg:?}, the run's model is {:?}",
+                        dir.display(),
+                        opts.model
+                    ),
+                });
+            }
+            masters
+        }
+        None => params::init_params(masters_on, &opts.model, opts.seed)?,
+    };
     if let Some(ck) = &resume {
         for (t, saved) in masters.iter_mut().zip(&ck.params) {
             let dst = t.as_mut_slice::<f32>()?;

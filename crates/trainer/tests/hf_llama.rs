@@ -82,3 +82,42 @@ fn llama_gqa_untied_matches_transformers() {
 fn llama_mha_tied_matches_transformers() {
     matches_transformers("hf-llama-mha-tied", 4, true);
 }
+
+/// What headroom saves is what it loads: a run initialised from the fixture with an update
+/// below f32 resolution writes a checkpoint whose weights and shape read back unchanged.
+/// (`benches/torch/check_hf_export.py` shows transformers loading such a checkpoint with the
+/// reference's logits, 0 difference.)
+#[test]
+fn a_saved_llama_checkpoint_reads_back_unchanged() {
+    use headroom_trainer::train::{train, TrainOptions};
+    for name in ["hf-llama-gqa-untied", "hf-llama-mha-tied"] {
+        let dir = fixture(name);
+        let cpu = Cpu::new();
+        let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let mut o = TrainOptions {
+            model: cfg,
+            init_from: Some(dir.clone()),
+            steps: 1,
+            lr: 1e-30,
+            seq: 16,
+            batch: 2,
+            save: Some((root.path().to_path_buf(), 0)),
+            ..TrainOptions::tiny_default()
+        };
+        if let headroom_trainer::train::DataSource::Synthetic(d) = &mut o.data {
+            d.vocab = cfg.vocab as u32;
+        }
+        let report = train(&o, |_| {}).unwrap();
+        let saved = report.last_checkpoint.unwrap();
+        let (cfg2, back) = hf::load(&saved, &cpu).unwrap();
+        assert_eq!(cfg2, cfg, "{name}");
+        for (a, b) in back.iter().zip(&masters) {
+            assert_eq!(
+                a.as_slice::<f32>().unwrap(),
+                b.as_slice::<f32>().unwrap(),
+                "{name}"
+            );
+        }
+    }
+}

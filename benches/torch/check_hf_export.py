@@ -1,0 +1,31 @@
+"""Check that transformers loads a headroom checkpoint as it is.
+
+    python benches/torch/check_hf_export.py CHECKPOINT_DIR REFERENCE_DIR
+
+CHECKPOINT_DIR is a `step-N` directory headroom wrote (config.json + model.safetensors);
+REFERENCE_DIR a directory of make_llama_fixture.py (its reference.safetensors holds tokens and
+logits). `AutoModelForCausalLM.from_pretrained` loads the checkpoint and its logits on the
+reference tokens are compared with the reference's: they agree when the checkpoint holds the
+reference's weights (`headroom train --init-from REFERENCE_DIR --lr 1e-30 --steps 1` writes
+such a checkpoint: the update is below f32 resolution).
+"""
+
+import sys
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+
+def main(checkpoint, reference):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    ref = load_file(f"{reference}/reference.safetensors")
+    with torch.no_grad():
+        logits = model(input_ids=ref["tokens"].long()).logits.float()
+    diff = (logits - ref["logits"]).abs().max().item()
+    print(f"{type(model).__name__} from {checkpoint}: max |logits - reference| = {diff:.3e}")
+    sys.exit(0 if diff <= 1e-5 else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,273 @@
+//! Hugging Face directories that must not load, and the variants that must: every bad input is
+//! a typed `TrainError::Pretrained` naming the file and what is wrong, never a panic.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use headroom_tensor::Cpu;
+use headroom_trainer::hf;
+use headroom_trainer::TrainError;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-llama-gqa-untied")
+}
+
+/// The fixture's tensors as (name → dtype, shape, bytes).
+fn tensors() -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, t)| (n, (t.dtype(), t.shape().to_vec(), t.data().to_vec())))
+        .collect()
+}
+
+fn write(path: &Path, tensors: &BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+/// A copy of the fixture directory with `edit` applied to its tensors and `config` to its
+/// config.json.
+fn variant(
+    scratch: &tempfile::TempDir,
+    name: &str,
+    edit: impl FnOnce(&mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+    config: impl FnOnce(&mut serde_json::Value),
+) -> PathBuf {
+    let dir = scratch.path().join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut t = tensors();
+    edit(&mut t);
+    write(&dir.join("model.safetensors"), &t);
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture().join("config.json")).unwrap()).unwrap();
+    config(&mut cfg);
+    std::fs::write(dir.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    dir
+}
+
+fn refused(dir: &Path, needle: &str) {
+    match hf::load(dir, &Cpu::new()) {
+        Err(TrainError::Pretrained { reason, .. }) => {
+            assert!(
+                reason.contains(needle),
+                "{reason:?} does not mention {needle:?}"
+            )
+        }
+        Err(other) => panic!("{needle}: untyped error {other}"),
+        Ok(_) => panic!("{needle}: loaded"),
+    }
+}
+
+fn masters(dir: &Path) -> Vec<Vec<f32>> {
+    let (_, m) = hf::load(dir, &Cpu::new()).unwrap();
+    m.iter()
+        .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+        .collect()
+}
+
+#[test]
+fn malformed_directories_are_typed_errors() {
+    let s = tempfile::tempdir().unwrap();
+    let up = "model.layers.1.mlp.up_proj.weight";
+    refused(
+        &variant(
+            &s,
+            "arch",
+            |_| {},
+            |c| c["architectures"] = serde_json::json!(["BertModel"]),
+        ),
+        "architecture BertModel",
+    );
+    refused(
+        &variant(&s, "missing", |t| drop(t.remove(up)), |_| {}),
+        &format!("missing tensor {up}"),
+    );
+    refused(
+        &variant(
+            &s,
+            "extra",
+            |t| {
+                drop(t.insert(
+                    "model.extra.weight".into(),
+                    (Dtype::F32, vec![1], vec![0; 4]),
+                ))
+            },
+            |_| {},
+        ),
+        "model.extra.weight",
+    );
+    refused(
+        &variant(
+            &s,
+            "shape",
+            |t| {
+                let e = t.get_mut(up).unwrap();
+                e.1 = vec![e.1[1], e.1[0]];
+            },
+            |_| {},
+        ),
+        "has shape",
+    );
+    refused(
+        &variant(
+            &s,
+            "dtype",
+            |t| {
+                let e = t.get_mut(up).unwrap();
+                e.0 = Dtype::I32;
+            },
+            |_| {},
+        ),
+        "dtype",
+    );
+    refused(
+        &variant(
+            &s,
+            "config-shape",
+            |_| {},
+            |c| c["num_key_value_heads"] = 3.into(),
+        ),
+        "key/value heads",
+    );
+    refused(
+        &variant(
+            &s,
+            "rope",
+            |_| {},
+            |c| c["rope_parameters"]["rope_type"] = "yarn".into(),
+        ),
+        "rope type",
+    );
+    refused(
+        &variant(&s, "act", |_| {}, |c| c["hidden_act"] = "gelu".into()),
+        "activation",
+    );
+}
+
+#[test]
+fn bf16_f16_and_sharded_files_load() {
+    let s = tempfile::tempdir().unwrap();
+    let f32_masters = masters(&fixture());
+    for (name, dtype) in [("bf16", Dtype::BF16), ("f16", Dtype::F16)] {
+        let dir = variant(
+            &s,
+            name,
+            |t| {
+                for (d, _, b) in t.values_mut() {
+                    *b = b
+                        .chunks_exact(4)
+                        .flat_map(|x| {
+                            let v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                            match dtype {
+                                Dtype::BF16 => half::bf16::from_f32(v).to_bits(),
+                                _ => half::f16::from_f32(v).to_bits(),
+                            }
+                            .to_le_bytes()
+                        })
+                        .collect();
+                    *d = dtype;
+                }
+            },
+            |_| {},
+        );
+        let low = masters(&dir);
+        for (a, b) in low.iter().flatten().zip(f32_masters.iter().flatten()) {
+            let want = match dtype {
+                Dtype::BF16 => half::bf16::from_f32(*b).to_f32(),
+                _ => half::f16::from_f32(*b).to_f32(),
+            };
+            assert_eq!(a.to_bits(), want.to_bits(), "{name}");
+        }
+    }
+    // Two shards and transformers' index: the same masters as the single file.
+    let dir = s.path().join("sharded");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture().join("config.json"), dir.join("config.json")).unwrap();
+    let all = tensors();
+    let (mut first, mut second) = (BTreeMap::new(), BTreeMap::new());
+    let mut map = serde_json::Map::new();
+    for (i, (n, t)) in all.into_iter().enumerate() {
+        let file = if i % 2 == 0 {
+            "model-00001-of-00002.safetensors"
+        } else {
+            "model-00002-of-00002.safetensors"
+        };
+        map.insert(n.clone(), file.into());
+        if i % 2 == 0 {
+            first.insert(n, t)
+        } else {
+            second.insert(n, t)
+        };
+    }
+    write(&dir.join("model-00001-of-00002.safetensors"), &first);
+    write(&dir.join("model-00002-of-00002.safetensors"), &second);
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_vec(&index).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(masters(&dir), f32_masters);
+    // An index that points outside the directory is refused.
+    let mut bad = index.clone();
+    bad["weight_map"]["model.norm.weight"] = "../model.safetensors".into();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_vec(&bad).unwrap(),
+    )
+    .unwrap();
+    refused(&dir, "not a plain name");
+}
+
+/// Mutated headers, truncations and byte flips of the weights file: every outcome is a load
+/// or a typed error.
+#[test]
+fn mutated_weight_files_never_panic() {
+    let s = tempfile::tempdir().unwrap();
+    let dir = s.path().join("m");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture().join("config.json"), dir.join("config.json")).unwrap();
+    let original = std::fs::read(fixture().join("model.safetensors")).unwrap();
+    let header_end = 8 + u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n.max(1) as u64) as usize
+    };
+    let (mut loaded, mut refused_count) = (0, 0);
+    for case in 0..1500 {
+        let mut bytes = original.clone();
+        match case % 4 {
+            // A byte of the header (offsets, shapes, dtypes, the length prefix).
+            0 | 1 => {
+                let i = next(header_end);
+                bytes[i] = next(256) as u8;
+            }
+            2 => bytes.truncate(next(original.len())),
+            // A digit of the header replaced by a large number.
+            _ => {
+                let i = next(header_end - 8) + 8;
+                if bytes[i].is_ascii_digit() {
+                    bytes.splice(i..i + 1, b"99999999999999999999".iter().copied());
+                }
+            }
+        }
+        std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+        match hf::load(&dir, &Cpu::new()) {
+            Ok(_) => loaded += 1,
+            Err(TrainError::Pretrained { .. }) => refused_count += 1,
+            Err(other) => panic!("case {case}: untyped error {other}"),
+        }
+    }
+    assert!(refused_count > 1000, "only {refused_count} refused");
+    eprintln!("{loaded} loaded, {refused_count} refused");
+}
