@@ -430,6 +430,15 @@ fn optimal_schedule_needs_a_budget_and_fits_it() {
 
 #[test]
 fn the_ladder_fits_a_budget_the_baseline_cannot_with_4x_less_memory() {
+    ladder_fits(false);
+}
+
+#[test]
+fn the_llama_ladder_fits_a_budget_the_baseline_cannot_with_4x_less_memory() {
+    ladder_fits(true);
+}
+
+fn ladder_fits(llama: bool) {
     use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs};
     use headroom_trainer::train::{DataSource, SyntheticData};
     // A vocabulary large next to the width, as GPT-2's is, so the head matters.
@@ -446,7 +455,11 @@ fn the_ladder_fits_a_budget_the_baseline_cannot_with_4x_less_memory() {
             layers: 4,
             heads: 4,
             channels: 64,
-            family: headroom_trainer::model::Family::Gpt2,
+            family: if llama {
+                ModelConfig::llama_tiny(2048).family
+            } else {
+                headroom_trainer::model::Family::Gpt2
+            },
         },
         data: DataSource::Synthetic(data),
         steps: 2,
@@ -468,13 +481,19 @@ fn the_ladder_fits_a_budget_the_baseline_cannot_with_4x_less_memory() {
         "only {:.2}× lower",
         first.peak_total as f64 / end.peak_total as f64
     );
-    for r in &results {
+    for (r, rung) in results.iter().zip(&rungs) {
         // The estimate adds per-category peaks, which bound the measured total from above.
         assert!(
             r.estimated_total >= r.peak_total,
             "{}: estimate below the peak",
             r.name
         );
+        // And each category's peak is the estimator's, byte for byte.
+        let micro = rung.techniques.micro_batch.unwrap_or(base.batch);
+        let e = estimate(&base.model, base.seq, micro, base.batch, &rung.techniques).unwrap();
+        for c in MemoryCategory::ALL {
+            assert_eq!(r.peak[c], e.device[c], "{}: {c:?}", r.name);
+        }
         assert!(r.final_loss.is_finite());
     }
 }
