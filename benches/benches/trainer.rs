@@ -1,9 +1,12 @@
-//! The trainer end to end, next to PyTorch eager (`benches/torch/trainer_gpt.py`).
+//! The trainer end to end, next to PyTorch eager (`benches/torch/trainer_gpt.py`,
+//! `benches/torch/trainer_llama.py`).
 //!
 //! **CPU** (always): one training step of the `small` GPT (6 layers, 6 heads, width 384,
-//! context 256, vocab 50257) at batch 8×256, fp32 and bf16, flash attention, fused
-//! AdamW-equivalent: the median step time next to PyTorch eager's (same model, batch and
-//! thread count), measured in the same `cargo xtask bench` run.
+//! context 256, vocab 50257) and of `llama-small` (6 layers, 6 heads over 2 key/value heads,
+//! width 384, SwiGLU 1024, untied head) at batch 8×256, fp32 and bf16, flash attention, fused
+//! AdamW-equivalent: the median step time next to PyTorch eager's (same model — transformers'
+//! `LlamaForCausalLM` for the Llama — batch and thread count), measured in the same
+//! `cargo xtask bench` run. `HEADROOM_TRAINER_MODELS=small,llama-small` picks models.
 //!
 //! **CUDA** (feature `cuda`, issue 11): GPT-2 124M at batch 8×1024 (`trainer_gpt.py --device
 //! cuda`'s defaults) on CUDA device 0, one run per rung — baseline, +checkpoint, +offload, full
@@ -35,7 +38,7 @@
 
 use headroom_attn::AttentionConfig;
 use headroom_benches::{record, Better, Record};
-use headroom_trainer::model::Precision;
+use headroom_trainer::model::{ModelConfig, Precision};
 use headroom_trainer::train::{train, TrainOptions};
 
 /// Whether `name` is set to something other than empty or `0`.
@@ -85,53 +88,65 @@ fn main() {
     }
 }
 
-/// The `small` GPT on the CPU, fp32 and bf16.
+/// The `small` GPT and `llama-small` on the CPU, fp32 and bf16, each paired with PyTorch
+/// eager's step of the same model (`trainer_gpt.py`, `trainer_llama.py`).
 fn cpu_bench(quick: bool) {
     let warmup = 2;
     let timed = if quick { 3 } else { 8 };
-    for precision in [Precision::Fp32, Precision::Bf16] {
-        let mut o = TrainOptions::small_default();
-        o.steps = warmup + timed;
-        o.techniques.model.attention = AttentionConfig::flash();
-        o.techniques.model.precision = precision;
-        let report = match train(&o, |s| {
-            eprintln!(
-                "trainer/{}/small step {}: {:.3} s, loss {:.4}",
-                precision.name(),
-                s.step,
-                s.seconds,
-                s.loss
-            )
-        }) {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("trainer bench failed: {e}");
-                std::process::exit(1);
-            }
-        };
-        let median = report.median_step_seconds(warmup);
-        let p = precision.name();
-        let tokens = (o.batch * o.seq) as f64;
-        put(
-            format!("trainer/step/headroom/{p}/small"),
-            "step_seconds",
-            median,
-            "s",
-            Better::Lower,
-            Some(format!("trainer/step/torch_eager/{p}/small")),
-        );
-        put(
-            format!("trainer/tokens_per_s/headroom/{p}/small"),
-            "tokens_per_s",
-            tokens / median,
-            "tokens/s",
-            Better::Higher,
-            Some(format!("trainer/tokens_per_s/torch_eager/{p}/small")),
-        );
-        println!(
-            "trainer/{p}/small: median step {median:.3} s ({:.0} tokens/s)",
-            tokens / median
-        );
+    let only = std::env::var("HEADROOM_TRAINER_MODELS").unwrap_or_default();
+    let models = [
+        ("small", TrainOptions::small_default().model),
+        ("llama-small", ModelConfig::llama_small(50257)),
+    ];
+    for (name, model) in models {
+        if !only.is_empty() && !only.split(',').any(|m| m == name) {
+            continue;
+        }
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let mut o = TrainOptions::small_default();
+            o.model = model;
+            o.steps = warmup + timed;
+            o.techniques.model.attention = AttentionConfig::flash();
+            o.techniques.model.precision = precision;
+            let report = match train(&o, |s| {
+                eprintln!(
+                    "trainer/{}/{name} step {}: {:.3} s, loss {:.4}",
+                    precision.name(),
+                    s.step,
+                    s.seconds,
+                    s.loss
+                )
+            }) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("trainer bench failed: {e}");
+                    std::process::exit(1);
+                }
+            };
+            let median = report.median_step_seconds(warmup);
+            let p = precision.name();
+            let tokens = (o.batch * o.seq) as f64;
+            put(
+                format!("trainer/step/headroom/{p}/{name}"),
+                "step_seconds",
+                median,
+                "s",
+                Better::Lower,
+                Some(format!("trainer/step/torch_eager/{p}/{name}")),
+            );
+            put(
+                format!("trainer/tokens_per_s/headroom/{p}/{name}"),
+                "tokens_per_s",
+                tokens / median,
+                "tokens/s",
+                Better::Higher,
+                Some(format!("trainer/tokens_per_s/torch_eager/{p}/{name}")),
+            );
+            println!(
+                "trainer/{p}/{name}: median step {median:.3} s ({:.0} tokens/s)",
+                tokens / median
+            );
+        }
     }
 }
 

@@ -2,6 +2,9 @@
 
     python benches/torch/check_hf_export.py CHECKPOINT_DIR REFERENCE_DIR
 
+Not a comparison bench: run by `cargo xtask bench` (with `--quick` and no directories) it
+exits with code 3 ("skipped").
+
 CHECKPOINT_DIR is a `step-N` directory headroom wrote (config.json + model.safetensors);
 REFERENCE_DIR a directory of make_llama_fixture.py (its reference.safetensors holds tokens and
 logits). `AutoModelForCausalLM.from_pretrained` loads the checkpoint and its logits on the
@@ -28,4 +31,8 @@ def main(checkpoint, reference):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    dirs = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if len(dirs) != 2:
+        print("needs CHECKPOINT_DIR REFERENCE_DIR (not a comparison bench)", file=sys.stderr)
+        sys.exit(3)
+    main(dirs[0], dirs[1])

@@ -6,8 +6,11 @@ untied head, one with multi-head attention and a tied head), saves each with
 beside it: fixed tokens and targets, the model's logits on them (eager attention, f32), and
 the mean cross-entropy of those logits against the targets.
 
+Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
+folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
+
 Run from the repository root:
-    python benches/torch/make_llama_fixture.py
+    python benches/torch/make_llama_fixture.py --write
 (needs torch, transformers and safetensors; CI only reads the committed outputs).
 """
 
@@ -85,4 +88,7 @@ def main():
 
 
 if __name__ == "__main__":
+    if "--write" not in sys.argv[1:]:
+        print("writes fixtures only with --write (not a comparison bench)", file=sys.stderr)
+        sys.exit(3)
     main()
