@@ -68,6 +68,14 @@ pub enum TrainError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A tokenizer could not be loaded or used (names the tokenizer file, or `gpt2`).
+    #[error("tokenizer {path}: {reason}")]
+    Tokenizer {
+        /// The tokenizer file, or `gpt2`.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
     /// A tensor operation failed (allocation refused, shape mismatch, …).
     #[error(transparent)]
     Tensor(#[from] headroom_tensor::Error),

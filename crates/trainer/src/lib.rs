@@ -51,6 +51,7 @@ pub mod ladder;
 pub mod model;
 pub mod ops;
 pub mod techniques;
+pub mod tokenize;
 pub mod train;
 
 pub use error::{Result, TrainError};

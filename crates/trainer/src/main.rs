@@ -403,6 +403,14 @@ enum DataCommand {
         /// Document separator in the text (becomes one end-of-text token).
         #[arg(long)]
         separator: Option<String>,
+        /// Tokenize with `gpt2` (GPT-2's BPE, built in) or a Hugging Face tokenizer.json (or
+        /// a model directory holding one) instead of one token per byte; the format's token
+        /// type is chosen to fit its vocabulary (raw: u16 up to 65 536 ids, else u32).
+        #[arg(long)]
+        tokenizer: Option<String>,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
     },
     /// Describe a token file: format, dtype, tokens, id range.
     Inspect {
@@ -1110,6 +1118,40 @@ fn cmd_data(c: DataCommand) -> CliResult {
             out,
             format,
             separator,
+            tokenizer: Some(name),
+            quiet,
+        } => {
+            let tok = headroom_trainer::tokenize::Tokenizer::from_name(&name)?;
+            let format = headroom_trainer::tokenize::format_for(&format, tok.vocab_size())?;
+            let start = std::time::Instant::now();
+            let r = headroom_trainer::tokenize::build(
+                &input,
+                &tok,
+                format,
+                separator.as_deref(),
+                &out,
+                !quiet,
+            )?;
+            let secs = start.elapsed().as_secs_f64();
+            say!(
+                "{}: {} tokens in {} documents from {:.1} MiB of text ({:.2} MB/s), {name} \
+                 vocabulary {}, {}",
+                out.display(),
+                r.tokens,
+                r.documents,
+                r.text_bytes as f64 / 1048576.0,
+                r.text_bytes as f64 / 1e6 / secs.max(1e-9),
+                r.vocab,
+                r.format
+            );
+        }
+        DataCommand::Build {
+            input,
+            out,
+            format,
+            separator,
+            tokenizer: None,
+            quiet: _,
         } => {
             let mut spec = BuildSpec::new(parse_format(&format)?);
             spec.document_separator = separator.map(String::into_bytes);

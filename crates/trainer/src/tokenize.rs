@@ -1,0 +1,337 @@
+//! Text to token files and tokens back to text: GPT-2's byte-level BPE (its ranks ship inside
+//! `tiktoken-rs`, no download) or any Hugging Face `tokenizer.json` (the `tokenizers` crate).
+//!
+//! [`build`] streams a UTF-8 file through a tokenizer into any format headroom-mmap-data
+//! writes, threaded over pieces of the text in order; a piece boundary never changes the
+//! tokens: it falls on a document separator, or for GPT-2's BPE after a newline that precedes
+//! a letter or digit, where GPT-2's pre-tokenizer splits anyway (a whole-file encode gives the
+//! same ids; tested). A Hugging Face tokenizer may add a prefix or special tokens per call, so
+//! it is split at document separators only.
+
+use std::path::{Path, PathBuf};
+
+use headroom_mmap_data::formats::writer::TokenWriter;
+use headroom_mmap_data::{LlmcFlavor, TokenFileFormat, TokenType};
+use rayon::prelude::*;
+
+use crate::{Result, TrainError};
+
+/// GPT-2's vocabulary (50 256 merges and bytes, plus `<|endoftext|>`).
+pub const GPT2_VOCAB: usize = 50257;
+/// GPT-2's `<|endoftext|>`.
+pub const GPT2_EOT: u32 = 50256;
+/// Bytes of text per piece handed to a thread.
+const PIECE_BYTES: usize = 1 << 20;
+
+fn err(path: impl Into<PathBuf>, reason: impl Into<String>) -> TrainError {
+    TrainError::Tokenizer {
+        path: path.into(),
+        reason: reason.into(),
+    }
+}
+
+/// A tokenizer: GPT-2's, or a Hugging Face `tokenizer.json`.
+pub enum Tokenizer {
+    /// GPT-2's byte-level BPE (`r50k_base`).
+    Gpt2(Box<tiktoken_rs::CoreBPE>),
+    /// A Hugging Face tokenizer, and the file it came from.
+    HuggingFace(Box<tokenizers::Tokenizer>, PathBuf),
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tokenizer::Gpt2(_) => write!(f, "Tokenizer::Gpt2"),
+            Tokenizer::HuggingFace(_, p) => write!(f, "Tokenizer::HuggingFace({})", p.display()),
+        }
+    }
+}
+
+impl Tokenizer {
+    /// `gpt2`, or the path of a `tokenizer.json` (or of a directory holding one).
+    pub fn from_name(name: &str) -> Result<Self> {
+        if name == "gpt2" {
+            let bpe = tiktoken_rs::r50k_base().map_err(|e| err("gpt2", e.to_string()))?;
+            return Ok(Tokenizer::Gpt2(Box::new(bpe)));
+        }
+        let mut path = PathBuf::from(name);
+        if path.is_dir() {
+            path = path.join("tokenizer.json");
+        }
+        let tok = tokenizers::Tokenizer::from_file(&path).map_err(|e| err(&path, e.to_string()))?;
+        Ok(Tokenizer::HuggingFace(Box::new(tok), path))
+    }
+
+    /// The tokenizer a checkpoint directory carries (`tokenizer.json`), if any.
+    pub fn beside(dir: &Path) -> Option<Result<Self>> {
+        let file = dir.join("tokenizer.json");
+        file.is_file()
+            .then(|| Self::from_name(&file.to_string_lossy()))
+    }
+
+    /// Ids run from 0 to `vocab_size() - 1` (special tokens included).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Gpt2(_) => GPT2_VOCAB,
+            Tokenizer::HuggingFace(t, _) => t.get_vocab_size(true),
+        }
+    }
+
+    /// The end-of-text token that separates documents: GPT-2's `<|endoftext|>`; for a Hugging
+    /// Face tokenizer the first of `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>` it has.
+    pub fn end_of_text(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Gpt2(_) => Some(GPT2_EOT),
+            Tokenizer::HuggingFace(t, _) => ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]
+                .iter()
+                .find_map(|s| t.token_to_id(s)),
+        }
+    }
+
+    /// The ids of `text` (special-token strings in it are encoded as ordinary text, so data
+    /// cannot inject control tokens).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
+            Tokenizer::HuggingFace(t, path) => Ok(t
+                .encode(text, false)
+                .map_err(|e| err(path, e.to_string()))?
+                .get_ids()
+                .to_vec()),
+        }
+    }
+
+    /// The text of `ids`; bytes that are not valid UTF-8 on their own (a character split
+    /// across tokens) are replaced by U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size()) {
+            return Err(err(
+                self.source(),
+                format!(
+                    "id {bad} is outside the vocabulary of {}",
+                    self.vocab_size()
+                ),
+            ));
+        }
+        match self {
+            Tokenizer::Gpt2(bpe) => {
+                let bytes = bpe
+                    .decode_bytes(ids)
+                    .map_err(|e| err("gpt2", e.to_string()))?;
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            Tokenizer::HuggingFace(t, path) => {
+                t.decode(ids, false).map_err(|e| err(path, e.to_string()))
+            }
+        }
+    }
+
+    fn source(&self) -> PathBuf {
+        match self {
+            Tokenizer::Gpt2(_) => "gpt2".into(),
+            Tokenizer::HuggingFace(_, p) => p.clone(),
+        }
+    }
+
+    /// Whether a piece boundary after byte `at` of `text` leaves the tokens unchanged.
+    fn safe_cut(&self, text: &[u8], at: usize) -> bool {
+        match self {
+            // GPT-2's pre-tokenizer makes "\n" before a non-space its own pre-token, and a
+            // letter or digit after it starts a new one without a leading space.
+            Tokenizer::Gpt2(_) => {
+                at > 0
+                    && at < text.len()
+                    && text[at - 1] == b'\n'
+                    && text[at].is_ascii_alphanumeric()
+            }
+            Tokenizer::HuggingFace(..) => false,
+        }
+    }
+}
+
+/// The token type a file of `vocab` ids needs: u16 up to 65 536 ids, else u32.
+pub fn token_type_for(vocab: usize) -> TokenType {
+    if vocab <= 1 << 16 {
+        TokenType::U16
+    } else {
+        TokenType::U32
+    }
+}
+
+/// A file format by name, its token type chosen for `vocab`: `raw` (nanoGPT `.bin`), `llmc`
+/// (llm.c's GPT-2 flavour for u16 ids, Llama 3's for u32), `megatron`; `raw-u16`, `raw-u32`
+/// force the type (and are checked against the vocabulary when written).
+pub fn format_for(name: &str, vocab: usize) -> Result<TokenFileFormat> {
+    let t = token_type_for(vocab);
+    Ok(match name {
+        "raw" => TokenFileFormat::Raw(t),
+        "raw-u16" | "nanogpt" => TokenFileFormat::Raw(TokenType::U16),
+        "raw-u32" => TokenFileFormat::Raw(TokenType::U32),
+        "llmc" => TokenFileFormat::Llmc(if t == TokenType::U16 {
+            LlmcFlavor::Gpt2
+        } else {
+            LlmcFlavor::Llama3
+        }),
+        "megatron" => TokenFileFormat::Megatron {
+            token_type: t,
+            document_len: 1 << 20,
+        },
+        other => {
+            return Err(TrainError::Option {
+                option: "--format",
+                reason: format!("{other:?}: use raw, raw-u16, raw-u32, llmc or megatron"),
+            })
+        }
+    })
+}
+
+/// What [`build`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildReport {
+    /// Tokens written.
+    pub tokens: u64,
+    /// Documents (separator-delimited pieces of the text).
+    pub documents: u64,
+    /// Bytes of text read.
+    pub text_bytes: u64,
+    /// The format written (its token type fits the vocabulary).
+    pub format: TokenFileFormat,
+    /// The tokenizer's vocabulary.
+    pub vocab: usize,
+}
+
+/// The text's pieces in order, each `(document, start, end)`: documents split at `separator`,
+/// long documents cut where the tokenizer allows.
+fn pieces(tok: &Tokenizer, text: &[u8], separator: Option<&[u8]>) -> Vec<(u64, usize, usize)> {
+    let mut docs = Vec::new();
+    let mut start = 0;
+    if let Some(sep) = separator.filter(|s| !s.is_empty()) {
+        let mut i = 0;
+        while i + sep.len() <= text.len() {
+            if &text[i..i + sep.len()] == sep {
+                docs.push((start, i));
+                i += sep.len();
+                start = i;
+            } else {
+                i += 1;
+            }
+        }
+    }
+    docs.push((start, text.len()));
+    let mut out = Vec::new();
+    for (d, (s, e)) in docs.into_iter().enumerate() {
+        let mut a = s;
+        while e - a > PIECE_BYTES {
+            let mut cut = a + PIECE_BYTES;
+            while cut < e && !tok.safe_cut(text, cut) {
+                cut += 1;
+            }
+            if cut >= e {
+                break;
+            }
+            out.push((d as u64, a, cut));
+            a = cut;
+        }
+        out.push((d as u64, a, e));
+    }
+    out
+}
+
+/// Tokenize the UTF-8 file `input` into `out` in `format`: each separator-delimited document
+/// is encoded and followed by the end-of-text token (when there is a separator), documents end
+/// Megatron sequences. Threaded over pieces in order; `progress` shows bytes done.
+pub fn build(
+    input: &Path,
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    separator: Option<&str>,
+    out: &Path,
+    progress: bool,
+) -> Result<BuildReport> {
+    let vocab = tok.vocab_size();
+    headroom_mmap_data::tools::check_vocab_fits(vocab as u64, format.token_type())?;
+    let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
+    if file
+        .metadata()
+        .map_err(|e| err(input, e.to_string()))?
+        .len()
+        == 0
+    {
+        return Err(err(input, "empty file"));
+    }
+    // SAFETY: a read-only map that nothing here writes through; the file must not be changed
+    // while it is tokenized (as for any memory-mapped reader, headroom-mmap-data's included).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(input, e.to_string()))?;
+    let text: &[u8] = &map;
+    if let Err(e) = std::str::from_utf8(text) {
+        return Err(err(
+            input,
+            format!(
+                "not UTF-8 text (byte {}): tokenize text files",
+                e.valid_up_to()
+            ),
+        ));
+    }
+    let eot = match separator {
+        Some(_) => Some(tok.end_of_text().ok_or_else(|| {
+            err(
+                tok.source(),
+                "no end-of-text token to mark the document separator with",
+            )
+        })?),
+        None => None,
+    };
+    let pieces = pieces(tok, text, separator.map(str::as_bytes));
+    let bar = if progress {
+        let b = indicatif::ProgressBar::new(text.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut writer = TokenWriter::create(out, format)?;
+    let mut documents = 0u64;
+    // Batches of pieces encoded in parallel, written in order: memory stays bounded by a
+    // batch's tokens, not the file's.
+    let batch = rayon::current_num_threads().max(1) * 4;
+    for (bi, group) in pieces.chunks(batch).enumerate() {
+        let encoded: Vec<Vec<u32>> = group
+            .par_iter()
+            .map(|&(_, s, e)| {
+                // Cuts fall on separators and ASCII bytes, so each piece is valid UTF-8.
+                let piece = std::str::from_utf8(&text[s..e])
+                    .map_err(|e| err(input, format!("piece is not UTF-8: {e}")))?;
+                tok.encode(piece)
+            })
+            .collect::<Result<_>>()?;
+        for (k, ids) in encoded.iter().enumerate() {
+            writer.write(ids)?;
+            let i = bi * batch + k;
+            let (doc, _, end) = group[k];
+            let last_of_doc = pieces.get(i + 1).is_none_or(|p| p.0 != doc);
+            if last_of_doc {
+                documents += 1;
+                // Every document but the file's tail before no separator ends with EOT.
+                if let Some(eot) = eot.filter(|_| i + 1 < pieces.len()) {
+                    writer.write(&[eot])?;
+                }
+                writer.end_document()?;
+            }
+            bar.set_position(end as u64);
+        }
+    }
+    bar.finish_and_clear();
+    let written = writer.finish()?;
+    Ok(BuildReport {
+        tokens: written.tokens,
+        documents,
+        text_bytes: text.len() as u64,
+        format,
+        vocab,
+    })
+}
