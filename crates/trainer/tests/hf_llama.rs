@@ -1,8 +1,9 @@
-//! The Llama forward against transformers' `LlamaForCausalLM` on the same weights: committed
-//! fixtures written by `benches/torch/make_llama_fixture.py` (a model with grouped-query
-//! attention and an untied head, one with multi-head attention and a tied head), loaded from
-//! their `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and
-//! the mean cross-entropy within 1e-5, in f32.
+//! The forward of both families against transformers' own on the same weights: committed
+//! fixtures written by `benches/torch/make_llama_fixture.py` — `LlamaForCausalLM` with
+//! grouped-query attention and an untied head (in f32 and in bf16), with multi-head attention
+//! and a tied head, and a `GPT2LMHeadModel` saved in four shards — loaded from their
+//! `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and the
+//! mean cross-entropy within 1e-5, in f32.
 
 use std::path::PathBuf;
 
@@ -36,9 +37,7 @@ fn ids(st: &SafeTensors<'_>, name: &str) -> Vec<u32> {
 }
 
 fn matches_transformers(name: &str, kv_heads: usize, tied: bool) {
-    let dir = fixture(name);
-    let cpu = Cpu::new();
-    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+    let cfg = matches_reference(name);
     match cfg.family {
         Family::Llama(s) => {
             assert_eq!((s.kv_heads, s.tied_head, s.ffn), (kv_heads, tied, 72));
@@ -46,6 +45,13 @@ fn matches_transformers(name: &str, kv_heads: usize, tied: bool) {
         }
         Family::Gpt2 => panic!("{name} read as GPT-2"),
     }
+}
+
+/// Load fixture `name`, compare logits and loss with transformers', return its shape.
+fn matches_reference(name: &str) -> headroom_trainer::model::ModelConfig {
+    let dir = fixture(name);
+    let cpu = Cpu::new();
+    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
     let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -71,6 +77,7 @@ fn matches_transformers(name: &str, kv_heads: usize, tied: bool) {
         (loss - want_loss).abs() <= 1e-5 * want_loss.abs().max(1.0),
         "{name}: loss {loss} vs transformers' {want_loss}"
     );
+    cfg
 }
 
 #[test]
@@ -81,6 +88,21 @@ fn llama_gqa_untied_matches_transformers() {
 #[test]
 fn llama_mha_tied_matches_transformers() {
     matches_transformers("hf-llama-mha-tied", 4, true);
+}
+
+#[test]
+fn llama_saved_in_bf16_matches_transformers() {
+    matches_transformers("hf-llama-gqa-untied-bf16", 2, false);
+}
+
+#[test]
+fn gpt2_in_four_shards_matches_transformers() {
+    let cfg = matches_reference("hf-gpt2-sharded");
+    assert_eq!(cfg.family, Family::Gpt2);
+    assert_eq!(
+        (cfg.layers, cfg.heads, cfg.channels, cfg.vocab),
+        (2, 4, 32, 97)
+    );
 }
 
 /// What headroom saves is what it loads: a run initialised from the fixture with an update
