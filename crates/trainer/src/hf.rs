@@ -237,7 +237,8 @@ fn get_f64(cfg: &Value, path: &Path, key: &str) -> Result<Option<f64>> {
 /// The model shape a Hugging Face `config.json` describes (GPT-2 or Llama), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
-    let bytes = std::fs::read(&path).map_err(|e| bad(&path, e.to_string()))?;
+    let bytes =
+        std::fs::read(&path).map_err(|e| bad(&path, format!("cannot read config.json: {e}")))?;
     let cfg: Value =
         serde_json::from_slice(&bytes).map_err(|e| bad(&path, format!("not JSON: {e}")))?;
     let arch = cfg

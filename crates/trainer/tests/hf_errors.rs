@@ -54,10 +54,11 @@ fn variant(
 
 fn refused(dir: &Path, needle: &str) {
     match hf::load(dir, &Cpu::new()) {
-        Err(TrainError::Pretrained { reason, .. }) => {
+        Err(e @ TrainError::Pretrained { .. }) => {
+            let message = e.to_string();
             assert!(
-                reason.contains(needle),
-                "{reason:?} does not mention {needle:?}"
+                message.contains(needle),
+                "{message:?} does not mention {needle:?}"
             )
         }
         Err(other) => panic!("{needle}: untyped error {other}"),
@@ -149,6 +150,60 @@ fn malformed_directories_are_typed_errors() {
         &variant(&s, "act", |_| {}, |c| c["hidden_act"] = "gelu".into()),
         "activation",
     );
+}
+
+#[test]
+fn incomplete_directories_are_typed_errors() {
+    let s = tempfile::tempdir().unwrap();
+    // No config.json.
+    let dir = variant(&s, "no-config", |_| {}, |_| {});
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    refused(&dir, "config.json");
+    // No architectures and an unknown model_type.
+    let dir = variant(
+        &s,
+        "model-type",
+        |_| {},
+        |c| {
+            c.as_object_mut().unwrap().remove("architectures");
+            c["model_type"] = "mistral".into();
+        },
+    );
+    refused(&dir, "architecture");
+    // No weights at all.
+    let dir = variant(&s, "no-weights", |_| {}, |_| {});
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    refused(&dir, "neither model.safetensors nor");
+    // A shard the index names is missing; a tensor the index names is not in its shard.
+    let dir = s.path().join("shards");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture().join("config.json"), dir.join("config.json")).unwrap();
+    let all = tensors();
+    let mut map = serde_json::Map::new();
+    for name in all.keys() {
+        map.insert(name.clone(), "model-00001-of-00002.safetensors".into());
+    }
+    map.insert(
+        "model.norm.weight".into(),
+        "model-00002-of-00002.safetensors".into(),
+    );
+    let mut first = all.clone();
+    first.remove("model.norm.weight");
+    write(&dir.join("model-00001-of-00002.safetensors"), &first);
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_vec(&index).unwrap(),
+    )
+    .unwrap();
+    refused(&dir, "model-00002-of-00002.safetensors");
+    let mut only_norm = BTreeMap::new();
+    only_norm.insert(
+        "model.layers.0.mlp.up_proj.weight".to_string(),
+        all["model.layers.0.mlp.up_proj.weight"].clone(),
+    );
+    write(&dir.join("model-00002-of-00002.safetensors"), &only_norm);
+    refused(&dir, "in the index but not the shard");
 }
 
 #[test]
