@@ -32,6 +32,20 @@ extern "C" __global__ void embedding_forward_f32(float* __restrict__ out,
     }
 }
 
+// Token embedding alone (Llama's, which has no learned positions): out[row, :] =
+// wte[tokens[row], :], a copy (so bitwise the CPU's); its backward is
+// embedding_backward_wte_f32 alone. Launch: grid-stride, any grid.
+extern "C" __global__ void embedding_forward_tokens_f32(float* __restrict__ out,
+                                                        const hr_u32* __restrict__ tokens,
+                                                        const float* __restrict__ wte,
+                                                        hr_u64 rows, hr_u32 c, hr_u32 vocab) {
+    hr_u64 n = rows * (hr_u64)c;
+    HR_GRID_STRIDE(i, n) {
+        hr_u32 tok = tokens[i / c];
+        out[i] = (tok < vocab) ? wte[(hr_u64)tok * c + i % c] : __uint_as_float(0x7fc00000u);
+    }
+}
+
 // Launch: grid (ceil(vocab / vocab_per_block), ceil(c / HR_BLOCK_THREADS)),
 // block HR_BLOCK_THREADS.
 extern "C" __global__ void embedding_backward_wte_f32(float* __restrict__ dwte,

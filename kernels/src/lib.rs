@@ -160,7 +160,8 @@ macro_rules! trainer_op_source {
 pub const BLOCK_REDUCE_PRELUDE: &str = include_str!("../cu/block_reduce.cuh");
 
 /// Token + position embeddings: `embedding_forward_f32(out, tokens, wte, wpe, rows, t, c,
-/// vocab)` (grid-stride), `embedding_backward_wte_f32(dwte, dout, tokens, rows, c, vocab,
+/// vocab)` (grid-stride), the token embedding alone `embedding_forward_tokens_f32(out, tokens,
+/// wte, rows, c, vocab)` (grid-stride), `embedding_backward_wte_f32(dwte, dout, tokens, rows, c, vocab,
 /// vocab_per_block)` on a grid of (vocabulary blocks, channel blocks) and
 /// `embedding_backward_wpe_f32(dwpe, dout, rows, t, c)` (grid-stride). The backward is
 /// deterministic without atomics (each gradient element has one owning thread).
@@ -169,6 +170,7 @@ pub const EMBEDDING: KernelSource = trainer_op_source!(
     "../cu/embedding.cu",
     [
         "embedding_forward_f32",
+        "embedding_forward_tokens_f32",
         "embedding_backward_wte_f32",
         "embedding_backward_wpe_f32",
     ]
@@ -238,6 +240,40 @@ pub const STOCHASTIC_ROUND: KernelSource = trainer_op_source!(
     ["stochastic_round_f32_bf16"]
 );
 
+/// RMSNorm, one block per row, f64 row sums: `rmsnorm_forward_f32(out, rstd, inp, weight,
+/// rows, c, eps)`, `rmsnorm_backward_input_f32(dinp, dout, inp, weight, rstd, rows, c)` and
+/// `rmsnorm_backward_weight_partials_f32(partials, dout, inp, rstd, rows, c, rows_per_chunk)`
+/// (finished by `column_sum_finish_f32`).
+pub const RMSNORM: KernelSource = trainer_op_source!(
+    "rmsnorm",
+    "../cu/rmsnorm.cu",
+    [
+        "rmsnorm_forward_f32",
+        "rmsnorm_backward_input_f32",
+        "rmsnorm_backward_weight_partials_f32",
+    ]
+);
+
+/// SwiGLU's gate, grid-stride: `swiglu_forward_f32(out, gate, up, n)` and
+/// `swiglu_backward_f32(dgate, dup, gate, up, dout, n)` (accumulates).
+pub const SWIGLU: KernelSource = trainer_op_source!(
+    "swiglu",
+    "../cu/swiglu.cu",
+    ["swiglu_forward_f32", "swiglu_backward_f32"]
+);
+
+/// Rotary position embedding in place (rotate-half layout, host-computed tables),
+/// grid-stride: `rope_f32(x, cos, sin, rows, t, half, inverse)`.
+pub const ROPE: KernelSource = trainer_op_source!("rope", "../cu/rope.cu", ["rope_f32"]);
+
+/// f32 rounded in place to bf16 or f16 and back, grid-stride: `round_bf16_f32(x, n)`,
+/// `round_f16_f32(x, n)`.
+pub const ROUND: KernelSource = trainer_op_source!(
+    "round",
+    "../cu/round.cu",
+    ["round_bf16_f32", "round_f16_f32"]
+);
+
 /// Attention heads between a linear layer's `[B, T, parts·NH·hs]` rows and flash attention's
 /// `[B, NH, T, hs]`, either way: `permute_heads_b<unit>(dst, src, batch, seq, heads,
 /// head_units, parts, part, merge)` moves opaque units of 1, 2, 4, 8 or 16 bytes (the host picks
@@ -274,6 +310,10 @@ pub const TRAINER_OPS: &[KernelSource] = &[
     ADAMW,
     STOCHASTIC_ROUND,
     PERMUTE_HEADS,
+    RMSNORM,
+    SWIGLU,
+    ROPE,
+    ROUND,
 ];
 
 /// Threads per block of every flash attention kernel but `flash_attn_bwd_dot_*` (which uses
@@ -395,9 +435,31 @@ pub const FLASH_ATTN_BWD: KernelSource = attention_source!(
 /// (`mma.sync` on 16-bit inputs, `ldmatrix`, `cp.async`).
 pub const ATTENTION: &[KernelSource] = &[FLASH_ATTN_FWD, FLASH_ATTN_BWD];
 
-/// Every registered module: [`ALL`], then [`ATTENTION`], then [`TRAINER_OPS`].
+/// headroom-quant's blockwise 4-bit weights (bitsandbytes' layout): the double-quantized
+/// absmax `quant4_absmax_dq_f32(qabsmax, code2, absmax2, offset, blocks, absmax)`, a weight tile
+/// in f32 `quant4_dequant_tile_f32(codes, absmax, table, row0, rows, cols, col0, width,
+/// blocksize, out)` and `quant4_scatter_cols_f32(src, n, width, dst, ld, col0)`; grid-stride,
+/// [`BLOCK_THREADS`] threads.
+pub const QUANT4: KernelSource = kernel_source!(
+    "quant4",
+    "../cu/quant4.cu",
+    [
+        "quant4_absmax_dq_f32",
+        "quant4_dequant_tile_f32",
+        "quant4_scatter_cols_f32",
+    ]
+);
+
+/// The quantization modules (used by headroom-quant's `cuda` feature), listed apart so adding
+/// one never touches the other lists' tests. [`find`] searches every list.
+pub const QUANT: &[KernelSource] = &[QUANT4];
+
+/// Every registered module: [`ALL`], then [`ATTENTION`], then [`TRAINER_OPS`], then [`QUANT`].
 pub fn modules() -> impl Iterator<Item = &'static KernelSource> {
-    ALL.iter().chain(ATTENTION.iter()).chain(TRAINER_OPS.iter())
+    ALL.iter()
+        .chain(ATTENTION.iter())
+        .chain(TRAINER_OPS.iter())
+        .chain(QUANT.iter())
 }
 
 /// The module that defines the entry point `function`, if any, in any list.
@@ -463,8 +525,10 @@ mod tests {
         // 6 casts + 3 scales + 3 axpys + 4 sum-of-squares + 3 unscales, then 4 flash forwards
         // and 2 dot + 8 dQ/dK/dV flash backwards, then the trainer ops: 3 embedding,
         // 3 layer norm, 2 column sum, 3 GELU/residual, 2 cross-entropy, 4 AdamW, 1 rounding,
-        // 5 head permutes.
-        assert_eq!(functions.len(), 19 + 4 + 10 + 23);
+        // 5 head permutes, then the Llama ops: 1 token embedding, 3 RMSNorm, 2 SwiGLU,
+        // 1 rotary embedding, 2 in-place roundings.
+        // Then 3 quant4 kernels (headroom-quant).
+        assert_eq!(functions.len(), 19 + 4 + 10 + 23 + 9 + 3);
         assert_eq!(find("flash_attn_bwd_dkdv_bf16_d128"), Some(&FLASH_ATTN_BWD));
         assert!(ALL.iter().all(|k| !ATTENTION.contains(k)));
         assert!(TRAINER_OPS

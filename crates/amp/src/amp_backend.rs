@@ -61,6 +61,28 @@ impl AmpBackend for Cpu {
     }
 }
 
+/// The CUDA backend's stochastic rounding: headroom-cuda's kernel, bitwise the CPU's (the
+/// random stream is a function of the key and the index, not of the device).
+#[cfg(feature = "cuda")]
+impl AmpBackend for headroom_cuda::Cuda {
+    fn stochastic_round_bf16(
+        &self,
+        src: &headroom_cuda::CudaTensor,
+        dst: &mut headroom_cuda::CudaTensor,
+        key: RoundingKey,
+    ) -> Result<()> {
+        check_stochastic_round_args(src, dst)?;
+        let key = headroom_cuda::StochasticRoundingKey {
+            seed: key.seed,
+            step: key.step,
+            tensor: key.tensor,
+        };
+        Ok(headroom_cuda::Cuda::stochastic_round_bf16(
+            self, src, dst, key,
+        )?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -158,6 +158,27 @@ impl<B: Backend> MasterWeights<B> {
         })
     }
 
+    /// Working copies whose f32 masters live elsewhere (another device, the host beside an
+    /// offloaded optimizer): [`working`](Self::working) reads them, [`masters`](Self::masters)
+    /// is empty and [`refresh`](Self::refresh) does nothing — their owner rewrites them through
+    /// [`working_mut`](Self::working_mut). Every tensor must have `config`'s working dtype.
+    pub fn working_only(working: Vec<B::Tensor>, config: MasterWeightsConfig) -> Result<Self> {
+        config.validate()?;
+        let want = config.working_dtype.into();
+        if let Some(w) = working.iter().find(|w| w.dtype() != want) {
+            return Err(AmpError::DTypeMismatch {
+                what: "working copy",
+                expected: want,
+                got: w.dtype(),
+            });
+        }
+        Ok(MasterWeights {
+            config,
+            masters: Vec::new(),
+            working,
+        })
+    }
+
     /// Upload host f32 parameters as masters (in [`MemoryCategory::Parameters`]) and build
     /// their working copies.
     pub fn upload<'a, S: Into<Shape>>(
@@ -183,12 +204,12 @@ impl<B: Backend> MasterWeights<B> {
 
     /// Number of parameter tensors.
     pub fn len(&self) -> usize {
-        self.masters.len()
+        self.masters.len().max(self.working.len())
     }
 
     /// True without parameters.
     pub fn is_empty(&self) -> bool {
-        self.masters.is_empty()
+        self.len() == 0
     }
 
     /// The f32 masters, for the optimizer.
@@ -212,14 +233,35 @@ impl<B: Backend> MasterWeights<B> {
         };
         pool.get(index).ok_or(AmpError::NoSuchParameter {
             index,
-            len: self.masters.len(),
+            len: self.len(),
         })
+    }
+
+    /// The tensor forward reads for parameter `index`, mutably (for an owner that derives it
+    /// itself: see [`working_only`](Self::working_only)).
+    pub fn working_mut(&mut self, index: usize) -> Result<&mut B::Tensor> {
+        let len = self.len();
+        let pool = if self.working.is_empty() {
+            &mut self.masters
+        } else {
+            &mut self.working
+        };
+        pool.get_mut(index)
+            .ok_or(AmpError::NoSuchParameter { index, len })
     }
 
     /// Memory of masters and working copies, from the tensors' byte sizes.
     pub fn memory(&self) -> ParameterMemory {
         ParameterMemory {
-            params: self.masters.iter().map(|t| t.numel()).sum(),
+            // A working-only set counts its parameters from the working copies.
+            params: if self.masters.is_empty() {
+                &self.working
+            } else {
+                &self.masters
+            }
+            .iter()
+            .map(|t| t.numel())
+            .sum(),
             master_bytes: self.masters.iter().map(|t| t.size_in_bytes()).sum(),
             working_bytes: self.working.iter().map(|t| t.size_in_bytes()).sum(),
         }
@@ -464,5 +506,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn working_only_copies_are_read_and_written_without_masters() {
+        let cpu = Cpu::new();
+        let cfg = MasterWeightsConfig::preset(crate::AutocastPreset::Bf16);
+        let w = cpu.upload(&[bf16::from_f32(1.5)], [1]).unwrap();
+        let mut mw = MasterWeights::<Cpu>::working_only(vec![w], cfg).unwrap();
+        assert!(mw.masters().is_empty());
+        assert_eq!(
+            (mw.len(), mw.memory().params, mw.memory().master_bytes),
+            (1, 1, 0)
+        );
+        let up = cpu.upload(&[2.25f32], [1]).unwrap();
+        cpu.cast(&up, mw.working_mut(0).unwrap()).unwrap();
+        // Nothing to refresh from: the owner's write stays.
+        mw.refresh(&cpu, 1).unwrap();
+        assert_eq!(
+            mw.working(0).unwrap().as_slice::<bf16>().unwrap()[0].to_f32(),
+            2.25
+        );
+        assert!(matches!(
+            mw.working_mut(1),
+            Err(AmpError::NoSuchParameter { index: 1, len: 1 })
+        ));
+        // A working copy of another dtype than the configuration's is refused.
+        let f32_copy = cpu.upload(&[1.0f32], [1]).unwrap();
+        assert!(matches!(
+            MasterWeights::<Cpu>::working_only(vec![f32_copy], cfg),
+            Err(AmpError::DTypeMismatch { .. })
+        ));
     }
 }

@@ -73,6 +73,7 @@ static inline float __fsqrt_rn(float a) { return sqrtf(a); }
 static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
 "#;
 
 /// The script interpreter: `load ID PATH`, `launch NAME GX GY BX ARGS...` (`pID` a buffer,
@@ -758,6 +759,254 @@ fn emulated_stochastic_rounding_is_bitwise_equal_to_amp() {
         .map(|(i, &v)| ref_stochastic_round(v, ref_random_bits(key, i as u64)))
         .collect();
     assert_eq!(got, want);
+}
+
+// ------------------------------------------------------------------------------------------
+// Llama's ops: token embedding, RMSNorm, SwiGLU, rotary embedding, in-place rounding.
+
+#[test]
+fn emulated_token_embedding_is_bitwise_equal_to_the_cpu_op() {
+    let Some(emu) = emulator() else { return };
+    let (rows, c, vocab) = (13usize, 300usize, 1100usize);
+    let mut tokens: Vec<u32> = (0..rows).map(|i| ((i * i * 7 + 3) % 1031) as u32).collect();
+    tokens[..5].copy_from_slice(&[0, 1099, 512, 0, 511]);
+    let wte = values(vocab * c, 40, 1.0);
+    let dout = values(rows * c, 41, 1.0);
+    let dwte0 = values(vocab * c, 42, 0.1);
+    let mut run = Run::new("embedding_tokens");
+    let (out, tk, we, dwte, d) = (
+        run.buf(&vec![0f32; rows * c]),
+        run.buf(&tokens),
+        run.buf(&wte),
+        run.buf(&dwte0),
+        run.buf(&dout),
+    );
+    use Arg::{Buf, U};
+    run.launch(
+        "embedding_forward_tokens_f32",
+        (3, 1),
+        BLOCK,
+        &[
+            Buf(out),
+            Buf(tk),
+            Buf(we),
+            U(rows as u64),
+            U(c as u64),
+            U(vocab as u64),
+        ],
+    );
+    // The backward of the token embedding alone is the wte scatter alone.
+    run.launch(
+        "embedding_backward_wte_f32",
+        ((vocab as u32).div_ceil(512), (c as u32).div_ceil(BLOCK)),
+        BLOCK,
+        &[
+            Buf(dwte),
+            Buf(d),
+            Buf(tk),
+            U(rows as u64),
+            U(c as u64),
+            U(vocab as u64),
+            U(512),
+        ],
+    );
+    let got = run.finish(emu);
+    let want: Vec<f32> = tokens
+        .iter()
+        .flat_map(|&t| wte[t as usize * c..][..c].to_vec())
+        .collect();
+    assert_bitwise("forward", &f32s(&got[out]), &want);
+    // The trainer's token-only backward: rows in token order into dwte.
+    let mut want = dwte0.clone();
+    for (drow, &t) in dout.chunks_exact(c).zip(&tokens) {
+        for j in 0..c {
+            want[t as usize * c + j] += drow[j];
+        }
+    }
+    assert_bitwise("dwte", &f32s(&got[dwte]), &want);
+}
+
+#[test]
+fn emulated_rmsnorm_matches_the_cpu_op() {
+    let Some(emu) = emulator() else { return };
+    let (rows, c, eps) = (37usize, 300usize, 1e-6f32);
+    let inp: Vec<f32> = values(rows * c, 43, 2.0).iter().map(|v| v + 0.25).collect();
+    let w: Vec<f32> = values(c, 44, 0.5).iter().map(|v| 1.0 + v).collect();
+    let dout = values(rows * c, 45, 1.0);
+    let (di0, dw0) = (values(rows * c, 46, 0.1), values(c, 47, 0.1));
+    let (per, chunks) = (16u64, 3u32);
+    let mut run = Run::new("rmsnorm");
+    let (out, rstd) = (run.buf(&vec![0f32; rows * c]), run.buf(&vec![0f32; rows]));
+    let (x, wb, d) = (run.buf(&inp), run.buf(&w), run.buf(&dout));
+    let (di, dw) = (run.buf(&di0), run.buf(&dw0));
+    let pw = run.buf(&vec![0f32; chunks as usize * c]);
+    let (r64, c64) = (rows as u64, c as u64);
+    use Arg::{Buf, F, U};
+    // Fewer blocks than rows: the row loop strides.
+    run.launch(
+        "rmsnorm_forward_f32",
+        (16, 1),
+        BLOCK,
+        &[Buf(out), Buf(rstd), Buf(x), Buf(wb), U(r64), U(c64), F(eps)],
+    );
+    run.launch(
+        "rmsnorm_backward_input_f32",
+        (16, 1),
+        BLOCK,
+        &[Buf(di), Buf(d), Buf(x), Buf(wb), Buf(rstd), U(r64), U(c64)],
+    );
+    run.launch(
+        "rmsnorm_backward_weight_partials_f32",
+        (chunks, (c as u32).div_ceil(BLOCK)),
+        BLOCK,
+        &[Buf(pw), Buf(d), Buf(x), Buf(rstd), U(r64), U(c64), U(per)],
+    );
+    run.launch(
+        "column_sum_finish_f32",
+        (1, 1),
+        BLOCK,
+        &[Buf(dw), Buf(pw), U(chunks as u64), U(c64)],
+    );
+    let got = run.finish(emu);
+    let (want_out, want_rstd) = ref_rmsnorm(&inp, &w, eps, c);
+    let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let r = f32s(&got[rstd]);
+    // The f64 sums differ from the CPU's only in order: one f32 ulp at most.
+    assert_close("rstd", &r, &widen(&want_rstd), 2e-7, 0.0);
+    assert_close("out", &f32s(&got[out]), &widen(&want_out), 4e-7, 1e-7);
+    let (mut want_di, mut want_dw) = (di0.clone(), dw0.clone());
+    ref_rmsnorm_backward(&mut want_di, &mut want_dw, &dout, &inp, &w, &r, c);
+    assert_close("dinp", &f32s(&got[di]), &widen(&want_di), 1e-5, 1e-6);
+    // dweight sums rows in chunks, the CPU in sequence.
+    assert_close("dweight", &f32s(&got[dw]), &widen(&want_dw), 1e-5, 1e-4);
+}
+
+#[test]
+fn emulated_swiglu_matches_the_cpu_op() {
+    let Some(emu) = emulator() else { return };
+    let mut gate = values(5000, 48, 12.0);
+    gate.extend([
+        0.0,
+        -0.0,
+        88.0,
+        -88.0,
+        1e-40,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ]);
+    let n = gate.len();
+    let (up, dout) = (values(n, 49, 2.0), values(n, 50, 1.0));
+    let (dg0, du0) = (values(n, 51, 0.5), values(n, 52, 0.5));
+    let mut run = Run::new("swiglu");
+    let (g, u, d, out, dg, du) = (
+        run.buf(&gate),
+        run.buf(&up),
+        run.buf(&dout),
+        run.buf(&vec![0f32; n]),
+        run.buf(&dg0),
+        run.buf(&du0),
+    );
+    use Arg::{Buf, U};
+    run.launch(
+        "swiglu_forward_f32",
+        (3, 1),
+        BLOCK,
+        &[Buf(out), Buf(g), Buf(u), U(n as u64)],
+    );
+    run.launch(
+        "swiglu_backward_f32",
+        (5, 1),
+        BLOCK,
+        &[Buf(dg), Buf(du), Buf(g), Buf(u), Buf(d), U(n as u64)],
+    );
+    let got = run.finish(emu);
+    let fwd: Vec<f64> = (0..n).map(|i| ref_swiglu(gate[i], up[i]) as f64).collect();
+    let bwd: Vec<(f32, f32)> = (0..n)
+        .map(|i| ref_swiglu_backward(dg0[i], du0[i], gate[i], up[i], dout[i]))
+        .collect();
+    // e^x is the fast_math port in the kernel and libm's in the CPU op: a few ulp, not bits.
+    let (out, dg, du) = (f32s(&got[out]), f32s(&got[dg]), f32s(&got[du]));
+    let finite = |v: &[f32], w: &[f64]| -> (Vec<f32>, Vec<f64>) {
+        v.iter()
+            .zip(w)
+            .filter(|(_, w)| w.is_finite())
+            .map(|(&v, &w)| (v, w))
+            .unzip()
+    };
+    let (o, w) = finite(&out, &fwd);
+    assert!(o.len() + 2 >= n, "only the infinite gates are left out");
+    assert_close("swiglu forward", &o, &w, 1e-6, 1e-30);
+    let (o, w) = finite(&dg, &bwd.iter().map(|b| b.0 as f64).collect::<Vec<_>>());
+    assert_close("swiglu dgate", &o, &w, 1e-6, 1e-6);
+    let (o, w) = finite(&du, &bwd.iter().map(|b| b.1 as f64).collect::<Vec<_>>());
+    assert_close("swiglu dup", &o, &w, 1e-6, 1e-6);
+}
+
+#[test]
+fn emulated_rope_is_bitwise_equal_to_the_cpu_op_both_ways() {
+    let Some(emu) = emulator() else { return };
+    // B·H = 6 heads of 7 positions, head dimension 64 (half 32): tables from the CPU's code.
+    let (heads, t, hs, theta) = (6usize, 7usize, 64usize, 10_000.0f32);
+    let x0 = values(heads * t * hs, 53, 3.0);
+    let (cos, sin) = ref_rope_tables(t, hs, theta);
+    let mut run = Run::new("rope");
+    let (fwd, inv, cb, sb) = (run.buf(&x0), run.buf(&x0), run.buf(&cos), run.buf(&sin));
+    use Arg::{Buf, U};
+    let rows = (heads * t) as u64;
+    for (b, inverse) in [(fwd, 0u64), (inv, 1)] {
+        run.launch(
+            "rope_f32",
+            (2, 1),
+            BLOCK,
+            &[
+                Buf(b),
+                Buf(cb),
+                Buf(sb),
+                U(rows),
+                U(t as u64),
+                U(hs as u64 / 2),
+                U(inverse),
+            ],
+        );
+    }
+    let got = run.finish(emu);
+    for (b, inverse) in [(fwd, false), (inv, true)] {
+        let mut want = x0.clone();
+        ref_rope_apply(&mut want, t, hs, &cos, &sin, inverse);
+        assert_bitwise(&format!("rope inverse={inverse}"), &f32s(&got[b]), &want);
+    }
+}
+
+#[test]
+fn emulated_in_place_rounding_is_bitwise_the_conversion() {
+    let Some(emu) = emulator() else { return };
+    let mut x = golden_inputs();
+    x.extend(values(3001, 54, 1e4));
+    x.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::MAX,
+        -f32::MAX,
+        1e-40,
+        65520.0,
+        -65519.0,
+    ]);
+    let n = x.len() as u64;
+    let mut run = Run::new("round");
+    let (b, h) = (run.buf(&x), run.buf(&x));
+    run.launch("round_bf16_f32", (3, 1), BLOCK, &[Arg::Buf(b), Arg::U(n)]);
+    run.launch("round_f16_f32", (2, 1), BLOCK, &[Arg::Buf(h), Arg::U(n)]);
+    let got = run.finish(emu);
+    assert_bitwise(
+        "bf16",
+        &f32s(&got[b]),
+        &round_to(headroom_tensor::DType::BF16, &x),
+    );
+    assert_bitwise(
+        "f16",
+        &f32s(&got[h]),
+        &round_to(headroom_tensor::DType::F16, &x),
+    );
 }
 
 // ------------------------------------------------------------------------------------------

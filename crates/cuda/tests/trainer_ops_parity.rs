@@ -901,3 +901,169 @@ fn cuda_head_permutes_refuse_bad_arguments_before_touching_anything() {
     assert_eq!(cuda.download::<u16>(&heads).unwrap(), vec![7u16; 48]);
     assert_eq!(cuda.download::<u16>(&wide_out).unwrap(), vec![9u16; 144]);
 }
+
+// ------------------------------------------------------------------------------------------
+// Llama's ops (token embedding, RMSNorm, SwiGLU, rotary embedding), the in-place rounding, the
+// bias-gradient column sum and element-range copies.
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn llama_ops_match_the_cpu_references() {
+    use headroom_tensor::Tensor;
+    let cuda = cuda();
+    let twice = |f: &dyn Fn() -> Vec<f32>| {
+        let (a, b) = (f(), f());
+        assert_eq!(bits(&a), bits(&b), "not deterministic");
+        a
+    };
+    let widen = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+
+    // Token embedding and its scatter: bitwise.
+    let (rows, c, vocab) = (13usize, 300usize, 1100usize);
+    let tokens: Vec<u32> = (0..rows)
+        .map(|i| ((i * i * 7 + 3) % vocab) as u32)
+        .collect();
+    let (wte, dout) = (values(vocab * c, 60, 1.0), values(rows * c, 61, 1.0));
+    let dwte0 = values(vocab * c, 62, 0.1);
+    let tk = up(&cuda, &tokens);
+    let got = twice(&|| {
+        let mut out = cuda.zeros([rows, c], DType::F32).unwrap();
+        cuda.embedding_forward_tokens(&mut out, &tk, &up(&cuda, &wte), c)
+            .unwrap();
+        down(&cuda, &out)
+    });
+    let want: Vec<f32> = tokens
+        .iter()
+        .flat_map(|&t| wte[t as usize * c..][..c].to_vec())
+        .collect();
+    assert_bitwise("token embedding", &got, &want);
+    let got = twice(&|| {
+        let mut d = up(&cuda, &dwte0);
+        cuda.embedding_backward_tokens(&mut d, &up(&cuda, &dout), &tk, c)
+            .unwrap();
+        down(&cuda, &d)
+    });
+    let mut want = dwte0.clone();
+    for (d, &t) in dout.chunks_exact(c).zip(&tokens) {
+        for j in 0..c {
+            want[t as usize * c + j] += d[j];
+        }
+    }
+    assert_bitwise("token embedding backward", &got, &want);
+
+    // RMSNorm: f64 sums in another order, one ulp.
+    let (rows, c, eps) = (37usize, 768usize, 1e-6f32);
+    let x: Vec<f32> = values(rows * c, 63, 2.0).iter().map(|v| v + 0.25).collect();
+    let w: Vec<f32> = values(c, 64, 0.5).iter().map(|v| 1.0 + v).collect();
+    let (mut out, mut rstd) = (
+        cuda.zeros([rows, c], DType::F32).unwrap(),
+        cuda.zeros([rows], DType::F32).unwrap(),
+    );
+    let (xd, wd) = (up(&cuda, &x), up(&cuda, &w));
+    cuda.rmsnorm_forward(&mut out, &mut rstd, &xd, &wd, c, eps)
+        .unwrap();
+    let (want_out, want_rstd) = ref_rmsnorm(&x, &w, eps, c);
+    let r = down(&cuda, &rstd);
+    assert_close("rmsnorm rstd", &r, &widen(&want_rstd), 2e-7, 0.0);
+    assert_close(
+        "rmsnorm out",
+        &down(&cuda, &out),
+        &widen(&want_out),
+        4e-7,
+        1e-7,
+    );
+    let dout = values(rows * c, 65, 1.0);
+    let (di0, dw0) = (values(rows * c, 66, 0.1), values(c, 67, 0.1));
+    let (mut di, mut dw) = (up(&cuda, &di0), up(&cuda, &dw0));
+    cuda.rmsnorm_backward(&mut di, &mut dw, &up(&cuda, &dout), &xd, &wd, &rstd, c)
+        .unwrap();
+    let (mut want_di, mut want_dw) = (di0, dw0);
+    ref_rmsnorm_backward(&mut want_di, &mut want_dw, &dout, &x, &w, &r, c);
+    assert_close(
+        "rmsnorm dinp",
+        &down(&cuda, &di),
+        &widen(&want_di),
+        1e-5,
+        1e-6,
+    );
+    assert_close(
+        "rmsnorm dweight",
+        &down(&cuda, &dw),
+        &widen(&want_dw),
+        1e-5,
+        1e-4,
+    );
+
+    // SwiGLU: another exp, a few ulp.
+    let n = 10_007;
+    let (gate, upv, d) = (values(n, 68, 12.0), values(n, 69, 2.0), values(n, 70, 1.0));
+    let (gd, ud, dd) = (up(&cuda, &gate), up(&cuda, &upv), up(&cuda, &d));
+    let mut y = cuda.zeros([n], DType::F32).unwrap();
+    cuda.swiglu_forward(&mut y, &gd, &ud).unwrap();
+    let want: Vec<f64> = (0..n).map(|i| ref_swiglu(gate[i], upv[i]) as f64).collect();
+    assert_close("swiglu", &down(&cuda, &y), &want, 1e-6, 1e-30);
+    let (mut dg, mut du) = (
+        cuda.zeros([n], DType::F32).unwrap(),
+        cuda.zeros([n], DType::F32).unwrap(),
+    );
+    cuda.swiglu_backward(&mut dg, &mut du, &gd, &ud, &dd)
+        .unwrap();
+    let want: Vec<(f32, f32)> = (0..n)
+        .map(|i| ref_swiglu_backward(0.0, 0.0, gate[i], upv[i], d[i]))
+        .collect();
+    let dgw: Vec<f64> = want.iter().map(|w| w.0 as f64).collect();
+    let duw: Vec<f64> = want.iter().map(|w| w.1 as f64).collect();
+    assert_close("swiglu dgate", &down(&cuda, &dg), &dgw, 1e-6, 1e-6);
+    assert_close("swiglu dup", &down(&cuda, &du), &duw, 1e-6, 1e-6);
+
+    // Rotary embedding on the CPU's tables: bitwise, both directions.
+    let (heads, t, hs) = (6usize, 33usize, 128usize);
+    let x0 = values(heads * t * hs, 71, 3.0);
+    let (cos, sin) = ref_rope_tables(t, hs, 500_000.0);
+    let (cd, sd) = (
+        cuda.upload(&cos, [t, hs / 2]).unwrap(),
+        cuda.upload(&sin, [t, hs / 2]).unwrap(),
+    );
+    for inverse in [false, true] {
+        let mut xd = cuda.upload(&x0, [1, heads, t, hs]).unwrap();
+        cuda.rope(&mut xd, &cd, &sd, t, hs, inverse).unwrap();
+        let mut want = x0.clone();
+        ref_rope_apply(&mut want, t, hs, &cos, &sin, inverse);
+        assert_bitwise("rope", &down(&cuda, &xd), &want);
+    }
+
+    // In-place rounding: bitwise the conversions.
+    let mut xs = golden_inputs();
+    xs.extend(values(3001, 72, 1e4));
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let mut xd = up(&cuda, &xs);
+        cuda.round_in_place(&mut xd, dtype).unwrap();
+        assert_bitwise("round", &down(&cuda, &xd), &round_to(dtype, &xs));
+    }
+
+    // Bias-gradient column sums: to rounding, deterministic.
+    let (rows, cols) = (300usize, 77usize);
+    let xs = values(rows * cols, 73, 1.0);
+    let d0 = values(cols, 74, 0.1);
+    let got = twice(&|| {
+        let mut dst = up(&cuda, &d0);
+        cuda.column_sum(&mut dst, &cuda.upload(&xs, [rows, cols]).unwrap())
+            .unwrap();
+        down(&cuda, &dst)
+    });
+    let want: Vec<f64> = (0..cols)
+        .map(|j| d0[j] as f64 + (0..rows).map(|i| xs[i * cols + j] as f64).sum::<f64>())
+        .collect();
+    assert_close("column sum", &got, &want, 1e-5, 1e-4);
+
+    // Element ranges: exactly the range moves; a range past the end is refused.
+    let src = up(&cuda, &values(100, 75, 1.0));
+    let mut dst = cuda.zeros([50], DType::F32).unwrap();
+    cuda.copy_elements(&src, 30, &mut dst, 10, 20).unwrap();
+    let (s, d) = (down(&cuda, &src), down(&cuda, &dst));
+    assert_eq!(&d[10..30], &s[30..50]);
+    assert!(d[..10].iter().chain(&d[30..]).all(|&v| v == 0.0));
+    assert!(cuda.copy_elements(&src, 90, &mut dst, 0, 20).is_err());
+    assert!(cuda.copy_elements(&src, 0, &mut dst, 40, 20).is_err());
+    assert_eq!(dst.numel(), 50);
+}

@@ -56,7 +56,7 @@ pub(crate) enum Engine {
     /// micro-batch writes before they are added into the host accumulator.
     #[cfg(feature = "cuda")]
     Cuda {
-        model: crate::cuda::CudaGpt,
+        model: Model<headroom_cuda::Cuda>,
         masters: Vec<CpuTensor>,
         grads: Vec<headroom_cuda::CudaTensor>,
     },
@@ -86,7 +86,7 @@ impl Engine {
         match self {
             Engine::Cpu(g) => g.refresh_working(),
             #[cfg(feature = "cuda")]
-            Engine::Cuda { model, masters, .. } => Ok(model.upload_masters(masters)?),
+            Engine::Cuda { model, masters, .. } => crate::cuda::upload_working(model, masters),
         }
     }
 
@@ -107,10 +107,11 @@ impl Engine {
             }
             #[cfg(feature = "cuda")]
             Engine::Cuda { model, grads, .. } => {
-                model.zero_grads(grads)?;
+                let cuda = model.backend();
+                crate::cuda::zero_grads(cuda, grads)?;
                 let out =
                     model.forward_backward(tokens, targets, g, grads, dloss_per_token, schedule)?;
-                model.add_grads_into(grads, host_grads)?;
+                crate::cuda::add_grads_into(cuda, grads, host_grads)?;
                 Ok(out)
             }
         }
@@ -255,8 +256,7 @@ mod resident {
     use headroom_tensor::{Backend, Cpu, CpuTensor, MemoryCategory, Tensor};
 
     use super::{adamw_step_of, check_f32_state, join_f32_moments, split_f32_moments};
-    use crate::cuda::CudaGpt;
-    use crate::model::{params, Geometry, ModelConfig, ModelOptions};
+    use crate::model::{params, Geometry, Model, ModelConfig, ModelOptions};
     use crate::Result;
 
     /// The AdamW constants of one update (headroom-cuda's type; the formulas of
@@ -269,9 +269,8 @@ mod resident {
     /// placement). The gradients are the caller's device buffers (a
     /// `GradAccumulator<Cuda>`'s), which [`CudaResident::micro_batch`] adds into.
     pub(crate) struct CudaResident {
-        model: CudaGpt,
-        /// fp32 masters, `Parameters`, in parameter order.
-        masters: Vec<CudaTensor>,
+        /// The model over its fp32 device masters (`Parameters`, in parameter order).
+        model: Model<Cuda>,
         groups: Vec<AdamWHyper>,
         specs: Vec<ParamSpec>,
         /// Updates taken per parameter (as `CpuAdamW` keeps them).
@@ -309,7 +308,7 @@ mod resident {
                 check_f32_state(state, &specs, bytes.len())?;
             }
             // Checks the config and the masters' shapes before anything else is allocated.
-            let model = CudaGpt::new(cuda, cfg, opts, host_masters)?;
+            let model = crate::cuda::model_over_device_masters(cuda, cfg, opts, host_masters)?;
             let shapes: Vec<Vec<usize>> = params::param_infos(&cfg)
                 .into_iter()
                 .map(|i| i.shape)
@@ -322,13 +321,6 @@ mod resident {
                 ))
                 .into());
             }
-            let masters = {
-                let _g = MemoryCategory::Parameters.enter();
-                host_masters
-                    .iter()
-                    .map(|h| cuda.upload(h.as_slice::<f32>()?, h.shape().clone()))
-                    .collect::<headroom_tensor::Result<Vec<_>>>()?
-            };
             let _g = MemoryCategory::OptimizerState.enter();
             let (groups, steps, m, v) = match resume {
                 None => {
@@ -359,7 +351,6 @@ mod resident {
             };
             Ok(CudaResident {
                 model,
-                masters,
                 groups,
                 specs,
                 steps,
@@ -384,9 +375,8 @@ mod resident {
             dloss_per_token: f32,
             schedule: &Schedule,
         ) -> Result<(f32, ScheduleStats)> {
-            Ok(self
-                .model
-                .forward_backward(tokens, targets, g, grads, dloss_per_token, schedule)?)
+            self.model
+                .forward_backward(tokens, targets, g, grads, dloss_per_token, schedule)
         }
 
         /// Set group `g`'s learning rate (checked as `CpuAdamW::set_lr` checks it).
@@ -400,30 +390,25 @@ mod resident {
             Ok(())
         }
 
-        /// One AdamW step of every parameter from the (clipped) step gradients `grads`,
-        /// refreshing the model's working weights in the same sweep.
+        /// One AdamW step of every parameter from the (clipped) step gradients `grads`, then
+        /// the model's working weights from the updated masters.
         pub(crate) fn apply(&mut self, grads: &[CudaTensor]) -> Result<()> {
-            if grads.len() != self.masters.len() {
+            let count = self.model.masters().len();
+            if grads.len() != count {
                 return Err(OffloadError::UnknownParam {
                     index: grads.len(),
-                    count: self.masters.len(),
+                    count,
                 }
                 .into());
             }
-            for (i, (((master, grad), m), v)) in self
-                .masters
-                .iter_mut()
-                .zip(grads)
-                .zip(&mut self.m)
-                .zip(&mut self.v)
-                .enumerate()
-            {
+            for (i, ((grad, m), v)) in grads.iter().zip(&mut self.m).zip(&mut self.v).enumerate() {
                 let (h, t) = adamw_step_of(&self.groups, &self.specs, &self.steps, i)?;
-                self.model
-                    .adamw_step_parameter(i, &adamw_constants(&h, t), master, grad, m, v)?;
+                let step = adamw_constants(&h, t);
+                crate::cuda::adamw_step_parameter(&mut self.model, i, &step, grad, m, v)?;
                 self.steps[i] = t;
             }
-            Ok(())
+            // The working copies from the updated masters, as the host path refreshes them.
+            self.model.refresh_working()
         }
 
         /// What a checkpoint saves, in the host optimizer's format: the masters as host
@@ -435,8 +420,8 @@ mod resident {
         ) -> Result<(Vec<CpuTensor>, AdamWState, Vec<u8>)> {
             let cuda = self.model.backend();
             let _g = MemoryCategory::Workspace.enter();
-            let mut masters = Vec::with_capacity(self.masters.len());
-            for d in &self.masters {
+            let mut masters = Vec::with_capacity(self.model.masters().len());
+            for d in self.model.masters() {
                 let mut h = host.zeros(d.shape().clone(), headroom_tensor::DType::F32)?;
                 cuda.download_into(d, h.as_mut_slice::<f32>()?)?;
                 masters.push(h);

@@ -385,9 +385,10 @@ pub struct CudaParameterState {
 /// Predict [`CudaParameterState`] for `cfg` trained with `tech` on a CUDA device. The tracker
 /// of such a run shows these peaks exactly:
 ///
-/// - device `Parameters`: the working copies — bf16 for the weights GEMMs read (`wte` and each
-///   block's four matrices), f32 holding bf16 values for those f32 kernels read (everything
-///   but the block matrices; `wte` has both) — plus, resident, the fp32 masters;
+/// - device `Parameters`: the model's weights — resident, the fp32 masters plus one working
+///   copy of every parameter in the storage precision (none under fp32, which reads the
+///   masters); offloaded, the working copies alone (f32 under fp32). The ops read norm gains,
+///   biases and embeddings through transient f32 copies (`Workspace`), not kept ones;
 /// - `Gradients`: f32 for every parameter on the device (resident: the accumulator; offloaded:
 ///   the model's per-micro-batch buffers), and offloaded also the host accumulator's;
 /// - `OptimizerState`: the moments on the device (resident, f32 only) or the host (RAM
@@ -406,24 +407,15 @@ pub fn cuda_parameter_state(cfg: &ModelConfig, tech: &Techniques) -> Result<Cuda
     }
     let infos = params::param_infos(cfg);
     let p: u64 = infos.iter().map(|i| u(i.shape.iter().product())).sum();
-    // Block matrices are GEMM-only; wte is read by the embedding (f32) and the head (GEMM).
-    let block_matrix = |i: usize, info: &params::ParamInfo| {
-        info.shape.len() == 2 && i != params::WTE && i != params::WPE
-    };
-    let mut gemm = 0u64;
-    let mut views = 0u64;
-    for (i, info) in infos.iter().enumerate() {
-        let n = u(info.shape.iter().product());
-        if block_matrix(i, info) || i == params::WTE {
-            gemm += n;
-        }
-        if !block_matrix(i, info) {
-            views += n;
-        }
-    }
+    // `Model::from_masters` (resident) or `Model::from_working` (offloaded).
+    let storage = u(tech.model.precision.storage().size_in_bytes());
     let mut device = PerCategory::<u64>::default();
     let mut host = PerCategory::<u64>::default();
-    device[MemoryCategory::Parameters] = 2 * gemm + 4 * views + if resident { 4 * p } else { 0 };
+    device[MemoryCategory::Parameters] = match (resident, tech.model.precision.is_low()) {
+        (true, true) => 4 * p + storage * p,
+        (true, false) => 4 * p,
+        (false, _) => storage * p,
+    };
     host[MemoryCategory::Parameters] = 4 * p;
     device[MemoryCategory::Gradients] = 4 * p;
     let state = optimizer_state_bytes(&infos, tech.optimizer.state);
@@ -477,9 +469,11 @@ mod tests {
                 .sum::<u64>(),
             p
         );
-        let working = 2 * (wte + matrices) + 4 * (wte + wpe + vectors + lnf);
+        // One bf16 working copy of every parameter.
+        let working = 2 * p;
 
         let mut tech = Techniques::baseline();
+        tech.model.precision = crate::model::Precision::Bf16;
         let r = cuda_parameter_state(&cfg(), &tech).unwrap();
         assert_eq!(r.device[MemoryCategory::Parameters], working + 4 * p);
         assert_eq!(r.device[MemoryCategory::Gradients], 4 * p);
@@ -496,6 +490,14 @@ mod tests {
         assert_eq!(r.host[MemoryCategory::Parameters], 4 * p);
         assert_eq!(r.host[MemoryCategory::Gradients], 4 * p);
         assert_eq!(r.host[MemoryCategory::OptimizerState], 8 * p);
+
+        // fp32 offloaded: f32 working copies; fp32 resident: the masters are the weights.
+        tech.model.precision = crate::model::Precision::Fp32;
+        let r = cuda_parameter_state(&cfg(), &tech).unwrap();
+        assert_eq!(r.device[MemoryCategory::Parameters], 4 * p);
+        tech.optimizer.placement = OptimizerPlacement::Resident;
+        let r = cuda_parameter_state(&cfg(), &tech).unwrap();
+        assert_eq!(r.device[MemoryCategory::Parameters], 4 * p);
 
         tech.optimizer = OptimizerChoice {
             state: StatePrecision::Int8,

@@ -593,8 +593,8 @@ fn cuda_engine(
     let cuda = headroom_cuda::Cuda::new(ordinal)
         .map_err(|e| TrainError::from(crate::cuda::CudaGptError::Device(e)))?
         .with_alloc_hook(tracker.clone());
-    let model = crate::cuda::CudaGpt::new(&cuda, cfg, opts, &masters)?;
-    let grads = model.alloc_grads()?;
+    let model = crate::cuda::model_over_host_masters(&cuda, cfg, opts, &masters)?;
+    let grads = crate::cuda::alloc_grads(&cuda, &cfg)?;
     Ok(Engine::Cuda {
         model,
         masters,

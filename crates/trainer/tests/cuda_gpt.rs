@@ -1,4 +1,5 @@
-//! The CUDA GPT against the CPU reference. Everything that needs a GPU is
+//! The model on a CUDA device (`Model<Cuda>`, the CPU's code over the CUDA ops) against the
+//! CPU model, for both families. Everything that needs a GPU is
 //! `#[ignore = "needs a CUDA device"]` (run with `--include-ignored` on a GPU machine, e.g. from
 //! `cargo xtask device-bundle`); the no-device error is checked everywhere.
 //!
@@ -7,7 +8,7 @@
 //! bf16 before the backward GEMMs, and by flash attention's bf16 P/dS and bf16 gradients. So
 //! the loss is compared to 1e-2 relative and each gradient tensor by its relative L2 error
 //! `‖g_cuda − g_cpu‖ / ‖g_cpu‖ ≤ 5e-2` (bf16's unit roundoff is 3.9e-3; a handful of roundings
-//! compound through two blocks). Checkpoint schedules, by contrast, are compared bit for bit.
+//! compound through the blocks). Checkpoint schedules, by contrast, are compared bit for bit.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -16,8 +17,10 @@ use headroom_ckpt::Schedule;
 use headroom_cuda::Cuda;
 use headroom_profiler::MemoryTracker;
 use headroom_tensor::{Backend, Cpu, MemoryCategory, Tensor};
-use headroom_trainer::cuda::{CudaGpt, CudaGptError};
-use headroom_trainer::model::{params, Geometry, Model, ModelConfig, ModelOptions, Precision};
+use headroom_trainer::cuda::{self as device, CudaGptError};
+use headroom_trainer::model::{
+    params, Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
+};
 use headroom_trainer::TrainError;
 
 /// Two heads of 64 (the smallest head dimension the CUDA flash kernels have).
@@ -28,7 +31,26 @@ fn cfg() -> ModelConfig {
         layers: 3,
         heads: 2,
         channels: 128,
-        family: headroom_trainer::model::Family::Gpt2,
+        family: Family::Gpt2,
+    }
+}
+
+/// Llama with grouped-query attention: four query heads of 64 sharing two key/value heads,
+/// an untied head.
+fn llama() -> ModelConfig {
+    ModelConfig {
+        vocab: 96,
+        max_seq: 32,
+        layers: 2,
+        heads: 4,
+        channels: 256,
+        family: Family::Llama(LlamaShape {
+            kv_heads: 2,
+            ffn: 384,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            tied_head: false,
+        }),
     }
 }
 
@@ -51,6 +73,11 @@ fn batch(cfg: &ModelConfig) -> (Vec<u32>, Vec<u32>) {
 
 fn cuda() -> Cuda {
     Cuda::new(0).expect("this test needs a CUDA device")
+}
+
+/// The CUDA twin of a CPU model: same shape, options and (rounded) weights.
+fn on_device(cpu: &Model) -> Model<Cuda> {
+    device::model_over_host_masters(&cuda(), cpu.cfg, cpu.opts, cpu.masters()).unwrap()
 }
 
 /// CPU loss and gradients (f32 host vectors) of `gpt` for the standard batch.
@@ -76,9 +103,9 @@ fn cpu_step(gpt: &Model, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
 }
 
 /// CUDA loss and gradients for the standard batch.
-fn cuda_step(gpt: &CudaGpt, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
+fn cuda_step(gpt: &Model<Cuda>, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
     let (tokens, targets) = batch(&gpt.cfg);
-    let mut grads = gpt.alloc_grads().unwrap();
+    let mut grads = device::alloc_grads(gpt.backend(), &gpt.cfg).unwrap();
     let (loss, _) = gpt
         .forward_backward(
             &tokens,
@@ -89,7 +116,7 @@ fn cuda_step(gpt: &CudaGpt, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
             schedule,
         )
         .unwrap();
-    (loss, gpt.download_grads(&grads).unwrap())
+    (loss, device::download_grads(gpt.backend(), &grads).unwrap())
 }
 
 fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
@@ -102,10 +129,9 @@ fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
     (diff / norm.max(1e-30)).sqrt()
 }
 
-fn assert_matches_cpu(opts: ModelOptions) {
-    let cfg = cfg();
+fn assert_matches_cpu(cfg: ModelConfig, opts: ModelOptions) {
     let cpu_gpt = Model::new(&Cpu::new(), cfg, opts, 7).unwrap();
-    let cuda_gpt = CudaGpt::from_cpu(&cuda(), &cpu_gpt).unwrap();
+    let cuda_gpt = on_device(&cpu_gpt);
     let store_all = Schedule::store_all(cfg.layers).unwrap();
     let (cpu_loss, cpu_grads) = cpu_step(&cpu_gpt, &store_all);
     let (cuda_loss, cuda_grads) = cuda_step(&cuda_gpt, &store_all);
@@ -146,51 +172,55 @@ fn assert_matches_cpu(opts: ModelOptions) {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn loss_and_every_gradient_match_the_cpu_in_bf16() {
-    assert_matches_cpu(bf16());
+    assert_matches_cpu(cfg(), bf16());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn llama_with_grouped_query_attention_matches_the_cpu_in_bf16() {
+    assert_matches_cpu(llama(), bf16());
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn chunked_head_and_selective_recomputation_match_the_cpu() {
     // 48 rows in chunks of 10: the last chunk is short.
-    assert_matches_cpu(ModelOptions {
+    let opts = ModelOptions {
         loss_chunk: Some(10),
         selective: true,
         ..bf16()
-    });
+    };
+    assert_matches_cpu(cfg(), opts);
+    assert_matches_cpu(llama(), opts);
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn checkpoint_schedules_give_bitwise_the_store_all_gradients() {
-    let cfg = cfg();
-    let masters = params::init_params(&Cpu::new(), &cfg, 3).unwrap();
-    let gpt = CudaGpt::new(&cuda(), cfg, bf16(), &masters).unwrap();
-    let (loss, grads) = cuda_step(&gpt, &Schedule::store_all(cfg.layers).unwrap());
-    for schedule in [
-        Schedule::every_k(cfg.layers, 2).unwrap(),
-        Schedule::sqrt_n(cfg.layers).unwrap(),
-    ] {
-        let (l, gr) = cuda_step(&gpt, &schedule);
-        assert_eq!(l.to_bits(), loss.to_bits());
-        for (a, b) in gr.iter().zip(&grads) {
-            assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    for cfg in [cfg(), llama()] {
+        let masters = params::init_params(&Cpu::new(), &cfg, 3).unwrap();
+        let gpt = device::model_over_host_masters(&cuda(), cfg, bf16(), &masters).unwrap();
+        let (loss, grads) = cuda_step(&gpt, &Schedule::store_all(cfg.layers).unwrap());
+        for schedule in [
+            Schedule::every_k(cfg.layers, 2).unwrap(),
+            Schedule::sqrt_n(cfg.layers).unwrap(),
+        ] {
+            let (l, gr) = cuda_step(&gpt, &schedule);
+            assert_eq!(l.to_bits(), loss.to_bits());
+            for (a, b) in gr.iter().zip(&grads) {
+                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
         }
-    }
-    // The selective policy recomputes inside blocks, bit for bit too.
-    let selective = CudaGpt::new(
-        &cuda(),
-        cfg,
-        ModelOptions {
+        // The selective policy recomputes inside blocks, bit for bit too.
+        let opts = ModelOptions {
             selective: true,
             ..bf16()
-        },
-        &masters,
-    )
-    .unwrap();
-    let (l, gr) = cuda_step(&selective, &Schedule::every_k(cfg.layers, 2).unwrap());
-    assert_eq!(l.to_bits(), loss.to_bits());
-    assert_eq!(gr, grads);
+        };
+        let selective = device::model_over_host_masters(&cuda(), cfg, opts, &masters).unwrap();
+        let (l, gr) = cuda_step(&selective, &Schedule::every_k(cfg.layers, 2).unwrap());
+        assert_eq!(l.to_bits(), loss.to_bits());
+        assert_eq!(gr, grads);
+    }
 }
 
 #[test]
@@ -199,29 +229,30 @@ fn gradients_reach_the_host_exactly() {
     let cfg = cfg();
     let cpu = Cpu::new();
     let masters = params::init_params(&cpu, &cfg, 5).unwrap();
-    let gpt = CudaGpt::new(&cuda(), cfg, bf16(), &masters).unwrap();
+    let cuda = cuda();
+    let gpt = device::model_over_host_masters(&cuda, cfg, bf16(), &masters).unwrap();
     let (tokens, targets) = batch(&cfg);
-    let mut grads = gpt.alloc_grads().unwrap();
+    let mut grads = device::alloc_grads(&cuda, &cfg).unwrap();
     let schedule = Schedule::store_all(cfg.layers).unwrap();
     let step = |grads: &mut [headroom_cuda::CudaTensor]| {
         gpt.forward_backward(&tokens, &targets, G, grads, 0.5, &schedule)
             .unwrap()
     };
     step(&mut grads);
-    let once = gpt.download_grads(&grads).unwrap();
+    let once = device::download_grads(&cuda, &grads).unwrap();
     // forward_backward adds: a second pass doubles every gradient (to f32 rounding: kernels
     // that sum rows into the existing value round in another order than into zero).
     step(&mut grads);
-    let twice = gpt.download_grads(&grads).unwrap();
+    let twice = device::download_grads(&cuda, &grads).unwrap();
     for (a, b) in once.iter().zip(&twice) {
         let doubled: Vec<f32> = a.iter().map(|x| 2.0 * x).collect();
         assert!(relative_l2(b, &doubled) < 1e-5);
         assert!(a.iter().any(|&x| x != 0.0));
     }
-    // Into host tensors: overwrite, then add.
+    // Into host tensors: added twice onto zeros.
     let mut host = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
-    gpt.download_grads_into(&grads, &mut host).unwrap();
-    gpt.add_grads_into(&grads, &mut host).unwrap();
+    device::add_grads_into(&cuda, &grads, &mut host).unwrap();
+    device::add_grads_into(&cuda, &grads, &mut host).unwrap();
     for (h, t) in host.iter().zip(&twice) {
         let h = h.as_slice::<f32>().unwrap();
         assert!(h
@@ -229,13 +260,40 @@ fn gradients_reach_the_host_exactly() {
             .zip(t)
             .all(|(x, y)| x.to_bits() == (2.0 * y).to_bits()));
     }
-    gpt.zero_grads(&mut grads).unwrap();
-    assert!(gpt
-        .download_grads(&grads)
+    device::zero_grads(&cuda, &mut grads).unwrap();
+    assert!(device::download_grads(&cuda, &grads)
         .unwrap()
         .iter()
         .flatten()
         .all(|&x| x == 0.0));
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn host_masters_refresh_the_device_working_copies_bitwise() {
+    let cfg = llama();
+    let cpu = Cpu::new();
+    let cpu_model = Model::new(&cpu, cfg, bf16(), 11).unwrap();
+    let mut gpt = on_device(&cpu_model);
+    // Both sides round the same masters to nearest even: the same bf16 bits.
+    let mut masters = params::init_params(&cpu, &cfg, 12).unwrap();
+    for m in &mut masters {
+        for x in m.as_mut_slice::<f32>().unwrap() {
+            *x *= 3.0;
+        }
+    }
+    device::upload_working(&mut gpt, &masters).unwrap();
+    let cpu_model = Model::from_masters(&cpu, cfg, bf16(), masters).unwrap();
+    for i in 0..params::param_infos(&cfg).len() {
+        let want = cpu_model.weights.working(i).unwrap();
+        let got = gpt.weights.working(i).unwrap();
+        let got: Vec<half::bf16> = gpt.backend().download(got).unwrap();
+        assert_eq!(
+            got.as_slice(),
+            want.as_slice::<half::bf16>().unwrap(),
+            "{i}"
+        );
+    }
 }
 
 #[test]
@@ -245,8 +303,8 @@ fn the_alloc_hook_sees_every_activation_freed_after_backward() {
     let cuda = cuda().with_alloc_hook(tracker.clone());
     let cfg = cfg();
     let masters = params::init_params(&Cpu::new(), &cfg, 1).unwrap();
-    let gpt = CudaGpt::new(&cuda, cfg, bf16(), &masters).unwrap();
-    let mut grads = gpt.alloc_grads().unwrap();
+    let gpt = device::model_over_host_masters(&cuda, cfg, bf16(), &masters).unwrap();
+    let mut grads = device::alloc_grads(&cuda, &cfg).unwrap();
     let (tokens, targets) = batch(&cfg);
     let device = cuda.device();
     tracker.reset_peak();
@@ -279,11 +337,9 @@ fn the_alloc_hook_sees_every_activation_freed_after_backward() {
 
 #[test]
 fn a_missing_device_is_a_typed_error_not_a_panic() {
-    let cfg = cfg();
-    let masters = params::init_params(&Cpu::new(), &cfg, 0).unwrap();
     // No machine has a ten-thousandth GPU: this fails the same way everywhere, GPU or not.
-    let err = match CudaGpt::on_device(10_000, cfg, bf16(), &masters) {
-        Err(e) => e,
+    let err: CudaGptError = match Cuda::new(10_000) {
+        Err(e) => e.into(),
         Ok(_) => panic!("device 10000 exists?"),
     };
     assert!(err.is_no_device(), "{err}");
@@ -305,8 +361,8 @@ fn a_missing_device_is_a_typed_error_not_a_panic() {
     );
     // On a machine without any GPU, device 0 is refused the same way.
     if headroom_cuda::device_count() == 0 {
-        let err = match CudaGpt::on_device(0, cfg, bf16(), &masters) {
-            Err(e) => e,
+        let err: CudaGptError = match Cuda::new(0) {
+            Err(e) => e.into(),
             Ok(_) => panic!("device_count() is 0 but device 0 opened"),
         };
         assert!(err.is_no_device(), "{err}");
@@ -314,17 +370,11 @@ fn a_missing_device_is_a_typed_error_not_a_panic() {
 }
 
 #[test]
-fn configs_the_device_cannot_run_are_refused_before_it_is_touched() {
-    let cfg = cfg();
-    let masters = params::init_params(&Cpu::new(), &cfg, 0).unwrap();
-    // fp32 is refused before the device is probed, so the error is a config error everywhere.
-    let err = match CudaGpt::on_device(10_000, cfg, ModelOptions::default(), &masters) {
-        Err(e) => e,
-        Ok(_) => panic!("fp32 accepted"),
-    };
-    assert!(
-        matches!(err, CudaGptError::Train(TrainError::Config(_))),
-        "{err}"
-    );
-    assert!(!err.is_no_device());
+fn options_the_device_cannot_run_are_refused_before_it_is_touched() {
+    // fp32 attention has no CUDA kernel: a config error, whatever the machine.
+    for cfg in [cfg(), llama()] {
+        let err = device::check_options(&cfg, &ModelOptions::default()).unwrap_err();
+        assert!(matches!(err, TrainError::Config(_)), "{err}");
+        device::check_options(&cfg, &bf16()).unwrap();
+    }
 }

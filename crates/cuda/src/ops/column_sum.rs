@@ -2,7 +2,7 @@
 //! layer and the second pass of layer norm's parameter gradients.
 
 use cudarc::driver::CudaSlice;
-use headroom_tensor::{DType, Result};
+use headroom_tensor::{DType, Result, Tensor};
 
 use super::{column_grid, OpLaunch};
 use crate::device::Cuda;
@@ -20,6 +20,29 @@ pub(crate) fn chunking(rows: usize) -> (usize, usize) {
 }
 
 impl Cuda {
+    /// `dst[j] += Σ_rows x[row, j]`: a linear layer's bias gradient from its f32 output
+    /// gradient `x` `[rows, cols]` (any leading dims) into f32 `dst` `[cols]`, in a fixed order
+    /// (deterministic, no atomics).
+    pub fn column_sum(
+        &self,
+        dst: &mut crate::tensor::CudaTensor,
+        x: &crate::tensor::CudaTensor,
+    ) -> Result<()> {
+        const OP: &str = "column_sum";
+        self.check_devices(OP, &[dst, x])?;
+        let cols = dst.numel();
+        super::expect_dtype(OP, dst, DType::F32)?;
+        let rows = super::rows_of(OP, x, cols, "the element count is not a multiple of cols")?;
+        super::expect_f32(OP, x, rows * cols)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cols32 = super::dim_u32(OP, dst, "cols must be in 1..=u32::MAX", cols)?;
+        let x_b = self.buffer(OP, x)?;
+        let dst_b = self.buffer_mut(OP, dst)?;
+        self.column_sum_accumulate(OP, dst_b, x_b, rows, cols32)
+    }
+
     /// Add the `chunks` partial rows of `partials` (`[chunks, cols]` f32) to `dst` in order.
     pub(crate) fn column_sum_finish(
         &self,

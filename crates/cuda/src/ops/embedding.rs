@@ -53,6 +53,21 @@ fn check_dims(
     })
 }
 
+/// `(rows, c, vocab)` of the token-only embedding, after checking dtypes and sizes.
+fn check_tokens(
+    op: &'static str,
+    tokens: &CudaTensor,
+    wte: &CudaTensor,
+    c: usize,
+) -> Result<(u64, u32, u32)> {
+    expect_dtype(op, tokens, DType::U32)?;
+    expect_dtype(op, wte, DType::F32)?;
+    let c32 = dim_u32(op, wte, "c must be in 1..=u32::MAX", c)?;
+    let vocab = rows_of(op, wte, c, "the element count is not a multiple of c")?;
+    let vocab = dim_u32(op, wte, "vocab must be in 1..=u32::MAX", vocab)?;
+    Ok((tokens.numel() as u64, c32, vocab))
+}
+
 impl Cuda {
     /// `out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]`, bitwise equal to the CPU op.
     ///
@@ -148,5 +163,72 @@ impl Cuda {
             .u32(&d.c);
         // SAFETY: dwpe holds at least t·c f32, dout rows·c f32 with rows a multiple of t.
         unsafe { launch.launch(self, OP, cfg) }
+    }
+
+    /// `out[row, :] = wte[tokens[row], :]`: the token embedding alone (no learned positions),
+    /// bitwise the CPU's copy. `tokens` u32 `[rows]`, `wte` f32 `[V, c]`, `out` f32
+    /// `[rows, c]`; a token ≥ V gives a NaN row, never an out-of-bounds read.
+    pub fn embedding_forward_tokens(
+        &self,
+        out: &mut CudaTensor,
+        tokens: &CudaTensor,
+        wte: &CudaTensor,
+        c: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_forward_tokens";
+        self.check_devices(OP, &[out, tokens, wte])?;
+        let (rows, c32, vocab) = check_tokens(OP, tokens, wte, c)?;
+        expect_f32(OP, out, tokens.numel() * c)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let func = self.op_function(OP, "embedding_forward_tokens_f32")?;
+        let (tok, wte_b) = (self.buffer(OP, tokens)?, self.buffer(OP, wte)?);
+        let out_b = self.buffer_mut(OP, out)?;
+        let mut launch = OpLaunch::new(self, "embedding_forward_tokens_f32", &func);
+        launch
+            .output(out_b)
+            .input(tok)
+            .input(wte_b)
+            .u64(&rows)
+            .u32(&c32)
+            .u32(&vocab);
+        // SAFETY: out holds rows·c f32, tokens rows u32, wte vocab·c f32 (checked); out is
+        // borrowed mutably, so it aliases nothing.
+        unsafe { launch.launch(self, OP, self.elementwise_config(rows as usize * c)) }
+    }
+
+    /// Accumulate `dwte` from `dout` for the token embedding alone: the owner-computes
+    /// scatter of [`Cuda::embedding_backward`] without the positions, bitwise the CPU's.
+    pub fn embedding_backward_tokens(
+        &self,
+        dwte: &mut CudaTensor,
+        dout: &CudaTensor,
+        tokens: &CudaTensor,
+        c: usize,
+    ) -> Result<()> {
+        const OP: &str = "embedding_backward_tokens";
+        self.check_devices(OP, &[dwte, dout, tokens])?;
+        let (rows, c32, vocab) = check_tokens(OP, tokens, dwte, c)?;
+        expect_f32(OP, dout, tokens.numel() * c)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let func = self.op_function(OP, "embedding_backward_wte_f32")?;
+        let (dout_b, tok) = (self.buffer(OP, dout)?, self.buffer(OP, tokens)?);
+        let vocab_blocks = vocab.div_ceil(VOCAB_PER_BLOCK);
+        let dwte_b = self.buffer_mut(OP, dwte)?;
+        let mut launch = OpLaunch::new(self, "embedding_backward_wte_f32", &func);
+        launch
+            .output(dwte_b)
+            .input(dout_b)
+            .input(tok)
+            .u64(&rows)
+            .u32(&c32)
+            .u32(&vocab)
+            .u32(&VOCAB_PER_BLOCK);
+        // SAFETY: dwte holds vocab·c f32, dout rows·c f32, tokens rows u32 (checked); the grid
+        // covers every (vocabulary block, channel block) pair.
+        unsafe { launch.launch(self, OP, column_grid(vocab_blocks, c32)) }
     }
 }

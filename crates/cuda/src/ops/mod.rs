@@ -16,6 +16,7 @@ mod elementwise;
 mod embedding;
 mod layernorm;
 mod permute;
+mod rmsnorm;
 mod stochastic_round;
 
 pub use adamw::AdamWStep;
@@ -65,6 +66,11 @@ pub const OP_LAUNCH_SIGNATURES: &[(&str, &[ParamKind])] = &[
     (
         "embedding_forward_f32",
         &[Ptr, Ptr, Ptr, Ptr, U64, U32, U32, U32],
+    ),
+    // out, tokens, wte, rows, c, vocab
+    (
+        "embedding_forward_tokens_f32",
+        &[Ptr, Ptr, Ptr, U64, U32, U32],
     ),
     // dwte, dout, tokens, rows, c, vocab, vocab_per_block
     (
@@ -128,6 +134,27 @@ pub const OP_LAUNCH_SIGNATURES: &[(&str, &[ParamKind])] = &[
     ("permute_heads_b4", &PERMUTE_HEADS_PARAMS),
     ("permute_heads_b8", &PERMUTE_HEADS_PARAMS),
     ("permute_heads_b16", &PERMUTE_HEADS_PARAMS),
+    // out, rstd, inp, weight, rows, c, eps
+    ("rmsnorm_forward_f32", &[Ptr, Ptr, Ptr, Ptr, U64, U32, F32]),
+    // dinp, dout, inp, weight, rstd, rows, c
+    (
+        "rmsnorm_backward_input_f32",
+        &[Ptr, Ptr, Ptr, Ptr, Ptr, U64, U32],
+    ),
+    // partials, dout, inp, rstd, rows, c, rows_per_chunk
+    (
+        "rmsnorm_backward_weight_partials_f32",
+        &[Ptr, Ptr, Ptr, Ptr, U64, U32, U32],
+    ),
+    // out, gate, up, n
+    ("swiglu_forward_f32", &[Ptr, Ptr, Ptr, U64]),
+    // dgate, dup, gate, up, dout, n
+    ("swiglu_backward_f32", &[Ptr, Ptr, Ptr, Ptr, Ptr, U64]),
+    // x, cos, sin, rows, t, half, inverse
+    ("rope_f32", &[Ptr, Ptr, Ptr, U64, U32, U32, U32]),
+    // x, n
+    ("round_bf16_f32", &[Ptr, U64]),
+    ("round_f16_f32", &[Ptr, U64]),
 ];
 
 /// Every `permute_heads_b<unit>` entry point takes the same parameters.

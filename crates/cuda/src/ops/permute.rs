@@ -169,6 +169,44 @@ pub(crate) fn plan_permute(
 }
 
 impl Cuda {
+    /// Copy `count` elements from element `src_offset` of `src` to element `dst_offset` of
+    /// `dst` (same dtype; a copy-engine command on the stream): the rows of a chunk in and out
+    /// of a whole tensor. Both ranges are checked first; nothing is copied on an error.
+    pub fn copy_elements(
+        &self,
+        src: &CudaTensor,
+        src_offset: usize,
+        dst: &mut CudaTensor,
+        dst_offset: usize,
+        count: usize,
+    ) -> Result<()> {
+        const OP: &str = "copy_elements";
+        self.check_devices(OP, &[src, dst])?;
+        super::expect_dtype(OP, dst, src.dtype())?;
+        for (t, offset) in [(src, src_offset), (&*dst, dst_offset)] {
+            if offset.checked_add(count).is_none_or(|end| end > t.numel()) {
+                return Err(Error::InvalidShape {
+                    op: OP,
+                    shape: t.shape().clone(),
+                    reason: "the range reaches past the end of the tensor",
+                });
+            }
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let size = src.dtype().size_in_bytes();
+        let (s0, d0, bytes) = (src_offset * size, dst_offset * size, count * size);
+        let src_b = self.buffer(OP, src)?;
+        let dst_b = self.buffer_mut(OP, dst)?;
+        self.stream()
+            .memcpy_dtod(
+                &src_b.slice(s0..s0 + bytes),
+                &mut dst_b.slice_mut(d0..d0 + bytes),
+            )
+            .map_err(self.driver_fail(OP))
+    }
+
     /// Split part `layout.part` of the wide `[B, T, parts·NH·hs]` tensor `wide` into `heads`
     /// `[B, NH, T, hs]`: `heads[b, h, t, d] = wide[b, t, (part·NH + h)·hs + d]`. Any dtype (the
     /// same for both); element counts must be the layout's. One kernel launch, bitwise.

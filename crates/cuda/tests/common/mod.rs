@@ -152,6 +152,107 @@ pub fn ref_embedding_backward(
     }
 }
 
+/// headroom-trainer `ops::rmsnorm::forward`, transcribed: (out, rstd).
+pub fn ref_rmsnorm(inp: &[f32], weight: &[f32], eps: f32, c: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![0f32; inp.len()];
+    let mut rstd = vec![0f32; inp.len() / c];
+    for ((o, x), r) in out
+        .chunks_exact_mut(c)
+        .zip(inp.chunks_exact(c))
+        .zip(&mut rstd)
+    {
+        let ms = (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / c as f64) as f32;
+        let s = 1.0 / (ms + eps).sqrt();
+        for i in 0..c {
+            o[i] = weight[i] * (x[i] * s);
+        }
+        *r = s;
+    }
+    (out, rstd)
+}
+
+/// headroom-trainer `ops::rmsnorm::backward`, transcribed (accumulates into `dinp`,
+/// `dweight`).
+pub fn ref_rmsnorm_backward(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    rstd: &[f32],
+    c: usize,
+) {
+    for (((di, d), x), &s) in dinp
+        .chunks_exact_mut(c)
+        .zip(dout.chunks_exact(c))
+        .zip(inp.chunks_exact(c))
+        .zip(rstd)
+    {
+        let mut dot = 0f64;
+        for i in 0..c {
+            dot += (weight[i] * d[i]) as f64 * (x[i] * s) as f64;
+        }
+        let mean = (dot / c as f64) as f32;
+        for i in 0..c {
+            let norm = x[i] * s;
+            dweight[i] += norm * d[i];
+            di[i] += (weight[i] * d[i] - norm * mean) * s;
+        }
+    }
+}
+
+fn ref_sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// headroom-trainer `ops::swiglu::forward`, one element.
+pub fn ref_swiglu(g: f32, u: f32) -> f32 {
+    g * ref_sigmoid(g) * u
+}
+
+/// headroom-trainer `ops::swiglu::backward`, one element: the new `(dgate, dup)`.
+pub fn ref_swiglu_backward(dg: f32, du: f32, g: f32, u: f32, d: f32) -> (f32, f32) {
+    let s = ref_sigmoid(g);
+    (dg + s * (1.0 + g * (1.0 - s)) * u * d, du + g * s * d)
+}
+
+/// headroom-trainer `ops::rope::tables`, transcribed: `(cos, sin)`, `[t, hs/2]` each.
+pub fn ref_rope_tables(t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let half = hs / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hs as f32))
+        .collect();
+    let mut cos = vec![0f32; t * half];
+    let mut sin = vec![0f32; t * half];
+    for pos in 0..t {
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let angle = (pos as f32 * f) as f64;
+            cos[pos * half + i] = angle.cos() as f32;
+            sin[pos * half + i] = angle.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
+/// headroom-trainer `ops::rope::apply`, transcribed (in place on `[rows, hs]`, position
+/// `row % t`).
+pub fn ref_rope_apply(x: &mut [f32], t: usize, hs: usize, cos: &[f32], sin: &[f32], inverse: bool) {
+    let half = hs / 2;
+    let sign = if inverse { -1.0f32 } else { 1.0 };
+    for head in x.chunks_mut(t * hs) {
+        for (pos, row) in head.chunks_exact_mut(hs).enumerate() {
+            let (a, b) = row.split_at_mut(half);
+            let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                let si = sign * s[i];
+                a[i] = x1 * c[i] - x2 * si;
+                b[i] = x2 * c[i] + x1 * si;
+            }
+        }
+    }
+}
+
 /// Layer norm forward in f64: (out, mean, rstd).
 pub fn ref_layernorm(
     inp: &[f32],

@@ -1,12 +1,13 @@
-//! What the CUDA model can fail with: the device itself (no GPU, no driver), or anything the
-//! CPU model can fail with.
+//! What a CUDA run can fail with: the device itself (no GPU, no driver), or anything the CPU
+//! model can fail with.
 
 use headroom_cuda::CudaError;
 use headroom_tensor::Device;
 
 use crate::TrainError;
 
-/// Everything [`CudaGpt`](super::CudaGpt) can fail with.
+/// Everything a CUDA run can fail with, with [`CudaGptError::is_no_device`] to tell a machine
+/// without a GPU from a failure.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CudaGptError {
@@ -57,7 +58,7 @@ through_train_error!(
     headroom_ckpt::CkptError
 );
 
-/// The CUDA model's errors inside the trainer's error type, so a training loop that speaks
+/// The CUDA errors inside the trainer's error type, so a training loop that speaks
 /// [`TrainError`] can `?` them: device errors become the source of a tensor backend error on
 /// `cuda:0`'s device tag (the chain of sources still names `CudaError::NoDevice`).
 impl From<CudaGptError> for TrainError {
@@ -75,17 +76,3 @@ impl From<CudaGptError> for TrainError {
 
 /// `Result` with [`CudaGptError`].
 pub type CudaGptResult<T> = std::result::Result<T, CudaGptError>;
-
-/// A model error crossing the ckpt layer contract (which speaks headroom-tensor's error):
-/// tensor errors pass through unchanged so an out-of-budget report stays visible, anything
-/// else is wrapped as the source of a backend error on `device`.
-pub(crate) fn into_tensor_error(device: Device, e: CudaGptError) -> headroom_tensor::Error {
-    match e {
-        CudaGptError::Train(TrainError::Tensor(t)) => t,
-        other => headroom_tensor::Error::Backend {
-            device,
-            op: "cuda gpt",
-            source: Box::new(other),
-        },
-    }
-}

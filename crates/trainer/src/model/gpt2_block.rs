@@ -209,17 +209,23 @@ impl<B: ModelOps> Model<B> {
         k: &B::Tensor,
         v: &B::Tensor,
     ) -> Result<AttentionForward<B::Tensor>> {
-        let (qv, kv, vv) = (self.view(q)?, self.view(k)?, self.view(v)?);
+        // Attention reads what the backend's kernels read (the CPU: f32 copies).
+        let be = self.backend();
+        let (qc, kc, vc) = (
+            be.attention_input(q)?,
+            be.attention_input(k)?,
+            be.attention_input(v)?,
+        );
         let out_cat = if self.opts.precision.is_low() {
             MemoryCategory::Workspace
         } else {
             MemoryCategory::Activations
         };
         let _g = out_cat.enter();
-        let f = self.backend().attention_forward(
-            qv.tensor(),
-            kv.tensor(),
-            vv.tensor(),
+        let f = be.attention_forward(
+            qc.as_ref().unwrap_or(q),
+            kc.as_ref().unwrap_or(k),
+            vc.as_ref().unwrap_or(v),
             &self.opts.attention,
         )?;
         Ok(AttentionForward {
@@ -239,14 +245,7 @@ impl<B: ModelOps> Model<B> {
         dy: &B::Tensor,
     ) -> Result<headroom_attn::AttentionGradients<B::Tensor>> {
         let _g = MemoryCategory::Workspace.enter();
-        let fwd = AttentionForward {
-            output: self.to_f32_owned(attn.output)?,
-            ..attn
-        };
-        let (qv, kv, vv) = (self.view(q)?, self.view(k)?, self.view(v)?);
-        Ok(self
-            .backend()
-            .attention_backward(qv.tensor(), kv.tensor(), vv.tensor(), &fwd, dy)?)
+        self.backend().attention_backward_kept(q, k, v, attn, dy)
     }
 
     /// GPT-2 block `l` backward: accumulates parameter gradients into `grads` (the block's

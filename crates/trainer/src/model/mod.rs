@@ -4,6 +4,8 @@
 
 mod config;
 mod cpu_ops;
+#[cfg(feature = "cuda")]
+mod cuda_ops;
 mod gpt2_block;
 mod llama_block;
 pub mod ops;

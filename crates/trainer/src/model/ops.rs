@@ -16,7 +16,8 @@
 //! - Reductions run in a fixed order whatever the thread count, so every op is deterministic
 //!   and checkpointed gradients equal stored ones.
 
-use headroom_attn::AttentionBackend;
+use headroom_attn::{AttentionBackend, AttentionForward, AttentionGradients};
+use headroom_tensor::{DType, MemoryCategory, Tensor};
 
 use crate::model::Precision;
 use crate::Result;
@@ -159,6 +160,65 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
 
     /// Round f32 `x` in place to `precision` and back (what storing it would cost).
     fn round_to(&self, x: &mut Self::Tensor, precision: Precision) -> Result<()>;
+
+    /// The tensor attention reads for a kept `q`, `k` or `v` (or output): `None` when it reads
+    /// `t` itself, else a converted copy in `Workspace` memory for the caller to hold as long
+    /// as attention needs it. The default is an f32 copy of a low-precision tensor (the CPU's
+    /// attention is f32 throughout); a backend whose kernels read the storage precision
+    /// directly returns `None`.
+    fn attention_input(&self, t: &Self::Tensor) -> Result<Option<Self::Tensor>> {
+        if t.dtype() == DType::F32 {
+            return Ok(None);
+        }
+        let _g = MemoryCategory::Workspace.enter();
+        let mut out = self.uninit(t.shape().clone(), DType::F32)?;
+        self.cast(t, &mut out)?;
+        Ok(Some(out))
+    }
+
+    /// Attention's backward from what the model kept — `q`, `k`, `v` and `attn` in the storage
+    /// precision — and `dy`, the output's f32 gradient `[B, NH, T, hs]`: f32 gradients of `q`,
+    /// `k`, `v`. The default reads every input through [`ModelOps::attention_input`]; a
+    /// backend whose kernels want other dtypes converts as they need.
+    fn attention_backward_kept(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        attn: AttentionForward<Self::Tensor>,
+        dy: &Self::Tensor,
+    ) -> Result<AttentionGradients<Self::Tensor>> {
+        let AttentionForward {
+            output,
+            logsumexp,
+            probs,
+            config,
+            dims,
+        } = attn;
+        // The kept output is freed as soon as its f32 copy exists.
+        let output = match self.attention_input(&output)? {
+            Some(f32_copy) => f32_copy,
+            None => output,
+        };
+        let fwd = AttentionForward {
+            output,
+            logsumexp,
+            probs,
+            config,
+            dims,
+        };
+        let (qc, kc, vc) = (
+            self.attention_input(q)?,
+            self.attention_input(k)?,
+            self.attention_input(v)?,
+        );
+        let (qv, kv, vv) = (
+            qc.as_ref().unwrap_or(q),
+            kc.as_ref().unwrap_or(k),
+            vc.as_ref().unwrap_or(v),
+        );
+        Ok(self.attention_backward(qv, kv, vv, &fwd, dy)?)
+    }
 
     /// The output head and the loss, fused and `rows` token rows at a time (so the `[N, V]`
     /// logits exist one chunk at a time when `rows < N`): `logits = x·wᵀ` rounded to

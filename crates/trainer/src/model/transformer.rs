@@ -198,6 +198,50 @@ impl<B: ModelOps + Clone> Model<B> {
             backend: backend.clone(),
         })
     }
+
+    /// A model over working copies alone, whose fp32 masters live elsewhere (the host, beside
+    /// an offloaded optimizer): `working` holds one tensor per parameter in the storage dtype
+    /// of `opts.precision`. [`Model::masters`] is empty and [`Model::refresh_working`] does
+    /// nothing; their owner rewrites them through `weights.working_mut`.
+    pub fn from_working(
+        backend: &B,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        working: Vec<B::Tensor>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        if let Some(0) = opts.loss_chunk {
+            return Err(TrainError::Config(
+                "loss chunk must be at least 1 row".into(),
+            ));
+        }
+        let infos = params::param_infos(&cfg);
+        let dtype = opts.precision.storage();
+        if working.len() != infos.len()
+            || working
+                .iter()
+                .zip(&infos)
+                .any(|(w, i)| w.shape().dims() != i.shape.as_slice() || w.dtype() != dtype)
+        {
+            return Err(TrainError::Config(
+                "working weights do not match the model's parameter shapes and precision".into(),
+            ));
+        }
+        let preset = match opts.precision {
+            Precision::Fp32 => AutocastPreset::Fp32,
+            Precision::Bf16 => AutocastPreset::Bf16,
+            Precision::Fp16 => AutocastPreset::Fp16,
+        };
+        Ok(Model {
+            cfg,
+            weights: MasterWeights::working_only(working, MasterWeightsConfig::preset(preset))?,
+            opts: ModelOptions {
+                attention: opts.attention.causal(true),
+                ..opts
+            },
+            backend: backend.clone(),
+        })
+    }
 }
 
 impl<B: ModelOps> Model<B> {
@@ -243,14 +287,6 @@ impl<B: ModelOps> Model<B> {
         let mut out = self.backend.uninit(t.shape().clone(), DType::F32)?;
         self.backend.cast(t, &mut out)?;
         Ok(View::Owned(out))
-    }
-
-    /// `t` as an owned f32 tensor (itself when already f32).
-    pub(crate) fn to_f32_owned(&self, t: B::Tensor) -> Result<B::Tensor> {
-        match self.view(&t)? {
-            View::Borrowed(_) => Ok(t),
-            View::Owned(o) => Ok(o),
-        }
     }
 
     /// An f32 buffer for an op's output that will be kept: it *is* the kept tensor under
