@@ -43,6 +43,9 @@ def expected_param_count():
 
 def main(argv):
     quick = "--quick" in argv
+    # `--only fp32` or `--only bf16`: one precision (bf16 autocast is slow on CPUs without
+    # bf16 instructions).
+    only = argv[argv.index("--only") + 1] if "--only" in argv[:-1] else None
     try:
         import torch
         import torch.nn.functional as F
@@ -77,6 +80,8 @@ def main(argv):
           f"batch {BATCH}x{SEQ}, {steps} timed steps after {WARMUP_STEPS} warm-up", flush=True)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     for prec, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        if only is not None and prec != only:
+            continue
         model.load_state_dict(initial)
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -105,6 +110,7 @@ def main(argv):
             start = time.perf_counter()
             loss = step()
             times.append(time.perf_counter() - start)
+            print(f"{prec}: step {times[-1]:.3f} s", flush=True)
         med = statistics.median(times)
         print(f"{prec}: step {med:.3f} s, {tokens / med:.0f} tokens/s, loss {loss.item():.6f}",
               flush=True)
