@@ -162,12 +162,7 @@ impl<B: ModelOps + Clone> Model<B> {
         opts: ModelOptions,
         masters: Vec<B::Tensor>,
     ) -> Result<Self> {
-        cfg.validate()?;
-        if let Some(0) = opts.loss_chunk {
-            return Err(TrainError::Config(
-                "loss chunk must be at least 1 row".into(),
-            ));
-        }
+        check_shape_and_options(&cfg, &opts)?;
         let infos = params::param_infos(&cfg);
         if masters.len() != infos.len()
             || masters
@@ -179,22 +174,14 @@ impl<B: ModelOps + Clone> Model<B> {
                 "master weights do not match the model's parameter shapes".into(),
             ));
         }
-        let preset = match opts.precision {
-            Precision::Fp32 => AutocastPreset::Fp32,
-            Precision::Bf16 => AutocastPreset::Bf16,
-            Precision::Fp16 => AutocastPreset::Fp16,
-        };
         let weights = {
             let _l = label_absolute("params (working copies)");
-            MasterWeights::new(backend, masters, MasterWeightsConfig::preset(preset))?
+            MasterWeights::new(backend, masters, weights_config(opts.precision))?
         };
         Ok(Model {
             cfg,
             weights,
-            opts: ModelOptions {
-                attention: opts.attention.causal(true),
-                ..opts
-            },
+            opts: causal(opts),
             backend: backend.clone(),
         })
     }
@@ -209,12 +196,7 @@ impl<B: ModelOps + Clone> Model<B> {
         opts: ModelOptions,
         working: Vec<B::Tensor>,
     ) -> Result<Self> {
-        cfg.validate()?;
-        if let Some(0) = opts.loss_chunk {
-            return Err(TrainError::Config(
-                "loss chunk must be at least 1 row".into(),
-            ));
-        }
+        check_shape_and_options(&cfg, &opts)?;
         let infos = params::param_infos(&cfg);
         let dtype = opts.precision.storage();
         if working.len() != infos.len()
@@ -227,18 +209,10 @@ impl<B: ModelOps + Clone> Model<B> {
                 "working weights do not match the model's parameter shapes and precision".into(),
             ));
         }
-        let preset = match opts.precision {
-            Precision::Fp32 => AutocastPreset::Fp32,
-            Precision::Bf16 => AutocastPreset::Bf16,
-            Precision::Fp16 => AutocastPreset::Fp16,
-        };
         Ok(Model {
             cfg,
-            weights: MasterWeights::working_only(working, MasterWeightsConfig::preset(preset))?,
-            opts: ModelOptions {
-                attention: opts.attention.causal(true),
-                ..opts
-            },
+            weights: MasterWeights::working_only(working, weights_config(opts.precision))?,
+            opts: causal(opts),
             backend: backend.clone(),
         })
     }
@@ -703,6 +677,35 @@ impl<B: ModelOps> Model<B> {
         })?;
         Ok((loss, out.stats))
     }
+}
+
+/// What both constructors check before touching weights: a valid shape, a loss chunk of at
+/// least one row.
+fn check_shape_and_options(cfg: &ModelConfig, opts: &ModelOptions) -> Result<()> {
+    cfg.validate()?;
+    if let Some(0) = opts.loss_chunk {
+        return Err(TrainError::Config(
+            "loss chunk must be at least 1 row".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The options a model runs with: a decoder's attention is always causal.
+fn causal(opts: ModelOptions) -> ModelOptions {
+    ModelOptions {
+        attention: opts.attention.causal(true),
+        ..opts
+    }
+}
+
+/// headroom-amp's working-copy policy for `precision`.
+fn weights_config(precision: Precision) -> MasterWeightsConfig {
+    MasterWeightsConfig::preset(match precision {
+        Precision::Fp32 => AutocastPreset::Fp32,
+        Precision::Bf16 => AutocastPreset::Bf16,
+        Precision::Fp16 => AutocastPreset::Fp16,
+    })
 }
 
 /// Block `index` of a model, with its gradient tensors, for one batch geometry: a
