@@ -64,8 +64,14 @@ fn assert_close(a: &Run, b: &Run, rel: f32, what: &str) {
         a.loss,
         b.loss
     );
+    // A tensor whose gradient is zero in exact arithmetic (q and k at one position: softmax
+    // over a single key) still gets f32 cancellation noise from terms as large as the model's
+    // other gradients, so each tensor's scale is floored at a thousandth of the largest
+    // gradient anywhere, not at an absolute constant.
+    let global = b.grads.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+    let floor = (1e-3 * global).max(1e-6);
     for (i, (x, y)) in a.grads.iter().zip(&b.grads).enumerate() {
-        let scale = y.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let scale = y.iter().fold(floor, |m, v| m.max(v.abs()));
         let worst = x
             .iter()
             .zip(y)
@@ -496,4 +502,19 @@ fn ladder_fits(llama: bool) {
         }
         assert!(r.final_loss.is_finite());
     }
+}
+
+/// The case CI drew on an AVX-512 machine: one position, so the q and k gradients are zero in
+/// exact arithmetic and only summation-order noise remains; it must pass on every ISA.
+#[test]
+fn micro_batches_at_one_position_on_llama() {
+    let cfg = family_cfg(2, true);
+    let g = Geometry { b: 9, t: 1 };
+    let all = Schedule::store_all(2).unwrap();
+    let opts = ModelOptions::default();
+    let small = run(cfg, opts, g, &all, 3);
+    let big = run(cfg, opts, g, &all, 9);
+    let q_grad = big.grads[2].iter().fold(0f32, |m, v| m.max(v.abs()));
+    eprintln!("largest q gradient at t = 1: {q_grad:e}");
+    assert_close(&small, &big, 1e-5, "micro-batches at t = 1");
 }
