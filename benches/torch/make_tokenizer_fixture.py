@@ -1,8 +1,13 @@
-"""Write the tokenizer fixture that crates/trainer/tests/tokenize.rs reads.
+"""Write the tokenizer fixtures that crates/trainer/tests/tokenize.rs reads.
 
-Hugging Face's `tokenizers` trains a small byte-level BPE (GPT-2's pre-tokenizer and decoder,
-vocabulary 400 with `<|endoftext|>`) on a fixed text, saves it as `tokenizer.json`, and writes
-`expected.json`: the ids it gives for a few test strings (and their decoding). No download.
+1. Hugging Face's `tokenizers` trains a small byte-level BPE (GPT-2's pre-tokenizer and
+   decoder, vocabulary 400 with `<|endoftext|>`) on a fixed text, saves it as
+   `tokenizer.json`, and writes `expected.json`: the ids it gives for a few test strings (and
+   their decoding).
+2. GPT-2's own BPE: `gpt2-ids.json`, the ids of the committed `gpt2-text.txt` by two Python
+   implementations that must agree — `tiktoken` with the r50k_base ranks, and transformers'
+   `GPT2Tokenizer` on OpenAI's original `encoder.json` and `vocab.bpe`. No download: both
+   read the copies the `tiktoken-rs` crate ships (found in cargo's registry, or `--assets DIR`).
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -10,9 +15,12 @@ folder with `--quick`; this one then exits with code 3 ("skipped") and writes no
     python benches/torch/make_tokenizer_fixture.py --write
 """
 
+import glob
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 OUT = os.path.join("crates", "trainer", "tests", "fixtures", "tokenizer")
 
@@ -56,6 +64,54 @@ def main():
                    "eot": tok.token_to_id("<|endoftext|>"), "cases": cases},
                   f, ensure_ascii=False, indent=1)
     print(f"{OUT}: vocab {tok.get_vocab_size()}", file=sys.stderr)
+    write_gpt2_ids()
+
+
+# tiktoken's r50k_base split pattern (GPT-2's).
+R50K_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
+def tiktoken_rs_assets():
+    if "--assets" in sys.argv:
+        return sys.argv[sys.argv.index("--assets") + 1]
+    found = sorted(glob.glob(os.path.expanduser(
+        "~/.cargo/registry/src/*/tiktoken-rs-*/assets/r50k_base.tiktoken")))
+    if not found:
+        sys.exit("tiktoken-rs's assets not found in cargo's registry: build the workspace "
+                 "once, or pass --assets DIR")
+    return os.path.dirname(found[-1])
+
+
+def write_gpt2_ids():
+    import tiktoken
+    import transformers
+    from tiktoken.load import load_tiktoken_bpe
+    from transformers import GPT2Tokenizer
+
+    assets = tiktoken_rs_assets()
+    enc = tiktoken.Encoding(
+        name="r50k_base",
+        pat_str=R50K_PATTERN,
+        mergeable_ranks=load_tiktoken_bpe(os.path.join(assets, "r50k_base.tiktoken")),
+        special_tokens={"<|endoftext|>": 50256},
+    )
+    # OpenAI's encoder.json and vocab.bpe are the hub's vocab.json and merges.txt.
+    tmp = tempfile.mkdtemp()
+    shutil.copy(os.path.join(assets, "encoder.json"), os.path.join(tmp, "vocab.json"))
+    shutil.copy(os.path.join(assets, "vocab.bpe"), os.path.join(tmp, "merges.txt"))
+    hf = GPT2Tokenizer.from_pretrained(tmp)
+    with open(os.path.join(OUT, "gpt2-text.txt"), encoding="utf-8") as f:
+        text = f.read()
+    ids = enc.encode_ordinary(text)
+    ids_hf = hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if ids != ids_hf:
+        first = next(i for i, (a, b) in enumerate(zip(ids, ids_hf)) if a != b)
+        sys.exit(f"tiktoken and transformers disagree at token {first}")
+    assert enc.decode(ids) == text
+    with open(os.path.join(OUT, "gpt2-ids.json"), "w", encoding="utf-8") as f:
+        json.dump({"tiktoken": tiktoken.__version__, "transformers": transformers.__version__,
+                   "text": "gpt2-text.txt", "ids": ids}, f)
+    print(f"{OUT}/gpt2-ids.json: {len(ids)} ids of {len(text)} characters", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ pub mod hf;
 pub mod ladder;
 pub mod model;
 pub mod ops;
+pub mod sample;
 pub mod techniques;
 pub mod tokenize;
 pub mod train;

@@ -88,6 +88,40 @@ enum Command {
     /// Make, tokenise or describe token files.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Generate text from a checkpoint (headroom's or a Hugging Face model directory).
+    Sample(SampleArgs),
+}
+
+#[derive(Args)]
+struct SampleArgs {
+    /// A headroom run or checkpoint directory, or a Hugging Face model directory.
+    #[arg(long, value_name = "DIR")]
+    from: PathBuf,
+    /// Text to continue (needs a tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Token ids to continue, comma-separated (for a model without a tokenizer).
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// New tokens to generate.
+    #[arg(long, default_value_t = 100)]
+    tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Sample among the K most likely tokens only.
+    #[arg(long, value_name = "K")]
+    top_k: Option<usize>,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// `gpt2` or a tokenizer.json (default: the tokenizer.json beside the checkpoint, if any;
+    /// without one, token ids are printed).
+    #[arg(long, value_name = "gpt2|FILE")]
+    tokenizer: Option<String>,
+    /// Keep generating past the end-of-text token.
+    #[arg(long)]
+    ignore_eot: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -1179,7 +1213,97 @@ fn run(cli: Cli) -> CliResult<ExitCode> {
         Some(Command::Estimate(a)) => ok(cmd_estimate(a)),
         Some(Command::MaxBatch(a)) => ok(cmd_max_batch(a)),
         Some(Command::Data(c)) => ok(cmd_data(c)),
+        Some(Command::Sample(a)) => ok(cmd_sample(a)),
     }
+}
+
+fn cmd_sample(a: SampleArgs) -> CliResult {
+    use headroom_trainer::sample::{generate, load_model, SampleOptions};
+    use headroom_trainer::tokenize::Tokenizer;
+    let cpu = headroom_tensor::Cpu::new();
+    let model = load_model(&a.from, &cpu)?;
+    let tok = match &a.tokenizer {
+        Some(name) => Some(Tokenizer::from_name(name)?),
+        None => Tokenizer::beside(&a.from).transpose()?,
+    };
+    if let Some(t) = &tok {
+        if t.vocab_size() > model.cfg.vocab {
+            return Err(format!(
+                "the tokenizer has {} ids but the model's vocabulary is {}",
+                t.vocab_size(),
+                model.cfg.vocab
+            )
+            .into());
+        }
+    }
+    let eot = tok.as_ref().and_then(Tokenizer::end_of_text);
+    let prompt = match (&a.prompt, a.prompt_ids, &tok) {
+        (Some(text), _, Some(t)) => t.encode(text)?,
+        (Some(_), _, None) => {
+            return Err("--prompt needs a tokenizer: pass --tokenizer gpt2|FILE, or give \
+                        --prompt-ids"
+                .into())
+        }
+        (None, Some(ids), _) => ids,
+        // Nothing to continue: start a document, as training data separates them.
+        (None, None, _) => vec![eot.unwrap_or(0)],
+    };
+    if prompt.is_empty() {
+        return Err("the prompt encodes to no tokens".into());
+    }
+    let opts = SampleOptions {
+        tokens: a.tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+        stop_at: if a.ignore_eot { None } else { eot },
+        vocab_limit: tok.as_ref().map(Tokenizer::vocab_size),
+    };
+    let mut out = std::io::stdout();
+    let mut generated: Vec<u32> = vec![];
+    let mut printed = 0usize;
+    if let Some(text) = &a.prompt {
+        let _ = write!(out, "{text}");
+    } else if tok.is_none() {
+        let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+        let _ = write!(out, "{}", ids.join(" "));
+    }
+    let _ = out.flush();
+    let start = std::time::Instant::now();
+    let new = generate(&model, &prompt, &opts, |id| {
+        generated.push(id);
+        match &tok {
+            // Print what decodes to whole characters; a character split across tokens
+            // waits for its last byte.
+            Some(t) => {
+                let text = t.decode(&generated)?;
+                if !text.ends_with('\u{FFFD}') && text.is_char_boundary(printed) {
+                    let _ = write!(out, "{}", &text[printed..]);
+                    printed = text.len();
+                }
+            }
+            None => {
+                let _ = write!(out, " {id}");
+            }
+        }
+        let _ = out.flush();
+        Ok(())
+    })?;
+    if let Some(t) = &tok {
+        let text = t.decode(&generated)?;
+        if text.is_char_boundary(printed) {
+            let _ = write!(out, "{}", &text[printed..]);
+        }
+    }
+    let _ = writeln!(out);
+    let secs = start.elapsed().as_secs_f64();
+    esay!(
+        "{} tokens in {:.2} s ({:.1} tokens/s), KV cache on",
+        new.len(),
+        secs,
+        new.len() as f64 / secs.max(1e-9)
+    );
+    Ok(())
 }
 
 fn main() -> ExitCode {

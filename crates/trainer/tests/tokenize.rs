@@ -1,6 +1,7 @@
 //! Tokenizers against what their own implementations give: a Hugging Face `tokenizer.json`
 //! trained and applied by Python's `tokenizers` (committed fixture, written by
-//! `benches/torch/make_tokenizer_fixture.py`), GPT-2's BPE against ids every GPT-2 user knows;
+//! `benches/torch/make_tokenizer_fixture.py`), GPT-2's BPE against the ids Python's `tiktoken`
+//! and transformers give for a committed text;
 //! and token files built from text in pieces equal to a whole-text encode.
 
 use std::path::PathBuf;
@@ -45,6 +46,27 @@ fn a_hugging_face_tokenizer_gives_pythons_ids() {
     }
     // A directory holding a tokenizer.json names it too.
     assert!(Tokenizer::from_name(fixture("").to_str().unwrap()).is_ok());
+}
+
+/// Ids written by Python's `tiktoken` (r50k_base) and transformers' `GPT2Tokenizer` on
+/// OpenAI's `encoder.json`/`vocab.bpe`, which agreed with each other, for a text with
+/// contractions, numbers, whitespace runs, many scripts, emoji, code and the text of
+/// `<|endoftext|>`.
+#[test]
+fn gpt2_bpe_gives_the_ids_of_tiktoken_and_transformers() {
+    let text = std::fs::read_to_string(fixture("gpt2-text.txt")).unwrap();
+    let expected: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("gpt2-ids.json")).unwrap()).unwrap();
+    let want: Vec<u32> = expected["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    assert!(want.len() > 250);
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    assert_eq!(tok.encode(&text).unwrap(), want);
+    assert_eq!(tok.decode(&want).unwrap(), text);
 }
 
 #[test]

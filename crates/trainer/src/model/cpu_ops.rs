@@ -286,13 +286,44 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
-    fn rope(&self, x: &mut CpuTensor, theta: f32, inverse: bool) -> Result<()> {
+    fn rope(&self, x: &mut CpuTensor, theta: f32, pos0: usize, inverse: bool) -> Result<()> {
         let [_, _, t, hs] = dims4("rope", x)?;
         if hs % 2 != 0 {
             return Err(bad("rope", format!("odd head dimension {hs}")));
         }
-        let (cos, sin) = rope::tables(t, hs, theta);
+        let (cos, sin) = rope::tables_at(pos0, t, hs, theta);
         rope::apply(out(x)?, t, hs, &cos, &sin, inverse);
+        Ok(())
+    }
+
+    fn concat_seq(&self, y: &mut CpuTensor, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
+        let [n, h, t, hs] = dims4("concat_seq", y)?;
+        let [na, ha, ta, hsa] = dims4("concat_seq", a)?;
+        let [nb, hb, tb, hsb] = dims4("concat_seq", b)?;
+        if (na, ha, hsa) != (n, h, hs) || (nb, hb, hsb) != (n, h, hs) || ta + tb != t {
+            return Err(bad(
+                "concat_seq",
+                format!(
+                    "{:?} ++ {:?} is not {:?}",
+                    a.shape().dims(),
+                    b.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        if a.dtype() != y.dtype() || b.dtype() != y.dtype() {
+            return Err(bad("concat_seq", "mixed dtypes".into()));
+        }
+        let row = hs * y.dtype().size_in_bytes();
+        let (ra, rb) = (ta * row, tb * row);
+        if ra + rb == 0 {
+            return Ok(());
+        }
+        let (sa, sb) = (a.as_bytes(), b.as_bytes());
+        for (i, dst) in y.as_bytes_mut().chunks_exact_mut(ra + rb).enumerate() {
+            dst[..ra].copy_from_slice(&sa[i * ra..][..ra]);
+            dst[ra..].copy_from_slice(&sb[i * rb..][..rb]);
+        }
         Ok(())
     }
 

@@ -267,7 +267,7 @@ impl ModelOps for Cuda {
         )?)
     }
 
-    fn rope(&self, x: &mut CudaTensor, theta: f32, inverse: bool) -> Result<()> {
+    fn rope(&self, x: &mut CudaTensor, theta: f32, pos0: usize, inverse: bool) -> Result<()> {
         let &[_, _, t, hs] = x.shape().dims() else {
             return Err(bad("rope", format!("{:?} is not 4-d", x.shape().dims())));
         };
@@ -275,7 +275,7 @@ impl ModelOps for Cuda {
             return Err(bad("rope", format!("odd head dimension {hs}")));
         }
         // The CPU's tables, bit for bit: the angles never depend on the device's sin/cos.
-        let (cos, sin) = crate::ops::rope::tables(t, hs, theta);
+        let (cos, sin) = crate::ops::rope::tables_at(pos0, t, hs, theta);
         let (cos, sin) = {
             let _g = MemoryCategory::Workspace.enter();
             (
@@ -284,6 +284,35 @@ impl ModelOps for Cuda {
             )
         };
         Ok(Cuda::rope(self, x, &cos, &sin, t, hs, inverse)?)
+    }
+
+    fn concat_seq(&self, y: &mut CudaTensor, a: &CudaTensor, b: &CudaTensor) -> Result<()> {
+        let dims = |t: &CudaTensor| match *t.shape().dims() {
+            [n, h, t, hs] => Ok((n * h, t, hs)),
+            ref other => Err(bad("concat_seq", format!("{other:?} is not 4-d"))),
+        };
+        let ((heads, t, hs), (ha, ta, hsa), (hb, tb, hsb)) = (dims(y)?, dims(a)?, dims(b)?);
+        if (ha, hsa) != (heads, hs) || (hb, hsb) != (heads, hs) || ta + tb != t {
+            return Err(bad(
+                "concat_seq",
+                format!(
+                    "{:?} ++ {:?} is not {:?}",
+                    a.shape().dims(),
+                    b.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        // Trade-off: two copy-engine commands per head instead of a kernel. A decode step
+        // grows each layer's cache once, so this is a few hundred small copies per token —
+        // nothing next to the step's GEMMs — and keeps the logic on the host, where the CPU
+        // tests run it.
+        let (ra, rb) = (ta * hs, tb * hs);
+        for i in 0..heads {
+            self.copy_elements(a, i * ra, y, i * (ra + rb), ra)?;
+            self.copy_elements(b, i * rb, y, i * (ra + rb) + ra, rb)?;
+        }
+        Ok(())
     }
 
     fn embed(

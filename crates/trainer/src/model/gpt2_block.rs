@@ -9,6 +9,7 @@
 use headroom_attn::AttentionForward;
 use headroom_tensor::{CpuTensor, MemoryCategory, Tensor};
 
+use crate::model::decode::LayerKv;
 use crate::model::ops::ModelOps;
 use crate::model::params::{layer as o, layer_index};
 use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
@@ -106,12 +107,16 @@ impl<B: ModelOps> Model<B> {
 
     /// GPT-2 block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]` (storage
     /// precision) and, when `save`, what backward needs.
+    ///
+    /// With `kv`, a cached decode step: attention reads the cache grown by this step's keys
+    /// and values (the caller embedded `inp` at positions `kv.len() ..`; nothing is saved).
     pub(crate) fn gpt2_block_forward(
         &self,
         l: usize,
         inp: &B::Tensor,
         g: Geometry,
         save: bool,
+        kv: Option<&mut LayerKv<B::Tensor>>,
     ) -> Result<BlockOutput<B::Tensor, Gpt2Saved<B::Tensor>>> {
         let (c, nh) = (self.cfg.channels, self.cfg.heads);
         let hs = c / nh;
@@ -140,7 +145,9 @@ impl<B: ModelOps> Model<B> {
         drop(qkv);
         let (q, k, v) = (self.keep(q)?, self.keep(k)?, self.keep(v)?);
         let _t = self.tag(l, "attn.out");
-        let attn = self.attention(&q, &k, &v)?;
+        let kv = self.extend_kv(kv, k, v)?;
+        let (ka, va) = kv.pair();
+        let attn = self.attention(&q, ka, va)?;
         let _t = self.tag(l, "attn.proj");
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
@@ -183,6 +190,7 @@ impl<B: ModelOps> Model<B> {
         if !save {
             return Ok((out, None));
         }
+        let (k, v) = kv.into_fresh()?;
         let sel = self.opts.selective;
         let keep_unless_selective = |t: B::Tensor| if sel { None } else { Some(t) };
         let saved = Gpt2Saved {

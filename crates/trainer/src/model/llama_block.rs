@@ -10,6 +10,7 @@
 use headroom_attn::AttentionForward;
 use headroom_tensor::{CpuTensor, Tensor};
 
+use crate::model::decode::LayerKv;
 use crate::model::gpt2_block::two_mut;
 use crate::model::ops::ModelOps;
 use crate::model::params::{layer_index, llama_layer as o};
@@ -124,16 +125,22 @@ impl<B: ModelOps> Model<B> {
 
     /// Llama block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]`
     /// (storage precision) and, when `save`, what backward needs.
+    ///
+    /// With `kv`, a cached decode step: `inp`'s rows are positions `kv.len() ..`, the rotary
+    /// angles start there, and attention reads the cache grown by this step's keys and values
+    /// (nothing is saved for backward then).
     pub(crate) fn llama_block_forward(
         &self,
         l: usize,
         inp: &B::Tensor,
         g: Geometry,
         save: bool,
+        kv: Option<&mut LayerKv<B::Tensor>>,
     ) -> Result<BlockOutput<B::Tensor, LlamaSaved<B::Tensor>>> {
         let (c, nh, kvh) = (self.cfg.channels, self.cfg.heads, self.cfg.kv_heads());
         let f = self.cfg.ffn();
         let theta = self.rope_theta()?;
+        let pos0 = kv.as_ref().map_or(0, |c| c.len());
         let be = self.backend();
         let x = self.view(inp)?;
 
@@ -141,17 +148,19 @@ impl<B: ModelOps> Model<B> {
         let (norm1, norm1_stats) = self.block_rmsnorm(l, x.tensor(), o::INPUT_NORM, g)?;
         let _t = self.tag(l, "attn.q");
         let mut q = self.project_heads(l, &norm1, o::Q, nh, g)?;
-        be.rope(&mut q, theta, false)?;
+        be.rope(&mut q, theta, pos0, false)?;
         let q = self.keep(q)?;
         let _t = self.tag(l, "attn.k");
         let mut k = self.project_heads(l, &norm1, o::K, kvh, g)?;
-        be.rope(&mut k, theta, false)?;
+        be.rope(&mut k, theta, pos0, false)?;
         let k = self.keep(k)?;
         let _t = self.tag(l, "attn.v");
         let v = self.project_heads(l, &norm1, o::V, kvh, g)?;
         let v = self.keep(v)?;
         let _t = self.tag(l, "attn.out");
-        let attn = self.attention(&q, &k, &v)?;
+        let kv = self.extend_kv(kv, k, v)?;
+        let (ka, va) = kv.pair();
+        let attn = self.attention(&q, ka, va)?;
         let _t = self.tag(l, "attn.o_proj");
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
@@ -182,6 +191,7 @@ impl<B: ModelOps> Model<B> {
         if !save {
             return Ok((out, None));
         }
+        let (k, v) = kv.into_fresh()?;
         let sel = self.opts.selective;
         let keep_unless_selective = |t: B::Tensor| if sel { None } else { Some(t) };
         let saved = LlamaSaved {
@@ -326,8 +336,8 @@ impl<B: ModelOps> Model<B> {
         let mut ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
         drop(dy);
         // The rotation is orthogonal: its backward rotates the gradient back.
-        be.rope(&mut ag.dq, theta, true)?;
-        be.rope(&mut ag.dk, theta, true)?;
+        be.rope(&mut ag.dq, theta, 0, true)?;
+        be.rope(&mut ag.dk, theta, 0, true)?;
         let _t = self.tag(l, "input_norm.backward");
         let mut dnorm1 = self.scratch([g.b, g.t, c])?;
         for (dh, off) in [(&ag.dq, o::Q), (&ag.dk, o::K), (&ag.dv, o::V)] {

@@ -6,6 +6,7 @@ mod config;
 mod cpu_ops;
 #[cfg(feature = "cuda")]
 mod cuda_ops;
+mod decode;
 mod gpt2_block;
 mod llama_block;
 pub mod ops;
@@ -14,6 +15,7 @@ mod precision;
 mod transformer;
 
 pub use config::{Family, LlamaShape, ModelConfig};
+pub use decode::{KvCache, LayerKv};
 pub use ops::{HeadLossGrads, ModelOps};
 pub use precision::Precision;
 #[cfg(feature = "cuda")]

@@ -125,11 +125,17 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         dy: &Self::Tensor,
     ) -> Result<()>;
 
-    /// Rotary position embedding in place on f32 `x` `[B, H, T, hs]`, position `t` for row
-    /// `t` of every sequence, in Hugging Face's rotate-half layout (dimension `i` pairs with
-    /// `i + hs/2`, frequency `theta^(-2i/hs)`). `inverse` rotates by the negative angle —
-    /// the backward of the forward rotation, which is orthogonal.
-    fn rope(&self, x: &mut Self::Tensor, theta: f32, inverse: bool) -> Result<()>;
+    /// Rotary position embedding in place on f32 `x` `[B, H, T, hs]`, position `pos0 + t` for
+    /// row `t` of every sequence (`pos0` is 0 in training, the cache's length in a cached
+    /// decode), in Hugging Face's rotate-half layout (dimension `i` pairs with `i + hs/2`,
+    /// frequency `theta^(-2i/hs)`). `inverse` rotates by the negative angle — the backward of
+    /// the forward rotation, which is orthogonal.
+    fn rope(&self, x: &mut Self::Tensor, theta: f32, pos0: usize, inverse: bool) -> Result<()>;
+
+    /// `y` `[B, H, Ta + Tb, hs]` = `a` `[B, H, Ta, hs]` followed by `b` `[B, H, Tb, hs]` along
+    /// the sequence, per head (same dtype, any): how a KV cache grows by a decode step's keys
+    /// and values. A copy, bitwise.
+    fn concat_seq(&self, y: &mut Self::Tensor, a: &Self::Tensor, b: &Self::Tensor) -> Result<()>;
 
     /// Token embedding plus, when given, the learned position embedding: `y` `[B, T, C]`
     /// from `tokens` `[B·T]` (host ids, checked below the vocab by the caller).

@@ -425,7 +425,11 @@ impl<B: ModelOps> Model<B> {
 
     /// The final norm of `x` `[B, T, C]` with its statistics (kept for backward), the output
     /// rounded to the storage precision as the head's GEMM reads it.
-    fn final_norm(&self, x: &B::Tensor, g: Geometry) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
+    pub(crate) fn final_norm(
+        &self,
+        x: &B::Tensor,
+        g: Geometry,
+    ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let (w, b) = self.final_norm_indices();
         let mut out = self.stat([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, w, b, g)?;
@@ -573,11 +577,11 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<BlockOutput<B::Tensor, BlockSaved<B::Tensor>>> {
         match self.cfg.family {
             Family::Gpt2 => {
-                let (out, saved) = self.gpt2_block_forward(l, inp, g, save)?;
+                let (out, saved) = self.gpt2_block_forward(l, inp, g, save, None)?;
                 Ok((out, saved.map(BlockSaved::Gpt2)))
             }
             Family::Llama(_) => {
-                let (out, saved) = self.llama_block_forward(l, inp, g, save)?;
+                let (out, saved) = self.llama_block_forward(l, inp, g, save, None)?;
                 Ok((out, saved.map(BlockSaved::Llama)))
             }
         }

@@ -10,17 +10,24 @@ use rayon::prelude::*;
 
 /// `cos` and `sin` of every (position, frequency): two `[t, hs/2]` tables.
 pub fn tables(t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    tables_at(0, t, hs, theta)
+}
+
+/// [`tables`] for positions `pos0 .. pos0 + t` (a cached decode's new rows): row `r` holds
+/// the angles of position `pos0 + r`, the same values [`tables`] gives at that position.
+pub fn tables_at(pos0: usize, t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
     let half = hs / 2;
     let inv_freq: Vec<f32> = (0..half)
         .map(|i| 1.0 / theta.powf((2 * i) as f32 / hs as f32))
         .collect();
     let mut cos = vec![0f32; t * half];
     let mut sin = vec![0f32; t * half];
-    for pos in 0..t {
+    for row in 0..t {
+        let pos = (pos0 + row) as f32;
         for (i, &f) in inv_freq.iter().enumerate() {
-            let angle = (pos as f32 * f) as f64;
-            cos[pos * half + i] = angle.cos() as f32;
-            sin[pos * half + i] = angle.sin() as f32;
+            let angle = (pos * f) as f64;
+            cos[row * half + i] = angle.cos() as f32;
+            sin[row * half + i] = angle.sin() as f32;
         }
     }
     (cos, sin)

@@ -1,0 +1,245 @@
+//! Cached decoding: the model's own blocks run one step of new tokens at a time, each layer
+//! reading the keys and values of every earlier position from a [`KvCache`] instead of
+//! recomputing them. Sampling (`headroom sample`) is built on it.
+//!
+//! Memory, per layer (storage precision, after rotary embedding):
+//! - `k`: `[B, kv_heads, len, hs]`
+//! - `v`: `[B, kv_heads, len, hs]`
+//!
+//! so `2 · layers · B · kv_heads · len · hs` elements in all — GQA's fewer key/value heads
+//! shrink it by `heads / kv_heads`. Counted as activations.
+//!
+//! Trade-off: a step grows each layer's cache by concatenation (a new tensor of `len + t`
+//! rows, the old one freed), not by writing into a preallocated buffer, because the attention
+//! kernels take exact-length tensors. That copies the cache once per step — `O(len)` bytes
+//! against the step's `O(params)` multiply-adds — and the peak holds the old and the new
+//! cache of one layer at once, never two whole caches.
+
+use headroom_profiler::label_absolute;
+use headroom_tensor::{MemoryCategory, Tensor};
+
+use crate::model::ops::ModelOps;
+use crate::model::params;
+use crate::model::transformer::{Geometry, Model};
+use crate::model::Family;
+use crate::{Result, TrainError};
+
+/// One layer's cached keys and values, `[B, kv_heads, len, hs]` each.
+#[derive(Debug)]
+pub struct LayerKv<T> {
+    k: Option<T>,
+    v: Option<T>,
+    len: usize,
+}
+
+impl<T> LayerKv<T> {
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The keys and values attention reads in a block: the step's own (training, where backward
+/// needs them) or the cache's, grown by the step's.
+pub(crate) enum KvInput<'a, T> {
+    Fresh(T, T),
+    Cached(&'a T, &'a T),
+}
+
+impl<T> KvInput<'_, T> {
+    /// Keys and values, borrowed.
+    pub(crate) fn pair(&self) -> (&T, &T) {
+        match self {
+            KvInput::Fresh(k, v) => (k, v),
+            KvInput::Cached(k, v) => (k, v),
+        }
+    }
+
+    /// The step's own keys and values, for backward: a cached decode saves nothing.
+    pub(crate) fn into_fresh(self) -> Result<(T, T)> {
+        match self {
+            KvInput::Fresh(k, v) => Ok((k, v)),
+            KvInput::Cached(..) => Err(TrainError::Input(
+                "a cached decode step cannot save activations for backward".into(),
+            )),
+        }
+    }
+}
+
+/// Every layer's [`LayerKv`] for a batch of `B` sequences decoded together.
+#[derive(Debug)]
+pub struct KvCache<T> {
+    layers: Vec<LayerKv<T>>,
+    batch: usize,
+}
+
+impl<T: Tensor> KvCache<T> {
+    /// Positions cached (the same in every layer).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, LayerKv::len)
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Sequences decoded together.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Bytes the cache holds now.
+    pub fn size_in_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| l.k.iter().chain(l.v.iter()))
+            .map(Tensor::size_in_bytes)
+            .sum()
+    }
+}
+
+impl<B: ModelOps> Model<B> {
+    /// An empty cache for `batch` sequences.
+    pub fn kv_cache(&self, batch: usize) -> KvCache<B::Tensor> {
+        KvCache {
+            layers: (0..self.cfg.layers)
+                .map(|_| LayerKv {
+                    k: None,
+                    v: None,
+                    len: 0,
+                })
+                .collect(),
+            batch,
+        }
+    }
+
+    /// The keys and values a block's attention reads: `k`, `v` themselves without a cache;
+    /// with one, the cache grown by them (and the cache keeps them).
+    pub(crate) fn extend_kv<'a>(
+        &self,
+        kv: Option<&'a mut LayerKv<B::Tensor>>,
+        k: B::Tensor,
+        v: B::Tensor,
+    ) -> Result<KvInput<'a, B::Tensor>> {
+        let Some(cache) = kv else {
+            return Ok(KvInput::Fresh(k, v));
+        };
+        let t = k.shape().dims().get(2).copied().unwrap_or(0);
+        let grow = |old: Option<B::Tensor>, new: B::Tensor| -> Result<B::Tensor> {
+            let Some(old) = old else {
+                return Ok(new);
+            };
+            let mut dims = old.shape().dims().to_vec();
+            dims[2] += t;
+            let _g = MemoryCategory::Activations.enter();
+            let mut out = self.backend().uninit(dims, old.dtype())?;
+            self.backend().concat_seq(&mut out, &old, &new)?;
+            Ok(out)
+        };
+        cache.k = Some(grow(cache.k.take(), k)?);
+        cache.v = Some(grow(cache.v.take(), v)?);
+        cache.len += t;
+        match (&cache.k, &cache.v) {
+            (Some(k), Some(v)) => Ok(KvInput::Cached(k, v)),
+            _ => Err(TrainError::Input("the KV cache lost a tensor".into())),
+        }
+    }
+
+    /// One decode step: `tokens` `[B, t]` (row-major, `B` the cache's batch) are the positions
+    /// `cache.len() ..` of each sequence; runs them through every block, growing the cache,
+    /// and returns the logits `[B, V]` (f32) of each sequence's last new position — the
+    /// distribution of the token after it. A prompt of `t` tokens runs its first `t − 1`
+    /// positions without the head (only the last position's logits are needed).
+    pub fn decode(&self, cache: &mut KvCache<B::Tensor>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let b = cache.batch;
+        if b == 0 || tokens.is_empty() || tokens.len() % b != 0 {
+            return Err(TrainError::Input(format!(
+                "decode: {} tokens are not [{b}, t] with t ≥ 1",
+                tokens.len()
+            )));
+        }
+        if cache.layers.len() != self.cfg.layers {
+            return Err(TrainError::Input(format!(
+                "decode: a cache of {} layers for a model of {}",
+                cache.layers.len(),
+                self.cfg.layers
+            )));
+        }
+        let t = tokens.len() / b;
+        let end = cache.len().saturating_add(t);
+        if end > self.cfg.max_seq {
+            return Err(TrainError::Input(format!(
+                "decode: positions up to {end} exceed the model's context of {}",
+                self.cfg.max_seq
+            )));
+        }
+        // Every id is checked before the first block runs: a refused step caches nothing.
+        self.check_batch(tokens, tokens, Geometry { b, t })?;
+        if t > 1 {
+            let head: Vec<u32> = tokens
+                .chunks_exact(t)
+                .flat_map(|row| row[..t - 1].iter().copied())
+                .collect();
+            self.step(cache, &head, Geometry { b, t: t - 1 })?;
+        }
+        let last: Vec<u32> = tokens.chunks_exact(t).map(|row| row[t - 1]).collect();
+        let x = self.step(cache, &last, Geometry { b, t: 1 })?;
+        let xv = self.view(&x)?;
+        let g = Geometry { b, t: 1 };
+        let (lnf, _) = self.final_norm(xv.tensor(), g)?;
+        drop(xv);
+        let _l = label_absolute("head.logits");
+        let mut logits = self.scratch([b, 1, self.cfg.vocab])?;
+        let head = self.w(params::head_index(&self.cfg))?;
+        self.backend().linear(&mut logits, &lnf, head, None)?;
+        self.backend().round_to(&mut logits, self.opts.precision)?;
+        Ok(self.backend().download::<f32>(&logits)?)
+    }
+
+    /// Embed `tokens` `[B, t]` at the cache's positions and run every block with its cache:
+    /// the last block's output `[B, t, C]`.
+    fn step(
+        &self,
+        cache: &mut KvCache<B::Tensor>,
+        tokens: &[u32],
+        g: Geometry,
+    ) -> Result<B::Tensor> {
+        self.check_batch(tokens, tokens, g)?;
+        let pos0 = cache.len();
+        let mut x = self.embed_at(tokens, g, pos0)?;
+        for (l, layer) in cache.layers.iter_mut().enumerate() {
+            x = match self.cfg.family {
+                Family::Gpt2 => self.gpt2_block_forward(l, &x, g, false, Some(layer))?.0,
+                Family::Llama(_) => self.llama_block_forward(l, &x, g, false, Some(layer))?.0,
+            };
+        }
+        Ok(x)
+    }
+
+    /// [`Model::embed`] for positions `pos0 ..`: GPT-2's position rows are gathered like
+    /// tokens and added, the same single f32 addition the training embedding does.
+    fn embed_at(&self, tokens: &[u32], g: Geometry, pos0: usize) -> Result<B::Tensor> {
+        if pos0 == 0 || matches!(self.cfg.family, Family::Llama(_)) {
+            return self.embed(tokens, g);
+        }
+        let _l = label_absolute("embed.out");
+        let c = self.cfg.channels;
+        let be = self.backend();
+        let mut out = self.fresh([g.b, g.t, c])?;
+        be.embed(&mut out, tokens, self.w(params::WTE)?, None)?;
+        let positions: Vec<u32> = (0..g.b)
+            .flat_map(|_| (pos0..pos0 + g.t).map(|p| p as u32))
+            .collect();
+        let mut pos_rows = self.scratch([g.b, g.t, c])?;
+        be.embed(&mut pos_rows, &positions, self.w(params::WPE)?, None)?;
+        be.axpy(1.0, &pos_rows, &mut out)?;
+        drop(pos_rows);
+        self.keep(out)
+    }
+}

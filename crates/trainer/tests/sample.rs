@@ -1,0 +1,293 @@
+//! Cached decoding against the full forward, and the sampler: a KV-cache step gives the logits
+//! the whole sequence's forward gives at that position (both families, GQA and MHA, every
+//! attention algorithm, batched, bf16), greedy generation equals the uncached argmax loop
+//! (across the sliding window too), and the draw follows softmax(logits / T) within top-k.
+
+use headroom_attn::AttentionConfig;
+use headroom_mmap_data::rng::Xoshiro256;
+use headroom_tensor::Cpu;
+use headroom_trainer::model::{
+    Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
+};
+use headroom_trainer::sample::{generate, pick, SampleOptions};
+use headroom_trainer::TrainError;
+use proptest::prelude::*;
+
+fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
+    let family = match llama {
+        Some(kv_heads) => Family::Llama(LlamaShape {
+            kv_heads,
+            ffn: 40,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            tied_head: false,
+        }),
+        None => Family::Gpt2,
+    };
+    ModelConfig {
+        vocab: 41,
+        max_seq,
+        layers: 2,
+        heads: 4,
+        channels: 32,
+        family,
+    }
+}
+
+fn tokens(n: usize, vocab: usize, seed: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i * 13 + 5 + seed * 7) % vocab) as u32)
+        .collect()
+}
+
+/// The largest |a − b| relative to the largest |b| of each row of `v` logits.
+fn worst_rel(a: &[f32], b: &[f32], v: usize) -> f32 {
+    a.chunks(v)
+        .zip(b.chunks(v))
+        .map(|(x, y)| {
+            let scale = y.iter().fold(1e-3f32, |m, q| m.max(q.abs()));
+            x.iter()
+                .zip(y)
+                .map(|(p, q)| (p - q).abs())
+                .fold(0f32, f32::max)
+                / scale
+        })
+        .fold(0f32, f32::max)
+}
+
+/// Logits of every position of `b` sequences by the cache (a prompt of `prompt` tokens, then
+/// one token a step) and by the full forward; returns the worst relative difference.
+fn cached_vs_full(model: &Model, b: usize, t: usize, prompt: usize) -> f32 {
+    let v = model.cfg.vocab;
+    let seq = tokens(b * t, v, 3);
+    let full = model.logits(&seq, Geometry { b, t }).unwrap();
+    let mut cache = model.kv_cache(b);
+    let mut worst = 0f32;
+    let mut pos = 0;
+    while pos < t {
+        let step = if pos == 0 { prompt } else { 1 };
+        let chunk: Vec<u32> = seq
+            .chunks(t)
+            .flat_map(|row| row[pos..pos + step].iter().copied())
+            .collect();
+        let got = model.decode(&mut cache, &chunk).unwrap();
+        pos += step;
+        assert_eq!(cache.len(), pos);
+        let want: Vec<f32> = full
+            .chunks(t * v)
+            .flat_map(|seq_logits| seq_logits[(pos - 1) * v..pos * v].iter().copied())
+            .collect();
+        worst = worst.max(worst_rel(&got, &want, v));
+    }
+    worst
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+
+    #[test]
+    fn a_cached_step_gives_the_full_forwards_logits(
+        family in 0usize..3,
+        algo in 0usize..3,
+        b in 1usize..3,
+        t in 1usize..12,
+        prompt_frac in 0.0f64..1.0,
+    ) {
+        let llama = [None, Some(2), Some(4)][family];
+        let opts = ModelOptions {
+            attention: [AttentionConfig::naive(), AttentionConfig::chunked(), AttentionConfig::flash()][algo],
+            ..ModelOptions::default()
+        };
+        let model = Model::new(&Cpu::new(), cfg(llama, 16), opts, 5).unwrap();
+        let prompt = 1 + ((t - 1) as f64 * prompt_frac) as usize;
+        let worst = cached_vs_full(&model, b, t, prompt);
+        // f32 summation order only: q·kᵀ over a cache is the same dot products as a row of
+        // the full product, but the GEMM may block them differently.
+        prop_assert!(worst <= 2e-5, "worst relative logit difference {worst}");
+    }
+}
+
+#[test]
+fn the_cache_agrees_in_bf16_and_holds_gqa_sized_tensors() {
+    for llama in [None, Some(1)] {
+        let opts = ModelOptions {
+            precision: Precision::Bf16,
+            ..ModelOptions::default()
+        };
+        let model = Model::new(&Cpu::new(), cfg(llama, 16), opts, 9).unwrap();
+        // bf16 rounds every kept activation; the cached and full paths round the same values
+        // unless a GEMM's blocking moves a result across a rounding boundary.
+        let worst = cached_vs_full(&model, 2, 9, 4);
+        assert!(worst <= 2e-2, "{llama:?}: {worst}");
+        let mut cache = model.kv_cache(1);
+        model.decode(&mut cache, &tokens(5, 41, 1)).unwrap();
+        let kv_heads = llama.unwrap_or(4);
+        // k and v, 2 layers, 5 positions, head dim 8, 2 bytes (bf16).
+        assert_eq!(cache.size_in_bytes(), 2 * 2 * kv_heads * 5 * 8 * 2);
+    }
+}
+
+/// The uncached reference of [`generate`] at temperature 0: the argmax of the full forward's
+/// last row over the same sliding context.
+fn greedy_reference(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let (v, window) = (model.cfg.vocab, model.cfg.max_seq);
+    let mut all = prompt.to_vec();
+    let mut start = all.len().saturating_sub(window);
+    let mut out = vec![];
+    for _ in 0..n {
+        if all.len() - start > window {
+            start = all.len() - window / 2;
+        }
+        let ctx = &all[start..];
+        let logits = model.logits(ctx, Geometry { b: 1, t: ctx.len() }).unwrap();
+        let last = &logits[(ctx.len() - 1) * v..];
+        let mut best = 0;
+        for (i, &l) in last.iter().enumerate() {
+            if l > last[best] {
+                best = i;
+            }
+        }
+        all.push(best as u32);
+        out.push(best as u32);
+    }
+    out
+}
+
+#[test]
+fn greedy_generation_equals_the_uncached_argmax_across_the_window() {
+    for llama in [None, Some(2)] {
+        let model = Model::new(&Cpu::new(), cfg(llama, 8), ModelOptions::default(), 21).unwrap();
+        let prompt = tokens(3, 41, 0);
+        let opts = SampleOptions {
+            tokens: 20,
+            temperature: 0.0,
+            ..SampleOptions::default()
+        };
+        let mut seen = vec![];
+        let got = generate(&model, &prompt, &opts, |t| {
+            seen.push(t);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(got, seen);
+        assert_eq!(got, greedy_reference(&model, &prompt, 20), "{llama:?}");
+        // A prompt longer than the window keeps its tail.
+        let long = tokens(13, 41, 2);
+        let got = generate(&model, &long, &opts, |_| Ok(())).unwrap();
+        assert_eq!(
+            got,
+            greedy_reference(&model, &long, 20),
+            "{llama:?}, long prompt"
+        );
+    }
+}
+
+#[test]
+fn sampling_is_seeded_and_stops_at_the_end_token() {
+    let model = Model::new(&Cpu::new(), cfg(Some(2), 16), ModelOptions::default(), 4).unwrap();
+    let run = |seed| {
+        let opts = SampleOptions {
+            tokens: 12,
+            temperature: 1.5,
+            top_k: Some(10),
+            seed,
+            stop_at: None,
+            vocab_limit: None,
+        };
+        generate(&model, &[1, 2, 3], &opts, |_| Ok(())).unwrap()
+    };
+    assert_eq!(run(7), run(7));
+    assert_ne!(run(7), run(8), "the seed must matter");
+    let first = run(7)[0];
+    let opts = SampleOptions {
+        tokens: 12,
+        temperature: 1.5,
+        top_k: Some(10),
+        seed: 7,
+        stop_at: Some(first),
+        vocab_limit: None,
+    };
+    assert_eq!(
+        generate(&model, &[1, 2, 3], &opts, |_| Ok(())).unwrap(),
+        vec![first]
+    );
+}
+
+proptest! {
+    #[test]
+    fn a_draw_is_among_the_top_k(
+        logits in prop::collection::vec(-20f32..20.0, 1..60),
+        k in 1usize..8,
+        temperature in 0.05f32..5.0,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Xoshiro256::seed_from_u64(seed);
+        let id = pick(&logits, temperature, Some(k), &mut rng).unwrap() as usize;
+        let above = logits.iter().filter(|&&l| l > logits[id]).count();
+        prop_assert!(above < k, "id {id} has {above} larger logits, k = {k}");
+    }
+
+    #[test]
+    fn temperature_zero_and_top_1_are_the_argmax(
+        logits in prop::collection::vec(-20f32..20.0, 1..60),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = Xoshiro256::seed_from_u64(seed);
+        let greedy = pick(&logits, 0.0, None, &mut rng).unwrap() as usize;
+        let top1 = pick(&logits, 3.0, Some(1), &mut rng).unwrap() as usize;
+        let max = logits.iter().copied().fold(f32::MIN, f32::max);
+        let first_max = logits.iter().position(|&l| l == max).unwrap();
+        prop_assert_eq!(greedy, first_max);
+        prop_assert_eq!(top1, first_max);
+    }
+}
+
+#[test]
+fn draws_follow_the_tempered_softmax() {
+    // p(1) = e^{ln 3 / T} / (1 + e^{ln 3 / T}): 0.75 at T = 1, 0.9 at T = 0.5.
+    for (temperature, want) in [(1.0f32, 0.75f64), (0.5, 0.9)] {
+        let mut rng = Xoshiro256::seed_from_u64(42);
+        let n = 20_000;
+        let ones = (0..n)
+            .filter(|_| pick(&[0.0, 3f32.ln()], temperature, None, &mut rng).unwrap() == 1)
+            .count();
+        let p = ones as f64 / n as f64;
+        // Five standard deviations of a binomial proportion (σ ≤ 0.0031 here).
+        assert!((p - want).abs() < 0.016, "T = {temperature}: {p} vs {want}");
+    }
+}
+
+#[test]
+fn bad_requests_are_typed_errors() {
+    let model = Model::new(&Cpu::new(), cfg(Some(2), 8), ModelOptions::default(), 4).unwrap();
+    let mut rng = Xoshiro256::seed_from_u64(0);
+    for (temperature, k) in [
+        (f32::NAN, None),
+        (-1.0, None),
+        (f32::INFINITY, None),
+        (1.0, Some(0)),
+    ] {
+        assert!(matches!(
+            pick(&[1.0, 2.0], temperature, k, &mut rng),
+            Err(TrainError::Input(_))
+        ));
+    }
+    assert!(matches!(
+        pick(&[f32::NAN, 1.0], 1.0, None, &mut rng),
+        Err(TrainError::Input(_))
+    ));
+    assert!(pick(&[], 1.0, None, &mut rng).is_err());
+    let mut cache = model.kv_cache(1);
+    // Past the context, an id outside the vocabulary, a ragged batch, nothing at all.
+    assert!(model.decode(&mut cache, &tokens(9, 41, 0)).is_err());
+    assert!(model.decode(&mut cache, &[41]).is_err());
+    assert!(model.decode(&mut model.kv_cache(2), &[1, 2, 3]).is_err());
+    assert!(model.decode(&mut cache, &[]).is_err());
+    assert!(cache.is_empty(), "refused steps cache nothing");
+    model.decode(&mut cache, &tokens(8, 41, 0)).unwrap();
+    assert!(
+        model.decode(&mut cache, &[1]).is_err(),
+        "the window is full"
+    );
+    assert!(generate(&model, &[], &SampleOptions::default(), |_| Ok(())).is_err());
+}
