@@ -65,6 +65,38 @@ def main():
                   f, ensure_ascii=False, indent=1)
     print(f"{OUT}: vocab {tok.get_vocab_size()}", file=sys.stderr)
     write_gpt2_ids()
+    write_story_tokenizer()
+
+
+# The words of the toy grammar the fine-tuning test (crates/trainer/tests/finetune.rs) writes
+# its text with: determiner adjective noun verb preposition determiner adjective noun.
+STORY_WORDS = ["the", "a", "big", "small", "red", "old", "cat", "dog", "bird", "fox", "sat",
+               "ran", "slept", "jumped", "on", "under", "near", "mat", "log", "tree", "box"]
+
+
+def write_story_tokenizer():
+    """A SentencePiece-style BPE (Metaspace, as Llama's tokenizers) of at most 90 ids, small
+    enough for the 97-id Llama fixture: fine-tuning and sampling print real words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import random
+
+    rng = random.Random(5)
+    det, adj, noun = STORY_WORDS[:2], STORY_WORDS[2:6], STORY_WORDS[6:10] + STORY_WORDS[17:]
+    verb, prep = STORY_WORDS[10:14], STORY_WORDS[14:17]
+    lines = [" ".join([rng.choice(det), rng.choice(adj), rng.choice(noun), rng.choice(verb),
+                       rng.choice(prep), rng.choice(det), rng.choice(adj), rng.choice(noun)]) + "."
+             for _ in range(400)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=["<unk>", "</s>"])
+    tok.train_from_iterator(lines, trainer)
+    out = os.path.join(OUT, "story")
+    os.makedirs(out, exist_ok=True)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    text = "the big cat sat on a red mat."
+    assert tok.decode(tok.encode(text).ids) == text
+    print(f"{out}: vocab {tok.get_vocab_size()}", file=sys.stderr)
 
 
 # tiktoken's r50k_base split pattern (GPT-2's).

@@ -1260,13 +1260,21 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         vocab_limit: tok.as_ref().map(Tokenizer::vocab_size),
     };
     let mut out = std::io::stdout();
-    let mut generated: Vec<u32> = vec![];
+    // With a tokenizer the prompt and the new tokens are decoded together, so the joins come
+    // out as the tokenizer writes them (spaces of SentencePiece-style pieces, characters split
+    // across byte-level tokens); what is printed is the text past what was printed before.
+    let mut generated: Vec<u32> = prompt.clone();
     let mut printed = 0usize;
-    if let Some(text) = &a.prompt {
-        let _ = write!(out, "{text}");
-    } else if tok.is_none() {
-        let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
-        let _ = write!(out, "{}", ids.join(" "));
+    match &tok {
+        Some(t) => {
+            let text = t.decode(&generated)?;
+            let _ = write!(out, "{text}");
+            printed = text.len();
+        }
+        None => {
+            let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+            let _ = write!(out, "{}", ids.join(" "));
+        }
     }
     let _ = out.flush();
     let start = std::time::Instant::now();
