@@ -15,6 +15,9 @@ folder with `--quick`; this one then exits with code 3 ("skipped") and writes no
 
 Run from the repository root:
     python benches/torch/make_llama_fixture.py --write
+
+`--gpt2-124m DIR` instead writes a random GPT-2 small (124M parameters, f32, one file) to DIR
+for the load bench (`crates/trainer/tests/hf_load_rss.rs`; not committed: 500 MB).
 (needs torch, transformers and safetensors; CI only reads the committed outputs).
 """
 
@@ -122,7 +125,16 @@ def main():
         )
 
 
+def write_gpt2_124m(directory):
+    torch.manual_seed(124)
+    GPT2LMHeadModel(GPT2Config()).save_pretrained(directory, safe_serialization=True)
+    print(f"{directory}: GPT-2 small, random weights", file=sys.stderr)
+
+
 if __name__ == "__main__":
+    if "--gpt2-124m" in sys.argv[1:]:
+        write_gpt2_124m(sys.argv[sys.argv.index("--gpt2-124m") + 1])
+        sys.exit(0)
     if "--write" not in sys.argv[1:]:
         print("writes fixtures only with --write (not a comparison bench)", file=sys.stderr)
         sys.exit(3)
