@@ -18,6 +18,10 @@
 //!   .partial-step-00000030-4711/   a save in progress (never read)
 //! ```
 //!
+//! A model larger than the shard limit ([`MAX_SHARD_BYTES`], transformers' default; or
+//! [`save_sharded`]'s) is written as transformers shards it — `model-00001-of-0000N.safetensors`
+//! … plus `model.safetensors.index.json` — every file in the manifest.
+//!
 //! `model.safetensors`: the four Conv1D weights (`attn.c_attn`, `attn.c_proj`, `mlp.c_fc`,
 //! `mlp.c_proj`) are written transposed, `[in, out]`, exactly as Hugging Face stores them;
 //! prefix the names with `transformer.` to load them into `GPT2LMHeadModel` (the head is tied
@@ -56,7 +60,13 @@ use crate::{Result, TrainError};
 pub const FORMAT_VERSION: u32 = 2;
 /// The manifest's file name inside a step directory.
 pub const MANIFEST: &str = "manifest.json";
-/// Files every checkpoint holds, in the order they are written (the manifest comes after).
+/// transformers' default `max_shard_size` ("50GB" in version 5): a model below it is one file,
+/// as `save_pretrained` writes it.
+pub const MAX_SHARD_BYTES: u64 = 50_000_000_000;
+/// The index of a sharded model (transformers' name and layout).
+pub const SHARD_INDEX: &str = "model.safetensors.index.json";
+/// Files every checkpoint holds, in the order they are written (the manifest comes after); a
+/// sharded one holds its shards and [`SHARD_INDEX`] instead of `model.safetensors`.
 pub const FILES: [&str; 4] = [
     "model.safetensors",
     "config.json",
@@ -336,6 +346,23 @@ fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
 }
 
+/// Consecutive ranges of tensors (by their byte sizes), each at most `max` bytes unless a
+/// single tensor is larger: transformers' greedy split.
+fn shard_ranges(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<std::ops::Range<usize>> {
+    let mut out = vec![];
+    let (mut start, mut bytes, mut n) = (0, 0u64, 0);
+    for size in sizes {
+        if n > start && bytes.saturating_add(size) > max {
+            out.push(start..n);
+            (start, bytes) = (n, 0);
+        }
+        bytes = bytes.saturating_add(size);
+        n += 1;
+    }
+    out.push(start..n);
+    out
+}
+
 fn step_dir_name(step: usize) -> String {
     format!("{STEP_PREFIX}{step:08}")
 }
@@ -372,13 +399,31 @@ pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
 
 /// Save a checkpoint as `root/step-N` (N = `state.step`) and keep the newest `keep` of them.
 /// Returns the published directory. See the module docs for why a crash at any point of this
-/// function leaves only complete checkpoints.
+/// function leaves only complete checkpoints. The model is one `model.safetensors` up to
+/// [`MAX_SHARD_BYTES`], shards beyond (see [`save_sharded`]).
 pub fn save(
     root: &Path,
     state: &TrainingState,
     params: &[CpuTensor],
     moments: &[u8],
     keep: usize,
+) -> Result<PathBuf> {
+    save_sharded(root, state, params, moments, keep, MAX_SHARD_BYTES)
+}
+
+/// [`save`], with the model split as transformers' `save_pretrained(max_shard_size=…)` splits
+/// it when its tensors exceed `max_shard_bytes`: tensors in parameter order, a new shard
+/// whenever the next tensor would overflow the current one (a tensor larger than the limit
+/// gets a shard of its own), files `model-00001-of-0000N.safetensors` and a
+/// `model.safetensors.index.json` mapping every tensor to its file. Every shard and the index
+/// are in the manifest, so the crash-consistency argument is unchanged.
+pub fn save_sharded(
+    root: &Path,
+    state: &TrainingState,
+    params: &[CpuTensor],
+    moments: &[u8],
+    keep: usize,
+    max_shard_bytes: u64,
 ) -> Result<PathBuf> {
     if keep == 0 {
         return Err(err(
@@ -420,25 +465,48 @@ pub fn save(
             bytemuck::cast_slice(&data).to_vec(),
         ));
     }
-    let views = owned
-        .iter()
-        .map(|(n, s, b)| {
-            Ok((
-                n.as_str(),
-                TensorView::new(Dtype::F32, s.clone(), b).map_err(|e| err(root, e.to_string()))?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let model = safetensors::serialize(views, None).map_err(|e| err(root, e.to_string()))?;
+    let mut files = Vec::with_capacity(FILES.len() + 1);
+    let shards = shard_ranges(
+        owned.iter().map(|(_, _, b)| b.len() as u64),
+        max_shard_bytes,
+    );
+    let mut weight_map = serde_json::Map::new();
+    for (i, range) in shards.iter().enumerate() {
+        let name = if shards.len() == 1 {
+            FILES[0].to_owned()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())
+        };
+        let views = owned[range.clone()]
+            .iter()
+            .map(|(n, s, b)| {
+                weight_map.insert(n.clone(), serde_json::Value::from(name.clone()));
+                Ok((
+                    n.as_str(),
+                    TensorView::new(Dtype::F32, s.clone(), b)
+                        .map_err(|e| err(root, e.to_string()))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let model = safetensors::serialize(views, None).map_err(|e| err(root, e.to_string()))?;
+        files.push(write_synced(&partial.join(&name), &model)?);
+    }
+    if shards.len() > 1 {
+        let total: usize = owned.iter().map(|(_, _, b)| b.len()).sum();
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let index = serde_json::to_vec_pretty(&index).map_err(|e| err(root, e.to_string()))?;
+        files.push(write_synced(&partial.join(SHARD_INDEX), &index)?);
+    }
     drop(owned);
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
-    let contents: [(&str, &[u8]); 4] = [
-        (FILES[0], &model),
+    let contents: [(&str, &[u8]); 3] = [
         (FILES[1], &hf_config(&state.config, root)?),
         (FILES[2], moments),
         (FILES[3], &state_json),
     ];
-    let mut files = Vec::with_capacity(contents.len());
     for (name, bytes) in contents {
         files.push(write_synced(&partial.join(name), bytes)?);
     }
@@ -583,12 +651,76 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
             ),
         ));
     }
-    for name in FILES {
-        if m.files.iter().filter(|f| f.name == name).count() != 1 {
+    let listed = |name: &str| m.files.iter().filter(|f| f.name == name).count();
+    for name in &FILES[1..] {
+        if listed(name) != 1 {
             return Err(err(&path, format!("does not list {name} exactly once")));
         }
     }
+    if listed(FILES[0]) + listed(SHARD_INDEX) != 1 {
+        return Err(err(
+            &path,
+            format!("must list exactly one of {} and {SHARD_INDEX}", FILES[0]),
+        ));
+    }
+    let mut names: Vec<&str> = m.files.iter().map(|f| f.name.as_str()).collect();
+    names.sort_unstable();
+    if names.windows(2).any(|w| w[0] == w[1]) {
+        return Err(err(&path, "lists a file twice"));
+    }
     Ok(m)
+}
+
+/// The manifest entries of a sharded model's files: the index read (bounded, verified) and
+/// every shard it names, each a plain file name the manifest lists.
+type WeightMap = std::collections::HashMap<String, String>;
+
+fn shard_entries<'m>(
+    dir: &Path,
+    manifest: &'m Manifest,
+    index: &ManifestFile,
+) -> Result<(Vec<&'m ManifestFile>, WeightMap)> {
+    let path = dir.join(SHARD_INDEX);
+    if index.bytes > MAX_JSON_BYTES {
+        return Err(err(&path, "implausibly large"));
+    }
+    let json: serde_json::Value = serde_json::from_slice(&read_verified(dir, index)?)
+        .map_err(|e| err(&path, e.to_string()))?;
+    let map = json["weight_map"]
+        .as_object()
+        .ok_or_else(|| err(&path, "no weight_map"))?;
+    let weights: WeightMap = map
+        .iter()
+        .map(|(name, file)| match file.as_str() {
+            // A shard is a file of this directory, never a path elsewhere.
+            Some(f) if !f.contains(['/', '\\']) && !f.starts_with('.') => {
+                Ok((name.clone(), f.to_owned()))
+            }
+            _ => Err(err(
+                &path,
+                format!("{name}: {file} is not a shard's file name"),
+            )),
+        })
+        .collect::<Result<_>>()?;
+    let mut files: Vec<&str> = weights.values().map(String::as_str).collect();
+    files.sort_unstable();
+    files.dedup();
+    let entries = files
+        .into_iter()
+        .map(|f| {
+            manifest
+                .files
+                .iter()
+                .find(|e| e.name == f && f.ends_with(".safetensors"))
+                .ok_or_else(|| {
+                    err(
+                        &path,
+                        format!("names {f:?}, which the manifest does not list"),
+                    )
+                })
+        })
+        .collect::<Result<_>>()?;
+    Ok((entries, weights))
 }
 
 /// Load the checkpoint at `path` (a step directory, or a root: its newest checkpoint), checking
@@ -623,37 +755,64 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     }
     state.config.validate()?;
     let param_count = state.config.parameter_count()?;
-    let model_entry = entry("model.safetensors")?;
-    // f32 data plus a header of a few hundred bytes per tensor: a file much larger than that
-    // is not this model's, and is refused before it is read.
     let tensors = state.config.tensor_count()? as u64;
+    let (model_entries, weight_map): (Vec<&ManifestFile>, Option<WeightMap>) =
+        match entry(SHARD_INDEX) {
+            Ok(index) => {
+                let (entries, map) = shard_entries(&dir, &manifest, index)?;
+                (entries, Some(map))
+            }
+            Err(_) => (vec![entry(FILES[0])?], None),
+        };
+    // f32 data plus a header of a few hundred bytes per tensor (and per shard): files much
+    // larger than that are not this model's, and are refused before they are read.
     let max_model_bytes = param_count
         .checked_mul(4)
         .and_then(|b| b.checked_add(tensors.saturating_mul(512) + 4096))
+        .and_then(|b| b.checked_add((model_entries.len() as u64).saturating_mul(4096)))
         .ok_or_else(|| err(&dir, "parameter bytes overflow"))?;
-    if model_entry.bytes > max_model_bytes {
+    let model_bytes = model_entries
+        .iter()
+        .fold(0u64, |acc, e| acc.saturating_add(e.bytes));
+    if model_bytes > max_model_bytes {
         return Err(err(
-            &dir.join("model.safetensors"),
-            format!(
-                "{} bytes for a model of {param_count} parameters",
-                model_entry.bytes
-            ),
+            &dir.join(&model_entries[0].name),
+            format!("{model_bytes} bytes of model files for a model of {param_count} parameters"),
         ));
     }
-    let model_path = dir.join("model.safetensors");
-    let bytes = read_verified(&dir, model_entry)?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| err(&model_path, e.to_string()))?;
-    if st.len() as u64 != tensors {
+    let bytes = model_entries
+        .iter()
+        .map(|e| read_verified(&dir, e))
+        .collect::<Result<Vec<_>>>()?;
+    let mut found = std::collections::HashMap::new();
+    for (e, b) in model_entries.iter().zip(&bytes) {
+        let path = dir.join(&e.name);
+        let st = SafeTensors::deserialize(b).map_err(|x| err(&path, x.to_string()))?;
+        for (name, view) in st.tensors() {
+            if let Some(map) = &weight_map {
+                if map.get(&name) != Some(&e.name) {
+                    return Err(err(&path, format!("{name} is not where the index says")));
+                }
+            }
+            if found.insert(name.clone(), (view, path.clone())).is_some() {
+                return Err(err(&path, format!("{name} is in two model files")));
+            }
+        }
+    }
+    if found.len() as u64 != tensors {
         return Err(err(
-            &model_path,
-            format!("{} tensors, the config needs {tensors}", st.len()),
+            &dir.join(&model_entries[0].name),
+            format!("{} tensors, the config needs {tensors}", found.len()),
         ));
     }
-    let mut out = Vec::with_capacity(st.len());
+    let mut out = Vec::with_capacity(found.len());
     for info in params::param_infos(&state.config) {
-        let t = st
-            .tensor(&info.name)
-            .map_err(|e| err(&model_path, format!("{}: {e}", info.name)))?;
+        let (t, model_path) = found.remove(&info.name).ok_or_else(|| {
+            err(
+                &dir.join(&model_entries[0].name),
+                format!("{}: missing", info.name),
+            )
+        })?;
         if t.dtype() != Dtype::F32 {
             return Err(err(
                 &model_path,

@@ -323,6 +323,10 @@ struct TrainArgs {
     /// Checkpoints to keep (the newest).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
     keep_checkpoints: u64,
+    /// Split a checkpoint's model into safetensors shards of at most this many MiB, with
+    /// transformers' index (default: transformers' 50 GB).
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    max_shard_mib: Option<u64>,
     /// Continue bit for bit from a checkpoint: a step directory, or a checkpoint directory
     /// (its newest complete checkpoint).
     #[arg(long)]
@@ -681,6 +685,9 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
     }
     o.save = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
     o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
+    if let Some(mib) = args.max_shard_mib {
+        o.max_shard_bytes = mib.saturating_mul(1 << 20);
+    }
     o.resume_from = args.resume;
     o.stop_after = args.stop_after;
     o.eval = args.val_data.map(|data| EvalOptions {
@@ -1240,9 +1247,11 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     let prompt = match (&a.prompt, a.prompt_ids, &tok) {
         (Some(text), _, Some(t)) => t.encode(text)?,
         (Some(_), _, None) => {
-            return Err("--prompt needs a tokenizer: pass --tokenizer gpt2|FILE, or give \
+            return Err(
+                "--prompt needs a tokenizer: pass --tokenizer gpt2|FILE, or give \
                         --prompt-ids"
-                .into())
+                    .into(),
+            )
         }
         (None, Some(ids), _) => ids,
         // Nothing to continue: start a document, as training data separates them.

@@ -100,6 +100,9 @@ pub struct TrainOptions {
     pub save: Option<(PathBuf, usize)>,
     /// Checkpoints kept in the root (the newest; at least 1).
     pub keep_checkpoints: usize,
+    /// A checkpoint's model is split into shards of at most this many bytes, as transformers'
+    /// `max_shard_size` (default [`checkpoint::MAX_SHARD_BYTES`], transformers' 50 GB).
+    pub max_shard_bytes: u64,
     /// Continue from this checkpoint (a step directory, or a root: its newest checkpoint).
     pub resume_from: Option<PathBuf>,
     /// Stop after this many completed steps without a final save (as a crash would), keeping
@@ -238,6 +241,7 @@ impl TrainOptions {
             budget: None,
             save: None,
             keep_checkpoints: 3,
+            max_shard_bytes: checkpoint::MAX_SHARD_BYTES,
             resume_from: None,
             stop_after: None,
             stop: None,
@@ -414,6 +418,11 @@ impl TrainOptions {
                     format!("{} batches exceed {MAX_TOKENS_PER_STEP} tokens", e.batches),
                 );
             }
+        }
+        if self.max_shard_bytes == 0 {
+            return Err(TrainError::Input(
+                "a checkpoint's shards must hold at least one byte".into(),
+            ));
         }
         if self.keep_checkpoints == 0 {
             return opt("--keep-checkpoints", "must keep at least 1".into());
@@ -862,6 +871,7 @@ impl Stepper {
         &mut self,
         dir: &std::path::Path,
         keep: usize,
+        max_shard_bytes: u64,
         step: usize,
         config: ModelConfig,
         run: RunSpec,
@@ -876,14 +886,21 @@ impl Stepper {
                 opt.flush()?;
                 let mut state = TrainingState::new(step, config, run, opt.state(), loader.state());
                 state.scaler = scaler;
-                checkpoint::save(dir, &state, engine.masters(), opt.moments(), keep)
+                checkpoint::save_sharded(
+                    dir,
+                    &state,
+                    engine.masters(),
+                    opt.moments(),
+                    keep,
+                    max_shard_bytes,
+                )
             }
             #[cfg(feature = "cuda")]
             Stepper::Device { model, .. } => {
                 let (masters, opt_state, moments) = model.checkpoint_parts(host)?;
                 let mut state = TrainingState::new(step, config, run, opt_state, loader.state());
                 state.scaler = scaler;
-                checkpoint::save(dir, &state, &masters, &moments, keep)
+                checkpoint::save_sharded(dir, &state, &masters, &moments, keep, max_shard_bytes)
             }
         }
     }
@@ -1310,6 +1327,7 @@ fn train_tracked(
                 last_checkpoint = Some(stepper.save(
                     dir,
                     opts.keep_checkpoints,
+                    opts.max_shard_bytes,
                     done,
                     opts.model,
                     opts.run_spec(),

@@ -397,3 +397,160 @@ fn absurd_run_options_are_typed_errors_naming_the_option() {
         }
     }
 }
+
+/// A model split into transformers-style shards (`--max-shard-mib`): the same tensors as the
+/// one-file checkpoint, loadable by the Hugging Face reader, and resumed bit for bit.
+#[test]
+fn sharded_checkpoints_hold_the_same_model_and_resume_exactly() {
+    let one = tempfile::tempdir().unwrap();
+    let sharded = tempfile::tempdir().unwrap();
+    let run = |root: &Path, max_shard_bytes: u64, steps: usize| {
+        train(
+            &TrainOptions {
+                // A stopped run does not save at its end (as a crash would not): a partial
+                // run saves every `steps`.
+                save: Some((root.to_path_buf(), steps)),
+                max_shard_bytes,
+                stop_after: (steps < 6).then_some(steps),
+                ..tiny(6)
+            },
+            |_| {},
+        )
+        .unwrap()
+    };
+    run(one.path(), checkpoint::MAX_SHARD_BYTES, 6);
+    // 64 KiB shards: the tiny model's embedding alone is larger, so it gets a shard of its own.
+    run(sharded.path(), 64 << 10, 6);
+    let (_, one_dir) = checkpoint::list(one.path()).unwrap().pop().unwrap();
+    let (_, dir) = checkpoint::list(sharded.path()).unwrap().pop().unwrap();
+    assert!(one_dir.join("model.safetensors").is_file());
+    assert!(!dir.join("model.safetensors").exists());
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(checkpoint::SHARD_INDEX)).unwrap()).unwrap();
+    let mut shards: Vec<String> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    shards.sort();
+    shards.dedup();
+    assert!(shards.len() >= 3, "{shards:?}");
+    let n = shards.len();
+    for (i, s) in shards.iter().enumerate() {
+        assert_eq!(s, &format!("model-{:05}-of-{n:05}.safetensors", i + 1));
+        assert!(dir.join(s).is_file());
+    }
+    let a = checkpoint::load(&one_dir).unwrap();
+    let b = checkpoint::load(&dir).unwrap();
+    assert_eq!(a.params, b.params);
+    assert_eq!(
+        index["metadata"]["total_size"].as_u64().unwrap(),
+        4 * a.params.iter().map(|p| p.len() as u64).sum::<u64>()
+    );
+    // transformers' reader (our --init-from) reads the shards through the index.
+    let (_, masters) = headroom_trainer::hf::load(&dir, &headroom_tensor::Cpu::new()).unwrap();
+    for (m, p) in masters.iter().zip(&a.params) {
+        assert_eq!(m.as_slice::<f32>().unwrap(), &p[..]);
+    }
+
+    // Stop at step 3 with shards, resume: the losses of the uninterrupted run.
+    let full: Vec<u32> = train(&tiny(6), |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss.to_bits())
+        .collect();
+    let part = tempfile::tempdir().unwrap();
+    run(part.path(), 64 << 10, 3);
+    let rest: Vec<u32> = train(
+        &TrainOptions {
+            resume_from: Some(part.path().to_path_buf()),
+            ..tiny(6)
+        },
+        |_| {},
+    )
+    .unwrap()
+    .steps
+    .iter()
+    .map(|s| s.loss.to_bits())
+    .collect();
+    assert_eq!(&full[3..], &rest[..]);
+}
+
+#[test]
+fn a_tampered_shard_index_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    train(
+        &TrainOptions {
+            save: Some((root.path().to_path_buf(), 100)),
+            max_shard_bytes: 64 << 10,
+            ..tiny(1)
+        },
+        |_| {},
+    )
+    .unwrap();
+    let (_, dir) = checkpoint::list(root.path()).unwrap().pop().unwrap();
+    let original = std::fs::read(dir.join(checkpoint::SHARD_INDEX)).unwrap();
+    let index: serde_json::Value = serde_json::from_slice(&original).unwrap();
+    let first = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .next()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+        .unwrap();
+    let other = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .find(|v| *v != first.1)
+        .unwrap();
+    for (what, file) in [
+        ("a tensor in the wrong shard", other),
+        (
+            "a path outside the directory",
+            "../model.safetensors".to_owned(),
+        ),
+        (
+            "a shard the manifest does not list",
+            "model-99999-of-99999.safetensors".to_owned(),
+        ),
+    ] {
+        let mut bad = index.clone();
+        bad["weight_map"][&first.0] = serde_json::Value::from(file);
+        rewrite_consistently(
+            &dir,
+            checkpoint::SHARD_INDEX,
+            &serde_json::to_vec(&bad).unwrap(),
+        );
+        assert!(
+            matches!(checkpoint::load(&dir), Err(TrainError::Checkpoint { .. })),
+            "{what}"
+        );
+    }
+    rewrite_consistently(&dir, checkpoint::SHARD_INDEX, &original);
+    assert!(checkpoint::load(&dir).is_ok());
+    // A shard changed after the save: its checksum no longer matches the manifest.
+    let shard = dir.join("model-00001-of-00005.safetensors");
+    let shard = if shard.exists() {
+        shard
+    } else {
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().contains("-of-"))
+            .collect();
+        names.sort();
+        names.remove(0)
+    };
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&shard, &bytes).unwrap();
+    assert!(matches!(
+        checkpoint::load(&dir),
+        Err(TrainError::Checkpoint { .. })
+    ));
+}

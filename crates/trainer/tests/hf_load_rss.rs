@@ -71,7 +71,11 @@ fn loading_takes_at_most_2x_reading_the_files() {
     let dir = std::env::var_os("HEADROOM_RSS_MODEL").expect("HEADROOM_RSS_MODEL");
     let dir = std::path::Path::new(&dir);
     let files = model_files(dir);
-    assert!(!files.is_empty(), "no model*.safetensors in {}", dir.display());
+    assert!(
+        !files.is_empty(),
+        "no model*.safetensors in {}",
+        dir.display()
+    );
     let cpu = Cpu::new();
     let read = || {
         let t = Instant::now();
