@@ -1,6 +1,13 @@
 """Check that transformers loads a headroom checkpoint as it is.
 
     python benches/torch/check_hf_export.py CHECKPOINT_DIR REFERENCE_DIR
+    python benches/torch/check_hf_export.py CHECKPOINT_DIR --tokens FILE --batch B --seq T \
+        --batches K --expect LOSS
+
+The second form is the round trip of a *trained* checkpoint: transformers' mean loss on the
+windows `headroom eval --from CHECKPOINT_DIR --data FILE --batch B --seq T --batches K` scores
+(window w = tokens w·T ..= w·T + T of the llm.c-format token file; the mean over batches of
+each batch's mean cross-entropy) must equal the LOSS headroom printed within 1e-4.
 
 Not a comparison bench: run by `cargo xtask bench` (with `--quick` and no directories) it
 exits with code 3 ("skipped").
@@ -30,7 +37,37 @@ def main(checkpoint, reference):
     sys.exit(0 if diff <= 1e-5 else 1)
 
 
+def arg(name):
+    return sys.argv[sys.argv.index(name) + 1]
+
+
+def round_trip(checkpoint):
+    import numpy as np
+
+    path, b, t, k = arg("--tokens"), int(arg("--batch")), int(arg("--seq")), int(arg("--batches"))
+    header = np.fromfile(path, dtype=np.int32, count=256)
+    if header[0] != 20240520:
+        sys.exit(f"{path}: not an llm.c token file")
+    tokens = np.fromfile(path, dtype=np.uint16, offset=1024, count=int(header[2])).astype(np.int64)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    total = 0.0
+    with torch.no_grad():
+        for batch in range(k):
+            rows = [tokens[w * t: w * t + t + 1] for w in range(batch * b, batch * b + b)]
+            data = torch.from_numpy(np.stack(rows))
+            logits = model(input_ids=data[:, :-1]).logits.float()
+            total += torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1)).item()
+    loss = total / k
+    expect = float(arg("--expect"))
+    print(f"{type(model).__name__} from {checkpoint}: transformers loss {loss:.6f}, "
+          f"headroom {expect:.6f}, |difference| {abs(loss - expect):.2e}")
+    sys.exit(0 if abs(loss - expect) <= 1e-4 else 1)
+
+
 if __name__ == "__main__":
+    if "--tokens" in sys.argv:
+        round_trip(sys.argv[1])
     dirs = [a for a in sys.argv[1:] if not a.startswith("--")]
     if len(dirs) != 2:
         print("needs CHECKPOINT_DIR REFERENCE_DIR (not a comparison bench)", file=sys.stderr)

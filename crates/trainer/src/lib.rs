@@ -46,6 +46,7 @@ pub mod cuda;
 pub mod engine;
 mod error;
 pub mod estimate;
+pub mod evaluate;
 pub mod hf;
 pub mod ladder;
 pub mod model;

@@ -90,6 +90,27 @@ enum Command {
     Data(DataCommand),
     /// Generate text from a checkpoint (headroom's or a Hugging Face model directory).
     Sample(SampleArgs),
+    /// The loss of a checkpoint on the leading windows of a token file.
+    Eval(EvalArgs),
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// A headroom run or checkpoint directory, or a Hugging Face model directory.
+    #[arg(long, value_name = "DIR")]
+    from: PathBuf,
+    /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
+    #[arg(long)]
+    data: PathBuf,
+    /// Windows per batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Tokens per window (at most the model's context).
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Batches.
+    #[arg(long, default_value_t = 4)]
+    batches: usize,
 }
 
 #[derive(Args)]
@@ -1221,7 +1242,24 @@ fn run(cli: Cli) -> CliResult<ExitCode> {
         Some(Command::MaxBatch(a)) => ok(cmd_max_batch(a)),
         Some(Command::Data(c)) => ok(cmd_data(c)),
         Some(Command::Sample(a)) => ok(cmd_sample(a)),
+        Some(Command::Eval(a)) => ok(cmd_eval(a)),
     }
+}
+
+fn cmd_eval(a: EvalArgs) -> CliResult {
+    let cpu = headroom_tensor::Cpu::new();
+    let model = headroom_trainer::sample::load_model(&a.from, &cpu)?;
+    let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
+    let (loss, tokens) =
+        headroom_trainer::evaluate::evaluate(&model, &data, a.batch, a.seq, a.batches)?;
+    say!(
+        "loss {loss:.6} nats/token over {tokens} tokens ({} batches of {}×{}, from the start of {})",
+        a.batches,
+        a.batch,
+        a.seq,
+        a.data.display()
+    );
+    Ok(())
 }
 
 fn cmd_sample(a: SampleArgs) -> CliResult {

@@ -121,6 +121,52 @@ fn init_from_transformers_train_with_validation_then_sample_words() {
     );
     assert!(val.windows(2).all(|w| w[1] < w[0] + 0.05), "{val:?}");
 
+    // `headroom eval` scores the checkpoint on the leading windows of the validation file
+    // (what check_hf_export.py recomputes with transformers), as the library does.
+    let o = headroom(&[
+        "eval",
+        "--from",
+        &p("run"),
+        "--data",
+        &p("val.bin"),
+        "--batch",
+        "4",
+        "--seq",
+        "32",
+        "--batches",
+        "3",
+    ]);
+    let line = String::from_utf8(o.stdout).unwrap();
+    let printed: f64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let cpu = headroom_tensor::Cpu::new();
+    let model = headroom_trainer::sample::load_model(&dir.path().join("run"), &cpu).unwrap();
+    let data = headroom_mmap_data::open(
+        dir.path().join("val.bin"),
+        &headroom_mmap_data::OpenOptions::default(),
+    )
+    .unwrap();
+    let (loss, tokens) = headroom_trainer::evaluate::evaluate(&model, &data, 4, 32, 3).unwrap();
+    assert_eq!(tokens, 384);
+    assert!((loss - printed).abs() < 1e-6, "{line}");
+    assert!(
+        (loss - val[4]).abs() < 0.3,
+        "eval {loss} vs the run's validation {}",
+        val[4]
+    );
+    let too_many = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args([
+            "eval",
+            "--from",
+            &p("run"),
+            "--data",
+            &p("val.bin"),
+            "--batches",
+            "100000",
+        ])
+        .output()
+        .unwrap();
+    assert!(!too_many.status.success());
+
     let o = headroom(&[
         "sample",
         "--from",

@@ -1,0 +1,66 @@
+//! The loss of a model on a token file, on windows anyone can recompute: `headroom eval`, and
+//! the other side of `benches/torch/check_hf_export.py`'s comparison with transformers.
+//!
+//! Window `w` holds tokens `w·T ..= w·T + T` of the file (its segments read as one stream):
+//! the first `T` are the input, the last `T` the targets. Batch `k` is windows `k·B .. k·B + B`.
+//! The result is the mean over batches of each batch's mean cross-entropy per token.
+
+use headroom_mmap_data::TokenDataset;
+
+use crate::model::{Geometry, Model, ModelOps};
+use crate::{Result, TrainError};
+
+/// Mean loss (nats per token) of `model` over the first `batches` batches of `batch` windows
+/// of `seq` tokens of `data`, and the number of tokens scored.
+pub fn evaluate<B: ModelOps>(
+    model: &Model<B>,
+    data: &TokenDataset,
+    batch: usize,
+    seq: usize,
+    batches: usize,
+) -> Result<(f64, u64)> {
+    let bad = |what: String| TrainError::Input(format!("eval: {what}"));
+    if batch == 0 || seq == 0 || batches == 0 {
+        return Err(bad(
+            "batch, sequence and batch count must be at least 1".into()
+        ));
+    }
+    let rows = batch
+        .checked_mul(batches)
+        .and_then(|w| w.checked_mul(seq))
+        .ok_or_else(|| bad("the windows' token count overflows".into()))?;
+    let needed = rows as u64 + 1;
+    if data.total_tokens() < needed {
+        return Err(bad(format!(
+            "{batches} batches of {batch}×{seq} tokens need {needed} tokens; the file has {}",
+            data.total_tokens()
+        )));
+    }
+    // Only the tokens the windows read are copied (at most the file, checked above).
+    let mut stream = Vec::with_capacity(rows + 1);
+    'segments: for (s, segment) in data.segments().iter().enumerate() {
+        for i in 0..segment.len() as u64 {
+            if stream.len() as u64 == needed {
+                break 'segments;
+            }
+            let t = data
+                .token(s, i)
+                .ok_or_else(|| bad(format!("token {i} of segment {s} is unreadable")))?;
+            stream.push(u32::try_from(t).map_err(|_| bad(format!("token id {t}")))?);
+        }
+    }
+    let g = Geometry { b: batch, t: seq };
+    let mut sum = 0f64;
+    for k in 0..batches {
+        let (mut x, mut y) = (
+            Vec::with_capacity(batch * seq),
+            Vec::with_capacity(batch * seq),
+        );
+        for w in k * batch..(k + 1) * batch {
+            x.extend_from_slice(&stream[w * seq..w * seq + seq]);
+            y.extend_from_slice(&stream[w * seq + 1..w * seq + seq + 1]);
+        }
+        sum += model.loss(&x, &y, g)? as f64;
+    }
+    Ok((sum / batches as f64, rows as u64))
+}
