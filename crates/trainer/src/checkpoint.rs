@@ -297,7 +297,7 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// `AutoModelForCausalLM.from_pretrained(dir)` loads the checkpoint — a `GPT2LMHeadModel` (no
 /// dropout, tanh GELU, layer norm ε 1e-5, head tied to `wte`) or a `LlamaForCausalLM` (SiLU,
 /// no biases, the run's RMSNorm ε, rotary base, key/value heads and head tying).
-fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
+pub(crate) fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
     // For vocabularies other than GPT-2's, the last id stands in for <|endoftext|>.
     let eos = c.vocab.saturating_sub(1);
     let v = match c.family {
@@ -344,6 +344,116 @@ fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
         }),
     };
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
+}
+
+/// The model's files as transformers writes them, each handed to `sink` (name, contents) as
+/// soon as it is serialised, so one shard at a time exists beside the tensors:
+/// `model.safetensors`, or shards of at most `max_shard_bytes` plus [`SHARD_INDEX`] (see
+/// [`save_sharded`]), the Conv1D weights of GPT-2 transposed to Hugging Face's `[in, out]`.
+pub(crate) fn model_files(
+    config: &ModelConfig,
+    params: &[CpuTensor],
+    max_shard_bytes: u64,
+    root: &Path,
+    mut sink: impl FnMut(&str, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let infos = params::param_infos(config);
+    if infos.len() != params.len() {
+        return Err(err(
+            root,
+            format!("{} parameters for a model of {}", params.len(), infos.len()),
+        ));
+    }
+    // Hugging Face layout: Conv1D weights transposed to [in, out].
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(infos.len());
+    for (info, t) in infos.iter().zip(params) {
+        let x = t.as_slice::<f32>()?;
+        let (shape, data) = if info.transposed_in_hf {
+            let (rows, cols) = (info.shape[0], info.shape[1]);
+            (vec![cols, rows], transpose(x, rows, cols))
+        } else {
+            (info.shape.clone(), x.to_vec())
+        };
+        owned.push((
+            info.name.clone(),
+            shape,
+            bytemuck::cast_slice(&data).to_vec(),
+        ));
+    }
+    let shards = shard_ranges(
+        owned.iter().map(|(_, _, b)| b.len() as u64),
+        max_shard_bytes,
+    );
+    let mut weight_map = serde_json::Map::new();
+    for (i, range) in shards.iter().enumerate() {
+        let name = if shards.len() == 1 {
+            FILES[0].to_owned()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())
+        };
+        let views = owned[range.clone()]
+            .iter()
+            .map(|(n, s, b)| {
+                weight_map.insert(n.clone(), serde_json::Value::from(name.clone()));
+                Ok((
+                    n.as_str(),
+                    TensorView::new(Dtype::F32, s.clone(), b)
+                        .map_err(|e| err(root, e.to_string()))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let model = safetensors::serialize(views, None).map_err(|e| err(root, e.to_string()))?;
+        sink(&name, &model)?;
+    }
+    if shards.len() > 1 {
+        let total: usize = owned.iter().map(|(_, _, b)| b.len()).sum();
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let index = serde_json::to_vec_pretty(&index).map_err(|e| err(root, e.to_string()))?;
+        sink(SHARD_INDEX, &index)?;
+    }
+    drop(owned);
+    Ok(())
+}
+
+/// Write `params` as a Hugging Face model directory at `out` — `config.json` plus
+/// `model.safetensors`, or shards and their index above `max_shard_bytes` — as transformers'
+/// `save_pretrained` lays it out, without training state. Written into a `.partial-…` sibling,
+/// every file fsynced, then renamed into place: `out` is complete or absent. An existing `out`
+/// is refused, never overwritten.
+pub fn save_hf(
+    out: &Path,
+    config: &ModelConfig,
+    params: &[CpuTensor],
+    max_shard_bytes: u64,
+) -> Result<()> {
+    if out.exists() {
+        return Err(err(out, "already exists; refusing to overwrite it"));
+    }
+    let name = out
+        .file_name()
+        .ok_or_else(|| err(out, "not a directory name"))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    fs::create_dir_all(&parent).map_err(io(&parent))?;
+    let partial = parent.join(format!("{PARTIAL_PREFIX}{name}-{}", std::process::id()));
+    if partial.exists() {
+        fs::remove_dir_all(&partial).map_err(io(&partial))?;
+    }
+    fs::create_dir(&partial).map_err(io(&partial))?;
+    model_files(config, params, max_shard_bytes, out, |file, bytes| {
+        write_synced(&partial.join(file), bytes).map(drop)
+    })?;
+    write_synced(&partial.join(FILES[1]), &hf_config(config, out)?)?;
+    sync_dir(&partial)?;
+    fs::rename(&partial, out).map_err(io(out))?;
+    sync_dir(&parent)
 }
 
 /// Consecutive ranges of tensors (by their byte sizes), each at most `max` bytes unless a
@@ -449,58 +559,17 @@ pub fn save_sharded(
     }
     fs::create_dir(&partial).map_err(io(&partial))?;
 
-    // Hugging Face layout: Conv1D weights transposed to [in, out].
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(infos.len());
-    for (info, t) in infos.iter().zip(params) {
-        let x = t.as_slice::<f32>()?;
-        let (shape, data) = if info.transposed_in_hf {
-            let (rows, cols) = (info.shape[0], info.shape[1]);
-            (vec![cols, rows], transpose(x, rows, cols))
-        } else {
-            (info.shape.clone(), x.to_vec())
-        };
-        owned.push((
-            info.name.clone(),
-            shape,
-            bytemuck::cast_slice(&data).to_vec(),
-        ));
-    }
     let mut files = Vec::with_capacity(FILES.len() + 1);
-    let shards = shard_ranges(
-        owned.iter().map(|(_, _, b)| b.len() as u64),
+    model_files(
+        &state.config,
+        params,
         max_shard_bytes,
-    );
-    let mut weight_map = serde_json::Map::new();
-    for (i, range) in shards.iter().enumerate() {
-        let name = if shards.len() == 1 {
-            FILES[0].to_owned()
-        } else {
-            format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())
-        };
-        let views = owned[range.clone()]
-            .iter()
-            .map(|(n, s, b)| {
-                weight_map.insert(n.clone(), serde_json::Value::from(name.clone()));
-                Ok((
-                    n.as_str(),
-                    TensorView::new(Dtype::F32, s.clone(), b)
-                        .map_err(|e| err(root, e.to_string()))?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let model = safetensors::serialize(views, None).map_err(|e| err(root, e.to_string()))?;
-        files.push(write_synced(&partial.join(&name), &model)?);
-    }
-    if shards.len() > 1 {
-        let total: usize = owned.iter().map(|(_, _, b)| b.len()).sum();
-        let index = serde_json::json!({
-            "metadata": { "total_size": total },
-            "weight_map": weight_map,
-        });
-        let index = serde_json::to_vec_pretty(&index).map_err(|e| err(root, e.to_string()))?;
-        files.push(write_synced(&partial.join(SHARD_INDEX), &index)?);
-    }
-    drop(owned);
+        root,
+        |name, bytes| {
+            files.push(write_synced(&partial.join(name), bytes)?);
+            Ok(())
+        },
+    )?;
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
     let contents: [(&str, &[u8]); 3] = [
         (FILES[1], &hf_config(&state.config, root)?),

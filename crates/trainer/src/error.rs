@@ -106,6 +106,14 @@ pub enum TrainError {
     /// The data pipeline failed.
     #[error(transparent)]
     Data(#[from] headroom_mmap_data::DataError),
+    /// A LoRA adapter could not be read, checked against the model or merged.
+    #[error("adapter {path}: {source}")]
+    Adapter {
+        /// The adapter directory.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        source: headroom_lora::LoraError,
+    },
 }
 
 /// `Result` with [`TrainError`].

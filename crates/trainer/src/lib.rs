@@ -40,6 +40,7 @@
 //! - Every activation is allocated through the backend in a named field, so the tracker's
 //!   activation bytes are exactly the model's.
 
+pub mod adapters;
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -92,6 +92,25 @@ enum Command {
     Sample(SampleArgs),
     /// The loss of a checkpoint on the leading windows of a token file.
     Eval(EvalArgs),
+    /// Merge a PEFT LoRA adapter into its base model and write a Hugging Face directory
+    /// (PEFT's `merge_and_unload()` + `save_pretrained`).
+    Merge(MergeArgs),
+}
+
+#[derive(Args)]
+struct MergeArgs {
+    /// The base model: a Hugging Face directory or a headroom run or checkpoint.
+    #[arg(long, value_name = "DIR")]
+    base: PathBuf,
+    /// The adapter: `adapter_config.json` + `adapter_model.safetensors` (PEFT's format).
+    #[arg(long, value_name = "DIR")]
+    adapter: PathBuf,
+    /// Where to write the merged model (must not exist).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Split the model into safetensors shards of at most this many MiB.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    max_shard_mib: Option<u64>,
 }
 
 #[derive(Args)]
@@ -111,6 +130,9 @@ struct EvalArgs {
     /// Batches.
     #[arg(long, default_value_t = 4)]
     batches: usize,
+    /// A PEFT LoRA adapter to merge into the model first.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -143,6 +165,9 @@ struct SampleArgs {
     /// Keep generating past the end-of-text token.
     #[arg(long)]
     ignore_eot: bool,
+    /// A PEFT LoRA adapter to merge into the model first.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -1243,12 +1268,34 @@ fn run(cli: Cli) -> CliResult<ExitCode> {
         Some(Command::Data(c)) => ok(cmd_data(c)),
         Some(Command::Sample(a)) => ok(cmd_sample(a)),
         Some(Command::Eval(a)) => ok(cmd_eval(a)),
+        Some(Command::Merge(a)) => ok(cmd_merge(a)),
     }
+}
+
+fn cmd_merge(a: MergeArgs) -> CliResult {
+    let cpu = headroom_tensor::Cpu::new();
+    let (cfg, mut masters) = headroom_trainer::sample::load_masters(&a.base, &cpu)?;
+    let lora = headroom_trainer::adapters::load(&cpu, &a.adapter)?;
+    let merged = headroom_trainer::adapters::merge(&cfg, &mut masters, &lora, &a.adapter)?;
+    let max_shard = a
+        .max_shard_mib
+        .map_or(headroom_trainer::checkpoint::MAX_SHARD_BYTES, |m| {
+            m.saturating_mul(1 << 20)
+        });
+    headroom_trainer::checkpoint::save_hf(&a.out, &cfg, &masters, max_shard)?;
+    say!(
+        "{}: {} with {merged} adapted modules merged (rank {}, scaling {})",
+        a.out.display(),
+        a.base.display(),
+        lora.config().r,
+        lora.config().scaling()
+    );
+    Ok(())
 }
 
 fn cmd_eval(a: EvalArgs) -> CliResult {
     let cpu = headroom_tensor::Cpu::new();
-    let model = headroom_trainer::sample::load_model(&a.from, &cpu)?;
+    let model = headroom_trainer::sample::load_model_with(&a.from, a.adapter.as_deref(), &cpu)?;
     let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
     let (loss, tokens) =
         headroom_trainer::evaluate::evaluate(&model, &data, a.batch, a.seq, a.batches)?;
@@ -1263,10 +1310,10 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
 }
 
 fn cmd_sample(a: SampleArgs) -> CliResult {
-    use headroom_trainer::sample::{generate, load_model, SampleOptions};
+    use headroom_trainer::sample::{generate, load_model_with, SampleOptions};
     use headroom_trainer::tokenize::Tokenizer;
     let cpu = headroom_tensor::Cpu::new();
-    let model = load_model(&a.from, &cpu)?;
+    let model = load_model_with(&a.from, a.adapter.as_deref(), &cpu)?;
     let tok = match &a.tokenizer {
         Some(name) => Some(Tokenizer::from_name(name)?),
         None => Tokenizer::beside(&a.from).transpose()?,

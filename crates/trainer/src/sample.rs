@@ -5,10 +5,10 @@
 use std::path::Path;
 
 use headroom_mmap_data::rng::Xoshiro256;
-use headroom_tensor::Cpu;
+use headroom_tensor::{Backend, Cpu, CpuTensor, MemoryCategory};
 
-use crate::model::{Model, ModelOps, ModelOptions};
-use crate::{checkpoint, hf, Result, TrainError};
+use crate::model::{params, Model, ModelConfig, ModelOps, ModelOptions};
+use crate::{adapters, checkpoint, hf, Result, TrainError};
 
 /// How to sample.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -45,16 +45,38 @@ impl Default for SampleOptions {
 /// one of its `step-*` directories) or a Hugging Face model directory (`config.json` beside
 /// safetensors, and no headroom training state).
 pub fn load_model(dir: &Path, cpu: &Cpu) -> Result<Model> {
-    let options = ModelOptions::default();
+    load_model_with(dir, None, cpu)
+}
+
+/// The fp32 masters and config of [`load_model`]'s model.
+pub fn load_masters(dir: &Path, cpu: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
     match checkpoint::resolve(dir) {
-        Ok(step) => checkpoint::load_model(&step, cpu, options),
+        Ok(step) => {
+            let ck = checkpoint::load(&step)?;
+            let infos = params::param_infos(&ck.state.config);
+            let _g = MemoryCategory::Parameters.enter();
+            let masters = infos
+                .iter()
+                .zip(&ck.params)
+                .map(|(info, p)| cpu.upload(p, info.shape.clone()))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            Ok((ck.state.config, masters))
+        }
         // An unfinished headroom save keeps its error: its files are not known to match.
         Err(e) if dir.join("state.json").exists() || !dir.join("config.json").is_file() => Err(e),
-        Err(_) => {
-            let (cfg, masters) = hf::load(dir, cpu)?;
-            Model::from_masters(cpu, cfg, options, masters)
-        }
+        Err(_) => hf::load(dir, cpu),
     }
+}
+
+/// [`load_model`], with a PEFT LoRA adapter merged into the weights when `adapter` names its
+/// directory (PEFT's `merge_and_unload`).
+pub fn load_model_with(dir: &Path, adapter: Option<&Path>, cpu: &Cpu) -> Result<Model> {
+    let (cfg, mut masters) = load_masters(dir, cpu)?;
+    if let Some(a) = adapter {
+        let lora = adapters::load(cpu, a)?;
+        adapters::merge(&cfg, &mut masters, &lora, a)?;
+    }
+    Model::from_masters(cpu, cfg, ModelOptions::default(), masters)
 }
 
 /// The next token from `logits` `[V]`: the most likely one at temperature 0 (the lowest id
