@@ -268,6 +268,11 @@ struct RunArgs {
     /// Llama: tie the output head to the token embedding.
     #[arg(long)]
     tied_head: bool,
+    /// Vocabulary of a model trained from scratch (default: the synthetic source's, or GPT-2's
+    /// 50257 for a token file). Use the tokenizer's size for a file `data build --tokenizer`
+    /// made; a token at or above it is refused.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    vocab: Option<u64>,
     /// Override the layer count of the preset.
     #[arg(long)]
     layers: Option<usize>,
@@ -590,17 +595,20 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
     };
     let mut o = run.model.defaults();
     o.device = device;
-    // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary.
-    let vocab = match (&run.data, &o.data) {
-        (None, DataSource::Synthetic(d)) => d.vocab as usize,
-        _ => 50257,
+    // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary
+    // unless --vocab says otherwise.
+    let vocab = match (run.vocab, &run.data, &o.data) {
+        (Some(v), _, _) => usize::try_from(v).map_err(|_| "--vocab is too large")?,
+        (None, None, DataSource::Synthetic(d)) => d.vocab as usize,
+        (None, _, _) => 50257,
     };
     if let Some(path) = &run.data {
         o.data = DataSource::File(path.clone());
     }
     match &run.init_from {
         Some(dir) => {
-            let sized = run.layers.is_some()
+            let sized = run.vocab.is_some()
+                || run.layers.is_some()
                 || run.heads.is_some()
                 || run.channels.is_some()
                 || run.kv_heads.is_some()
@@ -610,7 +618,7 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
             if sized {
                 return Err(
                     "--init-from takes the model's shape from its config.json: drop \
-                            --layers, --heads, --channels and the Llama size options"
+                            --vocab, --layers, --heads, --channels and the Llama size options"
                         .into(),
                 );
             }
@@ -624,6 +632,12 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
         }
         None => {
             o.model = model_config(run, vocab)?;
+            // A smaller --vocab narrows the synthetic source to it.
+            if let DataSource::Synthetic(d) = &mut o.data {
+                d.vocab = d
+                    .vocab
+                    .min(u32::try_from(o.model.vocab).unwrap_or(u32::MAX));
+            }
             o.seq = run.seq.unwrap_or(if run.model.is_tiny() {
                 o.seq
             } else {

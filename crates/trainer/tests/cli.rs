@@ -440,3 +440,50 @@ fn val_data_reports_a_validation_loss_in_lines_metrics_and_summary() {
         .collect();
     assert_eq!(vals, vec![false, true, false, true]);
 }
+
+#[test]
+fn the_vocabulary_of_a_token_file_run_comes_from_vocab_not_a_fixed_50257() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("markov.bin");
+    let d = data.to_str().unwrap();
+    let o = headroom(&["data", "synth", d, "--vocab", "64", "--tokens", "20000"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let train = |vocab: &str| {
+        headroom(&[
+            "train",
+            "--data",
+            d,
+            "--vocab",
+            vocab,
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--no-progress",
+        ])
+    };
+    let o = train("64");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("vocab 64"), "{}", stdout(&o));
+    // Ids of the file at or above --vocab are refused, naming the id and the vocabulary.
+    let o = train("32");
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("vocab 32"), "{}", stderr(&o));
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-llama-gqa-untied"
+    );
+    let o = headroom(&[
+        "train",
+        "--init-from",
+        fixture,
+        "--vocab",
+        "64",
+        "--steps",
+        "1",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--vocab"), "{}", stderr(&o));
+}
