@@ -56,5 +56,6 @@ pub mod sample;
 pub mod techniques;
 pub mod tokenize;
 pub mod train;
+pub mod zero_estimate;
 
 pub use error::{Result, TrainError};

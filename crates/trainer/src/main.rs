@@ -82,7 +82,7 @@ enum Command {
     /// Train the same model under a memory budget with techniques added one at a time.
     Ladder(LadderArgs),
     /// Predict peak memory per category for a config and technique set, without running.
-    Estimate(RunArgs),
+    Estimate(EstimateArgs),
     /// The largest batch that fits a budget for a technique set.
     MaxBatch(MaxBatchArgs),
     /// Make, tokenise or describe token files.
@@ -95,6 +95,19 @@ enum Command {
     /// Merge a PEFT LoRA adapter into its base model and write a Hugging Face directory
     /// (PEFT's `merge_and_unload()` + `save_pretrained`).
     Merge(MergeArgs),
+}
+
+#[derive(Args)]
+struct EstimateArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Per-rank memory under ZeRO stage 0–3 (data parallel over --ranks; --batch is each
+    /// rank's), and with --budget-mib the most layers of this width that fit per rank.
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero: Option<u8>,
+    /// Data-parallel ranks for --zero.
+    #[arg(long, default_value_t = 1, requires = "zero")]
+    ranks: usize,
 }
 
 #[derive(Args)]
@@ -955,8 +968,12 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
     Ok(())
 }
 
-fn cmd_estimate(run: RunArgs) -> CliResult {
+fn cmd_estimate(args: EstimateArgs) -> CliResult {
+    let run = args.run;
     let o = options(&run, false)?;
+    if let Some(stage) = args.zero {
+        return zero_estimate_report(&o, stage, args.ranks);
+    }
     o.validate()?;
     let e = estimate(&o.model, o.seq, o.micro_batch()?, o.batch, &o.techniques)?;
     say!(
@@ -1032,6 +1049,75 @@ fn cmd_estimate(run: RunArgs) -> CliResult {
             mib(b),
             if need <= b { "fits" } else { "does not fit" }
         );
+    }
+    Ok(())
+}
+
+fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult {
+    use headroom_trainer::zero_estimate::{largest_fitting_depth, zero_estimate};
+    use headroom_zero::Stage;
+    o.validate()?;
+    let stage = [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3][usize::from(stage)];
+    let micro = o.micro_batch()?;
+    let e = zero_estimate(&o.model, o.seq, micro, o.batch, &o.techniques, stage, ranks)?;
+    say!(
+        "ZeRO {stage:?} over {ranks} ranks, per rank: {} {}L/{}H/{}C vocab {} ({} parameters), \
+         batch {}×{} per rank ({} sequences per step in all): {}",
+        o.model.family_name(),
+        o.model.layers,
+        o.model.heads,
+        o.model.channels,
+        o.model.vocab,
+        e.parameter_count,
+        o.batch,
+        o.seq,
+        o.batch.saturating_mul(ranks),
+        o.techniques.describe()
+    );
+    say!("| per rank | MiB |\n|---|---|");
+    say!("| parameters | {:.1} |", mib(e.state.parameters));
+    say!("| gradients | {:.1} |", mib(e.state.gradients));
+    say!(
+        "| optimizer state (+ fp32 masters) | {:.1} |",
+        mib(e.state.optimizer_state)
+    );
+    say!(
+        "| gathered layers and gradient buckets (at most) | {:.1} |",
+        mib(e.transient_bytes)
+    );
+    say!(
+        "| activations, workspace, batch | {:.1} |",
+        mib(e.compute_bytes)
+    );
+    say!("| peak | {:.1} |", mib(e.per_rank_peak()));
+    if let Some(b) = o.budget {
+        say!(
+            "budget {:.1} MiB per rank: {}",
+            mib(b),
+            if e.per_rank_peak() <= b {
+                "fits"
+            } else {
+                "does not fit"
+            }
+        );
+        match largest_fitting_depth(
+            &o.model,
+            o.seq,
+            micro,
+            o.batch,
+            &o.techniques,
+            stage,
+            ranks,
+            b,
+        )? {
+            Some((layers, best)) => say!(
+                "largest model of this width that fits: {layers} layers, {} parameters \
+                 ({:.1} MiB per rank)",
+                best.parameter_count,
+                mib(best.per_rank_peak())
+            ),
+            None => say!("not even one layer of this width fits"),
+        }
     }
     Ok(())
 }
