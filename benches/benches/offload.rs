@@ -4,6 +4,11 @@
 //! `baseline_bandwidth_28B`, a threaded pass that moves exactly AdamW's 28 bytes per parameter
 //! (reads param, grad, m, v; writes param, m, v) with trivial arithmetic: the memory-bandwidth
 //! bound measured in the same run. `headroom_f32 / baseline` is the fraction of that bound.
+//! `baseline_bandwidth_16B` is the same for the 8-bit step's 16 bytes (reads param, grad and
+//! the two code bytes; writes param and both codes), split into the step's 2048-element
+//! blocks on the same thread pool, so the 8-bit step is compared with a pass that moves its
+//! bytes with its threads; `adamw_int8_vs_bandwidth_16B` records their ratio from
+//! [`ROUNDS`] alternating rounds.
 //!
 //! Every buffer is a CPU-backend tensor, as in the trainer, so large ones sit on transparent
 //! huge pages where the kernel allows them (see headroom-tensor's host memory).
@@ -120,8 +125,32 @@ fn bandwidth_pass(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
         });
 }
 
+/// Reads p, g and two code bytes and writes p and both codes: the 16 bytes the 8-bit step
+/// moves per parameter, in its 2048-element blocks, with no real arithmetic. Two loops per
+/// block so that each vectorises on its own.
+fn bandwidth_pass_16(p: &mut [f32], g: &[f32], mc: &mut [u8], sc: &mut [u8]) {
+    const BLOCK: usize = 2048;
+    p.par_chunks_mut(BLOCK)
+        .zip(g.par_chunks(BLOCK))
+        .zip(mc.par_chunks_mut(BLOCK))
+        .zip(sc.par_chunks_mut(BLOCK))
+        .for_each(|(((p, g), mc), sc)| {
+            for (p, g) in p.iter_mut().zip(g) {
+                *p -= g;
+            }
+            for (m, s) in mc.iter_mut().zip(sc.iter_mut()) {
+                *m = m.wrapping_add(1);
+                *s = s.wrapping_sub(1);
+            }
+        });
+}
+
 fn bench_adamw(c: &mut Criterion) {
     let cpu = Cpu::new();
+    println!(
+        "offload/adamw: {} threads (the AdamW steps and both bandwidth passes)",
+        rayon::current_num_threads()
+    );
     let mut group = c.benchmark_group("offload/adamw");
     group.sampling_mode(SamplingMode::Flat);
     group.sample_size(10);
@@ -147,6 +176,47 @@ fn bench_adamw(c: &mut Criterion) {
                 opt.step(0, param, FloatSlice::F32(black_box(grad)), None)
                     .expect("step")
             })
+        });
+        let code_bytes = || cpu.zeros([n], DType::U8).expect("host tensor");
+        let mut codes_t = (code_bytes(), code_bytes());
+        let codes = (
+            codes_t.0.as_mut_slice::<u8>().expect("u8"),
+            codes_t.1.as_mut_slice::<u8>().expect("u8"),
+        );
+        group.bench_function(BenchmarkId::new("baseline_bandwidth_16B", label), |b| {
+            b.iter(|| bandwidth_pass_16(param, black_box(grad), codes.0, codes.1))
+        });
+        // The 8-bit step against its own bound, alternating, three steps a side per round.
+        let (mut ours, mut bound, mut ratios) = (vec![], vec![], vec![]);
+        for _ in 0..ROUNDS {
+            let own = rate(n, 3, || {
+                opt.step(0, param, FloatSlice::F32(grad), None)
+                    .expect("step")
+            });
+            let pass = rate(n, 3, || bandwidth_pass_16(param, grad, codes.0, codes.1));
+            ratios.push(own / pass);
+            ours.push(own);
+            bound.push(pass);
+        }
+        drop(codes_t);
+        println!(
+            "offload/adamw_int8_vs_bandwidth_16B/{label}: per-round ratios {:?}",
+            ratios
+                .iter()
+                .map(|r| (r * 100.0).round() / 100.0)
+                .collect::<Vec<_>>()
+        );
+        let _ = record(&Record {
+            bench: format!("offload/adamw_int8_vs_bandwidth_16B/int8/{label}"),
+            metric: "params_per_s".into(),
+            value: median(ours),
+            unit: "params/s".into(),
+            baseline: Some(format!(
+                "offload/adamw_int8_vs_bandwidth_16B/bandwidth_16B/{label}"
+            )),
+            baseline_value: Some(median(bound)),
+            ratio: Some(median(ratios)),
+            better: Better::Higher,
         });
         let _ = record(&Record {
             bench: format!("offload/adamw_state_bytes_per_param/int8/{label}"),

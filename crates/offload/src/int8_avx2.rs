@@ -3,17 +3,28 @@
 //! absmax, encode), in the same order per element, so the bits are the same; only the
 //! schedule differs.
 //!
-//! - Decode: scalar loads from the 256-entry code books (1 KiB each, in L1), run a few
-//!   elements ahead of the vector update in the same loop so that they overlap its divisions
-//!   and square root. (AVX2 gathers were measured no faster than scalar loads on the AMD
-//!   EPYC this was tuned on.)
+//! The kernel is bound by instruction throughput, not by memory: a single thread on
+//! cache-resident data is within a few per cent of the same thread streaming 10M parameters,
+//! and four table lookups per parameter (decode m, decode √v, encode both) cost more than the
+//! update with its two divisions and square root. So every choice below removes instructions:
+//! - Decode: eight scalar loads from the 256-entry code book (1 KiB, in L1), each indexed by
+//!   its own byte load, inserted straight into a vector. Going through a stack buffer (eight
+//!   scalar stores, one vector load), as before, cost about 8% more over the whole step; AVX2
+//!   gathers were slower than either on the AMD EPYC (Zen 3) this was tuned on, and so was
+//!   computing the code book's values arithmetically (an exact two-term fused multiply-add
+//!   exists, but its permutes compete for the vector ports the update needs).
 //! - The update, the square root of the new second moment (computed once: the update's
 //!   denominator and the encoder both use it) and both block maxima happen in one pass; the
 //!   new `m` and `√v` wait in two 8 KiB stack buffers (L1) for the encoding pass, which needs
-//!   the maxima.
+//!   the maxima. Interleaving one block's encoding with the next block's update, to avoid the
+//!   second pass, measured no faster.
 //! - Encode: one scalar load per value from [`CodeBook::bucket_entry`] (indexed by the top 16
-//!   bits of the scaled value; a code and a threshold on the low 16 bits), again run ahead
-//!   of the vector code that finishes eight codes with integer compares and packs them.
+//!   bits of the scaled value; a code and a threshold on the low 16 bits), the entries
+//!   inserted straight into a vector, and vector integer compares finish eight codes and pack
+//!   them. Packing the indices to 16 bits and moving them out 64 bits at a time, or storing
+//!   the scaled values and reloading their top halves, was slower. The table's 256 KiB do not
+//!   matter: only the entries of the few binades a block's values occupy are touched (keying
+//!   every lookup into the first 4 KiB measured no faster).
 //!
 //! Elements past the last multiple of eight run through the portable scalar operations.
 
@@ -108,30 +119,14 @@ unsafe fn block_impl<const SMALL_WEIGHT: bool>(
         let mut amax_m = _mm256_setzero_ps();
         let mut amax_s = _mm256_setzero_ps();
         let pp = p.as_mut_ptr();
-        // Pass 1: decode, update, square root, maxima. The decode (scalar loads, see
-        // `lookup`) runs `AHEAD` elements ahead of the update in the same loop, so its loads
-        // overlap the update's divisions; the buffers hold the looked-up book values until
-        // the update scales them.
         let (mvals, svals) = (mb.values.as_ptr(), sb.values.as_ptr());
         let (mcp, scp) = (mc.as_ptr(), sc.as_ptr());
-        lookup(mvals, mcp, mptr, n.min(AHEAD));
-        lookup(svals, scp, sptr, n.min(AHEAD));
+        // Pass 1: decode, update, square root, maxima.
         let mut i = 0;
         while i < vn8 {
-            // Decode [i + AHEAD, i + AHEAD + 8) ∩ [0, n): with the prologue's [0, AHEAD),
-            // every element before it is read (n < vn8 + 8, so the iteration at i = vn8 - 16
-            // decodes the scalar tail [vn8, n) too).
-            let j = i + AHEAD;
-            if j + 8 <= n {
-                lookup8(mvals, mcp.add(j), mptr.add(j));
-                lookup8(svals, scp.add(j), sptr.add(j));
-            } else if j < n {
-                lookup(mvals, mcp.add(j), mptr.add(j), n - j);
-                lookup(svals, scp.add(j), sptr.add(j), n - j);
-            }
             // decode: values[c] · absmax; v = (√v)².
-            let m = _mm256_mul_ps(_mm256_loadu_ps(mptr.add(i)), v_ms);
-            let sq = _mm256_mul_ps(_mm256_loadu_ps(sptr.add(i)), v_ss);
+            let m = _mm256_mul_ps(decode8(mvals, mcp.add(i)), v_ms);
+            let sq = _mm256_mul_ps(decode8(svals, scp.add(i)), v_ss);
             let v = _mm256_mul_ps(sq, sq);
             let gv = match g {
                 Grad::F32(g) => _mm256_loadu_ps(g.as_ptr().add(i)),
@@ -167,8 +162,8 @@ unsafe fn block_impl<const SMALL_WEIGHT: bool>(
         _mm256_storeu_ps(lanes.as_mut_ptr(), amax_s);
         let mut s_max = lanes.iter().fold(0f32, |a, &x| a.max(x));
         for i in vn8..n {
-            let m = mptr.add(i).read() * m_scale;
-            let sq = sptr.add(i).read() * s_scale;
+            let m = mb.decode(mc[i]) * m_scale;
+            let sq = sb.decode(sc[i]) * s_scale;
             let v = sq * sq;
             let gi = match g {
                 Grad::F32(g) => g[i],
@@ -206,62 +201,44 @@ unsafe fn block_impl<const SMALL_WEIGHT: bool>(
     }
 }
 
-/// `out[i] = table[codes[i]]` for `i < n`, by scalar loads. Deliberately a plain function,
-/// compiled without AVX2 and kept out of line: AVX2 would let the compiler turn it into
-/// gathers, which on the AMD cores this was tuned on are several times slower than scalar
-/// loads from an L1-resident table.
+/// `table[codes[k]]` for `k < 8`: eight scalar loads inserted into one vector.
 ///
 /// # Safety
-/// `table` has 256 elements, `codes` and `out` at least `n`.
-#[inline(never)]
-unsafe fn lookup<T: Copy>(table: *const T, codes: *const u8, out: *mut T, n: usize) {
-    for i in 0..n {
-        // SAFETY: as the caller guarantees; a code is below 256.
-        unsafe {
-            out.add(i)
-                .write(table.add(codes.add(i).read() as usize).read())
-        };
-    }
-}
-
-/// How far ahead of the vector work the scalar table loads run.
-const AHEAD: usize = 16;
-
-/// [`lookup`] of exactly eight codes, inlined into the vector loops (the codes as one 64-bit
-/// load, the table loads scalar).
-///
-/// # Safety
-/// As [`lookup`] with `n = 8`.
+/// AVX2; `table` has 256 elements, `codes` at least 8.
 #[inline(always)]
-unsafe fn lookup8(table: *const f32, codes: *const u8, out: *mut f32) {
+unsafe fn decode8(table: *const f32, codes: *const u8) -> __m256 {
     // SAFETY: as the caller guarantees; a code is below 256.
     unsafe {
-        let c = (codes as *const u64).read_unaligned();
-        for k in 0..8 {
-            let code = ((c >> (8 * k)) & 0xff) as usize;
-            out.add(k).write(table.add(code).read());
-        }
+        // One byte load per code, kept apart by `read_volatile`: LLVM otherwise merges the
+        // eight into one 64-bit load and spends two or three shifts and masks per code to
+        // take it apart, which measured about 8% slower over the whole step.
+        let at = |k: usize| table.add(codes.add(k).read_volatile() as usize).read();
+        let lo = _mm_setr_ps(at(0), at(1), at(2), at(3));
+        let hi = _mm_setr_ps(at(4), at(5), at(6), at(7));
+        _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi)
     }
 }
 
-/// `out[k] = table[bits(x[k] · inv) >> 16]` for `k < 8`: bucket entries by scalar loads.
+/// `table[bits(x[k] · inv) >> 16]` for `k < 8`: the bucket entries, by scalar loads inserted
+/// into one vector.
 ///
 /// # Safety
-/// `table` has 65536 elements, `x` and `out` at least 8.
+/// AVX2; `table` has 65536 elements, `x` at least 8.
 #[inline(always)]
-unsafe fn buckets8(table: *const u32, x: *const f32, inv: f32, out: *mut u32) {
+unsafe fn entries8(table: *const u32, x: *const f32, inv: f32) -> __m256i {
     // SAFETY: as the caller guarantees; the index is below 65536.
     unsafe {
-        for k in 0..8 {
-            let hi = ((x.add(k).read() * inv).to_bits() >> 16) as usize;
-            out.add(k).write(table.add(hi).read());
-        }
+        let at = |k: usize| {
+            table
+                .add(((x.add(k).read() * inv).to_bits() >> 16) as usize)
+                .read() as i32
+        };
+        _mm256_setr_epi32(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7))
     }
 }
 
-/// `mc[i] = mb.encode(m[i] · inv_m)` and `sc[i] = sb.encode(s[i] · inv_s)` for `i < n`: the
-/// bucket entries by scalar loads `AHEAD` elements ahead of the vector code that finishes the
-/// encoding (see [`CodeBook::bucket_entry`]).
+/// `mc[i] = mb.encode(m[i] · inv_m)` and `sc[i] = sb.encode(s[i] · inv_s)` for `i < n`, eight
+/// at a time through [`CodeBook::bucket_entry`].
 ///
 /// # Safety
 /// AVX2 and FMA; `m`, `s` initialised up to `n <= QUANT_BLOCK`; `mc`, `sc` at least `n` long.
@@ -282,25 +259,13 @@ unsafe fn encode_both(
     unsafe {
         let vn8 = n / 8 * 8;
         let (mt, st) = (mb.bucket_entry.as_ptr(), sb.bucket_entry.as_ptr());
-        let mut me = MaybeUninit::<[u32; QUANT_BLOCK]>::uninit();
-        let mut se = MaybeUninit::<[u32; QUANT_BLOCK]>::uninit();
-        let (mep, sep) = (me.as_mut_ptr() as *mut u32, se.as_mut_ptr() as *mut u32);
-        let mut j = 0;
-        while j < vn8.min(AHEAD) {
-            buckets8(mt, m.add(j), inv_m, mep.add(j));
-            buckets8(st, s.add(j), inv_s, sep.add(j));
-            j += 8;
-        }
         let (v_inv_m, v_inv_s) = (_mm256_set1_ps(inv_m), _mm256_set1_ps(inv_s));
         let mut i = 0;
         while i < vn8 {
-            let j = i + AHEAD;
-            if j < vn8 {
-                buckets8(mt, m.add(j), inv_m, mep.add(j));
-                buckets8(st, s.add(j), inv_s, sep.add(j));
-            }
-            finish8(m.add(i), v_inv_m, mep.add(i), mc.as_mut_ptr().add(i));
-            finish8(s.add(i), v_inv_s, sep.add(i), sc.as_mut_ptr().add(i));
+            let me = entries8(mt, m.add(i), inv_m);
+            finish8(m.add(i), v_inv_m, me, mc.as_mut_ptr().add(i));
+            let se = entries8(st, s.add(i), inv_s);
+            finish8(s.add(i), v_inv_s, se, sc.as_mut_ptr().add(i));
             i += 8;
         }
         for i in vn8..n {
@@ -314,13 +279,12 @@ unsafe fn encode_both(
 /// `code + (key > t - 1)`, the compare giving -1 for true.
 ///
 /// # Safety
-/// AVX2; eight elements at each pointer.
+/// AVX2; eight elements at `x` and at `codes`.
 #[inline(always)]
-unsafe fn finish8(x: *const f32, v_inv: __m256, e: *const u32, codes: *mut u8) {
+unsafe fn finish8(x: *const f32, v_inv: __m256, e: __m256i, codes: *mut u8) {
     // SAFETY: as the caller guarantees.
     unsafe {
         let bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x), v_inv));
-        let e = _mm256_loadu_si256(e as *const __m256i);
         let key = _mm256_and_si256(
             _mm256_xor_si256(bits, _mm256_srai_epi32::<31>(bits)),
             _mm256_set1_epi32(0xffff),

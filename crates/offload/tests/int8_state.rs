@@ -260,3 +260,136 @@ fn every_isa_gives_the_same_int8_bits_for_every_shape_and_option() {
         }
     }
 }
+
+mod prop {
+    use super::*;
+    use headroom_offload::Isa;
+    use headroom_tensor::cpu::kernels::FloatSliceMut;
+    use proptest::prelude::*;
+
+    fn hyper() -> impl Strategy<Value = AdamWHyper> {
+        (
+            1e-5f64..1e-1,
+            // Both sides of a lerp weight of one half (ATen's two lerp formulas).
+            0.0f64..0.99,
+            0.5f64..0.9999,
+            prop_oneof![Just(1e-8f64), 1e-10f64..1e-3],
+            0.0f64..0.3,
+        )
+            .prop_map(|(lr, beta1, beta2, eps, weight_decay)| AdamWHyper {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            })
+    }
+
+    /// Lengths around the vector width, the block and two blocks, and anything up to three.
+    fn sizes() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            1usize..40,
+            2030usize..2070,
+            4080usize..4110,
+            1usize..3 * 2048 + 20,
+        ]
+    }
+
+    /// Pseudo-random values whose magnitudes spread over nine decades below `scale`, with
+    /// every seventh one zero.
+    fn data(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if i % 7 == 3 {
+                    return 0.0;
+                }
+                let unit = (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+                unit * scale * 10f32.powi(-(((x >> 8) % 9) as i32))
+            })
+            .collect()
+    }
+
+    type Run = (Vec<u32>, Vec<u8>, Vec<u32>);
+
+    /// `steps` 8-bit steps with `isa`: the parameter bits, the moment bytes and the working
+    /// copy's bits widened to u32 (empty without a copy).
+    fn run(
+        isa: Isa,
+        h: AdamWHyper,
+        n: usize,
+        seed: u64,
+        steps: usize,
+        grad_kind: u8,
+        copy_kind: u8,
+    ) -> Run {
+        let cpu = Cpu::new();
+        let mut opt = CpuAdamW::new(
+            vec![h],
+            &[ParamSpec { numel: n, group: 0 }],
+            StatePrecision::Int8,
+            StoreSpec::Ram(&cpu),
+        )
+        .unwrap()
+        .with_isa(isa)
+        .unwrap();
+        let mut w = data(seed ^ 0x5555, n, 1.0);
+        let mut c32 = vec![0f32; n];
+        let mut c16 = vec![half::bf16::ZERO; n];
+        let mut ch = vec![half::f16::ZERO; n];
+        for t in 0..steps {
+            let g = data(seed.wrapping_add(t as u64 + 1), n, 0.1);
+            let copy = match copy_kind {
+                0 => None,
+                1 => Some(FloatSliceMut::F32(&mut c32)),
+                2 => Some(FloatSliceMut::BF16(&mut c16)),
+                _ => Some(FloatSliceMut::F16(&mut ch)),
+            };
+            match grad_kind {
+                0 => opt.step(0, &mut w, FloatSlice::F32(&g), copy).unwrap(),
+                1 => {
+                    let g: Vec<half::bf16> = g.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    opt.step(0, &mut w, FloatSlice::BF16(&g), copy).unwrap()
+                }
+                _ => {
+                    let g: Vec<half::f16> = g.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    opt.step(0, &mut w, FloatSlice::F16(&g), copy).unwrap()
+                }
+            }
+        }
+        let copy = match copy_kind {
+            0 => vec![],
+            1 => c32.iter().map(|x| x.to_bits()).collect(),
+            2 => c16.iter().map(|x| x.to_bits() as u32).collect(),
+            _ => ch.iter().map(|x| x.to_bits() as u32).collect(),
+        };
+        (
+            w.iter().map(|x| x.to_bits()).collect(),
+            opt.moments().to_vec(),
+            copy,
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Every ISA's 8-bit step equals the portable scalar path bit for bit, for any length
+        /// (vector tails, block tails), hyper-parameters, gradient precision and working copy.
+        #[test]
+        fn every_isa_equals_the_portable_int8_step(
+            h in hyper(), n in sizes(), seed in any::<u64>(), steps in 1usize..4,
+            grad_kind in 0u8..3, copy_kind in 0u8..4,
+        ) {
+            let reference = run(Isa::Baseline, h, n, seed, steps, grad_kind, copy_kind);
+            for isa in [Isa::Avx2, Isa::Avx512] {
+                if isa.is_supported() {
+                    let got = run(isa, h, n, seed, steps, grad_kind, copy_kind);
+                    prop_assert!(got == reference, "{:?} differs, n = {}, {:?}", isa, n, h);
+                }
+            }
+        }
+    }
+}
