@@ -11,6 +11,23 @@
 //! Trade-off: the baseline copies the f32 buffer's bytes in every group (also where the
 //! primitive's source is bf16), so one size label always means the same copy. Both sides are
 //! far larger than the caches at 64 MiB and 256 MiB, where the comparison matters.
+//!
+//! ## GEMMs with bf16 weights (issue 21)
+//!
+//! Groups `tensor/gemm_{forward,backward}/<rows>x<in>x<out>`: the trainer's linear layer
+//! (`headroom_trainer::ops::matmul`) with the weight in f32 (`f32`, the baseline), in bf16
+//! read in place and widened a panel at a time (`bf16_weight`), and in bf16 through a whole
+//! f32 copy made for the call (`bf16_upcast_view`, what the trainer did before). Throughput is
+//! the multiply-adds' flops (2·rows·in·out per product; backward has two products), so the
+//! functions of a group compare as GFLOP/s. Shapes: GPT-2 124M's c_attn, c_fc and c_proj at
+//! 8×256 rows, and the `small` model's head on one 128-row chunk of the fused loss (vocab
+//! 50257, width 384). `cargo bench -p headroom-benches --bench tensor -- tensor/gemm` runs
+//! only these.
+//!
+//! On a shared or noisy machine criterion's one-function-after-another timing drifts with the
+//! load; `HEADROOM_GEMM_PAIRED=<rounds>` first times the three variants *interleaved* (one call
+//! of each per round, the order rotating), and prints each one's median and the ratios of the
+//! medians per shape — the figures the results file quotes.
 
 use std::hint::black_box;
 
@@ -19,8 +36,10 @@ use criterion::{
     criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode,
     Throughput,
 };
+use half::bf16;
 use headroom_benches::size_label;
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType};
+use headroom_trainer::ops::matmul;
 
 /// Sizes of the f32 buffer of each primitive.
 const SIZES: [usize; 3] = [1 << 20, 64 << 20, 256 << 20];
@@ -166,5 +185,231 @@ fn primitives(c: &mut Criterion) {
     bench_unscale_and_check(c);
 }
 
-criterion_group!(benches, primitives);
+/// `(rows, in, out)` of the benchmarked linears.
+const GEMM_SHAPES: [(usize, usize, usize); 4] = [
+    (2048, 768, 2304),
+    (2048, 768, 3072),
+    (2048, 3072, 768),
+    (128, 384, 50257),
+];
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    let mut x = vec![0.0f32; n];
+    fill_values(&mut x);
+    let k = seed as usize % n.max(1);
+    x.rotate_left(k);
+    x
+}
+
+/// The old path's whole-weight f32 copy, over the threads as the backend's cast is.
+fn upcast(w: &[bf16], view: &mut [f32]) {
+    use rayon::prelude::*;
+    view.par_chunks_mut(1 << 16)
+        .zip(w.par_chunks(1 << 16))
+        .for_each(|(d, s)| matmul::widen_bf16(s, d));
+}
+
+/// Median of `v` (sorted in place).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// The interleaved timing `HEADROOM_GEMM_PAIRED` asks for (see the module notes).
+fn gemm_paired(rounds: usize) {
+    use std::time::Instant;
+    for (rows, inp, out) in GEMM_SHAPES {
+        let x = values(rows * inp, 1);
+        let dy = values(rows * out, 2);
+        let s = 1.0 / (inp as f32).sqrt();
+        let wb: Vec<bf16> = values(out * inp, 3)
+            .iter()
+            .map(|v| bf16::from_f32(v * s))
+            .collect();
+        let wf: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let mut view = vec![0.0f32; out * inp];
+        let mut scratch = vec![
+            0.0f32;
+            matmul::forward_scratch(rows, inp, out)
+                .max(matmul::backward_scratch(rows, inp, out))
+        ];
+        let mut y = vec![0.0f32; rows * out];
+        let (mut dx, mut dw) = (vec![0.0f32; rows * inp], vec![0.0f32; out * inp]);
+        let flops = (2 * rows * inp * out) as f64;
+        for backward in [false, true] {
+            let mut t = [vec![], vec![], vec![]];
+            for r in 0..rounds + 1 {
+                for j in 0..3 {
+                    let v = (j + r) % 3;
+                    let start = Instant::now();
+                    match (backward, v) {
+                        (false, 0) => matmul::forward(&mut y, &x, &wf, None, rows, inp, out),
+                        (false, 1) => matmul::forward_with(
+                            &mut y,
+                            &x,
+                            &wb,
+                            None,
+                            rows,
+                            inp,
+                            out,
+                            &mut scratch,
+                        ),
+                        (false, _) => {
+                            upcast(&wb, &mut view);
+                            matmul::forward(&mut y, &x, &view, None, rows, inp, out)
+                        }
+                        (true, 0) => {
+                            matmul::backward(&mut dx, &mut dw, None, &dy, &x, &wf, rows, inp, out)
+                        }
+                        (true, 1) => matmul::backward_with(
+                            &mut dx,
+                            &mut dw,
+                            None,
+                            &dy,
+                            &x,
+                            &wb,
+                            rows,
+                            inp,
+                            out,
+                            &mut scratch,
+                        ),
+                        (true, _) => {
+                            upcast(&wb, &mut view);
+                            matmul::backward(&mut dx, &mut dw, None, &dy, &x, &view, rows, inp, out)
+                        }
+                    }
+                    black_box(&y);
+                    // Round 0 is warm-up.
+                    if r > 0 {
+                        t[v].push(start.elapsed().as_secs_f64());
+                    }
+                }
+            }
+            let m: Vec<f64> = t.iter_mut().map(|v| median(v)).collect();
+            let products = if backward { 2.0 } else { 1.0 };
+            let gf = |s: f64| products * flops / s / 1e9;
+            eprintln!(
+                "paired {} {rows}x{inp}x{out} ({rounds} rounds): f32 {:.2} ms ({:.1} GFLOP/s), \
+                 bf16_weight {:.2} ms ({:.1}), bf16_upcast_view {:.2} ms ({:.1}); \
+                 bf16_weight/f32 throughput {:.3}, bf16_weight/upcast_view {:.3}",
+                if backward { "backward" } else { "forward" },
+                m[0] * 1e3,
+                gf(m[0]),
+                m[1] * 1e3,
+                gf(m[1]),
+                m[2] * 1e3,
+                gf(m[2]),
+                m[0] / m[1],
+                m[2] / m[1],
+            );
+        }
+    }
+}
+
+fn gemm(c: &mut Criterion) {
+    if let Some(rounds) = std::env::var("HEADROOM_GEMM_PAIRED")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&r| r > 0)
+    {
+        gemm_paired(rounds);
+    }
+    for (rows, inp, out) in GEMM_SHAPES {
+        let label = format!("{rows}x{inp}x{out}");
+        let x = values(rows * inp, 1);
+        let dy = values(rows * out, 2);
+        // Weights are O(1/√in) as initialised models have, kept exactly bf16-representable.
+        let s = 1.0 / (inp as f32).sqrt();
+        let wb: Vec<bf16> = values(out * inp, 3)
+            .iter()
+            .map(|v| bf16::from_f32(v * s))
+            .collect();
+        let wf: Vec<f32> = wb.iter().map(|v| v.to_f32()).collect();
+        let mut view = vec![0.0f32; out * inp];
+        let scratch_len =
+            matmul::forward_scratch(rows, inp, out).max(matmul::backward_scratch(rows, inp, out));
+        let mut scratch = vec![0.0f32; scratch_len];
+        let flops = 2 * rows * inp * out;
+
+        let mut y = vec![0.0f32; rows * out];
+        let mut g = c.benchmark_group(format!("tensor/gemm_forward/{label}"));
+        g.sample_size(10).sampling_mode(SamplingMode::Flat);
+        g.throughput(Throughput::Elements(flops as u64));
+        g.bench_function("f32", |b| {
+            b.iter(|| matmul::forward(&mut y, black_box(&x), black_box(&wf), None, rows, inp, out))
+        });
+        g.bench_function("bf16_weight", |b| {
+            b.iter(|| {
+                matmul::forward_with(
+                    &mut y,
+                    black_box(&x),
+                    black_box(&wb),
+                    None,
+                    rows,
+                    inp,
+                    out,
+                    &mut scratch,
+                )
+            })
+        });
+        g.bench_function("bf16_upcast_view", |b| {
+            b.iter(|| {
+                upcast(black_box(&wb), &mut view);
+                matmul::forward(&mut y, black_box(&x), &view, None, rows, inp, out)
+            })
+        });
+        g.finish();
+
+        let (mut dx, mut dw) = (vec![0.0f32; rows * inp], vec![0.0f32; out * inp]);
+        let mut g = c.benchmark_group(format!("tensor/gemm_backward/{label}"));
+        g.sample_size(10).sampling_mode(SamplingMode::Flat);
+        g.throughput(Throughput::Elements(2 * flops as u64));
+        // Gradients accumulate across iterations; values stay finite (O(iterations) growth).
+        g.bench_function("f32", |b| {
+            b.iter(|| {
+                matmul::backward(
+                    &mut dx,
+                    &mut dw,
+                    None,
+                    &dy,
+                    &x,
+                    black_box(&wf),
+                    rows,
+                    inp,
+                    out,
+                )
+            })
+        });
+        g.bench_function("bf16_weight", |b| {
+            b.iter(|| {
+                matmul::backward_with(
+                    &mut dx,
+                    &mut dw,
+                    None,
+                    &dy,
+                    &x,
+                    black_box(&wb),
+                    rows,
+                    inp,
+                    out,
+                    &mut scratch,
+                )
+            })
+        });
+        g.bench_function("bf16_upcast_view", |b| {
+            b.iter(|| {
+                upcast(black_box(&wb), &mut view);
+                matmul::backward(&mut dx, &mut dw, None, &dy, &x, &view, rows, inp, out)
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, primitives, gemm);
 criterion_main!(benches);

@@ -18,6 +18,7 @@ use headroom_tensor::MemoryCategory;
 use serde::Serialize;
 
 use crate::model::{params, Family, ModelConfig};
+use crate::ops::matmul;
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
 
@@ -224,10 +225,19 @@ pub fn estimate(
     device[MemoryCategory::Activations] = io + sim.peak_saved_bytes + head_act.max(recompute_extra);
 
     // Workspace: the larger of the head (dlnf and the logits' gradient — or both logit chunks
-    // when fused — plus f32 views of the residual and of the head's weight in low precision)
-    // and a block's backward.
+    // when fused — plus, in low precision, the f32 view of the residual and the panel the
+    // head's weight is widened into: the GEMMs read the bf16/f16 weight in place) and a
+    // block's backward.
     let views_head = if low {
-        btc * 4 + p_of(&infos, params::head_index(cfg)) * 4
+        let (n, rows) = (bt as usize, head_rows as usize);
+        btc * 4
+            + u(matmul::chunked_scratch(
+                n,
+                rows,
+                cfg.channels,
+                cfg.vocab,
+                true,
+            )) * 4
     } else {
         0
     };
@@ -242,11 +252,16 @@ pub fn estimate(
         llama_block_workspace(cfg, bt, low, naive_ws)
     } else if low {
         // GPT-2 at its two widest moments: the MLP (incoming gradient, dfch_gelu and dfch;
-        // the f32 views of x, res2 and fch — or, one op earlier, of fch_gelu and the 4C²
-        // projection weight) and attention (incoming gradient, dres2, dy, dq/dk/dv, naive
-        // attention's [b, H, T, T] probability gradient; the f32 views of x, q, k, v and the
-        // attention output).
-        let mlp = (15 * btc * 4).max(11 * btc * 4 + 16 * c * c);
+        // the f32 views of x, res2 and fch — or, one op earlier, of fch_gelu and the panel the
+        // 4C×C projection weight is widened into) and attention (incoming gradient, dres2, dy,
+        // dq/dk/dv, naive attention's [b, H, T, T] probability gradient; the f32 views of x,
+        // q, k, v and the attention output).
+        let proj_panel = u(matmul::backward_scratch(
+            bt as usize,
+            4 * cfg.channels,
+            cfg.channels,
+        ));
+        let mlp = (15 * btc * 4).max(11 * btc * 4 + proj_panel * 4);
         mlp.max(11 * btc * 4 + naive_ws)
     } else {
         (9 * btc * 4).max(6 * btc * 4 + naive_ws)
@@ -274,20 +289,24 @@ fn llama_block_workspace(cfg: &ModelConfig, bt: u64, low: bool, naive_ws: u64) -
     let (c, f) = (u(cfg.channels), u(cfg.ffn()));
     let k = u(cfg.kv_heads() * cfg.head_dim());
     let (btc, btf, btk) = (bt * c, bt * f, bt * k);
+    // The panel a low-precision weight `[out, in]` is widened into for the input gradient.
+    let panel = |inp: usize, out: usize| u(matmul::backward_scratch(bt as usize, inp, out));
+    let (cu, fu) = (cfg.channels, cfg.ffn());
     let elems = if low {
         [
-            // down's backward: dact, views of act and of W_down.
-            3 * btc + 2 * btf + c * f,
+            // down's backward: dact, views of act, W_down's panel.
+            3 * btc + 2 * btf + panel(fu, cu),
             // SwiGLU's backward: dact, dgate, dup, views of gate and up.
             3 * btc + 5 * btf,
-            // gate's backward: dgate, dup, dnorm2, views of norm2 and W_gate.
-            5 * btc + 2 * btf + c * f,
-            // o_proj's backward: dres2, atty, datty, view of W_o.
-            5 * btc + c * c,
+            // gate's backward: dgate, dup, dnorm2, view of norm2, W_gate's panel.
+            5 * btc + 2 * btf + panel(cu, fu),
+            // o_proj's backward: dres2, atty, datty, W_o's panel.
+            5 * btc + panel(cu, cu),
             // attention's backward: dres2, dy, the f32 output, views and gradients of q, k, v.
             7 * btc + 4 * btk,
-            // q's backward: dres2, dq, dk, dv, dnorm1, the merged dq, views of norm1 and W_q.
-            7 * btc + 2 * btk + c * c,
+            // q's backward: dres2, dq, dk, dv, dnorm1, the merged dq, view of norm1, W_q's
+            // panel.
+            7 * btc + 2 * btk + panel(cu, cu),
         ]
         .into_iter()
         .max()
@@ -428,10 +447,6 @@ pub fn cuda_parameter_state(cfg: &ModelConfig, tech: &Techniques) -> Result<Cuda
         host[MemoryCategory::Gradients] = 4 * p;
     }
     Ok(CudaParameterState { device, host })
-}
-
-fn p_of(infos: &[params::ParamInfo], i: usize) -> u64 {
-    infos.get(i).map_or(0, |x| u(x.shape.iter().product()))
 }
 
 #[cfg(test)]

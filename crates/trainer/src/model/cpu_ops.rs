@@ -1,11 +1,16 @@
 //! [`ModelOps`] on the CPU backend: the f32 kernels of [`crate::ops`] on tensor slices.
 //!
-//! Numerics: every kernel computes in f32. An input stored in bf16/f16 is read through an f32
-//! copy made for the call (tagged `Workspace`, freed when the op returns) — the "f32 views"
+//! Numerics: every kernel computes in f32. An activation stored in bf16/f16 is read through an
+//! f32 copy made for the call (tagged `Workspace`, freed when the op returns) — the "f32 views"
 //! whose bytes the estimator counts; so a low-precision run computes on exactly the rounded
-//! values it stores, and the arithmetic is the fp32 run's.
+//! values it stores, and the arithmetic is the fp32 run's. A bf16/f16 *weight* is never
+//! copied whole: the linear layers and the head hand it to [`matmul::forward_with`] /
+//! [`matmul::backward_with`], which widen it a panel at a time into a workspace scratch of
+//! [`matmul::forward_scratch`] / [`matmul::backward_scratch`] elements, with the same bits as
+//! the f32 GEMM on a widened copy; the embedding and the norms read their weights row by row.
 
-use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Tensor};
+use half::{bf16, f16};
+use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Element, MemoryCategory, Tensor};
 
 use crate::model::ops::{HeadLossGrads, ModelOps};
 use crate::model::transformer::View;
@@ -26,6 +31,135 @@ pub(crate) fn f32_view<'a>(cpu: &Cpu, t: &'a CpuTensor) -> Result<View<'a, CpuTe
 
 fn out(t: &mut CpuTensor) -> Result<&mut [f32]> {
     Ok(t.as_mut_slice::<f32>()?)
+}
+
+/// Token (and position) embedding rows of `wte` stored as `W`; `wpe` with its sequence length.
+fn embed_rows<W: matmul::Operand>(
+    cpu: &Cpu,
+    y: &mut [f32],
+    tokens: &[u32],
+    wte: &[W],
+    wpe: Option<(&CpuTensor, usize)>,
+    c: usize,
+) -> Result<()> {
+    match wpe {
+        None => embedding::forward_tokens(y, tokens, wte, c),
+        Some((p, t)) => match p.dtype() {
+            DType::BF16 => embedding::forward(y, tokens, wte, p.as_slice::<bf16>()?, t, c),
+            DType::F16 => embedding::forward(y, tokens, wte, p.as_slice::<f16>()?, t, c),
+            _ => embedding::forward(y, tokens, wte, f32_view(cpu, p)?.s()?, t, c),
+        },
+    }
+    Ok(())
+}
+
+/// A linear weight as the GEMMs read it: f32 (itself, or a view of another dtype), or bf16 /
+/// f16 in place — never a whole f32 copy.
+enum WeightRef<'a> {
+    F32(View<'a, CpuTensor>),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl<'a> WeightRef<'a> {
+    fn new(cpu: &Cpu, w: &'a CpuTensor) -> Result<Self> {
+        Ok(match w.dtype() {
+            DType::BF16 => WeightRef::Bf16(w.as_slice()?),
+            DType::F16 => WeightRef::F16(w.as_slice()?),
+            _ => WeightRef::F32(f32_view(cpu, w)?),
+        })
+    }
+
+    /// The workspace scratch, `elems` f32 long; none for an f32 weight, so an fp32 run
+    /// allocates exactly what it did before.
+    fn scratch(&self, cpu: &Cpu, elems: usize) -> Result<Option<CpuTensor>> {
+        if let WeightRef::F32(_) = self {
+            return Ok(None);
+        }
+        let _g = MemoryCategory::Workspace.enter();
+        Ok(Some(cpu.uninit([elems], DType::F32)?))
+    }
+
+    /// [`matmul::forward_with`]; a bias in the weight's dtype is read in place, any other
+    /// through an f32 view.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        cpu: &Cpu,
+        y: &mut [f32],
+        x: &[f32],
+        b: Option<&CpuTensor>,
+        n: usize,
+        c: usize,
+        oc: usize,
+        scratch: &mut [f32],
+    ) -> Result<()> {
+        fn go<W: matmul::Operand + Element>(
+            cpu: &Cpu,
+            y: &mut [f32],
+            x: &[f32],
+            w: &[W],
+            b: Option<&CpuTensor>,
+            (n, c, oc): (usize, usize, usize),
+            scratch: &mut [f32],
+        ) -> Result<()> {
+            match b {
+                Some(b) if b.dtype() == W::DTYPE => {
+                    matmul::forward_with(y, x, w, Some(b.as_slice::<W>()?), n, c, oc, scratch)
+                }
+                Some(b) => {
+                    let bv = f32_view(cpu, b)?;
+                    matmul::forward_with(y, x, w, None, n, c, oc, scratch);
+                    // The `+=` forward_with does for a bias of its own dtype.
+                    for row in y.chunks_exact_mut(oc.max(1)) {
+                        for (o, b) in row.iter_mut().zip(bv.s()?) {
+                            *o += b;
+                        }
+                    }
+                }
+                None => matmul::forward_with(y, x, w, None, n, c, oc, scratch),
+            }
+            Ok(())
+        }
+        let dims = (n, c, oc);
+        match self {
+            WeightRef::F32(w) => go(cpu, y, x, w.s()?, b, dims, scratch),
+            WeightRef::Bf16(w) => go(cpu, y, x, w, b, dims, scratch),
+            WeightRef::F16(w) => go(cpu, y, x, w, b, dims, scratch),
+        }
+    }
+
+    /// [`matmul::backward_with`] (no bias: the caller's `db` is passed through).
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        dx: &mut [f32],
+        dw: &mut [f32],
+        db: Option<&mut [f32]>,
+        dy: &[f32],
+        x: &[f32],
+        n: usize,
+        c: usize,
+        oc: usize,
+        scratch: &mut [f32],
+    ) -> Result<()> {
+        match self {
+            WeightRef::F32(w) => {
+                matmul::backward_with(dx, dw, db, dy, x, w.s()?, n, c, oc, scratch)
+            }
+            WeightRef::Bf16(w) => matmul::backward_with(dx, dw, db, dy, x, w, n, c, oc, scratch),
+            WeightRef::F16(w) => matmul::backward_with(dx, dw, db, dy, x, w, n, c, oc, scratch),
+        }
+        Ok(())
+    }
+}
+
+/// A scratch from [`WeightRef::scratch`] as the slice the GEMMs take (empty when none).
+fn panel(scratch: &mut Option<CpuTensor>) -> Result<&mut [f32]> {
+    match scratch {
+        Some(t) => out(t),
+        None => Ok(&mut []),
+    }
 }
 
 fn bad(op: &str, what: String) -> TrainError {
@@ -83,14 +217,10 @@ impl ModelOps for Cpu {
         if let Some(b) = b {
             expect_len("linear", "bias", b, oc)?;
         }
-        let (xv, wv) = (f32_view(self, x)?, f32_view(self, w)?);
-        let bv = b.map(|b| f32_view(self, b)).transpose()?;
-        let bs = match &bv {
-            Some(v) => Some(v.s()?),
-            None => None,
-        };
-        matmul::forward(out(y)?, xv.s()?, wv.s()?, bs, n, c, oc);
-        Ok(())
+        let xv = f32_view(self, x)?;
+        let wr = WeightRef::new(self, w)?;
+        let mut scratch = wr.scratch(self, matmul::forward_scratch(n, c, oc))?;
+        wr.forward(self, out(y)?, xv.s()?, b, n, c, oc, panel(&mut scratch)?)
     }
 
     fn linear_backward(
@@ -111,13 +241,15 @@ impl ModelOps for Cpu {
         if let Some(db) = &db {
             expect_len("linear backward", "bias gradient", db, oc)?;
         }
-        let (dyv, xv, wv) = (f32_view(self, dy)?, f32_view(self, x)?, f32_view(self, w)?);
+        let (dyv, xv) = (f32_view(self, dy)?, f32_view(self, x)?);
         let db = match db {
             Some(t) => Some(out(t)?),
             None => None,
         };
-        matmul::backward(out(dx)?, out(dw)?, db, dyv.s()?, xv.s()?, wv.s()?, n, c, oc);
-        Ok(())
+        let wr = WeightRef::new(self, w)?;
+        let mut scratch = wr.scratch(self, matmul::backward_scratch(n, c, oc))?;
+        let (dx, dw, dy, x) = (out(dx)?, out(dw)?, dyv.s()?, xv.s()?);
+        wr.backward(dx, dw, db, dy, x, n, c, oc, panel(&mut scratch)?)
     }
 
     fn layernorm(
@@ -339,19 +471,23 @@ impl ModelOps for Cpu {
         if let Some(bad_id) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(bad("embed", format!("token {bad_id} ≥ vocab {vocab}")));
         }
-        let wv = f32_view(self, wte)?;
-        match wpe {
+        let wpe = match wpe {
             Some(wpe) => {
                 let t = y.shape().dims().get(1).copied().unwrap_or(1).max(1);
                 if tokens.len() % t != 0 || wpe.numel() < t * c {
                     return Err(bad("embed", format!("{t} positions do not fit the batch")));
                 }
-                let pv = f32_view(self, wpe)?;
-                embedding::forward(out(y)?, tokens, wv.s()?, pv.s()?, t, c);
+                Some((wpe, t))
             }
-            None => embedding::forward_tokens(out(y)?, tokens, wv.s()?, c),
+            None => None,
+        };
+        // The tables are read in place, row by row, whatever their dtype.
+        let y = out(y)?;
+        match wte.dtype() {
+            DType::BF16 => embed_rows(self, y, tokens, wte.as_slice::<bf16>()?, wpe, c),
+            DType::F16 => embed_rows(self, y, tokens, wte.as_slice::<f16>()?, wpe, c),
+            _ => embed_rows(self, y, tokens, f32_view(self, wte)?.s()?, wpe, c),
         }
-        Ok(())
     }
 
     fn embed_backward(
@@ -465,8 +601,12 @@ impl ModelOps for Cpu {
             expect_len("head", "weight gradient", g.dw, v * c)?;
         }
         let rows = rows.clamp(1, n.max(1));
-        let _l = headroom_profiler::label_absolute("head.wte (f32 view)");
-        let wv = f32_view(self, w)?;
+        let wr = WeightRef::new(self, w)?;
+        let mut scratch = {
+            let _l = headroom_profiler::label_absolute("head.wte (f32 panel)");
+            let train = grads.is_some();
+            wr.scratch(self, matmul::chunked_scratch(n, rows, c, v, train))?
+        };
         let _l = headroom_profiler::label_absolute(if rows < n {
             "head.logits[chunk]"
         } else {
@@ -491,7 +631,7 @@ impl ModelOps for Cpu {
             let r = rows.min(n - r0);
             let lg = &mut out(&mut logits)?[..r * v];
             let xr = &xs[r0 * c..][..r * c];
-            matmul::forward(lg, xr, wv.s()?, None, r, c, v);
+            wr.forward(self, lg, xr, None, r, c, v, panel(&mut scratch)?)?;
             round_slice(lg, precision);
             let ls = &mut out(losses)?[r0..r0 + r];
             match (&mut grads, &mut dlogits) {
@@ -506,17 +646,17 @@ impl ModelOps for Cpu {
                         v,
                     );
                     // A tied head accumulates into the token embedding's gradient; no bias.
-                    matmul::backward(
+                    wr.backward(
                         &mut out(g.dx)?[r0 * c..][..r * c],
                         out(g.dw)?,
                         None,
                         dl,
                         xr,
-                        wv.s()?,
                         r,
                         c,
                         v,
-                    );
+                        panel(&mut scratch)?,
+                    )?;
                 }
                 _ => cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v),
             }

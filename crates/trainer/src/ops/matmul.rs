@@ -5,8 +5,42 @@
 //! the thread count (gemm splits work over output rows and columns, never over the inner
 //! dimension), so gradients are reproducible bit for bit; the bias gradient is a plain ordered
 //! loop for the same reason.
+//!
+//! # Low-precision weights
+//!
+//! [`forward_with`] and [`backward_with`] take the weight in any [`Operand`] type: f32, bf16 or
+//! f16. A bf16/f16 weight is widened to f32 a *panel* at a time (a slab of whole output
+//! columns, at most [`PANEL_BYTES`] unless one minimum-width panel is larger) into a scratch
+//! buffer the caller owns, and each panel goes through the same f32 gemm as a full f32 weight
+//! would. Numerics, written down because the trainer's loss trace depends on them:
+//!
+//! - Widening bf16/f16 → f32 is exact, so each product is the product of the rounded values
+//!   the run stores; accumulation is f32 with fused multiply-adds, as in the f32 path.
+//! - Splitting the output columns into panels does not change any output element's reduction:
+//!   gemm's depth blocking (`kc`) is a function of `k` and the cache sizes only, once neither
+//!   output dimension is tiny (gemm's small-matrix and matrix-vector paths block differently).
+//!   Panels are therefore at least [`PANEL_MIN`] columns wide, and a product with at most
+//!   [`SINGLE_PANEL_ROWS`] rows takes the whole weight as one panel — so the result is *bit
+//!   for bit* the f32 GEMM's on the widened weight (tested below), and a bf16 run's losses are
+//!   those of the f32 views it replaces. Against an f64 product of the same bf16-rounded
+//!   inputs the error is the f32 GEMM's: `|err| ≤ γ_k Σ|a·b|` with `γ_k ≈ k·2⁻²⁴` (the test
+//!   checks `k·2⁻²³ · Σ|a·b| + 1e-30`).
+//! - Why a separate widening pass and not inside the packing: the packing is gemm's and not
+//!   ours to extend, and an own kernel with its own blocking would change the summation order
+//!   (and the committed bf16 loss trace). So each panel is widened into an L2/L3-sized buffer
+//!   just before gemm packs it. There is no AVX512-BF16 (`vdpbf16ps`) path: it would need an
+//!   own micro-kernel for the reason above.
+//! - What it costs: one extra pass over the weight per call (widen, then gemm packs it), i.e.
+//!   `O(k·n)` work next to the GEMM's `O(m·k·n)` — negligible at thousands of rows, but a
+//!   fused loss calls the head once per 128-row chunk and so widens the 50257-row embedding
+//!   twice per chunk where the old f32 view was made once per step; and the activation
+//!   operand is re-read once per panel. Memory: the scratch of [`forward_scratch`] /
+//!   [`backward_scratch`] elements instead of a whole f32 copy of the weight.
+
+use std::ops::Range;
 
 use gemm::Parallelism;
+use half::{bf16, f16};
 
 fn parallelism() -> Parallelism {
     match rayon::current_num_threads() {
@@ -44,7 +78,7 @@ impl<'a> Strided<'a> {
 }
 
 /// `dst[m, n] (+)= lhs[m, k] · rhs[k, n]`, `dst` dense row-major; accumulates when
-/// `accumulate`, overwrites otherwise. The only place this module calls into gemm.
+/// `accumulate`, overwrites otherwise.
 fn gemm_into(
     dst: &mut [f32],
     lhs: Strided<'_>,
@@ -55,14 +89,32 @@ fn gemm_into(
     accumulate: bool,
 ) {
     debug_assert_eq!(dst.len(), m * n);
+    gemm_rows_into(dst, n, lhs, rhs, m, n, k, accumulate);
+}
+
+/// [`gemm_into`] with `dst` row-major at row stride `dst_stride` ≥ `n` (a column slab of a
+/// wider matrix, starting at `dst[0]`). The only place this module calls into gemm.
+#[allow(clippy::too_many_arguments)]
+fn gemm_rows_into(
+    dst: &mut [f32],
+    dst_stride: usize,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    debug_assert!(m == 0 || n == 0 || dst.len() >= (m - 1) * dst_stride + n);
     debug_assert!(
         m == 0 || k == 0 || lhs.data.len() > (m - 1) * lhs.row_stride + (k - 1) * lhs.col_stride
     );
     debug_assert!(
         k == 0 || n == 0 || rhs.data.len() > (k - 1) * rhs.row_stride + (n - 1) * rhs.col_stride
     );
-    // SAFETY: the callers pass matrices whose strided extents lie inside their slices (checked
-    // in debug builds above), and `dst` is a distinct mutable borrow, so nothing aliases it.
+    // SAFETY: the callers pass matrices (and a `dst` row stride) whose strided extents lie
+    // inside their slices (checked in debug builds above), and `dst` is a distinct mutable
+    // borrow, so nothing aliases it.
     unsafe {
         // gemm computes dst := alpha·dst + beta·lhs·rhs (alpha read only when read_dst).
         gemm::gemm(
@@ -71,7 +123,7 @@ fn gemm_into(
             k,
             dst.as_mut_ptr(),
             1,
-            n as isize,
+            dst_stride as isize,
             accumulate,
             lhs.data.as_ptr(),
             lhs.col_stride as isize,
@@ -90,7 +142,6 @@ fn gemm_into(
 }
 
 /// `out = inp · Wᵀ (+ bias)`; `inp` is `[n, c]`, `weight` `[oc, c]`, `out` `[n, oc]`.
-/// Lengths are the caller's contract (checked in debug builds).
 pub fn forward(
     out: &mut [f32],
     inp: &[f32],
@@ -100,24 +151,7 @@ pub fn forward(
     c: usize,
     oc: usize,
 ) {
-    debug_assert_eq!(inp.len(), n * c);
-    debug_assert_eq!(weight.len(), oc * c);
-    gemm_into(
-        out,
-        Strided::rows(inp, c),
-        Strided::transposed(weight, c),
-        n,
-        oc,
-        c,
-        false,
-    );
-    if let Some(b) = bias {
-        for row in out.chunks_exact_mut(oc) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b;
-            }
-        }
-    }
+    forward_with(out, inp, weight, bias, n, c, oc, &mut []);
 }
 
 /// Accumulate the gradients of [`forward`]: `dinp += dout · W`, `dweight += doutᵀ · inp`,
@@ -134,16 +168,344 @@ pub fn backward(
     c: usize,
     oc: usize,
 ) {
-    debug_assert_eq!(dout.len(), n * oc);
+    backward_with(dinp, dweight, dbias, dout, inp, weight, n, c, oc, &mut []);
+}
+
+/// A storage type a GEMM operand may have, read as f32 (exactly: every bf16 and f16 value is
+/// an f32 value).
+pub trait Operand: Copy + Send + Sync + 'static {
+    /// The slice itself when it already is f32 (no widening, no scratch).
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// One value as f32.
+    fn to_f32(self) -> f32;
+    /// `dst[i] = src[i]` as f32; equal lengths.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Columns `col0..col0 + width` of the rows of `src` (row stride `stride`), as the dense
+    /// `[dst.len() / width, width]` matrix `dst`.
+    fn widen_strip(src: &[Self], stride: usize, col0: usize, width: usize, dst: &mut [f32]) {
+        for (r, d) in dst.chunks_exact_mut(width).enumerate() {
+            Self::widen(&src[r * stride + col0..][..width], d);
+        }
+    }
+}
+
+impl Operand for f32 {
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Operand for bf16 {
+    fn as_f32(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
+    fn to_f32(self) -> f32 {
+        bf16_to_f32(self.to_bits())
+    }
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        widen_bf16(src, dst);
+    }
+    fn widen_strip(src: &[bf16], stride: usize, col0: usize, width: usize, dst: &mut [f32]) {
+        // The plain loop (which LLVM vectorises): on the head's ~100-value strips it measured
+        // 2× faster than calling the AVX2 body per strip (Zen 3: 30 vs 57 ms for a 50257×96
+        // strip set), and equal on wide ones.
+        for (r, d) in dst.chunks_exact_mut(width).enumerate() {
+            widen_bf16_portable(&src[r * stride + col0..][..width], d);
+        }
+    }
+}
+
+impl Operand for f16 {
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        // half picks F16C at run time where the CPU has it.
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+/// bf16 is the top half of an f32: a shift, with no rounding and NaN payloads kept (the
+/// tensor crate's cast gives the same bits, so a widened panel equals the old f32 view).
+#[inline]
+fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// `dst = src` widened, on the widest path the CPU has.
+pub fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widen_bf16: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked just above); lengths are equal (asserted).
+        unsafe { widen_bf16_avx2(src, dst) };
+        return;
+    }
+    widen_bf16_portable(src, dst);
+}
+
+/// The reference the SIMD path is tested against (and the tail of every SIMD call).
+pub fn widen_bf16_portable(src: &[bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = bf16_to_f32(s.to_bits());
+    }
+}
+
+/// Eight values a step: zero-extend u16 → u32 lanes, shift left 16 — the scalar formula.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_bf16_avx2(src: &[bf16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = src.len().min(dst.len());
+    let (s, d) = (src.as_ptr() as *const u16, dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 ≤ n keeps both 16-lane loads and stores in bounds (unaligned ops).
+        unsafe {
+            let a = _mm_loadu_si128(s.add(i) as *const __m128i);
+            let b = _mm_loadu_si128(s.add(i + 8) as *const __m128i);
+            let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(a));
+            let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(b));
+            _mm256_storeu_si256(d.add(i) as *mut __m256i, a);
+            _mm256_storeu_si256(d.add(i + 8) as *mut __m256i, b);
+        }
+        i += 16;
+    }
+    widen_bf16_portable(&src[i..n], &mut dst[i..n]);
+}
+
+/// The widened-panel budget: big enough that gemm sees wide panels (few passes over the
+/// activation operand), small next to the weights (the head's f32 view was 73.6 MiB).
+pub const PANEL_BYTES: usize = 2 << 20;
+/// The narrowest panel (unless the whole operand is narrower): above 64 columns gemm never
+/// takes its small-matrix path, whose depth blocking differs (see the module notes).
+pub const PANEL_MIN: usize = 80;
+/// At most this many rows, the whole weight is one panel: with fewer than 4 rows a
+/// `PANEL_MIN`-wide panel could reach gemm's matrix-vector or tiny-matrix paths.
+pub const SINGLE_PANEL_ROWS: usize = 3;
+
+/// How the `n` output columns of an `m`-row product of depth `k` split into panels:
+/// `(count, widest)`. Panels are `n / count` or one more columns wide, each ≥ [`PANEL_MIN`]
+/// when there is more than one.
+fn panel_plan(m: usize, n: usize, k: usize, budget: usize) -> (usize, usize) {
+    if n == 0 {
+        return (0, 0);
+    }
+    if m <= SINGLE_PANEL_ROWS {
+        return (1, n);
+    }
+    let target = (budget / (4 * k.max(1)) / 16 * 16).max(PANEL_MIN);
+    let count = (n / target).max(1);
+    (count, n.div_ceil(count))
+}
+
+/// Panel `j`'s columns: the first `n % count` panels take one column more.
+fn panel_range(n: usize, count: usize, j: usize) -> Range<usize> {
+    let (base, extra) = (n / count, n % count);
+    let start = j * base + j.min(extra);
+    start..start + base + usize::from(j < extra)
+}
+
+/// Scratch elements (f32) an `m`-row product of depth `k` with `n` low-precision weight
+/// columns needs: one widened panel.
+fn panel_elems(m: usize, n: usize, k: usize) -> usize {
+    k * panel_plan(m, n, k, PANEL_BYTES).1
+}
+
+/// Scratch (f32 elements) [`forward_with`] needs for a low-precision weight: `n` rows of
+/// input, weight `[oc, c]`. Zero for an f32 weight.
+pub fn forward_scratch(n: usize, c: usize, oc: usize) -> usize {
+    panel_elems(n, oc, c)
+}
+
+/// Scratch (f32 elements) [`backward_with`] needs for a low-precision weight (the input
+/// gradient's product; the weight gradient's does not read the weight).
+pub fn backward_scratch(n: usize, c: usize, oc: usize) -> usize {
+    panel_elems(n, c, oc)
+}
+
+/// Scratch (f32 elements) for a linear over `n` rows taken `rows` at a time (the last chunk
+/// may be shorter; the head with a fused loss): forward and, when `backward`, the input
+/// gradient's product, with one scratch shared by all chunks.
+pub fn chunked_scratch(n: usize, rows: usize, c: usize, oc: usize, backward: bool) -> usize {
+    let rows = rows.clamp(1, n.max(1));
+    let last = n % rows;
+    [rows.min(n), last]
+        .into_iter()
+        .filter(|&r| r > 0)
+        .map(|r| {
+            let f = forward_scratch(r, c, oc);
+            if backward {
+                f.max(backward_scratch(r, c, oc))
+            } else {
+                f
+            }
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Widen `src` into `dst` over the threads when it is big enough to be worth splitting (the
+/// copy is memory-bound, and the head's panels are megabytes).
+fn widen_par<W: Operand>(src: &[W], dst: &mut [f32]) {
+    use rayon::prelude::*;
+    if dst.len() <= WIDEN_CHUNK {
+        W::widen(src, dst);
+    } else {
+        dst.par_chunks_mut(WIDEN_CHUNK)
+            .zip(src.par_chunks(WIDEN_CHUNK))
+            .for_each(|(d, s)| W::widen(s, d));
+    }
+}
+
+/// Values widened per parallel task (256 KiB of f32 output).
+const WIDEN_CHUNK: usize = 1 << 16;
+
+/// `dst[m, n] (+)= lhs[m, k] · Wᵀ` for `w` `[n, k]` row-major (`transposed`) or
+/// `dst[m, n] (+)= lhs[m, k] · W` for `w` `[k, n]` row-major (not `transposed`), `dst` dense.
+/// An f32 `w` goes straight to gemm; otherwise panel by panel through `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_weight<W: Operand>(
+    dst: &mut [f32],
+    lhs: Strided<'_>,
+    w: &[W],
+    transposed: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    scratch: &mut [f32],
+    budget: usize,
+) {
+    assert_eq!(w.len(), n * k, "weight length");
+    assert_eq!(dst.len(), m * n, "output length");
+    if let Some(w) = W::as_f32(w) {
+        let rhs = if transposed {
+            Strided::transposed(w, k)
+        } else {
+            Strided::rows(w, n)
+        };
+        gemm_into(dst, lhs, rhs, m, n, k, accumulate);
+        return;
+    }
+    let (count, widest) = panel_plan(m, n, k, budget);
+    assert!(
+        scratch.len() >= k * widest,
+        "scratch of {} elements, need {}",
+        scratch.len(),
+        k * widest
+    );
+    for j in 0..count {
+        let cols = panel_range(n, count, j);
+        let width = cols.len();
+        let panel = &mut scratch[..k * width];
+        let rhs = if transposed {
+            // Rows `cols` of `[n, k]` are contiguous: one widening pass.
+            widen_par(&w[cols.start * k..cols.end * k], panel);
+            Strided::transposed(panel, k)
+        } else {
+            // Columns `cols` of `[k, n]`: a strip of each row, packed dense `[k, width]`. The
+            // strips are short (the head's are ~100 values), so each task takes a block of
+            // rows: one task per strip cost 4× the widening itself (measured).
+            use rayon::prelude::*;
+            let rows_per_task = (WIDEN_CHUNK / width.max(1)).max(1);
+            panel
+                .par_chunks_mut(width * rows_per_task)
+                .enumerate()
+                .for_each(|(t, block)| {
+                    let r0 = t * rows_per_task;
+                    W::widen_strip(&w[r0 * n..], n, cols.start, width, block);
+                });
+            Strided::rows(panel, width)
+        };
+        // The slab `dst[:, cols]` starts at column `cols.start` with the full row stride.
+        let slab = if m == 0 {
+            &mut dst[..0]
+        } else {
+            &mut dst[cols.start..(m - 1) * n + cols.end]
+        };
+        gemm_rows_into(slab, n, lhs, rhs, m, width, k, accumulate);
+    }
+}
+
+/// [`forward`] with the weight (and bias) in any [`Operand`] type: `out = inp · Wᵀ (+ bias)`,
+/// f32 accumulation and output. `scratch` holds at least [`forward_scratch`] elements for a
+/// low-precision weight (may be empty for f32). Bit for bit [`forward`] on the widened weight.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_with<W: Operand>(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[W],
+    bias: Option<&[W]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+    scratch: &mut [f32],
+) {
+    assert_eq!(inp.len(), n * c, "input length");
+    gemm_weight(
+        out,
+        Strided::rows(inp, c),
+        weight,
+        true,
+        n,
+        oc,
+        c,
+        false,
+        scratch,
+        PANEL_BYTES,
+    );
+    if let Some(b) = bias {
+        assert_eq!(b.len(), oc, "bias length");
+        for row in out.chunks_exact_mut(oc) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b.to_f32();
+            }
+        }
+    }
+}
+
+/// [`backward`] with the weight in any [`Operand`] type (gradients stay f32: they are the
+/// master side): `dinp += dout · W`, `dweight += doutᵀ · inp`, `dbias += Σ_rows dout`.
+/// `scratch` holds at least [`backward_scratch`] elements for a low-precision weight.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with<W: Operand>(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[W],
+    n: usize,
+    c: usize,
+    oc: usize,
+    scratch: &mut [f32],
+) {
+    assert_eq!(dout.len(), n * oc, "output gradient length");
+    assert_eq!(inp.len(), n * c, "input length");
+    assert_eq!(dweight.len(), oc * c, "weight gradient length");
     // dinp[n, c] += dout[n, oc] · W[oc, c]
-    gemm_into(
+    gemm_weight(
         dinp,
         Strided::rows(dout, oc),
-        Strided::rows(weight, c),
+        weight,
+        false,
         n,
         c,
         oc,
         true,
+        scratch,
+        PANEL_BYTES,
     );
     // dweight[oc, c] += dout[n, oc]ᵀ · inp[n, c]
     gemm_into(
@@ -159,6 +521,220 @@ pub fn backward(
         for row in dout.chunks_exact(oc) {
             for (d, g) in db.iter_mut().zip(row) {
                 *d += g;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Values of O(1) with random signs, already bf16 (so f32 and bf16 hold the same numbers).
+    fn bf16_vec(seed: u64, len: usize) -> Vec<bf16> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
+            })
+            .collect()
+    }
+
+    fn f32_vec(seed: u64, len: usize) -> Vec<f32> {
+        bf16_vec(seed, len).iter().map(|v| v.to_f32()).collect()
+    }
+
+    fn widened(w: &[bf16]) -> Vec<f32> {
+        w.iter().map(|v| v.to_f32()).collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// `Σ_k a[i,k]·b[k,j]` in f64 and the error bound `k·2⁻²³·Σ|a·b|` of an f32 reduction with
+    /// fused multiply-adds over the same (exactly representable) inputs.
+    fn reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<(f64, f64)> {
+        let mut r = vec![(0.0, 0.0); m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let (mut s, mut abs) = (0.0f64, 0.0f64);
+                for p in 0..k {
+                    let t = a[i * k + p] as f64 * b[p * n + j] as f64;
+                    s += t;
+                    abs += t.abs();
+                }
+                r[i * n + j] = (s, k as f64 * f64::powi(2.0, -23) * abs + 1e-30);
+            }
+        }
+        r
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// The AVX2 widening (when the CPU has it) is the scalar formula, tails included.
+        #[test]
+        fn widen_matches_portable(raw in proptest::collection::vec(any::<u16>(), 0..200)) {
+            let src: Vec<bf16> = raw.iter().map(|&b| bf16::from_bits(b)).collect();
+            let (mut fast, mut slow) = (vec![0.0f32; src.len()], vec![1.0f32; src.len()]);
+            widen_bf16(&src, &mut fast);
+            widen_bf16_portable(&src, &mut slow);
+            prop_assert_eq!(bits(&fast), bits(&slow));
+            for (f, s) in fast.iter().zip(&src) {
+                prop_assert_eq!(f.to_bits() >> 16, s.to_bits() as u32);
+            }
+        }
+
+        /// Forward with a bf16 weight: within the f32 bound of the f64 product of the same
+        /// rounded inputs, and bit for bit the f32 GEMM on the widened weight — also when the
+        /// weight is split into several panels (budget 0: `PANEL_MIN`-wide panels).
+        #[test]
+        fn forward_bf16(m in 1usize..40, k in 1usize..70, n in 1usize..400,
+                        seed in any::<u64>(), tiny_budget in any::<bool>()) {
+            let x = f32_vec(seed, m * k);
+            let w = bf16_vec(seed ^ 1, n * k);
+            let wf = widened(&w);
+            let mut want = vec![0.0f32; m * n];
+            forward(&mut want, &x, &wf, None, m, k, n);
+            let budget = if tiny_budget { 0 } else { PANEL_BYTES };
+            let mut scratch = vec![f32::NAN; k * panel_plan(m, n, k, budget).1];
+            let mut got = vec![f32::NAN; m * n];
+            gemm_weight(&mut got, Strided::rows(&x, k), &w, true, m, n, k, false,
+                        &mut scratch, budget);
+            prop_assert_eq!(bits(&got), bits(&want));
+            // Wᵀ as [k, n] for the reference.
+            let mut wt = vec![0.0f32; k * n];
+            for j in 0..n {
+                for p in 0..k {
+                    wt[p * n + j] = wf[j * k + p];
+                }
+            }
+            for (g, (r, tol)) in got.iter().zip(reference(&x, &wt, m, n, k)) {
+                prop_assert!((*g as f64 - r).abs() <= tol, "{} vs {} (tol {})", g, r, tol);
+            }
+        }
+
+        /// The input gradient with a bf16 weight accumulates onto what is there, equals the f32
+        /// path bit for bit (panels or not) and the f64 reference within the bound.
+        #[test]
+        fn input_gradient_bf16(m in 1usize..40, k in 1usize..70, n in 1usize..400,
+                               seed in any::<u64>(), tiny_budget in any::<bool>()) {
+            let dy = f32_vec(seed, m * k);
+            let w = bf16_vec(seed ^ 2, k * n);
+            let wf = widened(&w);
+            let start = f32_vec(seed ^ 3, m * n);
+            let mut want = start.clone();
+            gemm_into(&mut want, Strided::rows(&dy, k), Strided::rows(&wf, n), m, n, k, true);
+            let budget = if tiny_budget { 0 } else { PANEL_BYTES };
+            let mut scratch = vec![f32::NAN; k * panel_plan(m, n, k, budget).1];
+            let mut got = start.clone();
+            gemm_weight(&mut got, Strided::rows(&dy, k), &w, false, m, n, k, true,
+                        &mut scratch, budget);
+            prop_assert_eq!(bits(&got), bits(&want));
+            for ((g, s), (r, tol)) in got.iter().zip(&start).zip(reference(&dy, &wf, m, n, k)) {
+                let r = r + *s as f64;
+                // One more rounding for the `+=`.
+                let tol = tol + (r.abs() + tol) * f64::powi(2.0, -23);
+                prop_assert!((*g as f64 - r).abs() <= tol, "{} vs {} (tol {})", g, r, tol);
+            }
+        }
+
+        /// The public entry points: forward (with a bf16 bias) and backward with a bf16 weight
+        /// give the f32 path's bits on the widened weight and bias; f16 likewise.
+        #[test]
+        fn linear_bf16_and_f16_match_f32(n in 1usize..24, c in 1usize..50, oc in 1usize..90,
+                                         seed in any::<u64>()) {
+            let x = f32_vec(seed, n * c);
+            let w = bf16_vec(seed ^ 4, oc * c);
+            let b = bf16_vec(seed ^ 5, oc);
+            let dy = f32_vec(seed ^ 6, n * oc);
+            let (wf, bf) = (widened(&w), widened(&b));
+            let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
+            let whf: Vec<f32> = wh.iter().map(|v| v.to_f32()).collect();
+            let mut scratch =
+                vec![0.0; forward_scratch(n, c, oc).max(backward_scratch(n, c, oc))];
+
+            let mut want = vec![0.0; n * oc];
+            forward(&mut want, &x, &wf, Some(&bf), n, c, oc);
+            let mut got = vec![0.0; n * oc];
+            forward_with(&mut got, &x, &w, Some(&b), n, c, oc, &mut scratch);
+            prop_assert_eq!(bits(&got), bits(&want));
+            forward(&mut want, &x, &whf, None, n, c, oc);
+            forward_with::<f16>(&mut got, &x, &wh, None, n, c, oc, &mut scratch);
+            prop_assert_eq!(bits(&got), bits(&want));
+
+            let (mut dx0, mut dw0, mut db0) = (f32_vec(7, n * c), f32_vec(8, oc * c), vec![0.5; oc]);
+            let (mut dx1, mut dw1, mut db1) = (dx0.clone(), dw0.clone(), db0.clone());
+            backward(&mut dx0, &mut dw0, Some(&mut db0), &dy, &x, &wf, n, c, oc);
+            backward_with(&mut dx1, &mut dw1, Some(&mut db1), &dy, &x, &w, n, c, oc, &mut scratch);
+            prop_assert_eq!(bits(&dx1), bits(&dx0));
+            prop_assert_eq!(bits(&dw1), bits(&dw0));
+            prop_assert_eq!(bits(&db1), bits(&db0));
+        }
+    }
+
+    /// The trainer's widths with gemm's real blocking (depth up to 3072, several panels at the
+    /// default budget): still the f32 GEMM's bits.
+    #[test]
+    fn trainer_widths_match_f32_bits() {
+        for &(m, c, oc) in &[
+            (67, 768, 2304),
+            (130, 3072, 768),
+            (5, 384, 1000),
+            (2, 700, 300),
+        ] {
+            let x = f32_vec(11, m * c);
+            let w = bf16_vec(12, oc * c);
+            let wf = widened(&w);
+            let mut scratch = vec![0.0; forward_scratch(m, c, oc).max(backward_scratch(m, c, oc))];
+            let (mut want, mut got) = (vec![0.0; m * oc], vec![0.0; m * oc]);
+            forward(&mut want, &x, &wf, None, m, c, oc);
+            forward_with(&mut got, &x, &w, None, m, c, oc, &mut scratch);
+            assert_eq!(bits(&got), bits(&want), "forward {m}x{c}x{oc}");
+            let dy = f32_vec(13, m * oc);
+            let (mut dx0, mut dw0) = (vec![0.0; m * c], vec![0.0; oc * c]);
+            let (mut dx1, mut dw1) = (dx0.clone(), dw0.clone());
+            backward(&mut dx0, &mut dw0, None, &dy, &x, &wf, m, c, oc);
+            backward_with(
+                &mut dx1,
+                &mut dw1,
+                None,
+                &dy,
+                &x,
+                &w,
+                m,
+                c,
+                oc,
+                &mut scratch,
+            );
+            assert_eq!(bits(&dx1), bits(&dx0), "input gradient {m}x{c}x{oc}");
+            assert_eq!(bits(&dw1), bits(&dw0), "weight gradient {m}x{c}x{oc}");
+        }
+    }
+
+    /// Panels tile the columns exactly, each at least `PANEL_MIN` wide when there are several,
+    /// and the widest fits the advertised scratch.
+    #[test]
+    fn panels_tile_the_columns() {
+        for m in [1, 3, 4, 100] {
+            for k in [1, 7, 384, 3072, 50257] {
+                for n in [1, 79, 80, 159, 160, 161, 768, 2304, 50257] {
+                    let (count, widest) = panel_plan(m, n, k, PANEL_BYTES);
+                    let mut next = 0;
+                    for j in 0..count {
+                        let r = panel_range(n, count, j);
+                        assert_eq!(r.start, next);
+                        assert!(r.len() <= widest);
+                        assert!(count == 1 || r.len() >= PANEL_MIN);
+                        next = r.end;
+                    }
+                    assert_eq!(next, n);
+                }
             }
         }
     }
