@@ -2,10 +2,13 @@
 //! and flash against naive, across random shapes, masks, head groupings, tile sizes and dtypes.
 //!
 //! Tolerances are relative to the largest magnitude of the tensor compared (`rel_err`):
-//! f32 — 1e-5 everywhere; bf16 — 1e-2 (outputs and gradients are rounded to bf16, 2⁻⁸
-//! relative, on both sides, and the rounding of intermediate bf16 outputs feeds `D`). dQ and dK
-//! are measured against at least a tenth of the terms they sum (`score_grad_floors`): with one
-//! visible key or a saturated softmax they cancel to rounding noise of those terms.
+//! f32 — 1e-5 everywhere; bf16 — 1e-2 for the output and dV (rounded to bf16, 2⁻⁸ relative,
+//! on both sides), 2e-2 for dQ and dK: their terms `P·(dP − D)` subtract `D`, which is computed
+//! from the bf16-rounded output on each side, so a term carries two roundings where the output
+//! carries one (CI drew a causal, one-dimensional head at 1.08e-2; it is a fixed test below).
+//! dQ and dK are measured against at least a tenth of the terms they sum
+//! (`score_grad_floors`): with one visible key or a saturated softmax they cancel to rounding
+//! noise of those terms.
 
 mod common;
 
@@ -16,6 +19,8 @@ use proptest::prelude::*;
 
 const F32_TOL: f64 = 1e-5;
 const BF16_TOL: f64 = 1e-2;
+/// bf16 dQ and dK (see the module docs).
+const BF16_SCORE_GRAD_TOL: f64 = 2e-2;
 
 fn sizes() -> impl Strategy<Value = Sizes> {
     (
@@ -50,11 +55,17 @@ fn check(
     tol: f64,
     (dq_floor, dk_floor): (f64, f64),
 ) -> Result<(), TestCaseError> {
-    for (what, a, b, floor) in [
-        ("out", &got.out, &want.out, 0.0),
-        ("dq", &got.dq, &want.dq, dq_floor),
-        ("dk", &got.dk, &want.dk, dk_floor),
-        ("dv", &got.dv, &want.dv, 0.0),
+    // bf16's dQ/dK carry two roundings per term (module docs).
+    let score_tol = if tol == BF16_TOL {
+        BF16_SCORE_GRAD_TOL
+    } else {
+        tol
+    };
+    for (what, a, b, floor, tol) in [
+        ("out", &got.out, &want.out, 0.0, tol),
+        ("dq", &got.dq, &want.dq, dq_floor, score_tol),
+        ("dk", &got.dk, &want.dk, dk_floor, score_tol),
+        ("dv", &got.dv, &want.dv, 0.0, tol),
     ] {
         prop_assert!(a.iter().all(|x| x.is_finite()), "{name} {what}: non-finite");
         let b64: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
@@ -62,6 +73,68 @@ fn check(
         prop_assert!(e <= tol, "{name} {what}: relative error {e:e} > {tol:e}");
     }
     Ok(())
+}
+
+/// Flash and chunked against naive for one case (the body of the proptest below).
+fn agree(
+    s: &Sizes,
+    causal: bool,
+    bf16: bool,
+    (block_q, block_k, chunk): (usize, usize, usize),
+    segments: Option<usize>,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+    let tol = if bf16 { BF16_TOL } else { F32_TOL };
+    let cpu = Cpu::new();
+    let x = inputs(s, seed, dtype);
+    let with = |a: Algorithm| {
+        let mut c = AttentionConfig::with_algorithm(a).causal(causal);
+        c.backward_segments = segments;
+        c
+    };
+    let naive = run(&cpu, s, &x, dtype, &with(Algorithm::Naive));
+    let flash = run(
+        &cpu,
+        s,
+        &x,
+        dtype,
+        &with(Algorithm::Flash { block_q, block_k }),
+    );
+    let chunked = run(
+        &cpu,
+        s,
+        &x,
+        dtype,
+        &with(Algorithm::Chunked { chunk_size: chunk }),
+    );
+    let floors = score_grad_floors(s, &x, 1.0 / (s.head_dim as f64).sqrt());
+    check("flash", &flash, &naive, tol, floors)?;
+    check("chunked", &chunked, &naive, tol, floors)?;
+    for (name, r) in [("flash", &flash), ("chunked", &chunked)] {
+        for (a, b) in r.lse.iter().zip(&naive.lse) {
+            prop_assert!(
+                a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{name} lse {a} vs {b}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The case CI drew (an ISA other than this file's author's): a causal bf16 head of one
+/// dimension over 80 positions, dQ at 1.08e-2 of its scale.
+#[test]
+fn a_causal_one_dimensional_bf16_head_agrees() {
+    let s = Sizes {
+        batch: 1,
+        q_heads: 1,
+        kv_heads: 1,
+        q_len: 80,
+        kv_len: 80,
+        head_dim: 1,
+    };
+    agree(&s, true, true, (1, 1, 1), None, 15269796070541541694).unwrap();
 }
 
 proptest! {
@@ -78,29 +151,7 @@ proptest! {
         segments in prop::option::of(1usize..=5),
         seed in any::<u64>(),
     ) {
-        let dtype = if bf16 { DType::BF16 } else { DType::F32 };
-        let tol = if bf16 { BF16_TOL } else { F32_TOL };
-        let cpu = Cpu::new();
-        let x = inputs(&s, seed, dtype);
-        let with = |a: Algorithm| {
-            let mut c = AttentionConfig::with_algorithm(a).causal(causal);
-            c.backward_segments = segments;
-            c
-        };
-        let naive = run(&cpu, &s, &x, dtype, &with(Algorithm::Naive));
-        let flash = run(&cpu, &s, &x, dtype, &with(Algorithm::Flash { block_q, block_k }));
-        let chunked = run(&cpu, &s, &x, dtype, &with(Algorithm::Chunked { chunk_size: chunk }));
-        let floors = score_grad_floors(&s, &x, 1.0 / (s.head_dim as f64).sqrt());
-        check("flash", &flash, &naive, tol, floors)?;
-        check("chunked", &chunked, &naive, tol, floors)?;
-        for (name, r) in [("flash", &flash), ("chunked", &chunked)] {
-            for (a, b) in r.lse.iter().zip(&naive.lse) {
-                prop_assert!(
-                    a == b || (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                    "{name} lse {a} vs {b}"
-                );
-            }
-        }
+        agree(&s, causal, bf16, (block_q, block_k, chunk), segments, seed)?;
     }
 
     #[test]
