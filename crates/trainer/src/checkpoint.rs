@@ -220,18 +220,23 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// The config and the parameters uploaded to `backend` as fp32 masters (counted as
+    /// parameters).
+    pub fn into_masters(self, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
+        let infos = params::param_infos(&self.state.config);
+        let _g = headroom_tensor::MemoryCategory::Parameters.enter();
+        let masters = infos
+            .iter()
+            .zip(&self.params)
+            .map(|(info, p)| backend.upload(p, info.shape.clone()))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok((self.state.config, masters))
+    }
+
     /// The model this checkpoint holds, its parameters uploaded to `backend`.
     pub fn into_model(self, backend: &Cpu, options: ModelOptions) -> Result<Model> {
-        let infos = params::param_infos(&self.state.config);
-        let masters = {
-            let _g = headroom_tensor::MemoryCategory::Parameters.enter();
-            infos
-                .iter()
-                .zip(&self.params)
-                .map(|(info, p)| backend.upload(p, info.shape.clone()))
-                .collect::<std::result::Result<Vec<_>, _>>()?
-        };
-        Model::from_masters(backend, self.state.config, options, masters)
+        let (config, masters) = self.into_masters(backend)?;
+        Model::from_masters(backend, config, options, masters)
     }
 }
 

@@ -5,9 +5,9 @@
 use std::path::Path;
 
 use headroom_mmap_data::rng::Xoshiro256;
-use headroom_tensor::{Backend, Cpu, CpuTensor, MemoryCategory};
+use headroom_tensor::{Cpu, CpuTensor};
 
-use crate::model::{params, Model, ModelConfig, ModelOps, ModelOptions};
+use crate::model::{Model, ModelConfig, ModelOps, ModelOptions};
 use crate::{adapters, checkpoint, hf, Result, TrainError};
 
 /// How to sample.
@@ -51,17 +51,7 @@ pub fn load_model(dir: &Path, cpu: &Cpu) -> Result<Model> {
 /// The fp32 masters and config of [`load_model`]'s model.
 pub fn load_masters(dir: &Path, cpu: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
     match checkpoint::resolve(dir) {
-        Ok(step) => {
-            let ck = checkpoint::load(&step)?;
-            let infos = params::param_infos(&ck.state.config);
-            let _g = MemoryCategory::Parameters.enter();
-            let masters = infos
-                .iter()
-                .zip(&ck.params)
-                .map(|(info, p)| cpu.upload(p, info.shape.clone()))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            Ok((ck.state.config, masters))
-        }
+        Ok(step) => checkpoint::load(&step)?.into_masters(cpu),
         // An unfinished headroom save keeps its error: its files are not known to match.
         Err(e) if dir.join("state.json").exists() || !dir.join("config.json").is_file() => Err(e),
         Err(_) => hf::load(dir, cpu),

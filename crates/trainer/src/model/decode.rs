@@ -189,17 +189,9 @@ impl<B: ModelOps> Model<B> {
             self.step(cache, &head, Geometry { b, t: t - 1 })?;
         }
         let last: Vec<u32> = tokens.chunks_exact(t).map(|row| row[t - 1]).collect();
-        let x = self.step(cache, &last, Geometry { b, t: 1 })?;
-        let xv = self.view(&x)?;
         let g = Geometry { b, t: 1 };
-        let (lnf, _) = self.final_norm(xv.tensor(), g)?;
-        drop(xv);
-        let _l = label_absolute("head.logits");
-        let mut logits = self.scratch([b, 1, self.cfg.vocab])?;
-        let head = self.w(params::head_index(&self.cfg))?;
-        self.backend().linear(&mut logits, &lnf, head, None)?;
-        self.backend().round_to(&mut logits, self.opts.precision)?;
-        Ok(self.backend().download::<f32>(&logits)?)
+        let x = self.step(cache, &last, g)?;
+        self.logits_of(&x, g)
     }
 
     /// Embed `tokens` `[B, t]` at the cache's positions and run every block with its cache:

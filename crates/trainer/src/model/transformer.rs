@@ -425,11 +425,7 @@ impl<B: ModelOps> Model<B> {
 
     /// The final norm of `x` `[B, T, C]` with its statistics (kept for backward), the output
     /// rounded to the storage precision as the head's GEMM reads it.
-    pub(crate) fn final_norm(
-        &self,
-        x: &B::Tensor,
-        g: Geometry,
-    ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
+    fn final_norm(&self, x: &B::Tensor, g: Geometry) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let (w, b) = self.final_norm_indices();
         let mut out = self.stat([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, w, b, g)?;
@@ -533,7 +529,13 @@ impl<B: ModelOps> Model<B> {
         for l in 0..self.cfg.layers {
             x = self.block_forward(l, &x, g, false)?.0;
         }
-        let xv = self.view(&x)?;
+        self.logits_of(&x, g)
+    }
+
+    /// Final norm and head of the residual `x` `[B, T, C]`: the logits `[B, T, V]` (f32,
+    /// rounded to the storage precision as the head rounds them), downloaded.
+    pub(crate) fn logits_of(&self, x: &B::Tensor, g: Geometry) -> Result<Vec<f32>> {
+        let xv = self.view(x)?;
         let (lnf, _) = self.final_norm(xv.tensor(), g)?;
         drop(xv);
         let _l = label_absolute("head.logits");
