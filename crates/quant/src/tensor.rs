@@ -69,6 +69,20 @@ impl QuantConfig {
             double_quant: true,
         }
     }
+
+    /// The bytes [`QuantizedTensor::stored_bytes`] reports for `numel` elements quantized with
+    /// this configuration, without quantizing anything (what an estimator needs): the packed
+    /// codes, then one f32 scale per block — or, double-quantized, one u8 code per block, one
+    /// f32 per [`NESTED_BLOCKSIZE`] codes and the 256-entry f32 code map.
+    pub fn stored_bytes(&self, numel: usize) -> usize {
+        let blocks = numel.div_ceil(self.blocksize.get());
+        let scales = if self.double_quant {
+            blocks + blocks.div_ceil(NESTED_BLOCKSIZE) * 4 + 256 * 4
+        } else {
+            blocks * 4
+        };
+        numel.div_ceil(2) + scales
+    }
 }
 
 /// The per-block scales as stored: f32, or 8-bit codes with an offset and second-level scales.

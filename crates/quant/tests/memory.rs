@@ -125,3 +125,34 @@ fn fused_matmul_adds_one_panel_per_task_and_no_gradient() {
         );
     }
 }
+
+/// `QuantConfig::stored_bytes` (what estimators use) equals what quantizing stores and the
+/// tracker counts, for both code books, plain and double-quantized scales, several block
+/// sizes and sizes with tails (a partial block, a partial group of 256 scales, an odd count).
+#[test]
+fn predicted_stored_bytes_equal_the_quantized_tensors() {
+    for quant_type in [QuantType::Nf4, QuantType::Fp4] {
+        for blocksize in [32u64, 64, 256, 4096] {
+            for double_quant in [false, true] {
+                for numel in [1usize, 31, 64, 1000, 64 * 257 + 3, 100_001] {
+                    let config = QuantConfig {
+                        quant_type,
+                        blocksize: BlockSize::new(blocksize).unwrap(),
+                        double_quant,
+                    };
+                    let (cpu, tracker) = tracked(1);
+                    let data: Vec<f32> = (0..numel).map(|i| (i % 97) as f32 / 50.0 - 1.0).collect();
+                    let q = QuantizedTensor::quantize(&cpu, &data, &[numel], config).unwrap();
+                    let live = tracker.snapshot().device(Device::Cpu).unwrap().live
+                        [MemoryCategory::Parameters];
+                    assert_eq!(
+                        config.stored_bytes(numel),
+                        q.stored_bytes(),
+                        "{config:?} {numel}"
+                    );
+                    assert_eq!(live as usize, q.stored_bytes(), "{config:?} {numel}");
+                }
+            }
+        }
+    }
+}
