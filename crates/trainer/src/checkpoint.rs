@@ -18,6 +18,11 @@
 //!   .partial-step-00000030-4711/   a save in progress (never read)
 //! ```
 //!
+//! A LoRA / QLoRA run's checkpoint holds its adapters instead of `model.safetensors`: PEFT's
+//! `adapter_model.safetensors` and `adapter_config.json`, so a step directory loads in PEFT
+//! (`PeftModel.from_pretrained(base, step_dir)`) and in `headroom merge --adapter`. The frozen
+//! base is not copied; `state.json` records its fingerprint, and a resume refuses another base.
+//!
 //! A model larger than the shard limit ([`MAX_SHARD_BYTES`], transformers' default; or
 //! [`save_sharded`]'s) is written as transformers shards it — `model-00001-of-0000N.safetensors`
 //! … plus `model.safetensors.index.json` — every file in the manifest.
@@ -52,7 +57,9 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{params, Family, Model, ModelConfig, ModelOptions};
+use headroom_lora::{LoraAdapter, LoraLinear};
+
+use crate::model::{params, Family, FinetuneSpec, Model, ModelConfig, ModelOptions};
 use crate::{Result, TrainError};
 
 /// Layout version of a checkpoint. Version 1 (flat directory, no manifest) is refused: its
@@ -162,6 +169,62 @@ pub struct TrainingState {
     /// The fp16 loss scaler's state (absent in fp32/bf16 runs).
     #[serde(default)]
     pub scaler: Option<headroom_amp::LossScalerState>,
+    /// A fine-tuning run's set-up and its frozen base's fingerprint (absent for full training).
+    #[serde(default)]
+    pub finetune: Option<FinetuneState>,
+}
+
+/// What a LoRA / QLoRA checkpoint records about its run beyond the adapters.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FinetuneState {
+    /// Adapters and base storage.
+    pub spec: FinetuneSpec,
+    /// xxh3-64 of the frozen base's fp32 values (parameter order, little-endian), 16 hex
+    /// digits: a resume on another base would not continue the run.
+    pub base_xxh3: String,
+}
+
+/// The fingerprint [`FinetuneState::base_xxh3`] records for fp32 `base` tensors.
+pub fn base_fingerprint(base: &[CpuTensor]) -> Result<String> {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for t in base {
+        h.update(bytemuck::cast_slice(t.as_slice::<f32>()?));
+    }
+    Ok(hex64(h.digest()))
+}
+
+/// The adapters of a fine-tuning checkpoint as headroom-lora's [`LoraAdapter`]: `params` are
+/// the trainable tensors in [`crate::model::finetune::adapter_infos`] order.
+pub fn adapter_of(
+    config: &ModelConfig,
+    spec: &FinetuneSpec,
+    params: &[&[f32]],
+) -> Result<LoraAdapter> {
+    let modules = crate::model::finetune::adapted_modules(config, &spec.lora)?;
+    if params.len() != 2 * modules.len() {
+        return Err(TrainError::Config(format!(
+            "{} adapter tensors for {} modules",
+            params.len(),
+            modules.len()
+        )));
+    }
+    let cpu = Cpu::new();
+    let linears = modules
+        .iter()
+        .enumerate()
+        .map(|(k, m)| {
+            LoraLinear::from_weights(
+                &cpu,
+                &m.name,
+                m.out_features,
+                m.in_features,
+                &spec.lora,
+                params[2 * k],
+                params[2 * k + 1],
+            )
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(LoraAdapter::from_modules(spec.lora.clone(), linears)?)
 }
 
 impl TrainingState {
@@ -181,6 +244,7 @@ impl TrainingState {
             optimizer,
             loader,
             scaler: None,
+            finetune: None,
         }
     }
 }
@@ -223,6 +287,13 @@ impl Checkpoint {
     /// The config and the parameters uploaded to `backend` as fp32 masters (counted as
     /// parameters).
     pub fn into_masters(self, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
+        if self.state.finetune.is_some() {
+            return Err(err(
+                &self.dir,
+                "holds LoRA adapters, not a model: pass the base model and this directory as \
+                 the adapter (--from BASE --adapter DIR), or merge them (headroom merge)",
+            ));
+        }
         let infos = params::param_infos(&self.state.config);
         let _g = headroom_tensor::MemoryCategory::Parameters.enter();
         let masters = infos
@@ -546,7 +617,10 @@ pub fn save_sharded(
             "keeping 0 checkpoints would delete the one just saved",
         ));
     }
-    let infos = params::param_infos(&state.config);
+    let infos = match &state.finetune {
+        Some(f) => crate::model::finetune::adapter_infos(&state.config, &f.spec.lora)?,
+        None => params::param_infos(&state.config),
+    };
     if infos.len() != params.len() {
         return Err(err(
             root,
@@ -565,16 +639,35 @@ pub fn save_sharded(
     fs::create_dir(&partial).map_err(io(&partial))?;
 
     let mut files = Vec::with_capacity(FILES.len() + 1);
-    model_files(
-        &state.config,
-        params,
-        max_shard_bytes,
-        root,
-        |name, bytes| {
-            files.push(write_synced(&partial.join(name), bytes)?);
-            Ok(())
-        },
-    )?;
+    match &state.finetune {
+        Some(f) => {
+            let slices = params
+                .iter()
+                .map(|t| Ok(t.as_slice::<f32>()?))
+                .collect::<Result<Vec<_>>>()?;
+            let (config, weights) = adapter_of(&state.config, &f.spec, &slices)?
+                .to_peft_bytes()
+                .map_err(|e| err(root, e.to_string()))?;
+            files.push(write_synced(
+                &partial.join(headroom_lora::WEIGHTS_FILE),
+                &weights,
+            )?);
+            files.push(write_synced(
+                &partial.join(headroom_lora::CONFIG_FILE),
+                &config,
+            )?);
+        }
+        None => model_files(
+            &state.config,
+            params,
+            max_shard_bytes,
+            root,
+            |name, bytes| {
+                files.push(write_synced(&partial.join(name), bytes)?);
+                Ok(())
+            },
+        )?,
+    }
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
     let contents: [(&str, &[u8]); 3] = [
         (FILES[1], &hf_config(&state.config, root)?),
@@ -731,10 +824,25 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
             return Err(err(&path, format!("does not list {name} exactly once")));
         }
     }
-    if listed(FILES[0]) + listed(SHARD_INDEX) != 1 {
+    let adapters = listed(headroom_lora::WEIGHTS_FILE);
+    if listed(FILES[0]) + listed(SHARD_INDEX) + adapters != 1 {
         return Err(err(
             &path,
-            format!("must list exactly one of {} and {SHARD_INDEX}", FILES[0]),
+            format!(
+                "must list exactly one of {}, {SHARD_INDEX} and {}",
+                FILES[0],
+                headroom_lora::WEIGHTS_FILE
+            ),
+        ));
+    }
+    if listed(headroom_lora::CONFIG_FILE) != adapters {
+        return Err(err(
+            &path,
+            format!(
+                "lists {} without {} or the other way round",
+                headroom_lora::WEIGHTS_FILE,
+                headroom_lora::CONFIG_FILE
+            ),
         ));
     }
     let mut names: Vec<&str> = m.files.iter().map(|f| f.name.as_str()).collect();
@@ -828,6 +936,9 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         ));
     }
     state.config.validate()?;
+    if state.finetune.is_some() {
+        return load_adapters(dir, &manifest, state);
+    }
     let param_count = state.config.parameter_count()?;
     let tensors = state.config.tensor_count()? as u64;
     let (model_entries, weight_map): (Vec<&ManifestFile>, Option<WeightMap>) =
@@ -950,6 +1061,112 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         dir,
         state,
         params: out,
+        moments,
+    })
+}
+
+/// [`load`] of a fine-tuning checkpoint: every file verified against the manifest, the
+/// adapters read with PEFT's rules and checked against the modules the state's set-up adapts
+/// (names, shapes, rank), the optimizer state against the adapters' sizes.
+fn load_adapters(dir: PathBuf, manifest: &Manifest, state: TrainingState) -> Result<Checkpoint> {
+    let Some(f) = &state.finetune else {
+        return Err(err(&dir, "not a fine-tuning checkpoint"));
+    };
+    let infos = crate::model::finetune::adapter_infos(&state.config, &f.spec.lora)
+        .map_err(|e| err(&dir.join("state.json"), e.to_string()))?;
+    let numel = infos.iter().try_fold(0u64, |acc, i| {
+        i.shape
+            .iter()
+            .try_fold(1u64, |p, &d| p.checked_mul(d as u64))
+            .and_then(|n| acc.checked_add(n))
+    });
+    let numel = numel.ok_or_else(|| err(&dir, "adapter sizes overflow"))?;
+    for e in &manifest.files {
+        let limit = match e.name.as_str() {
+            "optimizer.bin" => numel.saturating_mul(8),
+            n if n == headroom_lora::WEIGHTS_FILE => numel
+                .saturating_mul(4)
+                .saturating_add((infos.len() as u64).saturating_mul(512) + 4096),
+            _ => MAX_JSON_BYTES,
+        };
+        if e.bytes > limit {
+            return Err(err(
+                &dir.join(&e.name),
+                format!("{} bytes, at most {limit} expected", e.bytes),
+            ));
+        }
+        read_verified(&dir, e)?;
+    }
+    let cpu = Cpu::new();
+    let adapter = LoraAdapter::load(&cpu, &dir).map_err(|source| TrainError::Adapter {
+        path: dir.clone(),
+        source,
+    })?;
+    let modules = crate::model::finetune::adapted_modules(&state.config, &f.spec.lora)?;
+    if adapter.len() != modules.len() || adapter.config().r != f.spec.lora.r {
+        return Err(err(
+            &dir.join(headroom_lora::WEIGHTS_FILE),
+            format!(
+                "{} modules of rank {}, the run adapts {} of rank {}",
+                adapter.len(),
+                adapter.config().r,
+                modules.len(),
+                f.spec.lora.r
+            ),
+        ));
+    }
+    let mut params = Vec::with_capacity(2 * modules.len());
+    for m in &modules {
+        let lora = adapter.get(&m.name).ok_or_else(|| {
+            err(
+                &dir.join(headroom_lora::WEIGHTS_FILE),
+                format!("{}: missing", m.name),
+            )
+        })?;
+        if (lora.out_features(), lora.in_features()) != (m.out_features, m.in_features) {
+            return Err(err(
+                &dir.join(headroom_lora::WEIGHTS_FILE),
+                format!(
+                    "{} adapts a {}×{} weight, the model's is {}×{}",
+                    m.name,
+                    lora.out_features(),
+                    lora.in_features(),
+                    m.out_features,
+                    m.in_features
+                ),
+            ));
+        }
+        params.push(lora.a().to_vec());
+        params.push(lora.b().to_vec());
+    }
+    let state_path = dir.join("state.json");
+    let opt_numel = state
+        .optimizer
+        .params
+        .iter()
+        .try_fold(0u64, |acc, p| acc.checked_add(p.numel as u64))
+        .ok_or_else(|| err(&state_path, "optimizer parameter sizes overflow"))?;
+    if state.optimizer.params.len() != infos.len() || opt_numel != numel {
+        return Err(err(
+            &state_path,
+            format!(
+                "optimizer state for {} tensors / {opt_numel} parameters, the adapters have \
+                 {} / {numel}",
+                state.optimizer.params.len(),
+                infos.len()
+            ),
+        ));
+    }
+    let opt_entry = manifest
+        .files
+        .iter()
+        .find(|e| e.name == "optimizer.bin")
+        .ok_or_else(|| err(&dir.join(MANIFEST), "does not list optimizer.bin"))?;
+    let moments = read_verified(&dir, opt_entry)?;
+    Ok(Checkpoint {
+        dir,
+        state,
+        params,
         moments,
     })
 }

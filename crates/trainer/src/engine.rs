@@ -63,10 +63,11 @@ pub(crate) enum Engine {
 }
 
 impl Engine {
-    /// The fp32 masters, in parameter order.
+    /// The fp32 tensors training updates, in gradient order: every master, or a
+    /// fine-tuning model's adapters.
     pub(crate) fn masters(&self) -> &[CpuTensor] {
         match self {
-            Engine::Cpu(g) => g.masters(),
+            Engine::Cpu(g) => g.trainable(),
             #[cfg(feature = "cuda")]
             Engine::Cuda { masters, .. } => masters,
         }
@@ -75,7 +76,7 @@ impl Engine {
     /// The fp32 masters, mutably; call [`Engine::refresh`] after changing them.
     pub(crate) fn masters_mut(&mut self) -> &mut [CpuTensor] {
         match self {
-            Engine::Cpu(g) => g.masters_mut(),
+            Engine::Cpu(g) => g.trainable_mut(),
             #[cfg(feature = "cuda")]
             Engine::Cuda { masters, .. } => masters,
         }
@@ -84,7 +85,7 @@ impl Engine {
     /// Re-derive what the model computes with from the masters.
     pub(crate) fn refresh(&mut self) -> Result<()> {
         match self {
-            Engine::Cpu(g) => g.refresh_working(),
+            Engine::Cpu(g) => g.refresh_trainable(),
             #[cfg(feature = "cuda")]
             Engine::Cuda { model, masters, .. } => crate::cuda::upload_working(model, masters),
         }

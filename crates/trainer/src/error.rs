@@ -106,6 +106,12 @@ pub enum TrainError {
     /// The data pipeline failed.
     #[error(transparent)]
     Data(#[from] headroom_mmap_data::DataError),
+    /// 4-bit quantization of a frozen weight, or its fused matmul, failed.
+    #[error(transparent)]
+    Quant(#[from] headroom_quant::QuantError),
+    /// LoRA adapters could not be built for the model (no target matched, a bad rank).
+    #[error(transparent)]
+    Lora(#[from] headroom_lora::LoraError),
     /// A LoRA adapter could not be read, checked against the model or merged.
     #[error("adapter {path}: {source}")]
     Adapter {

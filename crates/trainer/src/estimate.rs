@@ -17,7 +17,7 @@ use headroom_profiler::PerCategory;
 use headroom_tensor::MemoryCategory;
 use serde::Serialize;
 
-use crate::model::{params, Family, ModelConfig};
+use crate::model::{finetune, params, Family, FinetuneSpec, ModelConfig};
 use crate::ops::matmul;
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
@@ -106,9 +106,16 @@ pub fn estimate(
     let mut device = PerCategory::<u64>::default();
     let mut host = PerCategory::<u64>::default();
 
+    let finetune = match &tech.finetune {
+        Some(spec) => Some(FinetunePlan::new(cfg, spec, a, low)?),
+        None => None,
+    };
     // Parameters: fp32 masters (forward reads them in fp32) plus the working copy in low
-    // precision; offloading a low-precision run moves the masters to the host.
-    if low {
+    // precision; offloading a low-precision run moves the masters to the host. A fine-tuning
+    // run: the frozen base and the adapters (see `FinetunePlan`).
+    if let Some(f) = &finetune {
+        device[MemoryCategory::Parameters] = f.parameter_peak;
+    } else if low {
         device[MemoryCategory::Parameters] = p * a;
         if offload {
             host[MemoryCategory::Parameters] = p * 4;
@@ -120,8 +127,15 @@ pub fn estimate(
     }
     // Gradients: the accumulator's f32 buffers — on the host when offloading, where the
     // device holds one part's gradients at a time: the head's (its weight and the final
-    // norm), the embedding's or one block's.
-    if offload {
+    // norm), the embedding's or one block's. A fine-tuning run's are the adapters'.
+    if let Some(f) = &finetune {
+        if offload {
+            host[MemoryCategory::Gradients] = f.adapter_numel * 4;
+            device[MemoryCategory::Gradients] = f.largest_block_adapter_numel * 4;
+        } else {
+            device[MemoryCategory::Gradients] = f.adapter_numel * 4;
+        }
+    } else if offload {
         host[MemoryCategory::Gradients] = p * 4;
         let numel = |i: usize| u(infos[i].shape.iter().product());
         let norm = params::final_norm_index(cfg);
@@ -139,7 +153,10 @@ pub fn estimate(
     }
     // Optimizer state: two moments per parameter, f32 or u8 with an f32 scale per block of
     // each tensor.
-    let state = optimizer_state_bytes(&infos, tech.optimizer.state);
+    let state = match &finetune {
+        Some(f) => optimizer_state_bytes(&f.adapter_infos, tech.optimizer.state),
+        None => optimizer_state_bytes(&infos, tech.optimizer.state),
+    };
     match &tech.optimizer.placement {
         OptimizerPlacement::Resident => device[MemoryCategory::OptimizerState] = state,
         OptimizerPlacement::HostRam => host[MemoryCategory::OptimizerState] = state,
@@ -191,9 +208,12 @@ pub fn estimate(
         } else {
             0
         };
-    // A recomputed norm's statistics live until the next one is recomputed.
+    // Selective recomputation brings back the two norms' outputs, then the MLP's activation:
+    // the second norm's statistics live while its output is built (they are dropped at
+    // once), so the moment is the larger of (both norms + those statistics) and (both norms +
+    // the activation).
     let recompute_extra = if selective {
-        dropped_by_selective + norm_stats
+        2 * btc * a + (btc * a + norm_stats).max(btf * a)
     } else {
         0
     };
@@ -248,23 +268,17 @@ pub fn estimate(
     };
     let head_ws = btc * 4 + logits_ws + views_head;
     let naive_ws = probs;
+    let lin = LinearMoments {
+        cfg,
+        bt,
+        low,
+        finetune: finetune.as_ref(),
+        threads: headroom_tensor::Cpu::new().num_threads(),
+    };
     let block_ws = if llama {
-        llama_block_workspace(cfg, bt, low, naive_ws)
-    } else if low {
-        // GPT-2 at its two widest moments: the MLP (incoming gradient, dfch_gelu and dfch;
-        // the f32 views of x, res2 and fch — or, one op earlier, of fch_gelu and the panel the
-        // 4C×C projection weight is widened into) and attention (incoming gradient, dres2, dy,
-        // dq/dk/dv, naive attention's [b, H, T, T] probability gradient; the f32 views of x,
-        // q, k, v and the attention output).
-        let proj_panel = u(matmul::backward_scratch(
-            bt as usize,
-            4 * cfg.channels,
-            cfg.channels,
-        ));
-        let mlp = (15 * btc * 4).max(11 * btc * 4 + proj_panel * 4);
-        mlp.max(11 * btc * 4 + naive_ws)
+        llama_block_workspace(cfg, bt, low, naive_ws, &lin)
     } else {
-        (9 * btc * 4).max(6 * btc * 4 + naive_ws)
+        gpt2_block_workspace(cfg, bt, low, naive_ws, &lin)
     };
     device[MemoryCategory::Workspace] = head_ws.max(block_ws);
     device[MemoryCategory::Data] = LOADER_BUFFERS * 2 * u(batch) * t * 4;
@@ -281,49 +295,187 @@ pub fn estimate(
     })
 }
 
+/// What a fine-tuning run changes in the estimate: the frozen base's bytes (and their peak
+/// while it streams in), the adapters, and which block linears are 4-bit or adapted.
+struct FinetunePlan {
+    /// Peak `Parameters`: the larger of the base's streaming peak (the tensors converted so
+    /// far, one fp32 tensor and its converted form) and the steady state (the frozen base,
+    /// the adapters' fp32 masters and, in low precision, their working copies).
+    parameter_peak: u64,
+    /// The trainable tensors (PEFT's names and shapes).
+    adapter_infos: Vec<params::ParamInfo>,
+    adapter_numel: u64,
+    /// The most adapter elements in one block (the staged gradients of an offloaded run).
+    largest_block_adapter_numel: u64,
+    /// Rank.
+    r: u64,
+    /// Block-local offsets of the adapted linears (the same in every block that has any;
+    /// targets select by module name, and names differ only in the layer index).
+    adapted: Vec<usize>,
+    /// The 4-bit configuration when the block linears are quantized.
+    quant: Option<headroom_quant::QuantConfig>,
+}
+
+impl FinetunePlan {
+    fn new(cfg: &ModelConfig, spec: &FinetuneSpec, a: u64, low: bool) -> Result<Self> {
+        let infos = params::param_infos(cfg);
+        let quant = spec.quantize.as_ref().map(|q| q.config()).transpose()?;
+        let offsets = finetune::block_linear_offsets(cfg);
+        let (mut live, mut peak) = (0u64, 0u64);
+        for (i, info) in infos.iter().enumerate() {
+            let n = u(info.shape.iter().product());
+            let quantized = quant.is_some()
+                && (0..cfg.layers)
+                    .any(|l| offsets.iter().any(|&o| params::layer_index(cfg, l, o) == i));
+            let frozen = match quant {
+                Some(q) if quantized => u(q.stored_bytes(n as usize)),
+                _ => n * a,
+            };
+            // fp32 and not quantized: the loaded tensor itself is kept.
+            let transient = if quantized || low {
+                4 * n + frozen
+            } else {
+                4 * n
+            };
+            peak = peak.max(live + transient);
+            live += frozen;
+        }
+        let modules = finetune::adapted_modules(cfg, &spec.lora)?;
+        let adapter_infos = finetune::adapter_infos(cfg, &spec.lora)?;
+        let adapter_numel: u64 = adapter_infos
+            .iter()
+            .map(|i| u(i.shape.iter().product()))
+            .sum();
+        let r = u(spec.lora.r);
+        let mut per_block = vec![0u64; cfg.layers];
+        for m in &modules {
+            per_block[m.layer] += r * u(m.in_features + m.out_features);
+        }
+        let first = modules.first().map_or(0, |m| m.layer);
+        let adapted = modules
+            .iter()
+            .filter(|m| m.layer == first)
+            .map(|m| m.param - params::layer_index(cfg, first, 0))
+            .collect();
+        let steady = live + adapter_numel * 4 + if low { adapter_numel * a } else { 0 };
+        Ok(FinetunePlan {
+            parameter_peak: peak.max(steady),
+            adapter_infos,
+            adapter_numel,
+            largest_block_adapter_numel: per_block.into_iter().max().unwrap_or(0),
+            r,
+            adapted,
+            quant,
+        })
+    }
+}
+
+/// The workspace moments of one block linear's backward, for full training or fine-tuning:
+/// given `live`, the f32 elements the block holds at that moment (the incoming gradient, the
+/// input gradient being built, what the caller keeps), the peak elements of
+/// - the base's input gradient: dense — in low precision with the f32 view of a kept input
+///   and the panel the weight is widened into; 4-bit — the `[N, in]` partial gradient and
+///   one dequantized strip per task;
+/// - an adapter's (`Model::block_linear_backward`): `h` and `dh` `[N, r]`, and in low
+///   precision the input's view and the A/B panels of each of its three GEMMs.
+struct LinearMoments<'a> {
+    cfg: &'a ModelConfig,
+    bt: u64,
+    low: bool,
+    finetune: Option<&'a FinetunePlan>,
+    threads: usize,
+}
+
+impl LinearMoments<'_> {
+    /// Peak elements while block linear `offset` (`[out, in]`) runs backward with `live`
+    /// elements held; `kept_input`: its input is a kept activation (read through an f32
+    /// view in low precision) rather than f32 scratch.
+    fn peak(&self, live: u64, offset: usize, inp: usize, out: usize, kept_input: bool) -> u64 {
+        let (bt, low) = (self.bt, self.low);
+        let view = if low && kept_input { bt * u(inp) } else { 0 };
+        let n = bt as usize;
+        let panel = |c: usize, oc: usize| {
+            if low {
+                u(matmul::backward_scratch(n, c, oc))
+            } else {
+                0
+            }
+        };
+        let fwd_panel = |c: usize, oc: usize| {
+            if low {
+                u(matmul::forward_scratch(n, c, oc))
+            } else {
+                0
+            }
+        };
+        let base = match self.finetune.and_then(|f| f.quant) {
+            Some(_) => {
+                let strips = headroom_quant::MatmulOptions::default().backward_workspace_bytes(
+                    out,
+                    inp,
+                    self.threads,
+                );
+                live + bt * u(inp) + u(strips) / 4
+            }
+            None => live + view + panel(inp, out),
+        };
+        let adapter = match self.finetune {
+            Some(f) if f.adapted.contains(&offset) => {
+                let (r, ru) = (f.r, f.r as usize);
+                let a1 = live + bt * r + view + fwd_panel(inp, ru);
+                let a2 = live + 2 * bt * r + panel(ru, out);
+                let a3 = live + bt * r + view + panel(inp, ru);
+                a1.max(a2).max(a3)
+            }
+            _ => 0,
+        };
+        let _ = self.cfg;
+        base.max(adapter)
+    }
+}
+
 /// A Llama block backward's workspace peak: the largest of its moments, each the sum of the
 /// f32 buffers live at once (`llama_block_backward` allocates them in this order). Always live:
 /// the incoming gradient; in low precision also the f32 views of the input and (through the
 /// MLP and the post-attention norm) of `res2`. Widths: C model, F SwiGLU, K keys and values.
-fn llama_block_workspace(cfg: &ModelConfig, bt: u64, low: bool, naive_ws: u64) -> u64 {
+fn llama_block_workspace(
+    cfg: &ModelConfig,
+    bt: u64,
+    low: bool,
+    naive_ws: u64,
+    lin: &LinearMoments<'_>,
+) -> u64 {
+    use params::llama_layer as o;
     let (c, f) = (u(cfg.channels), u(cfg.ffn()));
     let k = u(cfg.kv_heads() * cfg.head_dim());
     let (btc, btf, btk) = (bt * c, bt * f, bt * k);
-    // The panel a low-precision weight `[out, in]` is widened into for the input gradient.
-    let panel = |inp: usize, out: usize| u(matmul::backward_scratch(bt as usize, inp, out));
-    let (cu, fu) = (cfg.channels, cfg.ffn());
-    let elems = if low {
-        [
-            // down's backward: dact, views of act, W_down's panel.
-            3 * btc + 2 * btf + panel(fu, cu),
-            // SwiGLU's backward: dact, dgate, dup, views of gate and up.
-            3 * btc + 5 * btf,
-            // gate's backward: dgate, dup, dnorm2, view of norm2, W_gate's panel.
-            5 * btc + 2 * btf + panel(cu, fu),
-            // o_proj's backward: dres2, atty, datty, W_o's panel.
-            5 * btc + panel(cu, cu),
-            // attention's backward: dres2, dy, the f32 output, views and gradients of q, k, v.
-            7 * btc + 4 * btk,
-            // q's backward: dres2, dq, dk, dv, dnorm1, the merged dq, view of norm1, W_q's
-            // panel.
-            7 * btc + 2 * btk + panel(cu, cu),
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0)
-            * 4
-    } else {
-        [
-            // SwiGLU's backward: dact, dgate, dup.
-            btc + 3 * btf,
-            // q's backward: dres2, dq, dk, dv, dnorm1, the merged dq.
-            5 * btc + 2 * btk,
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0)
-            * 4
-    };
+    let (cu, fu, ku) = (cfg.channels, cfg.ffn(), cfg.kv_heads() * cfg.head_dim());
+    // The incoming gradient, and in low precision the views of the input and of res2 (the
+    // latter until the post-attention norm's backward).
+    let mlp_common = btc + if low { 2 * btc } else { 0 };
+    let attn_common = btc + if low { btc } else { 0 };
+    let elems = [
+        // down's backward: dact.
+        lin.peak(mlp_common + btf, o::DOWN, fu, cu, true),
+        // SwiGLU's backward: dact, dgate, dup (and the views of gate and up).
+        mlp_common + 3 * btf + if low { 2 * btf } else { 0 },
+        // gate's backward: dgate, dup, dnorm2.
+        lin.peak(mlp_common + 2 * btf + btc, o::GATE, cu, fu, true),
+        // up's backward: dup, dnorm2.
+        lin.peak(mlp_common + btf + btc, o::UP, cu, fu, true),
+        // o_proj's backward: dres2, atty, datty (atty is f32 scratch: no view).
+        lin.peak(attn_common + 3 * btc, o::O, cu, cu, false),
+        // attention's backward: dres2, dy, the f32 output, views and gradients of q, k, v.
+        if low { 7 * btc + 4 * btk } else { 0 },
+        // q's, k's and v's backward: dres2, dq, dk, dv, dnorm1, the merged head gradient.
+        lin.peak(attn_common + 3 * btc + 2 * btk + btc, o::Q, cu, cu, true),
+        lin.peak(attn_common + 3 * btc + 2 * btk + btk, o::K, cu, ku, true),
+        lin.peak(attn_common + 3 * btc + 2 * btk + btk, o::V, cu, ku, true),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+        * 4;
     // Naive attention's probability gradient, with dres2, dy and dq/dk/dv (and in low
     // precision the views of the attention output and q, k, v).
     let attention = if low {
@@ -332,6 +484,43 @@ fn llama_block_workspace(cfg: &ModelConfig, bt: u64, low: bool, naive_ws: u64) -
         (4 * btc + 2 * btk) * 4 + naive_ws
     };
     elems.max(attention)
+}
+
+/// A GPT-2 block backward's workspace peak, moment by moment as `gpt2_block_backward`
+/// allocates: the incoming gradient always; in low precision the views of the input and (in
+/// the MLP) of `res2`.
+fn gpt2_block_workspace(
+    cfg: &ModelConfig,
+    bt: u64,
+    low: bool,
+    naive_ws: u64,
+    lin: &LinearMoments<'_>,
+) -> u64 {
+    use params::layer as o;
+    let c = cfg.channels;
+    let btc = bt * u(c);
+    let mlp_common = btc + if low { 2 * btc } else { 0 };
+    let attn_common = btc + if low { btc } else { 0 };
+    // Attention's backward: dres2, dy, dq, dk, dv (and the f32 views of q, k, v and the
+    // output).
+    let attention = attn_common + 5 * btc + if low { 4 * btc } else { 0 };
+    let elems = [
+        // The MLP projection's backward: dfch_gelu.
+        lin.peak(mlp_common + 4 * btc, o::FC_PROJ_W, 4 * c, c, true),
+        // GELU's backward: dfch_gelu, dfch (and the view of fch).
+        mlp_common + 8 * btc + if low { 4 * btc } else { 0 },
+        // c_fc's backward: dfch, dln2.
+        lin.peak(mlp_common + 5 * btc, o::FC_W, c, 4 * c, true),
+        // The attention projection's backward: dres2, atty, datty.
+        lin.peak(attn_common + 3 * btc, o::ATTN_PROJ_W, c, c, false),
+        // c_attn's backward: dres2, dqkv, dln1.
+        lin.peak(attn_common + 5 * btc, o::QKV_W, c, 3 * c, true),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+        * 4;
+    elems.max(attention * 4 + naive_ws)
 }
 
 /// Bytes no estimate may reach (2⁶²): with every term below this bound, the plain `u64`

@@ -357,12 +357,28 @@ fn is_buffer(name: &str) -> bool {
 /// Read a Hugging Face model directory: its shape and fp32 masters (in
 /// [`params::param_infos`] order, our layout), allocated on `backend` as `Parameters`.
 pub fn load(dir: &Path, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
+    let mut masters = Vec::new();
+    let cfg = load_each(dir, backend, |_, t| {
+        masters.push(t);
+        Ok(())
+    })?;
+    Ok((cfg, masters))
+}
+
+/// [`load`] one tensor at a time: `each(index, tensor)` receives every fp32 master in
+/// parameter order as soon as it is read, so a consumer that converts them (a frozen base in
+/// bf16 or 4 bits) never holds the whole f32 model. Every check [`load`] makes is made; the
+/// ones about tensors the model does not have come after the last tensor, so a caller must
+/// discard what it built when this returns an error.
+pub fn load_each(
+    dir: &Path,
+    backend: &Cpu,
+    mut each: impl FnMut(usize, CpuTensor) -> Result<()>,
+) -> Result<ModelConfig> {
     let cfg = read_config(dir)?;
     let mut stored = read_tensors(dir)?;
     let infos = params::param_infos(&cfg);
-    let mut masters = Vec::with_capacity(infos.len());
-    let _g = MemoryCategory::Parameters.enter();
-    for info in &infos {
+    for (index, info) in infos.iter().enumerate() {
         // GPT2LMHeadModel saves its body under `transformer.`; our own export does not.
         let t = stored
             .remove(&info.name)
@@ -379,14 +395,17 @@ pub fn load(dir: &Path, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> 
                 format!("{} has shape {:?}, expected {want:?}", info.name, t.shape),
             ));
         }
-        let _l = headroom_profiler::label_absolute(&info.name);
-        let mut master = backend.zeros(info.shape.clone(), DType::F32)?;
+        let mut master = {
+            let _g = MemoryCategory::Parameters.enter();
+            let _l = headroom_profiler::label_absolute(&info.name);
+            backend.zeros(info.shape.clone(), DType::F32)?
+        };
         let dst = master.as_mut_slice::<f32>()?;
         read_into(&t, dst)?;
         if info.transposed_in_hf {
             transpose_in_place(dst, info.shape[1], info.shape[0]);
         }
-        masters.push(master);
+        each(index, master)?;
     }
     // A tied head may still be stored (transformers writes lm_head.weight for GPT-2 in
     // some versions): it must then equal the embedding, which is what is used.
@@ -413,7 +432,7 @@ pub fn load(dir: &Path, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> 
             ),
         ));
     }
-    Ok((cfg, masters))
+    Ok(cfg)
 }
 
 /// Convert `t`'s bytes into `dst` (f32), a bounded chunk at a time.

@@ -18,7 +18,7 @@ use headroom_tensor::MemoryCategory;
 use headroom_trainer::engine::ComputeDevice;
 use headroom_trainer::estimate::estimate;
 use headroom_trainer::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
-use headroom_trainer::model::{Family, ModelConfig, Precision};
+use headroom_trainer::model::{Family, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
 use headroom_trainer::train::{
     train, DataSource, EvalOptions, MemoryOutputs, StepLog, TrainOptions,
@@ -337,6 +337,43 @@ struct RunArgs {
     /// a GPU it fails with the typed "no CUDA device" error.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
+    /// LoRA: freeze the base model and train rank-R adapters (PEFT's initialisation; the
+    /// checkpoints are PEFT adapter directories). Usually with --init-from.
+    #[arg(long, value_name = "R", value_parser = clap::value_parser!(u64).range(1..=65536))]
+    lora_rank: Option<u64>,
+    /// LoRA's alpha: the update is scaled by alpha/R (alpha/√R with --rslora) [default: 8,
+    /// PEFT's].
+    #[arg(long, requires = "lora_rank")]
+    lora_alpha: Option<f32>,
+    /// Modules that get adapters, by PEFT's name-or-suffix rule, comma-separated [default:
+    /// q_proj,v_proj for Llama, c_attn for GPT-2 — PEFT's defaults].
+    #[arg(
+        long,
+        value_name = "NAMES",
+        value_delimiter = ',',
+        requires = "lora_rank"
+    )]
+    lora_targets: Option<Vec<String>>,
+    /// rsLoRA scaling (alpha/√R).
+    #[arg(long, requires = "lora_rank")]
+    rslora: bool,
+    /// QLoRA: store every frozen block linear in 4 bits (bitsandbytes' layout).
+    #[arg(long, value_enum, requires = "lora_rank")]
+    quantize: Option<QuantArg>,
+    /// QLoRA: quantize the 4-bit scales too (bitsandbytes' compress_statistics).
+    #[arg(long, requires = "quantize")]
+    double_quant: bool,
+    /// QLoRA: weights per 4-bit scale block (a power of two, 32…4096).
+    #[arg(long, default_value_t = 64, requires = "quantize")]
+    quant_blocksize: usize,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum QuantArg {
+    /// NormalFloat4 (QLoRA's).
+    Nf4,
+    /// 4-bit float.
+    Fp4,
 }
 
 /// The largest `--budget-mib` (2⁴⁴ MiB = 16 EiB would overflow the byte count).
@@ -377,6 +414,10 @@ struct TrainArgs {
     /// Seed for initialisation and data order.
     #[arg(long)]
     seed: Option<u64>,
+    /// LoRA: after training, merge the adapters into the base and write a Hugging Face model
+    /// directory here (refused if it exists).
+    #[arg(long, value_name = "DIR", requires = "lora_rank")]
+    merge_into: Option<PathBuf>,
     /// Save checkpoints under this directory (one `step-N` directory each, published
     /// atomically; the run's last step is always saved, and on SIGINT/SIGTERM).
     #[arg(long)]
@@ -686,6 +727,31 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
             OffloadArg::File => OptimizerPlacement::File(run.offload_file.clone()),
         },
     };
+    if let Some(r) = run.lora_rank {
+        let r = usize::try_from(r).map_err(|_| "--lora-rank is too large")?;
+        let targets = run
+            .lora_targets
+            .clone()
+            .unwrap_or_else(|| match o.model.family {
+                Family::Gpt2 => vec!["c_attn".into()],
+                Family::Llama(_) => vec!["q_proj".into(), "v_proj".into()],
+            });
+        let mut lora = headroom_lora::LoraConfig::new(r, run.lora_alpha.unwrap_or(8.0), targets);
+        lora.use_rslora = run.rslora;
+        lora.base_model_name_or_path = run.init_from.as_ref().map(|d| d.display().to_string());
+        t.finetune = Some(FinetuneSpec {
+            lora,
+            quantize: run.quantize.map(|q| QuantSpec {
+                quant_type: match q {
+                    QuantArg::Nf4 => "nf4",
+                    QuantArg::Fp4 => "fp4",
+                }
+                .into(),
+                blocksize: run.quant_blocksize,
+                double_quant: run.double_quant,
+            }),
+        });
+    }
     t.micro_batch = run
         .micro_batch
         .map(|m| usize::try_from(m).map_err(|_| format!("--micro-batch {m} is too large")))
@@ -756,6 +822,11 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
     if let Some(s) = args.seed {
         o.seed = s;
     }
+    if let Some(f) = &mut o.techniques.finetune {
+        // PEFT draws A from its own seed; headroom's adapters follow the run's.
+        f.lora.seed = o.seed;
+    }
+    o.merge_into = args.merge_into;
     o.save = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
     o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
     if let Some(mib) = args.max_shard_mib {

@@ -9,7 +9,7 @@ use headroom_attn::AttentionConfig;
 use headroom_ckpt::{Planner, Schedule};
 use headroom_offload::StatePrecision;
 
-use crate::model::{ModelConfig, ModelOptions};
+use crate::model::{FinetuneSpec, ModelConfig, ModelOptions};
 use crate::Result;
 
 /// Which block activations are kept and which are recomputed.
@@ -87,6 +87,9 @@ pub struct Techniques {
     pub optimizer: OptimizerChoice,
     /// Sequences per micro-batch (`None`: the whole batch at once).
     pub micro_batch: Option<usize>,
+    /// LoRA / QLoRA: a frozen base (in the run's precision or 4 bits) and trainable adapters;
+    /// `None` trains every parameter.
+    pub finetune: Option<FinetuneSpec>,
 }
 
 impl Techniques {
@@ -101,6 +104,7 @@ impl Techniques {
             checkpoint: CheckpointChoice::None,
             optimizer: OptimizerChoice::resident(),
             micro_batch: None,
+            finetune: None,
         }
     }
 
@@ -134,7 +138,10 @@ impl Techniques {
                 .map_or(String::new(), |r| format!(", fused loss ({r} rows)")),
             self.micro_batch
                 .map_or(String::new(), |m| format!(", micro-batch {m}")),
-        )
+        ) + &self
+            .finetune
+            .as_ref()
+            .map_or(String::new(), |f| format!(", {}", f.describe()))
     }
 }
 

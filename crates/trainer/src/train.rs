@@ -32,7 +32,7 @@ use crate::checkpoint::{self, RunSpec, TrainingState};
 use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
 use crate::estimate;
-use crate::model::{params, Geometry, Model, ModelConfig, ModelOptions};
+use crate::model::{params, FinetuneBuilder, Geometry, Model, ModelConfig, ModelOptions};
 use crate::techniques::{
     block_schedule, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
 };
@@ -123,6 +123,9 @@ pub struct TrainOptions {
     /// Memory reports to write when the run ends — also when it fails, out of budget
     /// included, so the files show the moment of the failure.
     pub memory_outputs: MemoryOutputs,
+    /// After training, merge the adapters into the base and write a Hugging Face directory
+    /// here (needs [`Techniques::finetune`]).
+    pub merge_into: Option<PathBuf>,
 }
 
 /// Validation during a run (`--val-data`, `--eval-every`, `--eval-batches`).
@@ -236,6 +239,7 @@ impl TrainOptions {
                 checkpoint: CheckpointChoice::None,
                 optimizer: OptimizerChoice::resident(),
                 micro_batch: None,
+                finetune: None,
             },
             device: ComputeDevice::Cpu,
             budget: None,
@@ -248,6 +252,7 @@ impl TrainOptions {
             check_machine_memory: true,
             eval: None,
             init_from: None,
+            merge_into: None,
             memory_outputs: MemoryOutputs::default(),
         }
     }
@@ -426,6 +431,45 @@ impl TrainOptions {
         }
         if self.keep_checkpoints == 0 {
             return opt("--keep-checkpoints", "must keep at least 1".into());
+        }
+        if let Some(f) = &self.techniques.finetune {
+            if self.device != ComputeDevice::Cpu {
+                return opt(
+                    "--lora-rank",
+                    "LoRA fine-tuning runs on the CPU model in this version (the model code \
+                     and the 4-bit CUDA kernels exist; the CUDA engine's set-up does not)"
+                        .into(),
+                );
+            }
+            f.lora.validate().map_err(|e| TrainError::Option {
+                option: "--lora-rank",
+                reason: e.to_string(),
+            })?;
+            if f.lora.dropout != 0.0 {
+                return opt(
+                    "--lora-dropout",
+                    "adapter dropout is not implemented in the trainer (headroom-lora has it \
+                     for its own layers)"
+                        .into(),
+                );
+            }
+            if let Some(q) = &f.quantize {
+                q.config().map_err(|e| TrainError::Option {
+                    option: "--quantize",
+                    reason: e.to_string(),
+                })?;
+            }
+            crate::model::finetune::adapted_modules(&self.model, &f.lora).map_err(|e| {
+                TrainError::Option {
+                    option: "--lora-targets",
+                    reason: e.to_string(),
+                }
+            })?;
+        } else if self.merge_into.is_some() {
+            return opt(
+                "--merge-into",
+                "needs LoRA fine-tuning (--lora-rank)".into(),
+            );
         }
         Ok(())
     }
@@ -877,6 +921,7 @@ impl Stepper {
         run: RunSpec,
         loader: &Loader,
         scaler: Option<headroom_amp::LossScalerState>,
+        finetune: Option<checkpoint::FinetuneState>,
         host: &Cpu,
     ) -> Result<PathBuf> {
         match self {
@@ -886,6 +931,7 @@ impl Stepper {
                 opt.flush()?;
                 let mut state = TrainingState::new(step, config, run, opt.state(), loader.state());
                 state.scaler = scaler;
+                state.finetune = finetune;
                 checkpoint::save_sharded(
                     dir,
                     &state,
@@ -967,6 +1013,12 @@ fn train_tracked(
     let micro = opts.micro_batch()?;
     let precision = tech.model.precision;
     let dev = opts.device.tracked();
+    // PEFT's flag for GPT-2's Conv1D bases (merges there transpose); headroom's own weights
+    // are `[out, in]` either way.
+    let finetune = tech.finetune.clone().map(|mut f| {
+        f.lora.fan_in_fan_out = matches!(opts.model.family, crate::model::Family::Gpt2);
+        f
+    });
     // Every step allocates the same shapes: reuse freed buffers rather than fault in fresh
     // pages each step (the tracker still sees every tensor allocated and freed).
     let cpu = Cpu::new()
@@ -995,6 +1047,13 @@ fn train_tracked(
                 ));
             }
             differences.extend(ck.state.run.differences(&opts.run_spec()));
+            let ck_spec = ck.state.finetune.as_ref().map(|f| &f.spec);
+            if ck_spec != finetune.as_ref() {
+                differences.push(format!(
+                    "fine-tuning: checkpoint {ck_spec:?}, this run {:?}",
+                    finetune.as_ref()
+                ));
+            }
             if ck.state.step > opts.steps {
                 differences.push(format!(
                     "the checkpoint is at step {}, past this run's {} steps",
@@ -1078,29 +1137,80 @@ fn train_tracked(
     };
     // CUDA with an offloaded placement: masters, accumulation and AdamW on the host.
     let on_host = on_cuda && resident_cuda.is_none();
-    let masters_on = if on_cuda || (precision.is_low() && tech.optimizer.is_offloaded()) {
+    // A fine-tuning run's base never has masters: its working form is built on the device.
+    let masters_on = if finetune.is_none()
+        && (on_cuda || (precision.is_low() && tech.optimizer.is_offloaded()))
+    {
         &host
     } else {
         &cpu
     };
-    let mut masters = match &opts.init_from {
-        Some(dir) => {
-            let (cfg, masters) = crate::hf::load(dir, masters_on)?;
-            if cfg != opts.model {
-                return Err(TrainError::Option {
-                    option: "--init-from",
-                    reason: format!(
-                        "{} holds {cfg:?}, the run's model is {:?}",
-                        dir.display(),
-                        opts.model
-                    ),
-                });
-            }
-            masters
+    let mut model_opts = tech.model;
+    if tech.checkpoint == CheckpointChoice::Selective {
+        model_opts.selective = true;
+    }
+    // Offloading the optimizer offloads the gradients too: they reach the host part by part
+    // as backward produces them (the accumulator and clipping work there).
+    model_opts.offload_grads = tech.optimizer.is_offloaded() && !on_host;
+    let check_shape = |cfg: ModelConfig, dir: &std::path::Path| -> Result<()> {
+        if cfg != opts.model {
+            return Err(TrainError::Option {
+                option: "--init-from",
+                reason: format!(
+                    "{} holds {cfg:?}, the run's model is {:?}",
+                    dir.display(),
+                    opts.model
+                ),
+            });
         }
-        None => params::init_params(masters_on, &opts.model, opts.seed)?,
+        Ok(())
     };
-    if let Some(ck) = &resume {
+    // A fine-tuning run streams its base into its frozen form, one tensor at a time (the
+    // whole fp32 base never exists), fingerprinting it: a resume must find the same base.
+    let mut tuned: Option<(Model, checkpoint::FinetuneState)> = None;
+    let mut masters = match &finetune {
+        Some(spec) => {
+            let mut b = FinetuneBuilder::new(&cpu, opts.model, model_opts, spec.clone())?;
+            match &opts.init_from {
+                Some(dir) => {
+                    check_shape(crate::hf::load_each(dir, &cpu, |i, t| b.push(i, t))?, dir)?
+                }
+                None => {
+                    params::init_params_each(&cpu, &opts.model, opts.seed, |i, t| b.push(i, t))?
+                }
+            }
+            let state = checkpoint::FinetuneState {
+                spec: spec.clone(),
+                base_xxh3: b.fingerprint(),
+            };
+            if let Some(ck) = &resume {
+                let saved = ck.state.finetune.as_ref().map(|f| f.base_xxh3.as_str());
+                if saved != Some(state.base_xxh3.as_str()) {
+                    return Err(TrainError::ResumeMismatch {
+                        path: ck.dir.clone(),
+                        differences: vec![format!(
+                            "frozen base: checkpoint {saved:?}, this run {} (another \
+                             --init-from or --seed)",
+                            state.base_xxh3
+                        )],
+                    });
+                }
+            }
+            let model = b.finish(resume.as_ref().map(|ck| ck.params.as_slice()))?;
+            tuned = Some((model, state));
+            Vec::new()
+        }
+        None => match &opts.init_from {
+            Some(dir) => {
+                let (cfg, masters) = crate::hf::load(dir, masters_on)?;
+                check_shape(cfg, dir)?;
+                masters
+            }
+            None => params::init_params(masters_on, &opts.model, opts.seed)?,
+        },
+    };
+    let finetune_state = tuned.as_ref().map(|(_, s)| s.clone());
+    if let (Some(ck), None) = (&resume, &finetune) {
         for (t, saved) in masters.iter_mut().zip(&ck.params) {
             let dst = t.as_mut_slice::<f32>()?;
             if dst.len() != saved.len() {
@@ -1111,14 +1221,11 @@ fn train_tracked(
             dst.copy_from_slice(saved);
         }
     }
-    let mut model_opts = tech.model;
-    if tech.checkpoint == CheckpointChoice::Selective {
-        model_opts.selective = true;
-    }
-    let shapes: Vec<Vec<usize>> = params::param_infos(&opts.model)
-        .into_iter()
-        .map(|i| i.shape)
-        .collect();
+    let trainable_infos = match &finetune {
+        Some(spec) => crate::model::finetune::adapter_infos(&opts.model, &spec.lora)?,
+        None => params::param_infos(&opts.model),
+    };
+    let shapes: Vec<Vec<usize>> = trainable_infos.into_iter().map(|i| i.shape).collect();
     // GPT-2 practice: decay matrices and embeddings, not biases or norm gains.
     let specs: Vec<ParamSpec> = shapes
         .iter()
@@ -1159,14 +1266,12 @@ fn train_tracked(
             },
         )?
     } else {
-        // Offloading the optimizer offloads the gradients too: they reach the host part by
-        // part as backward produces them, and the accumulator (and clipping) work there.
         let grads_on_host = on_host || tech.optimizer.is_offloaded();
-        model_opts.offload_grads = tech.optimizer.is_offloaded() && !on_host;
         let engine = match opts.device {
-            ComputeDevice::Cpu => {
-                Engine::Cpu(Model::from_masters(&cpu, opts.model, model_opts, masters)?)
-            }
+            ComputeDevice::Cpu => match tuned.take() {
+                Some((model, _)) => Engine::Cpu(model),
+                None => Engine::Cpu(Model::from_masters(&cpu, opts.model, model_opts, masters)?),
+            },
             ComputeDevice::Cuda { ordinal } => {
                 cuda_engine(ordinal, tracker, opts.model, model_opts, masters)?
             }
@@ -1333,6 +1438,7 @@ fn train_tracked(
                     opts.run_spec(),
                     &loader,
                     scaler_state,
+                    finetune_state.clone(),
                     &host,
                 )?);
             }
@@ -1340,6 +1446,38 @@ fn train_tracked(
         if stopped {
             break;
         }
+    }
+    if let (Some(out), Some(f)) = (&opts.merge_into, &finetune_state) {
+        let _phase = tracker.phase("merge");
+        let engine = match &stepper {
+            Stepper::Host { engine, .. } => engine,
+            #[allow(unreachable_patterns)]
+            _ => {
+                return Err(TrainError::Config(
+                    "fine-tuning runs on the host stepper only".into(),
+                ))
+            }
+        };
+        let slices = engine
+            .masters()
+            .iter()
+            .map(|t| Ok(t.as_slice::<f32>()?))
+            .collect::<Result<Vec<_>>>()?;
+        let adapter = checkpoint::adapter_of(&opts.model, &f.spec, &slices)?;
+        // The base again in fp32, on the host ledger (the trained run's device memory is
+        // untouched); it must be the one trained on.
+        let mut base = match &opts.init_from {
+            Some(dir) => crate::hf::load(dir, &host)?.1,
+            None => params::init_params(&host, &opts.model, opts.seed)?,
+        };
+        if checkpoint::base_fingerprint(&base)? != f.base_xxh3 {
+            return Err(TrainError::Option {
+                option: "--merge-into",
+                reason: "the base model changed on disk during the run".into(),
+            });
+        }
+        crate::adapters::merge(&opts.model, &mut base, &adapter, out)?;
+        checkpoint::save_hf(out, &opts.model, &base, opts.max_shard_bytes)?;
     }
     let memory = tracker.snapshot();
     let memory_table = memory_summary(&memory, &ReportContext::with_process_memory());

@@ -134,7 +134,7 @@ impl<'a> WeightRef<'a> {
     fn backward(
         &self,
         dx: &mut [f32],
-        dw: &mut [f32],
+        dw: Option<&mut [f32]>,
         db: Option<&mut [f32]>,
         dy: &[f32],
         x: &[f32],
@@ -203,6 +203,55 @@ fn weight_dims(op: &str, w: &CpuTensor) -> Result<(usize, usize)> {
 }
 
 impl ModelOps for Cpu {
+    type Quantized = headroom_quant::QuantizedTensor;
+
+    fn linear_quantized(
+        &self,
+        y: &mut CpuTensor,
+        x: &CpuTensor,
+        w: &Self::Quantized,
+        b: Option<&CpuTensor>,
+    ) -> Result<()> {
+        let xv = f32_view(self, x)?;
+        let ys = out(y)?;
+        headroom_quant::matmul_forward(self, xv.s()?, w, ys, &Default::default())?;
+        if let Some(b) = b {
+            let oc = w.shape().first().copied().unwrap_or(0);
+            expect_len("linear (4-bit)", "bias", b, oc)?;
+            let bv = f32_view(self, b)?;
+            for row in ys.chunks_exact_mut(oc.max(1)) {
+                for (o, b) in row.iter_mut().zip(bv.s()?) {
+                    *o += b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn linear_quantized_input_grad(
+        &self,
+        dx: &mut CpuTensor,
+        dy: &CpuTensor,
+        w: &Self::Quantized,
+    ) -> Result<()> {
+        // The fused kernel overwrites its output; the op's contract is to add. The partial
+        // input gradient is one more `[N, in]` of workspace, freed on return.
+        let dyv = f32_view(self, dy)?;
+        let mut part = {
+            let _g = MemoryCategory::Workspace.enter();
+            self.zeros(dx.shape().clone(), DType::F32)?
+        };
+        headroom_quant::matmul_backward_input(
+            self,
+            dyv.s()?,
+            w,
+            out(&mut part)?,
+            &Default::default(),
+        )?;
+        self.axpy(1.0, &part, dx)?;
+        Ok(())
+    }
+
     fn linear(
         &self,
         y: &mut CpuTensor,
@@ -226,7 +275,7 @@ impl ModelOps for Cpu {
     fn linear_backward(
         &self,
         dx: &mut CpuTensor,
-        dw: &mut CpuTensor,
+        dw: Option<&mut CpuTensor>,
         db: Option<&mut CpuTensor>,
         dy: &CpuTensor,
         x: &CpuTensor,
@@ -237,7 +286,9 @@ impl ModelOps for Cpu {
         expect_len("linear backward", "input", x, n * c)?;
         expect_len("linear backward", "input gradient", dx, n * c)?;
         expect_len("linear backward", "output gradient", dy, n * oc)?;
-        expect_len("linear backward", "weight gradient", dw, oc * c)?;
+        if let Some(dw) = &dw {
+            expect_len("linear backward", "weight gradient", dw, oc * c)?;
+        }
         if let Some(db) = &db {
             expect_len("linear backward", "bias gradient", db, oc)?;
         }
@@ -248,7 +299,11 @@ impl ModelOps for Cpu {
         };
         let wr = WeightRef::new(self, w)?;
         let mut scratch = wr.scratch(self, matmul::backward_scratch(n, c, oc))?;
-        let (dx, dw, dy, x) = (out(dx)?, out(dw)?, dyv.s()?, xv.s()?);
+        let dw = match dw {
+            Some(t) => Some(out(t)?),
+            None => None,
+        };
+        let (dx, dy, x) = (out(dx)?, dyv.s()?, xv.s()?);
         wr.backward(dx, dw, db, dy, x, n, c, oc, panel(&mut scratch)?)
     }
 
@@ -598,7 +653,9 @@ impl ModelOps for Cpu {
         }
         if let Some(g) = &grads {
             expect_len("head", "input gradient", g.dx, n * c)?;
-            expect_len("head", "weight gradient", g.dw, v * c)?;
+            if let Some(dw) = &g.dw {
+                expect_len("head", "weight gradient", dw, v * c)?;
+            }
         }
         let rows = rows.clamp(1, n.max(1));
         let wr = WeightRef::new(self, w)?;
@@ -646,9 +703,13 @@ impl ModelOps for Cpu {
                         v,
                     );
                     // A tied head accumulates into the token embedding's gradient; no bias.
+                    let dw = match g.dw.as_deref_mut() {
+                        Some(t) => Some(out(t)?),
+                        None => None,
+                    };
                     wr.backward(
                         &mut out(g.dx)?[r0 * c..][..r * c],
-                        out(g.dw)?,
+                        dw,
                         None,
                         dl,
                         xr,

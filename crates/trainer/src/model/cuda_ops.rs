@@ -109,6 +109,41 @@ fn head_layout(op: &str, heads: &CudaTensor, wide: &CudaTensor, col: usize) -> R
 }
 
 impl ModelOps for Cuda {
+    type Quantized = headroom_quant::cuda::CudaQuantizedTensor;
+
+    fn linear_quantized(
+        &self,
+        y: &mut CudaTensor,
+        x: &CudaTensor,
+        w: &Self::Quantized,
+        b: Option<&CudaTensor>,
+    ) -> Result<()> {
+        if b.is_some() {
+            return Err(TrainError::Config(
+                "a 4-bit linear with a bias (GPT-2's) has no CUDA kernel yet".into(),
+            ));
+        }
+        let xv = f32_of(self, x)?;
+        Ok(w.matmul_forward(self, xv.tensor(), y, &Default::default())?)
+    }
+
+    fn linear_quantized_input_grad(
+        &self,
+        dx: &mut CudaTensor,
+        dy: &CudaTensor,
+        w: &Self::Quantized,
+    ) -> Result<()> {
+        // The fused kernel overwrites its output; the op's contract is to add.
+        let dyv = f32_of(self, dy)?;
+        let mut part = {
+            let _g = MemoryCategory::Workspace.enter();
+            self.zeros(dx.shape().clone(), DType::F32)?
+        };
+        w.matmul_backward_input(self, dyv.tensor(), &mut part, &Default::default())?;
+        self.axpy(1.0, &part, dx)?;
+        Ok(())
+    }
+
     fn linear(
         &self,
         y: &mut CudaTensor,
@@ -126,7 +161,7 @@ impl ModelOps for Cuda {
     fn linear_backward(
         &self,
         dx: &mut CudaTensor,
-        dw: &mut CudaTensor,
+        dw: Option<&mut CudaTensor>,
         db: Option<&mut CudaTensor>,
         dy: &CudaTensor,
         x: &CudaTensor,
@@ -141,15 +176,17 @@ impl ModelOps for Cuda {
         let dy_low = as_dtype(self, dy, w.dtype())?;
         let xv = as_dtype(self, x, w.dtype())?;
         self.gemm(GemmOp::InputGrad, shape, dx, dy_low.tensor(), w, None, true)?;
-        self.gemm(
-            GemmOp::WeightGrad,
-            shape,
-            dw,
-            dy_low.tensor(),
-            xv.tensor(),
-            None,
-            true,
-        )?;
+        if let Some(dw) = dw {
+            self.gemm(
+                GemmOp::WeightGrad,
+                shape,
+                dw,
+                dy_low.tensor(),
+                xv.tensor(),
+                None,
+                true,
+            )?;
+        }
         drop((dy_low, xv));
         if let Some(db) = db {
             self.column_sum(db, f32_of(self, dy)?.tensor())?;
@@ -494,7 +531,9 @@ impl ModelOps for Cuda {
                         None => self.gemm(GemmOp::InputGrad, shape, g.dx, dlow, w, None, true)?,
                     }
                     // A tied head accumulates into the token embedding's gradient; no bias.
-                    self.gemm(GemmOp::WeightGrad, shape, g.dw, dlow, x_rows, None, true)?;
+                    if let Some(dw) = g.dw.as_deref_mut() {
+                        self.gemm(GemmOp::WeightGrad, shape, dw, dlow, x_rows, None, true)?;
+                    }
                 }
                 None => self.cross_entropy_forward(&mut l_rows, &logits, t_rows, v)?,
             }

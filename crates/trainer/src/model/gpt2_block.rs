@@ -130,12 +130,7 @@ impl<B: ModelOps> Model<B> {
         // qkv is only a stepping stone to q, k, v: workspace, dropped once split.
         let _t = self.tag(l, "attn.qkv");
         let mut qkv = self.scratch([g.b, g.t, 3 * c])?;
-        be.linear(
-            &mut qkv,
-            &ln1,
-            self.lw(l, o::QKV_W)?,
-            Some(self.lw(l, o::QKV_B)?),
-        )?;
+        self.block_linear(l, o::QKV_W, Some(o::QKV_B), &mut qkv, &ln1)?;
         let mut q = self.fresh([g.b, nh, g.t, hs])?;
         let mut k = self.fresh([g.b, nh, g.t, hs])?;
         let mut v = self.fresh([g.b, nh, g.t, hs])?;
@@ -152,12 +147,7 @@ impl<B: ModelOps> Model<B> {
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
         let mut res2 = self.fresh([g.b, g.t, c])?;
-        be.linear(
-            &mut res2,
-            &atty,
-            self.lw(l, o::ATTN_PROJ_W)?,
-            Some(self.lw(l, o::ATTN_PROJ_B)?),
-        )?;
+        self.block_linear(l, o::ATTN_PROJ_W, Some(o::ATTN_PROJ_B), &mut res2, &atty)?;
         drop(atty);
         be.axpy(1.0, x.tensor(), &mut res2)?;
         let res2 = self.keep(res2)?;
@@ -166,24 +156,14 @@ impl<B: ModelOps> Model<B> {
         let (ln2, ln2_stats) = self.block_layernorm(l, res2v.tensor(), o::LN2_W, o::LN2_B, g)?;
         let _t = self.tag(l, "mlp.fc");
         let mut fch = self.fresh([g.b, g.t, 4 * c])?;
-        be.linear(
-            &mut fch,
-            &ln2,
-            self.lw(l, o::FC_W)?,
-            Some(self.lw(l, o::FC_B)?),
-        )?;
+        self.block_linear(l, o::FC_W, Some(o::FC_B), &mut fch, &ln2)?;
         let fch = self.keep(fch)?;
         let _t = self.tag(l, "mlp.gelu");
         let fch_gelu = self.block_gelu(&fch)?;
         // The block output is the next block's input: the chain decides whether it is kept.
         let _t = self.tag(l, "mlp.proj");
         let mut out = self.fresh([g.b, g.t, c])?;
-        be.linear(
-            &mut out,
-            &fch_gelu,
-            self.lw(l, o::FC_PROJ_W)?,
-            Some(self.lw(l, o::FC_PROJ_B)?),
-        )?;
+        self.block_linear(l, o::FC_PROJ_W, Some(o::FC_PROJ_B), &mut out, &fch_gelu)?;
         be.axpy(1.0, res2v.tensor(), &mut out)?;
         drop(res2v);
         let out = self.keep(out)?;
@@ -296,36 +276,31 @@ impl<B: ModelOps> Model<B> {
         // out = res2 + fcproj(fch_gelu): dres2 starts as dout, dfch_gelu from the projection.
         let _t = self.tag(l, "mlp.backward");
         let mut dfch_gelu = self.scratch([g.b, g.t, 4 * c])?;
-        {
-            let (dw, db) = two_mut(grads, o::FC_PROJ_W, o::FC_PROJ_B);
-            be.linear_backward(
-                &mut dfch_gelu,
-                dw,
-                Some(db),
-                dout,
-                &fch_gelu,
-                self.lw(l, o::FC_PROJ_W)?,
-            )?;
-        }
+        self.block_linear_backward(
+            l,
+            o::FC_PROJ_W,
+            Some(o::FC_PROJ_B),
+            &mut dfch_gelu,
+            grads,
+            dout,
+            &fch_gelu,
+        )?;
         drop(fch_gelu);
         let mut dfch = self.scratch([g.b, g.t, 4 * c])?;
         be.gelu_backward(&mut dfch, &s.fch, &dfch_gelu)?;
         drop(dfch_gelu);
         let mut dln2 = self.scratch([g.b, g.t, c])?;
-        {
-            let (dw, db) = two_mut(grads, o::FC_W, o::FC_B);
-            be.linear_backward(&mut dln2, dw, Some(db), &dfch, &ln2, self.lw(l, o::FC_W)?)?;
-        }
+        self.block_linear_backward(l, o::FC_W, Some(o::FC_B), &mut dln2, grads, &dfch, &ln2)?;
         drop((dfch, ln2));
         let _t = self.tag(l, "ln2.backward");
         let mut dres2 = self.scratch([g.b, g.t, c])?;
         be.copy(dout, &mut dres2)?;
         {
-            let (dw, db) = two_mut(grads, o::LN2_W, o::LN2_B);
+            let (dw, db) = self.param_grads(grads, o::LN2_W, Some(o::LN2_B));
             self.norm_backward(
                 &mut dres2,
                 dw,
-                Some(db),
+                db,
                 &dln2,
                 res2v.tensor(),
                 li(o::LN2_W),
@@ -338,17 +313,15 @@ impl<B: ModelOps> Model<B> {
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
         let mut datty = self.scratch([g.b, g.t, c])?;
-        {
-            let (dw, db) = two_mut(grads, o::ATTN_PROJ_W, o::ATTN_PROJ_B);
-            be.linear_backward(
-                &mut datty,
-                dw,
-                Some(db),
-                &dres2,
-                &atty,
-                self.lw(l, o::ATTN_PROJ_W)?,
-            )?;
-        }
+        self.block_linear_backward(
+            l,
+            o::ATTN_PROJ_W,
+            Some(o::ATTN_PROJ_B),
+            &mut datty,
+            grads,
+            &dres2,
+            &atty,
+        )?;
         drop(atty);
         let mut dy = self.scratch(s.q.shape().clone())?;
         be.split_heads(&mut dy, &datty, 0)?;
@@ -362,19 +335,16 @@ impl<B: ModelOps> Model<B> {
         drop(ag);
         let _t = self.tag(l, "ln1.backward");
         let mut dln1 = self.scratch([g.b, g.t, c])?;
-        {
-            let (dw, db) = two_mut(grads, o::QKV_W, o::QKV_B);
-            be.linear_backward(&mut dln1, dw, Some(db), &dqkv, &ln1, self.lw(l, o::QKV_W)?)?;
-        }
+        self.block_linear_backward(l, o::QKV_W, Some(o::QKV_B), &mut dln1, grads, &dqkv, &ln1)?;
         drop((dqkv, ln1));
         // The residual passes dres2 straight through to the block input.
         let mut dinp = dres2;
         {
-            let (dw, db) = two_mut(grads, o::LN1_W, o::LN1_B);
+            let (dw, db) = self.param_grads(grads, o::LN1_W, Some(o::LN1_B));
             self.norm_backward(
                 &mut dinp,
                 dw,
-                Some(db),
+                db,
                 &dln1,
                 x.tensor(),
                 li(o::LN1_W),

@@ -11,7 +11,6 @@ use headroom_attn::AttentionForward;
 use headroom_tensor::{CpuTensor, Tensor};
 
 use crate::model::decode::LayerKv;
-use crate::model::gpt2_block::two_mut;
 use crate::model::ops::ModelOps;
 use crate::model::params::{layer_index, llama_layer as o};
 use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
@@ -116,8 +115,7 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<B::Tensor> {
         let hs = self.cfg.head_dim();
         let mut flat = self.scratch([g.b, g.t, heads * hs])?;
-        self.backend()
-            .linear(&mut flat, x, self.lw(l, w_off)?, None)?;
+        self.block_linear(l, w_off, None, &mut flat, x)?;
         let mut out = self.fresh([g.b, heads, g.t, hs])?;
         self.backend().split_heads(&mut out, &flat, 0)?;
         Ok(out)
@@ -165,7 +163,7 @@ impl<B: ModelOps> Model<B> {
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
         let mut res2 = self.fresh([g.b, g.t, c])?;
-        be.linear(&mut res2, &atty, self.lw(l, o::O)?, None)?;
+        self.block_linear(l, o::O, None, &mut res2, &atty)?;
         drop(atty);
         be.axpy(1.0, x.tensor(), &mut res2)?;
         let res2 = self.keep(res2)?;
@@ -174,17 +172,17 @@ impl<B: ModelOps> Model<B> {
         let (norm2, norm2_stats) = self.block_rmsnorm(l, res2v.tensor(), o::POST_NORM, g)?;
         let _t = self.tag(l, "mlp.gate");
         let mut gate = self.fresh([g.b, g.t, f])?;
-        be.linear(&mut gate, &norm2, self.lw(l, o::GATE)?, None)?;
+        self.block_linear(l, o::GATE, None, &mut gate, &norm2)?;
         let gate = self.keep(gate)?;
         let _t = self.tag(l, "mlp.up");
         let mut up = self.fresh([g.b, g.t, f])?;
-        be.linear(&mut up, &norm2, self.lw(l, o::UP)?, None)?;
+        self.block_linear(l, o::UP, None, &mut up, &norm2)?;
         let up = self.keep(up)?;
         let _t = self.tag(l, "mlp.act");
         let act = self.block_swiglu(&gate, &up)?;
         let _t = self.tag(l, "mlp.down");
         let mut out = self.fresh([g.b, g.t, c])?;
-        be.linear(&mut out, &act, self.lw(l, o::DOWN)?, None)?;
+        self.block_linear(l, o::DOWN, None, &mut out, &act)?;
         be.axpy(1.0, res2v.tensor(), &mut out)?;
         drop(res2v);
         let out = self.keep(out)?;
@@ -212,13 +210,13 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// The backward of [`Model::project_heads`] for one of q, k, v: merges the heads'
-    /// gradient `dh` `[B, heads, T, hs]` and adds its input gradient into `dx`, its weight
-    /// gradient into `dw`.
+    /// gradient `dh` `[B, heads, T, hs]` and adds its input gradient into `dx`, its
+    /// parameters' gradients into `grads`.
     fn project_heads_backward(
         &self,
         l: usize,
         dx: &mut B::Tensor,
-        dw: &mut B::Tensor,
+        grads: &mut [B::Tensor],
         dh: &B::Tensor,
         x: &B::Tensor,
         w_off: usize,
@@ -233,8 +231,7 @@ impl<B: ModelOps> Model<B> {
         };
         let mut flat = self.scratch([b, t, heads * hs])?;
         self.backend().merge_heads(&mut flat, dh, 0)?;
-        self.backend()
-            .linear_backward(dx, dw, None, &flat, x, self.lw(l, w_off)?)
+        self.block_linear_backward(l, w_off, None, dx, grads, &flat, x)
     }
 
     /// Llama block `l` backward: accumulates parameter gradients into `grads` (the block's 9),
@@ -271,44 +268,23 @@ impl<B: ModelOps> Model<B> {
         // out = res2 + down(silu(gate)·up).
         let _t = self.tag(l, "mlp.backward");
         let mut dact = self.scratch([g.b, g.t, f])?;
-        be.linear_backward(
-            &mut dact,
-            &mut grads[o::DOWN],
-            None,
-            dout,
-            &act,
-            self.lw(l, o::DOWN)?,
-        )?;
+        self.block_linear_backward(l, o::DOWN, None, &mut dact, grads, dout, &act)?;
         drop(act);
         let mut dgate = self.scratch([g.b, g.t, f])?;
         let mut dup = self.scratch([g.b, g.t, f])?;
         be.swiglu_backward(&mut dgate, &mut dup, &s.gate, &s.up, &dact)?;
         drop(dact);
         let mut dnorm2 = self.scratch([g.b, g.t, c])?;
-        be.linear_backward(
-            &mut dnorm2,
-            &mut grads[o::GATE],
-            None,
-            &dgate,
-            &norm2,
-            self.lw(l, o::GATE)?,
-        )?;
+        self.block_linear_backward(l, o::GATE, None, &mut dnorm2, grads, &dgate, &norm2)?;
         drop(dgate);
-        be.linear_backward(
-            &mut dnorm2,
-            &mut grads[o::UP],
-            None,
-            &dup,
-            &norm2,
-            self.lw(l, o::UP)?,
-        )?;
+        self.block_linear_backward(l, o::UP, None, &mut dnorm2, grads, &dup, &norm2)?;
         drop((dup, norm2));
         let _t = self.tag(l, "post_norm.backward");
         let mut dres2 = self.scratch([g.b, g.t, c])?;
         be.copy(dout, &mut dres2)?;
         self.norm_backward(
             &mut dres2,
-            &mut grads[o::POST_NORM],
+            self.param_grads(grads, o::POST_NORM, None).0,
             None,
             &dnorm2,
             res2v.tensor(),
@@ -321,14 +297,7 @@ impl<B: ModelOps> Model<B> {
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
         let mut datty = self.scratch([g.b, g.t, c])?;
-        be.linear_backward(
-            &mut datty,
-            &mut grads[o::O],
-            None,
-            &dres2,
-            &atty,
-            self.lw(l, o::O)?,
-        )?;
+        self.block_linear_backward(l, o::O, None, &mut datty, grads, &dres2, &atty)?;
         drop(atty);
         let mut dy = self.scratch(s.q.shape().clone())?;
         be.split_heads(&mut dy, &datty, 0)?;
@@ -341,15 +310,14 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "input_norm.backward");
         let mut dnorm1 = self.scratch([g.b, g.t, c])?;
         for (dh, off) in [(&ag.dq, o::Q), (&ag.dk, o::K), (&ag.dv, o::V)] {
-            self.project_heads_backward(l, &mut dnorm1, &mut grads[off], dh, &norm1, off)?;
+            self.project_heads_backward(l, &mut dnorm1, grads, dh, &norm1, off)?;
         }
         drop((ag, norm1));
         // The residual passes dres2 straight through to the block input.
         let mut dinp = dres2;
-        let (dw, _) = two_mut(grads, o::INPUT_NORM, o::Q);
         self.norm_backward(
             &mut dinp,
-            dw,
+            self.param_grads(grads, o::INPUT_NORM, None).0,
             None,
             &dnorm1,
             x.tensor(),

@@ -7,6 +7,7 @@ mod cpu_ops;
 #[cfg(feature = "cuda")]
 mod cuda_ops;
 mod decode;
+pub mod finetune;
 mod gpt2_block;
 mod llama_block;
 pub mod ops;
@@ -16,6 +17,7 @@ mod transformer;
 
 pub use config::{Family, LlamaShape, ModelConfig};
 pub use decode::{KvCache, LayerKv};
+pub use finetune::{AdaptedModule, FinetuneBuilder, FinetuneSpec, QuantSpec};
 pub use ops::{HeadLossGrads, ModelOps};
 pub use precision::Precision;
 #[cfg(feature = "cuda")]

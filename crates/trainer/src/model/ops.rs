@@ -28,12 +28,37 @@ pub struct HeadLossGrads<'a, T> {
     pub dloss_per_token: f32,
     /// `[N, C]` gradient of the head's input.
     pub dx: &'a mut T,
-    /// `[V, C]` gradient of the head's weight.
-    pub dw: &'a mut T,
+    /// `[V, C]` gradient of the head's weight (`None` when the head is frozen: no gradient is
+    /// computed).
+    pub dw: Option<&'a mut T>,
 }
 
 /// The model's ops on a backend (see the module documentation for the conventions).
 pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
+    /// A frozen linear weight stored in 4 bits (bitsandbytes' blockwise NF4/FP4 layout, see
+    /// headroom-quant) on this backend.
+    type Quantized;
+
+    /// `y = x·wᵀ (+ b)` for a frozen 4-bit weight `w` `[out, in]`: `x` `[N, in]` in any float
+    /// dtype, `y` `[N, out]` f32, overwritten. At most one dequantized panel per thread exists
+    /// at a time (`Workspace`); never the whole f32 weight.
+    fn linear_quantized(
+        &self,
+        y: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Quantized,
+        b: Option<&Self::Tensor>,
+    ) -> Result<()>;
+
+    /// Adds `dy·w` into `dx` for a frozen 4-bit weight: the input gradient only (a frozen
+    /// weight has no gradient).
+    fn linear_quantized_input_grad(
+        &self,
+        dx: &mut Self::Tensor,
+        dy: &Self::Tensor,
+        w: &Self::Quantized,
+    ) -> Result<()>;
+
     /// `y = x·wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]`, `y` `[N, out]`.
     fn linear(
         &self,
@@ -43,11 +68,12 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         b: Option<&Self::Tensor>,
     ) -> Result<()>;
 
-    /// Adds `dy·w` into `dx`, `dyᵀ·x` into `dw` and the column sums of `dy` into `db`.
+    /// Adds `dy·w` into `dx`, `dyᵀ·x` into `dw` and the column sums of `dy` into `db`. A
+    /// frozen weight passes `dw: None`: its gradient is neither computed nor allocated.
     fn linear_backward(
         &self,
         dx: &mut Self::Tensor,
-        dw: &mut Self::Tensor,
+        dw: Option<&mut Self::Tensor>,
         db: Option<&mut Self::Tensor>,
         dy: &Self::Tensor,
         x: &Self::Tensor,

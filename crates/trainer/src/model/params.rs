@@ -199,15 +199,36 @@ pub fn alloc_like_params(
 /// for every matrix and embedding (`initializer_range`), unit norm gains. Deterministic in
 /// `seed`.
 pub fn init_params(cpu: &Cpu, cfg: &ModelConfig, seed: u64) -> Result<Vec<CpuTensor>> {
-    let mut params = alloc_like_params(cpu, cfg, MemoryCategory::Parameters)?;
+    let mut params = Vec::with_capacity(param_infos(cfg).len());
+    init_params_each(cpu, cfg, seed, |_, t| {
+        params.push(t);
+        Ok(())
+    })?;
+    Ok(params)
+}
+
+/// [`init_params`] one tensor at a time, in parameter order: `each(index, tensor)` receives
+/// every tensor as soon as it is drawn (the same values), so a consumer that converts them —
+/// a frozen base stored in bf16 or 4 bits — never holds the whole f32 model.
+pub fn init_params_each(
+    cpu: &Cpu,
+    cfg: &ModelConfig,
+    seed: u64,
+    mut each: impl FnMut(usize, CpuTensor) -> Result<()>,
+) -> Result<()> {
     let infos = param_infos(cfg);
     let mut rng = Normal::new(seed);
     let residual_std = 0.02 / ((2 * cfg.layers) as f32).sqrt();
-    for (t, info) in params.iter_mut().zip(&infos) {
+    for (index, info) in infos.iter().enumerate() {
+        let mut t = {
+            let _g = MemoryCategory::Parameters.enter();
+            let _l = headroom_profiler::label_absolute(&info.name);
+            cpu.zeros(info.shape.clone(), DType::F32)?
+        };
         let x = t.as_mut_slice::<f32>()?;
         let n = &info.name;
         if n.ends_with("bias") {
-            continue;
+            // Zero, as allocated.
         } else if info.shape.len() == 1 {
             // GPT-2's ln_*.weight, Llama's *layernorm.weight and model.norm.weight.
             x.fill(1.0);
@@ -218,8 +239,9 @@ pub fn init_params(cpu: &Cpu, cfg: &ModelConfig, seed: u64) -> Result<Vec<CpuTen
                 *v = rng.sample() * std;
             }
         }
+        each(index, t)?;
     }
-    Ok(params)
+    Ok(())
 }
 
 /// Box–Muller over xorshift64*: a tiny deterministic normal sampler for initialisation.

@@ -119,7 +119,9 @@ pub struct Model<B: ModelOps = Cpu> {
     pub weights: MasterWeights<B>,
     /// How it computes.
     pub opts: ModelOptions,
-    backend: B,
+    pub(crate) backend: B,
+    /// The frozen base's storage and the adapters, when fine-tuning (LoRA, QLoRA).
+    pub(crate) finetune: Option<crate::model::finetune::Finetune<B>>,
 }
 
 /// An f32 view of a tensor: the tensor itself when it is f32, else an upcast copy in
@@ -178,11 +180,24 @@ impl<B: ModelOps + Clone> Model<B> {
             let _l = label_absolute("params (working copies)");
             MasterWeights::new(backend, masters, weights_config(opts.precision))?
         };
+        Self::from_weights(backend, cfg, opts, weights)
+    }
+
+    /// A model over weights already built (no shape check: a fine-tuning model's 4-bit
+    /// weights have placeholders there).
+    pub(crate) fn from_weights(
+        backend: &B,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        weights: MasterWeights<B>,
+    ) -> Result<Self> {
+        check_shape_and_options(&cfg, &opts)?;
         Ok(Model {
             cfg,
             weights,
             opts: causal(opts),
             backend: backend.clone(),
+            finetune: None,
         })
     }
 
@@ -209,12 +224,8 @@ impl<B: ModelOps + Clone> Model<B> {
                 "working weights do not match the model's parameter shapes and precision".into(),
             ));
         }
-        Ok(Model {
-            cfg,
-            weights: MasterWeights::working_only(working, weights_config(opts.precision))?,
-            opts: causal(opts),
-            backend: backend.clone(),
-        })
+        let weights = MasterWeights::working_only(working, weights_config(opts.precision))?;
+        Self::from_weights(backend, cfg, opts, weights)
     }
 }
 
@@ -369,27 +380,41 @@ impl<B: ModelOps> Model<B> {
         }
     }
 
-    /// The backward of [`Model::norm`], accumulating into `dx`, `dw` (and `db`).
+    /// The backward of [`Model::norm`], accumulating into `dx`, `dw` (and layer norm's `db`).
+    /// A frozen norm passes `None`: its gain (and bias) gradient lands in a `[C]` scratch that
+    /// is dropped at once.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn norm_backward(
         &self,
         dx: &mut B::Tensor,
-        dw: &mut B::Tensor,
+        dw: Option<&mut B::Tensor>,
         db: Option<&mut B::Tensor>,
         dy: &B::Tensor,
         x: &B::Tensor,
         w: usize,
         stats: &NormStats<B::Tensor>,
     ) -> Result<()> {
-        match (&stats.mean, db) {
-            (Some(mean), Some(db)) => {
+        let c = self.cfg.channels;
+        let mut spare_w = None;
+        let dw = match dw {
+            Some(t) => t,
+            None => spare_w.insert(self.scratch([c])?),
+        };
+        match &stats.mean {
+            Some(mean) => {
+                let mut spare_b = None;
+                let db = match db {
+                    Some(t) => t,
+                    None => spare_b.insert(self.scratch([c])?),
+                };
                 self.backend
                     .layernorm_backward(dx, dw, db, dy, x, self.w(w)?, mean, &stats.rstd)
             }
-            (None, None) => self
-                .backend
-                .rmsnorm_backward(dx, dw, dy, x, self.w(w)?, &stats.rstd),
-            _ => Err(TrainError::Config(
+            None if db.is_none() => {
+                self.backend
+                    .rmsnorm_backward(dx, dw, dy, x, self.w(w)?, &stats.rstd)
+            }
+            None => Err(TrainError::Config(
                 "a norm's statistics do not match its gradients".into(),
             )),
         }
@@ -620,6 +645,17 @@ impl<B: ModelOps> Model<B> {
         schedule: &Schedule,
     ) -> Result<(f32, ScheduleStats)> {
         self.check_batch(tokens, targets, g)?;
+        if let Some(f) = &self.finetune {
+            return self.finetune_forward_backward(
+                f,
+                tokens,
+                targets,
+                g,
+                grads,
+                dloss_per_token,
+                schedule,
+            );
+        }
         let expected = self.cfg.tensor_count()?;
         if grads.len() != expected {
             return Err(TrainError::Input(format!(
@@ -664,8 +700,8 @@ impl<B: ModelOps> Model<B> {
                     self.with_staged_grads(norm, |ng| {
                         let (w, b) = ng.split_at_mut(1);
                         let grads = HeadGrads {
-                            head: &mut hg[0],
-                            norm_w: &mut w[0],
+                            head: hg.first_mut(),
+                            norm_w: w.first_mut(),
                             norm_b: b.first_mut(),
                         };
                         self.head(y, targets, g, dloss_per_token, grads)
@@ -680,6 +716,61 @@ impl<B: ModelOps> Model<B> {
         self.with_staged_grads(emb, |emb| {
             let (wte, wpe) = emb.split_at_mut(1);
             self.embed_backward(&out.input_grad, tokens, &mut wte[0], wpe.first_mut())
+        })?;
+        Ok((loss, out.stats))
+    }
+
+    /// [`Model::forward_backward`] of a fine-tuning model: `grads` are the adapters' (see
+    /// [`Model::trainable`]); the frozen head, norms and embeddings get no gradient, and the
+    /// embedding's backward is skipped.
+    #[allow(clippy::too_many_arguments)]
+    fn finetune_forward_backward(
+        &self,
+        f: &crate::model::finetune::Finetune<B>,
+        tokens: &[u32],
+        targets: &[u32],
+        g: Geometry,
+        grads: &mut [B::Tensor],
+        dloss_per_token: f32,
+        schedule: &Schedule,
+    ) -> Result<(f32, ScheduleStats)> {
+        if grads.len() != 2 * f.modules.len() {
+            return Err(TrainError::Input(format!(
+                "{} gradient tensors for {} adapters",
+                grads.len(),
+                2 * f.modules.len()
+            )));
+        }
+        let x = {
+            let _g = MemoryCategory::Activations.enter();
+            self.embed(tokens, g)?
+        };
+        let mut layers = Vec::with_capacity(self.cfg.layers);
+        let mut rest = grads;
+        for l in 0..self.cfg.layers {
+            let (mine, tail) = rest.split_at_mut(f.block_range(l).len());
+            rest = tail;
+            layers.push(Block {
+                model: self,
+                index: l,
+                grads: mine,
+                g,
+            });
+        }
+        let mut chain = Chain::new(layers);
+        let mut loss = 0.0f32;
+        let out = chain.step(&self.backend, schedule, &x, |y| {
+            let _l = label_absolute("head");
+            let frozen = HeadGrads {
+                head: None,
+                norm_w: None,
+                norm_b: None,
+            };
+            let (l, d) = self
+                .head(y, targets, g, dloss_per_token, frozen)
+                .map_err(into_tensor_error)?;
+            loss = l;
+            Ok(d)
         })?;
         Ok((loss, out.stats))
     }
@@ -706,7 +797,7 @@ fn causal(opts: ModelOptions) -> ModelOptions {
 }
 
 /// headroom-amp's working-copy policy for `precision`.
-fn weights_config(precision: Precision) -> MasterWeightsConfig {
+pub(crate) fn weights_config(precision: Precision) -> MasterWeightsConfig {
     MasterWeightsConfig::preset(match precision {
         Precision::Fp32 => AutocastPreset::Fp32,
         Precision::Bf16 => AutocastPreset::Bf16,
@@ -809,12 +900,12 @@ pub fn check_batch(cfg: &ModelConfig, tokens: &[u32], targets: &[u32], g: Geomet
     Ok(())
 }
 
-/// The gradients the head accumulates into.
+/// The gradients the head accumulates into (`None` for a frozen tensor).
 pub struct HeadGrads<'a, T = CpuTensor> {
     /// The head weight's (the token embedding's when tied).
-    pub head: &'a mut T,
+    pub head: Option<&'a mut T>,
     /// The final norm's gain.
-    pub norm_w: &'a mut T,
+    pub norm_w: Option<&'a mut T>,
     /// The final norm's bias (GPT-2's `ln_f.bias`).
     pub norm_b: Option<&'a mut T>,
 }

@@ -168,7 +168,18 @@ pub fn backward(
     c: usize,
     oc: usize,
 ) {
-    backward_with(dinp, dweight, dbias, dout, inp, weight, n, c, oc, &mut []);
+    backward_with(
+        dinp,
+        Some(dweight),
+        dbias,
+        dout,
+        inp,
+        weight,
+        n,
+        c,
+        oc,
+        &mut [],
+    );
 }
 
 /// A storage type a GEMM operand may have, read as f32 (exactly: every bf16 and f16 value is
@@ -476,12 +487,13 @@ pub fn forward_with<W: Operand>(
 }
 
 /// [`backward`] with the weight in any [`Operand`] type (gradients stay f32: they are the
-/// master side): `dinp += dout · W`, `dweight += doutᵀ · inp`, `dbias += Σ_rows dout`.
-/// `scratch` holds at least [`backward_scratch`] elements for a low-precision weight.
+/// master side): `dinp += dout · W`, `dweight += doutᵀ · inp` (skipped for a frozen weight,
+/// `None`), `dbias += Σ_rows dout`. `scratch` holds at least [`backward_scratch`] elements for
+/// a low-precision weight.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_with<W: Operand>(
     dinp: &mut [f32],
-    dweight: &mut [f32],
+    dweight: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
     dout: &[f32],
     inp: &[f32],
@@ -493,7 +505,6 @@ pub fn backward_with<W: Operand>(
 ) {
     assert_eq!(dout.len(), n * oc, "output gradient length");
     assert_eq!(inp.len(), n * c, "input length");
-    assert_eq!(dweight.len(), oc * c, "weight gradient length");
     // dinp[n, c] += dout[n, oc] · W[oc, c]
     gemm_weight(
         dinp,
@@ -508,15 +519,18 @@ pub fn backward_with<W: Operand>(
         PANEL_BYTES,
     );
     // dweight[oc, c] += dout[n, oc]ᵀ · inp[n, c]
-    gemm_into(
-        dweight,
-        Strided::transposed(dout, oc),
-        Strided::rows(inp, c),
-        oc,
-        c,
-        n,
-        true,
-    );
+    if let Some(dweight) = dweight {
+        assert_eq!(dweight.len(), oc * c, "weight gradient length");
+        gemm_into(
+            dweight,
+            Strided::transposed(dout, oc),
+            Strided::rows(inp, c),
+            oc,
+            c,
+            n,
+            true,
+        );
+    }
     if let Some(db) = dbias {
         for row in dout.chunks_exact(oc) {
             for (d, g) in db.iter_mut().zip(row) {
@@ -671,7 +685,7 @@ mod tests {
             let (mut dx0, mut dw0, mut db0) = (f32_vec(7, n * c), f32_vec(8, oc * c), vec![0.5; oc]);
             let (mut dx1, mut dw1, mut db1) = (dx0.clone(), dw0.clone(), db0.clone());
             backward(&mut dx0, &mut dw0, Some(&mut db0), &dy, &x, &wf, n, c, oc);
-            backward_with(&mut dx1, &mut dw1, Some(&mut db1), &dy, &x, &w, n, c, oc, &mut scratch);
+            backward_with(&mut dx1, Some(&mut dw1), Some(&mut db1), &dy, &x, &w, n, c, oc, &mut scratch);
             prop_assert_eq!(bits(&dx1), bits(&dx0));
             prop_assert_eq!(bits(&dw1), bits(&dw0));
             prop_assert_eq!(bits(&db1), bits(&db0));
@@ -702,7 +716,7 @@ mod tests {
             backward(&mut dx0, &mut dw0, None, &dy, &x, &wf, m, c, oc);
             backward_with(
                 &mut dx1,
-                &mut dw1,
+                Some(&mut dw1),
                 None,
                 &dy,
                 &x,
