@@ -7,7 +7,7 @@ use headroom_profiler::{OutOfBudget, PerCategory};
 use headroom_tensor::{Device, MemoryCategory};
 
 use crate::estimate;
-use crate::model::Precision;
+use crate::model::{finetune, params, Family, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques};
 use crate::train::{train, TrainOptions};
 use crate::{Result, TrainError};
@@ -56,6 +56,64 @@ pub fn standard_rungs(batch: usize) -> Vec<Rung> {
     rungs
 }
 
+/// The fine-tuning ladder (`headroom ladder --finetune`): full fine-tuning in fp32 → in bf16
+/// → LoRA (rank 16 on every block linear, the base frozen in bf16) → QLoRA (the block linears
+/// in NF4) → with double quantization → +checkpointing (√n) → +fused loss. Flash attention
+/// throughout, so the rungs differ by the fine-tuning techniques alone.
+pub fn finetune_rungs(cfg: &ModelConfig) -> Vec<Rung> {
+    let mut t = Techniques::baseline();
+    t.model.attention = AttentionConfig::flash();
+    let mut rungs = vec![Rung {
+        name: "full fine-tune fp32",
+        techniques: t.clone(),
+    }];
+    let mut push = |name, t: &Techniques| {
+        rungs.push(Rung {
+            name,
+            techniques: t.clone(),
+        })
+    };
+    t.model.precision = Precision::Bf16;
+    push("full fine-tune bf16", &t);
+    let targets: Vec<&str> = match cfg.family {
+        Family::Gpt2 => vec!["c_attn", "c_proj", "c_fc"],
+        Family::Llama(_) => vec![
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    };
+    let mut spec = FinetuneSpec {
+        lora: headroom_lora::LoraConfig::new(16, 32.0, targets),
+        quantize: None,
+    };
+    t.finetune = Some(spec.clone());
+    push("LoRA r16 (bf16 base)", &t);
+    spec.quantize = Some(QuantSpec {
+        quant_type: "nf4".into(),
+        blocksize: 64,
+        double_quant: false,
+    });
+    t.finetune = Some(spec.clone());
+    push("QLoRA (nf4)", &t);
+    spec.quantize = Some(QuantSpec {
+        quant_type: "nf4".into(),
+        blocksize: 64,
+        double_quant: true,
+    });
+    t.finetune = Some(spec);
+    push("QLoRA (nf4 + dq)", &t);
+    t.checkpoint = CheckpointChoice::SqrtN;
+    push("+checkpoint (sqrt-n)", &t);
+    t.model.loss_chunk = Some(128);
+    push("+fused loss", &t);
+    rungs
+}
+
 /// What one rung measured.
 #[derive(Clone, Debug)]
 pub struct RungResult {
@@ -78,6 +136,10 @@ pub struct RungResult {
     pub fits: bool,
     /// The last step's loss.
     pub final_loss: f32,
+    /// A fine-tuning rung's frozen block linears in bits per parameter, from the tracker's
+    /// live `Parameters` at the end (minus the dense tensors and the adapters, whose bytes
+    /// follow from their shapes); `None` when the rung trains every parameter.
+    pub frozen_linear_bits: Option<f64>,
 }
 
 fn is_out_of_budget(e: &TrainError) -> bool {
@@ -118,7 +180,17 @@ pub fn run_ladder(
             .host_memory
             .device(Device::Cpu)
             .map_or_else(PerCategory::default, |d| d.peak);
+        let frozen_linear_bits = match &o.techniques.finetune {
+            Some(spec) => Some(frozen_linear_bits(
+                &o.model,
+                spec,
+                o.techniques.model.precision,
+                dev.live[MemoryCategory::Parameters],
+            )?),
+            None => None,
+        };
         let r = RungResult {
+            frozen_linear_bits,
             name: rung.name,
             description: rung.techniques.describe(),
             peak: dev.peak,
@@ -135,6 +207,43 @@ pub fn run_ladder(
     Ok(out)
 }
 
+/// Bits per parameter of the block linears of a fine-tuning model whose live `Parameters`
+/// are `live_params` bytes: those bytes less the other base tensors (in the storage precision)
+/// and the adapters (fp32 masters, and working copies in low precision), over the linears'
+/// parameter count.
+fn frozen_linear_bits(
+    cfg: &ModelConfig,
+    spec: &FinetuneSpec,
+    precision: Precision,
+    live_params: u64,
+) -> Result<f64> {
+    let a = precision.storage().size_in_bytes() as u64;
+    let infos = params::param_infos(cfg);
+    let linear: std::collections::BTreeSet<usize> = (0..cfg.layers)
+        .flat_map(|l| {
+            finetune::block_linear_offsets(cfg)
+                .iter()
+                .map(move |&o| params::layer_index(cfg, l, o))
+        })
+        .collect();
+    let numel = |i: &params::ParamInfo| i.shape.iter().product::<usize>() as u64;
+    let (mut linear_numel, mut other_bytes) = (0u64, 0u64);
+    for (i, info) in infos.iter().enumerate() {
+        if linear.contains(&i) {
+            linear_numel += numel(info);
+        } else {
+            other_bytes += numel(info) * a;
+        }
+    }
+    let adapters: u64 = finetune::adapter_infos(cfg, &spec.lora)?
+        .iter()
+        .map(numel)
+        .sum();
+    let adapter_bytes = adapters * 4 + if precision.is_low() { adapters * a } else { 0 };
+    let linear_bytes = live_params.saturating_sub(other_bytes + adapter_bytes);
+    Ok(8.0 * linear_bytes as f64 / linear_numel.max(1) as f64)
+}
+
 fn mib(b: u64) -> String {
     format!("{:.1}", b as f64 / (1u64 << 20) as f64)
 }
@@ -144,6 +253,7 @@ fn mib(b: u64) -> String {
 /// it fit.
 pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
     use std::fmt::Write;
+    let finetune = results.iter().any(|r| r.frozen_linear_bits.is_some());
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -152,9 +262,14 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
     );
     let _ = writeln!(
         s,
-        "| rung | params | grads | optimizer | activations | workspace | device peak | reduction | host | step s | time ratio | fits |"
+        "| rung | params | grads | optimizer | activations | workspace | device peak | reduction | host | step s | time ratio | fits |{}",
+        if finetune { " block linears, bits/param |" } else { "" }
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|{}",
+        if finetune { "---|" } else { "" }
+    );
     let base = results.first();
     for r in results {
         let p = |c: MemoryCategory| mib(r.peak[c]);
@@ -164,7 +279,7 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
         let time = base.map_or(f64::NAN, |b| r.step_seconds / b.step_seconds);
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2}× | {} | {:.2} | {:.2}× | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2}× | {} | {:.2} | {:.2}× | {} |{}",
             r.name,
             p(MemoryCategory::Parameters),
             p(MemoryCategory::Gradients),
@@ -177,6 +292,11 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
             r.step_seconds,
             time,
             if r.fits { "yes" } else { "**no**" },
+            match (finetune, r.frozen_linear_bits) {
+                (false, _) => String::new(),
+                (true, Some(b)) => format!(" {b:.3} |"),
+                (true, None) => " — (trained) |".to_string(),
+            },
         );
     }
     s

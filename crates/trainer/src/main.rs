@@ -295,6 +295,9 @@ struct RunArgs {
     /// Override the width of the preset.
     #[arg(long)]
     channels: Option<usize>,
+    /// Override the context (longest sequence) of the preset.
+    #[arg(long)]
+    context: Option<usize>,
     /// Sequences per step.
     #[arg(long)]
     batch: Option<usize>,
@@ -498,6 +501,10 @@ struct LadderArgs {
     /// Where to run.
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
+    /// The fine-tuning ladder: full fine-tuning fp32 → bf16 → LoRA → QLoRA (NF4 + double
+    /// quantization) → +checkpointing → +fused loss.
+    #[arg(long)]
+    finetune: bool,
 }
 
 #[derive(Parser)]
@@ -603,6 +610,9 @@ fn model_config(run: &RunArgs, vocab: usize) -> CliResult<ModelConfig> {
     if let Some(c) = run.channels {
         cfg.channels = c;
     }
+    if let Some(t) = run.context {
+        cfg.max_seq = t;
+    }
     Ok(cfg)
 }
 
@@ -665,6 +675,7 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
                 || run.layers.is_some()
                 || run.heads.is_some()
                 || run.channels.is_some()
+                || run.context.is_some()
                 || run.kv_heads.is_some()
                 || run.ffn.is_some()
                 || run.rope_theta.is_some()
@@ -672,7 +683,8 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
             if sized {
                 return Err(
                     "--init-from takes the model's shape from its config.json: drop \
-                            --vocab, --layers, --heads, --channels and the Llama size options"
+                            --vocab, --layers, --heads, --channels, --context and the Llama size \
+                            options"
                         .into(),
                 );
             }
@@ -1011,7 +1023,11 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
     base.seq = a.seq.unwrap_or(base.model.max_seq);
     base.steps = a.steps.max(2);
     let budget = mib_to_bytes(a.budget_mib)?;
-    let rungs = standard_rungs(base.batch);
+    let rungs = if a.finetune {
+        headroom_trainer::ladder::finetune_rungs(&base.model)
+    } else {
+        standard_rungs(base.batch)
+    };
     say!(
         "headroom ladder: {} {}L/{}H/{}C vocab {}, batch {}×{}, {} steps per rung, budget {} MiB",
         base.model.family_name(),
@@ -1036,6 +1052,16 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
     })?;
     say!();
     say!("{}", ladder_table(&results, budget));
+    if let (Some(first), Some(last)) = (results.first(), results.last()) {
+        say!(
+            "{}: device peak {:.1} MiB vs {:.1} MiB for {}: {:.2}× less",
+            last.name,
+            mib(last.peak_total),
+            mib(first.peak_total),
+            first.name,
+            first.peak_total as f64 / last.peak_total.max(1) as f64
+        );
+    }
     Ok(())
 }
 

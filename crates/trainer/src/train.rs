@@ -32,7 +32,9 @@ use crate::checkpoint::{self, RunSpec, TrainingState};
 use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
 use crate::estimate;
-use crate::model::{params, FinetuneBuilder, Geometry, Model, ModelConfig, ModelOptions};
+use crate::model::{
+    params, FinetuneBuilder, FinetuneSpec, Geometry, Model, ModelConfig, ModelOptions,
+};
 use crate::techniques::{
     block_schedule, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
 };
@@ -1047,11 +1049,27 @@ fn train_tracked(
                 ));
             }
             differences.extend(ck.state.run.differences(&opts.run_spec()));
-            let ck_spec = ck.state.finetune.as_ref().map(|f| &f.spec);
-            if ck_spec != finetune.as_ref() {
+            // Where the base lives may change between runs; what it holds is checked by its
+            // fingerprint below.
+            let comparable = |f: Option<&FinetuneSpec>| {
+                f.cloned().map(|mut f| {
+                    f.lora.base_model_name_or_path = None;
+                    f
+                })
+            };
+            let (was, now) = (
+                comparable(ck.state.finetune.as_ref().map(|f| &f.spec)),
+                comparable(finetune.as_ref()),
+            );
+            if was != now {
+                let show = |f: &Option<FinetuneSpec>| match f {
+                    Some(f) => format!("{} (seed {})", f.describe(), f.lora.seed),
+                    None => "full training".into(),
+                };
                 differences.push(format!(
-                    "fine-tuning: checkpoint {ck_spec:?}, this run {:?}",
-                    finetune.as_ref()
+                    "fine-tuning: checkpoint {}, this run {}",
+                    show(&was),
+                    show(&now)
                 ));
             }
             if ck.state.step > opts.steps {
