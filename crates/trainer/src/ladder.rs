@@ -7,7 +7,7 @@ use headroom_profiler::{OutOfBudget, PerCategory};
 use headroom_tensor::{Device, MemoryCategory};
 
 use crate::estimate;
-use crate::model::{finetune, params, Family, FinetuneSpec, ModelConfig, Precision, QuantSpec};
+use crate::model::{finetune, params, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques};
 use crate::train::{train, TrainOptions};
 use crate::{Result, TrainError};
@@ -75,20 +75,8 @@ pub fn finetune_rungs(cfg: &ModelConfig) -> Vec<Rung> {
     };
     t.model.precision = Precision::Bf16;
     push("full fine-tune bf16", &t);
-    let targets: Vec<&str> = match cfg.family {
-        Family::Gpt2 => vec!["c_attn", "c_proj", "c_fc"],
-        Family::Llama(_) => vec![
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-    };
     let mut spec = FinetuneSpec {
-        lora: headroom_lora::LoraConfig::new(16, 32.0, targets),
+        lora: headroom_lora::LoraConfig::new(16, 32.0, finetune::all_linear_targets(cfg)),
         quantize: None,
     };
     t.finetune = Some(spec.clone());

@@ -348,8 +348,9 @@ struct RunArgs {
     /// PEFT's].
     #[arg(long, requires = "lora_rank")]
     lora_alpha: Option<f32>,
-    /// Modules that get adapters, by PEFT's name-or-suffix rule, comma-separated [default:
-    /// q_proj,v_proj for Llama, c_attn for GPT-2 — PEFT's defaults].
+    /// Modules that get adapters, by PEFT's name-or-suffix rule, comma-separated, or
+    /// `all-linear` (every block linear) [default: q_proj,v_proj for Llama, c_attn for GPT-2 —
+    /// PEFT's defaults].
     #[arg(
         long,
         value_name = "NAMES",
@@ -741,13 +742,20 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
     };
     if let Some(r) = run.lora_rank {
         let r = usize::try_from(r).map_err(|_| "--lora-rank is too large")?;
-        let targets = run
-            .lora_targets
-            .clone()
-            .unwrap_or_else(|| match o.model.family {
+        let targets = match run.lora_targets.as_deref() {
+            // PEFT's keyword for every linear layer but the output head.
+            Some([all]) if all == "all-linear" => {
+                headroom_trainer::model::finetune::all_linear_targets(&o.model)
+                    .into_iter()
+                    .map(String::from)
+                    .collect()
+            }
+            Some(names) => names.to_vec(),
+            None => match o.model.family {
                 Family::Gpt2 => vec!["c_attn".into()],
                 Family::Llama(_) => vec!["q_proj".into(), "v_proj".into()],
-            });
+            },
+        };
         let mut lora = headroom_lora::LoraConfig::new(r, run.lora_alpha.unwrap_or(8.0), targets);
         lora.use_rslora = run.rslora;
         lora.base_model_name_or_path = run.init_from.as_ref().map(|d| d.display().to_string());

@@ -58,18 +58,9 @@ fn options(llama: bool, tech: Techniques) -> TrainOptions {
 }
 
 fn lora(llama: bool, all: bool, quantize: Option<QuantSpec>) -> FinetuneSpec {
-    let targets: Vec<&str> = match (llama, all) {
-        (true, true) => vec![
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+    let targets = match (llama, all) {
+        (_, true) => headroom_trainer::model::finetune::all_linear_targets(&model(llama)),
         (true, false) => vec!["q_proj", "v_proj"],
-        (false, true) => vec!["c_attn", "c_proj", "c_fc"],
         (false, false) => vec!["c_attn"],
     };
     FinetuneSpec {

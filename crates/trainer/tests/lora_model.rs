@@ -48,22 +48,6 @@ fn llama() -> ModelConfig {
     }
 }
 
-/// Every block linear of the family.
-fn all_targets(cfg: &ModelConfig) -> Vec<&'static str> {
-    match cfg.family {
-        Family::Gpt2 => vec!["c_attn", "c_proj", "c_fc"],
-        Family::Llama(_) => vec![
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-    }
-}
-
 fn opts(precision: Precision) -> ModelOptions {
     ModelOptions {
         attention: AttentionConfig::naive(),
@@ -104,7 +88,11 @@ fn batch() -> (Vec<u32>, Vec<u32>, Geometry) {
 }
 
 fn spec(cfg: &ModelConfig, r: usize, quantize: Option<QuantSpec>) -> FinetuneSpec {
-    let mut lora = LoraConfig::new(r, 2.0 * r as f32, all_targets(cfg));
+    let mut lora = LoraConfig::new(
+        r,
+        2.0 * r as f32,
+        headroom_trainer::model::finetune::all_linear_targets(cfg),
+    );
     lora.seed = 7;
     FinetuneSpec { lora, quantize }
 }

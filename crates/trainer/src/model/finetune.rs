@@ -118,6 +118,23 @@ pub fn block_linear_offsets(cfg: &ModelConfig) -> &'static [usize] {
     }
 }
 
+/// Module-name suffixes that select every block linear of `cfg`'s family (what PEFT's
+/// `target_modules="all-linear"` selects, the output head excepted).
+pub fn all_linear_targets(cfg: &ModelConfig) -> Vec<&'static str> {
+    match cfg.family {
+        Family::Gpt2 => vec!["c_attn", "c_proj", "c_fc"],
+        Family::Llama(_) => vec![
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    }
+}
+
 /// PEFT's module name for a headroom parameter name of `cfg`'s family (`.weight` removed;
 /// GPT-2's modules sit under `transformer.` in `GPT2LMHeadModel`).
 pub fn peft_module(cfg: &ModelConfig, weight_name: &str) -> Option<String> {
