@@ -81,7 +81,7 @@ pub use adapter::{AdapterMemory, LoraAdapter, ModuleShape};
 pub use config::{LoraConfig, MAX_RANK};
 pub use error::{LoraError, Result};
 pub use frozen::{DenseLinear, FrozenLinear};
-pub use linear::{LoraGrads, LoraLinear, LoraSaved, Mode, WeightLayout};
+pub use linear::{DropoutMask, LoraGrads, LoraLinear, LoraSaved, Mode, WeightLayout};
 pub use peft::{
     parse_peft_config, parse_peft_tensor_name, peft_config_json, peft_tensor_name, LoraMatrix,
     CONFIG_FILE, MAX_CONFIG_BYTES, TENSOR_PREFIX, WEIGHTS_FILE,

@@ -292,23 +292,8 @@ impl LoraLinear {
 
     /// The dropout stream of one forward call.
     fn dropout_key(&self, mode: Mode) -> Option<(u64, u32, f32)> {
-        match mode {
-            Mode::Train { step, micro_batch } if self.dropout > 0.0 => {
-                let key = rng::key(&[
-                    rng::DOMAIN_DROPOUT,
-                    self.seed,
-                    step,
-                    micro_batch,
-                    rng::name_hash(&self.name),
-                ]);
-                // Element dropped when its 32 random bits fall below p·2³²; p < 1 keeps it
-                // below 2³².
-                let threshold = (f64::from(self.dropout) * 4_294_967_296.0) as u32;
-                let keep_scale = (1.0 / (1.0 - f64::from(self.dropout))) as f32;
-                Some((key, threshold, keep_scale))
-            }
-            _ => None,
-        }
+        DropoutMask::new(self.seed, &self.name, self.dropout, mode)
+            .map(|m| (m.key, m.threshold, m.scale))
     }
 
     /// The dropout multiplier of element `index` (`0` or `1/(1-p)`) of a `[rows, in]` input
@@ -681,6 +666,67 @@ impl LoraLinear {
     /// rounding bound).
     pub fn unmerge_from(&self, weight: &mut [f32], layout: WeightLayout) -> Result<()> {
         self.apply_delta(weight, layout, -1.0)
+    }
+}
+
+/// The dropout mask of one module's input in one forward: element `i` of the (row-major)
+/// input is multiplied by [`DropoutMask::multiplier`]`(i)`, `0` or `1/(1-p)`, a pure function
+/// of (seed, step, micro-batch, module name, `i`) — so a recomputed forward and the backward
+/// regenerate it exactly, for any thread count. What [`LoraLinear`] applies; public so that a
+/// caller running the adapter's arithmetic on its own backend applies the same mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DropoutMask {
+    key: u64,
+    threshold: u32,
+    scale: f32,
+}
+
+impl DropoutMask {
+    /// The mask of module `name` with dropout probability `p` (in `[0, 1)`) and initialisation
+    /// seed `seed` in `mode`; `None` when nothing is dropped (`p = 0`, or [`Mode::Eval`]).
+    pub fn new(seed: u64, name: &str, p: f32, mode: Mode) -> Option<Self> {
+        match mode {
+            Mode::Train { step, micro_batch } if p > 0.0 => {
+                let key = rng::key(&[
+                    rng::DOMAIN_DROPOUT,
+                    seed,
+                    step,
+                    micro_batch,
+                    rng::name_hash(name),
+                ]);
+                // Element dropped when its 32 random bits fall below p·2³²; p < 1 keeps it
+                // below 2³².
+                let threshold = (f64::from(p) * 4_294_967_296.0) as u32;
+                let scale = (1.0 / (1.0 - f64::from(p))) as f32;
+                Some(DropoutMask {
+                    key,
+                    threshold,
+                    scale,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// Element `index`'s multiplier: `0` (dropped) or `1/(1-p)`.
+    pub fn multiplier(&self, index: usize) -> f32 {
+        multiplier(self.key, self.threshold, self.scale, index)
+    }
+
+    /// `dst[i] = x[i] · multiplier(i)`, threaded over fixed chunks (the same bits for any
+    /// thread count). `dst` and `x` have the same length.
+    pub fn apply(&self, dst: &mut [f32], x: &[f32]) {
+        LoraLinear::apply_dropout(dst, x, (self.key, self.threshold, self.scale));
+    }
+
+    /// `x[i] *= multiplier(i)` in place.
+    pub fn apply_in_place(&self, x: &mut [f32]) {
+        const CHUNK: usize = 1 << 14;
+        x.par_chunks_mut(CHUNK).enumerate().for_each(|(c, x)| {
+            for (j, v) in x.iter_mut().enumerate() {
+                *v *= self.multiplier(c * CHUNK + j);
+            }
+        });
     }
 }
 

@@ -314,6 +314,8 @@ struct FinetunePlan {
     adapted: Vec<usize>,
     /// The 4-bit configuration when the block linears are quantized.
     quant: Option<headroom_quant::QuantConfig>,
+    /// LoRA dropout on: the adapter's input is a dropped `[N, in]` copy.
+    dropout: bool,
 }
 
 impl FinetunePlan {
@@ -366,6 +368,7 @@ impl FinetunePlan {
             r,
             adapted,
             quant,
+            dropout: spec.lora.dropout > 0.0,
         })
     }
 }
@@ -420,6 +423,16 @@ impl LinearMoments<'_> {
             None => live + view + panel(inp, out),
         };
         let adapter = match self.finetune {
+            Some(f) if f.adapted.contains(&offset) && f.dropout => {
+                // dropout(x) (made from the input's view), then h, dh and the partial input
+                // gradient that the mask is applied to, all reading the f32 dropped copy.
+                let (r, ru, xd) = (f.r, f.r as usize, bt * u(inp));
+                let d0 = live + xd + view;
+                let d1 = live + xd + bt * r + fwd_panel(inp, ru);
+                let d2 = live + xd + 2 * bt * r + panel(ru, out);
+                let d3 = live + xd + bt * r + xd + panel(inp, ru);
+                d0.max(d1).max(d2).max(d3)
+            }
             Some(f) if f.adapted.contains(&offset) => {
                 let (r, ru) = (f.r, f.r as usize);
                 let a1 = live + bt * r + view + fwd_panel(inp, ru);

@@ -361,6 +361,11 @@ struct RunArgs {
     /// rsLoRA scaling (alpha/√R).
     #[arg(long, requires = "lora_rank")]
     rslora: bool,
+    /// Dropout probability on the adapters' input (PEFT's lora_dropout); masks are keyed by
+    /// the seed, the step, the micro-batch and the module, so a resume or a recomputation
+    /// drops the same elements.
+    #[arg(long, value_name = "P", requires = "lora_rank")]
+    lora_dropout: Option<f32>,
     /// QLoRA: store every frozen block linear in 4 bits (bitsandbytes' layout).
     #[arg(long, value_enum, requires = "lora_rank")]
     quantize: Option<QuantArg>,
@@ -758,6 +763,7 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
         };
         let mut lora = headroom_lora::LoraConfig::new(r, run.lora_alpha.unwrap_or(8.0), targets);
         lora.use_rslora = run.rslora;
+        lora.dropout = run.lora_dropout.unwrap_or(0.0);
         lora.base_model_name_or_path = run.init_from.as_ref().map(|d| d.display().to_string());
         t.finetune = Some(FinetuneSpec {
             lora,

@@ -447,14 +447,6 @@ impl TrainOptions {
                 option: "--lora-rank",
                 reason: e.to_string(),
             })?;
-            if f.lora.dropout != 0.0 {
-                return opt(
-                    "--lora-dropout",
-                    "adapter dropout is not implemented in the trainer (headroom-lora has it \
-                     for its own layers)"
-                        .into(),
-                );
-            }
             if let Some(q) = &f.quantize {
                 q.config().map_err(|e| TrainError::Option {
                     option: "--quantize",
@@ -793,6 +785,19 @@ fn accumulate_micro_batch<B: Backend>(
 }
 
 impl Stepper {
+    /// LoRA dropout's masks are keyed by the step and the micro-batch (CPU model only; the
+    /// CUDA path does not fine-tune).
+    fn set_dropout_position(&self, step: usize, micro_batch: usize) {
+        #[allow(irrefutable_let_patterns)]
+        if let Stepper::Host {
+            engine: Engine::Cpu(model),
+            ..
+        } = self
+        {
+            model.set_dropout_position(step as u64, micro_batch as u64);
+        }
+    }
+
     fn begin_step(&mut self, tokens: StepTokens) -> Result<()> {
         match self {
             Stepper::Host { acc, .. } => acc.begin_step(tokens)?,
@@ -1392,7 +1397,10 @@ fn train_tracked(
         {
             let _phase = tracker.phase("forward+backward");
             let rows = micro * opts.seq;
-            for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+            for (micro_index, (tok, tgt)) in
+                tokens.chunks(rows).zip(targets.chunks(rows)).enumerate()
+            {
+                stepper.set_dropout_position(step, micro_index);
                 let out = stepper.micro_batch(tok, tgt, mg, loss_scale, &schedule)?;
                 let (mb_loss, stats) = out.unwrap_or_default();
                 block_forwards += stats.forward_count;

@@ -90,6 +90,17 @@ fn combos(llama: bool) -> Vec<(String, Techniques)> {
             }
         }
     }
+    // LoRA dropout: a dropped copy of each adapted input.
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        for q in [None, nf4(true)] {
+            let mut t = base.clone();
+            t.model.precision = precision;
+            let mut spec = lora(llama, true, q.clone());
+            spec.lora.dropout = 0.1;
+            t.finetune = Some(spec);
+            v.push((format!("{precision:?} {q:?} dropout 0.1"), t));
+        }
+    }
     // The full stack: checkpointing, flash attention, fused loss, offloaded 8-bit optimizer.
     let mut t = base.clone();
     t.model.precision = Precision::Bf16;

@@ -480,3 +480,80 @@ fn no_gradient_of_the_base_exists_and_the_4bit_base_is_held_packed() {
         assert_eq!(peak as usize, adapter_bytes, "{quantize:?}");
     }
 }
+
+/// LoRA dropout: the adapter's input is `x ⊙ mask` with headroom-lora's mask of (seed, step,
+/// micro-batch, module). Gradients match finite differences of the loss under the same mask;
+/// recomputation regenerates the mask (the same bits); another micro-batch drops other
+/// elements; forward-only evaluation drops nothing.
+#[test]
+fn lora_dropout_gradients_masks_and_evaluation() {
+    let cpu = Cpu::new();
+    for cfg in [gpt2(), llama()] {
+        let data = base(&cpu, &cfg);
+        let mut s = spec(&cfg, 2, None);
+        s.lora.dropout = 0.3;
+        let mut tuned = Model::finetune(
+            &cpu,
+            cfg,
+            opts(Precision::Fp32),
+            upload(&cpu, &cfg, &data),
+            s.clone(),
+            None,
+        )
+        .unwrap();
+        perturb_adapters(&mut tuned);
+        tuned.set_dropout_position(4, 1);
+        let all = Schedule::store_all(cfg.layers).unwrap();
+        let (loss, analytic) = grads_of(&cpu, &tuned, &all);
+        let every = Schedule::every_k(cfg.layers, 1).unwrap();
+        let (loss2, again) = grads_of(&cpu, &tuned, &every);
+        assert_eq!((loss2.to_bits(), &again), (loss.to_bits(), &analytic));
+
+        // Forward-only evaluation ignores dropout: the same as the model without it.
+        let (tokens, targets, g) = batch();
+        let mut plain_spec = s.clone();
+        plain_spec.lora.dropout = 0.0;
+        let mut plain = Model::finetune(
+            &cpu,
+            cfg,
+            opts(Precision::Fp32),
+            upload(&cpu, &cfg, &data),
+            plain_spec,
+            None,
+        )
+        .unwrap();
+        perturb_adapters(&mut plain);
+        let eval = tuned.loss(&tokens, &targets, g).unwrap();
+        assert_eq!(eval, plain.loss(&tokens, &targets, g).unwrap());
+        // Training drops something: its loss differs from evaluation's, and from another
+        // micro-batch's mask.
+        assert_ne!(loss, eval);
+        tuned.set_dropout_position(4, 2);
+        let (other, _) = grads_of(&cpu, &tuned, &all);
+        assert_ne!(other, loss);
+        tuned.set_dropout_position(4, 1);
+
+        // Finite differences of the training loss under the same mask.
+        let h = 1e-2f32;
+        for (k, an) in analytic.iter().enumerate() {
+            let scale = max_abs(an);
+            for step in 0..3 {
+                let i = step * an.len() / 3;
+                let orig = tuned.trainable()[k].as_slice::<f32>().unwrap()[i];
+                let at = |v: f32, m: &mut Model| {
+                    m.trainable_mut()[k].as_mut_slice::<f32>().unwrap()[i] = v;
+                    m.refresh_trainable().unwrap();
+                    grads_of(&cpu, m, &all).0 as f64
+                };
+                let num = (at(orig + h, &mut tuned) - at(orig - h, &mut tuned)) / (2.0 * h as f64);
+                at(orig, &mut tuned);
+                assert!(
+                    (num - an[i] as f64).abs() <= 3e-3 + 0.05 * scale as f64,
+                    "{:?} adapter tensor {k} element {i}: numeric {num} analytic {}",
+                    cfg.family,
+                    an[i]
+                );
+            }
+        }
+    }
+}

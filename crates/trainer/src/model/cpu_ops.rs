@@ -228,6 +228,25 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
+    fn dropout(
+        &self,
+        y: &mut CpuTensor,
+        x: &CpuTensor,
+        mask: &headroom_lora::DropoutMask,
+    ) -> Result<()> {
+        expect_len("dropout", "output", y, x.numel())?;
+        let xv = f32_view(self, x)?;
+        let (ys, xs) = (out(y)?, xv.s()?);
+        self.install(|| mask.apply(ys, xs));
+        Ok(())
+    }
+
+    fn dropout_in_place(&self, x: &mut CpuTensor, mask: &headroom_lora::DropoutMask) -> Result<()> {
+        let xs = out(x)?;
+        self.install(|| mask.apply_in_place(xs));
+        Ok(())
+    }
+
     fn linear_quantized_input_grad(
         &self,
         dx: &mut CpuTensor,

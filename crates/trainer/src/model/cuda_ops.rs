@@ -127,6 +127,23 @@ impl ModelOps for Cuda {
         Ok(w.matmul_forward(self, xv.tensor(), y, &Default::default())?)
     }
 
+    fn dropout(
+        &self,
+        _: &mut CudaTensor,
+        _: &CudaTensor,
+        _: &headroom_lora::DropoutMask,
+    ) -> Result<()> {
+        Err(TrainError::Config(
+            "LoRA dropout has no CUDA kernel yet".into(),
+        ))
+    }
+
+    fn dropout_in_place(&self, _: &mut CudaTensor, _: &headroom_lora::DropoutMask) -> Result<()> {
+        Err(TrainError::Config(
+            "LoRA dropout has no CUDA kernel yet".into(),
+        ))
+    }
+
     fn linear_quantized_input_grad(
         &self,
         dx: &mut CudaTensor,

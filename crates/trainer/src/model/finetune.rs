@@ -71,10 +71,15 @@ impl FinetuneSpec {
     pub fn describe(&self) -> String {
         let l = &self.lora;
         format!(
-            "LoRA r {} (alpha {}{}) on {}, base {}",
+            "LoRA r {} (alpha {}{}{}) on {}, base {}",
             l.r,
             l.alpha,
             if l.use_rslora { ", rsLoRA" } else { "" },
+            if l.dropout > 0.0 {
+                format!(", dropout {}", l.dropout)
+            } else {
+                String::new()
+            },
             l.target_modules.join(","),
             match &self.quantize {
                 Some(q) => format!(
@@ -212,6 +217,30 @@ pub(crate) struct Finetune<B: ModelOps> {
     pub(crate) adapters: MasterWeights<B>,
     /// By base parameter index: the 4-bit weight, when the base is quantized.
     quantized: Vec<Option<B::Quantized>>,
+    /// Where dropout masks come from: set per micro-batch by the trainer, `training` only
+    /// inside `forward_backward` (so `loss`, `logits` and decoding never drop anything).
+    dropout: DropoutPosition,
+}
+
+/// The (step, micro-batch) a training forward belongs to: LoRA dropout's mask key, together
+/// with the seed and the module name. Atomics so the model stays `Sync`.
+#[derive(Default)]
+pub(crate) struct DropoutPosition {
+    training: std::sync::atomic::AtomicBool,
+    step: std::sync::atomic::AtomicU64,
+    micro_batch: std::sync::atomic::AtomicU64,
+}
+
+/// Marks a fine-tuning model as training until dropped (also on an error's early return).
+pub(crate) struct TrainingGuard<'a>(Option<&'a DropoutPosition>);
+
+impl Drop for TrainingGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.0 {
+            p.training
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 impl<B: ModelOps> Finetune<B> {
@@ -417,6 +446,7 @@ impl FinetuneBuilder {
             first,
             adapters,
             quantized,
+            dropout: DropoutPosition::default(),
         };
         let mut model =
             Model::from_weights(&cpu, cfg, opts, MasterWeights::working_only(working, wc)?)?;
@@ -527,6 +557,42 @@ impl<B: ModelOps> Model<B> {
         }
     }
 
+    /// The optimizer step and micro-batch of the next training forward: with LoRA dropout,
+    /// the key of its masks (with the seed and the module name), so every micro-batch drops
+    /// its own elements and a recomputed forward drops the same ones. Nothing for a model that
+    /// is not fine-tuning.
+    pub fn set_dropout_position(&self, step: u64, micro_batch: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(f) = &self.finetune {
+            f.dropout.step.store(step, Relaxed);
+            f.dropout.micro_batch.store(micro_batch, Relaxed);
+        }
+    }
+
+    /// Dropout on for the guard's life (`forward_backward`).
+    pub(crate) fn training(&self) -> TrainingGuard<'_> {
+        let p = self.finetune.as_ref().map(|f| &f.dropout);
+        if let Some(p) = p {
+            p.training.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        TrainingGuard(p)
+    }
+
+    /// Module `slot`'s dropout mask in the current forward, if it drops anything.
+    fn dropout_mask(&self, slot: usize) -> Option<headroom_lora::DropoutMask> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let f = self.finetune.as_ref()?;
+        if !f.dropout.training.load(Relaxed) {
+            return None;
+        }
+        let mode = headroom_lora::Mode::Train {
+            step: f.dropout.step.load(Relaxed),
+            micro_batch: f.dropout.micro_batch.load(Relaxed),
+        };
+        let l = &f.spec.lora;
+        headroom_lora::DropoutMask::new(l.seed, &f.modules.get(slot)?.name, l.dropout, mode)
+    }
+
     /// The adapter of base parameter `i`.
     fn adapter_of(&self, i: usize) -> Result<Option<AdapterRef<'_, B::Tensor>>> {
         let Some(f) = &self.finetune else {
@@ -568,11 +634,32 @@ impl<B: ModelOps> Model<B> {
             Some(q) => be.linear_quantized(y, x, q, bias)?,
             None => be.linear(y, x, self.w(i)?, bias)?,
         }
-        if let Some(AdapterRef { a, b, scaling, .. }) = self.adapter_of(i)? {
-            let (r, out) = (a.shape().dims()[0], b.shape().dims()[0]);
+        if let Some(AdapterRef {
+            a,
+            b,
+            scaling,
+            slot,
+            ..
+        }) = self.adapter_of(i)?
+        {
+            let (r, inp, out) = (
+                a.shape().dims()[0],
+                a.shape().dims()[1],
+                b.shape().dims()[0],
+            );
             let rows = y.numel() / out.max(1);
+            // LoRA dropout acts on the adapter's input only: `dropout(x)` `[N, in]` f32.
+            let dropped = match self.dropout_mask(slot) {
+                Some(m) => {
+                    let mut xd = self.scratch([rows, inp])?;
+                    be.dropout(&mut xd, x, &m)?;
+                    Some(xd)
+                }
+                None => None,
+            };
             let mut h = self.scratch([rows, r])?;
-            be.linear(&mut h, x, a, None)?;
+            be.linear(&mut h, dropped.as_ref().unwrap_or(x), a, None)?;
+            drop(dropped);
             let mut u = self.scratch([rows, out])?;
             be.linear(&mut u, &h, b, None)?;
             drop(h);
@@ -628,18 +715,37 @@ impl<B: ModelOps> Model<B> {
                 )))
             }
         };
-        let r = a.shape().dims()[0];
+        let (r, inp) = (a.shape().dims()[0], a.shape().dims()[1]);
         let rows = dy.numel() / b.shape().dims()[0].max(1);
         // h is recomputed rather than kept (see the module documentation), then scaled:
-        // dB += dyᵀ·(s·h), dh = s·(dy·B), dA += dhᵀ·x, dx += dh·A.
+        // dB += dyᵀ·(s·h), dh = s·(dy·B), dA += dhᵀ·x', dx += (dh·A) ⊙ mask, where x' is the
+        // adapter's input — `dropout(x)` regenerated from the same mask, or x.
+        let mask = self.dropout_mask(k);
+        let dropped = match &mask {
+            Some(m) => {
+                let mut xd = self.scratch([rows, inp])?;
+                be.dropout(&mut xd, x, m)?;
+                Some(xd)
+            }
+            None => None,
+        };
+        let xa = dropped.as_ref().unwrap_or(x);
         let mut h = self.scratch([rows, r])?;
-        be.linear(&mut h, x, a, None)?;
+        be.linear(&mut h, xa, a, None)?;
         be.scale(&mut h, scaling)?;
         let mut dh = self.scratch([rows, r])?;
         be.linear_backward(&mut dh, Some(gb), None, dy, &h, b)?;
         drop(h);
         be.scale(&mut dh, scaling)?;
-        be.linear_backward(dx, Some(ga), None, &dh, x, a)?;
+        match &mask {
+            None => be.linear_backward(dx, Some(ga), None, &dh, xa, a)?,
+            Some(m) => {
+                let mut part = self.scratch([rows, inp])?;
+                be.linear_backward(&mut part, Some(ga), None, &dh, xa, a)?;
+                be.dropout_in_place(&mut part, m)?;
+                be.axpy(1.0, &part, dx)?;
+            }
+        }
         Ok(())
     }
 }

@@ -80,6 +80,23 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         w: &Self::Tensor,
     ) -> Result<()>;
 
+    /// `y = x ⊙ mask` (LoRA's dropout on an adapter's input): `x` any float dtype, `y` f32 of
+    /// the same length, overwritten; the mask is headroom-lora's, a pure function of its key
+    /// and the element index.
+    fn dropout(
+        &self,
+        y: &mut Self::Tensor,
+        x: &Self::Tensor,
+        mask: &headroom_lora::DropoutMask,
+    ) -> Result<()>;
+
+    /// `x ⊙= mask` in place on f32 `x` (the dropout's backward).
+    fn dropout_in_place(
+        &self,
+        x: &mut Self::Tensor,
+        mask: &headroom_lora::DropoutMask,
+    ) -> Result<()>;
+
     /// Layer norm over the last dimension (ε = 1e-5, GPT-2's): `y = (x - mean)·rstd·w + b`,
     /// with the per-row `mean` and `rstd` `[N]` kept for backward.
     fn layernorm(

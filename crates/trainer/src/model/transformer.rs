@@ -734,6 +734,7 @@ impl<B: ModelOps> Model<B> {
         dloss_per_token: f32,
         schedule: &Schedule,
     ) -> Result<(f32, ScheduleStats)> {
+        let _training = self.training();
         if grads.len() != 2 * f.modules.len() {
             return Err(TrainError::Input(format!(
                 "{} gradient tensors for {} adapters",
