@@ -268,7 +268,7 @@ fn gemm_paired(rounds: usize) {
                         }
                         (true, 1) => matmul::backward_with(
                             &mut dx,
-                            &mut dw,
+                            Some(&mut dw),
                             None,
                             &dy,
                             &x,
@@ -389,7 +389,7 @@ fn gemm(c: &mut Criterion) {
             b.iter(|| {
                 matmul::backward_with(
                     &mut dx,
-                    &mut dw,
+                    Some(&mut dw),
                     None,
                     &dy,
                     &x,
