@@ -26,8 +26,21 @@ fn peft_module(cfg: &ModelConfig, weight_name: &str) -> Option<String> {
     })
 }
 
-/// Read the PEFT adapter in `dir`.
+/// Read the PEFT adapter in `dir`: a PEFT adapter directory, or a headroom LoRA run — its
+/// checkpoint root (the newest step) or one step — whose every file is first checked against
+/// its manifest.
 pub fn load(cpu: &Cpu, dir: &Path) -> Result<LoraAdapter> {
+    if dir.join(crate::checkpoint::MANIFEST).is_file()
+        || !dir.join(headroom_lora::CONFIG_FILE).is_file()
+    {
+        if let Ok(step) = crate::checkpoint::resolve(dir) {
+            let ck = crate::checkpoint::load(&step)?;
+            if let Some(f) = &ck.state.finetune {
+                let params: Vec<&[f32]> = ck.params.iter().map(Vec::as_slice).collect();
+                return crate::checkpoint::adapter_of(&ck.state.config, &f.spec, &params);
+            }
+        }
+    }
     LoraAdapter::load(cpu, dir).map_err(|source| TrainError::Adapter {
         path: dir.to_path_buf(),
         source,

@@ -352,6 +352,11 @@ fn qlora_on_a_pretrained_llama_lowers_the_validation_loss() {
     // run's validation loss, and exactly what the merged directory scores.
     let with_adapter = score(&["--from", base, "--adapter", step.to_str().unwrap()]);
     let merged = score(&["--from", &p("merged")]);
+    // The run's root names its newest step.
+    assert_eq!(
+        score(&["--from", base, "--adapter", &p("run")]),
+        with_adapter
+    );
     assert!(
         (with_adapter - merged).abs() < 1e-5,
         "{with_adapter} vs {merged}"

@@ -2,7 +2,7 @@
 //! low-rank adapters `scaling · B·A` on chosen block linears as the only trainable tensors,
 //! and optionally the block linears stored in 4 bits (bitsandbytes' NF4/FP4 layout).
 //!
-//! The blocks call [`Model::block_linear`] and [`Model::block_linear_backward`] for every
+//! The blocks call `Model::block_linear` and `Model::block_linear_backward` for every
 //! projection; those pick the base (dense working weight, or 4-bit through the fused
 //! dequantize-matmul) and add the adapter when the module has one. So LoRA is not a second
 //! copy of the model: the same block code runs full training and fine-tuning on any backend.
