@@ -282,12 +282,24 @@ pub fn estimate(
     };
     device[MemoryCategory::Workspace] = head_ws.max(block_ws);
     device[MemoryCategory::Data] = LOADER_BUFFERS * 2 * u(batch) * t * 4;
-    let constant = device[MemoryCategory::Parameters]
+    // A fine-tuning run's parameter peak is its base streaming in, before anything else but
+    // the loader's buffers exists; training holds the steady parameters.
+    let (training_params, loading_peak) = match &finetune {
+        Some(f) => (
+            f.parameter_steady,
+            f.parameter_peak + device[MemoryCategory::Data],
+        ),
+        None => (device[MemoryCategory::Parameters], 0),
+    };
+    let constant = training_params
         + device[MemoryCategory::Gradients]
         + device[MemoryCategory::OptimizerState]
         + device[MemoryCategory::Data];
-    let device_peak =
-        constant + io + sim.peak_saved_bytes + (head_act + head_ws).max(recompute_extra + block_ws);
+    let device_peak = (constant
+        + io
+        + sim.peak_saved_bytes
+        + (head_act + head_ws).max(recompute_extra + block_ws))
+    .max(loading_peak);
     Ok(TrainerEstimate {
         device,
         device_peak,
@@ -302,6 +314,8 @@ struct FinetunePlan {
     /// far, one fp32 tensor and its converted form) and the steady state (the frozen base,
     /// the adapters' fp32 masters and, in low precision, their working copies).
     parameter_peak: u64,
+    /// `Parameters` while training: the frozen base and the adapters.
+    parameter_steady: u64,
     /// The trainable tensors (PEFT's names and shapes).
     adapter_infos: Vec<params::ParamInfo>,
     adapter_numel: u64,
@@ -362,6 +376,7 @@ impl FinetunePlan {
         let steady = live + adapter_numel * 4 + if low { adapter_numel * a } else { 0 };
         Ok(FinetunePlan {
             parameter_peak: peak.max(steady),
+            parameter_steady: steady,
             adapter_infos,
             adapter_numel,
             largest_block_adapter_numel: per_block.into_iter().max().unwrap_or(0),

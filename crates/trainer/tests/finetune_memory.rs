@@ -143,6 +143,15 @@ fn check_family(llama: bool) {
                 }
             }
         }
+        // The simultaneous peak the estimator predicts bounds the measured one, within what
+        // the categories' separate peaks allow.
+        assert!(
+            e.device_peak >= dev.peak_total && e.device_peak <= e.device_total(),
+            "{name}: simultaneous peak measured {} predicted {} (sum of peaks {})",
+            dev.peak_total,
+            e.device_peak,
+            e.device_total()
+        );
         // The only gradients are the adapters' (the accumulator's, on the host when the
         // optimizer is offloaded).
         let spec = tech.finetune.as_ref().unwrap();
