@@ -16,7 +16,10 @@
 //!   GEMM, small beside the base's) instead of keeping `N·r` floats per module, so the kept
 //!   activations are exactly the full model's — which checkpointing then trims as usual.
 //! - a frozen 4-bit base's input gradient goes through a `[N, in]` workspace buffer (the
-//!   fused kernel overwrites; the op adds).
+//!   fused kernel overwrites; the op adds);
+//! - with LoRA dropout, the dropped input `[N, in]` (f32 workspace) while the adapter runs,
+//!   and in backward a second `[N, in]` for the adapter's share of the input gradient, which
+//!   the mask then multiplies.
 //!
 //! Order of the trainable tensors: the adapted modules in parameter order, each as
 //! `[A, B]` (A `[r, in]`, B `[out, r]`, PEFT's shapes); a block's adapters are contiguous.
