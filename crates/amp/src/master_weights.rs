@@ -237,6 +237,21 @@ impl<B: Backend> MasterWeights<B> {
         })
     }
 
+    /// The tensors forward reads for the parameters in `range` (working copies, or the masters
+    /// themselves under fp32), as one slice.
+    pub fn working_range(&self, range: std::ops::Range<usize>) -> Result<&[B::Tensor]> {
+        let pool = if self.working.is_empty() {
+            &self.masters
+        } else {
+            &self.working
+        };
+        let len = pool.len();
+        pool.get(range.clone()).ok_or(AmpError::NoSuchParameter {
+            index: range.end.saturating_sub(1).max(range.start),
+            len,
+        })
+    }
+
     /// The tensor forward reads for parameter `index`, mutably (for an owner that derives it
     /// itself: see [`working_only`](Self::working_only)).
     pub fn working_mut(&mut self, index: usize) -> Result<&mut B::Tensor> {

@@ -207,8 +207,15 @@ impl<B: ModelOps> Model<B> {
         let mut x = self.embed_at(tokens, g, pos0)?;
         for (l, layer) in cache.layers.iter_mut().enumerate() {
             x = match self.cfg.family {
-                Family::Gpt2 => self.gpt2_block_forward(l, &x, g, false, Some(layer))?.0,
-                Family::Llama(_) => self.llama_block_forward(l, &x, g, false, Some(layer))?.0,
+                Family::Gpt2 => {
+                    let bw = self.block_weights(l)?;
+                    self.gpt2_block_forward(l, bw, &x, g, false, Some(layer))?.0
+                }
+                Family::Llama(_) => {
+                    let bw = self.block_weights(l)?;
+                    self.llama_block_forward(l, bw, &x, g, false, Some(layer))?
+                        .0
+                }
             };
         }
         Ok(x)

@@ -30,6 +30,7 @@ use headroom_quant::{BlockSize, QuantConfig, QuantType, QuantizedTensor};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::model::gpt2_block::at;
 use crate::model::ops::ModelOps;
 use crate::model::params::{self, layer, llama_layer, ParamInfo};
 use crate::model::transformer::{weights_config, ModelOptions};
@@ -625,6 +626,7 @@ impl<B: ModelOps> Model<B> {
     pub(crate) fn block_linear(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         w_off: usize,
         b_off: Option<usize>,
         y: &mut B::Tensor,
@@ -632,10 +634,10 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<()> {
         let be = self.backend();
         let i = params::layer_index(&self.cfg, l, w_off);
-        let bias = b_off.map(|b| self.lw(l, b)).transpose()?;
+        let bias = b_off.map(|b| at(bw, b)).transpose()?;
         match self.quantized_of(i) {
             Some(q) => be.linear_quantized(y, x, q, bias)?,
-            None => be.linear(y, x, self.w(i)?, bias)?,
+            None => be.linear(y, x, at(bw, w_off)?, bias)?,
         }
         if let Some(AdapterRef {
             a,
@@ -680,6 +682,7 @@ impl<B: ModelOps> Model<B> {
     pub(crate) fn block_linear_backward(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         w_off: usize,
         b_off: Option<usize>,
         dx: &mut B::Tensor,
@@ -693,7 +696,7 @@ impl<B: ModelOps> Model<B> {
             Some(q) => be.linear_quantized_input_grad(dx, dy, q)?,
             None => {
                 let (dw, db) = self.param_grads(grads, w_off, b_off);
-                be.linear_backward(dx, dw, db, dy, x, self.w(i)?)?;
+                be.linear_backward(dx, dw, db, dy, x, at(bw, w_off)?)?;
             }
         }
         let (

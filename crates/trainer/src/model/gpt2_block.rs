@@ -11,9 +11,10 @@ use headroom_tensor::{CpuTensor, MemoryCategory, Tensor};
 
 use crate::model::decode::LayerKv;
 use crate::model::ops::ModelOps;
-use crate::model::params::{layer as o, layer_index};
+use crate::model::params::layer as o;
 use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
 use crate::Result;
+use crate::TrainError;
 
 /// What one GPT-2 block keeps for its backward, besides its input (which the chain executor
 /// keeps when the schedule says so). Low-precision modes keep these in bf16/f16, except the
@@ -71,6 +72,16 @@ impl<T: Tensor> headroom_ckpt::SavedState for Gpt2Saved<T> {
 }
 
 /// Two distinct mutable elements of a slice (`i < j`).
+/// Tensor `off` of a block's weights (an error, not a panic, when the slice is short).
+pub(crate) fn at<T>(bw: &[T], off: usize) -> Result<&T> {
+    bw.get(off).ok_or_else(|| {
+        TrainError::Input(format!(
+            "block weight {off} of a block given {} tensors",
+            bw.len()
+        ))
+    })
+}
+
 pub(crate) fn two_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
     let (a, b) = v.split_at_mut(j);
     (&mut a[i], &mut b[0])
@@ -81,18 +92,14 @@ impl<B: ModelOps> Model<B> {
     /// storage precision) and its f32 statistics.
     fn block_layernorm(
         &self,
-        l: usize,
+        bw: &[B::Tensor],
         x: &B::Tensor,
         w_off: usize,
         b_off: usize,
         g: Geometry,
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let mut out = self.fresh([g.b, g.t, self.cfg.channels])?;
-        let (w, b) = (
-            layer_index(&self.cfg, l, w_off),
-            layer_index(&self.cfg, l, b_off),
-        );
-        let stats = self.norm(&mut out, x, w, Some(b), g)?;
+        let stats = self.norm(&mut out, x, at(bw, w_off)?, Some(at(bw, b_off)?), g)?;
         Ok((self.keep(out)?, stats))
     }
 
@@ -113,6 +120,7 @@ impl<B: ModelOps> Model<B> {
     pub(crate) fn gpt2_block_forward(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         inp: &B::Tensor,
         g: Geometry,
         save: bool,
@@ -126,11 +134,11 @@ impl<B: ModelOps> Model<B> {
         // Every allocation below is labelled for the profiler's tables and traces; the guards
         // shadow each other, so each label holds until the next one and all end with the block.
         let _t = self.tag(l, "ln1");
-        let (ln1, ln1_stats) = self.block_layernorm(l, x.tensor(), o::LN1_W, o::LN1_B, g)?;
+        let (ln1, ln1_stats) = self.block_layernorm(bw, x.tensor(), o::LN1_W, o::LN1_B, g)?;
         // qkv is only a stepping stone to q, k, v: workspace, dropped once split.
         let _t = self.tag(l, "attn.qkv");
         let mut qkv = self.scratch([g.b, g.t, 3 * c])?;
-        self.block_linear(l, o::QKV_W, Some(o::QKV_B), &mut qkv, &ln1)?;
+        self.block_linear(l, bw, o::QKV_W, Some(o::QKV_B), &mut qkv, &ln1)?;
         let mut q = self.fresh([g.b, nh, g.t, hs])?;
         let mut k = self.fresh([g.b, nh, g.t, hs])?;
         let mut v = self.fresh([g.b, nh, g.t, hs])?;
@@ -147,23 +155,30 @@ impl<B: ModelOps> Model<B> {
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
         let mut res2 = self.fresh([g.b, g.t, c])?;
-        self.block_linear(l, o::ATTN_PROJ_W, Some(o::ATTN_PROJ_B), &mut res2, &atty)?;
+        self.block_linear(
+            l,
+            bw,
+            o::ATTN_PROJ_W,
+            Some(o::ATTN_PROJ_B),
+            &mut res2,
+            &atty,
+        )?;
         drop(atty);
         be.axpy(1.0, x.tensor(), &mut res2)?;
         let res2 = self.keep(res2)?;
         let res2v = self.view(&res2)?;
         let _t = self.tag(l, "ln2");
-        let (ln2, ln2_stats) = self.block_layernorm(l, res2v.tensor(), o::LN2_W, o::LN2_B, g)?;
+        let (ln2, ln2_stats) = self.block_layernorm(bw, res2v.tensor(), o::LN2_W, o::LN2_B, g)?;
         let _t = self.tag(l, "mlp.fc");
         let mut fch = self.fresh([g.b, g.t, 4 * c])?;
-        self.block_linear(l, o::FC_W, Some(o::FC_B), &mut fch, &ln2)?;
+        self.block_linear(l, bw, o::FC_W, Some(o::FC_B), &mut fch, &ln2)?;
         let fch = self.keep(fch)?;
         let _t = self.tag(l, "mlp.gelu");
         let fch_gelu = self.block_gelu(&fch)?;
         // The block output is the next block's input: the chain decides whether it is kept.
         let _t = self.tag(l, "mlp.proj");
         let mut out = self.fresh([g.b, g.t, c])?;
-        self.block_linear(l, o::FC_PROJ_W, Some(o::FC_PROJ_B), &mut out, &fch_gelu)?;
+        self.block_linear(l, bw, o::FC_PROJ_W, Some(o::FC_PROJ_B), &mut out, &fch_gelu)?;
         be.axpy(1.0, res2v.tensor(), &mut out)?;
         drop(res2v);
         let out = self.keep(out)?;
@@ -238,9 +253,11 @@ impl<B: ModelOps> Model<B> {
 
     /// GPT-2 block `l` backward: accumulates parameter gradients into `grads` (the block's
     /// 12), returns the gradient of `inp`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gpt2_block_backward(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         inp: &B::Tensor,
         s: Gpt2Saved<B::Tensor>,
         dout: &B::Tensor,
@@ -248,7 +265,6 @@ impl<B: ModelOps> Model<B> {
         g: Geometry,
     ) -> Result<B::Tensor> {
         let (c, be) = (self.cfg.channels, self.backend());
-        let li = |off| layer_index(&self.cfg, l, off);
         let x = self.view(inp)?;
         let res2v = self.view(&s.res2)?;
         // Selective recomputation: what forward dropped comes back, bit for bit, from what
@@ -257,14 +273,14 @@ impl<B: ModelOps> Model<B> {
         let ln1 = match s.ln1 {
             Some(t) => t,
             None => {
-                self.block_layernorm(l, x.tensor(), o::LN1_W, o::LN1_B, g)?
+                self.block_layernorm(bw, x.tensor(), o::LN1_W, o::LN1_B, g)?
                     .0
             }
         };
         let ln2 = match s.ln2 {
             Some(t) => t,
             None => {
-                self.block_layernorm(l, res2v.tensor(), o::LN2_W, o::LN2_B, g)?
+                self.block_layernorm(bw, res2v.tensor(), o::LN2_W, o::LN2_B, g)?
                     .0
             }
         };
@@ -278,6 +294,7 @@ impl<B: ModelOps> Model<B> {
         let mut dfch_gelu = self.scratch([g.b, g.t, 4 * c])?;
         self.block_linear_backward(
             l,
+            bw,
             o::FC_PROJ_W,
             Some(o::FC_PROJ_B),
             &mut dfch_gelu,
@@ -290,7 +307,7 @@ impl<B: ModelOps> Model<B> {
         be.gelu_backward(&mut dfch, &s.fch, &dfch_gelu)?;
         drop(dfch_gelu);
         let mut dln2 = self.scratch([g.b, g.t, c])?;
-        self.block_linear_backward(l, o::FC_W, Some(o::FC_B), &mut dln2, grads, &dfch, &ln2)?;
+        self.block_linear_backward(l, bw, o::FC_W, Some(o::FC_B), &mut dln2, grads, &dfch, &ln2)?;
         drop((dfch, ln2));
         let _t = self.tag(l, "ln2.backward");
         let mut dres2 = self.scratch([g.b, g.t, c])?;
@@ -303,7 +320,7 @@ impl<B: ModelOps> Model<B> {
                 db,
                 &dln2,
                 res2v.tensor(),
-                li(o::LN2_W),
+                at(bw, o::LN2_W)?,
                 &s.ln2_stats,
             )?;
         }
@@ -315,6 +332,7 @@ impl<B: ModelOps> Model<B> {
         let mut datty = self.scratch([g.b, g.t, c])?;
         self.block_linear_backward(
             l,
+            bw,
             o::ATTN_PROJ_W,
             Some(o::ATTN_PROJ_B),
             &mut datty,
@@ -335,7 +353,16 @@ impl<B: ModelOps> Model<B> {
         drop(ag);
         let _t = self.tag(l, "ln1.backward");
         let mut dln1 = self.scratch([g.b, g.t, c])?;
-        self.block_linear_backward(l, o::QKV_W, Some(o::QKV_B), &mut dln1, grads, &dqkv, &ln1)?;
+        self.block_linear_backward(
+            l,
+            bw,
+            o::QKV_W,
+            Some(o::QKV_B),
+            &mut dln1,
+            grads,
+            &dqkv,
+            &ln1,
+        )?;
         drop((dqkv, ln1));
         // The residual passes dres2 straight through to the block input.
         let mut dinp = dres2;
@@ -347,7 +374,7 @@ impl<B: ModelOps> Model<B> {
                 db,
                 &dln1,
                 x.tensor(),
-                li(o::LN1_W),
+                at(bw, o::LN1_W)?,
                 &s.ln1_stats,
             )?;
         }

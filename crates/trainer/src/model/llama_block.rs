@@ -11,8 +11,9 @@ use headroom_attn::AttentionForward;
 use headroom_tensor::{CpuTensor, Tensor};
 
 use crate::model::decode::LayerKv;
+use crate::model::gpt2_block::at;
 use crate::model::ops::ModelOps;
-use crate::model::params::{layer_index, llama_layer as o};
+use crate::model::params::llama_layer as o;
 use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
 use crate::model::Family;
 use crate::{Result, TrainError};
@@ -86,13 +87,13 @@ impl<B: ModelOps> Model<B> {
     /// precision) and its f32 statistics.
     fn block_rmsnorm(
         &self,
-        l: usize,
+        bw: &[B::Tensor],
         x: &B::Tensor,
         w_off: usize,
         g: Geometry,
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let mut out = self.fresh([g.b, g.t, self.cfg.channels])?;
-        let stats = self.norm(&mut out, x, layer_index(&self.cfg, l, w_off), None, g)?;
+        let stats = self.norm(&mut out, x, at(bw, w_off)?, None, g)?;
         Ok((self.keep(out)?, stats))
     }
 
@@ -108,6 +109,7 @@ impl<B: ModelOps> Model<B> {
     fn project_heads(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         x: &B::Tensor,
         w_off: usize,
         heads: usize,
@@ -115,7 +117,7 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<B::Tensor> {
         let hs = self.cfg.head_dim();
         let mut flat = self.scratch([g.b, g.t, heads * hs])?;
-        self.block_linear(l, w_off, None, &mut flat, x)?;
+        self.block_linear(l, bw, w_off, None, &mut flat, x)?;
         let mut out = self.fresh([g.b, heads, g.t, hs])?;
         self.backend().split_heads(&mut out, &flat, 0)?;
         Ok(out)
@@ -130,6 +132,7 @@ impl<B: ModelOps> Model<B> {
     pub(crate) fn llama_block_forward(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         inp: &B::Tensor,
         g: Geometry,
         save: bool,
@@ -143,17 +146,17 @@ impl<B: ModelOps> Model<B> {
         let x = self.view(inp)?;
 
         let _t = self.tag(l, "input_norm");
-        let (norm1, norm1_stats) = self.block_rmsnorm(l, x.tensor(), o::INPUT_NORM, g)?;
+        let (norm1, norm1_stats) = self.block_rmsnorm(bw, x.tensor(), o::INPUT_NORM, g)?;
         let _t = self.tag(l, "attn.q");
-        let mut q = self.project_heads(l, &norm1, o::Q, nh, g)?;
+        let mut q = self.project_heads(l, bw, &norm1, o::Q, nh, g)?;
         be.rope(&mut q, theta, pos0, false)?;
         let q = self.keep(q)?;
         let _t = self.tag(l, "attn.k");
-        let mut k = self.project_heads(l, &norm1, o::K, kvh, g)?;
+        let mut k = self.project_heads(l, bw, &norm1, o::K, kvh, g)?;
         be.rope(&mut k, theta, pos0, false)?;
         let k = self.keep(k)?;
         let _t = self.tag(l, "attn.v");
-        let v = self.project_heads(l, &norm1, o::V, kvh, g)?;
+        let v = self.project_heads(l, bw, &norm1, o::V, kvh, g)?;
         let v = self.keep(v)?;
         let _t = self.tag(l, "attn.out");
         let kv = self.extend_kv(kv, k, v)?;
@@ -163,26 +166,26 @@ impl<B: ModelOps> Model<B> {
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
         let mut res2 = self.fresh([g.b, g.t, c])?;
-        self.block_linear(l, o::O, None, &mut res2, &atty)?;
+        self.block_linear(l, bw, o::O, None, &mut res2, &atty)?;
         drop(atty);
         be.axpy(1.0, x.tensor(), &mut res2)?;
         let res2 = self.keep(res2)?;
         let res2v = self.view(&res2)?;
         let _t = self.tag(l, "post_norm");
-        let (norm2, norm2_stats) = self.block_rmsnorm(l, res2v.tensor(), o::POST_NORM, g)?;
+        let (norm2, norm2_stats) = self.block_rmsnorm(bw, res2v.tensor(), o::POST_NORM, g)?;
         let _t = self.tag(l, "mlp.gate");
         let mut gate = self.fresh([g.b, g.t, f])?;
-        self.block_linear(l, o::GATE, None, &mut gate, &norm2)?;
+        self.block_linear(l, bw, o::GATE, None, &mut gate, &norm2)?;
         let gate = self.keep(gate)?;
         let _t = self.tag(l, "mlp.up");
         let mut up = self.fresh([g.b, g.t, f])?;
-        self.block_linear(l, o::UP, None, &mut up, &norm2)?;
+        self.block_linear(l, bw, o::UP, None, &mut up, &norm2)?;
         let up = self.keep(up)?;
         let _t = self.tag(l, "mlp.act");
         let act = self.block_swiglu(&gate, &up)?;
         let _t = self.tag(l, "mlp.down");
         let mut out = self.fresh([g.b, g.t, c])?;
-        self.block_linear(l, o::DOWN, None, &mut out, &act)?;
+        self.block_linear(l, bw, o::DOWN, None, &mut out, &act)?;
         be.axpy(1.0, res2v.tensor(), &mut out)?;
         drop(res2v);
         let out = self.keep(out)?;
@@ -212,9 +215,11 @@ impl<B: ModelOps> Model<B> {
     /// The backward of [`Model::project_heads`] for one of q, k, v: merges the heads'
     /// gradient `dh` `[B, heads, T, hs]` and adds its input gradient into `dx`, its
     /// parameters' gradients into `grads`.
+    #[allow(clippy::too_many_arguments)]
     fn project_heads_backward(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         dx: &mut B::Tensor,
         grads: &mut [B::Tensor],
         dh: &B::Tensor,
@@ -231,14 +236,16 @@ impl<B: ModelOps> Model<B> {
         };
         let mut flat = self.scratch([b, t, heads * hs])?;
         self.backend().merge_heads(&mut flat, dh, 0)?;
-        self.block_linear_backward(l, w_off, None, dx, grads, &flat, x)
+        self.block_linear_backward(l, bw, w_off, None, dx, grads, &flat, x)
     }
 
     /// Llama block `l` backward: accumulates parameter gradients into `grads` (the block's 9),
     /// returns the gradient of `inp`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn llama_block_backward(
         &self,
         l: usize,
+        bw: &[B::Tensor],
         inp: &B::Tensor,
         s: LlamaSaved<B::Tensor>,
         dout: &B::Tensor,
@@ -248,17 +255,16 @@ impl<B: ModelOps> Model<B> {
         let (c, f) = (self.cfg.channels, self.cfg.ffn());
         let theta = self.rope_theta()?;
         let be = self.backend();
-        let li = |off| layer_index(&self.cfg, l, off);
         let x = self.view(inp)?;
         let res2v = self.view(&s.res2)?;
         let _t = self.tag(l, "recompute");
         let norm1 = match s.norm1 {
             Some(t) => t,
-            None => self.block_rmsnorm(l, x.tensor(), o::INPUT_NORM, g)?.0,
+            None => self.block_rmsnorm(bw, x.tensor(), o::INPUT_NORM, g)?.0,
         };
         let norm2 = match s.norm2 {
             Some(t) => t,
-            None => self.block_rmsnorm(l, res2v.tensor(), o::POST_NORM, g)?.0,
+            None => self.block_rmsnorm(bw, res2v.tensor(), o::POST_NORM, g)?.0,
         };
         let act = match s.act {
             Some(t) => t,
@@ -268,16 +274,16 @@ impl<B: ModelOps> Model<B> {
         // out = res2 + down(silu(gate)·up).
         let _t = self.tag(l, "mlp.backward");
         let mut dact = self.scratch([g.b, g.t, f])?;
-        self.block_linear_backward(l, o::DOWN, None, &mut dact, grads, dout, &act)?;
+        self.block_linear_backward(l, bw, o::DOWN, None, &mut dact, grads, dout, &act)?;
         drop(act);
         let mut dgate = self.scratch([g.b, g.t, f])?;
         let mut dup = self.scratch([g.b, g.t, f])?;
         be.swiglu_backward(&mut dgate, &mut dup, &s.gate, &s.up, &dact)?;
         drop(dact);
         let mut dnorm2 = self.scratch([g.b, g.t, c])?;
-        self.block_linear_backward(l, o::GATE, None, &mut dnorm2, grads, &dgate, &norm2)?;
+        self.block_linear_backward(l, bw, o::GATE, None, &mut dnorm2, grads, &dgate, &norm2)?;
         drop(dgate);
-        self.block_linear_backward(l, o::UP, None, &mut dnorm2, grads, &dup, &norm2)?;
+        self.block_linear_backward(l, bw, o::UP, None, &mut dnorm2, grads, &dup, &norm2)?;
         drop((dup, norm2));
         let _t = self.tag(l, "post_norm.backward");
         let mut dres2 = self.scratch([g.b, g.t, c])?;
@@ -288,7 +294,7 @@ impl<B: ModelOps> Model<B> {
             None,
             &dnorm2,
             res2v.tensor(),
-            li(o::POST_NORM),
+            at(bw, o::POST_NORM)?,
             &s.norm2_stats,
         )?;
         drop((dnorm2, res2v));
@@ -297,7 +303,7 @@ impl<B: ModelOps> Model<B> {
         let mut atty = self.scratch([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
         let mut datty = self.scratch([g.b, g.t, c])?;
-        self.block_linear_backward(l, o::O, None, &mut datty, grads, &dres2, &atty)?;
+        self.block_linear_backward(l, bw, o::O, None, &mut datty, grads, &dres2, &atty)?;
         drop(atty);
         let mut dy = self.scratch(s.q.shape().clone())?;
         be.split_heads(&mut dy, &datty, 0)?;
@@ -310,7 +316,7 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "input_norm.backward");
         let mut dnorm1 = self.scratch([g.b, g.t, c])?;
         for (dh, off) in [(&ag.dq, o::Q), (&ag.dk, o::K), (&ag.dv, o::V)] {
-            self.project_heads_backward(l, &mut dnorm1, grads, dh, &norm1, off)?;
+            self.project_heads_backward(l, bw, &mut dnorm1, grads, dh, &norm1, off)?;
         }
         drop((ag, norm1));
         // The residual passes dres2 straight through to the block input.
@@ -321,7 +327,7 @@ impl<B: ModelOps> Model<B> {
             None,
             &dnorm1,
             x.tensor(),
-            li(o::INPUT_NORM),
+            at(bw, o::INPUT_NORM)?,
             &s.norm1_stats,
         )?;
         Ok(dinp)

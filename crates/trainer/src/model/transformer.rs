@@ -257,11 +257,6 @@ impl<B: ModelOps> Model<B> {
         Ok(self.weights.working(i)?)
     }
 
-    /// Block `l`'s working weight at `offset` ([`params::layer`] / [`params::llama_layer`]).
-    pub(crate) fn lw(&self, l: usize, offset: usize) -> Result<&B::Tensor> {
-        self.w(params::layer_index(&self.cfg, l, offset))
-    }
-
     /// `t` as f32, held for longer than one op: the tensor itself when f32, else an upcast
     /// copy in workspace memory for as long as the view lives.
     pub(crate) fn view<'a>(&self, t: &'a B::Tensor) -> Result<View<'a, B::Tensor>> {
@@ -353,16 +348,15 @@ impl<B: ModelOps> Model<B> {
         &self,
         out: &mut B::Tensor,
         x: &B::Tensor,
-        w: usize,
-        b: Option<usize>,
+        w: &B::Tensor,
+        b: Option<&B::Tensor>,
         g: Geometry,
     ) -> Result<NormStats<B::Tensor>> {
         match (self.cfg.family, b) {
             (Family::Gpt2, Some(b)) => {
                 let mut mean = self.stat([g.b, g.t])?;
                 let mut rstd = self.stat([g.b, g.t])?;
-                self.backend
-                    .layernorm(out, &mut mean, &mut rstd, x, self.w(w)?, self.w(b)?)?;
+                self.backend.layernorm(out, &mut mean, &mut rstd, x, w, b)?;
                 Ok(NormStats {
                     mean: Some(mean),
                     rstd,
@@ -370,8 +364,7 @@ impl<B: ModelOps> Model<B> {
             }
             (Family::Llama(s), None) => {
                 let mut rstd = self.stat([g.b, g.t])?;
-                self.backend
-                    .rmsnorm(out, &mut rstd, x, self.w(w)?, s.norm_eps)?;
+                self.backend.rmsnorm(out, &mut rstd, x, w, s.norm_eps)?;
                 Ok(NormStats { mean: None, rstd })
             }
             _ => Err(TrainError::Config(
@@ -380,9 +373,9 @@ impl<B: ModelOps> Model<B> {
         }
     }
 
-    /// The backward of [`Model::norm`], accumulating into `dx`, `dw` (and layer norm's `db`).
-    /// A frozen norm passes `None`: its gain (and bias) gradient lands in a `[C]` scratch that
-    /// is dropped at once.
+    /// The backward of [`Model::norm`] with gain `w`, accumulating into `dx`, `dw` (and layer
+    /// norm's `db`). A frozen norm passes `None`: its gain (and bias) gradient lands in a `[C]`
+    /// scratch that is dropped at once.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn norm_backward(
         &self,
@@ -391,7 +384,7 @@ impl<B: ModelOps> Model<B> {
         db: Option<&mut B::Tensor>,
         dy: &B::Tensor,
         x: &B::Tensor,
-        w: usize,
+        w: &B::Tensor,
         stats: &NormStats<B::Tensor>,
     ) -> Result<()> {
         let c = self.cfg.channels;
@@ -408,16 +401,22 @@ impl<B: ModelOps> Model<B> {
                     None => spare_b.insert(self.scratch([c])?),
                 };
                 self.backend
-                    .layernorm_backward(dx, dw, db, dy, x, self.w(w)?, mean, &stats.rstd)
+                    .layernorm_backward(dx, dw, db, dy, x, w, mean, &stats.rstd)
             }
-            None if db.is_none() => {
-                self.backend
-                    .rmsnorm_backward(dx, dw, dy, x, self.w(w)?, &stats.rstd)
-            }
+            None if db.is_none() => self.backend.rmsnorm_backward(dx, dw, dy, x, w, &stats.rstd),
             None => Err(TrainError::Config(
                 "a norm's statistics do not match its gradients".into(),
             )),
         }
+    }
+
+    /// Block `l`'s working weights, in its family's offset order ([`params::layer`] /
+    /// [`params::llama_layer`]): what [`Model::block_forward`] reads.
+    pub fn block_weights(&self, l: usize) -> Result<&[B::Tensor]> {
+        let start = params::layer_index(&self.cfg, l, 0);
+        Ok(self
+            .weights
+            .working_range(start..start + params::per_layer(&self.cfg))?)
     }
 
     /// Check tokens and targets: `[B, T]` ids below the vocab, `T ≤ max_seq`.
@@ -453,7 +452,8 @@ impl<B: ModelOps> Model<B> {
     fn final_norm(&self, x: &B::Tensor, g: Geometry) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let (w, b) = self.final_norm_indices();
         let mut out = self.stat([g.b, g.t, self.cfg.channels])?;
-        let stats = self.norm(&mut out, x, w, b, g)?;
+        let b = b.map(|b| self.w(b)).transpose()?;
+        let stats = self.norm(&mut out, x, self.w(w)?, b, g)?;
         self.backend.round_to(&mut out, self.opts.precision)?;
         Ok((out, stats))
     }
@@ -517,7 +517,7 @@ impl<B: ModelOps> Model<B> {
             head_grads.norm_b,
             &dlnf,
             x.tensor(),
-            w,
+            self.w(w)?,
             &stats,
         )?;
         Ok((mean, dres))
@@ -602,13 +602,28 @@ impl<B: ModelOps> Model<B> {
         g: Geometry,
         save: bool,
     ) -> Result<BlockOutput<B::Tensor, BlockSaved<B::Tensor>>> {
+        self.block_forward_with(l, self.block_weights(l)?, inp, g, save)
+    }
+
+    /// [`Model::block_forward`] reading the block's weights from `bw` (its family's tensors in
+    /// offset order, in the working dtype) rather than from the model: the hook a sharded
+    /// owner of the weights (ZeRO-3's gathered layer) calls the block through.
+    pub fn block_forward_with(
+        &self,
+        l: usize,
+        bw: &[B::Tensor],
+        inp: &B::Tensor,
+        g: Geometry,
+        save: bool,
+    ) -> Result<BlockOutput<B::Tensor, BlockSaved<B::Tensor>>> {
+        self.check_block_weights(bw)?;
         match self.cfg.family {
             Family::Gpt2 => {
-                let (out, saved) = self.gpt2_block_forward(l, inp, g, save, None)?;
+                let (out, saved) = self.gpt2_block_forward(l, bw, inp, g, save, None)?;
                 Ok((out, saved.map(BlockSaved::Gpt2)))
             }
             Family::Llama(_) => {
-                let (out, saved) = self.llama_block_forward(l, inp, g, save, None)?;
+                let (out, saved) = self.llama_block_forward(l, bw, inp, g, save, None)?;
                 Ok((out, saved.map(BlockSaved::Llama)))
             }
         }
@@ -626,10 +641,40 @@ impl<B: ModelOps> Model<B> {
         grads: &mut [B::Tensor],
         g: Geometry,
     ) -> Result<B::Tensor> {
+        self.block_backward_with(l, self.block_weights(l)?, inp, saved, dout, grads, g)
+    }
+
+    /// [`Model::block_backward`] reading the block's weights from `bw` (see
+    /// [`Model::block_forward_with`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn block_backward_with(
+        &self,
+        l: usize,
+        bw: &[B::Tensor],
+        inp: &B::Tensor,
+        saved: BlockSaved<B::Tensor>,
+        dout: &B::Tensor,
+        grads: &mut [B::Tensor],
+        g: Geometry,
+    ) -> Result<B::Tensor> {
+        self.check_block_weights(bw)?;
         match saved {
-            BlockSaved::Gpt2(s) => self.gpt2_block_backward(l, inp, s, dout, grads, g),
-            BlockSaved::Llama(s) => self.llama_block_backward(l, inp, s, dout, grads, g),
+            BlockSaved::Gpt2(s) => self.gpt2_block_backward(l, bw, inp, s, dout, grads, g),
+            BlockSaved::Llama(s) => self.llama_block_backward(l, bw, inp, s, dout, grads, g),
         }
+    }
+
+    /// A block's weights given from outside: one tensor per offset (their shapes and dtypes
+    /// are checked by the ops that read them).
+    fn check_block_weights(&self, bw: &[B::Tensor]) -> Result<()> {
+        let want = params::per_layer(&self.cfg);
+        if bw.len() != want {
+            return Err(TrainError::Input(format!(
+                "{} block weights for a block of {want}",
+                bw.len()
+            )));
+        }
+        Ok(())
     }
 
     /// Forward and backward of a batch under a checkpoint `schedule` over the blocks: returns
