@@ -443,6 +443,18 @@ impl TrainOptions {
                         .into(),
                 );
             }
+            if !(0.0..1.0).contains(&f.lora.dropout) {
+                return opt(
+                    "--lora-dropout",
+                    format!("{} is not a probability below 1", f.lora.dropout),
+                );
+            }
+            if !(f.lora.alpha.is_finite() && f.lora.alpha > 0.0) {
+                return opt(
+                    "--lora-alpha",
+                    format!("{} is not a positive number", f.lora.alpha),
+                );
+            }
             f.lora.validate().map_err(|e| TrainError::Option {
                 option: "--lora-rank",
                 reason: e.to_string(),

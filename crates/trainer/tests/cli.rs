@@ -234,6 +234,36 @@ fn absurd_sizes_are_errors_naming_the_option() {
         ),
         (&["train", "--keep-checkpoints", "0"], "--keep-checkpoints"),
         (&["train", "--grad-clip=-1", "--steps", "1"], "--grad-clip"),
+        (&["train", "--lora-rank", "0"], "--lora-rank"),
+        (
+            &["train", "--lora-rank", "4", "--lora-dropout", "1"],
+            "--lora-dropout",
+        ),
+        (
+            &["train", "--lora-rank", "4", "--lora-alpha=-2"],
+            "--lora-alpha",
+        ),
+        (
+            &["train", "--lora-rank", "4", "--lora-targets", "nowhere"],
+            "--lora-targets",
+        ),
+        (
+            &[
+                "train",
+                "--lora-rank",
+                "4",
+                "--quantize",
+                "nf4",
+                "--quant-blocksize",
+                "48",
+            ],
+            "--quantize",
+        ),
+        (
+            &["train", "--lora-rank", "99999999", "--steps", "1"],
+            "--lora-rank",
+        ),
+        (&["train", "--merge-into", "x"], "--lora-rank"),
     ];
     for (args, needle) in cases {
         let o = headroom(args);
