@@ -39,6 +39,9 @@
 //! - The only crate that depends on technique crates; none depends on it.
 //! - Every activation is allocated through the backend in a named field, so the tracker's
 //!   activation bytes are exactly the model's.
+//! - LoRA / QLoRA ([`model::finetune`]) is the same model with its base frozen: no gradient or
+//!   optimizer state exists for a frozen tensor, and with the adapters' B at zero the output is
+//!   the base's bit for bit.
 
 pub mod adapters;
 pub mod checkpoint;
