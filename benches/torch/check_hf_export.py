@@ -42,23 +42,13 @@ def arg(name):
 
 
 def round_trip(checkpoint):
-    import numpy as np
+    # The same token reading and windowing as check_peft_adapter.py (headroom eval's).
+    from check_peft_adapter import read_tokens, windowed_loss
 
     path, b, t, k = arg("--tokens"), int(arg("--batch")), int(arg("--seq")), int(arg("--batches"))
-    header = np.fromfile(path, dtype=np.int32, count=256)
-    if header[0] != 20240520:
-        sys.exit(f"{path}: not an llm.c token file")
-    tokens = np.fromfile(path, dtype=np.uint16, offset=1024, count=int(header[2])).astype(np.int64)
+    tokens = read_tokens(path)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-    total = 0.0
-    with torch.no_grad():
-        for batch in range(k):
-            rows = [tokens[w * t: w * t + t + 1] for w in range(batch * b, batch * b + b)]
-            data = torch.from_numpy(np.stack(rows))
-            logits = model(input_ids=data[:, :-1]).logits.float()
-            total += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1)).item()
-    loss = total / k
+    loss = windowed_loss(model, tokens, b, t, k)
     expect = float(arg("--expect"))
     print(f"{type(model).__name__} from {checkpoint}: transformers loss {loss:.6f}, "
           f"headroom {expect:.6f}, |difference| {abs(loss - expect):.2e}")

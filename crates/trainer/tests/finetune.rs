@@ -60,25 +60,37 @@ fn story(path: &Path, sentences: usize, seed: u64) {
     std::fs::write(path, text.join(" ")).unwrap();
 }
 
-#[test]
-fn init_from_transformers_train_with_validation_then_sample_words() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    let tokenizer = fixture("tokenizer/story/tokenizer.json");
-    let tokenizer = tokenizer.to_str().unwrap();
-    story(&dir.path().join("train.txt"), 3000, 1);
-    story(&dir.path().join("val.txt"), 300, 2);
+/// `train.bin` (3000 sentences) and `val.bin` (300 others) in `dir`, tokenised with
+/// `tokenizer` by `headroom data build`.
+fn story_token_files(dir: &Path, tokenizer: &str) {
+    story(&dir.join("train.txt"), 3000, 1);
+    story(&dir.join("val.txt"), 300, 2);
     for split in ["train", "val"] {
+        let path = |ext: &str| {
+            dir.join(format!("{split}.{ext}"))
+                .to_str()
+                .unwrap()
+                .to_owned()
+        };
         headroom(&[
             "data",
             "build",
             "--tokenizer",
             tokenizer,
             "--quiet",
-            &p(&format!("{split}.txt")),
-            &p(&format!("{split}.bin")),
+            &path("txt"),
+            &path("bin"),
         ]);
     }
+}
+
+#[test]
+fn init_from_transformers_train_with_validation_then_sample_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let tokenizer = fixture("tokenizer/story/tokenizer.json");
+    let tokenizer = tokenizer.to_str().unwrap();
+    story_token_files(dir.path(), tokenizer);
     let base = fixture("hf-llama-gqa-untied");
     let metrics = p("metrics.jsonl");
     headroom(&[
@@ -259,19 +271,7 @@ fn qlora_on_a_pretrained_llama_lowers_the_validation_loss() {
     let dir = tempfile::tempdir().unwrap();
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
     let tokenizer = fixture("tokenizer/story/tokenizer.json");
-    story(&dir.path().join("train.txt"), 3000, 1);
-    story(&dir.path().join("val.txt"), 300, 2);
-    for split in ["train", "val"] {
-        headroom(&[
-            "data",
-            "build",
-            "--tokenizer",
-            tokenizer.to_str().unwrap(),
-            "--quiet",
-            &p(&format!("{split}.txt")),
-            &p(&format!("{split}.bin")),
-        ]);
-    }
+    story_token_files(dir.path(), tokenizer.to_str().unwrap());
     let base = fixture("hf-llama-gqa-untied");
     let base = base.to_str().unwrap();
     let metrics = p("metrics.jsonl");

@@ -147,6 +147,50 @@ fn max_abs(v: &[f32]) -> f32 {
     v.iter().fold(0f32, |a, x| a.max(x.abs()))
 }
 
+/// Central differences (h = 1e-2) of `loss` at `samples` elements spread over every trainable
+/// tensor against `analytic`: |numeric − analytic| ≤ 3e-3 + 5% of the tensor's largest.
+fn assert_finite_differences(
+    tuned: &mut Model,
+    analytic: &[Vec<f32>],
+    samples: usize,
+    family: Family,
+    loss: impl Fn(&Model) -> f64,
+) {
+    let h = 1e-2f32;
+    for (k, an) in analytic.iter().enumerate() {
+        let scale = max_abs(an);
+        for step in 0..samples {
+            let i = step * an.len() / samples;
+            let orig = tuned.trainable()[k].as_slice::<f32>().unwrap()[i];
+            let mut at = |v: f32| {
+                tuned.trainable_mut()[k].as_mut_slice::<f32>().unwrap()[i] = v;
+                tuned.refresh_trainable().unwrap();
+                loss(tuned)
+            };
+            let num = (at(orig + h) - at(orig - h)) / (2.0 * h as f64);
+            at(orig);
+            assert!(
+                (num - an[i] as f64).abs() <= 3e-3 + 0.05 * scale as f64,
+                "{family:?} adapter tensor {k} element {i}: numeric {num} analytic {}",
+                an[i]
+            );
+        }
+    }
+}
+
+/// An fp32 fine-tuning model over `data` with `spec`'s adapters.
+fn tuned_fp32(cpu: &Cpu, cfg: &ModelConfig, data: &[Vec<f32>], spec: FinetuneSpec) -> Model {
+    Model::finetune(
+        cpu,
+        *cfg,
+        opts(Precision::Fp32),
+        upload(cpu, cfg, data),
+        spec,
+        None,
+    )
+    .unwrap()
+}
+
 #[test]
 fn zero_b_gives_the_base_model_bit_for_bit() {
     let cpu = Cpu::new();
@@ -269,15 +313,7 @@ fn adapter_gradients_are_the_merged_weights_gradients_projected() {
     let cpu = Cpu::new();
     for cfg in [gpt2(), llama()] {
         let data = base(&cpu, &cfg);
-        let mut tuned = Model::finetune(
-            &cpu,
-            cfg,
-            opts(Precision::Fp32),
-            upload(&cpu, &cfg, &data),
-            spec(&cfg, 3, None),
-            None,
-        )
-        .unwrap();
+        let mut tuned = tuned_fp32(&cpu, &cfg, &data, spec(&cfg, 3, None));
         perturb_adapters(&mut tuned);
         let all = Schedule::store_all(cfg.layers).unwrap();
         let (loss, got) = grads_of(&cpu, &tuned, &all);
@@ -303,40 +339,14 @@ fn adapter_gradients_match_finite_differences() {
     let cpu = Cpu::new();
     for cfg in [gpt2(), llama()] {
         let data = base(&cpu, &cfg);
-        let mut tuned = Model::finetune(
-            &cpu,
-            cfg,
-            opts(Precision::Fp32),
-            upload(&cpu, &cfg, &data),
-            spec(&cfg, 2, None),
-            None,
-        )
-        .unwrap();
+        let mut tuned = tuned_fp32(&cpu, &cfg, &data, spec(&cfg, 2, None));
         perturb_adapters(&mut tuned);
         let all = Schedule::store_all(cfg.layers).unwrap();
         let (_, analytic) = grads_of(&cpu, &tuned, &all);
         let (tokens, targets, g) = batch();
-        let h = 1e-2f32;
-        for (k, an) in analytic.iter().enumerate() {
-            let scale = max_abs(an);
-            for step in 0..4 {
-                let i = step * an.len() / 4;
-                let orig = tuned.trainable()[k].as_slice::<f32>().unwrap()[i];
-                let at = |v: f32, m: &mut Model| {
-                    m.trainable_mut()[k].as_mut_slice::<f32>().unwrap()[i] = v;
-                    m.refresh_trainable().unwrap();
-                    m.loss(&tokens, &targets, g).unwrap() as f64
-                };
-                let num = (at(orig + h, &mut tuned) - at(orig - h, &mut tuned)) / (2.0 * h as f64);
-                at(orig, &mut tuned);
-                assert!(
-                    (num - an[i] as f64).abs() <= 3e-3 + 0.05 * scale as f64,
-                    "{:?} adapter tensor {k} element {i}: numeric {num} analytic {}",
-                    cfg.family,
-                    an[i]
-                );
-            }
-        }
+        assert_finite_differences(&mut tuned, &analytic, 4, cfg.family, |m| {
+            m.loss(&tokens, &targets, g).unwrap() as f64
+        });
     }
 }
 
@@ -365,15 +375,7 @@ fn a_4bit_base_computes_what_its_dequantized_weights_compute() {
             let q = nf4(dq);
             let data = base(&cpu, &cfg);
             let deq = dequantized_base(&cfg, &data, &q);
-            let mut tuned = Model::finetune(
-                &cpu,
-                cfg,
-                opts(Precision::Fp32),
-                upload(&cpu, &cfg, &data),
-                spec(&cfg, 3, Some(q)),
-                None,
-            )
-            .unwrap();
+            let mut tuned = tuned_fp32(&cpu, &cfg, &data, spec(&cfg, 3, Some(q)));
             // B = 0: the dequantized plain model's logits.
             let plain =
                 Model::from_masters(&cpu, cfg, opts(Precision::Fp32), upload(&cpu, &cfg, &deq))
@@ -414,15 +416,7 @@ fn no_gradient_of_the_base_exists_and_the_4bit_base_is_held_packed() {
         let tracker = Arc::new(MemoryTracker::new());
         let cpu = Cpu::new().with_alloc_hook(tracker.clone());
         let data = base(&Cpu::new(), &cfg);
-        let tuned = Model::finetune(
-            &cpu,
-            cfg,
-            opts(Precision::Fp32),
-            upload(&cpu, &cfg, &data),
-            spec(&cfg, 2, quantize.clone()),
-            None,
-        )
-        .unwrap();
+        let tuned = tuned_fp32(&cpu, &cfg, &data, spec(&cfg, 2, quantize.clone()));
         let live = tracker.snapshot();
         let params_live = live.device(Device::Cpu).unwrap().live[MemoryCategory::Parameters];
         let adapter_bytes: usize = tuned
@@ -492,15 +486,7 @@ fn lora_dropout_gradients_masks_and_evaluation() {
         let data = base(&cpu, &cfg);
         let mut s = spec(&cfg, 2, None);
         s.lora.dropout = 0.3;
-        let mut tuned = Model::finetune(
-            &cpu,
-            cfg,
-            opts(Precision::Fp32),
-            upload(&cpu, &cfg, &data),
-            s.clone(),
-            None,
-        )
-        .unwrap();
+        let mut tuned = tuned_fp32(&cpu, &cfg, &data, s.clone());
         perturb_adapters(&mut tuned);
         tuned.set_dropout_position(4, 1);
         let all = Schedule::store_all(cfg.layers).unwrap();
@@ -513,15 +499,7 @@ fn lora_dropout_gradients_masks_and_evaluation() {
         let (tokens, targets, g) = batch();
         let mut plain_spec = s.clone();
         plain_spec.lora.dropout = 0.0;
-        let mut plain = Model::finetune(
-            &cpu,
-            cfg,
-            opts(Precision::Fp32),
-            upload(&cpu, &cfg, &data),
-            plain_spec,
-            None,
-        )
-        .unwrap();
+        let mut plain = tuned_fp32(&cpu, &cfg, &data, plain_spec);
         perturb_adapters(&mut plain);
         let eval = tuned.loss(&tokens, &targets, g).unwrap();
         assert_eq!(eval, plain.loss(&tokens, &targets, g).unwrap());
@@ -534,26 +512,8 @@ fn lora_dropout_gradients_masks_and_evaluation() {
         tuned.set_dropout_position(4, 1);
 
         // Finite differences of the training loss under the same mask.
-        let h = 1e-2f32;
-        for (k, an) in analytic.iter().enumerate() {
-            let scale = max_abs(an);
-            for step in 0..3 {
-                let i = step * an.len() / 3;
-                let orig = tuned.trainable()[k].as_slice::<f32>().unwrap()[i];
-                let at = |v: f32, m: &mut Model| {
-                    m.trainable_mut()[k].as_mut_slice::<f32>().unwrap()[i] = v;
-                    m.refresh_trainable().unwrap();
-                    grads_of(&cpu, m, &all).0 as f64
-                };
-                let num = (at(orig + h, &mut tuned) - at(orig - h, &mut tuned)) / (2.0 * h as f64);
-                at(orig, &mut tuned);
-                assert!(
-                    (num - an[i] as f64).abs() <= 3e-3 + 0.05 * scale as f64,
-                    "{:?} adapter tensor {k} element {i}: numeric {num} analytic {}",
-                    cfg.family,
-                    an[i]
-                );
-            }
-        }
+        assert_finite_differences(&mut tuned, &analytic, 3, cfg.family, |m| {
+            grads_of(&cpu, m, &all).0 as f64
+        });
     }
 }
