@@ -268,18 +268,30 @@ pub fn estimate(
     };
     let head_ws = btc * 4 + logits_ws + views_head;
     let naive_ws = probs;
-    let lin = LinearMoments {
-        cfg,
-        bt,
-        low,
-        finetune: finetune.as_ref(),
-        threads: headroom_tensor::Cpu::new().num_threads(),
-    };
-    let block_ws = if llama {
-        llama_block_workspace(cfg, bt, low, naive_ws, &lin)
-    } else {
-        gpt2_block_workspace(cfg, bt, low, naive_ws, &lin)
-    };
+    // Blocks differ only in which linears have adapters (targets may name layers): the
+    // largest over the distinct sets.
+    let no_adapters = [Vec::new()];
+    let adapter_sets = finetune
+        .as_ref()
+        .map_or(&no_adapters[..], |f| &f.adapted_sets[..]);
+    let block_ws = adapter_sets
+        .iter()
+        .map(|adapted| {
+            let lin = LinearMoments {
+                bt,
+                low,
+                finetune: finetune.as_ref(),
+                adapted,
+                threads: headroom_tensor::Cpu::new().num_threads(),
+            };
+            if llama {
+                llama_block_workspace(cfg, bt, low, naive_ws, &lin)
+            } else {
+                gpt2_block_workspace(cfg, bt, low, naive_ws, &lin)
+            }
+        })
+        .max()
+        .unwrap_or(0);
     device[MemoryCategory::Workspace] = head_ws.max(block_ws);
     device[MemoryCategory::Data] = LOADER_BUFFERS * 2 * u(batch) * t * 4;
     // A fine-tuning run's parameter peak is its base streaming in, before anything else but
@@ -323,9 +335,10 @@ struct FinetunePlan {
     largest_block_adapter_numel: u64,
     /// Rank.
     r: u64,
-    /// Block-local offsets of the adapted linears (the same in every block that has any;
+    /// The distinct sets of block-local offsets of adapted linears over the blocks (one set
+    /// when every block adapts the same modules; an empty set for a block without any).
     /// targets select by module name, and names differ only in the layer index).
-    adapted: Vec<usize>,
+    adapted_sets: Vec<Vec<usize>>,
     /// The 4-bit configuration when the block linears are quantized.
     quant: Option<headroom_quant::QuantConfig>,
     /// LoRA dropout on: the adapter's input is a dropped `[N, in]` copy.
@@ -367,12 +380,16 @@ impl FinetunePlan {
         for m in &modules {
             per_block[m.layer] += r * u(m.in_features + m.out_features);
         }
-        let first = modules.first().map_or(0, |m| m.layer);
-        let adapted = modules
-            .iter()
-            .filter(|m| m.layer == first)
-            .map(|m| m.param - params::layer_index(cfg, first, 0))
-            .collect();
+        let mut per_layer_sets = vec![Vec::new(); cfg.layers];
+        for m in &modules {
+            per_layer_sets[m.layer].push(m.param - params::layer_index(cfg, m.layer, 0));
+        }
+        let mut adapted_sets: Vec<Vec<usize>> = Vec::new();
+        for set in per_layer_sets {
+            if !adapted_sets.contains(&set) {
+                adapted_sets.push(set);
+            }
+        }
         let steady = live + adapter_numel * 4 + if low { adapter_numel * a } else { 0 };
         Ok(FinetunePlan {
             parameter_peak: peak.max(steady),
@@ -381,7 +398,7 @@ impl FinetunePlan {
             adapter_numel,
             largest_block_adapter_numel: per_block.into_iter().max().unwrap_or(0),
             r,
-            adapted,
+            adapted_sets,
             quant,
             dropout: spec.lora.dropout > 0.0,
         })
@@ -397,10 +414,11 @@ impl FinetunePlan {
 /// - an adapter's (`Model::block_linear_backward`): `h` and `dh` `[N, r]`, and in low
 ///   precision the input's view and the A/B panels of each of its three GEMMs.
 struct LinearMoments<'a> {
-    cfg: &'a ModelConfig,
     bt: u64,
     low: bool,
     finetune: Option<&'a FinetunePlan>,
+    /// This block's adapted linears (block-local offsets).
+    adapted: &'a [usize],
     threads: usize,
 }
 
@@ -438,7 +456,7 @@ impl LinearMoments<'_> {
             None => live + view + panel(inp, out),
         };
         let adapter = match self.finetune {
-            Some(f) if f.adapted.contains(&offset) && f.dropout => {
+            Some(f) if self.adapted.contains(&offset) && f.dropout => {
                 // dropout(x) (made from the input's view), then h, dh and the partial input
                 // gradient that the mask is applied to, all reading the f32 dropped copy.
                 let (r, ru, xd) = (f.r, f.r as usize, bt * u(inp));
@@ -448,7 +466,7 @@ impl LinearMoments<'_> {
                 let d3 = live + xd + bt * r + xd + panel(inp, ru);
                 d0.max(d1).max(d2).max(d3)
             }
-            Some(f) if f.adapted.contains(&offset) => {
+            Some(f) if self.adapted.contains(&offset) => {
                 let (r, ru) = (f.r, f.r as usize);
                 let a1 = live + bt * r + view + fwd_panel(inp, ru);
                 let a2 = live + 2 * bt * r + panel(ru, out);
@@ -457,7 +475,6 @@ impl LinearMoments<'_> {
             }
             _ => 0,
         };
-        let _ = self.cfg;
         base.max(adapter)
     }
 }

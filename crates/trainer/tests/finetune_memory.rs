@@ -90,6 +90,24 @@ fn combos(llama: bool) -> Vec<(String, Techniques)> {
             }
         }
     }
+    // Targets naming layers: blocks adapt different modules (and one adapts none).
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let targets = if llama {
+            vec![
+                "model.layers.0.self_attn.q_proj",
+                "model.layers.2.mlp.down_proj",
+            ]
+        } else {
+            vec!["transformer.h.0.attn.c_attn", "transformer.h.2.mlp.c_fc"]
+        };
+        let mut t = base.clone();
+        t.model.precision = precision;
+        t.finetune = Some(FinetuneSpec {
+            lora: LoraConfig::new(8, 16.0, targets),
+            quantize: nf4(false),
+        });
+        v.push((format!("{precision:?} layer-specific targets"), t));
+    }
     // LoRA dropout: a dropped copy of each adapted input.
     for precision in [Precision::Fp32, Precision::Bf16] {
         for q in [None, nf4(true)] {
