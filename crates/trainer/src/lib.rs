@@ -60,5 +60,6 @@ pub mod techniques;
 pub mod tokenize;
 pub mod train;
 pub mod zero_estimate;
+pub mod zero_train;
 
 pub use error::{Result, TrainError};

@@ -427,6 +427,14 @@ struct TrainArgs {
     /// directory here (refused if it exists).
     #[arg(long, value_name = "DIR", requires = "lora_rank")]
     merge_into: Option<PathBuf>,
+    /// ZeRO stage 0–3 over --ranks data-parallel ranks (threads of this process): 0 all-reduces
+    /// gradients, 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
+    /// --batch is the global batch (each rank runs batch/ranks sequences a step).
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero: Option<u8>,
+    /// Data-parallel ranks for --zero.
+    #[arg(long, default_value_t = 1, requires = "zero")]
+    ranks: usize,
     /// Save checkpoints under this directory (one `step-N` directory each, published
     /// atomically; the run's last step is always saved, and on SIGINT/SIGTERM).
     #[arg(long)]
@@ -824,6 +832,56 @@ fn open_metrics(path: &Path, append: bool) -> CliResult<std::io::BufWriter<std::
     Ok(std::io::BufWriter::new(f))
 }
 
+/// `headroom train --zero S --ranks N`: in-process ranks, a line per step, then each rank's
+/// bytes by category and what went through its collective.
+fn cmd_train_zero(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult<ExitCode> {
+    use headroom_trainer::zero_train::{train_zero, ZeroOptions};
+    let stage = headroom_zero::Stage::from_index(stage).map_err(|e| e.to_string())?;
+    say!(
+        "headroom train: {} {}L/{}H/{}C; global batch {}×{} over {ranks} ranks, {stage}, {} steps; {}",
+        o.model.family_name(),
+        o.model.layers,
+        o.model.heads,
+        o.model.channels,
+        o.batch,
+        o.seq,
+        o.steps,
+        o.techniques.describe()
+    );
+    let report = train_zero(o, ZeroOptions::new(stage, ranks), |s: &StepLog| {
+        say!(
+            "step {:>5}  loss {:.4}  {:>6.0} tok/s  largest rank: live {:.1} MiB  peak {:.1} MiB",
+            s.step,
+            s.loss,
+            s.tokens_per_s,
+            mib(s.live_bytes),
+            mib(s.peak_bytes)
+        );
+    })?;
+    let k = report.steps.len().min(20);
+    let tail = &report.steps[report.steps.len() - k..];
+    let last = tail.iter().map(|s| s.loss as f64).sum::<f64>() / k.max(1) as f64;
+    say!("final loss (mean of last {k} steps) {last:.4} nats/token");
+    say!("rank  parameters  gradients  optimizer  activations  workspace  peak (MiB)  sent/step (MiB)");
+    for r in &report.ranks {
+        let Some(d) = r.memory.device(headroom_tensor::Device::Cpu) else {
+            continue;
+        };
+        say!(
+            "{:>4}  {:>10.1}  {:>9.1}  {:>9.1}  {:>11.1}  {:>9.1}  {:>10.1}  {:>15.1}",
+            r.rank,
+            mib(d.peak[MemoryCategory::Parameters]),
+            mib(d.peak[MemoryCategory::Gradients]),
+            mib(d.peak[MemoryCategory::OptimizerState]),
+            mib(d.peak[MemoryCategory::Activations]),
+            mib(d.peak[MemoryCategory::Workspace]),
+            mib(d.peak_total),
+            mib(r.last_step_comm.sent_bytes())
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
     let mut o = options(&args.run, true)?;
     if let Some(s) = args.steps {
@@ -872,6 +930,9 @@ fn cmd_train(args: TrainArgs) -> CliResult<ExitCode> {
         snapshot: args.memory_snapshot,
     };
     o.validate()?;
+    if let Some(stage) = args.zero {
+        return cmd_train_zero(&o, stage, args.ranks);
+    }
     let signal = install_signal_handlers()?;
     o.stop = Some(STOP.clone());
     say!(

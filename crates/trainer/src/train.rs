@@ -619,7 +619,9 @@ fn refuse_text(path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
+/// The token dataset a run trains on (a token file, or the synthetic source generated in
+/// memory), with the synthetic source's entropy rate.
+pub fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
     match &opts.data {
         DataSource::Synthetic(d) => {
             if opts.model.vocab < d.vocab as usize {

@@ -80,6 +80,20 @@ pub struct UpdatePiece {
     pub tensor_range: Range<usize>,
 }
 
+/// One piece of a layer's state of record as [`ZeroEngine::export_layer`] gives it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardPiece {
+    /// Tensor index within the layer.
+    pub tensor: usize,
+    /// The elements of that tensor the piece covers.
+    pub tensor_range: Range<usize>,
+    /// Their f32 parameters of record (the masters in mixed precision).
+    pub params: Vec<f32>,
+    /// Their optimizer state, in planes (see [`ShardOptimizer::state_per_param`]); empty
+    /// before the first step.
+    pub state: Vec<f32>,
+}
+
 /// What [`ZeroEngine::step_clipped`] found and did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepReport {
@@ -93,8 +107,11 @@ pub struct StepReport {
 /// AdamW, SGD with momentum, …). The engine calls it once per piece of the rank's shard;
 /// padding is never passed.
 pub trait ShardOptimizer {
-    /// f32 values of state per parameter (2 for Adam's moments). The state of element `i` of
-    /// a piece is `state[i·k .. (i+1)·k]`; it starts zeroed.
+    /// f32 values of state per parameter (2 for Adam's moments). A piece of `n` elements
+    /// gets `k·n` values laid out in planes: value `j` of element `i` is `state[j·n + i]`
+    /// (Adam's `m` then `v`, each contiguous, as a vectorised kernel reads them). It starts
+    /// zeroed; [`ZeroEngine::optimizer_state`] and [`ZeroEngine::load_optimizer_state`]
+    /// move it in this layout.
     fn state_per_param(&self) -> usize;
 
     /// Update `params` in place from `grads` (the summed gradient) and `state`, all of the
@@ -1163,6 +1180,124 @@ impl ZeroEngine {
         })?;
         self.full_params = Some(params);
         Ok(r?)
+    }
+
+    /// Continue a run at `steps` completed optimizer steps (a resume from a checkpoint): the
+    /// next [`step`](Self::step) hands the optimizer step `steps + 1`.
+    pub fn resume_at(&mut self, steps: u64) {
+        self.steps = steps;
+    }
+
+    /// What this rank holds of layer `l`'s state of record, piece by piece (see
+    /// [`ShardPiece`]): the pieces of its shard in stages 1–3; in stage 0, where every rank
+    /// holds everything, rank 0 returns every tensor whole and the others nothing. With
+    /// the shards of every rank, the layer is complete exactly once: what a per-rank
+    /// checkpoint writes. Local: no communication.
+    pub fn export_layer(&self, l: usize) -> Result<Vec<ShardPiece>> {
+        let info = self.layer(l)?;
+        if self.config.stage == Stage::Zero0 && self.rank != 0 {
+            return Ok(Vec::new());
+        }
+        let spp = self.state_per_param.unwrap_or(0);
+        let base = self.working_base(info);
+        let working = if self.config.stage.shards_parameters() {
+            field(&self.shard_params)?
+        } else {
+            field(&self.full_params)?
+        };
+        let mut out = Vec::with_capacity(info.own_pieces.len());
+        for p in &info.own_pieces {
+            let sr = &p.shard_range;
+            let n = sr.len();
+            let mut params = vec![0.0f32; n];
+            match &self.masters {
+                Some(m) => {
+                    params.copy_from_slice(f32s(m.as_slice::<f32>()?, off(info.shard_off, sr))?)
+                }
+                None => load_f32(part(working, off(base, sr))?, &mut params),
+            }
+            let state = match &self.opt_state {
+                Some(st) => f32s(
+                    st.as_slice::<f32>()?,
+                    (info.shard_off + sr.start) * spp..(info.shard_off + sr.end) * spp,
+                )?
+                .to_vec(),
+                None => Vec::new(),
+            };
+            out.push(ShardPiece {
+                tensor: p.tensor,
+                tensor_range: p.tensor_range.clone(),
+                params,
+                state,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Set layer `l`'s optimizer state from its full per-tensor values: `state[t]` holds
+    /// tensor `t`'s `k` planes (`state[t][j·n + i]`, value `j` of element `i` of a tensor of
+    /// `n` elements) for an optimizer of `k` values per parameter. Every rank passes the same
+    /// values and keeps its pieces (a resume, on any number of ranks). Local.
+    pub fn load_optimizer_state(&mut self, l: usize, k: usize, state: &[&[f32]]) -> Result<()> {
+        let info = self.layer(l)?;
+        if state.len() != info.layout.num_tensors() {
+            return Err(ZeroError::Shape {
+                layer: l,
+                what: "tensor count",
+                expected: info.layout.num_tensors(),
+                got: state.len(),
+            });
+        }
+        for (s, &n) in state.iter().zip(info.layout.sizes()) {
+            let want = n.checked_mul(k).ok_or(ZeroError::SizeOverflow {
+                what: "optimizer state",
+            })?;
+            if s.len() != want {
+                return Err(ZeroError::Shape {
+                    layer: l,
+                    what: "optimizer state length",
+                    expected: want,
+                    got: s.len(),
+                });
+            }
+        }
+        match self.state_per_param {
+            Some(was) if was != k => {
+                return Err(ZeroError::OptimizerStateChanged { was, now: k });
+            }
+            Some(_) => {}
+            None => {
+                let len = self
+                    .shard_total
+                    .checked_mul(k)
+                    .ok_or(ZeroError::SizeOverflow {
+                        what: "optimizer state",
+                    })?;
+                self.opt_state = Some(alloc(
+                    &self.cpu,
+                    MemoryCategory::OptimizerState,
+                    len,
+                    DType::F32,
+                )?);
+                self.state_per_param = Some(k);
+            }
+        }
+        let info = &self.layers[l];
+        let dst = f32_field_mut(&mut self.opt_state)?;
+        for p in &info.own_pieces {
+            let (sr, tr) = (&p.shard_range, &p.tensor_range);
+            let n = info.layout.sizes()[p.tensor];
+            let piece = f32s_mut(
+                dst,
+                (info.shard_off + sr.start) * k..(info.shard_off + sr.end) * k,
+            )?;
+            let src = state.get(p.tensor).ok_or(ZeroError::Broken)?;
+            for j in 0..k {
+                piece[j * sr.len()..(j + 1) * sr.len()]
+                    .copy_from_slice(f32s(src, j * n + tr.start..j * n + tr.end)?);
+            }
+        }
+        Ok(())
     }
 
     /// Every layer's full f32 parameters of record (flat, no padding): the parameters in

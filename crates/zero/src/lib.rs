@@ -111,7 +111,7 @@ pub use collective::{
 };
 pub use comm_thread::{CommThread, Handle};
 pub use counting::{CommCounters, CommStats, CountingCollective, KindStats};
-pub use engine::{ShardOptimizer, StepReport, UpdatePiece, ZeroConfig, ZeroEngine};
+pub use engine::{ShardOptimizer, ShardPiece, StepReport, UpdatePiece, ZeroConfig, ZeroEngine};
 pub use error::{CommError, Result, ZeroError};
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use layout::{BucketPlan, FlatLayout, Piece};

@@ -74,7 +74,7 @@ impl fmt::Display for Stage {
 
 /// How gradients of micro-batch `a` on rank `r`, `g[r][a]`, become the step's gradient. Every
 /// `+` is an f32 addition, performed in exactly this order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReductionOrder {
     /// Stages 0 and 1: each rank accumulates its micro-batches locally,
     /// `L[r] = ((0 + g[r][0]) + g[r][1]) + …`, then the ranks' sums are added in rank order,

@@ -201,6 +201,14 @@ impl<B: ModelOps + Clone> Model<B> {
         })
     }
 
+    /// A model that holds no weights: every forward and backward takes them from a
+    /// [`PartStore`] ([`Model::forward_backward_parts`], [`Model::loss_parts`]); the methods
+    /// that read the model's own weights fail with an error.
+    pub fn parts_only(backend: &B, cfg: ModelConfig, opts: ModelOptions) -> Result<Self> {
+        let weights = MasterWeights::working_only(Vec::new(), weights_config(opts.precision))?;
+        Self::from_weights(backend, cfg, opts, weights)
+    }
+
     /// A model over working copies alone, whose fp32 masters live elsewhere (the host, beside
     /// an offloaded optimizer): `working` holds one tensor per parameter in the storage dtype
     /// of `opts.precision`. [`Model::masters`] is empty and [`Model::refresh_working`] does
@@ -427,15 +435,36 @@ impl<B: ModelOps> Model<B> {
     /// Token (+ GPT-2's position) embeddings: `[B, T, C]` in the storage precision (the
     /// chain's input).
     pub fn embed(&self, tokens: &[u32], g: Geometry) -> Result<B::Tensor> {
-        let _l = label_absolute("embed.out");
-        let c = self.cfg.channels;
-        let mut out = self.fresh([g.b, g.t, c])?;
         let wpe = match self.cfg.family {
             Family::Gpt2 => Some(self.w(WPE)?),
             Family::Llama(_) => None,
         };
-        self.backend.embed(&mut out, tokens, self.w(WTE)?, wpe)?;
+        self.embed_with(tokens, g, self.w(WTE)?, wpe)
+    }
+
+    /// [`Model::embed`] with the token (and GPT-2's position) embedding given by the caller.
+    pub fn embed_with(
+        &self,
+        tokens: &[u32],
+        g: Geometry,
+        wte: &B::Tensor,
+        wpe: Option<&B::Tensor>,
+    ) -> Result<B::Tensor> {
+        let _l = label_absolute("embed.out");
+        let c = self.cfg.channels;
+        let mut out = self.fresh([g.b, g.t, c])?;
+        self.backend.embed(&mut out, tokens, wte, wpe)?;
         self.keep(out)
+    }
+
+    /// The head's weights as the model holds them.
+    fn own_head_weights(&self) -> Result<HeadWeights<'_, B::Tensor>> {
+        let (w, b) = self.final_norm_indices();
+        Ok(HeadWeights {
+            head: self.w(params::head_index(&self.cfg))?,
+            norm_w: self.w(w)?,
+            norm_b: b.map(|b| self.w(b)).transpose()?,
+        })
     }
 
     /// Index and count of the final norm's tensors, and the bias's index (GPT-2).
@@ -449,11 +478,14 @@ impl<B: ModelOps> Model<B> {
 
     /// The final norm of `x` `[B, T, C]` with its statistics (kept for backward), the output
     /// rounded to the storage precision as the head's GEMM reads it.
-    fn final_norm(&self, x: &B::Tensor, g: Geometry) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
-        let (w, b) = self.final_norm_indices();
+    fn final_norm(
+        &self,
+        x: &B::Tensor,
+        g: Geometry,
+        hw: &HeadWeights<'_, B::Tensor>,
+    ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let mut out = self.stat([g.b, g.t, self.cfg.channels])?;
-        let b = b.map(|b| self.w(b)).transpose()?;
-        let stats = self.norm(&mut out, x, self.w(w)?, b, g)?;
+        let stats = self.norm(&mut out, x, hw.norm_w, hw.norm_b, g)?;
         self.backend.round_to(&mut out, self.opts.precision)?;
         Ok((out, stats))
     }
@@ -479,11 +511,25 @@ impl<B: ModelOps> Model<B> {
         dloss_per_token: f32,
         head_grads: HeadGrads<'_, B::Tensor>,
     ) -> Result<(f32, B::Tensor)> {
+        let hw = self.own_head_weights()?;
+        self.head_with(residual, targets, g, dloss_per_token, head_grads, &hw)
+    }
+
+    /// [`Model::head`] with the final norm's and the head's weights given by the caller.
+    pub fn head_with(
+        &self,
+        residual: &B::Tensor,
+        targets: &[u32],
+        g: Geometry,
+        dloss_per_token: f32,
+        head_grads: HeadGrads<'_, B::Tensor>,
+        hw: &HeadWeights<'_, B::Tensor>,
+    ) -> Result<(f32, B::Tensor)> {
         let c = self.cfg.channels;
         let n = g.rows();
         let _l = label_absolute("head.ln_f");
         let x = self.view(residual)?;
-        let (lnf, stats) = self.final_norm(x.tensor(), g)?;
+        let (lnf, stats) = self.final_norm(x.tensor(), g, hw)?;
         let _l = label_absolute("head.losses");
         let mut losses = self.stat([g.b, g.t])?;
         let _l = label_absolute("head.dln_f");
@@ -496,7 +542,7 @@ impl<B: ModelOps> Model<B> {
         self.backend.head_loss(
             &mut losses,
             &lnf,
-            self.w(params::head_index(&self.cfg))?,
+            hw.head,
             targets,
             self.head_rows(n),
             self.opts.precision,
@@ -510,14 +556,13 @@ impl<B: ModelOps> Model<B> {
         let mean = mean_loss(&self.backend.download::<f32>(&losses)?);
         let _l = label_absolute("head.dresidual");
         let mut dres = self.scratch([g.b, g.t, c])?;
-        let (w, _) = self.final_norm_indices();
         self.norm_backward(
             &mut dres,
             head_grads.norm_w,
             head_grads.norm_b,
             &dlnf,
             x.tensor(),
-            self.w(w)?,
+            hw.norm_w,
             &stats,
         )?;
         Ok((mean, dres))
@@ -543,7 +588,7 @@ impl<B: ModelOps> Model<B> {
         for l in 0..self.cfg.layers {
             x = self.block_forward(l, &x, g, false)?.0;
         }
-        self.head_loss(&x, targets, g)
+        self.head_loss(&x, targets, g, &self.own_head_weights()?)
     }
 
     /// The logits `[B, T, V]` of a batch (f32, row-major), forward only: the values the
@@ -561,7 +606,7 @@ impl<B: ModelOps> Model<B> {
     /// rounded to the storage precision as the head rounds them), downloaded.
     pub(crate) fn logits_of(&self, x: &B::Tensor, g: Geometry) -> Result<Vec<f32>> {
         let xv = self.view(x)?;
-        let (lnf, _) = self.final_norm(xv.tensor(), g)?;
+        let (lnf, _) = self.final_norm(xv.tensor(), g, &self.own_head_weights()?)?;
         drop(xv);
         let _l = label_absolute("head.logits");
         let mut logits = self.scratch([g.b, g.t, self.cfg.vocab])?;
@@ -573,17 +618,23 @@ impl<B: ModelOps> Model<B> {
 
     /// The head's forward alone: final norm, head (`loss_chunk` rows of logits at a time, as
     /// in [`Model::head`]) and the mean cross-entropy.
-    fn head_loss(&self, residual: &B::Tensor, targets: &[u32], g: Geometry) -> Result<f32> {
+    fn head_loss(
+        &self,
+        residual: &B::Tensor,
+        targets: &[u32],
+        g: Geometry,
+        hw: &HeadWeights<'_, B::Tensor>,
+    ) -> Result<f32> {
         let n = g.rows();
         let _l = label_absolute("head.ln_f");
         let x = self.view(residual)?;
-        let (lnf, _) = self.final_norm(x.tensor(), g)?;
+        let (lnf, _) = self.final_norm(x.tensor(), g, hw)?;
         let _l = label_absolute("head.losses");
         let mut losses = self.stat([g.b, g.t])?;
         self.backend.head_loss(
             &mut losses,
             &lnf,
-            self.w(params::head_index(&self.cfg))?,
+            hw.head,
             targets,
             self.head_rows(n),
             self.opts.precision,
@@ -726,7 +777,7 @@ impl<B: ModelOps> Model<B> {
             .map(|(l, grads)| Block {
                 model: self,
                 index: l,
-                grads,
+                io: BlockIo::Own(grads),
                 g,
             })
             .collect();
@@ -799,7 +850,7 @@ impl<B: ModelOps> Model<B> {
             layers.push(Block {
                 model: self,
                 index: l,
-                grads: mine,
+                io: BlockIo::Own(mine),
                 g,
             });
         }
@@ -820,6 +871,230 @@ impl<B: ModelOps> Model<B> {
         })?;
         Ok((loss, out.stats))
     }
+
+    /// [`Model::forward_backward`] with every weight read from `store` and every gradient
+    /// handed to it, part by part, as soon as the part's backward is done: the head's first,
+    /// then the blocks' from the last, then the embeddings' (with a tied head, the token
+    /// embedding's gradient buffer is taken at the head and handed over after the embedding's
+    /// backward). The model's own weights are not read. The same operations in the same
+    /// order as `forward_backward`, so a store that hands out the model's values gives its
+    /// bits.
+    pub fn forward_backward_parts(
+        &self,
+        store: &dyn PartStore<B>,
+        tokens: &[u32],
+        targets: &[u32],
+        g: Geometry,
+        dloss_per_token: f32,
+        schedule: &Schedule,
+    ) -> Result<(f32, ScheduleStats)> {
+        self.check_batch(tokens, targets, g)?;
+        if self.finetune.is_some() {
+            return Err(TrainError::Config(
+                "a fine-tuning model keeps its frozen base itself; it cannot take its weights \
+                 part by part"
+                    .into(),
+            ));
+        }
+        let tied = params::head_index(&self.cfg) == WTE;
+        let x = {
+            let ew = store.weights(Part::Embeddings)?;
+            let _g = MemoryCategory::Activations.enter();
+            self.embed_with(tokens, g, &ew[0], ew.get(1))?
+        };
+        let layers = (0..self.cfg.layers)
+            .map(|l| Block {
+                model: self,
+                index: l,
+                io: BlockIo::Store(store),
+                g,
+            })
+            .collect();
+        let mut chain = Chain::new(layers);
+        let mut loss = 0.0f32;
+        let mut emb_grads: Option<Vec<B::Tensor>> = None;
+        let out = chain.step(&self.backend, schedule, &x, |y| {
+            let _l = label_absolute("head");
+            (|| {
+                let hw = store.weights(Part::Head)?;
+                let tied_w = if tied {
+                    Some(store.weights(Part::Embeddings)?)
+                } else {
+                    None
+                };
+                let nf = params::final_norm_count(&self.cfg);
+                let weights = HeadWeights {
+                    head: match &tied_w {
+                        Some(ew) => &ew[0],
+                        None => &hw[nf],
+                    },
+                    norm_w: &hw[0],
+                    norm_b: hw[..nf].get(1),
+                };
+                let mut hg = store.grad_buffers(Part::Head)?;
+                let eg = if tied {
+                    Some(emb_grads.insert(store.grad_buffers(Part::Embeddings)?))
+                } else {
+                    None
+                };
+                let (norm, untied) = hg.split_at_mut(nf);
+                let (norm_w, norm_b) = norm.split_at_mut(1);
+                let grads = HeadGrads {
+                    head: match eg {
+                        Some(eg) => eg.first_mut(),
+                        None => untied.first_mut(),
+                    },
+                    norm_w: norm_w.first_mut(),
+                    norm_b: norm_b.first_mut(),
+                };
+                let (l, d) = self.head_with(y, targets, g, dloss_per_token, grads, &weights)?;
+                drop((hw, tied_w));
+                store.push_grads(Part::Head, hg)?;
+                loss = l;
+                Ok(d)
+            })()
+            .map_err(into_tensor_error)
+        })?;
+        drop(x);
+        let _l = label_absolute("embed");
+        let mut eg = match emb_grads {
+            Some(eg) => eg,
+            None => store.grad_buffers(Part::Embeddings)?,
+        };
+        let (wte, wpe) = eg.split_at_mut(1);
+        self.embed_backward(&out.input_grad, tokens, &mut wte[0], wpe.first_mut())?;
+        store.push_grads(Part::Embeddings, eg)?;
+        Ok((loss, out.stats))
+    }
+
+    /// [`Model::loss`] with every weight read from `store`, part by part (forward only).
+    pub fn loss_parts(
+        &self,
+        store: &dyn PartStore<B>,
+        tokens: &[u32],
+        targets: &[u32],
+        g: Geometry,
+    ) -> Result<f32> {
+        self.check_batch(tokens, targets, g)?;
+        let mut x = {
+            let ew = store.weights(Part::Embeddings)?;
+            self.embed_with(tokens, g, &ew[0], ew.get(1))?
+        };
+        for l in 0..self.cfg.layers {
+            let w = store.weights(Part::Block(l))?;
+            x = self.block_forward_with(l, &w, &x, g, false)?.0;
+        }
+        let hw = store.weights(Part::Head)?;
+        let tied_w = if params::head_index(&self.cfg) == WTE {
+            Some(store.weights(Part::Embeddings)?)
+        } else {
+            None
+        };
+        let nf = params::final_norm_count(&self.cfg);
+        let weights = HeadWeights {
+            head: match &tied_w {
+                Some(ew) => &ew[0],
+                None => &hw[nf],
+            },
+            norm_w: &hw[0],
+            norm_b: hw[..nf].get(1),
+        };
+        self.head_loss(&x, targets, g, &weights)
+    }
+}
+
+/// A part of the model as a data-parallel owner of its weights walks it, in order: the
+/// embeddings, each block, then the head (the final norm and an untied head weight; a tied
+/// head reads the embeddings' token embedding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Part {
+    /// The token embedding (and GPT-2's position embedding).
+    Embeddings,
+    /// Block `l`.
+    Block(usize),
+    /// The final norm and the untied head.
+    Head,
+}
+
+impl Part {
+    /// Every part of `cfg`, in order.
+    pub fn all(cfg: &ModelConfig) -> Vec<Part> {
+        let mut out = vec![Part::Embeddings];
+        out.extend((0..cfg.layers).map(Part::Block));
+        out.push(Part::Head);
+        out
+    }
+
+    /// The part's position in [`Part::all`].
+    pub fn index(self, cfg: &ModelConfig) -> usize {
+        match self {
+            Part::Embeddings => 0,
+            Part::Block(l) => 1 + l,
+            Part::Head => 1 + cfg.layers,
+        }
+    }
+
+    /// The parts whose weights [`Model::forward_backward_parts`] asks for, in the order it
+    /// asks, under `schedule`: the embeddings; a block for each of the schedule's operations
+    /// (forwards, recomputations and backwards); the head (and a tied head's embeddings)
+    /// right after the first forward of the last block. The embeddings' backward reads no
+    /// weights.
+    pub fn access_order(cfg: &ModelConfig, schedule: &Schedule) -> Vec<Part> {
+        let mut out = vec![Part::Embeddings];
+        let mut head_done = false;
+        for op in schedule.ops() {
+            let l = op.layer();
+            out.push(Part::Block(l));
+            if op.is_forward() && l + 1 == cfg.layers && !head_done {
+                head_done = true;
+                out.push(Part::Head);
+                if params::head_index(cfg) == WTE {
+                    out.push(Part::Embeddings);
+                }
+            }
+        }
+        out
+    }
+
+    /// The indices of the part's tensors in [`params::param_infos`] order.
+    pub fn params(self, cfg: &ModelConfig) -> std::ops::Range<usize> {
+        let emb = params::embedding_count(cfg);
+        match self {
+            Part::Embeddings => 0..emb,
+            Part::Block(l) => {
+                let start = params::layer_index(cfg, l, 0);
+                start..start + params::per_layer(cfg)
+            }
+            Part::Head => params::final_norm_index(cfg)..params::param_infos(cfg).len(),
+        }
+    }
+}
+
+/// The owner of a model's weights and the receiver of its gradients, part by part, for
+/// [`Model::forward_backward_parts`]: ZeRO's sharded engine, which gathers a part's weights
+/// just before each use and reduces its gradients as soon as they are complete.
+pub trait PartStore<B: ModelOps> {
+    /// The part's working weights (its tensors in [`Part::params`] order, in the storage
+    /// precision), for one use: they are dropped right after it. The uses of a micro-batch
+    /// come in a fixed order ([`Part::access_order`]), so a store can fetch the next part
+    /// while this one computes.
+    fn weights(&self, part: Part) -> Result<Vec<B::Tensor>>;
+
+    /// Zeroed f32 gradient buffers of the part's tensors, for one micro-batch's backward.
+    fn grad_buffers(&self, part: Part) -> Result<Vec<B::Tensor>>;
+
+    /// The part's gradients of this micro-batch, complete (once per part per micro-batch).
+    fn push_grads(&self, part: Part, grads: Vec<B::Tensor>) -> Result<()>;
+}
+
+/// The weights the head reads: the final norm's and the output head's.
+pub struct HeadWeights<'a, T = CpuTensor> {
+    /// The head `[V, C]` (the token embedding when tied).
+    pub head: &'a T,
+    /// The final norm's gain.
+    pub norm_w: &'a T,
+    /// The final norm's bias (GPT-2).
+    pub norm_b: Option<&'a T>,
 }
 
 /// What both constructors check before touching weights: a valid shape, a loss chunk of at
@@ -851,17 +1126,39 @@ pub(crate) fn weights_config(precision: Precision) -> MasterWeightsConfig {
     })
 }
 
-/// Block `index` of a model, with its gradient tensors, for one batch geometry: a
-/// [`headroom_ckpt::Layer`], so any checkpoint schedule can run the blocks.
-pub struct Block<'m, B: ModelOps = Cpu> {
-    /// The model.
-    pub model: &'m Model<B>,
-    /// Which block.
-    pub index: usize,
-    /// Its parameter gradients (f32, in the family's offset order), accumulated by backward.
-    pub grads: &'m mut [B::Tensor],
-    /// Batch geometry.
-    pub g: Geometry,
+/// Where a block's weights come from and its gradients go.
+pub(crate) enum BlockIo<'m, B: ModelOps> {
+    /// The model's own weights; gradients accumulate into these tensors (f32, in the
+    /// family's offset order).
+    Own(&'m mut [B::Tensor]),
+    /// A [`PartStore`]'s, fetched for every use and handed back after backward.
+    Store(&'m dyn PartStore<B>),
+}
+
+/// Block `index` of a model, with where its weights and gradients live, for one batch
+/// geometry: a [`headroom_ckpt::Layer`], so any checkpoint schedule can run the blocks.
+pub(crate) struct Block<'m, B: ModelOps = Cpu> {
+    pub(crate) model: &'m Model<B>,
+    pub(crate) index: usize,
+    pub(crate) io: BlockIo<'m, B>,
+    pub(crate) g: Geometry,
+}
+
+impl<B: ModelOps> Block<'_, B> {
+    fn forward(
+        &self,
+        input: &B::Tensor,
+        save: bool,
+    ) -> Result<BlockOutput<B::Tensor, BlockSaved<B::Tensor>>> {
+        let (model, l, g) = (self.model, self.index, self.g);
+        match &self.io {
+            BlockIo::Own(_) => model.block_forward(l, input, g, save),
+            BlockIo::Store(store) => {
+                let w = store.weights(Part::Block(l))?;
+                model.block_forward_with(l, &w, input, g, save)
+            }
+        }
+    }
 }
 
 impl<B: ModelOps> headroom_ckpt::Layer<B> for Block<'_, B> {
@@ -872,10 +1169,7 @@ impl<B: ModelOps> headroom_ckpt::Layer<B> for Block<'_, B> {
         _: &B,
         input: &B::Tensor,
     ) -> headroom_tensor::Result<(B::Tensor, Self::Saved)> {
-        let (out, saved) = self
-            .model
-            .block_forward(self.index, input, self.g, true)
-            .map_err(into_tensor_error)?;
+        let (out, saved) = self.forward(input, true).map_err(into_tensor_error)?;
         match saved {
             Some(s) => Ok((out, s)),
             None => Err(into_tensor_error(TrainError::Input(
@@ -885,11 +1179,7 @@ impl<B: ModelOps> headroom_ckpt::Layer<B> for Block<'_, B> {
     }
 
     fn forward_discard(&self, _: &B, input: &B::Tensor) -> headroom_tensor::Result<B::Tensor> {
-        Ok(self
-            .model
-            .block_forward(self.index, input, self.g, false)
-            .map_err(into_tensor_error)?
-            .0)
+        Ok(self.forward(input, false).map_err(into_tensor_error)?.0)
     }
 
     fn backward(
@@ -901,11 +1191,22 @@ impl<B: ModelOps> headroom_ckpt::Layer<B> for Block<'_, B> {
     ) -> headroom_tensor::Result<B::Tensor> {
         let (model, l, g) = (self.model, self.index, self.g);
         let _t = model.tag(l, "backward");
-        model
-            .with_staged_grads(self.grads, |grads| {
+        match &mut self.io {
+            BlockIo::Own(grads) => model.with_staged_grads(grads, |grads| {
                 model.block_backward(l, input, saved, grad_output, grads, g)
-            })
-            .map_err(into_tensor_error)
+            }),
+            BlockIo::Store(store) => (|| {
+                let part = Part::Block(l);
+                let w = store.weights(part)?;
+                let mut grads = store.grad_buffers(part)?;
+                let dx =
+                    model.block_backward_with(l, &w, input, saved, grad_output, &mut grads, g)?;
+                drop(w);
+                store.push_grads(part, grads)?;
+                Ok(dx)
+            })(),
+        }
+        .map_err(into_tensor_error)
     }
 }
 

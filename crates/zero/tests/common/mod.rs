@@ -71,12 +71,14 @@ impl ShardOptimizer for AdamW {
         } else {
             0.0
         };
-        for ((p, &g), s) in params.iter_mut().zip(grads).zip(state.chunks_exact_mut(2)) {
+        // Planar state: the piece's m, then its v.
+        let (m, v) = state.split_at_mut(params.len());
+        for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(m).zip(v) {
             *p -= self.lr * wd * *p;
-            s[0] = self.beta1 * s[0] + (1.0 - self.beta1) * g;
-            s[1] = self.beta2 * s[1] + (1.0 - self.beta2) * g * g;
-            let denom = s[1].sqrt() / bc2_sqrt + self.eps;
-            *p -= (self.lr / bc1) * s[0] / denom;
+            *m = self.beta1 * *m + (1.0 - self.beta1) * g;
+            *v = self.beta2 * *v + (1.0 - self.beta2) * g * g;
+            let denom = v.sqrt() / bc2_sqrt + self.eps;
+            *p -= (self.lr / bc1) * *m / denom;
         }
         Ok(())
     }

@@ -1,0 +1,702 @@
+//! Data-parallel training under ZeRO (`headroom train --zero S --ranks N`): N ranks, each a
+//! thread with its own tracked [`Cpu`] backend, its own [`ZeroEngine`] (headroom-zero) and its
+//! own shard of the data, talking through a [`Collective`] — the in-process group here, MPI or
+//! NCCL where those run the same code.
+//!
+//! The model code is the single-process model's: every rank runs
+//! [`Model::forward_backward_parts`] with the engine as its [`PartStore`]. The model holds no
+//! weights of its own; each part's weights come from the engine for each use, and each part's
+//! gradients go to the engine as soon as the part's backward is done (stages 2–3
+//! reduce-scatter them bucket by bucket meanwhile). Stage 3 all-gathers a part just before
+//! its use and frees it right after; the order of uses under the checkpoint schedule is
+//! known in advance ([`Part::access_order`]), so the next part's all-gather runs while this
+//! one computes, and a block recomputed just before its backward is gathered once for both.
+//! After the step's micro-batches each rank updates its shard with AdamW — headroom-offload's
+//! fused kernel, elementwise, so a shard's update is bitwise the update of the whole tensor.
+//!
+//! Batch: `--batch` is the global batch; each rank runs `batch / N` sequences per step in
+//! micro-batches of `--micro-batch`, every micro-batch's loss gradient seeded with
+//! `1 / (batch · seq)`, so the summed gradient is the global mean's, as in one process.
+//!
+//! Trade-off: a part's weights reach the model as a copy in [`MemoryCategory::Workspace`]
+//! (the model's ops take one tensor per weight; the engine keeps one flat buffer per layer).
+//! The copy is one part at a time, a memory copy against the part's GEMMs, and it keeps the
+//! engine's parameter, gradient and optimizer bytes exactly its stage's formula.
+
+use std::cell::{Cell, RefCell};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use headroom_ckpt::Schedule;
+use headroom_mmap_data::{
+    Loader, LoaderConfig, OutputType, SamplerConfig, SamplingMode, Shard, TokenDataset,
+};
+use headroom_offload::{fused_step, AdamWHyper, Isa, StatePrecision, StepScalars};
+use headroom_profiler::{label_absolute, MemorySnapshot, MemoryTracker};
+use headroom_tensor::cpu::kernels::FloatSlice;
+use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, DType, Device, MemoryCategory, Shape};
+use headroom_zero::{
+    CommStats, CountingCollective, InProcessGroup, ShardOptimizer, Stage, UpdatePiece, ZeroConfig,
+    ZeroEngine,
+};
+
+use crate::model::{params, Geometry, Model, Part, PartStore, Precision};
+use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement};
+use crate::train::{StepLog, TrainOptions};
+use crate::{Result, TrainError};
+
+/// How a ZeRO run is split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZeroOptions {
+    /// What is sharded.
+    pub stage: Stage,
+    /// Data-parallel ranks.
+    pub ranks: usize,
+    /// How long a rank waits for the others in a collective before it gives up with a typed
+    /// error (a rank that died never answers).
+    pub timeout: Duration,
+    /// Gather every parameter to the caller at the end ([`ZeroReport::parameters`]).
+    pub collect_parameters: bool,
+}
+
+impl ZeroOptions {
+    /// `stage` on `ranks` in-process ranks, a 60 s time-out, no final gather.
+    pub fn new(stage: Stage, ranks: usize) -> Self {
+        ZeroOptions {
+            stage,
+            ranks,
+            timeout: Duration::from_secs(60),
+            collect_parameters: false,
+        }
+    }
+}
+
+/// One rank's figures at the end of a run.
+#[derive(Debug)]
+pub struct RankReport {
+    /// The rank.
+    pub rank: usize,
+    /// Its tracker's snapshot: bytes by category, live and peak.
+    pub memory: MemorySnapshot,
+    /// What went through its collective, all steps together.
+    pub comm: CommStats,
+    /// What went through its collective in the last step alone.
+    pub last_step_comm: CommStats,
+}
+
+/// The outcome of a ZeRO run.
+#[derive(Debug)]
+pub struct ZeroReport {
+    /// Every step's log: the loss over the global batch, the slowest rank's time, the largest
+    /// rank's bytes.
+    pub steps: Vec<StepLog>,
+    /// Every rank's memory and communication, by rank.
+    pub ranks: Vec<RankReport>,
+    /// The checkpoint schedule the blocks ran under.
+    pub schedule: Schedule,
+    /// With [`ZeroOptions::collect_parameters`]: every parameter of record (the fp32 masters
+    /// in mixed precision), in [`params::param_infos`] order.
+    pub parameters: Option<Vec<Vec<f32>>>,
+}
+
+/// What a rank reports after each step.
+struct RankStep {
+    rank: usize,
+    step: usize,
+    loss_sum: f64,
+    block_forwards: usize,
+    grad_norm: f64,
+    seconds: f64,
+    live: u64,
+    peak: u64,
+}
+
+/// What the ranks share, read-only.
+struct Shared<'a> {
+    opts: &'a TrainOptions,
+    zero: ZeroOptions,
+    dataset: Arc<TokenDataset>,
+    schedule: Schedule,
+    /// Per part: its tensors' shapes.
+    shapes: Vec<Vec<Shape>>,
+    /// Per part, per tensor: AdamW group (0 decays, 1 does not).
+    groups: Vec<Vec<usize>>,
+    micro: usize,
+}
+
+/// The parameter count of each part's tensors (headroom-zero's layer sizes).
+pub fn part_sizes(cfg: &crate::model::ModelConfig) -> Vec<Vec<usize>> {
+    let infos = params::param_infos(cfg);
+    Part::all(cfg)
+        .into_iter()
+        .map(|p| {
+            infos[p.params(cfg)]
+                .iter()
+                .map(|i| i.shape.iter().product())
+                .collect()
+        })
+        .collect()
+}
+
+/// Check a ZeRO run's settings before any rank starts.
+fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
+    opts.validate()?;
+    let refuse = |what: &str| Err(TrainError::Config(format!("--zero: {what}")));
+    if zero.ranks == 0 {
+        return Err(TrainError::Option {
+            option: "--ranks",
+            reason: "must be at least 1".into(),
+        });
+    }
+    // Without --micro-batch each rank runs its whole share at once.
+    let micro = opts
+        .techniques
+        .micro_batch
+        .unwrap_or(opts.batch / zero.ranks)
+        .max(1);
+    if opts.batch % zero.ranks != 0 || (opts.batch / zero.ranks) % micro != 0 {
+        return Err(TrainError::Option {
+            option: "--batch",
+            reason: format!(
+                "the global batch {} must split into {} ranks of whole micro-batches of {micro}",
+                opts.batch, zero.ranks
+            ),
+        });
+    }
+    let tech = &opts.techniques;
+    if opts.device != crate::engine::ComputeDevice::Cpu {
+        return refuse("in-process ranks run on the CPU (NCCL ranks need one process per GPU)");
+    }
+    if tech.finetune.is_some() {
+        return refuse("LoRA / QLoRA train adapters only; shard them with plain data parallelism");
+    }
+    if tech.optimizer.placement != OptimizerPlacement::Resident
+        || tech.optimizer.state != StatePrecision::F32
+    {
+        return refuse("each rank keeps its optimizer shard as f32 AdamW beside it (no offload or 8-bit state)");
+    }
+    if tech.model.precision == Precision::Fp16 {
+        return refuse("fp16 needs a loss scaler; use bf16");
+    }
+    if matches!(tech.checkpoint, CheckpointChoice::Optimal(None)) {
+        return refuse(
+            "the optimal schedule needs an explicit activation budget (--checkpoint optimal:MiB)",
+        );
+    }
+    if opts.eval.is_some() || opts.save.is_some() || opts.resume_from.is_some() {
+        return refuse("validation and checkpoints are not wired to ZeRO runs yet");
+    }
+    if opts.merge_into.is_some() {
+        return refuse("--merge-into needs adapters");
+    }
+    Ok(micro)
+}
+
+/// Train under ZeRO on `zero.ranks` in-process ranks, calling `on_step` after every step
+/// with the global batch's figures.
+pub fn train_zero(
+    opts: &TrainOptions,
+    zero: ZeroOptions,
+    mut on_step: impl FnMut(&StepLog),
+) -> Result<ZeroReport> {
+    let micro = check(opts, &zero)?;
+    let cfg = &opts.model;
+    let infos = params::param_infos(cfg);
+    let parts = Part::all(cfg);
+    let shapes: Vec<Vec<Shape>> = parts
+        .iter()
+        .map(|p| {
+            infos[p.params(cfg)]
+                .iter()
+                .map(|i| Shape::from(i.shape.clone()))
+                .collect()
+        })
+        .collect();
+    // GPT-2 practice, as the single-process trainer: decay matrices and embeddings only.
+    let groups = parts
+        .iter()
+        .map(|p| {
+            infos[p.params(cfg)]
+                .iter()
+                .map(|i| if i.shape.len() >= 2 { 0 } else { 1 })
+                .collect()
+        })
+        .collect();
+    let schedule = block_schedule(opts.techniques.checkpoint, cfg, || {
+        let est = crate::estimate::estimate(cfg, opts.seq, micro, opts.batch, &opts.techniques)?;
+        let budget = match opts.techniques.checkpoint {
+            CheckpointChoice::Optimal(Some(b)) => b,
+            _ => unreachable_budget()?,
+        };
+        Ok((est.block_chain_cost()?, budget))
+    })?;
+    let (dataset, _) = crate::train::open_data(opts)?;
+    let shared = Shared {
+        opts,
+        zero,
+        dataset,
+        schedule: schedule.clone(),
+        shapes,
+        groups,
+        micro,
+    };
+    let comms = InProcessGroup::create(zero.ranks, zero.timeout)
+        .map_err(|e| TrainError::Config(format!("ZeRO rank group: {e}")))?;
+    let (tx, rx) = mpsc::channel::<RankStep>();
+    let tokens_per_step = (opts.batch * opts.seq) as u64;
+    let mut logs: Vec<StepLog> = Vec::new();
+    let outcomes: Vec<std::thread::Result<Result<RankOutcome>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let tx = tx.clone();
+                let shared = &shared;
+                s.spawn(move || run_rank(shared, comm, tx))
+            })
+            .collect();
+        drop(tx);
+        // Steps complete on every rank in order; a step is logged once every rank reported it.
+        let mut pending: Vec<Vec<RankStep>> = Vec::new();
+        for msg in rx {
+            let at = msg.step;
+            if pending.len() <= at {
+                pending.resize_with(at + 1, Vec::new);
+            }
+            pending[at].push(msg);
+            while let Some(done) = pending.get(logs.len()).filter(|p| p.len() == zero.ranks) {
+                let step = logs.len();
+                let first = &done[0];
+                let loss_sum: f64 = {
+                    let mut by_rank: Vec<&RankStep> = done.iter().collect();
+                    by_rank.sort_by_key(|r| r.rank);
+                    by_rank.iter().map(|r| r.loss_sum).sum()
+                };
+                let seconds = done.iter().map(|r| r.seconds).fold(0.0, f64::max);
+                let log = StepLog {
+                    step,
+                    loss: (loss_sum / tokens_per_step as f64) as f32,
+                    lr: opts.lr_at(step),
+                    grad_norm: first.grad_norm,
+                    applied: true,
+                    loss_scale: 1.0,
+                    block_forwards: first.block_forwards,
+                    seconds,
+                    tokens_per_s: tokens_per_step as f64 / seconds,
+                    live_bytes: done.iter().map(|r| r.live).max().unwrap_or(0),
+                    peak_bytes: done.iter().map(|r| r.peak).max().unwrap_or(0),
+                    val_loss: None,
+                };
+                on_step(&log);
+                logs.push(log);
+            }
+        }
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    let mut ranks = Vec::with_capacity(zero.ranks);
+    let mut parameters = None;
+    let mut errors = Vec::new();
+    for (rank, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Ok(Ok(o)) => {
+                if rank == 0 {
+                    parameters = o.parameters;
+                }
+                ranks.push(o.report);
+            }
+            Ok(Err(e)) => errors.push((rank, e)),
+            Err(_) => errors.push((
+                rank,
+                TrainError::Config(format!("ZeRO rank {rank} panicked")),
+            )),
+        }
+    }
+    if !errors.is_empty() {
+        // The rank that failed first is the cause; the others time out waiting for it.
+        let pos = errors
+            .iter()
+            .position(|(_, e)| !is_comm_timeout(e))
+            .unwrap_or(0);
+        let (rank, e) = errors.swap_remove(pos);
+        return Err(TrainError::Config(format!("ZeRO rank {rank}: {e}")));
+    }
+    Ok(ZeroReport {
+        steps: logs,
+        ranks,
+        schedule,
+        parameters,
+    })
+}
+
+fn unreachable_budget() -> Result<u64> {
+    Err(TrainError::Config(
+        "the optimal schedule needs an explicit activation budget".into(),
+    ))
+}
+
+/// Whether an error is a rank giving up on a peer (rather than the peer's own failure).
+fn is_comm_timeout(e: &TrainError) -> bool {
+    let text = e.to_string();
+    text.contains("timed out") || text.contains("disconnected") || text.contains("peer")
+}
+
+struct RankOutcome {
+    report: RankReport,
+    parameters: Option<Vec<Vec<f32>>>,
+}
+
+fn zero_err(e: headroom_zero::ZeroError) -> TrainError {
+    TrainError::Config(format!("ZeRO: {e}"))
+}
+
+/// One rank's whole run.
+fn run_rank(
+    shared: &Shared<'_>,
+    comm: headroom_zero::InProcessComm,
+    tx: mpsc::Sender<RankStep>,
+) -> Result<RankOutcome> {
+    use headroom_zero::Collective;
+    let opts = shared.opts;
+    let cfg = &opts.model;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let comm = CountingCollective::new(comm);
+    let counters = comm.counters();
+    let tracker = Arc::new(MemoryTracker::new());
+    tracker.set_budget(Device::Cpu, opts.budget);
+    let cpu = Cpu::new()
+        .with_alloc_hook(tracker.clone())
+        .with_buffer_cache(usize::MAX);
+    let precision = opts.techniques.model.precision;
+    let zcfg = ZeroConfig::new(shared.zero.stage).with_precision(match precision {
+        Precision::Fp32 => headroom_zero::Precision::Fp32,
+        _ => headroom_zero::Precision::MixedBf16,
+    });
+    let sizes = part_sizes(cfg);
+    let engine = ZeroEngine::new(cpu.clone(), comm, &sizes, zcfg).map_err(zero_err)?;
+    let store = EngineStore {
+        engine: RefCell::new(engine),
+        cpu: cpu.clone(),
+        shapes: &shared.shapes,
+        cfg: *cfg,
+        dtype: precision.storage(),
+        plan: Part::access_order(cfg, &shared.schedule)
+            .into_iter()
+            .map(|p| p.index(cfg))
+            .collect(),
+        cursor: Cell::new(0),
+    };
+    store.load_initial(opts)?;
+
+    let mut model_opts = opts.techniques.model;
+    if opts.techniques.checkpoint == CheckpointChoice::Selective {
+        model_opts.selective = true;
+    }
+    model_opts.offload_grads = false;
+    let model = Model::parts_only(&cpu, *cfg, model_opts)?;
+
+    let sampler = SamplerConfig {
+        mode: SamplingMode::EpochWindows,
+        seq_len: opts.seq as u64,
+        seed: opts.seed,
+        shard: Shard::new(rank as u32, world as u32)?,
+    };
+    let per_rank = opts.batch / world;
+    let mut loader_cfg = LoaderConfig::new(per_rank);
+    loader_cfg.output = OutputType::U32;
+    let mut loader = {
+        let _g = MemoryCategory::Data.enter();
+        let _l = label_absolute("data.batch");
+        Loader::new(
+            shared.dataset.clone(),
+            sampler,
+            loader_cfg,
+            cpu.alloc_hook().cloned(),
+        )?
+    };
+    let mut adamw = ShardAdamW::new(opts, shared.groups.clone());
+    let micro = shared.micro;
+    let g = Geometry {
+        b: micro,
+        t: opts.seq,
+    };
+    let rows = micro * opts.seq;
+    let dloss = (1.0 / (opts.batch * opts.seq) as f64) as f32;
+    let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
+    let mut before_last = counters.snapshot();
+    for step in 0..end {
+        let t0 = Instant::now();
+        before_last = counters.snapshot();
+        let (tokens, targets) = {
+            let batch = loader.next_batch()?;
+            let inputs = batch
+                .inputs_u32()
+                .ok_or_else(|| TrainError::Input("loader gave no u32 inputs".into()))?
+                .to_vec();
+            let targets = batch
+                .targets_u32()
+                .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
+                .to_vec();
+            (inputs, targets)
+        };
+        let mut loss_sum = 0.0f64;
+        let mut block_forwards = 0;
+        for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+            let out = model.forward_backward_parts(&store, tok, tgt, g, dloss, &shared.schedule);
+            // Whatever happened, nothing gathered may outlive the micro-batch: a prefetch
+            // the pass did not consume would be stale after the step.
+            store.release_all()?;
+            let (mb_loss, stats) = out?;
+            block_forwards += stats.forward_count;
+            loss_sum += mb_loss as f64 * rows as f64;
+        }
+        adamw.lr = opts.lr_at(step);
+        let grad_norm = {
+            let mut e = store.engine.borrow_mut();
+            if opts.grad_clip.is_finite() {
+                e.step_clipped(&mut adamw, opts.grad_clip as f32)
+                    .map_err(zero_err)?
+                    .grad_norm
+            } else {
+                e.step(&mut adamw).map_err(zero_err)?;
+                f64::NAN
+            }
+        };
+        let report = RankStep {
+            rank,
+            step,
+            loss_sum,
+            block_forwards,
+            grad_norm,
+            seconds: t0.elapsed().as_secs_f64(),
+            live: tracker.live_bytes(Device::Cpu),
+            peak: tracker.peak_bytes(Device::Cpu),
+        };
+        // The receiver only goes away when the caller is gone.
+        let _ = tx.send(report);
+    }
+    let parameters = if shared.zero.collect_parameters {
+        let layers = store
+            .engine
+            .borrow_mut()
+            .full_parameters()
+            .map_err(zero_err)?;
+        let mut out = Vec::new();
+        for (flat, sizes) in layers.iter().zip(&sizes) {
+            let mut at = 0;
+            for &n in sizes {
+                out.push(flat[at..at + n].to_vec());
+                at += n;
+            }
+        }
+        Some(out)
+    } else {
+        None
+    };
+    let comm = counters.snapshot();
+    Ok(RankOutcome {
+        report: RankReport {
+            rank,
+            memory: tracker.snapshot(),
+            comm,
+            last_step_comm: comm.since(&before_last),
+        },
+        parameters,
+    })
+}
+
+/// The engine as the model's [`PartStore`].
+struct EngineStore<'a> {
+    engine: RefCell<ZeroEngine>,
+    cpu: Cpu,
+    shapes: &'a [Vec<Shape>],
+    cfg: crate::model::ModelConfig,
+    /// The working weights' dtype (f32, or bf16 in mixed precision).
+    dtype: DType,
+    /// The parts a micro-batch asks for, in order ([`Part::access_order`]), by index.
+    plan: Vec<usize>,
+    /// Where in `plan` the next request should be (`usize::MAX` once off the plan).
+    cursor: Cell<usize>,
+}
+
+impl EngineStore<'_> {
+    /// Every rank builds the same initial parameters (the seed's, or `--init-from`'s) one
+    /// tensor at a time on an untracked staging backend, and keeps its shard of each part.
+    fn load_initial(&self, opts: &TrainOptions) -> Result<()> {
+        let staging = Cpu::new();
+        let parts = Part::all(&self.cfg);
+        let mut part = 0usize;
+        let mut held: Vec<CpuTensor> = Vec::new();
+        let mut take = |_: usize, t: CpuTensor| -> Result<()> {
+            held.push(t);
+            while part < parts.len() && held.len() == self.shapes[part].len() {
+                let slices = held
+                    .iter()
+                    .map(|t| t.as_slice::<f32>())
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                self.engine
+                    .borrow_mut()
+                    .load_layer(part, &slices)
+                    .map_err(zero_err)?;
+                held.clear();
+                part += 1;
+            }
+            Ok(())
+        };
+        match &opts.init_from {
+            Some(dir) => {
+                let cfg = crate::hf::load_each(dir, &staging, &mut take)?;
+                if cfg != self.cfg {
+                    return Err(TrainError::Option {
+                        option: "--init-from",
+                        reason: format!(
+                            "{} holds {cfg:?}, the run's model is {:?}",
+                            dir.display(),
+                            self.cfg
+                        ),
+                    });
+                }
+            }
+            None => params::init_params_each(&staging, &self.cfg, opts.seed, &mut take)?,
+        }
+        Ok(())
+    }
+
+    /// Free whatever is gathered or in flight and start the plan over: between micro-batches.
+    fn release_all(&self) -> Result<()> {
+        self.cursor.set(0);
+        let mut e = self.engine.borrow_mut();
+        for l in 0..e.num_layers() {
+            e.release(l).map_err(zero_err)?;
+        }
+        Ok(())
+    }
+}
+
+impl PartStore<Cpu> for EngineStore<'_> {
+    fn weights(&self, part: Part) -> Result<Vec<CpuTensor>> {
+        let l = part.index(&self.cfg);
+        // The next request, if this one is where the plan said it would be; a caller off the
+        // plan gets no prefetching from then on (correct, only slower).
+        let at = self.cursor.get();
+        let next = if self.plan.get(at) == Some(&l) {
+            self.cursor.set(at + 1);
+            self.plan.get(at + 1).copied()
+        } else {
+            self.cursor.set(usize::MAX);
+            None
+        };
+        let mut e = self.engine.borrow_mut();
+        e.gather(l).map_err(zero_err)?;
+        let out = {
+            let _g = MemoryCategory::Workspace.enter();
+            let _l = label_absolute("zero.part_weights");
+            let mut out = Vec::with_capacity(self.shapes[l].len());
+            for (t, shape) in self.shapes[l].iter().enumerate() {
+                let mut w = self.cpu.uninit(shape.clone(), self.dtype)?;
+                match self.dtype {
+                    DType::F32 => w
+                        .as_mut_slice::<f32>()?
+                        .copy_from_slice(e.tensor(l, t).map_err(zero_err)?),
+                    _ => w
+                        .as_mut_slice::<half::bf16>()?
+                        .iter_mut()
+                        .zip(e.tensor_bf16(l, t).map_err(zero_err)?)
+                        .for_each(|(d, &s)| *d = half::bf16::from_bits(s)),
+                }
+                out.push(w);
+            }
+            out
+        };
+        // A part used twice in a row (a block's last recomputation and its backward) stays
+        // gathered; otherwise it goes, and the next part is fetched while this one computes:
+        // at most two parts are gathered at any time.
+        if next != Some(l) {
+            e.release(l).map_err(zero_err)?;
+            if let Some(n) = next {
+                e.prefetch(n).map_err(zero_err)?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn grad_buffers(&self, part: Part) -> Result<Vec<CpuTensor>> {
+        let l = part.index(&self.cfg);
+        let _g = MemoryCategory::Gradients.enter();
+        let _l = label_absolute("zero.part_grads");
+        self.shapes[l]
+            .iter()
+            .map(|s| Ok(self.cpu.zeros(s.clone(), DType::F32)?))
+            .collect()
+    }
+
+    fn push_grads(&self, part: Part, grads: Vec<CpuTensor>) -> Result<()> {
+        let l = part.index(&self.cfg);
+        let slices = grads
+            .iter()
+            .map(|t| t.as_slice::<f32>())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        self.engine
+            .borrow_mut()
+            .push_grads(l, &slices)
+            .map_err(zero_err)
+    }
+}
+
+/// AdamW on a rank's shard: the trainer's two groups (decay for matrices and embeddings, none
+/// for biases and norms) and β2 = 0.95, through headroom-offload's fused kernel — the same
+/// operations as the single-process `CpuAdamW`, piece by piece.
+pub struct ShardAdamW {
+    /// Learning rate of the next step.
+    pub lr: f64,
+    weight_decay: f64,
+    /// Per part, per tensor: 0 decays, 1 does not.
+    groups: Vec<Vec<usize>>,
+    isa: Isa,
+}
+
+impl ShardAdamW {
+    /// The optimizer of `opts`'s run over parts whose tensors fall in `groups`.
+    pub fn new(opts: &TrainOptions, groups: Vec<Vec<usize>>) -> Self {
+        ShardAdamW {
+            lr: opts.lr,
+            weight_decay: opts.weight_decay,
+            groups,
+            isa: Isa::detect(),
+        }
+    }
+
+    /// Group `g`'s hyper-parameters (the single-process trainer's).
+    pub fn hyper(&self, g: usize) -> AdamWHyper {
+        AdamWHyper {
+            lr: self.lr,
+            weight_decay: if g == 0 { self.weight_decay } else { 0.0 },
+            beta2: 0.95,
+            ..Default::default()
+        }
+    }
+}
+
+impl ShardOptimizer for ShardAdamW {
+    fn state_per_param(&self) -> usize {
+        2
+    }
+
+    fn update(
+        &mut self,
+        piece: &UpdatePiece,
+        params: &mut [f32],
+        grads: &[f32],
+        state: &mut [f32],
+    ) -> std::result::Result<(), BoxedError> {
+        let g = *self
+            .groups
+            .get(piece.layer)
+            .and_then(|l| l.get(piece.tensor))
+            .ok_or("update of a tensor the optimizer does not know")?;
+        let h = self.hyper(g);
+        let s = StepScalars::new(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, piece.step);
+        let (m, v) = state.split_at_mut(params.len());
+        fused_step(self.isa, &s, params, FloatSlice::F32(grads), m, v, None)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,465 @@
+//! `headroom train --zero S --ranks N` against one process, as DeepSpeed and FSDP test ZeRO:
+//! N in-process ranks over their shards of the data equal one process that runs the same
+//! micro-batches (every rank's, concatenated) and sums their gradients in the order
+//! [`Stage::reduction_order`] states — bit for bit, losses and final parameters, for stages
+//! 0–3 and N = 2, 3, 4, with block checkpointing and gradient accumulation on and parameter
+//! counts that N does not divide. bf16 (mixed precision: bf16 gradients reduced in bf16) is
+//! compared with the fp32 run within a stated tolerance.
+
+use headroom_ckpt::Schedule;
+use headroom_mmap_data::{Loader, LoaderConfig, OutputType, SamplerConfig, SamplingMode, Shard};
+use headroom_offload::{AdamWHyper, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
+use headroom_tensor::cpu::kernels::FloatSlice;
+use headroom_tensor::{Backend, Cpu, DType, Tensor};
+use headroom_trainer::model::{
+    params, Family, Geometry, LlamaShape, Model, ModelConfig, Part, Precision,
+};
+use headroom_trainer::techniques::CheckpointChoice;
+use headroom_trainer::train::{open_data, DataSource, SyntheticData, TrainOptions};
+use headroom_trainer::zero_train::{train_zero, ZeroOptions};
+use headroom_zero::Stage;
+
+const SEQ: usize = 16;
+const MICRO: usize = 2;
+const ACCUM: usize = 2;
+
+/// A 3-layer model of either family with a vocabulary of 61: no layer's parameter count is a
+/// multiple of 3 or 4, and GPT-2's head is tied (its token embedding's gradient has two
+/// sources).
+fn options(family: Family, ranks: usize, steps: usize) -> TrainOptions {
+    let mut o = TrainOptions::tiny_default();
+    let vocab = 61;
+    o.data = DataSource::Synthetic(SyntheticData {
+        vocab: vocab as u32,
+        branching: 4,
+        tokens: 1 << 14,
+        seed: 7,
+    });
+    o.model = ModelConfig {
+        vocab,
+        max_seq: SEQ,
+        layers: 3,
+        heads: 2,
+        channels: 24,
+        family,
+    };
+    o.steps = steps;
+    o.warmup = 2;
+    o.seq = SEQ;
+    o.batch = ranks * MICRO * ACCUM;
+    o.techniques.micro_batch = Some(MICRO);
+    o.techniques.checkpoint = CheckpointChoice::EveryK(2);
+    // Clipping's norm is summed in another order under sharding; parity is about the rest.
+    o.grad_clip = f64::INFINITY;
+    o.check_machine_memory = false;
+    o
+}
+
+fn llama() -> Family {
+    Family::Llama(LlamaShape {
+        kv_heads: 1,
+        ffn: 40,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+        tied_head: false,
+    })
+}
+
+/// One process: the same initial weights and batches, each micro-batch's gradient into its own
+/// zeroed buffers, summed in `stage`'s order, then the trainer's AdamW on whole tensors.
+/// Returns each step's loss and the final parameters.
+fn reference(o: &TrainOptions, stage: Stage, ranks: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let cpu = Cpu::new();
+    let cfg = o.model;
+    let mut model = Model::new(&cpu, cfg, o.techniques.model, o.seed).unwrap();
+    let (dataset, _) = open_data(o).unwrap();
+    let mut loaders: Vec<Loader> = (0..ranks)
+        .map(|r| {
+            let mut lc = LoaderConfig::new(o.batch / ranks);
+            lc.output = OutputType::U32;
+            let sampler = SamplerConfig {
+                mode: SamplingMode::EpochWindows,
+                seq_len: SEQ as u64,
+                seed: o.seed,
+                shard: Shard::new(r as u32, ranks as u32).unwrap(),
+            };
+            Loader::new(dataset.clone(), sampler, lc, None).unwrap()
+        })
+        .collect();
+    let infos = params::param_infos(&cfg);
+    let specs: Vec<ParamSpec> = infos
+        .iter()
+        .map(|i| ParamSpec {
+            numel: i.shape.iter().product(),
+            group: if i.shape.len() >= 2 { 0 } else { 1 },
+        })
+        .collect();
+    let hyper = |wd| AdamWHyper {
+        lr: o.lr,
+        weight_decay: wd,
+        beta2: 0.95,
+        ..Default::default()
+    };
+    let mut opt = CpuAdamW::new(
+        vec![hyper(o.weight_decay), hyper(0.0)],
+        &specs,
+        StatePrecision::F32,
+        StoreSpec::Ram(&cpu),
+    )
+    .unwrap();
+    let schedule = Schedule::every_k(cfg.layers, 2).unwrap();
+    let g = Geometry { b: MICRO, t: SEQ };
+    let rows = MICRO * SEQ;
+    let dloss = (1.0 / (o.batch * SEQ) as f64) as f32;
+    let mut losses = Vec::new();
+    for step in 0..o.steps {
+        // grads[tensor][rank][micro-batch]
+        let mut grads: Vec<Vec<Vec<Vec<f32>>>> = vec![vec![Vec::new(); ranks]; infos.len()];
+        let mut loss_by_rank = Vec::new();
+        for (r, loader) in loaders.iter_mut().enumerate() {
+            let batch = loader.next_batch().unwrap();
+            let tokens = batch.inputs_u32().unwrap().to_vec();
+            let targets = batch.targets_u32().unwrap().to_vec();
+            let mut loss_sum = 0.0f64;
+            for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+                let mut gr: Vec<_> = infos
+                    .iter()
+                    .map(|i| cpu.zeros(i.shape.clone(), DType::F32).unwrap())
+                    .collect();
+                let (l, _) = model
+                    .forward_backward(tok, tgt, g, &mut gr, dloss, &schedule)
+                    .unwrap();
+                loss_sum += l as f64 * rows as f64;
+                for (t, x) in gr.iter().enumerate() {
+                    grads[t][r].push(x.as_slice::<f32>().unwrap().to_vec());
+                }
+            }
+            loss_by_rank.push(loss_sum);
+        }
+        let total: f64 = loss_by_rank.iter().sum();
+        losses.push((total / (o.batch * SEQ) as f64) as f32);
+        opt.set_lr(0, o.lr_at(step)).unwrap();
+        opt.set_lr(1, o.lr_at(step)).unwrap();
+        for (i, p) in model.masters_mut().iter_mut().enumerate() {
+            let summed = stage.reduction_order().reduce(&grads[i]);
+            opt.step(
+                i,
+                p.as_mut_slice::<f32>().unwrap(),
+                FloatSlice::F32(&summed),
+                None,
+            )
+            .unwrap();
+        }
+    }
+    let params = model
+        .masters()
+        .iter()
+        .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+        .collect();
+    (losses, params)
+}
+
+fn run(o: &TrainOptions, stage: Stage, ranks: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let mut z = ZeroOptions::new(stage, ranks);
+    z.collect_parameters = true;
+    let report = train_zero(o, z, |_| {}).unwrap();
+    let losses = report.steps.iter().map(|s| s.loss).collect();
+    (losses, report.parameters.unwrap())
+}
+
+fn assert_bitwise(what: &str, got: &(Vec<f32>, Vec<Vec<f32>>), want: &(Vec<f32>, Vec<Vec<f32>>)) {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got.0), bits(&want.0), "{what}: losses");
+    assert_eq!(got.1.len(), want.1.len(), "{what}: tensor count");
+    for (i, (a, b)) in got.1.iter().zip(&want.1).enumerate() {
+        assert!(bits(a) == bits(b), "{what}: parameter {i} differs");
+    }
+}
+
+#[test]
+fn every_stage_on_2_3_4_ranks_equals_one_process_bit_for_bit() {
+    for family in [Family::Gpt2, llama()] {
+        for ranks in [2, 3, 4] {
+            let o = options(family, ranks, 20);
+            // Stages 0 and 1 sum alike, as do 2 and 3: one reference each.
+            let mut refs = std::collections::HashMap::new();
+            for stage in Stage::ALL {
+                let want = refs
+                    .entry(stage.reduction_order())
+                    .or_insert_with(|| reference(&o, stage, ranks));
+                let got = run(&o, stage, ranks);
+                assert!(got.0[19] < got.0[0], "the loss falls");
+                assert_bitwise(
+                    &format!("{} {stage} on {ranks} ranks", o.model.family_name()),
+                    &got,
+                    want,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_model_code_is_the_same_whoever_holds_the_weights() {
+    // Part by part from a store, the single-process model's own forward and backward: one
+    // rank of stage 0 is one process summing its micro-batches locally.
+    for family in [Family::Gpt2, llama()] {
+        let o = options(family, 1, 6);
+        let want = reference(&o, Stage::Zero0, 1);
+        let got = run(&o, Stage::Zero0, 1);
+        assert_bitwise("one rank", &got, &want);
+    }
+}
+
+#[test]
+fn bf16_ranks_track_the_fp32_run() {
+    // Mixed precision: bf16 working weights and gradients (reduced in bf16), fp32 masters.
+    // Tolerance: the loss after 20 steps within 2% of the fp32 run's.
+    for stage in [Stage::Zero0, Stage::Zero3] {
+        let o32 = options(Family::Gpt2, 2, 20);
+        let mut o16 = o32.clone();
+        o16.techniques.model.precision = Precision::Bf16;
+        let (l32, _) = run(&o32, stage, 2);
+        let (l16, p16) = run(&o16, stage, 2);
+        let (a, b) = (l32[19], l16[19]);
+        assert!(
+            ((a - b) / a).abs() < 0.02,
+            "{stage}: fp32 loss {a}, bf16 loss {b}"
+        );
+        assert!(p16.iter().flatten().all(|x| x.is_finite()));
+    }
+}
+
+#[test]
+fn parts_cover_every_parameter_once() {
+    for family in [Family::Gpt2, llama()] {
+        let cfg = options(family, 2, 1).model;
+        let mut seen = Vec::new();
+        for p in Part::all(&cfg) {
+            seen.extend(p.params(&cfg));
+            assert_eq!(Part::all(&cfg)[p.index(&cfg)], p);
+        }
+        assert_eq!(
+            seen,
+            (0..params::param_infos(&cfg).len()).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn the_reference_tells_the_two_reduction_orders_apart() {
+    // The bitwise comparison above means something: summing the same gradients in the other
+    // stage family's order gives other bits.
+    let o = options(Family::Gpt2, 3, 3);
+    let a = reference(&o, Stage::Zero0, 3);
+    let b = reference(&o, Stage::Zero3, 3);
+    assert_ne!(a.1, b.1);
+}
+
+/// Each rank's bytes that outlive a step — parameters, gradients, optimizer state, read from
+/// its tracker after the last step — are headroom-zero's layout of the model's parts: the
+/// ZeRO paper's 16, 8 + 8/N, 4 + 12/N, 16/N bytes per parameter (fp32 Adam) and
+/// 16, 4 + 12/N, 2 + 14/N, 16/N (bf16 with fp32 masters), plus fewer than N padding elements
+/// per part from stage 1 on.
+#[test]
+fn per_rank_bytes_are_the_stage_formulas() {
+    use headroom_tensor::{Device, MemoryCategory};
+    use headroom_trainer::zero_train::part_sizes;
+    use headroom_zero::{paper_bytes_per_param, per_rank_bytes, ZeroConfig};
+    for (family, precision) in [
+        (Family::Gpt2, Precision::Fp32),
+        (llama(), Precision::Fp32),
+        (Family::Gpt2, Precision::Bf16),
+    ] {
+        for ranks in [2, 3, 4] {
+            let mut o = options(family, ranks, 2);
+            o.techniques.model.precision = precision;
+            let numels: Vec<usize> = part_sizes(&o.model)
+                .iter()
+                .map(|p| p.iter().sum())
+                .collect();
+            let psi: usize = numels.iter().sum();
+            let zp = match precision {
+                Precision::Fp32 => headroom_zero::Precision::Fp32,
+                _ => headroom_zero::Precision::MixedBf16,
+            };
+            for stage in Stage::ALL {
+                let want = per_rank_bytes(
+                    stage,
+                    &numels,
+                    ranks,
+                    zp,
+                    8,
+                    ZeroConfig::new(stage).bucket_bytes,
+                )
+                .unwrap();
+                let report = train_zero(&o, ZeroOptions::new(stage, ranks), |_| {}).unwrap();
+                for r in &report.ranks {
+                    let d = r.memory.device(Device::Cpu).unwrap();
+                    let what = format!(
+                        "{} {precision:?} {stage} N={ranks} rank {}",
+                        o.model.family_name(),
+                        r.rank
+                    );
+                    assert_eq!(
+                        d.live[MemoryCategory::Parameters],
+                        want.parameters,
+                        "{what}"
+                    );
+                    assert_eq!(d.live[MemoryCategory::Gradients], want.gradients, "{what}");
+                    assert_eq!(
+                        d.live[MemoryCategory::OptimizerState],
+                        want.optimizer_state,
+                        "{what}"
+                    );
+                    let per_param =
+                        want.persistent() as f64 / (psi as f64 + want.padding_elements as f64);
+                    let paper = paper_bytes_per_param(stage, ranks, zp, 8);
+                    assert!(
+                        (per_param - paper).abs() < 1e-9,
+                        "{what}: {per_param} vs {paper}"
+                    );
+                    // Stage 3 holds at most the layer computing and the one prefetched.
+                    if stage == Stage::Zero3 {
+                        assert!(
+                            d.peak[MemoryCategory::Parameters]
+                                <= want.parameters + 2 * want.gathered_layer_max,
+                            "{what}: parameter peak {} vs {} + 2 × {}",
+                            d.peak[MemoryCategory::Parameters],
+                            want.parameters,
+                            want.gathered_layer_max
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Bytes through each rank's collective in one step (the ring model's sent bytes), without
+/// accumulation or recomputation: stage 0 all-reduces every gradient once (2Ψ(N-1)/N), stage 3
+/// all-gathers every block twice (forward, backward) and the embeddings and head once, and
+/// reduce-scatters every gradient (≈ 3Ψ(N-1)/N): the ZeRO paper's 1.5×.
+#[test]
+fn stage_3_moves_about_one_and_a_half_times_stage_0() {
+    for family in [Family::Gpt2, llama()] {
+        let mut o = options(family, 2, 2);
+        o.techniques.micro_batch = None;
+        o.techniques.checkpoint = CheckpointChoice::None;
+        let sent = |stage| {
+            let r = train_zero(&o, ZeroOptions::new(stage, 2), |_| {}).unwrap();
+            r.ranks[0].last_step_comm.sent_bytes() as f64
+        };
+        let ratio = sent(Stage::Zero3) / sent(Stage::Zero0);
+        assert!(
+            (1.2..=1.6).contains(&ratio),
+            "{}: stage 3 / stage 0 = {ratio}",
+            family_name(family)
+        );
+    }
+}
+
+fn family_name(f: Family) -> &'static str {
+    match f {
+        Family::Gpt2 => "gpt2",
+        Family::Llama(_) => "llama",
+    }
+}
+
+/// A store over a model's own weights that records what it was asked for.
+struct Recording<'a> {
+    cpu: Cpu,
+    cfg: ModelConfig,
+    masters: &'a [headroom_tensor::CpuTensor],
+    asked: std::cell::RefCell<Vec<Part>>,
+    grads: std::cell::RefCell<Vec<Option<Vec<f32>>>>,
+}
+
+impl headroom_trainer::model::PartStore<Cpu> for Recording<'_> {
+    fn weights(&self, part: Part) -> headroom_trainer::Result<Vec<headroom_tensor::CpuTensor>> {
+        self.asked.borrow_mut().push(part);
+        part.params(&self.cfg)
+            .map(|i| {
+                let m = &self.masters[i];
+                let mut t = self.cpu.zeros(m.shape().clone(), DType::F32)?;
+                t.as_mut_slice::<f32>()?
+                    .copy_from_slice(m.as_slice::<f32>()?);
+                Ok(t)
+            })
+            .collect()
+    }
+    fn grad_buffers(
+        &self,
+        part: Part,
+    ) -> headroom_trainer::Result<Vec<headroom_tensor::CpuTensor>> {
+        part.params(&self.cfg)
+            .map(|i| {
+                Ok(self
+                    .cpu
+                    .zeros(self.masters[i].shape().clone(), DType::F32)?)
+            })
+            .collect()
+    }
+    fn push_grads(
+        &self,
+        part: Part,
+        grads: Vec<headroom_tensor::CpuTensor>,
+    ) -> headroom_trainer::Result<()> {
+        for (i, g) in part.params(&self.cfg).zip(grads) {
+            let slot = &mut self.grads.borrow_mut()[i];
+            assert!(slot.is_none(), "parameter {i} handed over twice");
+            *slot = Some(g.as_slice::<f32>()?.to_vec());
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn parts_are_asked_for_in_access_order_and_give_the_models_bits() {
+    let cpu = Cpu::new();
+    for family in [Family::Gpt2, llama()] {
+        let o = options(family, 1, 1);
+        let cfg = o.model;
+        let model = Model::new(&cpu, cfg, o.techniques.model, 5).unwrap();
+        let tokens: Vec<u32> = (0..MICRO * SEQ).map(|i| (i * 7 % 61) as u32).collect();
+        let targets: Vec<u32> = (0..MICRO * SEQ).map(|i| (i * 3 % 61) as u32).collect();
+        let g = Geometry { b: MICRO, t: SEQ };
+        for schedule in [
+            Schedule::store_all(cfg.layers).unwrap(),
+            Schedule::every_k(cfg.layers, 2).unwrap(),
+        ] {
+            let infos = params::param_infos(&cfg);
+            let mut want: Vec<_> = infos
+                .iter()
+                .map(|i| cpu.zeros(i.shape.clone(), DType::F32).unwrap())
+                .collect();
+            let (l1, _) = model
+                .forward_backward(&tokens, &targets, g, &mut want, 0.01, &schedule)
+                .unwrap();
+            let parts_only = Model::parts_only(&cpu, cfg, o.techniques.model).unwrap();
+            let store = Recording {
+                cpu: cpu.clone(),
+                cfg,
+                masters: model.masters(),
+                asked: Default::default(),
+                grads: std::cell::RefCell::new(vec![None; infos.len()]),
+            };
+            let (l2, _) = parts_only
+                .forward_backward_parts(&store, &tokens, &targets, g, 0.01, &schedule)
+                .unwrap();
+            assert_eq!(l1.to_bits(), l2.to_bits());
+            assert_eq!(
+                store.asked.borrow().clone(),
+                Part::access_order(&cfg, &schedule)
+            );
+            for (i, (w, got)) in want.iter().zip(store.grads.borrow().iter()).enumerate() {
+                let got = got
+                    .as_ref()
+                    .unwrap_or_else(|| panic!("no gradient for {i}"));
+                assert_eq!(w.as_slice::<f32>().unwrap(), &got[..], "gradient {i}");
+            }
+            // The model that holds no weights refuses the paths that read its own.
+            assert!(parts_only.loss(&tokens, &targets, g).is_err());
+        }
+    }
+}
