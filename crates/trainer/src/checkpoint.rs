@@ -81,7 +81,7 @@ pub const FILES: [&str; 4] = [
     "state.json",
 ];
 const STEP_PREFIX: &str = "step-";
-const PARTIAL_PREFIX: &str = ".partial-";
+pub(crate) const PARTIAL_PREFIX: &str = ".partial-";
 const REPLACED_PREFIX: &str = ".replaced-";
 /// JSON files larger than this are not parsed (a manifest is a few hundred bytes, a state a
 /// few bytes per parameter tensor).
@@ -109,13 +109,36 @@ pub struct RunSpec {
     pub warmup: usize,
     /// Decoupled weight decay.
     pub weight_decay: f64,
-    /// Gradient-norm clip.
+    /// Gradient-norm clip (infinite: none, written as `null`, as JSON has no infinity).
+    #[serde(with = "infinite_as_null")]
     pub grad_clip: f64,
     /// Working precision (`fp32`, `bf16`, `fp16`).
     pub precision: String,
 }
 
+/// An `f64` that may be infinite, as JSON `null` when it is (JSON numbers are finite).
+mod infinite_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if x.is_finite() {
+            s.serialize_f64(*x)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::INFINITY))
+    }
+}
+
 impl RunSpec {
+    /// The learning rate at `step` (0-based), as the run scheduled it.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        crate::train::lr_schedule(self.lr, self.min_lr_frac, self.warmup, self.steps, step)
+    }
+
     /// The settings in which `self` (a checkpoint's) and `now` (this run's) differ, as
     /// `name: checkpoint → now` lines naming the command-line option.
     pub fn differences(&self, now: &RunSpec) -> Vec<String> {
@@ -317,14 +340,14 @@ pub fn load_model(path: &Path, backend: &Cpu, options: ModelOptions) -> Result<M
     load(path)?.into_model(backend, options)
 }
 
-fn err(path: &Path, reason: impl Into<String>) -> TrainError {
+pub(crate) fn err(path: &Path, reason: impl Into<String>) -> TrainError {
     TrainError::Checkpoint {
         path: path.to_path_buf(),
         reason: reason.into(),
     }
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |e| err(path, e.to_string())
 }
 
@@ -332,12 +355,12 @@ fn hex64(x: u64) -> String {
     format!("{x:016x}")
 }
 
-fn checksum(bytes: &[u8]) -> String {
+pub(crate) fn checksum(bytes: &[u8]) -> String {
     hex64(xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
 /// Write `bytes` to `path` and fsync it (inside a partial directory: no rename needed).
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestFile> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestFile> {
     let mut f = fs::File::create(path).map_err(io(path))?;
     f.write_all(bytes).map_err(io(path))?;
     f.sync_all().map_err(io(path))?;
@@ -685,23 +708,27 @@ pub fn save_sharded(
     let manifest_json =
         serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
     write_synced(&partial.join(MANIFEST), &manifest_json)?;
-    sync_dir(&partial)?;
+    publish(root, &partial, state.step, keep)
+}
 
-    // Publish. A directory of the same step (a run resumed before it) is moved aside first:
-    // rename cannot replace a non-empty directory.
-    let published = root.join(step_dir_name(state.step));
+/// Publish a complete `partial` directory (manifest written last) as `root/step-N`, then keep
+/// the newest `keep` checkpoints. A directory of the same step (a run resumed before it) is
+/// moved aside first: rename cannot replace a non-empty directory.
+pub(crate) fn publish(root: &Path, partial: &Path, step: usize, keep: usize) -> Result<PathBuf> {
+    sync_dir(partial)?;
+    let published = root.join(step_dir_name(step));
     if published.exists() {
         let aside = root.join(format!(
             "{REPLACED_PREFIX}{}-{}",
-            step_dir_name(state.step),
+            step_dir_name(step),
             std::process::id()
         ));
         fs::rename(&published, &aside).map_err(io(&published))?;
-        fs::rename(&partial, &published).map_err(io(&published))?;
+        fs::rename(partial, &published).map_err(io(&published))?;
         sync_dir(root)?;
         fs::remove_dir_all(&aside).map_err(io(&aside))?;
     } else {
-        fs::rename(&partial, &published).map_err(io(&published))?;
+        fs::rename(partial, &published).map_err(io(&published))?;
         sync_dir(root)?;
     }
     prune(root, keep)?;
@@ -750,7 +777,7 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 }
 
 /// Read a whole file whose size the manifest states, checking size and checksum.
-fn read_verified(dir: &Path, entry: &ManifestFile) -> Result<Vec<u8>> {
+pub(crate) fn read_verified(dir: &Path, entry: &ManifestFile) -> Result<Vec<u8>> {
     let path = dir.join(&entry.name);
     let meta = fs::metadata(&path).map_err(io(&path))?;
     if meta.len() != entry.bytes {
@@ -790,7 +817,7 @@ fn read_verified(dir: &Path, entry: &ManifestFile) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-fn read_json_bounded(path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read_json_bounded(path: &Path) -> Result<Vec<u8>> {
     let meta = fs::metadata(path).map_err(io(path))?;
     if meta.len() > MAX_JSON_BYTES {
         return Err(err(
@@ -807,18 +834,15 @@ fn read_json_bounded(path: &Path) -> Result<Vec<u8>> {
 /// Read and check the manifest of a step directory.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
-    let bytes = read_json_bounded(&path)?;
-    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| err(&path, e.to_string()))?;
-    if m.format_version != FORMAT_VERSION {
+    let m = parse_manifest(dir)?;
+    let listed = |name: &str| m.files.iter().filter(|f| f.name == name).count();
+    if listed(crate::zero_checkpoint::ZERO_STATE) > 0 {
         return Err(err(
-            &path,
-            format!(
-                "format version {} (this build reads {FORMAT_VERSION})",
-                m.format_version
-            ),
+            dir,
+            "a ZeRO checkpoint (one shard per rank): resume it with --zero, or write one \
+             ordinary checkpoint with `headroom checkpoint consolidate`",
         ));
     }
-    let listed = |name: &str| m.files.iter().filter(|f| f.name == name).count();
     for name in &FILES[1..] {
         if listed(name) != 1 {
             return Err(err(&path, format!("does not list {name} exactly once")));
@@ -842,6 +866,24 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
                 "lists {} without {} or the other way round",
                 headroom_lora::WEIGHTS_FILE,
                 headroom_lora::CONFIG_FILE
+            ),
+        ));
+    }
+    Ok(m)
+}
+
+/// `manifest.json` of `dir`, bounded, of this format version, no file listed twice; what
+/// files it must list is the caller's check.
+pub(crate) fn parse_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join(MANIFEST);
+    let bytes = read_json_bounded(&path)?;
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| err(&path, e.to_string()))?;
+    if m.format_version != FORMAT_VERSION {
+        return Err(err(
+            &path,
+            format!(
+                "format version {} (this build reads {FORMAT_VERSION})",
+                m.format_version
             ),
         ));
     }

@@ -59,6 +59,7 @@ pub mod sample;
 pub mod techniques;
 pub mod tokenize;
 pub mod train;
+pub mod zero_checkpoint;
 pub mod zero_estimate;
 pub mod zero_train;
 

@@ -95,6 +95,22 @@ enum Command {
     /// Merge a PEFT LoRA adapter into its base model and write a Hugging Face directory
     /// (PEFT's `merge_and_unload()` + `save_pretrained`).
     Merge(MergeArgs),
+    /// Work on checkpoints.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
+}
+
+#[derive(Subcommand)]
+enum CheckpointCommand {
+    /// Write a ZeRO checkpoint (one shard per rank) as one ordinary checkpoint: the same
+    /// parameters and AdamW moments, for `sample`, `eval`, transformers, or a resume without
+    /// --zero.
+    Consolidate {
+        /// The ZeRO checkpoint: a step directory, or a root (its newest step).
+        src: PathBuf,
+        /// The checkpoint root to write `step-N` into.
+        out: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -1541,6 +1557,11 @@ fn run(cli: Cli) -> CliResult<ExitCode> {
         Some(Command::Sample(a)) => ok(cmd_sample(a)),
         Some(Command::Eval(a)) => ok(cmd_eval(a)),
         Some(Command::Merge(a)) => ok(cmd_merge(a)),
+        Some(Command::Checkpoint(CheckpointCommand::Consolidate { src, out })) => {
+            let dir = headroom_trainer::zero_checkpoint::consolidate(&src, &out)?;
+            say!("consolidated {} into {}", src.display(), dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 

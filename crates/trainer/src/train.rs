@@ -62,6 +62,24 @@ pub enum DataSource {
     File(PathBuf),
 }
 
+/// The learning rate at `step` (0-based) of a run of `steps` steps: linear warmup over
+/// `warmup` steps to `lr`, then cosine to `min_lr_frac·lr`.
+pub(crate) fn lr_schedule(
+    lr: f64,
+    min_lr_frac: f64,
+    warmup: usize,
+    steps: usize,
+    step: usize,
+) -> f64 {
+    if step < warmup {
+        return lr * (step + 1) as f64 / warmup as f64;
+    }
+    let span = (steps.saturating_sub(warmup)).max(1) as f64;
+    let progress = ((step - warmup) as f64 / span).min(1.0);
+    let min = lr * min_lr_frac;
+    min + 0.5 * (lr - min) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
 /// Everything a run needs.
 #[derive(Clone, Debug)]
 pub struct TrainOptions {
@@ -282,13 +300,7 @@ impl TrainOptions {
 
     /// The learning rate at `step` (0-based): linear warmup, then cosine to `min_lr_frac·lr`.
     pub fn lr_at(&self, step: usize) -> f64 {
-        if step < self.warmup {
-            return self.lr * (step + 1) as f64 / self.warmup as f64;
-        }
-        let span = (self.steps.saturating_sub(self.warmup)).max(1) as f64;
-        let progress = ((step - self.warmup) as f64 / span).min(1.0);
-        let min = self.lr * self.min_lr_frac;
-        min + 0.5 * (self.lr - min) * (1.0 + (std::f64::consts::PI * progress).cos())
+        lr_schedule(self.lr, self.min_lr_frac, self.warmup, self.steps, step)
     }
 
     /// Sequences per micro-batch, checked to divide the batch.
@@ -852,10 +864,12 @@ impl Stepper {
         scaler: Option<&mut LossScaler>,
         max_norm: f64,
     ) -> Result<headroom_accum::StepReport> {
+        // An infinite clip (`--grad-clip inf`) is no clipping; the norm is still measured.
+        let clip = max_norm.is_finite().then_some(max_norm);
         Ok(match self {
             Stepper::Host { acc, .. } => match scaler {
-                Some(s) => acc.finish_step(&mut ScalerAdapter(s), Some(max_norm))?,
-                None => acc.finish_step(&mut NoLossScaling, Some(max_norm))?,
+                Some(s) => acc.finish_step(&mut ScalerAdapter(s), clip)?,
+                None => acc.finish_step(&mut NoLossScaling, clip)?,
             },
             #[cfg(feature = "cuda")]
             Stepper::Device { acc, .. } => {
@@ -864,7 +878,7 @@ impl Stepper {
                         "loss scaling is not supported by the device-resident optimizer".into(),
                     ));
                 }
-                acc.finish_step(&mut NoLossScaling, Some(max_norm))?
+                acc.finish_step(&mut NoLossScaling, clip)?
             }
         })
     }

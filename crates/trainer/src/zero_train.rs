@@ -44,6 +44,7 @@ use headroom_zero::{
 use crate::model::{params, Geometry, Model, Part, PartStore, Precision};
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement};
 use crate::train::{StepLog, TrainOptions};
+use crate::zero_checkpoint::{self, ZeroCheckpoint};
 use crate::{Result, TrainError};
 
 /// How a ZeRO run is split.
@@ -123,6 +124,92 @@ struct Shared<'a> {
     /// Per part, per tensor: AdamW group (0 decays, 1 does not).
     groups: Vec<Vec<usize>>,
     micro: usize,
+    /// Where a resumed run starts: every tensor whole, each rank keeps its shard.
+    resume: Option<ZeroCheckpoint>,
+}
+
+/// The state a resume starts from, checked against the run: a ZeRO checkpoint of any stage and
+/// rank count, or an ordinary (single-process, f32 AdamW) checkpoint.
+fn resume_point(
+    opts: &TrainOptions,
+    path: &std::path::Path,
+    fingerprint: u64,
+) -> Result<ZeroCheckpoint> {
+    let dir = crate::checkpoint::resolve(path)?;
+    let ck = if zero_checkpoint::is_zero_checkpoint(&dir) {
+        zero_checkpoint::load(&dir)?
+    } else {
+        let ck = crate::checkpoint::load(&dir)?;
+        if ck.state.optimizer.precision != StatePrecision::F32 || ck.state.finetune.is_some() {
+            return Err(TrainError::Checkpoint {
+                path: dir,
+                reason: "a ZeRO run resumes f32 AdamW state of full training only".into(),
+            });
+        }
+        let n: usize = ck.params.iter().map(Vec::len).sum();
+        if ck.moments.len() != 8 * n {
+            return Err(TrainError::Checkpoint {
+                path: dir,
+                reason: format!("{} moment bytes for {n} parameters", ck.moments.len()),
+            });
+        }
+        let floats: Vec<f32> = ck
+            .moments
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let (m, v) = floats.split_at(n);
+        let split = |all: &[f32]| {
+            let mut at = 0;
+            ck.params
+                .iter()
+                .map(|p| {
+                    at += p.len();
+                    all[at - p.len()..at].to_vec()
+                })
+                .collect::<Vec<_>>()
+        };
+        let (exp_avg, exp_avg_sq) = (split(m), split(v));
+        ZeroCheckpoint {
+            state: zero_checkpoint::ZeroState {
+                format_version: crate::checkpoint::FORMAT_VERSION,
+                step: ck.state.step,
+                stage: 0,
+                ranks: 1,
+                config: ck.state.config,
+                run: ck.state.run.clone(),
+                dataset_fingerprint: ck.state.loader.dataset_fingerprint,
+            },
+            dir: ck.dir,
+            params: ck.params,
+            exp_avg,
+            exp_avg_sq,
+        }
+    };
+    let mut differences = Vec::new();
+    if ck.state.config != opts.model {
+        differences.push(format!(
+            "model: checkpoint {:?}, this run {:?}",
+            ck.state.config, opts.model
+        ));
+    }
+    differences.extend(ck.state.run.differences(&opts.run_spec()));
+    if ck.state.dataset_fingerprint != fingerprint {
+        differences.push("data: the checkpoint's position belongs to other training data".into());
+    }
+    if ck.state.step > opts.steps {
+        differences.push(format!(
+            "the checkpoint is at step {}, past this run's {} steps",
+            ck.state.step, opts.steps
+        ));
+    }
+    if !differences.is_empty() {
+        return Err(TrainError::ResumeMismatch {
+            path: ck.dir.clone(),
+            differences,
+        });
+    }
+    Ok(ck)
 }
 
 /// The parameter count of each part's tensors (headroom-zero's layer sizes).
@@ -184,8 +271,8 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
             "the optimal schedule needs an explicit activation budget (--checkpoint optimal:MiB)",
         );
     }
-    if opts.eval.is_some() || opts.save.is_some() || opts.resume_from.is_some() {
-        return refuse("validation and checkpoints are not wired to ZeRO runs yet");
+    if opts.eval.is_some() {
+        return refuse("validation during a ZeRO run is not wired yet (evaluate a consolidated checkpoint with `headroom eval`)");
     }
     if opts.merge_into.is_some() {
         return refuse("--merge-into needs adapters");
@@ -232,6 +319,23 @@ pub fn train_zero(
         Ok((est.block_chain_cost()?, budget))
     })?;
     let (dataset, _) = crate::train::open_data(opts)?;
+    let resume = match &opts.resume_from {
+        Some(path) => Some(resume_point(opts, path, dataset.fingerprint())?),
+        None => {
+            if let Some((root, _)) = &opts.save {
+                if let Some((step, _)) = crate::checkpoint::list(root)?.pop() {
+                    return Err(TrainError::Checkpoint {
+                        path: root.clone(),
+                        reason: format!(
+                            "already holds checkpoints of a run (newest: step {step}); resume \
+                             it (--resume) or save into an empty directory"
+                        ),
+                    });
+                }
+            }
+            None
+        }
+    };
     let shared = Shared {
         opts,
         zero,
@@ -240,12 +344,14 @@ pub fn train_zero(
         shapes,
         groups,
         micro,
+        resume,
     };
     let comms = InProcessGroup::create(zero.ranks, zero.timeout)
         .map_err(|e| TrainError::Config(format!("ZeRO rank group: {e}")))?;
     let (tx, rx) = mpsc::channel::<RankStep>();
     let tokens_per_step = (opts.batch * opts.seq) as u64;
     let mut logs: Vec<StepLog> = Vec::new();
+    let first_step = shared.resume.as_ref().map_or(0, |ck| ck.state.step);
     let outcomes: Vec<std::thread::Result<Result<RankOutcome>>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -259,13 +365,13 @@ pub fn train_zero(
         // Steps complete on every rank in order; a step is logged once every rank reported it.
         let mut pending: Vec<Vec<RankStep>> = Vec::new();
         for msg in rx {
-            let at = msg.step;
+            let at = msg.step - first_step;
             if pending.len() <= at {
                 pending.resize_with(at + 1, Vec::new);
             }
             pending[at].push(msg);
             while let Some(done) = pending.get(logs.len()).filter(|p| p.len() == zero.ranks) {
-                let step = logs.len();
+                let step = first_step + logs.len();
                 let first = &done[0];
                 let loss_sum: f64 = {
                     let mut by_rank: Vec<&RankStep> = done.iter().collect();
@@ -385,7 +491,16 @@ fn run_rank(
             .collect(),
         cursor: Cell::new(0),
     };
-    store.load_initial(opts)?;
+    let start = match &shared.resume {
+        Some(ck) => {
+            store.load_checkpoint(ck)?;
+            ck.state.step
+        }
+        None => {
+            store.load_initial(opts)?;
+            0
+        }
+    };
 
     let mut model_opts = opts.techniques.model;
     if opts.techniques.checkpoint == CheckpointChoice::Selective {
@@ -406,12 +521,20 @@ fn run_rank(
     let mut loader = {
         let _g = MemoryCategory::Data.enter();
         let _l = label_absolute("data.batch");
-        Loader::new(
-            shared.dataset.clone(),
-            sampler,
-            loader_cfg,
-            cpu.alloc_hook().cloned(),
-        )?
+        let hook = cpu.alloc_hook().cloned();
+        if start > 0 {
+            // Where an uninterrupted run of this many ranks would be.
+            let at = zero_checkpoint::loader_state(
+                &opts.run_spec(),
+                rank,
+                world,
+                start,
+                shared.dataset.fingerprint(),
+            )?;
+            Loader::resume(shared.dataset.clone(), &at, loader_cfg, hook)?
+        } else {
+            Loader::new(shared.dataset.clone(), sampler, loader_cfg, hook)?
+        }
     };
     let mut adamw = ShardAdamW::new(opts, shared.groups.clone());
     let micro = shared.micro;
@@ -423,7 +546,7 @@ fn run_rank(
     let dloss = (1.0 / (opts.batch * opts.seq) as f64) as f32;
     let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
     let mut before_last = counters.snapshot();
-    for step in 0..end {
+    for step in start..end {
         let t0 = Instant::now();
         before_last = counters.snapshot();
         let (tokens, targets) = {
@@ -473,6 +596,12 @@ fn run_rank(
         };
         // The receiver only goes away when the caller is gone.
         let _ = tx.send(report);
+        if let Some((root, every)) = &opts.save {
+            let done = step + 1;
+            if (*every > 0 && done % every == 0) || done == opts.steps {
+                save(&store, shared, root, done, rank, world)?;
+            }
+        }
     }
     let parameters = if shared.zero.collect_parameters {
         let layers = store
@@ -518,7 +647,63 @@ struct EngineStore<'a> {
     cursor: Cell<usize>,
 }
 
+/// Every rank: its shard into one partial directory, then rank 0 publishes it.
+fn save(
+    store: &EngineStore<'_>,
+    shared: &Shared<'_>,
+    root: &std::path::Path,
+    step: usize,
+    rank: usize,
+    ranks: usize,
+) -> Result<()> {
+    let opts = shared.opts;
+    let mut e = store.engine.borrow_mut();
+    // Rank 0 makes the directory; nobody writes before it exists, nobody publishes before
+    // everyone wrote. A rank that fails here stops; the others time out at the barrier.
+    let partial = if rank == 0 {
+        zero_checkpoint::prepare(root, step)?
+    } else {
+        zero_checkpoint::partial_dir(root, step)
+    };
+    e.barrier().map_err(zero_err)?;
+    zero_checkpoint::write_rank(&partial, &opts.model, &e, rank, ranks)?;
+    e.barrier().map_err(zero_err)?;
+    if rank == 0 {
+        let state = zero_checkpoint::ZeroState {
+            format_version: crate::checkpoint::FORMAT_VERSION,
+            step,
+            stage: shared.zero.stage.index(),
+            ranks,
+            config: opts.model,
+            run: opts.run_spec(),
+            dataset_fingerprint: shared.dataset.fingerprint(),
+        };
+        zero_checkpoint::publish(root, &partial, &state, opts.keep_checkpoints)?;
+    }
+    e.barrier().map_err(zero_err)?;
+    Ok(())
+}
+
 impl EngineStore<'_> {
+    /// Every rank takes its shard of a checkpoint's full tensors, part by part.
+    fn load_checkpoint(&self, ck: &ZeroCheckpoint) -> Result<()> {
+        let mut e = self.engine.borrow_mut();
+        for part in Part::all(&self.cfg) {
+            let range = part.params(&self.cfg);
+            let l = part.index(&self.cfg);
+            let values: Vec<&[f32]> = ck.params[range.clone()].iter().map(Vec::as_slice).collect();
+            e.load_layer(l, &values).map_err(zero_err)?;
+            // The engine's optimizer state is in planes per tensor: moments m, then v.
+            let planes: Vec<Vec<f32>> = range
+                .map(|i| [&ck.exp_avg[i][..], &ck.exp_avg_sq[i][..]].concat())
+                .collect();
+            let planes: Vec<&[f32]> = planes.iter().map(Vec::as_slice).collect();
+            e.load_optimizer_state(l, 2, &planes).map_err(zero_err)?;
+        }
+        e.resume_at(ck.state.step as u64);
+        Ok(())
+    }
+
     /// Every rank builds the same initial parameters (the seed's, or `--init-from`'s) one
     /// tensor at a time on an untracked staging backend, and keeps its shard of each part.
     fn load_initial(&self, opts: &TrainOptions) -> Result<()> {

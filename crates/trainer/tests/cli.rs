@@ -517,3 +517,83 @@ fn the_vocabulary_of_a_token_file_run_comes_from_vocab_not_a_fixed_50257() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--vocab"), "{}", stderr(&o));
 }
+
+#[test]
+fn zero_ranks_train_save_resume_elsewhere_and_consolidate() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let one = dir.path().join("one");
+    let (run_s, one_s) = (run.to_str().unwrap(), one.to_str().unwrap());
+    let common = [
+        "train",
+        "--steps",
+        "4",
+        "--batch",
+        "4",
+        "--grad-clip",
+        "inf",
+    ];
+    let with = |extra: &[&str]| {
+        let mut v = common.to_vec();
+        v.extend_from_slice(extra);
+        headroom(&v)
+    };
+    let o = with(&[
+        "--zero",
+        "3",
+        "--ranks",
+        "2",
+        "--stop-after",
+        "2",
+        "--checkpoint-dir",
+        run_s,
+        "--checkpoint-every",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("over 2 ranks, ZeRO-3"), "{out}");
+    for rank in ["   0  ", "   1  "] {
+        assert!(out.lines().any(|l| l.starts_with(rank)), "{out}");
+    }
+    // Two ranks' checkpoint, resumed on four under another stage: steps 2 and 3 run.
+    let o = with(&[
+        "--zero",
+        "1",
+        "--ranks",
+        "4",
+        "--micro-batch",
+        "1",
+        "--resume",
+        run_s,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("step     2") && out.contains("step     3"),
+        "{out}"
+    );
+    // One ordinary checkpoint, which the single-process trainer resumes.
+    let o = headroom(&["checkpoint", "consolidate", run_s, one_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(one
+        .join("step-00000002")
+        .join("model.safetensors")
+        .is_file());
+    let o = with(&["--resume", one_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("step     3"));
+    // The ordinary loaders refuse the sharded checkpoint with the way out.
+    let o = with(&["--resume", run_s]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("consolidate"), "{}", stderr(&o));
+    // Bad splits and unsupported combinations name what is wrong.
+    let o = with(&["--zero", "2", "--ranks", "3"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--batch"), "{}", stderr(&o));
+    let o = with(&["--zero", "4", "--ranks", "2"]);
+    assert!(!o.status.success());
+    let o = with(&["--zero", "1", "--ranks", "2", "--lora-rank", "4"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--zero"), "{}", stderr(&o));
+}

@@ -65,13 +65,39 @@ fn llama() -> Family {
     })
 }
 
+/// Where a reference run starts other than from scratch: a checkpoint's contents.
+struct Start {
+    step: usize,
+    params: Vec<Vec<f32>>,
+    optimizer: headroom_offload::AdamWState,
+    moments: Vec<u8>,
+}
+
+/// A reference run's outcome: each step's loss, the final parameters and AdamW moment bytes.
+struct Outcome {
+    losses: Vec<f32>,
+    params: Vec<Vec<f32>>,
+    moments: Vec<u8>,
+}
+
 /// One process: the same initial weights and batches, each micro-batch's gradient into its own
 /// zeroed buffers, summed in `stage`'s order, then the trainer's AdamW on whole tensors.
 /// Returns each step's loss and the final parameters.
 fn reference(o: &TrainOptions, stage: Stage, ranks: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let r = reference_from(o, stage, ranks, None);
+    (r.losses, r.params)
+}
+
+fn reference_from(o: &TrainOptions, stage: Stage, ranks: usize, start: Option<&Start>) -> Outcome {
     let cpu = Cpu::new();
     let cfg = o.model;
     let mut model = Model::new(&cpu, cfg, o.techniques.model, o.seed).unwrap();
+    if let Some(s) = start {
+        for (m, p) in model.masters_mut().iter_mut().zip(&s.params) {
+            m.as_mut_slice::<f32>().unwrap().copy_from_slice(p);
+        }
+    }
+    let first = start.map_or(0, |s| s.step);
     let (dataset, _) = open_data(o).unwrap();
     let mut loaders: Vec<Loader> = (0..ranks)
         .map(|r| {
@@ -83,7 +109,14 @@ fn reference(o: &TrainOptions, stage: Stage, ranks: usize) -> (Vec<f32>, Vec<Vec
                 seed: o.seed,
                 shard: Shard::new(r as u32, ranks as u32).unwrap(),
             };
-            Loader::new(dataset.clone(), sampler, lc, None).unwrap()
+            let at = headroom_mmap_data::LoaderState {
+                sampler,
+                batch_size: (o.batch / ranks) as u64,
+                next_batch: first as u64,
+                epoch: 0,
+                dataset_fingerprint: dataset.fingerprint(),
+            };
+            Loader::resume(dataset.clone(), &at, lc, None).unwrap()
         })
         .collect();
     let infos = params::param_infos(&cfg);
@@ -100,19 +133,22 @@ fn reference(o: &TrainOptions, stage: Stage, ranks: usize) -> (Vec<f32>, Vec<Vec
         beta2: 0.95,
         ..Default::default()
     };
-    let mut opt = CpuAdamW::new(
-        vec![hyper(o.weight_decay), hyper(0.0)],
-        &specs,
-        StatePrecision::F32,
-        StoreSpec::Ram(&cpu),
-    )
-    .unwrap();
+    let mut opt = match start {
+        Some(s) => CpuAdamW::restore(&s.optimizer, &cpu, &s.moments).unwrap(),
+        None => CpuAdamW::new(
+            vec![hyper(o.weight_decay), hyper(0.0)],
+            &specs,
+            StatePrecision::F32,
+            StoreSpec::Ram(&cpu),
+        )
+        .unwrap(),
+    };
     let schedule = Schedule::every_k(cfg.layers, 2).unwrap();
     let g = Geometry { b: MICRO, t: SEQ };
     let rows = MICRO * SEQ;
     let dloss = (1.0 / (o.batch * SEQ) as f64) as f32;
     let mut losses = Vec::new();
-    for step in 0..o.steps {
+    for step in first..o.stop_after.unwrap_or(o.steps) {
         // grads[tensor][rank][micro-batch]
         let mut grads: Vec<Vec<Vec<Vec<f32>>>> = vec![vec![Vec::new(); ranks]; infos.len()];
         let mut loss_by_rank = Vec::new();
@@ -156,7 +192,11 @@ fn reference(o: &TrainOptions, stage: Stage, ranks: usize) -> (Vec<f32>, Vec<Vec
         .iter()
         .map(|t| t.as_slice::<f32>().unwrap().to_vec())
         .collect();
-    (losses, params)
+    Outcome {
+        losses,
+        params,
+        moments: opt.moments().to_vec(),
+    }
 }
 
 fn run(o: &TrainOptions, stage: Stage, ranks: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
@@ -462,4 +502,96 @@ fn parts_are_asked_for_in_access_order_and_give_the_models_bits() {
             assert!(parts_only.loss(&tokens, &targets, g).is_err());
         }
     }
+}
+
+/// A 2-rank ZeRO-1 checkpoint at step 6 of 12, consolidated, holds exactly what one process
+/// summing in that stage's order holds at step 6 (parameters and moment bytes). Resumed on 3
+/// ranks under ZeRO-3 it continues exactly as a 3-rank run from that state: losses and final
+/// parameters bit for bit. Damaged checkpoints are refused.
+#[test]
+fn checkpoints_shard_per_rank_consolidate_and_reshard_exactly() {
+    let root = std::env::temp_dir().join(format!("headroom-zero-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mut o = options(Family::Gpt2, 2, 12);
+    o.batch = 12; // 2 ranks × 3 micro-batches, or 3 ranks × 2
+    o.save = Some((root.join("run"), 6));
+    let mut first = o.clone();
+    first.stop_after = Some(6);
+    train_zero(&first, ZeroOptions::new(Stage::Zero1, 2), |_| {}).unwrap();
+    let step6 = root.join("run").join("step-00000006");
+    assert!(headroom_trainer::zero_checkpoint::is_zero_checkpoint(
+        &step6
+    ));
+    for r in 0..2 {
+        assert!(step6
+            .join(headroom_trainer::zero_checkpoint::rank_file(r, 2))
+            .is_file());
+    }
+
+    // Consolidation equals the single process.
+    let consolidated =
+        headroom_trainer::zero_checkpoint::consolidate(&step6, &root.join("one")).unwrap();
+    let ck = headroom_trainer::checkpoint::load(&consolidated).unwrap();
+    let single = reference_from(&first, Stage::Zero1, 2, None);
+    assert_eq!(ck.state.step, 6);
+    assert!(ck.params == single.params, "consolidated parameters");
+    assert!(ck.moments == single.moments, "consolidated moments");
+
+    // Re-sharded on 3 ranks: a 3-rank run from the same state.
+    let mut resumed = o.clone();
+    resumed.save = None;
+    resumed.resume_from = Some(step6.clone());
+    let mut z = ZeroOptions::new(Stage::Zero3, 3);
+    z.collect_parameters = true;
+    let report = train_zero(&resumed, z, |_| {}).unwrap();
+    let got = (
+        report.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
+        report.parameters.unwrap(),
+    );
+    assert_eq!(report.steps[0].step, 6);
+    let start = Start {
+        step: 6,
+        params: ck.params.clone(),
+        optimizer: ck.state.optimizer.clone(),
+        moments: ck.moments.clone(),
+    };
+    let want = reference_from(&o, Stage::Zero3, 3, Some(&start));
+    assert_bitwise("2 → 3 ranks", &got, &(want.losses, want.params));
+
+    // The ordinary checkpoint resumes under ZeRO too (and a ZeRO one is not an ordinary one).
+    let mut from_single = resumed.clone();
+    from_single.resume_from = Some(consolidated.clone());
+    let mut z = ZeroOptions::new(Stage::Zero3, 3);
+    z.collect_parameters = true;
+    let again = train_zero(&from_single, z, |_| {}).unwrap();
+    assert!(again.parameters.unwrap() == got.1);
+    let e = headroom_trainer::checkpoint::load(&step6)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("consolidate"), "{e}");
+
+    // A flipped byte in a shard, or a missing shard, is refused before anything is used.
+    let shard = step6.join(headroom_trainer::zero_checkpoint::rank_file(1, 2));
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() - 3;
+    bytes[at] ^= 1;
+    std::fs::write(&shard, &bytes).unwrap();
+    let e = train_zero(&resumed, ZeroOptions::new(Stage::Zero3, 3), |_| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("rank-00001"), "{e}");
+    std::fs::remove_file(&shard).unwrap();
+    assert!(headroom_trainer::zero_checkpoint::load(&step6).is_err());
+    // Another run's settings are refused by name.
+    let mut other = resumed.clone();
+    other.lr *= 2.0;
+    other.resume_from = Some(consolidated);
+    let e = train_zero(&other, ZeroOptions::new(Stage::Zero0, 2), |_| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("--lr"), "{e}");
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -1182,6 +1182,11 @@ impl ZeroEngine {
         Ok(r?)
     }
 
+    /// Wait until every rank has called this (after the collectives submitted before it).
+    pub fn barrier(&mut self) -> Result<()> {
+        Ok(self.comm.run(|c| c.barrier())??)
+    }
+
     /// Continue a run at `steps` completed optimizer steps (a resume from a checkpoint): the
     /// next [`step`](Self::step) hands the optimizer step `steps + 1`.
     pub fn resume_at(&mut self, steps: u64) {

@@ -1,0 +1,418 @@
+//! Checkpoints of ZeRO runs: each rank writes the shard it owns — no rank ever holds the whole
+//! training state — and [`consolidate`] turns one into an ordinary checkpoint.
+//!
+//! ```text
+//! root/
+//!   step-00000010/
+//!     rank-00000-of-00002.safetensors   rank 0's pieces: parameters of record and AdamW moments
+//!     rank-00001-of-00002.safetensors
+//!     zero.json                         step, stage, ranks, model config, run settings
+//!     manifest.json                     every file's size and xxh3-64, written last
+//! ```
+//!
+//! A rank file holds, for each piece of a tensor the rank owns (headroom-zero's
+//! [`ShardPiece`]), three f32 tensors named `{hf name}@{first element}:param`, `…:exp_avg`
+//! and `…:exp_avg_sq` (the fp32 parameters — the masters in mixed precision — and AdamW's
+//! moments, PyTorch's names). The pieces of all ranks cover every element of every tensor
+//! exactly once; [`load`] checks that, and every file against the manifest, before anything
+//! is used. The layout does not depend on the stage or the rank count, so a resume may use
+//! other ones: each rank takes its new shard of the full tensors. The data position follows
+//! from the step (each rank's loader is a pure function of seed, shard and batch index), so a
+//! run resumed on M ranks reads what an M-rank run would have read.
+//!
+//! Crash consistency is the ordinary checkpoint's: every rank writes into one `.partial-`
+//! directory, the ranks meet at a barrier, rank 0 writes `zero.json` and the manifest, fsyncs
+//! and publishes the directory with one rename.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use headroom_mmap_data::{LoaderState, SamplerConfig, SamplingMode, Shard};
+use headroom_offload::{AdamWHyper, AdamWState, ParamSpec, StatePrecision};
+use headroom_tensor::{Backend, Cpu};
+use headroom_zero::{ShardPiece, ZeroEngine};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{
+    self, err, io, read_json_bounded, read_verified, write_synced, Manifest, RunSpec,
+    TrainingState, FORMAT_VERSION, MANIFEST, PARTIAL_PREFIX,
+};
+use crate::model::{params, ModelConfig, Part};
+use crate::{Result, TrainError};
+
+/// The run-level file of a ZeRO checkpoint.
+pub const ZERO_STATE: &str = "zero.json";
+
+/// `zero.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ZeroState {
+    /// Layout version (the ordinary checkpoint's).
+    pub format_version: u32,
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// The stage the run used (informative: a resume may use another).
+    pub stage: u8,
+    /// Ranks that wrote the shards.
+    pub ranks: usize,
+    /// The model's shape.
+    pub config: ModelConfig,
+    /// The run's settings (checked on resume; `batch` is the global batch).
+    pub run: RunSpec,
+    /// The training data's fingerprint.
+    pub dataset_fingerprint: u64,
+}
+
+/// A loaded ZeRO checkpoint, whole: what each rank of a resume takes its shard from.
+#[derive(Debug)]
+pub struct ZeroCheckpoint {
+    /// The step directory.
+    pub dir: PathBuf,
+    /// `zero.json`.
+    pub state: ZeroState,
+    /// Parameters of record, in [`params::param_infos`] order.
+    pub params: Vec<Vec<f32>>,
+    /// AdamW's first moments, same order.
+    pub exp_avg: Vec<Vec<f32>>,
+    /// AdamW's second moments, same order.
+    pub exp_avg_sq: Vec<Vec<f32>>,
+}
+
+/// Rank `r` of `n`'s file name.
+pub fn rank_file(r: usize, n: usize) -> String {
+    format!("rank-{r:05}-of-{n:05}.safetensors")
+}
+
+/// The directory a ZeRO save of `step` is assembled in (one name for every rank, which may be
+/// separate processes).
+pub(crate) fn partial_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!("{PARTIAL_PREFIX}step-{step:08}-zero"))
+}
+
+/// Rank 0, before the ranks write: a fresh, empty partial directory.
+pub(crate) fn prepare(root: &Path, step: usize) -> Result<PathBuf> {
+    fs::create_dir_all(root).map_err(io(root))?;
+    let partial = partial_dir(root, step);
+    if partial.exists() {
+        fs::remove_dir_all(&partial).map_err(io(&partial))?;
+    }
+    fs::create_dir(&partial).map_err(io(&partial))?;
+    Ok(partial)
+}
+
+fn piece_name(param: &str, start: usize, what: &str) -> String {
+    format!("{param}@{start}:{what}")
+}
+
+/// Every rank, between two barriers: its pieces of every part into its file in `partial`.
+pub(crate) fn write_rank(
+    partial: &Path,
+    cfg: &ModelConfig,
+    engine: &ZeroEngine,
+    rank: usize,
+    ranks: usize,
+) -> Result<()> {
+    let infos = params::param_infos(cfg);
+    let mut owned: Vec<(String, Vec<u8>)> = Vec::new();
+    for part in Part::all(cfg) {
+        let first = part.params(cfg).start;
+        let pieces: Vec<ShardPiece> = engine
+            .export_layer(part.index(cfg))
+            .map_err(|e| TrainError::Config(format!("ZeRO: {e}")))?;
+        for p in pieces {
+            let name = &infos[first + p.tensor].name;
+            let n = p.params.len();
+            let (m, v) = if p.state.len() == 2 * n {
+                p.state.split_at(n)
+            } else {
+                // Before the first step: no moments yet, zeros as AdamW starts.
+                (&[][..], &[][..])
+            };
+            let zeros = vec![0.0f32; if m.is_empty() { n } else { 0 }];
+            let (m, v) = if m.is_empty() {
+                (&zeros[..], &zeros[..])
+            } else {
+                (m, v)
+            };
+            let start = p.tensor_range.start;
+            for (what, data) in [("param", &p.params[..]), ("exp_avg", m), ("exp_avg_sq", v)] {
+                owned.push((
+                    piece_name(name, start, what),
+                    bytemuck::cast_slice(data).to_vec(),
+                ));
+            }
+        }
+    }
+    let views = owned
+        .iter()
+        .map(|(n, b)| {
+            Ok((
+                n.as_str(),
+                TensorView::new(Dtype::F32, vec![b.len() / 4], b)
+                    .map_err(|e| err(partial, e.to_string()))?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bytes = safetensors::serialize(views, None).map_err(|e| err(partial, e.to_string()))?;
+    write_synced(&partial.join(rank_file(rank, ranks)), &bytes)?;
+    Ok(())
+}
+
+/// Rank 0, after every rank wrote its file: `zero.json`, the manifest (every rank file's
+/// size and checksum, read back), then publish as `root/step-N`.
+pub(crate) fn publish(
+    root: &Path,
+    partial: &Path,
+    state: &ZeroState,
+    keep: usize,
+) -> Result<PathBuf> {
+    let mut files = Vec::with_capacity(state.ranks + 1);
+    for r in 0..state.ranks {
+        let path = partial.join(rank_file(r, state.ranks));
+        let bytes = fs::read(&path).map_err(io(&path))?;
+        files.push(checkpoint::ManifestFile {
+            name: rank_file(r, state.ranks),
+            bytes: bytes.len() as u64,
+            xxh3: checkpoint::checksum(&bytes),
+        });
+    }
+    let json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
+    files.push(write_synced(&partial.join(ZERO_STATE), &json)?);
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        step: state.step,
+        files,
+    };
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
+    write_synced(&partial.join(MANIFEST), &json)?;
+    checkpoint::publish(root, partial, state.step, keep)
+}
+
+/// Whether `dir` (a step directory) is a ZeRO checkpoint.
+pub fn is_zero_checkpoint(dir: &Path) -> bool {
+    dir.join(ZERO_STATE).is_file()
+}
+
+/// Read a ZeRO checkpoint (a step directory, or a root: its newest), every file checked
+/// against the manifest and every element of every tensor covered exactly once.
+pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
+    let dir = checkpoint::resolve(path)?;
+    let manifest = checkpoint::parse_manifest(&dir)?;
+    let entry = |name: &str| {
+        manifest
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
+    };
+    let state_path = dir.join(ZERO_STATE);
+    let state_entry = entry(ZERO_STATE).map_err(|_| {
+        err(
+            &dir,
+            "not a ZeRO checkpoint (no zero.json): resume it without --zero",
+        )
+    })?;
+    // Bounded like every JSON file, then checked against the manifest.
+    read_json_bounded(&state_path)?;
+    let json = read_verified(&dir, state_entry)?;
+    let state: ZeroState =
+        serde_json::from_slice(&json).map_err(|e| err(&state_path, e.to_string()))?;
+    if state.format_version != FORMAT_VERSION || state.step != manifest.step {
+        return Err(err(
+            &state_path,
+            format!(
+                "format {} step {}, the manifest says format {FORMAT_VERSION} step {}",
+                state.format_version, state.step, manifest.step
+            ),
+        ));
+    }
+    state.config.validate()?;
+    if state.ranks == 0 || state.ranks > 1 << 20 {
+        return Err(err(&state_path, format!("{} ranks", state.ranks)));
+    }
+    let infos = params::param_infos(&state.config);
+    let numel: Vec<usize> = infos.iter().map(|i| i.shape.iter().product()).collect();
+    let total = state.config.parameter_count()?;
+    // 12 bytes per parameter plus headers: anything much larger is not this model's.
+    let max_bytes = total
+        .checked_mul(12)
+        .and_then(|b| b.checked_add(1 << 24))
+        .ok_or_else(|| err(&dir, "parameter bytes overflow"))?;
+    let mut params: Vec<Vec<f32>> = numel.iter().map(|&n| vec![0.0; n]).collect();
+    let mut exp_avg = params.clone();
+    let mut exp_avg_sq = params.clone();
+    // (tensor, first element, kind) → length, for the tiling check below.
+    let mut pieces: std::collections::HashMap<(usize, usize, String), usize> =
+        std::collections::HashMap::new();
+    let index: std::collections::HashMap<&str, usize> = infos
+        .iter()
+        .enumerate()
+        .map(|(i, info)| (info.name.as_str(), i))
+        .collect();
+    for r in 0..state.ranks {
+        let name = rank_file(r, state.ranks);
+        let e = entry(&name)?;
+        if e.bytes > max_bytes {
+            return Err(err(&dir.join(&name), "implausibly large for this model"));
+        }
+        let bytes = read_verified(&dir, e)?;
+        let path = dir.join(&name);
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| err(&path, e.to_string()))?;
+        for (tname, view) in st.tensors() {
+            let bad = |why: &str| err(&path, format!("tensor {tname}: {why}"));
+            let (head, what) = tname.rsplit_once(':').ok_or_else(|| bad("no kind"))?;
+            let (param, start) = head.rsplit_once('@').ok_or_else(|| bad("no offset"))?;
+            let start: usize = start.parse().map_err(|_| bad("offset"))?;
+            let &i = index
+                .get(param)
+                .ok_or_else(|| bad("not a parameter of this model"))?;
+            if view.dtype() != Dtype::F32 || view.shape().len() != 1 {
+                return Err(bad("not a 1-d f32 tensor"));
+            }
+            let len = view.shape()[0];
+            let end = start
+                .checked_add(len)
+                .filter(|&e| e <= numel[i])
+                .ok_or_else(|| bad("past the tensor's end"))?;
+            let dst = match what {
+                "param" => &mut params[i],
+                "exp_avg" => &mut exp_avg[i],
+                "exp_avg_sq" => &mut exp_avg_sq[i],
+                _ => return Err(bad("unknown kind")),
+            };
+            if pieces.insert((i, start, what.to_owned()), len).is_some() {
+                return Err(bad("written twice"));
+            }
+            let data: &[u8] = view.data();
+            for (d, c) in dst[start..end].iter_mut().zip(data.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+    }
+    // Every piece has its parameters and both moments, and each tensor's pieces, sorted by
+    // their first element, tile it: no gap, no overlap, nothing past the end.
+    let mut tiles: Vec<(usize, usize, usize)> = Vec::new();
+    for ((i, start, what), &len) in &pieces {
+        if what == "param" {
+            for other in ["exp_avg", "exp_avg_sq"] {
+                if pieces.get(&(*i, *start, other.to_owned())) != Some(&len) {
+                    return Err(err(
+                        &dir,
+                        format!(
+                            "{}@{start}: its {other} is missing or of another length",
+                            infos[*i].name
+                        ),
+                    ));
+                }
+            }
+            tiles.push((*i, *start, len));
+        }
+    }
+    if pieces.len() != 3 * tiles.len() {
+        return Err(err(&dir, "a moment without its parameters"));
+    }
+    tiles.sort_unstable();
+    let mut next = vec![0usize; infos.len()];
+    for (i, start, len) in tiles {
+        if start != next[i] {
+            return Err(err(
+                &dir,
+                format!(
+                    "{}: the shards overlap or leave a gap at element {}",
+                    infos[i].name, next[i]
+                ),
+            ));
+        }
+        next[i] = start + len;
+    }
+    for (i, (&got, &n)) in next.iter().zip(&numel).enumerate() {
+        if got != n {
+            return Err(err(
+                &dir,
+                format!(
+                    "{}: the shards hold {got} of its {n} elements",
+                    infos[i].name
+                ),
+            ));
+        }
+    }
+    Ok(ZeroCheckpoint {
+        dir,
+        state,
+        params,
+        exp_avg,
+        exp_avg_sq,
+    })
+}
+
+/// The loader position of rank `rank` of `ranks` after `step` steps of a run with `run`'s
+/// settings: what an uninterrupted run of that many ranks would hold.
+pub(crate) fn loader_state(
+    run: &RunSpec,
+    rank: usize,
+    ranks: usize,
+    step: usize,
+    dataset_fingerprint: u64,
+) -> Result<LoaderState> {
+    Ok(LoaderState {
+        sampler: SamplerConfig {
+            mode: SamplingMode::EpochWindows,
+            seq_len: run.seq as u64,
+            seed: run.seed,
+            shard: Shard::new(rank as u32, ranks as u32)?,
+        },
+        batch_size: (run.batch / ranks) as u64,
+        next_batch: step as u64,
+        epoch: 0,
+        dataset_fingerprint,
+    })
+}
+
+/// Write the ZeRO checkpoint at `src` as one ordinary checkpoint under `dst_root`: the same
+/// parameters and moments, a single-process optimizer and data position at the same step. It
+/// loads in `sample`, `eval` and transformers, and resumes without `--zero`.
+pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
+    let ck = load(src)?;
+    let cfg = ck.state.config;
+    let infos = params::param_infos(&cfg);
+    let hyper = |wd| AdamWHyper {
+        lr: ck.state.run.lr_at(ck.state.step.saturating_sub(1)),
+        weight_decay: wd,
+        beta2: 0.95,
+        ..Default::default()
+    };
+    let specs: Vec<ParamSpec> = infos
+        .iter()
+        .map(|i| ParamSpec {
+            numel: i.shape.iter().product(),
+            group: if i.shape.len() >= 2 { 0 } else { 1 },
+        })
+        .collect();
+    let optimizer = AdamWState {
+        precision: StatePrecision::F32,
+        groups: vec![hyper(ck.state.run.weight_decay), hyper(0.0)],
+        steps: vec![ck.state.step as u64; specs.len()],
+        params: specs,
+    };
+    let loader = loader_state(
+        &ck.state.run,
+        0,
+        1,
+        ck.state.step,
+        ck.state.dataset_fingerprint,
+    )?;
+    let state = TrainingState::new(ck.state.step, cfg, ck.state.run.clone(), optimizer, loader);
+    // headroom-offload's f32 moment layout: every first moment, then every second moment.
+    let mut moments: Vec<u8> = Vec::new();
+    for m in ck.exp_avg.iter().chain(&ck.exp_avg_sq) {
+        moments.extend_from_slice(bytemuck::cast_slice(m));
+    }
+    let cpu = Cpu::new();
+    let tensors = infos
+        .iter()
+        .zip(&ck.params)
+        .map(|(info, p)| Ok(cpu.upload(p, info.shape.clone())?))
+        .collect::<Result<Vec<_>>>()?;
+    checkpoint::save(dst_root, &state, &tensors, &moments, 1)
+}
