@@ -45,6 +45,7 @@
 
 pub mod adapters;
 pub mod checkpoint;
+pub mod cli;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;

@@ -37,8 +37,8 @@ use headroom_profiler::{label_absolute, MemorySnapshot, MemoryTracker};
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, DType, Device, MemoryCategory, Shape};
 use headroom_zero::{
-    CommStats, CountingCollective, InProcessGroup, ShardOptimizer, Stage, UpdatePiece, ZeroConfig,
-    ZeroEngine,
+    Collective, CommStats, CountingCollective, InProcessGroup, ShardOptimizer, Stage, UpdatePiece,
+    ZeroConfig, ZeroEngine,
 };
 
 use crate::model::{params, Geometry, Model, Part, PartStore, Precision};
@@ -103,7 +103,6 @@ pub struct ZeroReport {
 
 /// What a rank reports after each step.
 struct RankStep {
-    rank: usize,
     step: usize,
     loss_sum: f64,
     block_forwards: usize,
@@ -285,6 +284,36 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
 pub fn train_zero(
     opts: &TrainOptions,
     zero: ZeroOptions,
+    on_step: impl FnMut(&StepLog),
+) -> Result<ZeroReport> {
+    check(opts, &zero)?;
+    let comms = InProcessGroup::create(zero.ranks, zero.timeout)
+        .map_err(|e| TrainError::Config(format!("ZeRO rank group: {e}")))?;
+    drive(opts, zero, comms, on_step)
+}
+
+/// This process's rank of a ZeRO run whose ranks are processes (`mpirun -n N headroom train
+/// --zero S --dist mpi`): `comm` connects them (its world size is the rank count, which
+/// replaces `zero.ranks`). Every process calls this with the same options; each runs its rank,
+/// and `on_step` sees the global loss and this rank's time and bytes. The report holds this
+/// rank alone.
+pub fn train_zero_dist<C: Collective + 'static>(
+    opts: &TrainOptions,
+    mut zero: ZeroOptions,
+    comm: C,
+    on_step: impl FnMut(&StepLog),
+) -> Result<ZeroReport> {
+    zero.ranks = comm.world_size();
+    check(opts, &zero)?;
+    drive(opts, zero, vec![comm], on_step)
+}
+
+/// Run the ranks of `comms` (all of them in-process, or this process's one) on threads,
+/// logging each step once every local rank finished it.
+fn drive<C: Collective + 'static>(
+    opts: &TrainOptions,
+    zero: ZeroOptions,
+    comms: Vec<C>,
     mut on_step: impl FnMut(&StepLog),
 ) -> Result<ZeroReport> {
     let micro = check(opts, &zero)?;
@@ -346,8 +375,7 @@ pub fn train_zero(
         micro,
         resume,
     };
-    let comms = InProcessGroup::create(zero.ranks, zero.timeout)
-        .map_err(|e| TrainError::Config(format!("ZeRO rank group: {e}")))?;
+    let local = comms.len();
     let (tx, rx) = mpsc::channel::<RankStep>();
     let tokens_per_step = (opts.batch * opts.seq) as u64;
     let mut logs: Vec<StepLog> = Vec::new();
@@ -370,14 +398,11 @@ pub fn train_zero(
                 pending.resize_with(at + 1, Vec::new);
             }
             pending[at].push(msg);
-            while let Some(done) = pending.get(logs.len()).filter(|p| p.len() == zero.ranks) {
+            while let Some(done) = pending.get(logs.len()).filter(|p| p.len() == local) {
                 let step = first_step + logs.len();
                 let first = &done[0];
-                let loss_sum: f64 = {
-                    let mut by_rank: Vec<&RankStep> = done.iter().collect();
-                    by_rank.sort_by_key(|r| r.rank);
-                    by_rank.iter().map(|r| r.loss_sum).sum()
-                };
+                // Every rank reports the same global sum.
+                let loss_sum = first.loss_sum;
                 let seconds = done.iter().map(|r| r.seconds).fold(0.0, f64::max);
                 let log = StepLog {
                     step,
@@ -399,13 +424,13 @@ pub fn train_zero(
         }
         handles.into_iter().map(|h| h.join()).collect()
     });
-    let mut ranks = Vec::with_capacity(zero.ranks);
+    let mut ranks = Vec::with_capacity(local);
     let mut parameters = None;
     let mut errors = Vec::new();
     for (rank, outcome) in outcomes.into_iter().enumerate() {
         match outcome {
             Ok(Ok(o)) => {
-                if rank == 0 {
+                if parameters.is_none() {
                     parameters = o.parameters;
                 }
                 ranks.push(o.report);
@@ -456,12 +481,11 @@ fn zero_err(e: headroom_zero::ZeroError) -> TrainError {
 }
 
 /// One rank's whole run.
-fn run_rank(
+fn run_rank<C: Collective + 'static>(
     shared: &Shared<'_>,
-    comm: headroom_zero::InProcessComm,
+    comm: C,
     tx: mpsc::Sender<RankStep>,
 ) -> Result<RankOutcome> {
-    use headroom_zero::Collective;
     let opts = shared.opts;
     let cfg = &opts.model;
     let (rank, world) = (comm.rank(), comm.world_size());
@@ -584,8 +608,15 @@ fn run_rank(
                 f64::NAN
             }
         };
+        // The global batch's loss: every rank's sum, added in rank order on every rank.
+        let loss_sum: f64 = store
+            .engine
+            .borrow_mut()
+            .gather_scalars(loss_sum)
+            .map_err(zero_err)?
+            .iter()
+            .sum();
         let report = RankStep {
-            rank,
             step,
             loss_sum,
             block_forwards,

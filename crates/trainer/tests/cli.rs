@@ -593,6 +593,10 @@ fn zero_ranks_train_save_resume_elsewhere_and_consolidate() {
     assert!(stderr(&o).contains("--batch"), "{}", stderr(&o));
     let o = with(&["--zero", "4", "--ranks", "2"]);
     assert!(!o.status.success());
+    // `--dist mpi` needs the MPI build of the command, and says so.
+    let o = with(&["--zero", "3", "--dist", "mpi"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("crates/trainer-mpi"), "{}", stderr(&o));
     let o = with(&["--zero", "1", "--ranks", "2", "--lora-rank", "4"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--zero"), "{}", stderr(&o));

@@ -38,7 +38,9 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use headroom_zero::{check_scatter_gather, Buf, BufMut, Collective, CommError, CommKind};
-use mpi::environment::Universe;
+/// rsmpi's handle on the initialised MPI library: MPI is finalised when it is dropped, so
+/// keep it alive for as long as any [`MpiCollective`] is in use.
+pub use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator, CommunicatorCollectives, Root};
 use mpi::Threading;

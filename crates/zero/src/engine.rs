@@ -110,7 +110,7 @@ pub trait ShardOptimizer {
     /// f32 values of state per parameter (2 for Adam's moments). A piece of `n` elements
     /// gets `k·n` values laid out in planes: value `j` of element `i` is `state[j·n + i]`
     /// (Adam's `m` then `v`, each contiguous, as a vectorised kernel reads them). It starts
-    /// zeroed; [`ZeroEngine::optimizer_state`] and [`ZeroEngine::load_optimizer_state`]
+    /// zeroed; [`ZeroEngine::export_layer`] and [`ZeroEngine::load_optimizer_state`]
     /// move it in this layout.
     fn state_per_param(&self) -> usize;
 
@@ -1180,6 +1180,26 @@ impl ZeroEngine {
         })?;
         self.full_params = Some(params);
         Ok(r?)
+    }
+
+    /// Every rank's `x`, in rank order (every rank calls it and gets the same list). An f64
+    /// travels as three f32s — its value rounded to f32, then the remainder, twice — which
+    /// hold all 53 bits of any f64 whose magnitude is within f32's normal range (losses,
+    /// counters): it arrives bit for bit.
+    pub fn gather_scalars(&mut self, x: f64) -> Result<Vec<f64>> {
+        let hi = x as f32;
+        let r = x - f64::from(hi);
+        let mid = r as f32;
+        let lo = (r - f64::from(mid)) as f32;
+        let parts = self.comm.run(move |c| {
+            let mut all = vec![0.0f32; 3 * c.world_size()];
+            c.all_gather(Buf::F32(&[hi, mid, lo]), BufMut::F32(&mut all))
+                .map(|()| all)
+        })??;
+        Ok(parts
+            .chunks_exact(3)
+            .map(|p| f64::from(p[0]) + f64::from(p[1]) + f64::from(p[2]))
+            .collect())
     }
 
     /// Wait until every rank has called this (after the collectives submitted before it).

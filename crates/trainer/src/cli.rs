@@ -1,0 +1,1815 @@
+//! The `headroom` command: [`main_with`] parses the arguments and runs a subcommand. The
+//! `headroom` binary calls it with no hooks; a build that links MPI (`crates/trainer-mpi`)
+//! passes one that connects the ranks of `train --dist mpi`.
+
+use std::fmt;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::engine::ComputeDevice;
+use crate::estimate::estimate;
+use crate::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
+use crate::model::{Family, FinetuneSpec, ModelConfig, Precision, QuantSpec};
+use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
+use crate::train::{train, DataSource, EvalOptions, MemoryOutputs, StepLog, TrainOptions};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use headroom_attn::AttentionConfig;
+use headroom_mmap_data::{
+    BuildSpec, InspectOptions, LlmcFlavor, SynthSpec, TokenFileFormat, TokenType,
+};
+use headroom_offload::StatePrecision;
+use headroom_profiler::{confirm_boundary, search_max_fit, MaxFit, OutOfBudget};
+use headroom_tensor::MemoryCategory;
+
+type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// Set when stdout's reader went away (`headroom train | head`): nothing more is printed and a
+/// training run stops as if interrupted, then the command exits quietly.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+/// The first stdout error other than a broken pipe (a full disk under `> file`), reported at
+/// exit.
+static STDOUT_ERROR: Mutex<Option<std::io::Error>> = Mutex::new(None);
+/// Set by SIGINT/SIGTERM and by a closed stdout: the training loop saves and stops.
+static STOP: std::sync::LazyLock<Arc<AtomicBool>> =
+    std::sync::LazyLock::new(|| Arc::new(AtomicBool::new(false)));
+
+/// Print one line to stdout; a broken pipe stops output (and training) instead of panicking.
+fn say_line(args: fmt::Arguments<'_>) {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|()| out.write_all(b"\n")) {
+        STDOUT_CLOSED.store(true, Ordering::Relaxed);
+        STOP.store(true, Ordering::SeqCst);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            let mut slot = STDOUT_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert(e);
+        }
+    }
+}
+
+macro_rules! say {
+    () => { say_line(format_args!("")) };
+    ($($t:tt)*) => { say_line(format_args!($($t)*)) };
+}
+
+/// A line to stderr; a closed stderr is ignored rather than a panic (`eprintln!` would).
+macro_rules! esay {
+    ($($t:tt)*) => {{
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+#[derive(Parser)]
+#[command(
+    name = "headroom",
+    version,
+    about = "Train GPTs that do not fit in memory, and see what each technique saves"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train the reference GPT (default: `tiny` on the synthetic source, CPU).
+    Train(Box<TrainArgs>),
+    /// Train the same model under a memory budget with techniques added one at a time.
+    Ladder(LadderArgs),
+    /// Predict peak memory per category for a config and technique set, without running.
+    Estimate(EstimateArgs),
+    /// The largest batch that fits a budget for a technique set.
+    MaxBatch(MaxBatchArgs),
+    /// Make, tokenise or describe token files.
+    #[command(subcommand)]
+    Data(DataCommand),
+    /// Generate text from a checkpoint (headroom's or a Hugging Face model directory).
+    Sample(SampleArgs),
+    /// The loss of a checkpoint on the leading windows of a token file.
+    Eval(EvalArgs),
+    /// Merge a PEFT LoRA adapter into its base model and write a Hugging Face directory
+    /// (PEFT's `merge_and_unload()` + `save_pretrained`).
+    Merge(MergeArgs),
+    /// Work on checkpoints.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
+}
+
+#[derive(Subcommand)]
+enum CheckpointCommand {
+    /// Write a ZeRO checkpoint (one shard per rank) as one ordinary checkpoint: the same
+    /// parameters and AdamW moments, for `sample`, `eval`, transformers, or a resume without
+    /// --zero.
+    Consolidate {
+        /// The ZeRO checkpoint: a step directory, or a root (its newest step).
+        src: PathBuf,
+        /// The checkpoint root to write `step-N` into.
+        out: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct EstimateArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Per-rank memory under ZeRO stage 0–3 (data parallel over --ranks; --batch is each
+    /// rank's), and with --budget-mib the most layers of this width that fit per rank.
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero: Option<u8>,
+    /// Data-parallel ranks for --zero.
+    #[arg(long, default_value_t = 1, requires = "zero")]
+    ranks: usize,
+}
+
+#[derive(Args)]
+struct MergeArgs {
+    /// The base model: a Hugging Face directory or a headroom run or checkpoint.
+    #[arg(long, value_name = "DIR")]
+    base: PathBuf,
+    /// The adapter: `adapter_config.json` + `adapter_model.safetensors` (PEFT's format).
+    #[arg(long, value_name = "DIR")]
+    adapter: PathBuf,
+    /// Where to write the merged model (must not exist).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Split the model into safetensors shards of at most this many MiB.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    max_shard_mib: Option<u64>,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// A headroom run or checkpoint directory, or a Hugging Face model directory.
+    #[arg(long, value_name = "DIR")]
+    from: PathBuf,
+    /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
+    #[arg(long)]
+    data: PathBuf,
+    /// Windows per batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Tokens per window (at most the model's context).
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Batches.
+    #[arg(long, default_value_t = 4)]
+    batches: usize,
+    /// A PEFT LoRA adapter to merge into the model first.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct SampleArgs {
+    /// A headroom run or checkpoint directory, or a Hugging Face model directory.
+    #[arg(long, value_name = "DIR")]
+    from: PathBuf,
+    /// Text to continue (needs a tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Token ids to continue, comma-separated (for a model without a tokenizer).
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// New tokens to generate.
+    #[arg(long, default_value_t = 100)]
+    tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Sample among the K most likely tokens only.
+    #[arg(long, value_name = "K")]
+    top_k: Option<usize>,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// `gpt2` or a tokenizer.json (default: the tokenizer.json beside the checkpoint, if any;
+    /// without one, token ids are printed).
+    #[arg(long, value_name = "gpt2|FILE")]
+    tokenizer: Option<String>,
+    /// Keep generating past the end-of-text token.
+    #[arg(long)]
+    ignore_eot: bool,
+    /// A PEFT LoRA adapter to merge into the model first.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum AttentionKind {
+    Naive,
+    Chunked,
+    Flash,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrecisionArg {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModelPreset {
+    /// GPT-2 shape, 2 layers, width 64 (tests, seconds).
+    Tiny,
+    /// GPT-2 shape, 6 layers, 6 heads, width 384, context 256.
+    Small,
+    /// GPT-2 124M.
+    Gpt2,
+    /// Llama shape, 2 layers, 4 query heads over 2 key/value heads, width 64.
+    LlamaTiny,
+    /// Llama shape of about small's size: 6 layers, 6 heads over 2, width 384, SwiGLU 1024.
+    LlamaSmall,
+}
+
+impl ModelPreset {
+    /// The preset's shape with `vocab`.
+    fn config(self, vocab: usize) -> ModelConfig {
+        match self {
+            ModelPreset::Tiny => ModelConfig::tiny(vocab),
+            ModelPreset::Small => ModelConfig::small(vocab),
+            ModelPreset::Gpt2 => ModelConfig {
+                vocab,
+                ..ModelConfig::gpt2()
+            },
+            ModelPreset::LlamaTiny => ModelConfig::llama_tiny(vocab),
+            ModelPreset::LlamaSmall => ModelConfig::llama_small(vocab),
+        }
+    }
+
+    /// The run defaults of the preset (steps, learning rate, data): tiny's or small's.
+    fn defaults(self) -> TrainOptions {
+        let mut o = match self {
+            ModelPreset::Tiny | ModelPreset::LlamaTiny => TrainOptions::tiny_default(),
+            _ => TrainOptions::small_default(),
+        };
+        let vocab = o.model.vocab;
+        o.model = self.config(vocab);
+        o
+    }
+
+    fn is_tiny(self) -> bool {
+        matches!(self, ModelPreset::Tiny | ModelPreset::LlamaTiny)
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OffloadArg {
+    /// Optimizer state on the device.
+    None,
+    /// Optimizer state (and fp32 masters in bf16/fp16) in host RAM.
+    Ram,
+    /// Optimizer state in a memory-mapped file (see --offload-file).
+    File,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+/// Model, data and technique options shared by train, estimate and max-batch.
+#[derive(Args, Clone)]
+struct RunArgs {
+    /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel
+    /// or LlamaForCausalLM): its shape and weights replace --model and its size options.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Model: GPT-2 tiny (tests, seconds), small (6L/6H/384, context 256), gpt2 (124M); or
+    /// Llama llama-tiny, llama-small (RMSNorm, rotary, SwiGLU, grouped-query attention).
+    #[arg(long, value_enum, default_value = "tiny")]
+    model: ModelPreset,
+    /// Llama: key/value heads (a divisor of --heads; fewer is grouped-query attention).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Llama: width of the SwiGLU MLP.
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// Llama: base of the rotary embedding.
+    #[arg(long)]
+    rope_theta: Option<f32>,
+    /// Llama: tie the output head to the token embedding.
+    #[arg(long)]
+    tied_head: bool,
+    /// Vocabulary of a model trained from scratch (default: the synthetic source's, or GPT-2's
+    /// 50257 for a token file). Use the tokenizer's size for a file `data build --tokenizer`
+    /// made; a token at or above it is refused.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    vocab: Option<u64>,
+    /// Override the layer count of the preset.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Override the heads of the preset.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Override the width of the preset.
+    #[arg(long)]
+    channels: Option<usize>,
+    /// Override the context (longest sequence) of the preset.
+    #[arg(long)]
+    context: Option<usize>,
+    /// Sequences per step.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Tokens per sequence (default: the model's context, 64 for tiny).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Numeric precision of working weights and activations (fp32 masters either way).
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: PrecisionArg,
+    /// Attention algorithm.
+    #[arg(long, value_enum, default_value = "flash")]
+    attention: AttentionKind,
+    /// Checkpoint schedule: none, every-K (e.g. every-2), sqrt-n, selective, optimal.
+    #[arg(long, default_value = "none")]
+    checkpoint: String,
+    /// Compute the loss this many token rows at a time (fused head; no `[B,T,V]` logits).
+    #[arg(long)]
+    loss_chunk: Option<usize>,
+    /// Where the optimizer state lives.
+    #[arg(long, value_enum, default_value = "none")]
+    offload: OffloadArg,
+    /// File for --offload file.
+    #[arg(long, default_value = "optimizer-state.bin")]
+    offload_file: PathBuf,
+    /// Blockwise 8-bit optimizer moments (about 2 bytes/param instead of 8).
+    #[arg(long)]
+    adam_8bit: bool,
+    /// Sequences per micro-batch (gradients accumulated exactly, token-weighted).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    micro_batch: Option<u64>,
+    /// Device memory budget in MiB: allocations beyond it fail with the tracker's report.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET_MIB))]
+    budget_mib: Option<u64>,
+    /// Train on this token file (any format headroom data inspect recognises) instead of
+    /// the synthetic source.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Where to run. cuda (built with the `cuda` feature): bf16 with flash attention only;
+    /// masters and AdamW on the GPU unless an offload placement moves them to the host; without
+    /// a GPU it fails with the typed "no CUDA device" error.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// LoRA: freeze the base model and train rank-R adapters (PEFT's initialisation; the
+    /// checkpoints are PEFT adapter directories). Usually with --init-from.
+    #[arg(long, value_name = "R", value_parser = clap::value_parser!(u64).range(1..=65536))]
+    lora_rank: Option<u64>,
+    /// LoRA's alpha: the update is scaled by alpha/R (alpha/√R with --rslora) [default: 8,
+    /// PEFT's].
+    #[arg(long, requires = "lora_rank")]
+    lora_alpha: Option<f32>,
+    /// Modules that get adapters, by PEFT's name-or-suffix rule, comma-separated, or
+    /// `all-linear` (every block linear) [default: q_proj,v_proj for Llama, c_attn for GPT-2 —
+    /// PEFT's defaults].
+    #[arg(
+        long,
+        value_name = "NAMES",
+        value_delimiter = ',',
+        requires = "lora_rank"
+    )]
+    lora_targets: Option<Vec<String>>,
+    /// rsLoRA scaling (alpha/√R).
+    #[arg(long, requires = "lora_rank")]
+    rslora: bool,
+    /// Dropout probability on the adapters' input (PEFT's lora_dropout); masks are keyed by
+    /// the seed, the step, the micro-batch and the module, so a resume or a recomputation
+    /// drops the same elements.
+    #[arg(long, value_name = "P", requires = "lora_rank")]
+    lora_dropout: Option<f32>,
+    /// QLoRA: store every frozen block linear in 4 bits (bitsandbytes' layout).
+    #[arg(long, value_enum, requires = "lora_rank")]
+    quantize: Option<QuantArg>,
+    /// QLoRA: quantize the 4-bit scales too (bitsandbytes' compress_statistics).
+    #[arg(long, requires = "quantize")]
+    double_quant: bool,
+    /// QLoRA: weights per 4-bit scale block (a power of two, 32…4096).
+    #[arg(long, default_value_t = 64, requires = "quantize")]
+    quant_blocksize: usize,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum QuantArg {
+    /// NormalFloat4 (QLoRA's).
+    Nf4,
+    /// 4-bit float.
+    Fp4,
+}
+
+/// The largest `--budget-mib` (2⁴⁴ MiB = 16 EiB would overflow the byte count).
+const MAX_BUDGET_MIB: u64 = (u64::MAX >> 20) - 1;
+
+// Per-preset defaults, as `--help` shows them; a test checks them against `TrainOptions`.
+const HELP_STEPS: &str = "Optimizer steps [default: 600 for tiny, 20 for small and gpt2]";
+const HELP_LR: &str = "Peak learning rate [default: 3e-3 for tiny, 6e-4 for small and gpt2]";
+const HELP_WARMUP: &str =
+    "Linear warmup steps before the cosine decay [default: 20 for tiny, 2 for small and gpt2]";
+const HELP_MIN_LR: &str =
+    "Learning rate at the end of the cosine decay [default: 0.1 × the peak learning rate]";
+const HELP_WEIGHT_DECAY: &str =
+    "Decoupled weight decay of matrices and embeddings (none on biases and norms) [default: 0.1]";
+const HELP_GRAD_CLIP: &str =
+    "Clip the global gradient norm to this (inf: no clipping) [default: 1.0]";
+
+#[derive(Parser)]
+struct TrainArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    #[arg(long, help = HELP_STEPS)]
+    steps: Option<usize>,
+    #[arg(long, help = HELP_LR)]
+    lr: Option<f64>,
+    #[arg(long, help = HELP_WARMUP)]
+    warmup: Option<usize>,
+    #[arg(long, help = HELP_MIN_LR)]
+    min_lr: Option<f64>,
+    #[arg(long, help = HELP_WEIGHT_DECAY)]
+    weight_decay: Option<f64>,
+    #[arg(long, help = HELP_GRAD_CLIP)]
+    grad_clip: Option<f64>,
+    /// fp16: the dynamic loss scale never backs off below this [default: no floor, as
+    /// PyTorch's GradScaler].
+    #[arg(long)]
+    min_loss_scale: Option<f32>,
+    /// Seed for initialisation and data order.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// LoRA: after training, merge the adapters into the base and write a Hugging Face model
+    /// directory here (refused if it exists).
+    #[arg(long, value_name = "DIR", requires = "lora_rank")]
+    merge_into: Option<PathBuf>,
+    /// ZeRO stage 0–3 over --ranks data-parallel ranks (threads of this process): 0 all-reduces
+    /// gradients, 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
+    /// --batch is the global batch (each rank runs batch/ranks sequences a step).
+    #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3))]
+    zero: Option<u8>,
+    /// Data-parallel ranks for --zero.
+    #[arg(long, default_value_t = 1, requires = "zero")]
+    ranks: usize,
+    /// Where the --zero ranks run: threads of this process (--ranks of them), or one per
+    /// process of an `mpirun` job (needs the MPI build of headroom, crates/trainer-mpi).
+    #[arg(long, value_enum, default_value_t = Dist::Threads, requires = "zero")]
+    dist: Dist,
+    /// Save checkpoints under this directory (one `step-N` directory each, published
+    /// atomically; the run's last step is always saved, and on SIGINT/SIGTERM).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (0: only at the end and on a signal).
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
+    /// Checkpoints to keep (the newest).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    keep_checkpoints: u64,
+    /// Split a checkpoint's model into safetensors shards of at most this many MiB, with
+    /// transformers' index (default: transformers' 50 GB).
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    max_shard_mib: Option<u64>,
+    /// Continue bit for bit from a checkpoint: a step directory, or a checkpoint directory
+    /// (its newest complete checkpoint).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Stop after this many steps without a final save, as a crash would (the schedule stays
+    /// that of --steps).
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Write one JSON line of metrics per step to this file (appended to when resuming).
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// No progress bar: print step lines instead (the default when stdout is not a terminal).
+    #[arg(long)]
+    no_progress: bool,
+    /// Print a step line every N steps when there is no progress bar [default: 1].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    log_every: Option<u64>,
+    /// Validation token file: a mean loss over fixed windows of it (the same every time).
+    #[arg(long)]
+    val_data: Option<PathBuf>,
+    /// Steps between validations (0: only after the last step).
+    #[arg(long, default_value_t = 0)]
+    eval_every: usize,
+    /// Batches (of the run's batch × seq) in the validation set.
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
+    /// Write the device memory timeline as a Chrome/Perfetto trace (open in ui.perfetto.dev).
+    #[arg(long)]
+    memory_trace: Option<PathBuf>,
+    /// Write the device memory timeline as a stacked SVG plot by category.
+    #[arg(long)]
+    memory_svg: Option<PathBuf>,
+    /// The SVG's x axis: wall time, or allocation event (backward and the peak stay visible).
+    #[arg(long, value_enum, default_value = "event")]
+    memory_svg_axis: SvgAxis,
+    /// Write PyTorch's memory snapshot (pickle; open at pytorch.org/memory_viz).
+    #[arg(long)]
+    memory_snapshot: Option<PathBuf>,
+}
+
+/// Where ZeRO's ranks run.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Dist {
+    /// Threads of this process.
+    Threads,
+    /// One rank per MPI process.
+    Mpi,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SvgAxis {
+    Time,
+    Event,
+}
+
+#[derive(Parser)]
+struct LadderArgs {
+    /// Model size.
+    #[arg(long, value_enum, default_value = "small")]
+    model: ModelPreset,
+    /// Device budget in MiB (the wall).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET_MIB))]
+    budget_mib: u64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Tokens per sequence (default: the model's context).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Steps per rung.
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// The fine-tuning ladder: full fine-tuning fp32 → bf16 → LoRA → QLoRA (NF4 + double
+    /// quantization) → +checkpointing → +fused loss.
+    #[arg(long)]
+    finetune: bool,
+}
+
+#[derive(Parser)]
+struct MaxBatchArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Largest batch to consider.
+    #[arg(long, default_value_t = 4096)]
+    limit: usize,
+    /// Confirm the answer (and its neighbour) with real one-step runs under the budget.
+    #[arg(long)]
+    measure: bool,
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Write a token file from a random Markov chain (the trainer's synthetic source).
+    Synth {
+        /// Output file.
+        out: PathBuf,
+        /// Vocabulary.
+        #[arg(long, default_value_t = 64)]
+        vocab: u32,
+        /// Successors per token.
+        #[arg(long, default_value_t = 4)]
+        branching: u32,
+        /// Tokens to write.
+        #[arg(long, default_value_t = 1 << 20)]
+        tokens: u64,
+        /// Seed (the trainer's default data uses 1337).
+        #[arg(long, default_value_t = 1337)]
+        seed: u64,
+        /// File format: raw-u16, raw-u32, llmc, megatron.
+        #[arg(long, default_value = "llmc")]
+        format: String,
+    },
+    /// Tokenise a text file (byte-level) into a token file.
+    Build {
+        /// Input text.
+        input: PathBuf,
+        /// Output file.
+        out: PathBuf,
+        /// File format: raw-u16, raw-u32, llmc, megatron.
+        #[arg(long, default_value = "llmc")]
+        format: String,
+        /// Document separator in the text (becomes one end-of-text token).
+        #[arg(long)]
+        separator: Option<String>,
+        /// Tokenize with `gpt2` (GPT-2's BPE, built in) or a Hugging Face tokenizer.json (or
+        /// a model directory holding one) instead of one token per byte; the format's token
+        /// type is chosen to fit its vocabulary (raw: u16 up to 65 536 ids, else u32).
+        #[arg(long)]
+        tokenizer: Option<String>,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Describe a token file: format, dtype, tokens, id range.
+    Inspect {
+        /// The file.
+        path: PathBuf,
+        /// Token type of a headerless raw file (guessed when absent).
+        #[arg(long)]
+        dtype: Option<String>,
+    },
+}
+
+fn model_config(run: &RunArgs, vocab: usize) -> CliResult<ModelConfig> {
+    let mut cfg = run.model.config(vocab);
+    match &mut cfg.family {
+        Family::Llama(shape) => {
+            if let Some(k) = run.kv_heads {
+                shape.kv_heads = k;
+            }
+            if let Some(f) = run.ffn {
+                shape.ffn = f;
+            }
+            if let Some(t) = run.rope_theta {
+                shape.rope_theta = t;
+            }
+            shape.tied_head |= run.tied_head;
+        }
+        Family::Gpt2 => {
+            if run.kv_heads.is_some()
+                || run.ffn.is_some()
+                || run.rope_theta.is_some()
+                || run.tied_head
+            {
+                return Err(
+                    "--kv-heads, --ffn, --rope-theta and --tied-head are Llama options: use \
+                     --model llama-tiny or llama-small"
+                        .into(),
+                );
+            }
+        }
+    }
+    if let Some(l) = run.layers {
+        cfg.layers = l;
+    }
+    if let Some(h) = run.heads {
+        cfg.heads = h;
+    }
+    if let Some(c) = run.channels {
+        cfg.channels = c;
+    }
+    if let Some(t) = run.context {
+        cfg.max_seq = t;
+    }
+    Ok(cfg)
+}
+
+fn parse_checkpoint(s: &str) -> CliResult<CheckpointChoice> {
+    Ok(match s {
+        "none" => CheckpointChoice::None,
+        "sqrt-n" | "sqrt" => CheckpointChoice::SqrtN,
+        "selective" => CheckpointChoice::Selective,
+        "optimal" => CheckpointChoice::Optimal(None),
+        other => match other.strip_prefix("every-").map(str::parse::<usize>) {
+            Some(Ok(k)) if k > 0 => CheckpointChoice::EveryK(k),
+            _ => {
+                return Err(format!(
+                "unknown --checkpoint {other:?}: use none, every-K, sqrt-n, selective or optimal"
+            )
+                .into())
+            }
+        },
+    })
+}
+
+/// The compute device: the CPU, or CUDA device 0 after probing it (a machine without a GPU
+/// gets the typed "no CUDA device" error here, whatever the build).
+fn compute_device(d: DeviceArg) -> CliResult<ComputeDevice> {
+    match d {
+        DeviceArg::Cpu => Ok(ComputeDevice::Cpu),
+        DeviceArg::Cuda => {
+            headroom_cuda::Cuda::new(0)?;
+            Ok(ComputeDevice::Cuda { ordinal: 0 })
+        }
+    }
+}
+
+/// Options for a run from the shared arguments; `probe` checks that a CUDA device exists
+/// (not needed to estimate).
+fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
+    let device = if probe {
+        compute_device(run.device)?
+    } else {
+        match run.device {
+            DeviceArg::Cpu => ComputeDevice::Cpu,
+            DeviceArg::Cuda => ComputeDevice::Cuda { ordinal: 0 },
+        }
+    };
+    let mut o = run.model.defaults();
+    o.device = device;
+    // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary
+    // unless --vocab says otherwise.
+    let vocab = match (run.vocab, &run.data, &o.data) {
+        (Some(v), _, _) => usize::try_from(v).map_err(|_| "--vocab is too large")?,
+        (None, None, DataSource::Synthetic(d)) => d.vocab as usize,
+        (None, _, _) => 50257,
+    };
+    if let Some(path) = &run.data {
+        o.data = DataSource::File(path.clone());
+    }
+    match &run.init_from {
+        Some(dir) => {
+            let sized = run.vocab.is_some()
+                || run.layers.is_some()
+                || run.heads.is_some()
+                || run.channels.is_some()
+                || run.context.is_some()
+                || run.kv_heads.is_some()
+                || run.ffn.is_some()
+                || run.rope_theta.is_some()
+                || run.tied_head;
+            if sized {
+                return Err(
+                    "--init-from takes the model's shape from its config.json: drop \
+                            --vocab, --layers, --heads, --channels, --context and the Llama size \
+                            options"
+                        .into(),
+                );
+            }
+            o.model = crate::hf::read_config(dir)?;
+            // The synthetic source draws ids below the model's vocabulary.
+            if let DataSource::Synthetic(d) = &mut o.data {
+                d.vocab = u32::try_from(o.model.vocab).unwrap_or(u32::MAX);
+            }
+            o.init_from = Some(dir.clone());
+            o.seq = run.seq.unwrap_or(o.seq.min(o.model.max_seq));
+        }
+        None => {
+            o.model = model_config(run, vocab)?;
+            // A smaller --vocab narrows the synthetic source to it.
+            if let DataSource::Synthetic(d) = &mut o.data {
+                d.vocab = d
+                    .vocab
+                    .min(u32::try_from(o.model.vocab).unwrap_or(u32::MAX));
+            }
+            o.seq = run.seq.unwrap_or(if run.model.is_tiny() {
+                o.seq
+            } else {
+                o.model.max_seq
+            });
+        }
+    }
+    if let Some(b) = run.batch {
+        o.batch = b;
+    }
+    let t = &mut o.techniques;
+    t.model.precision = match run.precision {
+        PrecisionArg::Fp32 => Precision::Fp32,
+        PrecisionArg::Bf16 => Precision::Bf16,
+        PrecisionArg::Fp16 => Precision::Fp16,
+    };
+    t.model.attention = match run.attention {
+        AttentionKind::Naive => AttentionConfig::naive(),
+        AttentionKind::Chunked => AttentionConfig::chunked(),
+        AttentionKind::Flash => AttentionConfig::flash(),
+    };
+    t.checkpoint = parse_checkpoint(&run.checkpoint)?;
+    t.model.loss_chunk = run.loss_chunk;
+    t.optimizer = OptimizerChoice {
+        state: if run.adam_8bit {
+            StatePrecision::Int8
+        } else {
+            StatePrecision::F32
+        },
+        placement: match run.offload {
+            OffloadArg::None => OptimizerPlacement::Resident,
+            OffloadArg::Ram => OptimizerPlacement::HostRam,
+            OffloadArg::File => OptimizerPlacement::File(run.offload_file.clone()),
+        },
+    };
+    if let Some(r) = run.lora_rank {
+        let r = usize::try_from(r).map_err(|_| "--lora-rank is too large")?;
+        let targets = match run.lora_targets.as_deref() {
+            // PEFT's keyword for every linear layer but the output head.
+            Some([all]) if all == "all-linear" => {
+                crate::model::finetune::all_linear_targets(&o.model)
+                    .into_iter()
+                    .map(String::from)
+                    .collect()
+            }
+            Some(names) => names.to_vec(),
+            None => match o.model.family {
+                Family::Gpt2 => vec!["c_attn".into()],
+                Family::Llama(_) => vec!["q_proj".into(), "v_proj".into()],
+            },
+        };
+        let mut lora = headroom_lora::LoraConfig::new(r, run.lora_alpha.unwrap_or(8.0), targets);
+        lora.use_rslora = run.rslora;
+        lora.dropout = run.lora_dropout.unwrap_or(0.0);
+        lora.base_model_name_or_path = run.init_from.as_ref().map(|d| d.display().to_string());
+        t.finetune = Some(FinetuneSpec {
+            lora,
+            quantize: run.quantize.map(|q| QuantSpec {
+                quant_type: match q {
+                    QuantArg::Nf4 => "nf4",
+                    QuantArg::Fp4 => "fp4",
+                }
+                .into(),
+                blocksize: run.quant_blocksize,
+                double_quant: run.double_quant,
+            }),
+        });
+    }
+    t.micro_batch = run
+        .micro_batch
+        .map(|m| usize::try_from(m).map_err(|_| format!("--micro-batch {m} is too large")))
+        .transpose()?;
+    o.budget = run.budget_mib.map(mib_to_bytes).transpose()?;
+    Ok(o)
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+/// `--budget-mib` in bytes, checked (clap's range already keeps it below 2⁴⁴).
+fn mib_to_bytes(m: u64) -> CliResult<u64> {
+    m.checked_mul(1 << 20)
+        .ok_or_else(|| format!("--budget-mib {m} overflows a byte count").into())
+}
+
+/// Stop on SIGINT/SIGTERM: the first sets [`STOP`] (the run saves and returns), a second one
+/// exits at once (checkpoints are crash-consistent, so that loses nothing saved). Returns the
+/// cell that records which signal arrived.
+fn install_signal_handlers() -> CliResult<Arc<AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let which = Arc::new(AtomicUsize::new(0));
+    for sig in [SIGINT, SIGTERM] {
+        // Order matters: the conditional shutdown sees the flag before this signal sets it.
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, STOP.clone())?;
+        signal_hook::flag::register(sig, STOP.clone())?;
+        signal_hook::flag::register_usize(sig, which.clone(), sig as usize)?;
+    }
+    Ok(which)
+}
+
+fn open_metrics(path: &Path, append: bool) -> CliResult<std::io::BufWriter<std::fs::File>> {
+    let mut o = std::fs::OpenOptions::new();
+    if append {
+        o.append(true).create(true);
+    } else {
+        o.write(true).create(true).truncate(true);
+    }
+    let f = o
+        .open(path)
+        .map_err(|e| format!("cannot open metrics file {}: {e}", path.display()))?;
+    Ok(std::io::BufWriter::new(f))
+}
+
+/// `headroom train --zero S --ranks N` (threads) or `mpirun -n N headroom train --zero S --dist
+/// mpi` (processes): a line per step, then each rank's bytes by category and what went
+/// through its collective. Under MPI only rank 0 prints (its own row of the table).
+fn cmd_train_zero(
+    o: &TrainOptions,
+    stage: u8,
+    ranks: usize,
+    dist: Dist,
+    metrics: Option<&Path>,
+    hooks: &CliHooks<'_>,
+) -> CliResult<ExitCode> {
+    use crate::zero_train::{train_zero, train_zero_dist, ZeroOptions};
+    let stage = headroom_zero::Stage::from_index(stage).map_err(|e| e.to_string())?;
+    let zero = ZeroOptions::new(stage, ranks);
+    let comm = match dist {
+        Dist::Threads => None,
+        Dist::Mpi => {
+            let connect = hooks.mpi.ok_or(
+                "this headroom was built without MPI: `--dist mpi` needs the binary built from \
+                 crates/trainer-mpi (see the README)",
+            )?;
+            let comm = connect(zero.timeout)?;
+            let world = comm.world_size();
+            if ranks != 1 && ranks != world {
+                return Err(
+                    format!("--ranks {ranks}, but the MPI job has {world} processes").into(),
+                );
+            }
+            Some(comm)
+        }
+    };
+    let (rank, world) = comm
+        .as_ref()
+        .map_or((0, ranks), |c| (c.rank(), c.world_size()));
+    let speak = rank == 0;
+    if speak {
+        say!(
+            "headroom train: {} {}L/{}H/{}C; global batch {}×{} over {world} ranks{}, {stage}, {} steps; {}",
+            o.model.family_name(),
+            o.model.layers,
+            o.model.heads,
+            o.model.channels,
+            o.batch,
+            o.seq,
+            if comm.is_some() { " (MPI processes)" } else { "" },
+            o.steps,
+            o.techniques.describe()
+        );
+    }
+    let mut metrics = match metrics {
+        Some(p) if speak => Some(open_metrics(p, o.resume_from.is_some())?),
+        _ => None,
+    };
+    let mut metrics_err: Option<std::io::Error> = None;
+    let log = |s: &StepLog| {
+        if let Some(w) = metrics.as_mut() {
+            let line = serde_json::json!({
+                "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+                "seconds": s.seconds, "tokens_per_s": s.tokens_per_s,
+                "live_bytes": s.live_bytes, "peak_bytes": s.peak_bytes,
+            });
+            if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
+                metrics_err.get_or_insert(e);
+            }
+        }
+        if speak {
+            say!(
+                "step {:>5}  loss {:.4}  {:>6.0} tok/s  largest rank: live {:.1} MiB  peak {:.1} MiB",
+                s.step,
+                s.loss,
+                s.tokens_per_s,
+                mib(s.live_bytes),
+                mib(s.peak_bytes)
+            );
+        }
+    };
+    let report = match comm {
+        None => train_zero(o, zero, log)?,
+        Some(c) => train_zero_dist(o, zero, c, log)?,
+    };
+    if let Some(e) = metrics_err {
+        return Err(format!("writing metrics: {e}").into());
+    }
+    if !speak {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let k = report.steps.len().min(20);
+    let tail = &report.steps[report.steps.len() - k..];
+    let last = tail.iter().map(|s| s.loss as f64).sum::<f64>() / k.max(1) as f64;
+    say!("final loss (mean of last {k} steps) {last:.4} nats/token");
+    say!("rank  parameters  gradients  optimizer  activations  workspace  peak (MiB)  sent/step (MiB)");
+    for r in &report.ranks {
+        let Some(d) = r.memory.device(headroom_tensor::Device::Cpu) else {
+            continue;
+        };
+        say!(
+            "{:>4}  {:>10.1}  {:>9.1}  {:>9.1}  {:>11.1}  {:>9.1}  {:>10.1}  {:>15.1}",
+            r.rank,
+            mib(d.peak[MemoryCategory::Parameters]),
+            mib(d.peak[MemoryCategory::Gradients]),
+            mib(d.peak[MemoryCategory::OptimizerState]),
+            mib(d.peak[MemoryCategory::Activations]),
+            mib(d.peak[MemoryCategory::Workspace]),
+            mib(d.peak_total),
+            mib(r.last_step_comm.sent_bytes())
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
+    let mut o = options(&args.run, true)?;
+    if let Some(s) = args.steps {
+        o.steps = s;
+    }
+    if let Some(lr) = args.lr {
+        o.lr = lr;
+    }
+    if let Some(w) = args.warmup {
+        o.warmup = w;
+    }
+    if let Some(min_lr) = args.min_lr {
+        o.min_lr_frac = min_lr / o.lr;
+    }
+    if let Some(wd) = args.weight_decay {
+        o.weight_decay = wd;
+    }
+    if let Some(c) = args.grad_clip {
+        o.grad_clip = c;
+    }
+    o.min_loss_scale = args.min_loss_scale;
+    if let Some(s) = args.seed {
+        o.seed = s;
+    }
+    if let Some(f) = &mut o.techniques.finetune {
+        // PEFT draws A from its own seed; headroom's adapters follow the run's.
+        f.lora.seed = o.seed;
+    }
+    o.merge_into = args.merge_into;
+    o.save = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
+    o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
+    if let Some(mib) = args.max_shard_mib {
+        o.max_shard_bytes = mib.saturating_mul(1 << 20);
+    }
+    o.resume_from = args.resume;
+    o.stop_after = args.stop_after;
+    o.eval = args.val_data.map(|data| EvalOptions {
+        data,
+        every: args.eval_every,
+        batches: args.eval_batches,
+    });
+    o.memory_outputs = MemoryOutputs {
+        trace: args.memory_trace,
+        svg: args.memory_svg,
+        svg_by_event: matches!(args.memory_svg_axis, SvgAxis::Event),
+        snapshot: args.memory_snapshot,
+    };
+    o.validate()?;
+    if let Some(stage) = args.zero {
+        return cmd_train_zero(
+            &o,
+            stage,
+            args.ranks,
+            args.dist,
+            args.metrics.as_deref(),
+            hooks,
+        );
+    }
+    let signal = install_signal_handlers()?;
+    o.stop = Some(STOP.clone());
+    say!(
+        "headroom train: {} {}L/{}H/{}C, context {}, vocab {}; batch {}×{}, {} steps; {}",
+        o.model.family_name(),
+        o.model.layers,
+        o.model.heads,
+        o.model.channels,
+        o.model.max_seq,
+        o.model.vocab,
+        o.batch,
+        o.seq,
+        o.steps,
+        o.techniques.describe()
+    );
+    // A resumed run continues the metrics of the run it resumes.
+    let mut metrics = match &args.metrics {
+        Some(p) => Some(open_metrics(p, o.resume_from.is_some())?),
+        None => None,
+    };
+    let total = o.stop_after.map_or(o.steps, |s| s.min(o.steps)) as u64;
+    let interactive = std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+    let bar = if args.no_progress || !interactive {
+        None
+    } else {
+        let b = indicatif::ProgressBar::new(total);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
+            )
+            .map_err(|e| e.to_string())?,
+        );
+        Some(b)
+    };
+    let every = args.log_every.unwrap_or(1) as usize;
+    let mut metrics_err: Option<std::io::Error> = None;
+    let result = train(&o, |s: &StepLog| {
+        if let Some(w) = metrics.as_mut() {
+            let line = serde_json::json!({
+                "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+                "applied": s.applied, "loss_scale": s.loss_scale,
+                "block_forwards": s.block_forwards, "seconds": s.seconds,
+                "tokens_per_s": s.tokens_per_s, "live_bytes": s.live_bytes,
+                "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
+            });
+            // Flushed per line: a killed run's file ends at a whole line.
+            if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
+                metrics_err.get_or_insert(e);
+            }
+        }
+        let val = s
+            .val_loss
+            .map_or(String::new(), |v| format!("  val {v:.4}"));
+        let msg = format!(
+            "loss {:.4}{val}  {:>6.0} tok/s  live {:.1} MiB  peak {:.1} MiB",
+            s.loss,
+            s.tokens_per_s,
+            mib(s.live_bytes),
+            mib(s.peak_bytes)
+        );
+        match &bar {
+            Some(b) => {
+                b.set_position(s.step as u64 + 1);
+                b.set_message(msg);
+            }
+            None => {
+                if s.step % every == 0 || s.step + 1 == o.steps || s.val_loss.is_some() {
+                    say!("step {:>5}  {msg}", s.step);
+                }
+            }
+        }
+    });
+    if let Some(b) = bar {
+        b.finish();
+    }
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(oob) = OutOfBudget::find(&e) {
+                explain_out_of_budget(&o, oob);
+            }
+            return Err(e.into());
+        }
+    };
+    if let Some(e) = metrics_err {
+        return Err(format!("writing metrics: {e}").into());
+    }
+    if report.stopped {
+        let done = report.steps.last().map_or(0, |s| s.step + 1);
+        let saved = match &report.last_checkpoint {
+            Some(d) => format!("checkpoint {}", d.display()),
+            None => "no checkpoint (no --checkpoint-dir)".into(),
+        };
+        if STDOUT_CLOSED.load(Ordering::Relaxed) {
+            return Ok(ExitCode::SUCCESS);
+        }
+        let sig = signal.load(Ordering::SeqCst);
+        esay!("stopped by signal {sig} after step {done}; {saved}");
+        return Ok(ExitCode::from(u8::try_from(128 + sig).unwrap_or(1)));
+    }
+    let k = report.steps.len().min(20);
+    let last = report.final_loss(20);
+    match report.entropy_floor {
+        Some(floor) => say!(
+            "final loss (mean of last {k} steps) {last:.4} nats/token; entropy floor of the source {floor:.4}; gap {:.1}%",
+            100.0 * (last - floor) / floor
+        ),
+        None => say!("final loss (mean of last {k} steps) {last:.4} nats/token"),
+    }
+    if let Some((v, tokens)) = report.val_loss {
+        say!("validation loss {v:.4} nats/token ({tokens} tokens)");
+    }
+    if let Some(d) = &report.last_checkpoint {
+        say!("checkpoint: {}", d.display());
+    }
+    say!("{}", report.memory_table);
+    if let Some(h) = report.host_memory.device(headroom_tensor::Device::Cpu) {
+        if h.peak_total > 0 {
+            say!(
+                "host (offloaded): {:.1} MiB peak (masters {:.1}, optimizer {:.1})",
+                mib(h.peak_total),
+                mib(h.peak[MemoryCategory::Parameters]),
+                mib(h.peak[MemoryCategory::OptimizerState])
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// After an out-of-budget failure: what was live when the tracker refused, and the technique
+/// changes the estimator predicts would fit (on stderr, before the error chain).
+fn explain_out_of_budget(o: &TrainOptions, oob: &OutOfBudget) {
+    esay!("{}", oob.summary(10));
+    let Some(budget) = o.budget else { return };
+    match suggest_fitting(o, budget) {
+        Ok(s) if s.is_empty() => esay!(
+            "no single technique change is predicted to fit {:.1} MiB; try a smaller --batch \
+             or --seq (headroom max-batch finds the largest)",
+            mib(budget)
+        ),
+        Ok(s) => {
+            esay!("predicted to fit {:.1} MiB:", mib(budget));
+            for f in s.iter().take(8) {
+                esay!(
+                    "  {:<50} predicted peak {:>9.1} MiB",
+                    f.flags,
+                    mib(f.predicted_peak)
+                );
+            }
+        }
+        Err(e) => esay!("(no suggestions: {e})"),
+    }
+    if o.memory_outputs.any() {
+        esay!("the memory reports asked for were written up to the failure");
+    }
+}
+
+fn cmd_ladder(a: LadderArgs) -> CliResult {
+    let device = compute_device(a.device)?;
+    let mut base = a.model.defaults();
+    base.device = device;
+    base.batch = a.batch;
+    base.seq = a.seq.unwrap_or(base.model.max_seq);
+    base.steps = a.steps.max(2);
+    let budget = mib_to_bytes(a.budget_mib)?;
+    let rungs = if a.finetune {
+        crate::ladder::finetune_rungs(&base.model)
+    } else {
+        standard_rungs(base.batch)
+    };
+    say!(
+        "headroom ladder: {} {}L/{}H/{}C vocab {}, batch {}×{}, {} steps per rung, budget {} MiB",
+        base.model.family_name(),
+        base.model.layers,
+        base.model.heads,
+        base.model.channels,
+        base.model.vocab,
+        base.batch,
+        base.seq,
+        base.steps,
+        a.budget_mib
+    );
+    let results = run_ladder(&base, &rungs, budget, |r| {
+        say!(
+            "  {:<22} peak {:>8.1} MiB (estimate {:>8.1})  step {:.2} s  {}",
+            r.name,
+            mib(r.peak_total),
+            mib(r.estimated_total),
+            r.step_seconds,
+            if r.fits { "fits" } else { "does not fit" }
+        );
+    })?;
+    say!();
+    say!("{}", ladder_table(&results, budget));
+    if let (Some(first), Some(last)) = (results.first(), results.last()) {
+        say!(
+            "{}: device peak {:.1} MiB vs {:.1} MiB for {}: {:.2}× less",
+            last.name,
+            mib(last.peak_total),
+            mib(first.peak_total),
+            first.name,
+            first.peak_total as f64 / last.peak_total.max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+fn cmd_estimate(args: EstimateArgs) -> CliResult {
+    let run = args.run;
+    let o = options(&run, false)?;
+    if let Some(stage) = args.zero {
+        return zero_estimate_report(&o, stage, args.ranks);
+    }
+    o.validate()?;
+    let e = estimate(&o.model, o.seq, o.micro_batch()?, o.batch, &o.techniques)?;
+    say!(
+        "estimate for {} {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}",
+        o.model.family_name(),
+        o.model.layers,
+        o.model.heads,
+        o.model.channels,
+        o.model.vocab,
+        e.parameter_count,
+        o.batch,
+        o.seq,
+        o.techniques.describe()
+    );
+    say!("| category | device MiB | host MiB |\n|---|---|---|");
+    for c in MemoryCategory::ALL {
+        if e.device[c] > 0 || e.host[c] > 0 {
+            say!(
+                "| {c:?} | {:.1} | {:.1} |",
+                mib(e.device[c]),
+                mib(e.host[c])
+            );
+        }
+    }
+    say!(
+        "| total (sum of category peaks) | {:.1} | {:.1} |",
+        mib(e.device_total()),
+        mib(e.host.total())
+    );
+    say!("simultaneous device peak: {:.1} MiB", mib(e.device_peak));
+    let mut need = e.device_peak;
+    if let ComputeDevice::Cuda { .. } = o.device {
+        // Nothing runs, so no GPU is needed. The CUDA model's parameter state is exact; its
+        // activations are taken as the CPU model's (bf16 storage, as the CUDA model keeps).
+        let cuda = crate::estimate::cuda_parameter_state(&o.model, &o.techniques)?;
+        let state: u64 = [
+            MemoryCategory::Parameters,
+            MemoryCategory::Gradients,
+            MemoryCategory::OptimizerState,
+        ]
+        .into_iter()
+        .map(|c| cuda.device[c])
+        .sum();
+        let rest = e.device_peak
+            - [
+                MemoryCategory::Parameters,
+                MemoryCategory::Gradients,
+                MemoryCategory::OptimizerState,
+            ]
+            .into_iter()
+            .map(|c| e.device[c])
+            .sum::<u64>();
+        need = state + rest + CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES;
+        // The stream-ordered pool rounds each allocation up to 2 MiB pages at worst.
+        let rounding = need / 20;
+        need += rounding;
+        say!(
+            "CUDA (no GPU probed): parameter state {:.1} MiB (the CUDA model's, exact), \
+             activations/workspace/data {:.1} MiB (the CPU model's), + allowances: CUDA \
+             context {:.0} MiB, cuBLASLt workspace {:.0} MiB, allocator rounding {:.1} MiB \
+             (5%) = {:.1} MiB",
+            mib(state),
+            mib(rest),
+            mib(CUDA_CONTEXT_BYTES),
+            mib(CUBLAS_WORKSPACE_BYTES),
+            mib(rounding),
+            mib(need)
+        );
+    }
+    if let Some(b) = o.budget {
+        say!(
+            "budget {:.1} MiB: {}",
+            mib(b),
+            if need <= b { "fits" } else { "does not fit" }
+        );
+    }
+    Ok(())
+}
+
+fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult {
+    use crate::zero_estimate::{largest_fitting_depth, zero_estimate};
+    use headroom_zero::Stage;
+    o.validate()?;
+    let stage = [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3][usize::from(stage)];
+    let micro = o.micro_batch()?;
+    let e = zero_estimate(&o.model, o.seq, micro, o.batch, &o.techniques, stage, ranks)?;
+    say!(
+        "ZeRO {stage:?} over {ranks} ranks, per rank: {} {}L/{}H/{}C vocab {} ({} parameters), \
+         batch {}×{} per rank ({} sequences per step in all): {}",
+        o.model.family_name(),
+        o.model.layers,
+        o.model.heads,
+        o.model.channels,
+        o.model.vocab,
+        e.parameter_count,
+        o.batch,
+        o.seq,
+        o.batch.saturating_mul(ranks),
+        o.techniques.describe()
+    );
+    say!("| per rank | MiB |\n|---|---|");
+    say!("| parameters | {:.1} |", mib(e.state.parameters));
+    say!("| gradients | {:.1} |", mib(e.state.gradients));
+    say!(
+        "| optimizer state (+ fp32 masters) | {:.1} |",
+        mib(e.state.optimizer_state)
+    );
+    say!(
+        "| gathered layers and gradient buckets (at most) | {:.1} |",
+        mib(e.transient_bytes)
+    );
+    say!(
+        "| activations, workspace, batch | {:.1} |",
+        mib(e.compute_bytes)
+    );
+    say!("| peak | {:.1} |", mib(e.per_rank_peak()));
+    if let Some(b) = o.budget {
+        say!(
+            "budget {:.1} MiB per rank: {}",
+            mib(b),
+            if e.per_rank_peak() <= b {
+                "fits"
+            } else {
+                "does not fit"
+            }
+        );
+        match largest_fitting_depth(
+            &o.model,
+            o.seq,
+            micro,
+            o.batch,
+            &o.techniques,
+            stage,
+            ranks,
+            b,
+        )? {
+            Some((layers, best)) => say!(
+                "largest model of this width that fits: {layers} layers, {} parameters \
+                 ({:.1} MiB per rank)",
+                best.parameter_count,
+                mib(best.per_rank_peak())
+            ),
+            None => say!("not even one layer of this width fits"),
+        }
+    }
+    Ok(())
+}
+
+/// What a CUDA context takes on an H100 with CUDA 12/13 before any allocation (the driver's
+/// code, the kernels' modules, the per-thread stacks): about 500 MiB, measured by PyTorch users
+/// as the first `torch.cuda.init()`'s `nvidia-smi` delta. An allowance, not a measurement of ours.
+const CUDA_CONTEXT_BYTES: u64 = 512 << 20;
+/// headroom-cuda's cuBLASLt workspace on Hopper (`gemm.rs`: 32 MiB from compute capability 9).
+const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
+
+fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
+    let o = options(&a.run, a.measure)?;
+    let budget = o
+        .budget
+        .ok_or("max-batch needs --budget-mib (the memory to fit)")?;
+    // Accumulating: the batch is the user's, the question is the largest micro-batch that
+    // divides it and fits. Otherwise: the largest batch of one micro-batch.
+    let accumulating = o.techniques.micro_batch.is_some();
+    let what = if accumulating { "micro-batch" } else { "batch" };
+    let limit = if accumulating {
+        a.limit.min(o.batch)
+    } else {
+        a.limit
+    };
+    // Sizes are searched as the k-th valid size, so that a micro-batch search only sees
+    // divisors of the batch (the fit is monotone in them).
+    let sizes: Vec<usize> = if accumulating {
+        (1..=limit).filter(|m| o.batch % m == 0).collect()
+    } else {
+        (1..=limit).collect()
+    };
+    if sizes.is_empty() {
+        return Err(format!("--limit {} leaves nothing to try", a.limit).into());
+    }
+    let setup = |size: usize| -> TrainOptions {
+        let mut m = o.clone();
+        if accumulating {
+            m.techniques.micro_batch = Some(size);
+        } else {
+            m.batch = size;
+            m.techniques.micro_batch = None;
+        }
+        m
+    };
+    let predicted = |size: usize| -> CliResult<u64> {
+        let m = setup(size);
+        Ok(estimate(&m.model, m.seq, m.micro_batch()?, m.batch, &m.techniques)?.device_peak)
+    };
+    let report = search_max_fit(1, sizes.len(), |k| -> CliResult<bool> {
+        Ok(predicted(sizes[k - 1])? <= budget)
+    })?;
+    let describe = o.techniques.describe();
+    let estimated = match report.outcome {
+        MaxFit::Found { largest_fit, .. } => sizes[largest_fit - 1],
+        MaxFit::LimitReached { .. } => {
+            say!(
+                "every {what} up to the limit {limit} is predicted to fit {:.1} MiB with \
+                 {describe}: raise --limit to find the largest",
+                mib(budget)
+            );
+            sizes[sizes.len() - 1]
+        }
+        MaxFit::NoneFits { .. } => {
+            return Err(format!(
+                "no {what} fits {:.1} MiB with {describe}: even 1 sequence of {} tokens is \
+                 predicted to need {:.1} MiB",
+                mib(budget),
+                o.seq,
+                mib(predicted(1)?)
+            )
+            .into())
+        }
+    };
+    say!(
+        "largest {what} predicted to fit {:.1} MiB: {estimated} × {} tokens, predicted peak \
+         {:.1} MiB, with {describe}",
+        mib(budget),
+        o.seq,
+        mib(predicted(estimated)?)
+    );
+    if !a.measure {
+        return Ok(());
+    }
+    // Measure one step at a time until a fit and the next size's refusal are both seen.
+    let start_k = sizes
+        .iter()
+        .position(|&s| s == estimated)
+        .map_or(1, |i| i + 1);
+    let check = confirm_boundary(start_k, sizes.len(), 24, |k| -> CliResult<bool> {
+        let size = sizes[k - 1];
+        let mut m = setup(size);
+        m.steps = 1;
+        m.check_machine_memory = true;
+        let verdict = match train(&m, |_| {}) {
+            Ok(r) => {
+                let peak = r
+                    .memory
+                    .device(m.device.tracked())
+                    .map_or(0, |d| d.peak_total);
+                say!(
+                    "  measured {what} {size}: fits (peak {:.1} MiB, predicted {:.1})",
+                    mib(peak),
+                    mib(predicted(size)?)
+                );
+                true
+            }
+            Err(e) if OutOfBudget::find(&e).is_some() => {
+                say!("  measured {what} {size}: does not fit (the tracker refused)");
+                false
+            }
+            Err(e) => return Err(e.into()),
+        };
+        Ok(verdict)
+    })?;
+    match check.outcome {
+        Some(MaxFit::Found {
+            largest_fit,
+            smallest_refused,
+        }) => say!(
+            "largest {what} that fits {:.1} MiB, measured: {} ({} does not fit)",
+            mib(budget),
+            sizes[largest_fit - 1],
+            sizes[smallest_refused - 1]
+        ),
+        Some(MaxFit::LimitReached { .. }) => say!(
+            "measured: the limit {} fits; raise --limit to find the largest",
+            sizes[sizes.len() - 1]
+        ),
+        Some(MaxFit::NoneFits { .. }) => {
+            return Err(format!("measured: no {what} fits {:.1} MiB", mib(budget)).into())
+        }
+        None => {
+            return Err(format!(
+                "the measurements did not converge in {} trials (largest measured fit {:?})",
+                check.trials.len(),
+                check.largest_fit.map(|k| sizes[k - 1])
+            )
+            .into())
+        }
+    }
+    Ok(())
+}
+
+fn parse_format(s: &str) -> CliResult<TokenFileFormat> {
+    Ok(match s {
+        "raw-u16" | "nanogpt" => TokenFileFormat::Raw(TokenType::U16),
+        "raw-u32" => TokenFileFormat::Raw(TokenType::U32),
+        "llmc" => TokenFileFormat::Llmc(LlmcFlavor::Gpt2),
+        "megatron" => TokenFileFormat::Megatron {
+            token_type: TokenType::U16,
+            document_len: 1024,
+        },
+        other => {
+            return Err(
+                format!("unknown format {other:?}: use raw-u16, raw-u32, llmc or megatron").into(),
+            )
+        }
+    })
+}
+
+fn cmd_data(c: DataCommand) -> CliResult {
+    match c {
+        DataCommand::Synth {
+            out,
+            vocab,
+            branching,
+            tokens,
+            seed,
+            format,
+        } => {
+            let spec = SynthSpec {
+                vocab,
+                branching,
+                tokens,
+                chain_seed: seed,
+                stream_seed: seed ^ 0x5eed,
+                format: parse_format(&format)?,
+            };
+            let s = headroom_mmap_data::synthesize(&spec, &out)?;
+            say!("{s}");
+        }
+        DataCommand::Build {
+            input,
+            out,
+            format,
+            separator,
+            tokenizer: Some(name),
+            quiet,
+        } => {
+            let tok = crate::tokenize::Tokenizer::from_name(&name)?;
+            let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
+            let start = std::time::Instant::now();
+            let r =
+                crate::tokenize::build(&input, &tok, format, separator.as_deref(), &out, !quiet)?;
+            let secs = start.elapsed().as_secs_f64();
+            say!(
+                "{}: {} tokens in {} documents from {:.1} MiB of text ({:.2} MB/s), {name} \
+                 vocabulary {}, {}",
+                out.display(),
+                r.tokens,
+                r.documents,
+                r.text_bytes as f64 / 1048576.0,
+                r.text_bytes as f64 / 1e6 / secs.max(1e-9),
+                r.vocab,
+                r.format
+            );
+        }
+        DataCommand::Build {
+            input,
+            out,
+            format,
+            separator,
+            tokenizer: None,
+            quiet: _,
+        } => {
+            let mut spec = BuildSpec::new(parse_format(&format)?);
+            spec.document_separator = separator.map(String::into_bytes);
+            let s = headroom_mmap_data::build_from_text(&input, &spec, &out)?;
+            say!("{s}");
+        }
+        DataCommand::Inspect { path, dtype } => {
+            let mut opts = InspectOptions::default();
+            if let Some(d) = dtype {
+                opts.raw_token_type = Some(d.parse::<TokenType>()?);
+            }
+            let d = headroom_mmap_data::inspect(&path, &opts)?;
+            say!("{d}");
+        }
+    }
+    Ok(())
+}
+
+fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
+    let ok = |r: CliResult| r.map(|()| ExitCode::SUCCESS);
+    match cli.command {
+        Some(Command::Train(a)) => cmd_train(*a, hooks),
+        None => cmd_train(TrainArgs::parse_from(["train"]), hooks),
+        Some(Command::Ladder(a)) => ok(cmd_ladder(a)),
+        Some(Command::Estimate(a)) => ok(cmd_estimate(a)),
+        Some(Command::MaxBatch(a)) => ok(cmd_max_batch(a)),
+        Some(Command::Data(c)) => ok(cmd_data(c)),
+        Some(Command::Sample(a)) => ok(cmd_sample(a)),
+        Some(Command::Eval(a)) => ok(cmd_eval(a)),
+        Some(Command::Merge(a)) => ok(cmd_merge(a)),
+        Some(Command::Checkpoint(CheckpointCommand::Consolidate { src, out })) => {
+            let dir = crate::zero_checkpoint::consolidate(&src, &out)?;
+            say!("consolidated {} into {}", src.display(), dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn cmd_merge(a: MergeArgs) -> CliResult {
+    let cpu = headroom_tensor::Cpu::new();
+    let (cfg, mut masters) = crate::sample::load_masters(&a.base, &cpu)?;
+    let lora = crate::adapters::load(&cpu, &a.adapter)?;
+    let merged = crate::adapters::merge(&cfg, &mut masters, &lora, &a.adapter)?;
+    let max_shard = a
+        .max_shard_mib
+        .map_or(crate::checkpoint::MAX_SHARD_BYTES, |m| {
+            m.saturating_mul(1 << 20)
+        });
+    crate::checkpoint::save_hf(&a.out, &cfg, &masters, max_shard)?;
+    say!(
+        "{}: {} with {merged} adapted modules merged (rank {}, scaling {})",
+        a.out.display(),
+        a.base.display(),
+        lora.config().r,
+        lora.config().scaling()
+    );
+    Ok(())
+}
+
+fn cmd_eval(a: EvalArgs) -> CliResult {
+    let cpu = headroom_tensor::Cpu::new();
+    let model = crate::sample::load_model_with(&a.from, a.adapter.as_deref(), &cpu)?;
+    let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
+    let (loss, tokens) = crate::evaluate::evaluate(&model, &data, a.batch, a.seq, a.batches)?;
+    say!(
+        "loss {loss:.6} nats/token over {tokens} tokens ({} batches of {}×{}, from the start of {})",
+        a.batches,
+        a.batch,
+        a.seq,
+        a.data.display()
+    );
+    Ok(())
+}
+
+fn cmd_sample(a: SampleArgs) -> CliResult {
+    use crate::sample::{generate, load_model_with, SampleOptions};
+    use crate::tokenize::Tokenizer;
+    let cpu = headroom_tensor::Cpu::new();
+    let model = load_model_with(&a.from, a.adapter.as_deref(), &cpu)?;
+    let tok = match &a.tokenizer {
+        Some(name) => Some(Tokenizer::from_name(name)?),
+        None => Tokenizer::beside(&a.from).transpose()?,
+    };
+    if let Some(t) = &tok {
+        if t.vocab_size() > model.cfg.vocab {
+            return Err(format!(
+                "the tokenizer has {} ids but the model's vocabulary is {}",
+                t.vocab_size(),
+                model.cfg.vocab
+            )
+            .into());
+        }
+    }
+    let eot = tok.as_ref().and_then(Tokenizer::end_of_text);
+    let prompt = match (&a.prompt, a.prompt_ids, &tok) {
+        (Some(text), _, Some(t)) => t.encode(text)?,
+        (Some(_), _, None) => {
+            return Err(
+                "--prompt needs a tokenizer: pass --tokenizer gpt2|FILE, or give \
+                        --prompt-ids"
+                    .into(),
+            )
+        }
+        (None, Some(ids), _) => ids,
+        // Nothing to continue: start a document, as training data separates them.
+        (None, None, _) => vec![eot.unwrap_or(0)],
+    };
+    if prompt.is_empty() {
+        return Err("the prompt encodes to no tokens".into());
+    }
+    let opts = SampleOptions {
+        tokens: a.tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+        stop_at: if a.ignore_eot { None } else { eot },
+        vocab_limit: tok.as_ref().map(Tokenizer::vocab_size),
+    };
+    let mut out = std::io::stdout();
+    // With a tokenizer the prompt and the new tokens are decoded together, so the joins come
+    // out as the tokenizer writes them (spaces of SentencePiece-style pieces, characters split
+    // across byte-level tokens); what is printed is the text past what was printed before.
+    let mut generated: Vec<u32> = prompt.clone();
+    let mut printed = 0usize;
+    match &tok {
+        Some(t) => {
+            let text = t.decode(&generated)?;
+            let _ = write!(out, "{text}");
+            printed = text.len();
+        }
+        None => {
+            let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+            let _ = write!(out, "{}", ids.join(" "));
+        }
+    }
+    let _ = out.flush();
+    let start = std::time::Instant::now();
+    let new = generate(&model, &prompt, &opts, |id| {
+        generated.push(id);
+        match &tok {
+            // Print what decodes to whole characters; a character split across tokens
+            // waits for its last byte.
+            Some(t) => {
+                let text = t.decode(&generated)?;
+                if !text.ends_with('\u{FFFD}') && text.is_char_boundary(printed) {
+                    let _ = write!(out, "{}", &text[printed..]);
+                    printed = text.len();
+                }
+            }
+            None => {
+                let _ = write!(out, " {id}");
+            }
+        }
+        let _ = out.flush();
+        Ok(())
+    })?;
+    if let Some(t) = &tok {
+        let text = t.decode(&generated)?;
+        if text.is_char_boundary(printed) {
+            let _ = write!(out, "{}", &text[printed..]);
+        }
+    }
+    let _ = writeln!(out);
+    let secs = start.elapsed().as_secs_f64();
+    esay!(
+        "{} tokens in {:.2} s ({:.1} tokens/s), KV cache on",
+        new.len(),
+        secs,
+        new.len() as f64 / secs.max(1e-9)
+    );
+    Ok(())
+}
+
+/// Connects this process to the others of an MPI job: its end of the world communicator,
+/// whose collectives wait at most the given time for the other ranks.
+pub type ConnectMpi<'a> = dyn Fn(std::time::Duration) -> Result<Box<dyn headroom_zero::Collective>, headroom_zero::CommError>
+    + 'a;
+
+/// What a build of the command adds to it.
+#[derive(Default)]
+pub struct CliHooks<'a> {
+    /// `train --dist mpi`: how this process joins the job (each process is one rank).
+    pub mpi: Option<&'a ConnectMpi<'a>>,
+}
+
+/// Run the `headroom` command on this process's arguments, printing the error chain on
+/// failure: the exit code to return from `main`.
+pub fn main_with(hooks: &CliHooks<'_>) -> ExitCode {
+    let result = run(Cli::parse(), hooks);
+    let _ = std::io::stdout().flush();
+    if let Some(e) = STDOUT_ERROR
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+    {
+        esay!("error: writing to stdout: {e}");
+        return ExitCode::FAILURE;
+    }
+    match result {
+        Ok(code) => code,
+        Err(_) if STDOUT_CLOSED.load(Ordering::Relaxed) => ExitCode::SUCCESS,
+        Err(e) => {
+            esay!("error: {e}");
+            let mut source = e.source();
+            while let Some(s) = source {
+                esay!("  caused by: {s}");
+                source = s.source();
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
