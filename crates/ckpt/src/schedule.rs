@@ -126,6 +126,9 @@ pub(crate) struct Simulator<'c> {
     frontier: usize,
     live: u64,
     stats: ScheduleStats,
+    /// Saved bytes live when the last layer's first forward has produced its output: the
+    /// moment the executor calls the loss.
+    at_loss: Option<u64>,
 }
 
 impl<'c> Simulator<'c> {
@@ -139,6 +142,7 @@ impl<'c> Simulator<'c> {
             frontier: n,
             live: 0,
             stats: ScheduleStats::default(),
+            at_loss: None,
         }
     }
 
@@ -208,6 +212,9 @@ impl<'c> Simulator<'c> {
         };
         self.live += out + extra;
         self.stats.peak_saved_bytes = self.stats.peak_saved_bytes.max(self.live);
+        if i + 1 == self.n && self.at_loss.is_none() {
+            self.at_loss = Some(self.live);
+        }
         match op {
             Op::ForwardSave(_) => {
                 self.saved[i] = true;
@@ -352,6 +359,27 @@ impl Schedule {
         sim.finish()
     }
 
+    /// The saved bytes live when the executor calls the loss (the last layer's output in
+    /// hand, the first time it is computed), under `costs`: at most
+    /// [`ScheduleStats::peak_saved_bytes`], and below it when the schedule's peak comes later,
+    /// while a segment is recomputed.
+    pub fn saved_at_loss(&self, costs: &ChainCost) -> Result<u64, ScheduleError> {
+        if costs.len() != self.num_layers {
+            return Err(ScheduleError::LengthMismatch {
+                schedule: self.num_layers,
+                chain: costs.len(),
+            });
+        }
+        let mut sim = Simulator::new(self.num_layers, Some(costs));
+        for (k, &op) in self.ops.iter().enumerate() {
+            sim.apply(k, op)?;
+            if let Some(at) = sim.at_loss {
+                return Ok(at);
+            }
+        }
+        Ok(sim.at_loss.unwrap_or(0))
+    }
+
     /// The baseline: every layer saves in one forward pass, then every backward.
     pub fn store_all(num_layers: usize) -> Result<Self, ScheduleError> {
         let mut ops: Vec<Op> = (0..num_layers).map(Op::ForwardSave).collect();
@@ -426,6 +454,33 @@ pub fn sqrt_segment(n: usize) -> usize {
 mod tests {
     use super::*;
     use crate::LayerCost;
+
+    #[test]
+    fn the_loss_sees_the_peak_of_store_all_and_less_under_recomputation() {
+        for n in 1..9 {
+            let costs = unit_costs(n);
+            let all = Schedule::store_all(n).unwrap();
+            assert_eq!(
+                all.saved_at_loss(&costs).unwrap(),
+                all.simulate(&costs).unwrap().peak_saved_bytes
+            );
+            for k in 1..=n {
+                let s = Schedule::every_k(n, k).unwrap();
+                let at = s.saved_at_loss(&costs).unwrap();
+                assert!(at <= s.simulate(&costs).unwrap().peak_saved_bytes);
+                assert!(at > 0);
+            }
+        }
+        // Three layers in segments of two: recomputing the first segment while the second's
+        // gradient is held keeps more than the loss's moment.
+        let costs = unit_costs(3);
+        let s = Schedule::every_k(3, 2).unwrap();
+        assert!(s.saved_at_loss(&costs).unwrap() < s.simulate(&costs).unwrap().peak_saved_bytes);
+        assert!(Schedule::store_all(2)
+            .unwrap()
+            .saved_at_loss(&costs)
+            .is_err());
+    }
 
     fn unit_costs(n: usize) -> ChainCost {
         ChainCost::homogeneous(

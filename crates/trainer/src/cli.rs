@@ -548,6 +548,10 @@ struct LadderArgs {
     /// quantization) → +checkpointing → +fused loss.
     #[arg(long)]
     finetune: bool,
+    /// The ZeRO ladder: one process, then stages 1–3 on 2, 4 and 8 in-process ranks at the
+    /// same global batch; each rank's peak against the budget and the estimator.
+    #[arg(long, conflicts_with = "finetune")]
+    zero: bool,
 }
 
 #[derive(Parser)]
@@ -1194,6 +1198,15 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
     base.seq = a.seq.unwrap_or(base.model.max_seq);
     base.steps = a.steps.max(2);
     let budget = mib_to_bytes(a.budget_mib)?;
+    if a.zero {
+        // The single-device techniques first (bf16, flash, √n checkpointing, fused loss), so
+        // the training state is what remains to shard.
+        base.techniques.model.precision = Precision::Bf16;
+        base.techniques.model.attention = AttentionConfig::flash();
+        base.techniques.model.loss_chunk = Some(128);
+        base.techniques.checkpoint = CheckpointChoice::SqrtN;
+        return zero_ladder(&base, budget, a.budget_mib);
+    }
     let rungs = if a.finetune {
         crate::ladder::finetune_rungs(&base.model)
     } else {
@@ -1233,6 +1246,38 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
             first.peak_total as f64 / last.peak_total.max(1) as f64
         );
     }
+    Ok(())
+}
+
+/// `headroom ladder --zero`.
+fn zero_ladder(base: &TrainOptions, budget: u64, budget_mib: u64) -> CliResult {
+    use crate::ladder::{run_zero_ladder, zero_ladder_table, zero_rungs};
+    say!(
+        "headroom ladder --zero: {} {}L/{}H/{}C vocab {}, global batch {}×{}, {} steps per rung, {} MiB per rank; {}",
+        base.model.family_name(),
+        base.model.layers,
+        base.model.heads,
+        base.model.channels,
+        base.model.vocab,
+        base.batch,
+        base.seq,
+        base.steps,
+        budget_mib,
+        base.techniques.describe()
+    );
+    let results = run_zero_ladder(base, &zero_rungs(), budget, |r| {
+        say!(
+            "  {} × {} ranks: per-rank peak {:>8.1} MiB (estimate {:>8.1})  step {:.2} s  {}",
+            r.stage,
+            r.ranks,
+            mib(r.peak_total),
+            mib(r.estimate.per_rank_peak()),
+            r.step_seconds,
+            if r.fits { "fits" } else { "does not fit" }
+        );
+    })?;
+    say!();
+    say!("{}", zero_ladder_table(&results, budget));
     Ok(())
 }
 
@@ -1342,22 +1387,26 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
         o.batch.saturating_mul(ranks),
         o.techniques.describe()
     );
-    say!("| per rank | MiB |\n|---|---|");
-    say!("| parameters | {:.1} |", mib(e.state.parameters));
-    say!("| gradients | {:.1} |", mib(e.state.gradients));
+    say!("| per rank | kept between steps, MiB | peak, MiB |\n|---|---|---|");
+    let rows = [
+        ("parameters", MemoryCategory::Parameters, e.state.parameters),
+        ("gradients", MemoryCategory::Gradients, e.state.gradients),
+        (
+            "optimizer state (+ fp32 masters)",
+            MemoryCategory::OptimizerState,
+            e.state.optimizer_state,
+        ),
+        ("activations", MemoryCategory::Activations, 0),
+        ("workspace (bound)", MemoryCategory::Workspace, 0),
+        ("batch", MemoryCategory::Data, 0),
+    ];
+    for (name, c, kept) in rows {
+        say!("| {name} | {:.1} | {:.1} |", mib(kept), mib(e.device[c]));
+    }
     say!(
-        "| optimizer state (+ fp32 masters) | {:.1} |",
-        mib(e.state.optimizer_state)
+        "| peak (the categories' peaks added) | | {:.1} |",
+        mib(e.per_rank_peak())
     );
-    say!(
-        "| gathered layers and gradient buckets (at most) | {:.1} |",
-        mib(e.transient_bytes)
-    );
-    say!(
-        "| activations, workspace, batch | {:.1} |",
-        mib(e.compute_bytes)
-    );
-    say!("| peak | {:.1} |", mib(e.per_rank_peak()));
     if let Some(b) = o.budget {
         say!(
             "budget {:.1} MiB per rank: {}",

@@ -112,6 +112,18 @@ pub enum TrainError {
     /// LoRA adapters could not be built for the model (no target matched, a bad rank).
     #[error(transparent)]
     Lora(#[from] headroom_lora::LoraError),
+    /// ZeRO's sharding engine or its collective failed (a rank that stopped answering
+    /// included).
+    #[error(transparent)]
+    Zero(#[from] headroom_zero::ZeroError),
+    /// One rank of a ZeRO run failed; the others stop too.
+    #[error("ZeRO rank {rank}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// What it failed with.
+        source: Box<TrainError>,
+    },
     /// A LoRA adapter could not be read, checked against the model or merged.
     #[error("adapter {path}: {source}")]
     Adapter {

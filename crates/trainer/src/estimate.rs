@@ -238,11 +238,16 @@ pub fn estimate(
             block_schedule(other, cfg, || Ok((est.block_chain_cost()?, budget)))?
         }
     };
-    let sim = schedule.simulate(&est.block_chain_cost()?)?;
+    let costs = est.block_chain_cost()?;
+    let sim = schedule.simulate(&costs)?;
+    let at_loss = schedule.saved_at_loss(&costs)?;
     let mut device = est.device;
-    // The embedding output is the chain's input (held by the caller throughout); the head runs
-    // when the chain's output is in hand, the peak of a store-all schedule.
-    device[MemoryCategory::Activations] = io + sim.peak_saved_bytes + head_act.max(recompute_extra);
+    // The embedding output is the chain's input (held by the caller throughout). The head runs
+    // when the chain's output is first in hand, with what the schedule keeps at that moment —
+    // the schedule's peak when everything is stored, less when recomputing a segment later
+    // keeps more; a selective block's recomputation happens in its backward.
+    device[MemoryCategory::Activations] =
+        io + (at_loss + head_act).max(sim.peak_saved_bytes + recompute_extra);
 
     // Workspace: the larger of the head (dlnf and the logits' gradient — or both logit chunks
     // when fused — plus, in low precision, the f32 view of the residual and the panel the

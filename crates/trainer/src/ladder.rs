@@ -10,7 +10,10 @@ use crate::estimate;
 use crate::model::{finetune, params, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques};
 use crate::train::{train, TrainOptions};
+use crate::zero_estimate::{zero_estimate, ZeroEstimate};
+use crate::zero_train::{train_zero, ZeroOptions};
 use crate::{Result, TrainError};
+use headroom_zero::Stage;
 
 /// One rung: a name and its techniques.
 #[derive(Clone, Debug)]
@@ -402,4 +405,181 @@ pub fn suggest_fitting(opts: &TrainOptions, budget: u64) -> Result<Vec<FitSugges
     }
     out.sort_by_key(|s| s.predicted_peak);
     Ok(out)
+}
+
+/// The ZeRO ladder's rungs: one process (stage 0 on one rank, the baseline), then stages 1–3
+/// on 2, 4 and 8 in-process ranks, at the same global batch.
+pub fn zero_rungs() -> Vec<(Stage, usize)> {
+    let mut out = vec![(Stage::Zero0, 1)];
+    for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for ranks in [2, 4, 8] {
+            out.push((stage, ranks));
+        }
+    }
+    out
+}
+
+/// What one ZeRO rung measured: the largest rank's figures.
+#[derive(Clone, Debug)]
+pub struct ZeroRungResult {
+    /// The stage.
+    pub stage: Stage,
+    /// In-process ranks.
+    pub ranks: usize,
+    /// Per category, the largest rank's peak (tracker).
+    pub peak: PerCategory<u64>,
+    /// The largest rank's peak total (tracker).
+    pub peak_total: u64,
+    /// The estimator's per-rank prediction.
+    pub estimate: ZeroEstimate,
+    /// Median step seconds (after the first step).
+    pub step_seconds: f64,
+    /// Bytes rank 0 sent in the last step (ring model).
+    pub sent_per_step: u64,
+    /// Whether every rank stayed within the budget.
+    pub fits: bool,
+    /// The last step's loss.
+    pub final_loss: f32,
+}
+
+impl ZeroRungResult {
+    /// The categories the estimator predicts exactly (all but workspace, which it bounds)
+    /// whose measured peak differs from the prediction; empty when all agree.
+    pub fn estimate_mismatches(&self) -> Vec<MemoryCategory> {
+        [
+            MemoryCategory::Parameters,
+            MemoryCategory::Gradients,
+            MemoryCategory::OptimizerState,
+            MemoryCategory::Activations,
+            MemoryCategory::Data,
+        ]
+        .into_iter()
+        .filter(|&c| self.peak[c] != self.estimate.device[c])
+        .collect()
+    }
+}
+
+/// Run `rungs` (stage, ranks) on `base` — its global batch split over the ranks — with
+/// `budget` enforced on every rank; a rung that does not fit is measured again without it.
+pub fn run_zero_ladder(
+    base: &TrainOptions,
+    rungs: &[(Stage, usize)],
+    budget: u64,
+    mut on_rung: impl FnMut(&ZeroRungResult),
+) -> Result<Vec<ZeroRungResult>> {
+    let mut out = Vec::with_capacity(rungs.len());
+    for &(stage, ranks) in rungs {
+        let mut o = base.clone();
+        o.budget = Some(budget);
+        o.save = None;
+        o.resume_from = None;
+        o.eval = None;
+        if o.batch % ranks != 0 {
+            return Err(TrainError::Option {
+                option: "--batch",
+                reason: format!("{} sequences do not split over {ranks} ranks", o.batch),
+            });
+        }
+        let per_rank = o.batch / ranks;
+        let micro = o.techniques.micro_batch.unwrap_or(per_rank).min(per_rank);
+        o.techniques.micro_batch = Some(micro);
+        let estimate = zero_estimate(
+            &o.model,
+            o.seq,
+            micro,
+            per_rank,
+            &o.techniques,
+            stage,
+            ranks,
+        )?;
+        let zero = ZeroOptions::new(stage, ranks);
+        let (report, fits) = match train_zero(&o, zero, |_| {}) {
+            Ok(r) => (r, true),
+            Err(e) if is_out_of_budget(&e) => {
+                o.budget = None;
+                (train_zero(&o, zero, |_| {})?, false)
+            }
+            Err(e) => return Err(e),
+        };
+        let mut peak = PerCategory::<u64>::default();
+        let mut peak_total = 0;
+        for r in &report.ranks {
+            if let Some(d) = r.memory.device(Device::Cpu) {
+                for c in MemoryCategory::ALL {
+                    peak[c] = peak[c].max(d.peak[c]);
+                }
+                peak_total = peak_total.max(d.peak_total);
+            }
+        }
+        let mut times: Vec<f64> = report.steps.iter().skip(1).map(|s| s.seconds).collect();
+        times.sort_by(f64::total_cmp);
+        let r = ZeroRungResult {
+            stage,
+            ranks,
+            peak,
+            peak_total,
+            estimate,
+            step_seconds: times.get(times.len() / 2).copied().unwrap_or(f64::NAN),
+            sent_per_step: report
+                .ranks
+                .first()
+                .map_or(0, |r| r.last_step_comm.sent_bytes()),
+            fits,
+            final_loss: report.steps.last().map_or(f32::NAN, |s| s.loss),
+        };
+        on_rung(&r);
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// The ZeRO ladder as a Markdown table: the largest rank's peak per category (MiB), its
+/// total beside the estimator's (the categories' peaks added), whether every exactly predicted
+/// category matched, the reduction against the first rung, the bytes rank 0 sent per step,
+/// the step time, and whether every rank fit.
+pub fn zero_ladder_table(results: &[ZeroRungResult], budget: u64) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "per-rank budget {} MiB; the largest rank's peaks in MiB from its tracker\n",
+        mib(budget)
+    );
+    let _ = writeln!(
+        s,
+        "| stage | ranks | params | grads | optimizer | activations | workspace | per-rank peak | estimate | = estimate per category | reduction | sent/step | step s | fits |"
+    );
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
+    let base = results.first();
+    for r in results {
+        let p = |c: MemoryCategory| mib(r.peak[c]);
+        let ratio = base.map_or(f64::NAN, |b| {
+            b.peak_total as f64 / r.peak_total.max(1) as f64
+        });
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2}× | {} | {:.2} | {} |",
+            r.stage,
+            r.ranks,
+            p(MemoryCategory::Parameters),
+            p(MemoryCategory::Gradients),
+            p(MemoryCategory::OptimizerState),
+            p(MemoryCategory::Activations),
+            p(MemoryCategory::Workspace),
+            mib(r.peak_total),
+            mib(r.estimate.per_rank_peak()),
+            match r.estimate_mismatches().as_slice() {
+                [] => "yes (workspace: bound)".to_string(),
+                m => format!("**no**: {m:?}"),
+            },
+            ratio,
+            mib(r.sent_per_step),
+            r.step_seconds,
+            if r.fits { "yes" } else { "**no**" },
+        );
+    }
+    s
 }

@@ -1,28 +1,30 @@
 //! Per-rank memory of a trainer model under ZeRO (`headroom estimate --zero S --ranks N`),
 //! before any rank runs: the answer to "how big a model fits on N devices".
 //!
-//! The model is split into ZeRO layers as a data-parallel trainer walks it: the embeddings,
-//! each block, and the final norm with the (untied) head. The training state per rank —
-//! parameters, gradients, optimizer state and fp32 masters, padding, stage 3's gathered
-//! layers and stages 2–3's gradient buckets — is headroom-zero's [`per_rank_bytes`], the
-//! layout its engine allocates (checked against its tracker in that crate's tests). What each
-//! rank computes with — activations, workspace, the batch — is the single-process estimate of
-//! one rank's micro-batch: ZeRO shards state, not activations.
+//! The model is split into ZeRO layers as `headroom train --zero` walks it ([`Part`]): the
+//! embeddings, each block, and the final norm with the (untied) head. The training state per
+//! rank — parameters, gradients, optimizer state and fp32 masters, padding — is
+//! headroom-zero's [`per_rank_bytes`], the layout its engine allocates. What each rank
+//! computes with — activations, the batch — is the single-process estimate of one rank's
+//! micro-batch: ZeRO shards state, not activations.
 //!
-//! Two transients ride on top, bounded from above: stage 3 holds the gathered parameters of
-//! two layers (the one computing and the one prefetched), stages 2–3 the gradient bucket being
-//! filled plus at most `max_in_flight` (the engine's default, 2) being reduce-scattered, each
-//! counted at the largest bucket's size.
+//! The transients come from replaying the driver's allocations in program order: stage 3's
+//! gathered layers along the access order ([`Part::access_order`]), each part's gradient
+//! buffers during its backward (a tied head's embedding gradient from the head to the end),
+//! stages 2–3's buckets as the bucket plan fills and reduce-scatters them. Those are exact per
+//! category, as the tracker counts them (`tests/zero_train.rs`); the workspace is the
+//! single-process workspace plus the part weight copies and a bound on the engine's own.
 //!
 //! Not modelled (a typed error): an offloaded or 8-bit optimizer (ZeRO-Offload's host shard).
 
 use headroom_offload::StatePrecision;
+use headroom_profiler::PerCategory;
 use headroom_tensor::MemoryCategory;
-use headroom_zero::{per_rank_bytes, PerRankBytes, Stage, ZeroConfig};
+use headroom_zero::{per_rank_bytes, BucketPlan, FlatLayout, PerRankBytes, Stage, ZeroConfig};
 
 use crate::estimate::estimate;
-use crate::model::{params, ModelConfig, Precision};
-use crate::techniques::{OptimizerPlacement, Techniques};
+use crate::model::{params, ModelConfig, Part, Precision};
+use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
 
 /// One rank's predicted bytes.
@@ -34,46 +36,32 @@ pub struct ZeroEstimate {
     pub ranks: usize,
     /// Parameter count of the model.
     pub parameter_count: u64,
-    /// The training state one rank holds (headroom-zero's layout).
+    /// The training state one rank keeps between steps (headroom-zero's layout).
     pub state: PerRankBytes,
-    /// Stage 3's gathered parameters and stages 2–3's gradient buckets, bounded from above.
-    pub transient_bytes: u64,
-    /// Activations, workspace and batch of one rank's micro-batch at their simultaneous peak
-    /// (the single-process estimate without its training state).
-    pub compute_bytes: u64,
+    /// One rank's peak per category, as its tracker counts it: exact for parameters,
+    /// gradients, optimizer state, activations and data; an upper bound for workspace.
+    pub device: PerCategory<u64>,
 }
 
 impl ZeroEstimate {
-    /// One rank's peak: state + transients + compute.
+    /// One rank's peak: the sum of the categories' peaks (an upper bound of the simultaneous
+    /// peak, as the single-process ladder's estimate).
     pub fn per_rank_peak(&self) -> u64 {
-        self.state
-            .persistent()
-            .saturating_add(self.transient_bytes)
-            .saturating_add(self.compute_bytes)
+        self.device.total()
     }
 }
 
 /// The parameter count of each ZeRO layer of `cfg`: embeddings, blocks, final norm + head.
 pub fn zero_layers(cfg: &ModelConfig) -> Vec<usize> {
-    let infos = params::param_infos(cfg);
-    let numel = |r: std::ops::Range<usize>| -> usize {
-        infos[r]
-            .iter()
-            .map(|i| i.shape.iter().product::<usize>())
-            .sum()
-    };
-    let emb = params::embedding_count(cfg);
-    let per = params::per_layer(cfg);
-    let mut out = vec![numel(0..emb)];
-    for l in 0..cfg.layers {
-        out.push(numel(emb + l * per..emb + (l + 1) * per));
-    }
-    out.push(numel(emb + cfg.layers * per..infos.len()));
-    out
+    crate::zero_train::part_sizes(cfg)
+        .iter()
+        .map(|p| p.iter().sum())
+        .collect()
 }
 
 /// Predict one rank's memory for `ranks` data-parallel ranks under `stage`, each running
-/// `batch` sequences of `seq` tokens in micro-batches of `micro` with `techniques`.
+/// `batch` sequences of `seq` tokens in micro-batches of `micro` with `techniques`, as
+/// `headroom train --zero` runs them.
 pub fn zero_estimate(
     cfg: &ModelConfig,
     seq: usize,
@@ -96,41 +84,239 @@ pub fn zero_estimate(
         ));
     }
     let single = estimate(cfg, seq, micro, batch, techniques)?;
-    let state_categories = [
-        MemoryCategory::Parameters,
-        MemoryCategory::Gradients,
-        MemoryCategory::OptimizerState,
-    ];
-    let single_state: u64 = state_categories.iter().map(|&c| single.device[c]).sum();
-    let compute_bytes = single.device_peak.saturating_sub(single_state);
     // fp16's working copies and gradients are as large as bf16's.
     let precision = match techniques.model.precision {
         Precision::Fp32 => headroom_zero::Precision::Fp32,
         Precision::Bf16 | Precision::Fp16 => headroom_zero::Precision::MixedBf16,
     };
     let config = ZeroConfig::new(stage);
-    let state = per_rank_bytes(
-        stage,
-        &zero_layers(cfg),
-        ranks,
-        precision,
-        8,
-        config.bucket_bytes,
-    )
-    .map_err(|e| TrainError::Input(format!("ZeRO estimate: {e}")))?;
-    let transient_bytes = state.gathered_layer_max.saturating_mul(2).saturating_add(
-        state
-            .bucket_max
-            .saturating_mul(config.max_in_flight as u64 + 1),
-    );
+    let layers = zero_layers(cfg);
+    let state = per_rank_bytes(stage, &layers, ranks, precision, 8, config.bucket_bytes)
+        .map_err(|e| TrainError::Input(format!("ZeRO estimate: {e}")))?;
+    let schedule = block_schedule(techniques.checkpoint, cfg, || {
+        let budget = match techniques.checkpoint {
+            CheckpointChoice::Optimal(Some(b)) => b,
+            _ => {
+                return Err(TrainError::Config(
+                    "the optimal schedule needs an explicit activation budget under ZeRO".into(),
+                ))
+            }
+        };
+        Ok((single.block_chain_cost()?, budget))
+    })?;
+    let replay = Replay::new(cfg, &layers, stage, ranks, precision, &config)?;
+    let plan: Vec<usize> = Part::access_order(cfg, &schedule)
+        .into_iter()
+        .map(|p| p.index(cfg))
+        .collect();
+    let push_order: Vec<usize> = {
+        let mut o = vec![Part::Head.index(cfg)];
+        o.extend(
+            schedule
+                .ops()
+                .iter()
+                .filter(|op| !op.is_forward())
+                .map(|op| Part::Block(op.layer()).index(cfg)),
+        );
+        o.push(Part::Embeddings.index(cfg));
+        o
+    };
+    let tied = params::head_index(cfg) == params::WTE;
+    let mut device = PerCategory::<u64>::default();
+    device[MemoryCategory::Parameters] = state.parameters + replay.gathered_peak(&plan);
+    device[MemoryCategory::Gradients] = state.gradients + replay.gradient_peak(&push_order, tied);
+    device[MemoryCategory::OptimizerState] = state.optimizer_state;
+    device[MemoryCategory::Activations] = single.device[MemoryCategory::Activations];
+    device[MemoryCategory::Data] = single.device[MemoryCategory::Data];
+    device[MemoryCategory::Workspace] = single.device[MemoryCategory::Workspace]
+        .saturating_add(replay.copies_peak(&plan, tied))
+        .saturating_add(replay.engine_workspace_bound());
     Ok(ZeroEstimate {
         stage,
         ranks,
         parameter_count: single.parameter_count,
         state,
-        transient_bytes,
-        compute_bytes,
+        device,
     })
+}
+
+/// The driver's transient allocations, replayed in program order from the layer sizes. Every
+/// one of them is made and freed by the rank's own thread at a point fixed by the access order
+/// and the bucket plan (a collective's completion only hands buffers back; the rank frees them
+/// when it next waits), so the peaks are exact, not bounds.
+struct Replay {
+    /// Per part: elements.
+    numel: Vec<u64>,
+    /// Per part: padded elements and one rank's shard (the engine's flat layout).
+    padded: Vec<u64>,
+    shard: Vec<u64>,
+    /// Working parameter and reduced-gradient bytes per element.
+    p: u64,
+    g: u64,
+    /// Storage bytes per element of the model's working weights (the part copies).
+    a: u64,
+    stage: Stage,
+    ranks: u64,
+    /// Gradient buckets (stages 2–3): each part's bucket, and the parts per bucket.
+    bucket_of: Vec<usize>,
+    buckets: Vec<Vec<usize>>,
+    max_in_flight: usize,
+}
+
+impl Replay {
+    fn new(
+        cfg: &ModelConfig,
+        layers: &[usize],
+        stage: Stage,
+        ranks: usize,
+        precision: headroom_zero::Precision,
+        config: &ZeroConfig,
+    ) -> Result<Self> {
+        let world = if stage.shards_optimizer() { ranks } else { 1 };
+        let mut padded = Vec::with_capacity(layers.len());
+        let mut shard = Vec::with_capacity(layers.len());
+        for &n in layers {
+            let l = FlatLayout::new(&[n], world)
+                .map_err(|e| TrainError::Input(format!("ZeRO estimate: {e}")))?;
+            padded.push(l.padded_len() as u64);
+            shard.push(l.shard_len() as u64);
+        }
+        let g = precision.grad_bytes() as u64;
+        let padded_bytes: Vec<usize> = padded
+            .iter()
+            .map(|&n| usize::try_from(n * g).unwrap_or(usize::MAX))
+            .collect();
+        let plan = BucketPlan::new(&padded_bytes, config.bucket_bytes);
+        let buckets = plan.buckets().to_vec();
+        let bucket_of = (0..layers.len())
+            .map(|l| plan.bucket_of(l).unwrap_or(0))
+            .collect();
+        let _ = cfg;
+        Ok(Replay {
+            numel: layers.iter().map(|&n| n as u64).collect(),
+            padded,
+            shard,
+            p: precision.param_bytes() as u64,
+            g,
+            a: precision.param_bytes() as u64,
+            stage,
+            ranks: ranks as u64,
+            bucket_of,
+            buckets,
+            max_in_flight: config.max_in_flight,
+        })
+    }
+
+    /// Stage 3: the most gathered-layer bytes live at once (the layer in use and the one
+    /// being fetched). 0 in other stages.
+    fn gathered_peak(&self, plan: &[usize]) -> u64 {
+        if !self.stage.shards_parameters() {
+            return 0;
+        }
+        let bytes = |l: usize| self.padded[l] * self.p;
+        let mut live = vec![false; self.padded.len()];
+        let (mut now, mut peak) = (0u64, 0u64);
+        let mut hold = |l: usize, live: &mut Vec<bool>, now: &mut u64| {
+            if !live[l] {
+                live[l] = true;
+                *now += bytes(l);
+                peak = peak.max(*now);
+            }
+        };
+        for (i, &l) in plan.iter().enumerate() {
+            hold(l, &mut live, &mut now);
+            let next = plan.get(i + 1).copied();
+            if next != Some(l) {
+                live[l] = false;
+                now -= bytes(l);
+                if let Some(n) = next {
+                    hold(n, &mut live, &mut now);
+                }
+            }
+        }
+        peak
+    }
+
+    /// The most transient gradient bytes live at once in a micro-batch's backward: each
+    /// part's f32 gradient buffers while its backward runs (a tied head's embedding gradient
+    /// from the head to the end), and stages 2–3's buckets, filled in push order and
+    /// reduce-scattered at most `max_in_flight` at a time.
+    fn gradient_peak(&self, push_order: &[usize], tied: bool) -> u64 {
+        let grads = |l: usize| self.numel[l] * 4;
+        let emb = 0usize;
+        let mut now = if tied { grads(emb) } else { 0 };
+        let mut peak = now;
+        let bucket_bytes = |b: usize| -> u64 {
+            self.buckets[b].iter().map(|&l| self.shard[l]).sum::<u64>() * self.ranks * self.g
+        };
+        let mut remaining: Vec<usize> = self.buckets.iter().map(Vec::len).collect();
+        let mut open = vec![false; self.buckets.len()];
+        let mut in_flight: std::collections::VecDeque<usize> = Default::default();
+        for (i, &l) in push_order.iter().enumerate() {
+            let own = !(tied && l == emb);
+            if own {
+                now += grads(l);
+                peak = peak.max(now);
+            }
+            if self.stage.shards_gradients() {
+                let b = self.bucket_of[l];
+                if !open[b] {
+                    open[b] = true;
+                    now += bucket_bytes(b);
+                    peak = peak.max(now);
+                }
+                remaining[b] -= 1;
+                if remaining[b] == 0 {
+                    open[b] = false;
+                    while in_flight.len() >= self.max_in_flight {
+                        if let Some(done) = in_flight.pop_front() {
+                            now -= bucket_bytes(done);
+                        }
+                    }
+                    in_flight.push_back(b);
+                }
+                if i + 1 == push_order.len() {
+                    while let Some(done) = in_flight.pop_front() {
+                        now -= bucket_bytes(done);
+                    }
+                }
+            }
+            // The part's buffers go when its push returns (the tied embedding's included).
+            now -= grads(l);
+        }
+        peak
+    }
+
+    /// The most bytes of part weight copies live at once: a block's during its use; at the
+    /// head, the head's and (tied) the embeddings'.
+    fn copies_peak(&self, plan: &[usize], tied: bool) -> u64 {
+        let head = self.numel.len() - 1;
+        plan.iter()
+            .map(|&l| {
+                let mut b = self.numel[l] * self.a;
+                if l == head && tied {
+                    b += self.numel[0] * self.a;
+                }
+                b
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The engine's own workspace, bounded: two gathers' send buffers and the in-flight
+    /// buckets' reduce-scatter outputs during backward, the step's reduced shard (stage 1),
+    /// all-gather scratch and mixed precision's widened gradient piece.
+    fn engine_workspace_bound(&self) -> u64 {
+        let max_shard = self.shard.iter().copied().max().unwrap_or(0);
+        let shard_total: u64 = self.shard.iter().sum();
+        let max_seg = (0..self.buckets.len())
+            .map(|b| self.buckets[b].iter().map(|&l| self.shard[l]).sum::<u64>())
+            .max()
+            .unwrap_or(0);
+        let backward = 2 * max_shard * self.p + self.max_in_flight as u64 * max_seg * self.g;
+        let step = shard_total * self.g + max_shard * self.p + max_shard * 4;
+        backward + step
+    }
 }
 
 /// The most layers (at `cfg`'s width, heads and vocabulary) whose per-rank peak fits

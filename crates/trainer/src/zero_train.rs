@@ -449,7 +449,10 @@ fn drive<C: Collective + 'static>(
             .position(|(_, e)| !is_comm_timeout(e))
             .unwrap_or(0);
         let (rank, e) = errors.swap_remove(pos);
-        return Err(TrainError::Config(format!("ZeRO rank {rank}: {e}")));
+        return Err(TrainError::Rank {
+            rank,
+            source: Box::new(e),
+        });
     }
     Ok(ZeroReport {
         steps: logs,
@@ -467,8 +470,10 @@ fn unreachable_budget() -> Result<u64> {
 
 /// Whether an error is a rank giving up on a peer (rather than the peer's own failure).
 fn is_comm_timeout(e: &TrainError) -> bool {
-    let text = e.to_string();
-    text.contains("timed out") || text.contains("disconnected") || text.contains("peer")
+    matches!(
+        e,
+        TrainError::Zero(headroom_zero::ZeroError::Comm(_) | headroom_zero::ZeroError::Broken)
+    )
 }
 
 struct RankOutcome {
@@ -477,7 +482,7 @@ struct RankOutcome {
 }
 
 fn zero_err(e: headroom_zero::ZeroError) -> TrainError {
-    TrainError::Config(format!("ZeRO: {e}"))
+    TrainError::Zero(e)
 }
 
 /// One rank's whole run.

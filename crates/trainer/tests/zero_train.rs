@@ -595,3 +595,97 @@ fn checkpoints_shard_per_rank_consolidate_and_reshard_exactly() {
     assert!(e.contains("--lr"), "{e}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// The ZeRO estimator against each rank's tracker, category by category: parameters (stage
+/// 3's gathered layers included), gradients (part buffers and buckets included), optimizer
+/// state, activations and the batch exactly; workspace from above.
+#[test]
+fn the_estimator_predicts_each_ranks_peaks() {
+    use headroom_tensor::{Device, MemoryCategory};
+    use headroom_trainer::zero_estimate::zero_estimate;
+    let exact = [
+        MemoryCategory::Parameters,
+        MemoryCategory::Gradients,
+        MemoryCategory::OptimizerState,
+        MemoryCategory::Activations,
+        MemoryCategory::Data,
+    ];
+    for (family, precision, checkpoint) in [
+        (Family::Gpt2, Precision::Fp32, CheckpointChoice::EveryK(2)),
+        (llama(), Precision::Fp32, CheckpointChoice::None),
+        (Family::Gpt2, Precision::Bf16, CheckpointChoice::SqrtN),
+        (llama(), Precision::Bf16, CheckpointChoice::EveryK(2)),
+    ] {
+        for ranks in [2, 3] {
+            let mut o = options(family, ranks, 2);
+            o.techniques.model.precision = precision;
+            o.techniques.checkpoint = checkpoint;
+            for stage in Stage::ALL {
+                let what = format!(
+                    "{} {precision:?} {checkpoint:?} {stage} N={ranks}",
+                    o.model.family_name()
+                );
+                let e = zero_estimate(
+                    &o.model,
+                    SEQ,
+                    MICRO,
+                    o.batch / ranks,
+                    &o.techniques,
+                    stage,
+                    ranks,
+                )
+                .unwrap();
+                let report = train_zero(&o, ZeroOptions::new(stage, ranks), |_| {}).unwrap();
+                for r in &report.ranks {
+                    let d = r.memory.device(Device::Cpu).unwrap();
+                    for c in exact {
+                        assert_eq!(d.peak[c], e.device[c], "{what} rank {}: {c:?}", r.rank);
+                    }
+                    let ws = MemoryCategory::Workspace;
+                    assert!(
+                        d.peak[ws] <= e.device[ws],
+                        "{what}: workspace {} > {}",
+                        d.peak[ws],
+                        e.device[ws]
+                    );
+                    assert!(d.peak_total <= e.per_rank_peak(), "{what}: total");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_zero_ladder_measures_each_rung_against_the_estimator() {
+    use headroom_trainer::ladder::{run_zero_ladder, zero_ladder_table};
+    let mut o = options(Family::Gpt2, 2, 2);
+    o.techniques.micro_batch = None;
+    o.batch = 8;
+    let rungs = [(Stage::Zero0, 1), (Stage::Zero3, 2), (Stage::Zero2, 4)];
+    let results = run_zero_ladder(&o, &rungs, 1 << 30, |_| {}).unwrap();
+    assert_eq!(results.len(), 3);
+    for r in &results {
+        assert!(r.fits);
+        assert!(
+            r.estimate_mismatches().is_empty(),
+            "{:?}",
+            r.estimate_mismatches()
+        );
+        assert!(r.peak_total <= r.estimate.per_rank_peak());
+    }
+    // Sharding shrinks each rank's state.
+    let state = |r: &headroom_trainer::ladder::ZeroRungResult| {
+        use headroom_tensor::MemoryCategory as C;
+        r.peak[C::OptimizerState]
+    };
+    assert!(state(&results[1]) < state(&results[0]));
+    let table = zero_ladder_table(&results, 1 << 30);
+    assert_eq!(
+        table.lines().filter(|l| l.starts_with("| ZeRO-")).count(),
+        3
+    );
+    // A budget no rank fits is reported, measured without it.
+    let tight = run_zero_ladder(&o, &rungs[..1], 4096, |_| {}).unwrap();
+    assert!(!tight[0].fits);
+    assert!(tight[0].peak_total > 4096);
+}
