@@ -128,9 +128,11 @@ pub fn zero_estimate(
     device[MemoryCategory::OptimizerState] = state.optimizer_state;
     device[MemoryCategory::Activations] = single.device[MemoryCategory::Activations];
     device[MemoryCategory::Data] = single.device[MemoryCategory::Data];
+    let (backward, step) = replay.engine_workspace_bounds(precision);
     device[MemoryCategory::Workspace] = single.device[MemoryCategory::Workspace]
         .saturating_add(replay.copies_peak(&plan, tied))
-        .saturating_add(replay.engine_workspace_bound());
+        .saturating_add(backward)
+        .max(step);
     Ok(ZeroEstimate {
         stage,
         ranks,
@@ -303,19 +305,35 @@ impl Replay {
             .unwrap_or(0)
     }
 
-    /// The engine's own workspace, bounded: two gathers' send buffers and the in-flight
-    /// buckets' reduce-scatter outputs during backward, the step's reduced shard (stage 1),
-    /// all-gather scratch and mixed precision's widened gradient piece.
-    fn engine_workspace_bound(&self) -> u64 {
+    /// The engine's own workspace, bounded, during backward (stage 3's two gathers' send
+    /// buffers, stages 2–3's in-flight reduce-scatter outputs) and during the step (stage 1's
+    /// reduced shard, stages 1–2's all-gather scratch, mixed precision's widened gradient
+    /// piece), when the model holds no workspace.
+    fn engine_workspace_bounds(&self, precision: headroom_zero::Precision) -> (u64, u64) {
         let max_shard = self.shard.iter().copied().max().unwrap_or(0);
         let shard_total: u64 = self.shard.iter().sum();
         let max_seg = (0..self.buckets.len())
             .map(|b| self.buckets[b].iter().map(|&l| self.shard[l]).sum::<u64>())
             .max()
             .unwrap_or(0);
-        let backward = 2 * max_shard * self.p + self.max_in_flight as u64 * max_seg * self.g;
-        let step = shard_total * self.g + max_shard * self.p + max_shard * 4;
-        backward + step
+        let mut backward = 0;
+        if self.stage.shards_parameters() {
+            backward += 2 * max_shard * self.p;
+        }
+        if self.stage.shards_gradients() {
+            backward += self.max_in_flight as u64 * max_seg * self.g;
+        }
+        let mut step = 0;
+        if self.stage == Stage::Zero1 {
+            step += shard_total * self.g;
+        }
+        if matches!(self.stage, Stage::Zero1 | Stage::Zero2) {
+            step += max_shard * self.p;
+        }
+        if precision == headroom_zero::Precision::MixedBf16 {
+            step += max_shard * 4;
+        }
+        (backward, step)
     }
 }
 

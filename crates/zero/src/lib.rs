@@ -94,7 +94,8 @@
 //! state, as in the ZeRO paper. Gradients are handed over in f32 either way.
 //!
 //! [`ZeroEngine::step_clipped`] clips to a global gradient norm taken over every rank's
-//! shard. Not yet here: NCCL (a `cuda` feature).
+//! shard. With the `cuda` feature, [`NcclCollective`] runs the same collectives on NCCL
+//! (one process per GPU; not yet run on a GPU).
 
 mod collective;
 mod comm_thread;
@@ -104,6 +105,8 @@ mod error;
 mod in_process;
 mod layout;
 mod memory;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod stage;
 
 pub use collective::{
@@ -116,4 +119,6 @@ pub use error::{CommError, Result, ZeroError};
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use layout::{BucketPlan, FlatLayout, Piece};
 pub use memory::{paper_bytes_per_param, per_rank_bytes, PerRankBytes, Precision};
+#[cfg(feature = "cuda")]
+pub use nccl::{NcclCollective, NcclId};
 pub use stage::{ReductionOrder, Stage};
