@@ -955,13 +955,17 @@ fn cmd_train_zero(
     let tail = &report.steps[report.steps.len() - k..];
     let last = tail.iter().map(|s| s.loss as f64).sum::<f64>() / k.max(1) as f64;
     say!("final loss (mean of last {k} steps) {last:.4} nats/token");
-    say!("rank  parameters  gradients  optimizer  activations  workspace  peak (MiB)  sent/step (MiB)");
+    say!("rank  parameters  gradients  optimizer  activations  workspace  peak (MiB)  sent/step (MiB)  host (MiB)");
     for r in &report.ranks {
         let Some(d) = r.memory.device(headroom_tensor::Device::Cpu) else {
             continue;
         };
+        let host = r
+            .host_memory
+            .device(headroom_tensor::Device::Cpu)
+            .map_or(0, |h| h.peak_total);
         say!(
-            "{:>4}  {:>10.1}  {:>9.1}  {:>9.1}  {:>11.1}  {:>9.1}  {:>10.1}  {:>15.1}",
+            "{:>4}  {:>10.1}  {:>9.1}  {:>9.1}  {:>11.1}  {:>9.1}  {:>10.1}  {:>15.1}  {:>10.1}",
             r.rank,
             mib(d.peak[MemoryCategory::Parameters]),
             mib(d.peak[MemoryCategory::Gradients]),
@@ -969,7 +973,8 @@ fn cmd_train_zero(
             mib(d.peak[MemoryCategory::Activations]),
             mib(d.peak[MemoryCategory::Workspace]),
             mib(d.peak_total),
-            mib(r.last_step_comm.sent_bytes())
+            mib(r.last_step_comm.sent_bytes()),
+            mib(host)
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -1407,6 +1412,12 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
         "| peak (the categories' peaks added) | | {:.1} |",
         mib(e.per_rank_peak())
     );
+    if e.host.total() > 0 {
+        say!(
+            "| on the host (ZeRO-Offload: optimizer shard and fp32 masters) | | {:.1} |",
+            mib(e.host.total())
+        );
+    }
     if let Some(b) = o.budget {
         say!(
             "budget {:.1} MiB per rank: {}",

@@ -15,7 +15,8 @@
 //! category, as the tracker counts them (`tests/zero_train.rs`); the workspace is the
 //! single-process workspace plus the part weight copies and a bound on the engine's own.
 //!
-//! Not modelled (a typed error): an offloaded or 8-bit optimizer (ZeRO-Offload's host shard).
+//! ZeRO-Offload (`--offload ram`) puts the optimizer shard (and fp32 masters) in `host` instead.
+//! Not modelled (a typed error): a file-backed or 8-bit optimizer.
 
 use headroom_offload::StatePrecision;
 use headroom_profiler::PerCategory;
@@ -24,7 +25,9 @@ use headroom_zero::{per_rank_bytes, BucketPlan, FlatLayout, PerRankBytes, Stage,
 
 use crate::estimate::estimate;
 use crate::model::{params, ModelConfig, Part, Precision};
-use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
+use crate::techniques::{
+    block_schedule, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
+};
 use crate::{Result, TrainError};
 
 /// One rank's predicted bytes.
@@ -41,6 +44,8 @@ pub struct ZeroEstimate {
     /// One rank's peak per category, as its tracker counts it: exact for parameters,
     /// gradients, optimizer state, activations and data; an upper bound for workspace.
     pub device: PerCategory<u64>,
+    /// One rank's host bytes: the optimizer shard (and fp32 masters) under ZeRO-Offload.
+    pub host: PerCategory<u64>,
 }
 
 impl ZeroEstimate {
@@ -74,16 +79,23 @@ pub fn zero_estimate(
     if ranks == 0 {
         return Err(TrainError::Input("--ranks must be at least 1".into()));
     }
-    if techniques.optimizer.placement != OptimizerPlacement::Resident
+    if matches!(techniques.optimizer.placement, OptimizerPlacement::File(_))
         || techniques.optimizer.state != StatePrecision::F32
     {
         return Err(TrainError::Input(
-            "the ZeRO estimate models f32 AdamW on the device; an offloaded or 8-bit \
-             optimizer under ZeRO is not modelled"
+            "the ZeRO estimate models f32 AdamW on the device or in host RAM; a file-backed \
+             or 8-bit optimizer under ZeRO is not modelled"
                 .into(),
         ));
     }
-    let single = estimate(cfg, seq, micro, batch, techniques)?;
+    let offload = techniques.optimizer.placement == OptimizerPlacement::HostRam;
+    // A rank computes as a single process with its optimizer beside it would (the driver
+    // never stages gradients through the host); only where the state lives differs.
+    let single = {
+        let mut t = techniques.clone();
+        t.optimizer = OptimizerChoice::resident();
+        estimate(cfg, seq, micro, batch, &t)?
+    };
     // fp16's working copies and gradients are as large as bf16's.
     let precision = match techniques.model.precision {
         Precision::Fp32 => headroom_zero::Precision::Fp32,
@@ -125,7 +137,12 @@ pub fn zero_estimate(
     let mut device = PerCategory::<u64>::default();
     device[MemoryCategory::Parameters] = state.parameters + replay.gathered_peak(&plan);
     device[MemoryCategory::Gradients] = state.gradients + replay.gradient_peak(&push_order, tied);
-    device[MemoryCategory::OptimizerState] = state.optimizer_state;
+    let mut host = PerCategory::<u64>::default();
+    if offload {
+        host[MemoryCategory::OptimizerState] = state.optimizer_state;
+    } else {
+        device[MemoryCategory::OptimizerState] = state.optimizer_state;
+    }
     device[MemoryCategory::Activations] = single.device[MemoryCategory::Activations];
     device[MemoryCategory::Data] = single.device[MemoryCategory::Data];
     let (backward, step) = replay.engine_workspace_bounds(precision);
@@ -139,6 +156,7 @@ pub fn zero_estimate(
         parameter_count: single.parameter_count,
         state,
         device,
+        host,
     })
 }
 

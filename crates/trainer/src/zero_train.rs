@@ -84,6 +84,9 @@ pub struct RankReport {
     pub comm: CommStats,
     /// What went through its collective in the last step alone.
     pub last_step_comm: CommStats,
+    /// Its host ledger: the optimizer shard (and fp32 masters) under ZeRO-Offload, else
+    /// empty.
+    pub host_memory: MemorySnapshot,
 }
 
 /// The outcome of a ZeRO run.
@@ -257,10 +260,10 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
     if tech.finetune.is_some() {
         return refuse("LoRA / QLoRA train adapters only; shard them with plain data parallelism");
     }
-    if tech.optimizer.placement != OptimizerPlacement::Resident
+    if matches!(tech.optimizer.placement, OptimizerPlacement::File(_))
         || tech.optimizer.state != StatePrecision::F32
     {
-        return refuse("each rank keeps its optimizer shard as f32 AdamW beside it (no offload or 8-bit state)");
+        return refuse("each rank keeps its optimizer shard as f32 AdamW, beside it or in host RAM (--offload ram); no file-backed or 8-bit state");
     }
     if tech.model.precision == Precision::Fp16 {
         return refuse("fp16 needs a loss scaler; use bf16");
@@ -276,7 +279,39 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
     if opts.merge_into.is_some() {
         return refuse("--merge-into needs adapters");
     }
+    if opts.memory_outputs.any() {
+        return refuse("memory traces and snapshots are per process, not per rank, and not wired to ZeRO runs yet");
+    }
     Ok(micro)
+}
+
+/// Refuse, before anything is allocated, a run whose `local` ranks (the ones this process
+/// runs) would need more than the machine's physical memory by the ZeRO estimate.
+fn check_machine_memory(
+    opts: &TrainOptions,
+    zero: &ZeroOptions,
+    micro: usize,
+    local: usize,
+) -> Result<()> {
+    if !opts.check_machine_memory {
+        return Ok(());
+    }
+    let e = crate::zero_estimate::zero_estimate(
+        &opts.model,
+        opts.seq,
+        micro,
+        opts.batch / zero.ranks,
+        &opts.techniques,
+        zero.stage,
+        zero.ranks,
+    )?;
+    let need = e.per_rank_peak().saturating_mul(local as u64);
+    if let Some(have) = crate::train::machine_memory_bytes() {
+        if need > have {
+            return Err(TrainError::MachineMemory { need, have });
+        }
+    }
+    Ok(())
 }
 
 /// Train under ZeRO on `zero.ranks` in-process ranks, calling `on_step` after every step
@@ -286,7 +321,8 @@ pub fn train_zero(
     zero: ZeroOptions,
     on_step: impl FnMut(&StepLog),
 ) -> Result<ZeroReport> {
-    check(opts, &zero)?;
+    let micro = check(opts, &zero)?;
+    check_machine_memory(opts, &zero, micro, zero.ranks)?;
     let comms = InProcessGroup::create(zero.ranks, zero.timeout)
         .map_err(|e| TrainError::Config(format!("ZeRO rank group: {e}")))?;
     drive(opts, zero, comms, on_step)
@@ -304,7 +340,8 @@ pub fn train_zero_dist<C: Collective + 'static>(
     on_step: impl FnMut(&StepLog),
 ) -> Result<ZeroReport> {
     zero.ranks = comm.world_size();
-    check(opts, &zero)?;
+    let micro = check(opts, &zero)?;
+    check_machine_memory(opts, &zero, micro, 1)?;
     drive(opts, zero, vec![comm], on_step)
 }
 
@@ -507,7 +544,13 @@ fn run_rank<C: Collective + 'static>(
         _ => headroom_zero::Precision::MixedBf16,
     });
     let sizes = part_sizes(cfg);
-    let engine = ZeroEngine::new(cpu.clone(), comm, &sizes, zcfg).map_err(zero_err)?;
+    let mut engine = ZeroEngine::new(cpu.clone(), comm, &sizes, zcfg).map_err(zero_err)?;
+    // ZeRO-Offload: the optimizer shard (and bf16 runs' fp32 masters) on the host's ledger.
+    let host_tracker = Arc::new(MemoryTracker::new());
+    if opts.techniques.optimizer.placement == OptimizerPlacement::HostRam {
+        let host = Cpu::new().with_alloc_hook(host_tracker.clone());
+        engine.offload_state(host).map_err(zero_err)?;
+    }
     let store = EngineStore {
         engine: RefCell::new(engine),
         cpu: cpu.clone(),
@@ -664,6 +707,7 @@ fn run_rank<C: Collective + 'static>(
             memory: tracker.snapshot(),
             comm,
             last_step_comm: comm.since(&before_last),
+            host_memory: host_tracker.snapshot(),
         },
         parameters,
     })

@@ -593,6 +593,24 @@ fn zero_ranks_train_save_resume_elsewhere_and_consolidate() {
     assert!(stderr(&o).contains("--batch"), "{}", stderr(&o));
     let o = with(&["--zero", "4", "--ranks", "2"]);
     assert!(!o.status.success());
+    // A run the machine cannot hold is refused before anything is allocated; per-process
+    // memory reports are refused rather than silently skipped.
+    let o = with(&[
+        "--zero", "3", "--ranks", "2", "--model", "small", "--layers", "3000",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("the machine has"), "{}", stderr(&o));
+    let trace = dir.path().join("trace.json");
+    let o = with(&[
+        "--zero",
+        "1",
+        "--ranks",
+        "2",
+        "--memory-trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--zero"), "{}", stderr(&o));
     // `--dist mpi` needs the MPI build of the command, and says so.
     let o = with(&["--zero", "3", "--dist", "mpi"]);
     assert!(!o.status.success());

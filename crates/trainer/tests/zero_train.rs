@@ -695,3 +695,49 @@ fn the_zero_ladder_measures_each_rung_against_the_estimator() {
     assert!(!tight[0].fits);
     assert!(tight[0].peak_total > 4096);
 }
+
+/// ZeRO-Offload: `--offload ram` keeps each rank's optimizer shard (and bf16's fp32 masters)
+/// on its host ledger — the same bytes, none of them on the rank's device — with the same
+/// bits as the resident run, and the estimator puts them there too.
+#[test]
+fn zero_offload_moves_the_optimizer_shard_to_the_host() {
+    use headroom_tensor::{Device, MemoryCategory as C};
+    use headroom_trainer::techniques::OptimizerPlacement;
+    use headroom_trainer::zero_estimate::zero_estimate;
+    for precision in [Precision::Fp32, Precision::Bf16] {
+        let mut o = options(Family::Gpt2, 2, 4);
+        o.techniques.model.precision = precision;
+        let mut off = o.clone();
+        off.techniques.optimizer.placement = OptimizerPlacement::HostRam;
+        for stage in [Stage::Zero1, Stage::Zero3] {
+            let mut z = ZeroOptions::new(stage, 2);
+            z.collect_parameters = true;
+            let resident = train_zero(&o, z, |_| {}).unwrap();
+            let offloaded = train_zero(&off, z, |_| {}).unwrap();
+            assert!(
+                resident.parameters == offloaded.parameters,
+                "{precision:?} {stage}"
+            );
+            let e = zero_estimate(
+                &off.model,
+                SEQ,
+                MICRO,
+                off.batch / 2,
+                &off.techniques,
+                stage,
+                2,
+            )
+            .unwrap();
+            for (r, f) in resident.ranks.iter().zip(&offloaded.ranks) {
+                let dr = r.memory.device(Device::Cpu).unwrap();
+                let df = f.memory.device(Device::Cpu).unwrap();
+                let host = f.host_memory.device(Device::Cpu).unwrap();
+                assert_eq!(df.live[C::OptimizerState], 0);
+                assert_eq!(host.live[C::OptimizerState], dr.live[C::OptimizerState]);
+                assert_eq!(host.peak[C::OptimizerState], e.host[C::OptimizerState]);
+                assert_eq!(e.device[C::OptimizerState], 0);
+                assert!(df.peak_total < dr.peak_total);
+            }
+        }
+    }
+}

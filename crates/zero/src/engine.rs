@@ -166,6 +166,9 @@ struct Pending {
 #[derive(Debug)]
 pub struct ZeroEngine {
     cpu: Cpu,
+    /// Where the optimizer state (and, in mixed precision, the fp32 masters) live: `cpu`, or
+    /// a host backend of their own after [`ZeroEngine::offload_state`] (ZeRO-Offload).
+    state_cpu: Cpu,
     comm: CommThread,
     config: ZeroConfig,
     rank: usize,
@@ -461,6 +464,7 @@ impl ZeroEngine {
         let n_layers = infos.len();
         let n_buckets = plan.buckets().len();
         Ok(ZeroEngine {
+            state_cpu: cpu.clone(),
             cpu,
             comm: CommThread::spawn(comm)?,
             config,
@@ -902,7 +906,7 @@ impl ZeroEngine {
                         what: "optimizer state",
                     })?;
                 self.opt_state = Some(alloc(
-                    &self.cpu,
+                    &self.state_cpu,
                     MemoryCategory::OptimizerState,
                     len,
                     DType::F32,
@@ -1202,6 +1206,31 @@ impl ZeroEngine {
             .collect())
     }
 
+    /// ZeRO-Offload: keep this rank's optimizer state — and, in mixed precision, its fp32
+    /// masters — on `host` (another backend, whose allocation hook is the host's ledger)
+    /// instead of the engine's backend. What is already there moves over, values kept; the
+    /// optimizer runs on the host, where the state is. Local.
+    pub fn offload_state(&mut self, host: Cpu) -> Result<()> {
+        let mv = |t: &mut Option<CpuTensor>| -> Result<()> {
+            if let Some(old) = t.take() {
+                let mut new = alloc(
+                    &host,
+                    MemoryCategory::OptimizerState,
+                    old.numel(),
+                    DType::F32,
+                )?;
+                new.as_mut_slice::<f32>()?
+                    .copy_from_slice(old.as_slice::<f32>()?);
+                *t = Some(new);
+            }
+            Ok(())
+        };
+        mv(&mut self.masters)?;
+        mv(&mut self.opt_state)?;
+        self.state_cpu = host;
+        Ok(())
+    }
+
     /// Wait until every rank has called this (after the collectives submitted before it).
     pub fn barrier(&mut self) -> Result<()> {
         Ok(self.comm.run(|c| c.barrier())??)
@@ -1299,7 +1328,7 @@ impl ZeroEngine {
                         what: "optimizer state",
                     })?;
                 self.opt_state = Some(alloc(
-                    &self.cpu,
+                    &self.state_cpu,
                     MemoryCategory::OptimizerState,
                     len,
                     DType::F32,
