@@ -924,15 +924,18 @@ fn cmd_train_zero(
             let line = serde_json::json!({
                 "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                 "seconds": s.seconds, "tokens_per_s": s.tokens_per_s,
-                "live_bytes": s.live_bytes, "peak_bytes": s.peak_bytes,
+                "live_bytes": s.live_bytes, "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
             });
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
                 metrics_err.get_or_insert(e);
             }
         }
         if speak {
+            let val = s
+                .val_loss
+                .map_or(String::new(), |v| format!("  val {v:.4}"));
             say!(
-                "step {:>5}  loss {:.4}  {:>6.0} tok/s  largest rank: live {:.1} MiB  peak {:.1} MiB",
+                "step {:>5}  loss {:.4}{val}  {:>6.0} tok/s  largest rank: live {:.1} MiB  peak {:.1} MiB",
                 s.step,
                 s.loss,
                 s.tokens_per_s,

@@ -631,6 +631,35 @@ fn refuse_text(path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// The fixed validation set of a run (`--val-data`): `batches` batches of the run's shape from
+/// a constant seed, read once (host vectors, outside the device ledger: a few KiB to MiB of
+/// token ids); empty without validation.
+pub(crate) fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+    let Some(e) = &opts.eval else {
+        return Ok(Vec::new());
+    };
+    refuse_text(&e.data)?;
+    let ds = Arc::new(headroom_mmap_data::open(&e.data, &Default::default())?);
+    let sampler = SamplerConfig {
+        mode: SamplingMode::EpochWindows,
+        seq_len: opts.seq as u64,
+        seed: VALIDATION_SEED,
+        shard: Shard::SINGLE,
+    };
+    let mut cfg = LoaderConfig::new(opts.batch);
+    cfg.output = OutputType::U32;
+    let mut val = Loader::new(ds, sampler, cfg, None)?;
+    (0..e.batches)
+        .map(|_| {
+            let b = val.next_batch()?;
+            let x = b.inputs_u32().map(<[u32]>::to_vec);
+            let y = b.targets_u32().map(<[u32]>::to_vec);
+            x.zip(y)
+                .ok_or_else(|| TrainError::Input("validation loader gave no u32".into()))
+        })
+        .collect()
+}
+
 /// The token dataset a run trains on (a token file, or the synthetic source generated in
 /// memory), with the synthetic source's entropy rate.
 pub fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
@@ -1148,33 +1177,7 @@ fn train_tracked(
         }
     };
 
-    // The fixed validation set: `batches` batches of the run's shape from a constant seed,
-    // read once (host vectors, outside the device ledger: a few KiB to MiB of token ids).
-    let val_batches: Vec<(Vec<u32>, Vec<u32>)> = match &opts.eval {
-        None => Vec::new(),
-        Some(e) => {
-            refuse_text(&e.data)?;
-            let ds = Arc::new(headroom_mmap_data::open(&e.data, &Default::default())?);
-            let sampler = SamplerConfig {
-                mode: SamplingMode::EpochWindows,
-                seq_len: opts.seq as u64,
-                seed: VALIDATION_SEED,
-                shard: Shard::SINGLE,
-            };
-            let mut cfg = LoaderConfig::new(opts.batch);
-            cfg.output = OutputType::U32;
-            let mut val = Loader::new(ds, sampler, cfg, None)?;
-            (0..e.batches)
-                .map(|_| {
-                    let b = val.next_batch()?;
-                    let x = b.inputs_u32().map(<[u32]>::to_vec);
-                    let y = b.targets_u32().map(<[u32]>::to_vec);
-                    x.zip(y)
-                        .ok_or_else(|| TrainError::Input("validation loader gave no u32".into()))
-                })
-                .collect::<Result<_>>()?
-        }
-    };
+    let val_batches = validation_batches(opts)?;
 
     // fp32 masters: on the host when offloading a low-precision run (the device keeps only the
     // working copy); otherwise they are the device's weights. On CUDA they start on the host:

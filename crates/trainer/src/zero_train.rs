@@ -106,6 +106,7 @@ pub struct ZeroReport {
 
 /// What a rank reports after each step.
 struct RankStep {
+    val_loss: Option<f32>,
     step: usize,
     loss_sum: f64,
     block_forwards: usize,
@@ -128,6 +129,8 @@ struct Shared<'a> {
     micro: usize,
     /// Where a resumed run starts: every tensor whole, each rank keeps its shard.
     resume: Option<ZeroCheckpoint>,
+    /// The fixed validation batches (`--val-data`), global batch size each.
+    val: Vec<(Vec<u32>, Vec<u32>)>,
 }
 
 /// The state a resume starts from, checked against the run: a ZeRO checkpoint of any stage and
@@ -273,9 +276,6 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
             "the optimal schedule needs an explicit activation budget (--checkpoint optimal:MiB)",
         );
     }
-    if opts.eval.is_some() {
-        return refuse("validation during a ZeRO run is not wired yet (evaluate a consolidated checkpoint with `headroom eval`)");
-    }
     if opts.merge_into.is_some() {
         return refuse("--merge-into needs adapters");
     }
@@ -411,6 +411,7 @@ fn drive<C: Collective + 'static>(
         groups,
         micro,
         resume,
+        val: crate::train::validation_batches(opts)?,
     };
     let local = comms.len();
     let (tx, rx) = mpsc::channel::<RankStep>();
@@ -453,7 +454,7 @@ fn drive<C: Collective + 'static>(
                     tokens_per_s: tokens_per_step as f64 / seconds,
                     live_bytes: done.iter().map(|r| r.live).max().unwrap_or(0),
                     peak_bytes: done.iter().map(|r| r.peak).max().unwrap_or(0),
-                    val_loss: None,
+                    val_loss: first.val_loss,
                 };
                 on_step(&log);
                 logs.push(log);
@@ -664,7 +665,14 @@ fn run_rank<C: Collective + 'static>(
             .map_err(zero_err)?
             .iter()
             .sum();
+        let val_loss = match &opts.eval {
+            Some(e) if (e.every > 0 && (step + 1) % e.every == 0) || step + 1 == end => Some(
+                validation_loss(&model, &store, &shared.val, micro, opts.seq)?,
+            ),
+            _ => None,
+        };
         let report = RankStep {
+            val_loss,
             step,
             loss_sum,
             block_forwards,
@@ -725,6 +733,30 @@ struct EngineStore<'a> {
     plan: Vec<usize>,
     /// Where in `plan` the next request should be (`usize::MAX` once off the plan).
     cursor: Cell<usize>,
+}
+
+/// The mean loss over the validation batches, `micro` sequences at a time, forward only with
+/// the engine's weights. Every rank evaluates every chunk (stage 3's gathers need every rank
+/// in every one), so every rank reports the same value.
+fn validation_loss(
+    model: &Model,
+    store: &EngineStore<'_>,
+    batches: &[(Vec<u32>, Vec<u32>)],
+    micro: usize,
+    seq: usize,
+) -> Result<f32> {
+    let rows = micro * seq;
+    let g = Geometry { b: micro, t: seq };
+    let (mut sum, mut chunks) = (0.0f64, 0usize);
+    for (tokens, targets) in batches {
+        for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+            let l = model.loss_parts(store, tok, tgt, g);
+            store.release_all()?;
+            sum += l? as f64;
+            chunks += 1;
+        }
+    }
+    Ok((sum / chunks.max(1) as f64) as f32)
 }
 
 /// Every rank: its shard into one partial directory, then rank 0 publishes it.
