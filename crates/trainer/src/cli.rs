@@ -875,6 +875,7 @@ fn cmd_train_zero(
     dist: Dist,
     metrics: Option<&Path>,
     hooks: &CliHooks<'_>,
+    signal: &AtomicUsize,
 ) -> CliResult<ExitCode> {
     use crate::zero_train::{train_zero, train_zero_dist, ZeroOptions};
     let stage = headroom_zero::Stage::from_index(stage).map_err(|e| e.to_string())?;
@@ -950,6 +951,21 @@ fn cmd_train_zero(
     };
     if let Some(e) = metrics_err {
         return Err(format!("writing metrics: {e}").into());
+    }
+    if report.stopped {
+        let done = report.steps.last().map_or(0, |s| s.step + 1);
+        let sig = signal.load(Ordering::SeqCst);
+        if speak {
+            esay!(
+                "stopped by signal {sig} after step {done}; {}",
+                if o.save.is_some() {
+                    "every rank's shard saved"
+                } else {
+                    "no checkpoint (no --checkpoint-dir)"
+                }
+            );
+        }
+        return Ok(ExitCode::from(u8::try_from(128 + sig).unwrap_or(1)));
     }
     if !speak {
         return Ok(ExitCode::SUCCESS);
@@ -1032,6 +1048,8 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
     };
     o.validate()?;
     if let Some(stage) = args.zero {
+        let signal = install_signal_handlers()?;
+        o.stop = Some(STOP.clone());
         return cmd_train_zero(
             &o,
             stage,
@@ -1039,6 +1057,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
             args.dist,
             args.metrics.as_deref(),
             hooks,
+            &signal,
         );
     }
     let signal = install_signal_handlers()?;

@@ -102,6 +102,9 @@ pub struct ZeroReport {
     /// With [`ZeroOptions::collect_parameters`]: every parameter of record (the fp32 masters
     /// in mixed precision), in [`params::param_infos`] order.
     pub parameters: Option<Vec<Vec<f32>>>,
+    /// True when the run ended early because [`TrainOptions::stop`] was set (after saving a
+    /// checkpoint, when it has a root).
+    pub stopped: bool,
 }
 
 /// What a rank reports after each step.
@@ -464,10 +467,12 @@ fn drive<C: Collective + 'static>(
     });
     let mut ranks = Vec::with_capacity(local);
     let mut parameters = None;
+    let mut stopped = false;
     let mut errors = Vec::new();
     for (rank, outcome) in outcomes.into_iter().enumerate() {
         match outcome {
             Ok(Ok(o)) => {
+                stopped |= o.stopped;
                 if parameters.is_none() {
                     parameters = o.parameters;
                 }
@@ -497,6 +502,7 @@ fn drive<C: Collective + 'static>(
         ranks,
         schedule,
         parameters,
+        stopped,
     })
 }
 
@@ -515,6 +521,7 @@ fn is_comm_timeout(e: &TrainError) -> bool {
 }
 
 struct RankOutcome {
+    stopped: bool,
     report: RankReport,
     parameters: Option<Vec<Vec<f32>>>,
 }
@@ -619,6 +626,7 @@ fn run_rank<C: Collective + 'static>(
     let dloss = (1.0 / (opts.batch * opts.seq) as f64) as f32;
     let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
     let mut before_last = counters.snapshot();
+    let mut stopped = false;
     for step in start..end {
         let t0 = Instant::now();
         before_last = counters.snapshot();
@@ -683,11 +691,34 @@ fn run_rank<C: Collective + 'static>(
         };
         // The receiver only goes away when the caller is gone.
         let _ = tx.send(report);
+        // A stop request (SIGINT/SIGTERM) seen by any rank stops every rank after the same
+        // step: they agree through a collective, so none waits for a peer that stopped.
+        let stop = match &opts.stop {
+            Some(flag) => {
+                let mine = if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                    1.0
+                } else {
+                    0.0
+                };
+                store
+                    .engine
+                    .borrow_mut()
+                    .gather_scalars(mine)
+                    .map_err(zero_err)?
+                    .iter()
+                    .any(|&x| x > 0.0)
+            }
+            None => false,
+        };
         if let Some((root, every)) = &opts.save {
             let done = step + 1;
-            if (*every > 0 && done % every == 0) || done == opts.steps {
+            if (*every > 0 && done % every == 0) || done == opts.steps || stop {
                 save(&store, shared, root, done, rank, world)?;
             }
+        }
+        if stop {
+            stopped = true;
+            break;
         }
     }
     let parameters = if shared.zero.collect_parameters {
@@ -710,6 +741,7 @@ fn run_rank<C: Collective + 'static>(
     };
     let comm = counters.snapshot();
     Ok(RankOutcome {
+        stopped,
         report: RankReport {
             rank,
             memory: tracker.snapshot(),

@@ -421,6 +421,56 @@ fn a_signal_saves_a_checkpoint_and_exits_cleanly() {
     assert!(saved.state.step >= 3, "step {}", saved.state.step);
 }
 
+/// Under `--zero`, SIGTERM stops every rank after the same step, each saves its shard, and
+/// the run resumes (here on another rank count).
+#[test]
+fn a_signal_under_zero_saves_every_ranks_shard() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args([
+            "train",
+            "--zero",
+            "3",
+            "--ranks",
+            "2",
+            "--steps",
+            "100000",
+            "--batch",
+            "4",
+            "--checkpoint-every",
+            "0",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(&ck)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("step     2") {
+            break;
+        }
+    }
+    let st = Command::new("sh")
+        .arg("-c")
+        .arg(format!("kill -TERM {}", child.id()))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let drain = std::thread::spawn(move || lines.count());
+    let out = child.wait_with_output().unwrap();
+    drain.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + 15), "{err}");
+    assert!(err.contains("stopped by signal 15"), "{err}");
+    let saved = headroom_trainer::zero_checkpoint::load(&ck).unwrap();
+    assert!(saved.state.step >= 3, "step {}", saved.state.step);
+    assert_eq!(saved.state.ranks, 2);
+}
+
 /// `--data` on a text file is refused with a pointer to `headroom data build`, never trained
 /// on as if its bytes were token ids.
 #[test]
