@@ -585,6 +585,21 @@ fn parse_step_dir(name: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
+/// A fresh run refuses a root that already holds checkpoints: its saves would interleave with
+/// another run's (resume that run instead).
+pub(crate) fn refuse_used_root(root: &Path) -> Result<()> {
+    if let Some((step, _)) = list(root)?.pop() {
+        return Err(TrainError::Checkpoint {
+            path: root.to_path_buf(),
+            reason: format!(
+                "already holds checkpoints of a run (newest: step {step}); resume it (--resume) \
+                 or save into an empty directory"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The published checkpoints under `root`, oldest first, as (step, directory).
 pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let mut out = Vec::new();

@@ -1150,15 +1150,7 @@ fn train_tracked(
         }
         None => {
             if let Some((root, _)) = &opts.save {
-                if let Some((step, _)) = checkpoint::list(root)?.pop() {
-                    return Err(TrainError::Checkpoint {
-                        path: root.clone(),
-                        reason: format!(
-                            "already holds checkpoints of a run (newest: step {step}); resume \
-                             it (--resume) or save into an empty directory"
-                        ),
-                    });
-                }
+                checkpoint::refuse_used_root(root)?;
             }
             None
         }

@@ -392,15 +392,7 @@ fn drive<C: Collective + 'static>(
         Some(path) => Some(resume_point(opts, path, dataset.fingerprint())?),
         None => {
             if let Some((root, _)) = &opts.save {
-                if let Some((step, _)) = crate::checkpoint::list(root)?.pop() {
-                    return Err(TrainError::Checkpoint {
-                        path: root.clone(),
-                        reason: format!(
-                            "already holds checkpoints of a run (newest: step {step}); resume \
-                             it (--resume) or save into an empty directory"
-                        ),
-                    });
-                }
+                crate::checkpoint::refuse_used_root(root)?;
             }
             None
         }

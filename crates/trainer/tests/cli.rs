@@ -374,25 +374,14 @@ fn max_batch_confirms_the_boundary_by_measuring() {
     assert!(stderr(&o).contains("no batch fits"), "{}", stderr(&o));
 }
 
-/// SIGTERM (as SIGINT) saves a checkpoint of the last finished step and exits with 128 + 15;
-/// the checkpoint resumes.
-#[test]
-fn a_signal_saves_a_checkpoint_and_exits_cleanly() {
+/// Start `headroom train ARGS --checkpoint-dir CK`, wait until step 2 is logged, send SIGTERM
+/// and return the finished process's output (stdout drained meanwhile).
+fn sigterm_after_step_2(args: &[&str], ck: &std::path::Path) -> Output {
     use std::io::{BufRead, BufReader};
-    let dir = tempfile::tempdir().unwrap();
-    let ck = dir.path().join("ck");
     let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
-        .args([
-            "train",
-            "--steps",
-            "100000",
-            "--batch",
-            "2",
-            "--checkpoint-every",
-            "0",
-        ])
+        .args(args)
         .arg("--checkpoint-dir")
-        .arg(&ck)
+        .arg(ck)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -414,6 +403,27 @@ fn a_signal_saves_a_checkpoint_and_exits_cleanly() {
     let drain = std::thread::spawn(move || lines.count());
     let out = child.wait_with_output().unwrap();
     drain.join().unwrap();
+    out
+}
+
+/// SIGTERM (as SIGINT) saves a checkpoint of the last finished step and exits with 128 + 15;
+/// the checkpoint resumes.
+#[test]
+fn a_signal_saves_a_checkpoint_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let out = sigterm_after_step_2(
+        &[
+            "train",
+            "--steps",
+            "100000",
+            "--batch",
+            "2",
+            "--checkpoint-every",
+            "0",
+        ],
+        &ck,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(128 + 15), "{err}");
     assert!(err.contains("stopped by signal 15"), "{err}");
@@ -425,11 +435,10 @@ fn a_signal_saves_a_checkpoint_and_exits_cleanly() {
 /// the run resumes (here on another rank count).
 #[test]
 fn a_signal_under_zero_saves_every_ranks_shard() {
-    use std::io::{BufRead, BufReader};
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ck");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
-        .args([
+    let out = sigterm_after_step_2(
+        &[
             "train",
             "--zero",
             "3",
@@ -441,28 +450,9 @@ fn a_signal_under_zero_saves_every_ranks_shard() {
             "4",
             "--checkpoint-every",
             "0",
-        ])
-        .arg("--checkpoint-dir")
-        .arg(&ck)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    for line in lines.by_ref() {
-        if line.unwrap().starts_with("step     2") {
-            break;
-        }
-    }
-    let st = Command::new("sh")
-        .arg("-c")
-        .arg(format!("kill -TERM {}", child.id()))
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let drain = std::thread::spawn(move || lines.count());
-    let out = child.wait_with_output().unwrap();
-    drain.join().unwrap();
+        ],
+        &ck,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(128 + 15), "{err}");
     assert!(err.contains("stopped by signal 15"), "{err}");

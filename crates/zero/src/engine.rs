@@ -893,27 +893,7 @@ impl ZeroEngine {
             return Err(ZeroError::NoGradients);
         }
         let spp = opt.state_per_param();
-        match self.state_per_param {
-            Some(was) if was != spp => {
-                return Err(ZeroError::OptimizerStateChanged { was, now: spp });
-            }
-            Some(_) => {}
-            None => {
-                let len = self
-                    .shard_total
-                    .checked_mul(spp)
-                    .ok_or(ZeroError::SizeOverflow {
-                        what: "optimizer state",
-                    })?;
-                self.opt_state = Some(alloc(
-                    &self.state_cpu,
-                    MemoryCategory::OptimizerState,
-                    len,
-                    DType::F32,
-                )?);
-                self.state_per_param = Some(spp);
-            }
-        }
+        self.ensure_state(spp)?;
 
         let mut reduced = self.reduce_gradients()?;
         let report = match max_norm {
@@ -1288,6 +1268,31 @@ impl ZeroEngine {
         Ok(out)
     }
 
+    /// Allocate the optimizer state for `k` values per parameter (zeroed) the first time;
+    /// after that, `k` must not change.
+    fn ensure_state(&mut self, k: usize) -> Result<()> {
+        match self.state_per_param {
+            Some(was) if was != k => Err(ZeroError::OptimizerStateChanged { was, now: k }),
+            Some(_) => Ok(()),
+            None => {
+                let len = self
+                    .shard_total
+                    .checked_mul(k)
+                    .ok_or(ZeroError::SizeOverflow {
+                        what: "optimizer state",
+                    })?;
+                self.opt_state = Some(alloc(
+                    &self.state_cpu,
+                    MemoryCategory::OptimizerState,
+                    len,
+                    DType::F32,
+                )?);
+                self.state_per_param = Some(k);
+                Ok(())
+            }
+        }
+    }
+
     /// Set layer `l`'s optimizer state from its full per-tensor values: `state[t]` holds
     /// tensor `t`'s `k` planes (`state[t][j·n + i]`, value `j` of element `i` of a tensor of
     /// `n` elements) for an optimizer of `k` values per parameter. Every rank passes the same
@@ -1315,27 +1320,7 @@ impl ZeroEngine {
                 });
             }
         }
-        match self.state_per_param {
-            Some(was) if was != k => {
-                return Err(ZeroError::OptimizerStateChanged { was, now: k });
-            }
-            Some(_) => {}
-            None => {
-                let len = self
-                    .shard_total
-                    .checked_mul(k)
-                    .ok_or(ZeroError::SizeOverflow {
-                        what: "optimizer state",
-                    })?;
-                self.opt_state = Some(alloc(
-                    &self.state_cpu,
-                    MemoryCategory::OptimizerState,
-                    len,
-                    DType::F32,
-                )?);
-                self.state_per_param = Some(k);
-            }
-        }
+        self.ensure_state(k)?;
         let info = &self.layers[l];
         let dst = f32_field_mut(&mut self.opt_state)?;
         for p in &info.own_pieces {

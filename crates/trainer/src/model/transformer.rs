@@ -916,21 +916,9 @@ impl<B: ModelOps> Model<B> {
         let out = chain.step(&self.backend, schedule, &x, |y| {
             let _l = label_absolute("head");
             (|| {
-                let hw = store.weights(Part::Head)?;
-                let tied_w = if tied {
-                    Some(store.weights(Part::Embeddings)?)
-                } else {
-                    None
-                };
+                let (hw, tied_w) = self.head_parts(store)?;
+                let weights = self.head_weights_of(&hw, tied_w.as_deref());
                 let nf = params::final_norm_count(&self.cfg);
-                let weights = HeadWeights {
-                    head: match &tied_w {
-                        Some(ew) => &ew[0],
-                        None => &hw[nf],
-                    },
-                    norm_w: &hw[0],
-                    norm_b: hw[..nf].get(1),
-                };
                 let mut hg = store.grad_buffers(Part::Head)?;
                 let eg = if tied {
                     Some(emb_grads.insert(store.grad_buffers(Part::Embeddings)?))
@@ -984,22 +972,47 @@ impl<B: ModelOps> Model<B> {
             let w = store.weights(Part::Block(l))?;
             x = self.block_forward_with(l, &w, &x, g, false)?.0;
         }
-        let hw = store.weights(Part::Head)?;
-        let tied_w = if params::head_index(&self.cfg) == WTE {
+        let (hw, tied_w) = self.head_parts(store)?;
+        self.head_loss(
+            &x,
+            targets,
+            g,
+            &self.head_weights_of(&hw, tied_w.as_deref()),
+        )
+    }
+
+    /// The head part's weights from `store`, and the embeddings' when the head is tied to
+    /// the token embedding.
+    #[allow(clippy::type_complexity)]
+    fn head_parts(
+        &self,
+        store: &dyn PartStore<B>,
+    ) -> Result<(Vec<B::Tensor>, Option<Vec<B::Tensor>>)> {
+        let head = store.weights(Part::Head)?;
+        let tied = if params::head_index(&self.cfg) == WTE {
             Some(store.weights(Part::Embeddings)?)
         } else {
             None
         };
+        Ok((head, tied))
+    }
+
+    /// What the head reads, from [`Model::head_parts`]'s tensors: the final norm's (first in
+    /// the head part), and the head weight (last in it, or the tied token embedding).
+    fn head_weights_of<'a>(
+        &self,
+        head: &'a [B::Tensor],
+        tied: Option<&'a [B::Tensor]>,
+    ) -> HeadWeights<'a, B::Tensor> {
         let nf = params::final_norm_count(&self.cfg);
-        let weights = HeadWeights {
-            head: match &tied_w {
+        HeadWeights {
+            head: match tied {
                 Some(ew) => &ew[0],
-                None => &hw[nf],
+                None => &head[nf],
             },
-            norm_w: &hw[0],
-            norm_b: hw[..nf].get(1),
-        };
-        self.head_loss(&x, targets, g, &weights)
+            norm_w: &head[0],
+            norm_b: head[..nf].get(1),
+        }
     }
 }
 
