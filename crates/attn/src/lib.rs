@@ -66,6 +66,7 @@ pub use config::{
     Algorithm, AttentionConfig, DEFAULT_CHUNK_SIZE, DEFAULT_FLASH_BLOCK_K, DEFAULT_FLASH_BLOCK_Q,
     MAX_HEAD_DIM,
 };
+pub use cpu::cpu_backward_scratch_bytes;
 #[cfg(feature = "cuda")]
 pub use cuda::load_attention_kernels;
 pub use dims::AttentionDims;

@@ -203,3 +203,91 @@ impl DTypeSize for headroom_tensor::CpuTensor {
         self.dtype().size_in_bytes()
     }
 }
+
+mod predicted_backward_workspace {
+    use super::*;
+    use headroom_attn::{cpu_backward_scratch_bytes, Algorithm, AttentionDims};
+    use proptest::prelude::*;
+
+    /// The backward's `Workspace` peak on `threads` threads, f32 inputs (no conversion copies),
+    /// the gradients in the caller's category.
+    fn backward_workspace(
+        config: AttentionConfig,
+        dims: [usize; 6],
+        threads: usize,
+    ) -> (usize, AttentionDims) {
+        let [b, hq, hkv, nq, nk, hd] = dims;
+        let hook = Arc::new(Peaks::default());
+        let cpu = Cpu::with_threads(threads)
+            .unwrap()
+            .with_alloc_hook(hook.clone());
+        let fill = |len: usize| {
+            (0..len)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect::<Vec<_>>()
+        };
+        let (q, k, v, d_out) = {
+            let _data = MemoryCategory::Data.enter();
+            (
+                cpu.upload(&fill(b * hq * nq * hd), [b, hq, nq, hd])
+                    .unwrap(),
+                cpu.upload(&fill(b * hkv * nk * hd), [b, hkv, nk, hd])
+                    .unwrap(),
+                cpu.upload(&fill(b * hkv * nk * hd), [b, hkv, nk, hd])
+                    .unwrap(),
+                cpu.upload(&fill(b * hq * nq * hd), [b, hq, nq, hd])
+                    .unwrap(),
+            )
+        };
+        let fwd = cpu.attention_forward(&q, &k, &v, &config).unwrap();
+        {
+            // Only the backward's own peak.
+            let mut s = hook.state.lock().unwrap();
+            let live = s.live.get(&MemoryCategory::Workspace).copied().unwrap_or(0);
+            s.peak.insert(MemoryCategory::Workspace, live);
+        }
+        let _grads = cpu.attention_backward(&q, &k, &v, &fwd, &d_out).unwrap();
+        let peak = hook.state.lock().unwrap().peak[&MemoryCategory::Workspace];
+        (peak, fwd.dims)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// `cpu_backward_scratch_bytes` is the tracker's workspace peak of a backward, byte for
+        /// byte: any algorithm, tile size, grouping, causality, segment count and thread count.
+        #[test]
+        fn the_prediction_is_the_measured_peak(
+            b in 1usize..3,
+            kv in 1usize..3,
+            group in prop::sample::select(vec![1usize, 2, 3]),
+            nq in 1usize..90,
+            kv_extra in 0usize..20,
+            hd in 1usize..20,
+            algo in 0u8..3,
+            tile in 1usize..40,
+            tile_k in 1usize..40,
+            causal in any::<bool>(),
+            segments in prop::option::of(1usize..5),
+            threads in 1usize..4,
+        ) {
+            let algorithm = match algo {
+                0 => Algorithm::Naive,
+                1 => Algorithm::Chunked { chunk_size: tile },
+                _ => Algorithm::Flash { block_q: tile, block_k: tile_k },
+            };
+            // At least as many keys as queries (causal masks are bottom-right aligned).
+            let nk = nq + kv_extra;
+            let mut config = AttentionConfig::with_algorithm(algorithm).causal(causal);
+            if let Some(s) = segments {
+                config = config.backward_segments(s);
+            }
+            let (measured, dims) =
+                backward_workspace(config, [b, kv * group, kv, nq, nk, hd], threads);
+            prop_assert_eq!(
+                measured as u64,
+                cpu_backward_scratch_bytes(&dims, &config, threads),
+                "{:?}", dims
+            );
+        }
+    }
+}

@@ -272,7 +272,28 @@ pub fn estimate(
         head_rows * v * 4
     };
     let head_ws = btc * 4 + logits_ws + views_head;
-    let naive_ws = probs;
+    // The attention backward's own workspace: naive's probability gradient, or chunked's and
+    // flash's dK/dV partials and per-task scratch (headroom-attn's prediction, exact for its
+    // CPU kernels).
+    let threads = headroom_tensor::Cpu::new().num_threads();
+    let attn_dims = headroom_attn::AttentionDims {
+        batch: micro,
+        q_heads: cfg.heads,
+        kv_heads: cfg.kv_heads(),
+        q_len: seq,
+        kv_len: seq,
+        head_dim: cfg.head_dim(),
+        dtype: if low {
+            headroom_tensor::DType::BF16
+        } else {
+            headroom_tensor::DType::F32
+        },
+    };
+    let attn_ws = headroom_attn::cpu_backward_scratch_bytes(
+        &attn_dims,
+        &tech.model.attention.causal(true),
+        threads,
+    );
     // Blocks differ only in which linears have adapters (targets may name layers): the
     // largest over the distinct sets.
     let no_adapters = [Vec::new()];
@@ -287,12 +308,12 @@ pub fn estimate(
                 low,
                 finetune: finetune.as_ref(),
                 adapted,
-                threads: headroom_tensor::Cpu::new().num_threads(),
+                threads,
             };
             if llama {
-                llama_block_workspace(cfg, bt, low, naive_ws, &lin)
+                llama_block_workspace(cfg, bt, low, attn_ws, &lin)
             } else {
-                gpt2_block_workspace(cfg, bt, low, naive_ws, &lin)
+                gpt2_block_workspace(cfg, bt, low, attn_ws, &lin)
             }
         })
         .max()
@@ -492,7 +513,7 @@ fn llama_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
     low: bool,
-    naive_ws: u64,
+    attn_ws: u64,
     lin: &LinearMoments<'_>,
 ) -> u64 {
     use params::llama_layer as o;
@@ -529,9 +550,9 @@ fn llama_block_workspace(
     // Naive attention's probability gradient, with dres2, dy and dq/dk/dv (and in low
     // precision the views of the attention output and q, k, v).
     let attention = if low {
-        (7 * btc + 4 * btk) * 4 + naive_ws
+        (7 * btc + 4 * btk) * 4 + attn_ws
     } else {
-        (4 * btc + 2 * btk) * 4 + naive_ws
+        (4 * btc + 2 * btk) * 4 + attn_ws
     };
     elems.max(attention)
 }
@@ -543,7 +564,7 @@ fn gpt2_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
     low: bool,
-    naive_ws: u64,
+    attn_ws: u64,
     lin: &LinearMoments<'_>,
 ) -> u64 {
     use params::layer as o;
@@ -570,7 +591,7 @@ fn gpt2_block_workspace(
     .max()
     .unwrap_or(0)
         * 4;
-    elems.max(attention * 4 + naive_ws)
+    elems.max(attention * 4 + attn_ws)
 }
 
 /// Bytes no estimate may reach (2⁶²): with every term below this bound, the plain `u64`

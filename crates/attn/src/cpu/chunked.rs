@@ -79,10 +79,16 @@ pub(crate) fn backward(
     grads: Grads<'_>,
 ) -> Result<()> {
     let seg_rows = parallel::segment_rows(&p.dims, chunk, config.backward_segments);
-    let scratch = 2 * chunk * p.dims.kv_len + chunk;
+    let scratch = backward_scratch_len(chunk, p.dims.kv_len);
     parallel::for_each_backward_segment(cpu, p, seg_rows, grads, scratch, |seg, scratch| {
         backward_segment(p, saved, chunk, seg, scratch)
     })
+}
+
+/// Elements of one backward task's scratch: a chunk's scores and their gradient over every key,
+/// and a value per row of the chunk.
+pub(crate) fn backward_scratch_len(chunk: usize, kv_len: usize) -> usize {
+    2 * chunk * kv_len + chunk
 }
 
 fn backward_segment(

@@ -121,10 +121,16 @@ pub(crate) fn backward(
     grads: Grads<'_>,
 ) -> Result<()> {
     let seg_rows = parallel::segment_rows(&p.dims, block_q, config.backward_segments);
-    let scratch = 2 * block_q * block_k + seg_rows;
+    let scratch = backward_scratch_len(block_q, block_k, seg_rows);
     parallel::for_each_backward_segment(cpu, p, seg_rows, grads, scratch, |seg, scratch| {
         backward_segment(p, saved, block_q, block_k, seg, scratch)
     })
+}
+
+/// Elements of one backward task's scratch: a score tile and its gradient, and a value per row
+/// of the segment.
+pub(crate) fn backward_scratch_len(block_q: usize, block_k: usize, seg_rows: usize) -> usize {
+    2 * block_q * block_k + seg_rows
 }
 
 fn backward_segment(

@@ -178,6 +178,44 @@ fn effective(algorithm: Algorithm, dims: &AttentionDims) -> Algorithm {
     }
 }
 
+/// The `Workspace` bytes the CPU backward of `dims` under `config` allocates for itself, all
+/// live at once at its peak, on a pool of `threads` threads: naive's probability gradient;
+/// chunked's and flash's `dK`/`dV` partials (with grouped-query heads or several segments per
+/// head) and one scratch buffer per task that can run at once. Not included: the f32 copies of
+/// bf16 inputs and the f32 staging of bf16 gradients, each the size of a tensor the caller
+/// holds. A function of the shape, the configuration and the thread count only, so a memory
+/// estimator can equal the tracker.
+pub fn cpu_backward_scratch_bytes(
+    dims: &AttentionDims,
+    config: &AttentionConfig,
+    threads: usize,
+) -> u64 {
+    let heads = dims.batch.saturating_mul(dims.q_heads);
+    if dims.q_len == 0 || dims.kv_len == 0 || heads == 0 {
+        return 0;
+    }
+    let elems = match effective(config.algorithm, dims) {
+        Algorithm::Naive => heads.saturating_mul(dims.q_len).saturating_mul(dims.kv_len),
+        Algorithm::Chunked { chunk_size } => {
+            let seg_rows = parallel::segment_rows(dims, chunk_size, config.backward_segments);
+            parallel::BackwardLayout::new(dims, config.causal, seg_rows).workspace_elems(
+                dims,
+                chunked::backward_scratch_len(chunk_size, dims.kv_len),
+                threads,
+            )
+        }
+        Algorithm::Flash { block_q, block_k } => {
+            let seg_rows = parallel::segment_rows(dims, block_q, config.backward_segments);
+            parallel::BackwardLayout::new(dims, config.causal, seg_rows).workspace_elems(
+                dims,
+                flash::backward_scratch_len(block_q, block_k, seg_rows),
+                threads,
+            )
+        }
+    };
+    (elems as u64).saturating_mul(4)
+}
+
 impl AttentionBackend for Cpu {
     fn attention_forward(
         &self,

@@ -48,6 +48,56 @@ pub(crate) fn workspace(cpu: &Cpu, len: usize) -> Result<CpuTensor> {
     Ok(cpu.zeros([len], DType::F32)?)
 }
 
+/// The tasks' scratch buffers, allocated by the caller before the tasks start: one for each
+/// task that can run at once (`min(tasks, threads)`), handed out zeroed and taken back. The
+/// workspace a parallel kernel holds is then a function of the shape and the thread count,
+/// not of how the scheduler happened to overlap the tasks — what
+/// [`crate::cpu_backward_scratch_bytes`] predicts. (Trade-off: a buffer is re-zeroed per task,
+/// as the per-task allocation it replaces zeroed it too.)
+struct ScratchPool {
+    free: std::sync::Mutex<Vec<CpuTensor>>,
+    cpu: Cpu,
+    len: usize,
+}
+
+impl ScratchPool {
+    fn new(cpu: &Cpu, len: usize, tasks: usize) -> Result<Self> {
+        let n = concurrent_tasks(tasks, cpu.num_threads());
+        let free = (0..n)
+            .map(|_| workspace(cpu, len))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ScratchPool {
+            free: std::sync::Mutex::new(free),
+            cpu: cpu.clone(),
+            len,
+        })
+    }
+
+    /// Run `f` with a zeroed buffer. A task never runs beside more than `threads - 1` others
+    /// (the kernels start no nested parallel work), so the pool does not run dry; if it ever
+    /// did, a buffer would be allocated rather than shared.
+    fn with<R>(&self, f: impl FnOnce(&mut [f32]) -> Result<R>) -> Result<R> {
+        let taken = self.free.lock().map_or(None, |mut v| v.pop());
+        let mut buf = match taken {
+            Some(mut b) => {
+                b.as_mut_slice::<f32>()?.fill(0.0);
+                b
+            }
+            None => workspace(&self.cpu, self.len)?,
+        };
+        let out = f(buf.as_mut_slice::<f32>()?);
+        if let Ok(mut v) = self.free.lock() {
+            v.push(buf);
+        }
+        out
+    }
+}
+
+/// How many of `tasks` run at once on `threads` threads.
+pub(crate) fn concurrent_tasks(tasks: usize, threads: usize) -> usize {
+    tasks.min(threads.max(1))
+}
+
 /// Run `kernel` on every query tile of `tile_rows` rows, in parallel, each with its own
 /// `scratch_len`-float workspace.
 pub(crate) fn for_each_forward_tile(
@@ -83,11 +133,11 @@ pub(crate) fn for_each_forward_tile(
             });
         }
     }
+    let pool = ScratchPool::new(cpu, scratch_len, tasks.len())?;
     cpu.install(|| {
-        tasks.into_par_iter().try_for_each(|task| {
-            let mut scratch = workspace(cpu, scratch_len)?;
-            kernel(task, scratch.as_mut_slice::<f32>()?)
-        })
+        tasks
+            .into_par_iter()
+            .try_for_each(|task| pool.with(|scratch| kernel(task, scratch)))
     })
 }
 
@@ -109,6 +159,56 @@ pub(crate) fn segment_rows(
     tiles.div_ceil(segments) * tile_rows
 }
 
+/// How a backward splits into tasks: segments of `seg_rows` query rows per head, and the
+/// `dK`/`dV` partial each segment accumulates.
+pub(crate) struct BackwardLayout {
+    /// Segments per (batch, query head).
+    pub(crate) segments: usize,
+    /// Elements of segment `s`'s partial (per head; a causal segment stops at the last key its
+    /// last row sees, about half the partial memory).
+    pub(crate) seg_len: Vec<usize>,
+    /// `seg_len` summed.
+    pub(crate) per_head: usize,
+    /// Each key/value head has one partial (no GQA, one segment): the outputs are written
+    /// directly, with no partial buffers.
+    pub(crate) direct: bool,
+}
+
+impl BackwardLayout {
+    /// The layout for `dims` (non-empty) in segments of `seg_rows` (≥ 1) rows.
+    pub(crate) fn new(dims: &AttentionDims, causal: bool, seg_rows: usize) -> Self {
+        let (nq, hd) = (dims.q_len, dims.head_dim);
+        let segments = nq.div_ceil(seg_rows);
+        let seg_len: Vec<usize> = (0..segments)
+            .map(|s| dims.visible_keys(((s + 1) * seg_rows).min(nq) - 1, causal) * hd)
+            .collect();
+        BackwardLayout {
+            segments,
+            per_head: seg_len.iter().sum(),
+            seg_len,
+            direct: dims.group_size() * segments == 1,
+        }
+    }
+
+    /// `Workspace` elements of the backward's partials and its tasks' scratch
+    /// (`scratch_len` each, as many as run at once on `threads`).
+    pub(crate) fn workspace_elems(
+        &self,
+        dims: &AttentionDims,
+        scratch_len: usize,
+        threads: usize,
+    ) -> usize {
+        let heads = dims.batch.saturating_mul(dims.q_heads);
+        let partials = if self.direct {
+            0
+        } else {
+            heads.saturating_mul(self.per_head).saturating_mul(2)
+        };
+        let tasks = concurrent_tasks(heads.saturating_mul(self.segments), threads);
+        partials.saturating_add(tasks.saturating_mul(scratch_len))
+    }
+}
+
 /// Run `kernel` on every backward segment in parallel, then sum the `dK`/`dV` partials into
 /// `grads`. When each key/value head has exactly one partial (no GQA, one segment), partials
 /// are the outputs themselves and nothing is summed.
@@ -125,17 +225,14 @@ pub(crate) fn for_each_backward_segment(
     if nq == 0 || nk == 0 || seg_rows == 0 || grads.dq.is_empty() {
         return Ok(());
     }
-    let segments = nq.div_ceil(seg_rows);
-    let partials_per_kv = d.group_size() * segments;
-    // A causal segment never reaches keys past what its last row sees, so its partial stops
-    // there: about half the partial memory for causal attention.
-    let seg_len: Vec<usize> = (0..segments)
-        .map(|s| p.visible(((s + 1) * seg_rows).min(nq) - 1) * hd)
-        .collect();
-    let per_head: usize = seg_len.iter().sum();
+    let BackwardLayout {
+        seg_len,
+        per_head,
+        direct,
+        ..
+    } = BackwardLayout::new(&d, p.causal, seg_rows);
     let Grads { dq, dk, dv } = grads;
     let mut partial_buffers = None;
-    let direct = partials_per_kv == 1;
     let (dk_parts, dv_parts, outputs) = if direct {
         (dk, dv, None)
     } else {
@@ -167,12 +264,13 @@ pub(crate) fn for_each_backward_segment(
             });
         }
     }
+    let pool = ScratchPool::new(cpu, scratch_len, tasks.len())?;
     cpu.install(|| {
-        tasks.into_par_iter().try_for_each(|task| {
-            let mut scratch = workspace(cpu, scratch_len)?;
-            kernel(task, scratch.as_mut_slice::<f32>()?)
-        })
+        tasks
+            .into_par_iter()
+            .try_for_each(|task| pool.with(|scratch| kernel(task, scratch)))
     })?;
+    drop(pool);
     if let (Some((dk_out, dv_out)), Some((dk_p, dv_p))) = (outputs, partial_buffers.as_ref()) {
         let group = d.group_size() * per_head;
         let (dk_p, dv_p) = (dk_p.as_slice::<f32>()?, dv_p.as_slice::<f32>()?);
