@@ -634,7 +634,7 @@ fn refuse_text(path: &std::path::Path) -> Result<()> {
 /// The fixed validation set of a run (`--val-data`): `batches` batches of the run's shape from
 /// a constant seed, read once (host vectors, outside the device ledger: a few KiB to MiB of
 /// token ids); empty without validation.
-pub(crate) fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
     let Some(e) = &opts.eval else {
         return Ok(Vec::new());
     };
@@ -1045,19 +1045,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     let result = train_tracked(opts, &tracker, &mut on_step);
     if outputs.any() {
         if let Some(timeline) = tracker.stop_timeline() {
-            // Short enough for the plot's width; the techniques are in the trace's metadata.
-            let title = format!(
-                "{} {}L/{}H/{}C, batch {}×{}, {}, checkpoint {}",
-                opts.model.family_name(),
-                opts.model.layers,
-                opts.model.heads,
-                opts.model.channels,
-                opts.batch,
-                opts.seq,
-                tech.model.precision.name(),
-                tech.checkpoint.name()
-            );
-            let written = outputs.write(&timeline, dev, opts.budget, &title);
+            let written = outputs.write(&timeline, dev, opts.budget, &timeline_title(opts));
             // A failed run reports its own error; the files are best-effort then.
             if result.is_ok() {
                 written?;
@@ -1065,6 +1053,23 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
         }
     }
     result
+}
+
+/// The memory plot's title: the model's shape and the techniques that set its memory. Short
+/// enough for the plot's width; the techniques are in the trace's metadata too.
+pub(crate) fn timeline_title(opts: &TrainOptions) -> String {
+    let tech = &opts.techniques;
+    format!(
+        "{} {}L/{}H/{}C, batch {}×{}, {}, checkpoint {}",
+        opts.model.family_name(),
+        opts.model.layers,
+        opts.model.heads,
+        opts.model.channels,
+        opts.batch,
+        opts.seq,
+        tech.model.precision.name(),
+        tech.checkpoint.name()
+    )
 }
 
 /// The run itself, its device allocations reported to `tracker`.

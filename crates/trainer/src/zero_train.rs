@@ -282,9 +282,6 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
     if opts.merge_into.is_some() {
         return refuse("--merge-into needs adapters");
     }
-    if opts.memory_outputs.any() {
-        return refuse("memory traces and snapshots are per process, not per rank, and not wired to ZeRO runs yet");
-    }
     Ok(micro)
 }
 
@@ -522,19 +519,68 @@ fn zero_err(e: headroom_zero::ZeroError) -> TrainError {
     TrainError::Zero(e)
 }
 
-/// One rank's whole run.
+/// One rank's whole run, and its memory timeline when one is asked for (`--memory-trace`,
+/// `--memory-svg`, `--memory-snapshot`): each rank writes its own files, the path with
+/// `.rank{r}` before the extension ([`rank_path`]), as PyTorch's per-rank snapshots are kept.
 fn run_rank<C: Collective + 'static>(
     shared: &Shared<'_>,
     comm: C,
     tx: mpsc::Sender<RankStep>,
 ) -> Result<RankOutcome> {
     let opts = shared.opts;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let tracker = Arc::new(MemoryTracker::new());
+    tracker.set_budget(Device::Cpu, opts.budget);
+    let outputs = &opts.memory_outputs;
+    if !outputs.any() {
+        return run_rank_tracked(shared, comm, tx, tracker);
+    }
+    tracker.start_timeline();
+    let result = run_rank_tracked(shared, comm, tx, tracker.clone());
+    let Some(timeline) = tracker.stop_timeline() else {
+        return result;
+    };
+    let mine = crate::train::MemoryOutputs {
+        trace: outputs.trace.as_deref().map(|p| rank_path(p, rank)),
+        svg: outputs.svg.as_deref().map(|p| rank_path(p, rank)),
+        svg_by_event: outputs.svg_by_event,
+        snapshot: outputs.snapshot.as_deref().map(|p| rank_path(p, rank)),
+    };
+    let title = format!(
+        "{}, {} rank {rank} of {world}",
+        crate::train::timeline_title(opts),
+        shared.zero.stage
+    );
+    let written = mine.write(&timeline, Device::Cpu, opts.budget, &title);
+    // A failed run reports its own error; the files are best-effort then.
+    if result.is_ok() {
+        written?;
+    }
+    result
+}
+
+/// Rank `rank`'s file for `path`: `mem.json` → `mem.rank0.json`, `mem` → `mem.rank0`.
+pub fn rank_path(path: &std::path::Path, rank: usize) -> std::path::PathBuf {
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
+}
+
+/// [`run_rank`] with the rank's allocations reported to `tracker`.
+fn run_rank_tracked<C: Collective + 'static>(
+    shared: &Shared<'_>,
+    comm: C,
+    tx: mpsc::Sender<RankStep>,
+    tracker: Arc<MemoryTracker>,
+) -> Result<RankOutcome> {
+    let opts = shared.opts;
     let cfg = &opts.model;
     let (rank, world) = (comm.rank(), comm.world_size());
     let comm = CountingCollective::new(comm);
     let counters = comm.counters();
-    let tracker = Arc::new(MemoryTracker::new());
-    tracker.set_budget(Device::Cpu, opts.budget);
     let cpu = Cpu::new()
         .with_alloc_hook(tracker.clone())
         .with_buffer_cache(usize::MAX);
@@ -620,6 +666,9 @@ fn run_rank<C: Collective + 'static>(
     let mut before_last = counters.snapshot();
     let mut stopped = false;
     for step in start..end {
+        if tracker.is_recording() {
+            tracker.mark(&format!("step {step}"));
+        }
         let t0 = Instant::now();
         before_last = counters.snapshot();
         let (tokens, targets) = {
@@ -636,6 +685,7 @@ fn run_rank<C: Collective + 'static>(
         };
         let mut loss_sum = 0.0f64;
         let mut block_forwards = 0;
+        let phase = tracker.phase("forward+backward");
         for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
             let out = model.forward_backward_parts(&store, tok, tgt, g, dloss, &shared.schedule);
             // Whatever happened, nothing gathered may outlive the micro-batch: a prefetch
@@ -645,8 +695,10 @@ fn run_rank<C: Collective + 'static>(
             block_forwards += stats.forward_count;
             loss_sum += mb_loss as f64 * rows as f64;
         }
+        drop(phase);
         adamw.lr = opts.lr_at(step);
         let grad_norm = {
+            let _phase = tracker.phase("optimizer");
             let mut e = store.engine.borrow_mut();
             if opts.grad_clip.is_finite() {
                 e.step_clipped(&mut adamw, opts.grad_clip as f32)
@@ -666,9 +718,18 @@ fn run_rank<C: Collective + 'static>(
             .iter()
             .sum();
         let val_loss = match &opts.eval {
-            Some(e) if (e.every > 0 && (step + 1) % e.every == 0) || step + 1 == end => Some(
-                validation_loss(&model, &store, &shared.val, micro, opts.seq)?,
-            ),
+            Some(e) if (e.every > 0 && (step + 1) % e.every == 0) || step + 1 == end => {
+                let _phase = tracker.phase("eval");
+                Some(validation_loss(
+                    &model,
+                    &store,
+                    &shared.val,
+                    micro,
+                    opts.seq,
+                    rank,
+                    world,
+                )?)
+            }
             _ => None,
         };
         let report = RankStep {
@@ -760,27 +821,50 @@ struct EngineStore<'a> {
 }
 
 /// The mean loss over the validation batches, `micro` sequences at a time, forward only with
-/// the engine's weights. Every rank evaluates every chunk (stage 3's gathers need every rank
-/// in every one), so every rank reports the same value.
+/// the engine's weights. The chunks are dealt out in rounds of one per rank (every batch is a
+/// global batch, so the chunk count is a multiple of the rank count); each round's losses are
+/// gathered and added in chunk order, so every rank reports the value one process gets by
+/// summing the chunks in order. Each rank computes 1/N of the forwards; under stage 3 the ranks
+/// still gather every part together, each for its own chunk.
 fn validation_loss(
     model: &Model,
     store: &EngineStore<'_>,
     batches: &[(Vec<u32>, Vec<u32>)],
     micro: usize,
     seq: usize,
+    rank: usize,
+    ranks: usize,
 ) -> Result<f32> {
     let rows = micro * seq;
     let g = Geometry { b: micro, t: seq };
-    let (mut sum, mut chunks) = (0.0f64, 0usize);
-    for (tokens, targets) in batches {
-        for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
-            let l = model.loss_parts(store, tok, tgt, g);
-            store.release_all()?;
-            sum += l? as f64;
-            chunks += 1;
+    let chunks: Vec<(&[u32], &[u32])> = batches
+        .iter()
+        .flat_map(|(tok, tgt)| tok.chunks(rows).zip(tgt.chunks(rows)))
+        .collect();
+    if chunks.len() % ranks != 0 {
+        // Every rank sees the same batches, so every rank refuses alike: none is left waiting.
+        return Err(TrainError::Config(format!(
+            "{} validation chunks do not deal out evenly to {ranks} ranks",
+            chunks.len()
+        )));
+    }
+    let mut sum = 0.0f64;
+    for round in chunks.chunks(ranks) {
+        let (tok, tgt) = round[rank];
+        let l = model.loss_parts(store, tok, tgt, g);
+        store.release_all()?;
+        // f32 losses pass through gather_scalars exactly.
+        let losses = store
+            .engine
+            .borrow_mut()
+            .gather_scalars(f64::from(l?))
+            .map_err(zero_err)?;
+        // One at a time, in chunk order: the sum a single process forms.
+        for l in losses {
+            sum += l;
         }
     }
-    Ok((sum / chunks.max(1) as f64) as f32)
+    Ok((sum / chunks.len().max(1) as f64) as f32)
 }
 
 /// Every rank: its shard into one partial directory, then rank 0 publishes it.
