@@ -42,6 +42,10 @@ pub struct TrainerEstimate {
     pub block_io_bytes: u64,
     /// Blocks.
     pub layers: usize,
+    /// Workspace peak of the head (loss and its backward, the final norm's included).
+    pub head_workspace: u64,
+    /// Workspace peak of one block's backward (recomputation inside it included).
+    pub block_backward_workspace: u64,
     /// The device's simultaneous peak: the constant categories plus the larger of the head's
     /// moment (every kept activation, the head's buffers and workspace) and a block backward's
     /// (kept activations, recomputed ones, the block's workspace). An upper bound of the
@@ -224,6 +228,8 @@ pub fn estimate(
         block_saved_bytes: block_saved,
         block_io_bytes: io,
         layers: cfg.layers,
+        head_workspace: 0,
+        block_backward_workspace: 0,
         device_peak: 0,
     };
     let schedule = match tech.checkpoint {
@@ -341,6 +347,8 @@ pub fn estimate(
     Ok(TrainerEstimate {
         device,
         device_peak,
+        head_workspace: head_ws,
+        block_backward_workspace: block_ws,
         ..est
     })
 }

@@ -443,19 +443,13 @@ pub struct ZeroRungResult {
 }
 
 impl ZeroRungResult {
-    /// The categories the estimator predicts exactly (all but workspace, which it bounds)
-    /// whose measured peak differs from the prediction; empty when all agree.
+    /// The categories whose measured peak differs from the estimator's prediction; empty when
+    /// all agree.
     pub fn estimate_mismatches(&self) -> Vec<MemoryCategory> {
-        [
-            MemoryCategory::Parameters,
-            MemoryCategory::Gradients,
-            MemoryCategory::OptimizerState,
-            MemoryCategory::Activations,
-            MemoryCategory::Data,
-        ]
-        .into_iter()
-        .filter(|&c| self.peak[c] != self.estimate.device[c])
-        .collect()
+        MemoryCategory::ALL
+            .into_iter()
+            .filter(|&c| self.peak[c] != self.estimate.device[c])
+            .collect()
     }
 }
 
@@ -572,7 +566,7 @@ pub fn zero_ladder_table(results: &[ZeroRungResult], budget: u64) -> String {
             mib(r.peak_total),
             mib(r.estimate.per_rank_peak()),
             match r.estimate_mismatches().as_slice() {
-                [] => "yes (workspace: bound)".to_string(),
+                [] => "yes".to_string(),
                 m => format!("**no**: {m:?}"),
             },
             ratio,

@@ -11,9 +11,13 @@
 //! The transients come from replaying the driver's allocations in program order: stage 3's
 //! gathered layers along the access order ([`Part::access_order`]), each part's gradient
 //! buffers during its backward (a tied head's embedding gradient from the head to the end),
-//! stages 2–3's buckets as the bucket plan fills and reduce-scatters them. Those are exact per
-//! category, as the tracker counts them (`tests/zero_train.rs`); the workspace is the
-//! single-process workspace plus the part weight copies and a bound on the engine's own.
+//! stages 2–3's buckets as the bucket plan fills and reduce-scatters them. The workspace is
+//! replayed the same way, moment by moment: each use's copies of its parts' weights, stage 3's
+//! all-gather send buffers (freed by the rank when it waits, so their lifetime is the
+//! program's, not the communication thread's), the reduce-scatter outputs in flight, and the
+//! model's own workspace at that moment (the single-process estimate's head and block
+//! backward); then the optimizer step's. Every category is exact, as the tracker counts it
+//! (`tests/zero_train.rs`).
 //!
 //! ZeRO-Offload (`--offload ram`) puts the optimizer shard (and fp32 masters) in `host` instead.
 //! Not modelled (a typed error): a file-backed or 8-bit optimizer.
@@ -41,8 +45,7 @@ pub struct ZeroEstimate {
     pub parameter_count: u64,
     /// The training state one rank keeps between steps (headroom-zero's layout).
     pub state: PerRankBytes,
-    /// One rank's peak per category, as its tracker counts it: exact for parameters,
-    /// gradients, optimizer state, activations and data; an upper bound for workspace.
+    /// One rank's peak per category, exactly as its tracker counts it.
     pub device: PerCategory<u64>,
     /// One rank's host bytes: the optimizer shard (and fp32 masters) under ZeRO-Offload.
     pub host: PerCategory<u64>,
@@ -121,6 +124,28 @@ pub fn zero_estimate(
         .into_iter()
         .map(|p| p.index(cfg))
         .collect();
+    // What each access of the plan is for: the schedule's block operations, in order.
+    let uses: Vec<Use> = {
+        let mut ops = schedule.ops().iter();
+        let head = Part::Head.index(cfg);
+        let mut v = Vec::with_capacity(plan.len());
+        for (i, &l) in plan.iter().enumerate() {
+            v.push(if i == 0 {
+                Use::EmbedForward
+            } else if l == head {
+                Use::Head
+            } else if l == 0 {
+                // Only a tied head reads the embeddings again.
+                Use::HeadTied
+            } else {
+                match ops.next() {
+                    Some(op) if !op.is_forward() => Use::BlockBackward,
+                    _ => Use::BlockForward,
+                }
+            });
+        }
+        v
+    };
     let push_order: Vec<usize> = {
         let mut o = vec![Part::Head.index(cfg)];
         o.extend(
@@ -145,11 +170,10 @@ pub fn zero_estimate(
     }
     device[MemoryCategory::Activations] = single.device[MemoryCategory::Activations];
     device[MemoryCategory::Data] = single.device[MemoryCategory::Data];
-    let (backward, step) = replay.engine_workspace_bounds(precision);
-    device[MemoryCategory::Workspace] = single.device[MemoryCategory::Workspace]
-        .saturating_add(replay.copies_peak(&plan, tied))
-        .saturating_add(backward)
-        .max(step);
+    let grad_io = u(micro) * u(seq) * u(cfg.channels) * 4;
+    device[MemoryCategory::Workspace] = replay
+        .workspace_peak(&plan, &uses, tied, &single, grad_io)
+        .max(replay.step_workspace(&crate::zero_train::part_sizes(cfg), precision));
     Ok(ZeroEstimate {
         stage,
         ranks,
@@ -307,52 +331,176 @@ impl Replay {
         peak
     }
 
-    /// The most bytes of part weight copies live at once: a block's during its use; at the
-    /// head, the head's and (tied) the embeddings'.
-    fn copies_peak(&self, plan: &[usize], tied: bool) -> u64 {
-        let head = self.numel.len() - 1;
-        plan.iter()
-            .map(|&l| {
-                let mut b = self.numel[l] * self.a;
-                if l == head && tied {
-                    b += self.numel[0] * self.a;
+    /// The rank's workspace peak over a micro-batch, replayed event by event as the driver
+    /// makes them: each use's copies of its parts' weights; stage 3's all-gather send buffers
+    /// (from a prefetch until the rank waits for it); stages 2–3's reduce-scatter outputs (from
+    /// a bucket's submission until the rank waits for it); and, at each moment, the model's own
+    /// workspace — the head's and a block backward's from the single-process estimate, the
+    /// f32 gradients flowing between parts (`grad_io` each) around the pushes.
+    fn workspace_peak(
+        &self,
+        plan: &[usize],
+        uses: &[Use],
+        tied: bool,
+        single: &crate::estimate::TrainerEstimate,
+        grad_io: u64,
+    ) -> u64 {
+        let parts = self.numel.len();
+        let head = parts - 1;
+        let stage3 = self.stage.shards_parameters();
+        let send = |l: usize| self.shard[l] * self.p;
+        let copy = |l: usize| self.numel[l] * self.a;
+        let out_bytes = |b: usize| -> u64 {
+            self.buckets[b].iter().map(|&l| self.shard[l]).sum::<u64>() * self.g
+        };
+        let mut ready = vec![false; parts];
+        let mut in_flight_send = vec![false; parts];
+        let mut remaining: Vec<usize> = self.buckets.iter().map(Vec::len).collect();
+        let mut rs: std::collections::VecDeque<usize> = Default::default();
+        let (mut ws, mut peak) = (0u64, 0u64);
+        let mut pushes = 0usize;
+        // A push of part `l`'s gradients with `extra` bytes of the model's live besides.
+        let mut push = |l: usize,
+                        extra: u64,
+                        ws: &mut u64,
+                        peak: &mut u64,
+                        rs: &mut std::collections::VecDeque<usize>| {
+            pushes += 1;
+            if !self.stage.shards_gradients() {
+                return;
+            }
+            let b = self.bucket_of[l];
+            remaining[b] -= 1;
+            if remaining[b] == 0 {
+                while rs.len() >= self.max_in_flight {
+                    if let Some(done) = rs.pop_front() {
+                        *ws -= out_bytes(done);
+                    }
                 }
-                b
-            })
-            .max()
-            .unwrap_or(0)
+                *ws += out_bytes(b);
+                *peak = (*peak).max(*ws + extra);
+                rs.push_back(b);
+            }
+            if pushes == parts {
+                while let Some(done) = rs.pop_front() {
+                    *ws -= out_bytes(done);
+                }
+            }
+        };
+        let mut copies = 0u64;
+        for (i, (&l, &use_)) in plan.iter().zip(uses).enumerate() {
+            let next = plan.get(i + 1).copied();
+            if stage3 {
+                if in_flight_send[l] {
+                    in_flight_send[l] = false;
+                    ws -= send(l);
+                } else if !ready[l] {
+                    // Gathered on the spot: the send buffer lives only for the wait.
+                    peak = peak.max(ws + copies + send(l));
+                }
+                ready[l] = true;
+            }
+            copies += copy(l);
+            if next != Some(l) {
+                ready[l] = false;
+                if let Some(n) = next {
+                    if stage3 && !ready[n] && !in_flight_send[n] {
+                        in_flight_send[n] = true;
+                        ws += send(n);
+                    }
+                }
+            }
+            match use_ {
+                Use::EmbedForward | Use::BlockForward => {
+                    peak = peak.max(ws + copies);
+                    copies = 0;
+                }
+                // A tied head computes once it also holds the embeddings.
+                Use::Head if tied => {}
+                Use::Head | Use::HeadTied => {
+                    peak = peak.max(ws + copies + single.head_workspace);
+                    copies = 0;
+                    // The head's input gradient is live when it hands over its gradients.
+                    push(head, grad_io, &mut ws, &mut peak, &mut rs);
+                }
+                Use::BlockBackward => {
+                    peak = peak.max(ws + copies + single.block_backward_workspace);
+                    copies = 0;
+                    // The block's output gradient and its input gradient.
+                    push(l, 2 * grad_io, &mut ws, &mut peak, &mut rs);
+                    if next.is_none() {
+                        // The embeddings' backward, then their push.
+                        peak = peak.max(ws + grad_io);
+                        push(0, grad_io, &mut ws, &mut peak, &mut rs);
+                    }
+                }
+            }
+        }
+        peak
     }
 
-    /// The engine's own workspace, bounded, during backward (stage 3's two gathers' send
-    /// buffers, stages 2–3's in-flight reduce-scatter outputs) and during the step (stage 1's
-    /// reduced shard, stages 1–2's all-gather scratch, mixed precision's widened gradient
-    /// piece), when the model holds no workspace.
-    fn engine_workspace_bounds(&self, precision: headroom_zero::Precision) -> (u64, u64) {
+    /// The rank's workspace peak during the optimizer step: stage 1's reduced gradient shard
+    /// with, in mixed precision, the f32 widening of the longest piece it updates; or stages
+    /// 1–2's all-gather scratch of the largest layer shard afterwards. `tensors`: each part's
+    /// tensor sizes (pieces are a tensor's overlap with a rank's shard; the longest over
+    /// ranks).
+    fn step_workspace(&self, tensors: &[Vec<usize>], precision: headroom_zero::Precision) -> u64 {
         let max_shard = self.shard.iter().copied().max().unwrap_or(0);
         let shard_total: u64 = self.shard.iter().sum();
-        let max_seg = (0..self.buckets.len())
-            .map(|b| self.buckets[b].iter().map(|&l| self.shard[l]).sum::<u64>())
-            .max()
-            .unwrap_or(0);
-        let mut backward = 0;
-        if self.stage.shards_parameters() {
-            backward += 2 * max_shard * self.p;
+        let longest_piece = if precision == headroom_zero::Precision::MixedBf16 {
+            let world = if self.stage.shards_optimizer() {
+                self.ranks
+            } else {
+                1
+            };
+            tensors
+                .iter()
+                .zip(&self.shard)
+                .flat_map(|(sizes, &k)| {
+                    let mut at = 0u64;
+                    sizes
+                        .iter()
+                        .map(move |&n| {
+                            let (a, b) = (at, at + n as u64);
+                            at = b;
+                            (0..world)
+                                .map(|r| {
+                                    let (s, e) = (r * k, (r + 1) * k);
+                                    e.min(b).saturating_sub(s.max(a))
+                                })
+                                .max()
+                                .unwrap_or(0)
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        let widen = longest_piece * 4;
+        match self.stage {
+            Stage::Zero1 => (shard_total * self.g + widen).max(max_shard * self.p),
+            Stage::Zero2 => widen.max(max_shard * self.p),
+            Stage::Zero0 | Stage::Zero3 => widen,
         }
-        if self.stage.shards_gradients() {
-            backward += self.max_in_flight as u64 * max_seg * self.g;
-        }
-        let mut step = 0;
-        if self.stage == Stage::Zero1 {
-            step += shard_total * self.g;
-        }
-        if matches!(self.stage, Stage::Zero1 | Stage::Zero2) {
-            step += max_shard * self.p;
-        }
-        if precision == headroom_zero::Precision::MixedBf16 {
-            step += max_shard * 4;
-        }
-        (backward, step)
     }
+}
+
+/// What one access of the plan is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    EmbedForward,
+    BlockForward,
+    BlockBackward,
+    Head,
+    /// The embeddings, read again by a tied head.
+    HeadTied,
+}
+
+/// `x` as `u64` (sizes here are bounded by the estimate's magnitude check).
+fn u(x: usize) -> u64 {
+    x as u64
 }
 
 /// The most layers (at `cfg`'s width, heads and vocabulary) whose per-rank peak fits

@@ -609,7 +609,9 @@ fn the_estimator_predicts_each_ranks_peaks() {
         MemoryCategory::OptimizerState,
         MemoryCategory::Activations,
         MemoryCategory::Data,
+        MemoryCategory::Workspace,
     ];
+    let mut failures = Vec::new();
     for (family, precision, checkpoint) in [
         (Family::Gpt2, Precision::Fp32, CheckpointChoice::EveryK(2)),
         (llama(), Precision::Fp32, CheckpointChoice::None),
@@ -639,20 +641,19 @@ fn the_estimator_predicts_each_ranks_peaks() {
                 for r in &report.ranks {
                     let d = r.memory.device(Device::Cpu).unwrap();
                     for c in exact {
-                        assert_eq!(d.peak[c], e.device[c], "{what} rank {}: {c:?}", r.rank);
+                        if d.peak[c] != e.device[c] {
+                            failures.push(format!(
+                                "{what} rank {}: {c:?} measured {} predicted {}",
+                                r.rank, d.peak[c], e.device[c]
+                            ));
+                        }
                     }
-                    let ws = MemoryCategory::Workspace;
-                    assert!(
-                        d.peak[ws] <= e.device[ws],
-                        "{what}: workspace {} > {}",
-                        d.peak[ws],
-                        e.device[ws]
-                    );
                     assert!(d.peak_total <= e.per_rank_peak(), "{what}: total");
                 }
             }
         }
     }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 #[test]

@@ -140,7 +140,10 @@ struct LayerInfo {
     tensor_pieces: Vec<Vec<Piece>>,
 }
 
-type GatherResult = (CpuTensor, Result<(), CommError>);
+/// A finished all-gather: the gathered layer, the send buffer (handed back so that the rank's
+/// own thread frees it when it waits — at a point fixed by the program, not by the
+/// communication thread's timing), and the outcome.
+type GatherResult = (CpuTensor, CpuTensor, Result<(), CommError>);
 type BucketResult = (CpuTensor, CpuTensor, Result<(), CommError>);
 
 #[derive(Debug)]
@@ -673,12 +676,13 @@ impl ZeroEngine {
         Ok(self.comm.submit(move |c| {
             let mut out = out;
             let r = with_bufs(&input, &mut out, |i, o| c.all_gather(i, o));
-            (out, r)
+            (out, input, r)
         })?)
     }
 
     fn finish_gather(h: Handle<GatherResult>) -> Result<CpuTensor> {
-        let (t, r) = h.wait()?;
+        let (t, sent, r) = h.wait()?;
+        drop(sent);
         r?;
         Ok(t)
     }
