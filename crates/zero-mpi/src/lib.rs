@@ -32,12 +32,12 @@
 //! `Threading::Serialized` ([`initialize`] does that), because MPI is called from the worker
 //! thread; make no other MPI calls while an `MpiCollective` exists.
 
-use std::sync::mpsc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use half::bf16;
-use headroom_zero::{check_scatter_gather, Buf, BufMut, Collective, CommError, CommKind};
+use headroom_zero::{
+    check_scatter_gather, Buf, BufMut, Collective, CommError, CommKind, TimedWorker,
+};
 /// rsmpi's handle on the initialised MPI library: MPI is finalised when it is dropped, so
 /// keep it alive for as long as any [`MpiCollective`] is in use.
 pub use mpi::environment::Universe;
@@ -65,20 +65,13 @@ pub fn initialize() -> Result<Universe, CommError> {
     Ok(universe)
 }
 
-type Job = Box<dyn FnOnce(&SimpleCommunicator) + Send>;
-
 /// One rank's end of `MPI_COMM_WORLD`, as a [`Collective`].
 #[derive(Debug)]
 pub struct MpiCollective {
     rank: usize,
     world: usize,
-    timeout: Duration,
-    jobs: Option<mpsc::Sender<Job>>,
-    worker: Option<JoinHandle<()>>,
-    /// Why the communicator is unusable; `None` while healthy.
-    failed: Option<String>,
-    /// Whether the worker may still be inside an MPI call that never returns.
-    worker_stuck: bool,
+    /// The communicator on its own thread: every operation waits at most the time-out.
+    worker: TimedWorker<SimpleCommunicator>,
 }
 
 /// Owned element data moved to and from the worker.
@@ -184,19 +177,12 @@ impl MpiCollective {
     /// The world communicator (`MPI_COMM_WORLD`) with a worker thread; an operation waits at
     /// most `timeout` for the other ranks.
     pub fn world(_universe: &Universe, timeout: Duration) -> Result<Self, CommError> {
-        let (jobs, rx) = mpsc::channel::<Job>();
-        let (ready_tx, ready_rx) = mpsc::channel();
-        let worker = std::thread::Builder::new()
-            .name("headroom-zero-mpi".into())
-            .spawn(move || {
+        let (worker, (rank, size)) =
+            TimedWorker::spawn("headroom-zero-mpi", "MPI", timeout, || {
                 let comm = SimpleCommunicator::world();
-                let _ = ready_tx.send((comm.rank(), comm.size()));
-                for job in rx {
-                    job(&comm);
-                }
-            })
-            .map_err(|_| CommError::ThreadLost)?;
-        let (rank, size) = ready_rx.recv().map_err(|_| CommError::ThreadLost)?;
+                let info = (comm.rank(), comm.size());
+                Ok((comm, info))
+            })?;
         let (rank, world) = (
             usize::try_from(rank).map_err(|_| backend("negative MPI rank"))?,
             usize::try_from(size).map_err(|_| backend("negative MPI size"))?,
@@ -204,17 +190,13 @@ impl MpiCollective {
         Ok(MpiCollective {
             rank,
             world,
-            timeout,
-            jobs: Some(jobs),
-            worker: Some(worker),
-            failed: None,
-            worker_stuck: false,
+            worker,
         })
     }
 
     /// The time-out of one operation.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.worker.timeout()
     }
 
     /// After a time-out: wait up to `limit` for the operation that timed out to finish after
@@ -222,24 +204,7 @@ impl MpiCollective {
     /// finalised, without a thread still inside MPI. Returns whether the worker is idle. The
     /// communicator stays failed either way.
     pub fn wait_idle(&mut self, limit: Duration) -> bool {
-        if !self.worker_stuck {
-            return true;
-        }
-        let (tx, rx) = mpsc::channel();
-        let Some(jobs) = &self.jobs else {
-            return false;
-        };
-        if jobs
-            .send(Box::new(move |_| {
-                let _ = tx.send(());
-            }))
-            .is_err()
-        {
-            return false;
-        }
-        let idle = rx.recv_timeout(limit).is_ok();
-        self.worker_stuck = !idle;
-        idle
+        self.worker.wait_idle(limit)
     }
 
     /// Run `f` on the worker and wait at most the time-out.
@@ -248,47 +213,7 @@ impl MpiCollective {
         R: Send + 'static,
         F: FnOnce(&SimpleCommunicator) -> R + Send + 'static,
     {
-        if let Some(reason) = &self.failed {
-            return Err(CommError::GroupFailed {
-                reason: reason.clone(),
-            });
-        }
-        let (tx, rx) = mpsc::sync_channel(1);
-        let jobs = self.jobs.as_ref().ok_or(CommError::ThreadLost)?;
-        jobs.send(Box::new(move |comm| {
-            let _ = tx.send(f(comm));
-        }))
-        .map_err(|_| CommError::ThreadLost)?;
-        let start = Instant::now();
-        match rx.recv_timeout(self.timeout) {
-            Ok(r) => Ok(r),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                let err = CommError::Timeout {
-                    op,
-                    waited: start.elapsed(),
-                    missing: Vec::new(),
-                };
-                self.failed = Some(err.to_string());
-                self.worker_stuck = true;
-                Err(err)
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                self.failed = Some("the MPI worker thread died".into());
-                Err(CommError::ThreadLost)
-            }
-        }
-    }
-}
-
-impl Drop for MpiCollective {
-    fn drop(&mut self) {
-        drop(self.jobs.take());
-        if let Some(worker) = self.worker.take() {
-            // A worker stuck in a collective that never completes would block forever.
-            if !self.worker_stuck {
-                let _ = worker.join();
-            }
-        }
+        self.worker.call(op, move |comm| Ok(f(comm)))
     }
 }
 

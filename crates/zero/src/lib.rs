@@ -108,6 +108,7 @@ mod memory;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod stage;
+mod timed_worker;
 
 pub use collective::{
     check_scatter_gather, reference, ring_bytes, Buf, BufMut, Collective, CommDType, CommKind,
@@ -122,3 +123,4 @@ pub use memory::{paper_bytes_per_param, per_rank_bytes, PerRankBytes, Precision}
 #[cfg(feature = "cuda")]
 pub use nccl::{NcclCollective, NcclId};
 pub use stage::{ReductionOrder, Stage};
+pub use timed_worker::TimedWorker;

@@ -16,9 +16,7 @@
 //! [`CommError::Timeout`], never hang. Not yet run on a GPU: its GPU tests are ignored.
 
 use std::path::Path;
-use std::sync::mpsc;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
@@ -26,6 +24,7 @@ use cudarc::nccl::safe::{Comm, Id};
 
 use crate::collective::{check_scatter_gather, Buf, BufMut, Collective, CommKind};
 use crate::error::CommError;
+use crate::timed_worker::TimedWorker;
 
 fn backend(message: impl Into<String>) -> CommError {
     CommError::Backend {
@@ -109,17 +108,17 @@ impl NcclId {
     }
 }
 
-type Job = Box<dyn FnOnce(&Comm, &Arc<CudaStream>) + Send>;
+/// What the worker thread owns: the communicator and the stream it runs on.
+struct NcclContext {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+}
 
 /// One rank's NCCL communicator on GPU `ordinal`, as a [`Collective`].
 pub struct NcclCollective {
     rank: usize,
     world: usize,
-    timeout: Duration,
-    jobs: Option<mpsc::Sender<Job>>,
-    worker: Option<JoinHandle<()>>,
-    failed: Option<String>,
-    worker_stuck: bool,
+    worker: TimedWorker<NcclContext>,
 }
 
 impl std::fmt::Debug for NcclCollective {
@@ -127,7 +126,7 @@ impl std::fmt::Debug for NcclCollective {
         f.debug_struct("NcclCollective")
             .field("rank", &self.rank)
             .field("world", &self.world)
-            .field("timeout", &self.timeout)
+            .field("timeout", &self.worker.timeout())
             .finish_non_exhaustive()
     }
 }
@@ -150,54 +149,24 @@ impl NcclCollective {
             source: Box::new(e),
         })?;
         let stream = cuda.stream().clone();
-        let (jobs, rx) = mpsc::channel::<Job>();
-        let (ready_tx, ready_rx) = mpsc::channel();
-        let worker = std::thread::Builder::new()
-            .name("headroom-zero-nccl".into())
-            .spawn(move || {
-                let mut internal = [0 as std::ffi::c_char; 128];
-                for (i, &b) in internal.iter_mut().zip(&id.0) {
-                    *i = b as std::ffi::c_char;
-                }
-                let comm = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    Comm::from_rank(stream.clone(), rank, world, Id::uninit(internal))
-                }));
-                let comm = match comm {
-                    Ok(Ok(c)) => c,
-                    Ok(Err(e)) => {
-                        let _ = ready_tx.send(Err(format!("ncclCommInitRank: {e:?}")));
-                        return;
-                    }
-                    Err(_) => {
-                        let _ = ready_tx.send(Err("libnccl could not be loaded".to_string()));
-                        return;
-                    }
-                };
-                let _ = ready_tx.send(Ok(()));
-                for job in rx {
-                    job(&comm, &stream);
-                }
-            })
-            .map_err(|_| CommError::ThreadLost)?;
-        match ready_rx.recv_timeout(timeout) {
-            Ok(Ok(())) => {}
-            Ok(Err(reason)) => return Err(backend(reason)),
-            Err(_) => {
-                return Err(CommError::Timeout {
-                    op: CommKind::Barrier,
-                    waited: timeout,
-                    missing: Vec::new(),
-                })
+        let (worker, ()) = TimedWorker::spawn("headroom-zero-nccl", "NCCL", timeout, move || {
+            let mut internal = [0 as std::ffi::c_char; 128];
+            for (i, &b) in internal.iter_mut().zip(&id.0) {
+                *i = b as std::ffi::c_char;
             }
-        }
+            let comm = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                Comm::from_rank(stream.clone(), rank, world, Id::uninit(internal))
+            }));
+            match comm {
+                Ok(Ok(comm)) => Ok((NcclContext { comm, stream }, ())),
+                Ok(Err(e)) => Err(format!("ncclCommInitRank: {e:?}")),
+                Err(_) => Err("libnccl could not be loaded".to_string()),
+            }
+        })?;
         Ok(NcclCollective {
             rank,
             world,
-            timeout,
-            jobs: Some(jobs),
-            worker: Some(worker),
-            failed: None,
-            worker_stuck: false,
+            worker,
         })
     }
 
@@ -207,51 +176,8 @@ impl NcclCollective {
         R: Send + 'static,
         F: FnOnce(&Comm, &Arc<CudaStream>) -> Result<R, String> + Send + 'static,
     {
-        if let Some(reason) = &self.failed {
-            return Err(CommError::GroupFailed {
-                reason: reason.clone(),
-            });
-        }
-        let (tx, rx) = mpsc::sync_channel(1);
-        let jobs = self.jobs.as_ref().ok_or(CommError::ThreadLost)?;
-        jobs.send(Box::new(move |comm, stream| {
-            let _ = tx.send(f(comm, stream));
-        }))
-        .map_err(|_| CommError::ThreadLost)?;
-        let start = Instant::now();
-        match rx.recv_timeout(self.timeout) {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(reason)) => {
-                self.failed = Some(reason.clone());
-                Err(backend(reason))
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                let err = CommError::Timeout {
-                    op,
-                    waited: start.elapsed(),
-                    missing: Vec::new(),
-                };
-                self.failed = Some(err.to_string());
-                self.worker_stuck = true;
-                Err(err)
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                self.failed = Some("the NCCL worker thread died".into());
-                Err(CommError::ThreadLost)
-            }
-        }
-    }
-}
-
-impl Drop for NcclCollective {
-    fn drop(&mut self) {
-        drop(self.jobs.take());
-        if let Some(worker) = self.worker.take() {
-            // A worker stuck in an NCCL call that never completes would block forever.
-            if !self.worker_stuck {
-                let _ = worker.join();
-            }
-        }
+        self.worker
+            .call(op, move |ctx: &NcclContext| f(&ctx.comm, &ctx.stream))
     }
 }
 
