@@ -1424,7 +1424,7 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
             e.state.optimizer_state,
         ),
         ("activations", MemoryCategory::Activations, 0),
-        ("workspace (bound)", MemoryCategory::Workspace, 0),
+        ("workspace", MemoryCategory::Workspace, 0),
         ("batch", MemoryCategory::Data, 0),
     ];
     for (name, c, kept) in rows {
