@@ -590,13 +590,16 @@ fn run_rank_tracked<C: Collective + 'static>(
         _ => headroom_zero::Precision::MixedBf16,
     });
     let sizes = part_sizes(cfg);
-    let mut engine = ZeroEngine::new(cpu.clone(), comm, &sizes, zcfg).map_err(zero_err)?;
-    // ZeRO-Offload: the optimizer shard (and bf16 runs' fp32 masters) on the host's ledger.
+    // ZeRO-Offload: the optimizer shard (and bf16 runs' fp32 masters) on the host's ledger,
+    // from the start.
     let host_tracker = Arc::new(MemoryTracker::new());
-    if opts.techniques.optimizer.placement == OptimizerPlacement::HostRam {
-        let host = Cpu::new().with_alloc_hook(host_tracker.clone());
-        engine.offload_state(host).map_err(zero_err)?;
-    }
+    let state_on = if opts.techniques.optimizer.placement == OptimizerPlacement::HostRam {
+        Cpu::new().with_alloc_hook(host_tracker.clone())
+    } else {
+        cpu.clone()
+    };
+    let engine =
+        ZeroEngine::with_state_on(cpu.clone(), state_on, comm, &sizes, zcfg).map_err(zero_err)?;
     let store = EngineStore {
         engine: RefCell::new(engine),
         cpu: cpu.clone(),

@@ -364,6 +364,20 @@ impl ZeroEngine {
         layers: &[Vec<usize>],
         config: ZeroConfig,
     ) -> Result<Self> {
+        Self::with_state_on(cpu.clone(), cpu, comm, layers, config)
+    }
+
+    /// [`new`](Self::new) with the optimizer state — and, in mixed precision, the fp32
+    /// masters — on `state` from the start (ZeRO-Offload: another backend, whose allocation
+    /// hook is the host's ledger): nothing of it is ever allocated on `cpu`, not even
+    /// transiently, as a later [`offload_state`](Self::offload_state) would.
+    pub fn with_state_on<C: Collective + 'static>(
+        cpu: Cpu,
+        state: Cpu,
+        comm: C,
+        layers: &[Vec<usize>],
+        config: ZeroConfig,
+    ) -> Result<Self> {
         let (rank, world) = (comm.rank(), comm.world_size());
         if world == 0 || rank >= world {
             return Err(ZeroError::InvalidConfig(format!(
@@ -437,7 +451,7 @@ impl ZeroEngine {
         let masters = match config.precision {
             Precision::Fp32 => None,
             Precision::MixedBf16 => Some(alloc(
-                &cpu,
+                &state,
                 MemoryCategory::OptimizerState,
                 shard_total,
                 DType::F32,
@@ -467,7 +481,7 @@ impl ZeroEngine {
         let n_layers = infos.len();
         let n_buckets = plan.buckets().len();
         Ok(ZeroEngine {
-            state_cpu: cpu.clone(),
+            state_cpu: state,
             cpu,
             comm: CommThread::spawn(comm)?,
             config,
