@@ -117,8 +117,9 @@ enum CheckpointCommand {
 struct EstimateArgs {
     #[command(flatten)]
     run: RunArgs,
-    /// Per-rank memory under ZeRO stage 0–3 (data parallel over --ranks; --batch is each
-    /// rank's), and with --budget-mib the most layers of this width that fit per rank.
+    /// Per-rank memory under ZeRO stage 0–3 (data parallel over --ranks; --batch is the global
+    /// batch, as for `train --zero`), and with --budget-mib the most layers of this width that
+    /// fit per rank.
     #[arg(long, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: Option<u8>,
     /// Data-parallel ranks for --zero.
@@ -1394,24 +1395,25 @@ fn cmd_estimate(args: EstimateArgs) -> CliResult {
 }
 
 fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult {
-    use crate::zero_estimate::{largest_fitting_depth, zero_estimate};
+    use crate::zero_estimate::largest_fitting_depth;
+    use crate::zero_train::ZeroOptions;
     use headroom_zero::Stage;
-    o.validate()?;
     let stage = [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3][usize::from(stage)];
-    let micro = o.micro_batch()?;
-    let e = zero_estimate(&o.model, o.seq, micro, o.batch, &o.techniques, stage, ranks)?;
+    // The run's own checks and split: --batch is the global batch, as for `train --zero`.
+    let (e, micro) = crate::zero_train::estimate_run(o, &ZeroOptions::new(stage, ranks))?;
+    let per_rank = o.batch / ranks;
     say!(
-        "ZeRO {stage:?} over {ranks} ranks, per rank: {} {}L/{}H/{}C vocab {} ({} parameters), \
-         batch {}×{} per rank ({} sequences per step in all): {}",
+        "{stage} over {ranks} ranks, per rank: {} {}L/{}H/{}C vocab {} ({} parameters), \
+         batch {}×{} per rank in micro-batches of {micro} (global batch {}): {}",
         o.model.family_name(),
         o.model.layers,
         o.model.heads,
         o.model.channels,
         o.model.vocab,
         e.parameter_count,
-        o.batch,
+        per_rank,
         o.seq,
-        o.batch.saturating_mul(ranks),
+        o.batch,
         o.techniques.describe()
     );
     say!("| per rank | kept between steps, MiB | peak, MiB |\n|---|---|---|");
@@ -1454,7 +1456,7 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
             &o.model,
             o.seq,
             micro,
-            o.batch,
+            per_rank,
             &o.techniques,
             stage,
             ranks,

@@ -296,15 +296,7 @@ fn check_machine_memory(
     if !opts.check_machine_memory {
         return Ok(());
     }
-    let e = crate::zero_estimate::zero_estimate(
-        &opts.model,
-        opts.seq,
-        micro,
-        opts.batch / zero.ranks,
-        &opts.techniques,
-        zero.stage,
-        zero.ranks,
-    )?;
+    let e = rank_estimate(opts, zero, micro)?;
     let need = e.per_rank_peak().saturating_mul(local as u64);
     if let Some(have) = crate::train::machine_memory_bytes() {
         if need > have {
@@ -312,6 +304,35 @@ fn check_machine_memory(
         }
     }
     Ok(())
+}
+
+/// What each rank of [`train_zero`] with these options would hold, by category, before
+/// anything runs (`headroom estimate --zero`): the same checks as the run (`--batch` is the
+/// global batch, split over the ranks in whole micro-batches), then
+/// [`zero_estimate`](crate::zero_estimate::zero_estimate) of one rank's share. Returns the
+/// micro-batch too.
+pub fn estimate_run(
+    opts: &TrainOptions,
+    zero: &ZeroOptions,
+) -> Result<(crate::zero_estimate::ZeroEstimate, usize)> {
+    let micro = check(opts, zero)?;
+    Ok((rank_estimate(opts, zero, micro)?, micro))
+}
+
+fn rank_estimate(
+    opts: &TrainOptions,
+    zero: &ZeroOptions,
+    micro: usize,
+) -> Result<crate::zero_estimate::ZeroEstimate> {
+    crate::zero_estimate::zero_estimate(
+        &opts.model,
+        opts.seq,
+        micro,
+        opts.batch / zero.ranks,
+        &opts.techniques,
+        zero.stage,
+        zero.ranks,
+    )
 }
 
 /// Train under ZeRO on `zero.ranks` in-process ranks, calling `on_step` after every step

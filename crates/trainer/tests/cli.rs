@@ -101,6 +101,58 @@ fn estimate_prints_every_category_and_the_verdict() {
     }
 }
 
+/// `estimate --zero` reads `--batch` as `train --zero` does (the global batch), and each
+/// rank's share is what the library estimate of that share says; bad splits are refused alike.
+#[test]
+fn zero_estimate_reads_the_global_batch_like_train() {
+    use headroom_trainer::train::TrainOptions;
+    use headroom_trainer::zero_train::{estimate_run, ZeroOptions};
+    use headroom_zero::Stage;
+    let args = [
+        "estimate",
+        "--model",
+        "small",
+        "--precision",
+        "bf16",
+        "--checkpoint",
+        "sqrt-n",
+        "--batch",
+        "8",
+        "--zero",
+        "3",
+        "--ranks",
+        "4",
+        "--budget-mib",
+        "600",
+    ];
+    let o = headroom(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    for needle in [
+        "ZeRO-3 over 4 ranks",
+        "batch 2×",
+        "(global batch 8)",
+        "| workspace |",
+        "largest model of this width that fits",
+    ] {
+        assert!(s.contains(needle), "{needle} missing from:\n{s}");
+    }
+    // The printed peak is the library's estimate of one rank's share of the global batch.
+    let mut opts = TrainOptions {
+        batch: 8,
+        ..TrainOptions::small_default()
+    };
+    opts.techniques.model.precision = headroom_trainer::model::Precision::Bf16;
+    opts.techniques.checkpoint = headroom_trainer::techniques::CheckpointChoice::SqrtN;
+    let (e, micro) = estimate_run(&opts, &ZeroOptions::new(Stage::Zero3, 4)).unwrap();
+    assert_eq!(micro, 2);
+    let peak = format!("{:.1} |", e.per_rank_peak() as f64 / (1u64 << 20) as f64);
+    assert!(s.contains(&peak), "{peak} missing from:\n{s}");
+    let o = headroom(&["estimate", "--batch", "6", "--zero", "1", "--ranks", "4"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--batch"), "{}", stderr(&o));
+}
+
 #[test]
 fn max_batch_finds_a_batch_and_bad_input_is_an_error() {
     let o = headroom(&["max-batch", "--budget-mib", "64", "--limit", "64"]);
