@@ -908,3 +908,75 @@ fn a_stop_request_saves_and_the_resume_is_exact() {
     assert!(resumed.parameters == whole.parameters);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+mod any_configuration {
+    use super::*;
+    use headroom_tensor::{Device, MemoryCategory};
+    use headroom_trainer::zero_estimate::zero_estimate;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        /// Whatever the family, precision, schedule, attention, loss chunking, optimizer
+        /// placement, micro-batching, stage and rank count: every rank's peak of every category
+        /// is `zero_estimate`'s, byte for byte.
+        #[test]
+        fn every_ranks_peaks_are_the_estimate(
+            llama_family in any::<bool>(),
+            bf16 in any::<bool>(),
+            schedule in 0u8..5,
+            attention in 0u8..3,
+            loss_chunk in prop::option::of(1usize..40),
+            offload in any::<bool>(),
+            ranks in 2usize..5,
+            accumulation in 1usize..3,
+            stage in 0u8..4,
+        ) {
+            use headroom_trainer::techniques::OptimizerPlacement;
+            let family = if llama_family { llama() } else { Family::Gpt2 };
+            let mut o = options(family, ranks, 2);
+            o.batch = ranks * MICRO * accumulation;
+            let t = &mut o.techniques;
+            t.model.precision = if bf16 { Precision::Bf16 } else { Precision::Fp32 };
+            t.checkpoint = match schedule {
+                0 => CheckpointChoice::None,
+                1 => CheckpointChoice::EveryK(2),
+                2 => CheckpointChoice::SqrtN,
+                3 => CheckpointChoice::Selective,
+                _ => CheckpointChoice::EveryK(1),
+            };
+            t.model.attention = match attention {
+                0 => headroom_attn::AttentionConfig::naive(),
+                1 => headroom_attn::AttentionConfig::chunked(),
+                _ => headroom_attn::AttentionConfig::flash(),
+            };
+            t.model.loss_chunk = loss_chunk;
+            if offload {
+                t.optimizer.placement = OptimizerPlacement::HostRam;
+            }
+            let stage = Stage::ALL[usize::from(stage)];
+            let e = zero_estimate(
+                &o.model,
+                SEQ,
+                MICRO,
+                o.batch / ranks,
+                &o.techniques,
+                stage,
+                ranks,
+            )
+            .unwrap();
+            let report = train_zero(&o, ZeroOptions::new(stage, ranks), |_| {}).unwrap();
+            for r in &report.ranks {
+                let d = r.memory.device(Device::Cpu).unwrap();
+                for c in MemoryCategory::ALL {
+                    prop_assert_eq!(d.peak[c], e.device[c], "rank {} {:?}", r.rank, c);
+                }
+                let h = r.host_memory.device(Device::Cpu).map(|h| h.peak);
+                for c in MemoryCategory::ALL {
+                    let measured = h.as_ref().map_or(0, |p| p[c]);
+                    prop_assert_eq!(measured, e.host[c], "rank {} host {:?}", r.rank, c);
+                }
+            }
+        }
+    }
+}
