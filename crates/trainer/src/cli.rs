@@ -1299,7 +1299,7 @@ fn zero_ladder(base: &TrainOptions, budget: u64, budget_mib: u64) -> CliResult {
             r.stage,
             r.ranks,
             mib(r.peak_total),
-            mib(r.estimate.per_rank_peak()),
+            mib(r.estimate.device_peak),
             r.step_seconds,
             if r.fits { "fits" } else { "does not fit" }
         );
@@ -1433,8 +1433,12 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
         say!("| {name} | {:.1} | {:.1} |", mib(kept), mib(e.device[c]));
     }
     say!(
-        "| peak (the categories' peaks added) | | {:.1} |",
+        "| the categories' peaks added | | {:.1} |",
         mib(e.per_rank_peak())
+    );
+    say!(
+        "| **simultaneous peak** (bound: every transient at each moment) | | {:.1} |",
+        mib(e.device_peak)
     );
     if e.host.total() > 0 {
         say!(
@@ -1446,7 +1450,7 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
         say!(
             "budget {:.1} MiB per rank: {}",
             mib(b),
-            if e.per_rank_peak() <= b {
+            if e.device_peak <= b {
                 "fits"
             } else {
                 "does not fit"
@@ -1466,7 +1470,7 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
                 "largest model of this width that fits: {layers} layers, {} parameters \
                  ({:.1} MiB per rank)",
                 best.parameter_count,
-                mib(best.per_rank_peak())
+                mib(best.device_peak)
             ),
             None => say!("not even one layer of this width fits"),
         }

@@ -541,11 +541,11 @@ pub fn zero_ladder_table(results: &[ZeroRungResult], budget: u64) -> String {
     );
     let _ = writeln!(
         s,
-        "| stage | ranks | params | grads | optimizer | activations | workspace | per-rank peak | estimate | = estimate per category | reduction | sent/step | step s | fits |"
+        "| stage | ranks | params | grads | optimizer | activations | workspace | per-rank peak | estimate (simultaneous) | categories' peaks added | = estimate per category | reduction | sent/step | step s | fits |"
     );
     let _ = writeln!(
         s,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     let base = results.first();
     for r in results {
@@ -555,7 +555,7 @@ pub fn zero_ladder_table(results: &[ZeroRungResult], budget: u64) -> String {
         });
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2}× | {} | {:.2} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2}× | {} | {:.2} | {} |",
             r.stage,
             r.ranks,
             p(MemoryCategory::Parameters),
@@ -564,6 +564,7 @@ pub fn zero_ladder_table(results: &[ZeroRungResult], budget: u64) -> String {
             p(MemoryCategory::Activations),
             p(MemoryCategory::Workspace),
             mib(r.peak_total),
+            mib(r.estimate.device_peak),
             mib(r.estimate.per_rank_peak()),
             match r.estimate_mismatches().as_slice() {
                 [] => "yes".to_string(),

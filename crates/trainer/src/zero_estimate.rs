@@ -47,13 +47,18 @@ pub struct ZeroEstimate {
     pub state: PerRankBytes,
     /// One rank's peak per category, exactly as its tracker counts it.
     pub device: PerCategory<u64>,
+    /// One rank's simultaneous peak, all categories at once: an upper bound of the tracker's
+    /// `peak_total`, from the same replay (every transient at each moment, plus the
+    /// activations' peak), much tighter than adding the categories' peaks
+    /// ([`ZeroEstimate::per_rank_peak`]).
+    pub device_peak: u64,
     /// One rank's host bytes: the optimizer shard (and fp32 masters) under ZeRO-Offload.
     pub host: PerCategory<u64>,
 }
 
 impl ZeroEstimate {
-    /// One rank's peak: the sum of the categories' peaks (an upper bound of the simultaneous
-    /// peak, as the single-process ladder's estimate).
+    /// The sum of the categories' peaks: a loose upper bound of the simultaneous peak (they
+    /// peak at different moments); [`ZeroEstimate::device_peak`] is the tight one.
     pub fn per_rank_peak(&self) -> u64 {
         self.device.total()
     }
@@ -171,15 +176,24 @@ pub fn zero_estimate(
     device[MemoryCategory::Activations] = single.device[MemoryCategory::Activations];
     device[MemoryCategory::Data] = single.device[MemoryCategory::Data];
     let grad_io = u(micro) * u(seq) * u(cfg.channels) * 4;
-    device[MemoryCategory::Workspace] = replay
-        .workspace_peak(&plan, &uses, tied, &single, grad_io)
-        .max(replay.step_workspace(&crate::zero_train::part_sizes(cfg), precision));
+    let (ws_peak, transients_peak) = replay.workspace_peak(&plan, &uses, tied, &single, grad_io);
+    let step_ws = replay.step_workspace(&crate::zero_train::part_sizes(cfg), precision);
+    device[MemoryCategory::Workspace] = ws_peak.max(step_ws);
+    // Between steps, and during the step, only the state and the loader's buffers stay; the
+    // activations' peak is added to every moment of a micro-batch (a bound).
+    let kept = state.parameters
+        + state.gradients
+        + device[MemoryCategory::OptimizerState]
+        + device[MemoryCategory::Data];
+    let device_peak =
+        (kept + device[MemoryCategory::Activations] + transients_peak).max(kept + step_ws);
     Ok(ZeroEstimate {
         stage,
         ranks,
         parameter_count: single.parameter_count,
         state,
         device,
+        device_peak,
         host,
     })
 }
@@ -337,6 +351,11 @@ impl Replay {
     /// a bucket's submission until the rank waits for it); and, at each moment, the model's own
     /// workspace — the head's and a block backward's from the single-process estimate, the
     /// f32 gradients flowing between parts (`grad_io` each) around the pushes.
+    ///
+    /// Returned with it: the most transient bytes of every category at once at any of those
+    /// moments — the workspace, stage 3's gathered parts, the parts' gradient buffers and the
+    /// buckets — for [`ZeroEstimate::device_peak`]. (A forward is taken to need no more of the
+    /// model's workspace than a block's backward.)
     fn workspace_peak(
         &self,
         plan: &[usize],
@@ -344,48 +363,57 @@ impl Replay {
         tied: bool,
         single: &crate::estimate::TrainerEstimate,
         grad_io: u64,
-    ) -> u64 {
+    ) -> (u64, u64) {
         let parts = self.numel.len();
         let head = parts - 1;
         let stage3 = self.stage.shards_parameters();
         let send = |l: usize| self.shard[l] * self.p;
         let copy = |l: usize| self.numel[l] * self.a;
+        let gathered = |l: usize| self.padded[l] * self.p;
+        let grads = |l: usize| self.numel[l] * 4;
         let out_bytes = |b: usize| -> u64 {
             self.buckets[b].iter().map(|&l| self.shard[l]).sum::<u64>() * self.g
         };
+        let bucket_bytes = |b: usize| out_bytes(b) * self.ranks;
         let mut ready = vec![false; parts];
         let mut in_flight_send = vec![false; parts];
         let mut remaining: Vec<usize> = self.buckets.iter().map(Vec::len).collect();
+        let mut open = vec![false; self.buckets.len()];
         let mut rs: std::collections::VecDeque<usize> = Default::default();
-        let (mut ws, mut peak) = (0u64, 0u64);
+        let mut m = Moments::default();
         let mut pushes = 0usize;
-        // A push of part `l`'s gradients with `extra` bytes of the model's live besides.
-        let mut push = |l: usize,
-                        extra: u64,
-                        ws: &mut u64,
-                        peak: &mut u64,
-                        rs: &mut std::collections::VecDeque<usize>| {
+        // Part `l`'s gradients pushed, with `extra` bytes of the model's workspace live
+        // besides; its buffers go when the push returns.
+        let mut push = |l: usize, extra: u64, m: &mut Moments| {
             pushes += 1;
-            if !self.stage.shards_gradients() {
-                return;
-            }
-            let b = self.bucket_of[l];
-            remaining[b] -= 1;
-            if remaining[b] == 0 {
-                while rs.len() >= self.max_in_flight {
-                    if let Some(done) = rs.pop_front() {
-                        *ws -= out_bytes(done);
+            if self.stage.shards_gradients() {
+                let b = self.bucket_of[l];
+                if !open[b] {
+                    open[b] = true;
+                    m.other += bucket_bytes(b);
+                    m.at(extra, 0);
+                }
+                remaining[b] -= 1;
+                if remaining[b] == 0 {
+                    open[b] = false;
+                    while rs.len() >= self.max_in_flight {
+                        if let Some(done) = rs.pop_front() {
+                            m.ws -= out_bytes(done);
+                            m.other -= bucket_bytes(done);
+                        }
+                    }
+                    m.ws += out_bytes(b);
+                    m.at(extra, 0);
+                    rs.push_back(b);
+                }
+                if pushes == parts {
+                    while let Some(done) = rs.pop_front() {
+                        m.ws -= out_bytes(done);
+                        m.other -= bucket_bytes(done);
                     }
                 }
-                *ws += out_bytes(b);
-                *peak = (*peak).max(*ws + extra);
-                rs.push_back(b);
             }
-            if pushes == parts {
-                while let Some(done) = rs.pop_front() {
-                    *ws -= out_bytes(done);
-                }
-            }
+            m.other -= grads(l);
         };
         let mut copies = 0u64;
         for (i, (&l, &use_)) in plan.iter().zip(uses).enumerate() {
@@ -393,50 +421,67 @@ impl Replay {
             if stage3 {
                 if in_flight_send[l] {
                     in_flight_send[l] = false;
-                    ws -= send(l);
+                    m.ws -= send(l);
                 } else if !ready[l] {
                     // Gathered on the spot: the send buffer lives only for the wait.
-                    peak = peak.max(ws + copies + send(l));
+                    m.other += gathered(l);
+                    m.at(copies + send(l), 0);
                 }
                 ready[l] = true;
             }
             copies += copy(l);
             if next != Some(l) {
-                ready[l] = false;
+                if stage3 {
+                    ready[l] = false;
+                    m.other -= gathered(l);
+                }
                 if let Some(n) = next {
                     if stage3 && !ready[n] && !in_flight_send[n] {
                         in_flight_send[n] = true;
-                        ws += send(n);
+                        m.ws += send(n);
+                        m.other += gathered(n);
                     }
                 }
             }
             match use_ {
-                Use::EmbedForward | Use::BlockForward => {
-                    peak = peak.max(ws + copies);
+                Use::EmbedForward => {
+                    m.at(copies, 0);
+                    copies = 0;
+                }
+                Use::BlockForward => {
+                    // The workspace category's peak is a backward's; for the moment's total,
+                    // a forward's workspace is bounded by it.
+                    m.at(copies, single.block_backward_workspace);
                     copies = 0;
                 }
                 // A tied head computes once it also holds the embeddings.
                 Use::Head if tied => {}
                 Use::Head | Use::HeadTied => {
-                    peak = peak.max(ws + copies + single.head_workspace);
+                    m.other += grads(head) + if tied { grads(0) } else { 0 };
+                    m.at(copies + single.head_workspace, 0);
                     copies = 0;
                     // The head's input gradient is live when it hands over its gradients.
-                    push(head, grad_io, &mut ws, &mut peak, &mut rs);
+                    push(head, grad_io, &mut m);
                 }
                 Use::BlockBackward => {
-                    peak = peak.max(ws + copies + single.block_backward_workspace);
+                    m.other += grads(l);
+                    m.at(copies + single.block_backward_workspace, 0);
                     copies = 0;
                     // The block's output gradient and its input gradient.
-                    push(l, 2 * grad_io, &mut ws, &mut peak, &mut rs);
+                    push(l, 2 * grad_io, &mut m);
                     if next.is_none() {
-                        // The embeddings' backward, then their push.
-                        peak = peak.max(ws + grad_io);
-                        push(0, grad_io, &mut ws, &mut peak, &mut rs);
+                        // The embeddings' backward (a tied head's buffer is already there),
+                        // then their push.
+                        if !tied {
+                            m.other += grads(0);
+                        }
+                        m.at(grad_io, 0);
+                        push(0, grad_io, &mut m);
                     }
                 }
             }
         }
-        peak
+        (m.ws_peak, m.total_peak)
     }
 
     /// The rank's workspace peak during the optimizer step: stage 1's reduced gradient shard
@@ -487,6 +532,28 @@ impl Replay {
     }
 }
 
+/// The live transient bytes of a replay and their peaks: the workspace alone, and everything
+/// transient at once.
+#[derive(Default)]
+struct Moments {
+    /// Workspace held across model operations (send buffers, reduce-scatter outputs).
+    ws: u64,
+    /// Other transients: stage 3's gathered parts, gradient buffers, buckets.
+    other: u64,
+    ws_peak: u64,
+    total_peak: u64,
+}
+
+impl Moments {
+    /// A moment with `ws_extra` more workspace live (the model's, copies) and `total_extra`
+    /// bytes that count towards the total only.
+    fn at(&mut self, ws_extra: u64, total_extra: u64) {
+        let ws = self.ws + ws_extra;
+        self.ws_peak = self.ws_peak.max(ws);
+        self.total_peak = self.total_peak.max(ws + self.other + total_extra);
+    }
+}
+
 /// What one access of the plan is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Use {
@@ -503,8 +570,8 @@ fn u(x: usize) -> u64 {
     x as u64
 }
 
-/// The most layers (at `cfg`'s width, heads and vocabulary) whose per-rank peak fits
-/// `budget` bytes, with that estimate; `None` when not even one layer fits. (The arguments are
+/// The most layers (at `cfg`'s width, heads and vocabulary) whose simultaneous per-rank peak
+/// ([`ZeroEstimate::device_peak`]) fits `budget` bytes, with that estimate; `None` when not even one layer fits. (The arguments are
 /// [`zero_estimate`]'s plus the budget.)
 #[allow(clippy::too_many_arguments)]
 pub fn largest_fitting_depth(
@@ -524,7 +591,7 @@ pub fn largest_fitting_depth(
     };
     let fits = |layers: usize| -> Result<Option<ZeroEstimate>> {
         let e = at(layers)?;
-        Ok((e.per_rank_peak() <= budget).then_some(e))
+        Ok((e.device_peak <= budget).then_some(e))
     };
     let Some(mut best) = fits(1)? else {
         return Ok(None);

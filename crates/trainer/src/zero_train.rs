@@ -297,7 +297,7 @@ fn check_machine_memory(
         return Ok(());
     }
     let e = rank_estimate(opts, zero, micro)?;
-    let need = e.per_rank_peak().saturating_mul(local as u64);
+    let need = e.device_peak.saturating_mul(local as u64);
     if let Some(have) = crate::train::machine_memory_bytes() {
         if need > have {
             return Err(TrainError::MachineMemory { need, have });

@@ -84,11 +84,11 @@ fn the_depth_search_finds_the_edge_and_bad_setups_are_refused() {
         4,
     )
     .unwrap()
-    .per_rank_peak();
+    .device_peak;
     let (layers, e) = largest_fitting_depth(&cfg, 32, 4, 4, &tech, Stage::Zero3, 4, budget)
         .unwrap()
         .unwrap();
-    assert!(layers >= 7 && e.per_rank_peak() <= budget);
+    assert!(layers >= 7 && e.device_peak <= budget);
     let next = zero_estimate(
         &ModelConfig {
             layers: layers + 1,
@@ -102,7 +102,7 @@ fn the_depth_search_finds_the_edge_and_bad_setups_are_refused() {
         4,
     )
     .unwrap();
-    assert!(next.per_rank_peak() > budget);
+    assert!(next.device_peak > budget);
     assert!(
         largest_fitting_depth(&cfg, 32, 4, 4, &tech, Stage::Zero3, 4, 1)
             .unwrap()
