@@ -16,7 +16,7 @@ use headroom_trainer::model::{
 };
 use headroom_trainer::techniques::CheckpointChoice;
 use headroom_trainer::train::{open_data, DataSource, SyntheticData, TrainOptions};
-use headroom_trainer::zero_train::{train_zero, ZeroOptions};
+use headroom_trainer::zero_train::{estimate_run, train_zero, ZeroOptions};
 use headroom_zero::Stage;
 
 const SEQ: usize = 16;
@@ -602,7 +602,6 @@ fn checkpoints_shard_per_rank_consolidate_and_reshard_exactly() {
 #[test]
 fn the_estimator_predicts_each_ranks_peaks() {
     use headroom_tensor::{Device, MemoryCategory};
-    use headroom_trainer::zero_estimate::zero_estimate;
     let exact = [
         MemoryCategory::Parameters,
         MemoryCategory::Gradients,
@@ -665,16 +664,7 @@ fn the_estimator_predicts_each_ranks_peaks() {
                     "{} {precision:?} {checkpoint:?} {stage} N={ranks}",
                     o.model.family_name()
                 );
-                let e = zero_estimate(
-                    &o.model,
-                    SEQ,
-                    MICRO,
-                    o.batch / ranks,
-                    &o.techniques,
-                    stage,
-                    ranks,
-                )
-                .unwrap();
+                let (e, _) = estimate_run(&o, &ZeroOptions::new(stage, ranks)).unwrap();
                 let report = train_zero(&o, ZeroOptions::new(stage, ranks), |_| {}).unwrap();
                 for r in &report.ranks {
                     let d = r.memory.device(Device::Cpu).unwrap();
@@ -925,7 +915,6 @@ fn a_stop_request_saves_and_the_resume_is_exact() {
 mod any_configuration {
     use super::*;
     use headroom_tensor::{Device, MemoryCategory};
-    use headroom_trainer::zero_estimate::zero_estimate;
     use proptest::prelude::*;
 
     proptest! {
@@ -968,16 +957,7 @@ mod any_configuration {
                 t.optimizer.placement = OptimizerPlacement::HostRam;
             }
             let stage = Stage::ALL[usize::from(stage)];
-            let e = zero_estimate(
-                &o.model,
-                SEQ,
-                MICRO,
-                o.batch / ranks,
-                &o.techniques,
-                stage,
-                ranks,
-            )
-            .unwrap();
+            let (e, _) = estimate_run(&o, &ZeroOptions::new(stage, ranks)).unwrap();
             let report = train_zero(&o, ZeroOptions::new(stage, ranks), |_| {}).unwrap();
             for r in &report.ranks {
                 let d = r.memory.device(Device::Cpu).unwrap();
