@@ -151,22 +151,12 @@ pub fn zero_estimate(
         }
         v
     };
-    let push_order: Vec<usize> = {
-        let mut o = vec![Part::Head.index(cfg)];
-        o.extend(
-            schedule
-                .ops()
-                .iter()
-                .filter(|op| !op.is_forward())
-                .map(|op| Part::Block(op.layer()).index(cfg)),
-        );
-        o.push(Part::Embeddings.index(cfg));
-        o
-    };
     let tied = params::head_index(cfg) == params::WTE;
+    let grad_io = u(micro) * u(seq) * u(cfg.channels) * 4;
+    let peaks = replay.walk(&plan, &uses, tied, &single, grad_io);
     let mut device = PerCategory::<u64>::default();
-    device[MemoryCategory::Parameters] = state.parameters + replay.gathered_peak(&plan);
-    device[MemoryCategory::Gradients] = state.gradients + replay.gradient_peak(&push_order, tied);
+    device[MemoryCategory::Parameters] = state.parameters + peaks.gathered;
+    device[MemoryCategory::Gradients] = state.gradients + peaks.gradients;
     let mut host = PerCategory::<u64>::default();
     if offload {
         host[MemoryCategory::OptimizerState] = state.optimizer_state;
@@ -175,10 +165,8 @@ pub fn zero_estimate(
     }
     device[MemoryCategory::Activations] = single.device[MemoryCategory::Activations];
     device[MemoryCategory::Data] = single.device[MemoryCategory::Data];
-    let grad_io = u(micro) * u(seq) * u(cfg.channels) * 4;
-    let (ws_peak, transients_peak) = replay.workspace_peak(&plan, &uses, tied, &single, grad_io);
     let step_ws = replay.step_workspace(&crate::zero_train::part_sizes(cfg), precision);
-    device[MemoryCategory::Workspace] = ws_peak.max(step_ws);
+    device[MemoryCategory::Workspace] = peaks.workspace.max(step_ws);
     // Between steps, and during the step, only the state and the loader's buffers stay; the
     // activations' peak is added to every moment of a micro-batch (a bound).
     let kept = state.parameters
@@ -186,7 +174,7 @@ pub fn zero_estimate(
         + device[MemoryCategory::OptimizerState]
         + device[MemoryCategory::Data];
     let device_peak =
-        (kept + device[MemoryCategory::Activations] + transients_peak).max(kept + step_ws);
+        (kept + device[MemoryCategory::Activations] + peaks.total).max(kept + step_ws);
     Ok(ZeroEstimate {
         stage,
         ranks,
@@ -265,105 +253,25 @@ impl Replay {
         })
     }
 
-    /// Stage 3: the most gathered-layer bytes live at once (the layer in use and the one
-    /// being fetched). 0 in other stages.
-    fn gathered_peak(&self, plan: &[usize]) -> u64 {
-        if !self.stage.shards_parameters() {
-            return 0;
-        }
-        let bytes = |l: usize| self.padded[l] * self.p;
-        let mut live = vec![false; self.padded.len()];
-        let (mut now, mut peak) = (0u64, 0u64);
-        let mut hold = |l: usize, live: &mut Vec<bool>, now: &mut u64| {
-            if !live[l] {
-                live[l] = true;
-                *now += bytes(l);
-                peak = peak.max(*now);
-            }
-        };
-        for (i, &l) in plan.iter().enumerate() {
-            hold(l, &mut live, &mut now);
-            let next = plan.get(i + 1).copied();
-            if next != Some(l) {
-                live[l] = false;
-                now -= bytes(l);
-                if let Some(n) = next {
-                    hold(n, &mut live, &mut now);
-                }
-            }
-        }
-        peak
-    }
-
-    /// The most transient gradient bytes live at once in a micro-batch's backward: each
-    /// part's f32 gradient buffers while its backward runs (a tied head's embedding gradient
-    /// from the head to the end), and stages 2–3's buckets, filled in push order and
-    /// reduce-scattered at most `max_in_flight` at a time.
-    fn gradient_peak(&self, push_order: &[usize], tied: bool) -> u64 {
-        let grads = |l: usize| self.numel[l] * 4;
-        let emb = 0usize;
-        let mut now = if tied { grads(emb) } else { 0 };
-        let mut peak = now;
-        let bucket_bytes = |b: usize| -> u64 {
-            self.buckets[b].iter().map(|&l| self.shard[l]).sum::<u64>() * self.ranks * self.g
-        };
-        let mut remaining: Vec<usize> = self.buckets.iter().map(Vec::len).collect();
-        let mut open = vec![false; self.buckets.len()];
-        let mut in_flight: std::collections::VecDeque<usize> = Default::default();
-        for (i, &l) in push_order.iter().enumerate() {
-            let own = !(tied && l == emb);
-            if own {
-                now += grads(l);
-                peak = peak.max(now);
-            }
-            if self.stage.shards_gradients() {
-                let b = self.bucket_of[l];
-                if !open[b] {
-                    open[b] = true;
-                    now += bucket_bytes(b);
-                    peak = peak.max(now);
-                }
-                remaining[b] -= 1;
-                if remaining[b] == 0 {
-                    open[b] = false;
-                    while in_flight.len() >= self.max_in_flight {
-                        if let Some(done) = in_flight.pop_front() {
-                            now -= bucket_bytes(done);
-                        }
-                    }
-                    in_flight.push_back(b);
-                }
-                if i + 1 == push_order.len() {
-                    while let Some(done) = in_flight.pop_front() {
-                        now -= bucket_bytes(done);
-                    }
-                }
-            }
-            // The part's buffers go when its push returns (the tied embedding's included).
-            now -= grads(l);
-        }
-        peak
-    }
-
-    /// The rank's workspace peak over a micro-batch, replayed event by event as the driver
-    /// makes them: each use's copies of its parts' weights; stage 3's all-gather send buffers
-    /// (from a prefetch until the rank waits for it); stages 2–3's reduce-scatter outputs (from
-    /// a bucket's submission until the rank waits for it); and, at each moment, the model's own
-    /// workspace — the head's and a block backward's from the single-process estimate, the
-    /// f32 gradients flowing between parts (`grad_io` each) around the pushes.
-    ///
-    /// Returned with it: the most transient bytes of every category at once at any of those
-    /// moments — the workspace, stage 3's gathered parts, the parts' gradient buffers and the
-    /// buckets — for [`ZeroEstimate::device_peak`]. (A forward is taken to need no more of the
-    /// model's workspace than a block's backward.)
-    fn workspace_peak(
+    /// One micro-batch of a rank, replayed event by event as the driver makes them: stage 3's
+    /// gathers (each part's all-gather output and send buffer, from the prefetch until the
+    /// rank waits for it, the output until its release); each use's copies of its parts'
+    /// weights; each part's f32 gradient buffers while its backward runs (a tied head's
+    /// embedding gradient from the head to the embeddings' push); stages 2–3's buckets, filled
+    /// in push order and reduce-scattered at most `max_in_flight` at a time, with their
+    /// outputs; and, at each moment, the model's own workspace — the head's and a block
+    /// backward's from the single-process estimate, the f32 gradients flowing between parts
+    /// (`grad_io` each) around the pushes. Returns each category's transient peak and the most
+    /// of them live at once (a forward taken to need no more of the model's workspace than a
+    /// block's backward, for that total).
+    fn walk(
         &self,
         plan: &[usize],
         uses: &[Use],
         tied: bool,
         single: &crate::estimate::TrainerEstimate,
         grad_io: u64,
-    ) -> (u64, u64) {
+    ) -> Peaks {
         let parts = self.numel.len();
         let head = parts - 1;
         let stage3 = self.stage.shards_parameters();
@@ -390,7 +298,7 @@ impl Replay {
                 let b = self.bucket_of[l];
                 if !open[b] {
                     open[b] = true;
-                    m.other += bucket_bytes(b);
+                    m.add_grads(bucket_bytes(b));
                     m.at(extra, 0);
                 }
                 remaining[b] -= 1;
@@ -399,7 +307,7 @@ impl Replay {
                     while rs.len() >= self.max_in_flight {
                         if let Some(done) = rs.pop_front() {
                             m.ws -= out_bytes(done);
-                            m.other -= bucket_bytes(done);
+                            m.grads -= bucket_bytes(done);
                         }
                     }
                     m.ws += out_bytes(b);
@@ -409,11 +317,11 @@ impl Replay {
                 if pushes == parts {
                     while let Some(done) = rs.pop_front() {
                         m.ws -= out_bytes(done);
-                        m.other -= bucket_bytes(done);
+                        m.grads -= bucket_bytes(done);
                     }
                 }
             }
-            m.other -= grads(l);
+            m.grads -= grads(l);
         };
         let mut copies = 0u64;
         for (i, (&l, &use_)) in plan.iter().zip(uses).enumerate() {
@@ -424,7 +332,7 @@ impl Replay {
                     m.ws -= send(l);
                 } else if !ready[l] {
                     // Gathered on the spot: the send buffer lives only for the wait.
-                    m.other += gathered(l);
+                    m.add_params(gathered(l));
                     m.at(copies + send(l), 0);
                 }
                 ready[l] = true;
@@ -433,13 +341,13 @@ impl Replay {
             if next != Some(l) {
                 if stage3 {
                     ready[l] = false;
-                    m.other -= gathered(l);
+                    m.params -= gathered(l);
                 }
                 if let Some(n) = next {
                     if stage3 && !ready[n] && !in_flight_send[n] {
                         in_flight_send[n] = true;
                         m.ws += send(n);
-                        m.other += gathered(n);
+                        m.add_params(gathered(n));
                     }
                 }
             }
@@ -457,14 +365,14 @@ impl Replay {
                 // A tied head computes once it also holds the embeddings.
                 Use::Head if tied => {}
                 Use::Head | Use::HeadTied => {
-                    m.other += grads(head) + if tied { grads(0) } else { 0 };
+                    m.add_grads(grads(head) + if tied { grads(0) } else { 0 });
                     m.at(copies + single.head_workspace, 0);
                     copies = 0;
                     // The head's input gradient is live when it hands over its gradients.
                     push(head, grad_io, &mut m);
                 }
                 Use::BlockBackward => {
-                    m.other += grads(l);
+                    m.add_grads(grads(l));
                     m.at(copies + single.block_backward_workspace, 0);
                     copies = 0;
                     // The block's output gradient and its input gradient.
@@ -473,7 +381,7 @@ impl Replay {
                         // The embeddings' backward (a tied head's buffer is already there),
                         // then their push.
                         if !tied {
-                            m.other += grads(0);
+                            m.add_grads(grads(0));
                         }
                         m.at(grad_io, 0);
                         push(0, grad_io, &mut m);
@@ -481,7 +389,12 @@ impl Replay {
                 }
             }
         }
-        (m.ws_peak, m.total_peak)
+        Peaks {
+            workspace: m.ws_peak,
+            gathered: m.params_peak,
+            gradients: m.grads_peak,
+            total: m.total_peak,
+        }
     }
 
     /// The rank's workspace peak during the optimizer step: stage 1's reduced gradient shard
@@ -532,15 +445,19 @@ impl Replay {
     }
 }
 
-/// The live transient bytes of a replay and their peaks: the workspace alone, and everything
+/// The live transient bytes of a replay and their peaks: each category's, and everything
 /// transient at once.
 #[derive(Default)]
 struct Moments {
     /// Workspace held across model operations (send buffers, reduce-scatter outputs).
     ws: u64,
-    /// Other transients: stage 3's gathered parts, gradient buffers, buckets.
-    other: u64,
+    /// Stage 3's gathered parts.
+    params: u64,
+    /// The parts' gradient buffers and the buckets.
+    grads: u64,
     ws_peak: u64,
+    params_peak: u64,
+    grads_peak: u64,
     total_peak: u64,
 }
 
@@ -550,8 +467,31 @@ impl Moments {
     fn at(&mut self, ws_extra: u64, total_extra: u64) {
         let ws = self.ws + ws_extra;
         self.ws_peak = self.ws_peak.max(ws);
-        self.total_peak = self.total_peak.max(ws + self.other + total_extra);
+        self.total_peak = self
+            .total_peak
+            .max(ws + self.params + self.grads + total_extra);
     }
+
+    fn add_params(&mut self, bytes: u64) {
+        self.params += bytes;
+        self.params_peak = self.params_peak.max(self.params);
+    }
+
+    fn add_grads(&mut self, bytes: u64) {
+        self.grads += bytes;
+        self.grads_peak = self.grads_peak.max(self.grads);
+    }
+}
+
+/// The peaks of one rank's transients over a micro-batch, from [`Replay::walk`].
+struct Peaks {
+    workspace: u64,
+    /// Stage 3's gathered parts.
+    gathered: u64,
+    /// Gradient buffers and buckets.
+    gradients: u64,
+    /// All of them at once.
+    total: u64,
 }
 
 /// What one access of the plan is for.
