@@ -344,15 +344,20 @@ impl Schedule {
         self.ops.iter().filter(|op| op.is_forward()).count()
     }
 
-    /// Predict peak live saved bytes and compute under `costs`.
-    pub fn simulate(&self, costs: &ChainCost) -> Result<ScheduleStats, ScheduleError> {
+    /// A simulator of this schedule over `costs`, which must have one entry per layer.
+    fn simulator_for<'c>(&self, costs: &'c ChainCost) -> Result<Simulator<'c>, ScheduleError> {
         if costs.len() != self.num_layers {
             return Err(ScheduleError::LengthMismatch {
                 schedule: self.num_layers,
                 chain: costs.len(),
             });
         }
-        let mut sim = Simulator::new(self.num_layers, Some(costs));
+        Ok(Simulator::new(self.num_layers, Some(costs)))
+    }
+
+    /// Predict peak live saved bytes and compute under `costs`.
+    pub fn simulate(&self, costs: &ChainCost) -> Result<ScheduleStats, ScheduleError> {
+        let mut sim = self.simulator_for(costs)?;
         for (k, &op) in self.ops.iter().enumerate() {
             sim.apply(k, op)?;
         }
@@ -364,13 +369,7 @@ impl Schedule {
     /// [`ScheduleStats::peak_saved_bytes`], and below it when the schedule's peak comes later,
     /// while a segment is recomputed.
     pub fn saved_at_loss(&self, costs: &ChainCost) -> Result<u64, ScheduleError> {
-        if costs.len() != self.num_layers {
-            return Err(ScheduleError::LengthMismatch {
-                schedule: self.num_layers,
-                chain: costs.len(),
-            });
-        }
-        let mut sim = Simulator::new(self.num_layers, Some(costs));
+        let mut sim = self.simulator_for(costs)?;
         for (k, &op) in self.ops.iter().enumerate() {
             sim.apply(k, op)?;
             if let Some(at) = sim.at_loss {

@@ -10,7 +10,7 @@ use crate::estimate;
 use crate::model::{finetune, params, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques};
 use crate::train::{train, TrainOptions};
-use crate::zero_estimate::{zero_estimate, ZeroEstimate};
+use crate::zero_estimate::ZeroEstimate;
 use crate::zero_train::{train_zero, ZeroOptions};
 use crate::{Result, TrainError};
 use headroom_zero::Stage;
@@ -477,16 +477,8 @@ pub fn run_zero_ladder(
         let per_rank = o.batch / ranks;
         let micro = o.techniques.micro_batch.unwrap_or(per_rank).min(per_rank);
         o.techniques.micro_batch = Some(micro);
-        let estimate = zero_estimate(
-            &o.model,
-            o.seq,
-            micro,
-            per_rank,
-            &o.techniques,
-            stage,
-            ranks,
-        )?;
         let zero = ZeroOptions::new(stage, ranks);
+        let (estimate, _) = crate::zero_train::estimate_run(&o, &zero)?;
         let (report, fits) = match train_zero(&o, zero, |_| {}) {
             Ok(r) => (r, true),
             Err(e) if is_out_of_budget(&e) => {
