@@ -20,11 +20,23 @@
 //!   gemm's depth blocking (`kc`) is a function of `k` and the cache sizes only, once neither
 //!   output dimension is tiny (gemm's small-matrix and matrix-vector paths block differently).
 //!   Panels are therefore at least [`PANEL_MIN`] columns wide, and a product with at most
-//!   [`SINGLE_PANEL_ROWS`] rows takes the whole weight as one panel — so the result is *bit
-//!   for bit* the f32 GEMM's on the widened weight (tested below), and a bf16 run's losses are
-//!   those of the f32 views it replaces. Against an f64 product of the same bf16-rounded
-//!   inputs the error is the f32 GEMM's: `|err| ≤ γ_k Σ|a·b|` with `γ_k ≈ k·2⁻²⁴` (the test
-//!   checks `k·2⁻²³ · Σ|a·b| + 1e-30`).
+//!   [`SINGLE_PANEL_ROWS`] rows takes the whole weight as one panel.
+//! - A deep product is also cut along its depth, exactly where gemm cuts it: gemm sums each
+//!   depth block in registers from zero and adds it to the output, so one gemm call per block
+//!   (accumulating from the second) performs the same additions in the same order. The block
+//!   length depends on the CPU's micro-kernel and L1 cache, so it is taken from gemm's own
+//!   `kernel_params` and *checked once at run time* (a product cut there must give the uncut
+//!   call's bits, and one cut elsewhere must not); where the check fails or the kernel is not
+//!   one this module knows, panels span the whole depth as before. The cut lets a panel hold
+//!   more columns in the same scratch, so the activation operand is packed once per depth block
+//!   instead of once per narrow panel: the head's input gradient (depth = the vocabulary) went
+//!   from four 96-column strips of the whole 50257-deep weight (19.3 MB of scratch, the
+//!   `[rows, 50257]` logits gradient packed four times) to one 384-column panel per ~500-deep
+//!   block (0.8 MB).
+//! - So the result is *bit for bit* the f32 GEMM's on the widened weight (tested below), and
+//!   a bf16 run's losses are those of the f32 views it replaces. Against an f64 product of the
+//!   same bf16-rounded inputs the error is the f32 GEMM's: `|err| ≤ γ_k Σ|a·b|` with
+//!   `γ_k ≈ k·2⁻²⁴` (the test checks `k·2⁻²³ · Σ|a·b| + 1e-30`).
 //! - Why a separate widening pass and not inside the packing: the packing is gemm's and not
 //!   ours to extend, and an own kernel with its own blocking would change the summation order
 //!   (and the committed bf16 loss trace). So each panel is widened into an L2/L3-sized buffer
@@ -35,7 +47,11 @@
 //!   fused loss calls the head once per 128-row chunk and so widens the 50257-row embedding
 //!   twice per chunk where the old f32 view was made once per step; and the activation
 //!   operand is re-read once per panel. Memory: the scratch of [`forward_scratch`] /
-//!   [`backward_scratch`] elements instead of a whole f32 copy of the weight.
+//!   [`backward_scratch`] elements instead of a whole f32 copy of the weight. Where the depth
+//!   cut applies, the scratch depends on gemm's block length, i.e. on the CPU (the estimator
+//!   calls the same functions, so its figures follow); products of depth ≤ 512 are never cut.
+//!   Measured on AVX2 (`benches/results/2026-11-24-cpu-2core-bf16-depth-cut.md`): the head's
+//!   input-gradient product went from 0.84 to 1.00 of the f32 GEMM's throughput.
 
 use std::ops::Range;
 
@@ -73,6 +89,20 @@ impl<'a> Strided<'a> {
             data,
             row_stride: 1,
             col_stride: cols,
+        }
+    }
+    /// The same matrix without its first `c` columns.
+    fn skip_cols(self, c: usize) -> Self {
+        Strided {
+            data: &self.data[(c * self.col_stride).min(self.data.len())..],
+            ..self
+        }
+    }
+    /// The same matrix without its first `r` rows.
+    fn skip_rows(self, r: usize) -> Self {
+        Strided {
+            data: &self.data[(r * self.row_stride).min(self.data.len())..],
+            ..self
         }
     }
 }
@@ -305,19 +335,172 @@ pub const PANEL_MIN: usize = 80;
 /// `PANEL_MIN`-wide panel could reach gemm's matrix-vector or tiny-matrix paths.
 pub const SINGLE_PANEL_ROWS: usize = 3;
 
-/// How the `n` output columns of an `m`-row product of depth `k` split into panels:
-/// `(count, widest)`. Panels are `n / count` or one more columns wide, each ≥ [`PANEL_MIN`]
-/// when there is more than one.
-fn panel_plan(m: usize, n: usize, k: usize, budget: usize) -> (usize, usize) {
+/// How a low-precision product is cut into calls of gemm: depth blocks of at most `depth`
+/// (gemm's own depth blocks, so the cut does not change any sum — see [`gemm_depth_block`]) by
+/// `count` column panels, the widest `widest` columns. One call widens a `depth × widest` piece
+/// of the weight at most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    depth: usize,
+    count: usize,
+    widest: usize,
+}
+
+impl Plan {
+    /// Scratch elements (f32) one widened piece takes.
+    fn scratch(&self) -> usize {
+        self.depth * self.widest
+    }
+}
+
+/// How an `m`-row product of depth `k` with `n` output columns splits. Panels are `n / count`
+/// or one more columns wide, each ≥ [`PANEL_MIN`] when there is more than one, and as wide as
+/// `budget` allows for one depth block: cutting the depth where gemm does lets a panel be wider
+/// (the head's input gradient, depth 50257, becomes one panel of all 384 columns instead of
+/// four 96-column strips), so the activation operand is packed once instead of once per panel.
+fn panel_plan(m: usize, n: usize, k: usize, budget: usize) -> Plan {
     if n == 0 {
-        return (0, 0);
+        return Plan {
+            depth: k,
+            count: 0,
+            widest: 0,
+        };
     }
     if m <= SINGLE_PANEL_ROWS {
-        return (1, n);
+        return Plan {
+            depth: k,
+            count: 1,
+            widest: n,
+        };
     }
-    let target = (budget / (4 * k.max(1)) / 16 * 16).max(PANEL_MIN);
+    let depth = gemm_depth_block(m, n, k).unwrap_or(k);
+    let target = (budget / (4 * depth.max(1)) / 16 * 16).max(PANEL_MIN);
     let count = (n / target).max(1);
-    (count, n.div_ceil(count))
+    Plan {
+        depth,
+        count,
+        widest: n.div_ceil(count),
+    }
+}
+
+/// The depth blocks' length gemm uses for an `m × n` product of depth `k` (f32), when this
+/// machine's blocking is known and the product takes gemm's blocked path: `None` otherwise.
+///
+/// gemm reduces the depth in blocks of `kc` (from `kernel_params`: the L1 cache and the
+/// micro-kernel's tile), each block's products summed in registers from zero and then added
+/// to the output, so an output element is `((0 + B₀) + B₁) + …`. Calling gemm once per block,
+/// accumulating from the second, performs exactly those additions — provided the blocks are
+/// gemm's. Which micro-kernel gemm takes (so `kc`) depends on the CPU, hence the run-time
+/// check [`depth_blocking_verified`]; small products take other gemm paths (a different block
+/// length, a vector path), which the shape conditions here exclude.
+fn gemm_depth_block(m: usize, n: usize, k: usize) -> Option<usize> {
+    // gemm's small-matrix path (`m, n ≤ 64`) blocks the depth by 512 instead; ≤ 256 outputs
+    // may take the horizontal kernels; a row or column takes the vector paths. Panels are at
+    // least `PANEL_MIN` (> 64) wide when there are several, so each call's shape passes too.
+    if (m <= 64 && n <= 64) || m * n <= 256 || m < 2 || n < 2 || k == 0 {
+        return None;
+    }
+    let (mr, nr) = depth_blocking_verified()?;
+    let kc = gemm_kc(k, mr, nr);
+    // A last block of ≤ 2 would go through gemm's outer-product path.
+    let last = k - (k.div_ceil(kc) - 1) * kc;
+    (kc < k && last > 2).then_some(kc)
+}
+
+/// gemm's depth block for depth `k` and micro-kernel tile `mr × nr` (f32).
+fn gemm_kc(k: usize, mr: usize, nr: usize) -> usize {
+    // The block length depends only on the depth, the tile and the caches, not on `m`, `n`.
+    gemm_common::cache::kernel_params(256, 256, k, mr, nr, std::mem::size_of::<f32>()).kc
+}
+
+/// The f32 micro-kernel tile gemm picks on this CPU, `(mr, nr)`, if it is one this module
+/// knows: gemm 0.19 with the `x86-v4` feature (the workspace enables it) takes its AVX-512
+/// kernel (4×16 rows × 6 columns) where the CPU has AVX-512F, else the FMA kernel (2×8 × 6).
+fn gemm_f32_tile() -> Option<(usize, usize)> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Some((64, 6));
+        }
+        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2")
+        {
+            return Some((16, 6));
+        }
+    }
+    None
+}
+
+/// [`gemm_f32_tile`], once checked on this machine: a product cut at the blocks [`gemm_kc`]
+/// predicts must give the uncut call's bits, and a cut one element off must not (so the check
+/// can tell). Any other outcome (another gemm version, a CPU whose kernel this module does not
+/// know) turns the depth cut off and panels span the whole depth, as before.
+fn depth_blocking_verified() -> Option<(usize, usize)> {
+    static VERIFIED: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    *VERIFIED.get_or_init(|| {
+        let (mr, nr) = gemm_f32_tile()?;
+        probe_depth_blocks(mr, nr).then_some((mr, nr))
+    })
+}
+
+/// Whether cutting at gemm's blocks reproduces the uncut product (both weight layouts, with
+/// and without accumulation), and cutting elsewhere does not.
+fn probe_depth_blocks(mr: usize, nr: usize) -> bool {
+    let (m, n) = (72, 80);
+    // Three or more blocks at any block length up to 1024.
+    let k = 2100;
+    let kc = gemm_kc(k, mr, nr);
+    if kc >= k || kc < 4 {
+        return false;
+    }
+    // Magnitudes over 2⁻⁸…2⁸ so that any other association changes low bits.
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        let mantissa = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+        mantissa * f32::powi(2.0, (s % 17) as i32 - 8)
+    };
+    let lhs: Vec<f32> = (0..m * k).map(|_| next()).collect();
+    let w: Vec<f32> = (0..k * n).map(|_| next()).collect();
+    let start: Vec<f32> = (0..m * n).map(|_| next()).collect();
+    let lhs_view = Strided::rows(&lhs, k);
+    let mut all_equal = true;
+    let mut off_by_one_differs = true;
+    for transposed in [false, true] {
+        let rhs = if transposed {
+            Strided::transposed(&w, k)
+        } else {
+            Strided::rows(&w, n)
+        };
+        for accumulate in [false, true] {
+            let mut whole = start.clone();
+            gemm_into(&mut whole, lhs_view, rhs, m, n, k, accumulate);
+            let cut = |block: usize| {
+                let mut out = start.clone();
+                let mut k0 = 0;
+                while k0 < k {
+                    let kb = block.min(k - k0);
+                    gemm_into(
+                        &mut out,
+                        lhs_view.skip_cols(k0),
+                        rhs.skip_rows(k0),
+                        m,
+                        n,
+                        kb,
+                        accumulate || k0 > 0,
+                    );
+                    k0 += kb;
+                }
+                out
+            };
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            all_equal &= same(&cut(kc), &whole);
+            off_by_one_differs &= !same(&cut(kc - 1), &whole);
+        }
+    }
+    all_equal && off_by_one_differs
 }
 
 /// Panel `j`'s columns: the first `n % count` panels take one column more.
@@ -330,7 +513,7 @@ fn panel_range(n: usize, count: usize, j: usize) -> Range<usize> {
 /// Scratch elements (f32) an `m`-row product of depth `k` with `n` low-precision weight
 /// columns needs: one widened panel.
 fn panel_elems(m: usize, n: usize, k: usize) -> usize {
-    k * panel_plan(m, n, k, PANEL_BYTES).1
+    panel_plan(m, n, k, PANEL_BYTES).scratch()
 }
 
 /// Scratch (f32 elements) [`forward_with`] needs for a low-precision weight: `n` rows of
@@ -409,44 +592,76 @@ fn gemm_weight<W: Operand>(
         gemm_into(dst, lhs, rhs, m, n, k, accumulate);
         return;
     }
-    let (count, widest) = panel_plan(m, n, k, budget);
+    let plan = panel_plan(m, n, k, budget);
     assert!(
-        scratch.len() >= k * widest,
+        scratch.len() >= plan.scratch(),
         "scratch of {} elements, need {}",
         scratch.len(),
-        k * widest
+        plan.scratch()
     );
-    for j in 0..count {
-        let cols = panel_range(n, count, j);
+    let blocks = k.div_ceil(plan.depth.max(1)).max(1);
+    for j in 0..plan.count {
+        let cols = panel_range(n, plan.count, j);
         let width = cols.len();
-        let panel = &mut scratch[..k * width];
-        let rhs = if transposed {
-            // Rows `cols` of `[n, k]` are contiguous: one widening pass.
-            widen_par(&w[cols.start * k..cols.end * k], panel);
-            Strided::transposed(panel, k)
-        } else {
-            // Columns `cols` of `[k, n]`: a strip of each row, packed dense `[k, width]`. The
-            // strips are short (the head's are ~100 values), so each task takes a block of
-            // rows: one task per strip cost 4× the widening itself (measured).
-            use rayon::prelude::*;
-            let rows_per_task = (WIDEN_CHUNK / width.max(1)).max(1);
-            panel
-                .par_chunks_mut(width * rows_per_task)
-                .enumerate()
-                .for_each(|(t, block)| {
-                    let r0 = t * rows_per_task;
-                    W::widen_strip(&w[r0 * n..], n, cols.start, width, block);
-                });
-            Strided::rows(panel, width)
-        };
         // The slab `dst[:, cols]` starts at column `cols.start` with the full row stride.
         let slab = if m == 0 {
             &mut dst[..0]
         } else {
             &mut dst[cols.start..(m - 1) * n + cols.end]
         };
-        gemm_rows_into(slab, n, lhs, rhs, m, width, k, accumulate);
+        for b in 0..blocks {
+            let k0 = b * plan.depth;
+            let kb = plan.depth.min(k - k0);
+            let piece = &mut scratch[..kb * width];
+            let rhs = if transposed {
+                // Rows `cols`, columns `k0..k0 + kb` of `[n, k]`, as `[width, kb]`.
+                widen_piece(w, k, cols.clone(), k0..k0 + kb, piece);
+                Strided::transposed(piece, kb)
+            } else {
+                // Rows `k0..k0 + kb`, columns `cols` of `[k, n]`, as `[kb, width]`.
+                widen_piece(w, n, k0..k0 + kb, cols.clone(), piece);
+                Strided::rows(piece, width)
+            };
+            gemm_rows_into(
+                slab,
+                n,
+                lhs.skip_cols(k0),
+                rhs,
+                m,
+                width,
+                kb,
+                accumulate || b > 0,
+            );
+        }
     }
+}
+
+/// `dst = src[rows, cols]` widened, dense `[rows.len(), cols.len()]`, for `src` row-major with
+/// `stride` columns; over the threads.
+fn widen_piece<W: Operand>(
+    src: &[W],
+    stride: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    dst: &mut [f32],
+) {
+    use rayon::prelude::*;
+    let width = cols.len();
+    debug_assert_eq!(dst.len(), rows.len() * width);
+    if width == stride {
+        // Whole rows are contiguous: one flat pass.
+        widen_par(&src[rows.start * stride..rows.end * stride], dst);
+        return;
+    }
+    // A strip of each row. The strips can be short (the head's were ~100 values), so each
+    // task takes a block of rows: one task per strip cost 4× the widening itself (measured).
+    let rows_per_task = (WIDEN_CHUNK / width.max(1)).max(1);
+    dst.par_chunks_mut(width * rows_per_task)
+        .enumerate()
+        .for_each(|(t, block)| {
+            let r0 = rows.start + t * rows_per_task;
+            W::widen_strip(&src[r0 * stride..], stride, cols.start, width, block);
+        });
 }
 
 /// [`forward`] with the weight (and bias) in any [`Operand`] type: `out = inp · Wᵀ (+ bias)`,
@@ -616,7 +831,7 @@ mod tests {
             let mut want = vec![0.0f32; m * n];
             forward(&mut want, &x, &wf, None, m, k, n);
             let budget = if tiny_budget { 0 } else { PANEL_BYTES };
-            let mut scratch = vec![f32::NAN; k * panel_plan(m, n, k, budget).1];
+            let mut scratch = vec![f32::NAN; panel_plan(m, n, k, budget).scratch()];
             let mut got = vec![f32::NAN; m * n];
             gemm_weight(&mut got, Strided::rows(&x, k), &w, true, m, n, k, false,
                         &mut scratch, budget);
@@ -645,7 +860,7 @@ mod tests {
             let mut want = start.clone();
             gemm_into(&mut want, Strided::rows(&dy, k), Strided::rows(&wf, n), m, n, k, true);
             let budget = if tiny_budget { 0 } else { PANEL_BYTES };
-            let mut scratch = vec![f32::NAN; k * panel_plan(m, n, k, budget).1];
+            let mut scratch = vec![f32::NAN; panel_plan(m, n, k, budget).scratch()];
             let mut got = start.clone();
             gemm_weight(&mut got, Strided::rows(&dy, k), &w, false, m, n, k, true,
                         &mut scratch, budget);
@@ -731,6 +946,96 @@ mod tests {
         }
     }
 
+    /// Products deep enough for gemm to block their depth (several blocks, a shorter last
+    /// one): cut at gemm's blocks, a bf16 weight still gives the f32 GEMM's bits in both
+    /// layouts, and the f64 reference within the bound.
+    #[test]
+    fn deep_products_cut_at_gemm_blocks_match_f32_bits() {
+        for &(m, k, n) in &[
+            (70, 1100, 90),
+            (5, 2600, 200),
+            (96, 4100, 64),
+            (130, 20011, 40),
+        ] {
+            let plan = panel_plan(m, n, k, PANEL_BYTES);
+            if depth_blocking_verified().is_some() && (m > 64 || n > 64) {
+                assert!(
+                    plan.depth < k,
+                    "{m}x{k}x{n}: expected a depth cut, got {plan:?}"
+                );
+            }
+            let x = f32_vec(21, m * k);
+            let wt = bf16_vec(22, n * k);
+            let mut scratch = vec![f32::NAN; plan.scratch()];
+            let (mut want, mut got) = (vec![0.0; m * n], vec![f32::NAN; m * n]);
+            forward(&mut want, &x, &widened(&wt), None, m, k, n);
+            gemm_weight(
+                &mut got,
+                Strided::rows(&x, k),
+                &wt,
+                true,
+                m,
+                n,
+                k,
+                false,
+                &mut scratch,
+                PANEL_BYTES,
+            );
+            assert_eq!(bits(&got), bits(&want), "forward {m}x{k}x{n}");
+            let w = bf16_vec(23, k * n);
+            let wf = widened(&w);
+            let start = f32_vec(24, m * n);
+            let (mut want, mut got) = (start.clone(), start.clone());
+            gemm_into(
+                &mut want,
+                Strided::rows(&x, k),
+                Strided::rows(&wf, n),
+                m,
+                n,
+                k,
+                true,
+            );
+            gemm_weight(
+                &mut got,
+                Strided::rows(&x, k),
+                &w,
+                false,
+                m,
+                n,
+                k,
+                true,
+                &mut scratch,
+                PANEL_BYTES,
+            );
+            assert_eq!(bits(&got), bits(&want), "input gradient {m}x{k}x{n}");
+            if k <= 4100 {
+                for ((g, s), (r, tol)) in got.iter().zip(&start).zip(reference(&x, &wf, m, n, k)) {
+                    let r = r + *s as f64;
+                    let tol = tol + (r.abs() + tol) * f64::powi(2.0, -23);
+                    assert!((*g as f64 - r).abs() <= tol, "{g} vs {r} (tol {tol})");
+                }
+            }
+        }
+    }
+
+    /// On the CPUs this module knows the tile of, the run-time check accepts gemm's blocking
+    /// (so the depth cut is in use where the benchmarks and CI run); and the check rejects a
+    /// tile whose blocks are not gemm's.
+    #[test]
+    fn depth_blocking_is_verified_where_the_tile_is_known() {
+        assert_eq!(depth_blocking_verified(), gemm_f32_tile());
+        if let Some((mr, nr)) = gemm_f32_tile() {
+            // A tile that gives a different block length must fail the probe.
+            let kc = gemm_kc(2100, mr, nr);
+            let wrong = [(4, 1), (1, 2), (256, 1), (8, 6), (128, 6)]
+                .into_iter()
+                .find(|&(r, c)| gemm_kc(2100, r, c) != kc);
+            if let Some((r, c)) = wrong {
+                assert!(!probe_depth_blocks(r, c), "tile {r}x{c} passed the probe");
+            }
+        }
+    }
+
     /// Panels tile the columns exactly, each at least `PANEL_MIN` wide when there are several,
     /// and the widest fits the advertised scratch.
     #[test]
@@ -738,7 +1043,12 @@ mod tests {
         for m in [1, 3, 4, 100] {
             for k in [1, 7, 384, 3072, 50257] {
                 for n in [1, 79, 80, 159, 160, 161, 768, 2304, 50257] {
-                    let (count, widest) = panel_plan(m, n, k, PANEL_BYTES);
+                    let plan = panel_plan(m, n, k, PANEL_BYTES);
+                    let (count, widest) = (plan.count, plan.widest);
+                    assert!(plan.depth >= 1.min(k) && plan.depth <= k);
+                    if plan.depth < k {
+                        assert!(count == 1 || plan.scratch() <= PANEL_BYTES / 4 * 2);
+                    }
                     let mut next = 0;
                     for j in 0..count {
                         let r = panel_range(n, count, j);
