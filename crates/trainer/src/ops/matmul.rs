@@ -122,10 +122,54 @@ fn gemm_into(
     gemm_rows_into(dst, n, lhs, rhs, m, n, k, accumulate);
 }
 
+/// [`gemm_into`] on the calling thread only. The depth-block check runs inside a `OnceLock`
+/// initialiser: were it to wait on rayon there, the waiting worker could steal a task that
+/// reaches the same initialiser (a re-entrant initialisation, i.e. a deadlock). Threads do not
+/// change gemm's sums, so the check's verdict holds for threaded calls too.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into_serial(
+    dst: &mut [f32],
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    debug_assert_eq!(dst.len(), m * n);
+    gemm_rows_into_on(Parallelism::None, dst, n, lhs, rhs, m, n, k, accumulate);
+}
+
 /// [`gemm_into`] with `dst` row-major at row stride `dst_stride` ≥ `n` (a column slab of a
-/// wider matrix, starting at `dst[0]`). The only place this module calls into gemm.
+/// wider matrix, starting at `dst[0]`), over rayon's threads.
 #[allow(clippy::too_many_arguments)]
 fn gemm_rows_into(
+    dst: &mut [f32],
+    dst_stride: usize,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    gemm_rows_into_on(
+        parallelism(),
+        dst,
+        dst_stride,
+        lhs,
+        rhs,
+        m,
+        n,
+        k,
+        accumulate,
+    );
+}
+
+/// [`gemm_rows_into`] with the threading given: the only place this module calls into gemm.
+#[allow(clippy::too_many_arguments)]
+fn gemm_rows_into_on(
+    parallelism: Parallelism,
     dst: &mut [f32],
     dst_stride: usize,
     lhs: Strided<'_>,
@@ -166,7 +210,7 @@ fn gemm_rows_into(
             false,
             false,
             false,
-            parallelism(),
+            parallelism,
         );
     }
 }
@@ -475,13 +519,13 @@ fn probe_depth_blocks(mr: usize, nr: usize) -> bool {
         };
         for accumulate in [false, true] {
             let mut whole = start.clone();
-            gemm_into(&mut whole, lhs_view, rhs, m, n, k, accumulate);
+            gemm_into_serial(&mut whole, lhs_view, rhs, m, n, k, accumulate);
             let cut = |block: usize| {
                 let mut out = start.clone();
                 let mut k0 = 0;
                 while k0 < k {
                     let kb = block.min(k - k0);
-                    gemm_into(
+                    gemm_into_serial(
                         &mut out,
                         lhs_view.skip_cols(k0),
                         rhs.skip_rows(k0),
