@@ -46,9 +46,11 @@ pub struct TrainerEstimate {
     pub head_workspace: u64,
     /// Workspace peak of one block's backward (recomputation inside it included).
     pub block_backward_workspace: u64,
-    /// The device's simultaneous peak: the constant categories plus the larger of the head's
-    /// moment (every kept activation, the head's buffers and workspace) and a block backward's
-    /// (kept activations, recomputed ones, the block's workspace). An upper bound of the
+    /// The device's simultaneous peak: the constant categories plus the largest of the head's
+    /// moment (the activations kept when the loss runs, the head's buffers and workspace), a
+    /// block backward's (the schedule's activation peak, recomputed ones, the block's
+    /// workspace) and the embedding's backward, each with the gradients the device holds then
+    /// (all of them, or — offloaded — the one part's being staged). An upper bound of the
     /// tracker's `peak_total`, tighter than [`TrainerEstimate::device_total`] (which adds each
     /// category's own peak although they peak at different moments).
     pub device_peak: u64,
@@ -129,6 +131,9 @@ pub fn estimate(
     } else {
         device[MemoryCategory::Parameters] = p * 4;
     }
+    // Which part's staged gradients the device holds at each moment, when offloading a
+    // pre-training run (`None`: the same bytes throughout).
+    let mut staged_grads = None;
     // Gradients: the accumulator's f32 buffers — on the host when offloading, where the
     // device holds one part's gradients at a time: the head's (its weight and the final
     // norm), the embedding's or one block's. A fine-tuning run's are the adapters'.
@@ -152,6 +157,11 @@ pub fn estimate(
             .map(|o| numel(params::layer_index(cfg, 0, o)))
             .sum();
         device[MemoryCategory::Gradients] = 4 * head.max(embed).max(block);
+        staged_grads = Some(StagedGrads {
+            head: 4 * head,
+            block: 4 * block,
+            embedding: 4 * embed,
+        });
     } else {
         device[MemoryCategory::Gradients] = p * 4;
     }
@@ -335,15 +345,26 @@ pub fn estimate(
         ),
         None => (device[MemoryCategory::Parameters], 0),
     };
-    let constant = training_params
-        + device[MemoryCategory::Gradients]
-        + device[MemoryCategory::OptimizerState]
-        + device[MemoryCategory::Data];
-    let device_peak = (constant
-        + io
-        + sim.peak_saved_bytes
-        + (head_act + head_ws).max(recompute_extra + block_ws))
-    .max(loading_peak);
+    let constant =
+        training_params + device[MemoryCategory::OptimizerState] + device[MemoryCategory::Data];
+    let grads = device[MemoryCategory::Gradients];
+    let staged = staged_grads.unwrap_or(StagedGrads {
+        head: grads,
+        block: grads,
+        embedding: grads,
+    });
+    // Three moments bound the rest. The head's: the saved activations it runs with, its own
+    // buffers and workspace, and (offloaded) the head's gradients. A block's backward, or a
+    // forward: at most the schedule's activation peak with a recomputation's extra and a
+    // block backward's workspace (a forward's is smaller), and one block's gradients — the
+    // offloaded head's were handed to the host before the first block's backward, and a
+    // forward holds none. The embedding's backward: no saved activation is left, the chain's
+    // input gradient is within a block's workspace, and its own gradients are staged.
+    let head_moment = staged.head + io + at_loss + head_act + head_ws;
+    let block_moment = staged.block + io + sim.peak_saved_bytes + recompute_extra + block_ws;
+    let embedding_moment = staged.embedding + io + block_ws;
+    let device_peak =
+        (constant + head_moment.max(block_moment).max(embedding_moment)).max(loading_peak);
     Ok(TrainerEstimate {
         device,
         device_peak,
@@ -351,6 +372,15 @@ pub fn estimate(
         block_backward_workspace: block_ws,
         ..est
     })
+}
+
+/// The device's staged gradient bytes of an offloaded run, by the part whose backward holds
+/// them.
+#[derive(Clone, Copy)]
+struct StagedGrads {
+    head: u64,
+    block: u64,
+    embedding: u64,
 }
 
 /// What a fine-tuning run changes in the estimate: the frozen base's bytes (and their peak

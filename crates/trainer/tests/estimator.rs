@@ -153,6 +153,21 @@ fn check(cfg: ModelConfig, combos: Vec<(&'static str, Techniques)>) {
                 failures.push(format!("{name}: {c:?} measured {m} predicted {p}"));
             }
         }
+        // The simultaneous peak bounds the tracker's, below the categories' peaks added.
+        eprintln!(
+            "{name:<28} simultaneous: measured {} predicted {} ({:+.1}%)",
+            dev.peak_total,
+            e.device_peak,
+            100.0 * (e.device_peak as f64 / dev.peak_total as f64 - 1.0)
+        );
+        if dev.peak_total > e.device_peak || e.device_peak > e.device_total() {
+            failures.push(format!(
+                "{name}: simultaneous peak measured {} predicted {} (categories added {})",
+                dev.peak_total,
+                e.device_peak,
+                e.device_total()
+            ));
+        }
         if let Some(h) = r.host_memory.device(Device::Cpu) {
             for c in MemoryCategory::ALL {
                 let (m, p) = (h.peak[c], e.host[c]);
