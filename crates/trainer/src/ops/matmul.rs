@@ -992,7 +992,7 @@ mod tests {
 
     /// Products deep enough for gemm to block their depth (several blocks, a shorter last
     /// one): cut at gemm's blocks, a bf16 weight still gives the f32 GEMM's bits in both
-    /// layouts, and the f64 reference within the bound.
+    /// layouts (an f16 one too), and the f64 reference within the bound.
     #[test]
     fn deep_products_cut_at_gemm_blocks_match_f32_bits() {
         for &(m, k, n) in &[
@@ -1052,6 +1052,36 @@ mod tests {
                 PANEL_BYTES,
             );
             assert_eq!(bits(&got), bits(&want), "input gradient {m}x{k}x{n}");
+            // f16 weights take the same cut (their own widening).
+            let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
+            let whf: Vec<f32> = wh.iter().map(|v| v.to_f32()).collect();
+            let (mut want16, mut got16) = (start.clone(), start.clone());
+            gemm_into(
+                &mut want16,
+                Strided::rows(&x, k),
+                Strided::rows(&whf, n),
+                m,
+                n,
+                k,
+                true,
+            );
+            gemm_weight(
+                &mut got16,
+                Strided::rows(&x, k),
+                &wh,
+                false,
+                m,
+                n,
+                k,
+                true,
+                &mut scratch,
+                PANEL_BYTES,
+            );
+            assert_eq!(
+                bits(&got16),
+                bits(&want16),
+                "f16 input gradient {m}x{k}x{n}"
+            );
             if k <= 4100 {
                 for ((g, s), (r, tol)) in got.iter().zip(&start).zip(reference(&x, &wf, m, n, k)) {
                     let r = r + *s as f64;
