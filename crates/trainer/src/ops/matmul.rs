@@ -119,56 +119,14 @@ fn gemm_into(
     accumulate: bool,
 ) {
     debug_assert_eq!(dst.len(), m * n);
-    gemm_rows_into(dst, n, lhs, rhs, m, n, k, accumulate);
-}
-
-/// [`gemm_into`] on the calling thread only. The depth-block check runs inside a `OnceLock`
-/// initialiser: were it to wait on rayon there, the waiting worker could steal a task that
-/// reaches the same initialiser (a re-entrant initialisation, i.e. a deadlock). Threads do not
-/// change gemm's sums, so the check's verdict holds for threaded calls too.
-#[allow(clippy::too_many_arguments)]
-fn gemm_into_serial(
-    dst: &mut [f32],
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    m: usize,
-    n: usize,
-    k: usize,
-    accumulate: bool,
-) {
-    debug_assert_eq!(dst.len(), m * n);
-    gemm_rows_into_on(Parallelism::None, dst, n, lhs, rhs, m, n, k, accumulate);
+    gemm_rows_into(parallelism(), dst, n, lhs, rhs, m, n, k, accumulate);
 }
 
 /// [`gemm_into`] with `dst` row-major at row stride `dst_stride` ≥ `n` (a column slab of a
-/// wider matrix, starting at `dst[0]`), over rayon's threads.
+/// wider matrix, starting at `dst[0]`), on `parallelism`'s threads. The only place this
+/// module calls into gemm.
 #[allow(clippy::too_many_arguments)]
 fn gemm_rows_into(
-    dst: &mut [f32],
-    dst_stride: usize,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
-    m: usize,
-    n: usize,
-    k: usize,
-    accumulate: bool,
-) {
-    gemm_rows_into_on(
-        parallelism(),
-        dst,
-        dst_stride,
-        lhs,
-        rhs,
-        m,
-        n,
-        k,
-        accumulate,
-    );
-}
-
-/// [`gemm_rows_into`] with the threading given: the only place this module calls into gemm.
-#[allow(clippy::too_many_arguments)]
-fn gemm_rows_into_on(
     parallelism: Parallelism,
     dst: &mut [f32],
     dst_stride: usize,
@@ -509,6 +467,13 @@ fn probe_depth_blocks(mr: usize, nr: usize) -> bool {
     let w: Vec<f32> = (0..k * n).map(|_| next()).collect();
     let start: Vec<f32> = (0..m * n).map(|_| next()).collect();
     let lhs_view = Strided::rows(&lhs, k);
+    // On the calling thread only: this runs inside a `OnceLock` initialiser, and a rayon
+    // worker waiting there could steal a task that reaches the same initialiser (a re-entrant
+    // initialisation, i.e. a deadlock). Threads do not change gemm's sums, so the verdict
+    // holds for threaded calls too.
+    let serial = |out: &mut [f32], lhs: Strided<'_>, rhs: Strided<'_>, k: usize, acc: bool| {
+        gemm_rows_into(Parallelism::None, out, n, lhs, rhs, m, n, k, acc)
+    };
     let mut all_equal = true;
     let mut off_by_one_differs = true;
     for transposed in [false, true] {
@@ -519,18 +484,16 @@ fn probe_depth_blocks(mr: usize, nr: usize) -> bool {
         };
         for accumulate in [false, true] {
             let mut whole = start.clone();
-            gemm_into_serial(&mut whole, lhs_view, rhs, m, n, k, accumulate);
+            serial(&mut whole, lhs_view, rhs, k, accumulate);
             let cut = |block: usize| {
                 let mut out = start.clone();
                 let mut k0 = 0;
                 while k0 < k {
                     let kb = block.min(k - k0);
-                    gemm_into_serial(
+                    serial(
                         &mut out,
                         lhs_view.skip_cols(k0),
                         rhs.skip_rows(k0),
-                        m,
-                        n,
                         kb,
                         accumulate || k0 > 0,
                     );
@@ -667,6 +630,7 @@ fn gemm_weight<W: Operand>(
                 Strided::rows(piece, width)
             };
             gemm_rows_into(
+                parallelism(),
                 slab,
                 n,
                 lhs.skip_cols(k0),
@@ -990,6 +954,27 @@ mod tests {
         }
     }
 
+    /// `start + x · W` with the low-precision weight `w` `[k, n]` through the panels (cut at
+    /// gemm's blocks where they apply), asserted bit for bit equal to the f32 GEMM on the
+    /// widened weight; returns it.
+    fn cut_input_gradient<W: Operand>(
+        x: &[f32],
+        w: &[W],
+        start: &[f32],
+        m: usize,
+        n: usize,
+        k: usize,
+        scratch: &mut [f32],
+    ) -> Vec<f32> {
+        let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        let (mut want, mut got) = (start.to_vec(), start.to_vec());
+        let lhs = Strided::rows(x, k);
+        gemm_into(&mut want, lhs, Strided::rows(&wf, n), m, n, k, true);
+        gemm_weight(&mut got, lhs, w, false, m, n, k, true, scratch, PANEL_BYTES);
+        assert_eq!(bits(&got), bits(&want), "input gradient {m}x{k}x{n}");
+        got
+    }
+
     /// Products deep enough for gemm to block their depth (several blocks, a shorter last
     /// one): cut at gemm's blocks, a bf16 weight still gives the f32 GEMM's bits in both
     /// layouts (an f16 one too), and the f64 reference within the bound.
@@ -1029,59 +1014,10 @@ mod tests {
             let w = bf16_vec(23, k * n);
             let wf = widened(&w);
             let start = f32_vec(24, m * n);
-            let (mut want, mut got) = (start.clone(), start.clone());
-            gemm_into(
-                &mut want,
-                Strided::rows(&x, k),
-                Strided::rows(&wf, n),
-                m,
-                n,
-                k,
-                true,
-            );
-            gemm_weight(
-                &mut got,
-                Strided::rows(&x, k),
-                &w,
-                false,
-                m,
-                n,
-                k,
-                true,
-                &mut scratch,
-                PANEL_BYTES,
-            );
-            assert_eq!(bits(&got), bits(&want), "input gradient {m}x{k}x{n}");
+            let got = cut_input_gradient(&x, &w, &start, m, n, k, &mut scratch);
             // f16 weights take the same cut (their own widening).
             let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
-            let whf: Vec<f32> = wh.iter().map(|v| v.to_f32()).collect();
-            let (mut want16, mut got16) = (start.clone(), start.clone());
-            gemm_into(
-                &mut want16,
-                Strided::rows(&x, k),
-                Strided::rows(&whf, n),
-                m,
-                n,
-                k,
-                true,
-            );
-            gemm_weight(
-                &mut got16,
-                Strided::rows(&x, k),
-                &wh,
-                false,
-                m,
-                n,
-                k,
-                true,
-                &mut scratch,
-                PANEL_BYTES,
-            );
-            assert_eq!(
-                bits(&got16),
-                bits(&want16),
-                "f16 input gradient {m}x{k}x{n}"
-            );
+            cut_input_gradient(&x, &wh, &start, m, n, k, &mut scratch);
             if k <= 4100 {
                 for ((g, s), (r, tol)) in got.iter().zip(&start).zip(reference(&x, &wf, m, n, k)) {
                     let r = r + *s as f64;
