@@ -1,14 +1,15 @@
 //! CPU AdamW throughput (parameters per second) at 10M and 50M parameters.
 //!
-//! Group `offload/adamw`: `headroom_f32` (f32 moments), `headroom_int8` (8-bit moments) and
+//! Group `offload/adamw`: `headroom_f32` (f32 moments), `headroom_int8` and `headroom_float8`
+//! (the two 8-bit formats: code book, and small floats as `--adam-8bit` uses) and
 //! `baseline_bandwidth_28B`, a threaded pass that moves exactly AdamW's 28 bytes per parameter
 //! (reads param, grad, m, v; writes param, m, v) with trivial arithmetic: the memory-bandwidth
 //! bound measured in the same run. `headroom_f32 / baseline` is the fraction of that bound.
 //! `baseline_bandwidth_16B` is the same for the 8-bit step's 16 bytes (reads param, grad and
 //! the two code bytes; writes param and both codes), split into the step's 2048-element
 //! blocks on the same thread pool, so the 8-bit step is compared with a pass that moves its
-//! bytes with its threads; `adamw_int8_vs_bandwidth_16B` records their ratio from
-//! [`ROUNDS`] alternating rounds.
+//! bytes with its threads; `adamw_{int8,float8}_vs_bandwidth_16B` record their ratios from
+//! [`ROUNDS`] rounds that alternate the two 8-bit steps and the pass.
 //!
 //! Every buffer is a CPU-backend tensor, as in the trainer, so large ones sit on transparent
 //! huge pages where the kernel allows them (see headroom-tensor's host memory).
@@ -170,10 +171,20 @@ fn bench_adamw(c: &mut Criterion) {
         });
         drop(opt);
 
-        let mut opt = optimizer(&cpu, n, StatePrecision::Int8);
+        // The two 8-bit formats: the code book (`Int8`, kept for old state) and the small
+        // floats (`Float8`, what `--adam-8bit` uses).
+        let mut book = optimizer(&cpu, n, StatePrecision::Int8);
         group.bench_function(BenchmarkId::new("headroom_int8", label), |b| {
             b.iter(|| {
-                opt.step(0, param, FloatSlice::F32(black_box(grad)), None)
+                book.step(0, param, FloatSlice::F32(black_box(grad)), None)
+                    .expect("step")
+            })
+        });
+        let mut float8 = optimizer(&cpu, n, StatePrecision::Float8);
+        group.bench_function(BenchmarkId::new("headroom_float8", label), |b| {
+            b.iter(|| {
+                float8
+                    .step(0, param, FloatSlice::F32(black_box(grad)), None)
                     .expect("step")
             })
         });
@@ -186,49 +197,64 @@ fn bench_adamw(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("baseline_bandwidth_16B", label), |b| {
             b.iter(|| bandwidth_pass_16(param, black_box(grad), codes.0, codes.1))
         });
-        // The 8-bit step against its own bound, alternating, three steps a side per round.
-        let (mut ours, mut bound, mut ratios) = (vec![], vec![], vec![]);
+        // Both 8-bit steps against their own bound, alternating, three steps a side per round.
+        let (mut book_rates, mut float8_rates, mut bound) = (vec![], vec![], vec![]);
+        let (mut book_ratios, mut float8_ratios) = (vec![], vec![]);
         for _ in 0..ROUNDS {
-            let own = rate(n, 3, || {
-                opt.step(0, param, FloatSlice::F32(grad), None)
+            let b = rate(n, 3, || {
+                book.step(0, param, FloatSlice::F32(grad), None)
+                    .expect("step")
+            });
+            let f = rate(n, 3, || {
+                float8
+                    .step(0, param, FloatSlice::F32(grad), None)
                     .expect("step")
             });
             let pass = rate(n, 3, || bandwidth_pass_16(param, grad, codes.0, codes.1));
-            ratios.push(own / pass);
-            ours.push(own);
+            book_ratios.push(b / pass);
+            float8_ratios.push(f / pass);
+            book_rates.push(b);
+            float8_rates.push(f);
             bound.push(pass);
         }
         drop(codes_t);
-        println!(
-            "offload/adamw_int8_vs_bandwidth_16B/{label}: per-round ratios {:?}",
-            ratios
-                .iter()
+        let rounded = |r: &[f64]| {
+            r.iter()
                 .map(|r| (r * 100.0).round() / 100.0)
                 .collect::<Vec<_>>()
-        );
-        let _ = record(&Record {
-            bench: format!("offload/adamw_int8_vs_bandwidth_16B/int8/{label}"),
-            metric: "params_per_s".into(),
-            value: median(ours),
-            unit: "params/s".into(),
-            baseline: Some(format!(
-                "offload/adamw_int8_vs_bandwidth_16B/bandwidth_16B/{label}"
-            )),
-            baseline_value: Some(median(bound)),
-            ratio: Some(median(ratios)),
-            better: Better::Higher,
-        });
-        let _ = record(&Record {
-            bench: format!("offload/adamw_state_bytes_per_param/int8/{label}"),
-            metric: "state_bytes_per_param".into(),
-            value: opt.state_bytes_per_param(),
-            unit: "bytes".into(),
-            baseline: Some(format!("offload/adamw_state_bytes_per_param/f32/{label}")),
-            baseline_value: Some(8.0),
-            ratio: Some(opt.state_bytes_per_param() / 8.0),
-            better: Better::Lower,
-        });
-        drop(opt);
+        };
+        for (name, rates, ratios, opt) in [
+            ("int8", book_rates, book_ratios, &book),
+            ("float8", float8_rates, float8_ratios, &float8),
+        ] {
+            println!(
+                "offload/adamw_{name}_vs_bandwidth_16B/{label}: per-round ratios {:?}",
+                rounded(&ratios)
+            );
+            let _ = record(&Record {
+                bench: format!("offload/adamw_{name}_vs_bandwidth_16B/{name}/{label}"),
+                metric: "params_per_s".into(),
+                value: median(rates),
+                unit: "params/s".into(),
+                baseline: Some(format!(
+                    "offload/adamw_{name}_vs_bandwidth_16B/bandwidth_16B/{label}"
+                )),
+                baseline_value: Some(median(bound.clone())),
+                ratio: Some(median(ratios)),
+                better: Better::Higher,
+            });
+            let _ = record(&Record {
+                bench: format!("offload/adamw_state_bytes_per_param/{name}/{label}"),
+                metric: "state_bytes_per_param".into(),
+                value: opt.state_bytes_per_param(),
+                unit: "bytes".into(),
+                baseline: Some(format!("offload/adamw_state_bytes_per_param/f32/{label}")),
+                baseline_value: Some(8.0),
+                ratio: Some(opt.state_bytes_per_param() / 8.0),
+                better: Better::Lower,
+            });
+        }
+        drop((book, float8));
 
         let (mut m_t, mut v_t) = (values(&cpu, n, 5, 0.0), values(&cpu, n, 9, 0.0));
         let (m, v) = (

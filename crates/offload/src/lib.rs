@@ -59,6 +59,7 @@ mod adamw_kernel;
 #[cfg(feature = "cuda")]
 mod cuda_pipeline;
 mod error;
+mod float8;
 mod int8_avx2;
 mod optimizer;
 mod pipeline;

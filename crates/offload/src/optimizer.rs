@@ -84,16 +84,29 @@ impl AdamWHyper {
 pub enum StatePrecision {
     /// f32 `m` and `v`: 8 bytes per parameter, exact.
     F32,
-    /// Blockwise 8-bit `m` and `√v` with an f32 scale per 2048 elements: ≈ 2.004 bytes per
-    /// parameter.
+    /// Blockwise 8-bit `m` and `√v` with an f32 scale per 2048 elements, each byte an index
+    /// into a 256-entry dynamic code book: ≈ 2.004 bytes per parameter. Kept so that state
+    /// written with it resumes exactly; new state uses [`StatePrecision::Float8`], which is
+    /// about twice as fast to update on the CPU.
     Int8,
+    /// Blockwise 8-bit `m` and `√v` with an f32 scale per 2048 elements, each byte a small
+    /// float relative to the scale (sign + E3M4 for `m`, E4M4 for `√v`, both with subnormals;
+    /// see the module `float8`): ≈ 2.004 bytes per parameter, decoded and encoded with a few
+    /// integer operations instead of table lookups.
+    Float8,
 }
 
 impl StatePrecision {
+    /// True for the 8-bit formats.
+    pub fn is_8bit(self) -> bool {
+        self != StatePrecision::F32
+    }
+
     fn code(self) -> u32 {
         match self {
             StatePrecision::F32 => 0,
             StatePrecision::Int8 => 1,
+            StatePrecision::Float8 => 2,
         }
     }
 }
@@ -289,7 +302,7 @@ impl CpuAdamW {
         }
         let payload = match precision {
             StatePrecision::F32 => 8 * numel,
-            StatePrecision::Int8 => 8 * blocks + 2 * numel,
+            StatePrecision::Int8 | StatePrecision::Float8 => 8 * blocks + 2 * numel,
         };
         StoreIdentity {
             precision_code: precision.code(),
@@ -359,6 +372,9 @@ impl CpuAdamW {
     ///   (m) or unsigned (√v) dynamic code book, so `m ≈ book[code]·scale` and
     ///   `v ≈ (book[code]·scale)²`. Parameter `i`'s blocks start at the sum of the block counts
     ///   of parameters `0..i`, its codes at `offset(i)`.
+    /// - [`StatePrecision::Float8`]: the same layout as `Int8`; a code is the small float the
+    ///   module `float8` defines (an `i8` for `m`, a `u8` for `√v`), so
+    ///   `m ≈ value(code)·scale` and `v ≈ (value(code)·scale)²`.
     pub fn moments(&self) -> &[u8] {
         self.store.bytes()
     }
@@ -447,9 +463,9 @@ impl CpuAdamW {
                 let (m, v) = f32_moments(self.store.bytes_mut(), self.numel, slot.elem, n);
                 fused_step_unchecked(isa, &s, param, grad, m, v, copy);
             }
-            StatePrecision::Int8 => {
+            StatePrecision::Int8 | StatePrecision::Float8 => {
                 let st = Int8Slices::new(self.store.bytes_mut(), self.numel, self.blocks, slot, n);
-                int8_step(isa, &s, param, grad, st, copy);
+                int8_step(isa, self.precision, &s, param, grad, st, copy);
             }
         }
         self.slots[index].step = t;
@@ -515,10 +531,13 @@ impl<'a> Int8Slices<'a> {
     }
 }
 
-/// AdamW with 8-bit moments: per block, dequantise `m` and `√v`, run the exact f32 update,
-/// requantise. Blocks are independent, so the result does not depend on the thread count.
+/// AdamW with 8-bit moments (`precision` one of the two 8-bit formats): per block, decode `m`
+/// and `√v`, run the f32 update, encode. Blocks are independent, so the result does not depend
+/// on the thread count.
+#[allow(clippy::too_many_arguments)]
 fn int8_step(
     isa: SupportedIsa,
+    precision: StatePrecision,
     s: &StepScalars,
     param: &mut [f32],
     grad: FloatSlice<'_>,
@@ -544,6 +563,25 @@ fn int8_step(
         .zip(st.m_scale.par_iter_mut())
         .zip(st.s_scale.par_iter_mut())
         .for_each(|((((((p, g), c), mc), sc), ms), ss)| {
+            if precision == StatePrecision::Float8 {
+                let b = crate::float8::Block {
+                    p: &mut *p,
+                    g,
+                    mc,
+                    sc,
+                    ms,
+                    ss,
+                };
+                match isa.isa() {
+                    // SAFETY: a `SupportedIsa` exists only for an ISA that `Isa::is_supported`
+                    // confirmed (with FMA), and every AVX-512F CPU has AVX2.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 | Isa::Avx2 => unsafe { crate::float8::block_avx2(s, b) },
+                    _ => crate::float8::block_portable(s, b),
+                }
+                crate::adamw_kernel::write_copy(p, c);
+                return;
+            }
             let b = Int8Block {
                 p,
                 g,

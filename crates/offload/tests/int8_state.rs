@@ -65,7 +65,8 @@ fn int8_adamw_tracks_f32_adamw() {
     let initial = train(StatePrecision::F32, 1);
     let full = train(StatePrecision::F32, 120);
     let int8 = train(StatePrecision::Int8, 120);
-    eprintln!("loss: initial {initial:.4e}, f32 {full:.4e}, int8 {int8:.4e}");
+    let float8 = train(StatePrecision::Float8, 120);
+    eprintln!("loss: initial {initial:.4e}, f32 {full:.4e}, int8 {int8:.4e}, float8 {float8:.4e}");
     // Both make real progress, and 8-bit ends within 10% of f32's loss.
     assert!(
         full < 0.05 * initial,
@@ -78,6 +79,14 @@ fn int8_adamw_tracks_f32_adamw() {
     assert!(
         (int8 - full).abs() <= 0.10 * full,
         "f32 {full} vs int8 {int8}"
+    );
+    assert!(
+        float8 < 0.05 * initial,
+        "float8 did not train: {initial} -> {float8}"
+    );
+    assert!(
+        (float8 - full).abs() <= 0.10 * full,
+        "f32 {full} vs float8 {float8}"
     );
 }
 
@@ -116,16 +125,23 @@ fn state_bytes_per_parameter_as_the_tracker_counts_them() {
     assert_eq!(hook.0.load(Ordering::Relaxed), 8 * total);
     drop(f32_opt);
     assert_eq!(hook.0.load(Ordering::Relaxed), 0);
-    let int8 = CpuAdamW::new(
-        vec![AdamWHyper::default()],
-        &specs,
-        StatePrecision::Int8,
-        StoreSpec::Ram(&cpu),
-    )
-    .unwrap();
-    let per_param = hook.0.load(Ordering::Relaxed) as f64 / total as f64;
-    assert!((2.0..2.01).contains(&per_param), "{per_param}");
-    assert_eq!(per_param, int8.state_bytes_per_param());
+    for precision in [StatePrecision::Int8, StatePrecision::Float8] {
+        let eight_bit = CpuAdamW::new(
+            vec![AdamWHyper::default()],
+            &specs,
+            precision,
+            StoreSpec::Ram(&cpu),
+        )
+        .unwrap();
+        let per_param = hook.0.load(Ordering::Relaxed) as f64 / total as f64;
+        assert!(
+            (2.0..2.01).contains(&per_param),
+            "{precision:?}: {per_param}"
+        );
+        assert_eq!(per_param, eight_bit.state_bytes_per_param());
+        drop(eight_bit);
+        assert_eq!(hook.0.load(Ordering::Relaxed), 0);
+    }
 }
 
 /// The 8-bit path is compiled once per ISA around the same IEEE-exact operations: every ISA
@@ -143,11 +159,11 @@ fn every_isa_gives_the_same_int8_bits() {
                 .collect()
         })
         .collect();
-    let run = |isa: Isa| {
+    let run = |isa: Isa, precision: StatePrecision| {
         let mut opt = CpuAdamW::new(
             vec![AdamWHyper::default()],
             &[ParamSpec { numel: n, group: 0 }],
-            StatePrecision::Int8,
+            precision,
             StoreSpec::Ram(&cpu),
         )
         .unwrap()
@@ -167,10 +183,15 @@ fn every_isa_gives_the_same_int8_bits() {
             opt.moments().to_vec(),
         )
     };
-    let reference = run(Isa::Baseline);
-    for isa in [Isa::Avx2, Isa::Avx512] {
-        if isa.is_supported() {
-            assert!(run(isa) == reference, "{isa:?} differs from the baseline");
+    for precision in [StatePrecision::Int8, StatePrecision::Float8] {
+        let reference = run(Isa::Baseline, precision);
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            if isa.is_supported() {
+                assert!(
+                    run(isa, precision) == reference,
+                    "{precision:?}: {isa:?} differs from the baseline"
+                );
+            }
         }
     }
 }
@@ -207,11 +228,11 @@ fn every_isa_gives_the_same_int8_bits_for_every_shape_and_option() {
                     .collect()
             })
             .collect();
-        let run = |isa: Isa, h: AdamWHyper| {
+        let run = |isa: Isa, h: AdamWHyper, precision: StatePrecision| {
             let mut opt = CpuAdamW::new(
                 vec![h],
                 &[ParamSpec { numel: n, group: 0 }],
-                StatePrecision::Int8,
+                precision,
                 StoreSpec::Ram(&cpu),
             )
             .unwrap()
@@ -250,11 +271,17 @@ fn every_isa_gives_the_same_int8_bits_for_every_shape_and_option() {
                 copies.2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             )
         };
-        for h in hypers {
-            let reference = run(Isa::Baseline, h);
+        for (h, precision) in hypers
+            .into_iter()
+            .flat_map(|h| [(h, StatePrecision::Int8), (h, StatePrecision::Float8)])
+        {
+            let reference = run(Isa::Baseline, h, precision);
             for isa in [Isa::Avx2, Isa::Avx512] {
                 if isa.is_supported() {
-                    assert!(run(isa, h) == reference, "{isa:?} differs, n = {n}, {h:?}");
+                    assert!(
+                        run(isa, h, precision) == reference,
+                        "{precision:?}: {isa:?} differs, n = {n}, {h:?}"
+                    );
                 }
             }
         }
@@ -317,8 +344,10 @@ mod prop {
 
     /// `steps` 8-bit steps with `isa`: the parameter bits, the moment bytes and the working
     /// copy's bits widened to u32 (empty without a copy).
+    #[allow(clippy::too_many_arguments)]
     fn run(
         isa: Isa,
+        precision: StatePrecision,
         h: AdamWHyper,
         n: usize,
         seed: u64,
@@ -330,7 +359,7 @@ mod prop {
         let mut opt = CpuAdamW::new(
             vec![h],
             &[ParamSpec { numel: n, group: 0 }],
-            StatePrecision::Int8,
+            precision,
             StoreSpec::Ram(&cpu),
         )
         .unwrap()
@@ -374,7 +403,7 @@ mod prop {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(48))]
+        #![proptest_config(ProptestConfig::with_cases(64))]
 
         /// Every ISA's 8-bit step equals the portable scalar path bit for bit, for any length
         /// (vector tails, block tails), hyper-parameters, gradient precision and working copy.
@@ -382,12 +411,13 @@ mod prop {
         fn every_isa_equals_the_portable_int8_step(
             h in hyper(), n in sizes(), seed in any::<u64>(), steps in 1usize..4,
             grad_kind in 0u8..3, copy_kind in 0u8..4,
+            precision in prop_oneof![Just(StatePrecision::Int8), Just(StatePrecision::Float8)],
         ) {
-            let reference = run(Isa::Baseline, h, n, seed, steps, grad_kind, copy_kind);
+            let reference = run(Isa::Baseline, precision, h, n, seed, steps, grad_kind, copy_kind);
             for isa in [Isa::Avx2, Isa::Avx512] {
                 if isa.is_supported() {
-                    let got = run(isa, h, n, seed, steps, grad_kind, copy_kind);
-                    prop_assert!(got == reference, "{:?} differs, n = {}, {:?}", isa, n, h);
+                    let got = run(isa, precision, h, n, seed, steps, grad_kind, copy_kind);
+                    prop_assert!(got == reference, "{:?} {:?} differs, n = {}, {:?}", precision, isa, n, h);
                 }
             }
         }
