@@ -35,6 +35,8 @@
 //! - Every ISA path equals the scalar reference ([`reference::adamw_step`]) bit for bit: the
 //!   same operations in the same order, fused multiply-adds exactly where PyTorch's CPU kernels
 //!   fuse (the first-moment lerp and the second moment's `addcmul`), IEEE sqrt and division.
+//!   The 8-bit formats ([`StatePrecision::Int8`], [`StatePrecision::Float8`]) are our own;
+//!   each ISA path of each equals its portable reference bit for bit.
 //! - The reference equals `torch.optim.AdamW(foreach=False, fused=False)` (torch 2.15, CPU
 //!   capability AVX2) bit for bit in `param`, `exp_avg` and `exp_avg_sq` when torch's square root
 //!   is correctly rounded; stock x86-64 torch takes it from MKL, which is not (the moments still

@@ -339,7 +339,8 @@ struct RunArgs {
     /// File for --offload file.
     #[arg(long, default_value = "optimizer-state.bin")]
     offload_file: PathBuf,
-    /// Blockwise 8-bit optimizer moments (about 2 bytes/param instead of 8).
+    /// Blockwise 8-bit optimizer moments (about 2 bytes/param instead of 8; small-float codes,
+    /// see headroom-offload's `StatePrecision::Float8`).
     #[arg(long)]
     adam_8bit: bool,
     /// Sequences per micro-batch (gradients accumulated exactly, token-weighted).
@@ -777,7 +778,7 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
     t.model.loss_chunk = run.loss_chunk;
     t.optimizer = OptimizerChoice {
         state: if run.adam_8bit {
-            StatePrecision::Int8
+            StatePrecision::Float8
         } else {
             StatePrecision::F32
         },

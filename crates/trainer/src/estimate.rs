@@ -677,7 +677,7 @@ fn optimizer_state_bytes(infos: &[params::ParamInfo], state: StatePrecision) -> 
                 .map(|i| u(i.shape.iter().product()))
                 .sum::<u64>()
         }
-        StatePrecision::Int8 => infos
+        StatePrecision::Int8 | StatePrecision::Float8 => infos
             .iter()
             .map(|i| {
                 let n = u(i.shape.iter().product());
@@ -717,7 +717,7 @@ pub struct CudaParameterState {
 pub fn cuda_parameter_state(cfg: &ModelConfig, tech: &Techniques) -> Result<CudaParameterState> {
     cfg.validate()?;
     let resident = tech.optimizer.placement == OptimizerPlacement::Resident;
-    if resident && tech.optimizer.state == StatePrecision::Int8 {
+    if resident && tech.optimizer.state.is_8bit() {
         return Err(TrainError::Config(
             "8-bit optimizer state on CUDA runs only offloaded".into(),
         ));
@@ -813,7 +813,7 @@ mod tests {
         assert_eq!(r.device[MemoryCategory::Parameters], 4 * p);
 
         tech.optimizer = OptimizerChoice {
-            state: StatePrecision::Int8,
+            state: StatePrecision::Float8,
             placement: OptimizerPlacement::File("unused".into()),
         };
         let r = cuda_parameter_state(&cfg(), &tech).unwrap();
@@ -821,7 +821,7 @@ mod tests {
         assert_eq!(r.device[MemoryCategory::OptimizerState], 0);
 
         tech.optimizer = OptimizerChoice {
-            state: StatePrecision::Int8,
+            state: StatePrecision::Float8,
             placement: OptimizerPlacement::Resident,
         };
         assert!(matches!(

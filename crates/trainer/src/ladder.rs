@@ -340,7 +340,7 @@ pub fn suggest_fitting(opts: &TrainOptions, budget: u64) -> Result<Vec<FitSugges
     }
     if t.optimizer.state == StatePrecision::F32 {
         changes.push(("--adam-8bit".into(), |t, _| {
-            t.optimizer.state = StatePrecision::Int8
+            t.optimizer.state = StatePrecision::Float8
         }));
     }
     let micro_now = opts.micro_batch()?;

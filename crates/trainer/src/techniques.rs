@@ -114,7 +114,8 @@ impl Techniques {
             "{} AdamW {}",
             match self.optimizer.state {
                 StatePrecision::F32 => "f32",
-                StatePrecision::Int8 => "8-bit",
+                StatePrecision::Int8 => "8-bit (code book)",
+                StatePrecision::Float8 => "8-bit",
             },
             match &self.optimizer.placement {
                 OptimizerPlacement::Resident => "resident".to_string(),

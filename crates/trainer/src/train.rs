@@ -22,7 +22,7 @@ use headroom_ckpt::{Schedule, ScheduleStats};
 use headroom_mmap_data::{
     Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode, Shard, TokenDataset,
 };
-use headroom_offload::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
+use headroom_offload::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StoreSpec};
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, MemoryCategory};
@@ -777,7 +777,7 @@ fn cuda_resident(
 
 /// What the device-resident optimizer does not run, refused before anything is allocated.
 fn check_resident_cuda(tech: &Techniques) -> Result<()> {
-    if tech.optimizer.state == StatePrecision::Int8 {
+    if tech.optimizer.state.is_8bit() {
         return Err(TrainError::Config(
             "8-bit optimizer state on CUDA runs only offloaded (the device-resident AdamW keeps \
              f32 moments): use an offloaded placement or f32 state"

@@ -99,7 +99,7 @@ fn resident_cuda_refuses_8_bit_state_and_fp16_with_a_config_error() {
         ..cuda_ready(1)
     };
     int8.techniques.optimizer = OptimizerChoice {
-        state: StatePrecision::Int8,
+        state: StatePrecision::Float8,
         placement: OptimizerPlacement::Resident,
     };
     let e = train(&int8, |_| {}).unwrap_err();

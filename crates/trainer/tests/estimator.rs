@@ -79,7 +79,7 @@ fn combos() -> Vec<(&'static str, Techniques)> {
     let mut e = b.clone();
     e.checkpoint = CheckpointChoice::EveryK(2);
     e.model.precision = Precision::Fp16;
-    e.optimizer.state = StatePrecision::Int8;
+    e.optimizer.state = StatePrecision::Float8;
     v.push(("every-2 fp16 8-bit", e));
     v
 }

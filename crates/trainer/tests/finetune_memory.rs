@@ -126,7 +126,7 @@ fn combos(llama: bool) -> Vec<(String, Techniques)> {
     t.model.loss_chunk = Some(64);
     t.checkpoint = CheckpointChoice::EveryK(1);
     t.optimizer = OptimizerChoice {
-        state: StatePrecision::Int8,
+        state: StatePrecision::Float8,
         placement: OptimizerPlacement::HostRam,
     };
     t.finetune = Some(lora(llama, true, nf4(true)));

@@ -305,6 +305,8 @@ fn every_combination_trains_and_8bit_state_tracks_f32() {
     let mut combos = Vec::new();
     let mut t = Techniques::baseline();
     t.optimizer.state = StatePrecision::Int8;
+    combos.push(("8-bit AdamW, code book", t.clone(), 0.03));
+    t.optimizer.state = StatePrecision::Float8;
     combos.push(("8-bit AdamW", t.clone(), 0.03));
     t.model.precision = Precision::Fp16;
     t.checkpoint = CheckpointChoice::EveryK(1);
@@ -357,7 +359,7 @@ fn llama_trains_with_every_technique() {
         "fp32 did not learn: {start} -> {end32}"
     );
     let mut a = Techniques::baseline();
-    a.optimizer.state = StatePrecision::Int8;
+    a.optimizer.state = StatePrecision::Float8;
     a.model.precision = Precision::Fp16;
     a.checkpoint = CheckpointChoice::EveryK(1);
     a.model.attention = AttentionConfig::naive();
@@ -386,12 +388,12 @@ fn resume_is_bit_for_bit_with_low_precision_and_offload() {
     t.model.precision = Precision::Fp16;
     t.checkpoint = CheckpointChoice::SqrtN;
     t.optimizer = OptimizerChoice {
-        state: StatePrecision::Int8,
+        state: StatePrecision::Float8,
         placement: OptimizerPlacement::HostRam,
     };
     let base = tiny(8, t);
     let full = losses(&base);
-    let resume_matches = |base: &TrainOptions, ck: &std::path::Path| {
+    let resume_matches = |base: &TrainOptions, full: &[u32], ck: &std::path::Path| {
         let first = TrainOptions {
             save: Some((ck.to_path_buf(), 3)),
             stop_after: Some(5),
@@ -404,12 +406,21 @@ fn resume_is_bit_for_bit_with_low_precision_and_offload() {
         });
         assert_eq!(&full[3..], &rest[..]);
     };
-    resume_matches(&base, &dir.path().join("ram"));
+    resume_matches(&base, &full, &dir.path().join("ram"));
     // The same with the moments in a memory-mapped file (its steps 4-5 overwrite it after the
     // checkpoint; the resume must restore the checkpoint's moments, not the file's).
     let mut in_file = base.clone();
     in_file.techniques.optimizer.placement = OptimizerPlacement::File(dir.path().join("m.bin"));
-    resume_matches(&in_file, &dir.path().join("file"));
+    resume_matches(&in_file, &full, &dir.path().join("file"));
+    // State written with the code-book format (before the small-float one became the 8-bit
+    // default) resumes in its own format: the checkpoint names it.
+    let mut code_book = base.clone();
+    code_book.techniques.optimizer.state = StatePrecision::Int8;
+    resume_matches(
+        &code_book,
+        &losses(&code_book),
+        &dir.path().join("code-book"),
+    );
 }
 
 #[test]

@@ -110,6 +110,6 @@ fn the_depth_search_finds_the_edge_and_bad_setups_are_refused() {
     );
     assert!(zero_estimate(&cfg, 32, 4, 4, &tech, Stage::Zero1, 0).is_err());
     let mut eight_bit = tech.clone();
-    eight_bit.optimizer.state = StatePrecision::Int8;
+    eight_bit.optimizer.state = StatePrecision::Float8;
     assert!(zero_estimate(&cfg, 32, 4, 4, &eight_bit, Stage::Zero1, 2).is_err());
 }
