@@ -22,7 +22,7 @@ use headroom_ckpt::{Schedule, ScheduleStats};
 use headroom_mmap_data::{
     Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode, Shard, TokenDataset,
 };
-use headroom_offload::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StoreSpec};
+use headroom_offload::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, MemoryCategory};
@@ -1137,6 +1137,18 @@ fn train_tracked(
                     "fine-tuning: checkpoint {}, this run {}",
                     show(&was),
                     show(&now)
+                ));
+            }
+            // A saved state resumes in its own format (both 8-bit formats count as 8-bit:
+            // `--adam-8bit` resumes code-book state in the code book), but f32 and 8-bit are a
+            // different optimizer, not a detail to override silently.
+            let (was, now) = (ck.state.optimizer.precision, tech.optimizer.state);
+            if was.is_8bit() != now.is_8bit() {
+                let name = |p: StatePrecision| if p.is_8bit() { "8-bit" } else { "f32" };
+                differences.push(format!(
+                    "--adam-8bit: checkpoint's optimizer state {}, this run {}",
+                    name(was),
+                    name(now)
                 ));
             }
             if ck.state.step > opts.steps {

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use headroom_offload::StatePrecision;
 use headroom_trainer::checkpoint::{self, Manifest, FORMAT_VERSION, MANIFEST};
 use headroom_trainer::model::ModelConfig;
 use headroom_trainer::train::{train, TrainOptions};
@@ -224,20 +225,27 @@ fn resuming_under_other_settings_names_each_difference() {
         |_| {},
     )
     .unwrap();
-    let other = TrainOptions {
+    let mut other = TrainOptions {
         seq: 32,
         lr: 1e-3,
         resume_from: Some(dir.path().to_path_buf()),
         save: None,
         ..o.clone()
     };
+    other.techniques.optimizer.state = StatePrecision::Float8;
     match train(&other, |_| {}).unwrap_err() {
         TrainError::ResumeMismatch { differences, .. } => {
             assert!(differences.iter().any(|d| d.starts_with("--seq")));
             assert!(differences.iter().any(|d| d.starts_with("--lr")));
             // The floor of the schedule is 0.1 × lr: it moved with --lr.
             assert!(differences.iter().any(|d| d.starts_with("--min-lr")));
-            assert_eq!(differences.len(), 3, "{differences:?}");
+            assert!(
+                differences
+                    .iter()
+                    .any(|d| d == "--adam-8bit: checkpoint's optimizer state f32, this run 8-bit"),
+                "{differences:?}"
+            );
+            assert_eq!(differences.len(), 4, "{differences:?}");
         }
         e => panic!("expected ResumeMismatch, got {e}"),
     }
