@@ -292,12 +292,8 @@ mod avx2 {
 
     use super::*;
 
-    /// A block's gradient as the kernel reads it.
-    #[derive(Clone, Copy)]
-    pub(super) enum Grad<'a> {
-        F32(&'a [f32]),
-        Bf16(&'a [half::bf16]),
-    }
+    // A block's gradient as both 8-bit kernels read it.
+    pub(super) use crate::int8_avx2::Grad;
 
     /// How far ahead pass 1 asks for the f32 streams' cache lines: 1024 elements, half a
     /// block. The update costs about as much time as moving its bytes, and without this the
@@ -388,30 +384,11 @@ mod avx2 {
     ) {
         // SAFETY: forwarded from the caller.
         unsafe {
-            match g {
-                Grad::F32(g) => block_for(s, p, g, mc, sc, ms, ss),
-                Grad::Bf16(g) => block_for(s, p, g, mc, sc, ms, ss),
-            }
-        }
-    }
-
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn block_for<G: GradIn>(
-        s: &StepScalars,
-        p: &mut [f32],
-        g: G,
-        mc: &mut [u8],
-        sc: &mut [u8],
-        ms: &mut f32,
-        ss: &mut f32,
-    ) {
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            if s.lerp_weight_is_small() {
-                block_impl::<true, G>(s, p, g, mc, sc, ms, ss)
-            } else {
-                block_impl::<false, G>(s, p, g, mc, sc, ms, ss)
+            match (g, s.lerp_weight_is_small()) {
+                (Grad::F32(g), true) => block_impl::<true, _>(s, p, g, mc, sc, ms, ss),
+                (Grad::F32(g), false) => block_impl::<false, _>(s, p, g, mc, sc, ms, ss),
+                (Grad::Bf16(g), true) => block_impl::<true, _>(s, p, g, mc, sc, ms, ss),
+                (Grad::Bf16(g), false) => block_impl::<false, _>(s, p, g, mc, sc, ms, ss),
             }
         }
     }
