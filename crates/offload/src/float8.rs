@@ -52,7 +52,7 @@
 
 use headroom_tensor::cpu::kernels::{bf16_bits_to_f32, FloatSlice};
 
-use crate::quantized::QUANT_BLOCK;
+use crate::quantized::{inverse_scale, QUANT_BLOCK};
 use crate::StepScalars;
 
 /// The layout of one of the two codes: a magnitude of `7` (`m`) or `8` (`√v`) bits, its low
@@ -156,17 +156,6 @@ pub(crate) fn encode_s(y: f32) -> u8 {
     S_CODE.encode_magnitude(y).clamp(0, 255) as u8
 }
 
-/// `1 / a` for a finite positive block maximum, else 0 (an all-zero or non-finite block
-/// encodes as zeros).
-#[inline(always)]
-pub(crate) fn inverse_scale(a: f32) -> f32 {
-    if a > 0.0 && a.is_finite() {
-        1.0 / a
-    } else {
-        0.0
-    }
-}
-
 /// One block of the 8-bit update: `p`, `g`, `mc`, `sc` of equal length at most
 /// [`QUANT_BLOCK`]; `ms`, `ss` the block's scales.
 pub(crate) struct Block<'a, 'g> {
@@ -258,18 +247,8 @@ fn block_portable_impl<const SMALL_WEIGHT: bool>(s: &StepScalars, b: Block<'_, '
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub(crate) unsafe fn block_avx2(s: &StepScalars, b: Block<'_, '_>) {
-    let mut wide: [f32; QUANT_BLOCK];
-    let g = match b.g {
-        FloatSlice::F32(g) => avx2::Grad::F32(g),
-        FloatSlice::BF16(g) => avx2::Grad::Bf16(g),
-        FloatSlice::F16(g) => {
-            use half::slice::HalfFloatSliceExt;
-            wide = [0f32; QUANT_BLOCK];
-            let w = &mut wide[..g.len()];
-            g.convert_to_f32_slice(w);
-            avx2::Grad::F32(w)
-        }
-    };
+    let mut wide = None;
+    let g = avx2::Grad::of(b.g, &mut wide);
     // SAFETY: the caller guarantees AVX2 and FMA.
     unsafe { avx2::block(s, b.p, g, b.mc, b.sc, b.ms, b.ss) }
 }

@@ -36,14 +36,36 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use headroom_tensor::cpu::kernels::bf16_bits_to_f32;
 
-use crate::quantized::{CodeBook, QUANT_BLOCK};
+use crate::quantized::{inverse_scale, CodeBook, QUANT_BLOCK};
 use crate::StepScalars;
 
-/// A block's gradient as the fused kernel reads it.
+/// A block's gradient as the fused 8-bit kernels (this one and `float8`'s) read it.
 #[derive(Clone, Copy)]
 pub(crate) enum Grad<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
+}
+
+impl<'a> Grad<'a> {
+    /// The kernels' view of a block's gradient (at most [`QUANT_BLOCK`] elements): f32 and
+    /// bf16 as they are, f16 widened (exactly) into `wide`, which only then is allocated and
+    /// zeroed.
+    pub(crate) fn of(
+        g: headroom_tensor::cpu::kernels::FloatSlice<'a>,
+        wide: &'a mut Option<[f32; QUANT_BLOCK]>,
+    ) -> Grad<'a> {
+        use half::slice::HalfFloatSliceExt;
+        use headroom_tensor::cpu::kernels::FloatSlice;
+        match g {
+            FloatSlice::F32(g) => Grad::F32(g),
+            FloatSlice::BF16(g) => Grad::Bf16(g),
+            FloatSlice::F16(g) => {
+                let w = &mut wide.insert([0f32; QUANT_BLOCK])[..g.len()];
+                g.convert_to_f32_slice(w);
+                Grad::F32(w)
+            }
+        }
+    }
 }
 
 /// The update for one block of at most [`QUANT_BLOCK`] elements: `p` and `g` as long as the
@@ -187,14 +209,7 @@ unsafe fn block_impl<const SMALL_WEIGHT: bool>(
         }
 
         // Pass 2: encode against the maxima, as `quantize_block` does.
-        let inv = |a: f32| {
-            if a > 0.0 && a.is_finite() {
-                1.0 / a
-            } else {
-                0.0
-            }
-        };
-        let (inv_m, inv_s) = (inv(m_max), inv(s_max));
+        let (inv_m, inv_s) = (inverse_scale(m_max), inverse_scale(s_max));
         encode_both(mb, sb, mptr, sptr, n, inv_m, inv_s, mc, sc);
         *ms = m_max;
         *ss = s_max;

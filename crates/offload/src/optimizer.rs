@@ -681,18 +681,8 @@ unsafe fn int8_block_avx2(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn int8_block_fused(mb: &CodeBook, sb: &CodeBook, s: &StepScalars, b: Int8Block<'_, '_>) {
     use crate::int8_avx2::{block, Grad};
-    use half::slice::HalfFloatSliceExt;
-    let mut wide: [f32; QUANT_BLOCK];
-    let g = match b.g {
-        FloatSlice::F32(g) => Grad::F32(g),
-        FloatSlice::BF16(g) => Grad::Bf16(g),
-        FloatSlice::F16(g) => {
-            wide = [0f32; QUANT_BLOCK];
-            let w = &mut wide[..g.len()];
-            g.convert_to_f32_slice(w);
-            Grad::F32(w)
-        }
-    };
+    let mut wide = None;
+    let g = Grad::of(b.g, &mut wide);
     // SAFETY: the caller guarantees AVX2 and FMA.
     unsafe { block(mb, sb, s, b.p, g, b.mc, b.sc, b.ms, b.ss) };
     crate::adamw_kernel::write_copy(b.p, b.c);

@@ -173,15 +173,22 @@ pub(crate) fn unsigned_book() -> &'static CodeBook {
     })
 }
 
+/// `1 / a` for a finite positive block maximum, else 0 (an all-zero or non-finite block
+/// encodes as zeros): the factor every 8-bit encoder scales a block by.
+#[inline(always)]
+pub(crate) fn inverse_scale(a: f32) -> f32 {
+    if a > 0.0 && a.is_finite() {
+        1.0 / a
+    } else {
+        0.0
+    }
+}
+
 /// Quantise `x` into `codes` with one shared scale (its absolute maximum), returned.
 #[inline(always)]
 pub(crate) fn quantize_block(book: &CodeBook, x: &[f32], codes: &mut [u8]) -> f32 {
     let absmax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let inv = if absmax > 0.0 && absmax.is_finite() {
-        1.0 / absmax
-    } else {
-        0.0
-    };
+    let inv = inverse_scale(absmax);
     for (c, v) in codes.iter_mut().zip(x) {
         *c = book.encode(v * inv);
     }
