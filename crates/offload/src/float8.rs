@@ -82,19 +82,18 @@ impl Code {
 
     /// The value of magnitude `k` relative to the block scale, exactly: the larger of two
     /// readings of `k`'s bits is wrong, the smaller right. Read with the normal exponent
-    /// offset, a subnormal `k` comes out as `2^−bias·(1 + k/16)`; read one binade up less
-    /// `2^(1 − bias)`, as `k/16·2^(1 − bias)` — its value, and smaller (Sterbenz: the
-    /// subtraction is exact). For a normal `k` the first reading is its value and the second
-    /// `2·value − 2^(1 − bias)`, not smaller. No operand or result is ever an f32 subnormal,
-    /// which AMD's Zen 3 slows down several times (measured: 0.60–0.66 of the 16-byte bound
-    /// with subnormal arithmetic, 0.79–0.83 without).
+    /// offset, a subnormal `k` comes out as `r = 2^−bias·(1 + k/16)`; `2·r − 2^(1 − bias)` is
+    /// then `k/16·2^(1 − bias)` — its value, and smaller (Sterbenz: the subtraction is
+    /// exact). For a normal `k`, `r` is its value and `2·r − 2^(1 − bias)` is not smaller
+    /// (rounding is monotone). No operand or result is ever an f32 subnormal, which AMD's
+    /// Zen 3 slows down several times (measured: 0.60–0.66 of the 16-byte bound with
+    /// subnormal arithmetic, 0.79–0.83 without). `2·r` is exact, so the AVX2 kernel's one
+    /// fused `2·r − 2^(1 − bias)` gives these bits.
     #[inline(always)]
     pub(crate) fn magnitude(&self, k: u32) -> f32 {
         let bits = k << SHIFT;
         let normal = f32::from_bits(bits.wrapping_add(((self.min_normal_exp - 1) as u32) << 23));
-        let sub =
-            f32::from_bits(bits.wrapping_add((self.min_normal_exp as u32) << 23)) - self.min_normal;
-        normal.min(sub)
+        normal.min(2.0 * normal - self.min_normal)
     }
 
     /// The magnitude code of `a = |y|` (relative to the block scale), nearest with ties away
@@ -104,16 +103,15 @@ impl Code {
     /// `a + 2^(1 − bias)` (which is normal) is the subnormal code, and too small for a normal
     /// `a`. In the subnormal range `a` is thereby rounded twice, first to an f32 in the binade
     /// of `2^(1 − bias)`: within 2^−24 of that binade of a midpoint between two codes the
-    /// result may be the farther code.
+    /// result may be the farther code. The larger is taken before the shift, which is
+    /// monotone: one shift instead of two.
     #[inline(always)]
     pub(crate) fn encode_magnitude(&self, a: f32) -> i32 {
         let half = 1i32 << (SHIFT - 1);
-        let direct =
-            (a.to_bits() as i32).wrapping_add(half - ((self.min_normal_exp - 1) << 23)) >> SHIFT;
+        let direct = (a.to_bits() as i32).wrapping_add(half - ((self.min_normal_exp - 1) << 23));
         let sub = ((a + self.min_normal).to_bits() as i32)
-            .wrapping_add(half - (self.min_normal_exp << 23))
-            >> SHIFT;
-        direct.max(sub)
+            .wrapping_add(half - (self.min_normal_exp << 23));
+        direct.max(sub) >> SHIFT
     }
 }
 
@@ -264,8 +262,8 @@ mod avx2 {
     //! reference.
     //!
     //! Decoding and encoding are [`Code::magnitude`] and [`Code::encode_magnitude`] eight
-    //! lanes at a time, integer adds and shifts with one float add or subtract and a min or
-    //! max, never touching an f32 subnormal.
+    //! lanes at a time, integer adds and shifts with one float operation and a min or max,
+    //! never touching an f32 subnormal.
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
@@ -382,11 +380,8 @@ mod avx2 {
                 bits,
                 _mm256_set1_epi32((code.min_normal_exp - 1) << 23),
             ));
-            let up = _mm256_castsi256_ps(_mm256_add_epi32(
-                bits,
-                _mm256_set1_epi32(code.min_normal_exp << 23),
-            ));
-            _mm256_min_ps(normal, _mm256_sub_ps(up, _mm256_set1_ps(code.min_normal)))
+            let sub = _mm256_fmsub_ps(normal, _mm256_set1_ps(2.0), _mm256_set1_ps(code.min_normal));
+            _mm256_min_ps(normal, sub)
         }
     }
 
@@ -396,16 +391,16 @@ mod avx2 {
         // SAFETY: AVX2, as every caller has.
         unsafe {
             let half = 1i32 << (SHIFT - 1);
-            let direct = _mm256_srai_epi32::<SHIFT>(_mm256_add_epi32(
+            let direct = _mm256_add_epi32(
                 _mm256_castps_si256(a),
                 _mm256_set1_epi32(half - ((code.min_normal_exp - 1) << 23)),
-            ));
+            );
             let shifted = _mm256_add_ps(a, _mm256_set1_ps(code.min_normal));
-            let sub = _mm256_srai_epi32::<SHIFT>(_mm256_add_epi32(
+            let sub = _mm256_add_epi32(
                 _mm256_castps_si256(shifted),
                 _mm256_set1_epi32(half - (code.min_normal_exp << 23)),
-            ));
-            _mm256_max_epi32(direct, sub)
+            );
+            _mm256_srai_epi32::<SHIFT>(_mm256_max_epi32(direct, sub))
         }
     }
 
