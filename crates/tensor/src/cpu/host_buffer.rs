@@ -135,12 +135,28 @@ impl HostBuffer {
     /// A zeroed buffer, reusing (and later returning to) `cache` when given; `None` when the
     /// allocator has no memory for the request.
     pub(crate) fn zeroed_in(len: usize, cache: Option<&Arc<BufferCache>>) -> Option<Self> {
+        Self::new_in(len, cache, true)
+    }
+
+    /// A buffer whose contents are unspecified: zeros when freshly allocated, a reused
+    /// buffer's old bytes otherwise. Always initialised memory (a reused buffer was written
+    /// as some earlier tensor), so reading it is defined; it only skips clearing a reused
+    /// buffer that the caller overwrites anyway.
+    pub(crate) fn unspecified_in(len: usize, cache: Option<&Arc<BufferCache>>) -> Option<Self> {
+        Self::new_in(len, cache, false)
+    }
+
+    fn new_in(len: usize, cache: Option<&Arc<BufferCache>>, clear: bool) -> Option<Self> {
         let n = len.div_ceil(64);
         let storage = match cache.and_then(|c| c.take(n)) {
             Some(mut reused) => {
-                reused.bytes_mut().fill(0);
+                if clear {
+                    reused.bytes_mut().fill(0);
+                }
                 reused
             }
+            // Fresh memory comes zeroed from the allocator either way (pages the kernel
+            // clears on first touch), so there is nothing to skip.
             None => Storage::zeroed(n)?,
         };
         Some(HostBuffer {
@@ -213,6 +229,23 @@ mod tests {
         let d = HostBuffer::zeroed_in(64, Some(&cache)).unwrap(); // other size: fresh
         assert_ne!(d.bytes().as_ptr(), ptr);
         assert_eq!(cache.cached_bytes(), 5 * 64);
+    }
+
+    #[test]
+    fn an_unspecified_buffer_is_zero_when_fresh_and_reused_without_clearing() {
+        let cache = Arc::new(BufferCache::new(10 * 64));
+        let fresh = HostBuffer::unspecified_in(200, Some(&cache)).unwrap();
+        assert!(fresh.bytes().iter().all(|&x| x == 0));
+        assert_eq!(fresh.bytes().len(), 200);
+        drop(fresh);
+        let mut a = HostBuffer::zeroed_in(256, Some(&cache)).unwrap(); // the same 4 lines
+        a.bytes_mut().fill(9);
+        let ptr = a.bytes().as_ptr();
+        drop(a);
+        let b = HostBuffer::unspecified_in(255, Some(&cache)).unwrap();
+        assert_eq!(b.bytes().as_ptr(), ptr, "the freed buffer is reused");
+        assert!(b.bytes().iter().all(|&x| x == 9), "with its old bytes");
+        assert_eq!(b.bytes().len(), 255);
     }
 
     #[test]

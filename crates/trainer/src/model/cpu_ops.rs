@@ -688,14 +688,17 @@ impl ModelOps for Cpu {
         } else {
             "head.logits"
         });
+        // Both are overwritten chunk by chunk before they are read (the product does not read
+        // its output, the loss writes every logit's gradient): `uninit` spares clearing
+        // 2 × 411 MB per step on `small` without the fused loss.
         let mut logits = {
             let _g = logits_category.enter();
-            self.zeros([rows, v], DType::F32)?
+            self.uninit([rows, v], DType::F32)?
         };
         let (mut grads, mut dlogits) = match grads {
             Some(g) => {
                 let _g = MemoryCategory::Workspace.enter();
-                let d = self.zeros([rows, v], DType::F32)?;
+                let d = self.uninit([rows, v], DType::F32)?;
                 (Some(g), Some(d))
             }
             None => (None, None),
