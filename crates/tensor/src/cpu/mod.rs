@@ -239,9 +239,9 @@ impl Backend for Cpu {
 
     /// Host memory handed out by the CPU backend is always initialised (reading uninitialised
     /// memory through a slice is undefined behaviour in Rust): zeros when fresh, and, with a
-    /// buffer cache, a reused buffer's old values, which `zeros` would clear first. On a
-    /// bf16 training step that clearing was about 0.5% of the time (casts and widened views
-    /// that overwrite every element).
+    /// buffer cache, a reused buffer's old values, which `zeros` would clear first. Together
+    /// with the trainer's logits moving to `uninit`, this took `memset` from 2.2% to 1.0% of
+    /// a bf16 training step's samples (casts and widened views overwrite every element).
     fn uninit(&self, shape: impl Into<Shape>, dtype: DType) -> Result<CpuTensor> {
         self.alloc(shape.into(), dtype, false)
     }
