@@ -132,21 +132,17 @@ pub(crate) struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// A zeroed buffer, reusing (and later returning to) `cache` when given; `None` when the
-    /// allocator has no memory for the request.
-    pub(crate) fn zeroed_in(len: usize, cache: Option<&Arc<BufferCache>>) -> Option<Self> {
-        Self::new_in(len, cache, true)
-    }
-
-    /// A buffer whose contents are unspecified: zeros when freshly allocated, a reused
-    /// buffer's old bytes otherwise. Always initialised memory (a reused buffer was written
-    /// as some earlier tensor), so reading it is defined; it only skips clearing a reused
-    /// buffer that the caller overwrites anyway.
-    pub(crate) fn unspecified_in(len: usize, cache: Option<&Arc<BufferCache>>) -> Option<Self> {
-        Self::new_in(len, cache, false)
-    }
-
-    fn new_in(len: usize, cache: Option<&Arc<BufferCache>>, clear: bool) -> Option<Self> {
+    /// A buffer of `len` bytes, reusing (and later returning to) `cache` when given; `None`
+    /// when the allocator has no memory for the request. Zeroed when `clear`; otherwise its
+    /// contents are unspecified: zeros when freshly allocated, a reused buffer's old bytes.
+    /// Always initialised memory (a reused buffer was written as some earlier tensor), so
+    /// reading it is defined; `clear` false only skips clearing a reused buffer that the
+    /// caller overwrites anyway.
+    pub(crate) fn new_in(
+        len: usize,
+        cache: Option<&Arc<BufferCache>>,
+        clear: bool,
+    ) -> Option<Self> {
         let n = len.div_ceil(64);
         let storage = match cache.and_then(|c| c.take(n)) {
             Some(mut reused) => {
@@ -212,21 +208,21 @@ mod tests {
     #[test]
     fn a_cache_reuses_same_sized_buffers_zeroed_and_respects_its_cap() {
         let cache = Arc::new(BufferCache::new(10 * 64));
-        let mut a = HostBuffer::zeroed_in(300, Some(&cache)).unwrap();
+        let mut a = HostBuffer::new_in(300, Some(&cache), true).unwrap();
         a.bytes_mut().fill(7);
         let ptr = a.bytes().as_ptr();
         drop(a);
         assert_eq!(cache.cached_bytes(), 5 * 64);
-        let b = HostBuffer::zeroed_in(301, Some(&cache)).unwrap(); // also 5 lines
+        let b = HostBuffer::new_in(301, Some(&cache), true).unwrap(); // also 5 lines
         assert_eq!(b.bytes().as_ptr(), ptr, "the freed buffer is reused");
         assert!(b.bytes().iter().all(|&x| x == 0), "and zeroed again");
         assert_eq!(cache.cached_bytes(), 0);
-        let c = HostBuffer::zeroed_in(64 * 11, Some(&cache)).unwrap();
+        let c = HostBuffer::new_in(64 * 11, Some(&cache), true).unwrap();
         drop(c); // 11 lines exceed the cap of 10: freed, not kept
         assert_eq!(cache.cached_bytes(), 0);
         drop(b);
         assert_eq!(cache.cached_bytes(), 5 * 64);
-        let d = HostBuffer::zeroed_in(64, Some(&cache)).unwrap(); // other size: fresh
+        let d = HostBuffer::new_in(64, Some(&cache), true).unwrap(); // other size: fresh
         assert_ne!(d.bytes().as_ptr(), ptr);
         assert_eq!(cache.cached_bytes(), 5 * 64);
     }
@@ -234,15 +230,15 @@ mod tests {
     #[test]
     fn an_unspecified_buffer_is_zero_when_fresh_and_reused_without_clearing() {
         let cache = Arc::new(BufferCache::new(10 * 64));
-        let fresh = HostBuffer::unspecified_in(200, Some(&cache)).unwrap();
+        let fresh = HostBuffer::new_in(200, Some(&cache), false).unwrap();
         assert!(fresh.bytes().iter().all(|&x| x == 0));
         assert_eq!(fresh.bytes().len(), 200);
         drop(fresh);
-        let mut a = HostBuffer::zeroed_in(256, Some(&cache)).unwrap(); // the same 4 lines
+        let mut a = HostBuffer::new_in(256, Some(&cache), true).unwrap(); // the same 4 lines
         a.bytes_mut().fill(9);
         let ptr = a.bytes().as_ptr();
         drop(a);
-        let b = HostBuffer::unspecified_in(255, Some(&cache)).unwrap();
+        let b = HostBuffer::new_in(255, Some(&cache), false).unwrap();
         assert_eq!(b.bytes().as_ptr(), ptr, "the freed buffer is reused");
         assert!(b.bytes().iter().all(|&x| x == 9), "with its old bytes");
         assert_eq!(b.bytes().len(), 255);
@@ -251,7 +247,7 @@ mod tests {
     #[test]
     fn aligned_zeroed_exact_length() {
         for len in [0usize, 1, 63, 64, 65, 4096 + 12] {
-            let b = HostBuffer::zeroed_in(len, None).unwrap();
+            let b = HostBuffer::new_in(len, None, true).unwrap();
             assert_eq!(b.bytes().len(), len);
             assert!(b.bytes().iter().all(|&x| x == 0));
             assert_eq!(b.bytes().as_ptr() as usize % 64, 0);
@@ -262,7 +258,7 @@ mod tests {
     fn large_buffers_are_page_aligned_zeroed_mappings_and_are_cached_too() {
         let len = HUGE_PAGE_MIN_BYTES + 100;
         let cache = Arc::new(BufferCache::new(8 * HUGE_PAGE_MIN_BYTES));
-        let mut a = HostBuffer::zeroed_in(len, Some(&cache)).unwrap();
+        let mut a = HostBuffer::new_in(len, Some(&cache), true).unwrap();
         assert!(a.is_mapped());
         assert_eq!(a.bytes().len(), len);
         assert_eq!(a.bytes().as_ptr() as usize % 4096, 0);
@@ -271,17 +267,17 @@ mod tests {
         let ptr = a.bytes().as_ptr();
         drop(a);
         assert_eq!(cache.cached_bytes(), len.div_ceil(64) * 64);
-        let b = HostBuffer::zeroed_in(len, Some(&cache)).unwrap();
+        let b = HostBuffer::new_in(len, Some(&cache), true).unwrap();
         assert!(b.is_mapped());
         assert_eq!(b.bytes().as_ptr(), ptr, "the freed mapping is reused");
         assert!(b.bytes().iter().all(|&x| x == 0), "and zeroed again");
         // Just below the threshold: the allocator's path.
-        let small = HostBuffer::zeroed_in(HUGE_PAGE_MIN_BYTES - 64, None).unwrap();
+        let small = HostBuffer::new_in(HUGE_PAGE_MIN_BYTES - 64, None, true).unwrap();
         assert!(!small.is_mapped());
     }
 
     #[test]
     fn impossible_request_is_none() {
-        assert!(HostBuffer::zeroed_in(usize::MAX - 64, None).is_none());
+        assert!(HostBuffer::new_in(usize::MAX - 64, None, true).is_none());
     }
 }

@@ -197,16 +197,11 @@ impl Cpu {
         // Report first: a refused allocation never touches memory.
         let allocation =
             TrackedAllocation::register(self.hook.as_ref(), bytes, dtype, Device::Cpu)?;
-        let cache = self.cache.as_ref();
-        let data = if zeroed {
-            HostBuffer::zeroed_in(bytes, cache)
-        } else {
-            HostBuffer::unspecified_in(bytes, cache)
-        }
-        .ok_or(Error::OutOfMemory {
-            device: Device::Cpu,
-            bytes,
-        })?;
+        let data =
+            HostBuffer::new_in(bytes, self.cache.as_ref(), zeroed).ok_or(Error::OutOfMemory {
+                device: Device::Cpu,
+                bytes,
+            })?;
         Ok(CpuTensor {
             data,
             shape,
