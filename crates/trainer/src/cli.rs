@@ -454,7 +454,8 @@ struct TrainArgs {
     #[arg(long, default_value_t = 1, requires = "zero")]
     ranks: usize,
     /// Where the --zero ranks run: threads of this process (--ranks of them), or one per
-    /// process of an `mpirun` job (needs the MPI build of headroom, crates/trainer-mpi).
+    /// process of an `mpirun` job (a build without MPI hands the run to the MPI build,
+    /// `headroom-mpi` from crates/trainer-mpi, found beside it, on the PATH or in HEADROOM_MPI).
     #[arg(long, value_enum, default_value_t = Dist::Threads, requires = "zero")]
     dist: Dist,
     /// Save checkpoints under this directory (one `step-N` directory each, published
@@ -885,10 +886,10 @@ fn cmd_train_zero(
     let comm = match dist {
         Dist::Threads => None,
         Dist::Mpi => {
-            let connect = hooks.mpi.ok_or(
-                "this headroom was built without MPI: `--dist mpi` needs the binary built from \
-                 crates/trainer-mpi (see the README)",
-            )?;
+            // A build without MPI handed the run over before getting here.
+            let connect = hooks
+                .mpi
+                .ok_or("this headroom was built without MPI (crates/trainer-mpi has it)")?;
             let comm = connect(zero.timeout)?;
             let world = comm.world_size();
             if ranks != 1 && ranks != world {
@@ -1709,6 +1710,13 @@ fn cmd_data(c: DataCommand) -> CliResult {
 }
 
 fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
+    if hooks.mpi.is_none() {
+        if let Some(Command::Train(a)) = &cli.command {
+            if a.zero.is_some() && a.dist == Dist::Mpi {
+                return delegate_to_mpi_build();
+            }
+        }
+    }
     let ok = |r: CliResult| r.map(|()| ExitCode::SUCCESS);
     match cli.command {
         Some(Command::Train(a)) => cmd_train(*a, hooks),
@@ -1861,6 +1869,73 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         new.len() as f64 / secs.max(1e-9)
     );
     Ok(())
+}
+
+/// Names the MPI build of the command to run `train --dist mpi` with; empty turns the hand-over
+/// off. Unset, `headroom-mpi` is looked for beside this binary, then on the `PATH`.
+const MPI_BUILD_ENV: &str = "HEADROOM_MPI";
+
+/// Set on the MPI build when this command hands a run over to it, so a `HEADROOM_MPI` that
+/// names a build without MPI fails instead of handing over to itself forever.
+const HANDED_OVER_ENV: &str = "HEADROOM_MPI_HANDED_OVER";
+
+/// `train --dist mpi` in a build without MPI: hand the whole command line to the MPI build
+/// (`headroom-mpi`, crates/trainer-mpi), as git hands `git foo` to `git-foo`, so that
+/// `mpirun -n N headroom train --zero S --dist mpi` works with both installed. The MPI build
+/// lives outside the workspace because it links Open MPI; this build never does. On Unix the
+/// process is replaced (same pid, environment and signals, which `mpirun` relies on).
+fn delegate_to_mpi_build() -> CliResult<ExitCode> {
+    const HOW: &str = "`--dist mpi` needs the MPI build of the command: install it with \
+                       `cargo install --path crates/trainer-mpi` (the binary `headroom-mpi`, see \
+                       the README) or name it in HEADROOM_MPI";
+    if std::env::var_os(HANDED_OVER_ENV).is_some() {
+        return Err(format!(
+            "this headroom was built without MPI, yet a run was handed to it as the MPI build \
+             ({MPI_BUILD_ENV} names the wrong binary); {HOW}"
+        )
+        .into());
+    }
+    let exe = find_mpi_build().ok_or_else(|| {
+        format!("this headroom was built without MPI and no headroom-mpi was found; {HOW}")
+    })?;
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.args(std::env::args_os().skip(1))
+        .env(HANDED_OVER_ENV, "1");
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        let e = cmd.exec();
+        Err(format!("running the MPI build {}: {e}", exe.display()).into())
+    }
+    #[cfg(not(unix))]
+    {
+        let status = cmd
+            .status()
+            .map_err(|e| format!("running the MPI build {}: {e}", exe.display()))?;
+        Ok(if status.success() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        })
+    }
+}
+
+/// Where the MPI build is: `HEADROOM_MPI` when set (empty: nowhere), else `headroom-mpi`
+/// beside this binary (where `cargo install` and a shared target directory put both), else
+/// the first on the `PATH`.
+fn find_mpi_build() -> Option<PathBuf> {
+    let name = format!("headroom-mpi{}", std::env::consts::EXE_SUFFIX);
+    if let Some(named) = std::env::var_os(MPI_BUILD_ENV) {
+        return (!named.is_empty()).then(|| PathBuf::from(named));
+    }
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join(&name)));
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(&name));
+    beside.into_iter().chain(on_path).find(|p| p.is_file())
 }
 
 /// Connects this process to the others of an MPI job: its end of the world communicator,

@@ -1,4 +1,5 @@
-//! The `headroom` command (without MPI: see `crates/trainer-mpi` for `train --dist mpi`).
+//! The `headroom` command without MPI: `train --dist mpi` is handed to `headroom-mpi`
+//! (`crates/trainer-mpi`).
 
 fn main() -> std::process::ExitCode {
     headroom_trainer::cli::main_with(&headroom_trainer::cli::CliHooks::default())

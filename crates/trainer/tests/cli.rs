@@ -707,11 +707,60 @@ fn zero_ranks_train_save_resume_elsewhere_and_consolidate() {
         assert!(p.is_file(), "{}", p.display());
     }
     assert!(!trace.exists());
-    // `--dist mpi` needs the MPI build of the command, and says so.
-    let o = with(&["--zero", "3", "--dist", "mpi"]);
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("crates/trainer-mpi"), "{}", stderr(&o));
     let o = with(&["--zero", "1", "--ranks", "2", "--lora-rank", "4"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--zero"), "{}", stderr(&o));
+}
+
+/// `headroom train --zero S --dist mpi` from a build without MPI: the whole command line goes
+/// to the MPI build, whose exit status is the command's; with none to hand to, or one that is
+/// itself without MPI, a clear error instead of a hang or a loop.
+#[cfg(unix)]
+#[test]
+fn dist_mpi_hands_the_command_to_the_mpi_build() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["train", "--zero", "3", "--dist", "mpi", "--steps", "2"];
+    let run = |mpi_build: &std::ffi::OsStr| {
+        Command::new(env!("CARGO_BIN_EXE_headroom"))
+            .args(args)
+            .env("HEADROOM_MPI", mpi_build)
+            .output()
+            .unwrap()
+    };
+    // A stand-in for headroom-mpi: reports what it was given and exits with status 7.
+    let fake = dir.path().join("headroom-mpi");
+    let seen = dir.path().join("seen");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\necho \"$HEADROOM_MPI_HANDED_OVER $*\" > '{}'\nexit 7\n",
+            seen.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let o = run(fake.as_os_str());
+    assert_eq!(o.status.code(), Some(7), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read_to_string(&seen).unwrap().trim(),
+        format!("1 {}", args.join(" "))
+    );
+    // Nothing to hand to: the error says how to get the MPI build.
+    let o = run("".as_ref());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("crates/trainer-mpi"), "{}", stderr(&o));
+    // A HEADROOM_MPI naming a build without MPI fails once instead of handing over forever.
+    let o = run(env!("CARGO_BIN_EXE_headroom").as_ref());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("wrong binary"), "{}", stderr(&o));
+    // In-process ranks never look for it.
+    let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args([
+            "train", "--zero", "1", "--ranks", "2", "--steps", "1", "--batch", "2",
+        ])
+        .env("HEADROOM_MPI", fake.as_os_str())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
 }
