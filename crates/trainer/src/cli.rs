@@ -979,7 +979,8 @@ fn cmd_train_zero(
     say!("final loss (mean of last {k} steps) {last:.4} nats/token");
     say!("rank  parameters  gradients  optimizer  activations  workspace  peak (MiB)  sent/step (MiB)  host (MiB)");
     for r in &report.ranks {
-        let Some(d) = r.memory.device(headroom_tensor::Device::Cpu) else {
+        // The rank's compute device: the CPU, or its GPU (whose engine is on the host).
+        let Some(d) = r.memory.devices.first() else {
             continue;
         };
         let host = r

@@ -1,7 +1,9 @@
 //! Data-parallel training under ZeRO (`headroom train --zero S --ranks N`): N ranks, each a
-//! thread with its own tracked [`Cpu`] backend, its own [`ZeroEngine`] (headroom-zero) and its
-//! own shard of the data, talking through a [`Collective`] — the in-process group here, MPI or
-//! NCCL where those run the same code.
+//! thread with its own tracked backend, its own [`ZeroEngine`] (headroom-zero) and its own
+//! shard of the data, talking through a [`Collective`] — the in-process group here, MPI or
+//! NCCL where those run the same code. A rank's model runs on the CPU or on a GPU
+//! (`--device cuda`); its engine is always in host memory (the private `RankBackend` trait
+//! says how a part's gradients get there).
 //!
 //! The model code is the single-process model's: every rank runs
 //! [`Model::forward_backward_parts`] with the engine as its [`PartStore`]. The model holds no
@@ -36,12 +38,14 @@ use headroom_offload::{fused_step, AdamWHyper, Isa, StatePrecision, StepScalars}
 use headroom_profiler::{label_absolute, MemorySnapshot, MemoryTracker};
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, DType, Device, MemoryCategory, Shape};
+
+use crate::engine::ComputeDevice;
 use headroom_zero::{
     Collective, CommStats, CountingCollective, InProcessGroup, ShardOptimizer, Stage, UpdatePiece,
     ZeroConfig, ZeroEngine,
 };
 
-use crate::model::{params, Geometry, Model, Part, PartStore, Precision};
+use crate::model::{params, Geometry, Model, ModelOps, Part, PartStore, Precision};
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement};
 use crate::train::{StepLog, TrainOptions};
 use crate::zero_checkpoint::{self, ZeroCheckpoint};
@@ -260,8 +264,12 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
         });
     }
     let tech = &opts.techniques;
-    if opts.device != crate::engine::ComputeDevice::Cpu {
-        return refuse("in-process ranks run on the CPU (NCCL ranks need one process per GPU)");
+    if let ComputeDevice::Cuda { .. } = opts.device {
+        // The CUDA model's own limits (bf16, flash attention, its head dimensions).
+        #[cfg(feature = "cuda")]
+        crate::cuda::check_options(&opts.model, &tech.model)?;
+        #[cfg(not(feature = "cuda"))]
+        return Err(no_cuda_build());
     }
     if tech.finetune.is_some() {
         return refuse("LoRA / QLoRA train adapters only; shard them with plain data parallelism");
@@ -293,7 +301,9 @@ fn check_machine_memory(
     micro: usize,
     local: usize,
 ) -> Result<()> {
-    if !opts.check_machine_memory {
+    // A CUDA rank's estimate is mostly device memory (its activations, the gathered parts);
+    // the device's allocator refuses what does not fit there.
+    if !opts.check_machine_memory || opts.device != ComputeDevice::Cpu {
         return Ok(());
     }
     let e = rank_estimate(opts, zero, micro)?;
@@ -315,6 +325,17 @@ pub fn estimate_run(
     opts: &TrainOptions,
     zero: &ZeroOptions,
 ) -> Result<(crate::zero_estimate::ZeroEstimate, usize)> {
+    if opts.device != ComputeDevice::Cpu {
+        // The replay is of a rank whose model and shards share one memory; a CUDA rank keeps
+        // its shards on the host and only the parts in use on the GPU.
+        return Err(TrainError::Config(
+            "the ZeRO estimate models ranks whose sharded state is on their own device (what \
+             NCCL ranks keep, and CPU ranks run): leave out --device for those per-device \
+             figures; headroom's CUDA ranks, which keep the shards in host memory, are not \
+             modelled"
+                .into(),
+        ));
+    }
     let micro = check(opts, zero)?;
     Ok((rank_estimate(opts, zero, micro)?, micro))
 }
@@ -551,7 +572,8 @@ fn run_rank<C: Collective + 'static>(
     let opts = shared.opts;
     let (rank, world) = (comm.rank(), comm.world_size());
     let tracker = Arc::new(MemoryTracker::new());
-    tracker.set_budget(Device::Cpu, opts.budget);
+    let device = compute_device(opts.device);
+    tracker.set_budget(device, opts.budget);
     let outputs = &opts.memory_outputs;
     if !outputs.any() {
         return run_rank_tracked(shared, comm, tx, tracker);
@@ -572,7 +594,7 @@ fn run_rank<C: Collective + 'static>(
         crate::train::timeline_title(opts),
         shared.zero.stage
     );
-    let written = mine.write(&timeline, Device::Cpu, opts.budget, &title);
+    let written = mine.write(&timeline, device, opts.budget, &title);
     // A failed run reports its own error; the files are best-effort then.
     if result.is_ok() {
         written?;
@@ -590,21 +612,83 @@ pub fn rank_path(path: &std::path::Path, rank: usize) -> std::path::PathBuf {
     path.with_file_name(name)
 }
 
-/// [`run_rank`] with the rank's allocations reported to `tracker`.
+/// The tracker's device for a run on `d`.
+fn compute_device(d: ComputeDevice) -> Device {
+    match d {
+        ComputeDevice::Cpu => Device::Cpu,
+        ComputeDevice::Cuda { ordinal } => Device::Cuda(ordinal),
+    }
+}
+
+/// [`run_rank`] with the rank's allocations reported to `tracker`, on the run's device.
 fn run_rank_tracked<C: Collective + 'static>(
     shared: &Shared<'_>,
     comm: C,
     tx: mpsc::Sender<RankStep>,
     tracker: Arc<MemoryTracker>,
 ) -> Result<RankOutcome> {
+    let host_tracker = Arc::new(MemoryTracker::new());
+    match shared.opts.device {
+        ComputeDevice::Cpu => {
+            // The model and the engine share one tracked backend: a CPU rank's memory is all
+            // "device" memory, with the optimizer shard alone on the host's ledger under
+            // ZeRO-Offload.
+            let cpu = Cpu::new()
+                .with_alloc_hook(tracker.clone())
+                .with_buffer_cache(usize::MAX);
+            run_rank_on(shared, comm, tx, tracker, host_tracker, cpu.clone(), cpu)
+        }
+        #[cfg(feature = "cuda")]
+        ComputeDevice::Cuda { ordinal } => {
+            let cuda = cuda_rank_device(ordinal, comm.rank())?.with_alloc_hook(tracker.clone());
+            let host = Cpu::new().with_alloc_hook(host_tracker.clone());
+            run_rank_on(shared, comm, tx, tracker, host_tracker, cuda, host)
+        }
+        #[cfg(not(feature = "cuda"))]
+        ComputeDevice::Cuda { .. } => Err(no_cuda_build()),
+    }
+}
+
+/// The GPU of a CUDA rank: `first` plus the rank's place on its machine (Open MPI's, Slurm's
+/// or torchrun's local rank; for threads, the rank), wrapped around the machine's GPUs, so the
+/// ranks of one machine spread over its GPUs and share them round-robin when they are fewer.
+#[cfg(feature = "cuda")]
+fn cuda_rank_device(first: usize, rank: usize) -> Result<headroom_cuda::Cuda> {
+    let local = ["OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(rank);
+    let count = headroom_cuda::device_count().max(1);
+    headroom_cuda::Cuda::new((first + local) % count)
+        .map_err(|e| TrainError::from(crate::cuda::CudaGptError::Device(e)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_build() -> TrainError {
+    TrainError::Config(
+        "--zero on CUDA: headroom-trainer was built without its `cuda` feature".into(),
+    )
+}
+
+/// A rank's run: the model on `compute`, the sharded engine (masters, gradients, optimizer
+/// state, collectives) on `host`. On the CPU the two are one backend; on a GPU the engine
+/// stays in host memory and each part crosses the bus once per use, up as weights and down as
+/// gradients (ZeRO-Offload's arrangement), with the collectives on host buffers.
+fn run_rank_on<C: Collective + 'static, B: RankBackend>(
+    shared: &Shared<'_>,
+    comm: C,
+    tx: mpsc::Sender<RankStep>,
+    tracker: Arc<MemoryTracker>,
+    host_tracker: Arc<MemoryTracker>,
+    compute: B,
+    host: Cpu,
+) -> Result<RankOutcome> {
     let opts = shared.opts;
     let cfg = &opts.model;
     let (rank, world) = (comm.rank(), comm.world_size());
     let comm = CountingCollective::new(comm);
     let counters = comm.counters();
-    let cpu = Cpu::new()
-        .with_alloc_hook(tracker.clone())
-        .with_buffer_cache(usize::MAX);
+    let device = compute.device();
     let precision = opts.techniques.model.precision;
     let zcfg = ZeroConfig::new(shared.zero.stage).with_precision(match precision {
         Precision::Fp32 => headroom_zero::Precision::Fp32,
@@ -613,17 +697,17 @@ fn run_rank_tracked<C: Collective + 'static>(
     let sizes = part_sizes(cfg);
     // ZeRO-Offload: the optimizer shard (and bf16 runs' fp32 masters) on the host's ledger,
     // from the start.
-    let host_tracker = Arc::new(MemoryTracker::new());
     let state_on = if opts.techniques.optimizer.placement == OptimizerPlacement::HostRam {
         Cpu::new().with_alloc_hook(host_tracker.clone())
     } else {
-        cpu.clone()
+        host.clone()
     };
     let engine =
-        ZeroEngine::with_state_on(cpu.clone(), state_on, comm, &sizes, zcfg).map_err(zero_err)?;
+        ZeroEngine::with_state_on(host.clone(), state_on, comm, &sizes, zcfg).map_err(zero_err)?;
     let store = EngineStore {
         engine: RefCell::new(engine),
-        cpu: cpu.clone(),
+        compute: compute.clone(),
+        host: host.clone(),
         shapes: &shared.shapes,
         cfg: *cfg,
         dtype: precision.storage(),
@@ -649,7 +733,7 @@ fn run_rank_tracked<C: Collective + 'static>(
         model_opts.selective = true;
     }
     model_opts.offload_grads = false;
-    let model = Model::parts_only(&cpu, *cfg, model_opts)?;
+    let model = Model::parts_only(&compute, *cfg, model_opts)?;
 
     let sampler = SamplerConfig {
         mode: SamplingMode::EpochWindows,
@@ -663,7 +747,7 @@ fn run_rank_tracked<C: Collective + 'static>(
     let mut loader = {
         let _g = MemoryCategory::Data.enter();
         let _l = label_absolute("data.batch");
-        let hook = cpu.alloc_hook().cloned();
+        let hook = host.alloc_hook().cloned();
         if start > 0 {
             // Where an uninterrupted run of this many ranks would be.
             let at = zero_checkpoint::loader_state(
@@ -763,8 +847,8 @@ fn run_rank_tracked<C: Collective + 'static>(
             block_forwards,
             grad_norm,
             seconds: t0.elapsed().as_secs_f64(),
-            live: tracker.live_bytes(Device::Cpu),
-            peak: tracker.peak_bytes(Device::Cpu),
+            live: tracker.live_bytes(device),
+            peak: tracker.peak_bytes(device),
         };
         // The receiver only goes away when the caller is gone.
         let _ = tx.send(report);
@@ -830,10 +914,13 @@ fn run_rank_tracked<C: Collective + 'static>(
     })
 }
 
-/// The engine as the model's [`PartStore`].
-struct EngineStore<'a> {
+/// The engine as the model's [`PartStore`], for a model on `B`.
+struct EngineStore<'a, B: RankBackend> {
     engine: RefCell<ZeroEngine>,
-    cpu: Cpu,
+    /// The model's backend: part weights are made here for each use.
+    compute: B,
+    /// The engine's: gradients come back through here when `compute` is not the host.
+    host: Cpu,
     shapes: &'a [Vec<Shape>],
     cfg: crate::model::ModelConfig,
     /// The working weights' dtype (f32, or bf16 in mixed precision).
@@ -850,9 +937,9 @@ struct EngineStore<'a> {
 /// gathered and added in chunk order, so every rank reports the value one process gets by
 /// summing the chunks in order. Each rank computes 1/N of the forwards; under stage 3 the ranks
 /// still gather every part together, each for its own chunk.
-fn validation_loss(
-    model: &Model,
-    store: &EngineStore<'_>,
+fn validation_loss<B: RankBackend>(
+    model: &Model<B>,
+    store: &EngineStore<'_, B>,
     batches: &[(Vec<u32>, Vec<u32>)],
     micro: usize,
     seq: usize,
@@ -892,8 +979,8 @@ fn validation_loss(
 }
 
 /// Every rank: its shard into one partial directory, then rank 0 publishes it.
-fn save(
-    store: &EngineStore<'_>,
+fn save<B: RankBackend>(
+    store: &EngineStore<'_, B>,
     shared: &Shared<'_>,
     root: &std::path::Path,
     step: usize,
@@ -928,7 +1015,7 @@ fn save(
     Ok(())
 }
 
-impl EngineStore<'_> {
+impl<B: RankBackend> EngineStore<'_, B> {
     /// Every rank takes its shard of a checkpoint's full tensors, part by part.
     fn load_checkpoint(&self, ck: &ZeroCheckpoint) -> Result<()> {
         let mut e = self.engine.borrow_mut();
@@ -1001,8 +1088,8 @@ impl EngineStore<'_> {
     }
 }
 
-impl PartStore<Cpu> for EngineStore<'_> {
-    fn weights(&self, part: Part) -> Result<Vec<CpuTensor>> {
+impl<B: RankBackend> PartStore<B> for EngineStore<'_, B> {
+    fn weights(&self, part: Part) -> Result<Vec<B::Tensor>> {
         let l = part.index(&self.cfg);
         // The next request, if this one is where the plan said it would be; a caller off the
         // plan gets no prefetching from then on (correct, only slower).
@@ -1021,17 +1108,16 @@ impl PartStore<Cpu> for EngineStore<'_> {
             let _l = label_absolute("zero.part_weights");
             let mut out = Vec::with_capacity(self.shapes[l].len());
             for (t, shape) in self.shapes[l].iter().enumerate() {
-                let mut w = self.cpu.uninit(shape.clone(), self.dtype)?;
-                match self.dtype {
-                    DType::F32 => w
-                        .as_mut_slice::<f32>()?
-                        .copy_from_slice(e.tensor(l, t).map_err(zero_err)?),
-                    _ => w
-                        .as_mut_slice::<half::bf16>()?
-                        .iter_mut()
-                        .zip(e.tensor_bf16(l, t).map_err(zero_err)?)
-                        .for_each(|(d, &s)| *d = half::bf16::from_bits(s)),
-                }
+                let w = match self.dtype {
+                    DType::F32 => self
+                        .compute
+                        .upload(e.tensor(l, t).map_err(zero_err)?, shape.clone())?,
+                    _ => {
+                        let bits = e.tensor_bf16(l, t).map_err(zero_err)?;
+                        self.compute
+                            .upload::<half::bf16>(bytemuck::cast_slice(bits), shape.clone())?
+                    }
+                };
                 out.push(w);
             }
             out
@@ -1048,26 +1134,84 @@ impl PartStore<Cpu> for EngineStore<'_> {
         Ok(out)
     }
 
-    fn grad_buffers(&self, part: Part) -> Result<Vec<CpuTensor>> {
+    fn grad_buffers(&self, part: Part) -> Result<Vec<B::Tensor>> {
         let l = part.index(&self.cfg);
         let _g = MemoryCategory::Gradients.enter();
         let _l = label_absolute("zero.part_grads");
         self.shapes[l]
             .iter()
-            .map(|s| Ok(self.cpu.zeros(s.clone(), DType::F32)?))
+            .map(|s| Ok(self.compute.zeros(s.clone(), DType::F32)?))
             .collect()
     }
 
-    fn push_grads(&self, part: Part, grads: Vec<CpuTensor>) -> Result<()> {
+    fn push_grads(&self, part: Part, grads: Vec<B::Tensor>) -> Result<()> {
         let l = part.index(&self.cfg);
-        let slices = grads
-            .iter()
-            .map(|t| t.as_slice::<f32>())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        self.engine
-            .borrow_mut()
-            .push_grads(l, &slices)
-            .map_err(zero_err)
+        self.compute
+            .push_part_grads(&mut self.engine.borrow_mut(), l, &grads, &self.host)
+    }
+}
+
+/// What a rank's compute backend adds to the model's ops: handing a part's finished
+/// gradients to the engine, which lives in host memory.
+trait RankBackend: ModelOps + Clone {
+    /// `engine.push_grads(l, …)` with `grads`, f32 tensors on this backend; `host` is the
+    /// engine's backend, for staging copies.
+    fn push_part_grads(
+        &self,
+        engine: &mut ZeroEngine,
+        l: usize,
+        grads: &[Self::Tensor],
+        host: &Cpu,
+    ) -> Result<()>;
+}
+
+/// `engine.push_grads` with f32 host tensors.
+fn push_host_grads(engine: &mut ZeroEngine, l: usize, grads: &[CpuTensor]) -> Result<()> {
+    let slices = grads
+        .iter()
+        .map(|t| t.as_slice::<f32>())
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    engine.push_grads(l, &slices).map_err(zero_err)
+}
+
+impl RankBackend for Cpu {
+    /// The engine reads the gradients where they are.
+    fn push_part_grads(
+        &self,
+        engine: &mut ZeroEngine,
+        l: usize,
+        grads: &[CpuTensor],
+        _: &Cpu,
+    ) -> Result<()> {
+        push_host_grads(engine, l, grads)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl RankBackend for headroom_cuda::Cuda {
+    /// Downloaded into host staging (one part's gradients, counted as the host's
+    /// `Gradients`), then pushed: the collectives run on host buffers.
+    fn push_part_grads(
+        &self,
+        engine: &mut ZeroEngine,
+        l: usize,
+        grads: &[headroom_cuda::CudaTensor],
+        host: &Cpu,
+    ) -> Result<()> {
+        let staged = {
+            let _g = MemoryCategory::Gradients.enter();
+            let _l = label_absolute("zero.part_grads_staging");
+            grads
+                .iter()
+                .map(|g| {
+                    let mut h =
+                        host.uninit(headroom_tensor::Tensor::shape(g).clone(), DType::F32)?;
+                    self.download_into(g, h.as_mut_slice::<f32>()?)?;
+                    Ok(h)
+                })
+                .collect::<Result<Vec<CpuTensor>>>()?
+        };
+        push_host_grads(engine, l, &staged)
     }
 }
 

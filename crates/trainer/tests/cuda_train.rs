@@ -90,6 +90,96 @@ fn cuda_training_tracks_the_cpu_run_and_reports_device_memory() {
     assert!(dev.peak[headroom_tensor::MemoryCategory::Gradients] > 0);
 }
 
+/// `--zero` on CUDA without a GPU (or without the `cuda` feature): every rank stops with the
+/// typed error, none hangs waiting for the others; and what the CUDA model cannot run (fp32)
+/// is refused before any rank starts.
+#[test]
+fn zero_ranks_on_cuda_without_a_gpu_are_a_typed_error() {
+    use headroom_trainer::zero_train::{train_zero, ZeroOptions};
+    if headroom_cuda::Cuda::new(0).is_ok() {
+        eprintln!("a CUDA device is present: this test is about machines without one");
+        return;
+    }
+    let o = TrainOptions {
+        device: ComputeDevice::Cuda { ordinal: 0 },
+        ..cuda_ready(1)
+    };
+    let zero = ZeroOptions::new(headroom_zero::Stage::Zero3, 2);
+    let err = train_zero(&o, zero, |_| {}).unwrap_err();
+    let mut chain = vec![err.to_string()];
+    let mut s = std::error::Error::source(&err);
+    while let Some(e) = s {
+        chain.push(e.to_string());
+        s = e.source();
+    }
+    let text = chain.join(" / ").to_lowercase();
+    assert!(
+        text.contains("no cuda device") || text.contains("without its `cuda` feature"),
+        "{text}"
+    );
+    let mut fp32 = o.clone();
+    fp32.techniques.model.precision = Precision::Fp32;
+    let e = train_zero(&fp32, zero, |_| {}).unwrap_err();
+    assert!(matches!(&e, TrainError::Config(_)), "{e}");
+}
+
+/// ZeRO ranks whose model runs on the GPU (the engine, its shards and the collectives stay in
+/// host memory): stage 3 on 2 in-process ranks tracks the same run on CPU ranks (same data,
+/// init and host AdamW; the model's kernels differ, so within a tolerance), equals stage 0 on
+/// the GPU, and each rank's device holds no parameter, gradient or optimizer shard — only the
+/// gathered parts it is using, their gradients and the activations.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn zero_ranks_on_cuda_track_cpu_ranks_and_keep_shards_on_the_host() {
+    use headroom_tensor::MemoryCategory;
+    use headroom_trainer::zero_train::{train_zero, ZeroOptions};
+    use headroom_zero::Stage;
+    let mut o = cuda_ready(12);
+    o.grad_clip = f64::INFINITY;
+    o.techniques.micro_batch = Some(2);
+    o.techniques.checkpoint = headroom_trainer::techniques::CheckpointChoice::EveryK(1);
+    let cpu = train_zero(&o, ZeroOptions::new(Stage::Zero3, 2), |_| {}).unwrap();
+    o.device = ComputeDevice::Cuda { ordinal: 0 };
+    let gpu3 = train_zero(&o, ZeroOptions::new(Stage::Zero3, 2), |_| {}).unwrap();
+    let gpu0 = train_zero(&o, ZeroOptions::new(Stage::Zero0, 2), |_| {}).unwrap();
+    let (c0, g0) = (cpu.steps[0].loss, gpu3.steps[0].loss);
+    assert!(
+        (c0 - g0).abs() <= 1e-2 * c0,
+        "first loss {g0} vs CPU ranks {c0}"
+    );
+    let last = |r: &headroom_trainer::zero_train::ZeroReport| r.steps.last().unwrap().loss;
+    let (c, g) = (last(&cpu), last(&gpu3));
+    assert!((c - g).abs() <= 0.05 * c, "last loss {g} vs CPU ranks {c}");
+    assert!(g < g0 * 0.9, "the GPU ranks did not learn: {g0} -> {g}");
+    // Stages differ only in what is sharded: the same model inputs, the same reductions.
+    for (a, b) in gpu3.steps.iter().zip(&gpu0.steps) {
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-3 * b.loss,
+            "step {}: stage 3 {} vs stage 0 {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    for r in &gpu3.ranks {
+        let dev = r
+            .memory
+            .devices
+            .first()
+            .expect("device allocations are tracked");
+        assert!(matches!(dev.device, headroom_tensor::Device::Cuda(_)));
+        assert_eq!(dev.peak[MemoryCategory::OptimizerState], 0);
+        assert!(dev.peak[MemoryCategory::Activations] > 0);
+        let host = r
+            .host_memory
+            .device(headroom_tensor::Device::Cpu)
+            .expect("the engine is on the host");
+        assert!(host.peak[MemoryCategory::OptimizerState] > 0);
+        assert!(host.peak[MemoryCategory::Parameters] > 0);
+    }
+}
+
 /// The resident placement's refusals come before any device work, so they are the same typed
 /// configuration error with or without a GPU (and without the `cuda` feature).
 #[test]
