@@ -39,6 +39,7 @@ use criterion::{
 use half::bf16;
 use headroom_benches::size_label;
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType};
+use headroom_trainer::ops::bf16_gemm::{self, Matrix};
 use headroom_trainer::ops::matmul;
 
 /// Sizes of the f32 buffer of each primitive.
@@ -242,10 +243,10 @@ fn gemm_paired(rounds: usize) {
         let (mut dx, mut dw) = (vec![0.0f32; rows * inp], vec![0.0f32; out * inp]);
         let flops = (2 * rows * inp * out) as f64;
         for backward in [false, true] {
-            let mut t = [vec![], vec![], vec![]];
+            let mut t = [vec![], vec![], vec![], vec![]];
             for r in 0..rounds + 1 {
-                for j in 0..3 {
-                    let v = (j + r) % 3;
+                for j in 0..4 {
+                    let v = (j + r) % 4;
                     let start = Instant::now();
                     match (backward, v) {
                         (false, 0) => matmul::forward(&mut y, &x, &wf, None, rows, inp, out),
@@ -259,10 +260,20 @@ fn gemm_paired(rounds: usize) {
                             out,
                             &mut scratch,
                         ),
-                        (false, _) => {
+                        (false, 2) => {
                             upcast(&wb, &mut view);
                             matmul::forward(&mut y, &x, &view, None, rows, inp, out)
                         }
+                        (false, _) => bf16_gemm::gemm_bf16(
+                            &mut y,
+                            out,
+                            Matrix::rows(&x[..], inp),
+                            Matrix::transposed(&wb[..], inp),
+                            rows,
+                            out,
+                            inp,
+                            false,
+                        ),
                         (true, 0) => {
                             matmul::backward(&mut dx, &mut dw, None, &dy, &x, &wf, rows, inp, out)
                         }
@@ -278,9 +289,31 @@ fn gemm_paired(rounds: usize) {
                             out,
                             &mut scratch,
                         ),
-                        (true, _) => {
+                        (true, 2) => {
                             upcast(&wb, &mut view);
                             matmul::backward(&mut dx, &mut dw, None, &dy, &x, &view, rows, inp, out)
+                        }
+                        (true, _) => {
+                            bf16_gemm::gemm_bf16(
+                                &mut dx,
+                                inp,
+                                Matrix::rows(&dy[..], out),
+                                Matrix::rows(&wb[..], inp),
+                                rows,
+                                inp,
+                                out,
+                                true,
+                            );
+                            bf16_gemm::gemm_bf16(
+                                &mut dw,
+                                inp,
+                                Matrix::transposed(&dy[..], out),
+                                Matrix::rows(&x[..], inp),
+                                out,
+                                inp,
+                                rows,
+                                true,
+                            );
                         }
                     }
                     black_box(&y);
@@ -295,8 +328,9 @@ fn gemm_paired(rounds: usize) {
             let gf = |s: f64| products * flops / s / 1e9;
             eprintln!(
                 "paired {} {rows}x{inp}x{out} ({rounds} rounds): f32 {:.2} ms ({:.1} GFLOP/s), \
-                 bf16_weight {:.2} ms ({:.1}), bf16_upcast_view {:.2} ms ({:.1}); \
-                 bf16_weight/f32 throughput {:.3}, bf16_weight/upcast_view {:.3}",
+                 bf16_weight {:.2} ms ({:.1}), bf16_upcast_view {:.2} ms ({:.1}), \
+                 bf16_gemm ({:?}) {:.2} ms ({:.1}); bf16_weight/f32 throughput {:.3}, \
+                 bf16_weight/upcast_view {:.3}, bf16_gemm/f32 throughput {:.3}",
                 if backward { "backward" } else { "forward" },
                 m[0] * 1e3,
                 gf(m[0]),
@@ -304,8 +338,12 @@ fn gemm_paired(rounds: usize) {
                 gf(m[1]),
                 m[2] * 1e3,
                 gf(m[2]),
+                bf16_gemm::bf16_gemm_path(),
+                m[3] * 1e3,
+                gf(m[3]),
                 m[0] / m[1],
                 m[2] / m[1],
+                m[0] / m[3],
             );
         }
     }

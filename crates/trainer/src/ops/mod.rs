@@ -2,6 +2,7 @@
 //! in llm.c's layouts. The model wires them together; the tests check each backward against
 //! central finite differences of its forward.
 
+pub mod bf16_gemm;
 pub mod cross_entropy;
 pub mod embedding;
 mod fast_math;

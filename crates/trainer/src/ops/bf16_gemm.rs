@@ -1,0 +1,962 @@
+//! A bf16 GEMM: `c[m, n] (+)= a[m, k] · b[k, n]` with both operands rounded to bf16 and the
+//! products summed in f32 — torch's bf16 `matmul` numerics — on Intel AMX tiles where the CPU
+//! and the OS have them, and on the f32 `gemm` crate over the rounded values elsewhere.
+//!
+//! ```
+//! use headroom_trainer::ops::bf16_gemm::{gemm_bf16, Matrix};
+//! let a = [1.0f32, 2.0, 3.0, 4.0]; // [2, 2]
+//! let b = [half::bf16::from_f32(0.5); 4]; // [2, 2]
+//! let mut c = [0.0f32; 4];
+//! gemm_bf16(&mut c, 2, Matrix::rows(&a[..], 2), Matrix::rows(&b[..], 2), 2, 2, 2, false);
+//! assert_eq!(c, [1.5, 1.5, 3.5, 3.5]);
+//! ```
+//!
+//! # Why AMX and not the AVX512-BF16 dot product
+//! Measured on the Xeon (Sapphire Rapids class) these figures come from: `vdpbf16ps` on zmm
+//! registers retires 0.6 of f32 `vfmadd`'s multiply-adds per cycle (61.6 vs 103 GMAC/s on one
+//! core, 12 and 24 independent accumulators alike), so a `vdpbf16ps` GEMM would be *slower*
+//! than gemm's f32 kernel. One AMX `tdpbf16ps` does 16×16×32 multiply-adds; the same core
+//! retires 1 920 GMAC/s of them from L1 (`benches/results/2026-11-24-cpu-2core-amx-bf16.md`).
+//!
+//! # Numerics
+//! - Operands: f32 inputs are rounded to bf16 to nearest even while they are packed (NaN stays
+//!   NaN); bf16 inputs are taken as they are. Products of two bf16 values are exact in f32.
+//! - Sums: `tdpbf16ps` adds each pair of products to the f32 accumulator, rounding to nearest
+//!   even (denormal inputs and outputs are flushed to zero, as Intel documents for AMX-BF16).
+//!   The depth is walked in blocks of [`KC`]; each block's sums go through the f32 output.
+//!   So `|c − exact| ≤ k·2⁻²³·Σ|a·b|` (plus flushed denormals) against an f64 product of the
+//!   rounded inputs — the bound the tests check, on both paths.
+//! - The fallback path (no AMX) widens the rounded values to f32 and calls the f32 GEMM: the
+//!   same bound, other bits. The two paths are not bit-identical to each other.
+//!
+//! # Layout
+//! AMX multiplies tiles of 16 rows × 64 bytes. `a` is packed as 16×32 bf16 tiles (rows of
+//! `a`, 32 depth values each); `b` in the "VNNI" pairing the instruction wants: tile row `p`
+//! holds `b[2p][j], b[2p+1][j]` for its 16 columns `j`. Depth, row and column tails are padded
+//! with zeros, which add nothing. The kernel keeps a 2×2 block of 16×16 f32 output tiles in
+//! the eight tile registers (four outputs, two of `a`, two of `b`). Packed `b` is a shared
+//! [`KC`] × [`NC`] panel (≤ 1 MiB); each thread packs its own [`MC`]-row slab of `a`.
+
+use gemm::Parallelism;
+use half::bf16;
+use rayon::prelude::*;
+
+/// Depth of one packed block (a multiple of 32, the depth of one tile).
+pub const KC: usize = 512;
+/// Columns of one packed `b` panel (a multiple of 32: two tiles).
+pub const NC: usize = 1024;
+/// Rows of `a` one thread packs and runs at a time (a multiple of 32: two tiles).
+pub const MC: usize = 64;
+
+/// A value a bf16 GEMM operand may be given in.
+pub trait Bf16Source: Copy + Send + Sync + 'static {
+    /// The bf16 bits of this value (f32 rounds to nearest even; bf16 is itself).
+    fn bf16_bits(self) -> u16;
+    /// `dst[i] = src[i].bf16_bits()`, equal lengths: the packing's inner loop.
+    fn bits_into(src: &[Self], dst: &mut [u16]) {
+        dst.iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = s.bf16_bits());
+    }
+}
+
+/// f32 → bf16 bits, to nearest even, NaN kept quiet: `half::bf16::from_f32`'s bits (tested),
+/// written without branches so that the packing loops vectorise. (On the baseline ISA: an
+/// AVX-512 build of the packing's conversion loop made the bf16 training step ~10% slower on
+/// the AMX machine these figures come from, so it is not dispatched to.)
+#[inline(always)]
+fn round_to_bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((b >> 16) as u16) | 0x40;
+    if x.is_nan() {
+        quiet_nan
+    } else {
+        rounded
+    }
+}
+
+impl Bf16Source for f32 {
+    #[inline]
+    fn bf16_bits(self) -> u16 {
+        round_to_bf16_bits(self)
+    }
+}
+
+impl Bf16Source for bf16 {
+    #[inline]
+    fn bf16_bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn bits_into(src: &[bf16], dst: &mut [u16]) {
+        dst.copy_from_slice(bytemuck::cast_slice(src));
+    }
+}
+
+/// A `[rows, cols]` matrix view by strides in elements; a transpose swaps the strides.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a, T> {
+    /// The elements; `(r, c)` is at `r * row_stride + c * col_stride`.
+    pub data: &'a [T],
+    /// Elements between consecutive rows.
+    pub row_stride: usize,
+    /// Elements between consecutive columns.
+    pub col_stride: usize,
+}
+
+impl<'a, T: Bf16Source> Matrix<'a, T> {
+    /// Dense row-major with `cols` columns.
+    pub fn rows(data: &'a [T], cols: usize) -> Self {
+        Matrix {
+            data,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose of a dense row-major matrix with `cols` columns.
+    pub fn transposed(data: &'a [T], cols: usize) -> Self {
+        Matrix {
+            data,
+            row_stride: 1,
+            col_stride: cols,
+        }
+    }
+
+    #[inline]
+    fn at(&self, r: usize, c: usize) -> u16 {
+        self.data[r * self.row_stride + c * self.col_stride].bf16_bits()
+    }
+
+    /// Whether a `[rows, cols]` matrix lies inside `data`.
+    fn covers(&self, rows: usize, cols: usize) -> bool {
+        rows == 0
+            || cols == 0
+            || (rows - 1)
+                .checked_mul(self.row_stride)
+                .zip((cols - 1).checked_mul(self.col_stride))
+                .and_then(|(a, b)| a.checked_add(b))
+                .is_some_and(|last| last < self.data.len())
+    }
+}
+
+/// Which path [`gemm_bf16`] takes on this machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16GemmPath {
+    /// AMX-BF16 tiles (the CPU has AMX-TILE and AMX-BF16 and the OS granted the tile state).
+    Amx,
+    /// The rounded operands widened to f32, through the f32 `gemm` crate.
+    F32Gemm,
+}
+
+/// The path [`gemm_bf16`] takes here, decided once per process.
+pub fn bf16_gemm_path() -> Bf16GemmPath {
+    static PATH: std::sync::OnceLock<Bf16GemmPath> = std::sync::OnceLock::new();
+    *PATH.get_or_init(|| {
+        if amx::available() {
+            Bf16GemmPath::Amx
+        } else {
+            Bf16GemmPath::F32Gemm
+        }
+    })
+}
+
+/// `c[m, n] (+)= a[m, k] · b[k, n]`, `c` row-major with row stride `ldc` ≥ `n`, both operands
+/// rounded to bf16, f32 sums (see the module notes); accumulates into `c` when `accumulate`,
+/// overwrites it otherwise. Threaded on rayon's pool.
+///
+/// # Panics
+/// When a matrix does not lie inside its slice, or `ldc < n`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16<A: Bf16Source, B: Bf16Source>(
+    c: &mut [f32],
+    ldc: usize,
+    a: Matrix<'_, A>,
+    b: Matrix<'_, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    gemm_bf16_with(c, ldc, a, b, m, n, k, accumulate, &mut []);
+}
+
+/// [`gemm_bf16`] packing `b` into `pack` where it holds at least one 32-column panel of the
+/// depth block (`32 · min(k, KC)` rounded up to whole tiles, in u16), so that a caller's
+/// tracked scratch holds the packed operand; otherwise into a buffer of its own of
+/// [`NC`] columns. Panels are as wide as `pack` allows, up to [`NC`]. The results do not
+/// depend on `pack`: each output element's sums run over the same depth blocks in the same
+/// order whatever the panel width, the row split or the thread count.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_with<A: Bf16Source, B: Bf16Source>(
+    c: &mut [f32],
+    ldc: usize,
+    a: Matrix<'_, A>,
+    b: Matrix<'_, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    pack: &mut [u16],
+) {
+    assert!(ldc >= n, "gemm_bf16: ldc {ldc} < n {n}");
+    assert!(
+        a.covers(m, k),
+        "gemm_bf16: a is not [{m}, {k}] inside its slice"
+    );
+    assert!(
+        b.covers(k, n),
+        "gemm_bf16: b is not [{k}, {n}] inside its slice"
+    );
+    assert!(
+        m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n,
+        "gemm_bf16: c is not [{m}, {n}] at row stride {ldc}"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.chunks_mut(ldc).take(m).for_each(|r| r[..n].fill(0.0));
+        }
+        return;
+    }
+    match bf16_gemm_path() {
+        Bf16GemmPath::Amx => amx::gemm(c, ldc, a, b, m, n, k, accumulate, pack),
+        Bf16GemmPath::F32Gemm => gemm_widened(c, ldc, a, b, m, n, k, accumulate),
+    }
+}
+
+/// The portable path: both operands rounded to bf16 and widened into dense f32 copies, then
+/// gemm's f32 product. Also the reference shape of the AMX path's results.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_widened<A: Bf16Source, B: Bf16Source>(
+    c: &mut [f32],
+    ldc: usize,
+    a: Matrix<'_, A>,
+    b: Matrix<'_, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) {
+    let widen = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+    let aw: Vec<f32> = (0..m * k).map(|i| widen(a.at(i / k, i % k))).collect();
+    let bw: Vec<f32> = (0..k * n).map(|i| widen(b.at(i / n, i % n))).collect();
+    let par = match rayon::current_num_threads() {
+        0 | 1 => Parallelism::None,
+        t => Parallelism::Rayon(t),
+    };
+    // SAFETY: `aw` is [m, k] and `bw` [k, n], dense; `c` holds [m, n] at row stride `ldc`
+    // (asserted by the caller) and is a distinct mutable borrow.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            accumulate,
+            aw.as_ptr(),
+            1,
+            k as isize,
+            bw.as_ptr(),
+            1,
+            n as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+/// Packing, shared by the AMX kernel and its tests (plain Rust, no AMX needed). Each layout is
+/// filled by runs along the source's contiguous direction, converted a run at a time.
+mod pack {
+    use super::{Bf16Source, Matrix};
+
+    /// Rows `r0..r0 + rows` and depth `k0..k0 + depth` of `a` as 16×32 tiles, row tile by row
+    /// tile, depth tile after depth tile within each: element `(r, d)` at
+    /// `((r / 16) · kt + d / 32) · 512 + (r % 16) · 32 + d % 32`, `kt = ceil(depth / 32)`;
+    /// rows and depth past the ends are zero.
+    pub(super) fn a_tiles<T: Bf16Source>(
+        a: &Matrix<'_, T>,
+        r0: usize,
+        rows: usize,
+        k0: usize,
+        depth: usize,
+        dst: &mut [u16],
+    ) {
+        let kt = depth.div_ceil(32);
+        let mt = rows.div_ceil(16);
+        debug_assert!(dst.len() >= mt * kt * 512);
+        dst[..mt * kt * 512].fill(0);
+        let mut run = [0u16; 32];
+        for ti in 0..mt {
+            let tile_rows = 16.min(rows - ti * 16);
+            for tk in 0..kt {
+                let tile_depth = 32.min(depth - tk * 32);
+                let tile = &mut dst[(ti * kt + tk) * 512..][..512];
+                let (r1, d1) = (r0 + ti * 16, k0 + tk * 32);
+                if a.col_stride == 1 {
+                    // Depth contiguous: each row's run is one tile row.
+                    for tr in 0..tile_rows {
+                        let src = &a.data[(r1 + tr) * a.row_stride + d1..][..tile_depth];
+                        T::bits_into(src, &mut tile[tr * 32..][..tile_depth]);
+                    }
+                } else {
+                    // Rows contiguous (a transpose) or neither: a tile column at a time.
+                    for dk in 0..tile_depth {
+                        let run = &mut run[..tile_rows];
+                        if a.row_stride == 1 {
+                            T::bits_into(
+                                &a.data[(d1 + dk) * a.col_stride + r1..][..tile_rows],
+                                run,
+                            );
+                        } else {
+                            run.iter_mut()
+                                .enumerate()
+                                .for_each(|(tr, x)| *x = a.at(r1 + tr, d1 + dk));
+                        }
+                        for (tr, &x) in run.iter().enumerate() {
+                            tile[tr * 32 + dk] = x;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Depth `k0..k0 + depth` and columns `c0..c0 + cols` of `b` as VNNI tiles: column tile by
+    /// column tile, depth tile after depth tile within each; tile row `p` holds
+    /// `b[2p][j], b[2p+1][j]` for `j` in the tile's 16 columns: element `(d, j)` at
+    /// `((j / 16) · kt + d / 32) · 512 + ((d % 32) / 2) · 32 + (j % 16) · 2 + d % 2`. Zero past
+    /// the ends.
+    pub(super) fn b_tiles<T: Bf16Source>(
+        b: &Matrix<'_, T>,
+        k0: usize,
+        depth: usize,
+        c0: usize,
+        cols: usize,
+        dst: &mut [u16],
+    ) {
+        let kt = depth.div_ceil(32);
+        let nt = cols.div_ceil(16);
+        debug_assert!(dst.len() >= nt * kt * 512);
+        dst[..nt * kt * 512].fill(0);
+        for tj in 0..nt {
+            let tile_cols = 16.min(cols - tj * 16);
+            for tk in 0..kt {
+                let tile_depth = 32.min(depth - tk * 32);
+                let tile = &mut dst[(tj * kt + tk) * 512..][..512];
+                let (j1, d1) = (c0 + tj * 16, k0 + tk * 32);
+                if b.row_stride == 1 {
+                    // Depth contiguous (a transposed weight): a column's run of the tile's
+                    // depth is that column's pair slot in every tile row.
+                    for cj in 0..tile_cols {
+                        let src = &b.data[(j1 + cj) * b.col_stride + d1..][..tile_depth];
+                        let mut pairs = src.chunks_exact(2);
+                        for (p, two) in pairs.by_ref().enumerate() {
+                            tile[p * 32 + cj * 2] = two[0].bf16_bits();
+                            tile[p * 32 + cj * 2 + 1] = two[1].bf16_bits();
+                        }
+                        if let [last] = pairs.remainder() {
+                            tile[(tile_depth / 2) * 32 + cj * 2] = last.bf16_bits();
+                        }
+                    }
+                } else if b.col_stride == 1 {
+                    // Columns contiguous: two depth rows interleave into one tile row.
+                    for p in 0..tile_depth.div_ceil(2) {
+                        let dk = 2 * p;
+                        let row = &mut tile[p * 32..][..2 * tile_cols];
+                        let even = &b.data[(d1 + dk) * b.row_stride + j1..][..tile_cols];
+                        for (slot, x) in row.iter_mut().step_by(2).zip(even) {
+                            *slot = x.bf16_bits();
+                        }
+                        if dk + 1 < tile_depth {
+                            let odd = &b.data[(d1 + dk + 1) * b.row_stride + j1..][..tile_cols];
+                            for (slot, x) in row.iter_mut().skip(1).step_by(2).zip(odd) {
+                                *slot = x.bf16_bits();
+                            }
+                        }
+                    }
+                } else {
+                    for dk in 0..tile_depth {
+                        for cj in 0..tile_cols {
+                            tile[(dk / 2) * 32 + cj * 2 + dk % 2] = b.at(d1 + dk, j1 + cj);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The AMX-BF16 path (x86-64 Linux); elsewhere `available()` is false.
+mod amx {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    pub(super) use imp::{available, gemm};
+
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    pub(super) fn available() -> bool {
+        false
+    }
+
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm<A: super::Bf16Source, B: super::Bf16Source>(
+        c: &mut [f32],
+        ldc: usize,
+        a: super::Matrix<'_, A>,
+        b: super::Matrix<'_, B>,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+        _: &mut [u16],
+    ) {
+        super::gemm_widened(c, ldc, a, b, m, n, k, accumulate)
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    mod imp {
+        use std::arch::asm;
+
+        use rayon::prelude::*;
+
+        use super::super::{pack, Bf16Source, Matrix, KC, MC, NC};
+
+        /// AMX-TILE and AMX-BF16 in CPUID leaf 7 (EDX bits 24 and 22), and the kernel's
+        /// permission for this process to use the tile data state (`arch_prctl
+        /// ARCH_REQ_XCOMP_PERM`, which fails where the OS or hypervisor does not enable it).
+        pub(in super::super) fn available() -> bool {
+            // Leaf 7 only where leaf 0 reports it.
+            let max_leaf = std::arch::x86_64::__cpuid(0).eax;
+            let edx7 = if max_leaf >= 7 {
+                std::arch::x86_64::__cpuid_count(7, 0).edx
+            } else {
+                0
+            };
+            if max_leaf < 7 || edx7 & (1 << 24) == 0 || edx7 & (1 << 22) == 0 {
+                return false;
+            }
+            const SYS_ARCH_PRCTL: i64 = 158;
+            const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+            const XFEATURE_XTILEDATA: i64 = 18;
+            let ret: i64;
+            // SAFETY: the arch_prctl system call with these arguments only changes this
+            // process's permitted extended state; it reads and writes no user memory.
+            unsafe {
+                asm!(
+                    "syscall",
+                    inlateout("rax") SYS_ARCH_PRCTL => ret,
+                    in("rdi") ARCH_REQ_XCOMP_PERM,
+                    in("rsi") XFEATURE_XTILEDATA,
+                    lateout("rcx") _,
+                    lateout("r11") _,
+                    options(nostack),
+                );
+            }
+            ret == 0
+        }
+
+        /// The tile configuration: palette 1, all eight tiles 16 rows × 64 bytes.
+        #[repr(C, align(64))]
+        struct TileConfig {
+            palette: u8,
+            start_row: u8,
+            reserved: [u8; 14],
+            colsb: [u16; 16],
+            rows: [u8; 16],
+        }
+
+        const CONFIG: TileConfig = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+            rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+        };
+
+        /// Tiles configured on this thread for the guard's life, released after.
+        struct Tiles;
+
+        impl Tiles {
+            fn configure() -> Tiles {
+                // SAFETY: `available()` granted the tile state (only then is this path
+                // taken); CONFIG is a valid palette-1 configuration, 64-byte aligned.
+                unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
+                Tiles
+            }
+        }
+
+        impl Drop for Tiles {
+            fn drop(&mut self) {
+                // SAFETY: releases the tile state configured in `configure`.
+                unsafe { asm!("tilerelease", options(nostack, nomem)) };
+            }
+        }
+
+        /// A 16×16 f32 output tile in memory: `ptr` with row stride `stride` bytes.
+        #[derive(Clone, Copy)]
+        struct OutTile {
+            ptr: *mut f32,
+            stride: usize,
+        }
+
+        /// `c_tiles[i][j] (+)= a_tiles[i] · b_tiles[j]` over `kt` depth tiles, i, j ∈ {0, 1}:
+        /// tmm0–3 the outputs, tmm4–5 `a`, tmm6–7 `b`. Loads the outputs first when `load`,
+        /// starts them at zero otherwise.
+        ///
+        /// # Safety
+        /// Tiles configured on this thread; `a0`, `a1`, `b0`, `b1` each `kt` consecutive
+        /// 1 KiB tiles; each output tile 16 rows of 16 f32 at its stride, writable.
+        unsafe fn block_2x2(
+            a: [*const u16; 2],
+            b: [*const u16; 2],
+            kt: usize,
+            out: [OutTile; 4],
+            load: bool,
+        ) {
+            // SAFETY: the caller's contract (tiles configured, operands and outputs in bounds); every tile row is 64 bytes.
+            unsafe {
+                if load {
+                    asm!(
+                        "tileloadd tmm0, [{p0} + {s0}*1]",
+                        "tileloadd tmm1, [{p1} + {s1}*1]",
+                        "tileloadd tmm2, [{p2} + {s2}*1]",
+                        "tileloadd tmm3, [{p3} + {s3}*1]",
+                        p0 = in(reg) out[0].ptr, s0 = in(reg) out[0].stride,
+                        p1 = in(reg) out[1].ptr, s1 = in(reg) out[1].stride,
+                        p2 = in(reg) out[2].ptr, s2 = in(reg) out[2].stride,
+                        p3 = in(reg) out[3].ptr, s3 = in(reg) out[3].stride,
+                        options(nostack, readonly),
+                    );
+                } else {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        options(nostack, nomem)
+                    );
+                }
+                for t in 0..kt {
+                    asm!(
+                        "tileloadd tmm4, [{a0} + {s}*1]",
+                        "tileloadd tmm6, [{b0} + {s}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{b1} + {s}*1]",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a1} + {s}*1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a0 = in(reg) a[0].add(t * 512),
+                        a1 = in(reg) a[1].add(t * 512),
+                        b0 = in(reg) b[0].add(t * 512),
+                        b1 = in(reg) b[1].add(t * 512),
+                        s = in(reg) 64usize,
+                        options(nostack, readonly),
+                    );
+                }
+                asm!(
+                    "tilestored [{p0} + {s0}*1], tmm0",
+                    "tilestored [{p1} + {s1}*1], tmm1",
+                    "tilestored [{p2} + {s2}*1], tmm2",
+                    "tilestored [{p3} + {s3}*1], tmm3",
+                    p0 = in(reg) out[0].ptr, s0 = in(reg) out[0].stride,
+                    p1 = in(reg) out[1].ptr, s1 = in(reg) out[1].stride,
+                    p2 = in(reg) out[2].ptr, s2 = in(reg) out[2].stride,
+                    p3 = in(reg) out[3].ptr, s3 = in(reg) out[3].stride,
+                    options(nostack),
+                );
+            }
+        }
+
+        /// One thread's work: rows `r0..r0 + rows` of `c` (its slab), columns `c0..c0 + cols`,
+        /// depth block `k0..k0 + depth`, `b` packed (`b_tiles`, `kt` depth tiles per column
+        /// tile). Full 16×16 output tiles are read and written in place; edge tiles go through
+        /// a padded copy.
+        #[allow(clippy::too_many_arguments)]
+        fn slab<A: Bf16Source>(
+            c: &mut [f32],
+            ldc: usize,
+            a: &Matrix<'_, A>,
+            b_packed: &[u16],
+            r0: usize,
+            rows: usize,
+            k0: usize,
+            depth: usize,
+            c0: usize,
+            cols: usize,
+            load: bool,
+        ) {
+            let kt = depth.div_ceil(32);
+            let mt = rows.div_ceil(16);
+            let nt = cols.div_ceil(16);
+            let mut a_packed = vec![0u16; mt.next_multiple_of(2) * kt * 512];
+            pack::a_tiles(a, r0, rows, k0, depth, &mut a_packed);
+            // Edge tiles: 16×16 f32 each, four of them (one 2×2 block).
+            let mut edge = vec![0f32; 4 * 256];
+            let _tiles = Tiles::configure();
+            for tj in (0..nt).step_by(2) {
+                for ti in (0..mt).step_by(2) {
+                    let mut out = [OutTile {
+                        ptr: std::ptr::null_mut(),
+                        stride: 0,
+                    }; 4];
+                    let mut edges = [false; 4];
+                    for (q, (di, dj)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
+                        let (i, j) = (ti + di, tj + dj);
+                        let (row, col) = (i * 16, j * 16);
+                        let full = row + 16 <= rows && col + 16 <= cols;
+                        if full {
+                            let at = (row) * ldc + c0 + col;
+                            out[q] = OutTile {
+                                ptr: c[at..].as_mut_ptr(),
+                                stride: ldc * 4,
+                            };
+                        } else {
+                            edges[q] = true;
+                            let e = &mut edge[q * 256..][..256];
+                            e.fill(0.0);
+                            if load {
+                                for r in 0..16.min(rows.saturating_sub(row)) {
+                                    for x in 0..16.min(cols.saturating_sub(col)) {
+                                        e[r * 16 + x] = c[(row + r) * ldc + c0 + col + x];
+                                    }
+                                }
+                            }
+                            out[q] = OutTile {
+                                ptr: e.as_mut_ptr(),
+                                stride: 64,
+                            };
+                        }
+                    }
+                    let a_t = [
+                        a_packed[ti * kt * 512..].as_ptr(),
+                        a_packed[(ti + 1) * kt * 512..].as_ptr(),
+                    ];
+                    let b_t = [
+                        b_packed[tj * kt * 512..].as_ptr(),
+                        b_packed[(tj + 1) * kt * 512..].as_ptr(),
+                    ];
+                    // SAFETY: tiles configured above; `a_packed` holds an even number of row
+                    // tiles and `b_packed` an even number of column tiles (padded), `kt` depth
+                    // tiles each; full output tiles lie inside `c` (their last row ends at
+                    // (row + 15) · ldc + c0 + col + 16 ≤ the slab's end) and edge tiles are
+                    // the 256-element buffers of `edge`.
+                    unsafe { block_2x2(a_t, b_t, kt, out, load) };
+                    for (q, (di, dj)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
+                        if !edges[q] {
+                            continue;
+                        }
+                        let (row, col) = ((ti + di) * 16, (tj + dj) * 16);
+                        let e = &edge[q * 256..][..256];
+                        for r in 0..16.min(rows.saturating_sub(row)) {
+                            for x in 0..16.min(cols.saturating_sub(col)) {
+                                c[(row + r) * ldc + c0 + col + x] = e[r * 16 + x];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        pub(in super::super) fn gemm<A: Bf16Source, B: Bf16Source>(
+            c: &mut [f32],
+            ldc: usize,
+            a: Matrix<'_, A>,
+            b: Matrix<'_, B>,
+            m: usize,
+            n: usize,
+            k: usize,
+            accumulate: bool,
+            pack: &mut [u16],
+        ) {
+            // Column panels as wide as the caller's buffer holds (whole pairs of tiles of the
+            // deepest block), else NC in a buffer of our own.
+            let tile_pair = 2 * KC.min(k).div_ceil(32) * 512;
+            let mut own = Vec::new();
+            let nc = match (pack.len() / tile_pair * 32).min(NC) {
+                0 => {
+                    own = vec![0u16; NC / 32 * tile_pair];
+                    NC
+                }
+                nc => nc,
+            };
+            let b_packed: &mut [u16] = if own.is_empty() { pack } else { &mut own };
+            // The output's rows, MC at a time, one slab per task (c's rows past m untouched).
+            let c = &mut c[..(m - 1) * ldc + n];
+            for c0 in (0..n).step_by(nc) {
+                let cols = nc.min(n - c0);
+                for k0 in (0..k).step_by(KC) {
+                    let depth = KC.min(k - k0);
+                    let kt = depth.div_ceil(32);
+                    let nt = cols.div_ceil(16).next_multiple_of(2);
+                    let packed = &mut b_packed[..nt * kt * 512];
+                    // Column tiles packed in parallel, 2 at a time.
+                    packed
+                        .par_chunks_mut(2 * kt * 512)
+                        .enumerate()
+                        .for_each(|(p, dst)| {
+                            // Zero first: a pair's second tile may be past the columns, and
+                            // the buffer holds the previous block.
+                            dst.fill(0);
+                            let j0 = p * 32;
+                            if j0 < cols {
+                                pack::b_tiles(&b, k0, depth, c0 + j0, 32.min(cols - j0), dst);
+                            }
+                        });
+                    let packed = &*packed;
+                    let load = accumulate || k0 > 0;
+                    c.par_chunks_mut(MC * ldc)
+                        .enumerate()
+                        .for_each(|(s, slab_c)| {
+                            let r0 = s * MC;
+                            let rows = MC.min(m - r0);
+                            slab(slab_c, ldc, &a, packed, r0, rows, k0, depth, c0, cols, load);
+                        });
+                }
+            }
+        }
+    }
+}
+
+/// `c[m, n] (+)= a · b` in f64 over the bf16-rounded operands, and `Σ|a·b|` per element: the
+/// tests' reference.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn reference<A: Bf16Source, B: Bf16Source>(
+    a: Matrix<'_, A>,
+    b: Matrix<'_, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let widen = |bits: u16| f64::from(f32::from_bits(u32::from(bits) << 16));
+    let mut out = vec![0.0; m * n];
+    let mut mag = vec![0.0; m * n];
+    out.par_chunks_mut(n)
+        .zip(mag.par_chunks_mut(n))
+        .enumerate()
+        .for_each(|(i, (o, g))| {
+            for j in 0..n {
+                for d in 0..k {
+                    let p = widen(a.at(i, d)) * widen(b.at(d, j));
+                    o[j] += p;
+                    g[j] += p.abs();
+                }
+            }
+        });
+    (out, mag)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 4.0
+            })
+            .collect()
+    }
+
+    /// `c` against the f64 reference within `k·2⁻²³·Σ|a·b|` (plus the start value's rounding
+    /// when accumulating).
+    #[allow(clippy::too_many_arguments)]
+    fn check<A: Bf16Source, B: Bf16Source>(
+        c: &[f32],
+        ldc: usize,
+        start: &[f32],
+        a: Matrix<'_, A>,
+        b: Matrix<'_, B>,
+        m: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), TestCaseError> {
+        let (exact, mag) = reference(a, b, m, n, k);
+        for i in 0..m {
+            for j in 0..n {
+                let s = if accumulate { start[i * ldc + j] } else { 0.0 };
+                let want = exact[i * n + j] + f64::from(s);
+                let tol = (k as f64 + 1.0) * 2f64.powi(-23) * (mag[i * n + j] + f64::from(s.abs()))
+                    + 1e-30;
+                let got = f64::from(c[i * ldc + j]);
+                prop_assert!(
+                    (got - want).abs() <= tol,
+                    "[{i}, {j}] of {m}x{n}x{k}: {got} vs {want} (tol {tol}, path {:?})",
+                    bf16_gemm_path()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Odd shapes (tails of every tile dimension), both operand types, transposes, a wider
+        /// `ldc`, overwrite and accumulate: within the f32-summation bound of the f64 product of
+        /// the rounded operands; and the columns past `n` and rows past `m` untouched.
+        #[test]
+        fn matches_the_f64_product_of_the_rounded_operands(
+            m in 1usize..70, n in 1usize..70, k in 1usize..600,
+            a_t in any::<bool>(), b_t in any::<bool>(), b_bf16 in any::<bool>(),
+            accumulate in any::<bool>(), pad in 0usize..3, seed in any::<u64>(),
+        ) {
+            let av = values(seed, m * k);
+            let bv = values(seed ^ 1, k * n);
+            let a = if a_t { Matrix::transposed(&av[..], m) } else { Matrix::rows(&av[..], k) };
+            let ldc = n + pad;
+            let start = values(seed ^ 2, m * ldc + 5);
+            let mut c = start.clone();
+            if b_bf16 {
+                let bb: Vec<bf16> = bv.iter().map(|&x| bf16::from_f32(x)).collect();
+                let b = if b_t { Matrix::transposed(&bb[..], k) } else { Matrix::rows(&bb[..], n) };
+                gemm_bf16(&mut c, ldc, a, b, m, n, k, accumulate);
+                check(&c, ldc, &start, a, b, m, n, k, accumulate)?;
+            } else {
+                let b = if b_t { Matrix::transposed(&bv[..], k) } else { Matrix::rows(&bv[..], n) };
+                gemm_bf16(&mut c, ldc, a, b, m, n, k, accumulate);
+                check(&c, ldc, &start, a, b, m, n, k, accumulate)?;
+            }
+            // The packing buffer changes the panel width only, never a bit of the result: one
+            // 32-column panel, or a few.
+            let tile_pair = 2 * KC.min(k).div_ceil(32) * 512;
+            for panels in [1, 3] {
+                let mut again = start.clone();
+                let mut pack = vec![0u16; panels * tile_pair];
+                if b_bf16 {
+                    let bb: Vec<bf16> = bv.iter().map(|&x| bf16::from_f32(x)).collect();
+                    let b = if b_t { Matrix::transposed(&bb[..], k) } else { Matrix::rows(&bb[..], n) };
+                    gemm_bf16_with(&mut again, ldc, a, b, m, n, k, accumulate, &mut pack);
+                } else {
+                    let b = if b_t { Matrix::transposed(&bv[..], k) } else { Matrix::rows(&bv[..], n) };
+                    gemm_bf16_with(&mut again, ldc, a, b, m, n, k, accumulate, &mut pack);
+                }
+                prop_assert!(again.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+            for i in 0..m {
+                for j in n..ldc {
+                    prop_assert_eq!(c[i * ldc + j].to_bits(), start[i * ldc + j].to_bits());
+                }
+            }
+            prop_assert_eq!(&c[m * ldc..], &start[m * ldc..]);
+        }
+    }
+
+    /// Larger than one packed block in every direction (several `NC` panels, `KC` blocks and
+    /// `MC` slabs), as the trainer calls it.
+    #[test]
+    fn several_blocks_in_every_direction() {
+        let (m, n, k) = (MC * 2 + 17, NC + 45, KC * 2 + 31);
+        let av = values(3, m * k);
+        let bv: Vec<bf16> = values(4, n * k)
+            .iter()
+            .map(|&x| bf16::from_f32(x))
+            .collect();
+        // The forward's shape: a · wᵀ with w [n, k].
+        let a = Matrix::rows(&av[..], k);
+        let b = Matrix::transposed(&bv[..], k);
+        let mut c = vec![0.0; m * n];
+        gemm_bf16(&mut c, n, a, b, m, n, k, false);
+        check(&c, n, &[], a, b, m, n, k, false).unwrap();
+    }
+
+    /// The packed layouts, element by element against their definitions.
+    #[test]
+    fn packing_layouts() {
+        let (rows, depth) = (19, 37);
+        let av: Vec<f32> = (0..rows * depth).map(|i| i as f32).collect();
+        for a in [
+            Matrix::rows(&av[..], depth),
+            Matrix::transposed(&av[..], rows),
+        ] {
+            let mut dst = vec![7u16; 2 * 2 * 512];
+            pack::a_tiles(&a, 0, rows, 0, depth, &mut dst);
+            for r in 0..32 {
+                for d in 0..64 {
+                    let got = dst[((r / 16) * 2 + d / 32) * 512 + (r % 16) * 32 + d % 32];
+                    let want = if r < rows && d < depth { a.at(r, d) } else { 0 };
+                    assert_eq!(got, want, "a ({r}, {d})");
+                }
+            }
+        }
+        let (depth, cols) = (37, 19);
+        let bv: Vec<f32> = (0..depth * cols).map(|i| i as f32).collect();
+        for b in [
+            Matrix::rows(&bv[..], cols),
+            Matrix::transposed(&bv[..], depth),
+        ] {
+            let mut dst = vec![7u16; 2 * 2 * 512];
+            pack::b_tiles(&b, 0, depth, 0, cols, &mut dst);
+            for d in 0..64 {
+                for j in 0..32 {
+                    let got = dst[((j / 16) * 2 + d / 32) * 512
+                        + ((d % 32) / 2) * 32
+                        + (j % 16) * 2
+                        + d % 2];
+                    let want = if d < depth && j < cols { b.at(d, j) } else { 0 };
+                    assert_eq!(got, want, "b ({d}, {j})");
+                }
+            }
+        }
+    }
+
+    /// The branch-free rounding is half's, bit for bit, over every f32 class.
+    #[test]
+    fn rounding_is_halfs() {
+        let mut s = 0x1234_5678u32;
+        let specials = [
+            0.0f32,
+            -0.0,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x7f7f_ffff),
+        ];
+        let randoms = (0..200_000).map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            f32::from_bits(s)
+        });
+        for x in specials.into_iter().chain(randoms) {
+            assert_eq!(
+                round_to_bf16_bits(x),
+                bf16::from_f32(x).to_bits(),
+                "{:#x}",
+                x.to_bits()
+            );
+        }
+    }
+
+    /// Which path ran, for the test log (CI machines differ).
+    #[test]
+    fn reports_its_path() {
+        eprintln!("bf16 GEMM path on this machine: {:?}", bf16_gemm_path());
+    }
+}
