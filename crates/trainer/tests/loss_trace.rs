@@ -33,11 +33,15 @@ fn fixture_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/loss-trace.json")
 }
 
-/// The ISA level the GEMM kernels are chosen by.
+/// The ISA level the GEMM kernels are chosen by (with `-amx` where bf16 weights take the AMX
+/// products, whose numerics differ from the widening path's).
 fn isa() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
+            if headroom_trainer::ops::matmul::bf16_products() {
+                return "x86-64-v4-amx";
+            }
             return "x86-64-v4";
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")

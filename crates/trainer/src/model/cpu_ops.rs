@@ -8,6 +8,10 @@
 //! [`matmul::backward_with`], which widen it a panel at a time into a workspace scratch of
 //! [`matmul::forward_scratch`] / [`matmul::backward_scratch`] elements, with the same bits as
 //! the f32 GEMM on a widened copy; the embedding and the norms read their weights row by row.
+//! Where the CPU has AMX tiles ([`matmul::bf16_products`]), a bf16 weight's products instead
+//! take torch's bf16 `matmul` numerics — the other operand rounded to bf16 too, f32 sums — in
+//! the same scratch ([`matmul::forward_bf16_products`]): the bytes are the same, the bits are
+//! not the widening path's.
 
 use half::{bf16, f16};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Element, MemoryCategory, Tensor};
@@ -124,6 +128,22 @@ impl<'a> WeightRef<'a> {
         let dims = (n, c, oc);
         match self {
             WeightRef::F32(w) => go(cpu, y, x, w.s()?, b, dims, scratch),
+            WeightRef::Bf16(w) if matmul::bf16_products() => {
+                let bias = match b {
+                    Some(b) if b.dtype() == DType::BF16 => Some(b.as_slice::<bf16>()?),
+                    _ => None,
+                };
+                matmul::forward_bf16_products(y, x, w, bias, n, c, oc, scratch);
+                if let Some(b) = b.filter(|b| b.dtype() != DType::BF16) {
+                    let bv = f32_view(cpu, b)?;
+                    for row in y.chunks_exact_mut(oc.max(1)) {
+                        for (o, b) in row.iter_mut().zip(bv.s()?) {
+                            *o += b;
+                        }
+                    }
+                }
+                Ok(())
+            }
             WeightRef::Bf16(w) => go(cpu, y, x, w, b, dims, scratch),
             WeightRef::F16(w) => go(cpu, y, x, w, b, dims, scratch),
         }
@@ -146,6 +166,9 @@ impl<'a> WeightRef<'a> {
         match self {
             WeightRef::F32(w) => {
                 matmul::backward_with(dx, dw, db, dy, x, w.s()?, n, c, oc, scratch)
+            }
+            WeightRef::Bf16(w) if matmul::bf16_products() => {
+                matmul::backward_bf16_products(dx, dw, db, dy, x, w, n, c, oc, scratch)
             }
             WeightRef::Bf16(w) => matmul::backward_with(dx, dw, db, dy, x, w, n, c, oc, scratch),
             WeightRef::F16(w) => matmul::backward_with(dx, dw, db, dy, x, w, n, c, oc, scratch),

@@ -40,8 +40,10 @@
 //! - Why a separate widening pass and not inside the packing: the packing is gemm's and not
 //!   ours to extend, and an own kernel with its own blocking would change the summation order
 //!   (and the committed bf16 loss trace). So each panel is widened into an L2/L3-sized buffer
-//!   just before gemm packs it. There is no AVX512-BF16 (`vdpbf16ps`) path: it would need an
-//!   own micro-kernel for the reason above.
+//!   just before gemm packs it. That is why bf16 products on AMX tiles
+//!   ([`forward_bf16_products`], [`super::bf16_gemm`]) are a separate path with their own
+//!   numerics, taken where [`bf16_products`] says so. There is no AVX512-BF16 (`vdpbf16ps`)
+//!   path: on the AMX machine measured it retires 0.6 of the f32 FMA's multiply-adds per cycle.
 //! - What it costs: one extra pass over the weight per call (widen, then gemm packs it), i.e.
 //!   `O(k·n)` work next to the GEMM's `O(m·k·n)` — negligible at thousands of rows, but a
 //!   fused loss calls the head once per 128-row chunk and so widens the 50257-row embedding
@@ -752,6 +754,120 @@ pub fn backward_with<W: Operand>(
             c,
             n,
             true,
+        );
+    }
+    if let Some(db) = dbias {
+        for row in dout.chunks_exact(oc) {
+            for (d, g) in db.iter_mut().zip(row) {
+                *d += g;
+            }
+        }
+    }
+}
+
+/// Whether bf16 weights take [`forward_bf16_products`] / [`backward_bf16_products`] instead of
+/// the widening path: where [`bf16_gemm`](super::bf16_gemm) has AMX tiles, unless
+/// `HEADROOM_BF16_GEMM=widen` asks for the widening path's bits (those of the f32 GEMM on the
+/// widened weight, the same on every machine of an ISA). Decided once per process.
+pub fn bf16_products() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        super::bf16_gemm::bf16_gemm_path() == super::bf16_gemm::Bf16GemmPath::Amx
+            && std::env::var("HEADROOM_BF16_GEMM").as_deref() != Ok("widen")
+    })
+}
+
+/// The caller's f32 scratch as the u16 packing buffer of [`super::bf16_gemm`].
+fn pack_buffer(scratch: &mut [f32]) -> &mut [u16] {
+    bytemuck::cast_slice_mut(scratch)
+}
+
+/// [`forward_with`] for a bf16 weight with torch's bf16 `matmul` numerics: the input rounded to
+/// bf16 too, products of the bf16 values summed in f32 ([`super::bf16_gemm`], on AMX tiles
+/// where the CPU has them). Not bit for bit the widening path: the input's rounding and the
+/// order of the sums differ; within the f32-summation bound of the exact product of the
+/// rounded operands. `scratch` (at least [`forward_scratch`] elements, as for the widening path,
+/// so the tracker and the estimator count the same bytes) holds the packed weight.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_bf16_products(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[bf16],
+    bias: Option<&[bf16]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+    scratch: &mut [f32],
+) {
+    use super::bf16_gemm::{gemm_bf16_with, Matrix};
+    assert_eq!(inp.len(), n * c, "input length");
+    assert_eq!(weight.len(), oc * c, "weight length");
+    assert_eq!(out.len(), n * oc, "output length");
+    gemm_bf16_with(
+        out,
+        oc,
+        Matrix::rows(inp, c),
+        Matrix::transposed(weight, c),
+        n,
+        oc,
+        c,
+        false,
+        pack_buffer(scratch),
+    );
+    if let Some(b) = bias {
+        assert_eq!(b.len(), oc, "bias length");
+        for row in out.chunks_exact_mut(oc) {
+            for (o, b) in row.iter_mut().zip(b) {
+                *o += b.to_f32();
+            }
+        }
+    }
+}
+
+/// [`backward_with`] for a bf16 weight with the numerics of [`forward_bf16_products`]:
+/// `dinp += dout · W` and `dweight += doutᵀ · inp` with `dout` and `inp` rounded to bf16,
+/// f32 sums into the f32 gradients; `dbias` an ordered f32 sum as on the widening path.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_bf16_products(
+    dinp: &mut [f32],
+    dweight: Option<&mut [f32]>,
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[bf16],
+    n: usize,
+    c: usize,
+    oc: usize,
+    scratch: &mut [f32],
+) {
+    use super::bf16_gemm::{gemm_bf16_with, Matrix};
+    assert_eq!(dout.len(), n * oc, "output gradient length");
+    assert_eq!(inp.len(), n * c, "input length");
+    assert_eq!(weight.len(), oc * c, "weight length");
+    assert_eq!(dinp.len(), n * c, "input gradient length");
+    gemm_bf16_with(
+        dinp,
+        c,
+        Matrix::rows(dout, oc),
+        Matrix::rows(weight, c),
+        n,
+        c,
+        oc,
+        true,
+        pack_buffer(scratch),
+    );
+    if let Some(dweight) = dweight {
+        assert_eq!(dweight.len(), oc * c, "weight gradient length");
+        gemm_bf16_with(
+            dweight,
+            c,
+            Matrix::transposed(dout, oc),
+            Matrix::rows(inp, c),
+            oc,
+            c,
+            n,
+            true,
+            pack_buffer(scratch),
         );
     }
     if let Some(db) = dbias {
