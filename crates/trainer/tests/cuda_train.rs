@@ -38,6 +38,17 @@ fn cuda_ready(steps: usize) -> TrainOptions {
     o
 }
 
+/// An error and its sources, lower-cased, joined by " / ".
+fn error_chain(err: &TrainError) -> String {
+    let mut chain = vec![err.to_string()];
+    let mut s = std::error::Error::source(err);
+    while let Some(e) = s {
+        chain.push(e.to_string());
+        s = e.source();
+    }
+    chain.join(" / ").to_lowercase()
+}
+
 #[test]
 fn a_cuda_run_without_a_gpu_is_a_typed_error() {
     if headroom_cuda::Cuda::new(0).is_ok() {
@@ -49,13 +60,7 @@ fn a_cuda_run_without_a_gpu_is_a_typed_error() {
         ..cuda_ready(1)
     };
     let err = train(&o, |_| {}).unwrap_err();
-    let mut chain = vec![err.to_string()];
-    let mut s = std::error::Error::source(&err);
-    while let Some(e) = s {
-        chain.push(e.to_string());
-        s = e.source();
-    }
-    let text = chain.join(" / ").to_lowercase();
+    let text = error_chain(&err);
     assert!(
         text.contains("no cuda device") || text.contains("without its `cuda` feature"),
         "{text}"
@@ -106,13 +111,7 @@ fn zero_ranks_on_cuda_without_a_gpu_are_a_typed_error() {
     };
     let zero = ZeroOptions::new(headroom_zero::Stage::Zero3, 2);
     let err = train_zero(&o, zero, |_| {}).unwrap_err();
-    let mut chain = vec![err.to_string()];
-    let mut s = std::error::Error::source(&err);
-    while let Some(e) = s {
-        chain.push(e.to_string());
-        s = e.source();
-    }
-    let text = chain.join(" / ").to_lowercase();
+    let text = error_chain(&err);
     assert!(
         text.contains("no cuda device") || text.contains("without its `cuda` feature"),
         "{text}"

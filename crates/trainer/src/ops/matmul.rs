@@ -702,12 +702,7 @@ pub fn forward_with<W: Operand>(
         PANEL_BYTES,
     );
     if let Some(b) = bias {
-        assert_eq!(b.len(), oc, "bias length");
-        for row in out.chunks_exact_mut(oc) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b.to_f32();
-            }
-        }
+        add_bias(out, b, oc);
     }
 }
 
@@ -757,10 +752,25 @@ pub fn backward_with<W: Operand>(
         );
     }
     if let Some(db) = dbias {
-        for row in dout.chunks_exact(oc) {
-            for (d, g) in db.iter_mut().zip(row) {
-                *d += g;
-            }
+        add_bias_grad(db, dout, oc);
+    }
+}
+
+/// `out[r, :] += bias` for every row of `out` (`oc` columns).
+fn add_bias<W: Operand>(out: &mut [f32], bias: &[W], oc: usize) {
+    assert_eq!(bias.len(), oc, "bias length");
+    for row in out.chunks_exact_mut(oc) {
+        for (o, b) in row.iter_mut().zip(bias) {
+            *o += b.to_f32();
+        }
+    }
+}
+
+/// `db += Σ_rows dout`, an ordered loop (reproducible bit for bit).
+fn add_bias_grad(db: &mut [f32], dout: &[f32], oc: usize) {
+    for row in dout.chunks_exact(oc) {
+        for (d, g) in db.iter_mut().zip(row) {
+            *d += g;
         }
     }
 }
@@ -815,12 +825,7 @@ pub fn forward_bf16_products(
         pack_buffer(scratch),
     );
     if let Some(b) = bias {
-        assert_eq!(b.len(), oc, "bias length");
-        for row in out.chunks_exact_mut(oc) {
-            for (o, b) in row.iter_mut().zip(b) {
-                *o += b.to_f32();
-            }
-        }
+        add_bias(out, b, oc);
     }
 }
 
@@ -871,11 +876,7 @@ pub fn backward_bf16_products(
         );
     }
     if let Some(db) = dbias {
-        for row in dout.chunks_exact(oc) {
-            for (d, g) in db.iter_mut().zip(row) {
-                *d += g;
-            }
-        }
+        add_bias_grad(db, dout, oc);
     }
 }
 
