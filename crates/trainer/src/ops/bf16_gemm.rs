@@ -577,14 +577,42 @@ mod amx {
             }
         }
 
-        /// One thread's work: rows `r0..r0 + rows` of `c` (its slab), columns `c0..c0 + cols`,
-        /// depth block `k0..k0 + depth`, `b` packed (`b_tiles`, `kt` depth tiles per column
-        /// tile). Full 16×16 output tiles are read and written in place; edge tiles go through
-        /// a padded copy.
-        #[allow(clippy::too_many_arguments)]
-        fn slab<A: Bf16Source>(
-            c: &mut [f32],
+        /// The output, shared by the threads: each writes only its own rows (row split) or its
+        /// own columns (column split), through this pointer, so no two `&mut` views of `c`
+        /// ever exist at once.
+        #[derive(Clone, Copy)]
+        struct Out {
+            ptr: *mut f32,
+            /// Elements from `ptr` that belong to the output: `(m − 1)·ldc + n`.
+            len: usize,
             ldc: usize,
+        }
+
+        // SAFETY: `Out` is only an address; the threads it is shared with write disjoint
+        // elements (see `gemm`), and `c`'s borrow outlives them all (scoped rayon calls).
+        unsafe impl Send for Out {}
+        // SAFETY: as for `Send`.
+        unsafe impl Sync for Out {}
+
+        impl Out {
+            /// The address of element `(r, j)`, which must lie inside the output.
+            fn at(&self, r: usize, j: usize) -> *mut f32 {
+                let i = r * self.ldc + j;
+                assert!(i < self.len, "output element ({r}, {j}) outside the output");
+                self.ptr.wrapping_add(i)
+            }
+        }
+
+        /// One task's work: rows `r0..r0 + rows`, columns `c0..c0 + cols`, depth block
+        /// `k0..k0 + depth`, `b` packed (`b_tiles`, `kt` depth tiles per column tile). Full
+        /// 16×16 output tiles are read and written in place; edge tiles go through a padded
+        /// copy.
+        ///
+        /// # Safety
+        /// No other thread touches this block of the output while it runs.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn block<A: Bf16Source>(
+            out: Out,
             a: &Matrix<'_, A>,
             b_packed: &[u16],
             r0: usize,
@@ -605,33 +633,39 @@ mod amx {
             let _tiles = Tiles::configure();
             for tj in (0..nt).step_by(2) {
                 for ti in (0..mt).step_by(2) {
-                    let mut out = [OutTile {
+                    let mut tiles = [OutTile {
                         ptr: std::ptr::null_mut(),
                         stride: 0,
                     }; 4];
                     let mut edges = [false; 4];
                     for (q, (di, dj)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
-                        let (i, j) = (ti + di, tj + dj);
-                        let (row, col) = (i * 16, j * 16);
-                        let full = row + 16 <= rows && col + 16 <= cols;
-                        if full {
-                            let at = (row) * ldc + c0 + col;
-                            out[q] = OutTile {
-                                ptr: c[at..].as_mut_ptr(),
-                                stride: ldc * 4,
+                        let (row, col) = ((ti + di) * 16, (tj + dj) * 16);
+                        let (h, w) = (
+                            16.min(rows.saturating_sub(row)),
+                            16.min(cols.saturating_sub(col)),
+                        );
+                        if h == 16 && w == 16 {
+                            // Both corners inside the output (checked), so every row is.
+                            let _ = out.at(r0 + row + 15, c0 + col + 15);
+                            tiles[q] = OutTile {
+                                ptr: out.at(r0 + row, c0 + col),
+                                stride: out.ldc * 4,
                             };
                         } else {
                             edges[q] = true;
                             let e = &mut edge[q * 256..][..256];
                             e.fill(0.0);
                             if load {
-                                for r in 0..16.min(rows.saturating_sub(row)) {
-                                    for x in 0..16.min(cols.saturating_sub(col)) {
-                                        e[r * 16 + x] = c[(row + r) * ldc + c0 + col + x];
+                                for r in 0..h {
+                                    for x in 0..w {
+                                        // SAFETY: inside the output (`at` checks) and this
+                                        // task's block.
+                                        e[r * 16 + x] =
+                                            unsafe { *out.at(r0 + row + r, c0 + col + x) };
                                     }
                                 }
                             }
-                            out[q] = OutTile {
+                            tiles[q] = OutTile {
                                 ptr: e.as_mut_ptr(),
                                 stride: 64,
                             };
@@ -647,19 +681,24 @@ mod amx {
                     ];
                     // SAFETY: tiles configured above; `a_packed` holds an even number of row
                     // tiles and `b_packed` an even number of column tiles (padded), `kt` depth
-                    // tiles each; full output tiles lie inside `c` (their last row ends at
-                    // (row + 15) · ldc + c0 + col + 16 ≤ the slab's end) and edge tiles are
-                    // the 256-element buffers of `edge`.
-                    unsafe { block_2x2(a_t, b_t, kt, out, load) };
+                    // tiles each; full output tiles lie inside the output (both corners
+                    // checked) and in this task's block, and edge tiles are the 256-element
+                    // buffers of `edge`.
+                    unsafe { block_2x2(a_t, b_t, kt, tiles, load) };
                     for (q, (di, dj)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
                         if !edges[q] {
                             continue;
                         }
                         let (row, col) = ((ti + di) * 16, (tj + dj) * 16);
+                        let (h, w) = (
+                            16.min(rows.saturating_sub(row)),
+                            16.min(cols.saturating_sub(col)),
+                        );
                         let e = &edge[q * 256..][..256];
-                        for r in 0..16.min(rows.saturating_sub(row)) {
-                            for x in 0..16.min(cols.saturating_sub(col)) {
-                                c[(row + r) * ldc + c0 + col + x] = e[r * 16 + x];
+                        for r in 0..h {
+                            for x in 0..w {
+                                // SAFETY: inside the output (`at` checks) and this task's block.
+                                unsafe { *out.at(r0 + row + r, c0 + col + x) = e[r * 16 + x] };
                             }
                         }
                     }
@@ -667,6 +706,12 @@ mod amx {
             }
         }
 
+        /// Work split. A wide product (`n > m`: the head's forward, say, 128 rows against
+        /// 50257 columns) gives each thread its own column panels, which it packs itself and
+        /// runs every row against: its `b` tiles stay in its own core's cache, and only the
+        /// smaller `a` is packed once per thread. A tall one gives each thread row slabs of
+        /// `MC` against a panel of `b` packed by all threads together. Either way every output
+        /// element's sums are the same (the depth blocks do not move).
         #[allow(clippy::too_many_arguments)]
         pub(in super::super) fn gemm<A: Bf16Source, B: Bf16Source>(
             c: &mut [f32],
@@ -679,10 +724,66 @@ mod amx {
             accumulate: bool,
             pack: &mut [u16],
         ) {
-            // Column panels as wide as the caller's buffer holds (whole pairs of tiles of the
-            // deepest block), else NC in a buffer of our own.
+            let out = Out {
+                ptr: c.as_mut_ptr(),
+                len: ((m - 1) * ldc + n).min(c.len()),
+                ldc,
+            };
             let tile_pair = 2 * KC.min(k).div_ceil(32) * 512;
+            let threads = rayon::current_num_threads().max(1);
             let mut own = Vec::new();
+            if n > m && threads > 1 {
+                // Column split: `groups` threads, each with panels p ≡ g (mod groups) of width
+                // `width` (a multiple of 32, at most NC), packed into its own buffer.
+                let groups = threads.min(n.div_ceil(32));
+                let panels = groups * n.div_ceil(groups * NC);
+                let width = n.div_ceil(panels).next_multiple_of(32);
+                let panels = n.div_ceil(width);
+                let groups = groups.min(panels);
+                let per_group = width / 32 * tile_pair;
+                let bufs: &mut [u16] = if pack.len() >= groups * per_group {
+                    &mut pack[..groups * per_group]
+                } else {
+                    own = vec![0u16; groups * per_group];
+                    &mut own
+                };
+                bufs.par_chunks_mut(per_group)
+                    .enumerate()
+                    .for_each(|(g, buf)| {
+                        for p in (g..panels).step_by(groups) {
+                            let (c0, cols) = (p * width, width.min(n - p * width));
+                            for k0 in (0..k).step_by(KC) {
+                                let depth = KC.min(k - k0);
+                                let nt = cols.div_ceil(16).next_multiple_of(2);
+                                let packed = &mut buf[..nt * depth.div_ceil(32) * 512];
+                                // Zeroed whole: the last tile pair may be half past the columns.
+                                packed.fill(0);
+                                pack::b_tiles(&b, k0, depth, c0, cols, packed);
+                                let load = accumulate || k0 > 0;
+                                for r0 in (0..m).step_by(MC) {
+                                    // SAFETY: panel p's columns belong to group g alone.
+                                    unsafe {
+                                        block(
+                                            out,
+                                            &a,
+                                            packed,
+                                            r0,
+                                            MC.min(m - r0),
+                                            k0,
+                                            depth,
+                                            c0,
+                                            cols,
+                                            load,
+                                        )
+                                    };
+                                }
+                            }
+                        }
+                    });
+                return;
+            }
+            // Row split: panels as wide as the caller's buffer holds (whole pairs of tiles of
+            // the deepest block), else NC in a buffer of our own.
             let nc = match (pack.len() / tile_pair * 32).min(NC) {
                 0 => {
                     own = vec![0u16; NC / 32 * tile_pair];
@@ -691,8 +792,6 @@ mod amx {
                 nc => nc,
             };
             let b_packed: &mut [u16] = if own.is_empty() { pack } else { &mut own };
-            // The output's rows, MC at a time, one slab per task (c's rows past m untouched).
-            let c = &mut c[..(m - 1) * ldc + n];
             for c0 in (0..n).step_by(nc) {
                 let cols = nc.min(n - c0);
                 for k0 in (0..k).step_by(KC) {
@@ -715,13 +814,24 @@ mod amx {
                         });
                     let packed = &*packed;
                     let load = accumulate || k0 > 0;
-                    c.par_chunks_mut(MC * ldc)
-                        .enumerate()
-                        .for_each(|(s, slab_c)| {
-                            let r0 = s * MC;
-                            let rows = MC.min(m - r0);
-                            slab(slab_c, ldc, &a, packed, r0, rows, k0, depth, c0, cols, load);
-                        });
+                    (0..m.div_ceil(MC)).into_par_iter().for_each(|s| {
+                        let r0 = s * MC;
+                        // SAFETY: rows r0..r0 + MC belong to this task alone.
+                        unsafe {
+                            block(
+                                out,
+                                &a,
+                                packed,
+                                r0,
+                                MC.min(m - r0),
+                                k0,
+                                depth,
+                                c0,
+                                cols,
+                                load,
+                            )
+                        };
+                    });
                 }
             }
         }
