@@ -98,6 +98,11 @@ impl<'a> WeightRef<'a> {
         oc: usize,
         scratch: &mut [f32],
     ) -> Result<()> {
+        /// `product` is `matmul::forward_with` or, for bf16 on AMX, `forward_bf16_products`:
+        /// `(out, inp, weight, bias, n, c, oc, scratch)`.
+        type Product<W> =
+            fn(&mut [f32], &[f32], &[W], Option<&[W]>, usize, usize, usize, &mut [f32]);
+        #[allow(clippy::too_many_arguments)]
         fn go<W: matmul::Operand + Element>(
             cpu: &Cpu,
             y: &mut [f32],
@@ -106,46 +111,41 @@ impl<'a> WeightRef<'a> {
             b: Option<&CpuTensor>,
             (n, c, oc): (usize, usize, usize),
             scratch: &mut [f32],
+            product: Product<W>,
         ) -> Result<()> {
             match b {
                 Some(b) if b.dtype() == W::DTYPE => {
-                    matmul::forward_with(y, x, w, Some(b.as_slice::<W>()?), n, c, oc, scratch)
+                    product(y, x, w, Some(b.as_slice::<W>()?), n, c, oc, scratch)
                 }
                 Some(b) => {
                     let bv = f32_view(cpu, b)?;
-                    matmul::forward_with(y, x, w, None, n, c, oc, scratch);
-                    // The `+=` forward_with does for a bias of its own dtype.
+                    product(y, x, w, None, n, c, oc, scratch);
+                    // The `+=` the product does for a bias of its own dtype.
                     for row in y.chunks_exact_mut(oc.max(1)) {
                         for (o, b) in row.iter_mut().zip(bv.s()?) {
                             *o += b;
                         }
                     }
                 }
-                None => matmul::forward_with(y, x, w, None, n, c, oc, scratch),
+                None => product(y, x, w, None, n, c, oc, scratch),
             }
             Ok(())
         }
         let dims = (n, c, oc);
         match self {
-            WeightRef::F32(w) => go(cpu, y, x, w.s()?, b, dims, scratch),
-            WeightRef::Bf16(w) if matmul::bf16_products() => {
-                let bias = match b {
-                    Some(b) if b.dtype() == DType::BF16 => Some(b.as_slice::<bf16>()?),
-                    _ => None,
-                };
-                matmul::forward_bf16_products(y, x, w, bias, n, c, oc, scratch);
-                if let Some(b) = b.filter(|b| b.dtype() != DType::BF16) {
-                    let bv = f32_view(cpu, b)?;
-                    for row in y.chunks_exact_mut(oc.max(1)) {
-                        for (o, b) in row.iter_mut().zip(bv.s()?) {
-                            *o += b;
-                        }
-                    }
-                }
-                Ok(())
-            }
-            WeightRef::Bf16(w) => go(cpu, y, x, w, b, dims, scratch),
-            WeightRef::F16(w) => go(cpu, y, x, w, b, dims, scratch),
+            WeightRef::F32(w) => go(cpu, y, x, w.s()?, b, dims, scratch, matmul::forward_with),
+            WeightRef::Bf16(w) if matmul::bf16_products() => go(
+                cpu,
+                y,
+                x,
+                w,
+                b,
+                dims,
+                scratch,
+                matmul::forward_bf16_products,
+            ),
+            WeightRef::Bf16(w) => go(cpu, y, x, w, b, dims, scratch, matmul::forward_with),
+            WeightRef::F16(w) => go(cpu, y, x, w, b, dims, scratch, matmul::forward_with),
         }
     }
 

@@ -42,7 +42,6 @@
 
 use gemm::Parallelism;
 use half::bf16;
-use rayon::prelude::*;
 
 /// Depth of one packed block (a multiple of 32, the depth of one tile).
 pub const KC: usize = 512;
@@ -757,11 +756,11 @@ mod amx {
                             let (c0, cols) = (p * width, width.min(n - p * width));
                             for k0 in (0..k).step_by(KC) {
                                 let depth = KC.min(k - k0);
-                                let nt = cols.div_ceil(16).next_multiple_of(2);
-                                let packed = &mut buf[..nt * depth.div_ceil(32) * 512];
-                                // Zeroed whole: the last tile pair may be half past the columns.
-                                packed.fill(0);
+                                let (kt, tiles) = (depth.div_ceil(32), cols.div_ceil(16));
+                                let packed = &mut buf[..tiles.next_multiple_of(2) * kt * 512];
                                 pack::b_tiles(&b, k0, depth, c0, cols, packed);
+                                // The last pair's second tile, when past the columns.
+                                packed[tiles * kt * 512..].fill(0);
                                 let load = accumulate || k0 > 0;
                                 for r0 in (0..m).step_by(MC) {
                                     // SAFETY: panel p's columns belong to group g alone.
@@ -807,13 +806,12 @@ mod amx {
                         .par_chunks_mut(2 * kt * 512)
                         .enumerate()
                         .for_each(|(p, dst)| {
-                            // Zero first: a pair's second tile may be past the columns, and
-                            // the buffer holds the previous block.
-                            dst.fill(0);
+                            // b_tiles zeroes the tiles it fills; a pair's second tile past the
+                            // columns still holds the previous block.
                             let j0 = p * 32;
-                            if j0 < cols {
-                                pack::b_tiles(&b, k0, depth, c0 + j0, 32.min(cols - j0), dst);
-                            }
+                            let width = 32.min(cols.saturating_sub(j0));
+                            pack::b_tiles(&b, k0, depth, c0 + j0, width, dst);
+                            dst[width.div_ceil(16) * kt * 512..].fill(0);
                         });
                     let packed = &*packed;
                     let load = accumulate || k0 > 0;
@@ -843,15 +841,15 @@ mod amx {
 
 /// `c[m, n] (+)= a · b` in f64 over the bf16-rounded operands, and `Σ|a·b|` per element: the
 /// tests' reference.
-#[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
-pub fn reference<A: Bf16Source, B: Bf16Source>(
+#[cfg(test)]
+fn reference<A: Bf16Source, B: Bf16Source>(
     a: Matrix<'_, A>,
     b: Matrix<'_, B>,
     m: usize,
     n: usize,
     k: usize,
 ) -> (Vec<f64>, Vec<f64>) {
+    use rayon::prelude::*;
     let widen = |bits: u16| f64::from(f32::from_bits(u32::from(bits) << 16));
     let mut out = vec![0.0; m * n];
     let mut mag = vec![0.0; m * n];
