@@ -71,9 +71,9 @@ pub fn record(r: &Record) -> std::io::Result<()> {
 pub fn size_label(bytes: usize) -> String {
     const MIB: usize = 1 << 20;
     const KIB: usize = 1 << 10;
-    if bytes >= MIB && bytes % MIB == 0 {
+    if bytes >= MIB && bytes.is_multiple_of(MIB) {
         format!("{}MiB", bytes / MIB)
-    } else if bytes >= KIB && bytes % KIB == 0 {
+    } else if bytes >= KIB && bytes.is_multiple_of(KIB) {
         format!("{}KiB", bytes / KIB)
     } else {
         format!("{bytes}B")

@@ -1053,7 +1053,7 @@ fn units_for(case: &PermuteCase) -> Vec<(usize, &'static str)> {
     PERMUTE_HEADS_UNITS
         .iter()
         .copied()
-        .filter(|(unit, _)| row_bytes % unit == 0)
+        .filter(|(unit, _)| row_bytes.is_multiple_of(*unit))
         .collect()
 }
 

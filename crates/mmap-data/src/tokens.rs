@@ -169,7 +169,10 @@ pub struct TokenSlice<'a> {
 impl<'a> TokenSlice<'a> {
     /// View `bytes` as tokens; `None` when the length is not a multiple of the token width.
     pub fn new(bytes: &'a [u8], token_type: TokenType) -> Option<Self> {
-        (bytes.len() % token_type.width() == 0).then_some(TokenSlice { bytes, token_type })
+        bytes
+            .len()
+            .is_multiple_of(token_type.width())
+            .then_some(TokenSlice { bytes, token_type })
     }
 
     /// View the whole tokens in `bytes`, ignoring a trailing partial token.

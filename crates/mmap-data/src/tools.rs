@@ -569,7 +569,7 @@ fn guess_raw(path: &Path, bytes: u64) -> Result<TokenDataset> {
         return raw::open_raw(path, TokenType::U8);
     }
     let as_u16 = raw::open_raw(path, TokenType::U16)?;
-    if bytes % 4 != 0 || bytes < (MIN_WORDS * 4) as u64 {
+    if !bytes.is_multiple_of(4) || bytes < (MIN_WORDS * 4) as u64 {
         return Ok(as_u16);
     }
     let looks_u32 = as_u16.segments().first().is_some_and(|segment| {

@@ -107,7 +107,7 @@ impl GptConfig {
                 return Err(invalid(field, "must be at least 1"));
             }
         }
-        if self.width % self.heads != 0 {
+        if !self.width.is_multiple_of(self.heads) {
             return Err(invalid(
                 "heads",
                 format!("{} heads do not divide width {}", self.heads, self.width),
@@ -348,7 +348,7 @@ fn validate(config: &GptConfig, setup: &TrainingSetup) -> Result<(), ProfilerErr
             "batch, micro-batch and sequence length must be at least 1",
         ));
     }
-    if setup.batch % setup.micro_batch != 0 {
+    if !setup.batch.is_multiple_of(setup.micro_batch) {
         return Err(invalid(
             "micro_batch",
             format!(

@@ -857,7 +857,7 @@ mod tests {
             // Blocks tile the segment: the viewer derives addresses from the sizes.
             assert_eq!(ints(b, "address"), addr);
             let size = ints(b, "size");
-            assert!(size > 0 && size % BLOCK_ALIGN == 0);
+            assert!(size > 0 && size.is_multiple_of(BLOCK_ALIGN));
             match b.get("state").and_then(Value::as_str) {
                 Some("active_allocated") => {
                     allocated += size;

@@ -242,7 +242,7 @@ impl CudaQuantizedTensor {
         if a.dtype() != DType::F32 || out.dtype() != DType::F32 {
             return Err(wrong("operands must be f32".into()));
         }
-        if a.numel() % a_cols != 0 {
+        if !a.numel().is_multiple_of(a_cols) {
             return Err(wrong(format!(
                 "input of {} elements has rows of {a_cols}",
                 a.numel()

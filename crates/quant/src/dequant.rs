@@ -60,7 +60,7 @@ impl Isa {
 #[inline(always)]
 pub(crate) fn nibble(codes: &[u8], i: usize) -> u8 {
     let b = codes[i / 2];
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         b >> 4
     } else {
         b & 0x0f

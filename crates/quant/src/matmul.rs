@@ -108,7 +108,7 @@ fn matrix_dims(w: &QuantizedTensor) -> (usize, usize) {
 }
 
 fn rows_of(op: &'static str, name: &str, len: usize, cols: usize) -> Result<usize> {
-    if cols == 0 || len % cols != 0 {
+    if cols == 0 || !len.is_multiple_of(cols) {
         return Err(QuantError::ShapeMismatch {
             op,
             detail: format!("{name} has {len} elements, not a multiple of its row length {cols}"),

@@ -1130,7 +1130,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
                 b.set_message(msg);
             }
             None => {
-                if s.step % every == 0 || s.step + 1 == o.steps || s.val_loss.is_some() {
+                if s.step.is_multiple_of(every) || s.step + 1 == o.steps || s.val_loss.is_some() {
                     say!("step {:>5}  {msg}", s.step);
                 }
             }

@@ -96,7 +96,7 @@ pub fn estimate(
     tech: &Techniques,
 ) -> Result<TrainerEstimate> {
     cfg.validate()?;
-    if seq == 0 || micro == 0 || batch == 0 || batch % micro != 0 || seq > cfg.max_seq {
+    if seq == 0 || micro == 0 || batch == 0 || !batch.is_multiple_of(micro) || seq > cfg.max_seq {
         return Err(TrainError::Config(format!(
             "batch {batch}, micro-batch {micro}, sequence {seq} (context {})",
             cfg.max_seq

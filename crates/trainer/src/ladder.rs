@@ -52,7 +52,7 @@ pub fn standard_rungs(batch: usize) -> Vec<Rung> {
         placement: OptimizerPlacement::HostRam,
     };
     push("+offload", &t);
-    if batch % 4 == 0 && batch >= 4 {
+    if batch.is_multiple_of(4) && batch >= 4 {
         t.micro_batch = Some(batch / 4);
         push("+accumulation", &t);
     }
@@ -345,7 +345,7 @@ pub fn suggest_fitting(opts: &TrainOptions, budget: u64) -> Result<Vec<FitSugges
     }
     let micro_now = opts.micro_batch()?;
     let mut micro = micro_now / 2;
-    while micro >= 1 && opts.batch % micro == 0 {
+    while micro >= 1 && opts.batch.is_multiple_of(micro) {
         // One option per halving; the closure reads the micro-batch from its argument.
         changes.push((format!("--micro-batch {micro}"), |t, m| {
             t.micro_batch = Some(m)
@@ -468,7 +468,7 @@ pub fn run_zero_ladder(
         o.save = None;
         o.resume_from = None;
         o.eval = None;
-        if o.batch % ranks != 0 {
+        if !o.batch.is_multiple_of(ranks) {
             return Err(TrainError::Option {
                 option: "--batch",
                 reason: format!("{} sequences do not split over {ranks} ranks", o.batch),

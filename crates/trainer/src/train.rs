@@ -312,7 +312,7 @@ impl TrainOptions {
                 reason: "must be at least 1 sequence".into(),
             });
         }
-        if self.batch % m != 0 {
+        if !self.batch.is_multiple_of(m) {
             return Err(TrainError::Option {
                 option: "--micro-batch",
                 reason: format!("{m} does not divide the batch {}", self.batch),

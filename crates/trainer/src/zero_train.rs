@@ -254,7 +254,7 @@ fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
         .micro_batch
         .unwrap_or(opts.batch / zero.ranks)
         .max(1);
-    if opts.batch % zero.ranks != 0 || (opts.batch / zero.ranks) % micro != 0 {
+    if !opts.batch.is_multiple_of(zero.ranks) || !(opts.batch / zero.ranks).is_multiple_of(micro) {
         return Err(TrainError::Option {
             option: "--batch",
             reason: format!(
@@ -952,7 +952,7 @@ fn validation_loss<B: RankBackend>(
         .iter()
         .flat_map(|(tok, tgt)| tok.chunks(rows).zip(tgt.chunks(rows)))
         .collect();
-    if chunks.len() % ranks != 0 {
+    if !chunks.len().is_multiple_of(ranks) {
         // Every rank sees the same batches, so every rank refuses alike: none is left waiting.
         return Err(TrainError::Config(format!(
             "{} validation chunks do not deal out evenly to {ranks} ranks",

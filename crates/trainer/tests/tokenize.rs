@@ -97,7 +97,7 @@ fn token_files_built_in_pieces_equal_a_whole_text_encode() {
             "Line {i} of the story: memory {} bytes.\n",
             i * 7919 % 1000
         ));
-        if i % 7 == 0 {
+        if i.is_multiple_of(7) {
             text.push_str("\n  indented\n");
         }
         i += 1;

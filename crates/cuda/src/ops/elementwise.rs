@@ -157,7 +157,7 @@ impl Cuda {
     ) -> Result<()> {
         const OP: &str = "rope";
         self.check_devices(OP, &[x, cos, sin])?;
-        if hs % 2 != 0 {
+        if !hs.is_multiple_of(2) {
             return Err(Error::InvalidShape {
                 op: OP,
                 shape: x.shape().clone(),

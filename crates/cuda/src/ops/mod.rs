@@ -342,7 +342,7 @@ pub(crate) fn rows_of(
     what: &'static str,
 ) -> Result<usize> {
     let total = t.numel();
-    if per == 0 || total % per != 0 {
+    if per == 0 || !total.is_multiple_of(per) {
         return Err(Error::InvalidShape {
             op,
             shape: t.shape().clone(),

@@ -153,7 +153,7 @@ pub(crate) fn plan_permute(
     let (unit_bytes, function) = PERMUTE_HEADS_UNITS
         .iter()
         .copied()
-        .find(|(bytes, _)| row_bytes % bytes == 0)
+        .find(|(bytes, _)| row_bytes.is_multiple_of(*bytes))
         .ok_or_else(|| invalid(op, wide, "no unit divides a head row"))?;
     Ok(PermutePlan {
         function,

@@ -14,7 +14,7 @@ pub fn raw_token_count(byte_len: u64, token_type: TokenType, what: &str) -> Resu
         return Err(DataError::Empty { what: what.into() });
     }
     let width = token_type.width();
-    if byte_len % width as u64 != 0 {
+    if !byte_len.is_multiple_of(width as u64) {
         return Err(DataError::OddLength {
             what: what.into(),
             bytes: byte_len,

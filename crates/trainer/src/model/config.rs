@@ -237,7 +237,7 @@ impl ModelConfig {
         {
             return bad(format!("every dimension must be positive: {self:?}"));
         }
-        if self.channels % self.heads != 0 {
+        if !self.channels.is_multiple_of(self.heads) {
             return bad(format!(
                 "channels {} not divisible by heads {}",
                 self.channels, self.heads
@@ -245,13 +245,13 @@ impl ModelConfig {
         }
         if let Family::Llama(s) = self.family {
             let hs = self.channels / self.heads;
-            if s.kv_heads == 0 || self.heads % s.kv_heads != 0 {
+            if s.kv_heads == 0 || !self.heads.is_multiple_of(s.kv_heads) {
                 return bad(format!(
                     "key/value heads {} must divide the {} query heads",
                     s.kv_heads, self.heads
                 ));
             }
-            if hs % 2 != 0 {
+            if !hs.is_multiple_of(2) {
                 return bad(format!(
                     "rotary embeddings need an even head dimension, not {hs}"
                 ));

@@ -571,7 +571,7 @@ impl ModelOps for Cpu {
         let wpe = match wpe {
             Some(wpe) => {
                 let t = y.shape().dims().get(1).copied().unwrap_or(1).max(1);
-                if tokens.len() % t != 0 || wpe.numel() < t * c {
+                if !tokens.len().is_multiple_of(t) || wpe.numel() < t * c {
                     return Err(bad("embed", format!("{t} positions do not fit the batch")));
                 }
                 Some((wpe, t))
@@ -605,7 +605,7 @@ impl ModelOps for Cpu {
         match dwpe {
             Some(dwpe) => {
                 let t = dy.shape().dims().get(1).copied().unwrap_or(1).max(1);
-                if tokens.len() % t != 0 || dwpe.numel() < t * c {
+                if !tokens.len().is_multiple_of(t) || dwpe.numel() < t * c {
                     return Err(bad(
                         "embed backward",
                         format!("{t} positions do not fit the batch"),

@@ -95,7 +95,12 @@ fn head_layout(op: &str, heads: &CudaTensor, wide: &CudaTensor, col: usize) -> R
         ));
     };
     let (w, block) = (cols(wide), h * hs);
-    if block == 0 || wide.numel() != b * t * w || w % block != 0 || col % block != 0 || col >= w {
+    if block == 0
+        || wide.numel() != b * t * w
+        || w % block != 0
+        || !col.is_multiple_of(block)
+        || col >= w
+    {
         return Err(bad(
             op,
             format!(

@@ -158,7 +158,7 @@ impl<B: ModelOps> Model<B> {
     /// positions without the head (only the last position's logits are needed).
     pub fn decode(&self, cache: &mut KvCache<B::Tensor>, tokens: &[u32]) -> Result<Vec<f32>> {
         let b = cache.batch;
-        if b == 0 || tokens.is_empty() || tokens.len() % b != 0 {
+        if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
             return Err(TrainError::Input(format!(
                 "decode: {} tokens are not [{b}, t] with t ≥ 1",
                 tokens.len()
