@@ -197,10 +197,25 @@ fn bench_adamw(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("baseline_bandwidth_16B", label), |b| {
             b.iter(|| bandwidth_pass_16(param, black_box(grad), codes.0, codes.1))
         });
+        // On an AVX-512 machine, `Float8` also through its AVX2 kernel, in the same rounds:
+        // what the wider kernel gains.
+        let mut float8_avx2 = (headroom_offload::Isa::detect() == headroom_offload::Isa::Avx512)
+            .then(|| {
+                optimizer(&cpu, n, StatePrecision::Float8)
+                    .with_isa(headroom_offload::Isa::Avx2)
+                    .expect("AVX2 on an AVX-512 machine")
+            });
+        let mut avx2_ratios = vec![];
         // Both 8-bit steps against their own bound, alternating, three steps a side per round.
         let (mut book_rates, mut float8_rates, mut bound) = (vec![], vec![], vec![]);
         let (mut book_ratios, mut float8_ratios) = (vec![], vec![]);
         for _ in 0..ROUNDS {
+            let narrow = float8_avx2.as_mut().map(|opt| {
+                rate(n, 3, || {
+                    opt.step(0, param, FloatSlice::F32(grad), None)
+                        .expect("step")
+                })
+            });
             let b = rate(n, 3, || {
                 book.step(0, param, FloatSlice::F32(grad), None)
                     .expect("step")
@@ -213,6 +228,9 @@ fn bench_adamw(c: &mut Criterion) {
             let pass = rate(n, 3, || bandwidth_pass_16(param, grad, codes.0, codes.1));
             book_ratios.push(b / pass);
             float8_ratios.push(f / pass);
+            if let Some(narrow) = narrow {
+                avx2_ratios.push(narrow / pass);
+            }
             book_rates.push(b);
             float8_rates.push(f);
             bound.push(pass);
@@ -223,6 +241,14 @@ fn bench_adamw(c: &mut Criterion) {
                 .map(|r| (r * 100.0).round() / 100.0)
                 .collect::<Vec<_>>()
         };
+        if float8_avx2.take().is_some() {
+            println!(
+                "offload/adamw_float8_avx2_kernel_vs_bandwidth_16B/{label}: per-round ratios {:?} \
+                 (median {:.2}; the AVX-512 kernel above is what `Isa::detect` runs)",
+                rounded(&avx2_ratios),
+                median(avx2_ratios.clone())
+            );
+        }
         for (name, rates, ratios, opt) in [
             ("int8", book_rates, book_ratios, &book),
             ("float8", float8_rates, float8_ratios, &float8),

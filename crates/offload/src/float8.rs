@@ -278,11 +278,11 @@ mod avx2 {
     /// 16-byte bound, software prefetching 4 KiB ahead took a prototype from 0.75–0.80 to
     /// 0.87–0.95 (8 KiB: within noise of 4). Past a thread's last block the addresses may
     /// belong to another thread's blocks or to nothing; a prefetch never faults.
-    const PREFETCH_BYTES: usize = 4096;
+    pub(super) const PREFETCH_BYTES: usize = 4096;
 
     /// A hint to fetch the cache line `ahead` bytes past `at` into L1.
     #[inline(always)]
-    fn prefetch_ahead(at: *const u8, ahead: usize) {
+    pub(super) fn prefetch_ahead(at: *const u8, ahead: usize) {
         // SAFETY: a prefetch is a hint; it reads nothing architecturally and never faults,
         // whatever the address (computed with wrapping arithmetic, so no pointer rule is
         // broken either). SSE is part of x86-64.
@@ -545,6 +545,307 @@ mod avx2 {
                 i += 32;
             }
             for i in n32..n {
+                mc[i] = encode_m(m_new.add(i).read() * inv_m);
+                sc[i] = encode_s(s_new.add(i).read() * inv_s);
+            }
+            *ms = m_max;
+            *ss = s_max;
+        }
+    }
+}
+
+/// The block update by the AVX-512 kernel: the same bits as [`block_portable`], sixteen
+/// elements per vector. f16 gradients are widened into a buffer first (exactly).
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(crate) unsafe fn block_avx512(s: &StepScalars, b: Block<'_, '_>) {
+    let mut wide = None;
+    let g = avx2::Grad::of(b.g, &mut wide);
+    // SAFETY: the caller guarantees AVX-512F and FMA.
+    unsafe { avx512::block(s, b.p, g, b.mc, b.sc, b.ms, b.ss) }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The AVX2 kernel's operations on sixteen lanes. Beyond the width, AVX-512 saves two
+    //! steps per vector: the codes are narrowed to bytes by one saturating conversion
+    //! (`vpmovsdb`, `vpmovusdb`) instead of two packs and a permutation, and `m`'s sign is a
+    //! masked negation instead of `vpsignd`. Measured on the AMX Xeon against the AVX2 kernel
+    //! on the same machine: `benches/results/2026-11-24-cpu-2core-amx-bf16.md`.
+    use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    use super::avx2::{prefetch_ahead, Grad};
+    use super::*;
+
+    /// How far ahead pass 1 prefetches (the AVX2 kernel's reasoning). Measured on the AMX
+    /// Xeon, per-round ratios to the 16-byte pass at 50M parameters, the AVX2 kernel in the
+    /// same rounds in brackets: no prefetch 0.62–0.66 (0.72–0.78), 1 KiB 0.76–0.83
+    /// (0.77–0.82), 2 KiB 0.77–0.83 (0.75–0.80), 3 KiB 0.75–0.81 (0.74–0.79), 4 KiB (the AVX2
+    /// kernel's distance) 0.76–0.77 (0.76–0.78), 8 KiB 0.66–0.69 (0.74–0.77).
+    const PREFETCH_BYTES_512: usize = 2048;
+
+    /// A gradient slice, one instance per element type (as in the AVX2 kernel).
+    trait GradIn: Copy {
+        fn len(self) -> usize;
+        fn at(self, i: usize) -> f32;
+        /// The address of element `i`, for prefetching (may be past the end).
+        fn ptr(self, i: usize) -> *const u8;
+        /// Elements `i..i + 16` widened to f32.
+        ///
+        /// # Safety
+        /// AVX-512F; `i + 16 <= self.len()`.
+        unsafe fn load16(self, i: usize) -> __m512;
+    }
+
+    impl GradIn for &[f32] {
+        #[inline(always)]
+        fn len(self) -> usize {
+            <[f32]>::len(self)
+        }
+        #[inline(always)]
+        fn at(self, i: usize) -> f32 {
+            self[i]
+        }
+        #[inline(always)]
+        fn ptr(self, i: usize) -> *const u8 {
+            self.as_ptr().wrapping_add(i) as *const u8
+        }
+        #[inline(always)]
+        unsafe fn load16(self, i: usize) -> __m512 {
+            // SAFETY: as the caller guarantees.
+            unsafe { _mm512_loadu_ps(self.as_ptr().add(i)) }
+        }
+    }
+
+    impl GradIn for &[half::bf16] {
+        #[inline(always)]
+        fn len(self) -> usize {
+            <[half::bf16]>::len(self)
+        }
+        #[inline(always)]
+        fn at(self, i: usize) -> f32 {
+            bf16_bits_to_f32(self[i].to_bits())
+        }
+        #[inline(always)]
+        fn ptr(self, i: usize) -> *const u8 {
+            self.as_ptr().wrapping_add(i) as *const u8
+        }
+        #[inline(always)]
+        unsafe fn load16(self, i: usize) -> __m512 {
+            // SAFETY: as the caller guarantees.
+            unsafe {
+                let halves = _mm256_loadu_si256(self.as_ptr().add(i) as *const __m256i);
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX-512F and FMA; `p`, `g`, `mc`, `sc` of equal length at most [`QUANT_BLOCK`].
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn block(
+        s: &StepScalars,
+        p: &mut [f32],
+        g: Grad<'_>,
+        mc: &mut [u8],
+        sc: &mut [u8],
+        ms: &mut f32,
+        ss: &mut f32,
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (g, s.lerp_weight_is_small()) {
+                (Grad::F32(g), true) => block_impl::<true, _>(s, p, g, mc, sc, ms, ss),
+                (Grad::F32(g), false) => block_impl::<false, _>(s, p, g, mc, sc, ms, ss),
+                (Grad::Bf16(g), true) => block_impl::<true, _>(s, p, g, mc, sc, ms, ss),
+                (Grad::Bf16(g), false) => block_impl::<false, _>(s, p, g, mc, sc, ms, ss),
+            }
+        }
+    }
+
+    /// [`Code::magnitude`] of sixteen magnitudes.
+    #[inline(always)]
+    unsafe fn magnitude16(code: &Code, k: __m512i) -> __m512 {
+        // SAFETY: AVX-512F and FMA, as every caller has.
+        unsafe {
+            let bits = _mm512_slli_epi32::<{ SHIFT as u32 }>(k);
+            let normal = _mm512_castsi512_ps(_mm512_add_epi32(
+                bits,
+                _mm512_set1_epi32((code.min_normal_exp - 1) << 23),
+            ));
+            let sub = _mm512_fmsub_ps(normal, _mm512_set1_ps(2.0), _mm512_set1_ps(code.min_normal));
+            _mm512_min_ps(normal, sub)
+        }
+    }
+
+    /// [`Code::encode_magnitude`] of sixteen magnitudes `a`.
+    #[inline(always)]
+    unsafe fn encode_magnitude16(code: &Code, a: __m512) -> __m512i {
+        // SAFETY: AVX-512F, as every caller has.
+        unsafe {
+            let half = 1i32 << (SHIFT - 1);
+            let direct = _mm512_add_epi32(
+                _mm512_castps_si512(a),
+                _mm512_set1_epi32(half - ((code.min_normal_exp - 1) << 23)),
+            );
+            let shifted = _mm512_add_ps(a, _mm512_set1_ps(code.min_normal));
+            let sub = _mm512_add_epi32(
+                _mm512_castps_si512(shifted),
+                _mm512_set1_epi32(half - (code.min_normal_exp << 23)),
+            );
+            _mm512_srai_epi32::<{ SHIFT as u32 }>(_mm512_max_epi32(direct, sub))
+        }
+    }
+
+    /// The largest lane, `f32::max` over the lanes as the reference folds them.
+    #[inline(always)]
+    unsafe fn fold_max(v: __m512) -> f32 {
+        let mut lanes = [0f32; 16];
+        // SAFETY: AVX-512F, as every caller has; `lanes` holds 16 f32.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), v) };
+        lanes.iter().fold(0f32, |a, &x| a.max(x))
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block_impl<const SMALL_WEIGHT: bool, G: GradIn>(
+        s: &StepScalars,
+        p: &mut [f32],
+        g: G,
+        mc: &mut [u8],
+        sc: &mut [u8],
+        ms: &mut f32,
+        ss: &mut f32,
+    ) {
+        let n = p.len();
+        assert!(n <= QUANT_BLOCK && mc.len() == n && sc.len() == n && g.len() == n);
+        // SAFETY: AVX-512F and FMA as the caller guarantees; every pointer below stays inside
+        // its slice (vector loops end at a multiple of 16 not above `n`; prefetches are
+        // hints), and the stack buffers are written up to `n` in pass 1 before pass 2 reads
+        // them.
+        unsafe {
+            let mut m_buf = MaybeUninit::<[f32; QUANT_BLOCK]>::uninit();
+            let mut s_buf = MaybeUninit::<[f32; QUANT_BLOCK]>::uninit();
+            let (m_new, s_new) = (
+                m_buf.as_mut_ptr() as *mut f32,
+                s_buf.as_mut_ptr() as *mut f32,
+            );
+            let m_scale = *ms;
+            let s_b2 = (*ss * *ss) * s.beta2;
+            let inv_bc2 = 1.0 / s.bc2_sqrt;
+            let lerp_w = if SMALL_WEIGHT {
+                s.one_minus_beta1
+            } else {
+                s.one_minus_beta1 - 1.0
+            };
+            let (v_m_scale, v_s_b2) = (_mm512_set1_ps(m_scale), _mm512_set1_ps(s_b2));
+            let v_decay = _mm512_set1_ps(s.decay);
+            let v_w = _mm512_set1_ps(lerp_w);
+            let v_omb2 = _mm512_set1_ps(s.one_minus_beta2);
+            let v_inv_bc2 = _mm512_set1_ps(inv_bc2);
+            let v_eps = _mm512_set1_ps(s.eps);
+            let v_step = _mm512_set1_ps(s.step_size);
+            let sign_bit = _mm512_set1_epi32(i32::MIN);
+            let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+            let mut max_m = _mm512_setzero_ps();
+            let mut max_s = _mm512_setzero_ps();
+            let (pp, mcp, scp) = (p.as_mut_ptr(), mc.as_mut_ptr(), sc.as_mut_ptr());
+
+            // Pass 1: decode, update, maxima.
+            let n16 = n / 16 * 16;
+            let mut i = 0;
+            while i < n16 {
+                // One cache line of `p` and of an f32 `g` per vector.
+                prefetch_ahead(pp.add(i) as *const u8, PREFETCH_BYTES_512);
+                prefetch_ahead(g.ptr(i), PREFETCH_BYTES_512);
+                if i % 64 == 0 {
+                    // One code byte per element: the same elements ahead.
+                    prefetch_ahead(mcp.add(i), PREFETCH_BYTES_512 / 4);
+                    prefetch_ahead(scp.add(i), PREFETCH_BYTES_512 / 4);
+                }
+                let m_code = _mm512_cvtepi8_epi32(_mm_loadu_si128(mcp.add(i) as *const __m128i));
+                let m_mag = magnitude16(&M_CODE, _mm512_abs_epi32(m_code));
+                let m_sign = _mm512_and_si512(m_code, sign_bit);
+                let m = _mm512_mul_ps(
+                    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(m_mag), m_sign)),
+                    v_m_scale,
+                );
+                let s_code = _mm512_cvtepu8_epi32(_mm_loadu_si128(scp.add(i) as *const __m128i));
+                let s_rel = magnitude16(&S_CODE, s_code);
+                let v_b2 = _mm512_mul_ps(_mm512_mul_ps(s_rel, s_rel), v_s_b2);
+                let gv = g.load16(i);
+                let pv = _mm512_loadu_ps(pp.add(i));
+                let decayed = _mm512_mul_ps(pv, v_decay);
+                let diff = _mm512_sub_ps(gv, m);
+                let mn = if SMALL_WEIGHT {
+                    _mm512_fmadd_ps(v_w, diff, m)
+                } else {
+                    _mm512_fmadd_ps(v_w, diff, gv)
+                };
+                let vn = _mm512_fmadd_ps(_mm512_mul_ps(v_omb2, gv), gv, v_b2);
+                let root = _mm512_sqrt_ps(vn);
+                let denom = _mm512_fmadd_ps(root, v_inv_bc2, v_eps);
+                let pn = _mm512_sub_ps(decayed, _mm512_div_ps(_mm512_mul_ps(v_step, mn), denom));
+                _mm512_storeu_ps(pp.add(i), pn);
+                _mm512_storeu_ps(m_new.add(i), mn);
+                _mm512_storeu_ps(s_new.add(i), root);
+                // As `vmaxps` on eight lanes: the second operand when either is NaN, so a NaN
+                // element is skipped as `f32::max` skips it in the reference.
+                let m_abs =
+                    _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(mn), abs_mask));
+                max_m = _mm512_max_ps(m_abs, max_m);
+                max_s = _mm512_max_ps(root, max_s);
+                i += 16;
+            }
+            let mut m_max = fold_max(max_m);
+            let mut s_max = fold_max(max_s);
+            for i in n16..n {
+                let m = decode_m(mc[i]) * m_scale;
+                let (mn, root) = update::<SMALL_WEIGHT>(
+                    s,
+                    inv_bc2,
+                    &mut p[i],
+                    g.at(i),
+                    m,
+                    decode_s(sc[i]),
+                    s_b2,
+                );
+                m_new.add(i).write(mn);
+                s_new.add(i).write(root);
+                m_max = m_max.max(mn.abs());
+                s_max = s_max.max(root);
+            }
+
+            // Pass 2: encode against the maxima, sixteen codes per store.
+            let (inv_m, inv_s) = (inverse_scale(m_max), inverse_scale(s_max));
+            let (v_inv_m, v_inv_s) = (_mm512_set1_ps(inv_m), _mm512_set1_ps(inv_s));
+            let zero = _mm512_setzero_si512();
+            let mut i = 0;
+            while i < n16 {
+                let y = _mm512_mul_ps(_mm512_loadu_ps(m_new.add(i)), v_inv_m);
+                let y_bits = _mm512_castps_si512(y);
+                let k = encode_magnitude16(
+                    &M_CODE,
+                    _mm512_castsi512_ps(_mm512_and_si512(y_bits, abs_mask)),
+                );
+                // Negated where `y`'s sign bit is set, as `encode_m` does.
+                let k = _mm512_mask_sub_epi32(k, _mm512_cmplt_epi32_mask(y_bits, zero), zero, k);
+                // Signed saturation: `encode_m`'s clamp to −128..=127.
+                _mm_storeu_si128(mcp.add(i) as *mut __m128i, _mm512_cvtsepi32_epi8(k));
+                let y = _mm512_mul_ps(_mm512_loadu_ps(s_new.add(i)), v_inv_s);
+                let k = encode_magnitude16(&S_CODE, y);
+                // `encode_s`'s clamp to 0..=255: negatives (a NaN with its sign bit) to 0 first,
+                // then unsigned saturation.
+                let k = _mm512_max_epi32(k, zero);
+                _mm_storeu_si128(scp.add(i) as *mut __m128i, _mm512_cvtusepi32_epi8(k));
+                i += 16;
+            }
+            for i in n16..n {
                 mc[i] = encode_m(m_new.add(i).read() * inv_m);
                 sc[i] = encode_s(s_new.add(i).read() * inv_s);
             }

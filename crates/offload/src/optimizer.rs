@@ -576,7 +576,10 @@ fn int8_step(
                     // SAFETY: a `SupportedIsa` exists only for an ISA that `Isa::is_supported`
                     // confirmed (with FMA), and every AVX-512F CPU has AVX2.
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 | Isa::Avx2 => unsafe { crate::float8::block_avx2(s, b) },
+                    Isa::Avx512 => unsafe { crate::float8::block_avx512(s, b) },
+                    // SAFETY: as above (avx2 and fma present).
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe { crate::float8::block_avx2(s, b) },
                     _ => crate::float8::block_portable(s, b),
                 }
                 crate::adamw_kernel::write_copy(p, c);

@@ -196,6 +196,69 @@ fn every_isa_gives_the_same_int8_bits() {
     }
 }
 
+/// Non-finite gradients (NaN, ±∞) poison their blocks; every ISA poisons them alike: the same
+/// state bytes (each code's documented saturation), and the same parameters up to NaN payloads.
+#[test]
+fn every_isa_handles_non_finite_gradients_alike() {
+    use headroom_offload::Isa;
+    let cpu = Cpu::new();
+    // Block 0 finite, block 1 one NaN, block 2 one +∞ and one −∞, the tail a NaN.
+    let n = 3 * 2048 + 21;
+    let mut g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.29).sin() * 1e-2).collect();
+    g[2048 + 100] = f32::NAN;
+    g[2 * 2048 + 5] = f32::INFINITY;
+    g[2 * 2048 + 700] = f32::NEG_INFINITY;
+    g[3 * 2048 + 3] = -f32::NAN;
+    let run = |isa: Isa, precision: StatePrecision| {
+        let mut opt = CpuAdamW::new(
+            vec![AdamWHyper::default()],
+            &[ParamSpec { numel: n, group: 0 }],
+            precision,
+            StoreSpec::Ram(&cpu),
+        )
+        .unwrap()
+        .with_isa(isa)
+        .unwrap();
+        let mut w: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
+        for _ in 0..2 {
+            opt.step(0, &mut w, FloatSlice::F32(&g), None).unwrap();
+        }
+        let w: Vec<u32> = w
+            .iter()
+            .map(|x| {
+                if x.is_nan() {
+                    f32::NAN.to_bits()
+                } else {
+                    x.to_bits()
+                }
+            })
+            .collect();
+        (w, opt.moments().to_vec())
+    };
+    for precision in [StatePrecision::Int8, StatePrecision::Float8] {
+        let reference = run(Isa::Baseline, precision);
+        assert!(reference.0[..2048]
+            .iter()
+            .all(|&b| f32::from_bits(b).is_finite()));
+        assert!(reference.0[2048..]
+            .iter()
+            .any(|&b| f32::from_bits(b).is_nan()));
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            if isa.is_supported() {
+                let got = run(isa, precision);
+                assert!(
+                    got.0 == reference.0,
+                    "{precision:?}: {isa:?} parameters differ"
+                );
+                assert!(
+                    got.1 == reference.1,
+                    "{precision:?}: {isa:?} state bytes differ"
+                );
+            }
+        }
+    }
+}
+
 /// The fused AVX2 8-bit kernel against the portable path over what the test above leaves out:
 /// a lerp weight ≥ 0.5, f16 gradients, working copies in every precision, lengths around the
 /// vector width and the block, an all-zero gradient block, values spread over many decades.
