@@ -237,6 +237,86 @@ fn block_portable_impl<const SMALL_WEIGHT: bool>(s: &StepScalars, b: Block<'_, '
     *b.ss = s_max;
 }
 
+/// A gradient slice the kernels are compiled for, one instance per element type so that their
+/// loops hold no per-element branch on it.
+#[cfg(target_arch = "x86_64")]
+trait GradIn: Copy {
+    fn len(self) -> usize;
+    fn at(self, i: usize) -> f32;
+    /// The address of element `i`, for prefetching (may be past the end).
+    fn ptr(self, i: usize) -> *const u8;
+    /// Elements `i..i + 8` widened to f32.
+    ///
+    /// # Safety
+    /// AVX2; `i + 8 <= self.len()`.
+    unsafe fn load8(self, i: usize) -> std::arch::x86_64::__m256;
+    /// Elements `i..i + 16` widened to f32.
+    ///
+    /// # Safety
+    /// AVX-512F; `i + 16 <= self.len()`.
+    unsafe fn load16(self, i: usize) -> std::arch::x86_64::__m512;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GradIn for &[f32] {
+    #[inline(always)]
+    fn len(self) -> usize {
+        <[f32]>::len(self)
+    }
+    #[inline(always)]
+    fn at(self, i: usize) -> f32 {
+        self[i]
+    }
+    #[inline(always)]
+    fn ptr(self, i: usize) -> *const u8 {
+        self.as_ptr().wrapping_add(i) as *const u8
+    }
+    #[inline(always)]
+    unsafe fn load8(self, i: usize) -> std::arch::x86_64::__m256 {
+        // SAFETY: as the caller guarantees.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(self.as_ptr().add(i)) }
+    }
+    #[inline(always)]
+    unsafe fn load16(self, i: usize) -> std::arch::x86_64::__m512 {
+        // SAFETY: as the caller guarantees.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(self.as_ptr().add(i)) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GradIn for &[half::bf16] {
+    #[inline(always)]
+    fn len(self) -> usize {
+        <[half::bf16]>::len(self)
+    }
+    #[inline(always)]
+    fn at(self, i: usize) -> f32 {
+        bf16_bits_to_f32(self[i].to_bits())
+    }
+    #[inline(always)]
+    fn ptr(self, i: usize) -> *const u8 {
+        self.as_ptr().wrapping_add(i) as *const u8
+    }
+    #[inline(always)]
+    unsafe fn load8(self, i: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let halves = _mm_loadu_si128(self.as_ptr().add(i) as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load16(self, i: usize) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller guarantees.
+        unsafe {
+            let halves = _mm256_loadu_si256(self.as_ptr().add(i) as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+        }
+    }
+}
+
 /// The block update by the AVX2 kernel: the same bits as [`block_portable`]. f16 gradients are
 /// widened into a buffer first (exactly).
 ///
@@ -287,63 +367,6 @@ mod avx2 {
         // whatever the address (computed with wrapping arithmetic, so no pointer rule is
         // broken either). SSE is part of x86-64.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ahead) as *const i8) }
-    }
-
-    /// A gradient slice the kernel is compiled for, one instance per element type so that the
-    /// loop holds no per-element branch on it.
-    trait GradIn: Copy {
-        fn len(self) -> usize;
-        fn at(self, i: usize) -> f32;
-        /// The address of element `i`, for prefetching (may be past the end).
-        fn ptr(self, i: usize) -> *const u8;
-        /// Elements `i..i + 8` widened to f32.
-        ///
-        /// # Safety
-        /// AVX2; `i + 8 <= self.len()`.
-        unsafe fn load8(self, i: usize) -> __m256;
-    }
-
-    impl GradIn for &[f32] {
-        #[inline(always)]
-        fn len(self) -> usize {
-            <[f32]>::len(self)
-        }
-        #[inline(always)]
-        fn at(self, i: usize) -> f32 {
-            self[i]
-        }
-        #[inline(always)]
-        fn ptr(self, i: usize) -> *const u8 {
-            self.as_ptr().wrapping_add(i) as *const u8
-        }
-        #[inline(always)]
-        unsafe fn load8(self, i: usize) -> __m256 {
-            // SAFETY: as the caller guarantees.
-            unsafe { _mm256_loadu_ps(self.as_ptr().add(i)) }
-        }
-    }
-
-    impl GradIn for &[half::bf16] {
-        #[inline(always)]
-        fn len(self) -> usize {
-            <[half::bf16]>::len(self)
-        }
-        #[inline(always)]
-        fn at(self, i: usize) -> f32 {
-            bf16_bits_to_f32(self[i].to_bits())
-        }
-        #[inline(always)]
-        fn ptr(self, i: usize) -> *const u8 {
-            self.as_ptr().wrapping_add(i) as *const u8
-        }
-        #[inline(always)]
-        unsafe fn load8(self, i: usize) -> __m256 {
-            // SAFETY: as the caller guarantees.
-            unsafe {
-                let halves = _mm_loadu_si128(self.as_ptr().add(i) as *const __m128i);
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
-            }
-        }
     }
 
     /// # Safety
@@ -587,62 +610,6 @@ mod avx512 {
     /// (0.77–0.82), 2 KiB 0.77–0.83 (0.75–0.80), 3 KiB 0.75–0.81 (0.74–0.79), 4 KiB (the AVX2
     /// kernel's distance) 0.76–0.77 (0.76–0.78), 8 KiB 0.66–0.69 (0.74–0.77).
     const PREFETCH_BYTES_512: usize = 2048;
-
-    /// A gradient slice, one instance per element type (as in the AVX2 kernel).
-    trait GradIn: Copy {
-        fn len(self) -> usize;
-        fn at(self, i: usize) -> f32;
-        /// The address of element `i`, for prefetching (may be past the end).
-        fn ptr(self, i: usize) -> *const u8;
-        /// Elements `i..i + 16` widened to f32.
-        ///
-        /// # Safety
-        /// AVX-512F; `i + 16 <= self.len()`.
-        unsafe fn load16(self, i: usize) -> __m512;
-    }
-
-    impl GradIn for &[f32] {
-        #[inline(always)]
-        fn len(self) -> usize {
-            <[f32]>::len(self)
-        }
-        #[inline(always)]
-        fn at(self, i: usize) -> f32 {
-            self[i]
-        }
-        #[inline(always)]
-        fn ptr(self, i: usize) -> *const u8 {
-            self.as_ptr().wrapping_add(i) as *const u8
-        }
-        #[inline(always)]
-        unsafe fn load16(self, i: usize) -> __m512 {
-            // SAFETY: as the caller guarantees.
-            unsafe { _mm512_loadu_ps(self.as_ptr().add(i)) }
-        }
-    }
-
-    impl GradIn for &[half::bf16] {
-        #[inline(always)]
-        fn len(self) -> usize {
-            <[half::bf16]>::len(self)
-        }
-        #[inline(always)]
-        fn at(self, i: usize) -> f32 {
-            bf16_bits_to_f32(self[i].to_bits())
-        }
-        #[inline(always)]
-        fn ptr(self, i: usize) -> *const u8 {
-            self.as_ptr().wrapping_add(i) as *const u8
-        }
-        #[inline(always)]
-        unsafe fn load16(self, i: usize) -> __m512 {
-            // SAFETY: as the caller guarantees.
-            unsafe {
-                let halves = _mm256_loadu_si256(self.as_ptr().add(i) as *const __m256i);
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
-            }
-        }
-    }
 
     /// # Safety
     /// AVX-512F and FMA; `p`, `g`, `mc`, `sc` of equal length at most [`QUANT_BLOCK`].
