@@ -455,9 +455,16 @@ struct TrainArgs {
     ranks: usize,
     /// Where the --zero ranks run: threads of this process (--ranks of them), or one per
     /// process of an `mpirun` job (a build without MPI hands the run to the MPI build,
-    /// `headroom-mpi` from crates/trainer-mpi, found beside it, on the PATH or in HEADROOM_MPI).
+    /// `headroom-mpi` from crates/trainer-mpi, found beside it, on the PATH or in HEADROOM_MPI),
+    /// or one per GPU process with NCCL collectives (--device cuda, --nccl-id-file; started by
+    /// mpirun, srun or torchrun, whose environment gives each process its rank).
     #[arg(long, value_enum, default_value_t = Dist::Threads, requires = "zero")]
     dist: Dist,
+    /// --dist nccl: where rank 0 writes the NCCL communicator's id for the others to read (a
+    /// file system every rank sees; it must not exist yet, and rank 0 removes it once every
+    /// rank has joined).
+    #[arg(long, value_name = "FILE")]
+    nccl_id_file: Option<PathBuf>,
     /// Save checkpoints under this directory (one `step-N` directory each, published
     /// atomically; the run's last step is always saved, and on SIGINT/SIGTERM).
     #[arg(long)]
@@ -519,6 +526,8 @@ enum Dist {
     Threads,
     /// One rank per MPI process.
     Mpi,
+    /// One rank per GPU process, the collectives on NCCL.
+    Nccl,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -871,11 +880,13 @@ fn open_metrics(path: &Path, append: bool) -> CliResult<std::io::BufWriter<std::
 /// `headroom train --zero S --ranks N` (threads) or `mpirun -n N headroom train --zero S --dist
 /// mpi` (processes): a line per step, then each rank's bytes by category and what went
 /// through its collective. Under MPI only rank 0 prints (its own row of the table).
+#[allow(clippy::too_many_arguments)]
 fn cmd_train_zero(
     o: &TrainOptions,
     stage: u8,
     ranks: usize,
     dist: Dist,
+    nccl_id_file: Option<&Path>,
     metrics: Option<&Path>,
     hooks: &CliHooks<'_>,
     signal: &AtomicUsize,
@@ -883,6 +894,9 @@ fn cmd_train_zero(
     use crate::zero_train::{train_zero, train_zero_dist, ZeroOptions};
     let stage = headroom_zero::Stage::from_index(stage).map_err(|e| e.to_string())?;
     let zero = ZeroOptions::new(stage, ranks);
+    if dist != Dist::Nccl && nccl_id_file.is_some() {
+        return Err("--nccl-id-file is for --dist nccl".into());
+    }
     let comm = match dist {
         Dist::Threads => None,
         Dist::Mpi => {
@@ -896,6 +910,18 @@ fn cmd_train_zero(
                 return Err(
                     format!("--ranks {ranks}, but the MPI job has {world} processes").into(),
                 );
+            }
+            Some(comm)
+        }
+        Dist::Nccl => {
+            let file = nccl_id_file.ok_or(
+                "--dist nccl needs --nccl-id-file FILE: a path every rank sees, where rank 0 \
+                 writes the NCCL id",
+            )?;
+            let comm = crate::zero_train::connect_nccl(o, file, zero.timeout)?;
+            let world = comm.world_size();
+            if ranks != 1 && ranks != world {
+                return Err(format!("--ranks {ranks}, but the job has {world} processes").into());
             }
             Some(comm)
         }
@@ -913,7 +939,11 @@ fn cmd_train_zero(
             o.model.channels,
             o.batch,
             o.seq,
-            if comm.is_some() { " (MPI processes)" } else { "" },
+            match dist {
+                Dist::Threads => "",
+                Dist::Mpi => " (MPI processes)",
+                Dist::Nccl => " (GPU processes, NCCL)",
+            },
             o.steps,
             o.techniques.describe()
         );
@@ -1059,6 +1089,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
             stage,
             args.ranks,
             args.dist,
+            args.nccl_id_file.as_deref(),
             args.metrics.as_deref(),
             hooks,
             &signal,

@@ -640,7 +640,8 @@ fn run_rank_tracked<C: Collective + 'static>(
         }
         #[cfg(feature = "cuda")]
         ComputeDevice::Cuda { ordinal } => {
-            let cuda = cuda_rank_device(ordinal, comm.rank())?.with_alloc_hook(tracker.clone());
+            let cuda = cuda_rank_device(ordinal, comm.rank(), comm.world_size())?
+                .with_alloc_hook(tracker.clone());
             let host = Cpu::new().with_alloc_hook(host_tracker.clone());
             run_rank_on(shared, comm, tx, tracker, host_tracker, cuda, host)
         }
@@ -649,18 +650,108 @@ fn run_rank_tracked<C: Collective + 'static>(
     }
 }
 
-/// The GPU of a CUDA rank: `first` plus the rank's place on its machine (Open MPI's, Slurm's
-/// or torchrun's local rank; for threads, the rank), wrapped around the machine's GPUs, so the
-/// ranks of one machine spread over its GPUs and share them round-robin when they are fewer.
+/// The GPU of a CUDA rank.
 #[cfg(feature = "cuda")]
-fn cuda_rank_device(first: usize, rank: usize) -> Result<headroom_cuda::Cuda> {
-    let local = ["OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
-        .unwrap_or(rank);
-    let count = headroom_cuda::device_count().max(1);
-    headroom_cuda::Cuda::new((first + local) % count)
+fn cuda_rank_device(first: usize, rank: usize, world: usize) -> Result<headroom_cuda::Cuda> {
+    let gpu = rank_gpu(first, rank, world, headroom_cuda::device_count(), |k| {
+        std::env::var(k).ok()
+    });
+    headroom_cuda::Cuda::new(gpu)
         .map_err(|e| TrainError::from(crate::cuda::CudaGptError::Device(e)))
+}
+
+/// The GPU ordinal of rank `rank` of `world`: `first` plus the rank's place on its machine,
+/// wrapped around the machine's `count` GPUs, so that the ranks of one machine spread over its
+/// GPUs and share them round-robin when they are fewer. The place is the launcher's local rank
+/// (`mpirun`, `srun`, `torchrun`; [`headroom_zero::rendezvous::launched_rank`]) when this
+/// process is that rank of a launched job, and the rank itself otherwise (ranks as threads of
+/// one process, even one that a launcher started).
+pub fn rank_gpu(
+    first: usize,
+    rank: usize,
+    world: usize,
+    count: usize,
+    env: impl Fn(&str) -> Option<String>,
+) -> usize {
+    let local = match headroom_zero::rendezvous::launched_rank(env) {
+        Ok(me) if me.rank == rank && me.world == world => me.local.unwrap_or(rank),
+        _ => rank,
+    };
+    (first + local) % count.max(1)
+}
+
+/// This process's rank of a ZeRO job whose collectives run on NCCL (`headroom train --zero S
+/// --device cuda --dist nccl --nccl-id-file FILE`, one process per GPU): its rank and the
+/// job's size from the launcher's environment, its GPU as the model's ([`rank_gpu`]), and the
+/// communicator's id from rank 0 through `id_file` on a file system every rank sees (removed
+/// by rank 0 once every rank has joined). Waits at most `timeout` for the others.
+#[cfg(feature = "cuda")]
+pub fn connect_nccl(
+    opts: &TrainOptions,
+    id_file: &std::path::Path,
+    timeout: Duration,
+) -> Result<Box<dyn Collective>> {
+    use headroom_zero::rendezvous;
+    let ComputeDevice::Cuda { ordinal } = opts.device else {
+        return Err(nccl_needs_gpus());
+    };
+    let comm_err = |what: &str, e: headroom_zero::CommError| {
+        TrainError::Config(format!("--dist nccl: {what}: {e}"))
+    };
+    let env = |k: &str| std::env::var(k).ok();
+    let me = rendezvous::launched_rank(env).map_err(|e| comm_err("this process's rank", e))?;
+    let gpu = rank_gpu(
+        ordinal,
+        me.rank,
+        me.world,
+        headroom_cuda::device_count(),
+        env,
+    );
+    let id = rendezvous::exchange_id(me.rank, id_file, timeout, || {
+        headroom_zero::NcclId::new().map(|id| id.0)
+    })
+    .map_err(|e| comm_err("the NCCL id", e))?;
+    let comm = headroom_zero::NcclCollective::new(
+        gpu,
+        me.rank,
+        me.world,
+        headroom_zero::NcclId(id),
+        timeout,
+    );
+    // Rank 0 removes the id whether or not the communicator opened: every rank has read it
+    // once it did (ncclCommInitRank returns when all have joined), and after a failure a new
+    // job must not find this one's id.
+    let retired = if me.rank == 0 {
+        rendezvous::retire_id(id_file)
+    } else {
+        Ok(())
+    };
+    let comm = comm.map_err(|e| comm_err(&format!("rank {} on GPU {gpu}", me.rank), e))?;
+    retired.map_err(|e| comm_err("the NCCL id", e))?;
+    Ok(Box::new(comm))
+}
+
+/// [`connect_nccl`] in a build without the `cuda` feature: an error.
+#[cfg(not(feature = "cuda"))]
+pub fn connect_nccl(
+    opts: &TrainOptions,
+    _id_file: &std::path::Path,
+    _timeout: Duration,
+) -> Result<Box<dyn Collective>> {
+    if opts.device == ComputeDevice::Cpu {
+        return Err(nccl_needs_gpus());
+    }
+    Err(TrainError::Config(
+        "--dist nccl: headroom-trainer was built without its `cuda` feature".into(),
+    ))
+}
+
+fn nccl_needs_gpus() -> TrainError {
+    TrainError::Config(
+        "--dist nccl runs one rank per GPU: add --device cuda (CPU ranks in several processes: \
+         --dist mpi)"
+            .into(),
+    )
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -1271,5 +1362,45 @@ impl ShardOptimizer for ShardAdamW {
         let (m, v) = state.split_at_mut(params.len());
         fused_step(self.isa, &s, params, FloatSlice::F32(grads), m, v, None)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_gpu;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn a_launched_rank_takes_its_local_gpu_and_threads_their_rank() {
+        // Rank 5 of 8, the second process on its machine: GPU first + 1, wrapped.
+        let launched = [
+            ("OMPI_COMM_WORLD_RANK", "5"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ];
+        assert_eq!(rank_gpu(0, 5, 8, 4, env(&launched)), 1);
+        assert_eq!(rank_gpu(3, 5, 8, 4, env(&launched)), 0);
+        // No local rank from the launcher: the rank, wrapped.
+        assert_eq!(
+            rank_gpu(0, 5, 8, 4, env(&[("RANK", "5"), ("WORLD_SIZE", "8")])),
+            1
+        );
+        // Thread ranks of one launched process (world 1 there, 3 here): their own rank.
+        let one = [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")];
+        assert_eq!(
+            (0..3)
+                .map(|r| rank_gpu(0, r, 3, 4, env(&one)))
+                .collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        // No launcher, no GPU count: never a division by zero.
+        assert_eq!(rank_gpu(2, 1, 2, 0, env(&[])), 0);
     }
 }

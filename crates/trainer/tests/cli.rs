@@ -712,6 +712,58 @@ fn zero_ranks_train_save_resume_elsewhere_and_consolidate() {
     assert!(stderr(&o).contains("--zero"), "{}", stderr(&o));
 }
 
+/// `headroom train --zero S --dist nccl` where it cannot run (no GPU, no NCCL, no `cuda`
+/// feature, no launcher, a missing or misplaced id file): a clear error naming what is
+/// missing, and no id file left behind for the next job to trip on.
+#[test]
+fn dist_nccl_without_what_it_needs_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let id_file = dir.path().join("nccl-id");
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_headroom"));
+        c.args(["train", "--zero", "3", "--steps", "1", "--batch", "2"])
+            .args(extra);
+        for var in [
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "PMI_RANK",
+            "PMI_SIZE",
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            "RANK",
+            "WORLD_SIZE",
+        ] {
+            c.env_remove(var);
+        }
+        c.envs(env.iter().copied());
+        let o = c.output().unwrap();
+        assert!(!o.status.success(), "{extra:?} succeeded");
+        stderr(&o)
+    };
+    let file = id_file.to_str().unwrap();
+    let e = run(&["--dist", "nccl"], &[]);
+    assert!(e.contains("--nccl-id-file"), "{e}");
+    let e = run(&["--dist", "nccl", "--nccl-id-file", file], &[]);
+    assert!(e.contains("--device cuda"), "{e}");
+    let e = run(&["--ranks", "2", "--nccl-id-file", file], &[]);
+    assert!(e.contains("is for --dist nccl"), "{e}");
+    // With --device cuda, the first thing missing is named: the `cuda` feature, a CUDA device
+    // (checked before any rank connects), the launcher's rank, libnccl. (The launcher and the
+    // id file's protocol are unit-tested in headroom-zero's `rendezvous`.)
+    let gpu = ["--dist", "nccl", "--nccl-id-file", file, "--device", "cuda"];
+    let named = |e: &str, specific: &str| {
+        e.contains("cuda` feature") || e.contains("no CUDA device") || e.contains(specific)
+    };
+    let e = run(&gpu, &[]);
+    assert!(named(&e, "no launcher's rank"), "{e}");
+    let e = run(&gpu, &[("RANK", "3"), ("WORLD_SIZE", "2")]);
+    assert!(named(&e, "not a rank of"), "{e}");
+    // As rank 0 of a one-process torchrun job: no id file is left behind.
+    let e = run(&gpu, &[("RANK", "0"), ("WORLD_SIZE", "1")]);
+    assert!(named(&e, "NCCL"), "{e}");
+    assert!(!id_file.exists());
+}
+
 /// `headroom train --zero S --dist mpi` from a build without MPI: the whole command line goes
 /// to the MPI build, whose exit status is the command's; with none to hand to, or one that is
 /// itself without MPI, a clear error instead of a hang or a loop.

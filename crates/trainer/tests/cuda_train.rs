@@ -502,3 +502,75 @@ mod on_the_device {
         assert_eq!(stepped.to_bits(), reference.to_bits());
     }
 }
+
+/// `headroom train --zero 3 --device cuda --dist nccl` as two processes (torchrun's
+/// variables, one GPU each) gives the losses of the same run with two in-process ranks, bit
+/// for bit: NCCL only moves bytes, the sums are taken on the host in rank order. Needs two
+/// GPUs (NCCL refuses two ranks on one).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs two CUDA devices"]
+fn nccl_processes_equal_in_process_ranks() {
+    use std::process::Command;
+    assert!(headroom_cuda::device_count() >= 2, "needs two GPUs");
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "train",
+        "--model",
+        "tiny",
+        "--channels",
+        "128",
+        "--heads",
+        "2",
+        "--precision",
+        "bf16",
+        "--attention",
+        "flash",
+        "--device",
+        "cuda",
+        "--zero",
+        "3",
+        "--steps",
+        "6",
+        "--batch",
+        "8",
+        "--no-progress",
+    ];
+    let losses = |metrics: &std::path::Path| -> Vec<String> {
+        std::fs::read_to_string(metrics)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v["loss"].to_string()
+            })
+            .collect()
+    };
+    let threads = dir.path().join("threads.jsonl");
+    let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args(base)
+        .args(["--ranks", "2", "--metrics", threads.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let id = dir.path().join("nccl-id");
+    let nccl = dir.path().join("nccl.jsonl");
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(env!("CARGO_BIN_EXE_headroom"))
+                .args(base)
+                .args(["--dist", "nccl", "--nccl-id-file", id.to_str().unwrap()])
+                .args(["--metrics", nccl.to_str().unwrap()])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", r.to_string())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut r in ranks {
+        assert!(r.wait().unwrap().success());
+    }
+    assert!(!id.exists(), "rank 0 removes the id");
+    assert_eq!(losses(&nccl), losses(&threads));
+}

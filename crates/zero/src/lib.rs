@@ -95,7 +95,8 @@
 //!
 //! [`ZeroEngine::step_clipped`] clips to a global gradient norm taken over every rank's
 //! shard. With the `cuda` feature, [`NcclCollective`] runs the same collectives on NCCL
-//! (one process per GPU; not yet run on a GPU).
+//! (one process per GPU; not yet run on a GPU); [`rendezvous`] is how such processes learn
+//! their rank from a launcher and share the communicator's id without MPI.
 
 mod collective;
 mod comm_thread;
@@ -107,6 +108,7 @@ mod layout;
 mod memory;
 #[cfg(feature = "cuda")]
 mod nccl;
+pub mod rendezvous;
 mod stage;
 mod timed_worker;
 

@@ -17,7 +17,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::CudaStream;
 use cudarc::nccl::safe::{Comm, Id};
@@ -68,43 +68,15 @@ impl NcclId {
         NcclId(out)
     }
 
-    /// Rank 0: write the id to `path` (a temporary file renamed into place, so a reader
-    /// never sees half of it).
+    /// Rank 0: write the id to `path` ([`crate::rendezvous::publish_id`]).
     pub fn publish(&self, path: &Path) -> Result<(), CommError> {
-        let tmp = path.with_extension("partial");
-        std::fs::write(&tmp, self.0)
-            .and_then(|()| std::fs::rename(&tmp, path))
-            .map_err(|e| backend(format!("writing the NCCL id to {}: {e}", path.display())))
+        crate::rendezvous::publish_id(path, &self.0)
     }
 
-    /// The other ranks: wait at most `timeout` for `path` to appear, then read the id.
+    /// The other ranks: wait at most `timeout` for `path` to appear, then read the id
+    /// ([`crate::rendezvous::wait_for_id`]).
     pub fn wait_for(path: &Path, timeout: Duration) -> Result<Self, CommError> {
-        let start = Instant::now();
-        loop {
-            match std::fs::read(path) {
-                Ok(bytes) => {
-                    let id: [u8; 128] = bytes.as_slice().try_into().map_err(|_| {
-                        backend(format!(
-                            "{}: {} bytes, an NCCL id has 128",
-                            path.display(),
-                            bytes.len()
-                        ))
-                    })?;
-                    return Ok(NcclId(id));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    if start.elapsed() > timeout {
-                        return Err(CommError::Timeout {
-                            op: CommKind::Broadcast,
-                            waited: start.elapsed(),
-                            missing: vec![0],
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => return Err(backend(format!("{}: {e}", path.display()))),
-            }
-        }
+        crate::rendezvous::wait_for_id(path, timeout).map(NcclId)
     }
 }
 
