@@ -463,7 +463,7 @@ struct TrainArgs {
     /// --dist nccl: where rank 0 writes the NCCL communicator's id for the others to read (a
     /// file system every rank sees; it must not exist yet, and rank 0 removes it once every
     /// rank has joined).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", requires = "zero")]
     nccl_id_file: Option<PathBuf>,
     /// Save checkpoints under this directory (one `step-N` directory each, published
     /// atomically; the run's last step is always saved, and on SIGINT/SIGTERM).
