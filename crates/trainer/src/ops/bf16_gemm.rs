@@ -924,14 +924,9 @@ mod tests {
     use proptest::prelude::*;
 
     fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 4.0
-            })
+        crate::ops::test_values(seed, n)
+            .into_iter()
+            .map(|v| v * 4.0)
             .collect()
     }
 

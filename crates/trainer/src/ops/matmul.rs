@@ -913,14 +913,10 @@ mod tests {
 
     /// Values of O(1) with random signs, already bf16 (so f32 and bf16 hold the same numbers).
     fn bf16_vec(seed: u64, len: usize) -> Vec<bf16> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
-            })
+        // 2·(2u − 1) is 4u − 2 exactly (u on a 2⁻²⁴ grid).
+        crate::ops::test_values(seed, len)
+            .into_iter()
+            .map(|v| bf16::from_f32(v * 2.0))
             .collect()
     }
 

@@ -13,6 +13,22 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
 
+/// The ops' tests' inputs: `n` values uniform in [−1, 1) on a 2⁻²³ grid (24 random bits,
+/// exactly representable, so scaling by a power of two is exact too), the same for a seed on
+/// every machine.
+#[cfg(test)]
+pub(crate) fn test_values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod gradient_checks {
     //! Each op's analytic gradient against central differences of its forward, in f32 with
@@ -22,15 +38,7 @@ mod gradient_checks {
     use super::*;
 
     fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
+        super::test_values(seed, n)
     }
 
     /// Check `analytic` ≈ d(loss)/d(x) where loss(x) = Σ f(x) · w for fixed random w.
