@@ -1291,7 +1291,7 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
             "  {:<22} peak {:>8.1} MiB (estimate {:>8.1})  step {:.2} s  {}",
             r.name,
             mib(r.peak_total),
-            mib(r.estimated_total),
+            mib(r.estimated_peak),
             r.step_seconds,
             if r.fits { "fits" } else { "does not fit" }
         );

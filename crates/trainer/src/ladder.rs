@@ -119,8 +119,9 @@ pub struct RungResult {
     pub peak_total: u64,
     /// Host bytes (offloaded state and masters), peak per category.
     pub host_peak: PerCategory<u64>,
-    /// The estimator's prediction of the device total.
-    pub estimated_total: u64,
+    /// The estimator's simultaneous device peak: an upper bound of `peak_total` (equal to it
+    /// where the estimator's moments are exact).
+    pub estimated_peak: u64,
     /// Median step seconds (after the first step).
     pub step_seconds: f64,
     /// Whether the run fit the budget (ran to the end with the budget enforced).
@@ -187,7 +188,7 @@ pub fn run_ladder(
             peak: dev.peak,
             peak_total: dev.peak_total,
             host_peak,
-            estimated_total: est.device_total(),
+            estimated_peak: est.device_peak,
             step_seconds: report.median_step_seconds(1),
             fits,
             final_loss: report.steps.last().map_or(f32::NAN, |s| s.loss),
@@ -298,7 +299,7 @@ pub fn ladder_table(results: &[RungResult], budget: u64) -> String {
 pub struct FitSuggestion {
     /// The command-line options to add, e.g. `--checkpoint sqrt-n --precision bf16`.
     pub flags: String,
-    /// Predicted device peak with them (the sum of per-category peaks: an upper bound).
+    /// Predicted device peak with them (the estimator's simultaneous peak: an upper bound).
     pub predicted_peak: u64,
 }
 
@@ -364,7 +365,7 @@ pub fn suggest_fitting(opts: &TrainOptions, budget: u64) -> Result<Vec<FitSugges
             .unwrap_or(micro_now)
     };
     let predict = |t: &Techniques, micro: usize| -> Result<u64> {
-        Ok(estimate::estimate(&opts.model, opts.seq, micro, opts.batch, t)?.device_total())
+        Ok(estimate::estimate(&opts.model, opts.seq, micro, opts.batch, t)?.device_peak)
     };
     let mut out: Vec<FitSuggestion> = Vec::new();
     // Single changes.
