@@ -207,14 +207,16 @@ pub const GELU: KernelSource = trainer_op_source!(
 );
 
 /// Fused softmax cross-entropy, one block per row: `cross_entropy_forward_f32(losses, logits,
-/// targets, rows, v)` and `cross_entropy_forward_backward_f32(losses, dlogits, logits, targets,
-/// dloss, rows, v)`.
+/// targets, rows, v)`, `cross_entropy_forward_backward_f32(losses, dlogits, logits, targets,
+/// dloss, rows, v)` and `cross_entropy_forward_backward_in_place_f32(losses, logits, targets,
+/// dloss, rows, v)`, which overwrites the logits with their gradient.
 pub const CROSS_ENTROPY: KernelSource = trainer_op_source!(
     "cross_entropy",
     "../cu/cross_entropy.cu",
     [
         "cross_entropy_forward_f32",
         "cross_entropy_forward_backward_f32",
+        "cross_entropy_forward_backward_in_place_f32",
     ]
 );
 
@@ -524,11 +526,11 @@ mod tests {
         assert!(find("no_such_kernel").is_none());
         // 6 casts + 3 scales + 3 axpys + 4 sum-of-squares + 3 unscales, then 4 flash forwards
         // and 2 dot + 8 dQ/dK/dV flash backwards, then the trainer ops: 3 embedding,
-        // 3 layer norm, 2 column sum, 3 GELU/residual, 2 cross-entropy, 4 AdamW, 1 rounding,
+        // 3 layer norm, 2 column sum, 3 GELU/residual, 3 cross-entropy, 4 AdamW, 1 rounding,
         // 5 head permutes, then the Llama ops: 1 token embedding, 3 RMSNorm, 2 SwiGLU,
         // 1 rotary embedding, 2 in-place roundings.
         // Then 3 quant4 kernels (headroom-quant).
-        assert_eq!(functions.len(), 19 + 4 + 10 + 23 + 9 + 3);
+        assert_eq!(functions.len(), 19 + 4 + 10 + 24 + 9 + 3);
         assert_eq!(find("flash_attn_bwd_dkdv_bf16_d128"), Some(&FLASH_ATTN_BWD));
         assert!(ALL.iter().all(|k| !ATTENTION.contains(k)));
         assert!(TRAINER_OPS

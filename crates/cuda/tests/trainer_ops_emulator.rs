@@ -618,6 +618,7 @@ fn emulated_cross_entropy_matches_the_reference() {
         run.buf(&dloss),
         run.buf(&vec![0f32; rows]),
     );
+    let (l3, in_place) = (run.buf(&vec![0f32; rows]), run.buf(&logits));
     use Arg::{Buf, U};
     run.launch(
         "cross_entropy_forward_backward_f32",
@@ -639,6 +640,21 @@ fn emulated_cross_entropy_matches_the_reference() {
         BLOCK,
         &[Buf(l2), Buf(lo), Buf(t), U(rows as u64), U(v as u64)],
     );
+    // Each target's logit is read by thread 0 while the other threads overwrite their own
+    // elements with the gradient, so this checks the kernel's ordering of that read.
+    run.launch(
+        "cross_entropy_forward_backward_in_place_f32",
+        (4, 1),
+        BLOCK,
+        &[
+            Buf(l3),
+            Buf(in_place),
+            Buf(t),
+            Buf(dl),
+            U(rows as u64),
+            U(v as u64),
+        ],
+    );
     let got = run.finish(emu);
     let valid = rows - 1;
     let (want_l, want_g) =
@@ -648,6 +664,8 @@ fn emulated_cross_entropy_matches_the_reference() {
     assert_close("dlogits", &grads[..valid * v], &want_g, 1e-4, 1e-7);
     assert!(losses[valid].is_nan() && grads[valid * v..].iter().all(|x| x.is_nan()));
     assert_bitwise("forward-only loss", &f32s(&got[l2]), &losses);
+    assert_bitwise("in-place loss", &f32s(&got[l3]), &losses);
+    assert_bitwise("in-place gradient", &f32s(&got[in_place]), &grads);
 }
 
 #[test]

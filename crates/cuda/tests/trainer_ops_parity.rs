@@ -558,6 +558,18 @@ fn cuda_cross_entropy_matches_the_reference() {
         cuda.cross_entropy_backward(&mut g, &tl, &tt, &td, v)
             .unwrap();
         assert_deterministic("backward-only dlogits", &grads, &down(&cuda, &g));
+        let (mut in_place_losses, mut in_place) =
+            (cuda.zeros([rows], DType::F32).unwrap(), up(&cuda, &logits));
+        cuda.cross_entropy_forward_backward_in_place(
+            &mut in_place_losses,
+            &mut in_place,
+            &tt,
+            &td,
+            v,
+        )
+        .unwrap();
+        assert_deterministic("in-place loss", &losses, &down(&cuda, &in_place_losses));
+        assert_deterministic("in-place dlogits", &grads, &down(&cuda, &in_place));
     }
 }
 

@@ -265,8 +265,9 @@ pub fn estimate(
     device[MemoryCategory::Activations] =
         io + (at_loss + head_act).max(sim.peak_saved_bytes + recompute_extra);
 
-    // Workspace: the larger of the head (dlnf and the logits' gradient — or both logit chunks
-    // when fused — plus, in low precision, the f32 view of the residual and the panel the
+    // Workspace: the larger of the head (dlnf, and the logit chunk when fused: the loss writes
+    // the logits' gradient over the logits, so unfused they are activations only — plus, in
+    // low precision, the f32 view of the residual and the panel the
     // head's weight is widened into: the GEMMs read the bf16/f16 weight in place) and a
     // block's backward.
     let views_head = if low {
@@ -283,9 +284,9 @@ pub fn estimate(
         0
     };
     let logits_ws = if tech.model.loss_chunk.is_some() {
-        2 * head_rows * v * 4
-    } else {
         head_rows * v * 4
+    } else {
+        0
     };
     let head_ws = btc * 4 + logits_ws + views_head;
     // The attention backward's own workspace: naive's probability gradient, or chunked's and

@@ -98,6 +98,43 @@ impl Cuda {
         unsafe { launch.launch(self, OP, row_config(rows64)) }
     }
 
+    /// [`Cuda::cross_entropy_forward_backward`] with the gradient written over `logits`
+    /// (f32 `[rows, v]`): the head needs only the gradient afterwards, and the logits are the
+    /// largest tensor of a step, so this spares a second buffer of their size.
+    pub fn cross_entropy_forward_backward_in_place(
+        &self,
+        losses: &mut CudaTensor,
+        logits: &mut CudaTensor,
+        targets: &CudaTensor,
+        dloss: &CudaTensor,
+        v: usize,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_forward_backward_in_place";
+        self.check_devices(OP, &[losses, logits, targets, dloss])?;
+        let (rows, v32) = check_rows(OP, logits, targets, v)?;
+        expect_f32(OP, losses, rows)?;
+        expect_f32(OP, dloss, rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let func = self.op_function(OP, "cross_entropy_forward_backward_in_place_f32")?;
+        let rows64 = rows as u64;
+        let (targets_b, dloss_b) = (self.buffer(OP, targets)?, self.buffer(OP, dloss)?);
+        let losses_b = self.buffer_mut(OP, losses)?;
+        let logits_b = self.buffer_mut(OP, logits)?;
+        let mut launch = OpLaunch::new(self, "cross_entropy_forward_backward_in_place_f32", &func);
+        launch
+            .output(losses_b)
+            .output(logits_b)
+            .input(targets_b)
+            .input(dloss_b)
+            .u64(&rows64)
+            .u32(&v32);
+        // SAFETY: losses/dloss hold rows f32, logits rows·v f32, targets rows u32 (checked);
+        // the kernel reads and writes the logits through one pointer (see its source).
+        unsafe { launch.launch(self, OP, row_config(rows64)) }
+    }
+
     /// `dlogits = (softmax − onehot(target))·dloss[row]` alone (the losses go to a
     /// `Workspace` scratch buffer, as the CPU op's go to a scratch vector).
     pub fn cross_entropy_backward(

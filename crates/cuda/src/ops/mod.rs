@@ -111,6 +111,11 @@ pub const OP_LAUNCH_SIGNATURES: &[(&str, &[ParamKind])] = &[
         "cross_entropy_forward_backward_f32",
         &[Ptr, Ptr, Ptr, Ptr, Ptr, U64, U32],
     ),
+    // losses, logits (overwritten by their gradient), targets, dloss, rows, v
+    (
+        "cross_entropy_forward_backward_in_place_f32",
+        &[Ptr, Ptr, Ptr, Ptr, U64, U32],
+    ),
     // param, grad, m, v, n, then the seven step scalars
     ("adamw_f32", &concat_kinds::<12>(&[Ptr, Ptr, Ptr, Ptr, U64])),
     (

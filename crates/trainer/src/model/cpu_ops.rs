@@ -684,7 +684,7 @@ impl ModelOps for Cpu {
         rows: usize,
         precision: Precision,
         logits_category: MemoryCategory,
-        grads: Option<HeadLossGrads<'_, CpuTensor>>,
+        mut grads: Option<HeadLossGrads<'_, CpuTensor>>,
     ) -> Result<()> {
         let (v, c) = weight_dims("head", w)?;
         let n = targets.len();
@@ -711,20 +711,12 @@ impl ModelOps for Cpu {
         } else {
             "head.logits"
         });
-        // Both are overwritten chunk by chunk before they are read (the product does not read
-        // its output, the loss writes every logit's gradient): `uninit` spares clearing them
-        // (411 MB each for `small`'s 8×256 batch without the fused loss).
+        // Overwritten chunk by chunk before it is read (the product does not read its
+        // output): `uninit` spares clearing it (411 MB for `small`'s 8×256 batch without the
+        // fused loss). In training the loss then overwrites each chunk with its gradient.
         let mut logits = {
             let _g = logits_category.enter();
             self.uninit([rows, v], DType::F32)?
-        };
-        let (mut grads, mut dlogits) = match grads {
-            Some(g) => {
-                let _g = MemoryCategory::Workspace.enter();
-                let d = self.uninit([rows, v], DType::F32)?;
-                (Some(g), Some(d))
-            }
-            None => (None, None),
         };
         let dloss = vec![grads.as_ref().map_or(0.0, |g| g.dloss_per_token); rows];
         let xs = x.as_slice::<f32>()?;
@@ -736,17 +728,16 @@ impl ModelOps for Cpu {
             wr.forward(self, lg, xr, None, r, c, v, panel(&mut scratch)?)?;
             round_slice(lg, precision);
             let ls = &mut out(losses)?[r0..r0 + r];
-            match (&mut grads, &mut dlogits) {
-                (Some(g), Some(dl)) => {
-                    let dl = &mut out(dl)?[..r * v];
-                    cross_entropy::forward_backward(
+            match &mut grads {
+                Some(g) => {
+                    cross_entropy::forward_backward_in_place(
                         ls,
-                        dl,
                         lg,
                         &targets[r0..r0 + r],
                         &dloss[..r],
                         v,
                     );
+                    let dl = &*lg;
                     // A tied head accumulates into the token embedding's gradient; no bias.
                     let dw = match g.dw.as_deref_mut() {
                         Some(t) => Some(out(t)?),
@@ -764,7 +755,7 @@ impl ModelOps for Cpu {
                         panel(&mut scratch)?,
                     )?;
                 }
-                _ => cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v),
+                None => cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v),
             }
             r0 += r;
         }

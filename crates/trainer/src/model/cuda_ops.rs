@@ -527,20 +527,19 @@ impl ModelOps for Cuda {
             let mut l_rows = scratch(r, 1, DType::F32)?;
             match grads.as_mut() {
                 Some(g) => {
-                    let mut dlogits = scratch(r, v, DType::F32)?;
                     let dloss_dev = {
                         let _g = MemoryCategory::Workspace.enter();
                         self.upload(&vec![dloss; r], [r])?
                     };
-                    self.cross_entropy_forward_backward(
+                    // The gradient overwrites the logits: one `[r, V]` f32 buffer, not two.
+                    self.cross_entropy_forward_backward_in_place(
                         &mut l_rows,
-                        &mut dlogits,
-                        &logits,
+                        &mut logits,
                         t_rows,
                         &dloss_dev,
                         v,
                     )?;
-                    drop(logits);
+                    let dlogits = logits;
                     let dlogits_low = as_dtype(self, &dlogits, w.dtype())?;
                     let dlow = dlogits_low.tensor();
                     let shape = GemmShape { m: r, n: v, k: c };

@@ -275,7 +275,8 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     /// `grads`, the gradients of `Σ losses · dloss_per_token` added into `dx` and `dw`.
     /// `x` `[N, C]` f32, `w` `[V, C]`. The logits buffer is tagged `logits_category`
     /// (`Activations` when it is the whole `[N, V]`, as unfused training keeps it), every other
-    /// transient `Workspace`.
+    /// transient `Workspace`. In training the loss overwrites each chunk of logits with its
+    /// gradient (llm.c's way): a backend allocates no second `[rows, V]` f32 buffer for it.
     #[allow(clippy::too_many_arguments)]
     fn head_loss(
         &self,
