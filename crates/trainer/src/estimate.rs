@@ -317,7 +317,7 @@ pub fn estimate(
     let adapter_sets = finetune
         .as_ref()
         .map_or(&no_adapters[..], |f| &f.adapted_sets[..]);
-    let block_ws = adapter_sets
+    let block_workspaces: Vec<BlockWorkspace> = adapter_sets
         .iter()
         .map(|adapted| {
             let lin = LinearMoments {
@@ -328,11 +328,16 @@ pub fn estimate(
                 threads,
             };
             if llama {
-                llama_block_workspace(cfg, bt, low, attn_ws, &lin)
+                llama_block_workspace(cfg, bt, a, attn_ws, &lin)
             } else {
-                gpt2_block_workspace(cfg, bt, low, attn_ws, &lin)
+                gpt2_block_workspace(cfg, bt, a, attn_ws, &lin)
             }
         })
+        .collect();
+    let block_ws = block_workspaces.iter().map(|w| w.peak).max().unwrap_or(0);
+    let block_over_saved = block_workspaces
+        .iter()
+        .map(|w| w.over_saved)
         .max()
         .unwrap_or(0);
     device[MemoryCategory::Workspace] = head_ws.max(block_ws);
@@ -357,12 +362,14 @@ pub fn estimate(
     // Three moments bound the rest. The head's: the saved activations it runs with, its own
     // buffers and workspace, and (offloaded) the head's gradients. A block's backward, or a
     // forward: at most the schedule's activation peak with a recomputation's extra and a
-    // block backward's workspace (a forward's is smaller), and one block's gradients — the
+    // block backward's workspace net of the activations that backward has dropped by then
+    // (a forward's workspace is smaller), and one block's gradients — the
     // offloaded head's were handed to the host before the first block's backward, and a
     // forward holds none. The embedding's backward: no saved activation is left, the chain's
     // input gradient is within a block's workspace, and its own gradients are staged.
     let head_moment = staged.head + io + at_loss + head_act + head_ws;
-    let block_moment = staged.block + io + sim.peak_saved_bytes + recompute_extra + block_ws;
+    let block_moment =
+        staged.block + io + sim.peak_saved_bytes + recompute_extra + block_over_saved;
     let embedding_moment = staged.embedding + io + block_ws;
     let device_peak =
         (constant + head_moment.max(block_moment).max(embedding_moment)).max(loading_peak);
@@ -551,10 +558,11 @@ impl LinearMoments<'_> {
 fn llama_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
-    low: bool,
+    a: u64,
     attn_ws: u64,
     lin: &LinearMoments<'_>,
-) -> u64 {
+) -> BlockWorkspace {
+    let low = a < 4;
     use params::llama_layer as o;
     let (c, f) = (u(cfg.channels), u(cfg.ffn()));
     let k = u(cfg.kv_heads() * cfg.head_dim());
@@ -564,9 +572,9 @@ fn llama_block_workspace(
     // latter until the post-attention norm's backward).
     let mlp_common = btc + if low { 2 * btc } else { 0 };
     let attn_common = btc + if low { btc } else { 0 };
-    let elems = [
-        // down's backward: dact.
-        lin.peak(mlp_common + btf, o::DOWN, fu, cu, true),
+    // down's backward: dact.
+    let first = lin.peak(mlp_common + btf, o::DOWN, fu, cu, true) * 4;
+    let later = [
         // SwiGLU's backward: dact, dgate, dup (and the views of gate and up).
         mlp_common + 3 * btf + if low { 2 * btf } else { 0 },
         // gate's backward: dgate, dup, dnorm2.
@@ -593,7 +601,9 @@ fn llama_block_workspace(
     } else {
         (4 * btc + 2 * btk) * 4 + attn_ws
     };
-    elems.max(attention)
+    // The SwiGLU output (kept, or recomputed under selective recomputation) is dropped right
+    // after down's backward: every later moment holds B·T·F fewer activation elements.
+    BlockWorkspace::new(first, later.max(attention), btf * a)
 }
 
 /// A GPT-2 block backward's workspace peak, moment by moment as `gpt2_block_backward`
@@ -602,10 +612,11 @@ fn llama_block_workspace(
 fn gpt2_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
-    low: bool,
+    a: u64,
     attn_ws: u64,
     lin: &LinearMoments<'_>,
-) -> u64 {
+) -> BlockWorkspace {
+    let low = a < 4;
     use params::layer as o;
     let c = cfg.channels;
     let btc = bt * u(c);
@@ -614,9 +625,9 @@ fn gpt2_block_workspace(
     // Attention's backward: dres2, dy, dq, dk, dv (and the f32 views of q, k, v and the
     // output).
     let attention = attn_common + 5 * btc + if low { 4 * btc } else { 0 };
-    let elems = [
-        // The MLP projection's backward: dfch_gelu.
-        lin.peak(mlp_common + 4 * btc, o::FC_PROJ_W, 4 * c, c, true),
+    // The MLP projection's backward: dfch_gelu.
+    let first = lin.peak(mlp_common + 4 * btc, o::FC_PROJ_W, 4 * c, c, true) * 4;
+    let later = [
         // GELU's backward: dfch_gelu, dfch (and the view of fch).
         mlp_common + 8 * btc + if low { 4 * btc } else { 0 },
         // c_fc's backward: dfch, dln2.
@@ -630,7 +641,32 @@ fn gpt2_block_workspace(
     .max()
     .unwrap_or(0)
         * 4;
-    elems.max(attention * 4 + attn_ws)
+    let later = later.max(attention * 4 + attn_ws);
+    // The GELU output (kept, or recomputed under selective recomputation) is dropped right
+    // after the projection's backward, so every later moment holds 4·B·T·C fewer activation
+    // elements than the block started its backward with.
+    BlockWorkspace::new(first, later, 4 * btc * a)
+}
+
+/// A block backward's workspace at its moments: the peak (the `Workspace` category's), and
+/// the most it adds to the activations live when the block's backward began, once what the
+/// backward has dropped by then is taken off (the simultaneous peak's block moment).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct BlockWorkspace {
+    peak: u64,
+    over_saved: u64,
+}
+
+impl BlockWorkspace {
+    /// From the workspace of the first moment (the MLP's output projection, before anything
+    /// saved is dropped) and the largest of the later ones, after which `released` bytes of
+    /// the block's activations are gone.
+    fn new(first: u64, later: u64, released: u64) -> Self {
+        BlockWorkspace {
+            peak: first.max(later),
+            over_saved: first.max(later.saturating_sub(released)),
+        }
+    }
 }
 
 /// Bytes no estimate may reach (2⁶²): with every term below this bound, the plain `u64`
