@@ -147,6 +147,26 @@ fn state_bytes_per_parameter_as_the_tracker_counts_them() {
 /// The 8-bit path is compiled once per ISA around the same IEEE-exact operations: every ISA
 /// the machine has gives the same parameters and the same state bytes, including a block tail
 /// and bf16 gradients.
+/// AdamW over one tensor of `n` parameters with `precision` state, forced to `isa`, and the
+/// tensor's starting values (the every-ISA tests' set-up).
+fn one_tensor_on(
+    cpu: &Cpu,
+    n: usize,
+    precision: StatePrecision,
+    isa: headroom_offload::Isa,
+) -> (CpuAdamW, Vec<f32>) {
+    let opt = CpuAdamW::new(
+        vec![AdamWHyper::default()],
+        &[ParamSpec { numel: n, group: 0 }],
+        precision,
+        StoreSpec::Ram(cpu),
+    )
+    .unwrap()
+    .with_isa(isa)
+    .unwrap();
+    (opt, (0..n).map(|i| (i as f32 * 0.01).cos()).collect())
+}
+
 #[test]
 fn every_isa_gives_the_same_int8_bits() {
     use headroom_offload::Isa;
@@ -160,16 +180,7 @@ fn every_isa_gives_the_same_int8_bits() {
         })
         .collect();
     let run = |isa: Isa, precision: StatePrecision| {
-        let mut opt = CpuAdamW::new(
-            vec![AdamWHyper::default()],
-            &[ParamSpec { numel: n, group: 0 }],
-            precision,
-            StoreSpec::Ram(&cpu),
-        )
-        .unwrap()
-        .with_isa(isa)
-        .unwrap();
-        let mut w: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
+        let (mut opt, mut w) = one_tensor_on(&cpu, n, precision, isa);
         for (k, g) in grads.iter().enumerate() {
             if k % 2 == 0 {
                 opt.step(0, &mut w, FloatSlice::F32(g), None).unwrap();
@@ -210,16 +221,7 @@ fn every_isa_handles_non_finite_gradients_alike() {
     g[2 * 2048 + 700] = f32::NEG_INFINITY;
     g[3 * 2048 + 3] = -f32::NAN;
     let run = |isa: Isa, precision: StatePrecision| {
-        let mut opt = CpuAdamW::new(
-            vec![AdamWHyper::default()],
-            &[ParamSpec { numel: n, group: 0 }],
-            precision,
-            StoreSpec::Ram(&cpu),
-        )
-        .unwrap()
-        .with_isa(isa)
-        .unwrap();
-        let mut w: Vec<f32> = (0..n).map(|i| (i as f32 * 0.01).cos()).collect();
+        let (mut opt, mut w) = one_tensor_on(&cpu, n, precision, isa);
         for _ in 0..2 {
             opt.step(0, &mut w, FloatSlice::F32(&g), None).unwrap();
         }

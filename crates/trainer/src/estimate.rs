@@ -265,11 +265,10 @@ pub fn estimate(
     device[MemoryCategory::Activations] =
         io + (at_loss + head_act).max(sim.peak_saved_bytes + recompute_extra);
 
-    // Workspace: the larger of the head (dlnf, and the logit chunk when fused: the loss writes
-    // the logits' gradient over the logits, so unfused they are activations only — plus, in
-    // low precision, the f32 view of the residual and the panel the
-    // head's weight is widened into: the GEMMs read the bf16/f16 weight in place) and a
-    // block's backward.
+    // Workspace: the larger of the head and a block's backward. The head's: dlnf, the logit
+    // chunk when fused (the loss writes the logits' gradient over the logits, so unfused they
+    // are activations only), and in low precision the f32 view of the residual and the panel
+    // the head's weight is widened into (the GEMMs read the bf16/f16 weight in place).
     let views_head = if low {
         let (n, rows) = (bt as usize, head_rows as usize);
         btc * 4
