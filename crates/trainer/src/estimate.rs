@@ -267,18 +267,17 @@ pub fn estimate(
 
     // Workspace: the larger of the head and a block's backward. The head's: dlnf, the logit
     // chunk when fused (the loss writes the logits' gradient over the logits, so unfused they
-    // are activations only), and in low precision the f32 view of the residual and the panel
-    // the head's weight is widened into (the GEMMs read the bf16/f16 weight in place).
+    // are activations only), and in low precision the panel the head's weight is widened into
+    // (the GEMMs read the bf16/f16 weight in place, the final norm the bf16/f16 residual).
     let views_head = if low {
         let (n, rows) = (bt as usize, head_rows as usize);
-        btc * 4
-            + u(matmul::chunked_scratch(
-                n,
-                rows,
-                cfg.channels,
-                cfg.vocab,
-                true,
-            )) * 4
+        u(matmul::chunked_scratch(
+            n,
+            rows,
+            cfg.channels,
+            cfg.vocab,
+            true,
+        )) * 4
     } else {
         0
     };
@@ -322,6 +321,8 @@ pub fn estimate(
             let lin = LinearMoments {
                 bt,
                 low,
+                in_place: tech.model.precision == crate::model::Precision::Bf16
+                    && matmul::bf16_products(),
                 finetune: finetune.as_ref(),
                 adapted,
                 threads,
@@ -487,6 +488,8 @@ impl FinetunePlan {
 struct LinearMoments<'a> {
     bt: u64,
     low: bool,
+    /// The products read a kept bf16 input in place (bf16 weights on AMX products): no view.
+    in_place: bool,
     finetune: Option<&'a FinetunePlan>,
     /// This block's adapted linears (block-local offsets).
     adapted: &'a [usize],
@@ -499,7 +502,9 @@ impl LinearMoments<'_> {
     /// view in low precision) rather than f32 scratch.
     fn peak(&self, live: u64, offset: usize, inp: usize, out: usize, kept_input: bool) -> u64 {
         let (bt, low) = (self.bt, self.low);
-        let view = if low && kept_input { bt * u(inp) } else { 0 };
+        let view = self.view(inp, kept_input);
+        // A fine-tuning run's base is frozen: its products never read the input.
+        let base_view = if self.finetune.is_some() { 0 } else { view };
         let n = bt as usize;
         let panel = |c: usize, oc: usize| {
             if low {
@@ -524,14 +529,14 @@ impl LinearMoments<'_> {
                 );
                 live + bt * u(inp) + u(strips) / 4
             }
-            None => live + view + panel(inp, out),
+            None => live + base_view + panel(inp, out),
         };
         let adapter = match self.finetune {
             Some(f) if self.adapted.contains(&offset) && f.dropout => {
                 // dropout(x) (made from the input's view), then h, dh and the partial input
                 // gradient that the mask is applied to, all reading the f32 dropped copy.
                 let (r, ru, xd) = (f.r, f.r as usize, bt * u(inp));
-                let d0 = live + xd + view;
+                let d0 = live + xd + self.copy(inp, kept_input);
                 let d1 = live + xd + bt * r + fwd_panel(inp, ru);
                 let d2 = live + xd + 2 * bt * r + panel(ru, out);
                 let d3 = live + xd + bt * r + xd + panel(inp, ru);
@@ -548,12 +553,83 @@ impl LinearMoments<'_> {
         };
         base.max(adapter)
     }
+
+    /// Elements of the f32 view a dense product reads of its `[N, inp]` input: a kept
+    /// activation in low precision, unless the products read it in place.
+    fn view(&self, inp: usize, kept_input: bool) -> u64 {
+        if self.in_place {
+            0
+        } else {
+            self.copy(inp, kept_input)
+        }
+    }
+
+    /// Elements of the f32 copy of a kept `[N, inp]` input that the 4-bit products and LoRA's
+    /// dropout read (always, in low precision).
+    fn copy(&self, inp: usize, kept_input: bool) -> u64 {
+        if self.low && kept_input {
+            self.bt * u(inp)
+        } else {
+            0
+        }
+    }
+
+    /// Peak elements while block linear `offset` (`[out, in]`) runs forward
+    /// (`Model::block_linear`) with `live` elements held, its output included: the base's
+    /// product (the input's f32 view in low precision, and the widened weight panel or one
+    /// dequantized strip per task), then an adapter's `h` `[N, r]` and `u` `[N, out]`.
+    fn forward_peak(
+        &self,
+        live: u64,
+        offset: usize,
+        inp: usize,
+        out: usize,
+        kept_input: bool,
+    ) -> u64 {
+        let (bt, low) = (self.bt, self.low);
+        let view = self.view(inp, kept_input);
+        let n = bt as usize;
+        let fwd_panel = |c: usize, oc: usize| {
+            if low {
+                u(matmul::forward_scratch(n, c, oc))
+            } else {
+                0
+            }
+        };
+        let base = match self.finetune.and_then(|f| f.quant) {
+            Some(_) => {
+                let strips = headroom_quant::MatmulOptions::default().forward_workspace_bytes(
+                    out,
+                    inp,
+                    self.threads,
+                );
+                live + self.copy(inp, kept_input) + u(strips) / 4
+            }
+            None => live + view + fwd_panel(inp, out),
+        };
+        let adapter = match self.finetune {
+            Some(f) if self.adapted.contains(&offset) => {
+                let (h, ru) = (bt * f.r, f.r as usize);
+                // h = dropout(x)·Aᵀ (the dropped copy made from the input's view), or x·Aᵀ.
+                let first = if f.dropout {
+                    let xd = bt * u(inp);
+                    (live + xd + self.copy(inp, kept_input)).max(live + xd + h + fwd_panel(inp, ru))
+                } else {
+                    live + h + view + fwd_panel(inp, ru)
+                };
+                // u = h·Bᵀ, added into the output.
+                first.max(live + h + bt * u(out) + fwd_panel(ru, out))
+            }
+            _ => 0,
+        };
+        base.max(adapter)
+    }
 }
 
 /// A Llama block backward's workspace peak: the largest of its moments, each the sum of the
 /// f32 buffers live at once (`llama_block_backward` allocates them in this order). Always live:
-/// the incoming gradient; in low precision also the f32 views of the input and (through the
-/// MLP and the post-attention norm) of `res2`. Widths: C model, F SwiGLU, K keys and values.
+/// the incoming gradient (the norms, SwiGLU and the residual read the kept bf16/f16 input,
+/// `res2`, gate and up in place). Widths: C model, F SwiGLU, K keys and values.
 fn llama_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
@@ -567,15 +643,13 @@ fn llama_block_workspace(
     let k = u(cfg.kv_heads() * cfg.head_dim());
     let (btc, btf, btk) = (bt * c, bt * f, bt * k);
     let (cu, fu, ku) = (cfg.channels, cfg.ffn(), cfg.kv_heads() * cfg.head_dim());
-    // The incoming gradient, and in low precision the views of the input and of res2 (the
-    // latter until the post-attention norm's backward).
-    let mlp_common = btc + if low { 2 * btc } else { 0 };
-    let attn_common = btc + if low { btc } else { 0 };
+    // The incoming gradient.
+    let (mlp_common, attn_common) = (btc, btc);
     // down's backward: dact.
     let first = lin.peak(mlp_common + btf, o::DOWN, fu, cu, true) * 4;
     let later = [
-        // SwiGLU's backward: dact, dgate, dup (and the views of gate and up).
-        mlp_common + 3 * btf + if low { 2 * btf } else { 0 },
+        // SwiGLU's backward: dact, dgate, dup.
+        mlp_common + 3 * btf,
         // gate's backward: dgate, dup, dnorm2.
         lin.peak(mlp_common + 2 * btf + btc, o::GATE, cu, fu, true),
         // up's backward: dup, dnorm2.
@@ -583,7 +657,7 @@ fn llama_block_workspace(
         // o_proj's backward: dres2, atty, datty (atty is f32 scratch: no view).
         lin.peak(attn_common + 3 * btc, o::O, cu, cu, false),
         // attention's backward: dres2, dy, the f32 output, views and gradients of q, k, v.
-        if low { 7 * btc + 4 * btk } else { 0 },
+        if low { 6 * btc + 4 * btk } else { 0 },
         // q's, k's and v's backward: dres2, dq, dk, dv, dnorm1, the merged head gradient.
         lin.peak(attn_common + 3 * btc + 2 * btk + btc, o::Q, cu, cu, true),
         lin.peak(attn_common + 3 * btc + 2 * btk + btk, o::K, cu, ku, true),
@@ -596,18 +670,37 @@ fn llama_block_workspace(
     // Naive attention's probability gradient, with dres2, dy and dq/dk/dv (and in low
     // precision the views of the attention output and q, k, v).
     let attention = if low {
-        (7 * btc + 4 * btk) * 4 + attn_ws
+        (6 * btc + 4 * btk) * 4 + attn_ws
     } else {
         (4 * btc + 2 * btk) * 4 + attn_ws
     };
+    // The forward (`llama_block_forward`; its f32 outputs are workspace until rounded in low
+    // precision): each projection with its output, q/k/v's through a flat scratch; attention
+    // with the f32 copies of q, k, v and its f32 output.
+    let fresh = |elems: u64| if low { elems } else { 0 };
+    let forward = [
+        lin.forward_peak(btc, o::Q, cu, cu, true),
+        lin.forward_peak(btk, o::K, cu, ku, true),
+        lin.forward_peak(btk, o::V, cu, ku, true),
+        btc + fresh(btc),
+        fresh(2 * btc + 2 * btk),
+        lin.forward_peak(btc + fresh(btc), o::O, cu, cu, false),
+        lin.forward_peak(fresh(btf), o::GATE, cu, fu, true),
+        lin.forward_peak(fresh(btf), o::UP, cu, fu, true),
+        lin.forward_peak(fresh(btc), o::DOWN, fu, cu, true),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+        * 4;
     // The SwiGLU output (kept, or recomputed under selective recomputation) is dropped right
     // after down's backward: every later moment holds B·T·F fewer activation elements.
-    BlockWorkspace::new(first, later.max(attention), btf * a)
+    BlockWorkspace::new(first, later.max(attention), btf * a).with_forward(forward)
 }
 
 /// A GPT-2 block backward's workspace peak, moment by moment as `gpt2_block_backward`
-/// allocates: the incoming gradient always; in low precision the views of the input and (in
-/// the MLP) of `res2`.
+/// allocates: the incoming gradient always (the norms, GELU and the residual read the kept
+/// bf16/f16 input, `res2` and `fch` in place).
 fn gpt2_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
@@ -619,16 +712,15 @@ fn gpt2_block_workspace(
     use params::layer as o;
     let c = cfg.channels;
     let btc = bt * u(c);
-    let mlp_common = btc + if low { 2 * btc } else { 0 };
-    let attn_common = btc + if low { btc } else { 0 };
+    let (mlp_common, attn_common) = (btc, btc);
     // Attention's backward: dres2, dy, dq, dk, dv (and the f32 views of q, k, v and the
     // output).
     let attention = attn_common + 5 * btc + if low { 4 * btc } else { 0 };
     // The MLP projection's backward: dfch_gelu.
     let first = lin.peak(mlp_common + 4 * btc, o::FC_PROJ_W, 4 * c, c, true) * 4;
     let later = [
-        // GELU's backward: dfch_gelu, dfch (and the view of fch).
-        mlp_common + 8 * btc + if low { 4 * btc } else { 0 },
+        // GELU's backward: dfch_gelu, dfch.
+        mlp_common + 8 * btc,
         // c_fc's backward: dfch, dln2.
         lin.peak(mlp_common + 5 * btc, o::FC_W, c, 4 * c, true),
         // The attention projection's backward: dres2, atty, datty.
@@ -641,10 +733,26 @@ fn gpt2_block_workspace(
     .unwrap_or(0)
         * 4;
     let later = later.max(attention * 4 + attn_ws);
+    // The forward (`gpt2_block_forward`; its f32 outputs are workspace until rounded in low
+    // precision): c_attn into the qkv scratch, then q, k, v beside it; attention with the f32
+    // copies of q, k, v and its f32 output; each later linear with its output.
+    let fresh = |elems: u64| if low { elems } else { 0 };
+    let forward = [
+        lin.forward_peak(3 * btc, o::QKV_W, c, 3 * c, true),
+        3 * btc + fresh(3 * btc),
+        fresh(4 * btc),
+        lin.forward_peak(btc + fresh(btc), o::ATTN_PROJ_W, c, c, false),
+        lin.forward_peak(fresh(4 * btc), o::FC_W, c, 4 * c, true),
+        lin.forward_peak(fresh(btc), o::FC_PROJ_W, 4 * c, c, true),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+        * 4;
     // The GELU output (kept, or recomputed under selective recomputation) is dropped right
     // after the projection's backward, so every later moment holds 4·B·T·C fewer activation
     // elements than the block started its backward with.
-    BlockWorkspace::new(first, later, 4 * btc * a)
+    BlockWorkspace::new(first, later, 4 * btc * a).with_forward(forward)
 }
 
 /// A block backward's workspace at its moments: the peak (the `Workspace` category's), and
@@ -657,6 +765,15 @@ struct BlockWorkspace {
 }
 
 impl BlockWorkspace {
+    /// With a block forward's workspace peak `forward` (bytes): part of the peak, and a moment
+    /// whose saved activations are at most those a backward starts with.
+    fn with_forward(self, forward: u64) -> Self {
+        BlockWorkspace {
+            peak: self.peak.max(forward),
+            over_saved: self.over_saved.max(forward),
+        }
+    }
+
     /// From the workspace of the first moment (the MLP's output projection, before anything
     /// saved is dropped) and the largest of the later ones, after which `released` bytes of
     /// the block's activations are gone.

@@ -1,9 +1,12 @@
 //! [`ModelOps`] on the CPU backend: the f32 kernels of [`crate::ops`] on tensor slices.
 //!
-//! Numerics: every kernel computes in f32. An activation stored in bf16/f16 is read through an
-//! f32 copy made for the call (tagged `Workspace`, freed when the op returns) — the "f32 views"
-//! whose bytes the estimator counts; so a low-precision run computes on exactly the rounded
-//! values it stores, and the arithmetic is the fp32 run's. A bf16/f16 *weight* is never
+//! Numerics: every kernel computes in f32 on exactly the rounded values a low-precision run
+//! stores, so the arithmetic is the fp32 run's. How an activation stored in bf16/f16 is read:
+//! the norms, GELU, SwiGLU, the residual adds and the head merge widen it a block or a row at
+//! a time ([`crate::ops::widened_blocks`], no whole-tensor copy); the AMX products read a bf16
+//! input in place; everything else (the widening GEMMs' input, the 4-bit products, dropout,
+//! attention) reads an f32 copy made for the call (tagged `Workspace`, freed when the op
+//! returns) — the "f32 views" whose bytes the estimator counts. A bf16/f16 *weight* is never
 //! copied whole: the linear layers and the head hand it to [`matmul::forward_with`] /
 //! [`matmul::backward_with`], which widen it a panel at a time into a workspace scratch of
 //! [`matmul::forward_scratch`] / [`matmul::backward_scratch`] elements, with the same bits as
@@ -33,8 +36,52 @@ pub(crate) fn f32_view<'a>(cpu: &Cpu, t: &'a CpuTensor) -> Result<View<'a, CpuTe
     Ok(View::Owned(out))
 }
 
+/// `$body` with `$s` bound to `t`'s elements in their stored float type (`&[f32]`, `&[bf16]`
+/// or `&[f16]`); any other dtype is an error. The kernels this calls read the stored values
+/// directly (widened a block or a row at a time), so no whole-tensor f32 view is made.
+macro_rules! with_stored {
+    ($t:expr, |$s:ident| $body:expr) => {
+        match $t.dtype() {
+            DType::BF16 => {
+                let $s = $t.as_slice::<bf16>()?;
+                $body
+            }
+            DType::F16 => {
+                let $s = $t.as_slice::<f16>()?;
+                $body
+            }
+            _ => {
+                let $s = $t.as_slice::<f32>()?;
+                $body
+            }
+        }
+    };
+}
+
 fn out(t: &mut CpuTensor) -> Result<&mut [f32]> {
     Ok(t.as_mut_slice::<f32>()?)
+}
+
+/// `dst[:, col..]` (row width `w`) = the heads of `src` `[b, h, t, hs]` merged, read in its
+/// stored type (exactly: widening is exact).
+fn merge_heads_rows<X: matmul::Operand>(
+    dst: &mut [f32],
+    src: &[X],
+    [b, h, t, hs]: [usize; 4],
+    w: usize,
+    col: usize,
+) {
+    for bi in 0..b {
+        for hi in 0..h {
+            for ti in 0..t {
+                let s = ((bi * h + hi) * t + ti) * hs;
+                X::widen(
+                    &src[s..s + hs],
+                    &mut dst[(bi * t + ti) * w + col + hi * hs..][..hs],
+                );
+            }
+        }
+    }
 }
 
 /// Token (and position) embedding rows of `wte` stored as `W`; `wpe` with its sequence length.
@@ -84,6 +131,19 @@ impl<'a> WeightRef<'a> {
         Ok(Some(cpu.uninit([elems], DType::F32)?))
     }
 
+    /// The bf16 weight and the bf16 slice of `x` when the products read `x` in place: a bf16
+    /// input of a bf16 weight on the AMX products, which round their operands to bf16 anyway
+    /// (exactly, for a value already bf16), so the f32 view they would otherwise read gives
+    /// the same bits.
+    fn bf16_in_place<'x>(&self, x: &'x CpuTensor) -> Result<Option<(&'a [bf16], &'x [bf16])>> {
+        Ok(match (self, x.dtype()) {
+            (WeightRef::Bf16(w), DType::BF16) if matmul::bf16_products() => {
+                Some((w, x.as_slice()?))
+            }
+            _ => None,
+        })
+    }
+
     /// [`matmul::forward_with`]; a bias in the weight's dtype is read in place, any other
     /// through an f32 view.
     #[allow(clippy::too_many_arguments)]
@@ -98,43 +158,12 @@ impl<'a> WeightRef<'a> {
         oc: usize,
         scratch: &mut [f32],
     ) -> Result<()> {
-        /// `product` is `matmul::forward_with` or, for bf16 on AMX, `forward_bf16_products`:
-        /// `(out, inp, weight, bias, n, c, oc, scratch)`.
-        type Product<W> =
-            fn(&mut [f32], &[f32], &[W], Option<&[W]>, usize, usize, usize, &mut [f32]);
-        #[allow(clippy::too_many_arguments)]
-        fn go<W: matmul::Operand + Element>(
-            cpu: &Cpu,
-            y: &mut [f32],
-            x: &[f32],
-            w: &[W],
-            b: Option<&CpuTensor>,
-            (n, c, oc): (usize, usize, usize),
-            scratch: &mut [f32],
-            product: Product<W>,
-        ) -> Result<()> {
-            match b {
-                Some(b) if b.dtype() == W::DTYPE => {
-                    product(y, x, w, Some(b.as_slice::<W>()?), n, c, oc, scratch)
-                }
-                Some(b) => {
-                    let bv = f32_view(cpu, b)?;
-                    product(y, x, w, None, n, c, oc, scratch);
-                    // The `+=` the product does for a bias of its own dtype.
-                    for row in y.chunks_exact_mut(oc.max(1)) {
-                        for (o, b) in row.iter_mut().zip(bv.s()?) {
-                            *o += b;
-                        }
-                    }
-                }
-                None => product(y, x, w, None, n, c, oc, scratch),
-            }
-            Ok(())
-        }
         let dims = (n, c, oc);
         match self {
-            WeightRef::F32(w) => go(cpu, y, x, w.s()?, b, dims, scratch, matmul::forward_with),
-            WeightRef::Bf16(w) if matmul::bf16_products() => go(
+            WeightRef::F32(w) => {
+                with_bias(cpu, y, x, w.s()?, b, dims, scratch, matmul::forward_with)
+            }
+            WeightRef::Bf16(w) if matmul::bf16_products() => with_bias(
                 cpu,
                 y,
                 x,
@@ -144,12 +173,13 @@ impl<'a> WeightRef<'a> {
                 scratch,
                 matmul::forward_bf16_products,
             ),
-            WeightRef::Bf16(w) => go(cpu, y, x, w, b, dims, scratch, matmul::forward_with),
-            WeightRef::F16(w) => go(cpu, y, x, w, b, dims, scratch, matmul::forward_with),
+            WeightRef::Bf16(w) => with_bias(cpu, y, x, w, b, dims, scratch, matmul::forward_with),
+            WeightRef::F16(w) => with_bias(cpu, y, x, w, b, dims, scratch, matmul::forward_with),
         }
     }
 
-    /// [`matmul::backward_with`] (no bias: the caller's `db` is passed through).
+    /// [`matmul::backward_with`] (no bias: the caller's `db` is passed through). `x` is read
+    /// for the weight's gradient only (it may be empty when `dw` is `None`).
     #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
@@ -175,6 +205,42 @@ impl<'a> WeightRef<'a> {
         }
         Ok(())
     }
+}
+
+/// `product` is `matmul::forward_with` or, for bf16 on AMX, `forward_bf16_products`:
+/// `(out, inp, weight, bias, n, c, oc, scratch)`.
+type Product<A, W> = fn(&mut [f32], &[A], &[W], Option<&[W]>, usize, usize, usize, &mut [f32]);
+
+/// `product` with the bias: one in the weight's dtype read in place by the product, any other
+/// added through an f32 view afterwards.
+#[allow(clippy::too_many_arguments)]
+fn with_bias<A, W: matmul::Operand + Element>(
+    cpu: &Cpu,
+    y: &mut [f32],
+    x: &[A],
+    w: &[W],
+    b: Option<&CpuTensor>,
+    (n, c, oc): (usize, usize, usize),
+    scratch: &mut [f32],
+    product: Product<A, W>,
+) -> Result<()> {
+    match b {
+        Some(b) if b.dtype() == W::DTYPE => {
+            product(y, x, w, Some(b.as_slice::<W>()?), n, c, oc, scratch)
+        }
+        Some(b) => {
+            let bv = f32_view(cpu, b)?;
+            product(y, x, w, None, n, c, oc, scratch);
+            // The `+=` the product does for a bias of its own dtype.
+            for row in y.chunks_exact_mut(oc.max(1)) {
+                for (o, b) in row.iter_mut().zip(bv.s()?) {
+                    *o += b;
+                }
+            }
+        }
+        None => product(y, x, w, None, n, c, oc, scratch),
+    }
+    Ok(())
 }
 
 /// A scratch from [`WeightRef::scratch`] as the slice the GEMMs take (empty when none).
@@ -308,9 +374,22 @@ impl ModelOps for Cpu {
         if let Some(b) = b {
             expect_len("linear", "bias", b, oc)?;
         }
-        let xv = f32_view(self, x)?;
         let wr = WeightRef::new(self, w)?;
         let mut scratch = wr.scratch(self, matmul::forward_scratch(n, c, oc))?;
+        if let Some((w, xs)) = wr.bf16_in_place(x)? {
+            let (y, dims, scratch) = (out(y)?, (n, c, oc), panel(&mut scratch)?);
+            return with_bias(
+                self,
+                y,
+                xs,
+                w,
+                b,
+                dims,
+                scratch,
+                matmul::forward_bf16_products,
+            );
+        }
+        let xv = f32_view(self, x)?;
         wr.forward(self, out(y)?, xv.s()?, b, n, c, oc, panel(&mut scratch)?)
     }
 
@@ -334,7 +413,7 @@ impl ModelOps for Cpu {
         if let Some(db) = &db {
             expect_len("linear backward", "bias gradient", db, oc)?;
         }
-        let (dyv, xv) = (f32_view(self, dy)?, f32_view(self, x)?);
+        let dyv = f32_view(self, dy)?;
         let db = match db {
             Some(t) => Some(out(t)?),
             None => None,
@@ -345,8 +424,19 @@ impl ModelOps for Cpu {
             Some(t) => Some(out(t)?),
             None => None,
         };
-        let (dx, dy, x) = (out(dx)?, dyv.s()?, xv.s()?);
-        wr.backward(dx, dw, db, dy, x, n, c, oc, panel(&mut scratch)?)
+        let (dx, dy, scratch) = (out(dx)?, dyv.s()?, panel(&mut scratch)?);
+        // The input is read for the weight's gradient only: a frozen weight's products never
+        // see it (no view), a bf16 one on the AMX products reads it in place.
+        if dw.is_none() {
+            let no_input: &[f32] = &[];
+            return wr.backward(dx, dw, db, dy, no_input, n, c, oc, scratch);
+        }
+        if let Some((w, xs)) = wr.bf16_in_place(x)? {
+            matmul::backward_bf16_products(dx, dw, db, dy, xs, w, n, c, oc, scratch);
+            return Ok(());
+        }
+        let xv = f32_view(self, x)?;
+        wr.backward(dx, dw, db, dy, xv.s()?, n, c, oc, scratch)
     }
 
     fn layernorm(
@@ -366,16 +456,17 @@ impl ModelOps for Cpu {
         for (what, t) in [("weight", w), ("bias", b)] {
             expect_len("layernorm", what, t, c)?;
         }
-        let (xv, wv, bv) = (f32_view(self, x)?, f32_view(self, w)?, f32_view(self, b)?);
-        layernorm::forward(
-            out(y)?,
-            out(mean)?,
-            out(rstd)?,
-            xv.s()?,
+        let (wv, bv) = (f32_view(self, w)?, f32_view(self, b)?);
+        let (y, mean, rstd) = (out(y)?, out(mean)?, out(rstd)?);
+        with_stored!(x, |xs| layernorm::forward(
+            y,
+            mean,
+            rstd,
+            xs,
             wv.s()?,
             bv.s()?,
-            c,
-        );
+            c
+        ));
         Ok(())
     }
 
@@ -404,18 +495,20 @@ impl ModelOps for Cpu {
         for (what, t) in [("mean", mean), ("rstd", rstd)] {
             expect_len("layernorm backward", what, t, n)?;
         }
-        let wv = f32_view(self, w)?;
-        layernorm::backward(
-            out(dx)?,
-            out(dw)?,
-            out(db)?,
-            dy.as_slice::<f32>()?,
-            x.as_slice::<f32>()?,
+        let (wv, dyv) = (f32_view(self, w)?, f32_view(self, dy)?);
+        let (dx, dw, db) = (out(dx)?, out(dw)?, out(db)?);
+        let (mean, rstd) = (mean.as_slice::<f32>()?, rstd.as_slice::<f32>()?);
+        with_stored!(x, |xs| layernorm::backward(
+            dx,
+            dw,
+            db,
+            dyv.s()?,
+            xs,
             wv.s()?,
-            mean.as_slice::<f32>()?,
-            rstd.as_slice::<f32>()?,
-            c,
-        );
+            mean,
+            rstd,
+            c
+        ));
         Ok(())
     }
 
@@ -431,8 +524,9 @@ impl ModelOps for Cpu {
         expect_len("rmsnorm", "output", y, n * c)?;
         expect_len("rmsnorm", "rstd", rstd, n)?;
         expect_len("rmsnorm", "weight", w, c)?;
-        let (xv, wv) = (f32_view(self, x)?, f32_view(self, w)?);
-        rmsnorm::forward(out(y)?, out(rstd)?, xv.s()?, wv.s()?, eps, c);
+        let wv = f32_view(self, w)?;
+        let (y, rstd) = (out(y)?, out(rstd)?);
+        with_stored!(x, |xs| rmsnorm::forward(y, rstd, xs, wv.s()?, eps, c));
         Ok(())
     }
 
@@ -453,39 +547,42 @@ impl ModelOps for Cpu {
             expect_len("rmsnorm backward", what, t, c)?;
         }
         expect_len("rmsnorm backward", "rstd", rstd, n)?;
-        let (dyv, xv, wv) = (f32_view(self, dy)?, f32_view(self, x)?, f32_view(self, w)?);
-        rmsnorm::backward(
-            out(dx)?,
-            out(dw)?,
+        let (dyv, wv) = (f32_view(self, dy)?, f32_view(self, w)?);
+        let (dx, dw, rstd) = (out(dx)?, out(dw)?, rstd.as_slice::<f32>()?);
+        with_stored!(x, |xs| rmsnorm::backward(
+            dx,
+            dw,
             dyv.s()?,
-            xv.s()?,
+            xs,
             wv.s()?,
-            rstd.as_slice::<f32>()?,
-            c,
-        );
+            rstd,
+            c
+        ));
         Ok(())
     }
 
     fn gelu(&self, y: &mut CpuTensor, x: &CpuTensor) -> Result<()> {
         expect_len("gelu", "output", y, x.numel())?;
-        let xv = f32_view(self, x)?;
-        gelu::forward(out(y)?, xv.s()?);
+        let y = out(y)?;
+        with_stored!(x, |xs| gelu::forward(y, xs));
         Ok(())
     }
 
     fn gelu_backward(&self, dx: &mut CpuTensor, x: &CpuTensor, dy: &CpuTensor) -> Result<()> {
         expect_len("gelu backward", "input gradient", dx, x.numel())?;
         expect_len("gelu backward", "output gradient", dy, x.numel())?;
-        let (xv, dyv) = (f32_view(self, x)?, f32_view(self, dy)?);
-        gelu::backward(out(dx)?, xv.s()?, dyv.s()?);
+        let (dx, dyv) = (out(dx)?, f32_view(self, dy)?);
+        with_stored!(x, |xs| gelu::backward(dx, xs, dyv.s()?));
         Ok(())
     }
 
     fn swiglu(&self, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
         expect_len("swiglu", "output", y, gate.numel())?;
         expect_len("swiglu", "up", up, gate.numel())?;
-        let (gv, uv) = (f32_view(self, gate)?, f32_view(self, up)?);
-        swiglu::forward(out(y)?, gv.s()?, uv.s()?);
+        let y = out(y)?;
+        // `up` is read in `gate`'s type: both are kept in the run's storage precision (a
+        // mixed pair is a dtype error).
+        with_stored!(gate, |gs| swiglu::forward(y, gs, up.as_slice()?));
         Ok(())
     }
 
@@ -506,12 +603,14 @@ impl ModelOps for Cpu {
         ] {
             expect_len("swiglu backward", what, t, n)?;
         }
-        let (gv, uv, dyv) = (
-            f32_view(self, gate)?,
-            f32_view(self, up)?,
-            f32_view(self, dy)?,
-        );
-        swiglu::backward(out(dgate)?, out(dup)?, gv.s()?, uv.s()?, dyv.s()?);
+        let (dgate, dup, dyv) = (out(dgate)?, out(dup)?, f32_view(self, dy)?);
+        with_stored!(gate, |gs| swiglu::backward(
+            dgate,
+            dup,
+            gs,
+            up.as_slice()?,
+            dyv.s()?
+        ));
         Ok(())
     }
 
@@ -657,16 +756,8 @@ impl ModelOps for Cpu {
                 ),
             ));
         }
-        let xv = f32_view(self, x)?;
-        let (src, dst) = (xv.s()?, out(y)?);
-        for bi in 0..b {
-            for hi in 0..h {
-                for ti in 0..t {
-                    let s = ((bi * h + hi) * t + ti) * hs;
-                    dst[(bi * t + ti) * w + col + hi * hs..][..hs].copy_from_slice(&src[s..s + hs]);
-                }
-            }
-        }
+        let dst = out(y)?;
+        with_stored!(x, |src| merge_heads_rows(dst, src, [b, h, t, hs], w, col));
         Ok(())
     }
 

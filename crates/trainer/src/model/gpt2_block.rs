@@ -106,9 +106,7 @@ impl<B: ModelOps> Model<B> {
     /// GELU of the kept pre-activation, kept.
     fn block_gelu(&self, fch: &B::Tensor) -> Result<B::Tensor> {
         let mut out = self.fresh(fch.shape().clone())?;
-        let fv = self.view(fch)?;
-        self.backend().gelu(&mut out, fv.tensor())?;
-        drop(fv);
+        self.backend().gelu(&mut out, fch)?;
         self.keep(out)
     }
 
@@ -129,12 +127,11 @@ impl<B: ModelOps> Model<B> {
         let (c, nh) = (self.cfg.channels, self.cfg.heads);
         let hs = c / nh;
         let be = self.backend();
-        let x = self.view(inp)?;
 
         // Every allocation below is labelled for the profiler's tables and traces; the guards
         // shadow each other, so each label holds until the next one and all end with the block.
         let _t = self.tag(l, "ln1");
-        let (ln1, ln1_stats) = self.block_layernorm(bw, x.tensor(), o::LN1_W, o::LN1_B, g)?;
+        let (ln1, ln1_stats) = self.block_layernorm(bw, inp, o::LN1_W, o::LN1_B, g)?;
         // qkv is only a stepping stone to q, k, v: workspace, dropped once split.
         let _t = self.tag(l, "attn.qkv");
         let mut qkv = self.scratch([g.b, g.t, 3 * c])?;
@@ -164,11 +161,10 @@ impl<B: ModelOps> Model<B> {
             &atty,
         )?;
         drop(atty);
-        be.axpy(1.0, x.tensor(), &mut res2)?;
+        be.axpy(1.0, inp, &mut res2)?;
         let res2 = self.keep(res2)?;
-        let res2v = self.view(&res2)?;
         let _t = self.tag(l, "ln2");
-        let (ln2, ln2_stats) = self.block_layernorm(bw, res2v.tensor(), o::LN2_W, o::LN2_B, g)?;
+        let (ln2, ln2_stats) = self.block_layernorm(bw, &res2, o::LN2_W, o::LN2_B, g)?;
         let _t = self.tag(l, "mlp.fc");
         let mut fch = self.fresh([g.b, g.t, 4 * c])?;
         self.block_linear(l, bw, o::FC_W, Some(o::FC_B), &mut fch, &ln2)?;
@@ -179,8 +175,7 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "mlp.proj");
         let mut out = self.fresh([g.b, g.t, c])?;
         self.block_linear(l, bw, o::FC_PROJ_W, Some(o::FC_PROJ_B), &mut out, &fch_gelu)?;
-        be.axpy(1.0, res2v.tensor(), &mut out)?;
-        drop(res2v);
+        be.axpy(1.0, &res2, &mut out)?;
         let out = self.keep(out)?;
         if !save {
             return Ok((out, None));
@@ -265,24 +260,16 @@ impl<B: ModelOps> Model<B> {
         g: Geometry,
     ) -> Result<B::Tensor> {
         let (c, be) = (self.cfg.channels, self.backend());
-        let x = self.view(inp)?;
-        let res2v = self.view(&s.res2)?;
         // Selective recomputation: what forward dropped comes back, bit for bit, from what
         // it kept (the statistics are recomputed too and discarded).
         let _t = self.tag(l, "recompute");
         let ln1 = match s.ln1 {
             Some(t) => t,
-            None => {
-                self.block_layernorm(bw, x.tensor(), o::LN1_W, o::LN1_B, g)?
-                    .0
-            }
+            None => self.block_layernorm(bw, inp, o::LN1_W, o::LN1_B, g)?.0,
         };
         let ln2 = match s.ln2 {
             Some(t) => t,
-            None => {
-                self.block_layernorm(bw, res2v.tensor(), o::LN2_W, o::LN2_B, g)?
-                    .0
-            }
+            None => self.block_layernorm(bw, &s.res2, o::LN2_W, o::LN2_B, g)?.0,
         };
         let fch_gelu = match s.fch_gelu {
             Some(t) => t,
@@ -319,12 +306,12 @@ impl<B: ModelOps> Model<B> {
                 dw,
                 db,
                 &dln2,
-                res2v.tensor(),
+                &s.res2,
                 at(bw, o::LN2_W)?,
                 &s.ln2_stats,
             )?;
         }
-        drop((dln2, res2v));
+        drop(dln2);
         // res2 = inp + attproj(atty), atty = the attention output with heads merged.
         let _t = self.tag(l, "attn.backward");
         let mut atty = self.scratch([g.b, g.t, c])?;
@@ -373,7 +360,7 @@ impl<B: ModelOps> Model<B> {
                 dw,
                 db,
                 &dln1,
-                x.tensor(),
+                inp,
                 at(bw, o::LN1_W)?,
                 &s.ln1_stats,
             )?;

@@ -143,10 +143,9 @@ impl<B: ModelOps> Model<B> {
         let theta = self.rope_theta()?;
         let pos0 = kv.as_ref().map_or(0, |c| c.len());
         let be = self.backend();
-        let x = self.view(inp)?;
 
         let _t = self.tag(l, "input_norm");
-        let (norm1, norm1_stats) = self.block_rmsnorm(bw, x.tensor(), o::INPUT_NORM, g)?;
+        let (norm1, norm1_stats) = self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?;
         let _t = self.tag(l, "attn.q");
         let mut q = self.project_heads(l, bw, &norm1, o::Q, nh, g)?;
         be.rope(&mut q, theta, pos0, false)?;
@@ -168,11 +167,10 @@ impl<B: ModelOps> Model<B> {
         let mut res2 = self.fresh([g.b, g.t, c])?;
         self.block_linear(l, bw, o::O, None, &mut res2, &atty)?;
         drop(atty);
-        be.axpy(1.0, x.tensor(), &mut res2)?;
+        be.axpy(1.0, inp, &mut res2)?;
         let res2 = self.keep(res2)?;
-        let res2v = self.view(&res2)?;
         let _t = self.tag(l, "post_norm");
-        let (norm2, norm2_stats) = self.block_rmsnorm(bw, res2v.tensor(), o::POST_NORM, g)?;
+        let (norm2, norm2_stats) = self.block_rmsnorm(bw, &res2, o::POST_NORM, g)?;
         let _t = self.tag(l, "mlp.gate");
         let mut gate = self.fresh([g.b, g.t, f])?;
         self.block_linear(l, bw, o::GATE, None, &mut gate, &norm2)?;
@@ -186,8 +184,7 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "mlp.down");
         let mut out = self.fresh([g.b, g.t, c])?;
         self.block_linear(l, bw, o::DOWN, None, &mut out, &act)?;
-        be.axpy(1.0, res2v.tensor(), &mut out)?;
-        drop(res2v);
+        be.axpy(1.0, &res2, &mut out)?;
         let out = self.keep(out)?;
         if !save {
             return Ok((out, None));
@@ -255,16 +252,14 @@ impl<B: ModelOps> Model<B> {
         let (c, f) = (self.cfg.channels, self.cfg.ffn());
         let theta = self.rope_theta()?;
         let be = self.backend();
-        let x = self.view(inp)?;
-        let res2v = self.view(&s.res2)?;
         let _t = self.tag(l, "recompute");
         let norm1 = match s.norm1 {
             Some(t) => t,
-            None => self.block_rmsnorm(bw, x.tensor(), o::INPUT_NORM, g)?.0,
+            None => self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?.0,
         };
         let norm2 = match s.norm2 {
             Some(t) => t,
-            None => self.block_rmsnorm(bw, res2v.tensor(), o::POST_NORM, g)?.0,
+            None => self.block_rmsnorm(bw, &s.res2, o::POST_NORM, g)?.0,
         };
         let act = match s.act {
             Some(t) => t,
@@ -293,11 +288,11 @@ impl<B: ModelOps> Model<B> {
             self.param_grads(grads, o::POST_NORM, None).0,
             None,
             &dnorm2,
-            res2v.tensor(),
+            &s.res2,
             at(bw, o::POST_NORM)?,
             &s.norm2_stats,
         )?;
-        drop((dnorm2, res2v));
+        drop(dnorm2);
         // res2 = inp + o_proj(atty), atty = the attention output with heads merged.
         let _t = self.tag(l, "attn.backward");
         let mut atty = self.scratch([g.b, g.t, c])?;
@@ -326,7 +321,7 @@ impl<B: ModelOps> Model<B> {
             self.param_grads(grads, o::INPUT_NORM, None).0,
             None,
             &dnorm1,
-            x.tensor(),
+            inp,
             at(bw, o::INPUT_NORM)?,
             &s.norm1_stats,
         )?;

@@ -8,8 +8,9 @@
 //!   (`dx`, `dw`, `db`, …) are f32 tensors the op *adds* into, so several consumers of one
 //!   tensor accumulate and the caller decides when to zero.
 //! - Inputs may be in any float dtype the backend reads (f32, or the run's bf16/f16 storage);
-//!   the backend decides how it reads them (the CPU upcasts to a transient f32 copy tagged
-//!   `Workspace`; a GPU reads bf16 straight into its GEMMs). Statistics are f32.
+//!   the backend decides how it reads them (the CPU's element-wise ops and norms read them in
+//!   place, its widening GEMMs and attention through a transient f32 copy tagged `Workspace`;
+//!   a GPU reads bf16 straight into its GEMMs). Statistics are f32.
 //! - Shapes come from the tensors: activations are `[B, T, W]` row-major (any leading dims
 //!   whose product is the row count), per-head tensors `[B, H, T, hs]`, linear weights
 //!   `[out, in]`. A mismatch is an error, never a panic.

@@ -265,18 +265,6 @@ impl<B: ModelOps> Model<B> {
         Ok(self.weights.working(i)?)
     }
 
-    /// `t` as f32, held for longer than one op: the tensor itself when f32, else an upcast
-    /// copy in workspace memory for as long as the view lives.
-    pub(crate) fn view<'a>(&self, t: &'a B::Tensor) -> Result<View<'a, B::Tensor>> {
-        if t.dtype() == DType::F32 {
-            return Ok(View::Borrowed(t));
-        }
-        let _g = MemoryCategory::Workspace.enter();
-        let mut out = self.backend.uninit(t.shape().clone(), DType::F32)?;
-        self.backend.cast(t, &mut out)?;
-        Ok(View::Owned(out))
-    }
-
     /// An f32 buffer for an op's output that will be kept: it *is* the kept tensor under
     /// fp32 (so `Activations`), and a transient before [`Model::keep`] rounds it otherwise.
     pub(crate) fn fresh(&self, shape: impl Into<Shape>) -> Result<B::Tensor> {
@@ -528,8 +516,7 @@ impl<B: ModelOps> Model<B> {
         let c = self.cfg.channels;
         let n = g.rows();
         let _l = label_absolute("head.ln_f");
-        let x = self.view(residual)?;
-        let (lnf, stats) = self.final_norm(x.tensor(), g, hw)?;
+        let (lnf, stats) = self.final_norm(residual, g, hw)?;
         let _l = label_absolute("head.losses");
         let mut losses = self.stat([g.b, g.t])?;
         let _l = label_absolute("head.dln_f");
@@ -561,7 +548,7 @@ impl<B: ModelOps> Model<B> {
             head_grads.norm_w,
             head_grads.norm_b,
             &dlnf,
-            x.tensor(),
+            residual,
             hw.norm_w,
             &stats,
         )?;
@@ -605,9 +592,7 @@ impl<B: ModelOps> Model<B> {
     /// Final norm and head of the residual `x` `[B, T, C]`: the logits `[B, T, V]` (f32,
     /// rounded to the storage precision as the head rounds them), downloaded.
     pub(crate) fn logits_of(&self, x: &B::Tensor, g: Geometry) -> Result<Vec<f32>> {
-        let xv = self.view(x)?;
-        let (lnf, _) = self.final_norm(xv.tensor(), g, &self.own_head_weights()?)?;
-        drop(xv);
+        let (lnf, _) = self.final_norm(x, g, &self.own_head_weights()?)?;
         let _l = label_absolute("head.logits");
         let mut logits = self.scratch([g.b, g.t, self.cfg.vocab])?;
         let head = self.w(params::head_index(&self.cfg))?;
@@ -627,8 +612,7 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<f32> {
         let n = g.rows();
         let _l = label_absolute("head.ln_f");
-        let x = self.view(residual)?;
-        let (lnf, _) = self.final_norm(x.tensor(), g, hw)?;
+        let (lnf, _) = self.final_norm(residual, g, hw)?;
         let _l = label_absolute("head.losses");
         let mut losses = self.stat([g.b, g.t])?;
         self.backend.head_loss(

@@ -2,6 +2,8 @@
 
 use rayon::prelude::*;
 
+use super::matmul::Operand;
+use super::widened_blocks;
 use crate::ops::fast_math::tanh;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -9,30 +11,35 @@ const K: f32 = 0.044_715;
 /// Elements per rayon task.
 const CHUNK: usize = 1 << 14;
 
-/// `out = 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
-pub fn forward(out: &mut [f32], inp: &[f32]) {
+/// `out = 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, `inp` in its stored type (see
+/// [`super::widened_blocks`]).
+pub fn forward<X: Operand>(out: &mut [f32], inp: &[X]) {
     out.par_chunks_mut(CHUNK)
         .zip(inp.par_chunks(CHUNK))
         .for_each(|(o, i)| {
-            for (o, &x) in o.iter_mut().zip(i) {
-                let u = SQRT_2_OVER_PI * (x + K * x * x * x);
-                *o = 0.5 * x * (1.0 + tanh(u));
-            }
+            widened_blocks(i, |at, xs| {
+                for (o, &x) in o[at..].iter_mut().zip(xs) {
+                    let u = SQRT_2_OVER_PI * (x + K * x * x * x);
+                    *o = 0.5 * x * (1.0 + tanh(u));
+                }
+            })
         });
 }
 
-/// Accumulate `dinp += gelu'(inp) · dout`.
-pub fn backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+/// Accumulate `dinp += gelu'(inp) · dout`, `inp` in its stored type.
+pub fn backward<X: Operand>(dinp: &mut [f32], inp: &[X], dout: &[f32]) {
     dinp.par_chunks_mut(CHUNK)
         .zip(inp.par_chunks(CHUNK))
         .zip(dout.par_chunks(CHUNK))
         .for_each(|((di, i), d)| {
-            for ((di, &x), &d) in di.iter_mut().zip(i).zip(d) {
-                let u = SQRT_2_OVER_PI * (x + K * x * x * x);
-                let t = tanh(u);
-                let sech2 = 1.0 - t * t;
-                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * K * x * x);
-                *di += (0.5 * (1.0 + t) + 0.5 * x * sech2 * du) * d;
-            }
+            widened_blocks(i, |at, xs| {
+                for ((di, &x), &d) in di[at..].iter_mut().zip(xs).zip(&d[at..]) {
+                    let u = SQRT_2_OVER_PI * (x + K * x * x * x);
+                    let t = tanh(u);
+                    let sech2 = 1.0 - t * t;
+                    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * K * x * x);
+                    *di += (0.5 * (1.0 + t) + 0.5 * x * sech2 * du) * d;
+                }
+            })
         });
 }

@@ -709,7 +709,8 @@ pub fn forward_with<W: Operand>(
 /// [`backward`] with the weight in any [`Operand`] type (gradients stay f32: they are the
 /// master side): `dinp += dout · W`, `dweight += doutᵀ · inp` (skipped for a frozen weight,
 /// `None`), `dbias += Σ_rows dout`. `scratch` holds at least [`backward_scratch`] elements for
-/// a low-precision weight.
+/// a low-precision weight. `inp` is read for the weight gradient only: with `dweight` `None`
+/// it may be empty (a frozen weight's caller need not materialise it).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_with<W: Operand>(
     dinp: &mut [f32],
@@ -724,7 +725,11 @@ pub fn backward_with<W: Operand>(
     scratch: &mut [f32],
 ) {
     assert_eq!(dout.len(), n * oc, "output gradient length");
-    assert_eq!(inp.len(), n * c, "input length");
+    assert!(
+        dweight.is_none() || inp.len() == n * c,
+        "input length {} for {n} rows of {c}",
+        inp.len()
+    );
     // dinp[n, c] += dout[n, oc] · W[oc, c]
     gemm_weight(
         dinp,
@@ -823,11 +828,13 @@ fn pack_buffer(scratch: &mut [f32]) -> &mut [u16] {
 /// where the CPU has them). Not bit for bit the widening path: the input's rounding and the
 /// order of the sums differ; within the f32-summation bound of the exact product of the
 /// rounded operands. `scratch` (at least [`forward_scratch`] elements, as for the widening path,
-/// so the tracker and the estimator count the same bytes) holds the packed weight.
+/// so the tracker and the estimator count the same bytes) holds the packed weight. `inp` may be
+/// f32 or already bf16 (a kept activation, read in place: rounding a bf16 value is exact, so
+/// the bits are those of its f32 copy).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_bf16_products(
+pub fn forward_bf16_products<A: super::bf16_gemm::Bf16Source>(
     out: &mut [f32],
-    inp: &[f32],
+    inp: &[A],
     weight: &[bf16],
     bias: Option<&[bf16]>,
     n: usize,
@@ -857,14 +864,15 @@ pub fn forward_bf16_products(
 
 /// [`backward_with`] for a bf16 weight with the numerics of [`forward_bf16_products`]:
 /// `dinp += dout · W` and `dweight += doutᵀ · inp` with `dout` and `inp` rounded to bf16,
-/// f32 sums into the f32 gradients; `dbias` an ordered f32 sum as on the widening path.
+/// f32 sums into the f32 gradients; `dbias` an ordered f32 sum as on the widening path. `inp`
+/// f32 or bf16, as for [`forward_bf16_products`].
 #[allow(clippy::too_many_arguments)]
-pub fn backward_bf16_products(
+pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source>(
     dinp: &mut [f32],
     dweight: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
     dout: &[f32],
-    inp: &[f32],
+    inp: &[A],
     weight: &[bf16],
     n: usize,
     c: usize,
@@ -873,7 +881,11 @@ pub fn backward_bf16_products(
 ) {
     use super::bf16_gemm::{gemm_bf16_with, Matrix};
     assert_eq!(dout.len(), n * oc, "output gradient length");
-    assert_eq!(inp.len(), n * c, "input length");
+    assert!(
+        dweight.is_none() || inp.len() == n * c,
+        "input length {} for {n} rows of {c}",
+        inp.len()
+    );
     assert_eq!(weight.len(), oc * c, "weight length");
     assert_eq!(dinp.len(), n * c, "input gradient length");
     gemm_bf16_with(
@@ -1083,6 +1095,49 @@ mod tests {
             let mut slabs = start;
             weight_grad_in_slabs(&mut slabs, &dout, &inp, n, c, oc);
             assert_eq!(bits(&slabs), bits(&one), "oc {oc}, c {c}, n {n}");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// The bf16 products read a bf16 input in place with the bits of its f32 copy
+        /// (forward, input and weight gradients), and a frozen weight's backward needs no
+        /// input at all: the same input gradient and bias gradient from an empty one.
+        #[test]
+        fn bf16_products_read_bf16_inputs_in_place(n in 1usize..40, c in 1usize..70,
+                                                   oc in 1usize..90, seed in any::<u64>()) {
+            let x = bf16_vec(seed, n * c);
+            let xf = widened(&x);
+            let w = bf16_vec(seed ^ 1, oc * c);
+            let b = bf16_vec(seed ^ 2, oc);
+            let dy = f32_vec(seed ^ 3, n * oc);
+            let mut scratch = vec![0.0; forward_scratch(n, c, oc).max(backward_scratch(n, c, oc))];
+            let (mut y_in_place, mut y_copy) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+            forward_bf16_products(&mut y_in_place, &x, &w, Some(&b), n, c, oc, &mut scratch);
+            forward_bf16_products(&mut y_copy, &xf, &w, Some(&b), n, c, oc, &mut scratch);
+            prop_assert_eq!(bits(&y_in_place), bits(&y_copy));
+            let grads = |inp: Option<&[bf16]>, inp_f32: Option<&[f32]>, with_dw: bool,
+                         scratch: &mut [f32]| {
+                let (mut dx, mut dw, mut db) = (vec![0.5; n * c], vec![0.25; oc * c], vec![0.0; oc]);
+                let dw_arg = if with_dw { Some(&mut dw[..]) } else { None };
+                match (inp, inp_f32) {
+                    (Some(i), _) => backward_bf16_products(&mut dx, dw_arg, Some(&mut db), &dy, i, &w, n, c, oc, scratch),
+                    (_, Some(i)) => backward_bf16_products(&mut dx, dw_arg, Some(&mut db), &dy, i, &w, n, c, oc, scratch),
+                    _ => unreachable!(),
+                }
+                [dx, dw, db].concat()
+            };
+            let in_place = grads(Some(&x), None, true, &mut scratch);
+            prop_assert_eq!(bits(&in_place), bits(&grads(None, Some(&xf), true, &mut scratch)));
+            let empty: &[f32] = &[];
+            let frozen = grads(None, Some(empty), false, &mut scratch);
+            prop_assert_eq!(bits(&frozen), bits(&grads(None, Some(&xf), false, &mut scratch)));
+            // The same for the widening path's frozen backward.
+            let (mut dx_empty, mut dx_full) = (vec![0.5; n * c], vec![0.5; n * c]);
+            backward_with(&mut dx_empty, None, None, &dy, empty, &w, n, c, oc, &mut scratch);
+            backward_with(&mut dx_full, None, None, &dy, &xf, &w, n, c, oc, &mut scratch);
+            prop_assert_eq!(bits(&dx_empty), bits(&dx_full));
         }
     }
 

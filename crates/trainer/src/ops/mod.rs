@@ -1,6 +1,11 @@
 //! The models' CPU kernels in f32, each a forward and an accumulating backward on plain slices,
 //! in llm.c's layouts. The model wires them together; the tests check each backward against
 //! central finite differences of its forward.
+//!
+//! The element-wise kernels and the norms read their activation inputs in the stored type
+//! ([`matmul::Operand`]: f32, bf16 or f16), widened a block or a row at a time
+//! ([`widened_blocks`], [`widened_rows`]): a bf16 run's block backward holds no f32 copy of a
+//! kept activation for them, and computes the bits an f32 copy would give.
 
 pub mod bf16_gemm;
 pub mod cross_entropy;
@@ -12,6 +17,61 @@ pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
+
+use matmul::Operand;
+
+/// Values [`widened_blocks`] widens at a time: 4 KiB of f32 on the stack, well inside L1.
+pub const WIDEN_BLOCK: usize = 1024;
+
+/// Calls `f(start, values)` on consecutive pieces of `src` read as f32, in order, covering it:
+/// the slice itself when it is f32, else pieces of [`WIDEN_BLOCK`] values widened into a stack
+/// buffer. Widening bf16/f16 is exact, so a kernel reading the pieces computes on exactly the
+/// stored values, with the bits it has on an f32 copy of them; the difference is memory: a
+/// 4 KiB buffer per task instead of a whole-tensor f32 copy (the "view" this replaces).
+pub fn widened_blocks<X: Operand>(src: &[X], mut f: impl FnMut(usize, &[f32])) {
+    if let Some(s) = X::as_f32(src) {
+        return f(0, s);
+    }
+    let mut buf = [0f32; WIDEN_BLOCK];
+    for (i, piece) in src.chunks(WIDEN_BLOCK).enumerate() {
+        let b = &mut buf[..piece.len()];
+        X::widen(piece, b);
+        f(i * WIDEN_BLOCK, b);
+    }
+}
+
+/// [`widened_blocks`] for two operands of the same length, widened piece by piece in step.
+pub fn widened_block_pairs<X: Operand>(a: &[X], b: &[X], mut f: impl FnMut(usize, &[f32], &[f32])) {
+    debug_assert_eq!(a.len(), b.len());
+    if let (Some(a), Some(b)) = (X::as_f32(a), X::as_f32(b)) {
+        return f(0, a, b);
+    }
+    let (mut ba, mut bb) = ([0f32; WIDEN_BLOCK], [0f32; WIDEN_BLOCK]);
+    for (i, (pa, pb)) in a.chunks(WIDEN_BLOCK).zip(b.chunks(WIDEN_BLOCK)).enumerate() {
+        let (wa, wb) = (&mut ba[..pa.len()], &mut bb[..pb.len()]);
+        X::widen(pa, wa);
+        X::widen(pb, wb);
+        f(i * WIDEN_BLOCK, wa, wb);
+    }
+}
+
+/// Calls `f` on each whole row of `c` values of `src`, read as f32: the row itself when `src`
+/// is f32, else the row widened into one reused `c`-value buffer (a row at a time: the norms
+/// read each row two or three times, from L1).
+pub fn widened_rows<X: Operand>(src: &[X], c: usize, mut f: impl FnMut(&[f32])) {
+    if c == 0 {
+        return;
+    }
+    if let Some(s) = X::as_f32(src) {
+        s.chunks_exact(c).for_each(f);
+        return;
+    }
+    let mut row = vec![0f32; c];
+    for piece in src.chunks_exact(c) {
+        X::widen(piece, &mut row);
+        f(&row);
+    }
+}
 
 /// The ops' tests' inputs: `n` values uniform in [−1, 1) on a 2⁻²³ grid (24 random bits,
 /// exactly representable, so scaling by a power of two is exact too), the same for a seed on
@@ -290,6 +350,112 @@ mod rope_reference {
             for (a, b) in y.iter().zip(&x) {
                 prop_assert!((a - b).abs() <= 1e-5);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod stored_inputs {
+    //! The kernels that read their inputs in the stored type give, for bf16 and f16 inputs,
+    //! the bits they give on an f32 copy of those inputs (the views they replace): lengths
+    //! across several widening blocks with tails, rows longer than one block.
+
+    use super::*;
+    use half::{bf16, f16};
+    use proptest::prelude::*;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Runs `kernel` on `x` as f32, as bf16 and as f16 (each rounded from `x`), and checks
+    /// the low-precision runs against the f32 run on the same rounded values.
+    fn same_as_f32_copy(
+        x: &[f32],
+        kernel: &dyn Fn(Stored<'_>) -> Vec<f32>,
+    ) -> Result<(), TestCaseError> {
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        let wb: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        let wh: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
+        prop_assert_eq!(
+            bits(&kernel(Stored::Bf16(&xb))),
+            bits(&kernel(Stored::F32(&wb)))
+        );
+        prop_assert_eq!(
+            bits(&kernel(Stored::F16(&xh))),
+            bits(&kernel(Stored::F32(&wh)))
+        );
+        Ok(())
+    }
+
+    #[derive(Clone, Copy)]
+    enum Stored<'a> {
+        F32(&'a [f32]),
+        Bf16(&'a [bf16]),
+        F16(&'a [f16]),
+    }
+
+    macro_rules! on_stored {
+        ($x:expr, |$s:ident| $body:expr) => {
+            match $x {
+                Stored::F32($s) => $body,
+                Stored::Bf16($s) => $body,
+                Stored::F16($s) => $body,
+            }
+        };
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        #[test]
+        fn norms_read_stored_rows(rows in 1usize..5, c in 1usize..1500, seed in any::<u64>()) {
+            let x: Vec<f32> = test_values(seed, rows * c).iter().map(|v| v * 3.0).collect();
+            let w = test_values(seed ^ 1, c);
+            let b = test_values(seed ^ 2, c);
+            let dy = test_values(seed ^ 3, rows * c);
+            let layernorm = |x: Stored<'_>| {
+                let (mut y, mut mean, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows], vec![0.0; rows]);
+                on_stored!(x, |s| layernorm::forward(&mut y, &mut mean, &mut rstd, s, &w, &b, c));
+                let (mut dx, mut dw, mut db) = (vec![0.5; rows * c], vec![0.25; c], vec![0.0; c]);
+                on_stored!(x, |s| layernorm::backward(&mut dx, &mut dw, &mut db, &dy, s, &w, &mean, &rstd, c));
+                [y, mean, rstd, dx, dw, db].concat()
+            };
+            same_as_f32_copy(&x, &layernorm)?;
+            let rmsnorm = |x: Stored<'_>| {
+                let (mut y, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
+                on_stored!(x, |s| rmsnorm::forward(&mut y, &mut rstd, s, &w, 1e-5, c));
+                let (mut dx, mut dw) = (vec![0.5; rows * c], vec![0.25; c]);
+                on_stored!(x, |s| rmsnorm::backward(&mut dx, &mut dw, &dy, s, &w, &rstd, c));
+                [y, rstd, dx, dw].concat()
+            };
+            same_as_f32_copy(&x, &rmsnorm)?;
+        }
+
+        #[test]
+        fn element_wise_ops_read_stored_blocks(n in 0usize..40_000, seed in any::<u64>()) {
+            let x: Vec<f32> = test_values(seed, n).iter().map(|v| v * 4.0).collect();
+            let dy = test_values(seed ^ 1, n);
+            let gelu = |x: Stored<'_>| {
+                let mut y = vec![0.0; n];
+                on_stored!(x, |s| gelu::forward(&mut y, s));
+                let mut dx = vec![0.5; n];
+                on_stored!(x, |s| gelu::backward(&mut dx, s, &dy));
+                [y, dx].concat()
+            };
+            same_as_f32_copy(&x, &gelu)?;
+            // SwiGLU's two inputs: gate is `x`, up is `x` reversed, in the same stored type.
+            let swiglu = |x: Stored<'_>| {
+                let (mut y, mut dg, mut du) = (vec![0.0; n], vec![0.5; n], vec![0.25; n]);
+                on_stored!(x, |s| {
+                    let up: Vec<_> = s.iter().rev().copied().collect();
+                    swiglu::forward(&mut y, s, &up);
+                    swiglu::backward(&mut dg, &mut du, s, &up, &dy);
+                });
+                [y, dg, du].concat()
+            };
+            same_as_f32_copy(&x, &swiglu)?;
         }
     }
 }

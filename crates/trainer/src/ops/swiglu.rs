@@ -2,27 +2,39 @@
 
 use rayon::prelude::*;
 
+use super::matmul::Operand;
+use super::widened_block_pairs;
+
 const CHUNK: usize = 1 << 14;
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// `out = silu(gate) · up`.
-pub fn forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
+/// `out = silu(gate) · up`, `gate` and `up` in their stored type (see
+/// [`super::widened_block_pairs`]).
+pub fn forward<X: Operand>(out: &mut [f32], gate: &[X], up: &[X]) {
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK))
         .zip(up.par_chunks(CHUNK))
         .for_each(|((o, g), u)| {
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g * sigmoid(g) * u;
-            }
+            widened_block_pairs(g, u, |at, g, u| {
+                for ((o, &g), &u) in o[at..].iter_mut().zip(g).zip(u) {
+                    *o = g * sigmoid(g) * u;
+                }
+            })
         });
 }
 
 /// Accumulate `dgate += silu'(gate) · up · dout` and `dup += silu(gate) · dout`, with
-/// `silu'(g) = σ(g) · (1 + g · (1 − σ(g)))`.
-pub fn backward(dgate: &mut [f32], dup: &mut [f32], gate: &[f32], up: &[f32], dout: &[f32]) {
+/// `silu'(g) = σ(g) · (1 + g · (1 − σ(g)))`; `gate` and `up` in their stored type.
+pub fn backward<X: Operand>(
+    dgate: &mut [f32],
+    dup: &mut [f32],
+    gate: &[X],
+    up: &[X],
+    dout: &[f32],
+) {
     dgate
         .par_chunks_mut(CHUNK)
         .zip(dup.par_chunks_mut(CHUNK))
@@ -30,10 +42,13 @@ pub fn backward(dgate: &mut [f32], dup: &mut [f32], gate: &[f32], up: &[f32], do
         .zip(up.par_chunks(CHUNK))
         .zip(dout.par_chunks(CHUNK))
         .for_each(|((((dg, du), g), u), d)| {
-            for i in 0..dg.len() {
-                let s = sigmoid(g[i]);
-                dg[i] += s * (1.0 + g[i] * (1.0 - s)) * u[i] * d[i];
-                du[i] += g[i] * s * d[i];
-            }
+            widened_block_pairs(g, u, |at, g, u| {
+                let (dg, du, d) = (&mut dg[at..], &mut du[at..], &d[at..]);
+                for i in 0..g.len() {
+                    let s = sigmoid(g[i]);
+                    dg[i] += s * (1.0 + g[i] * (1.0 - s)) * u[i] * d[i];
+                    du[i] += g[i] * s * d[i];
+                }
+            })
         });
 }
