@@ -501,25 +501,11 @@ impl LinearMoments<'_> {
     /// elements held; `kept_input`: its input is a kept activation (read through an f32
     /// view in low precision) rather than f32 scratch.
     fn peak(&self, live: u64, offset: usize, inp: usize, out: usize, kept_input: bool) -> u64 {
-        let (bt, low) = (self.bt, self.low);
+        let bt = self.bt;
         let view = self.view(inp, kept_input);
         // A fine-tuning run's base is frozen: its products never read the input.
         let base_view = if self.finetune.is_some() { 0 } else { view };
-        let n = bt as usize;
-        let panel = |c: usize, oc: usize| {
-            if low {
-                u(matmul::backward_scratch(n, c, oc))
-            } else {
-                0
-            }
-        };
-        let fwd_panel = |c: usize, oc: usize| {
-            if low {
-                u(matmul::forward_scratch(n, c, oc))
-            } else {
-                0
-            }
-        };
+        let (panel, fwd_panel) = (|c, oc| self.panel(c, oc), |c, oc| self.fwd_panel(c, oc));
         let base = match self.finetune.and_then(|f| f.quant) {
             Some(_) => {
                 let strips = headroom_quant::MatmulOptions::default().backward_workspace_bytes(
@@ -554,6 +540,25 @@ impl LinearMoments<'_> {
         base.max(adapter)
     }
 
+    /// Elements of the panel a low-precision weight `[oc, c]` is widened (or packed) into for
+    /// the input gradient's product.
+    fn panel(&self, c: usize, oc: usize) -> u64 {
+        if self.low {
+            u(matmul::backward_scratch(self.bt as usize, c, oc))
+        } else {
+            0
+        }
+    }
+
+    /// [`LinearMoments::panel`] for the forward product.
+    fn fwd_panel(&self, c: usize, oc: usize) -> u64 {
+        if self.low {
+            u(matmul::forward_scratch(self.bt as usize, c, oc))
+        } else {
+            0
+        }
+    }
+
     /// Elements of the f32 view a dense product reads of its `[N, inp]` input: a kept
     /// activation in low precision, unless the products read it in place.
     fn view(&self, inp: usize, kept_input: bool) -> u64 {
@@ -586,16 +591,9 @@ impl LinearMoments<'_> {
         out: usize,
         kept_input: bool,
     ) -> u64 {
-        let (bt, low) = (self.bt, self.low);
+        let bt = self.bt;
         let view = self.view(inp, kept_input);
-        let n = bt as usize;
-        let fwd_panel = |c: usize, oc: usize| {
-            if low {
-                u(matmul::forward_scratch(n, c, oc))
-            } else {
-                0
-            }
-        };
+        let fwd_panel = |c, oc| self.fwd_panel(c, oc);
         let base = match self.finetune.and_then(|f| f.quant) {
             Some(_) => {
                 let strips = headroom_quant::MatmulOptions::default().forward_workspace_bytes(
