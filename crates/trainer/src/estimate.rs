@@ -646,8 +646,8 @@ fn llama_block_workspace(
     // down's backward: dact.
     let first = lin.peak(mlp_common + btf, o::DOWN, fu, cu, true) * 4;
     let later = [
-        // SwiGLU's backward: dact, dgate, dup.
-        mlp_common + 3 * btf,
+        // SwiGLU's backward: dgate, and dact becoming dup in place.
+        mlp_common + 2 * btf,
         // gate's backward: dgate, dup, dnorm2.
         lin.peak(mlp_common + 2 * btf + btc, o::GATE, cu, fu, true),
         // up's backward: dup, dnorm2.
@@ -717,12 +717,14 @@ fn gpt2_block_workspace(
     // The MLP projection's backward: dfch_gelu.
     let first = lin.peak(mlp_common + 4 * btc, o::FC_PROJ_W, 4 * c, c, true) * 4;
     let later = [
-        // GELU's backward: dfch_gelu, dfch.
-        mlp_common + 8 * btc,
+        // GELU's backward: dfch_gelu, becoming dfch in place.
+        mlp_common + 4 * btc,
         // c_fc's backward: dfch, dln2.
         lin.peak(mlp_common + 5 * btc, o::FC_W, c, 4 * c, true),
         // The attention projection's backward: dres2, atty, datty.
         lin.peak(attn_common + 3 * btc, o::ATTN_PROJ_W, c, c, false),
+        // Merging the heads' gradients: dres2, dq, dk, dv and dqkv.
+        attn_common + 7 * btc,
         // c_attn's backward: dres2, dqkv, dln1.
         lin.peak(attn_common + 5 * btc, o::QKV_W, c, 3 * c, true),
     ]

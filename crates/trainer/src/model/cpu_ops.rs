@@ -576,6 +576,13 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
+    fn gelu_backward_in_place(&self, dy: &mut CpuTensor, x: &CpuTensor) -> Result<()> {
+        expect_len("gelu backward", "output gradient", dy, x.numel())?;
+        let dy = out(dy)?;
+        with_stored!(x, |xs| gelu::backward_in_place(dy, xs));
+        Ok(())
+    }
+
     fn swiglu(&self, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
         expect_len("swiglu", "output", y, gate.numel())?;
         expect_len("swiglu", "up", up, gate.numel())?;
@@ -610,6 +617,31 @@ impl ModelOps for Cpu {
             gs,
             up.as_slice()?,
             dyv.s()?
+        ));
+        Ok(())
+    }
+
+    fn swiglu_backward_in_place(
+        &self,
+        dgate: &mut CpuTensor,
+        dy: &mut CpuTensor,
+        gate: &CpuTensor,
+        up: &CpuTensor,
+    ) -> Result<()> {
+        let n = gate.numel();
+        for (what, t) in [
+            ("gate gradient", &*dgate),
+            ("up", up),
+            ("output gradient", &*dy),
+        ] {
+            expect_len("swiglu backward", what, t, n)?;
+        }
+        let (dgate, dy) = (out(dgate)?, out(dy)?);
+        with_stored!(gate, |gs| swiglu::backward_in_place(
+            dgate,
+            dy,
+            gs,
+            up.as_slice()?
         ));
         Ok(())
     }

@@ -290,9 +290,9 @@ impl<B: ModelOps> Model<B> {
             &fch_gelu,
         )?;
         drop(fch_gelu);
-        let mut dfch = self.scratch([g.b, g.t, 4 * c])?;
-        be.gelu_backward(&mut dfch, &s.fch, &dfch_gelu)?;
-        drop(dfch_gelu);
+        // The GELU input's gradient is written over the output's.
+        be.gelu_backward_in_place(&mut dfch_gelu, &s.fch)?;
+        let dfch = dfch_gelu;
         let mut dln2 = self.scratch([g.b, g.t, c])?;
         self.block_linear_backward(l, bw, o::FC_W, Some(o::FC_B), &mut dln2, grads, &dfch, &ln2)?;
         drop((dfch, ln2));

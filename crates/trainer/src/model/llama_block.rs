@@ -272,9 +272,9 @@ impl<B: ModelOps> Model<B> {
         self.block_linear_backward(l, bw, o::DOWN, None, &mut dact, grads, dout, &act)?;
         drop(act);
         let mut dgate = self.scratch([g.b, g.t, f])?;
-        let mut dup = self.scratch([g.b, g.t, f])?;
-        be.swiglu_backward(&mut dgate, &mut dup, &s.gate, &s.up, &dact)?;
-        drop(dact);
+        // up's gradient is written over the product's.
+        be.swiglu_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up)?;
+        let dup = dact;
         let mut dnorm2 = self.scratch([g.b, g.t, c])?;
         self.block_linear_backward(l, bw, o::GATE, None, &mut dnorm2, grads, &dgate, &norm2)?;
         drop(dgate);

@@ -156,6 +156,20 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         dy: &Self::Tensor,
     ) -> Result<()>;
 
+    /// [`ModelOps::gelu_backward`] into a zeroed gradient that replaces `dy`: `dy = gelu'(x)·dy`
+    /// (the bits of `gelu_backward` into zeros). The default allocates that gradient
+    /// (`Workspace`) beside `dy` and moves it in; the CPU writes over `dy`, one `[N, 4C]` f32
+    /// buffer fewer in a GPT-2 block's backward.
+    fn gelu_backward_in_place(&self, dy: &mut Self::Tensor, x: &Self::Tensor) -> Result<()> {
+        let mut dx = {
+            let _g = MemoryCategory::Workspace.enter();
+            self.zeros(dy.shape().clone(), DType::F32)?
+        };
+        self.gelu_backward(&mut dx, x, dy)?;
+        *dy = dx;
+        Ok(())
+    }
+
     /// SwiGLU's gate: `y = silu(gate) · up` elementwise.
     fn swiglu(&self, y: &mut Self::Tensor, gate: &Self::Tensor, up: &Self::Tensor) -> Result<()>;
 
@@ -168,6 +182,26 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         up: &Self::Tensor,
         dy: &Self::Tensor,
     ) -> Result<()>;
+
+    /// [`ModelOps::swiglu_backward`] with `dup` replacing `dy` (the bits `swiglu_backward` gives
+    /// into a zeroed `dup`); adds into `dgate` as that does. The default allocates `dup`
+    /// beside `dy` and moves it in; the CPU writes over `dy`, one `[N, F]` f32 buffer fewer in
+    /// a Llama block's backward.
+    fn swiglu_backward_in_place(
+        &self,
+        dgate: &mut Self::Tensor,
+        dy: &mut Self::Tensor,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+    ) -> Result<()> {
+        let mut dup = {
+            let _g = MemoryCategory::Workspace.enter();
+            self.zeros(dy.shape().clone(), DType::F32)?
+        };
+        self.swiglu_backward(dgate, &mut dup, gate, up, dy)?;
+        *dy = dup;
+        Ok(())
+    }
 
     /// Rotary position embedding in place on f32 `x` `[B, H, T, hs]`, position `pos0 + t` for
     /// row `t` of every sequence (`pos0` is 0 in training, the cache's length in a cached

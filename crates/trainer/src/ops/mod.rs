@@ -433,6 +433,30 @@ mod stored_inputs {
             same_as_f32_copy(&x, &rmsnorm)?;
         }
 
+        /// The in-place backwards give the bits of the accumulating ones into zeroed
+        /// gradients, signed zeros included (every 7th output gradient is −0).
+        #[test]
+        fn in_place_backwards_match_zeroed_accumulation(n in 0usize..5000, seed in any::<u64>()) {
+            let x: Vec<f32> = test_values(seed, n).iter().map(|v| v * 4.0).collect();
+            let up: Vec<f32> = test_values(seed ^ 1, n);
+            let dy: Vec<f32> = test_values(seed ^ 2, n)
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| if i % 7 == 0 { -0.0 } else { v })
+                .collect();
+            let mut want = vec![0.0; n];
+            gelu::backward(&mut want, &x, &dy);
+            let mut got = dy.clone();
+            gelu::backward_in_place(&mut got, &x);
+            prop_assert_eq!(bits(&got), bits(&want));
+            let (mut dgate, mut dup) = (vec![0.5; n], vec![0.0; n]);
+            swiglu::backward(&mut dgate, &mut dup, &x, &up, &dy);
+            let (mut dgate_in_place, mut d) = (vec![0.5; n], dy.clone());
+            swiglu::backward_in_place(&mut dgate_in_place, &mut d, &x, &up);
+            prop_assert_eq!(bits(&dgate_in_place), bits(&dgate));
+            prop_assert_eq!(bits(&d), bits(&dup));
+        }
+
         #[test]
         fn element_wise_ops_read_stored_blocks(n in 0usize..40_000, seed in any::<u64>()) {
             let x: Vec<f32> = test_values(seed, n).iter().map(|v| v * 4.0).collect();

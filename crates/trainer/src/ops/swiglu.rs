@@ -52,3 +52,24 @@ pub fn backward<X: Operand>(
             })
         });
 }
+
+/// [`backward`] with `dup` written over `dout` (its only other reader is `dgate`'s term,
+/// computed first for each element): `dgate += silu'(gate) · up · dout`, then
+/// `dout = 0 + silu(gate) · dout` — the bits `backward` gives into a zeroed `dup`.
+pub fn backward_in_place<X: Operand>(dgate: &mut [f32], dout: &mut [f32], gate: &[X], up: &[X]) {
+    dgate
+        .par_chunks_mut(CHUNK)
+        .zip(dout.par_chunks_mut(CHUNK))
+        .zip(gate.par_chunks(CHUNK))
+        .zip(up.par_chunks(CHUNK))
+        .for_each(|(((dg, d), g), u)| {
+            widened_block_pairs(g, u, |at, g, u| {
+                let (dg, d) = (&mut dg[at..], &mut d[at..]);
+                for i in 0..g.len() {
+                    let s = sigmoid(g[i]);
+                    dg[i] += s * (1.0 + g[i] * (1.0 - s)) * u[i] * d[i];
+                    d[i] = 0.0 + g[i] * s * d[i];
+                }
+            })
+        });
+}
