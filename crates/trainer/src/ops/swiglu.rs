@@ -26,6 +26,14 @@ pub fn forward<X: Operand>(out: &mut [f32], gate: &[X], up: &[X]) {
         });
 }
 
+/// One element's `(silu'(g) · u · d, silu(g) · d)`: what [`backward`] and
+/// [`backward_in_place`] add into the gate's and up's gradients.
+#[inline(always)]
+fn gradient_terms(g: f32, u: f32, d: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (s * (1.0 + g * (1.0 - s)) * u * d, g * s * d)
+}
+
 /// Accumulate `dgate += silu'(gate) · up · dout` and `dup += silu(gate) · dout`, with
 /// `silu'(g) = σ(g) · (1 + g · (1 − σ(g)))`; `gate` and `up` in their stored type.
 pub fn backward<X: Operand>(
@@ -45,9 +53,9 @@ pub fn backward<X: Operand>(
             widened_block_pairs(g, u, |at, g, u| {
                 let (dg, du, d) = (&mut dg[at..], &mut du[at..], &d[at..]);
                 for i in 0..g.len() {
-                    let s = sigmoid(g[i]);
-                    dg[i] += s * (1.0 + g[i] * (1.0 - s)) * u[i] * d[i];
-                    du[i] += g[i] * s * d[i];
+                    let (to_gate, to_up) = gradient_terms(g[i], u[i], d[i]);
+                    dg[i] += to_gate;
+                    du[i] += to_up;
                 }
             })
         });
@@ -66,9 +74,9 @@ pub fn backward_in_place<X: Operand>(dgate: &mut [f32], dout: &mut [f32], gate: 
             widened_block_pairs(g, u, |at, g, u| {
                 let (dg, d) = (&mut dg[at..], &mut d[at..]);
                 for i in 0..g.len() {
-                    let s = sigmoid(g[i]);
-                    dg[i] += s * (1.0 + g[i] * (1.0 - s)) * u[i] * d[i];
-                    d[i] = 0.0 + g[i] * s * d[i];
+                    let (to_gate, to_up) = gradient_terms(g[i], u[i], d[i]);
+                    dg[i] += to_gate;
+                    d[i] = 0.0 + to_up;
                 }
             })
         });
