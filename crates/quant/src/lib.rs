@@ -33,7 +33,9 @@
 //!   second-level absmax;
 //!   dequantization is bit-identical to `dequantize_4bit`. Pinned by fixtures written by
 //!   bitsandbytes itself (`benches/torch/make_quant_fixture.py`).
-//! - Every dequantization path (scalar reference, AVX2) gives the same bits; the fused matmul
+//! - Every dequantization path (scalar reference, AVX2) gives the same bits, in f32 and in bf16
+//!   (the f32 value rounded to nearest even, [`QuantizedTensor::dequantize_range_bf16`]: what a
+//!   bf16 product reads, at half the bytes); the fused matmul
 //!   equals dequantize-then-multiply within [`reference::f32_dot_tolerance`], forward and
 //!   backward, and its result does not depend on the thread count.
 //! - Packed weights are allocated through the backend as `Parameters` at their exact size;

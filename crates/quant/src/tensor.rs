@@ -1,11 +1,12 @@
 //! [`QuantizedTensor`]: a 4-bit tensor in bitsandbytes' layout, its quantization, validation
 //! and dequantization.
 
+use half::bf16;
 use headroom_tensor::{Backend, Cpu, CpuTensor, MemoryCategory};
 use rayon::prelude::*;
 
 use crate::codebook::{dynamic_map_signed, Encoder4, Encoder8, QuantType, FP4_DEQUANT_CODE};
-use crate::dequant::{decode_segment, Isa};
+use crate::dequant::{decode_segment, decode_segment_bf16, Isa};
 use crate::torch_sum::torch_mean_f32;
 use crate::{QuantError, Result};
 
@@ -408,11 +409,57 @@ impl QuantizedTensor {
 
     /// [`dequantize_range`](Self::dequantize_range) on a chosen path (to compare paths).
     pub fn dequantize_range_isa(&self, isa: Isa, start: usize, out: &mut [f32]) -> Result<()> {
+        self.check_range(isa, start, out.len())?;
+        self.dequantize_range_with(isa, start, out);
+        Ok(())
+    }
+
+    /// Elements `start..start + out.len()` (row-major) rounded to bf16 (to nearest even): the
+    /// bits of [`dequantize_range`](Self::dequantize_range)'s f32 values rounded, at half the
+    /// bytes — what a bf16 product reads (bitsandbytes' `compute_dtype=bfloat16`).
+    pub fn dequantize_range_bf16(&self, start: usize, out: &mut [bf16]) -> Result<()> {
+        self.dequantize_range_bf16_isa(Isa::detect(), start, out)
+    }
+
+    /// [`dequantize_range_bf16`](Self::dequantize_range_bf16) on a chosen path.
+    pub fn dequantize_range_bf16_isa(
+        &self,
+        isa: Isa,
+        start: usize,
+        out: &mut [bf16],
+    ) -> Result<()> {
+        self.check_range(isa, start, out.len())?;
+        let (table, codes) = (self.dequant_table(), self.codes.as_bytes());
+        for (done, seg, b) in self.segments(start, out.len()) {
+            let out = &mut out[done..done + seg];
+            decode_segment_bf16(isa, table, codes, start + done, out, self.block_absmax(b));
+        }
+        Ok(())
+    }
+
+    /// Elements `start..start + len` cut at block boundaries: `(offset in the range, length,
+    /// block)` for each piece, in order.
+    fn segments(&self, start: usize, len: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+        let bs = self.blocksize.get();
+        let mut done = 0usize;
+        std::iter::from_fn(move || {
+            (done < len).then(|| {
+                let i = start + done;
+                let b = i / bs;
+                let seg = ((b + 1) * bs - i).min(len - done);
+                done += seg;
+                (done - seg, seg, b)
+            })
+        })
+    }
+
+    /// `isa` supported and `start..start + len` inside the tensor.
+    fn check_range(&self, isa: Isa, start: usize, len: usize) -> Result<()> {
         if !isa.is_supported() {
             return Err(QuantError::UnsupportedIsa(isa.name()));
         }
         let end = start
-            .checked_add(out.len())
+            .checked_add(len)
             .ok_or(QuantError::SizeOverflow("range"))?;
         if end > self.numel {
             return Err(QuantError::ShapeMismatch {
@@ -420,29 +467,15 @@ impl QuantizedTensor {
                 detail: format!("elements {start}..{end} of a tensor of {}", self.numel),
             });
         }
-        self.dequantize_range_with(isa, start, out);
         Ok(())
     }
 
     /// The unchecked body: `isa` supported, the range inside the tensor.
     pub(crate) fn dequantize_range_with(&self, isa: Isa, start: usize, out: &mut [f32]) {
-        let bs = self.blocksize.get();
-        let table = self.dequant_table();
-        let codes = self.codes.as_bytes();
-        let mut done = 0usize;
-        while done < out.len() {
-            let i = start + done;
-            let b = i / bs;
-            let seg = ((b + 1) * bs - i).min(out.len() - done);
-            decode_segment(
-                isa,
-                table,
-                codes,
-                i,
-                &mut out[done..done + seg],
-                self.block_absmax(b),
-            );
-            done += seg;
+        let (table, codes) = (self.dequant_table(), self.codes.as_bytes());
+        for (done, seg, b) in self.segments(start, out.len()) {
+            let out = &mut out[done..done + seg];
+            decode_segment(isa, table, codes, start + done, out, self.block_absmax(b));
         }
     }
 }

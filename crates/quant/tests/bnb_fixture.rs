@@ -171,6 +171,19 @@ fn quantize_and_dequantize_are_byte_identical_to_bitsandbytes() {
             let mut got = vec![0f32; q.numel()];
             q.dequantize_range_isa(isa, 0, &mut got).unwrap();
             assert_bits(&got, &want, &format!("{name}: dequantized ({isa:?})"));
+            // In bf16: bitsandbytes' values rounded to nearest even (torch's `.to(bfloat16)`).
+            let mut got16 = vec![half::bf16::ZERO; q.numel()];
+            q.dequantize_range_bf16_isa(isa, 0, &mut got16).unwrap();
+            let got16: Vec<f32> = got16.iter().map(|v| v.to_f32()).collect();
+            let want16: Vec<f32> = want
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_f32())
+                .collect();
+            assert_bits(
+                &got16,
+                &want16,
+                &format!("{name}: dequantized to bf16 ({isa:?})"),
+            );
         }
     }
     for bs in [32, 64, 128, 4096] {

@@ -67,6 +67,13 @@ proptest! {
             q.dequantize_range_isa(isa, start, &mut part).unwrap();
             let want = &whole[start..start + part.len()];
             prop_assert!(part.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?} range {}..+{}", isa, start, part.len());
+            // The bf16 kernels: the same values rounded to nearest even.
+            let mut part16 = vec![half::bf16::NAN; part.len()];
+            q.dequantize_range_bf16_isa(isa, start, &mut part16).unwrap();
+            prop_assert!(
+                part16.iter().zip(want).all(|(a, b)| a.to_bits() == half::bf16::from_f32(*b).to_bits()),
+                "bf16 {:?} range {}..+{}", isa, start, part.len()
+            );
         }
         // Dequantization is within one code step of the input (sanity of the reference). The
         // codes are taken against the block's true absmax; with double quantization the
@@ -162,4 +169,7 @@ fn mismatched_operands_are_errors() {
     let mut out = [0f32; 10];
     assert!(q.dequantize_range(250, &mut out).is_err());
     assert!(q.dequantize_range(usize::MAX - 2, &mut out).is_err());
+    let mut out16 = vec![half::bf16::ZERO; out.len()];
+    assert!(q.dequantize_range_bf16(250, &mut out16).is_err());
+    assert!(q.dequantize_range_bf16(usize::MAX - 2, &mut out16).is_err());
 }
