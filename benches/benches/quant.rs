@@ -8,6 +8,13 @@
 //! ratio to the baseline from interleaved rounds (medians), so slow drifts of a shared machine
 //! hit both sides alike. The weight bytes each side reads per call are printed too (the fused
 //! path reads 4.13 bits per weight, the baseline 32).
+//!
+//! Group `quant/bf16_products` (where the trainer's bf16 products run on AMX; skipped
+//! elsewhere): the trainer's 4-bit linear in a bf16 run (`ops::quant_matmul`: the weight
+//! dequantized to bf16 a 1024 × 512 block at a time) against the dense bf16 products over
+//! the whole dequantized weight already in bf16 (what a bf16-base LoRA linear costs), forward and
+//! input gradient, bf16 activations, interleaved rounds. The ratio is the price of storing the
+//! weight in 4 bits; the printout also names the f32 fused kernel's time from the first group.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -122,5 +129,120 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// Median seconds of `ROUNDS` interleaved rounds of `run(0)`, …, `run(N - 1)`.
+fn interleaved<const N: usize>(mut run: impl FnMut(usize)) -> [f64; N] {
+    let mut times = vec![Vec::new(); N];
+    for _ in 0..ROUNDS {
+        for (i, t) in times.iter_mut().enumerate() {
+            let start = Instant::now();
+            run(i);
+            t.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let mut out = [0.0; N];
+    for (o, t) in out.iter_mut().zip(times) {
+        *o = median(t);
+    }
+    out
+}
+
+fn bench_bf16(_: &mut Criterion) {
+    use half::bf16;
+    use headroom_trainer::ops::{matmul, quant_matmul};
+    if !matmul::bf16_products() {
+        println!("quant/bf16_products: skipped (no AMX bf16 products on this CPU)");
+        return;
+    }
+    let cpu = Cpu::new();
+    let q = QuantizedTensor::quantize(&cpu, &values(OUT * IN, 1), &[OUT, IN], QuantConfig::qlora())
+        .expect("quantize");
+    let wb: Vec<bf16> = q.dequantize().into_iter().map(bf16::from_f32).collect();
+    let x: Vec<bf16> = values(ROWS * IN, 2)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let dy = values(ROWS * OUT, 3);
+    let (mut y, mut dx) = (vec![0f32; ROWS * OUT], vec![0f32; ROWS * IN]);
+    let threads = rayon::current_num_threads();
+    let (fb, fp) = quant_matmul::forward_scratch(ROWS, &q, threads);
+    let (bb, bp) = quant_matmul::backward_scratch(ROWS, &q, threads);
+    let mut block = vec![bf16::ZERO; fb.max(bb)];
+    let mut pack = vec![0u16; fp.max(bp)];
+    let mut dense = vec![
+        0f32;
+        matmul::forward_scratch(ROWS, IN, OUT)
+            .max(matmul::backward_scratch(ROWS, IN, OUT))
+    ];
+    let flops = 2.0 * (ROWS * OUT * IN) as f64;
+    let size = format!("{OUT}x{IN}_n{ROWS}");
+    let [qf, df, qb, db] = interleaved(|case| match case {
+        0 => quant_matmul::forward(&mut y, &x, &q, &mut block, &mut pack).expect("forward"),
+        1 => matmul::forward_bf16_products(&mut y, &x, &wb, None, ROWS, IN, OUT, &mut dense),
+        2 => quant_matmul::backward_input(&mut dx, &dy, &q, &mut block, &mut pack)
+            .expect("input gradient"),
+        _ => matmul::backward_bf16_products(
+            &mut dx,
+            None,
+            None,
+            &dy,
+            &[] as &[bf16],
+            &wb,
+            ROWS,
+            IN,
+            OUT,
+            &mut dense,
+        ),
+    });
+    println!(
+        "quant/bf16_products {size}: forward nf4 {:.1} GFLOP/s ({:.1} ms) vs dense bf16 {:.1} GFLOP/s ({:.1} ms), \
+         ratio {:.3}; input gradient nf4 {:.1} GFLOP/s ({:.1} ms) vs dense bf16 {:.1} GFLOP/s ({:.1} ms), ratio {:.3}; \
+         scratch {} + {} bytes; {threads} threads",
+        flops / qf / 1e9,
+        qf * 1e3,
+        flops / df / 1e9,
+        df * 1e3,
+        df / qf,
+        flops / qb / 1e9,
+        qb * 1e3,
+        flops / db / 1e9,
+        db * 1e3,
+        db / qb,
+        2 * fb.max(bb),
+        2 * fp.max(bp),
+    );
+    for (name, t, base_name, base) in [
+        ("forward", qf, "forward_dense_bf16", df),
+        ("input_grad", qb, "input_grad_dense_bf16", db),
+    ] {
+        let base_bench = format!("quant/bf16_products/{base_name}/{size}");
+        for r in [
+            Record {
+                bench: base_bench.clone(),
+                metric: "throughput".into(),
+                value: flops / base / 1e9,
+                unit: "GFLOP/s".into(),
+                baseline: None,
+                baseline_value: None,
+                ratio: None,
+                better: Better::Higher,
+            },
+            Record {
+                bench: format!("quant/bf16_products/{name}_nf4/{size}"),
+                metric: "throughput".into(),
+                value: flops / t / 1e9,
+                unit: "GFLOP/s".into(),
+                baseline: Some(base_bench),
+                baseline_value: Some(flops / base / 1e9),
+                ratio: Some(base / t),
+                better: Better::Higher,
+            },
+        ] {
+            if let Err(e) = record(&r) {
+                eprintln!("could not record {}: {e}", r.bench);
+            }
+        }
+    }
+}
+
+criterion_group!(benches, bench, bench_bf16);
 criterion_main!(benches);

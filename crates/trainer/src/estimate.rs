@@ -18,7 +18,7 @@ use headroom_tensor::MemoryCategory;
 use serde::Serialize;
 
 use crate::model::{finetune, params, Family, FinetuneSpec, ModelConfig};
-use crate::ops::matmul;
+use crate::ops::{matmul, quant_matmul};
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
 
@@ -482,7 +482,8 @@ impl FinetunePlan {
 /// input gradient being built, what the caller keeps), the peak elements of
 /// - the base's input gradient: dense — in low precision with the f32 view of a kept input
 ///   and the panel the weight is widened into; 4-bit — the `[N, in]` partial gradient and
-///   one dequantized strip per task;
+///   one dequantized strip per task, or with bf16 products one dequantized block and the
+///   packing buffer;
 /// - an adapter's (`Model::block_linear_backward`): `h` and `dh` `[N, r]`, and in low
 ///   precision the input's view and the A/B panels of each of its three GEMMs.
 struct LinearMoments<'a> {
@@ -507,6 +508,13 @@ impl LinearMoments<'_> {
         let base_view = if self.finetune.is_some() { 0 } else { view };
         let (panel, fwd_panel) = (|c, oc| self.panel(c, oc), |c, oc| self.fwd_panel(c, oc));
         let base = match self.finetune.and_then(|f| f.quant) {
+            // bf16 products: one dequantized block and the packing buffer, accumulating
+            // straight into the input gradient.
+            Some(_) if self.in_place => {
+                let (block, pack) =
+                    quant_matmul::backward_scratch_dims(self.bt as usize, out, inp, self.threads);
+                live + u(block.div_ceil(2)) + u(pack.div_ceil(2))
+            }
             Some(_) => {
                 let strips = headroom_quant::MatmulOptions::default().backward_workspace_bytes(
                     out,
@@ -582,7 +590,8 @@ impl LinearMoments<'_> {
     /// Peak elements while block linear `offset` (`[out, in]`) runs forward
     /// (`Model::block_linear`) with `live` elements held, its output included: the base's
     /// product (the input's f32 view in low precision, and the widened weight panel or one
-    /// dequantized strip per task), then an adapter's `h` `[N, r]` and `u` `[N, out]`.
+    /// dequantized strip per task — with bf16 products, no view and one dequantized block and
+    /// the packing buffer), then an adapter's `h` `[N, r]` and `u` `[N, out]`.
     fn forward_peak(
         &self,
         live: u64,
@@ -595,6 +604,12 @@ impl LinearMoments<'_> {
         let view = self.view(inp, kept_input);
         let fwd_panel = |c, oc| self.fwd_panel(c, oc);
         let base = match self.finetune.and_then(|f| f.quant) {
+            // bf16 products read the input in place.
+            Some(_) if self.in_place => {
+                let (block, pack) =
+                    quant_matmul::forward_scratch_dims(self.bt as usize, out, inp, self.threads);
+                live + u(block.div_ceil(2)) + u(pack.div_ceil(2))
+            }
             Some(_) => {
                 let strips = headroom_quant::MatmulOptions::default().forward_workspace_bytes(
                     out,

@@ -22,7 +22,9 @@ use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Element, MemoryCategory, T
 use crate::model::ops::{HeadLossGrads, ModelOps};
 use crate::model::transformer::View;
 use crate::model::Precision;
-use crate::ops::{cross_entropy, embedding, gelu, layernorm, matmul, rmsnorm, rope, swiglu};
+use crate::ops::{
+    cross_entropy, embedding, gelu, layernorm, matmul, quant_matmul, rmsnorm, rope, swiglu,
+};
 use crate::{Result, TrainError};
 
 /// `t` as f32: itself, or an upcast copy in workspace memory for as long as the view lives.
@@ -291,6 +293,30 @@ fn weight_dims(op: &str, w: &CpuTensor) -> Result<(usize, usize)> {
     }
 }
 
+/// Whether a 4-bit linear multiplies with bf16 operands ([`quant_matmul`]): a bf16 run whose
+/// bf16 products run on AMX ([`matmul::bf16_products`]), reading an f32 or bf16 activation.
+fn quant_bf16_products(precision: Precision, operand: DType) -> bool {
+    precision == Precision::Bf16
+        && matches!(operand, DType::F32 | DType::BF16)
+        && matmul::bf16_products()
+}
+
+/// The dequantized block (`block` bf16 elements) and the packing buffer (`pack` u16
+/// elements) of a 4-bit product with bf16 operands, as `Workspace` in that order, each held
+/// in f32 pairs (whole 4-byte units, as the estimator counts).
+fn quant_scratch(cpu: &Cpu, block: usize, pack: usize) -> Result<(CpuTensor, CpuTensor)> {
+    let _ws = MemoryCategory::Workspace.enter();
+    Ok((
+        cpu.zeros([block.div_ceil(2)], DType::F32)?,
+        cpu.zeros([pack.div_ceil(2)], DType::F32)?,
+    ))
+}
+
+/// An f32 scratch as 16-bit elements (bf16 or the u16 packing buffer).
+fn halves<T: bytemuck::Pod>(t: &mut CpuTensor) -> Result<&mut [T]> {
+    Ok(bytemuck::cast_slice_mut(out(t)?))
+}
+
 impl ModelOps for Cpu {
     type Quantized = headroom_quant::QuantizedTensor;
 
@@ -300,10 +326,31 @@ impl ModelOps for Cpu {
         x: &CpuTensor,
         w: &Self::Quantized,
         b: Option<&CpuTensor>,
+        precision: Precision,
     ) -> Result<()> {
-        let xv = f32_view(self, x)?;
         let ys = out(y)?;
-        headroom_quant::matmul_forward(self, xv.s()?, w, ys, &Default::default())?;
+        if quant_bf16_products(precision, x.dtype()) {
+            let (block, pack) = quant_matmul::forward_scratch(
+                x.numel() / w.shape().last().copied().unwrap_or(1).max(1),
+                w,
+                self.num_threads(),
+            );
+            let (mut block, mut pack) = quant_scratch(self, block, pack)?;
+            let (block, pack) = (halves::<bf16>(&mut block)?, halves::<u16>(&mut pack)?);
+            match x.dtype() {
+                DType::BF16 => {
+                    let xs = x.as_slice::<bf16>()?;
+                    self.install(|| quant_matmul::forward(ys, xs, w, block, pack))?;
+                }
+                _ => {
+                    let xs = x.as_slice::<f32>()?;
+                    self.install(|| quant_matmul::forward(ys, xs, w, block, pack))?;
+                }
+            }
+        } else {
+            let xv = f32_view(self, x)?;
+            headroom_quant::matmul_forward(self, xv.s()?, w, ys, &Default::default())?;
+        }
         if let Some(b) = b {
             let oc = w.shape().first().copied().unwrap_or(0);
             expect_len("linear (4-bit)", "bias", b, oc)?;
@@ -341,7 +388,30 @@ impl ModelOps for Cpu {
         dx: &mut CpuTensor,
         dy: &CpuTensor,
         w: &Self::Quantized,
+        precision: Precision,
     ) -> Result<()> {
+        if quant_bf16_products(precision, dy.dtype()) {
+            // The bf16 products accumulate into `dx` themselves: no partial gradient.
+            let (block, pack) = quant_matmul::backward_scratch(
+                dy.numel() / w.shape().first().copied().unwrap_or(1).max(1),
+                w,
+                self.num_threads(),
+            );
+            let (mut block, mut pack) = quant_scratch(self, block, pack)?;
+            let (block, pack) = (halves::<bf16>(&mut block)?, halves::<u16>(&mut pack)?);
+            let dxs = out(dx)?;
+            match dy.dtype() {
+                DType::BF16 => {
+                    let dys = dy.as_slice::<bf16>()?;
+                    self.install(|| quant_matmul::backward_input(dxs, dys, w, block, pack))?;
+                }
+                _ => {
+                    let dys = dy.as_slice::<f32>()?;
+                    self.install(|| quant_matmul::backward_input(dxs, dys, w, block, pack))?;
+                }
+            }
+            return Ok(());
+        }
         // The fused kernel overwrites its output; the op's contract is to add. The partial
         // input gradient is one more `[N, in]` of workspace, freed on return.
         let dyv = f32_view(self, dy)?;
@@ -905,5 +975,74 @@ fn round_slice(x: &mut [f32], precision: Precision) {
                 *v = p.round(*v);
             }
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use headroom_profiler::MemoryTracker;
+    use headroom_quant::{MatmulOptions, QuantConfig, QuantizedTensor};
+    use headroom_tensor::Device;
+
+    use super::*;
+
+    /// A bf16 run's 4-bit linear holds exactly the scratch the estimator counts for it, on
+    /// top of its operands: with bf16 products one dequantized block and the packing buffer
+    /// (no view of the input, no partial gradient); on the f32 kernel the input's f32 view and
+    /// a panel per task forward, the partial gradient and a strip per task backward.
+    #[test]
+    fn bf16_four_bit_linear_scratch_is_what_the_estimator_counts() {
+        let tracker = Arc::new(MemoryTracker::new());
+        let cpu = Cpu::with_threads(2)
+            .unwrap()
+            .with_alloc_hook(tracker.clone());
+        let (n, out_f, inn) = (16usize, 1100usize, 600usize);
+        let wv = crate::ops::test_values(1, out_f * inn);
+        let q = QuantizedTensor::quantize(&cpu, &wv, &[out_f, inn], QuantConfig::qlora()).unwrap();
+        let xv: Vec<bf16> = crate::ops::test_values(2, n * inn)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let x = cpu.upload(&xv, [n, inn]).unwrap();
+        let mut y = cpu.zeros([n, out_f], DType::F32).unwrap();
+        let dy = cpu
+            .upload(&crate::ops::test_values(3, n * out_f), [n, out_f])
+            .unwrap();
+        let mut dx = cpu.zeros([n, inn], DType::F32).unwrap();
+        let workspace = || {
+            let snap = tracker.snapshot();
+            let dev = snap.device(Device::Cpu).unwrap();
+            (
+                dev.live[MemoryCategory::Workspace],
+                dev.peak[MemoryCategory::Workspace],
+            )
+        };
+        let (live, _) = workspace();
+        tracker.reset_peak();
+        cpu.linear_quantized(&mut y, &x, &q, None, Precision::Bf16)
+            .unwrap();
+        let fwd = workspace().1 - live;
+        tracker.reset_peak();
+        cpu.linear_quantized_input_grad(&mut dx, &dy, &q, Precision::Bf16)
+            .unwrap();
+        let bwd = workspace().1 - live;
+        let threads = cpu.num_threads();
+        let (want_fwd, want_bwd) = if matmul::bf16_products() {
+            let bytes =
+                |(block, pack): (usize, usize)| 4 * (block.div_ceil(2) + pack.div_ceil(2)) as u64;
+            (
+                bytes(quant_matmul::forward_scratch(n, &q, threads)),
+                bytes(quant_matmul::backward_scratch(n, &q, threads)),
+            )
+        } else {
+            let o = MatmulOptions::default();
+            (
+                (4 * n * inn + o.forward_workspace_bytes(out_f, inn, threads)) as u64,
+                (4 * n * inn + o.backward_workspace_bytes(out_f, inn, threads)) as u64,
+            )
+        };
+        assert_eq!((fwd, bwd), (want_fwd, want_bwd));
     }
 }

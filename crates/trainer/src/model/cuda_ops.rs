@@ -122,6 +122,8 @@ impl ModelOps for Cuda {
         x: &CudaTensor,
         w: &Self::Quantized,
         b: Option<&CudaTensor>,
+        // The CUDA kernel multiplies the f32 dequantized weight in every precision.
+        _: Precision,
     ) -> Result<()> {
         if b.is_some() {
             return Err(TrainError::Config(
@@ -154,6 +156,7 @@ impl ModelOps for Cuda {
         dx: &mut CudaTensor,
         dy: &CudaTensor,
         w: &Self::Quantized,
+        _: Precision,
     ) -> Result<()> {
         // The fused kernel overwrites its output; the op's contract is to add.
         let dyv = f32_of(self, dy)?;

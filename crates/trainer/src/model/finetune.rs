@@ -636,7 +636,7 @@ impl<B: ModelOps> Model<B> {
         let i = params::layer_index(&self.cfg, l, w_off);
         let bias = b_off.map(|b| at(bw, b)).transpose()?;
         match self.quantized_of(i) {
-            Some(q) => be.linear_quantized(y, x, q, bias)?,
+            Some(q) => be.linear_quantized(y, x, q, bias, self.opts.precision)?,
             None => be.linear(y, x, at(bw, w_off)?, bias)?,
         }
         if let Some(AdapterRef {
@@ -693,7 +693,7 @@ impl<B: ModelOps> Model<B> {
         let be = self.backend();
         let i = params::layer_index(&self.cfg, l, w_off);
         match self.quantized_of(i) {
-            Some(q) => be.linear_quantized_input_grad(dx, dy, q)?,
+            Some(q) => be.linear_quantized_input_grad(dx, dy, q, self.opts.precision)?,
             None => {
                 let (dw, db) = self.param_grads(grads, w_off, b_off);
                 be.linear_backward(dx, dw, db, dy, x, at(bw, w_off)?)?;

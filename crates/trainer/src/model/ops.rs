@@ -42,22 +42,27 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
 
     /// `y = x·wᵀ (+ b)` for a frozen 4-bit weight `w` `[out, in]`: `x` `[N, in]` in any float
     /// dtype, `y` `[N, out]` f32, overwritten. At most one dequantized panel per thread exists
-    /// at a time (`Workspace`); never the whole f32 weight.
+    /// at a time (`Workspace`); never the whole f32 weight. `precision` is the run's (the
+    /// compute dtype of bitsandbytes' `Linear4bit`): in bf16 a backend with bf16 products may
+    /// multiply the dequantized weight rounded to bf16 by the bf16-rounded input, as its dense
+    /// bf16 linears do; otherwise the dequantized f32 weight multiplies the input's f32 values.
     fn linear_quantized(
         &self,
         y: &mut Self::Tensor,
         x: &Self::Tensor,
         w: &Self::Quantized,
         b: Option<&Self::Tensor>,
+        precision: Precision,
     ) -> Result<()>;
 
     /// Adds `dy·w` into `dx` for a frozen 4-bit weight: the input gradient only (a frozen
-    /// weight has no gradient).
+    /// weight has no gradient). `precision` as for [`ModelOps::linear_quantized`].
     fn linear_quantized_input_grad(
         &self,
         dx: &mut Self::Tensor,
         dy: &Self::Tensor,
         w: &Self::Quantized,
+        precision: Precision,
     ) -> Result<()>;
 
     /// `y = x·wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]`, `y` `[N, out]`.

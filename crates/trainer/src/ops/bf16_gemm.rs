@@ -231,6 +231,39 @@ pub fn gemm_bf16_with<A: Bf16Source, B: Bf16Source>(
     }
 }
 
+/// u16 elements of one pair of packed `b` tiles (32 columns) over the deepest depth block of a
+/// product of depth `k`.
+fn tile_pair(k: usize) -> usize {
+    2 * KC.min(k).div_ceil(32) * 512
+}
+
+/// How the AMX kernel splits the columns of a wide product (`n > m`, several threads):
+/// `(groups, panels, width)`: `groups` threads each own the panels `p ≡ g (mod groups)` of
+/// `width` columns (a multiple of 32, at most [`NC`]), `panels` of them in all.
+fn column_split(n: usize, threads: usize) -> (usize, usize, usize) {
+    let groups = threads.min(n.div_ceil(32));
+    let panels = groups * n.div_ceil(groups * NC);
+    let width = n.div_ceil(panels).next_multiple_of(32);
+    let panels = n.div_ceil(width);
+    (groups.min(panels), panels, width)
+}
+
+/// u16 elements of the packing buffer that lets [`gemm_bf16_with`] pack all of `b` for an
+/// `m × n` product of depth `k` on `threads` threads in the caller's buffer (its widest panels),
+/// so that the gemm allocates none of its own: what a caller sizes its tracked scratch by.
+/// Zero when the product is empty.
+pub fn pack_len(m: usize, n: usize, k: usize, threads: usize) -> usize {
+    if m == 0 || n == 0 || k == 0 {
+        return 0;
+    }
+    if n > m && threads > 1 {
+        let (groups, _, width) = column_split(n, threads);
+        groups * (width / 32) * tile_pair(k)
+    } else {
+        n.min(NC).div_ceil(32) * tile_pair(k)
+    }
+}
+
 /// The portable path: both operands rounded to bf16 and widened into dense f32 copies, then
 /// gemm's f32 product. Also the reference shape of the AMX path's results.
 #[allow(clippy::too_many_arguments)]
@@ -781,17 +814,13 @@ mod amx {
                 len: ((m - 1) * ldc + n).min(c.len()),
                 ldc,
             };
-            let tile_pair = 2 * KC.min(k).div_ceil(32) * 512;
+            let tile_pair = super::super::tile_pair(k);
             let threads = rayon::current_num_threads().max(1);
             let mut own = Vec::new();
             if n > m && threads > 1 {
                 // Column split: `groups` threads, each with panels p ≡ g (mod groups) of width
                 // `width` (a multiple of 32, at most NC), packed into its own buffer.
-                let groups = threads.min(n.div_ceil(32));
-                let panels = groups * n.div_ceil(groups * NC);
-                let width = n.div_ceil(panels).next_multiple_of(32);
-                let panels = n.div_ceil(width);
-                let groups = groups.min(panels);
+                let (groups, panels, width) = super::super::column_split(n, threads);
                 let per_group = width / 32 * tile_pair;
                 let bufs: &mut [u16] = if pack.len() >= groups * per_group {
                     &mut pack[..groups * per_group]

@@ -14,6 +14,7 @@ mod fast_math;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
+pub mod quant_matmul;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
