@@ -1,6 +1,6 @@
 //! The extension trait every backend implements, and what forward and backward return.
 
-use headroom_tensor::Backend;
+use headroom_tensor::{Backend, DType, MemoryCategory, Tensor};
 
 use crate::{AttentionConfig, AttentionDims, Result};
 
@@ -64,4 +64,72 @@ pub trait AttentionBackend: Backend {
         forward: &AttentionForward<Self::Tensor>,
         d_out: &Self::Tensor,
     ) -> Result<AttentionGradients<Self::Tensor>>;
+
+    /// [`attention_backward`](Self::attention_backward) with **f32** gradients whatever the
+    /// inputs' dtype, for a caller that keeps `q`, `k`, `v` and the output in bf16/f16 and
+    /// accumulates gradients in f32 (mixed-precision training). `d_out` may be f32 or the
+    /// inputs' dtype; the forward state is consumed, so its output can be freed as early as the
+    /// backend allows. The gradients are those `attention_backward` gives on f32 copies of the
+    /// inputs, bit for bit (widening is exact).
+    ///
+    /// The default makes those copies (`Workspace`; the kept output is freed once copied); the
+    /// CPU backend reads low-precision inputs a few heads at a time instead.
+    fn attention_backward_f32(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        forward: AttentionForward<Self::Tensor>,
+        d_out: &Self::Tensor,
+    ) -> Result<AttentionGradients<Self::Tensor>> {
+        backward_f32_via_copies(self, q, k, v, forward, d_out)
+    }
+}
+
+/// [`AttentionBackend::attention_backward_f32`] through whole f32 copies (`Workspace`) of what
+/// is not f32: the output first (the kept one is freed as soon as it is copied), then `q`,
+/// `k`, `v` and `d_out`; then [`AttentionBackend::attention_backward`] on the copies.
+pub fn backward_f32_via_copies<B: AttentionBackend + ?Sized>(
+    be: &B,
+    q: &B::Tensor,
+    k: &B::Tensor,
+    v: &B::Tensor,
+    forward: AttentionForward<B::Tensor>,
+    d_out: &B::Tensor,
+) -> Result<AttentionGradients<B::Tensor>> {
+    let f32_copy = |t: &B::Tensor| -> Result<Option<B::Tensor>> {
+        if t.dtype() == DType::F32 {
+            return Ok(None);
+        }
+        let _g = MemoryCategory::Workspace.enter();
+        let mut out = be.uninit(t.shape().clone(), DType::F32)?;
+        be.cast(t, &mut out)?;
+        Ok(Some(out))
+    };
+    let AttentionForward {
+        output,
+        logsumexp,
+        probs,
+        config,
+        dims,
+    } = forward;
+    let output = f32_copy(&output)?.unwrap_or(output);
+    let (qc, kc, vc, dc) = (f32_copy(q)?, f32_copy(k)?, f32_copy(v)?, f32_copy(d_out)?);
+    let forward = AttentionForward {
+        output,
+        logsumexp,
+        probs,
+        config,
+        dims: AttentionDims {
+            dtype: DType::F32,
+            ..dims
+        },
+    };
+    be.attention_backward(
+        qc.as_ref().unwrap_or(q),
+        kc.as_ref().unwrap_or(k),
+        vc.as_ref().unwrap_or(v),
+        &forward,
+        dc.as_ref().unwrap_or(d_out),
+    )
 }

@@ -50,6 +50,12 @@
 //! - Every buffer is allocated through the backend and reported to its allocation hook:
 //!   results in the caller's category, saved state as `Activations`, temporaries as
 //!   `Workspace`. Flash never allocates anything that grows with N².
+//! - bf16 inputs to chunked and flash attention on the CPU are widened a few heads at a time
+//!   (whole key/value groups, two tasks' worth per thread), never as whole-tensor f32 copies,
+//!   with the bits of the f32 problem on exact copies; [`AttentionBackend::attention_backward_f32`]
+//!   returns f32 gradients for a mixed-precision caller the same way. The workspace of both
+//!   passes is predicted byte for byte ([`cpu_forward_workspace_bytes`],
+//!   [`cpu_backward_f32_workspace_bytes`]).
 //! - Bad shapes, dtypes or configs are a typed [`AttnError`] before anything is computed.
 
 pub mod accuracy;
@@ -61,12 +67,16 @@ mod cuda;
 mod dims;
 mod error;
 
-pub use backend_ext::{AttentionBackend, AttentionForward, AttentionGradients};
+pub use backend_ext::{
+    backward_f32_via_copies, AttentionBackend, AttentionForward, AttentionGradients,
+};
 pub use config::{
     Algorithm, AttentionConfig, DEFAULT_CHUNK_SIZE, DEFAULT_FLASH_BLOCK_K, DEFAULT_FLASH_BLOCK_Q,
     MAX_HEAD_DIM,
 };
-pub use cpu::cpu_backward_scratch_bytes;
+pub use cpu::{
+    cpu_backward_f32_workspace_bytes, cpu_backward_scratch_bytes, cpu_forward_workspace_bytes,
+};
 #[cfg(feature = "cuda")]
 pub use cuda::load_attention_kernels;
 pub use dims::AttentionDims;

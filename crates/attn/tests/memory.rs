@@ -291,3 +291,119 @@ mod predicted_backward_workspace {
         }
     }
 }
+
+mod low_precision_inputs {
+    use super::*;
+    use headroom_attn::{
+        cpu_backward_f32_workspace_bytes, cpu_forward_workspace_bytes, Algorithm, AttentionDims,
+    };
+    use headroom_tensor::{CpuTensor, Tensor};
+    use proptest::prelude::*;
+
+    fn bits(t: &CpuTensor) -> Vec<u32> {
+        let cpu = Cpu::new();
+        let mut f = cpu.zeros(t.shape().clone(), DType::F32).unwrap();
+        cpu.cast(t, &mut f).unwrap();
+        f.as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    fn to(cpu: &Cpu, t: &CpuTensor, dtype: DType) -> CpuTensor {
+        let mut out = cpu.zeros(t.shape().clone(), dtype).unwrap();
+        cpu.cast(t, &mut out).unwrap();
+        out
+    }
+
+    /// Resets the workspace peak to what is live now.
+    fn reset(hook: &Peaks) {
+        let mut s = hook.state.lock().unwrap();
+        let live = s.live.get(&MemoryCategory::Workspace).copied().unwrap_or(0);
+        s.peak.insert(MemoryCategory::Workspace, live);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+        /// bf16 inputs (the CPU backend's low precision): the forward (heads widened a group at a time for chunked and flash)
+        /// gives the output of the f32 forward on exact f32 copies, rounded; the f32-gradient
+        /// backward gives that backward's gradients bit for bit (d_out f32 or low precision);
+        /// and each call's workspace peak is what `cpu_forward_workspace_bytes` /
+        /// `cpu_backward_f32_workspace_bytes` predict, byte for byte.
+        #[test]
+        fn grouped_heads_give_the_f32_bits_and_the_predicted_workspace(
+            b in 1usize..3,
+            kv in 1usize..4,
+            group in prop::sample::select(vec![1usize, 2, 3]),
+            nq in 1usize..70,
+            kv_extra in 0usize..10,
+            hd in 1usize..12,
+            algo in 0u8..3,
+            tile in 1usize..40,
+            tile_k in 1usize..40,
+            causal in any::<bool>(),
+            segments in prop::option::of(1usize..5),
+            threads in 1usize..4,
+            d_out_low in any::<bool>(),
+        ) {
+            let algorithm = match algo {
+                0 => Algorithm::Naive,
+                1 => Algorithm::Chunked { chunk_size: tile },
+                _ => Algorithm::Flash { block_q: tile, block_k: tile_k },
+            };
+            let nk = nq + kv_extra;
+            let hq = kv * group;
+            let mut config = AttentionConfig::with_algorithm(algorithm).causal(causal);
+            if let Some(s) = segments {
+                config = config.backward_segments(s);
+            }
+            let low = DType::BF16;
+            let hook = Arc::new(Peaks::default());
+            let cpu = Cpu::with_threads(threads).unwrap().with_alloc_hook(hook.clone());
+            let fill = |len: usize, s: f32| (0..len).map(|i| (i as f32 * s).sin()).collect::<Vec<_>>();
+            let _data = MemoryCategory::Data.enter();
+            let f32_of = |v: Vec<f32>, shape: [usize; 4]| {
+                let t = cpu.upload(&v, shape).unwrap();
+                // Exactly representable in the low dtype, so f32 and low hold the same values.
+                to(&cpu, &to(&cpu, &t, low), DType::F32)
+            };
+            let (q, k, v, d_out) = (
+                f32_of(fill(b * hq * nq * hd, 0.37), [b, hq, nq, hd]),
+                f32_of(fill(b * kv * nk * hd, 0.53), [b, kv, nk, hd]),
+                f32_of(fill(b * kv * nk * hd, 0.71), [b, kv, nk, hd]),
+                f32_of(fill(b * hq * nq * hd, 0.29), [b, hq, nq, hd]),
+            );
+            let (ql, kl, vl) = (to(&cpu, &q, low), to(&cpu, &k, low), to(&cpu, &v, low));
+            let d_out_l = if d_out_low { to(&cpu, &d_out, low) } else { to(&cpu, &d_out, DType::F32) };
+
+            // The f32 reference, its backward reading the output as kept (rounded).
+            let mut want_fwd = cpu.attention_forward(&q, &k, &v, &config).unwrap();
+            let kept = to(&cpu, &want_fwd.output, low);
+            let want_out = bits(&kept);
+            want_fwd.output = to(&cpu, &kept, DType::F32);
+            let want = cpu.attention_backward(&q, &k, &v, &want_fwd, &d_out).unwrap();
+
+            reset(&hook);
+            let fwd = cpu.attention_forward(&ql, &kl, &vl, &config).unwrap();
+            let fwd_peak = hook.state.lock().unwrap().peak[&MemoryCategory::Workspace];
+            prop_assert_eq!(fwd.output.dtype(), low);
+            prop_assert_eq!(bits(&fwd.output), want_out);
+            let dims: AttentionDims = fwd.dims;
+            prop_assert_eq!(fwd_peak as u64, cpu_forward_workspace_bytes(&dims, &config, threads), "forward {:?}", dims);
+
+            reset(&hook);
+            let got = cpu.attention_backward_f32(&ql, &kl, &vl, fwd, &d_out_l).unwrap();
+            let bwd_peak = hook.state.lock().unwrap().peak[&MemoryCategory::Workspace];
+            for (g, w) in [(&got.dq, &want.dq), (&got.dk, &want.dk), (&got.dv, &want.dv)] {
+                prop_assert_eq!(g.dtype(), DType::F32);
+                prop_assert_eq!(bits(g), bits(w));
+            }
+            prop_assert_eq!(
+                bwd_peak as u64,
+                cpu_backward_f32_workspace_bytes(&dims, d_out_l.dtype(), &config, threads),
+                "backward {:?}", dims
+            );
+        }
+    }
+}

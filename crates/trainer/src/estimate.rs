@@ -304,17 +304,43 @@ pub fn estimate(
             headroom_tensor::DType::F32
         },
     };
-    let attn_ws = headroom_attn::cpu_backward_scratch_bytes(
-        &attn_dims,
-        &tech.model.attention.causal(true),
-        threads,
-    );
+    let attn_config = tech.model.attention.causal(true);
+    // bf16 is read in place by the attention kernels (a few heads widened at a time); f16 goes
+    // through the model's f32 copies of q, k, v and the output.
+    let attn = if tech.model.precision == crate::model::Precision::Bf16 {
+        AttnWorkspace {
+            backward: headroom_attn::cpu_backward_f32_workspace_bytes(
+                &attn_dims,
+                headroom_tensor::DType::F32,
+                &attn_config,
+                threads,
+            ),
+            forward_in_place: Some(headroom_attn::cpu_forward_workspace_bytes(
+                &attn_dims,
+                &attn_config,
+                threads,
+            )),
+            copies: false,
+        }
+    } else {
+        AttnWorkspace {
+            backward: headroom_attn::cpu_backward_scratch_bytes(&attn_dims, &attn_config, threads),
+            forward_in_place: None,
+            copies: low,
+        }
+    };
     // Blocks differ only in which linears have adapters (targets may name layers): the
     // largest over the distinct sets.
     let no_adapters = [Vec::new()];
     let adapter_sets = finetune
         .as_ref()
         .map_or(&no_adapters[..], |f| &f.adapted_sets[..]);
+    // A block forward recomputed during backward runs beside the incoming f32 gradient.
+    let forward_live = if schedule.forward_count() > cfg.layers {
+        btc
+    } else {
+        0
+    };
     let block_workspaces: Vec<BlockWorkspace> = adapter_sets
         .iter()
         .map(|adapted| {
@@ -328,9 +354,9 @@ pub fn estimate(
                 threads,
             };
             if llama {
-                llama_block_workspace(cfg, bt, a, attn_ws, &lin)
+                llama_block_workspace(cfg, bt, a, &attn, &lin, forward_live)
             } else {
-                gpt2_block_workspace(cfg, bt, a, attn_ws, &lin)
+                gpt2_block_workspace(cfg, bt, a, &attn, &lin, forward_live)
             }
         })
         .collect();
@@ -639,16 +665,38 @@ impl LinearMoments<'_> {
     }
 }
 
+/// Attention's workspace as a block sees it.
+struct AttnWorkspace {
+    /// Bytes the backward holds beyond its f32 gradients: headroom-attn's prediction (with,
+    /// reading bf16, one group of heads' f32 copies).
+    backward: u64,
+    /// Bytes the forward holds beyond its output when it reads the stored bf16 in place;
+    /// `None` when the model hands it f32 tensors.
+    forward_in_place: Option<u64>,
+    /// The model makes f32 copies of q, k, v and the output for attention (fp16).
+    copies: bool,
+}
+
+impl AttnWorkspace {
+    /// Elements the forward's attention moment holds: its own workspace when it reads bf16
+    /// in place, else `copies`, the f32 copies of its inputs and its f32 output.
+    fn forward(&self, copies: u64) -> u64 {
+        self.forward_in_place.map_or(copies, |b| b.div_ceil(4))
+    }
+}
+
 /// A Llama block backward's workspace peak: the largest of its moments, each the sum of the
 /// f32 buffers live at once (`llama_block_backward` allocates them in this order). Always live:
 /// the incoming gradient (the norms, SwiGLU and the residual read the kept bf16/f16 input,
-/// `res2`, gate and up in place). Widths: C model, F SwiGLU, K keys and values.
+/// `res2`, gate and up in place). Widths: C model, F SwiGLU, K keys and values. The forward's
+/// moments hold `forward_live` more elements (a recomputation's incoming gradient).
 fn llama_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
     a: u64,
-    attn_ws: u64,
+    attn: &AttnWorkspace,
     lin: &LinearMoments<'_>,
+    forward_live: u64,
 ) -> BlockWorkspace {
     let low = a < 4;
     use params::llama_layer as o;
@@ -669,8 +717,9 @@ fn llama_block_workspace(
         lin.peak(mlp_common + btf + btc, o::UP, cu, fu, true),
         // o_proj's backward: dres2, atty, datty (atty is f32 scratch: no view).
         lin.peak(attn_common + 3 * btc, o::O, cu, cu, false),
-        // attention's backward: dres2, dy, the f32 output, views and gradients of q, k, v.
-        if low { 6 * btc + 4 * btk } else { 0 },
+        // attention's backward from the model's f32 copies: dres2, dy, the f32 output, the
+        // copies and gradients of q, k, v.
+        if attn.copies { 6 * btc + 4 * btk } else { 0 },
         // q's, k's and v's backward: dres2, dq, dk, dv, dnorm1, the merged head gradient.
         lin.peak(attn_common + 3 * btc + 2 * btk + btc, o::Q, cu, cu, true),
         lin.peak(attn_common + 3 * btc + 2 * btk + btk, o::K, cu, ku, true),
@@ -680,12 +729,13 @@ fn llama_block_workspace(
     .max()
     .unwrap_or(0)
         * 4;
-    // Naive attention's probability gradient, with dres2, dy and dq/dk/dv (and in low
-    // precision the views of the attention output and q, k, v).
-    let attention = if low {
-        (6 * btc + 4 * btk) * 4 + attn_ws
+    // Attention's own workspace (naive's probability gradient, partials, scratch; reading
+    // bf16, a group of heads' f32 copies), with dres2, dy and dq/dk/dv (and the model's f32
+    // copies of the output and q, k, v, when it makes them).
+    let attention = if attn.copies {
+        (6 * btc + 4 * btk) * 4 + attn.backward
     } else {
-        (4 * btc + 2 * btk) * 4 + attn_ws
+        (4 * btc + 2 * btk) * 4 + attn.backward
     };
     // The forward (`llama_block_forward`; its f32 outputs are workspace until rounded in low
     // precision): each projection with its output, q/k/v's through a flat scratch; attention
@@ -696,7 +746,7 @@ fn llama_block_workspace(
         lin.forward_peak(btk, o::K, cu, ku, true),
         lin.forward_peak(btk, o::V, cu, ku, true),
         btc + fresh(btc),
-        fresh(2 * btc + 2 * btk),
+        attn.forward(fresh(2 * btc + 2 * btk)),
         lin.forward_peak(btc + fresh(btc), o::O, cu, cu, false),
         lin.forward_peak(fresh(btf), o::GATE, cu, fu, true),
         lin.forward_peak(fresh(btf), o::UP, cu, fu, true),
@@ -704,8 +754,7 @@ fn llama_block_workspace(
     ]
     .into_iter()
     .max()
-    .unwrap_or(0)
-        * 4;
+    .map_or(0, |m| (m + forward_live) * 4);
     // The SwiGLU output (kept, or recomputed under selective recomputation) is dropped right
     // after down's backward: every later moment holds B·T·F fewer activation elements.
     BlockWorkspace::new(first, later.max(attention), btf * a).with_forward(forward)
@@ -713,22 +762,24 @@ fn llama_block_workspace(
 
 /// A GPT-2 block backward's workspace peak, moment by moment as `gpt2_block_backward`
 /// allocates: the incoming gradient always (the norms, GELU and the residual read the kept
-/// bf16/f16 input, `res2` and `fch` in place).
+/// bf16/f16 input, `res2` and `fch` in place). The forward's moments hold `forward_live` more
+/// elements (a recomputation's incoming gradient).
 fn gpt2_block_workspace(
     cfg: &ModelConfig,
     bt: u64,
     a: u64,
-    attn_ws: u64,
+    attn: &AttnWorkspace,
     lin: &LinearMoments<'_>,
+    forward_live: u64,
 ) -> BlockWorkspace {
     let low = a < 4;
     use params::layer as o;
     let c = cfg.channels;
     let btc = bt * u(c);
     let (mlp_common, attn_common) = (btc, btc);
-    // Attention's backward: dres2, dy, dq, dk, dv (and the f32 views of q, k, v and the
-    // output).
-    let attention = attn_common + 5 * btc + if low { 4 * btc } else { 0 };
+    // Attention's backward: dres2, dy, dq, dk, dv (and the model's f32 copies of q, k, v and
+    // the output, when it makes them).
+    let attention = attn_common + 5 * btc + if attn.copies { 4 * btc } else { 0 };
     // The MLP projection's backward: dfch_gelu.
     let first = lin.peak(mlp_common + 4 * btc, o::FC_PROJ_W, 4 * c, c, true) * 4;
     let later = [
@@ -747,7 +798,7 @@ fn gpt2_block_workspace(
     .max()
     .unwrap_or(0)
         * 4;
-    let later = later.max(attention * 4 + attn_ws);
+    let later = later.max(attention * 4 + attn.backward);
     // The forward (`gpt2_block_forward`; its f32 outputs are workspace until rounded in low
     // precision): c_attn into the qkv scratch, then q, k, v beside it; attention with the f32
     // copies of q, k, v and its f32 output; each later linear with its output.
@@ -755,15 +806,14 @@ fn gpt2_block_workspace(
     let forward = [
         lin.forward_peak(3 * btc, o::QKV_W, c, 3 * c, true),
         3 * btc + fresh(3 * btc),
-        fresh(4 * btc),
+        attn.forward(fresh(4 * btc)),
         lin.forward_peak(btc + fresh(btc), o::ATTN_PROJ_W, c, c, false),
         lin.forward_peak(fresh(4 * btc), o::FC_W, c, 4 * c, true),
         lin.forward_peak(fresh(btc), o::FC_PROJ_W, 4 * c, c, true),
     ]
     .into_iter()
     .max()
-    .unwrap_or(0)
-        * 4;
+    .map_or(0, |m| (m + forward_live) * 4);
     // The GELU output (kept, or recomputed under selective recomputation) is dropped right
     // after the projection's backward, so every later moment holds 4·B·T·C fewer activation
     // elements than the block started its backward with.

@@ -12,6 +12,9 @@ mod naive;
 mod parallel;
 mod softmax_rows;
 
+use std::ops::Range;
+
+use headroom_tensor::cpu::kernels::{self, FloatSlice, FloatSliceMut};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
 use crate::dims::{check_backward_inputs, check_same};
@@ -216,6 +219,390 @@ pub fn cpu_backward_scratch_bytes(
     (elems as u64).saturating_mul(4)
 }
 
+/// A low-precision problem run a few heads at a time (chunked and flash): each group of
+/// consecutive flat query heads — whole key/value groups — is widened into f32 buffers and
+/// run as a problem of its own, so the f32 copies are a group's, not whole tensors'.
+///
+/// Same bits as one f32 problem: heads never mix in the forward, and the backward's segments
+/// are the whole problem's (passed as the group's configuration), so every `dK`/`dV` partial
+/// is summed in the same order. (Trade-off: a group's kernel call re-creates its scratch, one
+/// more allocation per group; the groups hold two tasks per thread so the threads stay busy.)
+#[derive(Clone, Copy, Debug)]
+struct HeadGroups {
+    /// The whole problem.
+    dims: AttentionDims,
+    /// Query heads per group (the last may have fewer), a multiple of the group size.
+    per_group: usize,
+}
+
+impl HeadGroups {
+    fn new(dims: &AttentionDims, threads: usize) -> Self {
+        let heads = (dims.batch * dims.q_heads).max(1);
+        let gs = dims.group_size().max(1);
+        HeadGroups {
+            dims: *dims,
+            per_group: (2 * threads.max(1)).next_multiple_of(gs).min(heads),
+        }
+    }
+
+    /// Whether `dims` under `algorithm` runs grouped: low-precision inputs to a tiled kernel
+    /// (naive keeps whole-tensor copies: its O(N²) probabilities dwarf them).
+    fn applies(dims: &AttentionDims, algorithm: Algorithm) -> bool {
+        dims.dtype != DType::F32 && !matches!(effective(algorithm, dims), Algorithm::Naive)
+    }
+
+    /// Each group's query heads (flat), in order.
+    fn groups(&self) -> impl Iterator<Item = Range<usize>> {
+        let heads = self.dims.batch * self.dims.q_heads;
+        let g = self.per_group.max(1);
+        (0..heads).step_by(g).map(move |h| h..(h + g).min(heads))
+    }
+
+    /// The problem of query heads `heads`: one batch of them, f32.
+    fn sub_dims(&self, heads: &Range<usize>) -> AttentionDims {
+        let gs = self.dims.group_size().max(1);
+        AttentionDims {
+            batch: 1,
+            q_heads: heads.len(),
+            kv_heads: heads.len() / gs,
+            dtype: DType::F32,
+            ..self.dims
+        }
+    }
+
+    /// Elements of `heads`' rows in a `[heads, q_len, head_dim]` tensor, and of their
+    /// key/value heads' in a `[kv heads, kv_len, head_dim]` one.
+    fn ranges(&self, heads: &Range<usize>) -> (Range<usize>, Range<usize>) {
+        let d = &self.dims;
+        let (q_head, kv_head) = (d.q_len * d.head_dim, d.kv_len * d.head_dim);
+        let gs = d.group_size().max(1);
+        (
+            heads.start * q_head..heads.end * q_head,
+            heads.start / gs * kv_head..heads.end / gs * kv_head,
+        )
+    }
+
+    /// f32 elements of one group's `q`-shaped and key/value-shaped buffers.
+    fn buffer_lens(&self) -> (usize, usize) {
+        let d = &self.dims;
+        let g = self.per_group;
+        (
+            g * d.q_len * d.head_dim,
+            g / d.group_size().max(1) * d.kv_len * d.head_dim,
+        )
+    }
+}
+
+/// Elements `range` of a float slice, same type.
+fn sub<'a>(s: &FloatSlice<'a>, range: Range<usize>) -> Result<FloatSlice<'a>> {
+    let bad = || AttnError::Internal("group range");
+    Ok(match s {
+        FloatSlice::F32(x) => FloatSlice::F32(x.get(range).ok_or_else(bad)?),
+        FloatSlice::F16(x) => FloatSlice::F16(x.get(range).ok_or_else(bad)?),
+        FloatSlice::BF16(x) => FloatSlice::BF16(x.get(range).ok_or_else(bad)?),
+    })
+}
+
+/// `dst = src` widened (exactly) to f32, the tensor crate's cast.
+fn widen(src: FloatSlice<'_>, dst: &mut [f32]) {
+    kernels::cast(src, FloatSliceMut::F32(dst));
+}
+
+/// Zeroed f32 `Workspace` buffers of these lengths.
+fn f32_buffers<const N: usize>(cpu: &Cpu, lens: [usize; N]) -> Result<[CpuTensor; N]> {
+    let _workspace = MemoryCategory::Workspace.enter();
+    let mut out = Vec::with_capacity(N);
+    for len in lens {
+        out.push(cpu.zeros([len], DType::F32)?);
+    }
+    out.try_into()
+        .map_err(|_| AttnError::Internal("group buffers"))
+}
+
+/// The forward of a grouped problem (see [`HeadGroups`]): `output` in the inputs' dtype
+/// (allocated in the caller's category), each group's f32 output narrowed into it.
+fn grouped_forward(
+    cpu: &Cpu,
+    (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
+    config: &AttentionConfig,
+    dims: AttentionDims,
+) -> Result<AttentionForward<CpuTensor>> {
+    let mut output = cpu.zeros(dims.q_shape(), dims.dtype)?;
+    let mut logsumexp = {
+        let _saved = MemoryCategory::Activations.enter();
+        cpu.zeros(dims.lse_shape(), DType::F32)?
+    };
+    let groups = HeadGroups::new(&dims, cpu.num_threads());
+    let (q_len, kv_len) = groups.buffer_lens();
+    let [mut qb, mut kb, mut vb, mut ob] = f32_buffers(cpu, [q_len, kv_len, kv_len, q_len])?;
+    let (qs, ks, vs) = (
+        q.float_slice("attention")?,
+        k.float_slice("attention")?,
+        v.float_slice("attention")?,
+    );
+    let lse = logsumexp.as_mut_slice::<f32>()?;
+    for heads in groups.groups() {
+        let sub_dims = groups.sub_dims(&heads);
+        let (qr, kr) = groups.ranges(&heads);
+        let (qf, kf, vf) = (
+            &mut qb.as_mut_slice::<f32>()?[..qr.len()],
+            &mut kb.as_mut_slice::<f32>()?[..kr.len()],
+            &mut vb.as_mut_slice::<f32>()?[..kr.len()],
+        );
+        cpu.install(|| -> Result<()> {
+            widen(sub(&qs, qr.clone())?, qf);
+            widen(sub(&ks, kr.clone())?, kf);
+            widen(sub(&vs, kr.clone())?, vf);
+            Ok(())
+        })?;
+        let problem = Problem {
+            dims: sub_dims,
+            causal: config.causal,
+            scale: config.scale_for(dims.head_dim),
+            q: qf,
+            k: kf,
+            v: vf,
+        };
+        let out = &mut ob.as_mut_slice::<f32>()?[..qr.len()];
+        let lse = lse
+            .get_mut(heads.start * dims.q_len..heads.end * dims.q_len)
+            .ok_or(AttnError::Internal("group logsumexp"))?;
+        match effective(config.algorithm, &dims) {
+            Algorithm::Chunked { chunk_size } => {
+                chunked::forward(cpu, &problem, chunk_size, out, lse)?
+            }
+            Algorithm::Flash { block_q, block_k } => {
+                flash::forward(cpu, &problem, block_q, block_k, out, lse)?
+            }
+            Algorithm::Naive => return Err(AttnError::Internal("naive is not grouped")),
+        }
+        let out = &*out;
+        let dst = output.float_slice_mut("attention")?;
+        cpu.install(|| -> Result<()> {
+            kernels::cast(FloatSlice::F32(out), sub_mut(dst, qr.clone())?);
+            Ok(())
+        })?;
+    }
+    Ok(AttentionForward {
+        output,
+        logsumexp,
+        probs: None,
+        config: *config,
+        dims,
+    })
+}
+
+/// Elements `range` of a mutable float slice, same type.
+fn sub_mut(s: FloatSliceMut<'_>, range: Range<usize>) -> Result<FloatSliceMut<'_>> {
+    let bad = || AttnError::Internal("group range");
+    Ok(match s {
+        FloatSliceMut::F32(x) => FloatSliceMut::F32(x.get_mut(range).ok_or_else(bad)?),
+        FloatSliceMut::F16(x) => FloatSliceMut::F16(x.get_mut(range).ok_or_else(bad)?),
+        FloatSliceMut::BF16(x) => FloatSliceMut::BF16(x.get_mut(range).ok_or_else(bad)?),
+    })
+}
+
+/// The f32-gradient backward of a grouped problem: each group's `q`, output, `d_out` (when
+/// not f32), `k` and `v` widened, its gradients written straight into the f32 results.
+fn grouped_backward_f32(
+    cpu: &Cpu,
+    (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
+    forward: &AttentionForward<CpuTensor>,
+    d_out: &CpuTensor,
+    dims: AttentionDims,
+) -> Result<AttentionGradients<CpuTensor>> {
+    let config = forward.config;
+    let mut dq = cpu.zeros(dims.q_shape(), DType::F32)?;
+    let mut dk = cpu.zeros(dims.kv_shape(), DType::F32)?;
+    let mut dv = cpu.zeros(dims.kv_shape(), DType::F32)?;
+    let groups = HeadGroups::new(&dims, cpu.num_threads());
+    let (q_len, kv_len) = groups.buffer_lens();
+    let d_out_len = if d_out.dtype() == DType::F32 {
+        0
+    } else {
+        q_len
+    };
+    let [mut qb, mut ob, mut db, mut kb, mut vb] =
+        f32_buffers(cpu, [q_len, q_len, d_out_len, kv_len, kv_len])?;
+    let (qs, ks, vs) = (
+        q.float_slice("attention")?,
+        k.float_slice("attention")?,
+        v.float_slice("attention")?,
+    );
+    let (os, ds) = (
+        forward.output.float_slice("attention")?,
+        d_out.float_slice("attention")?,
+    );
+    let lse = forward.logsumexp.as_slice::<f32>()?;
+    let tile = match effective(config.algorithm, &dims) {
+        Algorithm::Chunked { chunk_size } => chunk_size,
+        Algorithm::Flash { block_q, .. } => block_q,
+        Algorithm::Naive => return Err(AttnError::Internal("naive is not grouped")),
+    };
+    let sub_config = AttentionConfig {
+        backward_segments: Some(parallel::segments(&dims, tile, config.backward_segments)),
+        ..config
+    };
+    for heads in groups.groups() {
+        let sub_dims = groups.sub_dims(&heads);
+        let (qr, kr) = groups.ranges(&heads);
+        let (qf, of, kf, vf) = (
+            &mut qb.as_mut_slice::<f32>()?[..qr.len()],
+            &mut ob.as_mut_slice::<f32>()?[..qr.len()],
+            &mut kb.as_mut_slice::<f32>()?[..kr.len()],
+            &mut vb.as_mut_slice::<f32>()?[..kr.len()],
+        );
+        let df: &mut [f32] = match d_out_len {
+            0 => &mut [],
+            _ => &mut db.as_mut_slice::<f32>()?[..qr.len()],
+        };
+        cpu.install(|| -> Result<()> {
+            widen(sub(&qs, qr.clone())?, qf);
+            widen(sub(&os, qr.clone())?, of);
+            widen(sub(&ks, kr.clone())?, kf);
+            widen(sub(&vs, kr.clone())?, vf);
+            if !df.is_empty() {
+                widen(sub(&ds, qr.clone())?, df);
+            }
+            Ok(())
+        })?;
+        let d_out_f: &[f32] = match &ds {
+            FloatSlice::F32(x) => x.get(qr.clone()).ok_or(AttnError::Internal("d_out"))?,
+            _ => df,
+        };
+        let problem = Problem {
+            dims: sub_dims,
+            causal: config.causal,
+            scale: config.scale_for(dims.head_dim),
+            q: qf,
+            k: kf,
+            v: vf,
+        };
+        let saved = SavedRows {
+            out: of,
+            d_out: d_out_f,
+            lse: lse
+                .get(heads.start * dims.q_len..heads.end * dims.q_len)
+                .ok_or(AttnError::Internal("group logsumexp"))?,
+        };
+        let grads = parallel::Grads {
+            dq: dq
+                .as_mut_slice::<f32>()?
+                .get_mut(qr.clone())
+                .ok_or(AttnError::Internal("group dq"))?,
+            dk: dk
+                .as_mut_slice::<f32>()?
+                .get_mut(kr.clone())
+                .ok_or(AttnError::Internal("group dk"))?,
+            dv: dv
+                .as_mut_slice::<f32>()?
+                .get_mut(kr.clone())
+                .ok_or(AttnError::Internal("group dv"))?,
+        };
+        match effective(config.algorithm, &dims) {
+            Algorithm::Chunked { chunk_size } => {
+                chunked::backward(cpu, &problem, &saved, chunk_size, &sub_config, grads)?
+            }
+            Algorithm::Flash { block_q, block_k } => {
+                flash::backward(cpu, &problem, &saved, block_q, block_k, &sub_config, grads)?
+            }
+            Algorithm::Naive => return Err(AttnError::Internal("naive is not grouped")),
+        }
+    }
+    Ok(AttentionGradients { dq, dk, dv })
+}
+
+/// Scratch elements of one forward task, and the tasks: what [`parallel::for_each_forward_tile`]
+/// allocates for `dims` (f32) under `algorithm`.
+fn forward_pool_elems(dims: &AttentionDims, algorithm: Algorithm, threads: usize) -> usize {
+    let heads = dims.batch * dims.q_heads;
+    let (tile_rows, scratch) = match effective(algorithm, dims) {
+        Algorithm::Naive => return 0,
+        Algorithm::Chunked { chunk_size } => (chunk_size, chunk_size * dims.kv_len),
+        Algorithm::Flash { block_q, block_k } => (block_q, block_q * block_k + 2 * block_q),
+    };
+    let tasks = heads.saturating_mul(dims.q_len.div_ceil(tile_rows.max(1)));
+    parallel::concurrent_tasks(tasks, threads).saturating_mul(scratch)
+}
+
+/// The `Workspace` bytes the CPU forward of `dims` under `config` holds at its peak on a pool
+/// of `threads` threads, beyond its output and log-sum-exp: for low-precision inputs to
+/// chunked or flash attention, one group of heads' f32 `q`, `k`, `v` and output (see the
+/// module's grouping) and the group's per-task scratch; for f32 inputs the per-task scratch;
+/// for naive in low precision the whole f32 copies of `q`, `k`, `v` and the output's staging.
+/// A function of the shape, the configuration and the thread count only.
+pub fn cpu_forward_workspace_bytes(
+    dims: &AttentionDims,
+    config: &AttentionConfig,
+    threads: usize,
+) -> u64 {
+    let heads = dims.batch * dims.q_heads;
+    if dims.q_len == 0 || dims.kv_len == 0 || heads == 0 {
+        return 0;
+    }
+    let elems = if HeadGroups::applies(dims, config.algorithm) {
+        let groups = HeadGroups::new(dims, threads);
+        let (q_len, kv_len) = groups.buffer_lens();
+        let first = groups.sub_dims(&(0..groups.per_group));
+        2 * q_len + 2 * kv_len + forward_pool_elems(&first, config.algorithm, threads)
+    } else if dims.dtype != DType::F32 {
+        // Naive: whole copies and the output's staging.
+        let (q, kv) = (dims.q_shape().numel(), dims.kv_shape().numel());
+        2 * q + 2 * kv
+    } else {
+        forward_pool_elems(dims, config.algorithm, threads)
+    };
+    (elems as u64).saturating_mul(4)
+}
+
+/// The `Workspace` bytes [`AttentionBackend::attention_backward_f32`] holds at its peak on the
+/// CPU beyond its f32 gradients, for `d_out` of dtype `d_out`: with low-precision inputs to
+/// chunked or flash attention, one group of heads' f32 `q`, output, `d_out` (unless f32), `k`
+/// and `v` and the group's [`cpu_backward_scratch_bytes`]; otherwise the whole f32 copies of
+/// what is not f32 (the output, `q`, `k`, `v`, `d_out`) and [`cpu_backward_scratch_bytes`].
+pub fn cpu_backward_f32_workspace_bytes(
+    dims: &AttentionDims,
+    d_out: DType,
+    config: &AttentionConfig,
+    threads: usize,
+) -> u64 {
+    let heads = dims.batch * dims.q_heads;
+    if dims.q_len == 0 || dims.kv_len == 0 || heads == 0 {
+        return 0;
+    }
+    let f32_dims = AttentionDims {
+        dtype: DType::F32,
+        ..*dims
+    };
+    if HeadGroups::applies(dims, config.algorithm) {
+        let groups = HeadGroups::new(dims, threads);
+        let (q_len, kv_len) = groups.buffer_lens();
+        let d_out_len = if d_out == DType::F32 { 0 } else { q_len };
+        let tile = match effective(config.algorithm, dims) {
+            Algorithm::Chunked { chunk_size } => chunk_size,
+            Algorithm::Flash { block_q, .. } => block_q,
+            Algorithm::Naive => 1,
+        };
+        let sub_config = AttentionConfig {
+            backward_segments: Some(parallel::segments(dims, tile, config.backward_segments)),
+            ..*config
+        };
+        let first = groups.sub_dims(&(0..groups.per_group));
+        let buffers = (2 * q_len + d_out_len + 2 * kv_len) as u64 * 4;
+        return buffers.saturating_add(cpu_backward_scratch_bytes(&first, &sub_config, threads));
+    }
+    let (q, kv) = (
+        dims.q_shape().numel() as u64,
+        dims.kv_shape().numel() as u64,
+    );
+    let copies = if dims.dtype == DType::F32 {
+        0
+    } else {
+        2 * q + 2 * kv
+    } + if d_out == DType::F32 { 0 } else { q };
+    (copies * 4).saturating_add(cpu_backward_scratch_bytes(&f32_dims, config, threads))
+}
+
 impl AttentionBackend for Cpu {
     fn attention_forward(
         &self,
@@ -230,6 +617,9 @@ impl AttentionBackend for Cpu {
             (k.shape(), k.dtype()),
             (v.shape(), v.dtype()),
         )?;
+        if HeadGroups::applies(&dims, config.algorithm) && dims.q_len > 0 && dims.kv_len > 0 {
+            return grouped_forward(self, (q, k, v), config, dims);
+        }
         let mut output = F32Output::new(self, dims.q_shape(), dims.dtype)?;
         let mut logsumexp = {
             let _saved = MemoryCategory::Activations.enter();
@@ -347,5 +737,51 @@ impl AttentionBackend for Cpu {
             dk: dk.finish(self)?,
             dv: dv.finish(self)?,
         })
+    }
+
+    fn attention_backward_f32(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        forward: AttentionForward<CpuTensor>,
+        d_out: &CpuTensor,
+    ) -> Result<AttentionGradients<CpuTensor>> {
+        let dims = check_f32_backward_inputs(q, k, v, &forward, d_out)?;
+        if HeadGroups::applies(&dims, forward.config.algorithm) && dims.q_len > 0 && dims.kv_len > 0
+        {
+            return grouped_backward_f32(self, (q, k, v), &forward, d_out, dims);
+        }
+        // f32 inputs, naive, or an empty problem: whole copies of what is not f32.
+        crate::backend_ext::backward_f32_via_copies(self, q, k, v, forward, d_out)
+    }
+}
+
+/// [`check_backward_inputs`] for [`AttentionBackend::attention_backward_f32`]: `d_out` may be
+/// f32 or the inputs' dtype.
+fn check_f32_backward_inputs(
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    forward: &AttentionForward<CpuTensor>,
+    d_out: &CpuTensor,
+) -> Result<AttentionDims> {
+    if d_out.dtype() == DType::F32 && q.dtype() != DType::F32 {
+        // Check everything else against a d_out of the inputs' dtype: same shape, any data.
+        check_same(
+            "d_out",
+            d_out,
+            &forward.dims.q_shape(),
+            DType::F32,
+            "d_out has q's shape",
+        )?;
+        let dims = AttentionDims::new(
+            (q.shape(), q.dtype()),
+            (k.shape(), k.dtype()),
+            (v.shape(), v.dtype()),
+        )?;
+        check_backward_inputs(q, k, v, forward, &forward.output).map(|_| dims)
+    } else {
+        check_backward_inputs(q, k, v, forward, d_out)
     }
 }

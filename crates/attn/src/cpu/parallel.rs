@@ -148,15 +148,22 @@ pub(crate) fn segment_rows(
     tile_rows: usize,
     configured: Option<usize>,
 ) -> usize {
-    // About 8 tasks keep a few cores busy while adding at most 8 partials per head.
-    const TARGET_TASKS: usize = 8;
     let tile_rows = tile_rows.max(1);
     let tiles = dims.q_len.div_ceil(tile_rows).max(1);
+    tiles.div_ceil(segments(dims, tile_rows, configured)) * tile_rows
+}
+
+/// Segments per head [`segment_rows`] aims at: `configured`, or enough for about 8 tasks,
+/// within `1..=tiles`. Passing it as the configuration of a problem with fewer heads (a group
+/// of this one's) gives that problem the same segments, so the same summation order.
+pub(crate) fn segments(dims: &AttentionDims, tile_rows: usize, configured: Option<usize>) -> usize {
+    // About 8 tasks keep a few cores busy while adding at most 8 partials per head.
+    const TARGET_TASKS: usize = 8;
+    let tiles = dims.q_len.div_ceil(tile_rows.max(1)).max(1);
     let heads = (dims.batch * dims.q_heads).max(1);
-    let segments = configured
+    configured
         .unwrap_or_else(|| TARGET_TASKS.div_ceil(heads))
-        .clamp(1, tiles);
-    tiles.div_ceil(segments) * tile_rows
+        .clamp(1, tiles)
 }
 
 /// How a backward splits into tasks: segments of `seg_rows` query rows per head, and the

@@ -863,6 +863,18 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
+    /// headroom-attn's CPU kernels read bf16 themselves (a few heads widened at a time); f16,
+    /// which they do not take, goes through an f32 copy.
+    fn attention_input(&self, t: &CpuTensor) -> Result<Option<CpuTensor>> {
+        if t.dtype() != DType::F16 {
+            return Ok(None);
+        }
+        let _g = MemoryCategory::Workspace.enter();
+        let mut out = self.uninit(t.shape().clone(), DType::F32)?;
+        self.cast(t, &mut out)?;
+        Ok(Some(out))
+    }
+
     fn round_to(&self, x: &mut CpuTensor, precision: Precision) -> Result<()> {
         round_slice(out(x)?, precision);
         Ok(())

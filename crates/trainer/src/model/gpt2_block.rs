@@ -207,14 +207,17 @@ impl<B: ModelOps> Model<B> {
         k: &B::Tensor,
         v: &B::Tensor,
     ) -> Result<AttentionForward<B::Tensor>> {
-        // Attention reads what the backend's kernels read (the CPU: f32 copies).
+        // Attention reads what the backend's kernels read (the CPU: bf16 in place, f16 through
+        // f32 copies).
         let be = self.backend();
         let (qc, kc, vc) = (
             be.attention_input(q)?,
             be.attention_input(k)?,
             be.attention_input(v)?,
         );
-        let out_cat = if self.opts.precision.is_low() {
+        // From f32 copies the output is f32 workspace until `keep` rounds it; read in place it
+        // comes back in the storage precision, kept as it is.
+        let out_cat = if self.opts.precision.is_low() && qc.is_some() {
             MemoryCategory::Workspace
         } else {
             MemoryCategory::Activations

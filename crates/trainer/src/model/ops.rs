@@ -252,9 +252,9 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
 
     /// The tensor attention reads for a kept `q`, `k` or `v` (or output): `None` when it reads
     /// `t` itself, else a converted copy in `Workspace` memory for the caller to hold as long
-    /// as attention needs it. The default is an f32 copy of a low-precision tensor (the CPU's
-    /// attention is f32 throughout); a backend whose kernels read the storage precision
-    /// directly returns `None`.
+    /// as attention needs it. The default is an f32 copy of a low-precision tensor; a backend
+    /// whose attention reads the storage precision directly returns `None` (the CPU for bf16,
+    /// which it widens a few heads at a time).
     fn attention_input(&self, t: &Self::Tensor) -> Result<Option<Self::Tensor>> {
         if t.dtype() == DType::F32 {
             return Ok(None);
@@ -267,7 +267,8 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
 
     /// Attention's backward from what the model kept — `q`, `k`, `v` and `attn` in the storage
     /// precision — and `dy`, the output's f32 gradient `[B, NH, T, hs]`: f32 gradients of `q`,
-    /// `k`, `v`. The default reads every input through [`ModelOps::attention_input`]; a
+    /// `k`, `v`. The default reads every input through [`ModelOps::attention_input`] and runs
+    /// [`AttentionBackend::attention_backward_f32`](headroom_attn::AttentionBackend); a
     /// backend whose kernels want other dtypes converts as they need.
     fn attention_backward_kept(
         &self,
@@ -306,7 +307,7 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
             kc.as_ref().unwrap_or(k),
             vc.as_ref().unwrap_or(v),
         );
-        Ok(self.attention_backward(qv, kv, vv, &fwd, dy)?)
+        Ok(self.attention_backward_f32(qv, kv, vv, fwd, dy)?)
     }
 
     /// The output head and the loss, fused and `rows` token rows at a time (so the `[N, V]`

@@ -292,7 +292,7 @@ impl<B: ModelOps> Model<B> {
     /// Keep an f32 result in the storage precision (rounding it, round to nearest even).
     pub(crate) fn keep(&self, t: B::Tensor) -> Result<B::Tensor> {
         let dt = self.opts.precision.storage();
-        if dt == DType::F32 {
+        if dt == DType::F32 || t.dtype() == dt {
             return Ok(t);
         }
         let _g = MemoryCategory::Activations.enter();
