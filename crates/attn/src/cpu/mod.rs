@@ -282,6 +282,24 @@ impl HeadGroups {
         )
     }
 
+    /// `config` for a group's backward: the whole problem's segments per head (so the same
+    /// partials, summed in the same order).
+    fn backward_config(&self, config: &AttentionConfig) -> AttentionConfig {
+        let tile = match effective(config.algorithm, &self.dims) {
+            Algorithm::Chunked { chunk_size } => chunk_size,
+            Algorithm::Flash { block_q, .. } => block_q,
+            Algorithm::Naive => 1,
+        };
+        AttentionConfig {
+            backward_segments: Some(parallel::segments(
+                &self.dims,
+                tile,
+                config.backward_segments,
+            )),
+            ..*config
+        }
+    }
+
     /// f32 elements of one group's `q`-shaped and key/value-shaped buffers.
     fn buffer_lens(&self) -> (usize, usize) {
         let d = &self.dims;
@@ -434,15 +452,7 @@ fn grouped_backward_f32(
         d_out.float_slice("attention")?,
     );
     let lse = forward.logsumexp.as_slice::<f32>()?;
-    let tile = match effective(config.algorithm, &dims) {
-        Algorithm::Chunked { chunk_size } => chunk_size,
-        Algorithm::Flash { block_q, .. } => block_q,
-        Algorithm::Naive => return Err(AttnError::Internal("naive is not grouped")),
-    };
-    let sub_config = AttentionConfig {
-        backward_segments: Some(parallel::segments(&dims, tile, config.backward_segments)),
-        ..config
-    };
+    let sub_config = groups.backward_config(&config);
     for heads in groups.groups() {
         let sub_dims = groups.sub_dims(&heads);
         let (qr, kr) = groups.ranges(&heads);
@@ -578,15 +588,7 @@ pub fn cpu_backward_f32_workspace_bytes(
         let groups = HeadGroups::new(dims, threads);
         let (q_len, kv_len) = groups.buffer_lens();
         let d_out_len = if d_out == DType::F32 { 0 } else { q_len };
-        let tile = match effective(config.algorithm, dims) {
-            Algorithm::Chunked { chunk_size } => chunk_size,
-            Algorithm::Flash { block_q, .. } => block_q,
-            Algorithm::Naive => 1,
-        };
-        let sub_config = AttentionConfig {
-            backward_segments: Some(parallel::segments(dims, tile, config.backward_segments)),
-            ..*config
-        };
+        let sub_config = groups.backward_config(config);
         let first = groups.sub_dims(&(0..groups.per_group));
         let buffers = (2 * q_len + d_out_len + 2 * kv_len) as u64 * 4;
         return buffers.saturating_add(cpu_backward_scratch_bytes(&first, &sub_config, threads));
@@ -747,6 +749,10 @@ impl AttentionBackend for Cpu {
         forward: AttentionForward<CpuTensor>,
         d_out: &CpuTensor,
     ) -> Result<AttentionGradients<CpuTensor>> {
+        if q.dtype() == DType::F16 {
+            // The kernels take f32 and bf16: f16 goes through whole f32 copies.
+            return crate::backend_ext::backward_f32_via_copies(self, q, k, v, forward, d_out);
+        }
         let dims = check_f32_backward_inputs(q, k, v, &forward, d_out)?;
         if HeadGroups::applies(&dims, forward.config.algorithm) && dims.q_len > 0 && dims.kv_len > 0
         {

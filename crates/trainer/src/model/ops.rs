@@ -267,9 +267,10 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
 
     /// Attention's backward from what the model kept — `q`, `k`, `v` and `attn` in the storage
     /// precision — and `dy`, the output's f32 gradient `[B, NH, T, hs]`: f32 gradients of `q`,
-    /// `k`, `v`. The default reads every input through [`ModelOps::attention_input`] and runs
-    /// [`AttentionBackend::attention_backward_f32`](headroom_attn::AttentionBackend); a
-    /// backend whose kernels want other dtypes converts as they need.
+    /// `k`, `v`. The default is
+    /// [`AttentionBackend::attention_backward_f32`](headroom_attn::AttentionBackend) (which
+    /// makes f32 copies of what its kernels do not read; the CPU's reads bf16 a few heads at a
+    /// time); a backend whose kernels want other dtypes converts as they need.
     fn attention_backward_kept(
         &self,
         q: &Self::Tensor,
@@ -278,36 +279,7 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         attn: AttentionForward<Self::Tensor>,
         dy: &Self::Tensor,
     ) -> Result<AttentionGradients<Self::Tensor>> {
-        let AttentionForward {
-            output,
-            logsumexp,
-            probs,
-            config,
-            dims,
-        } = attn;
-        // The kept output is freed as soon as its f32 copy exists.
-        let output = match self.attention_input(&output)? {
-            Some(f32_copy) => f32_copy,
-            None => output,
-        };
-        let fwd = AttentionForward {
-            output,
-            logsumexp,
-            probs,
-            config,
-            dims,
-        };
-        let (qc, kc, vc) = (
-            self.attention_input(q)?,
-            self.attention_input(k)?,
-            self.attention_input(v)?,
-        );
-        let (qv, kv, vv) = (
-            qc.as_ref().unwrap_or(q),
-            kc.as_ref().unwrap_or(k),
-            vc.as_ref().unwrap_or(v),
-        );
-        Ok(self.attention_backward_f32(qv, kv, vv, fwd, dy)?)
+        Ok(self.attention_backward_f32(q, k, v, attn, dy)?)
     }
 
     /// The output head and the loss, fused and `rows` token rows at a time (so the `[N, V]`
