@@ -100,27 +100,35 @@ fn bench(c: &mut Criterion) {
         Isa::detect().name(),
         rayon::current_num_threads(),
     );
-    let base = format!("quant/matmul_fwd/baseline_f32_gemm/{size}");
+    record_throughputs(
+        &format!("quant/matmul_fwd/baseline_f32_gemm/{size}"),
+        flops / td / 1e9,
+        &format!("quant/matmul_fwd/headroom_nf4_fused/{size}"),
+        flops / tf / 1e9,
+        ratio,
+    );
+}
+
+/// Records a baseline's throughput (GFLOP/s) and one measured against it, with the ratio of
+/// the interleaved rounds.
+fn record_throughputs(base: &str, base_gflops: f64, bench: &str, gflops: f64, ratio: f64) {
+    let throughput = |bench: &str, value: f64| Record {
+        bench: bench.into(),
+        metric: "throughput".into(),
+        value,
+        unit: "GFLOP/s".into(),
+        baseline: None,
+        baseline_value: None,
+        ratio: None,
+        better: Better::Higher,
+    };
     for r in [
+        throughput(base, base_gflops),
         Record {
-            bench: base.clone(),
-            metric: "throughput".into(),
-            value: flops / td / 1e9,
-            unit: "GFLOP/s".into(),
-            baseline: None,
-            baseline_value: None,
-            ratio: None,
-            better: Better::Higher,
-        },
-        Record {
-            bench: format!("quant/matmul_fwd/headroom_nf4_fused/{size}"),
-            metric: "throughput".into(),
-            value: flops / tf / 1e9,
-            unit: "GFLOP/s".into(),
-            baseline: Some(base),
-            baseline_value: Some(flops / td / 1e9),
+            baseline: Some(base.into()),
+            baseline_value: Some(base_gflops),
             ratio: Some(ratio),
-            better: Better::Higher,
+            ..throughput(bench, gflops)
         },
     ] {
         if let Err(e) = record(&r) {
@@ -214,33 +222,13 @@ fn bench_bf16(_: &mut Criterion) {
         ("forward", qf, "forward_dense_bf16", df),
         ("input_grad", qb, "input_grad_dense_bf16", db),
     ] {
-        let base_bench = format!("quant/bf16_products/{base_name}/{size}");
-        for r in [
-            Record {
-                bench: base_bench.clone(),
-                metric: "throughput".into(),
-                value: flops / base / 1e9,
-                unit: "GFLOP/s".into(),
-                baseline: None,
-                baseline_value: None,
-                ratio: None,
-                better: Better::Higher,
-            },
-            Record {
-                bench: format!("quant/bf16_products/{name}_nf4/{size}"),
-                metric: "throughput".into(),
-                value: flops / t / 1e9,
-                unit: "GFLOP/s".into(),
-                baseline: Some(base_bench),
-                baseline_value: Some(flops / base / 1e9),
-                ratio: Some(base / t),
-                better: Better::Higher,
-            },
-        ] {
-            if let Err(e) = record(&r) {
-                eprintln!("could not record {}: {e}", r.bench);
-            }
-        }
+        record_throughputs(
+            &format!("quant/bf16_products/{base_name}/{size}"),
+            flops / base / 1e9,
+            &format!("quant/bf16_products/{name}_nf4/{size}"),
+            flops / t / 1e9,
+            base / t,
+        );
     }
 }
 

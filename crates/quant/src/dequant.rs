@@ -150,10 +150,19 @@ mod avx2 {
 
     use half::bf16;
 
-    use super::{decode_scalar, decode_scalar_bf16, nibble};
+    use super::{decode_scalar, decode_scalar_bf16};
 
     /// Bytes decoded per vector step: 16 bytes, 32 elements.
     const STEP: usize = 16;
+
+    /// How `len` elements from `start` split for the vector loop: `(head, steps)`, the elements
+    /// decoded one by one first (1 when an odd start begins in a byte's low nibble, after
+    /// which elements pair up with bytes) and the vector steps after them; the rest is the
+    /// scalar tail.
+    fn vector_span(start: usize, len: usize) -> (usize, usize) {
+        let head = usize::from(start % 2 == 1 && len > 0);
+        (head, (len - head) / 2 / STEP)
+    }
 
     /// # Safety
     /// The CPU must support avx2.
@@ -165,15 +174,9 @@ mod avx2 {
         out: &mut [f32],
         scale: f32,
     ) {
-        let mut j = 0usize;
-        // An odd start begins in a byte's low nibble; after it, elements pair up with bytes.
-        if start % 2 == 1 && !out.is_empty() {
-            out[0] = table[nibble(codes, start) as usize] * scale;
-            j = 1;
-        }
+        let (mut j, steps) = vector_span(start, out.len());
+        decode_scalar(table, codes, start, &mut out[..j], scale);
         let first_byte = (start + j) / 2;
-        let pairs = (out.len() - j) / 2;
-        let steps = pairs / STEP;
         if steps > 0 {
             let bytes = &codes[first_byte..first_byte + steps * STEP];
             let dst = &mut out[j..j + steps * STEP * 2];
@@ -238,14 +241,9 @@ mod avx2 {
         out: &mut [bf16],
         scale: f32,
     ) {
-        let mut j = 0usize;
-        if start % 2 == 1 && !out.is_empty() {
-            out[0] = bf16::from_f32(table[nibble(codes, start) as usize] * scale);
-            j = 1;
-        }
+        let (mut j, steps) = vector_span(start, out.len());
+        decode_scalar_bf16(table, codes, start, &mut out[..j], scale);
         let first_byte = (start + j) / 2;
-        let pairs = (out.len() - j) / 2;
-        let steps = pairs / STEP;
         if steps > 0 {
             let bytes = &codes[first_byte..first_byte + steps * STEP];
             let dst = &mut out[j..j + steps * STEP * 2];
