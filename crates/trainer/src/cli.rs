@@ -179,12 +179,24 @@ struct SampleArgs {
     /// New tokens to generate.
     #[arg(long, default_value_t = 100)]
     tokens: usize,
-    /// Softmax temperature; 0 is greedy.
+    /// Softmax temperature; 0 is greedy (the argmax after the repetition penalty). The
+    /// settings apply in transformers' order: repetition penalty, temperature, top-k, top-p,
+    /// min-p.
     #[arg(long, default_value_t = 1.0)]
     temperature: f32,
-    /// Sample among the K most likely tokens only.
+    /// Sample among the K most likely tokens only (and any tied with the K-th).
     #[arg(long, value_name = "K")]
     top_k: Option<usize>,
+    /// Nucleus sampling: the most likely tokens whose probabilities add up to P, in (0, 1].
+    #[arg(long, value_name = "P")]
+    top_p: Option<f32>,
+    /// Drop tokens less than P times as likely as the most likely one, P in [0, 1].
+    #[arg(long, value_name = "P")]
+    min_p: Option<f32>,
+    /// Divide the logit of every token already in the prompt or the output by R (multiply
+    /// when negative), as transformers' `repetition_penalty`; 1 is none, 1.1–1.3 is usual.
+    #[arg(long, value_name = "R")]
+    repetition_penalty: Option<f32>,
     /// Seed of the sampler.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
@@ -1805,8 +1817,17 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
 }
 
 fn cmd_sample(a: SampleArgs) -> CliResult {
-    use crate::sample::{generate, load_model_with, SampleOptions};
+    use crate::sample::{generate, load_model_with, SampleOptions, Sampling};
     use crate::tokenize::Tokenizer;
+    let sampling = Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repetition_penalty,
+    };
+    // Before the model loads: a bad setting is refused at once.
+    sampling.validate()?;
     let cpu = headroom_tensor::Cpu::new();
     let model = load_model_with(&a.from, a.adapter.as_deref(), &cpu)?;
     let tok = match &a.tokenizer {
@@ -1842,8 +1863,7 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     }
     let opts = SampleOptions {
         tokens: a.tokens,
-        temperature: a.temperature,
-        top_k: a.top_k,
+        sampling,
         seed: a.seed,
         stop_at: if a.ignore_eot { None } else { eot },
         vocab_limit: tok.as_ref().map(Tokenizer::vocab_size),

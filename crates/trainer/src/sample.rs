@@ -10,15 +10,88 @@ use headroom_tensor::{Cpu, CpuTensor};
 use crate::model::{Model, ModelConfig, ModelOps, ModelOptions};
 use crate::{adapters, checkpoint, hf, Result, TrainError};
 
-/// How to sample.
+/// How the next token is chosen from the logits. The steps run in the order transformers'
+/// `generate` applies its logits processors (`_get_logits_processor`), so a setting means what
+/// it means there: the repetition penalty on the raw logits, then the temperature, top-k, top-p
+/// and min-p, then a draw from the softmax of what is left. At temperature 0 only the penalty
+/// applies and the choice is the argmax (transformers' greedy search).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// Softmax temperature; 0 picks the most likely token every time (greedy).
+    pub temperature: f32,
+    /// Keep the `k` most likely tokens, and any tied with the k-th
+    /// (transformers' `TopKLogitsWarper`).
+    pub top_k: Option<usize>,
+    /// Nucleus sampling: keep the most likely tokens whose probabilities add up to `top_p`,
+    /// dropping the least likely while the mass dropped stays within `1 − top_p`
+    /// (transformers' `TopPLogitsWarper`); in (0, 1], 1 keeps everything.
+    pub top_p: Option<f32>,
+    /// Keep the tokens at least `min_p` times as likely as the most likely one
+    /// (transformers' `MinPLogitsWarper`); in [0, 1].
+    pub min_p: Option<f32>,
+    /// CTRL's repetition penalty: a token already in the prompt or the output has its logit
+    /// divided by this when positive and multiplied when negative
+    /// (transformers' `RepetitionPenaltyLogitsProcessor`); > 0, 1 is none.
+    pub repetition_penalty: Option<f32>,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 1.0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            repetition_penalty: None,
+        }
+    }
+}
+
+impl Sampling {
+    /// Greedy decoding: the argmax every time.
+    pub fn greedy() -> Self {
+        Sampling {
+            temperature: 0.0,
+            ..Sampling::default()
+        }
+    }
+
+    /// A typed error for a setting outside its range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(TrainError::Input(format!("sample: {what}")));
+        let t = self.temperature;
+        if !(t >= 0.0 && t.is_finite()) {
+            return bad(format!("temperature {t} is not a finite number ≥ 0"));
+        }
+        if self.top_k == Some(0) {
+            return bad("top-k must be at least 1".into());
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return bad(format!("top-p {p} is not in (0, 1]"));
+            }
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return bad(format!("min-p {p} is not in [0, 1]"));
+            }
+        }
+        if let Some(r) = self.repetition_penalty {
+            if !(r > 0.0 && r.is_finite()) {
+                return bad(format!("repetition penalty {r} is not a finite number > 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How to generate.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SampleOptions {
     /// New tokens to generate.
     pub tokens: usize,
-    /// Softmax temperature; 0 picks the most likely token every time (greedy).
-    pub temperature: f32,
-    /// Sample only among the `k` most likely tokens.
-    pub top_k: Option<usize>,
+    /// How each token is chosen.
+    pub sampling: Sampling,
     /// Seed of the generator.
     pub seed: u64,
     /// Stop after generating this token (the end of text).
@@ -32,8 +105,7 @@ impl Default for SampleOptions {
     fn default() -> Self {
         SampleOptions {
             tokens: 100,
-            temperature: 1.0,
-            top_k: None,
+            sampling: Sampling::default(),
             seed: 1337,
             stop_at: None,
             vocab_limit: None,
@@ -69,63 +141,132 @@ pub fn load_model_with(dir: &Path, adapter: Option<&Path>, cpu: &Cpu) -> Result<
     Model::from_masters(cpu, cfg, ModelOptions::default(), masters)
 }
 
-/// The next token from `logits` `[V]`: the most likely one at temperature 0 (the lowest id
-/// among equals), else a draw from `softmax(logits / temperature)` restricted to the `top_k`
-/// most likely tokens.
-pub fn pick(
+/// The logits after the repetition penalty for the ids in `history` (ids outside `logits`
+/// are ignored), in f32 as transformers computes them (each id once, however often it
+/// occurs).
+fn penalized(logits: &[f32], history: &[u32], penalty: Option<f32>) -> Vec<f32> {
+    let mut scores = logits.to_vec();
+    if let Some(r) = penalty.filter(|&r| r != 1.0) {
+        let mut seen = vec![false; scores.len()];
+        for &id in history {
+            let i = id as usize;
+            if i < scores.len() && !std::mem::replace(&mut seen[i], true) {
+                let s = scores[i];
+                scores[i] = if s < 0.0 { s * r } else { s / r };
+            }
+        }
+    }
+    scores
+}
+
+/// The distribution the next token is drawn from: the ids `sampling` keeps, most likely first
+/// (ties by id), each with its probability (f64, summing to 1). `history` is every token so
+/// far, prompt included, for the repetition penalty. At temperature 0, the argmax alone.
+///
+/// Numerics: the penalty and the temperature are applied in f32, as in transformers, so those
+/// scores are its bits; the softmax, top-p's cumulative sums and min-p's ratios are computed in
+/// f64 (transformers: f32), so a token whose cumulative probability lies within f32 rounding of
+/// top-p's cut can fall on the other side.
+pub fn next_token_distribution(
     logits: &[f32],
-    temperature: f32,
-    top_k: Option<usize>,
-    rng: &mut Xoshiro256,
-) -> Result<u32> {
+    history: &[u32],
+    sampling: &Sampling,
+) -> Result<Vec<(u32, f64)>> {
+    sampling.validate()?;
     if logits.is_empty() {
         return Err(TrainError::Input("sample: no logits".into()));
-    }
-    if !(temperature >= 0.0 && temperature.is_finite()) {
-        return Err(TrainError::Input(format!(
-            "sample: temperature {temperature} is not a finite number ≥ 0"
-        )));
-    }
-    if top_k == Some(0) {
-        return Err(TrainError::Input("sample: top-k must be at least 1".into()));
     }
     if logits.iter().any(|l| l.is_nan()) {
         return Err(TrainError::Input(
             "sample: the model produced NaN logits".into(),
         ));
     }
-    // Descending by logit, ties by id: the order the cut and the greedy choice use.
-    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    let by_logit = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
+    let mut scores = penalized(logits, history, sampling.repetition_penalty);
+    // Descending by score, ties by id: the order of the cuts and of the greedy choice.
+    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+    let by_score =
+        |s: &[f32], a: &u32, b: &u32| s[*b as usize].total_cmp(&s[*a as usize]).then(a.cmp(b));
+    if sampling.temperature == 0.0 {
+        let best = order
+            .into_iter()
+            .min_by(|a, b| by_score(&scores, a, b))
+            .unwrap_or(0);
+        return Ok(vec![(best, 1.0)]);
+    }
+    if sampling.temperature != 1.0 {
+        for s in &mut scores {
+            *s /= sampling.temperature;
+        }
+    }
+    order.sort_unstable_by(|a, b| by_score(&scores, a, b));
+    let score = |i: usize| scores[order[i] as usize];
+    // Every cut keeps a prefix of `order`; at least the most likely token survives each.
+    let mut keep = order.len();
+    if let Some(k) = sampling.top_k {
+        if k < keep {
+            let kth = score(k - 1);
+            keep = k + (k..keep).take_while(|&i| score(i) == kth).count();
+        }
+    }
+    let top = f64::from(score(0));
+    if !top.is_finite() {
+        return Err(TrainError::Input(format!(
+            "sample: the largest logit is {top} after the penalty and the temperature \
+             (a temperature too close to 0?)"
+        )));
+    }
+    // exp(s − s_max): the unnormalised probabilities of the kept prefix.
+    let weights = |keep: usize| -> Vec<f64> {
+        (0..keep)
+            .map(|i| (f64::from(score(i)) - top).exp())
+            .collect()
     };
-    if temperature == 0.0 || top_k == Some(1) {
-        return Ok(order.into_iter().min_by(by_logit).unwrap_or(0));
+    if let Some(p) = sampling.top_p.filter(|&p| p < 1.0) {
+        let w = weights(keep);
+        let total: f64 = w.iter().sum();
+        // Drop from the least likely while the dropped mass is ≤ 1 − p.
+        let limit = (1.0 - f64::from(p)) * total;
+        let mut dropped = 0.0;
+        while keep > 1 && dropped + w[keep - 1] <= limit {
+            dropped += w[keep - 1];
+            keep -= 1;
+        }
     }
-    let keep = top_k.unwrap_or(logits.len()).min(logits.len());
-    if keep < logits.len() {
-        order.select_nth_unstable_by(keep - 1, by_logit);
-        order.truncate(keep);
+    if let Some(p) = sampling.min_p {
+        // p_i < min_p · p_max ⇔ exp(s_i − s_max) < min_p: no normaliser needed.
+        let w = weights(keep);
+        keep = 1 + w[1..].iter().take_while(|&&x| x >= f64::from(p)).count();
     }
-    order.sort_unstable_by(by_logit);
-    // Softmax in f64 over the kept tokens, shifted by the largest for range.
-    let top = logits[order[0] as usize] as f64;
-    let weights: Vec<f64> = order
+    let w = weights(keep);
+    let total: f64 = w.iter().sum();
+    Ok(order[..keep]
         .iter()
-        .map(|&i| ((logits[i as usize] as f64 - top) / temperature as f64).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    let mut target = rng.next_f64() * total;
-    for (&id, w) in order.iter().zip(&weights) {
-        if target < *w {
+        .zip(w)
+        .map(|(&id, x)| (id, x / total))
+        .collect())
+}
+
+/// The next token from `logits` `[V]`, drawn from [`next_token_distribution`] with `rng`
+/// (the argmax at temperature 0, the lowest id among equals).
+pub fn pick(
+    logits: &[f32],
+    history: &[u32],
+    sampling: &Sampling,
+    rng: &mut Xoshiro256,
+) -> Result<u32> {
+    let dist = next_token_distribution(logits, history, sampling)?;
+    if let [(only, _)] = dist[..] {
+        return Ok(only);
+    }
+    let mut target = rng.next_f64();
+    for &(id, p) in &dist {
+        if target < p {
             return Ok(id);
         }
-        target -= w;
+        target -= p;
     }
-    // Rounding left the draw past the last weight: the last kept token.
-    Ok(*order.last().unwrap_or(&0))
+    // Rounding left the draw past the last probability: the last kept token.
+    Ok(dist.last().map_or(0, |&(id, _)| id))
 }
 
 /// Continue `prompt` by up to `opts.tokens` tokens, calling `on_token` with each as it is
@@ -142,6 +283,7 @@ pub fn generate<B: ModelOps>(
             "sample: the prompt needs at least one token".into(),
         ));
     }
+    opts.sampling.validate()?;
     let window = model.cfg.max_seq;
     let mut rng = Xoshiro256::seed_from_u64(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();
@@ -158,7 +300,7 @@ pub fn generate<B: ModelOps>(
         }
         let logits = model.decode(&mut cache, &pending)?;
         let allowed = opts.vocab_limit.unwrap_or(logits.len()).min(logits.len());
-        let next = pick(&logits[..allowed], opts.temperature, opts.top_k, &mut rng)?;
+        let next = pick(&logits[..allowed], &all, &opts.sampling, &mut rng)?;
         all.push(next);
         out.push(next);
         on_token(next)?;

@@ -80,7 +80,13 @@ fn combos() -> Vec<(&'static str, Techniques)> {
     e.checkpoint = CheckpointChoice::EveryK(2);
     e.model.precision = Precision::Fp16;
     e.optimizer.state = StatePrecision::Float8;
-    v.push(("every-2 fp16 8-bit", e));
+    v.push(("every-2 fp16 8-bit", e.clone()));
+    e.model.attention = flash;
+    e.model.loss_chunk = Some(64);
+    v.push(("every-2 fp16 flash fused", e.clone()));
+    e.model.attention = AttentionConfig::chunked();
+    e.checkpoint = CheckpointChoice::Selective;
+    v.push(("selective fp16 chunked fused", e));
     v
 }
 

@@ -242,11 +242,33 @@ fn sample_prints_ids_without_a_tokenizer_and_refuses_mismatches() {
     assert_eq!(ids.len(), 9);
     assert_eq!(&ids[..3], &[5, 6, 7]);
     assert!(ids.iter().all(|&i| i < 97));
+    // The flag reaches the sampler: transformers' greedy `generate` with
+    // `repetition_penalty=1.3` on this model (tests/fixtures/sampling.json).
+    let o = headroom(&[
+        "sample",
+        "--from",
+        base,
+        "--prompt-ids",
+        "1,5,9,5",
+        "--tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--repetition-penalty",
+        "1.3",
+    ]);
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        "1 5 9 5 56 34 22 54 69 70 50 69"
+    );
     for bad in [
         vec!["--prompt", "text without a tokenizer"],
         vec!["--tokenizer", "gpt2"],
         vec!["--prompt-ids", "97"],
         vec!["--temperature", "-1"],
+        vec!["--top-p", "1.5"],
+        vec!["--min-p", "2"],
+        vec!["--repetition-penalty", "0"],
     ] {
         let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
             .args(["sample", "--from", base, "--tokens", "3"])

@@ -2,6 +2,10 @@
 //! the whole sequence's forward gives at that position (both families, GQA and MHA, every
 //! attention algorithm, batched, bf16), greedy generation equals the uncached argmax loop
 //! (across the sliding window too), and the draw follows softmax(logits / T) within top-k.
+//! The repetition penalty, temperature, top-k, top-p and min-p keep the tokens and give the
+//! probabilities transformers' logits processors give (`fixtures/sampling.json`, written by
+//! `benches/torch/make_sampling_fixture.py`), and greedy generation with a repetition penalty
+//! on a Hugging Face fixture model emits transformers' `generate` tokens.
 
 use headroom_attn::AttentionConfig;
 use headroom_mmap_data::rng::Xoshiro256;
@@ -9,7 +13,9 @@ use headroom_tensor::Cpu;
 use headroom_trainer::model::{
     Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
 };
-use headroom_trainer::sample::{generate, pick, SampleOptions};
+use headroom_trainer::sample::{
+    generate, load_model, next_token_distribution, pick, SampleOptions, Sampling,
+};
 use headroom_trainer::TrainError;
 use proptest::prelude::*;
 
@@ -160,7 +166,7 @@ fn greedy_generation_equals_the_uncached_argmax_across_the_window() {
         let prompt = tokens(3, 41, 0);
         let opts = SampleOptions {
             tokens: 20,
-            temperature: 0.0,
+            sampling: Sampling::greedy(),
             ..SampleOptions::default()
         };
         let mut seen = vec![];
@@ -188,8 +194,7 @@ fn sampling_is_seeded_and_stops_at_the_end_token() {
     let run = |seed| {
         let opts = SampleOptions {
             tokens: 12,
-            temperature: 1.5,
-            top_k: Some(10),
+            sampling: tempered(1.5, Some(10)),
             seed,
             stop_at: None,
             vocab_limit: None,
@@ -201,8 +206,7 @@ fn sampling_is_seeded_and_stops_at_the_end_token() {
     let first = run(7)[0];
     let opts = SampleOptions {
         tokens: 12,
-        temperature: 1.5,
-        top_k: Some(10),
+        sampling: tempered(1.5, Some(10)),
         seed: 7,
         stop_at: Some(first),
         vocab_limit: None,
@@ -222,7 +226,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let mut rng = Xoshiro256::seed_from_u64(seed);
-        let id = pick(&logits, temperature, Some(k), &mut rng).unwrap() as usize;
+        let id = pick(&logits, &[], &tempered(temperature, Some(k)), &mut rng).unwrap() as usize;
         let above = logits.iter().filter(|&&l| l > logits[id]).count();
         prop_assert!(above < k, "id {id} has {above} larger logits, k = {k}");
     }
@@ -233,12 +237,13 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let mut rng = Xoshiro256::seed_from_u64(seed);
-        let greedy = pick(&logits, 0.0, None, &mut rng).unwrap() as usize;
-        let top1 = pick(&logits, 3.0, Some(1), &mut rng).unwrap() as usize;
+        let greedy = pick(&logits, &[], &Sampling::greedy(), &mut rng).unwrap() as usize;
+        let top1 = pick(&logits, &[], &tempered(3.0, Some(1)), &mut rng).unwrap() as usize;
         let max = logits.iter().copied().fold(f32::MIN, f32::max);
         let first_max = logits.iter().position(|&l| l == max).unwrap();
         prop_assert_eq!(greedy, first_max);
-        prop_assert_eq!(top1, first_max);
+        // Top-1 keeps every token tied with the largest logit (transformers' rule).
+        prop_assert_eq!(logits[top1], max);
     }
 }
 
@@ -249,7 +254,16 @@ fn draws_follow_the_tempered_softmax() {
         let mut rng = Xoshiro256::seed_from_u64(42);
         let n = 20_000;
         let ones = (0..n)
-            .filter(|_| pick(&[0.0, 3f32.ln()], temperature, None, &mut rng).unwrap() == 1)
+            .filter(|_| {
+                pick(
+                    &[0.0, 3f32.ln()],
+                    &[],
+                    &tempered(temperature, None),
+                    &mut rng,
+                )
+                .unwrap()
+                    == 1
+            })
             .count();
         let p = ones as f64 / n as f64;
         // Five standard deviations of a binomial proportion (σ ≤ 0.0031 here).
@@ -261,22 +275,61 @@ fn draws_follow_the_tempered_softmax() {
 fn bad_requests_are_typed_errors() {
     let model = Model::new(&Cpu::new(), cfg(Some(2), 8), ModelOptions::default(), 4).unwrap();
     let mut rng = Xoshiro256::seed_from_u64(0);
-    for (temperature, k) in [
-        (f32::NAN, None),
-        (-1.0, None),
-        (f32::INFINITY, None),
-        (1.0, Some(0)),
-    ] {
-        assert!(matches!(
-            pick(&[1.0, 2.0], temperature, k, &mut rng),
-            Err(TrainError::Input(_))
-        ));
+    let bad = [
+        tempered(f32::NAN, None),
+        tempered(-1.0, None),
+        tempered(f32::INFINITY, None),
+        tempered(1.0, Some(0)),
+        Sampling {
+            top_p: Some(0.0),
+            ..Sampling::default()
+        },
+        Sampling {
+            top_p: Some(1.5),
+            ..Sampling::default()
+        },
+        Sampling {
+            top_p: Some(f32::NAN),
+            ..Sampling::default()
+        },
+        Sampling {
+            min_p: Some(-0.1),
+            ..Sampling::default()
+        },
+        Sampling {
+            min_p: Some(1.1),
+            ..Sampling::default()
+        },
+        Sampling {
+            repetition_penalty: Some(0.0),
+            ..Sampling::default()
+        },
+        Sampling {
+            repetition_penalty: Some(f32::INFINITY),
+            ..Sampling::default()
+        },
+        // 2 / 1e-39 overflows f32: no finite largest score to normalise by.
+        tempered(1e-39, None),
+    ];
+    for sampling in bad {
+        assert!(
+            matches!(
+                pick(&[1.0, 2.0], &[0], &sampling, &mut rng),
+                Err(TrainError::Input(_))
+            ),
+            "{sampling:?}"
+        );
     }
+    let opts = SampleOptions {
+        sampling: bad[4],
+        ..SampleOptions::default()
+    };
+    assert!(generate(&model, &[1], &opts, |_| Ok(())).is_err());
     assert!(matches!(
-        pick(&[f32::NAN, 1.0], 1.0, None, &mut rng),
+        pick(&[f32::NAN, 1.0], &[], &Sampling::default(), &mut rng),
         Err(TrainError::Input(_))
     ));
-    assert!(pick(&[], 1.0, None, &mut rng).is_err());
+    assert!(pick(&[], &[], &Sampling::default(), &mut rng).is_err());
     let mut cache = model.kv_cache(1);
     // Past the context, an id outside the vocabulary, a ragged batch, nothing at all.
     assert!(model.decode(&mut cache, &tokens(9, 41, 0)).is_err());
@@ -290,4 +343,147 @@ fn bad_requests_are_typed_errors() {
         "the window is full"
     );
     assert!(generate(&model, &[], &SampleOptions::default(), |_| Ok(())).is_err());
+}
+
+/// Temperature and top-k alone.
+fn tempered(temperature: f32, top_k: Option<usize>) -> Sampling {
+    Sampling {
+        temperature,
+        top_k,
+        ..Sampling::default()
+    }
+}
+
+fn fixture() -> serde_json::Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/sampling.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn f32_list(v: &serde_json::Value) -> Vec<f32> {
+    let list = v.as_array().unwrap();
+    list.iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+fn u32_list(v: &serde_json::Value) -> Vec<u32> {
+    let list = v.as_array().unwrap();
+    list.iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn opt_f32(v: &serde_json::Value) -> Option<f32> {
+    v.as_f64().map(|x| x as f32)
+}
+
+/// transformers' processors keep exactly these tokens, with these probabilities: 48 random
+/// cases, every setting alone and combined, ties at top-k's cut among them.
+#[test]
+fn the_kept_tokens_and_probabilities_are_transformers() {
+    let fx = fixture();
+    let cases = fx["warpers"].as_array().unwrap();
+    assert!(cases.len() >= 40);
+    let mut ties_kept = 0;
+    for (n, case) in cases.iter().enumerate() {
+        let sampling = Sampling {
+            temperature: case["temperature"].as_f64().unwrap() as f32,
+            top_k: case["top_k"].as_u64().map(|k| k as usize),
+            top_p: opt_f32(&case["top_p"]),
+            min_p: opt_f32(&case["min_p"]),
+            repetition_penalty: opt_f32(&case["repetition_penalty"]),
+        };
+        let logits = f32_list(&case["logits"]);
+        let got = next_token_distribution(&logits, &u32_list(&case["history"]), &sampling).unwrap();
+        let mut kept: Vec<u32> = got.iter().map(|&(id, _)| id).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, u32_list(&case["kept"]), "case {n}: {sampling:?}");
+        if let Some(k) = sampling.top_k {
+            ties_kept += usize::from(kept.len() > k);
+        }
+        let want = f32_list(&case["probs"]);
+        for (&id, &p) in kept.iter().zip(&want) {
+            let (_, q) = got.iter().find(|&&(g, _)| g == id).unwrap();
+            // transformers' softmax is f32: a few ulps of the probability.
+            assert!(
+                (q - f64::from(p)).abs() <= 1e-6 * f64::from(p).max(1e-3),
+                "case {n}, id {id}: {q} vs transformers' {p}"
+            );
+        }
+        let total: f64 = got.iter().map(|&(_, p)| p).sum();
+        assert!(
+            (total - 1.0).abs() < 1e-12,
+            "case {n}: probabilities sum to {total}"
+        );
+    }
+    assert!(ties_kept > 0, "no case kept ties at the k-th score");
+}
+
+/// Greedy search with transformers' repetition penalty on the committed Llama fixture emits
+/// the tokens `generate(do_sample=False, repetition_penalty=R)` emitted (and stops at the end
+/// token where it did); the penalty changes what is generated.
+#[test]
+fn greedy_generation_with_a_repetition_penalty_is_transformers() {
+    let fx = fixture();
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf-llama-gqa-untied"
+    );
+    let model = load_model(std::path::Path::new(dir), &Cpu::new()).unwrap();
+    let runs = fx["greedy"].as_array().unwrap();
+    let mut changed = 0;
+    let mut plain = Vec::new();
+    for run in runs {
+        let prompt = u32_list(&run["prompt"]);
+        let penalty = opt_f32(&run["repetition_penalty"]);
+        let opts = SampleOptions {
+            tokens: 20,
+            sampling: Sampling {
+                repetition_penalty: penalty,
+                ..Sampling::greedy()
+            },
+            stop_at: run["eos_token_id"].as_u64().map(|e| e as u32),
+            ..SampleOptions::default()
+        };
+        let got = generate(&model, &prompt, &opts, |_| Ok(())).unwrap();
+        let want = u32_list(&run["new_tokens"]);
+        assert_eq!(got, want, "prompt {prompt:?}, penalty {penalty:?}");
+        match penalty {
+            None => plain = got,
+            Some(_) => changed += usize::from(got != plain),
+        }
+    }
+    assert!(changed >= 2, "the penalty changed only {changed} runs");
+}
+
+proptest! {
+    /// Every cut keeps the most likely token, the kept tokens are the most likely ones in
+    /// order, and a token with a larger score than a kept one is kept.
+    #[test]
+    fn the_cuts_keep_a_most_likely_prefix(
+        logits in prop::collection::vec(-8f32..8.0, 1..80),
+        history in prop::collection::vec(0u32..100, 0..10),
+        temperature in 0.1f32..3.0,
+        top_k in prop::option::of(1usize..20),
+        top_p in prop::option::of(0.01f32..=1.0),
+        min_p in prop::option::of(0f32..=1.0),
+        repetition_penalty in prop::option::of(0.5f32..2.0),
+    ) {
+        let sampling = Sampling { temperature, top_k, top_p, min_p, repetition_penalty };
+        let dist = next_token_distribution(&logits, &history, &sampling).unwrap();
+        prop_assert!(!dist.is_empty());
+        for pair in dist.windows(2) {
+            prop_assert!(pair[0].1 >= pair[1].1, "not most likely first: {:?}", dist);
+        }
+        if let Some(k) = top_k {
+            // Beyond k only ties with the k-th.
+            if dist.len() > k {
+                prop_assert_eq!(dist[k - 1].1, dist[dist.len() - 1].1);
+            }
+        }
+        if let Some(p) = min_p {
+            let top = dist[0].1;
+            for &(_, q) in &dist[1..] {
+                prop_assert!(q >= f64::from(p) * top * (1.0 - 1e-12));
+            }
+        }
+        let total: f64 = dist.iter().map(|&(_, p)| p).sum();
+        prop_assert!((total - 1.0).abs() < 1e-9);
+    }
 }
