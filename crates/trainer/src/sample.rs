@@ -159,14 +159,21 @@ fn penalized(logits: &[f32], history: &[u32], penalty: Option<f32>) -> Vec<f32> 
     scores
 }
 
-/// The distribution the next token is drawn from: the ids `sampling` keeps, most likely first
-/// (ties by id), each with its probability (f64, summing to 1). `history` is every token so
-/// far, prompt included, for the repetition penalty. At temperature 0, the argmax alone.
+/// The distribution the next token is drawn from: the ids `sampling` keeps, in ascending id
+/// order, each with its probability (f64, summing to 1). `history` is every token so far,
+/// prompt included, for the repetition penalty. At temperature 0, the argmax alone (the lowest
+/// id among equals).
 ///
 /// Numerics: the penalty and the temperature are applied in f32, as in transformers, so those
 /// scores are its bits; the softmax, top-p's cumulative sums and min-p's ratios are computed in
 /// f64 (transformers: f32), so a token whose cumulative probability lies within f32 rounding of
 /// top-p's cut can fall on the other side.
+///
+/// Cost: a decoding step's forward on a small model is a few milliseconds, and sorting a
+/// 50 257-token vocabulary would add about as much, so nothing is sorted whole: top-k selects
+/// its k (`select_nth`), top-p sorts only the most likely tokens it needs (128 first, eight
+/// times more while their mass falls short), and the exponentials are taken over what top-k
+/// kept.
 pub fn next_token_distribution(
     logits: &[f32],
     history: &[u32],
@@ -182,12 +189,12 @@ pub fn next_token_distribution(
         ));
     }
     let mut scores = penalized(logits, history, sampling.repetition_penalty);
-    // Descending by score, ties by id: the order of the cuts and of the greedy choice.
-    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+    // Descending by score, ties by id: the order every cut and the greedy choice use.
     let by_score =
         |s: &[f32], a: &u32, b: &u32| s[*b as usize].total_cmp(&s[*a as usize]).then(a.cmp(b));
+    let mut kept: Vec<u32> = (0..scores.len() as u32).collect();
     if sampling.temperature == 0.0 {
-        let best = order
+        let best = kept
             .into_iter()
             .min_by(|a, b| by_score(&scores, a, b))
             .unwrap_or(0);
@@ -198,52 +205,74 @@ pub fn next_token_distribution(
             *s /= sampling.temperature;
         }
     }
-    order.sort_unstable_by(|a, b| by_score(&scores, a, b));
-    let score = |i: usize| scores[order[i] as usize];
-    // Every cut keeps a prefix of `order`; at least the most likely token survives each.
-    let mut keep = order.len();
-    if let Some(k) = sampling.top_k {
-        if k < keep {
-            let kth = score(k - 1);
-            keep = k + (k..keep).take_while(|&i| score(i) == kth).count();
+    let by_score = |a: &u32, b: &u32| by_score(&scores, a, b);
+    if let Some(k) = sampling.top_k.filter(|&k| k < kept.len()) {
+        kept.select_nth_unstable_by(k - 1, by_score);
+        let kth = scores[kept[k - 1] as usize];
+        // The tokens tied with the k-th stay too (scores ≥ the k-th's, transformers' rule).
+        let mut end = k;
+        for i in k..kept.len() {
+            if scores[kept[i] as usize] == kth {
+                kept.swap(end, i);
+                end += 1;
+            }
         }
+        kept.truncate(end);
     }
-    let top = f64::from(score(0));
+    let top = kept
+        .iter()
+        .map(|&i| scores[i as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
     if !top.is_finite() {
         return Err(TrainError::Input(format!(
             "sample: the largest logit is {top} after the penalty and the temperature \
              (a temperature too close to 0?)"
         )));
     }
-    // exp(s − s_max): the unnormalised probabilities of the kept prefix.
-    let weights = |keep: usize| -> Vec<f64> {
-        (0..keep)
-            .map(|i| (f64::from(score(i)) - top).exp())
-            .collect()
-    };
+    // Each kept id with exp(s − s_max), its unnormalised probability (one exponential each).
+    let by_score = |a: &(u32, f64), b: &(u32, f64)| by_score(&a.0, &b.0);
+    let mut kept: Vec<(u32, f64)> = kept
+        .into_iter()
+        .map(|i| (i, (f64::from(scores[i as usize]) - f64::from(top)).exp()))
+        .collect();
     if let Some(p) = sampling.top_p.filter(|&p| p < 1.0) {
-        let w = weights(keep);
-        let total: f64 = w.iter().sum();
-        // Drop from the least likely while the dropped mass is ≤ 1 − p.
-        let limit = (1.0 - f64::from(p)) * total;
-        let mut dropped = 0.0;
-        while keep > 1 && dropped + w[keep - 1] <= limit {
-            dropped += w[keep - 1];
-            keep -= 1;
+        let total: f64 = kept.iter().map(|&(_, w)| w).sum();
+        // transformers drops, from the least likely up, every token whose cumulative
+        // probability is ≤ 1 − p: so it keeps the shortest most-likely prefix whose mass
+        // reaches total − (1 − p)·total.
+        let need = total - (1.0 - f64::from(p)) * total;
+        let mut sorted = kept.len().min(128);
+        loop {
+            if sorted < kept.len() {
+                kept.select_nth_unstable_by(sorted - 1, by_score);
+            }
+            kept[..sorted].sort_unstable_by(by_score);
+            let mut mass = 0.0;
+            let reached = kept[..sorted].iter().position(|&(_, w)| {
+                mass += w;
+                mass >= need
+            });
+            if let Some(last) = reached {
+                kept.truncate(last + 1);
+                break;
+            }
+            if sorted == kept.len() {
+                break; // rounding: the whole mass fell a hair short of `need`
+            }
+            sorted = (sorted * 8).min(kept.len());
         }
     }
     if let Some(p) = sampling.min_p {
-        // p_i < min_p · p_max ⇔ exp(s_i − s_max) < min_p: no normaliser needed.
-        let w = weights(keep);
-        keep = 1 + w[1..].iter().take_while(|&&x| x >= f64::from(p)).count();
+        // p_i < min_p · p_max ⇔ exp(s_i − s_max) < min_p: no normaliser needed. The most
+        // likely token has weight 1 and always stays.
+        kept.retain(|&(_, w)| w >= f64::from(p));
     }
-    let w = weights(keep);
-    let total: f64 = w.iter().sum();
-    Ok(order[..keep]
-        .iter()
-        .zip(w)
-        .map(|(&id, x)| (id, x / total))
-        .collect())
+    kept.sort_unstable_by_key(|&(id, _)| id);
+    let total: f64 = kept.iter().map(|&(_, w)| w).sum();
+    for (_, w) in &mut kept {
+        *w /= total;
+    }
+    Ok(kept)
 }
 
 /// The next token from `logits` `[V]`, drawn from [`next_token_distribution`] with `rng`

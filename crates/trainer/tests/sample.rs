@@ -452,7 +452,94 @@ fn greedy_generation_with_a_repetition_penalty_is_transformers() {
     assert!(changed >= 2, "the penalty changed only {changed} runs");
 }
 
+/// transformers' steps done plainly (whole sort, top-p's mass dropped from the least likely
+/// up): the kept ids in ascending order, and how close (relative to the total mass) any top-p
+/// decision came to its threshold.
+fn reference_kept(logits: &[f32], history: &[u32], s: &Sampling) -> (Vec<u32>, f64) {
+    let mut scores = logits.to_vec();
+    if let Some(r) = s.repetition_penalty {
+        let mut ids = history.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        let n = scores.len();
+        for i in ids.into_iter().map(|i| i as usize).filter(|&i| i < n) {
+            scores[i] = if scores[i] < 0.0 {
+                scores[i] * r
+            } else {
+                scores[i] / r
+            };
+        }
+    }
+    for x in &mut scores {
+        *x /= s.temperature;
+    }
+    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
+    order.sort_by(|a, b| {
+        scores[*b as usize]
+            .total_cmp(&scores[*a as usize])
+            .then(a.cmp(b))
+    });
+    let mut keep = order.len();
+    if let Some(k) = s.top_k.filter(|&k| k < keep) {
+        let kth = scores[order[k - 1] as usize];
+        keep = order.iter().filter(|&&i| scores[i as usize] >= kth).count();
+    }
+    let top = f64::from(scores[order[0] as usize]);
+    let w = |i: u32| (f64::from(scores[i as usize]) - top).exp();
+    let mut margin = f64::INFINITY;
+    if let Some(p) = s.top_p.filter(|&p| p < 1.0) {
+        let total: f64 = order[..keep].iter().map(|&i| w(i)).sum();
+        let limit = (1.0 - f64::from(p)) * total;
+        let mut dropped = 0.0;
+        while keep > 1 {
+            let next = dropped + w(order[keep - 1]);
+            margin = margin.min((next - limit).abs() / total);
+            if next > limit {
+                break;
+            }
+            dropped = next;
+            keep -= 1;
+        }
+    }
+    let mut kept: Vec<u32> = order[..keep].to_vec();
+    if let Some(p) = s.min_p {
+        kept.retain(|&i| w(i) >= f64::from(p));
+    }
+    kept.sort_unstable();
+    (kept, margin)
+}
+
 proptest! {
+    /// The selection (top-k by `select_nth`, top-p sorting only what it needs) keeps what the
+    /// plain whole-sort steps keep, on vocabularies large enough for top-p to sort in rounds.
+    #[test]
+    fn the_partial_selection_keeps_what_a_whole_sort_keeps(
+        logits in prop::collection::vec(-6f32..6.0, 1..3000),
+        history in prop::collection::vec(0u32..3000, 0..40),
+        temperature in 0.1f32..3.0,
+        top_k in prop::option::of(1usize..2000),
+        top_p in prop::option::of(0.01f32..=1.0),
+        min_p in prop::option::of(0f32..=0.5),
+        repetition_penalty in prop::option::of(0.5f32..2.0),
+        ties in any::<bool>(),
+    ) {
+        // Rounded logits tie often: top-k's ties and equal weights at top-p's cut.
+        let logits: Vec<f32> = if ties {
+            logits.iter().map(|x| x.round()).collect()
+        } else {
+            logits
+        };
+        let sampling = Sampling { temperature, top_k, top_p, min_p, repetition_penalty };
+        let got: Vec<u32> = next_token_distribution(&logits, &history, &sampling)
+            .unwrap()
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        let (want, margin) = reference_kept(&logits, &history, &sampling);
+        // Summed top-down here and bottom-up there: only a cut within rounding may differ.
+        prop_assert!(got == want || margin < 1e-12, "{:?} vs {:?} (margin {})", got, want, margin);
+    }
+
     /// Every cut keeps the most likely token, the kept tokens are the most likely ones in
     /// order, and a token with a larger score than a kept one is kept.
     #[test]
@@ -466,8 +553,10 @@ proptest! {
         repetition_penalty in prop::option::of(0.5f32..2.0),
     ) {
         let sampling = Sampling { temperature, top_k, top_p, min_p, repetition_penalty };
-        let dist = next_token_distribution(&logits, &history, &sampling).unwrap();
+        let mut dist = next_token_distribution(&logits, &history, &sampling).unwrap();
         prop_assert!(!dist.is_empty());
+        prop_assert!(dist.windows(2).all(|w| w[0].0 < w[1].0), "not in id order: {:?}", dist);
+        dist.sort_by(|a, b| b.1.total_cmp(&a.1));
         for pair in dist.windows(2) {
             prop_assert!(pair[0].1 >= pair[1].1, "not most likely first: {:?}", dist);
         }
