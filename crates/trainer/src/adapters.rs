@@ -93,6 +93,42 @@ pub fn merge(
     Ok(merged)
 }
 
+/// `adapter`'s tensors in the order a fine-tuning model over `cfg` takes them
+/// ([`crate::model::finetune::adapter_infos`]: `[A, B]` per adapted module), after the same
+/// checks as [`merge`]: every module the adapter's targets name on this model has its
+/// adapter, with the model's shapes.
+pub fn unmerged_tensors(
+    cfg: &ModelConfig,
+    adapter: &LoraAdapter,
+    dir: &Path,
+) -> Result<Vec<Vec<f32>>> {
+    let wrap = |source| TrainError::Adapter {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let modules = crate::model::finetune::adapted_modules(cfg, adapter.config())?;
+    adapter
+        .check_base(
+            modules
+                .iter()
+                .map(|m| (m.name.as_str(), m.out_features, m.in_features)),
+        )
+        .map_err(wrap)?;
+    let mut out = Vec::with_capacity(2 * modules.len());
+    for m in &modules {
+        let lora = adapter.get(&m.name).ok_or_else(|| {
+            TrainError::Input(format!(
+                "adapter {}: no adapter for {}, which its targets name",
+                dir.display(),
+                m.name
+            ))
+        })?;
+        out.push(lora.a().to_vec());
+        out.push(lora.b().to_vec());
+    }
+    Ok(out)
+}
+
 fn is_embedding(name: &str) -> bool {
     ["wte.weight", "wpe.weight", "model.embed_tokens.weight"].contains(&name)
 }

@@ -306,16 +306,15 @@ pub struct Checkpoint {
     pub moments: Vec<u8>,
 }
 
+const ADAPTERS_NOT_A_MODEL: &str = "holds LoRA adapters, not a model: pass the base model and \
+     this directory as the adapter (--from BASE --adapter DIR), or merge them (headroom merge)";
+
 impl Checkpoint {
     /// The config and the parameters uploaded to `backend` as fp32 masters (counted as
     /// parameters).
     pub fn into_masters(self, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
         if self.state.finetune.is_some() {
-            return Err(err(
-                &self.dir,
-                "holds LoRA adapters, not a model: pass the base model and this directory as \
-                 the adapter (--from BASE --adapter DIR), or merge them (headroom merge)",
-            ));
+            return Err(err(&self.dir, ADAPTERS_NOT_A_MODEL));
         }
         let infos = params::param_infos(&self.state.config);
         let _g = headroom_tensor::MemoryCategory::Parameters.enter();
@@ -962,25 +961,19 @@ fn shard_entries<'m>(
     Ok((entries, weights))
 }
 
-/// Load the checkpoint at `path` (a step directory, or a root: its newest checkpoint), checking
-/// every file against the manifest, the state against the manifest, and every tensor's name,
-/// dtype and shape against the config. Sizes are checked before anything is allocated for them.
-pub fn load(path: &Path) -> Result<Checkpoint> {
-    let dir = resolve(path)?;
-    let manifest = read_manifest(&dir)?;
-    let entry = |name: &str| {
-        manifest
-            .files
-            .iter()
-            .find(|f| f.name == name)
-            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
-    };
-    let state_entry = entry("state.json")?;
-    if state_entry.bytes > MAX_JSON_BYTES {
-        return Err(err(&dir.join("state.json"), "implausibly large"));
-    }
+/// `dir`'s `state.json`, checked against the manifest (listed, bounded, checksum, format and
+/// step) and its config validated.
+fn read_state(dir: &Path, manifest: &Manifest) -> Result<TrainingState> {
     let state_path = dir.join("state.json");
-    let json = read_verified(&dir, state_entry)?;
+    let state_entry = manifest
+        .files
+        .iter()
+        .find(|f| f.name == "state.json")
+        .ok_or_else(|| err(&dir.join(MANIFEST), "does not list state.json"))?;
+    if state_entry.bytes > MAX_JSON_BYTES {
+        return Err(err(&state_path, "implausibly large"));
+    }
+    let json = read_verified(dir, state_entry)?;
     let state: TrainingState =
         serde_json::from_slice(&json).map_err(|e| err(&state_path, e.to_string()))?;
     if state.format_version != FORMAT_VERSION || state.step != manifest.step {
@@ -993,9 +986,97 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         ));
     }
     state.config.validate()?;
+    Ok(state)
+}
+
+/// For inference: the step directory of the checkpoint at `path` and its config, after
+/// checking the manifest, the state and every model file's size and checksum — streamed, so
+/// nothing of the model's size is held — and without reading the optimizer state. The
+/// directory is then a Hugging Face one ([`crate::hf::load_each`] streams its tensors). A LoRA
+/// checkpoint is refused as [`Checkpoint::into_masters`] refuses it.
+pub fn verify_model_files(path: &Path) -> Result<(PathBuf, ModelConfig)> {
+    let dir = resolve(path)?;
+    let manifest = read_manifest(&dir)?;
+    let state = read_state(&dir, &manifest)?;
+    if state.finetune.is_some() {
+        return Err(err(&dir, ADAPTERS_NOT_A_MODEL));
+    }
+    let entry = |name: &str| {
+        manifest
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
+    };
+    let model_entries = match entry(SHARD_INDEX) {
+        Ok(index) => shard_entries(&dir, &manifest, index)?.0,
+        Err(_) => vec![entry(FILES[0])?],
+    };
+    for e in model_entries {
+        verify_streamed(&dir, e)?;
+    }
+    Ok((dir, state.config))
+}
+
+/// [`read_verified`]'s checks, reading `entry`'s file in 1 MiB pieces.
+fn verify_streamed(dir: &Path, entry: &ManifestFile) -> Result<()> {
+    let path = dir.join(&entry.name);
+    let mut file = fs::File::open(&path).map_err(io(&path))?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io(&path))?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+        if total > entry.bytes {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    if total != entry.bytes {
+        return Err(err(
+            &path,
+            format!(
+                "{total}{} bytes, the manifest says {}: the checkpoint's files disagree",
+                if total > entry.bytes { "+" } else { "" },
+                entry.bytes
+            ),
+        ));
+    }
+    let sum = hex64(hasher.digest());
+    if sum != entry.xxh3 {
+        return Err(err(
+            &path,
+            format!(
+                "checksum {sum}, the manifest says {}: the file was changed or corrupted",
+                entry.xxh3
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Load the checkpoint at `path` (a step directory, or a root: its newest checkpoint), checking
+/// every file against the manifest, the state against the manifest, and every tensor's name,
+/// dtype and shape against the config. Sizes are checked before anything is allocated for them.
+pub fn load(path: &Path) -> Result<Checkpoint> {
+    let dir = resolve(path)?;
+    let manifest = read_manifest(&dir)?;
+    let state = read_state(&dir, &manifest)?;
     if state.finetune.is_some() {
         return load_adapters(dir, &manifest, state);
     }
+    let state_path = dir.join("state.json");
+    let entry = |name: &str| {
+        manifest
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
+    };
     let param_count = state.config.parameter_count()?;
     let tensors = state.config.tensor_count()? as u64;
     let (model_entries, weight_map): (Vec<&ManifestFile>, Option<WeightMap>) =

@@ -21,6 +21,7 @@ use headroom_mmap_data::{
     BuildSpec, InspectOptions, LlmcFlavor, SynthSpec, TokenFileFormat, TokenType,
 };
 use headroom_offload::StatePrecision;
+use headroom_profiler::MemoryTracker;
 use headroom_profiler::{confirm_boundary, search_max_fit, MaxFit, OutOfBudget};
 use headroom_tensor::MemoryCategory;
 
@@ -160,9 +161,12 @@ struct EvalArgs {
     /// Batches.
     #[arg(long, default_value_t = 4)]
     batches: usize,
-    /// A PEFT LoRA adapter to merge into the model first.
+    /// A PEFT LoRA adapter: merged into the weights at fp32, applied unmerged beside a bf16,
+    /// fp16 or 4-bit base (PEFT's `PeftModel`, the numerics a QLoRA run trained with).
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
+    #[command(flatten)]
+    weights: InferenceArgs,
 }
 
 #[derive(Args)]
@@ -207,9 +211,12 @@ struct SampleArgs {
     /// Keep generating past the end-of-text token.
     #[arg(long)]
     ignore_eot: bool,
-    /// A PEFT LoRA adapter to merge into the model first.
+    /// A PEFT LoRA adapter: merged into the weights at fp32, applied unmerged beside a bf16,
+    /// fp16 or 4-bit base (PEFT's `PeftModel`, the numerics a QLoRA run trained with).
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
+    #[command(flatten)]
+    weights: InferenceArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -217,6 +224,88 @@ enum AttentionKind {
     Naive,
     Chunked,
     Flash,
+}
+
+/// How `sample` and `eval` hold the weights.
+#[derive(Args)]
+struct InferenceArgs {
+    /// Format of the weights and activations: fp32 as stored, or bf16/fp16 rounded copies
+    /// only (half the memory; transformers' `torch_dtype`).
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: PrecisionArg,
+    /// Hold every block linear in 4 bits (bitsandbytes' `load_in_4bit`): about a quarter of
+    /// bf16's bytes for those weights.
+    #[arg(long, value_enum)]
+    quantize: Option<QuantArg>,
+    /// Quantize the 4-bit scales too (bitsandbytes' compress_statistics).
+    #[arg(long, requires = "quantize")]
+    double_quant: bool,
+    /// Weights per 4-bit scale block (a power of two, 32…4096).
+    #[arg(long, default_value_t = 64, requires = "quantize")]
+    quant_blocksize: usize,
+}
+
+impl InferenceArgs {
+    /// `weights 44.2 MiB (bf16, block linears nf4), peak 120.3 MiB`: the model's weight bytes
+    /// now and the command's tracked peak (loading included).
+    fn summary(&self, tracker: &MemoryTracker) -> String {
+        let snap = tracker.snapshot();
+        let Some(d) = snap.device(headroom_tensor::Device::Cpu) else {
+            return String::new();
+        };
+        let w = self.weights();
+        let mut format = match w.precision {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+        .to_owned();
+        if let Some(q) = &w.quantize {
+            format += &format!(
+                ", block linears {}{}",
+                q.quant_type,
+                if q.double_quant {
+                    " + double quant"
+                } else {
+                    ""
+                }
+            );
+        }
+        format!(
+            "weights {:.1} MiB ({format}), peak {:.1} MiB",
+            mib(d.live[MemoryCategory::Parameters]),
+            mib(d.peak_total)
+        )
+    }
+
+    fn weights(&self) -> crate::sample::InferenceWeights {
+        crate::sample::InferenceWeights {
+            precision: precision_of(self.precision),
+            quantize: self
+                .quantize
+                .map(|q| quant_spec(q, self.quant_blocksize, self.double_quant)),
+        }
+    }
+}
+
+fn precision_of(p: PrecisionArg) -> Precision {
+    match p {
+        PrecisionArg::Fp32 => Precision::Fp32,
+        PrecisionArg::Bf16 => Precision::Bf16,
+        PrecisionArg::Fp16 => Precision::Fp16,
+    }
+}
+
+fn quant_spec(q: QuantArg, blocksize: usize, double_quant: bool) -> QuantSpec {
+    QuantSpec {
+        quant_type: match q {
+            QuantArg::Nf4 => "nf4",
+            QuantArg::Fp4 => "fp4",
+        }
+        .into(),
+        blocksize,
+        double_quant,
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -786,11 +875,7 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
         o.batch = b;
     }
     let t = &mut o.techniques;
-    t.model.precision = match run.precision {
-        PrecisionArg::Fp32 => Precision::Fp32,
-        PrecisionArg::Bf16 => Precision::Bf16,
-        PrecisionArg::Fp16 => Precision::Fp16,
-    };
+    t.model.precision = precision_of(run.precision);
     t.model.attention = match run.attention {
         AttentionKind::Naive => AttentionConfig::naive(),
         AttentionKind::Chunked => AttentionConfig::chunked(),
@@ -832,15 +917,9 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
         lora.base_model_name_or_path = run.init_from.as_ref().map(|d| d.display().to_string());
         t.finetune = Some(FinetuneSpec {
             lora,
-            quantize: run.quantize.map(|q| QuantSpec {
-                quant_type: match q {
-                    QuantArg::Nf4 => "nf4",
-                    QuantArg::Fp4 => "fp4",
-                }
-                .into(),
-                blocksize: run.quant_blocksize,
-                double_quant: run.double_quant,
-            }),
+            quantize: run
+                .quantize
+                .map(|q| quant_spec(q, run.quant_blocksize, run.double_quant)),
         });
     }
     t.micro_batch = run
@@ -1802,8 +1881,13 @@ fn cmd_merge(a: MergeArgs) -> CliResult {
 }
 
 fn cmd_eval(a: EvalArgs) -> CliResult {
-    let cpu = headroom_tensor::Cpu::new();
-    let model = crate::sample::load_model_with(&a.from, a.adapter.as_deref(), &cpu)?;
+    let (cpu, tracker) = inference_cpu();
+    let model = crate::sample::load_for_inference(
+        &a.from,
+        a.adapter.as_deref(),
+        &cpu,
+        &a.weights.weights(),
+    )?;
     let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
     let (loss, tokens) = crate::evaluate::evaluate(&model, &data, a.batch, a.seq, a.batches)?;
     say!(
@@ -1813,11 +1897,12 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
         a.seq,
         a.data.display()
     );
+    esay!("{}", a.weights.summary(&tracker));
     Ok(())
 }
 
 fn cmd_sample(a: SampleArgs) -> CliResult {
-    use crate::sample::{generate, load_model_with, SampleOptions, Sampling};
+    use crate::sample::{generate, load_for_inference, SampleOptions, Sampling};
     use crate::tokenize::Tokenizer;
     let sampling = Sampling {
         temperature: a.temperature,
@@ -1828,8 +1913,9 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     };
     // Before the model loads: a bad setting is refused at once.
     sampling.validate()?;
-    let cpu = headroom_tensor::Cpu::new();
-    let model = load_model_with(&a.from, a.adapter.as_deref(), &cpu)?;
+    let (cpu, tracker) = inference_cpu();
+    let weights = &a.weights;
+    let model = load_for_inference(&a.from, a.adapter.as_deref(), &cpu, &a.weights.weights())?;
     let tok = match &a.tokenizer {
         Some(name) => Some(Tokenizer::from_name(name)?),
         None => Tokenizer::beside(&a.from).transpose()?,
@@ -1915,12 +2001,20 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     let _ = writeln!(out);
     let secs = start.elapsed().as_secs_f64();
     esay!(
-        "{} tokens in {:.2} s ({:.1} tokens/s), KV cache on",
+        "{} tokens in {:.2} s ({:.1} tokens/s), KV cache on; {}",
         new.len(),
         secs,
-        new.len() as f64 / secs.max(1e-9)
+        new.len() as f64 / secs.max(1e-9),
+        weights.summary(&tracker)
     );
     Ok(())
+}
+
+/// A CPU backend whose allocations `sample` and `eval` count, for the weights line.
+fn inference_cpu() -> (headroom_tensor::Cpu, Arc<MemoryTracker>) {
+    let tracker = Arc::new(MemoryTracker::new());
+    let cpu = headroom_tensor::Cpu::new().with_alloc_hook(tracker.clone());
+    (cpu, tracker)
 }
 
 /// Names the MPI build of the command to run `train --dist mpi` with; empty turns the hand-over

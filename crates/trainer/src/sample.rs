@@ -7,7 +7,8 @@ use std::path::Path;
 use headroom_mmap_data::rng::Xoshiro256;
 use headroom_tensor::{Cpu, CpuTensor};
 
-use crate::model::{Model, ModelConfig, ModelOps, ModelOptions};
+use crate::model::finetune::{FinetuneBuilder, FinetuneSpec, QuantSpec};
+use crate::model::{Model, ModelConfig, ModelOps, ModelOptions, Precision};
 use crate::{adapters, checkpoint, hf, Result, TrainError};
 
 /// How the next token is chosen from the logits. The steps run in the order transformers'
@@ -122,11 +123,89 @@ pub fn load_model(dir: &Path, cpu: &Cpu) -> Result<Model> {
 
 /// The fp32 masters and config of [`load_model`]'s model.
 pub fn load_masters(dir: &Path, cpu: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
+    match model_source(dir)? {
+        Some(step) => checkpoint::load(&step)?.into_masters(cpu),
+        None => hf::load(dir, cpu),
+    }
+}
+
+/// Where `dir`'s model is: a headroom checkpoint step (`Some`) or a Hugging Face directory.
+fn model_source(dir: &Path) -> Result<Option<std::path::PathBuf>> {
     match checkpoint::resolve(dir) {
-        Ok(step) => checkpoint::load(&step)?.into_masters(cpu),
+        Ok(step) => Ok(Some(step)),
         // An unfinished headroom save keeps its error: its files are not known to match.
         Err(e) if dir.join("state.json").exists() || !dir.join("config.json").is_file() => Err(e),
-        Err(_) => hf::load(dir, cpu),
+        Err(_) => Ok(None),
+    }
+}
+
+/// How `sample` and `eval` hold a model's weights.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct InferenceWeights {
+    /// Format of the weights and activations: fp32 keeps the checkpoint's f32 values; bf16 and
+    /// fp16 keep only rounded copies (half the bytes), as transformers' `torch_dtype` does.
+    pub precision: Precision,
+    /// Every block linear in 4 bits (bitsandbytes' `load_in_4bit` with this quantization
+    /// type, block size and double quantization); the embeddings, norms and head in
+    /// `precision`.
+    pub quantize: Option<QuantSpec>,
+}
+
+/// [`load_model_with`], holding the weights as `how` says. At fp32 without quantization it is
+/// [`load_model_with`] itself (an adapter merged into the f32 weights). Otherwise the base is
+/// streamed one tensor at a time into its stored form (a headroom checkpoint's files are
+/// verified first, streamed too; its optimizer state is not read), so the f32 model never
+/// exists whole, and an adapter is applied unmerged
+/// beside it, as PEFT runs a `PeftModel` over a 4-bit or bf16 base — the numerics a QLoRA run
+/// trained with.
+pub fn load_for_inference(
+    dir: &Path,
+    adapter: Option<&Path>,
+    cpu: &Cpu,
+    how: &InferenceWeights,
+) -> Result<Model> {
+    if how.precision == Precision::Fp32 && how.quantize.is_none() {
+        return load_model_with(dir, adapter, cpu);
+    }
+    let opts = ModelOptions {
+        precision: how.precision,
+        ..ModelOptions::default()
+    };
+    let lora = adapter.map(|a| adapters::load(cpu, a)).transpose()?;
+    let builder = |cfg: ModelConfig| -> Result<FinetuneBuilder> {
+        match &lora {
+            Some(l) => {
+                let mut config = l.config().clone();
+                config.dropout = 0.0; // inference
+                let spec = FinetuneSpec {
+                    lora: config,
+                    quantize: how.quantize.clone(),
+                };
+                FinetuneBuilder::new(cpu, cfg, opts, spec)
+            }
+            None => FinetuneBuilder::frozen(cpu, cfg, opts, how.quantize.clone()),
+        }
+    };
+    // A headroom checkpoint's step directory is a Hugging Face directory too: once its files
+    // are verified, both stream.
+    let (model_dir, cfg) = match model_source(dir)? {
+        Some(step) => checkpoint::verify_model_files(&step)?,
+        None => (dir.to_path_buf(), hf::read_config(dir)?),
+    };
+    let mut b = builder(cfg)?;
+    let read = hf::load_each(&model_dir, cpu, |i, t| b.push(i, t))?;
+    if read != cfg {
+        return Err(TrainError::Input(format!(
+            "{}: config.json holds {read:?}, the checkpoint's state {cfg:?}",
+            model_dir.display()
+        )));
+    }
+    match (&lora, adapter) {
+        (Some(l), Some(a)) => {
+            let tensors = adapters::unmerged_tensors(&cfg, l, a)?;
+            b.finish(Some(&tensors))
+        }
+        _ => b.finish(None),
     }
 }
 

@@ -486,3 +486,80 @@ fn lora_checkpoints_resume_exactly_and_refuse_another_base_or_a_corrupt_adapter(
         "{msg}"
     );
 }
+
+/// `eval` and `sample` hold a headroom checkpoint in bf16 or 4 bits (streamed from its
+/// verified files, the optimizer state unread): the loss stays near fp32's, stderr names the
+/// weight bytes, and a model file changed after the save is refused by its checksum.
+#[test]
+fn eval_and_sample_in_bf16_and_4_bits_from_a_checkpoint_and_refuse_a_corrupt_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    headroom(&["data", "synth", &p("syn.bin"), "--vocab", "64"]);
+    headroom(&[
+        "train",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        "4",
+        "--data",
+        &p("syn.bin"),
+        "--vocab",
+        "64",
+        "--checkpoint-dir",
+        &p("run"),
+        "--checkpoint-every",
+        "4",
+        "--no-progress",
+    ]);
+    let eval = |extra: &[&str]| {
+        let (run, data) = (p("run"), p("syn.bin"));
+        let mut args = vec!["eval", "--from", &run, "--data", &data];
+        args.extend_from_slice(extra);
+        let o = headroom(&args);
+        let out = String::from_utf8(o.stdout).unwrap();
+        let loss: f64 = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (loss, String::from_utf8(o.stderr).unwrap())
+    };
+    let (fp32, err32) = eval(&[]);
+    assert!(
+        err32.contains("weights") && err32.contains("(fp32)"),
+        "{err32}"
+    );
+    for extra in [
+        &["--precision", "bf16"][..],
+        &["--precision", "bf16", "--quantize", "nf4", "--double-quant"][..],
+        &["--quantize", "fp4", "--quant-blocksize", "32"][..],
+    ] {
+        let (loss, err) = eval(extra);
+        assert!(
+            (loss - fp32).abs() < 0.05,
+            "{extra:?}: {loss} vs fp32 {fp32}"
+        );
+        assert!(err.contains("weights"), "{err}");
+    }
+    // One byte of the model file flipped after the save.
+    let step = std::fs::read_dir(dir.path().join("run"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("step-")
+        })
+        .unwrap();
+    let model = step.join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let mid = bytes.len() - 100;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&model, bytes).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args(["sample", "--from", &p("run"), "--tokens", "3"])
+        .args(["--precision", "bf16"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("checksum"), "{err}");
+}

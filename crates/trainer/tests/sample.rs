@@ -7,16 +7,23 @@
 //! `benches/torch/make_sampling_fixture.py`), and greedy generation with a repetition penalty
 //! on a Hugging Face fixture model emits transformers' `generate` tokens.
 
+use std::sync::Arc;
+
 use headroom_attn::AttentionConfig;
 use headroom_mmap_data::rng::Xoshiro256;
-use headroom_tensor::Cpu;
+use headroom_profiler::MemoryTracker;
+use headroom_tensor::{Cpu, Device, MemoryCategory};
+use headroom_trainer::model::finetune::{FinetuneSpec, QuantSpec};
+use headroom_trainer::model::params;
 use headroom_trainer::model::{
     Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
 };
 use headroom_trainer::sample::{
-    generate, load_model, next_token_distribution, pick, SampleOptions, Sampling,
+    generate, load_for_inference, load_model, load_model_with, next_token_distribution, pick,
+    InferenceWeights, SampleOptions, Sampling,
 };
 use headroom_trainer::TrainError;
+use headroom_trainer::{adapters, hf};
 use proptest::prelude::*;
 
 fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
@@ -575,4 +582,171 @@ proptest! {
         let total: f64 = dist.iter().map(|&(_, p)| p).sum();
         prop_assert!((total - 1.0).abs() < 1e-9);
     }
+}
+
+fn fixture_dir(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn peft_adapter() -> std::path::PathBuf {
+    // PEFT's adapter over this Llama fixture (q_proj, v_proj, down_proj; headroom-lora's
+    // fixtures, written by benches/torch/make_lora_fixture.py).
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../lora/tests/fixtures/peft-llama-tiny")
+}
+
+fn nf4_double() -> QuantSpec {
+    QuantSpec {
+        quant_type: "nf4".into(),
+        blocksize: 64,
+        double_quant: true,
+    }
+}
+
+/// A tracked CPU and what its allocations hold under `Parameters` once `load` returns.
+fn parameter_bytes(load: impl FnOnce(&Cpu) -> Model) -> (Model, u64) {
+    let tracker = Arc::new(MemoryTracker::new());
+    let cpu = Cpu::new().with_alloc_hook(tracker.clone());
+    let model = load(&cpu);
+    let snap = tracker.snapshot();
+    let live = snap.device(Device::Cpu).unwrap().live[MemoryCategory::Parameters];
+    (model, live)
+}
+
+/// `sample`/`eval` weights hold what they claim, counted by the tracker: 2 bytes per parameter
+/// in bf16 (no f32 masters), and in 4 bits the block linears at bitsandbytes' packed size
+/// beside bf16 embeddings, norms and head.
+#[test]
+fn inference_weights_hold_the_bytes_they_claim() {
+    let dir = fixture_dir("hf-llama-gqa-untied");
+    let infos = params::param_infos(&hf::read_config(&dir).unwrap());
+    let total: usize = infos
+        .iter()
+        .map(|i| i.shape.iter().product::<usize>())
+        .sum();
+    let load = |how: InferenceWeights| {
+        parameter_bytes(|cpu| load_for_inference(&dir, None, cpu, &how).unwrap()).1
+    };
+    assert_eq!(load(InferenceWeights::default()), 4 * total as u64);
+    let bf16 = InferenceWeights {
+        precision: Precision::Bf16,
+        quantize: None,
+    };
+    assert_eq!(load(bf16.clone()), 2 * total as u64);
+    let q = nf4_double();
+    let qc = q.config().unwrap();
+    let linear = |name: &str| {
+        [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+        .iter()
+        .any(|m| name.contains(m))
+    };
+    let want: usize = infos
+        .iter()
+        .map(|i| {
+            let n: usize = i.shape.iter().product();
+            if linear(&i.name) {
+                qc.stored_bytes(n)
+            } else {
+                2 * n
+            }
+        })
+        .sum();
+    let four_bit = InferenceWeights {
+        quantize: Some(q),
+        ..bf16
+    };
+    assert_eq!(load(four_bit), want as u64);
+    // Even at this fixture's size (16-wide linears, a 1 KiB code map per tensor) below bf16.
+    assert!(
+        want < 2 * total,
+        "{want} bytes of 4-bit weights, {total} parameters"
+    );
+}
+
+/// The inference models are the training models: bf16 weights give the logits of a bf16
+/// training model bit for bit; a 4-bit base with a PEFT adapter applied unmerged gives the
+/// logits of the QLoRA model `Model::finetune` builds (what a QLoRA run trains and checkpoints),
+/// bit for bit; the adapter is applied (closer to the fp32 merged model than the bare base is);
+/// and cached greedy decoding on the 4-bit model is its full forward's argmax.
+#[test]
+fn inference_models_compute_what_the_training_models_compute() {
+    let dir = fixture_dir("hf-llama-gqa-untied");
+    let adapter = peft_adapter();
+    let cpu = Cpu::new();
+    let cfg = hf::read_config(&dir).unwrap();
+    let seq = tokens(24, cfg.vocab, 1);
+    let g = Geometry { b: 1, t: 24 };
+    let bf16 = InferenceWeights {
+        precision: Precision::Bf16,
+        quantize: None,
+    };
+    let opts = ModelOptions {
+        precision: Precision::Bf16,
+        ..ModelOptions::default()
+    };
+    let frozen = load_for_inference(&dir, None, &cpu, &bf16).unwrap();
+    let (_, masters) = hf::load(&dir, &cpu).unwrap();
+    let trained = Model::from_masters(&cpu, cfg, opts, masters).unwrap();
+    assert_eq!(
+        frozen.logits(&seq, g).unwrap(),
+        trained.logits(&seq, g).unwrap()
+    );
+
+    let four_bit = InferenceWeights {
+        quantize: Some(nf4_double()),
+        ..bf16.clone()
+    };
+    let qlora = load_for_inference(&dir, Some(&adapter), &cpu, &four_bit).unwrap();
+    let lora = headroom_lora::LoraAdapter::load(&cpu, &adapter).unwrap();
+    let tensors = adapters::unmerged_tensors(&cfg, &lora, &adapter).unwrap();
+    let (_, base) = hf::load(&dir, &cpu).unwrap();
+    let spec = FinetuneSpec {
+        lora: lora.config().clone(),
+        quantize: Some(nf4_double()),
+    };
+    let built = Model::finetune(&cpu, cfg, opts, base, spec, Some(&tensors)).unwrap();
+    let got = qlora.logits(&seq, g).unwrap();
+    assert_eq!(got, built.logits(&seq, g).unwrap());
+
+    let merged = load_model_with(&dir, Some(&adapter), &cpu)
+        .unwrap()
+        .logits(&seq, g)
+        .unwrap();
+    let bare = load_for_inference(&dir, None, &cpu, &four_bit)
+        .unwrap()
+        .logits(&seq, g)
+        .unwrap();
+    let dist = |a: &[f32]| {
+        a.iter()
+            .zip(&merged)
+            .map(|(x, y)| f64::from(x - y).powi(2))
+            .sum::<f64>()
+            .sqrt()
+    };
+    assert!(
+        dist(&got) < 0.5 * dist(&bare),
+        "with the adapter {} from the merged fp32 model, without {}",
+        dist(&got),
+        dist(&bare)
+    );
+
+    let prompt = [1, 5, 9];
+    let opts = SampleOptions {
+        tokens: 12,
+        sampling: Sampling::greedy(),
+        ..SampleOptions::default()
+    };
+    assert_eq!(
+        generate(&qlora, &prompt, &opts, |_| Ok(())).unwrap(),
+        greedy_reference(&qlora, &prompt, 12)
+    );
 }

@@ -270,6 +270,8 @@ pub struct FinetuneBuilder {
     working: Vec<CpuTensor>,
     quantized: Vec<Option<QuantizedTensor>>,
     hasher: xxhash_rust::xxh3::Xxh3,
+    /// `false` for [`FinetuneBuilder::frozen`]: no adapters at all.
+    with_adapters: bool,
 }
 
 impl FinetuneBuilder {
@@ -280,9 +282,34 @@ impl FinetuneBuilder {
         opts: ModelOptions,
         spec: FinetuneSpec,
     ) -> Result<Self> {
-        cfg.validate()?;
         spec.lora.validate()?;
         adapted_modules(&cfg, &spec.lora)?;
+        Self::build(cpu, cfg, opts, spec, true)
+    }
+
+    /// A builder for an inference model (`headroom sample` and `eval`): the base stored as
+    /// [`FinetuneBuilder::new`] stores it — working copies only, in `opts`' precision, the
+    /// block linears in 4 bits when `quantize` says so (bitsandbytes' `load_in_4bit`) — and
+    /// no adapters. Its [`finish`](Self::finish) takes no adapter tensors.
+    pub fn frozen(
+        cpu: &Cpu,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        quantize: Option<QuantSpec>,
+    ) -> Result<Self> {
+        // No target: the LoRA configuration only fills the spec's slot.
+        let lora = LoraConfig::new(1, 1.0, Vec::<String>::new());
+        Self::build(cpu, cfg, opts, FinetuneSpec { lora, quantize }, false)
+    }
+
+    fn build(
+        cpu: &Cpu,
+        cfg: ModelConfig,
+        opts: ModelOptions,
+        spec: FinetuneSpec,
+        with_adapters: bool,
+    ) -> Result<Self> {
+        cfg.validate()?;
         let quant = spec.quantize.as_ref().map(QuantSpec::config).transpose()?;
         let infos = params::param_infos(&cfg);
         let mut quantize_at = vec![false; infos.len()];
@@ -304,6 +331,7 @@ impl FinetuneBuilder {
             quantized: Vec::with_capacity(infos.len()),
             infos,
             hasher: xxhash_rust::xxh3::Xxh3::new(),
+            with_adapters,
         })
     }
 
@@ -379,6 +407,7 @@ impl FinetuneBuilder {
             infos,
             working,
             quantized,
+            with_adapters,
             ..
         } = self;
         if working.len() != infos.len() {
@@ -388,7 +417,11 @@ impl FinetuneBuilder {
                 infos.len()
             )));
         }
-        let modules = adapted_modules(&cfg, &spec.lora)?;
+        let modules = if with_adapters {
+            adapted_modules(&cfg, &spec.lora)?
+        } else {
+            Vec::new()
+        };
         let r = spec.lora.r;
         if let Some(saved) = adapters {
             if saved.len() != 2 * modules.len() {
