@@ -20,7 +20,9 @@
 //!   gemm's depth blocking (`kc`) is a function of `k` and the cache sizes only, once neither
 //!   output dimension is tiny (gemm's small-matrix and matrix-vector paths block differently).
 //!   Panels are therefore at least [`PANEL_MIN`] columns wide, and a product with at most
-//!   [`SINGLE_PANEL_ROWS`] rows takes the whole weight as one panel.
+//!   [`SINGLE_PANEL_ROWS`] rows takes the whole weight as one panel — the input gradient's.
+//!   A *forward* product of so few rows (a decoding step) is row dot products instead
+//!   ([`DOT_ROWS`]): not gemm's bits, but no f32 copy of the weight.
 //! - A deep product is also cut along its depth, exactly where gemm cuts it: gemm sums each
 //!   depth block in registers from zero and adds it to the output, so one gemm call per block
 //!   (accumulating from the second) performs the same additions in the same order. The block
@@ -526,9 +528,117 @@ fn panel_elems(m: usize, n: usize, k: usize) -> usize {
 }
 
 /// Scratch (f32 elements) [`forward_with`] needs for a low-precision weight: `n` rows of
-/// input, weight `[oc, c]`. Zero for an f32 weight.
+/// input, weight `[oc, c]`. Zero for an f32 weight. At most [`DOT_ROWS`] rows, the input's
+/// rounded copy ([`forward_rows`]).
 pub fn forward_scratch(n: usize, c: usize, oc: usize) -> usize {
+    if n <= DOT_ROWS {
+        return n * c;
+    }
     panel_elems(n, oc, c)
+}
+
+/// At most this many rows (a decoding step's: one per sequence), a low-precision weight's
+/// forward product is row dot products ([`forward_rows`]) instead of gemm over the weight
+/// widened whole — the only way gemm's bits could be kept at so few rows, which cost a decoding
+/// step an f32 copy of every weight (73.6 MiB for GPT-2's head) and made bf16 decoding slower
+/// than f32.
+pub const DOT_ROWS: usize = SINGLE_PANEL_ROWS;
+
+/// Output columns one task computes in [`forward_rows`].
+pub(crate) const DOT_COLUMNS: usize = 64;
+
+/// Values [`dot_in_pieces`] takes at a time (a multiple of 8, on the stack).
+pub(crate) const DOT_PIECE: usize = 256;
+
+/// `Σ_k x_k·w_k` over `len` values that `fill(k0, xs, ws)` writes as f32, [`DOT_PIECE`] at a
+/// time from `k0`: eight partial sums (k mod 8) of fused multiply-adds in k order, added
+/// pairwise at the end. One fixed order: the row products of dense ([`forward_rows`]) and
+/// 4-bit (`quant_matmul`) weights give the same bits for the same values.
+pub(crate) fn dot_in_pieces(
+    len: usize,
+    mut fill: impl FnMut(usize, &mut [f32], &mut [f32]),
+) -> f32 {
+    let mut acc = [0f32; 8];
+    let (mut xb, mut wb) = ([0f32; DOT_PIECE], [0f32; DOT_PIECE]);
+    for k0 in (0..len).step_by(DOT_PIECE) {
+        let l = DOT_PIECE.min(len - k0);
+        let (xs, ws) = (&mut xb[..l], &mut wb[..l]);
+        fill(k0, xs, ws);
+        accumulate8(xs, ws, &mut acc);
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+/// `acc[j] = fma(xs[i], ws[i], acc[j])` for every `i ≡ j (mod 8)`, in `i` order. With FMA
+/// instructions where the CPU has them (the crate is built for baseline x86-64, where
+/// `mul_add` is a call to a software fma, 3× slower than the f32 GEMM at decoding); the same
+/// fused operations, so the same bits, on both paths (tested).
+fn accumulate8(xs: &[f32], ws: &[f32], acc: &mut [f32; 8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let fma = *FMA.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("avx2")
+        });
+        if fma {
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            unsafe { accumulate8_fma(xs, ws, acc) };
+            return;
+        }
+    }
+    accumulate8_body(xs, ws, acc);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate8_fma(xs: &[f32], ws: &[f32], acc: &mut [f32; 8]) {
+    accumulate8_body(xs, ws, acc);
+}
+
+#[inline(always)]
+fn accumulate8_body(xs: &[f32], ws: &[f32], acc: &mut [f32; 8]) {
+    let mut xc = xs.chunks_exact(8);
+    let mut wc = ws.chunks_exact(8);
+    for (x8, w8) in (&mut xc).zip(&mut wc) {
+        for j in 0..8 {
+            acc[j] = x8[j].mul_add(w8[j], acc[j]);
+        }
+    }
+    for (j, (&a, &b)) in xc.remainder().iter().zip(wc.remainder()).enumerate() {
+        acc[j] = a.mul_add(b, acc[j]);
+    }
+}
+
+/// `out[r, o] = Σ_k x[r, k] · W[o, k]` for `n ≤` [`DOT_ROWS`] rows: each output element one
+/// [`dot_in_pieces`], the weight row widened a piece at a time on the stack; the threads split
+/// the output columns, so the bits do not depend on their number. Not gemm's bits: within the
+/// f32-summation bound of the exact product of the same values (tested against f64).
+/// Memory-bound: the weight is read once per row, at its stored width.
+fn forward_rows<W: Operand>(
+    out: &mut [f32],
+    x: &[f32],
+    weight: &[W],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    use rayon::prelude::*;
+    for r in 0..n {
+        let xr = &x[r * c..][..c];
+        out[r * oc..][..oc]
+            .par_chunks_mut(DOT_COLUMNS)
+            .enumerate()
+            .for_each(|(t, cols)| {
+                for (j, o) in cols.iter_mut().enumerate() {
+                    let wr = &weight[(t * DOT_COLUMNS + j) * c..][..c];
+                    *o = dot_in_pieces(c, |k0, xs, ws| {
+                        xs.copy_from_slice(&xr[k0..][..xs.len()]);
+                        W::widen(&wr[k0..][..ws.len()], ws);
+                    });
+                }
+            });
+    }
 }
 
 /// Scratch (f32 elements) [`backward_with`] needs for a low-precision weight (the input
@@ -689,6 +799,15 @@ pub fn forward_with<W: Operand>(
     scratch: &mut [f32],
 ) {
     assert_eq!(inp.len(), n * c, "input length");
+    if n <= DOT_ROWS && W::as_f32(weight).is_none() {
+        assert_eq!(weight.len(), oc * c, "weight length");
+        assert_eq!(out.len(), n * oc, "output length");
+        forward_rows(out, inp, weight, n, c, oc);
+        if let Some(b) = bias {
+            add_bias(out, b, oc);
+        }
+        return;
+    }
     gemm_weight(
         out,
         Strided::rows(inp, c),
@@ -846,6 +965,18 @@ pub fn forward_bf16_products<A: super::bf16_gemm::Bf16Source>(
     assert_eq!(inp.len(), n * c, "input length");
     assert_eq!(weight.len(), oc * c, "weight length");
     assert_eq!(out.len(), n * oc, "output length");
+    if n <= DOT_ROWS {
+        // The input rounded to bf16 as the tiles would round it: the same operand values.
+        let x = &mut scratch[..n * c];
+        for (d, s) in x.iter_mut().zip(inp) {
+            *d = f32::from_bits(u32::from(s.bf16_bits()) << 16);
+        }
+        forward_rows(out, x, weight, n, c, oc);
+        if let Some(b) = bias {
+            add_bias(out, b, oc);
+        }
+        return;
+    }
     gemm_bf16_with(
         out,
         oc,
@@ -1007,6 +1138,62 @@ mod tests {
             }
         }
 
+        /// At most [`DOT_ROWS`] rows the forward is row dot products: bf16 and f16 weights
+        /// within the f32 bound of the f64 product of the same values, the bias added to that
+        /// bit for bit, and the bf16 products (input rounded to bf16) the same bits as the
+        /// widening entry on the rounded input. Depths past the 256-value pieces and the
+        /// eight partial sums' tails, columns past one task's 64.
+        #[test]
+        fn few_row_forwards_are_row_dots(m in 1usize..=DOT_ROWS, k in 1usize..700,
+                                         n in 1usize..300, seed in any::<u64>()) {
+            let x = f32_vec(seed, m * k);
+            let w = bf16_vec(seed ^ 3, n * k);
+            let w16: Vec<f16> = f32_vec(seed ^ 5, n * k).into_iter().map(f16::from_f32).collect();
+            let bias = bf16_vec(seed ^ 4, n);
+            let mut scratch = vec![f32::NAN; forward_scratch(m, k, n)];
+            let transposed = |wf: &[f32]| {
+                let mut wt = vec![0.0f32; k * n];
+                for j in 0..n {
+                    for p in 0..k {
+                        wt[p * n + j] = wf[j * k + p];
+                    }
+                }
+                wt
+            };
+            let mut plain = vec![f32::NAN; m * n];
+            forward_with(&mut plain, &x, &w, None, m, k, n, &mut scratch);
+            let mut plain16 = vec![f32::NAN; m * n];
+            forward_with(&mut plain16, &x, &w16, None, m, k, n, &mut scratch);
+            let wf16: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+            for (got, wf) in [(&plain, widened(&w)), (&plain16, wf16)] {
+                for (g, (r, tol)) in got.iter().zip(reference(&x, &transposed(&wf), m, n, k)) {
+                    prop_assert!((*g as f64 - r).abs() <= tol, "{} vs {} (tol {})", g, r, tol);
+                }
+            }
+            let mut with_bias = vec![f32::NAN; m * n];
+            forward_with(&mut with_bias, &x, &w, Some(&bias), m, k, n, &mut scratch);
+            let mut want = plain.clone();
+            add_bias(&mut want, &bias, n);
+            prop_assert_eq!(bits(&with_bias), bits(&want));
+            let rounded: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+            let mut on_rounded = vec![f32::NAN; m * n];
+            forward_with(&mut on_rounded, &rounded, &w, None, m, k, n, &mut scratch);
+            let mut products = vec![f32::NAN; m * n];
+            forward_bf16_products(&mut products, &x, &w, None, m, k, n, &mut scratch);
+            prop_assert_eq!(bits(&products), bits(&on_rounded));
+        }
+
+        /// The row dots' FMA path is the portable one, bit for bit, tails included.
+        #[test]
+        fn row_dot_paths_agree(len in 0usize..100, seed in any::<u64>()) {
+            let (x, w) = (f32_vec(seed, len), f32_vec(seed ^ 9, len));
+            let start: [f32; 8] = std::array::from_fn(|j| j as f32 * 0.37 - 1.0);
+            let (mut fast, mut portable) = (start, start);
+            accumulate8(&x, &w, &mut fast);
+            accumulate8_body(&x, &w, &mut portable);
+            prop_assert_eq!(bits(&fast), bits(&portable));
+        }
+
         /// The input gradient with a bf16 weight accumulates onto what is there, equals the f32
         /// path bit for bit (panels or not) and the f64 reference within the bound.
         #[test]
@@ -1033,7 +1220,8 @@ mod tests {
         }
 
         /// The public entry points: forward (with a bf16 bias) and backward with a bf16 weight
-        /// give the f32 path's bits on the widened weight and bias; f16 likewise.
+        /// give the f32 path's bits on the widened weight and bias; f16 likewise. (A forward
+        /// of at most [`DOT_ROWS`] rows is row dots, `few_row_forwards_are_row_dots`.)
         #[test]
         fn linear_bf16_and_f16_match_f32(n in 1usize..24, c in 1usize..50, oc in 1usize..90,
                                          seed in any::<u64>()) {
@@ -1050,11 +1238,13 @@ mod tests {
             let mut want = vec![0.0; n * oc];
             forward(&mut want, &x, &wf, Some(&bf), n, c, oc);
             let mut got = vec![0.0; n * oc];
-            forward_with(&mut got, &x, &w, Some(&b), n, c, oc, &mut scratch);
-            prop_assert_eq!(bits(&got), bits(&want));
-            forward(&mut want, &x, &whf, None, n, c, oc);
-            forward_with::<f16>(&mut got, &x, &wh, None, n, c, oc, &mut scratch);
-            prop_assert_eq!(bits(&got), bits(&want));
+            if n > DOT_ROWS {
+                forward_with(&mut got, &x, &w, Some(&b), n, c, oc, &mut scratch);
+                prop_assert_eq!(bits(&got), bits(&want));
+                forward(&mut want, &x, &whf, None, n, c, oc);
+                forward_with::<f16>(&mut got, &x, &wh, None, n, c, oc, &mut scratch);
+                prop_assert_eq!(bits(&got), bits(&want));
+            }
 
             let (mut dx0, mut dw0, mut db0) = (f32_vec(7, n * c), f32_vec(8, oc * c), vec![0.5; oc]);
             let (mut dx1, mut dw1, mut db1) = (dx0.clone(), dw0.clone(), db0.clone());
@@ -1156,7 +1346,9 @@ mod tests {
             let (mut want, mut got) = (vec![0.0; m * oc], vec![0.0; m * oc]);
             forward(&mut want, &x, &wf, None, m, c, oc);
             forward_with(&mut got, &x, &w, None, m, c, oc, &mut scratch);
-            assert_eq!(bits(&got), bits(&want), "forward {m}x{c}x{oc}");
+            if m > DOT_ROWS {
+                assert_eq!(bits(&got), bits(&want), "forward {m}x{c}x{oc}");
+            }
             let dy = f32_vec(13, m * oc);
             let (mut dx0, mut dw0) = (vec![0.0; m * c], vec![0.0; oc * c]);
             let (mut dx1, mut dw1) = (dx0.clone(), dw0.clone());

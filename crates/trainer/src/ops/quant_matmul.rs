@@ -23,6 +23,7 @@ use headroom_quant::{Isa, QuantError, QuantizedTensor};
 use rayon::prelude::*;
 
 use super::bf16_gemm::{gemm_bf16_with, pack_len, Bf16Source, Matrix, KC, NC};
+use super::matmul::{dot_in_pieces, DOT_COLUMNS, DOT_PIECE, DOT_ROWS};
 
 /// Rows of one block the threads dequantize at a time (rayon's unit of work).
 const DEQUANT_ROWS: usize = 16;
@@ -57,7 +58,12 @@ pub fn forward_scratch(rows: usize, w: &QuantizedTensor, threads: usize) -> (usi
 }
 
 /// [`forward_scratch`] by the weight's `[out, in]` (for the estimator, which has no weight).
+/// None at most [`DOT_ROWS`] rows: those are row dot products, a piece of a row dequantized on
+/// the stack at a time.
 pub fn forward_scratch_dims(rows: usize, out: usize, inn: usize, threads: usize) -> (usize, usize) {
+    if rows <= DOT_ROWS {
+        return (0, 0);
+    }
     blocked_scratch(rows, out, inn, threads)
 }
 
@@ -148,6 +154,37 @@ pub fn forward<A: Bf16Source>(
         return Ok(());
     }
     let isa = Isa::detect();
+    if n <= DOT_ROWS {
+        // A decoding step's rows: the dense bf16 products' row dots (the same values in the
+        // same order, so the same bits), each weight row dequantized a piece at a time.
+        for r in 0..n {
+            let xr = &x[r * inn..][..inn];
+            y[r * out..][..out]
+                .par_chunks_mut(DOT_COLUMNS)
+                .enumerate()
+                .try_for_each(|(t, cols)| {
+                    cols.iter_mut().enumerate().try_for_each(|(j, yo)| {
+                        let row = (t * DOT_COLUMNS + j) * inn;
+                        let mut failed = Ok(());
+                        let mut piece = [bf16::ZERO; DOT_PIECE];
+                        *yo = dot_in_pieces(inn, |k0, xs, ws| {
+                            for (d, s) in xs.iter_mut().zip(&xr[k0..]) {
+                                *d = f32::from_bits(u32::from(s.bf16_bits()) << 16);
+                            }
+                            let p = &mut piece[..ws.len()];
+                            if let Err(e) = w.dequantize_range_bf16_isa(isa, row + k0, p) {
+                                failed = Err(e);
+                            }
+                            for (d, s) in ws.iter_mut().zip(p.iter()) {
+                                *d = s.to_f32();
+                            }
+                        });
+                        failed
+                    })
+                })?;
+        }
+        return Ok(());
+    }
     for c0 in (0..out).step_by(NC) {
         let cols = NC.min(out - c0);
         for k0 in (0..inn).step_by(KC) {
@@ -321,7 +358,8 @@ mod tests {
             within_bound(&y, None, |i, p| xv[i * inn + p], |p, j| wd[j * inn + p], n, out, inn)?;
             if amx {
                 let mut dense = vec![0f32; n * out];
-                let mut scratch = vec![0f32; pe.div_ceil(2)];
+                let dense_scratch = crate::ops::matmul::forward_scratch(n, inn, out);
+                let mut scratch = vec![0f32; pe.div_ceil(2).max(dense_scratch)];
                 forward_bf16_products(&mut dense, &xb, &wr, None, n, inn, out, &mut scratch);
                 prop_assert!(y.iter().zip(&dense).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
@@ -349,20 +387,26 @@ mod tests {
         }
     }
 
-    /// Wrong lengths and a short scratch are typed errors, never a panic or a partial write.
+    /// Wrong lengths and a short scratch are typed errors, never a panic or a partial write
+    /// (blocked products and row dots).
     #[test]
     fn bad_shapes_are_errors() {
         let cpu = Cpu::new();
         let q = QuantizedTensor::quantize(&cpu, &values(1, 8 * 64), &[8, 64], QuantConfig::qlora())
             .unwrap();
-        let (be, pe) = forward_scratch(2, &q, rayon::current_num_threads());
+        let (be, pe) = forward_scratch(5, &q, rayon::current_num_threads());
+        assert!(be > 0 && pe > 0);
         let (mut block, mut pack) = (vec![bf16::ZERO; be], vec![0u16; pe]);
-        let x = values(2, 2 * 64);
-        let mut y = vec![7.0f32; 2 * 8];
-        assert!(forward(&mut y, &x[..127], &q, &mut block, &mut pack).is_err());
-        assert!(forward(&mut y[..15], &x, &q, &mut block, &mut pack).is_err());
+        let x = values(2, 5 * 64);
+        let mut y = vec![7.0f32; 5 * 8];
+        assert!(forward(&mut y, &x[..319], &q, &mut block, &mut pack).is_err());
+        assert!(forward(&mut y[..39], &x, &q, &mut block, &mut pack).is_err());
         assert!(forward(&mut y, &x, &q, &mut block[..be - 1], &mut pack).is_err());
         assert!(forward(&mut y, &x, &q, &mut block, &mut pack[..pe - 1]).is_err());
+        assert!(y.iter().all(|&v| v == 7.0));
+        assert_eq!(forward_scratch(DOT_ROWS, &q, 2), (0, 0));
+        assert!(forward(&mut y[..16], &x[..127], &q, &mut [], &mut []).is_err());
+        assert!(forward(&mut y[..15], &x[..128], &q, &mut [], &mut []).is_err());
         assert!(y.iter().all(|&v| v == 7.0));
         let mut dx = vec![7.0f32; 2 * 64];
         let dy = values(3, 2 * 8);
