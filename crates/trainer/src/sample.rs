@@ -151,8 +151,9 @@ pub struct InferenceWeights {
     pub quantize: Option<QuantSpec>,
 }
 
-/// [`load_model_with`], holding the weights as `how` says. At fp32 without quantization it is
-/// [`load_model_with`] itself (an adapter merged into the f32 weights). Otherwise the base is
+/// [`load_model_with`], holding the weights as `how` says. At fp32 with an adapter and no
+/// quantization it is [`load_model_with`] itself (the adapter merged into the f32 weights).
+/// Otherwise the base is
 /// streamed one tensor at a time into its stored form (a headroom checkpoint's files are
 /// verified first, streamed too; its optimizer state is not read), so the f32 model never
 /// exists whole, and an adapter is applied unmerged
@@ -164,7 +165,7 @@ pub fn load_for_inference(
     cpu: &Cpu,
     how: &InferenceWeights,
 ) -> Result<Model> {
-    if how.precision == Precision::Fp32 && how.quantize.is_none() {
+    if how.precision == Precision::Fp32 && how.quantize.is_none() && adapter.is_some() {
         return load_model_with(dir, adapter, cpu);
     }
     let opts = ModelOptions {

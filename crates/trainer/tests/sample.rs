@@ -672,8 +672,8 @@ fn inference_weights_hold_the_bytes_they_claim() {
     );
 }
 
-/// The inference models are the training models: bf16 weights give the logits of a bf16
-/// training model bit for bit; a 4-bit base with a PEFT adapter applied unmerged gives the
+/// The inference models are the training models: fp32 and bf16 weights give the logits of an
+/// fp32 and a bf16 training model bit for bit; a 4-bit base with a PEFT adapter applied unmerged gives the
 /// logits of the QLoRA model `Model::finetune` builds (what a QLoRA run trains and checkpoints),
 /// bit for bit; the adapter is applied (closer to the fp32 merged model than the bare base is);
 /// and cached greedy decoding on the 4-bit model is its full forward's argmax.
@@ -693,6 +693,12 @@ fn inference_models_compute_what_the_training_models_compute() {
         precision: Precision::Bf16,
         ..ModelOptions::default()
     };
+    // fp32: the frozen streamed model is load_model's, bit for bit.
+    let fp32 = load_for_inference(&dir, None, &cpu, &InferenceWeights::default()).unwrap();
+    assert_eq!(
+        fp32.logits(&seq, g).unwrap(),
+        load_model(&dir, &cpu).unwrap().logits(&seq, g).unwrap()
+    );
     let frozen = load_for_inference(&dir, None, &cpu, &bf16).unwrap();
     let (_, masters) = hf::load(&dir, &cpu).unwrap();
     let trained = Model::from_masters(&cpu, cfg, opts, masters).unwrap();
