@@ -528,8 +528,8 @@ fn panel_elems(m: usize, n: usize, k: usize) -> usize {
 }
 
 /// Scratch (f32 elements) [`forward_with`] needs for a low-precision weight: `n` rows of
-/// input, weight `[oc, c]`. Zero for an f32 weight. At most [`DOT_ROWS`] rows, the input's
-/// rounded copy ([`forward_rows`]).
+/// input, weight `[oc, c]`. Zero for an f32 weight. At most [`DOT_ROWS`] rows, room for the
+/// input rounded to bf16 (the bf16 products' row dots read it).
 pub fn forward_scratch(n: usize, c: usize, oc: usize) -> usize {
     if n <= DOT_ROWS {
         return n * c;
@@ -538,7 +538,7 @@ pub fn forward_scratch(n: usize, c: usize, oc: usize) -> usize {
 }
 
 /// At most this many rows (a decoding step's: one per sequence), a low-precision weight's
-/// forward product is row dot products ([`forward_rows`]) instead of gemm over the weight
+/// forward product is row dot products (`forward_rows`) instead of gemm over the weight
 /// widened whole — the only way gemm's bits could be kept at so few rows, which cost a decoding
 /// step an f32 copy of every weight (73.6 MiB for GPT-2's head) and made bf16 decoding slower
 /// than f32.
