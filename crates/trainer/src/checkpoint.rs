@@ -818,16 +818,7 @@ pub(crate) fn read_verified(dir: &Path, entry: &ManifestFile) -> Result<Vec<u8>>
     if bytes.len() as u64 != entry.bytes {
         return Err(err(&path, "changed size while being read"));
     }
-    let sum = checksum(&bytes);
-    if sum != entry.xxh3 {
-        return Err(err(
-            &path,
-            format!(
-                "checksum {sum}, the manifest says {}: the file was changed or corrupted",
-                entry.xxh3
-            ),
-        ));
-    }
+    check_sum(&path, checksum(&bytes), entry)?;
     Ok(bytes)
 }
 
@@ -976,15 +967,7 @@ fn read_state(dir: &Path, manifest: &Manifest) -> Result<TrainingState> {
     let json = read_verified(dir, state_entry)?;
     let state: TrainingState =
         serde_json::from_slice(&json).map_err(|e| err(&state_path, e.to_string()))?;
-    if state.format_version != FORMAT_VERSION || state.step != manifest.step {
-        return Err(err(
-            &state_path,
-            format!(
-                "format {} step {}, the manifest says format {FORMAT_VERSION} step {}",
-                state.format_version, state.step, manifest.step
-            ),
-        ));
-    }
+    check_format_and_step(&state_path, state.format_version, state.step, manifest.step)?;
     state.config.validate()?;
     Ok(state)
 }
@@ -1046,13 +1029,36 @@ fn verify_streamed(dir: &Path, entry: &ManifestFile) -> Result<()> {
             ),
         ));
     }
-    let sum = hex64(hasher.digest());
+    check_sum(&path, hex64(hasher.digest()), entry)
+}
+
+/// `sum` is the checksum `entry` states for `path`.
+fn check_sum(path: &Path, sum: String, entry: &ManifestFile) -> Result<()> {
     if sum != entry.xxh3 {
         return Err(err(
-            &path,
+            path,
             format!(
                 "checksum {sum}, the manifest says {}: the file was changed or corrupted",
                 entry.xxh3
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A state file's format and step against the manifest's.
+pub(crate) fn check_format_and_step(
+    state_path: &Path,
+    format_version: u32,
+    step: usize,
+    manifest_step: usize,
+) -> Result<()> {
+    if format_version != FORMAT_VERSION || step != manifest_step {
+        return Err(err(
+            state_path,
+            format!(
+                "format {format_version} step {step}, the manifest says format \
+                 {FORMAT_VERSION} step {manifest_step}"
             ),
         ));
     }

@@ -36,8 +36,8 @@ use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
-    self, err, io, read_json_bounded, read_verified, write_synced, Manifest, RunSpec,
-    TrainingState, FORMAT_VERSION, MANIFEST, PARTIAL_PREFIX,
+    self, check_format_and_step, err, io, read_json_bounded, read_verified, write_synced, Manifest,
+    RunSpec, TrainingState, FORMAT_VERSION, MANIFEST, PARTIAL_PREFIX,
 };
 use crate::model::{params, ModelConfig, Part};
 use crate::{Result, TrainError};
@@ -218,15 +218,7 @@ pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
     let json = read_verified(&dir, state_entry)?;
     let state: ZeroState =
         serde_json::from_slice(&json).map_err(|e| err(&state_path, e.to_string()))?;
-    if state.format_version != FORMAT_VERSION || state.step != manifest.step {
-        return Err(err(
-            &state_path,
-            format!(
-                "format {} step {}, the manifest says format {FORMAT_VERSION} step {}",
-                state.format_version, state.step, manifest.step
-            ),
-        ));
-    }
+    check_format_and_step(&state_path, state.format_version, state.step, manifest.step)?;
     state.config.validate()?;
     if state.ranks == 0 || state.ranks > 1 << 20 {
         return Err(err(&state_path, format!("{} ranks", state.ranks)));

@@ -636,19 +636,9 @@ fn inference_weights_hold_the_bytes_they_claim() {
     assert_eq!(load(bf16.clone()), 2 * total as u64);
     let q = nf4_double();
     let qc = q.config().unwrap();
-    let linear = |name: &str| {
-        [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-        .iter()
-        .any(|m| name.contains(m))
-    };
+    let cfg = hf::read_config(&dir).unwrap();
+    let targets = headroom_trainer::model::finetune::all_linear_targets(&cfg);
+    let linear = |name: &str| targets.iter().any(|m| name.contains(*m));
     let want: usize = infos
         .iter()
         .map(|i| {
