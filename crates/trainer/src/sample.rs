@@ -121,12 +121,30 @@ pub fn load_model(dir: &Path, cpu: &Cpu) -> Result<Model> {
     load_model_with(dir, None, cpu)
 }
 
-/// The fp32 masters and config of [`load_model`]'s model.
+/// The fp32 masters and config of [`load_model`]'s model. A headroom checkpoint's model files
+/// are verified against its manifest and read as the Hugging Face directory its step is; its
+/// optimizer state is not read.
 pub fn load_masters(dir: &Path, cpu: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> {
     match model_source(dir)? {
-        Some(step) => checkpoint::load(&step)?.into_masters(cpu),
+        Some(step) => {
+            let (model_dir, cfg) = checkpoint::verify_model_files(&step)?;
+            let (read, masters) = hf::load(&model_dir, cpu)?;
+            same_config(&model_dir, read, cfg)?;
+            Ok((cfg, masters))
+        }
         None => hf::load(dir, cpu),
     }
+}
+
+/// A checkpoint's `config.json` (`read`) says what its state says (`cfg`).
+fn same_config(model_dir: &Path, read: ModelConfig, cfg: ModelConfig) -> Result<()> {
+    if read != cfg {
+        return Err(TrainError::Input(format!(
+            "{}: config.json holds {read:?}, the checkpoint's state {cfg:?}",
+            model_dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Where `dir`'s model is: a headroom checkpoint step (`Some`) or a Hugging Face directory.
@@ -152,7 +170,8 @@ pub struct InferenceWeights {
 }
 
 /// [`load_model_with`], holding the weights as `how` says. At fp32 with an adapter and no
-/// quantization it is [`load_model_with`] itself (the adapter merged into the f32 weights).
+/// quantization it is [`load_model_with`] itself (the adapter merged into the f32 weights,
+/// the whole f32 model read first).
 /// Otherwise the base is
 /// streamed one tensor at a time into its stored form (a headroom checkpoint's files are
 /// verified first, streamed too; its optimizer state is not read), so the f32 model never
@@ -195,12 +214,7 @@ pub fn load_for_inference(
     };
     let mut b = builder(cfg)?;
     let read = hf::load_each(&model_dir, cpu, |i, t| b.push(i, t))?;
-    if read != cfg {
-        return Err(TrainError::Input(format!(
-            "{}: config.json holds {read:?}, the checkpoint's state {cfg:?}",
-            model_dir.display()
-        )));
-    }
+    same_config(&model_dir, read, cfg)?;
     match (&lora, adapter) {
         (Some(l), Some(a)) => {
             let tensors = adapters::unmerged_tensors(&cfg, l, a)?;

@@ -70,6 +70,16 @@ fn a_run_saves_at_its_end_keeps_the_newest_and_resumes_the_newest() {
     let ck = checkpoint::load(dir.path()).unwrap();
     assert_eq!(ck.state.step, 5);
     assert_eq!(ck.state.run, o.run_spec());
+    // What `sample` and `eval` read (the verified model files through the Hugging Face
+    // loader, no optimizer state) is the checkpoint's model, bit for bit.
+    let cpu = headroom_tensor::Cpu::new();
+    let (cfg, masters) = headroom_trainer::sample::load_masters(dir.path(), &cpu).unwrap();
+    assert_eq!(cfg, ck.state.config);
+    assert_eq!(masters.len(), ck.params.len());
+    for (m, p) in masters.iter().zip(&ck.params) {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(m.as_slice::<f32>().unwrap()), bits(p));
+    }
     // No leftovers of the saves.
     for e in std::fs::read_dir(dir.path()).unwrap() {
         let name = e.unwrap().file_name().to_string_lossy().into_owned();
