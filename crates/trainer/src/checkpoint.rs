@@ -294,6 +294,29 @@ pub struct Manifest {
     pub files: Vec<ManifestFile>,
 }
 
+impl Manifest {
+    /// The entry of the file `name` of the step directory `dir`; a typed error naming the
+    /// manifest when it is not listed.
+    pub(crate) fn entry(&self, dir: &Path, name: &str) -> Result<&ManifestFile> {
+        self.files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
+    }
+
+    /// The model's files (the shards the index names, or the single file) and, when sharded,
+    /// where the index puts each tensor.
+    fn model_entries(&self, dir: &Path) -> Result<(Vec<&ManifestFile>, Option<WeightMap>)> {
+        match self.entry(dir, SHARD_INDEX) {
+            Ok(index) => {
+                let (entries, map) = shard_entries(dir, self, index)?;
+                Ok((entries, Some(map)))
+            }
+            Err(_) => Ok((vec![self.entry(dir, FILES[0])?], None)),
+        }
+    }
+}
+
 /// A loaded checkpoint, parameters in the trainer's layout.
 pub struct Checkpoint {
     /// The step directory it was read from.
@@ -956,11 +979,7 @@ fn shard_entries<'m>(
 /// step) and its config validated.
 fn read_state(dir: &Path, manifest: &Manifest) -> Result<TrainingState> {
     let state_path = dir.join("state.json");
-    let state_entry = manifest
-        .files
-        .iter()
-        .find(|f| f.name == "state.json")
-        .ok_or_else(|| err(&dir.join(MANIFEST), "does not list state.json"))?;
+    let state_entry = manifest.entry(dir, "state.json")?;
     if state_entry.bytes > MAX_JSON_BYTES {
         return Err(err(&state_path, "implausibly large"));
     }
@@ -984,18 +1003,7 @@ pub fn verify_model_files(path: &Path) -> Result<(PathBuf, ModelConfig)> {
     if state.finetune.is_some() {
         return Err(err(&dir, ADAPTERS_NOT_A_MODEL));
     }
-    let entry = |name: &str| {
-        manifest
-            .files
-            .iter()
-            .find(|f| f.name == name)
-            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
-    };
-    let model_entries = match entry(SHARD_INDEX) {
-        Ok(index) => shard_entries(&dir, &manifest, index)?.0,
-        Err(_) => vec![entry(FILES[0])?],
-    };
-    for e in model_entries {
+    for e in manifest.model_entries(&dir)?.0 {
         verify_streamed(&dir, e)?;
     }
     Ok((dir, state.config))
@@ -1076,23 +1084,10 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         return load_adapters(dir, &manifest, state);
     }
     let state_path = dir.join("state.json");
-    let entry = |name: &str| {
-        manifest
-            .files
-            .iter()
-            .find(|f| f.name == name)
-            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
-    };
+    let entry = |name: &str| manifest.entry(&dir, name);
     let param_count = state.config.parameter_count()?;
     let tensors = state.config.tensor_count()? as u64;
-    let (model_entries, weight_map): (Vec<&ManifestFile>, Option<WeightMap>) =
-        match entry(SHARD_INDEX) {
-            Ok(index) => {
-                let (entries, map) = shard_entries(&dir, &manifest, index)?;
-                (entries, Some(map))
-            }
-            Err(_) => (vec![entry(FILES[0])?], None),
-        };
+    let (model_entries, weight_map) = manifest.model_entries(&dir)?;
     // f32 data plus a header of a few hundred bytes per tensor (and per shard): files much
     // larger than that are not this model's, and are refused before they are read.
     let max_model_bytes = param_count

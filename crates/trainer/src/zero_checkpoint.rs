@@ -199,13 +199,7 @@ pub fn is_zero_checkpoint(dir: &Path) -> bool {
 pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
     let dir = checkpoint::resolve(path)?;
     let manifest = checkpoint::parse_manifest(&dir)?;
-    let entry = |name: &str| {
-        manifest
-            .files
-            .iter()
-            .find(|f| f.name == name)
-            .ok_or_else(|| err(&dir.join(MANIFEST), format!("does not list {name}")))
-    };
+    let entry = |name: &str| manifest.entry(&dir, name);
     let state_path = dir.join(ZERO_STATE);
     let state_entry = entry(ZERO_STATE).map_err(|_| {
         err(
