@@ -806,6 +806,100 @@ mod tests {
             )
     }
 
+    /// The body of `trajectory_matches_reference`, shared with the fixed collapse case.
+    fn check_trajectory(
+        config: LossScalerConfig,
+        flags: &[bool],
+        resume_at: usize,
+    ) -> std::result::Result<(), TestCaseError> {
+        let cpu = Cpu::new();
+        let mut scaler = LossScaler::new(config).unwrap();
+        let mut reference = ReferenceScaler {
+            scale: config.init_scale,
+            tracker: 0,
+            growth: config.growth_factor,
+            backoff: config.backoff_factor,
+            interval: config.growth_interval,
+            min: config.min_scale,
+            max: config.max_scale,
+            taken: 0,
+            skipped: 0,
+        };
+        for (i, &overflow) in flags.iter().enumerate() {
+            if i == resume_at {
+                let json = serde_json::to_string(&scaler).unwrap();
+                let resumed: LossScaler = serde_json::from_str(&json).unwrap();
+                prop_assert_eq!(&resumed, &scaler);
+                scaler = resumed;
+            }
+            let scale = scaler.scale();
+            let mut g = grad(
+                &cpu,
+                &[scale, if overflow { f32::INFINITY } else { -scale }],
+            );
+            let decision = match scaler.unscale(&cpu, &mut [&mut g]) {
+                Ok(decision) => decision,
+                Err(AmpError::ScaleCollapsed { scale: refused }) => {
+                    // Without a floor, a run of overflows at a small backoff factor can
+                    // drive the scale below 1/f32::MAX (0.05^30 is about 1e-39): the scaler
+                    // refuses exactly when the reference's reciprocal is not a finite f32,
+                    // and the refusal changes nothing.
+                    prop_assert!(config.min_scale.is_none());
+                    prop_assert_eq!(refused.to_bits(), reference.scale.to_bits());
+                    prop_assert!(!((1.0 / f64::from(reference.scale)) as f32).is_finite());
+                    prop_assert_eq!(scaler.found_inf(), None);
+                    break;
+                }
+                Err(e) => return Err(TestCaseError::fail(e.to_string())),
+            };
+            prop_assert!(((1.0 / f64::from(reference.scale)) as f32).is_finite());
+            prop_assert_eq!(decision.should_step(), !overflow);
+            let update = scaler.update().unwrap();
+            reference.step(overflow);
+            prop_assert_eq!(update.skipped, overflow);
+            prop_assert_eq!(update.previous_scale, scale);
+            prop_assert_eq!(
+                scaler.scale().to_bits(),
+                reference.scale.to_bits(),
+                "step {}",
+                i
+            );
+            prop_assert_eq!(scaler.growth_tracker(), reference.tracker);
+            prop_assert!(scaler.growth_tracker() < config.growth_interval);
+            prop_assert_eq!(
+                (scaler.steps_taken(), scaler.steps_skipped()),
+                (reference.taken, reference.skipped)
+            );
+        }
+        Ok(())
+    }
+
+    /// CI once drew a backoff factor near 0.05 and enough overflows to push the scale below
+    /// 1/f32::MAX; that trajectory must end in a refusal, not a panic.
+    #[test]
+    fn trajectory_ending_in_a_collapsed_scale() {
+        let config = LossScalerConfig {
+            init_scale: 1.0,
+            backoff_factor: 0.05,
+            min_scale: None,
+            ..Default::default()
+        };
+        check_trajectory(config, &[true; 40], 10).unwrap();
+        let mut scaler = LossScaler::new(config).unwrap();
+        let cpu = Cpu::new();
+        let refused = (0..40).find(|_| {
+            let mut g = grad(&cpu, &[f32::INFINITY]);
+            match scaler.unscale(&cpu, &mut [&mut g]) {
+                Ok(_) => scaler.update().map(|_| false).unwrap(),
+                Err(_) => true,
+            }
+        });
+        assert!(
+            refused.is_some(),
+            "40 overflows at backoff 0.05 collapse the scale"
+        );
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(128))]
 
@@ -818,33 +912,7 @@ mod tests {
             flags in proptest::collection::vec(proptest::bool::weighted(0.3), 0..120),
             resume_at in 0usize..120,
         ) {
-            let cpu = Cpu::new();
-            let mut scaler = LossScaler::new(config).unwrap();
-            let mut reference = ReferenceScaler {
-                scale: config.init_scale, tracker: 0, growth: config.growth_factor,
-                backoff: config.backoff_factor, interval: config.growth_interval,
-                min: config.min_scale, max: config.max_scale, taken: 0, skipped: 0,
-            };
-            for (i, &overflow) in flags.iter().enumerate() {
-                if i == resume_at {
-                    let json = serde_json::to_string(&scaler).unwrap();
-                    let resumed: LossScaler = serde_json::from_str(&json).unwrap();
-                    prop_assert_eq!(&resumed, &scaler);
-                    scaler = resumed;
-                }
-                let scale = scaler.scale();
-                let mut g = grad(&cpu, &[scale, if overflow { f32::INFINITY } else { -scale }]);
-                let decision = scaler.unscale(&cpu, &mut [&mut g]).unwrap();
-                prop_assert_eq!(decision.should_step(), !overflow);
-                let update = scaler.update().unwrap();
-                reference.step(overflow);
-                prop_assert_eq!(update.skipped, overflow);
-                prop_assert_eq!(update.previous_scale, scale);
-                prop_assert_eq!(scaler.scale().to_bits(), reference.scale.to_bits(), "step {}", i);
-                prop_assert_eq!(scaler.growth_tracker(), reference.tracker);
-                prop_assert!(scaler.growth_tracker() < config.growth_interval);
-                prop_assert_eq!((scaler.steps_taken(), scaler.steps_skipped()), (reference.taken, reference.skipped));
-            }
+            check_trajectory(config, &flags, resume_at)?;
         }
 
         /// Random gradients with inf/NaN planted at random positions: the step is skipped and
