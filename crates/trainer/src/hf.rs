@@ -5,7 +5,8 @@
 //! Memory: each tensor is read from its file in bounded chunks straight into its fp32 master
 //! (allocated through the backend, so the tracker counts it as `Parameters`), converting
 //! bf16/f16 on the way and transposing GPT-2's `Conv1D` weights; nothing holds a second copy
-//! of the model. The safetensors header is parsed and checked here (offsets inside the file,
+//! of the model. A consumer that keeps bf16 or f16 copies only ([`load_into`] with a
+//! [`TensorSink`]) gets them converted chunk by chunk, without the tensor's f32 copy. The safetensors header is parsed and checked here (offsets inside the file,
 //! no overlap, byte length = elements × dtype size, every product checked) before any size
 //! from it reaches an allocation.
 
@@ -14,6 +15,7 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+use headroom_tensor::cpu::kernels::{self, FloatSlice, FloatSliceMut};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
 use serde_json::Value;
 
@@ -373,8 +375,49 @@ pub fn load(dir: &Path, backend: &Cpu) -> Result<(ModelConfig, Vec<CpuTensor>)> 
 pub fn load_each(
     dir: &Path,
     backend: &Cpu,
-    mut each: impl FnMut(usize, CpuTensor) -> Result<()>,
+    each: impl FnMut(usize, CpuTensor) -> Result<()>,
 ) -> Result<ModelConfig> {
+    load_into(dir, backend, &mut EachF32(each))
+}
+
+/// A consumer of a model's tensors as [`load_into`] streams them, in parameter order.
+pub trait TensorSink {
+    /// The dtype tensor `index` is wanted in: f32, or bf16/f16 for a consumer that keeps only
+    /// rounded copies. Those are converted from the file a chunk at a time, so the tensor never
+    /// exists in f32 (GPT-2's transposed `Conv1D` weights excepted: they are transposed in f32
+    /// first).
+    fn dtype(&self, index: usize) -> DType;
+
+    /// Tensor `index`'s f32 values (the file's values widened, in our layout), in order, a
+    /// chunk at a time, before it is [pushed](Self::push). Called only for a tensor wanted in
+    /// bf16 or f16, whose f32 values are gone once it is pushed (a fingerprint reads them
+    /// here).
+    fn values(&mut self, index: usize, values: &[f32]);
+
+    /// Tensor `index`, in the dtype [`dtype`](Self::dtype) named, as soon as it is read.
+    fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()>;
+}
+
+/// [`load_each`]'s closure as a sink of f32 tensors.
+struct EachF32<F>(F);
+
+impl<F: FnMut(usize, CpuTensor) -> Result<()>> TensorSink for EachF32<F> {
+    fn dtype(&self, _: usize) -> DType {
+        DType::F32
+    }
+
+    fn values(&mut self, _: usize, _: &[f32]) {}
+
+    fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()> {
+        (self.0)(index, tensor)
+    }
+}
+
+/// [`load_each`] into `sink`, each tensor in the dtype the sink asks for: a bf16 frozen base
+/// reads a bf16 or f32 file straight into bf16, so loading peaks at the bf16 model plus a
+/// chunk buffer, not plus the largest tensor's f32 copy (GPT-2's 147 MiB embedding). The
+/// values are those of [`load_each`]'s f32 tensor cast to the dtype, bit for bit.
+pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Result<ModelConfig> {
     let cfg = read_config(dir)?;
     let mut stored = read_tensors(dir)?;
     let infos = params::param_infos(&cfg);
@@ -395,17 +438,46 @@ pub fn load_each(
                 format!("{} has shape {:?}, expected {want:?}", info.name, t.shape),
             ));
         }
-        let mut master = {
+        let dtype = sink.dtype(index);
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(TrainError::Config(format!(
+                "{} wanted in {dtype:?}: tensors load as f32, bf16 or f16",
+                info.name
+            )));
+        }
+        let alloc = |dtype: DType| -> Result<CpuTensor> {
             let _g = MemoryCategory::Parameters.enter();
             let _l = headroom_profiler::label_absolute(&info.name);
-            backend.zeros(info.shape.clone(), DType::F32)?
+            Ok(backend.zeros(info.shape.clone(), dtype)?)
         };
-        let dst = master.as_mut_slice::<f32>()?;
-        read_into(&t, dst)?;
-        if info.transposed_in_hf {
-            transpose_in_place(dst, info.shape[1], info.shape[0]);
-        }
-        each(index, master)?;
+        let tensor = if dtype == DType::F32 || info.transposed_in_hf {
+            let mut master = alloc(DType::F32)?;
+            let dst = master.as_mut_slice::<f32>()?;
+            read_chunks(&t, dst.len(), |at, chunk| {
+                dst[at..at + chunk.len()].copy_from_slice(chunk)
+            })?;
+            if info.transposed_in_hf {
+                transpose_in_place(dst, info.shape[1], info.shape[0]);
+            }
+            if dtype == DType::F32 {
+                master
+            } else {
+                sink.values(index, master.as_slice::<f32>()?);
+                let mut narrow = alloc(dtype)?;
+                backend.cast(&master, &mut narrow)?;
+                narrow
+            }
+        } else {
+            let mut narrow = alloc(dtype)?;
+            let mut dst = narrow.float_slice_mut("hf load")?;
+            let n = dst.len();
+            read_chunks(&t, n, |at, chunk| {
+                sink.values(index, chunk);
+                cast_chunk(chunk, &mut dst, at);
+            })?;
+            narrow
+        };
+        sink.push(index, tensor)?;
     }
     // A tied head may still be stored (transformers writes lm_head.weight for GPT-2 in
     // some versions): it must then equal the embedding, which is what is used.
@@ -435,20 +507,37 @@ pub fn load_each(
     Ok(cfg)
 }
 
-/// Convert `t`'s bytes into `dst` (f32), a bounded chunk at a time.
-fn read_into(t: &Stored, dst: &mut [f32]) -> Result<()> {
+/// `chunk` (f32) into `dst[at..]`, rounded as [`Backend::cast`] rounds.
+fn cast_chunk(chunk: &[f32], dst: &mut FloatSliceMut<'_>, at: usize) {
+    let end = at + chunk.len();
+    let src = FloatSlice::F32(chunk);
+    match dst {
+        FloatSliceMut::F32(d) => d[at..end].copy_from_slice(chunk),
+        FloatSliceMut::BF16(d) => kernels::cast(src, FloatSliceMut::BF16(&mut d[at..end])),
+        FloatSliceMut::F16(d) => kernels::cast(src, FloatSliceMut::F16(&mut d[at..end])),
+    }
+}
+
+/// Read `t`'s `len` values in order, a bounded chunk at a time, widened to f32:
+/// `each(offset, chunk)`.
+fn read_chunks(t: &Stored, len: usize, mut each: impl FnMut(usize, &[f32])) -> Result<()> {
     let io = |e: std::io::Error| bad(&t.file, e.to_string());
     let mut f = File::open(&t.file).map_err(io)?;
     f.seek(SeekFrom::Start(t.start)).map_err(io)?;
     let size = t.dtype.size() as usize;
-    if (t.end - t.start) as usize != dst.len() * size {
+    if (t.end - t.start) as usize != len * size {
         return Err(bad(&t.file, "tensor byte length changed"));
     }
+    let per_chunk = CHUNK_BYTES / size;
     let mut buf = vec![0u8; CHUNK_BYTES];
-    for out in dst.chunks_mut(CHUNK_BYTES / size) {
-        let bytes = &mut buf[..out.len() * size];
+    let mut values = vec![0f32; per_chunk.min(len)];
+    let mut at = 0;
+    while at < len {
+        let n = per_chunk.min(len - at);
+        let bytes = &mut buf[..n * size];
         f.read_exact(bytes)
             .map_err(|_| bad(&t.file, "file ends inside a tensor"))?;
+        let out = &mut values[..n];
         match t.dtype {
             StoredDtype::F32 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -466,6 +555,8 @@ fn read_into(t: &Stored, dst: &mut [f32]) -> Result<()> {
                 }
             }
         }
+        each(at, out);
+        at += n;
     }
     Ok(())
 }

@@ -213,7 +213,7 @@ pub fn load_for_inference(
         None => (dir.to_path_buf(), hf::read_config(dir)?),
     };
     let mut b = builder(cfg)?;
-    let read = hf::load_each(&model_dir, cpu, |i, t| b.push(i, t))?;
+    let read = hf::load_into(&model_dir, cpu, &mut b)?;
     same_config(&model_dir, read, cfg)?;
     match (&lora, adapter) {
         (Some(l), Some(a)) => {

@@ -1235,9 +1235,7 @@ fn train_tracked(
         Some(spec) => {
             let mut b = FinetuneBuilder::new(&cpu, opts.model, model_opts, spec.clone())?;
             match &opts.init_from {
-                Some(dir) => {
-                    check_shape(crate::hf::load_each(dir, &cpu, |i, t| b.push(i, t))?, dir)?
-                }
+                Some(dir) => check_shape(crate::hf::load_into(dir, &cpu, &mut b)?, dir)?,
                 None => {
                     params::init_params_each(&cpu, &opts.model, opts.seed, |i, t| b.push(i, t))?
                 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use headroom_tensor::Cpu;
+use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Tensor};
 use headroom_trainer::hf;
 use headroom_trainer::TrainError;
 use safetensors::tensor::TensorView;
@@ -279,6 +279,142 @@ fn bf16_f16_and_sharded_files_load() {
     )
     .unwrap();
     refused(&dir, "not a plain name");
+}
+
+/// What a [`hf::TensorSink`] was given: each tensor, and the f32 values streamed before it.
+struct Recorder {
+    want: Box<dyn Fn(usize) -> DType>,
+    tensors: Vec<CpuTensor>,
+    values: Vec<Vec<f32>>,
+}
+
+impl hf::TensorSink for Recorder {
+    fn dtype(&self, index: usize) -> DType {
+        (self.want)(index)
+    }
+
+    fn values(&mut self, index: usize, values: &[f32]) {
+        assert_eq!(
+            index,
+            self.tensors.len(),
+            "values for the tensor about to be pushed"
+        );
+        self.values[index].extend_from_slice(values);
+    }
+
+    fn push(&mut self, index: usize, tensor: CpuTensor) -> headroom_trainer::Result<()> {
+        assert_eq!(index, self.tensors.len());
+        self.tensors.push(tensor);
+        Ok(())
+    }
+}
+
+/// `load_into` a sink that wants bf16, f16 or f32 tensor by tensor gives, bit for bit,
+/// `load_each`'s f32 tensors cast by the backend, and streams exactly the f32 values of every
+/// tensor it delivers narrowed (none for f32 ones): f32, bf16 and f16 files, and GPT-2's
+/// sharded, transposed `Conv1D` weights.
+#[test]
+fn narrowed_tensors_load_as_the_cast_f32_tensors() {
+    let s = tempfile::tempdir().unwrap();
+    let narrowed = |dtype: Dtype| {
+        variant(
+            &s,
+            &format!("{dtype:?}"),
+            |t| {
+                for (d, _, b) in t.values_mut() {
+                    *b = b
+                        .chunks_exact(4)
+                        .flat_map(|x| {
+                            let v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                            match dtype {
+                                Dtype::BF16 => half::bf16::from_f32(v).to_bits(),
+                                _ => half::f16::from_f32(v).to_bits(),
+                            }
+                            .to_le_bytes()
+                        })
+                        .collect();
+                    *d = dtype;
+                }
+            },
+            |_| {},
+        )
+    };
+    let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-gpt2-sharded");
+    let dirs = [fixture(), narrowed(Dtype::BF16), narrowed(Dtype::F16), gpt2];
+    let cpu = Cpu::new();
+    for dir in &dirs {
+        let (_, masters) = hf::load(dir, &cpu).unwrap();
+        for (narrow, odd) in [
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::BF16),
+            (DType::BF16, DType::BF16),
+        ] {
+            let mut sink = Recorder {
+                want: Box::new(move |i| if i % 2 == 0 { narrow } else { odd }),
+                tensors: Vec::new(),
+                values: vec![Vec::new(); masters.len()],
+            };
+            hf::load_into(dir, &cpu, &mut sink).unwrap();
+            assert_eq!(sink.tensors.len(), masters.len());
+            for (i, (got, master)) in sink.tensors.iter().zip(&masters).enumerate() {
+                let dtype = (sink.want)(i);
+                assert_eq!(got.dtype(), dtype);
+                assert_eq!(got.shape(), master.shape());
+                let mut want = cpu.zeros(master.shape().clone(), dtype).unwrap();
+                cpu.cast(master, &mut want).unwrap();
+                assert_eq!(
+                    bytes(&cpu, got),
+                    bytes(&cpu, &want),
+                    "{} tensor {i} in {dtype:?}",
+                    dir.display()
+                );
+                let streamed = &sink.values[i];
+                if dtype == DType::F32 {
+                    assert!(streamed.is_empty(), "tensor {i}: values of an f32 tensor");
+                } else {
+                    let f32s = master.as_slice::<f32>().unwrap();
+                    assert_eq!(streamed.len(), f32s.len(), "tensor {i}");
+                    assert!(
+                        streamed
+                            .iter()
+                            .zip(f32s)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "tensor {i}: streamed values differ from the f32 master"
+                    );
+                }
+            }
+        }
+    }
+    // Only float dtypes load.
+    let mut sink = Recorder {
+        want: Box::new(|_| DType::I32),
+        tensors: Vec::new(),
+        values: Vec::new(),
+    };
+    match hf::load_into(&fixture(), &cpu, &mut sink) {
+        Err(TrainError::Config(m)) => assert!(m.contains("f32, bf16 or f16"), "{m}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+}
+
+/// A tensor's raw bytes, whatever its dtype.
+fn bytes(cpu: &Cpu, t: &CpuTensor) -> Vec<u8> {
+    match t.dtype() {
+        DType::F32 => bytemuck::cast_slice(&cpu.download::<f32>(t).unwrap()).to_vec(),
+        DType::BF16 => cpu
+            .download::<half::bf16>(t)
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => cpu
+            .download::<half::f16>(t)
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+        other => panic!("{other:?}"),
+    }
 }
 
 /// Mutated headers, truncations and byte flips of the weights file: every outcome is a load

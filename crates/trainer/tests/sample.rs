@@ -12,8 +12,9 @@ use std::sync::Arc;
 use headroom_attn::AttentionConfig;
 use headroom_mmap_data::rng::Xoshiro256;
 use headroom_profiler::MemoryTracker;
+use headroom_tensor::Backend;
 use headroom_tensor::{Cpu, Device, MemoryCategory};
-use headroom_trainer::model::finetune::{FinetuneSpec, QuantSpec};
+use headroom_trainer::model::finetune::{FinetuneBuilder, FinetuneSpec, QuantSpec};
 use headroom_trainer::model::params;
 use headroom_trainer::model::{
     Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
@@ -604,14 +605,71 @@ fn nf4_double() -> QuantSpec {
     }
 }
 
-/// A tracked CPU and what its allocations hold under `Parameters` once `load` returns.
-fn parameter_bytes(load: impl FnOnce(&Cpu) -> Model) -> (Model, u64) {
+/// What `load`'s allocations on a tracked CPU hold under `Parameters` once it returns, and
+/// the tracked peak of the whole load (every category).
+fn parameter_bytes_and_peak(load: impl FnOnce(&Cpu) -> Model) -> (Model, u64, u64) {
     let tracker = Arc::new(MemoryTracker::new());
     let cpu = Cpu::new().with_alloc_hook(tracker.clone());
     let model = load(&cpu);
     let snap = tracker.snapshot();
-    let live = snap.device(Device::Cpu).unwrap().live[MemoryCategory::Parameters];
-    (model, live)
+    let device = snap.device(Device::Cpu).unwrap();
+    (
+        model,
+        device.live[MemoryCategory::Parameters],
+        device.peak_total,
+    )
+}
+
+/// A fine-tuning base read straight into bf16 (`hf::load_into`, the f32 values only streamed)
+/// gives the builder the fingerprint and the model that pushing the f32 masters gives, bit
+/// for bit, so a run resumes across the change; with and without 4-bit linears, Llama and
+/// GPT-2 (whose transposed weights arrive in f32 first). A bf16 tensor pushed without its f32
+/// values is refused: its fingerprint would be wrong.
+#[test]
+fn a_base_streamed_into_bf16_fingerprints_as_its_f32_masters() {
+    let cpu = Cpu::new();
+    let opts = ModelOptions {
+        precision: Precision::Bf16,
+        ..ModelOptions::default()
+    };
+    for dir in [
+        fixture_dir("hf-llama-gqa-untied"),
+        fixture_dir("hf-gpt2-sharded"),
+    ] {
+        let cfg = hf::read_config(&dir).unwrap();
+        let targets = headroom_trainer::model::finetune::all_linear_targets(&cfg);
+        for quantize in [None, Some(nf4_double())] {
+            let spec = FinetuneSpec {
+                lora: headroom_lora::LoraConfig::new(2, 4.0, targets.clone()),
+                quantize,
+            };
+            let mut streamed = FinetuneBuilder::new(&cpu, cfg, opts, spec.clone()).unwrap();
+            hf::load_into(&dir, &cpu, &mut streamed).unwrap();
+            let mut pushed = FinetuneBuilder::new(&cpu, cfg, opts, spec).unwrap();
+            hf::load_each(&dir, &cpu, |i, t| pushed.push(i, t)).unwrap();
+            assert_eq!(
+                streamed.fingerprint(),
+                pushed.fingerprint(),
+                "{}",
+                dir.display()
+            );
+            let seq: Vec<u32> = tokens(8, cfg.vocab, 1);
+            let g = Geometry { b: 1, t: 8 };
+            assert_eq!(
+                streamed.finish(None).unwrap().logits(&seq, g).unwrap(),
+                pushed.finish(None).unwrap().logits(&seq, g).unwrap()
+            );
+        }
+        let spec = FinetuneSpec {
+            lora: headroom_lora::LoraConfig::new(2, 4.0, targets),
+            quantize: None,
+        };
+        let mut b = FinetuneBuilder::new(&cpu, cfg, opts, spec).unwrap();
+        let shape = params::param_infos(&cfg)[0].shape.clone();
+        let bare = cpu.zeros(shape, headroom_tensor::DType::BF16).unwrap();
+        let refused = b.push(0, bare).unwrap_err().to_string();
+        assert!(refused.contains("without its f32 values"), "{refused}");
+    }
 }
 
 /// `sample`/`eval` weights hold what they claim, counted by the tracker: 2 bytes per parameter
@@ -625,15 +683,22 @@ fn inference_weights_hold_the_bytes_they_claim() {
         .iter()
         .map(|i| i.shape.iter().product::<usize>())
         .sum();
-    let load = |how: InferenceWeights| {
-        parameter_bytes(|cpu| load_for_inference(&dir, None, cpu, &how).unwrap()).1
+    let load_and_peak = |how: &InferenceWeights| {
+        let (_, live, peak) =
+            parameter_bytes_and_peak(|cpu| load_for_inference(&dir, None, cpu, how).unwrap());
+        (live, peak)
     };
-    assert_eq!(load(InferenceWeights::default()), 4 * total as u64);
+    assert_eq!(
+        load_and_peak(&InferenceWeights::default()),
+        (4 * total as u64, 4 * total as u64)
+    );
     let bf16 = InferenceWeights {
         precision: Precision::Bf16,
         quantize: None,
     };
-    assert_eq!(load(bf16.clone()), 2 * total as u64);
+    // The peak too: every tensor is read from the f32 file straight into bf16, never through
+    // an f32 copy.
+    assert_eq!(load_and_peak(&bf16), (2 * total as u64, 2 * total as u64));
     let q = nf4_double();
     let qc = q.config().unwrap();
     let cfg = hf::read_config(&dir).unwrap();
@@ -654,7 +719,19 @@ fn inference_weights_hold_the_bytes_they_claim() {
         quantize: Some(q),
         ..bf16
     };
-    assert_eq!(load(four_bit), want as u64);
+    let (live, peak) = load_and_peak(&four_bit);
+    assert_eq!(live, want as u64);
+    // A 4-bit linear is quantized from its f32 copy; nothing else passes through f32.
+    let largest_linear = infos
+        .iter()
+        .filter(|i| linear(&i.name))
+        .map(|i| i.shape.iter().product::<usize>())
+        .max()
+        .unwrap();
+    assert!(
+        peak <= live + 4 * largest_linear as u64,
+        "4-bit load peaked at {peak} bytes for {live} of weights"
+    );
     // Even at this fixture's size (16-wide linears, a 1 KiB code map per tensor) below bf16.
     assert!(
         want < 2 * total,

@@ -30,6 +30,7 @@ use headroom_quant::{BlockSize, QuantConfig, QuantType, QuantizedTensor};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::hf::TensorSink;
 use crate::model::gpt2_block::at;
 use crate::model::ops::ModelOps;
 use crate::model::params::{self, layer, llama_layer, ParamInfo};
@@ -272,6 +273,9 @@ pub struct FinetuneBuilder {
     hasher: xxhash_rust::xxh3::Xxh3,
     /// `false` for [`FinetuneBuilder::frozen`]: no adapters at all.
     with_adapters: bool,
+    /// (index, count) of the f32 values [`TensorSink::values`] fingerprinted since the last
+    /// push: a tensor pushed already rounded must have had all of its values seen.
+    streamed: (usize, u64),
 }
 
 impl FinetuneBuilder {
@@ -332,11 +336,24 @@ impl FinetuneBuilder {
             infos,
             hasher: xxhash_rust::xxh3::Xxh3::new(),
             with_adapters,
+            streamed: (0, 0),
         })
     }
 
-    /// The next base tensor (fp32, its parameter's shape); `index` must be the next one.
-    pub fn push(&mut self, index: usize, master: CpuTensor) -> Result<()> {
+    /// The dtype base tensor `index` is stored in when it is not quantized: the run's storage
+    /// dtype. A 4-bit linear is quantized from f32, so it is wanted in f32.
+    fn stored_dtype(&self, index: usize) -> DType {
+        match (self.quant, self.quantize_at.get(index)) {
+            (Some(_), Some(true)) => DType::F32,
+            _ => self.opts.precision.storage(),
+        }
+    }
+
+    /// The next base tensor (its parameter's shape); `index` must be the next one. It is f32,
+    /// or already in the stored dtype (bf16/f16) after its f32 values were given to
+    /// [`TensorSink::values`] — the fingerprint is over the f32 values either way, so the
+    /// same base fingerprints the same however it arrives.
+    pub fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()> {
         let i = self.working.len();
         let info = self.infos.get(i).ok_or_else(|| {
             TrainError::Config(format!(
@@ -344,18 +361,35 @@ impl FinetuneBuilder {
                 self.infos.len()
             ))
         })?;
+        let streamed = std::mem::take(&mut self.streamed);
+        let pre_rounded = tensor.dtype() != DType::F32;
         if index != i
-            || master.shape().dims() != info.shape.as_slice()
-            || master.dtype() != DType::F32
+            || tensor.shape().dims() != info.shape.as_slice()
+            || (pre_rounded && tensor.dtype() != self.stored_dtype(i))
         {
             return Err(TrainError::Config(format!(
-                "base tensor {index} ({:?} {:?}) is not the model's tensor {i} {} {:?} f32",
-                master.shape().dims(),
-                master.dtype(),
+                "base tensor {index} ({:?} {:?}) is not the model's tensor {i} {} {:?} in f32 \
+                 or {:?}",
+                tensor.shape().dims(),
+                tensor.dtype(),
                 info.name,
-                info.shape
+                info.shape,
+                self.stored_dtype(i)
             )));
         }
+        if pre_rounded {
+            if streamed != (index, tensor.shape().numel() as u64) {
+                return Err(TrainError::Config(format!(
+                    "base tensor {index} {} came in {:?} without its f32 values",
+                    info.name,
+                    tensor.dtype()
+                )));
+            }
+            self.quantized.push(None);
+            self.working.push(tensor);
+            return Ok(());
+        }
+        let master = tensor;
         self.hasher
             .update(bytemuck::cast_slice(master.as_slice::<f32>()?));
         let cpu = &self.cpu;
@@ -489,6 +523,29 @@ impl FinetuneBuilder {
             Model::from_weights(&cpu, cfg, opts, MasterWeights::working_only(working, wc)?)?;
         model.finetune = Some(finetune);
         Ok(model)
+    }
+}
+
+/// The builder as an HF loader's sink ([`crate::hf::load_into`]): tensors stored in bf16 or
+/// f16 arrive in that dtype, read from the file a chunk at a time and fingerprinted on the way,
+/// so loading a bf16 or 4-bit base never holds an f32 copy of its embedding or head.
+impl TensorSink for FinetuneBuilder {
+    fn dtype(&self, index: usize) -> DType {
+        self.stored_dtype(index)
+    }
+
+    fn values(&mut self, index: usize, values: &[f32]) {
+        self.hasher.update(bytemuck::cast_slice(values));
+        let seen = if self.streamed.0 == index {
+            self.streamed.1
+        } else {
+            0
+        };
+        self.streamed = (index, seen + values.len() as u64);
+    }
+
+    fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()> {
+        FinetuneBuilder::push(self, index, tensor)
     }
 }
 
