@@ -421,7 +421,7 @@ struct StagedGrads {
 /// while it streams in), the adapters, and which block linears are 4-bit or adapted.
 struct FinetunePlan {
     /// Peak `Parameters`: the larger of the base's streaming peak (the tensors converted so
-    /// far, one fp32 tensor and its converted form) and the steady state (the frozen base,
+    /// far, and a 4-bit linear's f32 copy beside its quantized form) and the steady state (the frozen base,
     /// the adapters' fp32 masters and, in low precision, their working copies).
     parameter_peak: u64,
     /// `Parameters` while training: the frozen base and the adapters.
@@ -458,12 +458,9 @@ impl FinetunePlan {
                 Some(q) if quantized => u(q.stored_bytes(n as usize)),
                 _ => n * a,
             };
-            // fp32 and not quantized: the loaded tensor itself is kept.
-            let transient = if quantized || low {
-                4 * n + frozen
-            } else {
-                4 * n
-            };
+            // A 4-bit linear is quantized from its f32 copy; any other tensor arrives in its
+            // stored dtype (read or drawn into it a chunk at a time, `params::TensorSink`).
+            let transient = if quantized { 4 * n + frozen } else { frozen };
             peak = peak.max(live + transient);
             live += frozen;
         }

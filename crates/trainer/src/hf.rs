@@ -4,22 +4,23 @@
 //!
 //! Memory: each tensor is read from its file in bounded chunks straight into its fp32 master
 //! (allocated through the backend, so the tracker counts it as `Parameters`), converting
-//! bf16/f16 on the way and transposing GPT-2's `Conv1D` weights; nothing holds a second copy
-//! of the model. A consumer that keeps bf16 or f16 copies only ([`load_into`] with a
-//! [`TensorSink`]) gets them converted chunk by chunk, without the tensor's f32 copy. The safetensors header is parsed and checked here (offsets inside the file,
-//! no overlap, byte length = elements × dtype size, every product checked) before any size
-//! from it reaches an allocation.
+//! bf16/f16 on the way and reading GPT-2's `Conv1D` weights transposed; nothing holds a second
+//! copy of the model, nor of a tensor. A consumer that keeps bf16 or f16 copies only
+//! ([`load_into`] with a [`TensorSink`]) gets them converted chunk by chunk, without the
+//! tensor's f32 copy. The safetensors header is parsed and checked here (offsets inside the
+//! file, no overlap, byte length = elements × dtype size, every product checked) before any
+//! size from it reaches an allocation.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use headroom_tensor::cpu::kernels::{self, FloatSlice, FloatSliceMut};
-use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
+use headroom_tensor::{Cpu, CpuTensor};
 use serde_json::Value;
 
-use crate::model::{params, Family, LlamaShape, ModelConfig};
+use crate::model::params::{self, EachF32, TensorSink};
+use crate::model::{Family, LlamaShape, ModelConfig};
 use crate::{Result, TrainError};
 
 /// The largest safetensors header read (transformers' files hold a few hundred KiB).
@@ -380,43 +381,11 @@ pub fn load_each(
     load_into(dir, backend, &mut EachF32(each))
 }
 
-/// A consumer of a model's tensors as [`load_into`] streams them, in parameter order.
-pub trait TensorSink {
-    /// The dtype tensor `index` is wanted in: f32, or bf16/f16 for a consumer that keeps only
-    /// rounded copies. Those are converted from the file a chunk at a time, so the tensor never
-    /// exists in f32 (GPT-2's transposed `Conv1D` weights excepted: they are transposed in f32
-    /// first).
-    fn dtype(&self, index: usize) -> DType;
-
-    /// Tensor `index`'s f32 values (the file's values widened, in our layout), in order, a
-    /// chunk at a time, before it is [pushed](Self::push). Called only for a tensor wanted in
-    /// bf16 or f16, whose f32 values are gone once it is pushed (a fingerprint reads them
-    /// here).
-    fn values(&mut self, index: usize, values: &[f32]);
-
-    /// Tensor `index`, in the dtype [`dtype`](Self::dtype) named, as soon as it is read.
-    fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()>;
-}
-
-/// [`load_each`]'s closure as a sink of f32 tensors.
-struct EachF32<F>(F);
-
-impl<F: FnMut(usize, CpuTensor) -> Result<()>> TensorSink for EachF32<F> {
-    fn dtype(&self, _: usize) -> DType {
-        DType::F32
-    }
-
-    fn values(&mut self, _: usize, _: &[f32]) {}
-
-    fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()> {
-        (self.0)(index, tensor)
-    }
-}
-
 /// [`load_each`] into `sink`, each tensor in the dtype the sink asks for: a bf16 frozen base
-/// reads a bf16 or f32 file straight into bf16, so loading peaks at the bf16 model plus a
-/// chunk buffer, not plus the largest tensor's f32 copy (GPT-2's 147 MiB embedding). The
-/// values are those of [`load_each`]'s f32 tensor cast to the dtype, bit for bit.
+/// reads a bf16 or f32 file straight into bf16 a chunk at a time, so loading peaks at the bf16
+/// model plus a chunk buffer, not plus the largest tensor's f32 copy (GPT-2's 147 MiB
+/// embedding). The values are those of [`load_each`]'s f32 tensor cast to the dtype, bit for
+/// bit. GPT-2's `Conv1D` weights are read transposed, a band of rows at a time.
 pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Result<ModelConfig> {
     let cfg = read_config(dir)?;
     let mut stored = read_tensors(dir)?;
@@ -438,44 +407,14 @@ pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Resul
                 format!("{} has shape {:?}, expected {want:?}", info.name, t.shape),
             ));
         }
-        let dtype = sink.dtype(index);
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-            return Err(TrainError::Config(format!(
-                "{} wanted in {dtype:?}: tensors load as f32, bf16 or f16",
-                info.name
-            )));
-        }
-        let alloc = |dtype: DType| -> Result<CpuTensor> {
-            let _g = MemoryCategory::Parameters.enter();
-            let _l = headroom_profiler::label_absolute(&info.name);
-            Ok(backend.zeros(info.shape.clone(), dtype)?)
-        };
-        let tensor = if dtype == DType::F32 || info.transposed_in_hf {
-            let mut master = alloc(DType::F32)?;
-            let dst = master.as_mut_slice::<f32>()?;
-            read_chunks(&t, dst.len(), |at, chunk| {
-                dst[at..at + chunk.len()].copy_from_slice(chunk)
-            })?;
-            if info.transposed_in_hf {
-                transpose_in_place(dst, info.shape[1], info.shape[0]);
-            }
-            if dtype == DType::F32 {
-                master
-            } else {
-                sink.values(index, master.as_slice::<f32>()?);
-                let mut narrow = alloc(dtype)?;
-                backend.cast(&master, &mut narrow)?;
-                narrow
-            }
+        let mut reader = TensorReader::open(&t, info.shape.iter().product())?;
+        let tensor = if info.transposed_in_hf {
+            let (rows, cols) = (info.shape[0], info.shape[1]);
+            params::fill_tensor(backend, info, index, sink, |at, out| {
+                reader.read_transposed(at / cols, out, rows, cols)
+            })?
         } else {
-            let mut narrow = alloc(dtype)?;
-            let mut dst = narrow.float_slice_mut("hf load")?;
-            let n = dst.len();
-            read_chunks(&t, n, |at, chunk| {
-                sink.values(index, chunk);
-                cast_chunk(chunk, &mut dst, at);
-            })?;
-            narrow
+            params::fill_tensor(backend, info, index, sink, |at, out| reader.read(at, out))?
         };
         sink.push(index, tensor)?;
     }
@@ -507,67 +446,210 @@ pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Resul
     Ok(cfg)
 }
 
-/// `chunk` (f32) into `dst[at..]`, rounded as [`Backend::cast`] rounds.
-fn cast_chunk(chunk: &[f32], dst: &mut FloatSliceMut<'_>, at: usize) {
-    let end = at + chunk.len();
-    let src = FloatSlice::F32(chunk);
-    match dst {
-        FloatSliceMut::F32(d) => d[at..end].copy_from_slice(chunk),
-        FloatSliceMut::BF16(d) => kernels::cast(src, FloatSliceMut::BF16(&mut d[at..end])),
-        FloatSliceMut::F16(d) => kernels::cast(src, FloatSliceMut::F16(&mut d[at..end])),
-    }
+/// One stored tensor's values, read from its file and widened to f32.
+struct TensorReader<'a> {
+    t: &'a Stored,
+    file: File,
+    bytes: Vec<u8>,
+    /// Bytes read at a time ([`CHUNK_BYTES`]; tests make it small).
+    chunk_bytes: usize,
 }
 
-/// Read `t`'s `len` values in order, a bounded chunk at a time, widened to f32:
-/// `each(offset, chunk)`.
-fn read_chunks(t: &Stored, len: usize, mut each: impl FnMut(usize, &[f32])) -> Result<()> {
-    let io = |e: std::io::Error| bad(&t.file, e.to_string());
-    let mut f = File::open(&t.file).map_err(io)?;
-    f.seek(SeekFrom::Start(t.start)).map_err(io)?;
-    let size = t.dtype.size() as usize;
-    if (t.end - t.start) as usize != len * size {
-        return Err(bad(&t.file, "tensor byte length changed"));
+impl<'a> TensorReader<'a> {
+    /// `t`, which must hold `len` values.
+    fn open(t: &'a Stored, len: usize) -> Result<Self> {
+        if (t.end - t.start) != len as u64 * t.dtype.size() {
+            return Err(bad(&t.file, "tensor byte length changed"));
+        }
+        let file = File::open(&t.file).map_err(|e| bad(&t.file, e.to_string()))?;
+        Ok(TensorReader {
+            t,
+            file,
+            bytes: Vec::new(),
+            chunk_bytes: CHUNK_BYTES,
+        })
     }
-    let per_chunk = CHUNK_BYTES / size;
-    let mut buf = vec![0u8; CHUNK_BYTES];
-    let mut values = vec![0f32; per_chunk.min(len)];
-    let mut at = 0;
-    while at < len {
-        let n = per_chunk.min(len - at);
-        let bytes = &mut buf[..n * size];
-        f.read_exact(bytes)
-            .map_err(|_| bad(&t.file, "file ends inside a tensor"))?;
-        let out = &mut values[..n];
-        match t.dtype {
-            StoredDtype::F32 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-            StoredDtype::Bf16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                }
-            }
-            StoredDtype::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+
+    /// Values `at..at + out.len()` of the stored tensor (in bounds: `open` checked the
+    /// length, and callers stay within it), a bounded chunk at a time.
+    fn read(&mut self, at: usize, out: &mut [f32]) -> Result<()> {
+        let t = self.t;
+        let size = t.dtype.size() as usize;
+        self.file
+            .seek(SeekFrom::Start(t.start + (at * size) as u64))
+            .map_err(|e| bad(&t.file, e.to_string()))?;
+        for out in out.chunks_mut((self.chunk_bytes / size).max(1)) {
+            self.bytes.resize(out.len() * size, 0);
+            self.file
+                .read_exact(&mut self.bytes)
+                .map_err(|_| bad(&t.file, "file ends inside a tensor"))?;
+            widen(t.dtype, &self.bytes, out);
+        }
+        Ok(())
+    }
+
+    /// Rows `first..first + out.len() / cols` of the `[rows, cols]` transpose of the stored
+    /// `[cols, rows]` tensor. Stored rows are read whole, as many as fit a chunk at a time
+    /// (at least one), and the band's part of each is scattered into the band's column: one pass over
+    /// the stored tensor per band.
+    fn read_transposed(
+        &mut self,
+        first: usize,
+        out: &mut [f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let t = self.t;
+        let size = t.dtype.size() as usize;
+        let band = out.len() / cols;
+        debug_assert!(first + band <= rows && band * cols == out.len());
+        let per_read = (self.chunk_bytes / (rows * size)).max(1);
+        let mut slice = vec![0f32; band];
+        self.file
+            .seek(SeekFrom::Start(t.start))
+            .map_err(|e| bad(&t.file, e.to_string()))?;
+        for c0 in (0..cols).step_by(per_read) {
+            let stored_rows = per_read.min(cols - c0);
+            self.bytes.resize(stored_rows * rows * size, 0);
+            self.file
+                .read_exact(&mut self.bytes)
+                .map_err(|_| bad(&t.file, "file ends inside a tensor"))?;
+            for (i, stored_row) in self.bytes.chunks_exact(rows * size).enumerate() {
+                let part = &stored_row[first * size..(first + band) * size];
+                widen(t.dtype, part, &mut slice);
+                let c = c0 + i;
+                for (r, v) in slice.iter().enumerate() {
+                    out[r * cols + c] = *v;
                 }
             }
         }
-        each(at, out);
-        at += n;
+        Ok(())
     }
-    Ok(())
 }
 
-/// `[rows, cols]` row-major → `[cols, rows]` in place, through a copy of this one tensor (the
-/// largest matrix at most, never the model).
-fn transpose_in_place(x: &mut [f32], rows: usize, cols: usize) {
-    let src = x.to_vec();
-    for r in 0..rows {
-        for c in 0..cols {
-            x[c * rows + r] = src[r * cols + c];
+/// Little-endian `bytes` of `dtype` widened into `out` (as many values as `out` holds).
+fn widen(dtype: StoredDtype, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        StoredDtype::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
         }
+        StoredDtype::Bf16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        StoredDtype::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A file holding `values` in `dtype` after a few bytes of something else, as one stored
+    /// tensor of `shape`.
+    fn stored(dir: &Path, dtype: StoredDtype, values: &[f32], shape: Vec<usize>) -> Stored {
+        let mut bytes = vec![7u8; 24];
+        for v in values {
+            match dtype {
+                StoredDtype::F32 => bytes.extend(v.to_le_bytes()),
+                StoredDtype::Bf16 => bytes.extend(half::bf16::from_f32(*v).to_bits().to_le_bytes()),
+                StoredDtype::F16 => bytes.extend(half::f16::from_f32(*v).to_bits().to_le_bytes()),
+            }
+        }
+        let file = dir.join("t.bin");
+        std::fs::write(&file, &bytes).unwrap();
+        Stored {
+            file,
+            dtype,
+            shape,
+            start: 24,
+            end: bytes.len() as u64,
+        }
+    }
+
+    fn widened(dtype: StoredDtype, v: f32) -> f32 {
+        match dtype {
+            StoredDtype::F32 => v,
+            StoredDtype::Bf16 => half::bf16::from_f32(v).to_f32(),
+            StoredDtype::F16 => half::f16::from_f32(v).to_f32(),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Reads of any range, any chunk size, and transposed reads of any band height give
+        /// the stored values widened, and their plain transpose.
+        #[test]
+        fn chunked_and_transposed_reads_equal_a_plain_read(
+            rows in 1usize..24,
+            cols in 1usize..24,
+            dtype in prop_oneof![
+                Just(StoredDtype::F32),
+                Just(StoredDtype::Bf16),
+                Just(StoredDtype::F16)
+            ],
+            chunk_bytes in 1usize..300,
+            band in 1usize..24,
+            range in (0usize..576, 0usize..576),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let values: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.37).sin() * 9.0).collect();
+            // Stored `[cols, rows]`, as GPT-2 stores a `Conv1D` weight.
+            let t = stored(dir.path(), dtype, &values, vec![cols, rows]);
+            let mut reader = TensorReader::open(&t, rows * cols).unwrap();
+            reader.chunk_bytes = chunk_bytes;
+            let (a, b) = (range.0 % (rows * cols + 1), range.1 % (rows * cols + 1));
+            let (lo, hi) = (a.min(b), a.max(b));
+            let mut part = vec![0f32; hi - lo];
+            reader.read(lo, &mut part).unwrap();
+            for (i, v) in part.iter().enumerate() {
+                prop_assert_eq!(v.to_bits(), widened(dtype, values[lo + i]).to_bits());
+            }
+            let band = band.min(rows);
+            let mut out = vec![0f32; rows * cols];
+            for first in (0..rows).step_by(band) {
+                let n = band.min(rows - first);
+                reader
+                    .read_transposed(first, &mut out[first * cols..(first + n) * cols], rows, cols)
+                    .unwrap();
+            }
+            for r in 0..rows {
+                for c in 0..cols {
+                    let want = widened(dtype, values[c * rows + r]);
+                    prop_assert_eq!(out[r * cols + c].to_bits(), want.to_bits(), "({}, {})", r, c);
+                }
+            }
+        }
+    }
+
+    /// A stored tensor whose byte range does not hold the expected count is refused, and one
+    /// whose file is shorter than its range is a typed error, not a panic.
+    #[test]
+    fn a_length_mismatch_or_a_short_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = stored(dir.path(), StoredDtype::F32, &[1.0; 6], vec![2, 3]);
+        assert!(TensorReader::open(&t, 5).is_err());
+        let short = Stored {
+            end: t.end + 8,
+            ..t.clone()
+        };
+        let mut reader = TensorReader::open(&short, 8).unwrap();
+        let mut out = vec![0f32; 8];
+        let e = reader.read(0, &mut out).unwrap_err().to_string();
+        assert!(e.contains("file ends inside a tensor"), "{e}");
+        let e = reader
+            .read_transposed(0, &mut out, 4, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("file ends inside a tensor"), "{e}");
     }
 }

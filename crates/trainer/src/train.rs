@@ -1236,9 +1236,7 @@ fn train_tracked(
             let mut b = FinetuneBuilder::new(&cpu, opts.model, model_opts, spec.clone())?;
             match &opts.init_from {
                 Some(dir) => check_shape(crate::hf::load_into(dir, &cpu, &mut b)?, dir)?,
-                None => {
-                    params::init_params_each(&cpu, &opts.model, opts.seed, |i, t| b.push(i, t))?
-                }
+                None => params::init_params_into(&cpu, &opts.model, opts.seed, &mut b)?,
             }
             let state = checkpoint::FinetuneState {
                 spec: spec.clone(),

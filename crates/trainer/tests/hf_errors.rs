@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Tensor};
 use headroom_trainer::hf;
+use headroom_trainer::model::params;
 use headroom_trainer::TrainError;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -281,14 +282,14 @@ fn bf16_f16_and_sharded_files_load() {
     refused(&dir, "not a plain name");
 }
 
-/// What a [`hf::TensorSink`] was given: each tensor, and the f32 values streamed before it.
+/// What a [`params::TensorSink`] was given: each tensor, and the f32 values streamed before it.
 struct Recorder {
     want: Box<dyn Fn(usize) -> DType>,
     tensors: Vec<CpuTensor>,
     values: Vec<Vec<f32>>,
 }
 
-impl hf::TensorSink for Recorder {
+impl params::TensorSink for Recorder {
     fn dtype(&self, index: usize) -> DType {
         (self.want)(index)
     }
@@ -312,7 +313,8 @@ impl hf::TensorSink for Recorder {
 /// `load_into` a sink that wants bf16, f16 or f32 tensor by tensor gives, bit for bit,
 /// `load_each`'s f32 tensors cast by the backend, and streams exactly the f32 values of every
 /// tensor it delivers narrowed (none for f32 ones): f32, bf16 and f16 files, and GPT-2's
-/// sharded, transposed `Conv1D` weights.
+/// sharded, transposed `Conv1D` weights (read transposed, a band of rows at a time); and so
+/// does `init_params_into` against `init_params`.
 #[test]
 fn narrowed_tensors_load_as_the_cast_f32_tensors() {
     let s = tempfile::tempdir().unwrap();
@@ -355,36 +357,19 @@ fn narrowed_tensors_load_as_the_cast_f32_tensors() {
                 values: vec![Vec::new(); masters.len()],
             };
             hf::load_into(dir, &cpu, &mut sink).unwrap();
-            assert_eq!(sink.tensors.len(), masters.len());
-            for (i, (got, master)) in sink.tensors.iter().zip(&masters).enumerate() {
-                let dtype = (sink.want)(i);
-                assert_eq!(got.dtype(), dtype);
-                assert_eq!(got.shape(), master.shape());
-                let mut want = cpu.zeros(master.shape().clone(), dtype).unwrap();
-                cpu.cast(master, &mut want).unwrap();
-                assert_eq!(
-                    bytes(&cpu, got),
-                    bytes(&cpu, &want),
-                    "{} tensor {i} in {dtype:?}",
-                    dir.display()
-                );
-                let streamed = &sink.values[i];
-                if dtype == DType::F32 {
-                    assert!(streamed.is_empty(), "tensor {i}: values of an f32 tensor");
-                } else {
-                    let f32s = master.as_slice::<f32>().unwrap();
-                    assert_eq!(streamed.len(), f32s.len(), "tensor {i}");
-                    assert!(
-                        streamed
-                            .iter()
-                            .zip(f32s)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "tensor {i}: streamed values differ from the f32 master"
-                    );
-                }
-            }
+            check(&cpu, &sink, &masters, &dir.display().to_string());
         }
     }
+    // A seeded initialisation streams the same way: `init_params`' tensors, cast.
+    let cfg = hf::read_config(&dirs[3]).unwrap();
+    let masters = params::init_params(&cpu, &cfg, 7).unwrap();
+    let mut sink = Recorder {
+        want: Box::new(|i| [DType::BF16, DType::F32, DType::F16][i % 3]),
+        tensors: Vec::new(),
+        values: vec![Vec::new(); masters.len()],
+    };
+    params::init_params_into(&cpu, &cfg, 7, &mut sink).unwrap();
+    check(&cpu, &sink, &masters, "init");
     // Only float dtypes load.
     let mut sink = Recorder {
         want: Box::new(|_| DType::I32),
@@ -394,6 +379,38 @@ fn narrowed_tensors_load_as_the_cast_f32_tensors() {
     match hf::load_into(&fixture(), &cpu, &mut sink) {
         Err(TrainError::Config(m)) => assert!(m.contains("f32, bf16 or f16"), "{m}"),
         other => panic!("{:?}", other.map(|_| ())),
+    }
+}
+
+/// `sink` received `masters` cast to the dtypes it wanted, bit for bit, and the f32 values of
+/// exactly the tensors it wanted narrowed.
+fn check(cpu: &Cpu, sink: &Recorder, masters: &[CpuTensor], what: &str) {
+    assert_eq!(sink.tensors.len(), masters.len());
+    for (i, (got, master)) in sink.tensors.iter().zip(masters).enumerate() {
+        let dtype = (sink.want)(i);
+        assert_eq!(got.dtype(), dtype);
+        assert_eq!(got.shape(), master.shape());
+        let mut want = cpu.zeros(master.shape().clone(), dtype).unwrap();
+        cpu.cast(master, &mut want).unwrap();
+        assert_eq!(
+            bytes(cpu, got),
+            bytes(cpu, &want),
+            "{what}: tensor {i} in {dtype:?}"
+        );
+        let streamed = &sink.values[i];
+        if dtype == DType::F32 {
+            assert!(streamed.is_empty(), "{what}: values of f32 tensor {i}");
+        } else {
+            let f32s = master.as_slice::<f32>().unwrap();
+            assert_eq!(streamed.len(), f32s.len(), "{what}: tensor {i}");
+            assert!(
+                streamed
+                    .iter()
+                    .zip(f32s)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: tensor {i}'s streamed values differ from the f32 master"
+            );
+        }
     }
 }
 

@@ -30,10 +30,9 @@ use headroom_quant::{BlockSize, QuantConfig, QuantType, QuantizedTensor};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::hf::TensorSink;
 use crate::model::gpt2_block::at;
 use crate::model::ops::ModelOps;
-use crate::model::params::{self, layer, llama_layer, ParamInfo};
+use crate::model::params::{self, layer, llama_layer, ParamInfo, TensorSink};
 use crate::model::transformer::{weights_config, ModelOptions};
 use crate::model::{Family, Model, ModelConfig};
 use crate::{Result, TrainError};
@@ -526,7 +525,8 @@ impl FinetuneBuilder {
     }
 }
 
-/// The builder as an HF loader's sink ([`crate::hf::load_into`]): tensors stored in bf16 or
+/// The builder as the sink of an HF load ([`crate::hf::load_into`]) or a seeded initialisation
+/// ([`params::init_params_into`]): tensors stored in bf16 or
 /// f16 arrive in that dtype, read from the file a chunk at a time and fingerprinted on the way,
 /// so loading a bf16 or 4-bit base never holds an f32 copy of its embedding or head.
 impl TensorSink for FinetuneBuilder {

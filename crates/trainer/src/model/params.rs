@@ -9,6 +9,7 @@
 //! Order: the embeddings, then each block's tensors (its [`layer`] or [`llama_layer`]
 //! offsets), then the final norm, then an untied head.
 
+use headroom_tensor::cpu::kernels::{self, FloatSlice, FloatSliceMut};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
 
 use crate::model::{Family, ModelConfig};
@@ -214,34 +215,151 @@ pub fn init_params_each(
     cpu: &Cpu,
     cfg: &ModelConfig,
     seed: u64,
-    mut each: impl FnMut(usize, CpuTensor) -> Result<()>,
+    each: impl FnMut(usize, CpuTensor) -> Result<()>,
+) -> Result<()> {
+    init_params_into(cpu, cfg, seed, &mut EachF32(each))
+}
+
+/// [`init_params_each`] into `sink`, each tensor in the dtype the sink asks for: a bf16 frozen
+/// base draws straight into bf16 a chunk at a time. The values are [`init_params`]' cast to
+/// that dtype, bit for bit.
+pub fn init_params_into(
+    cpu: &Cpu,
+    cfg: &ModelConfig,
+    seed: u64,
+    sink: &mut impl TensorSink,
 ) -> Result<()> {
     let infos = param_infos(cfg);
     let mut rng = Normal::new(seed);
     let residual_std = 0.02 / ((2 * cfg.layers) as f32).sqrt();
     for (index, info) in infos.iter().enumerate() {
-        let mut t = {
-            let _g = MemoryCategory::Parameters.enter();
-            let _l = headroom_profiler::label_absolute(&info.name);
-            cpu.zeros(info.shape.clone(), DType::F32)?
-        };
-        let x = t.as_mut_slice::<f32>()?;
         let n = &info.name;
-        if n.ends_with("bias") {
-            // Zero, as allocated.
-        } else if info.shape.len() == 1 {
-            // GPT-2's ln_*.weight, Llama's *layernorm.weight and model.norm.weight.
-            x.fill(1.0);
-        } else {
-            let gpt2_residual = cfg.family == Family::Gpt2 && n.ends_with("c_proj.weight");
-            let std = if gpt2_residual { residual_std } else { 0.02 };
-            for v in x {
-                *v = rng.sample() * std;
+        let t = fill_tensor(cpu, info, index, sink, |_, x| {
+            if n.ends_with("bias") {
+                x.fill(0.0);
+            } else if info.shape.len() == 1 {
+                // GPT-2's ln_*.weight, Llama's *layernorm.weight and model.norm.weight.
+                x.fill(1.0);
+            } else {
+                let gpt2_residual = cfg.family == Family::Gpt2 && n.ends_with("c_proj.weight");
+                let std = if gpt2_residual { residual_std } else { 0.02 };
+                for v in x {
+                    *v = rng.sample() * std;
+                }
             }
-        }
-        each(index, t)?;
+            Ok(())
+        })?;
+        sink.push(index, t)?;
     }
     Ok(())
+}
+
+/// A consumer of the parameter tensors, in parameter order, as [`init_params_into`] draws them
+/// and [`crate::hf::load_into`] reads them.
+pub trait TensorSink {
+    /// The dtype tensor `index` is wanted in: f32, or bf16/f16 for a consumer that keeps only
+    /// rounded copies. Those are filled a chunk at a time through a bounded f32 buffer, so
+    /// the tensor never exists in f32.
+    fn dtype(&self, index: usize) -> DType;
+
+    /// Tensor `index`'s f32 values in order, a chunk at a time, before it is
+    /// [pushed](Self::push). Called only for a tensor wanted in bf16 or f16, whose f32 values
+    /// are gone once it is pushed (a fingerprint reads them here).
+    fn values(&mut self, index: usize, values: &[f32]);
+
+    /// Tensor `index`, in the dtype [`dtype`](Self::dtype) named, as soon as it is filled.
+    fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()>;
+}
+
+/// A closure taking f32 tensors as a [`TensorSink`].
+pub(crate) struct EachF32<F>(pub(crate) F);
+
+impl<F: FnMut(usize, CpuTensor) -> Result<()>> TensorSink for EachF32<F> {
+    fn dtype(&self, _: usize) -> DType {
+        DType::F32
+    }
+
+    fn values(&mut self, _: usize, _: &[f32]) {}
+
+    fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()> {
+        (self.0)(index, tensor)
+    }
+}
+
+/// f32 values per chunk of a bf16/f16 [`fill_tensor`] (4 MiB), rounded down to whole rows.
+/// Large enough that a transposed read (GPT-2's `Conv1D` weights, one pass over the stored
+/// tensor per chunk) makes few passes; small beside any tensor worth streaming.
+const FILL_CHUNK: usize = 1 << 20;
+
+/// Tensor `index` (`info`'s shape, counted as `Parameters` under its name) in the dtype `sink`
+/// wants, its values written in order by `fill(offset, chunk)`: for f32 once, in place; for
+/// bf16/f16 a chunk of whole rows (the last dimension) at a time into a bounded f32 buffer
+/// that `sink.values` reads and that is then rounded into the tensor as [`Backend::cast`]
+/// rounds.
+pub(crate) fn fill_tensor(
+    cpu: &Cpu,
+    info: &ParamInfo,
+    index: usize,
+    sink: &mut impl TensorSink,
+    fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
+) -> Result<CpuTensor> {
+    fill_tensor_by(cpu, info, index, sink, FILL_CHUNK, fill)
+}
+
+/// [`fill_tensor`] with `chunk` values per chunk (rounded down to whole rows, at least one).
+fn fill_tensor_by(
+    cpu: &Cpu,
+    info: &ParamInfo,
+    index: usize,
+    sink: &mut impl TensorSink,
+    chunk: usize,
+    mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
+) -> Result<CpuTensor> {
+    let dtype = sink.dtype(index);
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(crate::TrainError::Config(format!(
+            "{} wanted in {dtype:?}: parameters are f32, bf16 or f16",
+            info.name
+        )));
+    }
+    let mut t = {
+        let _g = MemoryCategory::Parameters.enter();
+        let _l = headroom_profiler::label_absolute(&info.name);
+        cpu.zeros(info.shape.clone(), dtype)?
+    };
+    let row = match info.shape.as_slice() {
+        [.., last] if info.shape.len() > 1 => (*last).max(1),
+        _ => 1,
+    };
+    let chunk = (chunk / row).max(1) * row;
+    match t.float_slice_mut("fill_tensor")? {
+        // In place: the tensor is its own buffer.
+        FloatSliceMut::F32(x) => fill(0, x)?,
+        mut narrow => {
+            let n = narrow.len();
+            let mut buf = vec![0f32; chunk.min(n)];
+            let mut at = 0;
+            while at < n {
+                let values = &mut buf[..chunk.min(n - at)];
+                fill(at, values)?;
+                sink.values(index, values);
+                cast_into(values, &mut narrow, at);
+                at += values.len();
+            }
+        }
+    }
+    Ok(t)
+}
+
+/// `values` into `dst[at..]`, rounded as [`Backend::cast`] rounds.
+fn cast_into(values: &[f32], dst: &mut FloatSliceMut<'_>, at: usize) {
+    let end = at + values.len();
+    let src = FloatSlice::F32(values);
+    match dst {
+        FloatSliceMut::F32(d) => d[at..end].copy_from_slice(values),
+        FloatSliceMut::BF16(d) => kernels::cast(src, FloatSliceMut::BF16(&mut d[at..end])),
+        FloatSliceMut::F16(d) => kernels::cast(src, FloatSliceMut::F16(&mut d[at..end])),
+    }
 }
 
 /// Box–Muller over xorshift64*: a tiny deterministic normal sampler for initialisation.
@@ -273,5 +391,94 @@ impl Normal {
         let th = std::f64::consts::TAU * u2;
         self.spare = Some((r * th.sin()) as f32);
         (r * th.cos()) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records what a sink is given.
+    struct Recorder {
+        dtype: DType,
+        values: Vec<f32>,
+        pushed: Vec<CpuTensor>,
+    }
+
+    impl TensorSink for Recorder {
+        fn dtype(&self, _: usize) -> DType {
+            self.dtype
+        }
+        fn values(&mut self, _: usize, values: &[f32]) {
+            self.values.extend_from_slice(values);
+        }
+        fn push(&mut self, _: usize, tensor: CpuTensor) -> Result<()> {
+            self.pushed.push(tensor);
+            Ok(())
+        }
+    }
+
+    /// Chunks of whole rows, in order, at every chunk size: the narrowed tensor is the cast of
+    /// the values filled, and the sink saw each value once, in order. f32 is filled once.
+    #[test]
+    fn chunks_are_whole_rows_in_order_and_the_tensor_is_their_cast() {
+        let cpu = Cpu::new();
+        let info = ParamInfo {
+            name: "w".into(),
+            shape: vec![5, 7],
+            transposed_in_hf: false,
+        };
+        let value = |i: usize| (i as f32 * 0.731).sin() * 3.0 + 1e-3;
+        let all: Vec<f32> = (0..35).map(value).collect();
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for chunk in [1, 6, 7, 8, 14, 20, 35, 100] {
+                let mut sink = Recorder {
+                    dtype,
+                    values: Vec::new(),
+                    pushed: Vec::new(),
+                };
+                let mut calls = Vec::new();
+                let t = fill_tensor_by(&cpu, &info, 0, &mut sink, chunk, |at, x| {
+                    calls.push((at, x.len()));
+                    for (i, v) in x.iter_mut().enumerate() {
+                        *v = value(at + i);
+                    }
+                    Ok(())
+                })
+                .unwrap();
+                let rows = if dtype == DType::F32 {
+                    5
+                } else {
+                    (chunk / 7).max(1)
+                };
+                let mut at = 0;
+                for &(start, len) in &calls {
+                    assert_eq!(
+                        (start, len),
+                        (at, (rows * 7).min(35 - at)),
+                        "{dtype:?} {chunk}"
+                    );
+                    at += len;
+                }
+                assert_eq!(at, 35);
+                let f32s = cpu.upload(&all, [5, 7]).unwrap();
+                let mut as_f32 = cpu.zeros([5, 7], DType::F32).unwrap();
+                cpu.cast(&t, &mut as_f32).unwrap();
+                let mut want32 = cpu.zeros([5, 7], DType::F32).unwrap();
+                let mut rounded = cpu.zeros([5, 7], dtype).unwrap();
+                cpu.cast(&f32s, &mut rounded).unwrap();
+                cpu.cast(&rounded, &mut want32).unwrap();
+                assert_eq!(
+                    cpu.download::<f32>(&as_f32).unwrap(),
+                    cpu.download::<f32>(&want32).unwrap(),
+                    "{dtype:?} {chunk}"
+                );
+                if dtype == DType::F32 {
+                    assert!(sink.values.is_empty());
+                } else {
+                    assert_eq!(sink.values, all, "{dtype:?} {chunk}");
+                }
+            }
+        }
     }
 }
