@@ -165,9 +165,18 @@ struct EvalArgs {
     /// fp16 or 4-bit base (PEFT's `PeftModel`, the numerics a QLoRA run trained with).
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
+    /// Compute the loss this many token rows at a time, so the f32 logits exist one chunk at
+    /// a time, never as a whole `[BATCH, SEQ, vocab]` [default: the rows whose logits fit
+    /// 64 MiB]
+    #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..))]
+    loss_chunk: Option<u64>,
     #[command(flatten)]
     weights: InferenceArgs,
 }
+
+/// The f32 logits `headroom eval` holds at once by default (`--loss-chunk`): a batch of 8×2048
+/// tokens over Llama 3's 128 256-token vocabulary would otherwise hold 8 GiB of them.
+const EVAL_LOGITS_BYTES: u64 = 64 << 20;
 
 #[derive(Args)]
 struct SampleArgs {
@@ -1882,12 +1891,16 @@ fn cmd_merge(a: MergeArgs) -> CliResult {
 
 fn cmd_eval(a: EvalArgs) -> CliResult {
     let (cpu, tracker) = inference_cpu();
-    let model = crate::sample::load_for_inference(
+    let mut model = crate::sample::load_for_inference(
         &a.from,
         a.adapter.as_deref(),
         &cpu,
         &a.weights.weights(),
     )?;
+    let rows = a
+        .loss_chunk
+        .unwrap_or((EVAL_LOGITS_BYTES / (4 * model.cfg.vocab as u64)).max(1));
+    model.opts.loss_chunk = Some(usize::try_from(rows).unwrap_or(usize::MAX));
     let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
     let (loss, tokens) = crate::evaluate::evaluate(&model, &data, a.batch, a.seq, a.batches)?;
     say!(

@@ -525,6 +525,15 @@ fn eval_and_sample_in_bf16_and_4_bits_from_a_checkpoint_and_refuse_a_corrupt_one
         err32.contains("weights") && err32.contains("(fp32)"),
         "{err32}"
     );
+    // Three rows of logits at a time: the same loss within f32 rounding; no row is refused.
+    let (chunked, _) = eval(&["--loss-chunk", "3"]);
+    assert!((chunked - fp32).abs() < 1e-5, "{chunked} vs {fp32}");
+    let zero = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args(["eval", "--from", &p("run"), "--data", &p("syn.bin")])
+        .args(["--loss-chunk", "0"])
+        .output()
+        .unwrap();
+    assert!(!zero.status.success());
     for extra in [
         &["--precision", "bf16"][..],
         &["--precision", "bf16", "--quantize", "nf4", "--double-quant"][..],

@@ -672,6 +672,46 @@ fn a_base_streamed_into_bf16_fingerprints_as_its_f32_masters() {
     }
 }
 
+/// `eval`'s loss a few rows at a time (`--loss-chunk`): the head holds a chunk of logits, not
+/// all of them — the tracked peak falls with the chunk, by exactly one row of logits for a
+/// chunk one row short of the batch — and the loss
+/// is the whole-logits loss within f32 rounding.
+#[test]
+fn a_chunked_loss_holds_one_chunk_of_logits() {
+    let dir = fixture_dir("hf-llama-gqa-untied");
+    let g = Geometry { b: 3, t: 16 };
+    let seq = tokens(g.b * g.t + 1, 41, 2);
+    let (x, y) = (&seq[..g.b * g.t], &seq[1..]);
+    let loss_and_peak = |chunk: Option<usize>| {
+        let tracker = Arc::new(MemoryTracker::new());
+        let cpu = Cpu::new().with_alloc_hook(tracker.clone());
+        let mut model = load_for_inference(&dir, None, &cpu, &InferenceWeights::default()).unwrap();
+        model.opts.loss_chunk = chunk;
+        tracker.reset_peak();
+        let loss = model.loss(x, y, g).unwrap();
+        let peak = tracker.snapshot().device(Device::Cpu).unwrap().peak[MemoryCategory::Workspace];
+        (loss, peak)
+    };
+    let (whole, whole_peak) = loss_and_peak(None);
+    let vocab = hf::read_config(&dir).unwrap().vocab as u64;
+    let n = g.b * g.t;
+    let mut last = 0;
+    for rows in [1, 5, 47] {
+        let (loss, peak) = loss_and_peak(Some(rows));
+        assert!(
+            (loss - whole).abs() <= 1e-5 * whole.abs(),
+            "{rows}: {loss} vs {whole}"
+        );
+        assert!(
+            peak >= last && peak < whole_peak,
+            "{rows} rows: {peak} vs {whole_peak} whole"
+        );
+        last = peak;
+    }
+    // One row fewer than the batch: the head's moment is the peak, one row of logits lower.
+    assert_eq!(loss_and_peak(Some(n - 1)).1, whole_peak - vocab * 4);
+}
+
 /// `sample`/`eval` weights hold what they claim, counted by the tracker: 2 bytes per parameter
 /// in bf16 (no f32 masters), and in 4 bits the block linears at bitsandbytes' packed size
 /// beside bf16 embeddings, norms and head.
