@@ -53,7 +53,6 @@ use std::path::{Path, PathBuf};
 use headroom_mmap_data::LoaderState;
 use headroom_offload::AdamWState;
 use headroom_tensor::{Backend, Cpu, CpuTensor};
-use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
@@ -467,17 +466,38 @@ pub(crate) fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
 }
 
-/// The model's files as transformers writes them, each handed to `sink` (name, contents) as
-/// soon as it is serialised, so one shard at a time exists beside the tensors:
-/// `model.safetensors`, or shards of at most `max_shard_bytes` plus [`SHARD_INDEX`] (see
-/// [`save_sharded`]), the Conv1D weights of GPT-2 transposed to Hugging Face's `[in, out]`.
+/// The model's files as transformers writes them, written into `dir` (fsynced) and returned
+/// as manifest entries: `model.safetensors`, or shards of at most `max_shard_bytes` plus
+/// [`SHARD_INDEX`] (see [`save_sharded`]), the Conv1D weights of GPT-2 transposed to Hugging
+/// Face's `[in, out]`. Each file is streamed from the tensors ([`write_safetensors`]), so a
+/// save holds no copy of the model beside it — a checkpoint of a model that barely fits does
+/// not run out of memory.
 pub(crate) fn model_files(
     config: &ModelConfig,
     params: &[CpuTensor],
     max_shard_bytes: u64,
     root: &Path,
-    mut sink: impl FnMut(&str, &[u8]) -> Result<()>,
-) -> Result<()> {
+    dir: &Path,
+) -> Result<Vec<ManifestFile>> {
+    model_files_by(
+        config,
+        params,
+        max_shard_bytes,
+        root,
+        dir,
+        WRITE_CHUNK_BYTES,
+    )
+}
+
+/// [`model_files`], transposing through a buffer of `chunk_bytes` (tests make it small).
+fn model_files_by(
+    config: &ModelConfig,
+    params: &[CpuTensor],
+    max_shard_bytes: u64,
+    root: &Path,
+    dir: &Path,
+    chunk_bytes: usize,
+) -> Result<Vec<ManifestFile>> {
     let infos = params::param_infos(config);
     if infos.len() != params.len() {
         return Err(err(
@@ -485,26 +505,31 @@ pub(crate) fn model_files(
             format!("{} parameters for a model of {}", params.len(), infos.len()),
         ));
     }
-    // Hugging Face layout: Conv1D weights transposed to [in, out].
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(infos.len());
-    for (info, t) in infos.iter().zip(params) {
-        let x = t.as_slice::<f32>()?;
-        let (shape, data) = if info.transposed_in_hf {
-            let (rows, cols) = (info.shape[0], info.shape[1]);
-            (vec![cols, rows], transpose(x, rows, cols))
-        } else {
-            (info.shape.clone(), x.to_vec())
-        };
-        owned.push((
-            info.name.clone(),
-            shape,
-            bytemuck::cast_slice(&data).to_vec(),
-        ));
-    }
+    let outgoing = infos
+        .iter()
+        .zip(params)
+        .map(|(info, t)| {
+            let values = t.as_slice::<f32>()?;
+            // Hugging Face layout: Conv1D weights transposed to [in, out].
+            let (shape, transposed_from) = if info.transposed_in_hf {
+                let (rows, cols) = (info.shape[0], info.shape[1]);
+                (vec![cols, rows], Some((rows, cols)))
+            } else {
+                (info.shape.clone(), None)
+            };
+            Ok(Outgoing {
+                name: &info.name,
+                shape,
+                values,
+                transposed_from,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     let shards = shard_ranges(
-        owned.iter().map(|(_, _, b)| b.len() as u64),
+        outgoing.iter().map(|t| 4 * t.values.len() as u64),
         max_shard_bytes,
     );
+    let mut files = Vec::with_capacity(shards.len() + 1);
     let mut weight_map = serde_json::Map::new();
     for (i, range) in shards.iter().enumerate() {
         let name = if shards.len() == 1 {
@@ -512,31 +537,117 @@ pub(crate) fn model_files(
         } else {
             format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())
         };
-        let views = owned[range.clone()]
-            .iter()
-            .map(|(n, s, b)| {
-                weight_map.insert(n.clone(), serde_json::Value::from(name.clone()));
-                Ok((
-                    n.as_str(),
-                    TensorView::new(Dtype::F32, s.clone(), b)
-                        .map_err(|e| err(root, e.to_string()))?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let model = safetensors::serialize(views, None).map_err(|e| err(root, e.to_string()))?;
-        sink(&name, &model)?;
+        for t in &outgoing[range.clone()] {
+            weight_map.insert(t.name.to_owned(), serde_json::Value::from(name.clone()));
+        }
+        files.push(write_safetensors(
+            &dir.join(&name),
+            &outgoing[range.clone()],
+            root,
+            chunk_bytes,
+        )?);
     }
     if shards.len() > 1 {
-        let total: usize = owned.iter().map(|(_, _, b)| b.len()).sum();
+        let total: u64 = outgoing.iter().map(|t| 4 * t.values.len() as u64).sum();
         let index = serde_json::json!({
             "metadata": { "total_size": total },
             "weight_map": weight_map,
         });
         let index = serde_json::to_vec_pretty(&index).map_err(|e| err(root, e.to_string()))?;
-        sink(SHARD_INDEX, &index)?;
+        files.push(write_synced(&dir.join(SHARD_INDEX), &index)?);
     }
-    drop(owned);
-    Ok(())
+    Ok(files)
+}
+
+/// One f32 tensor on its way into a safetensors file.
+struct Outgoing<'a> {
+    name: &'a str,
+    /// The shape in the file.
+    shape: Vec<usize>,
+    /// The values in our layout.
+    values: &'a [f32],
+    /// `Some((rows, cols))` when the file holds the transpose of our `[rows, cols]`.
+    transposed_from: Option<(usize, usize)>,
+}
+
+/// The write buffer of [`write_safetensors`], and the most bytes of a transposed band.
+const WRITE_CHUNK_BYTES: usize = 1 << 20;
+
+/// Write `tensors` as the safetensors file `path` — byte for byte what
+/// `safetensors::serialize` makes of them (its own `Metadata` lays out the header; tensors in
+/// its order, by name for one dtype) — streamed through a bounded buffer, a transposed tensor
+/// a band of rows at a time, checksummed on the way and fsynced.
+fn write_safetensors(
+    path: &Path,
+    tensors: &[Outgoing<'_>],
+    root: &Path,
+    chunk_bytes: usize,
+) -> Result<ManifestFile> {
+    use safetensors::tensor::{Metadata, TensorInfo};
+    let mut order: Vec<&Outgoing<'_>> = tensors.iter().collect();
+    order.sort_by(|a, b| a.name.cmp(b.name));
+    let mut offset = 0usize;
+    let mut infos = Vec::with_capacity(order.len());
+    for t in &order {
+        let n = 4 * t.values.len();
+        infos.push((
+            t.name.to_owned(),
+            TensorInfo {
+                dtype: Dtype::F32,
+                shape: t.shape.clone(),
+                data_offsets: (offset, offset + n),
+            },
+        ));
+        offset += n;
+    }
+    let metadata = Metadata::new(None, infos).map_err(|e| err(root, e.to_string()))?;
+    let mut header = serde_json::to_string(&metadata)
+        .map_err(|e| err(root, e.to_string()))?
+        .into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+
+    let mut file =
+        std::io::BufWriter::with_capacity(chunk_bytes, fs::File::create(path).map_err(io(path))?);
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut written = 0u64;
+    let mut put = |bytes: &[u8]| -> Result<()> {
+        hasher.update(bytes);
+        written += bytes.len() as u64;
+        file.write_all(bytes).map_err(io(path))
+    };
+    put(&(header.len() as u64).to_le_bytes())?;
+    put(&header)?;
+    // The values' bytes as they lie in memory: little-endian, as safetensors wants, on every
+    // machine we build for.
+    let mut band_values: Vec<f32> = Vec::new();
+    for t in order {
+        match t.transposed_from {
+            None => put(bytemuck::cast_slice(t.values))?,
+            Some((rows, cols)) => {
+                // File row c is our column c: gather a band of them at a time.
+                let band = (chunk_bytes / 4 / rows.max(1)).max(1);
+                for c0 in (0..cols).step_by(band) {
+                    band_values.clear();
+                    for c in c0..(c0 + band).min(cols) {
+                        band_values.extend((0..rows).map(|r| t.values[r * cols + c]));
+                    }
+                    put(bytemuck::cast_slice(&band_values))?;
+                }
+            }
+        }
+    }
+    let file = file
+        .into_inner()
+        .map_err(|e| err(path, format!("write: {}", e.error())))?;
+    file.sync_all().map_err(io(path))?;
+    Ok(ManifestFile {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        bytes: written,
+        xxh3: hex64(hasher.digest()),
+    })
 }
 
 /// Write `params` as a Hugging Face model directory at `out` — `config.json` plus
@@ -568,9 +679,7 @@ pub fn save_hf(
         fs::remove_dir_all(&partial).map_err(io(&partial))?;
     }
     fs::create_dir(&partial).map_err(io(&partial))?;
-    model_files(config, params, max_shard_bytes, out, |file, bytes| {
-        write_synced(&partial.join(file), bytes).map(drop)
-    })?;
+    model_files(config, params, max_shard_bytes, out, &partial)?;
     write_synced(&partial.join(FILES[1]), &hf_config(config, out)?)?;
     sync_dir(&partial)?;
     fs::rename(&partial, out).map_err(io(out))?;
@@ -717,16 +826,13 @@ pub fn save_sharded(
                 &config,
             )?);
         }
-        None => model_files(
+        None => files.extend(model_files(
             &state.config,
             params,
             max_shard_bytes,
             root,
-            |name, bytes| {
-                files.push(write_synced(&partial.join(name), bytes)?);
-                Ok(())
-            },
-        )?,
+            &partial,
+        )?),
     }
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
     let contents: [(&str, &[u8]); 3] = [
@@ -1308,4 +1414,99 @@ fn load_adapters(dir: PathBuf, manifest: &Manifest, state: TrainingState) -> Res
         params,
         moments,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LlamaShape;
+    use safetensors::tensor::TensorView;
+
+    fn configs() -> [ModelConfig; 2] {
+        let base = ModelConfig {
+            vocab: 37,
+            max_seq: 16,
+            layers: 2,
+            heads: 2,
+            channels: 12,
+            family: Family::Gpt2,
+        };
+        let llama = ModelConfig {
+            family: Family::Llama(LlamaShape {
+                kv_heads: 1,
+                ffn: 20,
+                rope_theta: 10_000.0,
+                norm_eps: 1e-5,
+                tied_head: false,
+            }),
+            ..base
+        };
+        [base, llama]
+    }
+
+    /// The streamed model files are, byte for byte, `safetensors::serialize` of the tensors in
+    /// Hugging Face's layout (shard by shard, with the same index), and their manifest entries
+    /// hold those bytes' length and checksum — both families, one file or shards, transposing
+    /// a band of one row up to the whole tensor at a time.
+    #[test]
+    fn streamed_model_files_are_what_safetensors_serializes() {
+        let cpu = Cpu::new();
+        for cfg in configs() {
+            let params = params::init_params(&cpu, &cfg, 5).unwrap();
+            let infos = params::param_infos(&cfg);
+            let owned: Vec<(String, Vec<usize>, Vec<u8>)> = infos
+                .iter()
+                .zip(&params)
+                .map(|(info, t)| {
+                    let x = t.as_slice::<f32>().unwrap();
+                    let (shape, data) = if info.transposed_in_hf {
+                        let (rows, cols) = (info.shape[0], info.shape[1]);
+                        (vec![cols, rows], transpose(x, rows, cols))
+                    } else {
+                        (info.shape.clone(), x.to_vec())
+                    };
+                    (
+                        info.name.clone(),
+                        shape,
+                        bytemuck::cast_slice(&data).to_vec(),
+                    )
+                })
+                .collect();
+            for (max_shard, chunk_bytes) in [(u64::MAX, WRITE_CHUNK_BYTES), (2000, 4), (700, 52)] {
+                let dir = tempfile::tempdir().unwrap();
+                let files = model_files_by(
+                    &cfg,
+                    &params,
+                    max_shard,
+                    dir.path(),
+                    dir.path(),
+                    chunk_bytes,
+                )
+                .unwrap();
+                let shards = shard_ranges(owned.iter().map(|t| t.2.len() as u64), max_shard);
+                assert_eq!(files.len(), shards.len() + usize::from(shards.len() > 1));
+                for (file, range) in files.iter().zip(&shards) {
+                    let views = owned[range.clone()].iter().map(|(n, s, b)| {
+                        (
+                            n.as_str(),
+                            TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+                        )
+                    });
+                    let want = safetensors::serialize(views, None).unwrap();
+                    let got = fs::read(dir.path().join(&file.name)).unwrap();
+                    assert!(got == want, "{} ({max_shard}, {chunk_bytes})", file.name);
+                    assert_eq!(
+                        (file.bytes, file.xxh3.as_str()),
+                        (want.len() as u64, checksum(&want).as_str())
+                    );
+                }
+                if shards.len() > 1 {
+                    let index = files.last().unwrap();
+                    assert_eq!(index.name, SHARD_INDEX);
+                    let got = fs::read(dir.path().join(SHARD_INDEX)).unwrap();
+                    assert_eq!(checksum(&got), index.xxh3);
+                }
+            }
+        }
+    }
 }
