@@ -560,7 +560,7 @@ fn model_files_by(
 }
 
 /// One f32 tensor on its way into a safetensors file.
-struct Outgoing<'a> {
+pub(crate) struct Outgoing<'a> {
     name: &'a str,
     /// The shape in the file.
     shape: Vec<usize>,
@@ -570,14 +570,26 @@ struct Outgoing<'a> {
     transposed_from: Option<(usize, usize)>,
 }
 
+impl<'a> Outgoing<'a> {
+    /// `values` as the one-dimensional tensor `name`.
+    pub(crate) fn flat(name: &'a str, values: &'a [f32]) -> Self {
+        Outgoing {
+            name,
+            shape: vec![values.len()],
+            values,
+            transposed_from: None,
+        }
+    }
+}
+
 /// The write buffer of [`write_safetensors`], and the most bytes of a transposed band.
-const WRITE_CHUNK_BYTES: usize = 1 << 20;
+pub(crate) const WRITE_CHUNK_BYTES: usize = 1 << 20;
 
 /// Write `tensors` as the safetensors file `path` — byte for byte what
 /// `safetensors::serialize` makes of them (its own `Metadata` lays out the header; tensors in
 /// its order, by name for one dtype) — streamed through a bounded buffer, a transposed tensor
 /// a band of rows at a time, checksummed on the way and fsynced.
-fn write_safetensors(
+pub(crate) fn write_safetensors(
     path: &Path,
     tensors: &[Outgoing<'_>],
     root: &Path,
@@ -1118,21 +1130,7 @@ pub fn verify_model_files(path: &Path) -> Result<(PathBuf, ModelConfig)> {
 /// [`read_verified`]'s checks, reading `entry`'s file in 1 MiB pieces.
 fn verify_streamed(dir: &Path, entry: &ManifestFile) -> Result<()> {
     let path = dir.join(&entry.name);
-    let mut file = fs::File::open(&path).map_err(io(&path))?;
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = 0u64;
-    loop {
-        let n = file.read(&mut buf).map_err(io(&path))?;
-        if n == 0 {
-            break;
-        }
-        total += n as u64;
-        if total > entry.bytes {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
+    let (total, sum) = hash_file(&path, entry.bytes)?;
     if total != entry.bytes {
         return Err(err(
             &path,
@@ -1143,7 +1141,43 @@ fn verify_streamed(dir: &Path, entry: &ManifestFile) -> Result<()> {
             ),
         ));
     }
-    check_sum(&path, hex64(hasher.digest()), entry)
+    check_sum(&path, sum, entry)
+}
+
+/// The manifest entry of the file at `path` (its name, length and checksum), read a piece at a
+/// time.
+pub(crate) fn file_entry(path: &Path) -> Result<ManifestFile> {
+    let (bytes, xxh3) = hash_file(path, u64::MAX)?;
+    Ok(ManifestFile {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        bytes,
+        xxh3,
+    })
+}
+
+/// The length and xxh3-64 of the file at `path`, read 1 MiB at a time; reading stops once
+/// more than `limit` bytes were seen (the length returned is then above `limit`, the checksum
+/// meaningless).
+fn hash_file(path: &Path, limit: u64) -> Result<(u64, String)> {
+    let mut file = fs::File::open(path).map_err(io(path))?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; WRITE_CHUNK_BYTES];
+    let mut total = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(io(path))?;
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+        if total > limit {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok((total, hex64(hasher.digest())))
 }
 
 /// `sum` is the checksum `entry` states for `path`.

@@ -31,7 +31,6 @@ use headroom_mmap_data::{LoaderState, SamplerConfig, SamplingMode, Shard};
 use headroom_offload::{AdamWHyper, AdamWState, ParamSpec, StatePrecision};
 use headroom_tensor::{Backend, Cpu};
 use headroom_zero::{ShardPiece, ZeroEngine};
-use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
@@ -114,48 +113,50 @@ pub(crate) fn write_rank(
     ranks: usize,
 ) -> Result<()> {
     let infos = params::param_infos(cfg);
-    let mut owned: Vec<(String, Vec<u8>)> = Vec::new();
+    // The pieces are the rank's copy of its shard; the file is streamed from them, no second
+    // copy (a rank's memory is what ZeRO divides).
+    let mut pieces: Vec<(usize, ShardPiece)> = Vec::new();
     for part in Part::all(cfg) {
         let first = part.params(cfg).start;
-        let pieces: Vec<ShardPiece> = engine
+        let exported = engine
             .export_layer(part.index(cfg))
             .map_err(|e| TrainError::Config(format!("ZeRO: {e}")))?;
-        for p in pieces {
-            let name = &infos[first + p.tensor].name;
-            let n = p.params.len();
-            let (m, v) = if p.state.len() == 2 * n {
-                p.state.split_at(n)
-            } else {
-                // Before the first step: no moments yet, zeros as AdamW starts.
-                (&[][..], &[][..])
-            };
-            let zeros = vec![0.0f32; if m.is_empty() { n } else { 0 }];
-            let (m, v) = if m.is_empty() {
-                (&zeros[..], &zeros[..])
-            } else {
-                (m, v)
-            };
-            let start = p.tensor_range.start;
-            for (what, data) in [("param", &p.params[..]), ("exp_avg", m), ("exp_avg_sq", v)] {
-                owned.push((
-                    piece_name(name, start, what),
-                    bytemuck::cast_slice(data).to_vec(),
-                ));
-            }
+        pieces.extend(exported.into_iter().map(|p| (first, p)));
+    }
+    // Before the first step there are no moments yet: zeros, as AdamW starts.
+    let longest = pieces
+        .iter()
+        .map(|(_, p)| p.params.len())
+        .max()
+        .unwrap_or(0);
+    let zeros = vec![0.0f32; longest];
+    let mut names = Vec::with_capacity(3 * pieces.len());
+    let mut values: Vec<&[f32]> = Vec::with_capacity(3 * pieces.len());
+    for (first, p) in &pieces {
+        let name = &infos[first + p.tensor].name;
+        let n = p.params.len();
+        let (m, v) = if p.state.len() == 2 * n {
+            p.state.split_at(n)
+        } else {
+            (&zeros[..n], &zeros[..n])
+        };
+        let start = p.tensor_range.start;
+        for (what, data) in [("param", &p.params[..]), ("exp_avg", m), ("exp_avg_sq", v)] {
+            names.push(piece_name(name, start, what));
+            values.push(data);
         }
     }
-    let views = owned
+    let outgoing: Vec<checkpoint::Outgoing<'_>> = names
         .iter()
-        .map(|(n, b)| {
-            Ok((
-                n.as_str(),
-                TensorView::new(Dtype::F32, vec![b.len() / 4], b)
-                    .map_err(|e| err(partial, e.to_string()))?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| err(partial, e.to_string()))?;
-    write_synced(&partial.join(rank_file(rank, ranks)), &bytes)?;
+        .zip(values)
+        .map(|(name, values)| checkpoint::Outgoing::flat(name, values))
+        .collect();
+    checkpoint::write_safetensors(
+        &partial.join(rank_file(rank, ranks)),
+        &outgoing,
+        partial,
+        checkpoint::WRITE_CHUNK_BYTES,
+    )?;
     Ok(())
 }
 
@@ -169,13 +170,10 @@ pub(crate) fn publish(
 ) -> Result<PathBuf> {
     let mut files = Vec::with_capacity(state.ranks + 1);
     for r in 0..state.ranks {
-        let path = partial.join(rank_file(r, state.ranks));
-        let bytes = fs::read(&path).map_err(io(&path))?;
-        files.push(checkpoint::ManifestFile {
-            name: rank_file(r, state.ranks),
-            bytes: bytes.len() as u64,
-            xxh3: checkpoint::checksum(&bytes),
-        });
+        // Another rank (perhaps another process) wrote it: read back a piece at a time.
+        files.push(checkpoint::file_entry(
+            &partial.join(rank_file(r, state.ranks)),
+        )?);
     }
     let json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
     files.push(write_synced(&partial.join(ZERO_STATE), &json)?);
