@@ -210,15 +210,36 @@ impl CpuAdamW {
     /// Continue from saved state and moment bytes, with the moments in a new store of any kind
     /// (a checkpoint copied into a fresh memory-mapped file, say). The store is flushed.
     pub fn restore_into(state: &AdamWState, store: StoreSpec<'_>, moments: &[u8]) -> Result<Self> {
-        let mut opt = Self::new(state.groups.clone(), &state.params, state.precision, store)?;
-        if moments.len() != opt.store.bytes().len() {
+        let len = moments.len() as u64;
+        Self::restore_from_reader(state, store, len, &mut &moments[..], Path::new("moments"))
+    }
+
+    /// [`CpuAdamW::restore_into`] reading the `len` moment bytes from `reader` straight into
+    /// the new store, so they never exist twice (a checkpoint's moments are twice the model
+    /// for f32 AdamW). `source` names the reader in errors. A length other than the store's is
+    /// refused before anything is allocated for it; a reader that ends early is
+    /// [`OffloadError::Io`].
+    pub fn restore_from_reader(
+        state: &AdamWState,
+        store: StoreSpec<'_>,
+        len: u64,
+        reader: &mut dyn std::io::Read,
+        source: &Path,
+    ) -> Result<Self> {
+        let (_, numel, blocks) = Self::layout(&state.groups, &state.params)?;
+        let expected = Self::identity(state.precision, &state.params, numel, blocks).payload_bytes;
+        if len != expected {
             return Err(OffloadError::StateMismatch(format!(
-                "{} moment bytes, expected {}",
-                moments.len(),
-                opt.store.bytes().len()
+                "{len} moment bytes, expected {expected}"
             )));
         }
-        opt.store.bytes_mut().copy_from_slice(moments);
+        let mut opt = Self::new(state.groups.clone(), &state.params, state.precision, store)?;
+        reader
+            .read_exact(opt.store.bytes_mut())
+            .map_err(|e| OffloadError::Io {
+                path: source.to_path_buf(),
+                source: e,
+            })?;
         opt.set_steps(&state.steps)?;
         opt.store.flush()?;
         Ok(opt)

@@ -224,6 +224,27 @@ fn file_store_equals_ram_and_survives_reopen() {
         let restored =
             CpuAdamW::restore(&serde_json::from_str(&json).unwrap(), &cpu, ram.moments()).unwrap();
         assert_eq!(restored.state(), ram.state());
+        // Read from a stream (a checkpoint's file) into the store: the same optimizer.
+        let moments = ram.moments().to_vec();
+        let len = moments.len() as u64;
+        let source = std::path::Path::new("optimizer.bin");
+        let mut reader = std::io::Cursor::new(moments.clone());
+        let streamed =
+            CpuAdamW::restore_from_reader(&state, StoreSpec::Ram(&cpu), len, &mut reader, source)
+                .unwrap();
+        assert_eq!(streamed.moments(), &moments[..]);
+        assert_eq!(streamed.state().params, ram.state().params);
+        // A reader that ends early, and a length that is not the store's, are errors.
+        let mut short = std::io::Cursor::new(moments[..moments.len() - 1].to_vec());
+        assert!(matches!(
+            CpuAdamW::restore_from_reader(&state, StoreSpec::Ram(&cpu), len, &mut short, source),
+            Err(headroom_offload::OffloadError::Io { .. })
+        ));
+        let mut long = std::io::Cursor::new(moments);
+        assert!(matches!(
+            CpuAdamW::restore_from_reader(&state, StoreSpec::Ram(&cpu), len + 1, &mut long, source),
+            Err(headroom_offload::OffloadError::StateMismatch(_))
+        ));
     }
 }
 

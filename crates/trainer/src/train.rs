@@ -1107,7 +1107,7 @@ fn train_tracked(
     loader_cfg.output = OutputType::U32;
     let resume = match &opts.resume_from {
         Some(dir) => {
-            let ck = checkpoint::load(dir)?;
+            let ck = checkpoint::ResumePoint::open(dir)?;
             let mut differences = Vec::new();
             if ck.state.config != opts.model {
                 differences.push(format!(
@@ -1231,7 +1231,7 @@ fn train_tracked(
     // A fine-tuning run streams its base into its frozen form, one tensor at a time (the
     // whole fp32 base never exists), fingerprinting it: a resume must find the same base.
     let mut tuned: Option<(Model, checkpoint::FinetuneState)> = None;
-    let mut masters = match &finetune {
+    let masters = match &finetune {
         Some(spec) => {
             let mut b = FinetuneBuilder::new(&cpu, opts.model, model_opts, spec.clone())?;
             match &opts.init_from {
@@ -1255,31 +1255,22 @@ fn train_tracked(
                     });
                 }
             }
-            let model = b.finish(resume.as_ref().map(|ck| ck.params.as_slice()))?;
+            let model = b.finish(resume.as_ref().and_then(|ck| ck.adapters.as_deref()))?;
             tuned = Some((model, state));
             Vec::new()
         }
-        None => match &opts.init_from {
-            Some(dir) => {
+        // A resumed run reads its masters from the checkpoint, tensor by tensor.
+        None => match (&resume, &opts.init_from) {
+            (Some(ck), _) => ck.read_masters(masters_on)?,
+            (None, Some(dir)) => {
                 let (cfg, masters) = crate::hf::load(dir, masters_on)?;
                 check_shape(cfg, dir)?;
                 masters
             }
-            None => params::init_params(masters_on, &opts.model, opts.seed)?,
+            (None, None) => params::init_params(masters_on, &opts.model, opts.seed)?,
         },
     };
     let finetune_state = tuned.as_ref().map(|(_, s)| s.clone());
-    if let (Some(ck), None) = (&resume, &finetune) {
-        for (t, saved) in masters.iter_mut().zip(&ck.params) {
-            let dst = t.as_mut_slice::<f32>()?;
-            if dst.len() != saved.len() {
-                return Err(TrainError::Config(
-                    "checkpoint parameter sizes differ from the model".into(),
-                ));
-            }
-            dst.copy_from_slice(saved);
-        }
-    }
     let trainable_infos = match &finetune {
         Some(spec) => crate::model::finetune::adapter_infos(&opts.model, &spec.lora)?,
         None => params::param_infos(&opts.model),
@@ -1308,9 +1299,12 @@ fn train_tracked(
         },
     ];
     let mut stepper = if let Some(ordinal) = resident_cuda {
+        // The device's moments are uploaded from host bytes: read whole.
+        let moments = resume.as_ref().map(|ck| ck.moments()).transpose()?;
         let saved = resume
             .as_ref()
-            .map(|ck| (&ck.state.optimizer, ck.moments.as_slice()));
+            .zip(moments.as_deref())
+            .map(|(ck, m)| (&ck.state.optimizer, m));
         cuda_resident(
             ordinal,
             tracker,
@@ -1351,10 +1345,20 @@ fn train_tracked(
             &cpu
         };
         let opt = match (&resume, &tech.optimizer.placement) {
-            (Some(ck), OptimizerPlacement::File(path)) => {
-                CpuAdamW::restore_into(&ck.state.optimizer, StoreSpec::File(path), &ck.moments)?
-            }
-            (Some(ck), _) => CpuAdamW::restore(&ck.state.optimizer, state_backend, &ck.moments)?,
+            // The moments go from the checkpoint's file straight into the new store.
+            (Some(ck), placement) => ck.read_moments(|len, reader, source| {
+                let store = match placement {
+                    OptimizerPlacement::File(path) => StoreSpec::File(path),
+                    _ => StoreSpec::Ram(state_backend),
+                };
+                Ok(CpuAdamW::restore_from_reader(
+                    &ck.state.optimizer,
+                    store,
+                    len,
+                    reader,
+                    source,
+                )?)
+            })?,
             (None, OptimizerPlacement::File(path)) => {
                 CpuAdamW::new(groups, &specs, tech.optimizer.state, StoreSpec::File(path))?
             }

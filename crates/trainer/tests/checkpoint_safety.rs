@@ -572,3 +572,70 @@ fn a_tampered_shard_index_is_refused() {
         Err(TrainError::Checkpoint { .. })
     ));
 }
+
+/// Resuming reads the model and the moments straight from their files
+/// (`checkpoint::ResumePoint`, never both files' bytes in memory at once): the masters are
+/// `checkpoint::load`'s bit for bit, and a flipped byte, a missing byte or an extra byte in
+/// either file is refused by the run — as is a consistently rewritten moments file of another
+/// length, before anything is allocated for it.
+#[test]
+fn resuming_refuses_a_corrupt_model_or_optimizer_file() {
+    let (dir, o) = trained_with_checkpoints(3, 1);
+    let s2 = dir.path().join("step-00000002");
+    let point = checkpoint::ResumePoint::open(&s2).unwrap();
+    let cpu = headroom_tensor::Cpu::new();
+    let masters: Vec<Vec<f32>> = point
+        .read_masters(&cpu)
+        .unwrap()
+        .iter()
+        .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+        .collect();
+    assert_eq!(masters, checkpoint::load(&s2).unwrap().params);
+
+    let resume = |from: &Path| {
+        let o = TrainOptions {
+            save: None,
+            resume_from: Some(from.to_path_buf()),
+            ..o.clone()
+        };
+        train(&o, |_| {})
+    };
+    assert!(resume(&s2).is_ok());
+    type Mutation = fn(&mut Vec<u8>);
+    let mutations: [(&str, Mutation); 3] = [
+        ("flipped", |b| {
+            let mid = b.len() / 2;
+            b[mid] ^= 0x10;
+        }),
+        ("truncated", |b| {
+            b.pop();
+        }),
+        ("extended", |b| b.push(0)),
+    ];
+    for name in ["model.safetensors", "optimizer.bin"] {
+        for (what, mutate) in mutations {
+            let copy = tempfile::tempdir().unwrap();
+            for f in std::fs::read_dir(&s2).unwrap() {
+                let f = f.unwrap().path();
+                std::fs::copy(&f, copy.path().join(f.file_name().unwrap())).unwrap();
+            }
+            let path = copy.path().join(name);
+            let mut bytes = std::fs::read(&path).unwrap();
+            mutate(&mut bytes);
+            std::fs::write(&path, &bytes).unwrap();
+            match resume(copy.path()) {
+                Err(e) => assert!(e.to_string().contains(name), "{name} {what}: {e}"),
+                Ok(_) => panic!("{name} {what}: resumed"),
+            }
+        }
+    }
+    // Moments of another length whose manifest entry agrees: refused by their length.
+    let copy = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&s2).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, copy.path().join(f.file_name().unwrap())).unwrap();
+    }
+    rewrite_consistently(copy.path(), "optimizer.bin", &[0u8; 24]);
+    let e = resume(copy.path()).err().unwrap();
+    assert!(e.to_string().contains("moment bytes"), "{e}");
+}
