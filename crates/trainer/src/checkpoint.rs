@@ -1128,7 +1128,7 @@ pub fn verify_model_files(path: &Path) -> Result<(PathBuf, ModelConfig)> {
 }
 
 /// [`read_verified`]'s checks, reading `entry`'s file in 1 MiB pieces.
-fn verify_streamed(dir: &Path, entry: &ManifestFile) -> Result<()> {
+pub(crate) fn verify_streamed(dir: &Path, entry: &ManifestFile) -> Result<()> {
     let path = dir.join(&entry.name);
     let (total, sum) = hash_file(&path, entry.bytes)?;
     if total != entry.bytes {

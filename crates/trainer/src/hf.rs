@@ -37,7 +37,7 @@ fn bad(path: &Path, reason: impl Into<String>) -> TrainError {
 
 /// The element type of a stored tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum StoredDtype {
+pub(crate) enum StoredDtype {
     F32,
     Bf16,
     F16,
@@ -54,17 +54,17 @@ impl StoredDtype {
 
 /// One tensor of a safetensors file: where its bytes are and what they hold.
 #[derive(Clone, Debug)]
-struct Stored {
-    file: PathBuf,
-    dtype: StoredDtype,
-    shape: Vec<usize>,
+pub(crate) struct Stored {
+    pub(crate) file: PathBuf,
+    pub(crate) dtype: StoredDtype,
+    pub(crate) shape: Vec<usize>,
     /// Absolute byte range in the file.
-    start: u64,
-    end: u64,
+    pub(crate) start: u64,
+    pub(crate) end: u64,
 }
 
 /// The tensors of one safetensors file, from its header, checked against the file's length.
-fn read_header(path: &Path) -> Result<BTreeMap<String, Stored>> {
+pub(crate) fn read_header(path: &Path) -> Result<BTreeMap<String, Stored>> {
     let io = |e: std::io::Error| bad(path, e.to_string());
     let mut f = File::open(path).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
@@ -447,7 +447,7 @@ pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Resul
 }
 
 /// One stored tensor's values, read from its file and widened to f32.
-struct TensorReader<'a> {
+pub(crate) struct TensorReader<'a> {
     t: &'a Stored,
     file: File,
     bytes: Vec<u8>,
@@ -457,7 +457,7 @@ struct TensorReader<'a> {
 
 impl<'a> TensorReader<'a> {
     /// `t`, which must hold `len` values.
-    fn open(t: &'a Stored, len: usize) -> Result<Self> {
+    pub(crate) fn open(t: &'a Stored, len: usize) -> Result<Self> {
         if (t.end - t.start) != len as u64 * t.dtype.size() {
             return Err(bad(&t.file, "tensor byte length changed"));
         }
@@ -472,7 +472,7 @@ impl<'a> TensorReader<'a> {
 
     /// Values `at..at + out.len()` of the stored tensor (in bounds: `open` checked the
     /// length, and callers stay within it), a bounded chunk at a time.
-    fn read(&mut self, at: usize, out: &mut [f32]) -> Result<()> {
+    pub(crate) fn read(&mut self, at: usize, out: &mut [f32]) -> Result<()> {
         let t = self.t;
         let size = t.dtype.size() as usize;
         self.file

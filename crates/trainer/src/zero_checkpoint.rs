@@ -31,13 +31,13 @@ use headroom_mmap_data::{LoaderState, SamplerConfig, SamplingMode, Shard};
 use headroom_offload::{AdamWHyper, AdamWState, ParamSpec, StatePrecision};
 use headroom_tensor::{Backend, Cpu};
 use headroom_zero::{ShardPiece, ZeroEngine};
-use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
     self, check_format_and_step, err, io, read_json_bounded, read_verified, write_synced, Manifest,
     RunSpec, TrainingState, FORMAT_VERSION, MANIFEST, PARTIAL_PREFIX,
 };
+use crate::hf;
 use crate::model::{params, ModelConfig, Part};
 use crate::{Result, TrainError};
 
@@ -70,12 +70,109 @@ pub struct ZeroCheckpoint {
     pub dir: PathBuf,
     /// `zero.json`.
     pub state: ZeroState,
-    /// Parameters of record, in [`params::param_infos`] order.
+    values: Values,
+}
+
+/// Where a [`ZeroCheckpoint`]'s parameters and moments are.
+#[derive(Debug)]
+enum Values {
+    /// In the rank files, read a few tensors at a time ([`ZeroCheckpoint::tensors`]), so a
+    /// resumed rank never holds more than one part's full state beside its shard.
+    Pieces(Vec<PieceAt>),
+    /// Held whole: a single-process checkpoint resumed under ZeRO.
+    Whole(TensorValues),
+}
+
+/// One piece of a rank file: which values of which tensor, and where its bytes are.
+#[derive(Debug)]
+struct PieceAt {
+    tensor: usize,
+    /// First element of the tensor the piece holds.
+    start: usize,
+    kind: PieceKind,
+    stored: hf::Stored,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+enum PieceKind {
+    Param,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl PieceKind {
+    fn name(self) -> &'static str {
+        match self {
+            PieceKind::Param => "param",
+            PieceKind::ExpAvg => "exp_avg",
+            PieceKind::ExpAvgSq => "exp_avg_sq",
+        }
+    }
+}
+
+/// Full tensors of a checkpoint, in [`params::param_infos`] order (or a range of it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorValues {
+    /// Parameters of record.
     pub params: Vec<Vec<f32>>,
-    /// AdamW's first moments, same order.
+    /// AdamW's first moments.
     pub exp_avg: Vec<Vec<f32>>,
-    /// AdamW's second moments, same order.
+    /// AdamW's second moments.
     pub exp_avg_sq: Vec<Vec<f32>>,
+}
+
+impl ZeroCheckpoint {
+    /// A checkpoint whose values are held whole (a single-process checkpoint resumed under
+    /// ZeRO).
+    pub(crate) fn whole(dir: PathBuf, state: ZeroState, values: TensorValues) -> Self {
+        ZeroCheckpoint {
+            dir,
+            state,
+            values: Values::Whole(values),
+        }
+    }
+
+    /// The full values of tensors `range` ([`params::param_infos`] order): read from the
+    /// rank files piece by piece (their checksums were verified by [`load`]), so only these
+    /// tensors exist in memory.
+    pub fn tensors(&self, range: std::ops::Range<usize>) -> Result<TensorValues> {
+        let infos = params::param_infos(&self.state.config);
+        let infos = infos
+            .get(range.clone())
+            .ok_or_else(|| err(&self.dir, format!("tensors {range:?} of {}", infos.len())))?;
+        match &self.values {
+            Values::Whole(v) => Ok(TensorValues {
+                params: v.params[range.clone()].to_vec(),
+                exp_avg: v.exp_avg[range.clone()].to_vec(),
+                exp_avg_sq: v.exp_avg_sq[range].to_vec(),
+            }),
+            Values::Pieces(pieces) => {
+                let zeros = || -> Vec<Vec<f32>> {
+                    infos
+                        .iter()
+                        .map(|i| vec![0.0; i.shape.iter().product()])
+                        .collect()
+                };
+                let mut out = TensorValues {
+                    params: zeros(),
+                    exp_avg: zeros(),
+                    exp_avg_sq: zeros(),
+                };
+                for p in pieces.iter().filter(|p| range.contains(&p.tensor)) {
+                    let dst = match p.kind {
+                        PieceKind::Param => &mut out.params,
+                        PieceKind::ExpAvg => &mut out.exp_avg,
+                        PieceKind::ExpAvgSq => &mut out.exp_avg_sq,
+                    };
+                    let len = p.stored.shape[0];
+                    // `load` checked the piece lies inside its tensor.
+                    let dst = &mut dst[p.tensor - range.start][p.start..p.start + len];
+                    hf::TensorReader::open(&p.stored, len)?.read(0, dst)?;
+                }
+                Ok(out)
+            }
+        }
+    }
 }
 
 /// Rank `r` of `n`'s file name.
@@ -223,12 +320,10 @@ pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
         .checked_mul(12)
         .and_then(|b| b.checked_add(1 << 24))
         .ok_or_else(|| err(&dir, "parameter bytes overflow"))?;
-    let mut params: Vec<Vec<f32>> = numel.iter().map(|&n| vec![0.0; n]).collect();
-    let mut exp_avg = params.clone();
-    let mut exp_avg_sq = params.clone();
     // (tensor, first element, kind) → length, for the tiling check below.
-    let mut pieces: std::collections::HashMap<(usize, usize, String), usize> =
+    let mut pieces: std::collections::HashMap<(usize, usize, PieceKind), usize> =
         std::collections::HashMap::new();
+    let mut located = Vec::new();
     let index: std::collections::HashMap<&str, usize> = infos
         .iter()
         .enumerate()
@@ -240,10 +335,10 @@ pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
         if e.bytes > max_bytes {
             return Err(err(&dir.join(&name), "implausibly large for this model"));
         }
-        let bytes = read_verified(&dir, e)?;
+        // Verified a piece at a time: the values are read later, a part at a time.
+        checkpoint::verify_streamed(&dir, e)?;
         let path = dir.join(&name);
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| err(&path, e.to_string()))?;
-        for (tname, view) in st.tensors() {
+        for (tname, stored) in hf::read_header(&path)? {
             let bad = |why: &str| err(&path, format!("tensor {tname}: {why}"));
             let (head, what) = tname.rsplit_once(':').ok_or_else(|| bad("no kind"))?;
             let (param, start) = head.rsplit_once('@').ok_or_else(|| bad("no offset"))?;
@@ -251,46 +346,49 @@ pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
             let &i = index
                 .get(param)
                 .ok_or_else(|| bad("not a parameter of this model"))?;
-            if view.dtype() != Dtype::F32 || view.shape().len() != 1 {
+            if stored.dtype != hf::StoredDtype::F32 || stored.shape.len() != 1 {
                 return Err(bad("not a 1-d f32 tensor"));
             }
-            let len = view.shape()[0];
-            let end = start
+            let len = stored.shape[0];
+            start
                 .checked_add(len)
                 .filter(|&e| e <= numel[i])
                 .ok_or_else(|| bad("past the tensor's end"))?;
-            let dst = match what {
-                "param" => &mut params[i],
-                "exp_avg" => &mut exp_avg[i],
-                "exp_avg_sq" => &mut exp_avg_sq[i],
+            let kind = match what {
+                "param" => PieceKind::Param,
+                "exp_avg" => PieceKind::ExpAvg,
+                "exp_avg_sq" => PieceKind::ExpAvgSq,
                 _ => return Err(bad("unknown kind")),
             };
-            if pieces.insert((i, start, what.to_owned()), len).is_some() {
+            if pieces.insert((i, start, kind), len).is_some() {
                 return Err(bad("written twice"));
             }
-            let data: &[u8] = view.data();
-            for (d, c) in dst[start..end].iter_mut().zip(data.chunks_exact(4)) {
-                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
+            located.push(PieceAt {
+                tensor: i,
+                start,
+                kind,
+                stored,
+            });
         }
     }
     // Every piece has its parameters and both moments, and each tensor's pieces, sorted by
     // their first element, tile it: no gap, no overlap, nothing past the end.
     let mut tiles: Vec<(usize, usize, usize)> = Vec::new();
-    for ((i, start, what), &len) in &pieces {
-        if what == "param" {
-            for other in ["exp_avg", "exp_avg_sq"] {
-                if pieces.get(&(*i, *start, other.to_owned())) != Some(&len) {
+    for (&(i, start, kind), &len) in &pieces {
+        if kind == PieceKind::Param {
+            for other in [PieceKind::ExpAvg, PieceKind::ExpAvgSq] {
+                if pieces.get(&(i, start, other)) != Some(&len) {
                     return Err(err(
                         &dir,
                         format!(
-                            "{}@{start}: its {other} is missing or of another length",
-                            infos[*i].name
+                            "{}@{start}: its {} is missing or of another length",
+                            infos[i].name,
+                            other.name()
                         ),
                     ));
                 }
             }
-            tiles.push((*i, *start, len));
+            tiles.push((i, start, len));
         }
     }
     if pieces.len() != 3 * tiles.len() {
@@ -324,9 +422,7 @@ pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
     Ok(ZeroCheckpoint {
         dir,
         state,
-        params,
-        exp_avg,
-        exp_avg_sq,
+        values: Values::Pieces(located),
     })
 }
 
@@ -360,6 +456,9 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
     let ck = load(src)?;
     let cfg = ck.state.config;
     let infos = params::param_infos(&cfg);
+    // One process writes the whole model and its moments: it holds them (the rank files are
+    // read once, tensor by tensor, into these).
+    let all = ck.tensors(0..infos.len())?;
     let hyper = |wd| AdamWHyper {
         lr: ck.state.run.lr_at(ck.state.step.saturating_sub(1)),
         weight_decay: wd,
@@ -389,13 +488,13 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
     let state = TrainingState::new(ck.state.step, cfg, ck.state.run.clone(), optimizer, loader);
     // headroom-offload's f32 moment layout: every first moment, then every second moment.
     let mut moments: Vec<u8> = Vec::new();
-    for m in ck.exp_avg.iter().chain(&ck.exp_avg_sq) {
+    for m in all.exp_avg.iter().chain(&all.exp_avg_sq) {
         moments.extend_from_slice(bytemuck::cast_slice(m));
     }
     let cpu = Cpu::new();
     let tensors = infos
         .iter()
-        .zip(&ck.params)
+        .zip(&all.params)
         .map(|(info, p)| Ok(cpu.upload(p, info.shape.clone())?))
         .collect::<Result<Vec<_>>>()?;
     checkpoint::save(dst_root, &state, &tensors, &moments, 1)

@@ -182,8 +182,9 @@ fn resume_point(
                 .collect::<Vec<_>>()
         };
         let (exp_avg, exp_avg_sq) = (split(m), split(v));
-        ZeroCheckpoint {
-            state: zero_checkpoint::ZeroState {
+        ZeroCheckpoint::whole(
+            ck.dir,
+            zero_checkpoint::ZeroState {
                 format_version: crate::checkpoint::FORMAT_VERSION,
                 step: ck.state.step,
                 stage: 0,
@@ -192,11 +193,12 @@ fn resume_point(
                 run: ck.state.run.clone(),
                 dataset_fingerprint: ck.state.loader.dataset_fingerprint,
             },
-            dir: ck.dir,
-            params: ck.params,
-            exp_avg,
-            exp_avg_sq,
-        }
+            zero_checkpoint::TensorValues {
+                params: ck.params,
+                exp_avg,
+                exp_avg_sq,
+            },
+        )
     };
     let mut differences = Vec::new();
     if ck.state.config != opts.model {
@@ -1113,11 +1115,16 @@ impl<B: RankBackend> EngineStore<'_, B> {
         for part in Part::all(&self.cfg) {
             let range = part.params(&self.cfg);
             let l = part.index(&self.cfg);
-            let values: Vec<&[f32]> = ck.params[range.clone()].iter().map(Vec::as_slice).collect();
+            // This part's full tensors only: a rank never holds the whole model's state.
+            let part_values = ck.tensors(range)?;
+            let values: Vec<&[f32]> = part_values.params.iter().map(Vec::as_slice).collect();
             e.load_layer(l, &values).map_err(zero_err)?;
             // The engine's optimizer state is in planes per tensor: moments m, then v.
-            let planes: Vec<Vec<f32>> = range
-                .map(|i| [&ck.exp_avg[i][..], &ck.exp_avg_sq[i][..]].concat())
+            let planes: Vec<Vec<f32>> = part_values
+                .exp_avg
+                .iter()
+                .zip(&part_values.exp_avg_sq)
+                .map(|(m, v)| [&m[..], &v[..]].concat())
                 .collect();
             let planes: Vec<&[f32]> = planes.iter().map(Vec::as_slice).collect();
             e.load_optimizer_state(l, 2, &planes).map_err(zero_err)?;

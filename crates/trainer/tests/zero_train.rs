@@ -536,6 +536,18 @@ fn checkpoints_shard_per_rank_consolidate_and_reshard_exactly() {
     assert_eq!(ck.state.step, 6);
     assert!(ck.params == single.params, "consolidated parameters");
     assert!(ck.moments == single.moments, "consolidated moments");
+    // A resumed rank reads the rank files a few tensors at a time: any range gives those
+    // tensors of the whole, and nothing past the model.
+    let zc = headroom_trainer::zero_checkpoint::load(&step6).unwrap();
+    let n = ck.params.len();
+    let all = zc.tensors(0..n).unwrap();
+    assert!(all.params == ck.params);
+    for i in 0..n {
+        let one = zc.tensors(i..i + 1).unwrap();
+        assert!(one.params[0] == all.params[i], "tensor {i}");
+        assert!(one.exp_avg[0] == all.exp_avg[i] && one.exp_avg_sq[0] == all.exp_avg_sq[i]);
+    }
+    assert!(zc.tensors(n - 1..n + 1).is_err());
 
     // Re-sharded on 3 ranks: a 3-rank run from the same state.
     let mut resumed = o.clone();
