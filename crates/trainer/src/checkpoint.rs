@@ -560,7 +560,7 @@ fn model_files_by(
 }
 
 /// One f32 tensor on its way into a safetensors file.
-pub(crate) struct Outgoing<'a> {
+struct Outgoing<'a> {
     name: &'a str,
     /// The shape in the file.
     shape: Vec<usize>,
@@ -570,43 +570,68 @@ pub(crate) struct Outgoing<'a> {
     transposed_from: Option<(usize, usize)>,
 }
 
-impl<'a> Outgoing<'a> {
-    /// `values` as the one-dimensional tensor `name`.
-    pub(crate) fn flat(name: &'a str, values: &'a [f32]) -> Self {
-        Outgoing {
-            name,
-            shape: vec![values.len()],
-            values,
-            transposed_from: None,
-        }
-    }
-}
-
 /// The write buffer of [`write_safetensors`], and the most bytes of a transposed band.
 pub(crate) const WRITE_CHUNK_BYTES: usize = 1 << 20;
 
 /// Write `tensors` as the safetensors file `path` — byte for byte what
-/// `safetensors::serialize` makes of them (its own `Metadata` lays out the header; tensors in
-/// its order, by name for one dtype) — streamed through a bounded buffer, a transposed tensor
-/// a band of rows at a time, checksummed on the way and fsynced.
-pub(crate) fn write_safetensors(
+/// `safetensors::serialize` makes of them (tensors in its order, by name for one dtype) —
+/// streamed through a bounded buffer, a transposed tensor a band of rows at a time (see
+/// [`write_ordered`]).
+fn write_safetensors(
     path: &Path,
     tensors: &[Outgoing<'_>],
     root: &Path,
     chunk_bytes: usize,
 ) -> Result<ManifestFile> {
-    use safetensors::tensor::{Metadata, TensorInfo};
     let mut order: Vec<&Outgoing<'_>> = tensors.iter().collect();
     order.sort_by(|a, b| a.name.cmp(b.name));
+    let layout: Vec<(&str, &[usize])> = order.iter().map(|t| (t.name, &t.shape[..])).collect();
+    let mut band_values: Vec<f32> = Vec::new();
+    write_ordered(path, &layout, root, chunk_bytes, |i, put| {
+        let t = order[i];
+        match t.transposed_from {
+            None => put(bytemuck::cast_slice(t.values)),
+            Some((rows, cols)) => {
+                // File row c is our column c: gather a band of them at a time.
+                let band = (chunk_bytes / 4 / rows.max(1)).max(1);
+                for c0 in (0..cols).step_by(band) {
+                    band_values.clear();
+                    for c in c0..(c0 + band).min(cols) {
+                        band_values.extend((0..rows).map(|r| t.values[r * cols + c]));
+                    }
+                    put(bytemuck::cast_slice(&band_values))?;
+                }
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Write the safetensors file `path` of the f32 tensors `layout` (name, shape), their bytes in
+/// that order: safetensors' own `Metadata` lays out the header, then `data(i, put)` hands
+/// tensor `i`'s bytes to `put` (little-endian f32, exactly its length, in any number of
+/// calls), streamed through a `chunk_bytes` buffer, checksummed on the way and fsynced. The
+/// values need not exist before their turn: nothing of the file is held in memory.
+pub(crate) fn write_ordered(
+    path: &Path,
+    layout: &[(&str, &[usize])],
+    root: &Path,
+    chunk_bytes: usize,
+    mut data: impl FnMut(usize, &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+) -> Result<ManifestFile> {
+    use safetensors::tensor::{Metadata, TensorInfo};
     let mut offset = 0usize;
-    let mut infos = Vec::with_capacity(order.len());
-    for t in &order {
-        let n = 4 * t.values.len();
+    let mut infos = Vec::with_capacity(layout.len());
+    for (name, shape) in layout {
+        let n = shape
+            .iter()
+            .try_fold(4usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| err(root, format!("{name}: size overflows")))?;
         infos.push((
-            t.name.to_owned(),
+            (*name).to_owned(),
             TensorInfo {
                 dtype: Dtype::F32,
-                shape: t.shape.clone(),
+                shape: shape.to_vec(),
                 data_offsets: (offset, offset + n),
             },
         ));
@@ -629,24 +654,18 @@ pub(crate) fn write_safetensors(
     };
     put(&(header.len() as u64).to_le_bytes())?;
     put(&header)?;
-    // The values' bytes as they lie in memory: little-endian, as safetensors wants, on every
-    // machine we build for.
-    let mut band_values: Vec<f32> = Vec::new();
-    for t in order {
-        match t.transposed_from {
-            None => put(bytemuck::cast_slice(t.values))?,
-            Some((rows, cols)) => {
-                // File row c is our column c: gather a band of them at a time.
-                let band = (chunk_bytes / 4 / rows.max(1)).max(1);
-                for c0 in (0..cols).step_by(band) {
-                    band_values.clear();
-                    for c in c0..(c0 + band).min(cols) {
-                        band_values.extend((0..rows).map(|r| t.values[r * cols + c]));
-                    }
-                    put(bytemuck::cast_slice(&band_values))?;
-                }
-            }
-        }
+    let data_start = 8 + header.len() as u64;
+    for i in 0..layout.len() {
+        data(i, &mut put)?;
+    }
+    if written - data_start != offset as u64 {
+        return Err(err(
+            path,
+            format!(
+                "{} data bytes written, the header holds {offset}",
+                written - data_start
+            ),
+        ));
     }
     let file = file
         .into_inner()

@@ -210,50 +210,77 @@ pub(crate) fn write_rank(
     ranks: usize,
 ) -> Result<()> {
     let infos = params::param_infos(cfg);
-    // The pieces are the rank's copy of its shard; the file is streamed from them, no second
-    // copy (a rank's memory is what ZeRO divides).
-    let mut pieces: Vec<(usize, ShardPiece)> = Vec::new();
-    for part in Part::all(cfg) {
+    let zero_err = |e: headroom_zero::ZeroError| TrainError::Config(format!("ZeRO: {e}"));
+    // The file is laid out from the shard's geometry, then each part is exported when its
+    // pieces' turn comes and dropped after: one part's copy at a time beside the shard (a
+    // rank's memory is what ZeRO divides).
+    let parts = Part::all(cfg);
+    let mut entries: Vec<(usize, usize)> = Vec::new(); // (part, piece within it) per file piece
+    let mut names = Vec::new();
+    let mut shapes = Vec::new();
+    for (k, part) in parts.iter().enumerate() {
         let first = part.params(cfg).start;
-        let exported = engine
-            .export_layer(part.index(cfg))
-            .map_err(|e| TrainError::Config(format!("ZeRO: {e}")))?;
-        pieces.extend(exported.into_iter().map(|p| (first, p)));
-    }
-    // Before the first step there are no moments yet: zeros, as AdamW starts.
-    let longest = pieces
-        .iter()
-        .map(|(_, p)| p.params.len())
-        .max()
-        .unwrap_or(0);
-    let zeros = vec![0.0f32; longest];
-    let mut names = Vec::with_capacity(3 * pieces.len());
-    let mut values: Vec<&[f32]> = Vec::with_capacity(3 * pieces.len());
-    for (first, p) in &pieces {
-        let name = &infos[first + p.tensor].name;
-        let n = p.params.len();
-        let (m, v) = if p.state.len() == 2 * n {
-            p.state.split_at(n)
-        } else {
-            (&zeros[..n], &zeros[..n])
-        };
-        let start = p.tensor_range.start;
-        for (what, data) in [("param", &p.params[..]), ("exp_avg", m), ("exp_avg_sq", v)] {
-            names.push(piece_name(name, start, what));
-            values.push(data);
+        for (j, (tensor, range)) in engine
+            .export_geometry(part.index(cfg))
+            .map_err(zero_err)?
+            .into_iter()
+            .enumerate()
+        {
+            let name = &infos[first + tensor].name;
+            for kind in [PieceKind::Param, PieceKind::ExpAvg, PieceKind::ExpAvgSq] {
+                entries.push((k, j));
+                names.push(piece_name(name, range.start, kind.name()));
+                shapes.push([range.len()]);
+            }
         }
     }
-    let outgoing: Vec<checkpoint::Outgoing<'_>> = names
+    let layout: Vec<(&str, &[usize])> = names
         .iter()
-        .zip(values)
-        .map(|(name, values)| checkpoint::Outgoing::flat(name, values))
+        .zip(&shapes)
+        .map(|(n, s)| (n.as_str(), &s[..]))
         .collect();
-    checkpoint::write_safetensors(
+    let mut current: Option<(usize, Vec<ShardPiece>)> = None;
+    checkpoint::write_ordered(
         &partial.join(rank_file(rank, ranks)),
-        &outgoing,
+        &layout,
         partial,
         checkpoint::WRITE_CHUNK_BYTES,
+        |i, put| {
+            let (k, j) = entries[i];
+            if current.as_ref().map(|c| c.0) != Some(k) {
+                current = None; // the previous part's copy goes first
+                let pieces = engine.export_layer(parts[k].index(cfg)).map_err(zero_err)?;
+                current = Some((k, pieces));
+            }
+            let n = shapes[i][0];
+            let p = current
+                .as_ref()
+                .and_then(|c| c.1.get(j))
+                .filter(|p| p.params.len() == n && p.tensor_range.len() == n)
+                .ok_or_else(|| {
+                    TrainError::Config(
+                        "ZeRO: a part exported other pieces than its geometry".into(),
+                    )
+                })?;
+            let values: &[f32] = match i % 3 {
+                0 => &p.params,
+                // Before the first step there are no moments yet: zeros, as AdamW starts.
+                _ if p.state.len() != 2 * n => return put_zeros(n, put),
+                1 => &p.state[..n],
+                _ => &p.state[n..],
+            };
+            put(bytemuck::cast_slice(values))
+        },
     )?;
+    Ok(())
+}
+
+/// `n` f32 zeros through `put`, a few KiB at a time.
+fn put_zeros(n: usize, put: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
+    const CHUNK: usize = 1024;
+    for done in (0..n).step_by(CHUNK) {
+        put(&[0u8; 4 * CHUNK][..4 * CHUNK.min(n - done)])?;
+    }
     Ok(())
 }
 
@@ -498,4 +525,25 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
         .map(|(info, p)| Ok(cpu.upload(p, info.shape.clone())?))
         .collect::<Result<Vec<_>>>()?;
     checkpoint::save(dst_root, &state, &tensors, &moments, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The moments of a shard saved before its first step: exactly `4n` zero bytes, for
+    /// lengths around the write chunk.
+    #[test]
+    fn zeros_are_exactly_the_moments_length() {
+        for n in [0, 1, 1023, 1024, 1025, 5000] {
+            let mut got = Vec::new();
+            put_zeros(n, &mut |b| {
+                got.extend_from_slice(b);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(got.len(), 4 * n);
+            assert!(got.iter().all(|&b| b == 0));
+        }
+    }
 }

@@ -1240,6 +1240,21 @@ impl ZeroEngine {
         self.steps = steps;
     }
 
+    /// Which elements of which of layer `l`'s tensors [`export_layer`](Self::export_layer)
+    /// returns, in its order, as `(tensor, tensor_range)`, copying nothing: a writer lays out
+    /// a file from them before exporting one layer at a time.
+    pub fn export_geometry(&self, l: usize) -> Result<Vec<(usize, Range<usize>)>> {
+        let info = self.layer(l)?;
+        if self.config.stage == Stage::Zero0 && self.rank != 0 {
+            return Ok(Vec::new());
+        }
+        Ok(info
+            .own_pieces
+            .iter()
+            .map(|p| (p.tensor, p.tensor_range.clone()))
+            .collect())
+    }
+
     /// What this rank holds of layer `l`'s state of record, piece by piece (see
     /// [`ShardPiece`]): the pieces of its shard in stages 1–3; in stage 0, where every rank
     /// holds everything, rank 0 returns every tensor whole and the others nothing. With
