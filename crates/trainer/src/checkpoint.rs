@@ -282,6 +282,20 @@ pub struct ManifestFile {
     pub xxh3: String,
 }
 
+impl ManifestFile {
+    /// The entry of the file at `path` (its file name) with these length and checksum.
+    fn of(path: &Path, bytes: u64, xxh3: String) -> Self {
+        ManifestFile {
+            name: path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            bytes,
+            xxh3,
+        }
+    }
+}
+
 /// `manifest.json`: what a complete checkpoint holds. Written last inside the step directory.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -385,14 +399,7 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestFile> {
     let mut f = fs::File::create(path).map_err(io(path))?;
     f.write_all(bytes).map_err(io(path))?;
     f.sync_all().map_err(io(path))?;
-    Ok(ManifestFile {
-        name: path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        bytes: bytes.len() as u64,
-        xxh3: checksum(bytes),
-    })
+    Ok(ManifestFile::of(path, bytes.len() as u64, checksum(bytes)))
 }
 
 /// fsync a directory, so the renames and creations inside it are durable.
@@ -671,14 +678,7 @@ pub(crate) fn write_ordered(
         .into_inner()
         .map_err(|e| err(path, format!("write: {}", e.error())))?;
     file.sync_all().map_err(io(path))?;
-    Ok(ManifestFile {
-        name: path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        bytes: written,
-        xxh3: hex64(hasher.digest()),
-    })
+    Ok(ManifestFile::of(path, written, hex64(hasher.digest())))
 }
 
 /// Write `params` as a Hugging Face model directory at `out` — `config.json` plus
@@ -1167,14 +1167,7 @@ pub(crate) fn verify_streamed(dir: &Path, entry: &ManifestFile) -> Result<()> {
 /// time.
 pub(crate) fn file_entry(path: &Path) -> Result<ManifestFile> {
     let (bytes, xxh3) = hash_file(path, u64::MAX)?;
-    Ok(ManifestFile {
-        name: path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        bytes,
-        xxh3,
-    })
+    Ok(ManifestFile::of(path, bytes, xxh3))
 }
 
 /// The length and xxh3-64 of the file at `path`, read 1 MiB at a time; reading stops once
@@ -1332,6 +1325,49 @@ impl ResumePoint {
         }
         check_sum(&path, hex64(reader.hasher.digest()), entry)?;
         Ok(out)
+    }
+
+    /// Where each of the model's tensors lies (parameter order), every model file verified
+    /// by streamed checksums first and each tensor checked to be its parameter's f32 tensor
+    /// (GPT-2's `Conv1D` weights stored transposed): for a reader of a few tensors at a time.
+    pub(crate) fn stored_tensors(&self) -> Result<Vec<crate::hf::Stored>> {
+        if self.adapters.is_some() {
+            return Err(err(&self.dir, ADAPTERS_NOT_A_MODEL));
+        }
+        for e in self.manifest.model_entries(&self.dir)?.0 {
+            verify_streamed(&self.dir, e)?;
+        }
+        let mut stored = crate::hf::read_tensors(&self.dir)?;
+        params::param_infos(&self.state.config)
+            .into_iter()
+            .map(|info| {
+                let t = stored
+                    .remove(&info.name)
+                    .ok_or_else(|| err(&self.dir, format!("{}: missing", info.name)))?;
+                let want = if info.transposed_in_hf {
+                    vec![info.shape[1], info.shape[0]]
+                } else {
+                    info.shape.clone()
+                };
+                if t.dtype != crate::hf::StoredDtype::F32 || t.shape != want {
+                    return Err(err(
+                        &t.file,
+                        format!(
+                            "{} is {:?} {:?}, expected F32 {want:?}",
+                            info.name, t.dtype, t.shape
+                        ),
+                    ));
+                }
+                Ok(t)
+            })
+            .collect()
+    }
+
+    /// The optimizer's moments file, verified by a streamed checksum, and its length.
+    pub(crate) fn verified_moments_file(&self) -> Result<(PathBuf, u64)> {
+        let entry = self.manifest.entry(&self.dir, FILES[2])?;
+        verify_streamed(&self.dir, entry)?;
+        Ok((self.dir.join(&entry.name), entry.bytes))
     }
 
     /// The optimizer's moment bytes, whole and verified (for a store that cannot be filled

@@ -164,7 +164,7 @@ pub(crate) fn read_header(path: &Path) -> Result<BTreeMap<String, Stored>> {
 
 /// Every tensor of a model directory: `model.safetensors`, or the shards a
 /// `model.safetensors.index.json` names.
-fn read_tensors(dir: &Path) -> Result<BTreeMap<String, Stored>> {
+pub(crate) fn read_tensors(dir: &Path) -> Result<BTreeMap<String, Stored>> {
     let single = dir.join("model.safetensors");
     if single.is_file() {
         return read_header(&single);
@@ -492,7 +492,7 @@ impl<'a> TensorReader<'a> {
     /// `[cols, rows]` tensor. Stored rows are read whole, as many as fit a chunk at a time
     /// (at least one), and the band's part of each is scattered into the band's column: one pass over
     /// the stored tensor per band.
-    fn read_transposed(
+    pub(crate) fn read_transposed(
         &mut self,
         first: usize,
         out: &mut [f32],

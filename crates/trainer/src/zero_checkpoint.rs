@@ -79,8 +79,14 @@ enum Values {
     /// In the rank files, read a few tensors at a time ([`ZeroCheckpoint::tensors`]), so a
     /// resumed rank never holds more than one part's full state beside its shard.
     Pieces(Vec<PieceAt>),
-    /// Held whole: a single-process checkpoint resumed under ZeRO.
-    Whole(TensorValues),
+    /// A single-process checkpoint resumed under ZeRO: its model files and its optimizer
+    /// file (f32 AdamW: every first moment, then every second moment), read a range of
+    /// tensors at a time, like the rank files.
+    Ordinary {
+        params: Vec<hf::Stored>,
+        exp_avg: Vec<hf::Stored>,
+        exp_avg_sq: Vec<hf::Stored>,
+    },
 }
 
 /// One piece of a rank file: which values of which tensor, and where its bytes are.
@@ -122,30 +128,107 @@ pub struct TensorValues {
 }
 
 impl ZeroCheckpoint {
-    /// A checkpoint whose values are held whole (a single-process checkpoint resumed under
-    /// ZeRO).
-    pub(crate) fn whole(dir: PathBuf, state: ZeroState, values: TensorValues) -> Self {
-        ZeroCheckpoint {
-            dir,
-            state,
-            values: Values::Whole(values),
+    /// A single-process checkpoint (f32 AdamW, full training) to resume under ZeRO: its
+    /// files verified by streamed checksums, its values read later a range at a time.
+    pub(crate) fn ordinary(point: &checkpoint::ResumePoint) -> Result<Self> {
+        let st = &point.state;
+        if st.optimizer.precision != StatePrecision::F32 || st.finetune.is_some() {
+            return Err(err(
+                &point.dir,
+                "a ZeRO run resumes f32 AdamW state of full training only",
+            ));
         }
+        let params = point.stored_tensors()?;
+        let numel: Vec<u64> = params
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>() as u64)
+            .collect();
+        let n: u64 = numel.iter().sum();
+        let (moments, bytes) = point.verified_moments_file()?;
+        if bytes != 8 * n {
+            return Err(err(
+                &moments,
+                format!("{bytes} moment bytes for {n} parameters"),
+            ));
+        }
+        // Each tensor's moments as a stored 1-d f32 tensor of the optimizer file.
+        let planes = |first: u64| {
+            let mut at = first;
+            numel
+                .iter()
+                .map(|&k| {
+                    let t = hf::Stored {
+                        file: moments.clone(),
+                        dtype: hf::StoredDtype::F32,
+                        shape: vec![k as usize],
+                        start: at,
+                        end: at + 4 * k,
+                    };
+                    at += 4 * k;
+                    t
+                })
+                .collect::<Vec<_>>()
+        };
+        Ok(ZeroCheckpoint {
+            dir: point.dir.clone(),
+            state: ZeroState {
+                format_version: checkpoint::FORMAT_VERSION,
+                step: st.step,
+                stage: 0,
+                ranks: 1,
+                config: st.config,
+                run: st.run.clone(),
+                dataset_fingerprint: st.loader.dataset_fingerprint,
+            },
+            values: Values::Ordinary {
+                params,
+                exp_avg: planes(0),
+                exp_avg_sq: planes(4 * n),
+            },
+        })
     }
 
     /// The full values of tensors `range` ([`params::param_infos`] order): read from the
-    /// rank files piece by piece (their checksums were verified by [`load`]), so only these
-    /// tensors exist in memory.
+    /// checkpoint's files piece by piece (their checksums were verified when it was opened),
+    /// so only these tensors exist in memory.
     pub fn tensors(&self, range: std::ops::Range<usize>) -> Result<TensorValues> {
         let infos = params::param_infos(&self.state.config);
         let infos = infos
             .get(range.clone())
             .ok_or_else(|| err(&self.dir, format!("tensors {range:?} of {}", infos.len())))?;
         match &self.values {
-            Values::Whole(v) => Ok(TensorValues {
-                params: v.params[range.clone()].to_vec(),
-                exp_avg: v.exp_avg[range.clone()].to_vec(),
-                exp_avg_sq: v.exp_avg_sq[range].to_vec(),
-            }),
+            Values::Ordinary {
+                params,
+                exp_avg,
+                exp_avg_sq,
+            } => {
+                let mut out = TensorValues {
+                    params: Vec::new(),
+                    exp_avg: Vec::new(),
+                    exp_avg_sq: Vec::new(),
+                };
+                for (info, i) in infos.iter().zip(range) {
+                    let n: usize = info.shape.iter().product();
+                    let mut p = vec![0.0; n];
+                    let mut reader = hf::TensorReader::open(&params[i], n)?;
+                    if info.transposed_in_hf {
+                        let (rows, cols) = (info.shape[0], info.shape[1]);
+                        reader.read_transposed(0, &mut p, rows, cols)?;
+                    } else {
+                        reader.read(0, &mut p)?;
+                    }
+                    out.params.push(p);
+                    for (planes, dst) in [
+                        (exp_avg, &mut out.exp_avg),
+                        (exp_avg_sq, &mut out.exp_avg_sq),
+                    ] {
+                        let mut m = vec![0.0; n];
+                        hf::TensorReader::open(&planes[i], n)?.read(0, &mut m)?;
+                        dst.push(m);
+                    }
+                }
+                Ok(out)
+            }
             Values::Pieces(pieces) => {
                 let zeros = || -> Vec<Vec<f32>> {
                     infos

@@ -151,54 +151,7 @@ fn resume_point(
     let ck = if zero_checkpoint::is_zero_checkpoint(&dir) {
         zero_checkpoint::load(&dir)?
     } else {
-        let ck = crate::checkpoint::load(&dir)?;
-        if ck.state.optimizer.precision != StatePrecision::F32 || ck.state.finetune.is_some() {
-            return Err(TrainError::Checkpoint {
-                path: dir,
-                reason: "a ZeRO run resumes f32 AdamW state of full training only".into(),
-            });
-        }
-        let n: usize = ck.params.iter().map(Vec::len).sum();
-        if ck.moments.len() != 8 * n {
-            return Err(TrainError::Checkpoint {
-                path: dir,
-                reason: format!("{} moment bytes for {n} parameters", ck.moments.len()),
-            });
-        }
-        let floats: Vec<f32> = ck
-            .moments
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let (m, v) = floats.split_at(n);
-        let split = |all: &[f32]| {
-            let mut at = 0;
-            ck.params
-                .iter()
-                .map(|p| {
-                    at += p.len();
-                    all[at - p.len()..at].to_vec()
-                })
-                .collect::<Vec<_>>()
-        };
-        let (exp_avg, exp_avg_sq) = (split(m), split(v));
-        ZeroCheckpoint::whole(
-            ck.dir,
-            zero_checkpoint::ZeroState {
-                format_version: crate::checkpoint::FORMAT_VERSION,
-                step: ck.state.step,
-                stage: 0,
-                ranks: 1,
-                config: ck.state.config,
-                run: ck.state.run.clone(),
-                dataset_fingerprint: ck.state.loader.dataset_fingerprint,
-            },
-            zero_checkpoint::TensorValues {
-                params: ck.params,
-                exp_avg,
-                exp_avg_sq,
-            },
-        )
+        ZeroCheckpoint::ordinary(&crate::checkpoint::ResumePoint::open(&dir)?)?
     };
     let mut differences = Vec::new();
     if ck.state.config != opts.model {

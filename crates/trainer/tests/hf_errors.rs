@@ -53,6 +53,31 @@ fn variant(
     dir
 }
 
+/// A copy of the fixture with every tensor rounded to `dtype` (bf16 or f16) and stored so.
+fn narrowed(scratch: &tempfile::TempDir, name: &str, dtype: Dtype) -> PathBuf {
+    variant(
+        scratch,
+        name,
+        |t| {
+            for (d, _, b) in t.values_mut() {
+                *b = b
+                    .chunks_exact(4)
+                    .flat_map(|x| {
+                        let v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                        match dtype {
+                            Dtype::BF16 => half::bf16::from_f32(v).to_bits(),
+                            _ => half::f16::from_f32(v).to_bits(),
+                        }
+                        .to_le_bytes()
+                    })
+                    .collect();
+                *d = dtype;
+            }
+        },
+        |_| {},
+    )
+}
+
 fn refused(dir: &Path, needle: &str) {
     match hf::load(dir, &Cpu::new()) {
         Err(e @ TrainError::Pretrained { .. }) => {
@@ -212,27 +237,7 @@ fn bf16_f16_and_sharded_files_load() {
     let s = tempfile::tempdir().unwrap();
     let f32_masters = masters(&fixture());
     for (name, dtype) in [("bf16", Dtype::BF16), ("f16", Dtype::F16)] {
-        let dir = variant(
-            &s,
-            name,
-            |t| {
-                for (d, _, b) in t.values_mut() {
-                    *b = b
-                        .chunks_exact(4)
-                        .flat_map(|x| {
-                            let v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
-                            match dtype {
-                                Dtype::BF16 => half::bf16::from_f32(v).to_bits(),
-                                _ => half::f16::from_f32(v).to_bits(),
-                            }
-                            .to_le_bytes()
-                        })
-                        .collect();
-                    *d = dtype;
-                }
-            },
-            |_| {},
-        );
+        let dir = narrowed(&s, name, dtype);
         let low = masters(&dir);
         for (a, b) in low.iter().flatten().zip(f32_masters.iter().flatten()) {
             let want = match dtype {
@@ -318,31 +323,13 @@ impl params::TensorSink for Recorder {
 #[test]
 fn narrowed_tensors_load_as_the_cast_f32_tensors() {
     let s = tempfile::tempdir().unwrap();
-    let narrowed = |dtype: Dtype| {
-        variant(
-            &s,
-            &format!("{dtype:?}"),
-            |t| {
-                for (d, _, b) in t.values_mut() {
-                    *b = b
-                        .chunks_exact(4)
-                        .flat_map(|x| {
-                            let v = f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
-                            match dtype {
-                                Dtype::BF16 => half::bf16::from_f32(v).to_bits(),
-                                _ => half::f16::from_f32(v).to_bits(),
-                            }
-                            .to_le_bytes()
-                        })
-                        .collect();
-                    *d = dtype;
-                }
-            },
-            |_| {},
-        )
-    };
     let gpt2 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-gpt2-sharded");
-    let dirs = [fixture(), narrowed(Dtype::BF16), narrowed(Dtype::F16), gpt2];
+    let dirs = [
+        fixture(),
+        narrowed(&s, "bf16", Dtype::BF16),
+        narrowed(&s, "f16", Dtype::F16),
+        gpt2,
+    ];
     let cpu = Cpu::new();
     for dir in &dirs {
         let (_, masters) = hf::load(dir, &cpu).unwrap();

@@ -526,9 +526,9 @@ impl FinetuneBuilder {
 }
 
 /// The builder as the sink of an HF load ([`crate::hf::load_into`]) or a seeded initialisation
-/// ([`params::init_params_into`]): tensors stored in bf16 or
-/// f16 arrive in that dtype, read from the file a chunk at a time and fingerprinted on the way,
-/// so loading a bf16 or 4-bit base never holds an f32 copy of its embedding or head.
+/// ([`params::init_params_into`]): tensors stored in bf16 or f16 arrive in that dtype, filled
+/// a chunk at a time and fingerprinted on the way, so building a bf16 or 4-bit base never
+/// holds an f32 copy of its embedding or head.
 impl TensorSink for FinetuneBuilder {
     fn dtype(&self, index: usize) -> DType {
         self.stored_dtype(index)
