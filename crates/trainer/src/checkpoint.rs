@@ -370,9 +370,13 @@ impl Checkpoint {
 }
 
 /// Build the model saved at `path` (a step directory, or a root whose newest checkpoint is
-/// used) in one call: every file checked against the manifest first.
+/// used) in one call: the manifest and state checked, the model files verified against the
+/// manifest by streamed checksums and read tensor by tensor ([`ResumePoint::read_masters`]);
+/// the optimizer state is not read.
 pub fn load_model(path: &Path, backend: &Cpu, options: ModelOptions) -> Result<Model> {
-    load(path)?.into_model(backend, options)
+    let point = ResumePoint::open(path)?;
+    let masters = point.read_masters(backend)?;
+    Model::from_masters(backend, point.state.config, options, masters)
 }
 
 pub(crate) fn err(path: &Path, reason: impl Into<String>) -> TrainError {
@@ -476,7 +480,7 @@ pub(crate) fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
 /// The model's files as transformers writes them, written into `dir` (fsynced) and returned
 /// as manifest entries: `model.safetensors`, or shards of at most `max_shard_bytes` plus
 /// [`SHARD_INDEX`] (see [`save_sharded`]), the Conv1D weights of GPT-2 transposed to Hugging
-/// Face's `[in, out]`. Each file is streamed from the tensors ([`write_safetensors`]), so a
+/// Face's `[in, out]`. Each file is streamed from the tensors ([`model_files_from`]), so a
 /// save holds no copy of the model beside it — a checkpoint of a model that barely fits does
 /// not run out of memory.
 pub(crate) fn model_files(
@@ -505,57 +509,102 @@ fn model_files_by(
     dir: &Path,
     chunk_bytes: usize,
 ) -> Result<Vec<ManifestFile>> {
-    let infos = params::param_infos(config);
-    if infos.len() != params.len() {
+    let count = params::param_infos(config).len();
+    if count != params.len() {
         return Err(err(
             root,
-            format!("{} parameters for a model of {}", params.len(), infos.len()),
+            format!("{} parameters for a model of {count}", params.len()),
         ));
     }
-    let outgoing = infos
+    model_files_from(config, max_shard_bytes, root, dir, chunk_bytes, &mut |i| {
+        Ok(std::borrow::Cow::Borrowed(params[i].as_slice::<f32>()?))
+    })
+}
+
+/// [`model_files`] with parameter `i`'s values (our layout) from `values(i)`, asked for as
+/// each is written: borrowed from tensors in memory, or read a tensor at a time from
+/// elsewhere (a ZeRO checkpoint's rank files) so only one exists at once.
+pub(crate) fn model_files_from<'v>(
+    config: &ModelConfig,
+    max_shard_bytes: u64,
+    root: &Path,
+    dir: &Path,
+    chunk_bytes: usize,
+    values: &mut dyn FnMut(usize) -> Result<std::borrow::Cow<'v, [f32]>>,
+) -> Result<Vec<ManifestFile>> {
+    let infos = params::param_infos(config);
+    // Hugging Face layout: Conv1D weights transposed to [in, out].
+    let shapes: Vec<Vec<usize>> = infos
         .iter()
-        .zip(params)
-        .map(|(info, t)| {
-            let values = t.as_slice::<f32>()?;
-            // Hugging Face layout: Conv1D weights transposed to [in, out].
-            let (shape, transposed_from) = if info.transposed_in_hf {
-                let (rows, cols) = (info.shape[0], info.shape[1]);
-                (vec![cols, rows], Some((rows, cols)))
+        .map(|info| {
+            if info.transposed_in_hf {
+                vec![info.shape[1], info.shape[0]]
             } else {
-                (info.shape.clone(), None)
-            };
-            Ok(Outgoing {
-                name: &info.name,
-                shape,
-                values,
-                transposed_from,
-            })
+                info.shape.clone()
+            }
         })
-        .collect::<Result<Vec<_>>>()?;
-    let shards = shard_ranges(
-        outgoing.iter().map(|t| 4 * t.values.len() as u64),
-        max_shard_bytes,
-    );
+        .collect();
+    let numel: Vec<usize> = infos.iter().map(|i| i.shape.iter().product()).collect();
+    let shards = shard_ranges(numel.iter().map(|&n| 4 * n as u64), max_shard_bytes);
     let mut files = Vec::with_capacity(shards.len() + 1);
     let mut weight_map = serde_json::Map::new();
-    for (i, range) in shards.iter().enumerate() {
+    let mut band_values: Vec<f32> = Vec::new();
+    for (s, range) in shards.iter().enumerate() {
         let name = if shards.len() == 1 {
             FILES[0].to_owned()
         } else {
-            format!("model-{:05}-of-{:05}.safetensors", i + 1, shards.len())
+            format!("model-{:05}-of-{:05}.safetensors", s + 1, shards.len())
         };
-        for t in &outgoing[range.clone()] {
-            weight_map.insert(t.name.to_owned(), serde_json::Value::from(name.clone()));
+        // safetensors' order within a file: by name (one dtype).
+        let mut order: Vec<usize> = range.clone().collect();
+        order.sort_by(|&a, &b| infos[a].name.cmp(&infos[b].name));
+        for &i in &order {
+            weight_map.insert(infos[i].name.clone(), serde_json::Value::from(name.clone()));
         }
-        files.push(write_safetensors(
+        let layout: Vec<(&str, &[usize])> = order
+            .iter()
+            .map(|&i| (infos[i].name.as_str(), &shapes[i][..]))
+            .collect();
+        files.push(write_ordered(
             &dir.join(&name),
-            &outgoing[range.clone()],
+            &layout,
             root,
             chunk_bytes,
+            |k, put| {
+                let i = order[k];
+                let v = values(i)?;
+                if v.len() != numel[i] {
+                    return Err(err(
+                        root,
+                        format!(
+                            "{}: {} values, expected {}",
+                            infos[i].name,
+                            v.len(),
+                            numel[i]
+                        ),
+                    ));
+                }
+                if !infos[i].transposed_in_hf {
+                    // The values' bytes as they lie in memory: little-endian, as safetensors
+                    // wants, on every machine we build for.
+                    return put(bytemuck::cast_slice(&v));
+                }
+                // File row c is our column c: gather a band of them at a time.
+                let (rows, cols) = (infos[i].shape[0], infos[i].shape[1]);
+                let band = (chunk_bytes / 4 / rows.max(1)).max(1);
+                for c0 in (0..cols).step_by(band) {
+                    band_values.clear();
+                    for c in c0..(c0 + band).min(cols) {
+                        band_values.extend((0..rows).map(|r| v[r * cols + c]));
+                    }
+                    put(bytemuck::cast_slice(&band_values))?;
+                }
+                Ok(())
+            },
         )?);
     }
     if shards.len() > 1 {
-        let total: u64 = outgoing.iter().map(|t| 4 * t.values.len() as u64).sum();
+        let total: u64 = numel.iter().map(|&n| 4 * n as u64).sum();
         let index = serde_json::json!({
             "metadata": { "total_size": total },
             "weight_map": weight_map,
@@ -566,52 +615,52 @@ fn model_files_by(
     Ok(files)
 }
 
-/// One f32 tensor on its way into a safetensors file.
-struct Outgoing<'a> {
-    name: &'a str,
-    /// The shape in the file.
-    shape: Vec<usize>,
-    /// The values in our layout.
-    values: &'a [f32],
-    /// `Some((rows, cols))` when the file holds the transpose of our `[rows, cols]`.
-    transposed_from: Option<(usize, usize)>,
-}
-
-/// The write buffer of [`write_safetensors`], and the most bytes of a transposed band.
+/// The write buffer of [`write_ordered`], and the most bytes of a transposed band.
 pub(crate) const WRITE_CHUNK_BYTES: usize = 1 << 20;
 
-/// Write `tensors` as the safetensors file `path` — byte for byte what
-/// `safetensors::serialize` makes of them (tensors in its order, by name for one dtype) —
-/// streamed through a bounded buffer, a transposed tensor a band of rows at a time (see
-/// [`write_ordered`]).
-fn write_safetensors(
-    path: &Path,
-    tensors: &[Outgoing<'_>],
-    root: &Path,
-    chunk_bytes: usize,
-) -> Result<ManifestFile> {
-    let mut order: Vec<&Outgoing<'_>> = tensors.iter().collect();
-    order.sort_by(|a, b| a.name.cmp(b.name));
-    let layout: Vec<(&str, &[usize])> = order.iter().map(|t| (t.name, &t.shape[..])).collect();
-    let mut band_values: Vec<f32> = Vec::new();
-    write_ordered(path, &layout, root, chunk_bytes, |i, put| {
-        let t = order[i];
-        match t.transposed_from {
-            None => put(bytemuck::cast_slice(t.values)),
-            Some((rows, cols)) => {
-                // File row c is our column c: gather a band of them at a time.
-                let band = (chunk_bytes / 4 / rows.max(1)).max(1);
-                for c0 in (0..cols).step_by(band) {
-                    band_values.clear();
-                    for c in c0..(c0 + band).min(cols) {
-                        band_values.extend((0..rows).map(|r| t.values[r * cols + c]));
-                    }
-                    put(bytemuck::cast_slice(&band_values))?;
-                }
-                Ok(())
-            }
-        }
-    })
+/// A file written a piece at a time through a bounded buffer, checksummed on the way and
+/// fsynced when finished: its manifest entry needs no second read.
+pub(crate) struct StreamedFile {
+    path: PathBuf,
+    file: std::io::BufWriter<fs::File>,
+    hasher: xxhash_rust::xxh3::Xxh3,
+    written: u64,
+}
+
+impl StreamedFile {
+    /// A new file at `path`, buffered by `chunk_bytes`.
+    pub(crate) fn create(path: &Path, chunk_bytes: usize) -> Result<Self> {
+        Ok(StreamedFile {
+            path: path.to_path_buf(),
+            file: std::io::BufWriter::with_capacity(
+                chunk_bytes,
+                fs::File::create(path).map_err(io(path))?,
+            ),
+            hasher: xxhash_rust::xxh3::Xxh3::new(),
+            written: 0,
+        })
+    }
+
+    /// Append `bytes`.
+    pub(crate) fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.hasher.update(bytes);
+        self.written += bytes.len() as u64;
+        self.file.write_all(bytes).map_err(io(&self.path))
+    }
+
+    /// Flush and fsync: the file's manifest entry.
+    pub(crate) fn finish(self) -> Result<ManifestFile> {
+        let file = self
+            .file
+            .into_inner()
+            .map_err(|e| err(&self.path, format!("write: {}", e.error())))?;
+        file.sync_all().map_err(io(&self.path))?;
+        Ok(ManifestFile::of(
+            &self.path,
+            self.written,
+            hex64(self.hasher.digest()),
+        ))
+    }
 }
 
 /// Write the safetensors file `path` of the f32 tensors `layout` (name, shape), their bytes in
@@ -650,35 +699,23 @@ pub(crate) fn write_ordered(
         .into_bytes();
     header.resize(header.len().next_multiple_of(8), b' ');
 
-    let mut file =
-        std::io::BufWriter::with_capacity(chunk_bytes, fs::File::create(path).map_err(io(path))?);
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    let mut written = 0u64;
-    let mut put = |bytes: &[u8]| -> Result<()> {
-        hasher.update(bytes);
-        written += bytes.len() as u64;
-        file.write_all(bytes).map_err(io(path))
-    };
-    put(&(header.len() as u64).to_le_bytes())?;
-    put(&header)?;
-    let data_start = 8 + header.len() as u64;
+    let mut file = StreamedFile::create(path, chunk_bytes)?;
+    file.put(&(header.len() as u64).to_le_bytes())?;
+    file.put(&header)?;
+    let data_start = file.written;
     for i in 0..layout.len() {
-        data(i, &mut put)?;
+        data(i, &mut |bytes| file.put(bytes))?;
     }
-    if written - data_start != offset as u64 {
+    if file.written - data_start != offset as u64 {
         return Err(err(
             path,
             format!(
                 "{} data bytes written, the header holds {offset}",
-                written - data_start
+                file.written - data_start
             ),
         ));
     }
-    let file = file
-        .into_inner()
-        .map_err(|e| err(path, format!("write: {}", e.error())))?;
-    file.sync_all().map_err(io(path))?;
-    Ok(ManifestFile::of(path, written, hex64(hasher.digest())))
+    file.finish()
 }
 
 /// Write `params` as a Hugging Face model directory at `out` — `config.json` plus
@@ -827,6 +864,96 @@ pub fn save_sharded(
             format!("{} parameters for a model of {}", params.len(), infos.len()),
         ));
     }
+    write_step(
+        root,
+        state,
+        keep,
+        |partial, files| {
+            match &state.finetune {
+                Some(f) => {
+                    let slices = params
+                        .iter()
+                        .map(|t| Ok(t.as_slice::<f32>()?))
+                        .collect::<Result<Vec<_>>>()?;
+                    let (config, weights) = adapter_of(&state.config, &f.spec, &slices)?
+                        .to_peft_bytes()
+                        .map_err(|e| err(root, e.to_string()))?;
+                    files.push(write_synced(
+                        &partial.join(headroom_lora::WEIGHTS_FILE),
+                        &weights,
+                    )?);
+                    files.push(write_synced(
+                        &partial.join(headroom_lora::CONFIG_FILE),
+                        &config,
+                    )?);
+                }
+                None => files.extend(model_files(
+                    &state.config,
+                    params,
+                    max_shard_bytes,
+                    root,
+                    partial,
+                )?),
+            }
+            Ok(())
+        },
+        |put| put(moments),
+    )
+}
+
+/// [`save_sharded`] for a full model whose values are produced while the files are written,
+/// so none of them needs to be in memory whole (a ZeRO checkpoint's consolidation):
+/// `tensor(i)` gives parameter `i`'s values in our layout, one at a time, and `moments(put)`
+/// writes `optimizer.bin`'s bytes through `put`.
+pub(crate) fn save_streamed(
+    root: &Path,
+    state: &TrainingState,
+    keep: usize,
+    max_shard_bytes: u64,
+    mut tensor: impl FnMut(usize) -> Result<Vec<f32>>,
+    moments: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+) -> Result<PathBuf> {
+    if keep == 0 {
+        return Err(err(
+            root,
+            "keeping 0 checkpoints would delete the one just saved",
+        ));
+    }
+    if state.finetune.is_some() {
+        return Err(err(
+            root,
+            "a streamed save writes a full model, not adapters",
+        ));
+    }
+    write_step(
+        root,
+        state,
+        keep,
+        |partial, files| {
+            files.extend(model_files_from(
+                &state.config,
+                max_shard_bytes,
+                root,
+                partial,
+                WRITE_CHUNK_BYTES,
+                &mut |i| Ok(std::borrow::Cow::Owned(tensor(i)?)),
+            )?);
+            Ok(())
+        },
+        moments,
+    )
+}
+
+/// One step directory written into a `.partial-…` sibling and published: `model` writes the
+/// model's files (or the adapters) and records them, then `config.json`, `optimizer.bin`
+/// (its bytes from `moments`, streamed), `state.json` and the manifest, every file fsynced.
+fn write_step(
+    root: &Path,
+    state: &TrainingState,
+    keep: usize,
+    model: impl FnOnce(&Path, &mut Vec<ManifestFile>) -> Result<()>,
+    moments: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+) -> Result<PathBuf> {
     fs::create_dir_all(root).map_err(io(root))?;
     let partial = root.join(format!(
         "{PARTIAL_PREFIX}{}-{}",
@@ -839,41 +966,16 @@ pub fn save_sharded(
     fs::create_dir(&partial).map_err(io(&partial))?;
 
     let mut files = Vec::with_capacity(FILES.len() + 1);
-    match &state.finetune {
-        Some(f) => {
-            let slices = params
-                .iter()
-                .map(|t| Ok(t.as_slice::<f32>()?))
-                .collect::<Result<Vec<_>>>()?;
-            let (config, weights) = adapter_of(&state.config, &f.spec, &slices)?
-                .to_peft_bytes()
-                .map_err(|e| err(root, e.to_string()))?;
-            files.push(write_synced(
-                &partial.join(headroom_lora::WEIGHTS_FILE),
-                &weights,
-            )?);
-            files.push(write_synced(
-                &partial.join(headroom_lora::CONFIG_FILE),
-                &config,
-            )?);
-        }
-        None => files.extend(model_files(
-            &state.config,
-            params,
-            max_shard_bytes,
-            root,
-            &partial,
-        )?),
-    }
+    model(&partial, &mut files)?;
+    files.push(write_synced(
+        &partial.join(FILES[1]),
+        &hf_config(&state.config, root)?,
+    )?);
+    let mut optimizer = StreamedFile::create(&partial.join(FILES[2]), WRITE_CHUNK_BYTES)?;
+    moments(&mut |bytes| optimizer.put(bytes))?;
+    files.push(optimizer.finish()?);
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
-    let contents: [(&str, &[u8]); 3] = [
-        (FILES[1], &hf_config(&state.config, root)?),
-        (FILES[2], moments),
-        (FILES[3], &state_json),
-    ];
-    for (name, bytes) in contents {
-        files.push(write_synced(&partial.join(name), bytes)?);
-    }
+    files.push(write_synced(&partial.join(FILES[3]), &state_json)?);
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
         step: state.step,

@@ -29,7 +29,6 @@ use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::{LoaderState, SamplerConfig, SamplingMode, Shard};
 use headroom_offload::{AdamWHyper, AdamWState, ParamSpec, StatePrecision};
-use headroom_tensor::{Backend, Cpu};
 use headroom_zero::{ShardPiece, ZeroEngine};
 use serde::{Deserialize, Serialize};
 
@@ -192,69 +191,57 @@ impl ZeroCheckpoint {
     /// checkpoint's files piece by piece (their checksums were verified when it was opened),
     /// so only these tensors exist in memory.
     pub fn tensors(&self, range: std::ops::Range<usize>) -> Result<TensorValues> {
-        let infos = params::param_infos(&self.state.config);
-        let infos = infos
-            .get(range.clone())
-            .ok_or_else(|| err(&self.dir, format!("tensors {range:?} of {}", infos.len())))?;
+        let count = params::param_infos(&self.state.config).len();
+        if range.start > range.end || range.end > count {
+            return Err(err(&self.dir, format!("tensors {range:?} of {count}")));
+        }
+        let read = |kind| {
+            range
+                .clone()
+                .map(|i| self.read(i, kind))
+                .collect::<Result<Vec<_>>>()
+        };
+        Ok(TensorValues {
+            params: read(PieceKind::Param)?,
+            exp_avg: read(PieceKind::ExpAvg)?,
+            exp_avg_sq: read(PieceKind::ExpAvgSq)?,
+        })
+    }
+
+    /// Tensor `i`'s parameters or one of its moments (`i` in range: checked by callers).
+    fn read(&self, i: usize, kind: PieceKind) -> Result<Vec<f32>> {
+        let info = &params::param_infos(&self.state.config)[i];
+        let n: usize = info.shape.iter().product();
+        let mut out = vec![0.0; n];
         match &self.values {
             Values::Ordinary {
                 params,
                 exp_avg,
                 exp_avg_sq,
             } => {
-                let mut out = TensorValues {
-                    params: Vec::new(),
-                    exp_avg: Vec::new(),
-                    exp_avg_sq: Vec::new(),
+                let stored = match kind {
+                    PieceKind::Param => &params[i],
+                    PieceKind::ExpAvg => &exp_avg[i],
+                    PieceKind::ExpAvgSq => &exp_avg_sq[i],
                 };
-                for (info, i) in infos.iter().zip(range) {
-                    let n: usize = info.shape.iter().product();
-                    let mut p = vec![0.0; n];
-                    let mut reader = hf::TensorReader::open(&params[i], n)?;
-                    if info.transposed_in_hf {
-                        let (rows, cols) = (info.shape[0], info.shape[1]);
-                        reader.read_transposed(0, &mut p, rows, cols)?;
-                    } else {
-                        reader.read(0, &mut p)?;
-                    }
-                    out.params.push(p);
-                    for (planes, dst) in [
-                        (exp_avg, &mut out.exp_avg),
-                        (exp_avg_sq, &mut out.exp_avg_sq),
-                    ] {
-                        let mut m = vec![0.0; n];
-                        hf::TensorReader::open(&planes[i], n)?.read(0, &mut m)?;
-                        dst.push(m);
-                    }
+                let mut reader = hf::TensorReader::open(stored, n)?;
+                if kind == PieceKind::Param && info.transposed_in_hf {
+                    let (rows, cols) = (info.shape[0], info.shape[1]);
+                    reader.read_transposed(0, &mut out, rows, cols)?;
+                } else {
+                    reader.read(0, &mut out)?;
                 }
-                Ok(out)
             }
             Values::Pieces(pieces) => {
-                let zeros = || -> Vec<Vec<f32>> {
-                    infos
-                        .iter()
-                        .map(|i| vec![0.0; i.shape.iter().product()])
-                        .collect()
-                };
-                let mut out = TensorValues {
-                    params: zeros(),
-                    exp_avg: zeros(),
-                    exp_avg_sq: zeros(),
-                };
-                for p in pieces.iter().filter(|p| range.contains(&p.tensor)) {
-                    let dst = match p.kind {
-                        PieceKind::Param => &mut out.params,
-                        PieceKind::ExpAvg => &mut out.exp_avg,
-                        PieceKind::ExpAvgSq => &mut out.exp_avg_sq,
-                    };
+                for p in pieces.iter().filter(|p| p.tensor == i && p.kind == kind) {
                     let len = p.stored.shape[0];
                     // `load` checked the piece lies inside its tensor.
-                    let dst = &mut dst[p.tensor - range.start][p.start..p.start + len];
+                    let dst = &mut out[p.start..p.start + len];
                     hf::TensorReader::open(&p.stored, len)?.read(0, dst)?;
                 }
-                Ok(out)
             }
         }
+        Ok(out)
     }
 }
 
@@ -566,9 +553,6 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
     let ck = load(src)?;
     let cfg = ck.state.config;
     let infos = params::param_infos(&cfg);
-    // One process writes the whole model and its moments: it holds them (the rank files are
-    // read once, tensor by tensor, into these).
-    let all = ck.tensors(0..infos.len())?;
     let hyper = |wd| AdamWHyper {
         lr: ck.state.run.lr_at(ck.state.step.saturating_sub(1)),
         weight_decay: wd,
@@ -596,18 +580,24 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
         ck.state.dataset_fingerprint,
     )?;
     let state = TrainingState::new(ck.state.step, cfg, ck.state.run.clone(), optimizer, loader);
-    // headroom-offload's f32 moment layout: every first moment, then every second moment.
-    let mut moments: Vec<u8> = Vec::new();
-    for m in all.exp_avg.iter().chain(&all.exp_avg_sq) {
-        moments.extend_from_slice(bytemuck::cast_slice(m));
-    }
-    let cpu = Cpu::new();
-    let tensors = infos
-        .iter()
-        .zip(&all.params)
-        .map(|(info, p)| Ok(cpu.upload(p, info.shape.clone())?))
-        .collect::<Result<Vec<_>>>()?;
-    checkpoint::save(dst_root, &state, &tensors, &moments, 1)
+    // One tensor at a time from the rank files into the files written; headroom-offload's
+    // f32 moment layout: every first moment, then every second moment.
+    let n = infos.len();
+    checkpoint::save_streamed(
+        dst_root,
+        &state,
+        1,
+        checkpoint::MAX_SHARD_BYTES,
+        |i| ck.read(i, PieceKind::Param),
+        |put| {
+            for kind in [PieceKind::ExpAvg, PieceKind::ExpAvgSq] {
+                for i in 0..n {
+                    put(bytemuck::cast_slice(&ck.read(i, kind)?))?;
+                }
+            }
+            Ok(())
+        },
+    )
 }
 
 #[cfg(test)]

@@ -309,6 +309,13 @@ fn the_model_loads_from_a_checkpoint_in_one_call() {
     let tokens: Vec<u32> = (0..8).collect();
     let loss = gpt.loss(&tokens, &tokens, g).unwrap();
     assert!(loss.is_finite());
+    // Streamed from the files: the masters `load` reads whole, bit for bit.
+    let masters: Vec<Vec<f32>> = gpt
+        .masters()
+        .iter()
+        .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+        .collect();
+    assert!(masters == checkpoint::load(dir.path()).unwrap().params);
 }
 
 #[test]

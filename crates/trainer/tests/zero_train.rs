@@ -536,6 +536,31 @@ fn checkpoints_shard_per_rank_consolidate_and_reshard_exactly() {
     assert_eq!(ck.state.step, 6);
     assert!(ck.params == single.params, "consolidated parameters");
     assert!(ck.moments == single.moments, "consolidated moments");
+    // Consolidation streams the files a tensor at a time: every file is byte for byte what
+    // saving the same values from memory writes.
+    let cpu = Cpu::new();
+    let infos = headroom_trainer::model::params::param_infos(&ck.state.config);
+    let tensors: Vec<_> = infos
+        .iter()
+        .zip(&ck.params)
+        .map(|(info, p)| cpu.upload(p, info.shape.clone()).unwrap())
+        .collect();
+    let from_memory =
+        headroom_trainer::checkpoint::save(&root.join("mem"), &ck.state, &tensors, &ck.moments, 1)
+            .unwrap();
+    let mut names: Vec<_> = std::fs::read_dir(&consolidated)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 5, "{names:?}");
+    for name in names {
+        let (a, b) = (consolidated.join(&name), from_memory.join(&name));
+        assert!(
+            std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+            "{name:?} differs"
+        );
+    }
     // A resumed rank reads the rank files a few tensors at a time: any range gives those
     // tensors of the whole, and nothing past the model.
     let zc = headroom_trainer::zero_checkpoint::load(&step6).unwrap();
