@@ -1359,6 +1359,8 @@ impl ResumePoint {
                 manifest,
             });
         }
+        // The optimizer's sizes are the model's before anything is allocated from them.
+        check_model_optimizer_state(&dir, &manifest, &state)?;
         Ok(ResumePoint {
             dir,
             state,
@@ -1375,9 +1377,8 @@ impl ResumePoint {
         if self.adapters.is_some() {
             return Err(err(&self.dir, ADAPTERS_NOT_A_MODEL));
         }
-        for e in self.manifest.model_entries(&self.dir)?.0 {
-            verify_streamed(&self.dir, e)?;
-        }
+        // Verified, and every tensor its parameter's f32 tensor, as `load` requires.
+        self.stored_tensors()?;
         let (cfg, masters) = crate::hf::load(&self.dir, backend)?;
         if cfg != self.state.config {
             return Err(err(
@@ -1439,6 +1440,8 @@ impl ResumePoint {
         for e in self.manifest.model_entries(&self.dir)?.0 {
             verify_streamed(&self.dir, e)?;
         }
+        // `config.json` is read beside the tensors: verified too, as `load` verifies it.
+        verify_streamed(&self.dir, self.manifest.entry(&self.dir, FILES[1])?)?;
         let mut stored = crate::hf::read_tensors(&self.dir)?;
         params::param_infos(&self.state.config)
             .into_iter()
@@ -1505,7 +1508,6 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     if state.finetune.is_some() {
         return load_adapters(dir, &manifest, state);
     }
-    let state_path = dir.join("state.json");
     let entry = |name: &str| manifest.entry(&dir, name);
     let param_count = state.config.parameter_count()?;
     let tensors = state.config.tensor_count()? as u64;
@@ -1588,34 +1590,7 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         });
     }
     drop(bytes);
-    // The optimizer's parameters must be the model's before its moments are sized from them.
-    let opt_numel = state
-        .optimizer
-        .params
-        .iter()
-        .try_fold(0u64, |acc, p| acc.checked_add(p.numel as u64))
-        .ok_or_else(|| err(&state_path, "optimizer parameter sizes overflow"))?;
-    if state.optimizer.params.len() as u64 != tensors || opt_numel != param_count {
-        return Err(err(
-            &state_path,
-            format!(
-                "optimizer state for {} tensors / {opt_numel} parameters, the model has \
-                 {tensors} / {param_count}",
-                state.optimizer.params.len()
-            ),
-        ));
-    }
-    let opt_entry = entry("optimizer.bin")?;
-    // At most two f32 moments per parameter (8-bit state is smaller).
-    if opt_entry.bytes > param_count.saturating_mul(8) {
-        return Err(err(
-            &dir.join("optimizer.bin"),
-            format!(
-                "{} bytes of moments for {param_count} parameters",
-                opt_entry.bytes
-            ),
-        ));
-    }
+    let opt_entry = check_model_optimizer_state(&dir, &manifest, &state)?;
     let moments = read_verified(&dir, opt_entry)?;
     read_verified(&dir, entry("config.json")?)?;
     Ok(Checkpoint {
@@ -1624,6 +1599,59 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         params: out,
         moments,
     })
+}
+
+/// The optimizer state against what it optimizes (`tensors` tensors of `numel` values, the
+/// model's or the adapters'), before any of its sizes is used; at most two f32 moments per
+/// value in `optimizer.bin` (8-bit state is smaller). Its manifest entry.
+fn check_optimizer_state<'m>(
+    dir: &Path,
+    manifest: &'m Manifest,
+    state: &TrainingState,
+    (tensors, numel): (u64, u64),
+    owner: &str,
+) -> Result<&'m ManifestFile> {
+    let state_path = dir.join("state.json");
+    let opt_numel = state
+        .optimizer
+        .params
+        .iter()
+        .try_fold(0u64, |acc, p| acc.checked_add(p.numel as u64))
+        .ok_or_else(|| err(&state_path, "optimizer parameter sizes overflow"))?;
+    if state.optimizer.params.len() as u64 != tensors || opt_numel != numel {
+        return Err(err(
+            &state_path,
+            format!(
+                "optimizer state for {} tensors / {opt_numel} parameters, {owner} \
+                 {tensors} / {numel}",
+                state.optimizer.params.len()
+            ),
+        ));
+    }
+    let opt_entry = manifest.entry(dir, FILES[2])?;
+    if opt_entry.bytes > numel.saturating_mul(8) {
+        return Err(err(
+            &dir.join(FILES[2]),
+            format!(
+                "{} bytes of moments for {numel} parameters",
+                opt_entry.bytes
+            ),
+        ));
+    }
+    Ok(opt_entry)
+}
+
+/// [`check_optimizer_state`] for a full model.
+fn check_model_optimizer_state<'m>(
+    dir: &Path,
+    manifest: &'m Manifest,
+    state: &TrainingState,
+) -> Result<&'m ManifestFile> {
+    let sizes = (
+        state.config.tensor_count()? as u64,
+        state.config.parameter_count()?,
+    );
+    check_optimizer_state(dir, manifest, state, sizes, "the model has")
 }
 
 /// [`load`] of a fine-tuning checkpoint: every file verified against the manifest, the
@@ -1700,29 +1728,13 @@ fn load_adapters(dir: PathBuf, manifest: &Manifest, state: TrainingState) -> Res
         params.push(lora.a().to_vec());
         params.push(lora.b().to_vec());
     }
-    let state_path = dir.join("state.json");
-    let opt_numel = state
-        .optimizer
-        .params
-        .iter()
-        .try_fold(0u64, |acc, p| acc.checked_add(p.numel as u64))
-        .ok_or_else(|| err(&state_path, "optimizer parameter sizes overflow"))?;
-    if state.optimizer.params.len() != infos.len() || opt_numel != numel {
-        return Err(err(
-            &state_path,
-            format!(
-                "optimizer state for {} tensors / {opt_numel} parameters, the adapters have \
-                 {} / {numel}",
-                state.optimizer.params.len(),
-                infos.len()
-            ),
-        ));
-    }
-    let opt_entry = manifest
-        .files
-        .iter()
-        .find(|e| e.name == "optimizer.bin")
-        .ok_or_else(|| err(&dir.join(MANIFEST), "does not list optimizer.bin"))?;
+    let opt_entry = check_optimizer_state(
+        &dir,
+        manifest,
+        &state,
+        (infos.len() as u64, numel),
+        "the adapters have",
+    )?;
     let moments = read_verified(&dir, opt_entry)?;
     Ok(Checkpoint {
         dir,

@@ -159,6 +159,21 @@ pub(crate) fn read_header(path: &Path) -> Result<BTreeMap<String, Stored>> {
             return Err(bad(path, format!("{} and {} overlap", w[0].2, w[1].2)));
         }
     }
+    // As the safetensors reader requires: the tensors cover the data bytes exactly, no gap
+    // (bytes no tensor owns), nothing after the last.
+    let mut covered = 0;
+    for (start, end, _) in &ranges {
+        if *start != covered {
+            break;
+        }
+        covered = *end;
+    }
+    if covered != data_len {
+        return Err(bad(
+            path,
+            format!("the tensors cover {covered} of the {data_len} data bytes"),
+        ));
+    }
     Ok(out)
 }
 

@@ -636,6 +636,24 @@ fn resuming_refuses_a_corrupt_model_or_optimizer_file() {
             }
         }
     }
+    // An optimizer state sized for another model, consistently resealed: refused when the
+    // checkpoint is opened, before anything is allocated from its sizes.
+    let copy = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&s2).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, copy.path().join(f.file_name().unwrap())).unwrap();
+    }
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(copy.path().join("state.json")).unwrap()).unwrap();
+    state["optimizer"]["params"][0]["numel"] = serde_json::json!(1u64 << 40);
+    rewrite_consistently(
+        copy.path(),
+        "state.json",
+        &serde_json::to_vec(&state).unwrap(),
+    );
+    let e = checkpoint::ResumePoint::open(copy.path()).err().unwrap();
+    assert!(e.to_string().contains("optimizer state for"), "{e}");
+    assert!(resume(copy.path()).is_err());
     // Moments of another length whose manifest entry agrees: refused by their length.
     let copy = tempfile::tempdir().unwrap();
     for f in std::fs::read_dir(&s2).unwrap() {

@@ -100,7 +100,34 @@ fn load_input(
         };
         std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
     }
-    let ck = checkpoint::load(&dir)?;
+    // The path a resume takes (`ResumePoint`: masters through the HF loader, moments
+    // streamed): whatever it accepts, `load` accepts with the same values.
+    let cpu = headroom_tensor::Cpu::new();
+    let resumed = checkpoint::ResumePoint::open(&dir).and_then(|p| {
+        let masters = p.read_masters(&cpu)?;
+        let moments = p.read_moments(|_, reader, _| {
+            let mut v = Vec::new();
+            reader
+                .read_to_end(&mut v)
+                .map_err(|e| headroom_trainer::TrainError::Input(e.to_string()))?;
+            Ok(v)
+        })?;
+        Ok((masters, moments))
+    });
+    let loaded = checkpoint::load(&dir);
+    if let Ok((masters, moments)) = &resumed {
+        let ck = loaded
+            .as_ref()
+            .expect("the resume path accepted what load refused");
+        // Bits, not values: a mutated weight may be a NaN.
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(masters.len(), ck.params.len());
+        for (t, p) in masters.iter().zip(&ck.params) {
+            assert!(bits(t.as_slice::<f32>().unwrap()) == bits(p));
+        }
+        assert!(*moments == ck.moments);
+    }
+    let ck = loaded?;
     // The parameters the reader returned agree with the config it validated.
     let infos = headroom_trainer::model::params::param_infos(&ck.state.config);
     assert_eq!(ck.params.len(), infos.len());

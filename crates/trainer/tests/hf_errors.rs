@@ -466,3 +466,18 @@ fn mutated_weight_files_never_panic() {
     assert!(refused_count > 1000, "only {refused_count} refused");
     eprintln!("{loaded} loaded, {refused_count} refused");
 }
+
+/// Bytes no tensor owns — after the last tensor, as the safetensors reader also refuses — are
+/// a typed error, not ignored.
+#[test]
+fn data_bytes_no_tensor_covers_are_refused() {
+    let s = tempfile::tempdir().unwrap();
+    let dir = variant(&s, "trailing", |_| {}, |_| {});
+    let file = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    assert!(hf::load(&dir, &Cpu::new()).is_ok());
+    bytes.extend_from_slice(&[0u8; 4]);
+    std::fs::write(&file, &bytes).unwrap();
+    assert!(SafeTensors::deserialize(&bytes).is_err());
+    refused(&dir, "cover");
+}
