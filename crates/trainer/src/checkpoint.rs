@@ -1378,15 +1378,21 @@ impl ResumePoint {
             return Err(err(&self.dir, ADAPTERS_NOT_A_MODEL));
         }
         // Verified, and every tensor its parameter's f32 tensor, as `load` requires.
-        self.stored_tensors()?;
-        let (cfg, masters) = crate::hf::load(&self.dir, backend)?;
+        let stored = self.stored_tensors()?;
+        let cfg = crate::hf::read_config(&self.dir)?;
         if cfg != self.state.config {
             return Err(err(
                 &self.dir.join(FILES[1]),
                 format!("holds {cfg:?}, the state {:?}", self.state.config),
             ));
         }
-        Ok(masters)
+        let mut f32s = params::EachF32(|_, _| Ok(()));
+        params::param_infos(&cfg)
+            .iter()
+            .zip(&stored)
+            .enumerate()
+            .map(|(i, (info, t))| crate::hf::fill_param(backend, info, i, t, &mut f32s))
+            .collect()
     }
 
     /// `read(len, reader)` over the optimizer's moment bytes, read from the checkpoint's file
@@ -1443,7 +1449,7 @@ impl ResumePoint {
         // `config.json` is read beside the tensors: verified too, as `load` verifies it.
         verify_streamed(&self.dir, self.manifest.entry(&self.dir, FILES[1])?)?;
         let mut stored = crate::hf::read_tensors(&self.dir)?;
-        params::param_infos(&self.state.config)
+        let tensors = params::param_infos(&self.state.config)
             .into_iter()
             .map(|info| {
                 let t = stored
@@ -1465,7 +1471,15 @@ impl ResumePoint {
                 }
                 Ok(t)
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        // Nothing beside the model's tensors, as `load` counts them.
+        if let Some(extra) = stored.keys().next() {
+            return Err(err(
+                &self.dir,
+                format!("{extra}: not a parameter of this model"),
+            ));
+        }
+        Ok(tensors)
     }
 
     /// The optimizer's moments file, verified by a streamed checksum, and its length.

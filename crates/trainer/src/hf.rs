@@ -422,15 +422,7 @@ pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Resul
                 format!("{} has shape {:?}, expected {want:?}", info.name, t.shape),
             ));
         }
-        let mut reader = TensorReader::open(&t, info.shape.iter().product())?;
-        let tensor = if info.transposed_in_hf {
-            let (rows, cols) = (info.shape[0], info.shape[1]);
-            params::fill_tensor(backend, info, index, sink, |at, out| {
-                reader.read_transposed(at / cols, out, rows, cols)
-            })?
-        } else {
-            params::fill_tensor(backend, info, index, sink, |at, out| reader.read(at, out))?
-        };
+        let tensor = fill_param(backend, info, index, &t, sink)?;
         sink.push(index, tensor)?;
     }
     // A tied head may still be stored (transformers writes lm_head.weight for GPT-2 in
@@ -459,6 +451,21 @@ pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Resul
         ));
     }
     Ok(cfg)
+}
+
+/// Parameter `index` (`info`) read from its stored tensor `t` (shape already checked) into
+/// the dtype `sink` asks for, as [`load_into`] reads each one.
+pub(crate) fn fill_param(
+    backend: &Cpu,
+    info: &params::ParamInfo,
+    index: usize,
+    t: &Stored,
+    sink: &mut impl TensorSink,
+) -> Result<CpuTensor> {
+    let mut reader = TensorReader::open(t, info.shape.iter().product())?;
+    params::fill_tensor(backend, info, index, sink, |at, out| {
+        reader.read_param(info, at, out)
+    })
 }
 
 /// One stored tensor's values, read from its file and widened to f32.
@@ -503,11 +510,27 @@ impl<'a> TensorReader<'a> {
         Ok(())
     }
 
+    /// Values `at..at + out.len()` of parameter `info` in our layout (`out` whole rows when
+    /// the stored tensor is GPT-2's transposed `Conv1D` weight).
+    pub(crate) fn read_param(
+        &mut self,
+        info: &params::ParamInfo,
+        at: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        if info.transposed_in_hf {
+            let (rows, cols) = (info.shape[0], info.shape[1]);
+            self.read_transposed(at / cols, out, rows, cols)
+        } else {
+            self.read(at, out)
+        }
+    }
+
     /// Rows `first..first + out.len() / cols` of the `[rows, cols]` transpose of the stored
     /// `[cols, rows]` tensor. Stored rows are read whole, as many as fit a chunk at a time
     /// (at least one), and the band's part of each is scattered into the band's column: one pass over
     /// the stored tensor per band.
-    pub(crate) fn read_transposed(
+    fn read_transposed(
         &mut self,
         first: usize,
         out: &mut [f32],

@@ -225,9 +225,8 @@ impl ZeroCheckpoint {
                     PieceKind::ExpAvgSq => &exp_avg_sq[i],
                 };
                 let mut reader = hf::TensorReader::open(stored, n)?;
-                if kind == PieceKind::Param && info.transposed_in_hf {
-                    let (rows, cols) = (info.shape[0], info.shape[1]);
-                    reader.read_transposed(0, &mut out, rows, cols)?;
+                if kind == PieceKind::Param {
+                    reader.read_param(info, 0, &mut out)?;
                 } else {
                     reader.read(0, &mut out)?;
                 }
