@@ -136,7 +136,9 @@ fn round_chunk(src: &[f32], dst: &mut [bf16], key: RoundingKey, base: u64) {
     let base_lo = base as u32;
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if std::arch::is_x86_feature_detected!("avx2")
+            && headroom_tensor::isa::allows(headroom_tensor::isa::IsaLevel::Avx2)
+        {
             // SAFETY: the CPU supports AVX2, the only feature the function is compiled for
             // (checked just above); the function itself only touches its slices safely.
             return unsafe { round_chunk_avx2(src, dst, k1, k2, base_lo) };

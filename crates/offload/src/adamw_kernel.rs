@@ -101,15 +101,26 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The widest instruction set this CPU supports, detected once.
+    /// The widest instruction set this CPU supports and `HEADROOM_CPU_ISA` allows
+    /// ([`headroom_tensor::isa`]), detected once.
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
             [Isa::Avx512, Isa::Avx2]
                 .into_iter()
-                .find(|isa| isa.is_supported())
+                .find(|isa| isa.is_supported() && headroom_tensor::isa::allows(isa.level()))
                 .unwrap_or(Isa::Baseline)
         })
+    }
+
+    /// The level of [`headroom_tensor::isa`] this path belongs to.
+    pub fn level(self) -> headroom_tensor::isa::IsaLevel {
+        use headroom_tensor::isa::IsaLevel;
+        match self {
+            Isa::Avx512 => IsaLevel::Avx512,
+            Isa::Avx2 => IsaLevel::Avx2,
+            Isa::Baseline => IsaLevel::Baseline,
+        }
     }
 
     /// True when this CPU can run `self`.
@@ -439,5 +450,46 @@ pub(crate) fn write_copy(p: &[f32], c: Option<WorkingCopy<'_>>) {
         Some(FloatSliceMut::F32(c)) => c.copy_from_slice(p),
         Some(FloatSliceMut::BF16(c)) => narrow_bf16_body(p, c),
         Some(FloatSliceMut::F16(c)) => c.convert_from_f32_slice(p),
+    }
+}
+
+#[cfg(test)]
+mod cap_tests {
+    use super::Isa;
+
+    /// `HEADROOM_CPU_ISA` reaches [`Isa::detect`]: this test binary re-run under each cap, on
+    /// the ignored probe below (the choice is made once per process).
+    #[test]
+    fn the_cpu_isa_cap_bounds_detect() {
+        let exe = std::env::current_exe().unwrap();
+        for (cap, most) in [
+            ("baseline", Isa::Baseline),
+            ("avx2", Isa::Avx2),
+            ("native", Isa::Avx512),
+        ] {
+            let out = std::process::Command::new(&exe)
+                .args(["--exact", "adamw_kernel::cap_tests::probe_detect"])
+                .args(["--ignored", "--nocapture"])
+                .env(headroom_tensor::isa::ENV, cap)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{cap}: {text}");
+            let want = [most, Isa::Avx2, Isa::Baseline]
+                .into_iter()
+                .filter(|isa| isa.level() <= most.level())
+                .find(|isa| isa.is_supported())
+                .unwrap_or(Isa::Baseline);
+            assert!(
+                text.lines().any(|l| l == format!("detect={want:?}")),
+                "{cap}: want {want:?} in {text}"
+            );
+        }
+    }
+
+    #[test]
+    #[ignore = "run by the_cpu_isa_cap_bounds_detect"]
+    fn probe_detect() {
+        println!("detect={:?}", Isa::detect());
     }
 }

@@ -25,10 +25,14 @@ impl Isa {
     /// Rust 1.89, after this workspace's minimum 1.85 (clippy's `incompatible_msrv` refuses
     /// them), and the dequantization is ≈ 3 % of the fused matmul, whose gemm uses AVX-512
     /// itself.
+    ///
+    /// `HEADROOM_CPU_ISA=baseline` keeps the scalar path ([`headroom_tensor::isa`]).
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx2") {
+            if std::is_x86_feature_detected!("avx2")
+                && headroom_tensor::isa::allows(headroom_tensor::isa::IsaLevel::Avx2)
+            {
                 return Isa::Avx2;
             }
         }
@@ -346,5 +350,41 @@ mod tests {
                 assert_eq!(g, want, "{:#010x}", l.to_bits());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod cap_tests {
+    use super::Isa;
+
+    /// `HEADROOM_CPU_ISA=baseline` keeps [`Isa::detect`] on the scalar path: this test binary
+    /// re-run under each cap, on the ignored probe below (the choice is made once per process).
+    #[test]
+    fn the_cpu_isa_cap_bounds_detect() {
+        let exe = std::env::current_exe().unwrap();
+        let avx2 = Isa::Avx2.is_supported();
+        for (cap, want) in [
+            ("baseline", Isa::Scalar),
+            ("avx2", if avx2 { Isa::Avx2 } else { Isa::Scalar }),
+        ] {
+            let out = std::process::Command::new(&exe)
+                .args(["--exact", "dequant::cap_tests::probe_detect"])
+                .args(["--ignored", "--nocapture"])
+                .env(headroom_tensor::isa::ENV, cap)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{cap}: {text}");
+            assert!(
+                text.lines().any(|l| l == format!("detect={want:?}")),
+                "{cap}: want {want:?} in {text}"
+            );
+        }
+    }
+
+    #[test]
+    #[ignore = "run by the_cpu_isa_cap_bounds_detect"]
+    fn probe_detect() {
+        println!("detect={:?}", Isa::detect());
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! The floor of the headroom workspace: element types ([`DType`]), shapes ([`Shape`]), devices
 //! ([`Device`]), the minimal [`Tensor`] and [`Backend`] traits every other crate is generic
-//! over, the allocation hook ([`AllocHook`]) through which memory is measured, and the
-//! [`Cpu`] backend — threaded, vectorised, and the numerical reference.
+//! over, the allocation hook ([`AllocHook`]) through which memory is measured, the
+//! [`Cpu`] backend — threaded, vectorised, and the numerical reference — and [`isa`], which
+//! decides how wide the workspace's SIMD kernels may go (`HEADROOM_CPU_ISA`).
 //!
 //! ```
 //! use headroom_tensor::{Backend, Cpu, DType, MemoryCategory, Tensor};
@@ -38,6 +39,7 @@ pub mod cpu;
 mod device;
 mod dtype;
 mod error;
+pub mod isa;
 pub mod reference;
 mod shape;
 

@@ -1032,7 +1032,7 @@ fn cmd_train_zero(
     let speak = rank == 0;
     if speak {
         say!(
-            "headroom train: {} {}L/{}H/{}C; global batch {}×{} over {world} ranks{}, {stage}, {} steps; {}",
+            "headroom train: {} {}L/{}H/{}C; global batch {}×{} over {world} ranks{}, {stage}, {} steps; {}; cpu kernels {}",
             o.model.family_name(),
             o.model.layers,
             o.model.heads,
@@ -1045,7 +1045,8 @@ fn cmd_train_zero(
                 Dist::Nccl => " (GPU processes, NCCL)",
             },
             o.steps,
-            o.techniques.describe()
+            o.techniques.describe(),
+            headroom_tensor::isa::describe()
         );
     }
     let mut metrics = match metrics {
@@ -1198,7 +1199,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
     let signal = install_signal_handlers()?;
     o.stop = Some(STOP.clone());
     say!(
-        "headroom train: {} {}L/{}H/{}C, context {}, vocab {}; batch {}×{}, {} steps; {}",
+        "headroom train: {} {}L/{}H/{}C, context {}, vocab {}; batch {}×{}, {} steps; {}; cpu kernels {}",
         o.model.family_name(),
         o.model.layers,
         o.model.heads,
@@ -1208,7 +1209,8 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         o.batch,
         o.seq,
         o.steps,
-        o.techniques.describe()
+        o.techniques.describe(),
+        headroom_tensor::isa::describe()
     );
     // A resumed run continues the metrics of the run it resumes.
     let mut metrics = match &args.metrics {
@@ -1842,6 +1844,8 @@ fn cmd_data(c: DataCommand) -> CliResult {
 }
 
 fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
+    // A misspelt cap would otherwise run the widest kernels the user meant to rule out.
+    headroom_tensor::isa::env_cap()?;
     if hooks.mpi.is_none() {
         if let Some(Command::Train(a)) = &cli.command {
             if a.zero.is_some() && a.dist == Dist::Mpi {

@@ -3,6 +3,8 @@
 
 use std::process::{Command, Output};
 
+use headroom_tensor::isa::IsaLevel;
+
 fn headroom(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_headroom"))
         .args(args)
@@ -815,4 +817,69 @@ fn dist_mpi_hands_the_command_to_the_mpi_build() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `HEADROOM_CPU_ISA` caps headroom's own kernels (not gemm's), and every one of them gives the
+/// portable code's bits: a run capped at the baseline and one allowed AVX-512 agree on every
+/// loss and gradient norm, in fp32, with 8-bit AdamW and in bf16 (whose stochastic rounding
+/// and widening are SIMD kernels too). AMX's bf16 products round otherwise, so neither cap
+/// allows them. A value that names nothing is refused before any work.
+#[test]
+fn the_cpu_isa_cap_changes_which_kernels_run_but_not_one_bit() {
+    let dir = std::env::temp_dir().join(format!("headroom-isa-cap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |cap: &str, extra: &[&str], tag: &str| {
+        let metrics = dir.join(format!("{tag}-{cap}.jsonl"));
+        let mut args = vec!["train", "--steps", "12", "--no-progress", "--metrics"];
+        args.push(metrics.to_str().unwrap());
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_headroom"))
+            .args(&args)
+            .env("HEADROOM_CPU_ISA", cap)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{cap} {tag}: {}", stderr(&out));
+        let header = stdout(&out).lines().next().unwrap_or("").to_string();
+        let steps: Vec<(String, String)> = std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .map(|line| {
+                let v: serde_json::Value = serde_json::from_str(line).unwrap();
+                (v["loss"].to_string(), v["grad_norm"].to_string())
+            })
+            .collect();
+        (header, steps)
+    };
+    for (tag, extra) in [
+        ("fp32", &[][..]),
+        ("adam8", &["--adam-8bit"][..]),
+        ("bf16", &["--precision", "bf16"][..]),
+    ] {
+        let (low_header, low) = run("baseline", extra, tag);
+        let (high_header, high) = run("avx512", extra, tag);
+        assert!(
+            low_header.contains("cpu kernels baseline"),
+            "{tag}: {low_header}"
+        );
+        let high_level = headroom_tensor::isa::detected().min(IsaLevel::Avx512);
+        assert!(
+            high_header.contains(&format!("cpu kernels {high_level}")),
+            "{tag}: {high_header}"
+        );
+        assert_eq!(low.len(), 12, "{tag}");
+        assert_eq!(low, high, "{tag}: the capped run's losses or norms differ");
+    }
+    let bad = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args(["train", "--steps", "1", "--no-progress"])
+        .env("HEADROOM_CPU_ISA", "avx1024")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let text = stderr(&bad);
+    assert!(
+        text.contains("HEADROOM_CPU_ISA") && text.contains("avx1024"),
+        "{text}"
+    );
+    assert!(stdout(&bad).is_empty(), "nothing ran: {}", stdout(&bad));
+    let _ = std::fs::remove_dir_all(&dir);
 }

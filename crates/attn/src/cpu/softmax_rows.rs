@@ -203,19 +203,23 @@ enum Isa {
     Baseline,
 }
 
+/// The widest path the CPU has and `HEADROOM_CPU_ISA` allows ([`headroom_tensor::isa`]).
 fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f")
+            use headroom_tensor::isa::{allows, IsaLevel};
+            if allows(IsaLevel::Avx512)
+                && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512dq")
                 && std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
             {
                 return Isa::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2")
+            if allows(IsaLevel::Avx2)
+                && std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
             {
                 return Isa::Avx2Fma;

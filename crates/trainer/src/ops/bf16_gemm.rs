@@ -157,7 +157,7 @@ pub enum Bf16GemmPath {
 pub fn bf16_gemm_path() -> Bf16GemmPath {
     static PATH: std::sync::OnceLock<Bf16GemmPath> = std::sync::OnceLock::new();
     *PATH.get_or_init(|| {
-        if amx::available() {
+        if headroom_tensor::isa::allows(headroom_tensor::isa::IsaLevel::Amx) && amx::available() {
             Bf16GemmPath::Amx
         } else {
             Bf16GemmPath::F32Gemm
@@ -515,38 +515,10 @@ mod amx {
 
         use super::super::{pack, Bf16Source, Matrix, KC, MC, NC};
 
-        /// AMX-TILE and AMX-BF16 in CPUID leaf 7 (EDX bits 24 and 22), and the kernel's
-        /// permission for this process to use the tile data state (`arch_prctl
-        /// ARCH_REQ_XCOMP_PERM`, which fails where the OS or hypervisor does not enable it).
+        /// The CPU has AMX-BF16 and the kernel granted the tile state
+        /// ([`headroom_tensor::isa::amx_granted`]).
         pub(in super::super) fn available() -> bool {
-            // Leaf 7 only where leaf 0 reports it.
-            let max_leaf = std::arch::x86_64::__cpuid(0).eax;
-            let edx7 = if max_leaf >= 7 {
-                std::arch::x86_64::__cpuid_count(7, 0).edx
-            } else {
-                0
-            };
-            if max_leaf < 7 || edx7 & (1 << 24) == 0 || edx7 & (1 << 22) == 0 {
-                return false;
-            }
-            const SYS_ARCH_PRCTL: i64 = 158;
-            const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
-            const XFEATURE_XTILEDATA: i64 = 18;
-            let ret: i64;
-            // SAFETY: the arch_prctl system call with these arguments only changes this
-            // process's permitted extended state; it reads and writes no user memory.
-            unsafe {
-                asm!(
-                    "syscall",
-                    inlateout("rax") SYS_ARCH_PRCTL => ret,
-                    in("rdi") ARCH_REQ_XCOMP_PERM,
-                    in("rsi") XFEATURE_XTILEDATA,
-                    lateout("rcx") _,
-                    lateout("r11") _,
-                    options(nostack),
-                );
-            }
-            ret == 0
+            headroom_tensor::isa::amx_granted()
         }
 
         /// The tile configuration: palette 1, all eight tiles 16 rows × 64 bytes.

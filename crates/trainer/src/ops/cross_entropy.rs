@@ -3,6 +3,8 @@
 //! over threads; each row's arithmetic is independent of the split, so results do not depend
 //! on the thread count.
 
+#[cfg(target_arch = "x86_64")]
+use headroom_tensor::isa::{self, IsaLevel};
 use rayon::prelude::*;
 
 use crate::ops::fast_math::exp;
@@ -80,7 +82,7 @@ pub fn forward(losses: &mut [f32], logits: &[f32], targets: &[u32], v: usize) {
 /// One row's loss, on the widest vectors the CPU has (see [`row_gradient`]).
 fn row_loss(row: &[f32], t: u32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if std::arch::is_x86_feature_detected!("avx2") && isa::allows(IsaLevel::Avx2) {
         // SAFETY: AVX2 is present (checked just above).
         return unsafe { row_loss_avx2(row, t) };
     }
@@ -140,7 +142,7 @@ pub fn forward_backward_in_place(
 /// of a `small` step's samples on the baseline build.
 fn row_gradient(row: &mut [f32], t: u32, dl: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if std::arch::is_x86_feature_detected!("avx2") && isa::allows(IsaLevel::Avx2) {
         // SAFETY: AVX2 is present (checked just above).
         return unsafe { row_gradient_avx2(row, t, dl) };
     }

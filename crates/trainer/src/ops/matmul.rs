@@ -61,6 +61,8 @@ use std::ops::Range;
 
 use gemm::Parallelism;
 use half::{bf16, f16};
+#[cfg(target_arch = "x86_64")]
+use headroom_tensor::isa::{self, IsaLevel};
 
 fn parallelism() -> Parallelism {
     match rayon::current_num_threads() {
@@ -293,7 +295,7 @@ fn bf16_to_f32(bits: u16) -> f32 {
 pub fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen_bf16: lengths differ");
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if std::arch::is_x86_feature_detected!("avx2") && isa::allows(IsaLevel::Avx2) {
         // SAFETY: AVX2 is present (checked just above); lengths are equal (asserted).
         unsafe { widen_bf16_avx2(src, dst) };
         return;
@@ -422,6 +424,7 @@ fn gemm_kc(k: usize, mr: usize, nr: usize) -> usize {
 /// The f32 micro-kernel tile gemm picks on this CPU, `(mr, nr)`, if it is one this module
 /// knows: gemm 0.19 with the `x86-v4` feature (the workspace enables it) takes its AVX-512
 /// kernel (4×16 rows × 6 columns) where the CPU has AVX-512F, else the FMA kernel (2×8 × 6).
+/// This follows the CPU, not `HEADROOM_CPU_ISA`: gemm dispatches on its own.
 fn gemm_f32_tile() -> Option<(usize, usize)> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -580,6 +583,7 @@ fn accumulate8(xs: &[f32], ws: &[f32], acc: &mut [f32; 8]) {
         let fma = *FMA.get_or_init(|| {
             std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("avx2")
+                && isa::allows(IsaLevel::Avx2)
         });
         if fma {
             // SAFETY: the CPU has AVX2 and FMA (checked above).
