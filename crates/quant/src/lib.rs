@@ -64,7 +64,7 @@ pub use matmul::{
 };
 pub use tensor::{
     AbsmaxParts, AbsmaxStorage, BlockSize, DoubleQuant, QuantConfig, QuantParts, QuantizedTensor,
-    NESTED_BLOCKSIZE,
+    Quantizer, NESTED_BLOCKSIZE,
 };
 
 /// torch's f32 mean as the double quantization computes its offset (exposed for the fixture

@@ -480,6 +480,140 @@ impl QuantizedTensor {
     }
 }
 
+/// [`QuantizedTensor::quantize`] fed a chunk at a time, so a weight streamed from a file (or
+/// drawn by an initialiser) is quantized without ever existing whole in f32: the same bytes,
+/// absmax values and double-quantization parts, whatever the chunks.
+///
+/// The packed codes and the f32 absmax values are `Parameters` tensors from the start; with
+/// double quantization the f32 absmax values are compressed at [`finish`](Self::finish) and
+/// freed, so the most this holds beyond the result is those `4 · blocks` bytes and one
+/// partial block.
+pub struct Quantizer {
+    cpu: Cpu,
+    shape: Vec<usize>,
+    numel: usize,
+    config: QuantConfig,
+    enc: Encoder4,
+    codes: CpuTensor,
+    absmax: CpuTensor,
+    /// The values of the block the last chunk began and did not end (fewer than a block).
+    pending: Vec<f32>,
+    /// Elements received so far.
+    filled: usize,
+}
+
+impl Quantizer {
+    /// A quantizer for a tensor of `shape` (row-major); nothing is allocated unless the
+    /// shape's size is valid.
+    pub fn new(cpu: &Cpu, shape: &[usize], config: QuantConfig) -> Result<Self> {
+        let shape64: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        let numel = checked_numel(&shape64)?;
+        let blocks = numel.div_ceil(config.blocksize.get());
+        let _p = MemoryCategory::Parameters.enter();
+        let codes = cpu.zeros([numel.div_ceil(2)], headroom_tensor::DType::U8)?;
+        let absmax = cpu.zeros([blocks], headroom_tensor::DType::F32)?;
+        Ok(Quantizer {
+            cpu: cpu.clone(),
+            shape: shape.to_vec(),
+            numel,
+            config,
+            enc: Encoder4::new(config.quant_type),
+            codes,
+            absmax,
+            pending: Vec::new(),
+            filled: 0,
+        })
+    }
+
+    /// The next `values` of the tensor, in row-major order. More values than the shape holds,
+    /// or a non-finite one, is an error (its index counted from the tensor's start).
+    pub fn push(&mut self, values: &[f32]) -> Result<()> {
+        if values.len() > self.numel - self.filled {
+            return Err(QuantError::LengthMismatch {
+                what: "input",
+                expected: self.numel as u64,
+                got: (self.filled + values.len()) as u64,
+            });
+        }
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(QuantError::NonFinite {
+                what: "input",
+                index: (self.filled + i) as u64,
+                value: values[i],
+            });
+        }
+        let bs = self.config.blocksize.get();
+        // Elements before `done` are quantized; `pending` holds those from `done` on.
+        let mut done = self.filled - self.pending.len();
+        self.filled += values.len();
+        let mut rest = values;
+        if !self.pending.is_empty() {
+            let take = (bs - self.pending.len()).min(rest.len());
+            self.pending.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
+            if self.pending.len() < bs {
+                return Ok(());
+            }
+            let block = done / bs;
+            let bytes = &mut self.codes.as_mut_slice::<u8>()?[done / 2..][..bs / 2];
+            let am = quantize_block(&self.enc, &self.pending, bs, bytes);
+            self.absmax.as_mut_slice::<f32>()?[block] = am;
+            self.pending.clear();
+            done += bs;
+        }
+        let whole = rest.len() / bs * bs;
+        if whole > 0 {
+            let (codes, absmax) = (&mut self.codes, &mut self.absmax);
+            let bytes = &mut codes.as_mut_slice::<u8>()?[done / 2..][..whole / 2];
+            let scales = &mut absmax.as_mut_slice::<f32>()?[done / bs..][..whole / bs];
+            let enc = &self.enc;
+            // Blocks hold an even number of elements, so each one owns whole bytes.
+            self.cpu.install(|| {
+                bytes
+                    .par_chunks_mut(bs / 2)
+                    .zip(scales.par_iter_mut())
+                    .zip(rest[..whole].par_chunks(bs))
+                    .for_each(|((bytes, am), x)| *am = quantize_block(enc, x, bs, bytes));
+            });
+        }
+        self.pending.extend_from_slice(&rest[whole..]);
+        Ok(())
+    }
+
+    /// The quantized tensor, once every element was pushed (fewer is an error).
+    pub fn finish(mut self) -> Result<QuantizedTensor> {
+        check_len("input", self.numel, self.filled)?;
+        let bs = self.config.blocksize.get();
+        if !self.pending.is_empty() {
+            // The tail block: fewer than `bs` values, its bytes up to the end.
+            let done = self.filled - self.pending.len();
+            let bytes = &mut self.codes.as_mut_slice::<u8>()?[done / 2..];
+            let am = quantize_block(&self.enc, &self.pending, bs, bytes);
+            self.absmax.as_mut_slice::<f32>()?[done / bs] = am;
+        }
+        let absmax = if self.config.double_quant {
+            let (codes, offset, absmax2) = double_quantize(self.absmax.as_slice::<f32>()?);
+            AbsmaxParts::Double {
+                codes: &codes,
+                offset,
+                absmax2: &absmax2,
+                code2: &dynamic_map_signed()[..],
+            }
+            .allocate(&self.cpu)?
+        } else {
+            AbsmaxStorage::Plain(self.absmax)
+        };
+        Ok(QuantizedTensor {
+            shape: self.shape,
+            numel: self.numel,
+            quant_type: self.config.quant_type,
+            blocksize: self.config.blocksize,
+            codes: self.codes,
+            absmax,
+        })
+    }
+}
+
 /// Quantize one block into its bytes; returns the stored absmax. `bs` is the full block size,
 /// so a shorter `x` is the tail block (bitsandbytes treats it differently: its absmax is
 /// clamped to 1e-38 when stored, and it divides instead of multiplying by a reciprocal).

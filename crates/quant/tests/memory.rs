@@ -8,7 +8,7 @@ use std::sync::Arc;
 use headroom_profiler::MemoryTracker;
 use headroom_quant::{
     matmul_backward_input, matmul_forward, BlockSize, MatmulOptions, QuantConfig, QuantType,
-    QuantizedTensor,
+    QuantizedTensor, Quantizer,
 };
 use headroom_tensor::{Cpu, Device, MemoryCategory};
 
@@ -154,5 +154,43 @@ fn predicted_stored_bytes_equal_the_quantized_tensors() {
                 }
             }
         }
+    }
+}
+
+/// Quantized a row at a time, a weight never exists in f32: the tracker's peak is the packed
+/// result, plus — with double quantization — the f32 absmax values (one per block) that live
+/// until their compressed form is allocated. Nothing else is tracked, and nothing stays.
+#[test]
+fn a_streamed_weight_peaks_at_its_packed_size_plus_the_f32_absmax_under_double_quant() {
+    let w = weight();
+    for double in [false, true] {
+        let (cpu, tracker) = tracked(2);
+        let config = QuantConfig {
+            quant_type: QuantType::Nf4,
+            blocksize: BlockSize::new(64).unwrap(),
+            double_quant: double,
+        };
+        let mut quantizer = Quantizer::new(&cpu, &[OUT, IN], config).unwrap();
+        for row in w.chunks(IN) {
+            quantizer.push(row).unwrap();
+        }
+        let q = quantizer.finish().unwrap();
+        let snap = tracker.snapshot();
+        let dev = snap.device(Device::Cpu).unwrap();
+        let stored = q.stored_bytes() as u64;
+        assert_eq!(
+            dev.live_total, stored,
+            "double {double}: only the result stays"
+        );
+        let f32_absmax = if double {
+            4 * (OUT * IN / 64) as u64
+        } else {
+            0
+        };
+        assert_eq!(dev.peak_total, stored + f32_absmax, "double {double}: peak");
+        assert!(
+            dev.peak_total < (OUT * IN) as u64,
+            "below a quarter of the f32 copy"
+        );
     }
 }

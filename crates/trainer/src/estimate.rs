@@ -421,7 +421,7 @@ struct StagedGrads {
 /// while it streams in), the adapters, and which block linears are 4-bit or adapted.
 struct FinetunePlan {
     /// Peak `Parameters`: the larger of the base's streaming peak (the tensors converted so
-    /// far, and a 4-bit linear's f32 copy beside its quantized form) and the steady state (the frozen base,
+    /// far, and a double-quantized linear's f32 absmax values beside its quantized form) and the steady state (the frozen base,
     /// the adapters' fp32 masters and, in low precision, their working copies).
     parameter_peak: u64,
     /// `Parameters` while training: the frozen base and the adapters.
@@ -458,9 +458,16 @@ impl FinetunePlan {
                 Some(q) if quantized => u(q.stored_bytes(n as usize)),
                 _ => n * a,
             };
-            // A 4-bit linear is quantized from its f32 copy; any other tensor arrives in its
-            // stored dtype (read or drawn into it a chunk at a time, `params::TensorSink`).
-            let transient = if quantized { 4 * n + frozen } else { frozen };
+            // Every tensor arrives in its stored form, read or drawn a chunk at a time
+            // (`params::TensorSink`); a 4-bit linear is quantized as its chunks come
+            // (`headroom_quant::Quantizer`), and with double quantization its f32 absmax
+            // values (one per block) outlive the compressed ones' allocation.
+            let transient = match quant {
+                Some(q) if quantized && q.double_quant => {
+                    frozen + 4 * u(n as usize).div_ceil(u(q.blocksize.get()))
+                }
+                _ => frozen,
+            };
             peak = peak.max(live + transient);
             live += frozen;
         }

@@ -299,13 +299,14 @@ impl params::TensorSink for Recorder {
         (self.want)(index)
     }
 
-    fn values(&mut self, index: usize, values: &[f32]) {
+    fn values(&mut self, index: usize, values: &[f32]) -> headroom_trainer::Result<()> {
         assert_eq!(
             index,
             self.tensors.len(),
             "values for the tensor about to be pushed"
         );
         self.values[index].extend_from_slice(values);
+        Ok(())
     }
 
     fn push(&mut self, index: usize, tensor: CpuTensor) -> headroom_trainer::Result<()> {

@@ -257,7 +257,9 @@ impl<B: ModelOps> Finetune<B> {
 /// Builds a fine-tuning [`Model`] from base tensors fed one at a time (in
 /// [`params::param_infos`] order): each fp32 tensor is turned into its frozen form — kept as
 /// it is under fp32, rounded to bf16/fp16, or quantized to 4 bits — and freed at once, so the
-/// whole fp32 base never exists (a 7B base streams through one tensor's fp32 copy). It also
+/// whole fp32 base never exists (a 7B base streams through one tensor's fp32 copy). As the
+/// sink of a load ([`TensorSink`]) it takes bf16/f16 tensors a chunk at a time and quantizes
+/// 4-bit linears as their chunks arrive, so those never exist in f32 at all. It also
 /// fingerprints the base (xxh3-64 of the fp32 values), so a resume can refuse another base.
 pub struct FinetuneBuilder {
     cpu: Cpu,
@@ -275,6 +277,8 @@ pub struct FinetuneBuilder {
     /// (index, count) of the f32 values [`TensorSink::values`] fingerprinted since the last
     /// push: a tensor pushed already rounded must have had all of its values seen.
     streamed: (usize, u64),
+    /// The 4-bit linear being quantized from its streamed values, and its index.
+    quantizer: Option<(usize, headroom_quant::Quantizer)>,
 }
 
 impl FinetuneBuilder {
@@ -336,6 +340,7 @@ impl FinetuneBuilder {
             hasher: xxhash_rust::xxh3::Xxh3::new(),
             with_adapters,
             streamed: (0, 0),
+            quantizer: None,
         })
     }
 
@@ -361,6 +366,29 @@ impl FinetuneBuilder {
             ))
         })?;
         let streamed = std::mem::take(&mut self.streamed);
+        if let Some((qi, quantizer)) = self.quantizer.take() {
+            // A consumed 4-bit linear: its values went to the quantizer, this is the marker.
+            if qi != index || index != i || tensor.shape().numel() != 0 {
+                return Err(TrainError::Config(format!(
+                    "base tensor {index} pushed while tensor {qi} {} was being quantized",
+                    info.name
+                )));
+            }
+            if streamed != (index, info.shape.iter().product::<usize>() as u64) {
+                return Err(TrainError::Config(format!(
+                    "base tensor {index} {} pushed before all of its values arrived",
+                    info.name
+                )));
+            }
+            let _l = headroom_profiler::label_absolute(&format!("{} (frozen)", info.name));
+            let q = quantizer.finish()?;
+            self.quantized.push(Some(q));
+            // A placeholder: nothing reads a quantized weight's dense form.
+            let _g = MemoryCategory::Parameters.enter();
+            let storage = self.opts.precision.storage();
+            self.working.push(self.cpu.zeros([0], storage)?);
+            return Ok(());
+        }
         let pre_rounded = tensor.dtype() != DType::F32;
         if index != i
             || tensor.shape().dims() != info.shape.as_slice()
@@ -534,7 +562,24 @@ impl TensorSink for FinetuneBuilder {
         self.stored_dtype(index)
     }
 
-    fn values(&mut self, index: usize, values: &[f32]) {
+    fn consumes(&self, index: usize) -> bool {
+        self.quant.is_some() && self.quantize_at.get(index) == Some(&true)
+    }
+
+    fn values(&mut self, index: usize, values: &[f32]) -> Result<()> {
+        if self.consumes(index) {
+            if self.quantizer.as_ref().is_none_or(|(qi, _)| *qi != index) {
+                let (Some(qc), Some(info)) = (self.quant, self.infos.get(index)) else {
+                    return Err(TrainError::Config(format!("no 4-bit tensor {index}")));
+                };
+                let _l = headroom_profiler::label_absolute(&format!("{} (frozen)", info.name));
+                let q = headroom_quant::Quantizer::new(&self.cpu, &info.shape, qc)?;
+                self.quantizer = Some((index, q));
+            }
+            if let Some((_, q)) = &mut self.quantizer {
+                q.push(values)?;
+            }
+        }
         self.hasher.update(bytemuck::cast_slice(values));
         let seen = if self.streamed.0 == index {
             self.streamed.1
@@ -542,6 +587,7 @@ impl TensorSink for FinetuneBuilder {
             0
         };
         self.streamed = (index, seen + values.len() as u64);
+        Ok(())
     }
 
     fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()> {

@@ -264,8 +264,16 @@ pub trait TensorSink {
 
     /// Tensor `index`'s f32 values in order, a chunk at a time, before it is
     /// [pushed](Self::push). Called only for a tensor wanted in bf16 or f16, whose f32 values
-    /// are gone once it is pushed (a fingerprint reads them here).
-    fn values(&mut self, index: usize, values: &[f32]);
+    /// are gone once it is pushed (a fingerprint reads them here), or one the sink
+    /// [consumes](Self::consumes).
+    fn values(&mut self, index: usize, values: &[f32]) -> Result<()>;
+
+    /// Whether tensor `index`'s values go to [`values`](Self::values) alone — a weight
+    /// quantized as its chunks arrive — so that no tensor of its shape is ever allocated: it
+    /// is then [pushed](Self::push) as an empty f32 tensor (shape `[0]`).
+    fn consumes(&self, _index: usize) -> bool {
+        false
+    }
 
     /// Tensor `index`, in the dtype [`dtype`](Self::dtype) named, as soon as it is filled.
     fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()>;
@@ -279,7 +287,9 @@ impl<F: FnMut(usize, CpuTensor) -> Result<()>> TensorSink for EachF32<F> {
         DType::F32
     }
 
-    fn values(&mut self, _: usize, _: &[f32]) {}
+    fn values(&mut self, _: usize, _: &[f32]) -> Result<()> {
+        Ok(())
+    }
 
     fn push(&mut self, index: usize, tensor: CpuTensor) -> Result<()> {
         (self.0)(index, tensor)
@@ -315,6 +325,25 @@ fn fill_tensor_by(
     chunk: usize,
     mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
 ) -> Result<CpuTensor> {
+    let row = match info.shape.as_slice() {
+        [.., last] if info.shape.len() > 1 => (*last).max(1),
+        _ => 1,
+    };
+    let chunk = (chunk / row).max(1) * row;
+    if sink.consumes(index) {
+        // The sink quantizes the chunks as they come: nothing of the tensor's shape exists.
+        let n: usize = info.shape.iter().product();
+        let mut buf = vec![0f32; chunk.min(n)];
+        let mut at = 0;
+        while at < n {
+            let values = &mut buf[..chunk.min(n - at)];
+            fill(at, values)?;
+            sink.values(index, values)?;
+            at += values.len();
+        }
+        let _g = MemoryCategory::Parameters.enter();
+        return Ok(cpu.zeros([0], DType::F32)?);
+    }
     let dtype = sink.dtype(index);
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(crate::TrainError::Config(format!(
@@ -327,11 +356,6 @@ fn fill_tensor_by(
         let _l = headroom_profiler::label_absolute(&info.name);
         cpu.zeros(info.shape.clone(), dtype)?
     };
-    let row = match info.shape.as_slice() {
-        [.., last] if info.shape.len() > 1 => (*last).max(1),
-        _ => 1,
-    };
-    let chunk = (chunk / row).max(1) * row;
     match t.float_slice_mut("fill_tensor")? {
         // In place: the tensor is its own buffer.
         FloatSliceMut::F32(x) => fill(0, x)?,
@@ -342,7 +366,7 @@ fn fill_tensor_by(
             while at < n {
                 let values = &mut buf[..chunk.min(n - at)];
                 fill(at, values)?;
-                sink.values(index, values);
+                sink.values(index, values)?;
                 cast_into(values, &mut narrow, at);
                 at += values.len();
             }
@@ -409,8 +433,9 @@ mod tests {
         fn dtype(&self, _: usize) -> DType {
             self.dtype
         }
-        fn values(&mut self, _: usize, values: &[f32]) {
+        fn values(&mut self, _: usize, values: &[f32]) -> Result<()> {
             self.values.extend_from_slice(values);
+            Ok(())
         }
         fn push(&mut self, _: usize, tensor: CpuTensor) -> Result<()> {
             self.pushed.push(tensor);
