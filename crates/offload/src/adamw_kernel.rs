@@ -461,20 +461,13 @@ mod cap_tests {
     /// the ignored probe below (the choice is made once per process).
     #[test]
     fn the_cpu_isa_cap_bounds_detect() {
-        let exe = std::env::current_exe().unwrap();
         for (cap, most) in [
             ("baseline", Isa::Baseline),
             ("avx2", Isa::Avx2),
             ("native", Isa::Avx512),
         ] {
-            let out = std::process::Command::new(&exe)
-                .args(["--exact", "adamw_kernel::cap_tests::probe_detect"])
-                .args(["--ignored", "--nocapture"])
-                .env(headroom_tensor::isa::ENV, cap)
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(out.status.success(), "{cap}: {text}");
+            let probe = "adamw_kernel::cap_tests::probe_detect";
+            let text = headroom_tensor::isa::rerun_test_with_cap(probe, cap).unwrap();
             let want = [most, Isa::Avx2, Isa::Baseline]
                 .into_iter()
                 .filter(|isa| isa.level() <= most.level())

@@ -361,20 +361,13 @@ mod cap_tests {
     /// re-run under each cap, on the ignored probe below (the choice is made once per process).
     #[test]
     fn the_cpu_isa_cap_bounds_detect() {
-        let exe = std::env::current_exe().unwrap();
         let avx2 = Isa::Avx2.is_supported();
         for (cap, want) in [
             ("baseline", Isa::Scalar),
             ("avx2", if avx2 { Isa::Avx2 } else { Isa::Scalar }),
         ] {
-            let out = std::process::Command::new(&exe)
-                .args(["--exact", "dequant::cap_tests::probe_detect"])
-                .args(["--ignored", "--nocapture"])
-                .env(headroom_tensor::isa::ENV, cap)
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(out.status.success(), "{cap}: {text}");
+            let probe = "dequant::cap_tests::probe_detect";
+            let text = headroom_tensor::isa::rerun_test_with_cap(probe, cap).unwrap();
             assert!(
                 text.lines().any(|l| l == format!("detect={want:?}")),
                 "{cap}: want {want:?} in {text}"

@@ -143,6 +143,26 @@ pub fn describe() -> String {
     }
 }
 
+/// Test support for code whose choice is made once per process: runs the test `test` (its
+/// full path, e.g. `dequant::cap_tests::probe`) of the current test binary in a fresh process
+/// with `HEADROOM_CPU_ISA=cap`, ignored tests included, and returns its standard output, or
+/// that output and its standard error when it could not start or failed.
+#[doc(hidden)]
+pub fn rerun_test_with_cap(test: &str, cap: &str) -> Result<String, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = std::process::Command::new(exe)
+        .args(["--exact", test, "--ignored", "--nocapture"])
+        .env(ENV, cap)
+        .output()
+        .map_err(|e| e.to_string())?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout)
+    } else {
+        Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect() -> IsaLevel {
     use std::arch::is_x86_feature_detected as has;
@@ -260,25 +280,13 @@ mod tests {
     /// the ignored probe below.
     #[test]
     fn the_environment_sets_the_cap_in_a_fresh_process() {
-        let exe = std::env::current_exe().unwrap();
         for (value, want) in [
             ("baseline", "cap=baseline"),
             ("AVX2", "cap=avx2"),
             ("native", "cap=amx"),
             ("bogus", "cap=amx err"),
         ] {
-            let out = std::process::Command::new(&exe)
-                .args([
-                    "--exact",
-                    "isa::tests::probe_cap",
-                    "--ignored",
-                    "--nocapture",
-                ])
-                .env(ENV, value)
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            assert!(out.status.success(), "{value}: {text}");
+            let text = rerun_test_with_cap("isa::tests::probe_cap", value).unwrap();
             let line = text.lines().find(|l| l.starts_with("cap=")).unwrap_or("");
             assert_eq!(line.trim(), want, "{value}: {text}");
         }

@@ -333,14 +333,7 @@ fn fill_tensor_by(
     if sink.consumes(index) {
         // The sink quantizes the chunks as they come: nothing of the tensor's shape exists.
         let n: usize = info.shape.iter().product();
-        let mut buf = vec![0f32; chunk.min(n)];
-        let mut at = 0;
-        while at < n {
-            let values = &mut buf[..chunk.min(n - at)];
-            fill(at, values)?;
-            sink.values(index, values)?;
-            at += values.len();
-        }
+        in_chunks(n, chunk, fill, |_, values| sink.values(index, values))?;
         let _g = MemoryCategory::Parameters.enter();
         return Ok(cpu.zeros([0], DType::F32)?);
     }
@@ -360,19 +353,33 @@ fn fill_tensor_by(
         // In place: the tensor is its own buffer.
         FloatSliceMut::F32(x) => fill(0, x)?,
         mut narrow => {
-            let n = narrow.len();
-            let mut buf = vec![0f32; chunk.min(n)];
-            let mut at = 0;
-            while at < n {
-                let values = &mut buf[..chunk.min(n - at)];
-                fill(at, values)?;
+            in_chunks(narrow.len(), chunk, fill, |at, values| {
                 sink.values(index, values)?;
                 cast_into(values, &mut narrow, at);
-                at += values.len();
-            }
+                Ok(())
+            })?;
         }
     }
     Ok(t)
+}
+
+/// `n` values, `chunk` at a time through one bounded buffer: `fill(at, chunk)` writes them,
+/// then `each(at, chunk)` takes them.
+fn in_chunks(
+    n: usize,
+    chunk: usize,
+    mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
+    mut each: impl FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
+    let mut buf = vec![0f32; chunk.min(n)];
+    let mut at = 0;
+    while at < n {
+        let values = &mut buf[..chunk.min(n - at)];
+        fill(at, values)?;
+        each(at, values)?;
+        at += values.len();
+    }
+    Ok(())
 }
 
 /// `values` into `dst[at..]`, rounded as [`Backend::cast`] rounds.
