@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::{LoaderState, SamplerConfig, SamplingMode, Shard};
 use headroom_offload::{AdamWHyper, AdamWState, ParamSpec, StatePrecision};
-use headroom_zero::{ShardPiece, ZeroEngine};
+use headroom_zero::ZeroEngine;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
@@ -280,9 +280,9 @@ pub(crate) fn write_rank(
 ) -> Result<()> {
     let infos = params::param_infos(cfg);
     let zero_err = |e: headroom_zero::ZeroError| TrainError::Config(format!("ZeRO: {e}"));
-    // The file is laid out from the shard's geometry, then each part is exported when its
-    // pieces' turn comes and dropped after: one part's copy at a time beside the shard (a
-    // rank's memory is what ZeRO divides).
+    // The file is laid out from the shard's geometry, then each piece is written from the
+    // shard's own memory (`export_piece` lends it): no copy of a part beside the shard, so a
+    // save needs nothing beyond the run's memory (a rank's memory is what ZeRO divides).
     let parts = Part::all(cfg);
     let mut entries: Vec<(usize, usize)> = Vec::new(); // (part, piece within it) per file piece
     let mut names = Vec::new();
@@ -308,7 +308,6 @@ pub(crate) fn write_rank(
         .zip(&shapes)
         .map(|(n, s)| (n.as_str(), &s[..]))
         .collect();
-    let mut current: Option<(usize, Vec<ShardPiece>)> = None;
     checkpoint::write_ordered(
         &partial.join(rank_file(rank, ranks)),
         &layout,
@@ -316,21 +315,15 @@ pub(crate) fn write_rank(
         checkpoint::WRITE_CHUNK_BYTES,
         |i, put| {
             let (k, j) = entries[i];
-            if current.as_ref().map(|c| c.0) != Some(k) {
-                current = None; // the previous part's copy goes first
-                let pieces = engine.export_layer(parts[k].index(cfg)).map_err(zero_err)?;
-                current = Some((k, pieces));
-            }
             let n = shapes[i][0];
-            let p = current
-                .as_ref()
-                .and_then(|c| c.1.get(j))
-                .filter(|p| p.params.len() == n && p.tensor_range.len() == n)
-                .ok_or_else(|| {
-                    TrainError::Config(
-                        "ZeRO: a part exported other pieces than its geometry".into(),
-                    )
-                })?;
+            let p = engine
+                .export_piece(parts[k].index(cfg), j)
+                .map_err(zero_err)?;
+            if p.params.len() != n || p.tensor_range.len() != n {
+                return Err(TrainError::Config(
+                    "ZeRO: a part exported other pieces than its geometry".into(),
+                ));
+            }
             let values: &[f32] = match i % 3 {
                 0 => &p.params,
                 // Before the first step there are no moments yet: zeros, as AdamW starts.

@@ -94,6 +94,21 @@ pub struct ShardPiece {
     pub state: Vec<f32>,
 }
 
+/// One piece of a rank's shard as [`ZeroEngine::export_piece`] lends it: a [`ShardPiece`]
+/// without the copy. A checkpoint writer streams it straight to the file.
+#[derive(Debug)]
+pub struct ShardPieceRef<'a> {
+    /// Tensor index within the layer.
+    pub tensor: usize,
+    /// The elements of that tensor the piece covers.
+    pub tensor_range: Range<usize>,
+    /// Their f32 parameters of record: the masters' (or f32 working values') own memory;
+    /// converted, for this piece alone, only where they are held in bf16.
+    pub params: std::borrow::Cow<'a, [f32]>,
+    /// Their optimizer state, in planes, the state's own memory; empty before the first step.
+    pub state: &'a [f32],
+}
+
 /// What [`ZeroEngine::step_clipped`] found and did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepReport {
@@ -1261,44 +1276,71 @@ impl ZeroEngine {
     /// the shards of every rank, the layer is complete exactly once: what a per-rank
     /// checkpoint writes. Local: no communication.
     pub fn export_layer(&self, l: usize) -> Result<Vec<ShardPiece>> {
+        (0..self.export_geometry(l)?.len())
+            .map(|j| {
+                let p = self.export_piece(l, j)?;
+                Ok(ShardPiece {
+                    tensor: p.tensor,
+                    tensor_range: p.tensor_range,
+                    params: p.params.into_owned(),
+                    state: p.state.to_vec(),
+                })
+            })
+            .collect()
+    }
+
+    /// Piece `j` of layer `l` (in [`export_geometry`](Self::export_geometry)'s order) lent
+    /// rather than copied: what [`export_layer`](Self::export_layer) returns for it, so that a
+    /// writer needs no copy of a layer beside the shard. A piece the geometry does not list is
+    /// [`ZeroError::Shape`]. Local: no communication.
+    pub fn export_piece(&self, l: usize, j: usize) -> Result<ShardPieceRef<'_>> {
         let info = self.layer(l)?;
-        if self.config.stage == Stage::Zero0 && self.rank != 0 {
-            return Ok(Vec::new());
-        }
-        let spp = self.state_per_param.unwrap_or(0);
-        let base = self.working_base(info);
-        let working = if self.config.stage.shards_parameters() {
-            field(&self.shard_params)?
+        let pieces = if self.config.stage == Stage::Zero0 && self.rank != 0 {
+            &[][..]
         } else {
-            field(&self.full_params)?
+            &info.own_pieces[..]
         };
-        let mut out = Vec::with_capacity(info.own_pieces.len());
-        for p in &info.own_pieces {
-            let sr = &p.shard_range;
-            let n = sr.len();
-            let mut params = vec![0.0f32; n];
-            match &self.masters {
-                Some(m) => {
-                    params.copy_from_slice(f32s(m.as_slice::<f32>()?, off(info.shard_off, sr))?)
-                }
-                None => load_f32(part(working, off(base, sr))?, &mut params),
+        let p = pieces.get(j).ok_or_else(|| ZeroError::Shape {
+            layer: l,
+            what: "exported piece index",
+            expected: pieces.len(),
+            got: j,
+        })?;
+        let spp = self.state_per_param.unwrap_or(0);
+        let sr = &p.shard_range;
+        let params = match &self.masters {
+            Some(m) => {
+                std::borrow::Cow::Borrowed(f32s(m.as_slice::<f32>()?, off(info.shard_off, sr))?)
             }
-            let state = match &self.opt_state {
-                Some(st) => f32s(
-                    st.as_slice::<f32>()?,
-                    (info.shard_off + sr.start) * spp..(info.shard_off + sr.end) * spp,
-                )?
-                .to_vec(),
-                None => Vec::new(),
-            };
-            out.push(ShardPiece {
-                tensor: p.tensor,
-                tensor_range: p.tensor_range.clone(),
-                params,
-                state,
-            });
-        }
-        Ok(out)
+            None => {
+                let working = if self.config.stage.shards_parameters() {
+                    field(&self.shard_params)?
+                } else {
+                    field(&self.full_params)?
+                };
+                match part(working, off(self.working_base(info), sr))? {
+                    Buf::F32(values) => std::borrow::Cow::Borrowed(values),
+                    narrow => {
+                        let mut values = vec![0.0f32; sr.len()];
+                        load_f32(narrow, &mut values);
+                        std::borrow::Cow::Owned(values)
+                    }
+                }
+            }
+        };
+        let state = match &self.opt_state {
+            Some(st) => f32s(
+                st.as_slice::<f32>()?,
+                (info.shard_off + sr.start) * spp..(info.shard_off + sr.end) * spp,
+            )?,
+            None => &[],
+        };
+        Ok(ShardPieceRef {
+            tensor: p.tensor,
+            tensor_range: p.tensor_range.clone(),
+            params,
+            state,
+        })
     }
 
     /// Allocate the optimizer state for `k` values per parameter (zeroed) the first time;

@@ -117,7 +117,9 @@ pub use collective::{
 };
 pub use comm_thread::{CommThread, Handle};
 pub use counting::{CommCounters, CommStats, CountingCollective, KindStats};
-pub use engine::{ShardOptimizer, ShardPiece, StepReport, UpdatePiece, ZeroConfig, ZeroEngine};
+pub use engine::{
+    ShardOptimizer, ShardPiece, ShardPieceRef, StepReport, UpdatePiece, ZeroConfig, ZeroEngine,
+};
 pub use error::{CommError, Result, ZeroError};
 pub use in_process::{InProcessComm, InProcessGroup};
 pub use layout::{BucketPlan, FlatLayout, Piece};
