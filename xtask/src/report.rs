@@ -117,7 +117,9 @@ pub fn utc_timestamp(secs: u64) -> String {
     )
 }
 
-/// CPU model and thread count, from `/proc/cpuinfo` where there is one.
+/// CPU model (from `/proc/cpuinfo` where there is one), thread count and instruction set: the
+/// widest level the CPU has, and the one headroom's kernels run at when `HEADROOM_CPU_ISA`
+/// caps it (the benches inherit the variable).
 pub fn machine_description() -> String {
     let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
     let model = std::fs::read_to_string("/proc/cpuinfo")
@@ -129,12 +131,22 @@ pub fn machine_description() -> String {
                 .map(|(_, m)| m.trim().to_string())
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    format!("{model}, {threads} threads available")
+    format!(
+        "{model}, {threads} threads available, ISA {}",
+        headroom_tensor::isa::describe()
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_machine_line_names_the_instruction_set() {
+        let line = machine_description();
+        let level = headroom_tensor::isa::active().to_string();
+        assert!(line.contains(&format!("ISA {level}")), "{line}");
+    }
 
     fn rec(bench: &str, value: f64, baseline: Option<&str>, ratio: Option<f64>) -> Record {
         Record {
