@@ -99,6 +99,9 @@ enum Command {
     /// Work on checkpoints.
     #[command(subcommand)]
     Checkpoint(CheckpointCommand),
+    /// What this machine offers: the instruction set and the path each kernel takes on it,
+    /// memory, CUDA devices, NVRTC and the MPI build (for bug reports and set-up checks).
+    Env,
 }
 
 #[derive(Subcommand)]
@@ -1864,12 +1867,43 @@ fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         Some(Command::Sample(a)) => ok(cmd_sample(a)),
         Some(Command::Eval(a)) => ok(cmd_eval(a)),
         Some(Command::Merge(a)) => ok(cmd_merge(a)),
+        Some(Command::Env) => ok(cmd_env(hooks)),
         Some(Command::Checkpoint(CheckpointCommand::Consolidate { src, out })) => {
             let dir = crate::zero_checkpoint::consolidate(&src, &out)?;
             say!("consolidated {} into {}", src.display(), dir.display());
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+fn cmd_env(hooks: &CliHooks<'_>) -> CliResult {
+    for line in crate::environment::report_lines() {
+        say!("{line}");
+    }
+    let mpirun = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("mpirun"))
+        .find(|p| p.is_file());
+    let mpirun = match mpirun {
+        Some(p) => format!("mpirun at {}", p.display()),
+        None => "no mpirun on the PATH".into(),
+    };
+    if hooks.mpi.is_some() {
+        say!("mpi: this build runs ranks under mpirun (`--dist mpi`); {mpirun}");
+    } else {
+        match find_mpi_build() {
+            Some(p) => say!(
+                "mpi: this build has none; `--dist mpi` hands runs to {}; {mpirun}",
+                p.display()
+            ),
+            None => say!(
+                "mpi: this build has none and no headroom-mpi was found (`cargo install --path \
+                 crates/trainer-mpi`, or name it in {MPI_BUILD_ENV}); {mpirun}"
+            ),
+        }
+    }
+    Ok(())
 }
 
 fn cmd_merge(a: MergeArgs) -> CliResult {

@@ -49,6 +49,7 @@ pub mod cli;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
+pub mod environment;
 mod error;
 pub mod estimate;
 pub mod evaluate;

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! A rank file holds, for each piece of a tensor the rank owns (headroom-zero's
-//! [`ShardPiece`]), three f32 tensors named `{hf name}@{first element}:param`, `…:exp_avg`
+//! [`ShardPieceRef`](headroom_zero::ShardPieceRef)), three f32 tensors named `{hf name}@{first element}:param`, `…:exp_avg`
 //! and `…:exp_avg_sq` (the fp32 parameters — the masters in mixed precision — and AdamW's
 //! moments, PyTorch's names). The pieces of all ranks cover every element of every tensor
 //! exactly once; [`load`] checks that, and every file against the manifest, before anything

@@ -883,3 +883,58 @@ fn the_cpu_isa_cap_changes_which_kernels_run_but_not_one_bit() {
     assert!(stdout(&bad).is_empty(), "nothing ran: {}", stdout(&bad));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `headroom env` answers on any machine (no GPU, no NVRTC, no MPI are lines, not errors) and
+/// names what the cap and `HEADROOM_MPI` select.
+#[test]
+fn env_reports_the_machine_and_what_each_kernel_runs_on() {
+    let run = |vars: &[(&str, &str)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_headroom"));
+        c.arg("env");
+        for (k, v) in vars {
+            c.env(k, v);
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let text = run(&[("HEADROOM_MPI", "")]);
+    for prefix in [
+        "headroom ",
+        "cpu: ",
+        "  instruction set: ",
+        "  kernels: AdamW ",
+        "memory: ",
+        "cuda: ",
+        "nvrtc: ",
+        "mpi: ",
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with(prefix)),
+            "no {prefix:?} line in\n{text}"
+        );
+    }
+    assert!(text.contains("no headroom-mpi was found"), "{text}");
+    let level = headroom_tensor::isa::detected();
+    assert!(
+        text.contains(&format!("instruction set: {level}")),
+        "{text}"
+    );
+
+    let capped = run(&[
+        ("HEADROOM_CPU_ISA", "baseline"),
+        ("HEADROOM_MPI", "/opt/mpi/headroom-mpi"),
+    ]);
+    assert!(
+        capped.contains("instruction set: baseline")
+            && capped.contains("AdamW baseline")
+            && capped.contains("4-bit dequantization scalar")
+            && capped.contains("softmax and cross-entropy rows baseline")
+            && capped.contains("bf16 weights' products widened to f32"),
+        "{capped}"
+    );
+    assert!(
+        capped.contains("hands runs to /opt/mpi/headroom-mpi"),
+        "{capped}"
+    );
+}
