@@ -345,7 +345,8 @@ impl FinetuneBuilder {
     }
 
     /// The dtype base tensor `index` is stored in when it is not quantized: the run's storage
-    /// dtype. A 4-bit linear is quantized from f32, so it is wanted in f32.
+    /// dtype. A 4-bit linear pushed whole is quantized from f32, so it is wanted in f32 (a
+    /// load's sink [consumes](TensorSink::consumes) it instead, chunk by chunk).
     fn stored_dtype(&self, index: usize) -> DType {
         match (self.quant, self.quantize_at.get(index)) {
             (Some(_), Some(true)) => DType::F32,
