@@ -24,7 +24,7 @@ pub struct AttentionDims {
     pub kv_len: usize,
     /// Features per head, `1..=MAX_HEAD_DIM`.
     pub head_dim: usize,
-    /// The element type shared by `q`, `k`, `v` (f32 or bf16).
+    /// The element type shared by `q`, `k`, `v` (f32, bf16 or f16).
     pub dtype: DType,
 }
 
@@ -48,7 +48,7 @@ impl AttentionDims {
         let [batch, q_heads, q_len, head_dim] = rank4("q", q.0)?;
         let [kb, kv_heads, kv_len, kd] = rank4("k", k.0)?;
         rank4("v", v.0)?;
-        if !matches!(q.1, DType::F32 | DType::BF16) {
+        if !matches!(q.1, DType::F32 | DType::BF16 | DType::F16) {
             return Err(AttnError::UnsupportedDType(q.1));
         }
         for (name, dtype) in [("k", k.1), ("v", v.1)] {

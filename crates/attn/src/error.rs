@@ -53,8 +53,8 @@ pub enum AttnError {
         /// The dtype given.
         got: DType,
     },
-    /// Attention computes on f32 or bf16 inputs only.
-    #[error("unsupported dtype {0}: attention takes f32 or bf16 inputs")]
+    /// Attention computes on f32, bf16 or f16 inputs only.
+    #[error("unsupported dtype {0}: attention takes f32, bf16 or f16 inputs")]
     UnsupportedDType(DType),
     /// A configuration value is out of range (zero chunk or tile size, non-finite scale).
     #[error("invalid attention config: {0}")]

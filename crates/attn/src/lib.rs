@@ -4,8 +4,8 @@
 //! three algorithms behind one API: naive (materialise the scores; the reference), chunked
 //! (query chunks, O(N·chunk) extra memory) and flash (FlashAttention-2 tiling, O(N) extra
 //! memory, backward recomputes probabilities from the saved logsumexp). Causal or not, grouped-
-//! and multi-query attention, any sequence length, head_dim up to 256, f32 or bf16 inputs with
-//! f32 accumulation.
+//! and multi-query attention, any sequence length, head_dim up to 256, f32, bf16 or f16 inputs
+//! (the CUDA kernels: bf16) with f32 accumulation.
 //!
 //! Tensors are `[batch, heads, seq, head_dim]`, dense row-major (see [`AttentionDims`]).
 //!
@@ -50,7 +50,7 @@
 //! - Every buffer is allocated through the backend and reported to its allocation hook:
 //!   results in the caller's category, saved state as `Activations`, temporaries as
 //!   `Workspace`. Flash never allocates anything that grows with N².
-//! - bf16 inputs to chunked and flash attention on the CPU are widened a few heads at a time
+//! - bf16 and f16 inputs to chunked and flash attention on the CPU are widened a few heads at a time
 //!   (whole key/value groups, two tasks' worth per thread), never as whole-tensor f32 copies,
 //!   with the bits of the f32 problem on exact copies; [`AttentionBackend::attention_backward_f32`]
 //!   returns f32 gradients for a mixed-precision caller the same way. The workspace of both

@@ -326,7 +326,7 @@ mod low_precision_inputs {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(40))]
-        /// bf16 inputs (the CPU backend's low precision): the forward (heads widened a group at a time for chunked and flash)
+        /// bf16 or f16 inputs (the CPU backend's low precisions): the forward (heads widened a group at a time for chunked and flash)
         /// gives the output of the f32 forward on exact f32 copies, rounded; the f32-gradient
         /// backward gives that backward's gradients bit for bit (d_out f32 or low precision);
         /// and each call's workspace peak is what `cpu_forward_workspace_bytes` /
@@ -346,6 +346,7 @@ mod low_precision_inputs {
             segments in prop::option::of(1usize..5),
             threads in 1usize..4,
             d_out_low in any::<bool>(),
+            low in prop::sample::select(vec![DType::BF16, DType::F16]),
         ) {
             let algorithm = match algo {
                 0 => Algorithm::Naive,
@@ -358,7 +359,6 @@ mod low_precision_inputs {
             if let Some(s) = segments {
                 config = config.backward_segments(s);
             }
-            let low = DType::BF16;
             let hook = Arc::new(Peaks::default());
             let cpu = Cpu::with_threads(threads).unwrap().with_alloc_hook(hook.clone());
             let fill = |len: usize, s: f32| (0..len).map(|i| (i as f32 * s).sin()).collect::<Vec<_>>();

@@ -305,9 +305,8 @@ pub fn estimate(
         },
     };
     let attn_config = tech.model.attention.causal(true);
-    // bf16 is read in place by the attention kernels (a few heads widened at a time); f16 goes
-    // through the model's f32 copies of q, k, v and the output.
-    let attn = if tech.model.precision == crate::model::Precision::Bf16 {
+    // bf16 and f16 are read in place by the attention kernels (a few heads widened at a time).
+    let attn = if tech.model.precision.is_low() {
         AttnWorkspace {
             backward: headroom_attn::cpu_backward_f32_workspace_bytes(
                 &attn_dims,
@@ -320,13 +319,11 @@ pub fn estimate(
                 &attn_config,
                 threads,
             )),
-            copies: false,
         }
     } else {
         AttnWorkspace {
             backward: headroom_attn::cpu_backward_scratch_bytes(&attn_dims, &attn_config, threads),
             forward_in_place: None,
-            copies: low,
         }
     };
     // Blocks differ only in which linears have adapters (targets may name layers): the
@@ -674,18 +671,16 @@ struct AttnWorkspace {
     /// Bytes the backward holds beyond its f32 gradients: headroom-attn's prediction (with,
     /// reading bf16, one group of heads' f32 copies).
     backward: u64,
-    /// Bytes the forward holds beyond its output when it reads the stored bf16 in place;
-    /// `None` when the model hands it f32 tensors.
+    /// Bytes the forward holds beyond its output when it reads the stored bf16/f16 in place;
+    /// `None` in fp32, where the model hands it its own f32 tensors.
     forward_in_place: Option<u64>,
-    /// The model makes f32 copies of q, k, v and the output for attention (fp16).
-    copies: bool,
 }
 
 impl AttnWorkspace {
-    /// Elements the forward's attention moment holds: its own workspace when it reads bf16
-    /// in place, else `copies`, the f32 copies of its inputs and its f32 output.
-    fn forward(&self, copies: u64) -> u64 {
-        self.forward_in_place.map_or(copies, |b| b.div_ceil(4))
+    /// Elements the forward's attention moment holds: its own workspace when it reads
+    /// bf16/f16 in place, none in fp32.
+    fn forward(&self) -> u64 {
+        self.forward_in_place.map_or(0, |b| b.div_ceil(4))
     }
 }
 
@@ -721,9 +716,6 @@ fn llama_block_workspace(
         lin.peak(mlp_common + btf + btc, o::UP, cu, fu, true),
         // o_proj's backward: dres2, atty, datty (atty is f32 scratch: no view).
         lin.peak(attn_common + 3 * btc, o::O, cu, cu, false),
-        // attention's backward from the model's f32 copies: dres2, dy, the f32 output, the
-        // copies and gradients of q, k, v.
-        if attn.copies { 6 * btc + 4 * btk } else { 0 },
         // q's, k's and v's backward: dres2, dq, dk, dv, dnorm1, the merged head gradient.
         lin.peak(attn_common + 3 * btc + 2 * btk + btc, o::Q, cu, cu, true),
         lin.peak(attn_common + 3 * btc + 2 * btk + btk, o::K, cu, ku, true),
@@ -734,23 +726,18 @@ fn llama_block_workspace(
     .unwrap_or(0)
         * 4;
     // Attention's own workspace (naive's probability gradient, partials, scratch; reading
-    // bf16, a group of heads' f32 copies), with dres2, dy and dq/dk/dv (and the model's f32
-    // copies of the output and q, k, v, when it makes them).
-    let attention = if attn.copies {
-        (6 * btc + 4 * btk) * 4 + attn.backward
-    } else {
-        (4 * btc + 2 * btk) * 4 + attn.backward
-    };
+    // bf16/f16, a group of heads' f32 copies), with dres2, dy and dq/dk/dv.
+    let attention = (4 * btc + 2 * btk) * 4 + attn.backward;
     // The forward (`llama_block_forward`; its f32 outputs are workspace until rounded in low
     // precision): each projection with its output, q/k/v's through a flat scratch; attention
-    // with the f32 copies of q, k, v and its f32 output.
+    // with its own workspace.
     let fresh = |elems: u64| if low { elems } else { 0 };
     let forward = [
         lin.forward_peak(btc, o::Q, cu, cu, true),
         lin.forward_peak(btk, o::K, cu, ku, true),
         lin.forward_peak(btk, o::V, cu, ku, true),
         btc + fresh(btc),
-        attn.forward(fresh(2 * btc + 2 * btk)),
+        attn.forward(),
         lin.forward_peak(btc + fresh(btc), o::O, cu, cu, false),
         lin.forward_peak(fresh(btf), o::GATE, cu, fu, true),
         lin.forward_peak(fresh(btf), o::UP, cu, fu, true),
@@ -781,9 +768,8 @@ fn gpt2_block_workspace(
     let c = cfg.channels;
     let btc = bt * u(c);
     let (mlp_common, attn_common) = (btc, btc);
-    // Attention's backward: dres2, dy, dq, dk, dv (and the model's f32 copies of q, k, v and
-    // the output, when it makes them).
-    let attention = attn_common + 5 * btc + if attn.copies { 4 * btc } else { 0 };
+    // Attention's backward: dres2, dy, dq, dk, dv.
+    let attention = attn_common + 5 * btc;
     // The MLP projection's backward: dfch_gelu.
     let first = lin.peak(mlp_common + 4 * btc, o::FC_PROJ_W, 4 * c, c, true) * 4;
     let later = [
@@ -804,13 +790,13 @@ fn gpt2_block_workspace(
         * 4;
     let later = later.max(attention * 4 + attn.backward);
     // The forward (`gpt2_block_forward`; its f32 outputs are workspace until rounded in low
-    // precision): c_attn into the qkv scratch, then q, k, v beside it; attention with the f32
-    // copies of q, k, v and its f32 output; each later linear with its output.
+    // precision): c_attn into the qkv scratch, then q, k, v beside it; attention with its own
+    // workspace; each later linear with its output.
     let fresh = |elems: u64| if low { elems } else { 0 };
     let forward = [
         lin.forward_peak(3 * btc, o::QKV_W, c, 3 * c, true),
         3 * btc + fresh(3 * btc),
-        attn.forward(fresh(4 * btc)),
+        attn.forward(),
         lin.forward_peak(btc + fresh(btc), o::ATTN_PROJ_W, c, c, false),
         lin.forward_peak(fresh(4 * btc), o::FC_W, c, 4 * c, true),
         lin.forward_peak(fresh(btc), o::FC_PROJ_W, 4 * c, c, true),

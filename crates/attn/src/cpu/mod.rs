@@ -749,10 +749,6 @@ impl AttentionBackend for Cpu {
         forward: AttentionForward<CpuTensor>,
         d_out: &CpuTensor,
     ) -> Result<AttentionGradients<CpuTensor>> {
-        if q.dtype() == DType::F16 {
-            // The kernels take f32 and bf16: f16 goes through whole f32 copies.
-            return crate::backend_ext::backward_f32_via_copies(self, q, k, v, forward, d_out);
-        }
         let dims = check_f32_backward_inputs(q, k, v, &forward, d_out)?;
         if HeadGroups::applies(&dims, forward.config.algorithm) && dims.q_len > 0 && dims.kv_len > 0
         {

@@ -863,16 +863,10 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
-    /// headroom-attn's CPU kernels read bf16 themselves (a few heads widened at a time); f16,
-    /// which they do not take, goes through an f32 copy.
-    fn attention_input(&self, t: &CpuTensor) -> Result<Option<CpuTensor>> {
-        if t.dtype() != DType::F16 {
-            return Ok(None);
-        }
-        let _g = MemoryCategory::Workspace.enter();
-        let mut out = self.uninit(t.shape().clone(), DType::F32)?;
-        self.cast(t, &mut out)?;
-        Ok(Some(out))
+    /// headroom-attn's CPU kernels read bf16 and f16 themselves (a few heads widened at a
+    /// time): no copy.
+    fn attention_input(&self, _: &CpuTensor) -> Result<Option<CpuTensor>> {
+        Ok(None)
     }
 
     fn round_to(&self, x: &mut CpuTensor, precision: Precision) -> Result<()> {
