@@ -482,3 +482,45 @@ fn data_bytes_no_tensor_covers_are_refused() {
     assert!(SafeTensors::deserialize(&bytes).is_err());
     refused(&dir, "cover");
 }
+
+/// A non-finite value in a block linear quantized as it streams in is a typed error naming its
+/// position in the tensor, as `QuantizedTensor::quantize` names it for a whole tensor; nothing
+/// of the model is built.
+#[test]
+fn a_non_finite_weight_is_refused_where_it_is_quantized() {
+    use headroom_trainer::model::finetune::{FinetuneBuilder, QuantSpec};
+    use headroom_trainer::model::{ModelOptions, Precision};
+    let scratch = tempfile::tempdir().unwrap();
+    // Element 5 of layer 0's down projection (`[32, 72]`, row-major as the model holds it).
+    let dir = variant(
+        &scratch,
+        "nan",
+        |t| {
+            let (_, _, b) = t.get_mut("model.layers.0.mlp.down_proj.weight").unwrap();
+            b[4 * 5..4 * 6].copy_from_slice(&f32::NAN.to_le_bytes());
+        },
+        |_| {},
+    );
+    let cpu = Cpu::new();
+    for double_quant in [false, true] {
+        let cfg = hf::read_config(&dir).unwrap();
+        let opts = ModelOptions {
+            precision: Precision::Bf16,
+            ..ModelOptions::default()
+        };
+        let quant = QuantSpec {
+            quant_type: "nf4".into(),
+            blocksize: 64,
+            double_quant,
+        };
+        let mut builder = FinetuneBuilder::frozen(&cpu, cfg, opts, Some(quant)).unwrap();
+        let err = hf::load_into(&dir, &cpu, &mut builder).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TrainError::Quant(headroom_quant::QuantError::NonFinite { index: 5, .. })
+            ),
+            "{err}"
+        );
+    }
+}
