@@ -3,8 +3,8 @@
 //!
 //! Every kernel in the workspace that is compiled for several instruction sets (the fused
 //! AdamW, the 4-bit dequantization, the softmax rows of attention, the cross-entropy rows,
-//! stochastic rounding, the bf16 widening, the AMX bf16 GEMM) asks [`allows`] before it takes
-//! a path above the baseline. Setting `HEADROOM_CPU_ISA=baseline` (or `avx2`, `avx512`)
+//! stochastic rounding, the bf16 widening, decoding's row dot products, the AMX bf16 GEMM)
+//! asks [`allows`] before it takes a path above the baseline. Setting `HEADROOM_CPU_ISA=baseline` (or `avx2`, `avx512`)
 //! therefore runs the portable (or AVX2) code on a machine that has more, the way PyTorch's
 //! `ATEN_CPU_CAPABILITY` and oneDNN's `ONEDNN_MAX_CPU_ISA` do: to test a fallback end to end
 //! where it would never be chosen, to compare with a machine that lacks the wider vectors, or
