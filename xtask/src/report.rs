@@ -122,15 +122,8 @@ pub fn utc_timestamp(secs: u64) -> String {
 /// caps it (the benches inherit the variable).
 pub fn machine_description() -> String {
     let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|info| {
-            info.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, m)| m.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let model =
+        headroom_tensor::isa::cpu_model().unwrap_or_else(|| std::env::consts::ARCH.to_string());
     format!(
         "{model}, {threads} threads available, ISA {}",
         headroom_tensor::isa::describe()

@@ -50,8 +50,8 @@
 //! - Every buffer is allocated through the backend and reported to its allocation hook:
 //!   results in the caller's category, saved state as `Activations`, temporaries as
 //!   `Workspace`. Flash never allocates anything that grows with N².
-//! - bf16 and f16 inputs to chunked and flash attention on the CPU are widened a few heads at a time
-//!   (whole key/value groups, two tasks' worth per thread), never as whole-tensor f32 copies,
+//! - bf16 and f16 inputs to chunked and flash attention on the CPU are widened a few heads at a
+//!   time (whole key/value groups, two tasks' worth per thread), never as whole-tensor f32 copies,
 //!   with the bits of the f32 problem on exact copies; [`AttentionBackend::attention_backward_f32`]
 //!   returns f32 gradients for a mixed-precision caller the same way. The workspace of both
 //!   passes is predicted byte for byte ([`cpu_forward_workspace_bytes`],

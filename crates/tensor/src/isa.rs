@@ -4,11 +4,12 @@
 //! Every kernel in the workspace that is compiled for several instruction sets (the fused
 //! AdamW, the 4-bit dequantization, the softmax rows of attention, the cross-entropy rows,
 //! stochastic rounding, the bf16 widening, decoding's row dot products, the AMX bf16 GEMM)
-//! asks [`allows`] before it takes a path above the baseline. Setting `HEADROOM_CPU_ISA=baseline` (or `avx2`, `avx512`)
-//! therefore runs the portable (or AVX2) code on a machine that has more, the way PyTorch's
-//! `ATEN_CPU_CAPABILITY` and oneDNN's `ONEDNN_MAX_CPU_ISA` do: to test a fallback end to end
-//! where it would never be chosen, to compare with a machine that lacks the wider vectors, or
-//! to rule a kernel out while debugging. Unset, or `native`, caps nothing.
+//! asks [`allows`] before it takes a path above the baseline. Setting
+//! `HEADROOM_CPU_ISA=baseline` (or `avx2`, `avx512`) therefore runs the portable (or AVX2) code
+//! on a machine that has more, the way PyTorch's `ATEN_CPU_CAPABILITY` and oneDNN's
+//! `ONEDNN_MAX_CPU_ISA` do: to test a fallback end to end where it would never be chosen, to
+//! compare with a machine that lacks the wider vectors, or to rule a kernel out while
+//! debugging. Unset, or `native`, caps nothing.
 //!
 //! The cap is read once per process. It reaches only headroom's kernels: the `gemm` crate's
 //! f32 products choose their own micro-kernels from the CPU (and so do the tests that predict
@@ -161,6 +162,14 @@ pub fn rerun_test_with_cap(test: &str, cap: &str) -> Result<String, String> {
     } else {
         Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
     }
+}
+
+/// The CPU's `model name` from `/proc/cpuinfo`, where there is one: what reports name the
+/// machine by.
+pub fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split_once(':')?.1.trim().to_string())
 }
 
 #[cfg(target_arch = "x86_64")]

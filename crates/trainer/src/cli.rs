@@ -1880,12 +1880,7 @@ fn cmd_env(hooks: &CliHooks<'_>) -> CliResult {
     for line in crate::environment::report_lines() {
         say!("{line}");
     }
-    let mpirun = std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|d| d.join("mpirun"))
-        .find(|p| p.is_file());
-    let mpirun = match mpirun {
+    let mpirun = match on_path("mpirun") {
         Some(p) => format!("mpirun at {}", p.display()),
         None => "no mpirun on the PATH".into(),
     };
@@ -2128,11 +2123,16 @@ fn find_mpi_build() -> Option<PathBuf> {
     let beside = std::env::current_exe()
         .ok()
         .and_then(|exe| exe.parent().map(|d| d.join(&name)));
-    let on_path = std::env::var_os("PATH")
+    beside.filter(|p| p.is_file()).or_else(|| on_path(&name))
+}
+
+/// The first file called `name` in a directory of the `PATH`.
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|d| d.join(&name));
-    beside.into_iter().chain(on_path).find(|p| p.is_file())
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
 }
 
 /// Connects this process to the others of an MPI job: its end of the world communicator,

@@ -26,7 +26,7 @@ pub fn report_lines() -> Vec<String> {
     )];
     lines.push(format!(
         "cpu: {}, {} threads",
-        cpu_model().unwrap_or_else(|| std::env::consts::ARCH.to_string()),
+        isa::cpu_model().unwrap_or_else(|| std::env::consts::ARCH.to_string()),
         rayon::current_num_threads()
     ));
     lines.push(if isa::active() < isa::detected() {
@@ -65,13 +65,6 @@ pub fn report_lines() -> Vec<String> {
         Err(e) => format!("nvrtc: {e}"),
     });
     lines
-}
-
-/// `model name` from `/proc/cpuinfo`, where there is one.
-fn cpu_model() -> Option<String> {
-    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("model name"))?;
-    Some(line.split_once(':')?.1.trim().to_string())
 }
 
 /// Total and available memory (`/proc/meminfo`) and the transparent-huge-page mode the host

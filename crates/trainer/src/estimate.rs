@@ -418,8 +418,9 @@ struct StagedGrads {
 /// while it streams in), the adapters, and which block linears are 4-bit or adapted.
 struct FinetunePlan {
     /// Peak `Parameters`: the larger of the base's streaming peak (the tensors converted so
-    /// far, and a double-quantized linear's f32 absmax values beside its quantized form) and the steady state (the frozen base,
-    /// the adapters' fp32 masters and, in low precision, their working copies).
+    /// far, and a double-quantized linear's f32 absmax values beside its quantized form) and
+    /// the steady state (the frozen base, the adapters' fp32 masters and, in low precision,
+    /// their working copies).
     parameter_peak: u64,
     /// `Parameters` while training: the frozen base and the adapters.
     parameter_steady: u64,
@@ -461,7 +462,7 @@ impl FinetunePlan {
             // values (one per block) outlive the compressed ones' allocation.
             let transient = match quant {
                 Some(q) if quantized && q.double_quant => {
-                    frozen + 4 * u(n as usize).div_ceil(u(q.blocksize.get()))
+                    frozen + 4 * n.div_ceil(u(q.blocksize.get()))
                 }
                 _ => frozen,
             };

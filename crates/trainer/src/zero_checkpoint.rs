@@ -11,9 +11,9 @@
 //! ```
 //!
 //! A rank file holds, for each piece of a tensor the rank owns (headroom-zero's
-//! [`ShardPieceRef`](headroom_zero::ShardPieceRef)), three f32 tensors named `{hf name}@{first element}:param`, `…:exp_avg`
-//! and `…:exp_avg_sq` (the fp32 parameters — the masters in mixed precision — and AdamW's
-//! moments, PyTorch's names). The pieces of all ranks cover every element of every tensor
+//! [`ShardPieceRef`](headroom_zero::ShardPieceRef)), three f32 tensors named
+//! `{hf name}@{first element}:param`, `…:exp_avg` and `…:exp_avg_sq` (the fp32 parameters — the
+//! masters in mixed precision — and AdamW's moments, PyTorch's names). The pieces of all ranks cover every element of every tensor
 //! exactly once; [`load`] checks that, and every file against the manifest, before anything
 //! is used. The layout does not depend on the stage or the rank count, so a resume may use
 //! other ones: each rank takes its new shard of the full tensors. The data position follows

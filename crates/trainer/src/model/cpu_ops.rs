@@ -863,12 +863,6 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
-    /// headroom-attn's CPU kernels read bf16 and f16 themselves (a few heads widened at a
-    /// time): no copy.
-    fn attention_input(&self, _: &CpuTensor) -> Result<Option<CpuTensor>> {
-        Ok(None)
-    }
-
     fn round_to(&self, x: &mut CpuTensor, precision: Precision) -> Result<()> {
         round_slice(out(x)?, precision);
         Ok(())

@@ -432,11 +432,6 @@ impl ModelOps for Cuda {
         Ok(self.round_in_place(x, precision.storage())?)
     }
 
-    fn attention_input(&self, _: &CudaTensor) -> Result<Option<CudaTensor>> {
-        // Flash attention reads the kept bf16 tensors themselves.
-        Ok(None)
-    }
-
     fn attention_backward_kept(
         &self,
         q: &CudaTensor,

@@ -199,36 +199,19 @@ impl<B: ModelOps> Model<B> {
         Ok((out, Some(saved)))
     }
 
-    /// Attention over kept `q`, `k`, `v`: the output is kept in the storage precision (its
-    /// f32 original is workspace in low precision), the log-sum-exp in f32.
+    /// Attention over kept `q`, `k`, `v`, read as they are stored (every backend's kernels
+    /// take the storage precision; the CPU's widen bf16/f16 a few heads at a time): the output
+    /// comes back in the storage precision and is kept as it is, the log-sum-exp in f32.
     pub(crate) fn attention(
         &self,
         q: &B::Tensor,
         k: &B::Tensor,
         v: &B::Tensor,
     ) -> Result<AttentionForward<B::Tensor>> {
-        // Attention reads what the backend's kernels read (the CPU: bf16 in place, f16 through
-        // f32 copies).
-        let be = self.backend();
-        let (qc, kc, vc) = (
-            be.attention_input(q)?,
-            be.attention_input(k)?,
-            be.attention_input(v)?,
-        );
-        // From f32 copies the output is f32 workspace until `keep` rounds it; read in place it
-        // comes back in the storage precision, kept as it is.
-        let out_cat = if self.opts.precision.is_low() && qc.is_some() {
-            MemoryCategory::Workspace
-        } else {
-            MemoryCategory::Activations
-        };
-        let _g = out_cat.enter();
-        let f = be.attention_forward(
-            qc.as_ref().unwrap_or(q),
-            kc.as_ref().unwrap_or(k),
-            vc.as_ref().unwrap_or(v),
-            &self.opts.attention,
-        )?;
+        let _g = MemoryCategory::Activations.enter();
+        let f = self
+            .backend()
+            .attention_forward(q, k, v, &self.opts.attention)?;
         Ok(AttentionForward {
             output: self.keep(f.output)?,
             ..f

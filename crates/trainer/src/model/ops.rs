@@ -250,27 +250,12 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     /// Round f32 `x` in place to `precision` and back (what storing it would cost).
     fn round_to(&self, x: &mut Self::Tensor, precision: Precision) -> Result<()>;
 
-    /// The tensor attention reads for a kept `q`, `k` or `v` (or output): `None` when it reads
-    /// `t` itself, else a converted copy in `Workspace` memory for the caller to hold as long
-    /// as attention needs it. The default is an f32 copy of a low-precision tensor; a backend
-    /// whose attention reads the storage precision directly returns `None` (the CPU for bf16,
-    /// which it widens a few heads at a time).
-    fn attention_input(&self, t: &Self::Tensor) -> Result<Option<Self::Tensor>> {
-        if t.dtype() == DType::F32 {
-            return Ok(None);
-        }
-        let _g = MemoryCategory::Workspace.enter();
-        let mut out = self.uninit(t.shape().clone(), DType::F32)?;
-        self.cast(t, &mut out)?;
-        Ok(Some(out))
-    }
-
     /// Attention's backward from what the model kept — `q`, `k`, `v` and `attn` in the storage
     /// precision — and `dy`, the output's f32 gradient `[B, NH, T, hs]`: f32 gradients of `q`,
     /// `k`, `v`. The default is
     /// [`AttentionBackend::attention_backward_f32`](headroom_attn::AttentionBackend) (which
-    /// makes f32 copies of what its kernels do not read; the CPU's reads bf16 a few heads at a
-    /// time); a backend whose kernels want other dtypes converts as they need.
+    /// makes f32 copies of what its kernels do not read; the CPU's reads bf16 and f16 a few
+    /// heads at a time); a backend whose kernels want other dtypes converts as they need.
     fn attention_backward_kept(
         &self,
         q: &Self::Tensor,
