@@ -69,6 +69,15 @@ pub enum CommError {
     /// A group of zero ranks was requested.
     #[error("a group needs at least one rank")]
     EmptyGroup,
+    /// The communicator was not set up within the time-out: another rank failed to join or
+    /// never started (NCCL, for one, waits in its set-up for every rank).
+    #[error("{backend}: the group did not form within {waited:?} (a rank failed to join or never started)")]
+    SetupTimeout {
+        /// The collective implementation.
+        backend: &'static str,
+        /// How long this rank waited.
+        waited: Duration,
+    },
     /// An earlier error broke the group; nothing more can be exchanged on it.
     #[error("the group failed earlier: {reason}")]
     GroupFailed {

@@ -73,10 +73,9 @@ impl<C: 'static> TimedWorker<C> {
             Ok(Ok(info)) => info,
             Ok(Err(reason)) => return Err(backend_error(reason)),
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                return Err(CommError::Timeout {
-                    op: CommKind::Barrier,
+                return Err(CommError::SetupTimeout {
+                    backend,
                     waited: timeout,
-                    missing: Vec::new(),
                 })
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => return Err(CommError::ThreadLost),
@@ -233,5 +232,23 @@ mod tests {
             Err::<(u8, ()), _>("no device".into())
         });
         assert!(matches!(e, Err(CommError::Backend { .. })));
+    }
+
+    #[test]
+    fn a_set_up_that_outlasts_the_time_out_names_the_group_not_an_operation() {
+        let e = TimedWorker::<u8>::spawn("test-worker", "NCCL", Duration::from_millis(100), || {
+            std::thread::sleep(Duration::from_millis(400));
+            Ok((0u8, ()))
+        });
+        match e {
+            Err(
+                err @ CommError::SetupTimeout {
+                    backend: "NCCL", ..
+                },
+            ) => {
+                assert!(err.to_string().contains("did not form"), "{err}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -78,6 +78,8 @@ fn one_rank_collectives_are_identities() {
 #[test]
 #[ignore = "needs two GPUs with libnccl"]
 fn two_ranks_on_two_gpus_give_the_in_process_bits() {
+    // Rank 1 alone would fail on a one-GPU machine, and rank 0 then wait out the time-out.
+    assert!(headroom_cuda::device_count() >= 2, "needs two GPUs");
     let id = NcclId::new().unwrap();
     let world = 2;
     let len = 2 * 19;
@@ -112,5 +114,60 @@ fn two_ranks_on_two_gpus_give_the_in_process_bits() {
         );
         assert_eq!(gathered, inputs.concat());
         assert_eq!(b, inputs[1]);
+    }
+}
+
+/// Two ranks on the same GPU — a launcher that gave every process device 0, say. NCCL refuses
+/// that ("duplicate GPU") in the versions we know; either way neither rank may hang past the
+/// time-out or panic: both get a typed error in time, or, where NCCL accepts it, the
+/// in-process group's bits.
+#[test]
+#[ignore = "needs a GPU with libnccl"]
+fn two_ranks_on_one_gpu_fail_in_time_or_agree() {
+    let id = NcclId::new().unwrap();
+    let world = 2;
+    let len = 2 * 11;
+    let timeout = Duration::from_secs(20);
+    let started = std::time::Instant::now();
+    let results: Vec<_> = (0..world)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let mut c = NcclCollective::new(0, r, world, id, timeout)?;
+                let mut sum = input(r, len);
+                c.all_reduce(BufMut::F32(&mut sum))?;
+                Ok::<_, CommError>(sum)
+            })
+        })
+        .map(|h| h.join().expect("a rank panicked"))
+        .collect();
+    // Both ranks time out at most once each: creating the communicator and the all-reduce.
+    assert!(
+        started.elapsed() < 2 * timeout + Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    let inputs: Vec<Vec<f32>> = (0..world).map(|r| input(r, len)).collect();
+    let want = reference::all_reduce_f32(&inputs);
+    for (r, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(sum) => assert_eq!(
+                sum.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "rank {r}"
+            ),
+            Err(e) => {
+                println!("rank {r}: {e}");
+                assert!(
+                    matches!(
+                        e,
+                        CommError::Backend { .. }
+                            | CommError::SetupTimeout { .. }
+                            | CommError::Timeout { .. }
+                            | CommError::PeerLost { .. }
+                    ),
+                    "rank {r}: {e:?}"
+                );
+            }
+        }
     }
 }
