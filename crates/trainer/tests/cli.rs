@@ -1,15 +1,14 @@
 //! The `headroom` command end to end: its subcommands run, print what they promise, and bad
 //! input exits non-zero with the error chain.
 
+mod common;
+
 use std::process::{Command, Output};
 
 use headroom_tensor::isa::IsaLevel;
 
 fn headroom(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_headroom"))
-        .args(args)
-        .output()
-        .unwrap()
+    common::headroom_command().args(args).output().unwrap()
 }
 
 fn stdout(o: &Output) -> String {
@@ -246,7 +245,7 @@ fn train_saves_at_the_end_appends_metrics_on_resume_and_logs_without_a_terminal(
 #[test]
 fn a_closed_stdout_ends_the_command_quietly() {
     use std::io::{BufRead, BufReader};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let mut child = common::headroom_command()
         .args(["train", "--steps", "200", "--batch", "2"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -432,7 +431,7 @@ fn max_batch_confirms_the_boundary_by_measuring() {
 /// and return the finished process's output (stdout drained meanwhile).
 fn sigterm_after_step_2(args: &[&str], ck: &std::path::Path) -> Output {
     use std::io::{BufRead, BufReader};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let mut child = common::headroom_command()
         .args(args)
         .arg("--checkpoint-dir")
         .arg(ck)
@@ -721,8 +720,8 @@ fn zero_ranks_train_save_resume_elsewhere_and_consolidate() {
 fn dist_nccl_without_what_it_needs_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let id_file = dir.path().join("nccl-id");
-    let run = |extra: &[&str], env: &[(&str, &str)]| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_headroom"));
+    let command = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut c = common::headroom_command();
         c.args(["train", "--zero", "3", "--steps", "1", "--batch", "2"])
             .args(extra);
         for var in [
@@ -738,7 +737,10 @@ fn dist_nccl_without_what_it_needs_is_a_clear_error() {
             c.env_remove(var);
         }
         c.envs(env.iter().copied());
-        let o = c.output().unwrap();
+        c
+    };
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let o = command(extra, env).output().unwrap();
         assert!(!o.status.success(), "{extra:?} succeeded");
         stderr(&o)
     };
@@ -752,7 +754,19 @@ fn dist_nccl_without_what_it_needs_is_a_clear_error() {
     // With --device cuda, the first thing missing is named: the `cuda` feature, a CUDA device
     // (checked before any rank connects), the launcher's rank, libnccl. (The launcher and the
     // id file's protocol are unit-tested in headroom-zero's `rendezvous`.)
-    let gpu = ["--dist", "nccl", "--nccl-id-file", file, "--device", "cuda"];
+    let gpu = [
+        "--dist",
+        "nccl",
+        "--nccl-id-file",
+        file,
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        // head_dim 64: the CUDA attention kernels' smallest.
+        "--heads",
+        "1",
+    ];
     let named = |e: &str, specific: &str| {
         e.contains("cuda` feature") || e.contains("no CUDA device") || e.contains(specific)
     };
@@ -760,9 +774,29 @@ fn dist_nccl_without_what_it_needs_is_a_clear_error() {
     assert!(named(&e, "no launcher's rank"), "{e}");
     let e = run(&gpu, &[("RANK", "3"), ("WORLD_SIZE", "2")]);
     assert!(named(&e, "not a rank of"), "{e}");
-    // As rank 0 of a one-process torchrun job: no id file is left behind.
-    let e = run(&gpu, &[("RANK", "0"), ("WORLD_SIZE", "1")]);
-    assert!(named(&e, "NCCL"), "{e}");
+    // As rank 0 of a one-process torchrun job: where the build, a GPU and libnccl are all
+    // there this is a real one-rank NCCL run; elsewhere the missing piece is named. Either way
+    // no id file is left behind for the next job.
+    let o = command(&gpu, &[("RANK", "0"), ("WORLD_SIZE", "1")])
+        .output()
+        .unwrap();
+    if o.status.success() {
+        let env = stdout(&headroom(&["env"]));
+        let devices = env.lines().find_map(|l| {
+            l.strip_prefix("cuda: ")?
+                .split(' ')
+                .next()?
+                .parse::<u32>()
+                .ok()
+        });
+        assert!(
+            devices.is_some_and(|n| n > 0),
+            "a one-rank NCCL run succeeded without a CUDA device: {env}"
+        );
+        assert!(stdout(&o).contains("ZeRO-3"), "{}", stdout(&o));
+    } else {
+        assert!(named(&stderr(&o), "NCCL"), "{}", stderr(&o));
+    }
     assert!(!id_file.exists());
 }
 
@@ -776,7 +810,7 @@ fn dist_mpi_hands_the_command_to_the_mpi_build() {
     let dir = tempfile::tempdir().unwrap();
     let args = ["train", "--zero", "3", "--dist", "mpi", "--steps", "2"];
     let run = |mpi_build: &std::ffi::OsStr| {
-        Command::new(env!("CARGO_BIN_EXE_headroom"))
+        common::headroom_command()
             .args(args)
             .env("HEADROOM_MPI", mpi_build)
             .output()
@@ -805,11 +839,11 @@ fn dist_mpi_hands_the_command_to_the_mpi_build() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("crates/trainer-mpi"), "{}", stderr(&o));
     // A HEADROOM_MPI naming a build without MPI fails once instead of handing over forever.
-    let o = run(env!("CARGO_BIN_EXE_headroom").as_ref());
+    let o = run(common::headroom_path().as_ref());
     assert!(!o.status.success());
     assert!(stderr(&o).contains("wrong binary"), "{}", stderr(&o));
     // In-process ranks never look for it.
-    let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let o = common::headroom_command()
         .args([
             "train", "--zero", "1", "--ranks", "2", "--steps", "1", "--batch", "2",
         ])
@@ -833,7 +867,7 @@ fn the_cpu_isa_cap_changes_which_kernels_run_but_not_one_bit() {
         let mut args = vec!["train", "--steps", "12", "--no-progress", "--metrics"];
         args.push(metrics.to_str().unwrap());
         args.extend_from_slice(extra);
-        let out = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        let out = common::headroom_command()
             .args(&args)
             .env("HEADROOM_CPU_ISA", cap)
             .output()
@@ -869,7 +903,7 @@ fn the_cpu_isa_cap_changes_which_kernels_run_but_not_one_bit() {
         assert_eq!(low.len(), 12, "{tag}");
         assert_eq!(low, high, "{tag}: the capped run's losses or norms differ");
     }
-    let bad = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let bad = common::headroom_command()
         .args(["train", "--steps", "1", "--no-progress"])
         .env("HEADROOM_CPU_ISA", "avx1024")
         .output()
@@ -889,7 +923,7 @@ fn the_cpu_isa_cap_changes_which_kernels_run_but_not_one_bit() {
 #[test]
 fn env_reports_the_machine_and_what_each_kernel_runs_on() {
     let run = |vars: &[(&str, &str)]| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_headroom"));
+        let mut c = common::headroom_command();
         c.arg("env");
         for (k, v) in vars {
             c.env(k, v);

@@ -2,6 +2,8 @@
 //! resident on the device (masters, accumulation, clipping, AdamW) or offloaded to the host.
 //! Needs the `cuda` feature; the GPU tests are ignored without a device.
 
+mod common;
+
 use headroom_attn::AttentionConfig;
 use headroom_offload::StatePrecision;
 use headroom_trainer::engine::ComputeDevice;
@@ -511,7 +513,6 @@ mod on_the_device {
 #[test]
 #[ignore = "needs two CUDA devices"]
 fn nccl_processes_equal_in_process_ranks() {
-    use std::process::Command;
     assert!(headroom_cuda::device_count() >= 2, "needs two GPUs");
     let dir = tempfile::tempdir().unwrap();
     let base = [
@@ -547,7 +548,7 @@ fn nccl_processes_equal_in_process_ranks() {
             .collect()
     };
     let threads = dir.path().join("threads.jsonl");
-    let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let o = common::headroom_command()
         .args(base)
         .args(["--ranks", "2", "--metrics", threads.to_str().unwrap()])
         .output()
@@ -557,7 +558,7 @@ fn nccl_processes_equal_in_process_ranks() {
     let nccl = dir.path().join("nccl.jsonl");
     let ranks: Vec<_> = (0..2)
         .map(|r| {
-            Command::new(env!("CARGO_BIN_EXE_headroom"))
+            common::headroom_command()
                 .args(base)
                 .args(["--dist", "nccl", "--nccl-id-file", id.to_str().unwrap()])
                 .args(["--metrics", nccl.to_str().unwrap()])

@@ -3,8 +3,10 @@
 //! transformers is the starting point (`--init-from`), training watches a validation loss on
 //! held-out text, and `sample` continues a prompt from the fine-tuned checkpoint in words.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 const WORDS: [&str; 21] = [
     "the", "a", "big", "small", "red", "old", "cat", "dog", "bird", "fox", "sat", "ran", "slept",
@@ -18,10 +20,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn headroom(args: &[&str]) -> Output {
-    let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
-        .args(args)
-        .output()
-        .unwrap();
+    let o = common::headroom_command().args(args).output().unwrap();
     assert!(
         o.status.success(),
         "headroom {args:?}: {}",
@@ -165,7 +164,7 @@ fn init_from_transformers_train_with_validation_then_sample_words() {
         "eval {loss} vs the run's validation {}",
         val[4]
     );
-    let too_many = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let too_many = common::headroom_command()
         .args([
             "eval",
             "--from",
@@ -270,7 +269,7 @@ fn sample_prints_ids_without_a_tokenizer_and_refuses_mismatches() {
         vec!["--min-p", "2"],
         vec!["--repetition-penalty", "0"],
     ] {
-        let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
+        let o = common::headroom_command()
             .args(["sample", "--from", base, "--tokens", "3"])
             .args(&bad)
             .output()
@@ -390,7 +389,7 @@ fn qlora_on_a_pretrained_llama_lowers_the_validation_loss() {
     );
     assert!(with_adapter < 0.8 * score(&["--from", base]));
 
-    let refused = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let refused = common::headroom_command()
         .args(["eval", "--from", &p("run"), "--data", &p("val.bin")])
         .output()
         .unwrap();
@@ -438,10 +437,7 @@ fn lora_checkpoints_resume_exactly_and_refuse_another_base_or_a_corrupt_adapter(
             "--no-progress",
         ];
         args.extend_from_slice(extra);
-        Command::new(env!("CARGO_BIN_EXE_headroom"))
-            .args(&args)
-            .output()
-            .unwrap()
+        common::headroom_command().args(&args).output().unwrap()
     };
     let whole = p("whole");
     assert!(run(&base, &whole, &[]).status.success());
@@ -528,7 +524,7 @@ fn eval_and_sample_in_bf16_and_4_bits_from_a_checkpoint_and_refuse_a_corrupt_one
     // Three rows of logits at a time: the same loss within f32 rounding; no row is refused.
     let (chunked, _) = eval(&["--loss-chunk", "3"]);
     assert!((chunked - fp32).abs() < 1e-5, "{chunked} vs {fp32}");
-    let zero = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let zero = common::headroom_command()
         .args(["eval", "--from", &p("run"), "--data", &p("syn.bin")])
         .args(["--loss-chunk", "0"])
         .output()
@@ -563,7 +559,7 @@ fn eval_and_sample_in_bf16_and_4_bits_from_a_checkpoint_and_refuse_a_corrupt_one
     let mid = bytes.len() - 100;
     bytes[mid] ^= 0x40;
     std::fs::write(&model, bytes).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let o = common::headroom_command()
         .args(["sample", "--from", &p("run"), "--tokens", "3"])
         .args(["--precision", "bf16"])
         .output()

@@ -8,18 +8,16 @@
 //! the results file sets `HEADROOM_KILLS` (e.g. 120), `HEADROOM_KILL_SEED` and `HEADROOM_BIN`,
 //! and runs the test with `--nocapture` to see the summary.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const STEPS: &str = "24";
 
-/// The binary under test; `HEADROOM_BIN` points a long campaign at a copy that a rebuild in
-/// the meantime cannot replace half-way.
 fn headroom() -> Command {
-    Command::new(
-        std::env::var_os("HEADROOM_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_headroom").into()),
-    )
+    common::headroom_command()
 }
 
 fn train_args(dir: &Path) -> Vec<String> {

@@ -1,6 +1,8 @@
 //! The profiler inside the trainer: every allocation labelled, the three report files written
 //! (also when the run fails out of budget), and the out-of-memory diagnosis of the command.
 
+mod common;
+
 use headroom_trainer::train::{train, MemoryOutputs, TrainOptions};
 
 fn full_stack_tiny(dir: &std::path::Path) -> TrainOptions {
@@ -147,7 +149,7 @@ fn an_out_of_budget_run_still_writes_its_reports_up_to_the_failure() {
 
 #[test]
 fn the_command_explains_an_out_of_memory_and_suggests_what_fits() {
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_headroom"))
+    let o = common::headroom_command()
         .args([
             "train",
             "--model",

@@ -4,8 +4,9 @@
 //! adapter) logits; `headroom merge` writes a Hugging Face directory with those weights;
 //! adapters that do not fit the model are typed errors that change nothing.
 
+mod common;
+
 use std::path::PathBuf;
-use std::process::Command;
 
 use headroom_tensor::Cpu;
 use headroom_trainer::model::{Geometry, Model, ModelOptions};
@@ -114,7 +115,7 @@ fn headroom_merge_writes_a_model_that_loads_with_the_merged_weights() {
     let out = tempfile::tempdir().unwrap();
     let merged = out.path().join("merged");
     let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_headroom"))
+        common::headroom_command()
             .args([
                 "merge",
                 "--base",
