@@ -189,11 +189,22 @@ fn pipeline_matches_serial(grad_dtype: DType, param_dtype: DType, cudarc_trackin
 
         // Reference: serial updates on the gradients as the device holds them.
         for p in 0..NUMELS.len() {
-            let g_bytes = download_bytes(&cuda, &grads[p]);
+            // Typed downloads: a `Vec<u8>` need not be aligned for f32 or bf16 (on the first
+            // GPU machine it was not, and `cast_slice` panicked).
+            let (g_f32, g_bf16, g_f16);
             let g = match grad_dtype {
-                DType::F32 => FloatSlice::F32(bytemuck::cast_slice(&g_bytes)),
-                DType::BF16 => FloatSlice::BF16(bytemuck::cast_slice(&g_bytes)),
-                _ => FloatSlice::F16(bytemuck::cast_slice(&g_bytes)),
+                DType::F32 => {
+                    g_f32 = cuda.download::<f32>(&grads[p]).unwrap();
+                    FloatSlice::F32(&g_f32)
+                }
+                DType::BF16 => {
+                    g_bf16 = cuda.download::<bf16>(&grads[p]).unwrap();
+                    FloatSlice::BF16(&g_bf16)
+                }
+                _ => {
+                    g_f16 = cuda.download::<f16>(&grads[p]).unwrap();
+                    FloatSlice::F16(&g_f16)
+                }
             };
             let mut copy = vec![0u8; NUMELS[p] * param_dtype.size_in_bytes()];
             // `u8` storage may be misaligned for f32/bf16: go through typed vectors.

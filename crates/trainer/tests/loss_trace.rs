@@ -55,8 +55,17 @@ fn isa() -> &'static str {
     "other"
 }
 
+/// Threads every trace is recorded and replayed on: the workspace peak depends on the count
+/// (attention holds one scratch per task that can run at once), so a 16-core machine would
+/// otherwise see more workspace than the 2-core machines that recorded the traces.
+const TRACE_THREADS: usize = 2;
+
 fn run(o: &TrainOptions) -> Trace {
-    let report = train(o, |_| {}).unwrap();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(TRACE_THREADS)
+        .build()
+        .unwrap();
+    let report = pool.install(|| train(o, |_| {})).unwrap();
     let cpu = report.memory.device(Device::Cpu).unwrap();
     Trace {
         loss_bits: report.steps.iter().map(|s| s.loss.to_bits()).collect(),
