@@ -26,6 +26,9 @@ enum Kind {
     /// Bench targets only (not the libraries' unit-test harnesses that `cargo bench` also
     /// builds: they hold no benchmarks on stable Rust).
     Benches,
+    /// The workspace's programs (`headroom`), which the test build makes for the integration
+    /// tests: on the device they run the command-line checks a test binary cannot.
+    Programs,
 }
 
 impl Kind {
@@ -33,6 +36,7 @@ impl Kind {
         match self {
             Kind::Tests => "tests",
             Kind::Benches => "benches",
+            Kind::Programs => "bin",
         }
     }
 }
@@ -101,6 +105,7 @@ fn wanted(a: &Artifact, kind: Kind) -> bool {
         && match kind {
             Kind::Tests => a.profile.test,
             Kind::Benches => a.target.kind.iter().any(|k| k == "bench"),
+            Kind::Programs => !a.profile.test && a.target.kind.iter().any(|k| k == "bin"),
         }
 }
 
@@ -125,7 +130,10 @@ fn binaries_from_messages(
         if !wanted(&artifact, kind) {
             continue;
         }
-        let mut name = binary_name(&artifact);
+        let mut name = match kind {
+            Kind::Programs => artifact.target.name.clone(),
+            Kind::Tests | Kind::Benches => binary_name(&artifact),
+        };
         // Two targets can only collide through odd naming; keep both rather than overwrite.
         let base = name.clone();
         let mut n = 2;
@@ -140,8 +148,8 @@ fn binaries_from_messages(
     Ok(out)
 }
 
-/// Run a cargo build that prints JSON messages and return the binaries of `kind` it produced.
-fn build(cmd: &mut Command, kind: Kind) -> Result<Vec<Binary>> {
+/// Run a cargo build that prints JSON messages and return those messages (one per line).
+fn build(cmd: &mut Command) -> Result<Vec<String>> {
     let line = display_command(cmd);
     println!("==> {line}");
     let mut child = cmd
@@ -164,7 +172,7 @@ fn build(cmd: &mut Command, kind: Kind) -> Result<Vec<Binary>> {
             status: describe_status(status),
         });
     }
-    binaries_from_messages(lines, kind)
+    Ok(lines)
 }
 
 fn stripped_release_cargo(ws: &Workspace, subcommand: &[&str]) -> Command {
@@ -219,11 +227,13 @@ fn mib(bytes: u64) -> f64 {
 
 /// Build, collect, write `run.sh`, check the size.
 pub fn run(ws: &Workspace) -> Result<()> {
-    let tests = build(
-        &mut stripped_release_cargo(ws, &["test", "--release"]),
-        Kind::Tests,
+    let test_build = build(&mut stripped_release_cargo(ws, &["test", "--release"]))?;
+    let tests = binaries_from_messages(test_build.iter().cloned(), Kind::Tests)?;
+    let programs = binaries_from_messages(test_build, Kind::Programs)?;
+    let benches = binaries_from_messages(
+        build(&mut stripped_release_cargo(ws, &["bench"]))?,
+        Kind::Benches,
     )?;
-    let benches = build(&mut stripped_release_cargo(ws, &["bench"]), Kind::Benches)?;
 
     let bundle = ws.output_dir("device-bundle");
     match std::fs::remove_dir_all(&bundle) {
@@ -233,13 +243,18 @@ pub fn run(ws: &Workspace) -> Result<()> {
     }
     let mut total = copy_binaries(&tests, &bundle.join(Kind::Tests.dir_name()))?;
     total += copy_binaries(&benches, &bundle.join(Kind::Benches.dir_name()))?;
+    total += copy_binaries(&programs, &bundle.join(Kind::Programs.dir_name()))?;
     let run_sh = bundle.join("run.sh");
     std::fs::write(&run_sh, RUN_SH).map_err(Error::io("writing", &run_sh))?;
     set_executable(&run_sh)?;
     total += RUN_SH.len() as u64;
 
     println!("\ndevice bundle: {}", bundle.display());
-    for (kind, binaries) in [(Kind::Tests, &tests), (Kind::Benches, &benches)] {
+    for (kind, binaries) in [
+        (Kind::Tests, &tests),
+        (Kind::Benches, &benches),
+        (Kind::Programs, &programs),
+    ] {
         println!("  {}/ ({} binaries)", kind.dir_name(), binaries.len());
         for b in binaries.iter() {
             let size = std::fs::metadata(bundle.join(kind.dir_name()).join(&b.name))
@@ -439,6 +454,25 @@ mod tests {
                 "headroom-benches--bench-tensor",
                 "headroom-benches--bench-amp"
             ]
+        );
+    }
+
+    #[test]
+    fn programs_are_the_non_test_bins_by_their_own_name() {
+        let trainer = "path+file:///w/crates/trainer#headroom-trainer@0.1.0";
+        let lines = vec![
+            artifact(trainer, "headroom", "bin", false, Some("/t/headroom")),
+            artifact(trainer, "headroom", "bin", true, Some("/t/headroom-7")),
+            artifact(trainer, "headroom_trainer", "lib", false, None),
+            artifact(trainer, "cli", "test", true, Some("/t/cli-2")),
+        ];
+        let programs = binaries_from_messages(lines, Kind::Programs).unwrap();
+        assert_eq!(
+            programs,
+            [Binary {
+                name: "headroom".into(),
+                path: PathBuf::from("/t/headroom")
+            }]
         );
     }
 

@@ -15,6 +15,7 @@
 #                       (the device tool brings back at most 8 files, 2 folders deep); unpack
 #                       it and give the folder to `cargo xtask bench-report`
 #
+# bin/ holds the `headroom` program; the trainer's command-line tests run it (HEADROOM_BIN).
 # Extra arguments after the mode go to every binary (e.g. a test name filter).
 # With $OUT set, each binary's log goes to $OUT/logs/, criterion's output to $OUT/criterion/
 # and bench records to $OUT/headroom-bench/ (so `cargo xtask` can report them elsewhere).
@@ -60,21 +61,39 @@ run_kind() {
 
 # Tests run from the bundle directory so relative paths are the same on every machine.
 cd "$here" || exit 1
+# The trainer's command-line tests run the `headroom` program beside them, not the path cargo
+# compiled in (which exists only where the bundle was built).
+if [ -z "${HEADROOM_BIN:-}" ] && [ -x "$here/bin/headroom" ]; then
+  export HEADROOM_BIN="$here/bin/headroom"
+fi
 export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
 
-# cudarc opens libcuda, libnvrtc and libcublasLt by name at run time. Where the loader cannot
-# find NVRTC or cuBLASLt (they often live only in the CUDA toolkit or in PyTorch's nvidia wheels),
-# add the first folders that hold them.
+# cudarc opens libcuda, libnvrtc, libcublasLt and libnccl by name at run time. Where the loader
+# cannot find one (NVRTC, cuBLASLt and NCCL often live only in the CUDA toolkit or in PyTorch's
+# nvidia wheels, 9 folders below /opt), add the first folder that holds it.
 need_lib() { ! ldconfig -p 2>/dev/null | grep -q "$1"; }
-if need_lib libnvrtc.so || need_lib libcublasLt.so; then
-  for lib in libnvrtc.so libcublasLt.so; do
-    dir="$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /opt /usr/lib \
-      -maxdepth 8 -name "$lib*" 2>/dev/null | head -n 1 | xargs -r dirname)"
-    if [ -n "$dir" ]; then
-      export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-      echo "run.sh: $lib from $dir"
-    fi
-  done
+find_lib() {
+  find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /opt /usr/lib /usr/local/lib \
+    -maxdepth 10 -name "$1*" 2>/dev/null | sort | head -n 1
+}
+for lib in libnvrtc.so libcublasLt.so libnccl.so; do
+  need_lib "$lib" || continue
+  found="$(find_lib "$lib")"
+  [ -n "$found" ] || continue
+  dir="$(dirname "$found")"
+  export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "run.sh: $lib from $dir"
+done
+# NVIDIA's nccl wheel ships only libnccl.so.2, a name cudarc does not try (it tries libnccl.so
+# and libnccl.so.<CUDA major>); give it the plain name in a folder of our own.
+if need_lib libnccl.so && ! find_lib libnccl.so | grep -q 'libnccl\.so$'; then
+  found="$(find_lib libnccl.so.2)"
+  if [ -n "$found" ]; then
+    links="$(mktemp -d)"
+    ln -s "$found" "$links/libnccl.so"
+    export LD_LIBRARY_PATH="$links:$LD_LIBRARY_PATH"
+    echo "run.sh: libnccl.so -> $found"
+  fi
 fi
 
 case "$mode" in
