@@ -159,7 +159,9 @@ mod cuda_bench {
     use headroom_profiler::OutOfBudget;
     use headroom_tensor::{Device, MemoryCategory};
     use headroom_trainer::engine::ComputeDevice;
-    use headroom_trainer::estimate::{cuda_parameter_state, estimate};
+    use headroom_trainer::estimate::{
+        cuda_device_peak, cuda_parameter_state, estimate, CUBLASLT_WORKSPACE_HOPPER,
+    };
     use headroom_trainer::ladder::standard_rungs;
     use headroom_trainer::model::ModelConfig;
     use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, Techniques};
@@ -305,12 +307,11 @@ mod cuda_bench {
         parameters: u64,
     }
 
-    /// The trainer's estimator moved to the CUDA path: parameters, gradients and optimizer
-    /// state from [`cuda_parameter_state`] (exact for the CUDA model: resident masters and
-    /// moments on the device, offloaded ones on the host), batch buffers in host memory, and
-    /// activations and workspace from the CPU model's estimate — the CUDA model keeps the same
-    /// activation set, but its transient buffers differ, which the measured peak beside the
-    /// prediction shows.
+    /// The trainer's estimator for the CUDA model: the device's tracked peak from
+    /// [`cuda_device_peak`] (parameter state and the head's buffers exact, a block backward's
+    /// transients the CPU model's; cuBLASLt's Hopper workspace, which these H100/H200 runs
+    /// have), and on the host the offloaded state from [`cuda_parameter_state`] with the
+    /// batch buffers.
     fn predict(
         cfg: &ModelConfig,
         seq: usize,
@@ -320,20 +321,25 @@ mod cuda_bench {
         let micro = techniques.micro_batch.unwrap_or(batch);
         let e = estimate(cfg, seq, micro, batch, techniques)?;
         let state = cuda_parameter_state(cfg, techniques)?;
-        let mut device = e.device;
+        let device = cuda_device_peak(
+            cfg,
+            seq,
+            micro,
+            batch,
+            techniques,
+            CUBLASLT_WORKSPACE_HOPPER,
+        )?;
         let mut host = e.host;
         for c in [
             MemoryCategory::Parameters,
             MemoryCategory::Gradients,
             MemoryCategory::OptimizerState,
         ] {
-            device[c] = state.device[c];
             host[c] = state.host[c];
         }
-        host[MemoryCategory::Data] += device[MemoryCategory::Data];
-        device[MemoryCategory::Data] = 0;
+        host[MemoryCategory::Data] += e.device[MemoryCategory::Data];
         Ok(Prediction {
-            device: device.total(),
+            device,
             host: host.total(),
             parameters: e.parameter_count,
         })

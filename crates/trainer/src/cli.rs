@@ -1486,39 +1486,29 @@ fn cmd_estimate(args: EstimateArgs) -> CliResult {
     say!("simultaneous device peak: {:.1} MiB", mib(e.device_peak));
     let mut need = e.device_peak;
     if let ComputeDevice::Cuda { .. } = o.device {
-        // Nothing runs, so no GPU is needed. The CUDA model's parameter state is exact; its
-        // activations are taken as the CPU model's (bf16 storage, as the CUDA model keeps).
-        let cuda = crate::estimate::cuda_parameter_state(&o.model, &o.techniques)?;
-        let state: u64 = [
-            MemoryCategory::Parameters,
-            MemoryCategory::Gradients,
-            MemoryCategory::OptimizerState,
-        ]
-        .into_iter()
-        .map(|c| cuda.device[c])
-        .sum();
-        let rest = e.device_peak
-            - [
-                MemoryCategory::Parameters,
-                MemoryCategory::Gradients,
-                MemoryCategory::OptimizerState,
-            ]
-            .into_iter()
-            .map(|c| e.device[c])
-            .sum::<u64>();
-        need = state + rest + CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES;
+        // Nothing runs, so no GPU is needed: the tracker's peak as the CUDA model makes it
+        // (Hopper's cuBLASLt workspace), then what the tracker does not see.
+        let micro = o.techniques.micro_batch.unwrap_or(o.batch);
+        let tracked = crate::estimate::cuda_device_peak(
+            &o.model,
+            o.seq,
+            micro,
+            o.batch,
+            &o.techniques,
+            crate::estimate::CUBLASLT_WORKSPACE_HOPPER,
+        )?;
+        need = tracked + CUDA_CONTEXT_BYTES;
         // The stream-ordered pool rounds each allocation up to 2 MiB pages at worst.
         let rounding = need / 20;
         need += rounding;
         say!(
-            "CUDA (no GPU probed): parameter state {:.1} MiB (the CUDA model's, exact), \
-             activations/workspace/data {:.1} MiB (the CPU model's), + allowances: CUDA \
-             context {:.0} MiB, cuBLASLt workspace {:.0} MiB, allocator rounding {:.1} MiB \
-             (5%) = {:.1} MiB",
-            mib(state),
-            mib(rest),
+            "CUDA (no GPU probed): tracked peak {:.1} MiB (parameter state and the head's \
+             buffers the CUDA model's, exact; a block's the CPU model's, with cuBLASLt's \
+             {:.0} MiB workspace), + allowances: CUDA context {:.0} MiB, allocator rounding \
+             {:.1} MiB (5%) = {:.1} MiB",
+            mib(tracked),
+            mib(crate::estimate::CUBLASLT_WORKSPACE_HOPPER),
             mib(CUDA_CONTEXT_BYTES),
-            mib(CUBLAS_WORKSPACE_BYTES),
             mib(rounding),
             mib(need)
         );
@@ -1621,8 +1611,6 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
 /// code, the kernels' modules, the per-thread stacks): about 500 MiB, measured by PyTorch users
 /// as the first `torch.cuda.init()`'s `nvidia-smi` delta. An allowance, not a measurement of ours.
 const CUDA_CONTEXT_BYTES: u64 = 512 << 20;
-/// headroom-cuda's cuBLASLt workspace on Hopper (`gemm.rs`: 32 MiB from compute capability 9).
-const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
 
 fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
     let o = options(&a.run, a.measure)?;

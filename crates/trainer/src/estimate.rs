@@ -54,6 +54,24 @@ pub struct TrainerEstimate {
     /// tracker's `peak_total`, tighter than [`TrainerEstimate::device_total`] (which adds each
     /// category's own peak although they peak at different moments).
     pub device_peak: u64,
+    /// The three moments [`TrainerEstimate::device_peak`] takes the largest of, without the
+    /// constant categories and gradients (which differ by device: see
+    /// [`cuda_device_peak`]).
+    pub moments: PeakMoments,
+}
+
+/// What the device holds beyond parameters, optimizer state, gradients and batches at the
+/// three moments that bound a step's peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct PeakMoments {
+    /// When the loss runs: the activations kept then (the schedule's at the loss, the chain's
+    /// output, the head's own), without the head's workspace.
+    pub head_kept: u64,
+    /// A block's backward: the schedule's activation peak, a recomputation's extra and the
+    /// block backward's workspace net of what it has dropped by then.
+    pub block: u64,
+    /// The embedding's backward: the chain's input and a block backward's workspace.
+    pub embedding: u64,
 }
 
 impl TrainerEstimate {
@@ -241,6 +259,7 @@ pub fn estimate(
         head_workspace: 0,
         block_backward_workspace: 0,
         device_peak: 0,
+        moments: PeakMoments::default(),
     };
     let schedule = match tech.checkpoint {
         // The plan depends on a budget; costing it with the planner's own view of the chain
@@ -390,10 +409,14 @@ pub fn estimate(
     // offloaded head's were handed to the host before the first block's backward, and a
     // forward holds none. The embedding's backward: no saved activation is left, the chain's
     // input gradient is within a block's workspace, and its own gradients are staged.
-    let head_moment = staged.head + io + at_loss + head_act + head_ws;
-    let block_moment =
-        staged.block + io + sim.peak_saved_bytes + recompute_extra + block_over_saved;
-    let embedding_moment = staged.embedding + io + block_ws;
+    let moments = PeakMoments {
+        head_kept: io + at_loss + head_act,
+        block: io + sim.peak_saved_bytes + recompute_extra + block_over_saved,
+        embedding: io + block_ws,
+    };
+    let head_moment = staged.head + moments.head_kept + head_ws;
+    let block_moment = staged.block + moments.block;
+    let embedding_moment = staged.embedding + moments.embedding;
     let device_peak =
         (constant + head_moment.max(block_moment).max(embedding_moment)).max(loading_peak);
     Ok(TrainerEstimate {
@@ -401,6 +424,7 @@ pub fn estimate(
         device_peak,
         head_workspace: head_ws,
         block_backward_workspace: block_ws,
+        moments,
         ..est
     })
 }
@@ -954,6 +978,93 @@ pub fn cuda_parameter_state(cfg: &ModelConfig, tech: &Techniques) -> Result<Cuda
         host[MemoryCategory::Gradients] = 4 * p;
     }
     Ok(CudaParameterState { device, host })
+}
+
+/// The workspace cuBLASLt is offered per GEMM on Hopper (headroom-cuda follows NVIDIA's
+/// recommendation: 32 MiB on compute capability 9.x, 4 MiB before). Each GEMM allocates it
+/// through the backend, so the tracker counts it as `Workspace` while the GEMM runs.
+pub const CUBLASLT_WORKSPACE_HOPPER: u64 = 32 << 20;
+
+/// Workspace the CUDA model's head holds at its largest moment, the input-gradient GEMM of a
+/// chunk of `head_rows` rows (all of them unless `--loss-chunk`), for micro-batches of `micro`
+/// sequences of `seq` tokens, with `cublas_workspace` bytes offered to cuBLASLt:
+///
+/// - the final norm's input gradient `dlnf` `[n, C]` f32 and the targets on the device (u32);
+/// - the normed input in the weights' dtype (`[n, C]`; the norm writes f32, cuBLASLt reads
+///   bf16);
+/// - the chunk's logits `[r, V]` f32 when fused (`Workspace`; unfused they are activations),
+///   whose gradient the loss writes over them, and that gradient in the weights' dtype for
+///   the GEMMs (`[r, V]`: cuBLASLt takes no f32 × bf16 product);
+/// - the chunk's losses and loss gradients (`[r]` f32 each);
+/// - chunked: the chunk's copies of the input rows, targets and input gradient;
+/// - the GEMM's cuBLASLt workspace.
+///
+/// Unlike the CPU model's head ([`TrainerEstimate::head_workspace`]) nothing is widened: the
+/// CPU's bf16 panels have no CUDA counterpart. Checked against the tracker on an H100
+/// (`benches/results/2026-11-25-h100-first-gpu-run.md`).
+pub fn cuda_head_workspace(
+    cfg: &ModelConfig,
+    seq: usize,
+    micro: usize,
+    tech: &Techniques,
+    cublas_workspace: u64,
+) -> u64 {
+    let a = u(tech.model.precision.storage().size_in_bytes());
+    let (c, v) = (u(cfg.channels), u(cfg.vocab));
+    let n = u(micro) * u(seq);
+    let r = tech
+        .model
+        .loss_chunk
+        .map_or(n, |rows| u(rows).clamp(1, n.max(1)));
+    let low_copy = |elements: u64| if a == 4 { 0 } else { elements * a };
+    let logits = if tech.model.loss_chunk.is_some() {
+        r * v * 4
+    } else {
+        0
+    };
+    let chunk_copies = if r < n {
+        r * c * a + r * 4 + r * c * 4
+    } else {
+        0
+    };
+    n * c * 4 // dlnf
+        + n * 4 // targets
+        + low_copy(n * c) // the normed input in the weights' dtype
+        + logits
+        + low_copy(r * v) // the logits' gradient in the weights' dtype
+        + 2 * r * 4 // losses and loss gradients of the chunk
+        + chunk_copies
+        + cublas_workspace
+}
+
+/// The CUDA model's simultaneous device peak as its tracker counts it (`peak_total`), for
+/// `cfg` trained on micro-batches of `micro` sequences of `seq` tokens (`batch` per step) with
+/// `tech`, with `cublas_workspace` bytes offered to cuBLASLt per GEMM
+/// ([`CUBLASLT_WORKSPACE_HOPPER`] on an H100/H200).
+///
+/// The constant part is [`cuda_parameter_state`]'s device bytes (exact; every gradient stays
+/// on the device, offloaded or not, and batches stay on the host). The moments are the CPU
+/// model's ([`PeakMoments`]: the CUDA model keeps the same activations) with the head's
+/// workspace from [`cuda_head_workspace`] and a block backward's plus one GEMM's cuBLASLt
+/// workspace. The head's moment is modelled op by op; a block's uses the CPU model's
+/// transients, so where a block backward is the peak (a fused loss over few rows) the figure
+/// is an estimate rather than the tracker's exact count.
+pub fn cuda_device_peak(
+    cfg: &ModelConfig,
+    seq: usize,
+    micro: usize,
+    batch: usize,
+    tech: &Techniques,
+    cublas_workspace: u64,
+) -> Result<u64> {
+    let e = estimate(cfg, seq, micro, batch, tech)?;
+    let state = cuda_parameter_state(cfg, tech)?;
+    let constant = state.device[MemoryCategory::Parameters]
+        + state.device[MemoryCategory::Gradients]
+        + state.device[MemoryCategory::OptimizerState];
+    let head = e.moments.head_kept + cuda_head_workspace(cfg, seq, micro, tech, cublas_workspace);
+    let block = e.moments.block + cublas_workspace;
+    Ok(constant + head.max(block).max(e.moments.embedding))
 }
 
 #[cfg(test)]
