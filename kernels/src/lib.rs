@@ -209,7 +209,9 @@ pub const GELU: KernelSource = trainer_op_source!(
 /// Fused softmax cross-entropy, one block per row: `cross_entropy_forward_f32(losses, logits,
 /// targets, rows, v)`, `cross_entropy_forward_backward_f32(losses, dlogits, logits, targets,
 /// dloss, rows, v)` and `cross_entropy_forward_backward_in_place_f32(losses, logits, targets,
-/// dloss, rows, v)`, which overwrites the logits with their gradient.
+/// dloss, rows, v)`, which overwrites the logits with their gradient; and on bf16 logits
+/// `cross_entropy_forward_bf16` and `cross_entropy_forward_backward_in_place_bf16` (same
+/// arguments; the gradient written in bf16).
 pub const CROSS_ENTROPY: KernelSource = trainer_op_source!(
     "cross_entropy",
     "../cu/cross_entropy.cu",
@@ -217,6 +219,8 @@ pub const CROSS_ENTROPY: KernelSource = trainer_op_source!(
         "cross_entropy_forward_f32",
         "cross_entropy_forward_backward_f32",
         "cross_entropy_forward_backward_in_place_f32",
+        "cross_entropy_forward_bf16",
+        "cross_entropy_forward_backward_in_place_bf16",
     ]
 );
 

@@ -668,6 +668,76 @@ fn emulated_cross_entropy_matches_the_reference() {
     assert_bitwise("in-place gradient", &f32s(&got[in_place]), &grads);
 }
 
+/// On bf16-valued logits, the bf16 entries give the f32 entries' losses bit for bit and the
+/// bf16 rounding (to nearest even) of their gradients.
+#[test]
+fn emulated_bf16_cross_entropy_is_the_f32_one_rounded() {
+    let Some(emu) = emulator() else { return };
+    let (rows, v) = (5usize, 777usize);
+    let bits: Vec<u16> = values(rows * v, 31, 8.0)
+        .iter()
+        .map(|&x| bf16::from_f32(x).to_bits())
+        .collect();
+    let widened: Vec<f32> = bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+    let mut targets: Vec<u32> = (0..rows).map(|r| ((r * 613) % v) as u32).collect();
+    targets[2] = v as u32; // out of range: NaN loss and gradient row
+    let dloss: Vec<f32> = (0..rows).map(|r| 0.2 + r as f32 * 1e-3).collect();
+    let mut run = Run::new("cross_entropy_bf16");
+    let (l32, g32, t, dl) = (
+        run.buf(&vec![0f32; rows]),
+        run.buf(&widened),
+        run.buf(&targets),
+        run.buf(&dloss),
+    );
+    let (l16, g16, lf16, lo16) = (
+        run.buf(&vec![0f32; rows]),
+        run.buf(&bits),
+        run.buf(&vec![0f32; rows]),
+        run.buf(&bits),
+    );
+    use Arg::{Buf, U};
+    let (r, n) = (rows as u64, v as u64);
+    let in_place = |run: &mut Run, f: &str, l, g| {
+        run.launch(
+            f,
+            (3, 1),
+            BLOCK,
+            &[Buf(l), Buf(g), Buf(t), Buf(dl), U(r), U(n)],
+        );
+    };
+    in_place(
+        &mut run,
+        "cross_entropy_forward_backward_in_place_f32",
+        l32,
+        g32,
+    );
+    in_place(
+        &mut run,
+        "cross_entropy_forward_backward_in_place_bf16",
+        l16,
+        g16,
+    );
+    run.launch(
+        "cross_entropy_forward_bf16",
+        (rows as u32, 1),
+        BLOCK,
+        &[Buf(lf16), Buf(lo16), Buf(t), U(r), U(n)],
+    );
+    let got = run.finish(emu);
+    let losses = f32s(&got[l32]);
+    assert!(losses[2].is_nan());
+    assert_bitwise("bf16 in-place loss", &f32s(&got[l16]), &losses);
+    assert_bitwise("bf16 forward-only loss", &f32s(&got[lf16]), &losses);
+    let want: Vec<u16> = f32s(&got[g32])
+        .iter()
+        .map(|&g| bf16::from_f32(g).to_bits())
+        .collect();
+    let grads: Vec<u16> = bytemuck::pod_collect_to_vec(&got[g16]);
+    assert_eq!(grads, want, "bf16 gradient bits");
+    // The logits were overwritten: not one gradient equals its logit's bits everywhere.
+    assert_ne!(grads, bits);
+}
+
 #[test]
 fn emulated_adamw_is_bitwise_equal_to_the_offload_reference() {
     let Some(emu) = emulator() else { return };

@@ -573,6 +573,49 @@ fn cuda_cross_entropy_matches_the_reference() {
     }
 }
 
+/// bf16 logits (the trainer's head under bf16): the f32 entries' losses bit for bit, and the
+/// bf16 rounding of their gradients, written over the logits.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_bf16_cross_entropy_is_the_f32_one_rounded() {
+    let cuda = cuda();
+    for (rows, v) in [(1, 1), (3, 7), (17, 1000), (64, 50_257)] {
+        let bits: Vec<u16> = values(rows * v, 26, 8.0)
+            .iter()
+            .map(|&x| bf16::from_f32(x).to_bits())
+            .collect();
+        let widened: Vec<f32> = bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+        let targets: Vec<u32> = (0..rows).map(|r| ((r * 7919) % v) as u32).collect();
+        let dloss: Vec<f32> = (0..rows).map(|r| 0.5 + r as f32 * 1e-3).collect();
+        let (tt, td) = (up(&cuda, &targets), up(&cuda, &dloss));
+        let (mut l32, mut g32) = (cuda.zeros([rows], DType::F32).unwrap(), up(&cuda, &widened));
+        cuda.cross_entropy_forward_backward_in_place(&mut l32, &mut g32, &tt, &td, v)
+            .unwrap();
+        let mut l16 = cuda.zeros([rows], DType::F32).unwrap();
+        let mut g16 = up_as(&cuda, DType::BF16, &widened);
+        cuda.cross_entropy_forward_backward_in_place(&mut l16, &mut g16, &tt, &td, v)
+            .unwrap();
+        let losses = down(&cuda, &l32);
+        assert_bitwise("bf16 in-place loss", &down(&cuda, &l16), &losses);
+        let want: Vec<u16> = down(&cuda, &g32)
+            .iter()
+            .map(|&g| bf16::from_f32(g).to_bits())
+            .collect();
+        let got: Vec<u16> = cuda
+            .download::<bf16>(&g16)
+            .unwrap()
+            .iter()
+            .map(|g| g.to_bits())
+            .collect();
+        assert_eq!(got, want, "bf16 gradient bits");
+        let mut only = cuda.zeros([rows], DType::F32).unwrap();
+        let logits16 = up_as(&cuda, DType::BF16, &widened);
+        cuda.cross_entropy_forward(&mut only, &logits16, &tt, v)
+            .unwrap();
+        assert_bitwise("bf16 forward-only loss", &down(&cuda, &only), &losses);
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_adamw_is_bitwise_equal_to_the_offload_reference() {

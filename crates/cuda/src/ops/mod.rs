@@ -116,6 +116,13 @@ pub const OP_LAUNCH_SIGNATURES: &[(&str, &[ParamKind])] = &[
         "cross_entropy_forward_backward_in_place_f32",
         &[Ptr, Ptr, Ptr, Ptr, U64, U32],
     ),
+    // losses, logits (bf16), targets, rows, v
+    ("cross_entropy_forward_bf16", &[Ptr, Ptr, Ptr, U64, U32]),
+    // losses, logits (bf16, overwritten by their gradient), targets, dloss, rows, v
+    (
+        "cross_entropy_forward_backward_in_place_bf16",
+        &[Ptr, Ptr, Ptr, Ptr, U64, U32],
+    ),
     // param, grad, m, v, n, then the seven step scalars
     ("adamw_f32", &concat_kinds::<12>(&[Ptr, Ptr, Ptr, Ptr, U64])),
     (
