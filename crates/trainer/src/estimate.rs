@@ -67,6 +67,9 @@ pub struct PeakMoments {
     /// When the loss runs: the activations kept then (the schedule's at the loss, the chain's
     /// output, the head's own), without the head's workspace.
     pub head_kept: u64,
+    /// The part of [`PeakMoments::head_kept`] that is the logits (`[b·T, V]` f32; 0 when the
+    /// loss is fused and they are workspace).
+    pub head_logits: u64,
     /// A block's backward: the schedule's activation peak, a recomputation's extra and the
     /// block backward's workspace net of what it has dropped by then.
     pub block: u64,
@@ -411,6 +414,11 @@ pub fn estimate(
     // input gradient is within a block's workspace, and its own gradients are staged.
     let moments = PeakMoments {
         head_kept: io + at_loss + head_act,
+        head_logits: if tech.model.loss_chunk.is_none() {
+            bt * v * 4
+        } else {
+            0
+        },
         block: io + sim.peak_saved_bytes + recompute_extra + block_over_saved,
         embedding: io + block_ws,
     };
@@ -992,9 +1000,10 @@ pub const CUBLASLT_WORKSPACE_HOPPER: u64 = 32 << 20;
 /// - the final norm's input gradient `dlnf` `[n, C]` f32 and the targets on the device (u32);
 /// - the normed input in the weights' dtype (`[n, C]`; the norm writes f32, cuBLASLt reads
 ///   bf16);
-/// - the chunk's logits `[r, V]` f32 when fused (`Workspace`; unfused they are activations),
-///   whose gradient the loss writes over them, and that gradient in the weights' dtype for
-///   the GEMMs (`[r, V]`: cuBLASLt takes no f32 × bf16 product);
+/// - the chunk's logits `[r, V]` when fused (`Workspace`; unfused they are activations, see
+///   [`cuda_logit_bytes`]), whose gradient the loss writes over them — in bf16 under bf16,
+///   where cuBLASLt reads it as it is; otherwise f32, and a copy in the weights' dtype for the
+///   GEMMs (cuBLASLt takes no f32 × bf16 product);
 /// - the chunk's losses and loss gradients (`[r]` f32 each);
 /// - chunked: the chunk's copies of the input rows, targets and input gradient;
 /// - the GEMM's cuBLASLt workspace.
@@ -1017,11 +1026,13 @@ pub fn cuda_head_workspace(
         .loss_chunk
         .map_or(n, |rows| u(rows).clamp(1, n.max(1)));
     let low_copy = |elements: u64| if a == 4 { 0 } else { elements * a };
+    let logit = cuda_logit_bytes(tech);
     let logits = if tech.model.loss_chunk.is_some() {
-        r * v * 4
+        r * v * logit
     } else {
         0
     };
+    let gradient_copy = if logit == 4 { low_copy(r * v) } else { 0 };
     let chunk_copies = if r < n {
         r * c * a + r * 4 + r * c * 4
     } else {
@@ -1031,10 +1042,20 @@ pub fn cuda_head_workspace(
         + n * 4 // targets
         + low_copy(n * c) // the normed input in the weights' dtype
         + logits
-        + low_copy(r * v) // the logits' gradient in the weights' dtype
+        + gradient_copy // the logits' gradient in the weights' dtype
         + 2 * r * 4 // losses and loss gradients of the chunk
         + chunk_copies
         + cublas_workspace
+}
+
+/// Bytes of one logit in the CUDA model's head: 2 under bf16 (the head stores the values the
+/// f32 path would round to bf16, and the loss writes their bf16 gradient over them), else 4.
+pub fn cuda_logit_bytes(tech: &Techniques) -> u64 {
+    if tech.model.precision.storage() == headroom_tensor::DType::BF16 {
+        2
+    } else {
+        4
+    }
 }
 
 /// The CUDA model's simultaneous device peak as its tracker counts it (`peak_total`), for
@@ -1044,9 +1065,9 @@ pub fn cuda_head_workspace(
 ///
 /// The constant part is [`cuda_parameter_state`]'s device bytes (exact; every gradient stays
 /// on the device, offloaded or not, and batches stay on the host). The moments are the CPU
-/// model's ([`PeakMoments`]: the CUDA model keeps the same activations) with the head's
-/// workspace from [`cuda_head_workspace`] and a block backward's plus one GEMM's cuBLASLt
-/// workspace. The head's moment is modelled op by op; a block's uses the CPU model's
+/// model's ([`PeakMoments`]: the CUDA model keeps the same activations but for the logits,
+/// bf16 under bf16 — [`cuda_logit_bytes`]) with the head's workspace from
+/// [`cuda_head_workspace`] and a block backward's plus one GEMM's cuBLASLt workspace. The head's moment is modelled op by op; a block's uses the CPU model's
 /// transients, so where a block backward is the peak (a fused loss over few rows) the figure
 /// is an estimate rather than the tracker's exact count.
 pub fn cuda_device_peak(
@@ -1062,7 +1083,11 @@ pub fn cuda_device_peak(
     let constant = state.device[MemoryCategory::Parameters]
         + state.device[MemoryCategory::Gradients]
         + state.device[MemoryCategory::OptimizerState];
-    let head = e.moments.head_kept + cuda_head_workspace(cfg, seq, micro, tech, cublas_workspace);
+    // The CUDA head keeps its logits in bf16 under bf16 (the CPU model's are f32).
+    let cuda_logits = e.moments.head_logits / 4 * cuda_logit_bytes(tech);
+    let head = e.moments.head_kept - e.moments.head_logits
+        + cuda_logits
+        + cuda_head_workspace(cfg, seq, micro, tech, cublas_workspace);
     let block = e.moments.block + cublas_workspace;
     Ok(constant + head.max(block).max(e.moments.embedding))
 }

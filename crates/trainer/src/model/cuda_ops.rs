@@ -516,12 +516,24 @@ impl ModelOps for Cuda {
             } else {
                 "head.logits"
             });
+            // bf16 weights: the logits are kept in bf16 — the values the f32 path rounds them
+            // to, at half the bytes — and the loss overwrites them with the bf16 gradient the
+            // GEMMs read, so the head holds one `[r, V]` bf16 buffer where it held an f32 one
+            // and a bf16 copy of it (1.5 GiB of GPT-2's 8 × 1024 step). cuBLASLt rounds its f32
+            // accumulators to bf16 (to nearest even) as the round-trip below does.
+            let logits_dtype = if w.dtype() == DType::BF16 && precision.storage() == DType::BF16 {
+                DType::BF16
+            } else {
+                DType::F32
+            };
             let mut logits = {
                 let _g = logits_category.enter();
-                self.uninit([r, v], DType::F32)?
+                self.uninit([r, v], logits_dtype)?
             };
             self.matmul_forward(&mut logits, x_rows, w, None, r, c, v)?;
-            self.round_in_place(&mut logits, precision.storage())?;
+            if logits_dtype == DType::F32 {
+                self.round_in_place(&mut logits, precision.storage())?;
+            }
             let mut l_rows = scratch(r, 1, DType::F32)?;
             match grads.as_mut() {
                 Some(g) => {
@@ -529,7 +541,7 @@ impl ModelOps for Cuda {
                         let _g = MemoryCategory::Workspace.enter();
                         self.upload(&vec![dloss; r], [r])?
                     };
-                    // The gradient overwrites the logits: one `[r, V]` f32 buffer, not two.
+                    // The gradient overwrites the logits: one `[r, V]` buffer, not two.
                     self.cross_entropy_forward_backward_in_place(
                         &mut l_rows,
                         &mut logits,
