@@ -64,7 +64,29 @@ pub fn report_lines() -> Vec<String> {
         Ok((major, minor)) => format!("nvrtc: {major}.{minor} (CUDA kernels compile at run time)"),
         Err(e) => format!("nvrtc: {e}"),
     });
+    lines.push(nccl_line());
     lines
+}
+
+/// Which libnccl `--dist nccl` would load, or why none.
+fn nccl_line() -> String {
+    #[cfg(feature = "cuda")]
+    {
+        match headroom_zero::nccl_version() {
+            Ok((major, minor, patch)) => {
+                format!("nccl: {major}.{minor}.{patch} (--dist nccl can run)")
+            }
+            // The backend's own message, without the collective error's preamble.
+            Err(e) => match std::error::Error::source(&e) {
+                Some(why) => format!("nccl: {why}"),
+                None => format!("nccl: {e}"),
+            },
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        "nccl: this build has none (the `cuda` feature)".to_string()
+    }
 }
 
 /// Total and available memory (`/proc/meminfo`) and the transparent-huge-page mode the host

@@ -941,6 +941,7 @@ fn env_reports_the_machine_and_what_each_kernel_runs_on() {
         "memory: ",
         "cuda: ",
         "nvrtc: ",
+        "nccl: ",
         "mpi: ",
     ] {
         assert!(

@@ -125,6 +125,6 @@ pub use in_process::{InProcessComm, InProcessGroup};
 pub use layout::{BucketPlan, FlatLayout, Piece};
 pub use memory::{paper_bytes_per_param, per_rank_bytes, PerRankBytes, Precision};
 #[cfg(feature = "cuda")]
-pub use nccl::{NcclCollective, NcclId};
+pub use nccl::{nccl_version, NcclCollective, NcclId};
 pub use stage::{ReductionOrder, Stage};
 pub use timed_worker::TimedWorker;

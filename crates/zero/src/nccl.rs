@@ -13,7 +13,8 @@
 //!
 //! A worker thread owns the communicator and makes every NCCL call; the caller waits at most
 //! the time-out, then the communicator is failed: a dead peer makes the others return
-//! [`CommError::Timeout`], never hang. Not yet run on a GPU: its GPU tests are ignored.
+//! [`CommError::Timeout`], never hang. Run on one H100 (a one-rank communicator, and two ranks
+//! refused on one GPU); never yet on two GPUs.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,6 +33,34 @@ fn backend(message: impl Into<String>) -> CommError {
     }
 }
 
+/// Why libnccl did not load, and the usual fix.
+const NO_LIBNCCL: &str = "libnccl could not be loaded (cudarc opens libnccl.so or \
+                          libnccl.so.13; NVIDIA's nccl wheel ships only libnccl.so.2: link \
+                          it as libnccl.so in a folder on LD_LIBRARY_PATH)";
+
+/// The version of the libnccl this process loads, as `(major, minor, patch)`, or a typed
+/// error saying why none loads — never a panic (cudarc panics on a missing library).
+pub fn nccl_version() -> Result<(u32, u32, u32), CommError> {
+    // SAFETY: only tries to open the library by its candidate names.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(backend(NO_LIBNCCL));
+    }
+    let code = std::panic::catch_unwind(cudarc::nccl::result::get_nccl_version)
+        .map_err(|_| backend(NO_LIBNCCL))?
+        .map_err(|e| backend(format!("ncclGetVersion: {e:?}")))?;
+    Ok(split_version(u32::try_from(code).unwrap_or(0)))
+}
+
+/// NCCL's version code: `major·10000 + minor·100 + patch` since 2.9 (`major·1000 + minor·100 +
+/// patch` before).
+fn split_version(code: u32) -> (u32, u32, u32) {
+    if code >= 20900 {
+        (code / 10000, code / 100 % 100, code % 100)
+    } else {
+        (code / 1000, code / 100 % 10, code % 100)
+    }
+}
+
 /// The 128 bytes that name one NCCL communicator (NCCL's `ncclUniqueId`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NcclId(pub [u8; 128]);
@@ -41,7 +70,7 @@ impl NcclId {
     /// NCCL is missing).
     pub fn new() -> Result<Self, CommError> {
         let id = std::panic::catch_unwind(Id::new)
-            .map_err(|_| backend("libnccl could not be loaded"))?
+            .map_err(|_| backend(NO_LIBNCCL))?
             .map_err(|e| backend(format!("ncclGetUniqueId: {e:?}")))?;
         let mut out = [0u8; 128];
         for (o, &c) in out.iter_mut().zip(id.internal()) {
@@ -132,7 +161,7 @@ impl NcclCollective {
             match comm {
                 Ok(Ok(comm)) => Ok((NcclContext { comm, stream }, ())),
                 Ok(Err(e)) => Err(format!("ncclCommInitRank: {e:?}")),
-                Err(_) => Err("libnccl could not be loaded".to_string()),
+                Err(_) => Err(NO_LIBNCCL.to_string()),
             }
         })?;
         Ok(NcclCollective {
@@ -361,5 +390,17 @@ impl Collective for NcclCollective {
         self.call(CommKind::Barrier, move |comm, stream| {
             gather_bytes(comm, stream, &[0u8], world).map(|_| ())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_codes_of_both_eras_split() {
+        assert_eq!(split_version(22803), (2, 28, 3));
+        assert_eq!(split_version(20900), (2, 9, 0));
+        assert_eq!(split_version(2708), (2, 7, 8));
     }
 }
