@@ -71,7 +71,8 @@ export RUST_BACKTRACE="${RUST_BACKTRACE:-1}"
 # cudarc opens libcuda, libnvrtc, libcublasLt and libnccl by name at run time. Where the loader
 # cannot find one (NVRTC, cuBLASLt and NCCL often live only in the CUDA toolkit or in PyTorch's
 # nvidia wheels, 9 folders below /opt), add the first folder that holds it.
-need_lib() { ! ldconfig -p 2>/dev/null | grep -q "$1"; }
+# (By exact name: a registered libnccl.so.2 alone does not give cudarc a libnccl.so.)
+need_lib() { ! ldconfig -p 2>/dev/null | grep -q "[[:space:]]$1 ("; }
 find_lib() {
   find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /opt /usr/lib /usr/local/lib \
     -maxdepth 10 -name "$1*" 2>/dev/null | sort | head -n 1

@@ -994,8 +994,8 @@ pub fn cuda_parameter_state(cfg: &ModelConfig, tech: &Techniques) -> Result<Cuda
 pub const CUBLASLT_WORKSPACE_HOPPER: u64 = 32 << 20;
 
 /// Workspace the CUDA model's head holds at its largest moment, the input-gradient GEMM of a
-/// chunk of `head_rows` rows (all of them unless `--loss-chunk`), for micro-batches of `micro`
-/// sequences of `seq` tokens, with `cublas_workspace` bytes offered to cuBLASLt:
+/// chunk of `r` rows (`--loss-chunk`'s, else all `n = micro · seq`), with `cublas_workspace`
+/// bytes offered to cuBLASLt:
 ///
 /// - the final norm's input gradient `dlnf` `[n, C]` f32 and the targets on the device (u32);
 /// - the normed input in the weights' dtype (`[n, C]`; the norm writes f32, cuBLASLt reads
