@@ -67,8 +67,8 @@ pub struct PeakMoments {
     /// When the loss runs: the activations kept then (the schedule's at the loss, the chain's
     /// output, the head's own), without the head's workspace.
     pub head_kept: u64,
-    /// The part of [`PeakMoments::head_kept`] that is the logits (`[b·T, V]` f32; 0 when the
-    /// loss is fused and they are workspace).
+    /// The part of [`PeakMoments::head_kept`] that is the logits (`[b·T, V]` of
+    /// [`cpu_logit_bytes`] each; 0 when the loss is fused and they are workspace).
     pub head_logits: u64,
     /// A block's backward: the schedule's activation peak, a recomputation's extra and the
     /// block backward's workspace net of what it has dropped by then.
@@ -233,13 +233,14 @@ pub fn estimate(
         + if selective { 0 } else { dropped_by_selective };
     let io = btc * a;
     let head_rows = tech.model.loss_chunk.map_or(bt, |r| u(r).min(bt));
+    let logit = cpu_logit_bytes(cfg, tech);
     // The final norm's output and statistics and the per-token losses; the logits too when
     // not fused.
     let head_act = btc * 4
         + norm_stats
         + bt * 4
         + if tech.model.loss_chunk.is_none() {
-            bt * v * 4
+            bt * v * logit
         } else {
             0
         };
@@ -304,11 +305,17 @@ pub fn estimate(
         0
     };
     let logits_ws = if tech.model.loss_chunk.is_some() {
-        head_rows * v * 4
+        head_rows * v * logit
     } else {
         0
     };
-    let head_ws = btc * 4 + logits_ws + views_head;
+    // bf16 logits pass through an f32 strip of columns.
+    let logit_stage = if logit == 2 {
+        u(matmul::bf16_output_stage(head_rows as usize, cfg.vocab)) * 4
+    } else {
+        0
+    };
+    let head_ws = btc * 4 + logits_ws + views_head + logit_stage;
     // The attention backward's own workspace: naive's probability gradient, or chunked's and
     // flash's dK/dV partials and per-task scratch (headroom-attn's prediction, exact for its
     // CPU kernels).
@@ -415,7 +422,7 @@ pub fn estimate(
     let moments = PeakMoments {
         head_kept: io + at_loss + head_act,
         head_logits: if tech.model.loss_chunk.is_none() {
-            bt * v * 4
+            bt * v * logit
         } else {
             0
         },
@@ -1048,6 +1055,22 @@ pub fn cuda_head_workspace(
         + cublas_workspace
 }
 
+/// Bytes of one logit in the CPU model's head: 2 under bf16 where bf16 weights take the AMX
+/// products ([`matmul::bf16_products`]: the loss's bf16 gradient is what those products
+/// would round an f32 one to) and the vocabulary is wide enough for the f32 strip the
+/// product passes through to cost less than f32 logits ([`matmul::bf16_output_saves`]),
+/// else 4 (the widening path's f32 GEMM reads the gradient unrounded).
+pub fn cpu_logit_bytes(cfg: &ModelConfig, tech: &Techniques) -> u64 {
+    if tech.model.precision == crate::model::Precision::Bf16
+        && matmul::bf16_products()
+        && matmul::bf16_output_saves(cfg.vocab)
+    {
+        2
+    } else {
+        4
+    }
+}
+
 /// Bytes of one logit in the CUDA model's head: 2 under bf16 (the head stores the values the
 /// f32 path would round to bf16, and the loss writes their bf16 gradient over them), else 4.
 pub fn cuda_logit_bytes(tech: &Techniques) -> u64 {
@@ -1083,8 +1106,8 @@ pub fn cuda_device_peak(
     let constant = state.device[MemoryCategory::Parameters]
         + state.device[MemoryCategory::Gradients]
         + state.device[MemoryCategory::OptimizerState];
-    // The CUDA head keeps its logits in bf16 under bf16 (the CPU model's are f32).
-    let cuda_logits = e.moments.head_logits / 4 * cuda_logit_bytes(tech);
+    // The CUDA head keeps its logits in bf16 under bf16 (the CPU model's only on AMX).
+    let cuda_logits = e.moments.head_logits / cpu_logit_bytes(cfg, tech) * cuda_logit_bytes(tech);
     let head = e.moments.head_kept - e.moments.head_logits
         + cuda_logits
         + cuda_head_workspace(cfg, seq, micro, tech, cublas_workspace);

@@ -133,6 +133,37 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
     );
 }
 
+/// A vocabulary wider than two of the bf16 output's strips (with a ragged last one), so that
+/// under bf16 on AMX the head keeps its logits in bf16 behind an f32 strip
+/// (`matmul::bf16_output_saves`): unfused (activations), fused (workspace), and the full stack.
+/// Elsewhere the same runs check the f32 logits.
+#[test]
+fn wide_vocabulary_bf16_estimates_equal_the_trackers_peaks() {
+    let mut cfg = model(false);
+    cfg.vocab = 2 * headroom_trainer::ops::matmul::BF16_OUTPUT_STRIP + 952;
+    cfg.layers = 2;
+    let mut bf16 = Techniques::baseline();
+    bf16.model.precision = Precision::Bf16;
+    bf16.model.attention = AttentionConfig::flash();
+    let mut fused = bf16.clone();
+    fused.model.loss_chunk = Some(48);
+    let mut stack = fused.clone();
+    stack.checkpoint = CheckpointChoice::SqrtN;
+    stack.optimizer = OptimizerChoice {
+        state: StatePrecision::F32,
+        placement: OptimizerPlacement::HostRam,
+    };
+    stack.micro_batch = Some(2);
+    check(
+        cfg,
+        vec![
+            ("wide bf16", bf16),
+            ("wide bf16 fused", fused),
+            ("wide full stack", stack),
+        ],
+    );
+}
+
 fn check_family(llama: bool) {
     check(model(llama), combos());
 }

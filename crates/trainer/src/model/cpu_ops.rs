@@ -894,6 +894,21 @@ impl ModelOps for Cpu {
         }
         let rows = rows.clamp(1, n.max(1));
         let wr = WeightRef::new(self, w)?;
+        // Under bf16 on AMX the logits are stored in bf16, half the bytes: the loss reads
+        // them widened (exactly) and writes its gradient rounded to bf16, which the products
+        // would round it to anyway, so losses and gradients keep their bits. The widening
+        // path's f32 GEMM reads the gradient unrounded, so there they stay f32; so do a small
+        // vocabulary's, where the f32 strip the product goes through would cost more.
+        let bf16_logits = match wr {
+            WeightRef::Bf16(w)
+                if precision == Precision::Bf16
+                    && matmul::bf16_products()
+                    && matmul::bf16_output_saves(v) =>
+            {
+                Some(w)
+            }
+            _ => None,
+        };
         let mut scratch = {
             let _l = headroom_profiler::label_absolute("head.wte (f32 panel)");
             let train = grads.is_some();
@@ -909,15 +924,69 @@ impl ModelOps for Cpu {
         // fused loss). In training the loss then overwrites each chunk with its gradient.
         let mut logits = {
             let _g = logits_category.enter();
-            self.uninit([rows, v], DType::F32)?
+            let dtype = if bf16_logits.is_some() {
+                DType::BF16
+            } else {
+                DType::F32
+            };
+            self.uninit([rows, v], dtype)?
+        };
+        // bf16 logits: the product's f32 results, a strip of columns at a time.
+        let mut stage = match bf16_logits {
+            Some(_) => {
+                let _l = headroom_profiler::label_absolute("head.logits (f32 strip)");
+                let _g = MemoryCategory::Workspace.enter();
+                Some(self.uninit([matmul::bf16_output_stage(rows, v)], DType::F32)?)
+            }
+            None => None,
         };
         let dloss = vec![grads.as_ref().map_or(0.0, |g| g.dloss_per_token); rows];
         let xs = x.as_slice::<f32>()?;
         let mut r0 = 0;
         while r0 < n {
             let r = rows.min(n - r0);
-            let lg = &mut out(&mut logits)?[..r * v];
             let xr = &xs[r0 * c..][..r * c];
+            if let (Some(w), Some(stage)) = (bf16_logits, stage.as_mut()) {
+                let lg = &mut logits.as_mut_slice::<bf16>()?[..r * v];
+                let st = out(stage)?;
+                matmul::forward_bf16_products_into_bf16(
+                    lg,
+                    xr,
+                    w,
+                    r,
+                    c,
+                    v,
+                    st,
+                    panel(&mut scratch)?,
+                );
+                let ls = &mut out(losses)?[r0..r0 + r];
+                let tr = &targets[r0..r0 + r];
+                match &mut grads {
+                    Some(g) => {
+                        cross_entropy::forward_backward_in_place_bf16(ls, lg, tr, &dloss[..r], v);
+                        let dw = match g.dw.as_deref_mut() {
+                            Some(t) => Some(out(t)?),
+                            None => None,
+                        };
+                        matmul::backward_bf16_products(
+                            &mut out(g.dx)?[r0 * c..][..r * c],
+                            dw,
+                            None,
+                            &*lg,
+                            xr,
+                            w,
+                            r,
+                            c,
+                            v,
+                            panel(&mut scratch)?,
+                        );
+                    }
+                    None => cross_entropy::forward_bf16(ls, lg, tr, v),
+                }
+                r0 += r;
+                continue;
+            }
+            let lg = &mut out(&mut logits)?[..r * v];
             wr.forward(self, lg, xr, None, r, c, v, panel(&mut scratch)?)?;
             round_slice(lg, precision);
             let ls = &mut out(losses)?[r0..r0 + r];
@@ -1044,5 +1113,128 @@ mod tests {
             )
         };
         assert_eq!((fwd, bwd), (want_fwd, want_bwd));
+    }
+
+    /// The bf16 head gives the bits of the f32-logits flow it replaces on AMX: the product in
+    /// f32, rounded to bf16 values, the loss and its f32 gradient in place, the products
+    /// reading that gradient — whole and in chunks of rows, vocabularies below and above two
+    /// bf16 output strips (where the logits become bf16), training and evaluation. Where the
+    /// products widen (no AMX) the head takes that f32 flow itself.
+    #[test]
+    fn bf16_head_gives_the_bits_of_the_f32_logits_flow() {
+        let cpu = Cpu::with_threads(2).unwrap();
+        let (n, c) = (21usize, 40usize);
+        for v in [300usize, 2 * matmul::BF16_OUTPUT_STRIP + 77] {
+            let xv: Vec<f32> = crate::ops::test_values(3, n * c)
+                .into_iter()
+                .map(|x| x * 4.0 - 2.0)
+                .collect();
+            let wv: Vec<bf16> = crate::ops::test_values(4, v * c)
+                .into_iter()
+                .map(|x| bf16::from_f32(x - 0.5))
+                .collect();
+            let targets: Vec<u32> = (0..n).map(|i| (i * 131 % v) as u32).collect();
+            let dloss = 1.0 / n as f32;
+            // The f32-logits flow, a chunk of `rows` at a time.
+            let reference = |rows: usize, train: bool| {
+                let mut losses = vec![0f32; n];
+                let (mut dx, mut dw) = (vec![0f32; n * c], vec![0f32; v * c]);
+                let mut scratch = vec![0f32; matmul::chunked_scratch(n, rows, c, v, true)];
+                for r0 in (0..n).step_by(rows) {
+                    let r = rows.min(n - r0);
+                    let xr = &xv[r0 * c..][..r * c];
+                    let mut lg = vec![0f32; r * v];
+                    if matmul::bf16_products() {
+                        matmul::forward_bf16_products(
+                            &mut lg,
+                            xr,
+                            &wv,
+                            None,
+                            r,
+                            c,
+                            v,
+                            &mut scratch,
+                        );
+                    } else {
+                        matmul::forward_with(&mut lg, xr, &wv, None, r, c, v, &mut scratch);
+                    }
+                    round_slice(&mut lg, Precision::Bf16);
+                    let ls = &mut losses[r0..r0 + r];
+                    let tr = &targets[r0..r0 + r];
+                    if !train {
+                        cross_entropy::forward(ls, &lg, tr, v);
+                        continue;
+                    }
+                    cross_entropy::forward_backward_in_place(ls, &mut lg, tr, &vec![dloss; r], v);
+                    let dxr = &mut dx[r0 * c..][..r * c];
+                    if matmul::bf16_products() {
+                        matmul::backward_bf16_products(
+                            dxr,
+                            Some(&mut dw),
+                            None,
+                            &lg,
+                            xr,
+                            &wv,
+                            r,
+                            c,
+                            v,
+                            &mut scratch,
+                        );
+                    } else {
+                        matmul::backward_with(
+                            dxr,
+                            Some(&mut dw),
+                            None,
+                            &lg,
+                            xr,
+                            &wv,
+                            r,
+                            c,
+                            v,
+                            &mut scratch,
+                        );
+                    }
+                }
+                [losses, dx, dw].concat()
+            };
+            let x = cpu.upload(&xv, [n, c]).unwrap();
+            let w = cpu.upload(&wv, [v, c]).unwrap();
+            for rows in [n, 8] {
+                for train in [true, false] {
+                    let mut losses = cpu.zeros([n], DType::F32).unwrap();
+                    let mut dx = cpu.zeros([n, c], DType::F32).unwrap();
+                    let mut dw = cpu.zeros([v, c], DType::F32).unwrap();
+                    let grads = train.then_some(HeadLossGrads {
+                        dloss_per_token: dloss,
+                        dx: &mut dx,
+                        dw: Some(&mut dw),
+                    });
+                    cpu.head_loss(
+                        &mut losses,
+                        &x,
+                        &w,
+                        &targets,
+                        rows,
+                        Precision::Bf16,
+                        MemoryCategory::Activations,
+                        grads,
+                    )
+                    .unwrap();
+                    let got = [
+                        cpu.download::<f32>(&losses).unwrap(),
+                        cpu.download::<f32>(&dx).unwrap(),
+                        cpu.download::<f32>(&dw).unwrap(),
+                    ]
+                    .concat();
+                    let want = reference(rows, train);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "vocab {v}, rows {rows}, train {train}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -275,6 +275,9 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     /// (`Activations` when it is the whole `[N, V]`, as unfused training keeps it), every other
     /// transient `Workspace`. In training the loss overwrites each chunk of logits with its
     /// gradient (llm.c's way): a backend allocates no second `[rows, V]` f32 buffer for it.
+    /// Under bf16 a backend may store the logits in bf16 where the products read the gradient
+    /// rounded to bf16 anyway (CUDA's cuBLASLt; the CPU's AMX products, for vocabularies wider
+    /// than two of [`crate::ops::matmul::BF16_OUTPUT_STRIP`]): same losses, half the bytes.
     #[allow(clippy::too_many_arguments)]
     fn head_loss(
         &self,

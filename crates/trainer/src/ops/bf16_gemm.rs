@@ -56,6 +56,8 @@ pub const MC: usize = 64;
 pub trait Bf16Source: Copy + Send + Sync + 'static {
     /// The bf16 bits of this value (f32 rounds to nearest even; bf16 is itself).
     fn bf16_bits(self) -> u16;
+    /// The value itself as f32 (exact for both: bf16 widens without rounding).
+    fn to_f32(self) -> f32;
     /// `dst[i] = src[i].bf16_bits()`, equal lengths: the packing's inner loop.
     fn bits_into(src: &[Self], dst: &mut [u16]) {
         dst.iter_mut()
@@ -85,12 +87,20 @@ impl Bf16Source for f32 {
     fn bf16_bits(self) -> u16 {
         round_to_bf16_bits(self)
     }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
 }
 
 impl Bf16Source for bf16 {
     #[inline]
     fn bf16_bits(self) -> u16 {
         self.to_bits()
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
     }
     fn bits_into(src: &[bf16], dst: &mut [u16]) {
         dst.copy_from_slice(bytemuck::cast_slice(src));

@@ -3,6 +3,7 @@
 //! over threads; each row's arithmetic is independent of the split, so results do not depend
 //! on the thread count.
 
+use half::bf16;
 #[cfg(target_arch = "x86_64")]
 use headroom_tensor::isa::{self, IsaLevel};
 use rayon::prelude::*;
@@ -135,6 +136,60 @@ pub fn forward_backward_in_place(
         .for_each(|(((l, row), &t), &dl)| *l = row_gradient(row, t, dl));
 }
 
+/// [`forward`] over bf16 logits: each row widened (exactly) into an f32 row and given
+/// [`forward`]'s arithmetic, so the losses have the bits [`forward`] gives on the widened
+/// values.
+pub fn forward_bf16(losses: &mut [f32], logits: &[bf16], targets: &[u32], v: usize) {
+    losses
+        .par_iter_mut()
+        .zip(logits.par_chunks_exact(v))
+        .zip(targets)
+        .with_min_len(ROWS_PER_TASK)
+        .for_each_init(Vec::new, |row, ((l, logits), &t)| {
+            widen_row(row, logits);
+            *l = row_loss(row, t);
+        });
+}
+
+/// [`forward_backward_in_place`] over bf16 logits, the gradient written over them in bf16:
+/// each row is widened (exactly) into an f32 row, given [`forward_backward_in_place`]'s
+/// arithmetic, and its gradient rounded to nearest even (NaN kept quiet). So the losses have
+/// the bits the f32 function gives on the widened values, and the gradient is its gradient
+/// rounded — what a bf16 product would round it to when it reads it, which is why the head
+/// under bf16 on AMX keeps its logits in bf16 (half the bytes, the same results).
+///
+/// The f32 row (`4·V` bytes, 200 KB for GPT-2's vocabulary) is one per rayon worker, reused,
+/// and not counted by the tracker.
+pub fn forward_backward_in_place_bf16(
+    losses: &mut [f32],
+    logits: &mut [bf16],
+    targets: &[u32],
+    dloss: &[f32],
+    v: usize,
+) {
+    use headroom_tensor::cpu::kernels::f32_to_bf16_bits;
+    losses
+        .par_iter_mut()
+        .zip(logits.par_chunks_exact_mut(v))
+        .zip(targets)
+        .zip(dloss)
+        .with_min_len(ROWS_PER_TASK)
+        .for_each_init(Vec::new, |row, (((l, logits), &t), &dl)| {
+            widen_row(row, logits);
+            *l = row_gradient(row, t, dl);
+            for (d, &g) in logits.iter_mut().zip(row.iter()) {
+                *d = bf16::from_bits(f32_to_bf16_bits(g));
+            }
+        });
+}
+
+/// `row` ← `logits` widened to f32 (exact), reusing `row`'s allocation.
+fn widen_row(row: &mut Vec<f32>, logits: &[bf16]) {
+    use headroom_tensor::cpu::kernels::bf16_bits_to_f32;
+    row.clear();
+    row.extend(logits.iter().map(|x| bf16_bits_to_f32(x.to_bits())));
+}
+
 /// One row's loss, the row replaced by its logits' gradient scaled by `dl`. On AVX2 machines
 /// the same code compiled for AVX2: Rust never contracts `a·b + c` into a fused multiply-add
 /// and the [`LANES`] partial sums fix the order of every addition, so both builds give the
@@ -247,6 +302,40 @@ mod tests {
                         "row {} col {}: {} vs {}", i, j, got, want
                     );
                 }
+            }
+        }
+
+        /// Over bf16 logits, the losses have the bits of the f32 functions on the widened
+        /// values, and the gradient written in bf16 is the f32 gradient rounded to nearest
+        /// even, for rows of every tail length (more than one row per task) and logits spread
+        /// wide enough to underflow exponentials.
+        #[test]
+        fn bf16_logits_give_the_f32_bits_rounded(
+            v in 1usize..70,
+            n in 1usize..11,
+            seed in proptest::prelude::any::<u64>(),
+            spread in 1f32..80.0,
+        ) {
+            let logits: Vec<bf16> = crate::ops::test_values(seed, n * v)
+                .into_iter()
+                .map(|x| bf16::from_f32((x - 0.5) * spread))
+                .collect();
+            let wide: Vec<f32> = logits.iter().map(|x| x.to_f32()).collect();
+            let targets: Vec<u32> = (0..n).map(|i| ((seed as usize >> 3) + 7 * i) as u32 % v as u32).collect();
+            let dloss: Vec<f32> = (0..n).map(|i| 0.25 + i as f32 / 7.0).collect();
+            let (mut want_fwd, mut got_fwd) = (vec![0f32; n], vec![0f32; n]);
+            forward(&mut want_fwd, &wide, &targets, v);
+            forward_bf16(&mut got_fwd, &logits, &targets, v);
+            let (mut want_losses, mut want_grad) = (vec![0f32; n], wide.clone());
+            forward_backward_in_place(&mut want_losses, &mut want_grad, &targets, &dloss, v);
+            let (mut losses, mut grad) = (vec![0f32; n], logits.clone());
+            forward_backward_in_place_bf16(&mut losses, &mut grad, &targets, &dloss, v);
+            for i in 0..n {
+                proptest::prop_assert_eq!(got_fwd[i].to_bits(), want_fwd[i].to_bits());
+                proptest::prop_assert_eq!(losses[i].to_bits(), want_losses[i].to_bits());
+            }
+            for (g, w) in grad.iter().zip(&want_grad) {
+                proptest::prop_assert_eq!(g.to_bits(), bf16::from_f32(*w).to_bits());
             }
         }
     }

@@ -921,10 +921,10 @@ fn add_bias<W: Operand>(out: &mut [f32], bias: &[W], oc: usize) {
 }
 
 /// `db += Σ_rows dout`, an ordered loop (reproducible bit for bit).
-fn add_bias_grad(db: &mut [f32], dout: &[f32], oc: usize) {
+fn add_bias_grad<D: super::bf16_gemm::Bf16Source>(db: &mut [f32], dout: &[D], oc: usize) {
     for row in dout.chunks_exact(oc) {
         for (d, g) in db.iter_mut().zip(row) {
-            *d += g;
+            *d += g.to_f32();
         }
     }
 }
@@ -997,16 +997,78 @@ pub fn forward_bf16_products<A: super::bf16_gemm::Bf16Source>(
     }
 }
 
+/// Output columns [`forward_bf16_products_into_bf16`] computes at a time in f32.
+pub const BF16_OUTPUT_STRIP: usize = 1024;
+
+/// f32 elements of [`forward_bf16_products_into_bf16`]'s staging strip for `n` rows of `oc`
+/// outputs.
+pub fn bf16_output_stage(n: usize, oc: usize) -> usize {
+    n * oc.min(BF16_OUTPUT_STRIP)
+}
+
+/// Whether [`forward_bf16_products_into_bf16`] holds fewer bytes than an f32 output: a bf16
+/// `[n, oc]` output and its f32 strip against `[n, oc]` f32, so more than two strips wide.
+pub fn bf16_output_saves(oc: usize) -> bool {
+    oc > 2 * BF16_OUTPUT_STRIP
+}
+
+/// [`forward_bf16_products`] (no bias) with its output rounded to bf16 (to nearest even, NaN
+/// kept quiet) and stored as bf16: the product's f32 results pass through `stage` (at least
+/// [`bf16_output_stage`] elements) [`BF16_OUTPUT_STRIP`] columns at a time, so no `[n, oc]`
+/// f32 output ever exists. Each output element is the one [`forward_bf16_products`] computes
+/// whole, then rounded (the bf16 GEMM's sums, and the few-row dot products', do not depend
+/// on which columns are computed together; tested).
+///
+/// The trade-off: `a` is packed again for every strip. At the head's shapes (depth 768,
+/// 1024-column strips) that is under 1% of the product's work.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_bf16_products_into_bf16<A: super::bf16_gemm::Bf16Source>(
+    out: &mut [bf16],
+    inp: &[A],
+    weight: &[bf16],
+    n: usize,
+    c: usize,
+    oc: usize,
+    stage: &mut [f32],
+    scratch: &mut [f32],
+) {
+    use headroom_tensor::cpu::kernels::f32_to_bf16_bits;
+    use rayon::prelude::*;
+    assert_eq!(out.len(), n * oc, "output length");
+    assert_eq!(weight.len(), oc * c, "weight length");
+    assert!(
+        stage.len() >= bf16_output_stage(n, oc),
+        "stage of {} elements for {n} rows of {oc}",
+        stage.len()
+    );
+    for j0 in (0..oc).step_by(BF16_OUTPUT_STRIP) {
+        let width = BF16_OUTPUT_STRIP.min(oc - j0);
+        let strip = &mut stage[..n * width];
+        let rows_of_w = &weight[j0 * c..(j0 + width) * c];
+        forward_bf16_products(strip, inp, rows_of_w, None, n, c, width, scratch);
+        out.par_chunks_mut(oc)
+            .zip(strip.par_chunks(width))
+            .with_min_len(16)
+            .for_each(|(o, s)| {
+                for (d, &x) in o[j0..j0 + width].iter_mut().zip(s) {
+                    *d = bf16::from_bits(f32_to_bf16_bits(x));
+                }
+            });
+    }
+}
+
 /// [`backward_with`] for a bf16 weight with the numerics of [`forward_bf16_products`]:
 /// `dinp += dout · W` and `dweight += doutᵀ · inp` with `dout` and `inp` rounded to bf16,
 /// f32 sums into the f32 gradients; `dbias` an ordered f32 sum as on the widening path. `inp`
-/// f32 or bf16, as for [`forward_bf16_products`].
+/// f32 or bf16, as for [`forward_bf16_products`]; so is `dout` (a bf16 gradient is read in
+/// place: the products would round an f32 one to the same bits, so both give the same
+/// results, but `dbias` sums the values as given).
 #[allow(clippy::too_many_arguments)]
-pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source>(
+pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source, D: super::bf16_gemm::Bf16Source>(
     dinp: &mut [f32],
     dweight: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
-    dout: &[f32],
+    dout: &[D],
     inp: &[A],
     weight: &[bf16],
     n: usize,
@@ -1332,6 +1394,66 @@ mod tests {
             backward_with(&mut dx_empty, None, None, &dy, empty, &w, n, c, oc, &mut scratch);
             backward_with(&mut dx_full, None, None, &dy, &xf, &w, n, c, oc, &mut scratch);
             prop_assert_eq!(bits(&dx_empty), bits(&dx_full));
+        }
+
+        /// A bf16 output gradient gives the products the bits of its f32 original: both paths
+        /// round `dout` to bf16 as they read it.
+        #[test]
+        fn bf16_products_read_a_bf16_output_gradient_as_its_f32_original(
+            n in 1usize..40, c in 1usize..70, oc in 1usize..90, seed in any::<u64>()) {
+            let x = f32_vec(seed, n * c);
+            let w = bf16_vec(seed ^ 1, oc * c);
+            // Not bf16 values: the rounding is what is compared.
+            let dy: Vec<f32> = crate::ops::test_values(seed ^ 3, n * oc)
+                .into_iter()
+                .map(|v| v * 3.0 - 1.5)
+                .collect();
+            let dy16: Vec<bf16> = dy.iter().map(|&v| bf16::from_f32(v)).collect();
+            let mut scratch = vec![0.0; backward_scratch(n, c, oc)];
+            let (mut dx, mut dw) = (vec![0.5; n * c], vec![0.25; oc * c]);
+            backward_bf16_products(&mut dx, Some(&mut dw), None, &dy, &x, &w, n, c, oc, &mut scratch);
+            let (mut dx16, mut dw16) = (vec![0.5; n * c], vec![0.25; oc * c]);
+            backward_bf16_products(&mut dx16, Some(&mut dw16), None, &dy16, &x, &w, n, c, oc, &mut scratch);
+            prop_assert_eq!(bits(&dx16), bits(&dx));
+            prop_assert_eq!(bits(&dw16), bits(&dw));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(12))]
+
+        /// The bf16 output is the f32 product rounded to nearest even, across strip
+        /// boundaries and ragged last strips, on the few-row dot products and the GEMM: bit
+        /// for bit where the sums do not depend on the columns computed together (AMX tiles,
+        /// row dots), within one bf16 rounding of the product elsewhere (gemm's f32 blocking
+        /// may depend on the width).
+        #[test]
+        fn bf16_outputs_are_the_products_rounded(
+            n in 1usize..40,
+            c in 1usize..50,
+            extra in 1usize..BF16_OUTPUT_STRIP + 40,
+            seed in any::<u64>(),
+        ) {
+            let oc = BF16_OUTPUT_STRIP + extra;
+            let x = f32_vec(seed, n * c);
+            let w = bf16_vec(seed ^ 1, oc * c);
+            let mut scratch = vec![0.0; forward_scratch(n, c, oc)];
+            let mut whole = vec![0.0; n * oc];
+            forward_bf16_products(&mut whole, &x, &w, None, n, c, oc, &mut scratch);
+            let mut out = vec![bf16::ZERO; n * oc];
+            let mut stage = vec![0.0; bf16_output_stage(n, oc)];
+            forward_bf16_products_into_bf16(&mut out, &x, &w, n, c, oc, &mut stage, &mut scratch);
+            let exact = n <= DOT_ROWS
+                || super::super::bf16_gemm::bf16_gemm_path()
+                    == super::super::bf16_gemm::Bf16GemmPath::Amx;
+            for (i, (o, &f)) in out.iter().zip(&whole).enumerate() {
+                if exact {
+                    prop_assert_eq!(o.to_bits(), bf16::from_f32(f).to_bits(), "element {}", i);
+                } else {
+                    let err = (o.to_f32() - f).abs();
+                    prop_assert!(err <= f.abs() * 2f32.powi(-7) + 1e-6, "element {}: {} vs {}", i, o, f);
+                }
+            }
         }
     }
 
