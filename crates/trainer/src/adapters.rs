@@ -34,9 +34,12 @@ pub fn load(cpu: &Cpu, dir: &Path) -> Result<LoraAdapter> {
         || !dir.join(headroom_lora::CONFIG_FILE).is_file()
     {
         if let Ok(step) = crate::checkpoint::resolve(dir) {
-            let ck = crate::checkpoint::load(&step)?;
-            if let Some(f) = &ck.state.finetune {
-                let params: Vec<&[f32]> = ck.params.iter().map(Vec::as_slice).collect();
+            // Opening reads the manifest, the state and a fine-tuning step's adapters (all
+            // verified), never a full model's weights or moments: a model checkpoint passed
+            // as an adapter is refused below without reading gigabytes first.
+            let ck = crate::checkpoint::ResumePoint::open(&step)?;
+            if let (Some(f), Some(adapters)) = (&ck.state.finetune, &ck.adapters) {
+                let params: Vec<&[f32]> = adapters.iter().map(Vec::as_slice).collect();
                 return crate::checkpoint::adapter_of(&ck.state.config, &f.spec, &params);
             }
         }
