@@ -84,5 +84,5 @@ pub use frozen::{DenseLinear, FrozenLinear};
 pub use linear::{DropoutMask, LoraGrads, LoraLinear, LoraSaved, Mode, WeightLayout};
 pub use peft::{
     parse_peft_config, parse_peft_tensor_name, peft_config_json, peft_tensor_name, LoraMatrix,
-    CONFIG_FILE, MAX_CONFIG_BYTES, TENSOR_PREFIX, WEIGHTS_FILE,
+    CONFIG_FILE, MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES, TENSOR_PREFIX, WEIGHTS_FILE,
 };

@@ -8,6 +8,7 @@
 //! bytes actually present before anything is allocated.
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
 use std::path::Path;
 
 use half::{bf16, f16};
@@ -28,6 +29,55 @@ pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 pub const TENSOR_PREFIX: &str = "base_model.model.";
 /// The largest `adapter_config.json` read (a real one is about 1 KiB).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// The largest `adapter_model.safetensors` read: rank 256 on every linear of a 70B Llama
+/// stored in f32 is about 12 GiB.
+pub const MAX_WEIGHTS_BYTES: u64 = 64 << 30;
+
+/// The bytes of the regular file at `path`, at most `limit` of them (`what` names the size in
+/// the error). A device, FIFO or `/proc` file reports a length of 0 whatever it yields, so only
+/// regular files are read, and through a bound in case one grows.
+fn read_bounded(path: &Path, what: &'static str, limit: u64) -> Result<Vec<u8>> {
+    let io = |source| LoraError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let not_regular = || {
+        io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ))
+    };
+    let too_large = |len: u64| LoraError::TooLarge {
+        what,
+        value: u128::from(len),
+        limit: u128::from(limit),
+    };
+    // Checked before opening too: opening a FIFO blocks until something writes to it.
+    if !std::fs::metadata(path).map_err(io)?.is_file() {
+        return Err(not_regular());
+    }
+    let file = std::fs::File::open(path).map_err(io)?;
+    // The handle's own metadata: the path may name something else by now.
+    let meta = file.metadata().map_err(io)?;
+    if !meta.is_file() {
+        return Err(not_regular());
+    }
+    if meta.len() > limit {
+        return Err(too_large(meta.len()));
+    }
+    let mut bytes = Vec::new();
+    let len = usize::try_from(meta.len()).map_err(|_| too_large(meta.len()))?;
+    bytes
+        .try_reserve_exact(len)
+        .map_err(|_| io(std::io::ErrorKind::OutOfMemory.into()))?;
+    file.take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
 
 /// Which of a module's two LoRA matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -345,26 +395,16 @@ impl LoraAdapter {
     /// widened exactly).
     pub fn load(cpu: &Cpu, dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
-        let read = |file: &str, limit: Option<u64>| -> Result<Vec<u8>> {
-            let path = dir.join(file);
-            let io = |source| LoraError::Io {
-                path: path.clone(),
-                source,
-            };
-            if let Some(limit) = limit {
-                let len = std::fs::metadata(&path).map_err(io)?.len();
-                if len > limit {
-                    return Err(LoraError::TooLarge {
-                        what: "adapter_config.json bytes",
-                        value: u128::from(len),
-                        limit: u128::from(limit),
-                    });
-                }
-            }
-            std::fs::read(&path).map_err(io)
-        };
-        let config = read(CONFIG_FILE, Some(MAX_CONFIG_BYTES))?;
-        let weights = read(WEIGHTS_FILE, None)?;
+        let config = read_bounded(
+            &dir.join(CONFIG_FILE),
+            "adapter_config.json bytes",
+            MAX_CONFIG_BYTES,
+        )?;
+        let weights = read_bounded(
+            &dir.join(WEIGHTS_FILE),
+            "adapter_model.safetensors bytes",
+            MAX_WEIGHTS_BYTES,
+        )?;
         Self::from_peft_bytes(cpu, &config, &weights)
     }
 

@@ -227,6 +227,40 @@ fn missing_files_are_io_errors() {
     assert!(matches!(err, LoraError::TooLarge { .. }), "{err:?}");
 }
 
+/// A file that reports no size (here `/dev/zero`) would be read until memory runs out: either
+/// adapter file that is not a regular file is an I/O error naming it.
+#[cfg(unix)]
+#[test]
+fn device_files_are_refused_without_reading_them() {
+    let (c, t) = valid();
+    for (device, other) in [
+        (headroom_lora::CONFIG_FILE, headroom_lora::WEIGHTS_FILE),
+        (headroom_lora::WEIGHTS_FILE, headroom_lora::CONFIG_FILE),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let content = if other == headroom_lora::CONFIG_FILE {
+            c.to_string().into_bytes()
+        } else {
+            weights(&t)
+        };
+        std::fs::write(dir.path().join(other), content).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join(device)).unwrap();
+        let err = LoraAdapter::load(&Cpu::new(), dir.path()).unwrap_err();
+        match &err {
+            LoraError::Io { path, source } => {
+                assert!(path.ends_with(device), "{err:?}");
+                assert!(source.to_string().contains("not a regular file"), "{err:?}");
+            }
+            other => panic!("{device}: {other:?}"),
+        }
+    }
+    // The same files, regular, load.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(headroom_lora::CONFIG_FILE), c.to_string()).unwrap();
+    std::fs::write(dir.path().join(headroom_lora::WEIGHTS_FILE), weights(&t)).unwrap();
+    LoraAdapter::load(&Cpu::new(), dir.path()).unwrap();
+}
+
 #[test]
 fn from_modules_checks_targets_and_rank() {
     let cpu = Cpu::new();

@@ -84,7 +84,7 @@ pub(crate) const PARTIAL_PREFIX: &str = ".partial-";
 const REPLACED_PREFIX: &str = ".replaced-";
 /// JSON files larger than this are not parsed (a manifest is a few hundred bytes, a state a
 /// few bytes per parameter tensor).
-const MAX_JSON_BYTES: u64 = 256 << 20;
+pub(crate) const MAX_JSON_BYTES: u64 = 256 << 20;
 
 /// The settings of a run that decide its numbers: a checkpoint continues bit for bit only under
 /// the same ones. Techniques that do not change a bit (checkpoint schedules, optimizer
@@ -1084,18 +1084,9 @@ pub(crate) fn read_verified(dir: &Path, entry: &ManifestFile) -> Result<Vec<u8>>
     Ok(bytes)
 }
 
+/// A checkpoint's JSON file, refused when over [`MAX_JSON_BYTES`] or not a regular file.
 pub(crate) fn read_json_bounded(path: &Path) -> Result<Vec<u8>> {
-    let meta = fs::metadata(path).map_err(io(path))?;
-    if meta.len() > MAX_JSON_BYTES {
-        return Err(err(
-            path,
-            format!(
-                "{} bytes; a checkpoint's JSON is never this large",
-                meta.len()
-            ),
-        ));
-    }
-    fs::read(path).map_err(io(path))
+    crate::bounded::read_file(path, MAX_JSON_BYTES).map_err(|reason| err(path, reason))
 }
 
 /// Read and check the manifest of a step directory.

@@ -185,12 +185,13 @@ pub(crate) fn read_tensors(dir: &Path) -> Result<BTreeMap<String, Stored>> {
         return read_header(&single);
     }
     let index = dir.join("model.safetensors.index.json");
-    let text = std::fs::read(&index).map_err(|_| {
-        bad(
+    if std::fs::symlink_metadata(&index).is_err() {
+        return Err(bad(
             dir,
             "neither model.safetensors nor model.safetensors.index.json",
-        )
-    })?;
+        ));
+    }
+    let text = read_json(&index)?;
     let json: Value =
         serde_json::from_slice(&text).map_err(|e| bad(&index, format!("not JSON: {e}")))?;
     let map = json
@@ -230,6 +231,13 @@ pub(crate) fn read_tensors(dir: &Path) -> Result<BTreeMap<String, Stored>> {
     Ok(out)
 }
 
+/// A JSON file of a model directory, bounded like a checkpoint's (a symlink to a device would
+/// otherwise be read until memory runs out).
+fn read_json(path: &Path) -> Result<Vec<u8>> {
+    crate::bounded::read_file(path, crate::checkpoint::MAX_JSON_BYTES)
+        .map_err(|reason| bad(path, format!("cannot read it: {reason}")))
+}
+
 fn get<'a>(cfg: &'a Value, path: &Path, key: &str) -> Result<&'a Value> {
     cfg.get(key)
         .ok_or_else(|| bad(path, format!("config.json has no {key}")))
@@ -255,8 +263,7 @@ fn get_f64(cfg: &Value, path: &Path, key: &str) -> Result<Option<f64>> {
 /// The model shape a Hugging Face `config.json` describes (GPT-2 or Llama), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
-    let bytes =
-        std::fs::read(&path).map_err(|e| bad(&path, format!("cannot read config.json: {e}")))?;
+    let bytes = read_json(&path)?;
     let cfg: Value =
         serde_json::from_slice(&bytes).map_err(|e| bad(&path, format!("not JSON: {e}")))?;
     let arch = cfg
@@ -285,6 +292,34 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             }
             if cfg.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
                 return Err(bad(&path, "an untied GPT-2 head is not supported"));
+            }
+            // transformers' GPT2Attention divides by sqrt(head_dim) only while
+            // scale_attn_weights is truthy (default true), and also by layer index + 1 when
+            // scale_attn_by_inverse_layer_idx is; ours always does the first, never the second.
+            if !matches!(
+                cfg.get("scale_attn_weights"),
+                None | Some(Value::Bool(true))
+            ) {
+                return Err(bad(
+                    &path,
+                    format!(
+                        "scale_attn_weights {}: attention here always scales by 1/sqrt(head_dim)",
+                        cfg["scale_attn_weights"]
+                    ),
+                ));
+            }
+            if !matches!(
+                cfg.get("scale_attn_by_inverse_layer_idx"),
+                None | Some(Value::Null) | Some(Value::Bool(false))
+            ) {
+                return Err(bad(
+                    &path,
+                    format!(
+                        "scale_attn_by_inverse_layer_idx {}: attention here never scales by \
+                         layer index",
+                        cfg["scale_attn_by_inverse_layer_idx"]
+                    ),
+                ));
             }
             ModelConfig {
                 vocab: get_usize(&cfg, &path, "vocab_size")?,
@@ -321,8 +356,11 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             .unwrap_or(10_000.0);
             let heads = get_usize(&cfg, &path, "num_attention_heads")?;
             let channels = get_usize(&cfg, &path, "hidden_size")?;
-            if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
-                if heads == 0 || hd as usize * heads != channels {
+            // transformers derives head_dim when it is absent or null; any other value must
+            // be an integer, and the product is checked because both come from the file.
+            if !matches!(cfg.get("head_dim"), None | Some(Value::Null)) {
+                let hd = get_usize(&cfg, &path, "head_dim")?;
+                if heads == 0 || hd.checked_mul(heads) != Some(channels) {
                     return Err(bad(
                         &path,
                         format!("head_dim {hd} × {heads} heads is not hidden_size {channels}"),

@@ -44,6 +44,7 @@
 //!   the base's bit for bit.
 
 pub mod adapters;
+mod bounded;
 pub mod checkpoint;
 pub mod cli;
 #[cfg(feature = "cuda")]

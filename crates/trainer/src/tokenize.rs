@@ -6,8 +6,10 @@
 //! tokens: it falls on a document separator, or for GPT-2's BPE after a newline that precedes
 //! a letter or digit, where GPT-2's pre-tokenizer splits anyway (a whole-file encode gives the
 //! same ids; tested). A Hugging Face tokenizer may add a prefix or special tokens per call, so
-//! it is split at document separators only.
+//! it is split at document separators only. Its file's truncation and padding are cleared (they
+//! would cut or pad every piece) and BPE dropout is refused (it makes the ids random).
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::formats::writer::TokenWriter;
@@ -22,6 +24,8 @@ pub const GPT2_VOCAB: usize = 50257;
 pub const GPT2_EOT: u32 = 50256;
 /// Bytes of text per piece handed to a thread.
 const PIECE_BYTES: usize = 1 << 20;
+/// The largest `tokenizer.json` read (real ones are tens of MiB at most).
+const MAX_TOKENIZER_BYTES: u64 = 1 << 30;
 
 fn err(path: impl Into<PathBuf>, reason: impl Into<String>) -> TrainError {
     TrainError::Tokenizer {
@@ -34,17 +38,92 @@ fn err(path: impl Into<PathBuf>, reason: impl Into<String>) -> TrainError {
 pub enum Tokenizer {
     /// GPT-2's byte-level BPE (`r50k_base`).
     Gpt2(Box<tiktoken_rs::CoreBPE>),
-    /// A Hugging Face tokenizer, and the file it came from.
-    HuggingFace(Box<tokenizers::Tokenizer>, PathBuf),
+    /// A Hugging Face tokenizer, as [`Tokenizer::from_name`] loaded and checked it.
+    HuggingFace(Box<HfTokenizer>),
+}
+
+/// A Hugging Face tokenizer without its truncation and padding, from a file whose model
+/// tokenizes deterministically; only [`Tokenizer::from_name`] makes one.
+pub struct HfTokenizer {
+    tok: tokenizers::Tokenizer,
+    path: PathBuf,
+    /// Highest id (model vocabulary and added tokens) + 1.
+    vocab: usize,
+}
+
+impl HfTokenizer {
+    /// The `tokenizer.json` it was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `f(tokenizer)`, a panic of the `tokenizers` crate (it has some on hostile settings: a
+    /// Strip decoder that strips a one-character token from both ends, a corrupt precompiled
+    /// normalizer) turned into an error naming the file.
+    fn guarded<T>(
+        &self,
+        f: impl FnOnce(&tokenizers::Tokenizer) -> tokenizers::Result<T>,
+    ) -> Result<T> {
+        guarded(&self.path, || f(&self.tok))
+    }
+}
+
+/// `f()`, its error or a panic inside it turned into a [`TrainError::Tokenizer`] for `path`.
+fn guarded<T>(path: &Path, f: impl FnOnce() -> tokenizers::Result<T>) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| err(path, e.to_string())),
+        Err(_) => Err(err(
+            path,
+            "the tokenizers library panicked on this tokenizer (a setting it does not check)",
+        )),
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Tokenizer::Gpt2(_) => write!(f, "Tokenizer::Gpt2"),
-            Tokenizer::HuggingFace(_, p) => write!(f, "Tokenizer::HuggingFace({})", p.display()),
+            Tokenizer::HuggingFace(t) => {
+                write!(f, "Tokenizer::HuggingFace({})", t.path.display())
+            }
         }
     }
+}
+
+/// The Hugging Face tokenizer of the file `path`, made to give each text's own ids and nothing
+/// else: its truncation and padding (which would cut or pad every encoded piece of a token file,
+/// and which the `tokenizers` crate panics on for some values) are cleared, and a BPE model
+/// with dropout (a training-time augmentation: random ids) is refused.
+fn load_hugging_face(path: PathBuf) -> Result<HfTokenizer> {
+    let bytes = crate::bounded::read_file(&path, MAX_TOKENIZER_BYTES).map_err(|r| err(&path, r))?;
+    let mut tok = guarded(&path, || tokenizers::Tokenizer::from_bytes(&bytes))?;
+    tok.with_truncation(None)
+        .map_err(|e| err(&path, e.to_string()))?
+        .with_padding(None);
+    if let tokenizers::models::ModelWrapper::BPE(bpe) = tok.get_model() {
+        if let Some(p) = bpe.dropout.filter(|&p| p != 0.0) {
+            return Err(err(
+                &path,
+                format!(
+                    "BPE dropout {p}: its encodings are random; set the model's \"dropout\" to \
+                     null to tokenize data with it"
+                ),
+            ));
+        }
+    }
+    // Ids need not be dense (a vocabulary {"a": 0, "b": 60000} encodes to 60000), so the size is
+    // the highest id + 1, not the number of tokens.
+    let highest = tok
+        .get_vocab(true)
+        .into_values()
+        .chain(tok.get_added_tokens_decoder().into_keys())
+        .max();
+    let vocab = match highest {
+        None => 0,
+        Some(id) => usize::try_from(u64::from(id) + 1)
+            .map_err(|_| err(&path, format!("id {id} does not fit this machine")))?,
+    };
+    Ok(HfTokenizer { tok, path, vocab })
 }
 
 impl Tokenizer {
@@ -58,8 +137,7 @@ impl Tokenizer {
         if path.is_dir() {
             path = path.join("tokenizer.json");
         }
-        let tok = tokenizers::Tokenizer::from_file(&path).map_err(|e| err(&path, e.to_string()))?;
-        Ok(Tokenizer::HuggingFace(Box::new(tok), path))
+        Ok(Tokenizer::HuggingFace(Box::new(load_hugging_face(path)?)))
     }
 
     /// The tokenizer a checkpoint directory carries (`tokenizer.json`), if any.
@@ -69,11 +147,12 @@ impl Tokenizer {
             .then(|| Self::from_name(&file.to_string_lossy()))
     }
 
-    /// Ids run from 0 to `vocab_size() - 1` (special tokens included).
+    /// Ids run from 0 to `vocab_size() - 1` (special tokens included): the highest id + 1, as a
+    /// Hugging Face vocabulary's ids may leave gaps.
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Gpt2(_) => GPT2_VOCAB,
-            Tokenizer::HuggingFace(t, _) => t.get_vocab_size(true),
+            Tokenizer::HuggingFace(t) => t.vocab,
         }
     }
 
@@ -82,9 +161,9 @@ impl Tokenizer {
     pub fn end_of_text(&self) -> Option<u32> {
         match self {
             Tokenizer::Gpt2(_) => Some(GPT2_EOT),
-            Tokenizer::HuggingFace(t, _) => ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]
+            Tokenizer::HuggingFace(t) => ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]
                 .iter()
-                .find_map(|s| t.token_to_id(s)),
+                .find_map(|s| t.tok.token_to_id(s)),
         }
     }
 
@@ -93,24 +172,20 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
-            Tokenizer::HuggingFace(t, path) => Ok(t
-                .encode(text, false)
-                .map_err(|e| err(path, e.to_string()))?
-                .get_ids()
-                .to_vec()),
+            Tokenizer::HuggingFace(t) => {
+                t.guarded(|t| Ok(t.encode(text, false)?.get_ids().to_vec()))
+            }
         }
     }
 
     /// The text of `ids`; bytes that are not valid UTF-8 on their own (a character split
     /// across tokens) are replaced by U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= self.vocab_size()) {
+        let vocab = self.vocab_size();
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             return Err(err(
                 self.source(),
-                format!(
-                    "id {bad} is outside the vocabulary of {}",
-                    self.vocab_size()
-                ),
+                format!("id {bad} is outside the vocabulary of {vocab}"),
             ));
         }
         match self {
@@ -120,16 +195,14 @@ impl Tokenizer {
                     .map_err(|e| err("gpt2", e.to_string()))?;
                 Ok(String::from_utf8_lossy(&bytes).into_owned())
             }
-            Tokenizer::HuggingFace(t, path) => {
-                t.decode(ids, false).map_err(|e| err(path, e.to_string()))
-            }
+            Tokenizer::HuggingFace(t) => t.guarded(|t| t.decode(ids, false)),
         }
     }
 
     fn source(&self) -> PathBuf {
         match self {
             Tokenizer::Gpt2(_) => "gpt2".into(),
-            Tokenizer::HuggingFace(_, p) => p.clone(),
+            Tokenizer::HuggingFace(t) => t.path.clone(),
         }
     }
 

@@ -664,3 +664,38 @@ fn resuming_refuses_a_corrupt_model_or_optimizer_file() {
     let e = resume(copy.path()).err().unwrap();
     assert!(e.to_string().contains("moment bytes"), "{e}");
 }
+
+/// A checkpoint's JSON file that is a symlink to a device reports a length of 0 whatever it
+/// yields: it is refused at once, not read until memory runs out (here a ZeRO checkpoint's
+/// zero.json, which is read bounded before the manifest's size check).
+#[cfg(unix)]
+#[test]
+fn a_json_file_that_is_a_device_is_refused_without_reading_it() {
+    use headroom_trainer::zero_checkpoint::{self, ZERO_STATE};
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        step: 1,
+        files: vec![checkpoint::ManifestFile {
+            name: ZERO_STATE.into(),
+            bytes: 100,
+            xxh3: "0".repeat(16),
+        }],
+    };
+    std::fs::write(
+        dir.path().join(MANIFEST),
+        serde_json::to_vec(&manifest).unwrap(),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.path().join(ZERO_STATE)).unwrap();
+    match zero_checkpoint::load(dir.path()) {
+        Err(e @ TrainError::Checkpoint { .. }) => {
+            let message = e.to_string();
+            assert!(
+                message.contains(ZERO_STATE) && message.contains("not a regular file"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}

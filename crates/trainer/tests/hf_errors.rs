@@ -10,6 +10,7 @@ use headroom_trainer::model::params;
 use headroom_trainer::TrainError;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
+use serde_json::{json, Value};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-llama-gqa-untied")
@@ -523,4 +524,96 @@ fn a_non_finite_weight_is_refused_where_it_is_quantized() {
             "{err}"
         );
     }
+}
+
+/// config.json values that the shape check multiplies are checked, not wrapped: 2^62 + 8 ×
+/// 4 heads is 2^64 + 32, which wraps to the fixture's hidden size of 32. A head_dim that is
+/// present must be an integer (null is transformers' "derive it").
+#[test]
+fn head_dim_is_an_integer_whose_product_is_checked() {
+    let s = tempfile::tempdir().unwrap();
+    refused(
+        &variant(
+            &s,
+            "head-dim-overflow",
+            |_| {},
+            |c| c["head_dim"] = 4_611_686_018_427_387_912u64.into(),
+        ),
+        "head_dim 4611686018427387912 × 4 heads is not hidden_size 32",
+    );
+    refused(
+        &variant(&s, "head-dim-text", |_| {}, |c| c["head_dim"] = "8".into()),
+        "head_dim is not a non-negative integer",
+    );
+    refused(
+        &variant(&s, "head-dim-float", |_| {}, |c| c["head_dim"] = 8.5.into()),
+        "head_dim is not a non-negative integer",
+    );
+    let derived = variant(&s, "head-dim-null", |_| {}, |c| c["head_dim"] = Value::Null);
+    assert_eq!(masters(&derived), masters(&fixture()));
+}
+
+fn gpt2_config() -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf-gpt2-sharded/config.json");
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// GPT-2 attention that does not scale by 1/sqrt(head_dim), or that also scales by the layer
+/// index, is not what the model here computes: refused by name.
+#[test]
+fn gpt2_attention_scalings_other_than_ours_are_refused() {
+    let s = tempfile::tempdir().unwrap();
+    let read = |name: &str, key: &str, value: Value| {
+        let dir = s.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cfg = gpt2_config();
+        cfg[key] = value;
+        std::fs::write(dir.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+        hf::read_config(&dir)
+    };
+    for (key, value) in [
+        ("scale_attn_weights", json!(false)),
+        ("scale_attn_weights", Value::Null),
+        ("scale_attn_by_inverse_layer_idx", json!(true)),
+    ] {
+        match read(key, key, value.clone()) {
+            Err(e @ TrainError::Pretrained { .. }) => {
+                assert!(e.to_string().contains(key), "{e}")
+            }
+            other => panic!("{key} = {value}: {other:?}"),
+        }
+    }
+    // Our scaling, spelled out or left to the default, loads.
+    read("explicit", "scale_attn_weights", json!(true)).unwrap();
+    read(
+        "inverse-null",
+        "scale_attn_by_inverse_layer_idx",
+        Value::Null,
+    )
+    .unwrap();
+    let mut cfg = gpt2_config();
+    for key in ["scale_attn_weights", "scale_attn_by_inverse_layer_idx"] {
+        cfg.as_object_mut().unwrap().remove(key);
+    }
+    let dir = s.path().join("defaults");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
+    hf::read_config(&dir).unwrap();
+}
+
+/// A JSON file of the directory that is a symlink to a device (which reports no size) is
+/// refused at once, not read until memory runs out.
+#[cfg(unix)]
+#[test]
+fn json_files_that_are_devices_are_refused_without_reading_them() {
+    let s = tempfile::tempdir().unwrap();
+    let dir = variant(&s, "config-device", |_| {}, |_| {});
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.join("config.json")).unwrap();
+    refused(&dir, "not a regular file");
+    let dir = variant(&s, "index-device", |_| {}, |_| {});
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.join("model.safetensors.index.json")).unwrap();
+    refused(&dir, "not a regular file");
 }

@@ -4,7 +4,7 @@
 //! and transformers give for a committed text;
 //! and token files built from text in pieces equal to a whole-text encode.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::{open, OpenOptions, TokenType};
 use headroom_trainer::tokenize::{build, format_for, Tokenizer, GPT2_EOT, GPT2_VOCAB};
@@ -166,4 +166,182 @@ fn the_token_type_fits_the_vocabulary_and_bad_input_is_refused() {
         Tokenizer::from_name(dir.path().join("missing.json").to_str().unwrap()),
         Err(TrainError::Tokenizer { .. })
     ));
+}
+
+/// The committed tokenizer.json with `edit` applied, written into `dir` as `name`.
+fn variant(dir: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("tokenizer.json")).unwrap()).unwrap();
+    edit(&mut json);
+    let path = dir.join(name);
+    std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    path
+}
+
+fn load(path: &Path) -> Result<Tokenizer, TrainError> {
+    Tokenizer::from_name(path.to_str().unwrap())
+}
+
+/// A Tokenizer error whose message mentions `needle`.
+fn tokenizer_error<T: std::fmt::Debug>(r: Result<T, TrainError>, needle: &str) {
+    match r {
+        Err(e @ TrainError::Tokenizer { .. }) => {
+            assert!(e.to_string().contains(needle), "{e} lacks {needle:?}")
+        }
+        other => panic!("wanted a tokenizer error about {needle:?}, got {other:?}"),
+    }
+}
+
+/// The tokens `build` writes for `text` (documents separated by `<|endoftext|>`).
+fn built(tok: &Tokenizer, dir: &Path, text: &str) -> Result<Vec<u32>, TrainError> {
+    let input = dir.join("text.txt");
+    std::fs::write(&input, text).unwrap();
+    let out = dir.join("tokens.bin");
+    let _ = std::fs::remove_file(&out);
+    let format = format_for("raw", tok.vocab_size()).unwrap();
+    build(&input, tok, format, Some("<|endoftext|>"), &out, false)?;
+    Ok(read_tokens(&out).0)
+}
+
+/// Truncation and padding in a tokenizer.json are for batches fed to a model: applied to the
+/// pieces of a token file they would cut or pad every piece. They are cleared on loading,
+/// including values the tokenizers crate panics on (a stride not below max_length; a fixed
+/// length no buffer can hold).
+#[test]
+fn truncation_and_padding_of_the_file_do_not_change_the_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("expected.json")).unwrap()).unwrap();
+    let texts: Vec<&str> = expected["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    let text = texts.join("<|endoftext|>");
+    let plain = load(&fixture("tokenizer.json")).unwrap();
+    let want = built(&plain, dir.path(), &text).unwrap();
+    assert!(want.len() > 40);
+    let truncation = |max_length: u64, stride: u64| {
+        serde_json::json!({
+            "direction": "Right", "max_length": max_length, "strategy": "LongestFirst",
+            "stride": stride,
+        })
+    };
+    let padding = |length: u64| {
+        serde_json::json!({
+            "strategy": {"Fixed": length}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>",
+        })
+    };
+    let cases = [
+        ("truncation", truncation(4, 0), serde_json::Value::Null),
+        ("stride", truncation(4, 4), serde_json::Value::Null),
+        ("padding", serde_json::Value::Null, padding(64)),
+        ("huge-padding", serde_json::Value::Null, padding(u64::MAX)),
+        ("both", truncation(4, 1), padding(64)),
+    ];
+    for (name, trunc, pad) in cases {
+        let tok = load(&variant(dir.path(), name, |j| {
+            j["truncation"] = trunc;
+            j["padding"] = pad;
+        }))
+        .unwrap();
+        for t in &texts {
+            assert_eq!(
+                tok.encode(t).unwrap(),
+                plain.encode(t).unwrap(),
+                "{name}: {t:?}"
+            );
+        }
+        assert_eq!(built(&tok, dir.path(), &text).unwrap(), want, "{name}");
+    }
+}
+
+/// BPE dropout skips merges at random: a token file built with it would differ run to run.
+#[test]
+fn a_bpe_model_with_dropout_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = variant(dir.path(), "dropout.json", |j| {
+        j["model"]["dropout"] = 0.1.into()
+    });
+    tokenizer_error(load(&path), "dropout");
+    // Dropout 0 is no dropout.
+    let path = variant(dir.path(), "dropout0.json", |j| {
+        j["model"]["dropout"] = 0.0.into()
+    });
+    let tok = load(&path).unwrap();
+    let plain = load(&fixture("tokenizer.json")).unwrap();
+    assert_eq!(
+        tok.encode("hello world").unwrap(),
+        plain.encode("hello world").unwrap()
+    );
+}
+
+/// Settings the tokenizers crate accepts but panics on when used are typed errors naming the
+/// file: a Strip decoder that strips a token's only character from both ends (it slices
+/// `[1..0]`), a precompiled normalizer whose character map is not one (it indexes past it).
+#[test]
+fn settings_the_tokenizers_crate_panics_on_are_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let decoder = serde_json::json!({"type": "Strip", "content": "a", "start": 1, "stop": 1});
+    let strip = variant(dir.path(), "strip.json", |j| j["decoder"] = decoder);
+    let tok = load(&strip).unwrap();
+    let ids = tok.encode("a").unwrap();
+    assert_eq!(ids.len(), 1);
+    tokenizer_error(tok.decode(&ids), "panicked");
+    tokenizer_error(tok.decode(&ids), "strip.json");
+
+    let normalizer = serde_json::json!({"type": "Precompiled", "precompiled_charsmap": "AAAAAA=="});
+    let precompiled = variant(dir.path(), "precompiled.json", |j| {
+        j["normalizer"] = normalizer
+    });
+    let tok = load(&precompiled).unwrap();
+    tokenizer_error(tok.encode("hello world"), "panicked");
+    tokenizer_error(tok.encode("hello world"), "precompiled.json");
+    // Inside build the encodes run on threads: the error still comes back as one.
+    tokenizer_error(
+        built(&tok, dir.path(), "hello<|endoftext|>world"),
+        "panicked",
+    );
+}
+
+/// A vocabulary's ids need not be dense: its size is the highest id + 1, so every id it
+/// encodes to decodes and fits the token type chosen for it.
+#[test]
+fn the_vocabulary_size_is_the_highest_id_plus_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sparse.json");
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 60000}, "unk_token": "a"},
+    });
+    std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    let tok = load(&path).unwrap();
+    assert_eq!(tok.vocab_size(), 60001);
+    assert_eq!(tok.encode("a b").unwrap(), vec![0, 60000]);
+    assert_eq!(tok.decode(&[0, 60000]).unwrap(), "a b");
+    tokenizer_error(tok.decode(&[60001]), "outside the vocabulary of 60001");
+    // Past u16: the token type follows the highest id.
+    let mut json = json;
+    json["model"]["vocab"]["b"] = 70000.into();
+    std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    let tok = load(&path).unwrap();
+    assert_eq!(
+        format_for("raw", tok.vocab_size()).unwrap().token_type(),
+        TokenType::U32
+    );
+}
+
+/// A tokenizer.json that is a symlink to a device (which reports no size) is refused at once,
+/// not read until memory runs out.
+#[cfg(unix)]
+#[test]
+fn a_tokenizer_file_that_is_a_device_is_refused_without_reading_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
+    std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+    tokenizer_error(load(&path), "not a regular file");
 }
