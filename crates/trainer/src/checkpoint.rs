@@ -1434,8 +1434,18 @@ impl ResumePoint {
         if self.adapters.is_some() {
             return Err(err(&self.dir, ADAPTERS_NOT_A_MODEL));
         }
-        for e in self.manifest.model_entries(&self.dir)?.0 {
+        let (entries, _) = self.manifest.model_entries(&self.dir)?;
+        for e in &entries {
             verify_streamed(&self.dir, e)?;
+        }
+        // The Hugging Face reader (like transformers) prefers `model.safetensors` to an index:
+        // one the manifest does not list would be read instead of the verified shards.
+        let single = self.dir.join(FILES[0]);
+        if single.is_file() && !entries.iter().any(|e| e.name == FILES[0]) {
+            return Err(err(
+                &single,
+                "not in the manifest, which lists a sharded model: a file added after the save",
+            ));
         }
         // `config.json` is read beside the tensors: verified too, as `load` verifies it.
         verify_streamed(&self.dir, self.manifest.entry(&self.dir, FILES[1])?)?;

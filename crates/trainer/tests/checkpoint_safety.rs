@@ -580,6 +580,41 @@ fn a_tampered_shard_index_is_refused() {
     ));
 }
 
+/// A `model.safetensors` added beside a sharded checkpoint's verified shards (which the
+/// Hugging Face reader would prefer, as transformers does) is refused by a resume, not read.
+#[test]
+fn a_single_model_file_beside_the_shards_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    for (dir, shard) in [(&root, 64 << 10), (&other, checkpoint::MAX_SHARD_BYTES)] {
+        train(
+            &TrainOptions {
+                save: Some((dir.path().to_path_buf(), 100)),
+                max_shard_bytes: shard,
+                ..tiny(1)
+            },
+            |_| {},
+        )
+        .unwrap();
+    }
+    let (_, dir) = checkpoint::list(root.path()).unwrap().pop().unwrap();
+    let (_, single) = checkpoint::list(other.path()).unwrap().pop().unwrap();
+    let cpu = headroom_tensor::Cpu::new();
+    let read = |dir: &Path| checkpoint::ResumePoint::open(dir)?.read_masters(&cpu);
+    assert!(read(&dir).is_ok());
+    std::fs::copy(
+        single.join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let e = read(&dir).unwrap_err();
+    assert!(
+        matches!(&e, TrainError::Checkpoint { .. })
+            && e.to_string().contains("not in the manifest"),
+        "{e}"
+    );
+}
+
 /// Resuming reads the model and the moments straight from their files
 /// (`checkpoint::ResumePoint`, never both files' bytes in memory at once): the masters are
 /// `checkpoint::load`'s bit for bit, and a flipped byte, a missing byte or an extra byte in
