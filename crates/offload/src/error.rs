@@ -69,6 +69,17 @@ pub enum OffloadError {
         #[source]
         source: std::io::Error,
     },
+    /// Another optimizer's store holds the state file (another run, or another optimizer of
+    /// this process, pointed at the same path): opening it would truncate or share the
+    /// moments that one is training on.
+    #[error(
+        "state file {path} is in use by another run (its optimizer holds the file's lock): \
+         give each run its own state file, or stop the other run first"
+    )]
+    StateFileInUse {
+        /// The file.
+        path: PathBuf,
+    },
     /// A state file exists but does not hold the state this optimizer expects.
     #[error("state file {path} is not usable: {reason}")]
     CorruptStateFile {

@@ -1,8 +1,14 @@
 //! Where optimizer moments live: host RAM, or a memory-mapped file (NVMe offload in the spirit
 //! of ZeRO-Infinity). The optimizer sees both as one byte region; the file survives the process
 //! and can be reopened to continue a run.
+//!
+//! A store file belongs to one optimizer at a time: it is held under an exclusive advisory
+//! lock (`flock`) for the store's lifetime, so a second run pointed at the same path (two runs
+//! with the default `optimizer-state.bin` in one directory) is refused with
+//! [`OffloadError::StateFileInUse`] instead of truncating the moments the first one is
+//! training on.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
 
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
@@ -49,6 +55,9 @@ pub enum StateStore {
         map: MmapMut,
         /// The file's path, for errors.
         path: PathBuf,
+        /// The open file holding the exclusive lock: the lock lasts as long as this handle,
+        /// not as long as the mapping, so it is kept for the store's lifetime.
+        lock: File,
     },
 }
 
@@ -59,30 +68,39 @@ impl StateStore {
         Ok(StateStore::Ram(cpu.zeros([bytes], DType::U8)?))
     }
 
-    /// Create (or truncate) a store file of the right size, zero-filled, and map it.
+    /// Create (or truncate) a store file of the right size, zero-filled, and map it. A file
+    /// another store holds (in this process or another) is refused with
+    /// [`OffloadError::StateFileInUse`] and left as it is.
     pub fn create_file(path: &Path, id: StoreIdentity) -> Result<Self> {
         let io = |source| OffloadError::Io {
             path: path.to_path_buf(),
             source,
         };
+        // Not truncated on open: the file may be another live store's, and only the lock
+        // can tell.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(path)
             .map_err(io)?;
+        lock_exclusive(&file, path)?;
         let len = HEADER_BYTES as u64 + id.payload_bytes;
+        // Truncating to 0 first zero-fills a file that already had this length.
+        file.set_len(0).map_err(io)?;
         file.set_len(len).map_err(io)?;
         let mut map = Self::map(&file, path)?;
         map[..36].copy_from_slice(&id.encode());
         Ok(StateStore::File {
             map,
             path: path.to_path_buf(),
+            lock: file,
         })
     }
 
-    /// Reopen a store file written by an optimizer of the same identity.
+    /// Reopen a store file written by an optimizer of the same identity. A file another store
+    /// holds is refused with [`OffloadError::StateFileInUse`].
     pub fn open_file(path: &Path, id: StoreIdentity) -> Result<Self> {
         let io = |source| OffloadError::Io {
             path: path.to_path_buf(),
@@ -97,6 +115,7 @@ impl StateStore {
             .write(true)
             .open(path)
             .map_err(io)?;
+        lock_exclusive(&file, path)?;
         let len = file.metadata().map_err(io)?.len();
         let want = HEADER_BYTES as u64 + id.payload_bytes;
         if len < HEADER_BYTES as u64 {
@@ -123,13 +142,16 @@ impl StateStore {
         Ok(StateStore::File {
             map,
             path: path.to_path_buf(),
+            lock: file,
         })
     }
 
     fn map(file: &File, path: &Path) -> Result<MmapMut> {
         // SAFETY: the mapping is shared with the file. Another process truncating or writing
         // the file while it is mapped would be undefined behaviour; the store file is private
-        // to this optimizer, which is the documented contract of a file store.
+        // to this optimizer, which is the documented contract of a file store, and the
+        // exclusive lock taken before mapping keeps every other store off it (a program that
+        // ignores advisory locks is outside that contract).
         unsafe { MmapMut::map_mut(file) }.map_err(|source| OffloadError::Io {
             path: path.to_path_buf(),
             source,
@@ -156,7 +178,7 @@ impl StateStore {
     pub fn flush(&mut self) -> Result<()> {
         match self {
             StateStore::Ram(_) => Ok(()),
-            StateStore::File { map, path } => map.flush().map_err(|source| OffloadError::Io {
+            StateStore::File { map, path, .. } => map.flush().map_err(|source| OffloadError::Io {
                 path: path.clone(),
                 source,
             }),
@@ -166,6 +188,21 @@ impl StateStore {
     /// True for a file store.
     pub fn is_file(&self) -> bool {
         matches!(self, StateStore::File { .. })
+    }
+}
+
+/// Take `file`'s exclusive advisory lock without waiting: a store file held by another store
+/// is refused, never shared.
+fn lock_exclusive(file: &File, path: &Path) -> Result<()> {
+    match file.try_lock() {
+        Ok(()) => Ok(()),
+        Err(TryLockError::WouldBlock) => Err(OffloadError::StateFileInUse {
+            path: path.to_path_buf(),
+        }),
+        Err(TryLockError::Error(source)) => Err(OffloadError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
     }
 }
 

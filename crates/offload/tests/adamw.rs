@@ -312,6 +312,60 @@ fn corrupt_or_foreign_state_files_are_refused() {
     CpuAdamW::reopen(&state, &path).unwrap();
 }
 
+/// Two runs with the same state file (the command's default `optimizer-state.bin` in one
+/// working directory): the second is refused by name while the first holds the file, and the
+/// first's moments are untouched; once the first is gone the file can be taken again.
+#[test]
+fn a_state_file_in_use_is_refused_not_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("optimizer-state.bin");
+    let specs = [ParamSpec {
+        numel: 4096,
+        group: 0,
+    }];
+    let new = || {
+        CpuAdamW::new(
+            vec![AdamWHyper::default()],
+            &specs,
+            StatePrecision::F32,
+            StoreSpec::File(&path),
+        )
+    };
+    let mut first = new().unwrap();
+    let mut w = vec![1.0f32; 4096];
+    first
+        .step(0, &mut w, FloatSlice::F32(&vec![0.5f32; 4096]), None)
+        .unwrap();
+    first.flush().unwrap();
+    let moments = first.moments().to_vec();
+    assert!(moments.iter().any(|&b| b != 0));
+    let on_disk = std::fs::read(&path).unwrap();
+
+    match new() {
+        Err(OffloadError::StateFileInUse { path: p }) => assert_eq!(p, path),
+        other => panic!("a second store on a held file: {other:?}"),
+    }
+    let state = first.state();
+    assert!(matches!(
+        CpuAdamW::reopen(&state, &path),
+        Err(OffloadError::StateFileInUse { .. })
+    ));
+    let e = new().unwrap_err().to_string();
+    assert!(
+        e.contains("optimizer-state.bin") && e.contains("in use"),
+        "{e}"
+    );
+    assert_eq!(first.moments(), &moments[..]);
+    assert_eq!(std::fs::read(&path).unwrap(), on_disk);
+
+    drop(first);
+    let reopened = CpuAdamW::reopen(&state, &path).unwrap();
+    assert_eq!(reopened.moments(), &moments[..]);
+    drop(reopened);
+    // A new store on a released file starts from zero moments, as before.
+    assert!(new().unwrap().moments().iter().all(|&b| b == 0));
+}
+
 #[test]
 fn bad_arguments_are_typed_errors() {
     use headroom_offload::OffloadError;

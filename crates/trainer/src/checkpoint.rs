@@ -44,7 +44,10 @@
 //!
 //! The trade-off: a save rewrites every file (no hard links to an unchanged previous file), and
 //! the last `keep` checkpoints occupy `keep`× the space; pruning happens after publishing, so a
-//! crash while pruning leaves one checkpoint too many, never one too few.
+//! crash while pruning leaves one checkpoint too many, never one too few. Pruning never removes
+//! the checkpoint just published, and a resume refuses a root holding checkpoints past its
+//! start (`refuse_later_checkpoints`): by step number alone, those would outlive the resumed
+//! run's own and be what a later resume of the root continues.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -113,6 +116,25 @@ pub struct RunSpec {
     pub grad_clip: f64,
     /// Working precision (`fp32`, `bf16`, `fp16`).
     pub precision: String,
+    /// fp16's loss-scale floor (`--min-loss-scale`): `Some(None)` for none (and for every run
+    /// without loss scaling, where it changes nothing), `None` when not recorded — a
+    /// checkpoint written before it was, whose floor is unknown and so not compared.
+    #[serde(
+        default,
+        deserialize_with = "recorded",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub min_loss_scale: Option<Option<f32>>,
+}
+
+/// A field that may be `null` inside an optional one: present (even as `null`) is `Some`, so
+/// only a missing field (with `#[serde(default)]`) is `None`.
+fn recorded<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
 }
 
 /// An `f64` that may be infinite, as JSON `null` when it is (JSON numbers are finite).
@@ -169,6 +191,10 @@ impl RunSpec {
             now.grad_clip.to_string(),
         );
         cmp("--precision", self.precision.clone(), now.precision.clone());
+        if let (Some(was), Some(is)) = (self.min_loss_scale, now.min_loss_scale) {
+            let show = |floor: Option<f32>| floor.map_or("none".into(), |f| f.to_string());
+            cmp("--min-loss-scale", show(was), show(is));
+        }
         d
     }
 }
@@ -799,6 +825,31 @@ pub(crate) fn refuse_used_root(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A resume from step `start` refuses a save root holding checkpoints of later steps (an
+/// abandoned continuation of the run, or another run): pruning keeps the newest by step
+/// number, so those would outlive the resumed run's own checkpoints, and a later resume of
+/// the root would continue the abandoned run. Nothing is deleted: they may be all the user has
+/// of that run.
+pub(crate) fn refuse_later_checkpoints(root: &Path, start: usize) -> Result<()> {
+    let later: Vec<String> = list(root)?
+        .into_iter()
+        .filter(|&(step, _)| step > start)
+        .map(|(step, _)| step.to_string())
+        .collect();
+    if !later.is_empty() {
+        return Err(TrainError::Checkpoint {
+            path: root.to_path_buf(),
+            reason: format!(
+                "holds checkpoints past the resumed step {start} (steps {}): the resumed run's \
+                 checkpoints would be pruned before them and a later resume of this directory \
+                 would continue them; move them aside, or save into another --checkpoint-dir",
+                later.join(", ")
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The published checkpoints under `root`, oldest first, as (step, directory).
 pub fn list(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let mut out = Vec::new();
@@ -867,7 +918,7 @@ pub fn save_sharded(
     write_step(
         root,
         state,
-        keep,
+        Some(keep),
         |partial, files| {
             match &state.finetune {
                 Some(f) => {
@@ -904,16 +955,17 @@ pub fn save_sharded(
 /// [`save_sharded`] for a full model whose values are produced while the files are written,
 /// so none of them needs to be in memory whole (a ZeRO checkpoint's consolidation):
 /// `tensor(i)` gives parameter `i`'s values in our layout, one at a time, and `moments(put)`
-/// writes `optimizer.bin`'s bytes through `put`.
+/// writes `optimizer.bin`'s bytes through `put`. `keep: None` prunes nothing, not even
+/// leftovers of interrupted saves (the root may be a live run's).
 pub(crate) fn save_streamed(
     root: &Path,
     state: &TrainingState,
-    keep: usize,
+    keep: Option<usize>,
     max_shard_bytes: u64,
     mut tensor: impl FnMut(usize) -> Result<Vec<f32>>,
     moments: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<PathBuf> {
-    if keep == 0 {
+    if keep == Some(0) {
         return Err(err(
             root,
             "keeping 0 checkpoints would delete the one just saved",
@@ -947,10 +999,11 @@ pub(crate) fn save_streamed(
 /// One step directory written into a `.partial-…` sibling and published: `model` writes the
 /// model's files (or the adapters) and records them, then `config.json`, `optimizer.bin`
 /// (its bytes from `moments`, streamed), `state.json` and the manifest, every file fsynced.
+/// `keep` as [`publish`]'s.
 fn write_step(
     root: &Path,
     state: &TrainingState,
-    keep: usize,
+    keep: Option<usize>,
     model: impl FnOnce(&Path, &mut Vec<ManifestFile>) -> Result<()>,
     moments: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<PathBuf> {
@@ -988,9 +1041,31 @@ fn write_step(
 }
 
 /// Publish a complete `partial` directory (manifest written last) as `root/step-N`, then keep
-/// the newest `keep` checkpoints. A directory of the same step (a run resumed before it) is
-/// moved aside first: rename cannot replace a non-empty directory.
-pub(crate) fn publish(root: &Path, partial: &Path, step: usize, keep: usize) -> Result<PathBuf> {
+/// the newest `keep` checkpoints (`None`: prune nothing). A directory of the same step (a run
+/// resumed before it) is moved aside first: rename cannot replace a non-empty directory.
+///
+/// Once the rename is durable the save has succeeded: failing to remove the replaced copy or
+/// old checkpoints afterwards is reported on stderr, not returned, since an error would stop
+/// a run whose new checkpoint is intact (and leave one checkpoint too many, never one too few).
+pub(crate) fn publish(
+    root: &Path,
+    partial: &Path,
+    step: usize,
+    keep: Option<usize>,
+) -> Result<PathBuf> {
+    publish_with(root, partial, step, keep, &mut |dir| {
+        fs::remove_dir_all(dir)
+    })
+}
+
+/// [`publish`], removing directories through `remove` (a test makes it fail).
+fn publish_with(
+    root: &Path,
+    partial: &Path,
+    step: usize,
+    keep: Option<usize>,
+    remove: &mut dyn FnMut(&Path) -> std::io::Result<()>,
+) -> Result<PathBuf> {
     sync_dir(partial)?;
     let published = root.join(step_dir_name(step));
     if published.exists() {
@@ -1002,32 +1077,73 @@ pub(crate) fn publish(root: &Path, partial: &Path, step: usize, keep: usize) -> 
         fs::rename(&published, &aside).map_err(io(&published))?;
         fs::rename(partial, &published).map_err(io(&published))?;
         sync_dir(root)?;
-        fs::remove_dir_all(&aside).map_err(io(&aside))?;
+        if let Err(e) = remove(&aside) {
+            warn_after_publish(
+                &published,
+                "could not remove the copy it replaced",
+                &aside,
+                &e,
+            );
+        }
     } else {
         fs::rename(partial, &published).map_err(io(&published))?;
         sync_dir(root)?;
     }
-    prune(root, keep)?;
+    if let Some(keep) = keep {
+        prune(root, keep, &published, step, remove);
+    }
     Ok(published)
 }
 
+/// A failure after `published` was saved: a line on stderr naming both paths, so the user can
+/// free the space by hand. A closed stderr is ignored rather than a panic.
+fn warn_after_publish(published: &Path, what: &str, path: &Path, e: &dyn std::fmt::Display) {
+    let _ = writeln!(
+        std::io::stderr(),
+        "warning: checkpoint {} saved, but {what} {}: {e}",
+        published.display(),
+        path.display()
+    );
+}
+
 /// Remove all but the newest `keep` published checkpoints, and leftovers of interrupted saves.
-fn prune(root: &Path, keep: usize) -> Result<()> {
-    let published = list(root)?;
-    let excess = published.len().saturating_sub(keep);
-    for (_, dir) in &published[..excess] {
-        fs::remove_dir_all(dir).map_err(io(dir))?;
+/// `published` (of step `step`) is never removed: by step number alone it would be, were the
+/// root to hold later steps, and the run would go on without its newest checkpoint. Failures
+/// are warnings ([`publish`] says why) and do not stop the others being removed.
+fn prune(
+    root: &Path,
+    keep: usize,
+    published: &Path,
+    step: usize,
+    remove: &mut dyn FnMut(&Path) -> std::io::Result<()>,
+) {
+    let all = match list(root) {
+        Ok(all) => all,
+        Err(e) => return warn_after_publish(published, "could not list", root, &e),
+    };
+    let others: Vec<&PathBuf> = all
+        .iter()
+        .filter(|&&(s, _)| s != step)
+        .map(|(_, dir)| dir)
+        .collect();
+    let excess = all.len().saturating_sub(keep.max(1)).min(others.len());
+    for dir in &others[..excess] {
+        if let Err(e) = remove(dir) {
+            warn_after_publish(published, "could not remove the old checkpoint", dir, &e);
+        }
     }
-    for entry in fs::read_dir(root).map_err(io(root))? {
-        let entry = entry.map_err(io(root))?;
+    let entries = match fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) => return warn_after_publish(published, "could not list", root, &e),
+    };
+    for entry in entries.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if name.starts_with(PARTIAL_PREFIX) || name.starts_with(REPLACED_PREFIX) {
             // Another process's save in progress would be removed too: one writer per root.
-            let _ = fs::remove_dir_all(entry.path());
+            let _ = remove(&entry.path());
         }
     }
-    Ok(())
 }
 
 /// The step directory `path` names: `path` itself when it holds a manifest, else the newest
@@ -1785,6 +1901,71 @@ mod tests {
             ..base
         };
         [base, llama]
+    }
+
+    /// Once the new checkpoint is published the save has succeeded: a replaced copy or an old
+    /// checkpoint that cannot be removed is a warning, not an error, and the other removals
+    /// are still made. Pruning never takes the checkpoint just published, even below a later
+    /// step, and `keep: None` removes nothing.
+    #[test]
+    fn cleanup_after_publishing_never_fails_the_save_or_takes_the_new_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let partial = |marker: &str| {
+            let p = root.join(format!("{PARTIAL_PREFIX}test"));
+            fs::create_dir(&p).unwrap();
+            fs::write(p.join("marker"), marker).unwrap();
+            p
+        };
+        let marker =
+            |step: usize| fs::read_to_string(root.join(step_dir_name(step)).join("marker"));
+        let steps = || {
+            list(root)
+                .unwrap()
+                .into_iter()
+                .map(|(s, _)| s)
+                .collect::<Vec<_>>()
+        };
+        for step in [1, 2] {
+            fs::create_dir(root.join(step_dir_name(step))).unwrap();
+        }
+        let refused = |_: &Path| Err(std::io::Error::other("refused"));
+
+        // Step 1 cannot be removed; step 2 still is.
+        let mut not_step_1 = |d: &Path| {
+            if d.ends_with(step_dir_name(1)) {
+                refused(d)
+            } else {
+                fs::remove_dir_all(d)
+            }
+        };
+        let p = partial("a");
+        let published = publish_with(root, &p, 3, Some(1), &mut not_step_1).unwrap();
+        assert_eq!(published, root.join(step_dir_name(3)));
+        assert_eq!(steps(), vec![1, 3]);
+        assert_eq!(marker(3).unwrap(), "a");
+
+        // The same step again: the replaced copy cannot be removed, the new one is in place.
+        let p = partial("b");
+        publish_with(root, &p, 3, Some(1), &mut |d| refused(d)).unwrap();
+        assert_eq!(marker(3).unwrap(), "b");
+        assert_eq!(steps(), vec![1, 3]);
+        assert!(fs::read_dir(root).unwrap().any(|e| e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(REPLACED_PREFIX)));
+
+        // Nothing pruned without a `keep`.
+        publish(root, &partial("c"), 2, None).unwrap();
+        assert_eq!(steps(), vec![1, 2, 3]);
+
+        // Below a later step 3, with one to keep: the new step 2 is the one kept, and the
+        // leftovers of the failed removals go too.
+        publish(root, &partial("d"), 2, Some(1)).unwrap();
+        assert_eq!(steps(), vec![2]);
+        assert_eq!(marker(2).unwrap(), "d");
+        assert_eq!(fs::read_dir(root).unwrap().count(), 1);
     }
 
     /// The streamed model files are, byte for byte, `safetensors::serialize` of the tensors in

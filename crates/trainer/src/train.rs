@@ -116,7 +116,8 @@ pub struct TrainOptions {
     pub budget: Option<u64>,
     /// Checkpoint root and the steps between saves (0: only at the end). A run that ends
     /// (all its steps, or stopped through [`TrainOptions::stop`]) always saves its last step.
-    /// A fresh run refuses a root that already holds checkpoints (resume it instead).
+    /// A fresh run refuses a root that already holds checkpoints (resume it instead); a
+    /// resumed one, a root holding checkpoints past the step it resumes.
     pub save: Option<(PathBuf, usize)>,
     /// Checkpoints kept in the root (the newest; at least 1).
     pub keep_checkpoints: usize,
@@ -334,6 +335,11 @@ impl TrainOptions {
             weight_decay: self.weight_decay,
             grad_clip: self.grad_clip,
             precision: self.techniques.model.precision.name().to_string(),
+            // Only a scaled run has a floor to honour; elsewhere a changed flag changes no bit.
+            min_loss_scale: Some(
+                self.min_loss_scale
+                    .filter(|_| self.techniques.model.precision.needs_loss_scaling()),
+            ),
         }
     }
 
@@ -1162,6 +1168,9 @@ fn train_tracked(
                     path: ck.dir.clone(),
                     differences,
                 });
+            }
+            if let Some((root, _)) = &opts.save {
+                checkpoint::refuse_later_checkpoints(root, ck.state.step)?;
             }
             Some(ck)
         }

@@ -137,6 +137,22 @@ impl ZeroCheckpoint {
                 "a ZeRO run resumes f32 AdamW state of full training only",
             ));
         }
+        // The ZeRO engine keeps one AdamW step count for every parameter, the global step
+        // (`resume_at`); a single-process run counts per parameter and skips a step whose
+        // gradient was not finite, so its counts can lag. Resumed here they would be set to
+        // the step, and the bias corrections would differ from the run being continued.
+        if let Some(&count) = st.optimizer.steps.iter().find(|&&c| c != st.step as u64) {
+            return Err(err(
+                &point.dir,
+                format!(
+                    "its AdamW step counts differ from its step {} (one is {count}: the run \
+                     skipped an optimizer step, e.g. for a non-finite gradient); a ZeRO run \
+                     keeps one count for every parameter and cannot continue it exactly: \
+                     resume it without --zero",
+                    st.step
+                ),
+            ));
+        }
         let params = point.stored_tensors()?;
         let numel: Vec<u64> = params
             .iter()
@@ -370,7 +386,7 @@ pub(crate) fn publish(
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
     write_synced(&partial.join(MANIFEST), &json)?;
-    checkpoint::publish(root, partial, state.step, keep)
+    checkpoint::publish(root, partial, state.step, Some(keep))
 }
 
 /// Whether `dir` (a step directory) is a ZeRO checkpoint.
@@ -541,8 +557,26 @@ pub(crate) fn loader_state(
 /// Write the ZeRO checkpoint at `src` as one ordinary checkpoint under `dst_root`: the same
 /// parameters and moments, a single-process optimizer and data position at the same step. It
 /// loads in `sample`, `eval` and transformers, and resumes without `--zero`.
+///
+/// Nothing under `dst_root` is removed: it may hold the run's other checkpoints (it may be
+/// the source's own root). A `dst_root` already holding a checkpoint of the same step — the
+/// source itself, when it is the source's root — is refused, as writing would replace it.
 pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
     let ck = load(src)?;
+    if let Some((_, existing)) = checkpoint::list(dst_root)?
+        .into_iter()
+        .find(|&(step, _)| step == ck.state.step)
+    {
+        return Err(err(
+            dst_root,
+            format!(
+                "already holds a checkpoint of step {} ({}), which consolidating here would \
+                 replace: choose another output directory",
+                ck.state.step,
+                existing.display()
+            ),
+        ));
+    }
     let cfg = ck.state.config;
     let infos = params::param_infos(&cfg);
     let hyper = |wd| AdamWHyper {
@@ -578,7 +612,7 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
     checkpoint::save_streamed(
         dst_root,
         &state,
-        1,
+        None,
         checkpoint::MAX_SHARD_BYTES,
         |i| ck.read(i, PieceKind::Param),
         |put| {

@@ -383,7 +383,13 @@ fn drive<C: Collective + 'static>(
     })?;
     let (dataset, _) = crate::train::open_data(opts)?;
     let resume = match &opts.resume_from {
-        Some(path) => Some(resume_point(opts, path, dataset.fingerprint())?),
+        Some(path) => {
+            let ck = resume_point(opts, path, dataset.fingerprint())?;
+            if let Some((root, _)) = &opts.save {
+                crate::checkpoint::refuse_later_checkpoints(root, ck.state.step)?;
+            }
+            Some(ck)
+        }
         None => {
             if let Some((root, _)) = &opts.save {
                 crate::checkpoint::refuse_used_root(root)?;

@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use headroom_offload::StatePrecision;
+use headroom_tensor::Backend;
 use headroom_trainer::checkpoint::{self, Manifest, FORMAT_VERSION, MANIFEST};
 use headroom_trainer::model::ModelConfig;
 use headroom_trainer::train::{train, TrainOptions};
@@ -259,6 +260,143 @@ fn resuming_under_other_settings_names_each_difference() {
         }
         e => panic!("expected ResumeMismatch, got {e}"),
     }
+}
+
+/// A run resumed from an older step into its own root, which still holds the later
+/// checkpoints of the run it abandons: pruning by step number would delete the resumed run's
+/// new checkpoints and keep the abandoned ones, which a later `--resume` of the root would
+/// continue. The resume is refused before anything is written or deleted, and goes ahead once
+/// the later checkpoints are moved aside as the message says.
+#[test]
+fn a_resume_refuses_a_root_holding_checkpoints_past_its_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("run");
+    let o = TrainOptions {
+        save: Some((root.clone(), 2)),
+        keep_checkpoints: 2,
+        ..tiny(8)
+    };
+    train(&o, |_| {}).unwrap();
+    assert_eq!(step_dirs(&root), vec![6, 8]);
+    let manifest8 = std::fs::read(root.join("step-00000008").join(MANIFEST)).unwrap();
+    let resumed = TrainOptions {
+        save: Some((root.clone(), 1)),
+        keep_checkpoints: 1,
+        resume_from: Some(root.join("step-00000006")),
+        stop_after: Some(7),
+        ..tiny(8)
+    };
+    match train(&resumed, |_| {}).unwrap_err() {
+        TrainError::Checkpoint { path, reason } => {
+            assert_eq!(path, root);
+            assert!(
+                reason.contains("steps 8") && reason.contains("--checkpoint-dir"),
+                "{reason}"
+            );
+        }
+        e => panic!("expected a checkpoint error, got {e}"),
+    }
+    // Nothing written, nothing deleted.
+    assert_eq!(step_dirs(&root), vec![6, 8]);
+    assert_eq!(
+        std::fs::read(root.join("step-00000008").join(MANIFEST)).unwrap(),
+        manifest8
+    );
+    let names = |d: &Path| std::fs::read_dir(d).unwrap().count();
+    assert_eq!(names(&root), 2, "a save was started");
+
+    std::fs::rename(root.join("step-00000008"), dir.path().join("abandoned")).unwrap();
+    let r = train(&resumed, |_| {}).unwrap();
+    let last = r.last_checkpoint.unwrap();
+    assert_eq!(last, root.join("step-00000007"));
+    assert_eq!(step_dirs(&root), vec![7]);
+    assert_eq!(checkpoint::resolve(&root).unwrap(), last);
+}
+
+/// Defence in depth below the resume's refusal: a save into a root that holds a later step
+/// never prunes the checkpoint it just published, whatever the step numbers say.
+#[test]
+fn a_save_never_prunes_the_checkpoint_it_just_published() {
+    let (dir, _) = trained_with_checkpoints(8, 2);
+    let root = dir.path();
+    assert_eq!(step_dirs(root), vec![4, 6, 8]);
+    let mut ck = checkpoint::load(&root.join("step-00000006")).unwrap();
+    ck.state.step = 7;
+    let cpu = headroom_tensor::Cpu::new();
+    let infos = headroom_trainer::model::params::param_infos(&ck.state.config);
+    let tensors: Vec<_> = infos
+        .iter()
+        .zip(&ck.params)
+        .map(|(info, p)| cpu.upload(p, info.shape.clone()).unwrap())
+        .collect();
+    let published = checkpoint::save(root, &ck.state, &tensors, &ck.moments, 1).unwrap();
+    assert_eq!(published, root.join("step-00000007"));
+    assert_eq!(step_dirs(root), vec![7]);
+    assert_eq!(checkpoint::load(root).unwrap().state.step, 7);
+}
+
+/// `--min-loss-scale` decides an fp16 run's numbers (the scale stops backing off at it), so a
+/// resume under another floor is refused by name; the same floor resumes. A checkpoint written
+/// before the floor was recorded still loads, and its unknown floor is not compared. Without
+/// loss scaling the flag changes nothing and is not part of the run.
+#[test]
+fn the_loss_scale_floor_is_part_of_an_fp16_run() {
+    use headroom_trainer::model::Precision;
+    let dir = tempfile::tempdir().unwrap();
+    let fp16 = |floor: Option<f32>| {
+        let mut o = tiny(4);
+        o.techniques.model.precision = Precision::Fp16;
+        o.min_loss_scale = floor;
+        o
+    };
+    let mut first = fp16(Some(1024.0));
+    first.save = Some((dir.path().to_path_buf(), 2));
+    first.stop_after = Some(2);
+    train(&first, |_| {}).unwrap();
+    let step2 = dir.path().join("step-00000002");
+    assert_eq!(
+        checkpoint::load(&step2).unwrap().state.run.min_loss_scale,
+        Some(Some(1024.0))
+    );
+    let resume = |floor: Option<f32>| {
+        let mut o = fp16(floor);
+        o.resume_from = Some(step2.clone());
+        train(&o, |_| {})
+    };
+    for (floor, shown) in [(None, "none"), (Some(512.0), "512")] {
+        match resume(floor).unwrap_err() {
+            TrainError::ResumeMismatch { differences, .. } => assert_eq!(
+                differences,
+                vec![format!(
+                    "--min-loss-scale: checkpoint 1024, this run {shown}"
+                )]
+            ),
+            e => panic!("expected ResumeMismatch, got {e}"),
+        }
+    }
+    assert_eq!(resume(Some(1024.0)).unwrap().steps.len(), 2);
+
+    // A state.json of before: no field at all.
+    let path = step2.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert!(state["run"]
+        .as_object_mut()
+        .unwrap()
+        .remove("min_loss_scale")
+        .is_some());
+    rewrite_consistently(&step2, "state.json", &serde_json::to_vec(&state).unwrap());
+    assert_eq!(
+        checkpoint::load(&step2).unwrap().state.run.min_loss_scale,
+        None
+    );
+    assert_eq!(resume(Some(1024.0)).unwrap().steps.len(), 2);
+
+    let fp32 = |floor| TrainOptions {
+        min_loss_scale: floor,
+        ..tiny(4)
+    };
+    assert_eq!(fp32(Some(8.0)).run_spec(), fp32(None).run_spec());
 }
 
 #[test]

@@ -949,6 +949,150 @@ fn a_stop_request_saves_and_the_resume_is_exact() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A 2-rank ZeRO-1 run of 4 steps saving every 2 steps into a fresh `root/run`: the
+/// directory (removed on drop), the run's root and its options.
+fn zero_run_with_steps_2_and_4() -> (tempfile::TempDir, std::path::PathBuf, TrainOptions) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("run");
+    let mut o = options(Family::Gpt2, 2, 4);
+    o.save = Some((root.clone(), 2));
+    train_zero(&o, ZeroOptions::new(Stage::Zero1, 2), |_| {}).unwrap();
+    (dir, root, o)
+}
+
+fn steps_in(root: &std::path::Path) -> Vec<usize> {
+    headroom_trainer::checkpoint::list(root)
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect()
+}
+
+/// As the single-process trainer: a ZeRO resume from step 2 into a root that still holds step
+/// 4 is refused (its own checkpoints would be pruned before step 4's, and a later resume of
+/// the root would continue step 4's abandoned run); nothing is written or deleted.
+#[test]
+fn a_zero_resume_refuses_a_root_holding_checkpoints_past_its_start() {
+    let (_dir, root, o) = zero_run_with_steps_2_and_4();
+    assert_eq!(steps_in(&root), vec![2, 4]);
+    let mut resumed = o.clone();
+    resumed.resume_from = Some(root.join("step-00000002"));
+    resumed.keep_checkpoints = 1;
+    match train_zero(&resumed, ZeroOptions::new(Stage::Zero1, 2), |_| {}) {
+        Err(headroom_trainer::TrainError::Checkpoint { path, reason }) => {
+            assert_eq!(path, root);
+            assert!(reason.contains("steps 4"), "{reason}");
+        }
+        other => panic!("expected a checkpoint error, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(steps_in(&root), vec![2, 4]);
+    assert_eq!(std::fs::read_dir(&root).unwrap().count(), 2);
+}
+
+/// `consolidate` removes nothing: an older step consolidated beside a newer one is kept, as is
+/// the newer one; an output root that already holds the step (the source's own root, or an
+/// earlier consolidation) is refused rather than having that checkpoint replaced.
+#[test]
+fn consolidation_prunes_nothing_and_refuses_to_replace_a_checkpoint() {
+    use headroom_trainer::zero_checkpoint::{consolidate, is_zero_checkpoint};
+    let (dir, root, _) = zero_run_with_steps_2_and_4();
+    let (step2, step4) = (root.join("step-00000002"), root.join("step-00000004"));
+    let e = consolidate(&step2, &root).unwrap_err();
+    assert!(
+        matches!(&e, headroom_trainer::TrainError::Checkpoint { reason, .. }
+            if reason.contains("step 2") && reason.contains("another output directory")),
+        "{e}"
+    );
+    assert_eq!(steps_in(&root), vec![2, 4]);
+    assert!(is_zero_checkpoint(&step2) && is_zero_checkpoint(&step4));
+
+    let one = dir.path().join("one");
+    let newer = consolidate(&step4, &one).unwrap();
+    let older = consolidate(&step2, &one).unwrap();
+    assert_eq!(older, one.join("step-00000002"));
+    assert_eq!(steps_in(&one), vec![2, 4]);
+    assert_eq!(
+        headroom_trainer::checkpoint::load(&older)
+            .unwrap()
+            .state
+            .step,
+        2
+    );
+    assert_eq!(
+        headroom_trainer::checkpoint::load(&newer)
+            .unwrap()
+            .state
+            .step,
+        4
+    );
+    let manifest = std::fs::read(older.join("manifest.json")).unwrap();
+    assert!(consolidate(&root, &one).is_err(), "step 4 again");
+    assert!(consolidate(&step2, &one).is_err(), "step 2 again");
+    assert_eq!(
+        std::fs::read(older.join("manifest.json")).unwrap(),
+        manifest
+    );
+}
+
+/// An ordinary checkpoint whose AdamW step counts lag its step (the single-process run skipped
+/// an update, as for a non-finite gradient) cannot be continued by ZeRO's one count for every
+/// parameter: the resume is refused by name, and the single-process trainer continues it.
+#[test]
+fn a_zero_resume_refuses_an_ordinary_checkpoint_whose_step_counts_lag() {
+    use headroom_trainer::checkpoint::{Manifest, MANIFEST};
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = options(Family::Gpt2, 2, 4);
+    o.save = Some((dir.path().join("single"), 2));
+    o.stop_after = Some(2);
+    headroom_trainer::train::train(&o, |_| {}).unwrap();
+    let step2 = dir.path().join("single").join("step-00000002");
+    let lagging = dir.path().join("lagging").join("step-00000002");
+    std::fs::create_dir_all(&lagging).unwrap();
+    for e in std::fs::read_dir(&step2).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), lagging.join(e.file_name())).unwrap();
+    }
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(lagging.join("state.json")).unwrap()).unwrap();
+    let steps = state["optimizer"]["steps"].as_array_mut().unwrap();
+    assert!(steps.iter().all(|s| s == 2));
+    steps[0] = serde_json::json!(1);
+    let bytes = serde_json::to_vec_pretty(&state).unwrap();
+    std::fs::write(lagging.join("state.json"), &bytes).unwrap();
+    let mut m: Manifest =
+        serde_json::from_slice(&std::fs::read(lagging.join(MANIFEST)).unwrap()).unwrap();
+    let entry = m.files.iter_mut().find(|f| f.name == "state.json").unwrap();
+    entry.bytes = bytes.len() as u64;
+    entry.xxh3 = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+    std::fs::write(lagging.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+
+    let resume = |from: &std::path::Path| {
+        let mut r = options(Family::Gpt2, 2, 4);
+        r.resume_from = Some(from.to_path_buf());
+        r
+    };
+    let zero = ZeroOptions::new(Stage::Zero1, 2);
+    match train_zero(&resume(&lagging), zero, |_| {}) {
+        Err(headroom_trainer::TrainError::Checkpoint { path, reason }) => {
+            assert_eq!(path, lagging);
+            assert!(
+                reason.contains("step counts") && reason.contains("without --zero"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected a checkpoint error, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(
+        train_zero(&resume(&step2), zero, |_| {})
+            .unwrap()
+            .steps
+            .len(),
+        2
+    );
+    let single = headroom_trainer::train::train(&resume(&lagging), |_| {}).unwrap();
+    assert_eq!(single.steps.len(), 2);
+}
+
 mod any_configuration {
     use super::*;
     use headroom_tensor::{Device, MemoryCategory};
