@@ -112,7 +112,8 @@ enum CheckpointCommand {
     Consolidate {
         /// The ZeRO checkpoint: a step directory, or a root (its newest step).
         src: PathBuf,
-        /// The checkpoint root to write `step-N` into.
+        /// The checkpoint root to write `step-N` into. Nothing in it is removed; a root that
+        /// already holds step N (the source's own root, say) is refused.
         out: PathBuf,
     },
 }
@@ -449,7 +450,8 @@ struct RunArgs {
     /// Where the optimizer state lives.
     #[arg(long, value_enum, default_value = "none")]
     offload: OffloadArg,
-    /// File for --offload file.
+    /// File for --offload file. A run holds it locked: a second run given the same file is
+    /// refused, so two runs in one directory need two names.
     #[arg(long, default_value = "optimizer-state.bin")]
     offload_file: PathBuf,
     /// Blockwise 8-bit optimizer moments (about 2 bytes/param instead of 8; small-float codes,
@@ -713,7 +715,8 @@ enum DataCommand {
         #[arg(long, default_value = "llmc")]
         format: String,
     },
-    /// Tokenise a text file (byte-level) into a token file.
+    /// Tokenise a text file into a token file: one token per byte, or GPT-2's BPE or a
+    /// Hugging Face tokenizer.json (`--tokenizer`).
     Build {
         /// Input text.
         input: PathBuf,
@@ -1457,7 +1460,7 @@ fn cmd_estimate(args: EstimateArgs) -> CliResult {
     o.validate()?;
     let e = estimate(&o.model, o.seq, o.micro_batch()?, o.batch, &o.techniques)?;
     say!(
-        "estimate for {} {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}",
+        "estimate for {} {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}; for this machine's cpu kernels ({})",
         o.model.family_name(),
         o.model.layers,
         o.model.heads,
@@ -1466,7 +1469,8 @@ fn cmd_estimate(args: EstimateArgs) -> CliResult {
         e.parameter_count,
         o.batch,
         o.seq,
-        o.techniques.describe()
+        o.techniques.describe(),
+        headroom_tensor::isa::describe()
     );
     say!("| category | device MiB | host MiB |\n|---|---|---|");
     for c in MemoryCategory::ALL {
