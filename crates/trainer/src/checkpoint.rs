@@ -810,6 +810,52 @@ fn parse_step_dir(name: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
+/// The lock file a run holds in its checkpoint root ([`lock_root`]).
+pub const ROOT_LOCK: &str = ".headroom-lock";
+
+/// A run's exclusive hold on its checkpoint root, released when dropped (or when the process
+/// ends, however it ends: the kernel drops the lock with the file).
+#[derive(Debug)]
+pub struct RootLock {
+    _file: fs::File,
+}
+
+/// Lock `root` (created if missing) for one run: two runs saving into one root — a requeued
+/// job whose first instance still runs, say — would remove each other's saves in progress
+/// (pruning clears `.partial-*`) and interleave their steps. A root another run holds is
+/// refused. Where the file system cannot lock (`ENOLCK` on an NFS mount without a lock
+/// daemon), the run goes on unlocked after a warning rather than not saving at all.
+pub fn lock_root(root: &Path) -> Result<Option<RootLock>> {
+    fs::create_dir_all(root).map_err(io(root))?;
+    let path = root.join(ROOT_LOCK);
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io(&path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(RootLock { _file: file })),
+        Err(fs::TryLockError::WouldBlock) => Err(err(
+            root,
+            format!(
+                "another run is saving checkpoints here (it holds {ROOT_LOCK}): one run per \
+                 checkpoint directory"
+            ),
+        )),
+        Err(fs::TryLockError::Error(e)) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "warning: cannot lock {} ({e}); saving without it: make sure no other run \
+                 saves into {}",
+                path.display(),
+                root.display()
+            );
+            Ok(None)
+        }
+    }
+}
+
 /// A fresh run refuses a root that already holds checkpoints: its saves would interleave with
 /// another run's (resume that run instead).
 pub(crate) fn refuse_used_root(root: &Path) -> Result<()> {

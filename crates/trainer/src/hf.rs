@@ -464,7 +464,9 @@ pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Resul
         sink.push(index, tensor)?;
     }
     // A tied head may still be stored (transformers writes lm_head.weight for GPT-2 in
-    // some versions): it must then equal the embedding, which is what is used.
+    // some versions). Its shape is checked but its values are not read: the config ties the
+    // head to the embedding, so a copy that differs is ignored, not refused (reading it would
+    // cost a second pass over the largest tensor at every load).
     let tied_copy = if params::head_index(&cfg) == params::WTE {
         stored.remove("lm_head.weight")
     } else {

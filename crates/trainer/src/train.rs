@@ -1111,6 +1111,11 @@ fn train_tracked(
     };
     let mut loader_cfg = LoaderConfig::new(opts.batch);
     loader_cfg.output = OutputType::U32;
+    // Held for the run, taken before the root is inspected so nothing changes it meanwhile.
+    let _root_lock = match &opts.save {
+        Some((root, _)) => checkpoint::lock_root(root)?,
+        None => None,
+    };
     let resume = match &opts.resume_from {
         Some(dir) => {
             let ck = checkpoint::ResumePoint::open(dir)?;

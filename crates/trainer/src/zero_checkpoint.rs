@@ -562,6 +562,8 @@ pub(crate) fn loader_state(
 /// the source's own root). A `dst_root` already holding a checkpoint of the same step — the
 /// source itself, when it is the source's root — is refused, as writing would replace it.
 pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
+    // Not into a root a run is saving into.
+    let _root_lock = checkpoint::lock_root(dst_root)?;
     let ck = load(src)?;
     if let Some((_, existing)) = checkpoint::list(dst_root)?
         .into_iter()

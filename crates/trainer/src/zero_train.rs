@@ -382,6 +382,14 @@ fn drive<C: Collective + 'static>(
         Ok((est.block_chain_cost()?, budget))
     })?;
     let (dataset, _) = crate::train::open_data(opts)?;
+    // The process holding rank 0 locks the root (ranks in one process share its lock; a second
+    // job's rank 0 is refused, and its other ranks stop with the group).
+    let _root_lock = match &opts.save {
+        Some((root, _)) if comms.iter().any(|c| c.rank() == 0) => {
+            crate::checkpoint::lock_root(root)?
+        }
+        _ => None,
+    };
     let resume = match &opts.resume_from {
         Some(path) => {
             let ck = resume_point(opts, path, dataset.fingerprint())?;

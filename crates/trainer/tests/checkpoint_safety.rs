@@ -81,10 +81,14 @@ fn a_run_saves_at_its_end_keeps_the_newest_and_resumes_the_newest() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(m.as_slice::<f32>().unwrap()), bits(p));
     }
-    // No leftovers of the saves.
+    // No leftovers of the saves (the run's lock file stays: removing it could let two runs
+    // lock two different files).
     for e in std::fs::read_dir(dir.path()).unwrap() {
         let name = e.unwrap().file_name().to_string_lossy().into_owned();
-        assert!(name.starts_with("step-"), "left behind: {name}");
+        assert!(
+            name.starts_with("step-") || name == checkpoint::ROOT_LOCK,
+            "left behind: {name}"
+        );
     }
 }
 
@@ -302,7 +306,12 @@ fn a_resume_refuses_a_root_holding_checkpoints_past_its_start() {
         std::fs::read(root.join("step-00000008").join(MANIFEST)).unwrap(),
         manifest8
     );
-    let names = |d: &Path| std::fs::read_dir(d).unwrap().count();
+    let names = |d: &Path| {
+        std::fs::read_dir(d)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name() != checkpoint::ROOT_LOCK)
+            .count()
+    };
     assert_eq!(names(&root), 2, "a save was started");
 
     std::fs::rename(root.join("step-00000008"), dir.path().join("abandoned")).unwrap();
@@ -716,6 +725,46 @@ fn a_tampered_shard_index_is_refused() {
         checkpoint::load(&dir),
         Err(TrainError::Checkpoint { .. })
     ));
+}
+
+/// A run holds its checkpoint root: a second run saving there (a requeued job whose first
+/// instance still runs) is refused before it trains, whether it starts fresh or resumes, and
+/// the root is free again once the holder is gone.
+#[test]
+fn a_root_another_run_holds_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 1)),
+        stop_after: Some(2),
+        ..tiny(3)
+    };
+    train(&o, |_| {}).unwrap();
+    let held = checkpoint::lock_root(dir.path()).unwrap();
+    assert!(held.is_some(), "this file system locks");
+    let resume = TrainOptions {
+        resume_from: Some(dir.path().to_path_buf()),
+        stop_after: None,
+        ..o.clone()
+    };
+    let other = tempfile::tempdir().unwrap();
+    let fresh = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 1)),
+        ..tiny(1)
+    };
+    for (what, opts) in [("a resume", &resume), ("a fresh run", &fresh)] {
+        let e = train(opts, |_| panic!("{what} trained")).unwrap_err();
+        assert!(
+            matches!(&e, TrainError::Checkpoint { .. }) && e.to_string().contains("another run"),
+            "{what}: {e}"
+        );
+    }
+    // Consolidating into it is refused the same way (before its source is even read).
+    let e = headroom_trainer::zero_checkpoint::consolidate(other.path(), dir.path()).unwrap_err();
+    assert!(e.to_string().contains("another run"), "{e}");
+    drop(held);
+    assert_eq!(step_dirs(dir.path()), vec![1, 2]);
+    train(&resume, |_| {}).unwrap();
+    assert_eq!(step_dirs(dir.path()).last(), Some(&3));
 }
 
 /// A `model.safetensors` added beside a sharded checkpoint's verified shards (which the

@@ -86,8 +86,10 @@ fn estimate_prints_every_category_and_the_verdict() {
         "sqrt-n",
         "--offload",
         "ram",
+        // Below the peak on every machine: 419 MiB where the head keeps bf16 logits (AMX),
+        // 607 MiB elsewhere.
         "--budget-mib",
-        "512",
+        "384",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let s = stdout(&o);
