@@ -931,12 +931,16 @@ impl ModelOps for Cpu {
             };
             self.uninit([rows, v], dtype)?
         };
-        // bf16 logits: the product's f32 results, a strip of columns at a time.
-        let mut stage = match bf16_logits {
-            Some(_) => {
+        // bf16 logits: the weight, and the strip the product's f32 results pass through a
+        // strip of columns at a time.
+        let mut bf16_head = match bf16_logits {
+            Some(w) => {
                 let _l = headroom_profiler::label_absolute("head.logits (f32 strip)");
                 let _g = MemoryCategory::Workspace.enter();
-                Some(self.uninit([matmul::bf16_output_stage(rows, v)], DType::F32)?)
+                Some((
+                    w,
+                    self.uninit([matmul::bf16_output_stage(rows, v)], DType::F32)?,
+                ))
             }
             None => None,
         };
@@ -946,7 +950,8 @@ impl ModelOps for Cpu {
         while r0 < n {
             let r = rows.min(n - r0);
             let xr = &xs[r0 * c..][..r * c];
-            if let (Some(w), Some(stage)) = (bf16_logits, stage.as_mut()) {
+            if let Some((w, stage)) = bf16_head.as_mut() {
+                let w: &[bf16] = w;
                 let lg = &mut logits.as_mut_slice::<bf16>()?[..r * v];
                 let st = out(stage)?;
                 matmul::forward_bf16_products_into_bf16(
@@ -964,10 +969,7 @@ impl ModelOps for Cpu {
                 match &mut grads {
                     Some(g) => {
                         cross_entropy::forward_backward_in_place_bf16(ls, lg, tr, &dloss[..r], v);
-                        let dw = match g.dw.as_deref_mut() {
-                            Some(t) => Some(out(t)?),
-                            None => None,
-                        };
+                        let dw = g.dw.as_deref_mut().map(out).transpose()?;
                         matmul::backward_bf16_products(
                             &mut out(g.dx)?[r0 * c..][..r * c],
                             dw,
@@ -1001,10 +1003,7 @@ impl ModelOps for Cpu {
                     );
                     let dl = &*lg;
                     // A tied head accumulates into the token embedding's gradient; no bias.
-                    let dw = match g.dw.as_deref_mut() {
-                        Some(t) => Some(out(t)?),
-                        None => None,
-                    };
+                    let dw = g.dw.as_deref_mut().map(out).transpose()?;
                     wr.backward(
                         &mut out(g.dx)?[r0 * c..][..r * c],
                         dw,
