@@ -52,10 +52,16 @@ pub fn report_lines() -> Vec<String> {
     ));
     lines.push(format!(
         "  f32 GEMMs (the gemm crate, which picks its own kernels): {}",
-        match isa::detected() {
-            IsaLevel::Baseline => "scalar",
-            IsaLevel::Avx2 => "avx2 + fma",
-            IsaLevel::Avx512 | IsaLevel::Amx => "avx512",
+        // The kernel gemm was seen to run (its depth blocks checked), which also tells a build
+        // without gemm's `x86-v4` feature (scripts/avx2-emulation.sh) from an ordinary one.
+        match crate::ops::matmul::gemm_f32_tile() {
+            Some((64, 6)) => "avx512 (64x6 tiles)",
+            Some((16, 6)) => "avx2 + fma (16x6 tiles)",
+            _ => match isa::detected() {
+                IsaLevel::Baseline => "scalar",
+                IsaLevel::Avx2 => "avx2 + fma",
+                IsaLevel::Avx512 | IsaLevel::Amx => "avx512",
+            },
         }
     ));
     lines.push(memory_line());

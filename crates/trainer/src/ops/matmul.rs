@@ -421,34 +421,49 @@ fn gemm_kc(k: usize, mr: usize, nr: usize) -> usize {
     gemm_common::cache::kernel_params(256, 256, k, mr, nr, std::mem::size_of::<f32>()).kc
 }
 
-/// The f32 micro-kernel tile gemm picks on this CPU, `(mr, nr)`, if it is one this module
-/// knows: gemm 0.19 with the `x86-v4` feature (the workspace enables it) takes its AVX-512
-/// kernel (4×16 rows × 6 columns) where the CPU has AVX-512F, else the FMA kernel (2×8 × 6).
-/// This follows the CPU, not `HEADROOM_CPU_ISA`: gemm dispatches on its own.
-fn gemm_f32_tile() -> Option<(usize, usize)> {
+/// The f32 micro-kernel tiles gemm may pick on this CPU, `(mr, nr)`, most likely first:
+/// gemm 0.19 takes its AVX-512 kernel (4×16 rows × 6 columns) where the CPU has AVX-512F and
+/// gemm was built with its `x86-v4` feature (the workspace enables it), else the FMA kernel
+/// (2×8 × 6). Whether `x86-v4` is on cannot be seen from here (a build for measuring the AVX2
+/// path turns it off), so both are candidates on an AVX-512 CPU and the run-time probe tells
+/// which one gemm runs. This follows the CPU and the build, not `HEADROOM_CPU_ISA`: gemm
+/// dispatches on its own.
+fn gemm_f32_tiles() -> &'static [(usize, usize)] {
     #[cfg(target_arch = "x86_64")]
     {
+        let fma = std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("avx2");
         if std::arch::is_x86_feature_detected!("avx512f") {
-            return Some((64, 6));
+            return if fma { &[(64, 6), (16, 6)] } else { &[(64, 6)] };
         }
-        if std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx2")
-        {
-            return Some((16, 6));
+        if fma {
+            return &[(16, 6)];
         }
     }
-    None
+    &[]
 }
 
-/// [`gemm_f32_tile`], once checked on this machine: a product cut at the blocks [`gemm_kc`]
-/// predicts must give the uncut call's bits, and a cut one element off must not (so the check
-/// can tell). Any other outcome (another gemm version, a CPU whose kernel this module does not
-/// know) turns the depth cut off and panels span the whole depth, as before.
+/// The first of [`gemm_f32_tiles`] whose blocks gemm is checked to use on this machine: a
+/// product cut at the blocks [`gemm_kc`] predicts must give the uncut call's bits, and a cut
+/// one element off must not (so the check can tell). Where none passes (another gemm version,
+/// a CPU whose kernel this module does not know) the depth cut is off and panels span the
+/// whole depth, as before.
 fn depth_blocking_verified() -> Option<(usize, usize)> {
     static VERIFIED: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
     *VERIFIED.get_or_init(|| {
-        let (mr, nr) = gemm_f32_tile()?;
-        probe_depth_blocks(mr, nr).then_some((mr, nr))
+        gemm_f32_tiles()
+            .iter()
+            .copied()
+            .find(|&(mr, nr)| probe_depth_blocks(mr, nr))
     })
+}
+
+/// The f32 micro-kernel tile `(mr, nr)` gemm runs on this machine, when it is one this module
+/// knows and its depth blocks were checked ([`depth_blocking_verified`]'s): `(64, 6)` for
+/// gemm's AVX-512 kernel, `(16, 6)` for its FMA (AVX2) kernel. Results whose bits depend on
+/// gemm's kernel (the loss traces) are keyed by it.
+pub fn gemm_f32_tile() -> Option<(usize, usize)> {
+    depth_blocking_verified()
 }
 
 /// Whether cutting at gemm's blocks reproduces the uncut product (both weight layouts, with
@@ -1570,13 +1585,23 @@ mod tests {
         }
     }
 
-    /// On the CPUs this module knows the tile of, the run-time check accepts gemm's blocking
-    /// (so the depth cut is in use where the benchmarks and CI run); and the check rejects a
-    /// tile whose blocks are not gemm's.
+    /// On the CPUs this module knows the tiles of, the run-time check accepts one of them (so
+    /// the depth cut is in use where the benchmarks and CI run), the first that gemm's blocks
+    /// match; and the check rejects a tile whose blocks are not gemm's.
     #[test]
     fn depth_blocking_is_verified_where_the_tile_is_known() {
-        assert_eq!(depth_blocking_verified(), gemm_f32_tile());
-        if let Some((mr, nr)) = gemm_f32_tile() {
+        let tiles = gemm_f32_tiles();
+        let verified = depth_blocking_verified();
+        assert_eq!(verified.is_some(), !tiles.is_empty(), "{tiles:?}");
+        if let Some((mr, nr)) = verified {
+            let at = tiles.iter().position(|&t| t == (mr, nr)).unwrap();
+            // Every more likely candidate was tried and failed.
+            for &(r, c) in &tiles[..at] {
+                assert!(
+                    !probe_depth_blocks(r, c),
+                    "tile {r}x{c} passed but was skipped"
+                );
+            }
             // A tile that gives a different block length must fail the probe.
             let kc = gemm_kc(2100, mr, nr);
             let wrong = [(4, 1), (1, 2), (256, 1), (8, 6), (128, 6)]
