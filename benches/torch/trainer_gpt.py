@@ -92,6 +92,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="3 timed steps instead of 10")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--precisions", default="fp32,bf16",
+                   help="cpu only: comma-separated, of fp32 and bf16 (default both); torch's bf16 "
+                        "step takes minutes on a CPU without AVX512-BF16")
     p.add_argument("--config", choices=sorted(CONFIGS), help="default: small on cpu, gpt2 on cuda")
     p.add_argument("--batch", type=int, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int,
@@ -106,6 +109,9 @@ def parse_args(argv):
         p.error(f"--batch must be positive, got {args.batch}")
     if not 1 <= args.seq <= context:
         p.error(f"--seq must be in 1..={context} for config {args.config}, got {args.seq}")
+    unknown = set(args.precisions.split(",")) - {"fp32", "bf16"}
+    if unknown:
+        p.error(f"--precisions takes fp32 and bf16, got {sorted(unknown)}")
     return args
 
 
@@ -287,7 +293,10 @@ def main(argv):
     # Each precision starts from the same weights and fresh optimizer state, so the two
     # timings see the same work.
     initial = {k: v.clone() for k, v in model.state_dict().items()}
+    wanted = args.precisions.split(",")
     for prec, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        if prec not in wanted:
+            continue
         model.load_state_dict(initial)
         opt = make_optimizer(torch, model)
         med, loss = timed_steps(torch, model, opt, idx, targets, "cpu", dtype, steps,

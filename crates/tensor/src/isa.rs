@@ -13,7 +13,8 @@
 //!
 //! The cap is read once per process. It reaches only headroom's kernels: the `gemm` crate's
 //! f32 products choose their own micro-kernels from the CPU (and so do the tests that predict
-//! them), so a capped run on an AVX-512 machine is not an AVX2 machine's run.
+//! them), so a capped run on an AVX-512 machine is not an AVX2 machine's run;
+//! `scripts/avx2-emulation.sh` also builds gemm without its AVX-512 kernels for that.
 //!
 //! ```
 //! use headroom_tensor::isa::{self, IsaLevel};
