@@ -459,9 +459,10 @@ fn depth_blocking_verified() -> Option<(usize, usize)> {
 }
 
 /// The f32 micro-kernel tile `(mr, nr)` gemm runs on this machine, when it is one this module
-/// knows and its depth blocks were checked ([`depth_blocking_verified`]'s): `(64, 6)` for
-/// gemm's AVX-512 kernel, `(16, 6)` for its FMA (AVX2) kernel. Results whose bits depend on
-/// gemm's kernel (the loss traces) are keyed by it.
+/// knows and a run-time probe saw gemm cut the depth where that tile predicts: `(64, 6)` for
+/// gemm's AVX-512 kernel, `(16, 6)` for its FMA (AVX2) kernel, which a gemm built without its
+/// `x86-v4` feature runs on an AVX-512 CPU too. `None` where neither is seen (the bf16 depth
+/// cut is then off).
 pub fn gemm_f32_tile() -> Option<(usize, usize)> {
     depth_blocking_verified()
 }
