@@ -17,14 +17,15 @@
 #
 # Usage: scripts/avx2-emulation.sh CARGO-ARGS...
 #   e.g. scripts/avx2-emulation.sh build --release -p headroom-trainer --bin headroom
-#        scripts/avx2-emulation.sh test -p headroom-trainer --test loss_trace
-#        scripts/avx2-emulation.sh xtask bench --only trainer
+#        scripts/avx2-emulation.sh bench -p headroom-benches --bench attn -- attn/fwd_bwd/flash
 #
-# The copy lives in $HEADROOM_AVX2_DIR (default: target/avx2-emulation/tree) and builds into
-# its own target directory beside it, so the ordinary build is untouched; it is laid anew from
-# the work tree (tracked and untracked files, not ignored ones, with their times, so cargo
-# rebuilds only what changed) on every call. Binaries it
-# builds are under target/avx2-emulation/target; run them with HEADROOM_CPU_ISA=avx2.
+# Timing only: the bits are not an AVX2 machine's (the committed AVX2 loss trace does not
+# replay here; gemm's cache-dependent blocking is the likely reason).
+#
+# The copy lives in target/avx2-emulation/tree and builds into target/avx2-emulation/target,
+# so the ordinary build is untouched; it is laid anew from the work tree (tracked and
+# untracked files, not ignored ones, with their times, so cargo rebuilds only what changed) on
+# every call. Run the binaries it builds with HEADROOM_CPU_ISA=avx2.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -32,8 +33,8 @@ if (($# == 0)); then
     sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
     exit 2
 fi
-base="${HEADROOM_AVX2_DIR:-$root/target/avx2-emulation/tree}"
-target="$(dirname "$base")/target"
+base="$root/target/avx2-emulation/tree"
+target="$root/target/avx2-emulation/target"
 rm -rf "$base"
 mkdir -p "$base" "$target"
 

@@ -399,7 +399,7 @@ fn panel_plan(m: usize, n: usize, k: usize, budget: usize) -> Plan {
 /// to the output, so an output element is `((0 + B₀) + B₁) + …`. Calling gemm once per block,
 /// accumulating from the second, performs exactly those additions — provided the blocks are
 /// gemm's. Which micro-kernel gemm takes (so `kc`) depends on the CPU, hence the run-time
-/// check [`depth_blocking_verified`]; small products take other gemm paths (a different block
+/// check [`gemm_f32_tile`]; small products take other gemm paths (a different block
 /// length, a vector path), which the shape conditions here exclude.
 fn gemm_depth_block(m: usize, n: usize, k: usize) -> Option<usize> {
     // gemm's small-matrix path (`m, n ≤ 64`) blocks the depth by 512 instead; ≤ 256 outputs
@@ -408,7 +408,7 @@ fn gemm_depth_block(m: usize, n: usize, k: usize) -> Option<usize> {
     if (m <= 64 && n <= 64) || m * n <= 256 || m < 2 || n < 2 || k == 0 {
         return None;
     }
-    let (mr, nr) = depth_blocking_verified()?;
+    let (mr, nr) = gemm_f32_tile()?;
     let kc = gemm_kc(k, mr, nr);
     // A last block of ≤ 2 would go through gemm's outer-product path.
     let last = k - (k.div_ceil(kc) - 1) * kc;
@@ -443,12 +443,14 @@ fn gemm_f32_tiles() -> &'static [(usize, usize)] {
     &[]
 }
 
-/// The first of [`gemm_f32_tiles`] whose blocks gemm is checked to use on this machine: a
-/// product cut at the blocks [`gemm_kc`] predicts must give the uncut call's bits, and a cut
-/// one element off must not (so the check can tell). Where none passes (another gemm version,
-/// a CPU whose kernel this module does not know) the depth cut is off and panels span the
-/// whole depth, as before.
-fn depth_blocking_verified() -> Option<(usize, usize)> {
+/// The f32 micro-kernel tile `(mr, nr)` gemm runs on this machine: the first of the candidate
+/// tiles (`gemm_f32_tiles`) whose blocks gemm is checked to use, `(64, 6)` for its AVX-512
+/// kernel, `(16, 6)` for its FMA (AVX2) kernel (which a gemm built without `x86-v4` runs on an
+/// AVX-512 CPU too). The check: a product cut at the blocks that tile predicts must give the
+/// uncut call's bits, and a cut one element off must not (so the check can tell). `None` where
+/// no tile passes (another gemm version, a CPU whose kernel this module does not know): the
+/// depth cut is then off and panels span the whole depth.
+pub fn gemm_f32_tile() -> Option<(usize, usize)> {
     static VERIFIED: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
     *VERIFIED.get_or_init(|| {
         gemm_f32_tiles()
@@ -456,15 +458,6 @@ fn depth_blocking_verified() -> Option<(usize, usize)> {
             .copied()
             .find(|&(mr, nr)| probe_depth_blocks(mr, nr))
     })
-}
-
-/// The f32 micro-kernel tile `(mr, nr)` gemm runs on this machine, when it is one this module
-/// knows and a run-time probe saw gemm cut the depth where that tile predicts: `(64, 6)` for
-/// gemm's AVX-512 kernel, `(16, 6)` for its FMA (AVX2) kernel, which a gemm built without its
-/// `x86-v4` feature runs on an AVX-512 CPU too. `None` where neither is seen (the bf16 depth
-/// cut is then off).
-pub fn gemm_f32_tile() -> Option<(usize, usize)> {
-    depth_blocking_verified()
 }
 
 /// Whether cutting at gemm's blocks reproduces the uncut product (both weight layouts, with
@@ -1545,7 +1538,7 @@ mod tests {
             (130, 20011, 40),
         ] {
             let plan = panel_plan(m, n, k, PANEL_BYTES);
-            if depth_blocking_verified().is_some() && (m > 64 || n > 64) {
+            if gemm_f32_tile().is_some() && (m > 64 || n > 64) {
                 assert!(
                     plan.depth < k,
                     "{m}x{k}x{n}: expected a depth cut, got {plan:?}"
@@ -1592,7 +1585,7 @@ mod tests {
     #[test]
     fn depth_blocking_is_verified_where_the_tile_is_known() {
         let tiles = gemm_f32_tiles();
-        let verified = depth_blocking_verified();
+        let verified = gemm_f32_tile();
         assert_eq!(verified.is_some(), !tiles.is_empty(), "{tiles:?}");
         if let Some((mr, nr)) = verified {
             let at = tiles.iter().position(|&t| t == (mr, nr)).unwrap();
