@@ -1,12 +1,13 @@
 """Load a headroom checkpoint with Hugging Face transformers and check its loss.
 
-Usage: check_hf_export.py CHECKPOINT_DIR BATCH_JSON
+Usage: check_hf_export.py STEP_DIR BATCH_JSON
 
 BATCH_JSON holds {"tokens": [[...], ...], "targets": [[...], ...], "loss": float}: a batch and
 the mean loss headroom's own forward computed for it. The script loads
-`GPT2LMHeadModel.from_pretrained(CHECKPOINT_DIR)` (model.safetensors + config.json written by
-headroom) and exits 0 when transformers' loss on the same batch agrees within 1e-4 relative,
-1 when it does not, and 3 (with the reason on stderr) when torch or transformers is missing.
+`GPT2LMHeadModel.from_pretrained(STEP_DIR)` (one published checkpoint, a `step-*` directory
+with the model.safetensors + config.json headroom wrote) and exits 0 when transformers' loss
+on the same batch agrees within 1e-4 relative, 1 when it does not, and 3 (with the reason on
+stderr) when torch or transformers is missing.
 """
 import json
 import sys

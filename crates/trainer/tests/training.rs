@@ -199,13 +199,17 @@ fn hugging_face_transformers_loads_the_checkpoint_with_the_same_loss() {
         serde_json::json!({"tokens": rows(&tokens), "targets": rows(&targets), "loss": loss});
     let batch_path = dir.path().join("batch.json");
     std::fs::write(&batch_path, batch.to_string()).unwrap();
+    // transformers reads one step's directory (config.json + model.safetensors), not the
+    // save root that holds the `step-*` directories.
+    let step_dir = headroom_trainer::checkpoint::resolve(dir.path()).unwrap();
+    assert!(step_dir.join("config.json").is_file());
     let python = std::env::var("HEADROOM_PYTHON").unwrap_or_else(|_| "python3".into());
     let out = std::process::Command::new(python)
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../scripts/check_hf_export.py"
         ))
-        .arg(dir.path())
+        .arg(&step_dir)
         .arg(&batch_path)
         .output()
         .unwrap();
