@@ -68,10 +68,18 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// Parameters per second of `steps` timed calls of `step`: the median.
-fn rate(n: usize, steps: usize, mut step: impl FnMut()) -> f64 {
+fn rate(n: usize, steps: usize, step: impl FnMut()) -> f64 {
+    rate_after(n, steps, None, step)
+}
+
+/// [`rate`], with `flush` (when given) run untimed before every timed call.
+fn rate_after(n: usize, steps: usize, flush: Option<&CacheFlush>, mut step: impl FnMut()) -> f64 {
     median(
         (0..steps)
             .map(|_| {
+                if let Some(flush) = flush {
+                    flush.flush();
+                }
                 let t = Instant::now();
                 step();
                 n as f64 / t.elapsed().as_secs_f64()
@@ -127,20 +135,6 @@ impl CacheFlush {
             .sum();
         black_box(sum);
     }
-}
-
-/// [`rate`] with the cache flushed (untimed) before every timed call.
-fn cold_rate(n: usize, steps: usize, flush: &CacheFlush, mut step: impl FnMut()) -> f64 {
-    median(
-        (0..steps)
-            .map(|_| {
-                flush.flush();
-                let t = Instant::now();
-                step();
-                n as f64 / t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
 }
 
 /// One round of PyTorch's fused AdamW in a fresh process, or why it could not run.
@@ -291,13 +285,10 @@ fn bench_adamw(c: &mut Criterion) {
         // them), then with the cache flushed before every timed call (cold).
         for cold in [false, true] {
             let suffix = if cold { "_cold" } else { "" };
-            let time = |f: &mut dyn FnMut()| match &flush {
-                Some(flush) if cold => cold_rate(n, 3, flush, f),
-                _ => rate(n, 3, f),
-            };
             if cold && flush.is_none() {
                 break;
             }
+            let time = |f: &mut dyn FnMut()| rate_after(n, 3, flush.as_ref().filter(|_| cold), f);
             let (mut book_rates, mut float8_rates, mut bound) = (vec![], vec![], vec![]);
             let (mut book_ratios, mut float8_ratios, mut avx2_ratios) = (vec![], vec![], vec![]);
             for _ in 0..ROUNDS {

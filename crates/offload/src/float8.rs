@@ -50,9 +50,9 @@
 //! with PyTorch is not a goal of an 8-bit state (quantisation already departs from it), and a
 //! division per parameter is the largest single cost left in this kernel.
 //!
-//! **Speed.** From memory the step moves its 16 bytes per parameter at 0.81–0.87 of what a
-//! plain pass over those bytes reaches (AVX-512 kernel, 10M and 50M parameters, the AMX
-//! Xeon). From cache it is compute-bound: about 58 vector operations per 16 parameters, which
+//! **Speed.** From memory the step moves its 16 bytes per parameter at about 0.8 of what a
+//! plain pass over those bytes reaches (0.71–0.87 per run; AVX-512 kernel, 10M and 50M
+//! parameters, the AMX Xeon). From cache it is compute-bound: about 58 vector operations per 16 parameters, which
 //! that core issues for 512-bit vectors on two ports only, hence at least 0.85 ns per
 //! parameter on one thread. A state that a large L3 holds whole (10M parameters in 300 MiB)
 //! is therefore updated at 0.6–0.7 of that cache's bandwidth. The square root and the
