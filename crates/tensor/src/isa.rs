@@ -238,6 +238,63 @@ fn request_amx() -> bool {
     false
 }
 
+/// Defines `$vis fn $name(args) -> ret` that runs `$body` (an `#[inline(always)]` function of the
+/// same arguments, in scope where the macro is called) compiled for the widest level [`active`] allows: AVX-512 (with AVX2
+/// and FMA), AVX2 with FMA, or the baseline.
+///
+/// The three copies are one source, so a body of element-wise f32 arithmetic gives the same
+/// bits on every path: Rust never contracts `a·b + c` into a fused multiply-add, and
+/// vectorising a loop without a reduction reorders nothing. A body that reduces must fix its
+/// order of additions itself (partial sums in lanes), and calls `mul_add` only where it wants
+/// the fused result on every path.
+///
+/// ```
+/// #[inline(always)]
+/// fn double_body(x: &mut [f32]) {
+///     x.iter_mut().for_each(|v| *v *= 2.0);
+/// }
+/// headroom_tensor::multiversion!(
+///     /// Doubles every value, on the widest vectors allowed here.
+///     fn double => double_body(x: &mut [f32]) -> ()
+/// );
+/// let mut x = [1.0f32, -3.5, 0.25];
+/// double(&mut x);
+/// assert_eq!(x, [2.0, -7.0, 0.5]);
+/// ```
+#[macro_export]
+macro_rules! multiversion {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident => $body:ident ($($arg:ident : $ty:ty),* $(,)?) -> $ret:ty) => {
+        $(#[$doc])*
+        #[inline]
+        $vis fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
+                }
+                match $crate::isa::active() {
+                    $crate::isa::IsaLevel::Avx512 | $crate::isa::IsaLevel::Amx => {
+                        // SAFETY: `active` never exceeds `detected`, which found AVX-512F,
+                        // DQ, BW and VL (with AVX2 and FMA) on this CPU for these levels.
+                        return unsafe { avx512($($arg),*) };
+                    }
+                    $crate::isa::IsaLevel::Avx2 => {
+                        // SAFETY: as above; this level means AVX2 and FMA were detected.
+                        return unsafe { avx2($($arg),*) };
+                    }
+                    $crate::isa::IsaLevel::Baseline => {}
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

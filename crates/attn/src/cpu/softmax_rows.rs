@@ -3,11 +3,10 @@
 //! and dot products.
 //!
 //! Each kernel is written once as plain array code (`*_body`, `#[inline(always)]`) and compiled
-//! three times: for AVX-512, for AVX2+FMA and for the baseline target, chosen at run time. The
-//! crate is compiled for generic x86-64, so without this the loops would only use SSE2.
+//! three times (`headroom_tensor::multiversion!`): for AVX-512, for AVX2+FMA and for the
+//! baseline target, chosen at run time. The crate is compiled for generic x86-64, so without
+//! this the loops would only use SSE2.
 //! Rust never contracts `a*b+c` into an FMA, so all three builds give bitwise identical results.
-
-use std::sync::OnceLock;
 
 /// Below this, `exp` underflows f32's normal range; the kernels return exactly 0 there.
 const EXP_LOWEST: f32 = -87.336_54;
@@ -196,92 +195,29 @@ fn scale_body(x: &mut [f32], alpha: f32) {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
-    Avx512,
-    Avx2Fma,
-    Baseline,
-}
-
-/// The widest path the CPU has and `HEADROOM_CPU_ISA` allows ([`headroom_tensor::isa`]).
-fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use headroom_tensor::isa::{allows, IsaLevel};
-            if allows(IsaLevel::Avx512)
-                && std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512dq")
-                && std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512;
-            }
-            if allows(IsaLevel::Avx2)
-                && std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2Fma;
-            }
-        }
-        Isa::Baseline
-    })
-}
-
-/// Defines `pub(crate) fn $name` that runs `$body` compiled for the best instruction set the
-/// CPU has.
-macro_rules! multiversion {
-    ($(#[$doc:meta])* $name:ident => $body:ident ($($arg:ident : $ty:ty),*) -> $ret:ty) => {
-        $(#[$doc])*
-        #[inline]
-        pub(crate) fn $name($($arg: $ty),*) -> $ret {
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                match isa() {
-                    // SAFETY: isa() detected these features on this CPU at run time.
-                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
-                    // SAFETY: as above, AVX2 and FMA were detected.
-                    Isa::Avx2Fma => return unsafe { avx2($($arg),*) },
-                    Isa::Baseline => {}
-                }
-            }
-            $body($($arg),*)
-        }
-    };
-}
-
-multiversion!(
+headroom_tensor::multiversion!(
     /// Online softmax update of one score row; see `online_softmax_body`.
-    online_softmax_row => online_softmax_body(row: &mut [f32], valid: usize, m: &mut f32, l: &mut f32) -> f32
+    pub(crate) fn online_softmax_row => online_softmax_body(row: &mut [f32], valid: usize, m: &mut f32, l: &mut f32) -> f32
 );
-multiversion!(
+headroom_tensor::multiversion!(
     /// Exact softmax of one row, returning its logsumexp.
-    softmax_row => softmax_body(row: &mut [f32], valid: usize) -> f32
+    pub(crate) fn softmax_row => softmax_body(row: &mut [f32], valid: usize) -> f32
 );
-multiversion!(
+headroom_tensor::multiversion!(
     /// Probabilities of one row recomputed from its saved logsumexp.
-    probs_from_lse_row => probs_from_lse_body(row: &mut [f32], valid: usize, lse: f32) -> ()
+    pub(crate) fn probs_from_lse_row => probs_from_lse_body(row: &mut [f32], valid: usize, lse: f32) -> ()
 );
-multiversion!(
+headroom_tensor::multiversion!(
     /// `dS = P∘(dP − D)` for one row, in place over `dP`.
-    softmax_grad_row => softmax_grad_body(p: &[f32], dp: &mut [f32], d: f32) -> ()
+    pub(crate) fn softmax_grad_row => softmax_grad_body(p: &[f32], dp: &mut [f32], d: f32) -> ()
 );
-multiversion!(
+headroom_tensor::multiversion!(
     /// `x *= alpha`.
-    scale_row => scale_body(x: &mut [f32], alpha: f32) -> ()
+    pub(crate) fn scale_row => scale_body(x: &mut [f32], alpha: f32) -> ()
 );
-multiversion!(
+headroom_tensor::multiversion!(
     /// Dot product with 16 fixed lanes (the summation order depends only on the length).
-    dot => dot_body(a: &[f32], b: &[f32]) -> f32
+    pub(crate) fn dot => dot_body(a: &[f32], b: &[f32]) -> f32
 );
 
 #[cfg(test)]
