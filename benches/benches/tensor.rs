@@ -24,6 +24,14 @@
 //! 50257, width 384). `cargo bench -p headroom-benches --bench tensor -- tensor/gemm` runs
 //! only these.
 //!
+//! ## GELU (issue 21)
+//!
+//! Groups `tensor/gelu_forward` and `tensor/gelu_backward`: the trainer's GELU over
+//! GPT-2 124M's MLP activation at 8×256 tokens, with an `f32` and a `bf16` input. Its element
+//! loops are compiled per instruction set and chosen at run time, so running the group under
+//! `HEADROOM_CPU_ISA=baseline`, `avx2` and unset compares those paths on one machine
+//! (`cargo bench -p headroom-benches --bench tensor -- tensor/gelu`).
+//!
 //! On a shared or noisy machine criterion's one-function-after-another timing drifts with the
 //! load; `HEADROOM_GEMM_PAIRED=<rounds>` first times the three variants *interleaved* (one call
 //! of each per round, the order rotating), and prints each one's median and the ratios of the
@@ -449,5 +457,40 @@ fn gemm(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, primitives, gemm);
+/// Elements of the GELU benches: GPT-2 124M's MLP activation at 8×256 tokens (2048 × 3072).
+const GELU_ELEMS: usize = 2048 * 3072;
+
+/// GELU forward and backward (the trainer's `ops::gelu`), on an f32 and a bf16 input;
+/// throughput in elements. The kernels run on the widest vectors `HEADROOM_CPU_ISA` allows, so
+/// runs of this group under `baseline`, `avx2` and the native level compare the paths.
+///
+/// Backward is the accumulating form (`dinp += gelu'(x)·dout`, the in-place one's arithmetic
+/// plus one more stream): repeated in place, a gradient would shrink into subnormals, which
+/// some CPUs process slowly, and time that instead.
+fn gelu(c: &mut Criterion) {
+    use headroom_trainer::ops::gelu;
+    let x = values(GELU_ELEMS, 5);
+    let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let dout = values(GELU_ELEMS, 6);
+    let mut out = vec![0f32; GELU_ELEMS];
+    for direction in ["forward", "backward"] {
+        let mut g = group(c, &format!("tensor/gelu_{direction}"));
+        g.throughput(Throughput::Elements(GELU_ELEMS as u64));
+        g.bench_function("f32", |b| {
+            b.iter(|| match direction {
+                "forward" => gelu::forward(black_box(&mut out), black_box(&x)),
+                _ => gelu::backward(black_box(&mut out), black_box(&x), black_box(&dout)),
+            })
+        });
+        g.bench_function("bf16", |b| {
+            b.iter(|| match direction {
+                "forward" => gelu::forward(black_box(&mut out), black_box(&xb)),
+                _ => gelu::backward(black_box(&mut out), black_box(&xb), black_box(&dout)),
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, primitives, gemm, gelu);
 criterion_main!(benches);
