@@ -133,6 +133,16 @@ proptest! {
         }
     }
 
+    /// The in-place rounding (a head's logits, one row at a time) is `half`'s round trip
+    /// through bf16, on the widest path allowed here, at lengths with every vector tail.
+    #[test]
+    fn rounding_in_place_is_a_bf16_round_trip(len in lengths(), seed in prop::collection::vec(f32_any_class(), 1..64)) {
+        let mut x: Vec<f32> = (0..len).map(|i| seed[i % seed.len()]).collect();
+        let want: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        headroom_tensor::cpu::kernels::round_to_bf16_in_place(&mut x);
+        same_bits(&x, &want)?;
+    }
+
     #[test]
     fn scale_matches_reference(
         len in lengths(),

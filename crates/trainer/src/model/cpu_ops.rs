@@ -990,16 +990,18 @@ impl ModelOps for Cpu {
             }
             let lg = &mut out(&mut logits)?[..r * v];
             wr.forward(self, lg, xr, None, r, c, v, panel(&mut scratch)?)?;
-            round_slice(lg, precision);
             let ls = &mut out(losses)?[r0..r0 + r];
             match &mut grads {
                 Some(g) => {
-                    cross_entropy::forward_backward_in_place(
+                    // The product's rounding to the run's precision happens row by row inside
+                    // the loss, in cache (see `forward_backward_in_place_rounded`).
+                    cross_entropy::forward_backward_in_place_rounded(
                         ls,
                         lg,
                         &targets[r0..r0 + r],
                         &dloss[..r],
                         v,
+                        |row| round_row(row, precision),
                     );
                     let dl = &*lg;
                     // A tied head accumulates into the token embedding's gradient; no bias.
@@ -1016,7 +1018,11 @@ impl ModelOps for Cpu {
                         panel(&mut scratch)?,
                     )?;
                 }
-                None => cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v),
+                None => {
+                    // Evaluation only: a pass of its own is simpler, and no step waits on it.
+                    round_slice(lg, precision);
+                    cross_entropy::forward(ls, lg, &targets[r0..r0 + r], v)
+                }
             }
             r0 += r;
         }
@@ -1026,23 +1032,26 @@ impl ModelOps for Cpu {
 
 /// Round f32 values in place to `precision` and back.
 fn round_slice(x: &mut [f32], precision: Precision) {
-    use headroom_tensor::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
     use rayon::prelude::*;
-    // The logits are 100M values on `small`: split over threads, and for bf16 use the tensor
-    // crate's branch-free rounding (the same bits as `half`), which vectorises.
+    // An evaluation's logits are 100M values on `small`: split over threads.
     const CHUNK: usize = 1 << 15;
+    if precision != Precision::Fp32 {
+        x.par_chunks_mut(CHUNK)
+            .for_each(|c| round_row(c, precision));
+    }
+}
+
+/// [`round_slice`] on one thread: a row, or one task's chunk. bf16 takes the tensor crate's
+/// branch-free rounding on the widest vectors allowed (the same bits as `half`).
+fn round_row(x: &mut [f32], precision: Precision) {
     match precision {
         Precision::Fp32 => {}
-        Precision::Bf16 => x.par_chunks_mut(CHUNK).for_each(|c| {
-            for v in c {
-                *v = bf16_bits_to_f32(f32_to_bf16_bits(*v));
-            }
-        }),
-        p @ Precision::Fp16 => x.par_chunks_mut(CHUNK).for_each(|c| {
-            for v in c {
+        Precision::Bf16 => headroom_tensor::cpu::kernels::round_to_bf16_in_place(x),
+        p @ Precision::Fp16 => {
+            for v in x {
                 *v = p.round(*v);
             }
-        }),
+        }
     }
 }
 

@@ -4,8 +4,6 @@
 //! on the thread count.
 
 use half::bf16;
-#[cfg(target_arch = "x86_64")]
-use headroom_tensor::isa::{self, IsaLevel};
 use rayon::prelude::*;
 
 use crate::ops::fast_math::exp;
@@ -80,31 +78,16 @@ pub fn forward(losses: &mut [f32], logits: &[f32], targets: &[u32], v: usize) {
         .for_each(|((l, row), &t)| *l = row_loss(row, t));
 }
 
-/// One row's loss, on the widest vectors the CPU has (see [`row_gradient`]).
-fn row_loss(row: &[f32], t: u32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && isa::allows(IsaLevel::Avx2) {
-        // SAFETY: AVX2 is present (checked just above).
-        return unsafe { row_loss_avx2(row, t) };
-    }
-    row_loss_plain(row, t)
-}
+headroom_tensor::multiversion!(
+    /// One row's loss, on the widest vectors allowed here (see [`row_gradient`]).
+    fn row_loss => row_loss_plain(row: &[f32], t: u32) -> f32
+);
 
 #[inline(always)]
 fn row_loss_plain(row: &[f32], t: u32) -> f32 {
     let max = row_max(row);
     let sum = row_exp_sum(row, max);
     (sum.ln() + max) - row[t as usize]
-}
-
-/// [`row_loss_plain`] compiled for AVX2.
-///
-/// # Safety
-/// The CPU has AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn row_loss_avx2(row: &[f32], t: u32) -> f32 {
-    row_loss_plain(row, t)
 }
 
 /// `dlogits[row] = (softmax(row) − onehot(target)) · dloss[row]` (overwrites `dlogits`).
@@ -127,13 +110,33 @@ pub fn forward_backward_in_place(
     dloss: &[f32],
     v: usize,
 ) {
+    forward_backward_in_place_rounded(losses, logits, targets, dloss, v, |_| {});
+}
+
+/// [`forward_backward_in_place`] on logits that a low-precision head rounds first (a bf16
+/// autocast product's output): each row goes through `round`, in place, just before its loss
+/// and gradient. The results are those of rounding the whole buffer first, since rows are
+/// independent; what changes is memory traffic. A separate rounding pass reads and writes the
+/// whole `[rows, V]` buffer (411 MB on `small`'s 8×256 batch) from memory, about 1% of a bf16
+/// step on the widening path, where this rounds a row while the loss's passes hold it in cache.
+pub fn forward_backward_in_place_rounded(
+    losses: &mut [f32],
+    logits: &mut [f32],
+    targets: &[u32],
+    dloss: &[f32],
+    v: usize,
+    round: impl Fn(&mut [f32]) + Sync,
+) {
     losses
         .par_iter_mut()
         .zip(logits.par_chunks_exact_mut(v))
         .zip(targets)
         .zip(dloss)
         .with_min_len(ROWS_PER_TASK)
-        .for_each(|(((l, row), &t), &dl)| *l = row_gradient(row, t, dl));
+        .for_each(|(((l, row), &t), &dl)| {
+            round(row);
+            *l = row_gradient(row, t, dl)
+        });
 }
 
 /// [`forward`] over bf16 logits: each row widened (exactly) into an f32 row and given
@@ -190,19 +193,17 @@ fn widen_row(row: &mut Vec<f32>, logits: &[bf16]) {
     row.extend(logits.iter().map(|x| bf16_bits_to_f32(x.to_bits())));
 }
 
-/// One row's loss, the row replaced by its logits' gradient scaled by `dl`. On AVX2 machines
-/// the same code compiled for AVX2: Rust never contracts `a·b + c` into a fused multiply-add
-/// and the [`LANES`] partial sums fix the order of every addition, so both builds give the
-/// same bits (tested), with twice the lanes of the baseline's SSE2. The exponentials were ~10%
-/// of a `small` step's samples on the baseline build.
-fn row_gradient(row: &mut [f32], t: u32, dl: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && isa::allows(IsaLevel::Avx2) {
-        // SAFETY: AVX2 is present (checked just above).
-        return unsafe { row_gradient_avx2(row, t, dl) };
-    }
-    row_gradient_plain(row, t, dl)
-}
+headroom_tensor::multiversion!(
+    /// One row's loss, the row replaced by its logits' gradient scaled by `dl`, compiled for
+    /// AVX-512, AVX2 and the baseline and chosen at run time. Rust never contracts `a·b + c`
+    /// into a fused multiply-add and the [`LANES`] partial sums fix the order of every
+    /// addition, so every path gives the same bits (tested), with two or four times the
+    /// baseline SSE2's lanes. The exponentials were ~10% of a `small` step's samples on the
+    /// baseline build. The AVX-512 copy did not shorten the rows' share of an fp32 step on the
+    /// AVX-512 Xeon (10% of the gemm kernel's samples with either copy): a row's first pass
+    /// waits on memory for the logits the head's product just wrote.
+    fn row_gradient => row_gradient_plain(row: &mut [f32], t: u32, dl: f32) -> f32
+);
 
 #[inline(always)]
 fn row_gradient_plain(row: &mut [f32], t: u32, dl: f32) -> f32 {
@@ -219,25 +220,15 @@ fn row_gradient_plain(row: &mut [f32], t: u32, dl: f32) -> f32 {
     loss
 }
 
-/// [`row_gradient_plain`] compiled for AVX2.
-///
-/// # Safety
-/// The CPU has AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn row_gradient_avx2(row: &mut [f32], t: u32, dl: f32) -> f32 {
-    row_gradient_plain(row, t, dl)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The dispatched rows (AVX2 where present) give the baseline build's bits: losses and
+    /// The dispatched rows (the widest path allowed here) give the baseline build's bits: losses and
     /// gradients, rows of every tail length, logits spread wide enough to underflow some
     /// exponentials.
     #[test]
-    fn the_avx2_build_gives_the_baseline_bits() {
+    fn the_isa_paths_give_the_baseline_bits() {
         let mut s = 0x2545_f491u32;
         for v in [1usize, 7, 16, 17, 33, 1000, 50257] {
             let row: Vec<f32> = (0..v)
@@ -267,6 +258,38 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Rounding each row inside the loss gives the bits of rounding the whole buffer first
+        /// and then taking the loss: losses, gradients, and the rows left behind.
+        #[test]
+        fn rounding_rows_inside_the_loss_is_rounding_the_buffer_first(
+            v in 1usize..70,
+            rows in proptest::collection::vec(
+                (proptest::collection::vec(-40f32..40.0, 70), 0usize..70, -2f32..2.0),
+                1..6,
+            ),
+        ) {
+            use headroom_tensor::cpu::kernels::round_to_bf16_in_place;
+            let n = rows.len();
+            let logits: Vec<f32> = rows.iter().flat_map(|(r, _, _)| r[..v].to_vec()).collect();
+            let targets: Vec<u32> = rows.iter().map(|(_, t, _)| (t % v) as u32).collect();
+            let dloss: Vec<f32> = rows.iter().map(|(_, _, d)| *d).collect();
+            let (mut want, mut got) = (logits.clone(), logits);
+            let (mut want_losses, mut losses) = (vec![0f32; n], vec![0f32; n]);
+            round_to_bf16_in_place(&mut want);
+            forward_backward_in_place(&mut want_losses, &mut want, &targets, &dloss, v);
+            forward_backward_in_place_rounded(
+                &mut losses,
+                &mut got,
+                &targets,
+                &dloss,
+                v,
+                round_to_bf16_in_place,
+            );
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(bits(&losses), bits(&want_losses));
+            proptest::prop_assert_eq!(bits(&got), bits(&want));
+        }
+
         /// In place, each row's loss has the bits of the read-only [`forward`] (so the target's
         /// logit is read before the row is overwritten), and the row becomes
         /// `(softmax − onehot)·dloss` of an f64 reference, for every target position
