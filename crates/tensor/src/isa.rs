@@ -173,8 +173,17 @@ pub fn cpu_model() -> Option<String> {
     Some(line.split_once(':')?.1.trim().to_string())
 }
 
-#[cfg(target_arch = "x86_64")]
 fn detect() -> IsaLevel {
+    match detect_vectors() {
+        IsaLevel::Avx512 if amx_granted() => IsaLevel::Amx,
+        level => level,
+    }
+}
+
+/// The widest vectors this CPU has: [`IsaLevel::Avx512`] at most, without asking the kernel
+/// for AMX's tile state.
+#[cfg(target_arch = "x86_64")]
+fn detect_vectors() -> IsaLevel {
     use std::arch::is_x86_feature_detected as has;
     if !(has!("avx2") && has!("fma")) {
         return IsaLevel::Baseline;
@@ -182,16 +191,20 @@ fn detect() -> IsaLevel {
     if !(has!("avx512f") && has!("avx512dq") && has!("avx512bw") && has!("avx512vl")) {
         return IsaLevel::Avx2;
     }
-    if amx_granted() {
-        IsaLevel::Amx
-    } else {
-        IsaLevel::Avx512
-    }
+    IsaLevel::Avx512
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn detect() -> IsaLevel {
+fn detect_vectors() -> IsaLevel {
     IsaLevel::Baseline
+}
+
+/// The vector level [`multiversion!`](crate::multiversion) kernels run at: the CPU's widest vectors
+/// (AVX-512 at most) capped by [`cap`]. Unlike [`active`] it never asks the kernel for AMX's
+/// tile state, so a cast or a GELU does not change what the process is permitted.
+pub fn vector_level() -> IsaLevel {
+    static LEVEL: OnceLock<IsaLevel> = OnceLock::new();
+    (*LEVEL.get_or_init(detect_vectors)).min(cap())
 }
 
 /// AMX-TILE and AMX-BF16 in CPUID leaf 7 (EDX bits 24 and 22), and the kernel's permission
@@ -238,9 +251,9 @@ fn request_amx() -> bool {
     false
 }
 
-/// Defines `$vis fn $name(args) -> ret` that runs `$body` (an `#[inline(always)]` function of the
-/// same arguments, in scope where the macro is called) compiled for the widest level [`active`] allows: AVX-512 (with AVX2
-/// and FMA), AVX2 with FMA, or the baseline.
+/// Defines `$vis fn $name(args) -> ret` that runs `$body` (an `#[inline(always)]` function of
+/// the same arguments, in scope where the macro is called) compiled for the widest level
+/// [`vector_level`] allows: AVX-512 (with AVX2 and FMA), AVX2 with FMA, or the baseline.
 ///
 /// The three copies are one source, so a body of element-wise f32 arithmetic gives the same
 /// bits on every path: Rust never contracts `a·b + c` into a fused multiply-add, and
@@ -277,9 +290,9 @@ macro_rules! multiversion {
                 unsafe fn avx2($($arg: $ty),*) -> $ret {
                     $body($($arg),*)
                 }
-                match $crate::isa::active() {
+                match $crate::isa::vector_level() {
                     $crate::isa::IsaLevel::Avx512 | $crate::isa::IsaLevel::Amx => {
-                        // SAFETY: `active` never exceeds `detected`, which found AVX-512F,
+                        // SAFETY: `vector_level` never exceeds what detection found: AVX-512F,
                         // DQ, BW and VL (with AVX2 and FMA) on this CPU for these levels.
                         return unsafe { avx512($($arg),*) };
                     }
@@ -323,6 +336,8 @@ mod tests {
     #[test]
     fn what_runs_is_within_both_the_cpu_and_the_cap() {
         assert_eq!(active(), detected().min(cap()));
+        // The vector level is the active one without AMX, found without asking for it.
+        assert_eq!(vector_level(), active().min(IsaLevel::Avx512));
         assert!(allows(IsaLevel::Baseline));
         assert_eq!(allows(IsaLevel::Amx), cap() == IsaLevel::Amx);
         #[cfg(target_arch = "x86_64")]

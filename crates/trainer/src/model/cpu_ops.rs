@@ -1033,7 +1033,7 @@ impl ModelOps for Cpu {
 /// Round f32 values in place to `precision` and back.
 fn round_slice(x: &mut [f32], precision: Precision) {
     use rayon::prelude::*;
-    // An evaluation's logits are 100M values on `small`: split over threads.
+    // Big buffers (an evaluation's logits are 100M values on `small`): split over threads.
     const CHUNK: usize = 1 << 15;
     if precision != Precision::Fp32 {
         x.par_chunks_mut(CHUNK)
