@@ -43,7 +43,7 @@ pub fn report_lines() -> Vec<String> {
          bf16 weights' products {}",
         headroom_offload::Isa::detect().level(),
         headroom_quant::Isa::detect().name(),
-        isa::active().min(IsaLevel::Avx512),
+        isa::vector_level(),
         if crate::ops::matmul::bf16_products() {
             "on AMX tiles (torch's bf16 matmul numerics)"
         } else {

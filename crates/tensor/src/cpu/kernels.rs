@@ -150,8 +150,9 @@ fn widen_bf16_body(s: &[bf16], d: &mut [f32]) {
 }
 
 crate::multiversion!(
-    /// bf16 → f32, exact, over the shorter of the two slices.
-    fn widen_bf16 => widen_bf16_body(s: &[bf16], d: &mut [f32]) -> ()
+    /// bf16 → f32, exact (a shift; NaN payloads kept), over the shorter of the two slices.
+    /// One thread: for a panel or a chunk that a caller's own loop hands it.
+    pub fn widen_bf16 => widen_bf16_body(s: &[bf16], d: &mut [f32]) -> ()
 );
 
 fn narrow_f16(s: &[f32], d: &mut [f16]) {

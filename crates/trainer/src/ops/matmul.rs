@@ -291,46 +291,18 @@ fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
-/// `dst = src` widened, on the widest path the CPU has.
+/// `dst = src` widened, on the widest path the CPU has (the tensor crate's kernel, compiled
+/// per ISA).
 pub fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen_bf16: lengths differ");
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && isa::allows(IsaLevel::Avx2) {
-        // SAFETY: AVX2 is present (checked just above); lengths are equal (asserted).
-        unsafe { widen_bf16_avx2(src, dst) };
-        return;
-    }
-    widen_bf16_portable(src, dst);
+    headroom_tensor::cpu::kernels::widen_bf16(src, dst);
 }
 
-/// The reference the SIMD path is tested against (and the tail of every SIMD call).
+/// The reference the SIMD paths are tested against.
 pub fn widen_bf16_portable(src: &[bf16], dst: &mut [f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = bf16_to_f32(s.to_bits());
     }
-}
-
-/// Eight values a step: zero-extend u16 → u32 lanes, shift left 16 — the scalar formula.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn widen_bf16_avx2(src: &[bf16], dst: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let n = src.len().min(dst.len());
-    let (s, d) = (src.as_ptr() as *const u16, dst.as_mut_ptr());
-    let mut i = 0;
-    while i + 16 <= n {
-        // SAFETY: i + 16 ≤ n keeps both 16-lane loads and stores in bounds (unaligned ops).
-        unsafe {
-            let a = _mm_loadu_si128(s.add(i) as *const __m128i);
-            let b = _mm_loadu_si128(s.add(i + 8) as *const __m128i);
-            let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(a));
-            let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(b));
-            _mm256_storeu_si256(d.add(i) as *mut __m256i, a);
-            _mm256_storeu_si256(d.add(i + 8) as *mut __m256i, b);
-        }
-        i += 16;
-    }
-    widen_bf16_portable(&src[i..n], &mut dst[i..n]);
 }
 
 /// The widened-panel budget: big enough that gemm sees wide panels (few passes over the
@@ -1171,7 +1143,8 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
 
-        /// The AVX2 widening (when the CPU has it) is the scalar formula, tails included.
+        /// The dispatched widening (the widest path allowed here) is the scalar formula, tails
+        /// included.
         #[test]
         fn widen_matches_portable(raw in proptest::collection::vec(any::<u16>(), 0..200)) {
             let src: Vec<bf16> = raw.iter().map(|&b| bf16::from_bits(b)).collect();
