@@ -35,7 +35,9 @@
 //! On a shared or noisy machine criterion's one-function-after-another timing drifts with the
 //! load; `HEADROOM_GEMM_PAIRED=<rounds>` first times the three variants *interleaved* (one call
 //! of each per round, the order rotating), and prints each one's median and the ratios of the
-//! medians per shape — the figures the results file quotes.
+//! medians per shape — the figures the results file quotes — then the bf16 GEMM's forward
+//! from an f32 and from a bf16 input (the trainer's bf16 forward reads a kept bf16 activation),
+//! interleaved the same way.
 
 use std::hint::black_box;
 
@@ -357,6 +359,73 @@ fn gemm_paired(rounds: usize) {
     }
 }
 
+/// The bf16 GEMM's forward product from an f32 input (rounded while packed) and from the same
+/// values already bf16 (a kept activation, as the trainer's bf16 forward passes it), timed
+/// interleaved: the two differ only in how `a` is packed.
+fn gemm_paired_bf16_input(rounds: usize) {
+    use std::time::Instant;
+    for (rows, inp, out) in GEMM_SHAPES {
+        let xb: Vec<bf16> = values(rows * inp, 1)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        let xf: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        let s = 1.0 / (inp as f32).sqrt();
+        let wb: Vec<bf16> = values(out * inp, 3)
+            .iter()
+            .map(|v| bf16::from_f32(v * s))
+            .collect();
+        let mut y = vec![0.0f32; rows * out];
+        let mut t = [vec![], vec![]];
+        for r in 0..rounds + 1 {
+            for j in 0..2 {
+                let v = (j + r) % 2;
+                let w = Matrix::transposed(&wb[..], inp);
+                let start = Instant::now();
+                if v == 0 {
+                    bf16_gemm::gemm_bf16(
+                        &mut y,
+                        out,
+                        Matrix::rows(&xf[..], inp),
+                        w,
+                        rows,
+                        out,
+                        inp,
+                        false,
+                    );
+                } else {
+                    bf16_gemm::gemm_bf16(
+                        &mut y,
+                        out,
+                        Matrix::rows(&xb[..], inp),
+                        w,
+                        rows,
+                        out,
+                        inp,
+                        false,
+                    );
+                }
+                black_box(&y);
+                if r > 0 {
+                    t[v].push(start.elapsed().as_secs_f64());
+                }
+            }
+        }
+        let (f, b) = (median(&mut t[0]), median(&mut t[1]));
+        let gf = |s: f64| (2 * rows * inp * out) as f64 / s / 1e9;
+        eprintln!(
+            "paired bf16-input forward {rows}x{inp}x{out} ({rounds} rounds, {:?}): f32 input \
+             {:.2} ms ({:.1} GFLOP/s), bf16 input {:.2} ms ({:.1}); bf16/f32 input throughput {:.3}",
+            bf16_gemm::bf16_gemm_path(),
+            f * 1e3,
+            gf(f),
+            b * 1e3,
+            gf(b),
+            f / b,
+        );
+    }
+}
+
 fn gemm(c: &mut Criterion) {
     if let Some(rounds) = std::env::var("HEADROOM_GEMM_PAIRED")
         .ok()
@@ -364,6 +433,7 @@ fn gemm(c: &mut Criterion) {
         .filter(|&r| r > 0)
     {
         gemm_paired(rounds);
+        gemm_paired_bf16_input(rounds);
     }
     for (rows, inp, out) in GEMM_SHAPES {
         let label = format!("{rows}x{inp}x{out}");
