@@ -1203,17 +1203,23 @@ mod tests {
             }
         }
         let (rows, cols) = (80, 45);
-        // Values that round differently as bf16, NaN and infinities among them.
-        let mut f: Vec<f32> = values(11, rows * cols)
+        let (f, h) = packing_inputs(11, rows, cols);
+        check(&f, rows, cols);
+        check(&h, rows, cols);
+    }
+
+    /// A packing test's `[rows, cols]` operand as f32 and as bf16: values that round
+    /// differently as bf16, a NaN and both infinities among them.
+    fn packing_inputs(seed: u64, rows: usize, cols: usize) -> (Vec<f32>, Vec<bf16>) {
+        let mut f: Vec<f32> = values(seed, rows * cols)
             .iter()
             .map(|v| v * 1.000_123)
             .collect();
         f[rows * cols / 2] = f32::NAN;
         f[7] = f32::INFINITY;
         f[cols * 4 + 9] = f32::NEG_INFINITY;
-        check(&f, rows, cols);
-        let h: Vec<bf16> = f.iter().map(|&v| bf16::from_f32(v)).collect();
-        check(&h, rows, cols);
+        let h = f.iter().map(|&v| bf16::from_f32(v)).collect();
+        (f, h)
     }
 
     /// `a`'s packing from an offset inside a larger matrix, in both layouts, from f32 and from
@@ -1245,14 +1251,8 @@ mod tests {
             }
         }
         let (rows, cols) = (45, 80);
-        let mut f: Vec<f32> = values(12, rows * cols)
-            .iter()
-            .map(|v| v * 1.000_123)
-            .collect();
-        f[rows * cols / 2] = f32::NAN;
-        f[cols * 6 + 9] = f32::INFINITY;
+        let (f, h) = packing_inputs(12, rows, cols);
         check(&f, rows, cols);
-        let h: Vec<bf16> = f.iter().map(|&v| bf16::from_f32(v)).collect();
         check(&h, rows, cols);
     }
 
