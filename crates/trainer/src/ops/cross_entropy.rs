@@ -198,10 +198,9 @@ headroom_tensor::multiversion!(
     /// AVX-512, AVX2 and the baseline and chosen at run time. Rust never contracts `a·b + c`
     /// into a fused multiply-add and the [`LANES`] partial sums fix the order of every
     /// addition, so every path gives the same bits (tested), with two or four times the
-    /// baseline SSE2's lanes. The exponentials were ~10% of a `small` step's samples on the
-    /// baseline build. The AVX-512 copy did not shorten the rows' share of an fp32 step on the
-    /// AVX-512 Xeon (10% of the gemm kernel's samples with either copy): a row's first pass
-    /// waits on memory for the logits the head's product just wrote.
+    /// baseline SSE2's lanes. The rows were 10% of the gemm kernel's samples in an fp32 step
+    /// on the AVX-512 Xeon with either copy until `fast_math::exp` stopped converting to an
+    /// integer lane by lane; now 3.7% (2.5% on the AVX2 copy).
     fn row_gradient => row_gradient_plain(row: &mut [f32], t: u32, dl: f32) -> f32
 );
 
