@@ -138,13 +138,17 @@ impl HostBuffer {
     /// Always initialised memory (a reused buffer was written as some earlier tensor), so
     /// reading it is defined; `clear` false only skips clearing a reused buffer that the
     /// caller overwrites anyway.
+    ///
+    /// Debug builds (the tests) fill an uncleared buffer with `0xff` bytes, NaN in every float
+    /// dtype, so an op that leaves part of such an output unwritten shows up in any test that
+    /// reads it, not only when a reused buffer happens to hold other values.
     pub(crate) fn new_in(
         len: usize,
         cache: Option<&Arc<BufferCache>>,
         clear: bool,
     ) -> Option<Self> {
         let n = len.div_ceil(64);
-        let storage = match cache.and_then(|c| c.take(n)) {
+        let mut storage = match cache.and_then(|c| c.take(n)) {
             Some(mut reused) => {
                 if clear {
                     reused.bytes_mut().fill(0);
@@ -155,6 +159,9 @@ impl HostBuffer {
             // clears on first touch), so there is nothing to skip.
             None => Storage::zeroed(n)?,
         };
+        if !clear && cfg!(debug_assertions) {
+            storage.bytes_mut().fill(0xff);
+        }
         Some(HostBuffer {
             storage: Some(storage),
             len,
@@ -227,20 +234,25 @@ mod tests {
         assert_eq!(cache.cached_bytes(), 5 * 64);
     }
 
+    /// Without clearing: a reused buffer, not cleared — its old bytes in a release build, NaN
+    /// bytes in a debug one (the tests' poison); a fresh one zero, or the poison.
     #[test]
-    fn an_unspecified_buffer_is_zero_when_fresh_and_reused_without_clearing() {
+    fn an_unspecified_buffer_is_reused_without_clearing() {
+        let unspecified = if cfg!(debug_assertions) { 0xff } else { 9 };
         let cache = Arc::new(BufferCache::new(10 * 64));
         let fresh = HostBuffer::new_in(200, Some(&cache), false).unwrap();
-        assert!(fresh.bytes().iter().all(|&x| x == 0));
+        let fresh_byte = if cfg!(debug_assertions) { 0xff } else { 0 };
+        assert!(fresh.bytes().iter().all(|&x| x == fresh_byte));
         assert_eq!(fresh.bytes().len(), 200);
         drop(fresh);
         let mut a = HostBuffer::new_in(256, Some(&cache), true).unwrap(); // the same 4 lines
+        assert!(a.bytes().iter().all(|&x| x == 0), "cleared when asked");
         a.bytes_mut().fill(9);
         let ptr = a.bytes().as_ptr();
         drop(a);
         let b = HostBuffer::new_in(255, Some(&cache), false).unwrap();
         assert_eq!(b.bytes().as_ptr(), ptr, "the freed buffer is reused");
-        assert!(b.bytes().iter().all(|&x| x == 9), "with its old bytes");
+        assert!(b.bytes().iter().all(|&x| x == unspecified));
         assert_eq!(b.bytes().len(), 255);
     }
 
