@@ -98,14 +98,14 @@ impl<B: ModelOps> Model<B> {
         b_off: usize,
         g: Geometry,
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
-        let mut out = self.fresh([g.b, g.t, self.cfg.channels])?;
+        let mut out = self.fresh_overwritten([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, at(bw, w_off)?, Some(at(bw, b_off)?), g)?;
         Ok((self.keep(out)?, stats))
     }
 
     /// GELU of the kept pre-activation, kept.
     fn block_gelu(&self, fch: &B::Tensor) -> Result<B::Tensor> {
-        let mut out = self.fresh(fch.shape().clone())?;
+        let mut out = self.fresh_overwritten(fch.shape().clone())?;
         self.backend().gelu(&mut out, fch)?;
         self.keep(out)
     }
@@ -134,11 +134,11 @@ impl<B: ModelOps> Model<B> {
         let (ln1, ln1_stats) = self.block_layernorm(bw, inp, o::LN1_W, o::LN1_B, g)?;
         // qkv is only a stepping stone to q, k, v: workspace, dropped once split.
         let _t = self.tag(l, "attn.qkv");
-        let mut qkv = self.scratch([g.b, g.t, 3 * c])?;
+        let mut qkv = self.scratch_overwritten([g.b, g.t, 3 * c])?;
         self.block_linear(l, bw, o::QKV_W, Some(o::QKV_B), &mut qkv, &ln1)?;
-        let mut q = self.fresh([g.b, nh, g.t, hs])?;
-        let mut k = self.fresh([g.b, nh, g.t, hs])?;
-        let mut v = self.fresh([g.b, nh, g.t, hs])?;
+        let mut q = self.fresh_overwritten([g.b, nh, g.t, hs])?;
+        let mut k = self.fresh_overwritten([g.b, nh, g.t, hs])?;
+        let mut v = self.fresh_overwritten([g.b, nh, g.t, hs])?;
         be.split_heads(&mut q, &qkv, 0)?;
         be.split_heads(&mut k, &qkv, c)?;
         be.split_heads(&mut v, &qkv, 2 * c)?;
@@ -149,9 +149,9 @@ impl<B: ModelOps> Model<B> {
         let (ka, va) = kv.pair();
         let attn = self.attention(&q, ka, va)?;
         let _t = self.tag(l, "attn.proj");
-        let mut atty = self.scratch([g.b, g.t, c])?;
+        let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
-        let mut res2 = self.fresh([g.b, g.t, c])?;
+        let mut res2 = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(
             l,
             bw,
@@ -166,14 +166,14 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "ln2");
         let (ln2, ln2_stats) = self.block_layernorm(bw, &res2, o::LN2_W, o::LN2_B, g)?;
         let _t = self.tag(l, "mlp.fc");
-        let mut fch = self.fresh([g.b, g.t, 4 * c])?;
+        let mut fch = self.fresh_overwritten([g.b, g.t, 4 * c])?;
         self.block_linear(l, bw, o::FC_W, Some(o::FC_B), &mut fch, &ln2)?;
         let fch = self.keep(fch)?;
         let _t = self.tag(l, "mlp.gelu");
         let fch_gelu = self.block_gelu(&fch)?;
         // The block output is the next block's input: the chain decides whether it is kept.
         let _t = self.tag(l, "mlp.proj");
-        let mut out = self.fresh([g.b, g.t, c])?;
+        let mut out = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(l, bw, o::FC_PROJ_W, Some(o::FC_PROJ_B), &mut out, &fch_gelu)?;
         be.axpy(1.0, &res2, &mut out)?;
         let out = self.keep(out)?;
@@ -283,7 +283,7 @@ impl<B: ModelOps> Model<B> {
         self.block_linear_backward(l, bw, o::FC_W, Some(o::FC_B), &mut dln2, grads, &dfch, &ln2)?;
         drop((dfch, ln2));
         let _t = self.tag(l, "ln2.backward");
-        let mut dres2 = self.scratch([g.b, g.t, c])?;
+        let mut dres2 = self.scratch_overwritten([g.b, g.t, c])?;
         be.copy(dout, &mut dres2)?;
         {
             let (dw, db) = self.param_grads(grads, o::LN2_W, Some(o::LN2_B));
@@ -300,7 +300,7 @@ impl<B: ModelOps> Model<B> {
         drop(dln2);
         // res2 = inp + attproj(atty), atty = the attention output with heads merged.
         let _t = self.tag(l, "attn.backward");
-        let mut atty = self.scratch([g.b, g.t, c])?;
+        let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
         let mut datty = self.scratch([g.b, g.t, c])?;
         self.block_linear_backward(
@@ -314,12 +314,13 @@ impl<B: ModelOps> Model<B> {
             &atty,
         )?;
         drop(atty);
-        let mut dy = self.scratch(s.q.shape().clone())?;
+        let mut dy = self.scratch_overwritten(s.q.shape().clone())?;
         be.split_heads(&mut dy, &datty, 0)?;
         drop(datty);
         let ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
         drop(dy);
-        let mut dqkv = self.scratch([g.b, g.t, 3 * c])?;
+        // q, k and v's gradients fill its three column ranges.
+        let mut dqkv = self.scratch_overwritten([g.b, g.t, 3 * c])?;
         be.merge_heads(&mut dqkv, &ag.dq, 0)?;
         be.merge_heads(&mut dqkv, &ag.dk, c)?;
         be.merge_heads(&mut dqkv, &ag.dv, 2 * c)?;

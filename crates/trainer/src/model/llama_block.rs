@@ -92,14 +92,14 @@ impl<B: ModelOps> Model<B> {
         w_off: usize,
         g: Geometry,
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
-        let mut out = self.fresh([g.b, g.t, self.cfg.channels])?;
+        let mut out = self.fresh_overwritten([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, at(bw, w_off)?, None, g)?;
         Ok((self.keep(out)?, stats))
     }
 
     /// `silu(gate) · up` of the kept projections, kept.
     fn block_swiglu(&self, gate: &B::Tensor, up: &B::Tensor) -> Result<B::Tensor> {
-        let mut out = self.fresh(gate.shape().clone())?;
+        let mut out = self.fresh_overwritten(gate.shape().clone())?;
         self.backend().swiglu(&mut out, gate, up)?;
         self.keep(out)
     }
@@ -116,9 +116,9 @@ impl<B: ModelOps> Model<B> {
         g: Geometry,
     ) -> Result<B::Tensor> {
         let hs = self.cfg.head_dim();
-        let mut flat = self.scratch([g.b, g.t, heads * hs])?;
+        let mut flat = self.scratch_overwritten([g.b, g.t, heads * hs])?;
         self.block_linear(l, bw, w_off, None, &mut flat, x)?;
-        let mut out = self.fresh([g.b, heads, g.t, hs])?;
+        let mut out = self.fresh_overwritten([g.b, heads, g.t, hs])?;
         self.backend().split_heads(&mut out, &flat, 0)?;
         Ok(out)
     }
@@ -162,9 +162,9 @@ impl<B: ModelOps> Model<B> {
         let (ka, va) = kv.pair();
         let attn = self.attention(&q, ka, va)?;
         let _t = self.tag(l, "attn.o_proj");
-        let mut atty = self.scratch([g.b, g.t, c])?;
+        let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
-        let mut res2 = self.fresh([g.b, g.t, c])?;
+        let mut res2 = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(l, bw, o::O, None, &mut res2, &atty)?;
         drop(atty);
         be.axpy(1.0, inp, &mut res2)?;
@@ -172,17 +172,17 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "post_norm");
         let (norm2, norm2_stats) = self.block_rmsnorm(bw, &res2, o::POST_NORM, g)?;
         let _t = self.tag(l, "mlp.gate");
-        let mut gate = self.fresh([g.b, g.t, f])?;
+        let mut gate = self.fresh_overwritten([g.b, g.t, f])?;
         self.block_linear(l, bw, o::GATE, None, &mut gate, &norm2)?;
         let gate = self.keep(gate)?;
         let _t = self.tag(l, "mlp.up");
-        let mut up = self.fresh([g.b, g.t, f])?;
+        let mut up = self.fresh_overwritten([g.b, g.t, f])?;
         self.block_linear(l, bw, o::UP, None, &mut up, &norm2)?;
         let up = self.keep(up)?;
         let _t = self.tag(l, "mlp.act");
         let act = self.block_swiglu(&gate, &up)?;
         let _t = self.tag(l, "mlp.down");
-        let mut out = self.fresh([g.b, g.t, c])?;
+        let mut out = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(l, bw, o::DOWN, None, &mut out, &act)?;
         be.axpy(1.0, &res2, &mut out)?;
         let out = self.keep(out)?;
@@ -231,7 +231,7 @@ impl<B: ModelOps> Model<B> {
                 )))
             }
         };
-        let mut flat = self.scratch([b, t, heads * hs])?;
+        let mut flat = self.scratch_overwritten([b, t, heads * hs])?;
         self.backend().merge_heads(&mut flat, dh, 0)?;
         self.block_linear_backward(l, bw, w_off, None, dx, grads, &flat, x)
     }
@@ -281,7 +281,7 @@ impl<B: ModelOps> Model<B> {
         self.block_linear_backward(l, bw, o::UP, None, &mut dnorm2, grads, &dup, &norm2)?;
         drop((dup, norm2));
         let _t = self.tag(l, "post_norm.backward");
-        let mut dres2 = self.scratch([g.b, g.t, c])?;
+        let mut dres2 = self.scratch_overwritten([g.b, g.t, c])?;
         be.copy(dout, &mut dres2)?;
         self.norm_backward(
             &mut dres2,
@@ -295,12 +295,12 @@ impl<B: ModelOps> Model<B> {
         drop(dnorm2);
         // res2 = inp + o_proj(atty), atty = the attention output with heads merged.
         let _t = self.tag(l, "attn.backward");
-        let mut atty = self.scratch([g.b, g.t, c])?;
+        let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
         let mut datty = self.scratch([g.b, g.t, c])?;
         self.block_linear_backward(l, bw, o::O, None, &mut datty, grads, &dres2, &atty)?;
         drop(atty);
-        let mut dy = self.scratch(s.q.shape().clone())?;
+        let mut dy = self.scratch_overwritten(s.q.shape().clone())?;
         be.split_heads(&mut dy, &datty, 0)?;
         drop(datty);
         let mut ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
