@@ -15,15 +15,7 @@ pub fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.3, 88.7);
     let shifted = x * LOG2E + ROUND;
     let n = shifted - ROUND;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    // Taylor/minimax degree 6 on |r| ≤ ln2/2 (Cephes expf's coefficients).
-    let p = 1.987_569_1e-4f32;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let y = (p * r * r + r) + 1.0;
+    let y = exp_reduced(x, n);
     // 2ⁿ from the integer `n` that `shifted` holds in its low mantissa bits (its exponent is
     // ROUND's for every clamped x), not from `n as i32`: Rust's saturating float-to-int cast
     // has no vector form on x86, so it compiled to a scalar conversion with NaN and range
@@ -38,6 +30,21 @@ pub fn exp(x: f32) -> f32 {
             << 23,
     );
     y * scale
+}
+
+/// `e^(x − n·ln 2)` for the nearest integer `n` to `x·log₂e`: the range reduction and the
+/// polynomial, shared with the tests' reference.
+#[inline(always)]
+fn exp_reduced(x: f32, n: f32) -> f32 {
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    // Taylor/minimax degree 6 on |r| ≤ ln2/2 (Cephes expf's coefficients).
+    let p = 1.987_569_1e-4f32;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 1.666_666_5e-1;
+    let p = p * r + 0.5;
+    (p * r * r + r) + 1.0
 }
 
 /// `tanh x = 1 − 2/(e²ˣ + 1)`, odd-symmetric, exactly ±1 beyond |x| ≥ 9.
@@ -80,19 +87,12 @@ mod tests {
         assert_eq!(exp(0.0), 1.0);
     }
 
-    /// The formulation `exp` replaced: the same polynomial, 2ⁿ built from a float-to-int cast.
+    /// The formulation `exp` replaced: the same reduction and polynomial, 2ⁿ built from a
+    /// float-to-int cast.
     fn exp_with_cast(x: f32) -> f32 {
         let x = x.clamp(-87.3, 88.7);
         let n = (x * LOG2E + ROUND) - ROUND;
-        let r = (x - n * LN2_HI) - n * LN2_LO;
-        let p = 1.987_569_1e-4f32;
-        let p = p * r + 1.398_199_9e-3;
-        let p = p * r + 8.333_452e-3;
-        let p = p * r + 4.166_579_6e-2;
-        let p = p * r + 1.666_666_5e-1;
-        let p = p * r + 0.5;
-        let y = (p * r * r + r) + 1.0;
-        y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+        exp_reduced(x, n) * f32::from_bits(((n as i32 + 127) as u32) << 23)
     }
 
     /// Every 997th f32 bit pattern (both signs, subnormals, infinities, NaNs with assorted
