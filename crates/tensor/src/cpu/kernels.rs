@@ -167,8 +167,9 @@ fn narrow_bf16_body(s: &[f32], d: &mut [bf16]) {
 }
 
 crate::multiversion!(
-    /// f32 → bf16, round to nearest even, over the shorter of the two slices.
-    fn narrow_bf16 => narrow_bf16_body(s: &[f32], d: &mut [bf16]) -> ()
+    /// f32 → bf16, round to nearest even (NaN kept quiet), over the shorter of the two
+    /// slices. One thread, as [`widen_bf16`].
+    pub fn narrow_bf16 => narrow_bf16_body(s: &[f32], d: &mut [bf16]) -> ()
 );
 
 #[inline(always)]

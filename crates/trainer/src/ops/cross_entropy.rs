@@ -18,17 +18,25 @@ const LANES: usize = 16;
 
 #[inline(always)]
 fn row_max(row: &[f32]) -> f32 {
+    row_max_of(row, |x| x)
+}
+
+/// The maximum of `row`'s values read through `f32_of`, in [`LANES`] partial maxima folded in
+/// one fixed order (so a bf16 row and its widened copy give the same bits).
+#[inline(always)]
+fn row_max_of<T: Copy>(row: &[T], f32_of: impl Fn(T) -> f32) -> f32 {
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
     let mut m = [f32::NEG_INFINITY; LANES];
     for c in chunks {
         for (m, &x) in m.iter_mut().zip(c) {
-            *m = m.max(x);
+            *m = m.max(f32_of(x));
         }
     }
     tail.iter()
-        .chain(&m)
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+        .map(|&x| f32_of(x))
+        .chain(m)
+        .fold(f32::NEG_INFINITY, |a, b| a.max(b))
 }
 
 /// `Σ exp(x − max)` over the row, in [`LANES`] partial sums.
@@ -155,14 +163,13 @@ pub fn forward_bf16(losses: &mut [f32], logits: &[bf16], targets: &[u32], v: usi
 }
 
 /// [`forward_backward_in_place`] over bf16 logits, the gradient written over them in bf16:
-/// each row is widened (exactly) into an f32 row, given [`forward_backward_in_place`]'s
-/// arithmetic, and its gradient rounded to nearest even (NaN kept quiet). So the losses have
-/// the bits the f32 function gives on the widened values, and the gradient is its gradient
-/// rounded — what a bf16 product would round it to when it reads it, which is why the head
-/// under bf16 on AMX keeps its logits in bf16 (half the bytes, the same results).
+/// each row is given [`forward_backward_in_place`]'s arithmetic on its widened (exact) values,
+/// and its gradient rounded to nearest even (NaN kept quiet). So the losses have the bits the
+/// f32 function gives on the widened values, and the gradient is its gradient rounded — what
+/// torch's bf16 `matmul` receives, and what the AMX products would round an f32 one to.
 ///
-/// The f32 row (`4·V` bytes, 200 KB for GPT-2's vocabulary) is one per rayon worker, reused,
-/// and not counted by the tracker.
+/// The row's exponentials go to an f32 row (`4·V` bytes, 200 KB for GPT-2's vocabulary), one
+/// per rayon worker, reused, and not counted by the tracker.
 pub fn forward_backward_in_place_bf16(
     losses: &mut [f32],
     logits: &mut [bf16],
@@ -170,27 +177,76 @@ pub fn forward_backward_in_place_bf16(
     dloss: &[f32],
     v: usize,
 ) {
-    use headroom_tensor::cpu::kernels::f32_to_bf16_bits;
     losses
         .par_iter_mut()
         .zip(logits.par_chunks_exact_mut(v))
         .zip(targets)
         .zip(dloss)
         .with_min_len(ROWS_PER_TASK)
-        .for_each_init(Vec::new, |row, (((l, logits), &t), &dl)| {
-            widen_row(row, logits);
-            *l = row_gradient(row, t, dl);
-            for (d, &g) in logits.iter_mut().zip(row.iter()) {
-                *d = bf16::from_bits(f32_to_bf16_bits(g));
-            }
+        .for_each_init(Vec::new, |exps, (((l, row), &t), &dl)| {
+            // Every element is overwritten: only a change of length writes (zeros) first.
+            exps.resize(v, 0.0);
+            *l = row_gradient_bf16(row, exps, t, dl);
         });
 }
 
-/// `row` ← `logits` widened to f32 (exact), reusing `row`'s allocation.
+headroom_tensor::multiversion!(
+    /// [`row_gradient`] over a bf16 row, the gradient written back in bf16, the exponentials
+    /// kept in `exps` (the row's length): the widening and the rounding happen in the passes
+    /// the arithmetic makes anyway. Converting in separate passes over the row cost about 1%
+    /// of a bf16 `small` step on the AVX2 paths (two more trips through L2 per row).
+    fn row_gradient_bf16 => row_gradient_bf16_plain(
+        row: &mut [bf16],
+        exps: &mut [f32],
+        t: u32,
+        dl: f32
+    ) -> f32
+);
+
+#[inline(always)]
+fn row_gradient_bf16_plain(row: &mut [bf16], exps: &mut [f32], t: u32, dl: f32) -> f32 {
+    use headroom_tensor::cpu::kernels::{bf16_bits_to_f32, f32_to_bf16_bits};
+    let wide = |x: bf16| bf16_bits_to_f32(x.to_bits());
+    let narrow = |x: f32| bf16::from_bits(f32_to_bf16_bits(x));
+    let t = t as usize;
+    let target_logit = wide(row[t]);
+    let max = row_max_of(row, wide);
+    // `row_exp_sum_in_place`'s additions, in the same order, its terms stored in `exps`.
+    let n = row.len() - row.len() % LANES;
+    let mut acc = [0f32; LANES];
+    for (c, e) in row[..n]
+        .chunks_exact(LANES)
+        .zip(exps[..n].chunks_exact_mut(LANES))
+    {
+        for ((a, &x), e) in acc.iter_mut().zip(c).zip(e) {
+            let term = exp(wide(x) - max);
+            *e = term;
+            *a += term;
+        }
+    }
+    let mut tail_sum = 0f32;
+    for (&x, e) in row[n..].iter().zip(&mut exps[n..]) {
+        let term = exp(wide(x) - max);
+        *e = term;
+        tail_sum += term;
+    }
+    let sum = acc.iter().sum::<f32>() + tail_sum;
+    let loss = (sum.ln() + max) - target_logit;
+    let scale = dl / sum;
+    for (d, &e) in row.iter_mut().zip(exps.iter()) {
+        *d = narrow(e * scale);
+    }
+    row[t] = narrow(exps[t] * scale - dl);
+    loss
+}
+
+/// `row` ← `logits` widened to f32 (exact), reusing `row`'s allocation. The tensor crate's
+/// conversions, on the widest vectors allowed here (the same bits as the scalar formulas).
 fn widen_row(row: &mut Vec<f32>, logits: &[bf16]) {
-    use headroom_tensor::cpu::kernels::bf16_bits_to_f32;
-    row.clear();
-    row.extend(logits.iter().map(|x| bf16_bits_to_f32(x.to_bits())));
+    use headroom_tensor::cpu::kernels::widen_bf16;
+    // Every element is overwritten: only a change of length writes (zeros) first.
+    row.resize(logits.len(), 0.0);
+    widen_bf16(logits, row);
 }
 
 headroom_tensor::multiversion!(
@@ -253,6 +309,21 @@ mod tests {
                     .all(|(x, y)| x.to_bits() == y.to_bits()),
                 "gradient, v = {v}"
             );
+            // The bf16 rows: the same bits as the baseline's, and as the f32 row's on the
+            // widened values, rounded.
+            let row16: Vec<bf16> = row.iter().map(|&x| bf16::from_f32(x)).collect();
+            let (mut fast16, mut plain16) = (row16.clone(), row16.clone());
+            let (mut e1, mut e2) = (vec![0f32; v], vec![0f32; v]);
+            let a = row_gradient_bf16(&mut fast16, &mut e1, t, 0.37);
+            let b = row_gradient_bf16_plain(&mut plain16, &mut e2, t, 0.37);
+            let mut wide: Vec<f32> = row16.iter().map(|x| x.to_f32()).collect();
+            let c = row_gradient_plain(&mut wide, t, 0.37);
+            assert_eq!(a.to_bits(), b.to_bits(), "bf16 loss, v = {v}");
+            assert_eq!(a.to_bits(), c.to_bits(), "bf16 loss against f32, v = {v}");
+            let bits16 = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits16(&fast16), bits16(&plain16), "bf16 gradient, v = {v}");
+            let rounded: Vec<bf16> = wide.iter().map(|&x| bf16::from_f32(x)).collect();
+            assert_eq!(bits16(&fast16), bits16(&rounded), "bf16 gradient, v = {v}");
         }
     }
 
