@@ -264,10 +264,37 @@ impl Operand for bf16 {
         // The plain loop (which LLVM vectorises): on the head's ~100-value strips it measured
         // 2× faster than calling the AVX2 body per strip (Zen 3: 30 vs 57 ms for a 50257×96
         // strip set), and equal on wide ones.
+        let rows = dst.len() / width.max(1);
         for (r, d) in dst.chunks_exact_mut(width).enumerate() {
+            if r + PREFETCH_ROWS < rows {
+                prefetch_run(&src[(r + PREFETCH_ROWS) * stride + col0..][..width]);
+            }
             widen_bf16_portable(&src[r * stride + col0..][..width], d);
         }
     }
+}
+
+/// Rows ahead that [`Operand::widen_strip`] asks the cache for: a strip of a large matrix is a
+/// short run per row at a stride of a whole row (the head's bf16 logits gradient: ~1 KiB per
+/// 100 KiB row), which the hardware prefetchers do not follow across rows.
+const PREFETCH_ROWS: usize = 4;
+
+/// Ask for the cache lines of `run` ahead of use (a hint; no effect on results).
+#[inline(always)]
+fn prefetch_run<T>(run: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(run);
+        let base = run.as_ptr().cast::<i8>();
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch does not access memory architecturally; the address lies
+            // inside `run`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = run;
 }
 
 impl Operand for f16 {
@@ -1096,6 +1123,216 @@ pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source, D: super::bf16_ge
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 outputs and output gradients on the widening path: the head's logits under bf16 where
+// there are no AMX tiles. An f32 `[rows, V]` logits buffer is the largest tensor of a GPT-2
+// step (392 MiB of `small`'s 1 GiB bf16 peak); in bf16 it is half that, and the GEMMs read it
+// widened a cache-sized piece at a time, cut where gemm cuts its sums, so every product keeps
+// the bits of the f32 GEMM on the widened values.
+
+/// Balanced column strips, each at most [`BF16_OUTPUT_STRIP`] wide, that
+/// [`forward_with_into_bf16`] computes in f32. Balanced rather than full strips and a ragged
+/// last one: every strip stays far wider than [`PANEL_MIN`], so gemm blocks each one as it
+/// blocks the whole product.
+fn output_strips(oc: usize) -> usize {
+    oc.div_ceil(BF16_OUTPUT_STRIP).max(1)
+}
+
+/// Scratch (f32 elements) [`forward_with_into_bf16`] needs: its widest strips' forward.
+pub fn forward_into_bf16_scratch(n: usize, c: usize, oc: usize) -> usize {
+    let count = output_strips(oc);
+    [oc / count, oc.div_ceil(count)]
+        .into_iter()
+        .map(|w| forward_scratch(n, c, w))
+        .max()
+        .unwrap_or(0)
+}
+
+/// [`forward_with`] (no bias) with its output rounded to bf16 (to nearest even, NaN kept
+/// quiet) and stored as bf16: the f32 results pass through `stage` (at least
+/// [`bf16_output_stage`] elements) a strip of at most [`BF16_OUTPUT_STRIP`] columns at a time,
+/// so no `[n, oc]` f32 output exists. Each element is [`forward_with`]'s on the whole weight,
+/// rounded: a strip is a slab of output columns, which gemm sums as it sums the whole (see the
+/// module notes; tested). `scratch` holds at least [`forward_into_bf16_scratch`] elements.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_with_into_bf16<W: Operand>(
+    out: &mut [bf16],
+    inp: &[f32],
+    weight: &[W],
+    n: usize,
+    c: usize,
+    oc: usize,
+    stage: &mut [f32],
+    scratch: &mut [f32],
+) {
+    use headroom_tensor::cpu::kernels::narrow_bf16;
+    use rayon::prelude::*;
+    assert_eq!(out.len(), n * oc, "output length");
+    assert_eq!(weight.len(), oc * c, "weight length");
+    let count = output_strips(oc);
+    assert!(
+        stage.len() >= n * oc.div_ceil(count),
+        "stage of {} elements for {n} rows of {oc}",
+        stage.len()
+    );
+    for j in 0..count {
+        let cols = panel_range(oc, count, j);
+        let width = cols.len();
+        let strip = &mut stage[..n * width];
+        let rows_of_w = &weight[cols.start * c..cols.end * c];
+        forward_with(strip, inp, rows_of_w, None, n, c, width, scratch);
+        out.par_chunks_mut(oc.max(1))
+            .zip(strip.par_chunks(width.max(1)))
+            .with_min_len(16)
+            .for_each(|(o, s)| narrow_bf16(s, &mut o[cols.clone()]));
+    }
+}
+
+/// The row counts of a product over `n` rows taken `rows` at a time: `rows`, and the last
+/// chunk's when it is shorter.
+fn chunk_rows(n: usize, rows: usize) -> impl Iterator<Item = usize> {
+    let rows = rows.clamp(1, n.max(1));
+    [rows.min(n), n % rows].into_iter().filter(|&r| r > 0)
+}
+
+/// Whether a bf16 head (weight `[oc, c]`) over `n` rows taken `rows` at a time keeps its logits
+/// in bf16: the vocabulary is wide enough for the f32 strip to cost less than f32 logits
+/// ([`bf16_output_saves`]), and the products read a bf16 gradient without widening it whole —
+/// always on AMX tiles, on the widening path where the depth cut applies to every chunk
+/// ([`bf16_grad_pieces`]; an evaluation has no gradient). The loss's gradient is then rounded to
+/// bf16, as torch's bf16 `matmul` receives it, on both paths.
+pub fn bf16_head_logits(n: usize, rows: usize, c: usize, oc: usize, train: bool) -> bool {
+    bf16_output_saves(oc)
+        && (bf16_products() || !train || chunk_rows(n, rows).all(|r| bf16_grad_pieces(r, c, oc)))
+}
+
+/// Scratch (f32 elements) of a head over `n` rows taken `rows` at a time, with bf16 logits
+/// ([`bf16_head_logits`]) or not: the packing buffer of the bf16 products, or the widened
+/// pieces of the widening path ([`chunked_scratch`], [`forward_into_bf16_scratch`],
+/// [`backward_bf16_grad_scratch`]).
+pub fn head_scratch(
+    n: usize,
+    rows: usize,
+    c: usize,
+    oc: usize,
+    train: bool,
+    bf16_logits: bool,
+) -> usize {
+    if !bf16_logits || bf16_products() {
+        return chunked_scratch(n, rows, c, oc, train);
+    }
+    chunk_rows(n, rows)
+        .map(|r| {
+            let f = forward_into_bf16_scratch(r, c, oc);
+            if train {
+                f.max(backward_bf16_grad_scratch(r, c, oc))
+            } else {
+                f
+            }
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Whether [`backward_with_bf16_grad`] reads an `[n, oc]` bf16 output gradient a cache-sized
+/// piece at a time: the input gradient's depth (`oc`) is cut at gemm's own blocks, the last
+/// one at least [`PANEL_MIN`] long (each block is also a slab of the weight gradient's rows,
+/// kept far from gemm's small shapes). Where it is not (a CPU whose gemm blocking this module
+/// does not know, at most [`SINGLE_PANEL_ROWS`] rows), the piece would be the whole gradient
+/// widened, and a caller keeps f32 instead.
+pub fn bf16_grad_pieces(n: usize, c: usize, oc: usize) -> bool {
+    n > SINGLE_PANEL_ROWS
+        && gemm_depth_block(n, c, oc).is_some_and(|kc| oc - (oc.div_ceil(kc) - 1) * kc >= PANEL_MIN)
+}
+
+/// Scratch (f32 elements) [`backward_with_bf16_grad`] needs: one widened piece of the
+/// gradient (`n` rows × one depth block) beside one widened weight panel.
+pub fn backward_bf16_grad_scratch(n: usize, c: usize, oc: usize) -> usize {
+    let plan = panel_plan(n, c, oc, PANEL_BYTES);
+    n * plan.depth + plan.scratch()
+}
+
+/// [`backward_with`] with the output gradient in bf16: `dinp += dout · W`, `dweight += doutᵀ
+/// · inp`, `dbias += Σ_rows dout`, the gradient read widened (exactly) one piece at a time into
+/// `scratch` (at least [`backward_bf16_grad_scratch`] elements). Bit for bit [`backward_with`]
+/// on the widened gradient:
+/// - the input gradient's depth is walked in gemm's own blocks ([`bf16_grad_pieces`]), one
+///   call per block accumulating in order, as gemm sums the uncut product (the weight, when
+///   low-precision, is widened a panel of each block at a time, as in [`backward_with`]);
+/// - the same piece `dout[:, block]` gives the weight gradient's rows of that block: slabs of
+///   rows, which gemm sums as it sums the whole (the depth is `n` either way).
+///
+/// So each element of the gradient is widened once, not once per product: its columns are
+/// strided reads of a buffer far larger than the caches. Where the depth is not cut (see
+/// [`bf16_grad_pieces`]) it is still correct, with one piece of the whole depth.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with_bf16_grad<W: Operand>(
+    dinp: &mut [f32],
+    mut dweight: Option<&mut [f32]>,
+    dbias: Option<&mut [f32]>,
+    dout: &[bf16],
+    inp: &[f32],
+    weight: &[W],
+    n: usize,
+    c: usize,
+    oc: usize,
+    scratch: &mut [f32],
+) {
+    assert_eq!(dout.len(), n * oc, "output gradient length");
+    assert_eq!(weight.len(), oc * c, "weight length");
+    assert_eq!(dinp.len(), n * c, "input gradient length");
+    if let Some(dw) = &dweight {
+        assert_eq!(dw.len(), oc * c, "weight gradient length");
+        assert_eq!(inp.len(), n * c, "input length for {n} rows of {c}");
+    }
+    assert!(
+        scratch.len() >= backward_bf16_grad_scratch(n, c, oc),
+        "scratch of {} elements, need {}",
+        scratch.len(),
+        backward_bf16_grad_scratch(n, c, oc)
+    );
+    let plan = panel_plan(n, c, oc, PANEL_BYTES);
+    if n > 0 && c > 0 {
+        let (grad_piece, weight_piece) = scratch.split_at_mut(n * plan.depth);
+        for k0 in (0..oc).step_by(plan.depth.max(1)) {
+            let kb = plan.depth.min(oc - k0);
+            let piece = &mut grad_piece[..n * kb];
+            widen_piece(dout, oc, 0..n, k0..k0 + kb, piece);
+            // dinp[n, c] += dout[:, block] · W[block, :], panel by panel of its columns.
+            for j in 0..plan.count {
+                let cols = panel_range(c, plan.count, j);
+                let width = cols.len();
+                let slab = &mut dinp[cols.start..(n - 1) * c + cols.end];
+                let rhs = match W::as_f32(weight) {
+                    Some(w) => Strided::rows(w, c).skip_rows(k0).skip_cols(cols.start),
+                    None => {
+                        let wp = &mut weight_piece[..kb * width];
+                        widen_piece(weight, c, k0..k0 + kb, cols.clone(), wp);
+                        Strided::rows(wp, width)
+                    }
+                };
+                let lhs = Strided::rows(piece, kb);
+                gemm_rows_into(parallelism(), slab, c, lhs, rhs, n, width, kb, true);
+            }
+            // dweight[block, c] += dout[:, block]ᵀ · inp[n, c].
+            if let Some(dw) = dweight.as_deref_mut() {
+                gemm_into(
+                    &mut dw[k0 * c..(k0 + kb) * c],
+                    Strided::transposed(piece, kb),
+                    Strided::rows(inp, c),
+                    kb,
+                    c,
+                    n,
+                    true,
+                );
+            }
+        }
+    }
+    if let Some(db) = dbias {
+        add_bias_grad(db, dout, oc);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1550,6 +1787,136 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// [`backward_with_bf16_grad`] against [`backward_with`] on the widened gradient, bit for
+    /// bit: input, weight and bias gradients accumulated onto non-zero starts. The weight as
+    /// bf16 and as f32.
+    fn check_bf16_grad_backward(n: usize, c: usize, oc: usize, seed: u64) {
+        let dout = bf16_vec(seed, n * oc);
+        let doutf = widened(&dout);
+        let inp = f32_vec(seed ^ 1, n * c);
+        let w = bf16_vec(seed ^ 2, oc * c);
+        let wf = widened(&w);
+        let (dx0, dw0, db0) = (
+            f32_vec(seed ^ 3, n * c),
+            f32_vec(seed ^ 4, oc * c),
+            f32_vec(seed ^ 5, oc),
+        );
+        let (mut want_dx, mut want_dw, mut want_db) = (dx0.clone(), dw0.clone(), db0.clone());
+        let mut want_scratch = vec![f32::NAN; backward_scratch(n, c, oc)];
+        backward_with(
+            &mut want_dx,
+            Some(&mut want_dw),
+            Some(&mut want_db),
+            &doutf,
+            &inp,
+            &w,
+            n,
+            c,
+            oc,
+            &mut want_scratch,
+        );
+        let mut scratch = vec![f32::NAN; backward_bf16_grad_scratch(n, c, oc)];
+        for as_f32 in [false, true] {
+            let (mut dx, mut dw, mut db) = (dx0.clone(), dw0.clone(), db0.clone());
+            let args = (
+                &mut dx,
+                Some(&mut dw[..]),
+                Some(&mut db[..]),
+                &dout[..],
+                &inp[..],
+            );
+            if as_f32 {
+                backward_with_bf16_grad(
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    &wf,
+                    n,
+                    c,
+                    oc,
+                    &mut scratch,
+                );
+            } else {
+                backward_with_bf16_grad(
+                    args.0,
+                    args.1,
+                    args.2,
+                    args.3,
+                    args.4,
+                    &w,
+                    n,
+                    c,
+                    oc,
+                    &mut scratch,
+                );
+            }
+            let at = format!("{n}x{c}x{oc}, f32 weight {as_f32}");
+            assert_eq!(bits(&dx), bits(&want_dx), "input gradient, {at}");
+            assert_eq!(bits(&dw), bits(&want_dw), "weight gradient, {at}");
+            assert_eq!(bits(&db), bits(&want_db), "bias gradient, {at}");
+        }
+    }
+
+    /// [`forward_with_into_bf16`] against [`forward_with`] on the whole weight, rounded.
+    fn check_forward_into_bf16(n: usize, c: usize, oc: usize, seed: u64) {
+        let x = f32_vec(seed, n * c);
+        let w = bf16_vec(seed ^ 7, oc * c);
+        let mut whole = vec![f32::NAN; n * oc];
+        let mut scratch = vec![f32::NAN; forward_scratch(n, c, oc)];
+        forward_with(&mut whole, &x, &w, None, n, c, oc, &mut scratch);
+        let want: Vec<u16> = whole
+            .iter()
+            .map(|&v| headroom_tensor::cpu::kernels::f32_to_bf16_bits(v))
+            .collect();
+        let mut got = vec![bf16::from_bits(0x7fc1); n * oc];
+        let mut stage = vec![f32::NAN; bf16_output_stage(n, oc)];
+        let mut scratch = vec![f32::NAN; forward_into_bf16_scratch(n, c, oc)];
+        forward_with_into_bf16(&mut got, &x, &w, n, c, oc, &mut stage, &mut scratch);
+        let got: Vec<u16> = got.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, want, "{n}x{c}x{oc}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Small shapes, cut or not: a bf16 output gradient gives [`backward_with`]'s bits on
+        /// its widened values; a bf16 output is the whole f32 product rounded.
+        #[test]
+        fn bf16_outputs_and_output_gradients_on_the_widening_path(
+            n in 1usize..40, c in 1usize..70, oc in 1usize..400, seed in any::<u64>(),
+        ) {
+            check_bf16_grad_backward(n, c, oc, seed);
+            check_forward_into_bf16(n, c, oc, seed);
+        }
+    }
+
+    /// The head's kind of shapes, with gemm's real blocking: outputs of several strips
+    /// (balanced, none narrow), gradients deep enough for several of gemm's depth blocks and
+    /// so several weight-gradient slabs, few-row products; all bit for bit the
+    /// f32 paths'. Where gemm's blocking is known, the wide products are the cut ones.
+    #[test]
+    fn head_shaped_bf16_logits_keep_the_f32_paths_bits() {
+        for &(n, c, oc) in &[
+            (70, 90, 3100),
+            (130, 48, 2049),
+            (600, 40, 9000),
+            (3, 64, 2500),
+            (5, 200, 1100),
+        ] {
+            if gemm_f32_tile().is_some() && n > 64 {
+                assert!(
+                    bf16_grad_pieces(n, c, oc),
+                    "{n}x{c}x{oc}: expected a depth cut"
+                );
+            }
+            check_forward_into_bf16(n, c, oc, 31);
+            check_bf16_grad_backward(n, c, oc, 32);
+        }
+        assert!(!bf16_grad_pieces(3, 64, 2500));
     }
 
     /// On the CPUs this module knows the tiles of, the run-time check accepts one of them (so
