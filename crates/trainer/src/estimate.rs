@@ -233,7 +233,7 @@ pub fn estimate(
         + if selective { 0 } else { dropped_by_selective };
     let io = btc * a;
     let head_rows = tech.model.loss_chunk.map_or(bt, |r| u(r).min(bt));
-    let logit = cpu_logit_bytes(cfg, tech);
+    let logit = cpu_logit_bytes(cfg, tech, bt);
     // The final norm's output and statistics and the per-token losses; the logits too when
     // not fused.
     let head_act = btc * 4
@@ -294,12 +294,13 @@ pub fn estimate(
     // (the GEMMs read the bf16/f16 weight in place, the final norm the bf16/f16 residual).
     let views_head = if low {
         let (n, rows) = (bt as usize, head_rows as usize);
-        u(matmul::chunked_scratch(
+        u(matmul::head_scratch(
             n,
             rows,
             cfg.channels,
             cfg.vocab,
             true,
+            logit == 2,
         )) * 4
     } else {
         0
@@ -1055,15 +1056,20 @@ pub fn cuda_head_workspace(
         + cublas_workspace
 }
 
-/// Bytes of one logit in the CPU model's head: 2 under bf16 where bf16 weights take the AMX
-/// products ([`matmul::bf16_products`]: the loss's bf16 gradient is what those products
-/// would round an f32 one to) and the vocabulary is wide enough for the f32 strip the
-/// product passes through to cost less than f32 logits ([`matmul::bf16_output_saves`]),
-/// else 4 (the widening path's f32 GEMM reads the gradient unrounded).
-pub fn cpu_logit_bytes(cfg: &ModelConfig, tech: &Techniques) -> u64 {
+/// Bytes of one logit in the CPU model's head over `bt` tokens (a micro-batch): 2 where a bf16
+/// run keeps its logits in bf16 ([`matmul::bf16_head_logits`]: a vocabulary wide enough for the
+/// f32 strip the product passes through to cost less than f32 logits, and products that read
+/// a bf16 gradient piece by piece), else 4.
+pub fn cpu_logit_bytes(cfg: &ModelConfig, tech: &Techniques, bt: u64) -> u64 {
+    let head_rows = tech.model.loss_chunk.map_or(bt, |r| u(r).min(bt));
     if tech.model.precision == crate::model::Precision::Bf16
-        && matmul::bf16_products()
-        && matmul::bf16_output_saves(cfg.vocab)
+        && matmul::bf16_head_logits(
+            bt as usize,
+            head_rows as usize,
+            cfg.channels,
+            cfg.vocab,
+            true,
+        )
     {
         2
     } else {
@@ -1106,8 +1112,10 @@ pub fn cuda_device_peak(
     let constant = state.device[MemoryCategory::Parameters]
         + state.device[MemoryCategory::Gradients]
         + state.device[MemoryCategory::OptimizerState];
-    // The CUDA head keeps its logits in bf16 under bf16 (the CPU model's only on AMX).
-    let cuda_logits = e.moments.head_logits / cpu_logit_bytes(cfg, tech) * cuda_logit_bytes(tech);
+    // Both heads keep their logits in bf16 under bf16, the CPU model's only over a wide
+    // enough vocabulary (and where its products can read a bf16 gradient).
+    let cpu_logit = cpu_logit_bytes(cfg, tech, u(seq) * u(micro));
+    let cuda_logits = e.moments.head_logits / cpu_logit * cuda_logit_bytes(tech);
     let head = e.moments.head_kept - e.moments.head_logits
         + cuda_logits
         + cuda_head_workspace(cfg, seq, micro, tech, cublas_workspace);

@@ -133,18 +133,25 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
     );
 }
 
-/// A vocabulary wider than two of the bf16 output's strips (with a ragged last one), so that
-/// under bf16 on AMX the head keeps its logits in bf16 behind an f32 strip
-/// (`matmul::bf16_output_saves`): unfused (activations), fused (workspace), and the full stack.
-/// Elsewhere the same runs check the f32 logits.
+/// A vocabulary wider than two of the bf16 output's strips, so that under bf16 the head keeps
+/// its logits in bf16 behind an f32 strip (`matmul::bf16_head_logits`): unfused (activations),
+/// fused (workspace), and the full stack. On AMX all three; on the widening path the unfused
+/// run (512 rows), while the fused runs' 48-row chunks of 64 channels are too small a product
+/// for gemm's depth cut and keep f32 logits.
 #[test]
 fn wide_vocabulary_bf16_estimates_equal_the_trackers_peaks() {
+    use headroom_trainer::ops::matmul;
     let mut cfg = model(false);
-    cfg.vocab = 2 * headroom_trainer::ops::matmul::BF16_OUTPUT_STRIP + 952;
+    cfg.vocab = 2 * matmul::BF16_OUTPUT_STRIP + 952;
     cfg.layers = 2;
     let mut bf16 = Techniques::baseline();
     bf16.model.precision = Precision::Bf16;
     bf16.model.attention = AttentionConfig::flash();
+    if matmul::gemm_f32_tile().is_some() {
+        let tokens = (base(false).batch * base(false).seq) as u64;
+        let bytes = headroom_trainer::estimate::cpu_logit_bytes(&cfg, &bf16, tokens);
+        assert_eq!(bytes, 2, "bf16 logits on this machine's path");
+    }
     let mut fused = bf16.clone();
     fused.model.loss_chunk = Some(48);
     let mut stack = fused.clone();

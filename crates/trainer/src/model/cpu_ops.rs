@@ -908,16 +908,18 @@ impl ModelOps for Cpu {
         }
         let rows = rows.clamp(1, n.max(1));
         let wr = WeightRef::new(self, w)?;
-        // Under bf16 on AMX the logits are stored in bf16, half the bytes: the loss reads
-        // them widened (exactly) and writes its gradient rounded to bf16, which the products
-        // would round it to anyway, so losses and gradients keep their bits. The widening
-        // path's f32 GEMM reads the gradient unrounded, so there they stay f32; so do a small
-        // vocabulary's, where the f32 strip the product goes through would cost more.
+        let train = grads.is_some();
+        // Under bf16 the logits are stored in bf16, half the bytes: the loss reads them
+        // widened (exactly) and writes its gradient rounded to bf16, as torch's bf16 `matmul`
+        // receives it (on AMX the products would round it so anyway). The widening path reads
+        // the gradient widened a piece at a time, cut where gemm cuts its sums. A small
+        // vocabulary's stay f32, where the f32 strip the product goes through would cost more;
+        // so do the widening path's where gemm's blocking is not known (see
+        // `matmul::bf16_head_logits`).
         let bf16_logits = match wr {
             WeightRef::Bf16(w)
                 if precision == Precision::Bf16
-                    && matmul::bf16_products()
-                    && matmul::bf16_output_saves(v) =>
+                    && matmul::bf16_head_logits(n, rows, c, v, train) =>
             {
                 Some(w)
             }
@@ -925,8 +927,8 @@ impl ModelOps for Cpu {
         };
         let mut scratch = {
             let _l = headroom_profiler::label_absolute("head.wte (f32 panel)");
-            let train = grads.is_some();
-            wr.scratch(self, matmul::chunked_scratch(n, rows, c, v, train))?
+            let bf16 = bf16_logits.is_some();
+            wr.scratch(self, matmul::head_scratch(n, rows, c, v, train, bf16))?
         };
         let _l = headroom_profiler::label_absolute(if rows < n {
             "head.logits[chunk]"
@@ -968,34 +970,27 @@ impl ModelOps for Cpu {
                 let w: &[bf16] = w;
                 let lg = &mut logits.as_mut_slice::<bf16>()?[..r * v];
                 let st = out(stage)?;
-                matmul::forward_bf16_products_into_bf16(
-                    lg,
-                    xr,
-                    w,
-                    r,
-                    c,
-                    v,
-                    st,
-                    panel(&mut scratch)?,
-                );
+                let amx = matmul::bf16_products();
+                if amx {
+                    let sc = panel(&mut scratch)?;
+                    matmul::forward_bf16_products_into_bf16(lg, xr, w, r, c, v, st, sc);
+                } else {
+                    let sc = panel(&mut scratch)?;
+                    matmul::forward_with_into_bf16(lg, xr, w, r, c, v, st, sc);
+                }
                 let ls = &mut out(losses)?[r0..r0 + r];
                 let tr = &targets[r0..r0 + r];
                 match &mut grads {
                     Some(g) => {
                         cross_entropy::forward_backward_in_place_bf16(ls, lg, tr, &dloss[..r], v);
                         let dw = g.dw.as_deref_mut().map(out).transpose()?;
-                        matmul::backward_bf16_products(
-                            &mut out(g.dx)?[r0 * c..][..r * c],
-                            dw,
-                            None,
-                            &*lg,
-                            xr,
-                            w,
-                            r,
-                            c,
-                            v,
-                            panel(&mut scratch)?,
-                        );
+                        let dx = &mut out(g.dx)?[r0 * c..][..r * c];
+                        let sc = panel(&mut scratch)?;
+                        if amx {
+                            matmul::backward_bf16_products(dx, dw, None, &*lg, xr, w, r, c, v, sc);
+                        } else {
+                            matmul::backward_with_bf16_grad(dx, dw, None, lg, xr, w, r, c, v, sc);
+                        }
                     }
                     None => cross_entropy::forward_bf16(ls, lg, tr, v),
                 }
