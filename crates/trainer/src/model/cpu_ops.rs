@@ -1132,15 +1132,16 @@ mod tests {
         assert_eq!((fwd, bwd), (want_fwd, want_bwd));
     }
 
-    /// The bf16 head gives the bits of the f32-logits flow it replaces on AMX: the product in
-    /// f32, rounded to bf16 values, the loss and its f32 gradient in place, the products
-    /// reading that gradient — whole and in chunks of rows, vocabularies below and above two
-    /// bf16 output strips (where the logits become bf16), training and evaluation. Where the
-    /// products widen (no AMX) the head takes that f32 flow itself.
+    /// The bf16 head gives the bits of the f32-logits flow it replaces: the product in f32,
+    /// rounded to bf16 values, the loss and its f32 gradient in place, the products reading
+    /// that gradient rounded to bf16 where the logits are bf16 (on AMX the products round it
+    /// so anyway) — whole and in chunks of rows, vocabularies below and above two bf16 output
+    /// strips (where the logits become bf16: on the widening path too, for a product wide
+    /// enough for gemm's depth cut, which 80 channels are), training and evaluation.
     #[test]
     fn bf16_head_gives_the_bits_of_the_f32_logits_flow() {
         let cpu = Cpu::with_threads(2).unwrap();
-        let (n, c) = (21usize, 40usize);
+        let (n, c) = (21usize, 80usize);
         for v in [300usize, 2 * matmul::BF16_OUTPUT_STRIP + 77] {
             let xv: Vec<f32> = crate::ops::test_values(3, n * c)
                 .into_iter()
@@ -1183,6 +1184,9 @@ mod tests {
                         continue;
                     }
                     cross_entropy::forward_backward_in_place(ls, &mut lg, tr, &vec![dloss; r], v);
+                    if matmul::bf16_head_logits(n, rows, c, v, true) {
+                        round_slice(&mut lg, Precision::Bf16);
+                    }
                     let dxr = &mut dx[r0 * c..][..r * c];
                     if matmul::bf16_products() {
                         matmul::backward_bf16_products(

@@ -56,6 +56,11 @@
 //!   calls the same functions, so its figures follow); products of depth ≤ 512 are never cut.
 //!   Measured on AVX2 (`benches/results/2026-11-24-cpu-2core-bf16-depth-cut.md`): the head's
 //!   input-gradient product went from 0.84 to 1.00 of the f32 GEMM's throughput.
+//! - A bf16 *output* (the head's logits under bf16) and a bf16 *output gradient* take the same
+//!   cuts: [`forward_with_into_bf16`] rounds the f32 product a strip of columns at a time, and
+//!   [`backward_with_bf16_grad`] widens the gradient one depth block at a time, so both keep
+//!   the f32 GEMM's bits on the widened values (the gradient's rounding to bf16 is the
+//!   caller's, as in torch's bf16 `matmul`).
 
 use std::ops::Range;
 
