@@ -1027,10 +1027,10 @@ pub fn bf16_output_saves(oc: usize) -> bool {
 
 /// [`forward_bf16_products`] (no bias) with its output rounded to bf16 (to nearest even, NaN
 /// kept quiet) and stored as bf16: the product's f32 results pass through `stage` (at least
-/// [`bf16_output_stage`] elements) [`BF16_OUTPUT_STRIP`] columns at a time, so no `[n, oc]`
-/// f32 output ever exists. Each output element is the one [`forward_bf16_products`] computes
-/// whole, then rounded (the bf16 GEMM's sums, and the few-row dot products', do not depend
-/// on which columns are computed together; tested).
+/// [`bf16_output_stage`] elements) a balanced strip of at most [`BF16_OUTPUT_STRIP`] columns at
+/// a time, so no `[n, oc]` f32 output ever exists. Each output element is the one
+/// [`forward_bf16_products`] computes whole, then rounded (the bf16 GEMM's sums, and the
+/// few-row dot products', do not depend on which columns are computed together; tested).
 ///
 /// The trade-off: `a` is packed again for every strip. At the head's shapes (depth 768,
 /// 1024-column strips) that is under 1% of the product's work.
@@ -1045,28 +1045,40 @@ pub fn forward_bf16_products_into_bf16<A: super::bf16_gemm::Bf16Source>(
     stage: &mut [f32],
     scratch: &mut [f32],
 ) {
-    use headroom_tensor::cpu::kernels::f32_to_bf16_bits;
+    assert_eq!(weight.len(), oc * c, "weight length");
+    into_bf16_by_strips(out, n, oc, stage, |strip, cols| {
+        let rows_of_w = &weight[cols.start * c..cols.end * c];
+        forward_bf16_products(strip, inp, rows_of_w, None, n, c, cols.len(), scratch);
+    });
+}
+
+/// `out[n, oc]` (bf16) ← `product(strip, cols)` rounded to nearest even (NaN kept quiet), for
+/// the balanced column strips of [`output_strips`] in turn, each computed in f32 into `stage`
+/// (at least `n` × the widest strip, which [`bf16_output_stage`] is).
+fn into_bf16_by_strips(
+    out: &mut [bf16],
+    n: usize,
+    oc: usize,
+    stage: &mut [f32],
+    mut product: impl FnMut(&mut [f32], Range<usize>),
+) {
+    use headroom_tensor::cpu::kernels::narrow_bf16;
     use rayon::prelude::*;
     assert_eq!(out.len(), n * oc, "output length");
-    assert_eq!(weight.len(), oc * c, "weight length");
+    let count = output_strips(oc);
     assert!(
-        stage.len() >= bf16_output_stage(n, oc),
+        stage.len() >= n * oc.div_ceil(count),
         "stage of {} elements for {n} rows of {oc}",
         stage.len()
     );
-    for j0 in (0..oc).step_by(BF16_OUTPUT_STRIP) {
-        let width = BF16_OUTPUT_STRIP.min(oc - j0);
-        let strip = &mut stage[..n * width];
-        let rows_of_w = &weight[j0 * c..(j0 + width) * c];
-        forward_bf16_products(strip, inp, rows_of_w, None, n, c, width, scratch);
-        out.par_chunks_mut(oc)
-            .zip(strip.par_chunks(width))
+    for j in 0..count {
+        let cols = panel_range(oc, count, j);
+        let strip = &mut stage[..n * cols.len()];
+        product(strip, cols.clone());
+        out.par_chunks_mut(oc.max(1))
+            .zip(strip.par_chunks(cols.len().max(1)))
             .with_min_len(16)
-            .for_each(|(o, s)| {
-                for (d, &x) in o[j0..j0 + width].iter_mut().zip(s) {
-                    *d = bf16::from_bits(f32_to_bf16_bits(x));
-                }
-            });
+            .for_each(|(o, s)| narrow_bf16(s, &mut o[cols.clone()]));
     }
 }
 
@@ -1135,10 +1147,10 @@ pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source, D: super::bf16_ge
 // widened a cache-sized piece at a time, cut where gemm cuts its sums, so every product keeps
 // the bits of the f32 GEMM on the widened values.
 
-/// Balanced column strips, each at most [`BF16_OUTPUT_STRIP`] wide, that
-/// [`forward_with_into_bf16`] computes in f32. Balanced rather than full strips and a ragged
-/// last one: every strip stays far wider than [`PANEL_MIN`], so gemm blocks each one as it
-/// blocks the whole product.
+/// How many balanced column strips, each at most [`BF16_OUTPUT_STRIP`] wide, a bf16 output is
+/// computed in (f32, then rounded). Balanced rather than full strips and a ragged last one:
+/// every strip of a wide output stays far wider than [`PANEL_MIN`], so gemm blocks each one as
+/// it blocks the whole product.
 fn output_strips(oc: usize) -> usize {
     oc.div_ceil(BF16_OUTPUT_STRIP).max(1)
 }
@@ -1170,27 +1182,11 @@ pub fn forward_with_into_bf16<W: Operand>(
     stage: &mut [f32],
     scratch: &mut [f32],
 ) {
-    use headroom_tensor::cpu::kernels::narrow_bf16;
-    use rayon::prelude::*;
-    assert_eq!(out.len(), n * oc, "output length");
     assert_eq!(weight.len(), oc * c, "weight length");
-    let count = output_strips(oc);
-    assert!(
-        stage.len() >= n * oc.div_ceil(count),
-        "stage of {} elements for {n} rows of {oc}",
-        stage.len()
-    );
-    for j in 0..count {
-        let cols = panel_range(oc, count, j);
-        let width = cols.len();
-        let strip = &mut stage[..n * width];
+    into_bf16_by_strips(out, n, oc, stage, |strip, cols| {
         let rows_of_w = &weight[cols.start * c..cols.end * c];
-        forward_with(strip, inp, rows_of_w, None, n, c, width, scratch);
-        out.par_chunks_mut(oc.max(1))
-            .zip(strip.par_chunks(width.max(1)))
-            .with_min_len(16)
-            .for_each(|(o, s)| narrow_bf16(s, &mut o[cols.clone()]));
-    }
+        forward_with(strip, inp, rows_of_w, None, n, c, cols.len(), scratch);
+    });
 }
 
 /// The row counts of a product over `n` rows taken `rows` at a time: `rows`, and the last
@@ -1647,9 +1643,9 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(12))]
 
         /// The bf16 output is the f32 product rounded to nearest even, across strip
-        /// boundaries and ragged last strips, on the few-row dot products and the GEMM: bit
-        /// for bit where the sums do not depend on the columns computed together (AMX tiles,
-        /// row dots), within one bf16 rounding of the product elsewhere (gemm's f32 blocking
+        /// boundaries and strips of both balanced widths, on the few-row dot products and the
+        /// GEMM: bit for bit where the sums do not depend on the columns computed together (AMX
+        /// tiles, row dots), within one bf16 rounding of the product elsewhere (gemm's f32 blocking
         /// may depend on the width).
         #[test]
         fn bf16_outputs_are_the_products_rounded(
