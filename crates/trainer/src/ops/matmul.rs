@@ -668,11 +668,7 @@ pub fn backward_scratch(n: usize, c: usize, oc: usize) -> usize {
 /// may be shorter; the head with a fused loss): forward and, when `backward`, the input
 /// gradient's product, with one scratch shared by all chunks.
 pub fn chunked_scratch(n: usize, rows: usize, c: usize, oc: usize, backward: bool) -> usize {
-    let rows = rows.clamp(1, n.max(1));
-    let last = n % rows;
-    [rows.min(n), last]
-        .into_iter()
-        .filter(|&r| r > 0)
+    chunk_rows(n, rows)
         .map(|r| {
             let f = forward_scratch(r, c, oc);
             if backward {
@@ -1247,10 +1243,13 @@ pub fn bf16_grad_pieces(n: usize, c: usize, oc: usize) -> bool {
 }
 
 /// Scratch (f32 elements) [`backward_with_bf16_grad`] needs: one widened piece of the
-/// gradient (`n` rows × one depth block) beside one widened weight panel.
+/// gradient (`n` rows × one depth block) beside one block's widened weight panel (a full
+/// block's or the shorter last one's, whose panels may be wider).
 pub fn backward_bf16_grad_scratch(n: usize, c: usize, oc: usize) -> usize {
-    let plan = panel_plan(n, c, oc, PANEL_BYTES);
-    n * plan.depth + plan.scratch()
+    let depth = panel_plan(n, c, oc, PANEL_BYTES).depth;
+    let last = oc - oc.saturating_sub(1) / depth.max(1) * depth;
+    let panel = |kb: usize| panel_plan(n, c, kb, PANEL_BYTES).scratch();
+    n * depth + panel(depth).max(panel(last))
 }
 
 /// [`backward_with`] with the output gradient in bf16: `dinp += dout · W`, `dweight += doutᵀ
@@ -1292,29 +1291,27 @@ pub fn backward_with_bf16_grad<W: Operand>(
         scratch.len(),
         backward_bf16_grad_scratch(n, c, oc)
     );
-    let plan = panel_plan(n, c, oc, PANEL_BYTES);
+    let depth = panel_plan(n, c, oc, PANEL_BYTES).depth;
     if n > 0 && c > 0 {
-        let (grad_piece, weight_piece) = scratch.split_at_mut(n * plan.depth);
-        for k0 in (0..oc).step_by(plan.depth.max(1)) {
-            let kb = plan.depth.min(oc - k0);
+        let (grad_piece, weight_piece) = scratch.split_at_mut(n * depth);
+        for k0 in (0..oc).step_by(depth.max(1)) {
+            let kb = depth.min(oc - k0);
             let piece = &mut grad_piece[..n * kb];
             widen_piece(dout, oc, 0..n, k0..k0 + kb, piece);
-            // dinp[n, c] += dout[:, block] · W[block, :], panel by panel of its columns.
-            for j in 0..plan.count {
-                let cols = panel_range(c, plan.count, j);
-                let width = cols.len();
-                let slab = &mut dinp[cols.start..(n - 1) * c + cols.end];
-                let rhs = match W::as_f32(weight) {
-                    Some(w) => Strided::rows(w, c).skip_rows(k0).skip_cols(cols.start),
-                    None => {
-                        let wp = &mut weight_piece[..kb * width];
-                        widen_piece(weight, c, k0..k0 + kb, cols.clone(), wp);
-                        Strided::rows(wp, width)
-                    }
-                };
-                let lhs = Strided::rows(piece, kb);
-                gemm_rows_into(parallelism(), slab, c, lhs, rhs, n, width, kb, true);
-            }
+            // dinp[n, c] += dout[:, block] · W[block, :]: one of gemm's depth blocks, so
+            // `gemm_weight` takes it whole (panels of columns, the weight widened per panel).
+            gemm_weight(
+                dinp,
+                Strided::rows(piece, kb),
+                &weight[k0 * c..(k0 + kb) * c],
+                false,
+                n,
+                c,
+                kb,
+                true,
+                weight_piece,
+                PANEL_BYTES,
+            );
             // dweight[block, c] += dout[:, block]ᵀ · inp[n, c].
             if let Some(dw) = dweight.as_deref_mut() {
                 gemm_into(
