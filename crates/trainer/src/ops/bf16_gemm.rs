@@ -344,6 +344,14 @@ mod pack {
     /// `((r / 16) · kt + d / 32) · 512 + (r % 16) · 32 + d % 32`, `kt = ceil(depth / 32)`;
     /// rows and depth past the ends are zero. Every element of the `ceil(rows / 16) · kt`
     /// tiles is written, so `dst` may hold anything before.
+    ///
+    /// The order tiles are filled in follows the source, not `dst` (the layout is the same
+    /// either way): a source cache line is read whole as soon as it arrives. With depth
+    /// contiguous, each source row's run over the whole depth is read once from end to end;
+    /// with rows contiguous (a transpose), depth tile by depth tile, every row tile of it,
+    /// with the next depth tile's runs asked for ahead: consecutive depth values lie a whole
+    /// source row apart (the head's logits gradient: 100 KiB), which the hardware prefetchers
+    /// do not follow (measured: `benches/results/2026-11-29-cpu-2core-amx-a-packing-order.md`).
     pub(super) fn a_tiles<T: Bf16Source>(
         a: &Matrix<'_, T>,
         r0: usize,
@@ -355,60 +363,134 @@ mod pack {
         let kt = depth.div_ceil(32);
         let mt = rows.div_ceil(16);
         debug_assert!(dst.len() >= mt * kt * 512);
-        let mut run = [0u16; 32];
-        for ti in 0..mt {
-            let tile_rows = 16.min(rows - ti * 16);
-            for tk in 0..kt {
-                let tile_depth = 32.min(depth - tk * 32);
-                let tile = &mut dst[(ti * kt + tk) * 512..][..512];
-                let (r1, d1) = (r0 + ti * 16, k0 + tk * 32);
-                let full = tile_rows == 16 && tile_depth == 32;
-                if full && a.col_stride == 1 {
-                    // The common case (the forward's and the input gradient's left operand):
-                    // each row's 32 depth values are one tile row.
-                    for (tr, row) in tile.chunks_exact_mut(32).enumerate() {
-                        let src = &a.data[(r1 + tr) * a.row_stride + d1..][..32];
-                        T::run_into(
-                            src.try_into().expect("32 values"),
-                            row.try_into().expect("a tile row"),
-                        );
+        if a.col_stride == 1 {
+            let full_kt = depth / 32;
+            for ti in 0..mt {
+                let tile_rows = 16.min(rows - ti * 16);
+                if tile_rows == 16 && full_kt > 0 {
+                    // Each source row's run of `full_kt · 32` depth values, converted a tile
+                    // row at a time into its place in each depth tile.
+                    for tr in 0..16 {
+                        let src =
+                            &a.data[(r0 + ti * 16 + tr) * a.row_stride + k0..][..full_kt * 32];
+                        for (tk, run) in src.chunks_exact(32).enumerate() {
+                            T::run_into(
+                                run.try_into().expect("32 values"),
+                                (&mut dst[(ti * kt + tk) * 512 + tr * 32..][..32])
+                                    .try_into()
+                                    .expect("a tile row"),
+                            );
+                        }
                     }
-                    continue;
-                }
-                if full && a.row_stride == 1 {
-                    // A transpose (the weight gradient's `doutᵀ`): convert along the 16
-                    // contiguous rows of each depth column, then transpose 32×16 → 16×32.
-                    full_transposed_a_tile(a, r1, d1, tile);
-                    continue;
-                }
-                tile.fill(0);
-                if a.col_stride == 1 {
-                    // Depth contiguous: each row's run is one tile row.
-                    for tr in 0..tile_rows {
-                        let src = &a.data[(r1 + tr) * a.row_stride + d1..][..tile_depth];
-                        T::bits_into(src, &mut tile[tr * 32..][..tile_depth]);
+                    if full_kt < kt {
+                        a_tile(a, r0, rows, k0, depth, ti, full_kt, kt, dst);
                     }
                 } else {
-                    // Rows contiguous (a transpose) or neither: a tile column at a time.
-                    for dk in 0..tile_depth {
-                        let run = &mut run[..tile_rows];
-                        if a.row_stride == 1 {
-                            T::bits_into(
-                                &a.data[(d1 + dk) * a.col_stride + r1..][..tile_rows],
-                                run,
-                            );
-                        } else {
-                            run.iter_mut()
-                                .enumerate()
-                                .for_each(|(tr, x)| *x = a.at(r1 + tr, d1 + dk));
-                        }
-                        for (tr, &x) in run.iter().enumerate() {
-                            tile[tr * 32 + dk] = x;
-                        }
+                    for tk in 0..kt {
+                        a_tile(a, r0, rows, k0, depth, ti, tk, kt, dst);
                     }
                 }
             }
+        } else if a.row_stride == 1 {
+            for tk in 0..kt {
+                let next = (tk + 1) * 32;
+                for dk in next..depth.min(next + 32) {
+                    prefetch_run(&a.data[(k0 + dk) * a.col_stride + r0..][..rows]);
+                }
+                for ti in 0..mt {
+                    a_tile(a, r0, rows, k0, depth, ti, tk, kt, dst);
+                }
+            }
+        } else {
+            for ti in 0..mt {
+                for tk in 0..kt {
+                    a_tile(a, r0, rows, k0, depth, ti, tk, kt, dst);
+                }
+            }
         }
+    }
+
+    /// Tile `(ti, tk)` of [`a_tiles`]'s layout, every element written.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn a_tile<T: Bf16Source>(
+        a: &Matrix<'_, T>,
+        r0: usize,
+        rows: usize,
+        k0: usize,
+        depth: usize,
+        ti: usize,
+        tk: usize,
+        kt: usize,
+        dst: &mut [u16],
+    ) {
+        let tile_rows = 16.min(rows - ti * 16);
+        let tile_depth = 32.min(depth - tk * 32);
+        let tile = &mut dst[(ti * kt + tk) * 512..][..512];
+        let (r1, d1) = (r0 + ti * 16, k0 + tk * 32);
+        let full = tile_rows == 16 && tile_depth == 32;
+        if full && a.col_stride == 1 {
+            // Each row's 32 depth values are one tile row.
+            for (tr, row) in tile.chunks_exact_mut(32).enumerate() {
+                let src = &a.data[(r1 + tr) * a.row_stride + d1..][..32];
+                T::run_into(
+                    src.try_into().expect("32 values"),
+                    row.try_into().expect("a tile row"),
+                );
+            }
+            return;
+        }
+        if full && a.row_stride == 1 {
+            // A transpose (the weight gradient's `doutᵀ`): convert along the 16 contiguous
+            // rows of each depth column, then transpose 32×16 → 16×32.
+            full_transposed_a_tile(a, r1, d1, tile);
+            return;
+        }
+        tile.fill(0);
+        if a.col_stride == 1 {
+            // Depth contiguous: each row's run is one tile row.
+            for tr in 0..tile_rows {
+                let src = &a.data[(r1 + tr) * a.row_stride + d1..][..tile_depth];
+                T::bits_into(src, &mut tile[tr * 32..][..tile_depth]);
+            }
+        } else {
+            // Rows contiguous (a transpose) or neither: a tile column at a time.
+            let mut run = [0u16; 16];
+            for dk in 0..tile_depth {
+                let run = &mut run[..tile_rows];
+                if a.row_stride == 1 {
+                    T::bits_into(&a.data[(d1 + dk) * a.col_stride + r1..][..tile_rows], run);
+                } else {
+                    run.iter_mut()
+                        .enumerate()
+                        .for_each(|(tr, x)| *x = a.at(r1 + tr, d1 + dk));
+                }
+                for (tr, &x) in run.iter().enumerate() {
+                    tile[tr * 32 + dk] = x;
+                }
+            }
+        }
+    }
+
+    /// Ask for the cache lines holding `run` ahead of use (a hint; no effect on results).
+    #[inline(always)]
+    fn prefetch_run<T>(run: &[T]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let start = run.as_ptr() as usize;
+            let end = start + std::mem::size_of_val(run);
+            // Every line from the one holding the first byte to the one holding the last.
+            let mut line = start & !63;
+            while line < end {
+                // SAFETY: a prefetch does not access memory architecturally; the line holds a
+                // byte of `run`.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line as *const i8) };
+                line += 64;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = run;
     }
 
     /// A full 16-row, 32-deep tile of an `a` whose rows are contiguous: depth column `dk`'s
