@@ -312,7 +312,12 @@ pub fn estimate(
     };
     // bf16 logits pass through an f32 strip of columns.
     let logit_stage = if logit == 2 {
-        u(matmul::bf16_output_stage(head_rows as usize, cfg.vocab)) * 4
+        u(matmul::bf16_output_stage(
+            bt as usize,
+            head_rows as usize,
+            cfg.channels,
+            cfg.vocab,
+        )) * 4
     } else {
         0
     };

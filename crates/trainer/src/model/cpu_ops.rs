@@ -955,7 +955,7 @@ impl ModelOps for Cpu {
                 let _g = MemoryCategory::Workspace.enter();
                 Some((
                     w,
-                    self.uninit([matmul::bf16_output_stage(rows, v)], DType::F32)?,
+                    self.uninit([matmul::bf16_output_stage(n, rows, c, v)], DType::F32)?,
                 ))
             }
             None => None,

@@ -254,6 +254,59 @@ pub fn gemm_bf16_with<A: Bf16Source, B: Bf16Source>(
     }
 }
 
+/// Whether [`gemm_bf16_into_bf16`] computes an `m × n` product of depth `k` on this machine:
+/// on AMX tiles, in one depth block ([`KC`]).
+pub fn bf16_output_on_tiles(k: usize) -> bool {
+    bf16_gemm_path() == Bf16GemmPath::Amx && k <= KC
+}
+
+/// [`gemm_bf16_with`] overwriting a bf16 `c` with the f32 results rounded to nearest even (NaN
+/// kept quiet): the bits of `gemm_bf16_with` followed by the tensor crate's `narrow_bf16`,
+/// without an f32 output. Each output tile is rounded as it leaves the AMX tile registers, so
+/// where [`bf16_output_on_tiles`] is false (no AMX, or a depth past one block, whose partial
+/// sums would have to be kept in f32) it returns `false` and leaves `c` untouched.
+///
+/// # Panics
+/// As [`gemm_bf16`].
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_into_bf16<A: Bf16Source, B: Bf16Source>(
+    c: &mut [bf16],
+    ldc: usize,
+    a: Matrix<'_, A>,
+    b: Matrix<'_, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+    pack: &mut [u16],
+) -> bool {
+    if !bf16_output_on_tiles(k) {
+        return false;
+    }
+    assert!(ldc >= n, "gemm_bf16: ldc {ldc} < n {n}");
+    assert!(
+        a.covers(m, k),
+        "gemm_bf16: a is not [{m}, {k}] inside its slice"
+    );
+    assert!(
+        b.covers(k, n),
+        "gemm_bf16: b is not [{k}, {n}] inside its slice"
+    );
+    assert!(
+        m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n,
+        "gemm_bf16: c is not [{m}, {n}] at row stride {ldc}"
+    );
+    if m == 0 || n == 0 {
+        return true;
+    }
+    let bits: &mut [u16] = bytemuck::cast_slice_mut(c);
+    if k == 0 {
+        bits.chunks_mut(ldc).take(m).for_each(|r| r[..n].fill(0));
+        return true;
+    }
+    amx::gemm_into_bf16(bits, ldc, a, b, m, n, k, pack);
+    true
+}
+
 /// u16 elements of one pair of packed `b` tiles (32 columns) over the deepest depth block of a
 /// product of depth `k`.
 fn tile_pair(k: usize) -> usize {
@@ -628,7 +681,7 @@ mod pack {
 /// The AMX-BF16 path (x86-64 Linux); elsewhere `available()` is false.
 mod amx {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    pub(super) use imp::{available, gemm};
+    pub(super) use imp::{available, gemm, gemm_into_bf16};
 
     #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
     pub(super) fn available() -> bool {
@@ -651,11 +704,28 @@ mod amx {
         super::gemm_widened(c, ldc, a, b, m, n, k, accumulate)
     }
 
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm_into_bf16<A: super::Bf16Source, B: super::Bf16Source>(
+        _: &mut [u16],
+        _: usize,
+        _: super::Matrix<'_, A>,
+        _: super::Matrix<'_, B>,
+        _: usize,
+        _: usize,
+        _: usize,
+        _: &mut [u16],
+    ) {
+        unreachable!("no AMX path on this target")
+    }
+
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     mod imp {
         use std::arch::asm;
 
         use rayon::prelude::*;
+
+        use headroom_tensor::cpu::kernels::f32_to_bf16_bits;
 
         use super::super::{pack, Bf16Source, Matrix, KC, MC, NC};
 
@@ -783,10 +853,20 @@ mod amx {
         /// ever exist at once.
         #[derive(Clone, Copy)]
         struct Out {
-            ptr: *mut f32,
-            /// Elements from `ptr` that belong to the output: `(m − 1)·ldc + n`.
+            dest: Dest,
+            /// Elements from the start that belong to the output: `(m − 1)·ldc + n`.
             len: usize,
             ldc: usize,
+        }
+
+        /// The output's storage: f32 (tiles stored in place), or bf16 (every tile stored
+        /// through an f32 buffer and rounded to nearest even, NaN kept quiet: the tensor
+        /// crate's `narrow_bf16`, element by element). A bf16 output is only ever written
+        /// whole, in one depth block, so no partial sum is ever rounded.
+        #[derive(Clone, Copy)]
+        enum Dest {
+            F32(*mut f32),
+            Bf16(*mut u16),
         }
 
         // SAFETY: `Out` is only an address; the threads it is shared with write disjoint
@@ -796,11 +876,46 @@ mod amx {
         unsafe impl Sync for Out {}
 
         impl Out {
-            /// The address of element `(r, j)`, which must lie inside the output.
-            fn at(&self, r: usize, j: usize) -> *mut f32 {
+            /// The offset of element `(r, j)`, which must lie inside the output.
+            fn index(&self, r: usize, j: usize) -> usize {
                 let i = r * self.ldc + j;
                 assert!(i < self.len, "output element ({r}, {j}) outside the output");
-                self.ptr.wrapping_add(i)
+                i
+            }
+
+            /// The address of element `(r, j)` of an f32 output, inside it.
+            fn at(&self, r: usize, j: usize) -> *mut f32 {
+                match self.dest {
+                    Dest::F32(ptr) => ptr.wrapping_add(self.index(r, j)),
+                    Dest::Bf16(_) => unreachable!("an f32 address in a bf16 output"),
+                }
+            }
+
+            /// Row `r`, columns `j..j + w` of the output ← `values` (`w` of them), rounded
+            /// for a bf16 output.
+            ///
+            /// # Safety
+            /// No other thread touches these elements meanwhile.
+            unsafe fn store_row(&self, r: usize, j: usize, values: &[f32]) {
+                if values.is_empty() {
+                    return;
+                }
+                let (first, _) = (self.index(r, j), self.index(r, j + values.len() - 1));
+                // SAFETY: both ends lie inside the output (checked), the caller owns them.
+                unsafe {
+                    match self.dest {
+                        Dest::F32(ptr) => std::ptr::copy_nonoverlapping(
+                            values.as_ptr(),
+                            ptr.add(first),
+                            values.len(),
+                        ),
+                        Dest::Bf16(ptr) => {
+                            for (x, &v) in values.iter().enumerate() {
+                                *ptr.add(first + x) = f32_to_bf16_bits(v);
+                            }
+                        }
+                    }
+                }
             }
         }
 
@@ -881,7 +996,7 @@ mod amx {
                             16.min(rows.saturating_sub(row)),
                             16.min(cols.saturating_sub(col)),
                         );
-                        if h == 16 && w == 16 {
+                        if h == 16 && w == 16 && matches!(out.dest, Dest::F32(_)) {
                             // Both corners inside the output (checked), so every row is.
                             let _ = out.at(r0 + row + 15, c0 + col + 15);
                             tiles[q] = OutTile {
@@ -891,8 +1006,10 @@ mod amx {
                         } else {
                             edges[q] = true;
                             let e = &mut edge[q * 256..][..256];
-                            e.fill(0.0);
+                            // Without `load` the kernel starts from zeroed tiles and stores
+                            // all of each: nothing of `e` is read.
                             if load {
+                                e.fill(0.0);
                                 for r in 0..h {
                                     for x in 0..w {
                                         // SAFETY: inside the output (`at` checks) and this
@@ -933,10 +1050,9 @@ mod amx {
                         );
                         let e = &edge[q * 256..][..256];
                         for r in 0..h {
-                            for x in 0..w {
-                                // SAFETY: inside the output (`at` checks) and this task's block.
-                                unsafe { *out.at(r0 + row + r, c0 + col + x) = e[r * 16 + x] };
-                            }
+                            // SAFETY: inside the output (`store_row` checks) and this task's
+                            // block.
+                            unsafe { out.store_row(r0 + row + r, c0 + col, &e[r * 16..][..w]) };
                         }
                     }
                 }
@@ -962,10 +1078,48 @@ mod amx {
             pack: &mut [u16],
         ) {
             let out = Out {
-                ptr: c.as_mut_ptr(),
+                dest: Dest::F32(c.as_mut_ptr()),
                 len: ((m - 1) * ldc + n).min(c.len()),
                 ldc,
             };
+            run(out, a, b, m, n, k, accumulate, pack);
+        }
+
+        /// [`gemm`] overwriting a bf16 `c`: each output tile is rounded as it leaves the tile
+        /// registers, so no f32 copy of the output exists. One depth block only (`k ≤ KC`),
+        /// so every stored value is a finished sum.
+        #[allow(clippy::too_many_arguments)]
+        pub(in super::super) fn gemm_into_bf16<A: Bf16Source, B: Bf16Source>(
+            c: &mut [u16],
+            ldc: usize,
+            a: Matrix<'_, A>,
+            b: Matrix<'_, B>,
+            m: usize,
+            n: usize,
+            k: usize,
+            pack: &mut [u16],
+        ) {
+            assert!(k <= KC, "a bf16 output takes one depth block, not {k}");
+            let out = Out {
+                dest: Dest::Bf16(c.as_mut_ptr()),
+                len: ((m - 1) * ldc + n).min(c.len()),
+                ldc,
+            };
+            run(out, a, b, m, n, k, false, pack);
+        }
+
+        /// [`gemm`]'s work on either output.
+        #[allow(clippy::too_many_arguments)]
+        fn run<A: Bf16Source, B: Bf16Source>(
+            out: Out,
+            a: Matrix<'_, A>,
+            b: Matrix<'_, B>,
+            m: usize,
+            n: usize,
+            k: usize,
+            accumulate: bool,
+            pack: &mut [u16],
+        ) {
             let tile_pair = super::super::tile_pair(k);
             let threads = rayon::current_num_threads().max(1);
             let mut own = Vec::new();
@@ -1145,6 +1299,47 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// A bf16 output: the f32 product's bits rounded by the tensor crate's `narrow_bf16`,
+        /// for tall and wide products (row and column splits), odd tails, a wider `ldc` (the
+        /// columns past `n` untouched), a NaN among the inputs; and where the tiles cannot
+        /// take it (no AMX, or more than one depth block) `c` untouched and `false`.
+        #[test]
+        fn a_bf16_output_is_the_f32_product_rounded(
+            m in 1usize..90, n in 1usize..150, k in 1usize..(KC + 40),
+            b_t in any::<bool>(), pad in 0usize..3, nan in any::<bool>(), seed in any::<u64>(),
+        ) {
+            let mut av = values(seed, m * k);
+            if nan {
+                av[(seed as usize) % (m * k)] = f32::NAN;
+            }
+            let bb: Vec<bf16> = values(seed ^ 1, k * n).iter().map(|&x| bf16::from_f32(x)).collect();
+            let a = Matrix::rows(&av[..], k);
+            let b = if b_t { Matrix::transposed(&bb[..], k) } else { Matrix::rows(&bb[..], n) };
+            let ldc = n + pad;
+            let sentinel = bf16::from_bits(0x7fc1);
+            let mut c = vec![sentinel; m * ldc];
+            let on_tiles = gemm_bf16_into_bf16(&mut c, ldc, a, b, m, n, k, &mut []);
+            prop_assert_eq!(on_tiles, bf16_output_on_tiles(k));
+            if !on_tiles {
+                prop_assert!(c.iter().all(|x| x.to_bits() == sentinel.to_bits()));
+                return Ok(());
+            }
+            let mut f = vec![0f32; m * ldc];
+            gemm_bf16(&mut f, ldc, a, b, m, n, k, false);
+            let mut want = vec![bf16::ZERO; m * ldc];
+            headroom_tensor::cpu::kernels::narrow_bf16(&f, &mut want);
+            for i in 0..m {
+                for j in 0..ldc {
+                    let got = c[i * ldc + j].to_bits();
+                    if j < n {
+                        prop_assert_eq!(got, want[i * ldc + j].to_bits(), "({}, {})", i, j);
+                    } else {
+                        prop_assert_eq!(got, sentinel.to_bits());
+                    }
+                }
+            }
+        }
 
         /// Odd shapes (tails of every tile dimension), both operand types, transposes, a wider
         /// `ldc`, overwrite and accumulate: within the f32-summation bound of the f64 product of

@@ -1009,10 +1009,23 @@ pub fn forward_bf16_products<A: super::bf16_gemm::Bf16Source>(
 /// Output columns [`forward_bf16_products_into_bf16`] computes at a time in f32.
 pub const BF16_OUTPUT_STRIP: usize = 1024;
 
-/// f32 elements of [`forward_bf16_products_into_bf16`]'s staging strip for `n` rows of `oc`
-/// outputs.
-pub fn bf16_output_stage(n: usize, oc: usize) -> usize {
-    n * oc.min(BF16_OUTPUT_STRIP)
+/// f32 elements of the staging strip that [`forward_bf16_products_into_bf16`] and
+/// [`forward_with_into_bf16`] pass `oc` outputs of depth `c` through, over `n` rows taken
+/// `rows` at a time: none for a chunk whose AMX tiles round their own output
+/// ([`bf16_output_on_tiles`](super::bf16_gemm::bf16_output_on_tiles)).
+pub fn bf16_output_stage(n: usize, rows: usize, c: usize, oc: usize) -> usize {
+    chunk_rows(n, rows)
+        .filter(|&r| !bf16_output_direct(r, c))
+        .map(|r| r * oc.min(BF16_OUTPUT_STRIP))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Whether [`forward_bf16_products_into_bf16`] stores its bf16 output straight from the AMX
+/// tiles (one depth block; more rows than the row dot products take) instead of staging f32
+/// strips.
+fn bf16_output_direct(n: usize, c: usize) -> bool {
+    bf16_products() && n > DOT_ROWS && super::bf16_gemm::bf16_output_on_tiles(c)
 }
 
 /// Whether [`forward_bf16_products_into_bf16`] holds fewer bytes than an f32 output: a bf16
@@ -1030,6 +1043,12 @@ pub fn bf16_output_saves(oc: usize) -> bool {
 ///
 /// The trade-off: `a` is packed again for every strip. At the head's shapes (depth 768,
 /// 1024-column strips) that is under 1% of the product's work.
+///
+/// Where the depth fits one of the AMX kernel's blocks (`small`'s head: 384), there are no
+/// strips: the tiles round their own output ([`bf16_gemm::gemm_bf16_into_bf16`], the same
+/// bits) and `stage` may be empty ([`bf16_output_stage`]).
+///
+/// [`bf16_gemm::gemm_bf16_into_bf16`]: super::bf16_gemm::gemm_bf16_into_bf16
 #[allow(clippy::too_many_arguments)]
 pub fn forward_bf16_products_into_bf16<A: super::bf16_gemm::Bf16Source>(
     out: &mut [bf16],
@@ -1041,7 +1060,24 @@ pub fn forward_bf16_products_into_bf16<A: super::bf16_gemm::Bf16Source>(
     stage: &mut [f32],
     scratch: &mut [f32],
 ) {
+    use super::bf16_gemm::{gemm_bf16_into_bf16, Matrix};
     assert_eq!(weight.len(), oc * c, "weight length");
+    assert_eq!(inp.len(), n * c, "input length");
+    assert_eq!(out.len(), n * oc, "output length");
+    if bf16_output_direct(n, c)
+        && gemm_bf16_into_bf16(
+            out,
+            oc,
+            Matrix::rows(inp, c),
+            Matrix::transposed(weight, c),
+            n,
+            oc,
+            c,
+            pack_buffer(scratch),
+        )
+    {
+        return;
+    }
     into_bf16_by_strips(out, n, oc, stage, |strip, cols| {
         let rows_of_w = &weight[cols.start * c..cols.end * c];
         forward_bf16_products(strip, inp, rows_of_w, None, n, c, cols.len(), scratch);
@@ -1658,7 +1694,7 @@ mod tests {
             let mut whole = vec![0.0; n * oc];
             forward_bf16_products(&mut whole, &x, &w, None, n, c, oc, &mut scratch);
             let mut out = vec![bf16::ZERO; n * oc];
-            let mut stage = vec![0.0; bf16_output_stage(n, oc)];
+            let mut stage = vec![0.0; bf16_output_stage(n, n, c, oc)];
             forward_bf16_products_into_bf16(&mut out, &x, &w, n, c, oc, &mut stage, &mut scratch);
             let exact = n <= DOT_ROWS
                 || super::super::bf16_gemm::bf16_gemm_path()
@@ -1672,6 +1708,45 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Past one depth block of the AMX kernel the bf16 output goes through f32 strips again
+    /// (the proptest above takes depths the tiles round directly): the same rounding of the
+    /// same sums, and a stage of the size [`bf16_output_stage`] asks for.
+    #[test]
+    fn deep_bf16_outputs_go_through_strips() {
+        let (n, c, oc) = (
+            37,
+            super::super::bf16_gemm::KC + 20,
+            BF16_OUTPUT_STRIP + 300,
+        );
+        let x = f32_vec(3, n * c);
+        let w = bf16_vec(4, oc * c);
+        let mut scratch = vec![0.0; forward_scratch(n, c, oc)];
+        let mut whole = vec![0.0; n * oc];
+        forward_bf16_products(&mut whole, &x, &w, None, n, c, oc, &mut scratch);
+        let stage_len = bf16_output_stage(n, n, c, oc);
+        assert_eq!(stage_len, n * BF16_OUTPUT_STRIP);
+        let mut out = vec![bf16::from_bits(0x7fc1); n * oc];
+        let mut stage = vec![f32::NAN; stage_len];
+        forward_bf16_products_into_bf16(&mut out, &x, &w, n, c, oc, &mut stage, &mut scratch);
+        if bf16_products() {
+            for (i, (o, &f)) in out.iter().zip(&whole).enumerate() {
+                assert_eq!(o.to_bits(), bf16::from_f32(f).to_bits(), "element {i}");
+            }
+        }
+        // Where the tiles round their own output, no stage at all.
+        let direct = bf16_products() && n > DOT_ROWS;
+        assert_eq!(bf16_output_stage(n, n, 48, oc) == 0, direct);
+        // A short last chunk that the row dot products take still gets a stage.
+        assert_eq!(
+            bf16_output_stage(n + 2, n, 48, oc),
+            if direct {
+                2 * BF16_OUTPUT_STRIP
+            } else {
+                n * BF16_OUTPUT_STRIP
+            }
+        );
     }
 
     #[test]
@@ -1871,7 +1946,7 @@ mod tests {
             .map(|&v| headroom_tensor::cpu::kernels::f32_to_bf16_bits(v))
             .collect();
         let mut got = vec![bf16::from_bits(0x7fc1); n * oc];
-        let mut stage = vec![f32::NAN; bf16_output_stage(n, oc)];
+        let mut stage = vec![f32::NAN; n * oc.min(BF16_OUTPUT_STRIP)];
         let mut scratch = vec![f32::NAN; forward_into_bf16_scratch(n, c, oc)];
         forward_with_into_bf16(&mut got, &x, &w, n, c, oc, &mut stage, &mut scratch);
         let got: Vec<u16> = got.iter().map(|v| v.to_bits()).collect();
