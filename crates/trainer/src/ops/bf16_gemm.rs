@@ -226,19 +226,7 @@ pub fn gemm_bf16_with<A: Bf16Source, B: Bf16Source>(
     accumulate: bool,
     pack: &mut [u16],
 ) {
-    assert!(ldc >= n, "gemm_bf16: ldc {ldc} < n {n}");
-    assert!(
-        a.covers(m, k),
-        "gemm_bf16: a is not [{m}, {k}] inside its slice"
-    );
-    assert!(
-        b.covers(k, n),
-        "gemm_bf16: b is not [{k}, {n}] inside its slice"
-    );
-    assert!(
-        m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n,
-        "gemm_bf16: c is not [{m}, {n}] at row stride {ldc}"
-    );
+    check_shapes(c.len(), ldc, &a, &b, m, n, k);
     if m == 0 || n == 0 {
         return;
     }
@@ -282,19 +270,7 @@ pub fn gemm_bf16_into_bf16<A: Bf16Source, B: Bf16Source>(
     if !bf16_output_on_tiles(k) {
         return false;
     }
-    assert!(ldc >= n, "gemm_bf16: ldc {ldc} < n {n}");
-    assert!(
-        a.covers(m, k),
-        "gemm_bf16: a is not [{m}, {k}] inside its slice"
-    );
-    assert!(
-        b.covers(k, n),
-        "gemm_bf16: b is not [{k}, {n}] inside its slice"
-    );
-    assert!(
-        m == 0 || n == 0 || c.len() >= (m - 1) * ldc + n,
-        "gemm_bf16: c is not [{m}, {n}] at row stride {ldc}"
-    );
+    check_shapes(c.len(), ldc, &a, &b, m, n, k);
     if m == 0 || n == 0 {
         return true;
     }
@@ -305,6 +281,33 @@ pub fn gemm_bf16_into_bf16<A: Bf16Source, B: Bf16Source>(
     }
     amx::gemm_into_bf16(bits, ldc, a, b, m, n, k, pack);
     true
+}
+
+/// The shape checks of [`gemm_bf16_with`] and [`gemm_bf16_into_bf16`]: both matrices inside
+/// their slices, `c` (`c_len` elements) holding `[m, n]` at row stride `ldc` ≥ `n`.
+#[allow(clippy::too_many_arguments)]
+fn check_shapes<A: Bf16Source, B: Bf16Source>(
+    c_len: usize,
+    ldc: usize,
+    a: &Matrix<'_, A>,
+    b: &Matrix<'_, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    assert!(ldc >= n, "gemm_bf16: ldc {ldc} < n {n}");
+    assert!(
+        a.covers(m, k),
+        "gemm_bf16: a is not [{m}, {k}] inside its slice"
+    );
+    assert!(
+        b.covers(k, n),
+        "gemm_bf16: b is not [{k}, {n}] inside its slice"
+    );
+    assert!(
+        m == 0 || n == 0 || c_len >= (m - 1) * ldc + n,
+        "gemm_bf16: c is not [{m}, {n}] at row stride {ldc}"
+    );
 }
 
 /// u16 elements of one pair of packed `b` tiles (32 columns) over the deepest depth block of a
