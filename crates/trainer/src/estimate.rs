@@ -301,6 +301,7 @@ pub fn estimate(
             cfg.vocab,
             true,
             logit == 2,
+            headroom_tensor::Cpu::new().num_threads(),
         )) * 4
     } else {
         0

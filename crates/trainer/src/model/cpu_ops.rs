@@ -928,7 +928,10 @@ impl ModelOps for Cpu {
         let mut scratch = {
             let _l = headroom_profiler::label_absolute("head.wte (f32 panel)");
             let bf16 = bf16_logits.is_some();
-            wr.scratch(self, matmul::head_scratch(n, rows, c, v, train, bf16))?
+            wr.scratch(
+                self,
+                matmul::head_scratch(n, rows, c, v, train, bf16, self.num_threads()),
+            )?
         };
         let _l = headroom_profiler::label_absolute(if rows < n {
             "head.logits[chunk]"

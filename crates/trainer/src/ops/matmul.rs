@@ -1239,10 +1239,12 @@ pub fn bf16_head_logits(n: usize, rows: usize, c: usize, oc: usize, train: bool)
         && (bf16_products() || !train || chunk_rows(n, rows).all(|r| bf16_grad_pieces(r, c, oc)))
 }
 
-/// Scratch (f32 elements) of a head over `n` rows taken `rows` at a time, with bf16 logits
-/// ([`bf16_head_logits`]) or not: the packing buffer of the bf16 products, or the widened
-/// pieces of the widening path ([`chunked_scratch`], [`forward_into_bf16_scratch`],
-/// [`backward_bf16_grad_scratch`]).
+/// Scratch (f32 elements) of a head over `n` rows taken `rows` at a time on `threads` threads,
+/// with bf16 logits ([`bf16_head_logits`]) or not: the packing buffer of the bf16 products, or
+/// the widened pieces of the widening path ([`chunked_scratch`], [`forward_into_bf16_scratch`],
+/// [`backward_bf16_grad_scratch`]). bf16 logits that the AMX tiles round themselves come from
+/// one product over the whole vocabulary, in which each thread packs its own panels
+/// ([`pack_len`](super::bf16_gemm::pack_len)).
 pub fn head_scratch(
     n: usize,
     rows: usize,
@@ -1250,9 +1252,19 @@ pub fn head_scratch(
     oc: usize,
     train: bool,
     bf16_logits: bool,
+    threads: usize,
 ) -> usize {
     if !bf16_logits || bf16_products() {
-        return chunked_scratch(n, rows, c, oc, train);
+        let products = chunked_scratch(n, rows, c, oc, train);
+        if !bf16_logits {
+            return products;
+        }
+        let direct = chunk_rows(n, rows)
+            .filter(|&r| bf16_output_direct(r, c))
+            .map(|r| super::bf16_gemm::pack_len(r, oc, c, threads).div_ceil(2))
+            .max()
+            .unwrap_or(0);
+        return products.max(direct);
     }
     chunk_rows(n, rows)
         .map(|r| {
@@ -1738,6 +1750,18 @@ mod tests {
         // Where the tiles round their own output, no stage at all.
         let direct = bf16_products() && n > DOT_ROWS;
         assert_eq!(bf16_output_stage(n, n, 48, oc) == 0, direct);
+        // The head's scratch holds the one product's packing on any thread count, so the
+        // kernel never packs into a buffer of its own (which no tracker would see).
+        for threads in [1, 2, 16, 64] {
+            let head = head_scratch(2048, 2048, 384, 50257, true, true, threads);
+            if direct {
+                let pack = super::super::bf16_gemm::pack_len(2048, 50257, 384, threads);
+                assert!(
+                    2 * head >= pack,
+                    "{threads} threads: {head} f32 for {pack} u16"
+                );
+            }
+        }
         // A short last chunk that the row dot products take still gets a stage.
         assert_eq!(
             bf16_output_stage(n + 2, n, 48, oc),
