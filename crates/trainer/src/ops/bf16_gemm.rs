@@ -903,7 +903,9 @@ mod amx {
                 if values.is_empty() {
                     return;
                 }
-                let (first, _) = (self.index(r, j), self.index(r, j + values.len() - 1));
+                let first = self.index(r, j);
+                // Checks that the last element lies inside the output too.
+                self.index(r, j + values.len() - 1);
                 // SAFETY: both ends lie inside the output (checked), the caller owns them.
                 unsafe {
                     match self.dest {
