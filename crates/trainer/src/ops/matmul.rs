@@ -668,17 +668,20 @@ pub fn backward_scratch(n: usize, c: usize, oc: usize) -> usize {
 /// may be shorter; the head with a fused loss): forward and, when `backward`, the input
 /// gradient's product, with one scratch shared by all chunks.
 pub fn chunked_scratch(n: usize, rows: usize, c: usize, oc: usize, backward: bool) -> usize {
-    chunk_rows(n, rows)
-        .map(|r| {
-            let f = forward_scratch(r, c, oc);
-            if backward {
-                f.max(backward_scratch(r, c, oc))
-            } else {
-                f
-            }
-        })
-        .max()
-        .unwrap_or(0)
+    most_over_chunks(n, rows, |r| {
+        let f = forward_scratch(r, c, oc);
+        if backward {
+            f.max(backward_scratch(r, c, oc))
+        } else {
+            f
+        }
+    })
+}
+
+/// The largest `scratch(r)` over the chunk row counts of `n` rows taken `rows` at a time (0
+/// for no rows): what one buffer shared by all the chunks must hold.
+fn most_over_chunks(n: usize, rows: usize, scratch: impl Fn(usize) -> usize) -> usize {
+    chunk_rows(n, rows).map(scratch).max().unwrap_or(0)
 }
 
 /// Widen `src` into `dst` over the threads when it is big enough to be worth splitting (the
@@ -1014,11 +1017,13 @@ pub const BF16_OUTPUT_STRIP: usize = 1024;
 /// `rows` at a time: none for a chunk whose AMX tiles round their own output
 /// ([`bf16_output_on_tiles`](super::bf16_gemm::bf16_output_on_tiles)).
 pub fn bf16_output_stage(n: usize, rows: usize, c: usize, oc: usize) -> usize {
-    chunk_rows(n, rows)
-        .filter(|&r| !bf16_output_direct(r, c))
-        .map(|r| r * oc.min(BF16_OUTPUT_STRIP))
-        .max()
-        .unwrap_or(0)
+    most_over_chunks(n, rows, |r| {
+        if bf16_output_direct(r, c) {
+            0
+        } else {
+            r * oc.min(BF16_OUTPUT_STRIP)
+        }
+    })
 }
 
 /// Whether [`forward_bf16_products_into_bf16`] stores its bf16 output straight from the AMX
@@ -1259,24 +1264,23 @@ pub fn head_scratch(
         if !bf16_logits {
             return products;
         }
-        let direct = chunk_rows(n, rows)
-            .filter(|&r| bf16_output_direct(r, c))
-            .map(|r| super::bf16_gemm::pack_len(r, oc, c, threads).div_ceil(2))
-            .max()
-            .unwrap_or(0);
+        let direct = most_over_chunks(n, rows, |r| {
+            if bf16_output_direct(r, c) {
+                super::bf16_gemm::pack_len(r, oc, c, threads).div_ceil(2)
+            } else {
+                0
+            }
+        });
         return products.max(direct);
     }
-    chunk_rows(n, rows)
-        .map(|r| {
-            let f = forward_into_bf16_scratch(r, c, oc);
-            if train {
-                f.max(backward_bf16_grad_scratch(r, c, oc))
-            } else {
-                f
-            }
-        })
-        .max()
-        .unwrap_or(0)
+    most_over_chunks(n, rows, |r| {
+        let f = forward_into_bf16_scratch(r, c, oc);
+        if train {
+            f.max(backward_bf16_grad_scratch(r, c, oc))
+        } else {
+            f
+        }
+    })
 }
 
 /// Whether [`backward_with_bf16_grad`] reads an `[n, oc]` bf16 output gradient a cache-sized
