@@ -2,6 +2,8 @@
 //! resident on the device (masters, accumulation, clipping, AdamW) or offloaded to the host.
 //! Needs the `cuda` feature; the GPU tests are ignored without a device.
 
+// Only the `cuda` tests run the program; without the feature the module would be dead code.
+#[cfg(feature = "cuda")]
 mod common;
 
 use headroom_attn::AttentionConfig;
