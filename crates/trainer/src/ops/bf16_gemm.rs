@@ -24,6 +24,9 @@
 //! - Sums: `tdpbf16ps` adds each pair of products to the f32 accumulator, rounding to nearest
 //!   even (denormal inputs and outputs are flushed to zero, as Intel documents for AMX-BF16).
 //!   The depth is walked in blocks of [`KC`]; each block's sums go through the f32 output.
+//!   A bf16 output ([`gemm_bf16_into_bf16`]) is one block of the whole depth instead, rounded
+//!   once; the f32 values it rounds are the blocked ones bit for bit (an f32 partial sum
+//!   passes through the f32 output unchanged).
 //!   So `|c − exact| ≤ k·2⁻²³·Σ|a·b|` (plus flushed denormals) against an f64 product of the
 //!   rounded inputs — the bound the tests check, on both paths.
 //! - The fallback path (no AMX) widens the rounded values to f32 and calls the f32 GEMM: the
@@ -49,6 +52,11 @@ use half::bf16;
 pub const KC: usize = 512;
 /// Columns of one packed `b` panel (a multiple of 32: two tiles).
 pub const NC: usize = 1024;
+/// The deepest product whose bf16 output [`gemm_bf16_into_bf16`] rounds on the tiles: it runs
+/// the whole depth as one block (GPT-2's 768 and 1024 channels as well as `small`'s 384), since
+/// a value rounded between blocks would not be the finished sum. Past [`KC`] its panels of `b`
+/// are narrowed so that one holds no more than [`KC`] × [`NC`] values.
+pub const KC_BF16_OUTPUT: usize = 1024;
 /// Rows of `a` one thread packs and runs at a time (a multiple of 32: two tiles).
 pub const MC: usize = 64;
 
@@ -243,16 +251,18 @@ pub fn gemm_bf16_with<A: Bf16Source, B: Bf16Source>(
 }
 
 /// Whether [`gemm_bf16_into_bf16`] computes an `m × n` product of depth `k` on this machine:
-/// on AMX tiles, in one depth block ([`KC`]).
+/// on AMX tiles, in one depth block (at most [`KC_BF16_OUTPUT`]).
 pub fn bf16_output_on_tiles(k: usize) -> bool {
-    bf16_gemm_path() == Bf16GemmPath::Amx && k <= KC
+    bf16_gemm_path() == Bf16GemmPath::Amx && k <= KC_BF16_OUTPUT
 }
 
 /// [`gemm_bf16_with`] overwriting a bf16 `c` with the f32 results rounded to nearest even (NaN
 /// kept quiet): the bits of `gemm_bf16_with` followed by the tensor crate's `narrow_bf16`,
-/// without an f32 output. Each output tile is rounded as it leaves the AMX tile registers, so
-/// where [`bf16_output_on_tiles`] is false (no AMX, or a depth past one block, whose partial
-/// sums would have to be kept in f32) it returns `false` and leaves `c` untouched.
+/// without an f32 output. Each output tile is rounded as it leaves the AMX tile registers,
+/// after the whole depth (one block), so where [`bf16_output_on_tiles`] is false (no AMX, or a
+/// depth past [`KC_BF16_OUTPUT`], whose partial sums would have to be kept in f32) it returns
+/// `false` and leaves `c` untouched. Its packing buffer holds the whole depth: size it by
+/// [`pack_len_into_bf16`].
 ///
 /// # Panics
 /// As [`gemm_bf16`].
@@ -310,18 +320,35 @@ fn check_shapes<A: Bf16Source, B: Bf16Source>(
     );
 }
 
-/// u16 elements of one pair of packed `b` tiles (32 columns) over the deepest depth block of a
-/// product of depth `k`.
-fn tile_pair(k: usize) -> usize {
-    2 * KC.min(k).div_ceil(32) * 512
+/// The depth blocks of a product of depth `k`: [`KC`] for an f32 output, the whole depth for
+/// a bf16 one ([`gemm_bf16_into_bf16`]). The block never moves a bit of an f32 output (each
+/// block's sums go through it exactly); a bf16 output has to see the finished sums.
+fn depth_block(k: usize, bf16_output: bool) -> usize {
+    if bf16_output {
+        k.max(1)
+    } else {
+        KC.min(k).max(1)
+    }
+}
+
+/// The widest panel of `b` for depth blocks of `kc`: [`NC`] columns up to [`KC`], fewer for
+/// deeper blocks, so that a packed panel never outgrows `KC × NC` values (1 MiB, which a
+/// core's L2 holds beside its slab of `a`).
+fn panel_width(kc: usize) -> usize {
+    (NC * KC / kc.max(KC) / 32 * 32).max(32)
+}
+
+/// u16 elements of one pair of packed `b` tiles (32 columns) over a depth block of `kc`.
+fn tile_pair(kc: usize) -> usize {
+    2 * kc.div_ceil(32) * 512
 }
 
 /// How the AMX kernel splits the columns of a wide product (`n > m`, several threads):
 /// `(groups, panels, width)`: `groups` threads each own the panels `p ≡ g (mod groups)` of
-/// `width` columns (a multiple of 32, at most [`NC`]), `panels` of them in all.
-fn column_split(n: usize, threads: usize) -> (usize, usize, usize) {
+/// `width` columns (a multiple of 32, at most `widest`), `panels` of them in all.
+fn column_split(n: usize, threads: usize, widest: usize) -> (usize, usize, usize) {
     let groups = threads.min(n.div_ceil(32));
-    let panels = groups * n.div_ceil(groups * NC);
+    let panels = groups * n.div_ceil(groups * widest);
     let width = n.div_ceil(panels).next_multiple_of(32);
     let panels = n.div_ceil(width);
     (groups.min(panels), panels, width)
@@ -332,14 +359,25 @@ fn column_split(n: usize, threads: usize) -> (usize, usize, usize) {
 /// so that the gemm allocates none of its own: what a caller sizes its tracked scratch by.
 /// Zero when the product is empty.
 pub fn pack_len(m: usize, n: usize, k: usize, threads: usize) -> usize {
+    pack_len_for(m, n, k, threads, depth_block(k, false))
+}
+
+/// [`pack_len`] for [`gemm_bf16_into_bf16`], whose one depth block is the whole depth.
+pub fn pack_len_into_bf16(m: usize, n: usize, k: usize, threads: usize) -> usize {
+    pack_len_for(m, n, k, threads, depth_block(k, true))
+}
+
+/// [`pack_len`] for depth blocks of `kc`.
+fn pack_len_for(m: usize, n: usize, k: usize, threads: usize, kc: usize) -> usize {
     if m == 0 || n == 0 || k == 0 {
         return 0;
     }
+    let widest = panel_width(kc);
     if n > m && threads > 1 {
-        let (groups, _, width) = column_split(n, threads);
-        groups * (width / 32) * tile_pair(k)
+        let (groups, _, width) = column_split(n, threads, widest);
+        groups * (width / 32) * tile_pair(kc)
     } else {
-        n.min(NC).div_ceil(32) * tile_pair(k)
+        n.min(widest).div_ceil(32) * tile_pair(kc)
     }
 }
 
@@ -730,7 +768,7 @@ mod amx {
 
         use headroom_tensor::cpu::kernels::f32_to_bf16_bits;
 
-        use super::super::{pack, Bf16Source, Matrix, KC, MC, NC};
+        use super::super::{depth_block, pack, Bf16Source, Matrix, KC_BF16_OUTPUT, MC};
 
         /// The CPU has AMX-BF16 and the kernel granted the tile state
         /// ([`headroom_tensor::isa::amx_granted`]).
@@ -1087,12 +1125,12 @@ mod amx {
                 len: ((m - 1) * ldc + n).min(c.len()),
                 ldc,
             };
-            run(out, a, b, m, n, k, accumulate, pack);
+            run(out, a, b, m, n, k, depth_block(k, false), accumulate, pack);
         }
 
         /// [`gemm`] overwriting a bf16 `c`: each output tile is rounded as it leaves the tile
-        /// registers, so no f32 copy of the output exists. One depth block only (`k ≤ KC`),
-        /// so every stored value is a finished sum.
+        /// registers, so no f32 copy of the output exists. The whole depth is one block
+        /// (`k ≤ KC_BF16_OUTPUT`), so every stored value is a finished sum.
         #[allow(clippy::too_many_arguments)]
         pub(in super::super) fn gemm_into_bf16<A: Bf16Source, B: Bf16Source>(
             c: &mut [u16],
@@ -1104,16 +1142,19 @@ mod amx {
             k: usize,
             pack: &mut [u16],
         ) {
-            assert!(k <= KC, "a bf16 output takes one depth block, not {k}");
+            assert!(
+                k <= KC_BF16_OUTPUT,
+                "a bf16 output takes one depth block, not {k}"
+            );
             let out = Out {
                 dest: Dest::Bf16(c.as_mut_ptr()),
                 len: ((m - 1) * ldc + n).min(c.len()),
                 ldc,
             };
-            run(out, a, b, m, n, k, false, pack);
+            run(out, a, b, m, n, k, depth_block(k, true), false, pack);
         }
 
-        /// [`gemm`]'s work on either output.
+        /// [`gemm`]'s work on either output, in depth blocks of `kc`.
         #[allow(clippy::too_many_arguments)]
         fn run<A: Bf16Source, B: Bf16Source>(
             out: Out,
@@ -1122,16 +1163,18 @@ mod amx {
             m: usize,
             n: usize,
             k: usize,
+            kc: usize,
             accumulate: bool,
             pack: &mut [u16],
         ) {
-            let tile_pair = super::super::tile_pair(k);
+            let tile_pair = super::super::tile_pair(kc);
+            let widest = super::super::panel_width(kc);
             let threads = rayon::current_num_threads().max(1);
             let mut own = Vec::new();
             if n > m && threads > 1 {
                 // Column split: `groups` threads, each with panels p ≡ g (mod groups) of width
-                // `width` (a multiple of 32, at most NC), packed into its own buffer.
-                let (groups, panels, width) = super::super::column_split(n, threads);
+                // `width` (a multiple of 32, at most `widest`), packed into its own buffer.
+                let (groups, panels, width) = super::super::column_split(n, threads, widest);
                 let per_group = width / 32 * tile_pair;
                 let bufs: &mut [u16] = if pack.len() >= groups * per_group {
                     &mut pack[..groups * per_group]
@@ -1144,8 +1187,8 @@ mod amx {
                     .for_each(|(g, buf)| {
                         for p in (g..panels).step_by(groups) {
                             let (c0, cols) = (p * width, width.min(n - p * width));
-                            for k0 in (0..k).step_by(KC) {
-                                let depth = KC.min(k - k0);
+                            for k0 in (0..k).step_by(kc) {
+                                let depth = kc.min(k - k0);
                                 let (kt, tiles) = (depth.div_ceil(32), cols.div_ceil(16));
                                 let packed = &mut buf[..tiles.next_multiple_of(2) * kt * 512];
                                 pack::b_tiles(&b, k0, depth, c0, cols, packed);
@@ -1175,19 +1218,19 @@ mod amx {
                 return;
             }
             // Row split: panels as wide as the caller's buffer holds (whole pairs of tiles of
-            // the deepest block), else NC in a buffer of our own.
-            let nc = match (pack.len() / tile_pair * 32).min(NC) {
+            // the deepest block), else `widest` in a buffer of our own.
+            let nc = match (pack.len() / tile_pair * 32).min(widest) {
                 0 => {
-                    own = vec![0u16; NC / 32 * tile_pair];
-                    NC
+                    own = vec![0u16; widest / 32 * tile_pair];
+                    widest
                 }
                 nc => nc,
             };
             let b_packed: &mut [u16] = if own.is_empty() { pack } else { &mut own };
             for c0 in (0..n).step_by(nc) {
                 let cols = nc.min(n - c0);
-                for k0 in (0..k).step_by(KC) {
-                    let depth = KC.min(k - k0);
+                for k0 in (0..k).step_by(kc) {
+                    let depth = kc.min(k - k0);
                     let kt = depth.div_ceil(32);
                     let nt = cols.div_ceil(16).next_multiple_of(2);
                     let packed = &mut b_packed[..nt * kt * 512];
@@ -1311,7 +1354,7 @@ mod tests {
         /// take it (no AMX, or more than one depth block) `c` untouched and `false`.
         #[test]
         fn a_bf16_output_is_the_f32_product_rounded(
-            m in 1usize..90, n in 1usize..150, k in 1usize..(KC + 40),
+            m in 1usize..90, n in 1usize..150, k in 1usize..(KC_BF16_OUTPUT + 40),
             b_t in any::<bool>(), pad in 0usize..3, nan in any::<bool>(), seed in any::<u64>(),
         ) {
             let mut av = values(seed, m * k);
@@ -1412,6 +1455,46 @@ mod tests {
         let mut c = vec![0.0; m * n];
         gemm_bf16(&mut c, n, a, b, m, n, k, false);
         check(&c, n, &[], a, b, m, n, k, false).unwrap();
+    }
+
+    /// A bf16 output of the deepest products the tiles round (GPT-2's 768, and
+    /// [`KC_BF16_OUTPUT`]): one depth block over several of its narrower panels, split by rows
+    /// (tall) and by columns (wide), in the caller's buffer of [`pack_len_into_bf16`] or none:
+    /// the blocked f32 product's bits, rounded.
+    #[test]
+    fn deep_bf16_outputs_span_panels() {
+        for k in [KC + 256, KC_BF16_OUTPUT] {
+            let widest = panel_width(k);
+            assert!(
+                widest < NC && widest * k <= KC * NC,
+                "{widest} columns at depth {k}"
+            );
+            for (m, n) in [(3 * MC + 5, 2 * widest + 40), (2 * widest + 40, 3 * MC + 5)] {
+                let av = values(5, m * k);
+                let bv: Vec<bf16> = values(6, n * k)
+                    .iter()
+                    .map(|&x| bf16::from_f32(x))
+                    .collect();
+                let (a, b) = (Matrix::rows(&av[..], k), Matrix::transposed(&bv[..], k));
+                let mut f = vec![0f32; m * n];
+                gemm_bf16(&mut f, n, a, b, m, n, k, false);
+                let mut want = vec![bf16::ZERO; m * n];
+                headroom_tensor::cpu::kernels::narrow_bf16(&f, &mut want);
+                let threads = rayon::current_num_threads();
+                for pack_len in [0, pack_len_into_bf16(m, n, k, threads)] {
+                    let mut pack = vec![0u16; pack_len];
+                    let mut c = vec![bf16::from_bits(0x7fc1); m * n];
+                    if !gemm_bf16_into_bf16(&mut c, n, a, b, m, n, k, &mut pack) {
+                        assert!(!bf16_output_on_tiles(k));
+                        continue;
+                    }
+                    for (i, (x, y)) in c.iter().zip(&want).enumerate() {
+                        assert_eq!(x.to_bits(), y.to_bits(), "{m}x{n}x{k}, element {i}");
+                    }
+                }
+            }
+        }
+        assert!(!bf16_output_on_tiles(KC_BF16_OUTPUT + 1));
     }
 
     /// The packed layouts, element by element against their definitions.

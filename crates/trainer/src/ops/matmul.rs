@@ -1027,7 +1027,7 @@ pub fn bf16_output_stage(n: usize, rows: usize, c: usize, oc: usize) -> usize {
 }
 
 /// Whether [`forward_bf16_products_into_bf16`] stores its bf16 output straight from the AMX
-/// tiles (one depth block; more rows than the row dot products take) instead of staging f32
+/// tiles (the whole depth one block; more rows than the row dot products take) instead of staging f32
 /// strips.
 fn bf16_output_direct(n: usize, c: usize) -> bool {
     bf16_products() && n > DOT_ROWS && super::bf16_gemm::bf16_output_on_tiles(c)
@@ -1046,12 +1046,14 @@ pub fn bf16_output_saves(oc: usize) -> bool {
 /// [`forward_bf16_products`] computes whole, then rounded (the bf16 GEMM's sums, and the
 /// few-row dot products', do not depend on which columns are computed together; tested).
 ///
-/// The trade-off: `a` is packed again for every strip. At the head's shapes (depth 768,
-/// 1024-column strips) that is under 1% of the product's work.
+/// The trade-off: `a` is packed again for every strip, under 1% of the product's work at a
+/// head's shapes (1024-column strips).
 ///
-/// Where the depth fits one of the AMX kernel's blocks (`small`'s head: 384), there are no
-/// strips: the tiles round their own output ([`bf16_gemm::gemm_bf16_into_bf16`], the same
-/// bits) and `stage` may be empty ([`bf16_output_stage`]).
+/// Where the AMX tiles take the whole depth as one block (up to
+/// [`KC_BF16_OUTPUT`](super::bf16_gemm::KC_BF16_OUTPUT): `small`'s head, 384, and GPT-2's,
+/// 768), there are no strips: the tiles round their own output
+/// ([`bf16_gemm::gemm_bf16_into_bf16`], the same bits) and `stage` may be empty
+/// ([`bf16_output_stage`]).
 ///
 /// [`bf16_gemm::gemm_bf16_into_bf16`]: super::bf16_gemm::gemm_bf16_into_bf16
 #[allow(clippy::too_many_arguments)]
@@ -1266,7 +1268,7 @@ pub fn head_scratch(
         }
         let direct = most_over_chunks(n, rows, |r| {
             if bf16_output_direct(r, c) {
-                super::bf16_gemm::pack_len(r, oc, c, threads).div_ceil(2)
+                super::bf16_gemm::pack_len_into_bf16(r, oc, c, threads).div_ceil(2)
             } else {
                 0
             }
@@ -1726,14 +1728,14 @@ mod tests {
         }
     }
 
-    /// Past one depth block of the AMX kernel the bf16 output goes through f32 strips again
-    /// (the proptest above takes depths the tiles round directly): the same rounding of the
-    /// same sums, and a stage of the size [`bf16_output_stage`] asks for.
+    /// Past the deepest product the AMX tiles round themselves the bf16 output goes through
+    /// f32 strips again (the proptest above takes depths the tiles round directly): the same
+    /// rounding of the same sums, and a stage of the size [`bf16_output_stage`] asks for.
     #[test]
     fn deep_bf16_outputs_go_through_strips() {
         let (n, c, oc) = (
             37,
-            super::super::bf16_gemm::KC + 20,
+            super::super::bf16_gemm::KC_BF16_OUTPUT + 20,
             BF16_OUTPUT_STRIP + 300,
         );
         let x = f32_vec(3, n * c);
@@ -1759,7 +1761,7 @@ mod tests {
         for threads in [1, 2, 16, 64] {
             let head = head_scratch(2048, 2048, 384, 50257, true, true, threads);
             if direct {
-                let pack = super::super::bf16_gemm::pack_len(2048, 50257, 384, threads);
+                let pack = super::super::bf16_gemm::pack_len_into_bf16(2048, 50257, 384, threads);
                 assert!(
                     2 * head >= pack,
                     "{threads} threads: {head} f32 for {pack} u16"
