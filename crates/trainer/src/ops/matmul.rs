@@ -702,7 +702,9 @@ const WIDEN_CHUNK: usize = 1 << 16;
 
 /// `dst[m, n] (+)= lhs[m, k] · Wᵀ` for `w` `[n, k]` row-major (`transposed`) or
 /// `dst[m, n] (+)= lhs[m, k] · W` for `w` `[k, n]` row-major (not `transposed`), `dst` dense.
-/// An f32 `w` goes straight to gemm; otherwise panel by panel through `scratch`.
+/// An f32 `w` goes straight to gemm; otherwise converted inside the packing where gemm runs
+/// its FMA kernel ([`widening_gemm`](super::widening_gemm)), else panel by panel through
+/// `scratch`.
 #[allow(clippy::too_many_arguments)]
 fn gemm_weight<W: Operand>(
     dst: &mut [f32],
@@ -726,6 +728,20 @@ fn gemm_weight<W: Operand>(
         };
         gemm_into(dst, lhs, rhs, m, n, k, accumulate);
         return;
+    }
+    // Where gemm runs its FMA kernel, the weight is widened inside the packing instead: the
+    // same bits, no widened panel (the scratch stays sized for the other CPUs).
+    {
+        use super::widening_gemm::{gemm, View};
+        let a = View::strided(lhs.data, lhs.row_stride, lhs.col_stride);
+        let b = if transposed {
+            View::transposed(w, k)
+        } else {
+            View::rows(w, n)
+        };
+        if gemm(dst, n, a, b, m, n, k, accumulate, scratch) {
+            return;
+        }
     }
     let plan = panel_plan(m, n, k, budget);
     assert!(
@@ -1351,6 +1367,8 @@ pub fn backward_with_bf16_grad<W: Operand>(
         for k0 in (0..oc).step_by(depth.max(1)) {
             let kb = depth.min(oc - k0);
             let piece = &mut grad_piece[..n * kb];
+            // Widened here, not inside the products' packing: both read it, in two layouts,
+            // and one contiguous pass measured cheaper than converting in either packing.
             widen_piece(dout, oc, 0..n, k0..k0 + kb, piece);
             // dinp[n, c] += dout[:, block] · W[block, :]: one of gemm's depth blocks, so
             // `gemm_weight` takes it whole (panels of columns, the weight widened per panel).

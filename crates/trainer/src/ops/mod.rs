@@ -18,6 +18,7 @@ pub mod quant_matmul;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
+pub mod widening_gemm;
 
 use matmul::Operand;
 
