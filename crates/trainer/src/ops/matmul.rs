@@ -475,17 +475,9 @@ fn probe_depth_blocks(mr: usize, nr: usize) -> bool {
         return false;
     }
     // Magnitudes over 2⁻⁸…2⁸ so that any other association changes low bits.
-    let mut s = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        let mantissa = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-        mantissa * f32::powi(2.0, (s % 17) as i32 - 8)
-    };
-    let lhs: Vec<f32> = (0..m * k).map(|_| next()).collect();
-    let w: Vec<f32> = (0..k * n).map(|_| next()).collect();
-    let start: Vec<f32> = (0..m * n).map(|_| next()).collect();
+    let lhs = super::spread_values(1, m * k, 17);
+    let w = super::spread_values(2, k * n, 17);
+    let start = super::spread_values(3, m * n, 17);
     let lhs_view = Strided::rows(&lhs, k);
     // On the calling thread only: this runs inside a `OnceLock` initialiser, and a rayon
     // worker waiting there could steal a task that reaches the same initialiser (a re-entrant

@@ -75,19 +75,42 @@ pub fn widened_rows<X: Operand>(src: &[X], c: usize, mut f: impl FnMut(&[f32])) 
     }
 }
 
+/// `n` values whose magnitudes spread over `2^-(octaves/2)`…`2^(octaves/2)` (a 24-bit
+/// mantissa in [−½, ½) times a random power of two), the same for a seed on every machine: any
+/// other association of their sums changes low bits, which is what the run-time probes (and
+/// the tests) that compare summation orders bit for bit need.
+pub(crate) fn spread_values(seed: u64, n: usize, octaves: u32) -> Vec<f32> {
+    let octaves = u64::from(octaves.max(1));
+    let half = (octaves / 2) as i32;
+    let mut next = xorshift(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
+    (0..n)
+        .map(|_| {
+            let s = next();
+            let mantissa = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            mantissa * f32::powi(2.0, (s % octaves) as i32 - half)
+        })
+        .collect()
+}
+
+/// xorshift64 from a non-zero `state`: the generator behind [`spread_values`] and the tests'
+/// values.
+fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
+
 /// The ops' tests' inputs: `n` values uniform in [−1, 1) on a 2⁻²³ grid (24 random bits,
 /// exactly representable, so scaling by a power of two is exact too), the same for a seed on
 /// every machine.
 #[cfg(test)]
 pub(crate) fn test_values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = xorshift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
+        .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
         .collect()
 }
 

@@ -182,17 +182,13 @@ pub fn matches_gemm() -> bool {
         if !takes(m, n, k, n) || depth_block(k) >= k {
             return false;
         }
-        let mut s = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * f32::powi(2.0, (s % 13) as i32 - 6)
-        };
-        let a: Vec<f32> = (0..m * k).map(|_| next()).collect();
-        let w: Vec<half::bf16> = (0..k * n).map(|_| half::bf16::from_f32(next())).collect();
+        let a = super::spread_values(1, m * k, 13);
+        let w: Vec<half::bf16> = super::spread_values(2, k * n, 13)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
         let wide: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
-        let start: Vec<f32> = (0..m * n).map(|_| next()).collect();
+        let start = super::spread_values(3, m * n, 13);
         [false, true].into_iter().all(|transposed| {
             [false, true].into_iter().all(|accumulate| {
                 let (bw, bf) = if transposed {
@@ -520,15 +516,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * f32::powi(2.0, (s % 11) as i32 - 5)
-            })
-            .collect()
+        crate::ops::spread_values(seed, n, 11)
     }
 
     /// gemm's operations, written out: per depth block of `kc`, an accumulator from zero taking
