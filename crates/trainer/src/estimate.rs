@@ -107,6 +107,18 @@ fn u(x: usize) -> u64 {
     x as u64
 }
 
+/// Whose matrix products a block's transients are modelled for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Products {
+    /// This machine's CPU kernels: whether bf16 products read a kept bf16 input in place
+    /// (AMX) or through an f32 view, and the panels a low-precision weight is widened or packed
+    /// into, whose depth follows gemm's blocking on this CPU.
+    Host,
+    /// The CUDA model's: cuBLASLt reads bf16 operands in place and needs no panel (its own
+    /// workspace is counted by [`cuda_device_peak`]), so the figure is the same on every host.
+    Cuda,
+}
+
 /// Predict peak bytes per category for `cfg` trained on micro-batches of `micro` sequences of
 /// `seq` tokens (`batch` per step) with `tech`.
 pub fn estimate(
@@ -115,6 +127,18 @@ pub fn estimate(
     micro: usize,
     batch: usize,
     tech: &Techniques,
+) -> Result<TrainerEstimate> {
+    estimate_for(cfg, seq, micro, batch, tech, Products::Host)
+}
+
+/// [`estimate`] with a block's product transients modelled for `products`.
+fn estimate_for(
+    cfg: &ModelConfig,
+    seq: usize,
+    micro: usize,
+    batch: usize,
+    tech: &Techniques,
+    products: Products,
 ) -> Result<TrainerEstimate> {
     cfg.validate()?;
     if seq == 0 || micro == 0 || batch == 0 || !batch.is_multiple_of(micro) || seq > cfg.max_seq {
@@ -381,7 +405,8 @@ pub fn estimate(
                 bt,
                 low,
                 in_place: tech.model.precision == crate::model::Precision::Bf16
-                    && matmul::bf16_products(),
+                    && (products == Products::Cuda || matmul::bf16_products()),
+                panels: products == Products::Host,
                 finetune: finetune.as_ref(),
                 adapted,
                 threads,
@@ -565,6 +590,8 @@ struct LinearMoments<'a> {
     low: bool,
     /// The products read a kept bf16 input in place (bf16 weights on AMX products): no view.
     in_place: bool,
+    /// A low-precision weight's products need a panel ([`Products::Host`]).
+    panels: bool,
     finetune: Option<&'a FinetunePlan>,
     /// This block's adapted linears (block-local offsets).
     adapted: &'a [usize],
@@ -625,7 +652,7 @@ impl LinearMoments<'_> {
     /// Elements of the panel a low-precision weight `[oc, c]` is widened (or packed) into for
     /// the input gradient's product.
     fn panel(&self, c: usize, oc: usize) -> u64 {
-        if self.low {
+        if self.low && self.panels {
             u(matmul::backward_scratch(self.bt as usize, c, oc))
         } else {
             0
@@ -634,7 +661,7 @@ impl LinearMoments<'_> {
 
     /// [`LinearMoments::panel`] for the forward product.
     fn fwd_panel(&self, c: usize, oc: usize) -> u64 {
-        if self.low {
+        if self.low && self.panels {
             u(matmul::forward_scratch(self.bt as usize, c, oc))
         } else {
             0
@@ -1104,7 +1131,9 @@ pub fn cuda_logit_bytes(tech: &Techniques) -> u64 {
 /// bf16 under bf16 — [`cuda_logit_bytes`]) with the head's workspace from
 /// [`cuda_head_workspace`] and a block backward's plus one GEMM's cuBLASLt workspace. The head's moment is modelled op by op; a block's uses the CPU model's
 /// transients, so where a block backward is the peak (a fused loss over few rows) the figure
-/// is an estimate rather than the tracker's exact count.
+/// is an estimate rather than the tracker's exact count. Those transients are costed as
+/// cuBLASLt's products run (bf16 inputs read in place, no widened or packed panel), not as
+/// this host's CPU kernels would, so the figure does not depend on the machine computing it.
 pub fn cuda_device_peak(
     cfg: &ModelConfig,
     seq: usize,
@@ -1113,7 +1142,7 @@ pub fn cuda_device_peak(
     tech: &Techniques,
     cublas_workspace: u64,
 ) -> Result<u64> {
-    let e = estimate(cfg, seq, micro, batch, tech)?;
+    let e = estimate_for(cfg, seq, micro, batch, tech, Products::Cuda)?;
     let state = cuda_parameter_state(cfg, tech)?;
     let constant = state.device[MemoryCategory::Parameters]
         + state.device[MemoryCategory::Gradients]
