@@ -8,7 +8,11 @@
 //! trace — only ever from a commit whose numbers are known good. Our own kernels give the same
 //! bits at every `HEADROOM_CPU_ISA` level, so a capped run on an AMX machine is an AVX-512
 //! machine's run without AMX: that is how the `x86-64-v4` trace was recorded, and CI replays
-//! it at `baseline` and `avx2`.
+//! it at `baseline` and `avx2`. A capped run still has gemm's AVX-512 kernels, so the
+//! `x86-64-v3` trace can only come from an AVX2-only machine; it was last recorded on a Zen 4
+//! VM without AVX-512 (2026-11-29: the losses of its earlier recording bit for bit; the bf16
+//! run's workspace peak 192 KiB higher, since no machine had replayed that trace after the
+//! AVX2 paths' later changes).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
