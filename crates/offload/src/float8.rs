@@ -60,7 +60,7 @@
 //! operations than they save on those ports (measured:
 //! `benches/results/2026-11-28-cpu-2core-adamw-float8-cold.md`). The AVX2 kernel is
 //! compute-bound at about 2.0 G params/s on two Zen 4 cores: where memory streams the 16
-//! bytes at 3.0–3.9 G params/s, it reaches 0.5–0.66 of that, and neither the square root and
+//! bytes at 2.7–3.9 G params/s, it reaches 0.5–0.66 of that, and neither the square root and
 //! division nor the prefetch distance is what limits it
 //! (`benches/results/2026-11-29-cpu-2core-avx2-zen4.md`).
 
