@@ -159,9 +159,9 @@ struct EvalArgs {
     /// Windows per batch.
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// Tokens per window (at most the model's context).
-    #[arg(long, default_value_t = 64)]
-    seq: usize,
+    /// Tokens per window, at most the model's context [default: 64, or the context if shorter]
+    #[arg(long)]
+    seq: Option<usize>,
     /// Batches.
     #[arg(long, default_value_t = 4)]
     batches: usize,
@@ -181,6 +181,8 @@ struct EvalArgs {
 /// The f32 logits `headroom eval` holds at once by default (`--loss-chunk`): a batch of 8×2048
 /// tokens over Llama 3's 128 256-token vocabulary would otherwise hold 8 GiB of them.
 const EVAL_LOGITS_BYTES: u64 = 64 << 20;
+/// `headroom eval`'s window length when `--seq` is not given (capped by the model's context).
+const EVAL_DEFAULT_SEQ: usize = 64;
 
 #[derive(Args)]
 struct SampleArgs {
@@ -1926,13 +1928,13 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
         .loss_chunk
         .unwrap_or((EVAL_LOGITS_BYTES / (4 * model.cfg.vocab as u64)).max(1));
     model.opts.loss_chunk = Some(usize::try_from(rows).unwrap_or(usize::MAX));
+    let seq = a.seq.unwrap_or(EVAL_DEFAULT_SEQ.min(model.cfg.max_seq));
     let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
-    let (loss, tokens) = crate::evaluate::evaluate(&model, &data, a.batch, a.seq, a.batches)?;
+    let (loss, tokens) = crate::evaluate::evaluate(&model, &data, a.batch, seq, a.batches)?;
     say!(
-        "loss {loss:.6} nats/token over {tokens} tokens ({} batches of {}×{}, from the start of {})",
+        "loss {loss:.6} nats/token over {tokens} tokens ({} batches of {}×{seq}, from the start of {})",
         a.batches,
         a.batch,
-        a.seq,
         a.data.display()
     );
     esay!("{}", a.weights.summary(&tracker));
@@ -1984,6 +1986,14 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     };
     if prompt.is_empty() {
         return Err("the prompt encodes to no tokens".into());
+    }
+    // Before anything is printed: the prompt is echoed first.
+    if let Some(id) = prompt.iter().find(|&&id| id as usize >= model.cfg.vocab) {
+        return Err(format!(
+            "the prompt holds token id {id}, outside the model's vocabulary of {} ids",
+            model.cfg.vocab
+        )
+        .into());
     }
     let opts = SampleOptions {
         tokens: a.tokens,

@@ -25,6 +25,12 @@ pub fn evaluate<B: ModelOps>(
             "batch, sequence and batch count must be at least 1".into()
         ));
     }
+    if seq > model.cfg.max_seq {
+        return Err(bad(format!(
+            "windows of {seq} tokens are longer than the model's context of {} tokens",
+            model.cfg.max_seq
+        )));
+    }
     let rows = batch
         .checked_mul(batches)
         .and_then(|w| w.checked_mul(seq))
@@ -46,7 +52,15 @@ pub fn evaluate<B: ModelOps>(
             let t = data
                 .token(s, i)
                 .ok_or_else(|| bad(format!("token {i} of segment {s} is unreadable")))?;
-            stream.push(u32::try_from(t).map_err(|_| bad(format!("token id {t}")))?);
+            let id = u32::try_from(t).map_err(|_| bad(format!("token id {t}")))?;
+            if id as usize >= model.cfg.vocab {
+                return Err(bad(format!(
+                    "token {i} of segment {s} is id {id}, outside the model's vocabulary of {} \
+                     ids: was the file tokenised for another model?",
+                    model.cfg.vocab
+                )));
+            }
+            stream.push(id);
         }
     }
     let g = Geometry { b: batch, t: seq };

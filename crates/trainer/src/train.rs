@@ -637,6 +637,31 @@ fn refuse_text(path: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a batch holding a token id the model has no embedding for, naming the file: a
+/// token file made with another tokenizer is a mistake of the data, and found in the model
+/// it would only say which op refused it. Runs before the step touches anything.
+pub(crate) fn check_token_ids(
+    ids: &[u32],
+    vocab: usize,
+    source: &dyn std::fmt::Display,
+) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => Err(TrainError::Input(format!(
+            "{source} holds token id {id}, outside the model's vocabulary of {vocab} ids: was \
+             it tokenised for another model? (`headroom data inspect` shows a file's ids)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// What a run's training data is called in messages.
+pub(crate) fn data_name(data: &DataSource) -> String {
+    match data {
+        DataSource::Synthetic(_) => "the synthetic data".into(),
+        DataSource::File(path) => path.display().to_string(),
+    }
+}
+
 /// The fixed validation set of a run (`--val-data`): `batches` batches of the run's shape from
 /// a constant seed, read once (host vectors, outside the device ledger: a few KiB to MiB of
 /// token ids); empty without validation.
@@ -660,8 +685,12 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>
             let b = val.next_batch()?;
             let x = b.inputs_u32().map(<[u32]>::to_vec);
             let y = b.targets_u32().map(<[u32]>::to_vec);
-            x.zip(y)
-                .ok_or_else(|| TrainError::Input("validation loader gave no u32".into()))
+            let (x, y) = x
+                .zip(y)
+                .ok_or_else(|| TrainError::Input("validation loader gave no u32".into()))?;
+            check_token_ids(&x, opts.model.vocab, &e.data.display())?;
+            check_token_ids(&y, opts.model.vocab, &e.data.display())?;
+            Ok((x, y))
         })
         .collect()
 }
@@ -1103,6 +1132,7 @@ fn train_tracked(
     let host = Cpu::new().with_alloc_hook(host_tracker.clone());
 
     let (dataset, entropy_floor) = open_data(opts)?;
+    let data_label = data_name(&opts.data);
     let sampler = SamplerConfig {
         mode: SamplingMode::EpochWindows,
         seq_len: opts.seq as u64,
@@ -1442,6 +1472,8 @@ fn train_tracked(
                 .targets_u32()
                 .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
                 .to_vec();
+            check_token_ids(&inputs, opts.model.vocab, &data_label)?;
+            check_token_ids(&targets, opts.model.vocab, &data_label)?;
             (inputs, targets)
         };
         stepper.begin_step(StepTokens::single_device(tokens_per_step)?)?;

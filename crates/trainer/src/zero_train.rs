@@ -802,6 +802,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         shard: Shard::new(rank as u32, world as u32)?,
     };
     let per_rank = opts.batch / world;
+    let data_label = crate::train::data_name(&opts.data);
     let mut loader_cfg = LoaderConfig::new(per_rank);
     loader_cfg.output = OutputType::U32;
     let mut loader = {
@@ -849,6 +850,8 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
                 .targets_u32()
                 .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
                 .to_vec();
+            crate::train::check_token_ids(&inputs, opts.model.vocab, &data_label)?;
+            crate::train::check_token_ids(&targets, opts.model.vocab, &data_label)?;
             (inputs, targets)
         };
         let mut loss_sum = 0.0f64;

@@ -279,6 +279,12 @@ fn sample_prints_ids_without_a_tokenizer_and_refuses_mismatches() {
             String::from_utf8_lossy(&o.stderr).contains("error:"),
             "{bad:?}"
         );
+        // Refused before the prompt is echoed.
+        assert!(
+            o.stdout.is_empty(),
+            "{bad:?}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
     }
 }
 
@@ -567,4 +573,59 @@ fn eval_and_sample_in_bf16_and_4_bits_from_a_checkpoint_and_refuse_a_corrupt_one
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("checksum"), "{err}");
+}
+
+/// A token file made for another vocabulary is refused by name before a step runs, whether it
+/// is the training data (one process or ZeRO ranks), the validation data or what `eval` scores;
+/// and `eval` keeps its windows inside the model's context (its default shrinks to a short
+/// context, an explicit longer `--seq` is refused).
+#[test]
+fn token_files_for_another_vocabulary_or_windows_past_the_context_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    // The fixture: vocabulary 97, context 32.
+    let base = fixture("hf-llama-gqa-untied");
+    let base = base.to_str().unwrap();
+    headroom(&["data", "synth", &p("fits.bin"), "--vocab", "97"]);
+    headroom(&["data", "synth", &p("wide.bin"), "--vocab", "400"]);
+    let refused = |args: &[&str]| {
+        let o = common::headroom_command().args(args).output().unwrap();
+        assert!(!o.status.success(), "headroom {args:?} succeeded");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let train = ["train", "--init-from", base, "--steps", "2", "--seq", "16"];
+    for extra in [
+        &["--data", &p("wide.bin"), "--checkpoint-dir", &p("run")][..],
+        &["--data", &p("fits.bin"), "--val-data", &p("wide.bin")][..],
+        &["--data", &p("wide.bin"), "--zero", "3", "--ranks", "2"][..],
+    ] {
+        let err = refused(&[&train[..], extra].concat());
+        assert!(
+            err.contains(&format!("{} holds token id", p("wide.bin")))
+                && err.contains("the model's vocabulary of 97 ids"),
+            "{extra:?}: {err}"
+        );
+    }
+    // The refused run saved no checkpoint (its root holds only the lock file).
+    let saved: Vec<_> = std::fs::read_dir(dir.path().join("run"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|name| name.starts_with("step-"))
+        .collect();
+    assert!(saved.is_empty(), "{saved:?}");
+
+    let eval = ["eval", "--from", base, "--batches", "1"];
+    let err = refused(&[&eval[..], &["--data", &p("wide.bin")]].concat());
+    assert!(
+        err.contains("outside the model's vocabulary of 97 ids"),
+        "{err}"
+    );
+    let o = headroom(&[&eval[..], &["--data", &p("fits.bin")]].concat());
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(out.contains("1 batches of 8×32"), "{out}");
+    let err = refused(&[&eval[..], &["--data", &p("fits.bin"), "--seq", "33"]].concat());
+    assert!(
+        err.contains("longer than the model's context of 32"),
+        "{err}"
+    );
 }
