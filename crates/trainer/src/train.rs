@@ -361,7 +361,7 @@ impl TrainOptions {
             return opt(
                 "--seq",
                 format!(
-                    "{} exceeds the model's context {}",
+                    "{} exceeds the model's context {} (a preset's is set by --context)",
                     self.seq, self.model.max_seq
                 ),
             );

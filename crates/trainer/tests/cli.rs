@@ -319,6 +319,10 @@ fn absurd_sizes_are_errors_naming_the_option() {
             "--lora-rank",
         ),
         (&["train", "--merge-into", "x"], "--lora-rank"),
+        (
+            &["estimate", "--model", "small", "--seq", "2048"],
+            "--seq: 2048 exceeds the model's context 256 (a preset's is set by --context)",
+        ),
     ];
     for (args, needle) in cases {
         let o = headroom(args);
