@@ -2166,13 +2166,89 @@ pub fn main_with(hooks: &CliHooks<'_>) -> ExitCode {
         Ok(code) => code,
         Err(_) if STDOUT_CLOSED.load(Ordering::Relaxed) => ExitCode::SUCCESS,
         Err(e) => {
-            esay!("error: {e}");
-            let mut source = e.source();
-            while let Some(s) = source {
-                esay!("  caused by: {s}");
-                source = s.source();
+            for line in error_report(e.as_ref()) {
+                esay!("{line}");
             }
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The lines `headroom` prints for an error: the error, then each cause in turn — except a
+/// cause whose text the line above already quotes (many errors, ours and std's wrappers,
+/// repeat their source in their own message), which would only say the same thing twice.
+fn error_report(e: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    let mut above = e.to_string();
+    let mut lines = vec![format!("error: {above}")];
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !above.contains(&text) {
+            lines.push(format!("  caused by: {text}"));
+        }
+        above = text;
+        source = cause.source();
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_report;
+    use std::error::Error;
+    use std::fmt;
+
+    /// An error with a fixed message and an optional source.
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+
+    impl fmt::Display for Layer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl Error for Layer {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            self.1.as_deref().map(|l| l as &(dyn Error + 'static))
+        }
+    }
+
+    #[test]
+    fn a_cause_the_line_above_quotes_is_not_printed_again() {
+        let chain = Layer(
+            "adapter run: run/adapter_config.json: No such file or directory",
+            Some(Box::new(Layer(
+                "run/adapter_config.json: No such file or directory",
+                Some(Box::new(Layer("No such file or directory", None))),
+            ))),
+        );
+        assert_eq!(
+            error_report(&chain),
+            ["error: adapter run: run/adapter_config.json: No such file or directory"]
+        );
+        let distinct = Layer(
+            "ZeRO rank 0",
+            Some(Box::new(Layer(
+                "invalid input: token id 9",
+                Some(Box::new(Layer("token id 9", None))),
+            ))),
+        );
+        assert_eq!(
+            error_report(&distinct),
+            [
+                "error: ZeRO rank 0",
+                "  caused by: invalid input: token id 9"
+            ]
+        );
+        // Only the line directly above counts: a cause that repeats an earlier line is kept.
+        let skip = Layer(
+            "the step failed",
+            Some(Box::new(Layer(
+                "the optimizer",
+                Some(Box::new(Layer("the step failed", None))),
+            ))),
+        );
+        assert_eq!(error_report(&skip).len(), 3);
     }
 }
