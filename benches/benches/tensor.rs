@@ -49,8 +49,9 @@ use criterion::{
 use half::bf16;
 use headroom_benches::size_label;
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType};
-use headroom_trainer::ops::bf16_gemm::{self, Matrix};
+use headroom_trainer::ops::bf16_gemm;
 use headroom_trainer::ops::matmul;
+use headroom_trainer::ops::strided::Strided;
 
 /// Sizes of the f32 buffer of each primitive.
 const SIZES: [usize; 3] = [1 << 20, 64 << 20, 256 << 20];
@@ -277,8 +278,8 @@ fn gemm_paired(rounds: usize) {
                         (false, _) => bf16_gemm::gemm_bf16(
                             &mut y,
                             out,
-                            Matrix::rows(&x[..], inp),
-                            Matrix::transposed(&wb[..], inp),
+                            Strided::rows(&x[..], inp),
+                            Strided::transposed(&wb[..], inp),
                             rows,
                             out,
                             inp,
@@ -307,8 +308,8 @@ fn gemm_paired(rounds: usize) {
                             bf16_gemm::gemm_bf16(
                                 &mut dx,
                                 inp,
-                                Matrix::rows(&dy[..], out),
-                                Matrix::rows(&wb[..], inp),
+                                Strided::rows(&dy[..], out),
+                                Strided::rows(&wb[..], inp),
                                 rows,
                                 inp,
                                 out,
@@ -317,8 +318,8 @@ fn gemm_paired(rounds: usize) {
                             bf16_gemm::gemm_bf16(
                                 &mut dw,
                                 inp,
-                                Matrix::transposed(&dy[..], out),
-                                Matrix::rows(&x[..], inp),
+                                Strided::transposed(&dy[..], out),
+                                Strided::rows(&x[..], inp),
                                 out,
                                 inp,
                                 rows,
@@ -380,13 +381,13 @@ fn gemm_paired_bf16_input(rounds: usize) {
         for r in 0..rounds + 1 {
             for j in 0..2 {
                 let v = (j + r) % 2;
-                let w = Matrix::transposed(&wb[..], inp);
+                let w = Strided::transposed(&wb[..], inp);
                 let start = Instant::now();
                 if v == 0 {
                     bf16_gemm::gemm_bf16(
                         &mut y,
                         out,
-                        Matrix::rows(&xf[..], inp),
+                        Strided::rows(&xf[..], inp),
                         w,
                         rows,
                         out,
@@ -397,7 +398,7 @@ fn gemm_paired_bf16_input(rounds: usize) {
                     bf16_gemm::gemm_bf16(
                         &mut y,
                         out,
-                        Matrix::rows(&xb[..], inp),
+                        Strided::rows(&xb[..], inp),
                         w,
                         rows,
                         out,

@@ -3,11 +3,12 @@
 //! and the OS have them, and on the f32 `gemm` crate over the rounded values elsewhere.
 //!
 //! ```
-//! use headroom_trainer::ops::bf16_gemm::{gemm_bf16, Matrix};
+//! use headroom_trainer::ops::bf16_gemm::gemm_bf16;
+//! use headroom_trainer::ops::strided::Strided;
 //! let a = [1.0f32, 2.0, 3.0, 4.0]; // [2, 2]
 //! let b = [half::bf16::from_f32(0.5); 4]; // [2, 2]
 //! let mut c = [0.0f32; 4];
-//! gemm_bf16(&mut c, 2, Matrix::rows(&a[..], 2), Matrix::rows(&b[..], 2), 2, 2, 2, false);
+//! gemm_bf16(&mut c, 2, Strided::rows(&a[..], 2), Strided::rows(&b[..], 2), 2, 2, 2, false);
 //! assert_eq!(c, [1.5, 1.5, 3.5, 3.5]);
 //! ```
 //!
@@ -47,6 +48,8 @@
 
 use gemm::Parallelism;
 use half::bf16;
+
+use super::strided::Strided;
 
 /// Depth of one packed block (a multiple of 32, the depth of one tile).
 pub const KC: usize = 512;
@@ -128,50 +131,11 @@ impl Bf16Source for bf16 {
     }
 }
 
-/// A `[rows, cols]` matrix view by strides in elements; a transpose swaps the strides.
-#[derive(Clone, Copy, Debug)]
-pub struct Matrix<'a, T> {
-    /// The elements; `(r, c)` is at `r * row_stride + c * col_stride`.
-    pub data: &'a [T],
-    /// Elements between consecutive rows.
-    pub row_stride: usize,
-    /// Elements between consecutive columns.
-    pub col_stride: usize,
-}
-
-impl<'a, T: Bf16Source> Matrix<'a, T> {
-    /// Dense row-major with `cols` columns.
-    pub fn rows(data: &'a [T], cols: usize) -> Self {
-        Matrix {
-            data,
-            row_stride: cols,
-            col_stride: 1,
-        }
-    }
-
-    /// The transpose of a dense row-major matrix with `cols` columns.
-    pub fn transposed(data: &'a [T], cols: usize) -> Self {
-        Matrix {
-            data,
-            row_stride: 1,
-            col_stride: cols,
-        }
-    }
-
+impl<T: Bf16Source> Strided<'_, T> {
+    /// The bf16 bits of element `(r, c)`.
     #[inline]
-    fn at(&self, r: usize, c: usize) -> u16 {
-        self.data[r * self.row_stride + c * self.col_stride].bf16_bits()
-    }
-
-    /// Whether a `[rows, cols]` matrix lies inside `data`.
-    fn covers(&self, rows: usize, cols: usize) -> bool {
-        rows == 0
-            || cols == 0
-            || (rows - 1)
-                .checked_mul(self.row_stride)
-                .zip((cols - 1).checked_mul(self.col_stride))
-                .and_then(|(a, b)| a.checked_add(b))
-                .is_some_and(|last| last < self.data.len())
+    fn bits_at(&self, r: usize, c: usize) -> u16 {
+        self.get(r, c).bf16_bits()
     }
 }
 
@@ -206,8 +170,8 @@ pub fn bf16_gemm_path() -> Bf16GemmPath {
 pub fn gemm_bf16<A: Bf16Source, B: Bf16Source>(
     c: &mut [f32],
     ldc: usize,
-    a: Matrix<'_, A>,
-    b: Matrix<'_, B>,
+    a: Strided<'_, A>,
+    b: Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
@@ -226,8 +190,8 @@ pub fn gemm_bf16<A: Bf16Source, B: Bf16Source>(
 pub fn gemm_bf16_with<A: Bf16Source, B: Bf16Source>(
     c: &mut [f32],
     ldc: usize,
-    a: Matrix<'_, A>,
-    b: Matrix<'_, B>,
+    a: Strided<'_, A>,
+    b: Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
@@ -270,8 +234,8 @@ pub fn bf16_output_on_tiles(k: usize) -> bool {
 pub fn gemm_bf16_into_bf16<A: Bf16Source, B: Bf16Source>(
     c: &mut [bf16],
     ldc: usize,
-    a: Matrix<'_, A>,
-    b: Matrix<'_, B>,
+    a: Strided<'_, A>,
+    b: Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
@@ -299,8 +263,8 @@ pub fn gemm_bf16_into_bf16<A: Bf16Source, B: Bf16Source>(
 fn check_shapes<A: Bf16Source, B: Bf16Source>(
     c_len: usize,
     ldc: usize,
-    a: &Matrix<'_, A>,
-    b: &Matrix<'_, B>,
+    a: &Strided<'_, A>,
+    b: &Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
@@ -387,16 +351,16 @@ fn pack_len_for(m: usize, n: usize, k: usize, threads: usize, kc: usize) -> usiz
 pub fn gemm_widened<A: Bf16Source, B: Bf16Source>(
     c: &mut [f32],
     ldc: usize,
-    a: Matrix<'_, A>,
-    b: Matrix<'_, B>,
+    a: Strided<'_, A>,
+    b: Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
     accumulate: bool,
 ) {
     let widen = |bits: u16| f32::from_bits(u32::from(bits) << 16);
-    let aw: Vec<f32> = (0..m * k).map(|i| widen(a.at(i / k, i % k))).collect();
-    let bw: Vec<f32> = (0..k * n).map(|i| widen(b.at(i / n, i % n))).collect();
+    let aw: Vec<f32> = (0..m * k).map(|i| widen(a.bits_at(i / k, i % k))).collect();
+    let bw: Vec<f32> = (0..k * n).map(|i| widen(b.bits_at(i / n, i % n))).collect();
     let par = match rayon::current_num_threads() {
         0 | 1 => Parallelism::None,
         t => Parallelism::Rayon(t),
@@ -431,7 +395,7 @@ pub fn gemm_widened<A: Bf16Source, B: Bf16Source>(
 /// Packing, shared by the AMX kernel and its tests (plain Rust, no AMX needed). Each layout is
 /// filled by runs along the source's contiguous direction, converted a run at a time.
 mod pack {
-    use super::{Bf16Source, Matrix};
+    use super::{Bf16Source, Strided};
 
     /// Rows `r0..r0 + rows` and depth `k0..k0 + depth` of `a` as 16×32 tiles, row tile by row
     /// tile, depth tile after depth tile within each: element `(r, d)` at
@@ -447,7 +411,7 @@ mod pack {
     /// source row apart (the head's logits gradient: 100 KiB), which the hardware prefetchers
     /// do not follow (measured: `benches/results/2026-11-29-cpu-2core-amx-a-packing-order.md`).
     pub(super) fn a_tiles<T: Bf16Source>(
-        a: &Matrix<'_, T>,
+        a: &Strided<'_, T>,
         r0: usize,
         rows: usize,
         k0: usize,
@@ -508,7 +472,7 @@ mod pack {
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn a_tile<T: Bf16Source>(
-        a: &Matrix<'_, T>,
+        a: &Strided<'_, T>,
         r0: usize,
         rows: usize,
         k0: usize,
@@ -557,7 +521,7 @@ mod pack {
                 } else {
                     run.iter_mut()
                         .enumerate()
-                        .for_each(|(tr, x)| *x = a.at(r1 + tr, d1 + dk));
+                        .for_each(|(tr, x)| *x = a.bits_at(r1 + tr, d1 + dk));
                 }
                 for (tr, &x) in run.iter().enumerate() {
                     tile[tr * 32 + dk] = x;
@@ -590,7 +554,7 @@ mod pack {
     /// A full 16-row, 32-deep tile of an `a` whose rows are contiguous: depth column `dk`'s
     /// 16 values converted into `natural[dk]`, then `tile[tr·32 + dk] = natural[dk][tr]`.
     fn full_transposed_a_tile<T: Bf16Source>(
-        a: &Matrix<'_, T>,
+        a: &Strided<'_, T>,
         r1: usize,
         d1: usize,
         tile: &mut [u16],
@@ -612,7 +576,7 @@ mod pack {
     /// `((j / 16) · kt + d / 32) · 512 + ((d % 32) / 2) · 32 + (j % 16) · 2 + d % 2`. Zero past
     /// the ends.
     pub(super) fn b_tiles<T: Bf16Source>(
-        b: &Matrix<'_, T>,
+        b: &Strided<'_, T>,
         k0: usize,
         depth: usize,
         c0: usize,
@@ -668,7 +632,7 @@ mod pack {
                 } else {
                     for dk in 0..tile_depth {
                         for cj in 0..tile_cols {
-                            tile[(dk / 2) * 32 + cj * 2 + dk % 2] = b.at(d1 + dk, j1 + cj);
+                            tile[(dk / 2) * 32 + cj * 2 + dk % 2] = b.bits_at(d1 + dk, j1 + cj);
                         }
                     }
                 }
@@ -681,7 +645,7 @@ mod pack {
     /// rearrangement is then a 16×16 transpose of 32-bit pairs (depth contiguous) or an
     /// interleave of row pairs (columns contiguous). Measured on the head's 128-row chunk: the
     /// element-at-a-time scatter this replaces was 37–44% of the product's time.
-    fn full_b_tile<T: Bf16Source>(b: &Matrix<'_, T>, d1: usize, j1: usize, tile: &mut [u16]) {
+    fn full_b_tile<T: Bf16Source>(b: &Strided<'_, T>, d1: usize, j1: usize, tile: &mut [u16]) {
         let tile = &mut tile[..512];
         let mut natural = [0u32; 256];
         let bits: &mut [u16] = bytemuck::cast_slice_mut(&mut natural);
@@ -734,8 +698,8 @@ mod amx {
     pub(super) fn gemm<A: super::Bf16Source, B: super::Bf16Source>(
         c: &mut [f32],
         ldc: usize,
-        a: super::Matrix<'_, A>,
-        b: super::Matrix<'_, B>,
+        a: super::Strided<'_, A>,
+        b: super::Strided<'_, B>,
         m: usize,
         n: usize,
         k: usize,
@@ -750,8 +714,8 @@ mod amx {
     pub(super) fn gemm_into_bf16<A: super::Bf16Source, B: super::Bf16Source>(
         _: &mut [u16],
         _: usize,
-        _: super::Matrix<'_, A>,
-        _: super::Matrix<'_, B>,
+        _: super::Strided<'_, A>,
+        _: super::Strided<'_, B>,
         _: usize,
         _: usize,
         _: usize,
@@ -768,7 +732,7 @@ mod amx {
 
         use headroom_tensor::cpu::kernels::f32_to_bf16_bits;
 
-        use super::super::{depth_block, pack, Bf16Source, Matrix, KC_BF16_OUTPUT, MC};
+        use super::super::{depth_block, pack, Bf16Source, Strided, KC_BF16_OUTPUT, MC};
 
         /// The CPU has AMX-BF16 and the kernel granted the tile state
         /// ([`headroom_tensor::isa::amx_granted`]).
@@ -972,7 +936,7 @@ mod amx {
         #[allow(clippy::too_many_arguments)]
         unsafe fn block<A: Bf16Source>(
             out: Out,
-            a: &Matrix<'_, A>,
+            a: &Strided<'_, A>,
             b_packed: &[u16],
             r0: usize,
             rows: usize,
@@ -1112,8 +1076,8 @@ mod amx {
         pub(in super::super) fn gemm<A: Bf16Source, B: Bf16Source>(
             c: &mut [f32],
             ldc: usize,
-            a: Matrix<'_, A>,
-            b: Matrix<'_, B>,
+            a: Strided<'_, A>,
+            b: Strided<'_, B>,
             m: usize,
             n: usize,
             k: usize,
@@ -1135,8 +1099,8 @@ mod amx {
         pub(in super::super) fn gemm_into_bf16<A: Bf16Source, B: Bf16Source>(
             c: &mut [u16],
             ldc: usize,
-            a: Matrix<'_, A>,
-            b: Matrix<'_, B>,
+            a: Strided<'_, A>,
+            b: Strided<'_, B>,
             m: usize,
             n: usize,
             k: usize,
@@ -1158,8 +1122,8 @@ mod amx {
         #[allow(clippy::too_many_arguments)]
         fn run<A: Bf16Source, B: Bf16Source>(
             out: Out,
-            a: Matrix<'_, A>,
-            b: Matrix<'_, B>,
+            a: Strided<'_, A>,
+            b: Strided<'_, B>,
             m: usize,
             n: usize,
             k: usize,
@@ -1276,8 +1240,8 @@ mod amx {
 /// tests' reference.
 #[cfg(test)]
 fn reference<A: Bf16Source, B: Bf16Source>(
-    a: Matrix<'_, A>,
-    b: Matrix<'_, B>,
+    a: Strided<'_, A>,
+    b: Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
@@ -1292,7 +1256,7 @@ fn reference<A: Bf16Source, B: Bf16Source>(
         .for_each(|(i, (o, g))| {
             for j in 0..n {
                 for d in 0..k {
-                    let p = widen(a.at(i, d)) * widen(b.at(d, j));
+                    let p = widen(a.bits_at(i, d)) * widen(b.bits_at(d, j));
                     o[j] += p;
                     g[j] += p.abs();
                 }
@@ -1320,8 +1284,8 @@ mod tests {
         c: &[f32],
         ldc: usize,
         start: &[f32],
-        a: Matrix<'_, A>,
-        b: Matrix<'_, B>,
+        a: Strided<'_, A>,
+        b: Strided<'_, B>,
         m: usize,
         n: usize,
         k: usize,
@@ -1362,8 +1326,8 @@ mod tests {
                 av[(seed as usize) % (m * k)] = f32::NAN;
             }
             let bb: Vec<bf16> = values(seed ^ 1, k * n).iter().map(|&x| bf16::from_f32(x)).collect();
-            let a = Matrix::rows(&av[..], k);
-            let b = if b_t { Matrix::transposed(&bb[..], k) } else { Matrix::rows(&bb[..], n) };
+            let a = Strided::rows(&av[..], k);
+            let b = if b_t { Strided::transposed(&bb[..], k) } else { Strided::rows(&bb[..], n) };
             let ldc = n + pad;
             let sentinel = bf16::from_bits(0x7fc1);
             let mut c = vec![sentinel; m * ldc];
@@ -1400,17 +1364,17 @@ mod tests {
         ) {
             let av = values(seed, m * k);
             let bv = values(seed ^ 1, k * n);
-            let a = if a_t { Matrix::transposed(&av[..], m) } else { Matrix::rows(&av[..], k) };
+            let a = if a_t { Strided::transposed(&av[..], m) } else { Strided::rows(&av[..], k) };
             let ldc = n + pad;
             let start = values(seed ^ 2, m * ldc + 5);
             let mut c = start.clone();
             if b_bf16 {
                 let bb: Vec<bf16> = bv.iter().map(|&x| bf16::from_f32(x)).collect();
-                let b = if b_t { Matrix::transposed(&bb[..], k) } else { Matrix::rows(&bb[..], n) };
+                let b = if b_t { Strided::transposed(&bb[..], k) } else { Strided::rows(&bb[..], n) };
                 gemm_bf16(&mut c, ldc, a, b, m, n, k, accumulate);
                 check(&c, ldc, &start, a, b, m, n, k, accumulate)?;
             } else {
-                let b = if b_t { Matrix::transposed(&bv[..], k) } else { Matrix::rows(&bv[..], n) };
+                let b = if b_t { Strided::transposed(&bv[..], k) } else { Strided::rows(&bv[..], n) };
                 gemm_bf16(&mut c, ldc, a, b, m, n, k, accumulate);
                 check(&c, ldc, &start, a, b, m, n, k, accumulate)?;
             }
@@ -1422,10 +1386,10 @@ mod tests {
                 let mut pack = vec![0u16; panels * tile_pair];
                 if b_bf16 {
                     let bb: Vec<bf16> = bv.iter().map(|&x| bf16::from_f32(x)).collect();
-                    let b = if b_t { Matrix::transposed(&bb[..], k) } else { Matrix::rows(&bb[..], n) };
+                    let b = if b_t { Strided::transposed(&bb[..], k) } else { Strided::rows(&bb[..], n) };
                     gemm_bf16_with(&mut again, ldc, a, b, m, n, k, accumulate, &mut pack);
                 } else {
-                    let b = if b_t { Matrix::transposed(&bv[..], k) } else { Matrix::rows(&bv[..], n) };
+                    let b = if b_t { Strided::transposed(&bv[..], k) } else { Strided::rows(&bv[..], n) };
                     gemm_bf16_with(&mut again, ldc, a, b, m, n, k, accumulate, &mut pack);
                 }
                 prop_assert!(again.iter().zip(&c).all(|(x, y)| x.to_bits() == y.to_bits()));
@@ -1450,8 +1414,8 @@ mod tests {
             .map(|&x| bf16::from_f32(x))
             .collect();
         // The forward's shape: a · wᵀ with w [n, k].
-        let a = Matrix::rows(&av[..], k);
-        let b = Matrix::transposed(&bv[..], k);
+        let a = Strided::rows(&av[..], k);
+        let b = Strided::transposed(&bv[..], k);
         let mut c = vec![0.0; m * n];
         gemm_bf16(&mut c, n, a, b, m, n, k, false);
         check(&c, n, &[], a, b, m, n, k, false).unwrap();
@@ -1475,7 +1439,7 @@ mod tests {
                     .iter()
                     .map(|&x| bf16::from_f32(x))
                     .collect();
-                let (a, b) = (Matrix::rows(&av[..], k), Matrix::transposed(&bv[..], k));
+                let (a, b) = (Strided::rows(&av[..], k), Strided::transposed(&bv[..], k));
                 let mut f = vec![0f32; m * n];
                 gemm_bf16(&mut f, n, a, b, m, n, k, false);
                 let mut want = vec![bf16::ZERO; m * n];
@@ -1503,15 +1467,19 @@ mod tests {
         let (rows, depth) = (19, 37);
         let av: Vec<f32> = (0..rows * depth).map(|i| i as f32).collect();
         for a in [
-            Matrix::rows(&av[..], depth),
-            Matrix::transposed(&av[..], rows),
+            Strided::rows(&av[..], depth),
+            Strided::transposed(&av[..], rows),
         ] {
             let mut dst = vec![7u16; 2 * 2 * 512];
             pack::a_tiles(&a, 0, rows, 0, depth, &mut dst);
             for r in 0..32 {
                 for d in 0..64 {
                     let got = dst[((r / 16) * 2 + d / 32) * 512 + (r % 16) * 32 + d % 32];
-                    let want = if r < rows && d < depth { a.at(r, d) } else { 0 };
+                    let want = if r < rows && d < depth {
+                        a.bits_at(r, d)
+                    } else {
+                        0
+                    };
                     assert_eq!(got, want, "a ({r}, {d})");
                 }
             }
@@ -1519,8 +1487,8 @@ mod tests {
         let (depth, cols) = (37, 19);
         let bv: Vec<f32> = (0..depth * cols).map(|i| i as f32).collect();
         for b in [
-            Matrix::rows(&bv[..], cols),
-            Matrix::transposed(&bv[..], depth),
+            Strided::rows(&bv[..], cols),
+            Strided::transposed(&bv[..], depth),
         ] {
             let mut dst = vec![7u16; 2 * 2 * 512];
             pack::b_tiles(&b, 0, depth, 0, cols, &mut dst);
@@ -1530,7 +1498,11 @@ mod tests {
                         + ((d % 32) / 2) * 32
                         + (j % 16) * 2
                         + d % 2];
-                    let want = if d < depth && j < cols { b.at(d, j) } else { 0 };
+                    let want = if d < depth && j < cols {
+                        b.bits_at(d, j)
+                    } else {
+                        0
+                    };
                     assert_eq!(got, want, "b ({d}, {j})");
                 }
             }
@@ -1543,7 +1515,10 @@ mod tests {
     fn b_packing_from_an_offset() {
         fn check<T: Bf16Source>(values: &[T], rows: usize, cols: usize) {
             let (k0, depth, c0, width) = (3usize, 70usize, 5usize, 37usize);
-            for b in [Matrix::rows(values, cols), Matrix::transposed(values, rows)] {
+            for b in [
+                Strided::rows(values, cols),
+                Strided::transposed(values, rows),
+            ] {
                 let (kt, nt) = (depth.div_ceil(32), width.div_ceil(16));
                 let mut dst = vec![7u16; nt * kt * 512];
                 pack::b_tiles(&b, k0, depth, c0, width, &mut dst);
@@ -1554,7 +1529,7 @@ mod tests {
                             + (j % 16) * 2
                             + d % 2];
                         let want = if d < depth && j < width {
-                            b.at(k0 + d, c0 + j)
+                            b.bits_at(k0 + d, c0 + j)
                         } else {
                             0
                         };
@@ -1594,7 +1569,10 @@ mod tests {
     fn a_packing_from_an_offset() {
         fn check<T: Bf16Source>(values: &[T], rows: usize, cols: usize) {
             let (r0, count, k0, depth) = (5usize, 37usize, 3usize, 70usize);
-            for a in [Matrix::rows(values, cols), Matrix::transposed(values, rows)] {
+            for a in [
+                Strided::rows(values, cols),
+                Strided::transposed(values, rows),
+            ] {
                 let (mt, kt) = (count.div_ceil(16), depth.div_ceil(32));
                 let mut dst = vec![7u16; mt * kt * 512];
                 pack::a_tiles(&a, r0, count, k0, depth, &mut dst);
@@ -1602,7 +1580,7 @@ mod tests {
                     for d in 0..kt * 32 {
                         let got = dst[((r / 16) * kt + d / 32) * 512 + (r % 16) * 32 + d % 32];
                         let want = if r < count && d < depth {
-                            a.at(r0 + r, k0 + d)
+                            a.bits_at(r0 + r, k0 + d)
                         } else {
                             0
                         };

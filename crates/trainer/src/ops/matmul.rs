@@ -69,6 +69,8 @@ use half::{bf16, f16};
 #[cfg(target_arch = "x86_64")]
 use headroom_tensor::isa::{self, IsaLevel};
 
+use super::strided::Strided;
+
 fn parallelism() -> Parallelism {
     match rayon::current_num_threads() {
         0 | 1 => Parallelism::None,
@@ -76,54 +78,12 @@ fn parallelism() -> Parallelism {
     }
 }
 
-/// A row-major `[rows, cols]` view given by its strides in elements: `(row stride, column
-/// stride)`; a transposed matrix is the same buffer with the strides swapped.
-#[derive(Clone, Copy)]
-struct Strided<'a> {
-    data: &'a [f32],
-    row_stride: usize,
-    col_stride: usize,
-}
-
-impl<'a> Strided<'a> {
-    /// A dense row-major matrix with `cols` columns.
-    fn rows(data: &'a [f32], cols: usize) -> Self {
-        Strided {
-            data,
-            row_stride: cols,
-            col_stride: 1,
-        }
-    }
-    /// The transpose of a dense row-major matrix with `cols` columns.
-    fn transposed(data: &'a [f32], cols: usize) -> Self {
-        Strided {
-            data,
-            row_stride: 1,
-            col_stride: cols,
-        }
-    }
-    /// The same matrix without its first `c` columns.
-    fn skip_cols(self, c: usize) -> Self {
-        Strided {
-            data: &self.data[(c * self.col_stride).min(self.data.len())..],
-            ..self
-        }
-    }
-    /// The same matrix without its first `r` rows.
-    fn skip_rows(self, r: usize) -> Self {
-        Strided {
-            data: &self.data[(r * self.row_stride).min(self.data.len())..],
-            ..self
-        }
-    }
-}
-
 /// `dst[m, n] (+)= lhs[m, k] · rhs[k, n]`, `dst` dense row-major; accumulates when
 /// `accumulate`, overwrites otherwise.
 fn gemm_into(
     dst: &mut [f32],
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
+    lhs: Strided<'_, f32>,
+    rhs: Strided<'_, f32>,
     m: usize,
     n: usize,
     k: usize,
@@ -141,8 +101,8 @@ fn gemm_rows_into(
     parallelism: Parallelism,
     dst: &mut [f32],
     dst_stride: usize,
-    lhs: Strided<'_>,
-    rhs: Strided<'_>,
+    lhs: Strided<'_, f32>,
+    rhs: Strided<'_, f32>,
     m: usize,
     n: usize,
     k: usize,
@@ -483,9 +443,10 @@ fn probe_depth_blocks(mr: usize, nr: usize) -> bool {
     // worker waiting there could steal a task that reaches the same initialiser (a re-entrant
     // initialisation, i.e. a deadlock). Threads do not change gemm's sums, so the verdict
     // holds for threaded calls too.
-    let serial = |out: &mut [f32], lhs: Strided<'_>, rhs: Strided<'_>, k: usize, acc: bool| {
-        gemm_rows_into(Parallelism::None, out, n, lhs, rhs, m, n, k, acc)
-    };
+    let serial =
+        |out: &mut [f32], lhs: Strided<'_, f32>, rhs: Strided<'_, f32>, k: usize, acc: bool| {
+            gemm_rows_into(Parallelism::None, out, n, lhs, rhs, m, n, k, acc)
+        };
     let mut all_equal = true;
     let mut off_by_one_differs = true;
     for transposed in [false, true] {
@@ -700,7 +661,7 @@ const WIDEN_CHUNK: usize = 1 << 16;
 #[allow(clippy::too_many_arguments)]
 fn gemm_weight<W: Operand>(
     dst: &mut [f32],
-    lhs: Strided<'_>,
+    lhs: Strided<'_, f32>,
     w: &[W],
     transposed: bool,
     m: usize,
@@ -724,14 +685,13 @@ fn gemm_weight<W: Operand>(
     // Where gemm runs its FMA kernel, the weight is widened inside the packing instead: the
     // same bits, no widened panel (the scratch stays sized for the other CPUs).
     {
-        use super::widening_gemm::{gemm, View};
-        let a = View::strided(lhs.data, lhs.row_stride, lhs.col_stride);
+        use super::widening_gemm::gemm;
         let b = if transposed {
-            View::transposed(w, k)
+            Strided::transposed(w, k)
         } else {
-            View::rows(w, n)
+            Strided::rows(w, n)
         };
-        if gemm(dst, n, a, b, m, n, k, accumulate, scratch) {
+        if gemm(dst, n, lhs, b, m, n, k, accumulate, scratch) {
             return;
         }
     }
@@ -985,7 +945,7 @@ pub fn forward_bf16_products<A: super::bf16_gemm::Bf16Source>(
     oc: usize,
     scratch: &mut [f32],
 ) {
-    use super::bf16_gemm::{gemm_bf16_with, Matrix};
+    use super::bf16_gemm::gemm_bf16_with;
     assert_eq!(inp.len(), n * c, "input length");
     assert_eq!(weight.len(), oc * c, "weight length");
     assert_eq!(out.len(), n * oc, "output length");
@@ -1004,8 +964,8 @@ pub fn forward_bf16_products<A: super::bf16_gemm::Bf16Source>(
     gemm_bf16_with(
         out,
         oc,
-        Matrix::rows(inp, c),
-        Matrix::transposed(weight, c),
+        Strided::rows(inp, c),
+        Strided::transposed(weight, c),
         n,
         oc,
         c,
@@ -1075,7 +1035,7 @@ pub fn forward_bf16_products_into_bf16<A: super::bf16_gemm::Bf16Source>(
     stage: &mut [f32],
     scratch: &mut [f32],
 ) {
-    use super::bf16_gemm::{gemm_bf16_into_bf16, Matrix};
+    use super::bf16_gemm::gemm_bf16_into_bf16;
     assert_eq!(weight.len(), oc * c, "weight length");
     assert_eq!(inp.len(), n * c, "input length");
     assert_eq!(out.len(), n * oc, "output length");
@@ -1083,8 +1043,8 @@ pub fn forward_bf16_products_into_bf16<A: super::bf16_gemm::Bf16Source>(
         && gemm_bf16_into_bf16(
             out,
             oc,
-            Matrix::rows(inp, c),
-            Matrix::transposed(weight, c),
+            Strided::rows(inp, c),
+            Strided::transposed(weight, c),
             n,
             oc,
             c,
@@ -1148,7 +1108,7 @@ pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source, D: super::bf16_ge
     oc: usize,
     scratch: &mut [f32],
 ) {
-    use super::bf16_gemm::{gemm_bf16_with, Matrix};
+    use super::bf16_gemm::gemm_bf16_with;
     assert_eq!(dout.len(), n * oc, "output gradient length");
     assert!(
         dweight.is_none() || inp.len() == n * c,
@@ -1160,8 +1120,8 @@ pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source, D: super::bf16_ge
     gemm_bf16_with(
         dinp,
         c,
-        Matrix::rows(dout, oc),
-        Matrix::rows(weight, c),
+        Strided::rows(dout, oc),
+        Strided::rows(weight, c),
         n,
         c,
         oc,
@@ -1173,8 +1133,8 @@ pub fn backward_bf16_products<A: super::bf16_gemm::Bf16Source, D: super::bf16_ge
         gemm_bf16_with(
             dweight,
             c,
-            Matrix::transposed(dout, oc),
-            Matrix::rows(inp, c),
+            Strided::transposed(dout, oc),
+            Strided::rows(inp, c),
             oc,
             c,
             n,

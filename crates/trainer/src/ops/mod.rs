@@ -17,6 +17,7 @@ pub mod matmul;
 pub mod quant_matmul;
 pub mod rmsnorm;
 pub mod rope;
+pub mod strided;
 pub mod swiglu;
 pub mod widening_gemm;
 

@@ -22,8 +22,9 @@ use half::bf16;
 use headroom_quant::{Isa, QuantError, QuantizedTensor};
 use rayon::prelude::*;
 
-use super::bf16_gemm::{gemm_bf16_with, pack_len, Bf16Source, Matrix, KC, NC};
+use super::bf16_gemm::{gemm_bf16_with, pack_len, Bf16Source, KC, NC};
 use super::matmul::{dot_in_pieces, DOT_COLUMNS, DOT_PIECE, DOT_ROWS};
+use super::strided::Strided;
 
 /// Rows of one block the threads dequantize at a time (rayon's unit of work).
 const DEQUANT_ROWS: usize = 16;
@@ -201,12 +202,12 @@ pub fn forward<A: Bf16Source>(
                             w.dequantize_range_bf16_isa(isa, r * inn + k0, row)
                         })
                 })?;
-            let a = Matrix {
+            let a = Strided {
                 data: &x[k0..],
                 row_stride: inn,
                 col_stride: 1,
             };
-            let b = Matrix::transposed(&blk[..], depth);
+            let b = Strided::transposed(&blk[..], depth);
             gemm_bf16_with(&mut y[c0..], out, a, b, n, cols, depth, k0 > 0, pack);
         }
     }
@@ -257,12 +258,12 @@ pub fn backward_input<A: Bf16Source>(
                             w.dequantize_range_bf16_isa(isa, r * inn + c0, row)
                         })
                 })?;
-            let a = Matrix {
+            let a = Strided {
                 data: &dy[o0..],
                 row_stride: out,
                 col_stride: 1,
             };
-            let b = Matrix::rows(&blk[..], cols);
+            let b = Strided::rows(&blk[..], cols);
             gemm_bf16_with(&mut dx[c0..], inn, a, b, n, cols, depth, true, pack);
         }
     }

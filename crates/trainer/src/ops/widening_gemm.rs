@@ -5,12 +5,13 @@
 //! would have made of the f32 copy anyway.
 //!
 //! ```
-//! use headroom_trainer::ops::widening_gemm::{gemm, View};
+//! use headroom_trainer::ops::strided::Strided;
+//! use headroom_trainer::ops::widening_gemm::gemm;
 //! let a = [1.0f32, 2.0, 3.0, 4.0]; // [2, 2]
 //! let b = [half::bf16::from_f32(0.5); 4]; // [2, 2]
 //! let mut c = [0.0f32; 4];
 //! // `false` where this machine's gemm runs another kernel: the caller widens instead.
-//! if gemm(&mut c, 2, View::rows(&a[..], 2), View::rows(&b[..], 2), 2, 2, 2, false, &mut []) {
+//! if gemm(&mut c, 2, Strided::rows(&a[..], 2), Strided::rows(&b[..], 2), 2, 2, 2, false, &mut []) {
 //!     assert_eq!(c, [1.5, 1.5, 3.5, 3.5]);
 //! }
 //! ```
@@ -41,6 +42,7 @@
 use rayon::prelude::*;
 
 use super::matmul::Operand;
+use super::strided::Strided;
 
 /// The micro-kernel's tile, in gemm's (transposed) orientation: `MR` rows of `bᵀ` (columns of
 /// the output) by `NR` columns of `aᵀ` (rows of the output).
@@ -50,65 +52,11 @@ const NR: usize = 6;
 /// f32 lanes of one vector of the FMA kernel.
 const LANES: usize = 8;
 
-/// A matrix `[rows, cols]` in a slice, by its strides in elements; a transpose swaps them.
-#[derive(Clone, Copy, Debug)]
-pub struct View<'a, T> {
-    data: &'a [T],
-    row_stride: usize,
-    col_stride: usize,
-}
-
-impl<'a, T: Operand> View<'a, T> {
-    /// A dense row-major matrix with `cols` columns.
-    pub fn rows(data: &'a [T], cols: usize) -> Self {
-        View {
-            data,
-            row_stride: cols,
-            col_stride: 1,
-        }
-    }
-
-    /// The transpose of a dense row-major matrix with `cols` columns.
-    pub fn transposed(data: &'a [T], cols: usize) -> Self {
-        View {
-            data,
-            row_stride: 1,
-            col_stride: cols,
-        }
-    }
-
-    /// `[rows, cols]` with element `(r, c)` at `r · row_stride + c · col_stride`.
-    pub fn strided(data: &'a [T], row_stride: usize, col_stride: usize) -> Self {
-        View {
-            data,
-            row_stride,
-            col_stride,
-        }
-    }
-
-    /// The same matrix, transposed.
-    pub fn t(self) -> Self {
-        View {
-            data: self.data,
-            row_stride: self.col_stride,
-            col_stride: self.row_stride,
-        }
-    }
-
+impl<T: Operand> Strided<'_, T> {
     /// Element `(r, c)` as f32.
-    fn at(&self, r: usize, c: usize) -> f32 {
-        self.data[r * self.row_stride + c * self.col_stride].to_f32()
-    }
-
-    /// Whether `[rows, cols]` lies inside the slice.
-    fn covers(&self, rows: usize, cols: usize) -> bool {
-        rows == 0
-            || cols == 0
-            || (rows - 1)
-                .checked_mul(self.row_stride)
-                .zip((cols - 1).checked_mul(self.col_stride))
-                .and_then(|(r, c)| r.checked_add(c))
-                .is_some_and(|last| last < self.data.len())
+    #[inline]
+    fn f32_at(&self, r: usize, c: usize) -> f32 {
+        self.get(r, c).to_f32()
     }
 }
 
@@ -126,8 +74,8 @@ impl<'a, T: Operand> View<'a, T> {
 pub fn gemm<A: Operand, B: Operand>(
     c: &mut [f32],
     ldc: usize,
-    a: View<'_, A>,
-    b: View<'_, B>,
+    a: Strided<'_, A>,
+    b: Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
@@ -192,12 +140,15 @@ pub fn matches_gemm() -> bool {
         [false, true].into_iter().all(|transposed| {
             [false, true].into_iter().all(|accumulate| {
                 let (bw, bf) = if transposed {
-                    (View::transposed(&w[..], k), View::transposed(&wide[..], k))
+                    (
+                        Strided::transposed(&w[..], k),
+                        Strided::transposed(&wide[..], k),
+                    )
                 } else {
-                    (View::rows(&w[..], n), View::rows(&wide[..], n))
+                    (Strided::rows(&w[..], n), Strided::rows(&wide[..], n))
                 };
                 let mut ours = start.clone();
-                let av = View::rows(&a[..], k);
+                let av = Strided::rows(&a[..], k);
                 // SAFETY: `takes` holds (checked above), the shapes are in bounds.
                 unsafe { run(&mut ours, n, av, bw, m, n, k, accumulate, &mut []) };
                 let mut theirs = start.clone();
@@ -219,7 +170,7 @@ fn reference_gemm(
     c: &mut [f32],
     ldc: usize,
     a: &[f32],
-    b: View<'_, f32>,
+    b: Strided<'_, f32>,
     m: usize,
     n: usize,
     k: usize,
@@ -255,7 +206,7 @@ fn reference_gemm(
 /// Packs rows `i0..i0 + rows` (≤ [`MR`]) of `lhs`, depth `k0..k0 + depth`, as the kernel reads
 /// them: depth step by depth step, [`MR`] values each (rows past `rows` zero).
 fn pack_lhs<T: Operand>(
-    lhs: &View<'_, T>,
+    lhs: &Strided<'_, T>,
     i0: usize,
     rows: usize,
     k0: usize,
@@ -284,7 +235,7 @@ fn pack_lhs<T: Operand>(
                 }
             } else {
                 for d in 0..depth {
-                    dst[d * MR + r] = lhs.at(i0 + r, k0 + d);
+                    dst[d * MR + r] = lhs.f32_at(i0 + r, k0 + d);
                 }
             }
         }
@@ -295,7 +246,7 @@ fn pack_lhs<T: Operand>(
 /// consecutive tiles: each depth step by depth step, [`NR`] values a step (columns past `cols`
 /// zero).
 fn pack_rhs<T: Operand>(
-    rhs: &View<'_, T>,
+    rhs: &Strided<'_, T>,
     j0: usize,
     cols: usize,
     k0: usize,
@@ -332,7 +283,7 @@ fn pack_rhs<T: Operand>(
         for j in 0..cols {
             let tile = &mut dst[j / NR * NR * depth..][..NR * depth];
             for d in 0..depth {
-                tile[d * NR + j % NR] = rhs.at(k0 + d, j0 + j);
+                tile[d * NR + j % NR] = rhs.f32_at(k0 + d, j0 + j);
             }
         }
     }
@@ -364,8 +315,8 @@ impl Out {
 unsafe fn run<A: Operand, B: Operand>(
     c: &mut [f32],
     ldc: usize,
-    a: View<'_, A>,
-    b: View<'_, B>,
+    a: Strided<'_, A>,
+    b: Strided<'_, B>,
     m: usize,
     n: usize,
     k: usize,
@@ -526,8 +477,8 @@ mod tests {
     fn blocked_fma_reference(
         c: &mut [f32],
         ldc: usize,
-        a: &View<'_, f32>,
-        b: &View<'_, bf16>,
+        a: &Strided<'_, f32>,
+        b: &Strided<'_, bf16>,
         m: usize,
         n: usize,
         k: usize,
@@ -540,7 +491,7 @@ mod tests {
                 for k0 in (0..k).step_by(kc) {
                     let mut acc = 0f32;
                     for d in k0..(k0 + kc).min(k) {
-                        acc = a.at(i, d).mul_add(b.at(d, j), acc);
+                        acc = a.f32_at(i, d).mul_add(b.f32_at(d, j), acc);
                     }
                     *o = if accumulate || k0 > 0 { acc + *o } else { acc };
                 }
@@ -566,8 +517,8 @@ mod tests {
             prop_assume!(fma && !(m <= 64 && n <= 64) && m * n > 256);
             let av = values(seed, m * k);
             let bv: Vec<bf16> = values(seed ^ 1, k * n).iter().map(|&x| bf16::from_f32(x)).collect();
-            let a = if a_t { View::transposed(&av[..], m) } else { View::rows(&av[..], k) };
-            let b = if b_t { View::transposed(&bv[..], k) } else { View::rows(&bv[..], n) };
+            let a = if a_t { Strided::transposed(&av[..], m) } else { Strided::rows(&av[..], k) };
+            let b = if b_t { Strided::transposed(&bv[..], k) } else { Strided::rows(&bv[..], n) };
             let ldc = n + pad;
             let start = values(seed ^ 2, m * ldc);
             let mut want = start.clone();
@@ -607,14 +558,17 @@ mod tests {
                 .collect();
             let wide: Vec<f32> = bv.iter().map(|x| x.to_f32()).collect();
             let (b, bf) = if b_t {
-                (View::transposed(&bv[..], k), View::transposed(&wide[..], k))
+                (
+                    Strided::transposed(&bv[..], k),
+                    Strided::transposed(&wide[..], k),
+                )
             } else {
-                (View::rows(&bv[..], n), View::rows(&wide[..], n))
+                (Strided::rows(&bv[..], n), Strided::rows(&wide[..], n))
             };
             for accumulate in [false, true] {
                 let start = values(9, m * n);
                 let mut got = start.clone();
-                let a = View::rows(&av[..], k);
+                let a = Strided::rows(&av[..], k);
                 let taken = gemm(&mut got, n, a, b, m, n, k, accumulate, &mut []);
                 if !taken {
                     assert_eq!(got, start, "{m}x{n}x{k}: declined, yet written");
