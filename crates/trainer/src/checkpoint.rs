@@ -172,7 +172,6 @@ impl RunSpec {
         cmp("--batch", self.batch.to_string(), now.batch.to_string());
         cmp("--seq", self.seq.to_string(), now.seq.to_string());
         cmp("--seed", self.seed.to_string(), now.seed.to_string());
-        cmp("--steps", self.steps.to_string(), now.steps.to_string());
         cmp("--lr", self.lr.to_string(), now.lr.to_string());
         cmp(
             "--min-lr",
@@ -194,6 +193,15 @@ impl RunSpec {
         if let (Some(was), Some(is)) = (self.min_loss_scale, now.min_loss_scale) {
             let show = |floor: Option<f32>| floor.map_or("none".into(), |f| f.to_string());
             cmp("--min-loss-scale", show(was), show(is));
+        }
+        // The schedule (warmup, then cosine to the floor) spans --steps, so a longer run would
+        // have taken other learning rates from its first step: it is another run.
+        if self.steps != now.steps {
+            d.push(format!(
+                "--steps: checkpoint {}, this run {} (the learning-rate schedule spans --steps: to \
+                 train on, start a new run from a full checkpoint's weights with --init-from)",
+                self.steps, now.steps
+            ));
         }
         d
     }

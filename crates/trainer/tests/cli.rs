@@ -596,10 +596,16 @@ fn the_vocabulary_of_a_token_file_run_comes_from_vocab_not_a_fixed_50257() {
     let o = train("64");
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("vocab 64"), "{}", stdout(&o));
-    // Ids of the file at or above --vocab are refused, naming the id and the vocabulary.
+    // Ids of the file at or above --vocab are refused, naming the file, the id and the
+    // vocabulary.
     let o = train("32");
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("vocab 32"), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!("{d} holds token id"))
+            && e.contains("outside the model's vocabulary of 32 ids"),
+        "{e}"
+    );
     let fixture = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/hf-llama-gqa-untied"
