@@ -395,7 +395,8 @@ enum DeviceArg {
 #[derive(Args, Clone)]
 struct RunArgs {
     /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel
-    /// or LlamaForCausalLM): its shape and weights replace --model and its size options.
+    /// or LlamaForCausalLM), or a headroom run (its newest checkpoint): its shape and weights
+    /// replace --model and its size options.
     #[arg(long)]
     init_from: Option<PathBuf>,
     /// Model: GPT-2 tiny (tests, seconds), small (6L/6H/384, context 256), gpt2 (124M); or
@@ -865,6 +866,13 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
                         .into(),
                 );
             }
+            // A headroom run directory stands for its newest checkpoint, as for `--resume`
+            // and `sample --from`; anything else is read as given (and its errors say why).
+            let dir = match crate::checkpoint::resolve(dir) {
+                Ok(step) if !dir.join("config.json").is_file() => step,
+                _ => dir.clone(),
+            };
+            let dir = &dir;
             o.model = crate::hf::read_config(dir)?;
             // The synthetic source draws ids below the model's vocabulary.
             if let DataSource::Synthetic(d) = &mut o.data {

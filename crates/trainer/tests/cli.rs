@@ -985,3 +985,72 @@ fn env_reports_the_machine_and_what_each_kernel_runs_on() {
         "{capped}"
     );
 }
+
+/// A headroom run directory given to `--init-from` stands for its newest checkpoint, as for
+/// `--resume`: a longer run (which cannot resume, its schedule being another) starts from it.
+#[test]
+fn init_from_a_run_directory_starts_from_its_newest_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let tiny = [
+        "--model",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--no-progress",
+    ];
+    let o = headroom(
+        &[
+            &["train", "--steps", "3", "--checkpoint-dir", &p("run")][..],
+            &tiny[..],
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let longer = headroom(
+        &[
+            &["train", "--steps", "6", "--resume", &p("run")][..],
+            &tiny[..],
+        ]
+        .concat(),
+    );
+    assert!(!longer.status.success());
+    assert!(
+        stderr(&longer).contains("--init-from"),
+        "{}",
+        stderr(&longer)
+    );
+    let data = p("markov.bin");
+    let o = headroom(&["data", "synth", &data, "--vocab", "64", "--tokens", "20000"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let from = |source: &str| {
+        let o = headroom(&[
+            "train",
+            "--init-from",
+            source,
+            "--data",
+            &data,
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--no-progress",
+        ]);
+        assert!(o.status.success(), "{source}: {}", stderr(&o));
+        stdout(&o)
+    };
+    // The root and its newest step directory give the same run, loss for loss.
+    let losses = |out: String| -> Vec<String> {
+        out.lines()
+            .filter(|l| l.starts_with("step "))
+            .map(|l| l.split_whitespace().nth(3).unwrap().to_owned())
+            .collect()
+    };
+    let via_root = losses(from(&p("run")));
+    assert_eq!(via_root.len(), 2);
+    assert_eq!(via_root, losses(from(&p("run/step-00000003"))));
+}
