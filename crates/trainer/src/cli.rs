@@ -868,9 +868,10 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
             }
             // A headroom run directory stands for its newest checkpoint, as for `--resume`
             // and `sample --from`; anything else is read as given (and its errors say why).
-            let dir = match crate::checkpoint::resolve(dir) {
-                Ok(step) if !dir.join("config.json").is_file() => step,
-                _ => dir.clone(),
+            let dir = if dir.join("config.json").is_file() {
+                dir.clone()
+            } else {
+                crate::checkpoint::resolve(dir).unwrap_or_else(|_| dir.clone())
             };
             let dir = &dir;
             o.model = crate::hf::read_config(dir)?;

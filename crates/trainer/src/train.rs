@@ -641,11 +641,16 @@ fn refuse_text(path: &std::path::Path) -> Result<()> {
 /// token file made with another tokenizer is a mistake of the data, and found in the model
 /// it would only say which op refused it. Runs before the step touches anything.
 pub(crate) fn check_token_ids(
-    ids: &[u32],
+    inputs: &[u32],
+    targets: &[u32],
     vocab: usize,
     source: &dyn std::fmt::Display,
 ) -> Result<()> {
-    match ids.iter().find(|&&id| id as usize >= vocab) {
+    match inputs
+        .iter()
+        .chain(targets)
+        .find(|&&id| id as usize >= vocab)
+    {
         Some(id) => Err(TrainError::Input(format!(
             "{source} holds token id {id}, outside the model's vocabulary of {vocab} ids: was \
              it tokenised for another model? (`headroom data inspect` shows a file's ids)"
@@ -688,8 +693,7 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>
             let (x, y) = x
                 .zip(y)
                 .ok_or_else(|| TrainError::Input("validation loader gave no u32".into()))?;
-            check_token_ids(&x, opts.model.vocab, &e.data.display())?;
-            check_token_ids(&y, opts.model.vocab, &e.data.display())?;
+            check_token_ids(&x, &y, opts.model.vocab, &e.data.display())?;
             Ok((x, y))
         })
         .collect()
@@ -1472,8 +1476,7 @@ fn train_tracked(
                 .targets_u32()
                 .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
                 .to_vec();
-            check_token_ids(&inputs, opts.model.vocab, &data_label)?;
-            check_token_ids(&targets, opts.model.vocab, &data_label)?;
+            check_token_ids(&inputs, &targets, opts.model.vocab, &data_label)?;
             (inputs, targets)
         };
         stepper.begin_step(StepTokens::single_device(tokens_per_step)?)?;

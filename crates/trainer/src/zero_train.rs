@@ -850,8 +850,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
                 .targets_u32()
                 .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
                 .to_vec();
-            crate::train::check_token_ids(&inputs, opts.model.vocab, &data_label)?;
-            crate::train::check_token_ids(&targets, opts.model.vocab, &data_label)?;
+            crate::train::check_token_ids(&inputs, &targets, opts.model.vocab, &data_label)?;
             (inputs, targets)
         };
         let mut loss_sum = 0.0f64;
