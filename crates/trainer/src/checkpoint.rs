@@ -781,11 +781,47 @@ pub fn save_hf(
         fs::remove_dir_all(&partial).map_err(io(&partial))?;
     }
     fs::create_dir(&partial).map_err(io(&partial))?;
-    model_files(config, params, max_shard_bytes, out, &partial)?;
-    write_synced(&partial.join(FILES[1]), &hf_config(config, out)?)?;
-    sync_dir(&partial)?;
-    fs::rename(&partial, out).map_err(io(out))?;
+    removing_on_error(&partial, || {
+        model_files(config, params, max_shard_bytes, out, &partial)?;
+        write_synced(&partial.join(FILES[1]), &hf_config(config, out)?)?;
+        sync_dir(&partial)?;
+        fs::rename(&partial, out).map_err(io(out))
+    })?;
     sync_dir(&parent)
+}
+
+/// Run `write`, which fills the `.partial-…` directory `partial` and publishes it by a rename;
+/// if it fails, remove what is left of `partial` before returning the error. A save most often
+/// fails for want of space, and the unfinished files are never read: left behind, they would
+/// hold that space until the next successful save prunes them. (After a rename `partial` no
+/// longer exists and the removal finds nothing.)
+fn removing_on_error<T>(partial: &Path, write: impl FnOnce() -> Result<T>) -> Result<T> {
+    let result = write();
+    if result.is_err() {
+        let _ = fs::remove_dir_all(partial);
+    }
+    result
+}
+
+/// [`removing_on_error`] for a step's save: an error about a file inside `partial` (which no
+/// longer exists) is told as the step's, by the file's name, with what it left behind.
+pub(crate) fn saving_step<T>(
+    root: &Path,
+    partial: &Path,
+    step: usize,
+    write: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    removing_on_error(partial, write).map_err(|e| match e {
+        TrainError::Checkpoint { path, reason } if path.starts_with(partial) => err(
+            root,
+            format!(
+                "step {step} was not saved ({}: {reason}); its unfinished files were removed \
+                 and the earlier checkpoints are as they were",
+                path.strip_prefix(partial).unwrap_or(&path).display()
+            ),
+        ),
+        other => other,
+    })
 }
 
 /// Consecutive ranges of tensors (by their byte sizes), each at most `max` bytes unless a
@@ -1072,26 +1108,28 @@ fn write_step(
     }
     fs::create_dir(&partial).map_err(io(&partial))?;
 
-    let mut files = Vec::with_capacity(FILES.len() + 1);
-    model(&partial, &mut files)?;
-    files.push(write_synced(
-        &partial.join(FILES[1]),
-        &hf_config(&state.config, root)?,
-    )?);
-    let mut optimizer = StreamedFile::create(&partial.join(FILES[2]), WRITE_CHUNK_BYTES)?;
-    moments(&mut |bytes| optimizer.put(bytes))?;
-    files.push(optimizer.finish()?);
-    let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
-    files.push(write_synced(&partial.join(FILES[3]), &state_json)?);
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        step: state.step,
-        files,
-    };
-    let manifest_json =
-        serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
-    write_synced(&partial.join(MANIFEST), &manifest_json)?;
-    publish(root, &partial, state.step, keep)
+    saving_step(root, &partial, state.step, || {
+        let mut files = Vec::with_capacity(FILES.len() + 1);
+        model(&partial, &mut files)?;
+        files.push(write_synced(
+            &partial.join(FILES[1]),
+            &hf_config(&state.config, root)?,
+        )?);
+        let mut optimizer = StreamedFile::create(&partial.join(FILES[2]), WRITE_CHUNK_BYTES)?;
+        moments(&mut |bytes| optimizer.put(bytes))?;
+        files.push(optimizer.finish()?);
+        let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
+        files.push(write_synced(&partial.join(FILES[3]), &state_json)?);
+        let manifest = Manifest {
+            format_version: FORMAT_VERSION,
+            step: state.step,
+            files,
+        };
+        let manifest_json =
+            serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
+        write_synced(&partial.join(MANIFEST), &manifest_json)?;
+        publish(root, &partial, state.step, keep)
+    })
 }
 
 /// Publish a complete `partial` directory (manifest written last) as `root/step-N`, then keep
@@ -1107,17 +1145,24 @@ pub(crate) fn publish(
     step: usize,
     keep: Option<usize>,
 ) -> Result<PathBuf> {
-    publish_with(root, partial, step, keep, &mut |dir| {
-        fs::remove_dir_all(dir)
-    })
+    publish_with(
+        root,
+        partial,
+        step,
+        keep,
+        &mut |from, to| fs::rename(from, to),
+        &mut |dir| fs::remove_dir_all(dir),
+    )
 }
 
-/// [`publish`], removing directories through `remove` (a test makes it fail).
+/// [`publish`], renaming `partial` into place through `place` and removing directories through
+/// `remove` (tests make them fail).
 fn publish_with(
     root: &Path,
     partial: &Path,
     step: usize,
     keep: Option<usize>,
+    place: &mut dyn FnMut(&Path, &Path) -> std::io::Result<()>,
     remove: &mut dyn FnMut(&Path) -> std::io::Result<()>,
 ) -> Result<PathBuf> {
     sync_dir(partial)?;
@@ -1129,7 +1174,12 @@ fn publish_with(
             std::process::id()
         ));
         fs::rename(&published, &aside).map_err(io(&published))?;
-        fs::rename(partial, &published).map_err(io(&published))?;
+        if let Err(e) = place(partial, &published) {
+            // Put the copy back: under its `.replaced-…` name it is not a checkpoint, and the
+            // next prune would delete it.
+            let _ = fs::rename(&aside, &published);
+            return Err(io(&published)(e));
+        }
         sync_dir(root)?;
         if let Err(e) = remove(&aside) {
             warn_after_publish(
@@ -1140,7 +1190,7 @@ fn publish_with(
             );
         }
     } else {
-        fs::rename(partial, &published).map_err(io(&published))?;
+        place(partial, &published).map_err(io(&published))?;
         sync_dir(root)?;
     }
     if let Some(keep) = keep {
@@ -1984,6 +2034,7 @@ mod tests {
             fs::create_dir(root.join(step_dir_name(step))).unwrap();
         }
         let refused = |_: &Path| Err(std::io::Error::other("refused"));
+        let mut rename = |from: &Path, to: &Path| fs::rename(from, to);
 
         // Step 1 cannot be removed; step 2 still is.
         let mut not_step_1 = |d: &Path| {
@@ -1994,14 +2045,14 @@ mod tests {
             }
         };
         let p = partial("a");
-        let published = publish_with(root, &p, 3, Some(1), &mut not_step_1).unwrap();
+        let published = publish_with(root, &p, 3, Some(1), &mut rename, &mut not_step_1).unwrap();
         assert_eq!(published, root.join(step_dir_name(3)));
         assert_eq!(steps(), vec![1, 3]);
         assert_eq!(marker(3).unwrap(), "a");
 
         // The same step again: the replaced copy cannot be removed, the new one is in place.
         let p = partial("b");
-        publish_with(root, &p, 3, Some(1), &mut |d| refused(d)).unwrap();
+        publish_with(root, &p, 3, Some(1), &mut rename, &mut |d| refused(d)).unwrap();
         assert_eq!(marker(3).unwrap(), "b");
         assert_eq!(steps(), vec![1, 3]);
         assert!(fs::read_dir(root).unwrap().any(|e| e
@@ -2020,6 +2071,68 @@ mod tests {
         assert_eq!(steps(), vec![2]);
         assert_eq!(marker(2).unwrap(), "d");
         assert_eq!(fs::read_dir(root).unwrap().count(), 1);
+    }
+
+    /// A step's save that fails on a file of its partial directory removes the directory and
+    /// says which file failed and that nothing of the step was kept; other errors pass as
+    /// they are.
+    #[test]
+    fn a_failed_step_save_is_reported_by_its_step_and_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let partial = root.join(format!("{PARTIAL_PREFIX}step-00000007-1"));
+        let e = saving_step(root, &partial, 7, || -> Result<()> {
+            fs::create_dir(&partial).unwrap();
+            fs::write(partial.join(FILES[0]), b"half").unwrap();
+            Err(err(
+                &partial.join(FILES[2]),
+                "write: No space left on device",
+            ))
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(!partial.exists());
+        assert_eq!(
+            e,
+            format!(
+                "checkpoint {}: step 7 was not saved (optimizer.bin: write: No space left on \
+                 device); its unfinished files were removed and the earlier checkpoints are as \
+                 they were",
+                root.display()
+            )
+        );
+        let e = saving_step(root, &partial, 7, || -> Result<()> {
+            Err(TrainError::Config("elsewhere".into()))
+        })
+        .unwrap_err();
+        assert!(matches!(e, TrainError::Config(_)), "{e}");
+    }
+
+    /// A publish whose rename fails after the same step's older copy was moved aside puts that
+    /// copy back: under its `.replaced-…` name it would be no checkpoint, and the next prune
+    /// would delete it.
+    #[test]
+    fn a_failed_publish_puts_back_the_copy_it_moved_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let step = root.join(step_dir_name(2));
+        fs::create_dir(&step).unwrap();
+        fs::write(step.join("marker"), "old").unwrap();
+        let partial = root.join(format!("{PARTIAL_PREFIX}new"));
+        fs::create_dir(&partial).unwrap();
+        let mut refused = |_: &Path, _: &Path| Err(std::io::Error::other("refused"));
+        let e = publish_with(root, &partial, 2, Some(1), &mut refused, &mut |d| {
+            fs::remove_dir_all(d)
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("refused"), "{e}");
+        fs::remove_dir(&partial).unwrap();
+        assert_eq!(fs::read_to_string(step.join("marker")).unwrap(), "old");
+        let names: Vec<String> = fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec![step_dir_name(2)]);
     }
 
     /// The streamed model files are, byte for byte, `safetensors::serialize` of the tensors in

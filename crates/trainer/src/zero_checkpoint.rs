@@ -370,23 +370,27 @@ pub(crate) fn publish(
     state: &ZeroState,
     keep: usize,
 ) -> Result<PathBuf> {
-    let mut files = Vec::with_capacity(state.ranks + 1);
-    for r in 0..state.ranks {
-        // Another rank (perhaps another process) wrote it: read back a piece at a time.
-        files.push(checkpoint::file_entry(
-            &partial.join(rank_file(r, state.ranks)),
-        )?);
-    }
-    let json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
-    files.push(write_synced(&partial.join(ZERO_STATE), &json)?);
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        step: state.step,
-        files,
-    };
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
-    write_synced(&partial.join(MANIFEST), &json)?;
-    checkpoint::publish(root, partial, state.step, Some(keep))
+    // Every rank has written (a barrier came before): the partial directory is ours to remove
+    // if this fails.
+    checkpoint::saving_step(root, partial, state.step, || {
+        let mut files = Vec::with_capacity(state.ranks + 1);
+        for r in 0..state.ranks {
+            // Another rank (perhaps another process) wrote it: read back a piece at a time.
+            files.push(checkpoint::file_entry(
+                &partial.join(rank_file(r, state.ranks)),
+            )?);
+        }
+        let json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
+        files.push(write_synced(&partial.join(ZERO_STATE), &json)?);
+        let manifest = Manifest {
+            format_version: FORMAT_VERSION,
+            step: state.step,
+            files,
+        };
+        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| err(root, e.to_string()))?;
+        write_synced(&partial.join(MANIFEST), &json)?;
+        checkpoint::publish(root, partial, state.step, Some(keep))
+    })
 }
 
 /// Whether `dir` (a step directory) is a ZeRO checkpoint.

@@ -353,6 +353,52 @@ fn a_save_never_prunes_the_checkpoint_it_just_published() {
     assert_eq!(checkpoint::load(root).unwrap().state.step, 7);
 }
 
+/// A save that fails part-way (here a tensor of the wrong size, in practice most often a full
+/// disk) returns the error, leaves the checkpoints before it as they were, and removes its own
+/// unfinished `.partial-…` directory instead of leaving it to hold the space until the next
+/// successful save. The same for a Hugging Face export.
+#[test]
+fn a_failed_save_removes_its_partial_directory_and_keeps_the_older_checkpoints() {
+    let (dir, _) = trained_with_checkpoints(6, 2);
+    let root = dir.path();
+    let before = step_dirs(root);
+    let mut ck = checkpoint::load(&root.join("step-00000006")).unwrap();
+    ck.state.step = 9;
+    let cpu = headroom_tensor::Cpu::new();
+    let infos = headroom_trainer::model::params::param_infos(&ck.state.config);
+    let mut tensors: Vec<_> = infos
+        .iter()
+        .zip(&ck.params)
+        .map(|(info, p)| cpu.upload(p, info.shape.clone()).unwrap())
+        .collect();
+    // The save fails while the model file is being written, its header already on disk.
+    *tensors.last_mut().unwrap() = cpu.upload(&[0.0f32], vec![1]).unwrap();
+    let leftovers = |dir: &Path| -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with('.') && n != checkpoint::ROOT_LOCK)
+            .collect()
+    };
+
+    let e = checkpoint::save(root, &ck.state, &tensors, &ck.moments, 2).unwrap_err();
+    assert!(e.to_string().contains("values, expected"), "{e}");
+    assert_eq!(leftovers(root), Vec::<String>::new());
+    assert_eq!(step_dirs(root), before);
+    assert_eq!(checkpoint::load(root).unwrap().state.step, 6);
+
+    let out = root.join("exported");
+    checkpoint::save_hf(
+        &out,
+        &ck.state.config,
+        &tensors,
+        checkpoint::MAX_SHARD_BYTES,
+    )
+    .unwrap_err();
+    assert!(!out.exists());
+    assert_eq!(leftovers(root), Vec::<String>::new());
+}
+
 /// `--min-loss-scale` decides an fp16 run's numbers (the scale stops backing off at it), so a
 /// resume under another floor is refused by name; the same floor resumes. A checkpoint written
 /// before the floor was recorded still loads, and its unknown floor is not compared. Without
