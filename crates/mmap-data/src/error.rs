@@ -155,6 +155,22 @@ pub enum DataError {
     /// (batch buffers, the tables of a Megatron index). Never an abort.
     #[error("could not allocate: {0}")]
     Allocation(#[from] headroom_tensor::Error),
+    /// A file about to be written would not fit the free space of its file system: refused
+    /// before anything is written, so that a mistyped size does not fill the disk other
+    /// processes (a training run's checkpoints) write to.
+    #[error(
+        "{path}: writing it needs at least {} but its file system has {} free",
+        crate::error::human_bytes(*needed),
+        crate::error::human_bytes(*available)
+    )]
+    NoSpace {
+        /// The file that would have been written.
+        path: PathBuf,
+        /// Bytes it needs at least.
+        needed: u64,
+        /// Bytes free for an unprivileged writer on its file system.
+        available: u64,
+    },
     /// A loader worker thread stopped (it panicked or was shut down).
     #[error("loader worker {0} stopped unexpectedly")]
     WorkerStopped(usize),
@@ -185,4 +201,20 @@ impl DataError {
             available,
         }
     }
+}
+
+/// `bytes` in the largest binary unit that keeps a digit before the point: `512 bytes`,
+/// `3.0 KiB`, `1.5 GiB`, `2.0 EiB`.
+pub(crate) fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }

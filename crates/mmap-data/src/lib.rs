@@ -70,7 +70,9 @@
 //!   restored [`LoaderState`] replays the identical batch stream whatever the worker count.
 //! - Every writer streams through [`formats::writer::TokenWriter`]: a temporary file beside the
 //!   target, fsynced and renamed into place, so a reader never sees a partial file and a failed
-//!   write leaves the previous file intact.
+//!   write leaves the previous file intact. The tools first check that the file fits its file
+//!   system's free space ([`formats::writer::check_room`]): a mistyped size is refused, not
+//!   streamed until the disk is full.
 //! - Files must not be modified while a dataset over them is open (as with any memory map).
 
 mod dataset;

@@ -44,7 +44,7 @@ use crate::dataset::{map_file, TokenDataset};
 use crate::formats::llmc::{self, LlmcFlavor};
 use crate::formats::megatron;
 use crate::formats::raw;
-use crate::formats::writer::{TokenWriter, WrittenFiles};
+use crate::formats::writer::{check_room, TokenWriter, WrittenFiles};
 use crate::formats::{is_megatron_path, TokenFileFormat};
 use crate::synthetic::MarkovChain;
 use crate::text::{BYTE_EOT, BYTE_VOCAB, BYTE_VOCAB_WITH_EOT};
@@ -190,6 +190,12 @@ pub fn check_vocab_fits(vocab: u64, token_type: TokenType) -> Result<()> {
     Ok(())
 }
 
+/// The bytes `tokens` tokens take in `format`, without the headers and indices: what
+/// [`check_room`] is asked for.
+fn token_bytes(tokens: u64, format: TokenFileFormat) -> u64 {
+    tokens.saturating_mul(format.token_type().width() as u64)
+}
+
 /// Refuse more tokens than `format` can record (an llm.c header counts in `i32`).
 fn check_token_capacity(tokens: u64, format: TokenFileFormat) -> Result<()> {
     if matches!(format, TokenFileFormat::Llmc(_)) && tokens > i32::MAX as u64 {
@@ -212,7 +218,8 @@ fn check_token_capacity(tokens: u64, format: TokenFileFormat) -> Result<()> {
 ///
 /// Errors: zero tokens ([`DataError::Empty`]); a vocabulary too large for the token type
 /// ([`DataError::VocabTooLarge`], checked before anything else); an invalid chain or format
-/// ([`DataError::InvalidConfig`]); I/O ([`DataError::Io`]).
+/// ([`DataError::InvalidConfig`]); more bytes than the output's file system has free
+/// ([`DataError::NoSpace`], before anything is written); I/O ([`DataError::Io`]).
 pub fn synthesize(spec: &SynthSpec, out: &Path) -> Result<DatasetSummary> {
     if spec.tokens == 0 {
         return Err(DataError::Empty {
@@ -222,6 +229,7 @@ pub fn synthesize(spec: &SynthSpec, out: &Path) -> Result<DatasetSummary> {
     check_vocab_fits(u64::from(spec.vocab), spec.format.token_type())?;
     check_token_capacity(spec.tokens, spec.format)?;
     let chain = MarkovChain::random(spec.vocab, spec.branching, spec.chain_seed)?;
+    check_room(out, token_bytes(spec.tokens, spec.format))?;
     let mut writer = TokenWriter::create(out, spec.format)?;
     let mut stream = chain.stream(spec.stream_seed);
     let mut buffer =
@@ -256,7 +264,8 @@ pub fn synthesize(spec: &SynthSpec, out: &Path) -> Result<DatasetSummary> {
 /// Errors: a missing input ([`DataError::Io`]); an empty input ([`DataError::Empty`]); invalid
 /// UTF-8 when required ([`DataError::InvalidUtf8`]); an empty separator
 /// ([`DataError::InvalidConfig`]); a token type too narrow for the vocabulary, such as `u8`
-/// with a separator ([`DataError::VocabTooLarge`]).
+/// with a separator ([`DataError::VocabTooLarge`]); an output that cannot fit the free space
+/// of its file system ([`DataError::NoSpace`], before anything is written).
 pub fn build_from_text(input: &Path, spec: &BuildSpec, out: &Path) -> Result<DatasetSummary> {
     let separator = spec.document_separator.as_deref();
     if separator.is_some_and(<[u8]>::is_empty) {
@@ -278,6 +287,9 @@ pub fn build_from_text(input: &Path, spec: &BuildSpec, out: &Path) -> Result<Dat
     }
     // Every byte is at most one token, so this bounds the count before writing anything.
     check_token_capacity(bytes.len() as u64, spec.format)?;
+    // And at least one token per separator's length of text (a separator becomes one).
+    let fewest_tokens = bytes.len() as u64 / separator.map_or(1, |s| s.len() as u64);
+    check_room(out, token_bytes(fewest_tokens, spec.format))?;
     let mut writer = TokenWriter::create(out, spec.format)?;
     let mut buffer = Vec::with_capacity(CHUNK_TOKENS.min(bytes.len()));
     let mut rest = bytes;

@@ -410,12 +410,49 @@ fn missing_files_are_io_errors() {
         Err(DataError::Io { .. })
     ));
     assert!(!out.exists());
-    // Writing into a directory that does not exist.
+    // Writing into a directory that does not exist: the error names the file asked for, not
+    // the temporary file it is written through.
     let s = spec_u16(10);
-    assert!(matches!(
-        synthesize(&s, &dir.path().join("no/such/dir.bin")),
-        Err(DataError::Io { .. })
-    ));
+    let target = dir.path().join("no/such/dir.bin");
+    match synthesize(&s, &target) {
+        Err(DataError::Io { path, .. }) => assert_eq!(path, target),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A file that cannot fit its file system's free space is refused before a byte is written
+/// (no file and no temporary left), by name and with both sizes; one that fits is written.
+#[cfg(unix)]
+#[test]
+fn a_file_larger_than_the_free_space_is_refused_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("huge.bin");
+    // 2^62 u32 tokens are 16 EiB: no file system has that free.
+    let huge = spec(100, 1 << 62, TokenFileFormat::Raw(TokenType::U32));
+    let e = synthesize(&huge, &out).unwrap_err();
+    match &e {
+        DataError::NoSpace {
+            path,
+            needed,
+            available,
+        } => {
+            assert_eq!(path, &out);
+            // 2^64 bytes, saturated.
+            assert_eq!(*needed, u64::MAX);
+            assert!(available < needed);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(e.to_string().contains("16.0 EiB"), "{e}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+
+    // A text with separators (its lower bound divides by their length) that fits.
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, b"a<s>b").unwrap();
+    let mut b = BuildSpec::new(TokenFileFormat::Raw(TokenType::U16));
+    b.document_separator = Some(b"<s>".to_vec());
+    build_from_text(&text, &b, &out).unwrap();
+    assert!(out.exists());
 }
 
 fn spec_u16(tokens: u64) -> SynthSpec {

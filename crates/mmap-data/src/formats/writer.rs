@@ -114,7 +114,9 @@ impl TokenWriter {
             }
         };
         let temp = temp_path_for(&target);
-        let file = File::create(&temp).map_err(|e| DataError::io(&temp, e))?;
+        // Errors name the file being written; the temporary name means nothing to a user, and
+        // the file is removed on any error.
+        let file = File::create(&temp).map_err(|e| DataError::io(&target, e))?;
         let mut writer = TokenWriter {
             format,
             token_type,
@@ -239,7 +241,7 @@ impl TokenWriter {
             return Err(DataError::InvalidConfig("writer already finished".into()));
         };
         file.write_all(bytes)
-            .map_err(|e| DataError::io(&self.temp, e))
+            .map_err(|e| DataError::io(&self.target, e))
     }
 
     /// Complete the file: patch the header (llm.c), flush, fsync, rename into place, then write
@@ -276,7 +278,7 @@ impl TokenWriter {
         writer: BufWriter<File>,
         index: Option<(PathBuf, Vec<u8>)>,
     ) -> Result<WrittenFiles> {
-        let io = |e| DataError::io(&self.temp, e);
+        let io = |e| DataError::io(&self.target, e);
         let mut file = writer.into_inner().map_err(|e| io(e.into_error()))?;
         if let TokenFileFormat::Llmc(flavor) = self.format {
             let mut header = [0u8; 12];
@@ -362,6 +364,52 @@ fn megatron_index_bytes(token_type: TokenType, lengths: &[u32]) -> Result<Vec<u8
         idx.extend_from_slice(&(i as i64).to_le_bytes());
     }
     Ok(idx)
+}
+
+/// Refuse to write a file of at least `bytes` at `path` when its file system has less free
+/// space than that ([`DataError::NoSpace`]): a writer that streams would otherwise run until
+/// the disk is full, and only then fail (removing its file, but having starved everything
+/// else writing there). `bytes` should be a lower bound of what will be written, so that the
+/// check never refuses a file that fits. Where the free space cannot be learnt (no such
+/// directory yet, a platform without `statvfs`) nothing is refused here: the write reports
+/// the real error.
+pub fn check_room(path: &Path, bytes: u64) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    match free_bytes(dir) {
+        Some(available) if available < bytes => Err(DataError::NoSpace {
+            path: path.to_path_buf(),
+            needed: bytes,
+            available,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Bytes an unprivileged writer may still use on the file system holding `dir` (`df`'s
+/// "Avail"), if the platform says.
+#[cfg(unix)]
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c_path` is a NUL-terminated string and `stat` is writable memory of the type
+    // `statvfs` fills; it is read only after the call reported success.
+    let stat = unsafe {
+        if libc::statvfs(c_path.as_ptr(), stat.as_mut_ptr()) != 0 {
+            return None;
+        }
+        stat.assume_init()
+    };
+    #[allow(clippy::unnecessary_cast)] // the field types differ between platforms
+    Some((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
+}
+
+#[cfg(not(unix))]
+fn free_bytes(_dir: &Path) -> Option<u64> {
+    None
 }
 
 /// A temporary name beside `path`, unique within this process and across processes.
