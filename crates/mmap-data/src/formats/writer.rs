@@ -4,7 +4,9 @@
 //!
 //! Streaming keeps memory bounded whatever the token count (the synthetic and text tools write
 //! files far larger than they could hold), and the rename means a reader never sees a
-//! half-written file and a failed or abandoned write leaves any previous file intact.
+//! half-written file and a failed or abandoned write leaves any previous file intact. A write
+//! that dies with its process (a kill, Ctrl-C) cannot remove its temporary file; the next
+//! write of the same file does.
 
 use std::fs::{self, File};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
@@ -113,6 +115,10 @@ impl TokenWriter {
                 (token_type, bin, Some(idx), document_len as u64)
             }
         };
+        remove_abandoned_temps(&target);
+        if let Some(idx) = &index_target {
+            remove_abandoned_temps(idx);
+        }
         let temp = temp_path_for(&target);
         // Errors name the file being written; the temporary name means nothing to a user, and
         // the file is removed on any error.
@@ -422,6 +428,62 @@ fn temp_path_for(path: &Path) -> PathBuf {
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     PathBuf::from(tmp)
+}
+
+/// Remove the temporary files that writers of `path` left when their process was killed
+/// (an interrupted `headroom data synth` of many GiB leaves one as large as it got): siblings
+/// named as [`temp_path_for`] names them, whose process no longer exists. A live process's
+/// file, another name, or anything that cannot be told for sure is left alone; failures are
+/// ignored (this is tidying, the write does not depend on it).
+fn remove_abandoned_temps(path: &Path) {
+    let (Some(name), dir) = (path.file_name(), path.parent()) else {
+        return;
+    };
+    let dir = match dir {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let prefix = format!("{}.tmp", name.to_string_lossy());
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let Some((pid, counter)) = rest.split_once('-') else {
+            continue;
+        };
+        let (Ok(pid), true) = (
+            pid.parse::<u32>(),
+            !counter.is_empty() && counter.bytes().all(|b| b.is_ascii_digit()),
+        ) else {
+            continue;
+        };
+        if process_is_gone(pid) && entry.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Whether no process `pid` exists (only a definite "no such process" counts).
+#[cfg(unix)]
+fn process_is_gone(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 sends nothing; it only asks whether `pid` could be signalled.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+#[cfg(not(unix))]
+fn process_is_gone(_pid: u32) -> bool {
+    false
 }
 
 /// Make a rename durable. Best effort: some platforms and file systems cannot fsync a
