@@ -1812,16 +1812,19 @@ fn cmd_data(c: DataCommand) -> CliResult {
             let r =
                 crate::tokenize::build(&input, &tok, format, separator.as_deref(), &out, !quiet)?;
             let secs = start.elapsed().as_secs_f64();
+            // The rows of the byte-level build's summary, and the text and speed.
+            for (path, bytes) in &r.files {
+                say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
+            }
+            say!("{:<13}{}", "format", r.format);
+            say!("{:<13}{}", "tokens", r.tokens);
+            say!("{:<13}{}", "documents", r.documents);
+            say!("{:<13}{} ids ({name})", "vocabulary", r.vocab);
             say!(
-                "{}: {} tokens in {} documents from {:.1} MiB of text ({:.2} MB/s), {name} \
-                 vocabulary {}, {}",
-                out.display(),
-                r.tokens,
-                r.documents,
-                r.text_bytes as f64 / 1048576.0,
-                r.text_bytes as f64 / 1e6 / secs.max(1e-9),
-                r.vocab,
-                r.format
+                "{:<13}{} bytes at {:.2} MB/s",
+                "text read",
+                r.text_bytes,
+                r.text_bytes as f64 / 1e6 / secs.max(1e-9)
             );
         }
         DataCommand::Build {

@@ -261,6 +261,8 @@ pub fn format_for(name: &str, vocab: usize) -> Result<TokenFileFormat> {
 /// What [`build`] wrote.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BuildReport {
+    /// Every file written with its size in bytes (Megatron: the `.bin`, then the `.idx`).
+    pub files: Vec<(std::path::PathBuf, u64)>,
     /// Tokens written.
     pub tokens: u64,
     /// Documents (separator-delimited pieces of the text).
@@ -401,6 +403,7 @@ pub fn build(
     bar.finish_and_clear();
     let written = writer.finish()?;
     Ok(BuildReport {
+        files: written.files,
         tokens: written.tokens,
         documents,
         text_bytes: text.len() as u64,

@@ -71,7 +71,7 @@ fn story_token_files(dir: &Path, tokenizer: &str) {
                 .unwrap()
                 .to_owned()
         };
-        headroom(&[
+        let o = headroom(&[
             "data",
             "build",
             "--tokenizer",
@@ -80,6 +80,26 @@ fn story_token_files(dir: &Path, tokenizer: &str) {
             &path("txt"),
             &path("bin"),
         ]);
+        // The same summary rows as a byte-level build, with the size actually on disk.
+        let stdout = String::from_utf8(o.stdout).unwrap();
+        let bytes = std::fs::metadata(path("bin")).unwrap().len();
+        let first = stdout.lines().next().unwrap_or_default();
+        assert_eq!(
+            first,
+            format!("wrote        {} ({bytes} bytes)", path("bin"))
+        );
+        for row in [
+            "format ",
+            "tokens ",
+            "documents ",
+            "vocabulary ",
+            "text read ",
+        ] {
+            assert!(
+                stdout.lines().any(|l| l.starts_with(row)),
+                "{row}: {stdout}"
+            );
+        }
     }
 }
 
