@@ -48,6 +48,11 @@
 //! the checkpoint just published, and a resume refuses a root holding checkpoints past its
 //! start (`refuse_later_checkpoints`): by step number alone, those would outlive the resumed
 //! run's own and be what a later resume of the root continues.
+//!
+//! Space: a failed save ends the run, losing the steps since the last checkpoint, so a run
+//! whose root cannot hold one checkpoint is refused at its start ([`check_room`]), a warning
+//! follows any save after which the next would not fit, and a save that fails anyway (the
+//! disk filled meanwhile) removes its `.partial-…` directory rather than keep its space.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -1250,6 +1255,44 @@ fn prune(
     }
 }
 
+/// Refuse to train into `root` when its file system has less free space than one
+/// checkpoint's `bytes` (a lower bound of what a save writes): the first save would fail, and
+/// a failed save ends the run with every step since the last checkpoint lost. Where the free
+/// space is unknown nothing is refused.
+pub fn check_room(root: &Path, bytes: u64) -> Result<()> {
+    match headroom_mmap_data::formats::writer::free_space(root) {
+        Some(free) if free < bytes => Err(TrainError::Option {
+            option: "--checkpoint-dir",
+            reason: format!(
+                "a checkpoint of this run takes at least {:.1} MiB, but the file system of {} \
+                 has {:.1} MiB free: free some space or save elsewhere",
+                bytes as f64 / 1048576.0,
+                root.display(),
+                free as f64 / 1048576.0
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// After a save: a warning on stderr when `root`'s file system no longer has room for
+/// another checkpoint of `bytes` (older ones are pruned only after a new one is written), so
+/// that the user can free space before the next save fails.
+pub(crate) fn warn_if_no_room(root: &Path, bytes: u64) {
+    if let Some(free) = headroom_mmap_data::formats::writer::free_space(root) {
+        if free < bytes {
+            let _ = writeln!(
+                std::io::stderr(),
+                "warning: the file system of {} has {:.1} MiB free, less than the {:.1} MiB \
+                 of a checkpoint: the next save will fail unless space is freed",
+                root.display(),
+                free as f64 / 1048576.0,
+                bytes as f64 / 1048576.0
+            );
+        }
+    }
+}
+
 /// The step directory `path` names: `path` itself when it holds a manifest, else the newest
 /// published checkpoint under it.
 pub fn resolve(path: &Path) -> Result<PathBuf> {
@@ -2106,6 +2149,23 @@ mod tests {
         })
         .unwrap_err();
         assert!(matches!(e, TrainError::Config(_)), "{e}");
+    }
+
+    /// A root whose file system cannot hold one checkpoint is refused by the option that
+    /// names it, with both sizes; one that can is not.
+    #[cfg(unix)]
+    #[test]
+    fn a_root_without_room_for_one_checkpoint_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        check_room(dir.path(), 1).unwrap();
+        let e = check_room(dir.path(), u64::MAX).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--checkpoint-dir: a checkpoint of this run takes at least"),
+            "{e}"
+        );
+        assert!(e.contains(&dir.path().display().to_string()), "{e}");
+        // Where the space cannot be learnt (no such directory yet), nothing is refused.
+        check_room(&dir.path().join("not/yet"), u64::MAX).unwrap();
     }
 
     /// A publish whose rename fails after the same step's older copy was moved aside puts that

@@ -412,6 +412,18 @@ mod resident {
             self.model.refresh_working()
         }
 
+        /// The bytes [`CudaResident::checkpoint_parts`] gives: the f32 masters and their two
+        /// f32 moments.
+        pub(crate) fn checkpoint_bytes(&self) -> u64 {
+            use headroom_tensor::Tensor as _;
+            3 * self
+                .model
+                .masters()
+                .iter()
+                .map(|t| t.numel() as u64 * 4)
+                .sum::<u64>()
+        }
+
         /// What a checkpoint saves, in the host optimizer's format: the masters as host
         /// tensors (allocated on `host` as `Workspace`: a transient staging copy), the
         /// optimizer's state and its moment bytes.

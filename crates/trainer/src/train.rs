@@ -1011,6 +1011,21 @@ impl Stepper {
         }
     }
 
+    /// The bytes a checkpoint of this run writes for its tensors: the f32 masters (the
+    /// adapters of a fine-tuning run) and the optimizer's moments as saved. Its JSON files
+    /// and headers come on top.
+    fn checkpoint_bytes(&self) -> u64 {
+        use headroom_tensor::Tensor as _;
+        let f32_bytes = |ts: &[CpuTensor]| ts.iter().map(|t| t.numel() as u64 * 4).sum::<u64>();
+        match self {
+            Stepper::Host { engine, opt, .. } => {
+                f32_bytes(engine.masters()) + opt.moments().len() as u64
+            }
+            #[cfg(feature = "cuda")]
+            Stepper::Device { model, .. } => model.checkpoint_bytes(),
+        }
+    }
+
     /// Write a checkpoint after `step` completed steps (the device path in the host
     /// optimizer's format, through transient host copies on `host`).
     #[allow(clippy::too_many_arguments)]
@@ -1433,6 +1448,12 @@ fn train_tracked(
     };
     let start = resume.as_ref().map_or(0, |ck| ck.state.step);
     drop(resume);
+    // A save writes a whole checkpoint before it prunes an older one: a file system that
+    // cannot hold one is refused now, not when the first save fails after hours of steps.
+    let checkpoint_bytes = stepper.checkpoint_bytes();
+    if let Some((root, _)) = &opts.save {
+        checkpoint::check_room(root, checkpoint_bytes)?;
+    }
 
     let mg = Geometry {
         b: micro,
@@ -1556,6 +1577,9 @@ fn train_tracked(
                     finetune_state.clone(),
                     &host,
                 )?);
+                if !stopped && done < opts.steps {
+                    checkpoint::warn_if_no_room(dir, checkpoint_bytes);
+                }
             }
         }
         if stopped {

@@ -386,7 +386,12 @@ fn drive<C: Collective + 'static>(
     // job's rank 0 is refused, and its other ranks stop with the group).
     let _root_lock = match &opts.save {
         Some((root, _)) if comms.iter().any(|c| c.rank() == 0) => {
-            crate::checkpoint::lock_root(root)?
+            let lock = crate::checkpoint::lock_root(root)?;
+            // Every rank's shard lands in the one root: the whole model's f32 parameters and
+            // both moments, as `train` checks for one process.
+            let bytes = opts.model.parameter_count()?.saturating_mul(12);
+            crate::checkpoint::check_room(root, bytes)?;
+            lock
         }
         _ => None,
     };

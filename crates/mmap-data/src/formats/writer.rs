@@ -384,7 +384,7 @@ pub fn check_room(path: &Path, bytes: u64) -> Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    match free_bytes(dir) {
+    match free_space(dir) {
         Some(available) if available < bytes => Err(DataError::NoSpace {
             path: path.to_path_buf(),
             needed: bytes,
@@ -395,9 +395,10 @@ pub fn check_room(path: &Path, bytes: u64) -> Result<()> {
 }
 
 /// Bytes an unprivileged writer may still use on the file system holding `dir` (`df`'s
-/// "Avail"), if the platform says.
+/// "Avail"), if the platform says (`statvfs`; `None` elsewhere, or for a path that does not
+/// exist).
 #[cfg(unix)]
-fn free_bytes(dir: &Path) -> Option<u64> {
+pub fn free_space(dir: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
     let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
@@ -413,8 +414,9 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     Some((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
 }
 
+/// Bytes free on the file system holding `dir`: unknown on this platform.
 #[cfg(not(unix))]
-fn free_bytes(_dir: &Path) -> Option<u64> {
+pub fn free_space(_dir: &Path) -> Option<u64> {
     None
 }
 
