@@ -69,6 +69,20 @@ pub enum OffloadError {
         #[source]
         source: std::io::Error,
     },
+    /// The state file's blocks could not be reserved: its file system has no room for it
+    /// (or a quota forbids it). Refused before the first step, rather than killed by SIGBUS
+    /// when a store into the mapping first needs a block.
+    #[error(
+        "state file {path}: its {} MiB do not fit the free space of its file system: free \
+         some, or put it elsewhere",
+        bytes.div_ceil(1 << 20)
+    )]
+    StateFileNoSpace {
+        /// The file.
+        path: PathBuf,
+        /// The bytes it needs (header and moments).
+        bytes: u64,
+    },
     /// Another optimizer's store holds the state file (another run, or another optimizer of
     /// this process, pointed at the same path): opening it would truncate or share the
     /// moments that one is training on.

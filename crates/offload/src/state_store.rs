@@ -7,6 +7,11 @@
 //! with the default `optimizer-state.bin` in one directory) is refused with
 //! [`OffloadError::StateFileInUse`] instead of truncating the moments the first one is
 //! training on.
+//!
+//! A store file's disk blocks are reserved when it is created or reopened (Linux): a mapping
+//! over a sparse file on a full disk would kill the process with SIGBUS at the first store
+//! that needs a block; reserved, a disk without room is [`OffloadError::StateFileNoSpace`]
+//! before the first step.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
@@ -90,6 +95,11 @@ impl StateStore {
         // Truncating to 0 first zero-fills a file that already had this length.
         file.set_len(0).map_err(io)?;
         file.set_len(len).map_err(io)?;
+        if let Err(e) = reserve(&file, path, len) {
+            // Give back whatever part of the space was reserved.
+            let _ = file.set_len(0);
+            return Err(e);
+        }
         let mut map = Self::map(&file, path)?;
         map[..36].copy_from_slice(&id.encode());
         Ok(StateStore::File {
@@ -139,6 +149,8 @@ impl StateStore {
         if len != want {
             return Err(corrupt(format!("{len} bytes, expected {want}")));
         }
+        // A file written by another tool, copied or restored may be sparse.
+        reserve(&file, path, len)?;
         Ok(StateStore::File {
             map,
             path: path.to_path_buf(),
@@ -188,6 +200,42 @@ impl StateStore {
     /// True for a file store.
     pub fn is_file(&self) -> bool {
         matches!(self, StateStore::File { .. })
+    }
+}
+
+/// Allocate the disk blocks of `file`'s first `len` bytes. `set_len` alone makes a sparse
+/// file: on a disk without room for it the mapping then works until a store into a page the
+/// file system cannot back, which kills the process with SIGBUS mid-step. Reserved up front,
+/// a disk that is too small is [`OffloadError::StateFileNoSpace`] before the first step, and
+/// the mapping never faults for space. Only Linux is asked (`posix_fallocate`, which glibc
+/// emulates where a file system lacks `fallocate`); elsewhere the file stays sparse.
+fn reserve(file: &File, path: &Path, len: u64) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let no_space = || OffloadError::StateFileNoSpace {
+            path: path.to_path_buf(),
+            bytes: len,
+        };
+        let Ok(off_len) = libc::off_t::try_from(len) else {
+            return Err(no_space());
+        };
+        // SAFETY: `file` is an open, writable descriptor for the duration of the call.
+        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, off_len) } {
+            0 => Ok(()),
+            libc::ENOSPC | libc::EFBIG | libc::EDQUOT => Err(no_space()),
+            // Not supported here, even by emulation: the file stays sparse, as elsewhere.
+            libc::EINVAL | libc::EOPNOTSUPP => Ok(()),
+            code => Err(OffloadError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::from_raw_os_error(code),
+            }),
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, path, len);
+        Ok(())
     }
 }
 

@@ -248,6 +248,56 @@ fn file_store_equals_ram_and_survives_reopen() {
     }
 }
 
+/// A file store's blocks are allocated when it is created and when it is reopened, not left
+/// sparse: on a disk without room, a sparse mapping is a SIGBUS at the first store into a
+/// page the file system cannot back, where a reservation is a typed error before any step.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_file_store_reserves_its_disk_blocks() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.bin");
+    let specs = [ParamSpec {
+        numel: 1 << 20,
+        group: 0,
+    }];
+    let allocated = |path: &std::path::Path| {
+        let meta = std::fs::metadata(path).unwrap();
+        (meta.blocks() * 512, meta.len())
+    };
+    let opt = CpuAdamW::new(
+        vec![AdamWHyper::default()],
+        &specs,
+        StatePrecision::F32,
+        StoreSpec::File(&path),
+    )
+    .unwrap();
+    let state = opt.state();
+    drop(opt);
+    let (blocks, len) = allocated(&path);
+    assert!(
+        len > 8 << 20 && blocks >= len,
+        "{blocks} of {len} bytes allocated"
+    );
+
+    // Made sparse again (as a copy or a restore may leave it), then reopened.
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(len).unwrap();
+    drop(f);
+    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    std::io::Write::write_all(&mut f, &bytes[..4096]).unwrap();
+    drop(f);
+    assert!(allocated(&path).0 < len / 2, "the copy is sparse");
+    drop(CpuAdamW::reopen(&state, &path).unwrap());
+    let (blocks, len) = allocated(&path);
+    assert!(
+        blocks >= len,
+        "{blocks} of {len} bytes allocated after reopening"
+    );
+}
+
 #[test]
 fn corrupt_or_foreign_state_files_are_refused() {
     use headroom_offload::OffloadError;
