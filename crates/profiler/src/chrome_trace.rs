@@ -202,9 +202,14 @@ pub fn chrome_trace(timeline: &Timeline) -> Value {
     })
 }
 
-/// Write [`chrome_trace`] to `writer` as compact JSON.
-pub fn write_chrome_trace(timeline: &Timeline, writer: impl Write) -> Result<(), ProfilerError> {
-    serde_json::to_writer(writer, &chrome_trace(timeline)).map_err(std::io::Error::from)?;
+/// Write [`chrome_trace`] to `writer` as compact JSON, then flush it (a buffered writer's
+/// last bytes would otherwise be written, and could fail, unseen when it is dropped).
+pub fn write_chrome_trace(
+    timeline: &Timeline,
+    mut writer: impl Write,
+) -> Result<(), ProfilerError> {
+    serde_json::to_writer(&mut writer, &chrome_trace(timeline)).map_err(std::io::Error::from)?;
+    writer.flush()?;
     Ok(())
 }
 

@@ -981,6 +981,19 @@ fn install_signal_handlers() -> CliResult<Arc<AtomicUsize>> {
     Ok(which)
 }
 
+/// The first failed write of the metrics file (a full disk) is said at once, not only when
+/// the run ends: training goes on, as the metrics are not what the run is for.
+fn warn_metrics_failed(path: &Path, e: &std::io::Error, first: bool) {
+    if first {
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: writing metrics to {} failed ({e}); training goes on, and the run ends \
+             with this error",
+            path.display()
+        );
+    }
+}
+
 fn open_metrics(path: &Path, append: bool) -> CliResult<std::io::BufWriter<std::fs::File>> {
     let mut o = std::fs::OpenOptions::new();
     if append {
@@ -1066,6 +1079,7 @@ fn cmd_train_zero(
             headroom_tensor::isa::describe()
         );
     }
+    let metrics_path = metrics.unwrap_or(Path::new(""));
     let mut metrics = match metrics {
         Some(p) if speak => Some(open_metrics(p, o.resume_from.is_some())?),
         _ => None,
@@ -1079,6 +1093,7 @@ fn cmd_train_zero(
                 "live_bytes": s.live_bytes, "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
             });
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
+                warn_metrics_failed(metrics_path, &e, metrics_err.is_none());
                 metrics_err.get_or_insert(e);
             }
         }
@@ -1101,7 +1116,7 @@ fn cmd_train_zero(
         Some(c) => train_zero_dist(o, zero, c, log)?,
     };
     if let Some(e) = metrics_err {
-        return Err(format!("writing metrics: {e}").into());
+        return Err(format!("writing metrics to {}: {e}", metrics_path.display()).into());
     }
     if report.stopped {
         let done = report.steps.last().map_or(0, |s| s.step + 1);
@@ -1230,6 +1245,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         headroom_tensor::isa::describe()
     );
     // A resumed run continues the metrics of the run it resumes.
+    let metrics_path = args.metrics.as_deref().unwrap_or(Path::new(""));
     let mut metrics = match &args.metrics {
         Some(p) => Some(open_metrics(p, o.resume_from.is_some())?),
         None => None,
@@ -1261,6 +1277,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
             });
             // Flushed per line: a killed run's file ends at a whole line.
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
+                warn_metrics_failed(metrics_path, &e, metrics_err.is_none());
                 metrics_err.get_or_insert(e);
             }
         }
@@ -1299,7 +1316,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         }
     };
     if let Some(e) = metrics_err {
-        return Err(format!("writing metrics: {e}").into());
+        return Err(format!("writing metrics to {}: {e}", metrics_path.display()).into());
     }
     if report.stopped {
         let done = report.steps.last().map_or(0, |s| s.step + 1);

@@ -194,15 +194,8 @@ impl MemoryOutputs {
         budget: Option<u64>,
         title: &str,
     ) -> Result<()> {
-        let file = |p: &PathBuf| {
-            std::fs::File::create(p).map_err(|e| TrainError::Report {
-                path: p.clone(),
-                reason: e.to_string(),
-            })
-        };
         if let Some(p) = &self.trace {
-            let w = std::io::BufWriter::new(file(p)?);
-            headroom_profiler::write_chrome_trace(timeline, w)?;
+            write_report(p, |w| headroom_profiler::write_chrome_trace(timeline, w))?;
         }
         if let Some(p) = &self.svg {
             let plot = headroom_profiler::PlotOptions {
@@ -216,21 +209,51 @@ impl MemoryOutputs {
                 ..Default::default()
             };
             let svg = headroom_profiler::stacked_timeline_svg(timeline, device, &plot);
-            std::fs::write(p, svg).map_err(|e| TrainError::Report {
-                path: p.clone(),
-                reason: e.to_string(),
-            })?;
+            write_report(p, |w| Ok(std::io::Write::write_all(w, svg.as_bytes())?))?;
         }
         if let Some(p) = &self.snapshot {
-            let w = std::io::BufWriter::new(file(p)?);
-            headroom_profiler::write_torch_snapshot(
-                timeline,
-                &headroom_profiler::TorchSnapshotOptions::default(),
-                w,
-            )?;
+            write_report(p, |w| {
+                headroom_profiler::write_torch_snapshot(
+                    timeline,
+                    &headroom_profiler::TorchSnapshotOptions::default(),
+                    w,
+                )
+                .map(drop)
+            })?;
         }
         Ok(())
     }
+}
+
+/// Write one memory report through `body`, then flush: an error (a full disk) names the file
+/// with its cause, and the truncated file is removed rather than left to look like a report.
+fn write_report(
+    path: &std::path::Path,
+    body: impl FnOnce(
+        &mut std::io::BufWriter<std::fs::File>,
+    ) -> std::result::Result<(), headroom_profiler::ProfilerError>,
+) -> Result<()> {
+    use std::io::Write as _;
+    let reason = |e: headroom_profiler::ProfilerError| match e {
+        headroom_profiler::ProfilerError::Io(io) => io.to_string(),
+        other => other.to_string(),
+    };
+    let file = std::fs::File::create(path).map_err(|e| TrainError::Report {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let mut w = std::io::BufWriter::new(file);
+    let written = body(&mut w)
+        .map_err(reason)
+        .and_then(|()| w.flush().map_err(|e| e.to_string()));
+    written.map_err(|reason| {
+        drop(w);
+        let _ = std::fs::remove_file(path);
+        TrainError::Report {
+            path: path.to_path_buf(),
+            reason,
+        }
+    })
 }
 
 impl TrainOptions {
@@ -1635,6 +1658,29 @@ fn train_tracked(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A report is flushed whole, or, when writing it fails part-way (a full disk), the error
+    /// names the file and its cause and no truncated file is left.
+    #[test]
+    fn a_report_is_written_whole_or_not_at_all() {
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("report.json");
+        write_report(&path, |w| Ok(w.write_all(b"{\"complete\": true}")?)).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"{\"complete\": true}");
+
+        let e = write_report(&path, |w| {
+            w.write_all(b"{\"half")?;
+            w.flush()?;
+            Err(std::io::Error::other("No space left on device").into())
+        })
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("memory report {}: No space left on device", path.display())
+        );
+        assert!(!path.exists());
+    }
 
     #[test]
     fn lr_schedule_warms_up_then_decays_to_the_floor() {
