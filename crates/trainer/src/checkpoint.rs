@@ -1255,16 +1255,16 @@ fn prune(
     }
 }
 
-/// Refuse to train into `root` when its file system has less free space than one
-/// checkpoint's `bytes` (a lower bound of what a save writes): the first save would fail, and
-/// a failed save ends the run with every step since the last checkpoint lost. Where the free
-/// space is unknown nothing is refused.
-pub fn check_room(root: &Path, bytes: u64) -> Result<()> {
+/// Refuse to save into `root` (given as `option`) when its file system has less free space
+/// than one checkpoint's `bytes` (a lower bound of what a save writes): for a run, the first
+/// save would fail, and a failed save ends the run with every step since the last checkpoint
+/// lost. Where the free space is unknown nothing is refused.
+pub fn check_room(root: &Path, bytes: u64, option: &'static str) -> Result<()> {
     match headroom_mmap_data::formats::writer::free_space(root) {
         Some(free) if free < bytes => Err(TrainError::Option {
-            option: "--checkpoint-dir",
+            option,
             reason: format!(
-                "a checkpoint of this run takes at least {:.1} MiB, but the file system of {} \
+                "a checkpoint of this model takes at least {:.1} MiB, but the file system of {} \
                  has {:.1} MiB free: free some space or save elsewhere",
                 bytes as f64 / 1048576.0,
                 root.display(),
@@ -2157,15 +2157,17 @@ mod tests {
     #[test]
     fn a_root_without_room_for_one_checkpoint_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        check_room(dir.path(), 1).unwrap();
-        let e = check_room(dir.path(), u64::MAX).unwrap_err().to_string();
+        check_room(dir.path(), 1, "--checkpoint-dir").unwrap();
+        let e = check_room(dir.path(), u64::MAX, "--checkpoint-dir")
+            .unwrap_err()
+            .to_string();
         assert!(
-            e.starts_with("--checkpoint-dir: a checkpoint of this run takes at least"),
+            e.starts_with("--checkpoint-dir: a checkpoint of this model takes at least"),
             "{e}"
         );
         assert!(e.contains(&dir.path().display().to_string()), "{e}");
         // Where the space cannot be learnt (no such directory yet), nothing is refused.
-        check_room(&dir.path().join("not/yet"), u64::MAX).unwrap();
+        check_room(&dir.path().join("not/yet"), u64::MAX, "--checkpoint-dir").unwrap();
     }
 
     /// A publish whose rename fails after the same step's older copy was moved aside puts that

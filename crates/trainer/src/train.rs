@@ -1475,7 +1475,7 @@ fn train_tracked(
     // cannot hold one is refused now, not when the first save fails after hours of steps.
     let checkpoint_bytes = stepper.checkpoint_bytes();
     if let Some((root, _)) = &opts.save {
-        checkpoint::check_room(root, checkpoint_bytes)?;
+        checkpoint::check_room(root, checkpoint_bytes, "--checkpoint-dir")?;
     }
 
     let mg = Geometry {

@@ -584,6 +584,13 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
         ));
     }
     let cfg = ck.state.config;
+    // The whole model's f32 parameters and both moments: refused now rather than by a full
+    // disk half-way through the files.
+    checkpoint::check_room(
+        dst_root,
+        cfg.parameter_count()?.saturating_mul(12),
+        "consolidate's <OUT>",
+    )?;
     let infos = params::param_infos(&cfg);
     let hyper = |wd| AdamWHyper {
         lr: ck.state.run.lr_at(ck.state.step.saturating_sub(1)),

@@ -390,7 +390,7 @@ fn drive<C: Collective + 'static>(
             // Every rank's shard lands in the one root: the whole model's f32 parameters and
             // both moments, as `train` checks for one process.
             let bytes = opts.model.parameter_count()?.saturating_mul(12);
-            crate::checkpoint::check_room(root, bytes)?;
+            crate::checkpoint::check_room(root, bytes, "--checkpoint-dir")?;
             lock
         }
         _ => None,
