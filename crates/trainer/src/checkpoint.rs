@@ -781,6 +781,22 @@ pub fn save_hf(
         _ => PathBuf::from("."),
     };
     fs::create_dir_all(&parent).map_err(io(&parent))?;
+    let bytes: u64 = params
+        .iter()
+        .map(|t| headroom_tensor::Tensor::numel(t) as u64 * 4)
+        .sum();
+    if let Some(free) = short_of_room(&parent, bytes) {
+        return Err(err(
+            out,
+            format!(
+                "the model takes at least {:.1} MiB, but the file system of {} has {:.1} MiB \
+                 free",
+                bytes as f64 / 1048576.0,
+                parent.display(),
+                free as f64 / 1048576.0
+            ),
+        ));
+    }
     let partial = parent.join(format!("{PARTIAL_PREFIX}{name}-{}", std::process::id()));
     if partial.exists() {
         fs::remove_dir_all(&partial).map_err(io(&partial))?;
@@ -1260,8 +1276,8 @@ fn prune(
 /// save would fail, and a failed save ends the run with every step since the last checkpoint
 /// lost. Where the free space is unknown nothing is refused.
 pub fn check_room(root: &Path, bytes: u64, option: &'static str) -> Result<()> {
-    match headroom_mmap_data::formats::writer::free_space(root) {
-        Some(free) if free < bytes => Err(TrainError::Option {
+    match short_of_room(root, bytes) {
+        Some(free) => Err(TrainError::Option {
             option,
             reason: format!(
                 "a checkpoint of this model takes at least {:.1} MiB, but the file system of {} \
@@ -1271,8 +1287,17 @@ pub fn check_room(root: &Path, bytes: u64, option: &'static str) -> Result<()> {
                 free as f64 / 1048576.0
             ),
         }),
-        _ => Ok(()),
+        None => Ok(()),
     }
+}
+
+/// The free bytes of `dir`'s file system (or of its nearest existing ancestor's, for a
+/// directory not made yet) when they are fewer than `bytes`; `None` when they suffice or
+/// cannot be learnt.
+fn short_of_room(dir: &Path, bytes: u64) -> Option<u64> {
+    let existing = dir.ancestors().find(|d| d.is_dir())?;
+    let free = headroom_mmap_data::formats::writer::free_space(existing)?;
+    (free < bytes).then_some(free)
 }
 
 /// After a save: a warning on stderr when `root`'s file system no longer has room for
@@ -2166,8 +2191,8 @@ mod tests {
             "{e}"
         );
         assert!(e.contains(&dir.path().display().to_string()), "{e}");
-        // Where the space cannot be learnt (no such directory yet), nothing is refused.
-        check_room(&dir.path().join("not/yet"), u64::MAX, "--checkpoint-dir").unwrap();
+        // A directory not made yet is judged by the file system it will be made on.
+        check_room(&dir.path().join("not/yet"), u64::MAX, "--checkpoint-dir").unwrap_err();
     }
 
     /// A publish whose rename fails after the same step's older copy was moved aside puts that
