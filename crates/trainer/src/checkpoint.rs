@@ -1304,17 +1304,15 @@ fn short_of_room(dir: &Path, bytes: u64) -> Option<u64> {
 /// another checkpoint of `bytes` (older ones are pruned only after a new one is written), so
 /// that the user can free space before the next save fails.
 pub(crate) fn warn_if_no_room(root: &Path, bytes: u64) {
-    if let Some(free) = headroom_mmap_data::formats::writer::free_space(root) {
-        if free < bytes {
-            let _ = writeln!(
-                std::io::stderr(),
-                "warning: the file system of {} has {:.1} MiB free, less than the {:.1} MiB \
-                 of a checkpoint: the next save will fail unless space is freed",
-                root.display(),
-                free as f64 / 1048576.0,
-                bytes as f64 / 1048576.0
-            );
-        }
+    if let Some(free) = short_of_room(root, bytes) {
+        let _ = writeln!(
+            std::io::stderr(),
+            "warning: the file system of {} has {:.1} MiB free, less than the {:.1} MiB of a \
+             checkpoint: the next save will fail unless space is freed",
+            root.display(),
+            free as f64 / 1048576.0,
+            bytes as f64 / 1048576.0
+        );
     }
 }
 
