@@ -1,0 +1,248 @@
+//! Fuzz test for the trainer's Hugging Face tokenizer reader (`Tokenizer::from_name` on a
+//! `tokenizer.json`, then `encode` and `decode`) with headroom-fuzzkit.
+//!
+//! The seed is the committed story tokenizer (a BPE with a Metaspace pre-tokenizer and
+//! decoder, and added tokens). Whatever loads is used: a text with every kind of character is
+//! encoded, and ids decoded. The `tokenizers` crate panics on some settings it does not check;
+//! the reader turns those into errors, so 0 panics are asserted here. Two campaigns:
+//! - `fuzz_hugging_face_tokenizer`: byte-level damage (fuzzkit), which mostly breaks the JSON;
+//! - `tokenizer_json_settings`: structural damage that keeps the JSON valid — every setting
+//!   outside the vocabulary set to odd values or removed, and each component replaced by
+//!   other component types with extreme parameters — so the library's own checks face them.
+//!
+//! `scripts/fuzz-long.sh` runs the fuzzkit campaign long.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use headroom_fuzzkit::{fuzz, iterations, Cleanup, ScratchDir};
+use headroom_trainer::tokenize::Tokenizer;
+use serde_json::{json, Value};
+
+const CI_ITERATIONS: u64 = 300;
+
+const TEXT: &str = "the quick brown fox jumps over the lazy dog.\n  Tabs\tand ünïcödé, \
+                    emoji 🦀, <|endoftext|> and digits 0123456789!";
+
+fn load_and_use(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_trainer::TrainError> {
+    let path = scratch.fresh();
+    let _cleanup = Cleanup(vec![path.clone()]);
+    std::fs::write(&path, bytes).unwrap();
+    let tok = Tokenizer::from_name(path.to_str().unwrap())?;
+    let ids = tok.encode(TEXT)?;
+    let vocab = tok.vocab_size();
+    assert!(
+        ids.iter().all(|&id| (id as usize) < vocab),
+        "{ids:?} of {vocab}"
+    );
+    tok.decode(&ids)?;
+    // Ids the reader says exist decode (to something) or are refused, never a panic.
+    if vocab > 0 {
+        tok.decode(&[0, (vocab - 1) as u32])?;
+    }
+    Ok(())
+}
+
+fn story_tokenizer() -> Vec<u8> {
+    std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/tokenizer/story/tokenizer.json"),
+    )
+    .unwrap()
+}
+
+#[test]
+fn fuzz_hugging_face_tokenizer() {
+    let seed = story_tokenizer();
+    let scratch = ScratchDir::new("headroom-fuzz-tokenizer").unwrap();
+    let report = fuzz(
+        "tokenizer-json",
+        &[seed],
+        &[],
+        iterations(CI_ITERATIONS),
+        move |bytes| load_and_use(&scratch, bytes),
+    );
+    println!("{report}");
+    report.assert_clean();
+    // Most damage breaks the JSON; some leaves a tokenizer that still works.
+    assert!(report.errors > 0 && report.ok > 0, "{report}");
+}
+
+/// Odd values for any one setting.
+fn odd_values() -> Vec<Value> {
+    vec![
+        Value::Null,
+        json!(true),
+        json!(0),
+        json!(-1),
+        json!(u64::MAX),
+        json!(1e300),
+        json!(""),
+        json!("\u{0}".repeat(3)),
+        json!("x".repeat(4096)),
+        json!([]),
+        json!({}),
+    ]
+}
+
+/// Components of other types, with extreme or inconsistent parameters, for the slots they
+/// can fill.
+fn other_components(slot: &str) -> Vec<Value> {
+    let huge = u64::MAX;
+    match slot {
+        "normalizer" => vec![
+            json!({"type": "Precompiled", "precompiled_charsmap": "AAAA"}),
+            json!({"type": "Precompiled", "precompiled_charsmap": "not base64"}),
+            json!({"type": "Replace", "pattern": {"Regex": "(("}, "content": "x"}),
+            json!({"type": "Replace", "pattern": {"String": ""}, "content": "xx"}),
+            json!({"type": "Prepend", "prepend": "▁"}),
+            json!({"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Lowercase"}]}),
+            json!({"type": "Strip", "strip_left": true, "strip_right": true}),
+        ],
+        "pre_tokenizer" => vec![
+            json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                   "use_regex": true}),
+            json!({"type": "Split", "pattern": {"Regex": "(?<=x"}, "behavior": "Isolated",
+                   "invert": false}),
+            json!({"type": "Split", "pattern": {"String": ""}, "behavior": "Removed",
+                   "invert": true}),
+            json!({"type": "Digits", "individual_digits": true}),
+            json!({"type": "Punctuation", "behavior": "Contiguous"}),
+            json!({"type": "Sequence", "pretokenizers": [{"type": "Whitespace"},
+                   {"type": "UnicodeScripts"}]}),
+        ],
+        "decoder" => vec![
+            json!({"type": "Strip", "content": "a", "start": huge, "stop": huge}),
+            json!({"type": "Strip", "content": "▁", "start": 1, "stop": 1}),
+            json!({"type": "ByteFallback"}),
+            json!({"type": "Fuse"}),
+            json!({"type": "CTC", "pad_token": "<unk>", "word_delimiter_token": "",
+                   "cleanup": true}),
+            json!({"type": "WordPiece", "prefix": "", "cleanup": true}),
+            json!({"type": "Replace", "pattern": {"Regex": "[a-"}, "content": ""}),
+        ],
+        "post_processor" => vec![
+            json!({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "</s>",
+                   "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                   "pair": [], "special_tokens": {}}),
+            json!({"type": "BertProcessing", "sep": ["</s>", huge], "cls": ["<unk>", 0]}),
+            json!({"type": "RobertaProcessing", "sep": ["</s>", 1], "cls": ["<s>", 999999],
+                   "trim_offsets": true, "add_prefix_space": true}),
+        ],
+        "truncation" => vec![
+            json!({"direction": "Right", "max_length": 0, "strategy": "LongestFirst",
+                   "stride": huge}),
+            json!({"direction": "Left", "max_length": 1, "strategy": "OnlySecond",
+                   "stride": 5}),
+        ],
+        "padding" => vec![
+            json!({"strategy": {"Fixed": huge}, "direction": "Right",
+                   "pad_to_multiple_of": 0, "pad_id": huge, "pad_type_id": 0,
+                   "pad_token": "<pad>"}),
+            json!({"strategy": "BatchLongest", "direction": "Left",
+                   "pad_to_multiple_of": huge, "pad_id": 0, "pad_type_id": 0,
+                   "pad_token": ""}),
+        ],
+        "model" => vec![
+            json!({"type": "WordPiece", "unk_token": "<missing>", "continuing_subword_prefix":
+                   "##", "max_input_chars_per_word": 0, "vocab": {"a": 0, "##b": huge}}),
+            json!({"type": "WordLevel", "vocab": {"a": 5, "b": 4000000000u64},
+                   "unk_token": "<unk>"}),
+            json!({"type": "Unigram", "unk_id": 7, "vocab": [["a", -1.0], ["b", 1e300]],
+                   "byte_fallback": true}),
+            json!({"type": "Unigram", "unk_id": null, "vocab": []}),
+            json!({"type": "BPE", "dropout": 1.0, "unk_token": null, "vocab": {"a": 0},
+                   "merges": ["a a"]}),
+            json!({"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": ["a b", "ab ab"],
+                   "unk_token": "<nope>", "byte_fallback": true, "fuse_unk": true}),
+        ],
+        _ => vec![],
+    }
+}
+
+/// Every leaf and object key outside the vocabulary and merges, as a JSON pointer.
+fn settings(value: &Value, at: String, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            for (k, v) in map {
+                let path = format!("{at}/{k}");
+                out.push(path.clone());
+                if k != "vocab" && k != "merges" {
+                    settings(v, path, out);
+                }
+            }
+        }
+        Value::Array(items) => {
+            for (i, v) in items.iter().enumerate() {
+                let path = format!("{at}/{i}");
+                out.push(path.clone());
+                settings(v, path, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Structural damage that keeps the JSON valid: each setting set to every odd value and
+/// removed, each component slot filled with other component types. Every variant is loaded
+/// and used; a panic is a finding (caught here so that all are listed at once).
+#[test]
+fn tokenizer_json_settings() {
+    let seed: Value = serde_json::from_slice(&story_tokenizer()).unwrap();
+    let mut paths = Vec::new();
+    settings(&seed, String::new(), &mut paths);
+    let mut variants: Vec<(String, Value)> = Vec::new();
+    for path in &paths {
+        for odd in odd_values() {
+            let mut v = seed.clone();
+            *v.pointer_mut(path).unwrap() = odd.clone();
+            variants.push((format!("{path} = {odd:.40}"), v));
+        }
+        let (parent, key) = path.rsplit_once('/').unwrap();
+        let mut v = seed.clone();
+        let removed = match v.pointer_mut(parent).unwrap() {
+            Value::Object(map) => map.remove(key).is_some(),
+            Value::Array(items) => {
+                items.remove(key.parse::<usize>().unwrap());
+                true
+            }
+            _ => false,
+        };
+        if removed {
+            variants.push((format!("{path} removed"), v));
+        }
+    }
+    for slot in [
+        "normalizer",
+        "pre_tokenizer",
+        "decoder",
+        "post_processor",
+        "truncation",
+        "padding",
+        "model",
+    ] {
+        for component in other_components(slot) {
+            let mut v = seed.clone();
+            v[slot] = component.clone();
+            variants.push((format!("/{slot} = {component}"), v));
+        }
+    }
+    assert!(variants.len() > 300, "{} variants", variants.len());
+
+    let scratch = ScratchDir::new("headroom-fuzz-tokenizer-json").unwrap();
+    let (mut ok, mut errors, mut panics) = (0, 0, Vec::new());
+    for (what, v) in &variants {
+        let bytes = serde_json::to_vec(v).unwrap();
+        match catch_unwind(AssertUnwindSafe(|| load_and_use(&scratch, &bytes))) {
+            Ok(Ok(())) => ok += 1,
+            Ok(Err(_)) => errors += 1,
+            Err(_) => panics.push(what.clone()),
+        }
+    }
+    println!(
+        "tokenizer.json settings: {} variants, {ok} ok, {errors} typed errors, {} panics",
+        variants.len(),
+        panics.len()
+    );
+    assert!(panics.is_empty(), "panicked on:\n{}", panics.join("\n"));
+    assert!(ok > 0 && errors > 0);
+}
