@@ -250,6 +250,38 @@ fn get_usize(cfg: &Value, path: &Path, key: &str) -> Result<usize> {
         .ok_or_else(|| bad(path, format!("{key} is not a non-negative integer")))
 }
 
+// A setting of the wrong JSON type is refused, never read as its default: transformers would
+// act on it (Python truthiness makes `"tie_word_embeddings": 1` tie the head) or fail, so a
+// default here could silently compute another model than the file's. Absent and `null` mean
+// the default, as they do there.
+
+/// `key`'s string, `None` when absent or null; any other type is an error.
+fn get_str<'a>(cfg: &'a Value, path: &Path, key: &str) -> Result<Option<&'a str>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(bad(path, format!("{key} is {v:.40}, not a string"))),
+    }
+}
+
+/// `key`'s boolean, `None` when absent or null; any other type is an error.
+fn get_bool(cfg: &Value, path: &Path, key: &str) -> Result<Option<bool>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(bad(path, format!("{key} is {v:.40}, not true or false"))),
+    }
+}
+
+/// `key`'s object, `None` when absent or null; any other type is an error.
+fn get_object<'a>(cfg: &'a Value, path: &Path, key: &str) -> Result<Option<&'a Value>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => Ok(Some(v)),
+        Some(v) => Err(bad(path, format!("{key} is {v:.40}, not an object"))),
+    }
+}
+
 fn get_f64(cfg: &Value, path: &Path, key: &str) -> Result<Option<f64>> {
     match cfg.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -277,9 +309,23 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             _ => None,
         })
         .unwrap_or("(none)");
+    // transformers picks the model class by `model_type`; `architectures` only names it. Both
+    // present must agree, or the two would load different models.
+    let model_type = get_str(&cfg, &path, "model_type")?;
+    match (model_type, arch) {
+        (None, _) | (Some("gpt2"), "GPT2LMHeadModel") | (Some("llama"), "LlamaForCausalLM") => {}
+        (Some(t), "GPT2LMHeadModel" | "LlamaForCausalLM") => {
+            return Err(bad(
+                &path,
+                format!("model_type {t:?} is not the model_type of {arch}"),
+            ))
+        }
+        // Another architecture: refused below by its name.
+        (Some(_), _) => {}
+    }
     let config = match arch {
         "GPT2LMHeadModel" => {
-            let act = cfg.get("activation_function").and_then(Value::as_str);
+            let act = get_str(&cfg, &path, "activation_function")?;
             if !matches!(act, None | Some("gelu_new")) {
                 return Err(bad(
                     &path,
@@ -290,7 +336,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             if (eps - 1e-5).abs() > 1e-12 {
                 return Err(bad(&path, format!("layer_norm_epsilon {eps}: only 1e-5")));
             }
-            if cfg.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
+            if get_bool(&cfg, &path, "tie_word_embeddings")? == Some(false) {
                 return Err(bad(&path, "an untied GPT-2 head is not supported"));
             }
             // transformers' GPT2Attention divides by sqrt(head_dim) only while
@@ -321,31 +367,46 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     ),
                 ));
             }
+            let channels = get_usize(&cfg, &path, "n_embd")?;
+            // transformers' MLP is n_inner wide when it is set, 4·n_embd when null; ours is
+            // always 4·n_embd.
+            if !matches!(cfg.get("n_inner"), None | Some(Value::Null)) {
+                let inner = get_usize(&cfg, &path, "n_inner")?;
+                if Some(inner) != channels.checked_mul(4) {
+                    return Err(bad(
+                        &path,
+                        format!("n_inner {inner}: the MLP here is 4 × n_embd ({channels}) wide"),
+                    ));
+                }
+            }
             ModelConfig {
                 vocab: get_usize(&cfg, &path, "vocab_size")?,
                 max_seq: get_usize(&cfg, &path, "n_positions")?,
                 layers: get_usize(&cfg, &path, "n_layer")?,
                 heads: get_usize(&cfg, &path, "n_head")?,
-                channels: get_usize(&cfg, &path, "n_embd")?,
+                channels,
                 family: Family::Gpt2,
             }
         }
         "LlamaForCausalLM" => {
-            let act = cfg.get("hidden_act").and_then(Value::as_str);
+            let act = get_str(&cfg, &path, "hidden_act")?;
             if !matches!(act, None | Some("silu")) {
                 return Err(bad(&path, format!("Llama activation {act:?}: only silu")));
             }
             for flag in ["attention_bias", "mlp_bias"] {
-                if cfg.get(flag).and_then(Value::as_bool) == Some(true) {
+                if get_bool(&cfg, &path, flag)? == Some(true) {
                     return Err(bad(&path, format!("{flag} is not supported")));
                 }
             }
             // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters.
-            let rope = cfg.get("rope_parameters").filter(|v| !v.is_null());
-            let scaling = rope
-                .and_then(|r| r.get("rope_type"))
-                .or_else(|| cfg.get("rope_scaling").and_then(|s| s.get("rope_type")))
-                .and_then(Value::as_str);
+            let rope = get_object(&cfg, &path, "rope_parameters")?;
+            let scaling = match rope {
+                Some(r) => get_str(r, &path, "rope_type")?,
+                None => match get_object(&cfg, &path, "rope_scaling")? {
+                    Some(s) => get_str(s, &path, "rope_type")?,
+                    None => None,
+                },
+            };
             if !matches!(scaling, None | Some("default")) {
                 return Err(bad(&path, format!("rope type {scaling:?}: only default")));
             }
@@ -382,10 +443,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     ffn: get_usize(&cfg, &path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     norm_eps: get_f64(&cfg, &path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
-                    tied_head: cfg
-                        .get("tie_word_embeddings")
-                        .and_then(Value::as_bool)
-                        .unwrap_or(false),
+                    tied_head: get_bool(&cfg, &path, "tie_word_embeddings")?.unwrap_or(false),
                 }),
             }
         }
