@@ -1,7 +1,7 @@
 //! Structural damage to a Hugging Face model directory's JSON (`config.json`, and a sharded
 //! model's `model.safetensors.index.json`) that keeps the JSON valid, so that the loader's own
-//! checks face every value: each setting set to odd values (zero, negative, 2³², `u64::MAX`,
-//! 1e300, strings, arrays, objects) or removed. Every variant is loaded with `hf::load`; a
+//! checks face every value: each setting set to odd values (`common::odd_json_values`: zero,
+//! negative, 2³², `u64::MAX`, 1e300, strings, arrays, objects) or removed. Every variant is loaded with `hf::load`; a
 //! panic, a loaded model whose tensors disagree with its config, or a setting that changes
 //! the model loaded from a value of the wrong type (read as a default), is a finding. Sizes from
 //! the config must be refused (or checked against the files) before anything is allocated
@@ -17,34 +17,14 @@ use headroom_profiler::MemoryTracker;
 use headroom_tensor::{AllocHook, Cpu, Device};
 use headroom_trainer::hf;
 use headroom_trainer::model::params::param_infos;
-use serde_json::{json, Value};
+use serde_json::Value;
+
+mod common;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
-}
-
-fn odd_values() -> Vec<Value> {
-    vec![
-        Value::Null,
-        json!(true),
-        json!(0),
-        json!(-1),
-        json!(1),
-        json!(3),
-        json!(1u64 << 31),
-        json!(1u64 << 32),
-        json!(1u64 << 53),
-        json!(u64::MAX),
-        json!(0.5),
-        json!(1e300),
-        json!(-1e300),
-        json!(""),
-        json!("relu"),
-        json!([]),
-        json!({}),
-    ]
 }
 
 /// Every key of `value` (objects nested in it too), as JSON pointers.
@@ -72,7 +52,7 @@ fn variants(json: &Value) -> Vec<Variant> {
     keys(json, String::new(), &mut paths);
     let mut out = Vec::new();
     for path in &paths {
-        for odd in odd_values() {
+        for odd in common::odd_json_values() {
             let mut v = json.clone();
             *v.pointer_mut(path).unwrap() = odd.clone();
             out.push(Variant {

@@ -18,6 +18,8 @@ use headroom_fuzzkit::{fuzz, iterations, Cleanup, ScratchDir};
 use headroom_trainer::tokenize::Tokenizer;
 use serde_json::{json, Value};
 
+mod common;
+
 const CI_ITERATIONS: u64 = 300;
 
 const TEXT: &str = "the quick brown fox jumps over the lazy dog.\n  Tabs\tand ünïcödé, \
@@ -65,23 +67,6 @@ fn fuzz_hugging_face_tokenizer() {
     report.assert_clean();
     // Most damage breaks the JSON; some leaves a tokenizer that still works.
     assert!(report.errors > 0 && report.ok > 0, "{report}");
-}
-
-/// Odd values for any one setting.
-fn odd_values() -> Vec<Value> {
-    vec![
-        Value::Null,
-        json!(true),
-        json!(0),
-        json!(-1),
-        json!(u64::MAX),
-        json!(1e300),
-        json!(""),
-        json!("\u{0}".repeat(3)),
-        json!("x".repeat(4096)),
-        json!([]),
-        json!({}),
-    ]
 }
 
 /// Components of other types, with extreme or inconsistent parameters, for the slots they
@@ -192,7 +177,7 @@ fn tokenizer_json_settings() {
     settings(&seed, String::new(), &mut paths);
     let mut variants: Vec<(String, Value)> = Vec::new();
     for path in &paths {
-        for odd in odd_values() {
+        for odd in common::odd_json_values() {
             let mut v = seed.clone();
             *v.pointer_mut(path).unwrap() = odd.clone();
             variants.push((format!("{path} = {odd:.40}"), v));

@@ -15,3 +15,31 @@ pub fn headroom_path() -> OsString {
 pub fn headroom_command() -> Command {
     Command::new(headroom_path())
 }
+
+/// Odd values for any one JSON setting, for the structural fuzz tests of JSON readers: null,
+/// a boolean, zero, negative, one, small, 2³¹, 2³², 2⁵³, `u64::MAX`, a fraction, ±1e300, strings
+/// empty and not, an array and an object.
+#[allow(dead_code)] // only the fuzz_* tests use it
+pub fn odd_json_values() -> Vec<serde_json::Value> {
+    use serde_json::json;
+    vec![
+        serde_json::Value::Null,
+        json!(true),
+        json!(0),
+        json!(-1),
+        json!(1),
+        json!(3),
+        json!(1u64 << 31),
+        json!(1u64 << 32),
+        json!(1u64 << 53),
+        json!(u64::MAX),
+        json!(0.5),
+        json!(1e300),
+        json!(-1e300),
+        json!(""),
+        json!("relu"),
+        json!("x".repeat(4096)),
+        json!([]),
+        json!({}),
+    ]
+}
