@@ -1,12 +1,12 @@
 //! Structural damage to a Hugging Face model directory's JSON (`config.json`, and a sharded
 //! model's `model.safetensors.index.json`) that keeps the JSON valid, so that the loader's own
 //! checks face every value: each setting set to odd values (`common::odd_json_values`: zero,
-//! negative, 2³², `u64::MAX`, 1e300, strings, arrays, objects) or removed. Every variant is loaded with `hf::load`; a
-//! panic, a loaded model whose tensors disagree with its config, or a setting that changes
-//! the model loaded from a value of the wrong type (read as a default), is a finding. Sizes from
-//! the config must be refused (or checked against the files) before anything is allocated
-//! from them, so the test also runs under a small memory budget of its own: nothing it loads
-//! needs more than the fixtures' few hundred KiB.
+//! negative, 2³², `u64::MAX`, 1e300, strings, arrays, objects) or removed. Every variant is
+//! loaded with `hf::load`; a panic, a loaded model whose tensors disagree with its config, or
+//! a setting that changes the model loaded from a value of the wrong type (read as a
+//! default), is a finding. Sizes from the config must be refused (or checked against the
+//! files) before anything is allocated from them, so the test also runs under a small memory
+//! budget of its own: nothing it loads needs more than the fixtures' few hundred KiB.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -19,6 +19,7 @@ use headroom_trainer::hf;
 use headroom_trainer::model::params::param_infos;
 use serde_json::Value;
 
+#[allow(dead_code)] // the command helpers are for the tests that run `headroom`
 mod common;
 
 fn fixture(name: &str) -> PathBuf {

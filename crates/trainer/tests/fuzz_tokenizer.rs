@@ -18,6 +18,7 @@ use headroom_fuzzkit::{fuzz, iterations, Cleanup, ScratchDir};
 use headroom_trainer::tokenize::Tokenizer;
 use serde_json::{json, Value};
 
+#[allow(dead_code)] // the command helpers are for the tests that run `headroom`
 mod common;
 
 const CI_ITERATIONS: u64 = 300;
