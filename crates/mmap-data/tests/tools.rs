@@ -121,29 +121,6 @@ fn synthesize_is_deterministic_and_writes_the_chains_tokens_in_every_format() {
     assert!(dir_entries(dir.path()).iter().all(|n| !n.contains(".tmp")));
 }
 
-/// A writer killed mid-file leaves its temporary file behind (nothing runs at a kill); the
-/// next write of the same file removes such leftovers whose process is gone, and leaves a
-/// live process's (here this one's) and other files alone.
-#[cfg(unix)]
-#[test]
-fn a_new_write_removes_the_temporary_files_of_killed_writers() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("tokens.bin");
-    // i32::MAX exceeds every system's largest process id: no such process.
-    let dead = dir.path().join("tokens.bin.tmp2147483647-0");
-    let live = dir
-        .path()
-        .join(format!("tokens.bin.tmp{}-99", std::process::id()));
-    let other = dir.path().join("tokens.bin.tmp-notes");
-    for f in [&dead, &live, &other] {
-        std::fs::write(f, b"leftover").unwrap();
-    }
-    synthesize(&spec_u16(100), &out).unwrap();
-    assert!(out.exists());
-    assert!(!dead.exists());
-    assert!(live.exists() && other.exists());
-}
-
 #[test]
 fn synthesize_streams_across_chunks_and_reports_the_loss_floor() {
     let dir = tempfile::tempdir().unwrap();

@@ -420,23 +420,53 @@ pub fn free_space(_dir: &Path) -> Option<u64> {
     None
 }
 
-/// A temporary name beside `path`, unique within this process and across processes.
+/// A temporary name beside `path`, unique within this process and across processes and
+/// machines: `<path>.tmp-<host>-<pid>-<n>`. The host is in it because a directory may be
+/// shared between machines, where a process id means nothing (see
+/// [`remove_abandoned_temps`]).
 fn temp_path_for(path: &Path) -> PathBuf {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(
-        ".tmp{}-{}",
+        ".tmp-{}-{}-{}",
+        host_name(),
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ));
     PathBuf::from(tmp)
 }
 
+/// This machine's name as it goes into a file name: letters, digits, `.` and `_` kept, any
+/// other character `_` (so the `-` that separate the fields stay unambiguous), `unknown`
+/// where the platform does not say.
+fn host_name() -> String {
+    #[cfg(unix)]
+    {
+        let mut buf = [0u8; 256];
+        // SAFETY: `buf` is writable for its length; the name is NUL-terminated within it on
+        // success (truncated names are cut at the first NUL below regardless).
+        if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0 {
+            let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+            if end > 0 {
+                return buf[..end]
+                    .iter()
+                    .map(|&b| match b {
+                        b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'.' | b'_' => b as char,
+                        _ => '_',
+                    })
+                    .collect();
+            }
+        }
+    }
+    "unknown".into()
+}
+
 /// Remove the temporary files that writers of `path` left when their process was killed
 /// (an interrupted `headroom data synth` of many GiB leaves one as large as it got): siblings
-/// named as [`temp_path_for`] names them, whose process no longer exists. A live process's
-/// file, another name, or anything that cannot be told for sure is left alone; failures are
-/// ignored (this is tidying, the write does not depend on it).
+/// named as [`temp_path_for`] names them, written on this machine by a process that no longer
+/// exists. Another machine's file (a shared directory), a live process's, another name, or
+/// anything that cannot be told for sure is left alone; failures are ignored (this is tidying,
+/// the write does not depend on it).
 fn remove_abandoned_temps(path: &Path) {
     let (Some(name), dir) = (path.file_name(), path.parent()) else {
         return;
@@ -448,7 +478,7 @@ fn remove_abandoned_temps(path: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
-    let prefix = format!("{}.tmp", name.to_string_lossy());
+    let prefix = format!("{}.tmp-{}-", name.to_string_lossy(), host_name());
     for entry in entries.flatten() {
         let file_name = entry.file_name();
         let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
@@ -523,6 +553,42 @@ fn write_synced_temp(path: &Path, parts: &[&[u8]]) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A writer killed mid-file leaves its temporary file behind (nothing runs at a kill); the
+    /// next write of the same file removes such leftovers of this machine whose process is
+    /// gone, and leaves a live process's (here this one's), another machine's (its process id
+    /// means nothing here) and other files alone.
+    #[cfg(unix)]
+    #[test]
+    fn a_new_write_removes_the_temporary_files_of_killed_writers() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("tokens.bin");
+        let host = host_name();
+        // i32::MAX exceeds every system's largest process id: no such process.
+        let dead = dir
+            .path()
+            .join(format!("tokens.bin.tmp-{host}-2147483647-0"));
+        let live = dir
+            .path()
+            .join(format!("tokens.bin.tmp-{host}-{}-99", std::process::id()));
+        let elsewhere = dir
+            .path()
+            .join(format!("tokens.bin.tmp-{host}x-2147483647-0"));
+        let other = dir.path().join("tokens.bin.tmp-notes");
+        for f in [&dead, &live, &elsewhere, &other] {
+            fs::write(f, b"leftover").unwrap();
+        }
+        let mut w = TokenWriter::create(&out, TokenFileFormat::Raw(TokenType::U16)).unwrap();
+        assert!(!dead.exists());
+        w.write(&[1, 2, 3]).unwrap();
+        w.finish().unwrap();
+        assert!(out.exists());
+        assert!(live.exists() && elsewhere.exists() && other.exists());
+        // The writer's own temporary file is of the form removed above.
+        let own = temp_path_for(&out);
+        let name = own.file_name().unwrap().to_str().unwrap();
+        assert!(name.starts_with(&format!("tokens.bin.tmp-{host}-{}-", std::process::id())));
+    }
 
     /// The `.idx` layout spelled out field by field from the table in `megatron.rs`.
     #[test]
