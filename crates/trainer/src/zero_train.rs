@@ -942,6 +942,11 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
             let done = step + 1;
             if (*every > 0 && done % every == 0) || done == opts.steps || stop {
                 save(&store, shared, root, done, rank, world)?;
+                if rank == 0 && !stop && done < opts.steps {
+                    // As `check_room` counts a ZeRO checkpoint: the whole model's state.
+                    let bytes = opts.model.parameter_count()?.saturating_mul(12);
+                    crate::checkpoint::warn_if_no_room(root, bytes);
+                }
             }
         }
         if stop {
@@ -1063,20 +1068,31 @@ fn save<B: RankBackend>(
     } else {
         zero_checkpoint::partial_dir(root, step)
     };
-    e.barrier().map_err(zero_err)?;
-    zero_checkpoint::write_rank(&partial, &opts.model, &e, rank, ranks)?;
-    e.barrier().map_err(zero_err)?;
+    let mut write = || -> Result<()> {
+        e.barrier().map_err(zero_err)?;
+        zero_checkpoint::write_rank(&partial, &opts.model, &e, rank, ranks)?;
+        e.barrier().map_err(zero_err)?;
+        if rank == 0 {
+            let state = zero_checkpoint::ZeroState {
+                format_version: crate::checkpoint::FORMAT_VERSION,
+                step,
+                stage: shared.zero.stage.index(),
+                ranks,
+                config: opts.model,
+                run: opts.run_spec(),
+                dataset_fingerprint: shared.dataset.fingerprint(),
+            };
+            zero_checkpoint::publish(root, &partial, &state, opts.keep_checkpoints)?;
+        }
+        Ok(())
+    };
     if rank == 0 {
-        let state = zero_checkpoint::ZeroState {
-            format_version: crate::checkpoint::FORMAT_VERSION,
-            step,
-            stage: shared.zero.stage.index(),
-            ranks,
-            config: opts.model,
-            run: opts.run_spec(),
-            dataset_fingerprint: shared.dataset.fingerprint(),
-        };
-        zero_checkpoint::publish(root, &partial, &state, opts.keep_checkpoints)?;
+        // The directory is rank 0's: a failed save (its own write, or another rank's, seen
+        // at the barrier) removes it, as a one-process save does. A rank still writing then
+        // fails too, and the job, which is ending anyway, ends.
+        crate::checkpoint::saving_step(root, &partial, step, write)?;
+    } else {
+        write()?;
     }
     e.barrier().map_err(zero_err)?;
     Ok(())
