@@ -260,6 +260,12 @@ impl ZeroCheckpoint {
     }
 }
 
+/// The bytes a ZeRO checkpoint (all rank files together), or its consolidation, writes for
+/// its tensors: the whole model's f32 parameters and both f32 moments. The room checks use it.
+pub(crate) fn state_bytes(cfg: &ModelConfig) -> Result<u64> {
+    Ok(cfg.parameter_count()?.saturating_mul(12))
+}
+
 /// Rank `r` of `n`'s file name.
 pub fn rank_file(r: usize, n: usize) -> String {
     format!("rank-{r:05}-of-{n:05}.safetensors")
@@ -584,13 +590,8 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
         ));
     }
     let cfg = ck.state.config;
-    // The whole model's f32 parameters and both moments: refused now rather than by a full
-    // disk half-way through the files.
-    checkpoint::check_room(
-        dst_root,
-        cfg.parameter_count()?.saturating_mul(12),
-        "consolidate's <OUT>",
-    )?;
+    // Refused now rather than by a full disk half-way through the files.
+    checkpoint::check_room(dst_root, state_bytes(&cfg)?, "consolidate's <OUT>")?;
     let infos = params::param_infos(&cfg);
     let hyper = |wd| AdamWHyper {
         lr: ck.state.run.lr_at(ck.state.step.saturating_sub(1)),

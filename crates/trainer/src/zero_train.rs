@@ -387,9 +387,8 @@ fn drive<C: Collective + 'static>(
     let _root_lock = match &opts.save {
         Some((root, _)) if comms.iter().any(|c| c.rank() == 0) => {
             let lock = crate::checkpoint::lock_root(root)?;
-            // Every rank's shard lands in the one root: the whole model's f32 parameters and
-            // both moments, as `train` checks for one process.
-            let bytes = opts.model.parameter_count()?.saturating_mul(12);
+            // Every rank's shard lands in the one root, as `train` checks for one process.
+            let bytes = zero_checkpoint::state_bytes(&opts.model)?;
             crate::checkpoint::check_room(root, bytes, "--checkpoint-dir")?;
             lock
         }
@@ -943,8 +942,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
             if (*every > 0 && done % every == 0) || done == opts.steps || stop {
                 save(&store, shared, root, done, rank, world)?;
                 if rank == 0 && !stop && done < opts.steps {
-                    // As `check_room` counts a ZeRO checkpoint: the whole model's state.
-                    let bytes = opts.model.parameter_count()?.saturating_mul(12);
+                    let bytes = zero_checkpoint::state_bytes(&opts.model)?;
                     crate::checkpoint::warn_if_no_room(root, bytes);
                 }
             }
