@@ -981,16 +981,18 @@ fn install_signal_handlers() -> CliResult<Arc<AtomicUsize>> {
     Ok(which)
 }
 
-/// The first failed write of the metrics file (a full disk) is said at once, not only when
-/// the run ends: training goes on, as the metrics are not what the run is for.
-fn warn_metrics_failed(path: &Path, e: &std::io::Error, first: bool) {
-    if first {
+/// Keep the first failed write of the metrics file (a full disk) in `first`, for the run's
+/// final error, and say it at once rather than only when the run ends: training goes on, as
+/// the metrics are not what the run is for.
+fn metrics_failed(path: &Path, first: &mut Option<std::io::Error>, e: std::io::Error) {
+    if first.is_none() {
         let _ = writeln!(
             std::io::stderr(),
             "warning: writing metrics to {} failed ({e}); training goes on, and the run ends \
              with this error",
             path.display()
         );
+        *first = Some(e);
     }
 }
 
@@ -1093,8 +1095,7 @@ fn cmd_train_zero(
                 "live_bytes": s.live_bytes, "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
             });
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
-                warn_metrics_failed(metrics_path, &e, metrics_err.is_none());
-                metrics_err.get_or_insert(e);
+                metrics_failed(metrics_path, &mut metrics_err, e);
             }
         }
         if speak {
@@ -1277,8 +1278,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
             });
             // Flushed per line: a killed run's file ends at a whole line.
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
-                warn_metrics_failed(metrics_path, &e, metrics_err.is_none());
-                metrics_err.get_or_insert(e);
+                metrics_failed(metrics_path, &mut metrics_err, e);
             }
         }
         let val = s
