@@ -33,7 +33,9 @@
 // A logsumexp of -inf (such a row) is read as +inf, so exp2(x − lse) is 0 even unmasked.
 
 #define HR_FLASH_DQ_BLOCK_Q (HR_FLASH_WARPS * 16)
+#ifndef HR_FLASH_DQ_BLOCK_K
 #define HR_FLASH_DQ_BLOCK_K 64
+#endif
 // Key/value tiles in flight per dQ block (double buffering).
 #define HR_FLASH_DQ_KV_STAGES 2
 #define HR_FLASH_DKDV_BLOCK_K (HR_FLASH_WARPS * 16)
@@ -41,8 +43,12 @@
 #define HR_FLASH_DKDV_Q_STAGES 2
 // Query rows per dK/dV step: fewer for D = 128, whose dK and dV accumulators (2·D/2 registers
 // per thread) leave less room for the score tiles.
+#ifndef HR_FLASH_DKDV_BLOCK_Q_D64
 #define HR_FLASH_DKDV_BLOCK_Q_D64 64
+#endif
+#ifndef HR_FLASH_DKDV_BLOCK_Q_D128
 #define HR_FLASH_DKDV_BLOCK_Q_D128 32
+#endif
 #define HR_FLASH_DKDV_BLOCK_Q(D) \
     ((D) <= 64 ? HR_FLASH_DKDV_BLOCK_Q_D64 : HR_FLASH_DKDV_BLOCK_Q_D128)
 

@@ -19,8 +19,12 @@
 // eight 16-byte rows one ldmatrix phase reads into eight different bank quads, conflict-free.
 
 // Threads per block of every flash kernel: four warps. headroom_kernels::FLASH_WARPS says the
-// same to the host.
+// same to the host. The tile macros here and in the kernels are #ifndef-guarded so that
+// kernels/tune/flash_tiles.py can compile other tilings with -D; the host's constants (tested
+// against these lines) stay the one configuration the library launches.
+#ifndef HR_FLASH_WARPS
 #define HR_FLASH_WARPS 4
+#endif
 #define HR_FLASH_THREADS (HR_FLASH_WARPS * 32)
 // Padding (in 16-bit elements) after each shared-memory row.
 #define HR_FLASH_SMEM_PAD 8

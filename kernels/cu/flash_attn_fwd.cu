@@ -25,7 +25,9 @@
 // Causal work grows with the query tile index, so blocks are issued heaviest tile first.
 
 #define HR_FLASH_FWD_BLOCK_Q (HR_FLASH_WARPS * 16)
+#ifndef HR_FLASH_FWD_BLOCK_K
 #define HR_FLASH_FWD_BLOCK_K 64
+#endif
 
 template <typename E, int D>
 __device__ __forceinline__ void hr_flash_fwd(const hr_u16* __restrict__ q,
