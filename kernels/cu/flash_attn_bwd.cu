@@ -41,13 +41,16 @@
 #define HR_FLASH_DKDV_BLOCK_K (HR_FLASH_WARPS * 16)
 // Query tiles in flight per dK/dV block (double buffering).
 #define HR_FLASH_DKDV_Q_STAGES 2
-// Query rows per dK/dV step: fewer for D = 128, whose dK and dV accumulators (2·D/2 registers
-// per thread) leave less room for the score tiles.
+// Query rows per dK/dV step, per head dim. 64 for both: at D = 128 the dK and dV accumulators
+// (2·D/2 registers per thread) and 64-query score tiles fit sm_90's 255 registers without
+// spilling, and an H200 sweep (kernels/tune/flash_tiles.py; benches/results/
+// 2026-11-30-h200-flash-tiles.md) timed 64 rows 11% faster than 32 at N = 4096. 128 at D = 64
+// spills.
 #ifndef HR_FLASH_DKDV_BLOCK_Q_D64
 #define HR_FLASH_DKDV_BLOCK_Q_D64 64
 #endif
 #ifndef HR_FLASH_DKDV_BLOCK_Q_D128
-#define HR_FLASH_DKDV_BLOCK_Q_D128 32
+#define HR_FLASH_DKDV_BLOCK_Q_D128 64
 #endif
 #define HR_FLASH_DKDV_BLOCK_Q(D) \
     ((D) <= 64 ? HR_FLASH_DKDV_BLOCK_Q_D64 : HR_FLASH_DKDV_BLOCK_Q_D128)

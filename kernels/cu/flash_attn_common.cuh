@@ -131,21 +131,45 @@ __device__ __forceinline__ void hr_cp_async_wait_all_but_last() {
     asm volatile("cp.async.wait_group 1;" ::: "memory");
 }
 
+// The shared-window address of a pointer into the flash tiles (hr_flash_smem). Why not
+// hr_smem_addr(p) at every use: that converts a 64-bit generic pointer each time (three or four
+// integer instructions per ldmatrix or cp.async, in loops that issue dozens per tile, and an
+// H200 profile showed the integer pipe as the busiest at 40-45%). Here the base is converted
+// once (identical inline asm is computed once) and the offset is 32-bit arithmetic whose
+// constant parts fold into the instructions' immediate offsets.
+__device__ __forceinline__ hr_u32 hr_flash_smem_addr(const hr_u16* p) {
+    return hr_smem_addr(hr_flash_smem) + (hr_u32)(p - hr_flash_smem) * 2u;
+}
+
 // Copy rows [row0, row0 + ROWS) of a [rows_total, D] tensor slice into a padded shared tile,
-// zero-filling rows at or past rows_total. All HR_FLASH_THREADS threads take part.
+// zero-filling rows at or past rows_total. All HR_FLASH_THREADS threads take part: each owns
+// one 16-byte column chunk and every ROWS_PER_PASS-th row from its first, so its source and
+// destination move by constants from pass to pass and a pass costs one 32-bit compare.
 template <int ROWS, int D>
 __device__ __forceinline__ void hr_flash_load_tile(hr_u16* tile, const hr_u16* __restrict__ src,
                                                    long long row0, long long rows_total,
                                                    const hr_u16* __restrict__ any_valid) {
     constexpr int CHUNKS_PER_ROW = D / 8;  // 16-byte chunks
     constexpr int STRIDE = D + HR_FLASH_SMEM_PAD;
-    for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += HR_FLASH_THREADS) {
-        int r = c / CHUNKS_PER_ROW;
-        int col = (c % CHUNKS_PER_ROW) * 8;
-        bool valid = row0 + r < rows_total;
+    static_assert(HR_FLASH_THREADS % CHUNKS_PER_ROW == 0, "a thread keeps one column chunk");
+    constexpr int ROWS_PER_PASS = HR_FLASH_THREADS / CHUNKS_PER_ROW;
+    constexpr int PASSES = (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+    const int first = threadIdx.x / CHUNKS_PER_ROW;
+    const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
+    // Rows of the tensor at or after this thread's first row, capped to the tile (0 or less:
+    // none).
+    long long left_rows = rows_total - row0 - first;
+    const int left = left_rows > ROWS ? ROWS : (left_rows < 0 ? 0 : (int)left_rows);
+    const hr_u16* from = src + (hr_u64)(row0 + first) * D + col;
+    const hr_u32 to = hr_flash_smem_addr(tile + first * STRIDE + col);
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int r = pass * ROWS_PER_PASS;
+        if (ROWS % ROWS_PER_PASS != 0 && first + r >= ROWS) break;
+        const bool valid = r < left;
         // A skipped copy still needs a mapped address: give it the tensor's first element.
-        const hr_u16* from = valid ? src + (hr_u64)(row0 + r) * D + col : any_valid;
-        hr_cp_async_16(hr_smem_addr(tile + r * STRIDE + col), from, valid);
+        hr_cp_async_16(to + (hr_u32)(r * STRIDE * 2), valid ? from + (hr_u64)r * D : any_valid,
+                       valid);
     }
 }
 
@@ -157,7 +181,7 @@ __device__ __forceinline__ void hr_load_a(hr_u32 (&a)[4], const hr_u16* tile, in
     int lane = threadIdx.x & 31;
     int row = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
     int col = col0 + 8 * (lane >> 4);
-    hr_ldmatrix_x4(a, hr_smem_addr(tile + row * STRIDE + col));
+    hr_ldmatrix_x4(a, hr_flash_smem_addr(tile + row * STRIDE + col));
 }
 
 // B fragments of two neighbouring n-tiles for B = Xᵀ, X stored [n][k] in a padded tile (keys for
@@ -169,7 +193,7 @@ __device__ __forceinline__ void hr_load_b_nk(hr_u32 (&b)[4], const hr_u16* tile,
     int lane = threadIdx.x & 31;
     int row = n0 + (lane & 7) + 8 * (lane >> 4);
     int col = k0 + 8 * ((lane >> 3) & 1);
-    hr_ldmatrix_x4(b, hr_smem_addr(tile + row * STRIDE + col));
+    hr_ldmatrix_x4(b, hr_flash_smem_addr(tile + row * STRIDE + col));
 }
 
 // B fragments of two neighbouring n-tiles for B = X, X stored [k][n] in a padded tile (values
@@ -182,7 +206,7 @@ __device__ __forceinline__ void hr_load_b_kn(hr_u32 (&b)[4], const hr_u16* tile,
     int lane = threadIdx.x & 31;
     int row = k0 + (lane & 7) + 8 * ((lane >> 3) & 1);
     int col = n0 + 8 * (lane >> 4);
-    hr_ldmatrix_x4_trans(b, hr_smem_addr(tile + row * STRIDE + col));
+    hr_ldmatrix_x4_trans(b, hr_flash_smem_addr(tile + row * STRIDE + col));
 }
 
 // The A fragment of k-step kk (columns 16kk..16kk+15) of an accumulator held as 16×8 tiles,

@@ -346,14 +346,11 @@ pub const FLASH_DKDV_BLOCK_K: u32 = FLASH_WARPS * 16;
 /// Head dimensions the flash kernels are instantiated for.
 pub const FLASH_HEAD_DIMS: &[u32] = &[64, 128];
 
-/// Query rows per step of `flash_attn_bwd_dkdv_*_d<head_dim>` (fewer for 128, whose dK/dV
-/// accumulators take more registers).
-pub const fn flash_dkdv_block_q(head_dim: u32) -> u32 {
-    if head_dim <= 64 {
-        64
-    } else {
-        32
-    }
+/// Query rows per step of `flash_attn_bwd_dkdv_*_d<head_dim>` (the source's
+/// `HR_FLASH_DKDV_BLOCK_Q_D<head_dim>`; the same for both head dims since an H200 sweep timed
+/// 64 rows ahead of 32 at head dim 128).
+pub const fn flash_dkdv_block_q(_head_dim: u32) -> u32 {
+    64
 }
 
 /// Bytes of one padded shared-memory tile of `rows` rows of `head_dim` 16-bit values.
@@ -654,7 +651,7 @@ mod tests {
         assert_eq!(flash_dkdv_smem_bytes(64), (128 + 256) * 72 * 2 + 4 * 64 * 4);
         assert_eq!(
             flash_dkdv_smem_bytes(128),
-            (128 + 128) * 136 * 2 + 4 * 32 * 4
+            (128 + 256) * 136 * 2 + 4 * 64 * 4
         );
         // Within the 227 KiB an sm_90 block may opt into (sm_80: 163 KiB).
         for &d in FLASH_HEAD_DIMS {
