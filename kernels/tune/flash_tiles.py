@@ -281,38 +281,52 @@ def main():
         sizes = (np.uint32(n), np.uint32(n), np.uint32(h), np.uint32(h))
         ent = f"bf16_d{d}"
 
-        # Forward: warps (BLOCK_Q = 16 · warps) and BLOCK_K.
-        warps0 = source_default("HR_FLASH_WARPS")
-        fwd_grid = [(warps0, source_default("HR_FLASH_FWD_BLOCK_K"))] if args.quick else FWD_GRID
-        best_fwd = None
-        for warps, bk in fwd_grid:
-            defs = {"HR_FLASH_WARPS": warps, "HR_FLASH_FWD_BLOCK_K": bk}
-            bq = 16 * warps
-            smem = tile_bytes(bq + 2 * bk, d)
-            rec = {"shape": shape_name, "kernel": "fwd", "warps": warps, "block_q": bq,
-                   "block_k": bk, "smem": smem}
+        def measure(rec, module_name, defs, entry, blocks, warps, kernel_args, checks,
+                    flops=None):
+            """Compile one configuration, launch it once, compare each output named in `checks`
+            ({record key: (output, reference, tolerance)}), time it and emit its record. Returns
+            (median ms, defs) when every output is within tolerance, else None."""
             try:
-                f = function(cp, "flash_attn_fwd.cu", defs, arch, f"flash_attn_fwd_{ent}", smem)
+                f = function(cp, module_name, defs, arch, entry, rec["smem"])
                 rec.update(attr(f))
-                grid = (math.ceil(n / bq) * b * h,)
 
-                def run(f=f, grid=grid, warps=warps, smem=smem):
-                    f(grid, (warps * 32,), (ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), *sizes,
-                                            np.float32(scale_log2), np.uint32(1)),
-                      shared_mem=smem)
+                def run():
+                    f((blocks,), (warps * 32,), kernel_args, shared_mem=rec["smem"])
 
                 run()
                 torch.cuda.synchronize()
-                rec["err_out"] = rel_err(out, out_ref)
-                rec["ok"] = rec["err_out"] < 1e-2
+                for key, (got, ref, _) in checks.items():
+                    rec[key] = rel_err(got, ref)
+                rec["ok"] = all(rec[key] < tol for key, (_, _, tol) in checks.items())
                 rec["ms"] = time_ms(run, args.warmup, args.iters)
-                rec["tflops"] = flops_fwd / rec["ms"] / 1e9
-                if rec["ok"] and (best_fwd is None or rec["ms"] < best_fwd[0]):
-                    best_fwd = (rec["ms"], defs)
+                if flops:
+                    rec["tflops"] = flops / rec["ms"] / 1e9
             except Exception as e:  # a configuration that does not compile or launch
                 rec["error"] = f"{type(e).__name__}: {e}"[:300]
                 rec["ok"] = False
             emit(rec)
+            return (rec["ms"], defs) if rec["ok"] else None
+
+        def fastest(results):
+            results = [r for r in results if r is not None]
+            return min(results, key=lambda r: r[0]) if results else None
+
+        def tiling(kernel, warps, block_q, block_k, smem):
+            return {"shape": shape_name, "kernel": kernel, "warps": warps, "block_q": block_q,
+                    "block_k": block_k, "smem": smem}
+
+        scalars = (np.float32(scale), np.float32(scale_log2), np.uint32(1))
+
+        # Forward: warps (BLOCK_Q = 16 · warps) and BLOCK_K.
+        warps0 = source_default("HR_FLASH_WARPS")
+        fwd_grid = [(warps0, source_default("HR_FLASH_FWD_BLOCK_K"))] if args.quick else FWD_GRID
+        best_fwd = fastest(
+            measure(tiling("fwd", warps, 16 * warps, bk, tile_bytes(16 * warps + 2 * bk, d)),
+                    "flash_attn_fwd.cu", {"HR_FLASH_WARPS": warps, "HR_FLASH_FWD_BLOCK_K": bk},
+                    f"flash_attn_fwd_{ent}", math.ceil(n / (16 * warps)) * b * h, warps,
+                    (ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), *sizes, *scalars[1:]),
+                    {"err_out": (out, out_ref, 1e-2)}, flops_fwd)
+            for warps, bk in fwd_grid)
 
         # Recompute the reference forward's out/lse with the default tiles for the backward.
         fbq, fbk = 16 * warps0, source_default("HR_FLASH_FWD_BLOCK_K")
@@ -333,77 +347,29 @@ def main():
         torch.cuda.synchronize()
         t_dot = time_ms(run_dot, args.warmup, args.iters)
         emit({"shape": shape_name, "kernel": "dot", "ms": t_dot})
+        bwd_inputs = (ptr(q), ptr(k), ptr(v), ptr(d_o), ptr(lse), ptr(dot))
 
         # dQ: warps (BLOCK_Q = 16 · warps) and BLOCK_K.
         dq_grid = [(warps0, source_default("HR_FLASH_DQ_BLOCK_K"))] if args.quick else DQ_GRID
-        best_dq = None
-        for warps, bk in dq_grid:
-            defs = {"HR_FLASH_WARPS": warps, "HR_FLASH_DQ_BLOCK_K": bk}
-            bq = 16 * warps
-            smem = tile_bytes(2 * bq + 2 * 2 * bk, d)
-            rec = {"shape": shape_name, "kernel": "dq", "warps": warps, "block_q": bq,
-                   "block_k": bk, "smem": smem}
-            try:
-                f = function(cp, "flash_attn_bwd.cu", defs, arch, f"flash_attn_bwd_dq_{ent}", smem)
-                rec.update(attr(f))
-                grid = (math.ceil(n / bq) * b * h,)
-
-                def run(f=f, grid=grid, warps=warps, smem=smem):
-                    f(grid, (warps * 32,), (ptr(q), ptr(k), ptr(v), ptr(d_o), ptr(lse), ptr(dot),
-                                            ptr(dq), *sizes, np.float32(scale),
-                                            np.float32(scale_log2), np.uint32(1)),
-                      shared_mem=smem)
-
-                run()
-                torch.cuda.synchronize()
-                rec["err_dq"] = rel_err(dq, dq_ref)
-                rec["ok"] = rec["err_dq"] < 2e-2
-                rec["ms"] = time_ms(run, args.warmup, args.iters)
-                if rec["ok"] and (best_dq is None or rec["ms"] < best_dq[0]):
-                    best_dq = (rec["ms"], defs)
-            except Exception as e:
-                rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                rec["ok"] = False
-            emit(rec)
+        best_dq = fastest(
+            measure(tiling("dq", warps, 16 * warps, bk, tile_bytes(2 * 16 * warps + 2 * 2 * bk, d)),
+                    "flash_attn_bwd.cu", {"HR_FLASH_WARPS": warps, "HR_FLASH_DQ_BLOCK_K": bk},
+                    f"flash_attn_bwd_dq_{ent}", math.ceil(n / (16 * warps)) * b * h, warps,
+                    (*bwd_inputs, ptr(dq), *sizes, *scalars), {"err_dq": (dq, dq_ref, 2e-2)})
+            for warps, bk in dq_grid)
 
         # dK/dV: warps (BLOCK_K = 16 · warps) and BLOCK_Q for this head dim.
         bq_macro = "HR_FLASH_DKDV_BLOCK_Q_D64" if d <= 64 else "HR_FLASH_DKDV_BLOCK_Q_D128"
         default_bq = source_default(bq_macro)
-        if args.quick:
-            dkdv_grid = [(warps0, default_bq)]
-        else:
-            dkdv_grid = DKDV_GRID[d]
-        best_dkdv = None
-        for warps, bq in dkdv_grid:
-            defs = {"HR_FLASH_WARPS": warps, bq_macro: bq}
-            bk = 16 * warps
-            smem = tile_bytes(2 * bk + 2 * 2 * bq, d) + 2 * 2 * bq * 4
-            rec = {"shape": shape_name, "kernel": "dkdv", "warps": warps, "block_q": bq,
-                   "block_k": bk, "smem": smem}
-            try:
-                f = function(cp, "flash_attn_bwd.cu", defs, arch, f"flash_attn_bwd_dkdv_{ent}",
-                             smem)
-                rec.update(attr(f))
-                grid = (math.ceil(n / bk) * b * h,)
-
-                def run(f=f, grid=grid, warps=warps, smem=smem):
-                    f(grid, (warps * 32,), (ptr(q), ptr(k), ptr(v), ptr(d_o), ptr(lse), ptr(dot),
-                                            ptr(dk), ptr(dv), *sizes, np.float32(scale),
-                                            np.float32(scale_log2), np.uint32(1)),
-                      shared_mem=smem)
-
-                run()
-                torch.cuda.synchronize()
-                rec["err_dk"] = rel_err(dk, dk_ref)
-                rec["err_dv"] = rel_err(dv, dv_ref)
-                rec["ok"] = rec["err_dk"] < 2e-2 and rec["err_dv"] < 2e-2
-                rec["ms"] = time_ms(run, args.warmup, args.iters)
-                if rec["ok"] and (best_dkdv is None or rec["ms"] < best_dkdv[0]):
-                    best_dkdv = (rec["ms"], defs)
-            except Exception as e:
-                rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                rec["ok"] = False
-            emit(rec)
+        dkdv_grid = [(warps0, default_bq)] if args.quick else DKDV_GRID[d]
+        best_dkdv = fastest(
+            measure(tiling("dkdv", warps, bq, 16 * warps,
+                           tile_bytes(2 * 16 * warps + 2 * 2 * bq, d) + 2 * 2 * bq * 4),
+                    "flash_attn_bwd.cu", {"HR_FLASH_WARPS": warps, bq_macro: bq},
+                    f"flash_attn_bwd_dkdv_{ent}", math.ceil(n / (16 * warps)) * b * h, warps,
+                    (*bwd_inputs, ptr(dk), ptr(dv), *sizes, *scalars),
+                    {"err_dk": (dk, dk_ref, 2e-2), "err_dv": (dv, dv_ref, 2e-2)})
+            for warps, bq in dkdv_grid)
 
         default = {r["kernel"]: r for r in records
                    if r.get("shape") == shape_name and r.get("ok") and r.get("warps") == warps0
