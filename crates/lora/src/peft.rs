@@ -503,8 +503,15 @@ impl LoraAdapter {
     }
 
     /// Write `adapter_config.json` and `adapter_model.safetensors` into `dir` (created if
-    /// needed). Each file is written beside its final name and renamed into place, so a
-    /// reader never sees a half-written file.
+    /// needed), as PEFT's `save_pretrained` lays them out.
+    ///
+    /// Crash-safe per file: both files are first written and synced under temporary names
+    /// unique to this call, then renamed over the old ones one right after the other (the
+    /// weights first) and the directory synced. A failure before the renames leaves the
+    /// directory as it was, with no temporary behind; a crash between the two renames (they
+    /// cannot be one atomic step) leaves the new weights beside the old configuration, which
+    /// [`LoraAdapter::load`] refuses unless the old configuration's rank and target modules
+    /// fit the new weights (a changed `lora_alpha` alone would go unnoticed).
     pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         let (config, weights) = self.to_peft_bytes()?;
@@ -512,16 +519,71 @@ impl LoraAdapter {
             path: dir.to_owned(),
             source,
         })?;
+        let mut staged = Vec::with_capacity(2);
         for (file, bytes) in [(WEIGHTS_FILE, &weights), (CONFIG_FILE, &config)] {
-            let path = dir.join(file);
-            let tmp = dir.join(format!(".{file}.tmp"));
-            let io = |source| LoraError::Io {
-                path: path.clone(),
-                source,
-            };
-            std::fs::write(&tmp, bytes).map_err(io)?;
-            std::fs::rename(&tmp, &path).map_err(io)?;
+            // On an error, dropping `staged` removes the temporaries already written.
+            staged.push(StagedFile::write(dir, file, bytes)?);
+        }
+        for f in &mut staged {
+            f.commit()?;
+        }
+        // Best effort, as for every rename of ours: some file systems cannot sync a directory,
+        // and each file's bytes are synced already.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
         }
         Ok(())
+    }
+}
+
+/// One file of [`LoraAdapter::save`], written and synced under a temporary name in its
+/// directory; removed on drop unless [`StagedFile::commit`] renamed it into place.
+struct StagedFile {
+    tmp: std::path::PathBuf,
+    path: std::path::PathBuf,
+    committed: bool,
+}
+
+impl StagedFile {
+    fn write(dir: &Path, file: &str, bytes: &[u8]) -> Result<StagedFile> {
+        use std::io::Write as _;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        // Unique to this process and call, so two saves into one directory never share a
+        // temporary (the leading dot keeps it out of PEFT's and the Hub's way).
+        let tmp = dir.join(format!(
+            ".{file}.tmp-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let staged = StagedFile {
+            tmp,
+            path: dir.join(file),
+            committed: false,
+        };
+        let io = |source| LoraError::Io {
+            path: staged.path.clone(),
+            source,
+        };
+        let mut f = std::fs::File::create(&staged.tmp).map_err(io)?;
+        f.write_all(bytes).and_then(|()| f.sync_all()).map_err(io)?;
+        Ok(staged)
+    }
+
+    fn commit(&mut self) -> Result<()> {
+        std::fs::rename(&self.tmp, &self.path).map_err(|source| LoraError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for StagedFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }

@@ -240,6 +240,47 @@ fn peft_files_read_and_write_back_identical() {
     }
 }
 
+/// The names in `dir`, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Saving over an adapter replaces both files and leaves nothing else; a save that fails
+/// after its temporaries were written removes them again and reports the file it failed on.
+#[test]
+fn save_replaces_files_and_leaves_no_temporaries() {
+    let cpu = Cpu::new();
+    let adapter = LoraAdapter::load(&cpu, fixtures().join("peft-llama-tiny")).unwrap();
+    let rslora = LoraAdapter::load(&cpu, fixtures().join("peft-llama-tiny-rslora")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    adapter.save(out.path()).unwrap();
+    rslora.save(out.path()).unwrap();
+    assert_eq!(entries(out.path()), [CONFIG_FILE, WEIGHTS_FILE]);
+    let again = LoraAdapter::load(&cpu, out.path()).unwrap();
+    assert_eq!(again.config(), rslora.config());
+    assert_eq!(
+        std::fs::read(out.path().join(WEIGHTS_FILE)).unwrap(),
+        rslora.to_peft_bytes().unwrap().1
+    );
+
+    // A directory where the configuration goes: the weights' rename succeeds, the
+    // configuration's fails (a file cannot replace a directory).
+    let blocked = tempfile::tempdir().unwrap();
+    std::fs::create_dir(blocked.path().join(CONFIG_FILE)).unwrap();
+    let err = adapter.save(blocked.path()).unwrap_err();
+    assert!(
+        err.to_string().contains(CONFIG_FILE),
+        "the error names the file: {err}"
+    );
+    assert_eq!(entries(blocked.path()), [CONFIG_FILE, WEIGHTS_FILE]);
+    assert!(blocked.path().join(CONFIG_FILE).is_dir());
+}
+
 #[test]
 fn tensor_names_are_peft_names() {
     assert_eq!(
