@@ -1,14 +1,19 @@
 //! Fuzz tests for the trainer's checkpoint reader (`checkpoint::load`: manifest, state and
 //! config JSON, safetensors, optimizer moments) with headroom-fuzzkit.
 //!
-//! Two campaigns over the files of a real checkpoint, bundled as one input:
+//! Campaigns over the files of a real checkpoint, bundled as one input:
 //! - `fuzz_checkpoint_as_is`: the mutated files as they are, so mostly the manifest's size and
 //!   checksum checks answer;
 //! - `fuzz_checkpoint_resealed`: the manifest is rewritten to match the mutated files, as a
 //!   careful forger would, so the content checks behind the checksums (JSON parsing, config
-//!   bounds, safetensors headers, tensor names and shapes, optimizer sizes) face every input.
+//!   bounds, safetensors headers, tensor names and shapes, optimizer sizes) face every input;
+//! - `fuzz_zero_checkpoint_resealed`: the same for a 2-rank ZeRO-2 checkpoint (`zero.json`,
+//!   one safetensors file of parameter and moment pieces per rank), read by
+//!   `zero_checkpoint::load`, whose tiling checks (every element of every tensor covered
+//!   exactly once) face every input.
 //!
-//! Whatever loads is used: the model is built from it. 0 panics and 0 hangs are asserted;
+//! Whatever loads is used: the model is built from it (a ZeRO checkpoint is consolidated
+//! first, which reads every piece). 0 panics and 0 hangs are asserted;
 //! `scripts/fuzz-long.sh` runs them long, each in its own process (an abort would show there).
 
 use std::sync::OnceLock;
@@ -18,6 +23,8 @@ use headroom_fuzzkit::{
 };
 use headroom_trainer::checkpoint::{self, Manifest, ManifestFile, FILES, MANIFEST};
 use headroom_trainer::train::{train, TrainOptions};
+use headroom_trainer::zero_checkpoint;
+use headroom_trainer::zero_train::{train_zero, ZeroOptions};
 
 const CI_ITERATIONS: u64 = 200;
 
@@ -46,37 +53,73 @@ fn checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
     })
 }
 
+/// The files of a 2-rank ZeRO-2 checkpoint of the same tiny model after one step, sorted by
+/// name, the manifest last.
+fn zero_checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
+    static FILES_CELL: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
+    FILES_CELL.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = TrainOptions {
+            steps: 1,
+            batch: 2,
+            seq: 8,
+            save: Some((dir.path().to_path_buf(), 1)),
+            ..TrainOptions::tiny_default()
+        };
+        o.model.channels = 16;
+        o.model.max_seq = 8;
+        o.check_machine_memory = false;
+        train_zero(&o, ZeroOptions::new(headroom_zero::Stage::Zero2, 2), |_| {}).unwrap();
+        let step = dir.path().join("step-00000001");
+        assert!(zero_checkpoint::is_zero_checkpoint(&step));
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&step)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n != MANIFEST)
+            .map(|n| {
+                let bytes = std::fs::read(step.join(&n)).unwrap();
+                (n, bytes)
+            })
+            .collect();
+        files.sort();
+        files.push((
+            MANIFEST.to_string(),
+            std::fs::read(step.join(MANIFEST)).unwrap(),
+        ));
+        files
+    })
+}
+
 /// The safetensors header length (u64 little-endian) is the one binary header field.
 fn fields_of(name: &str) -> Vec<Field> {
-    if name == "model.safetensors" {
+    if name.ends_with(".safetensors") {
         vec![Field::new("safetensors header length", 0, 8)]
     } else {
         vec![]
     }
 }
 
-fn seed() -> Seed {
-    let files = checkpoint_files();
+fn seed(name: &str, files: &[(String, Vec<u8>)]) -> Seed {
     let fields: Vec<Vec<Field>> = files.iter().map(|(n, _)| fields_of(n)).collect();
     let parts: Vec<(&str, &[u8], &[Field])> = files
         .iter()
         .zip(&fields)
         .map(|((n, b), f)| (n.as_str(), b.as_slice(), f.as_slice()))
         .collect();
-    bundle("tiny checkpoint", &parts)
+    bundle(name, &parts)
 }
 
-/// Write the bundle's files into a fresh step directory (`reseal`: with a manifest that
-/// matches them) and load it; a loaded checkpoint builds its model.
-fn load_input(
+/// Write the bundle's files into a fresh step directory, the manifest last: as they are, or
+/// (`reseal`) a manifest that matches the other files.
+fn write_step(
     scratch: &ScratchDir,
+    names: &[(String, Vec<u8>)],
     bytes: &[u8],
     reseal: bool,
-) -> Result<(), headroom_trainer::TrainError> {
-    let names = checkpoint_files();
+) -> (std::path::PathBuf, Cleanup) {
     let parts = unbundle(bytes, names.len());
     let dir = scratch.fresh();
-    let _cleanup = Cleanup(vec![dir.clone()]);
+    let cleanup = Cleanup(vec![dir.clone()]);
     std::fs::create_dir_all(&dir).unwrap();
     for ((name, _), part) in names.iter().zip(&parts) {
         if name != MANIFEST || !reseal {
@@ -100,6 +143,17 @@ fn load_input(
         };
         std::fs::write(dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
     }
+    (dir, cleanup)
+}
+
+/// Write the bundle's files into a fresh step directory (`reseal`: with a manifest that
+/// matches them) and load it; a loaded checkpoint builds its model.
+fn load_input(
+    scratch: &ScratchDir,
+    bytes: &[u8],
+    reseal: bool,
+) -> Result<(), headroom_trainer::TrainError> {
+    let (dir, _cleanup) = write_step(scratch, checkpoint_files(), bytes, reseal);
     // The path a resume takes (`ResumePoint`: masters through the HF loader, moments
     // streamed): whatever it accepts, `load` accepts with the same values.
     let cpu = headroom_tensor::Cpu::new();
@@ -151,12 +205,27 @@ fn check(report: FuzzReport, expect_ok: bool) {
     assert!(report.errors > 0, "no input was refused\n{report}");
 }
 
+/// Write a damaged ZeRO checkpoint with a matching manifest and load it; whatever loads is
+/// consolidated into an ordinary checkpoint, which must load and build its model.
+fn load_zero_input(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_trainer::TrainError> {
+    let (dir, _cleanup) = write_step(scratch, zero_checkpoint_files(), bytes, true);
+    zero_checkpoint::load(&dir)?;
+    let out = scratch.fresh();
+    let _out_cleanup = Cleanup(vec![out.clone()]);
+    let consolidated = zero_checkpoint::consolidate(&dir, &out)?;
+    let ck = checkpoint::load(&consolidated)
+        .expect("a consolidated ZeRO checkpoint that loaded must load as an ordinary one");
+    let cpu = headroom_tensor::Cpu::new();
+    ck.into_model(&cpu, Default::default())?;
+    Ok(())
+}
+
 #[test]
 fn fuzz_checkpoint_as_is() {
     let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
     let report = fuzz_seeds(
         "checkpoint-as-is",
-        &[seed()],
+        &[seed("tiny checkpoint", checkpoint_files())],
         iterations(CI_ITERATIONS),
         move |bytes| load_input(&scratch, bytes, false),
     );
@@ -169,9 +238,21 @@ fn fuzz_checkpoint_resealed() {
     let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
     let report = fuzz_seeds(
         "checkpoint-resealed",
-        &[seed()],
+        &[seed("tiny checkpoint", checkpoint_files())],
         iterations(CI_ITERATIONS),
         move |bytes| load_input(&scratch, bytes, true),
+    );
+    check(report, true);
+}
+
+#[test]
+fn fuzz_zero_checkpoint_resealed() {
+    let scratch = ScratchDir::new("headroom-fuzz-zero-ck").unwrap();
+    let report = fuzz_seeds(
+        "zero-checkpoint-resealed",
+        &[seed("tiny ZeRO-2 checkpoint", zero_checkpoint_files())],
+        iterations(CI_ITERATIONS),
+        move |bytes| load_zero_input(&scratch, bytes),
     );
     check(report, true);
 }
