@@ -10,10 +10,13 @@
 //! - `fuzz_zero_checkpoint_resealed`: the same for a 2-rank ZeRO-2 checkpoint (`zero.json`,
 //!   one safetensors file of parameter and moment pieces per rank), read by
 //!   `zero_checkpoint::load`, whose tiling checks (every element of every tensor covered
-//!   exactly once) face every input.
+//!   exactly once) face every input;
+//! - `fuzz_lora_checkpoint_resealed`: the same for a LoRA fine-tuning checkpoint (PEFT's
+//!   adapter files, `state.json` with the fine-tuning spec and the base's fingerprint, the
+//!   adapters' moments), read by `checkpoint::load`.
 //!
 //! Whatever loads is used: the model is built from it (a ZeRO checkpoint is consolidated
-//! first, which reads every piece). 0 panics and 0 hangs are asserted;
+//! first, which reads every piece; a LoRA checkpoint's tensors become the run's adapters). 0 panics and 0 hangs are asserted;
 //! `scripts/fuzz-long.sh` runs them long, each in its own process (an abort would show there).
 
 use std::sync::OnceLock;
@@ -22,6 +25,7 @@ use headroom_fuzzkit::{
     bundle, fuzz_seeds, iterations, unbundle, Cleanup, Field, FuzzReport, ScratchDir, Seed,
 };
 use headroom_trainer::checkpoint::{self, Manifest, ManifestFile, FILES, MANIFEST};
+use headroom_trainer::model::finetune::adapter_infos;
 use headroom_trainer::train::{train, TrainOptions};
 use headroom_trainer::zero_checkpoint;
 use headroom_trainer::zero_train::{train_zero, ZeroOptions};
@@ -72,6 +76,60 @@ fn zero_checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
         train_zero(&o, ZeroOptions::new(headroom_zero::Stage::Zero2, 2), |_| {}).unwrap();
         let step = dir.path().join("step-00000001");
         assert!(zero_checkpoint::is_zero_checkpoint(&step));
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&step)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n != MANIFEST)
+            .map(|n| {
+                let bytes = std::fs::read(step.join(&n)).unwrap();
+                (n, bytes)
+            })
+            .collect();
+        files.sort();
+        files.push((
+            MANIFEST.to_string(),
+            std::fs::read(step.join(MANIFEST)).unwrap(),
+        ));
+        files
+    })
+}
+
+#[allow(dead_code)] // the other helpers serve other test binaries
+mod common;
+
+/// The files of a LoRA checkpoint (rank 4, on the tiny Llama fixture) after one step, sorted
+/// by name, the manifest last.
+fn lora_checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
+    static FILES_CELL: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
+    FILES_CELL.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/hf-llama-gqa-untied");
+        let root = dir.path().join("run");
+        let out = common::headroom_command()
+            .args(["train", "--init-from"])
+            .arg(&base)
+            .args([
+                "--lora-rank",
+                "4",
+                "--steps",
+                "1",
+                "--batch",
+                "2",
+                "--seq",
+                "8",
+            ])
+            .arg("--checkpoint-dir")
+            .arg(&root)
+            .arg("--no-progress")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let step = root.join("step-00000001");
         let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&step)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -220,6 +278,28 @@ fn load_zero_input(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_tr
     Ok(())
 }
 
+/// Write a damaged LoRA checkpoint with a matching manifest and load it; whatever loads
+/// becomes the run's adapters again.
+fn load_lora_input(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_trainer::TrainError> {
+    let (dir, _cleanup) = write_step(scratch, lora_checkpoint_files(), bytes, true);
+    let ck = checkpoint::load(&dir)?;
+    let spec = &ck
+        .state
+        .finetune
+        .as_ref()
+        .expect("a LoRA checkpoint loaded as a full model")
+        .spec;
+    // The tensors the reader returned agree with the spec and config it validated.
+    let infos = adapter_infos(&ck.state.config, &spec.lora)?;
+    assert_eq!(ck.params.len(), infos.len());
+    for (p, i) in ck.params.iter().zip(&infos) {
+        assert_eq!(p.len(), i.shape.iter().product::<usize>(), "{}", i.name);
+    }
+    let slices: Vec<&[f32]> = ck.params.iter().map(Vec::as_slice).collect();
+    checkpoint::adapter_of(&ck.state.config, spec, &slices)?;
+    Ok(())
+}
+
 #[test]
 fn fuzz_checkpoint_as_is() {
     let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
@@ -253,6 +333,18 @@ fn fuzz_zero_checkpoint_resealed() {
         &[seed("tiny ZeRO-2 checkpoint", zero_checkpoint_files())],
         iterations(CI_ITERATIONS),
         move |bytes| load_zero_input(&scratch, bytes),
+    );
+    check(report, true);
+}
+
+#[test]
+fn fuzz_lora_checkpoint_resealed() {
+    let scratch = ScratchDir::new("headroom-fuzz-lora-ck").unwrap();
+    let report = fuzz_seeds(
+        "lora-checkpoint-resealed",
+        &[seed("tiny LoRA checkpoint", lora_checkpoint_files())],
+        iterations(CI_ITERATIONS),
+        move |bytes| load_lora_input(&scratch, bytes),
     );
     check(report, true);
 }
