@@ -21,33 +21,39 @@
 
 use std::sync::OnceLock;
 
-use headroom_fuzzkit::{
-    bundle, fuzz_seeds, iterations, unbundle, Cleanup, Field, FuzzReport, ScratchDir, Seed,
-};
+use headroom_fuzzkit::{fuzz_seeds, iterations, unbundle, Cleanup, FuzzReport, ScratchDir};
 use headroom_trainer::checkpoint::{self, Manifest, ManifestFile, FILES, MANIFEST};
 use headroom_trainer::model::finetune::adapter_infos;
 use headroom_trainer::train::{train, TrainOptions};
 use headroom_trainer::zero_checkpoint;
 use headroom_trainer::zero_train::{train_zero, ZeroOptions};
 
+#[allow(dead_code)] // the other helpers serve other test binaries
+mod common;
+
 const CI_ITERATIONS: u64 = 200;
 
-/// The files of a small checkpoint (tiny model, 2 layers, width 16), in [`FILES`] order
+/// One step of the tiny model (2 layers, width 16) saved under `root`.
+fn tiny_run(root: &std::path::Path) -> TrainOptions {
+    let mut o = TrainOptions {
+        steps: 1,
+        batch: 2,
+        seq: 8,
+        save: Some((root.to_path_buf(), 1)),
+        ..TrainOptions::tiny_default()
+    };
+    o.model.channels = 16;
+    o.model.max_seq = 8;
+    o
+}
+
+/// The files of a small checkpoint ([`tiny_run`]), in [`FILES`] order
 /// followed by the manifest.
 fn checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
     static FILES_CELL: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
     FILES_CELL.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let mut o = TrainOptions {
-            steps: 1,
-            batch: 2,
-            seq: 8,
-            save: Some((dir.path().to_path_buf(), 1)),
-            ..TrainOptions::tiny_default()
-        };
-        o.model.channels = 16;
-        o.model.max_seq = 8;
-        train(&o, |_| {}).unwrap();
+        train(&tiny_run(dir.path()), |_| {}).unwrap();
         let step = dir.path().join("step-00000001");
         FILES
             .iter()
@@ -63,39 +69,17 @@ fn zero_checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
     static FILES_CELL: OnceLock<Vec<(String, Vec<u8>)>> = OnceLock::new();
     FILES_CELL.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
-        let mut o = TrainOptions {
-            steps: 1,
-            batch: 2,
-            seq: 8,
-            save: Some((dir.path().to_path_buf(), 1)),
-            ..TrainOptions::tiny_default()
-        };
-        o.model.channels = 16;
-        o.model.max_seq = 8;
-        o.check_machine_memory = false;
-        train_zero(&o, ZeroOptions::new(headroom_zero::Stage::Zero2, 2), |_| {}).unwrap();
+        train_zero(
+            &tiny_run(dir.path()),
+            ZeroOptions::new(headroom_zero::Stage::Zero2, 2),
+            |_| {},
+        )
+        .unwrap();
         let step = dir.path().join("step-00000001");
         assert!(zero_checkpoint::is_zero_checkpoint(&step));
-        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&step)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n != MANIFEST)
-            .map(|n| {
-                let bytes = std::fs::read(step.join(&n)).unwrap();
-                (n, bytes)
-            })
-            .collect();
-        files.sort();
-        files.push((
-            MANIFEST.to_string(),
-            std::fs::read(step.join(MANIFEST)).unwrap(),
-        ));
-        files
+        common::dir_files(&step, Some(MANIFEST), &[])
     })
 }
-
-#[allow(dead_code)] // the other helpers serve other test binaries
-mod common;
 
 /// The files of a LoRA checkpoint (rank 4, on the tiny Llama fixture) after one step, sorted
 /// by name, the manifest last.
@@ -129,42 +113,8 @@ fn lora_checkpoint_files() -> &'static Vec<(String, Vec<u8>)> {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let step = root.join("step-00000001");
-        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&step)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n != MANIFEST)
-            .map(|n| {
-                let bytes = std::fs::read(step.join(&n)).unwrap();
-                (n, bytes)
-            })
-            .collect();
-        files.sort();
-        files.push((
-            MANIFEST.to_string(),
-            std::fs::read(step.join(MANIFEST)).unwrap(),
-        ));
-        files
+        common::dir_files(&root.join("step-00000001"), Some(MANIFEST), &[])
     })
-}
-
-/// The safetensors header length (u64 little-endian) is the one binary header field.
-fn fields_of(name: &str) -> Vec<Field> {
-    if name.ends_with(".safetensors") {
-        vec![Field::new("safetensors header length", 0, 8)]
-    } else {
-        vec![]
-    }
-}
-
-fn seed(name: &str, files: &[(String, Vec<u8>)]) -> Seed {
-    let fields: Vec<Vec<Field>> = files.iter().map(|(n, _)| fields_of(n)).collect();
-    let parts: Vec<(&str, &[u8], &[Field])> = files
-        .iter()
-        .zip(&fields)
-        .map(|((n, b), f)| (n.as_str(), b.as_slice(), f.as_slice()))
-        .collect();
-    bundle(name, &parts)
 }
 
 /// Write the bundle's files into a fresh step directory, the manifest last: as they are, or
@@ -305,7 +255,10 @@ fn fuzz_checkpoint_as_is() {
     let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
     let report = fuzz_seeds(
         "checkpoint-as-is",
-        &[seed("tiny checkpoint", checkpoint_files())],
+        &[common::safetensors_bundle(
+            "tiny checkpoint",
+            checkpoint_files(),
+        )],
         iterations(CI_ITERATIONS),
         move |bytes| load_input(&scratch, bytes, false),
     );
@@ -318,7 +271,10 @@ fn fuzz_checkpoint_resealed() {
     let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
     let report = fuzz_seeds(
         "checkpoint-resealed",
-        &[seed("tiny checkpoint", checkpoint_files())],
+        &[common::safetensors_bundle(
+            "tiny checkpoint",
+            checkpoint_files(),
+        )],
         iterations(CI_ITERATIONS),
         move |bytes| load_input(&scratch, bytes, true),
     );
@@ -330,7 +286,10 @@ fn fuzz_zero_checkpoint_resealed() {
     let scratch = ScratchDir::new("headroom-fuzz-zero-ck").unwrap();
     let report = fuzz_seeds(
         "zero-checkpoint-resealed",
-        &[seed("tiny ZeRO-2 checkpoint", zero_checkpoint_files())],
+        &[common::safetensors_bundle(
+            "tiny ZeRO-2 checkpoint",
+            zero_checkpoint_files(),
+        )],
         iterations(CI_ITERATIONS),
         move |bytes| load_zero_input(&scratch, bytes),
     );
@@ -342,7 +301,10 @@ fn fuzz_lora_checkpoint_resealed() {
     let scratch = ScratchDir::new("headroom-fuzz-lora-ck").unwrap();
     let report = fuzz_seeds(
         "lora-checkpoint-resealed",
-        &[seed("tiny LoRA checkpoint", lora_checkpoint_files())],
+        &[common::safetensors_bundle(
+            "tiny LoRA checkpoint",
+            lora_checkpoint_files(),
+        )],
         iterations(CI_ITERATIONS),
         move |bytes| load_lora_input(&scratch, bytes),
     );

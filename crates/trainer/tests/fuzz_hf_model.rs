@@ -18,14 +18,15 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use headroom_fuzzkit::{
-    bundle, fuzz_seeds, iterations, unbundle, Cleanup, Field, FuzzReport, ScratchDir, Seed,
-};
+use headroom_fuzzkit::{fuzz_seeds, iterations, unbundle, Cleanup, FuzzReport, ScratchDir};
 use headroom_profiler::MemoryTracker;
 use headroom_tensor::{AllocHook, Cpu, Device};
 use headroom_trainer::hf;
 use headroom_trainer::model::params::param_infos;
 use headroom_trainer::model::{Geometry, Model, ModelOptions};
+
+#[allow(dead_code)] // the command helpers are for the tests that run `headroom`
+mod common;
 
 const CI_ITERATIONS: u64 = 150;
 
@@ -38,36 +39,11 @@ fn fixture(name: &str) -> PathBuf {
 /// The files `hf::load` reads from fixture `dir`, sorted by name (the references the other
 /// tests compare against, and `generation_config.json`, are not read by the loader).
 fn model_files(dir: &str) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(fixture(dir))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n != "reference.safetensors" && n != "generation_config.json")
-        .map(|n| {
-            let bytes = std::fs::read(fixture(dir).join(&n)).unwrap();
-            (n, bytes)
-        })
-        .collect();
-    files.sort();
-    files
-}
-
-/// A safetensors file's one binary header field: the header length (u64 little-endian).
-fn fields_of(name: &str) -> Vec<Field> {
-    if name.ends_with(".safetensors") {
-        vec![Field::new("safetensors header length", 0, 8)]
-    } else {
-        vec![]
-    }
-}
-
-fn seed(dir: &str, files: &[(String, Vec<u8>)]) -> Seed {
-    let fields: Vec<Vec<Field>> = files.iter().map(|(n, _)| fields_of(n)).collect();
-    let parts: Vec<(&str, &[u8], &[Field])> = files
-        .iter()
-        .zip(&fields)
-        .map(|((n, b), f)| (n.as_str(), b.as_slice(), f.as_slice()))
-        .collect();
-    bundle(dir, &parts)
+    common::dir_files(
+        &fixture(dir),
+        None,
+        &["reference.safetensors", "generation_config.json"],
+    )
 }
 
 /// Write the bundle's files into a fresh directory and load it; a loaded model is built and
@@ -110,7 +86,7 @@ fn load_input(
 
 fn campaign(name: &str, dir: &str) -> FuzzReport {
     let files = model_files(dir);
-    let seed = seed(dir, &files);
+    let seed = common::safetensors_bundle(dir, &files);
     let names: Vec<String> = files.into_iter().map(|(n, _)| n).collect();
     let scratch = ScratchDir::new("headroom-fuzz-hf").unwrap();
     fuzz_seeds(name, &[seed], iterations(CI_ITERATIONS), move |bytes| {

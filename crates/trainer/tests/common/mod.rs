@@ -43,3 +43,47 @@ pub fn odd_json_values() -> Vec<serde_json::Value> {
         json!({}),
     ]
 }
+
+/// The files of directory `dir`, sorted by name, `last` (when given) moved to the end and
+/// names in `skip` left out: the parts of a fuzz test's bundled input.
+#[allow(dead_code)] // only the fuzz_* tests use it
+pub fn dir_files(
+    dir: &std::path::Path,
+    last: Option<&str>,
+    skip: &[&str],
+) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !skip.contains(&n.as_str()))
+        .map(|n| {
+            let bytes = std::fs::read(dir.join(&n)).unwrap();
+            (n, bytes)
+        })
+        .collect();
+    files.sort_by_key(|(n, _)| (Some(n.as_str()) == last, n.clone()));
+    files
+}
+
+/// `files` bundled as one fuzz seed, each safetensors file's header length (u64
+/// little-endian, its one binary header field) marked for the extreme values.
+#[allow(dead_code)] // only the fuzz_* tests use it
+pub fn safetensors_bundle(name: &str, files: &[(String, Vec<u8>)]) -> headroom_fuzzkit::Seed {
+    let header = [headroom_fuzzkit::Field::new(
+        "safetensors header length",
+        0,
+        8,
+    )];
+    let parts: Vec<(&str, &[u8], &[headroom_fuzzkit::Field])> = files
+        .iter()
+        .map(|(n, b)| {
+            let fields: &[headroom_fuzzkit::Field] = if n.ends_with(".safetensors") {
+                &header
+            } else {
+                &[]
+            };
+            (n.as_str(), b.as_slice(), fields)
+        })
+        .collect();
+    headroom_fuzzkit::bundle(name, &parts)
+}
