@@ -508,10 +508,11 @@ impl LoraAdapter {
     /// Crash-safe per file: both files are first written and synced under temporary names
     /// unique to this call, then renamed over the old ones one right after the other (the
     /// weights first) and the directory synced. A failure before the renames leaves the
-    /// directory as it was, with no temporary behind; a crash between the two renames (they
-    /// cannot be one atomic step) leaves the new weights beside the old configuration, which
-    /// [`LoraAdapter::load`] refuses unless the old configuration's rank and target modules
-    /// fit the new weights (a changed `lora_alpha` alone would go unnoticed).
+    /// directory as it was, with no temporary behind; a failure or crash between the two
+    /// renames (they cannot be one atomic step) leaves the new weights beside the old
+    /// configuration, which [`LoraAdapter::load`] refuses unless the old configuration's rank
+    /// and target modules fit the new weights (a changed `lora_alpha` alone would go
+    /// unnoticed).
     pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         let (config, weights) = self.to_peft_bytes()?;
