@@ -250,17 +250,30 @@ fn load_lora_input(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_tr
     Ok(())
 }
 
+/// Campaign `name` over the bundled `files` (`what` names the seed), each input handed to
+/// `load` with a scratch directory of its own.
+fn campaign(
+    name: &str,
+    what: &str,
+    files: &[(String, Vec<u8>)],
+    load: fn(&ScratchDir, &[u8]) -> Result<(), headroom_trainer::TrainError>,
+) -> FuzzReport {
+    let scratch = ScratchDir::new(&format!("headroom-fuzz-{name}")).unwrap();
+    fuzz_seeds(
+        name,
+        &[common::safetensors_bundle(what, files)],
+        iterations(CI_ITERATIONS),
+        move |bytes| load(&scratch, bytes),
+    )
+}
+
 #[test]
 fn fuzz_checkpoint_as_is() {
-    let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
-    let report = fuzz_seeds(
+    let report = campaign(
         "checkpoint-as-is",
-        &[common::safetensors_bundle(
-            "tiny checkpoint",
-            checkpoint_files(),
-        )],
-        iterations(CI_ITERATIONS),
-        move |bytes| load_input(&scratch, bytes, false),
+        "tiny checkpoint",
+        checkpoint_files(),
+        |scratch, bytes| load_input(scratch, bytes, false),
     );
     // Nearly every mutation breaks a checksum; unmutated parts still load.
     check(report, false);
@@ -268,45 +281,33 @@ fn fuzz_checkpoint_as_is() {
 
 #[test]
 fn fuzz_checkpoint_resealed() {
-    let scratch = ScratchDir::new("headroom-fuzz-ck").unwrap();
-    let report = fuzz_seeds(
+    let report = campaign(
         "checkpoint-resealed",
-        &[common::safetensors_bundle(
-            "tiny checkpoint",
-            checkpoint_files(),
-        )],
-        iterations(CI_ITERATIONS),
-        move |bytes| load_input(&scratch, bytes, true),
+        "tiny checkpoint",
+        checkpoint_files(),
+        |scratch, bytes| load_input(scratch, bytes, true),
     );
     check(report, true);
 }
 
 #[test]
 fn fuzz_zero_checkpoint_resealed() {
-    let scratch = ScratchDir::new("headroom-fuzz-zero-ck").unwrap();
-    let report = fuzz_seeds(
+    let report = campaign(
         "zero-checkpoint-resealed",
-        &[common::safetensors_bundle(
-            "tiny ZeRO-2 checkpoint",
-            zero_checkpoint_files(),
-        )],
-        iterations(CI_ITERATIONS),
-        move |bytes| load_zero_input(&scratch, bytes),
+        "tiny ZeRO-2 checkpoint",
+        zero_checkpoint_files(),
+        load_zero_input,
     );
     check(report, true);
 }
 
 #[test]
 fn fuzz_lora_checkpoint_resealed() {
-    let scratch = ScratchDir::new("headroom-fuzz-lora-ck").unwrap();
-    let report = fuzz_seeds(
+    let report = campaign(
         "lora-checkpoint-resealed",
-        &[common::safetensors_bundle(
-            "tiny LoRA checkpoint",
-            lora_checkpoint_files(),
-        )],
-        iterations(CI_ITERATIONS),
-        move |bytes| load_lora_input(&scratch, bytes),
+        "tiny LoRA checkpoint",
+        lora_checkpoint_files(),
+        load_lora_input,
     );
     check(report, true);
 }
