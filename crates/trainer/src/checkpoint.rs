@@ -59,7 +59,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::LoaderState;
-use headroom_offload::AdamWState;
+use headroom_offload::{AdamWHyper, AdamWState};
 use headroom_tensor::{Backend, Cpu, CpuTensor};
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -67,6 +67,7 @@ use serde::{Deserialize, Serialize};
 use headroom_lora::{LoraAdapter, LoraLinear};
 
 use crate::model::{params, Family, FinetuneSpec, Model, ModelConfig, ModelOptions};
+use crate::train::LrSchedule;
 use crate::{Result, TrainError};
 
 /// Layout version of a checkpoint. Version 1 (flat directory, no manifest) is refused: its
@@ -114,6 +115,18 @@ pub struct RunSpec {
     pub min_lr_frac: f64,
     /// Warmup steps.
     pub warmup: usize,
+    /// The decay after the warmup (`cosine` when not recorded: the only one before it was).
+    #[serde(default)]
+    pub lr_schedule: LrSchedule,
+    /// AdamW's β1 (0.9 when not recorded: the value every run used before it was).
+    #[serde(default = "before_recorded::beta1")]
+    pub beta1: f64,
+    /// AdamW's β2 (0.95 when not recorded, as [`RunSpec::beta1`]).
+    #[serde(default = "before_recorded::beta2")]
+    pub beta2: f64,
+    /// AdamW's ε (1e-8 when not recorded, as [`RunSpec::beta1`]).
+    #[serde(default = "before_recorded::eps")]
+    pub eps: f64,
     /// Decoupled weight decay.
     pub weight_decay: f64,
     /// Gradient-norm clip (infinite: none, written as `null`, as JSON has no infinity).
@@ -130,6 +143,20 @@ pub struct RunSpec {
         skip_serializing_if = "Option::is_none"
     )]
     pub min_loss_scale: Option<Option<f32>>,
+}
+
+/// What every run used before its checkpoints recorded these settings: the values a
+/// checkpoint without them was trained with (so it resumes with them, bit for bit).
+mod before_recorded {
+    pub fn beta1() -> f64 {
+        0.9
+    }
+    pub fn beta2() -> f64 {
+        0.95
+    }
+    pub fn eps() -> f64 {
+        1e-8
+    }
 }
 
 /// A field that may be `null` inside an optional one: present (even as `null`) is `Some`, so
@@ -162,7 +189,27 @@ mod infinite_as_null {
 impl RunSpec {
     /// The learning rate at `step` (0-based), as the run scheduled it.
     pub fn lr_at(&self, step: usize) -> f64 {
-        crate::train::lr_schedule(self.lr, self.min_lr_frac, self.warmup, self.steps, step)
+        crate::train::lr_schedule(
+            self.lr_schedule,
+            self.lr,
+            self.min_lr_frac,
+            self.warmup,
+            self.steps,
+            step,
+        )
+    }
+
+    /// AdamW's hyper-parameters of parameter group `group` at learning rate `lr`: group 0
+    /// (matrices and embeddings) decays, group 1 (biases and norm gains) does not — GPT-2's
+    /// practice.
+    pub fn adamw_hyper(&self, lr: f64, group: usize) -> AdamWHyper {
+        AdamWHyper {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: if group == 0 { self.weight_decay } else { 0.0 },
+        }
     }
 
     /// The settings in which `self` (a checkpoint's) and `now` (this run's) differ, as
@@ -184,6 +231,14 @@ impl RunSpec {
             (now.lr * now.min_lr_frac).to_string(),
         );
         cmp("--warmup", self.warmup.to_string(), now.warmup.to_string());
+        cmp(
+            "--lr-schedule",
+            self.lr_schedule.name().into(),
+            now.lr_schedule.name().into(),
+        );
+        cmp("--beta1", self.beta1.to_string(), now.beta1.to_string());
+        cmp("--beta2", self.beta2.to_string(), now.beta2.to_string());
+        cmp("--adam-eps", self.eps.to_string(), now.eps.to_string());
         cmp(
             "--weight-decay",
             self.weight_decay.to_string(),

@@ -14,7 +14,9 @@ use crate::estimate::estimate;
 use crate::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
 use crate::model::{Family, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
-use crate::train::{train, DataSource, EvalOptions, MemoryOutputs, StepLog, TrainOptions};
+use crate::train::{
+    train, DataSource, EvalOptions, LrSchedule, MemoryOutputs, StepLog, TrainOptions,
+};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use headroom_attn::AttentionConfig;
 use headroom_mmap_data::{
@@ -528,13 +530,41 @@ const MAX_BUDGET_MIB: u64 = (u64::MAX >> 20) - 1;
 const HELP_STEPS: &str = "Optimizer steps [default: 600 for tiny, 20 for small and gpt2]";
 const HELP_LR: &str = "Peak learning rate [default: 3e-3 for tiny, 6e-4 for small and gpt2]";
 const HELP_WARMUP: &str =
-    "Linear warmup steps before the cosine decay [default: 20 for tiny, 2 for small and gpt2]";
-const HELP_MIN_LR: &str =
-    "Learning rate at the end of the cosine decay [default: 0.1 × the peak learning rate]";
+    "Linear warmup steps before the decay [default: 20 for tiny, 2 for small and gpt2]";
+const HELP_MIN_LR: &str = "Learning rate at the end of the decay (not with --lr-schedule \
+     constant) [default: 0.1 × the peak learning rate]";
+const HELP_BETA1: &str = "AdamW's β1, the first moment's decay [default: 0.9]";
+const HELP_BETA2: &str = "AdamW's β2, the second moment's decay [default: 0.95, GPT-2/GPT-3 \
+     practice as nanoGPT and llm.c; PyTorch's and transformers' default is 0.999]";
+const HELP_ADAM_EPS: &str = "AdamW's ε, added to the square root of v [default: 1e-8]";
 const HELP_WEIGHT_DECAY: &str =
     "Decoupled weight decay of matrices and embeddings (none on biases and norms) [default: 0.1]";
 const HELP_GRAD_CLIP: &str =
     "Clip the global gradient norm to this (inf: no clipping) [default: 1.0]";
+
+/// `--lr-schedule`'s choices.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ScheduleArg {
+    /// Half a cosine down to --min-lr (nanoGPT's, llm.c's default)
+    Cosine,
+    /// A straight line down to --min-lr (the shape of transformers' Trainer's default)
+    Linear,
+    /// The peak learning rate to the end (llm.c's has no warmup: add --warmup 0)
+    Constant,
+    /// Warmup-stable-decay: the peak rate until 80% of --steps, then 1 − √t down to --min-lr
+    Wsd,
+}
+
+impl From<ScheduleArg> for LrSchedule {
+    fn from(a: ScheduleArg) -> Self {
+        match a {
+            ScheduleArg::Cosine => LrSchedule::Cosine,
+            ScheduleArg::Linear => LrSchedule::Linear,
+            ScheduleArg::Constant => LrSchedule::Constant,
+            ScheduleArg::Wsd => LrSchedule::Wsd,
+        }
+    }
+}
 
 #[derive(Parser)]
 struct TrainArgs {
@@ -548,6 +578,15 @@ struct TrainArgs {
     warmup: Option<usize>,
     #[arg(long, help = HELP_MIN_LR)]
     min_lr: Option<f64>,
+    /// The learning rate after the warmup, as llm.c's schedulers
+    #[arg(long, value_enum, default_value_t = ScheduleArg::Cosine)]
+    lr_schedule: ScheduleArg,
+    #[arg(long, help = HELP_BETA1)]
+    beta1: Option<f64>,
+    #[arg(long, help = HELP_BETA2)]
+    beta2: Option<f64>,
+    #[arg(long, help = HELP_ADAM_EPS)]
+    adam_eps: Option<f64>,
     #[arg(long, help = HELP_WEIGHT_DECAY)]
     weight_decay: Option<f64>,
     #[arg(long, help = HELP_GRAD_CLIP)]
@@ -1080,6 +1119,7 @@ fn cmd_train_zero(
             o.techniques.describe(),
             headroom_tensor::isa::describe()
         );
+        say!("optimizer: {}", o.describe_optimizer());
     }
     let metrics_path = metrics.unwrap_or(Path::new(""));
     let mut metrics = match metrics {
@@ -1179,7 +1219,23 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         o.warmup = w;
     }
     if let Some(min_lr) = args.min_lr {
+        if args.lr_schedule == ScheduleArg::Constant {
+            return Err(
+                "--min-lr: the constant schedule does not decay (choose another --lr-schedule)"
+                    .into(),
+            );
+        }
         o.min_lr_frac = min_lr / o.lr;
+    }
+    o.lr_schedule = args.lr_schedule.into();
+    if let Some(b) = args.beta1 {
+        o.beta1 = b;
+    }
+    if let Some(b) = args.beta2 {
+        o.beta2 = b;
+    }
+    if let Some(e) = args.adam_eps {
+        o.eps = e;
     }
     if let Some(wd) = args.weight_decay {
         o.weight_decay = wd;
@@ -1245,6 +1301,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         o.techniques.describe(),
         headroom_tensor::isa::describe()
     );
+    say!("optimizer: {}", o.describe_optimizer());
     // A resumed run continues the metrics of the run it resumes.
     let metrics_path = args.metrics.as_deref().unwrap_or(Path::new(""));
     let mut metrics = match &args.metrics {

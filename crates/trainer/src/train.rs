@@ -26,6 +26,7 @@ use headroom_offload::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StatePrecisi
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, MemoryCategory};
+use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, RunSpec, TrainingState};
 #[cfg(feature = "cuda")]
@@ -62,9 +63,69 @@ pub enum DataSource {
     File(PathBuf),
 }
 
+/// How the learning rate moves after the linear warmup: llm.c's `-k` schedulers, by their
+/// names there. All start at the peak `lr` when the warmup ends and (but `Constant`) reach
+/// `min_lr_frac·lr` at the last step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    /// Half a cosine period down to the floor (nanoGPT's, llm.c's default). The only schedule
+    /// of checkpoints written before the schedule was recorded.
+    #[default]
+    Cosine,
+    /// A straight line down to the floor (the shape of transformers' `linear`, its Trainer's
+    /// default, whose warmup starts at 0 rather than at `lr/warmup`).
+    Linear,
+    /// The peak rate to the end; the floor is unused (the shape of transformers'
+    /// `constant_with_warmup`; llm.c's `constant` has no warmup, which `--warmup 0` gives).
+    Constant,
+    /// Warmup–stable–decay (Hägele et al. 2024, as llm.c): the peak rate until 80% of the
+    /// steps, then down to the floor as `1 − √t` over the last 20%. A run can be stopped at
+    /// its stable phase and branched into several lengths of cooldown.
+    Wsd,
+}
+
+impl LrSchedule {
+    /// The name the command line and `state.json` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            LrSchedule::Cosine => "cosine",
+            LrSchedule::Linear => "linear",
+            LrSchedule::Constant => "constant",
+            LrSchedule::Wsd => "wsd",
+        }
+    }
+}
+
+/// `x` in exponent notation with at most six significant digits (`6e-5`, not the
+/// `6.000000000000001e-5` that `0.1 × 6e-4` is in f64).
+fn short_float(x: f64) -> String {
+    if x == 0.0 {
+        return "0".into();
+    }
+    let s = format!("{x:.5e}");
+    match s.split_once('e') {
+        Some((mantissa, exp)) if mantissa.contains('.') => {
+            let mantissa = mantissa.trim_end_matches('0').trim_end_matches('.');
+            format!("{mantissa}e{exp}")
+        }
+        _ => s,
+    }
+}
+
+/// The first step of [`LrSchedule::Wsd`]'s decay: llm.c's `(int)(0.8f * steps)`, which is
+/// ⌊4·steps/5⌋ for every step count a run can have (f32's 0.8 lies a little above 0.8);
+/// written without overflow.
+fn wsd_decay_start(steps: usize) -> usize {
+    steps / 5 * 4 + steps % 5 * 4 / 5
+}
+
 /// The learning rate at `step` (0-based) of a run of `steps` steps: linear warmup over
-/// `warmup` steps to `lr`, then cosine to `min_lr_frac·lr`.
+/// `warmup` steps to `lr` (llm.c's `lr·(step + 1)/warmup`), then `schedule` down to
+/// `min_lr_frac·lr`. Computed in f64 (llm.c computes in f32: the two agree within f32's
+/// rounding, see `tests/lr_schedule_llmc.rs`).
 pub(crate) fn lr_schedule(
+    schedule: LrSchedule,
     lr: f64,
     min_lr_frac: f64,
     warmup: usize,
@@ -74,10 +135,27 @@ pub(crate) fn lr_schedule(
     if step < warmup {
         return lr * (step + 1) as f64 / warmup as f64;
     }
-    let span = (steps.saturating_sub(warmup)).max(1) as f64;
-    let progress = ((step - warmup) as f64 / span).min(1.0);
     let min = lr * min_lr_frac;
-    min + 0.5 * (lr - min) * (1.0 + (std::f64::consts::PI * progress).cos())
+    // The fraction of a phase done at `step`, in [0, 1] (a step past the end stays at it).
+    let progress = |start: usize| {
+        let span = steps.saturating_sub(start).max(1) as f64;
+        (step.saturating_sub(start) as f64 / span).min(1.0)
+    };
+    match schedule {
+        LrSchedule::Cosine => {
+            min + 0.5 * (lr - min) * (1.0 + (std::f64::consts::PI * progress(warmup)).cos())
+        }
+        LrSchedule::Linear => lr - progress(warmup) * (lr - min),
+        LrSchedule::Constant => lr,
+        LrSchedule::Wsd => {
+            let decay_start = wsd_decay_start(steps);
+            if step < decay_start {
+                lr
+            } else {
+                min + (1.0 - progress(decay_start).sqrt()) * (lr - min)
+            }
+        }
+    }
 }
 
 /// Everything a run needs.
@@ -95,10 +173,18 @@ pub struct TrainOptions {
     pub seq: usize,
     /// Peak learning rate.
     pub lr: f64,
-    /// Final learning rate as a fraction of `lr` (cosine decay).
+    /// Final learning rate as a fraction of `lr` (the end of the decay).
     pub min_lr_frac: f64,
     /// Linear warmup steps.
     pub warmup: usize,
+    /// The decay after the warmup.
+    pub lr_schedule: LrSchedule,
+    /// AdamW's first-moment decay β1.
+    pub beta1: f64,
+    /// AdamW's second-moment decay β2.
+    pub beta2: f64,
+    /// AdamW's ε (added outside the square root, as PyTorch's).
+    pub eps: f64,
     /// Decoupled weight decay of matrices and embeddings (none for biases and norms).
     pub weight_decay: f64,
     /// Global gradient-norm clip.
@@ -274,6 +360,12 @@ impl TrainOptions {
             lr: 3e-3,
             min_lr_frac: 0.1,
             warmup: 20,
+            lr_schedule: LrSchedule::Cosine,
+            // GPT-2/GPT-3 practice (nanoGPT, llm.c): a shorter memory for v than PyTorch's
+            // 0.999, which large-batch language-model runs find more stable.
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
             weight_decay: 0.1,
             grad_clip: 1.0,
             min_loss_scale: None,
@@ -322,9 +414,46 @@ impl TrainOptions {
         }
     }
 
-    /// The learning rate at `step` (0-based): linear warmup, then cosine to `min_lr_frac·lr`.
+    /// The learning rate at `step` (0-based): linear warmup, then [`TrainOptions::lr_schedule`]
+    /// down to `min_lr_frac·lr`.
     pub fn lr_at(&self, step: usize) -> f64 {
-        lr_schedule(self.lr, self.min_lr_frac, self.warmup, self.steps, step)
+        lr_schedule(
+            self.lr_schedule,
+            self.lr,
+            self.min_lr_frac,
+            self.warmup,
+            self.steps,
+            step,
+        )
+    }
+
+    /// The optimizer's settings in one line, as the command prints them before the first
+    /// step: `AdamW β (0.9, 0.95), ε 1e-8, weight decay 0.1; lr 3e-3, 20 warmup steps, cosine
+    /// to 3e-4; grad clip 1`.
+    pub fn describe_optimizer(&self) -> String {
+        let floor = short_float(self.lr * self.min_lr_frac);
+        let decay = match self.lr_schedule {
+            LrSchedule::Constant => "constant".to_string(),
+            LrSchedule::Wsd => format!(
+                "wsd: constant until step {}, then 1 − √t to {floor}",
+                wsd_decay_start(self.steps)
+            ),
+            s => format!("{} to {floor}", s.name()),
+        };
+        let clip = if self.grad_clip.is_finite() {
+            format!("grad clip {}", self.grad_clip)
+        } else {
+            "no grad clip".into()
+        };
+        format!(
+            "AdamW β ({}, {}), ε {}, weight decay {}; lr {}, {} warmup steps, {decay}; {clip}",
+            self.beta1,
+            self.beta2,
+            short_float(self.eps),
+            self.weight_decay,
+            short_float(self.lr),
+            self.warmup
+        )
     }
 
     /// Sequences per micro-batch, checked to divide the batch.
@@ -355,6 +484,10 @@ impl TrainOptions {
             lr: self.lr,
             min_lr_frac: self.min_lr_frac,
             warmup: self.warmup,
+            lr_schedule: self.lr_schedule,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
             weight_decay: self.weight_decay,
             grad_clip: self.grad_clip,
             precision: self.techniques.model.precision.name().to_string(),
@@ -419,6 +552,17 @@ impl TrainOptions {
                     self.lr * self.min_lr_frac,
                     self.lr
                 ),
+            );
+        }
+        for (option, v) in [("--beta1", self.beta1), ("--beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return opt(option, format!("{v} is not in [0, 1)"));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps >= 0.0) {
+            return opt(
+                "--adam-eps",
+                format!("{} is not a non-negative number", self.eps),
             );
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
@@ -1370,20 +1514,8 @@ fn train_tracked(
             group: if s.len() >= 2 { 0 } else { 1 },
         })
         .collect();
-    let groups = vec![
-        AdamWHyper {
-            lr: opts.lr,
-            weight_decay: opts.weight_decay,
-            beta2: 0.95,
-            ..Default::default()
-        },
-        AdamWHyper {
-            lr: opts.lr,
-            weight_decay: 0.0,
-            beta2: 0.95,
-            ..Default::default()
-        },
-    ];
+    let run = opts.run_spec();
+    let groups = vec![run.adamw_hyper(opts.lr, 0), run.adamw_hyper(opts.lr, 1)];
     let mut stepper = if let Some(ordinal) = resident_cuda {
         // The device's moments are uploaded from host bytes: read whole.
         let moments = resume.as_ref().map(|ck| ck.moments()).transpose()?;
@@ -1697,5 +1829,89 @@ mod tests {
         assert!((o.lr_at(55) - 0.55).abs() < 1e-12);
         assert!((o.lr_at(100) - 0.1).abs() < 1e-12);
         assert!((1..100).all(|s| s < 10 || o.lr_at(s) <= o.lr_at(s - 1)));
+    }
+
+    #[test]
+    fn each_schedule_passes_its_landmarks() {
+        let o = |lr_schedule| TrainOptions {
+            steps: 100,
+            warmup: 10,
+            lr: 1.0,
+            min_lr_frac: 0.1,
+            lr_schedule,
+            ..TrainOptions::tiny_default()
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        let linear = o(LrSchedule::Linear);
+        assert!(close(linear.lr_at(0), 0.1) && close(linear.lr_at(10), 1.0));
+        assert!(close(linear.lr_at(55), 0.55) && close(linear.lr_at(100), 0.1));
+        let constant = o(LrSchedule::Constant);
+        assert!(close(constant.lr_at(4), 0.5));
+        assert!((10..=100).all(|s| constant.lr_at(s) == 1.0));
+        // wsd turns at step 80 and falls as 1 − √t over the last 20.
+        let wsd = o(LrSchedule::Wsd);
+        assert!((10..=80).all(|s| wsd.lr_at(s) == 1.0));
+        assert!(close(wsd.lr_at(85), 0.1 + 0.9 * (1.0 - 0.25f64.sqrt())));
+        assert!(close(wsd.lr_at(100), 0.1));
+        assert_eq!(
+            (0..=8).map(wsd_decay_start).collect::<Vec<_>>(),
+            [0, 0, 1, 2, 3, 4, 4, 5, 6]
+        );
+        for n in [usize::MAX, usize::MAX - 1, usize::MAX - 3, 12_345] {
+            assert_eq!(wsd_decay_start(n) as u128, n as u128 * 4 / 5);
+        }
+    }
+
+    #[test]
+    fn the_optimizer_line_names_every_setting() {
+        let mut o = TrainOptions::small_default();
+        assert_eq!(
+            o.describe_optimizer(),
+            "AdamW β (0.9, 0.95), ε 1e-8, weight decay 0.1; lr 6e-4, 2 warmup steps, cosine to \
+             6e-5; grad clip 1"
+        );
+        o.lr_schedule = LrSchedule::Wsd;
+        o.min_lr_frac = 0.0;
+        o.grad_clip = f64::INFINITY;
+        assert!(o
+            .describe_optimizer()
+            .ends_with("wsd: constant until step 16, then 1 − √t to 0; no grad clip"));
+    }
+
+    proptest::proptest! {
+        /// After the warmup every schedule stays between the floor and the peak and never
+        /// rises; cosine, linear and constant start the decay at the peak, and all but
+        /// constant end it at the floor.
+        #[test]
+        fn schedules_decay_between_the_peak_and_the_floor(
+            which in 0usize..4,
+            warmup in 0usize..50,
+            extra in 1usize..400,
+            lr in 1e-6f64..1.0,
+            min_lr_frac in 0.0f64..=1.0,
+        ) {
+            let schedule =
+                [LrSchedule::Cosine, LrSchedule::Linear, LrSchedule::Constant, LrSchedule::Wsd]
+                    [which];
+            let steps = warmup + extra;
+            let at = |step| lr_schedule(schedule, lr, min_lr_frac, warmup, steps, step);
+            let min = lr * min_lr_frac;
+            let slack = 1e-12 * lr;
+            for step in warmup..=steps {
+                let v = at(step);
+                proptest::prop_assert!(v >= min - slack && v <= lr + slack, "step {step}: {v}");
+                if step > warmup {
+                    proptest::prop_assert!(v <= at(step - 1) + slack, "rises at {step}");
+                }
+            }
+            if schedule != LrSchedule::Wsd || warmup < wsd_decay_start(steps) {
+                proptest::prop_assert!((at(warmup) - lr).abs() <= slack);
+            }
+            let end = if schedule == LrSchedule::Constant { lr } else { min };
+            proptest::prop_assert!((at(steps) - end).abs() <= slack);
+            for step in 0..warmup {
+                proptest::prop_assert!(at(step) <= lr + slack && at(step) > 0.0);
+            }
+        }
     }
 }

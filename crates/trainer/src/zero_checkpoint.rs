@@ -28,7 +28,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::{LoaderState, SamplerConfig, SamplingMode, Shard};
-use headroom_offload::{AdamWHyper, AdamWState, ParamSpec, StatePrecision};
+use headroom_offload::{AdamWState, ParamSpec, StatePrecision};
 use headroom_zero::ZeroEngine;
 use serde::{Deserialize, Serialize};
 
@@ -593,12 +593,8 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
     // Refused now rather than by a full disk half-way through the files.
     checkpoint::check_room(dst_root, state_bytes(&cfg)?, "consolidate's <OUT>")?;
     let infos = params::param_infos(&cfg);
-    let hyper = |wd| AdamWHyper {
-        lr: ck.state.run.lr_at(ck.state.step.saturating_sub(1)),
-        weight_decay: wd,
-        beta2: 0.95,
-        ..Default::default()
-    };
+    let run = &ck.state.run;
+    let lr = run.lr_at(ck.state.step.saturating_sub(1));
     let specs: Vec<ParamSpec> = infos
         .iter()
         .map(|i| ParamSpec {
@@ -608,7 +604,7 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
         .collect();
     let optimizer = AdamWState {
         precision: StatePrecision::F32,
-        groups: vec![hyper(ck.state.run.weight_decay), hyper(0.0)],
+        groups: vec![run.adamw_hyper(lr, 0), run.adamw_hyper(lr, 1)],
         steps: vec![ck.state.step as u64; specs.len()],
         params: specs,
     };

@@ -39,6 +39,7 @@ use headroom_profiler::{label_absolute, MemorySnapshot, MemoryTracker};
 use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, DType, Device, MemoryCategory, Shape};
 
+use crate::checkpoint::RunSpec;
 use crate::engine::ComputeDevice;
 use headroom_zero::{
     Collective, CommStats, CountingCollective, InProcessGroup, ShardOptimizer, Stage, UpdatePiece,
@@ -1302,12 +1303,13 @@ impl RankBackend for headroom_cuda::Cuda {
 }
 
 /// AdamW on a rank's shard: the trainer's two groups (decay for matrices and embeddings, none
-/// for biases and norms) and β2 = 0.95, through headroom-offload's fused kernel — the same
-/// operations as the single-process `CpuAdamW`, piece by piece.
+/// for biases and norms) and the run's β1, β2 and ε, through headroom-offload's fused kernel —
+/// the same operations as the single-process `CpuAdamW`, piece by piece.
 pub struct ShardAdamW {
     /// Learning rate of the next step.
     pub lr: f64,
-    weight_decay: f64,
+    /// The run's settings (β1, β2, ε, weight decay).
+    run: RunSpec,
     /// Per part, per tensor: 0 decays, 1 does not.
     groups: Vec<Vec<usize>>,
     isa: Isa,
@@ -1318,7 +1320,7 @@ impl ShardAdamW {
     pub fn new(opts: &TrainOptions, groups: Vec<Vec<usize>>) -> Self {
         ShardAdamW {
             lr: opts.lr,
-            weight_decay: opts.weight_decay,
+            run: opts.run_spec(),
             groups,
             isa: Isa::detect(),
         }
@@ -1326,12 +1328,7 @@ impl ShardAdamW {
 
     /// Group `g`'s hyper-parameters (the single-process trainer's).
     pub fn hyper(&self, g: usize) -> AdamWHyper {
-        AdamWHyper {
-            lr: self.lr,
-            weight_decay: if g == 0 { self.weight_decay } else { 0.0 },
-            beta2: 0.95,
-            ..Default::default()
-        }
+        self.run.adamw_hyper(self.lr, g)
     }
 }
 

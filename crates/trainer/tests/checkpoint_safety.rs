@@ -463,6 +463,102 @@ fn the_loss_scale_floor_is_part_of_an_fp16_run() {
     assert_eq!(fp32(Some(8.0)).run_spec(), fp32(None).run_spec());
 }
 
+/// `--beta1`, `--beta2`, `--adam-eps` and `--lr-schedule` are part of a run: the checkpoint
+/// records them (and its optimizer state holds the betas the optimizer ran with), a resume under
+/// other ones names each, and a resume under the same ones equals the uninterrupted run. A
+/// checkpoint written before they were recorded resumes with the values every run used then.
+#[test]
+fn the_optimizer_settings_and_schedule_are_part_of_a_run() {
+    use headroom_trainer::train::LrSchedule;
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = tiny(4);
+    o.beta1 = 0.8;
+    o.beta2 = 0.999;
+    o.eps = 1e-6;
+    o.lr_schedule = LrSchedule::Wsd;
+    let whole = train(&o, |_| {}).unwrap();
+    let first = TrainOptions {
+        save: Some((dir.path().to_path_buf(), 2)),
+        stop_after: Some(2),
+        ..o.clone()
+    };
+    train(&first, |_| {}).unwrap();
+    let step2 = dir.path().join("step-00000002");
+    let ck = checkpoint::load(&step2).unwrap();
+    assert_eq!(
+        (ck.state.run.beta1, ck.state.run.beta2, ck.state.run.eps),
+        (0.8, 0.999, 1e-6)
+    );
+    assert_eq!(ck.state.run.lr_schedule, LrSchedule::Wsd);
+    for g in &ck.state.optimizer.groups {
+        assert_eq!((g.beta1, g.beta2, g.eps), (0.8, 0.999, 1e-6));
+    }
+
+    let resume = |o: &TrainOptions| {
+        train(
+            &TrainOptions {
+                resume_from: Some(step2.clone()),
+                ..o.clone()
+            },
+            |_| {},
+        )
+    };
+    let other = TrainOptions {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        lr_schedule: LrSchedule::Linear,
+        ..o.clone()
+    };
+    match resume(&other).unwrap_err() {
+        TrainError::ResumeMismatch { differences, .. } => assert_eq!(
+            differences,
+            [
+                "--lr-schedule: checkpoint wsd, this run linear",
+                "--beta1: checkpoint 0.8, this run 0.9",
+                "--beta2: checkpoint 0.999, this run 0.95",
+                "--adam-eps: checkpoint 0.000001, this run 0.00000001",
+            ]
+        ),
+        e => panic!("expected ResumeMismatch, got {e}"),
+    }
+    let resumed = resume(&o).unwrap();
+    let bits = |r: &headroom_trainer::train::TrainReport| -> Vec<u32> {
+        r.steps.iter().map(|s| s.loss.to_bits()).collect()
+    };
+    assert_eq!(bits(&resumed), bits(&whole)[2..]);
+
+    // A checkpoint of before: trained with β (0.9, 0.95), ε 1e-8 and the cosine schedule,
+    // none of which its state.json names.
+    let old_dir = tempfile::tempdir().unwrap();
+    let old = TrainOptions {
+        save: Some((old_dir.path().to_path_buf(), 2)),
+        stop_after: Some(2),
+        ..tiny(4)
+    };
+    train(&old, |_| {}).unwrap();
+    let old2 = old_dir.path().join("step-00000002");
+    let path = old2.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let run = state["run"].as_object_mut().unwrap();
+    for field in ["beta1", "beta2", "eps", "lr_schedule"] {
+        assert!(run.remove(field).is_some(), "state.json lacks {field}");
+    }
+    rewrite_consistently(&old2, "state.json", &serde_json::to_vec(&state).unwrap());
+    let run = checkpoint::load(&old2).unwrap().state.run;
+    assert_eq!(run, tiny(4).run_spec());
+    let resumed = train(
+        &TrainOptions {
+            resume_from: Some(old2),
+            ..tiny(4)
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(resumed.steps.len(), 2);
+}
+
 #[test]
 fn hostile_sizes_in_a_checkpoint_are_refused_before_allocating() {
     let (dir, _) = trained_with_checkpoints(1, 1);
@@ -604,6 +700,27 @@ fn absurd_run_options_are_typed_errors_naming_the_option() {
                 ..tiny(1)
             },
             "--grad-clip",
+        ),
+        (
+            TrainOptions {
+                beta1: 1.0,
+                ..tiny(1)
+            },
+            "--beta1",
+        ),
+        (
+            TrainOptions {
+                beta2: f64::NAN,
+                ..tiny(1)
+            },
+            "--beta2",
+        ),
+        (
+            TrainOptions {
+                eps: -1e-8,
+                ..tiny(1)
+            },
+            "--adam-eps",
         ),
         (
             TrainOptions {

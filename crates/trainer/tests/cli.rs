@@ -43,8 +43,22 @@ fn data_synth_then_inspect_then_train_on_the_file_with_metrics() {
         "--no-progress",
         "--metrics",
         metrics.to_str().unwrap(),
+        "--beta2",
+        "0.99",
+        "--lr-schedule",
+        "linear",
+        "--warmup",
+        "1",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains(
+            "\noptimizer: AdamW β (0.9, 0.99), ε 1e-8, weight decay 0.1; lr 3e-3, 1 warmup \
+             steps, linear to 3e-4; grad clip 1\n"
+        ),
+        "{out}"
+    );
     let lines = std::fs::read_to_string(&metrics).unwrap();
     let rows: Vec<serde_json::Value> = lines
         .lines()
@@ -52,6 +66,12 @@ fn data_synth_then_inspect_then_train_on_the_file_with_metrics() {
         .collect();
     assert_eq!(rows.len(), 3);
     assert!(rows.iter().all(|r| r["loss"].as_f64().unwrap() > 0.0));
+    // Linear from the peak after one warmup step: 3e-3, then halfway to the floor 3e-4.
+    let lr: Vec<f64> = rows.iter().map(|r| r["lr"].as_f64().unwrap()).collect();
+    assert!(
+        (lr[1] - 3e-3).abs() < 1e-12 && (lr[2] - 1.65e-3).abs() < 1e-12,
+        "{lr:?}"
+    );
     assert_eq!(rows[2]["step"], 2);
 }
 
@@ -289,6 +309,17 @@ fn absurd_sizes_are_errors_naming_the_option() {
         ),
         (&["train", "--keep-checkpoints", "0"], "--keep-checkpoints"),
         (&["train", "--grad-clip=-1", "--steps", "1"], "--grad-clip"),
+        (
+            &["train", "--beta1", "1", "--steps", "1"],
+            "--beta1: 1 is not in [0, 1)",
+        ),
+        (&["train", "--beta2=-0.5", "--steps", "1"], "--beta2"),
+        (&["train", "--adam-eps=-1e-8", "--steps", "1"], "--adam-eps"),
+        (
+            &["train", "--lr-schedule", "constant", "--min-lr", "1e-4"],
+            "--min-lr: the constant schedule does not decay",
+        ),
+        (&["train", "--lr-schedule", "step"], "--lr-schedule"),
         (&["train", "--lora-rank", "0"], "--lora-rank"),
         (
             &["train", "--lora-rank", "4", "--lora-dropout", "1"],
@@ -370,12 +401,20 @@ fn help_shows_the_real_defaults() {
         format!("{} × the peak learning rate", tiny.min_lr_frac),
         format!("[default: {}]", tiny.weight_decay),
         format!("[default: {:.1}]", tiny.grad_clip),
+        format!("β1, the first moment's decay [default: {}]", tiny.beta1),
+        format!("β2, the second moment's decay [default: {},", tiny.beta2),
+        format!("[default: {:e}]", tiny.eps),
+        format!("[default: {}]", tiny.lr_schedule.name()),
     ] {
         assert!(help.contains(&needle), "--help lacks {needle:?}:\n{help}");
     }
     assert_eq!(
         (tiny.weight_decay, tiny.grad_clip, tiny.min_lr_frac),
         (small.weight_decay, small.grad_clip, small.min_lr_frac)
+    );
+    assert_eq!(
+        (tiny.beta1, tiny.beta2, tiny.eps, tiny.lr_schedule),
+        (small.beta1, small.beta2, small.eps, small.lr_schedule)
     );
 }
 

@@ -15,7 +15,7 @@ use headroom_trainer::model::{
     params, Family, Geometry, LlamaShape, Model, ModelConfig, Part, Precision,
 };
 use headroom_trainer::techniques::CheckpointChoice;
-use headroom_trainer::train::{open_data, DataSource, SyntheticData, TrainOptions};
+use headroom_trainer::train::{open_data, DataSource, LrSchedule, SyntheticData, TrainOptions};
 use headroom_trainer::zero_train::{estimate_run, train_zero, ZeroOptions};
 use headroom_zero::Stage;
 
@@ -51,6 +51,12 @@ fn options(family: Family, ranks: usize, steps: usize) -> TrainOptions {
     o.techniques.checkpoint = CheckpointChoice::EveryK(2);
     // Clipping's norm is summed in another order under sharding; parity is about the rest.
     o.grad_clip = f64::INFINITY;
+    // Not the defaults: every rank's optimizer and the consolidated state must carry the
+    // run's own.
+    o.beta1 = 0.85;
+    o.beta2 = 0.99;
+    o.eps = 1e-6;
+    o.lr_schedule = LrSchedule::Linear;
     o.check_machine_memory = false;
     o
 }
@@ -129,9 +135,10 @@ fn reference_from(o: &TrainOptions, stage: Stage, ranks: usize, start: Option<&S
         .collect();
     let hyper = |wd| AdamWHyper {
         lr: o.lr,
+        beta1: o.beta1,
+        beta2: o.beta2,
+        eps: o.eps,
         weight_decay: wd,
-        beta2: 0.95,
-        ..Default::default()
     };
     let mut opt = match start {
         Some(s) => CpuAdamW::restore(&s.optimizer, &cpu, &s.moments).unwrap(),
