@@ -59,7 +59,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::LoaderState;
-use headroom_offload::{AdamWHyper, AdamWState};
+use headroom_offload::{AdamWHyper, AdamWState, StatePrecision};
 use headroom_tensor::{Backend, Cpu, CpuTensor};
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
@@ -197,6 +197,12 @@ impl RunSpec {
             self.steps,
             step,
         )
+    }
+
+    /// The optimizer's settings in one line: `AdamW β (0.9, 0.95), ε 1e-8, weight decay 0.1;
+    /// lr 3e-3, 20 warmup steps, cosine to 3e-4; grad clip 1`.
+    pub fn describe_optimizer(&self) -> String {
+        crate::train::describe_optimizer(self)
     }
 
     /// AdamW's hyper-parameters of parameter group `group` at learning rate `lr`: group 0
@@ -1578,6 +1584,105 @@ pub fn verify_model_files(path: &Path) -> Result<(PathBuf, ModelConfig)> {
         verify_streamed(&dir, e)?;
     }
     Ok((dir, state.config))
+}
+
+/// What a checkpoint holds, as [`verify`] found it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CheckpointKind {
+    /// A model and its AdamW moments.
+    Full {
+        /// How the moments are stored.
+        optimizer: StatePrecision,
+    },
+    /// A LoRA / QLoRA step: PEFT's adapter files and the adapters' moments.
+    Finetune(FinetuneState),
+    /// One file per rank of a ZeRO run.
+    Zero {
+        /// The stage that wrote it.
+        stage: u8,
+        /// Ranks (and rank files).
+        ranks: usize,
+    },
+}
+
+/// A checkpoint whose every file matched its manifest ([`verify`]).
+#[derive(Clone, Debug)]
+pub struct Verified {
+    /// The step directory.
+    pub dir: PathBuf,
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// The model's shape.
+    pub config: ModelConfig,
+    /// The run's settings, which a resume must match.
+    pub run: RunSpec,
+    /// Full, fine-tuning or ZeRO.
+    pub kind: CheckpointKind,
+    /// The data loader's position (a ZeRO checkpoint keeps one per rank, in its rank file).
+    pub loader: Option<LoaderState>,
+    /// Every file the manifest lists, each checked.
+    pub files: Vec<ManifestFile>,
+}
+
+/// Check the checkpoint at `path` (a step directory, or a root: its newest) without loading
+/// it: what a resume checks before it reads any weight (the manifest; the state file's
+/// checksum, format and step; the optimizer state's sizes against the model's, or a
+/// fine-tuning step's adapters against its set-up; a ZeRO checkpoint's pieces tiling every
+/// tensor), then every other file's size and checksum, read 1 MiB at a time, so nothing of
+/// the model's size is held. For a copy before a long job starts from it, or a directory
+/// after a crash. The model files' tensors are read (and so checked) by whatever loads them.
+pub fn verify(path: &Path) -> Result<Verified> {
+    let dir = resolve(path)?;
+    if crate::zero_checkpoint::is_zero_checkpoint(&dir) {
+        // `load` streams every rank file's checksum and reads `zero.json` verified.
+        let z = crate::zero_checkpoint::load(&dir)?;
+        let manifest = parse_manifest(&dir)?;
+        let rank_files: Vec<String> = (0..z.state.ranks)
+            .map(|r| crate::zero_checkpoint::rank_file(r, z.state.ranks))
+            .collect();
+        for f in &manifest.files {
+            if f.name != crate::zero_checkpoint::ZERO_STATE && !rank_files.contains(&f.name) {
+                verify_streamed(&dir, f)?;
+            }
+        }
+        return Ok(Verified {
+            dir,
+            step: z.state.step,
+            config: z.state.config,
+            run: z.state.run,
+            kind: CheckpointKind::Zero {
+                stage: z.state.stage,
+                ranks: z.state.ranks,
+            },
+            loader: None,
+            files: manifest.files,
+        });
+    }
+    let point = ResumePoint::open(&dir)?;
+    let manifest = point.manifest;
+    let kind = match point.state.finetune.clone() {
+        // `open` read and checked the adapters and verified every file.
+        Some(f) => CheckpointKind::Finetune(f),
+        None => {
+            // A sharded model's index names only files the manifest lists.
+            manifest.model_entries(&dir)?;
+            for f in &manifest.files {
+                verify_streamed(&dir, f)?;
+            }
+            CheckpointKind::Full {
+                optimizer: point.state.optimizer.precision,
+            }
+        }
+    };
+    Ok(Verified {
+        dir,
+        step: point.state.step,
+        config: point.state.config,
+        run: point.state.run,
+        kind,
+        loader: Some(point.state.loader),
+        files: manifest.files,
+    })
 }
 
 /// [`read_verified`]'s checks, reading `entry`'s file in 1 MiB pieces.

@@ -118,6 +118,14 @@ enum CheckpointCommand {
         /// already holds step N (the source's own root, say) is refused.
         out: PathBuf,
     },
+    /// Check a checkpoint without loading it — the checks a resume makes before reading any
+    /// weight, then every file's size and checksum against the manifest — and show what it
+    /// holds: step, model, the run's settings (what a resume must repeat), data position.
+    /// Exits non-zero, naming the first file that disagrees, when anything is wrong.
+    Verify {
+        /// A step directory, or a root (its newest step).
+        path: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -1953,7 +1961,75 @@ fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
             say!("consolidated {} into {}", src.display(), dir.display());
             Ok(ExitCode::SUCCESS)
         }
+        Some(Command::Checkpoint(CheckpointCommand::Verify { path })) => ok(cmd_verify(&path)),
     }
+}
+
+fn cmd_verify(path: &Path) -> CliResult {
+    use crate::checkpoint::CheckpointKind;
+    let v = crate::checkpoint::verify(path)?;
+    let kind = match &v.kind {
+        CheckpointKind::Full { optimizer } => format!(
+            "the model and its {} AdamW moments",
+            if optimizer.is_8bit() { "8-bit" } else { "f32" }
+        ),
+        CheckpointKind::Finetune(f) => format!(
+            "fine-tuning adapters (PEFT's files) and their moments: {}; base xxh3 {}",
+            f.spec.describe(),
+            f.base_xxh3
+        ),
+        CheckpointKind::Zero { stage, ranks } => {
+            format!("ZeRO-{stage}, one file per rank of {ranks}")
+        }
+    };
+    say!(
+        "{}: step {} of {}, {kind}",
+        v.dir.display(),
+        v.step,
+        v.run.steps
+    );
+    let m = &v.config;
+    say!(
+        "model: {} {}L/{}H/{}C, context {}, vocab {}, {} parameters",
+        m.family_name(),
+        m.layers,
+        m.heads,
+        m.channels,
+        m.max_seq,
+        m.vocab,
+        m.parameter_count()?
+    );
+    say!(
+        "run: batch {}×{}, seed {}, {}; {}",
+        v.run.batch,
+        v.run.seq,
+        v.run.seed,
+        v.run.precision,
+        v.run.describe_optimizer()
+    );
+    if let Some(l) = &v.loader {
+        say!(
+            "data: next batch {} (epoch {}) of the data whose fingerprint is {:016x}",
+            l.next_batch,
+            l.epoch,
+            l.dataset_fingerprint
+        );
+    }
+    let bytes: u64 = v.files.iter().map(|f| f.bytes).sum();
+    say!(
+        "{} files match manifest.json ({}):",
+        v.files.len(),
+        headroom_profiler::human_bytes(bytes)
+    );
+    for f in &v.files {
+        say!(
+            "  {:<40} {:>12}  xxh3 {}",
+            f.name,
+            headroom_profiler::human_bytes(f.bytes),
+            f.xxh3
+        );
+    }
+    Ok(())
 }
 
 fn cmd_env(hooks: &CliHooks<'_>) -> CliResult {

@@ -158,6 +158,33 @@ pub(crate) fn lr_schedule(
     }
 }
 
+/// [`RunSpec::describe_optimizer`].
+pub(crate) fn describe_optimizer(run: &RunSpec) -> String {
+    let floor = short_float(run.lr * run.min_lr_frac);
+    let decay = match run.lr_schedule {
+        LrSchedule::Constant => "constant".to_string(),
+        LrSchedule::Wsd => format!(
+            "wsd: constant until step {}, then 1 − √t to {floor}",
+            wsd_decay_start(run.steps)
+        ),
+        s => format!("{} to {floor}", s.name()),
+    };
+    let clip = if run.grad_clip.is_finite() {
+        format!("grad clip {}", run.grad_clip)
+    } else {
+        "no grad clip".into()
+    };
+    format!(
+        "AdamW β ({}, {}), ε {}, weight decay {}; lr {}, {} warmup steps, {decay}; {clip}",
+        run.beta1,
+        run.beta2,
+        short_float(run.eps),
+        run.weight_decay,
+        short_float(run.lr),
+        run.warmup
+    )
+}
+
 /// Everything a run needs.
 #[derive(Clone, Debug)]
 pub struct TrainOptions {
@@ -428,32 +455,9 @@ impl TrainOptions {
     }
 
     /// The optimizer's settings in one line, as the command prints them before the first
-    /// step: `AdamW β (0.9, 0.95), ε 1e-8, weight decay 0.1; lr 3e-3, 20 warmup steps, cosine
-    /// to 3e-4; grad clip 1`.
+    /// step (see [`RunSpec::describe_optimizer`]).
     pub fn describe_optimizer(&self) -> String {
-        let floor = short_float(self.lr * self.min_lr_frac);
-        let decay = match self.lr_schedule {
-            LrSchedule::Constant => "constant".to_string(),
-            LrSchedule::Wsd => format!(
-                "wsd: constant until step {}, then 1 − √t to {floor}",
-                wsd_decay_start(self.steps)
-            ),
-            s => format!("{} to {floor}", s.name()),
-        };
-        let clip = if self.grad_clip.is_finite() {
-            format!("grad clip {}", self.grad_clip)
-        } else {
-            "no grad clip".into()
-        };
-        format!(
-            "AdamW β ({}, {}), ε {}, weight decay {}; lr {}, {} warmup steps, {decay}; {clip}",
-            self.beta1,
-            self.beta2,
-            short_float(self.eps),
-            self.weight_decay,
-            short_float(self.lr),
-            self.warmup
-        )
+        self.run_spec().describe_optimizer()
     }
 
     /// Sequences per micro-batch, checked to divide the batch.

@@ -559,6 +559,47 @@ fn the_optimizer_settings_and_schedule_are_part_of_a_run() {
     assert_eq!(resumed.steps.len(), 2);
 }
 
+/// `checkpoint::verify` (`headroom checkpoint verify`): a sound checkpoint is described as the
+/// run wrote it; one changed byte in any of its files, or a file gone, is an error naming the
+/// file, and nothing is modified.
+#[test]
+fn verify_describes_a_checkpoint_and_names_any_damaged_file() {
+    use headroom_trainer::checkpoint::CheckpointKind;
+    let (dir, o) = trained_with_checkpoints(2, 2);
+    let step2 = dir.path().join("step-00000002");
+    let v = checkpoint::verify(dir.path()).unwrap();
+    assert_eq!(v.dir, step2);
+    assert_eq!(v.step, 2);
+    assert_eq!(v.config, o.model);
+    assert_eq!(v.run, o.run_spec());
+    assert_eq!(
+        v.kind,
+        CheckpointKind::Full {
+            optimizer: StatePrecision::F32
+        }
+    );
+    assert_eq!(v.loader.as_ref().map(|l| l.next_batch), Some(2));
+    let manifest: Manifest =
+        serde_json::from_slice(&std::fs::read(step2.join(MANIFEST)).unwrap()).unwrap();
+    assert_eq!(v.files, manifest.files);
+    assert_eq!(v.files.len(), 4);
+    for f in &manifest.files {
+        let path = step2.join(&f.name);
+        let good = std::fs::read(&path).unwrap();
+        let mut bad = good.clone();
+        let at = bad.len() / 2;
+        bad[at] ^= 0x40;
+        std::fs::write(&path, &bad).unwrap();
+        let e = checkpoint::verify(&step2).unwrap_err().to_string();
+        assert!(e.contains(&f.name), "{}: {e}", f.name);
+        std::fs::remove_file(&path).unwrap();
+        let e = checkpoint::verify(&step2).unwrap_err().to_string();
+        assert!(e.contains(&f.name), "{} missing: {e}", f.name);
+        std::fs::write(&path, &good).unwrap();
+    }
+    assert_eq!(checkpoint::verify(&step2).unwrap().files, manifest.files);
+}
+
 #[test]
 fn hostile_sizes_in_a_checkpoint_are_refused_before_allocating() {
     let (dir, _) = trained_with_checkpoints(1, 1);

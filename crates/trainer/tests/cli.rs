@@ -724,6 +724,22 @@ fn zero_ranks_train_save_resume_elsewhere_and_consolidate() {
         .join("step-00000002")
         .join("model.safetensors")
         .is_file());
+    // `checkpoint verify` tells the two kinds apart and checks every rank's file.
+    let o = headroom(&["checkpoint", "verify", run_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains(", ZeRO-"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("one file per rank of "),
+        "{}",
+        stdout(&o)
+    );
+    let o = headroom(&["checkpoint", "verify", one_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("step 2 of 4, the model and its f32 AdamW moments"),
+        "{}",
+        stdout(&o)
+    );
     let o = with(&["--resume", one_s]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("step     3"));

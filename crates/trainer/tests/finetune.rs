@@ -382,6 +382,16 @@ fn qlora_on_a_pretrained_llama_lowers_the_validation_loss() {
         assert!(step.join(f).is_file(), "{f}");
     }
     assert!(!step.join("model.safetensors").exists());
+    // `checkpoint verify` knows the step for adapters and names the set-up.
+    let o = headroom(&["checkpoint", "verify", step.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains(
+            "step 100 of 100, fine-tuning adapters (PEFT's files) and their moments: LoRA r"
+        ) && out.contains("base nf4"),
+        "{out}"
+    );
     let val_bin = p("val.bin");
     let score = |args: &[&str]| -> f64 {
         let mut all = vec!["eval", "--data", &val_bin, "--batch", "4", "--seq", "32"];

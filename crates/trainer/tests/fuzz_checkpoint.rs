@@ -16,7 +16,10 @@
 //!   adapters' moments), read by `checkpoint::load`.
 //!
 //! Whatever loads is used: the model is built from it (a ZeRO checkpoint is consolidated
-//! first, which reads every piece; a LoRA checkpoint's tensors become the run's adapters). 0 panics and 0 hangs are asserted;
+//! first, which reads every piece; a LoRA checkpoint's tensors become the run's adapters).
+//! `checkpoint::verify` faces every input too, and must accept whatever the resume path (or
+//! the ZeRO and LoRA readers) accepts under a manifest that matches. 0 panics and 0 hangs are
+//! asserted;
 //! `scripts/fuzz-long.sh` runs them long, each in its own process (an abort would show there).
 
 use std::sync::OnceLock;
@@ -177,6 +180,13 @@ fn load_input(
         Ok((masters, moments))
     });
     let loaded = checkpoint::load(&dir);
+    // `verify` makes the resume's checks and then every file's checksum: under a manifest
+    // that matches the damage, what resumes is verified, as the same step.
+    let verified = checkpoint::verify(&dir);
+    if reseal && resumed.is_ok() {
+        let v = verified.expect("verify refused what the resume path accepted");
+        assert_eq!(v.step, loaded.as_ref().map_or(v.step, |ck| ck.state.step));
+    }
     if let Ok((masters, moments)) = &resumed {
         let ck = loaded
             .as_ref()
@@ -217,7 +227,9 @@ fn check(report: FuzzReport, expect_ok: bool) {
 /// consolidated into an ordinary checkpoint, which must load and build its model.
 fn load_zero_input(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_trainer::TrainError> {
     let (dir, _cleanup) = write_step(scratch, zero_checkpoint_files(), bytes, true);
+    let verified = checkpoint::verify(&dir);
     zero_checkpoint::load(&dir)?;
+    verified.expect("verify refused a ZeRO checkpoint that loads");
     let out = scratch.fresh();
     let _out_cleanup = Cleanup(vec![out.clone()]);
     let consolidated = zero_checkpoint::consolidate(&dir, &out)?;
@@ -232,7 +244,10 @@ fn load_zero_input(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_tr
 /// becomes the run's adapters again.
 fn load_lora_input(scratch: &ScratchDir, bytes: &[u8]) -> Result<(), headroom_trainer::TrainError> {
     let (dir, _cleanup) = write_step(scratch, lora_checkpoint_files(), bytes, true);
+    let verified = checkpoint::verify(&dir);
     let ck = checkpoint::load(&dir)?;
+    let v = verified.expect("verify refused a LoRA checkpoint that loads");
+    assert!(matches!(v.kind, checkpoint::CheckpointKind::Finetune(_)));
     let spec = &ck
         .state
         .finetune
