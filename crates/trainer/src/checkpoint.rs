@@ -218,9 +218,41 @@ impl RunSpec {
         }
     }
 
-    /// The settings in which `self` (a checkpoint's) and `now` (this run's) differ, as
-    /// `name: checkpoint → now` lines naming the command-line option.
-    pub fn differences(&self, now: &RunSpec) -> Vec<String> {
+    /// Whether the learning rates of steps `0..at_step` stay the same, bit for bit, when the
+    /// run's length becomes `steps`: always for `constant`, before either run's decay for
+    /// `wsd`, and only through the warmup's end for `cosine` and `linear` (whose decay spans
+    /// the run). Then a run resumed at `at_step` under the new length is the run that length
+    /// would have trained from the start. Decided from the schedule, not by computing the
+    /// rates, so a step count read from a file costs nothing (a test checks the rule against
+    /// the rates).
+    pub fn same_rates_before(&self, steps: usize, at_step: usize) -> bool {
+        // A floor equal to the peak makes every decay the peak itself.
+        if steps == self.steps || at_step <= self.warmup || self.lr * self.min_lr_frac == self.lr {
+            return true;
+        }
+        match self.lr_schedule {
+            LrSchedule::Constant => true,
+            // The first decay step of either is still the peak.
+            LrSchedule::Wsd => {
+                let first_decay = crate::train::wsd_decay_start(self.steps)
+                    .min(crate::train::wsd_decay_start(steps));
+                at_step <= first_decay + 1
+            }
+            // The step the warmup ends on is the peak in both (no progress yet); a warmup as
+            // long as both runs leaves both a decay of one step.
+            LrSchedule::Cosine | LrSchedule::Linear => {
+                let span = |n: usize| n.saturating_sub(self.warmup).max(1);
+                at_step <= self.warmup + 1 || span(self.steps) == span(steps)
+            }
+        }
+    }
+
+    /// The settings in which `self` (a checkpoint's, saved after `at_step` steps) and `now`
+    /// (this run's) differ, as `name: checkpoint → now` lines naming the command-line option.
+    /// Another `--steps` is not one while the steps already taken keep their learning rates
+    /// ([`RunSpec::same_rates_before`]): a `constant` run, or a `wsd` run in its stable phase,
+    /// may be extended or shortened, keeping its moments.
+    pub fn differences(&self, now: &RunSpec, at_step: usize) -> Vec<String> {
         let mut d = Vec::new();
         let mut cmp = |name: &str, a: String, b: String| {
             if a != b {
@@ -260,13 +292,17 @@ impl RunSpec {
             let show = |floor: Option<f32>| floor.map_or("none".into(), |f| f.to_string());
             cmp("--min-loss-scale", show(was), show(is));
         }
-        // The schedule (warmup, then cosine to the floor) spans --steps, so a longer run would
-        // have taken other learning rates from its first step: it is another run.
-        if self.steps != now.steps {
+        // A decay spans --steps, so a run of another length would have taken other learning
+        // rates from the decay's first step: past it, it is another run.
+        if !self.same_rates_before(now.steps, at_step) {
             d.push(format!(
-                "--steps: checkpoint {}, this run {} (the learning-rate schedule spans --steps: to \
-                 train on, start a new run from a full checkpoint's weights with --init-from)",
-                self.steps, now.steps
+                "--steps: checkpoint {}, this run {} (the learning rates of the {at_step} steps \
+                 taken would differ: the {} decay spans --steps; a constant run, or a wsd run \
+                 before its decay, may change its length. To train on, start a new run from a \
+                 full checkpoint's weights with --init-from)",
+                self.steps,
+                now.steps,
+                self.lr_schedule.name()
             ));
         }
         d

@@ -80,8 +80,9 @@ pub enum LrSchedule {
     /// `constant_with_warmup`; llm.c's `constant` has no warmup, which `--warmup 0` gives).
     Constant,
     /// Warmup–stable–decay (Hägele et al. 2024, as llm.c): the peak rate until 80% of the
-    /// steps, then down to the floor as `1 − √t` over the last 20%. A run can be stopped at
-    /// its stable phase and branched into several lengths of cooldown.
+    /// steps, then down to the floor as `1 − √t` over the last 20%. A checkpoint of the
+    /// stable phase resumes under another `--steps` (see [`RunSpec::same_rates_before`]), so
+    /// one run can be extended, or branched into cooldowns of several lengths.
     Wsd,
 }
 
@@ -116,7 +117,7 @@ fn short_float(x: f64) -> String {
 /// The first step of [`LrSchedule::Wsd`]'s decay: llm.c's `(int)(0.8f * steps)`, which is
 /// ⌊4·steps/5⌋ for every step count a run can have (f32's 0.8 lies a little above 0.8);
 /// written without overflow.
-fn wsd_decay_start(steps: usize) -> usize {
+pub(crate) fn wsd_decay_start(steps: usize) -> usize {
     steps / 5 * 4 + steps % 5 * 4 / 5
 }
 
@@ -149,10 +150,13 @@ pub(crate) fn lr_schedule(
         LrSchedule::Constant => lr,
         LrSchedule::Wsd => {
             let decay_start = wsd_decay_start(steps);
+            // llm.c's `min + (1 − √t)·(lr − min)`, written so that the decay's first step
+            // is `lr` exactly, as the stable phase's steps are: a run extended in its stable
+            // phase then repeats the rates it took (`RunSpec::same_rates_before`).
             if step < decay_start {
                 lr
             } else {
-                min + (1.0 - progress(decay_start).sqrt()) * (lr - min)
+                lr - progress(decay_start).sqrt() * (lr - min)
             }
         }
     }
@@ -1346,7 +1350,7 @@ fn train_tracked(
                     ck.state.config, opts.model
                 ));
             }
-            differences.extend(ck.state.run.differences(&opts.run_spec()));
+            differences.extend(ck.state.run.differences(&opts.run_spec(), ck.state.step));
             // Where the base lives may change between runs; what it holds is checked by its
             // fingerprint below.
             let comparable = |f: Option<&FinetuneSpec>| {
@@ -1880,6 +1884,40 @@ mod tests {
         assert!(o
             .describe_optimizer()
             .ends_with("wsd: constant until step 16, then 1 − √t to 0; no grad clip"));
+    }
+
+    proptest::proptest! {
+        /// `RunSpec::same_rates_before`, decided from the schedule, is what comparing every
+        /// learning rate of the steps taken says, for every checkpoint a run can write.
+        #[test]
+        fn same_rates_before_is_the_rates_compared(
+            which in 0usize..4,
+            warmup in 0usize..12,
+            steps in 1usize..40,
+            other in 1usize..40,
+            at_step in 0usize..40,
+            floor_is_peak in proptest::bool::ANY,
+        ) {
+            // A checkpoint lies within its own run.
+            let at_step = at_step.min(steps);
+            let run = TrainOptions {
+                lr: 3e-3,
+                min_lr_frac: if floor_is_peak { 1.0 } else { 0.1 },
+                warmup,
+                steps,
+                lr_schedule: [
+                    LrSchedule::Cosine,
+                    LrSchedule::Linear,
+                    LrSchedule::Constant,
+                    LrSchedule::Wsd,
+                ][which],
+                ..TrainOptions::tiny_default()
+            }
+            .run_spec();
+            let longer = RunSpec { steps: other, ..run.clone() };
+            let compared = (0..at_step).all(|s| run.lr_at(s).to_bits() == longer.lr_at(s).to_bits());
+            proptest::prop_assert_eq!(run.same_rates_before(other, at_step), compared);
+        }
     }
 
     proptest::proptest! {

@@ -161,7 +161,7 @@ fn resume_point(
             ck.state.config, opts.model
         ));
     }
-    differences.extend(ck.state.run.differences(&opts.run_spec()));
+    differences.extend(ck.state.run.differences(&opts.run_spec(), ck.state.step));
     if ck.state.dataset_fingerprint != fingerprint {
         differences.push("data: the checkpoint's position belongs to other training data".into());
     }

@@ -228,13 +228,16 @@ fn a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints() {
 #[test]
 fn resuming_under_other_settings_names_each_difference() {
     let dir = tempfile::tempdir().unwrap();
+    // No warmup and two steps taken: the cosine decay has moved the rate of step 1, so another
+    // --steps would have given it another one.
     let o = TrainOptions {
         save: Some((dir.path().to_path_buf(), 1)),
+        warmup: 0,
         ..tiny(3)
     };
     train(
         &TrainOptions {
-            stop_after: Some(1),
+            stop_after: Some(2),
             ..o.clone()
         },
         |_| {},
@@ -270,6 +273,95 @@ fn resuming_under_other_settings_names_each_difference() {
                 "{differences:?}"
             );
             assert_eq!(differences.len(), 5, "{differences:?}");
+        }
+        e => panic!("expected ResumeMismatch, got {e}"),
+    }
+}
+
+/// A `wsd` run resumed in its stable phase under another --steps keeps its moments and is,
+/// bit for bit, the run of that length trained from the start; so is a `constant` run. Once a
+/// decay has moved a rate, another length is refused, naming the steps taken.
+#[test]
+fn a_stable_phase_resumes_under_another_length() {
+    use headroom_trainer::train::{LrSchedule, TrainReport};
+    let bits = |r: &TrainReport| -> Vec<u32> { r.steps.iter().map(|s| s.loss.to_bits()).collect() };
+    for schedule in [LrSchedule::Wsd, LrSchedule::Constant] {
+        let dir = tempfile::tempdir().unwrap();
+        let run = |steps: usize| TrainOptions {
+            warmup: 2,
+            lr_schedule: schedule,
+            ..tiny(steps)
+        };
+        // 10 steps: wsd turns at step 8; 5 are taken, the extension to 16 turns at 12.
+        train(
+            &TrainOptions {
+                save: Some((dir.path().to_path_buf(), 5)),
+                stop_after: Some(5),
+                ..run(10)
+            },
+            |_| {},
+        )
+        .unwrap();
+        let longer = train(
+            &TrainOptions {
+                resume_from: Some(dir.path().to_path_buf()),
+                save: Some((dir.path().to_path_buf(), 0)),
+                ..run(16)
+            },
+            |_| {},
+        )
+        .unwrap();
+        let whole = train(&run(16), |_| {}).unwrap();
+        assert_eq!(bits(&longer), bits(&whole)[5..], "{}", schedule.name());
+        assert_eq!(
+            checkpoint::load(dir.path()).unwrap().state.run.steps,
+            16,
+            "the extended run's checkpoints record its length"
+        );
+    }
+    // wsd turns at step 8 of 10: step 8 is still the peak, step 9's rate depends on the
+    // length. So 9 steps taken may be extended, 10 may not.
+    let dir = tempfile::tempdir().unwrap();
+    let run = |steps: usize| TrainOptions {
+        warmup: 2,
+        lr_schedule: LrSchedule::Wsd,
+        ..tiny(steps)
+    };
+    train(
+        &TrainOptions {
+            save: Some((dir.path().to_path_buf(), 9)),
+            ..run(10)
+        },
+        |_| {},
+    )
+    .unwrap();
+    let nine = train(
+        &TrainOptions {
+            resume_from: Some(dir.path().join("step-00000009")),
+            ..run(16)
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(nine.steps.len(), 7);
+    match train(
+        &TrainOptions {
+            resume_from: Some(dir.path().to_path_buf()),
+            ..run(16)
+        },
+        |_| {},
+    )
+    .unwrap_err()
+    {
+        TrainError::ResumeMismatch { differences, .. } => {
+            assert_eq!(differences.len(), 1, "{differences:?}");
+            assert!(
+                differences[0].starts_with(
+                    "--steps: checkpoint 10, this run 16 (the learning rates of the 10 steps \
+                     taken would differ: the wsd decay spans --steps;"
+                ),
+                "{differences:?}"
+            );
         }
         e => panic!("expected ResumeMismatch, got {e}"),
     }

@@ -1042,7 +1042,8 @@ fn env_reports_the_machine_and_what_each_kernel_runs_on() {
 }
 
 /// A headroom run directory given to `--init-from` stands for its newest checkpoint, as for
-/// `--resume`: a longer run (which cannot resume, its schedule being another) starts from it.
+/// `--resume`: a longer run (which cannot resume past the warmup, its cosine decay being
+/// another) starts from it.
 #[test]
 fn init_from_a_run_directory_starts_from_its_newest_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
@@ -1054,6 +1055,8 @@ fn init_from_a_run_directory_starts_from_its_newest_checkpoint() {
         "2",
         "--seq",
         "16",
+        "--warmup",
+        "1",
         "--no-progress",
     ];
     let o = headroom(
