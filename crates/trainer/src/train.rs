@@ -87,6 +87,14 @@ pub enum LrSchedule {
 }
 
 impl LrSchedule {
+    /// Every schedule.
+    pub const ALL: [LrSchedule; 4] = [
+        LrSchedule::Cosine,
+        LrSchedule::Linear,
+        LrSchedule::Constant,
+        LrSchedule::Wsd,
+    ];
+
     /// The name the command line and `state.json` use.
     pub fn name(self) -> &'static str {
         match self {
@@ -448,14 +456,7 @@ impl TrainOptions {
     /// The learning rate at `step` (0-based): linear warmup, then [`TrainOptions::lr_schedule`]
     /// down to `min_lr_frac·lr`.
     pub fn lr_at(&self, step: usize) -> f64 {
-        lr_schedule(
-            self.lr_schedule,
-            self.lr,
-            self.min_lr_frac,
-            self.warmup,
-            self.steps,
-            step,
-        )
+        self.run_spec().lr_at(step)
     }
 
     /// The optimizer's settings in one line, as the command prints them before the first
@@ -1905,12 +1906,7 @@ mod tests {
                 min_lr_frac: if floor_is_peak { 1.0 } else { 0.1 },
                 warmup,
                 steps,
-                lr_schedule: [
-                    LrSchedule::Cosine,
-                    LrSchedule::Linear,
-                    LrSchedule::Constant,
-                    LrSchedule::Wsd,
-                ][which],
+                lr_schedule: LrSchedule::ALL[which],
                 ..TrainOptions::tiny_default()
             }
             .run_spec();
@@ -1932,9 +1928,7 @@ mod tests {
             lr in 1e-6f64..1.0,
             min_lr_frac in 0.0f64..=1.0,
         ) {
-            let schedule =
-                [LrSchedule::Cosine, LrSchedule::Linear, LrSchedule::Constant, LrSchedule::Wsd]
-                    [which];
+            let schedule = LrSchedule::ALL[which];
             let steps = warmup + extra;
             let at = |step| lr_schedule(schedule, lr, min_lr_frac, warmup, steps, step);
             let min = lr * min_lr_frac;

@@ -78,12 +78,7 @@ fn every_schedule_gives_llmc_s_learning_rates() {
         );
         seen.push(schedule);
     }
-    for s in [
-        LrSchedule::Cosine,
-        LrSchedule::Linear,
-        LrSchedule::Constant,
-        LrSchedule::Wsd,
-    ] {
+    for s in LrSchedule::ALL {
         assert!(seen.contains(&s), "the fixture has no {} case", s.name());
     }
     assert!(compared > 1000, "only {compared} rates compared");
