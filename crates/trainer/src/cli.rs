@@ -125,6 +125,10 @@ enum CheckpointCommand {
     Verify {
         /// A step directory, or a root (its newest step).
         path: PathBuf,
+        /// Every step under the root, one line each (a damaged one does not stop the others;
+        /// the exit status says whether any was).
+        #[arg(long)]
+        all: bool,
     },
 }
 
@@ -1961,7 +1965,12 @@ fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
             say!("consolidated {} into {}", src.display(), dir.display());
             Ok(ExitCode::SUCCESS)
         }
-        Some(Command::Checkpoint(CheckpointCommand::Verify { path })) => ok(cmd_verify(&path)),
+        Some(Command::Checkpoint(CheckpointCommand::Verify { path, all: false })) => {
+            ok(cmd_verify(&path))
+        }
+        Some(Command::Checkpoint(CheckpointCommand::Verify { path, all: true })) => {
+            cmd_verify_all(&path)
+        }
     }
 }
 
@@ -2030,6 +2039,41 @@ fn cmd_verify(path: &Path) -> CliResult {
         );
     }
     Ok(())
+}
+
+fn cmd_verify_all(root: &Path) -> CliResult<ExitCode> {
+    let steps = crate::checkpoint::list(root)?;
+    if steps.is_empty() {
+        return Err(format!("{}: no step-* directories to verify", root.display()).into());
+    }
+    let mut damaged = 0;
+    for (step, dir) in &steps {
+        match crate::checkpoint::verify(dir) {
+            Ok(v) => {
+                let bytes: u64 = v.files.iter().map(|f| f.bytes).sum();
+                say!(
+                    "step {step:>8}  ok       {:>2} files  {:>12}",
+                    v.files.len(),
+                    headroom_profiler::human_bytes(bytes)
+                );
+            }
+            Err(e) => {
+                damaged += 1;
+                say!("step {step:>8}  DAMAGED  {e}");
+            }
+        }
+    }
+    say!(
+        "{} of {} checkpoints under {} verified",
+        steps.len() - damaged,
+        steps.len(),
+        root.display()
+    );
+    Ok(if damaged == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn cmd_env(hooks: &CliHooks<'_>) -> CliResult {

@@ -1112,3 +1112,75 @@ fn init_from_a_run_directory_starts_from_its_newest_checkpoint() {
     assert_eq!(via_root.len(), 2);
     assert_eq!(via_root, losses(from(&p("run/step-00000003"))));
 }
+
+/// `checkpoint verify --all` checks every step of a root: a damaged one is named and makes the
+/// exit status a failure without stopping the others; `verify` of one step shows its settings.
+#[test]
+fn checkpoint_verify_checks_one_step_or_every_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let o = headroom(&[
+        "train",
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--beta2",
+        "0.999",
+        "--checkpoint-dir",
+        run_s,
+        "--checkpoint-every",
+        "1",
+        "--no-progress",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = headroom(&["checkpoint", "verify", run_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("step-00000003: step 3 of 3, the model and its f32 AdamW moments"));
+    assert!(out.contains("AdamW β (0.9, 0.999), ε 1e-8"), "{out}");
+    assert!(out.contains("4 files match manifest.json"), "{out}");
+    let o = headroom(&["checkpoint", "verify", "--all", run_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("3 of 3 checkpoints under"),
+        "{}",
+        stdout(&o)
+    );
+
+    let optimizer = run.join("step-00000002").join("optimizer.bin");
+    let mut bytes = std::fs::read(&optimizer).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&optimizer, &bytes).unwrap();
+    let o = headroom(&["checkpoint", "verify", "--all", run_s]);
+    assert!(!o.status.success());
+    let out = stdout(&o);
+    let line = |step: &str| out.lines().find(|l| l.starts_with(step)).unwrap_or("");
+    assert!(line("step        1").contains(" ok "), "{out}");
+    assert!(line("step        2").contains("DAMAGED"), "{out}");
+    assert!(line("step        2").contains("optimizer.bin"), "{out}");
+    assert!(line("step        3").contains(" ok "), "{out}");
+    assert!(out.contains("2 of 3 checkpoints under"), "{out}");
+    let o = headroom(&[
+        "checkpoint",
+        "verify",
+        run.join("step-00000002").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("optimizer.bin"), "{}", stderr(&o));
+    let o = headroom(&[
+        "checkpoint",
+        "verify",
+        "--all",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("no step-* directories"),
+        "{}",
+        stderr(&o)
+    );
+}
