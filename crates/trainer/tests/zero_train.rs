@@ -956,6 +956,53 @@ fn a_stop_request_saves_and_the_resume_is_exact() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A wsd run's stable-phase checkpoint, written by two ZeRO-1 ranks, extends to a longer run:
+/// bit for bit the longer run trained from the start (on the same stage, whose reduction
+/// order the bits depend on).
+#[test]
+fn a_wsd_stable_phase_extends_under_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |steps: usize| {
+        let mut o = options(Family::Gpt2, 2, steps);
+        o.lr_schedule = LrSchedule::Wsd;
+        o
+    };
+    // 5 steps turn at step 4; 3 are taken; 10 steps turn at 8.
+    let mut first = run(5);
+    first.save = Some((dir.path().to_path_buf(), 3));
+    first.stop_after = Some(3);
+    train_zero(&first, ZeroOptions::new(Stage::Zero1, 2), |_| {}).unwrap();
+    let mut z = ZeroOptions::new(Stage::Zero1, 2);
+    z.collect_parameters = true;
+    let whole = train_zero(&run(10), z, |_| {}).unwrap();
+    let mut longer = run(10);
+    longer.resume_from = Some(dir.path().to_path_buf());
+    let resumed = train_zero(&longer, z, |_| {}).unwrap();
+    assert_eq!(resumed.steps.len(), 7);
+    assert!(resumed.parameters == whole.parameters);
+    // Linear after 2 warmup steps: step 3's rate depends on the length, so 4 steps taken are
+    // refused.
+    let mut linear = run(5);
+    linear.lr_schedule = LrSchedule::Linear;
+    let dir = tempfile::tempdir().unwrap();
+    linear.save = Some((dir.path().to_path_buf(), 4));
+    linear.stop_after = Some(4);
+    train_zero(&linear, ZeroOptions::new(Stage::Zero2, 2), |_| {}).unwrap();
+    linear.steps = 10;
+    linear.stop_after = None;
+    linear.save = None;
+    linear.resume_from = Some(dir.path().to_path_buf());
+    match train_zero(&linear, ZeroOptions::new(Stage::Zero2, 2), |_| {}) {
+        Err(headroom_trainer::TrainError::ResumeMismatch { differences, .. }) => {
+            assert!(
+                differences[0].starts_with("--steps: checkpoint 5, this run 10"),
+                "{differences:?}"
+            );
+        }
+        other => panic!("expected ResumeMismatch, got {:?}", other.map(|_| ())),
+    }
+}
+
 /// A 2-rank ZeRO-1 run of 4 steps saving every 2 steps into a fresh `root/run`: the
 /// directory (removed on drop), the run's root and its options.
 fn zero_run_with_steps_2_and_4() -> (tempfile::TempDir, std::path::PathBuf, TrainOptions) {
