@@ -202,7 +202,29 @@ impl RunSpec {
     /// The optimizer's settings in one line: `AdamW β (0.9, 0.95), ε 1e-8, weight decay 0.1;
     /// lr 3e-3, 20 warmup steps, cosine to 3e-4; grad clip 1`.
     pub fn describe_optimizer(&self) -> String {
-        crate::train::describe_optimizer(self)
+        let floor = crate::train::short_float(self.lr * self.min_lr_frac);
+        let decay = match self.lr_schedule {
+            LrSchedule::Constant => "constant".to_string(),
+            LrSchedule::Wsd => format!(
+                "wsd: constant until step {}, then 1 − √t to {floor}",
+                crate::train::wsd_decay_start(self.steps)
+            ),
+            s => format!("{} to {floor}", s.name()),
+        };
+        let clip = if self.grad_clip.is_finite() {
+            format!("grad clip {}", self.grad_clip)
+        } else {
+            "no grad clip".into()
+        };
+        format!(
+            "AdamW β ({}, {}), ε {}, weight decay {}; lr {}, {} warmup steps, {decay}; {clip}",
+            self.beta1,
+            self.beta2,
+            crate::train::short_float(self.eps),
+            self.weight_decay,
+            crate::train::short_float(self.lr),
+            self.warmup
+        )
     }
 
     /// AdamW's hyper-parameters of parameter group `group` at learning rate `lr`: group 0

@@ -108,7 +108,7 @@ impl LrSchedule {
 
 /// `x` in exponent notation with at most six significant digits (`6e-5`, not the
 /// `6.000000000000001e-5` that `0.1 × 6e-4` is in f64).
-fn short_float(x: f64) -> String {
+pub(crate) fn short_float(x: f64) -> String {
     if x == 0.0 {
         return "0".into();
     }
@@ -168,33 +168,6 @@ pub(crate) fn lr_schedule(
             }
         }
     }
-}
-
-/// [`RunSpec::describe_optimizer`].
-pub(crate) fn describe_optimizer(run: &RunSpec) -> String {
-    let floor = short_float(run.lr * run.min_lr_frac);
-    let decay = match run.lr_schedule {
-        LrSchedule::Constant => "constant".to_string(),
-        LrSchedule::Wsd => format!(
-            "wsd: constant until step {}, then 1 − √t to {floor}",
-            wsd_decay_start(run.steps)
-        ),
-        s => format!("{} to {floor}", s.name()),
-    };
-    let clip = if run.grad_clip.is_finite() {
-        format!("grad clip {}", run.grad_clip)
-    } else {
-        "no grad clip".into()
-    };
-    format!(
-        "AdamW β ({}, {}), ε {}, weight decay {}; lr {}, {} warmup steps, {decay}; {clip}",
-        run.beta1,
-        run.beta2,
-        short_float(run.eps),
-        run.weight_decay,
-        short_float(run.lr),
-        run.warmup
-    )
 }
 
 /// Everything a run needs.
@@ -1914,9 +1887,7 @@ mod tests {
             let compared = (0..at_step).all(|s| run.lr_at(s).to_bits() == longer.lr_at(s).to_bits());
             proptest::prop_assert_eq!(run.same_rates_before(other, at_step), compared);
         }
-    }
 
-    proptest::proptest! {
         /// After the warmup every schedule stays between the floor and the peak and never
         /// rises; cosine, linear and constant start the decay at the peak, and all but
         /// constant end it at the floor.
