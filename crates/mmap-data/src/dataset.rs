@@ -234,6 +234,7 @@ pub struct Segment {
     token_type: TokenType,
     name: Arc<str>,
     sequences: Option<SequenceIndex>,
+    loss_mask: Option<crate::LossMask>,
 }
 
 impl std::fmt::Debug for Segment {
@@ -266,6 +267,7 @@ impl Segment {
                 token_type,
                 name: name.into(),
                 sequences: None,
+                loss_mask: None,
             }),
             _ => Err(DataError::truncated(
                 name,
@@ -321,6 +323,26 @@ impl Segment {
     pub(crate) fn with_sequences(mut self, sequences: SequenceIndex) -> Self {
         self.sequences = Some(sequences);
         self
+    }
+
+    /// Which of this segment's tokens count as targets in the loss; `None`: all of them.
+    pub fn loss_mask(&self) -> Option<&crate::LossMask> {
+        self.loss_mask.as_ref()
+    }
+
+    /// This segment with `mask` as its loss mask, which must cover exactly its tokens.
+    pub fn with_loss_mask(mut self, mask: crate::LossMask) -> Result<Self> {
+        if mask.len() != self.len {
+            return Err(DataError::InvalidConfig(format!(
+                "{}: the loss mask covers {} tokens, the file holds {} (written for another \
+                 version of the file?)",
+                mask.name(),
+                mask.len(),
+                self.len
+            )));
+        }
+        self.loss_mask = Some(mask);
+        Ok(self)
     }
 }
 
@@ -464,8 +486,25 @@ impl TokenDataset {
         Ok(())
     }
 
-    /// A hash of the dataset's shape (segment lengths and types, documents, vocabulary), stored
-    /// in a saved loader position so it cannot be resumed against different data.
+    /// True when some segment carries a loss mask (then every segment does, for datasets
+    /// [`crate::open`] made).
+    pub fn has_loss_mask(&self) -> bool {
+        self.segments.iter().any(|s| s.loss_mask.is_some())
+    }
+
+    /// Tokens whose loss counts as targets over the whole dataset (every token without a
+    /// mask).
+    pub fn counted_tokens(&self) -> u64 {
+        self.segments
+            .iter()
+            .map(|s| s.loss_mask.as_ref().map_or(s.len as u64, |m| m.counted()))
+            .sum()
+    }
+
+    /// A hash of the dataset's shape (segment lengths and types, documents, vocabulary) and of
+    /// its loss masks, stored in a saved loader position so it cannot be resumed against
+    /// different data (or the same tokens under another mask). Data without masks hashes
+    /// the words it always did, so positions saved before masks existed still resume.
     ///
     /// Streamed: no allocation however many documents the index holds.
     pub fn fingerprint(&self) -> u64 {
@@ -478,7 +517,49 @@ impl TokenDataset {
             std::iter::once(docs.len() as u64)
                 .chain(docs.iter().flat_map(|d| [d.segment as u64, d.start, d.len]))
         });
-        derive_seed_iter(head.into_iter().chain(segments).chain(documents))
+        // "lossmask", then each segment's mask hash (0 for a segment without one).
+        let masks = self.has_loss_mask().then(|| {
+            std::iter::once(0x6c6f_7373_6d61_736b).chain(
+                self.segments
+                    .iter()
+                    .map(|s| s.loss_mask.as_ref().map_or(0, |m| m.hash())),
+            )
+        });
+        derive_seed_iter(
+            head.into_iter()
+                .chain(segments)
+                .chain(documents)
+                .chain(masks.into_iter().flatten()),
+        )
+    }
+
+    /// This dataset with every segment passed through `f` (documents unchanged).
+    pub(crate) fn map_segments(
+        mut self,
+        f: impl FnMut(Segment) -> Result<Segment>,
+    ) -> Result<Self> {
+        self.segments = std::mem::take(&mut self.segments)
+            .into_iter()
+            .map(f)
+            .collect::<Result<_>>()?;
+        Ok(self)
+    }
+
+    /// This dataset with `masks[i]` as segment `i`'s loss mask (each checked against its
+    /// segment's length).
+    pub fn with_loss_masks(self, masks: Vec<crate::LossMask>) -> Result<Self> {
+        if masks.len() != self.segments.len() {
+            return Err(DataError::InvalidConfig(format!(
+                "{} loss masks for {} segments",
+                masks.len(),
+                self.segments.len()
+            )));
+        }
+        let mut masks = masks.into_iter();
+        self.map_segments(|s| match masks.next() {
+            Some(m) => s.with_loss_mask(m),
+            None => Ok(s),
+        })
     }
 }
 

@@ -14,6 +14,9 @@
 //!   stream.
 //! - **Synthetic data** ([`MarkovChain`]): a random sparse Markov chain with an exactly
 //!   computed entropy rate — the loss floor of a run trained on it.
+//! - **Loss masks** ([`loss_mask`]): `<file>.lossmask` beside a token file says which targets
+//!   count in the loss (supervised fine-tuning's completion-only loss); [`open`] attaches it and
+//!   the loader hands each batch's flags out with its targets.
 //! - **Text** ([`text`]): byte-level tokenisation of UTF-8 files, with an optional
 //!   end-of-text token between documents.
 //! - **Tools** ([`tools`]): what `headroom data synth|build|inspect` calls — write the
@@ -79,6 +82,7 @@ mod dataset;
 mod error;
 pub mod formats;
 mod loader;
+pub mod loss_mask;
 pub mod permutation;
 pub mod rng;
 mod sampler;
@@ -92,6 +96,7 @@ pub use error::{DataError, Result};
 pub use formats::llmc::LlmcFlavor;
 pub use formats::{open, OpenOptions, TokenFileFormat};
 pub use loader::{fill_batch, Batch, BatchBuffer, Loader, LoaderConfig, LoaderState};
+pub use loss_mask::{loss_mask_path, write_loss_mask, LossMask, LossMaskWriter};
 pub use sampler::{SamplerConfig, SamplingMode, Shard, Window, WindowSampler};
 pub use synthetic::{MarkovChain, MarkovStream};
 pub use tokens::{OutputToken, OutputType, TokenSlice, TokenType};

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
-use headroom_tensor::{AllocHook, Device, MemoryCategory, TrackedAllocation};
+use headroom_tensor::{AllocHook, DType, Device, MemoryCategory, TrackedAllocation};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{try_with_capacity, TokenDataset};
@@ -37,6 +37,8 @@ pub struct BatchBuffer {
     seq_len: usize,
     index: u64,
     epoch: u64,
+    /// Loss-masked data only: whether each target counts (`B × T`, row-major).
+    target_flags: Option<(Vec<bool>, TrackedAllocation)>,
     _tracked: TrackedAllocation,
 }
 
@@ -84,8 +86,26 @@ impl BatchBuffer {
             seq_len,
             index: 0,
             epoch: 0,
+            target_flags: None,
             _tracked: tracked,
         })
+    }
+
+    /// This buffer with room for the targets' loss-mask flags (`B × T` bytes, reported to
+    /// `hook` as [`MemoryCategory::Data`]): what a dataset with a loss mask is loaded into.
+    pub fn with_target_flags(mut self, hook: Option<&Arc<dyn AllocHook>>) -> Result<Self> {
+        let n = self.batch_size * self.seq_len;
+        let tracked =
+            TrackedAllocation::register_as(hook, n, DType::U8, Device::Cpu, MemoryCategory::Data)?;
+        self.target_flags = Some((zeroed(n)?, tracked));
+        Ok(self)
+    }
+
+    /// For loss-masked data: whether each target's loss counts (`true`), `B × T` row-major
+    /// beside [`BatchBuffer::targets_u32`]; `None` for data without a mask (every target
+    /// counts).
+    pub fn target_flags(&self) -> Option<&[bool]> {
+        self.target_flags.as_ref().map(|(f, _)| &f[..])
     }
 
     /// Rows B.
@@ -209,6 +229,16 @@ pub fn fill_batch(
         .ok_or_else(|| DataError::InvalidConfig(format!("batch index {batch_index} overflows")))?;
     out.index = batch_index;
     out.epoch = sampler.epoch_of(first);
+    if dataset.has_loss_mask() {
+        let Some((flags, _)) = out.target_flags.as_mut() else {
+            return Err(DataError::InvalidConfig(
+                "the dataset has a loss mask but the batch buffer has no room for its flags \
+                 (BatchBuffer::with_target_flags)"
+                    .into(),
+            ));
+        };
+        fill_target_flags(dataset, sampler, first, t, flags)?;
+    }
     match (&mut out.inputs, &mut out.targets) {
         (TokenBuf::U32(x), TokenBuf::U32(y)) => fill_rows(dataset, sampler, first, t, x, y),
         (TokenBuf::I64(x), TokenBuf::I64(y)) => fill_rows(dataset, sampler, first, t, x, y),
@@ -216,6 +246,37 @@ pub fn fill_batch(
             "inputs and targets differ in type".into(),
         )),
     }
+}
+
+/// Each row's targets' flags: the window `[s, s + T]` predicts tokens `s + 1 ..= s + T`.
+fn fill_target_flags(
+    dataset: &TokenDataset,
+    sampler: &WindowSampler,
+    first: u64,
+    t: usize,
+    flags: &mut [bool],
+) -> Result<()> {
+    for (row, out) in flags.chunks_exact_mut(t).enumerate() {
+        let window = sampler.window(first + row as u64);
+        let segment = dataset.segments().get(window.segment);
+        let copied = match segment.map(|s| s.loss_mask()) {
+            Some(Some(mask)) => usize::try_from(window.start)
+                .ok()
+                .and_then(|s| s.checked_add(1))
+                .and_then(|s| mask.copy_to(s, out)),
+            Some(None) => {
+                out.fill(true);
+                Some(())
+            }
+            None => None,
+        };
+        if copied.is_none() {
+            return Err(DataError::InvalidConfig(format!(
+                "window {window:?} lies outside the dataset's loss mask"
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn fill_rows<O: OutputToken>(
@@ -465,7 +526,11 @@ impl Loader {
         for _ in 0..lanes {
             let (tx, rx) = unbounded();
             for _ in 0..per_lane {
-                let b = BatchBuffer::new(config.batch_size, seq_len, config.output, hook.as_ref())?;
+                let mut b =
+                    BatchBuffer::new(config.batch_size, seq_len, config.output, hook.as_ref())?;
+                if dataset.has_loss_mask() {
+                    b = b.with_target_flags(hook.as_ref())?;
+                }
                 // The receiver is alive right here, so this cannot fail.
                 let _ = tx.send(b);
             }

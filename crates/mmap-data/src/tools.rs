@@ -423,6 +423,9 @@ pub struct FileDescription {
     pub distinct_ids_exact: bool,
     /// The first tokens, at most [`InspectOptions::preview_tokens`].
     pub first_tokens: Vec<u32>,
+    /// The loss mask beside the token file, if there is one: its path and the tokens it
+    /// counts as targets (checked against the file's token count).
+    pub loss_mask: Option<(PathBuf, u64)>,
 }
 
 impl fmt::Display for FileDescription {
@@ -457,7 +460,18 @@ impl fmt::Display for FileDescription {
         } else {
             ""
         };
-        write!(f, "{:<12}[{}{more}]", "first", shown.join(", "))
+        write!(f, "{:<12}[{}{more}]", "first", shown.join(", "))?;
+        if let Some((path, counted)) = &self.loss_mask {
+            write!(
+                f,
+                "\n{:<12}{}: {counted} of {} tokens count as targets ({:.1}%)",
+                "loss mask",
+                path.display(),
+                self.tokens,
+                100.0 * *counted as f64 / self.tokens.max(1) as f64
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -502,7 +516,25 @@ pub fn inspect(path: &Path, options: &InspectOptions) -> Result<FileDescription>
         }
     }
     let stats = scan_ids(&dataset, options)?;
+    // The token file a mask sits beside: the `.bin` of a Megatron pair (listed last).
+    let token_file = files.last().map_or(path, |(p, _)| p.as_path());
+    let mask_path = crate::loss_mask_path(token_file);
+    let loss_mask = if mask_path.is_file() {
+        let mask = crate::LossMask::open(&mask_path)?;
+        if mask.len() as u64 != dataset.total_tokens() {
+            return Err(DataError::InvalidConfig(format!(
+                "{}: the loss mask covers {} tokens, the file holds {}",
+                mask_path.display(),
+                mask.len(),
+                dataset.total_tokens()
+            )));
+        }
+        Some((mask_path, mask.counted()))
+    } else {
+        None
+    };
     Ok(FileDescription {
+        loss_mask,
         path: path.to_path_buf(),
         format,
         token_type,

@@ -138,7 +138,20 @@ fn sample(ds: &TokenDataset, mode: SamplingMode, seq_len: u64) -> Result<(), Dat
         );
     }
     let mut buffer = BatchBuffer::new(2, seq_len as usize, OutputType::I64, None)?;
+    if ds.has_loss_mask() {
+        buffer = buffer.with_target_flags(None)?;
+    }
     fill_batch(ds, &sampler, 0, &mut buffer)?;
+    if let Some(flags) = buffer.target_flags() {
+        // Each flag is its target's mask bit.
+        for (k, &f) in flags.iter().enumerate() {
+            let (row, col) = (k / seq_len as usize, k % seq_len as usize);
+            let w = sampler.window(row as u64);
+            let mask = ds.segments()[w.segment].loss_mask();
+            let bit = mask.map_or(Some(true), |m| m.get(w.start as usize + col + 1));
+            assert_eq!(Some(f), bit, "flag {k} of window {w:?}");
+        }
+    }
     fill_batch(ds, &sampler, 5, &mut buffer)
 }
 
@@ -316,6 +329,66 @@ fn fuzz_raw_files() {
         let ds = formats::open(&path, &OpenOptions::default())?;
         exercise(&ds)
     });
+    check(report);
+}
+
+/// A loss mask beside a fixed raw file: every field of its header at extreme values,
+/// truncations, bit flips. Whatever opens must agree with its own bits.
+#[test]
+fn fuzz_loss_masks() {
+    let flags = |n: usize, salt: usize| {
+        (0..n)
+            .map(|i| !(i * 7 + salt).is_multiple_of(3))
+            .collect::<Vec<_>>()
+    };
+    let mask_bytes = |f: &[bool]| {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m");
+        headroom_mmap_data::write_loss_mask(&p, f).unwrap();
+        std::fs::read(p).unwrap()
+    };
+    let fields = || {
+        [
+            Field::new("magic", 0, 8),
+            Field::new("tokens", 8, 8),
+            Field::new("counted", 16, 8),
+            Field::new("bits[0]", 24, 1),
+        ]
+    };
+    let seeds = vec![
+        Seed::new("100 tokens", mask_bytes(&flags(100, 1))).with_fields(fields()),
+        Seed::new("64 tokens", mask_bytes(&flags(64, 2))).with_fields(fields()),
+    ];
+    let scratch = ScratchDir::new("headroom-fuzz").unwrap();
+    let report = fuzz_seeds(
+        "lossmask",
+        &seeds,
+        iterations(CI_ITERATIONS),
+        move |bytes| {
+            let path = scratch.fresh().with_extension("bin");
+            let mask = headroom_mmap_data::loss_mask_path(&path);
+            let _cleanup = Cleanup(vec![path.clone(), mask.clone()]);
+            // The token file is as long as the mask says it is, when that is small.
+            let declared = bytes
+                .get(8..16)
+                .map_or(0, |w| u64::from_le_bytes(w.try_into().unwrap()));
+            let n = if (1..=4096).contains(&declared) {
+                declared as usize
+            } else {
+                100
+            };
+            write(&path, &raw_bytes(&tokens(n, 50_257, 9), TokenType::U16));
+            write(&mask, bytes);
+            if let Ok(m) = headroom_mmap_data::LossMask::open(&mask) {
+                let ones = (0..m.len()).filter(|&i| m.get(i) == Some(true)).count() as u64;
+                assert_eq!(ones, m.counted());
+                assert_eq!(m.get(m.len()), None);
+            }
+            let ds = formats::open(&path, &OpenOptions::default())?;
+            assert!(ds.has_loss_mask());
+            exercise(&ds)
+        },
+    );
     check(report);
 }
 

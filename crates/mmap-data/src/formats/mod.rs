@@ -36,6 +36,10 @@ impl Default for OpenOptions {
 /// - a Megatron prefix, `.idx` or `.bin` with its `.idx` beside it;
 /// - a file starting with an llm.c magic number: an llm.c shard;
 /// - any other file: raw tokens of `options.raw_token_type`.
+///
+/// A loss mask beside a token file (`<file>.lossmask`, see [`crate::loss_mask`]) is attached
+/// to its segment; in a set of shards, either every shard has one or none may (a missing mask
+/// would silently train one shard on its prompts).
 pub fn open(path: impl AsRef<Path>, options: &OpenOptions) -> Result<TokenDataset> {
     let path = path.as_ref();
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
@@ -66,10 +70,26 @@ pub fn open(path: impl AsRef<Path>, options: &OpenOptions) -> Result<TokenDatase
         return open_shards(&files, options, &path.display().to_string());
     }
     if is_megatron_path(path) {
-        return megatron::open_megatron(path);
+        return open_megatron_masked(path);
     }
     let segment = open_file_segment(path, options)?;
     TokenDataset::from_segments(vec![segment], None)
+}
+
+/// `segment` of the token file `file`, with the loss mask beside the file when there is one.
+fn attach_loss_mask(segment: Segment, file: &Path) -> Result<Segment> {
+    let mask = crate::loss_mask::loss_mask_path(file);
+    if mask.is_file() {
+        segment.with_loss_mask(crate::LossMask::open(&mask)?)
+    } else {
+        Ok(segment)
+    }
+}
+
+/// A Megatron pair, its `.bin`'s loss mask attached.
+fn open_megatron_masked(path: &Path) -> Result<TokenDataset> {
+    let bin = megatron::megatron_paths(path).1;
+    megatron::open_megatron(path)?.map_segments(|s| attach_loss_mask(s, &bin))
 }
 
 /// True when [`open`] reads `path` as a Megatron dataset: a `.idx` path, or a `.bin` path or
@@ -85,11 +105,12 @@ fn open_file_segment(path: &Path, options: &OpenOptions) -> Result<Segment> {
     let n = fs::File::open(path)
         .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
         .map_err(|e| DataError::io(path, e))?;
-    if n == 4 && llmc::looks_like_llmc(&head) {
-        llmc::llmc_segment(path)
+    let segment = if n == 4 && llmc::looks_like_llmc(&head) {
+        llmc::llmc_segment(path)?
     } else {
-        raw::raw_segment(path, options.raw_token_type)
-    }
+        raw::raw_segment(path, options.raw_token_type)?
+    };
+    attach_loss_mask(segment, path)
 }
 
 /// Open `files` (in the given order) as one dataset, one segment per shard. A `.idx` file
@@ -109,7 +130,7 @@ pub fn open_shards(files: &[PathBuf], options: &OpenOptions, what: &str) -> Resu
             continue;
         }
         if file.extension().is_some_and(|e| e == "idx") {
-            let ds = megatron::open_megatron(file)?;
+            let ds = open_megatron_masked(file)?;
             let base = segments.len();
             if let (Some(all), Some(docs)) = (documents.as_mut(), ds.documents()) {
                 try_reserve(all, docs.len())?;
@@ -127,6 +148,18 @@ pub fn open_shards(files: &[PathBuf], options: &OpenOptions, what: &str) -> Resu
     if segments.is_empty() {
         return Err(DataError::Empty { what: what.into() });
     }
+    let masked = segments.iter().filter(|s| s.loss_mask().is_some()).count();
+    if masked > 0 && masked < segments.len() {
+        let bare = segments
+            .iter()
+            .find(|s| s.loss_mask().is_none())
+            .map_or("a shard", |s| s.name());
+        return Err(DataError::InvalidConfig(format!(
+            "{what}: {masked} of {} shards have a loss mask but {bare} has none: give every \
+             shard its mask, or none",
+            segments.len()
+        )));
+    }
     TokenDataset::from_segments(segments, documents)
 }
 
@@ -136,7 +169,8 @@ fn list_files(dir: &Path) -> Result<Vec<PathBuf>> {
     for entry in entries {
         let entry = entry.map_err(|e| DataError::io(dir, e))?;
         let path = entry.path();
-        if path.is_file() {
+        // A loss mask belongs to the token file it is named after, never a shard of its own.
+        if path.is_file() && !crate::loss_mask::is_loss_mask_path(&path) {
             files.push(path);
         }
     }

@@ -424,7 +424,7 @@ pub fn free_space(_dir: &Path) -> Option<u64> {
 /// machines: `<path>.tmp-<host>-<pid>-<n>`. The host is in it because a directory may be
 /// shared between machines, where a process id means nothing (see
 /// [`remove_abandoned_temps`]).
-fn temp_path_for(path: &Path) -> PathBuf {
+pub(crate) fn temp_path_for(path: &Path) -> PathBuf {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(format!(
@@ -467,7 +467,7 @@ fn host_name() -> String {
 /// exists. Another machine's file (a shared directory), a live process's, another name, or
 /// anything that cannot be told for sure is left alone; failures are ignored (this is tidying,
 /// the write does not depend on it).
-fn remove_abandoned_temps(path: &Path) {
+pub(crate) fn remove_abandoned_temps(path: &Path) {
     let (Some(name), dir) = (path.file_name(), path.parent()) else {
         return;
     };
