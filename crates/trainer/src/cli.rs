@@ -782,6 +782,13 @@ enum DataCommand {
         /// Document separator in the text (becomes one end-of-text token).
         #[arg(long)]
         separator: Option<String>,
+        /// The input is JSONL examples for supervised fine-tuning: TRL's prompt-completion
+        /// lines (`{"prompt": …, "completion": …}`; only the completion and its end-of-text
+        /// token count in the loss) or `{"text": …}` lines (every token counts). Writes the
+        /// token file and its loss mask beside it (`OUT.lossmask`), which `train` and `eval`
+        /// then apply. Needs `--tokenizer`.
+        #[arg(long, conflicts_with = "separator", requires = "tokenizer")]
+        jsonl: bool,
         /// Tokenize with `gpt2` (GPT-2's BPE, built in) or a Hugging Face tokenizer.json (or
         /// a model directory holding one) instead of one token per byte; the format's token
         /// type is chosen to fit its vocabulary (raw: u16 up to 65 536 ids, else u32).
@@ -1132,6 +1139,9 @@ fn cmd_train_zero(
             headroom_tensor::isa::describe()
         );
         say!("optimizer: {}", o.describe_optimizer());
+        if let Some(line) = crate::train::describe_loss_mask(o) {
+            say!("{line}");
+        }
     }
     let metrics_path = metrics.unwrap_or(Path::new(""));
     let mut metrics = match metrics {
@@ -1314,6 +1324,9 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         headroom_tensor::isa::describe()
     );
     say!("optimizer: {}", o.describe_optimizer());
+    if let Some(line) = crate::train::describe_loss_mask(&o) {
+        say!("{line}");
+    }
     // A resumed run continues the metrics of the run it resumes.
     let metrics_path = args.metrics.as_deref().unwrap_or(Path::new(""));
     let mut metrics = match &args.metrics {
@@ -1888,9 +1901,44 @@ fn cmd_data(c: DataCommand) -> CliResult {
             input,
             out,
             format,
+            tokenizer: Some(name),
+            quiet,
+            jsonl: true,
+            ..
+        } => {
+            let tok = crate::tokenize::Tokenizer::from_name(&name)?;
+            let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
+            let r = crate::tokenize::build_prompt_completion(&input, &tok, format, &out, !quiet)?;
+            for (path, bytes) in &r.files {
+                say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
+            }
+            say!("{:<13}{}", "format", r.format);
+            say!("{:<13}{}", "examples", r.examples);
+            say!("{:<13}{}", "tokens", r.tokens);
+            say!(
+                "{:<13}{} ({:.1}%: completions and their end-of-text tokens)",
+                "counted",
+                r.counted,
+                100.0 * r.counted as f64 / r.tokens.max(1) as f64
+            );
+            if r.boundary_merges > 0 {
+                say!(
+                    "{:<13}{} examples' prompts merge into their completions' first token \
+                     (the completion starts where the two tokenisations diverge, as TRL's); end \
+                     prompts on a token boundary to avoid it",
+                    "note",
+                    r.boundary_merges
+                );
+            }
+        }
+        DataCommand::Build {
+            input,
+            out,
+            format,
             separator,
             tokenizer: Some(name),
             quiet,
+            jsonl: false,
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
@@ -1901,6 +1949,9 @@ fn cmd_data(c: DataCommand) -> CliResult {
             // The rows of the byte-level build's summary, and the text and speed.
             for (path, bytes) in &r.files {
                 say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
+            }
+            if let Some((file, _)) = r.files.first() {
+                remove_stale_loss_mask(file)?;
             }
             say!("{:<13}{}", "format", r.format);
             say!("{:<13}{}", "tokens", r.tokens);
@@ -1920,10 +1971,19 @@ fn cmd_data(c: DataCommand) -> CliResult {
             separator,
             tokenizer: None,
             quiet: _,
+            jsonl: _,
         } => {
-            let mut spec = BuildSpec::new(parse_format(&format)?);
+            let format = parse_format(&format)?;
+            let mut spec = BuildSpec::new(format);
             spec.document_separator = separator.map(String::into_bytes);
             let s = headroom_mmap_data::build_from_text(&input, &spec, &out)?;
+            let token_file = match format {
+                TokenFileFormat::Megatron { .. } => {
+                    headroom_mmap_data::formats::megatron::megatron_paths(&out).1
+                }
+                _ => out.clone(),
+            };
+            remove_stale_loss_mask(&token_file)?;
             say!("{s}");
         }
         DataCommand::Inspect { path, dtype } => {
@@ -1934,6 +1994,22 @@ fn cmd_data(c: DataCommand) -> CliResult {
             let d = headroom_mmap_data::inspect(&path, &opts)?;
             say!("{d}");
         }
+    }
+    Ok(())
+}
+
+/// A token file just rewritten without a loss mask must not keep the mask of the file it
+/// replaced (it would apply to the new tokens).
+fn remove_stale_loss_mask(token_file: &Path) -> CliResult {
+    let mask = headroom_mmap_data::loss_mask_path(token_file);
+    if mask.is_file() {
+        std::fs::remove_file(&mask)
+            .map_err(|e| format!("{}: removing the old loss mask: {e}", mask.display()))?;
+        say!(
+            "{:<13}{} (it described the file replaced)",
+            "removed",
+            mask.display()
+        );
     }
     Ok(())
 }
@@ -2137,8 +2213,13 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     let seq = a.seq.unwrap_or(EVAL_DEFAULT_SEQ.min(model.cfg.max_seq));
     let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
     let (loss, tokens) = crate::evaluate::evaluate(&model, &data, a.batch, seq, a.batches)?;
+    let masked = if data.has_loss_mask() {
+        " kept by its loss mask"
+    } else {
+        ""
+    };
     say!(
-        "loss {loss:.6} nats/token over {tokens} tokens ({} batches of {}×{seq}, from the start of {})",
+        "loss {loss:.6} nats/token over {tokens} tokens{masked} ({} batches of {}×{seq}, from the start of {})",
         a.batches,
         a.batch,
         a.data.display()

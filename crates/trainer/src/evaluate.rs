@@ -3,15 +3,17 @@
 //!
 //! Window `w` holds tokens `w·T ..= w·T + T` of the file (its segments read as one stream):
 //! the first `T` are the input, the last `T` the targets. Batch `k` is windows `k·B .. k·B + B`.
-//! The result is the mean over batches of each batch's mean cross-entropy per token.
+//! The result is the mean over batches of each batch's mean cross-entropy per token. With a
+//! loss mask beside the file, only the targets it keeps are scored, each batch weighted by
+//! its counted targets (the mean per counted token, whatever the batch size).
 
 use headroom_mmap_data::TokenDataset;
 
-use crate::model::{Geometry, Model, ModelOps};
+use crate::model::{counted_targets, Geometry, Model, ModelOps, IGNORE_TARGET};
 use crate::{Result, TrainError};
 
 /// Mean loss (nats per token) of `model` over the first `batches` batches of `batch` windows
-/// of `seq` tokens of `data`, and the number of tokens scored.
+/// of `seq` tokens of `data`, and the number of targets scored (those its loss mask keeps).
 pub fn evaluate<B: ModelOps>(
     model: &Model<B>,
     data: &TokenDataset,
@@ -44,10 +46,17 @@ pub fn evaluate<B: ModelOps>(
     }
     // Only the tokens the windows read are copied (at most the file, checked above).
     let mut stream = Vec::with_capacity(rows + 1);
+    // Whether each token counts as a target (loss-masked data only).
+    let mut flags = Vec::with_capacity(if data.has_loss_mask() { rows + 1 } else { 0 });
     'segments: for (s, segment) in data.segments().iter().enumerate() {
         for i in 0..segment.len() as u64 {
             if stream.len() as u64 == needed {
                 break 'segments;
+            }
+            if let Some(mask) = segment.loss_mask() {
+                flags.push(mask.get(i as usize).unwrap_or(true));
+            } else if data.has_loss_mask() {
+                flags.push(true);
             }
             let t = data
                 .token(s, i)
@@ -64,7 +73,7 @@ pub fn evaluate<B: ModelOps>(
         }
     }
     let g = Geometry { b: batch, t: seq };
-    let mut sum = 0f64;
+    let mut mean = crate::train::ValidationMean::default();
     for k in 0..batches {
         let (mut x, mut y) = (
             Vec::with_capacity(batch * seq),
@@ -73,8 +82,28 @@ pub fn evaluate<B: ModelOps>(
         for w in k * batch..(k + 1) * batch {
             x.extend_from_slice(&stream[w * seq..w * seq + seq]);
             y.extend_from_slice(&stream[w * seq + 1..w * seq + seq + 1]);
+            if let Some(f) = flags.get(w * seq + 1..w * seq + seq + 1) {
+                let row = y.len() - seq;
+                for (t, &counts) in y[row..].iter_mut().zip(f) {
+                    if !counts {
+                        *t = IGNORE_TARGET;
+                    }
+                }
+            }
         }
-        sum += model.loss(&x, &y, g)? as f64;
+        let counted = counted_targets(&y) as u64;
+        let loss = if counted > 0 {
+            model.loss(&x, &y, g)?
+        } else {
+            0.0
+        };
+        mean.add(loss, counted, y.len());
     }
-    Ok((sum / batches as f64, rows as u64))
+    let scored = mean.counted();
+    if scored == 0 {
+        return Err(bad(format!(
+            "the loss mask beside the file keeps none of the {rows} targets scored"
+        )));
+    }
+    Ok((mean.mean_f64(), scored))
 }

@@ -178,6 +178,19 @@ impl Tokenizer {
         }
     }
 
+    /// The ids of `text` as the model sees a sequence start: with the special tokens the
+    /// tokenizer adds around a sequence (a Llama tokenizer's `<s>`; GPT-2's adds none), as
+    /// transformers' `tokenizer(text)` gives them. Special-token strings inside `text` are still
+    /// ordinary text.
+    pub fn encode_sequence(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
+            Tokenizer::HuggingFace(t) => {
+                t.guarded(|t| Ok(t.encode(text, true)?.get_ids().to_vec()))
+            }
+        }
+    }
+
     /// The text of `ids`; bytes that are not valid UTF-8 on their own (a character split
     /// across tokens) are replaced by U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
@@ -409,5 +422,185 @@ pub fn build(
         text_bytes: text.len() as u64,
         format,
         vocab,
+    })
+}
+
+/// What [`build_prompt_completion`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromptCompletionReport {
+    /// The token file(s) and the loss mask, each with its size in bytes.
+    pub files: Vec<(PathBuf, u64)>,
+    /// Examples (non-blank lines).
+    pub examples: u64,
+    /// Tokens written.
+    pub tokens: u64,
+    /// Tokens whose loss counts (completions, their end-of-text tokens, `text` examples).
+    pub counted: u64,
+    /// Examples whose prompt's ids are not a prefix of the whole example's (a merge across
+    /// the boundary): their completion starts where the two diverge, as TRL's does (and TRL
+    /// warns of the same).
+    pub boundary_merges: u64,
+    /// The format written.
+    pub format: TokenFileFormat,
+}
+
+/// One line of a prompt-completion JSONL file: TRL's prompt-completion format
+/// (`{"prompt": …, "completion": …}`), or language modelling (`{"text": …}`).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExampleLine {
+    prompt: Option<String>,
+    completion: Option<String>,
+    text: Option<String>,
+}
+
+/// One example's ids and their loss flags.
+fn encode_example(
+    tok: &Tokenizer,
+    eot: u32,
+    line: &str,
+    number: usize,
+    input: &Path,
+) -> Result<(Vec<u32>, Vec<bool>, bool)> {
+    let bad = |why: String| err(input, format!("line {number}: {why}"));
+    let ex: ExampleLine =
+        serde_json::from_str(line).map_err(|e| bad(format!("not an example: {e}")))?;
+    let (mut ids, prompt_len, merged) = match ex {
+        ExampleLine {
+            prompt: Some(p),
+            completion: Some(c),
+            text: None,
+        } => {
+            // TRL's tokenisation: the prompt alone, and the whole example, each as a sequence;
+            // the completion starts where the two diverge (after the whole prompt, unless a
+            // token merges across the boundary).
+            let prompt = tok.encode_sequence(&p)?;
+            let whole = tok.encode_sequence(&(p + &c))?;
+            let common = prompt
+                .iter()
+                .zip(&whole)
+                .take_while(|(a, b)| a == b)
+                .count();
+            (whole, common, common < prompt.len())
+        }
+        ExampleLine {
+            prompt: None,
+            completion: None,
+            text: Some(t),
+        } => (tok.encode_sequence(&t)?, 0, false),
+        _ => {
+            return Err(bad(
+                "an example is {\"prompt\", \"completion\"} or {\"text\"}".into(),
+            ))
+        }
+    };
+    if ids.last() != Some(&eot) {
+        ids.push(eot);
+    }
+    let prompt_len = prompt_len.min(ids.len());
+    let flags = (0..ids.len()).map(|i| i >= prompt_len).collect();
+    Ok((ids, flags, merged))
+}
+
+/// Tokenize a JSONL file of examples into `out` in `format` and its loss mask beside it
+/// (`<token file>.lossmask`): each example is its tokens (as [`Tokenizer::encode_sequence`]
+/// makes them) then the end-of-text token, packed one after another. For a prompt-completion
+/// example the prompt's tokens do not count as targets and the completion's and the
+/// end-of-text token do (TRL's `completion_only_loss`, transformers' `labels = -100` on the
+/// prompt): the ids and flags of TRL's `SFTTrainer` (`tests/sft_trl.rs` against
+/// `benches/torch/make_sft_fixture.py`'s fixture). Every token of a `text` example counts.
+/// TRL appends the end-of-text token's text to the completion unless it already ends with
+/// it; the ids are the same, except that a completion ending in that text counts it here as
+/// ordinary text (special-token strings in data never become control tokens). Megatron output ends a document after
+/// each example. Blank lines are skipped. The tokens are written first, then the mask: a crash
+/// between them leaves a mask whose length the reader checks against the new file.
+pub fn build_prompt_completion(
+    input: &Path,
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    out: &Path,
+    progress: bool,
+) -> Result<PromptCompletionReport> {
+    headroom_mmap_data::tools::check_vocab_fits(tok.vocab_size() as u64, format.token_type())?;
+    let eot = tok.end_of_text().ok_or_else(|| {
+        err(
+            tok.source(),
+            "no end-of-text token to end each example with",
+        )
+    })?;
+    let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
+    if file
+        .metadata()
+        .map_err(|e| err(input, e.to_string()))?
+        .len()
+        == 0
+    {
+        return Err(err(input, "empty file"));
+    }
+    // SAFETY: a read-only map that nothing here writes through; the file must not be changed
+    // while it is tokenized.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(input, e.to_string()))?;
+    let text = std::str::from_utf8(&map)
+        .map_err(|e| err(input, format!("not UTF-8 text (byte {})", e.valid_up_to())))?;
+    let lines: Vec<(usize, &str)> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, l))
+        .collect();
+    if lines.is_empty() {
+        return Err(err(input, "no examples"));
+    }
+    let bar = if progress {
+        indicatif::ProgressBar::new(lines.len() as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mask_tmp = out.with_file_name(format!(
+        ".{}.lossmask-building",
+        out.file_name().and_then(|n| n.to_str()).unwrap_or("tokens")
+    ));
+    let mut writer = TokenWriter::create(out, format)?;
+    let mut mask = headroom_mmap_data::LossMaskWriter::create(&mask_tmp)?;
+    let (mut counted, mut merges) = (0u64, 0u64);
+    // Examples encoded in parallel, written in order.
+    let batch = rayon::current_num_threads().max(1) * 256;
+    for group in lines.chunks(batch) {
+        let encoded: Vec<_> = group
+            .par_iter()
+            .map(|&(n, l)| encode_example(tok, eot, l, n, input))
+            .collect::<Result<_>>()?;
+        for (ids, flags, merged) in encoded {
+            writer.write(&ids)?;
+            writer.end_document()?;
+            mask.write(&flags)?;
+            counted += flags.iter().filter(|&&f| f).count() as u64;
+            merges += u64::from(merged);
+        }
+        bar.inc(group.len() as u64);
+    }
+    bar.finish_and_clear();
+    let written = writer.finish()?;
+    mask.finish()?;
+    // The mask belongs beside the token file (a Megatron pair's `.bin`).
+    let token_file = written
+        .files
+        .first()
+        .map(|(p, _)| p.clone())
+        .unwrap_or_else(|| out.to_path_buf());
+    let mask_path = headroom_mmap_data::loss_mask_path(&token_file);
+    std::fs::rename(&mask_tmp, &mask_path).map_err(|e| err(&mask_path, e.to_string()))?;
+    let mask_bytes = std::fs::metadata(&mask_path)
+        .map_err(|e| err(&mask_path, e.to_string()))?
+        .len();
+    let mut files = written.files;
+    files.push((mask_path, mask_bytes));
+    Ok(PromptCompletionReport {
+        files,
+        examples: lines.len() as u64,
+        tokens: written.tokens,
+        counted,
+        boundary_merges: merges,
+        format,
     })
 }

@@ -34,7 +34,8 @@ use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
 use crate::estimate;
 use crate::model::{
-    params, FinetuneBuilder, FinetuneSpec, Geometry, Model, ModelConfig, ModelOptions,
+    counted_targets, params, FinetuneBuilder, FinetuneSpec, Geometry, Model, ModelConfig,
+    ModelOptions, IGNORE_TARGET,
 };
 use crate::techniques::{
     block_schedule, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
@@ -808,6 +809,97 @@ pub(crate) fn check_token_ids(
     }
 }
 
+/// A batch's inputs and targets as `u32` ids checked against the model's vocabulary, each
+/// target its loss mask leaves out (a prompt's, in supervised fine-tuning) replaced by
+/// [`IGNORE_TARGET`].
+pub(crate) fn batch_tokens(
+    batch: &headroom_mmap_data::BatchBuffer,
+    vocab: usize,
+    source: &dyn std::fmt::Display,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let inputs = batch
+        .inputs_u32()
+        .ok_or_else(|| TrainError::Input("loader gave no u32 inputs".into()))?
+        .to_vec();
+    let mut targets = batch
+        .targets_u32()
+        .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
+        .to_vec();
+    check_token_ids(&inputs, &targets, vocab, source)?;
+    if let Some(flags) = batch.target_flags() {
+        for (t, &counts) in targets.iter_mut().zip(flags) {
+            if !counts {
+                *t = IGNORE_TARGET;
+            }
+        }
+    }
+    Ok((inputs, targets))
+}
+
+/// The mean validation loss per counted target, chunk by chunk in order: each chunk's mean
+/// (over its counted targets) weighted by its counted targets, so the result does not depend
+/// on the chunking. Without a loss mask every chunk counts all its targets and the result is
+/// the mean of the chunks' means, the arithmetic of every run before masks existed.
+#[derive(Default)]
+pub(crate) struct ValidationMean {
+    weighted: f64,
+    means: f64,
+    chunks: usize,
+    counted: u64,
+    masked: bool,
+}
+
+impl ValidationMean {
+    /// A chunk of `len` targets, `counted` of them counted, whose mean loss is `loss` (not
+    /// read when nothing counts).
+    pub(crate) fn add(&mut self, loss: f32, counted: u64, len: usize) {
+        self.masked |= counted < len as u64;
+        if counted > 0 {
+            self.weighted += loss as f64 * counted as f64;
+            self.means += loss as f64;
+            self.chunks += 1;
+            self.counted += counted;
+        }
+    }
+
+    /// Targets counted so far.
+    pub(crate) fn counted(&self) -> u64 {
+        self.counted
+    }
+
+    /// The mean in f64; NaN when no target counted.
+    pub(crate) fn mean_f64(&self) -> f64 {
+        match (self.counted, self.masked) {
+            (0, _) => f64::NAN,
+            (_, false) => self.means / self.chunks as f64,
+            (_, true) => self.weighted / self.counted as f64,
+        }
+    }
+
+    /// [`ValidationMean::mean_f64`] rounded to f32.
+    pub(crate) fn mean(&self) -> f32 {
+        self.mean_f64() as f32
+    }
+}
+
+/// [`ValidationMean`] over `batches`, `rows` tokens at a time through `loss`; chunks with no
+/// counted target are not run.
+pub(crate) fn validation_mean(
+    batches: &[(Vec<u32>, Vec<u32>)],
+    rows: usize,
+    mut loss: impl FnMut(&[u32], &[u32]) -> Result<f32>,
+) -> Result<f32> {
+    let mut mean = ValidationMean::default();
+    for (tokens, targets) in batches {
+        for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+            let n = counted_targets(tgt) as u64;
+            let l = if n > 0 { loss(tok, tgt)? } else { 0.0 };
+            mean.add(l, n, tgt.len());
+        }
+    }
+    Ok(mean.mean())
+}
+
 /// What a run's training data is called in messages.
 pub(crate) fn data_name(data: &DataSource) -> String {
     match data {
@@ -835,17 +927,25 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>
     cfg.output = OutputType::U32;
     let mut val = Loader::new(ds, sampler, cfg, None)?;
     (0..e.batches)
-        .map(|_| {
-            let b = val.next_batch()?;
-            let x = b.inputs_u32().map(<[u32]>::to_vec);
-            let y = b.targets_u32().map(<[u32]>::to_vec);
-            let (x, y) = x
-                .zip(y)
-                .ok_or_else(|| TrainError::Input("validation loader gave no u32".into()))?;
-            check_token_ids(&x, &y, opts.model.vocab, &e.data.display())?;
-            Ok((x, y))
-        })
+        .map(|_| batch_tokens(&*val.next_batch()?, opts.model.vocab, &e.data.display()))
         .collect()
+}
+
+/// The line `headroom train` prints for a dataset with a loss mask beside it (`None` for data
+/// without one, or that does not open: the run reports why).
+pub fn describe_loss_mask(opts: &TrainOptions) -> Option<String> {
+    let DataSource::File(path) = &opts.data else {
+        return None;
+    };
+    let ds = headroom_mmap_data::open(path, &Default::default()).ok()?;
+    ds.has_loss_mask().then(|| {
+        let (kept, total) = (ds.counted_tokens(), ds.total_tokens());
+        format!(
+            "loss mask: {kept} of {total} tokens count as targets ({:.1}%); the loss is their \
+             mean, the others get no gradient",
+            100.0 * kept as f64 / total.max(1) as f64
+        )
+    })
 }
 
 /// The token dataset a run trains on (a token file, or the synthetic source generated in
@@ -1005,13 +1105,13 @@ enum Stepper {
 /// `weight × Σ losses`); on failure the step is abandoned and the backward's error returned.
 fn accumulate_micro_batch<B: Backend>(
     acc: &mut GradAccumulator<B>,
-    rows: usize,
+    counted: u64,
     backward: impl FnOnce(&mut [B::Tensor], f32) -> Result<(f32, ScheduleStats)>,
 ) -> Result<Option<(f32, ScheduleStats)>> {
     let mut out = None;
     let r = acc.accumulate_in_place(
         MicroBatchStats {
-            counted_tokens: rows as u64,
+            counted_tokens: counted,
             loss_sum: 0.0,
         },
         |_, grads, weight| -> Result<()> {
@@ -1056,11 +1156,12 @@ impl Stepper {
         &mut self,
         tokens: &[u32],
         targets: &[u32],
+        counted: u64,
         g: Geometry,
         loss_scale: f32,
         schedule: &Schedule,
     ) -> Result<Option<(f32, ScheduleStats)>> {
-        let rows = g.rows();
+        let rows = counted;
         match self {
             Stepper::Host { engine, acc, .. } => accumulate_micro_batch(acc, rows, |grads, w| {
                 engine.micro_batch(tokens, targets, g, grads, w * loss_scale, schedule)
@@ -1117,14 +1218,7 @@ impl Stepper {
             };
         let rows = micro * seq;
         let g = Geometry { b: micro, t: seq };
-        let (mut sum, mut chunks) = (0.0f64, 0usize);
-        for (tokens, targets) in batches {
-            for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
-                sum += gpt.loss(tok, tgt, g)? as f64;
-                chunks += 1;
-            }
-        }
-        Ok((sum / chunks.max(1) as f64) as f32)
+        validation_mean(batches, rows, |tok, tgt| gpt.loss(tok, tgt, g))
     }
 
     /// Both groups' learning rate.
@@ -1624,44 +1718,49 @@ fn train_tracked(
             tracker.mark(&format!("step {step}"));
         }
         let t0 = Instant::now();
-        let (tokens, targets) = {
-            let batch = loader.next_batch()?;
-            let inputs = batch
-                .inputs_u32()
-                .ok_or_else(|| TrainError::Input("loader gave no u32 inputs".into()))?
-                .to_vec();
-            let targets = batch
-                .targets_u32()
-                .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
-                .to_vec();
-            check_token_ids(&inputs, &targets, opts.model.vocab, &data_label)?;
-            (inputs, targets)
-        };
-        stepper.begin_step(StepTokens::single_device(tokens_per_step)?)?;
-        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+        let (tokens, targets) =
+            batch_tokens(&*loader.next_batch()?, opts.model.vocab, &data_label)?;
+        // Every target counts, or those the loss mask keeps: the step's mean is over these,
+        // whichever micro-batch holds them (headroom-accum's token weighting).
+        let counted = counted_targets(&targets) as u64;
         let mut block_forwards = 0;
         let mut loss_sum = 0.0f64;
-        {
-            let _phase = tracker.phase("forward+backward");
-            let rows = micro * opts.seq;
-            for (micro_index, (tok, tgt)) in
-                tokens.chunks(rows).zip(targets.chunks(rows)).enumerate()
-            {
-                stepper.set_dropout_position(step, micro_index);
-                let out = stepper.micro_batch(tok, tgt, mg, loss_scale, &schedule)?;
-                let (mb_loss, stats) = out.unwrap_or_default();
-                block_forwards += stats.forward_count;
-                // Per-token losses are summed in f64 by the head; the micro-batch mean times
-                // its rows recovers that sum to f32 precision.
-                loss_sum += mb_loss as f64 * rows as f64;
-            }
-        }
-        let report = stepper.finish_step(scaler.as_mut(), opts.grad_clip)?;
         let lr = opts.lr_at(step);
-        stepper.set_lr(lr)?;
-        let (applied, grad_norm) = match report.outcome {
-            headroom_accum::StepOutcome::Applied { grad_norm, .. } => (true, grad_norm),
-            headroom_accum::StepOutcome::Skipped => (false, f64::NAN),
+        let (applied, grad_norm) = if counted == 0 {
+            // A batch of prompts only has no loss and no gradient: the step is skipped, as
+            // an fp16 overflow's is (the schedule still advances).
+            stepper.set_lr(lr)?;
+            (false, f64::NAN)
+        } else {
+            stepper.begin_step(StepTokens::single_device(counted)?)?;
+            let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale());
+            {
+                let _phase = tracker.phase("forward+backward");
+                let rows = micro * opts.seq;
+                for (micro_index, (tok, tgt)) in
+                    tokens.chunks(rows).zip(targets.chunks(rows)).enumerate()
+                {
+                    let mb_counted = counted_targets(tgt) as u64;
+                    if mb_counted == 0 {
+                        // Its gradient would be exactly 0.
+                        continue;
+                    }
+                    stepper.set_dropout_position(step, micro_index);
+                    let out =
+                        stepper.micro_batch(tok, tgt, mb_counted, mg, loss_scale, &schedule)?;
+                    let (mb_loss, stats) = out.unwrap_or_default();
+                    block_forwards += stats.forward_count;
+                    // Per-token losses are summed in f64 by the head; the micro-batch mean
+                    // times its counted rows recovers that sum to f32 precision.
+                    loss_sum += mb_loss as f64 * mb_counted as f64;
+                }
+            }
+            let report = stepper.finish_step(scaler.as_mut(), opts.grad_clip)?;
+            stepper.set_lr(lr)?;
+            match report.outcome {
+                headroom_accum::StepOutcome::Applied { grad_norm, .. } => (true, grad_norm),
+                headroom_accum::StepOutcome::Skipped => (false, f64::NAN),
+            }
         };
         if applied {
             let _phase = tracker.phase("optimizer");
@@ -1672,14 +1771,20 @@ fn train_tracked(
             Some(e) if (e.every > 0 && (step + 1) % e.every == 0) || step + 1 == end => {
                 let _phase = tracker.phase("eval");
                 let v = stepper.eval_loss(&val_batches, micro, opts.seq)?;
-                last_val = Some((v, (val_batches.len() * opts.batch * opts.seq) as u64));
+                // The targets scored: those the validation file's loss mask keeps.
+                let scored = val_batches.iter().map(|(_, t)| counted_targets(t) as u64);
+                last_val = Some((v, scored.sum()));
                 Some(v)
             }
             _ => None,
         };
         let log = StepLog {
             step,
-            loss: (loss_sum / tokens_per_step as f64) as f32,
+            loss: if counted == 0 {
+                f32::NAN
+            } else {
+                (loss_sum / counted as f64) as f32
+            },
             lr,
             grad_norm,
             applied,

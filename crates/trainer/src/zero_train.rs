@@ -46,7 +46,9 @@ use headroom_zero::{
     ZeroConfig, ZeroEngine,
 };
 
-use crate::model::{params, Geometry, Model, ModelOps, Part, PartStore, Precision};
+use crate::model::{
+    counted_targets, params, Geometry, Model, ModelOps, Part, PartStore, Precision,
+};
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement};
 use crate::train::{StepLog, TrainOptions};
 use crate::zero_checkpoint::{self, ZeroCheckpoint};
@@ -117,6 +119,8 @@ struct RankStep {
     val_loss: Option<f32>,
     step: usize,
     loss_sum: f64,
+    /// The global batch's counted targets (all of them without a loss mask).
+    counted: u64,
     block_forwards: usize,
     grad_norm: f64,
     seconds: f64,
@@ -452,10 +456,14 @@ fn drive<C: Collective + 'static>(
                 let seconds = done.iter().map(|r| r.seconds).fold(0.0, f64::max);
                 let log = StepLog {
                     step,
-                    loss: (loss_sum / tokens_per_step as f64) as f32,
+                    loss: if first.counted == 0 {
+                        f32::NAN
+                    } else {
+                        (loss_sum / first.counted as f64) as f32
+                    },
                     lr: opts.lr_at(step),
                     grad_norm: first.grad_norm,
-                    applied: true,
+                    applied: first.counted > 0,
                     loss_scale: 1.0,
                     block_forwards: first.block_forwards,
                     seconds,
@@ -835,7 +843,6 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         t: opts.seq,
     };
     let rows = micro * opts.seq;
-    let dloss = (1.0 / (opts.batch * opts.seq) as f64) as f32;
     let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
     let mut before_last = counters.snapshot();
     let mut stopped = false;
@@ -845,37 +852,49 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         }
         let t0 = Instant::now();
         before_last = counters.snapshot();
-        let (tokens, targets) = {
-            let batch = loader.next_batch()?;
-            let inputs = batch
-                .inputs_u32()
-                .ok_or_else(|| TrainError::Input("loader gave no u32 inputs".into()))?
-                .to_vec();
-            let targets = batch
-                .targets_u32()
-                .ok_or_else(|| TrainError::Input("loader gave no u32 targets".into()))?
-                .to_vec();
-            crate::train::check_token_ids(&inputs, &targets, opts.model.vocab, &data_label)?;
-            (inputs, targets)
+        let (tokens, targets) =
+            crate::train::batch_tokens(&*loader.next_batch()?, opts.model.vocab, &data_label)?;
+        // The global batch's counted targets (every target without a loss mask): each rank's
+        // count, gathered (exact in f64), so every rank seeds its loss gradient with the
+        // weight one process gives the whole batch.
+        let counted = if shared.dataset.has_loss_mask() {
+            let mine = counted_targets(&targets) as f64;
+            let all = store
+                .engine
+                .borrow_mut()
+                .gather_scalars(mine)
+                .map_err(zero_err)?;
+            all.iter().sum::<f64>() as u64
+        } else {
+            (opts.batch * opts.seq) as u64
         };
+        let dloss = (1.0 / counted.max(1) as f64) as f32;
         let mut loss_sum = 0.0f64;
         let mut block_forwards = 0;
         let phase = tracker.phase("forward+backward");
-        for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+        // A global batch of prompts only: no loss, no gradient, no step on any rank (they
+        // all know the count), as a single process skips it.
+        let batches = if counted == 0 { 0 } else { tokens.len() };
+        for (tok, tgt) in tokens[..batches]
+            .chunks(rows)
+            .zip(targets[..batches].chunks(rows))
+        {
             let out = model.forward_backward_parts(&store, tok, tgt, g, dloss, &shared.schedule);
             // Whatever happened, nothing gathered may outlive the micro-batch: a prefetch
             // the pass did not consume would be stale after the step.
             store.release_all()?;
             let (mb_loss, stats) = out?;
             block_forwards += stats.forward_count;
-            loss_sum += mb_loss as f64 * rows as f64;
+            loss_sum += mb_loss as f64 * counted_targets(tgt) as f64;
         }
         drop(phase);
         adamw.lr = opts.lr_at(step);
         let grad_norm = {
             let _phase = tracker.phase("optimizer");
             let mut e = store.engine.borrow_mut();
-            if opts.grad_clip.is_finite() {
+            if counted == 0 {
+                f64::NAN
+            } else if opts.grad_clip.is_finite() {
                 e.step_clipped(&mut adamw, opts.grad_clip as f32)
                     .map_err(zero_err)?
                     .grad_norm
@@ -911,6 +930,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
             val_loss,
             step,
             loss_sum,
+            counted,
             block_forwards,
             grad_norm,
             seconds: t0.elapsed().as_secs_f64(),
@@ -1030,7 +1050,7 @@ fn validation_loss<B: RankBackend>(
             chunks.len()
         )));
     }
-    let mut sum = 0.0f64;
+    let mut mean = crate::train::ValidationMean::default();
     for round in chunks.chunks(ranks) {
         let (tok, tgt) = round[rank];
         let l = model.loss_parts(store, tok, tgt, g);
@@ -1041,12 +1061,12 @@ fn validation_loss<B: RankBackend>(
             .borrow_mut()
             .gather_scalars(f64::from(l?))
             .map_err(zero_err)?;
-        // One at a time, in chunk order: the sum a single process forms.
-        for l in losses {
-            sum += l;
+        // One at a time, in chunk order: what a single process forms.
+        for (l, (_, tgt)) in losses.into_iter().zip(round) {
+            mean.add(l as f32, counted_targets(tgt) as u64, tgt.len());
         }
     }
-    Ok((sum / chunks.len().max(1) as f64) as f32)
+    Ok(mean.mean())
 }
 
 /// Every rank: its shard into one partial directory, then rank 0 publishes it.

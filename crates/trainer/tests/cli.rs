@@ -1184,3 +1184,110 @@ fn checkpoint_verify_checks_one_step_or_every_step() {
         stderr(&o)
     );
 }
+
+#[test]
+fn jsonl_build_writes_a_loss_mask_that_inspect_train_and_eval_apply() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/sft/llama-tokenizer.json");
+    let tok = tok.to_str().unwrap();
+    let jsonl = dir.path().join("sft.jsonl");
+    let mut text = String::new();
+    for i in 0..200 {
+        text += &serde_json::json!({
+            "prompt": format!("the small dog {i}"),
+            "completion": " sees a red ball",
+        })
+        .to_string();
+        text.push('\n');
+    }
+    std::fs::write(&jsonl, text).unwrap();
+    let data = dir.path().join("sft.bin");
+    let d = data.to_str().unwrap();
+    let o = headroom(&[
+        "data",
+        "build",
+        "--jsonl",
+        "--tokenizer",
+        tok,
+        "--format",
+        "raw",
+        jsonl.to_str().unwrap(),
+        d,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("sft.bin.lossmask"), "{}", stdout(&o));
+    let o = headroom(&["data", "inspect", d, "--dtype", "u16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("loss mask"), "{}", stdout(&o));
+    let run = dir.path().join("run");
+    let o = headroom(&[
+        "train",
+        "--data",
+        d,
+        "--vocab",
+        "91",
+        "--channels",
+        "32",
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--no-progress",
+        "--checkpoint-dir",
+        run.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("\nloss mask: "), "{}", stdout(&o));
+    let o = headroom(&[
+        "eval",
+        "--from",
+        run.to_str().unwrap(),
+        "--data",
+        d,
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--batches",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("kept by its loss mask"),
+        "{}",
+        stdout(&o)
+    );
+    // Rebuilding the file as plain text removes the mask that described the old tokens.
+    let txt = dir.path().join("plain.txt");
+    std::fs::write(&txt, "just some text, every token counts").unwrap();
+    let o = headroom(&[
+        "data",
+        "build",
+        "--format",
+        "raw-u16",
+        txt.to_str().unwrap(),
+        d,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!dir.path().join("sft.bin.lossmask").exists());
+    // A JSONL line that is not an example is an error naming its line.
+    std::fs::write(
+        &jsonl,
+        "{\"prompt\": \"a\", \"completion\": \"b\"}\n[1, 2]\n",
+    )
+    .unwrap();
+    let o = headroom(&[
+        "data",
+        "build",
+        "--jsonl",
+        "--tokenizer",
+        tok,
+        jsonl.to_str().unwrap(),
+        d,
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("line 2"), "{}", stderr(&o));
+}

@@ -963,11 +963,26 @@ impl ModelOps for Cpu {
             }
             None => None,
         };
-        let dloss = vec![grads.as_ref().map_or(0.0, |g| g.dloss_per_token); rows];
+        if let Some(c) = grads.as_ref().and_then(|g| g.counted) {
+            if c.len() != n {
+                return Err(bad(
+                    "head",
+                    format!("{} counted flags for {n} rows", c.len()),
+                ));
+            }
+        }
+        let per_token = grads.as_ref().map_or(0.0, |g| g.dloss_per_token);
+        let mut dloss = vec![per_token; rows];
         let xs = x.as_slice::<f32>()?;
         let mut r0 = 0;
         while r0 < n {
             let r = rows.min(n - r0);
+            // A row that does not count is seeded with 0: its gradient row is exactly 0.
+            if let Some(c) = grads.as_ref().and_then(|g| g.counted) {
+                for (d, &k) in dloss.iter_mut().zip(&c[r0..r0 + r]) {
+                    *d = if k { per_token } else { 0.0 };
+                }
+            }
             let xr = &xs[r0 * c..][..r * c];
             if let Some((w, stage)) = bf16_head.as_mut() {
                 let w: &[bf16] = w;
@@ -1230,6 +1245,7 @@ mod tests {
                     let mut dw = cpu.zeros([v, c], DType::F32).unwrap();
                     let grads = train.then_some(HeadLossGrads {
                         dloss_per_token: dloss,
+                        counted: None,
                         dx: &mut dx,
                         dw: Some(&mut dw),
                     });

@@ -489,6 +489,10 @@ impl ModelOps for Cuda {
         let rows = rows.clamp(1, n.max(1));
         let targets_dev = upload_tokens(self, "head", targets, v)?;
         let dloss = grads.as_ref().map_or(0.0, |g| g.dloss_per_token);
+        let counted = grads.as_ref().and_then(|g| g.counted);
+        if counted.is_some_and(|c| c.len() != n) {
+            return Err(bad("head", format!("counted flags for {n} rows expected")));
+        }
         let mut grads = grads;
         let xl = as_dtype(self, x, w.dtype())?;
         let scratch = |len: usize, width: usize, dtype| -> Result<CudaTensor> {
@@ -539,7 +543,15 @@ impl ModelOps for Cuda {
                 Some(g) => {
                     let dloss_dev = {
                         let _g = MemoryCategory::Workspace.enter();
-                        self.upload(&vec![dloss; r], [r])?
+                        // A row that does not count is seeded with 0: its gradient row is 0.
+                        let seeds: Vec<f32> = match counted {
+                            Some(c) => c[r0..r0 + r]
+                                .iter()
+                                .map(|&k| if k { dloss } else { 0.0 })
+                                .collect(),
+                            None => vec![dloss; r],
+                        };
+                        self.upload(&seeds, [r])?
                     };
                     // The gradient overwrites the logits: one `[r, V]` buffer, not two.
                     self.cross_entropy_forward_backward_in_place(

@@ -25,8 +25,12 @@ use crate::Result;
 
 /// The gradients the fused head adds into, and the weight of each token's loss.
 pub struct HeadLossGrads<'a, T> {
-    /// `∂loss/∂loss_i` for every token (`1/(B·T)` gives the mean loss's gradient).
+    /// `∂loss/∂loss_i` for every counted token (`1/(B·T)` gives the mean loss's gradient).
     pub dloss_per_token: f32,
+    /// `[N]`: which rows' losses count (`None`: all). A row that does not count gets the
+    /// gradient `0` (its loss is still computed, and ignored by the caller): a loss mask's
+    /// prompt tokens, PyTorch's `ignore_index`.
+    pub counted: Option<&'a [bool]>,
     /// `[N, C]` gradient of the head's input.
     pub dx: &'a mut T,
     /// `[V, C]` gradient of the head's weight (`None` when the head is frozen: no gradient is

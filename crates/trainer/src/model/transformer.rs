@@ -546,21 +546,23 @@ impl<B: ModelOps> Model<B> {
         } else {
             MemoryCategory::Activations
         };
+        let masked = MaskedTargets::new(targets);
         self.backend.head_loss(
             &mut losses,
             &lnf,
             hw.head,
-            targets,
+            masked.targets(targets),
             self.head_rows(n),
             self.opts.precision,
             logits_category,
             Some(HeadLossGrads {
                 dloss_per_token,
+                counted: masked.counted(),
                 dx: &mut dlnf,
                 dw: head_grads.head,
             }),
         )?;
-        let mean = mean_loss(&self.backend.download::<f32>(&losses)?);
+        let mean = masked.mean(&self.backend.download::<f32>(&losses)?);
         let _l = label_absolute("head.dresidual");
         let mut dres = self.scratch([g.b, g.t, c])?;
         self.norm_backward(
@@ -635,17 +637,18 @@ impl<B: ModelOps> Model<B> {
         let (lnf, _) = self.final_norm(residual, g, hw)?;
         let _l = label_absolute("head.losses");
         let mut losses = self.stat([g.b, g.t])?;
+        let masked = MaskedTargets::new(targets);
         self.backend.head_loss(
             &mut losses,
             &lnf,
             hw.head,
-            targets,
+            masked.targets(targets),
             self.head_rows(n),
             self.opts.precision,
             MemoryCategory::Workspace,
             None,
         )?;
-        Ok(mean_loss(&self.backend.download::<f32>(&losses)?))
+        Ok(masked.mean(&self.backend.download::<f32>(&losses)?))
     }
 
     /// Block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]` (storage
@@ -1228,12 +1231,73 @@ impl<B: ModelOps> headroom_ckpt::Layer<B> for Block<'_, B> {
 }
 
 /// The mean of per-token losses, summed in f64 (the head's and the forward-only loss's).
+/// A target that does not count in the loss (PyTorch's `ignore_index`, Hugging Face's
+/// `labels = -100`): a loss-masked token, such as a prompt's in supervised fine-tuning. Its
+/// row contributes no gradient, and the mean loss is over the other rows.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
+/// The rows of a batch whose targets count, when some do not: the ops see target `0` on an
+/// ignored row (any id in range; its loss is discarded and its gradient seeded with 0).
+struct MaskedTargets {
+    /// `None` when every target counts (no copy, no flags: the unmasked path is unchanged).
+    masked: Option<(Vec<u32>, Vec<bool>)>,
+}
+
+impl MaskedTargets {
+    fn new(targets: &[u32]) -> Self {
+        MaskedTargets {
+            masked: targets.contains(&IGNORE_TARGET).then(|| {
+                let ops = targets
+                    .iter()
+                    .map(|&t| if t == IGNORE_TARGET { 0 } else { t })
+                    .collect();
+                let counted = targets.iter().map(|&t| t != IGNORE_TARGET).collect();
+                (ops, counted)
+            }),
+        }
+    }
+
+    /// The targets the ops see.
+    fn targets<'a>(&'a self, targets: &'a [u32]) -> &'a [u32] {
+        self.masked.as_ref().map_or(targets, |(t, _)| t)
+    }
+
+    fn counted(&self) -> Option<&[bool]> {
+        self.masked.as_ref().map(|(_, c)| &c[..])
+    }
+
+    /// The mean of the counted rows' losses (f64 sum); 0 when no row counts (its gradient is
+    /// 0 too, and a caller weighting micro-batches by their counted rows gives it no weight).
+    fn mean(&self, losses: &[f32]) -> f32 {
+        match self.counted() {
+            None => mean_loss(losses),
+            Some(c) => {
+                let (sum, n) = losses
+                    .iter()
+                    .zip(c)
+                    .filter(|(_, &k)| k)
+                    .fold((0f64, 0usize), |(s, n), (&l, _)| (s + l as f64, n + 1));
+                if n == 0 {
+                    0.0
+                } else {
+                    (sum / n as f64) as f32
+                }
+            }
+        }
+    }
+}
+
 fn mean_loss(losses: &[f32]) -> f32 {
     (losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len().max(1) as f64) as f32
 }
 
-/// Check a batch against a model shape: `[B, T]` token and target ids below the vocab,
-/// `1 ≤ T ≤ max_seq`, at least one sequence.
+/// How many of `targets` count in the loss (every one but [`IGNORE_TARGET`]).
+pub fn counted_targets(targets: &[u32]) -> usize {
+    targets.iter().filter(|&&t| t != IGNORE_TARGET).count()
+}
+
+/// Check a batch against a model shape: `[B, T]` token and target ids below the vocab (or
+/// [`IGNORE_TARGET`] for a target), `1 ≤ T ≤ max_seq`, at least one sequence.
 pub fn check_batch(cfg: &ModelConfig, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
     let n = g.rows();
     if g.b == 0 || g.t == 0 || g.t > cfg.max_seq {
@@ -1253,7 +1317,7 @@ pub fn check_batch(cfg: &ModelConfig, tokens: &[u32], targets: &[u32], g: Geomet
     }
     if let Some(bad) = tokens
         .iter()
-        .chain(targets)
+        .chain(targets.iter().filter(|&&t| t != IGNORE_TARGET))
         .find(|&&t| t as usize >= cfg.vocab)
     {
         return Err(TrainError::Input(format!(

@@ -1,0 +1,306 @@
+//! Loss masks (supervised fine-tuning's completion-only loss): a masked target adds nothing to
+//! the loss or the gradient; a step's mean is over its counted targets whichever micro-batch or
+//! rank holds them; data without a mask trains exactly as before; `data build --jsonl` masks
+//! the prompts TRL masks.
+
+use headroom_ckpt::Schedule;
+use headroom_mmap_data::{
+    formats, loss_mask_path, write_loss_mask, LossMask, TokenFileFormat, TokenType,
+};
+use headroom_tensor::{Cpu, MemoryCategory};
+use headroom_trainer::model::{
+    counted_targets, params, Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions,
+    IGNORE_TARGET,
+};
+use headroom_trainer::train::{train, DataSource, TrainOptions};
+use headroom_trainer::zero_train::{train_zero, ZeroOptions};
+use headroom_zero::Stage;
+use proptest::prelude::*;
+
+fn config(family: Family) -> ModelConfig {
+    ModelConfig {
+        vocab: 23,
+        max_seq: 8,
+        layers: 2,
+        heads: 2,
+        channels: 16,
+        family,
+    }
+}
+
+fn llama() -> Family {
+    Family::Llama(LlamaShape {
+        kv_heads: 1,
+        ffn: 24,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+        tied_head: false,
+    })
+}
+
+/// Loss and gradients of one batch with `targets`, each counted token's loss weighted 1.
+fn loss_and_grads(
+    model: &Model<Cpu>,
+    cpu: &Cpu,
+    tokens: &[u32],
+    targets: &[u32],
+) -> (f64, Vec<Vec<f32>>) {
+    let cfg = model.cfg;
+    let g = Geometry { b: 2, t: 8 };
+    let mut grads = params::alloc_like_params(cpu, &cfg, MemoryCategory::Gradients).unwrap();
+    let all = Schedule::store_all(cfg.layers).unwrap();
+    let (mean, _) = model
+        .forward_backward(tokens, targets, g, &mut grads, 1.0, &all)
+        .unwrap();
+    let grads = grads
+        .iter()
+        .map(|t| t.as_slice::<f32>().unwrap().to_vec())
+        .collect();
+    (mean as f64 * counted_targets(targets) as f64, grads)
+}
+
+fn masked(targets: &[u32], keep: impl Fn(usize) -> bool) -> Vec<u32> {
+    targets
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| if keep(i) { t } else { IGNORE_TARGET })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+    /// Loss and gradient are sums over the counted targets: splitting the counted set in two
+    /// adds up (a leaked masked row would add its own term twice or not at all), and a batch
+    /// nobody counts has no loss and exactly no gradient.
+    #[test]
+    fn masked_targets_add_nothing(
+        split in any::<u16>(),
+        keep in any::<u16>(),
+        llama_family in any::<bool>(),
+    ) {
+        let cpu = Cpu::new();
+        let cfg = config(if llama_family { llama() } else { Family::Gpt2 });
+        let model = Model::new(&cpu, cfg, ModelOptions::default(), 5).unwrap();
+        let tokens: Vec<u32> = (0..16).map(|i| (i * 7 + 3) % 23).collect();
+        let targets: Vec<u32> = (0..16).map(|i| (i * 5 + 1) % 23).collect();
+        let kept = |i: usize| (keep >> i) & 1 == 1 || i == 0;
+        let side = |i: usize| (split >> i) & 1 == 1;
+        let whole = masked(&targets, kept);
+        let a = masked(&targets, |i| kept(i) && side(i));
+        let b = masked(&targets, |i| kept(i) && !side(i));
+        let (lw, gw) = loss_and_grads(&model, &cpu, &tokens, &whole);
+        let (la, ga) = loss_and_grads(&model, &cpu, &tokens, &a);
+        let (lb, gb) = loss_and_grads(&model, &cpu, &tokens, &b);
+        prop_assert!((lw - (la + lb)).abs() <= 1e-5 * lw.abs().max(1.0), "{lw} vs {la} + {lb}");
+        for ((w, x), y) in gw.iter().zip(&ga).zip(&gb) {
+            let scale = w.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            for ((&w, &x), &y) in w.iter().zip(x).zip(y) {
+                prop_assert!((w - (x + y)).abs() <= 1e-5 * scale, "{w} vs {x} + {y}");
+            }
+        }
+        // No counted target: exactly no gradient, and a loss of 0.
+        let none = vec![IGNORE_TARGET; 16];
+        let (l0, g0) = loss_and_grads(&model, &cpu, &tokens, &none);
+        prop_assert_eq!(l0, 0.0);
+        prop_assert!(g0.iter().flatten().all(|&v| v == 0.0));
+    }
+}
+
+/// A token file and its mask: a Markov-ish stream, every third token not counted.
+fn masked_file(dir: &std::path::Path, flags: impl Fn(usize) -> bool) -> std::path::PathBuf {
+    let path = dir.join("sft.bin");
+    let n = 4096;
+    let tokens: Vec<u32> = (0..n as u32).map(|i| (i * i + 3 * i) % 61).collect();
+    formats::write_tokens(&path, &tokens, TokenFileFormat::Raw(TokenType::U16)).unwrap();
+    let flags: Vec<bool> = (0..n).map(flags).collect();
+    write_loss_mask(loss_mask_path(&path), &flags).unwrap();
+    path
+}
+
+fn options(path: &std::path::Path) -> TrainOptions {
+    let mut o = TrainOptions::tiny_default();
+    o.data = DataSource::File(path.to_path_buf());
+    o.model = ModelConfig {
+        vocab: 61,
+        max_seq: 16,
+        layers: 2,
+        heads: 2,
+        channels: 16,
+        family: Family::Gpt2,
+    };
+    o.seq = 16;
+    o.batch = 4;
+    o.steps = 6;
+    o.warmup = 1;
+    o.grad_clip = f64::INFINITY;
+    o.check_machine_memory = false;
+    o
+}
+
+fn losses(o: &TrainOptions) -> Vec<f32> {
+    train(o, |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect()
+}
+
+#[test]
+fn a_step_is_the_mean_over_its_counted_targets_whatever_the_micro_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    // Uneven: whole windows of prompt (no counted target) next to mostly-counted ones.
+    let path = masked_file(dir.path(), |i| (i / 40) % 3 != 0 && i % 5 != 0);
+    let mut o = options(&path);
+    let whole = losses(&o);
+    o.techniques.micro_batch = Some(1);
+    let micro = losses(&o);
+    for (a, b) in whole.iter().zip(&micro) {
+        assert!((a - b).abs() <= 2e-5 * a.abs(), "{whole:?} vs {micro:?}");
+    }
+    assert!(whole.iter().all(|l| l.is_finite()), "{whole:?}");
+    // The masked run's losses are not the unmasked run's (the mask is read).
+    std::fs::remove_file(loss_mask_path(&path)).unwrap();
+    o.techniques.micro_batch = None;
+    let unmasked = losses(&o);
+    assert_ne!(whole, unmasked);
+}
+
+#[test]
+fn a_mask_that_keeps_everything_is_no_mask_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = masked_file(dir.path(), |_| true);
+    let mut o = options(&path);
+    o.techniques.micro_batch = Some(2);
+    let with = losses(&o);
+    std::fs::remove_file(loss_mask_path(&path)).unwrap();
+    let without = losses(&o);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&with), bits(&without));
+}
+
+#[test]
+fn a_batch_of_prompts_only_is_a_skipped_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = masked_file(dir.path(), |i| i >= 4000);
+    let o = options(&path);
+    let r = train(&o, |_| {}).unwrap();
+    // Windows are shuffled over the file; most batches hold no counted target.
+    let skipped = r.steps.iter().filter(|s| !s.applied).count();
+    assert!(skipped > 0, "expected some all-prompt batches");
+    for s in &r.steps {
+        assert_eq!(s.applied, s.loss.is_finite(), "{s:?}");
+    }
+}
+
+#[test]
+fn zero_ranks_weight_the_global_batch_by_its_counted_targets() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = masked_file(dir.path(), |i| (i / 24) % 4 != 0 && i % 3 != 0);
+    let mut o = options(&path);
+    o.techniques.micro_batch = Some(1);
+    let single = losses(&o);
+    let mut by_stage = Vec::new();
+    for stage in [Stage::Zero1, Stage::Zero3] {
+        let r = train_zero(&o, ZeroOptions::new(stage, 2), |_| {}).unwrap();
+        let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+        for (a, b) in l.iter().zip(&single) {
+            assert!(
+                (a - b).abs() <= 2e-5 * b.abs(),
+                "{stage}: {l:?} vs {single:?}"
+            );
+        }
+        by_stage.push(l);
+    }
+    assert_eq!(by_stage[0], by_stage[1], "stages agree bit for bit");
+}
+
+#[test]
+fn jsonl_examples_mask_their_prompts() {
+    use headroom_trainer::tokenize::{build_prompt_completion, Tokenizer};
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("sft.jsonl");
+    let examples = [
+        ("Q: 2+2?\nA:", " 4"),
+        ("Translate 'chat':", " cat"),
+        ("", " no prompt at all"),
+    ];
+    let mut text = String::new();
+    for (p, c) in examples {
+        text += &serde_json::json!({"prompt": p, "completion": c}).to_string();
+        text += "\n\n";
+    }
+    text += &serde_json::json!({"text": "plain text counts whole"}).to_string();
+    std::fs::write(&input, text).unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let out = dir.path().join("sft.bin");
+    let r = build_prompt_completion(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &out,
+        false,
+    )
+    .unwrap();
+    assert_eq!(r.examples, 4);
+    let mut want_tokens = Vec::new();
+    let mut want_flags = Vec::new();
+    for (p, c) in examples {
+        let prompt = tok.encode_sequence(p).unwrap();
+        let whole = tok.encode_sequence(&format!("{p}{c}")).unwrap();
+        assert!(whole.starts_with(&prompt));
+        want_flags.extend((0..=whole.len()).map(|i| i >= prompt.len()));
+        want_tokens.extend(whole);
+        want_tokens.push(50256);
+    }
+    let plain = tok.encode_sequence("plain text counts whole").unwrap();
+    want_flags.extend(std::iter::repeat_n(true, plain.len() + 1));
+    want_tokens.extend(plain);
+    want_tokens.push(50256);
+    let ds = formats::open(&out, &Default::default()).unwrap();
+    let got: Vec<u32> = (0..ds.total_tokens())
+        .map(|i| ds.token(0, i).unwrap() as u32)
+        .collect();
+    assert_eq!(got, want_tokens);
+    let mask = LossMask::open(loss_mask_path(&out)).unwrap();
+    let flags: Vec<bool> = (0..mask.len()).map(|i| mask.get(i).unwrap()).collect();
+    assert_eq!(flags, want_flags);
+    assert_eq!(r.counted, mask.counted());
+    assert_eq!(r.boundary_merges, 0);
+
+    // A line that is neither form is refused with its line number, and nothing is left.
+    std::fs::write(&input, "{\"prompt\": \"x\"}\n").unwrap();
+    let out2 = dir.path().join("bad.bin");
+    let e = build_prompt_completion(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &out2,
+        false,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("line 1"), "{e}");
+    assert!(!out2.exists() && !loss_mask_path(&out2).exists());
+}
+
+#[test]
+fn a_masked_run_resumes_bit_for_bit_and_not_under_another_mask() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = masked_file(dir.path(), |i| i % 4 != 1);
+    let o = options(&path);
+    let straight = losses(&o);
+    let root = dir.path().join("run");
+    let mut first = o.clone();
+    first.save = Some((root.clone(), 3));
+    first.stop_after = Some(3);
+    train(&first, |_| {}).unwrap();
+    let mut resumed = o.clone();
+    resumed.resume_from = Some(root.join("step-00000003"));
+    let rest = losses(&resumed);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rest), bits(&straight[3..]));
+    // The same tokens under another mask are other data: the saved position is refused.
+    write_loss_mask(loss_mask_path(&path), &vec![true; 4096]).unwrap();
+    let e = train(&resumed, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("different dataset"), "{e}");
+}
