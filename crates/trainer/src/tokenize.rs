@@ -445,13 +445,15 @@ pub struct PromptCompletionReport {
 }
 
 /// One line of a prompt-completion JSONL file: TRL's prompt-completion format
-/// (`{"prompt": …, "completion": …}`), or language modelling (`{"text": …}`).
+/// (`{"prompt": …, "completion": …}`), or language modelling (`{"text": …}`). Other keys (an
+/// id, a source) are ignored, as TRL drops other columns.
 #[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
 struct ExampleLine {
     prompt: Option<String>,
     completion: Option<String>,
     text: Option<String>,
+    /// Conversational data (TRL's `messages`): refused, since it needs a chat template.
+    messages: Option<serde::de::IgnoredAny>,
 }
 
 /// One example's ids and their loss flags.
@@ -465,11 +467,19 @@ fn encode_example(
     let bad = |why: String| err(input, format!("line {number}: {why}"));
     let ex: ExampleLine =
         serde_json::from_str(line).map_err(|e| bad(format!("not an example: {e}")))?;
+    if ex.messages.is_some() {
+        return Err(bad(
+            "conversational examples (\"messages\") need the model's chat template, which this \
+             does not apply: render them into prompt and completion text first"
+                .into(),
+        ));
+    }
     let (mut ids, prompt_len, merged) = match ex {
         ExampleLine {
             prompt: Some(p),
             completion: Some(c),
             text: None,
+            ..
         } => {
             // TRL's tokenisation: the prompt alone, and the whole example, each as a sequence;
             // the completion starts where the two diverge (after the whole prompt, unless a
@@ -487,6 +497,7 @@ fn encode_example(
             prompt: None,
             completion: None,
             text: Some(t),
+            ..
         } => (tok.encode_sequence(&t)?, 0, false),
         _ => {
             return Err(bad(

@@ -232,3 +232,49 @@ fn tokenizer_json_settings() {
     assert!(panics.is_empty(), "panicked on:\n{}", panics.join("\n"));
     assert!(ok > 0 && errors > 0);
 }
+
+/// `data build --jsonl`'s reader on damaged JSONL: truncated lines, broken quotes and escapes,
+/// invalid UTF-8, deep nesting, keys of the wrong type. Whatever builds must be consistent:
+/// the mask covers the token file exactly and counts no more than its tokens.
+#[test]
+fn fuzz_prompt_completion_jsonl() {
+    use headroom_mmap_data::{formats, loss_mask_path, LossMask, TokenFileFormat, TokenType};
+    let seed = [
+        r#"{"prompt": "the small dog", "completion": " sat on the mat."}"#,
+        r#"{"prompt": "", "completion": "a \"quoted\" \u00e9 line\n"}"#,
+        r#"{"text": "plain text"}"#,
+        r#"{"prompt": "the big fox ran near the", "completion": " red log."}"#,
+    ]
+    .join("\n")
+    .into_bytes();
+    let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/sft/llama-tokenizer.json");
+    let tok = std::sync::Arc::new(Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap());
+    let scratch = ScratchDir::new("headroom-fuzz-jsonl").unwrap();
+    let report = fuzz(
+        "sft-jsonl",
+        &[seed],
+        &[],
+        iterations(CI_ITERATIONS),
+        move |bytes| -> Result<(), headroom_trainer::TrainError> {
+            let input = scratch.fresh();
+            let out = scratch.fresh();
+            let mask = loss_mask_path(&out);
+            let _cleanup = Cleanup(vec![input.clone(), out.clone(), mask.clone()]);
+            std::fs::write(&input, bytes).unwrap();
+            let format = TokenFileFormat::Raw(TokenType::U16);
+            let r = headroom_trainer::tokenize::build_prompt_completion(
+                &input, &tok, format, &out, false,
+            )?;
+            let ds = formats::open(&out, &Default::default()).unwrap();
+            let m = LossMask::open(&mask).unwrap();
+            assert_eq!(m.len() as u64, ds.total_tokens());
+            assert_eq!((r.tokens, r.counted), (ds.total_tokens(), m.counted()));
+            assert!(r.counted <= r.tokens && r.examples > 0);
+            Ok(())
+        },
+    );
+    println!("{report}");
+    report.assert_clean();
+    assert!(report.errors > 0 && report.ok > 0, "{report}");
+}

@@ -268,6 +268,35 @@ fn jsonl_examples_mask_their_prompts() {
     assert_eq!(r.counted, mask.counted());
     assert_eq!(r.boundary_merges, 0);
 
+    // Other keys are ignored (TRL drops other columns); conversational lines are refused.
+    std::fs::write(
+        &input,
+        "{\"id\": 7, \"prompt\": \"a\", \"completion\": \"b\"}\n",
+    )
+    .unwrap();
+    let out1 = dir.path().join("extra.bin");
+    build_prompt_completion(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &out1,
+        false,
+    )
+    .unwrap();
+    std::fs::write(
+        &input,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
+    )
+    .unwrap();
+    let e = build_prompt_completion(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &out1,
+        false,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("chat template"), "{e}");
     // A line that is neither form is refused with its line number, and nothing is left.
     std::fs::write(&input, "{\"prompt\": \"x\"}\n").unwrap();
     let out2 = dir.path().join("bad.bin");
