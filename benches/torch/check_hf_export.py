@@ -7,7 +7,9 @@
 The second form is the round trip of a *trained* checkpoint: transformers' mean loss on the
 windows `headroom eval --from CHECKPOINT_DIR --data FILE --batch B --seq T --batches K` scores
 (window w = tokens w·T ..= w·T + T of the llm.c-format token file; the mean over batches of
-each batch's mean cross-entropy) must equal the LOSS headroom printed within 1e-4.
+each batch's mean cross-entropy) must equal the LOSS headroom printed within 1e-4. With a loss
+mask beside the file (`FILE.lossmask`, as `headroom data build --jsonl` writes), the targets it
+leaves out are transformers' label -100 and the loss is the mean over the counted targets.
 
 Not a comparison bench: run by `cargo xtask bench` (with `--quick` and no directories) it
 exits with code 3 ("skipped").
@@ -43,12 +45,13 @@ def arg(name):
 
 def round_trip(checkpoint):
     # The same token reading and windowing as check_peft_adapter.py (headroom eval's).
-    from check_peft_adapter import read_tokens, windowed_loss
+    from check_peft_adapter import read_loss_mask, read_tokens, windowed_loss
 
     path, b, t, k = arg("--tokens"), int(arg("--batch")), int(arg("--seq")), int(arg("--batches"))
     tokens = read_tokens(path)
+    flags = read_loss_mask(path, len(tokens))
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-    loss = windowed_loss(model, tokens, b, t, k)
+    loss = windowed_loss(model, tokens, b, t, k, flags)
     expect = float(arg("--expect"))
     print(f"{type(model).__name__} from {checkpoint}: transformers loss {loss:.6f}, "
           f"headroom {expect:.6f}, |difference| {abs(loss - expect):.2e}")

@@ -47,23 +47,53 @@ def read_tokens(path):
     return np.fromfile(path, dtype=dtype, offset=1024, count=int(header[2])).astype(np.int64)
 
 
-def windowed_loss(model, tokens, b, t, k):
-    """headroom eval's loss: batch i holds windows i·b .. i·b+b-1, window w = tokens[w·t ..= w·t+t]."""
+def read_loss_mask(path, n):
+    """The flags of `<path>.lossmask` (headroom's loss mask: a 24-byte header, then one bit per
+    token, least significant first), or None when the file has no mask."""
+    import os
+
+    import numpy as np
+
+    mask = path + ".lossmask"
+    if not os.path.exists(mask):
+        return None
+    raw = np.fromfile(mask, dtype=np.uint8)
+    if bytes(raw[:8]) != b"HRLMASK1" or int(raw[8:16].view("<u8")[0]) != n:
+        sys.exit(f"{mask}: not a loss mask of {n} tokens")
+    return np.unpackbits(raw[24:], bitorder="little")[:n].astype(bool)
+
+
+def windowed_loss(model, tokens, b, t, k, flags=None):
+    """headroom eval's loss: batch i holds windows i·b .. i·b+b-1, window w = tokens[w·t ..= w·t+t].
+
+    With loss-mask `flags`, a target whose flag is off is transformers' label -100, and the loss
+    is the mean over every counted target of the K batches (headroom eval's weighting)."""
     import numpy as np
     import torch
 
     need = (k * b - 1) * t + t + 1
     if need > len(tokens):
         sys.exit(f"{k} batches of {b}×{t} need {need} tokens; the file has {len(tokens)}")
-    total = 0.0
+    total, counted = 0.0, 0
     with torch.no_grad():
         for batch in range(k):
-            rows = [tokens[w * t: w * t + t + 1] for w in range(batch * b, batch * b + b)]
+            windows = range(batch * b, batch * b + b)
+            rows = [tokens[w * t: w * t + t + 1] for w in windows]
             data = torch.from_numpy(np.stack(rows))
             logits = model(input_ids=data[:, :-1]).logits.float()
+            labels = data[:, 1:].clone()
+            if flags is None:
+                total += torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+                counted += 1
+                continue
+            keep = torch.from_numpy(np.stack([flags[w * t + 1: w * t + t + 1] for w in windows]))
+            labels[~keep] = -100
             total += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), data[:, 1:].reshape(-1)).item()
-    return total / k
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                reduction="sum").item()
+            counted += int(keep.sum())
+    return total / counted
 
 
 def check_tensors(model, adapter):
