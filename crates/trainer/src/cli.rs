@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::engine::ComputeDevice;
-use crate::estimate::estimate;
 use crate::ladder::{ladder_table, run_ladder, standard_rungs, suggest_fitting};
 use crate::model::{Family, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
@@ -1568,7 +1567,7 @@ fn cmd_estimate(args: EstimateArgs) -> CliResult {
         return zero_estimate_report(&o, stage, args.ranks);
     }
     o.validate()?;
-    let e = estimate(&o.model, o.seq, o.micro_batch()?, o.batch, &o.techniques)?;
+    let e = crate::train::estimate_with_data(&o, o.micro_batch()?, &o.techniques)?;
     say!(
         "estimate for {} {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}; for this machine's cpu kernels ({})",
         o.model.family_name(),
@@ -1762,7 +1761,7 @@ fn cmd_max_batch(a: MaxBatchArgs) -> CliResult {
     };
     let predicted = |size: usize| -> CliResult<u64> {
         let m = setup(size);
-        Ok(estimate(&m.model, m.seq, m.micro_batch()?, m.batch, &m.techniques)?.device_peak)
+        Ok(crate::train::estimate_with_data(&m, m.micro_batch()?, &m.techniques)?.device_peak)
     };
     let report = search_max_fit(1, sizes.len(), |k| -> CliResult<bool> {
         Ok(predicted(sizes[k - 1])? <= budget)

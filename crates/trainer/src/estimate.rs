@@ -78,6 +78,15 @@ pub struct PeakMoments {
 }
 
 impl TrainerEstimate {
+    /// This estimate for data with a loss mask: the loader's buffers also hold each target's
+    /// flag, one byte each ([`MemoryCategory::Data`], a constant of the step).
+    pub fn with_loss_mask_flags(mut self, batch: usize, seq: usize) -> Self {
+        let bytes = loss_mask_flag_bytes(batch, seq);
+        self.device[MemoryCategory::Data] += bytes;
+        self.device_peak += bytes;
+        self
+    }
+
     /// Sum of the device categories' peaks (an upper bound on the device's total peak; see
     /// [`TrainerEstimate::device_peak`] for the simultaneous one).
     pub fn device_total(&self) -> u64 {
@@ -117,6 +126,11 @@ enum Products {
     /// The CUDA model's: cuBLASLt reads bf16 operands in place and needs no panel (its own
     /// workspace is counted by [`cuda_device_peak`]), so the figure is the same on every host.
     Cuda,
+}
+
+/// Bytes of loss-mask flags the loader's buffers hold for `batch` rows of `seq` targets.
+pub fn loss_mask_flag_bytes(batch: usize, seq: usize) -> u64 {
+    LOADER_BUFFERS * batch as u64 * seq as u64
 }
 
 /// Predict peak bytes per category for `cfg` trained on micro-batches of `micro` sequences of

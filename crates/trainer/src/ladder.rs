@@ -6,7 +6,6 @@ use headroom_offload::StatePrecision;
 use headroom_profiler::{OutOfBudget, PerCategory};
 use headroom_tensor::{Device, MemoryCategory};
 
-use crate::estimate;
 use crate::model::{finetune, params, FinetuneSpec, ModelConfig, Precision, QuantSpec};
 use crate::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques};
 use crate::train::{train, TrainOptions};
@@ -155,7 +154,7 @@ pub fn run_ladder(
         o.save = None;
         o.resume_from = None;
         let micro = o.micro_batch()?;
-        let est = estimate::estimate(&o.model, o.seq, micro, o.batch, &o.techniques)?;
+        let est = crate::train::estimate_with_data(&o, micro, &o.techniques)?;
         let (report, fits) = match train(&o, |_| {}) {
             Ok(r) => (r, true),
             Err(e) if is_out_of_budget(&e) => {
@@ -365,7 +364,7 @@ pub fn suggest_fitting(opts: &TrainOptions, budget: u64) -> Result<Vec<FitSugges
             .unwrap_or(micro_now)
     };
     let predict = |t: &Techniques, micro: usize| -> Result<u64> {
-        Ok(estimate::estimate(&opts.model, opts.seq, micro, opts.batch, t)?.device_peak)
+        Ok(crate::train::estimate_with_data(opts, micro, t)?.device_peak)
     };
     let mut out: Vec<FitSuggestion> = Vec::new();
     // Single changes.

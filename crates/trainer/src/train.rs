@@ -931,6 +931,32 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>
         .collect()
 }
 
+/// Whether the run's data has a loss mask (a file that does not open has none here: the run
+/// reports why when it opens it).
+pub fn data_has_loss_mask(opts: &TrainOptions) -> bool {
+    match &opts.data {
+        DataSource::File(path) => {
+            headroom_mmap_data::open(path, &Default::default()).is_ok_and(|d| d.has_loss_mask())
+        }
+        DataSource::Synthetic(_) => false,
+    }
+}
+
+/// [`estimate::estimate`] of `opts` under `tech`, for its data: with a loss mask, the loader's
+/// flags too ([`estimate::TrainerEstimate::with_loss_mask_flags`]).
+pub fn estimate_with_data(
+    opts: &TrainOptions,
+    micro: usize,
+    tech: &Techniques,
+) -> Result<estimate::TrainerEstimate> {
+    let e = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
+    Ok(if data_has_loss_mask(opts) {
+        e.with_loss_mask_flags(opts.batch, opts.seq)
+    } else {
+        e
+    })
+}
+
 /// The line `headroom train` prints for a dataset with a loss mask beside it (`None` for data
 /// without one, or that does not open: the run reports why).
 pub fn describe_loss_mask(opts: &TrainOptions) -> Option<String> {
@@ -1321,7 +1347,7 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
     // The estimator is exact for the CPU model: a run that cannot fit this machine is refused
     // here, before the first allocation, rather than aborting or swapping half-way.
     if opts.device == ComputeDevice::Cpu && opts.check_machine_memory {
-        let e = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
+        let e = estimate_with_data(opts, micro, tech)?;
         let need = e.device_total().saturating_add(e.host.total());
         if let Some(have) = machine_memory_bytes() {
             if need > have {
@@ -1691,7 +1717,7 @@ fn train_tracked(
         t: opts.seq,
     };
     let schedule = block_schedule(tech.checkpoint, &opts.model, || {
-        let est = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
+        let est = estimate_with_data(opts, micro, tech)?;
         let budget = match tech.checkpoint {
             CheckpointChoice::Optimal(Some(b)) => b,
             _ => {

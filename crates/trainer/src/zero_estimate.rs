@@ -62,6 +62,15 @@ impl ZeroEstimate {
     pub fn per_rank_peak(&self) -> u64 {
         self.device.total()
     }
+
+    /// This estimate for data with a loss mask: each rank's loader also holds its targets'
+    /// flags (`batch` is the rank's rows).
+    pub fn with_loss_mask_flags(mut self, batch: usize, seq: usize) -> Self {
+        let bytes = crate::estimate::loss_mask_flag_bytes(batch, seq);
+        self.device[MemoryCategory::Data] += bytes;
+        self.device_peak += bytes;
+        self
+    }
 }
 
 /// The parameter count of each ZeRO layer of `cfg`: embeddings, blocks, final norm + head.

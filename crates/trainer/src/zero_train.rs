@@ -305,7 +305,7 @@ fn rank_estimate(
     zero: &ZeroOptions,
     micro: usize,
 ) -> Result<crate::zero_estimate::ZeroEstimate> {
-    crate::zero_estimate::zero_estimate(
+    let e = crate::zero_estimate::zero_estimate(
         &opts.model,
         opts.seq,
         micro,
@@ -313,7 +313,12 @@ fn rank_estimate(
         &opts.techniques,
         zero.stage,
         zero.ranks,
-    )
+    )?;
+    Ok(if crate::train::data_has_loss_mask(opts) {
+        e.with_loss_mask_flags(opts.batch / zero.ranks, opts.seq)
+    } else {
+        e
+    })
 }
 
 /// Train under ZeRO on `zero.ranks` in-process ranks, calling `on_step` after every step

@@ -333,3 +333,48 @@ fn a_masked_run_resumes_bit_for_bit_and_not_under_another_mask() {
     let e = train(&resumed, |_| {}).unwrap_err().to_string();
     assert!(e.contains("different dataset"), "{e}");
 }
+
+#[test]
+fn the_estimate_counts_the_loaders_flags() {
+    use headroom_tensor::Device;
+    let dir = tempfile::tempdir().unwrap();
+    let path = masked_file(dir.path(), |i| i % 3 != 0);
+    let o = options(&path);
+    let micro = o.micro_batch().unwrap();
+    let e = headroom_trainer::train::estimate_with_data(&o, micro, &o.techniques).unwrap();
+    let plain =
+        headroom_trainer::estimate::estimate(&o.model, o.seq, micro, o.batch, &o.techniques)
+            .unwrap();
+    assert_eq!(
+        e.device[MemoryCategory::Data] - plain.device[MemoryCategory::Data],
+        4 * (o.batch * o.seq) as u64,
+        "one flag byte per target in each of the loader's four buffers"
+    );
+    let r = train(&o, |_| {}).unwrap();
+    let dev = r.memory.device(Device::Cpu).unwrap();
+    for c in MemoryCategory::ALL {
+        assert_eq!(dev.peak[c], e.device[c], "{c:?}");
+    }
+    assert!(dev.peak_total <= e.device_peak);
+}
+
+#[test]
+fn zero_ranks_count_their_loaders_flags() {
+    use headroom_tensor::Device;
+    let dir = tempfile::tempdir().unwrap();
+    let path = masked_file(dir.path(), |i| i % 3 != 0);
+    let mut o = options(&path);
+    o.techniques.micro_batch = Some(1);
+    let zero = ZeroOptions::new(Stage::Zero1, 2);
+    let (e, _) = headroom_trainer::zero_train::estimate_run(&o, &zero).unwrap();
+    let r = train_zero(&o, zero, |_| {}).unwrap();
+    for rank in &r.ranks {
+        let dev = rank.memory.device(Device::Cpu).unwrap();
+        assert_eq!(
+            dev.peak[MemoryCategory::Data],
+            e.device[MemoryCategory::Data],
+            "rank {}",
+            rank.rank
+        );
+    }
+}
