@@ -325,6 +325,32 @@ fn pieces(tok: &Tokenizer, text: &[u8], separator: Option<&[u8]>) -> Vec<(u64, u
     out
 }
 
+/// The file `input` mapped read-only, checked to be non-empty UTF-8 text.
+fn map_text(input: &Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
+    if file
+        .metadata()
+        .map_err(|e| err(input, e.to_string()))?
+        .len()
+        == 0
+    {
+        return Err(err(input, "empty file"));
+    }
+    // SAFETY: a read-only map that nothing here writes through; the file must not be changed
+    // while it is tokenized (as for any memory-mapped reader, headroom-mmap-data's included).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(input, e.to_string()))?;
+    if let Err(e) = std::str::from_utf8(&map) {
+        return Err(err(
+            input,
+            format!(
+                "not UTF-8 text (byte {}): tokenize text files",
+                e.valid_up_to()
+            ),
+        ));
+    }
+    Ok(map)
+}
+
 /// Tokenize the UTF-8 file `input` into `out` in `format`: each separator-delimited document
 /// is encoded and followed by the end-of-text token (when there is a separator), documents end
 /// Megatron sequences. Threaded over pieces in order; `progress` shows bytes done.
@@ -338,28 +364,8 @@ pub fn build(
 ) -> Result<BuildReport> {
     let vocab = tok.vocab_size();
     headroom_mmap_data::tools::check_vocab_fits(vocab as u64, format.token_type())?;
-    let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
-    if file
-        .metadata()
-        .map_err(|e| err(input, e.to_string()))?
-        .len()
-        == 0
-    {
-        return Err(err(input, "empty file"));
-    }
-    // SAFETY: a read-only map that nothing here writes through; the file must not be changed
-    // while it is tokenized (as for any memory-mapped reader, headroom-mmap-data's included).
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(input, e.to_string()))?;
+    let map = map_text(input)?;
     let text: &[u8] = &map;
-    if let Err(e) = std::str::from_utf8(text) {
-        return Err(err(
-            input,
-            format!(
-                "not UTF-8 text (byte {}): tokenize text files",
-                e.valid_up_to()
-            ),
-        ));
-    }
     let eot = match separator {
         Some(_) => Some(tok.end_of_text().ok_or_else(|| {
             err(
@@ -539,20 +545,8 @@ pub fn build_prompt_completion(
             "no end-of-text token to end each example with",
         )
     })?;
-    let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
-    if file
-        .metadata()
-        .map_err(|e| err(input, e.to_string()))?
-        .len()
-        == 0
-    {
-        return Err(err(input, "empty file"));
-    }
-    // SAFETY: a read-only map that nothing here writes through; the file must not be changed
-    // while it is tokenized.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(input, e.to_string()))?;
-    let text = std::str::from_utf8(&map)
-        .map_err(|e| err(input, format!("not UTF-8 text (byte {})", e.valid_up_to())))?;
+    let map = map_text(input)?;
+    let text = std::str::from_utf8(&map).map_err(|e| err(input, e.to_string()))?;
     let lines: Vec<(usize, &str)> = text
         .lines()
         .enumerate()
