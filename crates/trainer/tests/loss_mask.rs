@@ -378,3 +378,50 @@ fn zero_ranks_count_their_loaders_flags() {
         );
     }
 }
+
+/// Every way the trainer can run a step reads the mask: recomputation, a chunked loss,
+/// host-offloaded optimizer and gradients, selective recomputation and micro-batches give the
+/// plain masked run's losses (within f32 reordering), far from the unmasked run's.
+#[test]
+fn every_technique_trains_on_the_counted_targets() {
+    use headroom_trainer::techniques::{CheckpointChoice, OptimizerChoice, OptimizerPlacement};
+    let dir = tempfile::tempdir().unwrap();
+    let path = masked_file(dir.path(), |i| (i / 9) % 3 == 0);
+    let mut base = options(&path);
+    base.model.layers = 4;
+    let want = losses(&base);
+    let mut runs = Vec::new();
+    let mut o = base.clone();
+    o.techniques.checkpoint = CheckpointChoice::SqrtN;
+    o.techniques.model.loss_chunk = Some(24);
+    runs.push(("sqrt-n + loss chunks", o));
+    let mut o = base.clone();
+    o.techniques.checkpoint = CheckpointChoice::Selective;
+    o.techniques.micro_batch = Some(1);
+    runs.push(("selective + micro-batches", o));
+    let mut o = base.clone();
+    o.techniques.optimizer = OptimizerChoice {
+        placement: OptimizerPlacement::HostRam,
+        ..OptimizerChoice::resident()
+    };
+    o.techniques.model.offload_grads = true;
+    o.techniques.micro_batch = Some(2);
+    runs.push(("offload ram + micro-batches", o));
+    for (name, o) in runs {
+        let got = losses(&o);
+        for (a, b) in got.iter().zip(&want) {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs(),
+                "{name}: {got:?} vs {want:?}"
+            );
+        }
+    }
+    std::fs::remove_file(loss_mask_path(&path)).unwrap();
+    let unmasked = losses(&base);
+    let apart = unmasked
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(apart > 1e-2, "{unmasked:?} vs {want:?}");
+}
