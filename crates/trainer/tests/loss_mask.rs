@@ -199,18 +199,30 @@ fn zero_ranks_weight_the_global_batch_by_its_counted_targets() {
     let path = masked_file(dir.path(), |i| (i / 24) % 4 != 0 && i % 3 != 0);
     let mut o = options(&path);
     o.techniques.micro_batch = Some(1);
-    let single = losses(&o);
+    // Validation on the masked file too: the counted targets of 2 batches, every 3 steps.
+    o.eval = Some(headroom_trainer::train::EvalOptions {
+        data: path.clone(),
+        every: 3,
+        batches: 2,
+    });
+    let single = train(&o, |_| {}).unwrap();
+    let single_val: Vec<f32> = single.steps.iter().filter_map(|s| s.val_loss).collect();
+    let single: Vec<f32> = single.steps.iter().map(|s| s.loss).collect();
+    assert_eq!(single_val.len(), 2);
+    let close = |a: &[f32], b: &[f32]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| (x - y).abs() <= 2e-5 * y.abs())
+    };
     let mut by_stage = Vec::new();
     for stage in [Stage::Zero1, Stage::Zero3] {
         let r = train_zero(&o, ZeroOptions::new(stage, 2), |_| {}).unwrap();
         let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
-        for (a, b) in l.iter().zip(&single) {
-            assert!(
-                (a - b).abs() <= 2e-5 * b.abs(),
-                "{stage}: {l:?} vs {single:?}"
-            );
-        }
-        by_stage.push(l);
+        let v: Vec<f32> = r.steps.iter().filter_map(|s| s.val_loss).collect();
+        assert!(close(&l, &single), "{stage}: {l:?} vs {single:?}");
+        assert!(close(&v, &single_val), "{stage}: {v:?} vs {single_val:?}");
+        by_stage.push((l, v));
     }
     assert_eq!(by_stage[0], by_stage[1], "stages agree bit for bit");
 }
