@@ -1154,6 +1154,7 @@ fn cmd_train_zero(
                 "step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                 "seconds": s.seconds, "tokens_per_s": s.tokens_per_s,
                 "live_bytes": s.live_bytes, "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
+                "counted_targets": s.counted_targets,
             });
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
                 metrics_failed(metrics_path, &mut metrics_err, e);
@@ -1164,9 +1165,9 @@ fn cmd_train_zero(
                 .val_loss
                 .map_or(String::new(), |v| format!("  val {v:.4}"));
             say!(
-                "step {:>5}  loss {:.4}{val}  {:>6.0} tok/s  largest rank: live {:.1} MiB  peak {:.1} MiB",
+                "step {:>5}  loss {}{val}  {:>6.0} tok/s  largest rank: live {:.1} MiB  peak {:.1} MiB",
                 s.step,
-                s.loss,
+                loss_text(s),
                 s.tokens_per_s,
                 mib(s.live_bytes),
                 mib(s.peak_bytes)
@@ -1356,6 +1357,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
                 "block_forwards": s.block_forwards, "seconds": s.seconds,
                 "tokens_per_s": s.tokens_per_s, "live_bytes": s.live_bytes,
                 "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
+                "counted_targets": s.counted_targets,
             });
             // Flushed per line: a killed run's file ends at a whole line.
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
@@ -1366,8 +1368,8 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
             .val_loss
             .map_or(String::new(), |v| format!("  val {v:.4}"));
         let msg = format!(
-            "loss {:.4}{val}  {:>6.0} tok/s  live {:.1} MiB  peak {:.1} MiB",
-            s.loss,
+            "loss {}{val}  {:>6.0} tok/s  live {:.1} MiB  peak {:.1} MiB",
+            loss_text(s),
             s.tokens_per_s,
             mib(s.live_bytes),
             mib(s.peak_bytes)
@@ -1995,6 +1997,16 @@ fn cmd_data(c: DataCommand) -> CliResult {
         }
     }
     Ok(())
+}
+
+/// A step's loss as the progress lines show it: a batch its loss mask left no target in has
+/// none (the step was skipped).
+fn loss_text(s: &StepLog) -> String {
+    if s.counted_targets == 0 {
+        "-- (no counted target: skipped)".into()
+    } else {
+        format!("{:.4}", s.loss)
+    }
 }
 
 /// A token file just rewritten without a loss mask must not keep the mask of the file it

@@ -687,6 +687,9 @@ pub struct StepLog {
     pub peak_bytes: u64,
     /// Mean validation loss after this step, when the step was evaluated.
     pub val_loss: Option<f32>,
+    /// Targets the step's loss is the mean of: every target of the batch, or those its loss
+    /// mask keeps (0: the step was skipped, its loss is NaN).
+    pub counted_targets: u64,
 }
 
 /// The outcome of a run.
@@ -713,10 +716,19 @@ pub struct TrainReport {
 }
 
 impl TrainReport {
-    /// Mean loss of the last `k` steps (of all of them when fewer ran).
+    /// Mean loss of the last `k` steps (of all of them when fewer ran); a step whose batch
+    /// held no counted target has no loss and is left out. NaN when none had one.
     pub fn final_loss(&self, k: usize) -> f64 {
         let tail = &self.steps[self.steps.len().saturating_sub(k)..];
-        tail.iter().map(|s| s.loss as f64).sum::<f64>() / tail.len().max(1) as f64
+        let (sum, n) = tail
+            .iter()
+            .filter(|s| s.counted_targets > 0)
+            .fold((0f64, 0usize), |(sum, n), s| (sum + s.loss as f64, n + 1));
+        if n == 0 {
+            f64::NAN
+        } else {
+            sum / n as f64
+        }
     }
 
     /// Median step time over steps after the first `skip` (warm-up).
@@ -1821,6 +1833,7 @@ fn train_tracked(
             live_bytes: tracker.live_bytes(dev),
             peak_bytes: tracker.peak_bytes(dev),
             val_loss,
+            counted_targets: counted,
         };
         on_step(&log);
         logs.push(log);

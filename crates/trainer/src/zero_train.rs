@@ -476,6 +476,7 @@ fn drive<C: Collective + 'static>(
                     live_bytes: done.iter().map(|r| r.live).max().unwrap_or(0),
                     peak_bytes: done.iter().map(|r| r.peak).max().unwrap_or(0),
                     val_loss: first.val_loss,
+                    counted_targets: first.counted,
                 };
                 on_step(&log);
                 logs.push(log);

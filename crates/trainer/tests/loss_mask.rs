@@ -182,15 +182,29 @@ fn a_mask_that_keeps_everything_is_no_mask_bit_for_bit() {
 #[test]
 fn a_batch_of_prompts_only_is_a_skipped_step() {
     let dir = tempfile::tempdir().unwrap();
-    let path = masked_file(dir.path(), |i| i >= 4000);
+    let path = masked_file(dir.path(), |i| i >= 3900);
     let o = options(&path);
     let r = train(&o, |_| {}).unwrap();
     // Windows are shuffled over the file; most batches hold no counted target.
     let skipped = r.steps.iter().filter(|s| !s.applied).count();
     assert!(skipped > 0, "expected some all-prompt batches");
     for s in &r.steps {
+        assert_eq!(s.applied, s.counted_targets > 0, "{s:?}");
         assert_eq!(s.applied, s.loss.is_finite(), "{s:?}");
     }
+    // The final loss is over the steps that had one (NaN when none had).
+    let had: Vec<f64> = r
+        .steps
+        .iter()
+        .filter(|s| s.applied)
+        .map(|s| s.loss as f64)
+        .collect();
+    let want = had.iter().sum::<f64>() / had.len() as f64;
+    let got = r.final_loss(r.steps.len());
+    assert!(
+        got == want || (got.is_nan() && had.is_empty()),
+        "{got} vs {want}"
+    );
 }
 
 #[test]
