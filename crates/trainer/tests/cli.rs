@@ -1260,6 +1260,29 @@ fn jsonl_build_writes_a_loss_mask_that_inspect_train_and_eval_apply() {
         "{}",
         stdout(&o)
     );
+    // QLoRA on a transformers-written Llama over the same masked file.
+    let base =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-llama-gqa-untied");
+    let o = headroom(&[
+        "train",
+        "--init-from",
+        base.to_str().unwrap(),
+        "--data",
+        d,
+        "--lora-rank",
+        "4",
+        "--quantize",
+        "nf4",
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--no-progress",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("\nloss mask: "), "{}", stdout(&o));
     // Rebuilding the file as plain text removes the mask that described the old tokens.
     let txt = dir.path().join("plain.txt");
     std::fs::write(&txt, "just some text, every token counts").unwrap();
