@@ -1188,8 +1188,9 @@ impl Stepper {
         Ok(())
     }
 
-    /// One micro-batch of `g` rows, its loss gradient seeded with the accumulator's token
-    /// weight times `loss_scale`: its mean loss and the schedule's figures.
+    /// One micro-batch of `g` rows, `counted` of whose targets count, its loss gradient
+    /// seeded with the accumulator's token weight times `loss_scale`: its mean loss (over the
+    /// counted targets) and the schedule's figures.
     fn micro_batch(
         &mut self,
         tokens: &[u32],
@@ -1199,13 +1200,14 @@ impl Stepper {
         loss_scale: f32,
         schedule: &Schedule,
     ) -> Result<Option<(f32, ScheduleStats)>> {
-        let rows = counted;
         match self {
-            Stepper::Host { engine, acc, .. } => accumulate_micro_batch(acc, rows, |grads, w| {
-                engine.micro_batch(tokens, targets, g, grads, w * loss_scale, schedule)
-            }),
+            Stepper::Host { engine, acc, .. } => {
+                accumulate_micro_batch(acc, counted, |grads, w| {
+                    engine.micro_batch(tokens, targets, g, grads, w * loss_scale, schedule)
+                })
+            }
             #[cfg(feature = "cuda")]
-            Stepper::Device { model, acc } => accumulate_micro_batch(acc, rows, |grads, w| {
+            Stepper::Device { model, acc } => accumulate_micro_batch(acc, counted, |grads, w| {
                 model.micro_batch(tokens, targets, g, grads, w * loss_scale, schedule)
             }),
         }

@@ -1230,7 +1230,6 @@ impl<B: ModelOps> headroom_ckpt::Layer<B> for Block<'_, B> {
     }
 }
 
-/// The mean of per-token losses, summed in f64 (the head's and the forward-only loss's).
 /// A target that does not count in the loss (PyTorch's `ignore_index`, Hugging Face's
 /// `labels = -100`): a loss-masked token, such as a prompt's in supervised fine-tuning. Its
 /// row contributes no gradient, and the mean loss is over the other rows.
@@ -1287,6 +1286,7 @@ impl MaskedTargets {
     }
 }
 
+/// The mean of per-token losses, summed in f64 (the head's and the forward-only loss's).
 fn mean_loss(losses: &[f32]) -> f32 {
     (losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len().max(1) as f64) as f32
 }
