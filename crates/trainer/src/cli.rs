@@ -202,7 +202,9 @@ struct SampleArgs {
     /// A headroom run or checkpoint directory, or a Hugging Face model directory.
     #[arg(long, value_name = "DIR")]
     from: PathBuf,
-    /// Text to continue (needs a tokenizer).
+    /// Text to continue (needs a tokenizer), encoded as transformers' `tokenizer(prompt)`
+    /// encodes it: with the special tokens the tokenizer adds around a sequence (a Llama
+    /// tokenizer's `<s>`; GPT-2's adds none), as `data build --jsonl` encodes prompts.
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
     /// Token ids to continue, comma-separated (for a model without a tokenizer).
@@ -2270,7 +2272,7 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     }
     let eot = tok.as_ref().and_then(Tokenizer::end_of_text);
     let prompt = match (&a.prompt, a.prompt_ids, &tok) {
-        (Some(text), _, Some(t)) => t.encode(text)?,
+        (Some(text), _, Some(t)) => t.encode_sequence(text)?,
         (Some(_), _, None) => {
             return Err(
                 "--prompt needs a tokenizer: pass --tokenizer gpt2|FILE, or give \

@@ -1283,6 +1283,29 @@ fn jsonl_build_writes_a_loss_mask_that_inspect_train_and_eval_apply() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("\nloss mask: "), "{}", stdout(&o));
+    // `sample --prompt` encodes the prompt as the examples were: the tokenizer's `<s>` first
+    // (transformers' `tokenizer(prompt)`), the same continuation as those ids given directly.
+    let greedy = |prompt: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "--from",
+            base.to_str().unwrap(),
+            "--tokenizer",
+            tok,
+            "--tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ignore-eot",
+        ];
+        args.extend_from_slice(prompt);
+        let o = headroom(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let with_bos = greedy(&["--prompt-ids", "90,26,43,85"]);
+    assert_eq!(greedy(&["--prompt", "the small dog"]), with_bos);
+    assert_ne!(greedy(&["--prompt-ids", "26,43,85"]), with_bos);
     // Rebuilding the file as plain text removes the mask that described the old tokens.
     let txt = dir.path().join("plain.txt");
     std::fs::write(&txt, "just some text, every token counts").unwrap();
