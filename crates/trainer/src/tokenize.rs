@@ -167,8 +167,9 @@ impl Tokenizer {
         }
     }
 
-    /// The ids of `text` (special-token strings in it are encoded as ordinary text, so data
-    /// cannot inject control tokens).
+    /// The ids of `text`. GPT-2's BPE encodes special-token strings in it as ordinary text (so
+    /// data cannot inject `<|endoftext|>`); a Hugging Face tokenizer, as in transformers, maps
+    /// the text of each of its added tokens to that token's id.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
@@ -180,8 +181,8 @@ impl Tokenizer {
 
     /// The ids of `text` as the model sees a sequence start: with the special tokens the
     /// tokenizer adds around a sequence (a Llama tokenizer's `<s>`; GPT-2's adds none), as
-    /// transformers' `tokenizer(text)` gives them. Special-token strings inside `text` are still
-    /// ordinary text.
+    /// transformers' `tokenizer(text)` gives them; special-token strings inside `text` as
+    /// [`Tokenizer::encode`] treats them.
     pub fn encode_sequence(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Gpt2(bpe) => Ok(bpe.encode_ordinary(text)),
@@ -527,9 +528,9 @@ fn encode_example(
 /// prompt): the ids and flags of TRL's `SFTTrainer` (`tests/sft_trl.rs` against
 /// `benches/torch/make_sft_fixture.py`'s fixture). Every token of a `text` example counts.
 /// TRL appends the end-of-text token's text to the completion unless it already ends with
-/// it; the ids are the same, except that a completion ending in that text counts it here as
-/// ordinary text (special-token strings in data never become control tokens). Megatron output ends a document after
-/// each example. Blank lines are skipped. The tokens are written first, then the mask: a crash
+/// it, which a Hugging Face tokenizer maps to its id: the same ids as appending the id, as
+/// here. (GPT-2's BPE keeps special-token strings in data as ordinary text.) Megatron output
+/// ends a document after each example. Blank lines are skipped. The tokens are written first, then the mask: a crash
 /// between them leaves a mask whose length the reader checks against the new file.
 pub fn build_prompt_completion(
     input: &Path,

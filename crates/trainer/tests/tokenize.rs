@@ -345,3 +345,16 @@ fn a_tokenizer_file_that_is_a_device_is_refused_without_reading_it() {
     std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
     tokenizer_error(load(&path), "not a regular file");
 }
+
+/// A Hugging Face tokenizer maps the text of its added tokens to their ids, as transformers'
+/// does (and TRL relies on when it appends the end-of-text token's text to a completion);
+/// GPT-2's BPE keeps the text ordinary (`gpt2_bpe_gives_gpt2_ids_without_a_download`).
+#[test]
+fn hugging_face_added_token_text_encodes_to_its_id() {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tokenizer/story/tokenizer.json");
+    let tok = Tokenizer::from_name(file.to_str().unwrap()).unwrap();
+    let eot = tok.end_of_text().unwrap();
+    let ids = tok.encode("the dog</s>cat").unwrap();
+    assert_eq!(ids.iter().filter(|&&i| i == eot).count(), 1, "{ids:?}");
+}
