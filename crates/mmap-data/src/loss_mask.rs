@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::dataset::{map_file, Backing};
-use crate::formats::writer::{remove_abandoned_temps, temp_path_for};
+use crate::formats::writer::{remove_abandoned_temps, sync_parent_dir, temp_path_for};
 use crate::rng::derive_seed_iter;
 use crate::{DataError, Result};
 
@@ -354,12 +354,7 @@ impl LossMaskWriter {
         file.sync_all().map_err(io)?;
         drop(file);
         fs::rename(&self.temp, &self.target).map_err(io)?;
-        // The rename is durable once the directory is synced (best effort where unsupported).
-        if let Some(dir) = self.target.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
+        sync_parent_dir(&self.target);
         Ok(())
     }
 }

@@ -1980,13 +1980,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             let mut spec = BuildSpec::new(format);
             spec.document_separator = separator.map(String::into_bytes);
             let s = headroom_mmap_data::build_from_text(&input, &spec, &out)?;
-            let token_file = match format {
-                TokenFileFormat::Megatron { .. } => {
-                    headroom_mmap_data::formats::megatron::megatron_paths(&out).1
-                }
-                _ => out.clone(),
-            };
-            remove_stale_loss_mask(&token_file)?;
+            remove_stale_loss_mask(&headroom_mmap_data::formats::token_file_path(&out, format))?;
             say!("{s}");
         }
         DataCommand::Inspect { path, dtype } => {

@@ -562,12 +562,12 @@ pub fn build_prompt_completion(
     } else {
         indicatif::ProgressBar::hidden()
     };
-    let mask_tmp = out.with_file_name(format!(
-        ".{}.lossmask-building",
-        out.file_name().and_then(|n| n.to_str()).unwrap_or("tokens")
-    ));
+    // The mask belongs beside the token file (a Megatron pair's `.bin`).
+    let mask_path = headroom_mmap_data::loss_mask_path(
+        &headroom_mmap_data::formats::token_file_path(out, format),
+    );
     let mut writer = TokenWriter::create(out, format)?;
-    let mut mask = headroom_mmap_data::LossMaskWriter::create(&mask_tmp)?;
+    let mut mask = headroom_mmap_data::LossMaskWriter::create(&mask_path)?;
     let (mut counted, mut merges) = (0u64, 0u64);
     // Examples encoded in parallel, written in order.
     let batch = rayon::current_num_threads().max(1) * 256;
@@ -588,14 +588,6 @@ pub fn build_prompt_completion(
     bar.finish_and_clear();
     let written = writer.finish()?;
     mask.finish()?;
-    // The mask belongs beside the token file (a Megatron pair's `.bin`).
-    let token_file = written
-        .files
-        .first()
-        .map(|(p, _)| p.clone())
-        .unwrap_or_else(|| out.to_path_buf());
-    let mask_path = headroom_mmap_data::loss_mask_path(&token_file);
-    std::fs::rename(&mask_tmp, &mask_path).map_err(|e| err(&mask_path, e.to_string()))?;
     let mask_bytes = std::fs::metadata(&mask_path)
         .map_err(|e| err(&mask_path, e.to_string()))?
         .len();

@@ -255,6 +255,15 @@ impl std::fmt::Display for TokenFileFormat {
     }
 }
 
+/// The file holding the tokens a writer of `format` makes at `path`: `path` itself, or a
+/// Megatron pair's `.bin` (where a loss mask sits beside the tokens).
+pub fn token_file_path(path: &Path, format: TokenFileFormat) -> PathBuf {
+    match format {
+        TokenFileFormat::Megatron { .. } => megatron::megatron_paths(path).1,
+        _ => path.to_path_buf(),
+    }
+}
+
 /// Write `tokens` to `path` in `format`, atomically (see [`writer::TokenWriter`], which
 /// also streams when the tokens do not fit in memory at once).
 pub fn write_tokens(path: impl AsRef<Path>, tokens: &[u32], format: TokenFileFormat) -> Result<()> {

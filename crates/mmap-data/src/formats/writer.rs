@@ -520,7 +520,7 @@ fn process_is_gone(_pid: u32) -> bool {
 
 /// Make a rename durable. Best effort: some platforms and file systems cannot fsync a
 /// directory, and the file itself is already synced.
-fn sync_parent_dir(path: &Path) {
+pub(crate) fn sync_parent_dir(path: &Path) {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
