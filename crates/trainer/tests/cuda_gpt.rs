@@ -19,7 +19,8 @@ use headroom_profiler::MemoryTracker;
 use headroom_tensor::{Backend, Cpu, MemoryCategory, Tensor};
 use headroom_trainer::cuda::{self as device, CudaGptError};
 use headroom_trainer::model::{
-    params, Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
+    counted_targets, params, Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions,
+    Precision, IGNORE_TARGET,
 };
 use headroom_trainer::TrainError;
 
@@ -80,18 +81,39 @@ fn on_device(cpu: &Model) -> Model<Cuda> {
     device::model_over_host_masters(&cuda(), cpu.cfg, cpu.opts, cpu.masters()).unwrap()
 }
 
-/// CPU loss and gradients (f32 host vectors) of `gpt` for the standard batch.
-fn cpu_step(gpt: &Model, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
-    let (tokens, targets) = batch(&gpt.cfg);
+/// The standard batch with each sequence's first 9 targets and every 7th row ignored, as
+/// supervised fine-tuning ignores a prompt's: the counted rows straddle every head chunk's
+/// edges of `loss_chunk: Some(10)`.
+fn masked_batch(cfg: &ModelConfig) -> (Vec<u32>, Vec<u32>) {
+    let (tokens, mut targets) = batch(cfg);
+    for (i, t) in targets.iter_mut().enumerate() {
+        if i % G.t < 9 || i % 7 == 0 {
+            *t = IGNORE_TARGET;
+        }
+    }
+    (tokens, targets)
+}
+
+/// The gradient weight of one counted target: the mean over the counted rows.
+fn per_counted(targets: &[u32]) -> f32 {
+    1.0 / counted_targets(targets).max(1) as f32
+}
+
+/// CPU loss and gradients (f32 host vectors) of `gpt` for a batch.
+fn cpu_step_on(
+    gpt: &Model,
+    schedule: &Schedule,
+    (tokens, targets): &(Vec<u32>, Vec<u32>),
+) -> (f32, Vec<Vec<f32>>) {
     let mut grads =
         params::alloc_like_params(gpt.backend(), &gpt.cfg, MemoryCategory::Gradients).unwrap();
     let (loss, _) = gpt
         .forward_backward(
-            &tokens,
-            &targets,
+            tokens,
+            targets,
             G,
             &mut grads,
-            1.0 / G.rows() as f32,
+            per_counted(targets),
             schedule,
         )
         .unwrap();
@@ -104,15 +126,22 @@ fn cpu_step(gpt: &Model, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
 
 /// CUDA loss and gradients for the standard batch.
 fn cuda_step(gpt: &Model<Cuda>, schedule: &Schedule) -> (f32, Vec<Vec<f32>>) {
-    let (tokens, targets) = batch(&gpt.cfg);
+    cuda_step_on(gpt, schedule, &batch(&gpt.cfg))
+}
+
+fn cuda_step_on(
+    gpt: &Model<Cuda>,
+    schedule: &Schedule,
+    (tokens, targets): &(Vec<u32>, Vec<u32>),
+) -> (f32, Vec<Vec<f32>>) {
     let mut grads = device::alloc_grads(gpt.backend(), &gpt.cfg).unwrap();
     let (loss, _) = gpt
         .forward_backward(
-            &tokens,
-            &targets,
+            tokens,
+            targets,
             G,
             &mut grads,
-            1.0 / G.rows() as f32,
+            per_counted(targets),
             schedule,
         )
         .unwrap();
@@ -130,11 +159,15 @@ fn relative_l2(got: &[f32], want: &[f32]) -> f64 {
 }
 
 fn assert_matches_cpu(cfg: ModelConfig, opts: ModelOptions) {
+    assert_matches_cpu_on(cfg, opts, &batch(&cfg));
+}
+
+fn assert_matches_cpu_on(cfg: ModelConfig, opts: ModelOptions, batch: &(Vec<u32>, Vec<u32>)) {
     let cpu_gpt = Model::new(&Cpu::new(), cfg, opts, 7).unwrap();
     let cuda_gpt = on_device(&cpu_gpt);
     let store_all = Schedule::store_all(cfg.layers).unwrap();
-    let (cpu_loss, cpu_grads) = cpu_step(&cpu_gpt, &store_all);
-    let (cuda_loss, cuda_grads) = cuda_step(&cuda_gpt, &store_all);
+    let (cpu_loss, cpu_grads) = cpu_step_on(&cpu_gpt, &store_all, batch);
+    let (cuda_loss, cuda_grads) = cuda_step_on(&cuda_gpt, &store_all, batch);
     let infos = params::param_infos(&cfg);
     assert_eq!(cuda_grads.len(), infos.len());
     // Every tensor's error is printed before anything is asserted: one GPU run then shows
@@ -192,6 +225,48 @@ fn chunked_head_and_selective_recomputation_match_the_cpu() {
     };
     assert_matches_cpu(cfg(), opts);
     assert_matches_cpu(llama(), opts);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn ignored_targets_match_the_cpu_whole_and_in_head_chunks() {
+    for cfg in [cfg(), llama()] {
+        let masked = masked_batch(&cfg);
+        assert!(counted_targets(&masked.1) > 0 && counted_targets(&masked.1) < G.rows());
+        assert_matches_cpu_on(cfg, bf16(), &masked);
+        let chunked = ModelOptions {
+            loss_chunk: Some(10),
+            ..bf16()
+        };
+        assert_matches_cpu_on(cfg, chunked, &masked);
+        // The mask is not a no-op on the device: the masked step differs from the unmasked.
+        let gpt = on_device(&Model::new(&Cpu::new(), cfg, bf16(), 7).unwrap());
+        let store_all = Schedule::store_all(cfg.layers).unwrap();
+        let (all, _) = cuda_step(&gpt, &store_all);
+        let (some, _) = cuda_step_on(&gpt, &store_all, &masked);
+        assert!((all - some).abs() > 1e-4 * all.abs(), "{all} vs {some}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_batch_with_no_counted_target_has_zero_loss_and_gradient_on_the_device() {
+    for cfg in [cfg(), llama()] {
+        let (tokens, _) = batch(&cfg);
+        let none = (tokens, vec![IGNORE_TARGET; G.rows()]);
+        let masters = params::init_params(&Cpu::new(), &cfg, 7).unwrap();
+        for loss_chunk in [None, Some(10)] {
+            let opts = ModelOptions {
+                loss_chunk,
+                ..bf16()
+            };
+            let gpt = device::model_over_host_masters(&cuda(), cfg, opts, &masters).unwrap();
+            let (loss, grads) =
+                cuda_step_on(&gpt, &Schedule::store_all(cfg.layers).unwrap(), &none);
+            assert_eq!(loss, 0.0);
+            assert!(grads.iter().flatten().all(|&g| g == 0.0), "{loss_chunk:?}");
+        }
+    }
 }
 
 #[test]

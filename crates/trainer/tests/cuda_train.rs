@@ -99,6 +99,67 @@ fn cuda_training_tracks_the_cpu_run_and_reports_device_memory() {
     assert!(dev.peak[headroom_tensor::MemoryCategory::Gradients] > 0);
 }
 
+/// A masked token file (its sequences' first halves are prompt, and a stretch of whole windows
+/// has no counted target), trained on the GPU with two micro-batches per step, tracks the same
+/// masked run on the CPU; skipped steps are skipped on both.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_loss_masked_cuda_run_tracks_the_cpu_run_and_skips_the_same_steps() {
+    use headroom_mmap_data::{formats, loss_mask_path, write_loss_mask};
+    use headroom_mmap_data::{TokenFileFormat, TokenType};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sft.bin");
+    let n = 1 << 15;
+    // Prompts are noise, completions a quadratic sequence: a loss over the prompts too would
+    // sit near ln 64, the completions' falls.
+    let tokens: Vec<u32> = (0..n as u32)
+        .map(|i| match i % 64 >= 32 {
+            true => (i * i + 3 * i) % 64,
+            false => i.wrapping_mul(2_654_435_761) >> 26,
+        })
+        .collect();
+    formats::write_tokens(&path, &tokens, TokenFileFormat::Raw(TokenType::U16)).unwrap();
+    // Only the last quarter's second halves of 64 count: a shuffled batch of 8 windows holds
+    // no counted target one time in ten, a micro-batch of 2 one time in two.
+    let flags: Vec<bool> = (0..n).map(|i| i / 8192 == 3 && i % 64 >= 32).collect();
+    write_loss_mask(loss_mask_path(&path), &flags).unwrap();
+    let options = || {
+        let mut o = cuda_ready(12);
+        o.data = DataSource::File(path.clone());
+        o.check_machine_memory = false;
+        o.techniques.micro_batch = Some(4);
+        o
+    };
+    let cpu = train(&options(), |_| {}).unwrap();
+    let mut o = options();
+    o.device = ComputeDevice::Cuda { ordinal: 0 };
+    let gpu = train(&o, |_| {}).unwrap();
+    assert_eq!(cpu.steps.len(), gpu.steps.len());
+    let counted = |r: &headroom_trainer::train::TrainReport| -> Vec<u64> {
+        r.steps.iter().map(|s| s.counted_targets).collect()
+    };
+    assert_eq!(counted(&cpu), counted(&gpu));
+    for (c, g) in cpu.steps.iter().zip(&gpu.steps) {
+        println!("step {}: cpu {} cuda {}", c.step, c.loss, g.loss);
+        assert_eq!(c.applied, g.applied, "step {}", c.step);
+        assert_eq!(g.applied, g.counted_targets > 0, "{g:?}");
+    }
+    assert!(gpu.steps.iter().any(|s| !s.applied), "{:?}", counted(&gpu));
+    let first = gpu.steps.iter().position(|s| s.applied).unwrap();
+    let (c1, g1) = (cpu.steps[first].loss, gpu.steps[first].loss);
+    assert!(
+        (c1 - g1).abs() <= 1e-2 * c1,
+        "first counted loss {g1} vs CPU {c1}"
+    );
+    let (c, g) = (cpu.final_loss(5), gpu.final_loss(5));
+    assert!((c - g).abs() <= 0.05 * c, "final loss {g} vs CPU {c}");
+    assert!(
+        g < f64::from(g1) * 0.8,
+        "the CUDA run did not learn: {g1} -> {g}"
+    );
+}
+
 /// `--zero` on CUDA without a GPU (or without the `cuda` feature): every rank stops with the
 /// typed error, none hangs waiting for the others; and what the CUDA model cannot run (fp32)
 /// is refused before any rank starts.
