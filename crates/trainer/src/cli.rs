@@ -210,6 +210,12 @@ struct SampleArgs {
     /// Token ids to continue, comma-separated (for a model without a tokenizer).
     #[arg(long, value_name = "IDS", value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
+    /// A user message for a chat model to answer: one user turn rendered with the tokenizer's
+    /// chat template (its `tokenizer_config.json`) and the assistant's turn header, as
+    /// transformers' `apply_chat_template(…, add_generation_prompt=True)`; generation stops
+    /// at the template's end-of-sequence token.
+    #[arg(long, value_name = "MESSAGE", conflicts_with_all = ["prompt", "prompt_ids"])]
+    chat: Option<String>,
     /// New tokens to generate.
     #[arg(long, default_value_t = 100)]
     tokens: usize,
@@ -783,11 +789,13 @@ enum DataCommand {
         /// Document separator in the text (becomes one end-of-text token).
         #[arg(long)]
         separator: Option<String>,
-        /// The input is JSONL examples for supervised fine-tuning: TRL's prompt-completion
-        /// lines (`{"prompt": …, "completion": …}`; only the completion and its end-of-text
-        /// token count in the loss) or `{"text": …}` lines (every token counts). Writes the
-        /// token file and its loss mask beside it (`OUT.lossmask`), which `train` and `eval`
-        /// then apply. Needs `--tokenizer`.
+        /// The input is JSONL examples for supervised fine-tuning in TRL's formats:
+        /// prompt-completion lines (`{"prompt": …, "completion": …}`; only the completion
+        /// counts in the loss) or `{"text": …}` lines (every token counts), and their
+        /// conversational forms (prompt and completion as lists of `{"role", "content"}`
+        /// messages, or `{"messages": […]}`), rendered with the chat template of the
+        /// tokenizer's `tokenizer_config.json`. Writes the token file and its loss mask beside
+        /// it (`OUT.lossmask`), which `train` and `eval` then apply. Needs `--tokenizer`.
         #[arg(long, conflicts_with = "separator", requires = "tokenizer")]
         jsonl: bool,
         /// Tokenize with `gpt2` (GPT-2's BPE, built in) or a Hugging Face tokenizer.json (or
@@ -1919,16 +1927,18 @@ fn cmd_data(c: DataCommand) -> CliResult {
             say!("{:<13}{}", "examples", r.examples);
             say!("{:<13}{}", "tokens", r.tokens);
             say!(
-                "{:<13}{} ({:.1}%: completions and their end-of-text tokens)",
+                "{:<13}{} ({:.1}%: the completions, their ends and whole text or messages \
+                 examples)",
                 "counted",
                 r.counted,
                 100.0 * r.counted as f64 / r.tokens.max(1) as f64
             );
             if r.boundary_merges > 0 {
                 say!(
-                    "{:<13}{} examples' prompts merge into their completions' first token \
-                     (the completion starts where the two tokenisations diverge, as TRL's); end \
-                     prompts on a token boundary to avoid it",
+                    "{:<13}{} examples' prompts merge into their completions' first token, or \
+                     their chat template renders the prompt alone differently (the completion \
+                     starts where the two tokenisations diverge, as TRL's); end prompts on a \
+                     token boundary to avoid it",
                     "note",
                     r.boundary_merges
                 );
@@ -2264,19 +2274,41 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
             .into());
         }
     }
-    let eot = tok.as_ref().and_then(Tokenizer::end_of_text);
-    let prompt = match (&a.prompt, a.prompt_ids, &tok) {
-        (Some(text), _, Some(t)) => t.encode_sequence(text)?,
-        (Some(_), _, None) => {
+    let mut eot = tok.as_ref().and_then(Tokenizer::end_of_text);
+    let chat_prompt = match (&a.chat, &tok) {
+        (Some(message), Some(t)) => {
+            let template = t.chat_template()?.ok_or(
+                "--chat needs the tokenizer's chat template (tokenizer_config.json beside its \
+                 tokenizer.json), and it has none",
+            )?;
+            let turn = [serde_json::json!({"role": "user", "content": message})];
+            let text = template.render(&turn, true)?;
+            // The chat model ends its turn with the template's end-of-sequence token.
+            if let Some(id) = template
+                .special_token("eos_token")
+                .and_then(|e| t.token_id(e))
+            {
+                eot = Some(id);
+            }
+            // The template wrote the special tokens: none is added around the text.
+            Some(t.encode(&text)?)
+        }
+        (Some(_), None) => return Err("--chat needs a tokenizer: pass --tokenizer FILE".into()),
+        (None, _) => None,
+    };
+    let prompt = match (chat_prompt, &a.prompt, a.prompt_ids, &tok) {
+        (Some(ids), ..) => ids,
+        (None, Some(text), _, Some(t)) => t.encode_sequence(text)?,
+        (None, Some(_), _, None) => {
             return Err(
                 "--prompt needs a tokenizer: pass --tokenizer gpt2|FILE, or give \
                         --prompt-ids"
                     .into(),
             )
         }
-        (None, Some(ids), _) => ids,
+        (None, None, Some(ids), _) => ids,
         // Nothing to continue: start a document, as training data separates them.
-        (None, None, _) => vec![eot.unwrap_or(0)],
+        (None, None, None, _) => vec![eot.unwrap_or(0)],
     };
     if prompt.is_empty() {
         return Err("the prompt encodes to no tokens".into());

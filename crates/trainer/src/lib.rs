@@ -45,6 +45,7 @@
 
 pub mod adapters;
 mod bounded;
+pub mod chat_template;
 pub mod checkpoint;
 pub mod cli;
 #[cfg(feature = "cuda")]

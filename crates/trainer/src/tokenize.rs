@@ -192,6 +192,25 @@ impl Tokenizer {
         }
     }
 
+    /// The chat template of a Hugging Face tokenizer: from the `tokenizer_config.json` beside
+    /// its `tokenizer.json`, where transformers reads it. `None` for GPT-2's built-in BPE and
+    /// for a tokenizer without one.
+    pub fn chat_template(&self) -> Result<Option<crate::chat_template::ChatTemplate>> {
+        match self {
+            Tokenizer::HuggingFace(t) => crate::chat_template::ChatTemplate::beside(t.path()),
+            Tokenizer::Gpt2(_) => Ok(None),
+        }
+    }
+
+    /// The id of a token given by its text (a special token's, such as a chat template's
+    /// end of turn), if the vocabulary has it.
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        match self {
+            Tokenizer::Gpt2(_) => (text == "<|endoftext|>").then_some(GPT2_EOT),
+            Tokenizer::HuggingFace(t) => t.tok.token_to_id(text),
+        }
+    }
+
     /// The text of `ids`; bytes that are not valid UTF-8 on their own (a character split
     /// across tokens) are replaced by U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
@@ -451,21 +470,36 @@ pub struct PromptCompletionReport {
     pub format: TokenFileFormat,
 }
 
-/// One line of a prompt-completion JSONL file: TRL's prompt-completion format
-/// (`{"prompt": …, "completion": …}`), or language modelling (`{"text": …}`). Other keys (an
-/// id, a source) are ignored, as TRL drops other columns.
+/// One line of a prompt-completion JSONL file, in TRL's dataset formats: prompt-completion
+/// (`{"prompt": …, "completion": …}`) and language modelling (`{"text": …}`), each standard
+/// (strings) or conversational (lists of `{"role", "content"}` messages; language modelling's
+/// key is then `messages`). Other keys (an id, a source) are ignored, as TRL drops other
+/// columns.
 #[derive(serde::Deserialize)]
 struct ExampleLine {
-    prompt: Option<String>,
-    completion: Option<String>,
+    prompt: Option<Turns>,
+    completion: Option<Turns>,
     text: Option<String>,
-    /// Conversational data (TRL's `messages`): refused, since it needs a chat template.
-    messages: Option<serde::de::IgnoredAny>,
+    messages: Option<Vec<serde_json::Value>>,
 }
+
+/// A prompt or a completion: text, or messages.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Turns {
+    Text(String),
+    Messages(Vec<serde_json::Value>),
+}
+
+/// The chat template conversational examples are rendered with: the tokenizer's, if it has
+/// one (the error text when its `tokenizer_config.json` is unreadable, reported only if a
+/// conversational example needs it).
+type ChatForExamples = std::result::Result<Option<crate::chat_template::ChatTemplate>, String>;
 
 /// One example's ids and their loss flags.
 fn encode_example(
     tok: &Tokenizer,
+    chat: &ChatForExamples,
     eot: u32,
     line: &str,
     number: usize,
@@ -474,41 +508,84 @@ fn encode_example(
     let bad = |why: String| err(input, format!("line {number}: {why}"));
     let ex: ExampleLine =
         serde_json::from_str(line).map_err(|e| bad(format!("not an example: {e}")))?;
-    if ex.messages.is_some() {
-        return Err(bad(
-            "conversational examples (\"messages\") need the model's chat template, which this \
-             does not apply: render them into prompt and completion text first"
-                .into(),
-        ));
-    }
+    let template = || match chat {
+        Ok(Some(t)) => Ok(t),
+        Ok(None) => Err(bad(format!(
+            "a conversational example needs the tokenizer's chat template, and {} has none \
+             (transformers reads it from tokenizer_config.json beside tokenizer.json)",
+            tok.source().display()
+        ))),
+        Err(e) => Err(bad(format!("the tokenizer's chat template: {e}"))),
+    };
+    let rendered = |messages: &[serde_json::Value], generation_prompt: bool| -> Result<Vec<u32>> {
+        let text = template()?
+            .render(messages, generation_prompt)
+            .map_err(|e| bad(e.to_string()))?;
+        // transformers' apply_chat_template(tokenize=True): the template wrote the special
+        // tokens, so none is added around the text.
+        tok.encode(&text)
+    };
+    // The completion starts where the ids of the prompt alone and of the whole example
+    // diverge: after the whole prompt, unless a token merges across the boundary or the
+    // template renders the prompt alone differently (TRL's `common_prefix_length`).
+    let split = |prompt: Vec<u32>, whole: Vec<u32>| {
+        let common = prompt
+            .iter()
+            .zip(&whole)
+            .take_while(|(a, b)| a == b)
+            .count();
+        (whole, common, common < prompt.len())
+    };
     let (mut ids, prompt_len, merged) = match ex {
         ExampleLine {
-            prompt: Some(p),
-            completion: Some(c),
+            prompt: Some(Turns::Messages(p)),
+            completion: Some(Turns::Messages(c)),
             text: None,
-            ..
+            messages: None,
+        } => {
+            // TRL's conversational prompt-completion: the prompt with the assistant's turn
+            // header, and the whole conversation; the template ends each turn itself, so no
+            // end-of-text token is appended.
+            let prompt = rendered(&p, true)?;
+            let whole = rendered(&[p, c].concat(), false)?;
+            let (ids, common, merged) = split(prompt, whole);
+            let flags = (0..ids.len()).map(|i| i >= common).collect();
+            return Ok((ids, flags, merged));
+        }
+        ExampleLine {
+            prompt: None,
+            completion: None,
+            text: None,
+            messages: Some(m),
+        } => {
+            // Conversational language modelling: every token counts, as in TRL without
+            // `assistant_only_loss`.
+            let ids = rendered(&m, false)?;
+            let flags = vec![true; ids.len()];
+            return Ok((ids, flags, false));
+        }
+        ExampleLine {
+            prompt: Some(Turns::Text(p)),
+            completion: Some(Turns::Text(c)),
+            text: None,
+            messages: None,
         } => {
             // TRL's tokenisation: the prompt alone, and the whole example, each as a sequence;
             // the completion starts where the two diverge (after the whole prompt, unless a
             // token merges across the boundary).
-            let prompt = tok.encode_sequence(&p)?;
-            let whole = tok.encode_sequence(&(p + &c))?;
-            let common = prompt
-                .iter()
-                .zip(&whole)
-                .take_while(|(a, b)| a == b)
-                .count();
-            (whole, common, common < prompt.len())
+            split(tok.encode_sequence(&p)?, tok.encode_sequence(&(p + &c))?)
         }
         ExampleLine {
             prompt: None,
             completion: None,
             text: Some(t),
-            ..
+            messages: None,
         } => (tok.encode_sequence(&t)?, 0, false),
         _ => {
             return Err(bad(
-                "an example is {\"prompt\", \"completion\"} or {\"text\"}".into(),
+                "an example is {\"prompt\", \"completion\"} (both text or both messages), \
+                 {\"text\"} or {\"messages\"}"
+                    .into(),
             ))
         }
     };
@@ -529,7 +606,16 @@ fn encode_example(
 /// `benches/torch/make_sft_fixture.py`'s fixture). Every token of a `text` example counts.
 /// TRL appends the end-of-text token's text to the completion unless it already ends with
 /// it, which a Hugging Face tokenizer maps to its id: the same ids as appending the id, as
-/// here. (GPT-2's BPE keeps special-token strings in data as ordinary text.) Megatron output
+/// here. (GPT-2's BPE keeps special-token strings in data as ordinary text.)
+///
+/// Conversational examples (prompt and completion as lists of messages, or `messages`) are
+/// rendered with the tokenizer's chat template ([`crate::chat_template::ChatTemplate`], from
+/// the `tokenizer_config.json` beside its `tokenizer.json`) and tokenised without added
+/// special tokens, as transformers' `apply_chat_template(tokenize=True)`: for prompt and
+/// completion, the prompt with the generation prompt and the whole conversation, the
+/// completion starting where the two diverge; no end-of-text token is appended, since the
+/// template ends each turn (TRL's ids and labels: `tests/sft_trl.rs` against
+/// `benches/torch/make_chat_sft_fixture.py`). Megatron output
 /// ends a document after each example. Blank lines are skipped. The tokens are written first, then the mask: a crash
 /// between them leaves a mask whose length the reader checks against the new file.
 pub fn build_prompt_completion(
@@ -546,6 +632,7 @@ pub fn build_prompt_completion(
             "no end-of-text token to end each example with",
         )
     })?;
+    let chat: ChatForExamples = tok.chat_template().map_err(|e| e.to_string());
     let map = map_text(input)?;
     let text = std::str::from_utf8(&map).map_err(|e| err(input, e.to_string()))?;
     let lines: Vec<(usize, &str)> = text
@@ -574,7 +661,7 @@ pub fn build_prompt_completion(
     for group in lines.chunks(batch) {
         let encoded: Vec<_> = group
             .par_iter()
-            .map(|&(n, l)| encode_example(tok, eot, l, n, input))
+            .map(|&(n, l)| encode_example(tok, &chat, eot, l, n, input))
             .collect::<Result<_>>()?;
         for (ids, flags, merged) in encoded {
             writer.write(&ids)?;

@@ -1337,3 +1337,118 @@ fn jsonl_build_writes_a_loss_mask_that_inspect_train_and_eval_apply() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("line 2"), "{}", stderr(&o));
 }
+
+/// Conversational JSONL through the command: `--tokenizer` names a directory whose
+/// `tokenizer_config.json` holds the chat template; only the assistants' completions count.
+#[test]
+fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sft/chat");
+    let jsonl = dir.path().join("chat.jsonl");
+    let mut text = String::new();
+    for i in 0..100 {
+        text += &serde_json::json!({
+            "prompt": [{"role": "user", "content": format!("Where did dog {i} go?")}],
+            "completion": [{"role": "assistant", "content": "To the park."}],
+        })
+        .to_string();
+        text.push('\n');
+    }
+    std::fs::write(&jsonl, text).unwrap();
+    let data = dir.path().join("chat.bin");
+    let d = data.to_str().unwrap();
+    let o = headroom(&[
+        "data",
+        "build",
+        "--jsonl",
+        "--tokenizer",
+        chat.to_str().unwrap(),
+        "--format",
+        "raw",
+        jsonl.to_str().unwrap(),
+        d,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mask = headroom_mmap_data::LossMask::open(dir.path().join("chat.bin.lossmask")).unwrap();
+    // Each example: the system turn, the user's turn and the generation prompt do not count;
+    // the assistant's answer and its end of turn do.
+    assert!(
+        mask.counted() > 0 && mask.counted() * 3 < mask.len() as u64,
+        "{mask:?}"
+    );
+    let run = dir.path().join("run");
+    let o = headroom(&[
+        "train",
+        "--data",
+        d,
+        "--vocab",
+        "94",
+        "--channels",
+        "32",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--no-progress",
+        "--checkpoint-dir",
+        run.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("\nloss mask: "), "{}", stdout(&o));
+    // `sample --chat` answers a user turn rendered with the template and its generation
+    // prompt: the same greedy output as those ids given directly.
+    use headroom_trainer::tokenize::Tokenizer;
+    let tok = Tokenizer::from_name(chat.to_str().unwrap()).unwrap();
+    let turn = [serde_json::json!({"role": "user", "content": "Where did the dog go?"})];
+    let text = tok
+        .chat_template()
+        .unwrap()
+        .unwrap()
+        .render(&turn, true)
+        .unwrap();
+    assert!(text.ends_with("<|assistant|>\n"), "{text:?}");
+    let ids: Vec<String> = tok
+        .encode(&text)
+        .unwrap()
+        .iter()
+        .map(u32::to_string)
+        .collect();
+    let greedy = |prompt: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "--from",
+            run.to_str().unwrap(),
+            "--tokenizer",
+            chat.to_str().unwrap(),
+            "--tokens",
+            "6",
+            "--temperature",
+            "0",
+        ];
+        args.extend_from_slice(prompt);
+        let o = headroom(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let ids = ids.join(",");
+    assert_eq!(
+        greedy(&["--chat", "Where did the dog go?"]),
+        greedy(&["--prompt-ids", &ids])
+    );
+    // Without a template, --chat is refused by name.
+    let plain = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/sft/llama-tokenizer.json");
+    let o = headroom(&[
+        "sample",
+        "--from",
+        run.to_str().unwrap(),
+        "--tokenizer",
+        plain.to_str().unwrap(),
+        "--chat",
+        "hi",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("chat template"), "{}", stderr(&o));
+}

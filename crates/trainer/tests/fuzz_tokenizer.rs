@@ -278,3 +278,95 @@ fn fuzz_prompt_completion_jsonl() {
     report.assert_clean();
     assert!(report.errors > 0 && report.ok > 0, "{report}");
 }
+
+/// Conversational JSONL with the chat fixture's tokenizer and template: damaged messages
+/// (missing roles, wrong types, unknown roles the template refuses, mixed prompt and
+/// completion kinds) are typed errors; whatever builds has a mask covering its tokens.
+#[test]
+fn fuzz_conversational_jsonl() {
+    use headroom_mmap_data::{formats, loss_mask_path, LossMask, TokenFileFormat, TokenType};
+    let seed = [
+        r#"{"prompt": [{"role": "user", "content": "Where did the dog go?"}], "completion": [{"role": "assistant", "content": "To the park."}]}"#,
+        r#"{"messages": [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}"#,
+        r#"{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}], "completion": [{"role": "assistant", "content": ""}]}"#,
+    ]
+    .join("\n")
+    .into_bytes();
+    let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/sft/chat/tokenizer.json");
+    let tok = std::sync::Arc::new(Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap());
+    let scratch = ScratchDir::new("headroom-fuzz-chat-jsonl").unwrap();
+    let report = fuzz(
+        "chat-jsonl",
+        &[seed],
+        &[],
+        iterations(CI_ITERATIONS),
+        move |bytes| -> Result<(), headroom_trainer::TrainError> {
+            let input = scratch.fresh();
+            let out = scratch.fresh();
+            let mask = loss_mask_path(&out);
+            let _cleanup = Cleanup(vec![input.clone(), out.clone(), mask.clone()]);
+            std::fs::write(&input, bytes).unwrap();
+            let format = TokenFileFormat::Raw(TokenType::U16);
+            let r = headroom_trainer::tokenize::build_prompt_completion(
+                &input, &tok, format, &out, false,
+            )?;
+            let ds = formats::open(&out, &Default::default()).unwrap();
+            let m = LossMask::open(&mask).unwrap();
+            assert_eq!(m.len() as u64, ds.total_tokens());
+            assert_eq!((r.tokens, r.counted), (ds.total_tokens(), m.counted()));
+            Ok(())
+        },
+    );
+    println!("{report}");
+    report.assert_clean();
+    assert!(report.errors > 0 && report.ok > 0, "{report}");
+}
+
+/// Damaged chat templates: loading and rendering a conversation end in a template or a typed
+/// error, never a panic or a hang (rendering runs on fuel).
+#[test]
+fn fuzz_chat_templates() {
+    use headroom_trainer::chat_template::ChatTemplate;
+    let config: Value = serde_json::from_slice(
+        &std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/sft/chat/tokenizer_config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let conversation: Vec<Value> = serde_json::from_str(
+        r#"[{"role": "system", "content": " s "}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]"#,
+    )
+    .unwrap();
+    // The fixture's template, and templates with the constructs that loop, recurse or raise.
+    let fixture = config["chat_template"].as_str().unwrap().to_owned();
+    let seeds = [
+        fixture.as_str(),
+        "{% for m in messages %}{% for i in range(m.content|length) %}{{ loop.index }}{% endfor %}{% endfor %}",
+        "{% macro turn(m) %}<|{{ m.role }}|>{{ m.content.strip() }}{% endmacro %}{% for m in messages recursive %}{{ turn(m) }}{% endfor %}{{ raise_exception('x') if not messages }}",
+        "{{ bos_token }}{{ messages|tojson }}{% set ns = namespace(n=0) %}{% if add_generation_prompt %}A:{% endif %}",
+    ];
+    let report = fuzz(
+        "chat-template",
+        &seeds,
+        &[],
+        iterations(CI_ITERATIONS),
+        move |bytes| -> Result<(), headroom_trainer::TrainError> {
+            let mut config = config.clone();
+            config["chat_template"] = Value::from(String::from_utf8_lossy(bytes).into_owned());
+            let text = config.to_string();
+            if let Some(t) = ChatTemplate::from_config(&text, "tokenizer_config.json")? {
+                for generation_prompt in [false, true] {
+                    let out = t.render(&conversation, generation_prompt)?;
+                    assert!(out.len() <= headroom_trainer::chat_template::MAX_RENDERED_BYTES);
+                }
+            }
+            Ok(())
+        },
+    );
+    println!("{report}");
+    report.assert_clean();
+    assert!(report.errors > 0 && report.ok > 0, "{report}");
+}

@@ -83,3 +83,128 @@ fn prompt_completion_examples_get_trls_ids_and_labels() {
         assert_eq!(report.boundary_merges, merges, "{name}: {report:?}");
     }
 }
+
+/// TRL's ids and labels (-100 where a token does not count) as one packed stream.
+fn trl_stream(rows: &[Value]) -> (Vec<u32>, Vec<bool>) {
+    let ids = |v: &Value| -> Vec<i64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect()
+    };
+    let (mut want_ids, mut want_flags) = (Vec::new(), Vec::new());
+    for row in rows {
+        let (input, labels) = (ids(&row["input_ids"]), ids(&row["labels"]));
+        assert_eq!(input.len(), labels.len());
+        for (&i, &l) in input.iter().zip(&labels) {
+            assert!(l == -100 || l == i, "TRL's labels are the ids or -100");
+            want_ids.push(i as u32);
+            want_flags.push(l != -100);
+        }
+    }
+    (want_ids, want_flags)
+}
+
+/// Conversational examples (`benches/torch/make_chat_sft_fixture.py`): the chat template in
+/// `tokenizer_config.json` renders each conversation as transformers does, and the builder
+/// gives TRL's ids and loss flags — the completion of a prompt-completion conversation after
+/// the generation prompt, every token of a `messages` conversation, no end-of-text appended.
+#[test]
+fn conversational_examples_get_trls_rendering_ids_and_labels() {
+    use headroom_trainer::chat_template::ChatTemplate;
+    let dir = fixtures().join("sft/chat");
+    let fixture: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("trl_chat_sft.json")).unwrap())
+            .unwrap();
+    let chat = ChatTemplate::beside(&dir.join("tokenizer.json"))
+        .unwrap()
+        .expect("the fixture's tokenizer_config.json has a template");
+    let messages = |v: &Value| v.as_array().unwrap().clone();
+    let examples = fixture["prompt_completion"].as_array().unwrap();
+    for (ex, want) in examples
+        .iter()
+        .zip(fixture["rendered"]["prompt_completion"].as_array().unwrap())
+    {
+        let prompt = messages(&ex["prompt"]);
+        let whole = [prompt.clone(), messages(&ex["completion"])].concat();
+        assert_eq!(chat.render(&prompt, true).unwrap(), want["prompt"]);
+        assert_eq!(chat.render(&whole, false).unwrap(), want["whole"]);
+    }
+    let conversations = fixture["messages"].as_array().unwrap();
+    for (ex, want) in conversations
+        .iter()
+        .zip(fixture["rendered"]["messages"].as_array().unwrap())
+    {
+        assert_eq!(
+            chat.render(&messages(&ex["messages"]), false).unwrap(),
+            *want
+        );
+    }
+
+    let rows: Vec<Value> = fixture["trl"]["prompt_completion"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(fixture["trl"]["messages"].as_array().unwrap())
+        .cloned()
+        .collect();
+    let (want_ids, want_flags) = trl_stream(&rows);
+    let lines: Vec<String> = examples
+        .iter()
+        .chain(conversations)
+        .map(Value::to_string)
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("chat.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let tok = Tokenizer::from_name(dir.join("tokenizer.json").to_str().unwrap()).unwrap();
+    let out = tmp.path().join("chat.bin");
+    let format = TokenFileFormat::Raw(TokenType::U16);
+    let report = build_prompt_completion(&input, &tok, format, &out, false).unwrap();
+    let ds = formats::open(&out, &Default::default()).unwrap();
+    let got: Vec<u32> = (0..ds.total_tokens())
+        .map(|i| ds.token(0, i).unwrap() as u32)
+        .collect();
+    assert_eq!(got, want_ids, "ids");
+    let mask = LossMask::open(loss_mask_path(&out)).unwrap();
+    let flags: Vec<bool> = (0..mask.len()).map(|i| mask.get(i).unwrap()).collect();
+    assert_eq!(flags, want_flags, "loss flags");
+    assert_eq!(report.examples, lines.len() as u64);
+    assert_eq!(report.boundary_merges, 0);
+}
+
+/// A conversation needs a template; a template that raises, a message without content and a
+/// prompt of messages with a completion of text are errors naming the line.
+#[test]
+fn conversational_examples_without_a_usable_template_are_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let format = TokenFileFormat::Raw(TokenType::U16);
+    let build = |tokenizer: PathBuf, line: &str| -> String {
+        let input = tmp.path().join("bad.jsonl");
+        std::fs::write(&input, format!("{{\"text\": \"fine\"}}\n{line}\n")).unwrap();
+        let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
+        build_prompt_completion(&input, &tok, format, &tmp.path().join("o.bin"), false)
+            .unwrap_err()
+            .to_string()
+    };
+    let conversation = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+    // fixtures/sft holds no tokenizer_config.json: no template.
+    let e = build(fixtures().join("sft/llama-tokenizer.json"), conversation);
+    assert!(e.contains("line 2") && e.contains("chat template"), "{e}");
+    let chat = fixtures().join("sft/chat/tokenizer.json");
+    for (line, needle) in [
+        (
+            r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
+            "unknown role tool",
+        ),
+        (r#"{"messages": [{"role": "user"}]}"#, "content"),
+        (
+            r#"{"prompt": [{"role": "user", "content": "a"}], "completion": "b"}"#,
+            "both text or both messages",
+        ),
+    ] {
+        let e = build(chat.clone(), line);
+        assert!(e.contains("line 2") && e.contains(needle), "{line}: {e}");
+    }
+}
