@@ -7,8 +7,8 @@
 //! let config = r#"{"chat_template": "{% for m in messages %}<|{{ m.role }}|>{{ m.content.strip() }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
 //!                  "eos_token": "</s>"}"#;
 //! let chat = ChatTemplate::from_config(config, "tokenizer_config.json").unwrap().unwrap();
-//! let messages = serde_json::json!([{"role": "user", "content": " hi "}]);
-//! let text = chat.render(messages.as_array().unwrap(), true).unwrap();
+//! let messages: Vec<_> = serde_json::from_str(r#"[{"role": "user", "content": " hi "}]"#).unwrap();
+//! let text = chat.render(&messages, true).unwrap();
 //! assert_eq!(text, "<|user|>hi</s><|assistant|>");
 //! ```
 //!
@@ -16,9 +16,14 @@
 //! controls, `raise_exception(message)` (an error naming the template), Python's string and
 //! dict methods (`.strip()`, `.startswith()`, `.items()`; minijinja-contrib's `pycompat`), and
 //! the tokenizer's special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) beside
-//! `messages` and `add_generation_prompt`. Not provided: `strftime_now` (templates that use it
-//! test `is defined` and fall back to a fixed date, so renders are reproducible), tools and
-//! documents, and the `{% generation %}` tag of `return_assistant_tokens_mask`.
+//! `messages` and `add_generation_prompt`, and `strftime_now(format)` ([`strftime`] of the
+//! current time in UTC where transformers takes local time, or of a fixed time:
+//! [`ChatTemplate::with_fixed_time`]). Messages keep their keys' order ([`ChatValue`]), as
+//! Python's dicts. Five templates in the style of Llama 3.1's, Qwen 2.5's, Mistral's, Gemma's
+//! and one of filters render as transformers renders them (`tests/sft_trl.rs`). Not provided:
+//! tools and documents, the `{% generation %}` tag of `return_assistant_tokens_mask`, and
+//! transformers' own `tojson` (minijinja's escapes HTML characters and writes no spaces; tool
+//! templates use it).
 //!
 //! A template is code from a file: its rendering is bounded (fuel for at most
 //! [`MAX_RENDER_STEPS`] instructions, output of at most [`MAX_RENDERED_BYTES`]), so a hostile
@@ -38,12 +43,139 @@ pub const MAX_RENDER_STEPS: u64 = 50_000_000;
 /// The longest rendered conversation.
 pub const MAX_RENDERED_BYTES: usize = 64 << 20;
 
+/// A JSON value whose objects keep their keys in the order they were written, as Python's
+/// dicts do: a template that iterates a message's `items()` sees transformers' order.
+/// (`serde_json::Value` sorts keys.) Reads from JSON text with serde, or from a
+/// `serde_json::Value` (whose keys are then sorted).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ChatValue {
+    /// `null`.
+    Null,
+    /// `true` or `false`.
+    Bool(bool),
+    /// A number.
+    Number(serde_json::Number),
+    /// A string.
+    String(String),
+    /// An array.
+    Array(Vec<ChatValue>),
+    /// An object, keys in written order.
+    Object(Vec<(String, ChatValue)>),
+}
+
+impl From<serde_json::Value> for ChatValue {
+    fn from(v: serde_json::Value) -> Self {
+        match v {
+            serde_json::Value::Null => ChatValue::Null,
+            serde_json::Value::Bool(b) => ChatValue::Bool(b),
+            serde_json::Value::Number(n) => ChatValue::Number(n),
+            serde_json::Value::String(s) => ChatValue::String(s),
+            serde_json::Value::Array(a) => {
+                ChatValue::Array(a.into_iter().map(Into::into).collect())
+            }
+            serde_json::Value::Object(o) => {
+                ChatValue::Object(o.into_iter().map(|(k, v)| (k, v.into())).collect())
+            }
+        }
+    }
+}
+
+impl serde::Serialize for ChatValue {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeMap, SerializeSeq};
+        match self {
+            ChatValue::Null => s.serialize_unit(),
+            ChatValue::Bool(b) => s.serialize_bool(*b),
+            ChatValue::Number(n) => n.serialize(s),
+            ChatValue::String(t) => s.serialize_str(t),
+            ChatValue::Array(a) => {
+                let mut seq = s.serialize_seq(Some(a.len()))?;
+                for v in a {
+                    seq.serialize_element(v)?;
+                }
+                seq.end()
+            }
+            ChatValue::Object(o) => {
+                let mut map = s.serialize_map(Some(o.len()))?;
+                for (k, v) in o {
+                    map.serialize_entry(k, v)?;
+                }
+                map.end()
+            }
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ChatValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = ChatValue;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_unit<E>(self) -> std::result::Result<ChatValue, E> {
+                Ok(ChatValue::Null)
+            }
+            fn visit_none<E>(self) -> std::result::Result<ChatValue, E> {
+                Ok(ChatValue::Null)
+            }
+            fn visit_bool<E>(self, b: bool) -> std::result::Result<ChatValue, E> {
+                Ok(ChatValue::Bool(b))
+            }
+            fn visit_i64<E>(self, n: i64) -> std::result::Result<ChatValue, E> {
+                Ok(ChatValue::Number(n.into()))
+            }
+            fn visit_u64<E>(self, n: u64) -> std::result::Result<ChatValue, E> {
+                Ok(ChatValue::Number(n.into()))
+            }
+            fn visit_f64<E>(self, n: f64) -> std::result::Result<ChatValue, E> {
+                Ok(serde_json::Number::from_f64(n).map_or(ChatValue::Null, ChatValue::Number))
+            }
+            fn visit_str<E>(self, t: &str) -> std::result::Result<ChatValue, E> {
+                Ok(ChatValue::String(t.to_owned()))
+            }
+            fn visit_string<E>(self, t: String) -> std::result::Result<ChatValue, E> {
+                Ok(ChatValue::String(t))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<ChatValue, A::Error> {
+                let mut out = Vec::new();
+                while let Some(v) = seq.next_element()? {
+                    out.push(v);
+                }
+                Ok(ChatValue::Array(out))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<ChatValue, A::Error> {
+                let mut out: Vec<(String, ChatValue)> = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, ChatValue>()? {
+                    // A repeated key keeps its first place and its last value, as Python's
+                    // json.loads.
+                    match out.iter_mut().find(|(key, _)| *key == k) {
+                        Some(slot) => slot.1 = v,
+                        None => out.push((k, v)),
+                    }
+                }
+                Ok(ChatValue::Object(out))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
+}
+
 /// A chat template, parsed once, with the special tokens it may refer to.
 #[derive(Clone, Debug)]
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     special_tokens: BTreeMap<String, String>,
     path: PathBuf,
+    /// The time `strftime_now` formats (seconds since the Unix epoch, UTC); `None` is now.
+    fixed_time: Option<i64>,
 }
 
 fn err(path: &Path, reason: impl Into<String>) -> TrainError {
@@ -114,7 +246,16 @@ impl ChatTemplate {
             env: environment(source, path)?,
             special_tokens,
             path: path.to_path_buf(),
+            fixed_time: None,
         }))
+    }
+
+    /// The template with `strftime_now` formatting `unix_seconds` (UTC) instead of the current
+    /// time: renders that do not change with the day (Llama 3.1's template writes today's date
+    /// into its system turn).
+    pub fn with_fixed_time(mut self, unix_seconds: i64) -> Self {
+        self.fixed_time = Some(unix_seconds);
+        self
     }
 
     /// A special token's text from the configuration (`"eos_token"`, `"bos_token"`, …): a
@@ -154,32 +295,32 @@ fn environment(source: String, path: &Path) -> Result<minijinja::Environment<'st
 
 impl ChatTemplate {
     /// The text of the conversation `messages` (JSON objects with a string `role` and a string
-    /// `content`; other keys are passed to the template, null ones dropped as transformers
-    /// drops them), ending with the assistant's turn header when `add_generation_prompt`.
-    pub fn render(
-        &self,
-        messages: &[serde_json::Value],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
+    /// `content`; other keys are passed to the template in their order, null ones dropped as
+    /// transformers drops them), ending with the assistant's turn header when
+    /// `add_generation_prompt`.
+    pub fn render(&self, messages: &[ChatValue], add_generation_prompt: bool) -> Result<String> {
         let mut clean = Vec::with_capacity(messages.len());
         for (i, m) in messages.iter().enumerate() {
-            let Some(m) = m.as_object() else {
+            let ChatValue::Object(m) = m else {
                 return Err(err(&self.path, format!("message {i} is not an object")));
             };
             for key in ["role", "content"] {
-                if !m.get(key).is_some_and(|v| v.is_string()) {
+                if !m
+                    .iter()
+                    .any(|(k, v)| k == key && matches!(v, ChatValue::String(_)))
+                {
                     return Err(err(
                         &self.path,
                         format!("message {i} has no string \"{key}\""),
                     ));
                 }
             }
-            let kept: serde_json::Map<_, _> = m
+            let kept = m
                 .iter()
-                .filter(|(_, v)| !v.is_null())
-                .map(|(k, v)| (k.clone(), v.clone()))
+                .filter(|(_, v)| *v != ChatValue::Null)
+                .cloned()
                 .collect();
-            clean.push(serde_json::Value::Object(kept));
+            clean.push(ChatValue::Object(kept));
         }
         let template = self
             .env
@@ -194,6 +335,21 @@ impl ChatTemplate {
         context.insert(
             "add_generation_prompt".into(),
             minijinja::Value::from(add_generation_prompt),
+        );
+        let now = self.fixed_time.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64)
+        });
+        context.insert(
+            "strftime_now".into(),
+            minijinja::Value::from_function(
+                move |format: String| -> std::result::Result<String, minijinja::Error> {
+                    strftime(&format, now).map_err(|e| {
+                        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e)
+                    })
+                },
+            ),
         );
         let text = template
             .render(context)
@@ -211,6 +367,82 @@ impl ChatTemplate {
     }
 }
 
+/// Python's `time.strftime(format)` at `unix_seconds` in UTC, for the directives chat
+/// templates use (`%d %b %Y` in Llama 3.1's): `%a %A %b %B %d %H %I %j %m %M %p %S %y %Y %%`;
+/// any other is an error rather than a guess.
+pub fn strftime(format: &str, unix_seconds: i64) -> std::result::Result<String, String> {
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let days = unix_seconds.div_euclid(86_400);
+    let secs = unix_seconds.rem_euclid(86_400);
+    let (hour, minute, second) = (secs / 3600, secs % 3600 / 60, secs % 60);
+    // The proleptic Gregorian date of a day count (Howard Hinnant's civil_from_days).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy_march = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy_march + 2) / 153;
+    let day = doy_march - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][month as usize - 1];
+    let day_of_year = before + day + i64::from(leap && month > 2);
+    // 1970-01-01 was a Thursday.
+    let weekday = (days + 3).rem_euclid(7) as usize;
+    let month_name = MONTHS[month as usize - 1];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('a') => out.push_str(&DAYS[weekday][..3]),
+            Some('A') => out.push_str(DAYS[weekday]),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('H') => out.push_str(&format!("{hour:02}")),
+            Some('I') => out.push_str(&format!("{:02}", (hour + 11) % 12 + 1)),
+            Some('j') => out.push_str(&format!("{day_of_year:03}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('M') => out.push_str(&format!("{minute:02}")),
+            Some('p') => out.push_str(if hour < 12 { "AM" } else { "PM" }),
+            Some('S') => out.push_str(&format!("{second:02}")),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('%') => out.push('%'),
+            Some(other) => return Err(format!("strftime_now: %{other} is not supported")),
+            None => return Err("strftime_now: the format ends with %".into()),
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,8 +458,8 @@ mod tests {
             .unwrap()
     }
 
-    fn user(text: &str) -> Vec<serde_json::Value> {
-        vec![serde_json::json!({"role": "user", "content": text})]
+    fn user(text: &str) -> Vec<ChatValue> {
+        vec![serde_json::json!({"role": "user", "content": text}).into()]
     }
 
     #[test]
@@ -278,11 +510,16 @@ mod tests {
             serde_json::json!({"role": "user"}),
             serde_json::json!({"role": 1, "content": "x"}),
         ] {
-            assert!(t.render(&[bad], false).is_err());
+            assert!(t.render(&[bad.into()], false).is_err());
         }
         // Null keys are dropped, others passed through.
         let m = serde_json::json!({"role": "user", "content": "x", "name": null, "tag": "t"});
         let t = template("{% for m in messages %}{{ m.tag }}{{ m.name is defined }}{% endfor %}");
-        assert_eq!(t.render(&[m], false).unwrap(), "tFalse");
+        assert_eq!(t.render(&[m.into()], false).unwrap(), "tFalse");
+        // Keys keep the order they were written in, as Python's dicts.
+        let m: Vec<ChatValue> =
+            serde_json::from_str(r#"[{"role": "user", "z": 1, "content": "x", "a": 2}]"#).unwrap();
+        let t = template("{% for k, v in messages[0].items() %}{{ k }},{% endfor %}");
+        assert_eq!(t.render(&m, false).unwrap(), "role,z,content,a,");
     }
 }

@@ -2281,7 +2281,7 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
                 "--chat needs the tokenizer's chat template (tokenizer_config.json beside its \
                  tokenizer.json), and it has none",
             )?;
-            let turn = [serde_json::json!({"role": "user", "content": message})];
+            let turn = [serde_json::json!({"role": "user", "content": message}).into()];
             let text = template.render(&turn, true)?;
             // The chat model ends its turn with the template's end-of-sequence token.
             if let Some(id) = template

@@ -16,6 +16,7 @@ use headroom_mmap_data::formats::writer::TokenWriter;
 use headroom_mmap_data::{LlmcFlavor, TokenFileFormat, TokenType};
 use rayon::prelude::*;
 
+use crate::chat_template::ChatValue;
 use crate::{Result, TrainError};
 
 /// GPT-2's vocabulary (50 256 merges and bytes, plus `<|endoftext|>`).
@@ -480,7 +481,7 @@ struct ExampleLine {
     prompt: Option<Turns>,
     completion: Option<Turns>,
     text: Option<String>,
-    messages: Option<Vec<serde_json::Value>>,
+    messages: Option<Vec<ChatValue>>,
 }
 
 /// A prompt or a completion: text, or messages.
@@ -488,7 +489,7 @@ struct ExampleLine {
 #[serde(untagged)]
 enum Turns {
     Text(String),
-    Messages(Vec<serde_json::Value>),
+    Messages(Vec<ChatValue>),
 }
 
 /// The chat template conversational examples are rendered with: the tokenizer's, if it has
@@ -517,7 +518,7 @@ fn encode_example(
         ))),
         Err(e) => Err(bad(format!("the tokenizer's chat template: {e}"))),
     };
-    let rendered = |messages: &[serde_json::Value], generation_prompt: bool| -> Result<Vec<u32>> {
+    let rendered = |messages: &[ChatValue], generation_prompt: bool| -> Result<Vec<u32>> {
         let text = template()?
             .render(messages, generation_prompt)
             .map_err(|e| bad(e.to_string()))?;

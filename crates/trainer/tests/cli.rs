@@ -1401,7 +1401,7 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
     // prompt: the same greedy output as those ids given directly.
     use headroom_trainer::tokenize::Tokenizer;
     let tok = Tokenizer::from_name(chat.to_str().unwrap()).unwrap();
-    let turn = [serde_json::json!({"role": "user", "content": "Where did the dog go?"})];
+    let turn = [serde_json::json!({"role": "user", "content": "Where did the dog go?"}).into()];
     let text = tok
         .chat_template()
         .unwrap()

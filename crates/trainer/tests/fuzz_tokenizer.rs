@@ -336,7 +336,7 @@ fn fuzz_chat_templates() {
         .unwrap(),
     )
     .unwrap();
-    let conversation: Vec<Value> = serde_json::from_str(
+    let conversation: Vec<headroom_trainer::chat_template::ChatValue> = serde_json::from_str(
         r#"[{"role": "system", "content": " s "}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]"#,
     )
     .unwrap();

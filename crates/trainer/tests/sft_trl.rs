@@ -112,7 +112,7 @@ fn trl_stream(rows: &[Value]) -> (Vec<u32>, Vec<bool>) {
 /// the generation prompt, every token of a `messages` conversation, no end-of-text appended.
 #[test]
 fn conversational_examples_get_trls_rendering_ids_and_labels() {
-    use headroom_trainer::chat_template::ChatTemplate;
+    use headroom_trainer::chat_template::{ChatTemplate, ChatValue};
     let dir = fixtures().join("sft/chat");
     let fixture: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("trl_chat_sft.json")).unwrap())
@@ -120,7 +120,14 @@ fn conversational_examples_get_trls_rendering_ids_and_labels() {
     let chat = ChatTemplate::beside(&dir.join("tokenizer.json"))
         .unwrap()
         .expect("the fixture's tokenizer_config.json has a template");
-    let messages = |v: &Value| v.as_array().unwrap().clone();
+    let messages = |v: &Value| -> Vec<ChatValue> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .cloned()
+            .map(Into::into)
+            .collect()
+    };
     let examples = fixture["prompt_completion"].as_array().unwrap();
     for (ex, want) in examples
         .iter()
@@ -207,4 +214,70 @@ fn conversational_examples_without_a_usable_template_are_errors() {
         let e = build(chat.clone(), line);
         assert!(e.contains("line 2") && e.contains(needle), "{line}: {e}");
     }
+}
+
+/// Templates in the style of Llama 3.1's, Qwen 2.5's, Mistral's and Gemma's, and one of
+/// filters and Python methods, render each conversation as transformers does (its clock
+/// frozen for `strftime_now`); `strftime` is Python's `time.strftime` in UTC.
+#[test]
+fn style_templates_render_as_transformers_renders_them() {
+    use headroom_trainer::chat_template::{strftime, ChatTemplate, ChatValue};
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("sft/chat/trl_chat_sft.json")).unwrap(),
+    )
+    .unwrap();
+    let styles = &fixture["styles"];
+    let frozen = styles["frozen_time"].as_i64().unwrap();
+    // The conversations read again as ChatValue, whose objects keep the file's key order
+    // (serde_json::Value sorts keys; Python's dicts, which transformers rendered, do not).
+    let ordered: ChatValue = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("sft/chat/trl_chat_sft.json")).unwrap(),
+    )
+    .unwrap();
+    let field = |v: &ChatValue, key: &str| -> ChatValue {
+        match v {
+            ChatValue::Object(o) => o.iter().find(|(k, _)| k == key).unwrap().1.clone(),
+            _ => panic!("not an object"),
+        }
+    };
+    let ChatValue::Array(conversations) = field(&field(&ordered, "styles"), "conversations") else {
+        panic!("conversations")
+    };
+    let mut failures = Vec::new();
+    for (name, template) in styles["templates"].as_object().unwrap() {
+        let mut config = styles["special_tokens"].clone();
+        config["chat_template"] = template.clone();
+        let chat = ChatTemplate::from_config(&config.to_string(), name)
+            .unwrap()
+            .unwrap()
+            .with_fixed_time(frozen);
+        for (c, conversation) in conversations.iter().enumerate() {
+            for (g, want) in styles["rendered"][name][c]
+                .as_array()
+                .unwrap()
+                .iter()
+                .enumerate()
+            {
+                let ChatValue::Array(messages) = conversation else {
+                    panic!("a conversation")
+                };
+                let got = chat.render(messages, g == 1);
+                if got.as_deref().ok() != want.as_str() {
+                    failures.push(format!(
+                        "{name} conversation {c} prompt {g}: {got:?} vs {want}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    for case in fixture["strftime"].as_array().unwrap() {
+        let (format, at, want) = (
+            case[0].as_str().unwrap(),
+            case[1].as_i64().unwrap(),
+            &case[2],
+        );
+        assert_eq!(strftime(format, at).unwrap(), *want, "{format} at {at}");
+    }
+    assert!(strftime("%Z", 0).is_err() && strftime("%", 0).is_err());
 }
