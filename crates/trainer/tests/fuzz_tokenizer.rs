@@ -233,26 +233,17 @@ fn tokenizer_json_settings() {
     assert!(ok > 0 && errors > 0);
 }
 
-/// `data build --jsonl`'s reader on damaged JSONL: truncated lines, broken quotes and escapes,
-/// invalid UTF-8, deep nesting, keys of the wrong type. Whatever builds must be consistent:
-/// the mask covers the token file exactly and counts no more than its tokens.
-#[test]
-fn fuzz_prompt_completion_jsonl() {
+/// A fuzz campaign of `data build --jsonl` over mutations of `seed` with the tokenizer at
+/// `tokenizer` (relative to the crate). Whatever builds must be consistent: the mask covers
+/// the token file exactly and counts no more than its tokens.
+fn jsonl_campaign(name: &str, seed: &[&str], tokenizer: &str) {
     use headroom_mmap_data::{formats, loss_mask_path, LossMask, TokenFileFormat, TokenType};
-    let seed = [
-        r#"{"prompt": "the small dog", "completion": " sat on the mat."}"#,
-        r#"{"prompt": "", "completion": "a \"quoted\" \u00e9 line\n"}"#,
-        r#"{"text": "plain text"}"#,
-        r#"{"prompt": "the big fox ran near the", "completion": " red log."}"#,
-    ]
-    .join("\n")
-    .into_bytes();
-    let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/sft/llama-tokenizer.json");
+    let seed = seed.join("\n").into_bytes();
+    let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(tokenizer);
     let tok = std::sync::Arc::new(Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap());
-    let scratch = ScratchDir::new("headroom-fuzz-jsonl").unwrap();
+    let scratch = ScratchDir::new(&format!("headroom-fuzz-{name}")).unwrap();
     let report = fuzz(
-        "sft-jsonl",
+        name,
         &[seed],
         &[],
         iterations(CI_ITERATIONS),
@@ -279,48 +270,38 @@ fn fuzz_prompt_completion_jsonl() {
     assert!(report.errors > 0 && report.ok > 0, "{report}");
 }
 
+/// `data build --jsonl`'s reader on damaged JSONL: truncated lines, broken quotes and escapes,
+/// invalid UTF-8, deep nesting, keys of the wrong type.
+#[test]
+fn fuzz_prompt_completion_jsonl() {
+    let seed = [
+        r#"{"prompt": "the small dog", "completion": " sat on the mat."}"#,
+        r#"{"prompt": "", "completion": "a \"quoted\" \u00e9 line\n"}"#,
+        r#"{"text": "plain text"}"#,
+        r#"{"prompt": "the big fox ran near the", "completion": " red log."}"#,
+    ];
+    jsonl_campaign(
+        "sft-jsonl",
+        &seed,
+        "tests/fixtures/sft/llama-tokenizer.json",
+    );
+}
+
 /// Conversational JSONL with the chat fixture's tokenizer and template: damaged messages
 /// (missing roles, wrong types, unknown roles the template refuses, mixed prompt and
-/// completion kinds) are typed errors; whatever builds has a mask covering its tokens.
+/// completion kinds) are typed errors.
 #[test]
 fn fuzz_conversational_jsonl() {
-    use headroom_mmap_data::{formats, loss_mask_path, LossMask, TokenFileFormat, TokenType};
     let seed = [
         r#"{"prompt": [{"role": "user", "content": "Where did the dog go?"}], "completion": [{"role": "assistant", "content": "To the park."}]}"#,
         r#"{"messages": [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}"#,
         r#"{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}], "completion": [{"role": "assistant", "content": ""}]}"#,
-    ]
-    .join("\n")
-    .into_bytes();
-    let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/sft/chat/tokenizer.json");
-    let tok = std::sync::Arc::new(Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap());
-    let scratch = ScratchDir::new("headroom-fuzz-chat-jsonl").unwrap();
-    let report = fuzz(
+    ];
+    jsonl_campaign(
         "chat-jsonl",
-        &[seed],
-        &[],
-        iterations(CI_ITERATIONS),
-        move |bytes| -> Result<(), headroom_trainer::TrainError> {
-            let input = scratch.fresh();
-            let out = scratch.fresh();
-            let mask = loss_mask_path(&out);
-            let _cleanup = Cleanup(vec![input.clone(), out.clone(), mask.clone()]);
-            std::fs::write(&input, bytes).unwrap();
-            let format = TokenFileFormat::Raw(TokenType::U16);
-            let r = headroom_trainer::tokenize::build_prompt_completion(
-                &input, &tok, format, &out, false,
-            )?;
-            let ds = formats::open(&out, &Default::default()).unwrap();
-            let m = LossMask::open(&mask).unwrap();
-            assert_eq!(m.len() as u64, ds.total_tokens());
-            assert_eq!((r.tokens, r.counted), (ds.total_tokens(), m.counted()));
-            Ok(())
-        },
+        &seed,
+        "tests/fixtures/sft/chat/tokenizer.json",
     );
-    println!("{report}");
-    report.assert_clean();
-    assert!(report.errors > 0 && report.ok > 0, "{report}");
 }
 
 /// Damaged chat templates: loading and rendering a conversation end in a template or a typed

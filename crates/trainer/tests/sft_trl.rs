@@ -34,43 +34,17 @@ fn prompt_completion_examples_get_trls_ids_and_labels() {
     ];
     for (name, file) in tokenizers {
         let trl = &fixture["tokenizers"][name];
-        let rows = trl["prompt_completion"]
+        let rows: Vec<Value> = trl["prompt_completion"]
             .as_array()
             .unwrap()
             .iter()
-            .chain(trl["text"].as_array().unwrap());
-        let (mut want_ids, mut want_flags) = (Vec::new(), Vec::new());
-        let ids = |v: &Value| -> Vec<i64> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_i64().unwrap())
-                .collect()
-        };
-        for row in rows {
-            let (input, labels) = (ids(&row["input_ids"]), ids(&row["labels"]));
-            assert_eq!(input.len(), labels.len());
-            for (&i, &l) in input.iter().zip(&labels) {
-                assert!(l == -100 || l == i, "TRL's labels are the ids or -100");
-                want_ids.push(i as u32);
-                want_flags.push(l != -100);
-            }
-        }
-
-        let dir = tempfile::tempdir().unwrap();
-        let input = dir.path().join("sft.jsonl");
-        std::fs::write(&input, lines.join("\n")).unwrap();
-        let tok = Tokenizer::from_name(file.to_str().unwrap()).unwrap();
-        let out = dir.path().join("sft.bin");
-        let format = TokenFileFormat::Raw(TokenType::U16);
-        let report = build_prompt_completion(&input, &tok, format, &out, false).unwrap();
-        let ds = formats::open(&out, &Default::default()).unwrap();
-        let got: Vec<u32> = (0..ds.total_tokens())
-            .map(|i| ds.token(0, i).unwrap() as u32)
+            .chain(trl["text"].as_array().unwrap())
+            .cloned()
             .collect();
+        let (want_ids, want_flags) = trl_stream(&rows);
+
+        let (got, flags, report) = build(&lines, &file);
         assert_eq!(got, want_ids, "{name}: ids");
-        let mask = LossMask::open(loss_mask_path(&out)).unwrap();
-        let flags: Vec<bool> = (0..mask.len()).map(|i| mask.get(i).unwrap()).collect();
         assert_eq!(flags, want_flags, "{name}: loss flags");
         assert_eq!(report.examples, lines.len() as u64);
         assert_eq!(
@@ -82,6 +56,32 @@ fn prompt_completion_examples_get_trls_ids_and_labels() {
         let merges = if name == "bpe" { 1 } else { 0 };
         assert_eq!(report.boundary_merges, merges, "{name}: {report:?}");
     }
+}
+
+/// `build_prompt_completion` of `lines` with the tokenizer at `tokenizer`: the token file's
+/// ids, its mask's flags and the report.
+fn build(
+    lines: &[String],
+    tokenizer: &Path,
+) -> (
+    Vec<u32>,
+    Vec<bool>,
+    headroom_trainer::tokenize::PromptCompletionReport,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("sft.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
+    let out = dir.path().join("sft.bin");
+    let format = TokenFileFormat::Raw(TokenType::U16);
+    let report = build_prompt_completion(&input, &tok, format, &out, false).unwrap();
+    let ds = formats::open(&out, &Default::default()).unwrap();
+    let ids = (0..ds.total_tokens())
+        .map(|i| ds.token(0, i).unwrap() as u32)
+        .collect();
+    let mask = LossMask::open(loss_mask_path(&out)).unwrap();
+    let flags = (0..mask.len()).map(|i| mask.get(i).unwrap()).collect();
+    (ids, flags, report)
 }
 
 /// TRL's ids and labels (-100 where a token does not count) as one packed stream.
@@ -162,20 +162,8 @@ fn conversational_examples_get_trls_rendering_ids_and_labels() {
         .chain(conversations)
         .map(Value::to_string)
         .collect();
-    let tmp = tempfile::tempdir().unwrap();
-    let input = tmp.path().join("chat.jsonl");
-    std::fs::write(&input, lines.join("\n")).unwrap();
-    let tok = Tokenizer::from_name(dir.join("tokenizer.json").to_str().unwrap()).unwrap();
-    let out = tmp.path().join("chat.bin");
-    let format = TokenFileFormat::Raw(TokenType::U16);
-    let report = build_prompt_completion(&input, &tok, format, &out, false).unwrap();
-    let ds = formats::open(&out, &Default::default()).unwrap();
-    let got: Vec<u32> = (0..ds.total_tokens())
-        .map(|i| ds.token(0, i).unwrap() as u32)
-        .collect();
+    let (got, flags, report) = build(&lines, &dir.join("tokenizer.json"));
     assert_eq!(got, want_ids, "ids");
-    let mask = LossMask::open(loss_mask_path(&out)).unwrap();
-    let flags: Vec<bool> = (0..mask.len()).map(|i| mask.get(i).unwrap()).collect();
     assert_eq!(flags, want_flags, "loss flags");
     assert_eq!(report.examples, lines.len() as u64);
     assert_eq!(report.boundary_merges, 0);
