@@ -153,12 +153,17 @@ impl<'de> serde::Deserialize<'de> for ChatValue {
                 mut map: A,
             ) -> std::result::Result<ChatValue, A::Error> {
                 let mut out: Vec<(String, ChatValue)> = Vec::new();
+                // Where each key is in `out`: a hostile object of many keys stays linear.
+                let mut place: std::collections::HashMap<String, usize> = Default::default();
                 while let Some((k, v)) = map.next_entry::<String, ChatValue>()? {
                     // A repeated key keeps its first place and its last value, as Python's
                     // json.loads.
-                    match out.iter_mut().find(|(key, _)| *key == k) {
-                        Some(slot) => slot.1 = v,
-                        None => out.push((k, v)),
+                    match place.get(&k) {
+                        Some(&i) => out[i].1 = v,
+                        None => {
+                            place.insert(k.clone(), out.len());
+                            out.push((k, v));
+                        }
                     }
                 }
                 Ok(ChatValue::Object(out))
@@ -521,5 +526,10 @@ mod tests {
             serde_json::from_str(r#"[{"role": "user", "z": 1, "content": "x", "a": 2}]"#).unwrap();
         let t = template("{% for k, v in messages[0].items() %}{{ k }},{% endfor %}");
         assert_eq!(t.render(&m, false).unwrap(), "role,z,content,a,");
+        // A repeated key keeps its first place and its last value, as Python's json.loads.
+        let m: Vec<ChatValue> =
+            serde_json::from_str(r#"[{"role": "x", "content": "c", "role": "user"}]"#).unwrap();
+        let t = template("{% for k, v in messages[0].items() %}{{ k }}={{ v }},{% endfor %}");
+        assert_eq!(t.render(&m, false).unwrap(), "role=user,content=c,");
     }
 }

@@ -537,7 +537,9 @@ fn encode_example(
             .count();
         (whole, common, common < prompt.len())
     };
-    let (mut ids, prompt_len, merged) = match ex {
+    // The ids, where the counted part starts, whether the prompt merged, and whether the
+    // example is conversational (its template ends each turn: no end-of-text is appended).
+    let (mut ids, prompt_len, merged, conversational) = match ex {
         ExampleLine {
             prompt: Some(Turns::Messages(p)),
             completion: Some(Turns::Messages(c)),
@@ -550,8 +552,7 @@ fn encode_example(
             let prompt = rendered(&p, true)?;
             let whole = rendered(&[p, c].concat(), false)?;
             let (ids, common, merged) = split(prompt, whole);
-            let flags = (0..ids.len()).map(|i| i >= common).collect();
-            return Ok((ids, flags, merged));
+            (ids, common, merged, true)
         }
         ExampleLine {
             prompt: None,
@@ -561,9 +562,7 @@ fn encode_example(
         } => {
             // Conversational language modelling: every token counts, as in TRL without
             // `assistant_only_loss`.
-            let ids = rendered(&m, false)?;
-            let flags = vec![true; ids.len()];
-            return Ok((ids, flags, false));
+            (rendered(&m, false)?, 0, false, true)
         }
         ExampleLine {
             prompt: Some(Turns::Text(p)),
@@ -574,14 +573,16 @@ fn encode_example(
             // TRL's tokenisation: the prompt alone, and the whole example, each as a sequence;
             // the completion starts where the two diverge (after the whole prompt, unless a
             // token merges across the boundary).
-            split(tok.encode_sequence(&p)?, tok.encode_sequence(&(p + &c))?)
+            let (ids, common, merged) =
+                split(tok.encode_sequence(&p)?, tok.encode_sequence(&(p + &c))?);
+            (ids, common, merged, false)
         }
         ExampleLine {
             prompt: None,
             completion: None,
             text: Some(t),
             messages: None,
-        } => (tok.encode_sequence(&t)?, 0, false),
+        } => (tok.encode_sequence(&t)?, 0, false, false),
         _ => {
             return Err(bad(
                 "an example is {\"prompt\", \"completion\"} (both text or both messages), \
@@ -590,7 +591,7 @@ fn encode_example(
             ))
         }
     };
-    if ids.last() != Some(&eot) {
+    if !conversational && ids.last() != Some(&eot) {
         ids.push(eot);
     }
     let prompt_len = prompt_len.min(ids.len());
