@@ -12,18 +12,36 @@
 //! assert_eq!(text, "<|user|>hi</s><|assistant|>");
 //! ```
 //!
+//! Where transformers finds it: `chat_template.jinja` and `additional_chat_templates/*.jinja`
+//! beside the tokenizer (what transformers 5 saves), else `tokenizer_config.json`'s
+//! `chat_template` (a string, or a list of named templates). Of named templates, `tool_use`
+//! renders a conversation given tools, `default` any other.
+//!
 //! The environment is transformers': blocks trimmed (`trim_blocks`, `lstrip_blocks`), loop
 //! controls, `raise_exception(message)` (an error naming the template), Python's string and
-//! dict methods (`.strip()`, `.startswith()`, `.items()`; minijinja-contrib's `pycompat`), and
-//! the tokenizer's special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) beside
-//! `messages` and `add_generation_prompt`, and `strftime_now(format)` ([`strftime`] of the
-//! current time in UTC where transformers takes local time, or of a fixed time:
-//! [`ChatTemplate::with_fixed_time`]). Messages keep their keys' order ([`ChatValue`]), as
-//! Python's dicts. Five templates in the style of Llama 3.1's, Qwen 2.5's, Mistral's, Gemma's
-//! and one of filters render as transformers renders them (`tests/sft_trl.rs`). Not provided:
-//! tools and documents, the `{% generation %}` tag of `return_assistant_tokens_mask`, and
-//! transformers' own `tojson` (minijinja's escapes HTML characters and writes no spaces; tool
-//! templates use it).
+//! dict methods (`.strip()`, `.startswith()`, `.items()`; minijinja-contrib's `pycompat`),
+//! transformers' `tojson` (Python's `json.dumps`: its spacing, `indent`, `separators`,
+//! `sort_keys`, `ensure_ascii`, no HTML escaping), the tokenizer's special tokens (`bos_token`,
+//! `eos_token`, …) beside `messages`, `tools`, `documents` and `add_generation_prompt`, any
+//! further variables ([`ChatRequest::extra`], TRL's `chat_template_kwargs`), and
+//! `strftime_now(format)` ([`strftime`] of the current time in UTC where transformers takes
+//! local time, or of a fixed time: [`ChatTemplate::with_fixed_time`]). Messages keep their
+//! keys' order ([`ChatValue`]), as Python's dicts, and a message's reasoning is offered under
+//! `reasoning_content` and `thinking` whichever of those or `reasoning` it came as
+//! (transformers 5's aliases).
+//!
+//! `{% generation %}…{% endgeneration %}` blocks render their body and report where it lies
+//! ([`Rendered::generation`]), the spans of transformers' `return_assistant_tokens_mask`
+//! (TRL's `assistant_only_loss`). They are rewritten, before parsing, into block tags that
+//! write markers (two Unicode noncharacters, refused in inputs) which rendering removes again;
+//! the tags' whitespace control (`-`, `+`, `trim_blocks`, `lstrip_blocks`) is kept. One difference: transformers measures
+//! a block's start in the output of the template's top level, so a block inside a macro or a
+//! `{% set %}` block gets a span there that does not hold its text; here the span is where its
+//! text is. Nested blocks are an error.
+//!
+//! Templates in the style of Llama 3.1's, Qwen 2.5's, Mistral's, Gemma's, one of filters, and
+//! ones with tools and generation blocks render as transformers renders them
+//! (`tests/sft_trl.rs`).
 //!
 //! A template is code from a file: its rendering is bounded (fuel for at most
 //! [`MAX_RENDER_STEPS`] instructions, output of at most [`MAX_RENDERED_BYTES`]), so a hostile
@@ -173,14 +191,65 @@ impl<'de> serde::Deserialize<'de> for ChatValue {
     }
 }
 
+/// Named templates a tokenizer may carry (`additional_chat_templates/*.jinja`); real ones have
+/// two or three.
+pub const MAX_NAMED_TEMPLATES: usize = 64;
+/// The special tokens transformers passes to a template (its `special_tokens_map`).
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+/// What `{% generation %}` and `{% endgeneration %}` become in the rendered text before the
+/// spans are taken out: noncharacters, which no tokenizer or conversation should hold (inputs
+/// holding them are refused while a template has generation blocks).
+const GENERATION_START: char = '\u{FDD0}';
+const GENERATION_END: char = '\u{FDD1}';
+
 /// A chat template, parsed once, with the special tokens it may refer to.
 #[derive(Clone, Debug)]
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
+    /// The templates by name (`default`, `tool_use`, …), each with whether it has
+    /// `{% generation %}` blocks.
+    templates: BTreeMap<String, bool>,
     special_tokens: BTreeMap<String, String>,
     path: PathBuf,
     /// The time `strftime_now` formats (seconds since the Unix epoch, UTC); `None` is now.
     fixed_time: Option<i64>,
+}
+
+/// What a template renders: a conversation, and what goes with it, as the keyword arguments
+/// of transformers' `apply_chat_template`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ChatRequest<'a> {
+    /// The conversation: JSON objects (`role`, `content`, and any others such as `tool_calls`),
+    /// passed to the template with their keys in order, null ones dropped as transformers
+    /// drops them.
+    pub messages: &'a [ChatValue],
+    /// End with the assistant's turn header.
+    pub add_generation_prompt: bool,
+    /// The tools the model may call (JSON schemas); `none` to the template when absent.
+    pub tools: Option<&'a [ChatValue]>,
+    /// Documents for retrieval-augmented templates (objects); `none` when absent.
+    pub documents: Option<&'a [ChatValue]>,
+    /// Further variables (TRL's `chat_template_kwargs`, such as `enable_thinking`); they
+    /// replace special tokens of the same name, as in transformers.
+    pub extra: &'a [(String, ChatValue)],
+}
+
+/// A rendered conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rendered {
+    /// The text.
+    pub text: String,
+    /// The byte ranges of `text` that `{% generation %}` blocks rendered, in order
+    /// (transformers' `generation_indices`, in bytes rather than characters).
+    pub generation: Vec<std::ops::Range<usize>>,
 }
 
 fn err(path: &Path, reason: impl Into<String>) -> TrainError {
@@ -200,59 +269,182 @@ fn token_text(value: &serde_json::Value) -> Option<String> {
     }
 }
 
+/// The text of the file `path`, at most [`MAX_CONFIG_BYTES`] of UTF-8.
+fn read_text(path: &Path) -> Result<String> {
+    let bytes = crate::bounded::read_file(path, MAX_CONFIG_BYTES).map_err(|e| err(path, e))?;
+    String::from_utf8(bytes).map_err(|e| err(path, e.to_string()))
+}
+
+/// A `tokenizer_config.json`'s text as a JSON object.
+fn parse_config(text: &str, path: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(o)) => Ok(o),
+        Ok(_) => Err(err(path, "not a JSON object")),
+        Err(e) => Err(err(path, format!("not JSON: {e}"))),
+    }
+}
+
+/// The special tokens of a `tokenizer_config.json`.
+fn special_tokens_of(
+    config: &serde_json::Map<String, serde_json::Value>,
+) -> BTreeMap<String, String> {
+    SPECIAL_TOKENS
+        .iter()
+        .filter_map(|&k| Some((k.to_owned(), token_text(config.get(k)?)?)))
+        .collect()
+}
+
+/// The templates of a `tokenizer_config.json`: its `chat_template`, a string (named
+/// `default`) or a list of `{"name", "template"}`.
+fn config_templates(
+    config: &serde_json::Map<String, serde_json::Value>,
+    path: &Path,
+) -> Result<Vec<(String, String)>> {
+    match config.get("chat_template") {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::String(s)) => Ok(vec![("default".into(), s.clone())]),
+        Some(serde_json::Value::Array(named)) => named
+            .iter()
+            .map(|t| {
+                let name = t.get("name").and_then(|n| n.as_str());
+                let source = t.get("template").and_then(|n| n.as_str());
+                match (name, source) {
+                    (Some(n), Some(s)) => Ok((n.to_owned(), s.to_owned())),
+                    _ => Err(err(
+                        path,
+                        "chat_template's list holds an entry without a string \"name\" and \
+                         \"template\"",
+                    )),
+                }
+            })
+            .collect(),
+        Some(_) => Err(err(path, "chat_template is neither a string nor a list")),
+    }
+}
+
 impl ChatTemplate {
-    /// The chat template of the tokenizer at `tokenizer_json`: from the `tokenizer_config.json`
-    /// beside it. `None` when there is no such file or it has no template.
+    /// The chat template of the tokenizer at `tokenizer_json`, from the files beside it, as
+    /// transformers loads them: `chat_template.jinja` (the default) and
+    /// `additional_chat_templates/NAME.jinja` if any, else `tokenizer_config.json`'s
+    /// `chat_template`; the special tokens from `tokenizer_config.json`. `None` when it has no
+    /// template.
     pub fn beside(tokenizer_json: &Path) -> Result<Option<ChatTemplate>> {
-        let path = tokenizer_json
-            .parent()
-            .unwrap_or(Path::new("."))
-            .join("tokenizer_config.json");
-        if !path.is_file() {
+        let dir = tokenizer_json.parent().unwrap_or(Path::new("."));
+        let config_path = dir.join("tokenizer_config.json");
+        let config = if config_path.is_file() {
+            parse_config(&read_text(&config_path)?, &config_path)?
+        } else {
+            Default::default()
+        };
+        let mut sources = Vec::new();
+        let mut path = config_path.clone();
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            sources.push(("default".to_owned(), read_text(&jinja)?));
+            path = jinja;
+        }
+        let named = dir.join("additional_chat_templates");
+        if named.is_dir() {
+            let mut files = Vec::new();
+            for entry in std::fs::read_dir(&named).map_err(|e| err(&named, e.to_string()))? {
+                let file = entry.map_err(|e| err(&named, e.to_string()))?.path();
+                let name = file
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or_default();
+                if let Some(stem) = name.strip_suffix(".jinja").filter(|_| file.is_file()) {
+                    if files.len() == MAX_NAMED_TEMPLATES {
+                        return Err(err(
+                            &named,
+                            format!("more than {MAX_NAMED_TEMPLATES} templates"),
+                        ));
+                    }
+                    files.push((stem.to_owned(), file.clone()));
+                }
+            }
+            files.sort();
+            if sources.is_empty() && !files.is_empty() {
+                path = named.clone();
+            }
+            for (name, file) in files {
+                sources.push((name, read_text(&file)?));
+            }
+        }
+        // Template files take the place of the configuration's templates, as in transformers.
+        if sources.is_empty() {
+            sources = config_templates(&config, &config_path)?;
+        }
+        if sources.is_empty() {
             return Ok(None);
         }
-        let bytes =
-            crate::bounded::read_file(&path, MAX_CONFIG_BYTES).map_err(|e| err(&path, e))?;
-        let text = std::str::from_utf8(&bytes).map_err(|e| err(&path, e.to_string()))?;
-        ChatTemplate::from_config(text, &path)
+        ChatTemplate::from_sources(sources, special_tokens_of(&config), &path).map(Some)
     }
 
     /// The template in a `tokenizer_config.json`'s text (`path` names it in errors): its
-    /// `chat_template`, a string or a list of named templates (the one named `default`), and
-    /// its special tokens. `None` when it has no template.
+    /// `chat_template`, a string or a list of named templates, and its special tokens. `None`
+    /// when it has no template.
     pub fn from_config(text: &str, path: impl AsRef<Path>) -> Result<Option<ChatTemplate>> {
         let path = path.as_ref();
-        let config: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| err(path, format!("not JSON: {e}")))?;
-        let Some(config) = config.as_object() else {
-            return Err(err(path, "not a JSON object"));
+        let config = parse_config(text, path)?;
+        let sources = config_templates(&config, path)?;
+        if sources.is_empty() {
+            return Ok(None);
+        }
+        ChatTemplate::from_sources(sources, special_tokens_of(&config), path).map(Some)
+    }
+
+    /// The Jinja file `template` as the only (default) template, with the special tokens of
+    /// the `tokenizer_config.json` beside `tokenizer_json` if there is one: transformers'
+    /// `apply_chat_template(chat_template=…)`, TRL's `chat_template_path` of a `.jinja` file
+    /// (such as TRL's training templates, which add `{% generation %}` blocks).
+    pub fn from_file(template: &Path, tokenizer_json: Option<&Path>) -> Result<ChatTemplate> {
+        let config_path = tokenizer_json.map(|t| {
+            t.parent()
+                .unwrap_or(Path::new("."))
+                .join("tokenizer_config.json")
+        });
+        let special = match config_path.filter(|p| p.is_file()) {
+            Some(p) => special_tokens_of(&parse_config(&read_text(&p)?, &p)?),
+            None => BTreeMap::new(),
         };
-        let source = match config.get("chat_template") {
-            None | Some(serde_json::Value::Null) => return Ok(None),
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Array(named)) => named
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|t| t.get("template")?.as_str().map(str::to_owned))
-                .ok_or_else(|| {
-                    err(
+        let source = read_text(template)?;
+        ChatTemplate::from_sources(vec![("default".into(), source)], special, template)
+    }
+
+    /// Parse every template now: one that does not parse is refused when loaded, not at the
+    /// first example.
+    fn from_sources(
+        sources: Vec<(String, String)>,
+        special_tokens: BTreeMap<String, String>,
+        path: &Path,
+    ) -> Result<ChatTemplate> {
+        let mut env = environment();
+        let mut templates = BTreeMap::new();
+        for (name, source) in sources {
+            let (marked, generation) = mark_generation_blocks(&source);
+            if generation {
+                let holds_marker = |t: &str| t.contains([GENERATION_START, GENERATION_END]);
+                if holds_marker(&source) || special_tokens.values().any(|t| holds_marker(t)) {
+                    return Err(err(
                         path,
-                        "chat_template is a list of named templates without one named \"default\"",
-                    )
-                })?,
-            Some(_) => return Err(err(path, "chat_template is neither a string nor a list")),
-        };
-        let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
-            .iter()
-            .filter_map(|&k| Some((k.to_owned(), token_text(config.get(k)?)?)))
-            .collect();
-        // A template that does not parse is refused when loaded, not at the first example.
-        Ok(Some(ChatTemplate {
-            env: environment(source, path)?,
+                        format!(
+                            "chat template {name}: it or a special token holds U+FDD0 or \
+                             U+FDD1, which mark generation blocks"
+                        ),
+                    ));
+                }
+            }
+            env.add_template_owned(name.clone(), marked)
+                .map_err(|e| err(path, format!("chat template {name}: {e}")))?;
+            templates.insert(name, generation);
+        }
+        Ok(ChatTemplate {
+            env,
+            templates,
             special_tokens,
             path: path.to_path_buf(),
             fixed_time: None,
-        }))
+        })
     }
 
     /// The template with `strftime_now` formatting `unix_seconds` (UTC) instead of the current
@@ -273,11 +465,170 @@ impl ChatTemplate {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The names of its templates (`default`, and any others such as `tool_use`).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.templates.keys().map(String::as_str)
+    }
+
+    /// Whether the default template marks the assistant's text with `{% generation %}`
+    /// blocks (TRL's `has_generation_markers`, which `assistant_only_loss` needs).
+    pub fn has_generation_blocks(&self) -> bool {
+        self.templates.get("default").copied().unwrap_or(false)
+    }
+
+    /// The template a request renders with, as transformers chooses among named ones:
+    /// `tool_use` when tools are given and it exists, else `default`.
+    fn select(&self, tools: bool) -> Result<(&str, bool)> {
+        let pick = |name: &str| self.templates.get_key_value(name);
+        let chosen = if tools { pick("tool_use") } else { None }.or_else(|| pick("default"));
+        match chosen {
+            Some((name, &generation)) => Ok((name.as_str(), generation)),
+            None => Err(err(
+                &self.path,
+                format!(
+                    "several chat templates ({}) and none named \"default\"",
+                    self.names().collect::<Vec<_>>().join(", ")
+                ),
+            )),
+        }
+    }
 }
 
-/// transformers' Jinja environment (see the module documentation) holding `source` as the
-/// template `chat`.
-fn environment(source: String, path: &Path) -> Result<minijinja::Environment<'static>> {
+/// `source` with each `{% generation %}` and `{% endgeneration %}` tag replaced by
+/// `{% if true %}{{ "M" }}{% endif %}`, M being [`GENERATION_START`] or [`GENERATION_END`], and
+/// whether it had any. The tag's whitespace control (`-`, `+`) goes to the `if` on its left and
+/// to the `endif` on its right, so the blanks before it (`lstrip_blocks`) and the newline after
+/// it (`trim_blocks`) go as the tag's would, and the marker is written where the block's text
+/// starts or ends.
+fn mark_generation_blocks(source: &str) -> (String, bool) {
+    let bytes = source.as_bytes();
+    let mut out = String::with_capacity(source.len());
+    let (mut copied, mut from, mut found) = (0, 0, false);
+    let control = |j: &mut usize| match bytes.get(*j) {
+        Some(&c @ (b'-' | b'+')) => {
+            *j += 1;
+            char::from(c).to_string()
+        }
+        _ => String::new(),
+    };
+    while let Some(offset) = source[from..].find("{%") {
+        let at = from + offset;
+        from = at + 2;
+        let mut j = at + 2;
+        let left = control(&mut j);
+        while bytes.get(j).is_some_and(u8::is_ascii_whitespace) {
+            j += 1;
+        }
+        let word_end = j + bytes[j..]
+            .iter()
+            .take_while(|c| c.is_ascii_alphanumeric() || **c == b'_')
+            .count();
+        let marker = match &source[j..word_end] {
+            "generation" => GENERATION_START,
+            "endgeneration" => GENERATION_END,
+            _ => continue,
+        };
+        j = word_end;
+        while bytes.get(j).is_some_and(u8::is_ascii_whitespace) {
+            j += 1;
+        }
+        let right = control(&mut j);
+        if !source[j..].starts_with("%}") {
+            continue;
+        }
+        out.push_str(&source[copied..at]);
+        out.push_str(&format!(
+            "{{%{left} if true %}}{{{{ \"{marker}\" }}}}{{% endif {right}%}}"
+        ));
+        copied = j + 2;
+        from = copied;
+        found = true;
+    }
+    out.push_str(&source[copied..]);
+    (out, found)
+}
+
+/// `text` without its generation markers, and the byte ranges (in the text without them) that
+/// each pair enclosed.
+fn take_generation_spans(text: &str) -> std::result::Result<Rendered, &'static str> {
+    let mut clean = String::with_capacity(text.len());
+    let mut spans = Vec::new();
+    let mut open = None;
+    let mut copied = 0;
+    for (i, c) in text.char_indices() {
+        if c != GENERATION_START && c != GENERATION_END {
+            continue;
+        }
+        clean.push_str(&text[copied..i]);
+        copied = i + c.len_utf8();
+        match (c == GENERATION_START, open) {
+            (true, None) => open = Some(clean.len()),
+            (true, Some(_)) => return Err("a {% generation %} block inside another"),
+            (false, Some(start)) => {
+                spans.push(start..clean.len());
+                open = None;
+            }
+            (false, None) => return Err("{% endgeneration %} outside a generation block"),
+        }
+    }
+    if open.is_some() {
+        return Err("a {% generation %} block without its {% endgeneration %}");
+    }
+    clean.push_str(&text[copied..]);
+    Ok(Rendered {
+        text: clean,
+        generation: spans,
+    })
+}
+
+/// Whether a string anywhere in `v` (keys included) holds a generation marker.
+fn holds_generation_marker(v: &ChatValue) -> bool {
+    let marked = |s: &str| s.contains([GENERATION_START, GENERATION_END]);
+    match v {
+        ChatValue::String(s) => marked(s),
+        ChatValue::Array(a) => a.iter().any(holds_generation_marker),
+        ChatValue::Object(o) => o
+            .iter()
+            .any(|(k, v)| marked(k) || holds_generation_marker(v)),
+        ChatValue::Null | ChatValue::Bool(_) | ChatValue::Number(_) => false,
+    }
+}
+
+/// The names under which transformers offers a message's reasoning; the first is the one
+/// templates read.
+const REASONING_KEYS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// transformers 5's reasoning aliases: a message with reasoning under any of
+/// [`REASONING_KEYS`] gets it as `thinking` (first, unless it has its own) and
+/// `reasoning_content` (replacing its own, or last).
+fn alias_reasoning(message: Vec<(String, ChatValue)>) -> Vec<(String, ChatValue)> {
+    let Some(reasoning) = REASONING_KEYS.iter().find_map(|key| {
+        message
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }) else {
+        return message;
+    };
+    let own_thinking = message
+        .iter()
+        .find(|(k, _)| k == "thinking")
+        .map(|(_, v)| v.clone());
+    let mut out = vec![(
+        "thinking".to_owned(),
+        own_thinking.unwrap_or(reasoning.clone()),
+    )];
+    out.extend(message.into_iter().filter(|(k, _)| k != "thinking"));
+    match out.iter_mut().find(|(k, _)| k == "reasoning_content") {
+        Some(slot) => slot.1 = reasoning,
+        None => out.push(("reasoning_content".into(), reasoning)),
+    }
+    out
+}
+
+/// transformers' Jinja environment (see the module documentation), without templates.
+fn environment() -> minijinja::Environment<'static> {
     let mut env = minijinja::Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
@@ -293,59 +644,79 @@ fn environment(source: String, path: &Path) -> Result<minijinja::Environment<'st
             ))
         },
     );
-    env.add_template_owned("chat", source)
-        .map_err(|e| err(path, format!("chat template: {e}")))?;
-    Ok(env)
+    env.add_filter("tojson", python_tojson);
+    env
 }
 
 impl ChatTemplate {
-    /// The text of the conversation `messages` (JSON objects with a string `role` and a string
-    /// `content`; other keys are passed to the template in their order, null ones dropped as
-    /// transformers drops them), ending with the assistant's turn header when
-    /// `add_generation_prompt`.
+    /// The text of the conversation `messages`, ending with the assistant's turn header when
+    /// `add_generation_prompt` ([`ChatTemplate::render_request`] without tools, documents or
+    /// further variables).
     pub fn render(&self, messages: &[ChatValue], add_generation_prompt: bool) -> Result<String> {
-        let mut clean = Vec::with_capacity(messages.len());
-        for (i, m) in messages.iter().enumerate() {
+        let request = ChatRequest {
+            messages,
+            add_generation_prompt,
+            ..Default::default()
+        };
+        Ok(self.render_request(&request)?.text)
+    }
+
+    /// The text of a request, and the spans of its generation blocks.
+    pub fn render_request(&self, request: &ChatRequest<'_>) -> Result<Rendered> {
+        let (name, generation) = self.select(request.tools.is_some())?;
+        let mut clean = Vec::with_capacity(request.messages.len());
+        for (i, m) in request.messages.iter().enumerate() {
+            // Only objects, as transformers: an assistant's tool call often has no content
+            // (or a null one, dropped below), and templates check what they need.
             let ChatValue::Object(m) = m else {
                 return Err(err(&self.path, format!("message {i} is not an object")));
             };
-            for key in ["role", "content"] {
-                if !m
-                    .iter()
-                    .any(|(k, v)| k == key && matches!(v, ChatValue::String(_)))
-                {
-                    return Err(err(
-                        &self.path,
-                        format!("message {i} has no string \"{key}\""),
-                    ));
-                }
-            }
             let kept = m
                 .iter()
                 .filter(|(_, v)| *v != ChatValue::Null)
                 .cloned()
                 .collect();
-            clean.push(ChatValue::Object(kept));
+            clean.push(ChatValue::Object(alias_reasoning(kept)));
+        }
+        for (what, list) in [("tool", request.tools), ("document", request.documents)] {
+            if let Some(i) = list
+                .unwrap_or_default()
+                .iter()
+                .position(|v| !matches!(v, ChatValue::Object(_)))
+            {
+                return Err(err(&self.path, format!("{what} {i} is not a JSON object")));
+            }
+        }
+        if generation {
+            let inputs = clean
+                .iter()
+                .chain(request.tools.unwrap_or_default())
+                .chain(request.documents.unwrap_or_default())
+                .chain(request.extra.iter().map(|(_, v)| v));
+            let keys = request
+                .extra
+                .iter()
+                .map(|(k, _)| ChatValue::String(k.clone()));
+            if inputs
+                .chain(&keys.collect::<Vec<_>>())
+                .any(holds_generation_marker)
+            {
+                return Err(err(
+                    &self.path,
+                    "the conversation holds U+FDD0 or U+FDD1, which mark generation blocks",
+                ));
+            }
         }
         let template = self
             .env
-            .get_template("chat")
+            .get_template(name)
             .map_err(|e| err(&self.path, e.to_string()))?;
-        let mut context: BTreeMap<String, minijinja::Value> = self
-            .special_tokens
-            .iter()
-            .map(|(k, v)| (k.clone(), minijinja::Value::from(v.as_str())))
-            .collect();
-        context.insert("messages".into(), minijinja::Value::from_serialize(&clean));
-        context.insert(
-            "add_generation_prompt".into(),
-            minijinja::Value::from(add_generation_prompt),
-        );
         let now = self.fixed_time.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs() as i64)
         });
+        let mut context: BTreeMap<String, minijinja::Value> = BTreeMap::new();
         context.insert(
             "strftime_now".into(),
             minijinja::Value::from_function(
@@ -355,6 +726,30 @@ impl ChatTemplate {
                     })
                 },
             ),
+        );
+        for (k, v) in &self.special_tokens {
+            context.insert(k.clone(), minijinja::Value::from(v.as_str()));
+        }
+        const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+        for (k, v) in request.extra {
+            if RESERVED.contains(&k.as_str()) {
+                return Err(err(
+                    &self.path,
+                    format!("the variable {k:?} is set by the conversation itself"),
+                ));
+            }
+            context.insert(k.clone(), minijinja::Value::from_serialize(v));
+        }
+        let list = |l: Option<&[ChatValue]>| match l {
+            Some(l) => minijinja::Value::from_serialize(l),
+            None => minijinja::Value::from(()),
+        };
+        context.insert("messages".into(), minijinja::Value::from_serialize(&clean));
+        context.insert("tools".into(), list(request.tools));
+        context.insert("documents".into(), list(request.documents));
+        context.insert(
+            "add_generation_prompt".into(),
+            minijinja::Value::from(request.add_generation_prompt),
         );
         let text = template
             .render(context)
@@ -368,7 +763,271 @@ impl ChatTemplate {
                 ),
             ));
         }
-        Ok(text)
+        if !generation {
+            return Ok(Rendered {
+                text,
+                generation: Vec::new(),
+            });
+        }
+        take_generation_spans(&text)
+            .map_err(|e| err(&self.path, format!("rendering the chat template: {e}")))
+    }
+}
+
+/// How [`python_tojson`] lays out JSON.
+struct JsonLayout {
+    ensure_ascii: bool,
+    indent: Option<String>,
+    item_separator: String,
+    key_separator: String,
+    sort_keys: bool,
+}
+
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, the four taken by position or by name as in Python.
+fn python_tojson(
+    value: minijinja::Value,
+    args: minijinja::value::Rest<minijinja::Value>,
+) -> std::result::Result<String, minijinja::Error> {
+    use minijinja::{Error, ErrorKind, Value};
+    let bad = |why: String| Error::new(ErrorKind::InvalidOperation, format!("tojson: {why}"));
+    const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
+    let mut positional = args.0;
+    let keywords = match positional.last() {
+        Some(v) if v.is_kwargs() => positional.pop(),
+        _ => None,
+    };
+    if positional.len() > NAMES.len() {
+        return Err(bad(format!(
+            "{} arguments after the value",
+            positional.len()
+        )));
+    }
+    let mut slots: [Option<Value>; 4] = Default::default();
+    for (slot, v) in slots.iter_mut().zip(positional) {
+        *slot = Some(v);
+    }
+    if let Some(keywords) = keywords {
+        for key in keywords.try_iter()? {
+            let name = key.as_str().unwrap_or_default();
+            let Some(i) = NAMES.iter().position(|n| *n == name) else {
+                return Err(bad(format!("unexpected argument {key}")));
+            };
+            if slots[i].is_some() {
+                return Err(bad(format!("{name} given twice")));
+            }
+            slots[i] = Some(keywords.get_item(&key)?);
+        }
+    }
+    let given = |v: &Option<Value>| v.as_ref().filter(|v| !v.is_none()).cloned();
+    let indent = match given(&slots[1]) {
+        None => None,
+        Some(v) if v.as_str().is_some() => Some(v.as_str().unwrap_or_default().to_owned()),
+        Some(v) if v.is_integer() || v.kind() == minijinja::value::ValueKind::Bool => {
+            let n = if v.kind() == minijinja::value::ValueKind::Bool {
+                i64::from(v.is_true())
+            } else {
+                v.as_i64().ok_or_else(|| bad(format!("indent {v}")))?
+            };
+            if n > 1024 {
+                return Err(bad(format!("indent {n} is over 1024")));
+            }
+            Some(" ".repeat(n.max(0) as usize))
+        }
+        Some(v) => return Err(bad(format!("indent must be a number or a string, not {v}"))),
+    };
+    let (item_separator, key_separator) = match given(&slots[2]) {
+        None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        None => (", ".to_owned(), ": ".to_owned()),
+        Some(v) => {
+            let parts: Vec<Value> = v.try_iter()?.collect();
+            match parts.as_slice() {
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => (
+                    a.as_str().unwrap_or_default().to_owned(),
+                    b.as_str().unwrap_or_default().to_owned(),
+                ),
+                _ => return Err(bad("separators must be two strings".into())),
+            }
+        }
+    };
+    let layout = JsonLayout {
+        ensure_ascii: given(&slots[0]).is_some_and(|v| v.is_true()),
+        indent,
+        item_separator,
+        key_separator,
+        sort_keys: given(&slots[3]).is_some_and(|v| v.is_true()),
+    };
+    let mut out = String::new();
+    write_python_json(&value, &layout, 0, &mut out).map_err(bad)?;
+    Ok(out)
+}
+
+/// `value` as Python's `json.dumps` writes it, appended to `out`.
+fn write_python_json(
+    value: &minijinja::Value,
+    layout: &JsonLayout,
+    depth: usize,
+    out: &mut String,
+) -> std::result::Result<(), String> {
+    use minijinja::value::ValueKind;
+    if depth > 256 {
+        return Err("nested deeper than 256".into());
+    }
+    if out.len() > MAX_RENDERED_BYTES {
+        return Err(format!("output over {MAX_RENDERED_BYTES} bytes"));
+    }
+    let e = |x: minijinja::Error| x.to_string();
+    // Where each item of a list or object starts: a newline and the indent of its level.
+    let newline = |out: &mut String, level: usize| {
+        if let Some(indent) = &layout.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(indent);
+            }
+        }
+    };
+    match value.kind() {
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number if value.is_integer() => out.push_str(&value.to_string()),
+        ValueKind::Number => {
+            let x = f64::try_from(value.clone()).map_err(e)?;
+            out.push_str(&python_float_repr(x));
+        }
+        ValueKind::String => python_json_string(value.as_str().unwrap_or_default(), layout, out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<_> = value.try_iter().map_err(e)?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&layout.item_separator);
+                }
+                newline(out, depth + 1);
+                write_python_json(item, layout, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut items = Vec::new();
+            for key in value.try_iter().map_err(e)? {
+                let item = value.get_item(&key).map_err(e)?;
+                items.push((key, item));
+            }
+            if items.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            if layout.sort_keys {
+                if items.iter().all(|(k, _)| k.kind() == ValueKind::String) {
+                    items.sort_by(|a, b| a.0.as_str().cmp(&b.0.as_str()));
+                } else if items.iter().all(|(k, _)| k.kind() == ValueKind::Number) {
+                    let number = |k: &minijinja::Value| f64::try_from(k.clone()).unwrap_or(0.0);
+                    items.sort_by(|a, b| number(&a.0).total_cmp(&number(&b.0)));
+                } else {
+                    return Err("sort_keys with keys of different types".into());
+                }
+            }
+            out.push('{');
+            for (i, (key, item)) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&layout.item_separator);
+                }
+                newline(out, depth + 1);
+                // Python's json turns keys that are not strings into strings.
+                let key = match key.kind() {
+                    ValueKind::String => key.as_str().unwrap_or_default().to_owned(),
+                    ValueKind::Bool => (if key.is_true() { "true" } else { "false" }).into(),
+                    ValueKind::None => "null".into(),
+                    ValueKind::Number if key.is_integer() => key.to_string(),
+                    ValueKind::Number => python_float_repr(f64::try_from(key.clone()).map_err(e)?),
+                    other => return Err(format!("a key of type {other} is not JSON")),
+                };
+                python_json_string(&key, layout, out);
+                out.push_str(&layout.key_separator);
+                write_python_json(item, layout, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => return Err(format!("a value of type {other} is not JSON serializable")),
+    }
+    Ok(())
+}
+
+/// A JSON string as Python's `json` writes it: `"` `\` and control characters escaped
+/// (`\n` `\r` `\t` `\b` `\f`, others as `\u00xx`), and with `ensure_ascii` everything outside
+/// printable ASCII as `\uxxxx` (UTF-16 surrogate pairs above U+FFFF).
+fn python_json_string(s: &str, layout: &JsonLayout, out: &mut String) {
+    use std::fmt::Write;
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (layout.ensure_ascii && !(' '..='~').contains(&c)) => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Python's `repr(float)`: the shortest digits that read back as `x`, written out in full
+/// when the decimal point falls between 4 places before the first digit and 16 after it,
+/// else as `d.ddde±XX`; `.0` on whole numbers; `NaN`, `Infinity` and `-Infinity` as Python's
+/// `json` writes them.
+pub fn python_float_repr(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    // Rust's `{:e}` gives the same shortest round-trip digits: "-1.2345e-7".
+    let scientific = format!("{x:e}");
+    let (mantissa, exponent) = scientific.split_once('e').unwrap_or((&scientific, "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    let (sign, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => ("-", m),
+        None => ("", mantissa),
+    };
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    // Where the decimal point falls, counted in digits from the first.
+    let point = exponent + 1;
+    let n = digits.len() as i32;
+    if !(-4 < point && point <= 16) {
+        let rest = if digits.len() > 1 {
+            format!(".{}", &digits[1..])
+        } else {
+            String::new()
+        };
+        let esign = if exponent < 0 { '-' } else { '+' };
+        return format!("{sign}{}{rest}e{esign}{:02}", &digits[..1], exponent.abs());
+    }
+    if point <= 0 {
+        format!("{sign}0.{}{digits}", "0".repeat((-point) as usize))
+    } else if point < n {
+        format!(
+            "{sign}{}.{}",
+            &digits[..point as usize],
+            &digits[point as usize..]
+        )
+    } else {
+        format!("{sign}{digits}{}.0", "0".repeat((point - n) as usize))
     }
 }
 
@@ -484,17 +1143,166 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "D");
+        // transformers' choice: tool_use when tools are given.
+        let tools = [serde_json::json!({"type": "function"}).into()];
+        let with_tools = ChatRequest {
+            tools: Some(&tools),
+            ..Default::default()
+        };
+        assert_eq!(t.render_request(&with_tools).unwrap().text, "T");
+        assert_eq!(t.names().collect::<Vec<_>>(), ["default", "tool_use"]);
         assert!(ChatTemplate::from_config("{}", "c").unwrap().is_none());
+        // Without a default, a conversation without tools has no template.
+        let only = r#"{"chat_template": [{"name": "x", "template": "y"}]}"#;
+        let t = ChatTemplate::from_config(only, "c").unwrap().unwrap();
+        let e = t.render(&[], false).unwrap_err().to_string();
+        assert!(e.contains("none named \"default\""), "{e}");
         for bad in [
             "[1]",
             "not json",
             r#"{"chat_template": 3}"#,
-            r#"{"chat_template": [{"name": "x", "template": "y"}]}"#,
+            r#"{"chat_template": [{"name": "x"}]}"#,
             r#"{"chat_template": "{% for %}"}"#,
         ] {
             let e = ChatTemplate::from_config(bad, "c").unwrap_err().to_string();
             assert!(e.contains('c'), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn generation_tags_become_markers_with_their_whitespace_control() {
+        let (marked, found) = mark_generation_blocks("a {%- generation +%} b {% endgeneration -%}");
+        assert!(found);
+        assert_eq!(
+            marked,
+            "a {%- if true %}{{ \"\u{FDD0}\" }}{% endif +%} b \
+             {% if true %}{{ \"\u{FDD1}\" }}{% endif -%}"
+        );
+        // Other tags, and text that only looks like one, are left alone.
+        for source in [
+            "{% if x %}{% endif %}",
+            "{% generations %}",
+            "{% generation",
+            "{%",
+        ] {
+            assert_eq!(mark_generation_blocks(source), (source.to_owned(), false));
+        }
+        let t = template("[{% generation %}{{ messages[0].content }}{% endgeneration %}]");
+        let r = t
+            .render_request(&ChatRequest {
+                messages: &user("héllo"),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(r.text, "[héllo]");
+        assert_eq!(r.generation, vec![std::ops::Range { start: 1, end: 7 }]);
+        // A block opened and never closed, or closed twice, at render time.
+        for source in [
+            "{% generation %}{% if false %}{% endgeneration %}{% endif %}",
+            "{% if false %}{% generation %}{% endif %}{% endgeneration %}",
+        ] {
+            let e = template(source).render(&[], false).unwrap_err().to_string();
+            assert!(e.contains("generation"), "{source}: {e}");
+        }
+    }
+
+    #[test]
+    fn reasoning_is_offered_under_transformers_names() {
+        let m: Vec<ChatValue> = serde_json::from_str(
+            r#"[{"role": "assistant", "content": "c", "reasoning": "r"},
+                {"role": "assistant", "thinking": "t", "content": "c", "reasoning_content": "rc"},
+                {"role": "user", "content": "plain"}]"#,
+        )
+        .unwrap();
+        let t = template(
+            "{% for m in messages %}{% for k, v in m.items() %}{{ k }}={{ v }},{% endfor %};{% endfor %}",
+        );
+        // Checked against transformers 5.24's _alias_reasoning_fields.
+        assert_eq!(
+            t.render(&m, false).unwrap(),
+            "thinking=r,role=assistant,content=c,reasoning=r,reasoning_content=r,;\
+             thinking=t,role=assistant,content=c,reasoning_content=rc,;\
+             role=user,content=plain,;"
+        );
+    }
+
+    #[test]
+    fn python_float_repr_spells_floats_as_python() {
+        // Each checked with Python 3.11's repr.
+        for (x, want) in [
+            (0.0, "0.0"),
+            (-0.0, "-0.0"),
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (1e-5, "1e-05"),
+            (0.0001, "0.0001"),
+            (-1.5e-7, "-1.5e-07"),
+            (1.2345678901234567e300, "1.2345678901234567e+300"),
+            (5e-324, "5e-324"),
+            (123456789.125, "123456789.125"),
+            (f64::NAN, "NaN"),
+            (f64::NEG_INFINITY, "-Infinity"),
+        ] {
+            assert_eq!(python_float_repr(x), want);
+        }
+    }
+
+    proptest::proptest! {
+        /// Python's spelling reads back as the same float.
+        #[test]
+        fn python_float_repr_round_trips(bits in proptest::prelude::any::<u64>()) {
+            let x = f64::from_bits(bits);
+            proptest::prop_assume!(x.is_finite());
+            let back: f64 = python_float_repr(x).parse().unwrap();
+            proptest::prop_assert_eq!(back.to_bits(), x.to_bits());
+        }
+
+        /// `tojson` writes JSON that reads back as the value, whatever the layout.
+        #[test]
+        fn tojson_reads_back_as_the_value(
+            value in json_value(),
+            indent in proptest::option::of(0usize..4),
+            ascii in proptest::prelude::any::<bool>(),
+        ) {
+            let args = match indent {
+                Some(n) => format!("ensure_ascii={ascii}, indent={n}"),
+                None => format!("ensure_ascii={ascii}"),
+            };
+            let t = template(&format!("{{{{ v | tojson({args}) }}}}"));
+            let extra = [("v".to_owned(), ChatValue::from(value.clone()))];
+            let out = t
+                .render_request(&ChatRequest { extra: &extra, ..Default::default() })
+                .unwrap()
+                .text;
+            let back: serde_json::Value = serde_json::from_str(&out).unwrap();
+            proptest::prop_assert_eq!(back, value);
+            if ascii {
+                proptest::prop_assert!(out.is_ascii());
+            }
+        }
+    }
+
+    /// JSON values of strings with any characters, whole and fractional numbers, nesting.
+    fn json_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            any::<i64>().prop_map(serde_json::Value::from),
+            any::<f64>()
+                .prop_filter("finite", |x| x.is_finite())
+                .prop_map(serde_json::Value::from),
+            any::<String>().prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+                proptest::collection::btree_map(any::<String>(), inner, 0..4)
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
     }
 
     #[test]
@@ -510,13 +1318,37 @@ mod tests {
         let recursive = template("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
         assert!(recursive.render(&[], false).is_err());
         let t = template("{% for m in messages %}{{ m.content }}{% endfor %}");
-        for bad in [
-            serde_json::json!("text"),
-            serde_json::json!({"role": "user"}),
-            serde_json::json!({"role": 1, "content": "x"}),
-        ] {
+        for bad in [serde_json::json!("text"), serde_json::json!(["a"])] {
             assert!(t.render(&[bad.into()], false).is_err());
         }
+        // Messages are passed on as transformers passes them; the template decides.
+        let no_content = serde_json::json!({"role": "assistant", "tool_calls": []});
+        assert_eq!(t.render(&[no_content.into()], false).unwrap(), "");
+        // Tools and documents are objects; the conversation's own variables are not replaced.
+        let list = [serde_json::json!("get_weather").into()];
+        for request in [
+            ChatRequest {
+                tools: Some(&list),
+                ..Default::default()
+            },
+            ChatRequest {
+                documents: Some(&list),
+                ..Default::default()
+            },
+            ChatRequest {
+                extra: &[("messages".into(), ChatValue::Null)],
+                ..Default::default()
+            },
+        ] {
+            assert!(t.render_request(&request).is_err());
+        }
+        let t = template("{{ tools is none }}{{ documents is none }}{{ enable_thinking }}");
+        let extra = [("enable_thinking".into(), ChatValue::Bool(false))];
+        let r = t.render_request(&ChatRequest {
+            extra: &extra,
+            ..Default::default()
+        });
+        assert_eq!(r.unwrap().text, "TrueTrueFalse");
         // Null keys are dropped, others passed through.
         let m = serde_json::json!({"role": "user", "content": "x", "name": null, "tag": "t"});
         let t = template("{% for m in messages %}{{ m.tag }}{{ m.name is defined }}{% endfor %}");
