@@ -15,6 +15,18 @@ slicing, `.strip()`, `loop.last`, whitespace control, `raise_exception` and the 
 prompt. Both files go to `fixtures/sft/chat/`; the fixture also holds transformers' rendered
 text of every conversation (`apply_chat_template(tokenize=False)`).
 
+A second tokenizer directory, `fixtures/sft/chat-jinja/`, is the same tokenizer saved by
+transformers 5 with two named templates: `chat_template.jinja` (the default, whose assistant
+turns are `{% generation %}` blocks) and `additional_chat_templates/tool_use.jinja` (tools,
+tool calls, `tojson`). With it the fixture holds:
+
+- TRL's ids and labels with `assistant_only_loss=True` (language modelling and
+  prompt-completion), and for examples with `tools` and `chat_template_kwargs` columns;
+- transformers' `return_assistant_tokens_mask` (ids and mask) of conversations under templates
+  whose generation tags use every kind of whitespace control, and TRL's
+  `is_chat_template_stop_token_trained` of each;
+- transformers' `tojson` of assorted values with each of its arguments.
+
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
 
@@ -234,6 +246,260 @@ STRFTIME_CASES = [
 ]
 
 
+# Templates whose assistant turns are `{% generation %}` blocks, one per kind of whitespace
+# control around the tags (lstrip_blocks and trim_blocks on tags alone on their lines, `-`,
+# tags inside a line, `+`), and one that leaves the end of turn outside the block.
+GENERATION_TEMPLATES = {
+    "lines": (
+        "{{- bos_token }}\n"
+        "{%- for message in messages %}\n"
+        "    {%- if message.role == 'assistant' %}\n"
+        "{{ '<|assistant|>\\n' }}\n"
+        "        {% generation %}\n"
+        "{%- if message.reasoning_content is defined %}"
+        "{{ '<think>' + message.reasoning_content + '</think>' }}{% endif %}\n"
+        "{{ message.content }}{{ eos_token }}\n"
+        "        {% endgeneration %}\n"
+        "    {%- else %}\n"
+        "{{ '<|' + message.role + '|>\\n' + message.content + eos_token + '\\n' }}\n"
+        "    {%- endif %}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}\n"
+    ),
+    "dashes": (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'assistant' %}<|assistant|>\n  {%- generation -%}  \n"
+        "{{ m['content'] | trim }}{{ eos_token }}  \n  {%- endgeneration -%}\n\n"
+        "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+    "inline": (
+        "{% for m in messages %}<|{{ m.role }}|>\n"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}"
+        "{% endgeneration %}\n{% else %}{{ m.content }}{{ eos_token }}\n{% endif %}"
+        "{% endfor %}"
+    ),
+    "plus": (
+        "{% for m in messages %}\n"
+        "  {%+ if m.role == 'assistant' %}\n"
+        "  {%+ generation +%}\n"
+        "<|assistant|> {{ m.content }}{{ eos_token }}\n"
+        "  {%+ endgeneration %}\n"
+        "  {% else %}<|{{ m.role }}|> {{ m.content }}{{ eos_token }}\n"
+        "  {%+ endif %}\n"
+        "{% endfor %}"
+    ),
+    "no_eos": (
+        "{% for m in messages %}<|{{ m.role }}|>\n"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{{ eos_token }}\n{% endfor %}"
+    ),
+}
+GENERATION_CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Count to two, naïvely"},
+        {"role": "assistant", "content": "One, two 東京."},
+        {"role": "user", "content": "again?"},
+        {"role": "assistant", "content": "  One. "},
+    ],
+    [{"role": "user", "content": "Nothing?"}, {"role": "assistant", "content": ""}],
+]
+# The tool-use template: tools as transformers' tojson writes them, tool calls, tool results,
+# and a variable from chat_template_kwargs.
+TOOL_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- if tools %}\n"
+    "    {{- '<|system|>\\n# Tools\\n' }}\n"
+    "    {%- for tool in tools %}\n"
+    "        {{- tool | tojson }}\n"
+    "        {{- '\\n' }}\n"
+    "    {%- endfor %}\n"
+    "    {{- tools[0] | tojson(indent=2) }}\n"
+    "    {{- eos_token + '\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message.role == 'assistant' and message.tool_calls is defined %}\n"
+    "        {{- '<|assistant|>\\n' }}\n"
+    "        {%- for call in message.tool_calls %}\n"
+    "            {{- '<call>' + call.function | tojson(sort_keys=true) + '</call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- eos_token + '\\n' }}\n"
+    "    {%- elif message.role == 'tool' %}\n"
+    "        {{- '<|user|>\\n<result>' + message.content + '</result>' + eos_token + '\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|' + message.role + '|>\\n' + message.content + eos_token + '\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|assistant|>\\n' }}\n"
+    "    {%- if enable_thinking is defined and not enable_thinking %}{{- '<think></think>' }}{%- endif %}\n"
+    "{%- endif %}\n"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city <today> & 'now'.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "Città"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "a × b",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            },
+        },
+    },
+]
+# Rows of a TRL dataset with `tools` (as JSON text, the form that survives Arrow's column
+# types) and `chat_template_kwargs`: the tool-use template renders them.
+TOOL_EXAMPLES = [
+    {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                ],
+            },
+            {"role": "tool", "content": "18 °C"},
+            {"role": "assistant", "content": "It is 18 °C."},
+        ],
+        "tools": json.dumps(TOOLS),
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
+    {
+        "prompt": [{"role": "user", "content": "Weather in Oslo?"}],
+        "completion": [{"role": "assistant", "content": "Cold."}],
+        "tools": json.dumps(TOOLS[:1]),
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
+]
+# Examples for assistant_only_loss: only the assistant's turns count (and of a
+# prompt-completion example only the completion's). One message carries its reasoning as
+# `reasoning`, which transformers offers the template as `reasoning_content`.
+AOL_MESSAGES = [
+    {"messages": GENERATION_CONVERSATIONS[0]},
+    {"messages": GENERATION_CONVERSATIONS[1]},
+    {
+        "messages": [
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "Because.", "reasoning": "It is so."},
+        ]
+    },
+]
+AOL_PROMPT_COMPLETION = [
+    {
+        "prompt": GENERATION_CONVERSATIONS[1][:4],
+        "completion": GENERATION_CONVERSATIONS[1][4:],
+    },
+    {
+        "prompt": [{"role": "user", "content": "Where did the small dog go?"}],
+        "completion": [{"role": "assistant", "content": "It ran to the park."}],
+    },
+]
+# transformers' tojson of each value with each of its arguments.
+TOJSON_TEMPLATE = (
+    "{%- for x in values %}"
+    "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ x | tojson(ensure_ascii=true) }}|"
+    "{{ x | tojson(separators=(',', ':')) }}|{{ x | tojson(sort_keys=true, indent='\t') }}|"
+    "{{ x | tojson(true, 1) }}|{{ x | tojson(indent=0) }}\n"
+    "{%- endfor %}"
+)
+TOJSON_VALUES = (
+    r'[{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": '
+    r'{"type": "string", "description": "Citt\u00e0 <b> & \u0027q\u0027 \"x\""}}, "required": ["city"]}},'
+    r' [1, 2.0, -0.0, 0.1, 1e16, 1e15, 1e-5, 0.0001, 123456789.125, 1.5e-7, 1e300, 5e-324,'
+    r' 12345678901234567890, -7, 100.5e10],'
+    r' "tab\t newline\n nul\u0000 del\u007f \u00e9 \u6771 \ud83d\ude42 \\ / \b \f \u001f",'
+    r' {"z": 1, "a": {"y": [], "b": {}}, "m": null, "t": true, "f": false, "\u00e9": [{}]},'
+    r' [], {}, "", null, 3.5, [[[]]]]'
+)
+
+
+def jinja_tokenizer(tmp):
+    """The chat tokenizer saved by transformers 5 with the generation and tool-use templates."""
+    from transformers import AutoTokenizer
+
+    directory, _ = chat_tokenizer(os.path.join(tmp, "base"))
+    tok = AutoTokenizer.from_pretrained(directory)
+    tok.chat_template = {"default": GENERATION_TEMPLATES["lines"], "tool_use": TOOL_TEMPLATE}
+    out = os.path.join(tmp, "chat-jinja")
+    tok.save_pretrained(out)
+    return out, AutoTokenizer.from_pretrained(out)
+
+
+def generation_masks(chat_tok):
+    """transformers' assistant masks and TRL's stop-token check under every generation template,
+    with the chat tokenizer and with the byte-level BPE (bos and eos `<|endoftext|>`), whose
+    offsets fall inside multi-byte characters and are trimmed of spaces."""
+    from transformers import PreTrainedTokenizerFast
+
+    bpe_file = os.path.join(FIXTURES, "tokenizer", "tokenizer.json")
+    bpe = PreTrainedTokenizerFast(
+        tokenizer_file=bpe_file, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    return {"chat": masks_of(chat_tok), "bpe": masks_of(bpe)}
+
+
+def masks_of(tok):
+    from trl.chat_template_utils import is_chat_template_stop_token_trained
+
+    out = {}
+    for name, template in GENERATION_TEMPLATES.items():
+        rows = []
+        for conv in GENERATION_CONVERSATIONS:
+            enc = tok.apply_chat_template(
+                conv,
+                chat_template=template,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+            rows.append(
+                {
+                    "text": tok.apply_chat_template(conv, chat_template=template, tokenize=False),
+                    "input_ids": list(enc["input_ids"]),
+                    "assistant_masks": list(enc["assistant_masks"]),
+                }
+            )
+        out[name] = {
+            "renders": rows,
+            "stop_token_trained": is_chat_template_stop_token_trained(tok, chat_template=template),
+        }
+    return out
+
+
+def tool_renders(tok):
+    """The tool-use template chosen by transformers when tools are given, and the default without."""
+    conv = TOOL_EXAMPLES[0]["messages"]
+    return {
+        "with_tools": tok.apply_chat_template(
+            conv, tools=TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        ),
+        "without_tools": tok.apply_chat_template(conv[:1], tokenize=False),
+        "tojson": tok.apply_chat_template(
+            [{"role": "user", "content": "x"}],
+            chat_template=TOJSON_TEMPLATE,
+            tokenize=False,
+            values=json.loads(TOJSON_VALUES),
+        ),
+    }
+
+
 def style_renders():
     """transformers' rendering of every conversation with every style template."""
     import datetime as real_datetime
@@ -272,6 +538,8 @@ def chat_tokenizer(tmp):
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
+
+    os.makedirs(tmp, exist_ok=True)
 
     tok = Tokenizer.from_file(os.path.join(FIXTURES, "tokenizer", "story", "tokenizer.json"))
     tok.add_special_tokens(["<s>", "<|system|>", "<|user|>", "<|assistant|>"])
@@ -342,10 +610,41 @@ def make():
                 "messages": trl_columns(tok, MESSAGES, tmp),
             },
         }
+        jinja_dir, jinja_tok = jinja_tokenizer(tmp)
+        fixture["jinja"] = {
+            "generation": {
+                "templates": GENERATION_TEMPLATES,
+                "conversations": GENERATION_CONVERSATIONS,
+                "rendered": generation_masks(jinja_tok),
+            },
+            "tools": {"tools": TOOLS, "rendered": tool_renders(jinja_tok)},
+            "tojson": {"template": TOJSON_TEMPLATE, "values": TOJSON_VALUES},
+            "examples": {
+                "assistant_only_loss_messages": AOL_MESSAGES,
+                "assistant_only_loss_prompt_completion": AOL_PROMPT_COMPLETION,
+                "tools": TOOL_EXAMPLES,
+            },
+            "trl": {
+                "assistant_only_loss_messages": trl_columns(
+                    jinja_tok, AOL_MESSAGES, tmp, assistant_only_loss=True
+                ),
+                "assistant_only_loss_prompt_completion": trl_columns(
+                    jinja_tok, AOL_PROMPT_COMPLETION, tmp, assistant_only_loss=True
+                ),
+                "tools": [
+                    trl_columns(jinja_tok, [ex], tmp)[0] for ex in TOOL_EXAMPLES
+                ],
+            },
+        }
         files = {}
         for name in ("tokenizer.json", "tokenizer_config.json"):
             with open(os.path.join(directory, name), encoding="utf-8") as f:
                 files[name] = f.read()
+        for root, _, names in os.walk(jinja_dir):
+            for name in names:
+                path = os.path.join(root, name)
+                with open(path, encoding="utf-8") as f:
+                    files[os.path.join("..", "chat-jinja", os.path.relpath(path, jinja_dir))] = f.read()
     return fixture, files
 
 
@@ -360,13 +659,17 @@ def main():
             json.dump(fixture, f, ensure_ascii=False, indent=1)
             f.write("\n")
         for name, text in files.items():
-            with open(os.path.join(OUT, name), "w", encoding="utf-8") as f:
+            path = os.path.normpath(os.path.join(OUT, name))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
         print(f"wrote {fixture_path} and the tokenizer beside it")
     elif "--check" in sys.argv:
         with open(fixture_path, encoding="utf-8") as f:
             committed = json.load(f)
-        same = all(committed[k] == fixture[k] for k in ("trl", "rendered", "styles", "strftime"))
+        same = all(
+            committed[k] == fixture[k] for k in ("trl", "rendered", "styles", "strftime", "jinja")
+        )
         print("the committed fixture is TRL's" if same else "the committed fixture differs from TRL's")
         sys.exit(0 if same else 1)
     else:

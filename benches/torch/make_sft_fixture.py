@@ -73,7 +73,7 @@ def tokenizers_under_test(tmp):
     }
 
 
-def trl_columns(tokenizer, examples, tmp):
+def trl_columns(tokenizer, examples, tmp, **config):
     import torch
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -96,6 +96,7 @@ def trl_columns(tokenizer, examples, tmp):
         packing=False,
         report_to="none",
         use_cpu=True,
+        **config,
     )
     trainer = SFTTrainer(
         model=model,

@@ -211,11 +211,14 @@ struct SampleArgs {
     #[arg(long, value_name = "IDS", value_delimiter = ',')]
     prompt_ids: Option<Vec<u32>>,
     /// A user message for a chat model to answer: one user turn rendered with the tokenizer's
-    /// chat template (its `tokenizer_config.json`) and the assistant's turn header, as
-    /// transformers' `apply_chat_template(…, add_generation_prompt=True)`; generation stops
-    /// at the template's end-of-sequence token.
+    /// chat template (`chat_template.jinja` or `tokenizer_config.json` beside it) and the
+    /// assistant's turn header, as transformers' `apply_chat_template(…,
+    /// add_generation_prompt=True)`; generation stops at the template's end-of-sequence token.
     #[arg(long, value_name = "MESSAGE", conflicts_with_all = ["prompt", "prompt_ids"])]
     chat: Option<String>,
+    /// A Jinja chat template file for `--chat`, in place of the tokenizer's.
+    #[arg(long, value_name = "FILE", requires = "chat")]
+    chat_template: Option<PathBuf>,
     /// New tokens to generate.
     #[arg(long, default_value_t = 100)]
     tokens: usize,
@@ -793,11 +796,24 @@ enum DataCommand {
         /// prompt-completion lines (`{"prompt": …, "completion": …}`; only the completion
         /// counts in the loss) or `{"text": …}` lines (every token counts), and their
         /// conversational forms (prompt and completion as lists of `{"role", "content"}`
-        /// messages, or `{"messages": […]}`), rendered with the chat template of the
-        /// tokenizer's `tokenizer_config.json`. Writes the token file and its loss mask beside
+        /// messages, or `{"messages": […]}`), rendered with the tokenizer's chat template
+        /// (`chat_template.jinja` or `tokenizer_config.json` beside it). Writes the token file and its loss mask beside
         /// it (`OUT.lossmask`), which `train` and `eval` then apply. Needs `--tokenizer`.
+        /// Conversational lines may carry `tools` and `chat_template_kwargs`, which the
+        /// template receives, as in TRL.
         #[arg(long, conflicts_with = "separator", requires = "tokenizer")]
         jsonl: bool,
+        /// With `--jsonl`: count only the assistant's tokens, those the chat template's
+        /// `{% generation %}` blocks write (TRL's `assistant_only_loss`; of a prompt-completion
+        /// line, only the completion's). Every line must be conversational.
+        #[arg(long, requires = "jsonl")]
+        assistant_only_loss: bool,
+        /// With `--jsonl`: render conversations with this Jinja chat template file instead of
+        /// the tokenizer's (TRL's `chat_template_path`), such as a training template with
+        /// `{% generation %}` blocks; the special tokens still come from the tokenizer's
+        /// `tokenizer_config.json`.
+        #[arg(long, value_name = "FILE", requires = "jsonl")]
+        chat_template: Option<PathBuf>,
         /// Tokenize with `gpt2` (GPT-2's BPE, built in) or a Hugging Face tokenizer.json (or
         /// a model directory holding one) instead of one token per byte; the format's token
         /// type is chosen to fit its vocabulary (raw: u16 up to 65 536 ids, else u32).
@@ -1915,24 +1931,46 @@ fn cmd_data(c: DataCommand) -> CliResult {
             tokenizer: Some(name),
             quiet,
             jsonl: true,
+            assistant_only_loss,
+            chat_template,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
-            let r = crate::tokenize::build_prompt_completion(&input, &tok, format, &out, !quiet)?;
+            let options = crate::tokenize::SftOptions {
+                assistant_only_loss,
+                chat_template: chat_template
+                    .map(|file| tok.chat_template_from(&file))
+                    .transpose()?,
+            };
+            let r = crate::tokenize::build_prompt_completion_with(
+                &input, &tok, format, &out, !quiet, &options,
+            )?;
             for (path, bytes) in &r.files {
                 say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
             }
             say!("{:<13}{}", "format", r.format);
             say!("{:<13}{}", "examples", r.examples);
             say!("{:<13}{}", "tokens", r.tokens);
+            let counted = if assistant_only_loss {
+                "the assistant's turns"
+            } else {
+                "the completions, their ends and whole text or messages examples"
+            };
             say!(
-                "{:<13}{} ({:.1}%: the completions, their ends and whole text or messages \
-                 examples)",
+                "{:<13}{} ({:.1}%: {counted})",
                 "counted",
                 r.counted,
                 100.0 * r.counted as f64 / r.tokens.max(1) as f64
             );
+            if r.stop_token_counted == Some(false) {
+                say!(
+                    "{:<13}the chat template's generation blocks leave out the assistant's end \
+                     of turn, so the model is not trained to stop (TRL warns of the same); put \
+                     the end-of-turn token inside {{% generation %}} … {{% endgeneration %}}",
+                    "warning"
+                );
+            }
             if r.boundary_merges > 0 {
                 say!(
                     "{:<13}{} examples' prompts merge into their completions' first token, or \
@@ -1952,6 +1990,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             tokenizer: Some(name),
             quiet,
             jsonl: false,
+            ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
@@ -1983,8 +2022,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             format,
             separator,
             tokenizer: None,
-            quiet: _,
-            jsonl: _,
+            ..
         } => {
             let format = parse_format(&format)?;
             let mut spec = BuildSpec::new(format);
@@ -2277,10 +2315,14 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     let mut eot = tok.as_ref().and_then(Tokenizer::end_of_text);
     let chat_prompt = match (&a.chat, &tok) {
         (Some(message), Some(t)) => {
-            let template = t.chat_template()?.ok_or(
-                "--chat needs the tokenizer's chat template (tokenizer_config.json beside its \
-                 tokenizer.json), and it has none",
-            )?;
+            let template = match &a.chat_template {
+                Some(file) => t.chat_template_from(file)?,
+                None => t.chat_template()?.ok_or(
+                    "--chat needs a chat template: the tokenizer has none (chat_template.jinja \
+                     or tokenizer_config.json beside its tokenizer.json); give one with \
+                     --chat-template FILE",
+                )?,
+            };
             let turn = [serde_json::json!({"role": "user", "content": message}).into()];
             let text = template.render(&turn, true)?;
             // The chat model ends its turn with the template's end-of-sequence token.

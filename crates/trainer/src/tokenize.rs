@@ -16,7 +16,7 @@ use headroom_mmap_data::formats::writer::TokenWriter;
 use headroom_mmap_data::{LlmcFlavor, TokenFileFormat, TokenType};
 use rayon::prelude::*;
 
-use crate::chat_template::ChatValue;
+use crate::chat_template::{ChatRequest, ChatTemplate, ChatValue};
 use crate::{Result, TrainError};
 
 /// GPT-2's vocabulary (50 256 merges and bytes, plus `<|endoftext|>`).
@@ -193,13 +193,66 @@ impl Tokenizer {
         }
     }
 
-    /// The chat template of a Hugging Face tokenizer: from the `tokenizer_config.json` beside
-    /// its `tokenizer.json`, where transformers reads it. `None` for GPT-2's built-in BPE and
+    /// The chat template of a Hugging Face tokenizer: from the files beside its
+    /// `tokenizer.json` where transformers reads it (`chat_template.jinja`,
+    /// `additional_chat_templates/`, `tokenizer_config.json`; [`ChatTemplate::beside`]). `None` for GPT-2's built-in BPE and
     /// for a tokenizer without one.
     pub fn chat_template(&self) -> Result<Option<crate::chat_template::ChatTemplate>> {
         match self {
             Tokenizer::HuggingFace(t) => crate::chat_template::ChatTemplate::beside(t.path()),
             Tokenizer::Gpt2(_) => Ok(None),
+        }
+    }
+
+    /// The ids of `text` (as [`Tokenizer::encode`] gives them) and which of them overlap any
+    /// of the byte ranges `spans` (in order, not overlapping): transformers'
+    /// `return_assistant_tokens_mask` over the spans of a chat template's `{% generation %}`
+    /// blocks, by the tokens' offsets into `text`. Hugging Face tokenizers only (GPT-2's has no
+    /// chat template).
+    pub fn encode_marking(
+        &self,
+        text: &str,
+        spans: &[std::ops::Range<usize>],
+    ) -> Result<(Vec<u32>, Vec<bool>)> {
+        let Tokenizer::HuggingFace(t) = self else {
+            return Err(err(
+                self.source(),
+                "only a Hugging Face tokenizer gives token offsets",
+            ));
+        };
+        let encoding = t.guarded(|t| t.encode(text, false))?;
+        // transformers' rule: a token counts when it overlaps a span, so a token that straddles
+        // a span's edge counts; one pass, as both are in order.
+        let mut marked = vec![false; encoding.len()];
+        let mut span = 0;
+        for (flag, &(start, end)) in marked.iter_mut().zip(encoding.get_offsets()) {
+            while span < spans.len() && start >= spans[span].end {
+                span += 1;
+            }
+            if span == spans.len() {
+                break;
+            }
+            *flag = end > spans[span].start;
+        }
+        Ok((encoding.get_ids().to_vec(), marked))
+    }
+
+    /// Whether `id` is one of the tokens added to the model's vocabulary (special tokens such
+    /// as a chat model's end of turn); GPT-2's `<|endoftext|>`.
+    pub fn is_added_token(&self, id: u32) -> bool {
+        match self {
+            Tokenizer::Gpt2(_) => id == GPT2_EOT,
+            Tokenizer::HuggingFace(t) => t.tok.get_added_tokens_decoder().contains_key(&id),
+        }
+    }
+
+    /// The Jinja chat template file `template` in place of the tokenizer's own, with the
+    /// special tokens of the `tokenizer_config.json` beside its `tokenizer.json`
+    /// ([`ChatTemplate::from_file`]).
+    pub fn chat_template_from(&self, template: &Path) -> Result<ChatTemplate> {
+        match self {
+            Tokenizer::HuggingFace(t) => ChatTemplate::from_file(template, Some(t.path())),
+            Tokenizer::Gpt2(_) => ChatTemplate::from_file(template, None),
         }
     }
 
@@ -469,19 +522,27 @@ pub struct PromptCompletionReport {
     pub boundary_merges: u64,
     /// The format written.
     pub format: TokenFileFormat,
+    /// With `assistant_only_loss`: whether the template's generation blocks count the
+    /// assistant's end of turn (TRL's `is_chat_template_stop_token_trained`; when not, the
+    /// model never learns to stop, and TRL warns). `None` otherwise.
+    pub stop_token_counted: Option<bool>,
 }
 
 /// One line of a prompt-completion JSONL file, in TRL's dataset formats: prompt-completion
 /// (`{"prompt": …, "completion": …}`) and language modelling (`{"text": …}`), each standard
 /// (strings) or conversational (lists of `{"role", "content"}` messages; language modelling's
-/// key is then `messages`). Other keys (an id, a source) are ignored, as TRL drops other
-/// columns.
+/// key is then `messages`). A conversational example may carry `tools` (a list of JSON
+/// schemas, or that list as JSON text) and `chat_template_kwargs` (further template variables),
+/// which TRL passes to the chat template. Other keys (an id, a source) are ignored, as TRL
+/// drops other columns.
 #[derive(serde::Deserialize)]
 struct ExampleLine {
     prompt: Option<Turns>,
     completion: Option<Turns>,
     text: Option<String>,
     messages: Option<Vec<ChatValue>>,
+    tools: Option<Tools>,
+    chat_template_kwargs: Option<ChatValue>,
 }
 
 /// A prompt or a completion: text, or messages.
@@ -492,15 +553,39 @@ enum Turns {
     Messages(Vec<ChatValue>),
 }
 
+/// An example's tools: the list, or the list as JSON text (TRL's `json.loads` of a string).
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Tools {
+    List(Vec<ChatValue>),
+    Json(String),
+}
+
 /// The chat template conversational examples are rendered with: the tokenizer's, if it has
 /// one (the error text when its `tokenizer_config.json` is unreadable, reported only if a
 /// conversational example needs it).
-type ChatForExamples = std::result::Result<Option<crate::chat_template::ChatTemplate>, String>;
+type ChatForExamples = std::result::Result<Option<ChatTemplate>, String>;
+
+/// How [`build_prompt_completion_with`] renders conversational examples and which tokens of
+/// them count.
+#[derive(Clone, Debug, Default)]
+pub struct SftOptions {
+    /// Count only the tokens that the chat template's `{% generation %}` blocks render (the
+    /// assistant's turns; TRL's `assistant_only_loss`, transformers'
+    /// `return_assistant_tokens_mask`), and of a prompt-completion example only those of the
+    /// completion. Every example must be conversational, the template must have such blocks,
+    /// and every example must have a counted token.
+    pub assistant_only_loss: bool,
+    /// A chat template in place of the tokenizer's ([`ChatTemplate::from_file`]; TRL's
+    /// `chat_template_path`), such as a training template with `{% generation %}` blocks.
+    pub chat_template: Option<ChatTemplate>,
+}
 
 /// One example's ids and their loss flags.
 fn encode_example(
     tok: &Tokenizer,
     chat: &ChatForExamples,
+    options: &SftOptions,
     eot: u32,
     line: &str,
     number: usize,
@@ -513,18 +598,47 @@ fn encode_example(
         Ok(Some(t)) => Ok(t),
         Ok(None) => Err(bad(format!(
             "a conversational example needs the tokenizer's chat template, and {} has none \
-             (transformers reads it from tokenizer_config.json beside tokenizer.json)",
+             (transformers reads it from chat_template.jinja or tokenizer_config.json beside \
+             tokenizer.json; --chat-template gives one)",
             tok.source().display()
         ))),
         Err(e) => Err(bad(format!("the tokenizer's chat template: {e}"))),
     };
-    let rendered = |messages: &[ChatValue], generation_prompt: bool| -> Result<Vec<u32>> {
-        let text = template()?
-            .render(messages, generation_prompt)
+    let tools = match ex.tools {
+        None => None,
+        Some(Tools::List(l)) => Some(l),
+        Some(Tools::Json(text)) => Some(
+            serde_json::from_str::<Vec<ChatValue>>(&text)
+                .map_err(|e| bad(format!("tools is not a JSON list: {e}")))?,
+        ),
+    };
+    let extra = match ex.chat_template_kwargs {
+        None | Some(ChatValue::Null) => Vec::new(),
+        Some(ChatValue::Object(o)) => o,
+        Some(_) => return Err(bad("chat_template_kwargs is not an object".into())),
+    };
+    // The ids of a conversation, and with `assistant_only_loss` which of them the template's
+    // generation blocks wrote (else none).
+    let rendered = |messages: &[ChatValue], generation_prompt: bool| {
+        let request = ChatRequest {
+            messages,
+            add_generation_prompt: generation_prompt,
+            tools: tools.as_deref(),
+            documents: None,
+            extra: &extra,
+        };
+        let r = template()?
+            .render_request(&request)
             .map_err(|e| bad(e.to_string()))?;
         // transformers' apply_chat_template(tokenize=True): the template wrote the special
         // tokens, so none is added around the text.
-        tok.encode(&text)
+        if options.assistant_only_loss && !generation_prompt {
+            tok.encode_marking(&r.text, &r.generation)
+        } else {
+            let ids = tok.encode(&r.text)?;
+            let none = vec![false; ids.len()];
+            Ok((ids, none))
+        }
     };
     // The completion starts where the ids of the prompt alone and of the whole example
     // diverge: after the whole prompt, unless a token merges across the boundary or the
@@ -537,52 +651,57 @@ fn encode_example(
             .count();
         (whole, common, common < prompt.len())
     };
-    // The ids, where the counted part starts, whether the prompt merged, and whether the
-    // example is conversational (its template ends each turn: no end-of-text is appended).
-    let (mut ids, prompt_len, merged, conversational) = match ex {
+    // The ids, where the counted part starts, whether the prompt merged, and for a
+    // conversational example (its template ends each turn: no end-of-text is appended) which
+    // tokens its generation blocks wrote.
+    let (mut ids, prompt_len, merged, assistant) = match ex {
         ExampleLine {
             prompt: Some(Turns::Messages(p)),
             completion: Some(Turns::Messages(c)),
             text: None,
             messages: None,
+            ..
         } => {
             // TRL's conversational prompt-completion: the prompt with the assistant's turn
-            // header, and the whole conversation; the template ends each turn itself, so no
-            // end-of-text token is appended.
-            let prompt = rendered(&p, true)?;
-            let whole = rendered(&[p, c].concat(), false)?;
+            // header, and the whole conversation.
+            let (prompt, _) = rendered(&p, true)?;
+            let (whole, assistant) = rendered(&[p, c].concat(), false)?;
             let (ids, common, merged) = split(prompt, whole);
-            (ids, common, merged, true)
+            (ids, common, merged, Some(assistant))
         }
         ExampleLine {
             prompt: None,
             completion: None,
             text: None,
             messages: Some(m),
+            ..
         } => {
             // Conversational language modelling: every token counts, as in TRL without
             // `assistant_only_loss`.
-            (rendered(&m, false)?, 0, false, true)
+            let (ids, assistant) = rendered(&m, false)?;
+            (ids, 0, false, Some(assistant))
         }
         ExampleLine {
             prompt: Some(Turns::Text(p)),
             completion: Some(Turns::Text(c)),
             text: None,
             messages: None,
+            ..
         } => {
             // TRL's tokenisation: the prompt alone, and the whole example, each as a sequence;
             // the completion starts where the two diverge (after the whole prompt, unless a
             // token merges across the boundary).
             let (ids, common, merged) =
                 split(tok.encode_sequence(&p)?, tok.encode_sequence(&(p + &c))?);
-            (ids, common, merged, false)
+            (ids, common, merged, None)
         }
         ExampleLine {
             prompt: None,
             completion: None,
             text: Some(t),
             messages: None,
-        } => (tok.encode_sequence(&t)?, 0, false, false),
+            ..
+        } => (tok.encode_sequence(&t)?, 0, false, None),
         _ => {
             return Err(bad(
                 "an example is {\"prompt\", \"completion\"} (both text or both messages), \
@@ -591,12 +710,52 @@ fn encode_example(
             ))
         }
     };
-    if !conversational && ids.last() != Some(&eot) {
+    if assistant.is_none() && ids.last() != Some(&eot) {
         ids.push(eot);
     }
     let prompt_len = prompt_len.min(ids.len());
-    let flags = (0..ids.len()).map(|i| i >= prompt_len).collect();
+    let mut flags: Vec<bool> = (0..ids.len()).map(|i| i >= prompt_len).collect();
+    if options.assistant_only_loss {
+        // TRL's labels: a token counts when every mask it has says so.
+        let assistant = assistant.ok_or_else(|| {
+            bad("assistant_only_loss needs conversational examples (messages)".into())
+        })?;
+        if !assistant.contains(&true) {
+            return Err(bad(
+                "no token of this example is inside the chat template's {% generation %} \
+                 blocks (is there an assistant turn?)"
+                    .into(),
+            ));
+        }
+        for (flag, a) in flags.iter_mut().zip(assistant) {
+            *flag &= a;
+        }
+    }
     Ok((ids, flags, merged))
+}
+
+/// Whether the template's generation blocks take in the end of an assistant's turn: TRL's
+/// `is_chat_template_stop_token_trained`. It renders a user turn, an assistant turn and a
+/// user turn; the last token of the generation blocks that is not blank must be an added
+/// token (the end of turn), or the model never learns to stop.
+pub fn stop_token_counted(tok: &Tokenizer, template: &ChatTemplate) -> Result<bool> {
+    let turn = |role: &str| serde_json::json!({"role": role, "content": "dummy"}).into();
+    let messages: Vec<ChatValue> = vec![turn("user"), turn("assistant"), turn("user")];
+    let request = ChatRequest {
+        messages: &messages,
+        ..Default::default()
+    };
+    let Ok(r) = template.render_request(&request) else {
+        return Ok(false);
+    };
+    let (ids, marked) = tok.encode_marking(&r.text, &r.generation)?;
+    for (&id, _) in ids.iter().zip(&marked).rev().filter(|(_, &m)| m) {
+        if tok.decode(&[id])?.trim().is_empty() {
+            continue;
+        }
+        return Ok(tok.is_added_token(id));
+    }
+    Ok(false)
 }
 
 /// Tokenize a JSONL file of examples into `out` in `format` and its loss mask beside it
@@ -610,9 +769,10 @@ fn encode_example(
 /// it, which a Hugging Face tokenizer maps to its id: the same ids as appending the id, as
 /// here. (GPT-2's BPE keeps special-token strings in data as ordinary text.)
 ///
-/// Conversational examples (prompt and completion as lists of messages, or `messages`) are
-/// rendered with the tokenizer's chat template ([`crate::chat_template::ChatTemplate`], from
-/// the `tokenizer_config.json` beside its `tokenizer.json`) and tokenised without added
+/// Conversational examples (prompt and completion as lists of messages, or `messages`, with
+/// the example's `tools` and `chat_template_kwargs` if any) are rendered with the tokenizer's
+/// chat template ([`ChatTemplate::beside`]: `chat_template.jinja` or the
+/// `tokenizer_config.json` beside its `tokenizer.json`) and tokenised without added
 /// special tokens, as transformers' `apply_chat_template(tokenize=True)`: for prompt and
 /// completion, the prompt with the generation prompt and the whole conversation, the
 /// completion starting where the two diverge; no end-of-text token is appended, since the
@@ -627,6 +787,19 @@ pub fn build_prompt_completion(
     out: &Path,
     progress: bool,
 ) -> Result<PromptCompletionReport> {
+    build_prompt_completion_with(input, tok, format, out, progress, &SftOptions::default())
+}
+
+/// [`build_prompt_completion`] with a chat template in place of the tokenizer's, or counting
+/// only the assistant's tokens ([`SftOptions`]).
+pub fn build_prompt_completion_with(
+    input: &Path,
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    out: &Path,
+    progress: bool,
+    options: &SftOptions,
+) -> Result<PromptCompletionReport> {
     headroom_mmap_data::tools::check_vocab_fits(tok.vocab_size() as u64, format.token_type())?;
     let eot = tok.end_of_text().ok_or_else(|| {
         err(
@@ -634,7 +807,30 @@ pub fn build_prompt_completion(
             "no end-of-text token to end each example with",
         )
     })?;
-    let chat: ChatForExamples = tok.chat_template().map_err(|e| e.to_string());
+    let chat: ChatForExamples = match &options.chat_template {
+        Some(t) => Ok(Some(t.clone())),
+        None => tok.chat_template().map_err(|e| e.to_string()),
+    };
+    let mut stop_token_counted = None;
+    if options.assistant_only_loss {
+        let template = match &chat {
+            Ok(Some(t)) => t,
+            Ok(None) => {
+                return Err(err(
+                    tok.source(),
+                    "assistant_only_loss needs a chat template, and the tokenizer has none",
+                ))
+            }
+            Err(e) => return Err(err(tok.source(), e.clone())),
+        };
+        if !template.has_generation_blocks() {
+            return Err(err(
+                template.path(),
+                "assistant_only_loss needs a chat template whose assistant turns are inside                  {% generation %} … {% endgeneration %} blocks, and this one has none; give                  one that has with --chat-template (TRL ships training templates for common                  models)",
+            ));
+        }
+        stop_token_counted = Some(self::stop_token_counted(tok, template)?);
+    }
     let map = map_text(input)?;
     let text = std::str::from_utf8(&map).map_err(|e| err(input, e.to_string()))?;
     let lines: Vec<(usize, &str)> = text
@@ -663,7 +859,7 @@ pub fn build_prompt_completion(
     for group in lines.chunks(batch) {
         let encoded: Vec<_> = group
             .par_iter()
-            .map(|&(n, l)| encode_example(tok, &chat, eot, l, n, input))
+            .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, n, input))
             .collect::<Result<_>>()?;
         for (ids, flags, merged) in encoded {
             writer.write(&ids)?;
@@ -689,5 +885,6 @@ pub fn build_prompt_completion(
         counted,
         boundary_merges: merges,
         format,
+        stop_token_counted,
     })
 }

@@ -1451,4 +1451,100 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
     ]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("chat template"), "{}", stderr(&o));
+    // --chat-template renders with a template file instead (a training template with
+    // generation blocks: the blocks write nothing of their own).
+    let file = chat.join("../chat-jinja/chat_template.jinja");
+    let text = tok
+        .chat_template_from(&file)
+        .unwrap()
+        .render(&turn, true)
+        .unwrap();
+    let ids: Vec<String> = tok
+        .encode(&text)
+        .unwrap()
+        .iter()
+        .map(u32::to_string)
+        .collect();
+    assert_eq!(
+        greedy(&[
+            "--chat",
+            "Where did the dog go?",
+            "--chat-template",
+            file.to_str().unwrap()
+        ]),
+        greedy(&["--prompt-ids", &ids.join(",")])
+    );
+}
+
+/// `data build --jsonl --assistant-only-loss`: only the assistant's turns count. The
+/// tokenizer's own template has no generation blocks, so the command refuses and names
+/// `--chat-template`; with a training template it counts the assistant's tokens, and warns when
+/// the template leaves the end of turn outside the blocks.
+#[test]
+fn jsonl_build_counts_only_the_assistants_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sft");
+    let chat = fixtures.join("chat");
+    let jsonl = dir.path().join("chat.jsonl");
+    let mut text = String::new();
+    for i in 0..20 {
+        text += &serde_json::json!({"messages": [
+            {"role": "user", "content": format!("Where did dog {i} go?")},
+            {"role": "assistant", "content": "To the park."},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": "Home."},
+        ]})
+        .to_string();
+        text.push('\n');
+    }
+    std::fs::write(&jsonl, text).unwrap();
+    let data = dir.path().join("chat.bin");
+    let build = |tokenizer: &std::path::Path, extra: &[&str]| {
+        let mut args = vec![
+            "data",
+            "build",
+            "--jsonl",
+            "--assistant-only-loss",
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--format",
+            "raw",
+            jsonl.to_str().unwrap(),
+            data.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        headroom(&args)
+    };
+    let o = build(&chat, &[]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--chat-template"), "{}", stderr(&o));
+    let training = fixtures.join("chat-jinja/chat_template.jinja");
+    let o = build(&chat, &["--chat-template", training.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("the assistant's turns"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(!stdout(&o).contains("warning"), "{}", stdout(&o));
+    let mask = headroom_mmap_data::LossMask::open(dir.path().join("chat.bin.lossmask")).unwrap();
+    // Two short answers of four turns count; the rest does not.
+    assert!(
+        mask.counted() > 0 && mask.counted() * 3 < mask.len() as u64,
+        "{mask:?}"
+    );
+    // A template that ends the block before the end of turn: TRL's warning (with the
+    // byte-level BPE, as the chat tokenizer spells TRL's probe word with <unk>, an added token).
+    let bpe = fixtures.join("../tokenizer/tokenizer.json");
+    let no_eos = dir.path().join("no_eos.jinja");
+    std::fs::write(
+        &no_eos,
+        "{% for m in messages %}<|{{ m.role }}|>\n{% if m.role == 'assistant' %}\
+         {% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}\
+         {{ eos_token }}\n{% endfor %}",
+    )
+    .unwrap();
+    let o = build(&bpe, &["--chat-template", no_eos.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("not trained to stop"), "{}", stdout(&o));
 }

@@ -328,7 +328,14 @@ fn fuzz_chat_templates() {
         "{% for m in messages %}{% for i in range(m.content|length) %}{{ loop.index }}{% endfor %}{% endfor %}",
         "{% macro turn(m) %}<|{{ m.role }}|>{{ m.content.strip() }}{% endmacro %}{% for m in messages recursive %}{{ turn(m) }}{% endfor %}{{ raise_exception('x') if not messages }}",
         "{{ bos_token }}{{ messages|tojson }}{% set ns = namespace(n=0) %}{% if add_generation_prompt %}A:{% endif %}",
+        // Generation blocks under whitespace control, and tojson's arguments over tools.
+        "{% for m in messages %}\n  {%- if m.role == 'assistant' %}\n  {% generation %}\n{{ m.content }}{{ eos_token }}\n  {%+ endgeneration -%}\n{% else %}{{ m.content }}{% endif %}{% endfor %}",
+        "{% if tools %}{{ tools|tojson(indent=2, sort_keys=true) }}{{ tools[0]|tojson(true, none, (',', ':')) }}{% endif %}{% generation %}{{ messages|length }}{% endgeneration %}",
     ];
+    let tools: Vec<headroom_trainer::chat_template::ChatValue> = serde_json::from_str(
+        r#"[{"type": "function", "function": {"name": "f", "parameters": {"x": [1.5, -0.0, 1e300, "é\u0000"]}}}]"#,
+    )
+    .unwrap();
     let report = fuzz(
         "chat-template",
         &seeds,
@@ -340,8 +347,23 @@ fn fuzz_chat_templates() {
             let text = config.to_string();
             if let Some(t) = ChatTemplate::from_config(&text, "tokenizer_config.json")? {
                 for generation_prompt in [false, true] {
-                    let out = t.render(&conversation, generation_prompt)?;
-                    assert!(out.len() <= headroom_trainer::chat_template::MAX_RENDERED_BYTES);
+                    let r = t.render_request(&headroom_trainer::chat_template::ChatRequest {
+                        messages: &conversation,
+                        add_generation_prompt: generation_prompt,
+                        tools: generation_prompt.then_some(tools.as_slice()),
+                        ..Default::default()
+                    })?;
+                    assert!(r.text.len() <= headroom_trainer::chat_template::MAX_RENDERED_BYTES);
+                    // The spans of generation blocks are in order, inside the text, on
+                    // character boundaries.
+                    let mut end = 0;
+                    for span in &r.generation {
+                        assert!(end <= span.start && span.start <= span.end);
+                        assert!(r.text.is_char_boundary(span.start));
+                        assert!(r.text.is_char_boundary(span.end));
+                        end = span.end;
+                    }
+                    assert!(end <= r.text.len());
                 }
             }
             Ok(())

@@ -193,7 +193,8 @@ fn conversational_examples_without_a_usable_template_are_errors() {
             r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
             "unknown role tool",
         ),
-        (r#"{"messages": [{"role": "user"}]}"#, "content"),
+        // transformers passes a message without content on; this template needs it.
+        (r#"{"messages": [{"role": "user"}]}"#, "undefined"),
         (
             r#"{"prompt": [{"role": "user", "content": "a"}], "completion": "b"}"#,
             "both text or both messages",
@@ -268,4 +269,378 @@ fn style_templates_render_as_transformers_renders_them() {
         assert_eq!(strftime(format, at).unwrap(), *want, "{format} at {at}");
     }
     assert!(strftime("%Z", 0).is_err() && strftime("%", 0).is_err());
+}
+
+/// The chat fixture, its objects' keys in the file's order ([`ChatValue`]) and as
+/// `serde_json::Value`.
+fn chat_fixture() -> (Value, headroom_trainer::chat_template::ChatValue) {
+    let text = std::fs::read_to_string(fixtures().join("sft/chat/trl_chat_sft.json")).unwrap();
+    (
+        serde_json::from_str(&text).unwrap(),
+        serde_json::from_str(&text).unwrap(),
+    )
+}
+
+/// `v[key]` of an ordered fixture value.
+fn field(
+    v: &headroom_trainer::chat_template::ChatValue,
+    key: &str,
+) -> headroom_trainer::chat_template::ChatValue {
+    use headroom_trainer::chat_template::ChatValue;
+    match v {
+        ChatValue::Object(o) => o.iter().find(|(k, _)| k == key).unwrap().1.clone(),
+        ChatValue::Array(a) => a[key.parse::<usize>().unwrap()].clone(),
+        _ => panic!("{key}: not an object or array"),
+    }
+}
+
+fn items(
+    v: &headroom_trainer::chat_template::ChatValue,
+) -> Vec<headroom_trainer::chat_template::ChatValue> {
+    match v {
+        headroom_trainer::chat_template::ChatValue::Array(a) => a.clone(),
+        _ => panic!("not an array"),
+    }
+}
+
+/// A tokenizer directory as transformers 5 saves it (`chat_template.jinja`, and
+/// `additional_chat_templates/tool_use.jinja` beside it; none in `tokenizer_config.json`):
+/// both templates load, the tool-use one renders a conversation given tools (transformers'
+/// choice), with transformers' `tojson` and a `chat_template_kwargs` variable, and the default
+/// one a conversation without.
+#[test]
+fn a_transformers_5_tokenizer_directory_renders_with_its_named_templates() {
+    use headroom_trainer::chat_template::ChatRequest;
+    let (fixture, ordered) = chat_fixture();
+    let dir = fixtures().join("sft/chat-jinja");
+    let config = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+    assert!(
+        !config.contains("chat_template"),
+        "the template is in its own file"
+    );
+    let tok = Tokenizer::from_name(dir.to_str().unwrap()).unwrap();
+    let chat = tok.chat_template().unwrap().expect("chat_template.jinja");
+    assert_eq!(chat.names().collect::<Vec<_>>(), ["default", "tool_use"]);
+    assert!(chat.has_generation_blocks());
+    let jinja = field(&ordered, "jinja");
+    let tools = items(&field(&field(&jinja, "tools"), "tools"));
+    let conversation = items(&field(
+        &field(&field(&field(&jinja, "examples"), "tools"), "0"),
+        "messages",
+    ));
+    let no_thinking = [(
+        "enable_thinking".to_owned(),
+        headroom_trainer::chat_template::ChatValue::Bool(false),
+    )];
+    let with_tools = chat
+        .render_request(&ChatRequest {
+            messages: &conversation,
+            add_generation_prompt: true,
+            tools: Some(&tools),
+            extra: &no_thinking,
+            ..Default::default()
+        })
+        .unwrap();
+    let want = &fixture["jinja"]["tools"]["rendered"];
+    assert_eq!(with_tools.text, want["with_tools"].as_str().unwrap());
+    // The tool-use template has no generation blocks.
+    assert!(with_tools.generation.is_empty());
+    let without = chat.render(&conversation[..1], false).unwrap();
+    assert_eq!(without, want["without_tools"].as_str().unwrap());
+}
+
+/// transformers' `tojson` (Python's `json.dumps`): its spacing, `indent` as a number or a
+/// string, `separators`, `sort_keys`, `ensure_ascii` (surrogate pairs), positional
+/// arguments, no HTML escaping, and Python's float spellings (`1e+16`, `1e-05`, `-0.0`).
+#[test]
+fn tojson_writes_what_transformers_tojson_writes() {
+    use headroom_trainer::chat_template::{ChatRequest, ChatTemplate, ChatValue};
+    let (fixture, _) = chat_fixture();
+    let case = &fixture["jinja"]["tojson"];
+    let config = serde_json::json!({"chat_template": case["template"]});
+    let chat = ChatTemplate::from_config(&config.to_string(), "tojson")
+        .unwrap()
+        .unwrap();
+    let values: ChatValue = serde_json::from_str(case["values"].as_str().unwrap()).unwrap();
+    let user: Vec<ChatValue> = vec![serde_json::json!({"role": "user", "content": "x"}).into()];
+    let got = chat
+        .render_request(&ChatRequest {
+            messages: &user,
+            extra: &[("values".to_owned(), values)],
+            ..Default::default()
+        })
+        .unwrap()
+        .text;
+    let want = fixture["jinja"]["tools"]["rendered"]["tojson"]
+        .as_str()
+        .unwrap();
+    for (g, w) in got.lines().zip(want.lines()) {
+        assert_eq!(g, w);
+    }
+    assert_eq!(got, want);
+}
+
+/// `{% generation %}` blocks under every kind of whitespace control around their tags give
+/// transformers' rendered text, and over the tokens' offsets its `return_assistant_tokens_mask`
+/// (with a Metaspace BPE, and with a byte-level BPE whose tokens split multi-byte characters
+/// and whose offsets are trimmed of spaces); and TRL's verdict on whether the end of turn is
+/// inside the blocks.
+#[test]
+fn generation_blocks_give_transformers_assistant_masks() {
+    use headroom_trainer::chat_template::{ChatRequest, ChatTemplate};
+    use headroom_trainer::tokenize::stop_token_counted;
+    let (fixture, ordered) = chat_fixture();
+    let generation = &fixture["jinja"]["generation"];
+    let conversations = items(&field(
+        &field(&field(&ordered, "jinja"), "generation"),
+        "conversations",
+    ));
+    let tokenizers = [
+        (
+            "chat",
+            fixtures().join("sft/chat-jinja/tokenizer.json"),
+            serde_json::json!({"bos_token": "<s>", "eos_token": "</s>"}),
+        ),
+        (
+            "bpe",
+            fixtures().join("tokenizer/tokenizer.json"),
+            serde_json::json!({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}),
+        ),
+    ];
+    let mut checked = 0;
+    for (tok_name, file, tokens) in tokenizers {
+        let tok = Tokenizer::from_name(file.to_str().unwrap()).unwrap();
+        for (name, template) in generation["templates"].as_object().unwrap() {
+            let mut config = tokens.clone();
+            config["chat_template"] = template.clone();
+            let chat = ChatTemplate::from_config(&config.to_string(), name)
+                .unwrap()
+                .unwrap();
+            assert!(chat.has_generation_blocks(), "{name}");
+            let want = &generation["rendered"][tok_name][name];
+            for (c, conversation) in conversations.iter().enumerate() {
+                let what = format!("{tok_name} {name} conversation {c}");
+                let r = chat
+                    .render_request(&ChatRequest {
+                        messages: &items(conversation),
+                        ..Default::default()
+                    })
+                    .unwrap();
+                let row = &want["renders"][c];
+                assert_eq!(r.text, row["text"].as_str().unwrap(), "{what}");
+                let (ids, mask) = tok.encode_marking(&r.text, &r.generation).unwrap();
+                let want_ids: Vec<u32> = serde_json::from_value(row["input_ids"].clone()).unwrap();
+                let want_mask: Vec<u8> =
+                    serde_json::from_value(row["assistant_masks"].clone()).unwrap();
+                assert_eq!(ids, want_ids, "{what}");
+                let mask: Vec<u8> = mask.into_iter().map(u8::from).collect();
+                assert_eq!(mask, want_mask, "{what}");
+                checked += 1;
+            }
+            assert_eq!(
+                stop_token_counted(&tok, &chat).unwrap(),
+                want["stop_token_trained"].as_bool().unwrap(),
+                "{tok_name} {name}"
+            );
+        }
+    }
+    assert_eq!(checked, 2 * 5 * 3);
+}
+
+/// `data build --jsonl --assistant-only-loss` gives TRL's ids and labels with
+/// `assistant_only_loss=True`: of conversations, only the tokens of the assistant's turns
+/// count (a message's `reasoning` reaches the template as `reasoning_content`); of
+/// prompt-completion conversations, only the assistant's tokens of the completion. Examples
+/// with `tools` (as JSON text or as a list) and `chat_template_kwargs` get TRL's ids too.
+#[test]
+fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
+    use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions};
+    let (fixture, _) = chat_fixture();
+    let jinja = &fixture["jinja"];
+    let tokenizer = fixtures().join("sft/chat-jinja/tokenizer.json");
+    let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
+    let run = |lines: &[String], assistant_only_loss: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let input = dir.path().join("sft.jsonl");
+        std::fs::write(&input, lines.join("\n")).unwrap();
+        let out = dir.path().join("sft.bin");
+        let options = SftOptions {
+            assistant_only_loss,
+            chat_template: None,
+        };
+        let format = TokenFileFormat::Raw(TokenType::U16);
+        let report =
+            build_prompt_completion_with(&input, &tok, format, &out, false, &options).unwrap();
+        let ds = formats::open(&out, &Default::default()).unwrap();
+        let ids: Vec<u32> = (0..ds.total_tokens())
+            .map(|i| ds.token(0, i).unwrap() as u32)
+            .collect();
+        let mask = LossMask::open(loss_mask_path(&out)).unwrap();
+        let flags: Vec<bool> = (0..mask.len()).map(|i| mask.get(i).unwrap()).collect();
+        (ids, flags, report)
+    };
+    for set in [
+        "assistant_only_loss_messages",
+        "assistant_only_loss_prompt_completion",
+    ] {
+        // The lines in the file's key order, as a JSONL file of them would be.
+        let lines: Vec<String> = jinja["examples"][set]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(Value::to_string)
+            .collect();
+        let (want_ids, want_flags) = trl_stream(jinja["trl"][set].as_array().unwrap());
+        let (ids, flags, report) = run(&lines, true);
+        assert_eq!(ids, want_ids, "{set}: ids");
+        assert_eq!(flags, want_flags, "{set}: flags");
+        assert_eq!(report.stop_token_counted, Some(true));
+        assert!(
+            flags.iter().any(|f| !f) && flags.iter().any(|f| *f),
+            "{set}"
+        );
+    }
+    let tools = jinja["examples"]["tools"].as_array().unwrap();
+    let (want_ids, want_flags) = trl_stream(jinja["trl"]["tools"].as_array().unwrap());
+    let as_text: Vec<String> = tools.iter().map(Value::to_string).collect();
+    // The tools as a list, their keys in the order written (a serde_json::Value would sort
+    // them, and transformers' tojson keeps the order).
+    let as_list: Vec<String> = tools
+        .iter()
+        .map(|ex| {
+            use headroom_trainer::chat_template::ChatValue;
+            let list: ChatValue = serde_json::from_str(ex["tools"].as_str().unwrap()).unwrap();
+            let mut line: ChatValue = serde_json::from_str(&ex.to_string()).unwrap();
+            if let ChatValue::Object(o) = &mut line {
+                o.iter_mut().find(|(k, _)| k == "tools").unwrap().1 = list;
+            }
+            serde_json::to_string(&line).unwrap()
+        })
+        .collect();
+    for lines in [as_text, as_list] {
+        let (ids, flags, report) = run(&lines, false);
+        assert_eq!(ids, want_ids, "tools: ids");
+        assert_eq!(flags, want_flags, "tools: flags");
+        assert_eq!(report.stop_token_counted, None);
+    }
+}
+
+/// What `assistant_only_loss` refuses, each as an error naming the cause: a template without
+/// generation blocks, an example that is not conversational, a conversation with no assistant
+/// token, a conversation holding the generation markers' characters, nested blocks; and a
+/// template file given in place of the tokenizer's (`--chat-template`).
+#[test]
+fn assistant_only_loss_refuses_what_it_cannot_mask() {
+    use headroom_trainer::chat_template::ChatTemplate;
+    use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let format = TokenFileFormat::Raw(TokenType::U16);
+    let jinja_dir = fixtures().join("sft/chat-jinja");
+    let build = |tokenizer: &Path, template: Option<ChatTemplate>, line: &str| {
+        let input = tmp.path().join("x.jsonl");
+        let ok = r#"{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}"#;
+        std::fs::write(&input, format!("{ok}\n{line}\n")).unwrap();
+        let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
+        let options = SftOptions {
+            assistant_only_loss: true,
+            chat_template: template,
+        };
+        build_prompt_completion_with(
+            &input,
+            &tok,
+            format,
+            &tmp.path().join("o.bin"),
+            false,
+            &options,
+        )
+        .map_err(|e| e.to_string())
+    };
+    // The old directory's template has no generation blocks.
+    let e = build(&fixtures().join("sft/chat/tokenizer.json"), None, "").unwrap_err();
+    assert!(
+        e.contains("{% generation %}") && e.contains("--chat-template"),
+        "{e}"
+    );
+    // The same tokenizer with a template file that has them.
+    let file = tmp.path().join("training.jinja");
+    std::fs::write(
+        &file,
+        std::fs::read_to_string(jinja_dir.join("chat_template.jinja")).unwrap(),
+    )
+    .unwrap();
+    let chat = fixtures().join("sft/chat/tokenizer.json");
+    let tok = Tokenizer::from_name(chat.to_str().unwrap()).unwrap();
+    let from_file = tok.chat_template_from(&file).unwrap();
+    assert_eq!(from_file.special_token("eos_token"), Some("</s>"));
+    let r = build(&chat, Some(from_file.clone()), "").unwrap();
+    assert!(r.counted > 0 && r.counted < r.tokens, "{r:?}");
+    for (line, needle) in [
+        (r#"{"text": "plain"}"#, "conversational"),
+        (
+            r#"{"messages": [{"role": "user", "content": "only me"}]}"#,
+            "no token",
+        ),
+        (
+            "{\"messages\": [{\"role\": \"assistant\", \"content\": \"\u{FDD1}x\u{FDD0}\"}]}",
+            "U+FDD0",
+        ),
+    ] {
+        let e = build(&chat, Some(from_file.clone()), line).unwrap_err();
+        assert!(e.contains("line 2") && e.contains(needle), "{line}: {e}");
+    }
+    let nested = tmp.path().join("nested.jinja");
+    std::fs::write(
+        &nested,
+        "{% for m in messages %}{% generation %}{% generation %}{{ m.content }}\
+         {% endgeneration %}{% endgeneration %}{% endfor %}",
+    )
+    .unwrap();
+    let nested = tok.chat_template_from(&nested).unwrap();
+    let e = build(&chat, Some(nested), "").unwrap_err();
+    assert!(e.contains("inside another"), "{e}");
+}
+
+/// Template files beside a tokenizer take the place of `tokenizer_config.json`'s template, as
+/// in transformers; damaged ones are errors naming the file, and a directory of them is
+/// bounded.
+#[test]
+fn template_files_beside_a_tokenizer_are_read_as_transformers_reads_them() {
+    use headroom_trainer::chat_template::{ChatTemplate, MAX_NAMED_TEMPLATES};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let tokenizer = dir.join("tokenizer.json");
+    std::fs::copy(fixtures().join("sft/chat/tokenizer.json"), &tokenizer).unwrap();
+    std::fs::copy(
+        fixtures().join("sft/chat/tokenizer_config.json"),
+        dir.join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let user: Vec<headroom_trainer::chat_template::ChatValue> =
+        serde_json::from_str(r#"[{"role": "user", "content": "hi"}]"#).unwrap();
+    let render = || -> Result<String, String> {
+        let t = ChatTemplate::beside(&tokenizer).map_err(|e| e.to_string())?;
+        t.unwrap().render(&user, false).map_err(|e| e.to_string())
+    };
+    // The configuration's template, then the file's in its place (its special tokens kept).
+    assert!(render().unwrap().starts_with("<s><|system|>"));
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{{ eos_token }}{{ messages[0].content }}",
+    )
+    .unwrap();
+    assert_eq!(render().unwrap(), "</s>hi");
+    std::fs::write(dir.join("chat_template.jinja"), [0xff, 0xfe]).unwrap();
+    assert!(render().unwrap_err().contains("chat_template.jinja"));
+    std::fs::write(dir.join("chat_template.jinja"), "{% for %}").unwrap();
+    assert!(render().unwrap_err().contains("default"));
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+    // Named templates alone: no default for a conversation without tools.
+    let named = dir.join("additional_chat_templates");
+    std::fs::create_dir(&named).unwrap();
+    std::fs::write(named.join("tool_use.jinja"), "T").unwrap();
+    assert!(render().unwrap_err().contains("none named"));
+    for i in 0..MAX_NAMED_TEMPLATES {
+        std::fs::write(named.join(format!("t{i}.jinja")), "x").unwrap();
+    }
+    assert!(render().unwrap_err().contains("more than"));
 }
