@@ -645,6 +645,21 @@ fn environment() -> minijinja::Environment<'static> {
         },
     );
     env.add_filter("tojson", python_tojson);
+    // Jinja's `iterable` is Python's iter(): false for none (minijinja iterates none as empty),
+    // which templates lean on before `| length` (`tools is iterable and tools | length > 0`).
+    env.add_test("iterable", |value: minijinja::Value| {
+        use minijinja::value::ValueKind;
+        match value.kind() {
+            ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+            ValueKind::Undefined
+            | ValueKind::String
+            | ValueKind::Bytes
+            | ValueKind::Seq
+            | ValueKind::Map
+            | ValueKind::Iterable => true,
+            _ => value.try_iter().is_ok(),
+        }
+    });
     env
 }
 
@@ -1204,6 +1219,16 @@ mod tests {
             let e = template(source).render(&[], false).unwrap_err().to_string();
             assert!(e.contains("generation"), "{source}: {e}");
         }
+    }
+
+    #[test]
+    fn iterable_is_pythons() {
+        // Jinja2 3.1.6 renders "FalseTrueTrueFalseTrueTrue".
+        let t = template(
+            "{{ none is iterable }}{{ [] is iterable }}{{ 'a' is iterable }}{{ 1 is iterable }}\
+             {{ nothing is iterable }}{{ {} is iterable }}",
+        );
+        assert_eq!(t.render(&[], false).unwrap(), "FalseTrueTrueFalseTrueTrue");
     }
 
     #[test]
