@@ -1409,12 +1409,17 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         .render(&turn, true)
         .unwrap();
     assert!(text.ends_with("<|assistant|>\n"), "{text:?}");
-    let ids: Vec<String> = tok
-        .encode(&text)
-        .unwrap()
-        .iter()
-        .map(u32::to_string)
-        .collect();
+    // The ids of a rendered text, as `--prompt-ids` takes them.
+    let ids_of = |text: &str| {
+        let ids: Vec<String> = tok
+            .encode(text)
+            .unwrap()
+            .iter()
+            .map(u32::to_string)
+            .collect();
+        ids.join(",")
+    };
+    let ids = ids_of(&text);
     let greedy = |prompt: &[&str]| {
         let mut args = vec![
             "sample",
@@ -1432,7 +1437,6 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         assert!(o.status.success(), "{}", stderr(&o));
         stdout(&o)
     };
-    let ids = ids.join(",");
     assert_eq!(
         greedy(&["--chat", "Where did the dog go?"]),
         greedy(&["--prompt-ids", &ids])
@@ -1459,12 +1463,6 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         .unwrap()
         .render(&turn, true)
         .unwrap();
-    let ids: Vec<String> = tok
-        .encode(&text)
-        .unwrap()
-        .iter()
-        .map(u32::to_string)
-        .collect();
     assert_eq!(
         greedy(&[
             "--chat",
@@ -1472,7 +1470,7 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
             "--chat-template",
             file.to_str().unwrap()
         ]),
-        greedy(&["--prompt-ids", &ids.join(",")])
+        greedy(&["--prompt-ids", &ids_of(&text)])
     );
 }
 

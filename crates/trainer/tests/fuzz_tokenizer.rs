@@ -236,7 +236,12 @@ fn tokenizer_json_settings() {
 /// A fuzz campaign of `data build --jsonl` over mutations of `seed` with the tokenizer at
 /// `tokenizer` (relative to the crate). Whatever builds must be consistent: the mask covers
 /// the token file exactly and counts no more than its tokens.
-fn jsonl_campaign(name: &str, seed: &[&str], tokenizer: &str) {
+fn jsonl_campaign(
+    name: &str,
+    seed: &[&str],
+    tokenizer: &str,
+    options: headroom_trainer::tokenize::SftOptions,
+) {
     use headroom_mmap_data::{formats, loss_mask_path, LossMask, TokenFileFormat, TokenType};
     let seed = seed.join("\n").into_bytes();
     let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(tokenizer);
@@ -254,8 +259,8 @@ fn jsonl_campaign(name: &str, seed: &[&str], tokenizer: &str) {
             let _cleanup = Cleanup(vec![input.clone(), out.clone(), mask.clone()]);
             std::fs::write(&input, bytes).unwrap();
             let format = TokenFileFormat::Raw(TokenType::U16);
-            let r = headroom_trainer::tokenize::build_prompt_completion(
-                &input, &tok, format, &out, false,
+            let r = headroom_trainer::tokenize::build_prompt_completion_with(
+                &input, &tok, format, &out, false, &options,
             )?;
             let ds = formats::open(&out, &Default::default()).unwrap();
             let m = LossMask::open(&mask).unwrap();
@@ -284,6 +289,7 @@ fn fuzz_prompt_completion_jsonl() {
         "sft-jsonl",
         &seed,
         "tests/fixtures/sft/llama-tokenizer.json",
+        Default::default(),
     );
 }
 
@@ -301,6 +307,43 @@ fn fuzz_conversational_jsonl() {
         "chat-jsonl",
         &seed,
         "tests/fixtures/sft/chat/tokenizer.json",
+        Default::default(),
+    );
+}
+
+/// The same with `assistant_only_loss` through a template with generation blocks (with a
+/// message's reasoning and `chat_template_kwargs`).
+#[test]
+fn fuzz_assistant_only_jsonl() {
+    let seed = [
+        r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello.", "reasoning": "r"}]}"#,
+        r#"{"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": "b"}], "chat_template_kwargs": {"enable_thinking": false}}"#,
+        r#"{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}, {"role": "assistant", "content": ""}]}"#,
+    ];
+    jsonl_campaign(
+        "chat-assistant-jsonl",
+        &seed,
+        "tests/fixtures/sft/chat-jinja/tokenizer.json",
+        headroom_trainer::tokenize::SftOptions {
+            assistant_only_loss: true,
+            chat_template: None,
+        },
+    );
+}
+
+/// Lines with tools (as a list and as JSON text) through the tool-use template: transformers'
+/// `tojson` over damaged schemas and tool calls.
+#[test]
+fn fuzz_tools_jsonl() {
+    let seed = [
+        r#"{"messages": [{"role": "user", "content": "w?"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"city": "P", "n": 1.5e-7}}}]}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "ok"}], "tools": [{"type": "function", "function": {"name": "f", "description": "<b> & é", "parameters": {"type": "object", "properties": {"n": {"type": "number"}}}}}]}"#,
+        r#"{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}], "tools": "[{\"type\": \"function\", \"function\": {\"name\": \"g\", \"parameters\": {}}}]", "chat_template_kwargs": {"enable_thinking": false}}"#,
+    ];
+    jsonl_campaign(
+        "chat-tools-jsonl",
+        &seed,
+        "tests/fixtures/sft/chat-jinja/tokenizer.json",
+        Default::default(),
     );
 }
 
