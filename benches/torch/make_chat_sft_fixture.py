@@ -21,7 +21,8 @@ turns are `{% generation %}` blocks) and `additional_chat_templates/tool_use.jin
 tool calls, `tojson`). With it the fixture holds:
 
 - TRL's ids and labels with `assistant_only_loss=True` (language modelling and
-  prompt-completion), and for examples with `tools` and `chat_template_kwargs` columns;
+  prompt-completion), with `completion_only_loss=False` (with and without it), and for examples
+  with `tools` and `chat_template_kwargs` columns;
 - transformers' `return_assistant_tokens_mask` (ids and mask) of conversations under templates
   whose generation tags use every kind of whitespace control, and TRL's
   `is_chat_template_stop_token_trained` of each;
@@ -634,6 +635,16 @@ def make():
                 "tools": [
                     trl_columns(jinja_tok, [ex], tmp)[0] for ex in TOOL_EXAMPLES
                 ],
+                "prompt_completion_counting_prompts": trl_columns(
+                    jinja_tok, PROMPT_COMPLETION, tmp, completion_only_loss=False
+                ),
+                "assistant_only_loss_counting_prompts": trl_columns(
+                    jinja_tok,
+                    AOL_PROMPT_COMPLETION,
+                    tmp,
+                    assistant_only_loss=True,
+                    completion_only_loss=False,
+                ),
             },
         }
         files = {}

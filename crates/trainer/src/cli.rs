@@ -808,6 +808,10 @@ enum DataCommand {
         /// line, only the completion's). Every line must be conversational.
         #[arg(long, requires = "jsonl")]
         assistant_only_loss: bool,
+        /// With `--jsonl`: whether only a prompt-completion line's completion counts (TRL's
+        /// `completion_only_loss`, default true); `false` counts the prompt too.
+        #[arg(long, requires = "jsonl", default_value_t = true, action = clap::ArgAction::Set)]
+        completion_only_loss: bool,
         /// With `--jsonl`: render conversations with this Jinja chat template file instead of
         /// the tokenizer's (TRL's `chat_template_path`), such as a training template with
         /// `{% generation %}` blocks; the special tokens still come from the tokenizer's
@@ -1932,6 +1936,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             quiet,
             jsonl: true,
             assistant_only_loss,
+            completion_only_loss,
             chat_template,
             ..
         } => {
@@ -1942,6 +1947,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 chat_template: chat_template
                     .map(|file| tok.chat_template_from(&file))
                     .transpose()?,
+                count_prompts: !completion_only_loss,
             };
             let r = crate::tokenize::build_prompt_completion_with(
                 &input, &tok, format, &out, !quiet, &options,
@@ -1952,10 +1958,13 @@ fn cmd_data(c: DataCommand) -> CliResult {
             say!("{:<13}{}", "format", r.format);
             say!("{:<13}{}", "examples", r.examples);
             say!("{:<13}{}", "tokens", r.tokens);
-            let counted = if assistant_only_loss {
-                "the assistant's turns"
-            } else {
-                "the completions, their ends and whole text or messages examples"
+            let counted = match (assistant_only_loss, completion_only_loss) {
+                (true, true) => {
+                    "the assistant's turns, of prompt-completion lines the completion's"
+                }
+                (true, false) => "the assistant's turns",
+                (false, true) => "the completions, their ends and whole text or messages examples",
+                (false, false) => "every token",
             };
             say!(
                 "{:<13}{} ({:.1}%: {counted})",

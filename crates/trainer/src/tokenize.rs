@@ -579,6 +579,9 @@ pub struct SftOptions {
     /// A chat template in place of the tokenizer's ([`ChatTemplate::from_file`]; TRL's
     /// `chat_template_path`), such as a training template with `{% generation %}` blocks.
     pub chat_template: Option<ChatTemplate>,
+    /// A prompt-completion example's prompt counts too (TRL's `completion_only_loss=False`);
+    /// with `assistant_only_loss`, the assistant's turns of the prompt then count.
+    pub count_prompts: bool,
 }
 
 /// One example's ids and their loss flags.
@@ -713,7 +716,11 @@ fn encode_example(
     if assistant.is_none() && ids.last() != Some(&eot) {
         ids.push(eot);
     }
-    let prompt_len = prompt_len.min(ids.len());
+    let prompt_len = if options.count_prompts {
+        0
+    } else {
+        prompt_len.min(ids.len())
+    };
     let mut flags: Vec<bool> = (0..ids.len()).map(|i| i >= prompt_len).collect();
     if options.assistant_only_loss {
         // TRL's labels: a token counts when every mask it has says so.

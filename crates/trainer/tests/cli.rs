@@ -1376,6 +1376,24 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         mask.counted() > 0 && mask.counted() * 3 < mask.len() as u64,
         "{mask:?}"
     );
+    // TRL's completion_only_loss=False: the prompts count too.
+    let every = dir.path().join("every.bin");
+    let o = headroom(&[
+        "data",
+        "build",
+        "--jsonl",
+        "--completion-only-loss",
+        "false",
+        "--tokenizer",
+        chat.to_str().unwrap(),
+        "--format",
+        "raw",
+        jsonl.to_str().unwrap(),
+        every.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let all = headroom_mmap_data::LossMask::open(dir.path().join("every.bin.lossmask")).unwrap();
+    assert_eq!((all.len(), all.counted()), (mask.len(), mask.len() as u64));
     let run = dir.path().join("run");
     let o = headroom(&[
         "train",

@@ -326,7 +326,7 @@ fn fuzz_assistant_only_jsonl() {
         "tests/fixtures/sft/chat-jinja/tokenizer.json",
         headroom_trainer::tokenize::SftOptions {
             assistant_only_loss: true,
-            chat_template: None,
+            ..Default::default()
         },
     );
 }

@@ -459,14 +459,15 @@ fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
     let jinja = &fixture["jinja"];
     let tokenizer = fixtures().join("sft/chat-jinja/tokenizer.json");
     let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
-    let run = |lines: &[String], assistant_only_loss: bool| {
+    let run = |lines: &[String], assistant_only_loss: bool, count_prompts: bool| {
         let dir = tempfile::tempdir().unwrap();
         let input = dir.path().join("sft.jsonl");
         std::fs::write(&input, lines.join("\n")).unwrap();
         let out = dir.path().join("sft.bin");
         let options = SftOptions {
             assistant_only_loss,
-            chat_template: None,
+            count_prompts,
+            ..Default::default()
         };
         let format = TokenFileFormat::Raw(TokenType::U16);
         let report =
@@ -491,7 +492,7 @@ fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
             .map(Value::to_string)
             .collect();
         let (want_ids, want_flags) = trl_stream(jinja["trl"][set].as_array().unwrap());
-        let (ids, flags, report) = run(&lines, true);
+        let (ids, flags, report) = run(&lines, true, false);
         assert_eq!(ids, want_ids, "{set}: ids");
         assert_eq!(flags, want_flags, "{set}: flags");
         assert_eq!(report.stop_token_counted, Some(true));
@@ -499,6 +500,33 @@ fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
             flags.iter().any(|f| !f) && flags.iter().any(|f| *f),
             "{set}"
         );
+    }
+    // TRL's completion_only_loss=False: the prompt counts too; with assistant_only_loss, the
+    // prompt's assistant turns.
+    let prompt_completion: Vec<String> = fixture["prompt_completion"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    let aol: Vec<String> = jinja["examples"]["assistant_only_loss_prompt_completion"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    for (lines, assistant_only, set) in [
+        (
+            &prompt_completion,
+            false,
+            "prompt_completion_counting_prompts",
+        ),
+        (&aol, true, "assistant_only_loss_counting_prompts"),
+    ] {
+        let (want_ids, want_flags) = trl_stream(jinja["trl"][set].as_array().unwrap());
+        let (ids, flags, _) = run(lines, assistant_only, true);
+        assert_eq!(ids, want_ids, "{set}: ids");
+        assert_eq!(flags, want_flags, "{set}: flags");
     }
     let tools = jinja["examples"]["tools"].as_array().unwrap();
     let (want_ids, want_flags) = trl_stream(jinja["trl"]["tools"].as_array().unwrap());
@@ -518,7 +546,7 @@ fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
         })
         .collect();
     for lines in [as_text, as_list] {
-        let (ids, flags, report) = run(&lines, false);
+        let (ids, flags, report) = run(&lines, false, false);
         assert_eq!(ids, want_ids, "tools: ids");
         assert_eq!(flags, want_flags, "tools: flags");
         assert_eq!(report.stop_token_counted, None);
@@ -544,6 +572,7 @@ fn assistant_only_loss_refuses_what_it_cannot_mask() {
         let options = SftOptions {
             assistant_only_loss: true,
             chat_template: template,
+            ..Default::default()
         };
         build_prompt_completion_with(
             &input,
