@@ -21,8 +21,9 @@ turns are `{% generation %}` blocks) and `additional_chat_templates/tool_use.jin
 tool calls, `tojson`). With it the fixture holds:
 
 - TRL's ids and labels with `assistant_only_loss=True` (language modelling and
-  prompt-completion), with `completion_only_loss=False` (with and without it), and for examples
-  with `tools` and `chat_template_kwargs` columns;
+  prompt-completion), with `completion_only_loss=False` (with and without it), with
+  `max_length=16` (`keep_start`, `keep_end`: cut examples, and examples left with no counted
+  token dropped), and for examples with `tools` and `chat_template_kwargs` columns;
 - transformers' `return_assistant_tokens_mask` (ids and mask) of conversations under templates
   whose generation tags use every kind of whitespace control, and TRL's
   `is_chat_template_stop_token_trained` of each;
@@ -638,6 +639,19 @@ def make():
                 "prompt_completion_counting_prompts": trl_columns(
                     jinja_tok, PROMPT_COMPLETION, tmp, completion_only_loss=False
                 ),
+                # A TRL dataset holds one format: the two formats run apart, in file order.
+                "keep_start_16": [
+                    row
+                    for examples in (PROMPT_COMPLETION, MESSAGES)
+                    for row in trl_columns(jinja_tok, examples, tmp, max_length=16)
+                ],
+                "keep_end_16": [
+                    row
+                    for examples in (PROMPT_COMPLETION, MESSAGES)
+                    for row in trl_columns(
+                        jinja_tok, examples, tmp, max_length=16, truncation_mode="keep_end"
+                    )
+                ],
                 "assistant_only_loss_counting_prompts": trl_columns(
                     jinja_tok,
                     AOL_PROMPT_COMPLETION,

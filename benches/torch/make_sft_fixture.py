@@ -90,9 +90,9 @@ def trl_columns(tokenizer, examples, tmp, **config):
             num_key_value_heads=1,
         )
     )
+    config = {"max_length": None, **config}
     args = SFTConfig(
         output_dir=os.path.join(tmp, "out"),
-        max_length=None,
         packing=False,
         report_to="none",
         use_cpu=True,

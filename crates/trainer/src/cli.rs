@@ -812,6 +812,19 @@ enum DataCommand {
         /// `completion_only_loss`, default true); `false` counts the prompt too.
         #[arg(long, requires = "jsonl", default_value_t = true, action = clap::ArgAction::Set)]
         completion_only_loss: bool,
+        /// With `--jsonl`: cut each example to at most N tokens and leave out those left with
+        /// no counted token (TRL's `max_length`; TRL's default is 1024, headroom's no cut, as
+        /// `train --seq` windows the packed examples anyway).
+        #[arg(long, value_name = "N", requires = "jsonl")]
+        max_length: Option<usize>,
+        /// With `--max-length`: keep-start (TRL's default) or keep-end.
+        #[arg(
+            long,
+            value_name = "MODE",
+            requires = "max_length",
+            default_value = "keep-start"
+        )]
+        truncation_mode: String,
         /// With `--jsonl`: render conversations with this Jinja chat template file instead of
         /// the tokenizer's (TRL's `chat_template_path`), such as a training template with
         /// `{% generation %}` blocks; the special tokens still come from the tokenizer's
@@ -1938,6 +1951,8 @@ fn cmd_data(c: DataCommand) -> CliResult {
             assistant_only_loss,
             completion_only_loss,
             chat_template,
+            max_length,
+            truncation_mode,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
@@ -1948,6 +1963,17 @@ fn cmd_data(c: DataCommand) -> CliResult {
                     .map(|file| tok.chat_template_from(&file))
                     .transpose()?,
                 count_prompts: !completion_only_loss,
+                max_length,
+                truncation: match truncation_mode.as_str() {
+                    "keep-start" | "keep_start" => crate::tokenize::Truncation::KeepStart,
+                    "keep-end" | "keep_end" => crate::tokenize::Truncation::KeepEnd,
+                    other => {
+                        return Err(format!(
+                            "--truncation-mode {other}: expected keep-start or keep-end"
+                        )
+                        .into())
+                    }
+                },
             };
             let r = crate::tokenize::build_prompt_completion_with(
                 &input, &tok, format, &out, !quiet, &options,
@@ -1972,6 +1998,15 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 r.counted,
                 100.0 * r.counted as f64 / r.tokens.max(1) as f64
             );
+            if let Some(max) = max_length {
+                say!(
+                    "{:<13}{} examples cut to {max} tokens ({truncation_mode}), {} left out with \
+                     no counted token",
+                    "truncated",
+                    r.truncated,
+                    r.dropped
+                );
+            }
             if r.stop_token_counted == Some(false) {
                 say!(
                     "{:<13}the chat template's generation blocks leave out the assistant's end \

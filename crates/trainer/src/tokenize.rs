@@ -522,6 +522,10 @@ pub struct PromptCompletionReport {
     pub boundary_merges: u64,
     /// The format written.
     pub format: TokenFileFormat,
+    /// Examples cut to [`SftOptions::max_length`].
+    pub truncated: u64,
+    /// Examples left out because the cut left no counted token (TRL drops them too).
+    pub dropped: u64,
     /// With `assistant_only_loss`: whether the template's generation blocks count the
     /// assistant's end of turn (TRL's `is_chat_template_stop_token_trained`; when not, the
     /// model never learns to stop, and TRL warns). `None` otherwise.
@@ -582,6 +586,22 @@ pub struct SftOptions {
     /// A prompt-completion example's prompt counts too (TRL's `completion_only_loss=False`);
     /// with `assistant_only_loss`, the assistant's turns of the prompt then count.
     pub count_prompts: bool,
+    /// Cut each example to at most this many tokens, and leave out an example with no counted
+    /// token left (TRL's `max_length`, whose default is 1024; `None` is TRL's `None`: no cut).
+    pub max_length: Option<usize>,
+    /// Which end of a long example to keep.
+    pub truncation: Truncation,
+}
+
+/// Which end of an example longer than [`SftOptions::max_length`] is kept (TRL's
+/// `truncation_mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Truncation {
+    /// The first `max_length` tokens (`keep_start`, TRL's default).
+    #[default]
+    KeepStart,
+    /// The last `max_length` tokens (`keep_end`).
+    KeepEnd,
 }
 
 /// One example's ids and their loss flags.
@@ -814,6 +834,9 @@ pub fn build_prompt_completion_with(
             "no end-of-text token to end each example with",
         )
     })?;
+    if options.max_length == Some(0) {
+        return Err(err(input, "a maximum length of 0 tokens leaves nothing"));
+    }
     let chat: ChatForExamples = match &options.chat_template {
         Some(t) => Ok(Some(t.clone())),
         None => tok.chat_template().map_err(|e| e.to_string()),
@@ -860,7 +883,7 @@ pub fn build_prompt_completion_with(
     );
     let mut writer = TokenWriter::create(out, format)?;
     let mut mask = headroom_mmap_data::LossMaskWriter::create(&mask_path)?;
-    let (mut counted, mut merges) = (0u64, 0u64);
+    let (mut counted, mut merges, mut truncated, mut dropped) = (0u64, 0u64, 0u64, 0u64);
     // Examples encoded in parallel, written in order.
     let batch = rayon::current_num_threads().max(1) * 256;
     for group in lines.chunks(batch) {
@@ -868,7 +891,23 @@ pub fn build_prompt_completion_with(
             .par_iter()
             .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, n, input))
             .collect::<Result<_>>()?;
-        for (ids, flags, merged) in encoded {
+        for (mut ids, mut flags, merged) in encoded {
+            if let Some(max) = options.max_length {
+                if ids.len() > max {
+                    truncated += 1;
+                    let cut = match options.truncation {
+                        Truncation::KeepStart => 0..max,
+                        Truncation::KeepEnd => ids.len() - max..ids.len(),
+                    };
+                    ids = ids[cut.clone()].to_vec();
+                    flags = flags[cut].to_vec();
+                }
+                // TRL's filter after its cut: an example without a counted token adds no loss.
+                if !flags.contains(&true) {
+                    dropped += 1;
+                    continue;
+                }
+            }
             writer.write(&ids)?;
             writer.end_document()?;
             mask.write(&flags)?;
@@ -878,6 +917,16 @@ pub fn build_prompt_completion_with(
         bar.inc(group.len() as u64);
     }
     bar.finish_and_clear();
+    if dropped == lines.len() as u64 {
+        return Err(err(
+            input,
+            format!(
+                "every example was left out: none has a counted token within its first (or \
+                 last) {} tokens",
+                options.max_length.unwrap_or(0)
+            ),
+        ));
+    }
     let written = writer.finish()?;
     mask.finish()?;
     let mask_bytes = std::fs::metadata(&mask_path)
@@ -892,6 +941,8 @@ pub fn build_prompt_completion_with(
         counted,
         boundary_merges: merges,
         format,
+        truncated,
+        dropped,
         stop_token_counted,
     })
 }

@@ -1394,6 +1394,40 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
     assert!(o.status.success(), "{}", stderr(&o));
     let all = headroom_mmap_data::LossMask::open(dir.path().join("every.bin.lossmask")).unwrap();
     assert_eq!((all.len(), all.counted()), (mask.len(), mask.len() as u64));
+    // TRL's max_length and truncation_mode: 100 examples cut to their last 8 tokens.
+    let cut = |mode: &str| {
+        headroom(&[
+            "data",
+            "build",
+            "--jsonl",
+            "--max-length",
+            "8",
+            "--truncation-mode",
+            mode,
+            "--tokenizer",
+            chat.to_str().unwrap(),
+            "--format",
+            "raw",
+            jsonl.to_str().unwrap(),
+            every.to_str().unwrap(),
+        ])
+    };
+    let o = cut("keep-end");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("100 examples cut to 8 tokens"),
+        "{}",
+        stdout(&o)
+    );
+    let short = headroom_mmap_data::LossMask::open(dir.path().join("every.bin.lossmask")).unwrap();
+    assert_eq!(short.len(), 800);
+    let o = cut("middle");
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("keep-start or keep-end"),
+        "{}",
+        stderr(&o)
+    );
     let run = dir.path().join("run");
     let o = headroom(&[
         "train",

@@ -68,13 +68,29 @@ fn build(
     Vec<bool>,
     headroom_trainer::tokenize::PromptCompletionReport,
 ) {
+    build_with(lines, tokenizer, &Default::default())
+}
+
+/// [`build`] with options.
+fn build_with(
+    lines: &[String],
+    tokenizer: &Path,
+    options: &headroom_trainer::tokenize::SftOptions,
+) -> (
+    Vec<u32>,
+    Vec<bool>,
+    headroom_trainer::tokenize::PromptCompletionReport,
+) {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("sft.jsonl");
     std::fs::write(&input, lines.join("\n")).unwrap();
     let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
     let out = dir.path().join("sft.bin");
     let format = TokenFileFormat::Raw(TokenType::U16);
-    let report = build_prompt_completion(&input, &tok, format, &out, false).unwrap();
+    let report = headroom_trainer::tokenize::build_prompt_completion_with(
+        &input, &tok, format, &out, false, options,
+    )
+    .unwrap();
     let ds = formats::open(&out, &Default::default()).unwrap();
     let ids = (0..ds.total_tokens())
         .map(|i| ds.token(0, i).unwrap() as u32)
@@ -454,31 +470,17 @@ fn generation_blocks_give_transformers_assistant_masks() {
 /// with `tools` (as JSON text or as a list) and `chat_template_kwargs` get TRL's ids too.
 #[test]
 fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
-    use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions};
+    use headroom_trainer::tokenize::SftOptions;
     let (fixture, _) = chat_fixture();
     let jinja = &fixture["jinja"];
     let tokenizer = fixtures().join("sft/chat-jinja/tokenizer.json");
-    let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
     let run = |lines: &[String], assistant_only_loss: bool, count_prompts: bool| {
-        let dir = tempfile::tempdir().unwrap();
-        let input = dir.path().join("sft.jsonl");
-        std::fs::write(&input, lines.join("\n")).unwrap();
-        let out = dir.path().join("sft.bin");
         let options = SftOptions {
             assistant_only_loss,
             count_prompts,
             ..Default::default()
         };
-        let format = TokenFileFormat::Raw(TokenType::U16);
-        let report =
-            build_prompt_completion_with(&input, &tok, format, &out, false, &options).unwrap();
-        let ds = formats::open(&out, &Default::default()).unwrap();
-        let ids: Vec<u32> = (0..ds.total_tokens())
-            .map(|i| ds.token(0, i).unwrap() as u32)
-            .collect();
-        let mask = LossMask::open(loss_mask_path(&out)).unwrap();
-        let flags: Vec<bool> = (0..mask.len()).map(|i| mask.get(i).unwrap()).collect();
-        (ids, flags, report)
+        build_with(lines, &tokenizer, &options)
     };
     for set in [
         "assistant_only_loss_messages",
@@ -672,4 +674,55 @@ fn template_files_beside_a_tokenizer_are_read_as_transformers_reads_them() {
         std::fs::write(named.join(format!("t{i}.jinja")), "x").unwrap();
     }
     assert!(render().unwrap_err().contains("more than"));
+}
+
+/// TRL's `max_length` and `truncation_mode`: each example cut to 16 tokens from its start or
+/// its end, and those left with no counted token left out (five of seven from the start, where
+/// the prompts fill the 16 tokens); the same ids and flags as TRL's.
+#[test]
+fn max_length_cuts_and_drops_examples_as_trl_does() {
+    use headroom_trainer::tokenize::{SftOptions, Truncation};
+    let (fixture, _) = chat_fixture();
+    let lines: Vec<String> = fixture["prompt_completion"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(fixture["messages"].as_array().unwrap())
+        .map(Value::to_string)
+        .collect();
+    let tokenizer = fixtures().join("sft/chat-jinja/tokenizer.json");
+    for (truncation, set, dropped) in [
+        (Truncation::KeepStart, "keep_start_16", 5),
+        (Truncation::KeepEnd, "keep_end_16", 0),
+    ] {
+        let options = SftOptions {
+            max_length: Some(16),
+            truncation,
+            ..Default::default()
+        };
+        let (ids, flags, report) = build_with(&lines, &tokenizer, &options);
+        let (want_ids, want_flags) = trl_stream(fixture["jinja"]["trl"][set].as_array().unwrap());
+        assert_eq!(ids, want_ids, "{set}: ids");
+        assert_eq!(flags, want_flags, "{set}: flags");
+        assert_eq!((report.truncated, report.dropped), (7, dropped), "{set}");
+    }
+    // Nothing left is an error, not an empty file; so is a length of 0.
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("x.jsonl");
+    std::fs::write(&input, lines[..5].join("\n")).unwrap();
+    let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
+    for (max, needle) in [(3, "every example was left out"), (0, "length of 0")] {
+        let options = SftOptions {
+            max_length: Some(max),
+            ..Default::default()
+        };
+        let out = tmp.path().join("o.bin");
+        let format = TokenFileFormat::Raw(TokenType::U16);
+        let e = headroom_trainer::tokenize::build_prompt_completion_with(
+            &input, &tok, format, &out, false, &options,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(needle), "{max}: {e}");
+    }
 }
