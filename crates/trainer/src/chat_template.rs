@@ -191,8 +191,8 @@ impl<'de> serde::Deserialize<'de> for ChatValue {
     }
 }
 
-/// Named templates a tokenizer may carry (`additional_chat_templates/*.jinja`); real ones have
-/// two or three.
+/// Named templates a tokenizer may carry (`additional_chat_templates/*.jinja`; real ones have
+/// two or three); together with the default they hold at most [`MAX_CONFIG_BYTES`].
 pub const MAX_NAMED_TEMPLATES: usize = 64;
 /// The special tokens transformers passes to a template (its `special_tokens_map`).
 const SPECIAL_TOKENS: [&str; 7] = [
@@ -271,7 +271,12 @@ fn token_text(value: &serde_json::Value) -> Option<String> {
 
 /// The text of the file `path`, at most [`MAX_CONFIG_BYTES`] of UTF-8.
 fn read_text(path: &Path) -> Result<String> {
-    let bytes = crate::bounded::read_file(path, MAX_CONFIG_BYTES).map_err(|e| err(path, e))?;
+    read_text_within(path, MAX_CONFIG_BYTES)
+}
+
+/// The text of the file `path`, at most `limit` bytes of UTF-8.
+fn read_text_within(path: &Path, limit: u64) -> Result<String> {
+    let bytes = crate::bounded::read_file(path, limit).map_err(|e| err(path, e))?;
     String::from_utf8(bytes).map_err(|e| err(path, e.to_string()))
 }
 
@@ -366,8 +371,13 @@ impl ChatTemplate {
             if sources.is_empty() && !files.is_empty() {
                 path = named.clone();
             }
+            // All of them together within one file's bound: each is read with what is left.
+            let mut left =
+                MAX_CONFIG_BYTES.saturating_sub(sources.iter().map(|(_, t)| t.len() as u64).sum());
             for (name, file) in files {
-                sources.push((name, read_text(&file)?));
+                let text = read_text_within(&file, left)?;
+                left -= text.len() as u64;
+                sources.push((name, text));
             }
         }
         // Template files take the place of the configuration's templates, as in transformers.

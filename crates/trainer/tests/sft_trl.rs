@@ -670,6 +670,14 @@ fn template_files_beside_a_tokenizer_are_read_as_transformers_reads_them() {
     std::fs::create_dir(&named).unwrap();
     std::fs::write(named.join("tool_use.jinja"), "T").unwrap();
     assert!(render().unwrap_err().contains("none named"));
+    // Two templates of 33 MiB (sparse files of NULs): each within a file's bound, together
+    // over it.
+    for name in ["a.jinja", "b.jinja"] {
+        let f = std::fs::File::create(named.join(name)).unwrap();
+        f.set_len(33 << 20).unwrap();
+    }
+    let e = render().unwrap_err();
+    assert!(e.contains("b.jinja"), "{e}");
     for i in 0..MAX_NAMED_TEMPLATES {
         std::fs::write(named.join(format!("t{i}.jinja")), "x").unwrap();
     }
