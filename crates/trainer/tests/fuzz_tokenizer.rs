@@ -312,7 +312,8 @@ fn fuzz_conversational_jsonl() {
 }
 
 /// The same with `assistant_only_loss` through a template with generation blocks (with a
-/// message's reasoning and `chat_template_kwargs`).
+/// message's reasoning and `chat_template_kwargs`), each example cut to its last 24 tokens
+/// (TRL's `max_length`, `keep_end`).
 #[test]
 fn fuzz_assistant_only_jsonl() {
     let seed = [
@@ -326,6 +327,8 @@ fn fuzz_assistant_only_jsonl() {
         "tests/fixtures/sft/chat-jinja/tokenizer.json",
         headroom_trainer::tokenize::SftOptions {
             assistant_only_loss: true,
+            max_length: Some(24),
+            truncation: headroom_trainer::tokenize::Truncation::KeepEnd,
             ..Default::default()
         },
     );
