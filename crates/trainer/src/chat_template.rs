@@ -859,7 +859,11 @@ fn python_tojson(
             }
             Some(" ".repeat(n.max(0) as usize))
         }
-        Some(v) => return Err(bad(format!("indent must be a number or a string, not {v}"))),
+        Some(v) => {
+            return Err(bad(format!(
+                "indent must be an integer or a string, not {v}"
+            )))
+        }
     };
     let (item_separator, key_separator) = match given(&slots[2]) {
         None if indent.is_some() => (",".to_owned(), ": ".to_owned()),

@@ -817,8 +817,9 @@ pub fn build_prompt_completion(
     build_prompt_completion_with(input, tok, format, out, progress, &SftOptions::default())
 }
 
-/// [`build_prompt_completion`] with a chat template in place of the tokenizer's, or counting
-/// only the assistant's tokens ([`SftOptions`]).
+/// [`build_prompt_completion`] with [`SftOptions`]: a chat template file in place of the
+/// tokenizer's, only the assistant's tokens counted, prompts counted too, examples cut to a
+/// maximum length.
 pub fn build_prompt_completion_with(
     input: &Path,
     tok: &Tokenizer,
