@@ -216,8 +216,18 @@ struct SampleArgs {
     /// add_generation_prompt=True)`; generation stops at the template's end-of-sequence token.
     #[arg(long, value_name = "MESSAGE", conflicts_with_all = ["prompt", "prompt_ids"])]
     chat: Option<String>,
-    /// A Jinja chat template file for `--chat`, in place of the tokenizer's.
-    #[arg(long, value_name = "FILE", requires = "chat")]
+    /// A system message before `--chat`'s user turn.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    system: Option<String>,
+    /// A conversation so far for a chat model to continue: a JSON file holding a list of
+    /// messages, or an object as a `data build --jsonl` line (`messages`, and `tools` and
+    /// `chat_template_kwargs` if any), rendered with the chat template and the assistant's
+    /// turn header; `--chat MESSAGE` then adds a user turn after it.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_ids", "system"])]
+    conversation: Option<PathBuf>,
+    /// A Jinja chat template file for `--chat` or `--conversation`, in place of the
+    /// tokenizer's.
+    #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
     /// New tokens to generate.
     #[arg(long, default_value_t = 100)]
@@ -2327,6 +2337,57 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     Ok(())
 }
 
+/// A conversation for `sample --conversation`.
+#[derive(Default)]
+struct Conversation {
+    messages: Vec<crate::chat_template::ChatValue>,
+    tools: Option<Vec<crate::chat_template::ChatValue>>,
+    extra: Vec<(String, crate::chat_template::ChatValue)>,
+}
+
+/// The file of `--conversation`: a list of messages, or an object with `messages` and, if any,
+/// `tools` (a list, or that list as JSON text) and `chat_template_kwargs`.
+fn read_conversation(file: &Path) -> CliResult<Conversation> {
+    use crate::chat_template::ChatValue;
+    let bytes = crate::bounded::read_file(file, crate::chat_template::MAX_CONFIG_BYTES)
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    let bad = |why: String| format!("{}: {why}", file.display());
+    let value: ChatValue =
+        serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let field = |o: &[(String, ChatValue)], key: &str| {
+        o.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+    };
+    let list = |v: ChatValue, what: &str| match v {
+        ChatValue::Array(a) => Ok(a),
+        ChatValue::String(text) => {
+            serde_json::from_str(&text).map_err(|e| bad(format!("{what} is not a JSON list: {e}")))
+        }
+        _ => Err(bad(format!("{what} is not a list"))),
+    };
+    Ok(match value {
+        ChatValue::Array(messages) => Conversation {
+            messages,
+            ..Default::default()
+        },
+        ChatValue::Object(o) => Conversation {
+            messages: match field(&o, "messages") {
+                Some(ChatValue::Array(m)) => m,
+                _ => return Err(bad("no \"messages\" list".into()).into()),
+            },
+            tools: match field(&o, "tools") {
+                None | Some(ChatValue::Null) => None,
+                Some(v) => Some(list(v, "tools")?),
+            },
+            extra: match field(&o, "chat_template_kwargs") {
+                None | Some(ChatValue::Null) => Vec::new(),
+                Some(ChatValue::Object(kw)) => kw,
+                Some(_) => return Err(bad("chat_template_kwargs is not an object".into()).into()),
+            },
+        },
+        _ => return Err(bad("neither a list of messages nor an object".into()).into()),
+    })
+}
+
 fn cmd_sample(a: SampleArgs) -> CliResult {
     use crate::sample::{generate, load_for_inference, SampleOptions, Sampling};
     use crate::tokenize::Tokenizer;
@@ -2357,30 +2418,56 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         }
     }
     let mut eot = tok.as_ref().and_then(Tokenizer::end_of_text);
-    let chat_prompt = match (&a.chat, &tok) {
-        (Some(message), Some(t)) => {
-            let template = match &a.chat_template {
-                Some(file) => t.chat_template_from(file)?,
-                None => t.chat_template()?.ok_or(
-                    "--chat needs a chat template: the tokenizer has none (chat_template.jinja \
-                     or tokenizer_config.json beside its tokenizer.json); give one with \
-                     --chat-template FILE",
-                )?,
-            };
-            let turn = [serde_json::json!({"role": "user", "content": message}).into()];
-            let text = template.render(&turn, true)?;
-            // The chat model ends its turn with the template's end-of-sequence token.
-            if let Some(id) = template
-                .special_token("eos_token")
-                .and_then(|e| t.token_id(e))
-            {
-                eot = Some(id);
-            }
-            // The template wrote the special tokens: none is added around the text.
-            Some(t.encode(&text)?)
+    let chat_prompt = if a.chat.is_some() || a.conversation.is_some() {
+        let t = tok
+            .as_ref()
+            .ok_or("--chat and --conversation need a tokenizer: pass --tokenizer FILE")?;
+        let template = match &a.chat_template {
+            Some(file) => t.chat_template_from(file)?,
+            None => t.chat_template()?.ok_or(
+                "--chat needs a chat template: the tokenizer has none (chat_template.jinja \
+                 or tokenizer_config.json beside its tokenizer.json); give one with \
+                 --chat-template FILE",
+            )?,
+        };
+        let conversation = match &a.conversation {
+            Some(file) => read_conversation(file)?,
+            None => Conversation::default(),
+        };
+        let turn = |role: &str, content: &str| {
+            crate::chat_template::ChatValue::from(
+                serde_json::json!({"role": role, "content": content}),
+            )
+        };
+        let mut messages = conversation.messages;
+        if let Some(system) = &a.system {
+            messages.push(turn("system", system));
         }
-        (Some(_), None) => return Err("--chat needs a tokenizer: pass --tokenizer FILE".into()),
-        (None, _) => None,
+        if let Some(message) = &a.chat {
+            messages.push(turn("user", message));
+        }
+        let text = template
+            .render_request(&crate::chat_template::ChatRequest {
+                messages: &messages,
+                add_generation_prompt: true,
+                tools: conversation.tools.as_deref(),
+                documents: None,
+                extra: &conversation.extra,
+            })?
+            .text;
+        // The chat model ends its turn with the template's end-of-sequence token.
+        if let Some(id) = template
+            .special_token("eos_token")
+            .and_then(|e| t.token_id(e))
+        {
+            eot = Some(id);
+        }
+        // The template wrote the special tokens: none is added around the text.
+        Some(t.encode(&text)?)
+    } else if a.chat_template.is_some() {
+        return Err("--chat-template needs --chat or --conversation".into());
+    } else {
+        None
     };
     let prompt = match (chat_prompt, &a.prompt, a.prompt_ids, &tok) {
         (Some(ids), ..) => ids,

@@ -1524,6 +1524,44 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         ]),
         greedy(&["--prompt-ids", &ids_of(&text)])
     );
+    // --conversation continues a conversation from a file; --system adds a system turn to
+    // --chat's user turn: the same renders, the same tokens.
+    let conversation = dir.path().join("conversation.json");
+    let turns = serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where did the dog go?"},
+    ]);
+    std::fs::write(&conversation, turns.to_string()).unwrap();
+    let from_file = greedy(&["--conversation", conversation.to_str().unwrap()]);
+    assert_eq!(
+        from_file,
+        greedy(&["--chat", "Where did the dog go?", "--system", "Be brief."])
+    );
+    std::fs::write(
+        &conversation,
+        serde_json::json!({"messages": turns, "chat_template_kwargs": {"x": 1}}).to_string(),
+    )
+    .unwrap();
+    assert_eq!(
+        greedy(&["--conversation", conversation.to_str().unwrap()]),
+        from_file
+    );
+    std::fs::write(&conversation, r#"{"turns": []}"#).unwrap();
+    let o = headroom(&[
+        "sample",
+        "--from",
+        run.to_str().unwrap(),
+        "--tokenizer",
+        chat.to_str().unwrap(),
+        "--conversation",
+        conversation.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("no \"messages\" list"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 /// `data build --jsonl --assistant-only-loss`: only the assistant's turns count. The
