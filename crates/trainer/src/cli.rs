@@ -857,6 +857,14 @@ enum DataCommand {
         /// Token type of a headerless raw file (guessed when absent).
         #[arg(long)]
         dtype: Option<String>,
+        /// Also decode the first N tokens with `--tokenizer`, the targets the loss mask counts
+        /// between `[[` and `]]`: what a chat template and `--assistant-only-loss` made of the
+        /// examples (TRL users decode their labels for the same check).
+        #[arg(long, value_name = "N", requires = "tokenizer")]
+        show: Option<usize>,
+        /// The tokenizer the file was built with (`gpt2`, or a tokenizer.json or its directory).
+        #[arg(long)]
+        tokenizer: Option<String>,
     },
 }
 
@@ -2085,16 +2093,68 @@ fn cmd_data(c: DataCommand) -> CliResult {
             remove_stale_loss_mask(&headroom_mmap_data::formats::token_file_path(&out, format))?;
             say!("{s}");
         }
-        DataCommand::Inspect { path, dtype } => {
+        DataCommand::Inspect {
+            path,
+            dtype,
+            show,
+            tokenizer,
+        } => {
             let mut opts = InspectOptions::default();
             if let Some(d) = dtype {
                 opts.raw_token_type = Some(d.parse::<TokenType>()?);
             }
+            if let Some(n) = show {
+                opts.preview_tokens = n;
+            }
             let d = headroom_mmap_data::inspect(&path, &opts)?;
             say!("{d}");
+            if let (Some(n), Some(name)) = (show, tokenizer) {
+                let tok = crate::tokenize::Tokenizer::from_name(&name)?;
+                let mask = match &d.loss_mask {
+                    Some((file, _)) => Some(headroom_mmap_data::LossMask::open(file)?),
+                    None => None,
+                };
+                say!(
+                    "{:<13}the first {} of {n} tokens{}:",
+                    "decoded",
+                    d.first_tokens.len(),
+                    if mask.is_some() {
+                        ", the counted targets between [[ and ]]"
+                    } else {
+                        ""
+                    }
+                );
+                say!("{}", marked_text(&tok, &d.first_tokens, mask.as_ref())?);
+            }
         }
     }
     Ok(())
+}
+
+/// `ids` decoded run by run, the runs `mask` counts between `[[` and `]]` (a character split
+/// across two runs shows as U+FFFD).
+fn marked_text(
+    tok: &crate::tokenize::Tokenizer,
+    ids: &[u32],
+    mask: Option<&headroom_mmap_data::LossMask>,
+) -> CliResult<String> {
+    let counted = |i: usize| mask.is_some_and(|m| m.get(i).unwrap_or(false));
+    let mut text = String::new();
+    let mut start = 0;
+    while start < ids.len() {
+        let on = counted(start);
+        let end = (start..ids.len())
+            .find(|&i| counted(i) != on)
+            .unwrap_or(ids.len());
+        let piece = tok.decode(&ids[start..end])?;
+        if on {
+            text += &format!("[[{piece}]]");
+        } else {
+            text += &piece;
+        }
+        start = end;
+    }
+    Ok(text)
 }
 
 /// A step's loss as the progress lines show it: a batch its loss mask left no target in has

@@ -1621,6 +1621,28 @@ fn jsonl_build_counts_only_the_assistants_turns() {
         mask.counted() > 0 && mask.counted() * 3 < mask.len() as u64,
         "{mask:?}"
     );
+    // `data inspect --show` decodes the start, the counted targets marked: the answers and
+    // their ends of turn, not the questions.
+    let o = headroom(&[
+        "data",
+        "inspect",
+        data.to_str().unwrap(),
+        "--show",
+        "60",
+        "--tokenizer",
+        chat.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let shown = stdout(&o);
+    assert!(shown.contains("the first 60 of 60 tokens"), "{shown}");
+    let marked: Vec<&str> = shown
+        .split("[[")
+        .skip(1)
+        .map(|s| s.split("]]").next().unwrap())
+        .collect();
+    assert!(marked.len() >= 2, "{shown}");
+    assert!(marked.iter().all(|m| !m.contains("<|user|>")), "{shown}");
+    assert!(marked.iter().any(|m| m.contains("</s>")), "{shown}");
     // A template that ends the block before the end of turn: TRL's warning (with the
     // byte-level BPE, as the chat tokenizer spells TRL's probe word with <unk>, an added token).
     let bpe = fixtures.join("../tokenizer/tokenizer.json");
