@@ -835,6 +835,12 @@ enum DataCommand {
             default_value = "keep-start"
         )]
         truncation_mode: String,
+        /// With `--max-length N`: pad every example to N tokens (never counted), so that
+        /// `train --seq N` reads each example alone in its own window from position 0, as
+        /// TRL's padded batches: no attention across examples, at the cost of computing the
+        /// padding.
+        #[arg(long, requires = "max_length")]
+        pad: bool,
         /// With `--jsonl`: render conversations with this Jinja chat template file instead of
         /// the tokenizer's (TRL's `chat_template_path`), such as a training template with
         /// `{% generation %}` blocks; the special tokens still come from the tokenizer's
@@ -1971,6 +1977,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             chat_template,
             max_length,
             truncation_mode,
+            pad,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
@@ -1982,6 +1989,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                     .transpose()?,
                 count_prompts: !completion_only_loss,
                 max_length,
+                pad,
                 truncation: match truncation_mode.as_str() {
                     "keep-start" | "keep_start" => crate::tokenize::Truncation::KeepStart,
                     "keep-end" | "keep_end" => crate::tokenize::Truncation::KeepEnd,
@@ -2024,6 +2032,13 @@ fn cmd_data(c: DataCommand) -> CliResult {
                     r.truncated,
                     r.dropped
                 );
+                if pad {
+                    say!(
+                        "{:<13}every example to {max} tokens: train with --seq {max} to read \
+                         one example per window",
+                        "padded"
+                    );
+                }
             }
             if r.stop_token_counted == Some(false) {
                 say!(

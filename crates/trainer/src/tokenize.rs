@@ -591,6 +591,13 @@ pub struct SftOptions {
     pub max_length: Option<usize>,
     /// Which end of a long example to keep.
     pub truncation: Truncation,
+    /// Pad every example to `max_length` with the end-of-text token (never counted), plus one
+    /// token at the end of the file: `train --seq max_length` then reads each example alone in
+    /// its own window from position 0, as TRL's padded batches (no attention across examples;
+    /// a real token never attends to the padding after it, so the pad id does not matter). An
+    /// example's first token is not counted: it would be the target of the previous window's
+    /// last position, and TRL's labels never use it.
+    pub pad: bool,
 }
 
 /// Which end of an example longer than [`SftOptions::max_length`] is kept (TRL's
@@ -838,6 +845,9 @@ pub fn build_prompt_completion_with(
     if options.max_length == Some(0) {
         return Err(err(input, "a maximum length of 0 tokens leaves nothing"));
     }
+    if options.pad && options.max_length.is_none() {
+        return Err(err(input, "padding needs a maximum length to pad to"));
+    }
     let chat: ChatForExamples = match &options.chat_template {
         Some(t) => Ok(Some(t.clone())),
         None => tok.chat_template().map_err(|e| e.to_string()),
@@ -908,6 +918,11 @@ pub fn build_prompt_completion_with(
                     dropped += 1;
                     continue;
                 }
+                if options.pad {
+                    flags[0] = false;
+                    ids.resize(max, eot);
+                    flags.resize(max, false);
+                }
             }
             writer.write(&ids)?;
             writer.end_document()?;
@@ -927,6 +942,12 @@ pub fn build_prompt_completion_with(
                 options.max_length.unwrap_or(0)
             ),
         ));
+    }
+    if options.pad {
+        // The last example's window needs one token past it for its last target.
+        writer.write(&[eot])?;
+        writer.end_document()?;
+        mask.write(&[false])?;
     }
     let written = writer.finish()?;
     mask.finish()?;

@@ -1643,6 +1643,38 @@ fn jsonl_build_counts_only_the_assistants_turns() {
     assert!(marked.len() >= 2, "{shown}");
     assert!(marked.iter().all(|m| !m.contains("<|user|>")), "{shown}");
     assert!(marked.iter().any(|m| m.contains("</s>")), "{shown}");
+    // Padded to 64 tokens, one example per window of `train --seq 64`.
+    let o = build(
+        &chat,
+        &[
+            "--chat-template",
+            training.to_str().unwrap(),
+            "--max-length",
+            "64",
+            "--pad",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("train with --seq 64"), "{}", stdout(&o));
+    let padded = headroom_mmap_data::LossMask::open(dir.path().join("chat.bin.lossmask")).unwrap();
+    assert_eq!(padded.len(), 20 * 64 + 1);
+    let o = headroom(&[
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--vocab",
+        "94",
+        "--channels",
+        "32",
+        "--steps",
+        "2",
+        "--batch",
+        "4",
+        "--seq",
+        "64",
+        "--no-progress",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
     // A template that ends the block before the end of turn: TRL's warning (with the
     // byte-level BPE, as the chat tokenizer spells TRL's probe word with <unk>, an added token).
     let bpe = fixtures.join("../tokenizer/tokenizer.json");

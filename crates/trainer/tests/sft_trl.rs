@@ -734,3 +734,68 @@ fn max_length_cuts_and_drops_examples_as_trl_does() {
         assert!(e.contains(needle), "{max}: {e}");
     }
 }
+
+/// `--pad`: every example padded to `max_length`, so that the trainer's windows (stride
+/// `seq`, from token 0) hold one example each from position 0, TRL's padded batches: TRL's ids
+/// then padding, TRL's labels but for the first token (no window's target; TRL's shift never
+/// uses it) and the padding; one token past the last example for its last target.
+#[test]
+fn padded_examples_sit_one_per_training_window() {
+    use headroom_mmap_data::{SamplerConfig, SamplingMode, Shard, WindowSampler};
+    use headroom_trainer::tokenize::SftOptions;
+    let (fixture, _) = chat_fixture();
+    let jinja = &fixture["jinja"];
+    let lines: Vec<String> = jinja["examples"]["assistant_only_loss_messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    let rows = jinja["trl"]["assistant_only_loss_messages"]
+        .as_array()
+        .unwrap();
+    const N: usize = 100;
+    let options = SftOptions {
+        assistant_only_loss: true,
+        max_length: Some(N),
+        pad: true,
+        ..Default::default()
+    };
+    let tokenizer = fixtures().join("sft/chat-jinja/tokenizer.json");
+    let (ids, flags, report) = build_with(&lines, &tokenizer, &options);
+    assert_eq!(ids.len(), rows.len() * N + 1);
+    assert_eq!((report.truncated, report.dropped), (0, 0));
+    let eot = Tokenizer::from_name(tokenizer.to_str().unwrap())
+        .unwrap()
+        .end_of_text()
+        .unwrap();
+    for (k, row) in rows.iter().enumerate() {
+        let (mut want_ids, mut want_flags) = trl_stream(std::slice::from_ref(row));
+        assert!(want_ids.len() < N, "example {k} needs padding");
+        want_flags[0] = false;
+        want_ids.resize(N, eot);
+        want_flags.resize(N, false);
+        assert_eq!(ids[k * N..(k + 1) * N], want_ids, "example {k}");
+        assert_eq!(flags[k * N..(k + 1) * N], want_flags, "example {k}");
+    }
+    // The trainer's sampler cuts exactly one window per example, at its start.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("padded.bin");
+    let raw: Vec<u8> = ids.iter().flat_map(|&i| (i as u16).to_le_bytes()).collect();
+    std::fs::write(&file, raw).unwrap();
+    let ds = formats::open(&file, &Default::default()).unwrap();
+    let sampler = WindowSampler::new(
+        &ds,
+        SamplerConfig {
+            mode: SamplingMode::EpochWindows,
+            seq_len: N as u64,
+            seed: 7,
+            shard: Shard::SINGLE,
+        },
+    )
+    .unwrap();
+    assert_eq!(sampler.total_windows(), rows.len() as u64);
+    for g in 0..rows.len() as u64 {
+        assert_eq!(sampler.global_window(g).start, g * N as u64);
+    }
+}
