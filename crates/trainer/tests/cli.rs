@@ -1338,6 +1338,29 @@ fn jsonl_build_writes_a_loss_mask_that_inspect_train_and_eval_apply() {
     assert!(stderr(&o).contains("line 2"), "{}", stderr(&o));
 }
 
+/// Two steps of a tiny model on `data`, built with the chat fixture's tokenizer (94 ids), in
+/// windows of `seq` tokens.
+fn train_on_chat(data: &str, seq: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "train",
+        "--data",
+        data,
+        "--vocab",
+        "94",
+        "--channels",
+        "32",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        seq,
+        "--no-progress",
+    ];
+    args.extend_from_slice(extra);
+    headroom(&args)
+}
+
 /// Conversational JSONL through the command: `--tokenizer` names a directory whose
 /// `tokenizer_config.json` holds the chat template; only the assistants' completions count.
 #[test]
@@ -1429,24 +1452,7 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         stderr(&o)
     );
     let run = dir.path().join("run");
-    let o = headroom(&[
-        "train",
-        "--data",
-        d,
-        "--vocab",
-        "94",
-        "--channels",
-        "32",
-        "--steps",
-        "2",
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--no-progress",
-        "--checkpoint-dir",
-        run.to_str().unwrap(),
-    ]);
+    let o = train_on_chat(d, "32", &["--checkpoint-dir", run.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("\nloss mask: "), "{}", stdout(&o));
     // `sample --chat` answers a user turn rendered with the template and its generation
@@ -1658,22 +1664,7 @@ fn jsonl_build_counts_only_the_assistants_turns() {
     assert!(stdout(&o).contains("train with --seq 64"), "{}", stdout(&o));
     let padded = headroom_mmap_data::LossMask::open(dir.path().join("chat.bin.lossmask")).unwrap();
     assert_eq!(padded.len(), 20 * 64 + 1);
-    let o = headroom(&[
-        "train",
-        "--data",
-        data.to_str().unwrap(),
-        "--vocab",
-        "94",
-        "--channels",
-        "32",
-        "--steps",
-        "2",
-        "--batch",
-        "4",
-        "--seq",
-        "64",
-        "--no-progress",
-    ]);
+    let o = train_on_chat(data.to_str().unwrap(), "64", &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     // A template that ends the block before the end of turn: TRL's warning (with the
     // byte-level BPE, as the chat tokenizer spells TRL's probe word with <unk>, an added token).
