@@ -432,17 +432,15 @@ impl ChatTemplate {
         let mut templates = BTreeMap::new();
         for (name, source) in sources {
             let (marked, generation) = mark_generation_blocks(&source);
-            if generation {
-                let holds_marker = |t: &str| t.contains([GENERATION_START, GENERATION_END]);
-                if holds_marker(&source) || special_tokens.values().any(|t| holds_marker(t)) {
-                    return Err(err(
-                        path,
-                        format!(
-                            "chat template {name}: it or a special token holds U+FDD0 or \
-                             U+FDD1, which mark generation blocks"
-                        ),
-                    ));
-                }
+            let marked_tokens = special_tokens.values().any(|t| holds_marker(t));
+            if generation && (holds_marker(&source) || marked_tokens) {
+                return Err(err(
+                    path,
+                    format!(
+                        "chat template {name}: it or a special token holds U+FDD0 or U+FDD1, \
+                         which mark generation blocks"
+                    ),
+                ));
             }
             env.add_template_owned(name.clone(), marked)
                 .map_err(|e| err(path, format!("chat template {name}: {e}")))?;
@@ -592,15 +590,19 @@ fn take_generation_spans(text: &str) -> std::result::Result<Rendered, &'static s
     })
 }
 
+/// Whether `text` holds a generation marker.
+fn holds_marker(text: &str) -> bool {
+    text.contains([GENERATION_START, GENERATION_END])
+}
+
 /// Whether a string anywhere in `v` (keys included) holds a generation marker.
 fn holds_generation_marker(v: &ChatValue) -> bool {
-    let marked = |s: &str| s.contains([GENERATION_START, GENERATION_END]);
     match v {
-        ChatValue::String(s) => marked(s),
+        ChatValue::String(s) => holds_marker(s),
         ChatValue::Array(a) => a.iter().any(holds_generation_marker),
         ChatValue::Object(o) => o
             .iter()
-            .any(|(k, v)| marked(k) || holds_generation_marker(v)),
+            .any(|(k, v)| holds_marker(k) || holds_generation_marker(v)),
         ChatValue::Null | ChatValue::Bool(_) | ChatValue::Number(_) => false,
     }
 }
@@ -713,18 +715,13 @@ impl ChatTemplate {
             }
         }
         if generation {
-            let inputs = clean
+            let mut values = clean
                 .iter()
                 .chain(request.tools.unwrap_or_default())
                 .chain(request.documents.unwrap_or_default())
                 .chain(request.extra.iter().map(|(_, v)| v));
-            let keys = request
-                .extra
-                .iter()
-                .map(|(k, _)| ChatValue::String(k.clone()));
-            if inputs
-                .chain(&keys.collect::<Vec<_>>())
-                .any(holds_generation_marker)
+            if values.any(holds_generation_marker)
+                || request.extra.iter().any(|(k, _)| holds_marker(k))
             {
                 return Err(err(
                     &self.path,

@@ -2421,45 +2421,47 @@ struct Conversation {
 }
 
 /// The file of `--conversation`: a list of messages, or an object with `messages` and, if any,
-/// `tools` (a list, or that list as JSON text) and `chat_template_kwargs`.
+/// `tools` (a list, or that list as JSON text) and `chat_template_kwargs`, read as `data build
+/// --jsonl` reads a line's.
 fn read_conversation(file: &Path) -> CliResult<Conversation> {
     use crate::chat_template::ChatValue;
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum File {
+        Messages(Vec<ChatValue>),
+        Object {
+            messages: Option<Vec<ChatValue>>,
+            tools: Option<crate::tokenize::Tools>,
+            chat_template_kwargs: Option<ChatValue>,
+        },
+    }
     let bytes = crate::bounded::read_file(file, crate::chat_template::MAX_CONFIG_BYTES)
         .map_err(|e| format!("{}: {e}", file.display()))?;
     let bad = |why: String| format!("{}: {why}", file.display());
-    let value: ChatValue =
-        serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let field = |o: &[(String, ChatValue)], key: &str| {
-        o.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
-    };
-    let list = |v: ChatValue, what: &str| match v {
-        ChatValue::Array(a) => Ok(a),
-        ChatValue::String(text) => {
-            serde_json::from_str(&text).map_err(|e| bad(format!("{what} is not a JSON list: {e}")))
-        }
-        _ => Err(bad(format!("{what} is not a list"))),
-    };
-    Ok(match value {
-        ChatValue::Array(messages) => Conversation {
+    let parsed: File = serde_json::from_slice(&bytes).map_err(|e| {
+        bad(format!(
+            "neither a list of messages nor an object with them: {e}"
+        ))
+    })?;
+    Ok(match parsed {
+        File::Messages(messages) => Conversation {
             messages,
             ..Default::default()
         },
-        ChatValue::Object(o) => Conversation {
-            messages: match field(&o, "messages") {
-                Some(ChatValue::Array(m)) => m,
-                _ => return Err(bad("no \"messages\" list".into()).into()),
-            },
-            tools: match field(&o, "tools") {
-                None | Some(ChatValue::Null) => None,
-                Some(v) => Some(list(v, "tools")?),
-            },
-            extra: match field(&o, "chat_template_kwargs") {
-                None | Some(ChatValue::Null) => Vec::new(),
-                Some(ChatValue::Object(kw)) => kw,
-                Some(_) => return Err(bad("chat_template_kwargs is not an object".into()).into()),
-            },
-        },
-        _ => return Err(bad("neither a list of messages nor an object".into()).into()),
+        File::Object {
+            messages,
+            tools,
+            chat_template_kwargs,
+        } => {
+            let messages = messages.ok_or_else(|| bad("no \"messages\" list".into()))?;
+            let inputs =
+                crate::tokenize::template_inputs(tools, chat_template_kwargs).map_err(bad)?;
+            Conversation {
+                messages,
+                tools: inputs.tools,
+                extra: inputs.extra,
+            }
+        }
     })
 }
 

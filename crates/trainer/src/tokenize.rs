@@ -560,9 +560,40 @@ enum Turns {
 /// An example's tools: the list, or the list as JSON text (TRL's `json.loads` of a string).
 #[derive(serde::Deserialize)]
 #[serde(untagged)]
-enum Tools {
+pub(crate) enum Tools {
     List(Vec<ChatValue>),
     Json(String),
+}
+
+/// What a conversation gives its template besides the messages (TRL's `tools` and
+/// `chat_template_kwargs` columns).
+pub(crate) struct TemplateInputs {
+    /// The tools' list.
+    pub tools: Option<Vec<ChatValue>>,
+    /// The further variables.
+    pub extra: Vec<(String, ChatValue)>,
+}
+
+/// A conversation's `tools` (a list, or the list as JSON text) and `chat_template_kwargs` (an
+/// object) as its template takes them.
+pub(crate) fn template_inputs(
+    tools: Option<Tools>,
+    kwargs: Option<ChatValue>,
+) -> std::result::Result<TemplateInputs, String> {
+    let tools = match tools {
+        None => None,
+        Some(Tools::List(l)) => Some(l),
+        Some(Tools::Json(text)) => Some(
+            serde_json::from_str::<Vec<ChatValue>>(&text)
+                .map_err(|e| format!("tools is not a JSON list: {e}"))?,
+        ),
+    };
+    let extra = match kwargs {
+        None | Some(ChatValue::Null) => Vec::new(),
+        Some(ChatValue::Object(o)) => o,
+        Some(_) => return Err("chat_template_kwargs is not an object".into()),
+    };
+    Ok(TemplateInputs { tools, extra })
 }
 
 /// The chat template conversational examples are rendered with: the tokenizer's, if it has
@@ -634,19 +665,8 @@ fn encode_example(
         ))),
         Err(e) => Err(bad(format!("the tokenizer's chat template: {e}"))),
     };
-    let tools = match ex.tools {
-        None => None,
-        Some(Tools::List(l)) => Some(l),
-        Some(Tools::Json(text)) => Some(
-            serde_json::from_str::<Vec<ChatValue>>(&text)
-                .map_err(|e| bad(format!("tools is not a JSON list: {e}")))?,
-        ),
-    };
-    let extra = match ex.chat_template_kwargs {
-        None | Some(ChatValue::Null) => Vec::new(),
-        Some(ChatValue::Object(o)) => o,
-        Some(_) => return Err(bad("chat_template_kwargs is not an object".into())),
-    };
+    let TemplateInputs { tools, extra } =
+        template_inputs(ex.tools, ex.chat_template_kwargs).map_err(bad)?;
     // The ids of a conversation, and with `assistant_only_loss` which of them the template's
     // generation blocks wrote (else none).
     let rendered = |messages: &[ChatValue], generation_prompt: bool| {
