@@ -2,7 +2,7 @@
 
 use headroom_tensor::{Backend, DType, MemoryCategory, Tensor};
 
-use crate::{AttentionConfig, AttentionDims, Result};
+use crate::{AttentionConfig, AttentionDims, AttnError, BackendLimit, DocumentMask, Result};
 
 /// What a forward pass returns: the output, and the state its backward needs.
 ///
@@ -25,6 +25,10 @@ pub struct AttentionForward<T> {
     pub config: AttentionConfig,
     /// The sizes the forward ran with; backward checks its inputs against them.
     pub dims: AttentionDims,
+    /// The document mask of
+    /// [`attention_forward_documents`](AttentionBackend::attention_forward_documents), which
+    /// the backward applies as well; `None` for plain attention.
+    pub documents: Option<DocumentMask>,
 }
 
 /// The gradients of attention with respect to its three inputs, in their dtypes and shapes.
@@ -53,6 +57,35 @@ pub trait AttentionBackend: Backend {
         v: &Self::Tensor,
         config: &AttentionConfig,
     ) -> Result<AttentionForward<Self::Tensor>>;
+
+    /// Causal attention over packed sequences: query row `i` of batch row `b` sees key `j`
+    /// only when `documents.document_start(b, i) ≤ j ≤ i`, so no document attends to another
+    /// packed in the same row (flash-attention's varlen, transformers' packed sequences). The
+    /// forward state keeps `documents`, and [`attention_backward`](Self::attention_backward)
+    /// and [`attention_backward_f32`](Self::attention_backward_f32) apply it too.
+    ///
+    /// `config.causal` must be true, `q` and `k` must have equal lengths, and `documents` must
+    /// cover `[batch, q_len]`; otherwise a typed error ([`AttnError::InvalidConfig`],
+    /// [`AttnError::ShapeMismatch`]) before anything is computed. With one document per row it
+    /// computes exactly what [`attention_forward`](Self::attention_forward) with a causal config does.
+    ///
+    /// The default refuses with [`AttnError::Unsupported`] ([`BackendLimit::DocumentMask`]);
+    /// the CPU backend implements it (and skips key tiles no query of a tile can see, the
+    /// compute that packing saves); the CUDA backend refuses it.
+    fn attention_forward_documents(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        config: &AttentionConfig,
+        documents: &DocumentMask,
+    ) -> Result<AttentionForward<Self::Tensor>> {
+        let _ = (q, k, v, config, documents);
+        Err(AttnError::Unsupported {
+            backend: std::any::type_name::<Self>(),
+            limit: BackendLimit::DocumentMask,
+        })
+    }
 
     /// Gradients of the forward's inputs given `d_out`, the gradient of its output (shape and
     /// dtype of `q`). `q`, `k`, `v` must be the forward's inputs, unchanged.
@@ -112,6 +145,7 @@ pub fn backward_f32_via_copies<B: AttentionBackend + ?Sized>(
         probs,
         config,
         dims,
+        documents,
     } = forward;
     let output = f32_copy(&output)?.unwrap_or(output);
     let (qc, kc, vc, dc) = (f32_copy(q)?, f32_copy(k)?, f32_copy(v)?, f32_copy(d_out)?);
@@ -124,6 +158,7 @@ pub fn backward_f32_via_copies<B: AttentionBackend + ?Sized>(
             dtype: DType::F32,
             ..dims
         },
+        documents,
     };
     be.attention_backward(
         qc.as_ref().unwrap_or(q),

@@ -11,7 +11,9 @@
 //!   with `Backend::cast` first, and say so in your numbers); the kernels also exist for f16,
 //!   which [`AttentionDims`] does not admit on any backend yet;
 //! - head_dim 64 or 128 (the instantiated kernels), devices of compute capability 8.0 or newer,
-//!   and sizes that fit the kernels' 32-bit arguments.
+//!   and sizes that fit the kernels' 32-bit arguments;
+//! - no document masks (`attention_forward_documents`, and a backward whose forward state
+//!   carries one): the kernels have none, and a kernel change needs a GPU to validate it.
 //!
 //! Memory, as on the CPU: output and gradients in the caller's current category, the logsumexp
 //! as `Activations`, the backward's per-row `rowsum(dO∘O)` (4 bytes per query row) as
@@ -30,10 +32,10 @@ use headroom_cuda::{cudarc, Cuda, CudaError, CudaTensor};
 use headroom_kernels as kernels;
 use headroom_tensor::{Backend, DType, Error as TensorError, MemoryCategory, Tensor};
 
-use crate::dims::check_backward_inputs;
+use crate::dims::{check_backward_inputs, check_documents};
 use crate::{
     Algorithm, AttentionBackend, AttentionConfig, AttentionDims, AttentionForward,
-    AttentionGradients, AttnError, BackendLimit, Result,
+    AttentionGradients, AttnError, BackendLimit, DocumentMask, Result,
 };
 
 const BACKEND: &str = "cuda";
@@ -450,7 +452,28 @@ impl AttentionBackend for Cuda {
             probs: None,
             config: *config,
             dims,
+            documents: None,
         })
+    }
+
+    /// The same checks as the CPU backend, then [`AttnError::Unsupported`]: the kernels have
+    /// no document mask (a change to them needs a GPU to validate it).
+    fn attention_forward_documents(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        config: &AttentionConfig,
+        documents: &DocumentMask,
+    ) -> Result<AttentionForward<CudaTensor>> {
+        config.validate()?;
+        let dims = AttentionDims::new(
+            (q.shape(), q.dtype()),
+            (k.shape(), k.dtype()),
+            (v.shape(), v.dtype()),
+        )?;
+        check_documents(&dims, config, documents)?;
+        Err(unsupported(BackendLimit::DocumentMask))
     }
 
     fn attention_backward(
@@ -463,6 +486,10 @@ impl AttentionBackend for Cuda {
     ) -> Result<AttentionGradients<CudaTensor>> {
         let config = forward.config;
         let dims = check_backward_inputs(q, k, v, forward, d_out)?;
+        if forward.documents.is_some() {
+            // No CUDA forward makes one; refused rather than computed without the mask.
+            return Err(unsupported(BackendLimit::DocumentMask));
+        }
         let q_shape = dims.q_shape();
         same_device(
             self,

@@ -179,9 +179,47 @@ pub(crate) fn check_same<T: Tensor>(
     Ok(())
 }
 
+/// What a document-masked call needs beyond the plain checks, in one order shared by every
+/// backend: a causal config, as many keys as queries (a document's positions are both), and a
+/// mask of exactly `[batch, q_len]`.
+pub(crate) fn check_documents(
+    dims: &AttentionDims,
+    config: &crate::AttentionConfig,
+    documents: &crate::DocumentMask,
+) -> Result<()> {
+    if !config.causal {
+        return Err(AttnError::InvalidConfig(
+            "document-masked attention is causal: set config.causal",
+        ));
+    }
+    if dims.kv_len != dims.q_len {
+        return Err(AttnError::ShapeMismatch {
+            tensor: "k",
+            expected: Shape::new(vec![dims.batch, dims.kv_heads, dims.q_len, dims.head_dim]),
+            got: dims.kv_shape(),
+            reason: "document-masked attention needs as many keys as queries",
+        });
+    }
+    if documents.batch() != dims.batch || documents.seq() != dims.q_len {
+        return Err(AttnError::ShapeMismatch {
+            tensor: "q",
+            expected: Shape::new(vec![
+                documents.batch(),
+                dims.q_heads,
+                documents.seq(),
+                dims.head_dim,
+            ]),
+            got: dims.q_shape(),
+            reason: "the document mask must cover q's [batch, seq]",
+        });
+    }
+    Ok(())
+}
+
 /// The checks every backend's `attention_backward` makes before touching memory, in one
-/// order: the config, q/k/v's shapes and dtypes, that they are the forward's, and that d_out,
-/// the forward output and its logsumexp have the shapes and dtypes the forward gave them.
+/// order: the config, q/k/v's shapes and dtypes, that they are the forward's, that d_out,
+/// the forward output and its logsumexp have the shapes and dtypes the forward gave them, and
+/// that a kept document mask fits.
 pub(crate) fn check_backward_inputs<T: Tensor>(
     q: &T,
     k: &T,
@@ -216,6 +254,11 @@ pub(crate) fn check_backward_inputs<T: Tensor>(
         DType::F32,
         "logsumexp is [batch, q_heads, q_len] f32",
     )?;
+    // The field is public: a mask swapped in after the forward must still fit, so the
+    // kernels never index past it.
+    if let Some(documents) = &forward.documents {
+        check_documents(&dims, &forward.config, documents)?;
+    }
     Ok(dims)
 }
 

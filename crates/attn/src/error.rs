@@ -64,13 +64,40 @@ pub enum AttnError {
     #[error("backward: {0}")]
     ForwardMismatch(&'static str),
     /// A backend has no kernel for this otherwise valid call: the CUDA backend runs flash
-    /// attention only, on bf16 inputs, for a few head dimensions, within 32-bit launch sizes.
+    /// attention only, on bf16 inputs, for a few head dimensions, within 32-bit launch sizes,
+    /// and without document masks.
     #[error("{backend} attention does not support {limit}")]
     Unsupported {
         /// The backend (`"cuda"`).
         backend: &'static str,
         /// What it lacks.
         limit: BackendLimit,
+    },
+    /// Position ids handed to [`DocumentMask::from_positions`](crate::DocumentMask::from_positions)
+    /// are not one per position of a `batch × seq` batch.
+    #[error("document mask of {batch} × {seq} positions: got {got} position ids ({reason})")]
+    PositionCount {
+        /// Batch rows asked for.
+        batch: usize,
+        /// Positions per row asked for.
+        seq: usize,
+        /// Position ids given.
+        got: usize,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// A position id neither starts a document (0) nor continues the previous position's
+    /// (its id + 1), or a batch row does not begin with a document.
+    #[error("document mask: batch row {row}, index {index}: position id {got}: {reason}")]
+    PositionId {
+        /// The batch row.
+        row: usize,
+        /// The position within the row.
+        index: usize,
+        /// The id found there.
+        got: u32,
+        /// The rule it breaks.
+        reason: &'static str,
     },
     /// The tensor backend failed (allocation refused by a hook, out of memory, …).
     #[error(transparent)]
@@ -106,6 +133,8 @@ pub enum BackendLimit {
         /// The head dimensions with kernels.
         supported: &'static [usize],
     },
+    /// Document (packed-sequence) masks: the backend has no kernel that reads them.
+    DocumentMask,
     /// A size exceeds what one kernel launch can index.
     Size {
         /// Which size.
@@ -138,6 +167,7 @@ impl std::fmt::Display for BackendLimit {
                 head_dim,
                 supported,
             } => write!(f, "head_dim {head_dim} (kernels exist for {supported:?})"),
+            BackendLimit::DocumentMask => write!(f, "document masks (packed sequences)"),
             BackendLimit::Size { what, value, max } => {
                 write!(f, "{what} = {value} (at most {max})")
             }

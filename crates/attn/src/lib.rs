@@ -9,6 +9,11 @@
 //!
 //! Tensors are `[batch, heads, seq, head_dim]`, dense row-major (see [`AttentionDims`]).
 //!
+//! Packed sequences (several documents end to end in one row, as in packed SFT):
+//! [`AttentionBackend::attention_forward_documents`] with a [`DocumentMask`] built from
+//! transformers-style position ids makes each query see only the earlier keys of its own
+//! document, forward and backward, on the CPU (the CUDA kernels refuse it).
+//!
 //! ```
 //! use headroom_attn::{AttentionBackend, AttentionConfig};
 //! use headroom_tensor::{Backend, Cpu};
@@ -56,6 +61,11 @@
 //!   returns f32 gradients for a mixed-precision caller the same way. The workspace of both
 //!   passes is predicted byte for byte ([`cpu_forward_workspace_bytes`],
 //!   [`cpu_backward_f32_workspace_bytes`]).
+//! - A document mask gives each query row `i` the keys `document_start(b, i) ≤ j ≤ i` and
+//!   nothing else: every algorithm equals each document run alone through plain causal
+//!   attention (property-tested, same tolerances), a mask of one document per row gives plain
+//!   causal attention's bits, key tiles no query of a tile sees are skipped, and the mask
+//!   allocates nothing (the workspace predictions hold unchanged).
 //! - Bad shapes, dtypes or configs are a typed [`AttnError`] before anything is computed.
 
 pub mod accuracy;
@@ -65,6 +75,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dims;
+mod documents;
 mod error;
 
 pub use backend_ext::{
@@ -80,4 +91,5 @@ pub use cpu::{
 #[cfg(feature = "cuda")]
 pub use cuda::load_attention_kernels;
 pub use dims::AttentionDims;
+pub use documents::DocumentMask;
 pub use error::{AttnError, BackendLimit, Result};

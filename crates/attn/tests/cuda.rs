@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use common::{inputs, run, Inputs, Run, Sizes};
 use headroom_attn::accuracy::{compare, compare_lse, BF16_GRAD, BF16_OUTPUT};
 use headroom_attn::{
-    AttentionBackend, AttentionConfig, AttnError, BackendLimit, DEFAULT_FLASH_BLOCK_K,
+    AttentionBackend, AttentionConfig, AttnError, BackendLimit, DocumentMask, DEFAULT_FLASH_BLOCK_K,
 };
 use headroom_cuda::{compile, device_count, nvrtc_available, Cuda, CudaError};
 use headroom_kernels::ATTENTION;
@@ -519,12 +519,36 @@ fn cuda_rejects_what_it_has_no_kernel_for() {
         cuda.attention_forward(&rank3, &q, &q, &flash),
         Err(AttnError::NotRank4 { tensor: "q", .. })
     ));
-    let fwd = cuda.attention_forward(&q, &q, &q, &flash).unwrap();
+    let mut fwd = cuda.attention_forward(&q, &q, &q, &flash).unwrap();
     let short = up_bf16([1, 2, 7, 64]);
     assert!(matches!(
         cuda.attention_backward(&q, &q, &q, &fwd, &short),
         Err(AttnError::ShapeMismatch {
             tensor: "d_out",
+            ..
+        })
+    ));
+    // No document masks: the shared checks first (a non-causal config), then Unsupported,
+    // forward and (for a forward state carrying one) backward.
+    let mask = DocumentMask::from_positions(1, 8, &[0, 1, 2, 0, 1, 0, 1, 2]).unwrap();
+    assert!(matches!(
+        cuda.attention_forward_documents(&q, &q, &q, &flash, &mask),
+        Err(AttnError::InvalidConfig(_))
+    ));
+    let causal = flash.causal(true);
+    assert!(matches!(
+        cuda.attention_forward_documents(&q, &q, &q, &causal, &mask),
+        Err(AttnError::Unsupported {
+            backend: "cuda",
+            limit: BackendLimit::DocumentMask
+        })
+    ));
+    fwd.config = causal;
+    fwd.documents = Some(mask);
+    assert!(matches!(
+        cuda.attention_backward(&q, &q, &q, &fwd, &q),
+        Err(AttnError::Unsupported {
+            limit: BackendLimit::DocumentMask,
             ..
         })
     ));

@@ -37,32 +37,38 @@ fn forward_chunk(p: &Problem<'_>, tile: ForwardTile<'_>, scores: &mut [f32]) -> 
     let q = rows_of(p.head(p.q, bh, nq)?, rows.clone(), hd)?;
     let kv = p.kv_head_of(bh);
     let (k, v) = (p.head(p.k, kv, nk)?, p.head(p.v, kv, nk)?);
-    // Only keys some row of the chunk can see: causal chunks stop at the diagonal.
+    // Only keys some row of the chunk can see: causal chunks stop at the diagonal, and
+    // document starts only grow along a row, so none sees a key before its first row's start.
     let ke = p.visible(rows.end - 1);
     if ke == 0 {
         out.fill(0.0);
         lse.fill(f32::NEG_INFINITY);
         return Ok(());
     }
-    let k_vis = rows_of(k, 0..ke, hd)?;
+    let starts = p.starts(bh)?;
+    let ks = starts.of(rows.start).min(ke);
+    let nkeys = ke - ks;
+    let k_vis = rows_of(k, ks..ke, hd)?;
     matmul(
         scores,
-        ke,
+        nkeys,
         MatRef::rows(q, cb, hd, hd),
-        MatRef::rows(k_vis, ke, hd, hd).t(),
+        MatRef::rows(k_vis, nkeys, hd, hd).t(),
         p.scale,
         false,
         1,
     )?;
     for r in 0..cb {
-        let valid = p.visible(rows.start + r);
-        lse[r] = softmax_row(&mut scores[r * ke..(r + 1) * ke], valid);
+        let row = rows.start + r;
+        let scores_r = &mut scores[r * nkeys..(r + 1) * nkeys];
+        starts.mask(scores_r, row, ks);
+        lse[r] = softmax_row(scores_r, p.visible(row).saturating_sub(ks));
     }
     matmul(
         out,
         hd,
-        MatRef::rows(scores, cb, ke, ke),
-        MatRef::rows(rows_of(v, 0..ke, hd)?, ke, hd, hd),
+        MatRef::rows(scores, cb, nkeys, nkeys),
+        MatRef::rows(rows_of(v, ks..ke, hd)?, nkeys, hd, hd),
         1.0,
         false,
         1,
@@ -118,6 +124,7 @@ fn backward_segment(
     let (probs, rest) = scratch.split_at_mut(chunk * nk);
     let (dprobs, d_rows) = rest.split_at_mut(chunk * nk);
 
+    let starts = p.starts(bh)?;
     for c0 in rows.clone().step_by(chunk) {
         let c1 = (c0 + chunk).min(rows.end);
         let cb = c1 - c0;
@@ -125,36 +132,39 @@ fn backward_segment(
         if ke == 0 {
             continue;
         }
+        // As in the forward: keys before the chunk's first document start are seen by no row
+        // of it, and get no gradient from it (the segment's partial keeps its zeros there).
+        let ks = starts.of(c0).min(ke);
+        let nkeys = ke - ks;
         let q_c = rows_of(q, c0..c1, hd)?;
         let do_c = rows_of(d_out, c0..c1, hd)?;
-        let (k_vis, v_vis) = (rows_of(k, 0..ke, hd)?, rows_of(v, 0..ke, hd)?);
+        let (k_vis, v_vis) = (rows_of(k, ks..ke, hd)?, rows_of(v, ks..ke, hd)?);
         for (r, di) in d_rows.iter_mut().take(cb).enumerate() {
             let i = c0 + r;
             *di = dot(&d_out[i * hd..(i + 1) * hd], &out[i * hd..(i + 1) * hd]);
         }
         matmul(
             probs,
-            ke,
+            nkeys,
             MatRef::rows(q_c, cb, hd, hd),
-            MatRef::rows(k_vis, ke, hd, hd).t(),
+            MatRef::rows(k_vis, nkeys, hd, hd).t(),
             p.scale,
             false,
             1,
         )?;
         for r in 0..cb {
-            probs_from_lse_row(
-                &mut probs[r * ke..(r + 1) * ke],
-                p.visible(c0 + r),
-                lse[c0 + r],
-            );
+            let row = c0 + r;
+            let probs_r = &mut probs[r * nkeys..(r + 1) * nkeys];
+            starts.mask(probs_r, row, ks);
+            probs_from_lse_row(probs_r, p.visible(row).saturating_sub(ks), lse[row]);
         }
         let dk_vis = dk
-            .get_mut(..ke * hd)
+            .get_mut(ks * hd..ke * hd)
             .ok_or(AttnError::Internal("chunked dk"))?;
         let dv_vis = dv
-            .get_mut(..ke * hd)
+            .get_mut(ks * hd..ke * hd)
             .ok_or(AttnError::Internal("chunked dv"))?;
-        let p_c = MatRef::rows(probs, cb, ke, ke);
+        let p_c = MatRef::rows(probs, cb, nkeys, nkeys);
         matmul(
             dv_vis,
             hd,
@@ -166,18 +176,18 @@ fn backward_segment(
         )?;
         matmul(
             dprobs,
-            ke,
+            nkeys,
             MatRef::rows(do_c, cb, hd, hd),
-            MatRef::rows(v_vis, ke, hd, hd).t(),
+            MatRef::rows(v_vis, nkeys, hd, hd).t(),
             1.0,
             false,
             1,
         )?;
         for (r, &d_row) in d_rows.iter().take(cb).enumerate() {
-            let span = r * ke..(r + 1) * ke;
+            let span = r * nkeys..(r + 1) * nkeys;
             softmax_grad_row(&probs[span.clone()], &mut dprobs[span], d_row);
         }
-        let ds_c = MatRef::rows(dprobs, cb, ke, ke);
+        let ds_c = MatRef::rows(dprobs, cb, nkeys, nkeys);
         matmul(
             dk_vis,
             hd,
@@ -194,7 +204,7 @@ fn backward_segment(
             dq_c,
             hd,
             ds_c,
-            MatRef::rows(k_vis, ke, hd, hd),
+            MatRef::rows(k_vis, nkeys, hd, hd),
             p.scale,
             false,
             1,

@@ -11,6 +11,11 @@
 //! `dP = dO_i·V_jᵀ`, `dS = P∘(dP − D_i)`, `dK_j += scale·dSᵀ·Q_i`, `dQ_i += scale·dS·K_j`.
 //! Five tile products per tile pair, the minimum; `dK`/`dV` land in the segment's private
 //! partial, so no two tasks ever write the same memory.
+//!
+//! Document masks (packed sequences) add a lower bound per query row: scores of keys before
+//! the row's document start are set to -inf before the softmax, key tiles wholly before the
+//! first row's start are never visited, and the backward skips (query tile, key tile) pairs
+//! no row of the query tile sees.
 
 use headroom_tensor::Cpu;
 
@@ -62,9 +67,14 @@ fn forward_tile(
     row_sum.fill(0.0);
     out.fill(0.0);
 
-    // Causal: the last row sees the most keys; tiles past it are skipped entirely.
+    // Causal: the last row sees the most keys; tiles past it are skipped entirely. Documents:
+    // starts only grow along a row, so tiles wholly before the first row's start are seen by
+    // no row here and skipped too. The key tiles stay on the `block_k` grid, so a mask of one
+    // document per row runs exactly the unmasked loop.
     let key_end = p.visible(rows.end - 1);
-    for k0 in (0..key_end).step_by(block_k) {
+    let starts = p.starts(bh)?;
+    let key_begin = starts.of(rows.start).min(key_end) / block_k * block_k;
+    for k0 in (key_begin..key_end).step_by(block_k) {
         let k1 = (k0 + block_k).min(key_end); // no row here sees keys past key_end
         let kb = k1 - k0;
         let k_tile = rows_of(k, k0..k1, hd)?;
@@ -81,6 +91,9 @@ fn forward_tile(
         for r in 0..qb {
             let valid = p.visible(rows.start + r).saturating_sub(k0).min(kb);
             let row = &mut scores[r * block_k..r * block_k + kb];
+            // A row whose document starts past this tile gets only -inf, which the online
+            // softmax treats as "nothing seen yet" (correction 1, no contribution).
+            starts.mask(row, rows.start + r, k0);
             let correction = online_softmax_row(row, valid, &mut row_max[r], &mut row_sum[r]);
             if correction != 1.0 {
                 scale_row(&mut out[r * hd..(r + 1) * hd], correction);
@@ -166,8 +179,11 @@ fn backward_segment(
         *di = dot(&d_out[i * hd..(i + 1) * hd], &out[i * hd..(i + 1) * hd]);
     }
 
+    // As in the forward: key tiles from the one holding the segment's first document start.
     let key_end = p.visible(rows.end - 1);
-    for k0 in (0..key_end).step_by(block_k) {
+    let starts = p.starts(bh)?;
+    let key_begin = starts.of(rows.start).min(key_end) / block_k * block_k;
+    for k0 in (key_begin..key_end).step_by(block_k) {
         let k1 = (k0 + block_k).min(key_end); // no row here sees keys past key_end
         let kb = k1 - k0;
         let k_tile = rows_of(k, k0..k1, hd)?;
@@ -185,6 +201,12 @@ fn backward_segment(
             if p.visible(i1 - 1) <= k0 {
                 continue;
             }
+            // Documents: skip a query tile none of whose rows' documents reach these keys —
+            // most pairs of a packed sequence, the compute packing saves. Its rows then add
+            // nothing to this tile's dK/dV partial, which is what they would add anyway.
+            if starts.masked() && !p.sees(starts, i0..i1, k0..k1) {
+                continue;
+            }
             let q_tile = rows_of(q, i0..i1, hd)?;
             let do_tile = rows_of(d_out, i0..i1, hd)?;
             matmul(
@@ -199,6 +221,7 @@ fn backward_segment(
             for r in 0..qb {
                 let valid = p.visible(i0 + r).saturating_sub(k0).min(kb);
                 let row = &mut probs[r * block_k..r * block_k + kb];
+                starts.mask(row, i0 + r, k0);
                 probs_from_lse_row(row, valid, lse[i0 + r]);
             }
             let p_tile = MatRef::rows(probs, qb, kb, block_k);

@@ -17,10 +17,10 @@ use std::ops::Range;
 use headroom_tensor::cpu::kernels::{self, FloatSlice, FloatSliceMut};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
-use crate::dims::{check_backward_inputs, check_same};
+use crate::dims::{check_backward_inputs, check_documents, check_same};
 use crate::{
     Algorithm, AttentionBackend, AttentionConfig, AttentionDims, AttentionForward,
-    AttentionGradients, AttnError, Result,
+    AttentionGradients, AttnError, DocumentMask, Result,
 };
 
 /// An input as f32: borrowed when it already is, else a `Workspace` copy.
@@ -93,9 +93,68 @@ pub(crate) struct Problem<'a> {
     pub(crate) q: &'a [f32],
     pub(crate) k: &'a [f32],
     pub(crate) v: &'a [f32],
+    /// The document mask, if any: a lower bound on the keys each query sees, next to the
+    /// causal upper bound of [`Problem::visible`].
+    pub(crate) documents: Option<DocumentRows<'a>>,
 }
 
-impl Problem<'_> {
+/// A document mask as one [`Problem`] reads it. A grouped problem (see [`HeadGroups`]) covers
+/// a sub-range of the call's flat query heads, so a head's batch row is found from its index
+/// in the whole call, not in the problem.
+#[derive(Clone, Copy)]
+pub(crate) struct DocumentRows<'a> {
+    mask: &'a DocumentMask,
+    /// Query heads per batch row of the whole call.
+    q_heads: usize,
+    /// The whole call's flat query head that is this problem's head 0.
+    first_head: usize,
+}
+
+impl<'a> DocumentRows<'a> {
+    fn new(
+        mask: Option<&'a DocumentMask>,
+        dims: &AttentionDims,
+        first_head: usize,
+    ) -> Option<Self> {
+        mask.map(|mask| DocumentRows {
+            mask,
+            q_heads: dims.q_heads,
+            first_head,
+        })
+    }
+}
+
+/// The document starts of one query head's rows: the first key each query row may see.
+/// Without a mask every start is 0, and masking does nothing at all, so unmasked attention
+/// runs exactly the instructions it ran before masks existed.
+#[derive(Clone, Copy)]
+pub(crate) struct RowStarts<'a>(Option<&'a [u32]>);
+
+impl RowStarts<'_> {
+    /// Whether a mask applies (some start may be above 0).
+    pub(crate) fn masked(self) -> bool {
+        self.0.is_some()
+    }
+
+    /// The first key query `row` may see: its document's start (0 without a mask).
+    pub(crate) fn of(self, row: usize) -> usize {
+        self.0
+            .and_then(|s| s.get(row))
+            .map_or(0, |&start| start as usize)
+    }
+
+    /// Sets to -inf the scores, in `scores` for keys `k0..`, of the keys query `row` may not see
+    /// because they precede its document. The softmax helpers turn -inf into probability 0
+    /// (and a row of only -inf into no contribution), so the causal code needs no other change.
+    pub(crate) fn mask(self, scores: &mut [f32], row: usize, k0: usize) {
+        if self.masked() {
+            let hidden = self.of(row).saturating_sub(k0).min(scores.len());
+            scores[..hidden].fill(f32::NEG_INFINITY);
+        }
+    }
+}
+
+impl<'a> Problem<'a> {
     /// Flat index `b·q_heads + h` of the key/value head that query head `bh` reads.
     pub(crate) fn kv_head_of(&self, bh: usize) -> usize {
         let d = &self.dims;
@@ -121,9 +180,34 @@ impl Problem<'_> {
             .ok_or(AttnError::Internal("head slice"))
     }
 
-    /// Keys visible to query row `row` (a prefix of the key rows).
+    /// Keys visible to query row `row` (a prefix of the key rows); a document mask also hides
+    /// those before [`RowStarts::of`].
     pub(crate) fn visible(&self, row: usize) -> usize {
         self.dims.visible_keys(row, self.causal)
+    }
+
+    /// The document starts of flat query head `bh`'s rows.
+    pub(crate) fn starts(&self, bh: usize) -> Result<RowStarts<'a>> {
+        let Some(d) = self.documents else {
+            return Ok(RowStarts(None));
+        };
+        let b = (d.first_head + bh) / d.q_heads.max(1);
+        d.mask
+            .row_starts(b)
+            .filter(|s| s.len() == self.dims.q_len)
+            .map(|s| RowStarts(Some(s)))
+            .ok_or(AttnError::Internal("document mask row"))
+    }
+
+    /// Whether any query row of `rows` sees any key of `keys` under both bounds (its document
+    /// start and the causal prefix).
+    pub(crate) fn sees(
+        &self,
+        starts: RowStarts<'_>,
+        mut rows: Range<usize>,
+        keys: Range<usize>,
+    ) -> bool {
+        rows.any(|r| starts.of(r) < keys.end && self.visible(r) > keys.start)
     }
 }
 
@@ -344,6 +428,7 @@ fn grouped_forward(
     (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
     config: &AttentionConfig,
     dims: AttentionDims,
+    documents: Option<&DocumentMask>,
 ) -> Result<AttentionForward<CpuTensor>> {
     let mut output = cpu.zeros(dims.q_shape(), dims.dtype)?;
     let mut logsumexp = {
@@ -380,6 +465,7 @@ fn grouped_forward(
             q: qf,
             k: kf,
             v: vf,
+            documents: DocumentRows::new(documents, &dims, heads.start),
         };
         let out = &mut ob.as_mut_slice::<f32>()?[..qr.len()];
         let lse = lse
@@ -407,6 +493,7 @@ fn grouped_forward(
         probs: None,
         config: *config,
         dims,
+        documents: documents.cloned(),
     })
 }
 
@@ -487,6 +574,7 @@ fn grouped_backward_f32(
             q: qf,
             k: kf,
             v: vf,
+            documents: DocumentRows::new(forward.documents.as_ref(), &dims, heads.start),
         };
         let saved = SavedRows {
             out: of,
@@ -605,6 +693,65 @@ pub fn cpu_backward_f32_workspace_bytes(
     (copies * 4).saturating_add(cpu_backward_scratch_bytes(&f32_dims, config, threads))
 }
 
+/// The forward of [`AttentionBackend::attention_forward`] and, with `documents`, of
+/// [`AttentionBackend::attention_forward_documents`]: one path, so that a mask of one
+/// document per row gives plain causal attention's bits.
+fn forward(
+    cpu: &Cpu,
+    (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
+    config: &AttentionConfig,
+    documents: Option<&DocumentMask>,
+) -> Result<AttentionForward<CpuTensor>> {
+    config.validate()?;
+    let dims = AttentionDims::new(
+        (q.shape(), q.dtype()),
+        (k.shape(), k.dtype()),
+        (v.shape(), v.dtype()),
+    )?;
+    if let Some(documents) = documents {
+        check_documents(&dims, config, documents)?;
+    }
+    if HeadGroups::applies(&dims, config.algorithm) && dims.q_len > 0 && dims.kv_len > 0 {
+        return grouped_forward(cpu, (q, k, v), config, dims, documents);
+    }
+    let mut output = F32Output::new(cpu, dims.q_shape(), dims.dtype)?;
+    let mut logsumexp = {
+        let _saved = MemoryCategory::Activations.enter();
+        cpu.zeros(dims.lse_shape(), DType::F32)?
+    };
+    let (qf, kf, vf) = (f32_input(cpu, q)?, f32_input(cpu, k)?, f32_input(cpu, v)?);
+    let problem = Problem {
+        dims,
+        causal: config.causal,
+        scale: config.scale_for(dims.head_dim),
+        q: qf.slice()?,
+        k: kf.slice()?,
+        v: vf.slice()?,
+        documents: DocumentRows::new(documents, &dims, 0),
+    };
+    let out = output.slice_mut()?;
+    let lse = logsumexp.as_mut_slice::<f32>()?;
+    let probs = match effective(config.algorithm, &dims) {
+        Algorithm::Naive => Some(naive::forward(cpu, &problem, out, lse)?),
+        Algorithm::Chunked { chunk_size } => {
+            chunked::forward(cpu, &problem, chunk_size, out, lse)?;
+            None
+        }
+        Algorithm::Flash { block_q, block_k } => {
+            flash::forward(cpu, &problem, block_q, block_k, out, lse)?;
+            None
+        }
+    };
+    Ok(AttentionForward {
+        output: output.finish(cpu)?,
+        logsumexp,
+        probs,
+        config: *config,
+        dims,
+        documents: documents.cloned(),
+    })
+}
+
 impl AttentionBackend for Cpu {
     fn attention_forward(
         &self,
@@ -613,53 +760,18 @@ impl AttentionBackend for Cpu {
         v: &CpuTensor,
         config: &AttentionConfig,
     ) -> Result<AttentionForward<CpuTensor>> {
-        config.validate()?;
-        let dims = AttentionDims::new(
-            (q.shape(), q.dtype()),
-            (k.shape(), k.dtype()),
-            (v.shape(), v.dtype()),
-        )?;
-        if HeadGroups::applies(&dims, config.algorithm) && dims.q_len > 0 && dims.kv_len > 0 {
-            return grouped_forward(self, (q, k, v), config, dims);
-        }
-        let mut output = F32Output::new(self, dims.q_shape(), dims.dtype)?;
-        let mut logsumexp = {
-            let _saved = MemoryCategory::Activations.enter();
-            self.zeros(dims.lse_shape(), DType::F32)?
-        };
-        let (qf, kf, vf) = (
-            f32_input(self, q)?,
-            f32_input(self, k)?,
-            f32_input(self, v)?,
-        );
-        let problem = Problem {
-            dims,
-            causal: config.causal,
-            scale: config.scale_for(dims.head_dim),
-            q: qf.slice()?,
-            k: kf.slice()?,
-            v: vf.slice()?,
-        };
-        let out = output.slice_mut()?;
-        let lse = logsumexp.as_mut_slice::<f32>()?;
-        let probs = match effective(config.algorithm, &dims) {
-            Algorithm::Naive => Some(naive::forward(self, &problem, out, lse)?),
-            Algorithm::Chunked { chunk_size } => {
-                chunked::forward(self, &problem, chunk_size, out, lse)?;
-                None
-            }
-            Algorithm::Flash { block_q, block_k } => {
-                flash::forward(self, &problem, block_q, block_k, out, lse)?;
-                None
-            }
-        };
-        Ok(AttentionForward {
-            output: output.finish(self)?,
-            logsumexp,
-            probs,
-            config: *config,
-            dims,
-        })
+        forward(self, (q, k, v), config, None)
+    }
+
+    fn attention_forward_documents(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        config: &AttentionConfig,
+        documents: &DocumentMask,
+    ) -> Result<AttentionForward<CpuTensor>> {
+        forward(self, (q, k, v), config, Some(documents))
     }
 
     fn attention_backward(
@@ -689,6 +801,7 @@ impl AttentionBackend for Cpu {
             q: qf.slice()?,
             k: kf.slice()?,
             v: vf.slice()?,
+            documents: DocumentRows::new(forward.documents.as_ref(), &dims, 0),
         };
         let grads = parallel::Grads {
             dq: dq.slice_mut()?,

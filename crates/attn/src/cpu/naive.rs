@@ -55,7 +55,12 @@ pub(crate) fn forward(
         all.par_chunks_mut(nk)
             .zip(lse.par_iter_mut())
             .enumerate()
-            .for_each(|(row, (scores, l))| *l = softmax_row(scores, p.visible(row % nq)));
+            .try_for_each(|(row, (scores, l))| -> Result<()> {
+                let i = row % nq;
+                p.starts(row / nq)?.mask(scores, i, 0);
+                *l = softmax_row(scores, p.visible(i));
+                Ok(())
+            })?;
         for (bh, (probs_h, out_h)) in all.chunks(nq * nk).zip(out.chunks_mut(nq * hd)).enumerate() {
             let kv = p.kv_head_of(bh);
             matmul(
@@ -75,6 +80,8 @@ pub(crate) fn forward(
 
 /// Naive backward from the saved probabilities, with the textbook `D = rowsum(P∘dP)` (flash
 /// uses the equal `rowsum(dO∘O)`; the two are checked against each other by the tests).
+/// A document mask needs nothing here: its hidden keys have probability 0, so `dS = P∘(…)`
+/// is 0 there too.
 pub(crate) fn backward(
     cpu: &Cpu,
     p: &Problem<'_>,

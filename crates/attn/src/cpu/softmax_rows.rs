@@ -299,6 +299,38 @@ mod tests {
         }
     }
 
+    /// Document masks set the scores of keys before a row's document to -inf and rely on
+    /// every helper giving them probability (and gradient) exactly 0, and on a tile of only
+    /// -inf leaving the online state alone whether or not it saw something before.
+    #[test]
+    fn minus_infinity_scores_get_probability_zero() {
+        let ninf = f32::NEG_INFINITY;
+        let mut row = vec![ninf, ninf, 0.5, 1.5, -2.0];
+        let lse = softmax_row(&mut row, 5);
+        let mut plain = vec![0.5, 1.5, -2.0];
+        assert_eq!(lse, softmax_row(&mut plain, 3));
+        assert_eq!(row[..2], [0.0, 0.0]);
+        assert_eq!(row[2..], plain[..]);
+        let mut again = vec![ninf, ninf, 0.5, 1.5, -2.0];
+        probs_from_lse_row(&mut again, 5, lse);
+        assert_eq!(again[..2], [0.0, 0.0]);
+        let mut ds = vec![3.0f32, -1.0, 0.5, 0.25, 2.0];
+        softmax_grad_row(&again, &mut ds, 0.7);
+        assert_eq!(ds[..2], [0.0, 0.0]);
+
+        // A whole tile of -inf first (nothing seen yet), then after a finite one.
+        let (mut m, mut l) = (ninf, 0.0f32);
+        let mut tile = vec![ninf; 4];
+        assert_eq!(online_softmax_row(&mut tile, 4, &mut m, &mut l), 1.0);
+        assert_eq!((tile, m, l), (vec![0.0; 4], ninf, 0.0));
+        let mut tile = vec![0.25f32, -1.0];
+        online_softmax_row(&mut tile, 2, &mut m, &mut l);
+        let (m_seen, l_seen) = (m, l);
+        let mut tile = vec![ninf; 3];
+        assert_eq!(online_softmax_row(&mut tile, 3, &mut m, &mut l), 1.0);
+        assert_eq!((tile, m, l), (vec![0.0; 3], m_seen, l_seen));
+    }
+
     #[test]
     fn a_row_that_sees_nothing_is_zero_not_nan() {
         let mut row = vec![1.0f32; 8];

@@ -1,0 +1,207 @@
+//! [`DocumentMask`]: which document each position of a packed batch belongs to, for
+//! document-aware causal attention
+//! ([`AttentionBackend::attention_forward_documents`](crate::AttentionBackend::attention_forward_documents)).
+
+use std::sync::Arc;
+
+use crate::{AttnError, Result};
+
+/// Which document each position of a packed batch belongs to.
+///
+/// Packed training puts several documents end to end in one sequence; with this mask query
+/// row `i` of batch row `b` sees key `j` only when `document_start(b, i) ≤ j ≤ i` — causal and
+/// inside its own document, as flash-attention's varlen kernels and transformers' packed
+/// sequences (documents told apart by `position_ids` restarting at 0) compute it.
+///
+/// Cheap to clone (the per-position starts are shared), so a forward pass keeps a copy for
+/// its backward.
+///
+/// ```
+/// use headroom_attn::{AttentionBackend, AttentionConfig, DocumentMask};
+/// use headroom_tensor::{Backend, Cpu};
+///
+/// # fn main() -> Result<(), headroom_attn::AttnError> {
+/// // One row of 6 positions packing documents of 3, 1 and 2 tokens.
+/// let mask = DocumentMask::from_positions(1, 6, &[0, 1, 2, 0, 0, 1])?;
+/// assert_eq!((mask.documents(), mask.document_start(0, 5)), (3, Some(4)));
+///
+/// let cpu = Cpu::new();
+/// let x = cpu.upload(&[0.5f32; 6 * 4], [1, 1, 6, 4])?;
+/// let config = AttentionConfig::flash().causal(true);
+/// let fwd = cpu.attention_forward_documents(&x, &x, &x, &config, &mask)?;
+/// let grads = cpu.attention_backward(&x, &x, &x, &fwd, &x)?; // the mask comes with `fwd`
+/// # let _ = grads;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DocumentMask {
+    batch: usize,
+    seq: usize,
+    /// For every position (row-major `[batch, seq]`), the index within its row of the first
+    /// position of its document. Non-decreasing along a row, which is what lets the tiled
+    /// kernels skip whole key tiles by looking at a tile's first query row alone.
+    starts: Arc<[u32]>,
+}
+
+impl DocumentMask {
+    /// From position ids `[batch·seq]` (row-major by batch row), as transformers reads packed
+    /// sequences: a document starts where the position is 0; every other position is its
+    /// predecessor's + 1; each row's first position must be 0.
+    ///
+    /// Errors: [`AttnError::PositionCount`] when `positions` is not `batch·seq` long (or that
+    /// product overflows, or `seq` exceeds what u32 position ids can address);
+    /// [`AttnError::PositionId`] naming the first batch row and index whose id breaks the rules.
+    pub fn from_positions(batch: usize, seq: usize, positions: &[u32]) -> Result<Self> {
+        let count_error = |reason| AttnError::PositionCount {
+            batch,
+            seq,
+            got: positions.len(),
+            reason,
+        };
+        let expected = batch
+            .checked_mul(seq)
+            .ok_or_else(|| count_error("batch × seq overflows usize"))?;
+        if positions.len() != expected {
+            return Err(count_error("one position id per position is needed"));
+        }
+        // Starts are stored as u32 like the ids themselves; a row longer than that could hold
+        // a document start no u32 can name.
+        if u32::try_from(seq).is_err() {
+            return Err(count_error(
+                "seq exceeds u32::MAX, the largest start a u32 can hold",
+            ));
+        }
+        let mut starts = Vec::with_capacity(positions.len());
+        if seq > 0 {
+            for (row, ids) in positions.chunks_exact(seq).enumerate() {
+                let mut start = 0u32;
+                let mut previous = None::<u32>;
+                for (index, &id) in ids.iter().enumerate() {
+                    let bad = |reason| AttnError::PositionId {
+                        row,
+                        index,
+                        got: id,
+                        reason,
+                    };
+                    match previous {
+                        None if id != 0 => {
+                            return Err(bad("a batch row must begin a document (position id 0)"))
+                        }
+                        Some(p) if id != 0 && p.checked_add(1) != Some(id) => {
+                            return Err(bad(
+                                "a position id must be 0 (a new document) or the previous one + 1",
+                            ))
+                        }
+                        _ => {}
+                    }
+                    if id == 0 {
+                        // `index` < seq ≤ u32::MAX, checked above.
+                        start = u32::try_from(index).map_err(|_| bad("index exceeds u32"))?;
+                    }
+                    starts.push(start);
+                    previous = Some(id);
+                }
+            }
+        }
+        Ok(DocumentMask {
+            batch,
+            seq,
+            starts: starts.into(),
+        })
+    }
+
+    /// Batch rows covered.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Positions per batch row.
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    /// First key position query `row` of batch row `b` may see (its document's start); None
+    /// out of range.
+    pub fn document_start(&self, b: usize, row: usize) -> Option<usize> {
+        if b >= self.batch || row >= self.seq {
+            return None;
+        }
+        self.starts.get(b * self.seq + row).map(|&s| s as usize)
+    }
+
+    /// Number of documents in the whole batch (handy for reports/tests).
+    pub fn documents(&self) -> usize {
+        if self.seq == 0 {
+            return 0;
+        }
+        self.starts
+            .chunks_exact(self.seq)
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .filter(|&(i, &s)| s as usize == i)
+                    .count()
+            })
+            .sum()
+    }
+
+    /// The starts of batch row `b`'s positions (`seq` of them).
+    pub(crate) fn row_starts(&self, b: usize) -> Option<&[u32]> {
+        let begin = b.checked_mul(self.seq)?;
+        self.starts.get(begin..begin.checked_add(self.seq)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_follow_the_position_ids() {
+        let m = DocumentMask::from_positions(2, 5, &[0, 1, 0, 1, 2, 0, 0, 1, 2, 0]).unwrap();
+        let starts: Vec<_> = (0..2)
+            .flat_map(|b| (0..5).map(move |i| (b, i)))
+            .map(|(b, i)| m.document_start(b, i).unwrap())
+            .collect();
+        assert_eq!(starts, [0, 0, 2, 2, 2, 0, 1, 1, 1, 4]);
+        assert_eq!(m.documents(), 5);
+        assert_eq!(m.document_start(2, 0), None);
+        assert_eq!(m.document_start(0, 5), None);
+        assert_eq!(m.row_starts(1), Some(&[0u32, 1, 1, 1, 4][..]));
+        let empty = DocumentMask::from_positions(3, 0, &[]).unwrap();
+        assert_eq!((empty.documents(), empty.document_start(0, 0)), (0, None));
+    }
+
+    #[test]
+    fn bad_position_ids_are_typed_errors() {
+        assert!(matches!(
+            DocumentMask::from_positions(2, 3, &[0, 1, 2]),
+            Err(AttnError::PositionCount { got: 3, .. })
+        ));
+        assert!(matches!(
+            DocumentMask::from_positions(usize::MAX, 2, &[]),
+            Err(AttnError::PositionCount { .. })
+        ));
+        assert!(matches!(
+            DocumentMask::from_positions(1, 3, &[1, 2, 3]),
+            Err(AttnError::PositionId {
+                row: 0,
+                index: 0,
+                got: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            DocumentMask::from_positions(2, 3, &[0, 1, 2, 0, 2, 3]),
+            Err(AttnError::PositionId {
+                row: 1,
+                index: 1,
+                got: 2,
+                ..
+            })
+        ));
+        let err = DocumentMask::from_positions(1, 2, &[u32::MAX, 0]).unwrap_err();
+        assert!(err.to_string().contains("batch row 0"), "{err}");
+    }
+}
