@@ -77,6 +77,7 @@ fn measure(
         workers,
         max_buffered_batches: (2 * workers).max(1),
         max_buffered_bytes: None,
+        documents: false,
     };
     let mut runs = Vec::new();
     for r in 0..repeats {

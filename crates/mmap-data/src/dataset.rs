@@ -216,11 +216,70 @@ impl SequenceIndex {
         if d >= self.document_count() {
             return None;
         }
-        let entry = |k: usize| -> Option<usize> {
-            let at = self.documents_at.checked_add(k.checked_mul(8)?)?;
-            usize::try_from(i64::from_le_bytes(le_word(self.idx.bytes(), at)?)).ok()
-        };
-        Some(entry(d)?..entry(d.checked_add(1)?)?)
+        Some(self.document_entry(d)?..self.document_entry(d.checked_add(1)?)?)
+    }
+
+    fn document_entry(&self, k: usize) -> Option<usize> {
+        let at = self.documents_at.checked_add(k.checked_mul(8)?)?;
+        usize::try_from(i64::from_le_bytes(le_word(self.idx.bytes(), at)?)).ok()
+    }
+
+    /// First segment token of document `d` (the start of its first sequence; an empty
+    /// document starts where the next one does); `None` past the end.
+    pub fn document_start(&self, d: usize) -> Option<u64> {
+        let first = self.document_sequences(d)?.start;
+        if first < self.sequences {
+            self.start(first)
+        } else {
+            // Past the last sequence: the end of the tokens.
+            Some(
+                self.sequences
+                    .checked_sub(1)
+                    .and_then(|l| self.span(l))
+                    .map_or(0, |r| r.end),
+            )
+        }
+    }
+
+    /// The document whose tokens include segment token `token`: the last one starting at or
+    /// before it (a binary search over the mapped document table); `None` before the first
+    /// document.
+    pub fn document_at(&self, token: u64) -> Option<usize> {
+        let (mut lo, mut hi) = (0usize, self.document_count());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.document_start(mid)? <= token {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo.checked_sub(1)
+    }
+
+    /// Position ids of segment tokens `start .. start + out.len()`, as a packed batch gives
+    /// them to a model (transformers' `position_ids`, Megatron's `--reset-position-ids`): 0
+    /// at `start` and at the first token of every document, else the previous token's + 1.
+    /// `None` when the index cannot say (a corrupt document table).
+    pub fn document_positions(&self, start: u64, out: &mut [u32]) -> Option<()> {
+        let mut next = self
+            .document_at(start)
+            .map_or(Some(0), |d| d.checked_add(1))?;
+        let mut next_start = self.document_start(next);
+        let mut position = 0u32;
+        for (i, p) in out.iter_mut().enumerate() {
+            let token = start.checked_add(i as u64)?;
+            let mut begins = i == 0;
+            // Several (empty) documents may start at the same token.
+            while next_start.is_some_and(|s| s <= token) {
+                begins |= next_start == Some(token);
+                next = next.checked_add(1)?;
+                next_start = self.document_start(next);
+            }
+            position = if begins { 0 } else { position.checked_add(1)? };
+            *p = position;
+        }
+        Some(())
     }
 }
 

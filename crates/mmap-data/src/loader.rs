@@ -39,6 +39,8 @@ pub struct BatchBuffer {
     epoch: u64,
     /// Loss-masked data only: whether each target counts (`B × T`, row-major).
     target_flags: Option<(Vec<bool>, TrackedAllocation)>,
+    /// Per-document batches only: each input's position id (`B × T`, row-major).
+    positions: Option<(Vec<u32>, TrackedAllocation)>,
     _tracked: TrackedAllocation,
 }
 
@@ -87,6 +89,7 @@ impl BatchBuffer {
             index: 0,
             epoch: 0,
             target_flags: None,
+            positions: None,
             _tracked: tracked,
         })
     }
@@ -101,9 +104,39 @@ impl BatchBuffer {
         Ok(self)
     }
 
+    /// This buffer with room for each input's position id within its document (`B × T`
+    /// u32, reported to `hook` as [`MemoryCategory::Data`]) and for the target flags (see
+    /// [`BatchBuffer::with_target_flags`]): what a [`LoaderConfig::documents`] loader fills.
+    pub fn with_positions(mut self, hook: Option<&Arc<dyn AllocHook>>) -> Result<Self> {
+        let n = self.batch_size * self.seq_len;
+        let bytes = n.checked_mul(4).ok_or_else(|| {
+            DataError::InvalidConfig(format!("{n} position ids overflow a byte count"))
+        })?;
+        let tracked = TrackedAllocation::register_as(
+            hook,
+            bytes,
+            DType::U32,
+            Device::Cpu,
+            MemoryCategory::Data,
+        )?;
+        self.positions = Some((zeroed(n)?, tracked));
+        if self.target_flags.is_none() {
+            self = self.with_target_flags(hook)?;
+        }
+        Ok(self)
+    }
+
+    /// For a [`LoaderConfig::documents`] loader: each input's position id, `B × T` row-major
+    /// beside [`BatchBuffer::inputs_u32`] — 0 at the start of each row and of each document,
+    /// else the previous input's + 1. `None` otherwise.
+    pub fn positions(&self) -> Option<&[u32]> {
+        self.positions.as_ref().map(|(p, _)| &p[..])
+    }
+
     /// For loss-masked data: whether each target's loss counts (`true`), `B × T` row-major
     /// beside [`BatchBuffer::targets_u32`]; `None` for data without a mask (every target
-    /// counts).
+    /// counts). With [`BatchBuffer::positions`], a target that starts a document never counts
+    /// (the row's previous document cannot predict it: a padded batch has no such target).
     pub fn target_flags(&self) -> Option<&[bool]> {
         self.target_flags.as_ref().map(|(f, _)| &f[..])
     }
@@ -229,7 +262,7 @@ pub fn fill_batch(
         .ok_or_else(|| DataError::InvalidConfig(format!("batch index {batch_index} overflows")))?;
     out.index = batch_index;
     out.epoch = sampler.epoch_of(first);
-    if dataset.has_loss_mask() {
+    if dataset.has_loss_mask() || out.positions.is_some() {
         let Some((flags, _)) = out.target_flags.as_mut() else {
             return Err(DataError::InvalidConfig(
                 "the dataset has a loss mask but the batch buffer has no room for its flags \
@@ -238,6 +271,9 @@ pub fn fill_batch(
             ));
         };
         fill_target_flags(dataset, sampler, first, t, flags)?;
+        if let Some((positions, _)) = out.positions.as_mut() {
+            fill_positions(dataset, sampler, first, t, positions, flags)?;
+        }
     }
     match (&mut out.inputs, &mut out.targets) {
         (TokenBuf::U32(x), TokenBuf::U32(y)) => fill_rows(dataset, sampler, first, t, x, y),
@@ -274,6 +310,43 @@ fn fill_target_flags(
             return Err(DataError::InvalidConfig(format!(
                 "window {window:?} lies outside the dataset's loss mask"
             )));
+        }
+    }
+    Ok(())
+}
+
+/// Each row's position ids from the documents of its segment's index, and the flags of the
+/// targets that start a document cleared.
+fn fill_positions(
+    dataset: &TokenDataset,
+    sampler: &WindowSampler,
+    first: u64,
+    t: usize,
+    positions: &mut [u32],
+    flags: &mut [bool],
+) -> Result<()> {
+    // The window's T inputs and the one token past them: its last target.
+    let mut row_positions = try_with_capacity::<u32>(t + 1)?;
+    row_positions.resize(t + 1, 0);
+    for (row, (out, row_flags)) in positions
+        .chunks_exact_mut(t)
+        .zip(flags.chunks_exact_mut(t))
+        .enumerate()
+    {
+        let window = sampler.window(first + row as u64);
+        let index = dataset
+            .segments()
+            .get(window.segment)
+            .and_then(|s| s.sequence_index());
+        let filled = index.and_then(|ix| ix.document_positions(window.start, &mut row_positions));
+        if filled.is_none() {
+            return Err(DataError::InvalidConfig(format!(
+                "window {window:?}: no document boundaries for it (positions per document                  need a Megatron .bin/.idx pair)"
+            )));
+        }
+        out.copy_from_slice(&row_positions[..t]);
+        for (flag, &p) in row_flags.iter_mut().zip(&row_positions[1..]) {
+            *flag &= p != 0;
         }
     }
     Ok(())
@@ -353,6 +426,11 @@ pub struct LoaderConfig {
     pub max_buffered_batches: usize,
     /// Optional memory cap on batch buffers; the buffer count is lowered to fit it.
     pub max_buffered_bytes: Option<usize>,
+    /// Fill each batch's [`BatchBuffer::positions`] from the documents of the data's Megatron
+    /// index, and leave out the targets that start a document: what packed training with
+    /// attention inside each document reads. Data without an index is refused.
+    #[serde(default)]
+    pub documents: bool,
 }
 
 impl LoaderConfig {
@@ -364,6 +442,7 @@ impl LoaderConfig {
             workers: 2,
             max_buffered_batches: 4,
             max_buffered_bytes: None,
+            documents: false,
         }
     }
 }
@@ -506,6 +585,18 @@ impl Loader {
     ) -> Result<Self> {
         let seq_len = usize::try_from(sampler.seq_len)
             .map_err(|_| DataError::InvalidConfig("seq_len exceeds usize".into()))?;
+        if config.documents {
+            if let Some(s) = dataset
+                .segments()
+                .iter()
+                .find(|s| s.sequence_index().is_none())
+            {
+                return Err(DataError::InvalidConfig(format!(
+                    "{}: positions per document need the data's document boundaries, and this                      file has none (a Megatron .bin/.idx pair has them: `headroom data build                      --format megatron`)",
+                    s.name()
+                )));
+            }
+        }
         let sampler = Arc::new(WindowSampler::new(&dataset, sampler)?);
         let batch_bytes = config
             .batch_size
@@ -530,6 +621,9 @@ impl Loader {
                     BatchBuffer::new(config.batch_size, seq_len, config.output, hook.as_ref())?;
                 if dataset.has_loss_mask() {
                     b = b.with_target_flags(hook.as_ref())?;
+                }
+                if config.documents {
+                    b = b.with_positions(hook.as_ref())?;
                 }
                 // The receiver is alive right here, so this cannot fail.
                 let _ = tx.send(b);
