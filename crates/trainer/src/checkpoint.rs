@@ -143,6 +143,10 @@ pub struct RunSpec {
         skip_serializing_if = "Option::is_none"
     )]
     pub min_loss_scale: Option<Option<f32>>,
+    /// Packed documents (`--document-attention`); written only when set, so a run without
+    /// them writes the files it always did.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub documents: bool,
 }
 
 /// What every run used before its checkpoints recorded these settings: the values a
@@ -310,6 +314,11 @@ impl RunSpec {
             now.grad_clip.to_string(),
         );
         cmp("--precision", self.precision.clone(), now.precision.clone());
+        cmp(
+            "--document-attention",
+            self.documents.to_string(),
+            now.documents.to_string(),
+        );
         if let (Some(was), Some(is)) = (self.min_loss_scale, now.min_loss_scale) {
             let show = |floor: Option<f32>| floor.map_or("none".into(), |f| f.to_string());
             cmp("--min-loss-scale", show(was), show(is));

@@ -187,6 +187,10 @@ struct EvalArgs {
     /// 64 MiB]
     #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..))]
     loss_chunk: Option<u64>,
+    /// Score the windows as packed documents, as `train --document-attention` trains them
+    /// (needs the file's Megatron index).
+    #[arg(long)]
+    document_attention: bool,
     #[command(flatten)]
     weights: InferenceArgs,
 }
@@ -634,6 +638,13 @@ struct TrainArgs {
     /// directory here (refused if it exists).
     #[arg(long, value_name = "DIR", requires = "lora_rank")]
     merge_into: Option<PathBuf>,
+    /// Packed examples train as if padded one per row: each token attends only within its
+    /// document, positions restart at each document, and a target that starts one is not
+    /// counted (TRL's padding-free packing; Megatron's --reset-attention-mask and
+    /// --reset-position-ids). The documents are those of the data's Megatron index (`data
+    /// build --format megatron`); CPU only.
+    #[arg(long)]
+    document_attention: bool,
     /// ZeRO stage 0–3 over --ranks data-parallel ranks (threads of this process): 0 all-reduces
     /// gradients, 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
     /// --batch is the global batch (each rank runs batch/ranks sequences a step).
@@ -1208,6 +1219,9 @@ fn cmd_train_zero(
         if let Some(line) = crate::train::describe_loss_mask(o) {
             say!("{line}");
         }
+        if let Some(line) = crate::train::describe_documents(o) {
+            say!("{line}");
+        }
     }
     let metrics_path = metrics.unwrap_or(Path::new(""));
     let mut metrics = match metrics {
@@ -1341,6 +1355,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         f.lora.seed = o.seed;
     }
     o.merge_into = args.merge_into;
+    o.documents = args.document_attention;
     o.save = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
     o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
     if let Some(mib) = args.max_shard_mib {
@@ -1392,6 +1407,9 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
     );
     say!("optimizer: {}", o.describe_optimizer());
     if let Some(line) = crate::train::describe_loss_mask(&o) {
+        say!("{line}");
+    }
+    if let Some(line) = crate::train::describe_documents(&o) {
         say!("{line}");
     }
     // A resumed run continues the metrics of the run it resumes.
@@ -2396,7 +2414,8 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     model.opts.loss_chunk = Some(usize::try_from(rows).unwrap_or(usize::MAX));
     let seq = a.seq.unwrap_or(EVAL_DEFAULT_SEQ.min(model.cfg.max_seq));
     let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
-    let (loss, tokens) = crate::evaluate::evaluate(&model, &data, a.batch, seq, a.batches)?;
+    let (loss, tokens) =
+        crate::evaluate::evaluate(&model, &data, a.batch, seq, a.batches, a.document_attention)?;
     let masked = if data.has_loss_mask() {
         " kept by its loss mask"
     } else {

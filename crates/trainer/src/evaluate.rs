@@ -6,20 +6,27 @@
 //! The result is the mean over batches of each batch's mean cross-entropy per token. With a
 //! loss mask beside the file, only the targets it keeps are scored, each batch weighted by
 //! its counted targets (the mean per counted token, whatever the batch size).
+//!
+//! With `documents` the windows are packed documents (see [`crate::model::Documents`]): the
+//! file's Megatron index says where each document starts, positions restart there, attention
+//! stays inside each document, and a target that starts a document is not scored — the loss
+//! of the same examples padded one per row.
 
 use headroom_mmap_data::TokenDataset;
 
-use crate::model::{counted_targets, Geometry, Model, ModelOps, IGNORE_TARGET};
+use crate::model::{counted_targets, Documents, Geometry, Model, ModelOps, IGNORE_TARGET};
 use crate::{Result, TrainError};
 
 /// Mean loss (nats per token) of `model` over the first `batches` batches of `batch` windows
-/// of `seq` tokens of `data`, and the number of targets scored (those its loss mask keeps).
+/// of `seq` tokens of `data`, and the number of targets scored (those its loss mask keeps);
+/// with `documents`, as packed documents.
 pub fn evaluate<B: ModelOps>(
     model: &Model<B>,
     data: &TokenDataset,
     batch: usize,
     seq: usize,
     batches: usize,
+    documents: bool,
 ) -> Result<(f64, u64)> {
     let bad = |what: String| TrainError::Input(format!("eval: {what}"));
     if batch == 0 || seq == 0 || batches == 0 {
@@ -48,7 +55,28 @@ pub fn evaluate<B: ModelOps>(
     let mut stream = Vec::with_capacity(rows + 1);
     // Whether each token counts as a target (loss-masked data only).
     let mut flags = Vec::with_capacity(if data.has_loss_mask() { rows + 1 } else { 0 });
+    // Whether each token starts a document (with `documents` only).
+    let mut starts = Vec::with_capacity(if documents { rows + 1 } else { 0 });
     'segments: for (s, segment) in data.segments().iter().enumerate() {
+        let positions = if documents {
+            let index = segment.sequence_index().ok_or_else(|| {
+                bad(format!(
+                    "{}: packed documents need the file's document boundaries, and it has \
+                     none (a Megatron .bin/.idx pair has them: `headroom data build --format \
+                     megatron`)",
+                    segment.name()
+                ))
+            })?;
+            // Only the tokens the windows read (at most the file, checked above).
+            let len = (needed - stream.len() as u64).min(segment.len() as u64) as usize;
+            let mut p = vec![0u32; len];
+            index
+                .document_positions(0, &mut p)
+                .ok_or_else(|| bad(format!("{}: its document index", segment.name())))?;
+            p
+        } else {
+            Vec::new()
+        };
         for i in 0..segment.len() as u64 {
             if stream.len() as u64 == needed {
                 break 'segments;
@@ -70,9 +98,12 @@ pub fn evaluate<B: ModelOps>(
                 )));
             }
             stream.push(id);
+            if documents {
+                starts.push(positions.get(i as usize) == Some(&0));
+            }
         }
     }
-    let g = Geometry { b: batch, t: seq };
+    let g = Geometry::new(batch, seq);
     let mut mean = crate::train::ValidationMean::default();
     for k in 0..batches {
         let (mut x, mut y) = (
@@ -91,11 +122,34 @@ pub fn evaluate<B: ModelOps>(
                 }
             }
         }
-        let counted = counted_targets(&y) as u64;
-        let loss = if counted > 0 {
-            model.loss(&x, &y, g)?
+        let packed = if documents {
+            let mut positions = Vec::with_capacity(batch * seq);
+            for w in k * batch..(k + 1) * batch {
+                let mut p = 0u32;
+                for i in 0..seq {
+                    p = if i == 0 || starts[w * seq + i] {
+                        0
+                    } else {
+                        p + 1
+                    };
+                    positions.push(p);
+                }
+                // A target that starts a document has nothing of it to be predicted from.
+                for (i, t) in y[(w - k * batch) * seq..][..seq].iter_mut().enumerate() {
+                    if starts[w * seq + i + 1] {
+                        *t = IGNORE_TARGET;
+                    }
+                }
+            }
+            Some(Documents::from_positions(batch, seq, &positions)?)
         } else {
-            0.0
+            None
+        };
+        let counted = counted_targets(&y) as u64;
+        let loss = match (&packed, counted) {
+            (_, 0) => 0.0,
+            (Some(d), _) => model.loss(&x, &y, g.with_documents(d)?)?,
+            (None, _) => model.loss(&x, &y, g)?,
         };
         mean.add(loss, counted, y.len());
     }

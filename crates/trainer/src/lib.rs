@@ -22,7 +22,7 @@
 //! let targets: Vec<u32> = (1..17).map(|i| i % 32).collect();
 //! // Keep every second block's input, recompute the rest in backward.
 //! let schedule = Schedule::every_k(cfg.layers, 2)?;
-//! let g = Geometry { b: 2, t: 8 };
+//! let g = Geometry::new(2, 8);
 //! let (loss, stats) = gpt.forward_backward(&tokens, &targets, g, &mut grads, 1.0 / 16.0, &schedule)?;
 //! // An untrained model predicts roughly uniformly: loss ≈ ln(vocab).
 //! assert!((loss - (32f32).ln()).abs() < 0.1);

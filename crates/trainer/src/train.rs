@@ -34,8 +34,8 @@ use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
 use crate::estimate;
 use crate::model::{
-    counted_targets, params, FinetuneBuilder, FinetuneSpec, Geometry, Model, ModelConfig,
-    ModelOptions, IGNORE_TARGET,
+    counted_targets, params, Documents, FinetuneBuilder, FinetuneSpec, Geometry, Model,
+    ModelConfig, ModelOptions, IGNORE_TARGET,
 };
 use crate::techniques::{
     block_schedule, CheckpointChoice, OptimizerChoice, OptimizerPlacement, Techniques,
@@ -246,6 +246,11 @@ pub struct TrainOptions {
     /// After training, merge the adapters into the base and write a Hugging Face directory
     /// here (needs [`Techniques::finetune`]).
     pub merge_into: Option<PathBuf>,
+    /// Packed documents (`--document-attention`): each token attends only within its document
+    /// of the data's Megatron index, positions restart at each document, and a target that
+    /// starts a document is not counted — the losses of a batch of padded examples (see
+    /// [`crate::model::Documents`]). CPU only; the data (and `--val-data`) must have an index.
+    pub documents: bool,
 }
 
 /// Validation during a run (`--val-data`, `--eval-every`, `--eval-batches`).
@@ -403,6 +408,7 @@ impl TrainOptions {
             init_from: None,
             merge_into: None,
             memory_outputs: MemoryOutputs::default(),
+            documents: false,
         }
     }
 
@@ -479,6 +485,7 @@ impl TrainOptions {
                 self.min_loss_scale
                     .filter(|_| self.techniques.model.precision.needs_loss_scaling()),
             ),
+            documents: self.documents,
         }
     }
 
@@ -496,6 +503,23 @@ impl TrainOptions {
             }
         }
         self.model.validate()?;
+        if self.documents {
+            if matches!(self.data, DataSource::Synthetic(_)) {
+                return opt(
+                    "--document-attention",
+                    "needs a token file with document boundaries (--data FILE, a Megatron \
+                     .bin/.idx pair); the synthetic data has none"
+                        .into(),
+                );
+            }
+            if matches!(self.device, ComputeDevice::Cuda { .. }) {
+                return opt(
+                    "--document-attention",
+                    "runs on the CPU only: the CUDA attention kernels have no document mask yet"
+                        .into(),
+                );
+            }
+        }
         if self.seq > self.model.max_seq {
             return opt(
                 "--seq",
@@ -828,7 +852,7 @@ pub(crate) fn batch_tokens(
     batch: &headroom_mmap_data::BatchBuffer,
     vocab: usize,
     source: &dyn std::fmt::Display,
-) -> Result<(Vec<u32>, Vec<u32>)> {
+) -> Result<TokenBatch> {
     let inputs = batch
         .inputs_u32()
         .ok_or_else(|| TrainError::Input("loader gave no u32 inputs".into()))?
@@ -845,7 +869,11 @@ pub(crate) fn batch_tokens(
             }
         }
     }
-    Ok((inputs, targets))
+    Ok(TokenBatch {
+        tokens: inputs,
+        targets,
+        positions: batch.positions().map(<[u32]>::to_vec),
+    })
 }
 
 /// The mean validation loss per counted target, chunk by chunk in order: each chunk's mean
@@ -897,19 +925,60 @@ impl ValidationMean {
 /// [`ValidationMean`] over `batches`, `rows` tokens at a time through `loss`; chunks with no
 /// counted target are not run.
 pub(crate) fn validation_mean(
-    batches: &[(Vec<u32>, Vec<u32>)],
+    batches: &[TokenBatch],
     rows: usize,
-    mut loss: impl FnMut(&[u32], &[u32]) -> Result<f32>,
+    mut loss: impl FnMut(&[u32], &[u32], Option<&[u32]>) -> Result<f32>,
 ) -> Result<f32> {
     let mut mean = ValidationMean::default();
-    for (tokens, targets) in batches {
-        for (tok, tgt) in tokens.chunks(rows).zip(targets.chunks(rows)) {
+    for b in batches {
+        for (i, (tok, tgt)) in b
+            .tokens
+            .chunks(rows)
+            .zip(b.targets.chunks(rows))
+            .enumerate()
+        {
             let n = counted_targets(tgt) as u64;
-            let l = if n > 0 { loss(tok, tgt)? } else { 0.0 };
+            let positions = b.positions.as_ref().and_then(|p| p.chunks(rows).nth(i));
+            let l = if n > 0 {
+                loss(tok, tgt, positions)?
+            } else {
+                0.0
+            };
             mean.add(l, n, tgt.len());
         }
     }
     Ok(mean.mean())
+}
+
+/// One batch as the model reads it: inputs, targets (those left out as [`IGNORE_TARGET`])
+/// and, for packed documents, each input's position id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenBatch {
+    /// Input ids `[B·T]`.
+    pub tokens: Vec<u32>,
+    /// Target ids `[B·T]`.
+    pub targets: Vec<u32>,
+    /// Position ids `[B·T]` with [`TrainOptions::documents`], else `None`.
+    pub positions: Option<Vec<u32>>,
+}
+
+/// The micro-batch of `rows` token rows (`micro` sequences) at `index` of a batch's `positions`,
+/// as the documents its geometry carries.
+pub(crate) fn micro_documents(
+    positions: Option<&[u32]>,
+    index: usize,
+    micro: usize,
+    seq: usize,
+) -> Result<Option<Documents>> {
+    let rows = micro * seq;
+    positions
+        .map(|p| {
+            let chunk = p.chunks(rows).nth(index).ok_or_else(|| {
+                TrainError::Input(format!("micro-batch {index} is past the batch's positions"))
+            })?;
+            Documents::from_positions(micro, seq, chunk)
+        })
+        .transpose()
 }
 
 /// What a run's training data is called in messages.
@@ -923,7 +992,7 @@ pub(crate) fn data_name(data: &DataSource) -> String {
 /// The fixed validation set of a run (`--val-data`): `batches` batches of the run's shape from
 /// a constant seed, read once (host vectors, outside the device ledger: a few KiB to MiB of
 /// token ids); empty without validation.
-pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<TokenBatch>> {
     let Some(e) = &opts.eval else {
         return Ok(Vec::new());
     };
@@ -937,6 +1006,7 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<(Vec<u32>, Vec<u32>
     };
     let mut cfg = LoaderConfig::new(opts.batch);
     cfg.output = OutputType::U32;
+    cfg.documents = opts.documents;
     let mut val = Loader::new(ds, sampler, cfg, None)?;
     (0..e.batches)
         .map(|_| batch_tokens(&*val.next_batch()?, opts.model.vocab, &e.data.display()))
@@ -967,6 +1037,30 @@ pub fn estimate_with_data(
     } else {
         e
     })
+}
+
+/// The line `headroom train` prints for packed documents (`None` without them, or for data
+/// that does not open: the run reports why).
+pub fn describe_documents(opts: &TrainOptions) -> Option<String> {
+    let DataSource::File(path) = &opts.data else {
+        return None;
+    };
+    if !opts.documents {
+        return None;
+    }
+    let ds = headroom_mmap_data::open(path, &Default::default()).ok()?;
+    let documents: usize = ds
+        .segments()
+        .iter()
+        .filter_map(|s| s.sequence_index())
+        .map(|i| i.document_count())
+        .sum();
+    Some(format!(
+        "documents: {documents} in the data's index, {:.1} tokens each on average; each token \
+         attends only within its own, positions restart at each, and a target that starts one \
+         is not counted",
+        ds.total_tokens() as f64 / documents.max(1) as f64
+    ))
 }
 
 /// The line `headroom train` prints for a dataset with a loss mask beside it (`None` for data
@@ -1196,7 +1290,7 @@ impl Stepper {
         tokens: &[u32],
         targets: &[u32],
         counted: u64,
-        g: Geometry,
+        g: Geometry<'_>,
         loss_scale: f32,
         schedule: &Schedule,
     ) -> Result<Option<(f32, ScheduleStats)>> {
@@ -1242,7 +1336,7 @@ impl Stepper {
     }
 
     /// Mean loss over `batches` (forward only, `micro` sequences at a time).
-    fn eval_loss(&self, batches: &[(Vec<u32>, Vec<u32>)], micro: usize, seq: usize) -> Result<f32> {
+    fn eval_loss(&self, batches: &[TokenBatch], micro: usize, seq: usize) -> Result<f32> {
         let gpt =
             match self {
                 Stepper::Host {
@@ -1257,8 +1351,16 @@ impl Stepper {
                 )),
             };
         let rows = micro * seq;
-        let g = Geometry { b: micro, t: seq };
-        validation_mean(batches, rows, |tok, tgt| gpt.loss(tok, tgt, g))
+        let g = Geometry::new(micro, seq);
+        validation_mean(batches, rows, |tok, tgt, positions| {
+            let documents = positions
+                .map(|p| Documents::from_positions(micro, seq, p))
+                .transpose()?;
+            match &documents {
+                Some(d) => gpt.loss(tok, tgt, g.with_documents(d)?),
+                None => gpt.loss(tok, tgt, g),
+            }
+        })
     }
 
     /// Both groups' learning rate.
@@ -1443,6 +1545,7 @@ fn train_tracked(
     };
     let mut loader_cfg = LoaderConfig::new(opts.batch);
     loader_cfg.output = OutputType::U32;
+    loader_cfg.documents = opts.documents;
     // Held for the run, taken before the root is inspected so nothing changes it meanwhile.
     let _root_lock = match &opts.save {
         Some((root, _)) => checkpoint::lock_root(root)?,
@@ -1726,10 +1829,7 @@ fn train_tracked(
         checkpoint::check_room(root, checkpoint_bytes, "--checkpoint-dir")?;
     }
 
-    let mg = Geometry {
-        b: micro,
-        t: opts.seq,
-    };
+    let mg = Geometry::new(micro, opts.seq);
     let schedule = block_schedule(tech.checkpoint, &opts.model, || {
         let est = estimate_with_data(opts, micro, tech)?;
         let budget = match tech.checkpoint {
@@ -1758,8 +1858,11 @@ fn train_tracked(
             tracker.mark(&format!("step {step}"));
         }
         let t0 = Instant::now();
-        let (tokens, targets) =
-            batch_tokens(&*loader.next_batch()?, opts.model.vocab, &data_label)?;
+        let TokenBatch {
+            tokens,
+            targets,
+            positions,
+        } = batch_tokens(&*loader.next_batch()?, opts.model.vocab, &data_label)?;
         // Every target counts, or those the loss mask keeps: the step's mean is over these,
         // whichever micro-batch holds them (headroom-accum's token weighting).
         let counted = counted_targets(&targets) as u64;
@@ -1786,8 +1889,14 @@ fn train_tracked(
                         continue;
                     }
                     stepper.set_dropout_position(step, micro_index);
+                    let documents =
+                        micro_documents(positions.as_deref(), micro_index, micro, opts.seq)?;
+                    let g = match &documents {
+                        Some(d) => mg.with_documents(d)?,
+                        None => mg,
+                    };
                     let out =
-                        stepper.micro_batch(tok, tgt, mb_counted, mg, loss_scale, &schedule)?;
+                        stepper.micro_batch(tok, tgt, mb_counted, g, loss_scale, &schedule)?;
                     let (mb_loss, stats) = out.unwrap_or_default();
                     block_forwards += stats.forward_count;
                     // Per-token losses are summed in f64 by the head; the micro-batch mean
@@ -1812,7 +1921,9 @@ fn train_tracked(
                 let _phase = tracker.phase("eval");
                 let v = stepper.eval_loss(&val_batches, micro, opts.seq)?;
                 // The targets scored: those the validation file's loss mask keeps.
-                let scored = val_batches.iter().map(|(_, t)| counted_targets(t) as u64);
+                let scored = val_batches
+                    .iter()
+                    .map(|b| counted_targets(&b.targets) as u64);
                 last_val = Some((v, scored.sum()));
                 Some(v)
             }

@@ -142,7 +142,7 @@ struct Shared<'a> {
     /// Where a resumed run starts: every tensor whole, each rank keeps its shard.
     resume: Option<ZeroCheckpoint>,
     /// The fixed validation batches (`--val-data`), global batch size each.
-    val: Vec<(Vec<u32>, Vec<u32>)>,
+    val: Vec<crate::train::TokenBatch>,
 }
 
 /// The state a resume starts from, checked against the run: a ZeRO checkpoint of any stage and
@@ -202,6 +202,11 @@ pub fn part_sizes(cfg: &crate::model::ModelConfig) -> Vec<Vec<usize>> {
 fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
     opts.validate()?;
     let refuse = |what: &str| Err(TrainError::Config(format!("--zero: {what}")));
+    if opts.documents {
+        return refuse(
+            "--document-attention is not implemented for ZeRO runs yet (train on one process)",
+        );
+    }
     if zero.ranks == 0 {
         return Err(TrainError::Option {
             option: "--ranks",
@@ -844,10 +849,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
     };
     let mut adamw = ShardAdamW::new(opts, shared.groups.clone());
     let micro = shared.micro;
-    let g = Geometry {
-        b: micro,
-        t: opts.seq,
-    };
+    let g = Geometry::new(micro, opts.seq);
     let rows = micro * opts.seq;
     let end = opts.stop_after.map_or(opts.steps, |k| k.min(opts.steps));
     let mut before_last = counters.snapshot();
@@ -858,8 +860,9 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         }
         let t0 = Instant::now();
         before_last = counters.snapshot();
-        let (tokens, targets) =
-            crate::train::batch_tokens(&*loader.next_batch()?, opts.model.vocab, &data_label)?;
+        let crate::train::TokenBatch {
+            tokens, targets, ..
+        } = crate::train::batch_tokens(&*loader.next_batch()?, opts.model.vocab, &data_label)?;
         // The global batch's counted targets (every target without a loss mask): each rank's
         // count, gathered (exact in f64), so every rank seeds its loss gradient with the
         // weight one process gives the whole batch.
@@ -1037,17 +1040,17 @@ struct EngineStore<'a, B: RankBackend> {
 fn validation_loss<B: RankBackend>(
     model: &Model<B>,
     store: &EngineStore<'_, B>,
-    batches: &[(Vec<u32>, Vec<u32>)],
+    batches: &[crate::train::TokenBatch],
     micro: usize,
     seq: usize,
     rank: usize,
     ranks: usize,
 ) -> Result<f32> {
     let rows = micro * seq;
-    let g = Geometry { b: micro, t: seq };
+    let g = Geometry::new(micro, seq);
     let chunks: Vec<(&[u32], &[u32])> = batches
         .iter()
-        .flat_map(|(tok, tgt)| tok.chunks(rows).zip(tgt.chunks(rows)))
+        .flat_map(|b| b.tokens.chunks(rows).zip(b.targets.chunks(rows)))
         .collect();
     if !chunks.len().is_multiple_of(ranks) {
         // Every rank sees the same batches, so every rank refuses alike: none is left waiting.

@@ -40,7 +40,7 @@ fn blocks_compute_with_the_weights_they_are_given() {
             ..ModelOptions::default()
         };
         let model = Model::new(&cpu, cfg, opts, 5).unwrap();
-        let g = Geometry { b: 2, t: 6 };
+        let g = Geometry::new(2, 6);
         let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 11).collect();
         let x = model.embed(&tokens, g).unwrap();
         let l = 1;

@@ -736,7 +736,7 @@ fn the_model_loads_from_a_checkpoint_in_one_call() {
     let (dir, _) = trained_with_checkpoints(2, 2);
     let cpu = headroom_tensor::Cpu::new();
     let gpt = checkpoint::load_model(dir.path(), &cpu, Default::default()).unwrap();
-    let g = headroom_trainer::model::Geometry { b: 1, t: 8 };
+    let g = headroom_trainer::model::Geometry::new(1, 8);
     let tokens: Vec<u32> = (0..8).collect();
     let loss = gpt.loss(&tokens, &tokens, g).unwrap();
     assert!(loss.is_finite());

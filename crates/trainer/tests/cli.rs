@@ -1681,3 +1681,59 @@ fn jsonl_build_counts_only_the_assistants_turns() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("not trained to stop"), "{}", stdout(&o));
 }
+
+/// `train --document-attention` on an SFT file with a Megatron index: the documents are the
+/// examples; a file without an index is refused by name, and so is a ZeRO run.
+#[test]
+fn document_attention_trains_on_examples_of_a_megatron_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sft/chat");
+    let jsonl = dir.path().join("chat.jsonl");
+    let mut text = String::new();
+    for i in 0..60 {
+        text += &serde_json::json!({
+            "prompt": [{"role": "user", "content": format!("Where did dog {i} go?")}],
+            "completion": [{"role": "assistant", "content": "To the park."}],
+        })
+        .to_string();
+        text.push('\n');
+    }
+    std::fs::write(&jsonl, text).unwrap();
+    let build = |format: &str, out: &std::path::Path| {
+        let o = headroom(&[
+            "data",
+            "build",
+            "--jsonl",
+            "--tokenizer",
+            chat.to_str().unwrap(),
+            "--format",
+            format,
+            jsonl.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    let packed = dir.path().join("chat.bin");
+    build("megatron", &packed);
+    let o = train_on_chat(packed.to_str().unwrap(), "64", &["--document-attention"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("final loss"), "{}", stdout(&o));
+
+    let raw = dir.path().join("raw.bin");
+    build("raw", &raw);
+    let o = train_on_chat(raw.to_str().unwrap(), "64", &["--document-attention"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("Megatron"), "{}", stderr(&o));
+
+    let o = train_on_chat(
+        packed.to_str().unwrap(),
+        "64",
+        &["--document-attention", "--zero", "1", "--ranks", "2"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--document-attention"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -62,7 +62,7 @@ fn bf16() -> ModelOptions {
     }
 }
 
-const G: Geometry = Geometry { b: 2, t: 24 };
+const G: Geometry<'static> = Geometry::new(2, 24);
 
 fn batch(cfg: &ModelConfig) -> (Vec<u32>, Vec<u32>) {
     let n = G.rows();

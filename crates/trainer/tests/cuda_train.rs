@@ -463,7 +463,7 @@ mod on_the_device {
         let mut host_masters = params::init_params(&cpu, &cfg, 5).unwrap();
         let cuda = Cuda::new(0).unwrap();
         let mut gpt = device::model_over_device_masters(&cuda, cfg, opts, &host_masters).unwrap();
-        let g = Geometry { b: 2, t: 32 };
+        let g = Geometry::new(2, 32);
         let tokens: Vec<u32> = (0..64u32).map(|i| (i * 7 + 3) % 64).collect();
         let targets: Vec<u32> = (0..64u32).map(|i| (i * 13 + 5) % 64).collect();
         let schedule = Schedule::store_all(cfg.layers).unwrap();

@@ -176,7 +176,8 @@ fn init_from_transformers_train_with_validation_then_sample_words() {
         &headroom_mmap_data::OpenOptions::default(),
     )
     .unwrap();
-    let (loss, tokens) = headroom_trainer::evaluate::evaluate(&model, &data, 4, 32, 3).unwrap();
+    let (loss, tokens) =
+        headroom_trainer::evaluate::evaluate(&model, &data, 4, 32, 3, false).unwrap();
     assert_eq!(tokens, 384);
     assert!((loss - printed).abs() < 1e-6, "{line}");
     assert!(

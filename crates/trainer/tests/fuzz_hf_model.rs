@@ -80,7 +80,7 @@ fn load_input(
     let tokens: Vec<u32> = (0..t).map(|i| (i % config.vocab) as u32).collect();
     let targets: Vec<u32> = (0..t).map(|i| ((i + 1) % config.vocab) as u32).collect();
     // A damaged weight may be a NaN or an infinity: the loss's value is not checked.
-    model.loss(&tokens, &targets, Geometry { b: 1, t })?;
+    model.loss(&tokens, &targets, Geometry::new(1, t))?;
     Ok(())
 }
 

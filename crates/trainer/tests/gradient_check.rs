@@ -61,7 +61,7 @@ fn check(cfg: ModelConfig, attention: AttentionConfig) {
             *v += 0.3 * ((i as f32 * 1.37).sin());
         }
     }
-    let g = Geometry { b: 2, t: 6 };
+    let g = Geometry::new(2, 6);
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 11).collect();
     let targets: Vec<u32> = (0..12).map(|i| (i * 5 + 1) % 11).collect();
     let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
@@ -132,7 +132,7 @@ fn attention_algorithms_give_the_same_gradients() {
         channels: 16,
         family: headroom_trainer::model::Family::Gpt2,
     };
-    let g = Geometry { b: 2, t: 16 };
+    let g = Geometry::new(2, 16);
     let tokens: Vec<u32> = (0..32).map(|i| (i * 7 + 3) % 13).collect();
     let targets: Vec<u32> = (0..32).map(|i| (i * 5 + 1) % 13).collect();
     let run = |a: AttentionConfig| {
@@ -179,31 +179,17 @@ fn bad_batches_are_typed_errors() {
         .forward_backward(
             &[0, 1, 2, 9],
             &[0; 4],
-            Geometry { b: 1, t: 4 },
+            Geometry::new(1, 4),
             &mut grads,
             1.0,
             &all
         )
         .is_err());
     assert!(gpt
-        .forward_backward(
-            &[0; 5],
-            &[0; 5],
-            Geometry { b: 1, t: 5 },
-            &mut grads,
-            1.0,
-            &all
-        )
+        .forward_backward(&[0; 5], &[0; 5], Geometry::new(1, 5), &mut grads, 1.0, &all)
         .is_err());
     assert!(gpt
-        .forward_backward(
-            &[0; 3],
-            &[0; 4],
-            Geometry { b: 1, t: 4 },
-            &mut grads,
-            1.0,
-            &all
-        )
+        .forward_backward(&[0; 3], &[0; 4], Geometry::new(1, 4), &mut grads, 1.0, &all)
         .is_err());
     assert!(Model::new(
         &cpu,

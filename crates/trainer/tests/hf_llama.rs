@@ -56,7 +56,7 @@ fn matches_reference(name: &str) -> headroom_trainer::model::ModelConfig {
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let (tokens, targets) = (ids(&st, "tokens"), ids(&st, "targets"));
-    let g = Geometry { b: 2, t: 16 };
+    let g = Geometry::new(2, 16);
     let want = f32s(&st, "logits");
     let got = model.logits(&tokens, g).unwrap();
     assert_eq!(got.len(), want.len());

@@ -81,10 +81,10 @@ fn upload(cpu: &Cpu, cfg: &ModelConfig, data: &[Vec<f32>]) -> Vec<CpuTensor> {
         .collect()
 }
 
-fn batch() -> (Vec<u32>, Vec<u32>, Geometry) {
+fn batch() -> (Vec<u32>, Vec<u32>, Geometry<'static>) {
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 11).collect();
     let targets: Vec<u32> = (0..12).map(|i| (i * 5 + 1) % 11).collect();
-    (tokens, targets, Geometry { b: 2, t: 6 })
+    (tokens, targets, Geometry::new(2, 6))
 }
 
 fn spec(cfg: &ModelConfig, r: usize, quantize: Option<QuantSpec>) -> FinetuneSpec {

@@ -46,7 +46,7 @@ fn loss_and_grads(
     targets: &[u32],
 ) -> (f64, Vec<Vec<f32>>) {
     let cfg = model.cfg;
-    let g = Geometry { b: 2, t: 8 };
+    let g = Geometry::new(2, 8);
     let mut grads = params::alloc_like_params(cpu, &cfg, MemoryCategory::Gradients).unwrap();
     let all = Schedule::store_all(cfg.layers).unwrap();
     let (mean, _) = model

@@ -61,7 +61,7 @@ fn merged_adapters_give_pefts_logits() {
         let model =
             sample::load_model_with(&trainer_fixture("hf-llama-gqa-untied"), Some(&dir), &cpu)
                 .unwrap();
-        let logits = model.logits(&tokens, Geometry { b: 2, t: 16 }).unwrap();
+        let logits = model.logits(&tokens, Geometry::new(2, 16)).unwrap();
         let merged = rel(&logits, &tensor(&st, "merged_logits"));
         let unmerged = rel(&logits, &tensor(&st, "logits"));
         assert!(
@@ -74,7 +74,7 @@ fn merged_adapters_give_pefts_logits() {
         );
         // The adapter is not invisible: the base alone is far from both.
         let base = sample::load_model(&trainer_fixture("hf-llama-gqa-untied"), &cpu).unwrap();
-        let plain = base.logits(&tokens, Geometry { b: 2, t: 16 }).unwrap();
+        let plain = base.logits(&tokens, Geometry::new(2, 16)).unwrap();
         assert!(rel(&plain, &tensor(&st, "merged_logits")) > 1e-3, "{name}");
     }
 }

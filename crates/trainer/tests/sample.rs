@@ -74,7 +74,7 @@ fn worst_rel(a: &[f32], b: &[f32], v: usize) -> f32 {
 fn cached_vs_full(model: &Model, b: usize, t: usize, prompt: usize) -> f32 {
     let v = model.cfg.vocab;
     let seq = tokens(b * t, v, 3);
-    let full = model.logits(&seq, Geometry { b, t }).unwrap();
+    let full = model.logits(&seq, Geometry::new(b, t)).unwrap();
     let mut cache = model.kv_cache(b);
     let mut worst = 0f32;
     let mut pos = 0;
@@ -153,7 +153,7 @@ fn greedy_reference(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
             start = all.len() - window / 2;
         }
         let ctx = &all[start..];
-        let logits = model.logits(ctx, Geometry { b: 1, t: ctx.len() }).unwrap();
+        let logits = model.logits(ctx, Geometry::new(1, ctx.len())).unwrap();
         let last = &logits[(ctx.len() - 1) * v..];
         let mut best = 0;
         for (i, &l) in last.iter().enumerate() {
@@ -654,7 +654,7 @@ fn a_base_streamed_into_bf16_fingerprints_as_its_f32_masters() {
                 dir.display()
             );
             let seq: Vec<u32> = tokens(8, cfg.vocab, 1);
-            let g = Geometry { b: 1, t: 8 };
+            let g = Geometry::new(1, 8);
             assert_eq!(
                 streamed.finish(None).unwrap().logits(&seq, g).unwrap(),
                 pushed.finish(None).unwrap().logits(&seq, g).unwrap()
@@ -679,7 +679,7 @@ fn a_base_streamed_into_bf16_fingerprints_as_its_f32_masters() {
 #[test]
 fn a_chunked_loss_holds_one_chunk_of_logits() {
     let dir = fixture_dir("hf-llama-gqa-untied");
-    let g = Geometry { b: 3, t: 16 };
+    let g = Geometry::new(3, 16);
     let seq = tokens(g.b * g.t + 1, 41, 2);
     let (x, y) = (&seq[..g.b * g.t], &seq[1..]);
     let loss_and_peak = |chunk: Option<usize>| {
@@ -791,7 +791,7 @@ fn inference_models_compute_what_the_training_models_compute() {
     let cpu = Cpu::new();
     let cfg = hf::read_config(&dir).unwrap();
     let seq = tokens(24, cfg.vocab, 1);
-    let g = Geometry { b: 1, t: 24 };
+    let g = Geometry::new(1, 24);
     let bf16 = InferenceWeights {
         precision: Precision::Bf16,
         quantize: None,

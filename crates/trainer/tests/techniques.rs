@@ -20,7 +20,7 @@ struct Run {
     grads: Vec<Vec<f32>>,
 }
 
-fn batch(cfg: &ModelConfig, g: Geometry, seed: u32) -> (Vec<u32>, Vec<u32>) {
+fn batch(cfg: &ModelConfig, g: Geometry<'_>, seed: u32) -> (Vec<u32>, Vec<u32>) {
     let v = cfg.vocab as u32;
     let n = g.rows() as u32;
     let tok = (0..n).map(|i| (i * 7 + 3 + seed) % v).collect();
@@ -31,7 +31,7 @@ fn batch(cfg: &ModelConfig, g: Geometry, seed: u32) -> (Vec<u32>, Vec<u32>) {
 fn run(
     cfg: ModelConfig,
     opts: ModelOptions,
-    g: Geometry,
+    g: Geometry<'_>,
     schedule: &Schedule,
     micro: usize,
 ) -> Run {
@@ -42,7 +42,7 @@ fn run(
     let rows = micro * g.t;
     let mut loss = 0.0f64;
     for (t, y) in tok.chunks(rows).zip(tgt.chunks(rows)) {
-        let mg = Geometry { b: micro, t: g.t };
+        let mg = Geometry::new(micro, g.t);
         let (l, _) = gpt
             .forward_backward(t, y, mg, &mut grads, 1.0 / g.rows() as f32, schedule)
             .unwrap();
@@ -139,7 +139,7 @@ proptest! {
         llama in any::<bool>(),
     ) {
         let cfg = family_cfg(layers, llama);
-        let g = Geometry { b, t };
+        let g = Geometry::new(b, t);
         let opts = ModelOptions {
             attention: [AttentionConfig::naive(), AttentionConfig::chunked(), AttentionConfig::flash()][algo],
             precision: [Precision::Fp32, Precision::Bf16, Precision::Fp16][prec],
@@ -175,7 +175,7 @@ proptest! {
         llama in any::<bool>(),
     ) {
         let cfg = family_cfg(2, llama);
-        let g = Geometry { b: micro * k, t };
+        let g = Geometry::new(micro * k, t);
         let all = Schedule::store_all(2).unwrap();
         let opts = ModelOptions::default();
         assert_close(&run(cfg, opts, g, &all, micro), &run(cfg, opts, g, &all, g.b), 1e-5, "micro-batches");
@@ -190,7 +190,7 @@ proptest! {
         llama in any::<bool>(),
     ) {
         let cfg = family_cfg(2, llama);
-        let g = Geometry { b, t };
+        let g = Geometry::new(b, t);
         let all = Schedule::store_all(2).unwrap();
         let fused = ModelOptions { loss_chunk: Some(rows), ..ModelOptions::default() };
         assert_close(&run(cfg, fused, g, &all, b), &run(cfg, ModelOptions::default(), g, &all, b), 1e-5, "fused loss");
@@ -208,7 +208,7 @@ fn llama_low_precision_gradients_track_fp32() {
 }
 
 fn low_precision_tracks_fp32(cfg: ModelConfig) {
-    let g = Geometry { b: 2, t: 12 };
+    let g = Geometry::new(2, 12);
     let all = Schedule::store_all(3).unwrap();
     let fp32 = run(cfg, ModelOptions::default(), g, &all, 2);
     // bf16 keeps 8 mantissa bits (relative rounding 2⁻⁹), fp16 11 (2⁻¹²); errors compound
@@ -520,7 +520,7 @@ fn ladder_fits(llama: bool) {
 #[test]
 fn micro_batches_at_one_position_on_llama() {
     let cfg = family_cfg(2, true);
-    let g = Geometry { b: 9, t: 1 };
+    let g = Geometry::new(9, 1);
     let all = Schedule::store_all(2).unwrap();
     let opts = ModelOptions::default();
     let small = run(cfg, opts, g, &all, 3);

@@ -190,7 +190,7 @@ fn hugging_face_transformers_loads_the_checkpoint_with_the_same_loss() {
         })
         .collect();
     let gpt = Model::from_masters(&cpu, o.model, ModelOptions::default(), masters).unwrap();
-    let g = Geometry { b: 2, t: 32 };
+    let g = Geometry::new(2, 32);
     let tokens: Vec<u32> = (0..64).map(|i| (i * 7 + 3) % 64).collect();
     let targets: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 64).collect();
     let loss = gpt.loss(&tokens, &targets, g).unwrap();
@@ -284,7 +284,7 @@ fn forward_only_loss_equals_the_training_loss_and_allocates_no_gradient() {
     use headroom_tensor::{Cpu, MemoryCategory};
     use headroom_trainer::model::{params, Geometry, Model, ModelConfig, ModelOptions, Precision};
     let cfg = ModelConfig::tiny(64);
-    let g = Geometry { b: 2, t: 32 };
+    let g = Geometry::new(2, 32);
     let tokens: Vec<u32> = (0..64).map(|i| (i * 7 + 3) % 64).collect();
     let targets: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 64).collect();
     for (precision, chunk) in [

@@ -151,7 +151,7 @@ fn reference_from(o: &TrainOptions, stage: Stage, ranks: usize, start: Option<&S
         .unwrap(),
     };
     let schedule = Schedule::every_k(cfg.layers, 2).unwrap();
-    let g = Geometry { b: MICRO, t: SEQ };
+    let g = Geometry::new(MICRO, SEQ);
     let rows = MICRO * SEQ;
     let dloss = (1.0 / (o.batch * SEQ) as f64) as f32;
     let mut losses = Vec::new();
@@ -470,7 +470,7 @@ fn parts_are_asked_for_in_access_order_and_give_the_models_bits() {
         let model = Model::new(&cpu, cfg, o.techniques.model, 5).unwrap();
         let tokens: Vec<u32> = (0..MICRO * SEQ).map(|i| (i * 7 % 61) as u32).collect();
         let targets: Vec<u32> = (0..MICRO * SEQ).map(|i| (i * 3 % 61) as u32).collect();
-        let g = Geometry { b: MICRO, t: SEQ };
+        let g = Geometry::new(MICRO, SEQ);
         for schedule in [
             Schedule::store_all(cfg.layers).unwrap(),
             Schedule::every_k(cfg.layers, 2).unwrap(),
@@ -907,10 +907,10 @@ fn validation_is_dealt_out_to_the_ranks_and_equals_one_process() {
             m.as_mut_slice::<f32>().unwrap().copy_from_slice(p);
         }
         let rows = MICRO * SEQ;
-        let g = Geometry { b: MICRO, t: SEQ };
+        let g = Geometry::new(MICRO, SEQ);
         let (mut sum, mut n) = (0.0f64, 0usize);
-        for (tok, tgt) in validation_batches(&o).unwrap() {
-            for (t, y) in tok.chunks(rows).zip(tgt.chunks(rows)) {
+        for b in validation_batches(&o).unwrap() {
+            for (t, y) in b.tokens.chunks(rows).zip(b.targets.chunks(rows)) {
                 sum += model.loss(t, y, g).unwrap() as f64;
                 n += 1;
             }

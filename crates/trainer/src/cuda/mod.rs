@@ -21,7 +21,7 @@
 //! };
 //! let model = cuda::model_over_host_masters(&device, cfg, opts, &masters)?;
 //! let mut grads = cuda::alloc_grads(&device, &cfg)?;
-//! let g = Geometry { b: 2, t: 16 };
+//! let g = Geometry::new(2, 16);
 //! let tokens: Vec<u32> = (0..32).map(|i| i % 64).collect();
 //! let targets: Vec<u32> = (1..33).map(|i| i % 64).collect();
 //! let schedule = Schedule::every_k(cfg.layers, 2)?;

@@ -736,6 +736,32 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
+    fn rope_at(
+        &self,
+        x: &mut CpuTensor,
+        theta: f32,
+        positions: &[u32],
+        inverse: bool,
+    ) -> Result<()> {
+        let [b, h, t, hs] = dims4("rope", x)?;
+        if hs % 2 != 0 {
+            return Err(bad("rope", format!("odd head dimension {hs}")));
+        }
+        if positions.len() != b * t {
+            return Err(bad(
+                "rope",
+                format!("{} positions for {b} rows of {t}", positions.len()),
+            ));
+        }
+        // Packed positions never exceed the row's length: one table serves every document.
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= t) {
+            return Err(bad("rope", format!("position {p} in rows of {t}")));
+        }
+        let (cos, sin) = rope::tables(t, hs, theta);
+        rope::apply_at(out(x)?, h, t, hs, &cos, &sin, positions, inverse);
+        Ok(())
+    }
+
     fn concat_seq(&self, y: &mut CpuTensor, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
         let [n, h, t, hs] = dims4("concat_seq", y)?;
         let [na, ha, ta, hsa] = dims4("concat_seq", a)?;

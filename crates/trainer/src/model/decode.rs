@@ -180,16 +180,16 @@ impl<B: ModelOps> Model<B> {
             )));
         }
         // Every id is checked before the first block runs: a refused step caches nothing.
-        self.check_batch(tokens, tokens, Geometry { b, t })?;
+        self.check_batch(tokens, tokens, Geometry::new(b, t))?;
         if t > 1 {
             let head: Vec<u32> = tokens
                 .chunks_exact(t)
                 .flat_map(|row| row[..t - 1].iter().copied())
                 .collect();
-            self.step(cache, &head, Geometry { b, t: t - 1 })?;
+            self.step(cache, &head, Geometry::new(b, t - 1))?;
         }
         let last: Vec<u32> = tokens.chunks_exact(t).map(|row| row[t - 1]).collect();
-        let g = Geometry { b, t: 1 };
+        let g = Geometry::new(b, 1);
         let x = self.step(cache, &last, g)?;
         self.logits_of(&x, g)
     }
@@ -200,7 +200,7 @@ impl<B: ModelOps> Model<B> {
         &self,
         cache: &mut KvCache<B::Tensor>,
         tokens: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         self.check_batch(tokens, tokens, g)?;
         let pos0 = cache.len();
@@ -223,22 +223,18 @@ impl<B: ModelOps> Model<B> {
 
     /// [`Model::embed`] for positions `pos0 ..`: GPT-2's position rows are gathered like
     /// tokens and added, the same single f32 addition the training embedding does.
-    fn embed_at(&self, tokens: &[u32], g: Geometry, pos0: usize) -> Result<B::Tensor> {
+    fn embed_at(&self, tokens: &[u32], g: Geometry<'_>, pos0: usize) -> Result<B::Tensor> {
         if pos0 == 0 || matches!(self.cfg.family, Family::Llama(_)) {
             return self.embed(tokens, g);
         }
         let _l = label_absolute("embed.out");
         let c = self.cfg.channels;
-        let be = self.backend();
         let mut out = self.fresh([g.b, g.t, c])?;
-        be.embed(&mut out, tokens, self.w(params::WTE)?, None)?;
         let positions: Vec<u32> = (0..g.b)
             .flat_map(|_| (pos0..pos0 + g.t).map(|p| p as u32))
             .collect();
-        let mut pos_rows = self.scratch([g.b, g.t, c])?;
-        be.embed(&mut pos_rows, &positions, self.w(params::WPE)?, None)?;
-        be.axpy(1.0, &pos_rows, &mut out)?;
-        drop(pos_rows);
+        let (wte, wpe) = (self.w(params::WTE)?, self.w(params::WPE)?);
+        self.embed_at_positions(&mut out, tokens, wte, wpe, &positions)?;
         self.keep(out)
     }
 }

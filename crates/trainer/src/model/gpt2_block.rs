@@ -96,7 +96,7 @@ impl<B: ModelOps> Model<B> {
         x: &B::Tensor,
         w_off: usize,
         b_off: usize,
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let mut out = self.fresh_overwritten([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, at(bw, w_off)?, Some(at(bw, b_off)?), g)?;
@@ -120,7 +120,7 @@ impl<B: ModelOps> Model<B> {
         l: usize,
         bw: &[B::Tensor],
         inp: &B::Tensor,
-        g: Geometry,
+        g: Geometry<'_>,
         save: bool,
         kv: Option<&mut LayerKv<B::Tensor>>,
     ) -> Result<BlockOutput<B::Tensor, Gpt2Saved<B::Tensor>>> {
@@ -147,7 +147,7 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "attn.out");
         let kv = self.extend_kv(kv, k, v)?;
         let (ka, va) = kv.pair();
-        let attn = self.attention(&q, ka, va)?;
+        let attn = self.attention(&q, ka, va, g)?;
         let _t = self.tag(l, "attn.proj");
         let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
@@ -202,16 +202,20 @@ impl<B: ModelOps> Model<B> {
     /// Attention over kept `q`, `k`, `v`, read as they are stored (every backend's kernels
     /// take the storage precision; the CPU's widen bf16/f16 a few heads at a time): the output
     /// comes back in the storage precision and is kept as it is, the log-sum-exp in f32.
+    /// Packed documents (`g.documents`) attend inside their own document only.
     pub(crate) fn attention(
         &self,
         q: &B::Tensor,
         k: &B::Tensor,
         v: &B::Tensor,
+        g: Geometry<'_>,
     ) -> Result<AttentionForward<B::Tensor>> {
         let _g = MemoryCategory::Activations.enter();
-        let f = self
-            .backend()
-            .attention_forward(q, k, v, &self.opts.attention)?;
+        let be = self.backend();
+        let f = match g.documents {
+            Some(d) => be.attention_forward_documents(q, k, v, &self.opts.attention, d.mask())?,
+            None => be.attention_forward(q, k, v, &self.opts.attention)?,
+        };
         Ok(AttentionForward {
             output: self.keep(f.output)?,
             ..f
@@ -243,7 +247,7 @@ impl<B: ModelOps> Model<B> {
         s: Gpt2Saved<B::Tensor>,
         dout: &B::Tensor,
         grads: &mut [B::Tensor],
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         let (c, be) = (self.cfg.channels, self.backend());
         // Selective recomputation: what forward dropped comes back, bit for bit, from what

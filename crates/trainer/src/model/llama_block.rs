@@ -76,6 +76,22 @@ impl<T: Tensor> headroom_ckpt::SavedState for LlamaSaved<T> {
 }
 
 impl<B: ModelOps> Model<B> {
+    /// Rotary embedding of `x` `[B, H, T, hs]` at positions `pos0 ..` of every row, or at the
+    /// packed documents' own positions.
+    fn rope(
+        &self,
+        x: &mut B::Tensor,
+        theta: f32,
+        pos0: usize,
+        g: Geometry<'_>,
+        inverse: bool,
+    ) -> Result<()> {
+        match g.positions() {
+            Some(positions) => self.backend().rope_at(x, theta, positions, inverse),
+            None => self.backend().rope(x, theta, pos0, inverse),
+        }
+    }
+
     fn rope_theta(&self) -> Result<f32> {
         match self.cfg.family {
             Family::Llama(s) => Ok(s.rope_theta),
@@ -90,7 +106,7 @@ impl<B: ModelOps> Model<B> {
         bw: &[B::Tensor],
         x: &B::Tensor,
         w_off: usize,
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let mut out = self.fresh_overwritten([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, at(bw, w_off)?, None, g)?;
@@ -113,7 +129,7 @@ impl<B: ModelOps> Model<B> {
         x: &B::Tensor,
         w_off: usize,
         heads: usize,
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         let hs = self.cfg.head_dim();
         let mut flat = self.scratch_overwritten([g.b, g.t, heads * hs])?;
@@ -134,7 +150,7 @@ impl<B: ModelOps> Model<B> {
         l: usize,
         bw: &[B::Tensor],
         inp: &B::Tensor,
-        g: Geometry,
+        g: Geometry<'_>,
         save: bool,
         kv: Option<&mut LayerKv<B::Tensor>>,
     ) -> Result<BlockOutput<B::Tensor, LlamaSaved<B::Tensor>>> {
@@ -148,11 +164,11 @@ impl<B: ModelOps> Model<B> {
         let (norm1, norm1_stats) = self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?;
         let _t = self.tag(l, "attn.q");
         let mut q = self.project_heads(l, bw, &norm1, o::Q, nh, g)?;
-        be.rope(&mut q, theta, pos0, false)?;
+        self.rope(&mut q, theta, pos0, g, false)?;
         let q = self.keep(q)?;
         let _t = self.tag(l, "attn.k");
         let mut k = self.project_heads(l, bw, &norm1, o::K, kvh, g)?;
-        be.rope(&mut k, theta, pos0, false)?;
+        self.rope(&mut k, theta, pos0, g, false)?;
         let k = self.keep(k)?;
         let _t = self.tag(l, "attn.v");
         let v = self.project_heads(l, bw, &norm1, o::V, kvh, g)?;
@@ -160,7 +176,7 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "attn.out");
         let kv = self.extend_kv(kv, k, v)?;
         let (ka, va) = kv.pair();
-        let attn = self.attention(&q, ka, va)?;
+        let attn = self.attention(&q, ka, va, g)?;
         let _t = self.tag(l, "attn.o_proj");
         let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
         be.merge_heads(&mut atty, &attn.output, 0)?;
@@ -247,7 +263,7 @@ impl<B: ModelOps> Model<B> {
         s: LlamaSaved<B::Tensor>,
         dout: &B::Tensor,
         grads: &mut [B::Tensor],
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         let (c, f) = (self.cfg.channels, self.cfg.ffn());
         let theta = self.rope_theta()?;
@@ -306,8 +322,8 @@ impl<B: ModelOps> Model<B> {
         let mut ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
         drop(dy);
         // The rotation is orthogonal: its backward rotates the gradient back.
-        be.rope(&mut ag.dq, theta, 0, true)?;
-        be.rope(&mut ag.dk, theta, 0, true)?;
+        self.rope(&mut ag.dq, theta, 0, g, true)?;
+        self.rope(&mut ag.dk, theta, 0, g, true)?;
         let _t = self.tag(l, "input_norm.backward");
         let mut dnorm1 = self.scratch([g.b, g.t, c])?;
         for (dh, off) in [(&ag.dq, o::Q), (&ag.dk, o::K), (&ag.dv, o::V)] {

@@ -23,6 +23,7 @@ pub use precision::Precision;
 #[cfg(feature = "cuda")]
 pub(crate) use transformer::View;
 pub use transformer::{
-    check_batch, counted_targets, BlockOutput, BlockSaved, Geometry, Gpt2Saved, HeadGrads,
-    HeadWeights, LlamaSaved, Model, ModelOptions, NormStats, Part, PartStore, IGNORE_TARGET,
+    check_batch, counted_targets, BlockOutput, BlockSaved, Documents, Geometry, Gpt2Saved,
+    HeadGrads, HeadWeights, LlamaSaved, Model, ModelOptions, NormStats, Part, PartStore,
+    IGNORE_TARGET,
 };

@@ -219,6 +219,23 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     /// the forward rotation, which is orthogonal.
     fn rope(&self, x: &mut Self::Tensor, theta: f32, pos0: usize, inverse: bool) -> Result<()>;
 
+    /// [`ModelOps::rope`] at given positions: row `t` of sequence `b` rotated by the angles of
+    /// position `positions[b·T + t]` (packed documents restart at 0). The default refuses:
+    /// a backend without it trains packed documents only through the CPU.
+    fn rope_at(
+        &self,
+        x: &mut Self::Tensor,
+        theta: f32,
+        positions: &[u32],
+        inverse: bool,
+    ) -> Result<()> {
+        let _ = (x, theta, positions, inverse);
+        Err(crate::TrainError::Config(
+            "rotary embeddings at per-document positions are not implemented on this backend"
+                .into(),
+        ))
+    }
+
     /// `y` `[B, H, Ta + Tb, hs]` = `a` `[B, H, Ta, hs]` followed by `b` `[B, H, Tb, hs]` along
     /// the sequence, per head (same dtype, any): how a KV cache grows by a decode step's keys
     /// and values. A copy, bitwise.

@@ -12,7 +12,7 @@
 //! MLP width, V vocab.
 
 use headroom_amp::{AutocastPreset, MasterWeights, MasterWeightsConfig};
-use headroom_attn::AttentionConfig;
+use headroom_attn::{AttentionConfig, DocumentMask};
 use headroom_ckpt::{Chain, Schedule, ScheduleStats};
 use headroom_profiler::label_absolute;
 use headroom_tensor::{Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
@@ -95,17 +95,104 @@ pub type BlockOutput<T, S> = (T, Option<S>);
 
 /// The batch geometry of one forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Geometry {
+pub struct Geometry<'d> {
     /// Sequences.
     pub b: usize,
     /// Tokens per sequence.
     pub t: usize,
+    /// Packed documents: each row's tokens attend only within their document, and positions
+    /// restart at each document. `None`: every row is one sequence from position 0.
+    pub documents: Option<&'d Documents>,
 }
 
-impl Geometry {
+impl Geometry<'static> {
+    /// `b` sequences of `t` tokens, each one sequence from position 0.
+    pub const fn new(b: usize, t: usize) -> Self {
+        Geometry {
+            b,
+            t,
+            documents: None,
+        }
+    }
+}
+
+impl<'d> Geometry<'d> {
     /// Token rows, `B·T`.
     pub fn rows(&self) -> usize {
         self.b * self.t
+    }
+
+    /// This geometry over packed `documents` (their shape must be `b × t`).
+    pub fn with_documents(self, documents: &'d Documents) -> Result<Geometry<'d>> {
+        if (documents.mask.batch(), documents.mask.seq()) != (self.b, self.t) {
+            return Err(TrainError::Input(format!(
+                "documents of {} × {} positions for a batch of {} × {}",
+                documents.mask.batch(),
+                documents.mask.seq(),
+                self.b,
+                self.t
+            )));
+        }
+        Ok(Geometry {
+            documents: Some(documents),
+            ..self
+        })
+    }
+
+    /// Each row's position ids `[B·T]` when the rows are packed documents.
+    pub(crate) fn positions(&self) -> Option<&'d [u32]> {
+        self.documents.map(|d| &d.positions[..])
+    }
+}
+
+/// Several documents packed in each row of a batch, as transformers reads them from
+/// `position_ids` (TRL's padding-free batches; Megatron's `--reset-position-ids` and
+/// `--reset-attention-mask`): a document starts where the position is 0, attention stays inside
+/// each document, and rotary or learned positions restart with it. A batch of padded examples
+/// computes the same losses, without the padding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Documents {
+    positions: Vec<u32>,
+    mask: DocumentMask,
+}
+
+impl Documents {
+    /// From position ids `[b·t]`: each row starts at 0, and every position is 0 (a new
+    /// document) or its predecessor's + 1.
+    pub fn from_positions(b: usize, t: usize, positions: &[u32]) -> Result<Self> {
+        let mask = DocumentMask::from_positions(b, t, positions)
+            .map_err(|e| TrainError::Input(format!("packed documents: {e}")))?;
+        Ok(Documents {
+            positions: positions.to_vec(),
+            mask,
+        })
+    }
+
+    /// Position ids `[B·T]`.
+    pub fn positions(&self) -> &[u32] {
+        &self.positions
+    }
+
+    /// The attention mask the positions give.
+    pub fn mask(&self) -> &DocumentMask {
+        &self.mask
+    }
+
+    /// Batch rows `rows` alone (a micro-batch of them).
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Result<Self> {
+        let t = self.mask.seq();
+        let positions = rows
+            .start
+            .checked_mul(t)
+            .zip(rows.end.checked_mul(t))
+            .and_then(|(a, b)| self.positions.get(a..b))
+            .ok_or_else(|| {
+                TrainError::Input(format!(
+                    "rows {rows:?} of a batch of {} rows",
+                    self.mask.batch()
+                ))
+            })?;
+        Self::from_positions(rows.len(), t, positions)
     }
 }
 
@@ -366,7 +453,7 @@ impl<B: ModelOps> Model<B> {
         x: &B::Tensor,
         w: &B::Tensor,
         b: Option<&B::Tensor>,
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<NormStats<B::Tensor>> {
         match (self.cfg.family, b) {
             (Family::Gpt2, Some(b)) => {
@@ -436,13 +523,13 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// Check tokens and targets: `[B, T]` ids below the vocab, `T ≤ max_seq`.
-    pub fn check_batch(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
+    pub fn check_batch(&self, tokens: &[u32], targets: &[u32], g: Geometry<'_>) -> Result<()> {
         check_batch(&self.cfg, tokens, targets, g)
     }
 
     /// Token (+ GPT-2's position) embeddings: `[B, T, C]` in the storage precision (the
     /// chain's input).
-    pub fn embed(&self, tokens: &[u32], g: Geometry) -> Result<B::Tensor> {
+    pub fn embed(&self, tokens: &[u32], g: Geometry<'_>) -> Result<B::Tensor> {
         let wpe = match self.cfg.family {
             Family::Gpt2 => Some(self.w(WPE)?),
             Family::Llama(_) => None,
@@ -454,15 +541,39 @@ impl<B: ModelOps> Model<B> {
     pub fn embed_with(
         &self,
         tokens: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
         wte: &B::Tensor,
         wpe: Option<&B::Tensor>,
     ) -> Result<B::Tensor> {
         let _l = label_absolute("embed.out");
         let c = self.cfg.channels;
         let mut out = self.fresh([g.b, g.t, c])?;
-        self.backend.embed(&mut out, tokens, wte, wpe)?;
+        match (wpe, g.positions()) {
+            (Some(wpe), Some(positions)) => {
+                self.embed_at_positions(&mut out, tokens, wte, wpe, positions)?
+            }
+            _ => self.backend.embed(&mut out, tokens, wte, wpe)?,
+        }
         self.keep(out)
+    }
+
+    /// Token embeddings plus the learned position rows of `positions` (one per token), gathered
+    /// like tokens and added: the same single f32 addition the fused embedding does, for
+    /// positions that do not run `0..T` in every row (a cached decode, packed documents).
+    pub(crate) fn embed_at_positions(
+        &self,
+        out: &mut B::Tensor,
+        tokens: &[u32],
+        wte: &B::Tensor,
+        wpe: &B::Tensor,
+        positions: &[u32],
+    ) -> Result<()> {
+        let be = &self.backend;
+        be.embed(out, tokens, wte, None)?;
+        let mut pos_rows = self.scratch(out.shape().clone())?;
+        be.embed(&mut pos_rows, positions, wpe, None)?;
+        be.axpy(1.0, &pos_rows, out)?;
+        Ok(())
     }
 
     /// The head's weights as the model holds them.
@@ -489,7 +600,7 @@ impl<B: ModelOps> Model<B> {
     fn final_norm(
         &self,
         x: &B::Tensor,
-        g: Geometry,
+        g: Geometry<'_>,
         hw: &HeadWeights<'_, B::Tensor>,
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let mut out = self.stat([g.b, g.t, self.cfg.channels])?;
@@ -515,7 +626,7 @@ impl<B: ModelOps> Model<B> {
         &self,
         residual: &B::Tensor,
         targets: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
         dloss_per_token: f32,
         head_grads: HeadGrads<'_, B::Tensor>,
     ) -> Result<(f32, B::Tensor)> {
@@ -528,7 +639,7 @@ impl<B: ModelOps> Model<B> {
         &self,
         residual: &B::Tensor,
         targets: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
         dloss_per_token: f32,
         head_grads: HeadGrads<'_, B::Tensor>,
         hw: &HeadWeights<'_, B::Tensor>,
@@ -577,21 +688,30 @@ impl<B: ModelOps> Model<B> {
         Ok((mean, dres))
     }
 
-    /// Embedding backward: into the token embedding's gradient (and GPT-2's positions').
+    /// Embedding backward: into the token embedding's gradient (and GPT-2's positions', at
+    /// the packed documents' positions when `g` has them).
     pub fn embed_backward(
         &self,
         dres: &B::Tensor,
         tokens: &[u32],
+        g: Geometry<'_>,
         dwte: &mut B::Tensor,
         dwpe: Option<&mut B::Tensor>,
     ) -> Result<()> {
-        self.backend.embed_backward(dwte, dwpe, dres, tokens)
+        match (dwpe, g.positions()) {
+            (Some(dwpe), Some(positions)) => {
+                // Position rows are gathered like tokens, so their gradient scatters the same way.
+                self.backend.embed_backward(dwte, None, dres, tokens)?;
+                self.backend.embed_backward(dwpe, None, dres, positions)
+            }
+            (dwpe, _) => self.backend.embed_backward(dwte, dwpe, dres, tokens),
+        }
     }
 
     /// Mean loss of a batch, forward only (activations are dropped as soon as possible): the
     /// same operations, in the same order, as the loss [`Model::forward_backward`] reports,
     /// without a gradient buffer anywhere (evaluation costs no more memory than training).
-    pub fn loss(&self, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<f32> {
+    pub fn loss(&self, tokens: &[u32], targets: &[u32], g: Geometry<'_>) -> Result<f32> {
         self.check_batch(tokens, targets, g)?;
         let mut x = self.embed(tokens, g)?;
         for l in 0..self.cfg.layers {
@@ -602,7 +722,7 @@ impl<B: ModelOps> Model<B> {
 
     /// The logits `[B, T, V]` of a batch (f32, row-major), forward only: the values the
     /// loss is computed from (rounded to the storage precision, as the head rounds them).
-    pub fn logits(&self, tokens: &[u32], g: Geometry) -> Result<Vec<f32>> {
+    pub fn logits(&self, tokens: &[u32], g: Geometry<'_>) -> Result<Vec<f32>> {
         self.check_batch(tokens, tokens, g)?;
         let mut x = self.embed(tokens, g)?;
         for l in 0..self.cfg.layers {
@@ -613,7 +733,7 @@ impl<B: ModelOps> Model<B> {
 
     /// Final norm and head of the residual `x` `[B, T, C]`: the logits `[B, T, V]` (f32,
     /// rounded to the storage precision as the head rounds them), downloaded.
-    pub(crate) fn logits_of(&self, x: &B::Tensor, g: Geometry) -> Result<Vec<f32>> {
+    pub(crate) fn logits_of(&self, x: &B::Tensor, g: Geometry<'_>) -> Result<Vec<f32>> {
         let (lnf, _) = self.final_norm(x, g, &self.own_head_weights()?)?;
         let _l = label_absolute("head.logits");
         let mut logits = self.scratch([g.b, g.t, self.cfg.vocab])?;
@@ -629,7 +749,7 @@ impl<B: ModelOps> Model<B> {
         &self,
         residual: &B::Tensor,
         targets: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
         hw: &HeadWeights<'_, B::Tensor>,
     ) -> Result<f32> {
         let n = g.rows();
@@ -657,7 +777,7 @@ impl<B: ModelOps> Model<B> {
         &self,
         l: usize,
         inp: &B::Tensor,
-        g: Geometry,
+        g: Geometry<'_>,
         save: bool,
     ) -> Result<BlockOutput<B::Tensor, BlockSaved<B::Tensor>>> {
         self.block_forward_with(l, self.block_weights(l)?, inp, g, save)
@@ -671,7 +791,7 @@ impl<B: ModelOps> Model<B> {
         l: usize,
         bw: &[B::Tensor],
         inp: &B::Tensor,
-        g: Geometry,
+        g: Geometry<'_>,
         save: bool,
     ) -> Result<BlockOutput<B::Tensor, BlockSaved<B::Tensor>>> {
         self.check_block_weights(bw)?;
@@ -697,7 +817,7 @@ impl<B: ModelOps> Model<B> {
         saved: BlockSaved<B::Tensor>,
         dout: &B::Tensor,
         grads: &mut [B::Tensor],
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         self.block_backward_with(l, self.block_weights(l)?, inp, saved, dout, grads, g)
     }
@@ -713,7 +833,7 @@ impl<B: ModelOps> Model<B> {
         saved: BlockSaved<B::Tensor>,
         dout: &B::Tensor,
         grads: &mut [B::Tensor],
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         self.check_block_weights(bw)?;
         match saved {
@@ -742,7 +862,7 @@ impl<B: ModelOps> Model<B> {
         &self,
         tokens: &[u32],
         targets: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
         grads: &mut [B::Tensor],
         dloss_per_token: f32,
         schedule: &Schedule,
@@ -818,7 +938,7 @@ impl<B: ModelOps> Model<B> {
         let _l = label_absolute("embed");
         self.with_staged_grads(emb, |emb| {
             let (wte, wpe) = emb.split_at_mut(1);
-            self.embed_backward(&out.input_grad, tokens, &mut wte[0], wpe.first_mut())
+            self.embed_backward(&out.input_grad, tokens, g, &mut wte[0], wpe.first_mut())
         })?;
         Ok((loss, out.stats))
     }
@@ -832,7 +952,7 @@ impl<B: ModelOps> Model<B> {
         f: &crate::model::finetune::Finetune<B>,
         tokens: &[u32],
         targets: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
         grads: &mut [B::Tensor],
         dloss_per_token: f32,
         schedule: &Schedule,
@@ -891,7 +1011,7 @@ impl<B: ModelOps> Model<B> {
         store: &dyn PartStore<B>,
         tokens: &[u32],
         targets: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
         dloss_per_token: f32,
         schedule: &Schedule,
     ) -> Result<(f32, ScheduleStats)> {
@@ -957,7 +1077,7 @@ impl<B: ModelOps> Model<B> {
             None => store.grad_buffers(Part::Embeddings)?,
         };
         let (wte, wpe) = eg.split_at_mut(1);
-        self.embed_backward(&out.input_grad, tokens, &mut wte[0], wpe.first_mut())?;
+        self.embed_backward(&out.input_grad, tokens, g, &mut wte[0], wpe.first_mut())?;
         store.push_grads(Part::Embeddings, eg)?;
         Ok((loss, out.stats))
     }
@@ -968,7 +1088,7 @@ impl<B: ModelOps> Model<B> {
         store: &dyn PartStore<B>,
         tokens: &[u32],
         targets: &[u32],
-        g: Geometry,
+        g: Geometry<'_>,
     ) -> Result<f32> {
         self.check_batch(tokens, targets, g)?;
         let mut x = {
@@ -1161,7 +1281,7 @@ pub(crate) struct Block<'m, B: ModelOps = Cpu> {
     pub(crate) model: &'m Model<B>,
     pub(crate) index: usize,
     pub(crate) io: BlockIo<'m, B>,
-    pub(crate) g: Geometry,
+    pub(crate) g: Geometry<'m>,
 }
 
 impl<B: ModelOps> Block<'_, B> {
@@ -1298,7 +1418,12 @@ pub fn counted_targets(targets: &[u32]) -> usize {
 
 /// Check a batch against a model shape: `[B, T]` token and target ids below the vocab (or
 /// [`IGNORE_TARGET`] for a target), `1 ≤ T ≤ max_seq`, at least one sequence.
-pub fn check_batch(cfg: &ModelConfig, tokens: &[u32], targets: &[u32], g: Geometry) -> Result<()> {
+pub fn check_batch(
+    cfg: &ModelConfig,
+    tokens: &[u32],
+    targets: &[u32],
+    g: Geometry<'_>,
+) -> Result<()> {
     let n = g.rows();
     if g.b == 0 || g.t == 0 || g.t > cfg.max_seq {
         return Err(TrainError::Input(format!(

@@ -33,6 +33,47 @@ pub fn tables_at(pos0: usize, t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec
     (cos, sin)
 }
 
+/// One row's pairs by the angles whose cosines and sines are `c` and `s` (`hs/2` each).
+#[inline]
+fn rotate(row: &mut [f32], c: &[f32], s: &[f32], sign: f32) {
+    let (a, b) = row.split_at_mut(c.len());
+    for i in 0..c.len() {
+        let (x1, x2) = (a[i], b[i]);
+        let si = sign * s[i];
+        a[i] = x1 * c[i] - x2 * si;
+        b[i] = x2 * c[i] + x1 * si;
+    }
+}
+
+/// [`apply`] to `x` `[B, heads, t, hs]` with row `r` of sequence `b` at table row
+/// `positions[b·t + r]` (packed documents): the same arithmetic as at that position in `apply`.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_at(
+    x: &mut [f32],
+    heads: usize,
+    t: usize,
+    hs: usize,
+    cos: &[f32],
+    sin: &[f32],
+    positions: &[u32],
+    inverse: bool,
+) {
+    let half = hs / 2;
+    let sign = if inverse { -1.0f32 } else { 1.0 };
+    x.par_chunks_mut(t * hs).enumerate().for_each(|(bh, head)| {
+        let rows = &positions[(bh / heads.max(1)) * t..][..t];
+        for (row, &pos) in head.chunks_exact_mut(hs).zip(rows) {
+            let pos = pos as usize;
+            rotate(
+                row,
+                &cos[pos * half..][..half],
+                &sin[pos * half..][..half],
+                sign,
+            );
+        }
+    });
+}
+
 /// Rotate `x` `[B·H, t, hs]` in place: `(a, b) → (a·cos − b·sin, b·cos + a·sin)` for each pair
 /// `(a, b) = (x[i], x[i + hs/2])`, or by the negative angle when `inverse` (the backward).
 pub fn apply(x: &mut [f32], t: usize, hs: usize, cos: &[f32], sin: &[f32], inverse: bool) {
@@ -40,14 +81,12 @@ pub fn apply(x: &mut [f32], t: usize, hs: usize, cos: &[f32], sin: &[f32], inver
     let sign = if inverse { -1.0f32 } else { 1.0 };
     x.par_chunks_mut(t * hs).for_each(|head| {
         for (pos, row) in head.chunks_exact_mut(hs).enumerate() {
-            let (a, b) = row.split_at_mut(half);
-            let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-            for i in 0..half {
-                let (x1, x2) = (a[i], b[i]);
-                let si = sign * s[i];
-                a[i] = x1 * c[i] - x2 * si;
-                b[i] = x2 * c[i] + x1 * si;
-            }
+            rotate(
+                row,
+                &cos[pos * half..][..half],
+                &sin[pos * half..][..half],
+                sign,
+            );
         }
     });
 }
