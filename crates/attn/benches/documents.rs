@@ -4,7 +4,8 @@
 //! about `1/k` of one document's score work (each key tile is visited only by the query tiles
 //! of its own document), so the times should fall nearly as fast until per-tile overhead shows.
 //!
-//! Criterion group `attn_documents/fwd_bwd`, function `flash`, parameter `docs<k>`.
+//! Criterion group `attn_documents/fwd_bwd`, function `flash`, parameter `plain` (no mask: the
+//! baseline) and `docs<k>`.
 //! Run with `cargo bench -p headroom-attn --bench documents`.
 
 use std::hint::black_box;
@@ -65,6 +66,18 @@ fn fwd_bwd(c: &mut Criterion) {
     group.sampling_mode(SamplingMode::Flat);
     group.sample_size(10);
     group.warm_up_time(Duration::from_millis(500));
+    // The baseline: plain causal attention, no mask at all.
+    group.bench_function(BenchmarkId::new("flash", "plain"), |b| {
+        b.iter(|| {
+            let fwd = cpu
+                .attention_forward(&x.q, &x.k, &x.v, &config)
+                .expect("forward");
+            let g = cpu
+                .attention_backward(&x.q, &x.k, &x.v, &fwd, &x.d_out)
+                .expect("backward");
+            black_box((fwd, g));
+        })
+    });
     for documents in DOCUMENTS {
         let mask = mask(documents);
         group.bench_function(BenchmarkId::new("flash", format!("docs{documents}")), |b| {
