@@ -87,6 +87,20 @@ impl TrainerEstimate {
         self
     }
 
+    /// This estimate for packed documents (`--document-attention`): the loader's buffers also
+    /// hold each input's position id, 4 bytes each ([`MemoryCategory::Data`]), and each
+    /// target's flag (counted here unless [`TrainerEstimate::with_loss_mask_flags`] already
+    /// did, for a masked file).
+    pub fn with_document_positions(mut self, batch: usize, seq: usize, masked: bool) -> Self {
+        if !masked {
+            self = self.with_loss_mask_flags(batch, seq);
+        }
+        let bytes = 4 * loss_mask_flag_bytes(batch, seq);
+        self.device[MemoryCategory::Data] += bytes;
+        self.device_peak += bytes;
+        self
+    }
+
     /// Sum of the device categories' peaks (an upper bound on the device's total peak; see
     /// [`TrainerEstimate::device_peak`] for the simultaneous one).
     pub fn device_total(&self) -> u64 {

@@ -1025,18 +1025,22 @@ pub fn data_has_loss_mask(opts: &TrainOptions) -> bool {
 }
 
 /// [`estimate::estimate`] of `opts` under `tech`, for its data: with a loss mask, the loader's
-/// flags too ([`estimate::TrainerEstimate::with_loss_mask_flags`]).
+/// flags too ([`estimate::TrainerEstimate::with_loss_mask_flags`]); with packed documents,
+/// its position ids ([`estimate::TrainerEstimate::with_document_positions`]).
 pub fn estimate_with_data(
     opts: &TrainOptions,
     micro: usize,
     tech: &Techniques,
 ) -> Result<estimate::TrainerEstimate> {
-    let e = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
-    Ok(if data_has_loss_mask(opts) {
-        e.with_loss_mask_flags(opts.batch, opts.seq)
-    } else {
-        e
-    })
+    let mut e = estimate::estimate(&opts.model, opts.seq, micro, opts.batch, tech)?;
+    let masked = data_has_loss_mask(opts);
+    if masked {
+        e = e.with_loss_mask_flags(opts.batch, opts.seq);
+    }
+    if opts.documents {
+        e = e.with_document_positions(opts.batch, opts.seq, masked);
+    }
+    Ok(e)
 }
 
 /// The line `headroom train` prints for packed documents (`None` without them, or for data

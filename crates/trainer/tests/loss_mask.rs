@@ -384,6 +384,46 @@ fn the_estimate_counts_the_loaders_flags() {
     assert!(dev.peak_total <= e.device_peak);
 }
 
+/// Packed documents: the loader's position ids and flags are in the estimate, byte for byte,
+/// with and without a loss mask beside the file.
+#[test]
+fn the_estimate_counts_the_loaders_positions() {
+    use headroom_mmap_data::formats::megatron::write_megatron;
+    use headroom_tensor::Device;
+    for masked in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let documents: Vec<Vec<u32>> = (0..200u32)
+            .map(|d| (0..3 + d % 17).map(|i| (i * 7 + d) % 61).collect())
+            .collect();
+        let prefix = dir.path().join("docs");
+        write_megatron(&prefix, &documents, TokenType::U16).unwrap();
+        let path = prefix.with_extension("bin");
+        if masked {
+            let n: usize = documents.iter().map(Vec::len).sum();
+            let flags: Vec<bool> = (0..n).map(|i| i % 4 != 0).collect();
+            write_loss_mask(loss_mask_path(&path), &flags).unwrap();
+        }
+        let mut o = options(&path);
+        o.documents = true;
+        let micro = o.micro_batch().unwrap();
+        let e = headroom_trainer::train::estimate_with_data(&o, micro, &o.techniques).unwrap();
+        let plain =
+            headroom_trainer::estimate::estimate(&o.model, o.seq, micro, o.batch, &o.techniques)
+                .unwrap();
+        assert_eq!(
+            e.device[MemoryCategory::Data] - plain.device[MemoryCategory::Data],
+            4 * 5 * (o.batch * o.seq) as u64,
+            "a flag byte and a 4-byte position per input in each of the loader's four buffers"
+        );
+        let r = train(&o, |_| {}).unwrap();
+        let dev = r.memory.device(Device::Cpu).unwrap();
+        for c in MemoryCategory::ALL {
+            assert_eq!(dev.peak[c], e.device[c], "masked {masked}: {c:?}");
+        }
+        assert!(r.steps.iter().all(|s| s.loss.is_finite()));
+    }
+}
+
 #[test]
 fn zero_ranks_count_their_loaders_flags() {
     use headroom_tensor::Device;
