@@ -29,9 +29,12 @@ committed outputs):
 import os
 import sys
 
-import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+if "--quick" in sys.argv:
+    sys.exit(3)
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 FIXTURES = os.path.join("crates", "trainer", "tests", "fixtures")
 ROWS, T = 2, 24
@@ -85,8 +88,6 @@ def losses(model, vocab, seed):
 
 
 def main():
-    if "--quick" in sys.argv:
-        sys.exit(3)
     if "--write" not in sys.argv:
         print(__doc__)
         sys.exit(2)
