@@ -642,7 +642,7 @@ struct TrainArgs {
     /// document, positions restart at each document, and a target that starts one is not
     /// counted (TRL's padding-free packing; Megatron's --reset-attention-mask and
     /// --reset-position-ids). The documents are those of the data's Megatron index (`data
-    /// build --format megatron`); CPU only.
+    /// build --format megatron`); on the CPU only (ZeRO's ranks included).
     #[arg(long)]
     document_attention: bool,
     /// ZeRO stage 0–3 over --ranks data-parallel ranks (threads of this process): 0 all-reduces

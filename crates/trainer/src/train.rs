@@ -249,7 +249,8 @@ pub struct TrainOptions {
     /// Packed documents (`--document-attention`): each token attends only within its document
     /// of the data's Megatron index, positions restart at each document, and a target that
     /// starts a document is not counted — the losses of a batch of padded examples (see
-    /// [`crate::model::Documents`]). CPU only; the data (and `--val-data`) must have an index.
+    /// [`crate::model::Documents`]). On the CPU (ZeRO's ranks included); the data (and
+    /// `--val-data`) must have an index.
     pub documents: bool,
 }
 

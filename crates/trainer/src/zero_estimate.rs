@@ -71,6 +71,18 @@ impl ZeroEstimate {
         self.device_peak += bytes;
         self
     }
+
+    /// This estimate for packed documents: each rank's loader also holds its inputs' position
+    /// ids, 4 bytes each, and (unless `masked` already counted them) its targets' flags.
+    pub fn with_document_positions(mut self, batch: usize, seq: usize, masked: bool) -> Self {
+        if !masked {
+            self = self.with_loss_mask_flags(batch, seq);
+        }
+        let bytes = 4 * crate::estimate::loss_mask_flag_bytes(batch, seq);
+        self.device[MemoryCategory::Data] += bytes;
+        self.device_peak += bytes;
+        self
+    }
 }
 
 /// The parameter count of each ZeRO layer of `cfg`: embeddings, blocks, final norm + head.

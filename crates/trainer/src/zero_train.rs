@@ -47,7 +47,7 @@ use headroom_zero::{
 };
 
 use crate::model::{
-    counted_targets, params, Geometry, Model, ModelOps, Part, PartStore, Precision,
+    counted_targets, params, Documents, Geometry, Model, ModelOps, Part, PartStore, Precision,
 };
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement};
 use crate::train::{StepLog, TrainOptions};
@@ -202,11 +202,6 @@ pub fn part_sizes(cfg: &crate::model::ModelConfig) -> Vec<Vec<usize>> {
 fn check(opts: &TrainOptions, zero: &ZeroOptions) -> Result<usize> {
     opts.validate()?;
     let refuse = |what: &str| Err(TrainError::Config(format!("--zero: {what}")));
-    if opts.documents {
-        return refuse(
-            "--document-attention is not implemented for ZeRO runs yet (train on one process)",
-        );
-    }
     if zero.ranks == 0 {
         return Err(TrainError::Option {
             option: "--ranks",
@@ -319,8 +314,17 @@ fn rank_estimate(
         zero.stage,
         zero.ranks,
     )?;
-    Ok(if crate::train::data_has_loss_mask(opts) {
-        e.with_loss_mask_flags(opts.batch / zero.ranks, opts.seq)
+    let (rows, masked) = (
+        opts.batch / zero.ranks,
+        crate::train::data_has_loss_mask(opts),
+    );
+    let e = if masked {
+        e.with_loss_mask_flags(rows, opts.seq)
+    } else {
+        e
+    };
+    Ok(if opts.documents {
+        e.with_document_positions(rows, opts.seq, masked)
     } else {
         e
     })
@@ -829,6 +833,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
     let data_label = crate::train::data_name(&opts.data);
     let mut loader_cfg = LoaderConfig::new(per_rank);
     loader_cfg.output = OutputType::U32;
+    loader_cfg.documents = opts.documents;
     let mut loader = {
         let _g = MemoryCategory::Data.enter();
         let _l = label_absolute("data.batch");
@@ -861,12 +866,15 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         let t0 = Instant::now();
         before_last = counters.snapshot();
         let crate::train::TokenBatch {
-            tokens, targets, ..
+            tokens,
+            targets,
+            positions,
         } = crate::train::batch_tokens(&*loader.next_batch()?, opts.model.vocab, &data_label)?;
         // The global batch's counted targets (every target without a loss mask): each rank's
         // count, gathered (exact in f64), so every rank seeds its loss gradient with the
         // weight one process gives the whole batch.
-        let counted = if shared.dataset.has_loss_mask() {
+        // (Packed documents leave out the targets that start one, so they count too.)
+        let counted = if shared.dataset.has_loss_mask() || opts.documents {
             let mine = counted_targets(&targets) as f64;
             let all = store
                 .engine
@@ -884,10 +892,17 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         // A global batch of prompts only: no loss, no gradient, no step on any rank (they
         // all know the count), as a single process skips it.
         let batches = if counted == 0 { 0 } else { tokens.len() };
-        for (tok, tgt) in tokens[..batches]
+        for (i, (tok, tgt)) in tokens[..batches]
             .chunks(rows)
             .zip(targets[..batches].chunks(rows))
+            .enumerate()
         {
+            let documents =
+                crate::train::micro_documents(positions.as_deref(), i, micro, opts.seq)?;
+            let g = match &documents {
+                Some(d) => g.with_documents(d)?,
+                None => g,
+            };
             let out = model.forward_backward_parts(&store, tok, tgt, g, dloss, &shared.schedule);
             // Whatever happened, nothing gathered may outlive the micro-batch: a prefetch
             // the pass did not consume would be stale after the step.
@@ -1048,9 +1063,20 @@ fn validation_loss<B: RankBackend>(
 ) -> Result<f32> {
     let rows = micro * seq;
     let g = Geometry::new(micro, seq);
-    let chunks: Vec<(&[u32], &[u32])> = batches
+    // Each chunk: tokens, targets, and position ids when the rows are packed documents.
+    type Chunk<'a> = (&'a [u32], &'a [u32], Option<&'a [u32]>);
+    let chunks: Vec<Chunk<'_>> = batches
         .iter()
-        .flat_map(|b| b.tokens.chunks(rows).zip(b.targets.chunks(rows)))
+        .flat_map(|b| {
+            let positions = b.positions.as_deref();
+            b.tokens
+                .chunks(rows)
+                .zip(b.targets.chunks(rows))
+                .enumerate()
+                .map(move |(i, (tok, tgt))| {
+                    (tok, tgt, positions.and_then(|p| p.chunks(rows).nth(i)))
+                })
+        })
         .collect();
     if !chunks.len().is_multiple_of(ranks) {
         // Every rank sees the same batches, so every rank refuses alike: none is left waiting.
@@ -1061,8 +1087,14 @@ fn validation_loss<B: RankBackend>(
     }
     let mut mean = crate::train::ValidationMean::default();
     for round in chunks.chunks(ranks) {
-        let (tok, tgt) = round[rank];
-        let l = model.loss_parts(store, tok, tgt, g);
+        let (tok, tgt, positions) = round[rank];
+        let documents = positions
+            .map(|p| Documents::from_positions(micro, seq, p))
+            .transpose()?;
+        let l = match &documents {
+            Some(d) => model.loss_parts(store, tok, tgt, g.with_documents(d)?),
+            None => model.loss_parts(store, tok, tgt, g),
+        };
         store.release_all()?;
         // f32 losses pass through gather_scalars exactly.
         let losses = store
@@ -1071,7 +1103,7 @@ fn validation_loss<B: RankBackend>(
             .gather_scalars(f64::from(l?))
             .map_err(zero_err)?;
         // One at a time, in chunk order: what a single process forms.
-        for (l, (_, tgt)) in losses.into_iter().zip(round) {
+        for (l, (_, tgt, _)) in losses.into_iter().zip(round) {
             mean.add(l as f32, counted_targets(tgt) as u64, tgt.len());
         }
     }

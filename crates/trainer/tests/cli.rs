@@ -1683,7 +1683,7 @@ fn jsonl_build_counts_only_the_assistants_turns() {
 }
 
 /// `train --document-attention` on an SFT file with a Megatron index: the documents are the
-/// examples; a file without an index is refused by name, and so is a ZeRO run.
+/// examples (one process and ZeRO ranks); a file without an index is refused by name.
 #[test]
 fn document_attention_trains_on_examples_of_a_megatron_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -1730,10 +1730,6 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
         "64",
         &["--document-attention", "--zero", "1", "--ranks", "2"],
     );
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("--document-attention"),
-        "{}",
-        stderr(&o)
-    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("final loss"), "{}", stdout(&o));
 }

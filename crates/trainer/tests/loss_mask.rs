@@ -241,6 +241,71 @@ fn zero_ranks_weight_the_global_batch_by_its_counted_targets() {
     assert_eq!(by_stage[0], by_stage[1], "stages agree bit for bit");
 }
 
+/// Packed documents under ZeRO: the ranks' losses and validation losses are one process's,
+/// and the per-rank Data peak is the estimate's.
+#[test]
+fn zero_ranks_train_packed_documents_as_one_process() {
+    use headroom_mmap_data::formats::megatron::write_megatron;
+    use headroom_tensor::Device;
+    let dir = tempfile::tempdir().unwrap();
+    let documents: Vec<Vec<u32>> = (0..300u32)
+        .map(|d| (0..2 + d % 13).map(|i| (i * 11 + d * 3) % 61).collect())
+        .collect();
+    let prefix = dir.path().join("docs");
+    write_megatron(&prefix, &documents, TokenType::U16).unwrap();
+    let path = prefix.with_extension("bin");
+    let mut o = options(&path);
+    o.documents = true;
+    o.techniques.micro_batch = Some(1);
+    o.eval = Some(headroom_trainer::train::EvalOptions {
+        data: path.clone(),
+        every: 3,
+        batches: 2,
+    });
+    let single = train(&o, |_| {}).unwrap();
+    let single_val: Vec<f32> = single.steps.iter().filter_map(|s| s.val_loss).collect();
+    let single: Vec<f32> = single.steps.iter().map(|s| s.loss).collect();
+    let mut plain = o.clone();
+    plain.documents = false;
+    let unpacked: Vec<f32> = train(&plain, |_| {})
+        .unwrap()
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect();
+    assert!(
+        single
+            .iter()
+            .zip(&unpacked)
+            .any(|(a, b)| (a - b).abs() > 1e-3),
+        "{single:?} vs {unpacked:?}"
+    );
+    let close = |a: &[f32], b: &[f32]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| (x - y).abs() <= 2e-5 * y.abs())
+    };
+    for stage in [Stage::Zero1, Stage::Zero3] {
+        let zero = ZeroOptions::new(stage, 2);
+        let (e, _) = headroom_trainer::zero_train::estimate_run(&o, &zero).unwrap();
+        let r = train_zero(&o, zero, |_| {}).unwrap();
+        let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+        let v: Vec<f32> = r.steps.iter().filter_map(|s| s.val_loss).collect();
+        assert!(close(&l, &single), "{stage}: {l:?} vs {single:?}");
+        assert!(close(&v, &single_val), "{stage}: {v:?} vs {single_val:?}");
+        for rank in &r.ranks {
+            let dev = rank.memory.device(Device::Cpu).unwrap();
+            assert_eq!(
+                dev.peak[MemoryCategory::Data],
+                e.device[MemoryCategory::Data],
+                "{stage} rank {}",
+                rank.rank
+            );
+        }
+    }
+}
+
 #[test]
 fn jsonl_examples_mask_their_prompts() {
     use headroom_trainer::tokenize::{build_prompt_completion, Tokenizer};
