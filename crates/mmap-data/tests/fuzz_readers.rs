@@ -183,7 +183,24 @@ fn check_sequences(ds: &TokenDataset, segment: usize, seq: &headroom_mmap_data::
             assert!(r.start <= r.end && r.end <= seq.len());
             assert_eq!(doc.start, bounds[r.start]);
             assert_eq!(doc.start + doc.len, bounds[r.end]);
+            assert_eq!(seq.document_start(d), Some(doc.start));
         }
+    }
+    // Position ids per document (packed training): 0 at the first token and at every
+    // document's start, else one more than the token before.
+    let starts: std::collections::HashSet<u64> = (0..seq.document_count())
+        .filter_map(|d| seq.document_start(d))
+        .collect();
+    let mut positions = vec![u32::MAX; seg_len.min(512) as usize];
+    seq.document_positions(0, &mut positions)
+        .expect("the positions of an index the reader accepted");
+    for (i, &p) in positions.iter().enumerate() {
+        let want = if i == 0 || starts.contains(&(i as u64)) {
+            0
+        } else {
+            positions[i - 1] + 1
+        };
+        assert_eq!(p, want, "position {i}");
     }
 }
 
