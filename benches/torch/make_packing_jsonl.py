@@ -8,6 +8,9 @@ Not a comparison bench: `cargo xtask bench` runs every script in this folder wit
 this one then exits with code 3 ("skipped") and writes nothing.
 
     python benches/torch/make_packing_jsonl.py OUT.jsonl [--lines 3000] [--seed 7]
+
+`--short-messages` writes instead `{"messages": [user, assistant]}` lines of 1–3 and 1–4 words
+(the end-to-end check with `check_packed_sft.py`: `--short-messages --lines 120 --seed 3`).
 """
 
 import argparse
@@ -28,8 +31,18 @@ def main():
     p.add_argument("out")
     p.add_argument("--lines", type=int, default=3000)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--short-messages", action="store_true")
     a = p.parse_args()
     rng = random.Random(a.seed)
+    if a.short_messages:
+        words = WORDS[:10]
+        with open(a.out, "w") as f:
+            for _ in range(a.lines):
+                u = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
+                b = " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))
+                turns = [{"role": "user", "content": u}, {"role": "assistant", "content": b}]
+                f.write(json.dumps({"messages": turns}) + "\n")
+        return
     with open(a.out, "w") as f:
         for _ in range(a.lines):
             prompt = max(1, int(rng.lognormvariate(1.8, 0.5)))
