@@ -431,12 +431,7 @@ impl AttentionBackend for Cuda {
         v: &CudaTensor,
         config: &AttentionConfig,
     ) -> Result<AttentionForward<CudaTensor>> {
-        config.validate()?;
-        let dims = AttentionDims::new(
-            (q.shape(), q.dtype()),
-            (k.shape(), k.dtype()),
-            (v.shape(), v.dtype()),
-        )?;
+        let dims = AttentionDims::of_forward(q, k, v, config)?;
         same_device(self, "attention_forward", &[q, k, v])?;
         let launch = FlashLaunch::new(self, dims, config)?;
         // Every element of both is written by the kernel, so neither is cleared first.
@@ -466,12 +461,7 @@ impl AttentionBackend for Cuda {
         config: &AttentionConfig,
         documents: &DocumentMask,
     ) -> Result<AttentionForward<CudaTensor>> {
-        config.validate()?;
-        let dims = AttentionDims::new(
-            (q.shape(), q.dtype()),
-            (k.shape(), k.dtype()),
-            (v.shape(), v.dtype()),
-        )?;
+        let dims = AttentionDims::of_forward(q, k, v, config)?;
         check_documents(&dims, config, documents)?;
         Err(unsupported(BackendLimit::DocumentMask))
     }

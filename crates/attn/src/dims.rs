@@ -39,6 +39,22 @@ fn rank4(tensor: &'static str, shape: &Shape) -> Result<[usize; 4]> {
 }
 
 impl AttentionDims {
+    /// A forward call's checks, in the order every backend runs them: the config, then the
+    /// shapes and dtypes of `q`, `k`, `v`.
+    pub(crate) fn of_forward<T: Tensor>(
+        q: &T,
+        k: &T,
+        v: &T,
+        config: &crate::AttentionConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        Self::new(
+            (q.shape(), q.dtype()),
+            (k.shape(), k.dtype()),
+            (v.shape(), v.dtype()),
+        )
+    }
+
     /// Check `q`, `k`, `v` shapes and dtypes against each other.
     pub fn new(
         q: (&Shape, DType),

@@ -702,12 +702,7 @@ fn forward(
     config: &AttentionConfig,
     documents: Option<&DocumentMask>,
 ) -> Result<AttentionForward<CpuTensor>> {
-    config.validate()?;
-    let dims = AttentionDims::new(
-        (q.shape(), q.dtype()),
-        (k.shape(), k.dtype()),
-        (v.shape(), v.dtype()),
-    )?;
+    let dims = AttentionDims::of_forward(q, k, v, config)?;
     if let Some(documents) = documents {
         check_documents(&dims, config, documents)?;
     }
