@@ -852,6 +852,14 @@ enum DataCommand {
         /// padding.
         #[arg(long, requires = "max_length")]
         pad: bool,
+        /// With `--max-length N --format megatron`: pack whole examples into rows of N tokens
+        /// by best-fit decreasing (TRL's `packing=True`, its default `bfd` strategy, in TRL's
+        /// row order), each row's room one uncounted padding document, so that `train --seq N
+        /// --document-attention` reads one row per window and no example is cut across rows:
+        /// TRL's padding-free packed batches. Holds the examples in memory (about 5 bytes a
+        /// token) until they are placed.
+        #[arg(long, requires = "max_length", conflicts_with = "pad")]
+        pack: bool,
         /// With `--jsonl`: render conversations with this Jinja chat template file instead of
         /// the tokenizer's (TRL's `chat_template_path`), such as a training template with
         /// `{% generation %}` blocks; the special tokens still come from the tokenizer's
@@ -1996,6 +2004,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             max_length,
             truncation_mode,
             pad,
+            pack,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
@@ -2008,6 +2017,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 count_prompts: !completion_only_loss,
                 max_length,
                 pad,
+                pack,
                 truncation: match truncation_mode.as_str() {
                     "keep-start" | "keep_start" => crate::tokenize::Truncation::KeepStart,
                     "keep-end" | "keep_end" => crate::tokenize::Truncation::KeepEnd,
@@ -2055,6 +2065,17 @@ fn cmd_data(c: DataCommand) -> CliResult {
                         "{:<13}every example to {max} tokens: train with --seq {max} to read \
                          one example per window",
                         "padded"
+                    );
+                }
+                if let Some(p) = r.packed {
+                    say!(
+                        "{:<13}{} rows of {max} tokens, best-fit decreasing as TRL's bfd ({} \
+                         padding tokens, {:.1}%): train with --seq {max} --document-attention \
+                         to read one row per window, each example attending only to itself",
+                        "packed",
+                        p.rows,
+                        p.padding,
+                        100.0 * p.padding as f64 / (p.rows * max as u64).max(1) as f64
                     );
                 }
             }

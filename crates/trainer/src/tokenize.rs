@@ -9,6 +9,7 @@
 //! it is split at document separators only. Its file's truncation and padding are cleared (they
 //! would cut or pad every piece) and BPE dropout is refused (it makes the ids random).
 
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
@@ -530,6 +531,17 @@ pub struct PromptCompletionReport {
     /// assistant's end of turn (TRL's `is_chat_template_stop_token_trained`; when not, the
     /// model never learns to stop, and TRL warns). `None` otherwise.
     pub stop_token_counted: Option<bool>,
+    /// With [`SftOptions::pack`]: the rows and their padding.
+    pub packed: Option<PackReport>,
+}
+
+/// What [`SftOptions::pack`] made of the examples.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackReport {
+    /// Rows of `max_length` tokens.
+    pub rows: u64,
+    /// Padding tokens that fill the rows' room.
+    pub padding: u64,
 }
 
 /// One line of a prompt-completion JSONL file, in TRL's dataset formats: prompt-completion
@@ -629,6 +641,58 @@ pub struct SftOptions {
     /// example's first token is not counted: it would be the target of the previous window's
     /// last position, and TRL's labels never use it.
     pub pad: bool,
+    /// Pack whole examples into rows of `max_length` tokens by best-fit decreasing, as TRL's
+    /// `packing=True` (its default `packing_strategy="bfd"`) does, in TRL's row order: each
+    /// example a document of the Megatron index, each row padded to `max_length` with one
+    /// uncounted padding document, plus one token at the end of the file. `train --seq
+    /// max_length --document-attention` then reads one row per window from position 0, each
+    /// example attending only to itself with its own positions — TRL's padding-free batches,
+    /// no example cut across rows. Needs the Megatron format; holds the kept examples in
+    /// memory (about 5 bytes per token) until they are placed. An example's first token is not
+    /// counted, as TRL's padding-free labels leave it out.
+    pub pack: bool,
+}
+
+/// TRL's best-fit-decreasing packing (`trl.data_utils._pack_bfd`) of examples of `lengths`
+/// (each at most `capacity`, none empty) into rows of `capacity`: the examples from longest to
+/// shortest (ties in input order), each into the row with the least room that holds it (of
+/// rows with equal room, the one that reached it first), else into a new row. Returns the
+/// rows in the order they were opened, each its examples' indices in the order placed.
+pub fn best_fit_decreasing(lengths: &[usize], capacity: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    // Stable, as Arrow's sort: equal lengths keep their input order.
+    order.sort_by(|&a, &b| lengths[b].cmp(&lengths[a]));
+    let mut rows: Vec<Vec<usize>> = Vec::new();
+    // Rows by their room left (below `capacity`, above 0), first come first served.
+    let mut by_room: BTreeMap<usize, VecDeque<usize>> = BTreeMap::new();
+    for i in order {
+        let len = lengths[i];
+        // The least room that holds the example (a full-length example opens a row).
+        let best = by_room.range(len..capacity).next().map(|(&room, _)| room);
+        let taken = best.and_then(|room| {
+            let queue = by_room.get_mut(&room)?;
+            let row = queue.pop_front()?;
+            if queue.is_empty() {
+                by_room.remove(&room);
+            }
+            Some((row, room))
+        });
+        let (row, room) = match taken.filter(|&(row, _)| row < rows.len()) {
+            Some(found) => found,
+            None => {
+                rows.push(Vec::new());
+                (rows.len() - 1, capacity)
+            }
+        };
+        if let Some(r) = rows.get_mut(row) {
+            r.push(i);
+        }
+        let left = room.saturating_sub(len);
+        if left > 0 {
+            by_room.entry(left).or_default().push_back(row);
+        }
+    }
+    rows
 }
 
 /// Which end of an example longer than [`SftOptions::max_length`] is kept (TRL's
@@ -868,6 +932,21 @@ pub fn build_prompt_completion_with(
     if options.pad && options.max_length.is_none() {
         return Err(err(input, "padding needs a maximum length to pad to"));
     }
+    if options.pack {
+        if options.max_length.is_none() || options.pad {
+            return Err(err(
+                input,
+                "packing needs a maximum length (the rows' length) and no padding of each example",
+            ));
+        }
+        if !matches!(format, TokenFileFormat::Megatron { .. }) {
+            return Err(err(
+                out,
+                "packing needs the Megatron format (--format megatron): its index records each \
+                 example as a document, which train --document-attention reads",
+            ));
+        }
+    }
     let chat: ChatForExamples = match &options.chat_template {
         Some(t) => Ok(Some(t.clone())),
         None => tok.chat_template().map_err(|e| e.to_string()),
@@ -915,6 +994,8 @@ pub fn build_prompt_completion_with(
     let mut writer = TokenWriter::create(out, format)?;
     let mut mask = headroom_mmap_data::LossMaskWriter::create(&mask_path)?;
     let (mut counted, mut merges, mut truncated, mut dropped) = (0u64, 0u64, 0u64, 0u64);
+    // With `pack`: the kept examples, placed once all are known.
+    let mut kept: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
     // Examples encoded in parallel, written in order.
     let batch = rayon::current_num_threads().max(1) * 256;
     for group in lines.chunks(batch) {
@@ -944,11 +1025,19 @@ pub fn build_prompt_completion_with(
                     flags.resize(max, false);
                 }
             }
+            merges += u64::from(merged);
+            if options.pack {
+                flags[0] = false;
+                if kept.try_reserve(1).is_err() {
+                    return Err(err(input, "out of memory holding the examples to pack"));
+                }
+                kept.push((ids, flags));
+                continue;
+            }
             writer.write(&ids)?;
             writer.end_document()?;
             mask.write(&flags)?;
             counted += flags.iter().filter(|&&f| f).count() as u64;
-            merges += u64::from(merged);
         }
         bar.inc(group.len() as u64);
     }
@@ -963,8 +1052,39 @@ pub fn build_prompt_completion_with(
             ),
         ));
     }
-    if options.pad {
-        // The last example's window needs one token past it for its last target.
+    let mut packed = None;
+    if let (true, Some(max)) = (options.pack, options.max_length) {
+        let lengths: Vec<usize> = kept.iter().map(|(ids, _)| ids.len()).collect();
+        let rows = best_fit_decreasing(&lengths, max);
+        let mut padding = 0u64;
+        for row in &rows {
+            let mut used = 0;
+            for &i in row {
+                let (ids, flags) = kept
+                    .get(i)
+                    .ok_or_else(|| err(input, "packing placed an example that does not exist"))?;
+                writer.write(ids)?;
+                writer.end_document()?;
+                mask.write(flags)?;
+                counted += flags.iter().filter(|&&f| f).count() as u64;
+                used += ids.len();
+            }
+            // The row's room: one document of padding, never counted.
+            let room = max.saturating_sub(used);
+            if room > 0 {
+                writer.write(&vec![eot; room])?;
+                writer.end_document()?;
+                mask.write(&vec![false; room])?;
+                padding += room as u64;
+            }
+        }
+        packed = Some(PackReport {
+            rows: rows.len() as u64,
+            padding,
+        });
+    }
+    if options.pad || options.pack {
+        // The last row's window needs one token past it for its last target.
         writer.write(&[eot])?;
         writer.end_document()?;
         mask.write(&[false])?;
@@ -986,5 +1106,6 @@ pub fn build_prompt_completion_with(
         truncated,
         dropped,
         stop_token_counted,
+        packed,
     })
 }

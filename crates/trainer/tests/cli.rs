@@ -1719,6 +1719,27 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("final loss"), "{}", stdout(&o));
 
+    // TRL's bfd packing: whole examples in rows of 64, one row per window.
+    let rows = dir.path().join("rows.bin");
+    let o = headroom(&[
+        "data",
+        "build",
+        "--jsonl",
+        "--tokenizer",
+        chat.to_str().unwrap(),
+        "--format",
+        "megatron",
+        "--max-length",
+        "64",
+        "--pack",
+        jsonl.to_str().unwrap(),
+        rows.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("rows of 64 tokens"), "{}", stdout(&o));
+    let o = train_on_chat(rows.to_str().unwrap(), "64", &["--document-attention"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
     let raw = dir.path().join("raw.bin");
     build("raw", &raw);
     let o = train_on_chat(raw.to_str().unwrap(), "64", &["--document-attention"]);

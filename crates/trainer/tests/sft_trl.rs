@@ -799,3 +799,169 @@ fn padded_examples_sit_one_per_training_window() {
         assert_eq!(sampler.global_window(g).start, g * N as u64);
     }
 }
+
+fn packing_fixture() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("sft/trl_packing.json")).unwrap())
+        .unwrap()
+}
+
+fn numbers(v: &Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+/// TRL's best-fit decreasing (`trl.data_utils.pack_dataset(..., "bfd")`), row for row and
+/// example for example, on 300 lengths with many ties (`benches/torch/make_pack_fixture.py`).
+#[test]
+fn best_fit_decreasing_places_examples_as_trl() {
+    let bfd = &packing_fixture()["bfd"];
+    let capacity = bfd["capacity"].as_u64().unwrap() as usize;
+    let lengths: Vec<usize> = numbers(&bfd["lengths"])
+        .iter()
+        .map(|&n| n as usize)
+        .collect();
+    let want: Vec<Vec<usize>> = bfd["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| numbers(r).iter().map(|&i| i as usize).collect())
+        .collect();
+    let got = headroom_trainer::tokenize::best_fit_decreasing(&lengths, capacity);
+    assert_eq!(got, want);
+    assert!(got
+        .iter()
+        .all(|r| r.iter().map(|&i| lengths[i]).sum::<usize>() <= capacity));
+}
+
+/// `data build --jsonl --max-length 128 --pack`: TRL's packed rows (`SFTConfig(packing=True)`)
+/// — the same examples in the same rows and order, their ids, and their flags (TRL's labels,
+/// with each example's first token left out as TRL's padding-free collator does) — each row
+/// padded to 128 with one uncounted document, as the Megatron index records.
+#[test]
+fn packed_rows_are_trls() {
+    use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions};
+    let sft = &packing_fixture()["sft"];
+    let max = sft["max_length"].as_u64().unwrap() as usize;
+    let lines: Vec<String> = sft["examples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("sft.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let tok = Tokenizer::from_name(fixtures().join("sft/chat").to_str().unwrap()).unwrap();
+    let out = dir.path().join("packed.bin");
+    let format = TokenFileFormat::Megatron {
+        token_type: TokenType::U16,
+        document_len: 1 << 20,
+    };
+    let options = SftOptions {
+        max_length: Some(max),
+        pack: true,
+        ..Default::default()
+    };
+    let report = build_prompt_completion_with(&input, &tok, format, &out, false, &options).unwrap();
+    let ds = formats::open(&out, &Default::default()).unwrap();
+    let mask = LossMask::open(loss_mask_path(&out)).unwrap();
+    let index = ds.sequence_index(0).unwrap();
+    let eot = tok.end_of_text().unwrap();
+
+    let rows = sft["rows"].as_array().unwrap();
+    let packed = report.packed.unwrap();
+    assert_eq!(packed.rows, rows.len() as u64);
+    // Every row is `max` tokens, then one closing token.
+    assert_eq!(ds.total_tokens(), (rows.len() * max + 1) as u64);
+    let mut document = 0;
+    let mut padding = 0;
+    for (r, row) in rows.iter().enumerate() {
+        let ids = numbers(&row["input_ids"]);
+        let labels = numbers(&row["labels"]);
+        let lengths = numbers(&row["seq_lengths"]);
+        let start = (r * max) as u64;
+        // The row's examples, one document each, in TRL's order.
+        let mut at = 0usize;
+        for &n in &lengths {
+            let span = index
+                .span(document)
+                .unwrap_or_else(|| panic!("row {r}: document {document}"));
+            assert_eq!(
+                span,
+                start + at as u64..start + (at + n as usize) as u64,
+                "row {r}"
+            );
+            document += 1;
+            at += n as usize;
+        }
+        let got: Vec<i64> = (start..start + at as u64)
+            .map(|i| ds.token(0, i).unwrap())
+            .collect();
+        assert_eq!(got, ids, "row {r}: ids");
+        let mut first = vec![false; at];
+        let mut k = 0;
+        for &n in &lengths {
+            first[k] = true;
+            k += n as usize;
+        }
+        for i in 0..at {
+            let want = labels[i] != -100 && !first[i];
+            assert_eq!(
+                mask.get(start as usize + i),
+                Some(want),
+                "row {r} token {i}"
+            );
+        }
+        // The room: one uncounted padding document.
+        if at < max {
+            assert_eq!(
+                index.span(document),
+                Some(start + at as u64..start + max as u64)
+            );
+            document += 1;
+            for i in at..max {
+                assert_eq!(ds.token(0, start + i as u64), Some(i64::from(eot)));
+                assert_eq!(mask.get(start as usize + i), Some(false));
+            }
+            padding += (max - at) as u64;
+        }
+    }
+    assert_eq!(packed.padding, padding);
+    assert_eq!(report.counted, mask.counted());
+    // Without the Megatron format there is no index to record the examples: refused.
+    let raw = build_prompt_completion_with(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &dir.path().join("raw.bin"),
+        false,
+        &options,
+    )
+    .unwrap_err();
+    assert!(raw.to_string().contains("Megatron"), "{raw}");
+}
+
+proptest::proptest! {
+    /// Every example is placed exactly once, no row overflows, and rows open in decreasing
+    /// order of their first example (examples are placed longest first).
+    #[test]
+    fn best_fit_decreasing_places_every_example_once(
+        lengths in proptest::collection::vec(1usize..50, 0..200),
+        capacity in 50usize..80,
+    ) {
+        let rows = headroom_trainer::tokenize::best_fit_decreasing(&lengths, capacity);
+        let mut seen: Vec<usize> = rows.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        proptest::prop_assert_eq!(seen, (0..lengths.len()).collect::<Vec<_>>());
+        let used: Vec<usize> = rows.iter().map(|r| r.iter().map(|&i| lengths[i]).sum()).collect();
+        proptest::prop_assert!(used.iter().all(|&u| u <= capacity));
+        for (k, row) in rows.iter().enumerate().skip(1) {
+            let first = lengths[row[0]];
+            let earlier_first = lengths[rows[k - 1][0]];
+            proptest::prop_assert!(first <= earlier_first);
+        }
+    }
+}
