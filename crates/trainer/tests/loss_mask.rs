@@ -425,6 +425,36 @@ fn a_masked_run_resumes_bit_for_bit_and_not_under_another_mask() {
     assert!(e.contains("different dataset"), "{e}");
 }
 
+/// A packed-documents run saved mid-way resumes bit for bit, and resuming it without
+/// `--document-attention` (another computation of the same data) is refused by name.
+#[test]
+fn a_packed_documents_run_resumes_bit_for_bit() {
+    use headroom_mmap_data::formats::megatron::write_megatron;
+    let dir = tempfile::tempdir().unwrap();
+    let documents: Vec<Vec<u32>> = (0..250u32)
+        .map(|d| (0..1 + d % 11).map(|i| (i * 5 + d * 7) % 61).collect())
+        .collect();
+    let prefix = dir.path().join("docs");
+    write_megatron(&prefix, &documents, TokenType::U16).unwrap();
+    let mut o = options(&prefix.with_extension("bin"));
+    o.documents = true;
+    let straight = losses(&o);
+    let root = dir.path().join("run");
+    let mut first = o.clone();
+    first.save = Some((root.clone(), 3));
+    first.stop_after = Some(3);
+    train(&first, |_| {}).unwrap();
+    let mut resumed = o.clone();
+    resumed.resume_from = Some(root.join("step-00000003"));
+    let rest = losses(&resumed);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rest), bits(&straight[3..]));
+    let mut unpacked = resumed.clone();
+    unpacked.documents = false;
+    let e = train(&unpacked, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("--document-attention"), "{e}");
+}
+
 #[test]
 fn the_estimate_counts_the_loaders_flags() {
     use headroom_tensor::Device;
