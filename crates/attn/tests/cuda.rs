@@ -18,19 +18,17 @@
 
 mod common;
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::BTreeSet;
+use std::sync::{Arc, OnceLock};
 
-use common::{inputs, run, Inputs, Run, Sizes};
+use common::{inputs, run, Inputs, Peaks, Run, Sizes};
 use headroom_attn::accuracy::{compare, compare_lse, BF16_GRAD, BF16_OUTPUT};
 use headroom_attn::{
     AttentionBackend, AttentionConfig, AttnError, BackendLimit, DocumentMask, DEFAULT_FLASH_BLOCK_K,
 };
 use headroom_cuda::{compile, device_count, nvrtc_available, Cuda, CudaError};
 use headroom_kernels::ATTENTION;
-use headroom_tensor::{
-    bf16, AllocEvent, AllocHook, Backend, BoxedError, Cpu, DType, MemoryCategory, Tensor,
-};
+use headroom_tensor::{bf16, Backend, Cpu, DType, MemoryCategory, Tensor};
 use proptest::prelude::*;
 
 // ------------------------------------------------------------------------------------------
@@ -554,36 +552,10 @@ fn cuda_rejects_what_it_has_no_kernel_for() {
     ));
 }
 
-/// Live and peak bytes per category.
-#[derive(Default)]
-struct Ledger {
-    state: Mutex<(
-        HashMap<MemoryCategory, usize>,
-        HashMap<MemoryCategory, usize>,
-    )>,
-}
-
-impl AllocHook for Ledger {
-    fn on_alloc(&self, e: &AllocEvent) -> Result<(), BoxedError> {
-        let mut s = self.state.lock().unwrap();
-        let live = {
-            let l = s.0.entry(e.category).or_default();
-            *l += e.bytes;
-            *l
-        };
-        let peak = s.1.entry(e.category).or_default();
-        *peak = (*peak).max(live);
-        Ok(())
-    }
-    fn on_free(&self, e: &AllocEvent) {
-        *self.state.lock().unwrap().0.entry(e.category).or_default() -= e.bytes;
-    }
-}
-
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cuda_allocations_are_reported_in_the_cpu_categories() {
-    let ledger = Arc::new(Ledger::default());
+    let ledger = Arc::new(Peaks::default());
     let cuda = Cuda::new(0)
         .expect("these tests need a CUDA device")
         .with_alloc_hook(ledger.clone());
@@ -598,8 +570,8 @@ fn cuda_allocations_are_reported_in_the_cpu_categories() {
             cuda.upload(&to_bf16(&x.d_out), s.q_shape()).unwrap(),
         )
     };
-    let live = |c| ledger.state.lock().unwrap().0.get(&c).copied().unwrap_or(0);
-    let peak = |c| ledger.state.lock().unwrap().1.get(&c).copied().unwrap_or(0);
+    let live = |c| ledger.live(c);
+    let peak = |c| ledger.peak(c);
     let rows = s.batch * s.q_heads * s.q_len;
     let fwd = {
         let _acts = MemoryCategory::Activations.enter();

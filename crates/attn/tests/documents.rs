@@ -13,17 +13,14 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use common::*;
 use headroom_attn::{
     cpu_backward_f32_workspace_bytes, cpu_backward_scratch_bytes, cpu_forward_workspace_bytes,
     Algorithm, AttentionBackend, AttentionConfig, AttnError, DocumentMask,
 };
-use headroom_tensor::{
-    AllocEvent, AllocHook, Backend, BoxedError, Cpu, CpuTensor, DType, MemoryCategory, Tensor,
-};
+use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Tensor};
 use proptest::prelude::*;
 
 const F32_TOL: f64 = 1e-5;
@@ -324,46 +321,6 @@ proptest! {
 
 // ------------------------------------------------------------------------------------------
 // Low precision and memory.
-
-/// Live and peak bytes per category.
-#[derive(Default)]
-struct Peaks {
-    state: Mutex<(
-        HashMap<MemoryCategory, usize>,
-        HashMap<MemoryCategory, usize>,
-    )>,
-}
-
-impl Peaks {
-    /// Restarts the workspace peak from what is live now.
-    fn reset(&self) {
-        let mut s = self.state.lock().unwrap();
-        let live = s.0.get(&MemoryCategory::Workspace).copied().unwrap_or(0);
-        s.1.insert(MemoryCategory::Workspace, live);
-    }
-
-    fn workspace_peak(&self) -> u64 {
-        let s = self.state.lock().unwrap();
-        s.1.get(&MemoryCategory::Workspace).copied().unwrap_or(0) as u64
-    }
-}
-
-impl AllocHook for Peaks {
-    fn on_alloc(&self, e: &AllocEvent) -> Result<(), BoxedError> {
-        let mut s = self.state.lock().unwrap();
-        let live = {
-            let l = s.0.entry(e.category).or_default();
-            *l += e.bytes;
-            *l
-        };
-        let peak = s.1.entry(e.category).or_default();
-        *peak = (*peak).max(live);
-        Ok(())
-    }
-    fn on_free(&self, e: &AllocEvent) {
-        *self.state.lock().unwrap().0.entry(e.category).or_default() -= e.bytes;
-    }
-}
 
 fn to(cpu: &Cpu, t: &CpuTensor, dtype: DType) -> CpuTensor {
     let mut out = cpu.zeros(t.shape().clone(), dtype).unwrap();

@@ -146,10 +146,10 @@ pub fn evaluate<B: ModelOps>(
             None
         };
         let counted = counted_targets(&y) as u64;
-        let loss = match (&packed, counted) {
-            (_, 0) => 0.0,
-            (Some(d), _) => model.loss(&x, &y, g.with_documents(d)?)?,
-            (None, _) => model.loss(&x, &y, g)?,
+        let loss = if counted > 0 {
+            model.loss(&x, &y, g.packed(packed.as_ref())?)?
+        } else {
+            0.0
         };
         mean.add(loss, counted, y.len());
     }

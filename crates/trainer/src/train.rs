@@ -963,23 +963,33 @@ pub struct TokenBatch {
     pub positions: Option<Vec<u32>>,
 }
 
-/// The micro-batch of `rows` token rows (`micro` sequences) at `index` of a batch's `positions`,
-/// as the documents its geometry carries.
+/// The documents of `micro` sequences of `seq` tokens whose position ids are `positions`
+/// (`None`: the rows are not packed documents).
+pub(crate) fn packed_documents(
+    positions: Option<&[u32]>,
+    micro: usize,
+    seq: usize,
+) -> Result<Option<Documents>> {
+    positions
+        .map(|p| Documents::from_positions(micro, seq, p))
+        .transpose()
+}
+
+/// [`packed_documents`] of micro-batch `index` (`micro` sequences) of a batch's `positions`.
 pub(crate) fn micro_documents(
     positions: Option<&[u32]>,
     index: usize,
     micro: usize,
     seq: usize,
 ) -> Result<Option<Documents>> {
-    let rows = micro * seq;
-    positions
+    let chunk = positions
         .map(|p| {
-            let chunk = p.chunks(rows).nth(index).ok_or_else(|| {
+            p.chunks(micro * seq).nth(index).ok_or_else(|| {
                 TrainError::Input(format!("micro-batch {index} is past the batch's positions"))
-            })?;
-            Documents::from_positions(micro, seq, chunk)
+            })
         })
-        .transpose()
+        .transpose()?;
+    packed_documents(chunk, micro, seq)
 }
 
 /// What a run's training data is called in messages.
@@ -1358,13 +1368,8 @@ impl Stepper {
         let rows = micro * seq;
         let g = Geometry::new(micro, seq);
         validation_mean(batches, rows, |tok, tgt, positions| {
-            let documents = positions
-                .map(|p| Documents::from_positions(micro, seq, p))
-                .transpose()?;
-            match &documents {
-                Some(d) => gpt.loss(tok, tgt, g.with_documents(d)?),
-                None => gpt.loss(tok, tgt, g),
-            }
+            let documents = packed_documents(positions, micro, seq)?;
+            gpt.loss(tok, tgt, g.packed(documents.as_ref())?)
         })
     }
 
@@ -1896,10 +1901,7 @@ fn train_tracked(
                     stepper.set_dropout_position(step, micro_index);
                     let documents =
                         micro_documents(positions.as_deref(), micro_index, micro, opts.seq)?;
-                    let g = match &documents {
-                        Some(d) => mg.with_documents(d)?,
-                        None => mg,
-                    };
+                    let g = mg.packed(documents.as_ref())?;
                     let out =
                         stepper.micro_batch(tok, tgt, mb_counted, g, loss_scale, &schedule)?;
                     let (mb_loss, stats) = out.unwrap_or_default();

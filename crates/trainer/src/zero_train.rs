@@ -47,7 +47,7 @@ use headroom_zero::{
 };
 
 use crate::model::{
-    counted_targets, params, Documents, Geometry, Model, ModelOps, Part, PartStore, Precision,
+    counted_targets, params, Geometry, Model, ModelOps, Part, PartStore, Precision,
 };
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement};
 use crate::train::{StepLog, TrainOptions};
@@ -899,10 +899,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         {
             let documents =
                 crate::train::micro_documents(positions.as_deref(), i, micro, opts.seq)?;
-            let g = match &documents {
-                Some(d) => g.with_documents(d)?,
-                None => g,
-            };
+            let g = g.packed(documents.as_ref())?;
             let out = model.forward_backward_parts(&store, tok, tgt, g, dloss, &shared.schedule);
             // Whatever happened, nothing gathered may outlive the micro-batch: a prefetch
             // the pass did not consume would be stale after the step.
@@ -1088,13 +1085,8 @@ fn validation_loss<B: RankBackend>(
     let mut mean = crate::train::ValidationMean::default();
     for round in chunks.chunks(ranks) {
         let (tok, tgt, positions) = round[rank];
-        let documents = positions
-            .map(|p| Documents::from_positions(micro, seq, p))
-            .transpose()?;
-        let l = match &documents {
-            Some(d) => model.loss_parts(store, tok, tgt, g.with_documents(d)?),
-            None => model.loss_parts(store, tok, tgt, g),
-        };
+        let documents = crate::train::packed_documents(positions, micro, seq)?;
+        let l = model.loss_parts(store, tok, tgt, g.packed(documents.as_ref())?);
         store.release_all()?;
         // f32 losses pass through gather_scalars exactly.
         let losses = store

@@ -1361,15 +1361,10 @@ fn train_on_chat(data: &str, seq: &str, extra: &[&str]) -> std::process::Output 
     headroom(&args)
 }
 
-/// Conversational JSONL through the command: `--tokenizer` names a directory whose
-/// `tokenizer_config.json` holds the chat template; only the assistants' completions count.
-#[test]
-fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
-    let dir = tempfile::tempdir().unwrap();
-    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sft/chat");
-    let jsonl = dir.path().join("chat.jsonl");
+/// `n` conversational prompt-completion lines ("Where did dog i go?" / "To the park.").
+fn write_dog_questions(path: &std::path::Path, n: usize) {
     let mut text = String::new();
-    for i in 0..100 {
+    for i in 0..n {
         text += &serde_json::json!({
             "prompt": [{"role": "user", "content": format!("Where did dog {i} go?")}],
             "completion": [{"role": "assistant", "content": "To the park."}],
@@ -1377,20 +1372,42 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         .to_string();
         text.push('\n');
     }
-    std::fs::write(&jsonl, text).unwrap();
-    let data = dir.path().join("chat.bin");
-    let d = data.to_str().unwrap();
-    let o = headroom(&[
+    std::fs::write(path, text).unwrap();
+}
+
+/// `headroom data build --jsonl --tokenizer TOKENIZER --format FORMAT EXTRA… INPUT OUT`.
+fn build_jsonl(
+    tokenizer: &std::path::Path,
+    format: &str,
+    extra: &[&str],
+    input: &std::path::Path,
+    out: &std::path::Path,
+) -> std::process::Output {
+    let mut args = vec![
         "data",
         "build",
         "--jsonl",
         "--tokenizer",
-        chat.to_str().unwrap(),
+        tokenizer.to_str().unwrap(),
         "--format",
-        "raw",
-        jsonl.to_str().unwrap(),
-        d,
-    ]);
+        format,
+    ];
+    args.extend_from_slice(extra);
+    args.extend([input.to_str().unwrap(), out.to_str().unwrap()]);
+    headroom(&args)
+}
+
+/// Conversational JSONL through the command: `--tokenizer` names a directory whose
+/// `tokenizer_config.json` holds the chat template; only the assistants' completions count.
+#[test]
+fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sft/chat");
+    let jsonl = dir.path().join("chat.jsonl");
+    write_dog_questions(&jsonl, 100);
+    let data = dir.path().join("chat.bin");
+    let d = data.to_str().unwrap();
+    let o = build_jsonl(&chat, "raw", &[], &jsonl, &data);
     assert!(o.status.success(), "{}", stderr(&o));
     let mask = headroom_mmap_data::LossMask::open(dir.path().join("chat.bin.lossmask")).unwrap();
     // Each example: the system turn, the user's turn and the generation prompt do not count;
@@ -1401,39 +1418,20 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
     );
     // TRL's completion_only_loss=False: the prompts count too.
     let every = dir.path().join("every.bin");
-    let o = headroom(&[
-        "data",
-        "build",
-        "--jsonl",
-        "--completion-only-loss",
-        "false",
-        "--tokenizer",
-        chat.to_str().unwrap(),
-        "--format",
+    let o = build_jsonl(
+        &chat,
         "raw",
-        jsonl.to_str().unwrap(),
-        every.to_str().unwrap(),
-    ]);
+        &["--completion-only-loss", "false"],
+        &jsonl,
+        &every,
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     let all = headroom_mmap_data::LossMask::open(dir.path().join("every.bin.lossmask")).unwrap();
     assert_eq!((all.len(), all.counted()), (mask.len(), mask.len() as u64));
     // TRL's max_length and truncation_mode: 100 examples cut to their last 8 tokens.
     let cut = |mode: &str| {
-        headroom(&[
-            "data",
-            "build",
-            "--jsonl",
-            "--max-length",
-            "8",
-            "--truncation-mode",
-            mode,
-            "--tokenizer",
-            chat.to_str().unwrap(),
-            "--format",
-            "raw",
-            jsonl.to_str().unwrap(),
-            every.to_str().unwrap(),
-        ])
+        let extra = ["--max-length", "8", "--truncation-mode", mode];
+        build_jsonl(&chat, "raw", &extra, &jsonl, &every)
     };
     let o = cut("keep-end");
     assert!(o.status.success(), "{}", stderr(&o));
@@ -1689,28 +1687,9 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
     let dir = tempfile::tempdir().unwrap();
     let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sft/chat");
     let jsonl = dir.path().join("chat.jsonl");
-    let mut text = String::new();
-    for i in 0..60 {
-        text += &serde_json::json!({
-            "prompt": [{"role": "user", "content": format!("Where did dog {i} go?")}],
-            "completion": [{"role": "assistant", "content": "To the park."}],
-        })
-        .to_string();
-        text.push('\n');
-    }
-    std::fs::write(&jsonl, text).unwrap();
+    write_dog_questions(&jsonl, 60);
     let build = |format: &str, out: &std::path::Path| {
-        let o = headroom(&[
-            "data",
-            "build",
-            "--jsonl",
-            "--tokenizer",
-            chat.to_str().unwrap(),
-            "--format",
-            format,
-            jsonl.to_str().unwrap(),
-            out.to_str().unwrap(),
-        ]);
+        let o = build_jsonl(&chat, format, &[], &jsonl, out);
         assert!(o.status.success(), "{}", stderr(&o));
     };
     let packed = dir.path().join("chat.bin");
@@ -1721,20 +1700,13 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
 
     // TRL's bfd packing: whole examples in rows of 64, one row per window.
     let rows = dir.path().join("rows.bin");
-    let o = headroom(&[
-        "data",
-        "build",
-        "--jsonl",
-        "--tokenizer",
-        chat.to_str().unwrap(),
-        "--format",
+    let o = build_jsonl(
+        &chat,
         "megatron",
-        "--max-length",
-        "64",
-        "--pack",
-        jsonl.to_str().unwrap(),
-        rows.to_str().unwrap(),
-    ]);
+        &["--max-length", "64", "--pack"],
+        &jsonl,
+        &rows,
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("rows of 64 tokens"), "{}", stdout(&o));
     let o = train_on_chat(rows.to_str().unwrap(), "64", &["--document-attention"]);

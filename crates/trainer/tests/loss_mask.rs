@@ -137,6 +137,41 @@ fn options(path: &std::path::Path) -> TrainOptions {
     o
 }
 
+/// A Megatron pair of `count` documents, document `d` being `ids(d)`: the `.bin`'s path and the
+/// token count.
+fn documents_file(
+    dir: &std::path::Path,
+    count: u32,
+    ids: impl Fn(u32) -> Vec<u32>,
+) -> (std::path::PathBuf, usize) {
+    let documents: Vec<Vec<u32>> = (0..count).map(ids).collect();
+    let prefix = dir.join("docs");
+    headroom_mmap_data::formats::megatron::write_megatron(&prefix, &documents, TokenType::U16)
+        .unwrap();
+    (
+        prefix.with_extension("bin"),
+        documents.iter().map(Vec::len).sum(),
+    )
+}
+
+/// The losses of `o` run straight through, and of its steps after the third when it is stopped
+/// there (checkpoint under `dir`) and resumed; and the resuming options.
+fn straight_and_resumed(
+    o: &TrainOptions,
+    dir: &std::path::Path,
+) -> (Vec<f32>, Vec<f32>, TrainOptions) {
+    let straight = losses(o);
+    let root = dir.join("run");
+    let mut first = o.clone();
+    first.save = Some((root.clone(), 3));
+    first.stop_after = Some(3);
+    train(&first, |_| {}).unwrap();
+    let mut resumed = o.clone();
+    resumed.resume_from = Some(root.join("step-00000003"));
+    let rest = losses(&resumed);
+    (straight, rest, resumed)
+}
+
 fn losses(o: &TrainOptions) -> Vec<f32> {
     train(o, |_| {})
         .unwrap()
@@ -245,15 +280,11 @@ fn zero_ranks_weight_the_global_batch_by_its_counted_targets() {
 /// and the per-rank Data peak is the estimate's.
 #[test]
 fn zero_ranks_train_packed_documents_as_one_process() {
-    use headroom_mmap_data::formats::megatron::write_megatron;
     use headroom_tensor::Device;
     let dir = tempfile::tempdir().unwrap();
-    let documents: Vec<Vec<u32>> = (0..300u32)
-        .map(|d| (0..2 + d % 13).map(|i| (i * 11 + d * 3) % 61).collect())
-        .collect();
-    let prefix = dir.path().join("docs");
-    write_megatron(&prefix, &documents, TokenType::U16).unwrap();
-    let path = prefix.with_extension("bin");
+    let (path, _) = documents_file(dir.path(), 300, |d| {
+        (0..2 + d % 13).map(|i| (i * 11 + d * 3) % 61).collect()
+    });
     let mut o = options(&path);
     o.documents = true;
     o.techniques.micro_batch = Some(1);
@@ -408,15 +439,7 @@ fn a_masked_run_resumes_bit_for_bit_and_not_under_another_mask() {
     let dir = tempfile::tempdir().unwrap();
     let path = masked_file(dir.path(), |i| i % 4 != 1);
     let o = options(&path);
-    let straight = losses(&o);
-    let root = dir.path().join("run");
-    let mut first = o.clone();
-    first.save = Some((root.clone(), 3));
-    first.stop_after = Some(3);
-    train(&first, |_| {}).unwrap();
-    let mut resumed = o.clone();
-    resumed.resume_from = Some(root.join("step-00000003"));
-    let rest = losses(&resumed);
+    let (straight, rest, resumed) = straight_and_resumed(&o, dir.path());
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&rest), bits(&straight[3..]));
     // The same tokens under another mask are other data: the saved position is refused.
@@ -429,24 +452,13 @@ fn a_masked_run_resumes_bit_for_bit_and_not_under_another_mask() {
 /// `--document-attention` (another computation of the same data) is refused by name.
 #[test]
 fn a_packed_documents_run_resumes_bit_for_bit() {
-    use headroom_mmap_data::formats::megatron::write_megatron;
     let dir = tempfile::tempdir().unwrap();
-    let documents: Vec<Vec<u32>> = (0..250u32)
-        .map(|d| (0..1 + d % 11).map(|i| (i * 5 + d * 7) % 61).collect())
-        .collect();
-    let prefix = dir.path().join("docs");
-    write_megatron(&prefix, &documents, TokenType::U16).unwrap();
-    let mut o = options(&prefix.with_extension("bin"));
+    let (path, _) = documents_file(dir.path(), 250, |d| {
+        (0..1 + d % 11).map(|i| (i * 5 + d * 7) % 61).collect()
+    });
+    let mut o = options(&path);
     o.documents = true;
-    let straight = losses(&o);
-    let root = dir.path().join("run");
-    let mut first = o.clone();
-    first.save = Some((root.clone(), 3));
-    first.stop_after = Some(3);
-    train(&first, |_| {}).unwrap();
-    let mut resumed = o.clone();
-    resumed.resume_from = Some(root.join("step-00000003"));
-    let rest = losses(&resumed);
+    let (straight, rest, resumed) = straight_and_resumed(&o, dir.path());
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&rest), bits(&straight[3..]));
     let mut unpacked = resumed.clone();
@@ -483,18 +495,13 @@ fn the_estimate_counts_the_loaders_flags() {
 /// with and without a loss mask beside the file.
 #[test]
 fn the_estimate_counts_the_loaders_positions() {
-    use headroom_mmap_data::formats::megatron::write_megatron;
     use headroom_tensor::Device;
     for masked in [false, true] {
         let dir = tempfile::tempdir().unwrap();
-        let documents: Vec<Vec<u32>> = (0..200u32)
-            .map(|d| (0..3 + d % 17).map(|i| (i * 7 + d) % 61).collect())
-            .collect();
-        let prefix = dir.path().join("docs");
-        write_megatron(&prefix, &documents, TokenType::U16).unwrap();
-        let path = prefix.with_extension("bin");
+        let (path, n) = documents_file(dir.path(), 200, |d| {
+            (0..3 + d % 17).map(|i| (i * 7 + d) % 61).collect()
+        });
         if masked {
-            let n: usize = documents.iter().map(Vec::len).sum();
             let flags: Vec<bool> = (0..n).map(|i| i % 4 != 0).collect();
             write_loss_mask(loss_mask_path(&path), &flags).unwrap();
         }

@@ -248,3 +248,54 @@ pub fn rel_err_f32(a: &[f32], b: &[f32]) -> f64 {
     let b64: Vec<f64> = b.iter().map(|&x| x as f64).collect();
     rel_err(a, &b64)
 }
+
+/// Live and peak bytes per memory category, as a backend's allocation hook reports them.
+#[derive(Default)]
+pub struct Peaks {
+    state: std::sync::Mutex<(
+        std::collections::HashMap<headroom_tensor::MemoryCategory, usize>,
+        std::collections::HashMap<headroom_tensor::MemoryCategory, usize>,
+    )>,
+}
+
+impl Peaks {
+    /// Bytes of `c` live now.
+    pub fn live(&self, c: headroom_tensor::MemoryCategory) -> usize {
+        self.state.lock().unwrap().0.get(&c).copied().unwrap_or(0)
+    }
+
+    /// The most bytes of `c` live at once since the start (or the last [`Peaks::reset`]).
+    pub fn peak(&self, c: headroom_tensor::MemoryCategory) -> usize {
+        self.state.lock().unwrap().1.get(&c).copied().unwrap_or(0)
+    }
+
+    /// Restarts the workspace peak from what is live now.
+    pub fn reset(&self) {
+        let mut s = self.state.lock().unwrap();
+        let ws = headroom_tensor::MemoryCategory::Workspace;
+        let live = s.0.get(&ws).copied().unwrap_or(0);
+        s.1.insert(ws, live);
+    }
+
+    /// [`Peaks::peak`] of the workspace.
+    pub fn workspace_peak(&self) -> u64 {
+        self.peak(headroom_tensor::MemoryCategory::Workspace) as u64
+    }
+}
+
+impl headroom_tensor::AllocHook for Peaks {
+    fn on_alloc(&self, e: &headroom_tensor::AllocEvent) -> Result<(), headroom_tensor::BoxedError> {
+        let mut s = self.state.lock().unwrap();
+        let live = {
+            let l = s.0.entry(e.category).or_default();
+            *l += e.bytes;
+            *l
+        };
+        let peak = s.1.entry(e.category).or_default();
+        *peak = (*peak).max(live);
+        Ok(())
+    }
+    fn on_free(&self, e: &headroom_tensor::AllocEvent) {
+        *self.state.lock().unwrap().0.entry(e.category).or_default() -= e.bytes;
+    }
+}

@@ -139,6 +139,14 @@ impl<'d> Geometry<'d> {
         })
     }
 
+    /// [`Geometry::with_documents`] when there are documents, else this geometry.
+    pub fn packed(self, documents: Option<&'d Documents>) -> Result<Geometry<'d>> {
+        match documents {
+            Some(d) => self.with_documents(d),
+            None => Ok(self),
+        }
+    }
+
     /// Each row's position ids `[B·T]` when the rows are packed documents.
     pub(crate) fn positions(&self) -> Option<&'d [u32]> {
         self.documents.map(|d| &d.positions[..])
