@@ -4,7 +4,9 @@
 //!
 //! Records tokens/s for the prefetching loader (`headroom`, i64 output like PyTorch's
 //! embedding input), the loader with u32 output, and a single thread calling `fill_batch`
-//! with no workers, each against the Python baseline (xtask fills in its value and the ratio).
+//! with no workers, each against the Python baseline (xtask fills in its value and the ratio);
+//! and a single thread's u32 batches without and with position ids of documents ending with
+//! `<|endoftext|>` (what `train --document-attention --document-separator 50256` loads).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -14,8 +16,8 @@ use std::time::Instant;
 use headroom_benches::{output_dir, record, Better, Record};
 use headroom_mmap_data::rng::SplitMix64;
 use headroom_mmap_data::{
-    formats, Loader, LoaderConfig, OpenOptions, OutputType, SamplerConfig, SamplingMode, Shard,
-    TokenDataset,
+    formats, DocumentBoundaries, Loader, LoaderConfig, OpenOptions, OutputType, SamplerConfig,
+    SamplingMode, Shard, TokenDataset,
 };
 
 const TOKENS: usize = 100_000_000;
@@ -62,6 +64,7 @@ fn measure(
     data: &Arc<TokenDataset>,
     output: OutputType,
     workers: usize,
+    documents: Option<DocumentBoundaries>,
     batches: usize,
     repeats: usize,
 ) -> f64 {
@@ -77,7 +80,7 @@ fn measure(
         workers,
         max_buffered_batches: (2 * workers).max(1),
         max_buffered_bytes: None,
-        documents: false,
+        documents,
     };
     let mut runs = Vec::new();
     for r in 0..repeats {
@@ -143,14 +146,30 @@ fn main() {
     let workers = cores.clamp(1, 8);
     emit(
         "headroom",
-        measure(&data, OutputType::I64, workers, batches, repeats),
+        measure(&data, OutputType::I64, workers, None, batches, repeats),
     );
     emit(
         "headroom_u32",
-        measure(&data, OutputType::U32, workers, batches, repeats),
+        measure(&data, OutputType::U32, workers, None, batches, repeats),
     );
     emit(
         "headroom_inline_i64",
-        measure(&data, OutputType::I64, 0, batches, repeats),
+        measure(&data, OutputType::I64, 0, None, batches, repeats),
+    );
+    // The separator's cost alone: one thread, the same batches with and without positions.
+    emit(
+        "headroom_inline_u32",
+        measure(&data, OutputType::U32, 0, None, batches, repeats),
+    );
+    emit(
+        "headroom_inline_u32_eot_documents",
+        measure(
+            &data,
+            OutputType::U32,
+            0,
+            Some(DocumentBoundaries::EndsWith(VOCAB - 1)),
+            batches,
+            repeats,
+        ),
     );
 }

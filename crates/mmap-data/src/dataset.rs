@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
 
 use crate::rng::derive_seed_iter;
 use crate::tokens::{encode_tokens, TokenSlice, TokenType};
@@ -283,6 +284,30 @@ impl SequenceIndex {
     }
 }
 
+/// Where the documents of packed data begin: what position ids restart at and what a document
+/// mask keeps apart (see [`Segment::document_positions`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DocumentBoundaries {
+    /// The documents of the data's Megatron index: every segment must have one.
+    Index,
+    /// Each document ends with this token, and the token after it begins the next: the
+    /// end-of-text separator of nanoGPT, llm.c and `headroom data build` files (GPT-2's
+    /// `<|endoftext|>`, 50256), as Megatron's `--reset-position-ids --reset-attention-mask
+    /// --eod-mask-loss` read its EOD token. The separator stays with the document it ends, so
+    /// a model learns to predict it.
+    EndsWith(u32),
+}
+
+impl std::fmt::Display for DocumentBoundaries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DocumentBoundaries::Index => f.write_str("the data's document index"),
+            DocumentBoundaries::EndsWith(t) => write!(f, "documents ending with token {t}"),
+        }
+    }
+}
+
 /// A contiguous run of tokens: one raw file, one llm.c shard, or the token area of a Megatron
 /// `.bin`. Windows never cross segment boundaries.
 #[derive(Clone)]
@@ -376,6 +401,38 @@ impl Segment {
     /// files, llm.c shards, in-memory tokens).
     pub fn sequence_index(&self) -> Option<&SequenceIndex> {
         self.sequences.as_ref()
+    }
+
+    /// Position ids of tokens `start .. start + out.len()` of this segment, as a packed batch
+    /// gives them to a model (transformers' `position_ids`, Megatron's `--reset-position-ids`):
+    /// 0 at `start` (a window's first token starts its first document, whatever came before
+    /// it) and at the first token of every document, else the previous token's + 1. `None`
+    /// when the tokens are not all there, or for [`DocumentBoundaries::Index`] when the
+    /// segment has no index or a corrupt one.
+    pub fn document_positions(
+        &self,
+        boundaries: DocumentBoundaries,
+        start: u64,
+        out: &mut [u32],
+    ) -> Option<()> {
+        match boundaries {
+            DocumentBoundaries::Index => self.sequence_index()?.document_positions(start, out),
+            DocumentBoundaries::EndsWith(separator) => {
+                let first = usize::try_from(start).ok()?;
+                // Each token's position follows from the token before it.
+                let tokens = self.tokens().sub(first, out.len())?;
+                let mut position = 0u32;
+                for (i, p) in out.iter_mut().enumerate() {
+                    let begins = match i.checked_sub(1) {
+                        None => true,
+                        Some(previous) => tokens.get(previous)? == i64::from(separator),
+                    };
+                    position = if begins { 0 } else { position.checked_add(1)? };
+                    *p = position;
+                }
+                Some(())
+            }
+        }
     }
 
     /// This segment with `sequences` as its sequence table.

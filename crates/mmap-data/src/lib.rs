@@ -91,7 +91,7 @@ pub mod text;
 mod tokens;
 pub mod tools;
 
-pub use dataset::{Document, Segment, SequenceIndex, TokenDataset};
+pub use dataset::{Document, DocumentBoundaries, Segment, SequenceIndex, TokenDataset};
 pub use error::{DataError, Result};
 pub use formats::llmc::LlmcFlavor;
 pub use formats::{open, OpenOptions, TokenFileFormat};

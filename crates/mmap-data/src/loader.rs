@@ -15,7 +15,7 @@ use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use headroom_tensor::{AllocHook, DType, Device, MemoryCategory, TrackedAllocation};
 use serde::{Deserialize, Serialize};
 
-use crate::dataset::{try_with_capacity, TokenDataset};
+use crate::dataset::{try_with_capacity, DocumentBoundaries, TokenDataset};
 use crate::sampler::{SamplerConfig, WindowSampler};
 use crate::tokens::{OutputToken, OutputType};
 use crate::{DataError, Result};
@@ -40,7 +40,8 @@ pub struct BatchBuffer {
     /// Loss-masked data only: whether each target counts (`B × T`, row-major).
     target_flags: Option<(Vec<bool>, TrackedAllocation)>,
     /// Per-document batches only: each input's position id (`B × T`, row-major).
-    positions: Option<(Vec<u32>, TrackedAllocation)>,
+    /// The position ids, their allocation, and where the documents they restart at begin.
+    positions: Option<(Vec<u32>, TrackedAllocation, DocumentBoundaries)>,
     _tracked: TrackedAllocation,
 }
 
@@ -106,8 +107,13 @@ impl BatchBuffer {
 
     /// This buffer with room for each input's position id within its document (`B × T`
     /// u32, reported to `hook` as [`MemoryCategory::Data`]) and for the target flags (see
-    /// [`BatchBuffer::with_target_flags`]): what a [`LoaderConfig::documents`] loader fills.
-    pub fn with_positions(mut self, hook: Option<&Arc<dyn AllocHook>>) -> Result<Self> {
+    /// [`BatchBuffer::with_target_flags`]), the documents begun by `boundaries`: what a
+    /// [`LoaderConfig::documents`] loader fills.
+    pub fn with_positions(
+        mut self,
+        boundaries: DocumentBoundaries,
+        hook: Option<&Arc<dyn AllocHook>>,
+    ) -> Result<Self> {
         let n = self.batch_size * self.seq_len;
         let bytes = n.checked_mul(4).ok_or_else(|| {
             DataError::InvalidConfig(format!("{n} position ids overflow a byte count"))
@@ -119,7 +125,7 @@ impl BatchBuffer {
             Device::Cpu,
             MemoryCategory::Data,
         )?;
-        self.positions = Some((zeroed(n)?, tracked));
+        self.positions = Some((zeroed(n)?, tracked, boundaries));
         if self.target_flags.is_none() {
             self = self.with_target_flags(hook)?;
         }
@@ -130,7 +136,7 @@ impl BatchBuffer {
     /// beside [`BatchBuffer::inputs_u32`] — 0 at the start of each row and of each document,
     /// else the previous input's + 1. `None` otherwise.
     pub fn positions(&self) -> Option<&[u32]> {
-        self.positions.as_ref().map(|(p, _)| &p[..])
+        self.positions.as_ref().map(|(p, _, _)| &p[..])
     }
 
     /// For loss-masked data: whether each target's loss counts (`true`), `B × T` row-major
@@ -271,8 +277,8 @@ pub fn fill_batch(
             ));
         };
         fill_target_flags(dataset, sampler, first, t, flags)?;
-        if let Some((positions, _)) = out.positions.as_mut() {
-            fill_positions(dataset, sampler, first, t, positions, flags)?;
+        if let Some((positions, _, boundaries)) = out.positions.as_mut() {
+            fill_positions(dataset, sampler, first, t, *boundaries, positions, flags)?;
         }
     }
     match (&mut out.inputs, &mut out.targets) {
@@ -315,13 +321,14 @@ fn fill_target_flags(
     Ok(())
 }
 
-/// Each row's position ids from the documents of its segment's index, and the flags of the
+/// Each row's position ids from the documents `boundaries` begins, and the flags of the
 /// targets that start a document cleared.
 fn fill_positions(
     dataset: &TokenDataset,
     sampler: &WindowSampler,
     first: u64,
     t: usize,
+    boundaries: DocumentBoundaries,
     positions: &mut [u32],
     flags: &mut [bool],
 ) -> Result<()> {
@@ -334,14 +341,12 @@ fn fill_positions(
         .enumerate()
     {
         let window = sampler.window(first + row as u64);
-        let index = dataset
-            .segments()
-            .get(window.segment)
-            .and_then(|s| s.sequence_index());
-        let filled = index.and_then(|ix| ix.document_positions(window.start, &mut row_positions));
+        let filled = dataset.segments().get(window.segment).and_then(|segment| {
+            segment.document_positions(boundaries, window.start, &mut row_positions)
+        });
         if filled.is_none() {
             return Err(DataError::InvalidConfig(format!(
-                "window {window:?}: no document boundaries for it (positions per document                  need a Megatron .bin/.idx pair)"
+                "window {window:?}: no document positions for it from {boundaries}"
             )));
         }
         out.copy_from_slice(&row_positions[..t]);
@@ -426,11 +431,12 @@ pub struct LoaderConfig {
     pub max_buffered_batches: usize,
     /// Optional memory cap on batch buffers; the buffer count is lowered to fit it.
     pub max_buffered_bytes: Option<usize>,
-    /// Fill each batch's [`BatchBuffer::positions`] from the documents of the data's Megatron
-    /// index, and leave out the targets that start a document: what packed training with
-    /// attention inside each document reads. Data without an index is refused.
+    /// Fill each batch's [`BatchBuffer::positions`] from the documents these boundaries begin,
+    /// and leave out the targets that start a document: what packed training with attention
+    /// inside each document reads. [`DocumentBoundaries::Index`] refuses data without a
+    /// Megatron index; [`DocumentBoundaries::EndsWith`] a separator outside the vocabulary.
     #[serde(default)]
-    pub documents: bool,
+    pub documents: Option<DocumentBoundaries>,
 }
 
 impl LoaderConfig {
@@ -442,7 +448,7 @@ impl LoaderConfig {
             workers: 2,
             max_buffered_batches: 4,
             max_buffered_bytes: None,
-            documents: false,
+            documents: None,
         }
     }
 }
@@ -585,17 +591,32 @@ impl Loader {
     ) -> Result<Self> {
         let seq_len = usize::try_from(sampler.seq_len)
             .map_err(|_| DataError::InvalidConfig("seq_len exceeds usize".into()))?;
-        if config.documents {
-            if let Some(s) = dataset
-                .segments()
-                .iter()
-                .find(|s| s.sequence_index().is_none())
+        match config.documents {
+            Some(DocumentBoundaries::Index) => {
+                if let Some(s) = dataset
+                    .segments()
+                    .iter()
+                    .find(|s| s.sequence_index().is_none())
+                {
+                    return Err(DataError::InvalidConfig(format!(
+                        "{}: positions per document need the data's document boundaries, and \
+                         this file has none: a Megatron .bin/.idx pair has them (`headroom data \
+                         build --format megatron`), and a file whose documents each end with a \
+                         separator token can name it (DocumentBoundaries::EndsWith)",
+                        s.name()
+                    )));
+                }
+            }
+            Some(DocumentBoundaries::EndsWith(separator))
+                if u64::from(separator) >= dataset.vocab_size() =>
             {
                 return Err(DataError::InvalidConfig(format!(
-                    "{}: positions per document need the data's document boundaries, and this                      file has none (a Megatron .bin/.idx pair has them: `headroom data build                      --format megatron`)",
-                    s.name()
+                    "documents ending with token {separator}: the data's vocabulary has {} ids, \
+                     so no document would ever end",
+                    dataset.vocab_size()
                 )));
             }
+            Some(DocumentBoundaries::EndsWith(_)) | None => {}
         }
         let sampler = Arc::new(WindowSampler::new(&dataset, sampler)?);
         let batch_bytes = config
@@ -622,8 +643,8 @@ impl Loader {
                 if dataset.has_loss_mask() {
                     b = b.with_target_flags(hook.as_ref())?;
                 }
-                if config.documents {
-                    b = b.with_positions(hook.as_ref())?;
+                if let Some(boundaries) = config.documents {
+                    b = b.with_positions(boundaries, hook.as_ref())?;
                 }
                 // The receiver is alive right here, so this cannot fail.
                 let _ = tx.send(b);

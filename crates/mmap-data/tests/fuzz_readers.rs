@@ -23,9 +23,9 @@ use headroom_mmap_data::formats::megatron::{self, MegatronIndex};
 use headroom_mmap_data::formats::{self, raw, OpenOptions, TokenFileFormat};
 use headroom_mmap_data::text::decode_bytes;
 use headroom_mmap_data::{
-    build_from_text, fill_batch, inspect, BatchBuffer, BuildSpec, DataError, InspectOptions,
-    LlmcFlavor, Loader, LoaderConfig, LoaderState, OutputType, SamplerConfig, SamplingMode, Shard,
-    TokenDataset, TokenType, WindowSampler,
+    build_from_text, fill_batch, inspect, BatchBuffer, BuildSpec, DataError, DocumentBoundaries,
+    InspectOptions, LlmcFlavor, Loader, LoaderConfig, LoaderState, OutputType, SamplerConfig,
+    SamplingMode, Shard, TokenDataset, TokenType, WindowSampler,
 };
 
 /// Random inputs per campaign in an ordinary `cargo test` (plus the systematic ones).
@@ -150,6 +150,29 @@ fn sample(ds: &TokenDataset, mode: SamplingMode, seq_len: u64) -> Result<(), Dat
             let mask = ds.segments()[w.segment].loss_mask();
             let bit = mask.map_or(Some(true), |m| m.get(w.start as usize + col + 1));
             assert_eq!(Some(f), bit, "flag {k} of window {w:?}");
+        }
+    }
+    // Documents ended by a separator (the data's first token, so that it occurs): each
+    // position follows from the input before it, and a target after a separator is out.
+    if let Some(separator) = ds.token(0, 0).and_then(|t| u32::try_from(t).ok()) {
+        let t = seq_len as usize;
+        let mut packed = BatchBuffer::new(2, t, OutputType::I64, None)?
+            .with_positions(DocumentBoundaries::EndsWith(separator), None)?;
+        fill_batch(ds, &sampler, 1, &mut packed)?;
+        let positions = packed.positions().expect("a buffer with positions");
+        let flags = packed.target_flags().expect("a buffer with flags");
+        for (k, &p) in positions.iter().enumerate() {
+            let (row, col) = (k / t, k % t);
+            let ends = |c: usize| packed.input(row, c) == Some(u64::from(separator));
+            let want = if col == 0 || ends(col - 1) {
+                0
+            } else {
+                positions[k - 1] + 1
+            };
+            assert_eq!(p, want, "position {k}");
+            if ends(col) {
+                assert!(!flags[k], "target {k} starts a document");
+            }
         }
     }
     fill_batch(ds, &sampler, 5, &mut buffer)

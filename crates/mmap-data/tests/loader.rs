@@ -76,7 +76,7 @@ fn loader_config(batch: usize, output: OutputType, workers: usize, buffers: usiz
         workers,
         max_buffered_batches: buffers,
         max_buffered_bytes: None,
-        documents: false,
+        documents: None,
     }
 }
 

@@ -147,6 +147,10 @@ pub struct RunSpec {
     /// them writes the files it always did.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub documents: bool,
+    /// The token packed documents end with (`--document-separator`); `None` for the documents
+    /// of the data's index, or without packed documents. Written only when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub document_separator: Option<u32>,
 }
 
 /// What every run used before its checkpoints recorded these settings: the values a
@@ -318,6 +322,12 @@ impl RunSpec {
             "--document-attention",
             self.documents.to_string(),
             now.documents.to_string(),
+        );
+        let separator = |s: Option<u32>| s.map_or("none".into(), |t| t.to_string());
+        cmp(
+            "--document-separator",
+            separator(self.document_separator),
+            separator(now.document_separator),
         );
         if let (Some(was), Some(is)) = (self.min_loss_scale, now.min_loss_scale) {
             let show = |floor: Option<f32>| floor.map_or("none".into(), |f| f.to_string());

@@ -188,11 +188,23 @@ struct EvalArgs {
     #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..))]
     loss_chunk: Option<u64>,
     /// Score the windows as packed documents, as `train --document-attention` trains them
-    /// (needs the file's Megatron index).
+    /// (the file's Megatron index, or --document-separator).
     #[arg(long)]
     document_attention: bool,
+    /// With --document-attention: each document ends with this token, as in `train`.
+    #[arg(long, value_name = "TOKEN", requires = "document_attention")]
+    document_separator: Option<u32>,
     #[command(flatten)]
     weights: InferenceArgs,
+}
+
+/// `--document-attention` and `--document-separator` as the documents they name.
+fn document_boundaries(
+    attention: bool,
+    separator: Option<u32>,
+) -> Option<headroom_mmap_data::DocumentBoundaries> {
+    use headroom_mmap_data::DocumentBoundaries::{EndsWith, Index};
+    attention.then_some(separator.map_or(Index, EndsWith))
 }
 
 /// The f32 logits `headroom eval` holds at once by default (`--loss-chunk`): a batch of 8×2048
@@ -640,11 +652,18 @@ struct TrainArgs {
     merge_into: Option<PathBuf>,
     /// Packed examples train as if padded one per row: each token attends only within its
     /// document, positions restart at each document, and a target that starts one is not
-    /// counted (TRL's padding-free packing; Megatron's --reset-attention-mask and
-    /// --reset-position-ids). The documents are those of the data's Megatron index (`data
-    /// build --format megatron`); on the CPU only (ZeRO's ranks included).
+    /// counted (TRL's padding-free packing; Megatron's --reset-attention-mask,
+    /// --reset-position-ids and --eod-mask-loss). The documents are those of the data's
+    /// Megatron index (`data build --format megatron`), or see --document-separator; on the
+    /// CPU only (ZeRO's ranks included).
     #[arg(long)]
     document_attention: bool,
+    /// With --document-attention: each document ends with this token and the next begins
+    /// after it, instead of the data's index: the end-of-text separator of nanoGPT, llm.c
+    /// and `data build` text files (GPT-2's <|endoftext|> is 50256; a Hugging Face
+    /// tokenizer's is its EOS id).
+    #[arg(long, value_name = "TOKEN", requires = "document_attention")]
+    document_separator: Option<u32>,
     /// ZeRO stage 0–3 over --ranks data-parallel ranks (threads of this process): 0 all-reduces
     /// gradients, 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
     /// --batch is the global batch (each rank runs batch/ranks sequences a step).
@@ -1363,7 +1382,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         f.lora.seed = o.seed;
     }
     o.merge_into = args.merge_into;
-    o.documents = args.document_attention;
+    o.documents = document_boundaries(args.document_attention, args.document_separator);
     o.save = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
     o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);
     if let Some(mib) = args.max_shard_mib {
@@ -2435,8 +2454,14 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     model.opts.loss_chunk = Some(usize::try_from(rows).unwrap_or(usize::MAX));
     let seq = a.seq.unwrap_or(EVAL_DEFAULT_SEQ.min(model.cfg.max_seq));
     let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
-    let (loss, tokens) =
-        crate::evaluate::evaluate(&model, &data, a.batch, seq, a.batches, a.document_attention)?;
+    let (loss, tokens) = crate::evaluate::evaluate(
+        &model,
+        &data,
+        a.batch,
+        seq,
+        a.batches,
+        document_boundaries(a.document_attention, a.document_separator),
+    )?;
     let masked = if data.has_loss_mask() {
         " kept by its loss mask"
     } else {

@@ -8,25 +8,26 @@
 //! its counted targets (the mean per counted token, whatever the batch size).
 //!
 //! With `documents` the windows are packed documents (see [`crate::model::Documents`]): the
-//! file's Megatron index says where each document starts, positions restart there, attention
+//! file's Megatron index says where each document starts (or each ends with a separator token:
+//! [`DocumentBoundaries::EndsWith`]), positions restart there, attention
 //! stays inside each document, and a target that starts a document is not scored — the loss
 //! of the same examples padded one per row.
 
-use headroom_mmap_data::TokenDataset;
+use headroom_mmap_data::{DocumentBoundaries, TokenDataset};
 
 use crate::model::{counted_targets, Documents, Geometry, Model, ModelOps, IGNORE_TARGET};
 use crate::{Result, TrainError};
 
 /// Mean loss (nats per token) of `model` over the first `batches` batches of `batch` windows
 /// of `seq` tokens of `data`, and the number of targets scored (those its loss mask keeps);
-/// with `documents`, as packed documents.
+/// with `documents`, as packed documents begun by those boundaries.
 pub fn evaluate<B: ModelOps>(
     model: &Model<B>,
     data: &TokenDataset,
     batch: usize,
     seq: usize,
     batches: usize,
-    documents: bool,
+    documents: Option<DocumentBoundaries>,
 ) -> Result<(f64, u64)> {
     let bad = |what: String| TrainError::Input(format!("eval: {what}"));
     if batch == 0 || seq == 0 || batches == 0 {
@@ -39,6 +40,14 @@ pub fn evaluate<B: ModelOps>(
             "windows of {seq} tokens are longer than the model's context of {} tokens",
             model.cfg.max_seq
         )));
+    }
+    if let Some(DocumentBoundaries::EndsWith(separator)) = documents {
+        if separator as usize >= model.cfg.vocab {
+            return Err(bad(format!(
+                "documents ending with token {separator}: the model's vocabulary has {} ids",
+                model.cfg.vocab
+            )));
+        }
     }
     let rows = batch
         .checked_mul(batches)
@@ -56,23 +65,26 @@ pub fn evaluate<B: ModelOps>(
     // Whether each token counts as a target (loss-masked data only).
     let mut flags = Vec::with_capacity(if data.has_loss_mask() { rows + 1 } else { 0 });
     // Whether each token starts a document (with `documents` only).
-    let mut starts = Vec::with_capacity(if documents { rows + 1 } else { 0 });
+    let mut starts = Vec::with_capacity(if documents.is_some() { rows + 1 } else { 0 });
     'segments: for (s, segment) in data.segments().iter().enumerate() {
-        let positions = if documents {
-            let index = segment.sequence_index().ok_or_else(|| {
-                bad(format!(
-                    "{}: packed documents need the file's document boundaries, and it has \
-                     none (a Megatron .bin/.idx pair has them: `headroom data build --format \
-                     megatron`)",
-                    segment.name()
-                ))
-            })?;
+        let positions = if let Some(boundaries) = documents {
             // Only the tokens the windows read (at most the file, checked above).
             let len = (needed - stream.len() as u64).min(segment.len() as u64) as usize;
             let mut p = vec![0u32; len];
-            index
-                .document_positions(0, &mut p)
-                .ok_or_else(|| bad(format!("{}: its document index", segment.name())))?;
+            segment
+                .document_positions(boundaries, 0, &mut p)
+                .ok_or_else(|| match boundaries {
+                    DocumentBoundaries::Index if segment.sequence_index().is_none() => {
+                        bad(format!(
+                            "{}: packed documents need the file's document boundaries, and it has \
+                         none: a Megatron .bin/.idx pair has them (`headroom data build \
+                         --format megatron`), and a file whose documents each end with a \
+                         separator token can name it (--document-separator)",
+                            segment.name()
+                        ))
+                    }
+                    _ => bad(format!("{}: its documents ({boundaries})", segment.name())),
+                })?;
             p
         } else {
             Vec::new()
@@ -98,7 +110,7 @@ pub fn evaluate<B: ModelOps>(
                 )));
             }
             stream.push(id);
-            if documents {
+            if documents.is_some() {
                 starts.push(positions.get(i as usize) == Some(&0));
             }
         }
@@ -122,7 +134,7 @@ pub fn evaluate<B: ModelOps>(
                 }
             }
         }
-        let packed = if documents {
+        let packed = if documents.is_some() {
             let mut positions = Vec::with_capacity(batch * seq);
             for w in k * batch..(k + 1) * batch {
                 let mut p = 0u32;

@@ -20,7 +20,8 @@ use headroom_accum::{GradAccumulator, GradUnscaler, MicroBatchStats, NoLossScali
 use headroom_amp::{LossScaler, LossScalerConfig};
 use headroom_ckpt::{Schedule, ScheduleStats};
 use headroom_mmap_data::{
-    Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode, Shard, TokenDataset,
+    DocumentBoundaries, Loader, LoaderConfig, MarkovChain, OutputType, SamplerConfig, SamplingMode,
+    Shard, TokenDataset,
 };
 use headroom_offload::{AdamWHyper, AdamWState, CpuAdamW, ParamSpec, StatePrecision, StoreSpec};
 use headroom_profiler::{memory_summary, MemorySnapshot, MemoryTracker, ReportContext};
@@ -246,12 +247,14 @@ pub struct TrainOptions {
     /// After training, merge the adapters into the base and write a Hugging Face directory
     /// here (needs [`Techniques::finetune`]).
     pub merge_into: Option<PathBuf>,
-    /// Packed documents (`--document-attention`): each token attends only within its document
-    /// of the data's Megatron index, positions restart at each document, and a target that
-    /// starts a document is not counted — the losses of a batch of padded examples (see
-    /// [`crate::model::Documents`]). On the CPU (ZeRO's ranks included); the data (and
-    /// `--val-data`) must have an index.
-    pub documents: bool,
+    /// Packed documents (`--document-attention`): each token attends only within its
+    /// document, positions restart at each document, and a target that starts a document is
+    /// not counted — the losses of a batch of padded examples (see
+    /// [`crate::model::Documents`]). The documents are those of the data's Megatron index
+    /// ([`DocumentBoundaries::Index`]: the data and `--val-data` must have one) or end with a
+    /// separator token (`--document-separator`, [`DocumentBoundaries::EndsWith`]). On the CPU
+    /// (ZeRO's ranks included).
+    pub documents: Option<DocumentBoundaries>,
 }
 
 /// Validation during a run (`--val-data`, `--eval-every`, `--eval-batches`).
@@ -409,7 +412,7 @@ impl TrainOptions {
             init_from: None,
             merge_into: None,
             memory_outputs: MemoryOutputs::default(),
-            documents: false,
+            documents: None,
         }
     }
 
@@ -486,7 +489,11 @@ impl TrainOptions {
                 self.min_loss_scale
                     .filter(|_| self.techniques.model.precision.needs_loss_scaling()),
             ),
-            documents: self.documents,
+            documents: self.documents.is_some(),
+            document_separator: match self.documents {
+                Some(DocumentBoundaries::EndsWith(separator)) => Some(separator),
+                Some(DocumentBoundaries::Index) | None => None,
+            },
         }
     }
 
@@ -504,12 +511,24 @@ impl TrainOptions {
             }
         }
         self.model.validate()?;
-        if self.documents {
+        if let Some(boundaries) = self.documents {
+            if let DocumentBoundaries::EndsWith(separator) = boundaries {
+                if separator as usize >= self.model.vocab {
+                    return opt(
+                        "--document-separator",
+                        format!(
+                            "token {separator} is outside the model's vocabulary of {} ids",
+                            self.model.vocab
+                        ),
+                    );
+                }
+            }
             if matches!(self.data, DataSource::Synthetic(_)) {
                 return opt(
                     "--document-attention",
-                    "needs a token file with document boundaries (--data FILE, a Megatron \
-                     .bin/.idx pair); the synthetic data has none"
+                    "needs a token file with documents (--data FILE: a Megatron .bin/.idx \
+                     pair, or a file whose documents end with --document-separator); the \
+                     synthetic data has none"
                         .into(),
                 );
             }
@@ -1009,6 +1028,7 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<TokenBatch>> {
     };
     refuse_text(&e.data)?;
     let ds = Arc::new(headroom_mmap_data::open(&e.data, &Default::default())?);
+    refuse_unindexed(&ds, opts.documents, &e.data)?;
     let sampler = SamplerConfig {
         mode: SamplingMode::EpochWindows,
         seq_len: opts.seq as u64,
@@ -1048,11 +1068,15 @@ pub fn estimate_with_data(
     if masked {
         e = e.with_loss_mask_flags(opts.batch, opts.seq);
     }
-    if opts.documents {
+    if opts.documents.is_some() {
         e = e.with_document_positions(opts.batch, opts.seq, masked);
     }
     Ok(e)
 }
+
+/// Tokens [`describe_documents`] reads to count separator-ended documents: the start of the
+/// data stands for the rest, at a bounded cost (milliseconds) before the run.
+const DOCUMENT_SAMPLE_TOKENS: u64 = 1 << 24;
 
 /// The line `headroom train` prints for packed documents (`None` without them, or for data
 /// that does not open: the run reports why).
@@ -1060,22 +1084,64 @@ pub fn describe_documents(opts: &TrainOptions) -> Option<String> {
     let DataSource::File(path) = &opts.data else {
         return None;
     };
-    if !opts.documents {
-        return None;
-    }
+    let boundaries = opts.documents?;
     let ds = headroom_mmap_data::open(path, &Default::default()).ok()?;
-    let documents: usize = ds
-        .segments()
-        .iter()
-        .filter_map(|s| s.sequence_index())
-        .map(|i| i.document_count())
-        .sum();
-    Some(format!(
-        "documents: {documents} in the data's index, {:.1} tokens each on average; each token \
-         attends only within its own, positions restart at each, and a target that starts one \
-         is not counted",
-        ds.total_tokens() as f64 / documents.max(1) as f64
-    ))
+    const RULES: &str = "each token attends only within its own, positions restart at each, \
+                         and a target that starts one is not counted";
+    Some(match boundaries {
+        DocumentBoundaries::Index => {
+            let documents: usize = ds
+                .segments()
+                .iter()
+                .filter_map(|s| s.sequence_index())
+                .map(|i| i.document_count())
+                .sum();
+            format!(
+                "documents: {documents} in the data's index, {:.1} tokens each on average; \
+                 {RULES}",
+                ds.total_tokens() as f64 / documents.max(1) as f64
+            )
+        }
+        DocumentBoundaries::EndsWith(separator) => {
+            let (read, ended) = count_separators(&ds, separator, DOCUMENT_SAMPLE_TOKENS);
+            let sample = if read == ds.total_tokens() {
+                format!("the data's {read} tokens")
+            } else {
+                format!("the first {read} tokens")
+            };
+            if ended == 0 {
+                format!(
+                    "documents: each ends with token {separator}, which does not occur in \
+                     {sample}: every window there is one document (is {separator} the \
+                     tokenizer's end-of-text id?)"
+                )
+            } else {
+                format!(
+                    "documents: each ends with token {separator}; {ended} end in {sample}, \
+                     {:.1} tokens each on average; {RULES}",
+                    read as f64 / ended as f64
+                )
+            }
+        }
+    })
+}
+
+/// How many of the first `limit` tokens of `data` (across its segments) there were, and how
+/// many of them are `separator`.
+fn count_separators(data: &TokenDataset, separator: u32, limit: u64) -> (u64, u64) {
+    let (mut read, mut found) = (0u64, 0u64);
+    for segment in data.segments() {
+        let tokens = segment.tokens();
+        let take = (limit - read).min(tokens.len() as u64) as usize;
+        found += (0..take)
+            .filter(|&i| tokens.get(i) == Some(i64::from(separator)))
+            .count() as u64;
+        read += take as u64;
+        if read == limit {
+            break;
+        }
+    }
+    (read, found)
 }
 
 /// The line `headroom train` prints for a dataset with a loss mask beside it (`None` for data
@@ -1093,6 +1159,29 @@ pub fn describe_loss_mask(opts: &TrainOptions) -> Option<String> {
             100.0 * kept as f64 / total.max(1) as f64
         )
     })
+}
+
+/// Packed documents from an index the data does not have: refused naming the options, before
+/// the loader would refuse it naming its types.
+fn refuse_unindexed(
+    data: &TokenDataset,
+    documents: Option<DocumentBoundaries>,
+    path: &std::path::Path,
+) -> Result<()> {
+    if documents == Some(DocumentBoundaries::Index)
+        && data.segments().iter().any(|s| s.sequence_index().is_none())
+    {
+        return Err(TrainError::Option {
+            option: "--document-attention",
+            reason: format!(
+                "{} has no document index (a Megatron .bin/.idx pair has one: `headroom data \
+                 build --format megatron`); if its documents each end with a separator token, \
+                 name it with --document-separator (GPT-2's <|endoftext|> is 50256)",
+                path.display()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The token dataset a run trains on (a token file, or the synthetic source generated in
@@ -1113,6 +1202,7 @@ pub fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)
         DataSource::File(path) => {
             refuse_text(path)?;
             let ds = headroom_mmap_data::open(path, &Default::default())?;
+            refuse_unindexed(&ds, opts.documents, path)?;
             Ok((Arc::new(ds), None))
         }
     }

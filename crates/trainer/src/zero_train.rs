@@ -323,7 +323,7 @@ fn rank_estimate(
     } else {
         e
     };
-    Ok(if opts.documents {
+    Ok(if opts.documents.is_some() {
         e.with_document_positions(rows, opts.seq, masked)
     } else {
         e
@@ -874,7 +874,7 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
         // count, gathered (exact in f64), so every rank seeds its loss gradient with the
         // weight one process gives the whole batch.
         // (Packed documents leave out the targets that start one, so they count too.)
-        let counted = if shared.dataset.has_loss_mask() || opts.documents {
+        let counted = if shared.dataset.has_loss_mask() || opts.documents.is_some() {
             let mine = counted_targets(&targets) as f64;
             let all = store
                 .engine

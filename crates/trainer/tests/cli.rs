@@ -1717,6 +1717,11 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
     let o = train_on_chat(raw.to_str().unwrap(), "64", &["--document-attention"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("Megatron"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--document-separator"),
+        "{}",
+        stderr(&o)
+    );
 
     let o = train_on_chat(
         packed.to_str().unwrap(),
@@ -1725,4 +1730,78 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("final loss"), "{}", stdout(&o));
+}
+
+/// `train --document-attention --document-separator 50256` on a GPT-2 text build, whose
+/// documents `data build` ends with <|endoftext|>: the run counts them and trains; a separator
+/// outside the vocabulary, or one without --document-attention, is refused.
+#[test]
+fn document_separator_trains_on_a_text_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("in.txt");
+    let paragraphs: Vec<String> = (0..40)
+        .map(|i| format!("Document {i} says the dog went to park {}.", i % 7))
+        .collect();
+    std::fs::write(&text, paragraphs.join("\n\n")).unwrap();
+    let data = dir.path().join("text.bin");
+    let o = headroom(&[
+        "data",
+        "build",
+        text.to_str().unwrap(),
+        data.to_str().unwrap(),
+        "--separator",
+        "\n\n",
+        "--tokenizer",
+        "gpt2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--data",
+            data.to_str().unwrap(),
+            "--vocab",
+            "50257",
+            "--channels",
+            "16",
+            "--layers",
+            "1",
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--no-progress",
+            "--document-attention",
+        ];
+        args.extend_from_slice(extra);
+        headroom(&args)
+    };
+    let o = run(&["--document-separator", "50256"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let shown = stdout(&o);
+    assert!(
+        shown.contains("documents: each ends with token 50256; 39 end in the data's"),
+        "{shown}"
+    );
+    assert!(shown.contains("final loss"), "{shown}");
+    let o = run(&["--document-separator", "50257"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("outside the model's vocabulary"),
+        "{}",
+        stderr(&o)
+    );
+    let o = train_on_chat(
+        data.to_str().unwrap(),
+        "32",
+        &["--document-separator", "50256"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--document-attention"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -6,6 +6,7 @@
 
 use headroom_attn::{Algorithm, AttentionConfig};
 use headroom_ckpt::Schedule;
+use headroom_mmap_data::DocumentBoundaries;
 use headroom_tensor::{Cpu, CpuTensor, MemoryCategory};
 use headroom_trainer::model::{
     counted_targets, params, Documents, Family, Geometry, LlamaShape, Model, ModelConfig,
@@ -267,7 +268,9 @@ fn evaluate_reads_the_documents_of_the_index() {
         .flat_map(|&n| (0..n).map(|i| i == 0))
         .collect();
 
-    let (got, scored) = headroom_trainer::evaluate::evaluate(&m, &data, 2, T, 1, true).unwrap();
+    let (got, scored) =
+        headroom_trainer::evaluate::evaluate(&m, &data, 2, T, 1, Some(DocumentBoundaries::Index))
+            .unwrap();
     let tokens = stream[..2 * T].to_vec();
     let mut targets = Vec::new();
     let mut pos = Vec::new();
@@ -289,9 +292,48 @@ fn evaluate_reads_the_documents_of_the_index() {
     let want = m.loss(&tokens, &targets, g).unwrap();
     assert_eq!(scored, counted_targets(&targets) as u64);
     assert_eq!((got as f32).to_bits(), want.to_bits(), "{got} vs {want}");
-    let (unpacked, all) = headroom_trainer::evaluate::evaluate(&m, &data, 2, T, 1, false).unwrap();
+    let (unpacked, all) = headroom_trainer::evaluate::evaluate(&m, &data, 2, T, 1, None).unwrap();
     assert_eq!(all, 2 * T as u64);
     assert!((unpacked - got).abs() > 1e-4, "{unpacked} vs {got}");
+}
+
+/// Documents that each end with a separator token, in a file without an index, score bit for
+/// bit as the same documents (separator included) do through a Megatron index; a separator
+/// outside the model's vocabulary is refused.
+#[test]
+fn evaluate_reads_separator_ended_documents_as_their_index() {
+    use headroom_mmap_data::formats::megatron::{open_megatron, write_megatron};
+    use headroom_mmap_data::{TokenDataset, TokenType};
+    const SEPARATOR: u32 = VOCAB as u32 - 1;
+    let cpu = Cpu::new();
+    let m = model(&cpu, config(true), AttentionConfig::flash());
+    let docs: Vec<Vec<u32>> = [6usize, 0, 11, 2, 9, 4, 13]
+        .iter()
+        .enumerate()
+        .map(|(d, &n)| {
+            (0..n as u32)
+                .map(|i| (i * 5 + d as u32 * 3) % SEPARATOR)
+                .chain([SEPARATOR])
+                .collect()
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("docs");
+    write_megatron(&prefix, &docs, TokenType::U16).unwrap();
+    let indexed = open_megatron(&prefix).unwrap();
+    let raw = TokenDataset::from_tokens(&docs.concat(), TokenType::U16).unwrap();
+    let eval = |data, documents| headroom_trainer::evaluate::evaluate(&m, data, 2, T, 1, documents);
+    let by_index = eval(&indexed, Some(DocumentBoundaries::Index)).unwrap();
+    let by_separator = eval(&raw, Some(DocumentBoundaries::EndsWith(SEPARATOR))).unwrap();
+    assert_eq!(by_separator.1, by_index.1);
+    assert_eq!(by_separator.0.to_bits(), by_index.0.to_bits());
+    let unpacked = eval(&raw, None).unwrap();
+    assert!(
+        unpacked.1 > by_separator.1,
+        "{unpacked:?} vs {by_separator:?}"
+    );
+    let e = eval(&raw, Some(DocumentBoundaries::EndsWith(VOCAB as u32))).unwrap_err();
+    assert!(e.to_string().contains("vocabulary"), "{e}");
 }
 
 /// transformers' own packed batches (`benches/torch/make_packed_documents_fixture.py`): the

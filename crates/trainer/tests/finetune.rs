@@ -177,7 +177,7 @@ fn init_from_transformers_train_with_validation_then_sample_words() {
     )
     .unwrap();
     let (loss, tokens) =
-        headroom_trainer::evaluate::evaluate(&model, &data, 4, 32, 3, false).unwrap();
+        headroom_trainer::evaluate::evaluate(&model, &data, 4, 32, 3, None).unwrap();
     assert_eq!(tokens, 384);
     assert!((loss - printed).abs() < 1e-6, "{line}");
     assert!(

@@ -5,7 +5,8 @@
 
 use headroom_ckpt::Schedule;
 use headroom_mmap_data::{
-    formats, loss_mask_path, write_loss_mask, LossMask, TokenFileFormat, TokenType,
+    formats, loss_mask_path, write_loss_mask, DocumentBoundaries, LossMask, TokenFileFormat,
+    TokenType,
 };
 use headroom_tensor::{Cpu, MemoryCategory};
 use headroom_trainer::model::{
@@ -286,7 +287,7 @@ fn zero_ranks_train_packed_documents_as_one_process() {
         (0..2 + d % 13).map(|i| (i * 11 + d * 3) % 61).collect()
     });
     let mut o = options(&path);
-    o.documents = true;
+    o.documents = Some(DocumentBoundaries::Index);
     o.techniques.micro_batch = Some(1);
     o.eval = Some(headroom_trainer::train::EvalOptions {
         data: path.clone(),
@@ -297,7 +298,7 @@ fn zero_ranks_train_packed_documents_as_one_process() {
     let single_val: Vec<f32> = single.steps.iter().filter_map(|s| s.val_loss).collect();
     let single: Vec<f32> = single.steps.iter().map(|s| s.loss).collect();
     let mut plain = o.clone();
-    plain.documents = false;
+    plain.documents = None;
     let unpacked: Vec<f32> = train(&plain, |_| {})
         .unwrap()
         .steps
@@ -457,14 +458,79 @@ fn a_packed_documents_run_resumes_bit_for_bit() {
         (0..1 + d % 11).map(|i| (i * 5 + d * 7) % 61).collect()
     });
     let mut o = options(&path);
-    o.documents = true;
+    o.documents = Some(DocumentBoundaries::Index);
     let (straight, rest, resumed) = straight_and_resumed(&o, dir.path());
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&rest), bits(&straight[3..]));
     let mut unpacked = resumed.clone();
-    unpacked.documents = false;
+    unpacked.documents = None;
     let e = train(&unpacked, |_| {}).unwrap_err().to_string();
     assert!(e.contains("--document-attention"), "{e}");
+}
+
+/// Documents that each end with a separator, in an llm.c shard (no index), train and validate
+/// bit for bit as the same documents do through a Megatron index; such a run resumes bit for
+/// bit, and resuming it with another separator is refused by name.
+#[test]
+fn separator_ended_documents_train_as_their_index_does() {
+    const SEPARATOR: u32 = 60;
+    let dir = tempfile::tempdir().unwrap();
+    let ids = |d: u32| -> Vec<u32> {
+        (0..d % 13)
+            .map(|i| (i * 7 + d * 5) % SEPARATOR)
+            .chain([SEPARATOR])
+            .collect()
+    };
+    let (indexed, _) = documents_file(dir.path(), 260, ids);
+    let shard = dir.path().join("docs_llmc.bin");
+    let stream: Vec<u32> = (0..260).flat_map(ids).collect();
+    formats::write_tokens(
+        &shard,
+        &stream,
+        TokenFileFormat::Llmc(headroom_mmap_data::LlmcFlavor::Gpt2),
+    )
+    .unwrap();
+    let run = |path: &std::path::Path, documents| {
+        let mut o = options(path);
+        o.documents = Some(documents);
+        o.eval = Some(headroom_trainer::train::EvalOptions {
+            data: path.to_path_buf(),
+            every: 3,
+            batches: 2,
+        });
+        o
+    };
+    let by_index = run(&indexed, DocumentBoundaries::Index);
+    let by_separator = run(&shard, DocumentBoundaries::EndsWith(SEPARATOR));
+    let bits = |o: &TrainOptions| -> Vec<(u32, Option<u32>)> {
+        let r = train(o, |_| {}).unwrap();
+        r.steps
+            .iter()
+            .map(|s| (s.loss.to_bits(), s.val_loss.map(f32::to_bits)))
+            .collect()
+    };
+    let want = bits(&by_index);
+    assert_eq!(bits(&by_separator), want);
+    assert!(want.iter().any(|(_, v)| v.is_some()));
+    // The documents do change the computation.
+    let mut unpacked = by_separator.clone();
+    unpacked.documents = None;
+    assert_ne!(bits(&unpacked), want);
+
+    let (straight, rest, resumed) = straight_and_resumed(&by_separator, dir.path());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rest), bits(&straight[3..]));
+    let mut other = resumed.clone();
+    other.documents = Some(DocumentBoundaries::EndsWith(SEPARATOR - 1));
+    let e = train(&other, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("--document-separator"), "{e}");
+    let mut outside = by_separator.clone();
+    outside.documents = Some(DocumentBoundaries::EndsWith(61));
+    let e = train(&outside, |_| {}).unwrap_err().to_string();
+    assert!(
+        e.contains("--document-separator") && e.contains("61"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -506,7 +572,7 @@ fn the_estimate_counts_the_loaders_positions() {
             write_loss_mask(loss_mask_path(&path), &flags).unwrap();
         }
         let mut o = options(&path);
-        o.documents = true;
+        o.documents = Some(DocumentBoundaries::Index);
         let micro = o.micro_batch().unwrap();
         let e = headroom_trainer::train::estimate_with_data(&o, micro, &o.techniques).unwrap();
         let plain =
