@@ -11,7 +11,10 @@ decreasing).
   `input_ids`, `labels` (-100 where a token does not count) and `seq_lengths` (the examples in
   it) — the documents, ids and flags `data build --jsonl --max-length 128 --pack` must write
   (each row padded to 128 with one uncounted document; an example's first token uncounted, as
-  TRL's padding-free collator labels it).
+  TRL's padding-free collator labels it);
+- `sft_long`: the same with `max_length=64` and prompts of up to 30 words: TRL's packing cuts
+  each example to its first 64 tokens (whatever `truncation_mode` says) and keeps an example
+  the cut leaves without a counted token (only unpacked datasets drop those).
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -53,16 +56,16 @@ def bfd_case():
     return {"capacity": 40, "lengths": lengths, "rows": rows}
 
 
-def sft_case(tmp):
+def sft_case(tmp, max_length=128, prompt_words=6, seed=5):
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    rng = random.Random(5)
+    rng = random.Random(seed)
     examples = [
         {
-            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))),
+            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, prompt_words))),
             "completion": " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))),
         }
         for _ in range(40)
@@ -72,7 +75,7 @@ def sft_case(tmp):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=8,
                                          intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=1, num_key_value_heads=1))
-    args = SFTConfig(output_dir=os.path.join(tmp, "out"), packing=True, max_length=128,
+    args = SFTConfig(output_dir=os.path.join(tmp, "out"), packing=True, max_length=max_length,
                      report_to="none", use_cpu=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
                          processing_class=tok)
@@ -81,7 +84,7 @@ def sft_case(tmp):
          "seq_lengths": list(r["seq_lengths"])}
         for r in trainer.train_dataset
     ]
-    return {"max_length": 128, "examples": examples, "rows": rows}
+    return {"max_length": max_length, "examples": examples, "rows": rows}
 
 
 def main():
@@ -97,6 +100,9 @@ def main():
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__},
             "bfd": bfd_case(),
             "sft": sft_case(tmp),
+            # Rows of 64 tokens and prompts of up to 30 words: examples longer than a row,
+            # some of them cut inside their prompt, so that no token of theirs counts.
+            "sft_long": sft_case(tmp, max_length=64, prompt_words=30, seed=6),
         }
     path = os.path.join(OUT, "trl_packing.json")
     with open(path, "w", encoding="utf-8") as f:

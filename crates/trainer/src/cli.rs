@@ -2072,13 +2072,23 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 100.0 * r.counted as f64 / r.tokens.max(1) as f64
             );
             if let Some(max) = max_length {
-                say!(
-                    "{:<13}{} examples cut to {max} tokens ({truncation_mode}), {} left out with \
-                     no counted token",
-                    "truncated",
-                    r.truncated,
-                    r.dropped
-                );
+                if pack {
+                    say!(
+                        "{:<13}{} examples cut to {max} tokens (keep-start, as TRL's packing), \
+                         {} packed with no counted token (TRL's packing keeps them)",
+                        "truncated",
+                        r.truncated,
+                        r.packed_uncounted
+                    );
+                } else {
+                    say!(
+                        "{:<13}{} examples cut to {max} tokens ({truncation_mode}), {} left out \
+                         with no counted token",
+                        "truncated",
+                        r.truncated,
+                        r.dropped
+                    );
+                }
                 if pad {
                     say!(
                         "{:<13}every example to {max} tokens: train with --seq {max} to read \

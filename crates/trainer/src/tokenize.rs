@@ -527,6 +527,10 @@ pub struct PromptCompletionReport {
     pub truncated: u64,
     /// Examples left out because the cut left no counted token (TRL drops them too).
     pub dropped: u64,
+    /// With [`SftOptions::pack`]: examples the cut left without a counted token, packed anyway
+    /// as TRL's packing does (it drops such examples only from unpacked data): they fill room
+    /// in their rows and add no loss.
+    pub packed_uncounted: u64,
     /// With `assistant_only_loss`: whether the template's generation blocks count the
     /// assistant's end of turn (TRL's `is_chat_template_stop_token_trained`; when not, the
     /// model never learns to stop, and TRL warns). `None` otherwise.
@@ -649,7 +653,9 @@ pub struct SftOptions {
     /// example attending only to itself with its own positions — TRL's padding-free batches,
     /// no example cut across rows. Needs the Megatron format; holds the kept examples in
     /// memory (about 5 bytes per token) until they are placed. An example's first token is not
-    /// counted, as TRL's padding-free labels leave it out.
+    /// counted, as TRL's padding-free labels leave it out. As in TRL's packing, an example
+    /// longer than a row keeps its start ([`Truncation::KeepEnd`] is refused), and one that
+    /// the cut leaves without a counted token is packed, not dropped.
     pub pack: bool,
 }
 
@@ -946,6 +952,14 @@ pub fn build_prompt_completion_with(
                  example as a document, which train --document-attention reads",
             ));
         }
+        if options.truncation == Truncation::KeepEnd {
+            return Err(err(
+                input,
+                "packing cuts an example longer than a row to its first tokens, as TRL's \
+                 packing does whatever its truncation_mode says: keep-end applies to unpacked \
+                 data only",
+            ));
+        }
     }
     let chat: ChatForExamples = match &options.chat_template {
         Some(t) => Ok(Some(t.clone())),
@@ -994,6 +1008,7 @@ pub fn build_prompt_completion_with(
     let mut writer = TokenWriter::create(out, format)?;
     let mut mask = headroom_mmap_data::LossMaskWriter::create(&mask_path)?;
     let (mut counted, mut merges, mut truncated, mut dropped) = (0u64, 0u64, 0u64, 0u64);
+    let mut packed_uncounted = 0u64;
     // With `pack`: the kept examples, placed once all are known.
     let mut kept: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
     // Examples encoded in parallel, written in order.
@@ -1015,9 +1030,14 @@ pub fn build_prompt_completion_with(
                     flags = flags[cut].to_vec();
                 }
                 // TRL's filter after its cut: an example without a counted token adds no loss.
+                // TRL's packing has no such filter: the example still takes its room in a row.
                 if !flags.contains(&true) {
-                    dropped += 1;
-                    continue;
+                    if options.pack {
+                        packed_uncounted += 1;
+                    } else {
+                        dropped += 1;
+                        continue;
+                    }
                 }
                 if options.pad {
                     flags[0] = false;
@@ -1042,12 +1062,11 @@ pub fn build_prompt_completion_with(
         bar.inc(group.len() as u64);
     }
     bar.finish_and_clear();
-    if dropped == lines.len() as u64 {
+    if dropped + packed_uncounted == lines.len() as u64 {
         return Err(err(
             input,
             format!(
-                "every example was left out: none has a counted token within its first (or \
-                 last) {} tokens",
+                "no example has a counted token within its first (or last) {} tokens",
                 options.max_length.unwrap_or(0)
             ),
         ));
@@ -1105,6 +1124,7 @@ pub fn build_prompt_completion_with(
         format,
         truncated,
         dropped,
+        packed_uncounted,
         stop_token_counted,
         packed,
     })

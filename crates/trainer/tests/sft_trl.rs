@@ -719,7 +719,7 @@ fn max_length_cuts_and_drops_examples_as_trl_does() {
     let input = tmp.path().join("x.jsonl");
     std::fs::write(&input, lines[..5].join("\n")).unwrap();
     let tok = Tokenizer::from_name(tokenizer.to_str().unwrap()).unwrap();
-    for (max, needle) in [(3, "every example was left out"), (0, "length of 0")] {
+    for (max, needle) in [(3, "no example has a counted token"), (0, "length of 0")] {
         let options = SftOptions {
             max_length: Some(max),
             ..Default::default()
@@ -842,8 +842,83 @@ fn best_fit_decreasing_places_examples_as_trl() {
 /// padded to 128 with one uncounted document, as the Megatron index records.
 #[test]
 fn packed_rows_are_trls() {
+    let (report, input, dir) = packs_as_trl("sft");
+    assert_eq!(report.packed_uncounted, 0);
+    // Without the Megatron format there is no index to record the examples: refused.
+    let options = headroom_trainer::tokenize::SftOptions {
+        max_length: Some(128),
+        pack: true,
+        ..Default::default()
+    };
+    let tok = Tokenizer::from_name(fixtures().join("sft/chat").to_str().unwrap()).unwrap();
+    let raw = headroom_trainer::tokenize::build_prompt_completion_with(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &dir.path().join("raw.bin"),
+        false,
+        &options,
+    )
+    .unwrap_err();
+    assert!(raw.to_string().contains("Megatron"), "{raw}");
+}
+
+/// Examples longer than a row (`sft_long`: rows of 64 tokens, prompts of up to 30 words): TRL's
+/// packing keeps each one's first 64 tokens and packs those the cut leaves without a counted
+/// token rather than dropping them, and so does `--pack`; keep-end, which TRL's packing does
+/// not apply, is refused.
+#[test]
+fn examples_longer_than_a_row_pack_as_trl_packs_them() {
+    use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions, Truncation};
+    let (report, input, dir) = packs_as_trl("sft_long");
+    // The fixture's examples that TRL packed with no counted label.
+    let rows = packing_fixture()["sft_long"]["rows"].clone();
+    let mut uncounted = 0;
+    for row in rows.as_array().unwrap() {
+        let labels = numbers(&row["labels"]);
+        let mut at = 0;
+        for n in numbers(&row["seq_lengths"]) {
+            uncounted += labels[at..at + n as usize].iter().all(|&l| l == -100) as u64;
+            at += n as usize;
+        }
+    }
+    assert!(uncounted > 0 && report.truncated > uncounted, "{report:?}");
+    assert_eq!(report.packed_uncounted, uncounted);
+    assert_eq!(report.dropped, 0);
+    let tok = Tokenizer::from_name(fixtures().join("sft/chat").to_str().unwrap()).unwrap();
+    let options = SftOptions {
+        max_length: Some(64),
+        pack: true,
+        truncation: Truncation::KeepEnd,
+        ..Default::default()
+    };
+    let format = TokenFileFormat::Megatron {
+        token_type: TokenType::U16,
+        document_len: 1 << 20,
+    };
+    let e = build_prompt_completion_with(
+        &input,
+        &tok,
+        format,
+        &dir.path().join("end"),
+        false,
+        &options,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("keep-end"), "{e}");
+}
+
+/// `data build --jsonl --max-length N --pack` of the fixture's `case` gives TRL's rows, example
+/// for example (see [`packed_rows_are_trls`]); the report, the JSONL input and its directory.
+fn packs_as_trl(
+    case: &str,
+) -> (
+    headroom_trainer::tokenize::PromptCompletionReport,
+    std::path::PathBuf,
+    tempfile::TempDir,
+) {
     use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions};
-    let sft = &packing_fixture()["sft"];
+    let sft = &packing_fixture()[case];
     let max = sft["max_length"].as_u64().unwrap() as usize;
     let lines: Vec<String> = sft["examples"]
         .as_array()
@@ -931,17 +1006,7 @@ fn packed_rows_are_trls() {
     }
     assert_eq!(packed.padding, padding);
     assert_eq!(report.counted, mask.counted());
-    // Without the Megatron format there is no index to record the examples: refused.
-    let raw = build_prompt_completion_with(
-        &input,
-        &tok,
-        TokenFileFormat::Raw(TokenType::U16),
-        &dir.path().join("raw.bin"),
-        false,
-        &options,
-    )
-    .unwrap_err();
-    assert!(raw.to_string().contains("Megatron"), "{raw}");
+    (report, input, dir)
 }
 
 proptest::proptest! {
