@@ -268,6 +268,16 @@ pub fn fill_batch(
         .ok_or_else(|| DataError::InvalidConfig(format!("batch index {batch_index} overflows")))?;
     out.index = batch_index;
     out.epoch = sampler.epoch_of(first);
+    // The rows first: a separator's documents are read from the decoded inputs.
+    match (&mut out.inputs, &mut out.targets) {
+        (TokenBuf::U32(x), TokenBuf::U32(y)) => fill_rows(dataset, sampler, first, t, x, y)?,
+        (TokenBuf::I64(x), TokenBuf::I64(y)) => fill_rows(dataset, sampler, first, t, x, y)?,
+        _ => {
+            return Err(DataError::InvalidConfig(
+                "inputs and targets differ in type".into(),
+            ))
+        }
+    }
     if dataset.has_loss_mask() || out.positions.is_some() {
         let Some((flags, _)) = out.target_flags.as_mut() else {
             return Err(DataError::InvalidConfig(
@@ -277,16 +287,48 @@ pub fn fill_batch(
             ));
         };
         fill_target_flags(dataset, sampler, first, t, flags)?;
-        if let Some((positions, _, boundaries)) = out.positions.as_mut() {
-            fill_positions(dataset, sampler, first, t, *boundaries, positions, flags)?;
+        match out.positions.as_mut() {
+            Some((positions, _, DocumentBoundaries::EndsWith(separator))) => match &out.inputs {
+                TokenBuf::U32(x) => positions_after(*separator, t, x, positions, flags),
+                TokenBuf::I64(x) => positions_after(*separator, t, x, positions, flags),
+            },
+            Some((positions, _, DocumentBoundaries::Index)) => {
+                fill_positions(dataset, sampler, first, t, positions, flags)?
+            }
+            None => {}
         }
     }
-    match (&mut out.inputs, &mut out.targets) {
-        (TokenBuf::U32(x), TokenBuf::U32(y)) => fill_rows(dataset, sampler, first, t, x, y),
-        (TokenBuf::I64(x), TokenBuf::I64(y)) => fill_rows(dataset, sampler, first, t, x, y),
-        _ => Err(DataError::InvalidConfig(
-            "inputs and targets differ in type".into(),
-        )),
+    Ok(())
+}
+
+/// Position ids of documents that end with `separator`, from the batch's decoded inputs (the
+/// same ids as [`crate::Segment::document_positions`], one pass over memory the copy just
+/// wrote): each row starts at 0, an input after a separator is 0, any other the previous + 1;
+/// a target after a separator (the input at its place is one) starts a document, so its flag
+/// is cleared.
+fn positions_after<O: OutputToken>(
+    separator: u32,
+    t: usize,
+    inputs: &[O],
+    positions: &mut [u32],
+    flags: &mut [bool],
+) {
+    let separator = u64::from(separator);
+    for ((row_inputs, row_positions), row_flags) in inputs
+        .chunks_exact(t)
+        .zip(positions.chunks_exact_mut(t))
+        .zip(flags.chunks_exact_mut(t))
+    {
+        // A row's first input starts its first document.
+        let mut begins = true;
+        let mut position = 0u32;
+        for ((&token, p), f) in row_inputs.iter().zip(row_positions).zip(row_flags) {
+            // At most `t - 1`, so this cannot wrap.
+            position = if begins { 0 } else { position + 1 };
+            *p = position;
+            begins = token.to_token() == separator;
+            *f &= !begins;
+        }
     }
 }
 
@@ -321,14 +363,13 @@ fn fill_target_flags(
     Ok(())
 }
 
-/// Each row's position ids from the documents `boundaries` begins, and the flags of the
+/// Each row's position ids from the documents of its segment's index, and the flags of the
 /// targets that start a document cleared.
 fn fill_positions(
     dataset: &TokenDataset,
     sampler: &WindowSampler,
     first: u64,
     t: usize,
-    boundaries: DocumentBoundaries,
     positions: &mut [u32],
     flags: &mut [bool],
 ) -> Result<()> {
@@ -342,11 +383,11 @@ fn fill_positions(
     {
         let window = sampler.window(first + row as u64);
         let filled = dataset.segments().get(window.segment).and_then(|segment| {
-            segment.document_positions(boundaries, window.start, &mut row_positions)
+            segment.document_positions(DocumentBoundaries::Index, window.start, &mut row_positions)
         });
         if filled.is_none() {
             return Err(DataError::InvalidConfig(format!(
-                "window {window:?}: no document positions for it from {boundaries}"
+                "window {window:?}: no document positions for it from the data's index"
             )));
         }
         out.copy_from_slice(&row_positions[..t]);

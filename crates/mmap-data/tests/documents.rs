@@ -215,6 +215,19 @@ proptest! {
         for _ in 0..3 {
             prop_assert_eq!(batch_contents(&mut by_separator), batch_contents(&mut by_index));
         }
+        // The segment's own answer (what `evaluate` reads) agrees, for any span.
+        let total = stream.len() as u64;
+        for start in [0, 1, total / 3, total / 2, total - 1] {
+            let len = (total - start).min(seq + 7) as usize;
+            let (mut got, mut want) = (vec![u32::MAX; len], vec![u32::MAX; len]);
+            by_separator.dataset().segments()[0]
+                .document_positions(DocumentBoundaries::EndsWith(SEPARATOR), start, &mut got)
+                .unwrap();
+            by_index.dataset().segments()[0]
+                .document_positions(DocumentBoundaries::Index, start, &mut want)
+                .unwrap();
+            prop_assert_eq!(got, want, "start {}", start);
+        }
     }
 }
 
