@@ -14,7 +14,9 @@ decreasing).
   TRL's padding-free collator labels it);
 - `sft_long`: the same with `max_length=64` and prompts of up to 30 words: TRL's packing cuts
   each example to its first 64 tokens (whatever `truncation_mode` says) and keeps an example
-  the cut leaves without a counted token (only unpacked datasets drop those).
+  the cut leaves without a counted token (only unpacked datasets drop those);
+- `sft_split`: the same examples with `packing_strategy="bfd_split"`: each example longer than
+  64 tokens split from its start into pieces of 64, each packed as an example of its own.
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -56,7 +58,7 @@ def bfd_case():
     return {"capacity": 40, "lengths": lengths, "rows": rows}
 
 
-def sft_case(tmp, max_length=128, prompt_words=6, seed=5):
+def sft_case(tmp, max_length=128, prompt_words=6, seed=5, strategy="bfd"):
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -76,7 +78,7 @@ def sft_case(tmp, max_length=128, prompt_words=6, seed=5):
                                          intermediate_size=16, num_hidden_layers=1,
                                          num_attention_heads=1, num_key_value_heads=1))
     args = SFTConfig(output_dir=os.path.join(tmp, "out"), packing=True, max_length=max_length,
-                     report_to="none", use_cpu=True)
+                     packing_strategy=strategy, report_to="none", use_cpu=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
                          processing_class=tok)
     rows = [
@@ -84,7 +86,7 @@ def sft_case(tmp, max_length=128, prompt_words=6, seed=5):
          "seq_lengths": list(r["seq_lengths"])}
         for r in trainer.train_dataset
     ]
-    return {"max_length": max_length, "examples": examples, "rows": rows}
+    return {"max_length": max_length, "strategy": strategy, "examples": examples, "rows": rows}
 
 
 def main():
@@ -103,6 +105,10 @@ def main():
             # Rows of 64 tokens and prompts of up to 30 words: examples longer than a row,
             # some of them cut inside their prompt, so that no token of theirs counts.
             "sft_long": sft_case(tmp, max_length=64, prompt_words=30, seed=6),
+            # The same examples under `packing_strategy="bfd_split"`: the long ones split into
+            # pieces of 64 tokens, each packed as an example of its own.
+            "sft_split": sft_case(tmp, max_length=64, prompt_words=30, seed=6,
+                                  strategy="bfd_split"),
         }
     path = os.path.join(OUT, "trl_packing.json")
     with open(path, "w", encoding="utf-8") as f:

@@ -879,6 +879,16 @@ enum DataCommand {
         /// token) until they are placed.
         #[arg(long, requires = "max_length", conflicts_with = "pad")]
         pack: bool,
+        /// With `--pack`: what an example longer than --max-length becomes (TRL's
+        /// `packing_strategy`): `bfd` keeps its first --max-length tokens; `bfd_split` splits
+        /// it into pieces of --max-length tokens, each packed as an example of its own.
+        #[arg(
+            long,
+            value_name = "STRATEGY",
+            default_value = "bfd",
+            requires = "pack"
+        )]
+        packing_strategy: String,
         /// With `--jsonl`: render conversations with this Jinja chat template file instead of
         /// the tokenizer's (TRL's `chat_template_path`), such as a training template with
         /// `{% generation %}` blocks; the special tokens still come from the tokenizer's
@@ -2024,6 +2034,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             truncation_mode,
             pad,
             pack,
+            packing_strategy,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
@@ -2036,7 +2047,21 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 count_prompts: !completion_only_loss,
                 max_length,
                 pad,
-                pack,
+                pack: match (pack, packing_strategy.as_str()) {
+                    (false, _) => None,
+                    (true, "bfd") => Some(crate::tokenize::PackStrategy::Bfd),
+                    (true, "bfd_split" | "bfd-split") => {
+                        Some(crate::tokenize::PackStrategy::BfdSplit)
+                    }
+                    (true, other) => {
+                        return Err(format!(
+                            "--packing-strategy {other}: expected bfd or bfd_split (TRL's \
+                             wrapped ignores example boundaries: train without \
+                             --document-attention reads any file that way)"
+                        )
+                        .into())
+                    }
+                },
                 truncation: match truncation_mode.as_str() {
                     "keep-start" | "keep_start" => crate::tokenize::Truncation::KeepStart,
                     "keep-end" | "keep_end" => crate::tokenize::Truncation::KeepEnd,
@@ -2072,7 +2097,15 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 100.0 * r.counted as f64 / r.tokens.max(1) as f64
             );
             if let Some(max) = max_length {
-                if pack {
+                if options.pack == Some(crate::tokenize::PackStrategy::BfdSplit) {
+                    say!(
+                        "{:<13}{} examples split into pieces of {max} tokens, each packed as \
+                         an example; {} pieces packed with no counted token (as TRL's packing)",
+                        "split",
+                        r.truncated,
+                        r.packed_uncounted
+                    );
+                } else if pack {
                     say!(
                         "{:<13}{} examples cut to {max} tokens (keep-start, as TRL's packing), \
                          {} packed with no counted token (TRL's packing keeps them)",

@@ -523,13 +523,14 @@ pub struct PromptCompletionReport {
     pub boundary_merges: u64,
     /// The format written.
     pub format: TokenFileFormat,
-    /// Examples cut to [`SftOptions::max_length`].
+    /// Examples longer than [`SftOptions::max_length`]: cut to it, or with
+    /// [`PackStrategy::BfdSplit`] split into pieces of it.
     pub truncated: u64,
     /// Examples left out because the cut left no counted token (TRL drops them too).
     pub dropped: u64,
-    /// With [`SftOptions::pack`]: examples the cut left without a counted token, packed anyway
-    /// as TRL's packing does (it drops such examples only from unpacked data): they fill room
-    /// in their rows and add no loss.
+    /// With [`SftOptions::pack`]: examples (with [`PackStrategy::BfdSplit`], pieces) left
+    /// without a counted token, packed anyway as TRL's packing does (it drops such examples
+    /// only from unpacked data): they fill room in their rows and add no loss.
     pub packed_uncounted: u64,
     /// With `assistant_only_loss`: whether the template's generation blocks count the
     /// assistant's end of turn (TRL's `is_chat_template_stop_token_trained`; when not, the
@@ -653,10 +654,25 @@ pub struct SftOptions {
     /// example attending only to itself with its own positions — TRL's padding-free batches,
     /// no example cut across rows. Needs the Megatron format; holds the kept examples in
     /// memory (about 5 bytes per token) until they are placed. An example's first token is not
-    /// counted, as TRL's padding-free labels leave it out. As in TRL's packing, an example
-    /// longer than a row keeps its start ([`Truncation::KeepEnd`] is refused), and one that
-    /// the cut leaves without a counted token is packed, not dropped.
-    pub pack: bool,
+    /// counted, as TRL's padding-free labels leave it out. An example longer than a row is
+    /// cut or split as the [`PackStrategy`] says, and one left without a counted token is
+    /// packed, not dropped, as in TRL's packing.
+    pub pack: Option<PackStrategy>,
+}
+
+/// What [`SftOptions::pack`] does with an example longer than a row: TRL's
+/// `packing_strategy` (its `wrapped` ignores example boundaries, as `train` without
+/// `--document-attention` reads any file).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PackStrategy {
+    /// `bfd`, TRL's default: the example keeps its first `max_length` tokens, whatever
+    /// [`SftOptions::truncation`] says ([`Truncation::KeepEnd`] is refused), the rest is lost.
+    #[default]
+    Bfd,
+    /// `bfd_split`: the example is split from its start into pieces of `max_length` tokens
+    /// (the last may be shorter), each packed as an example of its own — its own document,
+    /// positions from 0, its first token uncounted — so no token is lost.
+    BfdSplit,
 }
 
 /// TRL's best-fit-decreasing packing (`trl.data_utils._pack_bfd`) of examples of `lengths`
@@ -938,7 +954,7 @@ pub fn build_prompt_completion_with(
     if options.pad && options.max_length.is_none() {
         return Err(err(input, "padding needs a maximum length to pad to"));
     }
-    if options.pack {
+    if let Some(strategy) = options.pack {
         if options.max_length.is_none() || options.pad {
             return Err(err(
                 input,
@@ -952,7 +968,7 @@ pub fn build_prompt_completion_with(
                  example as a document, which train --document-attention reads",
             ));
         }
-        if options.truncation == Truncation::KeepEnd {
+        if strategy == PackStrategy::Bfd && options.truncation == Truncation::KeepEnd {
             return Err(err(
                 input,
                 "packing cuts an example longer than a row to its first tokens, as TRL's \
@@ -1019,6 +1035,21 @@ pub fn build_prompt_completion_with(
             .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, n, input))
             .collect::<Result<_>>()?;
         for (mut ids, mut flags, merged) in encoded {
+            if let (Some(max), Some(PackStrategy::BfdSplit)) = (options.max_length, options.pack) {
+                // Every piece packed, counted or not (TRL's packing has no filter).
+                merges += u64::from(merged);
+                truncated += u64::from(ids.len() > max);
+                for (piece, piece_flags) in ids.chunks(max).zip(flags.chunks(max)) {
+                    packed_uncounted += u64::from(!piece_flags.contains(&true));
+                    let mut piece_flags = piece_flags.to_vec();
+                    piece_flags[0] = false;
+                    if kept.try_reserve(1).is_err() {
+                        return Err(err(input, "out of memory holding the examples to pack"));
+                    }
+                    kept.push((piece.to_vec(), piece_flags));
+                }
+                continue;
+            }
             if let Some(max) = options.max_length {
                 if ids.len() > max {
                     truncated += 1;
@@ -1032,7 +1063,7 @@ pub fn build_prompt_completion_with(
                 // TRL's filter after its cut: an example without a counted token adds no loss.
                 // TRL's packing has no such filter: the example still takes its room in a row.
                 if !flags.contains(&true) {
-                    if options.pack {
+                    if options.pack.is_some() {
                         packed_uncounted += 1;
                     } else {
                         dropped += 1;
@@ -1046,7 +1077,7 @@ pub fn build_prompt_completion_with(
                 }
             }
             merges += u64::from(merged);
-            if options.pack {
+            if options.pack.is_some() {
                 flags[0] = false;
                 if kept.try_reserve(1).is_err() {
                     return Err(err(input, "out of memory holding the examples to pack"));
@@ -1062,7 +1093,7 @@ pub fn build_prompt_completion_with(
         bar.inc(group.len() as u64);
     }
     bar.finish_and_clear();
-    if dropped + packed_uncounted == lines.len() as u64 {
+    if counted == 0 && kept.iter().all(|(_, flags)| !flags.contains(&true)) {
         return Err(err(
             input,
             format!(
@@ -1072,7 +1103,7 @@ pub fn build_prompt_completion_with(
         ));
     }
     let mut packed = None;
-    if let (true, Some(max)) = (options.pack, options.max_length) {
+    if let (Some(_), Some(max)) = (options.pack, options.max_length) {
         let lengths: Vec<usize> = kept.iter().map(|(ids, _)| ids.len()).collect();
         let rows = best_fit_decreasing(&lengths, max);
         let mut padding = 0u64;
@@ -1102,7 +1133,7 @@ pub fn build_prompt_completion_with(
             padding,
         });
     }
-    if options.pad || options.pack {
+    if options.pad || options.pack.is_some() {
         // The last row's window needs one token past it for its last target.
         writer.write(&[eot])?;
         writer.end_document()?;

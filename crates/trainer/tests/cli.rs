@@ -1711,6 +1711,49 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
     assert!(stdout(&o).contains("rows of 64 tokens"), "{}", stdout(&o));
     let o = train_on_chat(rows.to_str().unwrap(), "64", &["--document-attention"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // TRL's bfd_split: examples longer than a row split into pieces; wrapped is not a strategy
+    // of --pack.
+    let split = dir.path().join("split.bin");
+    let o = build_jsonl(
+        &chat,
+        "megatron",
+        &[
+            "--max-length",
+            "16",
+            "--pack",
+            "--packing-strategy",
+            "bfd_split",
+        ],
+        &jsonl,
+        &split,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("split into pieces of 16 tokens"),
+        "{}",
+        stdout(&o)
+    );
+    let o = train_on_chat(split.to_str().unwrap(), "16", &["--document-attention"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = build_jsonl(
+        &chat,
+        "megatron",
+        &[
+            "--max-length",
+            "16",
+            "--pack",
+            "--packing-strategy",
+            "wrapped",
+        ],
+        &jsonl,
+        &split,
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--packing-strategy wrapped"),
+        "{}",
+        stderr(&o)
+    );
 
     let raw = dir.path().join("raw.bin");
     build("raw", &raw);

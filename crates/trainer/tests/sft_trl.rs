@@ -847,7 +847,7 @@ fn packed_rows_are_trls() {
     // Without the Megatron format there is no index to record the examples: refused.
     let options = headroom_trainer::tokenize::SftOptions {
         max_length: Some(128),
-        pack: true,
+        pack: Some(headroom_trainer::tokenize::PackStrategy::Bfd),
         ..Default::default()
     };
     let tok = Tokenizer::from_name(fixtures().join("sft/chat").to_str().unwrap()).unwrap();
@@ -869,26 +869,19 @@ fn packed_rows_are_trls() {
 /// not apply, is refused.
 #[test]
 fn examples_longer_than_a_row_pack_as_trl_packs_them() {
-    use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions, Truncation};
+    use headroom_trainer::tokenize::{
+        build_prompt_completion_with, PackStrategy, SftOptions, Truncation,
+    };
     let (report, input, dir) = packs_as_trl("sft_long");
     // The fixture's examples that TRL packed with no counted label.
-    let rows = packing_fixture()["sft_long"]["rows"].clone();
-    let mut uncounted = 0;
-    for row in rows.as_array().unwrap() {
-        let labels = numbers(&row["labels"]);
-        let mut at = 0;
-        for n in numbers(&row["seq_lengths"]) {
-            uncounted += labels[at..at + n as usize].iter().all(|&l| l == -100) as u64;
-            at += n as usize;
-        }
-    }
+    let uncounted = uncounted_pieces("sft_long");
     assert!(uncounted > 0 && report.truncated > uncounted, "{report:?}");
     assert_eq!(report.packed_uncounted, uncounted);
     assert_eq!(report.dropped, 0);
     let tok = Tokenizer::from_name(fixtures().join("sft/chat").to_str().unwrap()).unwrap();
     let options = SftOptions {
         max_length: Some(64),
-        pack: true,
+        pack: Some(PackStrategy::Bfd),
         truncation: Truncation::KeepEnd,
         ..Default::default()
     };
@@ -908,6 +901,42 @@ fn examples_longer_than_a_row_pack_as_trl_packs_them() {
     assert!(e.to_string().contains("keep-end"), "{e}");
 }
 
+/// Pieces of examples that TRL packed with no counted label, in a fixture case's rows.
+fn uncounted_pieces(case: &str) -> u64 {
+    let rows = packing_fixture()[case]["rows"].clone();
+    let mut uncounted = 0;
+    for row in rows.as_array().unwrap() {
+        let labels = numbers(&row["labels"]);
+        let mut at = 0;
+        for n in numbers(&row["seq_lengths"]) {
+            uncounted += labels[at..at + n as usize].iter().all(|&l| l == -100) as u64;
+            at += n as usize;
+        }
+    }
+    uncounted
+}
+
+/// `--pack --packing-strategy bfd_split` (`sft_split`: `sft_long`'s examples under TRL's
+/// `packing_strategy="bfd_split"`): each example longer than a row split from its start into
+/// pieces of the row's length, each packed as an example — TRL's rows, piece for piece, and
+/// every token of every example kept.
+#[test]
+fn long_examples_split_as_trl_splits_them() {
+    let (split, _, _) = packs_as_trl("sft_split");
+    let (cut, _, _) = packs_as_trl("sft_long");
+    // The same examples are longer than a row under both strategies.
+    assert_eq!(split.truncated, cut.truncated);
+    assert!(split.truncated > 0);
+    assert_eq!(split.packed_uncounted, uncounted_pieces("sft_split"));
+    assert_eq!(split.dropped, 0);
+    // Splitting loses no token: more of them are written and counted than cutting keeps.
+    let kept = |r: &headroom_trainer::tokenize::PromptCompletionReport| {
+        r.tokens - r.packed.unwrap().padding
+    };
+    assert!(kept(&split) > kept(&cut), "{split:?} vs {cut:?}");
+    assert!(split.counted > cut.counted);
+}
+
 /// `data build --jsonl --max-length N --pack` of the fixture's `case` gives TRL's rows, example
 /// for example (see [`packed_rows_are_trls`]); the report, the JSONL input and its directory.
 fn packs_as_trl(
@@ -917,8 +946,13 @@ fn packs_as_trl(
     std::path::PathBuf,
     tempfile::TempDir,
 ) {
-    use headroom_trainer::tokenize::{build_prompt_completion_with, SftOptions};
+    use headroom_trainer::tokenize::{build_prompt_completion_with, PackStrategy, SftOptions};
     let sft = &packing_fixture()[case];
+    let strategy = match sft["strategy"].as_str() {
+        None | Some("bfd") => PackStrategy::Bfd,
+        Some("bfd_split") => PackStrategy::BfdSplit,
+        Some(other) => panic!("strategy {other}"),
+    };
     let max = sft["max_length"].as_u64().unwrap() as usize;
     let lines: Vec<String> = sft["examples"]
         .as_array()
@@ -937,7 +971,7 @@ fn packs_as_trl(
     };
     let options = SftOptions {
         max_length: Some(max),
-        pack: true,
+        pack: Some(strategy),
         ..Default::default()
     };
     let report = build_prompt_completion_with(&input, &tok, format, &out, false, &options).unwrap();
