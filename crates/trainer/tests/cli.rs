@@ -1714,40 +1714,23 @@ fn document_attention_trains_on_examples_of_a_megatron_file() {
     // TRL's bfd_split: examples longer than a row split into pieces; wrapped is not a strategy
     // of --pack.
     let split = dir.path().join("split.bin");
-    let o = build_jsonl(
-        &chat,
-        "megatron",
-        &[
+    let pack = |strategy: &str| {
+        let args = [
             "--max-length",
             "16",
             "--pack",
             "--packing-strategy",
-            "bfd_split",
-        ],
-        &jsonl,
-        &split,
-    );
+            strategy,
+        ];
+        build_jsonl(&chat, "megatron", &args, &jsonl, &split)
+    };
+    let o = pack("bfd_split");
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        stdout(&o).contains("split into pieces of 16 tokens"),
-        "{}",
-        stdout(&o)
-    );
+    let shown = stdout(&o);
+    assert!(shown.contains("split into pieces of 16 tokens"), "{shown}");
     let o = train_on_chat(split.to_str().unwrap(), "16", &["--document-attention"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = build_jsonl(
-        &chat,
-        "megatron",
-        &[
-            "--max-length",
-            "16",
-            "--pack",
-            "--packing-strategy",
-            "wrapped",
-        ],
-        &jsonl,
-        &split,
-    );
+    let o = pack("wrapped");
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains("--packing-strategy wrapped"),
