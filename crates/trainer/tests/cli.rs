@@ -1812,6 +1812,17 @@ fn document_separator_trains_on_a_text_build() {
         "{shown}"
     );
     assert!(shown.contains("final loss"), "{shown}");
+    // ZeRO's ranks read the same documents.
+    let o = run(&[
+        "--document-separator",
+        "50256",
+        "--zero",
+        "2",
+        "--ranks",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("final loss"), "{}", stdout(&o));
     let o = run(&["--document-separator", "50257"]);
     assert!(!o.status.success());
     assert!(
