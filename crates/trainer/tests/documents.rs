@@ -92,8 +92,11 @@ fn grads_of(
     (mean, grads)
 }
 
-fn close(a: &[f32], b: &[f32], what: &str) {
-    let scale = b.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+/// `a` within 2e-4 of `b`'s largest value, or of `floor` where that is larger: a tensor whose
+/// exact gradient is zero holds only rounding noise, of the order of f32's epsilon times the
+/// magnitudes that cancelled in it.
+fn close(a: &[f32], b: &[f32], what: &str, floor: f32) {
+    let scale = b.iter().fold(floor.max(1e-3), |m, v| m.max(v.abs()));
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert!(
             (x - y).abs() <= 2e-4 * scale,
@@ -182,8 +185,12 @@ proptest! {
             (packed_mean - want).abs() <= 1e-5 * want.abs().max(1.0),
             "loss: packed {} alone {}", packed_mean, want
         );
+        // With one-token documents the query and key projections' exact gradients are zero
+        // (a softmax over one key has no slope): their noise is measured against 1% of the
+        // model's largest gradient (CI found 2.6e-7 apart where the largest was 2.0).
+        let largest = alone.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
         for (i, (p, a)) in packed.iter().zip(&alone).enumerate() {
-            close(p, a, &format!("gradient {i}"));
+            close(p, a, &format!("gradient {i}"), 1e-2 * largest);
         }
     }
 }
