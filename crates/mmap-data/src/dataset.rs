@@ -308,6 +308,25 @@ impl std::fmt::Display for DocumentBoundaries {
     }
 }
 
+/// Position ids of `ids` (as many as `out` holds) for documents that end with `separator`: 0 at
+/// the first id and after every separator, else the previous position + 1 (at most
+/// `out.len() − 1`, so it cannot wrap). The one statement of [`DocumentBoundaries::EndsWith`]:
+/// a segment's tokens and the loader's decoded inputs both go through it.
+pub(crate) fn positions_after_separator(
+    ids: impl IntoIterator<Item = u64>,
+    separator: u32,
+    out: &mut [u32],
+) {
+    let separator = u64::from(separator);
+    let mut begins = true;
+    let mut position = 0u32;
+    for (id, p) in ids.into_iter().zip(out) {
+        position = if begins { 0 } else { position + 1 };
+        *p = position;
+        begins = id == separator;
+    }
+}
+
 /// A contiguous run of tokens: one raw file, one llm.c shard, or the token area of a Megatron
 /// `.bin`. Windows never cross segment boundaries.
 #[derive(Clone)]
@@ -419,17 +438,10 @@ impl Segment {
             DocumentBoundaries::Index => self.sequence_index()?.document_positions(start, out),
             DocumentBoundaries::EndsWith(separator) => {
                 let first = usize::try_from(start).ok()?;
-                // Each token's position follows from the token before it.
                 let tokens = self.tokens().sub(first, out.len())?;
-                let mut position = 0u32;
-                for (i, p) in out.iter_mut().enumerate() {
-                    let begins = match i.checked_sub(1) {
-                        None => true,
-                        Some(previous) => tokens.get(previous)? == i64::from(separator),
-                    };
-                    position = if begins { 0 } else { position.checked_add(1)? };
-                    *p = position;
-                }
+                // Within the slice just checked, so every read succeeds; u64::MAX is no id.
+                let ids = (0..out.len()).map(|i| tokens.get(i).map_or(u64::MAX, |t| t as u64));
+                positions_after_separator(ids, separator, out);
                 Some(())
             }
         }

@@ -15,7 +15,9 @@ use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use headroom_tensor::{AllocHook, DType, Device, MemoryCategory, TrackedAllocation};
 use serde::{Deserialize, Serialize};
 
-use crate::dataset::{try_with_capacity, DocumentBoundaries, TokenDataset};
+use crate::dataset::{
+    positions_after_separator, try_with_capacity, DocumentBoundaries, TokenDataset,
+};
 use crate::sampler::{SamplerConfig, WindowSampler};
 use crate::tokens::{OutputToken, OutputType};
 use crate::{DataError, Result};
@@ -301,11 +303,9 @@ pub fn fill_batch(
     Ok(())
 }
 
-/// Position ids of documents that end with `separator`, from the batch's decoded inputs (the
-/// same ids as [`crate::Segment::document_positions`], one pass over memory the copy just
-/// wrote): each row starts at 0, an input after a separator is 0, any other the previous + 1;
-/// a target after a separator (the input at its place is one) starts a document, so its flag
-/// is cleared.
+/// Position ids of documents that end with `separator`, from the batch's decoded inputs (one
+/// pass over memory the copy just wrote, by [`positions_after_separator`]); a target whose
+/// input is a separator starts a document, so its flag is cleared.
 fn positions_after<O: OutputToken>(
     separator: u32,
     t: usize,
@@ -313,21 +313,15 @@ fn positions_after<O: OutputToken>(
     positions: &mut [u32],
     flags: &mut [bool],
 ) {
-    let separator = u64::from(separator);
     for ((row_inputs, row_positions), row_flags) in inputs
         .chunks_exact(t)
         .zip(positions.chunks_exact_mut(t))
         .zip(flags.chunks_exact_mut(t))
     {
-        // A row's first input starts its first document.
-        let mut begins = true;
-        let mut position = 0u32;
-        for ((&token, p), f) in row_inputs.iter().zip(row_positions).zip(row_flags) {
-            // At most `t - 1`, so this cannot wrap.
-            position = if begins { 0 } else { position + 1 };
-            *p = position;
-            begins = token.to_token() == separator;
-            *f &= !begins;
+        let ids = row_inputs.iter().map(|&x| x.to_token());
+        positions_after_separator(ids.clone(), separator, row_positions);
+        for (id, f) in ids.zip(row_flags) {
+            *f &= id != u64::from(separator);
         }
     }
 }

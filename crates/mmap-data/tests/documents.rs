@@ -85,6 +85,16 @@ fn batch_contents(loader: &mut Loader) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<boo
     )
 }
 
+/// Epoch-ordered windows of `seq_len` tokens, one shard.
+fn epoch_windows(seq_len: u64, seed: u64) -> SamplerConfig {
+    SamplerConfig {
+        mode: SamplingMode::EpochWindows,
+        seq_len,
+        seed,
+        shard: Shard::SINGLE,
+    }
+}
+
 fn lengths() -> impl Strategy<Value = Vec<usize>> {
     prop::collection::vec(prop_oneof![Just(0usize), 1usize..12, 12usize..40], 1..24)
         .prop_filter("some tokens", |l| l.iter().sum::<usize>() >= 2)
@@ -267,12 +277,7 @@ fn separator_documents_match_megatron_lm() {
                 .unwrap()
                 .with_vocab_size(fixture.vocab),
         );
-        let sampler = SamplerConfig {
-            mode: SamplingMode::EpochWindows,
-            seq_len: t as u64,
-            seed: 0,
-            shard: Shard::SINGLE,
-        };
+        let sampler = epoch_windows(t as u64, 0);
         let config = LoaderConfig {
             output: OutputType::U32,
             workers: 0,
@@ -311,12 +316,7 @@ fn a_separator_outside_the_vocabulary_is_refused() {
             .unwrap()
             .with_vocab_size(100),
     );
-    let sampler = SamplerConfig {
-        mode: SamplingMode::EpochWindows,
-        seq_len: 8,
-        seed: 1,
-        shard: Shard::SINGLE,
-    };
+    let sampler = epoch_windows(8, 1);
     let config = |separator| LoaderConfig {
         documents: Some(DocumentBoundaries::EndsWith(separator)),
         ..LoaderConfig::new(2)
@@ -333,12 +333,7 @@ fn a_separator_outside_the_vocabulary_is_refused() {
 fn data_without_document_boundaries_is_refused_by_name() {
     let tokens: Vec<u32> = (0..100).collect();
     let data = Arc::new(TokenDataset::from_tokens(&tokens, TokenType::U16).unwrap());
-    let sampler = SamplerConfig {
-        mode: SamplingMode::EpochWindows,
-        seq_len: 8,
-        seed: 1,
-        shard: Shard::SINGLE,
-    };
+    let sampler = epoch_windows(8, 1);
     let config = LoaderConfig {
         documents: Some(DocumentBoundaries::Index),
         ..LoaderConfig::new(2)
@@ -352,12 +347,7 @@ fn data_without_document_boundaries_is_refused_by_name() {
 fn one_document_gives_plain_positions_and_counts_every_target() {
     let dir = tempfile::tempdir().unwrap();
     let data = Arc::new(written(&[50], &dir));
-    let sampler = SamplerConfig {
-        mode: SamplingMode::EpochWindows,
-        seq_len: 7,
-        seed: 1,
-        shard: Shard::SINGLE,
-    };
+    let sampler = epoch_windows(7, 1);
     let config = LoaderConfig {
         output: OutputType::U32,
         workers: 0,
