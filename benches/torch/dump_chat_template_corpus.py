@@ -2,7 +2,7 @@
 templates of released models, Qwen, Llama, Gemma, DeepSeek, gpt-oss, Nemotron, Phi, …, and TRL's
 training versions with `{% generation %}` blocks) over conversations with system turns, tools,
 tool calls (arguments as objects and as JSON text), tool results, reasoning and
-`enable_thinking`, for the agreement check `crates/trainer/tests/chat_template_corpus.rs`. The
+`enable_thinking`, and with the final message (or its reasoning) continued, for the agreement check `crates/trainer/tests/chat_template_corpus.rs`. The
 templates are not ours to commit, so the cases stay local:
 
     python benches/torch/dump_chat_template_corpus.py OUT.json   # needs transformers, trl
@@ -76,6 +76,19 @@ for path in sorted(glob.glob(os.path.join(os.path.dirname(trl.__file__), "chat_t
                         chat_template=template, return_assistant_tokens_mask=True, add_generation_prompt=gp,
                         **tok.special_tokens_map, **kw)
                     case["spans"] = [list(s) for s in idx[0]]
+            except Exception as e:
+                case["error"] = f"{type(e).__name__}: {e}"[:200]
+            cases.append(case)
+        # The final message continued (transformers' continue_final_message), and the reasoning.
+        fields = ["content"] + (["reasoning_content"] if cname == "reasoning" else [])
+        for field in fields:
+            tools = TOOLS if cname in ("tools", "string_args") else None
+            case = {"template_name": name, "template": template, "conversation": cname,
+                    "messages": conv, "tools": tools, "add_generation_prompt": False, "kwargs": {},
+                    "continue_final_message": field}
+            try:
+                case["text"] = tok.apply_chat_template(conv, chat_template=template, tools=tools, tokenize=False,
+                                                       continue_final_message=True if field == "content" else field)
             except Exception as e:
                 case["error"] = f"{type(e).__name__}: {e}"[:200]
             cases.append(case)

@@ -29,6 +29,9 @@ tool calls, `tojson`). With it the fixture holds:
   `is_chat_template_stop_token_trained` of each;
 - transformers' `tojson` of assorted values with each of its arguments.
 
+And transformers' `continue_final_message` ("prefill") of conversations under the style
+templates and one that writes reasoning and content blocks: the text, or that it refused.
+
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
 
@@ -236,6 +239,54 @@ CONVERSATIONS = [
         {"role": "user", "content": "again?"},
     ],
 ]
+# Final messages for transformers' `continue_final_message` (a "prefill" the model continues):
+# the conversations above (one ends with the user's turn), an answer begun with trailing space
+# (which the templates that trim it lose, so the cut falls before the space), an answer that
+# is a list of content blocks, and reasoning continued under each of its names. With each
+# style template, and with a template that writes reasoning and content blocks.
+CONTINUE_TEMPLATES = {
+    "think": (
+        "{%- for m in messages %}<|{{ m.role }}|>"
+        "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+        "{%- if m.content is string %}{{ m.content }}"
+        "{%- else %}{% for b in m.content %}{% if b.type == 'text' %}{{ b.text }}{% endif %}"
+        "{% endfor %}{% endif %}{{ eos_token }}\n"
+        "{%- endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    ),
+}
+PREFILLED = [
+    {"role": "user", "content": "Reply in JSON"},
+    {"role": "assistant", "content": "{\"answer\": "},
+]
+BLOCKS = [
+    {"role": "user", "content": "Describe it"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "It shows "},
+            {"type": "text", "text": " a cat"},
+            {"type": "image"},
+        ],
+    },
+]
+THINKING = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": ""}]
+CONTINUE_CASES = (
+    [
+        (name, conversation, "content")
+        for name in STYLE_TEMPLATES
+        for conversation in CONVERSATIONS + [PREFILLED]
+    ]
+    + [
+        ("think", PREFILLED, "content"),
+        ("think", BLOCKS, "content"),
+        ("think", [THINKING[0], {**THINKING[1], "reasoning_content": "Let me see "}], "reasoning_content"),
+        ("think", [THINKING[0], {**THINKING[1], "reasoning": "Because"}], "reasoning"),
+        ("think", [THINKING[0], {**THINKING[1], "thinking": "Hm"}], "thinking"),
+        # Errors: a field the message lacks, a field the template never names.
+        ("think", PREFILLED, "reasoning_content"),
+        ("llama3", [THINKING[0], {**THINKING[1], "reasoning_content": "x"}], "reasoning_content"),
+    ]
+)
 # 2026-11-30 09:05:07 UTC: the clock transformers' strftime_now reads while the fixture is made.
 FROZEN_TIME = 1796029507
 # time.strftime of these (format, seconds since the epoch, UTC) pins headroom's strftime.
@@ -502,8 +553,8 @@ def tool_renders(tok):
     }
 
 
-def style_renders():
-    """transformers' rendering of every conversation with every style template."""
+def style_tokenizer():
+    """The Llama-style tokenizer with transformers' clock frozen at FROZEN_TIME."""
     import datetime as real_datetime
 
     import transformers.utils.chat_template_utils as ctu
@@ -515,12 +566,38 @@ def style_renders():
             return real_datetime.datetime.fromtimestamp(FROZEN_TIME, real_datetime.timezone.utc)
 
     ctu.datetime = Frozen
-    tok = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_file=os.path.join(FIXTURES, "sft", "llama-tokenizer.json"),
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
     )
+
+
+def continued_renders():
+    """transformers' `continue_final_message` of each continuation case: the text, or the
+    error's type."""
+    tok = style_tokenizer()
+    templates = {**STYLE_TEMPLATES, **CONTINUE_TEMPLATES}
+    out = []
+    for name, messages, field in CONTINUE_CASES:
+        case = {"template": name, "messages": messages, "field": field}
+        try:
+            case["text"] = tok.apply_chat_template(
+                messages,
+                chat_template=templates[name],
+                tokenize=False,
+                continue_final_message=True if field == "content" else field,
+            )
+        except Exception as e:  # the type is what the Rust test checks: an error, not a text
+            case["error"] = f"{type(e).__name__}: {e}"[:300]
+        out.append(case)
+    return out
+
+
+def style_renders():
+    """transformers' rendering of every conversation with every style template."""
+    tok = style_tokenizer()
     out = {}
     for name, template in STYLE_TEMPLATES.items():
         out[name] = [
@@ -604,6 +681,7 @@ def make():
                 "frozen_time": FROZEN_TIME,
                 "rendered": style_renders(),
             },
+            "continued": {"templates": CONTINUE_TEMPLATES, "cases": continued_renders()},
             "strftime": [
                 [fmt, t, time.strftime(fmt, time.gmtime(t))] for fmt, t in STRFTIME_CASES
             ],
@@ -693,7 +771,8 @@ def main():
         with open(fixture_path, encoding="utf-8") as f:
             committed = json.load(f)
         same = all(
-            committed[k] == fixture[k] for k in ("trl", "rendered", "styles", "strftime", "jinja")
+            committed[k] == fixture[k]
+            for k in ("trl", "rendered", "styles", "continued", "strftime", "jinja")
         )
         print("the committed fixture is TRL's" if same else "the committed fixture differs from TRL's")
         sys.exit(0 if same else 1)

@@ -39,6 +39,10 @@
 //! `{% set %}` block gets a span there that does not hold its text; here the span is where its
 //! text is. Nested blocks are an error.
 //!
+//! A conversation's final message can be left open for the model to continue, a "prefill"
+//! ([`ChatRequest::continue_final_message`]), cut as transformers cuts it: the text ends where
+//! that message's text ends, found by a tag appended to it before rendering.
+//!
 //! Templates in the style of Llama 3.1's, Qwen 2.5's, Mistral's, Gemma's, one of filters, and
 //! ones with tools and generation blocks render as transformers renders them
 //! (`tests/sft_trl.rs`).
@@ -240,6 +244,13 @@ pub struct ChatRequest<'a> {
     /// Further variables (TRL's `chat_template_kwargs`, such as `enable_thinking`); they
     /// replace special tokens of the same name, as in transformers.
     pub extra: &'a [(String, ChatValue)],
+    /// Leave the final message open for the model to continue ("prefill"), as transformers'
+    /// `continue_final_message`: the field it continues, `"content"` (of a list of content
+    /// blocks, the last one with `text`) or a reasoning field such as `"reasoning_content"`.
+    /// The text ends where that field's text ends, whatever the template writes after it;
+    /// refused together with `add_generation_prompt`, and where the template does not write
+    /// the field's text as it is.
+    pub continue_final_message: Option<&'a str>,
 }
 
 /// A rendered conversation.
@@ -691,6 +702,10 @@ impl ChatTemplate {
     /// The text of a request, and the spans of its generation blocks.
     pub fn render_request(&self, request: &ChatRequest<'_>) -> Result<Rendered> {
         let (name, generation) = self.select(request.tools.is_some())?;
+        let template = self
+            .env
+            .get_template(name)
+            .map_err(|e| err(&self.path, e.to_string()))?;
         let mut clean = Vec::with_capacity(request.messages.len());
         for (i, m) in request.messages.iter().enumerate() {
             // Only objects, as transformers: an assistant's tool call often has no content
@@ -729,10 +744,20 @@ impl ChatTemplate {
                 ));
             }
         }
-        let template = self
-            .env
-            .get_template(name)
-            .map_err(|e| err(&self.path, e.to_string()))?;
+        let continued = match request.continue_final_message {
+            None => None,
+            Some(_) if request.add_generation_prompt => {
+                return Err(err(
+                    &self.path,
+                    "continue_final_message and add_generation_prompt together: the first \
+                     continues the final message, the second starts a new assistant turn",
+                ))
+            }
+            Some(field) => Some(
+                tag_final_message(&mut clean, field, template.source())
+                    .map_err(|e| err(&self.path, format!("continue_final_message: {e}")))?,
+            ),
+        };
         let now = self.fixed_time.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -785,15 +810,138 @@ impl ChatTemplate {
                 ),
             ));
         }
-        if !generation {
-            return Ok(Rendered {
+        let mut rendered = if generation {
+            take_generation_spans(&text)
+                .map_err(|e| err(&self.path, format!("rendering the chat template: {e}")))?
+        } else {
+            Rendered {
                 text,
                 generation: Vec::new(),
+            }
+        };
+        if let Some(final_text) = continued {
+            let end = continuation_end(&rendered.text, &final_text)
+                .map_err(|e| err(&self.path, format!("continue_final_message: {e}")))?;
+            rendered.text.truncate(end);
+            // transformers refuses assistant masks with a continued message; here a block
+            // keeps what lies before the cut.
+            rendered.generation.retain_mut(|span| {
+                span.end = span.end.min(end);
+                span.start < span.end
             });
         }
-        take_generation_spans(&text)
-            .map_err(|e| err(&self.path, format!("rendering the chat template: {e}")))
+        Ok(rendered)
     }
+}
+
+/// What transformers appends to the text a continued message ends with, so that the end can be
+/// found in the rendered conversation.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// Python's `str.isspace` of one character: Rust's whitespace and the four information
+/// separators U+001C–U+001F, which Python strips too.
+fn is_python_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Appends [`CONTINUE_TAG`] to the text the conversation's final message is continued from,
+/// as transformers does, and returns that text as it was. `field` is the message's key; of a
+/// reasoning key, every alias holding the same text is tagged (the template reads whichever
+/// it reads). `source` is the template's text, which must name the field.
+fn tag_final_message(
+    messages: &mut [ChatValue],
+    field: &str,
+    source: &str,
+) -> std::result::Result<String, String> {
+    let Some(ChatValue::Object(last)) = messages.last_mut() else {
+        return Err("the conversation is empty".into());
+    };
+    let Some(value) = last
+        .iter()
+        .find(|(k, _)| k == field)
+        .map(|(_, v)| v.clone())
+    else {
+        return Err(format!("the final message has no {field:?} to continue"));
+    };
+    let fields: Vec<String> = if REASONING_KEYS.contains(&field) {
+        REASONING_KEYS
+            .iter()
+            .filter(|&&key| last.iter().any(|(k, v)| k == key && *v == value))
+            .map(|&key| key.to_owned())
+            .collect()
+    } else {
+        vec![field.to_owned()]
+    };
+    if !fields.iter().any(|f| source.contains(f.as_str())) {
+        return Err(format!(
+            "the chat template never names {field:?}, so it cannot be continued"
+        ));
+    }
+    match value {
+        ChatValue::String(text) => {
+            for (k, v) in last.iter_mut() {
+                if fields.contains(k) {
+                    *v = ChatValue::String(format!("{text}{CONTINUE_TAG}"));
+                }
+            }
+            Ok(text)
+        }
+        // The last content block with text, as transformers picks it.
+        ChatValue::Array(mut blocks) => {
+            let mut chosen = None;
+            for (i, block) in blocks.iter().enumerate().rev() {
+                // Python's `"text" in block`: a key of an object, a substring of a string,
+                // an item of a list; only an object can then be indexed by "text".
+                let names_text = match block {
+                    ChatValue::Object(pairs) => pairs.iter().any(|(k, _)| k == "text"),
+                    ChatValue::String(s) => s.contains("text"),
+                    ChatValue::Array(items) => items.contains(&ChatValue::String("text".into())),
+                    _ => false,
+                };
+                if names_text {
+                    chosen = Some(i);
+                    break;
+                }
+            }
+            let Some(i) = chosen else {
+                return Err("the final message has no text to continue".into());
+            };
+            let ChatValue::Object(pairs) = &mut blocks[i] else {
+                return Err("a content block of the final message is not an object".into());
+            };
+            let Some((_, ChatValue::String(text))) = pairs.iter_mut().find(|(k, _)| k == "text")
+            else {
+                return Err("the final message's last text block is not a string".into());
+            };
+            let original = text.clone();
+            text.push_str(CONTINUE_TAG);
+            if let Some((_, v)) = last.iter_mut().find(|(k, _)| k == field) {
+                *v = ChatValue::Array(blocks);
+            }
+            Ok(original)
+        }
+        _ => Err(format!("the final message's {field:?} is not text")),
+    }
+}
+
+/// Where the rendered `text` ends when the final message, whose text was `final_text`, is
+/// continued: just before [`CONTINUE_TAG`], or, where the template trimmed the space the tag
+/// ends with, before the whitespace ahead of it too (transformers' rule).
+fn continuation_end(text: &str, final_text: &str) -> std::result::Result<usize, String> {
+    let tag = CONTINUE_TAG.trim_end();
+    let stripped = final_text.trim_matches(is_python_space);
+    let Some(at) = text.rfind(tag).filter(|_| text.contains(stripped)) else {
+        return Err(
+            "the final message is not in the rendered conversation as it was written (the \
+             chat template changes or drops it), so it cannot be continued"
+                .into(),
+        );
+    };
+    Ok(if text[at..].starts_with(CONTINUE_TAG) {
+        at
+    } else {
+        text[..at].trim_end_matches(is_python_space).len()
+    })
 }
 
 /// How [`python_tojson`] lays out JSON.
@@ -1285,7 +1433,168 @@ mod tests {
         }
     }
 
+    fn messages(json: &str) -> Vec<ChatValue> {
+        serde_json::from_str(json).unwrap()
+    }
+
+    fn continued(t: &ChatTemplate, messages: &[ChatValue], field: &str) -> Result<Rendered> {
+        t.render_request(&ChatRequest {
+            messages,
+            continue_final_message: Some(field),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn continuing_refuses_what_transformers_refuses() {
+        let t = template(
+            "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}</s>{% endfor %}\
+             {% if add_generation_prompt %}<|assistant|>{% endif %}",
+        );
+        let prefill = messages(
+            r#"[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure"}]"#,
+        );
+        let both = t.render_request(&ChatRequest {
+            messages: &prefill,
+            add_generation_prompt: true,
+            continue_final_message: Some("content"),
+            ..Default::default()
+        });
+        let refusals = [
+            (both, "add_generation_prompt"),
+            (continued(&t, &[], "content"), "empty"),
+            (
+                continued(&t, &prefill, "reasoning_content"),
+                "no \"reasoning_content\"",
+            ),
+            (
+                continued(
+                    &t,
+                    &messages(r#"[{"role": "user", "content": 7}]"#),
+                    "content",
+                ),
+                "not text",
+            ),
+            (
+                continued(
+                    &t,
+                    &messages(r#"[{"role": "user", "content": [{"type": "image"}]}]"#),
+                    "content",
+                ),
+                "no text",
+            ),
+            (
+                continued(
+                    &t,
+                    &messages(r#"[{"role": "user", "content": [{"text": 1}]}]"#),
+                    "content",
+                ),
+                "not a string",
+            ),
+            // The template writes the message changed.
+            (
+                continued(
+                    &template("{{ messages[0].content | upper }}"),
+                    &prefill,
+                    "content",
+                ),
+                "as it was written",
+            ),
+            // The template never names the field.
+            (
+                continued(&template("{{ messages | length }}"), &prefill, "content"),
+                "never names",
+            ),
+        ];
+        for (i, (result, why)) in refusals.into_iter().enumerate() {
+            let e = result.unwrap_err().to_string();
+            assert!(
+                e.contains(why) && e.contains("continue_final_message"),
+                "{i}: {e}"
+            );
+        }
+        assert_eq!(
+            continued(&t, &prefill, "content").unwrap().text,
+            "<|user|>Hi</s><|assistant|>Sure"
+        );
+    }
+
+    #[test]
+    fn a_trimmed_continuation_is_cut_before_pythons_whitespace() {
+        // The template trimmed the tag's space: the cut falls before the whitespace ahead of the
+        // tag, as Python's rstrip finds it (U+001C–U+001F too, which Rust's trim keeps).
+        assert_eq!(
+            continuation_end("ab \u{1c}\tCONTINUE_FINAL_MESSAGE_TAG</s>", "b"),
+            Ok(2)
+        );
+        assert_eq!(
+            continuation_end("ab CONTINUE_FINAL_MESSAGE_TAG </s>", "b "),
+            Ok(3)
+        );
+        // The last tag counts, as Python's rindex.
+        assert_eq!(
+            continuation_end(
+                "CONTINUE_FINAL_MESSAGE_TAG xCONTINUE_FINAL_MESSAGE_TAG ",
+                "x"
+            ),
+            Ok(28)
+        );
+        assert!(continuation_end("ab</s>", "b").is_err());
+        assert!(continuation_end("aCONTINUE_FINAL_MESSAGE_TAG ", "b").is_err());
+    }
+
+    #[test]
+    fn a_continued_generation_block_ends_at_the_cut() {
+        let t = template(
+            "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}\
+             </s>{% endgeneration %}{% else %}[{{ m.content }}]{% endif %}{% endfor %}",
+        );
+        let m = messages(
+            r#"[{"role": "user", "content": "q"}, {"role": "assistant", "content": "one"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "tw"}]"#,
+        );
+        let r = continued(&t, &m, "content").unwrap();
+        assert_eq!(r.text, "[q]one</s>[again]tw");
+        assert_eq!(r.generation, vec![3..10, 17..19]);
+        // An empty continuation leaves no empty span behind.
+        let m =
+            messages(r#"[{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]"#);
+        let r = continued(&t, &m, "content").unwrap();
+        assert_eq!((r.text.as_str(), r.generation.len()), ("[q]", 0));
+    }
+
     proptest::proptest! {
+        /// A continued message ends the text where its content ends: the whole conversation's
+        /// text without the end of turn, whether the template writes the content as it is or
+        /// trimmed (the space the template trims is not in the prefill).
+        #[test]
+        fn a_continued_message_ends_where_its_content_ends(
+            earlier in proptest::collection::vec(".{0,12}", 0..3),
+            last in "\\PC{0,12}[ \t\n\u{a0}\u{1c}]{0,3}",
+            trimmed in proptest::prelude::any::<bool>(),
+        ) {
+            proptest::prop_assume!(!last.contains("CONTINUE_FINAL_MESSAGE_TAG"));
+            let content = if trimmed { "m.content | trim" } else { "m.content" };
+            let t = template(&format!(
+                "{{% for m in messages %}}<|{{{{ m.role }}}}|>{{{{ {content} }}}}</s>{{% endfor %}}"
+            ));
+            let roles = ["user", "assistant"];
+            let mut conversation: Vec<ChatValue> = earlier
+                .iter()
+                .enumerate()
+                .map(|(i, text)| serde_json::json!({"role": roles[i % 2], "content": text}).into())
+                .collect();
+            let head = t.render(&conversation, false).unwrap() + "<|assistant|>";
+            conversation.push(serde_json::json!({"role": "assistant", "content": last}).into());
+            let want = if trimmed {
+                last.trim_start().trim_end_matches(is_python_space)
+            } else {
+                last.as_str()
+            };
+            let got = continued(&t, &conversation, "content").unwrap().text;
+            proptest::prop_assert_eq!(got, format!("{head}{want}"));
+        }
+
         /// Python's spelling reads back as the same float.
         #[test]
         fn python_float_repr_round_trips(bits in proptest::prelude::any::<u64>()) {

@@ -762,6 +762,7 @@ fn encode_example(
             tools: tools.as_deref(),
             documents: None,
             extra: &extra,
+            continue_final_message: None,
         };
         let r = template()?
             .render_request(&request)

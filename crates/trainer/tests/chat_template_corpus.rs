@@ -34,7 +34,7 @@ fn every_template_renders_as_transformers_renders_it() {
     let ChatValue::Array(cases) = get(&corpus, "cases") else {
         panic!("no cases")
     };
-    let (mut rendered, mut refused, mut spans) = (0, 0, 0);
+    let (mut rendered, mut refused, mut spans, mut continued) = (0, 0, 0, 0);
     let mut templates = std::collections::BTreeSet::new();
     let mut failures = Vec::new();
     for case in &cases {
@@ -65,12 +65,14 @@ fn every_template_renders_as_transformers_renders_it() {
                         == ChatValue::Bool(true),
                     tools: tools.as_deref(),
                     extra: &extra,
-                    ..Default::default()
+                    continue_final_message: text(&get(case, "continue_final_message")),
+                    documents: None,
                 })
         });
         match (result, text(&get(case, "text"))) {
             (Ok(r), Some(want)) if r.text == want => {
                 rendered += 1;
+                continued += usize::from(text(&get(case, "continue_final_message")).is_some());
                 if let ChatValue::Array(want) = get(case, "spans") {
                     // transformers counts characters.
                     let chars = |at: usize| {
@@ -96,10 +98,10 @@ fn every_template_renders_as_transformers_renders_it() {
     }
     println!(
         "{} templates, {} cases: {rendered} rendered alike ({spans} with generation spans \
-         alike), {refused} refused by both",
+         alike, {continued} with the final message continued), {refused} refused by both",
         templates.len(),
         cases.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    assert!(rendered > 0 && spans > 0);
+    assert!(rendered > 0 && spans > 0 && continued > 0);
 }

@@ -287,6 +287,55 @@ fn style_templates_render_as_transformers_renders_them() {
     assert!(strftime("%Z", 0).is_err() && strftime("%", 0).is_err());
 }
 
+/// transformers' `continue_final_message` (`make_chat_sft_fixture.py`): with each style
+/// template and one that writes reasoning and content blocks, the rendered text ends where the
+/// final message's text (content, a content block, or reasoning under each of its names) ends;
+/// where the template trims or changes that text, or lacks the field, it is an error in both.
+#[test]
+fn continued_final_messages_end_where_transformers_ends_them() {
+    use headroom_trainer::chat_template::{ChatRequest, ChatTemplate, ChatValue};
+    let (fixture, ordered) = chat_fixture();
+    let styles = &fixture["styles"];
+    let continued = &fixture["continued"];
+    let ChatValue::Array(cases) = field(&field(&ordered, "continued"), "cases") else {
+        panic!("cases")
+    };
+    let mut failures = Vec::new();
+    let (mut texts, mut errors) = (0, 0);
+    for (i, case) in cases.iter().enumerate() {
+        let want = &continued["cases"][i];
+        let name = want["template"].as_str().unwrap();
+        let mut config = styles["special_tokens"].clone();
+        config["chat_template"] = styles["templates"]
+            .get(name)
+            .unwrap_or(&continued["templates"][name])
+            .clone();
+        let chat = ChatTemplate::from_config(&config.to_string(), name)
+            .unwrap()
+            .unwrap()
+            .with_fixed_time(styles["frozen_time"].as_i64().unwrap());
+        let ChatValue::Array(messages) = field(case, "messages") else {
+            panic!("messages")
+        };
+        let got = chat.render_request(&ChatRequest {
+            messages: &messages,
+            continue_final_message: want["field"].as_str(),
+            ..Default::default()
+        });
+        match (&got, want["text"].as_str()) {
+            (Ok(r), Some(text)) if r.text == text => texts += 1,
+            (Err(_), None) => errors += 1,
+            _ => failures.push(format!("case {i} ({name}): {got:?} vs {want}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Both outcomes are exercised: most cases continue, a few are refused.
+    assert!(
+        texts >= 15 && errors >= 3,
+        "{texts} continued, {errors} refused"
+    );
+}
+
 /// The chat fixture, its objects' keys in the file's order ([`ChatValue`]) and as
 /// `serde_json::Value`.
 fn chat_fixture() -> (Value, headroom_trainer::chat_template::ChatValue) {
