@@ -238,9 +238,21 @@ struct SampleArgs {
     /// A conversation so far for a chat model to continue: a JSON file holding a list of
     /// messages, or an object as a `data build --jsonl` line (`messages`, and `tools` and
     /// `chat_template_kwargs` if any), rendered with the chat template and the assistant's
-    /// turn header; `--chat MESSAGE` then adds a user turn after it.
+    /// turn header; `--chat MESSAGE` then adds a user turn after it. A conversation that ends
+    /// with the assistant's message is continued (`--continue-final-message`).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_ids", "system"])]
     conversation: Option<PathBuf>,
+    /// The start of the assistant's answer ("prefill"), which the model continues: an
+    /// assistant message after `--chat`'s user turn (or the conversation), left open.
+    #[arg(long, value_name = "TEXT")]
+    prefill: Option<String>,
+    /// Whether the model continues the conversation's final message rather than starting a
+    /// new assistant turn after it (transformers' `continue_final_message`): the text ends
+    /// where the message's text ends, without the template's end of turn. Default, as
+    /// transformers' text-generation pipeline: true when the final message is the
+    /// assistant's.
+    #[arg(long, value_name = "BOOL")]
+    continue_final_message: Option<bool>,
     /// A Jinja chat template file for `--chat` or `--conversation`, in place of the
     /// tokenizer's.
     #[arg(long, value_name = "FILE")]
@@ -2604,6 +2616,11 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     }
     let mut eot = tok.as_ref().and_then(Tokenizer::end_of_text);
     let chat_prompt = if a.chat.is_some() || a.conversation.is_some() {
+        if a.prefill.is_some() && a.continue_final_message == Some(false) {
+            return Err("--prefill is an assistant message to continue, and \
+                        --continue-final-message false would end it"
+                .into());
+        }
         let t = tok
             .as_ref()
             .ok_or("--chat and --conversation need a tokenizer: pass --tokenizer FILE")?;
@@ -2631,13 +2648,23 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         if let Some(message) = &a.chat {
             messages.push(turn("user", message));
         }
+        if let Some(text) = &a.prefill {
+            messages.push(turn("assistant", text));
+        }
+        let ends_with_assistant = matches!(
+            messages.last(),
+            Some(crate::chat_template::ChatValue::Object(m))
+                if m.iter().any(|(k, v)| k == "role" && *v == crate::chat_template::ChatValue::String("assistant".into()))
+        );
+        let continue_final = a.continue_final_message.unwrap_or(ends_with_assistant);
         let text = template
             .render_request(&crate::chat_template::ChatRequest {
                 messages: &messages,
-                add_generation_prompt: true,
+                add_generation_prompt: !continue_final,
                 tools: conversation.tools.as_deref(),
                 documents: None,
                 extra: &conversation.extra,
+                continue_final_message: continue_final.then_some("content"),
             })?
             .text;
         // The chat model ends its turn with the template's end-of-sequence token.
@@ -2651,6 +2678,8 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         Some(t.encode(&text)?)
     } else if a.chat_template.is_some() {
         return Err("--chat-template needs --chat or --conversation".into());
+    } else if a.prefill.is_some() || a.continue_final_message.is_some() {
+        return Err("--prefill and --continue-final-message need --chat or --conversation".into());
     } else {
         None
     };

@@ -1550,6 +1550,70 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         greedy(&["--conversation", conversation.to_str().unwrap()]),
         from_file
     );
+    // --prefill starts the assistant's answer, which the model continues: the conversation
+    // rendered with transformers' continue_final_message (the template's end of turn cut off).
+    let prefilled = [
+        serde_json::json!({"role": "user", "content": "Where did the dog go?"}).into(),
+        serde_json::json!({"role": "assistant", "content": "The dog"}).into(),
+    ];
+    let text = tok
+        .chat_template()
+        .unwrap()
+        .unwrap()
+        .render_request(&headroom_trainer::chat_template::ChatRequest {
+            messages: &prefilled,
+            continue_final_message: Some("content"),
+            ..Default::default()
+        })
+        .unwrap()
+        .text;
+    assert!(text.ends_with("<|assistant|>\nThe dog"), "{text:?}");
+    let continued = greedy(&["--chat", "Where did the dog go?", "--prefill", "The dog"]);
+    assert_eq!(continued, greedy(&["--prompt-ids", &ids_of(&text)]));
+    // A conversation that ends with the assistant's message is continued, as transformers'
+    // text-generation pipeline does, unless --continue-final-message false asks for a new turn.
+    std::fs::write(&conversation, serde_json::to_string(&prefilled).unwrap()).unwrap();
+    let file = conversation.to_str().unwrap();
+    assert_eq!(greedy(&["--conversation", file]), continued);
+    let new_turn = tok
+        .chat_template()
+        .unwrap()
+        .unwrap()
+        .render(&prefilled, true)
+        .unwrap();
+    assert_eq!(
+        greedy(&["--conversation", file, "--continue-final-message", "false"]),
+        greedy(&["--prompt-ids", &ids_of(&new_turn)])
+    );
+    for (args, why) in [
+        (
+            vec![
+                "--chat",
+                "hi",
+                "--prefill",
+                "x",
+                "--continue-final-message",
+                "false",
+            ],
+            "--prefill is an assistant message",
+        ),
+        (
+            vec!["--prompt", "hi", "--prefill", "x"],
+            "need --chat or --conversation",
+        ),
+    ] {
+        let mut all = vec![
+            "sample",
+            "--from",
+            run.to_str().unwrap(),
+            "--tokenizer",
+            chat.to_str().unwrap(),
+        ];
+        all.extend(args);
+        let o = headroom(&all);
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains(why), "{}", stderr(&o));
+    }
     std::fs::write(&conversation, r#"{"turns": []}"#).unwrap();
     let o = headroom(&[
         "sample",
