@@ -94,7 +94,7 @@
 //! state, as in the ZeRO paper. Gradients are handed over in f32 either way.
 //!
 //! [`ZeroEngine::step_clipped`] clips to a global gradient norm taken over every rank's
-//! shard. With the `cuda` feature, [`NcclCollective`] runs the same collectives on NCCL
+//! shard. With the `cuda` feature, `NcclCollective` runs the same collectives on NCCL
 //! (one process per GPU; not yet run on a GPU); [`rendezvous`] is how such processes learn
 //! their rank from a launcher and share the communicator's id without MPI.
 
