@@ -12,6 +12,10 @@
      (transformers keeps every tied token).
 2. `greedy`: `generate(do_sample=False)` on the committed `hf-llama-gqa-untied` fixture, with
    and without `repetition_penalty`: greedy search applies the penalty and nothing else.
+3. `generation_configs`: `generation_config.json` files (Llama 3.1 and Qwen 2.5 Instruct's
+   kind, unset and null values, a top-k of 0) with settings given beside them, and what
+   `generate` makes of them: greedy or sampling, the logits processors it builds in order with
+   their parameters, the end ids; or its error.
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -136,6 +140,74 @@ def greedy_cases():
     return out
 
 
+# generation_config.json files (in the style of released models': Llama 3.1 Instruct's,
+# Qwen 2.5 Instruct's, and edge cases) and the settings a user gives with them (`sample`'s
+# flags: a sampling setting passes do_sample=True, a temperature of 0 do_sample=False).
+LLAMA31 = {"bos_token_id": 128000, "do_sample": True, "eos_token_id": [128001, 128008, 128009],
+           "temperature": 0.6, "top_p": 0.9}
+QWEN25 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+          "pad_token_id": 151643, "repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20,
+          "top_p": 0.8}
+GENERATION_CONFIG_CASES = [
+    ({"eos_token_id": 2}, {}),
+    (LLAMA31, {}),
+    (QWEN25, {}),
+    ({"do_sample": True}, {}),
+    ({"do_sample": False, "temperature": 0.6, "top_p": 0.9}, {}),
+    ({"do_sample": True, "top_k": 0, "min_p": 0.05, "eos_token_id": None}, {}),
+    ({"do_sample": True, "top_k": None, "temperature": None}, {}),
+    ({"do_sample": True, "repetition_penalty": 1.0, "top_p": 1.0}, {}),
+    (LLAMA31, {"temperature": 0.0}),
+    (QWEN25, {"temperature": 0.0}),
+    (LLAMA31, {"temperature": 1.2, "top_k": 5}),
+    ({"eos_token_id": 2}, {"top_p": 0.5}),
+    ({"eos_token_id": 2}, {"temperature": 0.8}),
+    ({"eos_token_id": 2}, {"repetition_penalty": 1.3}),
+    (QWEN25, {"repetition_penalty": 1.0, "top_k": 0}),
+    (QWEN25, {"min_p": 0.1}),
+    ({"do_sample": True, "temperature": 0.0}, {}),
+]
+
+
+def generation_config_cases():
+    """What transformers' `generate` builds from each generation_config.json and settings:
+    greedy or sampling, its logits processors in order with their parameters, and the end
+    ids; or its error."""
+    import tempfile
+
+    from transformers import GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager").eval()
+    out = []
+    for config, asked in GENERATION_CONFIG_CASES:
+        case = {"generation_config": config, "asked": asked}
+        kwargs = dict(asked)
+        if kwargs.get("temperature") == 0.0:
+            kwargs = {k: v for k, v in kwargs.items() if k != "temperature"}
+            kwargs["do_sample"] = False
+        elif any(k in kwargs for k in ("temperature", "top_k", "top_p", "min_p")):
+            kwargs["do_sample"] = True
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+                    json.dump(config, f)
+                model.generation_config = GenerationConfig.from_pretrained(tmp)
+            resolved, _ = model._prepare_generation_config(None, **kwargs)
+            steps = model._get_logits_processor(resolved, input_ids_seq_length=3, device="cpu")
+            eos = resolved.eos_token_id
+            case["sampling"] = resolved.get_generation_mode() == "sample"
+            case["processors"] = [
+                [type(p).__name__, getattr(p, "penalty", None) or getattr(p, "temperature", None)
+                 or getattr(p, "top_k", None) or getattr(p, "top_p", None) or getattr(p, "min_p", None)]
+                for p in steps
+            ]
+            case["eos_token_id"] = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        except Exception as e:  # the Rust test checks that headroom refuses it too
+            case["error"] = f"{type(e).__name__}: {e}"[:300]
+        out.append(case)
+    return out
+
+
 def main():
     import transformers
 
@@ -144,11 +216,15 @@ def main():
         "written_by": f"benches/torch/make_sampling_fixture.py, transformers {transformers.__version__}, torch {torch.__version__}",
         "warpers": warper_cases(gen),
         "greedy": greedy_cases(),
+        "generation_configs": generation_config_cases(),
     }
     with open(OUT, "w") as f:
         json.dump(fixture, f)
         f.write("\n")
-    print(f"wrote {OUT}: {len(fixture['warpers'])} warper cases, {len(fixture['greedy'])} greedy runs")
+    print(
+        f"wrote {OUT}: {len(fixture['warpers'])} warper cases, {len(fixture['greedy'])} greedy runs, "
+        f"{len(fixture['generation_configs'])} generation configs"
+    )
 
 
 if __name__ == "__main__":

@@ -906,6 +906,29 @@ pub fn save_hf(
     params: &[CpuTensor],
     max_shard_bytes: u64,
 ) -> Result<()> {
+    save_hf_with(out, config, params, max_shard_bytes, &[])
+}
+
+/// [`save_hf`] with further files written into the directory before it is published (the
+/// base model's `generation_config.json`, which transformers' `save_pretrained` writes too).
+/// Each name must be a plain file name other than the model's own files.
+pub fn save_hf_with(
+    out: &Path,
+    config: &ModelConfig,
+    params: &[CpuTensor],
+    max_shard_bytes: u64,
+    extra_files: &[(&str, &[u8])],
+) -> Result<()> {
+    for (name, _) in extra_files {
+        let plain = Path::new(name).file_name() == Some(std::ffi::OsStr::new(name));
+        let models_own = name.ends_with(".safetensors") || [FILES[1], SHARD_INDEX].contains(name);
+        if !plain || models_own {
+            return Err(err(
+                out,
+                format!("{name:?} is not a file the export may add"),
+            ));
+        }
+    }
     if out.exists() {
         return Err(err(out, "already exists; refusing to overwrite it"));
     }
@@ -943,6 +966,9 @@ pub fn save_hf(
     removing_on_error(&partial, || {
         model_files(config, params, max_shard_bytes, out, &partial)?;
         write_synced(&partial.join(FILES[1]), &hf_config(config, out)?)?;
+        for (name, bytes) in extra_files {
+            write_synced(&partial.join(name), bytes)?;
+        }
         sync_dir(&partial)?;
         fs::rename(&partial, out).map_err(io(out))
     })?;

@@ -262,10 +262,13 @@ struct SampleArgs {
     tokens: usize,
     /// Softmax temperature; 0 is greedy (the argmax after the repetition penalty). The
     /// settings apply in transformers' order: repetition penalty, temperature, top-k, top-p,
-    /// min-p.
-    #[arg(long, default_value_t = 1.0)]
-    temperature: f32,
-    /// Sample among the K most likely tokens only (and any tied with the K-th).
+    /// min-p. Default 1, or what the model directory's `generation_config.json` sets: with one,
+    /// generation starts from transformers' `generate` settings (greedy unless it sets
+    /// `do_sample`; sampling at its temperature, top-k (default 50), top-p and min-p), each flag
+    /// given replaces its value, and a temperature above 0, a top-k, top-p or min-p samples.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Sample among the K most likely tokens only (and any tied with the K-th); 0 is no cut.
     #[arg(long, value_name = "K")]
     top_k: Option<usize>,
     /// Nucleus sampling: the most likely tokens whose probabilities add up to P, in (0, 1].
@@ -285,7 +288,8 @@ struct SampleArgs {
     /// without one, token ids are printed).
     #[arg(long, value_name = "gpt2|FILE")]
     tokenizer: Option<String>,
-    /// Keep generating past the end-of-text token.
+    /// Keep generating past the end-of-text tokens (the tokenizer's or chat template's, and
+    /// the `eos_token_id`s of the model's `generation_config.json`).
     #[arg(long)]
     ignore_eot: bool,
     /// A PEFT LoRA adapter: merged into the weights at fp32, applied unmerged beside a bf16,
@@ -2484,7 +2488,13 @@ fn cmd_merge(a: MergeArgs) -> CliResult {
         .map_or(crate::checkpoint::MAX_SHARD_BYTES, |m| {
             m.saturating_mul(1 << 20)
         });
-    crate::checkpoint::save_hf(&a.out, &cfg, &masters, max_shard)?;
+    // transformers' save_pretrained writes the model's generation config beside it.
+    let generation = crate::sample::GenerationConfig::file_beside(&a.base)?;
+    let extra: Vec<(&str, &[u8])> = generation
+        .iter()
+        .map(|b| (crate::sample::GENERATION_CONFIG, b.as_slice()))
+        .collect();
+    crate::checkpoint::save_hf_with(&a.out, &cfg, &masters, max_shard, &extra)?;
     say!(
         "{}: {} with {merged} adapted modules merged (rank {}, scaling {})",
         a.out.display(),
@@ -2530,6 +2540,28 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     );
     esay!("{}", a.weights.summary(&tracker));
     Ok(())
+}
+
+/// The sampler in words, for the line that says where its settings came from.
+fn describe_sampling(s: &crate::sample::Sampling) -> String {
+    let mut parts = vec![if s.temperature == 0.0 {
+        "greedy".to_owned()
+    } else {
+        format!("sampling at temperature {}", s.temperature)
+    }];
+    if let Some(k) = s.top_k {
+        parts.push(format!("top-k {k}"));
+    }
+    if let Some(p) = s.top_p {
+        parts.push(format!("top-p {p}"));
+    }
+    if let Some(p) = s.min_p {
+        parts.push(format!("min-p {p}"));
+    }
+    if let Some(r) = s.repetition_penalty {
+        parts.push(format!("repetition penalty {r}"));
+    }
+    parts.join(", ")
 }
 
 /// A conversation for `sample --conversation`.
@@ -2586,9 +2618,10 @@ fn read_conversation(file: &Path) -> CliResult<Conversation> {
 }
 
 fn cmd_sample(a: SampleArgs) -> CliResult {
-    use crate::sample::{generate, load_for_inference, SampleOptions, Sampling};
+    use crate::sample::{generate, load_for_inference, GenerationConfig, SampleOptions};
+    use crate::sample::{SamplingRequest, GENERATION_CONFIG};
     use crate::tokenize::Tokenizer;
-    let sampling = Sampling {
+    let asked = SamplingRequest {
         temperature: a.temperature,
         top_k: a.top_k,
         top_p: a.top_p,
@@ -2596,7 +2629,19 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         repetition_penalty: a.repetition_penalty,
     };
     // Before the model loads: a bad setting is refused at once.
-    sampling.validate()?;
+    let generation_config = GenerationConfig::beside(&a.from)?;
+    let sampling = match &generation_config {
+        Some(config) => {
+            let sampling = config.sampling(&asked)?;
+            esay!("{GENERATION_CONFIG}: {}", describe_sampling(&sampling));
+            sampling
+        }
+        None => {
+            let sampling = asked.plain();
+            sampling.validate()?;
+            sampling
+        }
+    };
     let (cpu, tracker) = inference_cpu();
     let weights = &a.weights;
     let model = load_for_inference(&a.from, a.adapter.as_deref(), &cpu, &a.weights.weights())?;
@@ -2712,7 +2757,15 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         tokens: a.tokens,
         sampling,
         seed: a.seed,
-        stop_at: if a.ignore_eot { None } else { eot },
+        stop_tokens: if a.ignore_eot {
+            Vec::new()
+        } else {
+            let from_config = generation_config.iter().flat_map(|c| &c.eos_token_ids);
+            let mut stops: Vec<u32> = eot.into_iter().chain(from_config.copied()).collect();
+            stops.sort_unstable();
+            stops.dedup();
+            stops
+        },
         vocab_limit: tok.as_ref().map(Tokenizer::vocab_size),
     };
     let mut out = std::io::stdout();

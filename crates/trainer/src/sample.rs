@@ -1,6 +1,8 @@
 //! Text generation from a trained or pretrained model with a KV cache: temperature, top-k,
-//! a seeded generator (the same seed gives the same tokens), and a context that slides when
-//! the model's window is full.
+//! top-p, min-p and the repetition penalty in transformers' order, a seeded generator (the same
+//! seed gives the same tokens), end tokens, and a context that slides when the model's window is
+//! full. A Hugging Face model's `generation_config.json` ([`GenerationConfig`]) gives the
+//! defaults transformers' `generate` would take from it.
 
 use std::path::Path;
 
@@ -86,8 +88,214 @@ impl Sampling {
     }
 }
 
+/// The file beside a Hugging Face model's weights that holds its makers' generation
+/// settings.
+pub const GENERATION_CONFIG: &str = "generation_config.json";
+
+/// The largest `generation_config.json` read (real ones are under 1 KiB).
+const MAX_GENERATION_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The most end-of-text ids a generation config may list.
+const MAX_EOS_IDS: usize = 4096;
+
+/// What a Hugging Face model's `generation_config.json` sets of what headroom's sampler does
+/// (transformers' `GenerationConfig`); `None` is unset (or `null`), which transformers fills
+/// with its defaults: greedy, or when sampling temperature 1, top-k 50, top-p 1. Other keys
+/// (beams, lengths, `bos_token_id`, …) are not read.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationConfig {
+    /// Sample (`true`) or take the argmax (`false`, transformers' default).
+    pub do_sample: Option<bool>,
+    /// Softmax temperature when sampling.
+    pub temperature: Option<f32>,
+    /// Top-k when sampling; 0 turns it off.
+    pub top_k: Option<usize>,
+    /// Top-p when sampling; 1 turns it off.
+    pub top_p: Option<f32>,
+    /// Min-p when sampling.
+    pub min_p: Option<f32>,
+    /// The repetition penalty, greedy or not; 1 is none.
+    pub repetition_penalty: Option<f32>,
+    /// `eos_token_id`: one id, a list, or none; generation stops after any of them.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// The settings given for one generation (`headroom sample`'s flags): each replaces the model's
+/// [`GenerationConfig`] value. A temperature above 0, a top-k, top-p or min-p asks for sampling
+/// (as `generate(do_sample=True, …)`), a temperature of 0 for the argmax.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SamplingRequest {
+    /// Softmax temperature; 0 is greedy.
+    pub temperature: Option<f32>,
+    /// Top-k; 0 turns it off.
+    pub top_k: Option<usize>,
+    /// Top-p.
+    pub top_p: Option<f32>,
+    /// Min-p.
+    pub min_p: Option<f32>,
+    /// Repetition penalty.
+    pub repetition_penalty: Option<f32>,
+}
+
+impl SamplingRequest {
+    /// The sampler these settings ask for with no generation config: temperature 1 unless
+    /// given, and only the cuts asked for.
+    pub fn plain(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k: self.top_k.filter(|&k| k != 0),
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
+}
+
+impl GenerationConfig {
+    /// Reads a `generation_config.json`'s text; `path` names it in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
+        let serde_json::Value::Object(map) =
+            serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?
+        else {
+            return Err(bad("not a JSON object".into()));
+        };
+        let number = |key: &str| -> Result<Option<f64>> {
+            match map.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::Number(n)) => Ok(n.as_f64()),
+                Some(v) => Err(bad(format!("{key} is {v}, not a number"))),
+            }
+        };
+        let real = |key: &str| -> Result<Option<f32>> {
+            match number(key)? {
+                Some(x) if x.is_finite() && x.abs() <= f64::from(f32::MAX) => Ok(Some(x as f32)),
+                Some(x) => Err(bad(format!("{key} {x} is not a finite f32"))),
+                None => Ok(None),
+            }
+        };
+        let id = |v: &serde_json::Value| -> Result<u32> {
+            v.as_u64()
+                .and_then(|i| u32::try_from(i).ok())
+                .ok_or_else(|| bad(format!("eos_token_id holds {v}, not a token id")))
+        };
+        let eos_token_ids = match map.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(ids)) if ids.len() <= MAX_EOS_IDS => {
+                ids.iter().map(id).collect::<Result<_>>()?
+            }
+            Some(serde_json::Value::Array(ids)) => {
+                return Err(bad(format!(
+                    "eos_token_id lists {} ids, more than {MAX_EOS_IDS}",
+                    ids.len()
+                )))
+            }
+            Some(v) => vec![id(v)?],
+        };
+        let top_k = match map.get("top_k") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|k| usize::try_from(k).ok())
+                    .ok_or_else(|| bad(format!("top_k is {v}, not a count")))?,
+            ),
+        };
+        let do_sample = match map.get("do_sample") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::Bool(b)) => Some(*b),
+            Some(v) => return Err(bad(format!("do_sample is {v}, not true or false"))),
+        };
+        Ok(GenerationConfig {
+            do_sample,
+            temperature: real("temperature")?,
+            top_k,
+            top_p: real("top_p")?,
+            min_p: real("min_p")?,
+            repetition_penalty: real("repetition_penalty")?,
+            eos_token_ids,
+        })
+    }
+
+    /// The `generation_config.json` in `dir`, if it has one.
+    pub fn beside(dir: &Path) -> Result<Option<Self>> {
+        let Some(bytes) = Self::file_beside(dir)? else {
+            return Ok(None);
+        };
+        // Read as UTF-8 by file_beside already.
+        let text = String::from_utf8_lossy(&bytes);
+        Self::parse(&text, &dir.join(GENERATION_CONFIG)).map(Some)
+    }
+
+    /// The bytes of the `generation_config.json` in `dir`, if it has one, once they read as
+    /// one: what an export of a model made from `dir` carries over, as `save_pretrained` does.
+    pub fn file_beside(dir: &Path) -> Result<Option<Vec<u8>>> {
+        let path = dir.join(GENERATION_CONFIG);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let bytes = crate::bounded::read_file(&path, MAX_GENERATION_CONFIG_BYTES)
+            .map_err(|e| TrainError::Input(format!("{}: {e}", path.display())))?;
+        let text = std::str::from_utf8(&bytes)
+            .map_err(|e| TrainError::Input(format!("{}: {e}", path.display())))?;
+        Self::parse(text, &path)?;
+        Ok(Some(bytes))
+    }
+
+    /// The sampler transformers' `generate` builds from this config with `asked`'s settings
+    /// passed to it (sampling ones with `do_sample=True`): greedy unless sampling is asked for
+    /// or set, else the config's values under the settings given, transformers' defaults
+    /// under both (temperature 1, top-k 50, top-p 1), a top-k of 0 and a top-p of 1 meaning
+    /// none. The repetition penalty applies either way. Checked ([`Sampling::validate`]).
+    pub fn sampling(&self, asked: &SamplingRequest) -> Result<Sampling> {
+        // A setting out of range is refused even where greedy search would not read it.
+        asked.plain().validate()?;
+        let greedy_asked = asked.temperature == Some(0.0);
+        let sampling_asked = asked.temperature.is_some_and(|t| t != 0.0)
+            || asked.top_k.is_some()
+            || asked.top_p.is_some()
+            || asked.min_p.is_some();
+        let repetition_penalty = asked
+            .repetition_penalty
+            .or(self.repetition_penalty)
+            .filter(|&r| r != 1.0);
+        let chosen = if greedy_asked || !(sampling_asked || self.do_sample == Some(true)) {
+            Sampling {
+                repetition_penalty,
+                ..Sampling::greedy()
+            }
+        } else {
+            let temperature = asked.temperature.or(self.temperature).unwrap_or(1.0);
+            // transformers refuses to sample at temperature 0 rather than take the argmax.
+            if temperature == 0.0 {
+                return Err(TrainError::Input(
+                    "sample: the generation config samples at temperature 0; set a \
+                     temperature above 0, or 0 with --temperature to take the argmax"
+                        .into(),
+                ));
+            }
+            let top_p = asked.top_p.or(self.top_p).unwrap_or(1.0);
+            // Checked before 1 is read as no cut (transformers then builds no top-p step at
+            // all, whatever the value).
+            Sampling {
+                top_p: Some(top_p),
+                ..Sampling::default()
+            }
+            .validate()?;
+            Sampling {
+                temperature,
+                top_k: Some(asked.top_k.or(self.top_k).unwrap_or(50)).filter(|&k| k != 0),
+                top_p: Some(top_p).filter(|&p| p < 1.0),
+                min_p: asked.min_p.or(self.min_p),
+                repetition_penalty,
+            }
+        };
+        chosen.validate()?;
+        Ok(chosen)
+    }
+}
+
 /// How to generate.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct SampleOptions {
     /// New tokens to generate.
     pub tokens: usize,
@@ -95,8 +303,9 @@ pub struct SampleOptions {
     pub sampling: Sampling,
     /// Seed of the generator.
     pub seed: u64,
-    /// Stop after generating this token (the end of text).
-    pub stop_at: Option<u32>,
+    /// Stop after generating any of these tokens (the end of text; transformers'
+    /// `eos_token_id`, which may be a list); empty never stops early.
+    pub stop_tokens: Vec<u32>,
     /// Draw only ids below this (a tokenizer with fewer ids than the model's padded
     /// vocabulary); `None` allows the whole vocabulary.
     pub vocab_limit: Option<usize>,
@@ -108,7 +317,7 @@ impl Default for SampleOptions {
             tokens: 100,
             sampling: Sampling::default(),
             seed: 1337,
-            stop_at: None,
+            stop_tokens: Vec::new(),
             vocab_limit: None,
         }
     }
@@ -427,7 +636,7 @@ pub fn generate<B: ModelOps>(
         all.push(next);
         out.push(next);
         on_token(next)?;
-        if opts.stop_at == Some(next) {
+        if opts.stop_tokens.contains(&next) {
             break;
         }
         pending = vec![next];

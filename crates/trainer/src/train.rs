@@ -2107,7 +2107,16 @@ fn train_tracked(
             });
         }
         crate::adapters::merge(&opts.model, &mut base, &adapter, out)?;
-        checkpoint::save_hf(out, &opts.model, &base, opts.max_shard_bytes)?;
+        // The base's generation config goes with it, as save_pretrained writes it.
+        let generation = match &opts.init_from {
+            Some(dir) => crate::sample::GenerationConfig::file_beside(dir)?,
+            None => None,
+        };
+        let extra: Vec<(&str, &[u8])> = generation
+            .iter()
+            .map(|b| (crate::sample::GENERATION_CONFIG, b.as_slice()))
+            .collect();
+        checkpoint::save_hf_with(out, &opts.model, &base, opts.max_shard_bytes, &extra)?;
     }
     let memory = tracker.snapshot();
     let memory_table = memory_summary(&memory, &ReportContext::with_process_memory());

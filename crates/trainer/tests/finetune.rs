@@ -281,6 +281,76 @@ fn sample_prints_ids_without_a_tokenizer_and_refuses_mismatches() {
         String::from_utf8(o.stdout).unwrap().trim(),
         "1 5 9 5 56 34 22 54 69 70 50 69"
     );
+    // The model's generation_config.json sets no do_sample: greedy unless asked otherwise, as
+    // transformers' generate, and the line on stderr says so; a flag still applies.
+    let o = headroom(&[
+        "sample",
+        "--from",
+        base,
+        "--prompt-ids",
+        "1,5,9,5",
+        "--tokens",
+        "8",
+        "--repetition-penalty",
+        "1.3",
+    ]);
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        "1 5 9 5 56 34 22 54 69 70 50 69"
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("generation_config.json: greedy, repetition penalty 1.3"),
+        "{err}"
+    );
+    // Its end ids, one or a list, stop generation at whichever comes first.
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(
+            fixture("hf-llama-gqa-untied").join(name),
+            dir.path().join(name),
+        )
+        .unwrap();
+    }
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"eos_token_id": [90, 22], "repetition_penalty": 1.3}"#,
+    )
+    .unwrap();
+    let o = headroom(&[
+        "sample",
+        "--from",
+        dir.path().to_str().unwrap(),
+        "--prompt-ids",
+        "1,5,9,5",
+        "--tokens",
+        "8",
+    ]);
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        "1 5 9 5 56 34 22"
+    );
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"top_k": "x"}"#,
+    )
+    .unwrap();
+    let o = common::headroom_command()
+        .args([
+            "sample",
+            "--from",
+            dir.path().to_str().unwrap(),
+            "--tokens",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("top_k is \"x\", not a count"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     for bad in [
         vec!["--prompt", "text without a tokenizer"],
         vec!["--tokenizer", "gpt2"],
@@ -374,6 +444,8 @@ fn qlora_on_a_pretrained_llama_lowers_the_validation_loss() {
     );
     assert!(val[3] < val[0] - 0.3, "validation losses {val:?}");
 
+    // The merged model carries the base's generation config, as save_pretrained writes it.
+    assert!(dir.path().join("merged/generation_config.json").is_file());
     let step = dir.path().join("run/step-00000100");
     for f in [
         "adapter_config.json",

@@ -132,6 +132,12 @@ fn headroom_merge_writes_a_model_that_loads_with_the_merged_weights() {
     let o = run(&[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("6 adapted modules"));
+    // The base's generation config goes with it, as save_pretrained writes it.
+    let generation = "generation_config.json";
+    assert_eq!(
+        std::fs::read(merged.join(generation)).unwrap(),
+        std::fs::read(trainer_fixture("hf-llama-gqa-untied").join(generation)).unwrap()
+    );
     // An existing directory is never overwritten.
     let again = run(&[]);
     assert!(!again.status.success());

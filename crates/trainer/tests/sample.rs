@@ -204,7 +204,7 @@ fn sampling_is_seeded_and_stops_at_the_end_token() {
             tokens: 12,
             sampling: tempered(1.5, Some(10)),
             seed,
-            stop_at: None,
+            stop_tokens: Vec::new(),
             vocab_limit: None,
         };
         generate(&model, &[1, 2, 3], &opts, |_| Ok(())).unwrap()
@@ -216,12 +216,27 @@ fn sampling_is_seeded_and_stops_at_the_end_token() {
         tokens: 12,
         sampling: tempered(1.5, Some(10)),
         seed: 7,
-        stop_at: Some(first),
+        stop_tokens: vec![first],
         vocab_limit: None,
     };
     assert_eq!(
         generate(&model, &[1, 2, 3], &opts, |_| Ok(())).unwrap(),
         vec![first]
+    );
+    // Of several end tokens (transformers' list of `eos_token_id`s), the first one drawn
+    // stops it; a listed id never drawn changes nothing.
+    let all = run(7);
+    let at = (1..all.len())
+        .find(|&i| !all[..i].contains(&all[i]))
+        .expect("a token not drawn before");
+    let never = (0..4u32).find(|id| !all.contains(id)).unwrap_or(u32::MAX);
+    let opts = SampleOptions {
+        stop_tokens: vec![never, all[at]],
+        ..opts
+    };
+    assert_eq!(
+        generate(&model, &[1, 2, 3], &opts, |_| Ok(())).unwrap(),
+        all[..=at]
     );
 }
 
@@ -446,7 +461,10 @@ fn greedy_generation_with_a_repetition_penalty_is_transformers() {
                 repetition_penalty: penalty,
                 ..Sampling::greedy()
             },
-            stop_at: run["eos_token_id"].as_u64().map(|e| e as u32),
+            stop_tokens: run["eos_token_id"]
+                .as_u64()
+                .map(|e| vec![e as u32])
+                .unwrap_or_default(),
             ..SampleOptions::default()
         };
         let got = generate(&model, &prompt, &opts, |_| Ok(())).unwrap();
@@ -458,6 +476,104 @@ fn greedy_generation_with_a_repetition_penalty_is_transformers() {
         }
     }
     assert!(changed >= 2, "the penalty changed only {changed} runs");
+}
+
+/// A model's `generation_config.json` with settings given beside it makes the sampler
+/// transformers' `generate` builds (`tests/fixtures/sampling.json`): greedy or sampling, the
+/// same steps with the same parameters (transformers' defaults filling what neither sets), the
+/// same end ids; what transformers refuses is refused.
+#[test]
+fn generation_configs_make_the_sampler_transformers_generate_makes() {
+    use headroom_trainer::sample::{GenerationConfig, SamplingRequest};
+    let fx = fixture();
+    let cases = fx["generation_configs"].as_array().unwrap();
+    let (mut sampled, mut greedy, mut refused) = (0, 0, 0);
+    for case in cases {
+        let text = case["generation_config"].to_string();
+        let config =
+            GenerationConfig::parse(&text, std::path::Path::new("generation_config.json")).unwrap();
+        let asked = &case["asked"];
+        let request = SamplingRequest {
+            temperature: opt_f32(&asked["temperature"]),
+            top_k: asked["top_k"].as_u64().map(|k| k as usize),
+            top_p: opt_f32(&asked["top_p"]),
+            min_p: opt_f32(&asked["min_p"]),
+            repetition_penalty: opt_f32(&asked["repetition_penalty"]),
+        };
+        let got = config.sampling(&request);
+        if case.get("error").is_some() {
+            assert!(
+                got.is_err(),
+                "{case}: transformers refused, headroom gave {got:?}"
+            );
+            refused += 1;
+            continue;
+        }
+        let mut want = if case["sampling"].as_bool().unwrap() {
+            sampled += 1;
+            Sampling::default()
+        } else {
+            greedy += 1;
+            Sampling::greedy()
+        };
+        for step in case["processors"].as_array().unwrap() {
+            let value = step[1].as_f64().unwrap();
+            match step[0].as_str().unwrap() {
+                "RepetitionPenaltyLogitsProcessor" => want.repetition_penalty = Some(value as f32),
+                "TemperatureLogitsWarper" => want.temperature = value as f32,
+                "TopKLogitsWarper" => want.top_k = Some(value as usize),
+                "TopPLogitsWarper" => want.top_p = Some(value as f32),
+                "MinPLogitsWarper" => want.min_p = Some(value as f32),
+                other => panic!("{case}: a step headroom does not have: {other}"),
+            }
+        }
+        assert_eq!(got.unwrap(), want, "{case}");
+        assert_eq!(
+            config.eos_token_ids,
+            u32_list(&case["eos_token_id"]),
+            "{case}"
+        );
+    }
+    assert!(
+        sampled >= 8 && greedy >= 4 && refused >= 1,
+        "{sampled} {greedy} {refused}"
+    );
+}
+
+/// A damaged or hostile `generation_config.json` is a typed error naming the file.
+#[test]
+fn bad_generation_configs_are_refused() {
+    use headroom_trainer::sample::GenerationConfig;
+    let path = std::path::Path::new("dir/generation_config.json");
+    for (text, why) in [
+        ("[1]", "not a JSON object"),
+        ("{", "not JSON"),
+        (r#"{"eos_token_id": -1}"#, "not a token id"),
+        (r#"{"eos_token_id": [2, "x"]}"#, "not a token id"),
+        (r#"{"eos_token_id": 4294967296}"#, "not a token id"),
+        (r#"{"top_k": 1.5}"#, "not a count"),
+        (r#"{"temperature": "hot"}"#, "not a number"),
+        (r#"{"temperature": 1e300}"#, "not a finite f32"),
+        (r#"{"do_sample": 1}"#, "not true or false"),
+    ] {
+        let e = GenerationConfig::parse(text, path).unwrap_err().to_string();
+        assert!(
+            e.contains(why) && e.contains("generation_config.json"),
+            "{text}: {e}"
+        );
+    }
+    let many = format!(r#"{{"eos_token_id": [{}]}}"#, vec!["1"; 5000].join(","));
+    assert!(GenerationConfig::parse(&many, path).is_err());
+    // Values in range but out of the sampler's: refused when sampling would use them.
+    use headroom_trainer::sample::SamplingRequest;
+    let config = GenerationConfig::parse(r#"{"do_sample": true, "top_p": 1.5}"#, path).unwrap();
+    assert!(config.sampling(&SamplingRequest::default()).is_err());
+    let asked = SamplingRequest {
+        temperature: Some(0.0),
+        top_p: Some(2.0),
+        ..SamplingRequest::default()
+    };
+    assert!(GenerationConfig::default().sampling(&asked).is_err());
 }
 
 /// transformers' steps done plainly (whole sort, top-p's mass dropped from the least likely
