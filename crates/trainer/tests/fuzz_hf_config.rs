@@ -178,3 +178,54 @@ fn hugging_face_json_settings() {
     );
     assert!(ok > 0 && errors > 0);
 }
+
+/// A model's `generation_config.json` with each setting `sample` reads set to every odd value
+/// or removed: it reads, or is a typed error naming the file; what reads resolves to a checked
+/// sampler or a typed error. A value of the wrong JSON type is refused, never read as unset
+/// (it would sample where transformers refuses the file).
+#[test]
+fn generation_config_settings() {
+    use headroom_trainer::sample::{GenerationConfig, SamplingRequest};
+    let seed = serde_json::json!({
+        "bos_token_id": 151643, "do_sample": true, "eos_token_id": [151645, 151643],
+        "min_p": 0.05, "repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20,
+        "top_p": 0.8,
+    });
+    let path = Path::new("model/generation_config.json");
+    let (mut read, mut refused) = (0, 0);
+    for v in variants(&seed) {
+        let text = v.json.to_string();
+        let parsed = catch_unwind(AssertUnwindSafe(|| GenerationConfig::parse(&text, path)))
+            .unwrap_or_else(|_| panic!("{} = {}: panicked", v.path, v.value));
+        let config = match parsed {
+            Ok(config) => config,
+            Err(e) => {
+                assert!(e.to_string().contains("generation_config.json"), "{e}");
+                refused += 1;
+                continue;
+            }
+        };
+        read += 1;
+        let odd = v.json.pointer(&v.path).cloned().unwrap_or(Value::Null);
+        let wrong_type = match v.path.as_str() {
+            "/do_sample" => !(odd.is_null() || odd.is_boolean()),
+            "/eos_token_id" => !(odd.is_null() || odd.is_u64() || odd.is_array()),
+            "/top_k" => !(odd.is_null() || odd.is_u64()),
+            "/bos_token_id" => false,
+            _ => !(odd.is_null() || odd.is_number()),
+        };
+        assert!(!wrong_type, "{} = {} was read", v.path, v.value);
+        for asked in [
+            SamplingRequest::default(),
+            SamplingRequest {
+                temperature: Some(0.0),
+                ..SamplingRequest::default()
+            },
+        ] {
+            if let Ok(s) = config.sampling(&asked) {
+                s.validate().unwrap();
+            }
+        }
+    }
+    assert!(read > 0 && refused > 0, "{read} read, {refused} refused");
+}

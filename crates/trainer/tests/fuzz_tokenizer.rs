@@ -391,7 +391,30 @@ fn fuzz_chat_templates() {
             let mut config = config.clone();
             config["chat_template"] = Value::from(String::from_utf8_lossy(bytes).into_owned());
             let text = config.to_string();
+            let check = |r: &headroom_trainer::chat_template::Rendered| {
+                assert!(r.text.len() <= headroom_trainer::chat_template::MAX_RENDERED_BYTES);
+                // The spans of generation blocks are in order, inside the text, on character
+                // boundaries.
+                let mut end = 0;
+                for span in &r.generation {
+                    assert!(end <= span.start && span.start <= span.end);
+                    assert!(r.text.is_char_boundary(span.start));
+                    assert!(r.text.is_char_boundary(span.end));
+                    end = span.end;
+                }
+                assert!(end <= r.text.len());
+            };
             if let Some(t) = ChatTemplate::from_config(&text, "tokenizer_config.json")? {
+                // The final message continued: refused or cut, never a panic; what is left
+                // holds its spans.
+                let continued = t.render_request(&headroom_trainer::chat_template::ChatRequest {
+                    messages: &conversation,
+                    continue_final_message: Some("content"),
+                    ..Default::default()
+                });
+                if let Ok(r) = &continued {
+                    check(r);
+                }
                 for generation_prompt in [false, true] {
                     let r = t.render_request(&headroom_trainer::chat_template::ChatRequest {
                         messages: &conversation,
@@ -399,17 +422,7 @@ fn fuzz_chat_templates() {
                         tools: generation_prompt.then_some(tools.as_slice()),
                         ..Default::default()
                     })?;
-                    assert!(r.text.len() <= headroom_trainer::chat_template::MAX_RENDERED_BYTES);
-                    // The spans of generation blocks are in order, inside the text, on
-                    // character boundaries.
-                    let mut end = 0;
-                    for span in &r.generation {
-                        assert!(end <= span.start && span.start <= span.end);
-                        assert!(r.text.is_char_boundary(span.start));
-                        assert!(r.text.is_char_boundary(span.end));
-                        end = span.end;
-                    }
-                    assert!(end <= r.text.len());
+                    check(&r);
                 }
             }
             Ok(())
