@@ -16,6 +16,9 @@
    kind, unset and null values, a top-k of 0) with settings given beside them, and what
    `generate` makes of them: greedy or sampling, the logits processors it builds in order with
    their parameters, the end ids; or its error.
+4. `stop_strings`: transformers' `StopStringCriteria` (`generate(stop_strings=…)`) after every
+   token of sequences from a SentencePiece-style and a byte-level tokenizer, for stop strings
+   cut from their own text at random places and ones they never hold.
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -208,6 +211,89 @@ def generation_config_cases():
     return out
 
 
+def stop_string_cases():
+    """transformers' `StopStringCriteria` over every prefix of token sequences, for a
+    SentencePiece-style tokenizer (Metaspace decoder, the story tokenizer) and a byte-level one
+    (GPT-2's kind): after which tokens it fires for each set of stop strings. The stop strings
+    are pieces of the sequence's own text, cut at random places (inside tokens, across them,
+    inside a multi-byte character's token pieces), and strings it never holds."""
+    from transformers import PreTrainedTokenizerFast, StopStringCriteria
+
+    gen = torch.Generator().manual_seed(20261130)
+    texts = {
+        "tokenizer/story/tokenizer.json": "the small dog saw a big cat. the cat ran to the sun.",
+        "tokenizer/tokenizer.json": open(
+            os.path.join(FIXTURES, "tokenizer", "gpt2-text.txt"), encoding="utf-8"
+        ).read()[:260],
+    }
+    out = []
+    for name, text in texts.items():
+        tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(FIXTURES, name))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        decoded = tok.decode(ids)
+        pieces = []
+        while len(pieces) < 24:
+            start = int(torch.randint(0, len(decoded) - 1, (), generator=gen))
+            length = int(torch.randint(1, 9, (), generator=gen))
+            piece = decoded[start:start + length]
+            if piece.strip() and piece not in pieces:
+                pieces.append(piece)
+        sets = [[p] for p in pieces] + [[pieces[i], pieces[i + 1]] for i in range(0, 8, 2)]
+        sets += [["zq"], ["the", "zq"], [decoded[-3:]]]
+        for stops in sets:
+            case = {"tokenizer": name, "ids": ids, "stop_strings": stops}
+            try:
+                criteria = StopStringCriteria(tokenizer=tok, stop_strings=stops)
+            except ValueError as e:  # no token can end one of them: transformers refuses
+                case["error"] = str(e)[:200]
+                out.append(case)
+                continue
+            case["fired_after"] = [
+                n
+                for n in range(1, len(ids) + 1)
+                if bool(criteria(torch.tensor([ids[:n]]), None)[0])
+            ]
+            out.append(case)
+    return out
+
+
+def stop_string_generations():
+    """Greedy `generate(stop_strings=…)` on the committed Llama with the story tokenizer: the
+    stop strings are pieces of the continuation it writes without them (ending inside a token,
+    and spanning the prompt's end), so generation stops early; the end ids are the model's and
+    the tokenizer's `</s>` (headroom stops at both), and ids the tokenizer lacks are never
+    drawn."""
+    from transformers import PreTrainedTokenizerFast
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager").eval()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(FIXTURES, "tokenizer", "story", "tokenizer.json")
+    )
+    out = []
+    for text in ("the small dog", "a cat saw", "the sun ran to", "big old tree"):
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt])
+        # Ids past the tokenizer's are never drawn, as headroom's sampler draws none it cannot
+        # decode.
+        kwargs = dict(max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids),
+                      pad_token_id=0, eos_token_id=[model.generation_config.eos_token_id, 1],
+                      suppress_tokens=list(range(len(tok), model.config.vocab_size)))
+        with torch.no_grad():
+            free = model.generate(ids, **kwargs)[0, len(prompt):].tolist()
+        continuation = tok.decode(free)
+        whole = tok.decode(prompt + free)
+        tail = len(whole) - len(continuation)
+        for stop in (continuation[4:7], continuation[9:10], whole[tail - 2 : tail + 2]):
+            if not stop.strip():
+                continue
+            with torch.no_grad():
+                seq = model.generate(ids, stop_strings=[stop], tokenizer=tok, **kwargs)
+            out.append({"prompt": prompt, "free": free, "stop": stop,
+                        "new_tokens": seq[0, len(prompt):].tolist(),
+                        "text": tok.decode(seq[0].tolist())})
+    return out
+
+
 def main():
     import transformers
 
@@ -217,13 +303,16 @@ def main():
         "warpers": warper_cases(gen),
         "greedy": greedy_cases(),
         "generation_configs": generation_config_cases(),
+        "stop_strings": stop_string_cases(),
+        "stop_string_generations": stop_string_generations(),
     }
     with open(OUT, "w") as f:
         json.dump(fixture, f)
         f.write("\n")
     print(
         f"wrote {OUT}: {len(fixture['warpers'])} warper cases, {len(fixture['greedy'])} greedy runs, "
-        f"{len(fixture['generation_configs'])} generation configs"
+        f"{len(fixture['generation_configs'])} generation configs, "
+        f"{len(fixture['stop_strings'])} stop-string cases"
     )
 
 

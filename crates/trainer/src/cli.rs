@@ -288,6 +288,11 @@ struct SampleArgs {
     /// without one, token ids are printed).
     #[arg(long, value_name = "gpt2|FILE")]
     tokenizer: Option<String>,
+    /// Stop once the text holds this string (repeatable), as transformers' `stop_strings`:
+    /// after the token that completes it, even when that token runs past the string's end
+    /// (the text is printed as generated, that token whole). Needs a tokenizer.
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
     /// Keep generating past the end-of-text tokens (the tokenizer's or chat template's, and
     /// the `eos_token_id`s of the model's `generation_config.json`).
     #[arg(long)]
@@ -2618,7 +2623,7 @@ fn read_conversation(file: &Path) -> CliResult<Conversation> {
 }
 
 fn cmd_sample(a: SampleArgs) -> CliResult {
-    use crate::sample::{generate, load_for_inference, GenerationConfig, SampleOptions};
+    use crate::sample::{generate_until, load_for_inference, GenerationConfig, SampleOptions};
     use crate::sample::{SamplingRequest, GENERATION_CONFIG};
     use crate::tokenize::Tokenizer;
     let asked = SamplingRequest {
@@ -2768,6 +2773,16 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         },
         vocab_limit: tok.as_ref().map(Tokenizer::vocab_size),
     };
+    // The prompt's text comes first: a stop string may start inside it.
+    let mut stops = crate::sample::StopStrings::new(&a.stop)?;
+    if !stops.is_empty() {
+        let t = tok
+            .as_ref()
+            .ok_or("--stop needs a tokenizer: pass --tokenizer gpt2|FILE")?;
+        for &id in &prompt {
+            stops.push(&t.token_bytes(id)?);
+        }
+    }
     let mut out = std::io::stdout();
     // With a tokenizer the prompt and the new tokens are decoded together, so the joins come
     // out as the tokenizer writes them (spaces of SentencePiece-style pieces, characters split
@@ -2787,8 +2802,12 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     }
     let _ = out.flush();
     let start = std::time::Instant::now();
-    let new = generate(&model, &prompt, &opts, |id| {
+    let new = generate_until(&model, &prompt, &opts, |id| {
         generated.push(id);
+        let stop = match &tok {
+            Some(t) if !stops.is_empty() => stops.push(&t.token_bytes(id)?),
+            _ => false,
+        };
         match &tok {
             // Print what decodes to whole characters; a character split across tokens
             // waits for its last byte.
@@ -2804,7 +2823,11 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
             }
         }
         let _ = out.flush();
-        Ok(())
+        Ok(if stop {
+            std::ops::ControlFlow::Break(())
+        } else {
+            std::ops::ControlFlow::Continue(())
+        })
     })?;
     if let Some(t) = &tok {
         let text = t.decode(&generated)?;

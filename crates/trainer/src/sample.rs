@@ -601,6 +601,59 @@ pub fn pick(
     Ok(dist.last().map_or(0, |&(id, _)| id))
 }
 
+/// Stop strings (transformers' `stop_strings`): generation stops after the token with which
+/// the text comes to hold one of them, where that occurrence reaches into the token (so a
+/// token may run past the string's end, and a string already in the text before it does not
+/// count again). Fed the bytes each token adds ([`crate::tokenize::Tokenizer::token_bytes`]),
+/// the prompt's too, so a string may start in the prompt; it keeps only the bytes a match can
+/// still reach.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StopStrings {
+    strings: Vec<Vec<u8>>,
+    /// The end of the text so far: the longest string's length less one byte, before the
+    /// last token's bytes.
+    tail: Vec<u8>,
+}
+
+impl StopStrings {
+    /// Matching for these strings; an empty one is refused.
+    pub fn new<S: AsRef<str>>(strings: &[S]) -> Result<Self> {
+        if strings.iter().any(|s| s.as_ref().is_empty()) {
+            return Err(TrainError::Input("sample: a stop string is empty".into()));
+        }
+        Ok(StopStrings {
+            strings: strings
+                .iter()
+                .map(|s| s.as_ref().as_bytes().to_vec())
+                .collect(),
+            tail: Vec::new(),
+        })
+    }
+
+    /// Whether there are no strings to stop at.
+    pub fn is_empty(&self) -> bool {
+        self.strings.is_empty()
+    }
+
+    /// Adds the bytes of the next token; whether a stop string now ends inside or past the
+    /// start of those bytes.
+    pub fn push(&mut self, token: &[u8]) -> bool {
+        let before = self.tail.len();
+        self.tail.extend_from_slice(token);
+        let text = &self.tail;
+        let hit = self.strings.iter().any(|s| {
+            // Starts from which `s` reaches past `before` and still fits the text.
+            let first = (before + 1).saturating_sub(s.len());
+            let last = text.len().checked_sub(s.len());
+            last.is_some_and(|last| (first..=last).any(|at| text[at..].starts_with(s)))
+        });
+        let keep = self.strings.iter().map(Vec::len).max().unwrap_or(1) - 1;
+        let cut = self.tail.len().saturating_sub(keep);
+        self.tail.drain(..cut);
+        hit
+    }
+}
+
 /// Continue `prompt` by up to `opts.tokens` tokens, calling `on_token` with each as it is
 /// chosen; returns the new tokens. When the context window fills, the cache restarts from
 /// the last half window of tokens (recomputed), as a sliding window.
@@ -609,6 +662,21 @@ pub fn generate<B: ModelOps>(
     prompt: &[u32],
     opts: &SampleOptions,
     mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    generate_until(model, prompt, opts, |id| {
+        on_token(id)?;
+        Ok(std::ops::ControlFlow::Continue(()))
+    })
+}
+
+/// [`generate`], where `on_token` may also end generation after the token it is given (a
+/// stop string, [`StopStrings`]); that token is kept, as transformers keeps the token that
+/// met a stopping criterion.
+pub fn generate_until<B: ModelOps>(
+    model: &Model<B>,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    mut on_token: impl FnMut(u32) -> Result<std::ops::ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         return Err(TrainError::Input(
@@ -635,8 +703,8 @@ pub fn generate<B: ModelOps>(
         let next = pick(&logits[..allowed], &all, &opts.sampling, &mut rng)?;
         all.push(next);
         out.push(next);
-        on_token(next)?;
-        if opts.stop_tokens.contains(&next) {
+        let flow = on_token(next)?;
+        if flow.is_break() || opts.stop_tokens.contains(&next) {
             break;
         }
         pending = vec![next];

@@ -44,6 +44,30 @@ pub enum Tokenizer {
     HuggingFace(Box<HfTokenizer>),
 }
 
+/// Whether a decoder's JSON holds a decoder of type `kind`, at any depth (a `Sequence`'s).
+fn json_names_type(v: &serde_json::Value, kind: &str) -> bool {
+    match v {
+        serde_json::Value::Object(o) => {
+            o.get("type").and_then(|t| t.as_str()) == Some(kind)
+                || o.values().any(|v| json_names_type(v, kind))
+        }
+        serde_json::Value::Array(a) => a.iter().any(|v| json_names_type(v, kind)),
+        _ => false,
+    }
+}
+
+/// The byte a byte-level BPE character stands for (GPT-2's `bytes_to_unicode`, inverted): the
+/// printable bytes as themselves, the other 68 as U+0100 onwards in byte order.
+fn byte_of_level_char(c: char) -> Option<u8> {
+    let printable = |b: u8| matches!(b, 33..=126 | 161..=172 | 174..=255);
+    let code = u32::from(c);
+    if code < 256 && printable(code as u8) {
+        return Some(code as u8);
+    }
+    let n = code.checked_sub(256)? as usize;
+    (0..=255u8).filter(|&b| !printable(b)).nth(n)
+}
+
 /// A Hugging Face tokenizer without its truncation and padding, from a file whose model
 /// tokenizes deterministically; only [`Tokenizer::from_name`] makes one.
 pub struct HfTokenizer {
@@ -285,6 +309,52 @@ impl Tokenizer {
             }
             Tokenizer::HuggingFace(t) => t.guarded(|t| t.decode(ids, false)),
         }
+    }
+
+    /// The bytes token `id` adds to a text, as transformers' `StopStringCriteria` reads its
+    /// vocabulary (`clean_tokenizer_vocab`): for a byte-level tokenizer (GPT-2's, or a
+    /// `ByteLevel` decoder) the bytes its characters stand for, incomplete UTF-8 included; for a
+    /// `ByteFallback` one `<0xNN>` is that byte; any other token is decoded after a fixed
+    /// prefix, whose text is then cut off, so that a word-initial space is kept.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        self.decode(&[id])?; // the id is in the vocabulary
+        let t = match self {
+            Tokenizer::Gpt2(bpe) => {
+                return bpe
+                    .decode_bytes(&[id])
+                    .map_err(|e| err("gpt2", e.to_string()))
+            }
+            Tokenizer::HuggingFace(t) => t,
+        };
+        let token = t.tok.id_to_token(id).unwrap_or_default();
+        let decoder = t
+            .tok
+            .get_decoder()
+            .and_then(|d| serde_json::to_value(d).ok())
+            .unwrap_or_default();
+        let names = |kind: &str| json_names_type(&decoder, kind);
+        if decoder["type"] != "ByteLevel" && names("ByteFallback") {
+            if let Some(byte) = token
+                .strip_prefix("<0x")
+                .and_then(|h| h.strip_suffix('>'))
+                .filter(|h| h.len() == 2)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                return Ok(vec![byte]);
+            }
+        } else if names("ByteLevel") {
+            if let Some(bytes) = token.chars().map(byte_of_level_char).collect() {
+                return Ok(bytes);
+            }
+        }
+        const PREFIX: &str = "abcdef";
+        let mut ids = t.guarded(|t| t.encode(PREFIX, false))?.get_ids().to_vec();
+        ids.push(id);
+        let text = t.guarded(|t| t.decode(&ids, false))?;
+        Ok(match text.find(PREFIX) {
+            Some(at) => text.as_bytes()[at + PREFIX.len()..].to_vec(),
+            None => text.into_bytes(),
+        })
     }
 
     fn source(&self) -> PathBuf {
@@ -1160,4 +1230,43 @@ pub fn build_prompt_completion_with(
         stop_token_counted,
         packed,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GPT-2's `bytes_to_unicode`, written out as the Python does it, is undone byte for byte.
+    #[test]
+    fn byte_level_characters_map_back_to_their_bytes() {
+        let mut printable: Vec<u32> = (u32::from(b'!')..=u32::from(b'~')).collect();
+        printable.extend(0xA1..=0xAC);
+        printable.extend(0xAE..=0xFF);
+        let mut n = 0;
+        for b in 0..=255u32 {
+            let c = if printable.contains(&b) {
+                b
+            } else {
+                n += 1;
+                255 + n
+            };
+            let c = char::from_u32(c).unwrap();
+            assert_eq!(byte_of_level_char(c), Some(b as u8), "{c:?}");
+        }
+        assert_eq!(n, 68);
+        assert_eq!(byte_of_level_char('\u{144}'), None);
+        assert_eq!(byte_of_level_char('€'), None);
+    }
+
+    #[test]
+    fn gpt2_token_bytes_are_the_tokens_bytes() {
+        let t = Tokenizer::from_name("gpt2").unwrap();
+        let ids = t.encode(" naïve 東京").unwrap();
+        let joined: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| t.token_bytes(id).unwrap())
+            .collect();
+        assert_eq!(joined, " naïve 東京".as_bytes());
+        assert!(t.token_bytes(u32::MAX).is_err());
+    }
 }

@@ -303,6 +303,35 @@ fn sample_prints_ids_without_a_tokenizer_and_refuses_mismatches() {
         err.contains("generation_config.json: greedy, repetition penalty 1.3"),
         "{err}"
     );
+    // --stop ends generation after the token that completes the string, here one that starts
+    // in the prompt (transformers' generate(stop_strings=["g sa"]) emits the same token:
+    // tests/fixtures/sampling.json).
+    let story = fixture("tokenizer/story/tokenizer.json");
+    let stopped = |extra: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "--from",
+            base,
+            "--tokenizer",
+            story.to_str().unwrap(),
+            "--prompt-ids",
+            "26,43,85",
+            "--tokens",
+            "24",
+        ];
+        args.extend_from_slice(extra);
+        common::headroom_command().args(&args).output().unwrap()
+    };
+    let o = stopped(&["--stop", "g sa"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8(o.stdout).unwrap(), "the small dog sat\n");
+    assert!(stopped(&[]).stdout.len() > "the small dog sat\n".len());
+    let o = common::headroom_command()
+        .args(["sample", "--from", base, "--prompt-ids", "5", "--stop", "x"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--stop needs a tokenizer"));
     // Its end ids, one or a list, stop generation at whichever comes first.
     let dir = tempfile::tempdir().unwrap();
     for name in ["config.json", "model.safetensors"] {

@@ -540,6 +540,93 @@ fn generation_configs_make_the_sampler_transformers_generate_makes() {
     );
 }
 
+/// Stop strings fire after the tokens transformers' `StopStringCriteria` fires after
+/// (`tests/fixtures/sampling.json`): the same token texts (a SentencePiece-style tokenizer's
+/// word-initial spaces, a byte-level tokenizer's bytes, incomplete UTF-8 included) and the
+/// same rule (the string reaches into the last token).
+#[test]
+fn stop_strings_fire_where_transformers_fires() {
+    use headroom_trainer::sample::StopStrings;
+    use headroom_trainer::tokenize::Tokenizer;
+    let fx = fixture();
+    let (mut cases, mut fired_total) = (0, 0);
+    for case in fx["stop_strings"].as_array().unwrap() {
+        let path = fixture_dir(case["tokenizer"].as_str().unwrap());
+        let tok = Tokenizer::from_name(path.to_str().unwrap()).unwrap();
+        let strings: Vec<String> = case["stop_strings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_owned())
+            .collect();
+        let mut stops = StopStrings::new(&strings).unwrap();
+        let fired: Vec<u64> = u32_list(&case["ids"])
+            .iter()
+            .zip(1..)
+            .filter_map(|(&id, n)| stops.push(&tok.token_bytes(id).unwrap()).then_some(n))
+            .collect();
+        match case["fired_after"].as_array() {
+            Some(want) => {
+                let want: Vec<u64> = want.iter().map(|n| n.as_u64().unwrap()).collect();
+                assert_eq!(fired, want, "{strings:?} over {}", case["tokenizer"]);
+            }
+            // transformers refuses a string no token can end; it never fires here.
+            None => assert!(fired.is_empty(), "{strings:?}"),
+        }
+        fired_total += fired.len();
+        cases += 1;
+    }
+    assert!(
+        cases >= 60 && fired_total >= 60,
+        "{cases} cases, {fired_total} firings"
+    );
+}
+
+/// Greedy generation with a stop string on the committed Llama and the story tokenizer emits
+/// the tokens transformers' `generate(stop_strings=…)` emitted: it stops after the token that
+/// completes the string (one ending inside a token, one starting in the prompt).
+#[test]
+fn generation_stops_at_a_stop_string_where_transformers_stops() {
+    use headroom_trainer::sample::{generate_until, StopStrings};
+    use headroom_trainer::tokenize::Tokenizer;
+    let fx = fixture();
+    let model = load_model(&fixture_dir("hf-llama-gqa-untied"), &Cpu::new()).unwrap();
+    let path = fixture_dir("tokenizer/story/tokenizer.json");
+    let tok = Tokenizer::from_name(path.to_str().unwrap()).unwrap();
+    let mut early = 0;
+    for run in fx["stop_string_generations"].as_array().unwrap() {
+        let prompt = u32_list(&run["prompt"]);
+        let stop = run["stop"].as_str().unwrap();
+        let mut stops = StopStrings::new(&[stop]).unwrap();
+        for &id in &prompt {
+            stops.push(&tok.token_bytes(id).unwrap());
+        }
+        let opts = SampleOptions {
+            tokens: 24,
+            sampling: Sampling::greedy(),
+            stop_tokens: vec![1, 2],
+            vocab_limit: Some(tok.vocab_size()),
+            ..SampleOptions::default()
+        };
+        let got = generate_until(&model, &prompt, &opts, |id| {
+            let hit = stops.push(&tok.token_bytes(id)?);
+            Ok(if hit {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            })
+        })
+        .unwrap();
+        assert_eq!(
+            got,
+            u32_list(&run["new_tokens"]),
+            "stop {stop:?} after {prompt:?}"
+        );
+        early += usize::from(got.len() < u32_list(&run["free"]).len());
+    }
+    assert!(early >= 8, "only {early} runs stopped early");
+}
+
 /// A damaged or hostile `generation_config.json` is a typed error naming the file.
 #[test]
 fn bad_generation_configs_are_refused() {
@@ -978,4 +1065,32 @@ fn inference_models_compute_what_the_training_models_compute() {
         generate(&qlora, &prompt, &opts, |_| Ok(())).unwrap(),
         greedy_reference(&qlora, &prompt, 12)
     );
+}
+
+proptest! {
+    /// Stop strings, holding only the bytes a match can reach, fire exactly where a search of
+    /// the whole text finds a string reaching into the last token.
+    #[test]
+    fn stop_strings_fire_where_the_whole_text_says(
+        strings in proptest::collection::vec(proptest::collection::vec(0u8..3, 1..5), 1..4),
+        tokens in proptest::collection::vec(proptest::collection::vec(0u8..3, 0..4), 0..40),
+    ) {
+        use headroom_trainer::sample::StopStrings;
+        // Strings over three bytes as text: every byte below 0x80 is one character.
+        let text = |b: &[u8]| -> String { b.iter().map(|&x| char::from(b'a' + x)).collect() };
+        let as_text: Vec<String> = strings.iter().map(|s| text(s)).collect();
+        let mut stops = StopStrings::new(&as_text).unwrap();
+        let mut whole = Vec::new();
+        for token in &tokens {
+            let bytes: Vec<u8> = text(token).into_bytes();
+            let before = whole.len();
+            whole.extend_from_slice(&bytes);
+            let want = as_text.iter().any(|s| {
+                let s = s.as_bytes();
+                (0..=whole.len().saturating_sub(s.len()))
+                    .any(|at| at + s.len() > before && whole[at..].starts_with(s))
+            });
+            prop_assert_eq!(stops.push(&bytes), want);
+        }
+    }
 }
