@@ -44,6 +44,12 @@ TEXT = [
     {"text": "plain text counts whole"},
     {"text": "Memory is finite; gradients are not free."},
 ]
+# Language modelling from another key (TRL's `dataset_text_field`): the `text` beside it is an
+# ignored column.
+CONTENT = [
+    {"content": "def step(): return 1", "text": "not this"},
+    {"content": "Memory is finite.", "id": 7},
+]
 
 
 def tokenizers_under_test(tmp):
@@ -126,6 +132,7 @@ def make():
             },
             "prompt_completion": PROMPT_COMPLETION,
             "text": TEXT,
+            "content": CONTENT,
             "tokenizers": {},
         }
         files = {}
@@ -136,6 +143,7 @@ def make():
                 "eos": tok.eos_token,
                 "prompt_completion": trl_columns(tok, PROMPT_COMPLETION, tmp),
                 "text": trl_columns(tok, TEXT, tmp),
+                "content": trl_columns(tok, CONTENT, tmp, dataset_text_field="content"),
             }
     return fixture, files
 

@@ -886,6 +886,10 @@ enum DataCommand {
             default_value = "keep-start"
         )]
         truncation_mode: String,
+        /// With `--jsonl`: the key of a language-modelling line's text, in place of `text`
+        /// (TRL's `dataset_text_field`, such as `content` of code datasets).
+        #[arg(long, value_name = "KEY", requires = "jsonl")]
+        dataset_text_field: Option<String>,
         /// With `--max-length N`: pad every example to N tokens (never counted), so that
         /// `train --seq N` reads each example alone in its own window from position 0, as
         /// TRL's padded batches: no attention across examples, at the cost of computing the
@@ -2053,6 +2057,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             chat_template,
             max_length,
             truncation_mode,
+            dataset_text_field,
             pad,
             pack,
             packing_strategy,
@@ -2067,6 +2072,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                     .transpose()?,
                 count_prompts: !completion_only_loss,
                 max_length,
+                text_field: dataset_text_field,
                 pad,
                 pack: match (pack, packing_strategy.as_str()) {
                     (false, _) => None,

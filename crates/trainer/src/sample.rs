@@ -155,6 +155,14 @@ impl GenerationConfig {
     /// Reads a `generation_config.json`'s text; `path` names it in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
         let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
+        // A value as the error quotes it: its start, for a long one.
+        let shown = |v: &serde_json::Value| {
+            let text = v.to_string();
+            match text.char_indices().nth(40) {
+                Some((at, _)) => format!("{}…", &text[..at]),
+                None => text,
+            }
+        };
         let serde_json::Value::Object(map) =
             serde_json::from_str(text).map_err(|e| bad(format!("not JSON: {e}")))?
         else {
@@ -164,7 +172,7 @@ impl GenerationConfig {
             match map.get(key) {
                 None | Some(serde_json::Value::Null) => Ok(None),
                 Some(serde_json::Value::Number(n)) => Ok(n.as_f64()),
-                Some(v) => Err(bad(format!("{key} is {v}, not a number"))),
+                Some(v) => Err(bad(format!("{key} is {}, not a number", shown(v)))),
             }
         };
         let real = |key: &str| -> Result<Option<f32>> {
@@ -177,7 +185,7 @@ impl GenerationConfig {
         let id = |v: &serde_json::Value| -> Result<u32> {
             v.as_u64()
                 .and_then(|i| u32::try_from(i).ok())
-                .ok_or_else(|| bad(format!("eos_token_id holds {v}, not a token id")))
+                .ok_or_else(|| bad(format!("eos_token_id holds {}, not a token id", shown(v))))
         };
         let eos_token_ids = match map.get("eos_token_id") {
             None | Some(serde_json::Value::Null) => Vec::new(),
@@ -197,13 +205,13 @@ impl GenerationConfig {
             Some(v) => Some(
                 v.as_u64()
                     .and_then(|k| usize::try_from(k).ok())
-                    .ok_or_else(|| bad(format!("top_k is {v}, not a count")))?,
+                    .ok_or_else(|| bad(format!("top_k is {}, not a count", shown(v))))?,
             ),
         };
         let do_sample = match map.get("do_sample") {
             None | Some(serde_json::Value::Null) => None,
             Some(serde_json::Value::Bool(b)) => Some(*b),
-            Some(v) => return Err(bad(format!("do_sample is {v}, not true or false"))),
+            Some(v) => return Err(bad(format!("do_sample is {}, not true or false", shown(v)))),
         };
         Ok(GenerationConfig {
             do_sample,

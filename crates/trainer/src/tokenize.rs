@@ -709,6 +709,9 @@ pub struct SftOptions {
     pub max_length: Option<usize>,
     /// Which end of a long example to keep.
     pub truncation: Truncation,
+    /// The key of a language-modelling example's text (TRL's `dataset_text_field`; `None` is
+    /// TRL's default, `text`).
+    pub text_field: Option<String>,
     /// Pad every example to `max_length` with the end-of-text token (never counted), plus one
     /// token at the end of the file: `train --seq max_length` then reads each example alone in
     /// its own window from position 0, as TRL's padded batches (no attention across examples;
@@ -809,8 +812,30 @@ fn encode_example(
     input: &Path,
 ) -> Result<(Vec<u32>, Vec<bool>, bool)> {
     let bad = |why: String| err(input, format!("line {number}: {why}"));
-    let ex: ExampleLine =
+    let mut ex: ExampleLine =
         serde_json::from_str(line).map_err(|e| bad(format!("not an example: {e}")))?;
+    // TRL's `dataset_text_field`: a language-modelling example's text is that key's (its
+    // `text`, if any, is then an ignored column); other formats do not read it.
+    if let Some(field) = options.text_field.as_deref().filter(|&f| f != "text") {
+        let language_modelling =
+            ex.prompt.is_none() && ex.completion.is_none() && ex.messages.is_none();
+        ex.text = if language_modelling {
+            let mut line: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(line).map_err(|e| bad(format!("not an example: {e}")))?;
+            match line.remove(field) {
+                Some(serde_json::Value::String(t)) => Some(t),
+                Some(_) => return Err(bad(format!("{field:?} is not text"))),
+                None => {
+                    return Err(bad(format!(
+                        "no {field:?} (--dataset-text-field), \"prompt\" and \"completion\", \
+                         or \"messages\""
+                    )))
+                }
+            }
+        } else {
+            None
+        };
+    }
     let template = || match chat {
         Ok(Some(t)) => Ok(t),
         Ok(None) => Err(bad(format!(

@@ -58,6 +58,62 @@ fn prompt_completion_examples_get_trls_ids_and_labels() {
     }
 }
 
+/// TRL's `dataset_text_field`: language-modelling lines whose text is under another key (a
+/// `text` beside it is ignored) get TRL's ids and labels; a line without the key is refused by
+/// name.
+#[test]
+fn a_dataset_text_field_reads_another_key_as_trl_does() {
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("sft/trl_sft.json")).unwrap(),
+    )
+    .unwrap();
+    let lines: Vec<String> = fixture["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    let options = headroom_trainer::tokenize::SftOptions {
+        text_field: Some("content".into()),
+        ..Default::default()
+    };
+    for (name, file) in [
+        ("bpe", fixtures().join("tokenizer/tokenizer.json")),
+        ("llama", fixtures().join("sft/llama-tokenizer.json")),
+    ] {
+        let rows = fixture["tokenizers"][name]["content"].as_array().unwrap();
+        let (want_ids, want_flags) = trl_stream(rows);
+        let (got, flags, _) = build_with(&lines, &file, &options);
+        assert_eq!((got, flags), (want_ids, want_flags), "{name}");
+    }
+    // Prompt-completion lines do not read it; a language-modelling line without it is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("x.jsonl");
+    std::fs::write(
+        &input,
+        "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"text\": \"t\"}\n",
+    )
+    .unwrap();
+    let tok = Tokenizer::from_name(
+        fixtures()
+            .join("tokenizer/tokenizer.json")
+            .to_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let e = headroom_trainer::tokenize::build_prompt_completion_with(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &dir.path().join("x.bin"),
+        false,
+        &options,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("line 2") && e.contains("no \"content\""), "{e}");
+}
+
 /// `build_prompt_completion` of `lines` with the tokenizer at `tokenizer`: the token file's
 /// ids, its mask's flags and the report.
 fn build(
