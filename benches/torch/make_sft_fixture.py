@@ -9,7 +9,12 @@ fixtures:
   `<|endoftext|>`, no special tokens added around a sequence, as GPT-2's);
 - `llama`: the Metaspace BPE of `fixtures/tokenizer/story/tokenizer.json` with a `<s>` token
   and a `TemplateProcessing` post-processor `<s> $A` (a Llama tokenizer's start of sequence),
-  end of text `</s>`; saved as `fixtures/sft/llama-tokenizer.json`.
+  end of text `</s>`; saved as `fixtures/sft/llama-tokenizer.json`;
+- `eos_config`: that tokenizer with `<|im_end|>` added and a `tokenizer_config.json` naming it
+  `eos_token` (an instruct model's end of turn, beside the vocabulary's `</s>`), loaded with
+  `AutoTokenizer`; saved in `fixtures/sft/eos-config/`.
+
+And with `dataset_text_field="content"`, text examples under another key.
 
 The Rust test feeds the same examples as JSONL to `headroom data build --jsonl`'s builder and
 requires TRL's ids and masks, example after example (headroom packs them back to back).
@@ -65,6 +70,19 @@ def tokenizers_under_test(tmp):
     )
     llama_file = os.path.join(tmp, "llama-tokenizer.json")
     llama.save(llama_file)
+    # An instruct model's kind: its tokenizer_config.json names an end of turn as eos_token,
+    # while the vocabulary also has the document separator `</s>`; TRL ends examples with the
+    # configured one.
+    from transformers import AutoTokenizer
+
+    eos_dir = os.path.join(tmp, "eos-config")
+    os.makedirs(eos_dir)
+    llama.add_special_tokens(["<|im_end|>"])
+    llama.save(os.path.join(eos_dir, "tokenizer.json"))
+    with open(os.path.join(eos_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                   "eos_token": "<|im_end|>", "unk_token": "<unk>"}, f, indent=1)
+        f.write("\n")
     return {
         "bpe": (
             bpe_file,
@@ -76,6 +94,7 @@ def tokenizers_under_test(tmp):
                 tokenizer_file=llama_file, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
             ),
         ),
+        "eos_config": (eos_dir, AutoTokenizer.from_pretrained(eos_dir)),
     }
 
 
@@ -137,8 +156,13 @@ def make():
         }
         files = {}
         for name, (path, tok) in tokenizers_under_test(tmp).items():
-            with open(path, encoding="utf-8") as f:
-                files[name] = f.read()
+            if os.path.isdir(path):
+                for file in ("tokenizer.json", "tokenizer_config.json"):
+                    with open(os.path.join(path, file), encoding="utf-8") as f:
+                        files[os.path.join("eos-config", file)] = f.read()
+            else:
+                with open(path, encoding="utf-8") as f:
+                    files[name] = f.read()
             fixture["tokenizers"][name] = {
                 "eos": tok.eos_token,
                 "prompt_completion": trl_columns(tok, PROMPT_COMPLETION, tmp),
@@ -161,6 +185,11 @@ def main():
             f.write("\n")
         with open(tokenizer_path, "w", encoding="utf-8") as f:
             f.write(files["llama"])
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            path = os.path.join(OUT, "eos-config", name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(files[os.path.join("eos-config", name)])
         print(f"wrote {fixture_path} and {tokenizer_path}")
     elif "--check" in sys.argv:
         with open(fixture_path, encoding="utf-8") as f:

@@ -310,6 +310,17 @@ fn special_tokens_of(
         .collect()
 }
 
+/// The special tokens (`eos_token`, `bos_token`, …) of the `tokenizer_config.json` beside a
+/// `tokenizer.json`, as transformers' tokenizer takes them; empty without that file.
+pub fn special_tokens_beside(tokenizer_json: &Path) -> Result<BTreeMap<String, String>> {
+    let dir = tokenizer_json.parent().unwrap_or(Path::new("."));
+    let path = dir.join("tokenizer_config.json");
+    if !path.is_file() {
+        return Ok(BTreeMap::new());
+    }
+    Ok(special_tokens_of(&parse_config(&read_text(&path)?, &path)?))
+}
+
 /// The templates of a `tokenizer_config.json`: its `chat_template`, a string (named
 /// `default`) or a list of `{"name", "template"}`.
 fn config_templates(

@@ -193,6 +193,29 @@ impl Tokenizer {
         }
     }
 
+    /// The token transformers' tokenizer calls `eos_token`: a Hugging Face tokenizer's from
+    /// the `tokenizer_config.json` beside its `tokenizer.json`, else (no such file, or no
+    /// `eos_token` in it) [`Tokenizer::end_of_text`]. TRL ends each text and prompt-completion
+    /// example with it: an instruct model's end of turn (`<|im_end|>`, `<|eot_id|>`) where the
+    /// vocabulary also has a document separator. A configured token the vocabulary lacks is an
+    /// error.
+    pub fn eos_token(&self) -> Result<Option<u32>> {
+        let Tokenizer::HuggingFace(t) = self else {
+            return Ok(self.end_of_text());
+        };
+        let special = crate::chat_template::special_tokens_beside(t.path())?;
+        match special.get("eos_token") {
+            None => Ok(self.end_of_text()),
+            Some(text) => match t.tok.token_to_id(text) {
+                Some(id) => Ok(Some(id)),
+                None => Err(err(
+                    t.path(),
+                    format!("tokenizer_config.json's eos_token {text:?} is not in the vocabulary"),
+                )),
+            },
+        }
+    }
+
     /// The ids of `text`. GPT-2's BPE encodes special-token strings in it as ordinary text (so
     /// data cannot inject `<|endoftext|>`); a Hugging Face tokenizer, as in transformers, maps
     /// the text of each of its added tokens to that token's id.
@@ -1038,7 +1061,8 @@ pub fn build_prompt_completion_with(
     options: &SftOptions,
 ) -> Result<PromptCompletionReport> {
     headroom_mmap_data::tools::check_vocab_fits(tok.vocab_size() as u64, format.token_type())?;
-    let eot = tok.end_of_text().ok_or_else(|| {
+    // TRL's `processing_class.eos_token`.
+    let eot = tok.eos_token()?.ok_or_else(|| {
         err(
             tok.source(),
             "no end-of-text token to end each example with",

@@ -58,6 +58,56 @@ fn prompt_completion_examples_get_trls_ids_and_labels() {
     }
 }
 
+/// A tokenizer whose `tokenizer_config.json` names an end of turn as `eos_token` (an instruct
+/// model's `<|im_end|>`, beside the vocabulary's `</s>`): TRL ends text and prompt-completion
+/// examples with that token, loaded as transformers' `AutoTokenizer` loads the directory, and
+/// so does `data build --jsonl`.
+#[test]
+fn examples_end_with_the_configured_eos_token() {
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("sft/trl_sft.json")).unwrap(),
+    )
+    .unwrap();
+    let lines: Vec<String> = fixture["prompt_completion"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(fixture["text"].as_array().unwrap())
+        .map(Value::to_string)
+        .collect();
+    let trl = &fixture["tokenizers"]["eos_config"];
+    let rows: Vec<Value> = trl["prompt_completion"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(trl["text"].as_array().unwrap())
+        .cloned()
+        .collect();
+    let (want_ids, want_flags) = trl_stream(&rows);
+    let file = fixtures().join("sft/eos-config/tokenizer.json");
+    let (got, flags, _) = build(&lines, &file);
+    assert_eq!((got, flags), (want_ids, want_flags));
+    let tok = Tokenizer::from_name(file.to_str().unwrap()).unwrap();
+    let im_end = tok.token_id("<|im_end|>").unwrap();
+    assert_eq!(tok.eos_token().unwrap(), Some(im_end));
+    assert_ne!(
+        tok.end_of_text(),
+        Some(im_end),
+        "the separator is another token"
+    );
+    // A configured eos_token the vocabulary lacks is refused by name.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(&file, dir.path().join("tokenizer.json")).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"eos_token": "<|missing|>"}"#,
+    )
+    .unwrap();
+    let tok = Tokenizer::from_name(dir.path().join("tokenizer.json").to_str().unwrap()).unwrap();
+    let e = tok.eos_token().unwrap_err().to_string();
+    assert!(e.contains("<|missing|>"), "{e}");
+}
+
 /// TRL's `dataset_text_field`: language-modelling lines whose text is under another key (a
 /// `text` beside it is ignored) get TRL's ids and labels; a line without the key is refused by
 /// name.
