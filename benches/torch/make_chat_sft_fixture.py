@@ -645,6 +645,7 @@ def make():
     import tokenizers
     import transformers
     import trl
+    from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         directory, tok = chat_tokenizer(tmp)
@@ -688,6 +689,15 @@ def make():
             "trl": {
                 "prompt_completion": trl_columns(tok, PROMPT_COMPLETION, tmp),
                 "messages": trl_columns(tok, MESSAGES, tmp),
+                # TRL's eos_token setting: examples end with it and the template renders it (a
+                # fresh tokenizer each, as TRL sets it on the one it is given).
+                "prompt_completion_eos_token": trl_columns(
+                    AutoTokenizer.from_pretrained(directory), PROMPT_COMPLETION, tmp,
+                    eos_token="<|user|>",
+                ),
+                "messages_eos_token": trl_columns(
+                    AutoTokenizer.from_pretrained(directory), MESSAGES, tmp, eos_token="<|user|>"
+                ),
             },
         }
         jinja_dir, jinja_tok = jinja_tokenizer(tmp)

@@ -169,6 +169,14 @@ def make():
                 "text": trl_columns(tok, TEXT, tmp),
                 "content": trl_columns(tok, CONTENT, tmp, dataset_text_field="content"),
             }
+            if name == "eos_config":
+                # TRL's eos_token setting in place of the configured one (a fresh tokenizer:
+                # TRL sets it on the one it is given).
+                from transformers import AutoTokenizer
+
+                fixture["tokenizers"][name]["text_eos_token"] = trl_columns(
+                    AutoTokenizer.from_pretrained(path), TEXT, tmp, eos_token="</s>"
+                )
     return fixture, files
 
 

@@ -890,6 +890,10 @@ enum DataCommand {
         /// (TRL's `dataset_text_field`, such as `content` of code datasets).
         #[arg(long, value_name = "KEY", requires = "jsonl")]
         dataset_text_field: Option<String>,
+        /// With `--jsonl`: the token that ends each example, in place of the tokenizer's
+        /// `eos_token` (TRL's `eos_token`); chat templates render it as `eos_token` too.
+        #[arg(long, value_name = "TOKEN", requires = "jsonl")]
+        eos_token: Option<String>,
         /// With `--max-length N`: pad every example to N tokens (never counted), so that
         /// `train --seq N` reads each example alone in its own window from position 0, as
         /// TRL's padded batches: no attention across examples, at the cost of computing the
@@ -2058,6 +2062,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             max_length,
             truncation_mode,
             dataset_text_field,
+            eos_token,
             pad,
             pack,
             packing_strategy,
@@ -2073,6 +2078,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 count_prompts: !completion_only_loss,
                 max_length,
                 text_field: dataset_text_field,
+                eos_token,
                 pad,
                 pack: match (pack, packing_strategy.as_str()) {
                     (false, _) => None,

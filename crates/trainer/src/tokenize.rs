@@ -735,6 +735,10 @@ pub struct SftOptions {
     /// The key of a language-modelling example's text (TRL's `dataset_text_field`; `None` is
     /// TRL's default, `text`).
     pub text_field: Option<String>,
+    /// The end-of-sequence token in place of the tokenizer's (TRL's `eos_token`): it ends each
+    /// text and prompt-completion example, and chat templates render it as `eos_token` (unless
+    /// an example's `chat_template_kwargs` set that). Must be a token of the vocabulary.
+    pub eos_token: Option<String>,
     /// Pad every example to `max_length` with the end-of-text token (never counted), plus one
     /// token at the end of the file: `train --seq max_length` then reads each example alone in
     /// its own window from position 0, as TRL's padded batches (no attention across examples;
@@ -869,8 +873,15 @@ fn encode_example(
         ))),
         Err(e) => Err(bad(format!("the tokenizer's chat template: {e}"))),
     };
-    let TemplateInputs { tools, extra } =
+    let TemplateInputs { tools, mut extra } =
         template_inputs(ex.tools, ex.chat_template_kwargs).map_err(bad)?;
+    // TRL sets the tokenizer's eos_token, which the template reads among the special tokens;
+    // an example's own variables still win, as in transformers.
+    if let Some(eos) = &options.eos_token {
+        if !extra.iter().any(|(k, _)| k == "eos_token") {
+            extra.insert(0, ("eos_token".into(), ChatValue::String(eos.clone())));
+        }
+    }
     // The ids of a conversation, and with `assistant_only_loss` which of them the template's
     // generation blocks wrote (else none).
     let rendered = |messages: &[ChatValue], generation_prompt: bool| {
@@ -1061,13 +1072,21 @@ pub fn build_prompt_completion_with(
     options: &SftOptions,
 ) -> Result<PromptCompletionReport> {
     headroom_mmap_data::tools::check_vocab_fits(tok.vocab_size() as u64, format.token_type())?;
-    // TRL's `processing_class.eos_token`.
-    let eot = tok.eos_token()?.ok_or_else(|| {
-        err(
-            tok.source(),
-            "no end-of-text token to end each example with",
-        )
-    })?;
+    // TRL's `processing_class.eos_token`, or its `eos_token` setting.
+    let eot = match &options.eos_token {
+        Some(text) => tok.token_id(text).ok_or_else(|| {
+            err(
+                tok.source(),
+                format!("the eos token {text:?} is not in the vocabulary"),
+            )
+        })?,
+        None => tok.eos_token()?.ok_or_else(|| {
+            err(
+                tok.source(),
+                "no end-of-text token to end each example with",
+            )
+        })?,
+    };
     if options.max_length == Some(0) {
         return Err(err(input, "a maximum length of 0 tokens leaves nothing"));
     }

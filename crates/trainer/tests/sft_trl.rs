@@ -95,6 +95,43 @@ fn examples_end_with_the_configured_eos_token() {
         Some(im_end),
         "the separator is another token"
     );
+    // TRL's eos_token setting replaces the configured one; a token the vocabulary lacks is
+    // refused.
+    let text: Vec<String> = fixture["text"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect();
+    let (want_ids, want_flags) = trl_stream(trl["text_eos_token"].as_array().unwrap());
+    let with = |eos: &str| headroom_trainer::tokenize::SftOptions {
+        eos_token: Some(eos.into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        {
+            let (ids, flags, _) = build_with(&text, &file, &with("</s>"));
+            (ids, flags)
+        },
+        (want_ids, want_flags)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("x.jsonl");
+    std::fs::write(&input, &text[0]).unwrap();
+    let e = headroom_trainer::tokenize::build_prompt_completion_with(
+        &input,
+        &tok,
+        TokenFileFormat::Raw(TokenType::U16),
+        &dir.path().join("x.bin"),
+        false,
+        &with("<|nowhere|>"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("<|nowhere|>") && e.contains("not in the vocabulary"),
+        "{e}"
+    );
     // A configured eos_token the vocabulary lacks is refused by name.
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(&file, dir.path().join("tokenizer.json")).unwrap();
@@ -289,6 +326,23 @@ fn conversational_examples_get_trls_rendering_ids_and_labels() {
     assert_eq!(flags, want_flags, "loss flags");
     assert_eq!(report.examples, lines.len() as u64);
     assert_eq!(report.boundary_merges, 0);
+
+    // TRL's eos_token setting: the template renders it as `eos_token`, and it would end a
+    // text example; TRL's ids and labels with eos_token="<|user|>".
+    let rows: Vec<Value> = fixture["trl"]["prompt_completion_eos_token"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(fixture["trl"]["messages_eos_token"].as_array().unwrap())
+        .cloned()
+        .collect();
+    let (want_ids, want_flags) = trl_stream(&rows);
+    let options = headroom_trainer::tokenize::SftOptions {
+        eos_token: Some("<|user|>".into()),
+        ..Default::default()
+    };
+    let (got, flags, _) = build_with(&lines, &dir.join("tokenizer.json"), &options);
+    assert_eq!((got, flags), (want_ids, want_flags), "eos_token <|user|>");
 }
 
 /// A conversation needs a template; a template that raises, a message without content and a
