@@ -1030,7 +1030,8 @@ pub fn stop_token_counted(tok: &Tokenizer, template: &ChatTemplate) -> Result<bo
 
 /// Tokenize a JSONL file of examples into `out` in `format` and its loss mask beside it
 /// (`<token file>.lossmask`): each example is its tokens (as [`Tokenizer::encode_sequence`]
-/// makes them) then the end-of-text token, packed one after another. For a prompt-completion
+/// makes them) then the end-of-sequence token ([`Tokenizer::eos_token`], or
+/// [`SftOptions::eos_token`]), packed one after another. For a prompt-completion
 /// example the prompt's tokens do not count as targets and the completion's and the
 /// end-of-text token do (TRL's `completion_only_loss`, transformers' `labels = -100` on the
 /// prompt): the ids and flags of TRL's `SFTTrainer` (`tests/sft_trl.rs` against
