@@ -264,36 +264,29 @@ fn sample_prints_ids_without_a_tokenizer_and_refuses_mismatches() {
     assert!(ids.iter().all(|&i| i < 97));
     // The flag reaches the sampler: transformers' greedy `generate` with
     // `repetition_penalty=1.3` on this model (tests/fixtures/sampling.json).
-    let o = headroom(&[
-        "sample",
-        "--from",
-        base,
-        "--prompt-ids",
-        "1,5,9,5",
-        "--tokens",
-        "8",
-        "--temperature",
-        "0",
-        "--repetition-penalty",
-        "1.3",
-    ]);
+    let penalised = |extra: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "--from",
+            base,
+            "--prompt-ids",
+            "1,5,9,5",
+            "--tokens",
+            "8",
+            "--repetition-penalty",
+            "1.3",
+        ];
+        args.extend_from_slice(extra);
+        headroom(&args)
+    };
+    let o = penalised(&["--temperature", "0"]);
     assert_eq!(
         String::from_utf8(o.stdout).unwrap().trim(),
         "1 5 9 5 56 34 22 54 69 70 50 69"
     );
     // The model's generation_config.json sets no do_sample: greedy unless asked otherwise, as
     // transformers' generate, and the line on stderr says so; a flag still applies.
-    let o = headroom(&[
-        "sample",
-        "--from",
-        base,
-        "--prompt-ids",
-        "1,5,9,5",
-        "--tokens",
-        "8",
-        "--repetition-penalty",
-        "1.3",
-    ]);
+    let o = penalised(&[]);
     assert_eq!(
         String::from_utf8(o.stdout).unwrap().trim(),
         "1 5 9 5 56 34 22 54 69 70 50 69"

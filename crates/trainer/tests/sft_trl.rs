@@ -15,33 +15,46 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-#[test]
-fn prompt_completion_examples_get_trls_ids_and_labels() {
-    let fixture: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("sft/trl_sft.json")).unwrap(),
-    )
-    .unwrap();
-    let lines: Vec<String> = fixture["prompt_completion"]
+/// `make_sft_fixture.py`'s fixture.
+fn sft_fixture() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("sft/trl_sft.json")).unwrap())
+        .unwrap()
+}
+
+/// The fixture's prompt-completion then text examples, as JSONL lines.
+fn prompt_completion_and_text_lines(fixture: &Value) -> Vec<String> {
+    fixture["prompt_completion"]
         .as_array()
         .unwrap()
         .iter()
         .chain(fixture["text"].as_array().unwrap())
         .map(Value::to_string)
+        .collect()
+}
+
+/// TRL's ids and loss flags of those examples with one tokenizer (`trl`: its entry).
+fn prompt_completion_and_text_stream(trl: &Value) -> (Vec<u32>, Vec<bool>) {
+    let rows: Vec<Value> = trl["prompt_completion"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(trl["text"].as_array().unwrap())
+        .cloned()
         .collect();
+    trl_stream(&rows)
+}
+
+#[test]
+fn prompt_completion_examples_get_trls_ids_and_labels() {
+    let fixture = sft_fixture();
+    let lines = prompt_completion_and_text_lines(&fixture);
     let tokenizers = [
         ("bpe", fixtures().join("tokenizer/tokenizer.json")),
         ("llama", fixtures().join("sft/llama-tokenizer.json")),
     ];
     for (name, file) in tokenizers {
-        let trl = &fixture["tokenizers"][name];
-        let rows: Vec<Value> = trl["prompt_completion"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .chain(trl["text"].as_array().unwrap())
-            .cloned()
-            .collect();
-        let (want_ids, want_flags) = trl_stream(&rows);
+        let (want_ids, want_flags) =
+            prompt_completion_and_text_stream(&fixture["tokenizers"][name]);
 
         let (got, flags, report) = build(&lines, &file);
         assert_eq!(got, want_ids, "{name}: ids");
@@ -64,26 +77,10 @@ fn prompt_completion_examples_get_trls_ids_and_labels() {
 /// so does `data build --jsonl`.
 #[test]
 fn examples_end_with_the_configured_eos_token() {
-    let fixture: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("sft/trl_sft.json")).unwrap(),
-    )
-    .unwrap();
-    let lines: Vec<String> = fixture["prompt_completion"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .chain(fixture["text"].as_array().unwrap())
-        .map(Value::to_string)
-        .collect();
+    let fixture = sft_fixture();
+    let lines = prompt_completion_and_text_lines(&fixture);
     let trl = &fixture["tokenizers"]["eos_config"];
-    let rows: Vec<Value> = trl["prompt_completion"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .chain(trl["text"].as_array().unwrap())
-        .cloned()
-        .collect();
-    let (want_ids, want_flags) = trl_stream(&rows);
+    let (want_ids, want_flags) = prompt_completion_and_text_stream(trl);
     let file = fixtures().join("sft/eos-config/tokenizer.json");
     let (got, flags, _) = build(&lines, &file);
     assert_eq!((got, flags), (want_ids, want_flags));
@@ -150,10 +147,7 @@ fn examples_end_with_the_configured_eos_token() {
 /// name.
 #[test]
 fn a_dataset_text_field_reads_another_key_as_trl_does() {
-    let fixture: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("sft/trl_sft.json")).unwrap(),
-    )
-    .unwrap();
+    let fixture = sft_fixture();
     let lines: Vec<String> = fixture["content"]
         .as_array()
         .unwrap()
