@@ -257,6 +257,11 @@ struct SampleArgs {
     /// tokenizer's.
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
+    /// Further variables for the chat template, a JSON object (transformers'
+    /// `apply_chat_template(**kwargs)`, TRL's `chat_template_kwargs`), such as
+    /// `{"enable_thinking": false}`; they replace a `--conversation` file's of the same name.
+    #[arg(long, value_name = "JSON")]
+    chat_template_kwargs: Option<String>,
     /// New tokens to generate.
     #[arg(long, default_value_t = 100)]
     tokens: usize,
@@ -2694,10 +2699,20 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
                  --chat-template FILE",
             )?,
         };
-        let conversation = match &a.conversation {
+        let mut conversation = match &a.conversation {
             Some(file) => read_conversation(file)?,
             None => Conversation::default(),
         };
+        if let Some(json) = &a.chat_template_kwargs {
+            let value: crate::chat_template::ChatValue = serde_json::from_str(json)
+                .map_err(|e| format!("--chat-template-kwargs: not JSON: {e}"))?;
+            let inputs = crate::tokenize::template_inputs(None, Some(value))
+                .map_err(|e| format!("--chat-template-kwargs: {e}"))?;
+            for (key, value) in inputs.extra {
+                conversation.extra.retain(|(k, _)| *k != key);
+                conversation.extra.push((key, value));
+            }
+        }
         let turn = |role: &str, content: &str| {
             crate::chat_template::ChatValue::from(
                 serde_json::json!({"role": role, "content": content}),
@@ -2738,8 +2753,10 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         }
         // The template wrote the special tokens: none is added around the text.
         Some(t.encode(&text)?)
-    } else if a.chat_template.is_some() {
-        return Err("--chat-template needs --chat or --conversation".into());
+    } else if a.chat_template.is_some() || a.chat_template_kwargs.is_some() {
+        return Err(
+            "--chat-template and --chat-template-kwargs need --chat or --conversation".into(),
+        );
     } else if a.prefill.is_some() || a.continue_final_message.is_some() {
         return Err("--prefill and --continue-final-message need --chat or --conversation".into());
     } else {

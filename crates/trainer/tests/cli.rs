@@ -1550,6 +1550,58 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         greedy(&["--conversation", conversation.to_str().unwrap()]),
         from_file
     );
+    // --chat-template-kwargs gives the template further variables (Qwen 3's enable_thinking),
+    // replacing a --conversation file's of the same name.
+    let shouting = dir.path().join("shout.jinja");
+    std::fs::write(
+        &shouting,
+        "{% for m in messages %}<|user|>\n{{ m.content }}{% if shout %}!!{% endif %}{% endfor %}\
+         <|assistant|>\n",
+    )
+    .unwrap();
+    let shout_text = |shout: bool| {
+        let extra = [("shout".to_owned(), serde_json::json!(shout).into())];
+        tok.chat_template_from(&shouting)
+            .unwrap()
+            .render_request(&headroom_trainer::chat_template::ChatRequest {
+                messages: &turn,
+                add_generation_prompt: true,
+                extra: &extra,
+                ..Default::default()
+            })
+            .unwrap()
+            .text
+    };
+    assert!(shout_text(true).contains("go?!!"), "{}", shout_text(true));
+    let shouted = greedy(&[
+        "--chat",
+        "Where did the dog go?",
+        "--chat-template",
+        shouting.to_str().unwrap(),
+        "--chat-template-kwargs",
+        r#"{"shout": true}"#,
+    ]);
+    assert_eq!(
+        shouted,
+        greedy(&["--prompt-ids", &ids_of(&shout_text(true))])
+    );
+    std::fs::write(
+        &conversation,
+        serde_json::json!({"messages": [turn[0].clone()], "chat_template_kwargs": {"shout": true}})
+            .to_string(),
+    )
+    .unwrap();
+    assert_eq!(
+        greedy(&[
+            "--conversation",
+            conversation.to_str().unwrap(),
+            "--chat-template",
+            shouting.to_str().unwrap(),
+            "--chat-template-kwargs",
+            r#"{"shout": false}"#,
+        ]),
+        greedy(&["--prompt-ids", &ids_of(&shout_text(false))])
+    );
     // --prefill starts the assistant's answer, which the model continues: the conversation
     // rendered with transformers' continue_final_message (the template's end of turn cut off).
     let prefilled = [
