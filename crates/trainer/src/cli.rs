@@ -232,8 +232,8 @@ struct SampleArgs {
     /// add_generation_prompt=True)`; generation stops at the template's end-of-sequence token.
     #[arg(long, value_name = "MESSAGE", conflicts_with_all = ["prompt", "prompt_ids"])]
     chat: Option<String>,
-    /// A system message before `--chat`'s user turn.
-    #[arg(long, value_name = "TEXT", requires = "chat")]
+    /// A system message before `--chat`'s user turn (or `--interactive`'s first).
+    #[arg(long, value_name = "TEXT")]
     system: Option<String>,
     /// A conversation so far for a chat model to continue: a JSON file holding a list of
     /// messages, or an object as a `data build --jsonl` line (`messages`, and `tools` and
@@ -246,6 +246,12 @@ struct SampleArgs {
     /// assistant message after `--chat`'s user turn (or the conversation), left open.
     #[arg(long, value_name = "TEXT")]
     prefill: Option<String>,
+    /// Chat turn by turn (as `transformers chat`): each line read from standard input is a
+    /// user message, answered through the chat template (after `--system`, a `--conversation`
+    /// and `--chat`'s first message, if given) and kept in the conversation; an empty input
+    /// ends it. Only the answers are printed, without their end-of-turn token.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_ids", "prefill", "continue_final_message"])]
+    interactive: bool,
     /// Whether the model continues the conversation's final message rather than starting a
     /// new assistant turn after it (transformers' `continue_final_message`): the text ends
     /// where the message's text ends, without the template's end of turn. Default, as
@@ -2586,6 +2592,96 @@ fn describe_sampling(s: &crate::sample::Sampling) -> String {
     parts.join(", ")
 }
 
+/// What `sample --interactive` renders each turn with.
+struct Chat<'a> {
+    template: &'a crate::chat_template::ChatTemplate,
+    tools: Option<&'a [crate::chat_template::ChatValue]>,
+    extra: &'a [(String, crate::chat_template::ChatValue)],
+}
+
+/// `sample --interactive`: each line of `input` (after `first`, if given) is a user message;
+/// the conversation so far is rendered with the generation prompt, the answer is generated and
+/// printed as it comes (its end-of-turn token left out), and it joins the conversation as the
+/// assistant's message (decoded without that token, as transformers' chat keeps it). An empty
+/// line or the end of the input ends the chat. Each turn draws with its own seed (the seed
+/// plus the turn's number). Returns the number of turns.
+fn chat_turns(
+    model: &crate::model::Model,
+    tok: &crate::tokenize::Tokenizer,
+    chat: &Chat<'_>,
+    mut messages: Vec<crate::chat_template::ChatValue>,
+    first: Option<String>,
+    mut input: impl std::io::BufRead,
+    opts: &crate::sample::SampleOptions,
+) -> CliResult<usize> {
+    let turn = |role: &str, content: &str| {
+        crate::chat_template::ChatValue::from(serde_json::json!({"role": role, "content": content}))
+    };
+    let mut out = std::io::stdout();
+    let mut pending = first;
+    let mut turns = 0;
+    loop {
+        let message = match pending.take() {
+            Some(m) => m,
+            None => {
+                eprint!("> ");
+                let mut line = String::new();
+                if input.read_line(&mut line)? == 0 {
+                    break;
+                }
+                let line = line.trim_end_matches(['\n', '\r']);
+                if line.is_empty() {
+                    break;
+                }
+                line.to_owned()
+            }
+        };
+        messages.push(turn("user", &message));
+        let text = chat
+            .template
+            .render_request(&crate::chat_template::ChatRequest {
+                messages: &messages,
+                add_generation_prompt: true,
+                tools: chat.tools,
+                documents: None,
+                extra: chat.extra,
+                continue_final_message: None,
+            })?
+            .text;
+        let prompt = tok.encode(&text)?;
+        if prompt.is_empty() {
+            return Err("the conversation encodes to no tokens".into());
+        }
+        let this_turn = crate::sample::SampleOptions {
+            seed: opts.seed.wrapping_add(turns as u64),
+            ..opts.clone()
+        };
+        let mut answer: Vec<u32> = Vec::new();
+        let mut printed = 0usize;
+        crate::sample::generate(model, &prompt, &this_turn, |id| {
+            if this_turn.stop_tokens.contains(&id) {
+                return Ok(());
+            }
+            answer.push(id);
+            let text = tok.decode(&answer)?;
+            if !text.ends_with('\u{FFFD}') && text.is_char_boundary(printed) {
+                let _ = write!(out, "{}", &text[printed..]);
+                printed = text.len();
+                let _ = out.flush();
+            }
+            Ok(())
+        })?;
+        let text = tok.decode(&answer)?;
+        if text.is_char_boundary(printed) {
+            let _ = write!(out, "{}", &text[printed..]);
+        }
+        let _ = writeln!(out);
+        messages.push(turn("assistant", &text));
+        turns += 1;
+    }
+    Ok(turns)
+}
+
 /// A conversation for `sample --conversation`.
 #[derive(Default)]
 struct Conversation {
@@ -2682,15 +2778,27 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         }
     }
     let mut eot = tok.as_ref().and_then(Tokenizer::end_of_text);
-    let chat_prompt = if a.chat.is_some() || a.conversation.is_some() {
+    // The tokens generation stops after: the end of text (the chat template's end of turn in a
+    // chat) and the generation config's.
+    let stop_tokens = |eot: Option<u32>| {
+        if a.ignore_eot {
+            return Vec::new();
+        }
+        let from_config = generation_config.iter().flat_map(|c| &c.eos_token_ids);
+        let mut stops: Vec<u32> = eot.into_iter().chain(from_config.copied()).collect();
+        stops.sort_unstable();
+        stops.dedup();
+        stops
+    };
+    let chat_prompt = if a.chat.is_some() || a.conversation.is_some() || a.interactive {
         if a.prefill.is_some() && a.continue_final_message == Some(false) {
             return Err("--prefill is an assistant message to continue, and \
                         --continue-final-message false would end it"
                 .into());
         }
-        let t = tok
-            .as_ref()
-            .ok_or("--chat and --conversation need a tokenizer: pass --tokenizer FILE")?;
+        let t = tok.as_ref().ok_or(
+            "--chat, --conversation and --interactive need a tokenizer: pass --tokenizer FILE",
+        )?;
         let template = match &a.chat_template {
             Some(file) => t.chat_template_from(file)?,
             None => t.chat_template()?.ok_or(
@@ -2721,6 +2829,31 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         let mut messages = conversation.messages;
         if let Some(system) = &a.system {
             messages.push(turn("system", system));
+        }
+        if a.interactive {
+            // The chat model ends its turn with the template's end-of-sequence token.
+            if let Some(id) = template
+                .special_token("eos_token")
+                .and_then(|e| t.token_id(e))
+            {
+                eot = Some(id);
+            }
+            let opts = SampleOptions {
+                tokens: a.tokens,
+                sampling,
+                seed: a.seed,
+                stop_tokens: stop_tokens(eot),
+                vocab_limit: Some(t.vocab_size()),
+            };
+            let chat = Chat {
+                template: &template,
+                tools: conversation.tools.as_deref(),
+                extra: &conversation.extra,
+            };
+            let input = std::io::stdin().lock();
+            let turns = chat_turns(&model, t, &chat, messages, a.chat.clone(), input, &opts)?;
+            esay!("{turns} turns; {}", weights.summary(&tracker));
+            return Ok(());
         }
         if let Some(message) = &a.chat {
             messages.push(turn("user", message));
@@ -2759,6 +2892,8 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         );
     } else if a.prefill.is_some() || a.continue_final_message.is_some() {
         return Err("--prefill and --continue-final-message need --chat or --conversation".into());
+    } else if a.system.is_some() {
+        return Err("--system needs --chat or --interactive".into());
     } else {
         None
     };
@@ -2791,15 +2926,7 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         tokens: a.tokens,
         sampling,
         seed: a.seed,
-        stop_tokens: if a.ignore_eot {
-            Vec::new()
-        } else {
-            let from_config = generation_config.iter().flat_map(|c| &c.eos_token_ids);
-            let mut stops: Vec<u32> = eot.into_iter().chain(from_config.copied()).collect();
-            stops.sort_unstable();
-            stops.dedup();
-            stops
-        },
+        stop_tokens: stop_tokens(eot),
         vocab_limit: tok.as_ref().map(Tokenizer::vocab_size),
     };
     // The prompt's text comes first: a stop string may start inside it.

@@ -1602,6 +1602,81 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         ]),
         greedy(&["--prompt-ids", &ids_of(&shout_text(false))])
     );
+    // --interactive: each line of standard input is a user turn, answered through the
+    // template; only the answers are printed (without their end of turn), and each joins the
+    // conversation the next turn renders. The answers are the library's greedy generations of
+    // those conversations.
+    let chat_lines = |lines: &str, extra: &[&str]| -> (String, String) {
+        use std::io::Write as _;
+        let mut child = common::headroom_command()
+            .args(["sample", "--from", run.to_str().unwrap(), "--tokenizer"])
+            .arg(&chat)
+            .args(["--tokens", "6", "--temperature", "0", "--interactive"])
+            .args(extra)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(lines.as_bytes())
+            .unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    let model = headroom_trainer::sample::load_model(&run, &headroom_tensor::Cpu::new()).unwrap();
+    let template = tok.chat_template().unwrap().unwrap();
+    let end = tok.token_id("</s>").unwrap();
+    let mut so_far: Vec<headroom_trainer::chat_template::ChatValue> = Vec::new();
+    let mut want = String::new();
+    for (i, question) in ["Where did the dog go?", "And then?"].iter().enumerate() {
+        so_far.push(serde_json::json!({"role": "user", "content": question}).into());
+        let text = template.render(&so_far, true).unwrap();
+        let opts = headroom_trainer::sample::SampleOptions {
+            tokens: 6,
+            sampling: headroom_trainer::sample::Sampling::greedy(),
+            seed: 1337 + i as u64,
+            stop_tokens: vec![end],
+            vocab_limit: Some(tok.vocab_size()),
+        };
+        let mut new =
+            headroom_trainer::sample::generate(&model, &tok.encode(&text).unwrap(), &opts, |_| {
+                Ok(())
+            })
+            .unwrap();
+        new.retain(|&id| id != end);
+        let answer = tok.decode(&new).unwrap();
+        want += &format!("{answer}\n");
+        so_far.push(serde_json::json!({"role": "assistant", "content": answer}).into());
+    }
+    assert!(want.lines().all(|answer| !answer.is_empty()), "{want:?}");
+    let (out, err) = chat_lines("Where did the dog go?\nAnd then?\n", &[]);
+    assert_eq!(out, want);
+    assert!(err.contains("2 turns"), "{err}");
+    // --chat is the first turn; an empty line ends the chat.
+    let (out, _) = chat_lines(
+        "And then?\n\nnever read\n",
+        &["--chat", "Where did the dog go?"],
+    );
+    assert_eq!(out, want);
+    // --prefill is one turn's; it is refused beside --interactive.
+    let o = common::headroom_command()
+        .args([
+            "sample",
+            "--from",
+            run.to_str().unwrap(),
+            "--interactive",
+            "--prefill",
+            "x",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--prefill"), "{}", stderr(&o));
     // --prefill starts the assistant's answer, which the model continues: the conversation
     // rendered with transformers' continue_final_message (the template's end of turn cut off).
     let prefilled = [
