@@ -32,6 +32,16 @@ fn prompt_completion_and_text_lines(fixture: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The examples of a fixture list, as JSONL lines.
+fn lines_of(examples: &Value) -> Vec<String> {
+    examples
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(Value::to_string)
+        .collect()
+}
+
 /// TRL's ids and loss flags of those examples with one tokenizer (`trl`: its entry).
 fn prompt_completion_and_text_stream(trl: &Value) -> (Vec<u32>, Vec<bool>) {
     let rows: Vec<Value> = trl["prompt_completion"]
@@ -94,12 +104,7 @@ fn examples_end_with_the_configured_eos_token() {
     );
     // TRL's eos_token setting replaces the configured one; a token the vocabulary lacks is
     // refused.
-    let text: Vec<String> = fixture["text"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(Value::to_string)
-        .collect();
+    let text = lines_of(&fixture["text"]);
     let (want_ids, want_flags) = trl_stream(trl["text_eos_token"].as_array().unwrap());
     let with = |eos: &str| headroom_trainer::tokenize::SftOptions {
         eos_token: Some(eos.into()),
@@ -148,12 +153,7 @@ fn examples_end_with_the_configured_eos_token() {
 #[test]
 fn a_dataset_text_field_reads_another_key_as_trl_does() {
     let fixture = sft_fixture();
-    let lines: Vec<String> = fixture["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(Value::to_string)
-        .collect();
+    let lines = lines_of(&fixture["content"]);
     let options = headroom_trainer::tokenize::SftOptions {
         text_field: Some("content".into()),
         ..Default::default()
@@ -690,12 +690,7 @@ fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
         "assistant_only_loss_prompt_completion",
     ] {
         // The lines in the file's key order, as a JSONL file of them would be.
-        let lines: Vec<String> = jinja["examples"][set]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(Value::to_string)
-            .collect();
+        let lines = lines_of(&jinja["examples"][set]);
         let (want_ids, want_flags) = trl_stream(jinja["trl"][set].as_array().unwrap());
         let (ids, flags, report) = run(&lines, true, false);
         assert_eq!(ids, want_ids, "{set}: ids");
@@ -708,18 +703,8 @@ fn assistant_only_loss_and_tools_get_trls_ids_and_labels() {
     }
     // TRL's completion_only_loss=False: the prompt counts too; with assistant_only_loss, the
     // prompt's assistant turns.
-    let prompt_completion: Vec<String> = fixture["prompt_completion"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(Value::to_string)
-        .collect();
-    let aol: Vec<String> = jinja["examples"]["assistant_only_loss_prompt_completion"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(Value::to_string)
-        .collect();
+    let prompt_completion = lines_of(&fixture["prompt_completion"]);
+    let aol = lines_of(&jinja["examples"]["assistant_only_loss_prompt_completion"]);
     for (lines, assistant_only, set) in [
         (
             &prompt_completion,
@@ -948,12 +933,7 @@ fn padded_examples_sit_one_per_training_window() {
     use headroom_trainer::tokenize::SftOptions;
     let (fixture, _) = chat_fixture();
     let jinja = &fixture["jinja"];
-    let lines: Vec<String> = jinja["examples"]["assistant_only_loss_messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(Value::to_string)
-        .collect();
+    let lines = lines_of(&jinja["examples"]["assistant_only_loss_messages"]);
     let rows = jinja["trl"]["assistant_only_loss_messages"]
         .as_array()
         .unwrap();
@@ -1157,12 +1137,7 @@ fn packs_as_trl(
         Some(other) => panic!("strategy {other}"),
     };
     let max = sft["max_length"].as_u64().unwrap() as usize;
-    let lines: Vec<String> = sft["examples"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(Value::to_string)
-        .collect();
+    let lines = lines_of(&sft["examples"]);
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("sft.jsonl");
     std::fs::write(&input, lines.join("\n")).unwrap();
