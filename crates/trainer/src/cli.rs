@@ -2518,11 +2518,10 @@ fn cmd_merge(a: MergeArgs) -> CliResult {
         });
     // transformers' save_pretrained writes the model's generation config beside it.
     let generation = crate::sample::GenerationConfig::file_beside(&a.base)?;
-    let extra: Vec<(&str, &[u8])> = generation
-        .iter()
-        .map(|b| (crate::sample::GENERATION_CONFIG, b.as_slice()))
-        .collect();
-    crate::checkpoint::save_hf_with(&a.out, &cfg, &masters, max_shard, &extra)?;
+    let extra = generation
+        .as_deref()
+        .map(|b| (crate::sample::GENERATION_CONFIG, b));
+    crate::checkpoint::save_hf_with(&a.out, &cfg, &masters, max_shard, extra.as_slice())?;
     say!(
         "{}: {} with {merged} adapted modules merged (rank {}, scaling {})",
         a.out.display(),
@@ -2592,6 +2591,31 @@ fn describe_sampling(s: &crate::sample::Sampling) -> String {
     parts.join(", ")
 }
 
+/// A chat message `{"role": role, "content": content}`.
+fn chat_message(role: &str, content: &str) -> crate::chat_template::ChatValue {
+    crate::chat_template::ChatValue::from(serde_json::json!({"role": role, "content": content}))
+}
+
+/// Writes the text of `ids` past the `printed` bytes already written, once it decodes to
+/// whole characters (a character split across tokens waits for its last byte; `finish` writes
+/// what there is), and returns that text. Decoding the tokens together keeps the joins as the
+/// tokenizer writes them (SentencePiece-style spaces, byte-level characters).
+fn print_decoded(
+    out: &mut impl Write,
+    tok: &crate::tokenize::Tokenizer,
+    ids: &[u32],
+    printed: &mut usize,
+    finish: bool,
+) -> crate::Result<String> {
+    let text = tok.decode(ids)?;
+    if (finish || !text.ends_with('\u{FFFD}')) && text.is_char_boundary(*printed) {
+        let _ = write!(out, "{}", &text[*printed..]);
+        *printed = text.len();
+        let _ = out.flush();
+    }
+    Ok(text)
+}
+
 /// What `sample --interactive` renders each turn with.
 struct Chat<'a> {
     template: &'a crate::chat_template::ChatTemplate,
@@ -2614,9 +2638,6 @@ fn chat_turns(
     mut input: impl std::io::BufRead,
     opts: &crate::sample::SampleOptions,
 ) -> CliResult<usize> {
-    let turn = |role: &str, content: &str| {
-        crate::chat_template::ChatValue::from(serde_json::json!({"role": role, "content": content}))
-    };
     let mut out = std::io::stdout();
     let mut pending = first;
     let mut turns = 0;
@@ -2636,7 +2657,7 @@ fn chat_turns(
                 line.to_owned()
             }
         };
-        messages.push(turn("user", &message));
+        messages.push(chat_message("user", &message));
         let text = chat
             .template
             .render_request(&crate::chat_template::ChatRequest {
@@ -2663,20 +2684,12 @@ fn chat_turns(
                 return Ok(());
             }
             answer.push(id);
-            let text = tok.decode(&answer)?;
-            if !text.ends_with('\u{FFFD}') && text.is_char_boundary(printed) {
-                let _ = write!(out, "{}", &text[printed..]);
-                printed = text.len();
-                let _ = out.flush();
-            }
+            print_decoded(&mut out, tok, &answer, &mut printed, false)?;
             Ok(())
         })?;
-        let text = tok.decode(&answer)?;
-        if text.is_char_boundary(printed) {
-            let _ = write!(out, "{}", &text[printed..]);
-        }
+        let text = print_decoded(&mut out, tok, &answer, &mut printed, true)?;
         let _ = writeln!(out);
-        messages.push(turn("assistant", &text));
+        messages.push(chat_message("assistant", &text));
         turns += 1;
     }
     Ok(turns)
@@ -2821,14 +2834,9 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
                 conversation.extra.push((key, value));
             }
         }
-        let turn = |role: &str, content: &str| {
-            crate::chat_template::ChatValue::from(
-                serde_json::json!({"role": role, "content": content}),
-            )
-        };
         let mut messages = conversation.messages;
         if let Some(system) = &a.system {
-            messages.push(turn("system", system));
+            messages.push(chat_message("system", system));
         }
         if a.interactive {
             // The chat model ends its turn with the template's end-of-sequence token.
@@ -2856,10 +2864,10 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
             return Ok(());
         }
         if let Some(message) = &a.chat {
-            messages.push(turn("user", message));
+            messages.push(chat_message("user", message));
         }
         if let Some(text) = &a.prefill {
-            messages.push(turn("assistant", text));
+            messages.push(chat_message("assistant", text));
         }
         let ends_with_assistant = matches!(
             messages.last(),
@@ -2965,20 +2973,14 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
             _ => false,
         };
         match &tok {
-            // Print what decodes to whole characters; a character split across tokens
-            // waits for its last byte.
             Some(t) => {
-                let text = t.decode(&generated)?;
-                if !text.ends_with('\u{FFFD}') && text.is_char_boundary(printed) {
-                    let _ = write!(out, "{}", &text[printed..]);
-                    printed = text.len();
-                }
+                print_decoded(&mut out, t, &generated, &mut printed, false)?;
             }
             None => {
                 let _ = write!(out, " {id}");
+                let _ = out.flush();
             }
         }
-        let _ = out.flush();
         Ok(if stop {
             std::ops::ControlFlow::Break(())
         } else {
@@ -2986,10 +2988,7 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         })
     })?;
     if let Some(t) = &tok {
-        let text = t.decode(&generated)?;
-        if text.is_char_boundary(printed) {
-            let _ = write!(out, "{}", &text[printed..]);
-        }
+        print_decoded(&mut out, t, &generated, &mut printed, true)?;
     }
     let _ = writeln!(out);
     let secs = start.elapsed().as_secs_f64();

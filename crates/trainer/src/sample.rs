@@ -226,17 +226,17 @@ impl GenerationConfig {
 
     /// The `generation_config.json` in `dir`, if it has one.
     pub fn beside(dir: &Path) -> Result<Option<Self>> {
-        let Some(bytes) = Self::file_beside(dir)? else {
-            return Ok(None);
-        };
-        // Read as UTF-8 by file_beside already.
-        let text = String::from_utf8_lossy(&bytes);
-        Self::parse(&text, &dir.join(GENERATION_CONFIG)).map(Some)
+        Ok(Self::read_beside(dir)?.map(|(_, config)| config))
     }
 
     /// The bytes of the `generation_config.json` in `dir`, if it has one, once they read as
     /// one: what an export of a model made from `dir` carries over, as `save_pretrained` does.
     pub fn file_beside(dir: &Path) -> Result<Option<Vec<u8>>> {
+        Ok(Self::read_beside(dir)?.map(|(bytes, _)| bytes))
+    }
+
+    /// The `generation_config.json` in `dir`, its bytes and what they say.
+    fn read_beside(dir: &Path) -> Result<Option<(Vec<u8>, Self)>> {
         let path = dir.join(GENERATION_CONFIG);
         if !path.is_file() {
             return Ok(None);
@@ -245,8 +245,8 @@ impl GenerationConfig {
             .map_err(|e| TrainError::Input(format!("{}: {e}", path.display())))?;
         let text = std::str::from_utf8(&bytes)
             .map_err(|e| TrainError::Input(format!("{}: {e}", path.display())))?;
-        Self::parse(text, &path)?;
-        Ok(Some(bytes))
+        let config = Self::parse(text, &path)?;
+        Ok(Some((bytes, config)))
     }
 
     /// The sampler transformers' `generate` builds from this config with `asked`'s settings

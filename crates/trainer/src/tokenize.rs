@@ -316,13 +316,7 @@ impl Tokenizer {
     /// The text of `ids`; bytes that are not valid UTF-8 on their own (a character split
     /// across tokens) are replaced by U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        let vocab = self.vocab_size();
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(err(
-                self.source(),
-                format!("id {bad} is outside the vocabulary of {vocab}"),
-            ));
-        }
+        self.check_in_vocabulary(ids)?;
         match self {
             Tokenizer::Gpt2(bpe) => {
                 let bytes = bpe
@@ -340,7 +334,7 @@ impl Tokenizer {
     /// `ByteFallback` one `<0xNN>` is that byte; any other token is decoded after a fixed
     /// prefix, whose text is then cut off, so that a word-initial space is kept.
     pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
-        self.decode(&[id])?; // the id is in the vocabulary
+        self.check_in_vocabulary(&[id])?;
         let t = match self {
             Tokenizer::Gpt2(bpe) => {
                 return bpe
@@ -378,6 +372,18 @@ impl Tokenizer {
             Some(at) => text.as_bytes()[at + PREFIX.len()..].to_vec(),
             None => text.into_bytes(),
         })
+    }
+
+    /// A typed error naming the first of `ids` outside the vocabulary.
+    fn check_in_vocabulary(&self, ids: &[u32]) -> Result<()> {
+        let vocab = self.vocab_size();
+        match ids.iter().find(|&&i| i as usize >= vocab) {
+            Some(bad) => Err(err(
+                self.source(),
+                format!("id {bad} is outside the vocabulary of {vocab}"),
+            )),
+            None => Ok(()),
+        }
     }
 
     fn source(&self) -> PathBuf {

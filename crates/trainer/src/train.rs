@@ -2112,11 +2112,16 @@ fn train_tracked(
             Some(dir) => crate::sample::GenerationConfig::file_beside(dir)?,
             None => None,
         };
-        let extra: Vec<(&str, &[u8])> = generation
-            .iter()
-            .map(|b| (crate::sample::GENERATION_CONFIG, b.as_slice()))
-            .collect();
-        checkpoint::save_hf_with(out, &opts.model, &base, opts.max_shard_bytes, &extra)?;
+        let extra = generation
+            .as_deref()
+            .map(|b| (crate::sample::GENERATION_CONFIG, b));
+        checkpoint::save_hf_with(
+            out,
+            &opts.model,
+            &base,
+            opts.max_shard_bytes,
+            extra.as_slice(),
+        )?;
     }
     let memory = tracker.snapshot();
     let memory_table = memory_summary(&memory, &ReportContext::with_process_memory());

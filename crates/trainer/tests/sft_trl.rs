@@ -42,16 +42,20 @@ fn lines_of(examples: &Value) -> Vec<String> {
         .collect()
 }
 
-/// TRL's ids and loss flags of those examples with one tokenizer (`trl`: its entry).
-fn prompt_completion_and_text_stream(trl: &Value) -> (Vec<u32>, Vec<bool>) {
-    let rows: Vec<Value> = trl["prompt_completion"]
-        .as_array()
-        .unwrap()
+/// TRL's ids and loss flags of the row lists `keys` of `trl`, one after another.
+fn trl_stream_of(trl: &Value, keys: &[&str]) -> (Vec<u32>, Vec<bool>) {
+    let rows: Vec<Value> = keys
         .iter()
-        .chain(trl["text"].as_array().unwrap())
+        .flat_map(|k| trl[*k].as_array().unwrap())
         .cloned()
         .collect();
     trl_stream(&rows)
+}
+
+/// TRL's ids and loss flags of the prompt-completion then text examples with one tokenizer
+/// (`trl`: its entry).
+fn prompt_completion_and_text_stream(trl: &Value) -> (Vec<u32>, Vec<bool>) {
+    trl_stream_of(trl, &["prompt_completion", "text"])
 }
 
 #[test]
@@ -302,14 +306,7 @@ fn conversational_examples_get_trls_rendering_ids_and_labels() {
         );
     }
 
-    let rows: Vec<Value> = fixture["trl"]["prompt_completion"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .chain(fixture["trl"]["messages"].as_array().unwrap())
-        .cloned()
-        .collect();
-    let (want_ids, want_flags) = trl_stream(&rows);
+    let (want_ids, want_flags) = trl_stream_of(&fixture["trl"], &["prompt_completion", "messages"]);
     let lines: Vec<String> = examples
         .iter()
         .chain(conversations)
@@ -323,14 +320,10 @@ fn conversational_examples_get_trls_rendering_ids_and_labels() {
 
     // TRL's eos_token setting: the template renders it as `eos_token`, and it would end a
     // text example; TRL's ids and labels with eos_token="<|user|>".
-    let rows: Vec<Value> = fixture["trl"]["prompt_completion_eos_token"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .chain(fixture["trl"]["messages_eos_token"].as_array().unwrap())
-        .cloned()
-        .collect();
-    let (want_ids, want_flags) = trl_stream(&rows);
+    let (want_ids, want_flags) = trl_stream_of(
+        &fixture["trl"],
+        &["prompt_completion_eos_token", "messages_eos_token"],
+    );
     let options = headroom_trainer::tokenize::SftOptions {
         eos_token: Some("<|user|>".into()),
         ..Default::default()
