@@ -13,6 +13,8 @@
 //!     config.json         transformers' GPT2Config or LlamaConfig for the shape
 //!     optimizer.bin       the AdamW moments (headroom-offload's documented byte layout)
 //!     state.json          step, model config, run settings, optimizer/loader/scaler state
+//!     tokenizer.json …    the base model's tokenizer, chat templates and generation config
+//!                         (a run from a Hugging Face directory; see [`crate::companions`])
 //!     manifest.json       format version, step, and every file's size and xxh3-64 checksum
 //!   step-00000020/
 //!   .partial-step-00000030-4711/   a save in progress (never read)
@@ -66,6 +68,7 @@ use serde::{Deserialize, Serialize};
 
 use headroom_lora::{LoraAdapter, LoraLinear};
 
+use crate::companions::{is_companion, Companions};
 use crate::model::{params, Family, FinetuneSpec, Model, ModelConfig, ModelOptions};
 use crate::train::LrSchedule;
 use crate::{Result, TrainError};
@@ -584,7 +587,7 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<ManifestFile> {
 }
 
 /// fsync a directory, so the renames and creations inside it are durable.
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     fs::File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(io(dir))
@@ -906,29 +909,20 @@ pub fn save_hf(
     params: &[CpuTensor],
     max_shard_bytes: u64,
 ) -> Result<()> {
-    save_hf_with(out, config, params, max_shard_bytes, &[])
+    save_hf_with(out, config, params, max_shard_bytes, &Companions::none())
 }
 
-/// [`save_hf`] with further files written into the directory before it is published (the
-/// base model's `generation_config.json`, which transformers' `save_pretrained` writes too).
-/// Each name must be a plain file name other than the model's own files.
+/// [`save_hf`] with the model's companion files (its tokenizer and generation config) written
+/// into the directory before it is published: the base model's `generation_config.json`,
+/// which transformers' `save_pretrained` writes too, and its tokenizer, which a user saves
+/// beside it (`tokenizer.save_pretrained(out)`) for the export to load as the base does.
 pub fn save_hf_with(
     out: &Path,
     config: &ModelConfig,
     params: &[CpuTensor],
     max_shard_bytes: u64,
-    extra_files: &[(&str, &[u8])],
+    companions: &Companions,
 ) -> Result<()> {
-    for (name, _) in extra_files {
-        let plain = Path::new(name).file_name() == Some(std::ffi::OsStr::new(name));
-        let models_own = name.ends_with(".safetensors") || [FILES[1], SHARD_INDEX].contains(name);
-        if !plain || models_own {
-            return Err(err(
-                out,
-                format!("{name:?} is not a file the export may add"),
-            ));
-        }
-    }
     if out.exists() {
         return Err(err(out, "already exists; refusing to overwrite it"));
     }
@@ -945,7 +939,8 @@ pub fn save_hf_with(
     let bytes: u64 = params
         .iter()
         .map(|t| headroom_tensor::Tensor::numel(t) as u64 * 4)
-        .sum();
+        .sum::<u64>()
+        + companions.bytes();
     if let Some(free) = short_of_room(&parent, bytes) {
         return Err(err(
             out,
@@ -966,9 +961,7 @@ pub fn save_hf_with(
     removing_on_error(&partial, || {
         model_files(config, params, max_shard_bytes, out, &partial)?;
         write_synced(&partial.join(FILES[1]), &hf_config(config, out)?)?;
-        for (name, bytes) in extra_files {
-            write_synced(&partial.join(name), bytes)?;
-        }
+        companions.write_into(&partial)?;
         sync_dir(&partial)?;
         fs::rename(&partial, out).map_err(io(out))
     })?;
@@ -1157,7 +1150,15 @@ pub fn save(
     moments: &[u8],
     keep: usize,
 ) -> Result<PathBuf> {
-    save_sharded(root, state, params, moments, keep, MAX_SHARD_BYTES)
+    save_sharded(
+        root,
+        state,
+        params,
+        moments,
+        keep,
+        MAX_SHARD_BYTES,
+        &Companions::none(),
+    )
 }
 
 /// [`save`], with the model split as transformers' `save_pretrained(max_shard_size=…)` splits
@@ -1165,7 +1166,9 @@ pub fn save(
 /// whenever the next tensor would overflow the current one (a tensor larger than the limit
 /// gets a shard of its own), files `model-00001-of-0000N.safetensors` and a
 /// `model.safetensors.index.json` mapping every tensor to its file. Every shard and the index
-/// are in the manifest, so the crash-consistency argument is unchanged.
+/// are in the manifest, so the crash-consistency argument is unchanged. The model's
+/// `companions` (its tokenizer and generation config) go into the directory too, in the
+/// manifest like every file.
 pub fn save_sharded(
     root: &Path,
     state: &TrainingState,
@@ -1173,6 +1176,7 @@ pub fn save_sharded(
     moments: &[u8],
     keep: usize,
     max_shard_bytes: u64,
+    companions: &Companions,
 ) -> Result<PathBuf> {
     if keep == 0 {
         return Err(err(
@@ -1194,6 +1198,7 @@ pub fn save_sharded(
         root,
         state,
         Some(keep),
+        companions,
         |partial, files| {
             match &state.finetune {
                 Some(f) => {
@@ -1237,6 +1242,7 @@ pub(crate) fn save_streamed(
     state: &TrainingState,
     keep: Option<usize>,
     max_shard_bytes: u64,
+    companions: &Companions,
     mut tensor: impl FnMut(usize) -> Result<Vec<f32>>,
     moments: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<PathBuf> {
@@ -1256,6 +1262,7 @@ pub(crate) fn save_streamed(
         root,
         state,
         keep,
+        companions,
         |partial, files| {
             files.extend(model_files_from(
                 &state.config,
@@ -1273,12 +1280,13 @@ pub(crate) fn save_streamed(
 
 /// One step directory written into a `.partial-…` sibling and published: `model` writes the
 /// model's files (or the adapters) and records them, then `config.json`, `optimizer.bin`
-/// (its bytes from `moments`, streamed), `state.json` and the manifest, every file fsynced.
-/// `keep` as [`publish`]'s.
+/// (its bytes from `moments`, streamed), the companion files, `state.json` and the manifest,
+/// every file fsynced. `keep` as [`publish`]'s.
 fn write_step(
     root: &Path,
     state: &TrainingState,
     keep: Option<usize>,
+    companions: &Companions,
     model: impl FnOnce(&Path, &mut Vec<ManifestFile>) -> Result<()>,
     moments: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<PathBuf> {
@@ -1303,6 +1311,7 @@ fn write_step(
         let mut optimizer = StreamedFile::create(&partial.join(FILES[2]), WRITE_CHUNK_BYTES)?;
         moments(&mut |bytes| optimizer.put(bytes))?;
         files.push(optimizer.finish()?);
+        files.extend(companions.write_into(&partial)?);
         let state_json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
         files.push(write_synced(&partial.join(FILES[3]), &state_json)?);
         let manifest = Manifest {
@@ -1689,6 +1698,18 @@ pub fn verify_model_files(path: &Path) -> Result<(PathBuf, ModelConfig)> {
     Ok((dir, state.config))
 }
 
+/// The step directory of the checkpoint at `path` (a root: its newest), after checking the
+/// companion files its manifest lists (the tokenizer, the generation config) against it, size
+/// and checksum: the files `sample` reads beside the model, before it loads the model.
+pub fn verify_companions(path: &Path) -> Result<PathBuf> {
+    let dir = resolve(path)?;
+    let manifest = read_manifest(&dir)?;
+    for e in manifest.files.iter().filter(|f| is_companion(&f.name)) {
+        verify_streamed(&dir, e)?;
+    }
+    Ok(dir)
+}
+
 /// What a checkpoint holds, as [`verify`] found it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CheckpointKind {
@@ -1884,6 +1905,12 @@ pub struct ResumePoint {
 }
 
 impl ResumePoint {
+    /// The model's companion files (tokenizer, generation config) this checkpoint holds, read
+    /// and checked against its manifest: what the resumed run writes into its checkpoints.
+    pub fn companions(&self) -> Result<Companions> {
+        Companions::listed_in(&self.dir, &self.manifest)
+    }
+
     /// The checkpoint at `path` (a step directory, or a root: its newest checkpoint): its
     /// manifest and state, checked; a fine-tuning checkpoint's adapters, every file verified.
     pub fn open(path: &Path) -> Result<Self> {

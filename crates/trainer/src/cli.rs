@@ -95,7 +95,7 @@ enum Command {
     /// The loss of a checkpoint on the leading windows of a token file.
     Eval(EvalArgs),
     /// Merge a PEFT LoRA adapter into its base model and write a Hugging Face directory
-    /// (PEFT's `merge_and_unload()` + `save_pretrained`).
+    /// (PEFT's `merge_and_unload()` + `save_pretrained`, the base's tokenizer saved beside).
     Merge(MergeArgs),
     /// Work on checkpoints.
     #[command(subcommand)]
@@ -295,8 +295,9 @@ struct SampleArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
-    /// `gpt2` or a tokenizer.json (default: the tokenizer.json beside the checkpoint, if any;
-    /// without one, token ids are printed).
+    /// `gpt2` or a tokenizer.json (default: the tokenizer.json of the model directory or of
+    /// the checkpoint's step, which a run from a Hugging Face directory carries; without one,
+    /// token ids are printed).
     #[arg(long, value_name = "gpt2|FILE")]
     tokenizer: Option<String>,
     /// Stop once the text holds this string (repeatable), as transformers' `stop_strings`:
@@ -679,7 +680,7 @@ struct TrainArgs {
     #[arg(long)]
     seed: Option<u64>,
     /// LoRA: after training, merge the adapters into the base and write a Hugging Face model
-    /// directory here (refused if it exists).
+    /// directory here (refused if it exists), with the base's tokenizer and generation config.
     #[arg(long, value_name = "DIR", requires = "lora_rank")]
     merge_into: Option<PathBuf>,
     /// Packed examples train as if padded one per row: each token attends only within its
@@ -2516,12 +2517,11 @@ fn cmd_merge(a: MergeArgs) -> CliResult {
         .map_or(crate::checkpoint::MAX_SHARD_BYTES, |m| {
             m.saturating_mul(1 << 20)
         });
-    // transformers' save_pretrained writes the model's generation config beside it.
-    let generation = crate::sample::GenerationConfig::file_beside(&a.base)?;
-    let extra = generation
-        .as_deref()
-        .map(|b| (crate::sample::GENERATION_CONFIG, b));
-    crate::checkpoint::save_hf_with(&a.out, &cfg, &masters, max_shard, extra.as_slice())?;
+    // transformers' save_pretrained writes the model's generation config beside it, and the
+    // tokenizer is what a user saves next: the export loads as the base does.
+    let companions =
+        crate::companions::Companions::beside(&crate::sample::model_files_dir(&a.base)?)?;
+    crate::checkpoint::save_hf_with(&a.out, &cfg, &masters, max_shard, &companions)?;
     say!(
         "{}: {} with {merged} adapted modules merged (rank {}, scaling {})",
         a.out.display(),
@@ -2760,7 +2760,9 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
         repetition_penalty: a.repetition_penalty,
     };
     // Before the model loads: a bad setting is refused at once.
-    let generation_config = GenerationConfig::beside(&a.from)?;
+    // A checkpoint's tokenizer and generation config are its step directory's (checked).
+    let files_dir = crate::sample::model_files_dir(&a.from)?;
+    let generation_config = GenerationConfig::beside(&files_dir)?;
     let sampling = match &generation_config {
         Some(config) => {
             let sampling = config.sampling(&asked)?;
@@ -2778,7 +2780,7 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
     let model = load_for_inference(&a.from, a.adapter.as_deref(), &cpu, &a.weights.weights())?;
     let tok = match &a.tokenizer {
         Some(name) => Some(Tokenizer::from_name(name)?),
-        None => Tokenizer::beside(&a.from).transpose()?,
+        None => Tokenizer::beside(&files_dir).transpose()?,
     };
     if let Some(t) = &tok {
         if t.vocab_size() > model.cfg.vocab {

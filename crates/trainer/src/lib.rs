@@ -48,6 +48,7 @@ mod bounded;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod cli;
+pub mod companions;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;

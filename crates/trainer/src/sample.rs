@@ -364,6 +364,17 @@ fn same_config(model_dir: &Path, read: ModelConfig, cfg: ModelConfig) -> Result<
     Ok(())
 }
 
+/// The directory whose tokenizer and generation config go with the model at `dir`: a
+/// headroom checkpoint's step directory (a root's newest), the companion files its manifest
+/// lists checked against it ([`checkpoint::verify_companions`]); else `dir`, a Hugging Face
+/// directory.
+pub fn model_files_dir(dir: &Path) -> Result<std::path::PathBuf> {
+    match model_source(dir)? {
+        Some(step) => checkpoint::verify_companions(&step),
+        None => Ok(dir.to_path_buf()),
+    }
+}
+
 /// Where `dir`'s model is: a headroom checkpoint step (`Some`) or a Hugging Face directory.
 fn model_source(dir: &Path) -> Result<Option<std::path::PathBuf>> {
     match checkpoint::resolve(dir) {

@@ -30,6 +30,7 @@ use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, MemoryCategory};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{self, RunSpec, TrainingState};
+use crate::companions::Companions;
 #[cfg(feature = "cuda")]
 use crate::engine::CudaResident;
 use crate::engine::{ComputeDevice, Engine};
@@ -1525,6 +1526,7 @@ impl Stepper {
         loader: &Loader,
         scaler: Option<headroom_amp::LossScalerState>,
         finetune: Option<checkpoint::FinetuneState>,
+        companions: &Companions,
         host: &Cpu,
     ) -> Result<PathBuf> {
         match self {
@@ -1542,6 +1544,7 @@ impl Stepper {
                     opt.moments(),
                     keep,
                     max_shard_bytes,
+                    companions,
                 )
             }
             #[cfg(feature = "cuda")]
@@ -1549,7 +1552,15 @@ impl Stepper {
                 let (masters, opt_state, moments) = model.checkpoint_parts(host)?;
                 let mut state = TrainingState::new(step, config, run, opt_state, loader.state());
                 state.scaler = scaler;
-                checkpoint::save_sharded(dir, &state, &masters, &moments, keep, max_shard_bytes)
+                checkpoint::save_sharded(
+                    dir,
+                    &state,
+                    &masters,
+                    &moments,
+                    keep,
+                    max_shard_bytes,
+                    companions,
+                )
             }
         }
     }
@@ -1720,6 +1731,19 @@ fn train_tracked(
             }
             None
         }
+    };
+    // The tokenizer and generation config every checkpoint and export of the run carries, as
+    // a Hugging Face Trainer's do: the resumed checkpoint's, else the base's. Read now, so a
+    // bad file is refused before the first step.
+    let companions = if opts.save.is_some() || opts.merge_into.is_some() {
+        let saved = resume.as_ref().map(|ck| ck.companions()).transpose()?;
+        match (saved, &opts.init_from) {
+            (Some(saved), _) if !saved.is_empty() => saved,
+            (_, Some(dir)) => Companions::beside(dir)?,
+            (_, None) => Companions::none(),
+        }
+    } else {
+        Companions::none()
     };
     // Batch buffers are host memory: the device's ledger when the device is the CPU.
     let data_hook = match opts.device {
@@ -1924,7 +1948,7 @@ fn train_tracked(
     drop(resume);
     // A save writes a whole checkpoint before it prunes an older one: a file system that
     // cannot hold one is refused now, not when the first save fails after hours of steps.
-    let checkpoint_bytes = stepper.checkpoint_bytes();
+    let checkpoint_bytes = stepper.checkpoint_bytes() + companions.bytes();
     if let Some((root, _)) = &opts.save {
         checkpoint::check_room(root, checkpoint_bytes, "--checkpoint-dir")?;
     }
@@ -2066,6 +2090,7 @@ fn train_tracked(
                     &loader,
                     scaler_state,
                     finetune_state.clone(),
+                    &companions,
                     &host,
                 )?);
                 if !stopped && done < opts.steps {
@@ -2107,21 +2132,7 @@ fn train_tracked(
             });
         }
         crate::adapters::merge(&opts.model, &mut base, &adapter, out)?;
-        // The base's generation config goes with it, as save_pretrained writes it.
-        let generation = match &opts.init_from {
-            Some(dir) => crate::sample::GenerationConfig::file_beside(dir)?,
-            None => None,
-        };
-        let extra = generation
-            .as_deref()
-            .map(|b| (crate::sample::GENERATION_CONFIG, b));
-        checkpoint::save_hf_with(
-            out,
-            &opts.model,
-            &base,
-            opts.max_shard_bytes,
-            extra.as_slice(),
-        )?;
+        checkpoint::save_hf_with(out, &opts.model, &base, opts.max_shard_bytes, &companions)?;
     }
     let memory = tracker.snapshot();
     let memory_table = memory_summary(&memory, &ReportContext::with_process_memory());

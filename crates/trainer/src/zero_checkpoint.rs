@@ -36,6 +36,7 @@ use crate::checkpoint::{
     self, check_format_and_step, err, io, read_json_bounded, read_verified, write_synced, Manifest,
     RunSpec, TrainingState, FORMAT_VERSION, MANIFEST, PARTIAL_PREFIX,
 };
+use crate::companions::Companions;
 use crate::hf;
 use crate::model::{params, ModelConfig, Part};
 use crate::{Result, TrainError};
@@ -69,6 +70,9 @@ pub struct ZeroCheckpoint {
     pub dir: PathBuf,
     /// `zero.json`.
     pub state: ZeroState,
+    /// The model's tokenizer and generation config, as saved with it (checked against the
+    /// manifest): what a resumed run's checkpoints and a consolidation carry on.
+    pub companions: Companions,
     values: Values,
 }
 
@@ -195,6 +199,7 @@ impl ZeroCheckpoint {
                 run: st.run.clone(),
                 dataset_fingerprint: st.loader.dataset_fingerprint,
             },
+            companions: point.companions()?,
             values: Values::Ordinary {
                 params,
                 exp_avg: planes(0),
@@ -368,13 +373,14 @@ fn put_zeros(n: usize, put: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
     Ok(())
 }
 
-/// Rank 0, after every rank wrote its file: `zero.json`, the manifest (every rank file's
-/// size and checksum, read back), then publish as `root/step-N`.
+/// Rank 0, after every rank wrote its file: `zero.json`, the model's companion files, the
+/// manifest (every rank file's size and checksum, read back), then publish as `root/step-N`.
 pub(crate) fn publish(
     root: &Path,
     partial: &Path,
     state: &ZeroState,
     keep: usize,
+    companions: &Companions,
 ) -> Result<PathBuf> {
     // Every rank has written (a barrier came before): the partial directory is ours to remove
     // if this fails.
@@ -388,6 +394,7 @@ pub(crate) fn publish(
         }
         let json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
         files.push(write_synced(&partial.join(ZERO_STATE), &json)?);
+        files.extend(companions.write_into(partial)?);
         let manifest = Manifest {
             format_version: FORMAT_VERSION,
             step: state.step,
@@ -534,9 +541,11 @@ pub fn load(path: &Path) -> Result<ZeroCheckpoint> {
             ));
         }
     }
+    let companions = Companions::listed_in(&dir, &manifest)?;
     Ok(ZeroCheckpoint {
         dir,
         state,
+        companions,
         values: Values::Pieces(located),
     })
 }
@@ -591,7 +600,11 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
     }
     let cfg = ck.state.config;
     // Refused now rather than by a full disk half-way through the files.
-    checkpoint::check_room(dst_root, state_bytes(&cfg)?, "consolidate's <OUT>")?;
+    checkpoint::check_room(
+        dst_root,
+        state_bytes(&cfg)? + ck.companions.bytes(),
+        "consolidate's <OUT>",
+    )?;
     let infos = params::param_infos(&cfg);
     let run = &ck.state.run;
     let lr = run.lr_at(ck.state.step.saturating_sub(1));
@@ -624,6 +637,7 @@ pub fn consolidate(src: &Path, dst_root: &Path) -> Result<PathBuf> {
         &state,
         None,
         checkpoint::MAX_SHARD_BYTES,
+        &ck.companions,
         |i| ck.read(i, PieceKind::Param),
         |put| {
             for kind in [PieceKind::ExpAvg, PieceKind::ExpAvgSq] {

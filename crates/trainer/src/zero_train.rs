@@ -40,6 +40,7 @@ use headroom_tensor::cpu::kernels::FloatSlice;
 use headroom_tensor::{Backend, BoxedError, Cpu, CpuTensor, DType, Device, MemoryCategory, Shape};
 
 use crate::checkpoint::RunSpec;
+use crate::companions::Companions;
 use crate::engine::ComputeDevice;
 use headroom_zero::{
     Collective, CommStats, CountingCollective, InProcessGroup, ShardOptimizer, Stage, UpdatePiece,
@@ -141,6 +142,9 @@ struct Shared<'a> {
     micro: usize,
     /// Where a resumed run starts: every tensor whole, each rank keeps its shard.
     resume: Option<ZeroCheckpoint>,
+    /// The tokenizer and generation config rank 0 writes into every checkpoint: the resumed
+    /// checkpoint's, else `--init-from`'s (none in a process without rank 0).
+    companions: Companions,
     /// The fixed validation batches (`--val-data`), global batch size each.
     val: Vec<crate::train::TokenBatch>,
 }
@@ -428,6 +432,13 @@ fn drive<C: Collective + 'static>(
             None
         }
     };
+    // Read before the first step, so a bad file is refused then, as `train` refuses it.
+    let companions = match (&resume, &opts.init_from) {
+        _ if opts.save.is_none() || !comms.iter().any(|c| c.rank() == 0) => Companions::none(),
+        (Some(ck), _) if !ck.companions.is_empty() => ck.companions.clone(),
+        (_, Some(dir)) => Companions::beside(dir)?,
+        (_, None) => Companions::none(),
+    };
     let shared = Shared {
         opts,
         zero,
@@ -437,6 +448,7 @@ fn drive<C: Collective + 'static>(
         groups,
         micro,
         resume,
+        companions,
         val: crate::train::validation_batches(opts)?,
     };
     let local = comms.len();
@@ -1134,7 +1146,13 @@ fn save<B: RankBackend>(
                 run: opts.run_spec(),
                 dataset_fingerprint: shared.dataset.fingerprint(),
             };
-            zero_checkpoint::publish(root, &partial, &state, opts.keep_checkpoints)?;
+            zero_checkpoint::publish(
+                root,
+                &partial,
+                &state,
+                opts.keep_checkpoints,
+                &shared.companions,
+            )?;
         }
         Ok(())
     };

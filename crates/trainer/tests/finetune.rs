@@ -199,19 +199,33 @@ fn init_from_transformers_train_with_validation_then_sample_words() {
         .unwrap();
     assert!(!too_many.status.success());
 
-    let o = headroom(&[
-        "sample",
-        "--from",
-        &p("run"),
-        "--tokenizer",
-        tokenizer,
-        "--prompt",
-        "the small",
-        "--tokens",
-        "40",
-        "--seed",
-        "3",
-    ]);
+    // The checkpoint carries the base's generation config: transformers' default for a Llama
+    // (greedy; end of text id 2, which is this tokenizer's "."). Sampled here, through the
+    // sentence ends.
+    let sample = || {
+        headroom(&[
+            "sample",
+            "--from",
+            &p("run"),
+            "--tokenizer",
+            tokenizer,
+            "--prompt",
+            "the small",
+            "--tokens",
+            "40",
+            "--temperature",
+            "1",
+            "--ignore-eot",
+            "--seed",
+            "3",
+        ])
+    };
+    let o = sample();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("generation_config.json: sampling at temperature 1, top-k 50"),
+        "{err}"
+    );
     let text = String::from_utf8(o.stdout).unwrap();
     assert!(text.starts_with("the small"), "{text}");
     let known = text
@@ -223,20 +237,7 @@ fn init_from_transformers_train_with_validation_then_sample_words() {
         "the sample should be mostly the grammar's words: {text:?}"
     );
     // The same seed, the same text.
-    let again = headroom(&[
-        "sample",
-        "--from",
-        &p("run"),
-        "--tokenizer",
-        tokenizer,
-        "--prompt",
-        "the small",
-        "--tokens",
-        "40",
-        "--seed",
-        "3",
-    ]);
-    assert_eq!(String::from_utf8(again.stdout).unwrap(), text);
+    assert_eq!(String::from_utf8(sample().stdout).unwrap(), text);
 }
 
 #[test]
@@ -753,4 +754,222 @@ fn token_files_for_another_vocabulary_or_windows_past_the_context_are_refused_by
         err.contains("longer than the model's context of 32"),
         "{err}"
     );
+}
+
+/// A run started from a Hugging Face directory carries the directory's tokenizer, its chat
+/// templates and its generation config into every checkpoint and export, as a Trainer's
+/// checkpoint holds them: `sample --from RUN --chat` needs no `--tokenizer`; a resume carries
+/// on the checkpoint's, whatever became of the base's; full, LoRA, merged and consolidated ZeRO
+/// directories all hold them; a changed file in a step directory is refused by name.
+#[test]
+fn checkpoints_and_exports_carry_the_base_s_tokenizer_and_generation_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let story_tokenizer = fixture("tokenizer/story/tokenizer.json");
+    story_token_files(dir.path(), story_tokenizer.to_str().unwrap());
+    let base = dir.path().join("base");
+    std::fs::create_dir_all(base.join("additional_chat_templates")).unwrap();
+    for f in ["config.json", "model.safetensors", "generation_config.json"] {
+        std::fs::copy(fixture("hf-llama-gqa-untied").join(f), base.join(f)).unwrap();
+    }
+    std::fs::copy(&story_tokenizer, base.join("tokenizer.json")).unwrap();
+    // transformers 5's layout: the default template and a named one in files of their own.
+    std::fs::write(
+        base.join("tokenizer_config.json"),
+        r#"{"eos_token": "</s>"}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        base.join("chat_template.jinja"),
+        "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}the{% endif %}",
+    )
+    .unwrap();
+    std::fs::write(
+        base.join("additional_chat_templates/tool_use.jinja"),
+        "{{ tools | length }} {% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    .unwrap();
+    let companions = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        "additional_chat_templates/tool_use.jinja",
+    ];
+    let originals: Vec<Vec<u8>> = companions
+        .iter()
+        .map(|f| std::fs::read(base.join(f)).unwrap())
+        .collect();
+    let holds_them = |d: &Path| {
+        for (f, bytes) in companions.iter().zip(&originals) {
+            assert_eq!(
+                &std::fs::read(d.join(f)).unwrap(),
+                bytes,
+                "{}: {f}",
+                d.display()
+            );
+        }
+        assert!(!d.join("special_tokens_map.json").exists());
+    };
+    let listed = |step: &Path| {
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(step.join("manifest.json")).unwrap()).unwrap();
+        let names: Vec<&str> = m["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["name"].as_str().unwrap())
+            .collect();
+        for f in companions {
+            assert!(names.contains(&f), "{f} not in {names:?}");
+        }
+    };
+    let (train_bin, run) = (p("train.bin"), p("run"));
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--data",
+            &train_bin,
+            "--steps",
+            "4",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--lr",
+            "1e-3",
+            "--no-progress",
+        ];
+        args.extend_from_slice(extra);
+        headroom(&args)
+    };
+
+    // Full fine-tuning, stopped after two steps.
+    let base_arg = base.to_str().unwrap().to_owned();
+    train(&[
+        "--init-from",
+        &base_arg,
+        "--checkpoint-dir",
+        &p("run"),
+        "--checkpoint-every",
+        "2",
+        "--stop-after",
+        "2",
+    ]);
+    let step2 = dir.path().join("run/step-00000002");
+    holds_them(&step2);
+    listed(&step2);
+    headroom(&["checkpoint", "verify", &p("run")]);
+
+    // The checkpoint's own tokenizer, chat template and generation config: the answer is the
+    // one the base's files give.
+    let chat = |extra: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "--from",
+            &run,
+            "--chat",
+            "the small cat",
+            "--tokens",
+            "6",
+        ];
+        args.extend_from_slice(extra);
+        headroom(&args)
+    };
+    let own = chat(&[]);
+    let given = chat(&["--tokenizer", base.join("tokenizer.json").to_str().unwrap()]);
+    assert!(!own.stdout.is_empty());
+    assert_eq!(own.stdout, given.stdout);
+    let err = String::from_utf8_lossy(&own.stderr);
+    assert!(err.contains("generation_config.json: greedy"), "{err}");
+
+    // The base's files changed meanwhile (a newer revision, say): the resumed run's
+    // checkpoints carry on the ones its weights were trained with.
+    std::fs::write(
+        base.join("tokenizer_config.json"),
+        r#"{"eos_token": "<unk>"}"#,
+    )
+    .unwrap();
+    std::fs::remove_file(base.join("chat_template.jinja")).unwrap();
+    train(&[
+        "--init-from",
+        &base_arg,
+        "--resume",
+        &p("run"),
+        "--checkpoint-dir",
+        &p("run"),
+        "--checkpoint-every",
+        "2",
+    ]);
+    let step4 = dir.path().join("run/step-00000004");
+    holds_them(&step4);
+    listed(&step4);
+    for (f, bytes) in companions.iter().zip(&originals) {
+        std::fs::write(base.join(f), bytes).unwrap();
+    }
+
+    // A tokenizer file changed after the save: refused by name, before anything is generated.
+    let config = step4.join("tokenizer_config.json");
+    let mut bytes = std::fs::read(&config).unwrap();
+    bytes[2] ^= 1;
+    std::fs::write(&config, bytes).unwrap();
+    for args in [
+        vec![
+            "sample",
+            "--from",
+            &p("run"),
+            "--chat",
+            "the",
+            "--tokens",
+            "2",
+        ],
+        vec!["checkpoint", "verify", &p("run")],
+    ] {
+        let o = common::headroom_command().args(&args).output().unwrap();
+        assert!(!o.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("tokenizer_config.json"), "{args:?}: {err}");
+        assert!(o.stdout.is_empty(), "{args:?}");
+    }
+
+    // LoRA: the adapter steps (a PEFT Trainer's checkpoint layout) and the merged model.
+    train(&[
+        "--init-from",
+        &base_arg,
+        "--lora-rank",
+        "4",
+        "--checkpoint-dir",
+        &p("lora"),
+        "--merge-into",
+        &p("merged"),
+    ]);
+    holds_them(&dir.path().join("lora/step-00000004"));
+    holds_them(&dir.path().join("merged"));
+    headroom(&[
+        "merge",
+        "--base",
+        &base_arg,
+        "--adapter",
+        &p("lora"),
+        "--out",
+        &p("merged-again"),
+    ]);
+    holds_them(&dir.path().join("merged-again"));
+
+    // ZeRO: rank 0 writes them beside the shards; a consolidation keeps them.
+    train(&[
+        "--init-from",
+        &base_arg,
+        "--zero",
+        "3",
+        "--ranks",
+        "2",
+        "--checkpoint-dir",
+        &p("zero"),
+    ]);
+    holds_them(&dir.path().join("zero/step-00000004"));
+    listed(&dir.path().join("zero/step-00000004"));
+    headroom(&["checkpoint", "consolidate", &p("zero"), &p("consolidated")]);
+    holds_them(&dir.path().join("consolidated/step-00000004"));
+    headroom(&["checkpoint", "verify", &p("consolidated")]);
 }
