@@ -26,7 +26,7 @@ tool calls, `tojson`). With it the fixture holds:
   token dropped), and for examples with `tools` and `chat_template_kwargs` columns;
 - transformers' `return_assistant_tokens_mask` (ids and mask) of conversations under templates
   whose generation tags use every kind of whitespace control, and TRL's
-  `is_chat_template_stop_token_trained` of each;
+  `is_chat_template_stop_token_trained` of each, also with `eos_token` set to a plain word;
 - transformers' `tojson` of assorted values with each of its arguments.
 
 And transformers' `continue_final_message` ("prefill") of conversations under the style
@@ -508,9 +508,17 @@ def generation_masks(chat_tok):
     return {"chat": masks_of(chat_tok), "bpe": masks_of(bpe)}
 
 
+# The word TRL's eos_token setting names in the stop-token check (in both vocabularies).
+PLAIN_EOS = "ree"
+
+
 def masks_of(tok):
     from trl.chat_template_utils import is_chat_template_stop_token_trained
 
+    import copy
+
+    plain_eos = copy.deepcopy(tok)
+    plain_eos.eos_token = PLAIN_EOS
     out = {}
     for name, template in GENERATION_TEMPLATES.items():
         rows = []
@@ -532,6 +540,11 @@ def masks_of(tok):
         out[name] = {
             "renders": rows,
             "stop_token_trained": is_chat_template_stop_token_trained(tok, chat_template=template),
+            # Under TRL's eos_token setting, set on the tokenizer before SFTTrainer checks: an
+            # ordinary word, which ends no turn.
+            "stop_token_trained_with_eos": is_chat_template_stop_token_trained(
+                plain_eos, chat_template=template
+            ),
         }
     return out
 

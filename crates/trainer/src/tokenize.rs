@@ -1013,12 +1013,22 @@ fn encode_example(
 /// Whether the template's generation blocks take in the end of an assistant's turn: TRL's
 /// `is_chat_template_stop_token_trained`. It renders a user turn, an assistant turn and a
 /// user turn; the last token of the generation blocks that is not blank must be an added
-/// token (the end of turn), or the model never learns to stop.
-pub fn stop_token_counted(tok: &Tokenizer, template: &ChatTemplate) -> Result<bool> {
+/// token (the end of turn), or the model never learns to stop. `eos_token` is TRL's setting
+/// of that name, which it gives the tokenizer before the check, so the template renders it.
+pub fn stop_token_counted(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    eos_token: Option<&str>,
+) -> Result<bool> {
     let turn = |role: &str| serde_json::json!({"role": role, "content": "dummy"}).into();
     let messages: Vec<ChatValue> = vec![turn("user"), turn("assistant"), turn("user")];
+    let extra: Vec<(String, ChatValue)> = eos_token
+        .map(|eos| ("eos_token".to_string(), ChatValue::String(eos.to_string())))
+        .into_iter()
+        .collect();
     let request = ChatRequest {
         messages: &messages,
+        extra: &extra,
         ..Default::default()
     };
     let Ok(r) = template.render_request(&request) else {
@@ -1145,7 +1155,11 @@ pub fn build_prompt_completion_with(
                 "assistant_only_loss needs a chat template whose assistant turns are inside                  {% generation %} … {% endgeneration %} blocks, and this one has none; give                  one that has with --chat-template (TRL ships training templates for common                  models)",
             ));
         }
-        stop_token_counted = Some(self::stop_token_counted(tok, template)?);
+        stop_token_counted = Some(self::stop_token_counted(
+            tok,
+            template,
+            options.eos_token.as_deref(),
+        )?);
     }
     let map = map_text(input)?;
     let text = std::str::from_utf8(&map).map_err(|e| err(input, e.to_string()))?;

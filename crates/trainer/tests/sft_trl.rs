@@ -620,6 +620,7 @@ fn generation_blocks_give_transformers_assistant_masks() {
         ),
     ];
     let mut checked = 0;
+    let mut differ_with_eos = 0;
     for (tok_name, file, tokens) in tokenizers {
         let tok = Tokenizer::from_name(file.to_str().unwrap()).unwrap();
         for (name, template) in generation["templates"].as_object().unwrap() {
@@ -650,13 +651,24 @@ fn generation_blocks_give_transformers_assistant_masks() {
                 checked += 1;
             }
             assert_eq!(
-                stop_token_counted(&tok, &chat).unwrap(),
+                stop_token_counted(&tok, &chat, None).unwrap(),
                 want["stop_token_trained"].as_bool().unwrap(),
                 "{tok_name} {name}"
             );
+            // TRL's eos_token setting (make_chat_sft_fixture.py's PLAIN_EOS), which the
+            // template renders: a plain word ends no turn.
+            let with_eos = want["stop_token_trained_with_eos"].as_bool().unwrap();
+            assert_eq!(
+                stop_token_counted(&tok, &chat, Some("ree")).unwrap(),
+                with_eos,
+                "{tok_name} {name} with eos_token"
+            );
+            differ_with_eos += usize::from(with_eos != want["stop_token_trained"]);
         }
     }
     assert_eq!(checked, 2 * 5 * 3);
+    // The setting decides some of them: the check reads it.
+    assert!(differ_with_eos >= 2, "{differ_with_eos}");
 }
 
 /// `data build --jsonl --assistant-only-loss` gives TRL's ids and labels with
