@@ -851,7 +851,7 @@ const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
 
 /// Python's `str.isspace` of one character: Rust's whitespace and the four information
 /// separators U+001C–U+001F, which Python strips too.
-fn is_python_space(c: char) -> bool {
+pub(crate) fn is_python_space(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 

@@ -167,8 +167,27 @@ struct EvalArgs {
     #[arg(long, value_name = "DIR")]
     from: PathBuf,
     /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
-    #[arg(long)]
-    data: PathBuf,
+    #[arg(long, required_unless_present = "choices")]
+    data: Option<PathBuf>,
+    /// Multiple-choice questions (JSONL: `context`, `choices`, `gold` as an index, the
+    /// choice's text or a list of indices) scored as lm-evaluation-harness scores them: each
+    /// choice's log-likelihood after the context; prints acc, acc_norm, acc_bytes and
+    /// exact_match with their standard errors. Needs a tokenizer; --batch, --seq, --batches
+    /// and --loss-chunk are --data's.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "document_attention"])]
+    choices: Option<PathBuf>,
+    /// With --choices: the text between the context and each choice (lm-eval's
+    /// `target_delimiter`).
+    #[arg(long, value_name = "TEXT", default_value = " ", requires = "choices")]
+    target_delimiter: String,
+    /// With --choices: each question's log-likelihoods, greedy flags and metrics as a JSON
+    /// line in this file (lm-eval's `--log_samples`).
+    #[arg(long, value_name = "FILE", requires = "choices")]
+    samples: Option<PathBuf>,
+    /// With --choices: `gpt2` or a tokenizer.json [default: the model directory's, or the
+    /// checkpoint's]
+    #[arg(long, value_name = "gpt2|FILE", requires = "choices")]
+    tokenizer: Option<String>,
     /// Windows per batch.
     #[arg(long, default_value_t = 8)]
     batch: usize,
@@ -2533,6 +2552,10 @@ fn cmd_merge(a: MergeArgs) -> CliResult {
 }
 
 fn cmd_eval(a: EvalArgs) -> CliResult {
+    if let Some(questions) = &a.choices {
+        return cmd_eval_choices(&a, questions);
+    }
+    let data_path = a.data.as_ref().ok_or("--data or --choices")?;
     let (cpu, tracker) = inference_cpu();
     let mut model = crate::sample::load_for_inference(
         &a.from,
@@ -2545,7 +2568,7 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
         .unwrap_or((EVAL_LOGITS_BYTES / (4 * model.cfg.vocab as u64)).max(1));
     model.opts.loss_chunk = Some(usize::try_from(rows).unwrap_or(usize::MAX));
     let seq = a.seq.unwrap_or(EVAL_DEFAULT_SEQ.min(model.cfg.max_seq));
-    let data = headroom_mmap_data::open(&a.data, &headroom_mmap_data::OpenOptions::default())?;
+    let data = headroom_mmap_data::open(data_path, &headroom_mmap_data::OpenOptions::default())?;
     let (loss, tokens) = crate::evaluate::evaluate(
         &model,
         &data,
@@ -2563,7 +2586,95 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
         "loss {loss:.6} nats/token over {tokens} tokens{masked} ({} batches of {}×{seq}, from the start of {})",
         a.batches,
         a.batch,
-        a.data.display()
+        data_path.display()
+    );
+    esay!("{}", a.weights.summary(&tracker));
+    Ok(())
+}
+
+/// `eval --choices`: the questions read and tokenised before the model loads, a line per
+/// metric, and with `--samples` each question's scores as it is done.
+fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
+    use crate::choices::{self, Outcome};
+    use crate::tokenize::Tokenizer;
+    let questions = choices::read_questions(path)?;
+    let files_dir = crate::sample::model_files_dir(&a.from)?;
+    let tok = match &a.tokenizer {
+        Some(name) => Tokenizer::from_name(name)?,
+        None => Tokenizer::beside(&files_dir).transpose()?.ok_or(
+            "--choices needs a tokenizer: the model directory has no tokenizer.json; pass \
+             --tokenizer gpt2|FILE",
+        )?,
+    };
+    let (cpu, tracker) = inference_cpu();
+    let model = crate::sample::load_for_inference(
+        &a.from,
+        a.adapter.as_deref(),
+        &cpu,
+        &a.weights.weights(),
+    )?;
+    if tok.vocab_size() > model.cfg.vocab {
+        return Err(format!(
+            "the tokenizer has {} ids but the model's vocabulary is {}",
+            tok.vocab_size(),
+            model.cfg.vocab
+        )
+        .into());
+    }
+    let mut samples = match &a.samples {
+        Some(p) => Some((
+            p,
+            std::io::BufWriter::new(
+                std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            ),
+        )),
+        None => None,
+    };
+    let started = std::time::Instant::now();
+    let report = choices::evaluate(
+        &model,
+        &tok,
+        &questions,
+        &a.target_delimiter,
+        |i, o: &Outcome| {
+            let Some((p, w)) = samples.as_mut() else {
+                return Ok(());
+            };
+            let line = serde_json::json!({
+                "question": i,
+                "loglikelihoods": o.scored.iter().map(|s| s.loglikelihood).collect::<Vec<_>>(),
+                "is_greedy": o.scored.iter().map(|s| s.is_greedy).collect::<Vec<_>>(),
+                "pred": o.pred,
+                "acc": o.acc,
+                "acc_norm": o.acc_norm,
+                "acc_bytes": o.acc_bytes,
+                "exact_match": o.exact_match,
+            });
+            writeln!(w, "{line}")
+                .map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+        },
+    )?;
+    if let Some((p, mut w)) = samples {
+        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    for (name, m) in [
+        ("acc", report.acc),
+        ("acc_norm", report.acc_norm),
+        ("acc_bytes", report.acc_bytes),
+        ("exact_match", report.exact_match),
+    ] {
+        match m.stderr {
+            Some(se) => say!("{name:<12} {:.4} ± {se:.4}", m.mean),
+            None => say!("{name:<12} {:.4}", m.mean),
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    say!(
+        "{} questions, {} choices, {} continuation tokens scored in {seconds:.2} s ({})",
+        report.questions,
+        report.requests,
+        report.tokens,
+        path.display()
     );
     esay!("{}", a.weights.summary(&tracker));
     Ok(())

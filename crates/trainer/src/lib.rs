@@ -47,6 +47,7 @@ pub mod adapters;
 mod bounded;
 pub mod chat_template;
 pub mod checkpoint;
+pub mod choices;
 pub mod cli;
 pub mod companions;
 #[cfg(feature = "cuda")]

@@ -200,17 +200,34 @@ impl Tokenizer {
     /// vocabulary also has a document separator. A configured token the vocabulary lacks is an
     /// error.
     pub fn eos_token(&self) -> Result<Option<u32>> {
+        Ok(self.configured_token("eos_token")?.or(self.end_of_text()))
+    }
+
+    /// The token transformers' tokenizer calls `bos_token`: GPT-2's `<|endoftext|>`; a Hugging
+    /// Face tokenizer's from the `tokenizer_config.json` beside its `tokenizer.json`, `None`
+    /// when it names none. A configured token the vocabulary lacks is an error.
+    pub fn bos_token(&self) -> Result<Option<u32>> {
+        match self {
+            Tokenizer::Gpt2(_) => Ok(Some(GPT2_EOT)),
+            Tokenizer::HuggingFace(_) => self.configured_token("bos_token"),
+        }
+    }
+
+    /// The id of the special token `name` (`eos_token`, `bos_token`) of a Hugging Face
+    /// tokenizer's `tokenizer_config.json`; `None` for GPT-2's BPE, without the file, or
+    /// when it does not name one.
+    fn configured_token(&self, name: &str) -> Result<Option<u32>> {
         let Tokenizer::HuggingFace(t) = self else {
-            return Ok(self.end_of_text());
+            return Ok(None);
         };
         let special = crate::chat_template::special_tokens_beside(t.path())?;
-        match special.get("eos_token") {
-            None => Ok(self.end_of_text()),
+        match special.get(name) {
+            None => Ok(None),
             Some(text) => match t.tok.token_to_id(text) {
                 Some(id) => Ok(Some(id)),
                 None => Err(err(
                     t.path(),
-                    format!("tokenizer_config.json's eos_token {text:?} is not in the vocabulary"),
+                    format!("tokenizer_config.json's {name} {text:?} is not in the vocabulary"),
                 )),
             },
         }

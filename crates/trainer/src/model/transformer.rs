@@ -739,6 +739,51 @@ impl<B: ModelOps> Model<B> {
         self.logits_of(&x, g)
     }
 
+    /// The logits `[n, V]` (f32, row-major) of the token rows `rows` of a batch (indices
+    /// into its `B·T` rows, in the order given) alone: the forward of the whole batch, then
+    /// the final norm and the head on those rows only, so `[B, T, V]` logits never exist (a
+    /// continuation's few positions after a long context, over a vocabulary of 128 K). The
+    /// values of those rows of [`Model::logits`] (the norm and head work row by row) up to the
+    /// head GEMM's summation order, which depends on its row count: a few f32 ulps.
+    pub fn logits_at(&self, tokens: &[u32], g: Geometry<'_>, rows: &[usize]) -> Result<Vec<f32>> {
+        self.check_batch(tokens, tokens, g)?;
+        if let Some(&r) = rows.iter().find(|&&r| r >= g.rows()) {
+            return Err(TrainError::Input(format!(
+                "row {r} of a batch of {} token rows",
+                g.rows()
+            )));
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut x = self.embed(tokens, g)?;
+        for l in 0..self.cfg.layers {
+            x = self.block_forward(l, &x, g, false)?.0;
+        }
+        // The chosen rows go through the host: [n, C] of the residual, a fraction of the
+        // logits they stand for, and no backend needs a gather op for it.
+        let c = self.cfg.channels;
+        let residual = if x.dtype() == DType::F32 {
+            self.backend.download::<f32>(&x)?
+        } else {
+            let mut f = self.scratch_overwritten(x.shape().clone())?;
+            self.backend.cast(&x, &mut f)?;
+            self.backend.download::<f32>(&f)?
+        };
+        drop(x);
+        let picked: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| residual[r * c..(r + 1) * c].iter().copied())
+            .collect();
+        let picked = {
+            let _g = MemoryCategory::Activations.enter();
+            self.backend.upload(&picked, [1, rows.len(), c])?
+        };
+        // Stored as the residual was: the cast back is exact.
+        let picked = self.keep(picked)?;
+        self.logits_of(&picked, Geometry::new(1, rows.len()))
+    }
+
     /// Final norm and head of the residual `x` `[B, T, C]`: the logits `[B, T, V]` (f32,
     /// rounded to the storage precision as the head rounds them), downloaded.
     pub(crate) fn logits_of(&self, x: &B::Tensor, g: Geometry<'_>) -> Result<Vec<f32>> {

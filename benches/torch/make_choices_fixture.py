@@ -1,0 +1,273 @@
+"""Write the multiple-choice fixture that crates/trainer/tests/choices.rs reads.
+
+EleutherAI's lm-evaluation-harness scores multiple-choice questions (HellaSwag, ARC, PIQA, MMLU
+as log-likelihoods) by the log-likelihood of each choice after the question: every request is
+`(context, target_delimiter + choice)`, tokenised as its `HFLM` tokenises it (the context's
+trailing spaces moved into the continuation; the whole text encoded with the tokenizer's own
+special tokens and the continuation taken after the context's tokens; an empty context
+replaced by the prefix token, BOS or else EOS; inputs longer than the model's context cut from
+the left), and the question's `acc`, `acc_norm` (log-likelihood per character of the choice),
+`acc_bytes` (per UTF-8 byte) and `exact_match` (the gold choice is the greedy continuation)
+follow from them.
+
+This script runs lm-eval 0.4.13's `simple_evaluate` with `HFLM` (float32, CPU, batch size 1)
+on a task defined over `fixtures/choices/questions.jsonl` (written here: hand-made questions
+for every case above, plus questions whose right answer is the model's own greedy
+continuation) for two committed transformers models, each with a tokenizer written here:
+
+- `llama`: `fixtures/hf-llama-gqa-untied` with `fixtures/sft/llama-tokenizer.json` (adds `<s>`
+  before a sequence; BOS `<s>`, EOS `</s>`), target delimiter " " and "";
+- `gpt2`: `fixtures/hf-gpt2-sharded` with the story tokenizer (adds nothing; no BOS, so the
+  prefix token is EOS `</s>`), target delimiter " ".
+
+Both models have a context of 32 tokens, so long questions are cut. The fixture holds, per
+question, lm-eval's requests (context and continuation text), their log-likelihoods and
+greedy flags, the question's metrics, and each run's aggregate metrics and standard errors.
+
+Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
+folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
+
+    python benches/torch/make_choices_fixture.py --write    # needs lm_eval, transformers, torch
+    python benches/torch/make_choices_fixture.py --check    # the committed fixture is lm-eval's
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+FIXTURES = os.path.join("crates", "trainer", "tests", "fixtures")
+OUT = os.path.join(FIXTURES, "choices")
+
+# The story grammar's words: determiner, adjective, noun, verb, preposition.
+QUESTIONS = [
+    {"context": "the small cat sat on the", "choices": ["mat.", "red log.", "big"], "gold": 0},
+    # Trailing spaces move into every continuation.
+    {"context": "the old dog ran under a  ", "choices": ["tree.", "box."], "gold": 1},
+    # An empty context: the prefix token stands for it.
+    {"context": "", "choices": ["the cat.", "a dog ran."], "gold": 0},
+    # The gold answer as the choice's text.
+    {"context": "the bird", "choices": ["sat", "ran near"], "gold": "ran near"},
+    # Longer than the 32-token context: cut from the left.
+    {
+        "context": "the big cat sat on a mat. a small dog ran under the old tree. the red bird "
+        "slept near a big box. the old fox jumped on the small log. a big",
+        "choices": ["cat", "dog slept", "bird."],
+        "gold": 1,
+    },
+    # Characters the vocabulary lacks, and choices whose lengths in characters and in bytes
+    # rank differently.
+    {"context": "the café cat", "choices": ["sat", "naïve ran", "東京"], "gold": 2},
+    # A context that starts with the prefix token's text: no special tokens added.
+    {"context": "<s>the small", "choices": ["dog", "cat"], "gold": 0},
+    {"context": "</s>the old", "choices": ["bird", "fox ran"], "gold": 1},
+    # Lines, as a question and answer prompt writes them.
+    {"context": "Question: what sat on the mat?\nAnswer:", "choices": ["the cat", "a log"], "gold": 0},
+]
+# Questions with several right answers: lm-eval takes a task's kind of target from its first
+# question, so these are a task of their own.
+SEVERAL_GOLD = [
+    {"context": "a red fox", "choices": ["jumped", "slept", "sat"], "gold": [0, 2]},
+    {"context": "the small", "choices": ["cat", "dog", "box."], "gold": [1]},
+    {"context": "a big dog", "choices": ["ran", "slept"], "gold": [0, 1]},
+]
+# Contexts whose right answer is made the model's greedy continuation (`exact_match`).
+GREEDY_CONTEXTS = ["the small dog", "a big red", "the old tree"]
+
+RUNS = [
+    ("llama", "hf-llama-gqa-untied", "llama", " ", "questions.jsonl"),
+    ("llama_no_delimiter", "hf-llama-gqa-untied", "llama", "", "questions.jsonl"),
+    ("gpt2", "hf-gpt2-sharded", "story", " ", "questions.jsonl"),
+    ("llama_several_gold", "hf-llama-gqa-untied", "llama", " ", "several_gold.jsonl"),
+]
+
+
+def tokenizer_dirs(tmp):
+    """The two tokenizers as transformers saves them: tokenizer.json and tokenizer_config.json."""
+    from transformers import PreTrainedTokenizerFast
+
+    out = {}
+    for name, source, bos in [
+        ("llama", os.path.join(FIXTURES, "sft", "llama-tokenizer.json"), "<s>"),
+        ("story", os.path.join(FIXTURES, "tokenizer", "story", "tokenizer.json"), None),
+    ]:
+        kwargs = {"eos_token": "</s>", "unk_token": "<unk>"}
+        if bos:
+            kwargs["bos_token"] = bos
+        tok = PreTrainedTokenizerFast(tokenizer_file=source, **kwargs)
+        directory = os.path.join(tmp, "tokenizer-" + name)
+        tok.save_pretrained(directory)
+        out[name] = directory
+    return out
+
+
+def model_dir(tmp, model, tokenizer_dir):
+    """The model's files and the tokenizer's in one directory, as HFLM loads them."""
+    directory = os.path.join(tmp, "model-" + model + "-" + os.path.basename(tokenizer_dir))
+    if not os.path.isdir(directory):
+        shutil.copytree(os.path.join(FIXTURES, model), directory)
+        for f in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, f), directory)
+    return directory
+
+
+def greedy_questions(directory, count=3):
+    """Questions whose gold choice is the model's greedy continuation of the context, one or
+    two tokens that re-encode as themselves after " ": the first contexts of the grammar's
+    three-word phrases for which there is one."""
+    import itertools
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    out = []
+    words = [["the", "a"], ["big", "small", "red", "old"], ["cat", "dog", "bird", "fox"]]
+    for phrase in itertools.product(*words):
+        context = " ".join(phrase)
+        ids = tok(context).input_ids
+        for new in (2, 1):
+            generated = model.generate(
+                torch.tensor([ids]), max_new_tokens=new, do_sample=False
+            )[0].tolist()
+            text = tok.decode(generated, skip_special_tokens=True)
+            prefix = tok.decode(ids, skip_special_tokens=True)
+            continuation = text[len(prefix) :]
+            if (
+                text.startswith(prefix)
+                and continuation.startswith(" ")
+                and continuation[1:].strip() == continuation[1:]
+                and continuation[1:]
+                and tok(context + continuation).input_ids == generated
+            ):
+                out.append({"context": context, "choices": ["slept", continuation[1:]], "gold": 1})
+                break
+        if len(out) == count:
+            return out
+    raise SystemExit("too few contexts with a greedy continuation that re-encodes as itself")
+
+
+def run(directory, questions_path, delimiter, tmp):
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    task_dir = os.path.join(tmp, "tasks-" + str(abs(hash((directory, delimiter, questions_path)))))
+    os.makedirs(task_dir, exist_ok=True)
+    task = {
+        "task": "headroom_choices",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": os.path.abspath(questions_path)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "context",
+        "doc_to_choice": "choices",
+        "doc_to_target": "gold",
+        "target_delimiter": delimiter,
+        "metric_list": [
+            {"metric": m, "aggregation": "mean", "higher_is_better": True}
+            for m in ["acc", "acc_norm", "acc_bytes", "exact_match"]
+        ],
+    }
+    with open(os.path.join(task_dir, "headroom_choices.yaml"), "w") as f:
+        json.dump(task, f)  # JSON is YAML
+    lm = HFLM(pretrained=directory, backend="causal", dtype="float32", device="cpu", batch_size=1)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["headroom_choices"],
+        task_manager=TaskManager(include_path=task_dir),
+        log_samples=True,
+        num_fewshot=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+    samples = sorted(results["samples"]["headroom_choices"], key=lambda s: s["doc_id"])
+    aggregate = results["results"]["headroom_choices"]
+    metrics = ["acc", "acc_norm", "acc_bytes", "exact_match"]
+    return {
+        "scored": [
+            {
+                "requests": [list(a) for a in s["arguments"]] if isinstance(s["arguments"], list) else None,
+                "loglikelihoods": [r[0][0] for r in s["resps"]],
+                "is_greedy": [r[0][1] for r in s["resps"]],
+                **{m: s[m] for m in metrics},
+            }
+            for s in samples
+        ],
+        "metrics": {m: aggregate[m + ",none"] for m in metrics},
+        "stderr": {m: aggregate[m + "_stderr,none"] for m in metrics},
+    }
+
+
+def make():
+    import lm_eval
+    import transformers
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizers = tokenizer_dirs(tmp)
+        files = {}
+        for name, directory in tokenizers.items():
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                with open(os.path.join(directory, f), encoding="utf-8") as fh:
+                    files[os.path.join(name, f)] = fh.read()
+        llama = model_dir(tmp, "hf-llama-gqa-untied", tokenizers["llama"])
+        for name, questions in [
+            ("questions.jsonl", QUESTIONS + greedy_questions(llama)),
+            ("several_gold.jsonl", SEVERAL_GOLD),
+        ]:
+            text = "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in questions)
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+            files[name] = text
+        fixture = {
+            "lm_eval": lm_eval.__version__,
+            "transformers": transformers.__version__,
+            "runs": {},
+        }
+        for name, model, tokenizer, delimiter, questions in RUNS:
+            directory = model_dir(tmp, model, tokenizers[tokenizer])
+            result = run(directory, os.path.join(tmp, questions), delimiter, tmp)
+            fixture["runs"][name] = {
+                "model": model,
+                "tokenizer": tokenizer,
+                "target_delimiter": delimiter,
+                "questions": questions,
+                **result,
+            }
+    return fixture, files
+
+
+def main():
+    if "--quick" in sys.argv:
+        sys.exit(3)
+    fixture, files = make()
+    fixture_path = os.path.join(OUT, "lm_eval_choices.json")
+    if "--write" in sys.argv:
+        for name, text in files.items():
+            path = os.path.join(OUT, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        with open(fixture_path, "w", encoding="utf-8") as f:
+            json.dump(fixture, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        print(f"wrote {fixture_path}, the questions and the tokenizers beside it")
+    elif "--check" in sys.argv:
+        with open(fixture_path, encoding="utf-8") as f:
+            committed = json.load(f)
+        same = committed["runs"] == fixture["runs"]
+        print("the committed fixture is lm-eval's" if same else "the committed fixture differs from lm-eval's")
+        sys.exit(0 if same else 1)
+    else:
+        print(__doc__)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

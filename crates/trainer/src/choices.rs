@@ -1,0 +1,586 @@
+//! Multiple-choice evaluation as EleutherAI's lm-evaluation-harness scores it (HellaSwag, ARC,
+//! PIQA, MMLU as log-likelihoods): each choice's log-likelihood after the question's context,
+//! and from them the question's `acc`, `acc_norm`, `acc_bytes` and `exact_match`.
+//!
+//! ```
+//! use headroom_trainer::choices::{Gold, Question};
+//! let q = Question::parse(r#"{"context": "2 + 2 =", "choices": ["4", "5"], "gold": "4"}"#).unwrap();
+//! assert_eq!(q.gold, Gold::One(0));
+//! // What lm-eval scores for each choice: the context, then the target delimiter and the choice.
+//! assert_eq!(q.continuation(1, " "), " 5");
+//! ```
+//!
+//! A question is one JSON line: `context` (text), `choices` (non-empty texts) and `gold`, the
+//! right choice's index, its text, or a list of indices when several are right. Each choice
+//! is scored as lm-eval's `HFLM` scores the request `(context, delimiter + choice)`:
+//!
+//! - the context's trailing whitespace moves to the front of the continuation;
+//! - the context and context + continuation are each encoded with the tokenizer's own special
+//!   tokens (a Llama tokenizer's `<s>`; none when the text already starts with the prefix
+//!   token's text), and the continuation's tokens are those of the whole past the context's;
+//! - an empty context becomes the prefix token (the tokenizer's `bos_token`, else its
+//!   `eos_token`) unless the continuation starts with it;
+//! - the input is the last `context + 1` tokens less the last, cut from the left;
+//! - the log-likelihood is the sum of the continuation tokens' log-softmax, and `is_greedy`
+//!   whether each of them is its position's argmax.
+//!
+//! The question is right (`acc`) when the highest log-likelihood is a gold choice's (the first
+//! of equals, numpy's `argmax`); `acc_norm` divides each by the choice's length in characters,
+//! `acc_bytes` by its UTF-8 bytes; `exact_match` is whether a gold choice is the greedy
+//! continuation. Each metric is a mean over questions with its standard error (the sample
+//! standard deviation over √n, lm-eval's `mean_stderr`). `tests/choices.rs` checks every
+//! request, log-likelihood, flag and metric against lm-eval 0.4.13 runs
+//! (`benches/torch/make_choices_fixture.py`).
+//!
+//! Two differences, both on input lm-eval scores as wrong without saying why: a gold index
+//! out of range or a gold text that is not a choice is an error here (lm-eval warns and counts
+//! the question wrong), and so is an empty choice (lm-eval divides by its length 0).
+//!
+//! Memory: a question's choices run as one batch padded on the right (a causal model's
+//! positions never see the padding), and only the continuations' rows reach the head
+//! ([`Model::logits_at`]), so no `[tokens, vocabulary]` logits exist, as they do in lm-eval.
+
+use std::path::Path;
+
+use crate::model::{Geometry, Model, ModelOps};
+use crate::tokenize::Tokenizer;
+use crate::{Result, TrainError};
+
+/// The largest questions file read (MMLU's 14 042 test questions are 7 MiB as JSONL).
+pub const MAX_QUESTIONS_BYTES: u64 = 1 << 30;
+
+/// The most token positions (choices × tokens each) one batch of a question's choices holds;
+/// a question with more runs in several batches.
+const MAX_BATCH_TOKENS: usize = 16 << 10;
+
+/// Which of a question's choices are right.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Gold {
+    /// This one.
+    One(usize),
+    /// Any of these (lm-eval's multiple targets).
+    Any(Vec<usize>),
+}
+
+impl Gold {
+    fn contains(&self, i: usize) -> bool {
+        match self {
+            Gold::One(g) => *g == i,
+            Gold::Any(gs) => gs.contains(&i),
+        }
+    }
+
+    fn indices(&self) -> &[usize] {
+        match self {
+            Gold::One(g) => std::slice::from_ref(g),
+            Gold::Any(gs) => gs,
+        }
+    }
+}
+
+/// One multiple-choice question.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Question {
+    /// The text the choices continue.
+    pub context: String,
+    /// The answers to score, each non-empty.
+    pub choices: Vec<String>,
+    /// The right ones, each an index into `choices`.
+    pub gold: Gold,
+}
+
+impl Question {
+    /// A question from its JSON object (`context`, `choices`, `gold`); the error says which
+    /// field is wrong.
+    pub fn parse(line: &str) -> std::result::Result<Question, String> {
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+        let object = value.as_object().ok_or("not a JSON object")?;
+        let context = match object.get("context") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(_) => return Err("\"context\" is not text".into()),
+            None => return Err("no \"context\"".into()),
+        };
+        let choices: Vec<String> = match object.get("choices") {
+            Some(serde_json::Value::Array(items)) if !items.is_empty() => items
+                .iter()
+                .enumerate()
+                .map(|(i, c)| match c.as_str() {
+                    Some("") => Err(format!(
+                        "choice {i} is empty (acc_norm divides by its length)"
+                    )),
+                    Some(s) => Ok(s.to_owned()),
+                    None => Err(format!("choice {i} is not text")),
+                })
+                .collect::<std::result::Result<_, _>>()?,
+            Some(_) => return Err("\"choices\" is not a non-empty list".into()),
+            None => return Err("no \"choices\"".into()),
+        };
+        let index = |v: &serde_json::Value| -> std::result::Result<usize, String> {
+            v.as_u64()
+                .and_then(|i| usize::try_from(i).ok())
+                .filter(|&i| i < choices.len())
+                .ok_or_else(|| {
+                    format!(
+                        "gold {v} is not the index of one of the {} choices",
+                        choices.len()
+                    )
+                })
+        };
+        let gold = match object.get("gold") {
+            Some(serde_json::Value::String(text)) => Gold::One(
+                choices
+                    .iter()
+                    .position(|c| c == text)
+                    .ok_or_else(|| format!("gold {text:?} is not one of the choices"))?,
+            ),
+            Some(serde_json::Value::Array(items)) if !items.is_empty() => Gold::Any(
+                items
+                    .iter()
+                    .map(index)
+                    .collect::<std::result::Result<_, _>>()?,
+            ),
+            Some(serde_json::Value::Array(_)) => return Err("\"gold\" is an empty list".into()),
+            Some(v) => Gold::One(index(v)?),
+            None => return Err("no \"gold\"".into()),
+        };
+        Ok(Question {
+            context,
+            choices,
+            gold,
+        })
+    }
+
+    /// The text scored for choice `i`: the delimiter, then the choice.
+    pub fn continuation(&self, i: usize, delimiter: &str) -> String {
+        format!("{delimiter}{}", self.choices[i])
+    }
+}
+
+/// The questions of a JSONL file, one per non-blank line; an error names the line.
+pub fn read_questions(path: &Path) -> Result<Vec<Question>> {
+    let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
+    let bytes = crate::bounded::read_file(path, MAX_QUESTIONS_BYTES).map_err(bad)?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| bad(e.to_string()))?;
+    let questions = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| Question::parse(l).map_err(|why| bad(format!("line {}: {why}", i + 1))))
+        .collect::<Result<Vec<_>>>()?;
+    if questions.is_empty() {
+        return Err(bad("no questions".into()));
+    }
+    Ok(questions)
+}
+
+/// A request's tokens: the context's and the continuation's, as lm-eval splits them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// The context (at least one token).
+    pub context: Vec<u32>,
+    /// The continuation scored (at least one token).
+    pub continuation: Vec<u32>,
+}
+
+/// The token lm-eval conditions an empty context on (`prefix_token_id`): the tokenizer's
+/// `bos_token`, else its `eos_token`; with its text, which, starting a text, keeps the
+/// tokenizer from adding its special tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefixToken {
+    /// Its id.
+    pub id: u32,
+    /// Its text.
+    pub text: String,
+}
+
+impl PrefixToken {
+    /// `tok`'s, if it has a beginning or end of sequence token.
+    pub fn of(tok: &Tokenizer) -> Result<Option<PrefixToken>> {
+        let Some(id) = tok.bos_token()?.or(tok.eos_token()?) else {
+            return Ok(None);
+        };
+        Ok(Some(PrefixToken {
+            id,
+            text: tok.decode(&[id])?,
+        }))
+    }
+}
+
+/// The tokens of the request `(context, continuation)` as lm-eval's `HFLM` makes them (see
+/// the module docs).
+pub fn request(
+    tok: &Tokenizer,
+    prefix: Option<&PrefixToken>,
+    context: &str,
+    continuation: &str,
+) -> Result<Request> {
+    let bad = |why: &str| {
+        TrainError::Input(format!(
+            "the continuation {continuation:?} of {context:?} {why}"
+        ))
+    };
+    if context.is_empty() {
+        let prefix = prefix.ok_or_else(|| {
+            bad("has an empty context, which takes the tokenizer's bos or eos token, and it has neither")
+        })?;
+        let ids = tok.encode(continuation)?;
+        let (context, continuation) = match ids.first() {
+            Some(&first) if first == prefix.id => (vec![first], ids[1..].to_vec()),
+            _ => (vec![prefix.id], ids),
+        };
+        if continuation.is_empty() {
+            return Err(bad("has no tokens"));
+        }
+        return Ok(Request {
+            context,
+            continuation,
+        });
+    }
+    let kept = context.trim_end_matches(crate::chat_template::is_python_space);
+    let (context, continuation) = if kept.len() < context.len() {
+        (kept, format!("{}{continuation}", &context[kept.len()..]))
+    } else {
+        (context, continuation.to_owned())
+    };
+    // lm-eval's `tok_encode`: the tokenizer's special tokens unless the text starts with the
+    // prefix token's text.
+    let encode = |text: &str| match prefix {
+        Some(p) if text.starts_with(p.text.as_str()) => tok.encode(text),
+        _ => tok.encode_sequence(text),
+    };
+    let whole = encode(&format!("{context}{continuation}"))?;
+    let context_ids = encode(context)?;
+    let continuation_ids = whole.get(context_ids.len()..).unwrap_or_default().to_vec();
+    if context_ids.is_empty() {
+        return Err(bad("has a context of no tokens"));
+    }
+    if continuation_ids.is_empty() {
+        return Err(bad("has no tokens past the context's"));
+    }
+    Ok(Request {
+        context: context_ids,
+        continuation: continuation_ids,
+    })
+}
+
+/// A request's score.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scored {
+    /// The continuation's log-likelihood (nats, the sum over its tokens).
+    pub loglikelihood: f64,
+    /// Whether every continuation token is its position's most likely one.
+    pub is_greedy: bool,
+}
+
+/// The scores of `requests` under `model`, in order: in batches of requests padded on the
+/// right, each request's input its last `context + 1` tokens less the last.
+pub fn score<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<Scored>> {
+    let max = model.cfg.max_seq;
+    let vocab = model.cfg.vocab;
+    let mut inputs = Vec::with_capacity(requests.len());
+    for r in requests {
+        if r.continuation.len() > max {
+            return Err(TrainError::Input(format!(
+                "a continuation of {} tokens is longer than the model's context of {max}",
+                r.continuation.len()
+            )));
+        }
+        if let Some(&id) = r
+            .context
+            .iter()
+            .chain(&r.continuation)
+            .find(|&&i| i as usize >= vocab)
+        {
+            return Err(TrainError::Input(format!(
+                "token {id} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        let all: Vec<u32> = r.context.iter().chain(&r.continuation).copied().collect();
+        let window = &all[all.len().saturating_sub(max + 1)..];
+        inputs.push(window[..window.len() - 1].to_vec());
+    }
+    let mut out = Vec::with_capacity(requests.len());
+    let mut start = 0;
+    while start < requests.len() {
+        // As many requests as fit the batch's tokens, at least one.
+        let mut end = start + 1;
+        let mut t = inputs[start].len();
+        while end < requests.len() {
+            let t_next = t.max(inputs[end].len());
+            if t_next * (end + 1 - start) > MAX_BATCH_TOKENS {
+                break;
+            }
+            t = t_next;
+            end += 1;
+        }
+        let b = end - start;
+        let mut tokens = vec![0u32; b * t];
+        let mut rows = Vec::new();
+        for (i, input) in inputs[start..end].iter().enumerate() {
+            tokens[i * t..i * t + input.len()].copy_from_slice(input);
+            // The positions whose next token is a continuation token.
+            let n = requests[start + i].continuation.len();
+            rows.extend((input.len() - n..input.len()).map(|p| i * t + p));
+        }
+        let logits = model.logits_at(&tokens, Geometry::new(b, t), &rows)?;
+        let mut at = 0;
+        for r in &requests[start..end] {
+            let mut loglikelihood = 0.0f64;
+            let mut is_greedy = true;
+            for &target in &r.continuation {
+                let row = &logits[at * vocab..(at + 1) * vocab];
+                at += 1;
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+                loglikelihood += f64::from(row[target as usize] - max) - sum.ln();
+                // numpy's and torch's argmax: the first of equal maxima.
+                let argmax = row.iter().position(|&x| x == max).unwrap_or(0);
+                is_greedy &= argmax == target as usize;
+            }
+            out.push(Scored {
+                loglikelihood,
+                is_greedy,
+            });
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
+/// What a question's scores make of it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Outcome {
+    /// Each choice's score.
+    pub scored: Vec<Scored>,
+    /// The choice of the highest log-likelihood.
+    pub pred: usize,
+    /// `pred` is right.
+    pub acc: bool,
+    /// The choice of the highest log-likelihood per character is right.
+    pub acc_norm: bool,
+    /// The choice of the highest log-likelihood per UTF-8 byte is right.
+    pub acc_bytes: bool,
+    /// A right choice is the greedy continuation.
+    pub exact_match: bool,
+}
+
+/// The first index of the largest of `xs` (numpy's `argmax`; a NaN counts as the largest).
+fn argmax(xs: impl Iterator<Item = f64>) -> usize {
+    let mut best: Option<(usize, f64)> = None;
+    for (i, x) in xs.enumerate() {
+        match best {
+            Some((_, b)) if b.is_nan() || !(x > b || x.is_nan()) => {}
+            _ => best = Some((i, x)),
+        }
+    }
+    best.map_or(0, |(i, _)| i)
+}
+
+impl Outcome {
+    /// The outcome of `question` whose choices scored `scored` (one each, in order).
+    pub fn of(question: &Question, scored: Vec<Scored>) -> Outcome {
+        let lls = || scored.iter().map(|s| s.loglikelihood);
+        let pred = argmax(lls());
+        let by = |len: &dyn Fn(&str) -> usize| {
+            argmax(
+                lls()
+                    .zip(&question.choices)
+                    .map(|(ll, c)| ll / len(c) as f64),
+            )
+        };
+        let pred_norm = by(&|c| c.chars().count());
+        let pred_bytes = by(&str::len);
+        let exact_match = question
+            .gold
+            .indices()
+            .iter()
+            .any(|&g| scored.get(g).is_some_and(|s| s.is_greedy));
+        Outcome {
+            pred,
+            acc: question.gold.contains(pred),
+            acc_norm: question.gold.contains(pred_norm),
+            acc_bytes: question.gold.contains(pred_bytes),
+            exact_match,
+            scored,
+        }
+    }
+}
+
+/// A metric's mean over the questions and its standard error (`None` for one question).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Metric {
+    /// The mean.
+    pub mean: f64,
+    /// The sample standard deviation over √n.
+    pub stderr: Option<f64>,
+}
+
+impl Metric {
+    /// Of values that are each 0 or 1.
+    pub fn of(values: &[bool]) -> Metric {
+        let n = values.len() as f64;
+        let xs = values.iter().map(|&v| f64::from(u8::from(v)));
+        let mean = xs.clone().sum::<f64>() / n;
+        let stderr = (values.len() > 1).then(|| {
+            let var = xs.map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0);
+            var.sqrt() / n.sqrt()
+        });
+        Metric { mean, stderr }
+    }
+}
+
+/// A run's metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChoicesReport {
+    /// Questions.
+    pub questions: usize,
+    /// Choices scored.
+    pub requests: usize,
+    /// Continuation tokens scored.
+    pub tokens: u64,
+    /// Right by log-likelihood.
+    pub acc: Metric,
+    /// Right by log-likelihood per character.
+    pub acc_norm: Metric,
+    /// Right by log-likelihood per byte.
+    pub acc_bytes: Metric,
+    /// A right choice is the greedy continuation.
+    pub exact_match: Metric,
+}
+
+/// Score every question (each choice as `delimiter + choice`, lm-eval's `target_delimiter`,
+/// `" "` by default there), calling `each` with each question's index and outcome as it is
+/// done.
+pub fn evaluate<B: ModelOps>(
+    model: &Model<B>,
+    tok: &Tokenizer,
+    questions: &[Question],
+    delimiter: &str,
+    mut each: impl FnMut(usize, &Outcome) -> Result<()>,
+) -> Result<ChoicesReport> {
+    if questions.is_empty() {
+        return Err(TrainError::Input("no questions".into()));
+    }
+    let prefix = PrefixToken::of(tok)?;
+    let mut outcomes = Vec::with_capacity(questions.len());
+    let (mut requests, mut tokens) = (0, 0u64);
+    for (i, q) in questions.iter().enumerate() {
+        let reqs = (0..q.choices.len())
+            .map(|c| {
+                request(
+                    tok,
+                    prefix.as_ref(),
+                    &q.context,
+                    &q.continuation(c, delimiter),
+                )
+            })
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| TrainError::Input(format!("question {}: {e}", i + 1)))?;
+        requests += reqs.len();
+        tokens += reqs
+            .iter()
+            .map(|r| r.continuation.len() as u64)
+            .sum::<u64>();
+        let outcome = Outcome::of(q, score(model, &reqs)?);
+        each(i, &outcome)?;
+        outcomes.push((
+            outcome.acc,
+            outcome.acc_norm,
+            outcome.acc_bytes,
+            outcome.exact_match,
+        ));
+    }
+    let metric = |f: fn(&(bool, bool, bool, bool)) -> bool| {
+        Metric::of(&outcomes.iter().map(f).collect::<Vec<_>>())
+    };
+    Ok(ChoicesReport {
+        questions: questions.len(),
+        requests,
+        tokens,
+        acc: metric(|o| o.0),
+        acc_norm: metric(|o| o.1),
+        acc_bytes: metric(|o| o.2),
+        exact_match: metric(|o| o.3),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn questions_parse_or_say_what_is_wrong() {
+        let q =
+            Question::parse(r#"{"context": "c", "choices": ["a", "b"], "gold": [1, 0]}"#).unwrap();
+        assert_eq!(q.gold, Gold::Any(vec![1, 0]));
+        for (line, why) in [
+            ("[1]", "not a JSON object"),
+            ("{", "not JSON"),
+            (r#"{"choices": ["a"], "gold": 0}"#, "no \"context\""),
+            (
+                r#"{"context": 1, "choices": ["a"], "gold": 0}"#,
+                "\"context\" is not text",
+            ),
+            (
+                r#"{"context": "", "choices": [], "gold": 0}"#,
+                "non-empty list",
+            ),
+            (
+                r#"{"context": "", "choices": ["a", ""], "gold": 0}"#,
+                "choice 1 is empty",
+            ),
+            (
+                r#"{"context": "", "choices": ["a", 2], "gold": 0}"#,
+                "choice 1 is not text",
+            ),
+            (
+                r#"{"context": "", "choices": ["a"], "gold": 1}"#,
+                "index of one of the 1",
+            ),
+            (
+                r#"{"context": "", "choices": ["a"], "gold": -1}"#,
+                "index of one",
+            ),
+            (
+                r#"{"context": "", "choices": ["a"], "gold": 0.5}"#,
+                "index of one",
+            ),
+            (
+                r#"{"context": "", "choices": ["a"], "gold": "b"}"#,
+                "not one of the choices",
+            ),
+            (
+                r#"{"context": "", "choices": ["a"], "gold": []}"#,
+                "empty list",
+            ),
+            (
+                r#"{"context": "", "choices": ["a"], "gold": [0, 3]}"#,
+                "gold 3",
+            ),
+            (r#"{"context": "", "choices": ["a"]}"#, "no \"gold\""),
+        ] {
+            let e = Question::parse(line).unwrap_err();
+            assert!(e.contains(why), "{line}: {e}");
+        }
+    }
+
+    #[test]
+    fn argmax_takes_the_first_of_equals_and_nan_as_numpy_does() {
+        assert_eq!(argmax([1.0, 3.0, 3.0, 2.0].into_iter()), 1);
+        assert_eq!(argmax([1.0, f64::NAN, 5.0].into_iter()), 1);
+        assert_eq!(
+            argmax([f64::NEG_INFINITY, f64::NEG_INFINITY].into_iter()),
+            0
+        );
+    }
+
+    #[test]
+    fn metrics_are_means_with_the_sample_standard_error() {
+        let m = Metric::of(&[true, false, true, true]);
+        assert_eq!(m.mean, 0.75);
+        // Sample variance 0.25 (3 × 0.0625 + 0.5625 over 3), over √4.
+        assert!((m.stderr.unwrap() - 0.25).abs() < 1e-12);
+        assert_eq!(Metric::of(&[true]).stderr, None);
+    }
+}

@@ -1,0 +1,290 @@
+//! Multiple-choice evaluation against lm-evaluation-harness: every request, log-likelihood,
+//! greedy flag, per-question metric and aggregate of four lm-eval 0.4.13 runs
+//! (`fixtures/choices/lm_eval_choices.json`, written by
+//! `benches/torch/make_choices_fixture.py`) on two transformers models with two tokenizers,
+//! and `headroom eval --choices` on one of them; the head on chosen rows alone equals those
+//! rows of the full logits.
+
+mod common;
+
+use std::path::PathBuf;
+
+use headroom_tensor::Cpu;
+use headroom_trainer::choices::{self, Outcome, Question};
+use headroom_trainer::model::{
+    Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
+};
+use headroom_trainer::sample::load_model;
+use headroom_trainer::tokenize::Tokenizer;
+use proptest::prelude::*;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn fixture() -> serde_json::Value {
+    let text = std::fs::read_to_string(fixtures().join("choices/lm_eval_choices.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn every_run_scores_as_lm_eval_scores_it() {
+    let fixture = fixture();
+    let runs = fixture["runs"].as_object().unwrap();
+    assert_eq!(runs.len(), 4);
+    let (mut questions_checked, mut greedy_seen) = (0, 0);
+    for (name, run) in runs {
+        let cpu = Cpu::new();
+        let model = load_model(&fixtures().join(run["model"].as_str().unwrap()), &cpu).unwrap();
+        let tok_path = fixtures()
+            .join("choices")
+            .join(run["tokenizer"].as_str().unwrap())
+            .join("tokenizer.json");
+        let tok = Tokenizer::from_name(tok_path.to_str().unwrap()).unwrap();
+        let questions = choices::read_questions(
+            &fixtures()
+                .join("choices")
+                .join(run["questions"].as_str().unwrap()),
+        )
+        .unwrap();
+        let delimiter = run["target_delimiter"].as_str().unwrap();
+        let want = run["scored"].as_array().unwrap();
+        assert_eq!(questions.len(), want.len(), "{name}");
+        let mut outcomes: Vec<Outcome> = Vec::new();
+        let report = choices::evaluate(&model, &tok, &questions, delimiter, |i, o| {
+            assert_eq!(i, outcomes.len());
+            outcomes.push(o.clone());
+            Ok(())
+        })
+        .unwrap();
+        for (i, ((q, o), w)) in questions.iter().zip(&outcomes).zip(want).enumerate() {
+            let what = format!("{name} question {i}");
+            // lm-eval's requests: the context and delimiter + choice, as text.
+            let requests: Vec<(String, String)> =
+                serde_json::from_value(w["requests"].clone()).unwrap();
+            let ours: Vec<(String, String)> = (0..q.choices.len())
+                .map(|c| (q.context.clone(), q.continuation(c, delimiter)))
+                .collect();
+            assert_eq!(ours, requests, "{what}");
+            let lls: Vec<f64> = serde_json::from_value(w["loglikelihoods"].clone()).unwrap();
+            let greedy: Vec<bool> = serde_json::from_value(w["is_greedy"].clone()).unwrap();
+            for (c, (s, (ll, g))) in o.scored.iter().zip(lls.iter().zip(&greedy)).enumerate() {
+                // PyTorch's f32 log-softmax summed in f32 against f64 sums of our f32 logits.
+                assert!(
+                    (s.loglikelihood - ll).abs() < 2e-4 * ll.abs().max(1.0),
+                    "{what} choice {c}: {} vs lm-eval {ll}",
+                    s.loglikelihood
+                );
+                assert_eq!(s.is_greedy, *g, "{what} choice {c}");
+                greedy_seen += usize::from(*g);
+            }
+            for (metric, got) in [
+                ("acc", o.acc),
+                ("acc_norm", o.acc_norm),
+                ("acc_bytes", o.acc_bytes),
+                ("exact_match", o.exact_match),
+            ] {
+                assert_eq!(
+                    f64::from(u8::from(got)),
+                    w[metric].as_f64().unwrap(),
+                    "{what} {metric}"
+                );
+            }
+            questions_checked += 1;
+        }
+        for (metric, got) in [
+            ("acc", report.acc),
+            ("acc_norm", report.acc_norm),
+            ("acc_bytes", report.acc_bytes),
+            ("exact_match", report.exact_match),
+        ] {
+            let mean = run["metrics"][metric].as_f64().unwrap();
+            let stderr = run["stderr"][metric].as_f64().unwrap();
+            assert!(
+                (got.mean - mean).abs() < 1e-12,
+                "{name} {metric}: {got:?} vs {mean}"
+            );
+            assert!(
+                (got.stderr.unwrap() - stderr).abs() < 1e-9,
+                "{name} {metric}: {got:?} vs ± {stderr}"
+            );
+        }
+    }
+    assert_eq!(questions_checked, 3 * 12 + 3);
+    // Greedy continuations were found and matched, not only their absence.
+    assert!(greedy_seen >= 3, "{greedy_seen}");
+}
+
+/// The command prints lm-eval's metrics of the `llama` run and writes a line per question;
+/// a bad question is an error naming its line, before the model loads.
+#[test]
+fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
+    let fixture = fixture();
+    let run = &fixture["runs"]["llama"];
+    let dir = tempfile::tempdir().unwrap();
+    let samples = dir.path().join("samples.jsonl");
+    let model = fixtures().join("hf-llama-gqa-untied");
+    let tokenizer = fixtures().join("choices/llama/tokenizer.json");
+    let questions = fixtures().join("choices/questions.jsonl");
+    let run_eval = |questions: &std::path::Path, extra: &[&str]| {
+        let mut args = vec![
+            "eval",
+            "--from",
+            model.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--choices",
+            questions.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        common::headroom_command().args(&args).output().unwrap()
+    };
+    let o = run_eval(&questions, &["--samples", samples.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for metric in ["acc", "acc_norm", "acc_bytes", "exact_match"] {
+        let line = format!(
+            "{metric:<12} {:.4} ± {:.4}",
+            run["metrics"][metric].as_f64().unwrap(),
+            run["stderr"][metric].as_f64().unwrap()
+        );
+        assert!(out.contains(&line), "{line:?} in {out}");
+    }
+    assert!(out.contains("12 questions, 27 choices"), "{out}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&samples)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 12);
+    for (line, want) in lines.iter().zip(run["scored"].as_array().unwrap()) {
+        assert_eq!(line["is_greedy"], want["is_greedy"]);
+        assert_eq!(
+            line["acc"].as_bool().unwrap(),
+            want["acc"].as_f64().unwrap() == 1.0
+        );
+    }
+
+    // The delimiter reaches the requests: lm-eval's run without one.
+    let o = run_eval(&questions, &["--target-delimiter", ""]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let acc = fixture["runs"]["llama_no_delimiter"]["metrics"]["acc"]
+        .as_f64()
+        .unwrap();
+    assert!(out.contains(&format!("acc          {acc:.4}")), "{out}");
+
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"context\": \"a\", \"choices\": [\"b\"], \"gold\": 0}\n\n{\"context\": \"a\", \"choices\": [\"b\"], \"gold\": 2}\n",
+    )
+    .unwrap();
+    let o = run_eval(&bad, &[]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("bad.jsonl: line 3: gold 2"), "{err}");
+    assert!(o.stdout.is_empty());
+}
+
+fn tiny(llama: bool) -> ModelConfig {
+    ModelConfig {
+        vocab: 53,
+        max_seq: 24,
+        layers: 2,
+        heads: 4,
+        channels: 32,
+        family: if llama {
+            Family::Llama(LlamaShape {
+                kv_heads: 2,
+                ffn: 40,
+                rope_theta: 10_000.0,
+                norm_eps: 1e-5,
+                tied_head: false,
+            })
+        } else {
+            Family::Gpt2
+        },
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The head on chosen rows gives those rows of the full logits: the rows are any of the
+    /// batch's, in any order, repeated or not, in fp32 and bf16. Not bit for bit: the head's
+    /// GEMM over n rows sums in another order than over all of them (a few f32 ulps, which
+    /// the rounding to bf16 may carry to one bf16 ulp).
+    #[test]
+    fn logits_at_chosen_rows_are_those_rows_of_the_logits(
+        llama in any::<bool>(),
+        bf16 in any::<bool>(),
+        b in 1usize..4,
+        t in 1usize..24,
+        picks in proptest::collection::vec(any::<prop::sample::Index>(), 0..12),
+        seed in any::<u64>(),
+    ) {
+        let cfg = tiny(llama);
+        let opts = ModelOptions {
+            precision: if bf16 { Precision::Bf16 } else { Precision::Fp32 },
+            ..Default::default()
+        };
+        let model = Model::new(&Cpu::new(), cfg, opts, seed).unwrap();
+        let tokens: Vec<u32> = (0..b * t).map(|i| ((i as u64 * 7 + seed) % 53) as u32).collect();
+        let g = Geometry::new(b, t);
+        let rows: Vec<usize> = picks.iter().map(|p| p.index(b * t)).collect();
+        let full = model.logits(&tokens, g).unwrap();
+        let at = model.logits_at(&tokens, g, &rows).unwrap();
+        let v = cfg.vocab;
+        prop_assert_eq!(at.len(), rows.len() * v);
+        let tolerance = if bf16 { 1.0 / 128.0 } else { 1e-5 };
+        for (k, &r) in rows.iter().enumerate() {
+            let want = &full[r * v..(r + 1) * v];
+            let got = &at[k * v..(k + 1) * v];
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+            for (j, (a, w)) in got.iter().zip(want).enumerate() {
+                prop_assert!(
+                    (a - w).abs() <= tolerance * scale,
+                    "row {} logit {}: {} vs {}", r, j, a, w
+                );
+            }
+        }
+        prop_assert!(model.logits_at(&tokens, g, &[b * t]).is_err());
+    }
+}
+
+/// A request's tokens as lm-eval splits them, on the Llama tokenizer that adds `<s>`: the
+/// context's trailing spaces go to the continuation; an empty context is the prefix token, or
+/// the continuation's own first token when that is it; a text that starts with `<s>` gets no
+/// second one.
+#[test]
+fn requests_split_the_tokens_as_lm_eval_does() {
+    let path = fixtures().join("choices/llama/tokenizer.json");
+    let tok = Tokenizer::from_name(path.to_str().unwrap()).unwrap();
+    let prefix = choices::PrefixToken::of(&tok).unwrap().unwrap();
+    assert_eq!(prefix.text, "<s>");
+    let bos = prefix.id;
+    let r = choices::request(&tok, Some(&prefix), "the cat  ", "sat").unwrap();
+    assert_eq!(r.context, tok.encode_sequence("the cat").unwrap());
+    let whole = tok.encode_sequence("the cat  sat").unwrap();
+    assert_eq!(r.continuation, whole[r.context.len()..]);
+    assert_eq!(r.context[0], bos);
+
+    let r = choices::request(&tok, Some(&prefix), "", " the cat").unwrap();
+    assert_eq!(r.context, vec![bos]);
+    assert_eq!(r.continuation, tok.encode(" the cat").unwrap());
+    let r = choices::request(&tok, Some(&prefix), "", "<s>the cat").unwrap();
+    assert_eq!(r.context, vec![bos]);
+    assert_eq!(r.continuation, tok.encode("the cat").unwrap());
+    let e = choices::request(&tok, None, "", "x").unwrap_err();
+    assert!(e.to_string().contains("neither"), "{e}");
+    let e = choices::request(&tok, Some(&prefix), "", "<s>").unwrap_err();
+    assert!(e.to_string().contains("no tokens"), "{e}");
+
+    let r = choices::request(&tok, Some(&prefix), "<s>the", " cat").unwrap();
+    assert_eq!(r.context, tok.encode("<s>the").unwrap());
+    assert_eq!(r.context.iter().filter(|&&i| i == bos).count(), 1);
+
+    // A question whose gold is a choice's text.
+    let q = Question::parse(r#"{"context": "x", "choices": ["a", "b"], "gold": "b"}"#).unwrap();
+    assert_eq!(q.gold, choices::Gold::One(1));
+}
