@@ -36,9 +36,13 @@
 //! out of range or a gold text that is not a choice is an error here (lm-eval warns and counts
 //! the question wrong), and so is an empty choice (lm-eval divides by its length 0).
 //!
-//! Memory: a question's choices run as one batch padded on the right (a causal model's
-//! positions never see the padding), and only the continuations' rows reach the head
-//! ([`Model::logits_at`]), so no `[tokens, vocabulary]` logits exist, as they do in lm-eval.
+//! Compute and memory: a question's context is run once, its keys and values cached, and each
+//! question's continuations run together after copies of them ([`Model::repeat_cache`],
+//! [`Model::decode_at`]; one-token choices need nothing more), and only the continuations'
+//! rows reach the head, so no `[tokens, vocabulary]` logits exist, as they do in lm-eval. Choices whose input is cut to the model's context (so no longer shares
+//! the context's start) run as one batch padded on the right (a causal model's positions never
+//! see the padding), with only the continuations' rows reaching the head
+//! ([`Model::logits_at`]).
 
 use std::path::Path;
 
@@ -273,12 +277,13 @@ pub struct Scored {
     pub is_greedy: bool,
 }
 
-/// The scores of `requests` under `model`, in order: in batches of requests padded on the
-/// right, each request's input its last `context + 1` tokens less the last.
+/// The scores of `requests` under `model`, in order, each request's input its last
+/// `context + 1` tokens less the last. Requests of one context that fit the model's context
+/// whole (a question's choices, uncut) share it: its keys and values are computed once, and
+/// the continuations run after copies of them; the others run in batches padded on the right.
 pub fn score<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<Scored>> {
     let max = model.cfg.max_seq;
     let vocab = model.cfg.vocab;
-    let mut inputs = Vec::with_capacity(requests.len());
     for r in requests {
         if r.continuation.len() > max {
             return Err(TrainError::Input(format!(
@@ -286,20 +291,87 @@ pub fn score<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<
                 r.continuation.len()
             )));
         }
-        if let Some(&id) = r
-            .context
-            .iter()
-            .chain(&r.continuation)
-            .find(|&&i| i as usize >= vocab)
-        {
+        let mut ids = r.context.iter().chain(&r.continuation);
+        if let Some(&id) = ids.find(|&&i| i as usize >= vocab) {
             return Err(TrainError::Input(format!(
                 "token {id} is outside the model's vocabulary of {vocab}"
             )));
         }
-        let all: Vec<u32> = r.context.iter().chain(&r.continuation).copied().collect();
-        let window = &all[all.len().saturating_sub(max + 1)..];
-        inputs.push(window[..window.len() - 1].to_vec());
     }
+    let Some(first) = requests.first() else {
+        return Ok(Vec::new());
+    };
+    let shared = requests
+        .iter()
+        .all(|r| r.context == first.context && r.context.len() + r.continuation.len() <= max + 1);
+    if shared {
+        score_after_shared_context(model, &first.context, requests)
+    } else {
+        score_padded(model, requests)
+    }
+}
+
+/// The most choices continued in one batch after a shared context (each holds a copy of the
+/// context's keys and values).
+const MAX_SHARED_BATCH: usize = 8;
+
+/// [`score`] of requests of one context that fits with each continuation: the context once
+/// (its last row predicts every continuation's first token), then the continuations' other
+/// tokens in batches, padded on the right, after copies of its keys and values.
+fn score_after_shared_context<B: ModelOps>(
+    model: &Model<B>,
+    context: &[u32],
+    requests: &[Request],
+) -> Result<Vec<Scored>> {
+    let vocab = model.cfg.vocab;
+    let mut cache = model.kv_cache(1);
+    let after_context = model.decode(&mut cache, context)?;
+    let mut out = Vec::with_capacity(requests.len());
+    for group in requests.chunks(MAX_SHARED_BATCH) {
+        // Each continuation's tokens but the last are inputs.
+        let t = group
+            .iter()
+            .map(|r| r.continuation.len() - 1)
+            .max()
+            .unwrap_or(0);
+        let logits = if t == 0 {
+            Vec::new()
+        } else {
+            let mut tokens = vec![0u32; group.len() * t];
+            let mut rows = Vec::new();
+            for (i, r) in group.iter().enumerate() {
+                let inputs = &r.continuation[..r.continuation.len() - 1];
+                tokens[i * t..i * t + inputs.len()].copy_from_slice(inputs);
+                rows.extend((0..inputs.len()).map(|p| i * t + p));
+            }
+            let mut copies = model.repeat_cache(&cache, group.len())?;
+            model.decode_at(&mut copies, &tokens, &rows)?
+        };
+        let mut rows = logits.chunks_exact(vocab);
+        for r in group {
+            let rest = rows.by_ref().take(r.continuation.len() - 1);
+            out.push(scored(
+                std::iter::once(&after_context[..]).chain(rest),
+                &r.continuation,
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// [`score`] in batches of requests padded on the right (a causal model's positions never
+/// see the padding after them).
+fn score_padded<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<Scored>> {
+    let max = model.cfg.max_seq;
+    let vocab = model.cfg.vocab;
+    let inputs: Vec<Vec<u32>> = requests
+        .iter()
+        .map(|r| {
+            let all: Vec<u32> = r.context.iter().chain(&r.continuation).copied().collect();
+            let window = &all[all.len().saturating_sub(max + 1)..];
+            window[..window.len() - 1].to_vec()
+        })
+        .collect();
     let mut out = Vec::with_capacity(requests.len());
     let mut start = 0;
     while start < requests.len() {
@@ -324,28 +396,32 @@ pub fn score<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<
             rows.extend((input.len() - n..input.len()).map(|p| i * t + p));
         }
         let logits = model.logits_at(&tokens, Geometry::new(b, t), &rows)?;
-        let mut at = 0;
+        let mut rows = logits.chunks_exact(vocab);
         for r in &requests[start..end] {
-            let mut loglikelihood = 0.0f64;
-            let mut is_greedy = true;
-            for &target in &r.continuation {
-                let row = &logits[at * vocab..(at + 1) * vocab];
-                at += 1;
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
-                loglikelihood += f64::from(row[target as usize] - max) - sum.ln();
-                // numpy's and torch's argmax: the first of equal maxima.
-                let argmax = row.iter().position(|&x| x == max).unwrap_or(0);
-                is_greedy &= argmax == target as usize;
-            }
-            out.push(Scored {
-                loglikelihood,
-                is_greedy,
-            });
+            let n = r.continuation.len();
+            out.push(scored(rows.by_ref().take(n), &r.continuation));
         }
         start = end;
     }
     Ok(out)
+}
+
+/// The score of `continuation` from the logits rows that predict each of its tokens.
+fn scored<'a>(rows: impl Iterator<Item = &'a [f32]>, continuation: &[u32]) -> Scored {
+    let mut loglikelihood = 0.0f64;
+    let mut is_greedy = true;
+    for (row, &target) in rows.zip(continuation) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+        loglikelihood += f64::from(row[target as usize] - max) - sum.ln();
+        // numpy's and torch's argmax: the first of equal maxima.
+        let argmax = row.iter().position(|&x| x == max).unwrap_or(0);
+        is_greedy &= argmax == target as usize;
+    }
+    Scored {
+        loglikelihood,
+        is_greedy,
+    }
 }
 
 /// What a question's scores make of it.
@@ -562,6 +638,56 @@ mod tests {
         ] {
             let e = Question::parse(line).unwrap_err();
             assert!(e.contains(why), "{line}: {e}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
+
+        /// A shared context's keys and values continued from copies (more choices than one
+        /// batch of them holds, too) give each choice the log-likelihood the padded batch of
+        /// whole inputs gives (another summation order: cached attention and row counts), in
+        /// fp32 and bf16.
+        #[test]
+        fn a_shared_context_scores_as_the_whole_inputs_do(
+            llama in proptest::prelude::any::<bool>(),
+            context in proptest::collection::vec(0u32..37, 1..12),
+            continuations in proptest::collection::vec(
+                proptest::collection::vec(0u32..37, 1..8), 1..12),
+            bf16 in proptest::prelude::any::<bool>(),
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            use crate::model::{Family, LlamaShape, ModelConfig, ModelOptions, Precision};
+            let family = if llama {
+                Family::Llama(LlamaShape { kv_heads: 2, ffn: 40, rope_theta: 10_000.0,
+                    norm_eps: 1e-5, tied_head: false })
+            } else {
+                Family::Gpt2
+            };
+            let cfg = ModelConfig { vocab: 37, max_seq: 20, layers: 2, heads: 4, channels: 32,
+                family };
+            let opts = ModelOptions {
+                precision: if bf16 { Precision::Bf16 } else { Precision::Fp32 },
+                ..ModelOptions::default()
+            };
+            let model = Model::new(&headroom_tensor::Cpu::new(), cfg, opts, seed).unwrap();
+            let requests: Vec<Request> = continuations
+                .into_iter()
+                .map(|continuation| Request { context: context.clone(), continuation })
+                .collect();
+            let shared = score_after_shared_context(&model, &context, &requests).unwrap();
+            let padded = score_padded(&model, &requests).unwrap();
+            // bf16 rounds activations stored in another order to other neighbours.
+            let tolerance = if bf16 { 2e-2 } else { 1e-5 };
+            proptest::prop_assert_eq!(shared.len(), requests.len());
+            for (s, p) in shared.iter().zip(&padded) {
+                proptest::prop_assert!(
+                    (s.loglikelihood - p.loglikelihood).abs()
+                        <= tolerance * p.loglikelihood.abs().max(1.0),
+                    "{:?} vs {:?}", s, p
+                );
+            }
+            proptest::prop_assert_eq!(score(&model, &requests).unwrap(), shared);
         }
     }
 

@@ -157,6 +157,98 @@ impl<B: ModelOps> Model<B> {
     /// distribution of the token after it. A prompt of `t` tokens runs its first `t − 1`
     /// positions without the head (only the last position's logits are needed).
     pub fn decode(&self, cache: &mut KvCache<B::Tensor>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let (b, t) = self.check_decode(cache, tokens)?;
+        if t > 1 {
+            let head: Vec<u32> = tokens
+                .chunks_exact(t)
+                .flat_map(|row| row[..t - 1].iter().copied())
+                .collect();
+            self.step(cache, &head, Geometry::new(b, t - 1))?;
+        }
+        let last: Vec<u32> = tokens.chunks_exact(t).map(|row| row[t - 1]).collect();
+        let g = Geometry::new(b, 1);
+        let x = self.step(cache, &last, g)?;
+        self.logits_of(&x, g)
+    }
+
+    /// One decode step of `tokens` `[B, t]` as [`Model::decode`], returning the logits
+    /// `[rows, V]` (f32) of the new positions `rows` (indices into the step's `B·t` rows, in
+    /// the order given), each the distribution of the token after it: the head runs on those
+    /// rows alone ([`Model::logits_at`]'s trade-off). A continuation scored after a cached
+    /// context.
+    pub fn decode_at(
+        &self,
+        cache: &mut KvCache<B::Tensor>,
+        tokens: &[u32],
+        rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        let (b, t) = self.check_decode(cache, tokens)?;
+        if let Some(&r) = rows.iter().find(|&&r| r >= b * t) {
+            return Err(TrainError::Input(format!(
+                "decode: row {r} of a step of {} token rows",
+                b * t
+            )));
+        }
+        let x = self.step(cache, tokens, Geometry::new(b, t))?;
+        self.logits_of_rows(x, rows)
+    }
+
+    /// A cache of `copies` sequences, each a copy of the one sequence `cache` holds: one
+    /// context continued several ways in one batch (a question's choices after its keys and
+    /// values, computed once). The copies are laid end to end through the sequence-axis
+    /// concatenation of flat views, the only copy op the cache's backend needs.
+    pub fn repeat_cache(
+        &self,
+        cache: &KvCache<B::Tensor>,
+        copies: usize,
+    ) -> Result<KvCache<B::Tensor>> {
+        if cache.batch != 1 || copies == 0 {
+            return Err(TrainError::Input(format!(
+                "repeat_cache: {copies} copies of a cache of {} sequences (one, at least one \
+                 copy)",
+                cache.batch
+            )));
+        }
+        let _g = MemoryCategory::Activations.enter();
+        let repeat = |t: &Option<B::Tensor>| -> Result<Option<B::Tensor>> {
+            let Some(t) = t else { return Ok(None) };
+            let dims = t.shape().dims().to_vec();
+            let n = t.numel();
+            let mut one = self.backend().uninit(t.shape().clone(), t.dtype())?;
+            self.backend().copy(t, &mut one)?;
+            one.reshape([1, 1, n, 1].into())?;
+            let mut all = self.backend().uninit([1, 1, n, 1], t.dtype())?;
+            self.backend().copy(&one, &mut all)?;
+            for k in 1..copies {
+                let mut grown = self.backend().uninit([1, 1, (k + 1) * n, 1], t.dtype())?;
+                self.backend().concat_seq(&mut grown, &all, &one)?;
+                all = grown;
+            }
+            let mut dims = dims;
+            dims[0] = copies;
+            all.reshape(dims.into())?;
+            Ok(Some(all))
+        };
+        let layers = cache
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerKv {
+                    k: repeat(&l.k)?,
+                    v: repeat(&l.v)?,
+                    len: l.len,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            layers,
+            batch: copies,
+        })
+    }
+
+    /// `tokens` as `[B, t]` new positions of `cache` (`B` its batch, `t ≥ 1`), within the
+    /// model's context and vocabulary: a refused step caches nothing.
+    fn check_decode(&self, cache: &KvCache<B::Tensor>, tokens: &[u32]) -> Result<(usize, usize)> {
         let b = cache.batch;
         if b == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(b) {
             return Err(TrainError::Input(format!(
@@ -181,17 +273,7 @@ impl<B: ModelOps> Model<B> {
         }
         // Every id is checked before the first block runs: a refused step caches nothing.
         self.check_batch(tokens, tokens, Geometry::new(b, t))?;
-        if t > 1 {
-            let head: Vec<u32> = tokens
-                .chunks_exact(t)
-                .flat_map(|row| row[..t - 1].iter().copied())
-                .collect();
-            self.step(cache, &head, Geometry::new(b, t - 1))?;
-        }
-        let last: Vec<u32> = tokens.chunks_exact(t).map(|row| row[t - 1]).collect();
-        let g = Geometry::new(b, 1);
-        let x = self.step(cache, &last, g)?;
-        self.logits_of(&x, g)
+        Ok((b, t))
     }
 
     /// Embed `tokens` `[B, t]` at the cache's positions and run every block with its cache:

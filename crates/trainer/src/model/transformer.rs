@@ -753,16 +753,26 @@ impl<B: ModelOps> Model<B> {
                 g.rows()
             )));
         }
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
         let mut x = self.embed(tokens, g)?;
         for l in 0..self.cfg.layers {
             x = self.block_forward(l, &x, g, false)?.0;
         }
+        self.logits_of_rows(x, rows)
+    }
+
+    /// The final norm and head of the rows `rows` (indices into its `B·T` rows) of the
+    /// residual `x` `[B, T, C]` alone: the logits `[rows, V]` (f32). `x` is dropped first.
+    pub(crate) fn logits_of_rows(&self, x: B::Tensor, rows: &[usize]) -> Result<Vec<f32>> {
+        let c = self.cfg.channels;
+        let n = x.numel() / c.max(1);
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            return Err(TrainError::Input(format!("row {r} of {n} token rows")));
+        }
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
         // The chosen rows go through the host: [n, C] of the residual, a fraction of the
         // logits they stand for, and no backend needs a gather op for it.
-        let c = self.cfg.channels;
         let residual = if x.dtype() == DType::F32 {
             self.backend.download::<f32>(&x)?
         } else {
