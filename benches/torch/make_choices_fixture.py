@@ -20,7 +20,12 @@ continuation) for two committed transformers models, each with a tokenizer writt
 - `gpt2`: `fixtures/hf-gpt2-sharded` with the story tokenizer (adds nothing; no BOS, so the
   prefix token is EOS `</s>`), target delimiter " ".
 
-Both models have a context of 32 tokens, so long questions are cut. The fixture holds, per
+And lm-eval's `loglikelihood_rolling` perplexity (word and byte perplexity, bits per byte)
+of `fixtures/choices/documents.jsonl` with both pairs: each document's log-likelihood over
+windows of the context, its words and bytes, and the aggregates.
+
+Both models have a context of 32 tokens, so long questions are cut and long documents take
+several windows. The fixture holds, per
 question, lm-eval's requests (context and continuation text), their log-likelihoods and
 greedy flags, the question's metrics, and each run's aggregate metrics and standard errors.
 
@@ -74,6 +79,22 @@ SEVERAL_GOLD = [
 ]
 # Contexts whose right answer is made the model's greedy continuation (`exact_match`).
 GREEDY_CONTEXTS = ["the small dog", "a big red", "the old tree"]
+
+# Documents for `loglikelihood_rolling` (perplexity): longer than the 32-token context (so
+# several windows), whitespace runs at the ends and inside, characters outside the vocabulary,
+# and one that starts with the prefix token's text.
+DOCUMENTS = [
+    {"text": "the small cat sat on the mat."},
+    {
+        "text": "the big cat sat on a mat. a small dog ran under the old tree. the red bird "
+        "slept near a big box. the old fox jumped on the small log. a big dog sat near the "
+        "red box. the small bird ran under a big tree."
+    },
+    {"text": "  the old dog ran.\n\nthe red fox slept  "},
+    {"text": "naïve café 東京 the cat"},
+    {"text": "<s>the bird sat"},
+    {"text": "a"},
+]
 
 RUNS = [
     ("llama", "hf-llama-gqa-untied", "llama", " ", "questions.jsonl"),
@@ -147,6 +168,55 @@ def greedy_questions(directory, count=3):
         if len(out) == count:
             return out
     raise SystemExit("too few contexts with a greedy continuation that re-encodes as itself")
+
+
+def run_rolling(directory, documents_path, tmp):
+    """lm-eval's perplexity of the documents: each one's log-likelihood and the aggregates."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    task_dir = os.path.join(tmp, "rolling-" + str(abs(hash(directory))))
+    os.makedirs(task_dir, exist_ok=True)
+    task = {
+        "task": "headroom_rolling",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": os.path.abspath(documents_path)}},
+        "test_split": "test",
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "text",
+        "metric_list": [{"metric": m} for m in ["word_perplexity", "byte_perplexity", "bits_per_byte"]],
+    }
+    with open(os.path.join(task_dir, "headroom_rolling.yaml"), "w") as f:
+        json.dump(task, f)
+    lm = HFLM(pretrained=directory, backend="causal", dtype="float32", device="cpu", batch_size=1)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["headroom_rolling"],
+        task_manager=TaskManager(include_path=task_dir),
+        log_samples=True,
+        num_fewshot=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+    samples = sorted(results["samples"]["headroom_rolling"], key=lambda s: s["doc_id"])
+    aggregate = results["results"]["headroom_rolling"]
+    return {
+        "documents": [
+            {
+                "loglikelihood": s["resps"][0][0],
+                "words": s["word_perplexity"][1],
+                "bytes": s["byte_perplexity"][1],
+            }
+            for s in samples
+        ],
+        "metrics": {
+            m: aggregate[m + ",none"] for m in ["word_perplexity", "byte_perplexity", "bits_per_byte"]
+        },
+    }
 
 
 def run(directory, questions_path, delimiter, tmp):
@@ -225,11 +295,26 @@ def make():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
             files[name] = text
+        text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in DOCUMENTS)
+        with open(os.path.join(tmp, "documents.jsonl"), "w", encoding="utf-8") as f:
+            f.write(text)
+        files["documents.jsonl"] = text
         fixture = {
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,
             "runs": {},
+            "rolling": {},
         }
+        for name, model, tokenizer in [
+            ("llama", "hf-llama-gqa-untied", "llama"),
+            ("gpt2", "hf-gpt2-sharded", "story"),
+        ]:
+            directory = model_dir(tmp, model, tokenizers[tokenizer])
+            fixture["rolling"][name] = {
+                "model": model,
+                "tokenizer": tokenizer,
+                **run_rolling(directory, os.path.join(tmp, "documents.jsonl"), tmp),
+            }
         for name, model, tokenizer, delimiter, questions in RUNS:
             directory = model_dir(tmp, model, tokenizers[tokenizer])
             result = run(directory, os.path.join(tmp, questions), delimiter, tmp)
@@ -261,7 +346,7 @@ def main():
     elif "--check" in sys.argv:
         with open(fixture_path, encoding="utf-8") as f:
             committed = json.load(f)
-        same = committed["runs"] == fixture["runs"]
+        same = committed["runs"] == fixture["runs"] and committed["rolling"] == fixture["rolling"]
         print("the committed fixture is lm-eval's" if same else "the committed fixture differs from lm-eval's")
         sys.exit(0 if same else 1)
     else:

@@ -167,7 +167,7 @@ struct EvalArgs {
     #[arg(long, value_name = "DIR")]
     from: PathBuf,
     /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
-    #[arg(long, required_unless_present = "choices")]
+    #[arg(long, required_unless_present_any = ["choices", "documents"])]
     data: Option<PathBuf>,
     /// Multiple-choice questions (JSONL: `context`, `choices`, `gold` as an index, the
     /// choice's text or a list of indices) scored as lm-evaluation-harness scores them: each
@@ -176,17 +176,24 @@ struct EvalArgs {
     /// and --loss-chunk are --data's.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "document_attention"])]
     choices: Option<PathBuf>,
+    /// Documents (JSONL: `text`) whose perplexity is measured as lm-evaluation-harness's
+    /// `loglikelihood_rolling` measures it (WikiText): each document over windows of the
+    /// model's context; prints word perplexity, byte perplexity and bits per byte. Needs a
+    /// tokenizer.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "document_attention"])]
+    documents: Option<PathBuf>,
     /// With --choices: the text between the context and each choice (lm-eval's
     /// `target_delimiter`).
     #[arg(long, value_name = "TEXT", default_value = " ", requires = "choices")]
     target_delimiter: String,
-    /// With --choices: each question's log-likelihoods, greedy flags and metrics as a JSON
-    /// line in this file (lm-eval's `--log_samples`).
-    #[arg(long, value_name = "FILE", requires = "choices")]
+    /// With --choices or --documents: each question's log-likelihoods, greedy flags and
+    /// metrics, or each document's log-likelihood, as a JSON line in this file (lm-eval's
+    /// `--log_samples`).
+    #[arg(long, value_name = "FILE", conflicts_with = "data")]
     samples: Option<PathBuf>,
-    /// With --choices: `gpt2` or a tokenizer.json [default: the model directory's, or the
-    /// checkpoint's]
-    #[arg(long, value_name = "gpt2|FILE", requires = "choices")]
+    /// With --choices or --documents: `gpt2` or a tokenizer.json [default: the model
+    /// directory's, or the checkpoint's]
+    #[arg(long, value_name = "gpt2|FILE", conflicts_with = "data")]
     tokenizer: Option<String>,
     /// Windows per batch.
     #[arg(long, default_value_t = 8)]
@@ -2555,6 +2562,9 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     if let Some(questions) = &a.choices {
         return cmd_eval_choices(&a, questions);
     }
+    if let Some(documents) = &a.documents {
+        return cmd_eval_documents(&a, documents);
+    }
     let data_path = a.data.as_ref().ok_or("--data or --choices")?;
     let (cpu, tracker) = inference_cpu();
     let mut model = crate::sample::load_for_inference(
@@ -2592,19 +2602,26 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     Ok(())
 }
 
-/// `eval --choices`: the questions read and tokenised before the model loads, a line per
-/// metric, and with `--samples` each question's scores as it is done.
-fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
-    use crate::choices::{self, Outcome};
+/// `eval --choices` and `--documents`: the tokenizer (`--tokenizer`, else the model
+/// directory's), then the model for inference, its vocabulary holding the tokenizer's.
+fn scoring_model(
+    a: &EvalArgs,
+    option: &str,
+) -> CliResult<(
+    crate::tokenize::Tokenizer,
+    crate::model::Model,
+    std::sync::Arc<headroom_profiler::MemoryTracker>,
+)> {
     use crate::tokenize::Tokenizer;
-    let questions = choices::read_questions(path)?;
     let files_dir = crate::sample::model_files_dir(&a.from)?;
     let tok = match &a.tokenizer {
         Some(name) => Tokenizer::from_name(name)?,
-        None => Tokenizer::beside(&files_dir).transpose()?.ok_or(
-            "--choices needs a tokenizer: the model directory has no tokenizer.json; pass \
-             --tokenizer gpt2|FILE",
-        )?,
+        None => Tokenizer::beside(&files_dir).transpose()?.ok_or_else(|| {
+            format!(
+                "{option} needs a tokenizer: the model directory has no tokenizer.json; pass \
+                 --tokenizer gpt2|FILE"
+            )
+        })?,
     };
     let (cpu, tracker) = inference_cpu();
     let model = crate::sample::load_for_inference(
@@ -2621,15 +2638,78 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         )
         .into());
     }
-    let mut samples = match &a.samples {
+    Ok((tok, model, tracker))
+}
+
+/// `--samples`, created, and its path for errors.
+fn samples_file(a: &EvalArgs) -> CliResult<Option<(&Path, std::io::BufWriter<std::fs::File>)>> {
+    Ok(match &a.samples {
         Some(p) => Some((
-            p,
+            p.as_path(),
             std::io::BufWriter::new(
                 std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?,
             ),
         )),
         None => None,
+    })
+}
+
+/// `eval --documents`: the documents read before the model loads, a line per metric, and
+/// with `--samples` each document's log-likelihood as it is done.
+fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
+    let documents = crate::rolling::read_documents(path)?;
+    let (tok, model, tracker) = scoring_model(a, "--documents")?;
+    let mut samples = samples_file(a)?;
+    let started = std::time::Instant::now();
+    let report = crate::rolling::evaluate(&model, &tok, &documents, |i, ll| {
+        let Some((p, w)) = samples.as_mut() else {
+            return Ok(());
+        };
+        let line = serde_json::json!({"document": i, "loglikelihood": ll});
+        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+    })?;
+    if let Some((p, mut w)) = samples {
+        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    // A random model's word perplexity runs to 1e26: such values in exponent form.
+    let shown = |x: f64| {
+        if x.abs() < 1e6 {
+            format!("{x:.4}")
+        } else {
+            format!("{x:.6e}")
+        }
     };
+    say!(
+        "{:<16} {}",
+        "word_perplexity",
+        shown(report.word_perplexity)
+    );
+    say!(
+        "{:<16} {}",
+        "byte_perplexity",
+        shown(report.byte_perplexity)
+    );
+    say!("{:<16} {}", "bits_per_byte", shown(report.bits_per_byte));
+    say!(
+        "{} documents, {} words, {} bytes, {} tokens scored in {:.2} s ({})",
+        report.documents,
+        report.words,
+        report.bytes,
+        report.tokens,
+        started.elapsed().as_secs_f64(),
+        path.display()
+    );
+    esay!("{}", a.weights.summary(&tracker));
+    Ok(())
+}
+
+/// `eval --choices`: the questions read before the model loads, a line per metric, and with
+/// `--samples` each question's scores as it is done.
+fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
+    use crate::choices::{self, Outcome};
+    let questions = choices::read_questions(path)?;
+    let (tok, model, tracker) = scoring_model(a, "--choices")?;
+    let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
     let report = choices::evaluate(
         &model,

@@ -288,3 +288,86 @@ fn requests_split_the_tokens_as_lm_eval_does() {
     let q = Question::parse(r#"{"context": "x", "choices": ["a", "b"], "gold": "b"}"#).unwrap();
     assert_eq!(q.gold, choices::Gold::One(1));
 }
+
+/// Perplexity as lm-eval's `loglikelihood_rolling` measures it: each document's
+/// log-likelihood, words and bytes, and the word and byte perplexities and bits per byte, on
+/// both fixture pairs (documents longer than the 32-token context take several windows); the
+/// command prints them.
+#[test]
+fn documents_score_as_lm_eval_s_rolling_log_likelihood() {
+    let fixture = fixture();
+    let documents = choices_documents();
+    let texts = headroom_trainer::rolling::read_documents(&documents).unwrap();
+    for (name, run) in fixture["rolling"].as_object().unwrap() {
+        let cpu = Cpu::new();
+        let model = load_model(&fixtures().join(run["model"].as_str().unwrap()), &cpu).unwrap();
+        let tok_path = fixtures()
+            .join("choices")
+            .join(run["tokenizer"].as_str().unwrap())
+            .join("tokenizer.json");
+        let tok = Tokenizer::from_name(tok_path.to_str().unwrap()).unwrap();
+        let mut lls = Vec::new();
+        let report = headroom_trainer::rolling::evaluate(&model, &tok, &texts, |_, ll| {
+            lls.push(ll);
+            Ok(())
+        })
+        .unwrap();
+        let want = run["documents"].as_array().unwrap();
+        assert_eq!(lls.len(), want.len());
+        for (i, ((ll, w), text)) in lls.iter().zip(want).zip(&texts).enumerate() {
+            let lm = w["loglikelihood"].as_f64().unwrap();
+            assert!(
+                (ll - lm).abs() < 2e-4 * lm.abs().max(1.0),
+                "{name} document {i}: {ll} vs {lm}"
+            );
+            assert_eq!(
+                headroom_trainer::rolling::count_words(text) as u64,
+                w["words"].as_u64().unwrap(),
+                "{name} document {i}"
+            );
+            assert_eq!(text.len() as u64, w["bytes"].as_u64().unwrap());
+        }
+        for (metric, got) in [
+            ("word_perplexity", report.word_perplexity),
+            ("byte_perplexity", report.byte_perplexity),
+            ("bits_per_byte", report.bits_per_byte),
+        ] {
+            let want = run["metrics"][metric].as_f64().unwrap();
+            assert!(
+                (got - want).abs() < 1e-5 * want,
+                "{name} {metric}: {got} vs {want}"
+            );
+        }
+    }
+
+    let run = &fixture["rolling"]["llama"];
+    let o = common::headroom_command()
+        .args([
+            "eval",
+            "--from",
+            fixtures().join("hf-llama-gqa-untied").to_str().unwrap(),
+            "--tokenizer",
+            fixtures()
+                .join("choices/llama/tokenizer.json")
+                .to_str()
+                .unwrap(),
+            "--documents",
+            documents.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for metric in ["word_perplexity", "byte_perplexity", "bits_per_byte"] {
+        let line = format!(
+            "{metric:<16} {:.4}",
+            run["metrics"][metric].as_f64().unwrap()
+        );
+        assert!(out.contains(&line), "{line:?} in {out}");
+    }
+    assert!(out.contains("6 documents, 73 words, 313 bytes"), "{out}");
+}
+
+fn choices_documents() -> PathBuf {
+    fixtures().join("choices/documents.jsonl")
+}
