@@ -170,12 +170,31 @@ def greedy_questions(directory, count=3):
     raise SystemExit("too few contexts with a greedy continuation that re-encodes as itself")
 
 
-def run_rolling(directory, documents_path, tmp):
-    """lm-eval's perplexity of the documents: each one's log-likelihood and the aggregates."""
+def evaluate_task(directory, task, task_dir):
+    """lm-eval's `simple_evaluate` of the task `task` (a task config, written into task_dir)
+    with `HFLM` on the model in `directory`, zero-shot, every sample logged."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    with open(os.path.join(task_dir, task["task"] + ".yaml"), "w") as f:
+        json.dump(task, f)  # JSON is YAML
+    lm = HFLM(pretrained=directory, backend="causal", dtype="float32", device="cpu", batch_size=1)
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[task["task"]],
+        task_manager=TaskManager(include_path=task_dir),
+        log_samples=True,
+        num_fewshot=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+
+
+def run_rolling(directory, documents_path, tmp):
+    """lm-eval's perplexity of the documents: each one's log-likelihood and the aggregates."""
     task_dir = os.path.join(tmp, "rolling-" + str(abs(hash(directory))))
     os.makedirs(task_dir, exist_ok=True)
     task = {
@@ -188,20 +207,7 @@ def run_rolling(directory, documents_path, tmp):
         "doc_to_target": "text",
         "metric_list": [{"metric": m} for m in ["word_perplexity", "byte_perplexity", "bits_per_byte"]],
     }
-    with open(os.path.join(task_dir, "headroom_rolling.yaml"), "w") as f:
-        json.dump(task, f)
-    lm = HFLM(pretrained=directory, backend="causal", dtype="float32", device="cpu", batch_size=1)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=["headroom_rolling"],
-        task_manager=TaskManager(include_path=task_dir),
-        log_samples=True,
-        num_fewshot=0,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-    )
+    results = evaluate_task(directory, task, task_dir)
     samples = sorted(results["samples"]["headroom_rolling"], key=lambda s: s["doc_id"])
     aggregate = results["results"]["headroom_rolling"]
     return {
@@ -220,10 +226,6 @@ def run_rolling(directory, documents_path, tmp):
 
 
 def run(directory, questions_path, delimiter, tmp):
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
     task_dir = os.path.join(tmp, "tasks-" + str(abs(hash((directory, delimiter, questions_path)))))
     os.makedirs(task_dir, exist_ok=True)
     task = {
@@ -241,20 +243,7 @@ def run(directory, questions_path, delimiter, tmp):
             for m in ["acc", "acc_norm", "acc_bytes", "exact_match"]
         ],
     }
-    with open(os.path.join(task_dir, "headroom_choices.yaml"), "w") as f:
-        json.dump(task, f)  # JSON is YAML
-    lm = HFLM(pretrained=directory, backend="causal", dtype="float32", device="cpu", batch_size=1)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=["headroom_choices"],
-        task_manager=TaskManager(include_path=task_dir),
-        log_samples=True,
-        num_fewshot=0,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-    )
+    results = evaluate_task(directory, task, task_dir)
     samples = sorted(results["samples"]["headroom_choices"], key=lambda s: s["doc_id"])
     aggregate = results["results"]["headroom_choices"]
     metrics = ["acc", "acc_norm", "acc_bytes", "exact_match"]

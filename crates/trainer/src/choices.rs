@@ -165,19 +165,31 @@ impl Question {
 
 /// The questions of a JSONL file, one per non-blank line; an error names the line.
 pub fn read_questions(path: &Path) -> Result<Vec<Question>> {
+    read_jsonl(path, MAX_QUESTIONS_BYTES, "questions", Question::parse)
+}
+
+/// Each non-blank line of the JSONL file at `path` (at most `limit` bytes) through `parse`;
+/// an error names the file and the line, and a file without any is one too (`what` it
+/// lacks).
+pub(crate) fn read_jsonl<T>(
+    path: &Path,
+    limit: u64,
+    what: &str,
+    parse: impl Fn(&str) -> std::result::Result<T, String>,
+) -> Result<Vec<T>> {
     let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
-    let bytes = crate::bounded::read_file(path, MAX_QUESTIONS_BYTES).map_err(bad)?;
+    let bytes = crate::bounded::read_file(path, limit).map_err(bad)?;
     let text = std::str::from_utf8(&bytes).map_err(|e| bad(e.to_string()))?;
-    let questions = text
+    let items = text
         .lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| Question::parse(l).map_err(|why| bad(format!("line {}: {why}", i + 1))))
+        .map(|(i, l)| parse(l).map_err(|why| bad(format!("line {}: {why}", i + 1))))
         .collect::<Result<Vec<_>>>()?;
-    if questions.is_empty() {
-        return Err(bad("no questions".into()));
+    if items.is_empty() {
+        return Err(bad(format!("no {what}")));
     }
-    Ok(questions)
+    Ok(items)
 }
 
 /// A request's tokens: the context's and the continuation's, as lm-eval splits them.

@@ -44,29 +44,16 @@ pub const MAX_DOCUMENTS_BYTES: u64 = 1 << 30;
 /// The texts of a JSONL file of documents, `{"text": …}` one per non-blank line; an error
 /// names the line.
 pub fn read_documents(path: &Path) -> Result<Vec<String>> {
-    let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
-    let bytes = crate::bounded::read_file(path, MAX_DOCUMENTS_BYTES).map_err(bad)?;
-    let text = std::str::from_utf8(&bytes).map_err(|e| bad(e.to_string()))?;
-    let documents = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            let at = |why: &str| bad(format!("line {}: {why}", i + 1));
-            let value: serde_json::Value =
-                serde_json::from_str(l).map_err(|e| at(&format!("not JSON: {e}")))?;
-            match value.get("text") {
-                Some(serde_json::Value::String(s)) if s.is_empty() => Err(at("\"text\" is empty")),
-                Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                Some(_) => Err(at("\"text\" is not text")),
-                None => Err(at("no \"text\"")),
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
-    if documents.is_empty() {
-        return Err(bad("no documents".into()));
-    }
-    Ok(documents)
+    crate::choices::read_jsonl(path, MAX_DOCUMENTS_BYTES, "documents", |line| {
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+        match value.get("text") {
+            Some(serde_json::Value::String(s)) if s.is_empty() => Err("\"text\" is empty".into()),
+            Some(serde_json::Value::String(s)) => Ok(s.clone()),
+            Some(_) => Err("\"text\" is not text".into()),
+            None => Err("no \"text\"".into()),
+        }
+    })
 }
 
 /// Python's `len(re.split(r"\s+", text))`: one more than the runs of whitespace (so a

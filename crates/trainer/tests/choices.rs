@@ -27,6 +27,23 @@ fn fixture() -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// A fixture run's transformers model and the tokenizer the script saved for it.
+fn model_and_tokenizer(run: &serde_json::Value) -> (Model, Tokenizer) {
+    let model = load_model(
+        &fixtures().join(run["model"].as_str().unwrap()),
+        &Cpu::new(),
+    )
+    .unwrap();
+    let tok_path = fixtures()
+        .join("choices")
+        .join(run["tokenizer"].as_str().unwrap())
+        .join("tokenizer.json");
+    (
+        model,
+        Tokenizer::from_name(tok_path.to_str().unwrap()).unwrap(),
+    )
+}
+
 #[test]
 fn every_run_scores_as_lm_eval_scores_it() {
     let fixture = fixture();
@@ -34,13 +51,7 @@ fn every_run_scores_as_lm_eval_scores_it() {
     assert_eq!(runs.len(), 4);
     let (mut questions_checked, mut greedy_seen) = (0, 0);
     for (name, run) in runs {
-        let cpu = Cpu::new();
-        let model = load_model(&fixtures().join(run["model"].as_str().unwrap()), &cpu).unwrap();
-        let tok_path = fixtures()
-            .join("choices")
-            .join(run["tokenizer"].as_str().unwrap())
-            .join("tokenizer.json");
-        let tok = Tokenizer::from_name(tok_path.to_str().unwrap()).unwrap();
+        let (model, tok) = model_and_tokenizer(run);
         let questions = choices::read_questions(
             &fixtures()
                 .join("choices")
@@ -299,13 +310,7 @@ fn documents_score_as_lm_eval_s_rolling_log_likelihood() {
     let documents = choices_documents();
     let texts = headroom_trainer::rolling::read_documents(&documents).unwrap();
     for (name, run) in fixture["rolling"].as_object().unwrap() {
-        let cpu = Cpu::new();
-        let model = load_model(&fixtures().join(run["model"].as_str().unwrap()), &cpu).unwrap();
-        let tok_path = fixtures()
-            .join("choices")
-            .join(run["tokenizer"].as_str().unwrap())
-            .join("tokenizer.json");
-        let tok = Tokenizer::from_name(tok_path.to_str().unwrap()).unwrap();
+        let (model, tok) = model_and_tokenizer(run);
         let mut lls = Vec::new();
         let report = headroom_trainer::rolling::evaluate(&model, &tok, &texts, |_, ll| {
             lls.push(ll);
