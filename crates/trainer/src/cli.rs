@@ -709,6 +709,12 @@ struct TrainArgs {
     /// directory here (refused if it exists), with the base's tokenizer and generation config.
     #[arg(long, value_name = "DIR", requires = "lora_rank")]
     merge_into: Option<PathBuf>,
+    /// A Hugging Face tokenizer (its tokenizer.json, or the directory) whose files every
+    /// checkpoint carries (transformers Trainer's `processing_class`): the one the data was
+    /// built with, for `sample --from` and `AutoTokenizer.from_pretrained(step_dir)`. In place
+    /// of --init-from's tokenizer files; its ids must fit the model's vocabulary.
+    #[arg(long, value_name = "FILE|DIR")]
+    tokenizer: Option<PathBuf>,
     /// Packed examples train as if padded one per row: each token attends only within its
     /// document, positions restart at each document, and a target that starts one is not
     /// counted (TRL's padding-free packing; Megatron's --reset-attention-mask,
@@ -1459,6 +1465,28 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         f.lora.seed = o.seed;
     }
     o.merge_into = args.merge_into;
+    if let Some(path) = args.tokenizer {
+        // Refused now, not at the first save after hours of steps.
+        if path.as_os_str() == "gpt2" {
+            return Err(
+                "--tokenizer gpt2: GPT-2's BPE is built in and has no files for a \
+                        checkpoint to carry; give a Hugging Face tokenizer.json"
+                    .into(),
+            );
+        }
+        let tok = crate::tokenize::Tokenizer::from_name(&path.to_string_lossy())?;
+        if tok.vocab_size() > o.model.vocab {
+            return Err(format!(
+                "--tokenizer {}: {} ids, more than the model's vocabulary of {}",
+                path.display(),
+                tok.vocab_size(),
+                o.model.vocab
+            )
+            .into());
+        }
+        crate::companions::Companions::of_tokenizer(&path)?;
+        o.tokenizer = Some(path);
+    }
     o.documents = document_boundaries(args.document_attention, args.document_separator);
     o.save = args.checkpoint_dir.map(|d| (d, args.checkpoint_every));
     o.keep_checkpoints = usize::try_from(args.keep_checkpoints).unwrap_or(usize::MAX);

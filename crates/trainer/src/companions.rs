@@ -114,6 +114,61 @@ impl Companions {
         Self::from_files(files, dir)
     }
 
+    /// What every checkpoint and export of a run carries: the resumed checkpoint's files
+    /// (`saved`) if it has any, else those of the Hugging Face directory the run started
+    /// from; with `tokenizer`'s tokenizer files ([`Companions::of_tokenizer`]) in place of
+    /// theirs when one is given.
+    pub fn of_run(
+        saved: Option<Companions>,
+        init_from: Option<&Path>,
+        tokenizer: Option<&Path>,
+    ) -> Result<Self> {
+        let carried = match (saved, init_from) {
+            (Some(saved), _) if !saved.is_empty() => saved,
+            (_, Some(dir)) => Self::beside(dir)?,
+            (_, None) => Self::none(),
+        };
+        match tokenizer {
+            Some(t) => Ok(carried.with_tokenizer(Self::of_tokenizer(t)?)),
+            None => Ok(carried),
+        }
+    }
+
+    /// The tokenizer files of the Hugging Face tokenizer at `path` (its `tokenizer.json`, or
+    /// the directory holding it): [`Companions::beside`] of that directory without its
+    /// `generation_config.json`, which is a model's.
+    pub fn of_tokenizer(path: &Path) -> Result<Self> {
+        let dir = if path.is_dir() {
+            path
+        } else if path.file_name() == Some(std::ffi::OsStr::new("tokenizer.json")) {
+            path.parent().unwrap_or(Path::new("."))
+        } else {
+            return Err(input(
+                path,
+                "not a tokenizer.json or a directory holding one: a checkpoint carries the \
+                 tokenizer's files under their own names",
+            ));
+        };
+        if !dir.join("tokenizer.json").is_file() {
+            return Err(input(dir, "no tokenizer.json"));
+        }
+        let mut files = Self::beside(dir)?;
+        files
+            .files
+            .retain(|(name, _)| name != crate::sample::GENERATION_CONFIG);
+        Ok(files)
+    }
+
+    /// These files with `tokenizer`'s in place of every tokenizer file (a generation config
+    /// stays).
+    pub fn with_tokenizer(mut self, tokenizer: Companions) -> Self {
+        self.files
+            .retain(|(name, _)| name == crate::sample::GENERATION_CONFIG);
+        self.files.extend(tokenizer.files);
+        self.files.sort();
+        self
+    }
+
     /// The companion files a checkpoint's manifest lists, each read and checked against it
     /// (size and checksum). Files the manifest does not list are not the checkpoint's.
     pub(crate) fn listed_in(dir: &Path, manifest: &Manifest) -> Result<Self> {
@@ -337,6 +392,48 @@ mod tests {
             let e = Companions::listed_in(d, &manifest(files)).unwrap_err();
             assert!(e.to_string().contains("more than"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_run_s_tokenizer_replaces_the_base_s_and_keeps_its_generation_config() {
+        let base = tempfile::tempdir().unwrap();
+        std::fs::write(base.path().join("tokenizer.json"), b"base").unwrap();
+        std::fs::write(base.path().join("chat_template.jinja"), b"base").unwrap();
+        std::fs::write(base.path().join("generation_config.json"), b"{}").unwrap();
+        let tok = tempfile::tempdir().unwrap();
+        std::fs::write(tok.path().join("tokenizer.json"), b"own").unwrap();
+        std::fs::write(tok.path().join("generation_config.json"), b"{\"top_k\": 5}").unwrap();
+        let names = |c: &Companions| {
+            c.files()
+                .map(|(n, b)| (n.to_owned(), b.to_vec()))
+                .collect::<Vec<_>>()
+        };
+        let file = tok.path().join("tokenizer.json");
+        for given in [tok.path(), file.as_path()] {
+            let c = Companions::of_run(None, Some(base.path()), Some(given)).unwrap();
+            assert_eq!(
+                names(&c),
+                [
+                    ("generation_config.json".to_owned(), b"{}".to_vec()),
+                    ("tokenizer.json".to_owned(), b"own".to_vec())
+                ]
+            );
+        }
+        // A resumed checkpoint's files come first; none at all without a base.
+        let saved = Companions::of_tokenizer(tok.path()).unwrap();
+        let c = Companions::of_run(Some(saved.clone()), Some(base.path()), None).unwrap();
+        assert_eq!(c, saved);
+        assert!(Companions::of_run(None, None, None).unwrap().is_empty());
+        // Not a tokenizer.json, or a directory without one.
+        std::fs::write(tok.path().join("vocab.txt"), b"x").unwrap();
+        for bad in [tok.path().join("vocab.txt"), base.path().join("missing")] {
+            assert!(Companions::of_tokenizer(&bad).is_err(), "{}", bad.display());
+        }
+        let empty = tempfile::tempdir().unwrap();
+        let e = Companions::of_tokenizer(empty.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no tokenizer.json"), "{e}");
     }
 
     #[cfg(unix)]

@@ -248,6 +248,10 @@ pub struct TrainOptions {
     /// After training, merge the adapters into the base and write a Hugging Face directory
     /// here (needs [`Techniques::finetune`]).
     pub merge_into: Option<PathBuf>,
+    /// A Hugging Face tokenizer (its `tokenizer.json`, or the directory) whose files every
+    /// checkpoint and export carries, in place of `init_from`'s tokenizer files: the
+    /// tokenizer a run's data was built with (transformers Trainer's `processing_class`).
+    pub tokenizer: Option<PathBuf>,
     /// Packed documents (`--document-attention`): each token attends only within its
     /// document, positions restart at each document, and a target that starts a document is
     /// not counted — the losses of a batch of padded examples (see
@@ -412,6 +416,7 @@ impl TrainOptions {
             eval: None,
             init_from: None,
             merge_into: None,
+            tokenizer: None,
             memory_outputs: MemoryOutputs::default(),
             documents: None,
         }
@@ -1737,11 +1742,7 @@ fn train_tracked(
     // bad file is refused before the first step.
     let companions = if opts.save.is_some() || opts.merge_into.is_some() {
         let saved = resume.as_ref().map(|ck| ck.companions()).transpose()?;
-        match (saved, &opts.init_from) {
-            (Some(saved), _) if !saved.is_empty() => saved,
-            (_, Some(dir)) => Companions::beside(dir)?,
-            (_, None) => Companions::none(),
-        }
+        Companions::of_run(saved, opts.init_from.as_deref(), opts.tokenizer.as_deref())?
     } else {
         Companions::none()
     };

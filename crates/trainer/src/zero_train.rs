@@ -433,11 +433,11 @@ fn drive<C: Collective + 'static>(
         }
     };
     // Read before the first step, so a bad file is refused then, as `train` refuses it.
-    let companions = match (&resume, &opts.init_from) {
-        _ if opts.save.is_none() || !comms.iter().any(|c| c.rank() == 0) => Companions::none(),
-        (Some(ck), _) if !ck.companions.is_empty() => ck.companions.clone(),
-        (_, Some(dir)) => Companions::beside(dir)?,
-        (_, None) => Companions::none(),
+    let companions = if opts.save.is_some() && comms.iter().any(|c| c.rank() == 0) {
+        let saved = resume.as_ref().map(|ck| ck.companions.clone());
+        Companions::of_run(saved, opts.init_from.as_deref(), opts.tokenizer.as_deref())?
+    } else {
+        Companions::none()
     };
     let shared = Shared {
         opts,

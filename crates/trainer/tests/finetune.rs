@@ -956,6 +956,100 @@ fn checkpoints_and_exports_carry_the_base_s_tokenizer_and_generation_config() {
     ]);
     holds_them(&dir.path().join("merged-again"));
 
+    // --tokenizer: another tokenizer's files in place of the base's; the base's generation
+    // config stays.
+    let other = dir.path().join("other-tokenizer");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::copy(&story_tokenizer, other.join("tokenizer.json")).unwrap();
+    std::fs::write(
+        other.join("tokenizer_config.json"),
+        r#"{"eos_token": "<unk>"}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        other.join("generation_config.json"),
+        r#"{"do_sample": true}"#,
+    )
+    .unwrap();
+    train(&[
+        "--init-from",
+        &base_arg,
+        "--tokenizer",
+        other.to_str().unwrap(),
+        "--checkpoint-dir",
+        &p("own-tokenizer"),
+    ]);
+    let step = dir.path().join("own-tokenizer/step-00000004");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        assert_eq!(
+            std::fs::read(step.join(f)).unwrap(),
+            std::fs::read(other.join(f)).unwrap()
+        );
+    }
+    assert_eq!(
+        std::fs::read(step.join("generation_config.json")).unwrap(),
+        std::fs::read(base.join("generation_config.json")).unwrap()
+    );
+    assert!(!step.join("chat_template.jinja").exists());
+    assert!(!step.join("additional_chat_templates").exists());
+    // From scratch, as a pretraining run: the checkpoint's tokenizer is what sample decodes
+    // with, so the prompt comes back as text.
+    train(&[
+        "--vocab",
+        "97",
+        "--tokenizer",
+        story_tokenizer.to_str().unwrap(),
+        "--checkpoint-dir",
+        &p("scratch"),
+    ]);
+    let step = dir.path().join("scratch/step-00000004");
+    assert_eq!(
+        std::fs::read(step.join("tokenizer.json")).unwrap(),
+        std::fs::read(&story_tokenizer).unwrap()
+    );
+    assert!(!step.join("generation_config.json").exists());
+    let o = headroom(&[
+        "sample",
+        "--from",
+        &p("scratch"),
+        "--prompt",
+        "the small",
+        "--tokens",
+        "3",
+    ]);
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("the small"));
+    // A tokenizer whose ids the model cannot embed, or a file that is not one, is refused
+    // before training.
+    for (extra, why) in [
+        (
+            vec!["--vocab", "50"],
+            "more than the model's vocabulary of 50",
+        ),
+        (vec!["--vocab", "97", "--tokenizer", "gpt2"], "built in"),
+    ] {
+        let mut args = vec![
+            "train",
+            "--data",
+            &train_bin,
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--checkpoint-dir",
+            &run,
+        ];
+        if extra.len() == 2 {
+            args.extend(["--tokenizer", story_tokenizer.to_str().unwrap()]);
+        }
+        args.extend(extra.iter().copied());
+        let o = common::headroom_command().args(&args).output().unwrap();
+        assert!(!o.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+
     // ZeRO: rank 0 writes them beside the shards; a consolidation keeps them.
     train(&[
         "--init-from",
