@@ -193,20 +193,30 @@ def evaluate_task(directory, task, task_dir):
     )
 
 
+def json_task(name, path, output_type, **fields):
+    """A task over the JSONL file at `path` (its one split, `test`)."""
+    return {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": os.path.abspath(path)}},
+        "test_split": "test",
+        "output_type": output_type,
+        **fields,
+    }
+
+
 def run_rolling(directory, documents_path, tmp):
     """lm-eval's perplexity of the documents: each one's log-likelihood and the aggregates."""
     task_dir = os.path.join(tmp, "rolling-" + str(abs(hash(directory))))
     os.makedirs(task_dir, exist_ok=True)
-    task = {
-        "task": "headroom_rolling",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": os.path.abspath(documents_path)}},
-        "test_split": "test",
-        "output_type": "loglikelihood_rolling",
-        "doc_to_text": "",
-        "doc_to_target": "text",
-        "metric_list": [{"metric": m} for m in ["word_perplexity", "byte_perplexity", "bits_per_byte"]],
-    }
+    task = json_task(
+        "headroom_rolling",
+        documents_path,
+        "loglikelihood_rolling",
+        doc_to_text="",
+        doc_to_target="text",
+        metric_list=[{"metric": m} for m in ["word_perplexity", "byte_perplexity", "bits_per_byte"]],
+    )
     results = evaluate_task(directory, task, task_dir)
     samples = sorted(results["samples"]["headroom_rolling"], key=lambda s: s["doc_id"])
     aggregate = results["results"]["headroom_rolling"]
@@ -228,29 +238,24 @@ def run_rolling(directory, documents_path, tmp):
 def run(directory, questions_path, delimiter, tmp):
     task_dir = os.path.join(tmp, "tasks-" + str(abs(hash((directory, delimiter, questions_path)))))
     os.makedirs(task_dir, exist_ok=True)
-    task = {
-        "task": "headroom_choices",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": os.path.abspath(questions_path)}},
-        "test_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": "context",
-        "doc_to_choice": "choices",
-        "doc_to_target": "gold",
-        "target_delimiter": delimiter,
-        "metric_list": [
-            {"metric": m, "aggregation": "mean", "higher_is_better": True}
-            for m in ["acc", "acc_norm", "acc_bytes", "exact_match"]
-        ],
-    }
+    metrics = ["acc", "acc_norm", "acc_bytes", "exact_match"]
+    task = json_task(
+        "headroom_choices",
+        questions_path,
+        "multiple_choice",
+        doc_to_text="context",
+        doc_to_choice="choices",
+        doc_to_target="gold",
+        target_delimiter=delimiter,
+        metric_list=[{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in metrics],
+    )
     results = evaluate_task(directory, task, task_dir)
     samples = sorted(results["samples"]["headroom_choices"], key=lambda s: s["doc_id"])
     aggregate = results["results"]["headroom_choices"]
-    metrics = ["acc", "acc_norm", "acc_bytes", "exact_match"]
     return {
         "scored": [
             {
-                "requests": [list(a) for a in s["arguments"]] if isinstance(s["arguments"], list) else None,
+                "requests": [list(a) for a in s["arguments"]],
                 "loglikelihoods": [r[0][0] for r in s["resps"]],
                 "is_greedy": [r[0][1] for r in s["resps"]],
                 **{m: s[m] for m in metrics},

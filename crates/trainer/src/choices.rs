@@ -671,15 +671,9 @@ mod tests {
             bf16 in proptest::prelude::any::<bool>(),
             seed in proptest::prelude::any::<u64>(),
         ) {
-            use crate::model::{Family, LlamaShape, ModelConfig, ModelOptions, Precision};
-            let family = if llama {
-                Family::Llama(LlamaShape { kv_heads: 2, ffn: 40, rope_theta: 10_000.0,
-                    norm_eps: 1e-5, tied_head: false })
-            } else {
-                Family::Gpt2
-            };
-            let cfg = ModelConfig { vocab: 37, max_seq: 20, layers: 2, heads: 4, channels: 32,
-                family };
+            use crate::model::{ModelConfig, ModelOptions, Precision};
+            let shape = if llama { ModelConfig::llama_tiny(37) } else { ModelConfig::tiny(37) };
+            let cfg = ModelConfig { max_seq: 20, ..shape };
             let opts = ModelOptions {
                 precision: if bf16 { Precision::Bf16 } else { Precision::Fp32 },
                 ..ModelOptions::default()

@@ -11,9 +11,7 @@ use std::path::PathBuf;
 
 use headroom_tensor::Cpu;
 use headroom_trainer::choices::{self, Outcome, Question};
-use headroom_trainer::model::{
-    Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
-};
+use headroom_trainer::model::{Geometry, Model, ModelConfig, ModelOptions, Precision};
 use headroom_trainer::sample::load_model;
 use headroom_trainer::tokenize::Tokenizer;
 use proptest::prelude::*;
@@ -197,24 +195,16 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
     assert!(o.stdout.is_empty());
 }
 
+/// The crate's tiny GPT-2 or Llama, vocabulary 53, context 24.
 fn tiny(llama: bool) -> ModelConfig {
+    let shape = if llama {
+        ModelConfig::llama_tiny(53)
+    } else {
+        ModelConfig::tiny(53)
+    };
     ModelConfig {
-        vocab: 53,
         max_seq: 24,
-        layers: 2,
-        heads: 4,
-        channels: 32,
-        family: if llama {
-            Family::Llama(LlamaShape {
-                kv_heads: 2,
-                ffn: 40,
-                rope_theta: 10_000.0,
-                norm_eps: 1e-5,
-                tied_head: false,
-            })
-        } else {
-            Family::Gpt2
-        },
+        ..shape
     }
 }
 
