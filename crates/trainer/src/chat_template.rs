@@ -310,6 +310,11 @@ fn special_tokens_of(
         .collect()
 }
 
+/// The special tokens of a `tokenizer_config.json`'s text (read from `path`).
+pub(crate) fn special_tokens_in(text: &str, path: &Path) -> Result<BTreeMap<String, String>> {
+    Ok(special_tokens_of(&parse_config(text, path)?))
+}
+
 /// The special tokens (`eos_token`, `bos_token`, …) of the `tokenizer_config.json` beside a
 /// `tokenizer.json`, as transformers' tokenizer takes them; empty without that file.
 pub fn special_tokens_beside(tokenizer_json: &Path) -> Result<BTreeMap<String, String>> {

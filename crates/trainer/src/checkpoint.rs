@@ -607,11 +607,14 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// transformers' config for this shape: with it beside `model.safetensors`,
 /// `AutoModelForCausalLM.from_pretrained(dir)` loads the checkpoint — a `GPT2LMHeadModel` (no
 /// dropout, tanh GELU, layer norm ε 1e-5, head tied to `wte`) or a `LlamaForCausalLM` (SiLU,
-/// no biases, the run's RMSNorm ε, rotary base, key/value heads and head tying).
-pub(crate) fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
-    // For vocabularies other than GPT-2's, the last id stands in for <|endoftext|>.
-    let eos = c.vocab.saturating_sub(1);
-    let v = match c.family {
+/// no biases, the run's RMSNorm ε, rotary base, key/value heads and head tying), with the
+/// token ids the run carries from its base ([`Companions::token_ids`]).
+pub(crate) fn hf_config(
+    c: &ModelConfig,
+    token_ids: Option<&serde_json::Map<String, serde_json::Value>>,
+    dir: &Path,
+) -> Result<Vec<u8>> {
+    let mut v = match c.family {
         Family::Gpt2 => serde_json::json!({
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
@@ -628,8 +631,6 @@ pub(crate) fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
             "torch_dtype": "float32",
-            "bos_token_id": eos,
-            "eos_token_id": eos,
         }),
         Family::Llama(s) => serde_json::json!({
             "architectures": ["LlamaForCausalLM"],
@@ -650,10 +651,20 @@ pub(crate) fn hf_config(c: &ModelConfig, dir: &Path) -> Result<Vec<u8>> {
             "mlp_bias": false,
             "attention_dropout": 0.0,
             "torch_dtype": "float32",
-            "bos_token_id": eos,
-            "eos_token_id": eos,
         }),
     };
+    if let Some(object) = v.as_object_mut() {
+        match token_ids {
+            Some(ids) => object.extend(ids.iter().map(|(k, v)| (k.clone(), v.clone()))),
+            None => {
+                // No base and no tokenizer: the last id stands in for the end of text (GPT-2's
+                // <|endoftext|> is its last id).
+                let eos = c.vocab.saturating_sub(1);
+                object.insert("bos_token_id".into(), eos.into());
+                object.insert("eos_token_id".into(), eos.into());
+            }
+        }
+    }
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
 }
 
@@ -960,7 +971,10 @@ pub fn save_hf_with(
     fs::create_dir(&partial).map_err(io(&partial))?;
     removing_on_error(&partial, || {
         model_files(config, params, max_shard_bytes, out, &partial)?;
-        write_synced(&partial.join(FILES[1]), &hf_config(config, out)?)?;
+        write_synced(
+            &partial.join(FILES[1]),
+            &hf_config(config, companions.token_ids(), out)?,
+        )?;
         companions.write_into(&partial)?;
         sync_dir(&partial)?;
         fs::rename(&partial, out).map_err(io(out))
@@ -1306,7 +1320,7 @@ fn write_step(
         model(&partial, &mut files)?;
         files.push(write_synced(
             &partial.join(FILES[1]),
-            &hf_config(&state.config, root)?,
+            &hf_config(&state.config, companions.token_ids(), root)?,
         )?);
         let mut optimizer = StreamedFile::create(&partial.join(FILES[2]), WRITE_CHUNK_BYTES)?;
         moments(&mut |bytes| optimizer.put(bytes))?;

@@ -715,6 +715,17 @@ struct TrainArgs {
     /// of --init-from's tokenizer files; its ids must fit the model's vocabulary.
     #[arg(long, value_name = "FILE|DIR")]
     tokenizer: Option<PathBuf>,
+    /// The token `data build --eos-token` ended the examples with (TRL's `eos_token`): the
+    /// checkpoints' tokenizer takes it as its `eos_token`, config.json's `eos_token_id`
+    /// becomes its id, and the generation config stops at it too, so sampling ends where the
+    /// model learnt to end.
+    #[arg(long, value_name = "TOKEN")]
+    eos_token: Option<String>,
+    /// The Jinja chat template `data build --chat-template` rendered the conversations with
+    /// (TRL's `chat_template_path`): it becomes the checkpoints' tokenizer's chat template, in
+    /// place of the base's.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// Packed examples train as if padded one per row: each token attends only within its
     /// document, positions restart at each document, and a target that starts one is not
     /// counted (TRL's padding-free packing; Megatron's --reset-attention-mask,
@@ -1465,6 +1476,8 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         f.lora.seed = o.seed;
     }
     o.merge_into = args.merge_into;
+    o.eos_token = args.eos_token;
+    o.chat_template = args.chat_template;
     if let Some(path) = args.tokenizer {
         // Refused now, not at the first save after hours of steps.
         if path.as_os_str() == "gpt2" {

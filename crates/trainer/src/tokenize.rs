@@ -122,7 +122,12 @@ impl std::fmt::Debug for Tokenizer {
 /// with dropout (a training-time augmentation: random ids) is refused.
 fn load_hugging_face(path: PathBuf) -> Result<HfTokenizer> {
     let bytes = crate::bounded::read_file(&path, MAX_TOKENIZER_BYTES).map_err(|r| err(&path, r))?;
-    let mut tok = guarded(&path, || tokenizers::Tokenizer::from_bytes(&bytes))?;
+    hugging_face_of(&bytes, path)
+}
+
+/// [`load_hugging_face`] of a `tokenizer.json`'s bytes, read from `path`.
+fn hugging_face_of(bytes: &[u8], path: PathBuf) -> Result<HfTokenizer> {
+    let mut tok = guarded(&path, || tokenizers::Tokenizer::from_bytes(bytes))?;
     tok.with_truncation(None)
         .map_err(|e| err(&path, e.to_string()))?
         .with_padding(None);
@@ -164,6 +169,19 @@ impl Tokenizer {
             path = path.join("tokenizer.json");
         }
         Ok(Tokenizer::HuggingFace(Box::new(load_hugging_face(path)?)))
+    }
+
+    /// The Hugging Face tokenizer of a `tokenizer.json`'s bytes, held in memory (a run's
+    /// carried files, [`crate::companions::Companions`]); `path` names them in errors, and
+    /// nothing is read beside it.
+    pub fn from_json_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
+        if bytes.len() as u64 > MAX_TOKENIZER_BYTES {
+            return Err(err(path, format!("more than {MAX_TOKENIZER_BYTES} bytes")));
+        }
+        Ok(Tokenizer::HuggingFace(Box::new(hugging_face_of(
+            bytes,
+            path.to_path_buf(),
+        )?)))
     }
 
     /// The tokenizer a checkpoint directory carries (`tokenizer.json`), if any.

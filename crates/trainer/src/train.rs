@@ -252,6 +252,14 @@ pub struct TrainOptions {
     /// checkpoint and export carries, in place of `init_from`'s tokenizer files: the
     /// tokenizer a run's data was built with (transformers Trainer's `processing_class`).
     pub tokenizer: Option<PathBuf>,
+    /// TRL's `eos_token` (`train --eos-token`): the token `data build --eos-token` ended the
+    /// examples with becomes the carried tokenizer's `eos_token` and the model's eos id
+    /// ([`Companions::with_eos_token`]).
+    pub eos_token: Option<String>,
+    /// TRL's `chat_template_path` (`train --chat-template`): the Jinja template the data's
+    /// conversations were rendered with becomes the carried tokenizer's chat template
+    /// ([`Companions::with_chat_template`]).
+    pub chat_template: Option<PathBuf>,
     /// Packed documents (`--document-attention`): each token attends only within its
     /// document, positions restart at each document, and a target that starts a document is
     /// not counted — the losses of a batch of padded examples (see
@@ -370,6 +378,16 @@ fn write_report(
 }
 
 impl TrainOptions {
+    /// What the run does to the tokenizer its checkpoints carry: `tokenizer`, `eos_token`
+    /// and `chat_template` together.
+    pub fn tokenizer_settings(&self) -> crate::companions::TokenizerSettings<'_> {
+        crate::companions::TokenizerSettings {
+            tokenizer: self.tokenizer.as_deref(),
+            eos_token: self.eos_token.as_deref(),
+            chat_template: self.chat_template.as_deref(),
+        }
+    }
+
     /// The default run: `tiny` on the synthetic source, well under a minute on 2 cores.
     pub fn tiny_default() -> Self {
         let data = SyntheticData {
@@ -417,6 +435,8 @@ impl TrainOptions {
             init_from: None,
             merge_into: None,
             tokenizer: None,
+            eos_token: None,
+            chat_template: None,
             memory_outputs: MemoryOutputs::default(),
             documents: None,
         }
@@ -1740,12 +1760,14 @@ fn train_tracked(
     // The tokenizer and generation config every checkpoint and export of the run carries, as
     // a Hugging Face Trainer's do: the resumed checkpoint's, else the base's. Read now, so a
     // bad file is refused before the first step.
-    let companions = if opts.save.is_some() || opts.merge_into.is_some() {
-        let saved = resume.as_ref().map(|ck| ck.companions()).transpose()?;
-        Companions::of_run(saved, opts.init_from.as_deref(), opts.tokenizer.as_deref())?
-    } else {
-        Companions::none()
-    };
+    let settings = opts.tokenizer_settings();
+    let companions =
+        if opts.save.is_some() || opts.merge_into.is_some() || settings.changes_anything() {
+            let saved = resume.as_ref().map(|ck| ck.companions()).transpose()?;
+            Companions::of_run(saved, opts.init_from.as_deref(), &settings)?
+        } else {
+            Companions::none()
+        };
     // Batch buffers are host memory: the device's ledger when the device is the CPU.
     let data_hook = match opts.device {
         ComputeDevice::Cpu => cpu.alloc_hook().cloned(),

@@ -394,6 +394,12 @@ pub(crate) fn publish(
         }
         let json = serde_json::to_vec_pretty(state).map_err(|e| err(root, e.to_string()))?;
         files.push(write_synced(&partial.join(ZERO_STATE), &json)?);
+        // transformers' config.json (the weights are in the rank files): where the token ids
+        // the run carries are kept for a resume and for consolidation.
+        files.push(write_synced(
+            &partial.join("config.json"),
+            &checkpoint::hf_config(&state.config, companions.token_ids(), root)?,
+        )?);
         files.extend(companions.write_into(partial)?);
         let manifest = Manifest {
             format_version: FORMAT_VERSION,

@@ -435,7 +435,7 @@ fn drive<C: Collective + 'static>(
     // Read before the first step, so a bad file is refused then, as `train` refuses it.
     let companions = if opts.save.is_some() && comms.iter().any(|c| c.rank() == 0) {
         let saved = resume.as_ref().map(|ck| ck.companions.clone());
-        Companions::of_run(saved, opts.init_from.as_deref(), opts.tokenizer.as_deref())?
+        Companions::of_run(saved, opts.init_from.as_deref(), &opts.tokenizer_settings())?
     } else {
         Companions::none()
     };

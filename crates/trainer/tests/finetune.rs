@@ -61,6 +61,10 @@ fn story(path: &Path, sentences: usize, seed: u64) {
 
 /// `train.bin` (3000 sentences) and `val.bin` (300 others) in `dir`, tokenised with
 /// `tokenizer` by `headroom data build`.
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
 fn story_token_files(dir: &Path, tokenizer: &str) {
     story(&dir.join("train.txt"), 3000, 1);
     story(&dir.join("val.txt"), 300, 2);
@@ -810,10 +814,23 @@ fn checkpoints_and_exports_carry_the_base_s_tokenizer_and_generation_config() {
             );
         }
         assert!(!d.join("special_tokens_map.json").exists());
+        // config.json names the base's tokens, not a stand-in (the fixture's bos 1, eos 2).
+        if d.join("config.json").exists() {
+            let config = json(&d.join("config.json"));
+            assert_eq!(
+                (
+                    &config["bos_token_id"],
+                    &config["eos_token_id"],
+                    &config["pad_token_id"]
+                ),
+                (&1.into(), &2.into(), &serde_json::Value::Null),
+                "{}",
+                d.display()
+            );
+        }
     };
     let listed = |step: &Path| {
-        let m: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(step.join("manifest.json")).unwrap()).unwrap();
+        let m = json(&step.join("manifest.json"));
         let names: Vec<&str> = m["files"]
             .as_array()
             .unwrap()
@@ -1008,6 +1025,11 @@ fn checkpoints_and_exports_carry_the_base_s_tokenizer_and_generation_config() {
         std::fs::read(&story_tokenizer).unwrap()
     );
     assert!(!step.join("generation_config.json").exists());
+    // Its config.json ids are the tokenizer's: the story tokenizer names no special tokens,
+    // so its end of text `</s>` (id 1) is eos, and there is no bos.
+    let config = json(&step.join("config.json"));
+    assert_eq!(config["eos_token_id"], 1);
+    assert!(config.get("bos_token_id").is_none(), "{config}");
     let o = headroom(&[
         "sample",
         "--from",
@@ -1066,4 +1088,219 @@ fn checkpoints_and_exports_carry_the_base_s_tokenizer_and_generation_config() {
     headroom(&["checkpoint", "consolidate", &p("zero"), &p("consolidated")]);
     holds_them(&dir.path().join("consolidated/step-00000004"));
     headroom(&["checkpoint", "verify", &p("consolidated")]);
+}
+
+/// `train --eos-token` and `--chat-template` leave in every checkpoint what TRL's
+/// `SFTTrainer.save_model` writes with `SFTConfig(eos_token=…, chat_template_path=…)`
+/// (`benches/torch/make_trl_saved_tokenizer_fixture.py`): the tokenizer's `eos_token`, the
+/// model's eos id in `config.json`, the generation config's eos ids with the new one in front,
+/// and the training template as the only chat template. A resume with the same options changes
+/// nothing; one without them carries them on. TRL also makes the eos token the pad token
+/// (its collator needs one); headroom keeps the base's pad token, which the test checks too.
+#[test]
+fn eos_token_and_chat_template_change_the_carried_tokenizer_as_trl_saves_it() {
+    use headroom_trainer::chat_template::{ChatRequest, ChatTemplate, ChatValue};
+    let fixture_json = json(&fixture("sft/trl_saved_tokenizer.json"));
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let story_tokenizer = fixture("tokenizer/story/tokenizer.json");
+    story_token_files(dir.path(), story_tokenizer.to_str().unwrap());
+    let train_bin = p("train.bin");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--data",
+            &train_bin,
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--no-progress",
+        ];
+        args.extend_from_slice(extra);
+        headroom(&args)
+    };
+    // What a template renders for a conversation, as the text of its default template.
+    let messages: Vec<ChatValue> = serde_json::from_str(
+        r#"[{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat."}]"#,
+    )
+    .unwrap();
+    let render = |t: &ChatTemplate| {
+        t.render_request(&ChatRequest {
+            messages: &messages,
+            add_generation_prompt: false,
+            ..Default::default()
+        })
+        .unwrap()
+        .text
+    };
+    let mut cases = 0;
+    for (name, case) in fixture_json["cases"].as_object().unwrap() {
+        let base = dir.path().join(format!("base-{name}"));
+        std::fs::create_dir_all(base.join("additional_chat_templates")).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture("hf-llama-gqa-untied").join(f), base.join(f)).unwrap();
+        }
+        std::fs::copy(&story_tokenizer, base.join("tokenizer.json")).unwrap();
+        for (file, text) in case["base_files"].as_object().unwrap() {
+            match text.as_str() {
+                Some(text) => std::fs::write(base.join(file), text).unwrap(),
+                None => {
+                    std::fs::copy(fixture("hf-llama-gqa-untied").join(file), base.join(file))
+                        .unwrap();
+                }
+            }
+        }
+        let settings = &case["settings"];
+        let eos = settings["eos_token"].as_str().unwrap();
+        let template = settings["chat_template_path"]
+            .as_str()
+            .map(|t| fixture("sft").join(t).to_str().unwrap().to_owned());
+        let run = p(&format!("run-{name}"));
+        let mut args = vec![
+            "--init-from",
+            base.to_str().unwrap(),
+            "--eos-token",
+            eos,
+            "--checkpoint-dir",
+            &run,
+            "--checkpoint-every",
+            "1",
+            "--stop-after",
+            "1",
+        ];
+        if let Some(t) = &template {
+            args.extend(["--chat-template", t]);
+        }
+        train(&args);
+        let step1 = Path::new(&run).join("step-00000001");
+        let saved = &case["saved"];
+
+        // The carried files: TRL's, apart from where transformers 5 moves an inline template
+        // into chat_template.jinja on saving (headroom carries the base's files as they are).
+        let mut files: Vec<String> = std::fs::read_dir(&step1)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| headroom_trainer::companions::is_companion(n))
+            .collect();
+        if step1.join("additional_chat_templates").exists() {
+            files.push("additional_chat_templates".into());
+        }
+        files.sort();
+        let mut trl_files: Vec<String> = saved["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f.as_str().unwrap().to_owned())
+            .collect();
+        let inline = case["base_files"]["tokenizer_config.json"]
+            .as_str()
+            .unwrap()
+            .contains("chat_template");
+        if inline && template.is_none() {
+            trl_files.retain(|f| f != "chat_template.jinja");
+        }
+        assert_eq!(files, trl_files, "{name}");
+
+        let config = json(&step1.join("config.json"));
+        let generation = json(&step1.join("generation_config.json"));
+        let tokenizer_config = json(&step1.join("tokenizer_config.json"));
+        for key in ["bos_token_id", "eos_token_id"] {
+            assert_eq!(config[key], saved["config"][key], "{name}: config {key}");
+            assert_eq!(
+                generation[key], saved["generation_config"][key],
+                "{name}: generation {key}"
+            );
+        }
+        // TRL's pad token is its eos; headroom keeps the base's (none).
+        assert_eq!(
+            saved["config"]["pad_token_id"],
+            saved["config"]["eos_token_id"]
+        );
+        assert_eq!(config["pad_token_id"], serde_json::Value::Null, "{name}");
+        for key in ["eos_token", "unk_token"] {
+            assert_eq!(
+                tokenizer_config[key], saved["tokenizer_config"][key],
+                "{name}: {key}"
+            );
+        }
+        // The chat template renders as TRL's saved one does.
+        let tokenizer_json = step1.join("tokenizer.json");
+        let ours = ChatTemplate::beside(&tokenizer_json).unwrap();
+        match saved["chat_template_jinja"].as_str() {
+            None => assert!(ours.is_none(), "{name}"),
+            Some(text) => {
+                let ours = ours.unwrap();
+                let theirs_file = dir.path().join(format!("trl-{name}.jinja"));
+                std::fs::write(&theirs_file, text).unwrap();
+                let theirs = ChatTemplate::from_file(&theirs_file, Some(&tokenizer_json)).unwrap();
+                assert_eq!(render(&ours), render(&theirs), "{name}");
+                if template.is_some() {
+                    assert!(render(&ours).ends_with(&format!("sat.{eos}")), "{name}");
+                }
+            }
+        }
+
+        // Resumed with the same options: the same files (the eos id is not added twice).
+        train(&[
+            "--init-from",
+            base.to_str().unwrap(),
+            "--eos-token",
+            eos,
+            "--resume",
+            &run,
+            "--checkpoint-dir",
+            &run,
+            "--checkpoint-every",
+            "1",
+        ]);
+        let step2 = Path::new(&run).join("step-00000002");
+        for f in files.iter().filter(|f| !f.starts_with("additional")) {
+            assert_eq!(
+                std::fs::read(step1.join(f)).unwrap(),
+                std::fs::read(step2.join(f)).unwrap(),
+                "{name}: {f}"
+            );
+        }
+        assert_eq!(json(&step2.join("config.json")), config, "{name}");
+        // The checkpoint samples with them: its generation config stops at the new eos.
+        let o = headroom(&["sample", "--from", &run, "--prompt", "the", "--tokens", "2"]);
+        assert!(o.status.success());
+        cases += 1;
+    }
+    assert_eq!(cases, 3);
+
+    // Refused before any step: a token the vocabulary lacks, and a run with no tokenizer.
+    let base = p("base-added_eos");
+    for (extra, why) in [
+        (
+            vec!["--init-from", base.as_str(), "--eos-token", "<|im_end|>"],
+            "not in the tokenizer's vocabulary",
+        ),
+        (vec!["--vocab", "97", "--eos-token", "</s>"], "carries none"),
+        (
+            vec![
+                "--init-from",
+                base.as_str(),
+                "--chat-template",
+                "/nonexistent.jinja",
+            ],
+            "nonexistent.jinja",
+        ),
+    ] {
+        let mut args = vec![
+            "train", "--data", &train_bin, "--steps", "1", "--batch", "2", "--seq", "8",
+        ];
+        args.extend(extra.iter().copied());
+        let o = common::headroom_command().args(&args).output().unwrap();
+        assert!(!o.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(why), "{args:?}: {err}");
+        assert!(
+            !String::from_utf8_lossy(&o.stdout).contains("step "),
+            "{args:?}"
+        );
+    }
 }
