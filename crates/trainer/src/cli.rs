@@ -2860,7 +2860,9 @@ struct Chat<'a> {
 /// printed as it comes (its end-of-turn token left out), and it joins the conversation as the
 /// assistant's message (decoded without that token, as transformers' chat keeps it). An empty
 /// line or the end of the input ends the chat. Each turn draws with its own seed (the seed
-/// plus the turn's number). Returns the number of turns.
+/// plus the turn's number). The keys and values of the conversation so far are kept between
+/// turns ([`crate::sample::PromptCache`]), so a turn runs only the prompt positions that are
+/// new. Returns what the turns ran.
 fn chat_turns(
     model: &crate::model::Model,
     tok: &crate::tokenize::Tokenizer,
@@ -2869,10 +2871,11 @@ fn chat_turns(
     first: Option<String>,
     mut input: impl std::io::BufRead,
     opts: &crate::sample::SampleOptions,
-) -> CliResult<usize> {
+) -> CliResult<ChatSummary> {
     let mut out = std::io::stdout();
     let mut pending = first;
-    let mut turns = 0;
+    let mut summary = ChatSummary::default();
+    let mut kept = crate::sample::PromptCache::new();
     loop {
         let message = match pending.take() {
             Some(m) => m,
@@ -2906,25 +2909,38 @@ fn chat_turns(
             return Err("the conversation encodes to no tokens".into());
         }
         let this_turn = crate::sample::SampleOptions {
-            seed: opts.seed.wrapping_add(turns as u64),
+            seed: opts.seed.wrapping_add(summary.turns as u64),
             ..opts.clone()
         };
         let mut answer: Vec<u32> = Vec::new();
         let mut printed = 0usize;
-        crate::sample::generate(model, &prompt, &this_turn, |id| {
-            if this_turn.stop_tokens.contains(&id) {
-                return Ok(());
-            }
-            answer.push(id);
-            print_decoded(&mut out, tok, &answer, &mut printed, false)?;
-            Ok(())
-        })?;
+        let (_, reused) =
+            crate::sample::generate_cached(model, &mut kept, &prompt, &this_turn, |id| {
+                if this_turn.stop_tokens.contains(&id) {
+                    return Ok(std::ops::ControlFlow::Continue(()));
+                }
+                answer.push(id);
+                print_decoded(&mut out, tok, &answer, &mut printed, false)?;
+                Ok(std::ops::ControlFlow::Continue(()))
+            })?;
         let text = print_decoded(&mut out, tok, &answer, &mut printed, true)?;
         let _ = writeln!(out);
         messages.push(chat_message("assistant", &text));
-        turns += 1;
+        summary.turns += 1;
+        summary.prompt_tokens += prompt.len();
+        summary.reused += reused;
     }
-    Ok(turns)
+    Ok(summary)
+}
+
+/// What `sample --interactive` ran.
+#[derive(Default)]
+struct ChatSummary {
+    turns: usize,
+    /// The turns' prompts (each the whole conversation so far), in tokens.
+    prompt_tokens: usize,
+    /// Of those, the positions whose keys and values an earlier turn had computed.
+    reused: usize,
 }
 
 /// A conversation for `sample --conversation`.
@@ -3093,8 +3109,14 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
                 extra: &conversation.extra,
             };
             let input = std::io::stdin().lock();
-            let turns = chat_turns(&model, t, &chat, messages, a.chat.clone(), input, &opts)?;
-            esay!("{turns} turns; {}", weights.summary(&tracker));
+            let s = chat_turns(&model, t, &chat, messages, a.chat.clone(), input, &opts)?;
+            esay!(
+                "{} turns; {} of {} prompt tokens reused from earlier turns; {}",
+                s.turns,
+                s.reused,
+                s.prompt_tokens,
+                weights.summary(&tracker)
+            );
             return Ok(());
         }
         if let Some(message) = &a.chat {

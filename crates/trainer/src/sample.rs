@@ -695,8 +695,63 @@ pub fn generate_until<B: ModelOps>(
     model: &Model<B>,
     prompt: &[u32],
     opts: &SampleOptions,
-    mut on_token: impl FnMut(u32) -> Result<std::ops::ControlFlow<()>>,
+    on_token: impl FnMut(u32) -> Result<std::ops::ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
+    let mut fresh = PromptCache::new();
+    Ok(generate_cached(model, &mut fresh, prompt, opts, on_token)?.0)
+}
+
+/// The keys and values of the tokens one call of [`generate_cached`] ran, kept for the next:
+/// a conversation's turns share everything up to the latest message, so each turn runs only
+/// what is new (llama.cpp's prompt cache; transformers' chat passes `past_key_values` on).
+/// Holds `2 · layers · kv_heads · head_dim` elements per token, in the storage precision.
+pub struct PromptCache<T> {
+    cache: Option<crate::model::KvCache<T>>,
+    /// The tokens at the cache's positions `0..`, in order.
+    tokens: Vec<u32>,
+}
+
+impl<T> Default for PromptCache<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T> PromptCache<T> {
+    /// An empty one.
+    pub fn new() -> Self {
+        PromptCache {
+            cache: None,
+            tokens: Vec::new(),
+        }
+    }
+
+    /// Positions it holds.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+}
+
+/// [`generate_until`] after the keys and values `kept` holds from an earlier call: the prompt's
+/// positions that repeat `kept`'s tokens are not run again (the cache is cut back to the
+/// longest shared prefix, at least one prompt token left to run for its logits), and `kept`
+/// holds this call's tokens afterwards. Returns the new tokens and how many prompt positions
+/// were reused. The logits after reuse equal a fresh run's to float rounding, not bitwise: a
+/// position's keys and values come from the step that first ran it (a turn's answer one token
+/// at a time, where a fresh run would run it with the prompt), as in any cached chat. A failed
+/// call leaves `kept` empty.
+pub fn generate_cached<B: ModelOps>(
+    model: &Model<B>,
+    kept: &mut PromptCache<B::Tensor>,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    mut on_token: impl FnMut(u32) -> Result<std::ops::ControlFlow<()>>,
+) -> Result<(Vec<u32>, usize)> {
     if prompt.is_empty() {
         return Err(TrainError::Input(
             "sample: the prompt needs at least one token".into(),
@@ -704,20 +759,40 @@ pub fn generate_until<B: ModelOps>(
     }
     opts.sampling.validate()?;
     let window = model.cfg.max_seq;
+    // The prompt's tail that fits the window, at positions 0.. of the cache.
+    let visible = &prompt[prompt.len().saturating_sub(window)..];
+    let shared = kept
+        .tokens
+        .iter()
+        .zip(visible)
+        .take_while(|(a, b)| a == b)
+        .count()
+        .min(visible.len() - 1);
+    // Taken out, so an error below leaves `kept` empty rather than out of step with its tokens.
+    let mut tokens = std::mem::take(&mut kept.tokens);
+    let mut cache = match kept.cache.take() {
+        Some(mut cache) if shared > 0 => {
+            model.truncate_cache(&mut cache, shared)?;
+            cache
+        }
+        _ => model.kv_cache(1),
+    };
+    tokens.truncate(cache.len());
+    let reused = cache.len();
     let mut rng = Xoshiro256::seed_from_u64(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();
     let mut out = Vec::with_capacity(opts.tokens.min(1 << 20));
-    let mut cache = model.kv_cache(1);
-    // The prompt's tail that fits the window.
-    let start = all.len().saturating_sub(window);
-    let mut pending: Vec<u32> = all[start..].to_vec();
+    let mut pending: Vec<u32> = visible[reused..].to_vec();
     for _ in 0..opts.tokens {
         if cache.len() + pending.len() > window {
+            // A sliding window: the cache restarts from the last half window, recomputed.
             cache = model.kv_cache(1);
+            tokens.clear();
             let keep = (window / 2).max(1);
             pending = all[all.len() - keep.min(all.len())..].to_vec();
         }
         let logits = model.decode(&mut cache, &pending)?;
+        tokens.extend_from_slice(&pending);
         let allowed = opts.vocab_limit.unwrap_or(logits.len()).min(logits.len());
         let next = pick(&logits[..allowed], &all, &opts.sampling, &mut rng)?;
         all.push(next);
@@ -728,5 +803,7 @@ pub fn generate_until<B: ModelOps>(
         }
         pending = vec![next];
     }
-    Ok(out)
+    kept.cache = Some(cache);
+    kept.tokens = tokens;
+    Ok((out, reused))
 }

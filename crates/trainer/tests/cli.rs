@@ -1450,7 +1450,18 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
         stderr(&o)
     );
     let run = dir.path().join("run");
-    let o = train_on_chat(d, "32", &["--checkpoint-dir", run.to_str().unwrap()]);
+    // A context long enough for the two-turn chat below, so its second turn can reuse the
+    // first's keys and values.
+    let o = train_on_chat(
+        d,
+        "32",
+        &[
+            "--checkpoint-dir",
+            run.to_str().unwrap(),
+            "--context",
+            "256",
+        ],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("\nloss mask: "), "{}", stdout(&o));
     // `sample --chat` answers a user turn rendered with the template and its generation
@@ -1633,9 +1644,20 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
     let end = tok.token_id("</s>").unwrap();
     let mut so_far: Vec<headroom_trainer::chat_template::ChatValue> = Vec::new();
     let mut want = String::new();
+    // The tokens whose keys and values the chat keeps after each turn, and the prompt
+    // positions the next turn shares with them.
+    let (mut kept, mut reused, mut prompt_tokens) = (Vec::<u32>::new(), 0, 0);
     for (i, question) in ["Where did the dog go?", "And then?"].iter().enumerate() {
         so_far.push(serde_json::json!({"role": "user", "content": question}).into());
         let text = template.render(&so_far, true).unwrap();
+        let prompt = tok.encode(&text).unwrap();
+        prompt_tokens += prompt.len();
+        reused += kept
+            .iter()
+            .zip(&prompt)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(prompt.len() - 1);
         let opts = headroom_trainer::sample::SampleOptions {
             tokens: 6,
             sampling: headroom_trainer::sample::Sampling::greedy(),
@@ -1644,10 +1666,12 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
             vocab_limit: Some(tok.vocab_size()),
         };
         let mut new =
-            headroom_trainer::sample::generate(&model, &tok.encode(&text).unwrap(), &opts, |_| {
-                Ok(())
-            })
-            .unwrap();
+            headroom_trainer::sample::generate(&model, &prompt, &opts, |_| Ok(())).unwrap();
+        kept = prompt
+            .iter()
+            .chain(&new[..new.len() - 1])
+            .copied()
+            .collect();
         new.retain(|&id| id != end);
         let answer = tok.decode(&new).unwrap();
         want += &format!("{answer}\n");
@@ -1656,7 +1680,14 @@ fn jsonl_build_renders_conversations_with_the_tokenizers_chat_template() {
     assert!(want.lines().all(|answer| !answer.is_empty()), "{want:?}");
     let (out, err) = chat_lines("Where did the dog go?\nAnd then?\n", &[]);
     assert_eq!(out, want);
-    assert!(err.contains("2 turns"), "{err}");
+    // The second turn ran only what the first had not: its prompt repeats the first turn's.
+    assert!(reused > 0);
+    assert!(
+        err.contains(&format!(
+            "2 turns; {reused} of {prompt_tokens} prompt tokens reused"
+        )),
+        "{err}"
+    );
     // --chat is the first turn; an empty line ends the chat.
     let (out, _) = chat_lines(
         "And then?\n\nnever read\n",

@@ -20,8 +20,8 @@ use headroom_trainer::model::{
     Family, Geometry, LlamaShape, Model, ModelConfig, ModelOptions, Precision,
 };
 use headroom_trainer::sample::{
-    generate, load_for_inference, load_model, load_model_with, next_token_distribution, pick,
-    InferenceWeights, SampleOptions, Sampling,
+    generate, generate_cached, load_for_inference, load_model, load_model_with,
+    next_token_distribution, pick, InferenceWeights, PromptCache, SampleOptions, Sampling,
 };
 use headroom_trainer::TrainError;
 use headroom_trainer::{adapters, hf};
@@ -138,6 +138,192 @@ fn the_cache_agrees_in_bf16_and_holds_gqa_sized_tensors() {
         let kv_heads = llama.unwrap_or(4);
         // k and v, 2 layers, 5 positions, head dim 8, 2 bytes (bf16).
         assert_eq!(cache.size_in_bytes(), 2 * 2 * kv_heads * 5 * 8 * 2);
+    }
+}
+
+fn model_of(family: usize, bf16: bool, max_seq: usize, seed: u64) -> Model {
+    let opts = ModelOptions {
+        precision: if bf16 {
+            Precision::Bf16
+        } else {
+            Precision::Fp32
+        },
+        ..ModelOptions::default()
+    };
+    Model::new(
+        &Cpu::new(),
+        cfg([None, Some(2), Some(4)][family], max_seq),
+        opts,
+        seed,
+    )
+    .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A cache cut back to `cut` positions holds, bit for bit, what a cache built to `cut` by
+    /// the same steps holds: decoding after either gives the same logits and bytes.
+    #[test]
+    fn a_cut_cache_decodes_as_one_built_to_the_cut(
+        family in 0usize..3,
+        bf16 in proptest::bool::ANY,
+        n in 1usize..12,
+        cut_frac in 0.0f64..=1.0,
+        tail in 1usize..4,
+        seed in 0usize..50,
+    ) {
+        let model = model_of(family, bf16, 16, 3);
+        let a = tokens(n, 41, seed);
+        let b = tokens(tail, 41, seed + 1);
+        let cut = (n as f64 * cut_frac) as usize;
+        let mut built = model.kv_cache(1);
+        let mut cut_back = model.kv_cache(1);
+        if cut > 0 {
+            model.decode(&mut built, &a[..cut]).unwrap();
+            model.decode(&mut cut_back, &a[..cut]).unwrap();
+        }
+        if cut < n {
+            model.decode(&mut cut_back, &a[cut..]).unwrap();
+        }
+        prop_assert_eq!(cut_back.len(), n);
+        prop_assert!(model.truncate_cache(&mut cut_back, n + 1).is_err());
+        prop_assert_eq!(cut_back.len(), n);
+        model.truncate_cache(&mut cut_back, cut).unwrap();
+        prop_assert_eq!(cut_back.len(), cut);
+        prop_assert_eq!(cut_back.size_in_bytes(), built.size_in_bytes());
+        let want = model.decode(&mut built, &b).unwrap();
+        let got = model.decode(&mut cut_back, &b).unwrap();
+        prop_assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        prop_assert_eq!(cut_back.size_in_bytes(), built.size_in_bytes());
+    }
+
+    /// A conversation's second turn through a kept cache generates what replaying the first
+    /// turn's decode steps, cutting the cache at the shared prefix and running the rest
+    /// generates, bit for bit, and reuses exactly that prefix; the second prompt either
+    /// extends the first turn's tokens (a chat template appending the answer and the next
+    /// message) or departs from them anywhere (an answer that re-tokenises differently).
+    #[test]
+    fn a_kept_cache_generates_what_replaying_its_steps_generates(
+        family in 0usize..3,
+        bf16 in proptest::bool::ANY,
+        first in 1usize..8,
+        answer in 0usize..6,
+        depart in proptest::option::of(0.0f64..1.0),
+        added in 1usize..5,
+        seed in 0u64..1000,
+        sampled in proptest::bool::ANY,
+    ) {
+        let model = model_of(family, bf16, 32, 7);
+        let opts = |tokens: usize| SampleOptions {
+            tokens,
+            sampling: if sampled { tempered(1.0, Some(8)) } else { Sampling::greedy() },
+            seed,
+            ..SampleOptions::default()
+        };
+        let prompt1 = tokens(first, 41, seed as usize);
+        let mut kept = PromptCache::new();
+        let (gen1, reused1) =
+            generate_cached(&model, &mut kept, &prompt1, &opts(answer), |_| {
+                Ok(std::ops::ControlFlow::Continue(()))
+            })
+            .unwrap();
+        prop_assert_eq!(reused1, 0);
+        prop_assert_eq!(gen1.len(), answer);
+        // What the cache holds: the prompt and every answer token but the last (never run);
+        // nothing when no token was asked for.
+        let fed: Vec<u32> = match answer {
+            0 => vec![],
+            _ => prompt1.iter().chain(&gen1[..answer - 1]).copied().collect(),
+        };
+        prop_assert_eq!(kept.len(), fed.len());
+
+        let mut prompt2: Vec<u32> = prompt1.iter().chain(&gen1).copied().collect();
+        prompt2.extend(tokens(added, 41, seed as usize + 5));
+        if let Some(frac) = depart {
+            let at = (frac * prompt2.len() as f64) as usize % prompt2.len();
+            prompt2[at] = (prompt2[at] + 1) % 41;
+        }
+        let (gen2, reused2) =
+            generate_cached(&model, &mut kept, &prompt2, &opts(4), |_| {
+                Ok(std::ops::ControlFlow::Continue(()))
+            })
+            .unwrap();
+        let shared = fed
+            .iter()
+            .zip(&prompt2)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(prompt2.len() - 1);
+        prop_assert_eq!(reused2, shared);
+
+        // The replay: turn one's steps, the cut, the rest of the prompt, then the draws.
+        let mut cache = model.kv_cache(1);
+        if answer > 0 {
+            model.decode(&mut cache, &prompt1).unwrap();
+            for &t in &gen1[..answer - 1] {
+                model.decode(&mut cache, &[t]).unwrap();
+            }
+        }
+        model.truncate_cache(&mut cache, shared).unwrap();
+        let mut rng = Xoshiro256::seed_from_u64(seed);
+        let mut all = prompt2.clone();
+        let mut pending = prompt2[shared..].to_vec();
+        let mut want = vec![];
+        for _ in 0..4 {
+            let logits = model.decode(&mut cache, &pending).unwrap();
+            let next = pick(&logits, &all, &opts(4).sampling, &mut rng).unwrap();
+            all.push(next);
+            want.push(next);
+            pending = vec![next];
+        }
+        prop_assert_eq!(gen2, want);
+    }
+}
+
+/// Kept across a sliding window: once a turn slid, the cache holds a later stretch of tokens
+/// at positions 0.., which a longer conversation does not share, and the next turn runs as a
+/// fresh one would, token for token.
+#[test]
+fn a_kept_cache_past_the_window_starts_over() {
+    for family in 0..3 {
+        let model = model_of(family, false, 8, 11);
+        let opts = SampleOptions {
+            tokens: 12,
+            sampling: Sampling::greedy(),
+            ..SampleOptions::default()
+        };
+        let prompt1 = tokens(5, 41, 1);
+        let mut kept = PromptCache::new();
+        let (gen1, _) = generate_cached(&model, &mut kept, &prompt1, &opts, |_| {
+            Ok(std::ops::ControlFlow::Continue(()))
+        })
+        .unwrap();
+        assert!(kept.len() <= 8);
+        let prompt2: Vec<u32> = prompt1
+            .iter()
+            .chain(&gen1)
+            .chain(&[3, 4])
+            .copied()
+            .collect();
+        let (gen2, reused) = generate_cached(&model, &mut kept, &prompt2, &opts, |_| {
+            Ok(std::ops::ControlFlow::Continue(()))
+        })
+        .unwrap();
+        let fresh = generate(&model, &prompt2, &opts, |_| Ok(())).unwrap();
+        if reused == 0 {
+            assert_eq!(gen2, fresh, "family {family}");
+        }
+        // A failed call (a token past the vocabulary) leaves the kept cache empty.
+        let bad: Vec<u32> = prompt2.iter().copied().chain([999]).collect();
+        assert!(generate_cached(&model, &mut kept, &bad, &opts, |_| {
+            Ok(std::ops::ControlFlow::Continue(()))
+        })
+        .is_err());
+        assert!(kept.is_empty());
     }
 }
 

@@ -793,6 +793,34 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
+    fn truncate_seq(&self, y: &mut CpuTensor, x: &CpuTensor) -> Result<()> {
+        let [n, h, ty, hs] = dims4("truncate_seq", y)?;
+        let [nx, hx, tx, hsx] = dims4("truncate_seq", x)?;
+        if (nx, hx, hsx) != (n, h, hs) || ty > tx {
+            return Err(bad(
+                "truncate_seq",
+                format!(
+                    "{:?} is not a prefix of {:?}",
+                    y.shape().dims(),
+                    x.shape().dims()
+                ),
+            ));
+        }
+        if x.dtype() != y.dtype() {
+            return Err(bad("truncate_seq", "mixed dtypes".into()));
+        }
+        let row = hs * y.dtype().size_in_bytes();
+        let (keep, from) = (ty * row, tx * row);
+        if keep == 0 {
+            return Ok(());
+        }
+        let src = x.as_bytes();
+        for (i, dst) in y.as_bytes_mut().chunks_exact_mut(keep).enumerate() {
+            dst.copy_from_slice(&src[i * from..][..keep]);
+        }
+        Ok(())
+    }
+
     fn embed(
         &self,
         y: &mut CpuTensor,

@@ -377,6 +377,29 @@ impl ModelOps for Cuda {
         Ok(())
     }
 
+    fn truncate_seq(&self, y: &mut CudaTensor, x: &CudaTensor) -> Result<()> {
+        let dims = |t: &CudaTensor| match *t.shape().dims() {
+            [n, h, t, hs] => Ok((n * h, t, hs)),
+            ref other => Err(bad("truncate_seq", format!("{other:?} is not 4-d"))),
+        };
+        let ((heads, ty, hs), (hx, tx, hsx)) = (dims(y)?, dims(x)?);
+        if (hx, hsx) != (heads, hs) || ty > tx {
+            return Err(bad(
+                "truncate_seq",
+                format!(
+                    "{:?} is not a prefix of {:?}",
+                    y.shape().dims(),
+                    x.shape().dims()
+                ),
+            ));
+        }
+        // One copy-engine command per head, as concat_seq (a cut happens once per chat turn).
+        for i in 0..heads {
+            self.copy_elements(x, i * tx * hs, y, i * ty * hs, ty * hs)?;
+        }
+        Ok(())
+    }
+
     fn embed(
         &self,
         y: &mut CudaTensor,

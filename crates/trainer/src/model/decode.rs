@@ -246,6 +246,57 @@ impl<B: ModelOps> Model<B> {
         })
     }
 
+    /// Cut `cache` back to its first `len` positions (`len` ≤ its length), in every layer: what
+    /// a conversation's next turn shares with the last (`sample --interactive`), kept instead
+    /// of recomputed. Decoding after the cut gives the logits a cache built to `len` positions
+    /// by the same steps would give, bit for bit. A failed cut (out of memory) leaves the cache
+    /// empty.
+    pub fn truncate_cache(&self, cache: &mut KvCache<B::Tensor>, len: usize) -> Result<()> {
+        if len > cache.len() {
+            return Err(TrainError::Input(format!(
+                "truncate_cache: {len} positions of a cache of {}",
+                cache.len()
+            )));
+        }
+        if len == cache.len() {
+            return Ok(());
+        }
+        let _g = MemoryCategory::Activations.enter();
+        let cut = |t: Option<B::Tensor>| -> Result<Option<B::Tensor>> {
+            let Some(t) = t else { return Ok(None) };
+            if len == 0 {
+                return Ok(None);
+            }
+            let mut dims = t.shape().dims().to_vec();
+            dims[2] = len;
+            let mut out = self.backend().uninit(dims, t.dtype())?;
+            self.backend().truncate_seq(&mut out, &t)?;
+            Ok(Some(out))
+        };
+        let mut cut_layers = || -> Result<()> {
+            for layer in &mut cache.layers {
+                // Layer by layer, so the peak holds one layer's old and new tensors, as growing
+                // does.
+                layer.k = cut(layer.k.take())?;
+                layer.v = cut(layer.v.take())?;
+                layer.len = len;
+            }
+            Ok(())
+        };
+        let cut = cut_layers();
+        if cut.is_err() {
+            // Some layers cut, some not: emptied, so no step reads a cache of mixed lengths.
+            for layer in &mut cache.layers {
+                *layer = LayerKv {
+                    k: None,
+                    v: None,
+                    len: 0,
+                };
+            }
+        }
+        cut
+    }
+
     /// `tokens` as `[B, t]` new positions of `cache` (`B` its batch, `t ≥ 1`), within the
     /// model's context and vocabulary: a refused step caches nothing.
     fn check_decode(&self, cache: &KvCache<B::Tensor>, tokens: &[u32]) -> Result<(usize, usize)> {

@@ -241,6 +241,11 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     /// and values. A copy, bitwise.
     fn concat_seq(&self, y: &mut Self::Tensor, a: &Self::Tensor, b: &Self::Tensor) -> Result<()>;
 
+    /// `y` `[B, H, Ty, hs]` = the first `Ty` positions of `x` `[B, H, Tx, hs]` (`Ty ≤ Tx`), per
+    /// head (same dtype, any): a KV cache cut back to a prefix its next input shares. A copy,
+    /// bitwise.
+    fn truncate_seq(&self, y: &mut Self::Tensor, x: &Self::Tensor) -> Result<()>;
+
     /// Token embedding plus, when given, the learned position embedding: `y` `[B, T, C]`
     /// from `tokens` `[B·T]` (host ids, checked below the vocab by the caller).
     fn embed(
