@@ -96,11 +96,79 @@ DOCUMENTS = [
     {"text": "a"},
 ]
 
+# Solved questions few-shot examples are drawn from (lm-eval's `fewshot_split`), the gold
+# as an index or as the choice's text.
+FEWSHOT_POOL = [
+    {"context": "the cat sat on the", "choices": ["mat.", "tree."], "gold": 0},
+    {"context": "a small dog ran", "choices": ["under", "mat"], "gold": "under"},
+    {"context": "the red bird", "choices": ["box.", "slept"], "gold": 1},
+    {"context": "a big fox jumped on", "choices": ["the log.", "ran"], "gold": 0},
+    {"context": "the old tree", "choices": ["near", "cat"], "gold": 0},
+    {"context": "Question: what ran?\nAnswer:", "choices": ["a dog", "a mat"], "gold": "a dog"},
+]
+# Questions with copies of one another: lm-eval leaves every copy of the question out of its
+# own examples, and draws again when that leaves too few.
+DUPLICATES = [
+    {"context": "the cat sat", "choices": ["on", "box"], "gold": 0},
+    {"context": "the cat sat", "choices": ["on", "box"], "gold": 0},
+    {"context": "a dog ran", "choices": ["under", "red"], "gold": 0},
+    {"context": "the bird slept", "choices": ["near", "mat"], "gold": 0},
+]
+
+# name, model, tokenizer, target delimiter, questions, few-shot settings (None: zero-shot).
 RUNS = [
-    ("llama", "hf-llama-gqa-untied", "llama", " ", "questions.jsonl"),
-    ("llama_no_delimiter", "hf-llama-gqa-untied", "llama", "", "questions.jsonl"),
-    ("gpt2", "hf-gpt2-sharded", "story", " ", "questions.jsonl"),
-    ("llama_several_gold", "hf-llama-gqa-untied", "llama", " ", "several_gold.jsonl"),
+    ("llama", "hf-llama-gqa-untied", "llama", " ", "questions.jsonl", None),
+    ("llama_no_delimiter", "hf-llama-gqa-untied", "llama", "", "questions.jsonl", None),
+    ("gpt2", "hf-gpt2-sharded", "story", " ", "questions.jsonl", None),
+    ("llama_several_gold", "hf-llama-gqa-untied", "llama", " ", "several_gold.jsonl", None),
+    # lm-eval's default sampler over the questions themselves (each left out of its own
+    # examples), with a description.
+    (
+        "llama_fewshot_random",
+        "hf-llama-gqa-untied",
+        "llama",
+        " ",
+        "questions.jsonl",
+        {"shots": 2, "file": None, "sampler": "default", "seed": 1234,
+         "description": "Pick the ending.\n\n", "delimiter": "\n\n"},
+    ),
+    # From a file of their own: the first three (MMLU's sampler), then drawn with another
+    # seed and delimiter.
+    (
+        "llama_fewshot_first_n",
+        "hf-llama-gqa-untied",
+        "llama",
+        " ",
+        "questions.jsonl",
+        {"shots": 3, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n"},
+    ),
+    (
+        "gpt2_fewshot_random_file",
+        "hf-gpt2-sharded",
+        "story",
+        " ",
+        "questions.jsonl",
+        {"shots": 4, "file": "fewshot.jsonl", "sampler": "default", "seed": 7,
+         "description": "", "delimiter": "\n"},
+    ),
+    (
+        "llama_fewshot_duplicates",
+        "hf-llama-gqa-untied",
+        "llama",
+        " ",
+        "duplicates.jsonl",
+        {"shots": 2, "file": None, "sampler": "default", "seed": 1234,
+         "description": "", "delimiter": "\n\n"},
+    ),
+]
+
+# CPython's `random.Random(seed).sample(range(n), k)`, calls in order on one generator: both
+# of its algorithms (a pool for small populations, a set of drawn indices for large ones).
+PYTHON_RANDOM_CALLS = [
+    (1234, [(10, 3), (10, 3), (4, 4), (1, 1), (50, 8), (100, 3), (5000, 10), (7, 0)]),
+    (0, [(6, 2), (30, 6), (2 ** 20, 5)]),
+    (2 ** 40 + 5, [(22, 21), (3, 1)]),
 ]
 
 
@@ -170,9 +238,9 @@ def greedy_questions(directory, count=3):
     raise SystemExit("too few contexts with a greedy continuation that re-encodes as itself")
 
 
-def evaluate_task(directory, task, task_dir):
+def evaluate_task(directory, task, task_dir, num_fewshot=0, fewshot_seed=0):
     """lm-eval's `simple_evaluate` of the task `task` (a task config, written into task_dir)
-    with `HFLM` on the model in `directory`, zero-shot, every sample logged."""
+    with `HFLM` on the model in `directory`, every sample logged."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -185,20 +253,24 @@ def evaluate_task(directory, task, task_dir):
         tasks=[task["task"]],
         task_manager=TaskManager(include_path=task_dir),
         log_samples=True,
-        num_fewshot=0,
+        num_fewshot=num_fewshot,
         random_seed=0,
         numpy_random_seed=0,
         torch_random_seed=0,
-        fewshot_random_seed=0,
+        fewshot_random_seed=fewshot_seed,
     )
 
 
-def json_task(name, path, output_type, **fields):
-    """A task over the JSONL file at `path` (its one split, `test`)."""
+def json_task(name, path, output_type, fewshot_path=None, **fields):
+    """A task over the JSONL file at `path` (split `test`), and `fewshot_path`'s (split
+    `fewshot`) when given."""
+    files = {"test": os.path.abspath(path)}
+    if fewshot_path:
+        files["fewshot"] = os.path.abspath(fewshot_path)
     return {
         "task": name,
         "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": os.path.abspath(path)}},
+        "dataset_kwargs": {"data_files": files},
         "test_split": "test",
         "output_type": output_type,
         **fields,
@@ -235,21 +307,39 @@ def run_rolling(directory, documents_path, tmp):
     }
 
 
-def run(directory, questions_path, delimiter, tmp):
-    task_dir = os.path.join(tmp, "tasks-" + str(abs(hash((directory, delimiter, questions_path)))))
+def run(directory, questions_path, delimiter, tmp, fewshot=None):
+    task_dir = os.path.join(
+        tmp, "tasks-" + str(abs(hash((directory, delimiter, questions_path, json.dumps(fewshot)))))
+    )
     os.makedirs(task_dir, exist_ok=True)
     metrics = ["acc", "acc_norm", "acc_bytes", "exact_match"]
+    fields = {}
+    if fewshot:
+        fields = {
+            "fewshot_split": "fewshot" if fewshot["file"] else "test",
+            "fewshot_config": {"sampler": fewshot["sampler"]},
+            "description": fewshot["description"],
+            "fewshot_delimiter": fewshot["delimiter"],
+        }
     task = json_task(
         "headroom_choices",
         questions_path,
         "multiple_choice",
+        fewshot_path=os.path.join(tmp, fewshot["file"]) if fewshot and fewshot["file"] else None,
         doc_to_text="context",
         doc_to_choice="choices",
         doc_to_target="gold",
         target_delimiter=delimiter,
         metric_list=[{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in metrics],
+        **fields,
     )
-    results = evaluate_task(directory, task, task_dir)
+    results = evaluate_task(
+        directory,
+        task,
+        task_dir,
+        num_fewshot=fewshot["shots"] if fewshot else 0,
+        fewshot_seed=fewshot["seed"] if fewshot else 0,
+    )
     samples = sorted(results["samples"]["headroom_choices"], key=lambda s: s["doc_id"])
     aggregate = results["results"]["headroom_choices"]
     return {
@@ -265,6 +355,23 @@ def run(directory, questions_path, delimiter, tmp):
         "metrics": {m: aggregate[m + ",none"] for m in metrics},
         "stderr": {m: aggregate[m + "_stderr,none"] for m in metrics},
     }
+
+
+def python_random():
+    """The draws of PYTHON_RANDOM_CALLS, as CPython makes them."""
+    import random
+    import platform
+
+    out = []
+    for seed, calls in PYTHON_RANDOM_CALLS:
+        rng = random.Random(seed)
+        out.append(
+            {
+                "seed": seed,
+                "draws": [{"n": n, "k": k, "sample": rng.sample(range(n), k)} for n, k in calls],
+            }
+        )
+    return {"python": platform.python_version(), "calls": out}
 
 
 def make():
@@ -284,6 +391,8 @@ def make():
         for name, questions in [
             ("questions.jsonl", QUESTIONS + greedy_questions(llama)),
             ("several_gold.jsonl", SEVERAL_GOLD),
+            ("fewshot.jsonl", FEWSHOT_POOL),
+            ("duplicates.jsonl", DUPLICATES),
         ]:
             text = "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in questions)
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
@@ -309,16 +418,18 @@ def make():
                 "tokenizer": tokenizer,
                 **run_rolling(directory, os.path.join(tmp, "documents.jsonl"), tmp),
             }
-        for name, model, tokenizer, delimiter, questions in RUNS:
+        for name, model, tokenizer, delimiter, questions, fewshot in RUNS:
             directory = model_dir(tmp, model, tokenizers[tokenizer])
-            result = run(directory, os.path.join(tmp, questions), delimiter, tmp)
+            result = run(directory, os.path.join(tmp, questions), delimiter, tmp, fewshot)
             fixture["runs"][name] = {
                 "model": model,
                 "tokenizer": tokenizer,
                 "target_delimiter": delimiter,
                 "questions": questions,
+                **({"fewshot": fewshot} if fewshot else {}),
                 **result,
             }
+        fixture["python_random"] = python_random()
     return fixture, files
 
 
@@ -340,7 +451,11 @@ def main():
     elif "--check" in sys.argv:
         with open(fixture_path, encoding="utf-8") as f:
             committed = json.load(f)
-        same = committed["runs"] == fixture["runs"] and committed["rolling"] == fixture["rolling"]
+        same = (
+            committed["runs"] == fixture["runs"]
+            and committed["rolling"] == fixture["rolling"]
+            and committed["python_random"]["calls"] == fixture["python_random"]["calls"]
+        )
         print("the committed fixture is lm-eval's" if same else "the committed fixture differs from lm-eval's")
         sys.exit(0 if same else 1)
     else:

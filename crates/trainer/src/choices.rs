@@ -36,17 +36,28 @@
 //! out of range or a gold text that is not a choice is an error here (lm-eval warns and counts
 //! the question wrong), and so is an empty choice (lm-eval divides by its length 0).
 //!
+//! Few-shot prompts ([`Fewshot`], [`fewshot_contexts`]) are lm-eval's: the description, then
+//! each example's context, the target delimiter, its gold choice and the few-shot delimiter,
+//! then the question's context; examples come from their own file or from the questions'
+//! (each question left out of its own, as lm-eval leaves it out when the few-shot split is the
+//! test split), drawn by lm-eval's `default` sampler, CPython's `random.Random(seed).sample`
+//! question after question ([`PyRandom`]), or its `first_n` (MMLU's).
+//!
 //! Compute and memory: a question's context is run once, its keys and values cached, and each
 //! question's continuations run together after copies of them ([`Model::repeat_cache`],
 //! [`Model::decode_at`]; one-token choices need nothing more), and only the continuations'
 //! rows reach the head, so no `[tokens, vocabulary]` logits exist, as they do in lm-eval. Choices whose input is cut to the model's context (so no longer shares
 //! the context's start) run as one batch padded on the right (a causal model's positions never
 //! see the padding), with only the continuations' rows reaching the head
-//! ([`Model::logits_at`]).
+//! ([`Model::logits_at`]). A context's keys and values are kept for the next question, which
+//! runs only what follows the prefix the two share ([`score_reusing`]): a few-shot prompt's
+//! description and examples, run once for a whole MMLU subject.
 
 use std::path::Path;
 
 use crate::model::{Geometry, Model, ModelOps};
+use crate::pyrandom::PyRandom;
+use crate::sample::PromptCache;
 use crate::tokenize::Tokenizer;
 use crate::{Result, TrainError};
 
@@ -166,6 +177,145 @@ impl Question {
 /// The questions of a JSONL file, one per non-blank line; an error names the line.
 pub fn read_questions(path: &Path) -> Result<Vec<Question>> {
     read_jsonl(path, MAX_QUESTIONS_BYTES, "questions", Question::parse)
+}
+
+/// A question with the JSON object it was read from: lm-eval's document, which it compares
+/// whole to keep a question out of its own few-shot examples.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Doc {
+    /// The question.
+    pub question: Question,
+    /// Its line, parsed.
+    pub json: serde_json::Value,
+}
+
+/// [`read_questions`], each with its JSON object.
+pub fn read_docs(path: &Path) -> Result<Vec<Doc>> {
+    read_jsonl(path, MAX_QUESTIONS_BYTES, "questions", |line| {
+        Ok(Doc {
+            question: Question::parse(line)?,
+            json: serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?,
+        })
+    })
+}
+
+/// How lm-eval picks a question's few-shot examples (a task's `fewshot_config.sampler`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sampler {
+    /// `default`: CPython's `random.Random(seed).sample` of the pool ([`PyRandom`]), one
+    /// generator for the run, drawn question after question in file order (lm-eval's
+    /// `fewshot_random_seed`, 1234 unless set).
+    Random {
+        /// The generator's seed.
+        seed: u64,
+    },
+    /// `first_n`: the pool's first questions in order, the same for every question (MMLU's).
+    FirstN,
+}
+
+/// Solved questions before each question's context, as lm-eval writes a `num_fewshot` prompt:
+/// the description, then for each example its context, the target delimiter, its gold
+/// choice and the few-shot delimiter, then the question's context.
+#[derive(Clone, Debug)]
+pub struct Fewshot {
+    /// Examples per question (`num_fewshot`).
+    pub shots: usize,
+    /// The questions examples come from (lm-eval's `fewshot_split`); `None`: the evaluated
+    /// questions themselves, where lm-eval (a `fewshot_split` equal to the test split) leaves
+    /// each question out of its own examples (every question equal to it, by its JSON).
+    pub pool: Option<Vec<Doc>>,
+    /// How they are picked.
+    pub sampler: Sampler,
+    /// Text before the examples (a task's `description`).
+    pub description: String,
+    /// Text after each example (`fewshot_delimiter`, `"\n\n"` in lm-eval).
+    pub delimiter: String,
+}
+
+/// Each question's context with `fewshot`'s examples before it (each example's answer after
+/// `target_delimiter`), in question order: what lm-eval's `fewshot_context` builds. An
+/// example must have one gold answer (lm-eval fails on one with several), and the pool must
+/// hold enough questions.
+pub fn fewshot_contexts(
+    questions: &[Doc],
+    fewshot: &Fewshot,
+    target_delimiter: &str,
+) -> Result<Vec<String>> {
+    let pool: &[Doc] = fewshot.pool.as_deref().unwrap_or(questions);
+    let leave_out = fewshot.pool.is_none();
+    let shots = fewshot.shots;
+    let mut rng = match fewshot.sampler {
+        Sampler::Random { seed } => Some(PyRandom::new(seed)),
+        Sampler::FirstN => None,
+    };
+    let too_few = |available: usize| {
+        TrainError::Input(format!(
+            "{shots} few-shot examples from a pool of {available} question{}{}",
+            if available == 1 { "" } else { "s" },
+            if leave_out {
+                " (the question itself left out)"
+            } else {
+                ""
+            }
+        ))
+    };
+    let answer = |i: usize| -> Result<&str> {
+        let q = &pool[i].question;
+        match q.gold {
+            Gold::One(g) => Ok(&q.choices[g]),
+            Gold::Any(_) => Err(TrainError::Input(format!(
+                "question {} of the few-shot pool has several gold answers: which one an \
+                 example shows is not defined (lm-eval fails on it too)",
+                i + 1
+            ))),
+        }
+    };
+    questions
+        .iter()
+        .map(|doc| {
+            let others = |i: &usize| !leave_out || pool[*i].json != doc.json;
+            let chosen: Vec<usize> = match (&mut rng, shots) {
+                (_, 0) => Vec::new(),
+                (None, _) => {
+                    let first: Vec<usize> = (0..pool.len()).filter(others).take(shots).collect();
+                    if first.len() < shots {
+                        return Err(too_few(first.len()));
+                    }
+                    first
+                }
+                (Some(rng), _) if !leave_out => rng
+                    .sample(pool.len(), shots)
+                    .ok_or_else(|| too_few(pool.len()))?,
+                (Some(rng), _) => {
+                    // One more than asked, then the question itself taken out.
+                    let drawn = rng
+                        .sample(pool.len(), shots + 1)
+                        .ok_or_else(|| too_few(pool.len().saturating_sub(1)))?;
+                    let kept: Vec<usize> = drawn.into_iter().filter(others).take(shots).collect();
+                    if kept.len() == shots {
+                        kept
+                    } else {
+                        // Copies of the question were drawn: again from the pool without any.
+                        let rest: Vec<usize> = (0..pool.len()).filter(others).collect();
+                        rng.sample(rest.len(), shots)
+                            .ok_or_else(|| too_few(rest.len()))?
+                            .into_iter()
+                            .map(|i| rest[i])
+                            .collect()
+                    }
+                }
+            };
+            let mut text = fewshot.description.clone();
+            for i in chosen {
+                text.push_str(&pool[i].question.context);
+                text.push_str(target_delimiter);
+                text.push_str(answer(i)?);
+                text.push_str(&fewshot.delimiter);
+            }
+            text.push_str(&doc.question.context);
+            Ok(text)
+        })
+        .collect()
 }
 
 /// Each non-blank line of the JSONL file at `path` (at most `limit` bytes) through `parse`;
@@ -296,6 +446,20 @@ pub struct Scored {
 /// whole (a question's choices, uncut) share it: its keys and values are computed once, and
 /// the continuations run after copies of them; the others run in batches padded on the right.
 pub fn score<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<Scored>> {
+    Ok(score_reusing(model, requests, &mut PromptCache::new())?.0)
+}
+
+/// [`score`], a shared context run after the keys and values of the last one `kept` holds,
+/// cut back to the prefix the two share (a few-shot prompt's description and examples, the
+/// same for every question of MMLU's sampler), and kept in turn. Returns the scores and, when
+/// the requests shared a context run this way, how many of its positions were reused. A reused position's keys and values come from the
+/// step that ran it for an earlier question, so log-likelihoods differ from a fresh run's in
+/// float rounding only.
+pub fn score_reusing<B: ModelOps>(
+    model: &Model<B>,
+    requests: &[Request],
+    kept: &mut PromptCache<B::Tensor>,
+) -> Result<(Vec<Scored>, Option<usize>)> {
     let max = model.cfg.max_seq;
     let vocab = model.cfg.vocab;
     for r in requests {
@@ -313,15 +477,16 @@ pub fn score<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<
         }
     }
     let Some(first) = requests.first() else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
     let shared = requests
         .iter()
         .all(|r| r.context == first.context && r.context.len() + r.continuation.len() <= max + 1);
     if shared {
-        score_after_shared_context(model, &first.context, requests)
+        let (scores, reused) = score_after_shared_context(model, &first.context, requests, kept)?;
+        Ok((scores, Some(reused)))
     } else {
-        score_padded(model, requests)
+        Ok((score_padded(model, requests)?, None))
     }
 }
 
@@ -330,16 +495,18 @@ pub fn score<B: ModelOps>(model: &Model<B>, requests: &[Request]) -> Result<Vec<
 const MAX_SHARED_BATCH: usize = 8;
 
 /// [`score`] of requests of one context that fits with each continuation: the context once
-/// (its last row predicts every continuation's first token), then the continuations' other
-/// tokens in batches, padded on the right, after copies of its keys and values.
+/// (its last row predicts every continuation's first token; the prefix it shares with `kept`'s
+/// not run again), then the continuations' other tokens in batches, padded on the right,
+/// after copies of its keys and values.
 fn score_after_shared_context<B: ModelOps>(
     model: &Model<B>,
     context: &[u32],
     requests: &[Request],
-) -> Result<Vec<Scored>> {
+    kept: &mut PromptCache<B::Tensor>,
+) -> Result<(Vec<Scored>, usize)> {
     let vocab = model.cfg.vocab;
-    let mut cache = model.kv_cache(1);
-    let after_context = model.decode(&mut cache, context)?;
+    let (mut cache, reused) = kept.take_prefix(model, context)?;
+    let after_context = model.decode(&mut cache, &context[reused..])?;
     let mut out = Vec::with_capacity(requests.len());
     for group in requests.chunks(MAX_SHARED_BATCH) {
         // Each continuation's tokens but the last are inputs.
@@ -370,7 +537,8 @@ fn score_after_shared_context<B: ModelOps>(
             ));
         }
     }
-    Ok(out)
+    kept.keep(cache, context.to_vec());
+    Ok((out, reused))
 }
 
 /// [`score`] in batches of requests padded on the right (a causal model's positions never
@@ -529,6 +697,10 @@ pub struct ChoicesReport {
     pub requests: usize,
     /// Continuation tokens scored.
     pub tokens: u64,
+    /// Context tokens of the questions scored after a shared context.
+    pub context_tokens: u64,
+    /// Of those, the ones whose keys and values the question before had computed.
+    pub reused_context_tokens: u64,
     /// Right by log-likelihood.
     pub acc: Metric,
     /// Right by log-likelihood per character.
@@ -555,6 +727,7 @@ pub fn evaluate<B: ModelOps>(
     let prefix = PrefixToken::of(tok)?;
     let mut outcomes = Vec::with_capacity(questions.len());
     let (mut requests, mut tokens) = (0, 0u64);
+    let (mut kept, mut context_tokens, mut reused_context_tokens) = (PromptCache::new(), 0, 0);
     for (i, q) in questions.iter().enumerate() {
         let reqs = (0..q.choices.len())
             .map(|c| {
@@ -572,7 +745,12 @@ pub fn evaluate<B: ModelOps>(
             .iter()
             .map(|r| r.continuation.len() as u64)
             .sum::<u64>();
-        let outcome = Outcome::of(q, score(model, &reqs)?);
+        let (scores, reused) = score_reusing(model, &reqs, &mut kept)?;
+        if let Some(reused) = reused {
+            context_tokens += reqs[0].context.len() as u64;
+            reused_context_tokens += reused as u64;
+        }
+        let outcome = Outcome::of(q, scores);
         each(i, &outcome)?;
         outcomes.push((
             outcome.acc,
@@ -588,6 +766,8 @@ pub fn evaluate<B: ModelOps>(
         questions: questions.len(),
         requests,
         tokens,
+        context_tokens,
+        reused_context_tokens,
         acc: metric(|o| o.0),
         acc_norm: metric(|o| o.1),
         acc_bytes: metric(|o| o.2),
@@ -598,6 +778,86 @@ pub fn evaluate<B: ModelOps>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A question `context` with answer `answer`, as a pool line.
+    fn doc(context: &str, answer: &str) -> Doc {
+        let json = serde_json::json!({"context": context, "choices": ["no", answer], "gold": 1});
+        Doc {
+            question: Question::parse(&json.to_string()).unwrap(),
+            json,
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Whatever the pool (copies included) and sampler: each context is the description,
+        /// `shots` examples of the pool (distinct ones where it has no copies), each its context, the delimiter, its gold answer
+        /// and few-shot delimiter, then the question; a question drawing from its own file
+        /// never sees itself (nor a copy); `first_n` from another file gives every question
+        /// the same examples; and the same seed gives the same contexts.
+        #[test]
+        fn few_shot_contexts_hold_distinct_other_examples(
+            labels in proptest::collection::vec(0u8..6, 2..12),
+            shots_frac in 0.0f64..1.0,
+            seed in 0u64..1000,
+            random in proptest::bool::ANY,
+            own_file in proptest::bool::ANY,
+        ) {
+            let questions: Vec<Doc> =
+                labels.iter().map(|l| doc(&format!("q{l}"), &format!("a{l}"))).collect();
+            let pool: Vec<Doc> = (0..5).map(|i| doc(&format!("p{i}"), &format!("b{i}"))).collect();
+            let available = if own_file {
+                labels.iter().map(|l| labels.iter().filter(|m| *m != l).count()).min().unwrap()
+            } else {
+                pool.len()
+            };
+            let shots = (shots_frac * (available + 1) as f64) as usize;
+            let fewshot = Fewshot {
+                shots,
+                pool: (!own_file).then(|| pool.clone()),
+                sampler: if random { Sampler::Random { seed } } else { Sampler::FirstN },
+                description: "D|".into(),
+                delimiter: "|".into(),
+            };
+            let contexts = match fewshot_contexts(&questions, &fewshot, "=") {
+                Ok(c) => c,
+                Err(e) => {
+                    // Only where some question has too few others (first_n counts per
+                    // question; random draws shots + 1 from the whole file).
+                    proptest::prop_assert!(shots > available || (random && own_file && shots + 1 > labels.len()), "{e}");
+                    return Ok(());
+                }
+            };
+            proptest::prop_assert_eq!(contexts.len(), questions.len());
+            for (c, q) in contexts.iter().zip(&questions) {
+                let body = c.strip_prefix("D|").unwrap();
+                let examples = body.strip_suffix(q.question.context.as_str()).unwrap();
+                let shown: Vec<&str> = examples.split_terminator('|').collect();
+                proptest::prop_assert_eq!(shown.len(), shots);
+                // Distinct questions of the pool (the pool's copies may each be drawn).
+                let mut distinct = shown.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                let copies = own_file && {
+                    let mut l = labels.clone();
+                    l.sort_unstable();
+                    l.windows(2).any(|w| w[0] == w[1])
+                };
+                proptest::prop_assert!(distinct.len() == shots || copies);
+                for e in shown {
+                    let (context, answer) = e.split_once('=').unwrap();
+                    proptest::prop_assert_eq!(&answer[1..], &context[1..]);
+                    proptest::prop_assert!(context != q.question.context);
+                }
+            }
+            if !random && !own_file {
+                let examples = |c: &String| c[..c.rfind('|').unwrap()].to_owned();
+                proptest::prop_assert!(contexts.iter().all(|c| examples(c) == examples(&contexts[0])));
+            }
+            proptest::prop_assert_eq!(fewshot_contexts(&questions, &fewshot, "=").unwrap(), contexts);
+        }
+    }
 
     #[test]
     fn questions_parse_or_say_what_is_wrong() {
@@ -683,7 +943,9 @@ mod tests {
                 .into_iter()
                 .map(|continuation| Request { context: context.clone(), continuation })
                 .collect();
-            let shared = score_after_shared_context(&model, &context, &requests).unwrap();
+            let shared = score_after_shared_context(&model, &context, &requests, &mut PromptCache::new())
+                .unwrap()
+                .0;
             let padded = score_padded(&model, &requests).unwrap();
             // bf16 rounds activations stored in another order to other neighbours.
             let tolerance = if bf16 { 2e-2 } else { 1e-5 };
@@ -696,6 +958,58 @@ mod tests {
                 );
             }
             proptest::prop_assert_eq!(score(&model, &requests).unwrap(), shared);
+        }
+
+        /// A context scored after the keys and values kept from another runs only what it
+        /// does not share with it (the longest common prefix, a token at least left to run),
+        /// and each choice's log-likelihood is a fresh scoring's to rounding.
+        #[test]
+        fn a_context_after_a_kept_one_scores_as_a_fresh_one(
+            llama in proptest::prelude::any::<bool>(),
+            prefix in proptest::collection::vec(0u32..37, 0..9),
+            first in proptest::collection::vec(0u32..37, 1..6),
+            second in proptest::collection::vec(0u32..37, 0..6),
+            continuations in proptest::collection::vec(
+                proptest::collection::vec(0u32..37, 1..7), 1..5),
+            bf16 in proptest::prelude::any::<bool>(),
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            use crate::model::{ModelConfig, ModelOptions, Precision};
+            let shape = if llama { ModelConfig::llama_tiny(37) } else { ModelConfig::tiny(37) };
+            let cfg = ModelConfig { max_seq: 20, ..shape };
+            let opts = ModelOptions {
+                precision: if bf16 { Precision::Bf16 } else { Precision::Fp32 },
+                ..ModelOptions::default()
+            };
+            let model = Model::new(&headroom_tensor::Cpu::new(), cfg, opts, seed).unwrap();
+            let requests = |context: Vec<u32>| -> Vec<Request> {
+                continuations
+                    .iter()
+                    .map(|c| Request { context: context.clone(), continuation: c.clone() })
+                    .collect()
+            };
+            let one: Vec<u32> = prefix.iter().chain(&first).copied().collect();
+            let mut two: Vec<u32> = prefix.iter().chain(&second).copied().collect();
+            if two.is_empty() {
+                two.push(first[0]);
+            }
+            let mut kept = PromptCache::new();
+            let (_, reused) = score_reusing(&model, &requests(one.clone()), &mut kept).unwrap();
+            proptest::prop_assert_eq!(reused, Some(0));
+            proptest::prop_assert_eq!(kept.len(), one.len());
+            let (after, reused) = score_reusing(&model, &requests(two.clone()), &mut kept).unwrap();
+            let common = one.iter().zip(&two).take_while(|(a, b)| a == b).count();
+            proptest::prop_assert_eq!(reused, Some(common.min(two.len() - 1)));
+            proptest::prop_assert_eq!(kept.len(), two.len());
+            let fresh = score(&model, &requests(two)).unwrap();
+            let tolerance = if bf16 { 2e-2 } else { 1e-5 };
+            for (a, f) in after.iter().zip(&fresh) {
+                proptest::prop_assert!(
+                    (a.loglikelihood - f.loglikelihood).abs()
+                        <= tolerance * f.loglikelihood.abs().max(1.0),
+                    "{:?} vs {:?}", a, f
+                );
+            }
         }
     }
 

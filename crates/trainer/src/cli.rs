@@ -186,6 +186,45 @@ struct EvalArgs {
     /// `target_delimiter`).
     #[arg(long, value_name = "TEXT", default_value = " ", requires = "choices")]
     target_delimiter: String,
+    /// With --choices: solved questions before each question (lm-eval's `--num_fewshot`),
+    /// each its context, the target delimiter, its gold choice and --fewshot-delimiter;
+    /// from --fewshot-file, else from the questions themselves (each left out of its own).
+    #[arg(long, value_name = "N", requires = "choices")]
+    num_fewshot: Option<usize>,
+    /// With --num-fewshot: the questions the examples come from (lm-eval's `fewshot_split`,
+    /// such as MMLU's dev split), JSONL as --choices.
+    #[arg(long, value_name = "FILE", requires = "num_fewshot")]
+    fewshot_file: Option<PathBuf>,
+    /// With --num-fewshot: `random` (lm-eval's default sampler: Python's
+    /// `random.Random(--fewshot-seed).sample`, question after question) or `first-n` (the
+    /// first N, as MMLU's tasks take them).
+    #[arg(
+        long,
+        value_name = "SAMPLER",
+        default_value = "random",
+        requires = "num_fewshot"
+    )]
+    fewshot_sampler: String,
+    /// With --fewshot-sampler random: the seed (lm-eval's `--fewshot_random_seed`).
+    #[arg(
+        long,
+        value_name = "SEED",
+        default_value_t = 1234,
+        requires = "num_fewshot"
+    )]
+    fewshot_seed: u64,
+    /// With --num-fewshot: the text after each example (lm-eval's `fewshot_delimiter`).
+    #[arg(
+        long,
+        value_name = "TEXT",
+        default_value = "\n\n",
+        requires = "num_fewshot"
+    )]
+    fewshot_delimiter: String,
+    /// With --choices: text before every context (a task's `description`, such as MMLU's
+    /// "The following are multiple choice questions (with answers) about …\n\n").
+    #[arg(long, value_name = "TEXT", requires = "choices")]
+    description: Option<String>,
     /// With --choices or --documents: each question's log-likelihoods, greedy flags and
     /// metrics, or each document's log-likelihood, as a JSON line in this file (lm-eval's
     /// `--log_samples`).
@@ -2748,7 +2787,40 @@ fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
 /// `--samples` each question's scores as it is done.
 fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
     use crate::choices::{self, Outcome};
-    let questions = choices::read_questions(path)?;
+    let questions = if a.num_fewshot.is_some() || a.description.is_some() {
+        let docs = choices::read_docs(path)?;
+        let fewshot = choices::Fewshot {
+            shots: a.num_fewshot.unwrap_or(0),
+            pool: a
+                .fewshot_file
+                .as_deref()
+                .map(choices::read_docs)
+                .transpose()?,
+            sampler: match a.fewshot_sampler.as_str() {
+                "random" | "default" => choices::Sampler::Random {
+                    seed: a.fewshot_seed,
+                },
+                "first-n" | "first_n" => choices::Sampler::FirstN,
+                other => {
+                    return Err(
+                        format!("--fewshot-sampler {other}: expected random or first-n").into(),
+                    )
+                }
+            },
+            description: a.description.clone().unwrap_or_default(),
+            delimiter: a.fewshot_delimiter.clone(),
+        };
+        let contexts = choices::fewshot_contexts(&docs, &fewshot, &a.target_delimiter)?;
+        docs.into_iter()
+            .zip(contexts)
+            .map(|(d, context)| choices::Question {
+                context,
+                ..d.question
+            })
+            .collect()
+    } else {
+        choices::read_questions(path)?
+    };
     let (tok, model, tracker) = scoring_model(a, "--choices")?;
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
@@ -2797,6 +2869,13 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         report.tokens,
         path.display()
     );
+    if report.reused_context_tokens > 0 {
+        say!(
+            "{} of {} context tokens reused from the question before",
+            report.reused_context_tokens,
+            report.context_tokens
+        );
+    }
     esay!("{}", a.weights.summary(&tracker));
     Ok(())
 }

@@ -61,6 +61,7 @@ pub mod hf;
 pub mod ladder;
 pub mod model;
 pub mod ops;
+pub mod pyrandom;
 pub mod rolling;
 pub mod sample;
 pub mod techniques;

@@ -735,6 +735,39 @@ impl<T> PromptCache<T> {
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
     }
+
+    /// The kept cache, taken out and cut back to the longest prefix it shares with `tokens`
+    /// (at most `tokens.len() − 1` positions, so a token is left to run for its logits), and
+    /// that prefix's length; a fresh cache when nothing is shared. `self` is empty until
+    /// [`PromptCache::keep`] gives it a cache back, so an error in between leaves nothing out
+    /// of step with its tokens.
+    pub fn take_prefix<B: ModelOps<Tensor = T>>(
+        &mut self,
+        model: &Model<B>,
+        tokens: &[u32],
+    ) -> Result<(crate::model::KvCache<T>, usize)> {
+        let shared = self
+            .tokens
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(tokens.len().saturating_sub(1));
+        self.tokens.clear();
+        match self.cache.take() {
+            Some(mut cache) if shared > 0 => {
+                model.truncate_cache(&mut cache, shared)?;
+                Ok((cache, shared))
+            }
+            _ => Ok((model.kv_cache(1), 0)),
+        }
+    }
+
+    /// Keep `cache`, which holds `tokens` at its positions `0..`, for the next call.
+    pub fn keep(&mut self, cache: crate::model::KvCache<T>, tokens: Vec<u32>) {
+        self.cache = Some(cache);
+        self.tokens = tokens;
+    }
 }
 
 /// [`generate_until`] after the keys and values `kept` holds from an earlier call: the prompt's
@@ -761,24 +794,8 @@ pub fn generate_cached<B: ModelOps>(
     let window = model.cfg.max_seq;
     // The prompt's tail that fits the window, at positions 0.. of the cache.
     let visible = &prompt[prompt.len().saturating_sub(window)..];
-    let shared = kept
-        .tokens
-        .iter()
-        .zip(visible)
-        .take_while(|(a, b)| a == b)
-        .count()
-        .min(visible.len() - 1);
-    // Taken out, so an error below leaves `kept` empty rather than out of step with its tokens.
-    let mut tokens = std::mem::take(&mut kept.tokens);
-    let mut cache = match kept.cache.take() {
-        Some(mut cache) if shared > 0 => {
-            model.truncate_cache(&mut cache, shared)?;
-            cache
-        }
-        _ => model.kv_cache(1),
-    };
-    tokens.truncate(cache.len());
-    let reused = cache.len();
+    let (mut cache, reused) = kept.take_prefix(model, visible)?;
+    let mut tokens = visible[..reused].to_vec();
     let mut rng = Xoshiro256::seed_from_u64(opts.seed);
     let mut all: Vec<u32> = prompt.to_vec();
     let mut out = Vec::with_capacity(opts.tokens.min(1 << 20));
@@ -803,7 +820,6 @@ pub fn generate_cached<B: ModelOps>(
         }
         pending = vec![next];
     }
-    kept.cache = Some(cache);
-    kept.tokens = tokens;
+    kept.keep(cache, tokens);
     Ok((out, reused))
 }

@@ -1,5 +1,6 @@
 //! Multiple-choice evaluation against lm-evaluation-harness: every request, log-likelihood,
-//! greedy flag, per-question metric and aggregate of four lm-eval 0.4.13 runs
+//! greedy flag, per-question metric and aggregate of eight lm-eval 0.4.13 runs (four with
+//! few-shot prompts, whose example draws are CPython's)
 //! (`fixtures/choices/lm_eval_choices.json`, written by
 //! `benches/torch/make_choices_fixture.py`) on two transformers models with two tokenizers,
 //! and `headroom eval --choices` on one of them; the head on chosen rows alone equals those
@@ -46,17 +47,45 @@ fn model_and_tokenizer(run: &serde_json::Value) -> (Model, Tokenizer) {
 fn every_run_scores_as_lm_eval_scores_it() {
     let fixture = fixture();
     let runs = fixture["runs"].as_object().unwrap();
-    assert_eq!(runs.len(), 4);
-    let (mut questions_checked, mut greedy_seen) = (0, 0);
+    assert_eq!(runs.len(), 8);
+    let (mut questions_checked, mut greedy_seen, mut fewshot_runs) = (0, 0, 0);
     for (name, run) in runs {
         let (model, tok) = model_and_tokenizer(run);
-        let questions = choices::read_questions(
-            &fixtures()
-                .join("choices")
-                .join(run["questions"].as_str().unwrap()),
-        )
-        .unwrap();
+        let path = fixtures()
+            .join("choices")
+            .join(run["questions"].as_str().unwrap());
         let delimiter = run["target_delimiter"].as_str().unwrap();
+        let questions = match run.get("fewshot") {
+            None => choices::read_questions(&path).unwrap(),
+            Some(f) => {
+                // The contexts lm-eval's few-shot prompts are: its sampler's draws (CPython's
+                // generator), the description and the delimiters.
+                fewshot_runs += 1;
+                let docs = choices::read_docs(&path).unwrap();
+                let fewshot = choices::Fewshot {
+                    shots: f["shots"].as_u64().unwrap() as usize,
+                    pool: f["file"].as_str().map(|file| {
+                        choices::read_docs(&fixtures().join("choices").join(file)).unwrap()
+                    }),
+                    sampler: match f["sampler"].as_str().unwrap() {
+                        "first_n" => choices::Sampler::FirstN,
+                        _ => choices::Sampler::Random {
+                            seed: f["seed"].as_u64().unwrap(),
+                        },
+                    },
+                    description: f["description"].as_str().unwrap().to_owned(),
+                    delimiter: f["delimiter"].as_str().unwrap().to_owned(),
+                };
+                let contexts = choices::fewshot_contexts(&docs, &fewshot, delimiter).unwrap();
+                docs.into_iter()
+                    .zip(contexts)
+                    .map(|(d, context)| Question {
+                        context,
+                        ..d.question
+                    })
+                    .collect()
+            }
+        };
         let want = run["scored"].as_array().unwrap();
         assert_eq!(questions.len(), want.len(), "{name}");
         let mut outcomes: Vec<Outcome> = Vec::new();
@@ -119,7 +148,8 @@ fn every_run_scores_as_lm_eval_scores_it() {
             );
         }
     }
-    assert_eq!(questions_checked, 3 * 12 + 3);
+    assert_eq!(fewshot_runs, 4);
+    assert_eq!(questions_checked, 6 * 12 + 3 + 4);
     // Greedy continuations were found and matched, not only their absence.
     assert!(greedy_seen >= 3, "{greedy_seen}");
 }
@@ -182,6 +212,43 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
         .unwrap();
     assert!(out.contains(&format!("acc          {acc:.4}")), "{out}");
 
+    // Few-shot prompts reach the requests: lm-eval's runs with its two samplers.
+    let fewshot_file = fixtures().join("choices/fewshot.jsonl");
+    for (name, extra) in [
+        (
+            "llama_fewshot_first_n",
+            vec![
+                "--num-fewshot",
+                "3",
+                "--fewshot-file",
+                fewshot_file.to_str().unwrap(),
+                "--fewshot-sampler",
+                "first-n",
+            ],
+        ),
+        (
+            "llama_fewshot_random",
+            vec![
+                "--num-fewshot",
+                "2",
+                "--description",
+                "Pick the ending.\n\n",
+            ],
+        ),
+    ] {
+        let o = run_eval(&questions, &extra);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for metric in ["acc", "acc_norm"] {
+            let line = format!(
+                "{metric:<12} {:.4} ± {:.4}",
+                fixture["runs"][name]["metrics"][metric].as_f64().unwrap(),
+                fixture["runs"][name]["stderr"][metric].as_f64().unwrap()
+            );
+            assert!(out.contains(&line), "{name}: {line:?} in {out}");
+        }
+    }
+
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(
         &bad,
@@ -193,6 +260,67 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("bad.jsonl: line 3: gold 2"), "{err}");
     assert!(o.stdout.is_empty());
+
+    // Refused before the model loads: more examples than the pool has (the question itself
+    // left out), an unknown sampler, and an example with several gold answers.
+    let several = fixtures().join("choices/several_gold.jsonl");
+    for (extra, why) in [
+        (
+            vec!["--num-fewshot", "12"],
+            "12 few-shot examples from a pool of 11",
+        ),
+        (
+            vec![
+                "--num-fewshot",
+                "7",
+                "--fewshot-file",
+                fewshot_file.to_str().unwrap(),
+            ],
+            "pool of 6",
+        ),
+        (
+            vec!["--num-fewshot", "1", "--fewshot-sampler", "balanced"],
+            "expected random or first-n",
+        ),
+        (
+            vec![
+                "--num-fewshot",
+                "1",
+                "--fewshot-file",
+                several.to_str().unwrap(),
+            ],
+            "several gold answers",
+        ),
+    ] {
+        let o = run_eval(&questions, &extra);
+        assert!(!o.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(why), "{extra:?}: {err}");
+        assert!(o.stdout.is_empty(), "{extra:?}");
+    }
+}
+
+/// The few-shot sampler's generator draws what CPython's `random.Random(seed).sample` draws,
+/// call after call on one generator, in both of its algorithms.
+#[test]
+fn python_s_random_sample_is_drawn_as_cpython_draws_it() {
+    let fixture = fixture();
+    let mut draws = 0;
+    for case in fixture["python_random"]["calls"].as_array().unwrap() {
+        let mut rng = headroom_trainer::pyrandom::PyRandom::new(case["seed"].as_u64().unwrap());
+        for d in case["draws"].as_array().unwrap() {
+            let (n, k) = (d["n"].as_u64().unwrap(), d["k"].as_u64().unwrap());
+            let want: Vec<usize> = serde_json::from_value(d["sample"].clone()).unwrap();
+            assert_eq!(
+                rng.sample(n as usize, k as usize).unwrap(),
+                want,
+                "seed {} sample({n}, {k})",
+                case["seed"]
+            );
+            draws += 1;
+        }
+    }
+    assert_eq!(draws, 13);
 }
 
 /// The crate's tiny GPT-2 or Llama, vocabulary 53, context 24.
