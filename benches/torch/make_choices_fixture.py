@@ -163,6 +163,50 @@ RUNS = [
     ),
 ]
 
+# lm-eval's `--apply_chat_template`: prompts rendered by the tokenizer's chat template (its
+# generation prompt added, no target delimiter before the choice), examples as turns of their
+# own or written into one user message, a system instruction as the system message; and a
+# template that refuses a system message, which lm-eval's HFLM renders again without it.
+CHAT_RUNS = [
+    (
+        "llama_chat_multiturn",
+        "hf-llama-gqa-untied",
+        "chat",
+        " ",
+        "questions.jsonl",
+        {"shots": 2, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "system_instruction": "You answer briefly.",
+         "chat": {"multiturn": True}},
+    ),
+    (
+        "llama_chat_singleturn",
+        "hf-llama-gqa-untied",
+        "chat",
+        " ",
+        "questions.jsonl",
+        {"shots": 2, "file": None, "sampler": "default", "seed": 1234,
+         "description": "Pick the ending.", "delimiter": "\n\n",
+         "system_instruction": "You answer briefly.", "chat": {"multiturn": False}},
+    ),
+    (
+        "llama_chat_no_system",
+        "hf-llama-gqa-untied",
+        "chat_no_system",
+        " ",
+        "questions.jsonl",
+        {"shots": 0, "file": None, "sampler": "default", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "system_instruction": "Be brief.",
+         "chat": {"multiturn": True}},
+    ),
+]
+RUNS += CHAT_RUNS
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('no system messages') }}{% endif %}"
+    "<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
 # CPython's `random.Random(seed).sample(range(n), k)`, calls in order on one generator: both
 # of its algorithms (a pool for small populations, a set of drawn indices for large ones).
 PYTHON_RANDOM_CALLS = [
@@ -176,14 +220,21 @@ def tokenizer_dirs(tmp):
     """The two tokenizers as transformers saves them: tokenizer.json and tokenizer_config.json."""
     from transformers import PreTrainedTokenizerFast
 
+    with open(os.path.join(FIXTURES, "sft", "chat", "tokenizer_config.json"), encoding="utf-8") as f:
+        chat_template = json.load(f)["chat_template"]
+    chat = os.path.join(FIXTURES, "sft", "chat", "tokenizer.json")
     out = {}
-    for name, source, bos in [
-        ("llama", os.path.join(FIXTURES, "sft", "llama-tokenizer.json"), "<s>"),
-        ("story", os.path.join(FIXTURES, "tokenizer", "story", "tokenizer.json"), None),
+    for name, source, bos, template in [
+        ("llama", os.path.join(FIXTURES, "sft", "llama-tokenizer.json"), "<s>", None),
+        ("story", os.path.join(FIXTURES, "tokenizer", "story", "tokenizer.json"), None, None),
+        ("chat", chat, "<s>", chat_template),
+        ("chat_no_system", chat, "<s>", NO_SYSTEM_TEMPLATE),
     ]:
         kwargs = {"eos_token": "</s>", "unk_token": "<unk>"}
         if bos:
             kwargs["bos_token"] = bos
+        if template:
+            kwargs["chat_template"] = template
         tok = PreTrainedTokenizerFast(tokenizer_file=source, **kwargs)
         directory = os.path.join(tmp, "tokenizer-" + name)
         tok.save_pretrained(directory)
@@ -238,7 +289,8 @@ def greedy_questions(directory, count=3):
     raise SystemExit("too few contexts with a greedy continuation that re-encodes as itself")
 
 
-def evaluate_task(directory, task, task_dir, num_fewshot=0, fewshot_seed=0):
+def evaluate_task(directory, task, task_dir, num_fewshot=0, fewshot_seed=0, chat=None,
+                  system_instruction=None):
     """lm-eval's `simple_evaluate` of the task `task` (a task config, written into task_dir)
     with `HFLM` on the model in `directory`, every sample logged."""
     import lm_eval
@@ -258,6 +310,9 @@ def evaluate_task(directory, task, task_dir, num_fewshot=0, fewshot_seed=0):
         numpy_random_seed=0,
         torch_random_seed=0,
         fewshot_random_seed=fewshot_seed,
+        apply_chat_template=chat is not None,
+        fewshot_as_multiturn=bool(chat and chat["multiturn"]),
+        system_instruction=system_instruction,
     )
 
 
@@ -339,6 +394,8 @@ def run(directory, questions_path, delimiter, tmp, fewshot=None):
         task_dir,
         num_fewshot=fewshot["shots"] if fewshot else 0,
         fewshot_seed=fewshot["seed"] if fewshot else 0,
+        chat=fewshot.get("chat") if fewshot else None,
+        system_instruction=fewshot.get("system_instruction") if fewshot else None,
     )
     samples = sorted(results["samples"]["headroom_choices"], key=lambda s: s["doc_id"])
     aggregate = results["results"]["headroom_choices"]
@@ -384,9 +441,10 @@ def make():
         tokenizers = tokenizer_dirs(tmp)
         files = {}
         for name, directory in tokenizers.items():
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                with open(os.path.join(directory, f), encoding="utf-8") as fh:
-                    files[os.path.join(name, f)] = fh.read()
+            for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                if os.path.isfile(os.path.join(directory, f)):
+                    with open(os.path.join(directory, f), encoding="utf-8") as fh:
+                        files[os.path.join(name, f)] = fh.read()
         llama = model_dir(tmp, "hf-llama-gqa-untied", tokenizers["llama"])
         for name, questions in [
             ("questions.jsonl", QUESTIONS + greedy_questions(llama)),

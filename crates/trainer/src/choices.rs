@@ -228,19 +228,74 @@ pub struct Fewshot {
     pub sampler: Sampler,
     /// Text before the examples (a task's `description`).
     pub description: String,
+    /// A system prompt before the description (lm-eval's `--system_instruction`), joined to
+    /// it by the few-shot delimiter.
+    pub system_instruction: Option<String>,
     /// Text after each example (`fewshot_delimiter`, `"\n\n"` in lm-eval).
     pub delimiter: String,
 }
 
-/// Each question's context with `fewshot`'s examples before it (each example's answer after
-/// `target_delimiter`), in question order: what lm-eval's `fewshot_context` builds. An
-/// example must have one gold answer (lm-eval fails on one with several), and the pool must
-/// hold enough questions.
-pub fn fewshot_contexts(
+/// One message of a prompt as lm-eval builds it (its `Message`): as plain text, the content
+/// and then the delimiter; for a chat template, the role and the content.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Turn {
+    /// `system`, `user` or `assistant`.
+    pub role: &'static str,
+    /// The text.
+    pub content: String,
+    /// What follows it in plain text (the target delimiter after a question, the few-shot
+    /// delimiter after an answer).
+    pub delimiter: String,
+}
+
+/// How a prompt's turns become the context text (lm-eval's `apply_chat_template` and
+/// `fewshot_as_multiturn`).
+#[derive(Clone, Copy, Debug)]
+pub enum PromptFormat<'a> {
+    /// Each turn's content and delimiter, one after another.
+    Plain,
+    /// Rendered by the tokenizer's chat template with its generation prompt: every example a
+    /// user and an assistant message (`multiturn`), or all of them in one user message
+    /// written as plain text (the system message kept apart). A template that fails on the
+    /// system message is rendered again without it, as lm-eval's `HFLM` does.
+    Chat {
+        /// The template.
+        template: &'a crate::chat_template::ChatTemplate,
+        /// Examples as turns of their own.
+        multiturn: bool,
+    },
+}
+
+/// `prefix` and `suffix` joined by `delimiter` unless either has whitespace at the join
+/// (lm-eval's `maybe_delimit`, with Python's `isspace`).
+fn maybe_delimit(prefix: &str, suffix: &str, delimiter: &str) -> String {
+    let python_space = |c: Option<char>| {
+        c.is_some_and(|c| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
+    };
+    if prefix.is_empty() {
+        return suffix.to_owned();
+    }
+    if suffix.is_empty() {
+        return prefix.to_owned();
+    }
+    if python_space(prefix.chars().last()) || python_space(suffix.chars().next()) {
+        format!("{prefix}{suffix}")
+    } else {
+        format!("{prefix}{delimiter}{suffix}")
+    }
+}
+
+/// Each question's prompt as lm-eval's `fewshot_context` builds it, in question order: a
+/// system message (`--system-instruction` and the description, joined by the few-shot
+/// delimiter) if there is one, each example as the user's context (then `target_delimiter`)
+/// and the assistant's gold choice (then the few-shot delimiter), then the question's
+/// context. An example must have one gold answer (lm-eval fails on one with several), and the
+/// pool must hold enough questions.
+pub fn fewshot_turns(
     questions: &[Doc],
     fewshot: &Fewshot,
     target_delimiter: &str,
-) -> Result<Vec<String>> {
+) -> Result<Vec<Vec<Turn>>> {
     let pool: &[Doc] = fewshot.pool.as_deref().unwrap_or(questions);
     let leave_out = fewshot.pool.is_none();
     let shots = fewshot.shots;
@@ -269,6 +324,16 @@ pub fn fewshot_contexts(
                 i + 1
             ))),
         }
+    };
+    let system = maybe_delimit(
+        fewshot.system_instruction.as_deref().unwrap_or(""),
+        &fewshot.description,
+        &fewshot.delimiter,
+    );
+    let turn = |role, content: &str, delimiter: &str| Turn {
+        role,
+        content: content.to_owned(),
+        delimiter: delimiter.to_owned(),
     };
     questions
         .iter()
@@ -305,16 +370,74 @@ pub fn fewshot_contexts(
                     }
                 }
             };
-            let mut text = fewshot.description.clone();
-            for i in chosen {
-                text.push_str(&pool[i].question.context);
-                text.push_str(target_delimiter);
-                text.push_str(answer(i)?);
-                text.push_str(&fewshot.delimiter);
+            let mut turns = Vec::with_capacity(2 * chosen.len() + 2);
+            if !system.is_empty() {
+                turns.push(turn("system", &system, ""));
             }
-            text.push_str(&doc.question.context);
-            Ok(text)
+            for i in chosen {
+                turns.push(turn("user", &pool[i].question.context, target_delimiter));
+                turns.push(turn("assistant", answer(i)?, &fewshot.delimiter));
+            }
+            turns.push(turn("user", &doc.question.context, ""));
+            Ok(turns)
         })
+        .collect()
+}
+
+/// A prompt's context text in `format` (lm-eval's, character for character).
+pub fn render_prompt(turns: &[Turn], format: PromptFormat<'_>) -> Result<String> {
+    let plain = |turns: &[Turn]| -> String {
+        turns
+            .iter()
+            .flat_map(|t| [t.content.as_str(), t.delimiter.as_str()])
+            .collect()
+    };
+    let PromptFormat::Chat {
+        template,
+        multiturn,
+    } = format
+    else {
+        return Ok(plain(turns));
+    };
+    let message = |role: &str, content: &str| {
+        crate::chat_template::ChatValue::from(serde_json::json!({"role": role, "content": content}))
+    };
+    let (system, rest) = match turns.split_first() {
+        Some((first, rest)) if first.role == "system" => (Some(first), rest),
+        _ => (None, turns),
+    };
+    let mut messages: Vec<crate::chat_template::ChatValue> = system
+        .map(|s| message(s.role, &s.content))
+        .into_iter()
+        .collect();
+    if multiturn {
+        messages.extend(rest.iter().map(|t| message(t.role, &t.content)));
+    } else {
+        // One user message: the turns as plain text, the last one's delimiter left off.
+        let mut text = plain(rest);
+        if let Some(last) = rest.last() {
+            text.truncate(text.len() - last.delimiter.len());
+        }
+        messages.push(message("user", &text));
+    }
+    match template.render(&messages, true) {
+        Ok(text) => Ok(text),
+        Err(e) if system.is_none() => Err(e),
+        // lm-eval's HFLM renders again without the system message when the template fails.
+        Err(_) => template.render(&messages[1..], true),
+    }
+}
+
+/// Each question's context with `fewshot`'s examples before it as plain text, in question
+/// order: [`fewshot_turns`] then [`render_prompt`]'s plain text.
+pub fn fewshot_contexts(
+    questions: &[Doc],
+    fewshot: &Fewshot,
+    target_delimiter: &str,
+) -> Result<Vec<String>> {
+    fewshot_turns(questions, fewshot, target_delimiter)?
+        .iter()
+        .map(|turns| render_prompt(turns, PromptFormat::Plain))
         .collect()
 }
 
@@ -818,6 +941,7 @@ mod tests {
                 pool: (!own_file).then(|| pool.clone()),
                 sampler: if random { Sampler::Random { seed } } else { Sampler::FirstN },
                 description: "D|".into(),
+                system_instruction: None,
                 delimiter: "|".into(),
             };
             let contexts = match fewshot_contexts(&questions, &fewshot, "=") {
@@ -857,6 +981,32 @@ mod tests {
             }
             proptest::prop_assert_eq!(fewshot_contexts(&questions, &fewshot, "=").unwrap(), contexts);
         }
+    }
+
+    #[test]
+    fn maybe_delimit_joins_as_lm_eval_does() {
+        assert_eq!(maybe_delimit("sys", "desc", "\n\n"), "sys\n\ndesc");
+        assert_eq!(maybe_delimit("sys ", "desc", "\n\n"), "sys desc");
+        assert_eq!(maybe_delimit("sys", "\tdesc", "\n\n"), "sys\tdesc");
+        // Python's isspace: the file, group, record and unit separators too.
+        assert_eq!(maybe_delimit("sys\u{1f}", "desc", "|"), "sys\u{1f}desc");
+        assert_eq!(maybe_delimit("", "desc", "|"), "desc");
+        assert_eq!(maybe_delimit("sys", "", "|"), "sys");
+        // A system instruction alone is written with no delimiter after it in plain text,
+        // as lm-eval writes its system message.
+        let questions = vec![doc("q", "a")];
+        let fewshot = Fewshot {
+            shots: 0,
+            pool: None,
+            sampler: Sampler::FirstN,
+            description: String::new(),
+            system_instruction: Some("Be brief.".into()),
+            delimiter: "\n\n".into(),
+        };
+        assert_eq!(
+            fewshot_contexts(&questions, &fewshot, " ").unwrap(),
+            ["Be brief.q"]
+        );
     }
 
     #[test]

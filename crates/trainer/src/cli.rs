@@ -225,6 +225,21 @@ struct EvalArgs {
     /// "The following are multiple choice questions (with answers) about …\n\n").
     #[arg(long, value_name = "TEXT", requires = "choices")]
     description: Option<String>,
+    /// With --choices: a system prompt before the description (lm-eval's
+    /// `--system_instruction`; the system message under --apply-chat-template).
+    #[arg(long, value_name = "TEXT", requires = "choices")]
+    system_instruction: Option<String>,
+    /// With --choices: render each prompt with the tokenizer's chat template and its
+    /// generation prompt, each choice scored right after it (lm-eval's
+    /// `--apply_chat_template`: no target delimiter before the choice), as a chat model is
+    /// evaluated.
+    #[arg(long, requires = "choices")]
+    apply_chat_template: bool,
+    /// With --apply-chat-template: each few-shot example as a user and an assistant turn
+    /// (lm-eval's `--fewshot_as_multiturn`, its default); `false` writes them all into one
+    /// user message.
+    #[arg(long, requires = "apply_chat_template", default_value_t = true, action = clap::ArgAction::Set)]
+    fewshot_as_multiturn: bool,
     /// With --choices or --documents: each question's log-likelihoods, greedy flags and
     /// metrics, or each document's log-likelihood, as a JSON line in this file (lm-eval's
     /// `--log_samples`).
@@ -2787,7 +2802,13 @@ fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
 /// `--samples` each question's scores as it is done.
 fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
     use crate::choices::{self, Outcome};
-    let questions = if a.num_fewshot.is_some() || a.description.is_some() {
+    // Prompts are built before the model loads (a bad file or option fails at once), and
+    // rendered once the tokenizer (and its chat template) is there.
+    let prompts = if a.num_fewshot.is_some()
+        || a.description.is_some()
+        || a.system_instruction.is_some()
+        || a.apply_chat_template
+    {
         let docs = choices::read_docs(path)?;
         let fewshot = choices::Fewshot {
             shots: a.num_fewshot.unwrap_or(0),
@@ -2808,45 +2829,67 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
                 }
             },
             description: a.description.clone().unwrap_or_default(),
+            system_instruction: a.system_instruction.clone(),
             delimiter: a.fewshot_delimiter.clone(),
         };
-        let contexts = choices::fewshot_contexts(&docs, &fewshot, &a.target_delimiter)?;
-        docs.into_iter()
-            .zip(contexts)
-            .map(|(d, context)| choices::Question {
-                context,
-                ..d.question
-            })
-            .collect()
+        let turns = choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
+        (docs.into_iter().map(|d| d.question).collect(), Some(turns))
     } else {
-        choices::read_questions(path)?
+        (choices::read_questions(path)?, None)
     };
     let (tok, model, tracker) = scoring_model(a, "--choices")?;
+    let template = if a.apply_chat_template {
+        Some(tok.chat_template()?.ok_or(
+            "--apply-chat-template: the tokenizer has no chat template (chat_template.jinja or \
+             tokenizer_config.json beside its tokenizer.json)",
+        )?)
+    } else {
+        None
+    };
+    let format = match &template {
+        Some(template) => choices::PromptFormat::Chat {
+            template,
+            multiturn: a.fewshot_as_multiturn,
+        },
+        None => choices::PromptFormat::Plain,
+    };
+    let questions: Vec<choices::Question> = match prompts {
+        (questions, None) => questions,
+        (questions, Some(turns)) => questions
+            .into_iter()
+            .zip(&turns)
+            .map(|(q, turns)| {
+                Ok(choices::Question {
+                    context: choices::render_prompt(turns, format)?,
+                    ..q
+                })
+            })
+            .collect::<crate::Result<_>>()?,
+    };
+    // lm-eval scores a choice right after the chat template's generation prompt.
+    let delimiter = if a.apply_chat_template {
+        ""
+    } else {
+        &a.target_delimiter
+    };
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
-    let report = choices::evaluate(
-        &model,
-        &tok,
-        &questions,
-        &a.target_delimiter,
-        |i, o: &Outcome| {
-            let Some((p, w)) = samples.as_mut() else {
-                return Ok(());
-            };
-            let line = serde_json::json!({
-                "question": i,
-                "loglikelihoods": o.scored.iter().map(|s| s.loglikelihood).collect::<Vec<_>>(),
-                "is_greedy": o.scored.iter().map(|s| s.is_greedy).collect::<Vec<_>>(),
-                "pred": o.pred,
-                "acc": o.acc,
-                "acc_norm": o.acc_norm,
-                "acc_bytes": o.acc_bytes,
-                "exact_match": o.exact_match,
-            });
-            writeln!(w, "{line}")
-                .map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
-        },
-    )?;
+    let report = choices::evaluate(&model, &tok, &questions, delimiter, |i, o: &Outcome| {
+        let Some((p, w)) = samples.as_mut() else {
+            return Ok(());
+        };
+        let line = serde_json::json!({
+            "question": i,
+            "loglikelihoods": o.scored.iter().map(|s| s.loglikelihood).collect::<Vec<_>>(),
+            "is_greedy": o.scored.iter().map(|s| s.is_greedy).collect::<Vec<_>>(),
+            "pred": o.pred,
+            "acc": o.acc,
+            "acc_norm": o.acc_norm,
+            "acc_bytes": o.acc_bytes,
+            "exact_match": o.exact_match,
+        });
+        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+    })?;
     if let Some((p, mut w)) = samples {
         w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
     }

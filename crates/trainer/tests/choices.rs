@@ -1,6 +1,6 @@
 //! Multiple-choice evaluation against lm-evaluation-harness: every request, log-likelihood,
-//! greedy flag, per-question metric and aggregate of eight lm-eval 0.4.13 runs (four with
-//! few-shot prompts, whose example draws are CPython's)
+//! greedy flag, per-question metric and aggregate of eleven lm-eval 0.4.13 runs (four with
+//! few-shot prompts, whose example draws are CPython's, and three through a chat template)
 //! (`fixtures/choices/lm_eval_choices.json`, written by
 //! `benches/torch/make_choices_fixture.py`) on two transformers models with two tokenizers,
 //! and `headroom eval --choices` on one of them; the head on chosen rows alone equals those
@@ -47,14 +47,14 @@ fn model_and_tokenizer(run: &serde_json::Value) -> (Model, Tokenizer) {
 fn every_run_scores_as_lm_eval_scores_it() {
     let fixture = fixture();
     let runs = fixture["runs"].as_object().unwrap();
-    assert_eq!(runs.len(), 8);
+    assert_eq!(runs.len(), 11);
     let (mut questions_checked, mut greedy_seen, mut fewshot_runs) = (0, 0, 0);
     for (name, run) in runs {
         let (model, tok) = model_and_tokenizer(run);
         let path = fixtures()
             .join("choices")
             .join(run["questions"].as_str().unwrap());
-        let delimiter = run["target_delimiter"].as_str().unwrap();
+        let mut delimiter = run["target_delimiter"].as_str().unwrap();
         let questions = match run.get("fewshot") {
             None => choices::read_questions(&path).unwrap(),
             Some(f) => {
@@ -74,13 +74,26 @@ fn every_run_scores_as_lm_eval_scores_it() {
                         },
                     },
                     description: f["description"].as_str().unwrap().to_owned(),
+                    system_instruction: f["system_instruction"].as_str().map(str::to_owned),
                     delimiter: f["delimiter"].as_str().unwrap().to_owned(),
                 };
-                let contexts = choices::fewshot_contexts(&docs, &fewshot, delimiter).unwrap();
+                let turns = choices::fewshot_turns(&docs, &fewshot, delimiter).unwrap();
+                let template = f.get("chat").map(|_| tok.chat_template().unwrap().unwrap());
+                let format = match (&template, f.get("chat")) {
+                    (Some(template), Some(chat)) => {
+                        // lm-eval scores a choice right after the generation prompt.
+                        delimiter = "";
+                        choices::PromptFormat::Chat {
+                            template,
+                            multiturn: chat["multiturn"].as_bool().unwrap(),
+                        }
+                    }
+                    _ => choices::PromptFormat::Plain,
+                };
                 docs.into_iter()
-                    .zip(contexts)
-                    .map(|(d, context)| Question {
-                        context,
+                    .zip(&turns)
+                    .map(|(d, turns)| Question {
+                        context: choices::render_prompt(turns, format).unwrap(),
                         ..d.question
                     })
                     .collect()
@@ -148,8 +161,8 @@ fn every_run_scores_as_lm_eval_scores_it() {
             );
         }
     }
-    assert_eq!(fewshot_runs, 4);
-    assert_eq!(questions_checked, 6 * 12 + 3 + 4);
+    assert_eq!(fewshot_runs, 7);
+    assert_eq!(questions_checked, 9 * 12 + 3 + 4);
     // Greedy continuations were found and matched, not only their absence.
     assert!(greedy_seen >= 3, "{greedy_seen}");
 }
@@ -248,6 +261,61 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
             assert!(out.contains(&line), "{name}: {line:?} in {out}");
         }
     }
+
+    // Through the chat template: lm-eval's --apply_chat_template runs, with the tokenizer
+    // that has one; the one without is refused.
+    let chat_tokenizer = fixtures().join("choices/chat/tokenizer.json");
+    for (name, extra) in [
+        (
+            "llama_chat_multiturn",
+            vec![
+                "--num-fewshot",
+                "2",
+                "--fewshot-file",
+                fewshot_file.to_str().unwrap(),
+                "--fewshot-sampler",
+                "first-n",
+            ],
+        ),
+        (
+            "llama_chat_singleturn",
+            vec![
+                "--num-fewshot",
+                "2",
+                "--description",
+                "Pick the ending.",
+                "--fewshot-as-multiturn",
+                "false",
+            ],
+        ),
+    ] {
+        let mut args = vec![
+            "eval",
+            "--from",
+            model.to_str().unwrap(),
+            "--tokenizer",
+            chat_tokenizer.to_str().unwrap(),
+            "--choices",
+            questions.to_str().unwrap(),
+            "--apply-chat-template",
+            "--system-instruction",
+            "You answer briefly.",
+        ];
+        args.extend(extra);
+        let o = common::headroom_command().args(&args).output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let line = format!(
+            "acc          {:.4} ± {:.4}",
+            fixture["runs"][name]["metrics"]["acc"].as_f64().unwrap(),
+            fixture["runs"][name]["stderr"]["acc"].as_f64().unwrap()
+        );
+        assert!(out.contains(&line), "{name}: {line:?} in {out}");
+    }
+    let o = run_eval(&questions, &["--apply-chat-template"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("has no chat template"), "{err}");
 
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(
