@@ -1065,6 +1065,29 @@ mod tests {
         }
     }
 
+    /// The crate's tiny GPT-2 or Llama, vocabulary 37, context 20, in fp32 or bf16.
+    fn tiny_model(llama: bool, bf16: bool, seed: u64) -> Model {
+        use crate::model::{ModelConfig, ModelOptions, Precision};
+        let shape = if llama {
+            ModelConfig::llama_tiny(37)
+        } else {
+            ModelConfig::tiny(37)
+        };
+        let cfg = ModelConfig {
+            max_seq: 20,
+            ..shape
+        };
+        let opts = ModelOptions {
+            precision: if bf16 {
+                Precision::Bf16
+            } else {
+                Precision::Fp32
+            },
+            ..ModelOptions::default()
+        };
+        Model::new(&headroom_tensor::Cpu::new(), cfg, opts, seed).unwrap()
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
 
@@ -1081,14 +1104,7 @@ mod tests {
             bf16 in proptest::prelude::any::<bool>(),
             seed in proptest::prelude::any::<u64>(),
         ) {
-            use crate::model::{ModelConfig, ModelOptions, Precision};
-            let shape = if llama { ModelConfig::llama_tiny(37) } else { ModelConfig::tiny(37) };
-            let cfg = ModelConfig { max_seq: 20, ..shape };
-            let opts = ModelOptions {
-                precision: if bf16 { Precision::Bf16 } else { Precision::Fp32 },
-                ..ModelOptions::default()
-            };
-            let model = Model::new(&headroom_tensor::Cpu::new(), cfg, opts, seed).unwrap();
+            let model = tiny_model(llama, bf16, seed);
             let requests: Vec<Request> = continuations
                 .into_iter()
                 .map(|continuation| Request { context: context.clone(), continuation })
@@ -1124,14 +1140,7 @@ mod tests {
             bf16 in proptest::prelude::any::<bool>(),
             seed in proptest::prelude::any::<u64>(),
         ) {
-            use crate::model::{ModelConfig, ModelOptions, Precision};
-            let shape = if llama { ModelConfig::llama_tiny(37) } else { ModelConfig::tiny(37) };
-            let cfg = ModelConfig { max_seq: 20, ..shape };
-            let opts = ModelOptions {
-                precision: if bf16 { Precision::Bf16 } else { Precision::Fp32 },
-                ..ModelOptions::default()
-            };
-            let model = Model::new(&headroom_tensor::Cpu::new(), cfg, opts, seed).unwrap();
+            let model = tiny_model(llama, bf16, seed);
             let requests = |context: Vec<u32>| -> Vec<Request> {
                 continuations
                     .iter()
