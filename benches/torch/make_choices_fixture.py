@@ -116,6 +116,20 @@ DUPLICATES = [
 ]
 
 # name, model, tokenizer, target delimiter, questions, few-shot settings (None: zero-shot).
+# Documents for `loglikelihood` (LAMBADA): the last word after the rest, split on single
+# spaces as lm-eval's lambada_openai splits them.
+COMPLETIONS = [
+    {"text": "the small cat sat on the mat."},
+    {"text": "a big dog ran under the old tree"},
+    {"text": "the red bird slept  near"},
+    {"text": "fox"},
+    {"text": "the café cat sat near 東京"},
+    {
+        "text": "the big cat sat on a mat. a small dog ran under the old tree. the red bird "
+        "slept near a big box. the old fox jumped on the small log. a big dog"
+    },
+]
+
 RUNS = [
     ("llama", "hf-llama-gqa-untied", "llama", " ", "questions.jsonl", None),
     ("llama_no_delimiter", "hf-llama-gqa-untied", "llama", "", "questions.jsonl", None),
@@ -362,6 +376,40 @@ def run_rolling(directory, documents_path, tmp):
     }
 
 
+def run_completions(directory, path, tmp):
+    """lm-eval's lambada_openai task over the documents: each one's request, log-likelihood
+    and greedy flag, and acc and perplexity with their standard errors (the perplexity's by
+    lm-eval's bootstrap, 100 000 replicates)."""
+    task_dir = os.path.join(tmp, "completions-" + str(abs(hash(directory))))
+    os.makedirs(task_dir, exist_ok=True)
+    task = json_task(
+        "headroom_completions",
+        path,
+        "loglikelihood",
+        doc_to_text="{{text.split(' ')[:-1]|join(' ')}}",
+        doc_to_target="{{' '+text.split(' ')[-1]}}",
+        metric_list=[
+            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+        ],
+    )
+    results = evaluate_task(directory, task, task_dir)
+    samples = sorted(results["samples"]["headroom_completions"], key=lambda s: s["doc_id"])
+    aggregate = results["results"]["headroom_completions"]
+    return {
+        "documents": [
+            {
+                "request": list(s["arguments"][0]),
+                "loglikelihood": s["resps"][0][0][0],
+                "is_greedy": s["resps"][0][0][1],
+            }
+            for s in samples
+        ],
+        "metrics": {m: aggregate[m + ",none"] for m in ["acc", "perplexity"]},
+        "stderr": {m: aggregate[m + "_stderr,none"] for m in ["acc", "perplexity"]},
+    }
+
+
 def run(directory, questions_path, delimiter, tmp, fewshot=None):
     task_dir = os.path.join(
         tmp, "tasks-" + str(abs(hash((directory, delimiter, questions_path, json.dumps(fewshot)))))
@@ -422,10 +470,14 @@ def python_random():
     out = []
     for seed, calls in PYTHON_RANDOM_CALLS:
         rng = random.Random(seed)
+        draws = [{"n": n, "k": k, "sample": rng.sample(range(n), k)} for n, k in calls]
         out.append(
             {
                 "seed": seed,
-                "draws": [{"n": n, "k": k, "sample": rng.sample(range(n), k)} for n, k in calls],
+                "draws": draws,
+                # Then, on the same generator: floats, and choices with replacement.
+                "random": [rng.random() for _ in range(3)],
+                "choices": rng.choices(range(7), k=9),
             }
         )
     return {"python": platform.python_version(), "calls": out}
@@ -446,8 +498,9 @@ def make():
                     with open(os.path.join(directory, f), encoding="utf-8") as fh:
                         files[os.path.join(name, f)] = fh.read()
         llama = model_dir(tmp, "hf-llama-gqa-untied", tokenizers["llama"])
+        greedy = greedy_questions(llama)
         for name, questions in [
-            ("questions.jsonl", QUESTIONS + greedy_questions(llama)),
+            ("questions.jsonl", QUESTIONS + greedy),
             ("several_gold.jsonl", SEVERAL_GOLD),
             ("fewshot.jsonl", FEWSHOT_POOL),
             ("duplicates.jsonl", DUPLICATES),
@@ -456,6 +509,16 @@ def make():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
             files[name] = text
+        # And documents whose last word is the Llama pair's greedy continuation (`acc`).
+        completions = COMPLETIONS + [
+            {"text": q["context"] + " " + q["choices"][1]}
+            for q in greedy
+            if " " not in q["choices"][1]
+        ]
+        text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in completions)
+        with open(os.path.join(tmp, "completions.jsonl"), "w", encoding="utf-8") as f:
+            f.write(text)
+        files["completions.jsonl"] = text
         text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in DOCUMENTS)
         with open(os.path.join(tmp, "documents.jsonl"), "w", encoding="utf-8") as f:
             f.write(text)
@@ -465,6 +528,7 @@ def make():
             "transformers": transformers.__version__,
             "runs": {},
             "rolling": {},
+            "completions": {},
         }
         for name, model, tokenizer in [
             ("llama", "hf-llama-gqa-untied", "llama"),
@@ -475,6 +539,11 @@ def make():
                 "model": model,
                 "tokenizer": tokenizer,
                 **run_rolling(directory, os.path.join(tmp, "documents.jsonl"), tmp),
+            }
+            fixture["completions"][name] = {
+                "model": model,
+                "tokenizer": tokenizer,
+                **run_completions(directory, os.path.join(tmp, "completions.jsonl"), tmp),
             }
         for name, model, tokenizer, delimiter, questions, fewshot in RUNS:
             directory = model_dir(tmp, model, tokenizers[tokenizer])
@@ -512,6 +581,7 @@ def main():
         same = (
             committed["runs"] == fixture["runs"]
             and committed["rolling"] == fixture["rolling"]
+            and committed["completions"] == fixture["completions"]
             and committed["python_random"]["calls"] == fixture["python_random"]["calls"]
         )
         print("the committed fixture is lm-eval's" if same else "the committed fixture differs from lm-eval's")

@@ -167,7 +167,7 @@ struct EvalArgs {
     #[arg(long, value_name = "DIR")]
     from: PathBuf,
     /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
-    #[arg(long, required_unless_present_any = ["choices", "documents"])]
+    #[arg(long, required_unless_present_any = ["choices", "documents", "completions"])]
     data: Option<PathBuf>,
     /// Multiple-choice questions (JSONL: `context`, `choices`, `gold` as an index, the
     /// choice's text or a list of indices) scored as lm-evaluation-harness scores them: each
@@ -182,6 +182,12 @@ struct EvalArgs {
     /// tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "document_attention"])]
     documents: Option<PathBuf>,
+    /// Documents whose target is scored after their context (JSONL: `context` and `target`,
+    /// or `text`, whose last word is the target, as lm-evaluation-harness's LAMBADA splits
+    /// it); prints acc (the target is the greedy continuation) and perplexity with lm-eval's
+    /// bootstrap standard error. Needs a tokenizer.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "documents", "document_attention"])]
+    completions: Option<PathBuf>,
     /// With --choices: the text between the context and each choice (lm-eval's
     /// `target_delimiter`).
     #[arg(long, value_name = "TEXT", default_value = " ", requires = "choices")]
@@ -240,12 +246,12 @@ struct EvalArgs {
     /// user message.
     #[arg(long, requires = "apply_chat_template", default_value_t = true, action = clap::ArgAction::Set)]
     fewshot_as_multiturn: bool,
-    /// With --choices or --documents: each question's log-likelihoods, greedy flags and
+    /// With --choices, --documents or --completions: each question's log-likelihoods, greedy flags and
     /// metrics, or each document's log-likelihood, as a JSON line in this file (lm-eval's
     /// `--log_samples`).
     #[arg(long, value_name = "FILE", conflicts_with = "data")]
     samples: Option<PathBuf>,
-    /// With --choices or --documents: `gpt2` or a tokenizer.json [default: the model
+    /// With --choices, --documents or --completions: `gpt2` or a tokenizer.json [default: the model
     /// directory's, or the checkpoint's]
     #[arg(long, value_name = "gpt2|FILE", conflicts_with = "data")]
     tokenizer: Option<String>,
@@ -2660,6 +2666,9 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     if let Some(documents) = &a.documents {
         return cmd_eval_documents(&a, documents);
     }
+    if let Some(completions) = &a.completions {
+        return cmd_eval_completions(&a, completions);
+    }
     let data_path = a.data.as_ref().ok_or("--data or --choices")?;
     let (cpu, tracker) = inference_cpu();
     let mut model = crate::sample::load_for_inference(
@@ -2747,6 +2756,60 @@ fn samples_file(a: &EvalArgs) -> CliResult<Option<(&Path, std::io::BufWriter<std
         )),
         None => None,
     })
+}
+
+/// `eval --completions`: the documents read before the model loads, a line per metric, and
+/// with `--samples` each document's log-likelihood and greedy flag as it is done.
+fn cmd_eval_completions(a: &EvalArgs, path: &Path) -> CliResult {
+    let documents = crate::completions::read_completions(path)?;
+    let (tok, model, tracker) = scoring_model(a, "--completions")?;
+    let mut samples = samples_file(a)?;
+    let started = std::time::Instant::now();
+    let report = crate::completions::evaluate(&model, &tok, &documents, |i, s| {
+        let Some((p, w)) = samples.as_mut() else {
+            return Ok(());
+        };
+        let line = serde_json::json!({
+            "document": i,
+            "loglikelihood": s.loglikelihood,
+            "is_greedy": s.is_greedy,
+        });
+        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+    })?;
+    if let Some((p, mut w)) = samples {
+        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    // A random model's perplexity runs to 1e26: such values in exponent form.
+    let shown = |x: f64| {
+        if x.abs() < 1e6 {
+            format!("{x:.4}")
+        } else {
+            format!("{x:.6e}")
+        }
+    };
+    let with_stderr = |value: f64, stderr: Option<f64>| match stderr {
+        Some(se) => format!("{} ± {}", shown(value), shown(se)),
+        None => shown(value),
+    };
+    say!(
+        "{:<12} {}",
+        "acc",
+        with_stderr(report.acc.mean, report.acc.stderr)
+    );
+    say!(
+        "{:<12} {}",
+        "perplexity",
+        with_stderr(report.perplexity, report.perplexity_stderr)
+    );
+    say!(
+        "{} documents, {} target tokens scored in {:.2} s ({})",
+        report.documents,
+        report.tokens,
+        started.elapsed().as_secs_f64(),
+        path.display()
+    );
+    esay!("{}", a.weights.summary(&tracker));
+    Ok(())
 }
 
 /// `eval --documents`: the documents read before the model loads, a line per metric, and

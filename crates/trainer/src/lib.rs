@@ -50,6 +50,7 @@ pub mod checkpoint;
 pub mod choices;
 pub mod cli;
 pub mod companions;
+pub mod completions;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;

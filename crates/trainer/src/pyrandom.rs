@@ -133,6 +133,25 @@ impl PyRandom {
         }
     }
 
+    /// `random()`: a float in `[0, 1)` of 53 random bits from two outputs (`genrand_res53`).
+    pub fn random(&mut self) -> f64 {
+        let a = self.next_u32() >> 5;
+        let b = self.next_u32() >> 6;
+        (f64::from(a) * 67_108_864.0 + f64::from(b)) * (1.0 / 9_007_199_254_740_992.0)
+    }
+
+    /// `choices(range(n), k=k)` without weights: `k` indices below `n` drawn with
+    /// replacement, each `floor(random() · n)`. Empty when `n` is 0.
+    pub fn choices(&mut self, n: usize, k: usize) -> Vec<usize> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let scale = n as f64;
+        (0..k)
+            .map(|_| ((self.random() * scale).floor() as usize).min(n - 1))
+            .collect()
+    }
+
     /// `sample(range(n), k)`: `k` distinct indices below `n`, in CPython's order; `None` when
     /// `k > n` (CPython's `ValueError`) or `n` is past 2³² (never a question file's size).
     pub fn sample(&mut self, n: usize, k: usize) -> Option<Vec<usize>> {

@@ -387,8 +387,115 @@ fn python_s_random_sample_is_drawn_as_cpython_draws_it() {
             );
             draws += 1;
         }
+        // Then floats (53 bits of two outputs) and choices with replacement, on the same
+        // generator.
+        for want in case["random"].as_array().unwrap() {
+            assert_eq!(
+                rng.random(),
+                want.as_f64().unwrap(),
+                "seed {}",
+                case["seed"]
+            );
+        }
+        let want: Vec<usize> = serde_json::from_value(case["choices"].clone()).unwrap();
+        assert_eq!(rng.choices(7, 9), want, "seed {}", case["seed"]);
     }
     assert_eq!(draws, 13);
+}
+
+/// Single targets (LAMBADA) as lm-eval's `loglikelihood` tasks score them: each document's
+/// request (lm-eval's split of its text), log-likelihood and greedy flag; acc with its
+/// standard error; perplexity, and its standard error by lm-eval's bootstrap, draw for draw
+/// (on lm-eval's own log-likelihoods to 1e-12, on ours to their difference); and the
+/// command's lines.
+#[test]
+fn completions_score_as_lm_eval_s_loglikelihood() {
+    use headroom_trainer::completions;
+    let fixture = fixture();
+    let path = fixtures().join("choices/completions.jsonl");
+    let documents = completions::read_completions(&path).unwrap();
+    let mut greedy_seen = 0;
+    for (name, run) in fixture["completions"].as_object().unwrap() {
+        let (model, tok) = model_and_tokenizer(run);
+        let mut scores = Vec::new();
+        let report = completions::evaluate(&model, &tok, &documents, |_, s| {
+            scores.push(*s);
+            Ok(())
+        })
+        .unwrap();
+        let want = run["documents"].as_array().unwrap();
+        assert_eq!(scores.len(), want.len(), "{name}");
+        let mut theirs = Vec::new();
+        for (i, ((s, w), d)) in scores.iter().zip(want).zip(&documents).enumerate() {
+            let request: (String, String) = serde_json::from_value(w["request"].clone()).unwrap();
+            assert_eq!((d.context.clone(), d.target.clone()), request, "{name} {i}");
+            let ll = w["loglikelihood"].as_f64().unwrap();
+            assert!(
+                (s.loglikelihood - ll).abs() < 2e-4 * ll.abs().max(1.0),
+                "{name} document {i}: {} vs lm-eval {ll}",
+                s.loglikelihood
+            );
+            assert_eq!(s.is_greedy, w["is_greedy"].as_bool().unwrap(), "{name} {i}");
+            greedy_seen += usize::from(s.is_greedy);
+            theirs.push(ll);
+        }
+        let metric = |m: &str| run["metrics"][m].as_f64().unwrap();
+        let stderr = |m: &str| run["stderr"][m].as_f64().unwrap();
+        assert!((report.acc.mean - metric("acc")).abs() < 1e-12, "{name}");
+        assert!(
+            (report.acc.stderr.unwrap() - stderr("acc")).abs() < 1e-9,
+            "{name}"
+        );
+        let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+        assert!(
+            rel(report.perplexity, metric("perplexity")) < 1e-5,
+            "{name}"
+        );
+        // The bootstrap itself, on lm-eval's log-likelihoods: the same replicates.
+        let replayed = completions::bootstrap_stderr(
+            &theirs,
+            completions::BOOTSTRAP_ITERS,
+            completions::perplexity,
+        )
+        .unwrap();
+        assert!(
+            rel(replayed, stderr("perplexity")) < 1e-12,
+            "{name}: {replayed} vs lm-eval {}",
+            stderr("perplexity")
+        );
+        assert!(
+            rel(report.perplexity_stderr.unwrap(), stderr("perplexity")) < 1e-4,
+            "{name}"
+        );
+    }
+    assert!(greedy_seen >= 2, "{greedy_seen}");
+
+    let run = &fixture["completions"]["llama"];
+    let o = common::headroom_command()
+        .args([
+            "eval",
+            "--from",
+            fixtures().join("hf-llama-gqa-untied").to_str().unwrap(),
+            "--tokenizer",
+            fixtures()
+                .join("choices/llama/tokenizer.json")
+                .to_str()
+                .unwrap(),
+            "--completions",
+            path.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let acc = format!(
+        "acc          {:.4} ± {:.4}",
+        run["metrics"]["acc"].as_f64().unwrap(),
+        run["stderr"]["acc"].as_f64().unwrap()
+    );
+    assert!(out.contains(&acc), "{acc:?} in {out}");
+    assert!(out.contains("perplexity   "), "{out}");
+    assert!(out.contains("8 documents"), "{out}");
 }
 
 /// The crate's tiny GPT-2 or Llama, vocabulary 53, context 24.
