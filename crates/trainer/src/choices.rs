@@ -354,7 +354,7 @@ pub fn fewshot_turns(
                 (Some(rng), _) => {
                     // One more than asked, then the question itself taken out.
                     let drawn = rng
-                        .sample(pool.len(), shots + 1)
+                        .sample(pool.len(), shots.saturating_add(1))
                         .ok_or_else(|| too_few(pool.len().saturating_sub(1)))?;
                     let kept: Vec<usize> = drawn.into_iter().filter(others).take(shots).collect();
                     if kept.len() == shots {

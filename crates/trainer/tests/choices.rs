@@ -337,6 +337,20 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
             vec!["--num-fewshot", "12"],
             "12 few-shot examples from a pool of 11",
         ),
+        // The largest count: no overflow, the same refusal, with either sampler.
+        (
+            vec!["--num-fewshot", "18446744073709551615"],
+            "few-shot examples from a pool of 11",
+        ),
+        (
+            vec![
+                "--num-fewshot",
+                "18446744073709551615",
+                "--fewshot-sampler",
+                "first-n",
+            ],
+            "few-shot examples from a pool of 11",
+        ),
         (
             vec![
                 "--num-fewshot",
