@@ -179,8 +179,9 @@ RUNS = [
 
 # lm-eval's `--apply_chat_template`: prompts rendered by the tokenizer's chat template (its
 # generation prompt added, no target delimiter before the choice), examples as turns of their
-# own or written into one user message, a system instruction as the system message; and a
-# template that refuses a system message, which lm-eval's HFLM renders again without it.
+# own or written into one user message, a system instruction as the system message, the
+# template's own variables (HFLM's `chat_template_args`); and a template that refuses a system
+# message, which lm-eval's HFLM renders again without it.
 CHAT_RUNS = [
     (
         "llama_chat_multiturn",
@@ -203,6 +204,16 @@ CHAT_RUNS = [
          "system_instruction": "You answer briefly.", "chat": {"multiturn": False}},
     ),
     (
+        "llama_chat_no_thinking",
+        "hf-llama-gqa-untied",
+        "chat_no_system",
+        " ",
+        "questions.jsonl",
+        {"shots": 1, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n",
+         "chat": {"multiturn": True, "kwargs": {"enable_thinking": False}}},
+    ),
+    (
         "llama_chat_no_system",
         "hf-llama-gqa-untied",
         "chat_no_system",
@@ -218,7 +229,9 @@ NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}"
     "{{ raise_exception('no system messages') }}{% endif %}"
     "<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
+    "{% if add_generation_prompt %}<assistant>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
 )
 
 # CPython's `random.Random(seed).sample(range(n), k)`, calls in order on one generator: both
@@ -313,7 +326,14 @@ def evaluate_task(directory, task, task_dir, num_fewshot=0, fewshot_seed=0, chat
 
     with open(os.path.join(task_dir, task["task"] + ".yaml"), "w") as f:
         json.dump(task, f)  # JSON is YAML
-    lm = HFLM(pretrained=directory, backend="causal", dtype="float32", device="cpu", batch_size=1)
+    lm = HFLM(
+        pretrained=directory,
+        backend="causal",
+        dtype="float32",
+        device="cpu",
+        batch_size=1,
+        chat_template_args=(chat or {}).get("kwargs"),
+    )
     return lm_eval.simple_evaluate(
         model=lm,
         tasks=[task["task"]],

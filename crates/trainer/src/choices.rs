@@ -263,6 +263,9 @@ pub enum PromptFormat<'a> {
         template: &'a crate::chat_template::ChatTemplate,
         /// Examples as turns of their own.
         multiturn: bool,
+        /// The template's further variables (lm-eval's `chat_template_args`, such as
+        /// `enable_thinking`).
+        extra: &'a [(String, crate::chat_template::ChatValue)],
     },
 }
 
@@ -395,6 +398,7 @@ pub fn render_prompt(turns: &[Turn], format: PromptFormat<'_>) -> Result<String>
     let PromptFormat::Chat {
         template,
         multiturn,
+        extra,
     } = format
     else {
         return Ok(plain(turns));
@@ -420,11 +424,21 @@ pub fn render_prompt(turns: &[Turn], format: PromptFormat<'_>) -> Result<String>
         }
         messages.push(message("user", &text));
     }
-    match template.render(&messages, true) {
+    let render = |messages: &[crate::chat_template::ChatValue]| {
+        template
+            .render_request(&crate::chat_template::ChatRequest {
+                messages,
+                add_generation_prompt: true,
+                extra,
+                ..Default::default()
+            })
+            .map(|r| r.text)
+    };
+    match render(&messages) {
         Ok(text) => Ok(text),
         Err(e) if system.is_none() => Err(e),
         // lm-eval's HFLM renders again without the system message when the template fails.
-        Err(_) => template.render(&messages[1..], true),
+        Err(_) => render(&messages[1..]),
     }
 }
 

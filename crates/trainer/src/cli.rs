@@ -246,6 +246,10 @@ struct EvalArgs {
     /// user message.
     #[arg(long, requires = "apply_chat_template", default_value_t = true, action = clap::ArgAction::Set)]
     fewshot_as_multiturn: bool,
+    /// With --apply-chat-template: further template variables as a JSON object (lm-eval's
+    /// `chat_template_args`, such as `{"enable_thinking": false}`).
+    #[arg(long, value_name = "JSON", requires = "apply_chat_template")]
+    chat_template_kwargs: Option<String>,
     /// With --choices, --documents or --completions: each question's log-likelihoods, greedy flags and
     /// metrics, or each document's log-likelihood, as a JSON line in this file (lm-eval's
     /// `--log_samples`).
@@ -2909,10 +2913,21 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
     } else {
         None
     };
+    let extra = match &a.chat_template_kwargs {
+        Some(json) => {
+            let value: crate::chat_template::ChatValue = serde_json::from_str(json)
+                .map_err(|e| format!("--chat-template-kwargs: not JSON: {e}"))?;
+            crate::tokenize::template_inputs(None, Some(value))
+                .map_err(|e| format!("--chat-template-kwargs: {e}"))?
+                .extra
+        }
+        None => Vec::new(),
+    };
     let format = match &template {
         Some(template) => choices::PromptFormat::Chat {
             template,
             multiturn: a.fewshot_as_multiturn,
+            extra: &extra,
         },
         None => choices::PromptFormat::Plain,
     };

@@ -1,6 +1,6 @@
 //! Multiple-choice evaluation against lm-evaluation-harness: every request, log-likelihood,
-//! greedy flag, per-question metric and aggregate of eleven lm-eval 0.4.13 runs (four with
-//! few-shot prompts, whose example draws are CPython's, and three through a chat template)
+//! greedy flag, per-question metric and aggregate of twelve lm-eval 0.4.13 runs (four with
+//! few-shot prompts, whose example draws are CPython's, and four through a chat template)
 //! (`fixtures/choices/lm_eval_choices.json`, written by
 //! `benches/torch/make_choices_fixture.py`) on two transformers models with two tokenizers,
 //! and `headroom eval --choices` on one of them; the head on chosen rows alone equals those
@@ -47,7 +47,7 @@ fn model_and_tokenizer(run: &serde_json::Value) -> (Model, Tokenizer) {
 fn every_run_scores_as_lm_eval_scores_it() {
     let fixture = fixture();
     let runs = fixture["runs"].as_object().unwrap();
-    assert_eq!(runs.len(), 11);
+    assert_eq!(runs.len(), 12);
     let (mut questions_checked, mut greedy_seen, mut fewshot_runs) = (0, 0, 0);
     for (name, run) in runs {
         let (model, tok) = model_and_tokenizer(run);
@@ -79,6 +79,17 @@ fn every_run_scores_as_lm_eval_scores_it() {
                 };
                 let turns = choices::fewshot_turns(&docs, &fewshot, delimiter).unwrap();
                 let template = f.get("chat").map(|_| tok.chat_template().unwrap().unwrap());
+                // HFLM's chat_template_args.
+                let extra: Vec<(String, headroom_trainer::chat_template::ChatValue)> = f
+                    .get("chat")
+                    .and_then(|c| c.get("kwargs"))
+                    .and_then(|k| k.as_object())
+                    .map(|k| {
+                        k.iter()
+                            .map(|(key, v)| (key.clone(), v.clone().into()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
                 let format = match (&template, f.get("chat")) {
                     (Some(template), Some(chat)) => {
                         // lm-eval scores a choice right after the generation prompt.
@@ -86,6 +97,7 @@ fn every_run_scores_as_lm_eval_scores_it() {
                         choices::PromptFormat::Chat {
                             template,
                             multiturn: chat["multiturn"].as_bool().unwrap(),
+                            extra: &extra,
                         }
                     }
                     _ => choices::PromptFormat::Plain,
@@ -161,8 +173,8 @@ fn every_run_scores_as_lm_eval_scores_it() {
             );
         }
     }
-    assert_eq!(fewshot_runs, 7);
-    assert_eq!(questions_checked, 9 * 12 + 3 + 4);
+    assert_eq!(fewshot_runs, 8);
+    assert_eq!(questions_checked, 10 * 12 + 3 + 4);
     // Greedy continuations were found and matched, not only their absence.
     assert!(greedy_seen >= 3, "{greedy_seen}");
 }
@@ -316,6 +328,47 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("has no chat template"), "{err}");
+    // The template's own variables (HFLM's chat_template_args), and a value that is not JSON.
+    let no_system = fixtures().join("choices/chat_no_system/tokenizer.json");
+    for (kwargs, ok) in [(r#"{"enable_thinking": false}"#, true), ("{enable", false)] {
+        let o = common::headroom_command()
+            .args([
+                "eval",
+                "--from",
+                model.to_str().unwrap(),
+                "--tokenizer",
+                no_system.to_str().unwrap(),
+                "--choices",
+                questions.to_str().unwrap(),
+                "--apply-chat-template",
+                "--chat-template-kwargs",
+                kwargs,
+                "--num-fewshot",
+                "1",
+                "--fewshot-file",
+                fewshot_file.to_str().unwrap(),
+                "--fewshot-sampler",
+                "first-n",
+            ])
+            .output()
+            .unwrap();
+        let (out, err) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert_eq!(o.status.success(), ok, "{kwargs}: {err}");
+        if ok {
+            let run = &fixture["runs"]["llama_chat_no_thinking"];
+            let line = format!(
+                "acc          {:.4} ± {:.4}",
+                run["metrics"]["acc"].as_f64().unwrap(),
+                run["stderr"]["acc"].as_f64().unwrap()
+            );
+            assert!(out.contains(&line), "{line:?} in {out}");
+        } else {
+            assert!(err.contains("--chat-template-kwargs: not JSON"), "{err}");
+        }
+    }
 
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(
