@@ -2762,6 +2762,25 @@ fn samples_file(a: &EvalArgs) -> CliResult<Option<(&Path, std::io::BufWriter<std
     })
 }
 
+/// The `--chat-template-kwargs` JSON object as a template's further variables.
+fn chat_template_kwargs(json: &str) -> CliResult<Vec<(String, crate::chat_template::ChatValue)>> {
+    let value: crate::chat_template::ChatValue =
+        serde_json::from_str(json).map_err(|e| format!("--chat-template-kwargs: not JSON: {e}"))?;
+    Ok(crate::tokenize::template_inputs(None, Some(value))
+        .map_err(|e| format!("--chat-template-kwargs: {e}"))?
+        .extra)
+}
+
+/// A perplexity as `eval` prints it: four decimals, or exponent form past 1e6 (a random
+/// model's runs to 1e26).
+fn shown(x: f64) -> String {
+    if x.abs() < 1e6 {
+        format!("{x:.4}")
+    } else {
+        format!("{x:.6e}")
+    }
+}
+
 /// `eval --completions`: the documents read before the model loads, a line per metric, and
 /// with `--samples` each document's log-likelihood and greedy flag as it is done.
 fn cmd_eval_completions(a: &EvalArgs, path: &Path) -> CliResult {
@@ -2783,14 +2802,6 @@ fn cmd_eval_completions(a: &EvalArgs, path: &Path) -> CliResult {
     if let Some((p, mut w)) = samples {
         w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
     }
-    // A random model's perplexity runs to 1e26: such values in exponent form.
-    let shown = |x: f64| {
-        if x.abs() < 1e6 {
-            format!("{x:.4}")
-        } else {
-            format!("{x:.6e}")
-        }
-    };
     let with_stderr = |value: f64, stderr: Option<f64>| match stderr {
         Some(se) => format!("{} ± {}", shown(value), shown(se)),
         None => shown(value),
@@ -2833,14 +2844,6 @@ fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
     if let Some((p, mut w)) = samples {
         w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
     }
-    // A random model's word perplexity runs to 1e26: such values in exponent form.
-    let shown = |x: f64| {
-        if x.abs() < 1e6 {
-            format!("{x:.4}")
-        } else {
-            format!("{x:.6e}")
-        }
-    };
     say!(
         "{:<16} {}",
         "word_perplexity",
@@ -2914,13 +2917,7 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         None
     };
     let extra = match &a.chat_template_kwargs {
-        Some(json) => {
-            let value: crate::chat_template::ChatValue = serde_json::from_str(json)
-                .map_err(|e| format!("--chat-template-kwargs: not JSON: {e}"))?;
-            crate::tokenize::template_inputs(None, Some(value))
-                .map_err(|e| format!("--chat-template-kwargs: {e}"))?
-                .extra
-        }
+        Some(json) => chat_template_kwargs(json)?,
         None => Vec::new(),
     };
     let format = match &template {
@@ -3275,11 +3272,7 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
             None => Conversation::default(),
         };
         if let Some(json) = &a.chat_template_kwargs {
-            let value: crate::chat_template::ChatValue = serde_json::from_str(json)
-                .map_err(|e| format!("--chat-template-kwargs: not JSON: {e}"))?;
-            let inputs = crate::tokenize::template_inputs(None, Some(value))
-                .map_err(|e| format!("--chat-template-kwargs: {e}"))?;
-            for (key, value) in inputs.extra {
+            for (key, value) in chat_template_kwargs(json)? {
                 conversation.extra.retain(|(k, _)| *k != key);
                 conversation.extra.push((key, value));
             }

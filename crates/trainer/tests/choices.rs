@@ -43,6 +43,27 @@ fn model_and_tokenizer(run: &serde_json::Value) -> (Model, Tokenizer) {
     )
 }
 
+/// `headroom eval` of the Llama fixture with the tokenizer the script saved as
+/// `choices/<tokenizer>/`, then `args`.
+fn eval_llama(tokenizer: &str, args: &[&str]) -> std::process::Output {
+    let model = fixtures().join("hf-llama-gqa-untied");
+    let tokenizer = fixtures()
+        .join("choices")
+        .join(tokenizer)
+        .join("tokenizer.json");
+    common::headroom_command()
+        .args([
+            "eval",
+            "--from",
+            model.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+        ])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn every_run_scores_as_lm_eval_scores_it() {
     let fixture = fixture();
@@ -187,21 +208,11 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
     let run = &fixture["runs"]["llama"];
     let dir = tempfile::tempdir().unwrap();
     let samples = dir.path().join("samples.jsonl");
-    let model = fixtures().join("hf-llama-gqa-untied");
-    let tokenizer = fixtures().join("choices/llama/tokenizer.json");
     let questions = fixtures().join("choices/questions.jsonl");
     let run_eval = |questions: &std::path::Path, extra: &[&str]| {
-        let mut args = vec![
-            "eval",
-            "--from",
-            model.to_str().unwrap(),
-            "--tokenizer",
-            tokenizer.to_str().unwrap(),
-            "--choices",
-            questions.to_str().unwrap(),
-        ];
+        let mut args = vec!["--choices", questions.to_str().unwrap()];
         args.extend_from_slice(extra);
-        common::headroom_command().args(&args).output().unwrap()
+        eval_llama("llama", &args)
     };
     let o = run_eval(&questions, &["--samples", samples.to_str().unwrap()]);
     let out = String::from_utf8_lossy(&o.stdout);
@@ -276,7 +287,6 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
 
     // Through the chat template: lm-eval's --apply_chat_template runs, with the tokenizer
     // that has one; the one without is refused.
-    let chat_tokenizer = fixtures().join("choices/chat/tokenizer.json");
     for (name, extra) in [
         (
             "llama_chat_multiturn",
@@ -302,11 +312,6 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
         ),
     ] {
         let mut args = vec![
-            "eval",
-            "--from",
-            model.to_str().unwrap(),
-            "--tokenizer",
-            chat_tokenizer.to_str().unwrap(),
             "--choices",
             questions.to_str().unwrap(),
             "--apply-chat-template",
@@ -314,7 +319,7 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
             "You answer briefly.",
         ];
         args.extend(extra);
-        let o = common::headroom_command().args(&args).output().unwrap();
+        let o = eval_llama("chat", &args);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let line = format!(
@@ -329,15 +334,10 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("has no chat template"), "{err}");
     // The template's own variables (HFLM's chat_template_args), and a value that is not JSON.
-    let no_system = fixtures().join("choices/chat_no_system/tokenizer.json");
     for (kwargs, ok) in [(r#"{"enable_thinking": false}"#, true), ("{enable", false)] {
-        let o = common::headroom_command()
-            .args([
-                "eval",
-                "--from",
-                model.to_str().unwrap(),
-                "--tokenizer",
-                no_system.to_str().unwrap(),
+        let o = eval_llama(
+            "chat_no_system",
+            &[
                 "--choices",
                 questions.to_str().unwrap(),
                 "--apply-chat-template",
@@ -349,9 +349,8 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
                 fewshot_file.to_str().unwrap(),
                 "--fewshot-sampler",
                 "first-n",
-            ])
-            .output()
-            .unwrap();
+            ],
+        );
         let (out, err) = (
             String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr),
@@ -538,21 +537,7 @@ fn completions_score_as_lm_eval_s_loglikelihood() {
     assert!(greedy_seen >= 2, "{greedy_seen}");
 
     let run = &fixture["completions"]["llama"];
-    let o = common::headroom_command()
-        .args([
-            "eval",
-            "--from",
-            fixtures().join("hf-llama-gqa-untied").to_str().unwrap(),
-            "--tokenizer",
-            fixtures()
-                .join("choices/llama/tokenizer.json")
-                .to_str()
-                .unwrap(),
-            "--completions",
-            path.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let o = eval_llama("llama", &["--completions", path.to_str().unwrap()]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let acc = format!(
@@ -706,21 +691,7 @@ fn documents_score_as_lm_eval_s_rolling_log_likelihood() {
     }
 
     let run = &fixture["rolling"]["llama"];
-    let o = common::headroom_command()
-        .args([
-            "eval",
-            "--from",
-            fixtures().join("hf-llama-gqa-untied").to_str().unwrap(),
-            "--tokenizer",
-            fixtures()
-                .join("choices/llama/tokenizer.json")
-                .to_str()
-                .unwrap(),
-            "--documents",
-            documents.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let o = eval_llama("llama", &["--documents", documents.to_str().unwrap()]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     for metric in ["word_perplexity", "byte_perplexity", "bits_per_byte"] {
