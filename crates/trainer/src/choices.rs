@@ -213,17 +213,50 @@ pub enum Sampler {
     FirstN,
 }
 
+/// A document a few-shot prompt can show as a solved example: its context and the answer
+/// lm-eval writes after it (a question's gold choice, a generation task's first target).
+pub trait Example {
+    /// The text before the answer (lm-eval's `doc_to_text`).
+    fn context(&self) -> &str;
+    /// The line it was read from, parsed: lm-eval compares documents whole to keep one out
+    /// of its own examples.
+    fn json(&self) -> &serde_json::Value;
+    /// The answer an example shows, or why it has none.
+    fn shown_answer(&self) -> std::result::Result<&str, String>;
+}
+
+impl Example for Doc {
+    fn context(&self) -> &str {
+        &self.question.context
+    }
+
+    fn json(&self) -> &serde_json::Value {
+        &self.json
+    }
+
+    fn shown_answer(&self) -> std::result::Result<&str, String> {
+        match self.question.gold {
+            Gold::One(g) => Ok(&self.question.choices[g]),
+            Gold::Any(_) => Err(
+                "has several gold answers: which one an example shows is not \
+                                 defined (lm-eval fails on it too)"
+                    .into(),
+            ),
+        }
+    }
+}
+
 /// Solved questions before each question's context, as lm-eval writes a `num_fewshot` prompt:
 /// the description, then for each example its context, the target delimiter, its gold
 /// choice and the few-shot delimiter, then the question's context.
 #[derive(Clone, Debug)]
-pub struct Fewshot {
+pub struct Fewshot<E = Doc> {
     /// Examples per question (`num_fewshot`).
     pub shots: usize,
     /// The questions examples come from (lm-eval's `fewshot_split`); `None`: the evaluated
     /// questions themselves, where lm-eval (a `fewshot_split` equal to the test split) leaves
     /// each question out of its own examples (every question equal to it, by its JSON).
-    pub pool: Option<Vec<Doc>>,
+    pub pool: Option<Vec<E>>,
     /// How they are picked.
     pub sampler: Sampler,
     /// Text before the examples (a task's `description`).
@@ -294,12 +327,12 @@ fn maybe_delimit(prefix: &str, suffix: &str, delimiter: &str) -> String {
 /// and the assistant's gold choice (then the few-shot delimiter), then the question's
 /// context. An example must have one gold answer (lm-eval fails on one with several), and the
 /// pool must hold enough questions.
-pub fn fewshot_turns(
-    questions: &[Doc],
-    fewshot: &Fewshot,
+pub fn fewshot_turns<E: Example>(
+    questions: &[E],
+    fewshot: &Fewshot<E>,
     target_delimiter: &str,
 ) -> Result<Vec<Vec<Turn>>> {
-    let pool: &[Doc] = fewshot.pool.as_deref().unwrap_or(questions);
+    let pool: &[E] = fewshot.pool.as_deref().unwrap_or(questions);
     let leave_out = fewshot.pool.is_none();
     let shots = fewshot.shots;
     let mut rng = match fewshot.sampler {
@@ -318,15 +351,9 @@ pub fn fewshot_turns(
         ))
     };
     let answer = |i: usize| -> Result<&str> {
-        let q = &pool[i].question;
-        match q.gold {
-            Gold::One(g) => Ok(&q.choices[g]),
-            Gold::Any(_) => Err(TrainError::Input(format!(
-                "question {} of the few-shot pool has several gold answers: which one an \
-                 example shows is not defined (lm-eval fails on it too)",
-                i + 1
-            ))),
-        }
+        pool[i].shown_answer().map_err(|why| {
+            TrainError::Input(format!("question {} of the few-shot pool {why}", i + 1))
+        })
     };
     let system = maybe_delimit(
         fewshot.system_instruction.as_deref().unwrap_or(""),
@@ -341,7 +368,7 @@ pub fn fewshot_turns(
     questions
         .iter()
         .map(|doc| {
-            let others = |i: &usize| !leave_out || pool[*i].json != doc.json;
+            let others = |i: &usize| !leave_out || pool[*i].json() != doc.json();
             let chosen: Vec<usize> = match (&mut rng, shots) {
                 (_, 0) => Vec::new(),
                 (None, _) => {
@@ -378,10 +405,10 @@ pub fn fewshot_turns(
                 turns.push(turn("system", &system, ""));
             }
             for i in chosen {
-                turns.push(turn("user", &pool[i].question.context, target_delimiter));
+                turns.push(turn("user", pool[i].context(), target_delimiter));
                 turns.push(turn("assistant", answer(i)?, &fewshot.delimiter));
             }
-            turns.push(turn("user", &doc.question.context, ""));
+            turns.push(turn("user", doc.context(), ""));
             Ok(turns)
         })
         .collect()

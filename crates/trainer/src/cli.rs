@@ -162,12 +162,13 @@ struct MergeArgs {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("prompted").args(["choices", "generate"])))]
 struct EvalArgs {
     /// A headroom run or checkpoint directory, or a Hugging Face model directory.
     #[arg(long, value_name = "DIR")]
     from: PathBuf,
     /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
-    #[arg(long, required_unless_present_any = ["choices", "documents", "completions"])]
+    #[arg(long, required_unless_present_any = ["choices", "documents", "completions", "generate"])]
     data: Option<PathBuf>,
     /// Multiple-choice questions (JSONL: `context`, `choices`, `gold` as an index, the
     /// choice's text or a list of indices) scored as lm-evaluation-harness scores them: each
@@ -188,17 +189,57 @@ struct EvalArgs {
     /// bootstrap standard error. Needs a tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "documents", "document_attention"])]
     completions: Option<PathBuf>,
-    /// With --choices: the text between the context and each choice (lm-eval's
-    /// `target_delimiter`).
-    #[arg(long, value_name = "TEXT", default_value = " ", requires = "choices")]
+    /// Documents (JSONL: `context`, and `target` as a text or a list of texts) answered by
+    /// greedy generation as lm-evaluation-harness runs its `generate_until` tasks (GSM8K):
+    /// each context continued until --until or --max-gen-toks, the answer taken by
+    /// --filters, and exact_match printed per filter with its standard error. Needs a
+    /// tokenizer.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "documents", "completions", "document_attention"])]
+    generate: Option<PathBuf>,
+    /// With --generate: a task's settings as lm-eval's YAML writes them: `gsm8k` (its stop
+    /// strings, strict-match and flexible-extract filters, exact_match settings and 5
+    /// examples); an option given as well replaces the preset's.
+    #[arg(long, value_name = "TASK", requires = "generate")]
+    preset: Option<String>,
+    /// With --generate: a stop string (lm-eval's `until`; repeat for several) [default:
+    /// --fewshot-delimiter, as lm-eval's default]. The tokenizer's end-of-sequence text is
+    /// always one.
+    #[arg(long, value_name = "TEXT", requires = "generate")]
+    until: Vec<String>,
+    /// With --generate: the most tokens generated per document (lm-eval's `max_gen_toks`);
+    /// the prompt keeps the model's context less these, cut from the left.
+    #[arg(long, value_name = "N", requires = "generate", default_value_t = crate::generation::DEFAULT_MAX_GEN_TOKS)]
+    max_gen_toks: usize,
+    /// With --generate: the task's `filter_list` as JSON (a file, or the JSON itself), each
+    /// filter a name and its steps (`regex` with `regex_pattern`, `group_select`,
+    /// `fallback`; `remove_whitespace`, `lowercase`, `uppercase`; then `take_first`)
+    /// [default: lm-eval's `none`, the whole answer].
+    #[arg(long, value_name = "FILE|JSON", requires = "generate")]
+    filters: Option<String>,
+    /// With --generate: exact_match compares in lower case (`ignore_case`).
+    #[arg(long, requires = "generate")]
+    ignore_case: bool,
+    /// With --generate: exact_match ignores ASCII punctuation (`ignore_punctuation`).
+    #[arg(long, requires = "generate")]
+    ignore_punctuation: bool,
+    /// With --generate: exact_match ignores digits (`ignore_numbers`).
+    #[arg(long, requires = "generate")]
+    ignore_numbers: bool,
+    /// With --generate: a Python regex whose matches exact_match removes from the answer and
+    /// the target first (`regexes_to_ignore`; repeat for several, applied in order).
+    #[arg(long, value_name = "REGEX", requires = "generate")]
+    regexes_to_ignore: Vec<String>,
+    /// With --choices or --generate: the text between the context and each choice, or
+    /// each few-shot example's answer (lm-eval's `target_delimiter`).
+    #[arg(long, value_name = "TEXT", default_value = " ", requires = "prompted")]
     target_delimiter: String,
-    /// With --choices: solved questions before each question (lm-eval's `--num_fewshot`),
+    /// With --choices or --generate: solved questions before each question (lm-eval's `--num_fewshot`),
     /// each its context, the target delimiter, its gold choice and --fewshot-delimiter;
     /// from --fewshot-file, else from the questions themselves (each left out of its own).
-    #[arg(long, value_name = "N", requires = "choices")]
+    #[arg(long, value_name = "N", requires = "prompted")]
     num_fewshot: Option<usize>,
     /// With --num-fewshot: the questions the examples come from (lm-eval's `fewshot_split`,
-    /// such as MMLU's dev split), JSONL as --choices.
+    /// such as MMLU's dev split or GSM8K's train split), JSONL as --choices or --generate.
     #[arg(long, value_name = "FILE", requires = "num_fewshot")]
     fewshot_file: Option<PathBuf>,
     /// With --num-fewshot: `random` (lm-eval's default sampler: Python's
@@ -227,19 +268,19 @@ struct EvalArgs {
         requires = "num_fewshot"
     )]
     fewshot_delimiter: String,
-    /// With --choices: text before every context (a task's `description`, such as MMLU's
+    /// With --choices or --generate: text before every context (a task's `description`, such as MMLU's
     /// "The following are multiple choice questions (with answers) about …\n\n").
-    #[arg(long, value_name = "TEXT", requires = "choices")]
+    #[arg(long, value_name = "TEXT", requires = "prompted")]
     description: Option<String>,
-    /// With --choices: a system prompt before the description (lm-eval's
+    /// With --choices or --generate: a system prompt before the description (lm-eval's
     /// `--system_instruction`; the system message under --apply-chat-template).
-    #[arg(long, value_name = "TEXT", requires = "choices")]
+    #[arg(long, value_name = "TEXT", requires = "prompted")]
     system_instruction: Option<String>,
-    /// With --choices: render each prompt with the tokenizer's chat template and its
-    /// generation prompt, each choice scored right after it (lm-eval's
+    /// With --choices or --generate: render each prompt with the tokenizer's chat template and its
+    /// generation prompt, each choice scored (or the answer generated) right after it (lm-eval's
     /// `--apply_chat_template`: no target delimiter before the choice), as a chat model is
     /// evaluated.
-    #[arg(long, requires = "choices")]
+    #[arg(long, requires = "prompted")]
     apply_chat_template: bool,
     /// With --apply-chat-template: each few-shot example as a user and an assistant turn
     /// (lm-eval's `--fewshot_as_multiturn`, its default); `false` writes them all into one
@@ -250,12 +291,13 @@ struct EvalArgs {
     /// `chat_template_args`, such as `{"enable_thinking": false}`).
     #[arg(long, value_name = "JSON", requires = "apply_chat_template")]
     chat_template_kwargs: Option<String>,
-    /// With --choices, --documents or --completions: each question's log-likelihoods, greedy flags and
-    /// metrics, or each document's log-likelihood, as a JSON line in this file (lm-eval's
+    /// With --choices, --documents, --completions or --generate: each question's
+    /// log-likelihoods, greedy flags and metrics, each document's log-likelihood, or each
+    /// generation and its filtered answers, as a JSON line in this file (lm-eval's
     /// `--log_samples`).
     #[arg(long, value_name = "FILE", conflicts_with = "data")]
     samples: Option<PathBuf>,
-    /// With --choices, --documents or --completions: `gpt2` or a tokenizer.json [default: the model
+    /// With --choices, --documents, --completions or --generate: `gpt2` or a tokenizer.json [default: the model
     /// directory's, or the checkpoint's]
     #[arg(long, value_name = "gpt2|FILE", conflicts_with = "data")]
     tokenizer: Option<String>,
@@ -2673,6 +2715,9 @@ fn cmd_eval(a: EvalArgs) -> CliResult {
     if let Some(completions) = &a.completions {
         return cmd_eval_completions(&a, completions);
     }
+    if let Some(docs) = &a.generate {
+        return cmd_eval_generate(&a, docs);
+    }
     let data_path = a.data.as_ref().ok_or("--data or --choices")?;
     let (cpu, tracker) = inference_cpu();
     let mut model = crate::sample::load_for_inference(
@@ -2868,46 +2913,43 @@ fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
     Ok(())
 }
 
-/// `eval --choices`: the questions read before the model loads, a line per metric, and with
-/// `--samples` each question's scores as it is done.
-fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
-    use crate::choices::{self, Outcome};
-    // Prompts are built before the model loads (a bad file or option fails at once), and
-    // rendered once the tokenizer (and its chat template) is there.
-    let prompts = if a.num_fewshot.is_some()
-        || a.description.is_some()
-        || a.system_instruction.is_some()
-        || a.apply_chat_template
-    {
-        let docs = choices::read_docs(path)?;
-        let fewshot = choices::Fewshot {
-            shots: a.num_fewshot.unwrap_or(0),
-            pool: a
-                .fewshot_file
-                .as_deref()
-                .map(choices::read_docs)
-                .transpose()?,
-            sampler: match a.fewshot_sampler.as_str() {
-                "random" | "default" => choices::Sampler::Random {
-                    seed: a.fewshot_seed,
-                },
-                "first-n" | "first_n" => choices::Sampler::FirstN,
-                other => {
-                    return Err(
-                        format!("--fewshot-sampler {other}: expected random or first-n").into(),
-                    )
-                }
+/// `--num-fewshot`, `--fewshot-file` (read by `read`), `--fewshot-sampler`, `--description`,
+/// `--system-instruction` and `--fewshot-delimiter` as lm-eval's few-shot prompt.
+fn fewshot_of<E>(
+    a: &EvalArgs,
+    default_shots: usize,
+    read: impl Fn(&Path) -> crate::Result<Vec<E>>,
+) -> CliResult<crate::choices::Fewshot<E>> {
+    use crate::choices::{Fewshot, Sampler};
+    Ok(Fewshot {
+        shots: a.num_fewshot.unwrap_or(default_shots),
+        pool: a.fewshot_file.as_deref().map(read).transpose()?,
+        sampler: match a.fewshot_sampler.as_str() {
+            "random" | "default" => Sampler::Random {
+                seed: a.fewshot_seed,
             },
-            description: a.description.clone().unwrap_or_default(),
-            system_instruction: a.system_instruction.clone(),
-            delimiter: a.fewshot_delimiter.clone(),
-        };
-        let turns = choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
-        (docs.into_iter().map(|d| d.question).collect(), Some(turns))
-    } else {
-        (choices::read_questions(path)?, None)
-    };
-    let (tok, model, tracker) = scoring_model(a, "--choices")?;
+            "first-n" | "first_n" => Sampler::FirstN,
+            other => {
+                return Err(format!("--fewshot-sampler {other}: expected random or first-n").into())
+            }
+        },
+        description: a.description.clone().unwrap_or_default(),
+        system_instruction: a.system_instruction.clone(),
+        delimiter: a.fewshot_delimiter.clone(),
+    })
+}
+
+/// A chat template's further variables.
+type TemplateVariables = Vec<(String, crate::chat_template::ChatValue)>;
+
+/// `--apply-chat-template`'s template (the tokenizer's) and `--chat-template-kwargs`.
+fn prompt_template(
+    a: &EvalArgs,
+    tok: &crate::tokenize::Tokenizer,
+) -> CliResult<(
+    Option<crate::chat_template::ChatTemplate>,
+    TemplateVariables,
+)> {
     let template = if a.apply_chat_template {
         Some(tok.chat_template()?.ok_or(
             "--apply-chat-template: the tokenizer has no chat template (chat_template.jinja or \
@@ -2920,14 +2962,167 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         Some(json) => chat_template_kwargs(json)?,
         None => Vec::new(),
     };
-    let format = match &template {
-        Some(template) => choices::PromptFormat::Chat {
+    Ok((template, extra))
+}
+
+/// How prompts are rendered: through `template` when there is one.
+fn prompt_format<'a>(
+    a: &EvalArgs,
+    template: Option<&'a crate::chat_template::ChatTemplate>,
+    extra: &'a [(String, crate::chat_template::ChatValue)],
+) -> crate::choices::PromptFormat<'a> {
+    match template {
+        Some(template) => crate::choices::PromptFormat::Chat {
             template,
             multiturn: a.fewshot_as_multiturn,
-            extra: &extra,
+            extra,
         },
-        None => choices::PromptFormat::Plain,
+        None => crate::choices::PromptFormat::Plain,
+    }
+}
+
+/// The largest `--filters` file read (GSM8K's filter list is 0.4 KiB).
+const MAX_FILTERS_BYTES: u64 = 1 << 20;
+
+/// `eval --generate`: the documents, prompts and filters made before the model loads, a
+/// line per filter, and with `--samples` each document's generation and answers as it is
+/// done.
+fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
+    use crate::generation::{self, ExactMatch, FilterPipeline, PyRegex, TaskPreset};
+    let preset = a.preset.as_deref().map(TaskPreset::named).transpose()?;
+    let docs = generation::read_generation_docs(path)?;
+    let default_shots = preset.as_ref().map_or(0, |p| p.num_fewshot);
+    let fewshot = fewshot_of(a, default_shots, generation::read_generation_docs)?;
+    let turns = crate::choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
+    let filters = match &a.filters {
+        None => preset
+            .as_ref()
+            .map_or_else(|| vec![FilterPipeline::none()], |p| p.filters.clone()),
+        Some(given) => {
+            let trimmed = given.trim_start();
+            let text = if trimmed.starts_with('[') || trimmed.starts_with('{') {
+                given.clone()
+            } else {
+                let file = Path::new(given);
+                let bytes = crate::bounded::read_file(file, MAX_FILTERS_BYTES)
+                    .map_err(|why| format!("--filters {}: {why}", file.display()))?;
+                String::from_utf8(bytes)
+                    .map_err(|e| format!("--filters {}: {e}", file.display()))?
+            };
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("--filters: not JSON: {e}"))?;
+            FilterPipeline::parse_list(&json)?
+        }
     };
+    let preset_metric = preset.as_ref().map(|p| &p.metric);
+    let metric = ExactMatch {
+        regexes_to_ignore: if a.regexes_to_ignore.is_empty() {
+            preset_metric.map_or_else(Vec::new, |m| m.regexes_to_ignore.clone())
+        } else {
+            a.regexes_to_ignore
+                .iter()
+                .map(|r| PyRegex::new(r))
+                .collect::<crate::Result<_>>()?
+        },
+        ignore_case: a.ignore_case || preset_metric.is_some_and(|m| m.ignore_case),
+        ignore_punctuation: a.ignore_punctuation
+            || preset_metric.is_some_and(|m| m.ignore_punctuation),
+        ignore_numbers: a.ignore_numbers || preset_metric.is_some_and(|m| m.ignore_numbers),
+    };
+    let until = match (&preset, a.until.is_empty()) {
+        (_, false) => a.until.clone(),
+        (Some(p), true) => p.until.clone(),
+        (None, true) => vec![a.fewshot_delimiter.clone()],
+    };
+    let files_dir = crate::sample::model_files_dir(&a.from)?;
+    let stop_tokens = generation::generation_eos_ids(&files_dir)?;
+    let (tok, model, tracker) = scoring_model(a, "--generate")?;
+    let (template, extra) = prompt_template(a, &tok)?;
+    let format = prompt_format(a, template.as_ref(), &extra);
+    let contexts = turns
+        .iter()
+        .map(|t| crate::choices::render_prompt(t, format))
+        .collect::<crate::Result<Vec<_>>>()?;
+    let settings = generation::GenerationSettings {
+        until,
+        max_gen_toks: a.max_gen_toks,
+        stop_tokens,
+        filters,
+        metric,
+    };
+    let mut samples = samples_file(a)?;
+    let started = std::time::Instant::now();
+    let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |i, g| {
+        let Some((p, w)) = samples.as_mut() else {
+            return Ok(());
+        };
+        let named = |values: Vec<serde_json::Value>| {
+            settings
+                .filters
+                .iter()
+                .map(|f| f.name.clone())
+                .zip(values)
+                .collect::<serde_json::Map<_, _>>()
+        };
+        let line = serde_json::json!({
+            "document": i,
+            "prompt_tokens": g.prompt_tokens,
+            "new_tokens": g.new_tokens,
+            "response": g.response,
+            "filtered": named(g.filtered.iter().map(|f| f.as_str().into()).collect()),
+            "exact_match": named(g.exact_match.iter().map(|&m| m.into()).collect()),
+        });
+        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+    })?;
+    if let Some((p, mut w)) = samples {
+        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    for (name, m) in &report.exact_match {
+        let label = format!("exact_match,{name}");
+        match m.stderr {
+            Some(se) => say!("{label:<28} {:.4} ± {se:.4}", m.mean),
+            None => say!("{label:<28} {:.4}", m.mean),
+        }
+    }
+    say!(
+        "{} documents, {} tokens generated in {:.2} s ({})",
+        report.documents,
+        report.new_tokens,
+        started.elapsed().as_secs_f64(),
+        path.display()
+    );
+    if report.reused_prompt_tokens > 0 {
+        say!(
+            "{} of {} prompt tokens reused from the document before",
+            report.reused_prompt_tokens,
+            report.prompt_tokens
+        );
+    }
+    esay!("{}", a.weights.summary(&tracker));
+    Ok(())
+}
+
+/// `eval --choices`: the questions read before the model loads, a line per metric, and with
+/// `--samples` each question's scores as it is done.
+fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
+    use crate::choices::{self, Outcome};
+    // Prompts are built before the model loads (a bad file or option fails at once), and
+    // rendered once the tokenizer (and its chat template) is there.
+    let prompts = if a.num_fewshot.is_some()
+        || a.description.is_some()
+        || a.system_instruction.is_some()
+        || a.apply_chat_template
+    {
+        let docs = choices::read_docs(path)?;
+        let fewshot = fewshot_of(a, 0, choices::read_docs)?;
+        let turns = choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
+        (docs.into_iter().map(|d| d.question).collect(), Some(turns))
+    } else {
+        (choices::read_questions(path)?, None)
+    };
+    let (tok, model, tracker) = scoring_model(a, "--choices")?;
+    let (template, extra) = prompt_template(a, &tok)?;
+    let format = prompt_format(a, template.as_ref(), &extra);
     let questions: Vec<choices::Question> = match prompts {
         (questions, None) => questions,
         (questions, Some(turns)) => questions

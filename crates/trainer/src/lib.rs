@@ -58,6 +58,7 @@ pub mod environment;
 mod error;
 pub mod estimate;
 pub mod evaluate;
+pub mod generation;
 pub mod hf;
 pub mod ladder;
 pub mod model;

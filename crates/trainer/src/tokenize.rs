@@ -363,6 +363,30 @@ impl Tokenizer {
         }
     }
 
+    /// [`Tokenizer::decode`] without the special tokens (`decode(ids,
+    /// skip_special_tokens=True)`, as lm-eval decodes a generation): GPT-2's `<|endoftext|>`,
+    /// a Hugging Face tokenizer's added tokens marked special. Ids the vocabulary lacks (a
+    /// padded embedding's rows, which a model may still pick) add nothing, as transformers
+    /// skips them.
+    pub fn decode_skipping_special(&self, ids: &[u32]) -> Result<String> {
+        let vocab = self.vocab_size();
+        let known = |id: &u32| (*id as usize) < vocab;
+        match self {
+            Tokenizer::Gpt2(_) => {
+                let kept: Vec<u32> = ids
+                    .iter()
+                    .copied()
+                    .filter(|id| known(id) && *id != GPT2_EOT)
+                    .collect();
+                self.decode(&kept)
+            }
+            Tokenizer::HuggingFace(t) => {
+                let kept: Vec<u32> = ids.iter().copied().filter(known).collect();
+                t.guarded(|t| t.decode(&kept, true))
+            }
+        }
+    }
+
     /// The bytes token `id` adds to a text, as transformers' `StopStringCriteria` reads its
     /// vocabulary (`clean_tokenizer_vocab`): for a byte-level tokenizer (GPT-2's, or a
     /// `ByteLevel` decoder) the bytes its characters stand for, incomplete UTF-8 included; for a

@@ -1,0 +1,411 @@
+"""Write the generation fixture that crates/trainer/tests/generation.rs reads.
+
+EleutherAI's lm-evaluation-harness runs its `generate_until` tasks (GSM8K, TriviaQA) by
+greedy generation: each document's prompt (few-shot examples, a chat template) is encoded as
+its `HFLM` encodes a batch (the tokenizer's special tokens unless the text starts with the
+BOS text), cut from the left to the model's context less `max_gen_toks`, continued by
+transformers' `generate(do_sample=False)` until a stop string of `until` (plus the
+tokenizer's EOS text) or an end-of-sequence token, decoded without special tokens and cut at
+each stop string. The task's filters (`regex`, `take_first`, ...) then take an answer from
+the text, and `exact_match` compares it with the target after `regexes_to_ignore`,
+`ignore_case`, `ignore_punctuation` and `ignore_numbers`.
+
+This script runs lm-eval 0.4.13's `simple_evaluate` with `HFLM` (float32, CPU, batch size 1)
+on five generation tasks over documents written here, with the committed transformers models
+and the tokenizers `make_choices_fixture.py` saves (`fixtures/choices/<tokenizer>/`):
+
+- `llama_zero_shot`: stop strings, a prompt longer than the context, a prompt that starts
+  with `<s>`, GSM8K-style filters (group_select 0 and -1, a tuple of groups, a fallback),
+  `ignore_case` and `regexes_to_ignore`;
+- `llama_fewshot_random`: two examples from `fewshot.jsonl` by the default sampler, a
+  description, no `until` (lm-eval's default, the few-shot delimiter);
+- `gpt2_first_n`: the story tokenizer (no BOS), one example by `first_n`, `remove_whitespace`,
+  `uppercase`, `ignore_punctuation` and `ignore_numbers`;
+- `llama_chat`: through the chat template, examples as turns, a system instruction;
+- `llama_several_targets`: a list of targets per document (any one right; an example shows
+  the first), examples drawn from the documents themselves.
+
+Targets are set from a first run's answers (half the documents right, some in another
+case), then the tasks run again; the fixture holds the second run: each document's prompt,
+text, filtered answers and exact_match, and each filter's aggregate and standard error. It
+also holds Python's `re.findall`/`re.sub`, lm-eval's `RegexFilter` and `exact_match` on
+hand-made strings, for the regex dialect, and lm-eval's own `gsm8k` task settings (what
+`eval --preset gsm8k` sets).
+
+Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
+folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
+
+    python benches/torch/make_generation_fixture.py --write   # needs lm_eval, transformers, torch
+    python benches/torch/make_generation_fixture.py --check   # the committed fixture is lm-eval's
+"""
+
+import copy
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+FIXTURES = os.path.join("crates", "trainer", "tests", "fixtures")
+OUT = os.path.join(FIXTURES, "generation")
+
+# Story-grammar prompts: determiner, adjective, noun, verb, preposition.
+DOCS = [
+    {"context": "the small cat", "target": "x"},
+    {"context": "Question: what sat on the mat?\nAnswer:", "target": "x"},
+    {"context": "a big dog ran under the", "target": "x"},
+    # Longer than the context less max_gen_toks: cut from the left.
+    {
+        "context": "the big cat sat on a mat. a small dog ran under the old tree. the red bird "
+        "slept near a big box. the old fox jumped on the small log. a big",
+        "target": "x",
+    },
+    # Starts with the BOS text: no special tokens added.
+    {"context": "<s>the old fox", "target": "x"},
+    {"context": "the café bird", "target": "x"},
+    {"context": "a red", "target": "x"},
+    {"context": "the old dog slept near", "target": "x"},
+]
+FEWSHOT = [
+    {"context": "the cat sat on the", "target": "mat."},
+    {"context": "a small dog ran", "target": "under the tree."},
+    {"context": "the red bird", "target": "slept."},
+    {"context": "a big fox", "target": "jumped on a log."},
+]
+SEVERAL = [
+    {"context": "the small bird", "target": ["sat.", "x"]},
+    {"context": "a old cat", "target": ["ran.", "x"]},
+    {"context": "the big box", "target": ["slept.", "x"]},
+    {"context": "a red dog sat on", "target": ["the mat.", "x"]},
+    {"context": "the old fox", "target": ["jumped.", "x"]},
+]
+
+GSM8K_LIKE = [
+    {"name": "strict-match", "filter": [
+        {"function": "regex", "regex_pattern": r"(\w+)\.", "fallback": "[none]"},
+        {"function": "take_first"},
+    ]},
+    {"name": "flexible-extract", "filter": [
+        {"function": "regex", "group_select": -1, "regex_pattern": r"(\w{4,})|(\w+)"},
+        {"function": "take_first"},
+    ]},
+    {"name": "none", "filter": [{"function": "take_first"}]},
+]
+
+# name, model, tokenizer, documents, task fields, few-shot settings, answers to target.
+RUNS = [
+    (
+        "llama_zero_shot",
+        "hf-llama-gqa-untied",
+        "llama",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n", " box"], "do_sample": False, "max_gen_toks": 10},
+            "filter_list": GSM8K_LIKE,
+            "metric": {"ignore_case": True, "regexes_to_ignore": [",", r"\.$", "(?s).*: "]},
+        },
+        None,
+    ),
+    (
+        "llama_fewshot_random",
+        "hf-llama-gqa-untied",
+        "llama",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"do_sample": False, "max_gen_toks": 8},
+            "filter_list": None,
+            "metric": {},
+        },
+        {"shots": 2, "file": "fewshot.jsonl", "sampler": "default", "seed": 1234,
+         "description": "Continue.\n", "delimiter": "\n\n"},
+    ),
+    (
+        "gpt2_first_n",
+        "hf-gpt2-sharded",
+        "story",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"until": ["."], "do_sample": False, "max_gen_toks": 12},
+            "filter_list": [
+                {"name": "upper", "filter": [
+                    {"function": "remove_whitespace"},
+                    {"function": "uppercase"},
+                    {"function": "take_first"},
+                ]},
+                {"name": "last-word", "filter": [
+                    {"function": "regex", "regex_pattern": r"[a-z]+", "group_select": -1},
+                    {"function": "lowercase"},
+                    {"function": "take_first"},
+                ]},
+            ],
+            "metric": {"ignore_punctuation": True, "ignore_numbers": True},
+        },
+        {"shots": 1, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n"},
+    ),
+    (
+        "llama_chat",
+        "hf-llama-gqa-untied",
+        "chat",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n\n"], "do_sample": False, "max_gen_toks": 6},
+            "filter_list": None,
+            "metric": {"ignore_case": True},
+        },
+        {"shots": 1, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "system_instruction": "Be brief.",
+         "chat": {"multiturn": True}},
+    ),
+    (
+        "llama_several_targets",
+        "hf-llama-gqa-untied",
+        "llama",
+        "several.jsonl",
+        {
+            "generation_kwargs": {"until": ["."], "do_sample": False, "max_gen_toks": 8},
+            "filter_list": [{"name": "stripped", "filter": [
+                {"function": "remove_whitespace"}, {"function": "take_first"}]}],
+            "metric": {},
+        },
+        {"shots": 1, "file": None, "sampler": "default", "seed": 3,
+         "description": "", "delimiter": "\n\n"},
+    ),
+]
+
+# Python's regex dialect: (pattern, text) for findall and sub, and lm-eval's RegexFilter.
+REGEX_CASES = [
+    (r"#### (\-?[0-9\.\,]+)", "so 3 + 4 = 7.\n#### 7.\nQuestion"),
+    (r"(-?[$0-9.,]{2,})|(-?[0-9]+)", "a 7 b $12.5, c 3"),
+    (r"\.$", "72.\n"),
+    (r"\.$", "7.2."),
+    (r"(?s).*#### ", "x\n#### 12"),
+    (r"x*", "abxd"),
+    (r"a\Z", "aa"),
+    (r"{x}", "a{x}b"),
+    (r"a{,2}", "aaab"),
+    (r"[][&~]", "a[b]&c~"),
+    (r"(?m)x$", "x\nx\n"),
+    (r"(?<=\$)\d+", "cost $12 and $3"),
+    (r"(\w)(\d)?", "a1 b c2"),
+    (r"é+", "café éé"),
+    (r"\bthe\b", "the other theme, the"),
+]
+EXACT_MATCH_CASES = [
+    ("Dog.", ["dog"], {"ignore_case": True, "regexes_to_ignore": [r"\.$"]}),
+    ("A, B!", ["a b"], {"ignore_case": True, "ignore_punctuation": True}),
+    ("x12y", ["xy"], {"ignore_numbers": True}),
+    ("1,000", ["1000"], {"regexes_to_ignore": [","]}),
+    ("The answer: 5", ["5"], {"regexes_to_ignore": ["(?s).*: "]}),
+    ("ÉTÉ", ["été"], {"ignore_case": True}),
+    ("cat", ["dog", "cat"], {}),
+    ("cat ", ["cat"], {}),
+]
+
+
+def regex_cases():
+    import re
+
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    cases = []
+    for pattern, text in REGEX_CASES:
+        found = re.findall(pattern, text)
+        filtered = {}
+        for select in (0, -1):
+            f = RegexFilter(regex_pattern=pattern, group_select=select, fallback="[fb]")
+            filtered[str(select)] = list(f.apply([[text]], None))[0][0]
+        cases.append({
+            "pattern": pattern,
+            "text": text,
+            "findall": [list(m) if isinstance(m, tuple) else m for m in found],
+            "sub": re.sub(pattern, "", text),
+            "filtered": filtered,
+        })
+    matches = []
+    for answer, targets, kwargs in EXACT_MATCH_CASES:
+        score = exact_match_hf_evaluate(
+            predictions=[answer] * len(targets), references=targets, **kwargs
+        )["exact_match"]
+        matches.append({"answer": answer, "targets": targets, "kwargs": kwargs,
+                        "exact_match": bool(score > 0)})
+    return {"regex": cases, "exact_match": matches}
+
+
+def gsm8k_settings():
+    """lm-eval's own gsm8k task: what `headroom eval --preset gsm8k` must set."""
+    import yaml
+    import lm_eval
+
+    path = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "gsm8k", "gsm8k.yaml")
+    with open(path, encoding="utf-8") as f:
+        task = yaml.safe_load(f)
+    metric = {k: v for k, v in task["metric_list"][0].items()
+              if k not in ("metric", "aggregation", "higher_is_better")}
+    return {
+        "until": task["generation_kwargs"]["until"],
+        "do_sample": task["generation_kwargs"]["do_sample"],
+        "filter_list": task["filter_list"],
+        "metric": metric,
+        "num_fewshot": task["num_fewshot"],
+        "version": task["metadata"]["version"],
+    }
+
+
+def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
+    """One lm-eval generation run: each document's prompt, text, and per filter its answer and
+    exact_match; each filter's aggregate and standard error."""
+    from make_choices_fixture import evaluate_task, json_task
+
+    task_dir = os.path.join(tmp, "generate-" + tag)
+    os.makedirs(task_dir, exist_ok=True)
+    extra = {}
+    if fields["filter_list"]:
+        extra["filter_list"] = fields["filter_list"]
+    if fewshot:
+        extra.update({
+            "fewshot_split": "fewshot" if fewshot["file"] else "test",
+            "fewshot_config": {"sampler": fewshot["sampler"]},
+            "description": fewshot["description"],
+            "fewshot_delimiter": fewshot["delimiter"],
+        })
+    task = json_task(
+        "headroom_generate",
+        docs_path,
+        "generate_until",
+        fewshot_path=fewshot_path if fewshot and fewshot["file"] else None,
+        doc_to_text="context",
+        doc_to_target="target",
+        generation_kwargs=copy.deepcopy(fields["generation_kwargs"]),
+        metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                      **fields["metric"]}],
+        **extra,
+    )
+    results = evaluate_task(
+        directory,
+        task,
+        task_dir,
+        num_fewshot=fewshot["shots"] if fewshot else 0,
+        fewshot_seed=fewshot["seed"] if fewshot else 0,
+        chat=fewshot.get("chat") if fewshot else None,
+        system_instruction=fewshot.get("system_instruction") if fewshot else None,
+    )
+    samples = results["samples"]["headroom_generate"]
+    names = [f["name"] for f in fields["filter_list"]] if fields["filter_list"] else ["none"]
+    per_doc = {}
+    for s in samples:
+        d = per_doc.setdefault(s["doc_id"], {
+            "prompt": s["arguments"][0][0],
+            "response": s["resps"][0][0],
+            "filtered": {},
+            "exact_match": {},
+        })
+        d["filtered"][s["filter"]] = s["filtered_resps"][0]
+        d["exact_match"][s["filter"]] = bool(s["exact_match"])
+    aggregate = results["results"]["headroom_generate"]
+    return {
+        "filters": names,
+        "docs": [per_doc[i] for i in sorted(per_doc)],
+        "metrics": {n: aggregate["exact_match," + n] for n in names},
+        "stderr": {n: aggregate["exact_match_stderr," + n] for n in names},
+    }
+
+
+def write_jsonl(path, docs):
+    text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+
+def make():
+    import lm_eval
+    import transformers
+
+    from make_choices_fixture import model_dir, tokenizer_dirs
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizers = tokenizer_dirs(tmp)
+        fewshot_path = os.path.join(tmp, "fewshot.jsonl")
+        files = {"fewshot.jsonl": write_jsonl(fewshot_path, FEWSHOT)}
+        # First run: the answers, from which the targets are set.
+        docs = copy.deepcopy(DOCS)
+        several = copy.deepcopy(SEVERAL)
+        write_jsonl(os.path.join(tmp, "docs.jsonl"), docs)
+        write_jsonl(os.path.join(tmp, "several.jsonl"), several)
+        name, model, tok, _, fields, fewshot = RUNS[0]
+        first = run_task(model_dir(tmp, model, tokenizers[tok]), os.path.join(tmp, "docs.jsonl"),
+                         fewshot_path, fields, fewshot, tmp, "first")
+        for i, (doc, got) in enumerate(zip(docs, first["docs"])):
+            if i % 2 == 0:
+                # Right under flexible-extract; in upper case on every fourth (ignore_case).
+                answer = got["filtered"]["flexible-extract"]
+                doc["target"] = answer.upper() if i % 4 == 0 else answer
+        name, model, tok, _, fields, fewshot = RUNS[4]
+        first = run_task(model_dir(tmp, model, tokenizers[tok]),
+                         os.path.join(tmp, "several.jsonl"), fewshot_path, fields, fewshot, tmp,
+                         "first-several")
+        for i, (doc, got) in enumerate(zip(several, first["docs"])):
+            if i % 2 == 1:
+                # The second target right (the example shows the first, unchanged).
+                doc["target"][1] = got["filtered"]["stripped"]
+        files["docs.jsonl"] = write_jsonl(os.path.join(tmp, "docs.jsonl"), docs)
+        files["several.jsonl"] = write_jsonl(os.path.join(tmp, "several.jsonl"), several)
+        fixture = {
+            "lm_eval": lm_eval.__version__,
+            "transformers": transformers.__version__,
+            "runs": {},
+        }
+        for name, model, tok, docs_file, fields, fewshot in RUNS:
+            directory = model_dir(tmp, model, tokenizers[tok])
+            result = run_task(directory, os.path.join(tmp, docs_file), fewshot_path, fields,
+                              fewshot, tmp, name)
+            fixture["runs"][name] = {
+                "model": model,
+                "tokenizer": tok,
+                "docs_file": docs_file,
+                "generation_kwargs": fields["generation_kwargs"],
+                "filter_list": fields["filter_list"],
+                "metric": fields["metric"],
+                **({"fewshot": fewshot} if fewshot else {}),
+                **result,
+            }
+        fixture["python"] = regex_cases()
+        fixture["gsm8k"] = gsm8k_settings()
+    return fixture, files
+
+
+def main():
+    if "--quick" in sys.argv:
+        sys.exit(3)
+    fixture, files = make()
+    fixture_path = os.path.join(OUT, "lm_eval_generation.json")
+    if "--write" in sys.argv:
+        os.makedirs(OUT, exist_ok=True)
+        for name, text in files.items():
+            with open(os.path.join(OUT, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        with open(fixture_path, "w", encoding="utf-8") as f:
+            json.dump(fixture, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        print(f"wrote {fixture_path} and the documents beside it")
+    elif "--check" in sys.argv:
+        with open(fixture_path, encoding="utf-8") as f:
+            committed = json.load(f)
+        if committed != json.loads(json.dumps(fixture)):
+            raise SystemExit(f"{fixture_path} differs from what lm-eval writes now")
+        for name, text in files.items():
+            with open(os.path.join(OUT, name), encoding="utf-8") as f:
+                if f.read() != text:
+                    raise SystemExit(f"{name} differs from what this script writes")
+        print(f"{fixture_path} matches lm-eval {fixture['lm_eval']}")
+    else:
+        raise SystemExit("pass --write or --check")
+
+
+if __name__ == "__main__":
+    main()

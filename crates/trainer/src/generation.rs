@@ -1,0 +1,982 @@
+//! Generation tasks as EleutherAI's lm-evaluation-harness runs its `generate_until` tasks
+//! (GSM8K, TriviaQA, Natural Questions): each document's context continued greedily until a
+//! stop string, the answer taken out of the text by the task's filters (a regex and
+//! `take_first`), and `exact_match` against the document's target under each filter.
+//!
+//! ```
+//! use headroom_trainer::generation::{ExactMatch, FilterPipeline, PyRegex};
+//! // GSM8K's "strict-match" filter and its exact_match settings.
+//! let filters = FilterPipeline::parse_list(&serde_json::json!([{"name": "strict-match",
+//!     "filter": [{"function": "regex", "regex_pattern": "#### (\\-?[0-9\\.\\,]+)"},
+//!                {"function": "take_first"}]}])).unwrap();
+//! let answer = filters[0].apply(" 3 + 4 = 7 apples.\n#### 7.\n").unwrap();
+//! assert_eq!(answer, "7.");
+//! let metric = ExactMatch {
+//!     regexes_to_ignore: [",", "\\$", "(?s).*#### ", "\\.$"]
+//!         .iter().map(|r| PyRegex::new(r).unwrap()).collect(),
+//!     ignore_case: true,
+//!     ..ExactMatch::default()
+//! };
+//! assert!(metric.matches(&answer, &["She has #### 7".to_string()]).unwrap());
+//! ```
+//!
+//! A document is one JSON line: `context` (the prompt's text, before any few-shot examples)
+//! and `target`, a text or a list of texts (any of them right; a few-shot example shows the
+//! first, as lm-eval does). Each document runs as lm-eval's `HFLM.generate_until` runs it at
+//! batch size 1:
+//!
+//! - the context is encoded with the tokenizer's special tokens unless it starts with the
+//!   `bos_token`'s text, and cut from the left to the model's context less `max_gen_toks`;
+//! - greedy decoding (the argmax, transformers' `do_sample=False`) for at most
+//!   `max_gen_toks` tokens, stopping after an end-of-sequence token (the tokenizer's and the
+//!   generation config's) or once the text holds a stop string;
+//! - the text is the new tokens decoded without special tokens, cut at each stop string in
+//!   turn (`text.split(s)[0]`); the stop strings are the task's `until` and the tokenizer's
+//!   end-of-sequence text.
+//!
+//! lm-eval checks its stop strings on the last few tokens decoded on their own, so it may run
+//! past the first one; what it returns is cut at it all the same, so the texts agree. The
+//! filters ([`FilterPipeline`]) and `exact_match` ([`ExactMatch`]) are lm-eval's, with its
+//! regexes run as Python's `re` runs them ([`PyRegex`]). `tests/generation.rs` checks the
+//! prompts, texts, filtered answers and metrics against lm-eval 0.4.13 runs
+//! (`benches/torch/make_generation_fixture.py`).
+//!
+//! Compute: a document's prompt runs after the keys and values of the last document's, cut
+//! back to the prefix the two share ([`PromptCache`]), so a few-shot prompt's description and
+//! examples that repeat run once.
+
+use std::path::Path;
+
+use crate::choices::{self, Example, Metric};
+use crate::model::{Model, ModelOps};
+use crate::sample::{generate_cached, PromptCache, SampleOptions, Sampling};
+use crate::tokenize::Tokenizer;
+use crate::{Result, TrainError};
+
+/// The largest documents file read (GSM8K's 1 319 test problems are 0.7 MiB as JSONL).
+pub const MAX_GENERATION_DOCS_BYTES: u64 = 1 << 30;
+
+/// lm-eval's default `max_gen_toks`.
+pub const DEFAULT_MAX_GEN_TOKS: usize = 256;
+
+/// One document of a generation task.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerationDoc {
+    /// The prompt's text.
+    pub context: String,
+    /// The right answers (at least one).
+    pub targets: Vec<String>,
+    /// Its line, parsed (to keep it out of its own few-shot examples).
+    pub json: serde_json::Value,
+}
+
+impl GenerationDoc {
+    /// A document from its JSON object (`context`, and `target` as a text, a number, or a
+    /// non-empty list of them); the error says which field is wrong.
+    pub fn parse(line: &str) -> std::result::Result<GenerationDoc, String> {
+        let json: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+        let object = json.as_object().ok_or("not a JSON object")?;
+        let context = match object.get("context") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(_) => return Err("\"context\" is not text".into()),
+            None => return Err("no \"context\"".into()),
+        };
+        // lm-eval renders a target through its Jinja template, so a number arrives as its text.
+        let text = |v: &serde_json::Value| match v {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Number(n) => Some(n.to_string()),
+            _ => None,
+        };
+        let targets = match object.get("target") {
+            Some(serde_json::Value::Array(items)) if !items.is_empty() => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| text(v).ok_or_else(|| format!("target {i} is not text")))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+            Some(serde_json::Value::Array(_)) => return Err("\"target\" is an empty list".into()),
+            Some(v) => vec![text(v).ok_or("\"target\" is neither text nor a list of texts")?],
+            None => return Err("no \"target\"".into()),
+        };
+        Ok(GenerationDoc {
+            context,
+            targets,
+            json,
+        })
+    }
+}
+
+impl Example for GenerationDoc {
+    fn context(&self) -> &str {
+        &self.context
+    }
+
+    fn json(&self) -> &serde_json::Value {
+        &self.json
+    }
+
+    fn shown_answer(&self) -> std::result::Result<&str, String> {
+        Ok(&self.targets[0])
+    }
+}
+
+/// The documents of a JSONL file, one per non-blank line; an error names the line.
+pub fn read_generation_docs(path: &Path) -> Result<Vec<GenerationDoc>> {
+    choices::read_jsonl(
+        path,
+        MAX_GENERATION_DOCS_BYTES,
+        "documents",
+        GenerationDoc::parse,
+    )
+}
+
+/// A regular expression written for Python's `re`, run as `re.findall` and `re.sub` run it.
+///
+/// The pattern is translated for [`fancy_regex`] (which has Python's lookarounds and
+/// backreferences): `$` outside a class matches at the end or before a final newline, as
+/// Python's does without `MULTILINE`; `\Z` is the end; a `{` that opens no repetition, a `}`,
+/// and `[`, `&`, `~` inside a class are literal characters, as in Python; `{,n}` is `{0,n}`.
+/// The matches are Python's: leftmost, non-overlapping, an empty match allowed right after
+/// a non-empty one. One difference: after an empty match Python may still find a non-empty
+/// one at the same position by backtracking into an alternative (`|a` on `"a"`); here the
+/// search moves one character on. Patterns that prefer the empty match are rare in
+/// evaluation filters.
+#[derive(Clone, Debug)]
+pub struct PyRegex {
+    pattern: String,
+    regex: fancy_regex::Regex,
+}
+
+/// One `re.findall` item: the whole match without groups, the only group's text, or every
+/// group's text (an unmatched group is empty, as in Python).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// A pattern without groups: the match.
+    Whole(String),
+    /// One group: its text.
+    Group(String),
+    /// Several groups: each one's text (Python's tuple).
+    Groups(Vec<String>),
+}
+
+impl PyRegex {
+    /// `pattern` (Python syntax), compiled; the error quotes it.
+    pub fn new(pattern: &str) -> Result<PyRegex> {
+        let translated = python_to_fancy(pattern);
+        let regex = fancy_regex::Regex::new(&translated).map_err(|e| {
+            TrainError::Input(format!("the regex {pattern:?} does not compile: {e}"))
+        })?;
+        Ok(PyRegex {
+            pattern: pattern.to_owned(),
+            regex,
+        })
+    }
+
+    /// The pattern as given.
+    pub fn pattern(&self) -> &str {
+        &self.pattern
+    }
+
+    /// Each match's captures, in order, as Python's `finditer` steps through `text`.
+    fn each_match(
+        &self,
+        text: &str,
+        mut on: impl FnMut(&fancy_regex::Captures<'_, str>),
+    ) -> Result<()> {
+        let failed = |e: fancy_regex::Error| {
+            TrainError::Input(format!("the regex {:?} failed: {e}", self.pattern))
+        };
+        let mut pos = 0;
+        let mut last_was_empty = false;
+        while pos <= text.len() {
+            let Some(caps) = self.regex.captures_from_pos(text, pos).map_err(failed)? else {
+                break;
+            };
+            let Some(m) = caps.get(0) else { break };
+            if last_was_empty && m.start() == pos && m.end() == pos {
+                // Python's `must_advance`: no second empty match at one position.
+                match text[pos..].chars().next() {
+                    Some(c) => pos += c.len_utf8(),
+                    None => break,
+                }
+                last_was_empty = false;
+                continue;
+            }
+            on(&caps);
+            last_was_empty = m.start() == m.end();
+            pos = m.end();
+        }
+        Ok(())
+    }
+
+    /// `re.findall(pattern, text)`.
+    pub fn findall(&self, text: &str) -> Result<Vec<Found>> {
+        let groups = self.regex.captures_len() - 1;
+        let group = |caps: &fancy_regex::Captures<'_, str>, i: usize| {
+            caps.get(i).map_or(String::new(), |m| m.as_str().to_owned())
+        };
+        let mut found = Vec::new();
+        self.each_match(text, |caps| {
+            found.push(match groups {
+                0 => Found::Whole(group(caps, 0)),
+                1 => Found::Group(group(caps, 1)),
+                n => Found::Groups((1..=n).map(|i| group(caps, i)).collect()),
+            });
+        })?;
+        Ok(found)
+    }
+
+    /// `re.sub(pattern, "", text)`: every match removed.
+    pub fn remove_all(&self, text: &str) -> Result<String> {
+        let mut out = String::with_capacity(text.len());
+        let mut kept_from = 0;
+        self.each_match(text, |caps| {
+            if let Some(m) = caps.get(0) {
+                out.push_str(&text[kept_from..m.start()]);
+                kept_from = m.end();
+            }
+        })?;
+        out.push_str(&text[kept_from..]);
+        Ok(out)
+    }
+}
+
+/// Whether `pattern` sets Python's `MULTILINE` flag (`(?m)`, `(?im)`, `(?m:…)`), under which
+/// `$` matches before every newline in both dialects.
+fn sets_multiline(pattern: &str) -> bool {
+    let bytes = pattern.as_bytes();
+    let mut i = 0;
+    while i + 1 < bytes.len() {
+        if bytes[i] == b'\\' {
+            i += 2;
+            continue;
+        }
+        if bytes[i] == b'(' && bytes[i + 1] == b'?' {
+            let flags: Vec<u8> = bytes[i + 2..]
+                .iter()
+                .copied()
+                .take_while(|b| b"aiLmsux".contains(b))
+                .collect();
+            let after = bytes.get(i + 2 + flags.len());
+            if flags.contains(&b'm') && matches!(after, Some(b')' | b':' | b'-')) {
+                return true;
+            }
+        }
+        i += 1;
+    }
+    false
+}
+
+/// `pattern` in Python's syntax rewritten where [`fancy_regex`] reads it differently (see
+/// [`PyRegex`]).
+fn python_to_fancy(pattern: &str) -> String {
+    let multiline = sets_multiline(pattern);
+    let chars: Vec<char> = pattern.chars().collect();
+    let mut out = String::with_capacity(pattern.len() + 16);
+    let mut in_class = false;
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        i += 1;
+        match c {
+            '\\' => match chars.get(i) {
+                Some('Z') if !in_class => {
+                    out.push_str("\\z");
+                    i += 1;
+                }
+                Some(&n) => {
+                    out.push('\\');
+                    out.push(n);
+                    i += 1;
+                }
+                None => out.push('\\'),
+            },
+            '[' if !in_class => {
+                in_class = true;
+                out.push('[');
+                if chars.get(i) == Some(&'^') {
+                    out.push('^');
+                    i += 1;
+                }
+                // A `]` first in a class is a literal in Python.
+                if chars.get(i) == Some(&']') {
+                    out.push_str("\\]");
+                    i += 1;
+                }
+            }
+            ']' if in_class => {
+                in_class = false;
+                out.push(']');
+            }
+            // Nested classes and set operations in fancy_regex's dialect; literals in Python's.
+            '[' | '&' | '~' if in_class => {
+                out.push('\\');
+                out.push(c);
+            }
+            '$' if !in_class && !multiline => out.push_str("(?=\\n?\\z)"),
+            '{' if !in_class => {
+                // A repetition `{m}`, `{m,}`, `{m,n}` or `{,n}`; anything else is literal.
+                let close = chars[i..].iter().position(|&c| c == '}');
+                let body: Option<String> = close.map(|n| chars[i..i + n].iter().collect());
+                let repetition = body.as_deref().and_then(|b| {
+                    let (lo, hi) = b.split_once(',').unwrap_or((b, b));
+                    let digits = |s: &str| s.chars().all(|c| c.is_ascii_digit());
+                    let valid = digits(lo) && digits(hi) && !(lo.is_empty() && hi.is_empty());
+                    valid.then(|| {
+                        let lo = if lo.is_empty() { "0" } else { lo };
+                        if b.contains(',') {
+                            format!("{{{lo},{hi}}}")
+                        } else {
+                            format!("{{{lo}}}")
+                        }
+                    })
+                });
+                match (repetition, close) {
+                    (Some(r), Some(n)) => {
+                        out.push_str(&r);
+                        i += n + 1;
+                    }
+                    _ => out.push_str("\\{"),
+                }
+            }
+            '}' if !in_class => out.push_str("\\}"),
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+/// Python's `str.strip()`: whitespace as `str.isspace` counts it.
+fn python_strip(s: &str) -> &str {
+    s.trim_matches(crate::chat_template::is_python_space)
+}
+
+/// One step of an lm-eval filter pipeline.
+#[derive(Clone, Debug)]
+pub enum FilterStep {
+    /// `regex`: the `group_select`-th `findall` item (negative from the end), the first
+    /// non-empty group of a tuple, stripped; `fallback` when nothing matches.
+    Regex {
+        /// The pattern.
+        regex: PyRegex,
+        /// Which match (Python's index).
+        group_select: i64,
+        /// The answer when nothing matches.
+        fallback: String,
+    },
+    /// `remove_whitespace`: `strip()`.
+    RemoveWhitespace,
+    /// `lowercase`.
+    Lowercase,
+    /// `uppercase`.
+    Uppercase,
+}
+
+/// A named filter (a task's `filter_list` entry): its steps, then `take_first`.
+#[derive(Clone, Debug)]
+pub struct FilterPipeline {
+    /// Its name (`strict-match`), which names its metrics.
+    pub name: String,
+    /// The steps before `take_first`.
+    pub steps: Vec<FilterStep>,
+}
+
+impl FilterPipeline {
+    /// lm-eval's filter when a task names none: `none`, `take_first` alone.
+    pub fn none() -> FilterPipeline {
+        FilterPipeline {
+            name: "none".into(),
+            steps: Vec::new(),
+        }
+    }
+
+    /// A task's `filter_list` as JSON (a list of `{"name", "filter": [{"function", …}]}`,
+    /// the YAML's structure; or an object holding it under `filter_list`). Each pipeline
+    /// must end with `take_first` (lm-eval would otherwise compare a list, or run a later
+    /// step over each character of the taken answer); `majority_vote` and `take_first_k`
+    /// need repeated generations, which are not run.
+    pub fn parse_list(json: &serde_json::Value) -> Result<Vec<FilterPipeline>> {
+        let bad = |why: String| TrainError::Input(format!("filter list: {why}"));
+        let list = match json {
+            serde_json::Value::Object(o) => o
+                .get("filter_list")
+                .ok_or_else(|| bad("an object without \"filter_list\"".into()))?,
+            other => other,
+        };
+        let items = list
+            .as_array()
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| bad("not a non-empty list".into()))?;
+        let mut pipelines: Vec<FilterPipeline> = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let name = item
+                .get("name")
+                .and_then(|n| n.as_str())
+                .ok_or_else(|| bad(format!("entry {i} has no \"name\" text")))?;
+            if pipelines.iter().any(|p| p.name == name) {
+                return Err(bad(format!("two filters are named {name:?}")));
+            }
+            let functions = item
+                .get("filter")
+                .and_then(|f| f.as_array())
+                .ok_or_else(|| bad(format!("{name}: no \"filter\" list")))?;
+            let mut steps = Vec::new();
+            let mut took_first = false;
+            for function in functions {
+                let which = function
+                    .get("function")
+                    .and_then(|f| f.as_str())
+                    .ok_or_else(|| bad(format!("{name}: a step without \"function\" text")))?;
+                if took_first {
+                    return Err(bad(format!(
+                        "{name}: {which} after take_first (lm-eval would run it over each \
+                         character of the answer)"
+                    )));
+                }
+                let text_arg = |key: &str, default: &str| -> Result<String> {
+                    match function.get(key) {
+                        None => Ok(default.to_owned()),
+                        Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                        Some(_) => Err(bad(format!("{name}: {which}'s {key} is not text"))),
+                    }
+                };
+                steps.push(match which {
+                    "take_first" => {
+                        took_first = true;
+                        continue;
+                    }
+                    "regex" => FilterStep::Regex {
+                        regex: PyRegex::new(&text_arg("regex_pattern", r"#### (\-?[0-9\.\,]+)")?)?,
+                        group_select: match function.get("group_select") {
+                            None => 0,
+                            Some(v) => v.as_i64().ok_or_else(|| {
+                                bad(format!("{name}: regex's group_select is not an integer"))
+                            })?,
+                        },
+                        fallback: text_arg("fallback", "[invalid]")?,
+                    },
+                    "remove_whitespace" => FilterStep::RemoveWhitespace,
+                    "lowercase" => FilterStep::Lowercase,
+                    "uppercase" => FilterStep::Uppercase,
+                    "majority_vote" | "take_first_k" => {
+                        return Err(bad(format!(
+                            "{name}: {which} needs repeated generations (lm-eval's \
+                             `repeats`), which this evaluation does not run"
+                        )))
+                    }
+                    other => {
+                        return Err(bad(format!(
+                            "{name}: the filter function {other:?} is not one of regex, \
+                             take_first, remove_whitespace, lowercase, uppercase"
+                        )))
+                    }
+                });
+            }
+            if !took_first {
+                return Err(bad(format!(
+                    "{name}: no take_first (lm-eval would compare a list of answers)"
+                )));
+            }
+            pipelines.push(FilterPipeline {
+                name: name.to_owned(),
+                steps,
+            });
+        }
+        Ok(pipelines)
+    }
+
+    /// The answer this pipeline takes from `response`.
+    pub fn apply(&self, response: &str) -> Result<String> {
+        let mut text = response.to_owned();
+        for step in &self.steps {
+            text = match step {
+                FilterStep::Regex {
+                    regex,
+                    group_select,
+                    fallback,
+                } => {
+                    let found = regex.findall(&text)?;
+                    if found.is_empty() {
+                        fallback.clone()
+                    } else {
+                        let n = found.len() as i64;
+                        let at = if *group_select < 0 {
+                            n + group_select
+                        } else {
+                            *group_select
+                        };
+                        let item = usize::try_from(at)
+                            .ok()
+                            .and_then(|at| found.get(at))
+                            .ok_or_else(|| {
+                                TrainError::Input(format!(
+                                    "filter {}: group_select {group_select} of {n} matches of \
+                                     {:?} (Python raises IndexError)",
+                                    self.name,
+                                    regex.pattern()
+                                ))
+                            })?;
+                        match item {
+                            Found::Whole(s) | Found::Group(s) => python_strip(s).to_owned(),
+                            Found::Groups(groups) => match groups.iter().find(|g| !g.is_empty()) {
+                                Some(g) => python_strip(g).to_owned(),
+                                None => python_strip(fallback).to_owned(),
+                            },
+                        }
+                    }
+                }
+                FilterStep::RemoveWhitespace => python_strip(&text).to_owned(),
+                FilterStep::Lowercase => text.to_lowercase(),
+                FilterStep::Uppercase => text.to_uppercase(),
+            };
+        }
+        Ok(text)
+    }
+}
+
+/// lm-eval's `exact_match` (Hugging Face evaluate's): each regex's matches removed from the
+/// answer and the target, in order, then lower case, then ASCII punctuation and digits
+/// removed if asked, then equality. With several targets, right when any one is.
+#[derive(Clone, Debug, Default)]
+pub struct ExactMatch {
+    /// `regexes_to_ignore`.
+    pub regexes_to_ignore: Vec<PyRegex>,
+    /// `ignore_case`.
+    pub ignore_case: bool,
+    /// `ignore_punctuation` (Python's `string.punctuation`).
+    pub ignore_punctuation: bool,
+    /// `ignore_numbers` (`string.digits`).
+    pub ignore_numbers: bool,
+}
+
+impl ExactMatch {
+    /// `text` as the metric compares it.
+    pub fn normalize(&self, text: &str) -> Result<String> {
+        let mut text = text.to_owned();
+        for regex in &self.regexes_to_ignore {
+            text = regex.remove_all(&text)?;
+        }
+        if self.ignore_case {
+            text = text.to_lowercase();
+        }
+        if self.ignore_punctuation {
+            text.retain(|c| !c.is_ascii_punctuation());
+        }
+        if self.ignore_numbers {
+            text.retain(|c| !c.is_ascii_digit());
+        }
+        // numpy's fixed-width strings, which the metric compares, drop trailing NULs.
+        let kept = text.trim_end_matches('\0').len();
+        text.truncate(kept);
+        Ok(text)
+    }
+
+    /// Whether `answer` equals one of `targets` once both are normalised.
+    pub fn matches(&self, answer: &str, targets: &[String]) -> Result<bool> {
+        let answer = self.normalize(answer)?;
+        for target in targets {
+            if self.normalize(target)? == answer {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// lm-eval's `gsm8k` task (`tasks/gsm8k/gsm8k.yaml`, version 3): its filters.
+const GSM8K_FILTERS: &str = r#####"[
+  {"name": "strict-match", "filter": [
+    {"function": "regex", "regex_pattern": "#### (\\-?[0-9\\.\\,]+)"},
+    {"function": "take_first"}]},
+  {"name": "flexible-extract", "filter": [
+    {"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+    {"function": "take_first"}]}
+]"#####;
+
+/// A named task's generation settings as lm-eval's task YAML writes them (`eval --preset`).
+#[derive(Clone, Debug)]
+pub struct TaskPreset {
+    /// `generation_kwargs.until`.
+    pub until: Vec<String>,
+    /// `filter_list`.
+    pub filters: Vec<FilterPipeline>,
+    /// `metric_list`'s `exact_match` settings.
+    pub metric: ExactMatch,
+    /// `num_fewshot`.
+    pub num_fewshot: usize,
+}
+
+impl TaskPreset {
+    /// The task `name`'s settings: `gsm8k` (its documents `{"context": "Question: …\nAnswer:",
+    /// "target": answer}`, examples from its train split).
+    pub fn named(name: &str) -> Result<TaskPreset> {
+        match name {
+            "gsm8k" => Ok(TaskPreset {
+                until: ["Question:", "</s>", "<|im_end|>"]
+                    .map(str::to_owned)
+                    .to_vec(),
+                filters: FilterPipeline::parse_list(
+                    &serde_json::from_str(GSM8K_FILTERS)
+                        .map_err(|e| TrainError::Input(format!("gsm8k's filter list: {e}")))?,
+                )?,
+                metric: ExactMatch {
+                    regexes_to_ignore: [",", "\\$", "(?s).*#### ", "\\.$"]
+                        .iter()
+                        .map(|r| PyRegex::new(r))
+                        .collect::<Result<_>>()?,
+                    ignore_case: true,
+                    ignore_punctuation: false,
+                    ignore_numbers: false,
+                },
+                num_fewshot: 5,
+            }),
+            other => Err(TrainError::Input(format!(
+                "no task preset {other:?} (there is gsm8k)"
+            ))),
+        }
+    }
+}
+
+/// How each document is generated.
+#[derive(Clone, Debug)]
+pub struct GenerationSettings {
+    /// Stop strings (lm-eval's `until`); the tokenizer's end-of-sequence text is added.
+    pub until: Vec<String>,
+    /// The most new tokens (`max_gen_toks`), less than the model's context.
+    pub max_gen_toks: usize,
+    /// Token ids generation stops after (the generation config's end-of-sequence ids; the
+    /// tokenizer's is added).
+    pub stop_tokens: Vec<u32>,
+    /// The filters answers are taken by (at least one).
+    pub filters: Vec<FilterPipeline>,
+    /// How an answer is compared with the targets.
+    pub metric: ExactMatch,
+}
+
+/// A document's generation and what the filters made of it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generated {
+    /// The prompt's tokens after the cut to the context.
+    pub prompt_tokens: usize,
+    /// Of those, the ones whose keys and values the document before had computed.
+    pub reused_tokens: usize,
+    /// Tokens generated.
+    pub new_tokens: usize,
+    /// The text, cut at the stop strings (lm-eval's `resps`).
+    pub response: String,
+    /// Each filter's answer (lm-eval's `filtered_resps`), in filter order.
+    pub filtered: Vec<String>,
+    /// Each filter's answer is right.
+    pub exact_match: Vec<bool>,
+}
+
+/// A run's metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerationReport {
+    /// Documents.
+    pub documents: usize,
+    /// Tokens generated.
+    pub new_tokens: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Of those, the ones whose keys and values an earlier document had computed.
+    pub reused_prompt_tokens: u64,
+    /// `exact_match` under each filter, by its name.
+    pub exact_match: Vec<(String, Metric)>,
+}
+
+/// The end-of-sequence ids transformers' `generate` stops at for the model in `dir`: its
+/// `generation_config.json`'s, or without one its `config.json`'s `eos_token_id` (an id or a
+/// list), as `GenerationConfig.from_model_config` takes them; none without either.
+pub fn generation_eos_ids(dir: &Path) -> Result<Vec<u32>> {
+    if let Some(config) = crate::sample::GenerationConfig::beside(dir)? {
+        return Ok(config.eos_token_ids);
+    }
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Ok(Vec::new());
+    }
+    let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
+    let bytes = crate::bounded::read_file(&path, 64 << 20).map_err(bad)?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let id = |v: &serde_json::Value| {
+        v.as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| bad(format!("eos_token_id holds {v}, not a token id")))
+    };
+    match json.get("eos_token_id") {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::Array(ids)) if ids.len() <= 1024 => ids.iter().map(id).collect(),
+        Some(serde_json::Value::Array(ids)) => {
+            Err(bad(format!("eos_token_id lists {} ids", ids.len())))
+        }
+        Some(v) => Ok(vec![id(v)?]),
+    }
+}
+
+/// The prompt tokens lm-eval generates after for `context`: encoded with the tokenizer's
+/// special tokens unless the text starts with its `bos_token`'s, cut from the left to
+/// `max_tokens`.
+pub fn prompt_tokens(tok: &Tokenizer, context: &str, max_tokens: usize) -> Result<Vec<u32>> {
+    let bos_text = match tok.bos_token()? {
+        Some(id) => Some(tok.decode(&[id])?),
+        None => None,
+    };
+    let ids = match &bos_text {
+        Some(bos) if !bos.is_empty() && context.starts_with(bos.as_str()) => tok.encode(context)?,
+        _ => tok.encode_sequence(context)?,
+    };
+    if ids.is_empty() {
+        return Err(TrainError::Input(format!(
+            "the context {context:?} encodes to no tokens"
+        )));
+    }
+    Ok(ids[ids.len().saturating_sub(max_tokens)..].to_vec())
+}
+
+/// `text` cut before the first occurrence of each stop string in turn (lm-eval's
+/// `postprocess_generated_text`; empty strings skipped).
+pub fn cut_at_stops(text: &str, until: &[String]) -> String {
+    let mut text = text;
+    for stop in until.iter().filter(|s| !s.is_empty()) {
+        if let Some(at) = text.find(stop.as_str()) {
+            text = &text[..at];
+        }
+    }
+    text.to_owned()
+}
+
+/// Generate each document's answer after its `contexts` entry (its prompt text, few-shot
+/// examples and chat template applied) and score it under each filter, calling `each` with
+/// each document's index and result as it is done.
+pub fn evaluate<B: ModelOps>(
+    model: &Model<B>,
+    tok: &Tokenizer,
+    docs: &[GenerationDoc],
+    contexts: &[String],
+    settings: &GenerationSettings,
+    mut each: impl FnMut(usize, &Generated) -> Result<()>,
+) -> Result<GenerationReport> {
+    if docs.is_empty() || docs.len() != contexts.len() {
+        return Err(TrainError::Input(format!(
+            "{} documents with {} prompts",
+            docs.len(),
+            contexts.len()
+        )));
+    }
+    let (filters, metric) = (&settings.filters, &settings.metric);
+    if filters.is_empty() {
+        return Err(TrainError::Input("no filters".into()));
+    }
+    let max_seq = model.cfg.max_seq;
+    if settings.max_gen_toks == 0 || settings.max_gen_toks >= max_seq {
+        return Err(TrainError::Input(format!(
+            "max_gen_toks {} must be at least 1 and below the model's context of {max_seq} \
+             (lm-eval keeps the prompt within the rest)",
+            settings.max_gen_toks
+        )));
+    }
+    let eos = tok.eos_token()?;
+    let mut until = settings.until.clone();
+    if let Some(id) = eos {
+        let text = tok.decode(&[id])?;
+        if !until.contains(&text) {
+            until.push(text);
+        }
+    }
+    let mut stop_tokens: Vec<u32> = settings.stop_tokens.iter().copied().chain(eos).collect();
+    stop_tokens.sort_unstable();
+    stop_tokens.dedup();
+    let opts = SampleOptions {
+        tokens: settings.max_gen_toks,
+        sampling: Sampling::greedy(),
+        seed: 0,
+        stop_tokens,
+        // transformers' argmax runs over every row of the head, a padded vocabulary's rows
+        // past the tokenizer's too (they decode to nothing).
+        vocab_limit: None,
+    };
+    let mut kept = PromptCache::new();
+    let mut results = vec![Vec::with_capacity(docs.len()); filters.len()];
+    let (mut new_tokens, mut prompt_total, mut reused_total) = (0u64, 0u64, 0u64);
+    for (i, (doc, context)) in docs.iter().zip(contexts).enumerate() {
+        let in_doc = |e: TrainError| TrainError::Input(format!("document {}: {e}", i + 1));
+        let prompt =
+            prompt_tokens(tok, context, max_seq - settings.max_gen_toks).map_err(in_doc)?;
+        let mut generated = Vec::new();
+        let mut decode_error = None;
+        let (new, reused) = generate_cached(model, &mut kept, &prompt, &opts, |id| {
+            generated.push(id);
+            // lm-eval cuts its text at the stop strings, so generation may end once the text
+            // holds one.
+            match tok.decode_skipping_special(&generated) {
+                Ok(text)
+                    if until
+                        .iter()
+                        .any(|s| !s.is_empty() && text.contains(s.as_str())) =>
+                {
+                    Ok(std::ops::ControlFlow::Break(()))
+                }
+                Ok(_) => Ok(std::ops::ControlFlow::Continue(())),
+                Err(e) => {
+                    decode_error = Some(e);
+                    Ok(std::ops::ControlFlow::Break(()))
+                }
+            }
+        })?;
+        if let Some(e) = decode_error {
+            return Err(in_doc(e));
+        }
+        let response = cut_at_stops(&tok.decode_skipping_special(&new)?, &until);
+        let filtered = filters
+            .iter()
+            .map(|f| f.apply(&response))
+            .collect::<Result<Vec<_>>>()
+            .map_err(in_doc)?;
+        let exact_match = filtered
+            .iter()
+            .map(|answer| metric.matches(answer, &doc.targets))
+            .collect::<Result<Vec<_>>>()
+            .map_err(in_doc)?;
+        for (r, &m) in results.iter_mut().zip(&exact_match) {
+            r.push(m);
+        }
+        new_tokens += new.len() as u64;
+        prompt_total += prompt.len() as u64;
+        reused_total += reused as u64;
+        each(
+            i,
+            &Generated {
+                prompt_tokens: prompt.len(),
+                reused_tokens: reused,
+                new_tokens: new.len(),
+                response,
+                filtered,
+                exact_match,
+            },
+        )?;
+    }
+    Ok(GenerationReport {
+        documents: docs.len(),
+        new_tokens,
+        prompt_tokens: prompt_total,
+        reused_prompt_tokens: reused_total,
+        exact_match: filters
+            .iter()
+            .zip(&results)
+            .map(|(f, r)| (f.name.clone(), Metric::of(r)))
+            .collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn py(pattern: &str) -> PyRegex {
+        PyRegex::new(pattern).unwrap()
+    }
+
+    #[test]
+    fn python_dialect_is_translated() {
+        // `$` before a final newline, as Python's.
+        assert_eq!(py(r"\.$").remove_all("72.\n").unwrap(), "72\n");
+        assert_eq!(py(r"\.$").remove_all("7.2.").unwrap(), "7.2");
+        assert_eq!(py(r"a\Z").remove_all("aa").unwrap(), "a");
+        // Literal braces and brackets.
+        assert_eq!(py(r"{x}").remove_all("a{x}b").unwrap(), "ab");
+        assert_eq!(py(r"a{,2}").remove_all("aaab").unwrap(), "b");
+        assert_eq!(py(r"[][&~]").remove_all("a[b]&c~").unwrap(), "abc");
+        // (?m): `$` before every newline in both dialects.
+        assert_eq!(py(r"(?m)x$").remove_all("x\nx\n").unwrap(), "\n\n");
+    }
+
+    #[test]
+    fn findall_and_sub_step_as_python() {
+        // Python 3.7+: an empty match right after a non-empty one counts.
+        assert_eq!(py("x*").remove_all("abxd").unwrap(), "abd");
+        let found = py("x*").findall("abxd").unwrap();
+        let whole: Vec<&str> = found
+            .iter()
+            .map(|f| match f {
+                Found::Whole(s) => s.as_str(),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(whole, ["", "", "x", "", ""]);
+        assert_eq!(
+            py(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+                .findall("a 7 b 12.5")
+                .unwrap(),
+            [
+                Found::Groups(vec!["".into(), "7".into()]),
+                Found::Groups(vec!["12.5".into(), "".into()])
+            ]
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+
+        /// Cutting at the stop strings leaves a prefix that holds none of them, and cutting
+        /// again changes nothing.
+        #[test]
+        fn cut_text_holds_no_stop_string(
+            text in "[ab\n]{0,40}",
+            stops in proptest::collection::vec("[ab\n]{0,3}", 0..4),
+        ) {
+            let cut = cut_at_stops(&text, &stops);
+            proptest::prop_assert!(text.starts_with(&cut));
+            // Each cut leaves a text without its string, and later cuts keep prefixes of it.
+            for s in stops.iter().filter(|s| !s.is_empty()) {
+                proptest::prop_assert!(!cut.contains(s.as_str()), "{:?} in {:?}", s, cut);
+            }
+            // Nothing is cut that held no stop string.
+            if stops.iter().all(|s| s.is_empty() || !text.contains(s.as_str())) {
+                proptest::prop_assert_eq!(&cut, &text);
+            }
+            proptest::prop_assert_eq!(cut_at_stops(&cut, &stops), cut.clone());
+        }
+
+        /// The regex filter's answer is a stripped match of the pattern or the fallback, and
+        /// exact_match is reflexive and insensitive to what it is told to ignore.
+        #[test]
+        fn filter_answers_are_matches_and_exact_match_ignores_what_it_is_told(
+            words in proptest::collection::vec("[a-z]{1,4}|[0-9]{1,3}|#### [0-9]{1,3}", 0..8),
+            select in -3i64..3,
+        ) {
+            let text = words.join(" ");
+            let pipeline = FilterPipeline {
+                name: "f".into(),
+                steps: vec![FilterStep::Regex {
+                    regex: py(r"(-?[0-9]+)"),
+                    group_select: select,
+                    fallback: "[invalid]".into(),
+                }],
+            };
+            let numbers: Vec<&str> = text
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .collect();
+            let n = numbers.len() as i64;
+            match pipeline.apply(&text) {
+                Ok(answer) if numbers.is_empty() => proptest::prop_assert_eq!(answer, "[invalid]"),
+                Ok(answer) => {
+                    let at = if select < 0 { n + select } else { select };
+                    proptest::prop_assert_eq!(answer, numbers[at as usize]);
+                }
+                Err(_) => proptest::prop_assert!(select >= n || -select > n),
+            }
+            let metric = ExactMatch {
+                regexes_to_ignore: vec![py(",")],
+                ignore_case: true,
+                ignore_punctuation: true,
+                ignore_numbers: false,
+            };
+            proptest::prop_assert!(metric.matches(&text, std::slice::from_ref(&text)).unwrap());
+            let shouted = format!("{}!,", text.to_uppercase());
+            proptest::prop_assert!(metric.matches(&shouted, std::slice::from_ref(&text)).unwrap());
+        }
+    }
+}

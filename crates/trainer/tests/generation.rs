@@ -1,0 +1,508 @@
+//! Generation tasks against lm-evaluation-harness: the prompt, generated text, filtered
+//! answers and exact_match of every document of five lm-eval 0.4.13 `generate_until` runs
+//! (zero-shot, few-shot by both samplers, a chat template, several targets) on two
+//! transformers models, and each filter's aggregate
+//! (`fixtures/generation/lm_eval_generation.json`, written by
+//! `benches/torch/make_generation_fixture.py`); Python's `re.findall` and `re.sub`, lm-eval's
+//! `RegexFilter` and `exact_match` on hand-made strings; and `headroom eval --generate`.
+
+mod common;
+
+use std::path::PathBuf;
+
+use headroom_tensor::Cpu;
+use headroom_trainer::choices::{self, Sampler};
+use headroom_trainer::generation::{
+    self, ExactMatch, FilterPipeline, FilterStep, Found, GenerationDoc, GenerationSettings,
+    PyRegex, TaskPreset,
+};
+use headroom_trainer::sample::load_model;
+use headroom_trainer::tokenize::Tokenizer;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn fixture() -> serde_json::Value {
+    let text =
+        std::fs::read_to_string(fixtures().join("generation/lm_eval_generation.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The exact_match settings of a task's metric entry.
+fn metric_of(kwargs: &serde_json::Value) -> ExactMatch {
+    let flag = |k: &str| kwargs.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+    ExactMatch {
+        regexes_to_ignore: kwargs
+            .get("regexes_to_ignore")
+            .and_then(|r| r.as_array())
+            .map(|r| {
+                r.iter()
+                    .map(|p| PyRegex::new(p.as_str().unwrap()).unwrap())
+                    .collect()
+            })
+            .unwrap_or_default(),
+        ignore_case: flag("ignore_case"),
+        ignore_punctuation: flag("ignore_punctuation"),
+        ignore_numbers: flag("ignore_numbers"),
+    }
+}
+
+fn strings(v: &serde_json::Value) -> Vec<String> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn every_run_generates_and_scores_as_lm_eval() {
+    let fixture = fixture();
+    let runs = fixture["runs"].as_object().unwrap();
+    assert_eq!(runs.len(), 5);
+    let (mut docs_checked, mut right, mut nonempty_fallbacks) = (0, 0, 0);
+    for (name, run) in runs {
+        let model_dir = fixtures().join(run["model"].as_str().unwrap());
+        let model = load_model(&model_dir, &Cpu::new()).unwrap();
+        let tok_path = fixtures()
+            .join("choices")
+            .join(run["tokenizer"].as_str().unwrap())
+            .join("tokenizer.json");
+        let tok = Tokenizer::from_name(tok_path.to_str().unwrap()).unwrap();
+        let docs = generation::read_generation_docs(
+            &fixtures()
+                .join("generation")
+                .join(run["docs_file"].as_str().unwrap()),
+        )
+        .unwrap();
+        let mut fewshot_delimiter = "\n\n".to_owned();
+        let turns = match run.get("fewshot") {
+            None => choices::fewshot_turns(
+                &docs,
+                &choices::Fewshot {
+                    shots: 0,
+                    pool: None,
+                    sampler: Sampler::FirstN,
+                    description: String::new(),
+                    system_instruction: None,
+                    delimiter: fewshot_delimiter.clone(),
+                },
+                " ",
+            )
+            .unwrap(),
+            Some(f) => {
+                fewshot_delimiter = f["delimiter"].as_str().unwrap().to_owned();
+                let fewshot = choices::Fewshot {
+                    shots: f["shots"].as_u64().unwrap() as usize,
+                    pool: f["file"].as_str().map(|file| {
+                        generation::read_generation_docs(&fixtures().join("generation").join(file))
+                            .unwrap()
+                    }),
+                    sampler: match f["sampler"].as_str().unwrap() {
+                        "first_n" => Sampler::FirstN,
+                        _ => Sampler::Random {
+                            seed: f["seed"].as_u64().unwrap(),
+                        },
+                    },
+                    description: f["description"].as_str().unwrap().to_owned(),
+                    system_instruction: f["system_instruction"].as_str().map(str::to_owned),
+                    delimiter: fewshot_delimiter.clone(),
+                };
+                choices::fewshot_turns(&docs, &fewshot, " ").unwrap()
+            }
+        };
+        let template = run
+            .get("fewshot")
+            .and_then(|f| f.get("chat"))
+            .map(|_| tok.chat_template().unwrap().unwrap());
+        let format = match (&template, run.get("fewshot").and_then(|f| f.get("chat"))) {
+            (Some(template), Some(chat)) => choices::PromptFormat::Chat {
+                template,
+                multiturn: chat["multiturn"].as_bool().unwrap(),
+                extra: &[],
+            },
+            _ => choices::PromptFormat::Plain,
+        };
+        let contexts: Vec<String> = turns
+            .iter()
+            .map(|t| choices::render_prompt(t, format).unwrap())
+            .collect();
+        let want = run["docs"].as_array().unwrap();
+        assert_eq!(contexts.len(), want.len(), "{name}");
+        for (i, (c, w)) in contexts.iter().zip(want).enumerate() {
+            assert_eq!(
+                c,
+                w["prompt"].as_str().unwrap(),
+                "{name} document {i}'s prompt"
+            );
+        }
+        let kwargs = &run["generation_kwargs"];
+        // lm-eval's default `until` is the few-shot delimiter.
+        let until = kwargs
+            .get("until")
+            .map(strings)
+            .unwrap_or_else(|| vec![fewshot_delimiter.clone()]);
+        let filters = match &run["filter_list"] {
+            serde_json::Value::Null => vec![FilterPipeline::none()],
+            list => FilterPipeline::parse_list(list).unwrap(),
+        };
+        let names: Vec<String> = filters.iter().map(|f| f.name.clone()).collect();
+        assert_eq!(names, strings(&run["filters"]), "{name}");
+        let settings = GenerationSettings {
+            until,
+            max_gen_toks: kwargs["max_gen_toks"].as_u64().unwrap() as usize,
+            stop_tokens: generation::generation_eos_ids(&model_dir).unwrap(),
+            filters,
+            metric: metric_of(&run["metric"]),
+        };
+        let mut seen = 0;
+        let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |i, g| {
+            let w = &want[i];
+            assert_eq!(
+                g.response,
+                w["response"].as_str().unwrap(),
+                "{name} document {i}'s text"
+            );
+            for (f, name_f) in names.iter().enumerate() {
+                assert_eq!(
+                    g.filtered[f],
+                    w["filtered"][name_f].as_str().unwrap(),
+                    "{name} document {i}, filter {name_f}"
+                );
+                assert_eq!(
+                    g.exact_match[f],
+                    w["exact_match"][name_f].as_bool().unwrap(),
+                    "{name} document {i}, filter {name_f}'s exact_match"
+                );
+                right += usize::from(g.exact_match[f]);
+                nonempty_fallbacks += usize::from(g.filtered[f].starts_with('['));
+            }
+            assert!(g.new_tokens <= settings.max_gen_toks);
+            assert!(g.prompt_tokens + settings.max_gen_toks <= model.cfg.max_seq);
+            seen += 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, want.len());
+        docs_checked += seen;
+        for (filter, metric) in &report.exact_match {
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-12;
+            assert!(
+                close(metric.mean, run["metrics"][filter].as_f64().unwrap()),
+                "{name} {filter}: {} vs lm-eval's {}",
+                metric.mean,
+                run["metrics"][filter]
+            );
+            assert!(
+                close(
+                    metric.stderr.unwrap(),
+                    run["stderr"][filter].as_f64().unwrap()
+                ),
+                "{name} {filter}'s stderr"
+            );
+        }
+    }
+    // The fixture exercises what it means to: right answers and fallbacks both occur.
+    assert_eq!(docs_checked, 37);
+    assert!(right >= 5, "{right} right answers");
+    assert!(nonempty_fallbacks >= 2);
+}
+
+#[test]
+fn regexes_run_as_pythons_re_and_lm_evals_filter() {
+    let fixture = fixture();
+    let cases = fixture["python"]["regex"].as_array().unwrap();
+    assert!(cases.len() >= 15);
+    for case in cases {
+        let pattern = case["pattern"].as_str().unwrap();
+        let text = case["text"].as_str().unwrap();
+        let regex = PyRegex::new(pattern).unwrap();
+        let found: Vec<serde_json::Value> = regex
+            .findall(text)
+            .unwrap()
+            .into_iter()
+            .map(|f| match f {
+                Found::Whole(s) | Found::Group(s) => s.into(),
+                Found::Groups(g) => g.into(),
+            })
+            .collect();
+        assert_eq!(
+            serde_json::Value::from(found),
+            case["findall"],
+            "findall {pattern:?} on {text:?}"
+        );
+        assert_eq!(
+            regex.remove_all(text).unwrap(),
+            case["sub"].as_str().unwrap(),
+            "sub {pattern:?} on {text:?}"
+        );
+        for select in [0i64, -1] {
+            let filter = FilterPipeline {
+                name: "f".into(),
+                steps: vec![FilterStep::Regex {
+                    regex: regex.clone(),
+                    group_select: select,
+                    fallback: "[fb]".into(),
+                }],
+            };
+            assert_eq!(
+                filter.apply(text).unwrap(),
+                case["filtered"][select.to_string()].as_str().unwrap(),
+                "RegexFilter {pattern:?} group_select {select} on {text:?}"
+            );
+        }
+    }
+    for case in fixture["python"]["exact_match"].as_array().unwrap() {
+        let metric = metric_of(&case["kwargs"]);
+        assert_eq!(
+            metric
+                .matches(case["answer"].as_str().unwrap(), &strings(&case["targets"]))
+                .unwrap(),
+            case["exact_match"].as_bool().unwrap(),
+            "{case}"
+        );
+    }
+}
+
+#[test]
+fn headroom_eval_generate_prints_lm_evals_metrics_and_samples() {
+    let fixture = fixture();
+    let run = &fixture["runs"]["llama_zero_shot"];
+    let dir = tempfile::tempdir().unwrap();
+    let samples = dir.path().join("samples.jsonl");
+    let mut args: Vec<String> = vec![
+        "eval".into(),
+        "--from".into(),
+        fixtures().join("hf-llama-gqa-untied").display().to_string(),
+        "--tokenizer".into(),
+        fixtures()
+            .join("choices/llama/tokenizer.json")
+            .display()
+            .to_string(),
+        "--generate".into(),
+        fixtures()
+            .join("generation/docs.jsonl")
+            .display()
+            .to_string(),
+        "--max-gen-toks".into(),
+        run["generation_kwargs"]["max_gen_toks"].to_string(),
+        "--filters".into(),
+        run["filter_list"].to_string(),
+        "--ignore-case".into(),
+        "--samples".into(),
+        samples.display().to_string(),
+    ];
+    for u in strings(&run["generation_kwargs"]["until"]) {
+        args.extend(["--until".into(), u]);
+    }
+    for r in strings(&run["metric"]["regexes_to_ignore"]) {
+        args.extend(["--regexes-to-ignore".into(), r]);
+    }
+    let out = common::headroom_command().args(&args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for filter in strings(&run["filters"]) {
+        let line = format!("exact_match,{filter}",);
+        let printed = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{line} ")))
+            .unwrap_or_else(|| panic!("no {line} in {stdout}"));
+        let want = format!(
+            "{:.4} ± {:.4}",
+            run["metrics"][&filter].as_f64().unwrap(),
+            run["stderr"][&filter].as_f64().unwrap()
+        );
+        assert!(printed.ends_with(&want), "{printed} vs {want}");
+    }
+    // The gsm8k preset: its two filters, its 5 examples (too many for 4 of these documents'
+    // pool, which leaves each out of its own) replaced by --num-fewshot.
+    let preset = |shots: &str| {
+        common::headroom_command()
+            .args(&args[..9])
+            .args(["--preset", "gsm8k", "--num-fewshot", shots])
+            .output()
+            .unwrap()
+    };
+    let out = preset("1");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(printed.contains("exact_match,strict-match "), "{printed}");
+    assert!(
+        printed.contains("exact_match,flexible-extract "),
+        "{printed}"
+    );
+    let out = preset("8");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("8 few-shot examples from a pool of"));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&samples)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let want = run["docs"].as_array().unwrap();
+    assert_eq!(lines.len(), want.len());
+    for (got, w) in lines.iter().zip(want) {
+        assert_eq!(got["response"], w["response"]);
+        assert_eq!(got["filtered"], w["filtered"]);
+        assert_eq!(got["exact_match"], w["exact_match"]);
+    }
+}
+
+/// A pipeline's steps in words, to compare two.
+fn described(filters: &[FilterPipeline]) -> Vec<(String, Vec<String>)> {
+    filters
+        .iter()
+        .map(|f| {
+            let steps = f
+                .steps
+                .iter()
+                .map(|s| match s {
+                    FilterStep::Regex {
+                        regex,
+                        group_select,
+                        fallback,
+                    } => format!("regex {:?} {group_select} {fallback:?}", regex.pattern()),
+                    other => format!("{other:?}"),
+                })
+                .collect();
+            (f.name.clone(), steps)
+        })
+        .collect()
+}
+
+#[test]
+fn the_gsm8k_preset_is_lm_evals_gsm8k_task() {
+    let fixture = fixture();
+    let want = &fixture["gsm8k"];
+    let preset = TaskPreset::named("gsm8k").unwrap();
+    assert_eq!(preset.until, strings(&want["until"]));
+    assert_eq!(want["do_sample"], false);
+    assert_eq!(
+        described(&preset.filters),
+        described(&FilterPipeline::parse_list(&want["filter_list"]).unwrap())
+    );
+    let metric = metric_of(&want["metric"]);
+    let patterns = |m: &ExactMatch| -> Vec<String> {
+        m.regexes_to_ignore
+            .iter()
+            .map(|r| r.pattern().to_owned())
+            .collect()
+    };
+    assert_eq!(patterns(&preset.metric), patterns(&metric));
+    assert_eq!(
+        (
+            preset.metric.ignore_case,
+            preset.metric.ignore_punctuation,
+            preset.metric.ignore_numbers
+        ),
+        (
+            metric.ignore_case,
+            metric.ignore_punctuation,
+            metric.ignore_numbers
+        )
+    );
+    assert_eq!(
+        preset.num_fewshot as u64,
+        want["num_fewshot"].as_u64().unwrap()
+    );
+    // A GSM8K answer and a generation in its format.
+    let answer = "Natalia sold 48/2 = 24 clips in May.\n#### 72";
+    let generated = " She sold 48 + 24 = 72 clips.\n#### 72.\n\n";
+    for (filter, right) in preset.filters.iter().zip([true, true]) {
+        let got = filter.apply(generated).unwrap();
+        assert_eq!(
+            preset.metric.matches(&got, &[answer.to_owned()]).unwrap(),
+            right,
+            "{} took {got:?}",
+            filter.name
+        );
+    }
+    assert!(TaskPreset::named("mmlu")
+        .unwrap_err()
+        .to_string()
+        .contains("gsm8k"));
+}
+
+#[test]
+fn bad_tasks_are_refused_with_the_reason() {
+    let list = |steps: serde_json::Value| {
+        FilterPipeline::parse_list(&serde_json::json!([{"name": "f", "filter": steps}]))
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(list(serde_json::json!([{"function": "regex"}])).contains("no take_first"));
+    assert!(
+        list(serde_json::json!([{"function": "take_first"}, {"function": "lowercase"}]))
+            .contains("after take_first")
+    );
+    assert!(list(serde_json::json!([{"function": "majority_vote"}])).contains("repeats"));
+    assert!(list(serde_json::json!([{"function": "map"}])).contains("\"map\""));
+    assert!(list(serde_json::json!([
+        {"function": "regex", "regex_pattern": "(unclosed"},
+        {"function": "take_first"}
+    ]))
+    .contains("does not compile"));
+    assert!(FilterPipeline::parse_list(&serde_json::json!([]))
+        .unwrap_err()
+        .to_string()
+        .contains("non-empty"));
+    // group_select past the matches: Python's IndexError, an error here.
+    let pipeline = FilterPipeline::parse_list(&serde_json::json!([{"name": "f", "filter": [
+        {"function": "regex", "regex_pattern": "a", "group_select": 3},
+        {"function": "take_first"}]}]))
+    .unwrap();
+    assert!(pipeline[0]
+        .apply("aa")
+        .unwrap_err()
+        .to_string()
+        .contains("IndexError"));
+    for (line, why) in [
+        (r#"{"target": "x"}"#, "no \"context\""),
+        (r#"{"context": "a"}"#, "no \"target\""),
+        (r#"{"context": "a", "target": []}"#, "empty list"),
+        (r#"{"context": "a", "target": {"x": 1}}"#, "neither"),
+        (r#"{"context": 3, "target": "x"}"#, "not text"),
+    ] {
+        let e = GenerationDoc::parse(line).unwrap_err();
+        assert!(e.contains(why), "{line}: {e}");
+    }
+    // A number target is its text; a few-shot example shows the first of several.
+    let doc = GenerationDoc::parse(r#"{"context": "a", "target": [12, "b"]}"#).unwrap();
+    assert_eq!(doc.targets, ["12", "b"]);
+    // max_gen_toks must leave the prompt room in the context.
+    let model = load_model(&fixtures().join("hf-llama-gqa-untied"), &Cpu::new()).unwrap();
+    let tok = Tokenizer::from_name(
+        fixtures()
+            .join("choices/llama/tokenizer.json")
+            .to_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let settings = GenerationSettings {
+        until: vec![],
+        max_gen_toks: model.cfg.max_seq,
+        stop_tokens: vec![],
+        filters: vec![FilterPipeline::none()],
+        metric: ExactMatch::default(),
+    };
+    let e = generation::evaluate(
+        &model,
+        &tok,
+        std::slice::from_ref(&doc),
+        &["a".to_owned()],
+        &settings,
+        |_, _| Ok(()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("max_gen_toks"), "{e}");
+}
