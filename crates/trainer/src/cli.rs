@@ -3649,9 +3649,19 @@ fn cmd_sample(a: SampleArgs) -> CliResult {
 /// A CPU backend whose allocations `sample` and `eval` count, for the weights line.
 fn inference_cpu() -> (headroom_tensor::Cpu, Arc<MemoryTracker>) {
     let tracker = Arc::new(MemoryTracker::new());
-    let cpu = headroom_tensor::Cpu::new().with_alloc_hook(tracker.clone());
+    let cpu = headroom_tensor::Cpu::new()
+        .with_alloc_hook(tracker.clone())
+        .with_buffer_cache(INFERENCE_BUFFER_CACHE_BYTES);
     (cpu, tracker)
 }
+
+/// The freed buffers `sample` and `eval` keep for reuse. A decode step frees each layer's KV
+/// cache as it grows it, and the next layer's takes that buffer (a mapping rounded to huge
+/// pages), so the cache needs room for about two of them: 32 MiB holds two layers' keys of
+/// Llama 3 8B at 8 K positions in bf16. On GPT-2 124M at 900 positions this halved the
+/// decode step (12.6 → 6.7 s for 256 tokens) for 25 MiB more RSS; a larger cap only
+/// holds more of a model load's freed buffers.
+const INFERENCE_BUFFER_CACHE_BYTES: usize = 32 << 20;
 
 /// Names the MPI build of the command to run `train --dist mpi` with; empty turns the hand-over
 /// off. Unset, `headroom-mpi` is looked for beside this binary, then on the `PATH`.
