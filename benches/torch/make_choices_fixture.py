@@ -20,6 +20,11 @@ continuation) for two committed transformers models, each with a tokenizer writt
 - `gpt2`: `fixtures/hf-gpt2-sharded` with the story tokenizer (adds nothing; no BOS, so the
   prefix token is EOS `</s>`), target delimiter " ".
 
+Winogrande's documents (`choices/winogrande.jsonl`), scored as lm-eval's multiple input with
+its `winogrande` task's split (each option filling the blank is a context, the rest of the
+sentence is scored after each): zero-shot with both pairs, and one example drawn from the
+documents themselves.
+
 And lm-eval's `loglikelihood_rolling` perplexity (word and byte perplexity, bits per byte)
 of `fixtures/choices/documents.jsonl` with both pairs: each document's log-likelihood over
 windows of the context, its words and bytes, and the aggregates.
@@ -128,6 +133,22 @@ COMPLETIONS = [
         "text": "the big cat sat on a mat. a small dog ran under the old tree. the red bird "
         "slept near a big box. the old fox jumped on the small log. a big dog"
     },
+]
+
+# Winogrande's documents (lm-eval's multiple input): each option fills the blank, and the
+# text after the blank is scored after each filled-in context.
+WINOGRANDE = [
+    {"sentence": "the cat sat on the _ near the old tree.", "option1": "mat", "option2": "dog", "answer": "1"},
+    {"sentence": "a big _ ran under the box.", "option1": "dog", "option2": "bird", "answer": "2"},
+    {"sentence": "_ slept near a red log.", "option1": "the fox", "option2": "a cat", "answer": "1"},
+    {"sentence": "the small bird jumped on _ and sat.", "option1": "the mat", "option2": "a log", "answer": "2"},
+    # Longer than the 32-token context: cut from the left.
+    {
+        "sentence": "the big cat sat on a mat. a small dog ran under the old tree. the red bird "
+        "slept near a big box. the old _ jumped on the small log.",
+        "option1": "fox", "option2": "cat", "answer": "1",
+    },
+    {"sentence": "the café _ ran near 東京.", "option1": "cat", "option2": "naïve dog", "answer": "2"},
 ]
 
 RUNS = [
@@ -482,6 +503,44 @@ def run(directory, questions_path, delimiter, tmp, fewshot=None):
     }
 
 
+def run_winogrande(directory, path, tmp, shots, seed):
+    """lm-eval's multiple-input scoring of Winogrande documents, split as its `winogrande`
+    task splits them (its preprocess functions as templates); `shots` examples from the
+    documents themselves by the default sampler."""
+    task_dir = os.path.join(tmp, "winogrande-" + str(abs(hash((directory, shots)))))
+    os.makedirs(task_dir, exist_ok=True)
+    metrics = ["acc", "acc_norm", "acc_bytes", "exact_match"]
+    blank = "sentence.index('_')"
+    task = json_task(
+        "headroom_winogrande",
+        path,
+        "multiple_choice",
+        doc_to_text="{{ {'1': 0, '2': 1}[answer] }}",
+        doc_to_target="{{ sentence[" + blank + " + 1:].strip() }}",
+        doc_to_choice="{{ [sentence[:" + blank + "] + option1, sentence[:" + blank + "] + option2] }}",
+        metric_list=[{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in metrics],
+        **({"fewshot_split": "test"} if shots else {}),
+    )
+    results = evaluate_task(directory, task, task_dir, num_fewshot=shots, fewshot_seed=seed)
+    samples = sorted(results["samples"]["headroom_winogrande"], key=lambda s: s["doc_id"])
+    aggregate = results["results"]["headroom_winogrande"]
+    return {
+        "shots": shots,
+        "seed": seed,
+        "scored": [
+            {
+                "requests": [list(a) for a in s["arguments"]],
+                "loglikelihoods": [r[0][0] for r in s["resps"]],
+                "is_greedy": [r[0][1] for r in s["resps"]],
+                **{m: s[m] for m in metrics},
+            }
+            for s in samples
+        ],
+        "metrics": {m: aggregate[m + ",none"] for m in metrics},
+        "stderr": {m: aggregate[m + "_stderr,none"] for m in metrics},
+    }
+
+
 def python_random():
     """The draws of PYTHON_RANDOM_CALLS, as CPython makes them."""
     import random
@@ -576,6 +635,22 @@ def make():
                 **({"fewshot": fewshot} if fewshot else {}),
                 **result,
             }
+        text = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in WINOGRANDE)
+        with open(os.path.join(tmp, "winogrande.jsonl"), "w", encoding="utf-8") as f:
+            f.write(text)
+        files["winogrande.jsonl"] = text
+        fixture["winogrande"] = {}
+        for name, model, tokenizer, shots in [
+            ("llama", "hf-llama-gqa-untied", "llama", 0),
+            ("gpt2", "hf-gpt2-sharded", "story", 0),
+            ("llama_fewshot", "hf-llama-gqa-untied", "llama", 1),
+        ]:
+            directory = model_dir(tmp, model, tokenizers[tokenizer])
+            fixture["winogrande"][name] = {
+                "model": model,
+                "tokenizer": tokenizer,
+                **run_winogrande(directory, os.path.join(tmp, "winogrande.jsonl"), tmp, shots, 1234),
+            }
         fixture["python_random"] = python_random()
     return fixture, files
 
@@ -602,6 +677,7 @@ def main():
             committed["runs"] == fixture["runs"]
             and committed["rolling"] == fixture["rolling"]
             and committed["completions"] == fixture["completions"]
+            and committed["winogrande"] == fixture["winogrande"]
             and committed["python_random"]["calls"] == fixture["python_random"]["calls"]
         )
         print("the committed fixture is lm-eval's" if same else "the committed fixture differs from lm-eval's")

@@ -32,6 +32,14 @@
 //! request, log-likelihood, flag and metric against lm-eval 0.4.13 runs
 //! (`benches/torch/make_choices_fixture.py`).
 //!
+//! Multiple input (lm-eval's Winogrande): the choices are alternative contexts and one
+//! `continuation` is scored after each (`{"choices": [...], "continuation": ..., "gold": i}`,
+//! or Winogrande's own `sentence` with its `_` blank, `option1`, `option2` and `answer`,
+//! split as lm-eval's `winogrande` task splits it). `acc_norm` and `acc_bytes` then divide
+//! by the contexts' lengths, as lm-eval does; a few-shot example shows its gold context, the
+//! target delimiter and the continuation; each context runs after the keys and values of the
+//! one before ([`Question::context_for`]).
+//!
 //! Two differences, both on input lm-eval scores as wrong without saying why: a gold index
 //! out of range or a gold text that is not a choice is an error here (lm-eval warns and counts
 //! the question wrong), and so is an empty choice (lm-eval divides by its length 0).
@@ -98,25 +106,46 @@ impl Gold {
 /// One multiple-choice question.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Question {
-    /// The text the choices continue.
+    /// The text the choices continue; with `continuation`, the text before each choice (a
+    /// few-shot prompt's examples, empty without them).
     pub context: String,
-    /// The answers to score, each non-empty.
+    /// The answers to score, each non-empty; with `continuation`, the alternative contexts.
     pub choices: Vec<String>,
     /// The right ones, each an index into `choices`.
     pub gold: Gold,
+    /// lm-eval's multiple input (Winogrande's partial scoring): the text scored after each
+    /// choice, the choices being contexts; `None` when the choices are what is scored.
+    pub continuation: Option<String>,
 }
 
 impl Question {
-    /// A question from its JSON object (`context`, `choices`, `gold`); the error says which
-    /// field is wrong.
+    /// A question from its JSON object (`context`, `choices`, `gold`; or `choices`,
+    /// `continuation`, `gold` for multiple input; or Winogrande's own `sentence`, `option1`,
+    /// `option2`, `answer`); the error says which field is wrong.
     pub fn parse(line: &str) -> std::result::Result<Question, String> {
         let value: serde_json::Value =
             serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
         let object = value.as_object().ok_or("not a JSON object")?;
-        let context = match object.get("context") {
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(_) => return Err("\"context\" is not text".into()),
-            None => return Err("no \"context\"".into()),
+        if object.contains_key("sentence") {
+            return Question::winogrande(object);
+        }
+        let continuation = match object.get("continuation") {
+            Some(serde_json::Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(_) => return Err("\"continuation\" is not non-empty text".into()),
+            None => None,
+        };
+        let context = match (object.get("context"), &continuation) {
+            (Some(serde_json::Value::String(s)), None) => s.clone(),
+            (Some(_), None) => return Err("\"context\" is not text".into()),
+            (None, None) => return Err("no \"context\"".into()),
+            (None, Some(_)) => String::new(),
+            (Some(_), Some(_)) => {
+                return Err(
+                    "both \"context\" and \"continuation\": with a continuation the \
+                            choices are the contexts"
+                        .into(),
+                )
+            }
         };
         let choices: Vec<String> = match object.get("choices") {
             Some(serde_json::Value::Array(items)) if !items.is_empty() => items
@@ -161,16 +190,69 @@ impl Question {
             Some(v) => Gold::One(index(v)?),
             None => return Err("no \"gold\"".into()),
         };
+        if continuation.is_some() && matches!(gold, Gold::Any(_)) {
+            return Err("several gold contexts: lm-eval's multiple input has one".into());
+        }
         Ok(Question {
             context,
             choices,
             gold,
+            continuation,
         })
     }
 
-    /// The text scored for choice `i`: the delimiter, then the choice.
+    /// Winogrande's document: the `sentence` with `_` where `option1` or `option2` goes, the
+    /// `answer` `"1"` or `"2"`, split as lm-eval's `winogrande` task splits it: each choice
+    /// the sentence up to the blank with the option, the continuation what follows the blank,
+    /// stripped.
+    fn winogrande(
+        object: &serde_json::Map<String, serde_json::Value>,
+    ) -> std::result::Result<Question, String> {
+        let text = |key: &str| match object.get(key) {
+            Some(serde_json::Value::String(s)) => Ok(s.as_str()),
+            _ => Err(format!("no \"{key}\" text (a Winogrande document)")),
+        };
+        let sentence = text("sentence")?;
+        let blank = sentence
+            .find('_')
+            .ok_or("the sentence has no \"_\" for the option")?;
+        let continuation =
+            sentence[blank + 1..].trim_matches(crate::chat_template::is_python_space);
+        if continuation.is_empty() {
+            return Err("nothing follows the sentence's blank".into());
+        }
+        let gold = match text("answer")? {
+            "1" => 0,
+            "2" => 1,
+            other => return Err(format!("answer {other:?} is not \"1\" or \"2\"")),
+        };
+        let choices = [text("option1")?, text("option2")?]
+            .map(|o| format!("{}{o}", &sentence[..blank]))
+            .to_vec();
+        Ok(Question {
+            context: String::new(),
+            choices,
+            gold: Gold::One(gold),
+            continuation: Some(continuation.to_owned()),
+        })
+    }
+
+    /// The text scored for choice `i`: the delimiter, then the choice (or, with multiple
+    /// input, the shared continuation).
     pub fn continuation(&self, i: usize, delimiter: &str) -> String {
-        format!("{delimiter}{}", self.choices[i])
+        match &self.continuation {
+            Some(c) => format!("{delimiter}{c}"),
+            None => format!("{delimiter}{}", self.choices[i]),
+        }
+    }
+
+    /// The context choice `i` is scored after: the question's, or with multiple input the
+    /// text before the choices followed by choice `i`.
+    pub fn context_for(&self, i: usize) -> String {
+        match &self.continuation {
+            Some(_) => format!("{}{}", self.context, self.choices[i]),
+            None => self.context.clone(),
+        }
     }
 }
 
@@ -216,8 +298,14 @@ pub enum Sampler {
 /// A document a few-shot prompt can show as a solved example: its context and the answer
 /// lm-eval writes after it (a question's gold choice, a generation task's first target).
 pub trait Example {
-    /// The text before the answer (lm-eval's `doc_to_text`).
+    /// The text before the answer when it is an example (lm-eval's `doc_to_text`; a multiple
+    /// input question's gold context).
     fn context(&self) -> &str;
+    /// The text of its own turn when it is the question (its context, or nothing for a
+    /// multiple input question, whose contexts follow the prompt one by one).
+    fn prompt(&self) -> &str {
+        self.context()
+    }
     /// The line it was read from, parsed: lm-eval compares documents whole to keep one out
     /// of its own examples.
     fn json(&self) -> &serde_json::Value;
@@ -227,6 +315,14 @@ pub trait Example {
 
 impl Example for Doc {
     fn context(&self) -> &str {
+        let q = &self.question;
+        match (&q.continuation, &q.gold) {
+            (Some(_), Gold::One(g)) => &q.choices[*g],
+            _ => &q.context,
+        }
+    }
+
+    fn prompt(&self) -> &str {
         &self.question.context
     }
 
@@ -235,6 +331,9 @@ impl Example for Doc {
     }
 
     fn shown_answer(&self) -> std::result::Result<&str, String> {
+        if let Some(c) = &self.question.continuation {
+            return Ok(c);
+        }
         match self.question.gold {
             Gold::One(g) => Ok(&self.question.choices[g]),
             Gold::Any(_) => Err(
@@ -408,7 +507,7 @@ pub fn fewshot_turns<E: Example>(
                 turns.push(turn("user", pool[i].context(), target_delimiter));
                 turns.push(turn("assistant", answer(i)?, &fewshot.delimiter));
             }
-            turns.push(turn("user", doc.context(), ""));
+            turns.push(turn("user", doc.prompt(), ""));
             Ok(turns)
         })
         .collect()
@@ -908,7 +1007,7 @@ pub fn evaluate<B: ModelOps>(
                 request(
                     tok,
                     prefix.as_ref(),
-                    &q.context,
+                    &q.context_for(c),
                     &q.continuation(c, delimiter),
                 )
             })
@@ -919,10 +1018,22 @@ pub fn evaluate<B: ModelOps>(
             .iter()
             .map(|r| r.continuation.len() as u64)
             .sum::<u64>();
-        let (scores, reused) = score_reusing(model, &reqs, &mut kept)?;
-        if let Some(reused) = reused {
-            context_tokens += reqs[0].context.len() as u64;
-            reused_context_tokens += reused as u64;
+        // One shared context, or with multiple input one context per choice, each run after
+        // the keys and values of the last (the prompt and the sentence up to the choice
+        // repeat).
+        let groups: Vec<&[Request]> = if q.continuation.is_some() {
+            reqs.chunks(1).collect()
+        } else {
+            vec![&reqs[..]]
+        };
+        let mut scores = Vec::with_capacity(reqs.len());
+        for group in groups {
+            let (scored, reused) = score_reusing(model, group, &mut kept)?;
+            if let Some(reused) = reused {
+                context_tokens += group[0].context.len() as u64;
+                reused_context_tokens += reused as u64;
+            }
+            scores.extend(scored);
         }
         let outcome = Outcome::of(q, scores);
         each(i, &outcome)?;

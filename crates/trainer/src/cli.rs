@@ -173,8 +173,10 @@ struct EvalArgs {
     /// Multiple-choice questions (JSONL: `context`, `choices`, `gold` as an index, the
     /// choice's text or a list of indices) scored as lm-evaluation-harness scores them: each
     /// choice's log-likelihood after the context; prints acc, acc_norm, acc_bytes and
-    /// exact_match with their standard errors. Needs a tokenizer; --batch, --seq, --batches
-    /// and --loss-chunk are --data's.
+    /// exact_match with their standard errors. Multiple input (Winogrande): `choices` as
+    /// contexts and a `continuation` scored after each, or Winogrande's own `sentence`,
+    /// `option1`, `option2`, `answer`. Needs a tokenizer; --batch, --seq, --batches and
+    /// --loss-chunk are --data's.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "document_attention"])]
     choices: Option<PathBuf>,
     /// Documents (JSONL: `text`) whose perplexity is measured as lm-evaluation-harness's
@@ -3114,6 +3116,14 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         || a.apply_chat_template
     {
         let docs = choices::read_docs(path)?;
+        if a.apply_chat_template && docs.iter().any(|d| d.question.continuation.is_some()) {
+            return Err(
+                "--apply-chat-template with multiple-input questions (Winogrande's): \
+                        lm-eval renders each choice's context through the template on its own, \
+                        which is not done here"
+                    .into(),
+            );
+        }
         let fewshot = fewshot_of(a, 0, choices::read_docs)?;
         let turns = choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
         (docs.into_iter().map(|d| d.question).collect(), Some(turns))

@@ -64,6 +64,57 @@ fn eval_llama(tokenizer: &str, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// A question's outcome against lm-eval's sample `want`: its log-likelihoods, greedy flags
+/// and metrics; returns how many choices were greedy.
+fn assert_outcome_is_lm_evals(what: &str, o: &Outcome, want: &serde_json::Value) -> usize {
+    let lls: Vec<f64> = serde_json::from_value(want["loglikelihoods"].clone()).unwrap();
+    let greedy: Vec<bool> = serde_json::from_value(want["is_greedy"].clone()).unwrap();
+    assert_eq!(o.scored.len(), lls.len(), "{what}");
+    for (c, (s, (ll, g))) in o.scored.iter().zip(lls.iter().zip(&greedy)).enumerate() {
+        // PyTorch's f32 log-softmax summed in f32 against f64 sums of our f32 logits.
+        assert!(
+            (s.loglikelihood - ll).abs() < 2e-4 * ll.abs().max(1.0),
+            "{what} choice {c}: {} vs lm-eval {ll}",
+            s.loglikelihood
+        );
+        assert_eq!(s.is_greedy, *g, "{what} choice {c}");
+    }
+    for (metric, got) in [
+        ("acc", o.acc),
+        ("acc_norm", o.acc_norm),
+        ("acc_bytes", o.acc_bytes),
+        ("exact_match", o.exact_match),
+    ] {
+        assert_eq!(
+            f64::from(u8::from(got)),
+            want[metric].as_f64().unwrap(),
+            "{what} {metric}"
+        );
+    }
+    greedy.iter().filter(|&&g| g).count()
+}
+
+/// A run's aggregates against lm-eval's: each metric's mean and standard error.
+fn assert_report_is_lm_evals(name: &str, report: &choices::ChoicesReport, run: &serde_json::Value) {
+    for (metric, got) in [
+        ("acc", report.acc),
+        ("acc_norm", report.acc_norm),
+        ("acc_bytes", report.acc_bytes),
+        ("exact_match", report.exact_match),
+    ] {
+        let mean = run["metrics"][metric].as_f64().unwrap();
+        let stderr = run["stderr"][metric].as_f64().unwrap();
+        assert!(
+            (got.mean - mean).abs() < 1e-12,
+            "{name} {metric}: {got:?} vs {mean}"
+        );
+        assert!(
+            (got.stderr.unwrap() - stderr).abs() < 1e-9,
+            "{name} {metric}: {got:?} vs ± {stderr}"
+        );
+    }
+}
+
 #[test]
 fn every_run_scores_as_lm_eval_scores_it() {
     let fixture = fixture();
@@ -150,54 +201,115 @@ fn every_run_scores_as_lm_eval_scores_it() {
                 .map(|c| (q.context.clone(), q.continuation(c, delimiter)))
                 .collect();
             assert_eq!(ours, requests, "{what}");
-            let lls: Vec<f64> = serde_json::from_value(w["loglikelihoods"].clone()).unwrap();
-            let greedy: Vec<bool> = serde_json::from_value(w["is_greedy"].clone()).unwrap();
-            for (c, (s, (ll, g))) in o.scored.iter().zip(lls.iter().zip(&greedy)).enumerate() {
-                // PyTorch's f32 log-softmax summed in f32 against f64 sums of our f32 logits.
-                assert!(
-                    (s.loglikelihood - ll).abs() < 2e-4 * ll.abs().max(1.0),
-                    "{what} choice {c}: {} vs lm-eval {ll}",
-                    s.loglikelihood
-                );
-                assert_eq!(s.is_greedy, *g, "{what} choice {c}");
-                greedy_seen += usize::from(*g);
-            }
-            for (metric, got) in [
-                ("acc", o.acc),
-                ("acc_norm", o.acc_norm),
-                ("acc_bytes", o.acc_bytes),
-                ("exact_match", o.exact_match),
-            ] {
-                assert_eq!(
-                    f64::from(u8::from(got)),
-                    w[metric].as_f64().unwrap(),
-                    "{what} {metric}"
-                );
-            }
+            greedy_seen += assert_outcome_is_lm_evals(&what, o, w);
             questions_checked += 1;
         }
-        for (metric, got) in [
-            ("acc", report.acc),
-            ("acc_norm", report.acc_norm),
-            ("acc_bytes", report.acc_bytes),
-            ("exact_match", report.exact_match),
-        ] {
-            let mean = run["metrics"][metric].as_f64().unwrap();
-            let stderr = run["stderr"][metric].as_f64().unwrap();
-            assert!(
-                (got.mean - mean).abs() < 1e-12,
-                "{name} {metric}: {got:?} vs {mean}"
-            );
-            assert!(
-                (got.stderr.unwrap() - stderr).abs() < 1e-9,
-                "{name} {metric}: {got:?} vs ± {stderr}"
-            );
-        }
+        assert_report_is_lm_evals(name, &report, run);
     }
     assert_eq!(fewshot_runs, 8);
     assert_eq!(questions_checked, 10 * 12 + 3 + 4);
     // Greedy continuations were found and matched, not only their absence.
     assert!(greedy_seen >= 3, "{greedy_seen}");
+}
+
+/// Winogrande's multiple input: each option's filled-in sentence is a context and the rest of
+/// the sentence is scored after each, as lm-eval's `winogrande` task splits and scores them
+/// (zero-shot with both pairs, and one example from the documents themselves); `eval
+/// --choices` reads the documents as they come and prints lm-eval's acc.
+#[test]
+fn winogrande_documents_score_as_lm_evals_multiple_input() {
+    let fixture = fixture();
+    let runs = fixture["winogrande"].as_object().unwrap();
+    assert_eq!(runs.len(), 3);
+    let path = fixtures().join("choices/winogrande.jsonl");
+    let mut checked = 0;
+    for (name, run) in runs {
+        let (model, tok) = model_and_tokenizer(run);
+        let docs = choices::read_docs(&path).unwrap();
+        let shots = run["shots"].as_u64().unwrap() as usize;
+        let fewshot = choices::Fewshot {
+            shots,
+            pool: None,
+            sampler: choices::Sampler::Random {
+                seed: run["seed"].as_u64().unwrap(),
+            },
+            description: String::new(),
+            system_instruction: None,
+            delimiter: "\n\n".into(),
+        };
+        let contexts = choices::fewshot_contexts(&docs, &fewshot, " ").unwrap();
+        let questions: Vec<Question> = docs
+            .into_iter()
+            .zip(contexts)
+            .map(|(d, context)| Question {
+                context,
+                ..d.question
+            })
+            .collect();
+        let want = run["scored"].as_array().unwrap();
+        let mut outcomes: Vec<Outcome> = Vec::new();
+        let report = choices::evaluate(&model, &tok, &questions, " ", |_, o| {
+            outcomes.push(o.clone());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(outcomes.len(), want.len());
+        for (i, ((q, o), w)) in questions.iter().zip(&outcomes).zip(want).enumerate() {
+            let what = format!("winogrande {name} document {i}");
+            let requests: Vec<(String, String)> =
+                serde_json::from_value(w["requests"].clone()).unwrap();
+            let ours: Vec<(String, String)> = (0..q.choices.len())
+                .map(|c| (q.context_for(c), q.continuation(c, " ")))
+                .collect();
+            assert_eq!(ours, requests, "{what}");
+            assert_outcome_is_lm_evals(&what, o, w);
+            checked += 1;
+        }
+        assert_report_is_lm_evals(name, &report, run);
+        if name == "llama" {
+            let o = eval_llama("llama", &["--choices", path.to_str().unwrap()]);
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let line = format!(
+                "{:<12} {:.4} ± {:.4}",
+                "acc",
+                run["metrics"]["acc"].as_f64().unwrap(),
+                run["stderr"]["acc"].as_f64().unwrap()
+            );
+            assert!(out.contains(&line), "{line:?} in {out}");
+        }
+    }
+    assert_eq!(checked, 18);
+    // Malformed documents are refused with the reason.
+    for (line, why) in [
+        (
+            r#"{"sentence": "no blank", "option1": "a", "option2": "b", "answer": "1"}"#,
+            "\"_\"",
+        ),
+        (
+            r#"{"sentence": "a _", "option1": "a", "option2": "b", "answer": "1"}"#,
+            "follows",
+        ),
+        (
+            r#"{"sentence": "a _ b", "option1": "a", "option2": "b", "answer": "3"}"#,
+            "\"1\" or \"2\"",
+        ),
+        (
+            r#"{"sentence": "a _ b", "option2": "b", "answer": "1"}"#,
+            "option1",
+        ),
+        (
+            r#"{"context": "x", "continuation": "y", "choices": ["a"], "gold": 0}"#,
+            "both",
+        ),
+        (
+            r#"{"continuation": "y", "choices": ["a", "b"], "gold": [0, 1]}"#,
+            "several gold",
+        ),
+    ] {
+        let e = Question::parse(line).unwrap_err();
+        assert!(e.contains(why), "{line}: {e}");
+    }
 }
 
 /// The command prints lm-eval's metrics of the `llama` run and writes a line per question;
