@@ -2796,15 +2796,44 @@ fn scoring_model(
     Ok((tok, model, tracker))
 }
 
-/// `--samples`, created, and its path for errors.
-fn samples_file(a: &EvalArgs) -> CliResult<Option<(&Path, std::io::BufWriter<std::fs::File>)>> {
+/// A metric as `eval` prints it: the mean, and its standard error where there is one.
+fn mean_and_stderr(m: &crate::choices::Metric) -> String {
+    match m.stderr {
+        Some(se) => format!("{:.4} ± {se:.4}", m.mean),
+        None => format!("{:.4}", m.mean),
+    }
+}
+
+/// `--samples`: a JSON line per question or document (lm-eval's `--log_samples`).
+struct SamplesFile<'a> {
+    path: &'a Path,
+    out: std::io::BufWriter<std::fs::File>,
+}
+
+impl SamplesFile<'_> {
+    /// `line`, written as one line.
+    fn write(&mut self, line: &serde_json::Value) -> crate::Result<()> {
+        writeln!(self.out, "{line}")
+            .map_err(|e| crate::TrainError::Input(format!("{}: {e}", self.path.display())))
+    }
+
+    /// Everything written reaches the file.
+    fn finish(mut self) -> CliResult {
+        self.out
+            .flush()
+            .map_err(|e| format!("{}: {e}", self.path.display()).into())
+    }
+}
+
+/// `--samples`, created.
+fn samples_file(a: &EvalArgs) -> CliResult<Option<SamplesFile<'_>>> {
     Ok(match &a.samples {
-        Some(p) => Some((
-            p.as_path(),
-            std::io::BufWriter::new(
+        Some(p) => Some(SamplesFile {
+            path: p.as_path(),
+            out: std::io::BufWriter::new(
                 std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?,
             ),
-        )),
+        }),
         None => None,
     })
 }
@@ -2836,7 +2865,7 @@ fn cmd_eval_completions(a: &EvalArgs, path: &Path) -> CliResult {
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
     let report = crate::completions::evaluate(&model, &tok, &documents, |i, s| {
-        let Some((p, w)) = samples.as_mut() else {
+        let Some(samples) = samples.as_mut() else {
             return Ok(());
         };
         let line = serde_json::json!({
@@ -2844,10 +2873,10 @@ fn cmd_eval_completions(a: &EvalArgs, path: &Path) -> CliResult {
             "loglikelihood": s.loglikelihood,
             "is_greedy": s.is_greedy,
         });
-        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+        samples.write(&line)
     })?;
-    if let Some((p, mut w)) = samples {
-        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    if let Some(samples) = samples {
+        samples.finish()?;
     }
     let with_stderr = |value: f64, stderr: Option<f64>| match stderr {
         Some(se) => format!("{} ± {}", shown(value), shown(se)),
@@ -2882,14 +2911,14 @@ fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
     let report = crate::rolling::evaluate(&model, &tok, &documents, |i, ll| {
-        let Some((p, w)) = samples.as_mut() else {
+        let Some(samples) = samples.as_mut() else {
             return Ok(());
         };
         let line = serde_json::json!({"document": i, "loglikelihood": ll});
-        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+        samples.write(&line)
     })?;
-    if let Some((p, mut w)) = samples {
-        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    if let Some(samples) = samples {
+        samples.finish()?;
     }
     say!(
         "{:<16} {}",
@@ -3055,7 +3084,7 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
     let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |i, g| {
-        let Some((p, w)) = samples.as_mut() else {
+        let Some(samples) = samples.as_mut() else {
             return Ok(());
         };
         let named = |values: Vec<serde_json::Value>| {
@@ -3074,17 +3103,14 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
             "filtered": named(g.filtered.iter().map(|f| f.as_str().into()).collect()),
             "exact_match": named(g.exact_match.iter().map(|&m| m.into()).collect()),
         });
-        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+        samples.write(&line)
     })?;
-    if let Some((p, mut w)) = samples {
-        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    if let Some(samples) = samples {
+        samples.finish()?;
     }
     for (name, m) in &report.exact_match {
         let label = format!("exact_match,{name}");
-        match m.stderr {
-            Some(se) => say!("{label:<28} {:.4} ± {se:.4}", m.mean),
-            None => say!("{label:<28} {:.4}", m.mean),
-        }
+        say!("{label:<28} {}", mean_and_stderr(m));
     }
     say!(
         "{} documents, {} tokens generated in {:.2} s ({})",
@@ -3155,7 +3181,7 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
     let report = choices::evaluate(&model, &tok, &questions, delimiter, |i, o: &Outcome| {
-        let Some((p, w)) = samples.as_mut() else {
+        let Some(samples) = samples.as_mut() else {
             return Ok(());
         };
         let line = serde_json::json!({
@@ -3168,10 +3194,10 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
             "acc_bytes": o.acc_bytes,
             "exact_match": o.exact_match,
         });
-        writeln!(w, "{line}").map_err(|e| crate::TrainError::Input(format!("{}: {e}", p.display())))
+        samples.write(&line)
     })?;
-    if let Some((p, mut w)) = samples {
-        w.flush().map_err(|e| format!("{}: {e}", p.display()))?;
+    if let Some(samples) = samples {
+        samples.finish()?;
     }
     for (name, m) in [
         ("acc", report.acc),
@@ -3179,10 +3205,7 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         ("acc_bytes", report.acc_bytes),
         ("exact_match", report.exact_match),
     ] {
-        match m.stderr {
-            Some(se) => say!("{name:<12} {:.4} ± {se:.4}", m.mean),
-            None => say!("{name:<12} {:.4}", m.mean),
-        }
+        say!("{name:<12} {}", mean_and_stderr(&m));
     }
     let seconds = started.elapsed().as_secs_f64();
     say!(

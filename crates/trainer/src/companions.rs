@@ -109,12 +109,7 @@ impl Companions {
     /// The token ids of its `config.json` ([`CONFIG_TOKEN_KEYS`]) come with them.
     pub fn beside(dir: &Path) -> Result<Self> {
         let mut companions = Self::beside_within(dir, MAX_COMPANION_BYTES)?;
-        let config = dir.join("config.json");
-        if config.is_file() {
-            let bytes = crate::bounded::read_file(&config, checkpoint::MAX_JSON_BYTES)
-                .map_err(|why| input(&config, why))?;
-            companions.token_ids = Some(token_ids_in(&bytes, &config)?);
-        }
+        companions.token_ids = config_token_ids(dir)?;
         Ok(companions)
     }
 
@@ -539,6 +534,20 @@ fn json_bytes(object: &serde_json::Map<String, serde_json::Value>) -> Result<Vec
 /// The [`CONFIG_TOKEN_KEYS`] a model's `config.json` (its bytes, read from `path`) has: each
 /// an id, a list of at most [`MAX_IDS_PER_KEY`] ids, or null, as transformers takes them;
 /// another value is refused, as `hf` refuses a setting of the wrong type.
+/// The token ids of the `config.json` in `dir` ([`CONFIG_TOKEN_KEYS`], each an id, a list of
+/// ids or null, checked), if it has one.
+pub(crate) fn config_token_ids(
+    dir: &Path,
+) -> Result<Option<serde_json::Map<String, serde_json::Value>>> {
+    let config = dir.join("config.json");
+    if !config.is_file() {
+        return Ok(None);
+    }
+    let bytes = crate::bounded::read_file(&config, checkpoint::MAX_JSON_BYTES)
+        .map_err(|why| input(&config, why))?;
+    token_ids_in(&bytes, &config).map(Some)
+}
+
 fn token_ids_in(bytes: &[u8], path: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
     let config: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| input(path, format!("not JSON: {e}")))?;

@@ -692,27 +692,20 @@ pub fn generation_eos_ids(dir: &Path) -> Result<Vec<u32>> {
     if let Some(config) = crate::sample::GenerationConfig::beside(dir)? {
         return Ok(config.eos_token_ids);
     }
-    let path = dir.join("config.json");
-    if !path.is_file() {
-        return Ok(Vec::new());
-    }
-    let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
-    let bytes = crate::bounded::read_file(&path, 64 << 20).map_err(bad)?;
-    let json: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let id = |v: &serde_json::Value| {
-        v.as_u64()
+    // Checked by `config_token_ids`: each an id that fits u32.
+    let ids = crate::companions::config_token_ids(dir)?;
+    Ok(match ids.as_ref().and_then(|m| m.get("eos_token_id")) {
+        Some(serde_json::Value::Array(list)) => list
+            .iter()
+            .filter_map(|v| v.as_u64().and_then(|i| u32::try_from(i).ok()))
+            .collect(),
+        Some(v) => v
+            .as_u64()
             .and_then(|i| u32::try_from(i).ok())
-            .ok_or_else(|| bad(format!("eos_token_id holds {v}, not a token id")))
-    };
-    match json.get("eos_token_id") {
-        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
-        Some(serde_json::Value::Array(ids)) if ids.len() <= 1024 => ids.iter().map(id).collect(),
-        Some(serde_json::Value::Array(ids)) => {
-            Err(bad(format!("eos_token_id lists {} ids", ids.len())))
-        }
-        Some(v) => Ok(vec![id(v)?]),
-    }
+            .into_iter()
+            .collect(),
+        None => Vec::new(),
+    })
 }
 
 /// The prompt tokens lm-eval generates after for `context`: encoded with the tokenizer's
@@ -805,29 +798,22 @@ pub fn evaluate<B: ModelOps>(
         let prompt =
             prompt_tokens(tok, context, max_seq - settings.max_gen_toks).map_err(in_doc)?;
         let mut generated = Vec::new();
-        let mut decode_error = None;
         let (new, reused) = generate_cached(model, &mut kept, &prompt, &opts, |id| {
             generated.push(id);
             // lm-eval cuts its text at the stop strings, so generation may end once the text
             // holds one.
-            match tok.decode_skipping_special(&generated) {
-                Ok(text)
-                    if until
-                        .iter()
-                        .any(|s| !s.is_empty() && text.contains(s.as_str())) =>
+            let text = tok.decode_skipping_special(&generated).map_err(in_doc)?;
+            Ok(
+                if until
+                    .iter()
+                    .any(|s| !s.is_empty() && text.contains(s.as_str()))
                 {
-                    Ok(std::ops::ControlFlow::Break(()))
-                }
-                Ok(_) => Ok(std::ops::ControlFlow::Continue(())),
-                Err(e) => {
-                    decode_error = Some(e);
-                    Ok(std::ops::ControlFlow::Break(()))
-                }
-            }
+                    std::ops::ControlFlow::Break(())
+                } else {
+                    std::ops::ControlFlow::Continue(())
+                },
+            )
         })?;
-        if let Some(e) = decode_error {
-            return Err(in_doc(e));
-        }
         let response = cut_at_stops(&tok.decode_skipping_special(&new)?, &until);
         let filtered = filters
             .iter()
