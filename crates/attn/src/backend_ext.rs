@@ -64,8 +64,11 @@ pub trait AttentionBackend: Backend {
     /// forward state keeps `documents`, and [`attention_backward`](Self::attention_backward)
     /// and [`attention_backward_f32`](Self::attention_backward_f32) apply it too.
     ///
-    /// `config.causal` must be true, `q` and `k` must have equal lengths, and `documents` must
-    /// cover `[batch, q_len]`; otherwise a typed error ([`AttnError::InvalidConfig`],
+    /// A [`DocumentMask::padding`] mask instead hides a range of keys from each batch row, and
+    /// its queries may be the last of more keys (a cached decode step).
+    ///
+    /// `config.causal` must be true, `q` and `k` must have equal lengths (unless the mask is a
+    /// padding mask), and `documents` must cover `[batch, q_len]`; otherwise a typed error ([`AttnError::InvalidConfig`],
     /// [`AttnError::ShapeMismatch`]) before anything is computed. With one document per row it
     /// computes exactly what [`attention_forward`](Self::attention_forward) with a causal config does.
     ///

@@ -196,8 +196,8 @@ pub(crate) fn check_same<T: Tensor>(
 }
 
 /// What a document-masked call needs beyond the plain checks, in one order shared by every
-/// backend: a causal config, as many keys as queries (a document's positions are both), and a
-/// mask of exactly `[batch, q_len]`.
+/// backend: a causal config, as many keys as queries (a document's positions are both) unless
+/// the mask is a padding mask, a mask of exactly `[batch, q_len]`, and hidden keys that exist.
 pub(crate) fn check_documents(
     dims: &AttentionDims,
     config: &crate::AttentionConfig,
@@ -208,7 +208,7 @@ pub(crate) fn check_documents(
             "document-masked attention is causal: set config.causal",
         ));
     }
-    if dims.kv_len != dims.q_len {
+    if dims.kv_len != dims.q_len && !documents.is_padding() {
         return Err(AttnError::ShapeMismatch {
             tensor: "k",
             expected: Shape::new(vec![dims.batch, dims.kv_heads, dims.q_len, dims.head_dim]),
@@ -228,6 +228,11 @@ pub(crate) fn check_documents(
             got: dims.q_shape(),
             reason: "the document mask must cover q's [batch, seq]",
         });
+    }
+    if (0..dims.batch).any(|b| documents.hidden_keys(b).end > dims.kv_len) {
+        return Err(AttnError::InvalidConfig(
+            "a padding mask hides keys past the end of k",
+        ));
     }
     Ok(())
 }

@@ -42,6 +42,9 @@ pub struct DocumentMask {
     /// position of its document. Non-decreasing along a row, which is what lets the tiled
     /// kernels skip whole key tiles by looking at a tile's first query row alone.
     starts: Arc<[u32]>,
+    /// A padding mask's keys hidden from every query of each batch row, `[start, end)` per
+    /// row ([`DocumentMask::padding`]); `None` for packed documents.
+    hidden: Option<Arc<[(u32, u32)]>>,
 }
 
 impl DocumentMask {
@@ -108,7 +111,78 @@ impl DocumentMask {
             batch,
             seq,
             starts: starts.into(),
+            hidden: None,
         })
+    }
+
+    /// A padding mask for cached decoding: `q_len` queries per batch row that are the last
+    /// `q_len` of the call's keys (the key tensor may be longer, `kv_len ≥ q_len`), causal,
+    /// with the keys `hidden[b]` hidden from every query of row `b`. That is a batch of
+    /// prompts decoded together after a shared prefix: the keys of the padding that lines the
+    /// rows' ragged suffixes up (transformers' left padding with an `attention_mask`, except
+    /// that the shared prefix is stored once before the padding). Each row's own tokens then
+    /// attend to what they would attend to unpadded; the padding's queries give whatever they
+    /// give (a query that sees only hidden keys gets output 0) and are for the caller to
+    /// ignore.
+    ///
+    /// Errors: [`AttnError::PositionCount`] when `hidden` is not one range per batch row, or
+    /// a range ends before it starts or past what a u32 holds.
+    ///
+    /// ```
+    /// use headroom_attn::DocumentMask;
+    ///
+    /// # fn main() -> Result<(), headroom_attn::AttnError> {
+    /// let mask = DocumentMask::padding(2, 1, &[3..5, 3..3])?;
+    /// assert_eq!((mask.hidden_keys(0), mask.hidden_keys(1)), (3..5, 3..3));
+    /// assert!(mask.is_padding());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn padding(batch: usize, q_len: usize, hidden: &[std::ops::Range<usize>]) -> Result<Self> {
+        let count_error = |reason| AttnError::PositionCount {
+            batch,
+            seq: q_len,
+            got: hidden.len(),
+            reason,
+        };
+        if hidden.len() != batch {
+            return Err(count_error(
+                "a padding mask needs one hidden key range per batch row",
+            ));
+        }
+        let starts_len = batch
+            .checked_mul(q_len)
+            .ok_or_else(|| count_error("batch × seq overflows usize"))?;
+        let ranges = hidden
+            .iter()
+            .map(|r| match (u32::try_from(r.start), u32::try_from(r.end)) {
+                (Ok(s), Ok(e)) if s <= e => Ok((s, e)),
+                _ => Err(count_error(
+                    "a hidden key range must not end before it starts or past u32::MAX",
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DocumentMask {
+            batch,
+            seq: q_len,
+            starts: vec![0; starts_len].into(),
+            hidden: Some(ranges.into()),
+        })
+    }
+
+    /// Whether this is a [`DocumentMask::padding`] mask (every query's document starts at key
+    /// 0; keys may outnumber queries).
+    pub fn is_padding(&self) -> bool {
+        self.hidden.is_some()
+    }
+
+    /// The keys hidden from every query of batch row `b` (empty for packed documents or a row
+    /// out of range).
+    pub fn hidden_keys(&self, b: usize) -> std::ops::Range<usize> {
+        self.hidden
+            .as_deref()
+            .and_then(|h| h.get(b))
+            .map_or(0..0, |&(s, e)| s as usize..e as usize)
     }
 
     /// Batch rows covered.

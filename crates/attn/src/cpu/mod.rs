@@ -124,32 +124,48 @@ impl<'a> DocumentRows<'a> {
     }
 }
 
-/// The document starts of one query head's rows: the first key each query row may see.
-/// Without a mask every start is 0, and masking does nothing at all, so unmasked attention
-/// runs exactly the instructions it ran before masks existed.
+/// The document starts of one query head's rows: the first key each query row may see, and a
+/// padding mask's keys hidden from every row. Without a mask every start is 0 and nothing is
+/// hidden, and masking does nothing at all, so unmasked attention runs exactly the
+/// instructions it ran before masks existed.
 #[derive(Clone, Copy)]
-pub(crate) struct RowStarts<'a>(Option<&'a [u32]>);
+pub(crate) struct RowStarts<'a> {
+    starts: Option<&'a [u32]>,
+    hidden: (usize, usize),
+}
 
 impl RowStarts<'_> {
-    /// Whether a mask applies (some start may be above 0).
+    const UNMASKED: Self = RowStarts {
+        starts: None,
+        hidden: (0, 0),
+    };
+
+    /// Whether a mask applies (some start may be above 0, or some key hidden).
     pub(crate) fn masked(self) -> bool {
-        self.0.is_some()
+        self.starts.is_some()
     }
 
     /// The first key query `row` may see: its document's start (0 without a mask).
     pub(crate) fn of(self, row: usize) -> usize {
-        self.0
+        self.starts
             .and_then(|s| s.get(row))
             .map_or(0, |&start| start as usize)
     }
 
     /// Sets to -inf the scores, in `scores` for keys `k0..`, of the keys query `row` may not see
-    /// because they precede its document. The softmax helpers turn -inf into probability 0
-    /// (and a row of only -inf into no contribution), so the causal code needs no other change.
+    /// because they precede its document or are hidden padding. The softmax helpers turn -inf
+    /// into probability 0 (and a row of only -inf into no contribution), so the causal code
+    /// needs no other change.
     pub(crate) fn mask(self, scores: &mut [f32], row: usize, k0: usize) {
         if self.masked() {
             let hidden = self.of(row).saturating_sub(k0).min(scores.len());
             scores[..hidden].fill(f32::NEG_INFINITY);
+            let (begin, end) = self.hidden;
+            let begin = begin.saturating_sub(k0).min(scores.len());
+            let end = end.saturating_sub(k0).min(scores.len());
+            if begin < end {
+                scores[begin..end].fill(f32::NEG_INFINITY);
+            }
         }
     }
 }
@@ -189,13 +205,17 @@ impl<'a> Problem<'a> {
     /// The document starts of flat query head `bh`'s rows.
     pub(crate) fn starts(&self, bh: usize) -> Result<RowStarts<'a>> {
         let Some(d) = self.documents else {
-            return Ok(RowStarts(None));
+            return Ok(RowStarts::UNMASKED);
         };
         let b = (d.first_head + bh) / d.q_heads.max(1);
+        let hidden = d.mask.hidden_keys(b);
         d.mask
             .row_starts(b)
             .filter(|s| s.len() == self.dims.q_len)
-            .map(|s| RowStarts(Some(s)))
+            .map(|s| RowStarts {
+                starts: Some(s),
+                hidden: (hidden.start, hidden.end),
+            })
             .ok_or(AttnError::Internal("document mask row"))
     }
 
