@@ -141,6 +141,141 @@ fn the_cache_agrees_in_bf16_and_holds_gqa_sized_tensors() {
     }
 }
 
+/// Logits of each row decoded alone: `prefix` then the row's `suffix` in one step, then one
+/// `next` token a step.
+fn decoded_alone(model: &Model, prefix: &[u32], suffix: &[u32], next: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = model.kv_cache(1);
+    let prompt: Vec<u32> = prefix.iter().chain(suffix).copied().collect();
+    let mut out = vec![model.decode(&mut cache, &prompt).unwrap()];
+    for &t in next {
+        out.push(model.decode(&mut cache, &[t]).unwrap());
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Prompts of different lengths decoded as one batch — a shared prefix computed once and
+    /// repeated, each row's own tokens lined up by hidden padding — give every row the logits
+    /// it gets decoded alone, at the first step and each step after.
+    #[test]
+    fn a_ragged_batch_decodes_each_row_as_it_decodes_alone(
+        family in 0usize..3,
+        algo in 0usize..3,
+        bf16 in proptest::bool::ANY,
+        prefix_len in 0usize..5,
+        suffix_lens in proptest::collection::vec(1usize..8, 1..4),
+        steps in 0usize..4,
+        seed in 0usize..50,
+    ) {
+        let mut model = model_of(family, bf16, 24, 7);
+        model.opts.attention =
+            [AttentionConfig::naive(), AttentionConfig::chunked(), AttentionConfig::flash()][algo]
+                .causal(true);
+        let prefix = tokens(prefix_len, 41, seed);
+        let suffixes: Vec<Vec<u32>> = suffix_lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| tokens(n, 41, seed + 3 * i + 1))
+            .collect();
+        let rows = suffixes.len();
+        let next: Vec<Vec<u32>> = (0..steps).map(|s| tokens(rows, 41, seed + 17 * s + 2)).collect();
+
+        let mut shared = model.kv_cache(1);
+        if prefix_len > 0 {
+            model.decode(&mut shared, &prefix).unwrap();
+        }
+        let mut cache = model.repeat_cache(&shared, rows).unwrap();
+        let row_refs: Vec<&[u32]> = suffixes.iter().map(Vec::as_slice).collect();
+        let mut batched = vec![model.decode_ragged(&mut cache, &row_refs).unwrap()];
+        let longest = suffix_lens.iter().max().copied().unwrap_or(0);
+        prop_assert_eq!(cache.len(), prefix_len + longest);
+        prop_assert_eq!(cache.is_padded(), suffix_lens.iter().any(|&n| n < longest));
+        if cache.is_padded() {
+            prop_assert!(model.decode_ragged(&mut cache, &row_refs).is_err());
+            prop_assert_eq!(cache.len(), prefix_len + longest);
+        }
+        for step in &next {
+            batched.push(model.decode(&mut cache, step).unwrap());
+        }
+
+        let v = model.cfg.vocab;
+        // f32: summation order only (the batch's GEMMs block rows differently, and the
+        // padding shifts the attention tiles). bf16 rounds every kept activation, so a
+        // different order can move a value across a rounding boundary.
+        let tolerance = if bf16 { 2e-2 } else { 5e-5 };
+        for (b, suffix) in suffixes.iter().enumerate() {
+            let own_next: Vec<u32> = next.iter().map(|step| step[b]).collect();
+            let alone = decoded_alone(&model, &prefix, suffix, &own_next);
+            for (step, (got, want)) in batched.iter().zip(&alone).enumerate() {
+                let worst = worst_rel(&got[b * v..(b + 1) * v], want, v);
+                prop_assert!(
+                    worst <= tolerance,
+                    "row {b} step {step}: worst relative logit difference {worst}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn repeated_caches_hold_exact_copies() {
+    let model = model_of(1, false, 12, 3);
+    let mut one = model.kv_cache(1);
+    model.decode(&mut one, &tokens(5, 41, 4)).unwrap();
+    let next = tokens(1, 41, 5);
+    let mut alone = model.kv_cache(1);
+    model.decode(&mut alone, &tokens(5, 41, 4)).unwrap();
+    let want = model.decode(&mut alone, &next).unwrap();
+    // Powers of two and the rest taken from the front.
+    for copies in 1..=9 {
+        let mut many = model.repeat_cache(&one, copies).unwrap();
+        assert_eq!((many.batch(), many.len()), (copies, 5));
+        assert_eq!(many.size_in_bytes(), copies * one.size_in_bytes());
+        let got = model.decode(&mut many, &vec![next[0]; copies]).unwrap();
+        for row in got.chunks_exact(41) {
+            let worst = worst_rel(row, &want, 41);
+            assert!(worst <= 2e-5, "{copies} copies: {worst}");
+        }
+        // Every copy is the same bits as every other.
+        assert!(
+            got.chunks_exact(41).all(|r| r == &got[..41]),
+            "{copies} copies"
+        );
+    }
+}
+
+#[test]
+fn ragged_batches_are_checked_and_cut_back() {
+    let model = model_of(1, false, 12, 3);
+    let mut cache = model.kv_cache(2);
+    let (short, long) = (tokens(2, 41, 1), tokens(5, 41, 2));
+    // The wrong row count, an empty row, a row past the context: refused, nothing cached.
+    assert!(model.decode_ragged(&mut cache, &[&short]).is_err());
+    assert!(model.decode_ragged(&mut cache, &[&short, &[]]).is_err());
+    let too_long = tokens(13, 41, 3);
+    assert!(model
+        .decode_ragged(&mut cache, &[&short, &too_long])
+        .is_err());
+    assert_eq!((cache.len(), cache.is_padded()), (0, false));
+
+    model.decode_ragged(&mut cache, &[&short, &long]).unwrap();
+    assert_eq!((cache.len(), cache.is_padded()), (5, true));
+    // Padded once: a second ragged step is refused.
+    assert!(model.decode_ragged(&mut cache, &[&short, &long]).is_err());
+    // The short row's positions end 3 before the long row's: the context binds the long row.
+    for _ in 0..7 {
+        model.decode(&mut cache, &[1, 2]).unwrap();
+    }
+    assert!(model.decode(&mut cache, &[1, 2]).is_err());
+    // Cut back into the padding, the rest of the padding stays hidden; before it, none is.
+    model.truncate_cache(&mut cache, 2).unwrap();
+    assert!(cache.is_padded());
+    model.truncate_cache(&mut cache, 0).unwrap();
+    assert!(!cache.is_padded());
+}
+
 fn model_of(family: usize, bf16: bool, max_seq: usize, seed: u64) -> Model {
     let opts = ModelOptions {
         precision: if bf16 {

@@ -753,12 +753,28 @@ impl ModelOps for Cpu {
                 format!("{} positions for {b} rows of {t}", positions.len()),
             ));
         }
-        // Packed positions never exceed the row's length: one table serves every document.
-        if let Some(&p) = positions.iter().find(|&&p| p as usize >= t) {
-            return Err(bad("rope", format!("position {p} in rows of {t}")));
-        }
-        let (cos, sin) = rope::tables(t, hs, theta);
-        rope::apply_at(out(x)?, h, t, hs, &cos, &sin, positions, inverse);
+        // Packed documents' positions span at most a row: one table from the lowest serves
+        // every document. A padded decode batch's rows sit at scattered positions: a table row
+        // per token. Either way the table is no larger than `x`'s rows.
+        let lo = positions.iter().copied().min().unwrap_or(0);
+        let hi = positions.iter().copied().max().unwrap_or(0);
+        let span = (hi - lo) as usize + 1;
+        let (cos, sin, rows) = if span <= t {
+            let (cos, sin) = rope::tables_at(lo as usize, span, hs, theta);
+            (
+                cos,
+                sin,
+                positions.iter().map(|&p| p - lo).collect::<Vec<_>>(),
+            )
+        } else {
+            // Token r of sequence b reads table row b·t + r.
+            let (cos, sin) = rope::tables_for(positions, hs, theta);
+            let rows = (0..b * t)
+                .map(|r| u32::try_from(r).map_err(|_| bad("rope", "rows exceed u32".into())))
+                .collect::<Result<Vec<_>>>()?;
+            (cos, sin, rows)
+        };
+        rope::apply_at(out(x)?, h, t, hs, &cos, &sin, &rows, inverse);
         Ok(())
     }
 

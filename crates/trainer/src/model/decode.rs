@@ -18,13 +18,17 @@
 //! 2 MiB size classes), so a step copies but does not fault in fresh pages: that halved a
 //! GPT-2 124M step at 900 cached positions.
 
+use std::ops::Range;
+
+use headroom_attn::DocumentMask;
 use headroom_profiler::label_absolute;
 use headroom_tensor::{MemoryCategory, Tensor};
 
 use crate::model::ops::ModelOps;
 use crate::model::params;
-use crate::model::transformer::{Geometry, Model};
+use crate::model::transformer::{Documents, Geometry, Model};
 use crate::model::Family;
+use crate::ops::matmul::DecodingProducts;
 use crate::{Result, TrainError};
 
 /// One layer's cached keys and values, `[B, kv_heads, len, hs]` each.
@@ -75,10 +79,17 @@ impl<T> KvInput<'_, T> {
 }
 
 /// Every layer's [`LayerKv`] for a batch of `B` sequences decoded together.
+///
+/// A batch of prompts of different lengths ([`Model::decode_ragged`]) is lined up by padding
+/// after what the rows share: row `b`'s cache slots `hidden[b]` hold padding, hidden from its
+/// attention, and its later slots hold positions `slot − hidden[b].len()`. So every row
+/// computes what it computes alone, up to the summation order of batched matrix products.
 #[derive(Debug)]
 pub struct KvCache<T> {
     layers: Vec<LayerKv<T>>,
     batch: usize,
+    /// Per batch row, the cache slots holding padding (empty ranges when unpadded).
+    hidden: Vec<Range<usize>>,
 }
 
 impl<T: Tensor> KvCache<T> {
@@ -95,6 +106,40 @@ impl<T: Tensor> KvCache<T> {
     /// Sequences decoded together.
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Whether some row holds padding ([`Model::decode_ragged`]).
+    pub fn is_padded(&self) -> bool {
+        self.hidden.iter().any(|h| !h.is_empty())
+    }
+
+    /// Row `b`'s position of cache slot `slot`: the slot itself, less the row's padding when
+    /// past it; padding slots sit at the padding's start.
+    fn position(&self, b: usize, slot: usize) -> usize {
+        match self.hidden.get(b) {
+            Some(h) if slot >= h.end => slot - h.len(),
+            Some(h) if slot >= h.start => h.start,
+            _ => slot,
+        }
+    }
+
+    /// What a step of `t` new slots per row needs beyond the unpadded step: each row's
+    /// positions and the mask hiding its padding. `None` when no row is padded.
+    fn step_documents(&self, t: usize) -> Result<Option<Documents>> {
+        if !self.is_padded() {
+            return Ok(None);
+        }
+        let len = self.len();
+        let positions = (0..self.batch)
+            .flat_map(|b| (len..len + t).map(move |slot| (b, slot)))
+            .map(|(b, slot)| {
+                u32::try_from(self.position(b, slot))
+                    .map_err(|_| TrainError::Input(format!("decode: position {slot} exceeds u32")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mask = DocumentMask::padding(self.batch, t, &self.hidden)
+            .map_err(|e| TrainError::Input(format!("decode: {e}")))?;
+        Ok(Some(Documents::padded(positions, mask)))
     }
 
     /// Bytes the cache holds now.
@@ -119,6 +164,7 @@ impl<B: ModelOps> Model<B> {
                 })
                 .collect(),
             batch,
+            hidden: vec![0..0; batch],
         }
     }
 
@@ -160,6 +206,7 @@ impl<B: ModelOps> Model<B> {
     /// distribution of the token after it. A prompt of `t` tokens runs its first `t − 1`
     /// positions without the head (only the last position's logits are needed).
     pub fn decode(&self, cache: &mut KvCache<B::Tensor>, tokens: &[u32]) -> Result<Vec<f32>> {
+        let _rows = DecodingProducts::enter();
         let (b, t) = self.check_decode(cache, tokens)?;
         if t > 1 {
             let head: Vec<u32> = tokens
@@ -174,6 +221,50 @@ impl<B: ModelOps> Model<B> {
         self.logits_of(&x, g)
     }
 
+    /// A first step of rows of different lengths, one per sequence of `cache` (which must
+    /// hold no padding yet): each row is padded on the left to the longest, after what the
+    /// cache holds, and the padding is hidden from the row from then on — its later steps
+    /// ([`Model::decode`]) see the cache's shared start and the row's own tokens only, at the
+    /// positions they would have alone. Returns each row's next-token logits `[B, V]` (f32).
+    ///
+    /// That is transformers' left padding with an attention mask and position ids from it,
+    /// except that the shared start (a few-shot prefix, computed once and repeated by
+    /// [`Model::repeat_cache`]) is stored before the padding. A row computes what it would
+    /// alone up to the summation order of the batched matrix products. Refused (nothing
+    /// cached) for an empty row, a row count other than the cache's batch, a cache already
+    /// padded, or a row past the model's context.
+    pub fn decode_ragged(
+        &self,
+        cache: &mut KvCache<B::Tensor>,
+        rows: &[&[u32]],
+    ) -> Result<Vec<f32>> {
+        if rows.len() != cache.batch || rows.iter().any(|r| r.is_empty()) || cache.is_padded() {
+            return Err(TrainError::Input(format!(
+                "decode_ragged: {} rows (each at least one token) for an unpadded cache of {}                  sequences",
+                rows.len(),
+                cache.batch
+            )));
+        }
+        let longest = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+        let start = cache.len();
+        // Padding repeats the row's first token: any id in the vocabulary would do, its keys
+        // are never seen.
+        let tokens: Vec<u32> = rows
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(r[0], longest - r.len()).chain(r.iter().copied()))
+            .collect();
+        cache.hidden = rows
+            .iter()
+            .map(|r| start..start + (longest - r.len()))
+            .collect();
+        let logits = self.decode(cache, &tokens);
+        if logits.is_err() && cache.len() == start {
+            // Refused before the first block: the cache is as it was.
+            cache.hidden = vec![start..start; cache.batch];
+        }
+        logits
+    }
+
     /// One decode step of `tokens` `[B, t]` as [`Model::decode`], returning the logits
     /// `[rows, V]` (f32) of the new positions `rows` (indices into the step's `B·t` rows, in
     /// the order given), each the distribution of the token after it: the head runs on those
@@ -185,6 +276,7 @@ impl<B: ModelOps> Model<B> {
         tokens: &[u32],
         rows: &[usize],
     ) -> Result<Vec<f32>> {
+        let _rows = DecodingProducts::enter();
         let (b, t) = self.check_decode(cache, tokens)?;
         if let Some(&r) = rows.iter().find(|&&r| r >= b * t) {
             return Err(TrainError::Input(format!(
@@ -199,7 +291,7 @@ impl<B: ModelOps> Model<B> {
     /// A cache of `copies` sequences, each a copy of the one sequence `cache` holds: one
     /// context continued several ways in one batch (a question's choices after its keys and
     /// values, computed once). The copies are laid end to end through the sequence-axis
-    /// concatenation of flat views, the only copy op the cache's backend needs.
+    /// concatenation and cut of flat views, the copy ops the cache's backend has.
     pub fn repeat_cache(
         &self,
         cache: &KvCache<B::Tensor>,
@@ -220,11 +312,22 @@ impl<B: ModelOps> Model<B> {
             let mut one = self.backend().uninit(t.shape().clone(), t.dtype())?;
             self.backend().copy(t, &mut one)?;
             one.reshape([1, 1, n, 1].into())?;
-            let mut all = self.backend().uninit([1, 1, n, 1], t.dtype())?;
-            self.backend().copy(&one, &mut all)?;
-            for k in 1..copies {
-                let mut grown = self.backend().uninit([1, 1, (k + 1) * n, 1], t.dtype())?;
-                self.backend().concat_seq(&mut grown, &all, &one)?;
+            // Doubled while that stays within `copies`, then the rest from the front: about
+            // two copies' worth of bytes moved per copy made (growing one copy at a time moved
+            // `copies / 2` per copy, a batch of 16 sequences' 5-shot prefix 7 GB).
+            let (mut all, mut count) = (one, 1);
+            while 2 * count <= copies {
+                let mut grown = self.backend().uninit([1, 1, 2 * count * n, 1], t.dtype())?;
+                self.backend().concat_seq(&mut grown, &all, &all)?;
+                (all, count) = (grown, 2 * count);
+            }
+            if count < copies {
+                let mut rest = self
+                    .backend()
+                    .uninit([1, 1, (copies - count) * n, 1], t.dtype())?;
+                self.backend().truncate_seq(&mut rest, &all)?;
+                let mut grown = self.backend().uninit([1, 1, copies * n, 1], t.dtype())?;
+                self.backend().concat_seq(&mut grown, &all, &rest)?;
                 all = grown;
             }
             let mut dims = dims;
@@ -246,6 +349,7 @@ impl<B: ModelOps> Model<B> {
         Ok(KvCache {
             layers,
             batch: copies,
+            hidden: vec![cache.hidden[0].clone(); copies],
         })
     }
 
@@ -287,6 +391,9 @@ impl<B: ModelOps> Model<B> {
             Ok(())
         };
         let cut = cut_layers();
+        for h in &mut cache.hidden {
+            *h = h.start.min(len)..h.end.min(len);
+        }
         if cut.is_err() {
             // Some layers cut, some not: emptied, so no step reads a cache of mixed lengths.
             for layer in &mut cache.layers {
@@ -296,6 +403,7 @@ impl<B: ModelOps> Model<B> {
                     len: 0,
                 };
             }
+            cache.hidden = vec![0..0; cache.batch];
         }
         cut
     }
@@ -318,7 +426,11 @@ impl<B: ModelOps> Model<B> {
             )));
         }
         let t = tokens.len() / b;
-        let end = cache.len().saturating_add(t);
+        // The farthest position any row reaches (a padded row's lie its padding earlier).
+        let end = (0..b)
+            .map(|row| cache.position(row, cache.len().saturating_add(t)))
+            .max()
+            .unwrap_or(0);
         if end > self.cfg.max_seq {
             return Err(TrainError::Input(format!(
                 "decode: positions up to {end} exceed the model's context of {}",
@@ -340,6 +452,11 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<B::Tensor> {
         self.check_batch(tokens, tokens, g)?;
         let pos0 = cache.len();
+        let documents = cache.step_documents(g.t)?;
+        let g = match &documents {
+            Some(d) => g.with_documents(d)?,
+            None => g,
+        };
         let mut x = self.embed_at(tokens, g, pos0)?;
         for (l, layer) in cache.layers.iter_mut().enumerate() {
             x = match self.cfg.family {
@@ -360,7 +477,7 @@ impl<B: ModelOps> Model<B> {
     /// [`Model::embed`] for positions `pos0 ..`: GPT-2's position rows are gathered like
     /// tokens and added, the same single f32 addition the training embedding does.
     fn embed_at(&self, tokens: &[u32], g: Geometry<'_>, pos0: usize) -> Result<B::Tensor> {
-        if pos0 == 0 || matches!(self.cfg.family, Family::Llama(_)) {
+        if pos0 == 0 || matches!(self.cfg.family, Family::Llama(_)) || g.positions().is_some() {
             return self.embed(tokens, g);
         }
         let _l = label_absolute("embed.out");

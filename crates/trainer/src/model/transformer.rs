@@ -176,6 +176,12 @@ impl Documents {
         })
     }
 
+    /// A cached decode step of a padded batch: each row's own `positions` `[B·T]` and the
+    /// padding mask that hides each row's padding keys from it.
+    pub(crate) fn padded(positions: Vec<u32>, mask: DocumentMask) -> Self {
+        Documents { positions, mask }
+    }
+
     /// Position ids `[B·T]`.
     pub fn positions(&self) -> &[u32] {
         &self.positions

@@ -21,8 +21,11 @@
 //!   output dimension is tiny (gemm's small-matrix and matrix-vector paths block differently).
 //!   Panels are therefore at least [`PANEL_MIN`] columns wide, and a product with at most
 //!   [`SINGLE_PANEL_ROWS`] rows takes the whole weight as one panel — the input gradient's.
-//!   A *forward* product of so few rows (a decoding step) is row dot products instead
-//!   ([`DOT_ROWS`]): not gemm's bits, but no f32 copy of the weight.
+//!   A *forward* product of so few rows of a low-precision weight, and one of at most
+//!   [`DOT_ROWS_BATCHED`] rows of any weight in a decoding step ([`DecodingProducts`]), is
+//!   row dot products instead (`forward_dot_rows`): not gemm's bits, but each weight row is
+//!   read once for all the rows and never copied, where gemm would pack the whole weight for
+//!   a handful of rows. An f32 and a bf16 weight of the same values give the same bits there.
 //! - A deep product is also cut along its depth, exactly where gemm cuts it: gemm sums each
 //!   depth block in registers from zero and adds it to the output, so one gemm call per block
 //!   (accumulating from the second) performs the same additions in the same order. The block
@@ -507,13 +510,13 @@ pub fn forward_scratch(n: usize, c: usize, oc: usize) -> usize {
 }
 
 /// At most this many rows (a decoding step's: one per sequence), a low-precision weight's
-/// forward product is row dot products (`forward_rows`) instead of gemm over the weight
+/// forward product is row dot products (`forward_dot_rows`) instead of gemm over the weight
 /// widened whole — the only way gemm's bits could be kept at so few rows, which cost a decoding
 /// step an f32 copy of every weight (73.6 MiB for GPT-2's head) and made bf16 decoding slower
 /// than f32.
 pub const DOT_ROWS: usize = SINGLE_PANEL_ROWS;
 
-/// Output columns one task computes in [`forward_rows`].
+/// Output columns one task computes in [`forward_dot_rows`].
 pub(crate) const DOT_COLUMNS: usize = 64;
 
 /// Values [`dot_in_pieces`] takes at a time (a multiple of 8, on the stack).
@@ -521,7 +524,7 @@ pub(crate) const DOT_PIECE: usize = 256;
 
 /// `Σ_k x_k·w_k` over `len` values that `fill(k0, xs, ws)` writes as f32, [`DOT_PIECE`] at a
 /// time from `k0`: eight partial sums (k mod 8) of fused multiply-adds in k order, added
-/// pairwise at the end. One fixed order: the row products of dense ([`forward_rows`]) and
+/// pairwise at the end. One fixed order: the row products of dense (`forward_dot_rows`) and
 /// 4-bit (`quant_matmul`) weights give the same bits for the same values.
 pub(crate) fn dot_in_pieces(
     len: usize,
@@ -580,12 +583,63 @@ fn accumulate8_body(xs: &[f32], ws: &[f32], acc: &mut [f32; 8]) {
     }
 }
 
-/// `out[r, o] = Σ_k x[r, k] · W[o, k]` for `n ≤` [`DOT_ROWS`] rows: each output element one
-/// [`dot_in_pieces`], the weight row widened a piece at a time on the stack; the threads split
-/// the output columns, so the bits do not depend on their number. Not gemm's bits: within the
-/// f32-summation bound of the exact product of the same values (tested against f64).
-/// Memory-bound: the weight is read once per row, at its stored width.
-fn forward_rows<W: Operand>(
+/// At most this many rows (a batched decoding step's), a forward product of any weight type
+/// made while [`DecodingProducts`] is held is row dot products (`forward_dot_rows`) instead
+/// of gemm: gemm packs the whole weight for so few rows, and that packing pass cost a GPT-2
+/// 124M step of 8 rows as much as 8 single-row steps.
+pub const DOT_ROWS_BATCHED: usize = 16;
+
+thread_local! {
+    static DECODING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While held, forward products of at most [`DOT_ROWS_BATCHED`] rows made on this thread are
+/// row dot products whatever the weight type (a decoding step: the model's `decode` holds
+/// one). Training never holds it, so its products keep gemm's bits whatever the row count
+/// of a micro-batch — micro-batch splits and ZeRO stages compare bit for bit — and a
+/// decoding step reads each weight once instead of having gemm pack it.
+#[must_use = "the scope ends when this is dropped"]
+pub struct DecodingProducts {
+    previous: bool,
+}
+
+impl DecodingProducts {
+    /// Row dot products for small forward products on this thread until dropped.
+    pub fn enter() -> Self {
+        DecodingProducts {
+            previous: DECODING.with(|d| d.replace(true)),
+        }
+    }
+}
+
+impl Drop for DecodingProducts {
+    fn drop(&mut self) {
+        DECODING.with(|d| d.set(self.previous));
+    }
+}
+
+/// Whether a forward product of `n` rows takes row dot products: a decoding step's of at most
+/// [`DOT_ROWS_BATCHED`] rows, or at most [`DOT_ROWS`] rows of a low-precision weight.
+fn row_dots<W: Operand>(n: usize, weight: &[W]) -> bool {
+    if DECODING.with(std::cell::Cell::get) {
+        n <= DOT_ROWS_BATCHED
+    } else {
+        n <= DOT_ROWS && W::as_f32(weight).is_none()
+    }
+}
+
+/// Rows one pass over a weight row's piece serves at a time in [`forward_dot_rows`]: their
+/// accumulators are independent chains of fused multiply-adds, so the FMA units stay busy
+/// (one row alone waits on each add's latency).
+const DOT_ROW_GROUP: usize = 4;
+
+/// `out[r, o] = Σ_k x[r, k] · W[o, k]` for `n ≤` [`DOT_ROWS_BATCHED`] rows, each output
+/// element the sum [`dot_in_pieces`] forms (eight FMA chains in k order, added pairwise), each
+/// weight row read once for all `n` rows, a piece at a time, widened on the stack. Not gemm's
+/// bits: within the f32-summation bound of the exact product of the same values (tested
+/// against f64). The threads split the output columns, so the bits do not depend on their
+/// number.
+fn forward_dot_rows<W: Operand>(
     out: &mut [f32],
     x: &[f32],
     weight: &[W],
@@ -594,20 +648,125 @@ fn forward_rows<W: Operand>(
     oc: usize,
 ) {
     use rayon::prelude::*;
-    for r in 0..n {
-        let xr = &x[r * c..][..c];
-        out[r * oc..][..oc]
-            .par_chunks_mut(DOT_COLUMNS)
-            .enumerate()
-            .for_each(|(t, cols)| {
-                for (j, o) in cols.iter_mut().enumerate() {
-                    let wr = &weight[(t * DOT_COLUMNS + j) * c..][..c];
-                    *o = dot_in_pieces(c, |k0, xs, ws| {
-                        xs.copy_from_slice(&xr[k0..][..xs.len()]);
-                        W::widen(&wr[k0..][..ws.len()], ws);
-                    });
+    if n == 0 || oc == 0 {
+        return;
+    }
+    // Each task's columns for every row, `[task][n][width]`, scattered into `out` after: the
+    // rows of `out` are not contiguous per column slab.
+    let mut slabs = vec![0f32; n * oc];
+    slabs
+        .par_chunks_mut(n * DOT_COLUMNS)
+        .enumerate()
+        .for_each(|(t, slab)| {
+            let width = slab.len() / n;
+            let mut wb = [0f32; DOT_PIECE];
+            for j in 0..width {
+                let wr = &weight[(t * DOT_COLUMNS + j) * c..][..c];
+                for r0 in (0..n).step_by(DOT_ROW_GROUP) {
+                    let rows = DOT_ROW_GROUP.min(n - r0);
+                    let mut acc = [[0f32; 8]; DOT_ROW_GROUP];
+                    for k0 in (0..c).step_by(DOT_PIECE) {
+                        let l = DOT_PIECE.min(c - k0);
+                        let ws: &[f32] = match W::as_f32(&wr[k0..][..l]) {
+                            Some(w) => w,
+                            None => {
+                                W::widen(&wr[k0..][..l], &mut wb[..l]);
+                                &wb[..l]
+                            }
+                        };
+                        let xs: [&[f32]; DOT_ROW_GROUP] = std::array::from_fn(|g| {
+                            let r = r0 + g.min(rows - 1);
+                            &x[r * c + k0..][..l]
+                        });
+                        accumulate8_rows(&xs, rows, ws, &mut acc);
+                    }
+                    for (g, a) in acc.iter().enumerate().take(rows) {
+                        slab[(r0 + g) * width + j] =
+                            ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+                    }
                 }
-            });
+            }
+        });
+    for (t, slab) in slabs.chunks(n * DOT_COLUMNS).enumerate() {
+        let width = slab.len() / n;
+        for (r, row) in slab.chunks_exact(width).enumerate() {
+            out[r * oc + t * DOT_COLUMNS..][..width].copy_from_slice(row);
+        }
+    }
+}
+
+/// [`accumulate8`] for the first `rows` (≤ [`DOT_ROW_GROUP`]) of `xs` against one weight
+/// piece: `acc[g][j]` gets `fma(xs[g][i], ws[i], ·)` for every `i ≡ j (mod 8)`, in `i` order —
+/// each row's sum exactly as [`accumulate8`] forms it (a vector FMA lane is the scalar fused
+/// operation). Every `xs[g]` is at least `ws.len()` long.
+fn accumulate8_rows(
+    xs: &[&[f32]; DOT_ROW_GROUP],
+    rows: usize,
+    ws: &[f32],
+    acc: &mut [[f32; 8]; DOT_ROW_GROUP],
+) {
+    assert!(rows <= DOT_ROW_GROUP && xs.iter().all(|x| x.len() >= ws.len()));
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let fma = *FMA.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && isa::allows(IsaLevel::Avx2)
+        });
+        if fma {
+            // SAFETY: the CPU has AVX2 and FMA (checked above); the lengths are checked above.
+            unsafe {
+                match rows {
+                    1 => accumulate8_rows_fma::<1>(xs, ws, acc),
+                    2 => accumulate8_rows_fma::<2>(xs, ws, acc),
+                    3 => accumulate8_rows_fma::<3>(xs, ws, acc),
+                    _ => accumulate8_rows_fma::<4>(xs, ws, acc),
+                }
+            }
+            return;
+        }
+    }
+    for g in 0..rows {
+        accumulate8_body(&xs[g][..ws.len()], ws, &mut acc[g]);
+    }
+}
+
+/// The first `R` rows of [`accumulate8_rows`] in AVX2 registers: one load of each weight
+/// chunk serves `R` independent FMA chains.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA, and every `xs[g]` (`g < R`) be at least `ws.len()` long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate8_rows_fma<const R: usize>(
+    xs: &[&[f32]; DOT_ROW_GROUP],
+    ws: &[f32],
+    acc: &mut [[f32; 8]; DOT_ROW_GROUP],
+) {
+    // SAFETY: the caller's contract: AVX2 and FMA, and every row at least `ws.len()` long,
+    // so each load below stays inside its slice (`i + 8 ≤ full ≤ ws.len()`).
+    unsafe {
+        use std::arch::x86_64::{_mm256_fmadd_ps, _mm256_loadu_ps, _mm256_storeu_ps};
+        let full = ws.len() / 8 * 8;
+        let mut a = [_mm256_loadu_ps(acc[0].as_ptr()); R];
+        for (g, v) in a.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(acc[g].as_ptr());
+        }
+        let mut i = 0;
+        while i < full {
+            let w = _mm256_loadu_ps(ws.as_ptr().add(i));
+            for (g, v) in a.iter_mut().enumerate() {
+                *v = _mm256_fmadd_ps(_mm256_loadu_ps(xs[g].as_ptr().add(i)), w, *v);
+            }
+            i += 8;
+        }
+        for (g, v) in a.iter().enumerate() {
+            _mm256_storeu_ps(acc[g].as_mut_ptr(), *v);
+            for (j, (&x, &w)) in xs[g][full..ws.len()].iter().zip(&ws[full..]).enumerate() {
+                acc[g][j] = x.mul_add(w, acc[g][j]);
+            }
+        }
     }
 }
 
@@ -783,10 +942,10 @@ pub fn forward_with<W: Operand>(
     scratch: &mut [f32],
 ) {
     assert_eq!(inp.len(), n * c, "input length");
-    if n <= DOT_ROWS && W::as_f32(weight).is_none() {
+    if row_dots(n, weight) {
         assert_eq!(weight.len(), oc * c, "weight length");
         assert_eq!(out.len(), n * oc, "output length");
-        forward_rows(out, inp, weight, n, c, oc);
+        forward_dot_rows(out, inp, weight, n, c, oc);
         if let Some(b) = bias {
             add_bias(out, b, oc);
         }
@@ -955,7 +1114,7 @@ pub fn forward_bf16_products<A: super::bf16_gemm::Bf16Source>(
         for (d, s) in x.iter_mut().zip(inp) {
             *d = f32::from_bits(u32::from(s.bf16_bits()) << 16);
         }
-        forward_rows(out, x, weight, n, c, oc);
+        forward_dot_rows(out, x, weight, n, c, oc);
         if let Some(b) = bias {
             add_bias(out, b, oc);
         }
@@ -1381,6 +1540,20 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
+    /// The f32 gemm's forward `x · Wᵀ` whatever the row count (`forward` takes row dots at
+    /// few rows): what the widening paths must equal bit for bit.
+    fn gemm_forward(out: &mut [f32], x: &[f32], w: &[f32], m: usize, k: usize, n: usize) {
+        gemm_into(
+            out,
+            Strided::rows(x, k),
+            Strided::transposed(w, k),
+            m,
+            n,
+            k,
+            false,
+        );
+    }
+
     /// `Σ_k a[i,k]·b[k,j]` in f64 and the error bound `k·2⁻²³·Σ|a·b|` of an f32 reduction with
     /// fused multiply-adds over the same (exactly representable) inputs.
     fn reference(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<(f64, f64)> {
@@ -1426,7 +1599,7 @@ mod tests {
             let w = bf16_vec(seed ^ 1, n * k);
             let wf = widened(&w);
             let mut want = vec![0.0f32; m * n];
-            forward(&mut want, &x, &wf, None, m, k, n);
+            gemm_forward(&mut want, &x, &wf, m, k, n);
             let budget = if tiny_budget { 0 } else { PANEL_BYTES };
             let mut scratch = vec![f32::NAN; panel_plan(m, n, k, budget).scratch()];
             let mut got = vec![f32::NAN; m * n];
@@ -1445,14 +1618,17 @@ mod tests {
             }
         }
 
-        /// At most [`DOT_ROWS`] rows the forward is row dot products: bf16 and f16 weights
-        /// within the f32 bound of the f64 product of the same values, the bias added to that
-        /// bit for bit, and the bf16 products (input rounded to bf16) the same bits as the
+        /// At most [`DOT_ROWS_BATCHED`] rows the forward is row dot products: bf16 and f16
+        /// weights within the f32 bound of the f64 product of the same values, an f32 weight
+        /// of the same values the same bits, every row the bits of [`dot_in_pieces`] alone
+        /// (rows grouped or not), the bias added to that bit for bit, and at most
+        /// [`DOT_ROWS`] rows the bf16 products (input rounded to bf16) the same bits as the
         /// widening entry on the rounded input. Depths past the 256-value pieces and the
-        /// eight partial sums' tails, columns past one task's 64.
+        /// eight partial sums' tails, columns past one task's 64, row groups and their tails.
         #[test]
-        fn few_row_forwards_are_row_dots(m in 1usize..=DOT_ROWS, k in 1usize..700,
+        fn few_row_forwards_are_row_dots(m in 1usize..=DOT_ROWS_BATCHED, k in 1usize..700,
                                          n in 1usize..300, seed in any::<u64>()) {
+            let _decoding = DecodingProducts::enter();
             let x = f32_vec(seed, m * k);
             let w = bf16_vec(seed ^ 3, n * k);
             let w16: Vec<f16> = f32_vec(seed ^ 5, n * k).into_iter().map(f16::from_f32).collect();
@@ -1477,6 +1653,17 @@ mod tests {
                     prop_assert!((*g as f64 - r).abs() <= tol, "{} vs {} (tol {})", g, r, tol);
                 }
             }
+            let wf = widened(&w);
+            let mut from_f32 = vec![f32::NAN; m * n];
+            forward(&mut from_f32, &x, &wf, None, m, k, n);
+            prop_assert_eq!(bits(&from_f32), bits(&plain));
+            for (r, o) in [(0, 0), (m - 1, n - 1), (m / 2, n / 3)] {
+                let alone = dot_in_pieces(k, |k0, xs, ws| {
+                    xs.copy_from_slice(&x[r * k + k0..][..xs.len()]);
+                    ws.copy_from_slice(&wf[o * k + k0..][..ws.len()]);
+                });
+                prop_assert_eq!(plain[r * n + o].to_bits(), alone.to_bits(), "row {} column {}", r, o);
+            }
             let mut with_bias = vec![f32::NAN; m * n];
             forward_with(&mut with_bias, &x, &w, Some(&bias), m, k, n, &mut scratch);
             let mut want = plain.clone();
@@ -1485,9 +1672,23 @@ mod tests {
             let rounded: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
             let mut on_rounded = vec![f32::NAN; m * n];
             forward_with(&mut on_rounded, &rounded, &w, None, m, k, n, &mut scratch);
-            let mut products = vec![f32::NAN; m * n];
-            forward_bf16_products(&mut products, &x, &w, None, m, k, n, &mut scratch);
-            prop_assert_eq!(bits(&products), bits(&on_rounded));
+            if m <= DOT_ROWS {
+                let mut products = vec![f32::NAN; m * n];
+                forward_bf16_products(&mut products, &x, &w, None, m, k, n, &mut scratch);
+                prop_assert_eq!(bits(&products), bits(&on_rounded));
+            }
+            drop(_decoding);
+            // Outside a decoding step: row dots for a low-precision weight at most `DOT_ROWS`
+            // rows (the same bits), gemm's bits for an f32 weight.
+            let mut outside = vec![f32::NAN; m * n];
+            forward_with(&mut outside, &x, &w, None, m, k, n, &mut scratch);
+            if m <= DOT_ROWS {
+                prop_assert_eq!(bits(&outside), bits(&plain));
+            }
+            let mut gemm_bits = vec![f32::NAN; m * n];
+            gemm_forward(&mut gemm_bits, &x, &wf, m, k, n);
+            forward(&mut from_f32, &x, &wf, None, m, k, n);
+            prop_assert_eq!(bits(&from_f32), bits(&gemm_bits));
         }
 
         /// The row dots' FMA path is the portable one, bit for bit, tails included.
@@ -1499,6 +1700,18 @@ mod tests {
             accumulate8(&x, &w, &mut fast);
             accumulate8_body(&x, &w, &mut portable);
             prop_assert_eq!(bits(&fast), bits(&portable));
+            // Grouped rows: each row's sums are the single row's.
+            let rows: Vec<Vec<f32>> = (0..DOT_ROW_GROUP as u64).map(|g| f32_vec(seed ^ (g + 20), len)).collect();
+            for count in 1..=DOT_ROW_GROUP {
+                let xs: [&[f32]; DOT_ROW_GROUP] = std::array::from_fn(|g| rows[g].as_slice());
+                let mut grouped = [start; DOT_ROW_GROUP];
+                accumulate8_rows(&xs, count, &w, &mut grouped);
+                for (g, sums) in grouped.iter().enumerate().take(count) {
+                    let mut one = start;
+                    accumulate8_body(&rows[g], &w, &mut one);
+                    prop_assert_eq!(bits(sums), bits(&one), "row {} of {}", g, count);
+                }
+            }
         }
 
         /// The input gradient with a bf16 weight accumulates onto what is there, equals the f32
@@ -1831,7 +2044,7 @@ mod tests {
             let wt = bf16_vec(22, n * k);
             let mut scratch = vec![f32::NAN; plan.scratch()];
             let (mut want, mut got) = (vec![0.0; m * n], vec![f32::NAN; m * n]);
-            forward(&mut want, &x, &widened(&wt), None, m, k, n);
+            gemm_forward(&mut want, &x, &widened(&wt), m, k, n);
             gemm_weight(
                 &mut got,
                 Strided::rows(&x, k),

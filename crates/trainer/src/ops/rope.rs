@@ -33,6 +33,20 @@ pub fn tables_at(pos0: usize, t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec
     (cos, sin)
 }
 
+/// [`tables`] for the given positions: row `r` holds the angles of `positions[r]`, the same
+/// values [`tables`] gives at that position.
+pub fn tables_for(positions: &[u32], hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    let half = hs / 2;
+    let mut cos = vec![0f32; positions.len() * half];
+    let mut sin = vec![0f32; positions.len() * half];
+    for (row, &pos) in positions.iter().enumerate() {
+        let (c, s) = tables_at(pos as usize, 1, hs, theta);
+        cos[row * half..(row + 1) * half].copy_from_slice(&c);
+        sin[row * half..(row + 1) * half].copy_from_slice(&s);
+    }
+    (cos, sin)
+}
+
 /// One row's pairs by the angles whose cosines and sines are `c` and `s` (`hs/2` each).
 #[inline]
 fn rotate(row: &mut [f32], c: &[f32], s: &[f32], sign: f32) {
