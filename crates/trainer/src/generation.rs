@@ -49,7 +49,7 @@ use std::path::Path;
 
 use crate::choices::{self, Example, Metric};
 use crate::model::{Model, ModelOps};
-use crate::sample::{generate_cached, PromptCache, SampleOptions, Sampling};
+use crate::sample::{generate_batch_cached, generate_cached, PromptCache, SampleOptions, Sampling};
 use crate::tokenize::Tokenizer;
 use crate::{Result, TrainError};
 
@@ -651,6 +651,8 @@ pub struct GenerationSettings {
     pub filters: Vec<FilterPipeline>,
     /// How an answer is compared with the targets.
     pub metric: ExactMatch,
+    /// Documents generated together (lm-eval's `--batch_size`); 1 runs each alone.
+    pub batch_size: usize,
 }
 
 /// A document's generation and what the filters made of it.
@@ -790,58 +792,87 @@ pub fn evaluate<B: ModelOps>(
         // past the tokenizer's too (they decode to nothing).
         vocab_limit: None,
     };
+    if settings.batch_size == 0 {
+        return Err(TrainError::Input("a batch size of 0 documents".into()));
+    }
+    let stops_text = |generated: &[u32]| -> Result<bool> {
+        // lm-eval cuts its text at the stop strings, so generation may end once the text holds
+        // one.
+        let text = tok.decode_skipping_special(generated)?;
+        Ok(until
+            .iter()
+            .any(|s| !s.is_empty() && text.contains(s.as_str())))
+    };
+    let flow = |stop: bool| {
+        if stop {
+            std::ops::ControlFlow::Break(())
+        } else {
+            std::ops::ControlFlow::Continue(())
+        }
+    };
     let mut kept = PromptCache::new();
     let mut results = vec![Vec::with_capacity(docs.len()); filters.len()];
     let (mut new_tokens, mut prompt_total, mut reused_total) = (0u64, 0u64, 0u64);
-    for (i, (doc, context)) in docs.iter().zip(contexts).enumerate() {
-        let in_doc = |e: TrainError| TrainError::Input(format!("document {}: {e}", i + 1));
-        let prompt =
-            prompt_tokens(tok, context, max_seq - settings.max_gen_toks).map_err(in_doc)?;
-        let mut generated = Vec::new();
-        let (new, reused) = generate_cached(model, &mut kept, &prompt, &opts, |id| {
-            generated.push(id);
-            // lm-eval cuts its text at the stop strings, so generation may end once the text
-            // holds one.
-            let text = tok.decode_skipping_special(&generated).map_err(in_doc)?;
-            Ok(
-                if until
-                    .iter()
-                    .any(|s| !s.is_empty() && text.contains(s.as_str()))
-                {
-                    std::ops::ControlFlow::Break(())
-                } else {
-                    std::ops::ControlFlow::Continue(())
+    let numbered = docs.iter().zip(contexts).enumerate().collect::<Vec<_>>();
+    for batch in numbered.chunks(settings.batch_size) {
+        let in_doc =
+            |i: usize| move |e: TrainError| TrainError::Input(format!("document {}: {e}", i + 1));
+        let prompts = batch
+            .iter()
+            .map(|&(i, (_, context))| {
+                prompt_tokens(tok, context, max_seq - settings.max_gen_toks).map_err(in_doc(i))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (generations, reused) = if let [prompt] = &prompts[..] {
+            let i = batch[0].0;
+            let mut generated = Vec::new();
+            let (new, reused) = generate_cached(model, &mut kept, prompt, &opts, |id| {
+                generated.push(id);
+                Ok(flow(stops_text(&generated).map_err(in_doc(i))?))
+            })?;
+            (vec![new], vec![reused])
+        } else {
+            let mut generated = vec![Vec::new(); prompts.len()];
+            generate_batch_cached(model, &mut kept, &prompts, &opts, |row, id| {
+                generated[row].push(id);
+                Ok(flow(
+                    stops_text(&generated[row]).map_err(in_doc(batch[row].0))?,
+                ))
+            })?
+        };
+        for (((&(i, (doc, _)), prompt), new), reused) in
+            batch.iter().zip(&prompts).zip(generations).zip(reused)
+        {
+            let in_doc = in_doc(i);
+            let response = cut_at_stops(&tok.decode_skipping_special(&new)?, &until);
+            let filtered = filters
+                .iter()
+                .map(|f| f.apply(&response))
+                .collect::<Result<Vec<_>>>()
+                .map_err(in_doc)?;
+            let exact_match = filtered
+                .iter()
+                .map(|answer| metric.matches(answer, &doc.targets))
+                .collect::<Result<Vec<_>>>()
+                .map_err(in_doc)?;
+            for (r, &m) in results.iter_mut().zip(&exact_match) {
+                r.push(m);
+            }
+            new_tokens += new.len() as u64;
+            prompt_total += prompt.len() as u64;
+            reused_total += reused as u64;
+            each(
+                i,
+                &Generated {
+                    prompt_tokens: prompt.len(),
+                    reused_tokens: reused,
+                    new_tokens: new.len(),
+                    response,
+                    filtered,
+                    exact_match,
                 },
-            )
-        })?;
-        let response = cut_at_stops(&tok.decode_skipping_special(&new)?, &until);
-        let filtered = filters
-            .iter()
-            .map(|f| f.apply(&response))
-            .collect::<Result<Vec<_>>>()
-            .map_err(in_doc)?;
-        let exact_match = filtered
-            .iter()
-            .map(|answer| metric.matches(answer, &doc.targets))
-            .collect::<Result<Vec<_>>>()
-            .map_err(in_doc)?;
-        for (r, &m) in results.iter_mut().zip(&exact_match) {
-            r.push(m);
+            )?;
         }
-        new_tokens += new.len() as u64;
-        prompt_total += prompt.len() as u64;
-        reused_total += reused as u64;
-        each(
-            i,
-            &Generated {
-                prompt_tokens: prompt.len(),
-                reused_tokens: reused,
-                new_tokens: new.len(),
-                response,
-                filtered,
-                exact_match,
-            },
-        )?;
     }
     Ok(GenerationReport {
         documents: docs.len(),

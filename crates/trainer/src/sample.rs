@@ -770,6 +770,105 @@ impl<T> PromptCache<T> {
     }
 }
 
+/// One batch's prompts generated together: what [`generate_cached`] generates for each
+/// prompt alone, in one batched decode step per token.
+///
+/// The prompts' longest shared prefix (a few-shot preamble) runs once, after what `kept`
+/// holds, and is repeated for every row ([`Model::repeat_cache`]); the rows' own tails run as
+/// one padded step ([`Model::decode_ragged`]); then every row takes a token a step until each
+/// has stopped (a stop token, `on_token` breaking, or `opts.tokens`). A stopped row is fed its
+/// last token and its results ignored, as transformers' batched `generate` does. `kept` holds
+/// the shared prefix afterwards. Each row draws from its own generator seeded with
+/// `opts.seed`, so a row samples what it samples alone.
+///
+/// Returns each row's new tokens and how many of its prompt positions it did not run itself:
+/// the first row reuses what `kept` held, every other row the whole shared prefix. The logits
+/// equal a row's own run up to the summation order of the batched products (greedy choices
+/// can differ where two logits tie to float rounding). The prompts must fit the model's
+/// context with `opts.tokens` to spare: a batch has no sliding window. A call that fails
+/// before the shared prefix is computed leaves `kept` empty.
+pub fn generate_batch_cached<B: ModelOps>(
+    model: &Model<B>,
+    kept: &mut PromptCache<B::Tensor>,
+    prompts: &[Vec<u32>],
+    opts: &SampleOptions,
+    mut on_token: impl FnMut(usize, u32) -> Result<std::ops::ControlFlow<()>>,
+) -> Result<(Vec<Vec<u32>>, Vec<usize>)> {
+    let window = model.cfg.max_seq;
+    if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+        return Err(TrainError::Input(
+            "sample: a batch needs prompts of at least one token each".into(),
+        ));
+    }
+    if let Some(p) = prompts.iter().find(|p| p.len() + opts.tokens > window) {
+        return Err(TrainError::Input(format!(
+            "sample: a batched prompt of {} tokens and {} new ones exceed the context of              {window}",
+            p.len(),
+            opts.tokens
+        )));
+    }
+    opts.sampling.validate()?;
+    let first = &prompts[0];
+    // Every row keeps at least one token of its own: its logits come from its own step.
+    let shortest = prompts.iter().map(Vec::len).min().unwrap_or(1);
+    let shared = prompts[1..]
+        .iter()
+        .map(|p| first.iter().zip(p).take_while(|(a, b)| a == b).count())
+        .fold(first.len(), usize::min)
+        .min(shortest - 1);
+    let (mut prefix, reused) = kept.take_prefix(model, &first[..shared + 1])?;
+    if shared > reused {
+        model.decode(&mut prefix, &first[reused..shared])?;
+    }
+    let mut cache = if shared > 0 {
+        model.repeat_cache(&prefix, prompts.len())?
+    } else {
+        model.kv_cache(prompts.len())
+    };
+    kept.keep(prefix, first[..shared].to_vec());
+    let tails: Vec<&[u32]> = prompts.iter().map(|p| &p[shared..]).collect();
+    let mut logits = model.decode_ragged(&mut cache, &tails)?;
+    let vocab = logits.len() / prompts.len();
+    let allowed = opts.vocab_limit.unwrap_or(vocab).min(vocab);
+    let mut rngs: Vec<Xoshiro256> = prompts
+        .iter()
+        .map(|_| Xoshiro256::seed_from_u64(opts.seed))
+        .collect();
+    let mut histories: Vec<Vec<u32>> = prompts.to_vec();
+    let mut outs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut running = vec![true; prompts.len()];
+    for step in 0..opts.tokens {
+        let mut next = Vec::with_capacity(prompts.len());
+        for (row, row_logits) in logits.chunks_exact(vocab).enumerate() {
+            let last = histories[row].last().copied().unwrap_or(0);
+            if !running[row] {
+                next.push(last);
+                continue;
+            }
+            let id = pick(
+                &row_logits[..allowed],
+                &histories[row],
+                &opts.sampling,
+                &mut rngs[row],
+            )?;
+            histories[row].push(id);
+            outs[row].push(id);
+            if on_token(row, id)?.is_break() || opts.stop_tokens.contains(&id) {
+                running[row] = false;
+            }
+            next.push(id);
+        }
+        if !running.contains(&true) || step + 1 == opts.tokens {
+            break;
+        }
+        logits = model.decode(&mut cache, &next)?;
+    }
+    let reused_per_row = (0..prompts.len())
+        .map(|row| if row == 0 { reused } else { shared })
+        .collect();
+    Ok((outs, reused_per_row))
+}
+
 /// [`generate_until`] after the keys and values `kept` holds from an earlier call: the prompt's
 /// positions that repeat `kept`'s tokens are not run again (the cache is cut back to the
 /// longest shared prefix, at least one prompt token left to run for its logits), and `kept`

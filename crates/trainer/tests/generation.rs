@@ -149,58 +149,69 @@ fn every_run_generates_and_scores_as_lm_eval() {
         };
         let names: Vec<String> = filters.iter().map(|f| f.name.clone()).collect();
         assert_eq!(names, strings(&run["filters"]), "{name}");
-        let settings = GenerationSettings {
-            until,
-            max_gen_toks: kwargs["max_gen_toks"].as_u64().unwrap() as usize,
-            stop_tokens: generation::generation_eos_ids(&model_dir).unwrap(),
-            filters,
-            metric: metric_of(&run["metric"]),
-        };
-        let mut seen = 0;
-        let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |i, g| {
-            let w = &want[i];
-            assert_eq!(
-                g.response,
-                w["response"].as_str().unwrap(),
-                "{name} document {i}'s text"
-            );
-            for (f, name_f) in names.iter().enumerate() {
+        // Alone, and in batches of 2 and 3 (a shared few-shot start computed once, ragged
+        // tails padded): the same texts, answers and aggregates.
+        for batch_size in [1, 2, 3] {
+            let settings = GenerationSettings {
+                until: until.clone(),
+                max_gen_toks: kwargs["max_gen_toks"].as_u64().unwrap() as usize,
+                stop_tokens: generation::generation_eos_ids(&model_dir).unwrap(),
+                filters: filters.clone(),
+                metric: metric_of(&run["metric"]),
+                batch_size,
+            };
+            let mut seen = 0;
+            let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |i, g| {
+                let w = &want[i];
+                assert_eq!(i, seen, "{name}: documents in order");
                 assert_eq!(
-                    g.filtered[f],
-                    w["filtered"][name_f].as_str().unwrap(),
-                    "{name} document {i}, filter {name_f}"
+                    g.response,
+                    w["response"].as_str().unwrap(),
+                    "{name} document {i}'s text, batches of {batch_size}"
                 );
-                assert_eq!(
-                    g.exact_match[f],
-                    w["exact_match"][name_f].as_bool().unwrap(),
-                    "{name} document {i}, filter {name_f}'s exact_match"
-                );
-                right += usize::from(g.exact_match[f]);
-                nonempty_fallbacks += usize::from(g.filtered[f].starts_with('['));
+                for (f, name_f) in names.iter().enumerate() {
+                    assert_eq!(
+                        g.filtered[f],
+                        w["filtered"][name_f].as_str().unwrap(),
+                        "{name} document {i}, filter {name_f}"
+                    );
+                    assert_eq!(
+                        g.exact_match[f],
+                        w["exact_match"][name_f].as_bool().unwrap(),
+                        "{name} document {i}, filter {name_f}'s exact_match"
+                    );
+                    if batch_size == 1 {
+                        right += usize::from(g.exact_match[f]);
+                        nonempty_fallbacks += usize::from(g.filtered[f].starts_with('['));
+                    }
+                }
+                assert!(g.new_tokens <= settings.max_gen_toks);
+                assert!(g.prompt_tokens + settings.max_gen_toks <= model.cfg.max_seq);
+                assert!(g.reused_tokens < g.prompt_tokens);
+                seen += 1;
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(seen, want.len());
+            if batch_size == 1 {
+                docs_checked += seen;
             }
-            assert!(g.new_tokens <= settings.max_gen_toks);
-            assert!(g.prompt_tokens + settings.max_gen_toks <= model.cfg.max_seq);
-            seen += 1;
-            Ok(())
-        })
-        .unwrap();
-        assert_eq!(seen, want.len());
-        docs_checked += seen;
-        for (filter, metric) in &report.exact_match {
-            let close = |a: f64, b: f64| (a - b).abs() <= 1e-12;
-            assert!(
-                close(metric.mean, run["metrics"][filter].as_f64().unwrap()),
-                "{name} {filter}: {} vs lm-eval's {}",
-                metric.mean,
-                run["metrics"][filter]
-            );
-            assert!(
-                close(
-                    metric.stderr.unwrap(),
-                    run["stderr"][filter].as_f64().unwrap()
-                ),
-                "{name} {filter}'s stderr"
-            );
+            for (filter, metric) in &report.exact_match {
+                let close = |a: f64, b: f64| (a - b).abs() <= 1e-12;
+                assert!(
+                    close(metric.mean, run["metrics"][filter].as_f64().unwrap()),
+                    "{name} {filter}: {} vs lm-eval's {}",
+                    metric.mean,
+                    run["metrics"][filter]
+                );
+                assert!(
+                    close(
+                        metric.stderr.unwrap(),
+                        run["stderr"][filter].as_f64().unwrap()
+                    ),
+                    "{name} {filter}'s stderr"
+                );
+            }
         }
     }
     // The fixture exercises what it means to: right answers and fallbacks both occur.
@@ -321,14 +332,29 @@ fn headroom_eval_generate_prints_lm_evals_metrics_and_samples() {
     }
     // The gsm8k preset: its two filters, its 5 examples (too many for 4 of these documents'
     // pool, which leaves each out of its own) replaced by --num-fewshot.
-    let preset = |shots: &str| {
+    let preset_batched = |shots: &str, batch: &str| {
         common::headroom_command()
             .args(&args[..9])
             .args(["--preset", "gsm8k", "--num-fewshot", shots])
+            .args(["--batch-size", batch])
             .output()
             .unwrap()
     };
+    let preset = |shots: &str| preset_batched(shots, "1");
+    let metric_lines = |out: &std::process::Output| -> Vec<String> {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.starts_with("exact_match"))
+            .map(str::to_owned)
+            .collect()
+    };
     let out = preset("1");
+    // Batched: the same metrics (the fixture's texts are compared batch by batch above).
+    let batched = preset_batched("1", "3");
+    assert!(batched.status.success());
+    assert_eq!(metric_lines(&batched), metric_lines(&out));
+    assert_eq!(metric_lines(&out).len(), 2);
+    assert!(!preset_batched("1", "0").status.success());
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -493,16 +519,26 @@ fn bad_tasks_are_refused_with_the_reason() {
         stop_tokens: vec![],
         filters: vec![FilterPipeline::none()],
         metric: ExactMatch::default(),
+        batch_size: 1,
     };
-    let e = generation::evaluate(
-        &model,
-        &tok,
-        std::slice::from_ref(&doc),
-        &["a".to_owned()],
-        &settings,
-        |_, _| Ok(()),
-    )
-    .unwrap_err()
-    .to_string();
+    let refused = |settings: &GenerationSettings| {
+        generation::evaluate(
+            &model,
+            &tok,
+            std::slice::from_ref(&doc),
+            &["a".to_owned()],
+            settings,
+            |_, _| Ok(()),
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let e = refused(&settings);
     assert!(e.contains("max_gen_toks"), "{e}");
+    let e = refused(&GenerationSettings {
+        max_gen_toks: 4,
+        batch_size: 0,
+        ..settings
+    });
+    assert!(e.contains("batch size"), "{e}");
 }
