@@ -90,6 +90,35 @@ pub trait AttentionBackend: Backend {
         })
     }
 
+    /// Inference attention over a cache with room to grow: `k` and `v` are `[batch,
+    /// kv_heads, capacity, head_dim]` of which the first `kv_len` rows of each head are the
+    /// keys and values (the rest is never read), so a cache appended in place needs no
+    /// exact-length copy per step. With `documents` (a [`DocumentMask::padding`] mask, or
+    /// packed documents when `kv_len` equals `q`'s length) it masks as
+    /// [`attention_forward_documents`](Self::attention_forward_documents) does. Returns the
+    /// output alone, in `q`'s dtype: nothing is kept for a backward.
+    ///
+    /// Equals [`attention_forward`](Self::attention_forward) (or the documents call) on
+    /// tensors holding just the `kv_len` rows, bit for bit on the CPU. Errors as those calls,
+    /// plus [`AttnError::InvalidConfig`] for `kv_len` past the capacity. The default refuses
+    /// with [`AttnError::Unsupported`] ([`BackendLimit::CachedKeys`]): a caller copies the rows
+    /// out and calls the exact-length entry (the trainer's decoding does).
+    fn attention_forward_cached(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        kv_len: usize,
+        config: &AttentionConfig,
+        documents: Option<&DocumentMask>,
+    ) -> Result<Self::Tensor> {
+        let _ = (q, k, v, kv_len, config, documents);
+        Err(AttnError::Unsupported {
+            backend: std::any::type_name::<Self>(),
+            limit: BackendLimit::CachedKeys,
+        })
+    }
+
     /// Gradients of the forward's inputs given `d_out`, the gradient of its output (shape and
     /// dtype of `q`). `q`, `k`, `v` must be the forward's inputs, unchanged.
     fn attention_backward(

@@ -195,6 +195,17 @@ pub(crate) fn check_same<T: Tensor>(
     Ok(())
 }
 
+/// The dims of a cached call ([`crate::AttentionBackend::attention_forward_cached`]) from those
+/// of its stored tensors: the first `kv_len` of the rows `k` and `v` hold per head.
+pub(crate) fn cached_dims(stored: AttentionDims, kv_len: usize) -> Result<AttentionDims> {
+    if kv_len > stored.kv_len {
+        return Err(AttnError::InvalidConfig(
+            "a cached call reads more key rows than k holds per head",
+        ));
+    }
+    Ok(AttentionDims { kv_len, ..stored })
+}
+
 /// What a document-masked call needs beyond the plain checks, in one order shared by every
 /// backend: a causal config, as many keys as queries (a document's positions are both) unless
 /// the mask is a padding mask, a mask of exactly `[batch, q_len]`, and hidden keys that exist.

@@ -135,6 +135,9 @@ pub enum BackendLimit {
     },
     /// Document (packed-sequence) masks: the backend has no kernel that reads them.
     DocumentMask,
+    /// Keys and values with room past the rows read (a growing cache): the backend has no
+    /// kernel that reads them in place.
+    CachedKeys,
     /// A size exceeds what one kernel launch can index.
     Size {
         /// Which size.
@@ -168,6 +171,7 @@ impl std::fmt::Display for BackendLimit {
                 supported,
             } => write!(f, "head_dim {head_dim} (kernels exist for {supported:?})"),
             BackendLimit::DocumentMask => write!(f, "document masks (packed sequences)"),
+            BackendLimit::CachedKeys => write!(f, "keys and values read in place from a cache"),
             BackendLimit::Size { what, value, max } => {
                 write!(f, "{what} = {value} (at most {max})")
             }

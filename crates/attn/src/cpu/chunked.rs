@@ -31,12 +31,12 @@ pub(crate) fn forward(
 
 fn forward_chunk(p: &Problem<'_>, tile: ForwardTile<'_>, scores: &mut [f32]) -> Result<()> {
     let hd = p.dims.head_dim;
-    let (nq, nk) = (p.dims.q_len, p.dims.kv_len);
+    let nq = p.dims.q_len;
     let ForwardTile { bh, rows, out, lse } = tile;
     let cb = rows.len();
     let q = rows_of(p.head(p.q, bh, nq)?, rows.clone(), hd)?;
     let kv = p.kv_head_of(bh);
-    let (k, v) = (p.head(p.k, kv, nk)?, p.head(p.v, kv, nk)?);
+    let (k, v) = (p.kv(p.k, kv)?, p.kv(p.v, kv)?);
     // Only keys some row of the chunk can see: causal chunks stop at the diagonal, and
     // document starts only grow along a row, so none sees a key before its first row's start.
     let ke = p.visible(rows.end - 1);

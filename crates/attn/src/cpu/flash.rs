@@ -54,12 +54,12 @@ fn forward_tile(
     scratch: &mut [f32],
 ) -> Result<()> {
     let hd = p.dims.head_dim;
-    let (nq, nk) = (p.dims.q_len, p.dims.kv_len);
+    let nq = p.dims.q_len;
     let ForwardTile { bh, rows, out, lse } = tile;
     let qb = rows.len();
     let q = rows_of(p.head(p.q, bh, nq)?, rows.clone(), hd)?;
     let kv = p.kv_head_of(bh);
-    let (k, v) = (p.head(p.k, kv, nk)?, p.head(p.v, kv, nk)?);
+    let (k, v) = (p.kv(p.k, kv)?, p.kv(p.v, kv)?);
 
     let (scores, stats) = scratch.split_at_mut(qb * block_k);
     let (row_max, row_sum) = stats.split_at_mut(qb);

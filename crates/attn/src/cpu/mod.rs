@@ -17,7 +17,7 @@ use std::ops::Range;
 use headroom_tensor::cpu::kernels::{self, FloatSlice, FloatSliceMut};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
-use crate::dims::{check_backward_inputs, check_documents, check_same};
+use crate::dims::{cached_dims, check_backward_inputs, check_documents, check_same};
 use crate::{
     Algorithm, AttentionBackend, AttentionConfig, AttentionDims, AttentionForward,
     AttentionGradients, AttnError, DocumentMask, Result,
@@ -93,6 +93,9 @@ pub(crate) struct Problem<'a> {
     pub(crate) q: &'a [f32],
     pub(crate) k: &'a [f32],
     pub(crate) v: &'a [f32],
+    /// Rows each key/value head holds in `k` and `v` (`dims.kv_len`, or more for a cache with
+    /// room to grow: only the first `kv_len` of each head are read).
+    pub(crate) kv_stride: usize,
     /// The document mask, if any: a lower bound on the keys each query sees, next to the
     /// causal upper bound of [`Problem::visible`].
     pub(crate) documents: Option<DocumentRows<'a>>,
@@ -185,6 +188,14 @@ impl<'a> Problem<'a> {
             .ok_or(AttnError::Internal("head slice"))
     }
 
+    /// The `kv_len` rows of key/value head `head` in `k` or `v` (`kv_stride` rows apart).
+    pub(crate) fn kv<'s>(&self, data: &'s [f32], head: usize) -> Result<&'s [f32]> {
+        let hd = self.dims.head_dim;
+        data.get(head * self.kv_stride * hd..)
+            .and_then(|d| d.get(..self.dims.kv_len * hd))
+            .ok_or(AttnError::Internal("key/value head slice"))
+    }
+
     /// Elements `head·len .. (head+1)·len` of a per-head slice.
     pub(crate) fn head_rows<'s>(
         &self,
@@ -251,7 +262,7 @@ pub(crate) struct HeadBackward<'a> {
 
 impl<'a> HeadBackward<'a> {
     pub(crate) fn new(p: &Problem<'a>, saved: &SavedRows<'a>, bh: usize) -> Result<Self> {
-        let (nq, nk) = (p.dims.q_len, p.dims.kv_len);
+        let nq = p.dims.q_len;
         let kv = p.kv_head_of(bh);
         Ok(HeadBackward {
             q: p.head(p.q, bh, nq)?,
@@ -261,8 +272,8 @@ impl<'a> HeadBackward<'a> {
                 .lse
                 .get(bh * nq..(bh + 1) * nq)
                 .ok_or(AttnError::Internal("backward lse"))?,
-            k: p.head(p.k, kv, nk)?,
-            v: p.head(p.v, kv, nk)?,
+            k: p.kv(p.k, kv)?,
+            v: p.kv(p.v, kv)?,
         })
     }
 }
@@ -485,6 +496,7 @@ fn grouped_forward(
             q: qf,
             k: kf,
             v: vf,
+            kv_stride: sub_dims.kv_len,
             documents: DocumentRows::new(documents, &dims, heads.start),
         };
         let out = &mut ob.as_mut_slice::<f32>()?[..qr.len()];
@@ -594,6 +606,7 @@ fn grouped_backward_f32(
             q: qf,
             k: kf,
             v: vf,
+            kv_stride: sub_dims.kv_len,
             documents: DocumentRows::new(forward.documents.as_ref(), &dims, heads.start),
         };
         let saved = SavedRows {
@@ -729,6 +742,19 @@ fn forward(
     if HeadGroups::applies(&dims, config.algorithm) && dims.q_len > 0 && dims.kv_len > 0 {
         return grouped_forward(cpu, (q, k, v), config, dims, documents);
     }
+    forward_f32(cpu, (q, k, v), config, documents, dims, dims.kv_len)
+}
+
+/// [`forward`] through whole-tensor f32 inputs (f32 read in place, others widened), `k` and
+/// `v` holding `kv_stride ≥ dims.kv_len` rows per head of which the first `kv_len` are read.
+fn forward_f32(
+    cpu: &Cpu,
+    (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
+    config: &AttentionConfig,
+    documents: Option<&DocumentMask>,
+    dims: AttentionDims,
+    kv_stride: usize,
+) -> Result<AttentionForward<CpuTensor>> {
     let mut output = F32Output::new(cpu, dims.q_shape(), dims.dtype)?;
     let mut logsumexp = {
         let _saved = MemoryCategory::Activations.enter();
@@ -742,6 +768,7 @@ fn forward(
         q: qf.slice()?,
         k: kf.slice()?,
         v: vf.slice()?,
+        kv_stride,
         documents: DocumentRows::new(documents, &dims, 0),
     };
     let out = output.slice_mut()?;
@@ -768,6 +795,26 @@ fn forward(
 }
 
 impl AttentionBackend for Cpu {
+    fn attention_forward_cached(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        kv_len: usize,
+        config: &AttentionConfig,
+        documents: Option<&DocumentMask>,
+    ) -> Result<CpuTensor> {
+        let stored = AttentionDims::of_forward(q, k, v, config)?;
+        let dims = cached_dims(stored, kv_len)?;
+        if let Some(documents) = documents {
+            check_documents(&dims, config, documents)?;
+        }
+        // Low-precision inputs are widened whole (room included) instead of by groups of
+        // heads, whose buffers assume exact-length heads: a copy the f32 cache avoids.
+        let f = forward_f32(self, (q, k, v), config, documents, dims, stored.kv_len)?;
+        Ok(f.output)
+    }
+
     fn attention_forward(
         &self,
         q: &CpuTensor,
@@ -816,6 +863,7 @@ impl AttentionBackend for Cpu {
             q: qf.slice()?,
             k: kf.slice()?,
             v: vf.slice()?,
+            kv_stride: dims.kv_len,
             documents: DocumentRows::new(forward.documents.as_ref(), &dims, 0),
         };
         let grads = parallel::Grads {

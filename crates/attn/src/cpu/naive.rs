@@ -46,7 +46,7 @@ pub(crate) fn forward(
                 scores,
                 nk,
                 MatRef::rows(p.head(p.q, bh, nq)?, nq, hd, hd),
-                MatRef::rows(p.head(p.k, kv, nk)?, nk, hd, hd).t(),
+                MatRef::rows(p.kv(p.k, kv)?, nk, hd, hd).t(),
                 p.scale,
                 false,
                 threads,
@@ -67,7 +67,7 @@ pub(crate) fn forward(
                 out_h,
                 hd,
                 MatRef::rows(probs_h, nq, nk, nk),
-                MatRef::rows(p.head(p.v, kv, nk)?, nk, hd, hd),
+                MatRef::rows(p.kv(p.v, kv)?, nk, hd, hd),
                 1.0,
                 false,
                 threads,
@@ -107,7 +107,7 @@ pub(crate) fn backward(
             let do_h = MatRef::rows(p.head(d_out, bh, nq)?, nq, hd, hd);
             let dv_kv = &mut dv[kv * kv_len..(kv + 1) * kv_len];
             matmul(dv_kv, hd, probs_h.t(), do_h, 1.0, true, threads)?;
-            let v_kv = MatRef::rows(p.head(p.v, kv, nk)?, nk, hd, hd);
+            let v_kv = MatRef::rows(p.kv(p.v, kv)?, nk, hd, hd);
             matmul(dp_h, nk, do_h, v_kv.t(), 1.0, false, threads)?;
         }
         dprobs
@@ -124,7 +124,7 @@ pub(crate) fn backward(
         {
             let kv = p.kv_head_of(bh);
             let ds = MatRef::rows(ds_h, nq, nk, nk);
-            let k_kv = MatRef::rows(p.head(p.k, kv, nk)?, nk, hd, hd);
+            let k_kv = MatRef::rows(p.kv(p.k, kv)?, nk, hd, hd);
             matmul(dq_h, hd, ds, k_kv, p.scale, false, threads)?;
             let q_h = MatRef::rows(p.head(p.q, bh, nq)?, nq, hd, hd);
             let dk_kv = &mut dk[kv * kv_len..(kv + 1) * kv_len];
