@@ -3127,8 +3127,13 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
         path.display()
     );
     if report.reused_prompt_tokens > 0 {
+        let from = if a.batch_size > 1 {
+            "the batch's shared start or the batch before"
+        } else {
+            "the document before"
+        };
         say!(
-            "{} of {} prompt tokens reused from the document before",
+            "{} of {} prompt tokens reused from {from}",
             report.reused_prompt_tokens,
             report.prompt_tokens
         );

@@ -136,8 +136,11 @@ fn the_cache_agrees_in_bf16_and_holds_gqa_sized_tensors() {
         let mut cache = model.kv_cache(1);
         model.decode(&mut cache, &tokens(5, 41, 1)).unwrap();
         let kv_heads = llama.unwrap_or(4);
-        // k and v, 2 layers, 5 positions, head dim 8, 2 bytes (bf16).
-        assert_eq!(cache.size_in_bytes(), 2 * 2 * kv_heads * 5 * 8 * 2);
+        // The prompt's last position found no room after the first four: the cache grew to
+        // the model's context of 16 (KV_GROWTH is larger).
+        assert_eq!((cache.len(), cache.capacity()), (5, 16));
+        // k and v, 2 layers, 16 positions of room, head dim 8, 2 bytes (bf16).
+        assert_eq!(cache.size_in_bytes(), 2 * 2 * kv_heads * 16 * 8 * 2);
     }
 }
 
@@ -219,6 +222,32 @@ proptest! {
     }
 }
 
+/// A cache that runs out of room moves to one `KV_GROWTH` positions larger and decodes on as
+/// the full forward computes; at the context's end the room stops there.
+#[test]
+fn a_cache_past_its_room_grows_and_decodes_on() {
+    use headroom_trainer::model::KV_GROWTH;
+    for (llama, max_seq) in [(None, 2 * KV_GROWTH + 40), (Some(2), KV_GROWTH + 20)] {
+        let model =
+            Model::new(&Cpu::new(), cfg(llama, max_seq), ModelOptions::default(), 5).unwrap();
+        // A prompt of 250 positions, then one a step across the first growth.
+        let t = KV_GROWTH + 12;
+        let worst = cached_vs_full(&model, 2, t, 250);
+        assert!(worst <= 2e-5, "{llama:?}: {worst}");
+        let mut cache = model.kv_cache(1);
+        model.decode(&mut cache, &tokens(250, 41, 3)).unwrap();
+        // The prompt's last position: room to the next multiple of KV_GROWTH.
+        assert_eq!(
+            (cache.len(), cache.capacity()),
+            (250, KV_GROWTH.min(max_seq))
+        );
+        for i in 0..10 {
+            model.decode(&mut cache, &tokens(1, 41, i)).unwrap();
+        }
+        assert_eq!(cache.capacity(), (2 * KV_GROWTH).min(max_seq));
+    }
+}
+
 #[test]
 fn repeated_caches_hold_exact_copies() {
     let model = model_of(1, false, 12, 3);
@@ -232,7 +261,12 @@ fn repeated_caches_hold_exact_copies() {
     for copies in 1..=9 {
         let mut many = model.repeat_cache(&one, copies).unwrap();
         assert_eq!((many.batch(), many.len()), (copies, 5));
-        assert_eq!(many.size_in_bytes(), copies * one.size_in_bytes());
+        // Copies of the positions in use, without the room `one` has.
+        assert_eq!(many.capacity(), 5);
+        assert_eq!(
+            many.size_in_bytes() * one.capacity(),
+            copies * one.size_in_bytes() * 5
+        );
         let got = model.decode(&mut many, &vec![next[0]; copies]).unwrap();
         for row in got.chunks_exact(41) {
             let worst = worst_rel(row, &want, 41);
@@ -326,7 +360,9 @@ proptest! {
         prop_assert_eq!(cut_back.len(), n);
         model.truncate_cache(&mut cut_back, cut).unwrap();
         prop_assert_eq!(cut_back.len(), cut);
-        prop_assert_eq!(cut_back.size_in_bytes(), built.size_in_bytes());
+        // A cut keeps no room past the cut; the other may have room from its growth.
+        prop_assert_eq!(cut_back.capacity(), cut);
+        prop_assert!(cut_back.size_in_bytes() <= built.size_in_bytes());
         let want = model.decode(&mut built, &b).unwrap();
         let got = model.decode(&mut cut_back, &b).unwrap();
         prop_assert_eq!(

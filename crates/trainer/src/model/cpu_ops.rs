@@ -809,6 +809,35 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
+    fn write_seq(&self, y: &mut CpuTensor, at: usize, x: &CpuTensor, rows: usize) -> Result<()> {
+        let [n, h, ty, hs] = dims4("write_seq", y)?;
+        let [nx, hx, tx, hsx] = dims4("write_seq", x)?;
+        let fits = at.checked_add(rows).is_some_and(|end| end <= ty) && rows <= tx;
+        if (nx, hx, hsx) != (n, h, hs) || !fits {
+            return Err(bad(
+                "write_seq",
+                format!(
+                    "{rows} positions of {:?} at {at} of {:?}",
+                    x.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        if x.dtype() != y.dtype() {
+            return Err(bad("write_seq", "mixed dtypes".into()));
+        }
+        let row = hs * y.dtype().size_in_bytes();
+        let (len, from, to) = (rows * row, tx * row, ty * row);
+        if len == 0 {
+            return Ok(());
+        }
+        let src = x.as_bytes();
+        for (i, dst) in y.as_bytes_mut().chunks_exact_mut(to).enumerate() {
+            dst[at * row..][..len].copy_from_slice(&src[i * from..][..len]);
+        }
+        Ok(())
+    }
+
     fn truncate_seq(&self, y: &mut CpuTensor, x: &CpuTensor) -> Result<()> {
         let [n, h, ty, hs] = dims4("truncate_seq", y)?;
         let [nx, hx, tx, hsx] = dims4("truncate_seq", x)?;

@@ -365,14 +365,38 @@ impl ModelOps for Cuda {
                 ),
             ));
         }
-        // Trade-off: two copy-engine commands per head instead of a kernel. A decode step
-        // grows each layer's cache once, so this is a few hundred small copies per token —
-        // nothing next to the step's GEMMs — and keeps the logic on the host, where the CPU
-        // tests run it.
+        // Trade-off: two copy-engine commands per head instead of a kernel. A cache is repeated
+        // once per batch, so this is a few hundred small copies then — nothing next to the
+        // steps' GEMMs — and keeps the logic on the host, where the CPU tests run it.
         let (ra, rb) = (ta * hs, tb * hs);
         for i in 0..heads {
             self.copy_elements(a, i * ra, y, i * (ra + rb), ra)?;
             self.copy_elements(b, i * rb, y, i * (ra + rb) + ra, rb)?;
+        }
+        Ok(())
+    }
+
+    fn write_seq(&self, y: &mut CudaTensor, at: usize, x: &CudaTensor, rows: usize) -> Result<()> {
+        let dims = |t: &CudaTensor| match *t.shape().dims() {
+            [n, h, t, hs] => Ok((n * h, t, hs)),
+            ref other => Err(bad("write_seq", format!("{other:?} is not 4-d"))),
+        };
+        let ((heads, ty, hs), (hx, tx, hsx)) = (dims(y)?, dims(x)?);
+        let fits = at.checked_add(rows).is_some_and(|end| end <= ty) && rows <= tx;
+        if (hx, hsx) != (heads, hs) || !fits {
+            return Err(bad(
+                "write_seq",
+                format!(
+                    "{rows} positions of {:?} at {at} of {:?}",
+                    x.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        // One copy-engine command per head, as concat_seq: a decode step writes each layer's
+        // keys and values once, a few hundred small copies per token.
+        for i in 0..heads {
+            self.copy_elements(x, i * tx * hs, y, (i * ty + at) * hs, rows * hs)?;
         }
         Ok(())
     }

@@ -3,24 +3,24 @@
 //! recomputing them. Sampling (`headroom sample`) is built on it.
 //!
 //! Memory, per layer (storage precision, after rotary embedding):
-//! - `k`: `[B, kv_heads, len, hs]`
-//! - `v`: `[B, kv_heads, len, hs]`
+//! - `k`: `[B, kv_heads, capacity, hs]`, the first `len` positions of each head in use
+//! - `v`: `[B, kv_heads, capacity, hs]`
 //!
-//! so `2 · layers · B · kv_heads · len · hs` elements in all — GQA's fewer key/value heads
-//! shrink it by `heads / kv_heads`. Counted as activations.
+//! so `2 · layers · B · kv_heads · capacity · hs` elements in all — GQA's fewer key/value
+//! heads shrink it by `heads / kv_heads`. Counted as activations.
 //!
-//! Trade-off: a step grows each layer's cache by concatenation (a new tensor of `len + t`
-//! rows, the old one freed), not by writing into a preallocated buffer, because the attention
-//! kernels take exact-length tensors. That copies the cache once per step — `O(len)` bytes
-//! against the step's `O(params)` multiply-adds — and the peak holds the old and the new
-//! cache of one layer at once, never two whole caches. On the CPU the freed tensor's mapping
-//! serves the next layer's growth (a backend with a buffer cache, whose large buffers come in
-//! 2 MiB size classes), so a step copies but does not fault in fresh pages: that halved a
-//! GPT-2 124M step at 900 cached positions.
+//! Trade-off: a step writes its keys and values into room the cache already has; when the room
+//! runs out, the layer moves to a buffer [`KV_GROWTH`] positions larger (capped at the model's
+//! context), so a cache is copied once per 256 steps instead of once per step — at a batch of
+//! 8 sequences and 850 positions that copy moved as many bytes per step as the weights. The
+//! room costs at most 255 positions per layer (a prompt's first step allocates exactly).
+//! Attention reads the rows in use in place where the backend can
+//! (`attention_forward_cached`, the CPU) and copies them out where it cannot (CUDA, one
+//! exact-length copy per step, as the concatenation did).
 
 use std::ops::Range;
 
-use headroom_attn::DocumentMask;
+use headroom_attn::{AttentionForward, AttnError, BackendLimit, DocumentMask};
 use headroom_profiler::label_absolute;
 use headroom_tensor::{MemoryCategory, Tensor};
 
@@ -51,28 +51,50 @@ impl<T> LayerKv<T> {
     }
 }
 
+/// Positions a layer's cache grows by when a step finds no room (see the module notes).
+pub const KV_GROWTH: usize = 256;
+
 /// The keys and values attention reads in a block: the step's own (training, where backward
-/// needs them) or the cache's, grown by the step's.
+/// needs them) or the cache's first `len` positions, the step's included.
 pub(crate) enum KvInput<'a, T> {
     Fresh(T, T),
-    Cached(&'a T, &'a T),
+    Cached { k: &'a T, v: &'a T, len: usize },
 }
 
 impl<T> KvInput<'_, T> {
-    /// Keys and values, borrowed.
-    pub(crate) fn pair(&self) -> (&T, &T) {
-        match self {
-            KvInput::Fresh(k, v) => (k, v),
-            KvInput::Cached(k, v) => (k, v),
-        }
-    }
-
     /// The step's own keys and values, for backward: a cached decode saves nothing.
     pub(crate) fn into_fresh(self) -> Result<(T, T)> {
         match self {
             KvInput::Fresh(k, v) => Ok((k, v)),
-            KvInput::Cached(..) => Err(TrainError::Input(
+            KvInput::Cached { .. } => Err(TrainError::Input(
                 "a cached decode step cannot save activations for backward".into(),
+            )),
+        }
+    }
+}
+
+/// What a block's attention gives: the forward state backward needs (training), or the output
+/// alone (a cached decode step keeps nothing for backward).
+pub(crate) enum Attended<T> {
+    Kept(AttentionForward<T>),
+    Output(T),
+}
+
+impl<T> Attended<T> {
+    /// The output `[B, NH, T, hs]`.
+    pub(crate) fn output(&self) -> &T {
+        match self {
+            Attended::Kept(f) => &f.output,
+            Attended::Output(o) => o,
+        }
+    }
+
+    /// The forward state, for backward.
+    pub(crate) fn into_kept(self) -> Result<AttentionForward<T>> {
+        match self {
+            Attended::Kept(f) => Ok(f),
+            Attended::Output(_) => Err(TrainError::Input(
+                "a cached decode step cannot save attention for backward".into(),
             )),
         }
     }
@@ -106,6 +128,15 @@ impl<T: Tensor> KvCache<T> {
     /// Sequences decoded together.
     pub fn batch(&self) -> usize {
         self.batch
+    }
+
+    /// Positions each layer has room for before it must move to a larger buffer (0 when
+    /// empty).
+    pub fn capacity(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.k.as_ref())
+            .map_or(0, |k| k.shape().dims().get(2).copied().unwrap_or(0))
     }
 
     /// Whether some row holds padding ([`Model::decode_ragged`]).
@@ -142,7 +173,7 @@ impl<T: Tensor> KvCache<T> {
         Ok(Some(Documents::padded(positions, mask)))
     }
 
-    /// Bytes the cache holds now.
+    /// Bytes the cache holds now, its room included.
     pub fn size_in_bytes(&self) -> usize {
         self.layers
             .iter()
@@ -169,7 +200,8 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// The keys and values a block's attention reads: `k`, `v` themselves without a cache;
-    /// with one, the cache grown by them (and the cache keeps them).
+    /// with one, the cache's positions with `k`, `v` written after them (in place while the
+    /// layer has room, else after a move to a larger buffer).
     pub(crate) fn extend_kv<'a>(
         &self,
         kv: Option<&'a mut LayerKv<B::Tensor>>,
@@ -179,25 +211,81 @@ impl<B: ModelOps> Model<B> {
         let Some(cache) = kv else {
             return Ok(KvInput::Fresh(k, v));
         };
-        let t = k.shape().dims().get(2).copied().unwrap_or(0);
-        let grow = |old: Option<B::Tensor>, new: B::Tensor| -> Result<B::Tensor> {
-            let Some(old) = old else {
-                return Ok(new);
+        let (len, t) = (cache.len, k.shape().dims().get(2).copied().unwrap_or(0));
+        let need = len + t;
+        let max_seq = self.cfg.max_seq;
+        let room = |stored: &B::Tensor| stored.shape().dims().get(2).copied().unwrap_or(0);
+        let grow = |old: Option<B::Tensor>, new: &B::Tensor| -> Result<B::Tensor> {
+            let mut stored = match old {
+                Some(old) if room(&old) >= need => old,
+                old => {
+                    // A first step allocates exactly (a prompt); later ones leave room.
+                    let capacity = if old.is_none() {
+                        need
+                    } else {
+                        need.next_multiple_of(KV_GROWTH).min(max_seq.max(need))
+                    };
+                    let mut dims = new.shape().dims().to_vec();
+                    dims[2] = capacity;
+                    let _g = MemoryCategory::Activations.enter();
+                    let mut fresh = self.backend().uninit(dims, new.dtype())?;
+                    if let Some(old) = old {
+                        self.backend().write_seq(&mut fresh, 0, &old, len)?;
+                    }
+                    fresh
+                }
             };
-            let mut dims = old.shape().dims().to_vec();
-            dims[2] += t;
-            let _g = MemoryCategory::Activations.enter();
-            let mut out = self.backend().uninit(dims, old.dtype())?;
-            self.backend().concat_seq(&mut out, &old, &new)?;
-            Ok(out)
+            self.backend().write_seq(&mut stored, len, new, t)?;
+            Ok(stored)
         };
-        cache.k = Some(grow(cache.k.take(), k)?);
-        cache.v = Some(grow(cache.v.take(), v)?);
-        cache.len += t;
+        cache.k = Some(grow(cache.k.take(), &k)?);
+        cache.v = Some(grow(cache.v.take(), &v)?);
+        cache.len = need;
         match (&cache.k, &cache.v) {
-            (Some(k), Some(v)) => Ok(KvInput::Cached(k, v)),
+            (Some(k), Some(v)) => Ok(KvInput::Cached { k, v, len: need }),
             _ => Err(TrainError::Input("the KV cache lost a tensor".into())),
         }
+    }
+
+    /// A block's attention of `q` over `kv` (see [`Model::attention`]): over the step's own
+    /// keys and values, kept for backward; over a cache's, the output alone, the cache read in
+    /// place where the backend can and through exact-length copies where it cannot.
+    pub(crate) fn attend(
+        &self,
+        q: &B::Tensor,
+        kv: &KvInput<'_, B::Tensor>,
+        g: Geometry<'_>,
+    ) -> Result<Attended<B::Tensor>> {
+        let (k, v, len) = match kv {
+            KvInput::Fresh(k, v) => return Ok(Attended::Kept(self.attention(q, k, v, g)?)),
+            KvInput::Cached { k, v, len } => (*k, *v, *len),
+        };
+        let _g = MemoryCategory::Activations.enter();
+        let be = self.backend();
+        let config = &self.opts.attention;
+        let mask = g.documents.map(Documents::mask);
+        let output = match be.attention_forward_cached(q, k, v, len, config, mask) {
+            Err(AttnError::Unsupported {
+                limit: BackendLimit::CachedKeys,
+                ..
+            }) => {
+                let exact = |stored: &B::Tensor| -> Result<B::Tensor> {
+                    let mut dims = stored.shape().dims().to_vec();
+                    dims[2] = len;
+                    let _w = MemoryCategory::Workspace.enter();
+                    let mut rows = be.uninit(dims, stored.dtype())?;
+                    be.truncate_seq(&mut rows, stored)?;
+                    Ok(rows)
+                };
+                let (k, v) = (exact(k)?, exact(v)?);
+                match mask {
+                    Some(m) => be.attention_forward_documents(q, &k, &v, config, m)?.output,
+                    None => be.attention_forward(q, &k, &v, config)?.output,
+                }
+            }
+            other => other?,
+        };
+        Ok(Attended::Output(self.keep(output)?))
     }
 
     /// One decode step: `tokens` `[B, t]` (row-major, `B` the cache's batch) are the positions
@@ -307,10 +395,12 @@ impl<B: ModelOps> Model<B> {
         let _g = MemoryCategory::Activations.enter();
         let repeat = |t: &Option<B::Tensor>| -> Result<Option<B::Tensor>> {
             let Some(t) = t else { return Ok(None) };
-            let dims = t.shape().dims().to_vec();
-            let n = t.numel();
-            let mut one = self.backend().uninit(t.shape().clone(), t.dtype())?;
-            self.backend().copy(t, &mut one)?;
+            // The positions in use alone (the cache may have room past them).
+            let mut dims = t.shape().dims().to_vec();
+            dims[2] = cache.len();
+            let mut one = self.backend().uninit(dims.clone(), t.dtype())?;
+            self.backend().truncate_seq(&mut one, t)?;
+            let n = one.numel();
             one.reshape([1, 1, n, 1].into())?;
             // Doubled while that stays within `copies`, then the rest from the front: about
             // two copies' worth of bytes moved per copy made (growing one copy at a time moved
@@ -330,7 +420,6 @@ impl<B: ModelOps> Model<B> {
                 self.backend().concat_seq(&mut grown, &all, &rest)?;
                 all = grown;
             }
-            let mut dims = dims;
             dims[0] = copies;
             all.reshape(dims.into())?;
             Ok(Some(all))

@@ -146,11 +146,10 @@ impl<B: ModelOps> Model<B> {
         let (q, k, v) = (self.keep(q)?, self.keep(k)?, self.keep(v)?);
         let _t = self.tag(l, "attn.out");
         let kv = self.extend_kv(kv, k, v)?;
-        let (ka, va) = kv.pair();
-        let attn = self.attention(&q, ka, va, g)?;
+        let attn = self.attend(&q, &kv, g)?;
         let _t = self.tag(l, "attn.proj");
         let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
-        be.merge_heads(&mut atty, &attn.output, 0)?;
+        be.merge_heads(&mut atty, attn.output(), 0)?;
         let mut res2 = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(
             l,
@@ -189,7 +188,7 @@ impl<B: ModelOps> Model<B> {
             q,
             k,
             v,
-            attn,
+            attn: attn.into_kept()?,
             res2,
             ln2: keep_unless_selective(ln2),
             ln2_stats,

@@ -175,11 +175,10 @@ impl<B: ModelOps> Model<B> {
         let v = self.keep(v)?;
         let _t = self.tag(l, "attn.out");
         let kv = self.extend_kv(kv, k, v)?;
-        let (ka, va) = kv.pair();
-        let attn = self.attention(&q, ka, va, g)?;
+        let attn = self.attend(&q, &kv, g)?;
         let _t = self.tag(l, "attn.o_proj");
         let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
-        be.merge_heads(&mut atty, &attn.output, 0)?;
+        be.merge_heads(&mut atty, attn.output(), 0)?;
         let mut res2 = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(l, bw, o::O, None, &mut res2, &atty)?;
         drop(atty);
@@ -214,7 +213,7 @@ impl<B: ModelOps> Model<B> {
             q,
             k,
             v,
-            attn,
+            attn: attn.into_kept()?,
             res2,
             norm2: keep_unless_selective(norm2),
             norm2_stats,

@@ -16,7 +16,7 @@ mod precision;
 mod transformer;
 
 pub use config::{Family, LlamaShape, ModelConfig};
-pub use decode::{KvCache, LayerKv};
+pub use decode::{KvCache, LayerKv, KV_GROWTH};
 pub use finetune::{AdaptedModule, FinetuneBuilder, FinetuneSpec, QuantSpec};
 pub use ops::{HeadLossGrads, ModelOps};
 pub use precision::Precision;

@@ -237,14 +237,26 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     }
 
     /// `y` `[B, H, Ta + Tb, hs]` = `a` `[B, H, Ta, hs]` followed by `b` `[B, H, Tb, hs]` along
-    /// the sequence, per head (same dtype, any): how a KV cache grows by a decode step's keys
-    /// and values. A copy, bitwise.
+    /// the sequence, per head (same dtype, any): how a KV cache is repeated for a batch (over
+    /// flat views). A copy, bitwise.
     fn concat_seq(&self, y: &mut Self::Tensor, a: &Self::Tensor, b: &Self::Tensor) -> Result<()>;
 
     /// `y` `[B, H, Ty, hs]` = the first `Ty` positions of `x` `[B, H, Tx, hs]` (`Ty ≤ Tx`), per
     /// head (same dtype, any): a KV cache cut back to a prefix its next input shares. A copy,
     /// bitwise.
     fn truncate_seq(&self, y: &mut Self::Tensor, x: &Self::Tensor) -> Result<()>;
+
+    /// Positions `at .. at + rows` of `y` `[B, H, Ty, hs]` = the first `rows` positions of `x`
+    /// `[B, H, Tx, hs]`, per head (same dtype, any; `rows ≤ Tx`, `at + rows ≤ Ty`), the rest
+    /// of `y` untouched: how a KV cache with room takes a step's keys and values in place, and
+    /// moves to a larger buffer. A copy, bitwise.
+    fn write_seq(
+        &self,
+        y: &mut Self::Tensor,
+        at: usize,
+        x: &Self::Tensor,
+        rows: usize,
+    ) -> Result<()>;
 
     /// Token embedding plus, when given, the learned position embedding: `y` `[B, T, C]`
     /// from `tokens` `[B·T]` (host ids, checked below the vocab by the caller).
