@@ -7,9 +7,7 @@
 mod common;
 
 use common::*;
-use headroom_attn::{
-    Algorithm, AttentionBackend, AttentionConfig, AttnError, BackendLimit, DocumentMask,
-};
+use headroom_attn::{AttentionBackend, AttentionConfig, AttnError, BackendLimit, DocumentMask};
 use headroom_tensor::{Backend, Cpu, DType};
 use proptest::prelude::*;
 
@@ -20,14 +18,6 @@ fn with_room(data: &[f32], heads: usize, rows: usize, capacity: usize, hd: usize
         out[h * capacity * hd..][..rows * hd].copy_from_slice(&data[h * rows * hd..][..rows * hd]);
     }
     out
-}
-
-fn algorithm(which: u8, (block_q, block_k, chunk): (usize, usize, usize)) -> Algorithm {
-    match which % 3 {
-        0 => Algorithm::Naive,
-        1 => Algorithm::Chunked { chunk_size: chunk },
-        _ => Algorithm::Flash { block_q, block_k },
-    }
 }
 
 proptest! {

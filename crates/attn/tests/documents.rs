@@ -108,14 +108,6 @@ fn cases() -> impl Strategy<Value = Case> {
         })
 }
 
-fn algorithm(which: u8, (block_q, block_k, chunk): (usize, usize, usize)) -> Algorithm {
-    match which % 3 {
-        0 => Algorithm::Naive,
-        1 => Algorithm::Chunked { chunk_size: chunk },
-        _ => Algorithm::Flash { block_q, block_k },
-    }
-}
-
 fn causal(algorithm: Algorithm, segments: Option<usize>) -> AttentionConfig {
     let mut c = AttentionConfig::with_algorithm(algorithm).causal(true);
     c.backward_segments = segments;

@@ -12,7 +12,7 @@
 mod common;
 
 use common::*;
-use headroom_attn::{Algorithm, AttentionBackend, AttentionConfig, AttnError, DocumentMask};
+use headroom_attn::{AttentionBackend, AttentionConfig, AttnError, DocumentMask};
 use headroom_tensor::{Backend, Cpu, DType};
 use proptest::prelude::*;
 
@@ -66,19 +66,32 @@ fn cases() -> impl Strategy<Value = Case> {
         })
 }
 
+/// The rows `keep` accepts of every head of batch row `b` in `[batch, heads, len, hd]` data,
+/// head after head.
+fn rows_of(
+    data: &[f32],
+    b: usize,
+    heads: usize,
+    len: usize,
+    hd: usize,
+    keep: &dyn Fn(usize) -> bool,
+) -> Vec<f32> {
+    let mut out = Vec::new();
+    for h in 0..heads {
+        for i in (0..len).filter(|&i| keep(i)) {
+            let at = ((b * heads + h) * len + i) * hd;
+            out.extend_from_slice(&data[at..at + hd]);
+        }
+    }
+    out
+}
+
 /// Row `b` of `x` as its own problem, hidden keys and queries before `first_real` removed.
 fn reduced(case: &Case, x: &Inputs, b: usize) -> (Sizes, Inputs) {
     let s = &case.sizes;
     let (hd, first, hole) = (s.head_dim, case.first_real(b), case.hidden[b].clone());
     let rows = |data: &[f32], heads: usize, len: usize, keep: &dyn Fn(usize) -> bool| {
-        let mut out = Vec::new();
-        for h in 0..heads {
-            for i in (0..len).filter(|&i| keep(i)) {
-                let at = ((b * heads + h) * len + i) * hd;
-                out.extend_from_slice(&data[at..at + hd]);
-            }
-        }
-        out
+        rows_of(data, b, heads, len, hd, keep)
     };
     let key = |j: usize| !hole.contains(&j);
     let query = |i: usize| i >= first;
@@ -111,14 +124,6 @@ fn zero_padding_grads(case: &Case, mut x: Inputs) -> Inputs {
     x
 }
 
-fn algorithm(which: u8, (block_q, block_k, chunk): (usize, usize, usize)) -> Algorithm {
-    match which % 3 {
-        0 => Algorithm::Naive,
-        1 => Algorithm::Chunked { chunk_size: chunk },
-        _ => Algorithm::Flash { block_q, block_k },
-    }
-}
-
 /// Compares the padded run's rows `b` (real queries, kept keys) with the reduced reference.
 fn check_row(
     name: &str,
@@ -131,14 +136,7 @@ fn check_row(
     let s = &case.sizes;
     let (hd, first, hole) = (s.head_dim, case.first_real(b), case.hidden[b].clone());
     let pick = |data: &[f32], heads: usize, len: usize, keep: &dyn Fn(usize) -> bool| {
-        let mut out = Vec::new();
-        for h in 0..heads {
-            for i in (0..len).filter(|&i| keep(i)) {
-                let at = ((b * heads + h) * len + i) * hd;
-                out.extend_from_slice(&data[at..at + hd]);
-            }
-        }
-        out
+        rows_of(data, b, heads, len, hd, keep)
     };
     let query = |i: usize| i >= first;
     let kept = |j: usize| !hole.contains(&j);

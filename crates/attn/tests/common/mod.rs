@@ -2,8 +2,19 @@
 //! deterministic input data, and error metrics.
 #![allow(dead_code)]
 
-use headroom_attn::{AttentionBackend, AttentionConfig, AttentionForward, AttentionGradients};
+use headroom_attn::{
+    Algorithm, AttentionBackend, AttentionConfig, AttentionForward, AttentionGradients,
+};
 use headroom_tensor::{bf16, Backend, Cpu, CpuTensor, DType};
+
+/// Naive, chunked or flash by `which` (mod 3), with the given tiles and chunk.
+pub fn algorithm(which: u8, (block_q, block_k, chunk): (usize, usize, usize)) -> Algorithm {
+    match which % 3 {
+        0 => Algorithm::Naive,
+        1 => Algorithm::Chunked { chunk_size: chunk },
+        _ => Algorithm::Flash { block_q, block_k },
+    }
+}
 
 /// Sizes of one test problem.
 #[derive(Clone, Copy, Debug)]

@@ -538,6 +538,24 @@ pub(crate) fn dot_in_pieces(
         fill(k0, xs, ws);
         accumulate8(xs, ws, &mut acc);
     }
+    sum8(&acc)
+}
+
+/// Whether the row dots take their AVX2+FMA bodies: the CPU has both and the ISA cap allows
+/// AVX2 (decided once).
+#[cfg(target_arch = "x86_64")]
+fn fma_allowed() -> bool {
+    static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FMA.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("avx2")
+            && isa::allows(IsaLevel::Avx2)
+    })
+}
+
+/// The eight partial sums of [`accumulate8`] added pairwise: the one order every row dot ends
+/// in.
+fn sum8(acc: &[f32; 8]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
@@ -548,13 +566,7 @@ pub(crate) fn dot_in_pieces(
 fn accumulate8(xs: &[f32], ws: &[f32], acc: &mut [f32; 8]) {
     #[cfg(target_arch = "x86_64")]
     {
-        static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let fma = *FMA.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("avx2")
-                && isa::allows(IsaLevel::Avx2)
-        });
-        if fma {
+        if fma_allowed() {
             // SAFETY: the CPU has AVX2 and FMA (checked above).
             unsafe { accumulate8_fma(xs, ws, acc) };
             return;
@@ -681,8 +693,7 @@ fn forward_dot_rows<W: Operand>(
                         accumulate8_rows(&xs, rows, ws, &mut acc);
                     }
                     for (g, a) in acc.iter().enumerate().take(rows) {
-                        slab[(r0 + g) * width + j] =
-                            ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+                        slab[(r0 + g) * width + j] = sum8(a);
                     }
                 }
             }
@@ -708,13 +719,7 @@ fn accumulate8_rows(
     assert!(rows <= DOT_ROW_GROUP && xs.iter().all(|x| x.len() >= ws.len()));
     #[cfg(target_arch = "x86_64")]
     {
-        static FMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let fma = *FMA.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("avx2")
-                && isa::allows(IsaLevel::Avx2)
-        });
-        if fma {
+        if fma_allowed() {
             // SAFETY: the CPU has AVX2 and FMA (checked above); the lengths are checked above.
             unsafe {
                 match rows {
