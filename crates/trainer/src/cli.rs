@@ -212,10 +212,11 @@ struct EvalArgs {
     /// the prompt keeps the model's context less these, cut from the left.
     #[arg(long, value_name = "N", requires = "generate", default_value_t = crate::generation::DEFAULT_MAX_GEN_TOKS)]
     max_gen_toks: usize,
-    /// With --generate: documents generated together (lm-eval's `--batch_size`): their
-    /// shared prompt start runs once, each row's own tail is padded on the left, and every
-    /// decode step reads the weights once for the whole batch. Each document computes what it
-    /// computes alone up to the summation order of the batched products.
+    /// With --generate: documents generated together (lm-eval's `--batch_size`), longest
+    /// prompts first as lm-eval batches them: their shared prompt start runs once, each row's
+    /// own tail is padded on the left, and every decode step reads the weights once for the
+    /// whole batch. Each document computes what it computes alone up to the summation order
+    /// of the batched products; results are printed and written in document order.
     #[arg(long, value_name = "N", requires = "generate", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     batch_size: u16,
     /// With --generate: the task's `filter_list` as JSON (a file, or the JSON itself), each

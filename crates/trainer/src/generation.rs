@@ -651,7 +651,8 @@ pub struct GenerationSettings {
     pub filters: Vec<FilterPipeline>,
     /// How an answer is compared with the targets.
     pub metric: ExactMatch,
-    /// Documents generated together (lm-eval's `--batch_size`); 1 runs each alone.
+    /// Documents generated together (lm-eval's `--batch_size`), longest prompts first as
+    /// lm-eval orders them; 1 runs each alone, in document order.
     pub batch_size: usize,
 }
 
@@ -744,7 +745,9 @@ pub fn cut_at_stops(text: &str, until: &[String]) -> String {
 
 /// Generate each document's answer after its `contexts` entry (its prompt text, few-shot
 /// examples and chat template applied) and score it under each filter, calling `each` with
-/// each document's index and result as it is done.
+/// each document's index and result in document order, as soon as it and every document
+/// before it are done. With `settings.batch_size` above 1 the documents run in batches,
+/// longest prompts first, as lm-eval batches them.
 pub fn evaluate<B: ModelOps>(
     model: &Model<B>,
     tok: &Tokenizer,
@@ -813,36 +816,49 @@ pub fn evaluate<B: ModelOps>(
     let mut kept = PromptCache::new();
     let mut results = vec![Vec::with_capacity(docs.len()); filters.len()];
     let (mut new_tokens, mut prompt_total, mut reused_total) = (0u64, 0u64, 0u64);
-    let numbered = docs.iter().zip(contexts).enumerate().collect::<Vec<_>>();
-    for batch in numbered.chunks(settings.batch_size) {
-        let in_doc =
-            |i: usize| move |e: TrainError| TrainError::Input(format!("document {}: {e}", i + 1));
-        let prompts = batch
-            .iter()
-            .map(|&(i, (_, context))| {
-                prompt_tokens(tok, context, max_seq - settings.max_gen_toks).map_err(in_doc(i))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let (generations, reused) = if let [prompt] = &prompts[..] {
-            let i = batch[0].0;
+    let in_doc =
+        |i: usize| move |e: TrainError| TrainError::Input(format!("document {}: {e}", i + 1));
+    let prompts = contexts
+        .iter()
+        .enumerate()
+        .map(|(i, context)| {
+            prompt_tokens(tok, context, max_seq - settings.max_gen_toks).map_err(in_doc(i))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut order: Vec<usize> = (0..docs.len()).collect();
+    if settings.batch_size > 1 {
+        // lm-eval's batched generate_until runs the longest prompts first (its Collator), so a
+        // batch's tails pad little; the answers still come back in document order.
+        order.sort_by_key(|&i| std::cmp::Reverse(prompts[i].len()));
+    }
+    // Each document's new tokens and reused prompt positions, until its turn to be reported.
+    let mut done: Vec<Option<(Vec<u32>, usize)>> = vec![None; docs.len()];
+    let mut next = 0;
+    for batch in order.chunks(settings.batch_size) {
+        let (generations, reused) = if let [i] = batch[..] {
             let mut generated = Vec::new();
-            let (new, reused) = generate_cached(model, &mut kept, prompt, &opts, |id| {
+            let (new, reused) = generate_cached(model, &mut kept, &prompts[i], &opts, |id| {
                 generated.push(id);
                 Ok(flow(stops_text(&generated).map_err(in_doc(i))?))
             })?;
             (vec![new], vec![reused])
         } else {
-            let mut generated = vec![Vec::new(); prompts.len()];
-            generate_batch_cached(model, &mut kept, &prompts, &opts, |row, id| {
+            let rows: Vec<Vec<u32>> = batch.iter().map(|&i| prompts[i].clone()).collect();
+            let mut generated = vec![Vec::new(); rows.len()];
+            generate_batch_cached(model, &mut kept, &rows, &opts, |row, id| {
                 generated[row].push(id);
                 Ok(flow(
-                    stops_text(&generated[row]).map_err(in_doc(batch[row].0))?,
+                    stops_text(&generated[row]).map_err(in_doc(batch[row]))?,
                 ))
             })?
         };
-        for (((&(i, (doc, _)), prompt), new), reused) in
-            batch.iter().zip(&prompts).zip(generations).zip(reused)
-        {
+        for ((&i, new), reused) in batch.iter().zip(generations).zip(reused) {
+            done[i] = Some((new, reused));
+        }
+        // Report in document order, as soon as every earlier document is done.
+        while let Some((new, reused)) = done.get_mut(next).and_then(Option::take) {
+            let (i, doc, prompt) = (next, &docs[next], &prompts[next]);
+            next += 1;
             let in_doc = in_doc(i);
             let response = cut_at_stops(&tok.decode_skipping_special(&new)?, &until);
             let filtered = filters
@@ -873,6 +889,12 @@ pub fn evaluate<B: ModelOps>(
                 },
             )?;
         }
+    }
+    if next != docs.len() {
+        return Err(TrainError::Input(format!(
+            "{next} of {} documents reported",
+            docs.len()
+        )));
     }
     Ok(GenerationReport {
         documents: docs.len(),
