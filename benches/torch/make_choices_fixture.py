@@ -451,6 +451,26 @@ def run_completions(directory, path, tmp):
     }
 
 
+def scored(results, task, metrics):
+    """A multiple-choice task's requests, log-likelihoods and metrics per document (in document
+    order), and its aggregates and standard errors."""
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    aggregate = results["results"][task]
+    return {
+        "scored": [
+            {
+                "requests": [list(a) for a in s["arguments"]],
+                "loglikelihoods": [r[0][0] for r in s["resps"]],
+                "is_greedy": [r[0][1] for r in s["resps"]],
+                **{m: s[m] for m in metrics},
+            }
+            for s in samples
+        ],
+        "metrics": {m: aggregate[m + ",none"] for m in metrics},
+        "stderr": {m: aggregate[m + "_stderr,none"] for m in metrics},
+    }
+
+
 def run(directory, questions_path, delimiter, tmp, fewshot=None):
     task_dir = os.path.join(
         tmp, "tasks-" + str(abs(hash((directory, delimiter, questions_path, json.dumps(fewshot)))))
@@ -486,21 +506,7 @@ def run(directory, questions_path, delimiter, tmp, fewshot=None):
         chat=fewshot.get("chat") if fewshot else None,
         system_instruction=fewshot.get("system_instruction") if fewshot else None,
     )
-    samples = sorted(results["samples"]["headroom_choices"], key=lambda s: s["doc_id"])
-    aggregate = results["results"]["headroom_choices"]
-    return {
-        "scored": [
-            {
-                "requests": [list(a) for a in s["arguments"]],
-                "loglikelihoods": [r[0][0] for r in s["resps"]],
-                "is_greedy": [r[0][1] for r in s["resps"]],
-                **{m: s[m] for m in metrics},
-            }
-            for s in samples
-        ],
-        "metrics": {m: aggregate[m + ",none"] for m in metrics},
-        "stderr": {m: aggregate[m + "_stderr,none"] for m in metrics},
-    }
+    return scored(results, "headroom_choices", metrics)
 
 
 def run_winogrande(directory, path, tmp, shots, seed):
@@ -522,23 +528,7 @@ def run_winogrande(directory, path, tmp, shots, seed):
         **({"fewshot_split": "test"} if shots else {}),
     )
     results = evaluate_task(directory, task, task_dir, num_fewshot=shots, fewshot_seed=seed)
-    samples = sorted(results["samples"]["headroom_winogrande"], key=lambda s: s["doc_id"])
-    aggregate = results["results"]["headroom_winogrande"]
-    return {
-        "shots": shots,
-        "seed": seed,
-        "scored": [
-            {
-                "requests": [list(a) for a in s["arguments"]],
-                "loglikelihoods": [r[0][0] for r in s["resps"]],
-                "is_greedy": [r[0][1] for r in s["resps"]],
-                **{m: s[m] for m in metrics},
-            }
-            for s in samples
-        ],
-        "metrics": {m: aggregate[m + ",none"] for m in metrics},
-        "stderr": {m: aggregate[m + "_stderr,none"] for m in metrics},
-    }
+    return {"shots": shots, "seed": seed, **scored(results, "headroom_winogrande", metrics)}
 
 
 def python_random():

@@ -843,7 +843,7 @@ pub fn evaluate<B: ModelOps>(
             })?;
             (vec![new], vec![reused])
         } else {
-            let rows: Vec<Vec<u32>> = batch.iter().map(|&i| prompts[i].clone()).collect();
+            let rows: Vec<&[u32]> = batch.iter().map(|&i| prompts[i].as_slice()).collect();
             let mut generated = vec![Vec::new(); rows.len()];
             generate_batch_cached(model, &mut kept, &rows, &opts, |row, id| {
                 generated[row].push(id);

@@ -790,7 +790,7 @@ impl<T> PromptCache<T> {
 pub fn generate_batch_cached<B: ModelOps>(
     model: &Model<B>,
     kept: &mut PromptCache<B::Tensor>,
-    prompts: &[Vec<u32>],
+    prompts: &[&[u32]],
     opts: &SampleOptions,
     mut on_token: impl FnMut(usize, u32) -> Result<std::ops::ControlFlow<()>>,
 ) -> Result<(Vec<Vec<u32>>, Vec<usize>)> {
@@ -802,18 +802,25 @@ pub fn generate_batch_cached<B: ModelOps>(
     }
     if let Some(p) = prompts.iter().find(|p| p.len() + opts.tokens > window) {
         return Err(TrainError::Input(format!(
-            "sample: a batched prompt of {} tokens and {} new ones exceed the context of              {window}",
+            "sample: a batched prompt of {} tokens and {} new ones exceed the context of \
+             {window}",
             p.len(),
             opts.tokens
         )));
     }
     opts.sampling.validate()?;
-    let first = &prompts[0];
+    let first = prompts[0];
     // Every row keeps at least one token of its own: its logits come from its own step.
-    let shortest = prompts.iter().map(Vec::len).min().unwrap_or(1);
+    let shortest = prompts.iter().map(|p| p.len()).min().unwrap_or(1);
     let shared = prompts[1..]
         .iter()
-        .map(|p| first.iter().zip(p).take_while(|(a, b)| a == b).count())
+        .map(|p| {
+            first
+                .iter()
+                .zip(p.iter())
+                .take_while(|(a, b)| a == b)
+                .count()
+        })
         .fold(first.len(), usize::min)
         .min(shortest - 1);
     let (mut prefix, reused) = kept.take_prefix(model, &first[..shared + 1])?;
@@ -834,7 +841,7 @@ pub fn generate_batch_cached<B: ModelOps>(
         .iter()
         .map(|_| Xoshiro256::seed_from_u64(opts.seed))
         .collect();
-    let mut histories: Vec<Vec<u32>> = prompts.to_vec();
+    let mut histories: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
     let mut outs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut running = vec![true; prompts.len()];
     for step in 0..opts.tokens {

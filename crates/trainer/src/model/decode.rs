@@ -328,7 +328,8 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<Vec<f32>> {
         if rows.len() != cache.batch || rows.iter().any(|r| r.is_empty()) || cache.is_padded() {
             return Err(TrainError::Input(format!(
-                "decode_ragged: {} rows (each at least one token) for an unpadded cache of {}                  sequences",
+                "decode_ragged: {} rows (each at least one token) for an unpadded cache of {} \
+                 sequences",
                 rows.len(),
                 cache.batch
             )));

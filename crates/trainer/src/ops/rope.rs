@@ -16,33 +16,39 @@ pub fn tables(t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
 /// [`tables`] for positions `pos0 .. pos0 + t` (a cached decode's new rows): row `r` holds
 /// the angles of position `pos0 + r`, the same values [`tables`] gives at that position.
 pub fn tables_at(pos0: usize, t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
-    let half = hs / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hs as f32))
-        .collect();
-    let mut cos = vec![0f32; t * half];
-    let mut sin = vec![0f32; t * half];
-    for row in 0..t {
-        let pos = (pos0 + row) as f32;
-        for (i, &f) in inv_freq.iter().enumerate() {
-            let angle = (pos * f) as f64;
-            cos[row * half + i] = angle.cos() as f32;
-            sin[row * half + i] = angle.sin() as f32;
-        }
-    }
-    (cos, sin)
+    tables_of((pos0..pos0 + t).map(|p| p as f32), t, hs, theta)
 }
 
 /// [`tables`] for the given positions: row `r` holds the angles of `positions[r]`, the same
 /// values [`tables`] gives at that position.
 pub fn tables_for(positions: &[u32], hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+    tables_of(
+        positions.iter().map(|&p| p as f32),
+        positions.len(),
+        hs,
+        theta,
+    )
+}
+
+/// The `[rows, hs/2]` tables of `rows` positions, one row per position in order.
+fn tables_of(
+    positions: impl Iterator<Item = f32>,
+    rows: usize,
+    hs: usize,
+    theta: f32,
+) -> (Vec<f32>, Vec<f32>) {
     let half = hs / 2;
-    let mut cos = vec![0f32; positions.len() * half];
-    let mut sin = vec![0f32; positions.len() * half];
-    for (row, &pos) in positions.iter().enumerate() {
-        let (c, s) = tables_at(pos as usize, 1, hs, theta);
-        cos[row * half..(row + 1) * half].copy_from_slice(&c);
-        sin[row * half..(row + 1) * half].copy_from_slice(&s);
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hs as f32))
+        .collect();
+    let mut cos = vec![0f32; rows * half];
+    let mut sin = vec![0f32; rows * half];
+    for (row, pos) in positions.take(rows).enumerate() {
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let angle = (pos * f) as f64;
+            cos[row * half + i] = angle.cos() as f32;
+            sin[row * half + i] = angle.sin() as f32;
+        }
     }
     (cos, sin)
 }
