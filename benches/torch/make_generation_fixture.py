@@ -23,14 +23,22 @@ and the tokenizers `make_choices_fixture.py` saves (`fixtures/choices/<tokenizer
   `uppercase`, `ignore_punctuation` and `ignore_numbers`;
 - `llama_chat`: through the chat template, examples as turns, a system instruction;
 - `llama_several_targets`: a list of targets per document (any one right; an example shows
-  the first), examples drawn from the documents themselves.
+  the first), examples drawn from the documents themselves;
+- `llama_repeats_greedy`: `repeats: 3` under greedy decoding (three equal texts), through
+  `take_first_k`, `majority_vote` and `take_first`;
+- `llama_sampled_repeats`: `do_sample: true` at temperature 0.7, `repeats: 5`, the same
+  filters. Its texts are torch's draws, which headroom's generator does not reproduce: the
+  Rust test feeds lm-eval's texts to headroom's filters and metric and compares the answers,
+  flags and aggregates.
 
 Targets are set from a first run's answers (half the documents right, some in another
-case), then the tasks run again; the fixture holds the second run: each document's prompt,
-text, filtered answers and exact_match, and each filter's aggregate and standard error. It
-also holds Python's `re.findall`/`re.sub`, lm-eval's `RegexFilter` and `exact_match` on
-hand-made strings, for the regex dialect, and lm-eval's own `gsm8k` task settings (what
-`eval --preset gsm8k` sets).
+case; the sampled run's from its own first run, which draws the same with the same seeds),
+then the tasks run again; the fixture holds the second run: each document's prompt, texts,
+filtered answers and exact_match, and each filter's aggregate and standard error. It also
+holds Python's `re.findall`/`re.sub`, lm-eval's `RegexFilter` and `exact_match` on
+hand-made strings, for the regex dialect, lm-eval's filter pipelines (`take_first_k`,
+`majority_vote`) on hand-made lists of responses, and lm-eval's own `gsm8k` and
+`gsm8k_cot_self_consistency` task settings (what `eval --preset` sets).
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -91,6 +99,27 @@ GSM8K_LIKE = [
         {"function": "take_first"},
     ]},
     {"name": "none", "filter": [{"function": "take_first"}]},
+]
+
+# lm-eval's gsm8k_cot_self_consistency filters, in miniature: the first answer, the majority
+# of all, the majority of the first two. The answer is a text's first vowel, so that the
+# random model's varied texts still agree often enough for the majority to differ from the first.
+SELF_CONSISTENCY_LIKE = [
+    {"name": "score-first", "filter": [
+        {"function": "regex", "regex_pattern": r"([aeiou])"},
+        {"function": "take_first"},
+    ]},
+    {"name": "maj", "filter": [
+        {"function": "regex", "regex_pattern": r"([aeiou])"},
+        {"function": "majority_vote"},
+        {"function": "take_first"},
+    ]},
+    {"name": "maj@2", "filter": [
+        {"function": "take_first_k", "k": 2},
+        {"function": "regex", "regex_pattern": r"([aeiou])"},
+        {"function": "majority_vote"},
+        {"function": "take_first"},
+    ]},
 ]
 
 # name, model, tokenizer, documents, task fields, few-shot settings, answers to target.
@@ -172,6 +201,49 @@ RUNS = [
         {"shots": 1, "file": None, "sampler": "default", "seed": 3,
          "description": "", "delimiter": "\n\n"},
     ),
+    (
+        "llama_repeats_greedy",
+        "hf-llama-gqa-untied",
+        "llama",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n"], "do_sample": False, "max_gen_toks": 6},
+            "repeats": 3,
+            "filter_list": SELF_CONSISTENCY_LIKE,
+            "metric": {"ignore_case": True},
+        },
+        None,
+    ),
+    (
+        "llama_sampled_repeats",
+        "hf-llama-gqa-untied",
+        "llama",
+        "sampled.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n"], "do_sample": True, "temperature": 0.7,
+                                  "max_gen_toks": 4},
+            "repeats": 5,
+            "filter_list": SELF_CONSISTENCY_LIKE,
+            "metric": {"ignore_case": True},
+        },
+        None,
+    ),
+]
+
+# lm-eval's filter pipelines on hand-made responses: (steps, responses).
+FILTER_CASES = [
+    ([["majority_vote", None], ["take_first", None]], ["7", "8", "8", "7"]),
+    ([["majority_vote", None], ["take_first", None]], ["a", "b", "b", "c", "b", "a"]),
+    ([["majority_vote", None], ["take_first", None]], ["only"]),
+    ([["take_first_k", {"k": 2}], ["majority_vote", None], ["take_first", None]],
+     ["x", "y", "y", "y"]),
+    ([["regex", {"regex_pattern": r"is (\d+)"}], ["majority_vote", None], ["take_first", None]],
+     ["it is 3.", "no answer", "so it is 4", "it is 4!", "hm"]),
+    ([["regex", {"regex_pattern": r"is (\d+)"}], ["majority_vote", None], ["take_first", None]],
+     ["nothing", "it is 5", "none here", "it is 5", "x"]),
+    ([["remove_whitespace", None], ["lowercase", None], ["majority_vote", None],
+      ["take_first", None]], [" A", "a ", "B", "b", "b"]),
+    ([["take_first_k", {"k": 3}], ["take_first", None]], ["1", "2", "3", "4"]),
 ]
 
 # Python's regex dialect: (pattern, text) for findall and sub, and lm-eval's RegexFilter.
@@ -231,7 +303,15 @@ def regex_cases():
         )["exact_match"]
         matches.append({"answer": answer, "targets": targets, "kwargs": kwargs,
                         "exact_match": bool(score > 0)})
-    return {"regex": cases, "exact_match": matches}
+    from lm_eval.api.registry import get_filter
+
+    pipelines = []
+    for steps, responses in FILTER_CASES:
+        resps = [list(responses)]
+        for name, kwargs in steps:
+            resps = get_filter(name)(**(kwargs or {})).apply(resps, None)
+        pipelines.append({"steps": steps, "responses": responses, "answer": list(resps)[0]})
+    return {"regex": cases, "exact_match": matches, "filters": pipelines}
 
 
 def gsm8k_settings():
@@ -254,6 +334,34 @@ def gsm8k_settings():
     }
 
 
+def self_consistency_settings():
+    """lm-eval's own gsm8k_cot_self_consistency task (with the gsm8k-cot.yaml it includes):
+    what `headroom eval --preset gsm8k_cot_self_consistency` must set."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    path = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "gsm8k",
+                        "gsm8k-cot-self-consistency.yaml")
+    task = load_yaml(path)
+    metric = {k: v for k, v in task["metric_list"][0].items()
+              if k not in ("metric", "aggregation", "higher_is_better")}
+    return {
+        "until": task["generation_kwargs"]["until"],
+        "do_sample": task["generation_kwargs"]["do_sample"],
+        "temperature": task["generation_kwargs"]["temperature"],
+        "repeats": task["repeats"],
+        "filter_list": task["filter_list"],
+        "metric": metric,
+        "num_fewshot": task["num_fewshot"],
+        "fewshot_sampler": task["fewshot_config"]["sampler"],
+        "fewshot_samples": task["fewshot_config"]["samples"],
+        "doc_to_text": task["doc_to_text"],
+        "target_delimiter": task.get("target_delimiter", " "),
+        "fewshot_delimiter": task.get("fewshot_delimiter", "\n\n"),
+        "version": task["metadata"]["version"],
+    }
+
+
 def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
     """One lm-eval generation run: each document's prompt, text, and per filter its answer and
     exact_match; each filter's aggregate and standard error."""
@@ -262,6 +370,8 @@ def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
     task_dir = os.path.join(tmp, "generate-" + tag)
     os.makedirs(task_dir, exist_ok=True)
     extra = {}
+    if fields.get("repeats"):
+        extra["repeats"] = fields["repeats"]
     if fields["filter_list"]:
         extra["filter_list"] = fields["filter_list"]
     if fewshot:
@@ -299,6 +409,7 @@ def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
         d = per_doc.setdefault(s["doc_id"], {
             "prompt": s["arguments"][0][0],
             "response": s["resps"][0][0],
+            **({"responses": s["resps"][0]} if fields.get("repeats") else {}),
             "filtered": {},
             "exact_match": {},
         })
@@ -353,8 +464,22 @@ def make():
             if i % 2 == 1:
                 # The second target right (the example shows the first, unchanged).
                 doc["target"][1] = got["filtered"]["stripped"]
+        # The sampled run's targets: the majority answer on even documents, the first
+        # answer on every third (torch draws the same again with the same seeds).
+        sampled = [{"context": d["context"], "target": "x"} for d in DOCS[:5]]
+        write_jsonl(os.path.join(tmp, "sampled.jsonl"), sampled)
+        name, model, tok, _, fields, fewshot = RUNS[6]
+        first = run_task(model_dir(tmp, model, tokenizers[tok]),
+                         os.path.join(tmp, "sampled.jsonl"), fewshot_path, fields, fewshot, tmp,
+                         "first-sampled")
+        for i, (doc, got) in enumerate(zip(sampled, first["docs"])):
+            if i % 2 == 0:
+                doc["target"] = got["filtered"]["maj"]
+            elif i % 3 == 0:
+                doc["target"] = got["filtered"]["score-first"]
         files["docs.jsonl"] = write_jsonl(os.path.join(tmp, "docs.jsonl"), docs)
         files["several.jsonl"] = write_jsonl(os.path.join(tmp, "several.jsonl"), several)
+        files["sampled.jsonl"] = write_jsonl(os.path.join(tmp, "sampled.jsonl"), sampled)
         fixture = {
             "lm_eval": lm_eval.__version__,
             "transformers": transformers.__version__,
@@ -369,6 +494,7 @@ def make():
                 "tokenizer": tok,
                 "docs_file": docs_file,
                 "generation_kwargs": fields["generation_kwargs"],
+                "repeats": fields.get("repeats", 1),
                 "filter_list": fields["filter_list"],
                 "metric": fields["metric"],
                 **({"fewshot": fewshot} if fewshot else {}),
@@ -376,6 +502,7 @@ def make():
             }
         fixture["python"] = regex_cases()
         fixture["gsm8k"] = gsm8k_settings()
+        fixture["gsm8k_cot_self_consistency"] = self_consistency_settings()
     return fixture, files
 
 

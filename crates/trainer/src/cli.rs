@@ -93,7 +93,7 @@ enum Command {
     /// Generate text from a checkpoint (headroom's or a Hugging Face model directory).
     Sample(SampleArgs),
     /// The loss of a checkpoint on the leading windows of a token file.
-    Eval(EvalArgs),
+    Eval(Box<EvalArgs>),
     /// Merge a PEFT LoRA adapter into its base model and write a Hugging Face directory
     /// (PEFT's `merge_and_unload()` + `save_pretrained`, the base's tokenizer saved beside).
     Merge(MergeArgs),
@@ -200,7 +200,9 @@ struct EvalArgs {
     generate: Option<PathBuf>,
     /// With --generate: a task's settings as lm-eval's YAML writes them: `gsm8k` (its stop
     /// strings, strict-match and flexible-extract filters, exact_match settings and 5
-    /// examples); an option given as well replaces the preset's.
+    /// examples) or `gsm8k_cot_self_consistency` (its eight chain-of-thought examples, 64
+    /// samples per question at temperature 0.2, the first answer and the majority of 64 and
+    /// of 8); an option given as well replaces the preset's.
     #[arg(long, value_name = "TASK", requires = "generate")]
     preset: Option<String>,
     /// With --generate: a stop string (lm-eval's `until`; repeat for several) [default:
@@ -219,10 +221,44 @@ struct EvalArgs {
     /// of the batched products; results are printed and written in document order.
     #[arg(long, value_name = "N", requires = "generate", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     batch_size: u16,
+    /// With --generate: generations per document (lm-eval's `repeats`), all seen by the
+    /// filters (`majority_vote`, `take_first_k`) [default: 1, or the preset's]. Greedy
+    /// repeats are one generation copied.
+    #[arg(long, value_name = "N", requires = "generate", value_parser = clap::value_parser!(u16).range(1..))]
+    repeats: Option<u16>,
+    /// With --generate: sample (`true`) or take the argmax (`false`), lm-eval's
+    /// `do_sample` [default: false, or the preset's; unset with a --temperature above 0, the
+    /// model's generation_config.json decides, as transformers does].
+    #[arg(long, value_name = "BOOL", requires = "generate", action = clap::ArgAction::Set)]
+    do_sample: Option<bool>,
+    /// With --generate: the sampling temperature (`temperature`) [default: 0, or the
+    /// preset's]. Top-k, top-p, min-p and the repetition penalty not given come from the
+    /// model's generation_config.json, else transformers' defaults (top-k 50).
+    #[arg(long, requires = "generate")]
+    temperature: Option<f32>,
+    /// With --generate and sampling: keep the K most likely tokens (`top_k`; 0 is no cut).
+    #[arg(long, value_name = "K", requires = "generate")]
+    top_k: Option<usize>,
+    /// With --generate and sampling: nucleus sampling's P (`top_p`), in (0, 1].
+    #[arg(long, value_name = "P", requires = "generate")]
+    top_p: Option<f32>,
+    /// With --generate and sampling: `min_p`, in [0, 1].
+    #[arg(long, value_name = "P", requires = "generate")]
+    min_p: Option<f32>,
+    /// With --generate: the seed of the sampler. Each document's repeat draws from its own
+    /// generator seeded from this, the document and the repeat, so the draws do not depend
+    /// on --batch-size.
+    #[arg(
+        long,
+        value_name = "SEED",
+        requires = "generate",
+        default_value_t = 1234
+    )]
+    seed: u64,
     /// With --generate: the task's `filter_list` as JSON (a file, or the JSON itself), each
     /// filter a name and its steps (`regex` with `regex_pattern`, `group_select`,
-    /// `fallback`; `remove_whitespace`, `lowercase`, `uppercase`; then `take_first`)
-    /// [default: lm-eval's `none`, the whole answer].
+    /// `fallback`; `remove_whitespace`, `lowercase`, `uppercase`; `take_first_k` with `k`,
+    /// `majority_vote`; then `take_first`) [default: lm-eval's `none`, the whole answer].
     #[arg(long, value_name = "FILE|JSON", requires = "generate")]
     filters: Option<String>,
     /// With --generate: exact_match compares in lower case (`ignore_case`).
@@ -2545,7 +2581,7 @@ fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         Some(Command::MaxBatch(a)) => ok(cmd_max_batch(a)),
         Some(Command::Data(c)) => ok(cmd_data(c)),
         Some(Command::Sample(a)) => ok(cmd_sample(a)),
-        Some(Command::Eval(a)) => ok(cmd_eval(a)),
+        Some(Command::Eval(a)) => ok(cmd_eval(*a)),
         Some(Command::Merge(a)) => ok(cmd_merge(a)),
         Some(Command::Env) => ok(cmd_env(hooks)),
         Some(Command::Checkpoint(CheckpointCommand::Consolidate { src, out })) => {
@@ -3030,7 +3066,15 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
     let preset = a.preset.as_deref().map(TaskPreset::named).transpose()?;
     let docs = generation::read_generation_docs(path)?;
     let default_shots = preset.as_ref().map_or(0, |p| p.num_fewshot);
-    let fewshot = fewshot_of(a, default_shots, generation::read_generation_docs)?;
+    let mut fewshot = fewshot_of(a, default_shots, generation::read_generation_docs)?;
+    if let (None, Some(examples)) = (
+        &fewshot.pool,
+        preset.as_ref().and_then(|p| p.examples.as_ref()),
+    ) {
+        // The task's own examples, shown in order (lm-eval's `first_n` over its `samples`).
+        fewshot.pool = Some(examples.clone());
+        fewshot.sampler = crate::choices::Sampler::FirstN;
+    }
     let turns = crate::choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
     let filters = match &a.filters {
         None => preset
@@ -3074,6 +3118,22 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
     };
     let files_dir = crate::sample::model_files_dir(&a.from)?;
     let stop_tokens = generation::generation_eos_ids(&files_dir)?;
+    let sampling = generation::lm_eval_sampling(
+        &crate::sample::GenerationConfig::beside(&files_dir)?.unwrap_or_default(),
+        a.do_sample.or(preset.as_ref().and_then(|p| p.do_sample)),
+        &crate::sample::SamplingRequest {
+            temperature: a
+                .temperature
+                .or(preset.as_ref().and_then(|p| p.temperature)),
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repetition_penalty: None,
+        },
+    )?;
+    let repeats = a
+        .repeats
+        .map_or_else(|| preset.as_ref().map_or(1, |p| p.repeats), usize::from);
     let (tok, model, tracker) = scoring_model(a, "--generate")?;
     let (template, extra) = prompt_template(a, &tok)?;
     let format = prompt_format(a, template.as_ref(), &extra);
@@ -3088,7 +3148,17 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
         filters,
         metric,
         batch_size: usize::from(a.batch_size),
+        sampling,
+        seed: a.seed,
+        repeats,
     };
+    if sampling != crate::sample::Sampling::greedy() || repeats > 1 {
+        say!(
+            "{repeats} generation{} per document, {}",
+            if repeats == 1 { "" } else { "s" },
+            describe_sampling(&sampling)
+        );
+    }
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
     let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |i, g| {
@@ -3103,14 +3173,17 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
                 .zip(values)
                 .collect::<serde_json::Map<_, _>>()
         };
-        let line = serde_json::json!({
+        let mut line = serde_json::json!({
             "document": i,
             "prompt_tokens": g.prompt_tokens,
             "new_tokens": g.new_tokens,
-            "response": g.response,
+            "response": g.responses[0],
             "filtered": named(g.filtered.iter().map(|f| f.as_str().into()).collect()),
             "exact_match": named(g.exact_match.iter().map(|&m| m.into()).collect()),
         });
+        if g.responses.len() > 1 {
+            line["responses"] = g.responses.clone().into();
+        }
         samples.write(&line)
     })?;
     if let Some(samples) = samples {

@@ -9,7 +9,7 @@
 //! let filters = FilterPipeline::parse_list(&serde_json::json!([{"name": "strict-match",
 //!     "filter": [{"function": "regex", "regex_pattern": "#### (\\-?[0-9\\.\\,]+)"},
 //!                {"function": "take_first"}]}])).unwrap();
-//! let answer = filters[0].apply(" 3 + 4 = 7 apples.\n#### 7.\n").unwrap();
+//! let answer = filters[0].apply(&[" 3 + 4 = 7 apples.\n#### 7.\n".into()]).unwrap();
 //! assert_eq!(answer, "7.");
 //! let metric = ExactMatch {
 //!     regexes_to_ignore: [",", "\\$", "(?s).*#### ", "\\.$"]
@@ -48,6 +48,8 @@
 use std::path::Path;
 
 use crate::choices::{self, Example, Metric};
+use headroom_mmap_data::rng::derive_seed;
+
 use crate::model::{Model, ModelOps};
 use crate::sample::{generate_batch_cached, generate_cached, PromptCache, SampleOptions, Sampling};
 use crate::tokenize::Tokenizer;
@@ -370,9 +372,17 @@ pub enum FilterStep {
     Lowercase,
     /// `uppercase`.
     Uppercase,
+    /// `take_first_k`: the first `k` responses (lm-eval asserts there are that many; here it
+    /// is checked against the repeats before anything runs).
+    TakeFirstK(usize),
+    /// `majority_vote`: the response given most often, the first given among equals
+    /// (`Counter.most_common(1)`, which keeps first-seen order).
+    MajorityVote,
 }
 
-/// A named filter (a task's `filter_list` entry): its steps, then `take_first`.
+/// A named filter (a task's `filter_list` entry): its steps over a document's responses (one
+/// per repeat), then `take_first`. As in lm-eval, `regex`, `remove_whitespace`, `lowercase`
+/// and `uppercase` apply to each response, `take_first_k` and `majority_vote` to the list.
 #[derive(Clone, Debug)]
 pub struct FilterPipeline {
     /// Its name (`strict-match`), which names its metrics.
@@ -393,8 +403,8 @@ impl FilterPipeline {
     /// A task's `filter_list` as JSON (a list of `{"name", "filter": [{"function", …}]}`,
     /// the YAML's structure; or an object holding it under `filter_list`). Each pipeline
     /// must end with `take_first` (lm-eval would otherwise compare a list, or run a later
-    /// step over each character of the taken answer); `majority_vote` and `take_first_k`
-    /// need repeated generations, which are not run.
+    /// step over each character of the taken answer); `take_first_k` needs its `k`, at
+    /// least 1.
     pub fn parse_list(json: &serde_json::Value) -> Result<Vec<FilterPipeline>> {
         let bad = |why: String| TrainError::Input(format!("filter list: {why}"));
         let list = match json {
@@ -458,16 +468,24 @@ impl FilterPipeline {
                     "remove_whitespace" => FilterStep::RemoveWhitespace,
                     "lowercase" => FilterStep::Lowercase,
                     "uppercase" => FilterStep::Uppercase,
-                    "majority_vote" | "take_first_k" => {
-                        return Err(bad(format!(
-                            "{name}: {which} needs repeated generations (lm-eval's \
-                             `repeats`), which this evaluation does not run"
-                        )))
-                    }
+                    "majority_vote" => FilterStep::MajorityVote,
+                    "take_first_k" => match function.get("k").map(|k| (k, k.as_u64())) {
+                        Some((_, Some(k))) if k >= 1 => FilterStep::TakeFirstK(
+                            usize::try_from(k)
+                                .map_err(|_| bad(format!("{name}: take_first_k's k {k}")))?,
+                        ),
+                        Some((k, _)) => {
+                            return Err(bad(format!(
+                                "{name}: take_first_k's k {k} is not a whole number ≥ 1"
+                            )))
+                        }
+                        None => return Err(bad(format!("{name}: take_first_k without its k"))),
+                    },
                     other => {
                         return Err(bad(format!(
                             "{name}: the filter function {other:?} is not one of regex, \
-                             take_first, remove_whitespace, lowercase, uppercase"
+                             take_first, take_first_k, majority_vote, remove_whitespace, \
+                             lowercase, uppercase"
                         )))
                     }
                 });
@@ -485,52 +503,106 @@ impl FilterPipeline {
         Ok(pipelines)
     }
 
-    /// The answer this pipeline takes from `response`.
-    pub fn apply(&self, response: &str) -> Result<String> {
-        let mut text = response.to_owned();
+    /// The responses this pipeline needs: the largest `take_first_k` (1 without one).
+    pub fn responses_needed(&self) -> usize {
+        self.steps
+            .iter()
+            .map(|s| match s {
+                FilterStep::TakeFirstK(k) => *k,
+                _ => 1,
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// The answer this pipeline takes from a document's `responses` (one per repeat, at least
+    /// one; a `take_first_k` needs at least its `k`).
+    pub fn apply(&self, responses: &[String]) -> Result<String> {
+        let mut list = responses.to_vec();
         for step in &self.steps {
-            text = match step {
-                FilterStep::Regex {
-                    regex,
-                    group_select,
-                    fallback,
-                } => {
-                    let found = regex.findall(&text)?;
-                    if found.is_empty() {
-                        fallback.clone()
-                    } else {
-                        let n = found.len() as i64;
-                        let at = if *group_select < 0 {
-                            n + group_select
-                        } else {
-                            *group_select
-                        };
-                        let item = usize::try_from(at)
-                            .ok()
-                            .and_then(|at| found.get(at))
-                            .ok_or_else(|| {
-                                TrainError::Input(format!(
-                                    "filter {}: group_select {group_select} of {n} matches of \
-                                     {:?} (Python raises IndexError)",
-                                    self.name,
-                                    regex.pattern()
-                                ))
-                            })?;
-                        match item {
-                            Found::Whole(s) | Found::Group(s) => python_strip(s).to_owned(),
-                            Found::Groups(groups) => match groups.iter().find(|g| !g.is_empty()) {
-                                Some(g) => python_strip(g).to_owned(),
-                                None => python_strip(fallback).to_owned(),
-                            },
+            match step {
+                FilterStep::TakeFirstK(k) => {
+                    if list.len() < *k {
+                        return Err(TrainError::Input(format!(
+                            "filter {}: take_first_k {k} of {} responses (lm-eval asserts \
+                             there are k; raise the repeats)",
+                            self.name,
+                            list.len()
+                        )));
+                    }
+                    list.truncate(*k);
+                }
+                FilterStep::MajorityVote => {
+                    // Counted in first-seen order; the first of the most frequent wins.
+                    let mut counts: Vec<(&String, usize)> = Vec::new();
+                    for r in &list {
+                        match counts.iter_mut().find(|(seen, _)| *seen == r) {
+                            Some((_, n)) => *n += 1,
+                            None => counts.push((r, 1)),
                         }
                     }
+                    let top = counts.iter().map(|&(_, n)| n).max().unwrap_or(0);
+                    list = counts
+                        .iter()
+                        .find(|&&(_, n)| n == top)
+                        .map(|&(r, _)| vec![r.clone()])
+                        .unwrap_or_default();
                 }
-                FilterStep::RemoveWhitespace => python_strip(&text).to_owned(),
-                FilterStep::Lowercase => text.to_lowercase(),
-                FilterStep::Uppercase => text.to_uppercase(),
-            };
+                each => {
+                    for text in &mut list {
+                        *text = self.apply_one(each, text)?;
+                    }
+                }
+            }
         }
-        Ok(text)
+        list.into_iter().next().ok_or_else(|| {
+            TrainError::Input(format!("filter {}: no response to take first", self.name))
+        })
+    }
+
+    /// One per-response step on `text`.
+    fn apply_one(&self, step: &FilterStep, text: &str) -> Result<String> {
+        Ok(match step {
+            FilterStep::Regex {
+                regex,
+                group_select,
+                fallback,
+            } => {
+                let found = regex.findall(text)?;
+                if found.is_empty() {
+                    fallback.clone()
+                } else {
+                    let n = found.len() as i64;
+                    let at = if *group_select < 0 {
+                        n + group_select
+                    } else {
+                        *group_select
+                    };
+                    let item = usize::try_from(at)
+                        .ok()
+                        .and_then(|at| found.get(at))
+                        .ok_or_else(|| {
+                            TrainError::Input(format!(
+                                "filter {}: group_select {group_select} of {n} matches of \
+                                 {:?} (Python raises IndexError)",
+                                self.name,
+                                regex.pattern()
+                            ))
+                        })?;
+                    match item {
+                        Found::Whole(s) | Found::Group(s) => python_strip(s).to_owned(),
+                        Found::Groups(groups) => match groups.iter().find(|g| !g.is_empty()) {
+                            Some(g) => python_strip(g).to_owned(),
+                            None => python_strip(fallback).to_owned(),
+                        },
+                    }
+                }
+            }
+            FilterStep::RemoveWhitespace => python_strip(text).to_owned(),
+            FilterStep::Lowercase => text.to_lowercase(),
+            FilterStep::Uppercase => text.to_uppercase(),
+            FilterStep::TakeFirstK(_) | FilterStep::MajorityVote => text.to_owned(),
+        })
     }
 }
 
@@ -593,6 +665,47 @@ const GSM8K_FILTERS: &str = r#####"[
     {"function": "take_first"}]}
 ]"#####;
 
+/// lm-eval's `gsm8k_cot_self_consistency` task (`gsm8k-cot-self-consistency.yaml`, version 2,
+/// over `gsm8k-cot.yaml`): its filters, the first answer and the majority of 64 and of 8.
+const GSM8K_SELF_CONSISTENCY_FILTERS: &str = r#####"[
+  {"name": "score-first", "filter": [
+    {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]*[0-9]+)"},
+    {"function": "take_first"}]},
+  {"name": "maj@64", "filter": [
+    {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]*[0-9]+)"},
+    {"function": "majority_vote"},
+    {"function": "take_first"}]},
+  {"name": "maj@8", "filter": [
+    {"function": "take_first_k", "k": 8},
+    {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]*[0-9]+)"},
+    {"function": "majority_vote"},
+    {"function": "take_first"}]}
+]"#####;
+
+/// `gsm8k-cot.yaml`'s eight chain-of-thought examples (Wei et al.'s), as documents rendered by
+/// its `doc_to_text` (`Q: {question}\nA:`) with their targets.
+const GSM8K_COT_EXAMPLES: &str = r#####"{"context": "Q: There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, there will be 21 trees. How many trees did the grove workers plant today?\nA:", "target": "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6."}
+{"context": "Q: If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?\nA:", "target": "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."}
+{"context": "Q: Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?\nA:", "target": "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, they had 74 - 35 = 39. The answer is 39."}
+{"context": "Q: Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did Jason give to Denny?\nA:", "target": "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. The answer is 8."}
+{"context": "Q: Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?\nA:", "target": "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + 4 = 9. The answer is 9."}
+{"context": "Q: There were nine computers in the server room. Five more computers were installed each day, from monday to thursday. How many computers are now in the server room?\nA:", "target": "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is 29."}
+{"context": "Q: Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf balls did he have at the end of wednesday?\nA:", "target": "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, he had 35 - 2 = 33 golf balls. The answer is 33."}
+{"context": "Q: Olivia has $23. She bought five bagels for $3 each. How much money does she have left?\nA:", "target": "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. 23 - 15 is 8. The answer is 8."}"#####;
+
+/// lm-eval's GSM8K `exact_match` settings (the same in `gsm8k` and the chain-of-thought tasks).
+fn gsm8k_metric() -> Result<ExactMatch> {
+    Ok(ExactMatch {
+        regexes_to_ignore: [",", "\\$", "(?s).*#### ", "\\.$"]
+            .iter()
+            .map(|r| PyRegex::new(r))
+            .collect::<Result<_>>()?,
+        ignore_case: true,
+        ignore_punctuation: false,
+        ignore_numbers: false,
+    })
+}
+
 /// A named task's generation settings as lm-eval's task YAML writes them (`eval --preset`).
 #[derive(Clone, Debug)]
 pub struct TaskPreset {
@@ -604,34 +717,60 @@ pub struct TaskPreset {
     pub metric: ExactMatch,
     /// `num_fewshot`.
     pub num_fewshot: usize,
+    /// `generation_kwargs.do_sample` (`None`: unset, lm-eval's greedy default).
+    pub do_sample: Option<bool>,
+    /// `generation_kwargs.temperature`.
+    pub temperature: Option<f32>,
+    /// `repeats`.
+    pub repeats: usize,
+    /// `fewshot_config.samples`: the examples every prompt shows, in order (its `first_n`
+    /// sampler); `None` when the task draws them from a split.
+    pub examples: Option<Vec<GenerationDoc>>,
 }
 
 impl TaskPreset {
     /// The task `name`'s settings: `gsm8k` (its documents `{"context": "Question: …\nAnswer:",
-    /// "target": answer}`, examples from its train split).
+    /// "target": answer}`, examples from its train split) or `gsm8k_cot_self_consistency`
+    /// (`{"context": "Q: …\nA:", "target": answer}`, its own eight examples, 64 samples at
+    /// temperature 0.2 per document).
     pub fn named(name: &str) -> Result<TaskPreset> {
+        let filters = |json: &str| {
+            FilterPipeline::parse_list(
+                &serde_json::from_str(json)
+                    .map_err(|e| TrainError::Input(format!("{name}'s filter list: {e}")))?,
+            )
+        };
         match name {
             "gsm8k" => Ok(TaskPreset {
                 until: ["Question:", "</s>", "<|im_end|>"]
                     .map(str::to_owned)
                     .to_vec(),
-                filters: FilterPipeline::parse_list(
-                    &serde_json::from_str(GSM8K_FILTERS)
-                        .map_err(|e| TrainError::Input(format!("gsm8k's filter list: {e}")))?,
-                )?,
-                metric: ExactMatch {
-                    regexes_to_ignore: [",", "\\$", "(?s).*#### ", "\\.$"]
-                        .iter()
-                        .map(|r| PyRegex::new(r))
-                        .collect::<Result<_>>()?,
-                    ignore_case: true,
-                    ignore_punctuation: false,
-                    ignore_numbers: false,
-                },
+                filters: filters(GSM8K_FILTERS)?,
+                metric: gsm8k_metric()?,
                 num_fewshot: 5,
+                do_sample: Some(false),
+                temperature: None,
+                repeats: 1,
+                examples: None,
+            }),
+            "gsm8k_cot_self_consistency" | "gsm8k-cot-self-consistency" => Ok(TaskPreset {
+                until: ["Q:", "\n\n"].map(str::to_owned).to_vec(),
+                filters: filters(GSM8K_SELF_CONSISTENCY_FILTERS)?,
+                metric: gsm8k_metric()?,
+                num_fewshot: 8,
+                do_sample: Some(true),
+                temperature: Some(0.2),
+                repeats: 64,
+                examples: Some(
+                    GSM8K_COT_EXAMPLES
+                        .lines()
+                        .map(GenerationDoc::parse)
+                        .collect::<std::result::Result<_, _>>()
+                        .map_err(|e| TrainError::Input(format!("{name}'s examples: {e}")))?,
+                ),
             }),
             other => Err(TrainError::Input(format!(
-                "no task preset {other:?} (there is gsm8k)"
+                "no task preset {other:?} (there are gsm8k and gsm8k_cot_self_consistency)"
             ))),
         }
     }
@@ -654,6 +793,15 @@ pub struct GenerationSettings {
     /// Documents generated together (lm-eval's `--batch_size`), longest prompts first as
     /// lm-eval orders them; 1 runs each alone, in document order.
     pub batch_size: usize,
+    /// How each token is chosen: greedy (lm-eval's default), or sampling as a task's
+    /// `do_sample: true` asks ([`lm_eval_sampling`]).
+    pub sampling: Sampling,
+    /// Seed of the sampler. Document `d`'s repeat `r` draws from its own generator, seeded
+    /// from `(seed, d, r)`, so it draws the same whatever the batch size and the order.
+    pub seed: u64,
+    /// Generations per document (lm-eval's `repeats`, 64 in `gsm8k_cot_self_consistency`),
+    /// at least 1; the filters see them all. Greedy repeats are one generation copied.
+    pub repeats: usize,
 }
 
 /// A document's generation and what the filters made of it.
@@ -661,12 +809,13 @@ pub struct GenerationSettings {
 pub struct Generated {
     /// The prompt's tokens after the cut to the context.
     pub prompt_tokens: usize,
-    /// Of those, the ones whose keys and values the document before had computed.
+    /// Of those, summed over the document's generations, the ones whose keys and values an
+    /// earlier generation had computed.
     pub reused_tokens: usize,
-    /// Tokens generated.
+    /// Tokens generated, summed over the generations run.
     pub new_tokens: usize,
-    /// The text, cut at the stop strings (lm-eval's `resps`).
-    pub response: String,
+    /// Each repeat's text, cut at the stop strings (lm-eval's `resps`).
+    pub responses: Vec<String>,
     /// Each filter's answer (lm-eval's `filtered_resps`), in filter order.
     pub filtered: Vec<String>,
     /// Each filter's answer is right.
@@ -680,9 +829,9 @@ pub struct GenerationReport {
     pub documents: usize,
     /// Tokens generated.
     pub new_tokens: u64,
-    /// Prompt tokens.
+    /// Prompt tokens, counted once per generation run.
     pub prompt_tokens: u64,
-    /// Of those, the ones whose keys and values an earlier document had computed.
+    /// Of those, the ones whose keys and values an earlier generation had computed.
     pub reused_prompt_tokens: u64,
     /// `exact_match` under each filter, by its name.
     pub exact_match: Vec<(String, Metric)>,
@@ -743,11 +892,49 @@ pub fn cut_at_stops(text: &str, until: &[String]) -> String {
     text.to_owned()
 }
 
-/// Generate each document's answer after its `contexts` entry (its prompt text, few-shot
-/// examples and chat template applied) and score it under each filter, calling `each` with
-/// each document's index and result in document order, as soon as it and every document
-/// before it are done. With `settings.batch_size` above 1 the documents run in batches,
-/// longest prompts first, as lm-eval batches them.
+/// The sampler lm-eval's `HFLM` has transformers' `generate` build from a task's
+/// `generation_kwargs` and the model's `config` (its `generation_config.json`, else
+/// transformers' defaults): `temperature` is 0 unless given; `do_sample` unset is `false` at
+/// temperature 0 and otherwise the config's (so a temperature alone samples only where the
+/// config samples); sampling takes top-k, top-p and min-p from `asked`, else from the config,
+/// else top-k 50. The config's repetition penalty applies unless `asked` sets one, greedy or
+/// not. Sampling at temperature 0 is refused, as transformers refuses it.
+pub fn lm_eval_sampling(
+    config: &crate::sample::GenerationConfig,
+    do_sample: Option<bool>,
+    asked: &crate::sample::SamplingRequest,
+) -> Result<Sampling> {
+    let temperature = asked.temperature.unwrap_or(0.0);
+    let do_sample = match do_sample {
+        Some(d) => d,
+        None if temperature == 0.0 => false,
+        None => config.do_sample.unwrap_or(false),
+    };
+    if !do_sample {
+        return config.sampling(&crate::sample::SamplingRequest {
+            temperature: Some(0.0),
+            ..*asked
+        });
+    }
+    if temperature == 0.0 {
+        return Err(TrainError::Input(
+            "sampling (do_sample) at temperature 0: lm-eval passes it to transformers, which \
+             refuses it; give a temperature above 0"
+                .into(),
+        ));
+    }
+    config.sampling(&crate::sample::SamplingRequest {
+        temperature: Some(temperature),
+        ..*asked
+    })
+}
+
+/// Generate each document's answers after its `contexts` entry (its prompt text, few-shot
+/// examples and chat template applied), `settings.repeats` of them, and score them under
+/// each filter, calling `each` with each document's index and result in document order, as
+/// soon as it and every document before it are done. With `settings.batch_size` above 1 the
+/// generations run in batches, longest prompts first, as lm-eval batches them (a document's
+/// repeats side by side, sharing their whole prompt).
 pub fn evaluate<B: ModelOps>(
     model: &Model<B>,
     tok: &Tokenizer,
@@ -767,6 +954,20 @@ pub fn evaluate<B: ModelOps>(
     if filters.is_empty() {
         return Err(TrainError::Input("no filters".into()));
     }
+    if settings.repeats == 0 {
+        return Err(TrainError::Input("0 repeats per document".into()));
+    }
+    if let Some(f) = filters
+        .iter()
+        .find(|f| f.responses_needed() > settings.repeats)
+    {
+        return Err(TrainError::Input(format!(
+            "filter {}: take_first_k {} needs as many repeats; there are {}",
+            f.name,
+            f.responses_needed(),
+            settings.repeats
+        )));
+    }
     let max_seq = model.cfg.max_seq;
     if settings.max_gen_toks == 0 || settings.max_gen_toks >= max_seq {
         return Err(TrainError::Input(format!(
@@ -775,6 +976,7 @@ pub fn evaluate<B: ModelOps>(
             settings.max_gen_toks
         )));
     }
+    settings.sampling.validate()?;
     let eos = tok.eos_token()?;
     let mut until = settings.until.clone();
     if let Some(id) = eos {
@@ -788,11 +990,11 @@ pub fn evaluate<B: ModelOps>(
     stop_tokens.dedup();
     let opts = SampleOptions {
         tokens: settings.max_gen_toks,
-        sampling: Sampling::greedy(),
-        seed: 0,
+        sampling: settings.sampling,
+        seed: settings.seed,
         stop_tokens,
-        // transformers' argmax runs over every row of the head, a padded vocabulary's rows
-        // past the tokenizer's too (they decode to nothing).
+        // transformers' argmax and draws run over every row of the head, a padded
+        // vocabulary's rows past the tokenizer's too (they decode to nothing).
         vocab_limit: None,
     };
     if settings.batch_size == 0 {
@@ -825,45 +1027,71 @@ pub fn evaluate<B: ModelOps>(
             prompt_tokens(tok, context, max_seq - settings.max_gen_toks).map_err(in_doc(i))
         })
         .collect::<Result<Vec<_>>>()?;
-    let mut order: Vec<usize> = (0..docs.len()).collect();
+    // Greedy repeats are identical: one is run and copied (lm-eval runs each).
+    let runs = if settings.sampling.temperature == 0.0 {
+        1
+    } else {
+        settings.repeats
+    };
+    // (document, repeat) for every generation, a document's repeats side by side.
+    let mut order: Vec<(usize, usize)> = (0..docs.len())
+        .flat_map(|d| (0..runs).map(move |r| (d, r)))
+        .collect();
     if settings.batch_size > 1 {
         // lm-eval's batched generate_until runs the longest prompts first (its Collator), so a
         // batch's tails pad little; the answers still come back in document order.
-        order.sort_by_key(|&i| std::cmp::Reverse(prompts[i].len()));
+        order.sort_by_key(|&(d, _)| std::cmp::Reverse(prompts[d].len()));
     }
-    // Each document's new tokens and reused prompt positions, until its turn to be reported.
-    let mut done: Vec<Option<(Vec<u32>, usize)>> = vec![None; docs.len()];
+    let seed_of = |(d, r): (usize, usize)| derive_seed(&[settings.seed, d as u64, r as u64]);
+    // Each generation's new tokens and reused prompt positions, until its document's turn to
+    // be reported.
+    type Run = Option<(Vec<u32>, usize)>;
+    let mut done: Vec<Vec<Run>> = vec![vec![None; runs]; docs.len()];
     let mut next = 0;
     for batch in order.chunks(settings.batch_size) {
-        let (generations, reused) = if let [i] = batch[..] {
+        let (generations, reused) = if let [(d, r)] = batch[..] {
             let mut generated = Vec::new();
-            let (new, reused) = generate_cached(model, &mut kept, &prompts[i], &opts, |id| {
+            let this = SampleOptions {
+                seed: seed_of((d, r)),
+                ..opts.clone()
+            };
+            let (new, reused) = generate_cached(model, &mut kept, &prompts[d], &this, |id| {
                 generated.push(id);
-                Ok(flow(stops_text(&generated).map_err(in_doc(i))?))
+                Ok(flow(stops_text(&generated).map_err(in_doc(d))?))
             })?;
             (vec![new], vec![reused])
         } else {
-            let rows: Vec<&[u32]> = batch.iter().map(|&i| prompts[i].as_slice()).collect();
+            let rows: Vec<&[u32]> = batch.iter().map(|&(d, _)| prompts[d].as_slice()).collect();
+            let seeds: Vec<u64> = batch.iter().map(|&row| seed_of(row)).collect();
             let mut generated = vec![Vec::new(); rows.len()];
-            generate_batch_cached(model, &mut kept, &rows, &opts, |row, id| {
+            generate_batch_cached(model, &mut kept, &rows, &seeds, &opts, |row, id| {
                 generated[row].push(id);
                 Ok(flow(
-                    stops_text(&generated[row]).map_err(in_doc(batch[row]))?,
+                    stops_text(&generated[row]).map_err(in_doc(batch[row].0))?,
                 ))
             })?
         };
-        for ((&i, new), reused) in batch.iter().zip(generations).zip(reused) {
-            done[i] = Some((new, reused));
+        for ((&(d, r), new), reused) in batch.iter().zip(generations).zip(reused) {
+            done[d][r] = Some((new, reused));
         }
         // Report in document order, as soon as every earlier document is done.
-        while let Some((new, reused)) = done.get_mut(next).and_then(Option::take) {
+        while next < docs.len() && done[next].iter().all(Option::is_some) {
             let (i, doc, prompt) = (next, &docs[next], &prompts[next]);
             next += 1;
             let in_doc = in_doc(i);
-            let response = cut_at_stops(&tok.decode_skipping_special(&new)?, &until);
+            let mut responses = Vec::with_capacity(settings.repeats);
+            let (mut generated, mut reused) = (0, 0);
+            for (new, r) in done[i].iter_mut().filter_map(Option::take) {
+                responses.push(cut_at_stops(&tok.decode_skipping_special(&new)?, &until));
+                generated += new.len();
+                reused += r;
+            }
+            while responses.len() < settings.repeats {
+                responses.push(responses[0].clone());
+            }
             let filtered = filters
                 .iter()
-                .map(|f| f.apply(&response))
+                .map(|f| f.apply(&responses))
                 .collect::<Result<Vec<_>>>()
                 .map_err(in_doc)?;
             let exact_match = filtered
@@ -874,16 +1102,16 @@ pub fn evaluate<B: ModelOps>(
             for (r, &m) in results.iter_mut().zip(&exact_match) {
                 r.push(m);
             }
-            new_tokens += new.len() as u64;
-            prompt_total += prompt.len() as u64;
+            new_tokens += generated as u64;
+            prompt_total += (prompt.len() * runs) as u64;
             reused_total += reused as u64;
             each(
                 i,
                 &Generated {
                     prompt_tokens: prompt.len(),
                     reused_tokens: reused,
-                    new_tokens: new.len(),
-                    response,
+                    new_tokens: generated,
+                    responses,
                     filtered,
                     exact_match,
                 },
@@ -999,7 +1227,7 @@ mod tests {
                 .filter(|s| !s.is_empty())
                 .collect();
             let n = numbers.len() as i64;
-            match pipeline.apply(&text) {
+            match pipeline.apply(std::slice::from_ref(&text)) {
                 Ok(answer) if numbers.is_empty() => proptest::prop_assert_eq!(answer, "[invalid]"),
                 Ok(answer) => {
                     let at = if select < 0 { n + select } else { select };

@@ -778,8 +778,9 @@ impl<T> PromptCache<T> {
 /// one padded step ([`Model::decode_ragged`]); then every row takes a token a step until each
 /// has stopped (a stop token, `on_token` breaking, or `opts.tokens`). A stopped row is fed its
 /// last token and its results ignored, as transformers' batched `generate` does. `kept` holds
-/// the shared prefix afterwards. Each row draws from its own generator seeded with
-/// `opts.seed`, so a row samples what it samples alone.
+/// the shared prefix afterwards. Row `r` draws from its own generator seeded with `seeds[r]`
+/// (one per prompt; `opts.seed` is not read), so it samples what [`generate_cached`] samples
+/// for its prompt alone with that seed.
 ///
 /// Returns each row's new tokens and how many of its prompt positions it did not run itself:
 /// the first row reuses what `kept` held, every other row the whole shared prefix. The logits
@@ -791,6 +792,7 @@ pub fn generate_batch_cached<B: ModelOps>(
     model: &Model<B>,
     kept: &mut PromptCache<B::Tensor>,
     prompts: &[&[u32]],
+    seeds: &[u64],
     opts: &SampleOptions,
     mut on_token: impl FnMut(usize, u32) -> Result<std::ops::ControlFlow<()>>,
 ) -> Result<(Vec<Vec<u32>>, Vec<usize>)> {
@@ -799,6 +801,13 @@ pub fn generate_batch_cached<B: ModelOps>(
         return Err(TrainError::Input(
             "sample: a batch needs prompts of at least one token each".into(),
         ));
+    }
+    if seeds.len() != prompts.len() {
+        return Err(TrainError::Input(format!(
+            "sample: {} seeds for a batch of {} prompts",
+            seeds.len(),
+            prompts.len()
+        )));
     }
     if let Some(p) = prompts.iter().find(|p| p.len() + opts.tokens > window) {
         return Err(TrainError::Input(format!(
@@ -837,9 +846,9 @@ pub fn generate_batch_cached<B: ModelOps>(
     let mut logits = model.decode_ragged(&mut cache, &tails)?;
     let vocab = logits.len() / prompts.len();
     let allowed = opts.vocab_limit.unwrap_or(vocab).min(vocab);
-    let mut rngs: Vec<Xoshiro256> = prompts
+    let mut rngs: Vec<Xoshiro256> = seeds
         .iter()
-        .map(|_| Xoshiro256::seed_from_u64(opts.seed))
+        .map(|&s| Xoshiro256::seed_from_u64(s))
         .collect();
     let mut histories: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
     let mut outs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];

@@ -1,10 +1,12 @@
-//! Generation tasks against lm-evaluation-harness: the prompt, generated text, filtered
-//! answers and exact_match of every document of five lm-eval 0.4.13 `generate_until` runs
-//! (zero-shot, few-shot by both samplers, a chat template, several targets) on two
-//! transformers models, and each filter's aggregate
+//! Generation tasks against lm-evaluation-harness: the prompt, generated texts, filtered
+//! answers and exact_match of every document of six lm-eval 0.4.13 `generate_until` runs
+//! (zero-shot, few-shot by both samplers, a chat template, several targets, greedy repeats
+//! through `take_first_k` and `majority_vote`) on two transformers models, and each filter's
+//! aggregate; a sampled run's answers from lm-eval's own draws
 //! (`fixtures/generation/lm_eval_generation.json`, written by
 //! `benches/torch/make_generation_fixture.py`); Python's `re.findall` and `re.sub`, lm-eval's
-//! `RegexFilter` and `exact_match` on hand-made strings; and `headroom eval --generate`.
+//! `RegexFilter`, filter pipelines and `exact_match` on hand-made strings; the presets; and
+//! `headroom eval --generate`.
 
 mod common;
 
@@ -16,7 +18,7 @@ use headroom_trainer::generation::{
     self, ExactMatch, FilterPipeline, FilterStep, Found, GenerationDoc, GenerationSettings,
     PyRegex, TaskPreset,
 };
-use headroom_trainer::sample::load_model;
+use headroom_trainer::sample::{load_model, GenerationConfig, Sampling, SamplingRequest};
 use headroom_trainer::tokenize::Tokenizer;
 
 fn fixtures() -> PathBuf {
@@ -48,6 +50,34 @@ fn metric_of(kwargs: &serde_json::Value) -> ExactMatch {
     }
 }
 
+/// The sampler lm-eval's run `run` had transformers build (the model directory's generation
+/// config under its `generation_kwargs`).
+fn sampling_of(run: &serde_json::Value, model_dir: &std::path::Path) -> Sampling {
+    let kwargs = &run["generation_kwargs"];
+    generation::lm_eval_sampling(
+        &GenerationConfig::beside(model_dir)
+            .unwrap()
+            .unwrap_or_default(),
+        kwargs.get("do_sample").and_then(|d| d.as_bool()),
+        &SamplingRequest {
+            temperature: kwargs
+                .get("temperature")
+                .and_then(|t| t.as_f64())
+                .map(|t| t as f32),
+            ..SamplingRequest::default()
+        },
+    )
+    .unwrap()
+}
+
+/// A document's texts in the fixture: every repeat's, or its one.
+fn responses_of(doc: &serde_json::Value) -> Vec<String> {
+    match doc.get("responses") {
+        Some(all) => strings(all),
+        None => vec![doc["response"].as_str().unwrap().to_owned()],
+    }
+}
+
 fn strings(v: &serde_json::Value) -> Vec<String> {
     v.as_array()
         .unwrap()
@@ -60,9 +90,12 @@ fn strings(v: &serde_json::Value) -> Vec<String> {
 fn every_run_generates_and_scores_as_lm_eval() {
     let fixture = fixture();
     let runs = fixture["runs"].as_object().unwrap();
-    assert_eq!(runs.len(), 5);
+    assert_eq!(runs.len(), 7);
     let (mut docs_checked, mut right, mut nonempty_fallbacks) = (0, 0, 0);
     for (name, run) in runs {
+        if run["generation_kwargs"]["do_sample"] == true {
+            continue; // torch's draws: `sampled_repeats_are_voted_as_lm_eval` reads them.
+        }
         let model_dir = fixtures().join(run["model"].as_str().unwrap());
         let model = load_model(&model_dir, &Cpu::new()).unwrap();
         let tok_path = fixtures()
@@ -159,15 +192,19 @@ fn every_run_generates_and_scores_as_lm_eval() {
                 filters: filters.clone(),
                 metric: metric_of(&run["metric"]),
                 batch_size,
+                sampling: sampling_of(run, &model_dir),
+                seed: 0,
+                repeats: run["repeats"].as_u64().unwrap() as usize,
             };
+            assert_eq!(settings.sampling, Sampling::greedy());
             let mut seen = 0;
             let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |i, g| {
                 let w = &want[i];
                 assert_eq!(i, seen, "{name}: documents in order");
                 assert_eq!(
-                    g.response,
-                    w["response"].as_str().unwrap(),
-                    "{name} document {i}'s text, batches of {batch_size}"
+                    g.responses,
+                    responses_of(w),
+                    "{name} document {i}'s texts, batches of {batch_size}"
                 );
                 for (f, name_f) in names.iter().enumerate() {
                     assert_eq!(
@@ -185,6 +222,7 @@ fn every_run_generates_and_scores_as_lm_eval() {
                         nonempty_fallbacks += usize::from(g.filtered[f].starts_with('['));
                     }
                 }
+                // Greedy repeats run once.
                 assert!(g.new_tokens <= settings.max_gen_toks);
                 assert!(g.prompt_tokens + settings.max_gen_toks <= model.cfg.max_seq);
                 assert!(g.reused_tokens < g.prompt_tokens);
@@ -215,7 +253,7 @@ fn every_run_generates_and_scores_as_lm_eval() {
         }
     }
     // The fixture exercises what it means to: right answers and fallbacks both occur.
-    assert_eq!(docs_checked, 37);
+    assert_eq!(docs_checked, 45);
     assert!(right >= 5, "{right} right answers");
     assert!(nonempty_fallbacks >= 2);
 }
@@ -258,7 +296,7 @@ fn regexes_run_as_pythons_re_and_lm_evals_filter() {
                 }],
             };
             assert_eq!(
-                filter.apply(text).unwrap(),
+                filter.apply(&[text.to_owned()]).unwrap(),
                 case["filtered"][select.to_string()].as_str().unwrap(),
                 "RegexFilter {pattern:?} group_select {select} on {text:?}"
             );
@@ -380,7 +418,57 @@ fn headroom_eval_generate_prints_lm_evals_metrics_and_samples() {
         assert_eq!(got["response"], w["response"]);
         assert_eq!(got["filtered"], w["filtered"]);
         assert_eq!(got["exact_match"], w["exact_match"]);
+        assert!(got.get("responses").is_none());
     }
+    // Self-consistency: the preset's eight examples, its sampler and filters, 8 samples per
+    // document in batches of 3; the samples file holds each repeat's text.
+    let voted = dir.path().join("voted.jsonl");
+    let self_consistency = |repeats: &str| {
+        common::headroom_command()
+            .args(&args[..7])
+            .args([
+                "--preset",
+                "gsm8k_cot_self_consistency",
+                "--repeats",
+                repeats,
+            ])
+            .args(["--max-gen-toks", "3", "--batch-size", "3", "--samples"])
+            .arg(&voted)
+            .output()
+            .unwrap()
+    };
+    let out = self_consistency("8");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        printed.contains("8 generations per document, sampling at temperature 0.2, top-k 50"),
+        "{printed}"
+    );
+    for filter in ["score-first", "maj@64", "maj@8"] {
+        assert!(
+            printed.contains(&format!("exact_match,{filter} ")),
+            "{printed}"
+        );
+    }
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&voted)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), want.len());
+    for line in &lines {
+        let responses = strings(&line["responses"]);
+        assert_eq!(responses.len(), 8);
+        assert_eq!(line["response"], responses[0].as_str());
+    }
+    // Its maj@8 needs 8 repeats.
+    let out = self_consistency("4");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("take_first_k 8"));
 }
 
 /// A pipeline's steps in words, to compare two.
@@ -444,7 +532,7 @@ fn the_gsm8k_preset_is_lm_evals_gsm8k_task() {
     let answer = "Natalia sold 48/2 = 24 clips in May.\n#### 72";
     let generated = " She sold 48 + 24 = 72 clips.\n#### 72.\n\n";
     for (filter, right) in preset.filters.iter().zip([true, true]) {
-        let got = filter.apply(generated).unwrap();
+        let got = filter.apply(&[generated.into()]).unwrap();
         assert_eq!(
             preset.metric.matches(&got, &[answer.to_owned()]).unwrap(),
             right,
@@ -470,7 +558,28 @@ fn bad_tasks_are_refused_with_the_reason() {
         list(serde_json::json!([{"function": "take_first"}, {"function": "lowercase"}]))
             .contains("after take_first")
     );
-    assert!(list(serde_json::json!([{"function": "majority_vote"}])).contains("repeats"));
+    assert!(list(serde_json::json!([{"function": "majority_vote"}])).contains("no take_first"));
+    for (k, why) in [
+        (
+            serde_json::json!({"function": "take_first_k"}),
+            "without its k",
+        ),
+        (
+            serde_json::json!({"function": "take_first_k", "k": 0}),
+            "≥ 1",
+        ),
+        (
+            serde_json::json!({"function": "take_first_k", "k": "2"}),
+            "≥ 1",
+        ),
+        (
+            serde_json::json!({"function": "take_first_k", "k": -1}),
+            "≥ 1",
+        ),
+    ] {
+        let e = list(serde_json::json!([k, {"function": "take_first"}]));
+        assert!(e.contains(why), "{e}");
+    }
     assert!(list(serde_json::json!([{"function": "map"}])).contains("\"map\""));
     assert!(list(serde_json::json!([
         {"function": "regex", "regex_pattern": "(unclosed"},
@@ -487,7 +596,7 @@ fn bad_tasks_are_refused_with_the_reason() {
         {"function": "take_first"}]}]))
     .unwrap();
     assert!(pipeline[0]
-        .apply("aa")
+        .apply(&["aa".into()])
         .unwrap_err()
         .to_string()
         .contains("IndexError"));
@@ -520,6 +629,9 @@ fn bad_tasks_are_refused_with_the_reason() {
         filters: vec![FilterPipeline::none()],
         metric: ExactMatch::default(),
         batch_size: 1,
+        sampling: Sampling::greedy(),
+        seed: 0,
+        repeats: 1,
     };
     let refused = |settings: &GenerationSettings| {
         generation::evaluate(
@@ -538,7 +650,270 @@ fn bad_tasks_are_refused_with_the_reason() {
     let e = refused(&GenerationSettings {
         max_gen_toks: 4,
         batch_size: 0,
-        ..settings
+        ..settings.clone()
     });
     assert!(e.contains("batch size"), "{e}");
+    let e = refused(&GenerationSettings {
+        max_gen_toks: 4,
+        repeats: 0,
+        ..settings.clone()
+    });
+    assert!(e.contains("0 repeats"), "{e}");
+    // take_first_k past the repeats: refused before anything runs (lm-eval asserts).
+    let voted = FilterPipeline::parse_list(&serde_json::json!([{"name": "maj@3", "filter": [
+        {"function": "take_first_k", "k": 3}, {"function": "majority_vote"},
+        {"function": "take_first"}]}]))
+    .unwrap();
+    let e = refused(&GenerationSettings {
+        max_gen_toks: 4,
+        repeats: 2,
+        filters: voted.clone(),
+        ..settings.clone()
+    });
+    assert!(
+        e.contains("take_first_k 3") && e.contains("there are 2"),
+        "{e}"
+    );
+    assert!(voted[0]
+        .apply(&["a".into(), "b".into()])
+        .unwrap_err()
+        .to_string()
+        .contains("take_first_k 3 of 2"));
+    // Sampling at temperature 0 is refused, as transformers refuses it; a temperature alone
+    // samples only where the generation config samples.
+    let plain = GenerationConfig::default();
+    let asked = |t: f32| SamplingRequest {
+        temperature: Some(t),
+        ..SamplingRequest::default()
+    };
+    assert!(
+        generation::lm_eval_sampling(&plain, Some(true), &SamplingRequest::default())
+            .unwrap_err()
+            .to_string()
+            .contains("temperature 0")
+    );
+    assert_eq!(
+        generation::lm_eval_sampling(&plain, None, &asked(0.5)).unwrap(),
+        Sampling::greedy()
+    );
+    let sampling_config = GenerationConfig {
+        do_sample: Some(true),
+        top_p: Some(0.9),
+        repetition_penalty: Some(1.1),
+        ..GenerationConfig::default()
+    };
+    assert_eq!(
+        generation::lm_eval_sampling(&sampling_config, None, &asked(0.5)).unwrap(),
+        Sampling {
+            temperature: 0.5,
+            top_k: Some(50),
+            top_p: Some(0.9),
+            min_p: None,
+            repetition_penalty: Some(1.1),
+        }
+    );
+    // Greedy, the config's repetition penalty still applies (transformers merges it).
+    assert_eq!(
+        generation::lm_eval_sampling(&sampling_config, Some(false), &asked(0.5)).unwrap(),
+        Sampling {
+            repetition_penalty: Some(1.1),
+            ..Sampling::greedy()
+        }
+    );
+}
+
+#[test]
+fn filter_pipelines_run_as_lm_evals() {
+    let fixture = fixture();
+    let cases = fixture["python"]["filters"].as_array().unwrap();
+    assert!(cases.len() >= 8);
+    for case in cases {
+        let steps: Vec<serde_json::Value> = case["steps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|step| {
+                let mut f = step[1].as_object().cloned().unwrap_or_default();
+                f.insert("function".into(), step[0].clone());
+                serde_json::Value::Object(f)
+            })
+            .collect();
+        let pipeline =
+            FilterPipeline::parse_list(&serde_json::json!([{"name": "f", "filter": steps}]))
+                .unwrap();
+        let responses = strings(&case["responses"]);
+        assert_eq!(
+            pipeline[0].apply(&responses).unwrap(),
+            case["answer"].as_str().unwrap(),
+            "{case}"
+        );
+    }
+}
+
+#[test]
+fn sampled_repeats_are_voted_as_lm_eval() {
+    let fixture = fixture();
+    let run = &fixture["runs"]["llama_sampled_repeats"];
+    let model_dir = fixtures().join(run["model"].as_str().unwrap());
+    let filters = FilterPipeline::parse_list(&run["filter_list"]).unwrap();
+    let metric = metric_of(&run["metric"]);
+    let docs = generation::read_generation_docs(
+        &fixtures()
+            .join("generation")
+            .join(run["docs_file"].as_str().unwrap()),
+    )
+    .unwrap();
+    let want = run["docs"].as_array().unwrap();
+    let repeats = run["repeats"].as_u64().unwrap() as usize;
+    // lm-eval's own draws through headroom's filters and metric: its answers, flags and
+    // aggregates. The majority differs from the first answer somewhere, so voting is tested.
+    let mut flags = vec![Vec::new(); filters.len()];
+    let mut votes_differ = false;
+    for (doc, w) in docs.iter().zip(want) {
+        let responses = responses_of(w);
+        assert_eq!(responses.len(), repeats);
+        let answers: Vec<String> = filters
+            .iter()
+            .map(|f| f.apply(&responses).unwrap())
+            .collect();
+        votes_differ |= answers.iter().any(|a| a != &answers[0]);
+        for (f, answer) in filters.iter().zip(&answers) {
+            assert_eq!(answer, w["filtered"][&f.name].as_str().unwrap());
+        }
+        for (i, (f, answer)) in filters.iter().zip(&answers).enumerate() {
+            let right = metric.matches(answer, &doc.targets).unwrap();
+            assert_eq!(right, w["exact_match"][&f.name].as_bool().unwrap());
+            flags[i].push(right);
+        }
+    }
+    assert!(votes_differ);
+    for (f, flags) in filters.iter().zip(&flags) {
+        let m = choices::Metric::of(flags);
+        assert!((m.mean - run["metrics"][&f.name].as_f64().unwrap()).abs() < 1e-12);
+        assert!((m.stderr.unwrap() - run["stderr"][&f.name].as_f64().unwrap()).abs() < 1e-12);
+    }
+    // headroom's own draws: transformers' sampler for these settings, each (document, repeat)
+    // its own generator, so the texts do not depend on the batch size or order; a repeat's
+    // texts differ from another's; another seed draws otherwise.
+    let sampling = sampling_of(run, &model_dir);
+    assert_eq!(
+        sampling,
+        Sampling {
+            temperature: 0.7,
+            top_k: Some(50),
+            ..Sampling::default()
+        }
+    );
+    let model = load_model(&model_dir, &Cpu::new()).unwrap();
+    let tok = Tokenizer::from_name(
+        fixtures()
+            .join("choices/llama/tokenizer.json")
+            .to_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let contexts: Vec<String> = docs.iter().map(|d| d.context.clone()).collect();
+    let generate = |batch_size: usize, seed: u64| {
+        let settings = GenerationSettings {
+            until: strings(&run["generation_kwargs"]["until"]),
+            max_gen_toks: run["generation_kwargs"]["max_gen_toks"].as_u64().unwrap() as usize,
+            stop_tokens: generation::generation_eos_ids(&model_dir).unwrap(),
+            filters: filters.clone(),
+            metric: metric.clone(),
+            batch_size,
+            sampling,
+            seed,
+            repeats,
+        };
+        let mut texts = Vec::new();
+        let report = generation::evaluate(&model, &tok, &docs, &contexts, &settings, |_, g| {
+            assert_eq!(g.responses.len(), repeats);
+            texts.push(g.responses.clone());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(report.documents, docs.len());
+        texts
+    };
+    let alone = generate(1, 7);
+    assert!(alone
+        .iter()
+        .all(|doc| doc.iter().any(|t| t != &doc[0]) || doc.iter().all(String::is_empty)));
+    for batch_size in [2, 3, 7] {
+        assert_eq!(generate(batch_size, 7), alone, "batches of {batch_size}");
+    }
+    assert_ne!(generate(1, 8), alone);
+}
+
+#[test]
+fn the_self_consistency_preset_is_lm_evals_task() {
+    let fixture = fixture();
+    let want = &fixture["gsm8k_cot_self_consistency"];
+    let preset = TaskPreset::named("gsm8k_cot_self_consistency").unwrap();
+    assert_eq!(preset.until, strings(&want["until"]));
+    assert_eq!(preset.do_sample, want["do_sample"].as_bool());
+    assert_eq!(
+        preset.temperature.map(f64::from),
+        want["temperature"].as_f64().map(|t| t as f32 as f64)
+    );
+    assert_eq!(preset.repeats as u64, want["repeats"].as_u64().unwrap());
+    assert_eq!(
+        preset.num_fewshot as u64,
+        want["num_fewshot"].as_u64().unwrap()
+    );
+    assert_eq!(
+        described(&preset.filters),
+        described(&FilterPipeline::parse_list(&want["filter_list"]).unwrap())
+    );
+    let metric = metric_of(&want["metric"]);
+    let patterns = |m: &ExactMatch| -> Vec<String> {
+        m.regexes_to_ignore
+            .iter()
+            .map(|r| r.pattern().to_owned())
+            .collect()
+    };
+    assert_eq!(patterns(&preset.metric), patterns(&metric));
+    assert_eq!(preset.metric.ignore_case, metric.ignore_case);
+    // Its examples: `doc_to_text` of each sample, and its target, in order (`first_n`).
+    assert_eq!(want["fewshot_sampler"], "first_n");
+    assert_eq!(want["doc_to_text"], "Q: {{question}}\nA:");
+    assert_eq!(want["target_delimiter"], " ");
+    assert_eq!(want["fewshot_delimiter"], "\n\n");
+    let examples = preset.examples.as_ref().unwrap();
+    let samples = want["fewshot_samples"].as_array().unwrap();
+    assert_eq!(examples.len(), samples.len());
+    for (e, s) in examples.iter().zip(samples) {
+        assert_eq!(
+            e.context,
+            format!("Q: {}\nA:", s["question"].as_str().unwrap())
+        );
+        assert_eq!(e.targets, [s["target"].as_str().unwrap()]);
+    }
+    // A chain of thought, voted: 2 of 3 say 72.
+    let responses: Vec<String> = [
+        " She sold 24 in May. The answer is 72.",
+        " The answer is 70.",
+        " 48 + 24 = 72. The answer is 72.\n",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let mut three = preset.filters.clone();
+    for f in &mut three {
+        for step in &mut f.steps {
+            if let FilterStep::TakeFirstK(k) = step {
+                *k = 3;
+            }
+        }
+    }
+    let answers: Vec<String> = three.iter().map(|f| f.apply(&responses).unwrap()).collect();
+    assert_eq!(answers, ["72", "72", "72"]);
+    let tie: Vec<String> = [" The answer is 70.", "The answer is 72.", "x"]
+        .map(str::to_owned)
+        .to_vec();
+    let answers: Vec<String> = three.iter().map(|f| f.apply(&tie).unwrap()).collect();
+    assert_eq!(answers, ["70", "70", "70"]);
+    assert!(preset
+        .metric
+        .matches("72", &["#### 72".to_owned()])
+        .unwrap());
 }
