@@ -770,14 +770,18 @@ impl<T> PromptCache<T> {
     }
 }
 
+/// Stopped rows leave a batch's cache once they are this share of its rows (1 in 4).
+const DROP_STOPPED_SHARE: usize = 4;
+
 /// One batch's prompts generated together: what [`generate_cached`] generates for each
 /// prompt alone, in one batched decode step per token.
 ///
 /// The prompts' longest shared prefix (a few-shot preamble) runs once, after what `kept`
 /// holds, and is repeated for every row ([`Model::repeat_cache`]); the rows' own tails run as
 /// one padded step ([`Model::decode_ragged`]); then every row takes a token a step until each
-/// has stopped (a stop token, `on_token` breaking, or `opts.tokens`). A stopped row is fed its
-/// last token and its results ignored, as transformers' batched `generate` does. `kept` holds
+/// has stopped (a stop token, `on_token` breaking, or `opts.tokens`). Stopped rows leave the
+/// batch ([`Model::keep_rows`]) once they are a quarter of it; until then a stopped row is fed
+/// its last token and its results ignored, as transformers' batched `generate` does. `kept` holds
 /// the shared prefix afterwards. Row `r` draws from its own generator seeded with `seeds[r]`
 /// (one per prompt; `opts.seed` is not read), so it samples what [`generate_cached`] samples
 /// for its prompt alone with that seed.
@@ -853,9 +857,11 @@ pub fn generate_batch_cached<B: ModelOps>(
     let mut histories: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
     let mut outs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut running = vec![true; prompts.len()];
+    // The prompt each cache row holds: stopped rows leave the cache.
+    let mut live: Vec<usize> = (0..prompts.len()).collect();
     for step in 0..opts.tokens {
-        let mut next = Vec::with_capacity(prompts.len());
-        for (row, row_logits) in logits.chunks_exact(vocab).enumerate() {
+        let mut next = Vec::with_capacity(live.len());
+        for (&row, row_logits) in live.iter().zip(logits.chunks_exact(vocab)) {
             let last = histories[row].last().copied().unwrap_or(0);
             if !running[row] {
                 next.push(last);
@@ -876,6 +882,16 @@ pub fn generate_batch_cached<B: ModelOps>(
         }
         if !running.contains(&true) || step + 1 == opts.tokens {
             break;
+        }
+        // A stopped row still costs its share of every step (its products, its attention over
+        // its cache), and dropping rows copies the cache's kept rows, about one step's
+        // attention reads: rows go once a quarter of the batch has stopped.
+        let stopped = live.iter().filter(|&&row| !running[row]).count();
+        if stopped > 0 && stopped * DROP_STOPPED_SHARE >= live.len() {
+            let kept: Vec<usize> = (0..live.len()).filter(|&r| running[live[r]]).collect();
+            model.keep_rows(&mut cache, &kept)?;
+            next = kept.iter().map(|&r| next[r]).collect();
+            live = kept.iter().map(|&r| live[r]).collect();
         }
         logits = model.decode(&mut cache, &next)?;
     }

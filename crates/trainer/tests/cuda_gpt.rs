@@ -453,3 +453,49 @@ fn options_the_device_cannot_run_are_refused_before_it_is_touched() {
         device::check_options(&cfg, &bf16()).unwrap();
     }
 }
+
+/// A decode on the device: a prompt cached, repeated for three rows, a step of two tokens per
+/// row, rows dropped, and single-token steps past the first allocation's room. Every op the
+/// cache uses on the device (`write_seq`, `truncate_seq`, `concat_seq`, `select_batch`, the
+/// attention over the rows in use) against the CPU model's logits.
+fn assert_decoding_matches_cpu(cfg: ModelConfig) {
+    let cpu_model = Model::new(&Cpu::new(), cfg, bf16(), 5).unwrap();
+    let gpu_model = on_device(&cpu_model);
+    let v = cfg.vocab as u32;
+    let prompt: Vec<u32> = (0..7).map(|i| (i * 5 + 1) % v).collect();
+    let tails: Vec<u32> = (0..6).map(|i| (i * 11 + 2) % v).collect();
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        let err = relative_l2(got, want);
+        assert!(err <= 2e-2, "{what}: relative L2 {err}");
+    };
+    let (mut cpu_one, mut gpu_one) = (cpu_model.kv_cache(1), gpu_model.kv_cache(1));
+    let want = cpu_model.decode(&mut cpu_one, &prompt).unwrap();
+    close(
+        &gpu_model.decode(&mut gpu_one, &prompt).unwrap(),
+        &want,
+        "prompt",
+    );
+    let mut cpu_cache = cpu_model.repeat_cache(&cpu_one, 3).unwrap();
+    let mut gpu_cache = gpu_model.repeat_cache(&gpu_one, 3).unwrap();
+    let want = cpu_model.decode(&mut cpu_cache, &tails).unwrap();
+    close(
+        &gpu_model.decode(&mut gpu_cache, &tails).unwrap(),
+        &want,
+        "tails",
+    );
+    cpu_model.keep_rows(&mut cpu_cache, &[0, 2]).unwrap();
+    gpu_model.keep_rows(&mut gpu_cache, &[0, 2]).unwrap();
+    for step in 0..(cfg.max_seq - 9) as u32 {
+        let next = [(step * 3 + 1) % v, (step * 7 + 4) % v];
+        let want = cpu_model.decode(&mut cpu_cache, &next).unwrap();
+        let got = gpu_model.decode(&mut gpu_cache, &next).unwrap();
+        close(&got, &want, &format!("step {step}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decoding_with_a_shared_prompt_and_dropped_rows_matches_the_cpu() {
+    assert_decoding_matches_cpu(cfg());
+    assert_decoding_matches_cpu(llama());
+}

@@ -222,6 +222,84 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// A ragged batch that drops some rows decodes the rows it keeps to the bits the whole
+    /// batch gives them, step after step (decoding batches take their rows one by one), with
+    /// their padding, positions and room kept.
+    #[test]
+    fn kept_rows_decode_as_in_the_whole_batch(
+        family in 0usize..3,
+        bf16 in proptest::bool::ANY,
+        suffix_lens in proptest::collection::vec(1usize..7, 2..6),
+        keep_mask in 1u32..63,
+        steps in 1usize..5,
+        seed in 0usize..50,
+    ) {
+        let model = model_of(family, bf16, 24, 11);
+        let rows = suffix_lens.len();
+        let kept: Vec<usize> = (0..rows).filter(|&r| keep_mask & (1 << r) != 0).collect();
+        prop_assume!(!kept.is_empty());
+        let suffixes: Vec<Vec<u32>> = suffix_lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| tokens(n, 41, seed + 5 * i))
+            .collect();
+        let row_refs: Vec<&[u32]> = suffixes.iter().map(Vec::as_slice).collect();
+        let next: Vec<Vec<u32>> = (0..steps).map(|s| tokens(rows, 41, seed + 13 * s + 1)).collect();
+        let v = model.cfg.vocab;
+
+        let mut whole = model.kv_cache(rows);
+        let mut some = model.kv_cache(rows);
+        model.decode_ragged(&mut whole, &row_refs).unwrap();
+        model.decode_ragged(&mut some, &row_refs).unwrap();
+        // A first step grows both caches' room; the drop keeps it.
+        model.decode(&mut whole, &next[0]).unwrap();
+        model.decode(&mut some, &next[0]).unwrap();
+        let (capacity, bytes) = (some.capacity(), some.size_in_bytes());
+        model.keep_rows(&mut some, &kept).unwrap();
+        prop_assert_eq!((some.batch(), some.len(), some.capacity()), (kept.len(), whole.len(), capacity));
+        prop_assert_eq!(some.size_in_bytes() * rows, bytes * kept.len());
+        let padded = kept.iter().any(|&r| suffix_lens[r] < suffix_lens.iter().copied().max().unwrap());
+        prop_assert_eq!(some.is_padded(), padded);
+        for step in &next[1..] {
+            let all = model.decode(&mut whole, step).unwrap();
+            let own: Vec<u32> = kept.iter().map(|&r| step[r]).collect();
+            let got = model.decode(&mut some, &own).unwrap();
+            for (j, &r) in kept.iter().enumerate() {
+                prop_assert!(
+                    got[j * v..(j + 1) * v] == all[r * v..(r + 1) * v],
+                    "kept row {} (row {} of {})", j, r, rows
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_kept_rows_are_refused_and_change_nothing() {
+    let model = model_of(1, false, 12, 3);
+    let mut cache = model.kv_cache(3);
+    let rows = [tokens(2, 41, 1), tokens(4, 41, 2), tokens(3, 41, 3)];
+    let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    model.decode_ragged(&mut cache, &refs).unwrap();
+    let mut twin = model.kv_cache(3);
+    model.decode_ragged(&mut twin, &refs).unwrap();
+    for bad in [&[][..], &[1, 0], &[0, 0], &[0, 3], &[5]] {
+        let e = model.keep_rows(&mut cache, bad).unwrap_err().to_string();
+        assert!(e.contains("keep_rows"), "{e}");
+        assert_eq!((cache.batch(), cache.len()), (3, 4));
+    }
+    // All rows kept: nothing to do.
+    model.keep_rows(&mut cache, &[0, 1, 2]).unwrap();
+    let step = [7, 8, 9];
+    assert_eq!(
+        model.decode(&mut cache, &step).unwrap(),
+        model.decode(&mut twin, &step).unwrap()
+    );
+}
+
 /// A cache that runs out of room moves to one `KV_GROWTH` positions larger and decodes on as
 /// the full forward computes; at the context's end the room stops there.
 #[test]

@@ -838,6 +838,47 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
+    fn select_batch(
+        &self,
+        y: &mut CpuTensor,
+        x: &CpuTensor,
+        rows: &[usize],
+        positions: usize,
+    ) -> Result<()> {
+        let [n, h, ty, hs] = dims4("select_batch", y)?;
+        let [nx, hx, tx, hsx] = dims4("select_batch", x)?;
+        if (hx, hsx) != (h, hs)
+            || rows.len() != n
+            || positions > ty.min(tx)
+            || rows.iter().any(|&r| r >= nx)
+        {
+            return Err(bad(
+                "select_batch",
+                format!(
+                    "rows {rows:?}, {positions} positions, of {:?} into {:?}",
+                    x.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        if x.dtype() != y.dtype() {
+            return Err(bad("select_batch", "mixed dtypes".into()));
+        }
+        let position = hs * y.dtype().size_in_bytes();
+        let (len, from, to) = (positions * position, tx * position, ty * position);
+        if len == 0 {
+            return Ok(());
+        }
+        let src = x.as_bytes();
+        for (dst_row, &r) in y.as_bytes_mut().chunks_exact_mut(h * to).zip(rows) {
+            let src_row = &src[r * h * from..][..h * from];
+            for (dst, head) in dst_row.chunks_exact_mut(to).zip(src_row.chunks_exact(from)) {
+                dst[..len].copy_from_slice(&head[..len]);
+            }
+        }
+        Ok(())
+    }
+
     fn truncate_seq(&self, y: &mut CpuTensor, x: &CpuTensor) -> Result<()> {
         let [n, h, ty, hs] = dims4("truncate_seq", y)?;
         let [nx, hx, tx, hsx] = dims4("truncate_seq", x)?;

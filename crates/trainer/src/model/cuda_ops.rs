@@ -401,6 +401,42 @@ impl ModelOps for Cuda {
         Ok(())
     }
 
+    fn select_batch(
+        &self,
+        y: &mut CudaTensor,
+        x: &CudaTensor,
+        rows: &[usize],
+        positions: usize,
+    ) -> Result<()> {
+        let dims = |t: &CudaTensor| match *t.shape().dims() {
+            [n, h, t, hs] => Ok((n, h, t, hs)),
+            ref other => Err(bad("select_batch", format!("{other:?} is not 4-d"))),
+        };
+        let ((n, h, ty, hs), (nx, hx, tx, hsx)) = (dims(y)?, dims(x)?);
+        if (hx, hsx) != (h, hs)
+            || rows.len() != n
+            || positions > ty.min(tx)
+            || rows.iter().any(|&r| r >= nx)
+        {
+            return Err(bad(
+                "select_batch",
+                format!(
+                    "rows {rows:?}, {positions} positions, of {:?} into {:?}",
+                    x.shape().dims(),
+                    y.shape().dims()
+                ),
+            ));
+        }
+        // One copy-engine command per kept head: a batch drops rows a few times per batch.
+        for (j, &r) in rows.iter().enumerate() {
+            for i in 0..h {
+                let (from, to) = ((r * h + i) * tx * hs, (j * h + i) * ty * hs);
+                self.copy_elements(x, from, y, to, positions * hs)?;
+            }
+        }
+        Ok(())
+    }
+
     fn truncate_seq(&self, y: &mut CudaTensor, x: &CudaTensor) -> Result<()> {
         let dims = |t: &CudaTensor| match *t.shape().dims() {
             [n, h, t, hs] => Ok((n * h, t, hs)),

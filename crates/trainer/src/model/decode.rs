@@ -377,6 +377,58 @@ impl<B: ModelOps> Model<B> {
         self.logits_of_rows(x, rows)
     }
 
+    /// Keep only the sequences `rows` of `cache` (increasing indices into its batch, at least
+    /// one): a batch drops the rows that stopped generating, so later steps compute only what
+    /// is still wanted. Each kept row keeps its positions, padding and room (its positions in
+    /// use copied, one layer at a time, so the copy costs one layer's keys and values beside
+    /// the cache), and its later steps compute what they would have in the whole batch
+    /// (bitwise while the batch's products take its rows one by one, as decoding batches of
+    /// up to 16 rows do). A call refused for its `rows` changes nothing; one that fails while
+    /// copying leaves the cache empty, which decodes from the start.
+    pub fn keep_rows(&self, cache: &mut KvCache<B::Tensor>, rows: &[usize]) -> Result<()> {
+        let increasing = rows.windows(2).all(|w| w[0] < w[1]);
+        if rows.is_empty() || !increasing || rows.last().is_some_and(|&r| r >= cache.batch) {
+            return Err(TrainError::Input(format!(
+                "keep_rows: rows {rows:?} of a cache of {} sequences (increasing, at least one)",
+                cache.batch
+            )));
+        }
+        if rows.len() == cache.batch {
+            return Ok(());
+        }
+        let len = cache.len();
+        let select = |t: &B::Tensor| -> Result<B::Tensor> {
+            let mut dims = t.shape().dims().to_vec();
+            dims[0] = rows.len();
+            let _g = MemoryCategory::Activations.enter();
+            let mut kept = self.backend().uninit(dims, t.dtype())?;
+            self.backend().select_batch(&mut kept, t, rows, len)?;
+            Ok(kept)
+        };
+        let mut failed = None;
+        for layer in &mut cache.layers {
+            for t in [&mut layer.k, &mut layer.v] {
+                if let Some(old) = t.as_ref() {
+                    match select(old) {
+                        Ok(kept) => *t = Some(kept),
+                        Err(e) => failed = failed.or(Some(e)),
+                    }
+                }
+            }
+            if failed.is_some() {
+                break;
+            }
+        }
+        cache.hidden = rows.iter().map(|&r| cache.hidden[r].clone()).collect();
+        cache.batch = rows.len();
+        if let Some(e) = failed {
+            // Some layers hold the kept rows and some all of them: start the cache over.
+            *cache = self.kv_cache(rows.len());
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// A cache of `copies` sequences, each a copy of the one sequence `cache` holds: one
     /// context continued several ways in one batch (a question's choices after its keys and
     /// values, computed once). The copies are laid end to end through the sequence-axis

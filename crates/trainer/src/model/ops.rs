@@ -258,6 +258,18 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         rows: usize,
     ) -> Result<()>;
 
+    /// The first `positions` positions of each head of batch row `j` of `y` `[By, H, Ty, hs]`
+    /// = those of batch row `rows[j]` of `x` `[Bx, H, Tx, hs]` (same dtype, any; one entry
+    /// of `rows` per row of `y`, each below `Bx`; `positions ≤ Ty, Tx`), the rest of `y`
+    /// untouched: how a KV cache keeps the sequences still generating. A copy, bitwise.
+    fn select_batch(
+        &self,
+        y: &mut Self::Tensor,
+        x: &Self::Tensor,
+        rows: &[usize],
+        positions: usize,
+    ) -> Result<()>;
+
     /// Token embedding plus, when given, the learned position embedding: `y` `[B, T, C]`
     /// from `tokens` `[B·T]` (host ids, checked below the vocab by the caller).
     fn embed(
