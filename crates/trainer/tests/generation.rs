@@ -493,13 +493,11 @@ fn described(filters: &[FilterPipeline]) -> Vec<(String, Vec<String>)> {
         .collect()
 }
 
-#[test]
-fn the_gsm8k_preset_is_lm_evals_gsm8k_task() {
-    let fixture = fixture();
-    let want = &fixture["gsm8k"];
-    let preset = TaskPreset::named("gsm8k").unwrap();
+/// A preset's stop strings, sampling switch, filters, exact_match settings and shots against
+/// lm-eval's task as the fixture holds it.
+fn assert_preset_is_lm_evals(preset: &TaskPreset, want: &serde_json::Value) {
     assert_eq!(preset.until, strings(&want["until"]));
-    assert_eq!(want["do_sample"], false);
+    assert_eq!(preset.do_sample, want["do_sample"].as_bool());
     assert_eq!(
         described(&preset.filters),
         described(&FilterPipeline::parse_list(&want["filter_list"]).unwrap())
@@ -528,6 +526,14 @@ fn the_gsm8k_preset_is_lm_evals_gsm8k_task() {
         preset.num_fewshot as u64,
         want["num_fewshot"].as_u64().unwrap()
     );
+}
+
+#[test]
+fn the_gsm8k_preset_is_lm_evals_gsm8k_task() {
+    let fixture = fixture();
+    let preset = TaskPreset::named("gsm8k").unwrap();
+    assert_preset_is_lm_evals(&preset, &fixture["gsm8k"]);
+    assert_eq!(fixture["gsm8k"]["do_sample"], false);
     // A GSM8K answer and a generation in its format.
     let answer = "Natalia sold 48/2 = 24 clips in May.\n#### 72";
     let generated = " She sold 48 + 24 = 72 clips.\n#### 72.\n\n";
@@ -850,30 +856,12 @@ fn the_self_consistency_preset_is_lm_evals_task() {
     let fixture = fixture();
     let want = &fixture["gsm8k_cot_self_consistency"];
     let preset = TaskPreset::named("gsm8k_cot_self_consistency").unwrap();
-    assert_eq!(preset.until, strings(&want["until"]));
-    assert_eq!(preset.do_sample, want["do_sample"].as_bool());
+    assert_preset_is_lm_evals(&preset, want);
     assert_eq!(
         preset.temperature.map(f64::from),
         want["temperature"].as_f64().map(|t| t as f32 as f64)
     );
     assert_eq!(preset.repeats as u64, want["repeats"].as_u64().unwrap());
-    assert_eq!(
-        preset.num_fewshot as u64,
-        want["num_fewshot"].as_u64().unwrap()
-    );
-    assert_eq!(
-        described(&preset.filters),
-        described(&FilterPipeline::parse_list(&want["filter_list"]).unwrap())
-    );
-    let metric = metric_of(&want["metric"]);
-    let patterns = |m: &ExactMatch| -> Vec<String> {
-        m.regexes_to_ignore
-            .iter()
-            .map(|r| r.pattern().to_owned())
-            .collect()
-    };
-    assert_eq!(patterns(&preset.metric), patterns(&metric));
-    assert_eq!(preset.metric.ignore_case, metric.ignore_case);
     // Its examples: `doc_to_text` of each sample, and its target, in order (`first_n`).
     assert_eq!(want["fewshot_sampler"], "first_n");
     assert_eq!(want["doc_to_text"], "Q: {{question}}\nA:");
