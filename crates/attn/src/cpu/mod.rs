@@ -454,12 +454,16 @@ fn f32_buffers<const N: usize>(cpu: &Cpu, lens: [usize; N]) -> Result<[CpuTensor
 
 /// The forward of a grouped problem (see [`HeadGroups`]): `output` in the inputs' dtype
 /// (allocated in the caller's category), each group's f32 output narrowed into it.
+///
+/// `k` and `v` hold `kv_stride ≥ dims.kv_len` rows per head, of which the first `kv_len` are
+/// widened (a KV cache's room is never read).
 fn grouped_forward(
     cpu: &Cpu,
     (q, k, v): (&CpuTensor, &CpuTensor, &CpuTensor),
     config: &AttentionConfig,
     dims: AttentionDims,
     documents: Option<&DocumentMask>,
+    kv_stride: usize,
 ) -> Result<AttentionForward<CpuTensor>> {
     let mut output = cpu.zeros(dims.q_shape(), dims.dtype)?;
     let mut logsumexp = {
@@ -485,8 +489,23 @@ fn grouped_forward(
         );
         cpu.install(|| -> Result<()> {
             widen(sub(&qs, qr.clone())?, qf);
-            widen(sub(&ks, kr.clone())?, kf);
-            widen(sub(&vs, kr.clone())?, vf);
+            if kv_stride == dims.kv_len {
+                widen(sub(&ks, kr.clone())?, kf);
+                widen(sub(&vs, kr.clone())?, vf);
+            } else {
+                // Head by head: each one's rows in use, without the room after them.
+                let head = dims.kv_len * dims.head_dim;
+                let first = kr.start / head.max(1);
+                for (i, (kh, vh)) in kf
+                    .chunks_exact_mut(head.max(1))
+                    .zip(vf.chunks_exact_mut(head.max(1)))
+                    .enumerate()
+                {
+                    let at = (first + i) * kv_stride * dims.head_dim;
+                    widen(sub(&ks, at..at + head)?, kh);
+                    widen(sub(&vs, at..at + head)?, vh);
+                }
+            }
             Ok(())
         })?;
         let problem = Problem {
@@ -740,7 +759,7 @@ fn forward(
         check_documents(&dims, config, documents)?;
     }
     if HeadGroups::applies(&dims, config.algorithm) && dims.q_len > 0 && dims.kv_len > 0 {
-        return grouped_forward(cpu, (q, k, v), config, dims, documents);
+        return grouped_forward(cpu, (q, k, v), config, dims, documents, dims.kv_len);
     }
     forward_f32(cpu, (q, k, v), config, documents, dims, dims.kv_len)
 }
@@ -809,8 +828,12 @@ impl AttentionBackend for Cpu {
         if let Some(documents) = documents {
             check_documents(&dims, config, documents)?;
         }
-        // Low-precision inputs are widened whole (room included) instead of by groups of
-        // heads, whose buffers assume exact-length heads: a copy the f32 cache avoids.
+        // Low-precision inputs are widened a group of heads at a time, each head's rows in use
+        // alone, as the exact-length forward widens them (so the same bits).
+        if HeadGroups::applies(&dims, config.algorithm) && dims.q_len > 0 && dims.kv_len > 0 {
+            let f = grouped_forward(self, (q, k, v), config, dims, documents, stored.kv_len)?;
+            return Ok(f.output);
+        }
         let f = forward_f32(self, (q, k, v), config, documents, dims, stored.kv_len)?;
         Ok(f.output)
     }
