@@ -20,6 +20,10 @@ continuation) for two committed transformers models, each with a tokenizer writt
 - `gpt2`: `fixtures/hf-gpt2-sharded` with the story tokenizer (adds nothing; no BOS, so the
   prefix token is EOS `</s>`), target delimiter " ".
 
+With lm-eval's `gen_prefix` (the answer's start after each question and before each example's
+answer): in plain text, and through the chat template (examples as turns or in one user
+message), where the prefix is the assistant's turn continued.
+
 Winogrande's documents (`choices/winogrande.jsonl`), scored as lm-eval's multiple input with
 its `winogrande` task's split (each option filling the blank is a context, the rest of the
 sentence is scored after each): zero-shot with both pairs, and one example drawn from the
@@ -245,7 +249,41 @@ CHAT_RUNS = [
          "chat": {"multiturn": True}},
     ),
 ]
-RUNS += CHAT_RUNS
+# lm-eval's `gen_prefix`: the answer's start after the question (a few-shot example's answer
+# starts with it too); through the chat template it is the assistant's turn, continued, and
+# the choice follows it after the target delimiter unless it ends with whitespace.
+GEN_PREFIX_RUNS = [
+    (
+        "llama_gen_prefix",
+        "hf-llama-gqa-untied",
+        "llama",
+        " ",
+        "questions.jsonl",
+        {"shots": 1, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "gen_prefix": "The ending is"},
+    ),
+    (
+        "llama_chat_gen_prefix",
+        "hf-llama-gqa-untied",
+        "chat",
+        " ",
+        "questions.jsonl",
+        {"shots": 1, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "gen_prefix": "Answer:",
+         "chat": {"multiturn": True}},
+    ),
+    (
+        "llama_chat_single_gen_prefix",
+        "hf-llama-gqa-untied",
+        "chat",
+        " ",
+        "questions.jsonl",
+        {"shots": 1, "file": None, "sampler": "default", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "gen_prefix": "Pick: ",
+         "chat": {"multiturn": False}},
+    ),
+]
+RUNS += CHAT_RUNS + GEN_PREFIX_RUNS
 NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}"
     "{{ raise_exception('no system messages') }}{% endif %}"
@@ -485,6 +523,8 @@ def run(directory, questions_path, delimiter, tmp, fewshot=None):
             "description": fewshot["description"],
             "fewshot_delimiter": fewshot["delimiter"],
         }
+        if fewshot.get("gen_prefix"):
+            fields["gen_prefix"] = fewshot["gen_prefix"]
     task = json_task(
         "headroom_choices",
         questions_path,

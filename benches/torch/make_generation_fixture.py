@@ -29,7 +29,11 @@ and the tokenizers `make_choices_fixture.py` saves (`fixtures/choices/<tokenizer
 - `llama_sampled_repeats`: `do_sample: true` at temperature 0.7, `repeats: 5`, the same
   filters. Its texts are torch's draws, which headroom's generator does not reproduce: the
   Rust test feeds lm-eval's texts to headroom's filters and metric and compares the answers,
-  flags and aggregates.
+  flags and aggregates;
+- `llama_gen_prefix`, `llama_chat_gen_prefix`, `llama_chat_single_gen_prefix`: a `gen_prefix`
+  (the answer's start, which the model continues) in plain text, through the chat template
+  with examples as turns (`continue_final_message`), and with them in one user message and a
+  prefix ending in a space.
 
 Targets are set from a first run's answers (half the documents right, some in another
 case; the sampled run's from its own first run, which draws the same with the same seeds),
@@ -228,6 +232,49 @@ RUNS = [
         },
         None,
     ),
+    (
+        "llama_gen_prefix",
+        "hf-llama-gqa-untied",
+        "llama",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n"], "do_sample": False, "max_gen_toks": 5},
+            "gen_prefix": "The answer is",
+            "filter_list": None,
+            "metric": {},
+        },
+        {"shots": 2, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n"},
+    ),
+    (
+        "llama_chat_gen_prefix",
+        "hf-llama-gqa-untied",
+        "chat",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n\n"], "do_sample": False, "max_gen_toks": 5},
+            "gen_prefix": "Answer:",
+            "filter_list": None,
+            "metric": {},
+        },
+        {"shots": 1, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "chat": {"multiturn": True}},
+    ),
+    (
+        "llama_chat_single_gen_prefix",
+        "hf-llama-gqa-untied",
+        "chat",
+        "docs.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n\n"], "do_sample": False, "max_gen_toks": 5},
+            "gen_prefix": "So: ",
+            "filter_list": None,
+            "metric": {},
+        },
+        {"shots": 1, "file": "fewshot.jsonl", "sampler": "first_n", "seed": 1234,
+         "description": "", "delimiter": "\n\n", "system_instruction": "Be brief.",
+         "chat": {"multiturn": False}},
+    ),
 ]
 
 # lm-eval's filter pipelines on hand-made responses: (steps, responses).
@@ -372,6 +419,8 @@ def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
     extra = {}
     if fields.get("repeats"):
         extra["repeats"] = fields["repeats"]
+    if fields.get("gen_prefix"):
+        extra["gen_prefix"] = fields["gen_prefix"]
     if fields["filter_list"]:
         extra["filter_list"] = fields["filter_list"]
     if fewshot:
@@ -495,6 +544,7 @@ def make():
                 "docs_file": docs_file,
                 "generation_kwargs": fields["generation_kwargs"],
                 "repeats": fields.get("repeats", 1),
+                **({"gen_prefix": fields["gen_prefix"]} if fields.get("gen_prefix") else {}),
                 "filter_list": fields["filter_list"],
                 "metric": fields["metric"],
                 **({"fewshot": fewshot} if fewshot else {}),

@@ -365,6 +365,10 @@ pub struct Fewshot<E = Doc> {
     pub system_instruction: Option<String>,
     /// Text after each example (`fewshot_delimiter`, `"\n\n"` in lm-eval).
     pub delimiter: String,
+    /// Text the answer starts with (lm-eval's `gen_prefix`, such as `"The best answer is"`):
+    /// the start of the assistant's turn after the question, which the model continues, and
+    /// before each example's answer. `None` (or empty) for none.
+    pub gen_prefix: Option<String>,
 }
 
 /// One message of a prompt as lm-eval builds it (its `Message`): as plain text, the content
@@ -401,22 +405,38 @@ pub enum PromptFormat<'a> {
     },
 }
 
+/// Whether `c` is whitespace to Python's `str.isspace`.
+fn python_space(c: Option<char>) -> bool {
+    c.is_some_and(|c| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
+}
+
+/// Whether joining `prefix` and `suffix` takes a delimiter: neither has whitespace at the
+/// join and `prefix` is not empty (lm-eval's `requires_delimiter`).
+fn requires_delimiter(prefix: &str, suffix: &str) -> bool {
+    !(prefix.is_empty()
+        || python_space(prefix.chars().last())
+        || python_space(suffix.chars().next()))
+}
+
+/// Whether `text` ends with whitespace (lm-eval's `ends_with_whitespace`): after a
+/// `gen_prefix` that does not, a chat-rendered choice takes the target delimiter.
+pub fn ends_with_whitespace(text: &str) -> bool {
+    python_space(text.chars().last())
+}
+
 /// `prefix` and `suffix` joined by `delimiter` unless either has whitespace at the join
 /// (lm-eval's `maybe_delimit`, with Python's `isspace`).
 fn maybe_delimit(prefix: &str, suffix: &str, delimiter: &str) -> String {
-    let python_space = |c: Option<char>| {
-        c.is_some_and(|c| c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c))
-    };
     if prefix.is_empty() {
         return suffix.to_owned();
     }
     if suffix.is_empty() {
         return prefix.to_owned();
     }
-    if python_space(prefix.chars().last()) || python_space(suffix.chars().next()) {
-        format!("{prefix}{suffix}")
-    } else {
+    if requires_delimiter(prefix, suffix) {
         format!("{prefix}{delimiter}{suffix}")
+    } else {
+        format!("{prefix}{suffix}")
     }
 }
 
@@ -425,7 +445,10 @@ fn maybe_delimit(prefix: &str, suffix: &str, delimiter: &str) -> String {
 /// delimiter) if there is one, each example as the user's context (then `target_delimiter`)
 /// and the assistant's gold choice (then the few-shot delimiter), then the question's
 /// context. An example must have one gold answer (lm-eval fails on one with several), and the
-/// pool must hold enough questions.
+/// pool must hold enough questions. With a `gen_prefix` (lm-eval's `build_qa_turn`), each
+/// example's answer is the prefix and the answer joined by a space where neither has one, the
+/// question's context takes the target delimiter only where it and the prefix have no
+/// whitespace between them, and the prompt ends with an assistant turn of the prefix alone.
 pub fn fewshot_turns<E: Example>(
     questions: &[E],
     fewshot: &Fewshot<E>,
@@ -503,17 +526,35 @@ pub fn fewshot_turns<E: Example>(
             if !system.is_empty() {
                 turns.push(turn("system", &system, ""));
             }
+            let prefix = fewshot.gen_prefix.as_deref().unwrap_or("");
+            // After a question: the target delimiter before an answer, or before the prefix
+            // where the two would otherwise touch.
+            let after = |question: &str| {
+                if prefix.is_empty() || requires_delimiter(question, prefix) {
+                    target_delimiter
+                } else {
+                    ""
+                }
+            };
             for i in chosen {
-                turns.push(turn("user", pool[i].context(), target_delimiter));
-                turns.push(turn("assistant", answer(i)?, &fewshot.delimiter));
+                turns.push(turn("user", pool[i].context(), after(pool[i].context())));
+                let shown = maybe_delimit(prefix, answer(i)?, " ");
+                turns.push(turn("assistant", &shown, &fewshot.delimiter));
             }
-            turns.push(turn("user", doc.prompt(), ""));
+            if prefix.is_empty() {
+                turns.push(turn("user", doc.prompt(), ""));
+            } else {
+                turns.push(turn("user", doc.prompt(), after(doc.prompt())));
+                turns.push(turn("assistant", prefix, ""));
+            }
             Ok(turns)
         })
         .collect()
 }
 
-/// A prompt's context text in `format` (lm-eval's, character for character).
+/// A prompt's context text in `format` (lm-eval's, character for character). A prompt that
+/// ends with an assistant turn (a `gen_prefix`) is rendered continuing that turn
+/// (`continue_final_message`) instead of opening a new one.
 pub fn render_prompt(turns: &[Turn], format: PromptFormat<'_>) -> Result<String> {
     let plain = |turns: &[Turn]| -> String {
         turns
@@ -540,21 +581,28 @@ pub fn render_prompt(turns: &[Turn], format: PromptFormat<'_>) -> Result<String>
         .map(|s| message(s.role, &s.content))
         .into_iter()
         .collect();
+    let (asked, continued) = match rest.split_last() {
+        Some((last, before)) if last.role == "assistant" => (before, Some(last)),
+        _ => (rest, None),
+    };
     if multiturn {
         messages.extend(rest.iter().map(|t| message(t.role, &t.content)));
     } else {
-        // One user message: the turns as plain text, the last one's delimiter left off.
-        let mut text = plain(rest);
-        if let Some(last) = rest.last() {
+        // One user message: the turns as plain text, the last one's delimiter left off; then
+        // the prefix's assistant turn, if any.
+        let mut text = plain(asked);
+        if let Some(last) = asked.last() {
             text.truncate(text.len() - last.delimiter.len());
         }
         messages.push(message("user", &text));
+        messages.extend(continued.map(|t| message(t.role, &t.content)));
     }
     let render = |messages: &[crate::chat_template::ChatValue]| {
         template
             .render_request(&crate::chat_template::ChatRequest {
                 messages,
-                add_generation_prompt: true,
+                add_generation_prompt: continued.is_none(),
+                continue_final_message: continued.map(|_| "content"),
                 extra,
                 ..Default::default()
             })
@@ -1105,6 +1153,7 @@ mod tests {
                 description: "D|".into(),
                 system_instruction: None,
                 delimiter: "|".into(),
+                gen_prefix: None,
             };
             let contexts = match fewshot_contexts(&questions, &fewshot, "=") {
                 Ok(c) => c,
@@ -1164,6 +1213,7 @@ mod tests {
             description: String::new(),
             system_instruction: Some("Be brief.".into()),
             delimiter: "\n\n".into(),
+            gen_prefix: None,
         };
         assert_eq!(
             fewshot_contexts(&questions, &fewshot, " ").unwrap(),

@@ -317,6 +317,12 @@ struct EvalArgs {
     /// "The following are multiple choice questions (with answers) about …\n\n").
     #[arg(long, value_name = "TEXT", requires = "prompted")]
     description: Option<String>,
+    /// With --choices or --generate: the text each answer starts with (lm-eval's
+    /// `gen_prefix`, such as "The best answer is"): the prompt ends with it (as the start of
+    /// the assistant's turn under --apply-chat-template) and each few-shot example's answer
+    /// begins with it.
+    #[arg(long, value_name = "TEXT", requires = "prompted")]
+    gen_prefix: Option<String>,
     /// With --choices or --generate: a system prompt before the description (lm-eval's
     /// `--system_instruction`; the system message under --apply-chat-template).
     #[arg(long, value_name = "TEXT", requires = "prompted")]
@@ -3010,6 +3016,7 @@ fn fewshot_of<E>(
         description: a.description.clone().unwrap_or_default(),
         system_instruction: a.system_instruction.clone(),
         delimiter: a.fewshot_delimiter.clone(),
+        gen_prefix: a.gen_prefix.clone().filter(|p| !p.is_empty()),
     })
 }
 
@@ -3226,8 +3233,16 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         || a.description.is_some()
         || a.system_instruction.is_some()
         || a.apply_chat_template
+        || a.gen_prefix.is_some()
     {
         let docs = choices::read_docs(path)?;
+        if a.gen_prefix.is_some() && docs.iter().any(|d| d.question.continuation.is_some()) {
+            return Err(
+                "--gen-prefix with multiple-input questions (Winogrande's): lm-eval puts the \
+                 prefix after each choice's context, which is not done here"
+                    .into(),
+            );
+        }
         if a.apply_chat_template && docs.iter().any(|d| d.question.continuation.is_some()) {
             return Err(
                 "--apply-chat-template with multiple-input questions (Winogrande's): \
@@ -3258,12 +3273,16 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
             })
             .collect::<crate::Result<_>>()?,
     };
-    // lm-eval scores a choice right after the chat template's generation prompt.
-    let delimiter = if a.apply_chat_template {
-        ""
-    } else {
-        &a.target_delimiter
-    };
+    // lm-eval scores a choice right after the chat template's generation prompt, or after a
+    // gen_prefix continued in the assistant's turn, the target delimiter between them unless
+    // the prefix ends with whitespace.
+    let prefix = a.gen_prefix.as_deref().unwrap_or("");
+    let delimiter =
+        if a.apply_chat_template && (prefix.is_empty() || choices::ends_with_whitespace(prefix)) {
+            ""
+        } else {
+            &a.target_delimiter
+        };
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
     let report = choices::evaluate(&model, &tok, &questions, delimiter, |i, o: &Outcome| {

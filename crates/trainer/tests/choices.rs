@@ -119,7 +119,7 @@ fn assert_report_is_lm_evals(name: &str, report: &choices::ChoicesReport, run: &
 fn every_run_scores_as_lm_eval_scores_it() {
     let fixture = fixture();
     let runs = fixture["runs"].as_object().unwrap();
-    assert_eq!(runs.len(), 12);
+    assert_eq!(runs.len(), 15);
     let (mut questions_checked, mut greedy_seen, mut fewshot_runs) = (0, 0, 0);
     for (name, run) in runs {
         let (model, tok) = model_and_tokenizer(run);
@@ -148,6 +148,7 @@ fn every_run_scores_as_lm_eval_scores_it() {
                     description: f["description"].as_str().unwrap().to_owned(),
                     system_instruction: f["system_instruction"].as_str().map(str::to_owned),
                     delimiter: f["delimiter"].as_str().unwrap().to_owned(),
+                    gen_prefix: f["gen_prefix"].as_str().map(str::to_owned),
                 };
                 let turns = choices::fewshot_turns(&docs, &fewshot, delimiter).unwrap();
                 let template = f.get("chat").map(|_| tok.chat_template().unwrap().unwrap());
@@ -164,8 +165,13 @@ fn every_run_scores_as_lm_eval_scores_it() {
                     .unwrap_or_default();
                 let format = match (&template, f.get("chat")) {
                     (Some(template), Some(chat)) => {
-                        // lm-eval scores a choice right after the generation prompt.
-                        delimiter = "";
+                        // lm-eval scores a choice right after the generation prompt, or after
+                        // a gen_prefix with the target delimiter unless the prefix ends with
+                        // whitespace.
+                        let prefix = fewshot.gen_prefix.as_deref().unwrap_or("");
+                        if prefix.is_empty() || choices::ends_with_whitespace(prefix) {
+                            delimiter = "";
+                        }
                         choices::PromptFormat::Chat {
                             template,
                             multiturn: chat["multiturn"].as_bool().unwrap(),
@@ -206,8 +212,9 @@ fn every_run_scores_as_lm_eval_scores_it() {
         }
         assert_report_is_lm_evals(name, &report, run);
     }
-    assert_eq!(fewshot_runs, 8);
-    assert_eq!(questions_checked, 10 * 12 + 3 + 4);
+    assert_eq!(fewshot_runs, 11);
+    // The three gen_prefix runs score the 12 questions of questions.jsonl each.
+    assert_eq!(questions_checked, 10 * 12 + 3 + 4 + 3 * 12);
     // Greedy continuations were found and matched, not only their absence.
     assert!(greedy_seen >= 3, "{greedy_seen}");
 }
@@ -236,6 +243,7 @@ fn winogrande_documents_score_as_lm_evals_multiple_input() {
             description: String::new(),
             system_instruction: None,
             delimiter: "\n\n".into(),
+            gen_prefix: None,
         };
         let contexts = choices::fewshot_contexts(&docs, &fewshot, " ").unwrap();
         let questions: Vec<Question> = docs
@@ -826,4 +834,56 @@ fn documents_score_as_lm_eval_s_rolling_log_likelihood() {
 
 fn choices_documents() -> PathBuf {
     fixtures().join("choices/documents.jsonl")
+}
+
+#[test]
+fn headroom_eval_choices_takes_lm_evals_gen_prefix() {
+    let fixture = fixture();
+    let questions = fixtures().join("choices/questions.jsonl");
+    let fewshot_file = fixtures().join("choices/fewshot.jsonl");
+    // Through the chat template (the prefix continued as the assistant's turn, the choice
+    // after the target delimiter) and in plain text.
+    for (name, tokenizer, chat) in [
+        ("llama_chat_gen_prefix", "chat", true),
+        ("llama_gen_prefix", "llama", false),
+    ] {
+        let run = &fixture["runs"][name];
+        let mut args = vec![
+            "--choices",
+            questions.to_str().unwrap(),
+            "--gen-prefix",
+            run["fewshot"]["gen_prefix"].as_str().unwrap(),
+            "--num-fewshot",
+            "1",
+            "--fewshot-file",
+            fewshot_file.to_str().unwrap(),
+            "--fewshot-sampler",
+            "first-n",
+        ];
+        if chat {
+            args.push("--apply-chat-template");
+        }
+        let o = eval_llama(tokenizer, &args);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let line = format!(
+            "acc          {:.4} ± {:.4}",
+            run["metrics"]["acc"].as_f64().unwrap(),
+            run["stderr"]["acc"].as_f64().unwrap()
+        );
+        assert!(out.contains(&line), "{name}: {line:?} in {out}");
+    }
+    // Winogrande's multiple input takes no prefix here.
+    let winogrande = fixtures().join("choices/winogrande.jsonl");
+    let o = eval_llama(
+        "llama",
+        &[
+            "--choices",
+            winogrande.to_str().unwrap(),
+            "--gen-prefix",
+            "Answer:",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--gen-prefix with multiple-input"));
 }

@@ -90,7 +90,7 @@ fn strings(v: &serde_json::Value) -> Vec<String> {
 fn every_run_generates_and_scores_as_lm_eval() {
     let fixture = fixture();
     let runs = fixture["runs"].as_object().unwrap();
-    assert_eq!(runs.len(), 7);
+    assert_eq!(runs.len(), 10);
     let (mut docs_checked, mut right, mut nonempty_fallbacks) = (0, 0, 0);
     for (name, run) in runs {
         if run["generation_kwargs"]["do_sample"] == true {
@@ -120,6 +120,7 @@ fn every_run_generates_and_scores_as_lm_eval() {
                     description: String::new(),
                     system_instruction: None,
                     delimiter: fewshot_delimiter.clone(),
+                    gen_prefix: run["gen_prefix"].as_str().map(str::to_owned),
                 },
                 " ",
             )
@@ -141,6 +142,7 @@ fn every_run_generates_and_scores_as_lm_eval() {
                     description: f["description"].as_str().unwrap().to_owned(),
                     system_instruction: f["system_instruction"].as_str().map(str::to_owned),
                     delimiter: fewshot_delimiter.clone(),
+                    gen_prefix: run["gen_prefix"].as_str().map(str::to_owned),
                 };
                 choices::fewshot_turns(&docs, &fewshot, " ").unwrap()
             }
@@ -253,7 +255,7 @@ fn every_run_generates_and_scores_as_lm_eval() {
         }
     }
     // The fixture exercises what it means to: right answers and fallbacks both occur.
-    assert_eq!(docs_checked, 45);
+    assert_eq!(docs_checked, 69);
     assert!(right >= 5, "{right} right answers");
     assert!(nonempty_fallbacks >= 2);
 }
@@ -469,6 +471,39 @@ fn headroom_eval_generate_prints_lm_evals_metrics_and_samples() {
     let out = self_consistency("4");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("take_first_k 8"));
+    // --gen-prefix: lm-eval's texts after the prefix, examples answered with it.
+    let run = &fixture["runs"]["llama_gen_prefix"];
+    let prefixed = dir.path().join("prefixed.jsonl");
+    let out = common::headroom_command()
+        .args(&args[..7])
+        .args(["--gen-prefix", run["gen_prefix"].as_str().unwrap()])
+        .args([
+            "--num-fewshot",
+            "2",
+            "--fewshot-sampler",
+            "first-n",
+            "--fewshot-file",
+        ])
+        .arg(fixtures().join("generation/fewshot.jsonl"))
+        .args(["--until", "\n", "--max-gen-toks", "5", "--samples"])
+        .arg(&prefixed)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&prefixed)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let want = run["docs"].as_array().unwrap();
+    assert_eq!(lines.len(), want.len());
+    for (got, w) in lines.iter().zip(want) {
+        assert_eq!(got["response"], w["response"]);
+    }
 }
 
 /// A pipeline's steps in words, to compare two.
