@@ -1033,23 +1033,28 @@ pub fn evaluate<B: ModelOps>(
     } else {
         settings.repeats
     };
-    // (document, repeat) for every generation, a document's repeats side by side.
-    let mut order: Vec<(usize, usize)> = (0..docs.len())
-        .flat_map(|d| (0..runs).map(move |r| (d, r)))
-        .collect();
+    let mut doc_order: Vec<usize> = (0..docs.len()).collect();
     if settings.batch_size > 1 {
         // lm-eval's batched generate_until runs the longest prompts first (its Collator), so a
         // batch's tails pad little; the answers still come back in document order.
-        order.sort_by_key(|&(d, _)| std::cmp::Reverse(prompts[d].len()));
+        doc_order.sort_by_key(|&d| std::cmp::Reverse(prompts[d].len()));
     }
+    // (document, repeat) for every generation, a document's repeats side by side, made as
+    // the batches take them (documents × repeats can be large).
+    let mut generations = doc_order
+        .iter()
+        .flat_map(|&d| (0..runs).map(move |r| (d, r)));
     let seed_of = |(d, r): (usize, usize)| derive_seed(&[settings.seed, d as u64, r as u64]);
-    // Each generation's new tokens and reused prompt positions, until its document's turn to
-    // be reported.
-    type Run = Option<(Vec<u32>, usize)>;
-    let mut done: Vec<Vec<Run>> = vec![vec![None; runs]; docs.len()];
+    // Each document's finished generations (repeat, new tokens, reused prompt positions),
+    // until its turn to be reported.
+    let mut done: Vec<Vec<(usize, Vec<u32>, usize)>> = vec![Vec::new(); docs.len()];
     let mut next = 0;
-    for batch in order.chunks(settings.batch_size) {
-        let (generations, reused) = if let [(d, r)] = batch[..] {
+    loop {
+        let batch: Vec<(usize, usize)> = generations.by_ref().take(settings.batch_size).collect();
+        if batch.is_empty() {
+            break;
+        }
+        let (outputs, reused) = if let [(d, r)] = batch[..] {
             let mut generated = Vec::new();
             let this = SampleOptions {
                 seed: seed_of((d, r)),
@@ -1071,17 +1076,19 @@ pub fn evaluate<B: ModelOps>(
                 ))
             })?
         };
-        for ((&(d, r), new), reused) in batch.iter().zip(generations).zip(reused) {
-            done[d][r] = Some((new, reused));
+        for ((&(d, r), new), reused) in batch.iter().zip(outputs).zip(reused) {
+            done[d].push((r, new, reused));
         }
         // Report in document order, as soon as every earlier document is done.
-        while next < docs.len() && done[next].iter().all(Option::is_some) {
+        while next < docs.len() && done[next].len() == runs {
             let (i, doc, prompt) = (next, &docs[next], &prompts[next]);
             next += 1;
             let in_doc = in_doc(i);
             let mut responses = Vec::with_capacity(settings.repeats);
             let (mut generated, mut reused) = (0, 0);
-            for (new, r) in done[i].iter_mut().filter_map(Option::take) {
+            let mut finished = std::mem::take(&mut done[i]);
+            finished.sort_by_key(|&(r, _, _)| r);
+            for (_, new, r) in finished {
                 responses.push(cut_at_stops(&tok.decode_skipping_special(&new)?, &until));
                 generated += new.len();
                 reused += r;
