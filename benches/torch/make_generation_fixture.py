@@ -291,6 +291,11 @@ FILTER_CASES = [
     ([["remove_whitespace", None], ["lowercase", None], ["majority_vote", None],
       ["take_first", None]], [" A", "a ", "B", "b", "b"]),
     ([["take_first_k", {"k": 3}], ["take_first", None]], ["1", "2", "3", "4"]),
+    ([["map", {"mapping_dict": {"A": "yes", "B": "no"}, "default_value": "?"}],
+      ["majority_vote", None], ["take_first", None]], ["A", "C", "B", "C", "B"]),
+    ([["regex", {"regex_pattern": r"\b([AB])\b"}],
+      ["map", {"mapping_dict": {"A": "first", "B": "second", "[invalid]": "none"}}],
+      ["take_first", None]], ["so B it is"]),
 ]
 
 # Python's regex dialect: (pattern, text) for findall and sub, and lm-eval's RegexFilter.

@@ -258,7 +258,8 @@ struct EvalArgs {
     /// With --generate: the task's `filter_list` as JSON (a file, or the JSON itself), each
     /// filter a name and its steps (`regex` with `regex_pattern`, `group_select`,
     /// `fallback`; `remove_whitespace`, `lowercase`, `uppercase`; `take_first_k` with `k`,
-    /// `majority_vote`; then `take_first`) [default: lm-eval's `none`, the whole answer].
+    /// `majority_vote`; `map` with `mapping_dict` and `default_value`; then `take_first`)
+    /// [default: lm-eval's `none`, the whole answer].
     #[arg(long, value_name = "FILE|JSON", requires = "generate")]
     filters: Option<String>,
     /// With --generate: exact_match compares in lower case (`ignore_case`).

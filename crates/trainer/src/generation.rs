@@ -378,6 +378,14 @@ pub enum FilterStep {
     /// `majority_vote`: the response given most often, the first given among equals
     /// (`Counter.most_common(1)`, which keeps first-seen order).
     MajorityVote,
+    /// `map`: each response replaced by its entry in `mapping_dict`, else `default_value`
+    /// (an error without one: lm-eval would pass `None` on to the metric).
+    Map {
+        /// The entries (text to text).
+        mapping: Vec<(String, String)>,
+        /// The text for a response without an entry.
+        default: Option<String>,
+    },
 }
 
 /// A named filter (a task's `filter_list` entry): its steps over a document's responses (one
@@ -469,6 +477,36 @@ impl FilterPipeline {
                     "lowercase" => FilterStep::Lowercase,
                     "uppercase" => FilterStep::Uppercase,
                     "majority_vote" => FilterStep::MajorityVote,
+                    "map" => {
+                        let mapping = match function.get("mapping_dict") {
+                            None | Some(serde_json::Value::Null) => Vec::new(),
+                            Some(serde_json::Value::Object(entries)) => entries
+                                .iter()
+                                .map(|(k, v)| match v {
+                                    serde_json::Value::String(v) => Ok((k.clone(), v.clone())),
+                                    other => Err(bad(format!(
+                                        "{name}: map's value {other} for {k:?} is not text \
+                                         (exact_match compares texts)"
+                                    ))),
+                                })
+                                .collect::<Result<_>>()?,
+                            Some(_) => {
+                                return Err(bad(format!(
+                                    "{name}: map's mapping_dict is not an object"
+                                )))
+                            }
+                        };
+                        let default = match function.get("default_value") {
+                            None | Some(serde_json::Value::Null) => None,
+                            Some(serde_json::Value::String(d)) => Some(d.clone()),
+                            Some(other) => {
+                                return Err(bad(format!(
+                                    "{name}: map's default_value {other} is not text"
+                                )))
+                            }
+                        };
+                        FilterStep::Map { mapping, default }
+                    }
                     "take_first_k" => match function.get("k").map(|k| (k, k.as_u64())) {
                         Some((_, Some(k))) if k >= 1 => FilterStep::TakeFirstK(
                             usize::try_from(k)
@@ -484,7 +522,7 @@ impl FilterPipeline {
                     other => {
                         return Err(bad(format!(
                             "{name}: the filter function {other:?} is not one of regex, \
-                             take_first, take_first_k, majority_vote, remove_whitespace, \
+                             take_first, take_first_k, majority_vote, map, remove_whitespace, \
                              lowercase, uppercase"
                         )))
                     }
@@ -601,6 +639,16 @@ impl FilterPipeline {
             FilterStep::RemoveWhitespace => python_strip(text).to_owned(),
             FilterStep::Lowercase => text.to_lowercase(),
             FilterStep::Uppercase => text.to_uppercase(),
+            FilterStep::Map { mapping, default } => match mapping.iter().find(|(k, _)| k == text) {
+                Some((_, v)) => v.clone(),
+                None => default.clone().ok_or_else(|| {
+                    TrainError::Input(format!(
+                        "filter {}: map has no entry for {text:?} and no default_value \
+                             (lm-eval would pass None to the metric)",
+                        self.name
+                    ))
+                })?,
+            },
             FilterStep::TakeFirstK(_) | FilterStep::MajorityVote => text.to_owned(),
         })
     }

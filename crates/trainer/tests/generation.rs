@@ -621,7 +621,29 @@ fn bad_tasks_are_refused_with_the_reason() {
         let e = list(serde_json::json!([k, {"function": "take_first"}]));
         assert!(e.contains(why), "{e}");
     }
-    assert!(list(serde_json::json!([{"function": "map"}])).contains("\"map\""));
+    assert!(
+        list(serde_json::json!([{"function": "multi_choice_regex"}]))
+            .contains("\"multi_choice_regex\"")
+    );
+    // map: text values only (exact_match compares texts); no entry and no default is an
+    // error when met (lm-eval would pass None on).
+    assert!(list(serde_json::json!([
+        {"function": "map", "mapping_dict": {"A": 1}}, {"function": "take_first"}
+    ]))
+    .contains("not text"));
+    assert!(list(serde_json::json!([
+        {"function": "map", "mapping_dict": ["A"]}, {"function": "take_first"}
+    ]))
+    .contains("not an object"));
+    let mapped = FilterPipeline::parse_list(&serde_json::json!([{"name": "m", "filter": [
+        {"function": "map", "mapping_dict": {"A": "yes"}}, {"function": "take_first"}]}]))
+    .unwrap();
+    assert_eq!(mapped[0].apply(&["A".into()]).unwrap(), "yes");
+    assert!(mapped[0]
+        .apply(&["B".into()])
+        .unwrap_err()
+        .to_string()
+        .contains("no default_value"));
     assert!(list(serde_json::json!([
         {"function": "regex", "regex_pattern": "(unclosed"},
         {"function": "take_first"}
