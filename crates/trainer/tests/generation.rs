@@ -31,6 +31,12 @@ fn fixture() -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The Llama tokenizer `make_choices_fixture.py` saves.
+fn llama_tokenizer() -> Tokenizer {
+    let path = fixtures().join("choices/llama/tokenizer.json");
+    Tokenizer::from_name(path.to_str().unwrap()).unwrap()
+}
+
 /// The exact_match settings of a task's metric entry.
 fn metric_of(kwargs: &serde_json::Value) -> ExactMatch {
     let flag = |k: &str| kwargs.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
@@ -678,13 +684,7 @@ fn bad_tasks_are_refused_with_the_reason() {
     assert_eq!(doc.targets, ["12", "b"]);
     // max_gen_toks must leave the prompt room in the context.
     let model = load_model(&fixtures().join("hf-llama-gqa-untied"), &Cpu::new()).unwrap();
-    let tok = Tokenizer::from_name(
-        fixtures()
-            .join("choices/llama/tokenizer.json")
-            .to_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let tok = llama_tokenizer();
     let settings = GenerationSettings {
         until: vec![],
         max_gen_toks: model.cfg.max_seq,
@@ -868,13 +868,7 @@ fn sampled_repeats_are_voted_as_lm_eval() {
         }
     );
     let model = load_model(&model_dir, &Cpu::new()).unwrap();
-    let tok = Tokenizer::from_name(
-        fixtures()
-            .join("choices/llama/tokenizer.json")
-            .to_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let tok = llama_tokenizer();
     let contexts: Vec<String> = docs.iter().map(|d| d.context.clone()).collect();
     let generate = |batch_size: usize, seed: u64| {
         let settings = GenerationSettings {
