@@ -64,6 +64,16 @@ fn eval_llama(tokenizer: &str, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// The line `headroom eval` prints for `run`'s `acc` (mean ± standard error) as lm-eval
+/// measured it.
+fn acc_line(run: &serde_json::Value) -> String {
+    format!(
+        "acc          {:.4} ± {:.4}",
+        run["metrics"]["acc"].as_f64().unwrap(),
+        run["stderr"]["acc"].as_f64().unwrap()
+    )
+}
+
 /// A question's outcome against lm-eval's sample `want`: its log-likelihoods, greedy flags
 /// and metrics; returns how many choices were greedy.
 fn assert_outcome_is_lm_evals(what: &str, o: &Outcome, want: &serde_json::Value) -> usize {
@@ -442,11 +452,7 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
         let o = eval_llama("chat", &args);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let line = format!(
-            "acc          {:.4} ± {:.4}",
-            fixture["runs"][name]["metrics"]["acc"].as_f64().unwrap(),
-            fixture["runs"][name]["stderr"]["acc"].as_f64().unwrap()
-        );
+        let line = acc_line(&fixture["runs"][name]);
         assert!(out.contains(&line), "{name}: {line:?} in {out}");
     }
     let o = run_eval(&questions, &["--apply-chat-template"]);
@@ -478,11 +484,7 @@ fn eval_choices_prints_lm_eval_s_metrics_and_writes_samples() {
         assert_eq!(o.status.success(), ok, "{kwargs}: {err}");
         if ok {
             let run = &fixture["runs"]["llama_chat_no_thinking"];
-            let line = format!(
-                "acc          {:.4} ± {:.4}",
-                run["metrics"]["acc"].as_f64().unwrap(),
-                run["stderr"]["acc"].as_f64().unwrap()
-            );
+            let line = acc_line(run);
             assert!(out.contains(&line), "{line:?} in {out}");
         } else {
             assert!(err.contains("--chat-template-kwargs: not JSON"), "{err}");
@@ -660,11 +662,7 @@ fn completions_score_as_lm_eval_s_loglikelihood() {
     let o = eval_llama("llama", &["--completions", path.to_str().unwrap()]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let acc = format!(
-        "acc          {:.4} ± {:.4}",
-        run["metrics"]["acc"].as_f64().unwrap(),
-        run["stderr"]["acc"].as_f64().unwrap()
-    );
+    let acc = acc_line(run);
     assert!(out.contains(&acc), "{acc:?} in {out}");
     assert!(out.contains("perplexity   "), "{out}");
     assert!(out.contains("8 documents"), "{out}");
@@ -866,11 +864,7 @@ fn headroom_eval_choices_takes_lm_evals_gen_prefix() {
         let o = eval_llama(tokenizer, &args);
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let line = format!(
-            "acc          {:.4} ± {:.4}",
-            run["metrics"]["acc"].as_f64().unwrap(),
-            run["stderr"]["acc"].as_f64().unwrap()
-        );
+        let line = acc_line(run);
         assert!(out.contains(&line), "{name}: {line:?} in {out}");
     }
     // Winogrande's multiple input takes no prefix here.

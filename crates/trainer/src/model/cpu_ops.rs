@@ -845,25 +845,7 @@ impl ModelOps for Cpu {
         rows: &[usize],
         positions: usize,
     ) -> Result<()> {
-        let [n, h, ty, hs] = dims4("select_batch", y)?;
-        let [nx, hx, tx, hsx] = dims4("select_batch", x)?;
-        if (hx, hsx) != (h, hs)
-            || rows.len() != n
-            || positions > ty.min(tx)
-            || rows.iter().any(|&r| r >= nx)
-        {
-            return Err(bad(
-                "select_batch",
-                format!(
-                    "rows {rows:?}, {positions} positions, of {:?} into {:?}",
-                    x.shape().dims(),
-                    y.shape().dims()
-                ),
-            ));
-        }
-        if x.dtype() != y.dtype() {
-            return Err(bad("select_batch", "mixed dtypes".into()));
-        }
+        let ([_, h, ty, hs], tx) = super::ops::select_batch_shapes(y, x, rows, positions)?;
         let position = hs * y.dtype().size_in_bytes();
         let (len, from, to) = (positions * position, tx * position, ty * position);
         if len == 0 {

@@ -408,25 +408,7 @@ impl ModelOps for Cuda {
         rows: &[usize],
         positions: usize,
     ) -> Result<()> {
-        let dims = |t: &CudaTensor| match *t.shape().dims() {
-            [n, h, t, hs] => Ok((n, h, t, hs)),
-            ref other => Err(bad("select_batch", format!("{other:?} is not 4-d"))),
-        };
-        let ((n, h, ty, hs), (nx, hx, tx, hsx)) = (dims(y)?, dims(x)?);
-        if (hx, hsx) != (h, hs)
-            || rows.len() != n
-            || positions > ty.min(tx)
-            || rows.iter().any(|&r| r >= nx)
-        {
-            return Err(bad(
-                "select_batch",
-                format!(
-                    "rows {rows:?}, {positions} positions, of {:?} into {:?}",
-                    x.shape().dims(),
-                    y.shape().dims()
-                ),
-            ));
-        }
+        let ([_, h, ty, hs], tx) = super::ops::select_batch_shapes(y, x, rows, positions)?;
         // One copy-engine command per kept head: a batch drops rows a few times per batch.
         for (j, &r) in rows.iter().enumerate() {
             for i in 0..h {

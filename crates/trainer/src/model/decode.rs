@@ -405,27 +405,21 @@ impl<B: ModelOps> Model<B> {
             self.backend().select_batch(&mut kept, t, rows, len)?;
             Ok(kept)
         };
-        let mut failed = None;
-        for layer in &mut cache.layers {
+        let copied = cache.layers.iter_mut().try_for_each(|layer| -> Result<()> {
             for t in [&mut layer.k, &mut layer.v] {
                 if let Some(old) = t.as_ref() {
-                    match select(old) {
-                        Ok(kept) => *t = Some(kept),
-                        Err(e) => failed = failed.or(Some(e)),
-                    }
+                    *t = Some(select(old)?);
                 }
             }
-            if failed.is_some() {
-                break;
-            }
-        }
-        cache.hidden = rows.iter().map(|&r| cache.hidden[r].clone()).collect();
-        cache.batch = rows.len();
-        if let Some(e) = failed {
+            Ok(())
+        });
+        if let Err(e) = copied {
             // Some layers hold the kept rows and some all of them: start the cache over.
             *cache = self.kv_cache(rows.len());
             return Err(e);
         }
+        cache.hidden = rows.iter().map(|&r| cache.hidden[r].clone()).collect();
+        cache.batch = rows.len();
         Ok(())
     }
 

@@ -341,3 +341,34 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         grads: Option<HeadLossGrads<'_, Self::Tensor>>,
     ) -> Result<()>;
 }
+
+/// The shapes of a [`ModelOps::select_batch`] call, checked once for every backend: `y`'s
+/// `[By, H, Ty, hs]` and `x`'s `Tx`.
+pub(crate) fn select_batch_shapes<T: Tensor>(
+    y: &T,
+    x: &T,
+    rows: &[usize],
+    positions: usize,
+) -> Result<([usize; 4], usize)> {
+    let bad = |what: String| crate::TrainError::Input(format!("select_batch: {what}"));
+    let dims = |t: &T| match *t.shape().dims() {
+        [a, b, c, d] => Ok([a, b, c, d]),
+        ref other => Err(bad(format!("expected a 4-d tensor, got {other:?}"))),
+    };
+    let ([n, h, ty, hs], [nx, hx, tx, hsx]) = (dims(y)?, dims(x)?);
+    if (hx, hsx) != (h, hs)
+        || rows.len() != n
+        || positions > ty.min(tx)
+        || rows.iter().any(|&r| r >= nx)
+    {
+        return Err(bad(format!(
+            "rows {rows:?}, {positions} positions, of {:?} into {:?}",
+            x.shape().dims(),
+            y.shape().dims()
+        )));
+    }
+    if x.dtype() != y.dtype() {
+        return Err(bad("mixed dtypes".into()));
+    }
+    Ok(([n, h, ty, hs], tx))
+}
