@@ -41,8 +41,10 @@ then the tasks run again; the fixture holds the second run: each document's prom
 filtered answers and exact_match, and each filter's aggregate and standard error. It also
 holds Python's `re.findall`/`re.sub`, lm-eval's `RegexFilter` and `exact_match` on
 hand-made strings, for the regex dialect, lm-eval's filter pipelines (`take_first_k`,
-`majority_vote`) on hand-made lists of responses, and lm-eval's own `gsm8k` and
-`gsm8k_cot_self_consistency` task settings (what `eval --preset` sets).
+`majority_vote`) on hand-made lists of responses, lm-eval's `MultiChoiceRegexFilter` on
+hand-made responses and documents' choices (and the errors it raises), and lm-eval's own
+`gsm8k`, `gsm8k_cot_self_consistency`, GPQA chain-of-thought zero-shot and
+`mmlu_flan_cot_zeroshot` task settings (what `eval --preset` sets).
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -298,6 +300,39 @@ FILTER_CASES = [
       ["take_first", None]], ["so B it is"]),
 ]
 
+# lm-eval's multi_choice_regex on hand-made responses: (arguments, the document's choices,
+# responses). GPQA's and MMLU's chain-of-thought settings first; then a choice that starts
+# a longer one, Unicode punctuation beside ASCII symbols (which are not punctuation),
+# regexes_to_ignore before lower case, a tuple of groups, repeated choices, escaped
+# characters, a letter after a colon, and Python's errors.
+COT_MULTI_CHOICE = {"group_select": -1, "ignore_case": True, "ignore_punctuation": True,
+                    "regex_pattern": r"(\([A-Z]\))"}
+MULTI_CHOICE_CASES = [
+    (COT_MULTI_CHOICE, ["Paris", "London", "Rome", "Berlin"],
+     ["I think (A) but no, (C) is right", "The capital is rome.", "Answer: B", "no idea",
+      "London or Paris, then London", "so: D", "(E) of course", "PARIS!"]),
+    ({}, ["Guilty", "Guilty of Romance", "Innocent"],
+     ["It is Guilty of Romance.", "guilty", "Guilty, then Innocent", "#### 12"]),
+    ({"ignore_punctuation": True, "ignore_case": True},
+     ["\u00bfQu\u00e9?", "$5 + x", "a\u2014b", "\u00abquote\u00bb", "x_y"],
+     ["la respuesta es qu\u00e9", "it is $5 + x!", "ab", "QUOTE", "xy", "x_y"]),
+    ({"ignore_punctuation": False}, ["\u00bfQu\u00e9?", "a\u2014b"],
+     ["qu\u00e9", "a\u2014b", "ab"]),
+    ({"regexes_to_ignore": [r"\bthe\b"], "ignore_case": True}, ["The Cat", "Dog"],
+     ["I pick the cat", "THE CAT!", "the dog"]),
+    ({"regex_pattern": r"answer is \(([A-D])\)|answer: ([A-D])", "group_select": 0},
+     ["red", "green", "blue", "white"],
+     ["the answer is (B)", "answer: C", "neither, so green"]),
+    ({"regex_pattern": r"(x)?(y)?"}, ["zz", "q"], ["zz", "yq"]),
+    ({"regex_pattern": r"is(\s*)\."}, ["it", "one"], ["it is .", "one is  ."]),
+    ({}, ["same", "other", "same"], ["same", "other"]),
+    ({"fallback": "?"}, ["1.5 (approx)", "2*3", "a|b"],
+     ["maybe 2*3 then", "1.5 (approx)", "1x5 (approx)", "a|b", "ab", "answer:c",
+      "answer:\n\t A"]),
+    ({"group_select": 1}, ["up", "down"], ["up", "up and down"]),
+    ({}, None, ["anything"]),
+]
+
 # Python's regex dialect: (pattern, text) for findall and sub, and lm-eval's RegexFilter.
 REGEX_CASES = [
     (r"#### (\-?[0-9\.\,]+)", "so 3 + 4 = 7.\n#### 7.\nQuestion"),
@@ -363,7 +398,19 @@ def regex_cases():
         for name, kwargs in steps:
             resps = get_filter(name)(**(kwargs or {})).apply(resps, None)
         pipelines.append({"steps": steps, "responses": responses, "answer": list(resps)[0]})
-    return {"regex": cases, "exact_match": matches, "filters": pipelines}
+    from lm_eval.filters.extraction import MultiChoiceRegexFilter
+
+    multi_choice = []
+    for kwargs, choices, responses in MULTI_CHOICE_CASES:
+        doc = {} if choices is None else {"choices": choices}
+        case = {"kwargs": kwargs, "choices": choices, "responses": responses}
+        try:
+            case["answers"] = MultiChoiceRegexFilter(**kwargs).apply([responses], [doc])[0]
+        except (IndexError, KeyError) as e:
+            case["error"] = type(e).__name__
+        multi_choice.append(case)
+    return {"regex": cases, "exact_match": matches, "filters": pipelines,
+            "multi_choice": multi_choice}
 
 
 def gsm8k_settings():
@@ -412,6 +459,39 @@ def self_consistency_settings():
         "fewshot_delimiter": task.get("fewshot_delimiter", "\n\n"),
         "version": task["metadata"]["version"],
     }
+
+
+def multi_choice_task_settings():
+    """lm-eval's chain-of-thought multiple-choice tasks that take their answer letter with
+    multi_choice_regex: what `headroom eval --preset <task>` must set."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    tasks = {
+        "gpqa_main_cot_zeroshot": ("gpqa", "cot_zeroshot", "gpqa_main_cot_zeroshot.yaml"),
+        "gpqa_diamond_cot_zeroshot": ("gpqa", "cot_zeroshot", "gpqa_diamond_cot_zeroshot.yaml"),
+        "gpqa_extended_cot_zeroshot": ("gpqa", "cot_zeroshot",
+                                       "gpqa_extended_cot_zeroshot.yaml"),
+        # Every subject's task is the template and its description.
+        "mmlu_flan_cot_zeroshot": ("mmlu", "flan_cot_zeroshot", "mmlu_abstract_algebra.yaml"),
+    }
+    settings = {}
+    for name, parts in tasks.items():
+        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", *parts))
+        metric = {k: v for k, v in task["metric_list"][0].items()
+                  if k not in ("metric", "aggregation", "higher_is_better")}
+        settings[name] = {
+            "until": task["generation_kwargs"]["until"],
+            "do_sample": task["generation_kwargs"]["do_sample"],
+            "temperature": task["generation_kwargs"]["temperature"],
+            "filter_list": task["filter_list"],
+            "metric": metric,
+            "num_fewshot": task["num_fewshot"],
+            "doc_to_text": task["doc_to_text"],
+            "doc_to_target": task["doc_to_target"],
+            "version": task["metadata"]["version"],
+        }
+    return settings
 
 
 def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
@@ -558,6 +638,7 @@ def make():
         fixture["python"] = regex_cases()
         fixture["gsm8k"] = gsm8k_settings()
         fixture["gsm8k_cot_self_consistency"] = self_consistency_settings()
+        fixture["multi_choice_tasks"] = multi_choice_task_settings()
     return fixture, files
 
 

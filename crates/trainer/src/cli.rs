@@ -191,7 +191,8 @@ struct EvalArgs {
     /// bootstrap standard error. Needs a tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "documents", "document_attention"])]
     completions: Option<PathBuf>,
-    /// Documents (JSONL: `context`, and `target` as a text or a list of texts) answered by
+    /// Documents (JSONL: `context`, and `target` as a text or a list of texts; `choices`
+    /// for a multi_choice_regex filter) answered by
     /// greedy generation as lm-evaluation-harness runs its `generate_until` tasks (GSM8K):
     /// each context continued until --until or --max-gen-toks, the answer taken by
     /// --filters, and exact_match printed per filter with its standard error. Needs a
@@ -202,7 +203,10 @@ struct EvalArgs {
     /// strings, strict-match and flexible-extract filters, exact_match settings and 5
     /// examples) or `gsm8k_cot_self_consistency` (its eight chain-of-thought examples, 64
     /// samples per question at temperature 0.2, the first answer and the majority of 64 and
-    /// of 8); an option given as well replaces the preset's.
+    /// of 8), `gpqa_main_cot_zeroshot` (also `_diamond_`, `_extended_`) or
+    /// `mmlu_flan_cot_zeroshot` (zero-shot chain of thought, the answer letter taken by
+    /// multi_choice_regex from the documents' `choices`); an option given as well replaces
+    /// the preset's.
     #[arg(long, value_name = "TASK", requires = "generate")]
     preset: Option<String>,
     /// With --generate: a stop string (lm-eval's `until`; repeat for several) [default:
@@ -257,7 +261,9 @@ struct EvalArgs {
     seed: u64,
     /// With --generate: the task's `filter_list` as JSON (a file, or the JSON itself), each
     /// filter a name and its steps (`regex` with `regex_pattern`, `group_select`,
-    /// `fallback`; `remove_whitespace`, `lowercase`, `uppercase`; `take_first_k` with `k`,
+    /// `fallback`; `multi_choice_regex` with those and `ignore_case`, `ignore_punctuation`,
+    /// `regexes_to_ignore`, over the document's `choices`; `remove_whitespace`,
+    /// `lowercase`, `uppercase`; `take_first_k` with `k`,
     /// `majority_vote`; `map` with `mapping_dict` and `default_value`; then `take_first`)
     /// [default: lm-eval's `none`, the whole answer].
     #[arg(long, value_name = "FILE|JSON", requires = "generate")]

@@ -37,7 +37,8 @@
 //! lm-eval checks its stop strings on the last few tokens decoded on their own, so it may run
 //! past the first one; what it returns is cut at it all the same, so the texts agree. The
 //! filters ([`FilterPipeline`]) and `exact_match` ([`ExactMatch`]) are lm-eval's, with its
-//! regexes run as Python's `re` runs them ([`PyRegex`]). `tests/generation.rs` checks the
+//! regexes run as Python's `re` runs them ([`PyRegex`]); `multi_choice_regex`
+//! ([`MultiChoiceRegex`]) reads a document's `choices`. `tests/generation.rs` checks the
 //! prompts, texts, filtered answers and metrics against lm-eval 0.4.13 runs
 //! (`benches/torch/make_generation_fixture.py`).
 //!
@@ -378,6 +379,10 @@ pub enum FilterStep {
     /// `majority_vote`: the response given most often, the first given among equals
     /// (`Counter.most_common(1)`, which keeps first-seen order).
     MajorityVote,
+    /// `multi_choice_regex`: the regex as in `regex`, else the document's `choices` found in
+    /// the response by their texts, else a letter after a colon (`: B`); see
+    /// [`MultiChoiceRegex`].
+    MultiChoiceRegex(Box<MultiChoiceRegex>),
     /// `map`: each response replaced by its entry in `mapping_dict`, else `default_value`
     /// (an error without one: lm-eval would pass `None` on to the metric).
     Map {
@@ -386,6 +391,193 @@ pub enum FilterStep {
         /// The text for a response without an entry.
         default: Option<String>,
     },
+}
+
+/// lm-eval's `multi_choice_regex` filter (GPQA's and MMLU's chain-of-thought tasks): an
+/// answer letter `(A)`, `(B)`, … out of a response to a question whose document lists its
+/// `choices`. In order, the first that finds something:
+///
+/// 1. `regex` on the response, the `group_select`-th match (a tuple's first non-empty group),
+///    stripped;
+/// 2. the choices' texts, each stripped and then normalised as the response is (the
+///    `regexes_to_ignore` removed, lower case if `ignore_case`, Unicode punctuation removed if
+///    `ignore_punctuation`), searched for in the normalised response, longest pattern first
+///    so that a choice cannot hide a longer one it starts; the match's letter;
+/// 3. `: X` with `X` a choice's letter, in the response as it is; `(X)`;
+///
+/// else `fallback`. A found text that names no choice is kept as it is, as lm-eval keeps it.
+/// Punctuation is Unicode's `P` categories from the `regex` crate's tables; Python 3.11 has
+/// Unicode 14's, so a character made punctuation since then would differ.
+#[derive(Clone, Debug)]
+pub struct MultiChoiceRegex {
+    /// `regex_pattern`.
+    pub regex: PyRegex,
+    /// `group_select` (Python's index; it also picks among the choices found).
+    pub group_select: i64,
+    /// `fallback`.
+    pub fallback: String,
+    /// `ignore_case` (for the choices' texts).
+    pub ignore_case: bool,
+    /// `ignore_punctuation` (for the choices' texts).
+    pub ignore_punctuation: bool,
+    /// `regexes_to_ignore` (for the choices' texts).
+    pub regexes_to_ignore: Vec<PyRegex>,
+}
+
+/// The most choices `multi_choice_regex` letters (A to Z; lm-eval's 27th letter `[` breaks
+/// its regex).
+pub const MAX_LETTERED_CHOICES: usize = 26;
+
+/// Python's `re.escape` (3.7 and later): the characters special in a pattern, and
+/// whitespace, behind a backslash. Its length orders `multi_choice_regex`'s alternatives.
+fn python_re_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 2);
+    for c in text.chars() {
+        if "()[]{}?*+-|^$\\.&~# \t\n\r\u{b}\u{c}".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// One stage of [`MultiChoiceRegex`]: a regex and what its found texts stand for.
+struct ChoiceStage {
+    regex: PyRegex,
+    letters: Vec<(String, String)>,
+}
+
+impl MultiChoiceRegex {
+    /// `text` as the choices are looked for in it.
+    fn normalise(&self, text: &str) -> Result<String> {
+        let mut text = text.to_owned();
+        for regex in &self.regexes_to_ignore {
+            text = regex.remove_all(&text)?;
+        }
+        if self.ignore_case {
+            text = text.to_lowercase();
+        }
+        if self.ignore_punctuation {
+            static PUNCTUATION: std::sync::OnceLock<fancy_regex::Regex> =
+                std::sync::OnceLock::new();
+            let punctuation = PUNCTUATION.get_or_init(|| {
+                fancy_regex::Regex::new(r"\p{P}").expect("a Unicode category class compiles")
+            });
+            text = punctuation.replace_all(&text, "").into_owned();
+        }
+        Ok(text)
+    }
+
+    /// The document's choices as stages 2 and 3 look for them.
+    fn stages(&self, doc: &serde_json::Value) -> Result<(ChoiceStage, ChoiceStage)> {
+        let choices = doc
+            .get("choices")
+            .and_then(|c| c.as_array())
+            .ok_or_else(|| {
+                TrainError::Input(
+                    "multi_choice_regex needs the document's \"choices\", a list of texts".into(),
+                )
+            })?;
+        if choices.len() > MAX_LETTERED_CHOICES {
+            return Err(TrainError::Input(format!(
+                "multi_choice_regex letters at most {MAX_LETTERED_CHOICES} choices; the \
+                 document has {}",
+                choices.len()
+            )));
+        }
+        let mut by_text: Vec<(String, String)> = Vec::with_capacity(choices.len());
+        let mut escaped = Vec::with_capacity(choices.len());
+        let mut letters = Vec::with_capacity(choices.len());
+        for (i, choice) in choices.iter().enumerate() {
+            let text = choice.as_str().ok_or_else(|| {
+                TrainError::Input(format!("multi_choice_regex: choice {i} is not text"))
+            })?;
+            let letter = char::from(b'A' + i as u8);
+            let text = self.normalise(python_strip(text))?;
+            escaped.push(python_re_escape(&text));
+            // A repeated text takes the later letter, as a Python dict's key does.
+            by_text.retain(|(t, _)| *t != text);
+            by_text.push((text, format!("({letter})")));
+            letters.push((letter.to_string(), format!("({letter})")));
+        }
+        // Longest first, equals in order (Python's stable `sorted(..., reverse=True)`).
+        escaped.sort_by_key(|e| std::cmp::Reverse(e.chars().count()));
+        let by_letter = PyRegex::new(&format!(
+            r":[\s]*({})",
+            letters
+                .iter()
+                .map(|(l, _)| l.as_str())
+                .collect::<Vec<_>>()
+                .join("|")
+        ))?;
+        Ok((
+            ChoiceStage {
+                regex: PyRegex::new(&escaped.join("|"))?,
+                letters: by_text,
+            },
+            ChoiceStage {
+                regex: by_letter,
+                letters,
+            },
+        ))
+    }
+
+    /// lm-eval's `find_match`: the `group_select`-th match, stripped and looked up in
+    /// `letters`; empty when nothing matches.
+    fn find(&self, regex: &PyRegex, text: &str, letters: &[(String, String)]) -> Result<String> {
+        let found = regex.findall(text)?;
+        if found.is_empty() {
+            return Ok(String::new());
+        }
+        let item = python_index(&found, self.group_select).ok_or_else(|| {
+            TrainError::Input(format!(
+                "multi_choice_regex: group_select {} of {} matches of {:?} (Python raises \
+                 IndexError)",
+                self.group_select,
+                found.len(),
+                regex.pattern()
+            ))
+        })?;
+        let text = match item {
+            Found::Whole(s) | Found::Group(s) => python_strip(s),
+            Found::Groups(groups) => match groups.iter().find(|g| !g.is_empty()) {
+                Some(g) => python_strip(g),
+                None => return Ok(String::new()),
+            },
+        };
+        Ok(
+            match letters.iter().find(|(t, _)| !text.is_empty() && t == text) {
+                Some((_, letter)) => letter.clone(),
+                None => text.to_owned(),
+            },
+        )
+    }
+
+    /// The answer this filter takes from each of a document's `responses`.
+    fn apply(&self, responses: &mut [String], doc: &serde_json::Value) -> Result<()> {
+        let (by_text, by_letter) = self.stages(doc)?;
+        for response in responses {
+            let mut answer = self.find(&self.regex, response, &[])?;
+            if answer.is_empty() {
+                answer = self.find(&by_text.regex, &self.normalise(response)?, &by_text.letters)?;
+            }
+            if answer.is_empty() {
+                answer = self.find(&by_letter.regex, response, &by_letter.letters)?;
+            }
+            *response = if answer.is_empty() {
+                self.fallback.clone()
+            } else {
+                answer
+            };
+        }
+        Ok(())
+    }
+}
+
+/// `items[at]` with Python's negative indices.
+fn python_index<T>(items: &[T], at: i64) -> Option<&T> {
+    let at = if at < 0 { items.len() as i64 + at } else { at };
+    usize::try_from(at).ok().and_then(|at| items.get(at))
 }
 
 /// A named filter (a task's `filter_list` entry): its steps over a document's responses (one
@@ -458,6 +650,12 @@ impl FilterPipeline {
                         Some(_) => Err(bad(format!("{name}: {which}'s {key} is not text"))),
                     }
                 };
+                let group_select = || match function.get("group_select") {
+                    None => Ok(0),
+                    Some(v) => v.as_i64().ok_or_else(|| {
+                        bad(format!("{name}: {which}'s group_select is not an integer"))
+                    }),
+                };
                 steps.push(match which {
                     "take_first" => {
                         took_first = true;
@@ -465,14 +663,48 @@ impl FilterPipeline {
                     }
                     "regex" => FilterStep::Regex {
                         regex: PyRegex::new(&text_arg("regex_pattern", r"#### (\-?[0-9\.\,]+)")?)?,
-                        group_select: match function.get("group_select") {
-                            None => 0,
-                            Some(v) => v.as_i64().ok_or_else(|| {
-                                bad(format!("{name}: regex's group_select is not an integer"))
-                            })?,
-                        },
+                        group_select: group_select()?,
                         fallback: text_arg("fallback", "[invalid]")?,
                     },
+                    "multi_choice_regex" => {
+                        let flag = |key: &str| match function.get(key) {
+                            None | Some(serde_json::Value::Null) => Ok(false),
+                            Some(serde_json::Value::Bool(b)) => Ok(*b),
+                            Some(_) => {
+                                Err(bad(format!("{name}: {which}'s {key} is not true/false")))
+                            }
+                        };
+                        let regexes_to_ignore = match function.get("regexes_to_ignore") {
+                            None | Some(serde_json::Value::Null) => Vec::new(),
+                            Some(serde_json::Value::Array(items)) => items
+                                .iter()
+                                .map(|r| {
+                                    r.as_str().map(PyRegex::new).unwrap_or_else(|| {
+                                        Err(bad(format!(
+                                            "{name}: {which}'s regexes_to_ignore holds {r}, \
+                                             not text"
+                                        )))
+                                    })
+                                })
+                                .collect::<Result<_>>()?,
+                            Some(_) => {
+                                return Err(bad(format!(
+                                    "{name}: {which}'s regexes_to_ignore is not a list"
+                                )))
+                            }
+                        };
+                        FilterStep::MultiChoiceRegex(Box::new(MultiChoiceRegex {
+                            regex: PyRegex::new(&text_arg(
+                                "regex_pattern",
+                                r"#### (\-?[0-9\.\,]+)",
+                            )?)?,
+                            group_select: group_select()?,
+                            fallback: text_arg("fallback", "[invalid]")?,
+                            ignore_case: flag("ignore_case")?,
+                            ignore_punctuation: flag("ignore_punctuation")?,
+                            regexes_to_ignore,
+                        }))
+                    }
                     "remove_whitespace" => FilterStep::RemoveWhitespace,
                     "lowercase" => FilterStep::Lowercase,
                     "uppercase" => FilterStep::Uppercase,
@@ -522,8 +754,8 @@ impl FilterPipeline {
                     other => {
                         return Err(bad(format!(
                             "{name}: the filter function {other:?} is not one of regex, \
-                             take_first, take_first_k, majority_vote, map, remove_whitespace, \
-                             lowercase, uppercase"
+                             multi_choice_regex, take_first, take_first_k, majority_vote, map, \
+                             remove_whitespace, lowercase, uppercase"
                         )))
                     }
                 });
@@ -553,9 +785,16 @@ impl FilterPipeline {
             .unwrap_or(1)
     }
 
-    /// The answer this pipeline takes from a document's `responses` (one per repeat, at least
-    /// one; a `take_first_k` needs at least its `k`).
+    /// The answer this pipeline takes from `responses` to a document without fields
+    /// ([`FilterPipeline::apply_to`]; a `multi_choice_regex` is refused, having no choices).
     pub fn apply(&self, responses: &[String]) -> Result<String> {
+        self.apply_to(responses, &serde_json::Value::Null)
+    }
+
+    /// The answer this pipeline takes from a document's `responses` (one per repeat, at least
+    /// one; a `take_first_k` needs at least its `k`). `doc` is the document's JSON, whose
+    /// `choices` a `multi_choice_regex` reads.
+    pub fn apply_to(&self, responses: &[String], doc: &serde_json::Value) -> Result<String> {
         let mut list = responses.to_vec();
         for step in &self.steps {
             match step {
@@ -586,6 +825,9 @@ impl FilterPipeline {
                         .map(|&(r, _)| vec![r.clone()])
                         .unwrap_or_default();
                 }
+                FilterStep::MultiChoiceRegex(step) => step
+                    .apply(&mut list, doc)
+                    .map_err(|e| TrainError::Input(format!("filter {}: {e}", self.name)))?,
                 each => {
                     for text in &mut list {
                         *text = self.apply_one(each, text)?;
@@ -610,23 +852,15 @@ impl FilterPipeline {
                 if found.is_empty() {
                     fallback.clone()
                 } else {
-                    let n = found.len() as i64;
-                    let at = if *group_select < 0 {
-                        n + group_select
-                    } else {
-                        *group_select
-                    };
-                    let item = usize::try_from(at)
-                        .ok()
-                        .and_then(|at| found.get(at))
-                        .ok_or_else(|| {
-                            TrainError::Input(format!(
-                                "filter {}: group_select {group_select} of {n} matches of \
-                                 {:?} (Python raises IndexError)",
-                                self.name,
-                                regex.pattern()
-                            ))
-                        })?;
+                    let item = python_index(&found, *group_select).ok_or_else(|| {
+                        TrainError::Input(format!(
+                            "filter {}: group_select {group_select} of {} matches of {:?} \
+                             (Python raises IndexError)",
+                            self.name,
+                            found.len(),
+                            regex.pattern()
+                        ))
+                    })?;
                     match item {
                         Found::Whole(s) | Found::Group(s) => python_strip(s).to_owned(),
                         Found::Groups(groups) => match groups.iter().find(|g| !g.is_empty()) {
@@ -649,7 +883,9 @@ impl FilterPipeline {
                     ))
                 })?,
             },
-            FilterStep::TakeFirstK(_) | FilterStep::MajorityVote => text.to_owned(),
+            FilterStep::TakeFirstK(_)
+            | FilterStep::MajorityVote
+            | FilterStep::MultiChoiceRegex(_) => text.to_owned(),
         })
     }
 }
@@ -730,6 +966,30 @@ const GSM8K_SELF_CONSISTENCY_FILTERS: &str = r#####"[
     {"function": "take_first"}]}
 ]"#####;
 
+/// lm-eval's GPQA chain-of-thought zero-shot tasks (`gpqa/cot_zeroshot`, version 2.2): the
+/// text after "The answer is", else the last `(X)` or a choice's text.
+const GPQA_COT_FILTERS: &str = r#####"[
+  {"name": "strict-match", "filter": [
+    {"function": "regex", "regex_pattern": "(?<=The answer is )(.*)(?=.)"},
+    {"function": "take_first"}]},
+  {"name": "flexible-extract", "filter": [
+    {"function": "multi_choice_regex", "group_select": -1, "ignore_case": true,
+     "ignore_punctuation": true, "regex_pattern": "(\\([A-Z]\\))"},
+    {"function": "take_first"}]}
+]"#####;
+
+/// lm-eval's `mmlu_flan_cot_zeroshot` tasks (version 3): as GPQA's, with three more ways
+/// of stating the answer.
+const MMLU_FLAN_COT_FILTERS: &str = r#####"[
+  {"name": "strict-match", "filter": [
+    {"function": "regex", "regex_pattern": "((?<=The answer is )(.*)(?=.)|(?<=answer is )(.*)(?=.)|(?<=The answer: )(.*)(?=.)|(?<=The final answer: )(.*)(?=.))"},
+    {"function": "take_first"}]},
+  {"name": "flexible-extract", "filter": [
+    {"function": "multi_choice_regex", "group_select": -1, "ignore_case": true,
+     "ignore_punctuation": true, "regex_pattern": "(\\([A-Z]\\))"},
+    {"function": "take_first"}]}
+]"#####;
+
 /// `gsm8k-cot.yaml`'s eight chain-of-thought examples (Wei et al.'s), as documents rendered by
 /// its `doc_to_text` (`Q: {question}\nA:`) with their targets.
 const GSM8K_COT_EXAMPLES: &str = r#####"{"context": "Q: There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, there will be 21 trees. How many trees did the grove workers plant today?\nA:", "target": "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6."}
@@ -777,10 +1037,19 @@ pub struct TaskPreset {
 }
 
 impl TaskPreset {
-    /// The task `name`'s settings: `gsm8k` (its documents `{"context": "Question: …\nAnswer:",
-    /// "target": answer}`, examples from its train split) or `gsm8k_cot_self_consistency`
-    /// (`{"context": "Q: …\nA:", "target": answer}`, its own eight examples, 64 samples at
-    /// temperature 0.2 per document).
+    /// The task `name`'s settings:
+    ///
+    /// - `gsm8k`: its documents `{"context": "Question: …\nAnswer:", "target": answer}`,
+    ///   examples from its train split;
+    /// - `gsm8k_cot_self_consistency`: `{"context": "Q: …\nA:", "target": answer}`, its own
+    ///   eight examples, 64 samples at temperature 0.2 per document;
+    /// - `gpqa_main_cot_zeroshot` (and `_diamond_`, `_extended_`): zero-shot,
+    ///   `{"context": "What is the correct answer to this question:…\nChoices:\n(A) …\n…
+    ///   Let's think step by step: ", "target": "(B)", "choices": [four texts]}`;
+    /// - `mmlu_flan_cot_zeroshot` (every subject's task): zero-shot, `{"context": "Q: …\n(A) …
+    ///   (B) … (C) … (D) …\nA: Let's think step by step.", "target": "(C)", "choices": […]}`.
+    ///
+    /// The last two take the answer letter by `multi_choice_regex`, which reads `choices`.
     pub fn named(name: &str) -> Result<TaskPreset> {
         let filters = |json: &str| {
             FilterPipeline::parse_list(
@@ -817,8 +1086,35 @@ impl TaskPreset {
                         .map_err(|e| TrainError::Input(format!("{name}'s examples: {e}")))?,
                 ),
             }),
+            "gpqa_main_cot_zeroshot"
+            | "gpqa_diamond_cot_zeroshot"
+            | "gpqa_extended_cot_zeroshot"
+            | "mmlu_flan_cot_zeroshot" => Ok(TaskPreset {
+                until: if name.starts_with("gpqa") {
+                    vec!["</s>".to_owned()]
+                } else {
+                    ["</s>", "Q:", "<|im_end|>"].map(str::to_owned).to_vec()
+                },
+                filters: filters(if name.starts_with("gpqa") {
+                    GPQA_COT_FILTERS
+                } else {
+                    MMLU_FLAN_COT_FILTERS
+                })?,
+                metric: ExactMatch {
+                    ignore_case: true,
+                    ignore_punctuation: true,
+                    ..ExactMatch::default()
+                },
+                num_fewshot: 0,
+                do_sample: Some(false),
+                temperature: None,
+                repeats: 1,
+                examples: None,
+            }),
             other => Err(TrainError::Input(format!(
-                "no task preset {other:?} (there are gsm8k and gsm8k_cot_self_consistency)"
+                "no task preset {other:?} (there are gsm8k, gsm8k_cot_self_consistency, \
+                 gpqa_main_cot_zeroshot, gpqa_diamond_cot_zeroshot, gpqa_extended_cot_zeroshot \
+                 and mmlu_flan_cot_zeroshot)"
             ))),
         }
     }
@@ -1146,7 +1442,7 @@ pub fn evaluate<B: ModelOps>(
             }
             let filtered = filters
                 .iter()
-                .map(|f| f.apply(&responses))
+                .map(|f| f.apply_to(&responses, &doc.json))
                 .collect::<Result<Vec<_>>>()
                 .map_err(in_doc)?;
             let exact_match = filtered
@@ -1259,6 +1555,57 @@ mod tests {
                 proptest::prop_assert_eq!(&cut, &text);
             }
             proptest::prop_assert_eq!(cut_at_stops(&cut, &stops), cut.clone());
+        }
+
+        /// `multi_choice_regex` finds a choice written anywhere in a response by its text,
+        /// whatever characters the text holds (they are escaped as Python's `re.escape`
+        /// escapes them), and names it by its letter; a choice written nowhere is not found.
+        #[test]
+        fn choices_are_found_by_their_escaped_text(
+            choices in proptest::collection::vec(
+                "[a-cé]([a-c(){}\\[\\]?*+|^$.&~#\\\\ é¿—_-]{0,4}[a-cé])?",
+                1..6,
+            ),
+            pick in 0usize..6,
+            ignore_punctuation in proptest::prelude::any::<bool>(),
+        ) {
+            let step = MultiChoiceRegex {
+                // Never matches, so the choices decide.
+                regex: PyRegex::new("(?!)").unwrap(),
+                group_select: 0,
+                fallback: "none".into(),
+                ignore_case: false,
+                ignore_punctuation,
+                regexes_to_ignore: Vec::new(),
+            };
+            let pick = pick % choices.len();
+            let doc = serde_json::json!({ "choices": choices });
+            let normalised: Vec<String> = choices
+                .iter()
+                .map(|c| step.normalise(python_strip(c)).unwrap())
+                .collect();
+            let chosen = &normalised[pick];
+            // A text that punctuation leaves with outer spaces is found stripped, and a stripped
+            // match is looked up as it is (lm-eval keeps the text then): not checked here.
+            proptest::prop_assume!(!chosen.is_empty() && python_strip(chosen) == chosen);
+            // Only the unambiguous cases are checked: no other choice in the response.
+            let response = format!("so {} it is", choices[pick]);
+            let seen = step.normalise(&response).unwrap();
+            proptest::prop_assume!(normalised
+                .iter()
+                .all(|other| other == chosen || !seen.contains(other.as_str())));
+            let mut responses = vec![response];
+            step.apply(&mut responses, &doc).unwrap();
+            // A repeated text takes its last letter.
+            let last = normalised.iter().rposition(|n| n == chosen).unwrap();
+            let letter = format!("({})", char::from(b'A' + last as u8));
+            proptest::prop_assert_eq!(&responses[0], &letter);
+            let mut nowhere = vec!["xyz".to_owned()];
+            step.apply(&mut nowhere, &doc).unwrap();
+            proptest::prop_assert!(
+                nowhere[0] == "none" || normalised.iter().any(|n| n.is_empty() || "xyz".contains(n.as_str())),
+                "{:?}", nowhere
+            );
         }
 
         /// The regex filter's answer is a stripped match of the pattern or the fallback, and

@@ -5,8 +5,8 @@
 //! aggregate; a sampled run's answers from lm-eval's own draws
 //! (`fixtures/generation/lm_eval_generation.json`, written by
 //! `benches/torch/make_generation_fixture.py`); Python's `re.findall` and `re.sub`, lm-eval's
-//! `RegexFilter`, filter pipelines and `exact_match` on hand-made strings; the presets; and
-//! `headroom eval --generate`.
+//! `RegexFilter`, `MultiChoiceRegexFilter`, filter pipelines and `exact_match` on hand-made
+//! strings; the presets; and `headroom eval --generate`.
 
 mod common;
 
@@ -627,10 +627,8 @@ fn bad_tasks_are_refused_with_the_reason() {
         let e = list(serde_json::json!([k, {"function": "take_first"}]));
         assert!(e.contains(why), "{e}");
     }
-    assert!(
-        list(serde_json::json!([{"function": "multi_choice_regex"}]))
-            .contains("\"multi_choice_regex\"")
-    );
+    // lm-eval's part-of-speech filter is not one of headroom's.
+    assert!(list(serde_json::json!([{"function": "regex_pos"}])).contains("\"regex_pos\""));
     // map: text values only (exact_match compares texts); no entry and no default is an
     // error when met (lm-eval would pass None on).
     assert!(list(serde_json::json!([
@@ -955,4 +953,257 @@ fn the_self_consistency_preset_is_lm_evals_task() {
         .metric
         .matches("72", &["#### 72".to_owned()])
         .unwrap());
+}
+
+/// A `multi_choice_regex` step with `kwargs` (lm-eval's arguments), then `take_first`.
+fn multi_choice_pipeline(kwargs: &serde_json::Value) -> FilterPipeline {
+    let mut step = kwargs.as_object().cloned().unwrap_or_default();
+    step.insert("function".into(), "multi_choice_regex".into());
+    FilterPipeline::parse_list(&serde_json::json!([{"name": "mc", "filter": [
+        serde_json::Value::Object(step), {"function": "take_first"}]}]))
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn multi_choice_regex_runs_as_lm_evals() {
+    let fixture = fixture();
+    let cases = fixture["python"]["multi_choice"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    let mut by_stage = [0usize; 3];
+    for case in cases {
+        let pipeline = multi_choice_pipeline(&case["kwargs"]);
+        let doc = match &case["choices"] {
+            serde_json::Value::Null => serde_json::json!({}),
+            choices => serde_json::json!({ "choices": choices }),
+        };
+        let answers: headroom_trainer::Result<Vec<String>> = strings(&case["responses"])
+            .iter()
+            .map(|r| pipeline.apply_to(std::slice::from_ref(r), &doc))
+            .collect();
+        match case.get("error").and_then(|e| e.as_str()) {
+            None => {
+                let answers = answers.unwrap_or_else(|e| panic!("{case}: {e}"));
+                assert_eq!(answers, strings(&case["answers"]), "{case}");
+                for a in &answers {
+                    // A letter (the regex's, or a choice's), the fallback, or a text the
+                    // regex found that names no choice.
+                    let fallback = case["kwargs"]["fallback"].as_str().unwrap_or("[invalid]");
+                    by_stage[if a.len() == 3 && a.starts_with('(') {
+                        0
+                    } else if a == fallback {
+                        1
+                    } else {
+                        2
+                    }] += 1;
+                }
+            }
+            Some(error) => {
+                let why = answers.unwrap_err().to_string();
+                let expected = match error {
+                    "IndexError" => "IndexError",
+                    "KeyError" => "\"choices\"",
+                    other => panic!("{other}"),
+                };
+                assert!(why.contains(expected), "{case}: {why}");
+            }
+        }
+    }
+    assert!(by_stage.iter().all(|&n| n >= 4), "{by_stage:?}");
+}
+
+#[test]
+fn bad_multi_choice_regex_steps_and_documents_are_refused() {
+    let refused = |kwargs: serde_json::Value| {
+        let mut step = kwargs.as_object().cloned().unwrap();
+        step.insert("function".into(), "multi_choice_regex".into());
+        FilterPipeline::parse_list(&serde_json::json!([{"name": "mc", "filter": [
+            serde_json::Value::Object(step), {"function": "take_first"}]}]))
+        .unwrap_err()
+        .to_string()
+    };
+    assert!(refused(serde_json::json!({"ignore_case": "yes"})).contains("ignore_case"));
+    assert!(refused(serde_json::json!({"regexes_to_ignore": "x"})).contains("not a list"));
+    assert!(refused(serde_json::json!({"regexes_to_ignore": [1]})).contains("not text"));
+    assert!(refused(serde_json::json!({"regex_pattern": "("})).contains("does not compile"));
+    assert!(refused(serde_json::json!({"group_select": 0.5})).contains("group_select"));
+    let pipeline = multi_choice_pipeline(&serde_json::json!({}));
+    let answer = |doc: serde_json::Value| pipeline.apply_to(&["a B".into()], &doc);
+    // No document fields at all: apply() has none to give.
+    assert!(pipeline
+        .apply(&["a".into()])
+        .unwrap_err()
+        .to_string()
+        .contains("\"choices\""));
+    assert!(answer(serde_json::json!({"choices": "ab"}))
+        .unwrap_err()
+        .to_string()
+        .contains("\"choices\""));
+    assert!(answer(serde_json::json!({"choices": ["a", 2]}))
+        .unwrap_err()
+        .to_string()
+        .contains("choice 1 is not text"));
+    let letters: Vec<String> = (0..27).map(|i| format!("choice {i}")).collect();
+    assert!(answer(serde_json::json!({ "choices": letters }))
+        .unwrap_err()
+        .to_string()
+        .contains("at most 26"));
+    // 26 are lettered A to Z.
+    let mut letters = letters;
+    letters.truncate(26);
+    letters[25] = "zed".into();
+    assert_eq!(
+        answer(serde_json::json!({ "choices": letters })).unwrap(),
+        "[invalid]"
+    );
+    assert_eq!(
+        pipeline
+            .apply_to(
+                &["it is zed".into()],
+                &serde_json::json!({ "choices": letters })
+            )
+            .unwrap(),
+        "(Z)"
+    );
+}
+
+#[test]
+fn the_chain_of_thought_multiple_choice_presets_are_lm_evals_tasks() {
+    let fixture = fixture();
+    let tasks = fixture["multi_choice_tasks"].as_object().unwrap();
+    assert_eq!(tasks.len(), 4);
+    for (name, want) in tasks {
+        let preset = TaskPreset::named(name).unwrap();
+        assert_preset_is_lm_evals(&preset, want);
+        assert_eq!(want["do_sample"], false, "{name}");
+        assert_eq!(want["temperature"], 0.0, "{name}");
+        assert_eq!(preset.repeats, 1);
+        assert!(preset.examples.is_none());
+        // A chain of thought that ends with the letter, one that names the choice's text,
+        // and one that states neither.
+        let doc = serde_json::json!({"choices": ["Paris", "London", "Rome", "Berlin"]});
+        let target = ["(B)".to_owned()];
+        for (response, strict, flexible) in [
+            (" London is the capital, so the answer is (B).", true, true),
+            (
+                " Well, London. I think (C) is wrong; The answer is (B).",
+                true,
+                true,
+            ),
+            (" It must be london!", false, true),
+            (" It must be Rome.", false, false),
+            (" No idea.", false, false),
+        ] {
+            let right: Vec<bool> = preset
+                .filters
+                .iter()
+                .map(|f| {
+                    let answer = f.apply_to(&[response.to_owned()], &doc).unwrap();
+                    preset.metric.matches(&answer, &target).unwrap()
+                })
+                .collect();
+            let strict = strict && (name.starts_with("mmlu") || response.contains("The answer"));
+            assert_eq!(right, [strict, flexible], "{name}: {response:?}");
+        }
+    }
+}
+
+#[test]
+fn documents_choices_reach_multi_choice_regex_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let contexts: Vec<String> = std::fs::read_to_string(fixtures().join("generation/docs.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| GenerationDoc::parse(l).unwrap().context)
+        .collect();
+    let dummies = ["qqzz one", "qqzz two", "qqzz three", "qqzz four"];
+    let run = |choices: &[Vec<String>], targets: &[&str], name: &str| {
+        let docs = dir.path().join(format!("{name}.jsonl"));
+        let lines: String = contexts
+            .iter()
+            .zip(choices)
+            .zip(targets)
+            .map(|((c, ch), t)| {
+                serde_json::json!({"context": c, "target": t, "choices": ch}).to_string() + "\n"
+            })
+            .collect();
+        std::fs::write(&docs, lines).unwrap();
+        let samples = dir.path().join(format!("{name}.samples.jsonl"));
+        let out = common::headroom_command()
+            .args(["eval", "--from"])
+            .arg(fixtures().join("hf-llama-gqa-untied"))
+            .arg("--tokenizer")
+            .arg(fixtures().join("choices/llama/tokenizer.json"))
+            .arg("--generate")
+            .arg(&docs)
+            .args(["--preset", "gpqa_main_cot_zeroshot", "--max-gen-toks", "8"])
+            .arg("--samples")
+            .arg(&samples)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&samples)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        (stdout, lines)
+    };
+    let dummy: Vec<Vec<String>> = vec![dummies.map(str::to_owned).to_vec(); contexts.len()];
+    let (_, first) = run(&dummy, &vec!["(A)"; contexts.len()], "first");
+    // Each document whose text holds a word of three letters or more gets it as choice C
+    // and the target (C); the others keep choices the model does not write.
+    let mut choices = dummy.clone();
+    let mut targets = vec!["(A)"; contexts.len()];
+    for (i, line) in first.iter().enumerate() {
+        let response = line["response"].as_str().unwrap();
+        if let Some(word) = response
+            .split(|c: char| !c.is_alphanumeric())
+            .find(|w| w.chars().count() >= 3)
+        {
+            choices[i][2] = format!(" {word} ");
+            targets[i] = "(C)";
+        }
+    }
+    let lettered = targets.iter().filter(|&&t| t == "(C)").count();
+    assert!(lettered >= 3, "{first:?}");
+    let (stdout, second) = run(&choices, &targets, "second");
+    for (line, target) in second.iter().zip(&targets) {
+        let flexible = line["filtered"]["flexible-extract"].as_str().unwrap();
+        let want = if *target == "(C)" { "(C)" } else { "[invalid]" };
+        assert_eq!(flexible, want, "{line}");
+    }
+    let printed = stdout
+        .lines()
+        .find(|l| l.starts_with("exact_match,flexible-extract "))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let mean = lettered as f64 / contexts.len() as f64;
+    assert!(
+        printed.contains(&format!("{mean:.4} ±")),
+        "{printed} vs {mean}"
+    );
+    // Documents without choices are refused, naming the document and the field.
+    let docs = dir.path().join("bare.jsonl");
+    std::fs::write(&docs, "{\"context\": \"a red\", \"target\": \"(A)\"}\n").unwrap();
+    let out = common::headroom_command()
+        .args(["eval", "--from"])
+        .arg(fixtures().join("hf-llama-gqa-untied"))
+        .arg("--tokenizer")
+        .arg(fixtures().join("choices/llama/tokenizer.json"))
+        .arg("--generate")
+        .arg(&docs)
+        .args(["--preset", "mmlu_flan_cot_zeroshot", "--max-gen-toks", "2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("document 1") && stderr.contains("\"choices\""),
+        "{stderr}"
+    );
 }
