@@ -34,6 +34,9 @@ and the tokenizers `make_choices_fixture.py` saves (`fixtures/choices/<tokenizer
   (the answer's start, which the model continues) in plain text, through the chat template
   with examples as turns (`continue_final_message`), and with them in one user message and a
   prefix ending in a space.
+- `llama_translation`: lm-eval's corpus metrics `bleu`, `chrf` and `chrf++` under two filters,
+  the references made from a first run's texts (as they came, with the last word changed, or
+  unrelated).
 
 Targets are set from a first run's answers (half the documents right, some in another
 case; the sampled run's from its own first run, which draws the same with the same seeds),
@@ -277,6 +280,25 @@ RUNS = [
          "description": "", "delimiter": "\n\n", "system_instruction": "Be brief.",
          "chat": {"multiturn": False}},
     ),
+    (
+        # Corpus metrics: the first run's texts, edited, are the references.
+        "llama_translation",
+        "hf-llama-gqa-untied",
+        "llama",
+        "translation.jsonl",
+        {
+            "generation_kwargs": {"until": ["\n"], "do_sample": False, "max_gen_toks": 12},
+            "filter_list": [
+                {"name": "none", "filter": [{"function": "take_first"}]},
+                {"name": "first-words", "filter": [
+                    {"function": "regex", "regex_pattern": r"^(\S+(?: \S+)?)"},
+                    {"function": "take_first"}]},
+            ],
+            "metric": {},
+            "corpus_metrics": ["bleu", "chrf", "chrf++"],
+        },
+        None,
+    ),
 ]
 
 # lm-eval's filter pipelines on hand-made responses: (steps, responses).
@@ -331,6 +353,48 @@ MULTI_CHOICE_CASES = [
       "answer:\n\t A"]),
     ({"group_select": 1}, ["up", "down"], ["up", "up and down"]),
     ({}, None, ["anything"]),
+]
+
+# Corpora for lm-eval's bleu, chrf and chrf++ aggregations (sacreBLEU's corpus scores):
+# (hypotheses, references). Punctuation and numbers as mteval's 13a tokenizer splits them,
+# HTML entities, <skipped>, hyphenated line breaks, trailing spaces, an empty hypothesis, a
+# short one (the brevity penalty), orders without a match (exponential smoothing), Unicode,
+# no match at all, one document, and a seeded random corpus for the bootstrap.
+def _random_corpus(seed, n):
+    import random
+
+    words = ["the", "cat", "sat", "on", "a", "mat", ".", ",", "dog", "ran", "3.5", "big",
+             "Haus", "grün", "(", ")", "it's", "1,000"]
+    rnd = random.Random(seed)
+    hyps, refs = [], []
+    for _ in range(n):
+        ref = [rnd.choice(words) for _ in range(rnd.randint(3, 12))]
+        hyp = [w if rnd.random() < 0.7 else rnd.choice(words) for w in ref]
+        if rnd.random() < 0.3:
+            hyp = hyp[: rnd.randint(1, len(hyp))]
+        refs.append(" ".join(ref))
+        hyps.append(" ".join(hyp))
+    return hyps, refs
+
+
+CORPUS_CASES = [
+    (["The cat sat on the mat.", "It costs $3.50, or 1,000 yen.", "Well-known 5-4 results!",
+      "She said &quot;hi&quot; &amp; left", "a <skipped>line-\nbreak", "trailing space   "],
+     ["The cat sat on a mat.", "It costs $3.50 or 1,000 yen.", "Well known 5-4 results.",
+      "She said \"hi\" & left.", "a linebreak", "trailing space"]),
+    (["", "short", "the big dog ran far away today", "(x) [y] {z}"],
+     ["something here", "a much longer reference sentence", "the big dog ran away",
+      "(x) [y] {z}"]),
+    (["Das Haus ist grün.", "\u4eca\u5929\u5929\u6c14\u5f88\u597d", "caf\u00e9 au lait"],
+     ["Das Haus ist gr\u00fcn.", "\u4eca\u5929\u5929\u6c14\u597d", "caf\u00e9 au lait"]),
+    (["alpha beta", "gamma"], ["delta epsilon", "zeta eta"]),
+    (["one two three four five"], ["one two three four six"]),
+    _random_corpus(7, 40),
+]
+TOKENIZE_13A_CASES = [
+    "Hello, world! It's 3.5-4 (approx.) &amp; <skipped>done-\nok",
+    "a.b,c 1.000,5 x,1 .5 5. -3 3- $10/20 ~{tilde}",
+    "tab\there\u00a0nbsp\u2003em",
 ]
 
 # Python's regex dialect: (pattern, text) for findall and sub, and lm-eval's RegexFilter.
@@ -411,6 +475,33 @@ def regex_cases():
         multi_choice.append(case)
     return {"regex": cases, "exact_match": matches, "filters": pipelines,
             "multi_choice": multi_choice}
+
+
+def corpus_metric_cases():
+    """lm-eval's bleu, chrf and chrf++ aggregations and their bootstrap standard errors (100
+    resamples, as lm-eval caps them) on hand-made corpora; sacreBLEU's 13a tokenizer."""
+    import sacrebleu
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    from lm_eval.api import metrics
+
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    corpora = []
+    for hyps, refs in CORPUS_CASES:
+        items = list(zip(refs, hyps))
+        case = {"hypotheses": hyps, "references": refs}
+        for name, fn in (("bleu", metrics.bleu), ("chrf", metrics.chrf),
+                         ("chrf++", metrics.chrfpp)):
+            case[name] = fn(items)
+            if len(items) > 1:
+                case[name + "_stderr"] = metrics.bootstrap_stderr(fn, items, iters=100)
+        corpora.append(case)
+    tokenizer = Tokenizer13a()
+    return {
+        "sacrebleu": sacrebleu.__version__,
+        "corpora": corpora,
+        "tokenize_13a": [{"text": t, "tokens": tokenizer(t).split()} for t in TOKENIZE_13A_CASES],
+    }
 
 
 def gsm8k_settings():
@@ -523,8 +614,10 @@ def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
         doc_to_text="context",
         doc_to_target="target",
         generation_kwargs=copy.deepcopy(fields["generation_kwargs"]),
-        metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                      **fields["metric"]}],
+        metric_list=[{"metric": m} for m in fields["corpus_metrics"]]
+        if fields.get("corpus_metrics")
+        else [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+               **fields["metric"]}],
         **extra,
     )
     results = evaluate_task(
@@ -548,8 +641,18 @@ def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
             "exact_match": {},
         })
         d["filtered"][s["filter"]] = s["filtered_resps"][0]
-        d["exact_match"][s["filter"]] = bool(s["exact_match"])
+        if "exact_match" in s:
+            d["exact_match"][s["filter"]] = bool(s["exact_match"])
     aggregate = results["results"]["headroom_generate"]
+    corpus = fields.get("corpus_metrics")
+    if corpus:
+        return {
+            "filters": names,
+            "docs": [per_doc[i] for i in sorted(per_doc)],
+            "corpus": {m: {n: aggregate[f"{m},{n}"] for n in names} for m in corpus},
+            "corpus_stderr": {m: {n: aggregate[f"{m}_stderr,{n}"] for n in names}
+                              for m in corpus},
+        }
     return {
         "filters": names,
         "docs": [per_doc[i] for i in sorted(per_doc)],
@@ -611,6 +714,24 @@ def make():
                 doc["target"] = got["filtered"]["maj"]
             elif i % 3 == 0:
                 doc["target"] = got["filtered"]["score-first"]
+        # The translation run's references: a text as it came, a text with its last word
+        # changed, or an unrelated sentence, in turn.
+        translation = [{"context": d["context"], "target": "x"} for d in DOCS]
+        translation_path = os.path.join(tmp, "translation.jsonl")
+        write_jsonl(translation_path, translation)
+        name, model, tok, _, fields, fewshot = next(r for r in RUNS
+                                                    if r[0] == "llama_translation")
+        first = run_task(model_dir(tmp, model, tokenizers[tok]), translation_path, fewshot_path,
+                         fields, fewshot, tmp, "first-translation")
+        for i, (doc, got) in enumerate(zip(translation, first["docs"])):
+            words = got["response"].split()
+            if i % 3 == 0 and words:
+                doc["target"] = got["response"]
+            elif i % 3 == 1 and words:
+                doc["target"] = " ".join(words[:-1] + ["zebra"])
+            else:
+                doc["target"] = "an unrelated reference sentence"
+        files["translation.jsonl"] = write_jsonl(translation_path, translation)
         files["docs.jsonl"] = write_jsonl(os.path.join(tmp, "docs.jsonl"), docs)
         files["several.jsonl"] = write_jsonl(os.path.join(tmp, "several.jsonl"), several)
         files["sampled.jsonl"] = write_jsonl(os.path.join(tmp, "sampled.jsonl"), sampled)
@@ -632,6 +753,8 @@ def make():
                 **({"gen_prefix": fields["gen_prefix"]} if fields.get("gen_prefix") else {}),
                 "filter_list": fields["filter_list"],
                 "metric": fields["metric"],
+                **({"corpus_metrics": fields["corpus_metrics"]}
+                   if fields.get("corpus_metrics") else {}),
                 **({"fewshot": fewshot} if fewshot else {}),
                 **result,
             }
@@ -639,6 +762,7 @@ def make():
         fixture["gsm8k"] = gsm8k_settings()
         fixture["gsm8k_cot_self_consistency"] = self_consistency_settings()
         fixture["multi_choice_tasks"] = multi_choice_task_settings()
+        fixture["corpus_metrics"] = corpus_metric_cases()
     return fixture, files
 
 

@@ -268,6 +268,12 @@ struct EvalArgs {
     /// [default: lm-eval's `none`, the whole answer].
     #[arg(long, value_name = "FILE|JSON", requires = "generate")]
     filters: Option<String>,
+    /// With --generate: a metric of the filtered answers (lm-eval's `metric_list`; repeat for
+    /// several): `exact_match` per document, or over the corpus sacreBLEU's `bleu` (13a
+    /// tokens, exponential smoothing), `chrf` or `chrf++` against each document's one target,
+    /// with lm-eval's bootstrap standard error [default: exact_match].
+    #[arg(long = "metric", value_name = "NAME", requires = "generate")]
+    metrics: Vec<String>,
     /// With --generate: exact_match compares in lower case (`ignore_case`).
     #[arg(long, requires = "generate")]
     ignore_case: bool,
@@ -3125,6 +3131,19 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
             || preset_metric.is_some_and(|m| m.ignore_punctuation),
         ignore_numbers: a.ignore_numbers || preset_metric.is_some_and(|m| m.ignore_numbers),
     };
+    let mut exact_match_reported = a.metrics.is_empty();
+    let mut corpus_metrics = Vec::new();
+    for name in &a.metrics {
+        if name == "exact_match" {
+            exact_match_reported = true;
+        } else {
+            let metric = crate::corpus_metrics::CorpusMetric::named(name)
+                .map_err(|e| format!("--metric: {e}"))?;
+            if !corpus_metrics.contains(&metric) {
+                corpus_metrics.push(metric);
+            }
+        }
+    }
     let until = match (&preset, a.until.is_empty()) {
         (_, false) => a.until.clone(),
         (Some(p), true) => p.until.clone(),
@@ -3161,6 +3180,7 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
         stop_tokens,
         filters,
         metric,
+        corpus_metrics,
         batch_size: usize::from(a.batch_size),
         sampling,
         seed: a.seed,
@@ -3203,9 +3223,18 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
     if let Some(samples) = samples {
         samples.finish()?;
     }
-    for (name, m) in &report.exact_match {
-        let label = format!("exact_match,{name}");
-        say!("{label:<28} {}", mean_and_stderr(m));
+    if exact_match_reported {
+        for (name, m) in &report.exact_match {
+            let label = format!("exact_match,{name}");
+            say!("{label:<28} {}", mean_and_stderr(m));
+        }
+    }
+    for c in &report.corpus {
+        let label = format!("{},{}", c.metric.name(), c.filter);
+        match c.stderr {
+            Some(se) => say!("{label:<28} {:.4} ± {se:.4}", c.score),
+            None => say!("{label:<28} {:.4}", c.score),
+        }
     }
     say!(
         "{} documents, {} tokens generated in {:.2} s ({})",

@@ -118,8 +118,21 @@ pub fn bootstrap_stderr(
     iters: usize,
     statistic: impl Fn(&[f64]) -> f64 + Sync,
 ) -> Option<f64> {
+    bootstrap_stderr_of(xs.len(), iters, |drawn: &[usize]| {
+        let values: Vec<f64> = drawn.iter().map(|&j| xs[j]).collect();
+        statistic(&values)
+    })
+}
+
+/// [`bootstrap_stderr`] over `n` items of any kind: `statistic` gets each resample as the
+/// drawn items' indices (a corpus metric sums their statistics).
+pub fn bootstrap_stderr_of(
+    n: usize,
+    iters: usize,
+    statistic: impl Fn(&[usize]) -> f64 + Sync,
+) -> Option<f64> {
     use rayon::prelude::*;
-    if xs.len() < 2 || iters == 0 {
+    if n < 2 || iters == 0 {
         return None;
     }
     let chunk = iters.min(1000);
@@ -127,15 +140,7 @@ pub fn bootstrap_stderr(
         .into_par_iter()
         .map(|i| {
             let mut rng = PyRandom::new(i as u64);
-            let mut drawn = vec![0f64; xs.len()];
-            (0..chunk)
-                .map(|_| {
-                    for (d, j) in drawn.iter_mut().zip(rng.choices(xs.len(), xs.len())) {
-                        *d = xs[j];
-                    }
-                    statistic(&drawn)
-                })
-                .collect()
+            (0..chunk).map(|_| statistic(&rng.choices(n, n))).collect()
         })
         .collect();
     sample_stddev(&chunks.concat())

@@ -49,6 +49,7 @@
 use std::path::Path;
 
 use crate::choices::{self, Example, Metric};
+use crate::corpus_metrics::CorpusMetric;
 use headroom_mmap_data::rng::derive_seed;
 
 use crate::model::{Model, ModelOps};
@@ -1134,6 +1135,9 @@ pub struct GenerationSettings {
     pub filters: Vec<FilterPipeline>,
     /// How an answer is compared with the targets.
     pub metric: ExactMatch,
+    /// Corpus-level metrics of each filter's answers against the documents' one target each
+    /// (lm-eval's `bleu`, `chrf`, `chrf++`), besides `exact_match`.
+    pub corpus_metrics: Vec<CorpusMetric>,
     /// Documents generated together (lm-eval's `--batch_size`), longest prompts first as
     /// lm-eval orders them; 1 runs each alone, in document order.
     pub batch_size: usize,
@@ -1179,6 +1183,21 @@ pub struct GenerationReport {
     pub reused_prompt_tokens: u64,
     /// `exact_match` under each filter, by its name.
     pub exact_match: Vec<(String, Metric)>,
+    /// Each corpus metric under each filter (filters outer, metrics inner).
+    pub corpus: Vec<CorpusScore>,
+}
+
+/// A corpus metric of one filter's answers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CorpusScore {
+    /// The filter's name.
+    pub filter: String,
+    /// The metric.
+    pub metric: CorpusMetric,
+    /// Its score over every document (0–100).
+    pub score: f64,
+    /// lm-eval's bootstrap standard error (`None` below two documents).
+    pub stderr: Option<f64>,
 }
 
 /// The end-of-sequence ids transformers' `generate` stops at for the model in `dir`: its
@@ -1312,6 +1331,18 @@ pub fn evaluate<B: ModelOps>(
             settings.repeats
         )));
     }
+    if !settings.corpus_metrics.is_empty() {
+        // lm-eval hands a corpus metric the target as it is: a list of targets breaks it.
+        if let Some(i) = docs.iter().position(|d| d.targets.len() != 1) {
+            return Err(TrainError::Input(format!(
+                "document {}: {} has {} targets; lm-eval's corpus metrics take one reference \
+                 per document",
+                i + 1,
+                settings.corpus_metrics[0].name(),
+                docs[i].targets.len()
+            )));
+        }
+    }
     let max_seq = model.cfg.max_seq;
     if settings.max_gen_toks == 0 || settings.max_gen_toks >= max_seq {
         return Err(TrainError::Input(format!(
@@ -1361,6 +1392,9 @@ pub fn evaluate<B: ModelOps>(
     };
     let mut kept = PromptCache::new();
     let mut results = vec![Vec::with_capacity(docs.len()); filters.len()];
+    // Per filter, per corpus metric, each document's statistics.
+    let mut segments: Vec<Vec<Vec<Vec<u64>>>> =
+        vec![vec![Vec::with_capacity(docs.len()); settings.corpus_metrics.len()]; filters.len()];
     let (mut new_tokens, mut prompt_total, mut reused_total) = (0u64, 0u64, 0u64);
     let in_doc =
         |i: usize| move |e: TrainError| TrainError::Input(format!("document {}: {e}", i + 1));
@@ -1453,6 +1487,11 @@ pub fn evaluate<B: ModelOps>(
             for (r, &m) in results.iter_mut().zip(&exact_match) {
                 r.push(m);
             }
+            for (per_metric, answer) in segments.iter_mut().zip(&filtered) {
+                for (stats, metric) in per_metric.iter_mut().zip(&settings.corpus_metrics) {
+                    stats.push(metric.segment(answer, &doc.targets));
+                }
+            }
             new_tokens += generated as u64;
             prompt_total += (prompt.len() * runs) as u64;
             reused_total += reused as u64;
@@ -1484,6 +1523,22 @@ pub fn evaluate<B: ModelOps>(
             .iter()
             .zip(&results)
             .map(|(f, r)| (f.name.clone(), Metric::of(r)))
+            .collect(),
+        corpus: filters
+            .iter()
+            .zip(&segments)
+            .flat_map(|(f, per_metric)| {
+                settings
+                    .corpus_metrics
+                    .iter()
+                    .zip(per_metric)
+                    .map(|(&metric, stats)| CorpusScore {
+                        filter: f.name.clone(),
+                        metric,
+                        score: metric.corpus(stats),
+                        stderr: metric.stderr(stats),
+                    })
+            })
             .collect(),
     })
 }

@@ -51,6 +51,7 @@ pub mod choices;
 pub mod cli;
 pub mod companions;
 pub mod completions;
+pub mod corpus_metrics;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;

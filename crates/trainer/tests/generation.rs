@@ -1,8 +1,9 @@
 //! Generation tasks against lm-evaluation-harness: the prompt, generated texts, filtered
-//! answers and exact_match of every document of six lm-eval 0.4.13 `generate_until` runs
-//! (zero-shot, few-shot by both samplers, a chat template, several targets, greedy repeats
-//! through `take_first_k` and `majority_vote`) on two transformers models, and each filter's
-//! aggregate; a sampled run's answers from lm-eval's own draws
+//! answers and exact_match of every document of ten greedy lm-eval 0.4.13 `generate_until`
+//! runs (zero-shot, few-shot by both samplers, a chat template, several targets, greedy
+//! repeats through `take_first_k` and `majority_vote`, a `gen_prefix`, corpus BLEU and chrF)
+//! on two transformers models, and each filter's aggregate; a sampled run's answers from
+//! lm-eval's own draws
 //! (`fixtures/generation/lm_eval_generation.json`, written by
 //! `benches/torch/make_generation_fixture.py`); Python's `re.findall` and `re.sub`, lm-eval's
 //! `RegexFilter`, `MultiChoiceRegexFilter`, filter pipelines and `exact_match` on hand-made
@@ -14,6 +15,7 @@ use std::path::PathBuf;
 
 use headroom_tensor::Cpu;
 use headroom_trainer::choices::{self, Sampler};
+use headroom_trainer::corpus_metrics::CorpusMetric;
 use headroom_trainer::generation::{
     self, ExactMatch, FilterPipeline, FilterStep, Found, GenerationDoc, GenerationSettings,
     PyRegex, TaskPreset,
@@ -96,7 +98,7 @@ fn strings(v: &serde_json::Value) -> Vec<String> {
 fn every_run_generates_and_scores_as_lm_eval() {
     let fixture = fixture();
     let runs = fixture["runs"].as_object().unwrap();
-    assert_eq!(runs.len(), 10);
+    assert_eq!(runs.len(), 11);
     let (mut docs_checked, mut right, mut nonempty_fallbacks) = (0, 0, 0);
     for (name, run) in runs {
         if run["generation_kwargs"]["do_sample"] == true {
@@ -199,6 +201,12 @@ fn every_run_generates_and_scores_as_lm_eval() {
                 stop_tokens: generation::generation_eos_ids(&model_dir).unwrap(),
                 filters: filters.clone(),
                 metric: metric_of(&run["metric"]),
+                corpus_metrics: run
+                    .get("corpus_metrics")
+                    .map_or_else(Vec::new, strings)
+                    .iter()
+                    .map(|m| CorpusMetric::named(m).unwrap())
+                    .collect(),
                 batch_size,
                 sampling: sampling_of(run, &model_dir),
                 seed: 0,
@@ -220,12 +228,15 @@ fn every_run_generates_and_scores_as_lm_eval() {
                         w["filtered"][name_f].as_str().unwrap(),
                         "{name} document {i}, filter {name_f}"
                     );
-                    assert_eq!(
-                        g.exact_match[f],
-                        w["exact_match"][name_f].as_bool().unwrap(),
-                        "{name} document {i}, filter {name_f}'s exact_match"
-                    );
-                    if batch_size == 1 {
+                    if let Some(flag) = w["exact_match"].get(name_f) {
+                        assert_eq!(
+                            g.exact_match[f],
+                            flag.as_bool().unwrap(),
+                            "{name} document {i}, filter {name_f}'s exact_match"
+                        );
+                    }
+                    // lm-eval reports no exact_match for a run with corpus metrics.
+                    if batch_size == 1 && settings.corpus_metrics.is_empty() {
                         right += usize::from(g.exact_match[f]);
                         nonempty_fallbacks += usize::from(g.filtered[f].starts_with('['));
                     }
@@ -241,6 +252,29 @@ fn every_run_generates_and_scores_as_lm_eval() {
             assert_eq!(seen, want.len());
             if batch_size == 1 {
                 docs_checked += seen;
+            }
+            // Corpus metrics: sacreBLEU's scores and lm-eval's bootstrap, to the bit.
+            assert_eq!(
+                report.corpus.len(),
+                settings.corpus_metrics.len() * filters.len()
+            );
+            for c in &report.corpus {
+                let metric = c.metric.name();
+                assert_eq!(
+                    c.score,
+                    run["corpus"][metric][&c.filter].as_f64().unwrap(),
+                    "{name} {metric},{}",
+                    c.filter
+                );
+                assert_eq!(
+                    c.stderr,
+                    run["corpus_stderr"][metric][&c.filter].as_f64(),
+                    "{name} {metric}_stderr,{}",
+                    c.filter
+                );
+            }
+            if run.get("metrics").is_none() {
+                continue;
             }
             for (filter, metric) in &report.exact_match {
                 let close = |a: f64, b: f64| (a - b).abs() <= 1e-12;
@@ -261,7 +295,7 @@ fn every_run_generates_and_scores_as_lm_eval() {
         }
     }
     // The fixture exercises what it means to: right answers and fallbacks both occur.
-    assert_eq!(docs_checked, 69);
+    assert_eq!(docs_checked, 77);
     assert!(right >= 5, "{right} right answers");
     assert!(nonempty_fallbacks >= 2);
 }
@@ -689,6 +723,7 @@ fn bad_tasks_are_refused_with_the_reason() {
         stop_tokens: vec![],
         filters: vec![FilterPipeline::none()],
         metric: ExactMatch::default(),
+        corpus_metrics: Vec::new(),
         batch_size: 1,
         sampling: Sampling::greedy(),
         seed: 0,
@@ -875,6 +910,7 @@ fn sampled_repeats_are_voted_as_lm_eval() {
             stop_tokens: generation::generation_eos_ids(&model_dir).unwrap(),
             filters: filters.clone(),
             metric: metric.clone(),
+            corpus_metrics: Vec::new(),
             batch_size,
             sampling,
             seed,
@@ -1204,6 +1240,84 @@ fn documents_choices_reach_multi_choice_regex_from_the_command_line() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("document 1") && stderr.contains("\"choices\""),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
+    let fixture = fixture();
+    let run = &fixture["runs"]["llama_translation"];
+    let eval = |docs: &std::path::Path, metrics: &[&str]| {
+        let mut command = common::headroom_command();
+        command
+            .args(["eval", "--from"])
+            .arg(fixtures().join(run["model"].as_str().unwrap()))
+            .arg("--tokenizer")
+            .arg(fixtures().join("choices/llama/tokenizer.json"))
+            .arg("--generate")
+            .arg(docs)
+            .args(["--until", "\n", "--max-gen-toks"])
+            .arg(run["generation_kwargs"]["max_gen_toks"].to_string())
+            .arg("--filters")
+            .arg(run["filter_list"].to_string())
+            .args(["--batch-size", "3"]);
+        for m in metrics {
+            command.args(["--metric", m]);
+        }
+        command.output().unwrap()
+    };
+    let docs = fixtures().join("generation/translation.jsonl");
+    let out = eval(&docs, &["bleu", "chrf", "chrf++"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines = 0;
+    for metric in strings(&run["corpus_metrics"]) {
+        for filter in strings(&run["filters"]) {
+            let label = format!("{metric},{filter} ");
+            let printed = stdout
+                .lines()
+                .find(|l| l.starts_with(&label))
+                .unwrap_or_else(|| panic!("no {label} in {stdout}"));
+            let want = format!(
+                "{:.4} ± {:.4}",
+                run["corpus"][&metric][&filter].as_f64().unwrap(),
+                run["corpus_stderr"][&metric][&filter].as_f64().unwrap()
+            );
+            assert!(printed.ends_with(&want), "{printed} vs {want}");
+            lines += 1;
+        }
+    }
+    assert_eq!(lines, 6);
+    assert!(!stdout.contains("exact_match"), "{stdout}");
+    // exact_match asked for too.
+    let out = eval(&docs, &["exact_match", "bleu"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(stdout.contains("exact_match,none "), "{stdout}");
+    assert!(stdout.contains("bleu,first-words "), "{stdout}");
+    assert!(!stdout.contains("chrf"), "{stdout}");
+    // lm-eval's ter is not one; a list of targets is refused before anything runs.
+    let out = eval(&docs, &["ter"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no corpus metric \"ter\""));
+    let dir = tempfile::tempdir().unwrap();
+    let listed = dir.path().join("listed.jsonl");
+    std::fs::write(
+        &listed,
+        "{\"context\": \"a red\", \"target\": \"x\"}\n\
+         {\"context\": \"the cat\", \"target\": [\"y\", \"z\"]}\n",
+    )
+    .unwrap();
+    let out = eval(&listed, &["chrf"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("document 2") && stderr.contains("one reference"),
         "{stderr}"
     );
 }
