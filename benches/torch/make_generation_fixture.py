@@ -34,7 +34,8 @@ and the tokenizers `make_choices_fixture.py` saves (`fixtures/choices/<tokenizer
   (the answer's start, which the model continues) in plain text, through the chat template
   with examples as turns (`continue_final_message`), and with them in one user message and a
   prefix ending in a space.
-- `llama_translation`: lm-eval's corpus metrics `bleu`, `chrf` and `chrf++` under two filters,
+- `llama_translation`: lm-eval's corpus metrics `bleu`, `chrf`, `chrf++` and `ter` under two
+  filters,
   the references made from a first run's texts (as they came, with the last word changed, or
   unrelated).
 
@@ -295,7 +296,7 @@ RUNS = [
                     {"function": "take_first"}]},
             ],
             "metric": {},
-            "corpus_metrics": ["bleu", "chrf", "chrf++"],
+            "corpus_metrics": ["bleu", "chrf", "chrf++", "ter"],
         },
         None,
     ),
@@ -355,7 +356,7 @@ MULTI_CHOICE_CASES = [
     ({}, None, ["anything"]),
 ]
 
-# Corpora for lm-eval's bleu, chrf and chrf++ aggregations (sacreBLEU's corpus scores):
+# Corpora for lm-eval's bleu, chrf, chrf++ and ter aggregations (sacreBLEU's corpus scores):
 # (hypotheses, references). Punctuation and numbers as mteval's 13a tokenizer splits them,
 # HTML entities, <skipped>, hyphenated line breaks, trailing spaces, an empty hypothesis, a
 # short one (the brevity penalty), orders without a match (exponential smoothing), Unicode,
@@ -377,6 +378,22 @@ def _random_corpus(seed, n):
     return hyps, refs
 
 
+def _shuffled_corpus(seed, n, length):
+    import random
+
+    rnd = random.Random(seed)
+    hyps, refs = [], []
+    for _ in range(n):
+        ref = [rnd.choice("abcdef") for _ in range(length)]
+        hyp = list(ref)
+        for _ in range(length // 4):
+            i, j = rnd.randrange(length), rnd.randrange(length)
+            hyp[i], hyp[j] = hyp[j], hyp[i]
+        refs.append(" ".join(ref))
+        hyps.append(" ".join(hyp))
+    return hyps, refs
+
+
 CORPUS_CASES = [
     (["The cat sat on the mat.", "It costs $3.50, or 1,000 yen.", "Well-known 5-4 results!",
       "She said &quot;hi&quot; &amp; left", "a <skipped>line-\nbreak", "trailing space   "],
@@ -390,6 +407,17 @@ CORPUS_CASES = [
     (["alpha beta", "gamma"], ["delta epsilon", "zeta eta"]),
     (["one two three four five"], ["one two three four six"]),
     _random_corpus(7, 40),
+    # TER: phrases to shift, case (TER compares in lower case), a reference 60 times longer
+    # than its hypothesis and the reverse (a wider band), empty sides, and shuffled long
+    # sentences of few words (many shift candidates, past Tercom's 1000).
+    (["the cat sat on the mat today", "a b c d e f", "on the mat the cat sat", "The CAT",
+      "x y", " ".join(["w%d" % (i % 7) for i in range(130)]), "", "words"],
+     ["today the cat sat on the mat", "d e f a b c", "the cat sat on the mat", "the cat",
+      " ".join(["w%d" % (i % 5) for i in range(120)]), "w1 w2 w3", "", ""]),
+    _shuffled_corpus(3, 4, 36),
+    # Long enough that one sentence tries Tercom's 1000 shift candidates (scores only: 100
+    # resamples of it would take minutes in Python).
+    _shuffled_corpus(5, 2, 60) + (False,),
 ]
 TOKENIZE_13A_CASES = [
     "Hello, world! It's 3.5-4 (approx.) &amp; <skipped>done-\nok",
@@ -478,7 +506,7 @@ def regex_cases():
 
 
 def corpus_metric_cases():
-    """lm-eval's bleu, chrf and chrf++ aggregations and their bootstrap standard errors (100
+    """lm-eval's bleu, chrf, chrf++ and ter aggregations and their bootstrap standard errors (100
     resamples, as lm-eval caps them) on hand-made corpora; sacreBLEU's 13a tokenizer."""
     import sacrebleu
     from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
@@ -487,13 +515,13 @@ def corpus_metric_cases():
 
     os.environ["DISABLE_MULTIPROC"] = "1"
     corpora = []
-    for hyps, refs in CORPUS_CASES:
+    for hyps, refs, *bootstrap in CORPUS_CASES:
         items = list(zip(refs, hyps))
-        case = {"hypotheses": hyps, "references": refs}
+        case = {"hypotheses": hyps, "references": refs, "bootstrapped": bootstrap != [False]}
         for name, fn in (("bleu", metrics.bleu), ("chrf", metrics.chrf),
-                         ("chrf++", metrics.chrfpp)):
+                         ("chrf++", metrics.chrfpp), ("ter", metrics.ter)):
             case[name] = fn(items)
-            if len(items) > 1:
+            if len(items) > 1 and bootstrap != [False]:
                 case[name + "_stderr"] = metrics.bootstrap_stderr(fn, items, iters=100)
         corpora.append(case)
     tokenizer = Tokenizer13a()
@@ -578,6 +606,32 @@ def multi_choice_task_settings():
             "filter_list": task["filter_list"],
             "metric": metric,
             "num_fewshot": task["num_fewshot"],
+            "doc_to_text": task["doc_to_text"],
+            "doc_to_target": task["doc_to_target"],
+            "version": task["metadata"]["version"],
+        }
+    return settings
+
+
+def translation_task_settings():
+    """lm-eval's translation tasks: what `headroom eval --preset <task>` must set."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    settings = {}
+    names = ["wmt14_en-fr", "wmt14_fr-en", "wmt16_de-en", "wmt16_en-de", "wmt16_en-ro",
+             "wmt16_ro-en", "iwslt2017_en-ar", "iwslt2017_ar-en"]
+    for file in names:
+        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "translation",
+                                      file + ".yaml"))
+        settings[task["task"]] = {
+            "until": task["generation_kwargs"]["until"],
+            "do_sample": task["generation_kwargs"]["do_sample"],
+            "temperature": task["generation_kwargs"]["temperature"],
+            "metrics": [m["metric"] for m in task["metric_list"]],
+            "num_fewshot": task.get("num_fewshot", 0),
+            "filter_list": task.get("filter_list"),
+            "repeats": task["repeats"],
             "doc_to_text": task["doc_to_text"],
             "doc_to_target": task["doc_to_target"],
             "version": task["metadata"]["version"],
@@ -763,6 +817,7 @@ def make():
         fixture["gsm8k_cot_self_consistency"] = self_consistency_settings()
         fixture["multi_choice_tasks"] = multi_choice_task_settings()
         fixture["corpus_metrics"] = corpus_metric_cases()
+        fixture["translation_tasks"] = translation_task_settings()
     return fixture, files
 
 

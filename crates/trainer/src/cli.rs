@@ -205,8 +205,10 @@ struct EvalArgs {
     /// samples per question at temperature 0.2, the first answer and the majority of 64 and
     /// of 8), `gpqa_main_cot_zeroshot` (also `_diamond_`, `_extended_`) or
     /// `mmlu_flan_cot_zeroshot` (zero-shot chain of thought, the answer letter taken by
-    /// multi_choice_regex from the documents' `choices`); an option given as well replaces
-    /// the preset's.
+    /// multi_choice_regex from the documents' `choices`), or a translation task
+    /// (`wmt14-en-fr`, `wmt14-fr-en`, `wmt16-de-en`, `wmt16-en-de`, `wmt16-en-ro`,
+    /// `wmt16-ro-en`, `iwslt2017-en-ar`, `iwslt2017-ar-en`: one line, BLEU, TER and chrF); an
+    /// option given as well replaces the preset's.
     #[arg(long, value_name = "TASK", requires = "generate")]
     preset: Option<String>,
     /// With --generate: a stop string (lm-eval's `until`; repeat for several) [default:
@@ -270,8 +272,9 @@ struct EvalArgs {
     filters: Option<String>,
     /// With --generate: a metric of the filtered answers (lm-eval's `metric_list`; repeat for
     /// several): `exact_match` per document, or over the corpus sacreBLEU's `bleu` (13a
-    /// tokens, exponential smoothing), `chrf` or `chrf++` against each document's one target,
-    /// with lm-eval's bootstrap standard error [default: exact_match].
+    /// tokens, exponential smoothing), `chrf`, `chrf++` or `ter` against each document's one
+    /// target, with lm-eval's bootstrap standard error [default: exact_match, or the
+    /// preset's].
     #[arg(long = "metric", value_name = "NAME", requires = "generate")]
     metrics: Vec<String>,
     /// With --generate: exact_match compares in lower case (`ignore_case`).
@@ -3131,8 +3134,12 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
             || preset_metric.is_some_and(|m| m.ignore_punctuation),
         ignore_numbers: a.ignore_numbers || preset_metric.is_some_and(|m| m.ignore_numbers),
     };
-    let mut exact_match_reported = a.metrics.is_empty();
-    let mut corpus_metrics = Vec::new();
+    let mut exact_match_reported =
+        a.metrics.is_empty() && preset.as_ref().is_none_or(|p| p.exact_match);
+    let mut corpus_metrics = match (&preset, a.metrics.is_empty()) {
+        (Some(p), true) => p.corpus_metrics.clone(),
+        _ => Vec::new(),
+    };
     for name in &a.metrics {
         if name == "exact_match" {
             exact_match_reported = true;

@@ -1015,6 +1015,19 @@ fn gsm8k_metric() -> Result<ExactMatch> {
     })
 }
 
+/// lm-eval's translation tasks (`tasks/translation`, over `wmt_common_yaml`, version 1): one
+/// line each, scored by BLEU, TER and chrF.
+pub const TRANSLATION_TASKS: [&str; 8] = [
+    "wmt14-en-fr",
+    "wmt14-fr-en",
+    "wmt16-de-en",
+    "wmt16-en-de",
+    "wmt16-en-ro",
+    "wmt16-ro-en",
+    "iwslt2017-en-ar",
+    "iwslt2017-ar-en",
+];
+
 /// A named task's generation settings as lm-eval's task YAML writes them (`eval --preset`).
 #[derive(Clone, Debug)]
 pub struct TaskPreset {
@@ -1035,6 +1048,10 @@ pub struct TaskPreset {
     /// `fewshot_config.samples`: the examples every prompt shows, in order (its `first_n`
     /// sampler); `None` when the task draws them from a split.
     pub examples: Option<Vec<GenerationDoc>>,
+    /// Whether `metric_list` holds `exact_match`.
+    pub exact_match: bool,
+    /// `metric_list`'s corpus metrics.
+    pub corpus_metrics: Vec<CorpusMetric>,
 }
 
 impl TaskPreset {
@@ -1048,9 +1065,13 @@ impl TaskPreset {
     ///   `{"context": "What is the correct answer to this question:…\nChoices:\n(A) …\n…
     ///   Let's think step by step: ", "target": "(B)", "choices": [four texts]}`;
     /// - `mmlu_flan_cot_zeroshot` (every subject's task): zero-shot, `{"context": "Q: …\n(A) …
-    ///   (B) … (C) … (D) …\nA: Let's think step by step.", "target": "(C)", "choices": […]}`.
+    ///   (B) … (C) … (D) …\nA: Let's think step by step.", "target": "(C)", "choices": […]}`;
+    /// - the translation tasks ([`TRANSLATION_TASKS`]): zero-shot, one line, `{"context":
+    ///   "German phrase: …\nEnglish phrase:", "target": " …"}`, scored by corpus BLEU, TER
+    ///   and chrF.
     ///
-    /// The last two take the answer letter by `multi_choice_regex`, which reads `choices`.
+    /// GPQA's and MMLU's take the answer letter by `multi_choice_regex`, which reads
+    /// `choices`.
     pub fn named(name: &str) -> Result<TaskPreset> {
         let filters = |json: &str| {
             FilterPipeline::parse_list(
@@ -1070,6 +1091,8 @@ impl TaskPreset {
                 temperature: None,
                 repeats: 1,
                 examples: None,
+                exact_match: true,
+                corpus_metrics: Vec::new(),
             }),
             "gsm8k_cot_self_consistency" | "gsm8k-cot-self-consistency" => Ok(TaskPreset {
                 until: ["Q:", "\n\n"].map(str::to_owned).to_vec(),
@@ -1086,6 +1109,8 @@ impl TaskPreset {
                         .collect::<std::result::Result<_, _>>()
                         .map_err(|e| TrainError::Input(format!("{name}'s examples: {e}")))?,
                 ),
+                exact_match: true,
+                corpus_metrics: Vec::new(),
             }),
             "gpqa_main_cot_zeroshot"
             | "gpqa_diamond_cot_zeroshot"
@@ -1111,11 +1136,26 @@ impl TaskPreset {
                 temperature: None,
                 repeats: 1,
                 examples: None,
+                exact_match: true,
+                corpus_metrics: Vec::new(),
+            }),
+            _ if TRANSLATION_TASKS.contains(&name) => Ok(TaskPreset {
+                until: vec!["\n".to_owned()],
+                filters: vec![FilterPipeline::none()],
+                metric: ExactMatch::default(),
+                num_fewshot: 0,
+                do_sample: Some(false),
+                temperature: None,
+                repeats: 1,
+                examples: None,
+                exact_match: false,
+                corpus_metrics: vec![CorpusMetric::Bleu, CorpusMetric::Ter, CorpusMetric::Chrf],
             }),
             other => Err(TrainError::Input(format!(
                 "no task preset {other:?} (there are gsm8k, gsm8k_cot_self_consistency, \
-                 gpqa_main_cot_zeroshot, gpqa_diamond_cot_zeroshot, gpqa_extended_cot_zeroshot \
-                 and mmlu_flan_cot_zeroshot)"
+                 gpqa_main_cot_zeroshot, gpqa_diamond_cot_zeroshot, gpqa_extended_cot_zeroshot, \
+                 mmlu_flan_cot_zeroshot and the translation tasks {})",
+                TRANSLATION_TASKS.join(", ")
             ))),
         }
     }
@@ -1393,7 +1433,7 @@ pub fn evaluate<B: ModelOps>(
     let mut kept = PromptCache::new();
     let mut results = vec![Vec::with_capacity(docs.len()); filters.len()];
     // Per filter, per corpus metric, each document's statistics.
-    let mut segments: Vec<Vec<Vec<Vec<u64>>>> =
+    let mut segments: Vec<Vec<Vec<Vec<f64>>>> =
         vec![vec![Vec::with_capacity(docs.len()); settings.corpus_metrics.len()]; filters.len()];
     let (mut new_tokens, mut prompt_total, mut reused_total) = (0u64, 0u64, 0u64);
     let in_doc =

@@ -1268,7 +1268,11 @@ fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
         command.output().unwrap()
     };
     let docs = fixtures().join("generation/translation.jsonl");
-    let out = eval(&docs, &["bleu", "chrf", "chrf++"]);
+    let metrics = strings(&run["corpus_metrics"]);
+    let out = eval(
+        &docs,
+        &metrics.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -1276,7 +1280,7 @@ fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
         String::from_utf8_lossy(&out.stderr)
     );
     let mut lines = 0;
-    for metric in strings(&run["corpus_metrics"]) {
+    for metric in &metrics {
         for filter in strings(&run["filters"]) {
             let label = format!("{metric},{filter} ");
             let printed = stdout
@@ -1285,14 +1289,14 @@ fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
                 .unwrap_or_else(|| panic!("no {label} in {stdout}"));
             let want = format!(
                 "{:.4} ± {:.4}",
-                run["corpus"][&metric][&filter].as_f64().unwrap(),
-                run["corpus_stderr"][&metric][&filter].as_f64().unwrap()
+                run["corpus"][metric][&filter].as_f64().unwrap(),
+                run["corpus_stderr"][metric][&filter].as_f64().unwrap()
             );
             assert!(printed.ends_with(&want), "{printed} vs {want}");
             lines += 1;
         }
     }
-    assert_eq!(lines, 6);
+    assert_eq!(lines, 8);
     assert!(!stdout.contains("exact_match"), "{stdout}");
     // exact_match asked for too.
     let out = eval(&docs, &["exact_match", "bleu"]);
@@ -1301,10 +1305,37 @@ fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
     assert!(stdout.contains("exact_match,none "), "{stdout}");
     assert!(stdout.contains("bleu,first-words "), "{stdout}");
     assert!(!stdout.contains("chrf"), "{stdout}");
-    // lm-eval's ter is not one; a list of targets is refused before anything runs.
-    let out = eval(&docs, &["ter"]);
+    // The wmt16-de-en preset: the same stop string, BLEU, TER and chrF, no exact_match.
+    let out = common::headroom_command()
+        .args(["eval", "--from"])
+        .arg(fixtures().join(run["model"].as_str().unwrap()))
+        .arg("--tokenizer")
+        .arg(fixtures().join("choices/llama/tokenizer.json"))
+        .arg("--generate")
+        .arg(&docs)
+        .args(["--preset", "wmt16-de-en", "--max-gen-toks"])
+        .arg(run["generation_kwargs"]["max_gen_toks"].to_string())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let printed: Vec<&str> = stdout.lines().filter(|l| l.contains(",none ")).collect();
+    assert_eq!(printed.len(), 3, "{stdout}");
+    for (line, metric) in printed.iter().zip(["bleu", "ter", "chrf"]) {
+        let want = format!(
+            "{:.4} ± {:.4}",
+            run["corpus"][metric]["none"].as_f64().unwrap(),
+            run["corpus_stderr"][metric]["none"].as_f64().unwrap()
+        );
+        assert!(
+            line.starts_with(&format!("{metric},none ")) && line.ends_with(&want),
+            "{line} vs {want}"
+        );
+    }
+    // An unknown metric, and a list of targets, are refused before anything runs.
+    let out = eval(&docs, &["meteor"]);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no corpus metric \"ter\""));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no corpus metric \"meteor\""));
     let dir = tempfile::tempdir().unwrap();
     let listed = dir.path().join("listed.jsonl");
     std::fs::write(
@@ -1320,4 +1351,32 @@ fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
         stderr.contains("document 2") && stderr.contains("one reference"),
         "{stderr}"
     );
+}
+
+#[test]
+fn the_translation_presets_are_lm_evals_tasks() {
+    let fixture = fixture();
+    let tasks = fixture["translation_tasks"].as_object().unwrap();
+    assert_eq!(tasks.len(), generation::TRANSLATION_TASKS.len());
+    for (name, want) in tasks {
+        let preset = TaskPreset::named(name).unwrap();
+        assert_eq!(preset.until, strings(&want["until"]), "{name}");
+        assert_eq!(want["do_sample"], false);
+        assert_eq!(preset.do_sample, Some(false));
+        assert_eq!(want["temperature"], 0.0);
+        let metrics: Vec<&str> = preset.corpus_metrics.iter().map(|m| m.name()).collect();
+        assert_eq!(metrics, strings(&want["metrics"]), "{name}");
+        assert!(!preset.exact_match);
+        assert_eq!(
+            preset.num_fewshot as u64,
+            want["num_fewshot"].as_u64().unwrap()
+        );
+        assert_eq!(preset.repeats as u64, want["repeats"].as_u64().unwrap());
+        // No filter_list: lm-eval's `none` (take_first).
+        assert!(want["filter_list"].is_null());
+        assert_eq!(
+            described(&preset.filters),
+            described(&[FilterPipeline::none()])
+        );
+    }
 }
