@@ -12,11 +12,12 @@
 //!     .iter()
 //!     .zip(references)
 //!     .map(|(h, r)| CorpusMetric::Bleu.segment(h, &[r.to_string()]))
-//!     .collect();
+//!     .collect::<Result<_, _>>()
+//!     .unwrap();
 //! let bleu = CorpusMetric::Bleu.corpus(&stats);
 //! assert!(bleu > 40.0 && bleu < 100.0, "{bleu}");
 //! // A perfect copy scores 100.
-//! let same = CorpusMetric::Chrf.segment("a b c d", &["a b c d".to_string()]);
+//! let same = CorpusMetric::Chrf.segment("a b c d", &["a b c d".to_string()]).unwrap();
 //! assert!((CorpusMetric::Chrf.corpus(&[same]) - 100.0).abs() < 1e-9);
 //! ```
 //!
@@ -33,6 +34,14 @@ use crate::{Result, TrainError};
 
 /// lm-eval's bootstrap resamples for BLEU, chrF and TER (`min(bootstrap_iters, 100)`).
 pub const CORPUS_BOOTSTRAP_ITERS: usize = 100;
+
+/// The longest hypothesis or reference scored (bytes): a translation segment is a sentence
+/// or a paragraph, and chrF's tables hold about 200 bytes per character.
+pub const MAX_SEGMENT_BYTES: usize = 1 << 20;
+
+/// The largest TER edit-distance matrix (hypothesis words + 1 by reference words + 1), 256 MiB
+/// of cells; a sentence pair of 300 words each needs 90 601.
+pub const MAX_TER_CELLS: usize = 1 << 24;
 
 /// BLEU's n-gram orders.
 const BLEU_ORDER: usize = 4;
@@ -80,13 +89,28 @@ impl CorpusMetric {
     }
 
     /// One document's statistics: the `hypothesis` against its `references` (at least one).
-    pub fn segment(self, hypothesis: &str, references: &[String]) -> Vec<f64> {
-        match self {
+    /// A text past [`MAX_SEGMENT_BYTES`], or a TER matrix past [`MAX_TER_CELLS`], is refused:
+    /// n-gram tables and edit matrices grow faster than the text.
+    pub fn segment(self, hypothesis: &str, references: &[String]) -> Result<Vec<f64>> {
+        if references.is_empty() {
+            return Err(TrainError::Input(format!("{}: no reference", self.name())));
+        }
+        if let Some(long) = std::iter::once(hypothesis)
+            .chain(references.iter().map(String::as_str))
+            .find(|t| t.len() > MAX_SEGMENT_BYTES)
+        {
+            return Err(TrainError::Input(format!(
+                "{}: a text of {} bytes; sentence-level metrics take at most {MAX_SEGMENT_BYTES}",
+                self.name(),
+                long.len()
+            )));
+        }
+        Ok(match self {
             CorpusMetric::Bleu => bleu_segment(hypothesis, references),
             CorpusMetric::Chrf => chrf_segment(hypothesis, references, 0),
             CorpusMetric::ChrfPlusPlus => chrf_segment(hypothesis, references, 2),
-            CorpusMetric::Ter => ter_segment(hypothesis, references),
-        }
+            CorpusMetric::Ter => ter_segment(hypothesis, references)?,
+        })
     }
 
     /// The score of statistics summed over a corpus.
@@ -426,7 +450,7 @@ enum Edit {
 
 /// TER's statistics: `[fewest edits over the references, mean reference length]`, the
 /// words split on whitespace in lower case (sacreBLEU's default `tercom` tokenizer).
-fn ter_segment(hypothesis: &str, references: &[String]) -> Vec<f64> {
+fn ter_segment(hypothesis: &str, references: &[String]) -> Result<Vec<f64>> {
     let words = |text: &str| -> Vec<String> {
         python_words(&text.trim_end_matches(is_python_space).to_lowercase())
             .map(str::to_owned)
@@ -437,11 +461,23 @@ fn ter_segment(hypothesis: &str, references: &[String]) -> Vec<f64> {
     let mut ref_lengths = 0usize;
     for reference in references {
         let reference = words(reference);
+        let cells = (hyp.len() + 1).saturating_mul(reference.len() + 1);
+        if cells > MAX_TER_CELLS {
+            return Err(TrainError::Input(format!(
+                "ter: {} hypothesis words against {} reference words need {cells} edit-distance \
+                 cells; at most {MAX_TER_CELLS}",
+                hyp.len(),
+                reference.len()
+            )));
+        }
         let edits = translation_edit_rate(&hyp, &reference);
         ref_lengths += reference.len();
         best = best.min(edits as f64);
     }
-    vec![best, ref_lengths as f64 / references.len().max(1) as f64]
+    Ok(vec![
+        best,
+        ref_lengths as f64 / references.len().max(1) as f64,
+    ])
 }
 
 /// sacreBLEU's TER over summed statistics: 100 × edits per reference word (100 for words
@@ -736,7 +772,7 @@ mod tests {
             for metric in METRICS {
                 let stats: Vec<Vec<f64>> = pairs
                     .iter()
-                    .map(|(h, r)| metric.segment(h, std::slice::from_ref(r)))
+                    .map(|(h, r)| metric.segment(h, std::slice::from_ref(r)).unwrap())
                     .collect();
                 let score = metric.corpus(&stats);
                 let ter = metric == CorpusMetric::Ter;
@@ -748,7 +784,7 @@ mod tests {
                 proptest::prop_assert_eq!(metric.corpus(&reversed), score);
                 let same: Vec<Vec<f64>> = copies
                     .iter()
-                    .map(|c| metric.segment(c, std::slice::from_ref(c)))
+                    .map(|c| metric.segment(c, std::slice::from_ref(c)).unwrap())
                     .collect();
                 let perfect = metric.corpus(&same);
                 let best = if ter { 0.0 } else { 100.0 };

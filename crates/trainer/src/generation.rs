@@ -1382,6 +1382,18 @@ pub fn evaluate<B: ModelOps>(
                 docs[i].targets.len()
             )));
         }
+        // Refused before anything runs, as sacreBLEU would take it whole.
+        if let Some(i) = docs
+            .iter()
+            .position(|d| d.targets[0].len() > crate::corpus_metrics::MAX_SEGMENT_BYTES)
+        {
+            return Err(TrainError::Input(format!(
+                "document {}: a target of {} bytes; corpus metrics score at most {} per segment",
+                i + 1,
+                docs[i].targets[0].len(),
+                crate::corpus_metrics::MAX_SEGMENT_BYTES
+            )));
+        }
     }
     let max_seq = model.cfg.max_seq;
     if settings.max_gen_toks == 0 || settings.max_gen_toks >= max_seq {
@@ -1529,7 +1541,7 @@ pub fn evaluate<B: ModelOps>(
             }
             for (per_metric, answer) in segments.iter_mut().zip(&filtered) {
                 for (stats, metric) in per_metric.iter_mut().zip(&settings.corpus_metrics) {
-                    stats.push(metric.segment(answer, &doc.targets));
+                    stats.push(metric.segment(answer, &doc.targets).map_err(&in_doc)?);
                 }
             }
             new_tokens += generated as u64;

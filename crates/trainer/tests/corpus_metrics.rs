@@ -55,7 +55,7 @@ fn corpus_scores_and_standard_errors_are_lm_evals() {
             let stats: Vec<Vec<f64>> = hyps
                 .iter()
                 .zip(&refs)
-                .map(|(h, r)| metric.segment(h, std::slice::from_ref(r)))
+                .map(|(h, r)| metric.segment(h, std::slice::from_ref(r)).unwrap())
                 .collect();
             let want = case[metric.name()].as_f64().unwrap();
             let got = metric.corpus(&stats);
@@ -105,12 +105,12 @@ fn a_perfect_copy_scores_best_and_nothing_in_common_worst() {
         };
         let same: Vec<Vec<f64>> = refs
             .iter()
-            .map(|r| metric.segment(r, std::slice::from_ref(r)))
+            .map(|r| metric.segment(r, std::slice::from_ref(r)).unwrap())
             .collect();
         assert!((metric.corpus(&same) - best).abs() < 1e-9, "{metric:?}");
         let none: Vec<Vec<f64>> = refs
             .iter()
-            .map(|r| metric.segment("zq xv", std::slice::from_ref(r)))
+            .map(|r| metric.segment("zq xv", std::slice::from_ref(r)).unwrap())
             .collect();
         assert_eq!(metric.corpus(&none), worst, "{metric:?}");
         assert_eq!(CorpusMetric::named(metric.name()).unwrap(), metric);
@@ -119,4 +119,33 @@ fn a_perfect_copy_scores_best_and_nothing_in_common_worst() {
         .unwrap_err()
         .to_string()
         .contains("bleu"));
+}
+
+#[test]
+fn texts_too_long_to_score_are_refused_with_the_reason() {
+    let long = "word ".repeat(corpus_metrics::MAX_SEGMENT_BYTES / 5 + 1);
+    for metric in [CorpusMetric::Bleu, CorpusMetric::Chrf, CorpusMetric::Ter] {
+        let e = metric
+            .segment(&long, &["a reference".to_owned()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at most") && e.contains(metric.name()), "{e}");
+        let e = metric
+            .segment("a", std::slice::from_ref(&long))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bytes"), "{e}");
+        assert!(metric.segment("a", &[]).is_err());
+    }
+    // 5 000 words against 5 000: within the byte limit, past TER's matrix (BLEU scores it).
+    let words = |w: &str| vec![w; 5_000].join(" ");
+    let (hyp, reference) = (words("a"), words("b"));
+    let e = CorpusMetric::Ter
+        .segment(&hyp, std::slice::from_ref(&reference))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("edit-distance cells"), "{e}");
+    assert!(CorpusMetric::Bleu
+        .segment(&hyp, std::slice::from_ref(&reference))
+        .is_ok());
 }
