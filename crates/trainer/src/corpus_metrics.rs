@@ -161,8 +161,9 @@ fn python_words(text: &str) -> impl Iterator<Item = &str> {
 }
 
 /// sacreBLEU's `13a` tokenizer (mteval-v13a's, used by WMT): `<skipped>` and hyphenated line
-/// breaks removed, four HTML entities decoded, ASCII punctuation split off except apostrophes
-/// and `-`, `.`, `,` between digits, then whitespace collapsed.
+/// breaks removed, four HTML entities decoded, ASCII punctuation split off (not `'`; `.` and
+/// `,` only where not between digits, as in `3.5` and `1,000`; `-` only after a digit), then
+/// the words between whitespace.
 pub fn tokenize_13a(line: &str) -> Vec<String> {
     let mut line = line
         .replace("<skipped>", "")
