@@ -47,8 +47,9 @@ holds Python's `re.findall`/`re.sub`, lm-eval's `RegexFilter` and `exact_match` 
 hand-made strings, for the regex dialect, lm-eval's filter pipelines (`take_first_k`,
 `majority_vote`) on hand-made lists of responses, lm-eval's `MultiChoiceRegexFilter` on
 hand-made responses and documents' choices (and the errors it raises), and lm-eval's own
-`gsm8k`, `gsm8k_cot_self_consistency`, GPQA chain-of-thought zero-shot and
-`mmlu_flan_cot_zeroshot` task settings (what `eval --preset` sets).
+`gsm8k`, `gsm8k_cot_self_consistency`, GPQA chain-of-thought zero-shot,
+`mmlu_flan_cot_zeroshot`, `triviaqa`, `nq_open` and translation task settings (what
+`eval --preset` sets).
 
 Not a comparison bench: it prints no records. `cargo xtask bench` runs every script in this
 folder with `--quick`; this one then exits with code 3 ("skipped") and writes nothing.
@@ -613,6 +614,33 @@ def multi_choice_task_settings():
     return settings
 
 
+def open_qa_task_settings():
+    """lm-eval's triviaqa and nq_open: what `headroom eval --preset <task>` must set."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    settings = {}
+    for name, parts in (("triviaqa", ("triviaqa", "default.yaml")),
+                        ("nq_open", ("nq_open", "nq_open.yaml"))):
+        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", *parts))
+        metric = {k: v for k, v in task["metric_list"][0].items()
+                  if k not in ("metric", "aggregation", "higher_is_better")}
+        settings[name] = {
+            "until": task["generation_kwargs"]["until"],
+            "do_sample": task["generation_kwargs"]["do_sample"],
+            "filter_list": task["filter_list"],
+            "metric": metric,
+            "num_fewshot": task.get("num_fewshot", 0),
+            "description": task.get("description"),
+            "fewshot_delimiter": task.get("fewshot_delimiter", "\n\n"),
+            "target_delimiter": task.get("target_delimiter", " "),
+            "doc_to_text": task["doc_to_text"],
+            "doc_to_target": task["doc_to_target"],
+            "version": task["metadata"]["version"],
+        }
+    return settings
+
+
 def translation_task_settings():
     """lm-eval's translation tasks: what `headroom eval --preset <task>` must set."""
     import lm_eval
@@ -818,6 +846,7 @@ def make():
         fixture["multi_choice_tasks"] = multi_choice_task_settings()
         fixture["corpus_metrics"] = corpus_metric_cases()
         fixture["translation_tasks"] = translation_task_settings()
+        fixture["open_qa_tasks"] = open_qa_task_settings()
     return fixture, files
 
 

@@ -207,7 +207,8 @@ struct EvalArgs {
     /// `mmlu_flan_cot_zeroshot` (zero-shot chain of thought, the answer letter taken by
     /// multi_choice_regex from the documents' `choices`), or a translation task
     /// (`wmt14-en-fr`, `wmt14-fr-en`, `wmt16-de-en`, `wmt16-en-de`, `wmt16-en-ro`,
-    /// `wmt16-ro-en`, `iwslt2017-en-ar`, `iwslt2017-ar-en`: one line, BLEU, TER and chrF); an
+    /// `wmt16-ro-en`, `iwslt2017-en-ar`, `iwslt2017-ar-en`: one line, BLEU, TER and chrF), or
+    /// `triviaqa` or `nq_open` (one line, exact_match in lower case without punctuation); an
     /// option given as well replaces the preset's.
     #[arg(long, value_name = "TASK", requires = "generate")]
     preset: Option<String>,
@@ -321,14 +322,10 @@ struct EvalArgs {
         requires = "num_fewshot"
     )]
     fewshot_seed: u64,
-    /// With --num-fewshot: the text after each example (lm-eval's `fewshot_delimiter`).
-    #[arg(
-        long,
-        value_name = "TEXT",
-        default_value = "\n\n",
-        requires = "num_fewshot"
-    )]
-    fewshot_delimiter: String,
+    /// With --num-fewshot: the text after each example (lm-eval's `fewshot_delimiter`)
+    /// [default: "\n\n", or the preset's].
+    #[arg(long, value_name = "TEXT", requires = "num_fewshot")]
+    fewshot_delimiter: Option<String>,
     /// With --choices or --generate: text before every context (a task's `description`, such as MMLU's
     /// "The following are multiple choice questions (with answers) about …\n\n").
     #[arg(long, value_name = "TEXT", requires = "prompted")]
@@ -3011,6 +3008,9 @@ fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
 
 /// `--num-fewshot`, `--fewshot-file` (read by `read`), `--fewshot-sampler`, `--description`,
 /// `--system-instruction` and `--fewshot-delimiter` as lm-eval's few-shot prompt.
+/// lm-eval's default `fewshot_delimiter`.
+const DEFAULT_FEWSHOT_DELIMITER: &str = "\n\n";
+
 fn fewshot_of<E>(
     a: &EvalArgs,
     default_shots: usize,
@@ -3031,7 +3031,10 @@ fn fewshot_of<E>(
         },
         description: a.description.clone().unwrap_or_default(),
         system_instruction: a.system_instruction.clone(),
-        delimiter: a.fewshot_delimiter.clone(),
+        delimiter: a
+            .fewshot_delimiter
+            .clone()
+            .unwrap_or_else(|| DEFAULT_FEWSHOT_DELIMITER.to_owned()),
         gen_prefix: a.gen_prefix.clone().filter(|p| !p.is_empty()),
     })
 }
@@ -3098,6 +3101,14 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
         fewshot.pool = Some(examples.clone());
         fewshot.sampler = crate::choices::Sampler::FirstN;
     }
+    if let Some(p) = &preset {
+        if let (None, Some(description)) = (&a.description, &p.description) {
+            fewshot.description = description.clone();
+        }
+        if let (None, Some(delimiter)) = (&a.fewshot_delimiter, &p.fewshot_delimiter) {
+            fewshot.delimiter = delimiter.clone();
+        }
+    }
     let turns = crate::choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
     let filters = match &a.filters {
         None => preset
@@ -3154,7 +3165,7 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
     let until = match (&preset, a.until.is_empty()) {
         (_, false) => a.until.clone(),
         (Some(p), true) => p.until.clone(),
-        (None, true) => vec![a.fewshot_delimiter.clone()],
+        (None, true) => vec![fewshot.delimiter.clone()],
     };
     let files_dir = crate::sample::model_files_dir(&a.from)?;
     let stop_tokens = generation::generation_eos_ids(&files_dir)?;

@@ -1048,6 +1048,10 @@ pub struct TaskPreset {
     /// `fewshot_config.samples`: the examples every prompt shows, in order (its `first_n`
     /// sampler); `None` when the task draws them from a split.
     pub examples: Option<Vec<GenerationDoc>>,
+    /// `description` (text before every prompt), when the task sets one.
+    pub description: Option<String>,
+    /// `fewshot_delimiter`, when the task sets one (lm-eval's default is `"\n\n"`).
+    pub fewshot_delimiter: Option<String>,
     /// Whether `metric_list` holds `exact_match`.
     pub exact_match: bool,
     /// `metric_list`'s corpus metrics.
@@ -1066,6 +1070,10 @@ impl TaskPreset {
     ///   Let's think step by step: ", "target": "(B)", "choices": [four texts]}`;
     /// - `mmlu_flan_cot_zeroshot` (every subject's task): zero-shot, `{"context": "Q: …\n(A) …
     ///   (B) … (C) … (D) …\nA: Let's think step by step.", "target": "(C)", "choices": […]}`;
+    /// - `triviaqa`: `{"context": "Question: …?\nAnswer:", "target": [the aliases]}`, and
+    ///   `nq_open`: `{"context": "Q: …?\nA:", "target": [the answers]}` (its description and
+    ///   `"\n"` between examples): one line, compared after `remove_whitespace` in lower case
+    ///   without punctuation (and, in `nq_open`, articles);
     /// - the translation tasks ([`TRANSLATION_TASKS`]): zero-shot, one line, `{"context":
     ///   "German phrase: …\nEnglish phrase:", "target": " …"}`, scored by corpus BLEU, TER
     ///   and chrF.
@@ -1091,6 +1099,8 @@ impl TaskPreset {
                 temperature: None,
                 repeats: 1,
                 examples: None,
+                description: None,
+                fewshot_delimiter: None,
                 exact_match: true,
                 corpus_metrics: Vec::new(),
             }),
@@ -1109,6 +1119,8 @@ impl TaskPreset {
                         .collect::<std::result::Result<_, _>>()
                         .map_err(|e| TrainError::Input(format!("{name}'s examples: {e}")))?,
                 ),
+                description: None,
+                fewshot_delimiter: None,
                 exact_match: true,
                 corpus_metrics: Vec::new(),
             }),
@@ -1136,6 +1148,34 @@ impl TaskPreset {
                 temperature: None,
                 repeats: 1,
                 examples: None,
+                description: None,
+                fewshot_delimiter: None,
+                exact_match: true,
+                corpus_metrics: Vec::new(),
+            }),
+            "triviaqa" | "nq_open" => Ok(TaskPreset {
+                until: ["\n", ".", ","].map(str::to_owned).to_vec(),
+                filters: filters(
+                    r#"[{"name": "remove_whitespace", "filter": [
+                        {"function": "remove_whitespace"}, {"function": "take_first"}]}]"#,
+                )?,
+                metric: ExactMatch {
+                    regexes_to_ignore: if name == "nq_open" {
+                        vec![PyRegex::new(r"\b(?:The |the |An |A |The |a |an )")?]
+                    } else {
+                        Vec::new()
+                    },
+                    ignore_case: true,
+                    ignore_punctuation: true,
+                    ignore_numbers: false,
+                },
+                num_fewshot: 0,
+                do_sample: Some(false),
+                temperature: None,
+                repeats: 1,
+                examples: None,
+                description: (name == "nq_open").then(|| "Answer these questions:\n\n".to_owned()),
+                fewshot_delimiter: (name == "nq_open").then(|| "\n".to_owned()),
                 exact_match: true,
                 corpus_metrics: Vec::new(),
             }),
@@ -1148,13 +1188,15 @@ impl TaskPreset {
                 temperature: None,
                 repeats: 1,
                 examples: None,
+                description: None,
+                fewshot_delimiter: None,
                 exact_match: false,
                 corpus_metrics: vec![CorpusMetric::Bleu, CorpusMetric::Ter, CorpusMetric::Chrf],
             }),
             other => Err(TrainError::Input(format!(
                 "no task preset {other:?} (there are gsm8k, gsm8k_cot_self_consistency, \
                  gpqa_main_cot_zeroshot, gpqa_diamond_cot_zeroshot, gpqa_extended_cot_zeroshot, \
-                 mmlu_flan_cot_zeroshot and the translation tasks {})",
+                 mmlu_flan_cot_zeroshot, triviaqa, nq_open and the translation tasks {})",
                 TRANSLATION_TASKS.join(", ")
             ))),
         }

@@ -1380,3 +1380,113 @@ fn the_translation_presets_are_lm_evals_tasks() {
         );
     }
 }
+
+#[test]
+fn the_open_question_presets_are_lm_evals_tasks() {
+    let fixture = fixture();
+    let tasks = fixture["open_qa_tasks"].as_object().unwrap();
+    assert_eq!(tasks.len(), 2);
+    for (name, want) in tasks {
+        let preset = TaskPreset::named(name).unwrap();
+        assert_preset_is_lm_evals(&preset, want);
+        assert_eq!(want["do_sample"], false);
+        assert_eq!(preset.description.as_deref(), want["description"].as_str());
+        assert_eq!(
+            preset.fewshot_delimiter.as_deref().unwrap_or("\n\n"),
+            want["fewshot_delimiter"].as_str().unwrap()
+        );
+        assert_eq!(want["target_delimiter"], " ");
+        assert!(preset.exact_match && preset.corpus_metrics.is_empty());
+        // Answers cut at the stop strings, stripped, compared without case and punctuation
+        // (and articles in nq_open).
+        let filter = &preset.filters[0];
+        let right = |response: &str, targets: &[&str]| {
+            let answer = filter.apply(&[response.to_owned()]).unwrap();
+            let targets: Vec<String> = targets.iter().map(|t| t.to_string()).collect();
+            preset.metric.matches(&answer, &targets).unwrap()
+        };
+        assert!(right(" PARIS! ", &["Paris", "Paris, France"]));
+        assert!(!right(" Lyon", &["Paris"]));
+        assert_eq!(
+            right(" The Eiffel Tower", &["Eiffel Tower"]),
+            name == "nq_open",
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_presets_description_and_delimiter_reach_the_prompt_unless_given() {
+    let dir = tempfile::tempdir().unwrap();
+    // Short documents, so that a prompt with an example fits the fixture model's context.
+    let docs = dir.path().join("short.jsonl");
+    std::fs::write(
+        &docs,
+        "{\"context\": \"a red\", \"target\": \"x\"}\n\
+         {\"context\": \"the cat\", \"target\": [\"y\", \"z\"]}\n\
+         {\"context\": \"old dog\", \"target\": \"w\"}\n",
+    )
+    .unwrap();
+    let prompt_lengths = |extra: &[&str]| -> Vec<u64> {
+        let samples = dir.path().join("samples.jsonl");
+        let out = common::headroom_command()
+            .args(["eval", "--from"])
+            .arg(fixtures().join("hf-llama-gqa-untied"))
+            .arg("--tokenizer")
+            .arg(fixtures().join("choices/llama/tokenizer.json"))
+            .arg("--generate")
+            .arg(&docs)
+            .args(["--max-gen-toks", "2", "--samples"])
+            .arg(&samples)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read_to_string(&samples)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let line: serde_json::Value = serde_json::from_str(l).unwrap();
+                line["prompt_tokens"].as_u64().unwrap()
+            })
+            .collect()
+    };
+    let plain = prompt_lengths(&["--preset", "triviaqa"]);
+    let described = prompt_lengths(&["--preset", "nq_open"]);
+    // "Answer these questions:\n\n" before each prompt.
+    assert!(
+        plain.iter().zip(&described).all(|(p, d)| d > p),
+        "{plain:?} {described:?}"
+    );
+    assert_eq!(
+        prompt_lengths(&["--preset", "nq_open", "--description", ""]),
+        plain
+    );
+    // One example: nq_open's "\n" after it, unless another delimiter is given (newlines are
+    // byte tokens to this tokenizer; no description, so that the prompt fits the context).
+    let shot = |delimiter: Option<&str>| {
+        let mut args = vec![
+            "--preset",
+            "nq_open",
+            "--description",
+            "",
+            "--num-fewshot",
+            "1",
+        ];
+        args.extend(["--fewshot-sampler", "first-n"]);
+        if let Some(d) = delimiter {
+            args.extend(["--fewshot-delimiter", d]);
+        }
+        prompt_lengths(&args)
+    };
+    let (preset, one, four) = (shot(None), shot(Some("\n")), shot(Some("\n\n\n\n")));
+    assert_eq!(preset, one);
+    assert!(
+        one.iter().zip(&four).all(|(o, f)| f > o),
+        "{one:?} {four:?}"
+    );
+}
