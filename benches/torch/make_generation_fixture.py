@@ -47,7 +47,8 @@ holds Python's `re.findall`/`re.sub`, lm-eval's `RegexFilter` and `exact_match` 
 hand-made strings, for the regex dialect, lm-eval's filter pipelines (`take_first_k`,
 `majority_vote`) on hand-made lists of responses, lm-eval's `MultiChoiceRegexFilter` on
 hand-made responses and documents' choices (and the errors it raises), and lm-eval's own
-`gsm8k`, `gsm8k_cot_self_consistency`, GPQA chain-of-thought zero-shot,
+`gsm8k`, `gsm8k_cot`, `gsm8k_cot_zeroshot`, `gsm8k_cot_self_consistency`, GPQA
+chain-of-thought zero-shot,
 `mmlu_flan_cot_zeroshot`, `triviaqa`, `nq_open` and translation task settings (what
 `eval --preset` sets).
 
@@ -614,6 +615,31 @@ def multi_choice_task_settings():
     return settings
 
 
+def gsm8k_cot_settings():
+    """lm-eval's gsm8k_cot and gsm8k_cot_zeroshot: what `eval --preset <task>` must set."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    settings = {}
+    for name, file in (("gsm8k_cot", "gsm8k-cot.yaml"),
+                       ("gsm8k_cot_zeroshot", "gsm8k-cot-zeroshot.yaml")):
+        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "gsm8k", file))
+        metric = {k: v for k, v in task["metric_list"][0].items()
+                  if k not in ("metric", "aggregation", "higher_is_better")}
+        settings[name] = {
+            "until": task["generation_kwargs"]["until"],
+            "do_sample": task["generation_kwargs"]["do_sample"],
+            "filter_list": task["filter_list"],
+            "metric": metric,
+            "num_fewshot": task["num_fewshot"],
+            "repeats": task["repeats"],
+            "fewshot_config": task.get("fewshot_config"),
+            "doc_to_text": task["doc_to_text"],
+            "version": task["metadata"]["version"],
+        }
+    return settings
+
+
 def open_qa_task_settings():
     """lm-eval's triviaqa and nq_open: what `headroom eval --preset <task>` must set."""
     import lm_eval
@@ -847,6 +873,7 @@ def make():
         fixture["corpus_metrics"] = corpus_metric_cases()
         fixture["translation_tasks"] = translation_task_settings()
         fixture["open_qa_tasks"] = open_qa_task_settings()
+        fixture["gsm8k_cot_tasks"] = gsm8k_cot_settings()
     return fixture, files
 
 

@@ -201,7 +201,8 @@ struct EvalArgs {
     generate: Option<PathBuf>,
     /// With --generate: a task's settings as lm-eval's YAML writes them: `gsm8k` (its stop
     /// strings, strict-match and flexible-extract filters, exact_match settings and 5
-    /// examples) or `gsm8k_cot_self_consistency` (its eight chain-of-thought examples, 64
+    /// examples), `gsm8k_cot` (eight chain-of-thought examples, greedy), `gsm8k_cot_zeroshot`,
+    /// `gsm8k_cot_self_consistency` (its eight chain-of-thought examples, 64
     /// samples per question at temperature 0.2, the first answer and the majority of 64 and
     /// of 8), `gpqa_main_cot_zeroshot` (also `_diamond_`, `_extended_`) or
     /// `mmlu_flan_cot_zeroshot` (zero-shot chain of thought, the answer letter taken by

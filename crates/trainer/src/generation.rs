@@ -991,6 +991,17 @@ const MMLU_FLAN_COT_FILTERS: &str = r#####"[
     {"function": "take_first"}]}
 ]"#####;
 
+/// lm-eval's `gsm8k_cot` and `gsm8k_cot_zeroshot` tasks (version 3): the number after "The
+/// answer is", else the last number.
+const GSM8K_COT_FILTERS: &str = r#####"[
+  {"name": "strict-match", "filter": [
+    {"function": "regex", "regex_pattern": "The answer is (\\-?[0-9\\.\\,]+)."},
+    {"function": "take_first"}]},
+  {"name": "flexible-extract", "filter": [
+    {"function": "regex", "group_select": -1, "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+    {"function": "take_first"}]}
+]"#####;
+
 /// `gsm8k-cot.yaml`'s eight chain-of-thought examples (Wei et al.'s), as documents rendered by
 /// its `doc_to_text` (`Q: {question}\nA:`) with their targets.
 const GSM8K_COT_EXAMPLES: &str = r#####"{"context": "Q: There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, there will be 21 trees. How many trees did the grove workers plant today?\nA:", "target": "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6."}
@@ -1001,6 +1012,15 @@ const GSM8K_COT_EXAMPLES: &str = r#####"{"context": "Q: There are 15 trees in th
 {"context": "Q: There were nine computers in the server room. Five more computers were installed each day, from monday to thursday. How many computers are now in the server room?\nA:", "target": "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is 29."}
 {"context": "Q: Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf balls did he have at the end of wednesday?\nA:", "target": "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, he had 35 - 2 = 33 golf balls. The answer is 33."}
 {"context": "Q: Olivia has $23. She bought five bagels for $3 each. How much money does she have left?\nA:", "target": "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. 23 - 15 is 8. The answer is 8."}"#####;
+
+/// `gsm8k-cot.yaml`'s examples, parsed (`name` is the task, for the error).
+fn gsm8k_cot_examples(name: &str) -> Result<Vec<GenerationDoc>> {
+    GSM8K_COT_EXAMPLES
+        .lines()
+        .map(GenerationDoc::parse)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| TrainError::Input(format!("{name}'s examples: {e}")))
+}
 
 /// lm-eval's GSM8K `exact_match` settings (the same in `gsm8k` and the chain-of-thought tasks).
 fn gsm8k_metric() -> Result<ExactMatch> {
@@ -1065,6 +1085,8 @@ impl TaskPreset {
     ///   examples from its train split;
     /// - `gsm8k_cot_self_consistency`: `{"context": "Q: …\nA:", "target": answer}`, its own
     ///   eight examples, 64 samples at temperature 0.2 per document;
+    /// - `gsm8k_cot`: the same documents and eight examples, greedy; `gsm8k_cot_zeroshot`:
+    ///   `{"context": "Q: …\nA: Let's think step by step.", "target": answer}`, no examples;
     /// - `gpqa_main_cot_zeroshot` (and `_diamond_`, `_extended_`): zero-shot,
     ///   `{"context": "What is the correct answer to this question:…\nChoices:\n(A) …\n…
     ///   Let's think step by step: ", "target": "(B)", "choices": [four texts]}`;
@@ -1112,13 +1134,25 @@ impl TaskPreset {
                 do_sample: Some(true),
                 temperature: Some(0.2),
                 repeats: 64,
-                examples: Some(
-                    GSM8K_COT_EXAMPLES
-                        .lines()
-                        .map(GenerationDoc::parse)
-                        .collect::<std::result::Result<_, _>>()
-                        .map_err(|e| TrainError::Input(format!("{name}'s examples: {e}")))?,
-                ),
+                examples: Some(gsm8k_cot_examples(name)?),
+                description: None,
+                fewshot_delimiter: None,
+                exact_match: true,
+                corpus_metrics: Vec::new(),
+            }),
+            "gsm8k_cot" | "gsm8k-cot" | "gsm8k_cot_zeroshot" => Ok(TaskPreset {
+                until: ["Q:", "</s>", "<|im_end|>"].map(str::to_owned).to_vec(),
+                filters: filters(GSM8K_COT_FILTERS)?,
+                metric: gsm8k_metric()?,
+                num_fewshot: if name == "gsm8k_cot_zeroshot" { 0 } else { 8 },
+                do_sample: Some(false),
+                temperature: None,
+                repeats: 1,
+                examples: if name == "gsm8k_cot_zeroshot" {
+                    None
+                } else {
+                    Some(gsm8k_cot_examples(name)?)
+                },
                 description: None,
                 fewshot_delimiter: None,
                 exact_match: true,
@@ -1194,7 +1228,8 @@ impl TaskPreset {
                 corpus_metrics: vec![CorpusMetric::Bleu, CorpusMetric::Ter, CorpusMetric::Chrf],
             }),
             other => Err(TrainError::Input(format!(
-                "no task preset {other:?} (there are gsm8k, gsm8k_cot_self_consistency, \
+                "no task preset {other:?} (there are gsm8k, gsm8k_cot, gsm8k_cot_zeroshot, \
+                 gsm8k_cot_self_consistency, \
                  gpqa_main_cot_zeroshot, gpqa_diamond_cot_zeroshot, gpqa_extended_cot_zeroshot, \
                  mmlu_flan_cot_zeroshot, triviaqa, nq_open and the translation tasks {})",
                 TRANSLATION_TASKS.join(", ")

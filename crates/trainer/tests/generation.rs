@@ -1490,3 +1490,44 @@ fn a_presets_description_and_delimiter_reach_the_prompt_unless_given() {
         "{one:?} {four:?}"
     );
 }
+
+#[test]
+fn the_gsm8k_chain_of_thought_presets_are_lm_evals_tasks() {
+    let fixture = fixture();
+    let tasks = fixture["gsm8k_cot_tasks"].as_object().unwrap();
+    assert_eq!(tasks.len(), 2);
+    for (name, want) in tasks {
+        let preset = TaskPreset::named(name).unwrap();
+        assert_preset_is_lm_evals(&preset, want);
+        assert_eq!(want["do_sample"], false);
+        assert_eq!(preset.repeats as u64, want["repeats"].as_u64().unwrap());
+        match (&preset.examples, want["fewshot_config"].get("samples")) {
+            (None, None) => assert_eq!(name, "gsm8k_cot_zeroshot"),
+            (Some(examples), Some(samples)) => {
+                assert_eq!(want["fewshot_config"]["sampler"], "first_n");
+                assert_eq!(want["doc_to_text"], "Q: {{question}}\nA:");
+                let samples = samples.as_array().unwrap();
+                assert_eq!(examples.len(), samples.len());
+                for (e, s) in examples.iter().zip(samples) {
+                    assert_eq!(
+                        e.context,
+                        format!("Q: {}\nA:", s["question"].as_str().unwrap())
+                    );
+                    assert_eq!(e.targets, [s["target"].as_str().unwrap()]);
+                }
+            }
+            (e, s) => panic!("{name}: examples {e:?} against {s:?}"),
+        }
+        // A chain of thought ending as the examples end.
+        let answers: Vec<String> = preset
+            .filters
+            .iter()
+            .map(|f| f.apply(&[" 48 / 2 = 24. 48 + 24 = 72. The answer is 72.\n".into()]))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(answers, ["72", "72."]);
+        for a in &answers {
+            assert!(preset.metric.matches(a, &["#### 72".to_owned()]).unwrap());
+        }
+    }
+}
