@@ -582,115 +582,59 @@ def self_consistency_settings():
     }
 
 
-def multi_choice_task_settings():
-    """lm-eval's chain-of-thought multiple-choice tasks that take their answer letter with
-    multi_choice_regex: what `headroom eval --preset <task>` must set."""
+def task_settings(*parts):
+    """One lm-eval task's YAML (with what it includes) under `lm_eval/tasks/<parts>`: what
+    `headroom eval --preset <task>` must set."""
     import lm_eval
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    tasks = {
+    task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", *parts))
+    kwargs = task["generation_kwargs"]
+    return {
+        "until": kwargs["until"],
+        "do_sample": kwargs["do_sample"],
+        "temperature": kwargs.get("temperature"),
+        "filter_list": task.get("filter_list"),
+        # The first metric's settings (exact_match's, where it is first).
+        "metric": {k: v for k, v in task["metric_list"][0].items()
+                   if k not in ("metric", "aggregation", "higher_is_better")},
+        "metrics": [m["metric"] for m in task["metric_list"]],
+        "num_fewshot": task.get("num_fewshot", 0),
+        "repeats": task.get("repeats", 1),
+        "description": task.get("description"),
+        "fewshot_delimiter": task.get("fewshot_delimiter", "\n\n"),
+        "target_delimiter": task.get("target_delimiter", " "),
+        "fewshot_config": task.get("fewshot_config"),
+        "doc_to_text": task["doc_to_text"],
+        "doc_to_target": task["doc_to_target"],
+        "version": task["metadata"]["version"],
+    }
+
+
+# The presets checked against their tasks' YAML, by group: task name, path under tasks/.
+PRESET_TASKS = {
+    "multi_choice_tasks": {
         "gpqa_main_cot_zeroshot": ("gpqa", "cot_zeroshot", "gpqa_main_cot_zeroshot.yaml"),
         "gpqa_diamond_cot_zeroshot": ("gpqa", "cot_zeroshot", "gpqa_diamond_cot_zeroshot.yaml"),
         "gpqa_extended_cot_zeroshot": ("gpqa", "cot_zeroshot",
                                        "gpqa_extended_cot_zeroshot.yaml"),
         # Every subject's task is the template and its description.
         "mmlu_flan_cot_zeroshot": ("mmlu", "flan_cot_zeroshot", "mmlu_abstract_algebra.yaml"),
-    }
-    settings = {}
-    for name, parts in tasks.items():
-        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", *parts))
-        metric = {k: v for k, v in task["metric_list"][0].items()
-                  if k not in ("metric", "aggregation", "higher_is_better")}
-        settings[name] = {
-            "until": task["generation_kwargs"]["until"],
-            "do_sample": task["generation_kwargs"]["do_sample"],
-            "temperature": task["generation_kwargs"]["temperature"],
-            "filter_list": task["filter_list"],
-            "metric": metric,
-            "num_fewshot": task["num_fewshot"],
-            "doc_to_text": task["doc_to_text"],
-            "doc_to_target": task["doc_to_target"],
-            "version": task["metadata"]["version"],
-        }
-    return settings
-
-
-def gsm8k_cot_settings():
-    """lm-eval's gsm8k_cot and gsm8k_cot_zeroshot: what `eval --preset <task>` must set."""
-    import lm_eval
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    settings = {}
-    for name, file in (("gsm8k_cot", "gsm8k-cot.yaml"),
-                       ("gsm8k_cot_zeroshot", "gsm8k-cot-zeroshot.yaml")):
-        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "gsm8k", file))
-        metric = {k: v for k, v in task["metric_list"][0].items()
-                  if k not in ("metric", "aggregation", "higher_is_better")}
-        settings[name] = {
-            "until": task["generation_kwargs"]["until"],
-            "do_sample": task["generation_kwargs"]["do_sample"],
-            "filter_list": task["filter_list"],
-            "metric": metric,
-            "num_fewshot": task["num_fewshot"],
-            "repeats": task["repeats"],
-            "fewshot_config": task.get("fewshot_config"),
-            "doc_to_text": task["doc_to_text"],
-            "version": task["metadata"]["version"],
-        }
-    return settings
-
-
-def open_qa_task_settings():
-    """lm-eval's triviaqa and nq_open: what `headroom eval --preset <task>` must set."""
-    import lm_eval
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    settings = {}
-    for name, parts in (("triviaqa", ("triviaqa", "default.yaml")),
-                        ("nq_open", ("nq_open", "nq_open.yaml"))):
-        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", *parts))
-        metric = {k: v for k, v in task["metric_list"][0].items()
-                  if k not in ("metric", "aggregation", "higher_is_better")}
-        settings[name] = {
-            "until": task["generation_kwargs"]["until"],
-            "do_sample": task["generation_kwargs"]["do_sample"],
-            "filter_list": task["filter_list"],
-            "metric": metric,
-            "num_fewshot": task.get("num_fewshot", 0),
-            "description": task.get("description"),
-            "fewshot_delimiter": task.get("fewshot_delimiter", "\n\n"),
-            "target_delimiter": task.get("target_delimiter", " "),
-            "doc_to_text": task["doc_to_text"],
-            "doc_to_target": task["doc_to_target"],
-            "version": task["metadata"]["version"],
-        }
-    return settings
-
-
-def translation_task_settings():
-    """lm-eval's translation tasks: what `headroom eval --preset <task>` must set."""
-    import lm_eval
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    settings = {}
-    names = ["wmt14_en-fr", "wmt14_fr-en", "wmt16_de-en", "wmt16_en-de", "wmt16_en-ro",
-             "wmt16_ro-en", "iwslt2017_en-ar", "iwslt2017_ar-en"]
-    for file in names:
-        task = load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "translation",
-                                      file + ".yaml"))
-        settings[task["task"]] = {
-            "until": task["generation_kwargs"]["until"],
-            "do_sample": task["generation_kwargs"]["do_sample"],
-            "temperature": task["generation_kwargs"]["temperature"],
-            "metrics": [m["metric"] for m in task["metric_list"]],
-            "num_fewshot": task.get("num_fewshot", 0),
-            "filter_list": task.get("filter_list"),
-            "repeats": task["repeats"],
-            "doc_to_text": task["doc_to_text"],
-            "doc_to_target": task["doc_to_target"],
-            "version": task["metadata"]["version"],
-        }
-    return settings
+    },
+    "gsm8k_cot_tasks": {
+        "gsm8k_cot": ("gsm8k", "gsm8k-cot.yaml"),
+        "gsm8k_cot_zeroshot": ("gsm8k", "gsm8k-cot-zeroshot.yaml"),
+    },
+    "open_qa_tasks": {
+        "triviaqa": ("triviaqa", "default.yaml"),
+        "nq_open": ("nq_open", "nq_open.yaml"),
+    },
+    "translation_tasks": {
+        name.replace("_", "-"): ("translation", name + ".yaml")
+        for name in ["wmt14_en-fr", "wmt14_fr-en", "wmt16_de-en", "wmt16_en-de", "wmt16_en-ro",
+                     "wmt16_ro-en", "iwslt2017_en-ar", "iwslt2017_ar-en"]
+    },
+}
 
 
 def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
@@ -869,11 +813,9 @@ def make():
         fixture["python"] = regex_cases()
         fixture["gsm8k"] = gsm8k_settings()
         fixture["gsm8k_cot_self_consistency"] = self_consistency_settings()
-        fixture["multi_choice_tasks"] = multi_choice_task_settings()
         fixture["corpus_metrics"] = corpus_metric_cases()
-        fixture["translation_tasks"] = translation_task_settings()
-        fixture["open_qa_tasks"] = open_qa_task_settings()
-        fixture["gsm8k_cot_tasks"] = gsm8k_cot_settings()
+        for group, tasks in PRESET_TASKS.items():
+            fixture[group] = {name: task_settings(*parts) for name, parts in tasks.items()}
     return fixture, files
 
 
