@@ -637,6 +637,27 @@ PRESET_TASKS = {
 }
 
 
+def mmlu_subject_settings():
+    """Each `mmlu_flan_cot_zeroshot_<subject>` task: its description, and whether the rest
+    of its settings are the template's (`mmlu_flan_cot_zeroshot` in PRESET_TASKS)."""
+    import lm_eval
+
+    folder = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "mmlu", "flan_cot_zeroshot")
+    template = task_settings(*PRESET_TASKS["multi_choice_tasks"]["mmlu_flan_cot_zeroshot"])
+    subjects = {}
+    for file in sorted(os.listdir(folder)):
+        if not (file.startswith("mmlu_") and file.endswith(".yaml")):
+            continue
+        settings = task_settings("mmlu", "flan_cot_zeroshot", file)
+        description = settings.pop("description")
+        rest = {k: v for k, v in template.items() if k != "description"}
+        subjects["mmlu_flan_cot_zeroshot_" + file[len("mmlu_"):-len(".yaml")]] = {
+            "description": description,
+            "template_otherwise": settings == rest,
+        }
+    return subjects
+
+
 def run_task(directory, docs_path, fewshot_path, fields, fewshot, tmp, tag):
     """One lm-eval generation run: each document's prompt, text, and per filter its answer and
     exact_match; each filter's aggregate and standard error."""
@@ -816,6 +837,7 @@ def make():
         fixture["corpus_metrics"] = corpus_metric_cases()
         for group, tasks in PRESET_TASKS.items():
             fixture[group] = {name: task_settings(*parts) for name, parts in tasks.items()}
+        fixture["mmlu_flan_cot_subjects"] = mmlu_subject_settings()
     return fixture, files
 
 

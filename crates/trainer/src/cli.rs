@@ -205,7 +205,8 @@ struct EvalArgs {
     /// `gsm8k_cot_self_consistency` (its eight chain-of-thought examples, 64
     /// samples per question at temperature 0.2, the first answer and the majority of 64 and
     /// of 8), `gpqa_main_cot_zeroshot` (also `_diamond_`, `_extended_`) or
-    /// `mmlu_flan_cot_zeroshot` (zero-shot chain of thought, the answer letter taken by
+    /// `mmlu_flan_cot_zeroshot` (or `mmlu_flan_cot_zeroshot_<subject>`, with its
+    /// description; zero-shot chain of thought, the answer letter taken by
     /// multi_choice_regex from the documents' `choices`), or a translation task
     /// (`wmt14-en-fr`, `wmt14-fr-en`, `wmt16-de-en`, `wmt16-en-de`, `wmt16-en-ro`,
     /// `wmt16-ro-en`, `iwslt2017-en-ar`, `iwslt2017-ar-en`: one line, BLEU, TER and chrF), or

@@ -1035,6 +1035,67 @@ fn gsm8k_metric() -> Result<ExactMatch> {
     })
 }
 
+/// MMLU's 57 subjects (lm-eval's `dataset_name`s), as its per-subject tasks name them.
+pub const MMLU_SUBJECTS: [&str; 57] = [
+    "abstract_algebra",
+    "anatomy",
+    "astronomy",
+    "business_ethics",
+    "clinical_knowledge",
+    "college_biology",
+    "college_chemistry",
+    "college_computer_science",
+    "college_mathematics",
+    "college_medicine",
+    "college_physics",
+    "computer_security",
+    "conceptual_physics",
+    "econometrics",
+    "electrical_engineering",
+    "elementary_mathematics",
+    "formal_logic",
+    "global_facts",
+    "high_school_biology",
+    "high_school_chemistry",
+    "high_school_computer_science",
+    "high_school_european_history",
+    "high_school_geography",
+    "high_school_government_and_politics",
+    "high_school_macroeconomics",
+    "high_school_mathematics",
+    "high_school_microeconomics",
+    "high_school_physics",
+    "high_school_psychology",
+    "high_school_statistics",
+    "high_school_us_history",
+    "high_school_world_history",
+    "human_aging",
+    "human_sexuality",
+    "international_law",
+    "jurisprudence",
+    "logical_fallacies",
+    "machine_learning",
+    "management",
+    "marketing",
+    "medical_genetics",
+    "miscellaneous",
+    "moral_disputes",
+    "moral_scenarios",
+    "nutrition",
+    "philosophy",
+    "prehistory",
+    "professional_accounting",
+    "professional_law",
+    "professional_medicine",
+    "professional_psychology",
+    "public_relations",
+    "security_studies",
+    "sociology",
+    "us_foreign_policy",
+    "virology",
+    "world_religions",
+];
+
 /// lm-eval's translation tasks (`tasks/translation`, over `wmt_common_yaml`, version 1): one
 /// line each, scored by BLEU, TER and chrF.
 pub const TRANSLATION_TASKS: [&str; 8] = [
@@ -1090,7 +1151,8 @@ impl TaskPreset {
     /// - `gpqa_main_cot_zeroshot` (and `_diamond_`, `_extended_`): zero-shot,
     ///   `{"context": "What is the correct answer to this question:…\nChoices:\n(A) …\n…
     ///   Let's think step by step: ", "target": "(B)", "choices": [four texts]}`;
-    /// - `mmlu_flan_cot_zeroshot` (every subject's task): zero-shot, `{"context": "Q: …\n(A) …
+    /// - `mmlu_flan_cot_zeroshot` (every subject's task; `mmlu_flan_cot_zeroshot_<subject>`
+    ///   adds the subject's description): zero-shot, `{"context": "Q: …\n(A) …
     ///   (B) … (C) … (D) …\nA: Let's think step by step.", "target": "(C)", "choices": […]}`;
     /// - `triviaqa`: `{"context": "Question: …?\nAnswer:", "target": [the aliases]}`, and
     ///   `nq_open`: `{"context": "Q: …?\nA:", "target": [the answers]}` (its description and
@@ -1109,6 +1171,22 @@ impl TaskPreset {
                     .map_err(|e| TrainError::Input(format!("{name}'s filter list: {e}")))?,
             )
         };
+        // `mmlu_flan_cot_zeroshot_<subject>`: the template's settings and the subject's
+        // description.
+        if let Some(subject) = name.strip_prefix("mmlu_flan_cot_zeroshot_") {
+            if !MMLU_SUBJECTS.contains(&subject) {
+                return Err(TrainError::Input(format!(
+                    "no task preset {name:?}: {subject:?} is not one of MMLU's 57 subjects"
+                )));
+            }
+            return Ok(TaskPreset {
+                description: Some(format!(
+                    "The following are multiple choice questions (with answers) about {}.\n\n",
+                    subject.replace('_', " ")
+                )),
+                ..TaskPreset::named("mmlu_flan_cot_zeroshot")?
+            });
+        }
         match name {
             "gsm8k" => Ok(TaskPreset {
                 until: ["Question:", "</s>", "<|im_end|>"]

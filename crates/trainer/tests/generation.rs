@@ -1531,3 +1531,28 @@ fn the_gsm8k_chain_of_thought_presets_are_lm_evals_tasks() {
         }
     }
 }
+
+#[test]
+fn each_mmlu_subjects_preset_is_the_template_with_its_description() {
+    let fixture = fixture();
+    let subjects = fixture["mmlu_flan_cot_subjects"].as_object().unwrap();
+    assert_eq!(subjects.len(), generation::MMLU_SUBJECTS.len());
+    let template = TaskPreset::named("mmlu_flan_cot_zeroshot").unwrap();
+    assert_eq!(template.description, None);
+    for (name, want) in subjects {
+        assert_eq!(want["template_otherwise"], true, "{name}");
+        let preset = TaskPreset::named(name).unwrap();
+        assert_eq!(
+            preset.description.as_deref(),
+            want["description"].as_str(),
+            "{name}"
+        );
+        assert_eq!(preset.until, template.until);
+        assert_eq!(described(&preset.filters), described(&template.filters));
+        assert_eq!(preset.num_fewshot, template.num_fewshot);
+    }
+    let e = TaskPreset::named("mmlu_flan_cot_zeroshot_cooking")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("57 subjects"), "{e}");
+}
