@@ -354,6 +354,9 @@ MULTI_CHOICE_CASES = [
     ({"fallback": "?"}, ["1.5 (approx)", "2*3", "a|b"],
      ["maybe 2*3 then", "1.5 (approx)", "1x5 (approx)", "a|b", "ab", "answer:c",
       "answer:\n\t A"]),
+    # Whitespace that re.escape escapes (a backslash before a tab, newline, \v, \f).
+    ({"regex_pattern": "(?!)"}, ["a\tb", "x\ny\x0bz\x0cw"],
+     ["so a\tb it", "x\ny\x0bz\x0cw here", "nothing"]),
     ({"group_select": 1}, ["up", "down"], ["up", "up and down"]),
     ({}, None, ["anything"]),
 ]
