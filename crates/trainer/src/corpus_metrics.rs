@@ -348,8 +348,8 @@ fn chrf_words(text: &str) -> Vec<&str> {
     words
 }
 
-/// Per order, the n-gram counts of one text: characters (whitespace removed) of orders
-/// 1–6, then words of orders `1..=word_order`.
+/// What chrF counts n-grams of in one text: its characters (whitespace removed) and, when
+/// `word_order` is above 0 (chrF++), its words.
 fn chrf_ngrams(text: &str, word_order: usize) -> (Vec<char>, Vec<&str>) {
     let chars: Vec<char> = text.chars().filter(|&c| !is_python_space(c)).collect();
     let words = if word_order > 0 {

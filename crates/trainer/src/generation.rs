@@ -526,30 +526,15 @@ impl MultiChoiceRegex {
     /// lm-eval's `find_match`: the `group_select`-th match, stripped and looked up in
     /// `letters`; empty when nothing matches.
     fn find(&self, regex: &PyRegex, text: &str, letters: &[(String, String)]) -> Result<String> {
-        let found = regex.findall(text)?;
-        if found.is_empty() {
+        let Some(Some(text)) =
+            selected_match(regex, text, self.group_select, "multi_choice_regex")?
+        else {
             return Ok(String::new());
-        }
-        let item = python_index(&found, self.group_select).ok_or_else(|| {
-            TrainError::Input(format!(
-                "multi_choice_regex: group_select {} of {} matches of {:?} (Python raises \
-                 IndexError)",
-                self.group_select,
-                found.len(),
-                regex.pattern()
-            ))
-        })?;
-        let text = match item {
-            Found::Whole(s) | Found::Group(s) => python_strip(s),
-            Found::Groups(groups) => match groups.iter().find(|g| !g.is_empty()) {
-                Some(g) => python_strip(g),
-                None => return Ok(String::new()),
-            },
         };
         Ok(
-            match letters.iter().find(|(t, _)| !text.is_empty() && t == text) {
+            match letters.iter().find(|(t, _)| !text.is_empty() && *t == text) {
                 Some((_, letter)) => letter.clone(),
-                None => text.to_owned(),
+                None => text,
             },
         )
     }
@@ -573,6 +558,37 @@ impl MultiChoiceRegex {
         }
         Ok(())
     }
+}
+
+/// lm-eval's pick of a regex's matches in `text`: the `group_select`-th `findall` item
+/// (Python's index; out of range is an error, as Python's IndexError, named after `who`),
+/// stripped, a tuple's first non-empty group. `None` without a match; `Some(None)` when the
+/// item is a tuple of empty groups.
+fn selected_match(
+    regex: &PyRegex,
+    text: &str,
+    group_select: i64,
+    who: &str,
+) -> Result<Option<Option<String>>> {
+    let found = regex.findall(text)?;
+    if found.is_empty() {
+        return Ok(None);
+    }
+    let item = python_index(&found, group_select).ok_or_else(|| {
+        TrainError::Input(format!(
+            "{who}: group_select {group_select} of {} matches of {:?} (Python raises \
+             IndexError)",
+            found.len(),
+            regex.pattern()
+        ))
+    })?;
+    Ok(Some(match item {
+        Found::Whole(s) | Found::Group(s) => Some(python_strip(s).to_owned()),
+        Found::Groups(groups) => groups
+            .iter()
+            .find(|g| !g.is_empty())
+            .map(|g| python_strip(g).to_owned()),
+    }))
 }
 
 /// `items[at]` with Python's negative indices.
@@ -849,26 +865,12 @@ impl FilterPipeline {
                 group_select,
                 fallback,
             } => {
-                let found = regex.findall(text)?;
-                if found.is_empty() {
-                    fallback.clone()
-                } else {
-                    let item = python_index(&found, *group_select).ok_or_else(|| {
-                        TrainError::Input(format!(
-                            "filter {}: group_select {group_select} of {} matches of {:?} \
-                             (Python raises IndexError)",
-                            self.name,
-                            found.len(),
-                            regex.pattern()
-                        ))
-                    })?;
-                    match item {
-                        Found::Whole(s) | Found::Group(s) => python_strip(s).to_owned(),
-                        Found::Groups(groups) => match groups.iter().find(|g| !g.is_empty()) {
-                            Some(g) => python_strip(g).to_owned(),
-                            None => python_strip(fallback).to_owned(),
-                        },
-                    }
+                let who = format!("filter {}", self.name);
+                match selected_match(regex, text, *group_select, &who)? {
+                    None => fallback.clone(),
+                    // A tuple of empty groups: the fallback, stripped as a match would be.
+                    Some(None) => python_strip(fallback).to_owned(),
+                    Some(Some(answer)) => answer,
                 }
             }
             FilterStep::RemoveWhitespace => python_strip(text).to_owned(),

@@ -546,6 +546,19 @@ fn headroom_eval_generate_prints_lm_evals_metrics_and_samples() {
     }
 }
 
+/// `headroom eval --generate docs` with the Llama fixture model and tokenizer.
+fn llama_generate(docs: &std::path::Path) -> std::process::Command {
+    let mut command = common::headroom_command();
+    command
+        .args(["eval", "--from"])
+        .arg(fixtures().join("hf-llama-gqa-untied"))
+        .arg("--tokenizer")
+        .arg(fixtures().join("choices/llama/tokenizer.json"))
+        .arg("--generate")
+        .arg(docs);
+    command
+}
+
 /// A pipeline's steps in words, to compare two.
 fn described(filters: &[FilterPipeline]) -> Vec<(String, Vec<String>)> {
     filters
@@ -1165,13 +1178,7 @@ fn documents_choices_reach_multi_choice_regex_from_the_command_line() {
             .collect();
         std::fs::write(&docs, lines).unwrap();
         let samples = dir.path().join(format!("{name}.samples.jsonl"));
-        let out = common::headroom_command()
-            .args(["eval", "--from"])
-            .arg(fixtures().join("hf-llama-gqa-untied"))
-            .arg("--tokenizer")
-            .arg(fixtures().join("choices/llama/tokenizer.json"))
-            .arg("--generate")
-            .arg(&docs)
+        let out = llama_generate(&docs)
             .args(["--preset", "gpqa_main_cot_zeroshot", "--max-gen-toks", "8"])
             .arg("--samples")
             .arg(&samples)
@@ -1226,13 +1233,7 @@ fn documents_choices_reach_multi_choice_regex_from_the_command_line() {
     // Documents without choices are refused, naming the document and the field.
     let docs = dir.path().join("bare.jsonl");
     std::fs::write(&docs, "{\"context\": \"a red\", \"target\": \"(A)\"}\n").unwrap();
-    let out = common::headroom_command()
-        .args(["eval", "--from"])
-        .arg(fixtures().join("hf-llama-gqa-untied"))
-        .arg("--tokenizer")
-        .arg(fixtures().join("choices/llama/tokenizer.json"))
-        .arg("--generate")
-        .arg(&docs)
+    let out = llama_generate(&docs)
         .args(["--preset", "mmlu_flan_cot_zeroshot", "--max-gen-toks", "2"])
         .output()
         .unwrap();
@@ -1248,15 +1249,10 @@ fn documents_choices_reach_multi_choice_regex_from_the_command_line() {
 fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
     let fixture = fixture();
     let run = &fixture["runs"]["llama_translation"];
+    assert_eq!(run["model"], "hf-llama-gqa-untied");
     let eval = |docs: &std::path::Path, metrics: &[&str]| {
-        let mut command = common::headroom_command();
+        let mut command = llama_generate(docs);
         command
-            .args(["eval", "--from"])
-            .arg(fixtures().join(run["model"].as_str().unwrap()))
-            .arg("--tokenizer")
-            .arg(fixtures().join("choices/llama/tokenizer.json"))
-            .arg("--generate")
-            .arg(docs)
             .args(["--until", "\n", "--max-gen-toks"])
             .arg(run["generation_kwargs"]["max_gen_toks"].to_string())
             .arg("--filters")
@@ -1306,13 +1302,7 @@ fn corpus_metrics_print_lm_evals_scores_from_the_command_line() {
     assert!(stdout.contains("bleu,first-words "), "{stdout}");
     assert!(!stdout.contains("chrf"), "{stdout}");
     // The wmt16-de-en preset: the same stop string, BLEU, TER and chrF, no exact_match.
-    let out = common::headroom_command()
-        .args(["eval", "--from"])
-        .arg(fixtures().join(run["model"].as_str().unwrap()))
-        .arg("--tokenizer")
-        .arg(fixtures().join("choices/llama/tokenizer.json"))
-        .arg("--generate")
-        .arg(&docs)
+    let out = llama_generate(&docs)
         .args(["--preset", "wmt16-de-en", "--max-gen-toks"])
         .arg(run["generation_kwargs"]["max_gen_toks"].to_string())
         .output()
@@ -1429,13 +1419,7 @@ fn a_presets_description_and_delimiter_reach_the_prompt_unless_given() {
     .unwrap();
     let prompt_lengths = |extra: &[&str]| -> Vec<u64> {
         let samples = dir.path().join("samples.jsonl");
-        let out = common::headroom_command()
-            .args(["eval", "--from"])
-            .arg(fixtures().join("hf-llama-gqa-untied"))
-            .arg("--tokenizer")
-            .arg(fixtures().join("choices/llama/tokenizer.json"))
-            .arg("--generate")
-            .arg(&docs)
+        let out = llama_generate(&docs)
             .args(["--max-gen-toks", "2", "--samples"])
             .arg(&samples)
             .args(extra)
