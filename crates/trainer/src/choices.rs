@@ -631,7 +631,9 @@ pub fn fewshot_contexts(
 
 /// Each non-blank line of the JSONL file at `path` (at most `limit` bytes) through `parse`;
 /// an error names the file and the line, and a file without any is one too (`what` it
-/// lacks).
+/// lacks). A Parquet file (a Hugging Face dataset's split, known by its magic bytes) is read
+/// too: each row becomes the JSON line `datasets`' `to_json` would write for it
+/// ([`parquet_lines`]).
 pub(crate) fn read_jsonl<T>(
     path: &Path,
     limit: u64,
@@ -640,17 +642,50 @@ pub(crate) fn read_jsonl<T>(
 ) -> Result<Vec<T>> {
     let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
     let bytes = crate::bounded::read_file(path, limit).map_err(bad)?;
-    let text = std::str::from_utf8(&bytes).map_err(|e| bad(e.to_string()))?;
-    let items = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| parse(l).map_err(|why| bad(format!("line {}: {why}", i + 1))))
-        .collect::<Result<Vec<_>>>()?;
+    let items = if is_parquet(&bytes) {
+        parquet_lines(&bytes, None)
+            .map_err(|e| bad(e.to_string()))?
+            .iter()
+            .enumerate()
+            .map(|(i, l)| parse(l).map_err(|why| bad(format!("row {}: {why}", i + 1))))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        let text = std::str::from_utf8(&bytes).map_err(|e| bad(e.to_string()))?;
+        text.lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+            .map(|(i, l)| parse(l).map_err(|why| bad(format!("line {}: {why}", i + 1))))
+            .collect::<Result<Vec<_>>>()?
+    };
     if items.is_empty() {
         return Err(bad(format!("no {what}")));
     }
     Ok(items)
+}
+
+/// Whether `bytes` are a Parquet file: `PAR1` at both ends (JSON text cannot start so).
+pub(crate) fn is_parquet(bytes: &[u8]) -> bool {
+    bytes.len() >= 12 && bytes.starts_with(b"PAR1") && bytes.ends_with(b"PAR1")
+}
+
+/// The rows of the Parquet file `bytes` (of row group `group`, or all), each as a JSON
+/// object's text: what the JSONL readers parse. A row's fields are the file's top-level
+/// columns; lists are arrays, structs objects, text strings, NaN null
+/// ([`headroom_parquet`]).
+pub(crate) fn parquet_lines(
+    bytes: &[u8],
+    group: Option<usize>,
+) -> std::result::Result<Vec<String>, headroom_parquet::ParquetError> {
+    let file = headroom_parquet::ParquetFile::parse(bytes)?;
+    let options = headroom_parquet::ReadOptions::default();
+    let rows = match group {
+        Some(g) => file.row_group(g, &options)?,
+        None => file.rows(&options)?,
+    };
+    Ok(rows
+        .into_iter()
+        .map(|row| serde_json::Value::Object(row).to_string())
+        .collect())
 }
 
 /// A request's tokens: the context's and the continuation's, as lm-eval splits them.

@@ -1068,7 +1068,9 @@ enum DataCommand {
         format: String,
     },
     /// Tokenise a text file into a token file: one token per byte, or GPT-2's BPE or a
-    /// Hugging Face tokenizer.json (`--tokenizer`).
+    /// Hugging Face tokenizer.json (`--tokenizer`). With `--tokenizer`, the input may be a
+    /// Parquet file (a Hugging Face corpus such as FineWeb): each row's `text` (or
+    /// `--dataset-text-field`) is one document, ended by the end-of-text token.
     Build {
         /// Input text.
         input: PathBuf,
@@ -1080,7 +1082,8 @@ enum DataCommand {
         /// Document separator in the text (becomes one end-of-text token).
         #[arg(long)]
         separator: Option<String>,
-        /// The input is JSONL examples for supervised fine-tuning in TRL's formats:
+        /// The input is JSONL examples (or a Parquet file of them: a Hugging Face dataset's
+        /// split, each row read as a line) for supervised fine-tuning in TRL's formats:
         /// prompt-completion lines (`{"prompt": …, "completion": …}`; only the completion
         /// counts in the loss) or `{"text": …}` lines (every token counts), and their
         /// conversational forms (prompt and completion as lists of `{"role", "content"}`
@@ -1114,8 +1117,10 @@ enum DataCommand {
         )]
         truncation_mode: String,
         /// With `--jsonl`: the key of a language-modelling line's text, in place of `text`
-        /// (TRL's `dataset_text_field`, such as `content` of code datasets).
-        #[arg(long, value_name = "KEY", requires = "jsonl")]
+        /// (TRL's `dataset_text_field`, such as `content` of code datasets). With a Parquet
+        /// input and no `--jsonl`: the column each row's document is read from (default
+        /// `text`, FineWeb's).
+        #[arg(long, value_name = "KEY")]
         dataset_text_field: Option<String>,
         /// With `--jsonl`: the token that ends each example, in place of the tokenizer's
         /// `eos_token` (TRL's `eos_token`); chat templates render it as `eos_token` too.
@@ -2452,13 +2457,28 @@ fn cmd_data(c: DataCommand) -> CliResult {
             tokenizer: Some(name),
             quiet,
             jsonl: false,
+            dataset_text_field,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
             let start = std::time::Instant::now();
-            let r =
-                crate::tokenize::build(&input, &tok, format, separator.as_deref(), &out, !quiet)?;
+            let r = if crate::tokenize::starts_as_parquet(&input)? {
+                if separator.is_some() {
+                    return Err("--separator: a Parquet file's rows are its documents".into());
+                }
+                let field = dataset_text_field.as_deref().unwrap_or("text");
+                crate::tokenize::build_from_parquet(&input, &tok, format, field, &out, !quiet)?
+            } else {
+                if dataset_text_field.is_some() {
+                    return Err(
+                        "--dataset-text-field needs --jsonl or a Parquet input: a text file has \
+                         no fields"
+                            .into(),
+                    );
+                }
+                crate::tokenize::build(&input, &tok, format, separator.as_deref(), &out, !quiet)?
+            };
             let secs = start.elapsed().as_secs_f64();
             // The rows of the byte-level build's summary, and the text and speed.
             for (path, bytes) in &r.files {
@@ -2484,8 +2504,16 @@ fn cmd_data(c: DataCommand) -> CliResult {
             format,
             separator,
             tokenizer: None,
+            dataset_text_field,
             ..
         } => {
+            if crate::tokenize::starts_as_parquet(&input)? || dataset_text_field.is_some() {
+                return Err(
+                    "a Parquet input (or --dataset-text-field) needs --tokenizer: \
+                            one token per byte reads a text file"
+                        .into(),
+                );
+            }
             let format = parse_format(&format)?;
             let mut spec = BuildSpec::new(format);
             spec.document_separator = separator.map(String::into_bytes);

@@ -584,6 +584,112 @@ fn map_text(input: &Path) -> Result<memmap2::Mmap> {
     Ok(map)
 }
 
+/// Whether the file `input` starts as a Parquet file does (`PAR1`); the parser checks the rest.
+pub fn starts_as_parquet(input: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut head = [0u8; 4];
+    let mut file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
+    let n = file
+        .read(&mut head)
+        .map_err(|e| err(input, e.to_string()))?;
+    Ok(n == 4 && &head == b"PAR1")
+}
+
+/// The file `input` mapped read-only, checked to be non-empty.
+fn map_file(input: &Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
+    let len = file
+        .metadata()
+        .map_err(|e| err(input, e.to_string()))?
+        .len();
+    if len == 0 {
+        return Err(err(input, "empty file"));
+    }
+    // SAFETY: as in `map_text`: read-only, and the file must not change while it is read.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(input, e.to_string()))
+}
+
+/// The examples of a `data build --jsonl` input: its non-blank JSONL lines, or a Parquet
+/// file's rows (a Hugging Face dataset's split), each as the JSON object `datasets`' `to_json`
+/// would write, read a row group at a time.
+enum Examples<'a> {
+    /// Each line numbered from 1.
+    Lines(Vec<(usize, &'a str)>),
+    /// The file, parsed.
+    Parquet(headroom_parquet::ParquetFile<'a>, &'a Path),
+}
+
+impl<'a> Examples<'a> {
+    fn of(bytes: &'a [u8], input: &'a Path) -> Result<Examples<'a>> {
+        if crate::choices::is_parquet(bytes) {
+            let file = headroom_parquet::ParquetFile::parse(bytes)
+                .map_err(|e| err(input, e.to_string()))?;
+            return Ok(Examples::Parquet(file, input));
+        }
+        let text = std::str::from_utf8(bytes).map_err(|e| {
+            err(
+                input,
+                format!("neither Parquet nor UTF-8 JSONL (byte {})", e.valid_up_to()),
+            )
+        })?;
+        Ok(Examples::Lines(
+            text.lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+                .map(|(i, l)| (i + 1, l))
+                .collect(),
+        ))
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Examples::Lines(lines) => lines.len() as u64,
+            Examples::Parquet(file, _) => file.num_rows(),
+        }
+    }
+
+    /// What an error's number counts.
+    fn unit(&self) -> &'static str {
+        match self {
+            Examples::Lines(_) => "line",
+            Examples::Parquet(..) => "row",
+        }
+    }
+
+    /// `each` over the examples in order, `batch` at a time; a Parquet file is decoded one
+    /// row group at a time, so memory holds one group's rows.
+    fn for_each_batch(
+        &self,
+        batch: usize,
+        mut each: impl FnMut(&[(usize, &str)]) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            Examples::Lines(lines) => lines.chunks(batch).try_for_each(each),
+            Examples::Parquet(file, input) => {
+                let mut number = 0;
+                for g in 0..file.num_row_groups() {
+                    let rows = file
+                        .row_group(g, &headroom_parquet::ReadOptions::default())
+                        .map_err(|e| err(*input, e.to_string()))?;
+                    let lines: Vec<String> = rows
+                        .into_iter()
+                        .map(|row| serde_json::Value::Object(row).to_string())
+                        .collect();
+                    let numbered: Vec<(usize, &str)> = lines
+                        .iter()
+                        .map(|l| {
+                            number += 1;
+                            (number, l.as_str())
+                        })
+                        .collect();
+                    numbered.chunks(batch).try_for_each(&mut each)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Tokenize the UTF-8 file `input` into `out` in `format`: each separator-delimited document
 /// is encoded and followed by the end-of-text token (when there is a separator), documents end
 /// Megatron sequences. Threaded over pieces in order; `progress` shows bytes done.
@@ -659,6 +765,100 @@ pub fn build(
         tokens: written.tokens,
         documents,
         text_bytes: text.len() as u64,
+        format,
+        vocab,
+    })
+}
+
+/// Tokenize the text column `text_field` of the Parquet file `input` (a pretraining corpus
+/// such as FineWeb, as Hugging Face publishes it) into `out` in `format`: each row is one
+/// document, ended by the end-of-text token (nanoGPT's and llm.c's `fineweb.py` put the same
+/// token between documents). Only that column is decoded, a row group at a time, with the
+/// documents of a group encoded in parallel and written in order. A row whose text is null
+/// or missing is an error naming it.
+pub fn build_from_parquet(
+    input: &Path,
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    text_field: &str,
+    out: &Path,
+    progress: bool,
+) -> Result<BuildReport> {
+    let vocab = tok.vocab_size();
+    headroom_mmap_data::tools::check_vocab_fits(vocab as u64, format.token_type())?;
+    let eot = tok.end_of_text().ok_or_else(|| {
+        err(
+            tok.source(),
+            "no end-of-text token to end each document with",
+        )
+    })?;
+    let map = map_file(input)?;
+    let file = headroom_parquet::ParquetFile::parse(&map).map_err(|e| err(input, e.to_string()))?;
+    let options = headroom_parquet::ReadOptions {
+        columns: Some(vec![text_field.to_owned()]),
+        ..headroom_parquet::ReadOptions::default()
+    };
+    let bar = if progress {
+        indicatif::ProgressBar::new(file.num_rows())
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut writer = TokenWriter::create(out, format)?;
+    let (mut documents, mut text_bytes) = (0u64, 0u64);
+    for g in 0..file.num_row_groups() {
+        let rows = file
+            .row_group(g, &options)
+            .map_err(|e| err(input, e.to_string()))?;
+        let first = documents;
+        let encoded: Vec<Vec<u32>> = rows
+            .par_iter()
+            .enumerate()
+            .map(|(i, row)| {
+                let text = row
+                    .get(text_field)
+                    .and_then(|v| v.as_str())
+                    .ok_or_else(|| {
+                        err(
+                            input,
+                            format!(
+                                "row {}: {text_field:?} is {}, not text",
+                                first + i as u64 + 1,
+                                row.get(text_field)
+                                    .map_or("missing".into(), |v| v.to_string())
+                            ),
+                        )
+                    })?;
+                // A long document is encoded in pieces cut where the tokenizer allows, as a
+                // text file's are.
+                let mut ids = Vec::new();
+                for (_, a, e) in pieces(tok, text.as_bytes(), None) {
+                    let piece = text
+                        .get(a..e)
+                        .ok_or_else(|| err(input, "a piece cut inside a character"))?;
+                    ids.extend(tok.encode(piece)?);
+                }
+                Ok(ids)
+            })
+            .collect::<Result<_>>()?;
+        for (row, ids) in rows.iter().zip(&encoded) {
+            writer.write(ids)?;
+            writer.write(&[eot])?;
+            writer.end_document()?;
+            documents += 1;
+            text_bytes += row[text_field].as_str().map_or(0, str::len) as u64;
+        }
+        bar.inc(rows.len() as u64);
+    }
+    bar.finish_and_clear();
+    if documents == 0 {
+        return Err(err(input, "no rows"));
+    }
+    let written = writer.finish()?;
+    Ok(BuildReport {
+        files: written.files,
+        tokens: written.tokens,
+        documents,
+        text_bytes,
         format,
         vocab,
     })
@@ -900,10 +1100,10 @@ fn encode_example(
     options: &SftOptions,
     eot: u32,
     line: &str,
-    number: usize,
+    (unit, number): (&str, usize),
     input: &Path,
 ) -> Result<(Vec<u32>, Vec<bool>, bool)> {
-    let bad = |why: String| err(input, format!("line {number}: {why}"));
+    let bad = |why: String| err(input, format!("{unit} {number}: {why}"));
     let mut ex: ExampleLine =
         serde_json::from_str(line).map_err(|e| bad(format!("not an example: {e}")))?;
     // TRL's `dataset_text_field`: a language-modelling example's text is that key's (its
@@ -1220,19 +1420,13 @@ pub fn build_prompt_completion_with(
             options.eos_token.as_deref(),
         )?);
     }
-    let map = map_text(input)?;
-    let text = std::str::from_utf8(&map).map_err(|e| err(input, e.to_string()))?;
-    let lines: Vec<(usize, &str)> = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, l))
-        .collect();
-    if lines.is_empty() {
+    let map = map_file(input)?;
+    let examples = Examples::of(&map, input)?;
+    if examples.len() == 0 {
         return Err(err(input, "no examples"));
     }
     let bar = if progress {
-        indicatif::ProgressBar::new(lines.len() as u64)
+        indicatif::ProgressBar::new(examples.len())
     } else {
         indicatif::ProgressBar::hidden()
     };
@@ -1248,10 +1442,11 @@ pub fn build_prompt_completion_with(
     let mut kept: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
     // Examples encoded in parallel, written in order.
     let batch = rayon::current_num_threads().max(1) * 256;
-    for group in lines.chunks(batch) {
+    let unit = examples.unit();
+    examples.for_each_batch(batch, |group| {
         let encoded: Vec<_> = group
             .par_iter()
-            .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, n, input))
+            .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, (unit, n), input))
             .collect::<Result<_>>()?;
         for (mut ids, mut flags, merged) in encoded {
             if let (Some(max), Some(PackStrategy::BfdSplit)) = (options.max_length, options.pack) {
@@ -1310,7 +1505,8 @@ pub fn build_prompt_completion_with(
             counted += flags.iter().filter(|&&f| f).count() as u64;
         }
         bar.inc(group.len() as u64);
-    }
+        Ok(())
+    })?;
     bar.finish_and_clear();
     if counted == 0 && kept.iter().all(|(_, flags)| !flags.contains(&true)) {
         return Err(err(
@@ -1367,7 +1563,7 @@ pub fn build_prompt_completion_with(
     files.push((mask_path, mask_bytes));
     Ok(PromptCompletionReport {
         files,
-        examples: lines.len() as u64,
+        examples: examples.len(),
         tokens: written.tokens,
         counted,
         boundary_merges: merges,

@@ -1397,6 +1397,134 @@ fn build_jsonl(
     headroom(&args)
 }
 
+/// A Parquet split (a Hugging Face dataset's file) builds the same token file and loss mask
+/// as the JSONL of the rows pyarrow reads from it: TRL's conversational and prompt-completion
+/// shapes, in row groups of 5, with a column TRL ignores; a row that is not an example is
+/// named by its row.
+#[test]
+fn jsonl_build_reads_a_parquet_split_as_its_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let parquet = fixtures.join("../parquet/tests/fixtures");
+    let chat = fixtures.join("tests/fixtures/sft/chat");
+    let llama = fixtures.join("tests/fixtures/sft/llama-tokenizer.json");
+    for (name, tokenizer, counted_all) in [
+        ("sft_messages", &chat, true),
+        ("sft_prompt_completion", &llama, false),
+    ] {
+        let mut built = Vec::new();
+        for ext in ["parquet", "jsonl"] {
+            let out = dir.path().join(format!("{name}-{ext}.bin"));
+            let o = build_jsonl(
+                tokenizer,
+                "raw-u16",
+                &["--quiet"],
+                &parquet.join(format!("{name}.{ext}")),
+                &out,
+            );
+            assert!(o.status.success(), "{name}.{ext}: {}", stderr(&o));
+            let summary = stdout(&o);
+            assert_eq!(summary.contains("(100.0%"), counted_all, "{summary}");
+            let mask = dir.path().join(format!("{name}-{ext}.bin.lossmask"));
+            built.push((std::fs::read(&out).unwrap(), std::fs::read(mask).unwrap()));
+        }
+        assert!(built[0].0.len() > 200, "{name}: {} bytes", built[0].0.len());
+        assert!(
+            built[0] == built[1],
+            "{name}: Parquet and JSONL built differently"
+        );
+    }
+    let o = build_jsonl(
+        &chat,
+        "raw-u16",
+        &[],
+        &parquet.join("mmlu_like.parquet"),
+        &dir.path().join("mmlu.bin"),
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("mmlu_like.parquet: row 1: an example is"),
+        "{}",
+        stderr(&o)
+    );
+    // A damaged file is a Parquet error, not a JSON one.
+    let mut bytes = std::fs::read(parquet.join("sft_messages.parquet")).unwrap();
+    let n = bytes.len();
+    bytes[n - 8..n - 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    let damaged = dir.path().join("damaged.parquet");
+    std::fs::write(&damaged, bytes).unwrap();
+    let o = build_jsonl(&chat, "raw-u16", &[], &damaged, &dir.path().join("d.bin"));
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("corrupt Parquet file"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A Parquet corpus without `--jsonl` is one document a row, read from `text` or
+/// `--dataset-text-field`; a separator, or no tokenizer, is refused with the reason.
+#[test]
+fn text_build_reads_a_parquet_corpus_a_document_a_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../parquet/tests/fixtures/fineweb_like.parquet");
+    let corpus = corpus.to_str().unwrap();
+    let out = dir.path().join("fineweb.bin");
+    let out = out.to_str().unwrap();
+    let o = headroom(&["data", "build", "--tokenizer", "gpt2", corpus, out]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("documents    30"), "{}", stdout(&o));
+    let o = headroom(&[
+        "data",
+        "build",
+        "--tokenizer",
+        "gpt2",
+        "--dataset-text-field",
+        "url",
+        corpus,
+        out,
+    ]);
+    assert!(!o.status.success(), "url has a null");
+    assert!(
+        stderr(&o).contains("\"url\" is null, not text"),
+        "{}",
+        stderr(&o)
+    );
+    for (extra, needle) in [
+        (
+            &["--tokenizer", "gpt2", "--separator", "\n"][..],
+            "rows are its documents",
+        ),
+        (&[][..], "needs --tokenizer"),
+    ] {
+        let mut args = vec!["data", "build"];
+        args.extend_from_slice(extra);
+        args.extend([corpus, out]);
+        let o = headroom(&args);
+        assert!(!o.status.success());
+        assert!(stderr(&o).contains(needle), "{}", stderr(&o));
+    }
+    let text = dir.path().join("plain.txt");
+    std::fs::write(&text, "some text").unwrap();
+    let o = headroom(&[
+        "data",
+        "build",
+        "--tokenizer",
+        "gpt2",
+        "--dataset-text-field",
+        "body",
+        text.to_str().unwrap(),
+        out,
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("a text file has no fields"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 /// Conversational JSONL through the command: `--tokenizer` names a directory whose
 /// `tokenizer_config.json` holds the chat template; only the assistants' completions count.
 #[test]

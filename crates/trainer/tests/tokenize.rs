@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::{open, OpenOptions, TokenType};
-use headroom_trainer::tokenize::{build, format_for, Tokenizer, GPT2_EOT, GPT2_VOCAB};
+use headroom_trainer::tokenize::{
+    build, build_from_parquet, format_for, Tokenizer, GPT2_EOT, GPT2_VOCAB,
+};
 use headroom_trainer::TrainError;
 
 fn fixture(name: &str) -> PathBuf {
@@ -357,4 +359,49 @@ fn hugging_face_added_token_text_encodes_to_its_id() {
     let eot = tok.end_of_text().unwrap();
     let ids = tok.encode("the dog</s>cat").unwrap();
     assert_eq!(ids.iter().filter(|&&i| i == eot).count(), 1, "{ids:?}");
+}
+
+fn parquet_fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../parquet/tests/fixtures")
+        .join(name)
+}
+
+/// A Parquet corpus (FineWeb's columns, three row groups, one empty text) is one document a
+/// row, each its text's ids and <|endoftext|>, in row order: the rows pyarrow read from it.
+#[test]
+fn a_parquet_corpus_is_one_document_a_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let mut want = Vec::new();
+    let rows = std::fs::read_to_string(parquet_fixture("fineweb_like.jsonl")).unwrap();
+    for line in rows.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        want.extend(tok.encode(row["text"].as_str().unwrap()).unwrap());
+        want.push(GPT2_EOT);
+    }
+    let input = parquet_fixture("fineweb_like.parquet");
+    for format in ["llmc", "megatron"] {
+        let out = dir.path().join(format!("fineweb-{format}.bin"));
+        let format = format_for(format, tok.vocab_size()).unwrap();
+        let r = build_from_parquet(&input, &tok, format, "text", &out, false).unwrap();
+        assert_eq!(read_tokens(&out).0, want);
+        assert_eq!((r.documents, r.tokens), (30, want.len() as u64));
+        let d = open(&out, &OpenOptions::default()).unwrap();
+        if matches!(format, headroom_mmap_data::TokenFileFormat::Megatron { .. }) {
+            assert_eq!(d.documents().map(<[_]>::len), Some(30));
+        }
+    }
+    // Another column; a column that is not there; a column with nulls (the row is named).
+    let out = dir.path().join("other.bin");
+    let format = format_for("llmc", tok.vocab_size()).unwrap();
+    let r = build_from_parquet(&input, &tok, format, "language", &out, false).unwrap();
+    assert_eq!(r.documents, 30);
+    let e = build_from_parquet(&input, &tok, format, "body", &out, false).unwrap_err();
+    assert!(e.to_string().contains("no column \"body\""), "{e}");
+    let types = parquet_fixture("types_snappy.parquet");
+    let e = build_from_parquet(&types, &tok, format, "string", &out, false).unwrap_err();
+    assert!(e.to_string().contains("is null, not text"), "{e}");
+    let e = build_from_parquet(&types, &tok, format, "int64", &out, false).unwrap_err();
+    assert!(e.to_string().contains("not text"), "{e}");
 }
