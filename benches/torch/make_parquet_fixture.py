@@ -356,8 +356,9 @@ def mmlu_table():
         )
     rows[3]["question"] = "Which of these is 東京's 🚀 launch site?\n(Choose one.)"
     rows[7]["choices"][2] = ""
+    # A null choice (Jinja prints it "None"); no null question, which MMLU never has and
+    # its template's `question.strip()` could not take.
     rows[11]["choices"][1] = None
-    rows[15]["question"] = None
     return pa.Table.from_pylist(rows, schema=MMLU_SCHEMA)
 
 

@@ -63,6 +63,7 @@
 
 use std::path::Path;
 
+use crate::doc_template::DocTemplates;
 use crate::model::{Geometry, Model, ModelOps};
 use crate::pyrandom::PyRandom;
 use crate::sample::PromptCache;
@@ -256,9 +257,23 @@ impl Question {
     }
 }
 
-/// The questions of a JSONL file, one per non-blank line; an error names the line.
+/// The questions of a JSONL file, one per non-blank line (or of a Parquet file, one per
+/// row); an error names the line.
 pub fn read_questions(path: &Path) -> Result<Vec<Question>> {
-    read_jsonl(path, MAX_QUESTIONS_BYTES, "questions", Question::parse)
+    read_questions_with(path, None)
+}
+
+/// [`read_questions`], each document first mapped by a task's templates
+/// ([`DocTemplates::question_line`]) when given.
+pub fn read_questions_with(path: &Path, templates: Option<&DocTemplates>) -> Result<Vec<Question>> {
+    let map = templates.map(|t| move |doc: &serde_json::Value| t.question_line(doc));
+    read_jsonl_mapped(
+        path,
+        MAX_QUESTIONS_BYTES,
+        "questions",
+        map.as_ref().map(|m| m as LineMap<'_>),
+        Question::parse,
+    )
 }
 
 /// A question with the JSON object it was read from: lm-eval's document, which it compares
@@ -273,12 +288,24 @@ pub struct Doc {
 
 /// [`read_questions`], each with its JSON object.
 pub fn read_docs(path: &Path) -> Result<Vec<Doc>> {
-    read_jsonl(path, MAX_QUESTIONS_BYTES, "questions", |line| {
-        Ok(Doc {
-            question: Question::parse(line)?,
-            json: serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?,
-        })
-    })
+    read_docs_with(path, None)
+}
+
+/// [`read_questions_with`], each with its JSON object (mapped, the document under `doc`).
+pub fn read_docs_with(path: &Path, templates: Option<&DocTemplates>) -> Result<Vec<Doc>> {
+    let map = templates.map(|t| move |doc: &serde_json::Value| t.question_line(doc));
+    read_jsonl_mapped(
+        path,
+        MAX_QUESTIONS_BYTES,
+        "questions",
+        map.as_ref().map(|m| m as LineMap<'_>),
+        |line| {
+            Ok(Doc {
+                question: Question::parse(line)?,
+                json: serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?,
+            })
+        },
+    )
 }
 
 /// How lm-eval picks a question's few-shot examples (a task's `fewshot_config.sampler`).
@@ -640,21 +667,46 @@ pub(crate) fn read_jsonl<T>(
     what: &str,
     parse: impl Fn(&str) -> std::result::Result<T, String>,
 ) -> Result<Vec<T>> {
+    read_jsonl_mapped(path, limit, what, None, parse)
+}
+
+/// A document's line rewritten before it is parsed (a task's [`DocTemplates`]).
+pub(crate) type LineMap<'a> =
+    &'a dyn Fn(&serde_json::Value) -> std::result::Result<serde_json::Value, String>;
+
+/// [`read_jsonl`], each line first rewritten by `map` when given.
+pub(crate) fn read_jsonl_mapped<T>(
+    path: &Path,
+    limit: u64,
+    what: &str,
+    map: Option<LineMap<'_>>,
+    parse: impl Fn(&str) -> std::result::Result<T, String>,
+) -> Result<Vec<T>> {
     let bad = |why: String| TrainError::Input(format!("{}: {why}", path.display()));
     let bytes = crate::bounded::read_file(path, limit).map_err(bad)?;
+    let one = |line: &str| -> std::result::Result<T, String> {
+        match map {
+            None => parse(line),
+            Some(map) => {
+                let doc: serde_json::Value =
+                    serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+                parse(&map(&doc)?.to_string())
+            }
+        }
+    };
     let items = if is_parquet(&bytes) {
-        parquet_lines(&bytes, None)
+        parquet_lines(&bytes)
             .map_err(|e| bad(e.to_string()))?
             .iter()
             .enumerate()
-            .map(|(i, l)| parse(l).map_err(|why| bad(format!("row {}: {why}", i + 1))))
+            .map(|(i, l)| one(l).map_err(|why| bad(format!("row {}: {why}", i + 1))))
             .collect::<Result<Vec<_>>>()?
     } else {
         let text = std::str::from_utf8(&bytes).map_err(|e| bad(e.to_string()))?;
         text.lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(i, l)| parse(l).map_err(|why| bad(format!("line {}: {why}", i + 1))))
+            .map(|(i, l)| one(l).map_err(|why| bad(format!("line {}: {why}", i + 1))))
             .collect::<Result<Vec<_>>>()?
     };
     if items.is_empty() {
@@ -668,24 +720,23 @@ pub(crate) fn is_parquet(bytes: &[u8]) -> bool {
     bytes.len() >= 12 && bytes.starts_with(b"PAR1") && bytes.ends_with(b"PAR1")
 }
 
-/// The rows of the Parquet file `bytes` (of row group `group`, or all), each as a JSON
-/// object's text: what the JSONL readers parse. A row's fields are the file's top-level
-/// columns; lists are arrays, structs objects, text strings, NaN null
-/// ([`headroom_parquet`]).
+/// The rows of the Parquet file `bytes`, each as a JSON object's text: what the JSONL
+/// readers parse. A row's fields are the file's top-level columns; lists are arrays, structs
+/// objects, text strings, NaN null ([`headroom_parquet`]).
 pub(crate) fn parquet_lines(
     bytes: &[u8],
-    group: Option<usize>,
 ) -> std::result::Result<Vec<String>, headroom_parquet::ParquetError> {
     let file = headroom_parquet::ParquetFile::parse(bytes)?;
-    let options = headroom_parquet::ReadOptions::default();
-    let rows = match group {
-        Some(g) => file.row_group(g, &options)?,
-        None => file.rows(&options)?,
-    };
-    Ok(rows
-        .into_iter()
+    Ok(row_lines(
+        file.rows(&headroom_parquet::ReadOptions::default())?,
+    ))
+}
+
+/// Parquet rows as JSON lines.
+pub(crate) fn row_lines(rows: Vec<headroom_parquet::Row>) -> Vec<String> {
+    rows.into_iter()
         .map(|row| serde_json::Value::Object(row).to_string())
-        .collect())
+        .collect()
 }
 
 /// A request's tokens: the context's and the continuation's, as lm-eval splits them.

@@ -163,6 +163,7 @@ struct MergeArgs {
 
 #[derive(Args)]
 #[command(group(clap::ArgGroup::new("prompted").args(["choices", "generate"])))]
+#[command(group(clap::ArgGroup::new("templated").args(["choices", "generate", "completions"]).multiple(true)))]
 struct EvalArgs {
     /// A headroom run or checkpoint directory, or a Hugging Face model directory.
     #[arg(long, value_name = "DIR")]
@@ -170,13 +171,14 @@ struct EvalArgs {
     /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
     #[arg(long, required_unless_present_any = ["choices", "documents", "completions", "generate"])]
     data: Option<PathBuf>,
-    /// Multiple-choice questions (JSONL: `context`, `choices`, `gold` as an index, the
+    /// Multiple-choice questions (JSONL or Parquet rows: `context`, `choices`, `gold` as an index, the
     /// choice's text or a list of indices) scored as lm-evaluation-harness scores them: each
     /// choice's log-likelihood after the context; prints acc, acc_norm, acc_bytes and
     /// exact_match with their standard errors. Multiple input (Winogrande): `choices` as
     /// contexts and a `continuation` scored after each, or Winogrande's own `sentence`,
-    /// `option1`, `option2`, `answer`. Needs a tokenizer; --batch, --seq, --batches and
-    /// --loss-chunk are --data's.
+    /// `option1`, `option2`, `answer`. A dataset's own rows (MMLU's `question`, `choices`,
+    /// `answer`) are read through --doc-to-text, --doc-to-choice and --doc-to-target. Needs
+    /// a tokenizer; --batch, --seq, --batches and --loss-chunk are --data's.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "document_attention"])]
     choices: Option<PathBuf>,
     /// Documents (JSONL: `text`) whose perplexity is measured as lm-evaluation-harness's
@@ -185,20 +187,40 @@ struct EvalArgs {
     /// tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "document_attention"])]
     documents: Option<PathBuf>,
-    /// Documents whose target is scored after their context (JSONL: `context` and `target`,
+    /// Documents whose target is scored after their context (JSONL or Parquet rows, or a
+    /// dataset's own through --doc-to-text and --doc-to-target: `context` and `target`,
     /// or `text`, whose last word is the target, as lm-evaluation-harness's LAMBADA splits
     /// it); prints acc (the target is the greedy continuation) and perplexity with lm-eval's
     /// bootstrap standard error. Needs a tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "documents", "document_attention"])]
     completions: Option<PathBuf>,
-    /// Documents (JSONL: `context`, and `target` as a text or a list of texts; `choices`
-    /// for a multi_choice_regex filter) answered by
+    /// Documents (JSONL or Parquet rows: `context`, and `target` as a text or a list of
+    /// texts; `choices` for a multi_choice_regex filter; or a dataset's own rows through
+    /// --doc-to-text and --doc-to-target, which --preset sets) answered by
     /// greedy generation as lm-evaluation-harness runs its `generate_until` tasks (GSM8K):
     /// each context continued until --until or --max-gen-toks, the answer taken by
     /// --filters, and exact_match printed per filter with its standard error. Needs a
     /// tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "documents", "completions", "document_attention"])]
     generate: Option<PathBuf>,
+    /// With --choices, --completions or --generate: lm-eval's `doc_to_text`, the prompt of
+    /// each document: the name of one of its fields, or a Jinja template over them
+    /// (`"Question: {{question}}\nAnswer:"`), so that the documents can be a dataset's own
+    /// rows (a Hugging Face split, as Parquet or JSONL) rather than `context` lines. All
+    /// digits (with --doc-to-choice) is lm-eval's multiple input: the gold context's index.
+    #[arg(long, value_name = "TEMPLATE", requires = "templated")]
+    doc_to_text: Option<String>,
+    /// With --choices, --completions or --generate: lm-eval's `doc_to_target`, each
+    /// document's answer: a field's name or a template; with --doc-to-choice, all digits is
+    /// the right choice's index (`"{{choices.label.index(answerKey)}}"`), and a Python list
+    /// (`[0, 2]`) several.
+    #[arg(long, value_name = "TEMPLATE", requires = "templated")]
+    doc_to_target: Option<String>,
+    /// With --choices: lm-eval's `doc_to_choice`, each document's choices: a field's name,
+    /// or a template whose text is a Python list (`"{{choices.text}}"`, `"{{[sol1,
+    /// sol2]}}"`, `"['A', 'B', 'C', 'D']"`).
+    #[arg(long, value_name = "TEMPLATE", requires = "choices")]
+    doc_to_choice: Option<String>,
     /// With --generate: a task's settings as lm-eval's YAML writes them: `gsm8k` (its stop
     /// strings, strict-match and flexible-extract filters, exact_match settings and 5
     /// examples), `gsm8k_cot` (eight chain-of-thought examples, greedy), `gsm8k_cot_zeroshot`,
@@ -211,7 +233,10 @@ struct EvalArgs {
     /// (`wmt14-en-fr`, `wmt14-fr-en`, `wmt16-de-en`, `wmt16-en-de`, `wmt16-en-ro`,
     /// `wmt16-ro-en`, `iwslt2017-en-ar`, `iwslt2017-ar-en`: one line, BLEU, TER and chrF), or
     /// `triviaqa` or `nq_open` (one line, exact_match in lower case without punctuation); an
-    /// option given as well replaces the preset's.
+    /// option given as well replaces the preset's. A preset's lm-eval doc_to_text and
+    /// doc_to_target read the documents that are its dataset's own rows (GSM8K's `question`
+    /// and `answer`, WMT's `translation`; not GPQA's, which lm-eval makes in Python), and
+    /// leave those with a `context` as they are.
     #[arg(long, value_name = "TASK", requires = "generate")]
     preset: Option<String>,
     /// With --generate: a stop string (lm-eval's `until`; repeat for several) [default:
@@ -2952,7 +2977,8 @@ fn shown(x: f64) -> String {
 /// `eval --completions`: the documents read before the model loads, a line per metric, and
 /// with `--samples` each document's log-likelihood and greedy flag as it is done.
 fn cmd_eval_completions(a: &EvalArgs, path: &Path) -> CliResult {
-    let documents = crate::completions::read_completions(path)?;
+    let templates = doc_templates(a, [None, None, None])?;
+    let documents = crate::completions::read_completions_with(path, templates.as_ref())?;
     let (tok, model, tracker) = scoring_model(a, "--completions")?;
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
@@ -3111,6 +3137,34 @@ fn prompt_format<'a>(
     }
 }
 
+/// The documents' templates: `--doc-to-text`, `--doc-to-target` and `--doc-to-choice`,
+/// each in place of the task's lm-eval settings (`preset`: text, target, choice). A task's
+/// settings alone apply only to documents without a `context` (a dataset's own rows), so
+/// that documents already in headroom's shape keep working with the task; `None` when
+/// there are no settings at all.
+fn doc_templates(
+    a: &EvalArgs,
+    preset: [Option<crate::doc_template::Setting>; 3],
+) -> CliResult<Option<crate::doc_template::DocTemplates>> {
+    use crate::doc_template::Setting;
+    let own = [&a.doc_to_text, &a.doc_to_target, &a.doc_to_choice]
+        .map(|o| o.as_deref().map(Setting::from));
+    let given = own.iter().any(Option::is_some);
+    if !given && preset.iter().all(Option::is_none) {
+        return Ok(None);
+    }
+    let [text, target, choice] = {
+        let mut preset = preset.into_iter();
+        own.map(|o| o.or(preset.next().flatten()))
+    };
+    let templates = crate::doc_template::DocTemplates::new(text, target, choice)?;
+    Ok(Some(if given {
+        templates
+    } else {
+        templates.only_for_rows_without_context()
+    }))
+}
+
 /// The largest `--filters` file read (GSM8K's filter list is 0.4 KiB).
 const MAX_FILTERS_BYTES: u64 = 1 << 20;
 
@@ -3120,9 +3174,18 @@ const MAX_FILTERS_BYTES: u64 = 1 << 20;
 fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
     use crate::generation::{self, ExactMatch, FilterPipeline, PyRegex, TaskPreset};
     let preset = a.preset.as_deref().map(TaskPreset::named).transpose()?;
-    let docs = generation::read_generation_docs(path)?;
+    let templates = doc_templates(
+        a,
+        [
+            preset.as_ref().and_then(|p| p.doc_to_text.clone()),
+            preset.as_ref().and_then(|p| p.doc_to_target.clone()),
+            None,
+        ],
+    )?;
+    let read = |p: &Path| generation::read_generation_docs_with(p, templates.as_ref());
+    let docs = read(path)?;
     let default_shots = preset.as_ref().map_or(0, |p| p.num_fewshot);
-    let mut fewshot = fewshot_of(a, default_shots, generation::read_generation_docs)?;
+    let mut fewshot = fewshot_of(a, default_shots, read)?;
     if let (None, Some(examples)) = (
         &fewshot.pool,
         preset.as_ref().and_then(|p| p.examples.as_ref()),
@@ -3311,6 +3374,7 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
 /// `--samples` each question's scores as it is done.
 fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
     use crate::choices::{self, Outcome};
+    let templates = doc_templates(a, [None, None, None])?;
     // Prompts are built before the model loads (a bad file or option fails at once), and
     // rendered once the tokenizer (and its chat template) is there.
     let prompts = if a.num_fewshot.is_some()
@@ -3319,7 +3383,7 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
         || a.apply_chat_template
         || a.gen_prefix.is_some()
     {
-        let docs = choices::read_docs(path)?;
+        let docs = choices::read_docs_with(path, templates.as_ref())?;
         if a.gen_prefix.is_some() && docs.iter().any(|d| d.question.continuation.is_some()) {
             return Err(
                 "--gen-prefix with multiple-input questions (Winogrande's): lm-eval puts the \
@@ -3335,11 +3399,14 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
                     .into(),
             );
         }
-        let fewshot = fewshot_of(a, 0, choices::read_docs)?;
+        let fewshot = fewshot_of(a, 0, |p| choices::read_docs_with(p, templates.as_ref()))?;
         let turns = choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
         (docs.into_iter().map(|d| d.question).collect(), Some(turns))
     } else {
-        (choices::read_questions(path)?, None)
+        (
+            choices::read_questions_with(path, templates.as_ref())?,
+            None,
+        )
     };
     let (tok, model, tracker) = scoring_model(a, "--choices")?;
     let (template, extra) = prompt_template(a, &tok)?;

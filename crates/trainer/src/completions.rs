@@ -92,7 +92,24 @@ impl Completion {
 
 /// The documents of a JSONL file, one per non-blank line; an error names the line.
 pub fn read_completions(path: &Path) -> Result<Vec<Completion>> {
-    choices::read_jsonl(path, MAX_COMPLETIONS_BYTES, "documents", Completion::parse)
+    read_completions_with(path, None)
+}
+
+/// [`read_completions`], each document first mapped by a task's templates
+/// ([`crate::doc_template::DocTemplates::generation_line`]: `context` and `target`) when
+/// given.
+pub fn read_completions_with(
+    path: &Path,
+    templates: Option<&crate::doc_template::DocTemplates>,
+) -> Result<Vec<Completion>> {
+    let map = templates.map(|t| move |doc: &serde_json::Value| t.generation_line(doc));
+    choices::read_jsonl_mapped(
+        path,
+        MAX_COMPLETIONS_BYTES,
+        "documents",
+        map.as_ref().map(|m| m as choices::LineMap<'_>),
+        Completion::parse,
+    )
 }
 
 /// lm-eval's `perplexity` aggregation: `exp(−mean)` of the log-likelihoods, summed in order.

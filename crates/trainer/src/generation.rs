@@ -50,6 +50,7 @@ use std::path::Path;
 
 use crate::choices::{self, Example, Metric};
 use crate::corpus_metrics::CorpusMetric;
+use crate::doc_template::{DocTemplates, Setting};
 use headroom_mmap_data::rng::derive_seed;
 
 use crate::model::{Model, ModelOps};
@@ -124,12 +125,24 @@ impl Example for GenerationDoc {
     }
 }
 
-/// The documents of a JSONL file, one per non-blank line; an error names the line.
+/// The documents of a JSONL file, one per non-blank line (or of a Parquet file, one per
+/// row); an error names the line.
 pub fn read_generation_docs(path: &Path) -> Result<Vec<GenerationDoc>> {
-    choices::read_jsonl(
+    read_generation_docs_with(path, None)
+}
+
+/// [`read_generation_docs`], each document first mapped by a task's templates
+/// ([`DocTemplates::generation_line`]) when given.
+pub fn read_generation_docs_with(
+    path: &Path,
+    templates: Option<&DocTemplates>,
+) -> Result<Vec<GenerationDoc>> {
+    let map = templates.map(|t| move |doc: &serde_json::Value| t.generation_line(doc));
+    choices::read_jsonl_mapped(
         path,
         MAX_GENERATION_DOCS_BYTES,
         "documents",
+        map.as_ref().map(|m| m as choices::LineMap<'_>),
         GenerationDoc::parse,
     )
 }
@@ -228,6 +241,127 @@ impl PyRegex {
             });
         })?;
         Ok(found)
+    }
+
+    /// `re.sub(pattern, repl, text, count=count)` (`count` 0: every match): `repl`'s
+    /// `\1`, `\g<1>` and `\g<name>` are the groups (an unmatched one empty), `\n`, `\t`
+    /// and Python's other escapes their characters; an unknown letter escape or group is an
+    /// error, as there.
+    pub fn sub(&self, text: &str, repl: &str, count: usize) -> Result<String> {
+        enum Piece {
+            Text(String),
+            Group(usize),
+        }
+        let bad = |why: String| {
+            TrainError::Input(format!(
+                "the replacement {repl:?} for {:?}: {why}",
+                self.pattern
+            ))
+        };
+        let groups = self.regex.captures_len() - 1;
+        let names: Vec<Option<&str>> = self.regex.capture_names().collect();
+        let mut pieces = Vec::new();
+        let mut literal = String::new();
+        let mut chars = repl.chars().peekable();
+        while let Some(c) = chars.next() {
+            if c != '\\' {
+                literal.push(c);
+                continue;
+            }
+            let Some(e) = chars.next() else {
+                return Err(bad("a trailing backslash".into()));
+            };
+            let group = match e {
+                '0'..='9' => {
+                    let mut n = e.to_digit(10).expect("digit") as usize;
+                    if let Some(d) = chars.peek().and_then(|d| d.to_digit(10)) {
+                        n = n * 10 + d as usize;
+                        chars.next();
+                    }
+                    Some(n)
+                }
+                'g' => {
+                    if chars.next() != Some('<') {
+                        return Err(bad("\\g without <".into()));
+                    }
+                    let name: String = chars.by_ref().take_while(|&c| c != '>').collect();
+                    let n = match name.parse::<usize>() {
+                        Ok(n) => n,
+                        Err(_) => names
+                            .iter()
+                            .position(|n| *n == Some(name.as_str()))
+                            .ok_or_else(|| bad(format!("no group named {name:?}")))?,
+                    };
+                    Some(n)
+                }
+                'n' => {
+                    literal.push('\n');
+                    None
+                }
+                't' => {
+                    literal.push('\t');
+                    None
+                }
+                'r' => {
+                    literal.push('\r');
+                    None
+                }
+                'f' => {
+                    literal.push('\u{c}');
+                    None
+                }
+                'v' => {
+                    literal.push('\u{b}');
+                    None
+                }
+                'a' => {
+                    literal.push('\u{7}');
+                    None
+                }
+                'b' => {
+                    literal.push('\u{8}');
+                    None
+                }
+                '\\' => {
+                    literal.push('\\');
+                    None
+                }
+                c if c.is_ascii_alphabetic() => return Err(bad(format!("bad escape \\{c}"))),
+                c => {
+                    literal.push('\\');
+                    literal.push(c);
+                    None
+                }
+            };
+            if let Some(n) = group {
+                if n > groups {
+                    return Err(bad(format!("invalid group reference {n}")));
+                }
+                pieces.push(Piece::Text(std::mem::take(&mut literal)));
+                pieces.push(Piece::Group(n));
+            }
+        }
+        pieces.push(Piece::Text(literal));
+        let mut out = String::with_capacity(text.len());
+        let mut kept_from = 0;
+        let mut done = 0;
+        self.each_match(text, |caps| {
+            if count > 0 && done == count {
+                return;
+            }
+            let Some(m) = caps.get(0) else { return };
+            out.push_str(&text[kept_from..m.start()]);
+            for piece in &pieces {
+                match piece {
+                    Piece::Text(t) => out.push_str(t),
+                    Piece::Group(n) => out.push_str(caps.get(*n).map_or("", |g| g.as_str())),
+                }
+            }
+            kept_from = m.end();
+            done += 1;
+        })?;
+        out.push_str(&text[kept_from..]);
+        Ok(out)
     }
 
     /// `re.sub(pattern, "", text)`: every match removed.
@@ -1139,10 +1273,69 @@ pub struct TaskPreset {
     pub exact_match: bool,
     /// `metric_list`'s corpus metrics.
     pub corpus_metrics: Vec<CorpusMetric>,
+    /// `doc_to_text`, for documents that are the dataset's own rows (GPQA's `None`: its
+    /// documents come out of Python preprocessing).
+    pub doc_to_text: Option<Setting>,
+    /// `doc_to_target`, likewise.
+    pub doc_to_target: Option<Setting>,
+}
+
+/// lm-eval's `doc_to_text` and `doc_to_target` of the preset `name`: what makes a dataset's
+/// row (GSM8K's `question` and `answer`, TriviaQA's `answer.aliases`, WMT's `translation`)
+/// a document; none for GPQA, whose documents lm-eval makes in Python (shuffled choices).
+fn lm_eval_doc_settings(name: &str) -> (Option<String>, Option<String>) {
+    let both = |text: &str, target: &str| (Some(text.to_owned()), Some(target.to_owned()));
+    let gsm8k_cot_target = "{{answer.split('####')[-1].strip() if answer is defined else target}}";
+    if name.starts_with("mmlu_flan_cot_zeroshot") {
+        return both(
+            "Q: {{question.strip()}}\n(A) {{choices[0]}} (B) {{choices[1]}} (C) {{choices[2]}} \
+             (D) {{choices[3]}}\nA: Let's think step by step.",
+            "{{['(A)', '(B)', '(C)', '(D)'][answer]}}",
+        );
+    }
+    if TRANSLATION_TASKS.contains(&name) {
+        fn language(code: &str) -> &str {
+            match code {
+                "en" => "English",
+                "fr" => "French",
+                "de" => "German",
+                "ro" => "Romanian",
+                "ar" => "Arabic",
+                _ => code,
+            }
+        }
+        let pair = name
+            .rsplit_once(['-'])
+            .map(|(head, tgt)| (head.rsplit('-').next().unwrap_or(head), tgt));
+        if let Some((src, tgt)) = pair {
+            return both(
+                &format!(
+                    "{} phrase: {{{{translation[\"{src}\"]}}}}\n{} phrase:",
+                    language(src),
+                    language(tgt)
+                ),
+                &format!(" {{{{translation[\"{tgt}\"]}}}}"),
+            );
+        }
+    }
+    match name {
+        "gsm8k" => both("Question: {{question}}\nAnswer:", "{{answer}}"),
+        "gsm8k_cot" | "gsm8k-cot" | "gsm8k_cot_self_consistency" | "gsm8k-cot-self-consistency" => {
+            both("Q: {{question}}\nA:", gsm8k_cot_target)
+        }
+        "gsm8k_cot_zeroshot" => both(
+            "Q: {{question}}\nA: Let's think step by step.",
+            "{{answer}}",
+        ),
+        "triviaqa" => both("Question: {{question}}?\nAnswer:", "{{answer.aliases}}"),
+        "nq_open" => both("Q: {{question}}?\nA:", "{{answer}}"),
+        _ => (None, None),
+    }
 }
 
 impl TaskPreset {
-    /// The task `name`'s settings:
+    /// The task `name`'s settings, with its lm-eval `doc_to_text` and `doc_to_target`
+    /// ([`TaskPreset::doc_to_text`]) for documents that are the dataset's own rows:
     ///
     /// - `gsm8k`: its documents `{"context": "Question: …\nAnswer:", "target": answer}`,
     ///   examples from its train split;
@@ -1167,6 +1360,15 @@ impl TaskPreset {
     /// GPQA's and MMLU's take the answer letter by `multi_choice_regex`, which reads
     /// `choices`.
     pub fn named(name: &str) -> Result<TaskPreset> {
+        let mut preset = TaskPreset::settings(name)?;
+        let (text, target) = lm_eval_doc_settings(name);
+        preset.doc_to_text = text.map(Setting::Template);
+        preset.doc_to_target = target.map(Setting::Template);
+        Ok(preset)
+    }
+
+    /// The task `name`'s settings without its documents' templates.
+    fn settings(name: &str) -> Result<TaskPreset> {
         let filters = |json: &str| {
             FilterPipeline::parse_list(
                 &serde_json::from_str(json)
@@ -1205,6 +1407,8 @@ impl TaskPreset {
                 fewshot_delimiter: None,
                 exact_match: true,
                 corpus_metrics: Vec::new(),
+                doc_to_text: None,
+                doc_to_target: None,
             }),
             "gsm8k_cot_self_consistency" | "gsm8k-cot-self-consistency" => Ok(TaskPreset {
                 until: ["Q:", "\n\n"].map(str::to_owned).to_vec(),
@@ -1219,6 +1423,8 @@ impl TaskPreset {
                 fewshot_delimiter: None,
                 exact_match: true,
                 corpus_metrics: Vec::new(),
+                doc_to_text: None,
+                doc_to_target: None,
             }),
             "gsm8k_cot" | "gsm8k-cot" | "gsm8k_cot_zeroshot" => Ok(TaskPreset {
                 until: ["Q:", "</s>", "<|im_end|>"].map(str::to_owned).to_vec(),
@@ -1237,6 +1443,8 @@ impl TaskPreset {
                 fewshot_delimiter: None,
                 exact_match: true,
                 corpus_metrics: Vec::new(),
+                doc_to_text: None,
+                doc_to_target: None,
             }),
             "gpqa_main_cot_zeroshot"
             | "gpqa_diamond_cot_zeroshot"
@@ -1266,6 +1474,8 @@ impl TaskPreset {
                 fewshot_delimiter: None,
                 exact_match: true,
                 corpus_metrics: Vec::new(),
+                doc_to_text: None,
+                doc_to_target: None,
             }),
             "triviaqa" | "nq_open" => Ok(TaskPreset {
                 until: ["\n", ".", ","].map(str::to_owned).to_vec(),
@@ -1292,6 +1502,8 @@ impl TaskPreset {
                 fewshot_delimiter: (name == "nq_open").then(|| "\n".to_owned()),
                 exact_match: true,
                 corpus_metrics: Vec::new(),
+                doc_to_text: None,
+                doc_to_target: None,
             }),
             _ if TRANSLATION_TASKS.contains(&name) => Ok(TaskPreset {
                 until: vec!["\n".to_owned()],
@@ -1306,6 +1518,8 @@ impl TaskPreset {
                 fewshot_delimiter: None,
                 exact_match: false,
                 corpus_metrics: vec![CorpusMetric::Bleu, CorpusMetric::Ter, CorpusMetric::Chrf],
+                doc_to_text: None,
+                doc_to_target: None,
             }),
             other => Err(TrainError::Input(format!(
                 "no task preset {other:?} (there are gsm8k, gsm8k_cot, gsm8k_cot_zeroshot, \

@@ -54,6 +54,7 @@ pub mod completions;
 pub mod corpus_metrics;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod doc_template;
 pub mod engine;
 pub mod environment;
 mod error;

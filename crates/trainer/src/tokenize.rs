@@ -671,10 +671,7 @@ impl<'a> Examples<'a> {
                     let rows = file
                         .row_group(g, &headroom_parquet::ReadOptions::default())
                         .map_err(|e| err(*input, e.to_string()))?;
-                    let lines: Vec<String> = rows
-                        .into_iter()
-                        .map(|row| serde_json::Value::Object(row).to_string())
-                        .collect();
+                    let lines = crate::choices::row_lines(rows);
                     let numbered: Vec<(usize, &str)> = lines
                         .iter()
                         .map(|l| {

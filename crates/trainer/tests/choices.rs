@@ -881,3 +881,92 @@ fn headroom_eval_choices_takes_lm_evals_gen_prefix() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--gen-prefix with multiple-input"));
 }
+
+/// MMLU's own rows (a Parquet split as the Hub serves it) under lm-eval's MMLU settings
+/// (`--doc-to-text`, `--doc-to-choice`, `--doc-to-target`) score as the same questions
+/// written out in headroom's shape, with five first-n examples from the rows themselves:
+/// every printed metric and every sample line equal. A template over a field a row lacks
+/// names the row.
+#[test]
+fn a_datasets_rows_under_its_templates_score_as_converted_questions() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows_file = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../parquet/tests/fixtures/mmlu_like.parquet");
+    let rows = std::fs::read_to_string(rows_file.with_extension("jsonl")).unwrap();
+    let mut converted = String::new();
+    for line in rows.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        let choice = |i: usize| match &row["choices"][i] {
+            serde_json::Value::Null => "None".to_string(),
+            v => v.as_str().unwrap().to_string(),
+        };
+        let context = format!(
+            "{}\nA. {}\nB. {}\nC. {}\nD. {}\nAnswer:",
+            row["question"].as_str().unwrap().trim(),
+            choice(0),
+            choice(1),
+            choice(2),
+            choice(3)
+        );
+        converted += &serde_json::json!({
+            "context": context,
+            "choices": ["A", "B", "C", "D"],
+            "gold": row["answer"],
+        })
+        .to_string();
+        converted.push('\n');
+    }
+    let converted_file = dir.path().join("mmlu.jsonl");
+    std::fs::write(&converted_file, converted).unwrap();
+    let shots = ["--num-fewshot", "5", "--fewshot-sampler", "first-n"];
+    let run = |file: &std::path::Path, extra: &[&str], samples: &str| {
+        let samples = dir.path().join(samples);
+        let mut args = vec!["--choices", file.to_str().unwrap(), "--samples"];
+        args.push(samples.to_str().unwrap());
+        args.extend_from_slice(&shots);
+        args.extend_from_slice(extra);
+        let o = eval_llama("llama", &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        let metrics: Vec<String> = out
+            .lines()
+            .filter(|l| l.contains('±'))
+            .map(String::from)
+            .collect();
+        (metrics, std::fs::read_to_string(samples).unwrap())
+    };
+    let templates = [
+        "--doc-to-text",
+        "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:",
+        "--doc-to-choice",
+        "['A', 'B', 'C', 'D']",
+        "--doc-to-target",
+        "answer",
+    ];
+    let (from_rows, rows_samples) = run(&rows_file, &templates, "rows.jsonl");
+    let (from_converted, converted_samples) = run(&converted_file, &[], "converted.jsonl");
+    assert_eq!(from_rows.len(), 4, "{from_rows:?}");
+    assert_eq!(from_rows, from_converted);
+    assert_eq!(rows_samples.lines().count(), 20);
+    assert_eq!(rows_samples, converted_samples);
+    // A template over a field the rows lack is refused, naming the row and the template.
+    let o = eval_llama(
+        "llama",
+        &[
+            "--choices",
+            rows_file.to_str().unwrap(),
+            "--doc-to-text",
+            "{{goal}}",
+            "--doc-to-choice",
+            "choices",
+            "--doc-to-target",
+            "answer",
+        ],
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("row 1: doc_to_text \"{{goal}}\"") && err.contains("undefined"),
+        "{err}"
+    );
+}

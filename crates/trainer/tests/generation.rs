@@ -1540,3 +1540,147 @@ fn each_mmlu_subjects_preset_is_the_template_with_its_description() {
         .to_string();
     assert!(e.contains("57 subjects"), "{e}");
 }
+
+/// Each preset's `doc_to_text` and `doc_to_target` are its lm-eval task's, as the fixtures
+/// read them from lm-eval's YAML (GPQA's documents come out of Python preprocessing, so its
+/// presets have none).
+#[test]
+fn presets_carry_their_tasks_doc_templates() {
+    use headroom_trainer::doc_template::Setting;
+    let fixture = fixture();
+    let template = |s: &Option<Setting>| match s {
+        Some(Setting::Template(t)) => Some(t.clone()),
+        Some(other) => panic!("{other:?}"),
+        None => None,
+    };
+    let mut checked = 0;
+    for group in [
+        "multi_choice_tasks",
+        "gsm8k_cot_tasks",
+        "open_qa_tasks",
+        "translation_tasks",
+    ] {
+        for (name, want) in fixture[group].as_object().unwrap() {
+            let preset = TaskPreset::named(name).unwrap();
+            if name.starts_with("gpqa") {
+                assert_eq!((&preset.doc_to_text, &preset.doc_to_target), (&None, &None));
+                continue;
+            }
+            assert_eq!(
+                template(&preset.doc_to_text).as_deref(),
+                want["doc_to_text"].as_str(),
+                "{name}"
+            );
+            assert_eq!(
+                template(&preset.doc_to_target).as_deref(),
+                want["doc_to_target"].as_str(),
+                "{name}"
+            );
+            checked += 1;
+        }
+    }
+    let consistency = TaskPreset::named("gsm8k_cot_self_consistency").unwrap();
+    assert_eq!(
+        template(&consistency.doc_to_text).as_deref(),
+        fixture["gsm8k_cot_self_consistency"]["doc_to_text"].as_str()
+    );
+    assert_eq!(
+        consistency.doc_to_target,
+        TaskPreset::named("gsm8k_cot").unwrap().doc_to_target
+    );
+    // gsm8k's own, from the templates fixture (lm_eval/tasks/gsm8k/gsm8k.yaml).
+    let templates: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("doc_templates.json")).unwrap(),
+    )
+    .unwrap();
+    let gsm8k = templates["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "gsm8k")
+        .unwrap();
+    let preset = TaskPreset::named("gsm8k").unwrap();
+    assert_eq!(
+        template(&preset.doc_to_text).as_deref(),
+        gsm8k["doc_to_text"].as_str()
+    );
+    assert_eq!(
+        template(&preset.doc_to_target).as_deref(),
+        gsm8k["doc_to_target"].as_str()
+    );
+    let subject = TaskPreset::named("mmlu_flan_cot_zeroshot_anatomy").unwrap();
+    assert_eq!(
+        subject.doc_to_text,
+        TaskPreset::named("mmlu_flan_cot_zeroshot")
+            .unwrap()
+            .doc_to_text
+    );
+    assert!(checked >= 12, "{checked}");
+}
+
+/// GSM8K's own rows (`question`, `answer`) under `--preset gsm8k` generate and score as the
+/// same documents written as `context` and `target`, five examples drawn from the rows; a
+/// row already in headroom's shape is read as it is, and `--doc-to-text` replaces the
+/// preset's.
+#[test]
+fn a_presets_templates_read_a_datasets_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let questions = [
+        ("what sat on the mat?", "the cat sat.\n#### 1"),
+        ("what ran under the old tree?", "a small dog.\n#### 2"),
+        ("where did the red bird sleep?", "near a big box.\n#### 3"),
+        ("what jumped on the small log?", "the old fox.\n#### 4"),
+    ];
+    let (mut rows, mut converted) = (String::new(), String::new());
+    for (question, answer) in questions {
+        rows += &serde_json::json!({"question": question, "answer": answer}).to_string();
+        rows.push('\n');
+        let context = format!("Question: {question}\nAnswer:");
+        converted += &serde_json::json!({"context": context, "target": answer}).to_string();
+        converted.push('\n');
+    }
+    // A document already in headroom's shape is read as it is under a preset.
+    let shaped = "{\"context\": \"Question: a big dog?\\nAnswer:\", \"target\": \"#### 5\"}\n";
+    rows += shaped;
+    converted += shaped;
+    let rows_file = dir.path().join("rows.jsonl");
+    std::fs::write(&rows_file, rows).unwrap();
+    let converted_file = dir.path().join("converted.jsonl");
+    std::fs::write(&converted_file, converted).unwrap();
+    let run = |file: &std::path::Path, extra: &[&str], samples: &str| {
+        let samples = dir.path().join(samples);
+        let o = llama_generate(file)
+            .args([
+                "--preset",
+                "gsm8k",
+                "--num-fewshot",
+                "2",
+                "--max-gen-toks",
+                "8",
+            ])
+            .args(extra)
+            .arg("--samples")
+            .arg(&samples)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        let lines: Vec<String> = out
+            .lines()
+            .filter(|l| l.contains('±'))
+            .map(String::from)
+            .collect();
+        (lines, std::fs::read_to_string(samples).unwrap())
+    };
+    let from_rows = run(&rows_file, &[], "rows.jsonl");
+    let from_converted = run(&converted_file, &[], "converted.jsonl");
+    assert_eq!(from_rows.0.len(), 2, "{:?}", from_rows.0);
+    assert_eq!(from_rows, from_converted);
+    // The user's template wins over the preset's, and applies to every document.
+    let o = llama_generate(&rows_file)
+        .args(["--preset", "gsm8k", "--doc-to-text", "{{missing}}"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("line 1: doc_to_text \"{{missing}}\""));
+}
