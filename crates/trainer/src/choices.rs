@@ -63,7 +63,7 @@
 
 use std::path::Path;
 
-use crate::doc_template::DocTemplates;
+use crate::doc_template::{DocTemplates, ProcessDocs, Setting};
 use crate::model::{Geometry, Model, ModelOps};
 use crate::pyrandom::PyRandom;
 use crate::sample::PromptCache;
@@ -306,6 +306,195 @@ pub fn read_docs_with(path: &Path, templates: Option<&DocTemplates>) -> Result<V
             })
         },
     )
+}
+
+/// A multiple-choice task's lm-eval settings (`eval --choices --preset NAME`): what makes
+/// its dataset's rows questions, and how its prompts are built.
+#[derive(Clone, Debug)]
+pub struct ChoicesPreset {
+    /// `doc_to_text`.
+    pub doc_to_text: Setting,
+    /// `doc_to_target`.
+    pub doc_to_target: Setting,
+    /// `doc_to_choice`.
+    pub doc_to_choice: Setting,
+    /// `process_docs`, where the task has one (HellaSwag's).
+    pub process_docs: Option<ProcessDocs>,
+    /// `description`.
+    pub description: Option<String>,
+    /// `fewshot_config.sampler`, when not lm-eval's default.
+    pub sampler: Option<Sampler>,
+}
+
+/// The multiple-choice presets besides MMLU's (`mmlu` and `mmlu_<subject>`).
+pub const CHOICES_TASKS: [&str; 7] = [
+    "arc_easy",
+    "arc_challenge",
+    "boolq",
+    "hellaswag",
+    "openbookqa",
+    "piqa",
+    "sciq",
+];
+
+impl ChoicesPreset {
+    /// The task `name`'s settings, as its lm-eval 0.4.13 YAML writes them:
+    ///
+    /// - `arc_easy`, `arc_challenge` (`allenai/ai2_arc`), `openbookqa`: the question, the
+    ///   `choices.text`, the index of `answerKey` among `choices.label`;
+    /// - `piqa`: `goal`, `[sol1, sol2]`, `label`; `sciq`: the `support` and the question,
+    ///   the three distractors and then the correct answer (the target is 3);
+    /// - `boolq` (`super_glue`): the passage and the question, `no`/`yes`, `label`;
+    /// - `hellaswag`: its `process_docs` ([`hellaswag_process_docs`]), then `query`,
+    ///   `choices` and `label`;
+    /// - `mmlu` and `mmlu_<subject>` (57 subjects; the subject's description): the question
+    ///   and the four lettered choices, the letters as choices, `answer`; few-shot examples
+    ///   from the `dev` split in order (`first_n`).
+    pub fn named(name: &str) -> Result<ChoicesPreset> {
+        let text = |t: &str| Setting::Template(t.to_owned());
+        let letters = |items: &[&str]| Setting::Value(serde_json::json!(items));
+        let preset = |t: &str, target: Setting, choice: Setting| ChoicesPreset {
+            doc_to_text: text(t),
+            doc_to_target: target,
+            doc_to_choice: choice,
+            process_docs: None,
+            description: None,
+            sampler: None,
+        };
+        let arc = || {
+            preset(
+                "Question: {{question}}\nAnswer:",
+                text("{{choices.label.index(answerKey)}}"),
+                text("{{choices.text}}"),
+            )
+        };
+        let mmlu = || {
+            ChoicesPreset {
+            sampler: Some(Sampler::FirstN),
+            ..preset(
+                "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. \
+                 {{choices[3]}}\nAnswer:",
+                text("answer"),
+                letters(&["A", "B", "C", "D"]),
+            )
+        }
+        };
+        if let Some(subject) = name.strip_prefix("mmlu_") {
+            if !crate::generation::MMLU_SUBJECTS.contains(&subject) {
+                return Err(TrainError::Input(format!(
+                    "no task preset {name:?}: {subject:?} is not one of MMLU's 57 subjects"
+                )));
+            }
+            return Ok(ChoicesPreset {
+                description: Some(format!(
+                    "The following are multiple choice questions (with answers) about {}.\n\n",
+                    subject.replace('_', " ")
+                )),
+                ..mmlu()
+            });
+        }
+        Ok(match name {
+            "mmlu" => mmlu(),
+            "arc_easy" | "arc_challenge" => arc(),
+            "openbookqa" => preset(
+                "question_stem",
+                text("{{choices.label.index(answerKey.lstrip())}}"),
+                text("{{choices.text}}"),
+            ),
+            "piqa" => preset(
+                "Question: {{goal}}\nAnswer:",
+                text("label"),
+                text("{{[sol1, sol2]}}"),
+            ),
+            "sciq" => preset(
+                "{{support.lstrip()}}\nQuestion: {{question}}\nAnswer:",
+                Setting::Value(serde_json::json!(3)),
+                text("{{[distractor1, distractor2, distractor3, correct_answer]}}"),
+            ),
+            "boolq" => preset(
+                "{{passage}}\nQuestion: {{question}}?\nAnswer:",
+                text("label"),
+                letters(&["no", "yes"]),
+            ),
+            "hellaswag" => ChoicesPreset {
+                process_docs: Some(hellaswag_process_docs),
+                ..preset("{{query}}", text("{{label}}"), text("choices"))
+            },
+            other => {
+                return Err(TrainError::Input(format!(
+                    "no multiple-choice preset {other:?} (there are {}, mmlu and mmlu_<subject>)",
+                    CHOICES_TASKS.join(", ")
+                )))
+            }
+        })
+    }
+}
+
+/// HellaSwag's `process_docs` (lm-eval's `hellaswag/utils.py`): the `query` is the activity
+/// label, `": "`, `ctx_a`, a space and `ctx_b` capitalized; it and each of the `endings`
+/// (the `choices`) are stripped, `" [title]"` becomes `". "`, bracketed WikiHow markers
+/// (`[header]`, `[step]`) are removed, and each double space becomes one; `gold` is the
+/// `label` as an integer.
+pub fn hellaswag_process_docs(
+    doc: &serde_json::Value,
+) -> std::result::Result<serde_json::Value, String> {
+    let text = |key: &str| {
+        doc.get(key)
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| format!("no text {key:?} (HellaSwag's rows have it)"))
+    };
+    let ctx_b = crate::doc_template::python_capitalize(text("ctx_b")?);
+    let query = preprocess_hellaswag(&format!(
+        "{}: {} {ctx_b}",
+        text("activity_label")?,
+        text("ctx_a")?
+    ));
+    let endings = doc
+        .get("endings")
+        .and_then(|v| v.as_array())
+        .ok_or("no list \"endings\" (HellaSwag's rows have it)")?
+        .iter()
+        .map(|e| {
+            e.as_str()
+                .map(preprocess_hellaswag)
+                .ok_or("an ending that is not text")
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let label = text("label")?;
+    let gold: i64 = label
+        .trim()
+        .parse()
+        .map_err(|_| format!("label {label:?} is not an integer"))?;
+    let mut out = doc.as_object().cloned().unwrap_or_default();
+    out.insert("query".into(), serde_json::Value::String(query));
+    out.insert("choices".into(), serde_json::json!(endings));
+    out.insert("gold".into(), serde_json::json!(gold));
+    Ok(serde_json::Value::Object(out))
+}
+
+/// HellaSwag's `preprocess`: strip, `" [title]"` to `". "`, `re.sub("\\[.*?\\]", "", …)`,
+/// `"  "` to `" "`.
+fn preprocess_hellaswag(text: &str) -> String {
+    let text = text.trim().replace(" [title]", ". ");
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    // `.` does not cross a newline: an unclosed bracket on its line stays.
+    while let Some(open) = rest.find('[') {
+        let after = &rest[open + 1..];
+        let line_end = after.find('\n').unwrap_or(after.len());
+        match after[..line_end].find(']') {
+            Some(close) => {
+                out.push_str(&rest[..open]);
+                rest = &after[close + 1..];
+            }
+            None => {
+                out.push_str(&rest[..=open]);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out.replace("  ", " ")
 }
 
 /// How lm-eval picks a question's few-shot examples (a task's `fewshot_config.sampler`).

@@ -221,6 +221,12 @@ struct EvalArgs {
     /// sol2]}}"`, `"['A', 'B', 'C', 'D']"`).
     #[arg(long, value_name = "TEMPLATE", requires = "choices")]
     doc_to_choice: Option<String>,
+    /// With --choices: a multiple-choice task's settings as lm-eval's YAML writes them, so
+    /// that the questions can be its dataset's own rows (a Hugging Face split, as Parquet or
+    /// JSONL): `arc_easy`, `arc_challenge`, `boolq`, `hellaswag` (with its preprocessing),
+    /// `openbookqa`, `piqa`, `sciq`, `mmlu` or `mmlu_<subject>` (with the subject's
+    /// description and first-n examples: give the dev split as --fewshot-file).
+    ///
     /// With --generate: a task's settings as lm-eval's YAML writes them: `gsm8k` (its stop
     /// strings, strict-match and flexible-extract filters, exact_match settings and 5
     /// examples), `gsm8k_cot` (eight chain-of-thought examples, greedy), `gsm8k_cot_zeroshot`,
@@ -237,7 +243,7 @@ struct EvalArgs {
     /// doc_to_target read the documents that are its dataset's own rows (GSM8K's `question`
     /// and `answer`, WMT's `translation`; not GPQA's, which lm-eval makes in Python), and
     /// leave those with a `context` as they are.
-    #[arg(long, value_name = "TASK", requires = "generate")]
+    #[arg(long, value_name = "TASK", requires = "prompted")]
     preset: Option<String>,
     /// With --generate: a stop string (lm-eval's `until`; repeat for several) [default:
     /// --fewshot-delimiter, as lm-eval's default]. The tokenizer's end-of-sequence text is
@@ -334,13 +340,9 @@ struct EvalArgs {
     /// With --num-fewshot: `random` (lm-eval's default sampler: Python's
     /// `random.Random(--fewshot-seed).sample`, question after question) or `first-n` (the
     /// first N, as MMLU's tasks take them).
-    #[arg(
-        long,
-        value_name = "SAMPLER",
-        default_value = "random",
-        requires = "num_fewshot"
-    )]
-    fewshot_sampler: String,
+    /// [default: random, or the --choices preset's]
+    #[arg(long, value_name = "SAMPLER", requires = "num_fewshot")]
+    fewshot_sampler: Option<String>,
     /// With --fewshot-sampler random: the seed (lm-eval's `--fewshot_random_seed`).
     #[arg(
         long,
@@ -3076,7 +3078,7 @@ fn fewshot_of<E>(
     Ok(Fewshot {
         shots: a.num_fewshot.unwrap_or(default_shots),
         pool: a.fewshot_file.as_deref().map(read).transpose()?,
-        sampler: match a.fewshot_sampler.as_str() {
+        sampler: match a.fewshot_sampler.as_deref().unwrap_or("random") {
             "random" | "default" => Sampler::Random {
                 seed: a.fewshot_seed,
             },
@@ -3373,12 +3375,23 @@ fn cmd_eval_generate(a: &EvalArgs, path: &Path) -> CliResult {
 /// `eval --choices`: the questions read before the model loads, a line per metric, and with
 /// `--samples` each question's scores as it is done.
 fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
-    use crate::choices::{self, Outcome};
-    let templates = doc_templates(a, [None, None, None])?;
+    use crate::choices::{self, ChoicesPreset, Outcome};
+    let preset = a.preset.as_deref().map(ChoicesPreset::named).transpose()?;
+    let templates = doc_templates(
+        a,
+        [
+            preset.as_ref().map(|p| p.doc_to_text.clone()),
+            preset.as_ref().map(|p| p.doc_to_target.clone()),
+            preset.as_ref().map(|p| p.doc_to_choice.clone()),
+        ],
+    )?
+    .map(|t| t.with_process_docs(preset.as_ref().and_then(|p| p.process_docs)));
     // Prompts are built before the model loads (a bad file or option fails at once), and
     // rendered once the tokenizer (and its chat template) is there.
+    let description = preset.as_ref().and_then(|p| p.description.as_ref());
     let prompts = if a.num_fewshot.is_some()
         || a.description.is_some()
+        || description.is_some()
         || a.system_instruction.is_some()
         || a.apply_chat_template
         || a.gen_prefix.is_some()
@@ -3399,7 +3412,15 @@ fn cmd_eval_choices(a: &EvalArgs, path: &Path) -> CliResult {
                     .into(),
             );
         }
-        let fewshot = fewshot_of(a, 0, |p| choices::read_docs_with(p, templates.as_ref()))?;
+        let mut fewshot = fewshot_of(a, 0, |p| choices::read_docs_with(p, templates.as_ref()))?;
+        if let Some(p) = &preset {
+            if let (None, Some(d)) = (&a.description, &p.description) {
+                fewshot.description = d.clone();
+            }
+            if let (None, Some(sampler)) = (&a.fewshot_sampler, p.sampler) {
+                fewshot.sampler = sampler;
+            }
+        }
         let turns = choices::fewshot_turns(&docs, &fewshot, &a.target_delimiter)?;
         (docs.into_iter().map(|d| d.question).collect(), Some(turns))
     } else {

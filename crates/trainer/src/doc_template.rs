@@ -84,7 +84,13 @@ pub struct DocTemplates {
     /// Whether a document that has a `context` is taken as it is (a task's own settings,
     /// which are for its dataset's rows).
     rows_only: bool,
+    /// A task's `process_docs`, run on each row before the settings read it.
+    process: Option<ProcessDocs>,
 }
+
+/// A task's `process_docs`: a row of its dataset made the document its settings read
+/// (lm-eval's are Python functions; headroom's, Rust ones checked against them).
+pub type ProcessDocs = fn(&Json) -> Result<Json, String>;
 
 /// One setting's result, with the Python type lm-eval's would have.
 #[derive(Clone, Debug, PartialEq)]
@@ -186,7 +192,22 @@ impl DocTemplates {
             target,
             choice,
             rows_only: false,
+            process: None,
         })
+    }
+
+    /// These settings after the task's `process_docs`.
+    pub fn with_process_docs(mut self, process: Option<ProcessDocs>) -> DocTemplates {
+        self.process = process;
+        self
+    }
+
+    /// The document the settings read: the row after `process_docs`, if any.
+    fn processed(&self, doc: &Json) -> Result<Json, String> {
+        match self.process {
+            Some(process) => process(doc),
+            None => Ok(doc.clone()),
+        }
     }
 
     /// These settings for a dataset's own rows only: a document that already has a
@@ -294,6 +315,7 @@ impl DocTemplates {
         if self.passes_through(doc) {
             return Ok(doc.clone());
         }
+        let doc = &self.processed(doc)?;
         let mut line = serde_json::Map::new();
         let keep = |key: &str, line: &mut serde_json::Map<String, Json>| {
             if let Some(v) = doc.get(key) {
@@ -360,6 +382,7 @@ impl DocTemplates {
         if self.passes_through(doc) {
             return Ok(doc.clone());
         }
+        let doc = &self.processed(doc)?;
         let mut line = match doc {
             Json::Object(m) => m.clone(),
             _ => return Err("not a JSON object".into()),
@@ -570,7 +593,7 @@ fn python_title(s: &str) -> String {
 }
 
 /// Python's `str.capitalize()`: the first character in title case, the rest in lower case.
-fn python_capitalize(s: &str) -> String {
+pub(crate) fn python_capitalize(s: &str) -> String {
     let mut chars = s.chars();
     match chars.next() {
         Some(first) => title_char(first) + &chars.as_str().to_lowercase(),

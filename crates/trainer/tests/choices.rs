@@ -918,7 +918,7 @@ fn a_datasets_rows_under_its_templates_score_as_converted_questions() {
     }
     let converted_file = dir.path().join("mmlu.jsonl");
     std::fs::write(&converted_file, converted).unwrap();
-    let shots = ["--num-fewshot", "5", "--fewshot-sampler", "first-n"];
+    let shots = ["--num-fewshot", "5"];
     let run = |file: &std::path::Path, extra: &[&str], samples: &str| {
         let samples = dir.path().join(samples);
         let mut args = vec!["--choices", file.to_str().unwrap(), "--samples"];
@@ -936,6 +936,8 @@ fn a_datasets_rows_under_its_templates_score_as_converted_questions() {
         (metrics, std::fs::read_to_string(samples).unwrap())
     };
     let templates = [
+        "--fewshot-sampler",
+        "first-n",
         "--doc-to-text",
         "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:",
         "--doc-to-choice",
@@ -944,11 +946,30 @@ fn a_datasets_rows_under_its_templates_score_as_converted_questions() {
         "answer",
     ];
     let (from_rows, rows_samples) = run(&rows_file, &templates, "rows.jsonl");
-    let (from_converted, converted_samples) = run(&converted_file, &[], "converted.jsonl");
+    let (from_converted, converted_samples) = run(
+        &converted_file,
+        &["--fewshot-sampler", "first-n"],
+        "converted.jsonl",
+    );
     assert_eq!(from_rows.len(), 4, "{from_rows:?}");
     assert_eq!(from_rows, from_converted);
     assert_eq!(rows_samples.lines().count(), 20);
     assert_eq!(rows_samples, converted_samples);
+    // The task's preset: the same settings, its first-n sampler and the subject's
+    // description (no --fewshot-sampler given).
+    let description =
+        "The following are multiple choice questions (with answers) about anatomy.\n\n";
+    let (from_preset, preset_samples) =
+        run(&rows_file, &["--preset", "mmlu_anatomy"], "preset.jsonl");
+    let (from_described, described_samples) = run(
+        &converted_file,
+        &["--fewshot-sampler", "first-n", "--description", description],
+        "described.jsonl",
+    );
+    assert_eq!(from_preset, from_described);
+    // (The fixture model's 32 positions cut the description off the left of these prompts,
+    // so its text is checked in `tests/doc_templates.rs`.)
+    assert_eq!(preset_samples, described_samples);
     // A template over a field the rows lack is refused, naming the row and the template.
     let o = eval_llama(
         "llama",

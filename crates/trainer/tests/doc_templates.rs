@@ -155,3 +155,68 @@ fn settings_read_documents_as_lm_eval_does() {
         mismatches.join("\n")
     );
 }
+
+/// The multiple-choice presets hold their tasks' YAML settings as the fixture read them
+/// from lm-eval, and HellaSwag's `process_docs` makes lm-eval's `query`, `choices` and
+/// `gold` from the rows' own fields (WikiHow's bracketed markers, `[title]`, double
+/// spaces, a capitalized `ctx_b`).
+#[test]
+fn choices_presets_are_their_tasks_settings() {
+    use headroom_trainer::choices::{hellaswag_process_docs, ChoicesPreset, CHOICES_TASKS};
+    let fixture = fixture();
+    let case = |name: &str| {
+        fixture["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap_or_else(|| panic!("no case {name}"))
+            .clone()
+    };
+    let as_fixture = |s: &Setting| match s {
+        Setting::Template(t) => Value::String(t.clone()),
+        Setting::Value(v) => v.clone(),
+    };
+    let mut checked = 0;
+    for (preset, task) in [
+        ("arc_easy", "arc_easy"),
+        ("arc_challenge", "arc_easy"),
+        ("piqa", "piqa"),
+        ("sciq", "sciq"),
+        ("openbookqa", "openbookqa"),
+        ("boolq", "boolq"),
+        ("hellaswag", "hellaswag"),
+        ("mmlu", "mmlu_abstract_algebra"),
+        ("mmlu_abstract_algebra", "mmlu_abstract_algebra"),
+    ] {
+        let p = ChoicesPreset::named(preset).unwrap();
+        let c = case(task);
+        assert_eq!(as_fixture(&p.doc_to_text), c["doc_to_text"], "{preset}");
+        assert_eq!(as_fixture(&p.doc_to_target), c["doc_to_target"], "{preset}");
+        assert_eq!(as_fixture(&p.doc_to_choice), c["doc_to_choice"], "{preset}");
+        checked += 1;
+    }
+    assert_eq!(checked, CHOICES_TASKS.len() + 2);
+    let algebra = ChoicesPreset::named("mmlu_abstract_algebra").unwrap();
+    assert_eq!(
+        algebra.description.as_deref(),
+        Some("The following are multiple choice questions (with answers) about abstract algebra.\n\n")
+    );
+    assert!(ChoicesPreset::named("mmlu_cooking").is_err());
+    assert!(ChoicesPreset::named("gsm8k").is_err());
+
+    let hellaswag = case("hellaswag");
+    let docs = hellaswag["docs"].as_array().unwrap();
+    assert!(docs.len() >= 2);
+    for d in docs {
+        let processed = &d["doc"];
+        let mut row = processed.as_object().unwrap().clone();
+        for key in ["query", "choices", "gold"] {
+            row.remove(key);
+        }
+        let ours = hellaswag_process_docs(&Value::Object(row)).unwrap();
+        for key in ["query", "choices", "gold"] {
+            assert_eq!(ours[key], processed[key], "{key} of {}", processed["ctx"]);
+        }
+    }
+}
