@@ -222,6 +222,20 @@ impl<'a> ParquetFile<'a> {
         &self.fields
     }
 
+    /// The top-level fields that cannot be read, each with why (a MAP column, DECIMAL
+    /// values…): reading them is an [`ParquetError::Unsupported`] error.
+    pub fn unreadable_fields(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for leaf in &self.leaves {
+            if let Some(why) = &leaf.unsupported {
+                if out.last().is_none_or(|(f, _)| *f != leaf.top) {
+                    out.push((leaf.top.clone(), why.clone()));
+                }
+            }
+        }
+        out
+    }
+
     /// The writer the file names (`created_by`), if any.
     pub fn created_by(&self) -> Option<&str> {
         self.meta.created_by.as_deref()
@@ -430,24 +444,15 @@ impl<'a> ParquetFile<'a> {
                         .ok_or_else(|| {
                             ParquetError::Corrupt("levels longer than their page".into())
                         })?;
-                    let mut levels = Bytes::new(&body[..levels_len]);
-                    if leaf.max_rep > 0 {
-                        let raw = levels.take(rep_len)?;
-                        encoding::rle_hybrid(
-                            raw,
-                            encoding::width_of(leaf.max_rep),
-                            n,
-                            &mut column.reps,
-                        )?;
-                    }
-                    if leaf.max_def > 0 {
-                        let raw = levels.take(def_len)?;
-                        encoding::rle_hybrid(
-                            raw,
-                            encoding::width_of(leaf.max_def),
-                            n,
-                            &mut column.defs,
-                        )?;
+                    // v2 levels: the hybrid without a length prefix, never compressed.
+                    let (reps, defs) = body[..levels_len].split_at(rep_len);
+                    for (raw, max, out) in [
+                        (reps, leaf.max_rep, &mut column.reps),
+                        (defs, leaf.max_def, &mut column.defs),
+                    ] {
+                        if max > 0 {
+                            encoding::rle_hybrid(raw, encoding::width_of(max), n, out)?;
+                        }
                     }
                     let rest = &body[levels_len..];
                     let page = if compressed {

@@ -185,9 +185,11 @@ impl Walk<'_> {
 
     /// Every leaf under `node`, each refused with `why` if read.
     fn unreadable(&mut self, node: &Node<'_>, why: &str) -> Result<()> {
-        let before = self
-            .unsupported
-            .replace(format!("{} ({why})", self.path.join(".")));
+        // The outermost unreadable node names the column.
+        let before = self.unsupported.clone();
+        if before.is_none() {
+            self.unsupported = Some(format!("{} ({why})", self.path.join(".")));
+        }
         for child in &node.children {
             self.path.push(child.element.name.clone());
             if child.children.is_empty() {

@@ -132,6 +132,18 @@ fn unsupported_columns_are_refused_by_name_and_the_rest_reads() {
         let column = entry["column"].as_str().unwrap();
         let bytes = std::fs::read(fixtures().join(name)).unwrap();
         let file = ParquetFile::parse(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // A codec is known only from the chunks read; a type from the footer.
+        let unreadable = file.unreadable_fields();
+        if name.contains("brotli") {
+            assert!(unreadable.is_empty(), "{name}: {unreadable:?}");
+        } else {
+            assert_eq!(unreadable.len(), 1, "{name}: {unreadable:?}");
+            assert_eq!(unreadable[0].0, column, "{name}");
+            assert!(
+                unreadable[0].1.starts_with(&format!("{column} (")),
+                "{unreadable:?}"
+            );
+        }
         match file.rows(&ReadOptions::default()) {
             Err(ParquetError::Unsupported(why)) => {
                 assert!(

@@ -1053,6 +1053,25 @@ fn python_tojson(
 }
 
 /// `value` as Python's `json.dumps` writes it, appended to `out`.
+/// Python's `json.dumps(value, ensure_ascii=…, sort_keys=…)` with its default separators
+/// (`", "`, `": "`) and no indent.
+pub(crate) fn python_json_dumps(
+    value: &minijinja::Value,
+    ensure_ascii: bool,
+    sort_keys: bool,
+) -> std::result::Result<String, String> {
+    let layout = JsonLayout {
+        ensure_ascii,
+        indent: None,
+        item_separator: ", ".into(),
+        key_separator: ": ".into(),
+        sort_keys,
+    };
+    let mut out = String::new();
+    write_python_json(value, &layout, 0, &mut out)?;
+    Ok(out)
+}
+
 fn write_python_json(
     value: &minijinja::Value,
     layout: &JsonLayout,

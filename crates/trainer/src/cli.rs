@@ -1207,7 +1207,61 @@ enum DataCommand {
         /// The tokenizer the file was built with (`gpt2`, or a tokenizer.json or its directory).
         #[arg(long)]
         tokenizer: Option<String>,
+        /// With a Parquet file (a Hugging Face split): print its first N rows as the JSON
+        /// lines `eval` and `data build --jsonl` read, to see the fields to name.
+        #[arg(long, value_name = "N")]
+        rows: Option<usize>,
     },
+}
+
+/// `data inspect FILE.parquet`: its writer, rows, row groups and fields (those that cannot be
+/// read with why), and with `--rows N` its first N rows as JSON lines.
+fn inspect_parquet(path: &Path, rows: Option<usize>) -> CliResult {
+    let bytes = crate::bounded::read_file(path, crate::choices::MAX_QUESTIONS_BYTES)
+        .map_err(|why| format!("{}: {why}", path.display()))?;
+    let file = headroom_parquet::ParquetFile::parse(&bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    say!(
+        "{:<13}Parquet ({})",
+        "format",
+        file.created_by().unwrap_or("writer unnamed")
+    );
+    say!(
+        "{:<13}{} in {} row groups",
+        "rows",
+        file.num_rows(),
+        file.num_row_groups()
+    );
+    say!("{:<13}{}", "fields", file.fields().join(", "));
+    for (_, why) in file.unreadable_fields() {
+        say!("{:<13}{why}", "not read");
+    }
+    if let Some(n) = rows {
+        let readable: Vec<String> = file
+            .fields()
+            .iter()
+            .filter(|f| !file.unreadable_fields().iter().any(|(u, _)| u == *f))
+            .cloned()
+            .collect();
+        let options = headroom_parquet::ReadOptions {
+            columns: Some(readable),
+            ..headroom_parquet::ReadOptions::default()
+        };
+        let mut shown = 0;
+        for g in 0..file.num_row_groups() {
+            if shown == n {
+                break;
+            }
+            let group = file
+                .row_group(g, &options)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            for row in group.into_iter().take(n - shown) {
+                say!("{}", serde_json::Value::Object(row));
+                shown += 1;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn model_config(run: &RunArgs, vocab: usize) -> CliResult<ModelConfig> {
@@ -2548,11 +2602,20 @@ fn cmd_data(c: DataCommand) -> CliResult {
             remove_stale_loss_mask(&headroom_mmap_data::formats::token_file_path(&out, format))?;
             say!("{s}");
         }
+        DataCommand::Inspect { path, rows, .. } if crate::tokenize::starts_as_parquet(&path)? => {
+            inspect_parquet(&path, rows)?;
+        }
+        DataCommand::Inspect { rows: Some(_), .. } => {
+            return Err(
+                "--rows: the file is not Parquet (token files show --show N tokens)".into(),
+            );
+        }
         DataCommand::Inspect {
             path,
             dtype,
             show,
             tokenizer,
+            ..
         } => {
             let mut opts = InspectOptions::default();
             if let Some(d) = dtype {

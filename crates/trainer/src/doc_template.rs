@@ -651,67 +651,11 @@ fn python_digit(c: char, decimal_only: bool) -> bool {
 /// Jinja2's `tojson`: Python's `json.dumps(value, sort_keys=True)` (ASCII only, `", "` and
 /// `": "` between items) with `<`, `>`, `&` and `'` escaped for HTML.
 fn html_safe_json(value: &Value) -> Result<String, String> {
-    let json = serde_json::to_value(value).map_err(|e| e.to_string())?;
-    let mut out = String::new();
-    python_json(&json, &mut out);
-    Ok(out
+    Ok(crate::chat_template::python_json_dumps(value, true, true)?
         .replace('<', "\\u003c")
         .replace('>', "\\u003e")
         .replace('&', "\\u0026")
         .replace('\'', "\\u0027"))
-}
-
-fn python_json(v: &Json, out: &mut String) {
-    match v {
-        Json::Null => out.push_str("null"),
-        Json::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Json::Number(n) if n.is_f64() => out.push_str(&python_float(n.as_f64().unwrap_or(0.0))),
-        Json::Number(n) => out.push_str(&n.to_string()),
-        Json::String(s) => {
-            out.push('"');
-            for c in s.chars() {
-                match c {
-                    '"' => out.push_str("\\\""),
-                    '\\' => out.push_str("\\\\"),
-                    '\n' => out.push_str("\\n"),
-                    '\r' => out.push_str("\\r"),
-                    '\t' => out.push_str("\\t"),
-                    '\u{8}' => out.push_str("\\b"),
-                    '\u{c}' => out.push_str("\\f"),
-                    c if (c as u32) < 0x20 || !c.is_ascii() => {
-                        let mut units = [0u16; 2];
-                        for unit in c.encode_utf16(&mut units) {
-                            out.push_str(&format!("\\u{unit:04x}"));
-                        }
-                    }
-                    c => out.push(c),
-                }
-            }
-            out.push('"');
-        }
-        Json::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                python_json(item, out);
-            }
-            out.push(']');
-        }
-        Json::Object(map) => {
-            out.push('{');
-            for (i, (k, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                python_json(&Json::String(k.clone()), out);
-                out.push_str(": ");
-                python_json(item, out);
-            }
-            out.push('}');
-        }
-    }
 }
 
 /// `.index()` on lists and strings (Python's, an error when absent), Python's string

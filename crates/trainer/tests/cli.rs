@@ -1462,6 +1462,57 @@ fn jsonl_build_reads_a_parquet_split_as_its_rows() {
     );
 }
 
+/// `data inspect` of a Parquet file names its writer, rows, row groups and fields (those it
+/// cannot read with why), and `--rows N` prints its first rows as the JSON lines the readers
+/// see, across row groups; `--rows` of a token file is refused.
+#[test]
+fn inspect_shows_a_parquet_files_fields_and_rows() {
+    let fixtures =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../parquet/tests/fixtures");
+    let map = fixtures.join("unsupported_map.parquet");
+    let o = headroom(&["data", "inspect", map.to_str().unwrap(), "--rows", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for needle in [
+        "rows         12 in 1 row groups",
+        "fields       id, scores",
+        "not read     scores (a MAP column)",
+        "{\"id\":0}\n{\"id\":1}\n",
+    ] {
+        assert!(out.contains(needle), "{needle:?} in {out}");
+    }
+    let fineweb = fixtures.join("fineweb_like.parquet");
+    let o = headroom(&["data", "inspect", fineweb.to_str().unwrap(), "--rows", "12"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("30 in 3 row groups"), "{out}");
+    let want: Vec<serde_json::Value> = std::fs::read_to_string(fixtures.join("fineweb_like.jsonl"))
+        .unwrap()
+        .lines()
+        .take(12)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let shown: Vec<serde_json::Value> = out
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(shown, want);
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("t.bin");
+    let o = headroom(&[
+        "data",
+        "synth",
+        "--tokens",
+        "1000",
+        tokens.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = headroom(&["data", "inspect", tokens.to_str().unwrap(), "--rows", "2"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("not Parquet"), "{}", stderr(&o));
+}
+
 /// A Parquet corpus without `--jsonl` is one document a row, read from `text` or
 /// `--dataset-text-field`; a separator, or no tokenizer, is refused with the reason.
 #[test]
