@@ -1087,6 +1087,41 @@ def hellaswag_docs():
     return [dict(d) for d in process_docs(datasets.Dataset.from_list(HELLASWAG_RAW))]
 
 
+# WikiText pages (EleutherAI/wikitext_document_level's `page`) that meet every rule of
+# lm-eval's wikitext_detokenizer: @-@ @,@ @.@ separators, spaced punctuation, brackets and
+# quotes with inner spaces, `= = =` headings, " N ", " 's", "s '", the degree sign, spaces
+# around newlines, and text none of it touches.
+WIKITEXT_PAGES = [
+    " = Valkyria Chronicles III = \n \n Senjō no Valkyria 3 : Unrecorded Chronicles ( Japanese : 戦場のヴァルキュリア3 , lit . Valkyria of the Battlefield 3 ) , commonly referred to as Valkyria Chronicles III outside Japan , is a tactical role @-@ playing video game . \n \n = = Gameplay = = \n \n The game 's battle system , the BliTZ system , is carried over directly from Valkyria Chronicles . \n",
+    " = = = Reception = = = \n It sold 1 @,@ 024 @,@ 000 copies at 3 @.@ 5 % of N units ; critics ' scores were \" mixed \" and [ 12 ] reviews { braces } said ' fine ' ! Was it ? Yes . \n The temperature was 30 ° C. Players ' guide /' 5/ notes . \n",
+    "= = = = Deep heading = = = =\n No rule touches this line , except the comma .\n\n\n",
+    "plain text with no tokenized spacing at all",
+    " ( nested ( inner ) text ) and \" a quote \" then ' single ' and a lone ' apostrophe",
+]
+
+
+def wikitext_cases():
+    """lm-eval's wikitext_detokenizer on each page, and what its process_results counts: the
+    words and UTF-8 bytes of the page before detokenization."""
+    import re
+    from pathlib import Path
+
+    from lm_eval.tasks._yaml_loader import _import_func_in_yml
+
+    detokenize = _import_func_in_yml(
+        "preprocess_wikitext.wikitext_detokenizer", Path(tasks_dir()) / "wikitext"
+    )
+    return [
+        {
+            "page": page,
+            "detokenized": detokenize({"page": page}),
+            "words": len(re.split(r"\s+", page)),
+            "bytes": len(page.encode("utf-8")),
+        }
+        for page in WIKITEXT_PAGES
+    ]
+
+
 def make():
     import importlib.metadata
 
@@ -1099,6 +1134,7 @@ def make():
         "jinja2": jinja2.__version__,
         "skipped": [],
         "cases": [],
+        "wikitext": wikitext_cases(),
     }
     for name, rel_path, why, docs in REAL_TASKS:
         cfg = load_task_config(rel_path)
@@ -1182,6 +1218,9 @@ def dumps(fixture):
         docs = ",\n".join("    " + one(d) for d in case["docs"])
         cases.append("  {\n" + ",\n".join(fields) + ',\n   "docs": [\n' + docs + "\n   ]\n  }")
     lines.append(",\n".join(cases))
+    lines.append(" ],")
+    lines.append(' "wikitext": [')
+    lines.append(",\n".join("  " + one(w) for w in fixture["wikitext"]))
     lines.append(" ]")
     lines.append("}")
     text = "\n".join(lines) + "\n"

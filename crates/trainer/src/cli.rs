@@ -164,6 +164,7 @@ struct MergeArgs {
 #[derive(Args)]
 #[command(group(clap::ArgGroup::new("prompted").args(["choices", "generate"])))]
 #[command(group(clap::ArgGroup::new("templated").args(["choices", "generate", "completions"]).multiple(true)))]
+#[command(group(clap::ArgGroup::new("with_presets").args(["choices", "generate", "documents"]).multiple(true)))]
 struct EvalArgs {
     /// A headroom run or checkpoint directory, or a Hugging Face model directory.
     #[arg(long, value_name = "DIR")]
@@ -243,7 +244,11 @@ struct EvalArgs {
     /// doc_to_target read the documents that are its dataset's own rows (GSM8K's `question`
     /// and `answer`, WMT's `translation`; not GPQA's, which lm-eval makes in Python), and
     /// leave those with a `context` as they are.
-    #[arg(long, value_name = "TASK", requires = "prompted")]
+    ///
+    /// With --documents: `wikitext` (lm-eval's, on `EleutherAI/wikitext_document_level`'s
+    /// rows: each `page` detokenized as its `wikitext_detokenizer` does and scored, its
+    /// words and bytes counted before, as its `process_results` counts them).
+    #[arg(long, value_name = "TASK", requires = "with_presets")]
     preset: Option<String>,
     /// With --generate: a stop string (lm-eval's `until`; repeat for several) [default:
     /// --fewshot-delimiter, as lm-eval's default]. The tokenizer's end-of-sequence text is
@@ -3089,11 +3094,24 @@ fn cmd_eval_completions(a: &EvalArgs, path: &Path) -> CliResult {
 /// `eval --documents`: the documents read before the model loads, a line per metric, and
 /// with `--samples` each document's log-likelihood as it is done.
 fn cmd_eval_documents(a: &EvalArgs, path: &Path) -> CliResult {
-    let documents = crate::rolling::read_documents(path)?;
+    let documents: Vec<(String, String)> = match a.preset.as_deref() {
+        None => crate::rolling::read_documents(path)?
+            .into_iter()
+            .map(|text| (text.clone(), text))
+            .collect(),
+        Some("wikitext") => crate::rolling::read_wikitext(path)?,
+        Some(other) => {
+            return Err(format!("no --documents preset {other:?} (there is wikitext)").into())
+        }
+    };
+    let documents: Vec<(&str, &str)> = documents
+        .iter()
+        .map(|(text, counted)| (text.as_str(), counted.as_str()))
+        .collect();
     let (tok, model, tracker) = scoring_model(a, "--documents")?;
     let mut samples = samples_file(a)?;
     let started = std::time::Instant::now();
-    let report = crate::rolling::evaluate(&model, &tok, &documents, |i, ll| {
+    let report = crate::rolling::evaluate_counting(&model, &tok, &documents, |i, ll| {
         let Some(samples) = samples.as_mut() else {
             return Ok(());
         };

@@ -28,6 +28,12 @@
 //! counted as Python's `len(re.split(r"\s+", text))` and bytes as UTF-8. `tests/choices.rs`
 //! checks documents, windows and metrics against lm-eval 0.4.13.
 //!
+//! WikiText's own rows (a `page` each) are read as lm-eval's `wikitext` task reads them
+//! ([`read_wikitext`]): each page detokenized by its `wikitext_detokenizer` and scored, its
+//! words and bytes counted on the page as written ([`evaluate_counting`]);
+//! `tests/doc_templates.rs` checks the detokenizer against lm-eval's on pages meeting each of
+//! its rules.
+//!
 //! One difference: a document of empty text is an error (lm-eval scores it as no tokens and
 //! one word).
 
@@ -54,6 +60,89 @@ pub fn read_documents(path: &Path) -> Result<Vec<String>> {
             None => Err("no \"text\"".into()),
         }
     })
+}
+
+/// WikiText's documents (`EleutherAI/wikitext_document_level`'s rows, a `page` each; JSONL or
+/// Parquet) as lm-eval's `wikitext` task reads them: each `(detokenized, page)`, the first
+/// scored ([`wikitext_detokenize`]), the second counted (its `process_results` counts the
+/// page's words and bytes before detokenization).
+pub fn read_wikitext(path: &Path) -> Result<Vec<(String, String)>> {
+    crate::choices::read_jsonl(path, MAX_DOCUMENTS_BYTES, "pages", |line| {
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+        match value.get("page") {
+            Some(serde_json::Value::String(page)) => {
+                let text = wikitext_detokenize(page).map_err(|e| e.to_string())?;
+                if text.is_empty() {
+                    return Err("\"page\" is empty".into());
+                }
+                Ok((text, page.clone()))
+            }
+            Some(_) => Err("\"page\" is not text".into()),
+            None => Err("no \"page\" (WikiText's documents have one)".into()),
+        }
+    })
+}
+
+/// lm-eval's `wikitext_detokenizer` (`tasks/wikitext/preprocess_wikitext.py`), rule for rule
+/// in its order: contractions, the `@-@`/`@,@`/`@.@` number separators, spaced punctuation,
+/// the insides of brackets and quotes, `= =` headings, the degree sign, spaces around
+/// newlines, ` N ` and ` 's`. Its regexes run as Python's `re.sub` runs them (the second
+/// rule's replacement is the literal `/'[0-9]/`, as there).
+pub fn wikitext_detokenize(page: &str) -> Result<String> {
+    use crate::generation::PyRegex;
+    enum Rule {
+        Replace(&'static str, &'static str),
+        Sub(&'static str, &'static str),
+    }
+    use Rule::{Replace, Sub};
+    const RULES: [Rule; 24] = [
+        Replace("s '", "s'"),
+        Sub(r"/' [0-9]/", r"/'[0-9]/"),
+        Replace(" @-@ ", "-"),
+        Replace(" @,@ ", ","),
+        Replace(" @.@ ", "."),
+        Replace(" : ", ": "),
+        Replace(" ; ", "; "),
+        Replace(" . ", ". "),
+        Replace(" ! ", "! "),
+        Replace(" ? ", "? "),
+        Replace(" , ", ", "),
+        Sub(r"\(\s*([^\)]*?)\s*\)", r"(\1)"),
+        Sub(r"\[\s*([^\]]*?)\s*\]", r"[\1]"),
+        Sub(r"{\s*([^}]*?)\s*}", r"{\1}"),
+        Sub(r#"\"\s*([^\"]*?)\s*\""#, r#""\1""#),
+        Sub(r"'\s*([^']*?)\s*'", r"'\1'"),
+        Replace("= = = =", "===="),
+        Replace("= = =", "==="),
+        Replace("= =", "=="),
+        Replace(" \u{b0} ", "\u{b0}"),
+        Replace(" \n", "\n"),
+        Replace("\n ", "\n"),
+        Replace(" N ", " 1 "),
+        Replace(" 's", "'s"),
+    ];
+    static COMPILED: std::sync::OnceLock<Vec<Option<PyRegex>>> = std::sync::OnceLock::new();
+    let compiled = COMPILED.get_or_init(|| {
+        RULES
+            .iter()
+            .map(|r| match r {
+                Sub(pattern, _) => {
+                    Some(PyRegex::new(pattern).expect("the detokenizer's regexes compile"))
+                }
+                Replace(..) => None,
+            })
+            .collect()
+    });
+    let mut text = page.to_owned();
+    for (rule, regex) in RULES.iter().zip(compiled) {
+        text = match (rule, regex) {
+            (Replace(from, to), _) => text.replace(from, to),
+            (Sub(_, repl), Some(regex)) => regex.sub(&text, repl, 0)?,
+            (Sub(..), None) => unreachable!("compiled above"),
+        };
+    }
+    Ok(text)
 }
 
 /// Python's `len(re.split(r"\s+", text))`: one more than the runs of whitespace (so a
@@ -129,6 +218,19 @@ pub fn evaluate<B: ModelOps>(
     model: &Model<B>,
     tok: &Tokenizer,
     documents: &[String],
+    each: impl FnMut(usize, f64) -> Result<()>,
+) -> Result<RollingReport> {
+    let pairs: Vec<(&str, &str)> = documents.iter().map(|d| (d.as_str(), d.as_str())).collect();
+    evaluate_counting(model, tok, &pairs, each)
+}
+
+/// [`evaluate`] of `(scored, counted)` pairs: each document's log-likelihood is the scored
+/// text's, its words and bytes the counted text's (WikiText's: lm-eval scores the
+/// detokenized page and counts the page as it was, [`read_wikitext`]).
+pub fn evaluate_counting<B: ModelOps>(
+    model: &Model<B>,
+    tok: &Tokenizer,
+    documents: &[(&str, &str)],
     mut each: impl FnMut(usize, f64) -> Result<()>,
 ) -> Result<RollingReport> {
     if documents.is_empty() {
@@ -140,7 +242,7 @@ pub fn evaluate<B: ModelOps>(
         )
     })?;
     let (mut words, mut bytes, mut tokens, mut total) = (0u64, 0u64, 0u64, 0.0f64);
-    for (i, text) in documents.iter().enumerate() {
+    for (i, &(text, counted)) in documents.iter().enumerate() {
         // lm-eval's `tok_encode`: the tokenizer's special tokens unless the text starts with
         // the prefix token's text.
         let ids = if text.starts_with(prefix.text.as_str()) {
@@ -155,8 +257,8 @@ pub fn evaluate<B: ModelOps>(
             .map(|s| s.loglikelihood)
             .sum();
         each(i, ll)?;
-        words += count_words(text) as u64;
-        bytes += text.len() as u64;
+        words += count_words(counted) as u64;
+        bytes += counted.len() as u64;
         tokens += ids.len() as u64;
         total += ll;
     }

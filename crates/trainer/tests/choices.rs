@@ -991,3 +991,76 @@ fn a_datasets_rows_under_its_templates_score_as_converted_questions() {
         "{err}"
     );
 }
+
+/// `--documents --preset wikitext` reads WikiText's own rows (`page`), scores each page
+/// detokenized (the same log-likelihoods as the detokenized texts given as `text`), and counts
+/// the pages' words and bytes before detokenization, as lm-eval's `wikitext` task does.
+#[test]
+fn wikitext_pages_are_scored_detokenized_and_counted_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("doc_templates.json")).unwrap(),
+    )
+    .unwrap();
+    let (mut pages, mut texts) = (String::new(), String::new());
+    let (mut words, mut bytes) = (0, 0);
+    for p in fixture["wikitext"].as_array().unwrap() {
+        pages += &serde_json::json!({"page": p["page"], "title": "ignored"}).to_string();
+        pages.push('\n');
+        texts += &serde_json::json!({"text": p["detokenized"]}).to_string();
+        texts.push('\n');
+        words += p["words"].as_u64().unwrap();
+        bytes += p["bytes"].as_u64().unwrap();
+    }
+    let (pages_file, texts_file) = (
+        dir.path().join("pages.jsonl"),
+        dir.path().join("texts.jsonl"),
+    );
+    std::fs::write(&pages_file, pages).unwrap();
+    std::fs::write(&texts_file, texts).unwrap();
+    let run = |file: &std::path::Path, extra: &[&str], samples: &str| {
+        let samples = dir.path().join(samples);
+        let mut args = vec![
+            "--documents",
+            file.to_str().unwrap(),
+            "--samples",
+            samples.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let o = eval_llama("llama", &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            std::fs::read_to_string(samples).unwrap(),
+        )
+    };
+    let (out, scored) = run(&pages_file, &["--preset", "wikitext"], "pages.jsonl");
+    let (_, scored_texts) = run(&texts_file, &[], "texts.jsonl");
+    assert_eq!(scored, scored_texts);
+    assert!(
+        out.contains(&format!("5 documents, {words} words, {bytes} bytes")),
+        "{out}"
+    );
+    let o = eval_llama(
+        "llama",
+        &[
+            "--documents",
+            texts_file.to_str().unwrap(),
+            "--preset",
+            "wikitext",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("line 1: no \"page\""));
+    let o = eval_llama(
+        "llama",
+        &[
+            "--documents",
+            pages_file.to_str().unwrap(),
+            "--preset",
+            "pile",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("there is wikitext"));
+}

@@ -220,3 +220,23 @@ fn choices_presets_are_their_tasks_settings() {
         }
     }
 }
+
+/// lm-eval's `wikitext_detokenizer` on pages meeting each of its rules, and the words and
+/// bytes its `process_results` counts on the page before it.
+#[test]
+fn wikitext_pages_detokenize_as_lm_eval_does() {
+    use headroom_trainer::rolling::{count_words, wikitext_detokenize};
+    let fixture = fixture();
+    let pages = fixture["wikitext"].as_array().unwrap();
+    assert!(pages.len() >= 5);
+    for p in pages {
+        let page = p["page"].as_str().unwrap();
+        assert_eq!(
+            wikitext_detokenize(page).unwrap(),
+            p["detokenized"].as_str().unwrap(),
+            "{page:?}"
+        );
+        assert_eq!(count_words(page) as u64, p["words"].as_u64().unwrap());
+        assert_eq!(page.len() as u64, p["bytes"].as_u64().unwrap());
+    }
+}
