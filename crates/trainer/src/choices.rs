@@ -327,14 +327,16 @@ pub struct ChoicesPreset {
 }
 
 /// The multiple-choice presets besides MMLU's (`mmlu` and `mmlu_<subject>`).
-pub const CHOICES_TASKS: [&str; 7] = [
+pub const CHOICES_TASKS: [&str; 9] = [
     "arc_easy",
     "arc_challenge",
     "boolq",
+    "commonsense_qa",
     "hellaswag",
     "openbookqa",
     "piqa",
     "sciq",
+    "social_iqa",
 ];
 
 impl ChoicesPreset {
@@ -345,6 +347,9 @@ impl ChoicesPreset {
     /// - `piqa`: `goal`, `[sol1, sol2]`, `label`; `sciq`: the `support` and the question,
     ///   the three distractors and then the correct answer (the target is 3);
     /// - `boolq` (`super_glue`): the passage and the question, `no`/`yes`, `label`;
+    /// - `commonsense_qa`: the question and five lettered choices, the letters, `answerKey`;
+    ///   `social_iqa`: the context and the question, `[answerA, answerB, answerC]`, the
+    ///   string `label` less one;
     /// - `hellaswag`: its `process_docs` ([`hellaswag_process_docs`]), then `query`,
     ///   `choices` and `label`;
     /// - `mmlu` and `mmlu_<subject>` (57 subjects; the subject's description): the question
@@ -415,6 +420,18 @@ impl ChoicesPreset {
                 "{{passage}}\nQuestion: {{question}}?\nAnswer:",
                 text("label"),
                 letters(&["no", "yes"]),
+            ),
+            "commonsense_qa" => preset(
+                "Question: {{ question.strip() }}\nA. {{choices['text'][0]}}\nB. \
+                 {{choices['text'][1]}}\nC. {{choices['text'][2]}}\nD. {{choices['text'][3]}}\nE. \
+                 {{choices['text'][4]}}\nAnswer:",
+                text("answerKey"),
+                letters(&["A", "B", "C", "D", "E"]),
+            ),
+            "social_iqa" => preset(
+                "Q: {{context}} {{question}}\nA:",
+                text("{{ (label|int) - 1 }}"),
+                text("{{[answerA, answerB, answerC]}}"),
             ),
             "hellaswag" => ChoicesPreset {
                 process_docs: Some(hellaswag_process_docs),

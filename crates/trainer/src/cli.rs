@@ -224,8 +224,8 @@ struct EvalArgs {
     doc_to_choice: Option<String>,
     /// With --choices: a multiple-choice task's settings as lm-eval's YAML writes them, so
     /// that the questions can be its dataset's own rows (a Hugging Face split, as Parquet or
-    /// JSONL): `arc_easy`, `arc_challenge`, `boolq`, `hellaswag` (with its preprocessing),
-    /// `openbookqa`, `piqa`, `sciq`, `mmlu` or `mmlu_<subject>` (with the subject's
+    /// JSONL): `arc_easy`, `arc_challenge`, `boolq`, `commonsense_qa`, `hellaswag` (with its
+    /// preprocessing), `openbookqa`, `piqa`, `sciq`, `social_iqa`, `mmlu` or `mmlu_<subject>` (with the subject's
     /// description and first-n examples: give the dev split as --fewshot-file).
     ///
     /// With --generate: a task's settings as lm-eval's YAML writes them: `gsm8k` (its stop
@@ -3244,7 +3244,7 @@ fn doc_templates(
     Ok(Some(if given {
         templates
     } else {
-        templates.only_for_rows_without_context()
+        templates.only_for_dataset_rows()
     }))
 }
 

@@ -210,15 +210,18 @@ impl DocTemplates {
         }
     }
 
-    /// These settings for a dataset's own rows only: a document that already has a
-    /// `context` (headroom's shape) is read as it is.
-    pub fn only_for_rows_without_context(mut self) -> DocTemplates {
+    /// These settings for a dataset's own rows only: a document already in headroom's shape
+    /// (a question's `gold`; a generation document's `context` and `target`) is read as it is.
+    pub fn only_for_dataset_rows(mut self) -> DocTemplates {
         self.rows_only = true;
         self
     }
 
-    fn passes_through(&self, doc: &Json) -> bool {
-        self.rows_only && doc.get("context").is_some()
+    /// Whether `doc` is read as it is: with settings for rows only, a document already in
+    /// headroom's shape: a question with its `gold`, a generation document with its `context`
+    /// and `target` (a dataset's row may well have a `context` of its own, SocialIQA's).
+    fn passes_through(&self, doc: &Json, shape: &[&str]) -> bool {
+        self.rows_only && shape.iter().all(|key| doc.get(key).is_some())
     }
 
     fn render(&self, template: &str, doc: &Json, name: &str) -> Result<String, String> {
@@ -312,7 +315,7 @@ impl DocTemplates {
     /// question out of its own few-shot examples). Settings left unset keep the document's
     /// own `context`, `choices` and `gold`.
     pub fn question_line(&self, doc: &Json) -> Result<Json, String> {
-        if self.passes_through(doc) {
+        if self.passes_through(doc, &["gold"]) {
             return Ok(doc.clone());
         }
         let doc = &self.processed(doc)?;
@@ -379,7 +382,7 @@ impl DocTemplates {
     /// filter such as `multi_choice_regex` reads the document's other fields, as lm-eval's
     /// read the dataset's row).
     pub fn generation_line(&self, doc: &Json) -> Result<Json, String> {
-        if self.passes_through(doc) {
+        if self.passes_through(doc, &["context", "target"]) {
             return Ok(doc.clone());
         }
         let doc = &self.processed(doc)?;

@@ -185,6 +185,8 @@ fn choices_presets_are_their_tasks_settings() {
         ("sciq", "sciq"),
         ("openbookqa", "openbookqa"),
         ("boolq", "boolq"),
+        ("commonsense_qa", "commonsense_qa"),
+        ("social_iqa", "social_iqa"),
         ("hellaswag", "hellaswag"),
         ("mmlu", "mmlu_abstract_algebra"),
         ("mmlu_abstract_algebra", "mmlu_abstract_algebra"),
@@ -239,4 +241,30 @@ fn wikitext_pages_detokenize_as_lm_eval_does() {
         assert_eq!(count_words(page) as u64, p["words"].as_u64().unwrap());
         assert_eq!(page.len() as u64, p["bytes"].as_u64().unwrap());
     }
+}
+
+/// A task's own settings read its dataset's rows, even one with a `context` field of its own
+/// (SocialIQA's), and leave documents already in headroom's shape as they are.
+#[test]
+fn preset_settings_read_rows_and_pass_headroom_documents() {
+    use headroom_trainer::choices::ChoicesPreset;
+    let p = ChoicesPreset::named("social_iqa").unwrap();
+    let templates = DocTemplates::new(
+        Some(p.doc_to_text),
+        Some(p.doc_to_target),
+        Some(p.doc_to_choice),
+    )
+    .unwrap()
+    .only_for_dataset_rows();
+    let row = json!({"context": "Tracy went to the shop.", "question": "Why?", "answerA": "milk",
+        "answerB": "sleep", "answerC": "nothing", "label": "1"});
+    let line = templates.question_line(&row).unwrap();
+    assert_eq!(line["context"], "Q: Tracy went to the shop. Why?\nA:");
+    assert_eq!(line["choices"], json!(["milk", "sleep", "nothing"]));
+    assert_eq!(line["gold"], 0);
+    let shaped = json!({"context": "2 + 2 =", "choices": ["4", "5"], "gold": 0});
+    assert_eq!(templates.question_line(&shaped).unwrap(), shaped);
+    // Settings the user gives read every document.
+    let given = DocTemplates::new(Some("{{question}}".into()), None, None).unwrap();
+    assert!(given.question_line(&shaped).is_err());
 }
