@@ -28,7 +28,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         None => None,
     };
-    let path = args.first().ok_or("usage: read_rows FILE [COLUMN…] [--first N]")?;
+    let path = args
+        .first()
+        .ok_or("usage: read_rows FILE [COLUMN…] [--first N]")?;
     let bytes = std::fs::read(path)?;
     let file = ParquetFile::parse(&bytes)?;
     let options = ReadOptions {
