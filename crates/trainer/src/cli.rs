@@ -1101,8 +1101,10 @@ enum DataCommand {
     },
     /// Tokenise a text file into a token file: one token per byte, or GPT-2's BPE or a
     /// Hugging Face tokenizer.json (`--tokenizer`). With `--tokenizer`, the input may be a
-    /// Parquet file (a Hugging Face corpus such as FineWeb): each row's `text` (or
-    /// `--dataset-text-field`) is one document, ended by the end-of-text token.
+    /// corpus of records: a Parquet file (FineWeb as Hugging Face publishes it) or JSON lines
+    /// (`.jsonl`, or gzip- or zstd-compressed: Dolma's `.json.gz`, DCLM's `.jsonl.zst`), each
+    /// record's `text` (or `--dataset-text-field`) one document, ended by the end-of-text
+    /// token.
     Build {
         /// Input text.
         input: PathBuf,
@@ -1149,9 +1151,9 @@ enum DataCommand {
         )]
         truncation_mode: String,
         /// With `--jsonl`: the key of a language-modelling line's text, in place of `text`
-        /// (TRL's `dataset_text_field`, such as `content` of code datasets). With a Parquet
-        /// input and no `--jsonl`: the column each row's document is read from (default
-        /// `text`, FineWeb's).
+        /// (TRL's `dataset_text_field`, such as `content` of code datasets). With a Parquet or
+        /// JSONL corpus and no `--jsonl`: the field each record's document is read from
+        /// (default `text`, FineWeb's and Dolma's); naming one reads any file as JSON lines.
         #[arg(long, value_name = "KEY")]
         dataset_text_field: Option<String>,
         /// With `--jsonl`: the token that ends each example, in place of the tokenizer's
@@ -2549,21 +2551,20 @@ fn cmd_data(c: DataCommand) -> CliResult {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
             let start = std::time::Instant::now();
-            let r = if crate::tokenize::starts_as_parquet(&input)? {
-                if separator.is_some() {
-                    return Err("--separator: a Parquet file's rows are its documents".into());
-                }
-                let field = dataset_text_field.as_deref().unwrap_or("text");
-                crate::tokenize::build_from_parquet(&input, &tok, format, field, &out, !quiet)?
+            use crate::tokenize::CorpusKind;
+            let kind = CorpusKind::of(&input, dataset_text_field.is_some())?;
+            let r = if kind == CorpusKind::Text {
+                crate::tokenize::build(&input, &tok, format, separator.as_deref(), &out, !quiet)?
             } else {
-                if dataset_text_field.is_some() {
+                if separator.is_some() {
                     return Err(
-                        "--dataset-text-field needs --jsonl or a Parquet input: a text file has \
-                         no fields"
-                            .into(),
+                        "--separator: a Parquet or JSONL corpus's records are its documents".into(),
                     );
                 }
-                crate::tokenize::build(&input, &tok, format, separator.as_deref(), &out, !quiet)?
+                let field = dataset_text_field.as_deref().unwrap_or("text");
+                crate::tokenize::build_from_records(
+                    &input, kind, &tok, format, field, &out, !quiet,
+                )?
             };
             let secs = start.elapsed().as_secs_f64();
             // The rows of the byte-level build's summary, and the text and speed.
@@ -2593,10 +2594,11 @@ fn cmd_data(c: DataCommand) -> CliResult {
             dataset_text_field,
             ..
         } => {
-            if crate::tokenize::starts_as_parquet(&input)? || dataset_text_field.is_some() {
+            let kind = crate::tokenize::CorpusKind::of(&input, dataset_text_field.is_some())?;
+            if kind != crate::tokenize::CorpusKind::Text {
                 return Err(
-                    "a Parquet input (or --dataset-text-field) needs --tokenizer: \
-                            one token per byte reads a text file"
+                    "a Parquet or JSONL corpus needs --tokenizer: one token per byte \
+                            reads a text file"
                         .into(),
                 );
             }

@@ -767,14 +767,175 @@ pub fn build(
     })
 }
 
-/// Tokenize the text column `text_field` of the Parquet file `input` (a pretraining corpus
-/// such as FineWeb, as Hugging Face publishes it) into `out` in `format`: each row is one
-/// document, ended by the end-of-text token (nanoGPT's and llm.c's `fineweb.py` put the same
-/// token between documents). Only that column is decoded, a row group at a time, with the
-/// documents of a group encoded in parallel and written in order. A row whose text is null
-/// or missing is an error naming it.
-pub fn build_from_parquet(
+/// What a `data build` input is, by its first bytes and its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CorpusKind {
+    /// Text, tokenized as it is ([`build`]).
+    Text,
+    /// A Parquet file (`PAR1`): each row's text field a document.
+    Parquet,
+    /// JSON lines (`.jsonl`, `.json`, `.ndjson`, or gzip- or zstd-compressed, known by their
+    /// magic bytes: Dolma's `.json.gz`, the Pile's and DCLM's `.jsonl.zst`): each line's
+    /// text field a document.
+    Jsonl(Compression),
+}
+
+/// How a JSONL corpus is compressed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    /// Not.
+    None,
+    /// gzip (`1f 8b`).
+    Gzip,
+    /// Zstandard (`28 b5 2f fd`).
+    Zstd,
+}
+
+impl CorpusKind {
+    /// The kind of the file `input`: Parquet, gzip and zstd by their magic bytes, JSONL by
+    /// its extension or when `fields` (a text field was named), else text.
+    pub fn of(input: &Path, fields: bool) -> Result<CorpusKind> {
+        use std::io::Read;
+        let mut head = [0u8; 4];
+        let mut file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
+        let n = file
+            .read(&mut head)
+            .map_err(|e| err(input, e.to_string()))?;
+        let head = &head[..n];
+        if head == b"PAR1" {
+            return Ok(CorpusKind::Parquet);
+        }
+        if head.starts_with(&[0x1f, 0x8b]) {
+            return Ok(CorpusKind::Jsonl(Compression::Gzip));
+        }
+        if head == [0x28, 0xb5, 0x2f, 0xfd] {
+            return Ok(CorpusKind::Jsonl(Compression::Zstd));
+        }
+        let jsonl = input
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| matches!(e, "jsonl" | "json" | "ndjson"));
+        Ok(if jsonl || fields {
+            CorpusKind::Jsonl(Compression::None)
+        } else {
+            CorpusKind::Text
+        })
+    }
+}
+
+/// The longest JSON line a corpus may hold (a document of 256 MiB): a file without newlines,
+/// or a decompression bomb, stops there instead of filling memory.
+const MAX_CORPUS_LINE_BYTES: u64 = 1 << 28;
+
+/// The documents a batch of a corpus holds at most, and its text's bytes at most.
+const CORPUS_BATCH_DOCUMENTS: usize = 4096;
+const CORPUS_BATCH_BYTES: usize = 64 << 20;
+
+/// A Parquet row's or JSON line's fields.
+type Record = serde_json::Map<String, serde_json::Value>;
+
+/// A corpus read in batches of `(number, record)`: a Parquet file a row group at a time (only
+/// the text column decoded), or JSON lines streamed through their decompressor.
+enum Corpus<'a> {
+    Parquet {
+        file: headroom_parquet::ParquetFile<'a>,
+        options: headroom_parquet::ReadOptions,
+        next_group: usize,
+        number: u64,
+    },
+    Jsonl {
+        lines: Box<dyn std::io::BufRead + 'a>,
+        number: u64,
+    },
+}
+
+impl Corpus<'_> {
+    /// What an error's number counts.
+    fn unit(&self) -> &'static str {
+        match self {
+            Corpus::Parquet { .. } => "row",
+            Corpus::Jsonl { .. } => "line",
+        }
+    }
+
+    /// The next batch of records (a line's or row's JSON object), numbered; `None` at the end.
+    fn next_batch(&mut self, input: &Path) -> Result<Option<Vec<(u64, Record)>>> {
+        match self {
+            Corpus::Parquet {
+                file,
+                options,
+                next_group,
+                number,
+            } => {
+                if *next_group == file.num_row_groups() {
+                    return Ok(None);
+                }
+                let rows = file
+                    .row_group(*next_group, options)
+                    .map_err(|e| err(input, e.to_string()))?;
+                *next_group += 1;
+                Ok(Some(
+                    rows.into_iter()
+                        .map(|row| {
+                            *number += 1;
+                            (*number, row)
+                        })
+                        .collect(),
+                ))
+            }
+            Corpus::Jsonl { lines, number } => {
+                use std::io::{BufRead, Read};
+                let mut batch = Vec::new();
+                let mut bytes = 0;
+                let mut line = Vec::new();
+                while batch.len() < CORPUS_BATCH_DOCUMENTS && bytes < CORPUS_BATCH_BYTES {
+                    line.clear();
+                    let n = lines
+                        .by_ref()
+                        .take(MAX_CORPUS_LINE_BYTES + 1)
+                        .read_until(b'\n', &mut line)
+                        .map_err(|e| err(input, format!("line {}: {e}", *number + 1)))?;
+                    if n == 0 {
+                        break;
+                    }
+                    *number += 1;
+                    if n as u64 > MAX_CORPUS_LINE_BYTES {
+                        return Err(err(
+                            input,
+                            format!("line {number}: longer than {MAX_CORPUS_LINE_BYTES} bytes"),
+                        ));
+                    }
+                    let text = std::str::from_utf8(&line)
+                        .map_err(|e| err(input, format!("line {number}: not UTF-8: {e}")))?;
+                    if text.trim().is_empty() {
+                        continue;
+                    }
+                    let record = match serde_json::from_str(text) {
+                        Ok(serde_json::Value::Object(map)) => map,
+                        Ok(_) => {
+                            return Err(err(input, format!("line {number}: not a JSON object")))
+                        }
+                        Err(e) => return Err(err(input, format!("line {number}: not JSON: {e}"))),
+                    };
+                    bytes += n;
+                    batch.push((*number, record));
+                }
+                Ok((!batch.is_empty()).then_some(batch))
+            }
+        }
+    }
+}
+
+/// Tokenize a corpus of records into `out` in `format`: each Parquet row's or JSON line's
+/// `text_field` is one document, ended by the end-of-text token (nanoGPT's and llm.c's
+/// `fineweb.py` put the same token between documents). A Parquet file is decoded a row group
+/// at a time and only its text column (FineWeb as Hugging Face publishes it); JSON lines are
+/// streamed, through gzip or zstd if compressed, a batch at a time. Each batch's documents are
+/// encoded in parallel and written in order. A record whose text is null or missing is an
+/// error naming it.
+pub fn build_from_records(
     input: &Path,
+    kind: CorpusKind,
     tok: &Tokenizer,
     format: TokenFileFormat,
     text_field: &str,
@@ -789,38 +950,66 @@ pub fn build_from_parquet(
             "no end-of-text token to end each document with",
         )
     })?;
-    let map = map_file(input)?;
-    let file = headroom_parquet::ParquetFile::parse(&map).map_err(|e| err(input, e.to_string()))?;
-    let options = headroom_parquet::ReadOptions {
-        columns: Some(vec![text_field.to_owned()]),
-        ..headroom_parquet::ReadOptions::default()
+    let map;
+    let mut corpus = match kind {
+        CorpusKind::Text => {
+            return Err(err(input, "a text file has no records: use build"));
+        }
+        CorpusKind::Parquet => {
+            map = map_file(input)?;
+            let file = headroom_parquet::ParquetFile::parse(&map)
+                .map_err(|e| err(input, e.to_string()))?;
+            Corpus::Parquet {
+                file,
+                options: headroom_parquet::ReadOptions {
+                    columns: Some(vec![text_field.to_owned()]),
+                    ..headroom_parquet::ReadOptions::default()
+                },
+                next_group: 0,
+                number: 0,
+            }
+        }
+        CorpusKind::Jsonl(compression) => {
+            let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
+            let raw = std::io::BufReader::new(file);
+            let lines: Box<dyn std::io::BufRead> = match compression {
+                Compression::None => Box::new(raw),
+                Compression::Gzip => Box::new(std::io::BufReader::new(
+                    flate2::read::MultiGzDecoder::new(raw),
+                )),
+                Compression::Zstd => Box::new(std::io::BufReader::new(
+                    ruzstd::decoding::StreamingDecoder::new(raw)
+                        .map_err(|e| err(input, format!("not zstd: {e}")))?,
+                )),
+            };
+            Corpus::Jsonl { lines, number: 0 }
+        }
     };
     let bar = if progress {
-        indicatif::ProgressBar::new(file.num_rows())
+        match &corpus {
+            Corpus::Parquet { file, .. } => indicatif::ProgressBar::new(file.num_rows()),
+            Corpus::Jsonl { .. } => indicatif::ProgressBar::new_spinner(),
+        }
     } else {
         indicatif::ProgressBar::hidden()
     };
+    let unit = corpus.unit();
     let mut writer = TokenWriter::create(out, format)?;
     let (mut documents, mut text_bytes) = (0u64, 0u64);
-    for g in 0..file.num_row_groups() {
-        let rows = file
-            .row_group(g, &options)
-            .map_err(|e| err(input, e.to_string()))?;
-        let first = documents;
-        let encoded: Vec<Vec<u32>> = rows
+    while let Some(batch) = corpus.next_batch(input)? {
+        let encoded: Vec<(Vec<u32>, usize)> = batch
             .par_iter()
-            .enumerate()
-            .map(|(i, row)| {
-                let text = row
+            .map(|(number, record)| {
+                let text = record
                     .get(text_field)
                     .and_then(|v| v.as_str())
                     .ok_or_else(|| {
                         err(
                             input,
                             format!(
-                                "row {}: {text_field:?} is {}, not text",
-                                first + i as u64 + 1,
-                                row.get(text_field)
+                                "{unit} {number}: {text_field:?} is {}, not text",
+                                record
+                                    .get(text_field)
                                     .map_or("missing".into(), |v| v.to_string())
                             ),
                         )
@@ -834,21 +1023,21 @@ pub fn build_from_parquet(
                         .ok_or_else(|| err(input, "a piece cut inside a character"))?;
                     ids.extend(tok.encode(piece)?);
                 }
-                Ok(ids)
+                Ok((ids, text.len()))
             })
             .collect::<Result<_>>()?;
-        for (row, ids) in rows.iter().zip(&encoded) {
+        for (ids, len) in &encoded {
             writer.write(ids)?;
             writer.write(&[eot])?;
             writer.end_document()?;
             documents += 1;
-            text_bytes += row[text_field].as_str().map_or(0, str::len) as u64;
+            text_bytes += *len as u64;
         }
-        bar.inc(rows.len() as u64);
+        bar.inc(batch.len() as u64);
     }
     bar.finish_and_clear();
     if documents == 0 {
-        return Err(err(input, "no rows"));
+        return Err(err(input, format!("no {unit}s")));
     }
     let written = writer.finish()?;
     Ok(BuildReport {
@@ -859,6 +1048,26 @@ pub fn build_from_parquet(
         format,
         vocab,
     })
+}
+
+/// [`build_from_records`] of a Parquet file.
+pub fn build_from_parquet(
+    input: &Path,
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    text_field: &str,
+    out: &Path,
+    progress: bool,
+) -> Result<BuildReport> {
+    build_from_records(
+        input,
+        CorpusKind::Parquet,
+        tok,
+        format,
+        text_field,
+        out,
+        progress,
+    )
 }
 
 /// What [`build_prompt_completion`] wrote.

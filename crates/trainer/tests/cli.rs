@@ -1513,7 +1513,7 @@ fn inspect_shows_a_parquet_files_fields_and_rows() {
     assert!(stderr(&o).contains("not Parquet"), "{}", stderr(&o));
 }
 
-/// A Parquet corpus without `--jsonl` is one document a row, read from `text` or
+/// A Parquet or JSONL corpus without `--jsonl` is one document a record, read from `text` or
 /// `--dataset-text-field`; a separator, or no tokenizer, is refused with the reason.
 #[test]
 fn text_build_reads_a_parquet_corpus_a_document_a_row() {
@@ -1526,6 +1526,13 @@ fn text_build_reads_a_parquet_corpus_a_document_a_row() {
     let o = headroom(&["data", "build", "--tokenizer", "gpt2", corpus, out]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("documents    30"), "{}", stdout(&o));
+    let parquet_tokens = std::fs::read(out).unwrap();
+    // The same rows as JSON lines build the same file.
+    let lines = corpus.replace(".parquet", ".jsonl");
+    let o = headroom(&["data", "build", "--tokenizer", "gpt2", &lines, out]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("documents    30"), "{}", stdout(&o));
+    assert!(std::fs::read(out).unwrap() == parquet_tokens);
     let o = headroom(&[
         "data",
         "build",
@@ -1545,7 +1552,7 @@ fn text_build_reads_a_parquet_corpus_a_document_a_row() {
     for (extra, needle) in [
         (
             &["--tokenizer", "gpt2", "--separator", "\n"][..],
-            "rows are its documents",
+            "records are its documents",
         ),
         (&[][..], "needs --tokenizer"),
     ] {
@@ -1569,11 +1576,7 @@ fn text_build_reads_a_parquet_corpus_a_document_a_row() {
         out,
     ]);
     assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("a text file has no fields"),
-        "{}",
-        stderr(&o)
-    );
+    assert!(stderr(&o).contains("line 1: not JSON"), "{}", stderr(&o));
 }
 
 /// Conversational JSONL through the command: `--tokenizer` names a directory whose

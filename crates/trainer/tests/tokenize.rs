@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::{open, OpenOptions, TokenType};
 use headroom_trainer::tokenize::{
-    build, build_from_parquet, format_for, Tokenizer, GPT2_EOT, GPT2_VOCAB,
+    build, build_from_parquet, build_from_records, format_for, Compression, CorpusKind, Tokenizer,
+    GPT2_EOT, GPT2_VOCAB,
 };
 use headroom_trainer::TrainError;
 
@@ -404,4 +405,89 @@ fn a_parquet_corpus_is_one_document_a_row() {
     assert!(e.to_string().contains("is null, not text"), "{e}");
     let e = build_from_parquet(&types, &tok, format, "int64", &out, false).unwrap_err();
     assert!(e.to_string().contains("not text"), "{e}");
+}
+
+/// A JSONL corpus, plain, gzip- or zstd-compressed (known by its magic bytes, whatever its
+/// name), builds the token file its Parquet twin builds; a line that is not a record, or
+/// whose text is missing, is an error naming the line.
+#[test]
+fn a_jsonl_corpus_plain_or_compressed_builds_as_its_parquet_twin() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let format = format_for("llmc", tok.vocab_size()).unwrap();
+    let parquet_out = dir.path().join("parquet.bin");
+    build_from_parquet(
+        &parquet_fixture("fineweb_like.parquet"),
+        &tok,
+        format,
+        "text",
+        &parquet_out,
+        false,
+    )
+    .unwrap();
+    let want = read_tokens(&parquet_out).0;
+    let jsonl = std::fs::read(parquet_fixture("fineweb_like.jsonl")).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&jsonl).unwrap();
+    let gz = gz.finish().unwrap();
+    let zst =
+        ruzstd::encoding::compress_to_vec(&jsonl[..], ruzstd::encoding::CompressionLevel::Fastest);
+    for (name, bytes, kind) in [
+        ("corpus.jsonl", jsonl.clone(), Compression::None),
+        ("corpus.json.gz", gz, Compression::Gzip),
+        ("corpus.data", zst, Compression::Zstd),
+    ] {
+        let input = dir.path().join(name);
+        std::fs::write(&input, bytes).unwrap();
+        assert_eq!(
+            CorpusKind::of(&input, false).unwrap(),
+            CorpusKind::Jsonl(kind),
+            "{name}"
+        );
+        let out = dir.path().join(format!("{name}.bin"));
+        let r = build_from_records(
+            &input,
+            CorpusKind::Jsonl(kind),
+            &tok,
+            format,
+            "text",
+            &out,
+            false,
+        )
+        .unwrap();
+        assert_eq!(read_tokens(&out).0, want, "{name}");
+        assert_eq!(r.documents, 30);
+    }
+    let text = dir.path().join("notes.txt");
+    std::fs::write(&text, "plain words").unwrap();
+    assert_eq!(CorpusKind::of(&text, false).unwrap(), CorpusKind::Text);
+    assert_eq!(
+        CorpusKind::of(&text, true).unwrap(),
+        CorpusKind::Jsonl(Compression::None)
+    );
+    let bad = dir.path().join("bad.jsonl");
+    let out = dir.path().join("bad.bin");
+    for (lines, needle) in [
+        ("{\"text\": \"a\"}\n\n[1]\n", "line 3: not a JSON object"),
+        (
+            "{\"text\": \"a\"}\n{\"body\": \"b\"}\n",
+            "line 2: \"text\" is missing",
+        ),
+        ("{\"text\": \"a\"\n", "line 1: not JSON"),
+        ("\n\n", "no lines"),
+    ] {
+        std::fs::write(&bad, lines).unwrap();
+        let e = build_from_records(
+            &bad,
+            CorpusKind::Jsonl(Compression::None),
+            &tok,
+            format,
+            "text",
+            &out,
+            false,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains(needle), "{needle:?} in {e}");
+    }
 }
