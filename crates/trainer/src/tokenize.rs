@@ -831,6 +831,72 @@ const MAX_CORPUS_LINE_BYTES: u64 = 1 << 28;
 const CORPUS_BATCH_DOCUMENTS: usize = 4096;
 const CORPUS_BATCH_BYTES: usize = 64 << 20;
 
+/// Every frame of a Zstandard stream, one after the other, skippable frames skipped: `zstd`
+/// writes one frame, `pzstd` and concatenated files several, and a decoder that stopped after
+/// the first would drop the rest of the corpus without a word.
+struct ZstdFrames<R: std::io::BufRead> {
+    source: R,
+    decoder: ruzstd::decoding::FrameDecoder,
+    in_frame: bool,
+}
+
+impl<R: std::io::BufRead> ZstdFrames<R> {
+    fn new(source: R) -> ZstdFrames<R> {
+        ZstdFrames {
+            source,
+            decoder: ruzstd::decoding::FrameDecoder::new(),
+            in_frame: false,
+        }
+    }
+}
+
+impl<R: std::io::BufRead> std::io::Read for ZstdFrames<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use ruzstd::decoding::errors::{FrameDecoderError, ReadFrameHeaderError};
+        use ruzstd::decoding::BlockDecodingStrategy;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            if !self.in_frame {
+                if self.source.fill_buf()?.is_empty() {
+                    return Ok(0);
+                }
+                match self.decoder.init(&mut self.source) {
+                    Ok(()) => self.in_frame = true,
+                    Err(FrameDecoderError::ReadFrameHeaderError(
+                        ReadFrameHeaderError::SkipFrame { length, .. },
+                    )) => {
+                        let skipped = std::io::copy(
+                            &mut (&mut self.source).take(u64::from(length)),
+                            &mut std::io::sink(),
+                        )?;
+                        if skipped != u64::from(length) {
+                            return Err(std::io::Error::other("a truncated skippable frame"));
+                        }
+                        continue;
+                    }
+                    Err(e) => return Err(std::io::Error::other(format!("zstd: {e}"))),
+                }
+            }
+            // Decode until a read's worth can be collected or the frame ends.
+            while self.decoder.can_collect() < buf.len() && !self.decoder.is_finished() {
+                let wanted = buf.len() - self.decoder.can_collect();
+                self.decoder
+                    .decode_blocks(&mut self.source, BlockDecodingStrategy::UptoBytes(wanted))
+                    .map_err(|e| std::io::Error::other(format!("zstd: {e}")))?;
+            }
+            let n = self.decoder.read(buf)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            if self.decoder.is_finished() {
+                self.in_frame = false;
+            }
+        }
+    }
+}
+
 /// A Parquet row's or JSON line's fields.
 type Record = serde_json::Map<String, serde_json::Value>;
 
@@ -977,10 +1043,7 @@ pub fn build_from_records(
                 Compression::Gzip => Box::new(std::io::BufReader::new(
                     flate2::read::MultiGzDecoder::new(raw),
                 )),
-                Compression::Zstd => Box::new(std::io::BufReader::new(
-                    ruzstd::decoding::StreamingDecoder::new(raw)
-                        .map_err(|e| err(input, format!("not zstd: {e}")))?,
-                )),
+                Compression::Zstd => Box::new(std::io::BufReader::new(ZstdFrames::new(raw))),
             };
             Corpus::Jsonl { lines, number: 0 }
         }

@@ -431,8 +431,20 @@ fn a_jsonl_corpus_plain_or_compressed_builds_as_its_parquet_twin() {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(&jsonl).unwrap();
     let gz = gz.finish().unwrap();
-    let zst =
-        ruzstd::encoding::compress_to_vec(&jsonl[..], ruzstd::encoding::CompressionLevel::Fastest);
+    // Two frames with a skippable frame between them, as `pzstd` writes and `cat` joins: a
+    // decoder stopping after the first frame would lose half the corpus.
+    let fastest = ruzstd::encoding::CompressionLevel::Fastest;
+    let half = jsonl.len() / 2
+        + jsonl[jsonl.len() / 2..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .unwrap()
+        + 1;
+    let mut zst = ruzstd::encoding::compress_to_vec(&jsonl[..half], fastest);
+    zst.extend(0x184D_2A50u32.to_le_bytes());
+    zst.extend(3u32.to_le_bytes());
+    zst.extend([1, 2, 3]);
+    zst.extend(ruzstd::encoding::compress_to_vec(&jsonl[half..], fastest));
     for (name, bytes, kind) in [
         ("corpus.jsonl", jsonl.clone(), Compression::None),
         ("corpus.json.gz", gz, Compression::Gzip),
