@@ -12,7 +12,9 @@ joined by `<|endoftext|>`, then times, alternating the four in each round:
 - nanoGPT's `fineweb.py` way in one process (it runs `cpu_count() // 2` of them, one here):
   pyarrow's batches of the `text` column, tiktoken's `encode_ordinary` per document, then
   `<|endoftext|>`, written as uint16;
-- pyarrow reading the `text` column into Python strings alone (the decoding's share).
+- pyarrow reading the `text` column into Python strings alone (the decoding's share);
+- `headroom data build` of the same records as JSON lines: plain, gzip'd, and zstd'd by
+  `pzstd` (several frames with skippable frames between them), streamed.
 
 Each is a process of its own under `/usr/bin/time` (wall seconds and peak RSS). The token
 streams of headroom's Parquet build and of the tiktoken baseline must be equal, and the text
@@ -30,9 +32,11 @@ Prints one JSON record per measurement and a markdown table. Not a paired bench:
 """
 
 import glob
+import gzip
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -163,6 +167,19 @@ def main():
     pq.write_table(table, parquet, row_group_size=2048, compression="snappy")
     with open(text_file, "w", encoding="utf-8") as f:
         f.write("<|endoftext|>".join(r["text"] for r in rows))
+    # The same records as JSON lines, plain, gzip'd and zstd'd (pzstd: several frames with
+    # skippable ones between them, as it writes for parallel decompression).
+    jsonl = os.path.join(out, "corpus.jsonl")
+    with open(jsonl, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    with open(jsonl, "rb") as src, gzip.open(jsonl + ".gz", "wb", compresslevel=6) as dst:
+        dst.write(src.read())
+    zstd = shutil.which("pzstd") or shutil.which("zstd")
+    if zstd:
+        subprocess.run([zstd, "-q", "-f", "-p", "2", jsonl, "-o", jsonl + ".zst"]
+                       if zstd.endswith("pzstd") else [zstd, "-q", "-f", jsonl, "-o", jsonl + ".zst"],
+                       check=True)
     text_bytes = sum(len(r["text"].encode()) for r in rows)
     print(f"corpus: {docs} documents, {text_bytes / 1e6:.1f} MB of text, Parquet "
           f"{os.path.getsize(parquet) / 1e6:.1f} MB ({time.perf_counter() - start:.0f} s to write)",
@@ -174,9 +191,16 @@ def main():
                              parquet, os.path.join(out, "parquet.bin")],
         "headroom_text": [headroom, "data", "build", "--quiet", "--tokenizer", "gpt2",
                           "--separator", "<|endoftext|>", text_file, os.path.join(out, "text.bin")],
+        "headroom_jsonl": [headroom, "data", "build", "--quiet", "--tokenizer", "gpt2",
+                           jsonl, os.path.join(out, "jsonl.bin")],
+        "headroom_jsonl_gz": [headroom, "data", "build", "--quiet", "--tokenizer", "gpt2",
+                              jsonl + ".gz", os.path.join(out, "jsonl_gz.bin")],
         "nanogpt_tiktoken": [py, me, "--baseline-tokenize", parquet, os.path.join(out, "tiktoken.u16")],
         "pyarrow_read_text": [py, me, "--baseline-read", parquet],
     }
+    if zstd:
+        commands["headroom_jsonl_zst"] = [headroom, "data", "build", "--quiet", "--tokenizer",
+                                          "gpt2", jsonl + ".zst", os.path.join(out, "jsonl_zst.bin")]
     times = {name: [] for name in commands}
     for r in range(runs):
         for name, command in commands.items():
@@ -192,6 +216,11 @@ def main():
                          f"{len(theirs)} tokens)")
     if not np.array_equal(ours[:-1], text_ids):
         raise SystemExit("the Parquet build is not the text build and a final <|endoftext|>")
+    for name in ("jsonl", "jsonl_gz", "jsonl_zst"):
+        path = os.path.join(out, f"{name}.bin")
+        if os.path.exists(path) and not np.array_equal(
+                np.fromfile(path, dtype=np.uint16)[512:], ours):
+            raise SystemExit(f"the {name} build differs from the Parquet build")
     print(f"token streams equal: {len(ours)} tokens", file=sys.stderr)
     print("| run | median wall | MB/s of text | peak RSS | vs headroom Parquet |")
     print("|---|---:|---:|---:|---:|")

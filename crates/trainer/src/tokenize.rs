@@ -787,7 +787,7 @@ pub enum Compression {
     None,
     /// gzip (`1f 8b`).
     Gzip,
-    /// Zstandard (`28 b5 2f fd`).
+    /// Zstandard (`28 b5 2f fd`, or a skippable frame first, as `pzstd` writes).
     Zstd,
 }
 
@@ -808,7 +808,10 @@ impl CorpusKind {
         if head.starts_with(&[0x1f, 0x8b]) {
             return Ok(CorpusKind::Jsonl(Compression::Gzip));
         }
-        if head == [0x28, 0xb5, 0x2f, 0xfd] {
+        // A zstd frame, or a skippable one (0x184D2A50–5F), which `pzstd` writes first.
+        let skippable =
+            head.len() == 4 && head[0] & 0xf0 == 0x50 && head[1..] == [0x2a, 0x4d, 0x18];
+        if head == [0x28, 0xb5, 0x2f, 0xfd] || skippable {
             return Ok(CorpusKind::Jsonl(Compression::Zstd));
         }
         let jsonl = input

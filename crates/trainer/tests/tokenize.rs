@@ -431,8 +431,8 @@ fn a_jsonl_corpus_plain_or_compressed_builds_as_its_parquet_twin() {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(&jsonl).unwrap();
     let gz = gz.finish().unwrap();
-    // Two frames with a skippable frame between them, as `pzstd` writes and `cat` joins: a
-    // decoder stopping after the first frame would lose half the corpus.
+    // Two frames with skippable frames before and between them, as `pzstd` writes and `cat`
+    // joins: a decoder stopping after the first frame would lose half the corpus.
     let fastest = ruzstd::encoding::CompressionLevel::Fastest;
     let half = jsonl.len() / 2
         + jsonl[jsonl.len() / 2..]
@@ -440,10 +440,16 @@ fn a_jsonl_corpus_plain_or_compressed_builds_as_its_parquet_twin() {
             .position(|&b| b == b'\n')
             .unwrap()
         + 1;
-    let mut zst = ruzstd::encoding::compress_to_vec(&jsonl[..half], fastest);
-    zst.extend(0x184D_2A50u32.to_le_bytes());
-    zst.extend(3u32.to_le_bytes());
-    zst.extend([1, 2, 3]);
+    let skippable = |zst: &mut Vec<u8>| {
+        zst.extend(0x184D_2A50u32.to_le_bytes());
+        zst.extend(3u32.to_le_bytes());
+        zst.extend([1, 2, 3]);
+    };
+    // `pzstd` starts with a skippable frame: the file is known as zstd by it too.
+    let mut zst = Vec::new();
+    skippable(&mut zst);
+    zst.extend(ruzstd::encoding::compress_to_vec(&jsonl[..half], fastest));
+    skippable(&mut zst);
     zst.extend(ruzstd::encoding::compress_to_vec(&jsonl[half..], fastest));
     for (name, bytes, kind) in [
         ("corpus.jsonl", jsonl.clone(), Compression::None),
