@@ -417,15 +417,7 @@ impl<'a> ParquetFile<'a> {
                     if leaf.max_def > 0 {
                         levels_v1(&mut bytes, def_encoding, leaf.max_def, n, &mut column.defs)?;
                     }
-                    let present = column.present_in_last(n, leaf.max_def);
-                    let values = values(
-                        &mut bytes,
-                        encoding,
-                        &leaf.leaf_type,
-                        present,
-                        dictionary.as_deref(),
-                    )?;
-                    column.values.extend(values);
+                    column.push_values(&mut bytes, encoding, leaf, n, dictionary.as_deref())?;
                     read += n as u64;
                 }
                 PageKind::DataV2 {
@@ -460,15 +452,8 @@ impl<'a> ParquetFile<'a> {
                     } else {
                         rest.to_vec()
                     };
-                    let present = column.present_in_last(n, leaf.max_def);
-                    let values = values(
-                        &mut Bytes::new(&page),
-                        encoding,
-                        &leaf.leaf_type,
-                        present,
-                        dictionary.as_deref(),
-                    )?;
-                    column.values.extend(values);
+                    let mut bytes = Bytes::new(&page);
+                    column.push_values(&mut bytes, encoding, leaf, n, dictionary.as_deref())?;
                     read += n as u64;
                 }
                 PageKind::Other => {}
@@ -550,16 +535,27 @@ struct Column {
 }
 
 impl Column {
-    /// How many of the last page's `n` entries hold a value.
-    fn present_in_last(&self, n: usize, max_def: u32) -> usize {
-        if max_def == 0 {
+    /// Decodes the values of a page whose `n` entries' levels were just read: as many as
+    /// its definition levels say are present.
+    fn push_values(
+        &mut self,
+        bytes: &mut Bytes<'_>,
+        encoding: i32,
+        leaf: &Leaf,
+        n: usize,
+        dictionary: Option<&[Value]>,
+    ) -> Result<()> {
+        let present = if leaf.max_def == 0 {
             n
         } else {
             self.defs[self.defs.len() - n..]
                 .iter()
-                .filter(|&&d| d == max_def)
+                .filter(|&&d| d == leaf.max_def)
                 .count()
-        }
+        };
+        let decoded = values(bytes, encoding, &leaf.leaf_type, present, dictionary)?;
+        self.values.extend(decoded);
+        Ok(())
     }
 }
 

@@ -2609,7 +2609,10 @@ fn cmd_data(c: DataCommand) -> CliResult {
             remove_stale_loss_mask(&headroom_mmap_data::formats::token_file_path(&out, format))?;
             say!("{s}");
         }
-        DataCommand::Inspect { path, rows, .. } if crate::tokenize::starts_as_parquet(&path)? => {
+        DataCommand::Inspect { path, rows, .. }
+            if crate::tokenize::CorpusKind::of(&path, false)?
+                == crate::tokenize::CorpusKind::Parquet =>
+        {
             inspect_parquet(&path, rows)?;
         }
         DataCommand::Inspect { rows: Some(_), .. } => {

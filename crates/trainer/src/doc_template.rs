@@ -349,27 +349,13 @@ impl DocTemplates {
                 line.insert("gold".into(), Json::from(gold));
             }
             (text, target) => {
-                match text {
-                    Some(DocValue::Text(s)) => {
-                        line.insert("context".into(), Json::String(s));
+                for (key, value) in [("context", text), ("gold", target)] {
+                    match value {
+                        Some(v) => {
+                            line.insert(key.into(), v.into_json());
+                        }
+                        None => keep(key, &mut line),
                     }
-                    Some(DocValue::Json(v)) => {
-                        line.insert("context".into(), v);
-                    }
-                    Some(DocValue::Int(_)) => unreachable!("matched above"),
-                    None => keep("context", &mut line),
-                }
-                match target {
-                    Some(DocValue::Int(i)) => {
-                        line.insert("gold".into(), Json::from(i));
-                    }
-                    Some(DocValue::Text(s)) => {
-                        line.insert("gold".into(), Json::String(s));
-                    }
-                    Some(DocValue::Json(v)) => {
-                        line.insert("gold".into(), v);
-                    }
-                    None => keep("gold", &mut line),
                 }
             }
         }
@@ -390,33 +376,29 @@ impl DocTemplates {
             Json::Object(m) => m.clone(),
             _ => return Err("not a JSON object".into()),
         };
-        match self.text(doc)? {
-            Some(DocValue::Text(s)) => {
-                line.insert("context".into(), Json::String(s));
-            }
-            Some(DocValue::Int(i)) => {
-                return Err(format!(
-                    "doc_to_text gave the integer {i}: multiple input is for multiple-choice tasks"
-                ))
-            }
-            Some(DocValue::Json(v)) => {
-                line.insert("context".into(), v);
-            }
-            None => {}
+        let text = self.text(doc)?;
+        if let Some(DocValue::Int(i)) = text {
+            return Err(format!(
+                "doc_to_text gave the integer {i}: multiple input is for multiple-choice tasks"
+            ));
         }
-        match self.target(doc)? {
-            Some(DocValue::Text(s)) => {
-                line.insert("target".into(), Json::String(s));
+        for (key, value) in [("context", text), ("target", self.target(doc)?)] {
+            if let Some(v) = value {
+                line.insert(key.into(), v.into_json());
             }
-            Some(DocValue::Int(i)) => {
-                line.insert("target".into(), Json::from(i));
-            }
-            Some(DocValue::Json(v)) => {
-                line.insert("target".into(), v);
-            }
-            None => {}
         }
         Ok(Json::Object(line))
+    }
+}
+
+impl DocValue {
+    /// The value as a document line holds it.
+    fn into_json(self) -> Json {
+        match self {
+            DocValue::Int(i) => Json::from(i),
+            DocValue::Text(s) => Json::String(s),
+            DocValue::Json(v) => v,
+        }
     }
 }
 

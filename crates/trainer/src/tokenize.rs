@@ -584,17 +584,6 @@ fn map_text(input: &Path) -> Result<memmap2::Mmap> {
     Ok(map)
 }
 
-/// Whether the file `input` starts as a Parquet file does (`PAR1`); the parser checks the rest.
-pub fn starts_as_parquet(input: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut head = [0u8; 4];
-    let mut file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
-    let n = file
-        .read(&mut head)
-        .map_err(|e| err(input, e.to_string()))?;
-    Ok(n == 4 && &head == b"PAR1")
-}
-
 /// The file `input` mapped read-only, checked to be non-empty.
 fn map_file(input: &Path) -> Result<memmap2::Mmap> {
     let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
