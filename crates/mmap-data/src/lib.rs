@@ -6,7 +6,8 @@
 //!
 //! - **Formats** ([`formats`]): raw little-endian `u16`/`u32` files (nanoGPT `.bin`), llm.c
 //!   shards (256 × i32 header), Megatron-LM indexed datasets (`.idx` + `.bin`), and a directory
-//!   or glob of shards as one dataset — read as they are, with writers for each.
+//!   or glob of shards as one dataset — read as they are, with writers for each, and a
+//!   writer that cuts one stream into numbered shards ([`formats::shards`], llm.c's layout).
 //! - **Samplers** ([`WindowSampler`]): random windows (nanoGPT), shuffled non-overlapping
 //!   windows exactly once per epoch, document-aware windows, sharded by (rank, world).
 //! - **Loader** ([`Loader`]): crossbeam workers, bounded prefetch, no allocation per batch,

@@ -1077,6 +1077,8 @@ struct MaxBatchArgs {
     measure: bool,
 }
 
+// Parsed once per run and matched by value: `Build`'s many options cost nothing to keep inline.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum DataCommand {
     /// Write a token file from a random Markov chain (the trainer's synthetic source).
@@ -1104,11 +1106,15 @@ enum DataCommand {
     /// corpus of records: a Parquet file (FineWeb as Hugging Face publishes it) or JSON lines
     /// (`.jsonl`, or gzip- or zstd-compressed: Dolma's `.json.gz`, DCLM's `.jsonl.zst`), each
     /// record's `text` (or `--dataset-text-field`) one document, ended by the end-of-text
-    /// token.
+    /// token; and it may be several files or directories of them (a dataset's shards), read
+    /// in order as one stream, written as one file or as shards (`--shard-tokens`).
     Build {
-        /// Input text.
-        input: PathBuf,
-        /// Output file.
+        /// Input text: one file, or with `--tokenizer` several (and directories, each read as
+        /// its corpus files in name order), tokenized in the order given.
+        #[arg(required = true, num_args = 1..)]
+        inputs: Vec<PathBuf>,
+        /// Output file; with `--shard-tokens`, the name its shards are numbered after
+        /// (`data/fineweb.bin`: `data/fineweb_000000.bin`, …).
         out: PathBuf,
         /// File format: raw-u16, raw-u32, llmc, megatron.
         #[arg(long, default_value = "llmc")]
@@ -1116,6 +1122,38 @@ enum DataCommand {
         /// Document separator in the text (becomes one end-of-text token).
         #[arg(long)]
         separator: Option<String>,
+        /// With `--tokenizer`: write shards of N tokens each (the last one shorter) instead of
+        /// one file, cut as llm.c's `fineweb.py` cuts them (10^8 there): a document that
+        /// straddles a cut continues in the next shard. Shards are named `OUT-STEM_000000.EXT`
+        /// on; `train --data 'DIR/STEM_*.bin'` reads them as one dataset. An llm.c file holds
+        /// at most 2^31 - 1 tokens, so a larger corpus needs shards. An earlier set of the
+        /// same name is removed first, and a build that dies keeps only whole shards.
+        #[arg(
+            long,
+            value_name = "N",
+            requires = "tokenizer",
+            conflicts_with = "jsonl"
+        )]
+        shard_tokens: Option<u64>,
+        /// With `--shard-tokens`: the first K shards are the validation split, named
+        /// `STEM_val_000000` on, and the rest `STEM_train_…` (llm.c's names; its `fineweb.py`
+        /// sets aside one shard): `train --data 'DIR/STEM_train_*.bin' --val-data
+        /// 'DIR/STEM_val_*.bin'`.
+        #[arg(long, value_name = "K", requires = "shard_tokens")]
+        val_shards: Option<u64>,
+        /// With `--tokenizer`: where each document's delimiting token goes: `end` (the
+        /// end-of-text token after each document: nanoGPT's prepare.py, Megatron's
+        /// --append-eod) or `start` (the tokenizer's beginning-of-sequence token before each
+        /// document, as llm.c's fineweb.py writes FineWeb: GPT-2's <|endoftext|>, Llama 3's
+        /// <|begin_of_text|>).
+        #[arg(
+            long,
+            value_name = "WHERE",
+            default_value = "end",
+            requires = "tokenizer",
+            conflicts_with = "jsonl"
+        )]
+        document_token: String,
         /// The input is JSONL examples (or a Parquet file of them: a Hugging Face dataset's
         /// split, each row read as a line) for supervised fine-tuning in TRL's formats:
         /// prompt-completion lines (`{"prompt": …, "completion": …}`; only the completion
@@ -2394,7 +2432,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             say!("{s}");
         }
         DataCommand::Build {
-            input,
+            inputs,
             out,
             format,
             tokenizer: Some(name),
@@ -2412,6 +2450,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             packing_strategy,
             ..
         } => {
+            let input = one_input(&inputs, "--jsonl")?;
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
             let options = crate::tokenize::SftOptions {
@@ -2451,7 +2490,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                 },
             };
             let r = crate::tokenize::build_prompt_completion_with(
-                &input, &tok, format, &out, !quiet, &options,
+                input, &tok, format, &out, !quiet, &options,
             )?;
             for (path, bytes) in &r.files {
                 say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
@@ -2538,7 +2577,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             }
         }
         DataCommand::Build {
-            input,
+            inputs,
             out,
             format,
             separator,
@@ -2546,37 +2585,81 @@ fn cmd_data(c: DataCommand) -> CliResult {
             quiet,
             jsonl: false,
             dataset_text_field,
+            shard_tokens,
+            val_shards,
+            document_token,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
             let start = std::time::Instant::now();
-            use crate::tokenize::CorpusKind;
-            let kind = CorpusKind::of(&input, dataset_text_field.is_some())?;
-            let r = if kind == CorpusKind::Text {
-                crate::tokenize::build(&input, &tok, format, separator.as_deref(), &out, !quiet)?
-            } else {
-                if separator.is_some() {
-                    return Err(
-                        "--separator: a Parquet or JSONL corpus's records are its documents".into(),
-                    );
-                }
-                let field = dataset_text_field.as_deref().unwrap_or("text");
-                crate::tokenize::build_from_records(
-                    &input, kind, &tok, format, field, &out, !quiet,
-                )?
+            let inputs = crate::tokenize::corpus_inputs(&inputs)?;
+            let options = crate::tokenize::CorpusOptions {
+                separator,
+                fields_named: dataset_text_field.is_some(),
+                text_field: dataset_text_field,
+                document_token: match document_token.as_str() {
+                    "end" => crate::tokenize::DocumentToken::End,
+                    "start" => crate::tokenize::DocumentToken::Start,
+                    other => {
+                        return Err(
+                            format!("--document-token {other}: expected end or start").into()
+                        )
+                    }
+                },
+                sharding: shard_tokens.map(|shard_tokens| {
+                    headroom_mmap_data::formats::shards::Sharding {
+                        shard_tokens,
+                        val_shards: val_shards.unwrap_or(0),
+                    }
+                }),
             };
+            let r = crate::tokenize::build_corpus(&inputs, &tok, format, &options, &out, !quiet)?;
             let secs = start.elapsed().as_secs_f64();
-            // The rows of the byte-level build's summary, and the text and speed.
-            for (path, bytes) in &r.files {
-                say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
+            for path in &r.removed {
+                say!(
+                    "{:<13}{} (an earlier build's shard)",
+                    "removed",
+                    path.display()
+                );
             }
-            if let Some((file, _)) = r.files.first() {
-                remove_stale_loss_mask(file)?;
+            // The rows of the byte-level build's summary, and the text and speed. A set of
+            // many shards is summed up by its first and last.
+            if r.shards.len() > 6 {
+                let bytes: u64 = r.files.iter().map(|(_, n)| n).sum();
+                say!(
+                    "{:<13}{} shards, {} … {} ({bytes} bytes)",
+                    "wrote",
+                    r.shards.len(),
+                    r.shards[0].display(),
+                    r.shards[r.shards.len() - 1].display()
+                );
+            } else {
+                for (path, bytes) in &r.files {
+                    say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
+                }
+            }
+            if options.sharding.is_none() {
+                if let Some(file) = r.shards.first() {
+                    remove_stale_loss_mask(file)?;
+                }
             }
             say!("{:<13}{}", "format", r.format);
             say!("{:<13}{}", "tokens", r.tokens);
             say!("{:<13}{}", "documents", r.documents);
+            if let Some(s) = options.sharding {
+                say!(
+                    "{:<13}{} of {} tokens ({} validation), {} documents continued across a cut",
+                    "shards",
+                    r.shards.len(),
+                    s.shard_tokens,
+                    s.val_shards.min(r.shards.len() as u64),
+                    r.split_documents
+                );
+            }
+            if inputs.len() > 1 {
+                say!("{:<13}{} files", "inputs", inputs.len());
+            }
             say!("{:<13}{} ids ({name})", "vocabulary", r.vocab);
             say!(
                 "{:<13}{} bytes at {:.2} MB/s",
@@ -2586,7 +2669,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             );
         }
         DataCommand::Build {
-            input,
+            inputs,
             out,
             format,
             separator,
@@ -2594,7 +2677,8 @@ fn cmd_data(c: DataCommand) -> CliResult {
             dataset_text_field,
             ..
         } => {
-            let kind = crate::tokenize::CorpusKind::of(&input, dataset_text_field.is_some())?;
+            let input = one_input(&inputs, "one token per byte (no --tokenizer)")?;
+            let kind = crate::tokenize::CorpusKind::of(input, dataset_text_field.is_some())?;
             if kind != crate::tokenize::CorpusKind::Text {
                 return Err(
                     "a Parquet or JSONL corpus needs --tokenizer: one token per byte \
@@ -2605,7 +2689,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             let format = parse_format(&format)?;
             let mut spec = BuildSpec::new(format);
             spec.document_separator = separator.map(String::into_bytes);
-            let s = headroom_mmap_data::build_from_text(&input, &spec, &out)?;
+            let s = headroom_mmap_data::build_from_text(input, &spec, &out)?;
             remove_stale_loss_mask(&headroom_mmap_data::formats::token_file_path(&out, format))?;
             say!("{s}");
         }
@@ -2697,6 +2781,17 @@ fn loss_text(s: &StepLog) -> String {
 
 /// A token file just rewritten without a loss mask must not keep the mask of the file it
 /// replaced (it would apply to the new tokens).
+/// The one input of a build that reads one file (`what` says which kind).
+fn one_input<'a>(inputs: &'a [PathBuf], what: &str) -> Result<&'a Path, String> {
+    match inputs {
+        [one] => Ok(one),
+        _ => Err(format!(
+            "{what} reads one input file, not {} (several are read with --tokenizer)",
+            inputs.len()
+        )),
+    }
+}
+
 fn remove_stale_loss_mask(token_file: &Path) -> CliResult {
     let mask = headroom_mmap_data::loss_mask_path(token_file);
     if mask.is_file() {

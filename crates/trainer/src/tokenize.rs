@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
+use headroom_mmap_data::formats::shards::{self, Sharding};
 use headroom_mmap_data::formats::writer::TokenWriter;
 use headroom_mmap_data::{LlmcFlavor, TokenFileFormat, TokenType};
 use rayon::prelude::*;
@@ -504,15 +505,22 @@ pub fn format_for(name: &str, vocab: usize) -> Result<TokenFileFormat> {
     })
 }
 
-/// What [`build`] wrote.
+/// What [`build_corpus`] wrote.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BuildReport {
     /// Every file written with its size in bytes (Megatron: the `.bin`, then the `.idx`).
     pub files: Vec<(std::path::PathBuf, u64)>,
+    /// The token files: the one output, or its shards in order.
+    pub shards: Vec<PathBuf>,
     /// Tokens written.
     pub tokens: u64,
-    /// Documents (separator-delimited pieces of the text).
+    /// Documents (records, separator-delimited pieces of text).
     pub documents: u64,
+    /// Documents that straddle a cut between two shards (continued in the next one, as
+    /// llm.c's `fineweb.py` cuts them).
+    pub split_documents: u64,
+    /// An earlier build's shards of the same name, removed before writing.
+    pub removed: Vec<PathBuf>,
     /// Bytes of text read.
     pub text_bytes: u64,
     /// The format written (its token type fits the vocabulary).
@@ -676,6 +684,47 @@ impl<'a> Examples<'a> {
     }
 }
 
+/// Which token delimits a corpus's documents, and where it goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DocumentToken {
+    /// The end-of-text token after each document (nanoGPT's `prepare.py`, Megatron's
+    /// `--append-eod`). A text file's last document gets none unless another input follows
+    /// it (the separator marks documents *between* others).
+    #[default]
+    End,
+    /// The tokenizer's beginning-of-sequence token before each document, as llm.c's
+    /// `fineweb.py` writes FineWeb: GPT-2's `<|endoftext|>`, Llama 3's `<|begin_of_text|>`.
+    Start,
+}
+
+/// How `data build` reads its inputs and writes its output; [`Default`] is one file, each
+/// document ended by the end-of-text token, records' text in `text`.
+#[derive(Clone, Debug, Default)]
+pub struct CorpusOptions {
+    /// A text file's document separator (each becomes the delimiting token); without one a
+    /// text file is one document.
+    pub separator: Option<String>,
+    /// The field a Parquet row's or JSON line's document is read from (default `text`).
+    pub text_field: Option<String>,
+    /// Read every input as JSON lines, whatever its extension (a text field was named).
+    pub fields_named: bool,
+    /// Which token delimits documents, and where.
+    pub document_token: DocumentToken,
+    /// Write numbered shards of this many tokens instead of one file.
+    pub sharding: Option<Sharding>,
+}
+
+/// The delimiting token of a build, resolved against the tokenizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Delimit {
+    /// No token (one text file, no separator).
+    Nothing,
+    /// This token after each document.
+    After(u32),
+    /// This token before each document.
+    Before(u32),
+}
+
 /// Tokenize the UTF-8 file `input` into `out` in `format`: each separator-delimited document
 /// is encoded and followed by the end-of-text token (when there is a separator), documents end
 /// Megatron sequences. Threaded over pieces in order; `progress` shows bytes done.
@@ -687,33 +736,231 @@ pub fn build(
     out: &Path,
     progress: bool,
 ) -> Result<BuildReport> {
+    let options = CorpusOptions {
+        separator: separator.map(str::to_owned),
+        ..CorpusOptions::default()
+    };
+    build_kinds(
+        &[(input.to_path_buf(), CorpusKind::Text)],
+        tok,
+        format,
+        &options,
+        out,
+        progress,
+    )
+}
+
+/// The files `data build` reads from `paths`, in order: a file as it is; a directory's
+/// corpus files (`.parquet`, `.jsonl`, `.json`, `.ndjson`, `.txt`, and `.gz` or `.zst`
+/// compressed ones; not hidden ones, not its subdirectories) in name order, as a Hugging Face
+/// dataset's shards are numbered. A directory with none is an error.
+pub fn corpus_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut inputs = Vec::new();
+    for path in paths {
+        if !path.is_dir() {
+            inputs.push(path.clone());
+            continue;
+        }
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(path).map_err(|e| err(path, e.to_string()))? {
+            let entry = entry.map_err(|e| err(path, e.to_string()))?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let corpus = [
+                ".parquet", ".jsonl", ".json", ".ndjson", ".txt", ".gz", ".zst",
+            ]
+            .iter()
+            .any(|ext| name.ends_with(ext));
+            if corpus && !name.starts_with('.') && entry.path().is_file() {
+                files.push(entry.path());
+            }
+        }
+        if files.is_empty() {
+            return Err(err(
+                path,
+                "a directory with no corpus files (.parquet, .jsonl, .json, .ndjson, .txt, \
+                 .gz, .zst)",
+            ));
+        }
+        files.sort();
+        inputs.extend(files);
+    }
+    Ok(inputs)
+}
+
+/// Tokenize the corpus files `inputs`, in order, into one token stream written to `out` in
+/// `format`, one file or shards ([`CorpusOptions::sharding`]). Each input is read by its kind
+/// ([`CorpusKind::of`]): a Parquet file's rows and JSON lines (plain, gzip or zstd) are one
+/// document each; a text file is its separator-delimited documents. Documents are delimited
+/// by [`CorpusOptions::document_token`]; with several inputs, a text file's last document is
+/// delimited too, so that files never run into each other.
+///
+/// A build that fails leaves no partial file; a sharded one keeps the shards it finished (a
+/// prefix of the stream, each shard complete).
+pub fn build_corpus(
+    inputs: &[PathBuf],
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    options: &CorpusOptions,
+    out: &Path,
+    progress: bool,
+) -> Result<BuildReport> {
+    let kinds = inputs
+        .iter()
+        .map(|p| Ok((p.clone(), CorpusKind::of(p, options.fields_named)?)))
+        .collect::<Result<Vec<_>>>()?;
+    build_kinds(&kinds, tok, format, options, out, progress)
+}
+
+fn build_kinds(
+    inputs: &[(PathBuf, CorpusKind)],
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    options: &CorpusOptions,
+    out: &Path,
+    progress: bool,
+) -> Result<BuildReport> {
     let vocab = tok.vocab_size();
     headroom_mmap_data::tools::check_vocab_fits(vocab as u64, format.token_type())?;
-    let map = map_text(input)?;
-    let text: &[u8] = &map;
-    let eot = match separator {
-        Some(_) => Some(tok.end_of_text().ok_or_else(|| {
+    if inputs.is_empty() {
+        return Err(err(out, "no inputs"));
+    }
+    let any_records = inputs.iter().any(|(_, k)| *k != CorpusKind::Text);
+    if any_records && options.separator.is_some() {
+        return Err(err(
+            out,
+            "--separator: a Parquet or JSONL corpus's records are its documents",
+        ));
+    }
+    for (input, _) in inputs {
+        // Sharded, the names of an earlier set are removed before writing: never an input.
+        if options
+            .sharding
+            .is_some_and(|_| shards::is_shard_of(out, format, input))
+        {
+            return Err(err(
+                input,
+                "is named as one of the output's shards, which the build removes first",
+            ));
+        }
+        if same_file(input, out) {
+            return Err(err(input, "is the output file"));
+        }
+    }
+    let delimit = match options.document_token {
+        DocumentToken::Start => Delimit::Before(tok.bos_token()?.ok_or_else(|| {
             err(
                 tok.source(),
-                "no end-of-text token to mark the document separator with",
+                "no beginning-of-sequence token (tokenizer_config.json's bos_token) to start \
+                 each document with",
             )
         })?),
-        None => None,
+        DocumentToken::End => {
+            let needed = any_records || inputs.len() > 1 || options.separator.is_some();
+            match (tok.end_of_text(), needed) {
+                (_, false) => Delimit::Nothing,
+                (Some(eot), true) => Delimit::After(eot),
+                (None, true) => {
+                    return Err(err(
+                        tok.source(),
+                        "no end-of-text token to end each document with",
+                    ))
+                }
+            }
+        }
     };
-    let pieces = pieces(tok, text, separator.map(str::as_bytes));
-    let bar = if progress {
-        let b = indicatif::ProgressBar::new(text.len() as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-            )
+    let text_field = options.text_field.as_deref().unwrap_or("text");
+    let mut writer = shards::ShardedWriter::create(out, format, options.sharding)?;
+    let (mut documents, mut text_bytes) = (0u64, 0u64);
+    for (i, (input, kind)) in inputs.iter().enumerate() {
+        let prefix = if inputs.len() > 1 {
+            format!("[{}/{}] ", i + 1, inputs.len())
+        } else {
+            String::new()
+        };
+        let last = i + 1 == inputs.len();
+        let (docs, bytes) = match kind {
+            CorpusKind::Text => write_text(
+                input,
+                tok,
+                options.separator.as_deref(),
+                delimit,
+                last,
+                &mut writer,
+                progress.then_some(prefix.as_str()),
+            )?,
+            kind => write_records(
+                input,
+                *kind,
+                tok,
+                text_field,
+                delimit,
+                &mut writer,
+                progress.then_some(prefix.as_str()),
+            )?,
+        };
+        documents += docs;
+        text_bytes += bytes;
+    }
+    let written = writer.finish()?;
+    Ok(BuildReport {
+        files: written.files,
+        shards: written.shards,
+        tokens: written.tokens,
+        documents,
+        split_documents: written.split_documents,
+        removed: written.removed,
+        text_bytes,
+        format,
+        vocab,
+    })
+}
+
+/// Whether `a` and `b` are one file (both exist and have the same identity).
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// A progress bar: `total` units (bytes, rows) or a spinner, labelled `prefix`; hidden when
+/// `prefix` is `None`.
+fn progress_bar(prefix: Option<&str>, total: Option<u64>, bytes: bool) -> indicatif::ProgressBar {
+    let Some(prefix) = prefix else {
+        return indicatif::ProgressBar::hidden();
+    };
+    let bar = match total {
+        Some(n) => indicatif::ProgressBar::new(n),
+        None => indicatif::ProgressBar::new_spinner(),
+    };
+    let template = match (total, bytes) {
+        (Some(_), true) => "{prefix}{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        (Some(_), false) => "{prefix}{bar:40} {pos}/{len} rows, eta {eta}",
+        (None, _) => "{prefix}{spinner} {pos} lines",
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(template)
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    let mut writer = TokenWriter::create(out, format)?;
+    );
+    bar.set_prefix(prefix.to_owned());
+    bar
+}
+
+/// Write the text file `input`'s documents: returns (documents, bytes of text).
+fn write_text(
+    input: &Path,
+    tok: &Tokenizer,
+    separator: Option<&str>,
+    delimit: Delimit,
+    last_input: bool,
+    writer: &mut shards::ShardedWriter,
+    progress: Option<&str>,
+) -> Result<(u64, u64)> {
+    let map = map_text(input)?;
+    let text: &[u8] = &map;
+    let pieces = pieces(tok, text, separator.map(str::as_bytes));
+    let bar = progress_bar(progress, Some(text.len() as u64), true);
     let mut documents = 0u64;
     // Batches of pieces encoded in parallel, written in order: memory stays bounded by a
     // batch's tokens, not the file's.
@@ -729,14 +976,19 @@ pub fn build(
             })
             .collect::<Result<_>>()?;
         for (k, ids) in encoded.iter().enumerate() {
-            writer.write(ids)?;
             let i = bi * batch + k;
             let (doc, _, end) = group[k];
+            let first_of_doc = i == 0 || pieces[i - 1].0 != doc;
+            if let (Delimit::Before(bos), true) = (delimit, first_of_doc) {
+                writer.write(&[bos])?;
+            }
+            writer.write(ids)?;
             let last_of_doc = pieces.get(i + 1).is_none_or(|p| p.0 != doc);
             if last_of_doc {
                 documents += 1;
-                // Every document but the file's tail before no separator ends with EOT.
-                if let Some(eot) = eot.filter(|_| i + 1 < pieces.len()) {
+                // Every document but the last input's tail ends with EOT.
+                let more = i + 1 < pieces.len() || !last_input;
+                if let (Delimit::After(eot), true) = (delimit, more) {
                     writer.write(&[eot])?;
                 }
                 writer.end_document()?;
@@ -745,15 +997,7 @@ pub fn build(
         }
     }
     bar.finish_and_clear();
-    let written = writer.finish()?;
-    Ok(BuildReport {
-        files: written.files,
-        tokens: written.tokens,
-        documents,
-        text_bytes: text.len() as u64,
-        format,
-        vocab,
-    })
+    Ok((documents, text.len() as u64))
 }
 
 /// What a `data build` input is, by its first bytes and its name.
@@ -984,34 +1228,26 @@ impl Corpus<'_> {
     }
 }
 
-/// Tokenize a corpus of records into `out` in `format`: each Parquet row's or JSON line's
-/// `text_field` is one document, ended by the end-of-text token (nanoGPT's and llm.c's
-/// `fineweb.py` put the same token between documents). A Parquet file is decoded a row group
-/// at a time and only its text column (FineWeb as Hugging Face publishes it); JSON lines are
-/// streamed, through gzip or zstd if compressed, a batch at a time. Each batch's documents are
-/// encoded in parallel and written in order. A record whose text is null or missing is an
-/// error naming it.
-pub fn build_from_records(
+/// Write a corpus of records (a Parquet file's rows, JSON lines): each record's `text_field`
+/// is one document, delimited by `delimit` (nanoGPT's and llm.c's `fineweb.py` put the same
+/// token between documents). A Parquet file is decoded a row group at a time and only its
+/// text column (FineWeb as Hugging Face publishes it); JSON lines are streamed, through gzip
+/// or zstd if compressed, a batch at a time. Each batch's documents are encoded in parallel
+/// and written in order. A record whose text is null or missing is an error naming it.
+/// Returns (documents, bytes of text).
+fn write_records(
     input: &Path,
     kind: CorpusKind,
     tok: &Tokenizer,
-    format: TokenFileFormat,
     text_field: &str,
-    out: &Path,
-    progress: bool,
-) -> Result<BuildReport> {
-    let vocab = tok.vocab_size();
-    headroom_mmap_data::tools::check_vocab_fits(vocab as u64, format.token_type())?;
-    let eot = tok.end_of_text().ok_or_else(|| {
-        err(
-            tok.source(),
-            "no end-of-text token to end each document with",
-        )
-    })?;
+    delimit: Delimit,
+    writer: &mut shards::ShardedWriter,
+    progress: Option<&str>,
+) -> Result<(u64, u64)> {
     let map;
     let mut corpus = match kind {
         CorpusKind::Text => {
-            return Err(err(input, "a text file has no records: use build"));
+            return Err(err(input, "a text file has no records"));
         }
         CorpusKind::Parquet => {
             map = map_file(input)?;
@@ -1040,16 +1276,11 @@ pub fn build_from_records(
             Corpus::Jsonl { lines, number: 0 }
         }
     };
-    let bar = if progress {
-        match &corpus {
-            Corpus::Parquet { file, .. } => indicatif::ProgressBar::new(file.num_rows()),
-            Corpus::Jsonl { .. } => indicatif::ProgressBar::new_spinner(),
-        }
-    } else {
-        indicatif::ProgressBar::hidden()
+    let bar = match &corpus {
+        Corpus::Parquet { file, .. } => progress_bar(progress, Some(file.num_rows()), false),
+        Corpus::Jsonl { .. } => progress_bar(progress, None, false),
     };
     let unit = corpus.unit();
-    let mut writer = TokenWriter::create(out, format)?;
     let (mut documents, mut text_bytes) = (0u64, 0u64);
     while let Some(batch) = corpus.next_batch(input)? {
         let encoded: Vec<(Vec<u32>, usize)> = batch
@@ -1082,8 +1313,17 @@ pub fn build_from_records(
             })
             .collect::<Result<_>>()?;
         for (ids, len) in &encoded {
-            writer.write(ids)?;
-            writer.write(&[eot])?;
+            match delimit {
+                Delimit::Before(bos) => {
+                    writer.write(&[bos])?;
+                    writer.write(ids)?;
+                }
+                Delimit::After(eot) => {
+                    writer.write(ids)?;
+                    writer.write(&[eot])?;
+                }
+                Delimit::Nothing => writer.write(ids)?,
+            }
             writer.end_document()?;
             documents += 1;
             text_bytes += *len as u64;
@@ -1094,15 +1334,36 @@ pub fn build_from_records(
     if documents == 0 {
         return Err(err(input, format!("no {unit}s")));
     }
-    let written = writer.finish()?;
-    Ok(BuildReport {
-        files: written.files,
-        tokens: written.tokens,
-        documents,
-        text_bytes,
+    Ok((documents, text_bytes))
+}
+
+/// Tokenize a corpus of records into `out` in `format`: each Parquet row's or JSON line's
+/// `text_field` is one document, ended by the end-of-text token ([`build_corpus`] of one
+/// input of `kind`).
+pub fn build_from_records(
+    input: &Path,
+    kind: CorpusKind,
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    text_field: &str,
+    out: &Path,
+    progress: bool,
+) -> Result<BuildReport> {
+    if kind == CorpusKind::Text {
+        return Err(err(input, "a text file has no records: use build"));
+    }
+    let options = CorpusOptions {
+        text_field: Some(text_field.to_owned()),
+        ..CorpusOptions::default()
+    };
+    build_kinds(
+        &[(input.to_path_buf(), kind)],
+        tok,
         format,
-        vocab,
-    })
+        &options,
+        out,
+        progress,
+    )
 }
 
 /// [`build_from_records`] of a Parquet file.

@@ -837,8 +837,15 @@ impl GradUnscaler<Cpu> for ScalerAdapter<'_> {
 /// train silently on nonsense. Text here: the first 64 KiB are valid UTF-8 (a cut character at
 /// the end allowed) without NUL bytes and at least 95% printable or whitespace; token files
 /// fail this at once (llm.c and Megatron headers hold NUL bytes, as do small token ids).
+/// A glob or a directory of shards is left to the reader, which names a missing one.
 fn refuse_text(path: &std::path::Path) -> Result<()> {
     use std::io::Read;
+    if !path.is_file() {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if path.is_dir() || name.contains(['*', '?']) {
+            return Ok(());
+        }
+    }
     let mut head = Vec::with_capacity(64 << 10);
     let read = std::fs::File::open(path)
         .and_then(|f| f.take(64 << 10).read_to_end(&mut head))

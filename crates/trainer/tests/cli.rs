@@ -2246,3 +2246,82 @@ fn document_separator_trains_on_a_text_build() {
         stderr(&o)
     );
 }
+
+/// A dataset's shards as a directory, built into llm.c-style shards with a validation split,
+/// then trained on with a glob per split: what `fineweb.py` and `train_gpt2 -i -j` do.
+#[test]
+fn data_build_shards_a_directory_and_train_reads_the_globs() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = dir.path().join("sample");
+    std::fs::create_dir(&hub).unwrap();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../parquet/tests/fixtures/fineweb_like.parquet");
+    for shard in ["000_00000.parquet", "001_00000.parquet"] {
+        std::fs::copy(&fixture, hub.join(shard)).unwrap();
+    }
+    let out = dir.path().join("fineweb.bin");
+    let build = |extra: &[&str]| {
+        let mut args = vec!["data", "build", "--tokenizer", "gpt2", "--quiet"];
+        args.extend_from_slice(extra);
+        args.extend([hub.to_str().unwrap(), out.to_str().unwrap()]);
+        headroom(&args)
+    };
+    let o = build(&["--shard-tokens", "4000", "--val-shards", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let printed = stdout(&o);
+    // 60 documents, 16 498 tokens: four full shards and a short one, the first for validation.
+    assert!(printed.contains("documents    60"), "{printed}");
+    assert!(printed.contains("inputs       2 files"), "{printed}");
+    assert!(
+        printed.contains("shards       5 of 4000 tokens (1 validation)"),
+        "{printed}"
+    );
+    assert!(dir.path().join("fineweb_val_000000.bin").is_file());
+    assert!(dir.path().join("fineweb_train_000004.bin").is_file());
+    // A smaller rebuild removes the earlier set's tail rather than leave it to the glob.
+    let o = build(&["--shard-tokens", "9000", "--val-shards", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("fineweb_train_000004.bin (an earlier build's shard)"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(!dir.path().join("fineweb_train_000004.bin").exists());
+    let train = dir.path().join("fineweb_train_*.bin");
+    let val = dir.path().join("fineweb_val_*.bin");
+    let o = headroom(&[
+        "train",
+        "--data",
+        train.to_str().unwrap(),
+        "--val-data",
+        val.to_str().unwrap(),
+        "--vocab",
+        "50257",
+        "--channels",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "1",
+        "--seq",
+        "32",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--no-progress",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("validation loss"), "{}", stdout(&o));
+    // Shards need a tokenizer; --jsonl and a token per byte read one file.
+    let o = headroom(&[
+        "data",
+        "build",
+        "--shard-tokens",
+        "10",
+        fixture.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--tokenizer"), "{}", stderr(&o));
+}

@@ -6,10 +6,11 @@
 
 use std::path::{Path, PathBuf};
 
+use headroom_mmap_data::formats::shards::Sharding;
 use headroom_mmap_data::{open, OpenOptions, TokenType};
 use headroom_trainer::tokenize::{
-    build, build_from_parquet, build_from_records, format_for, Compression, CorpusKind, Tokenizer,
-    GPT2_EOT, GPT2_VOCAB,
+    build, build_corpus, build_from_parquet, build_from_records, corpus_inputs, format_for,
+    Compression, CorpusKind, CorpusOptions, DocumentToken, Tokenizer, GPT2_EOT, GPT2_VOCAB,
 };
 use headroom_trainer::TrainError;
 
@@ -508,4 +509,234 @@ fn a_jsonl_corpus_plain_or_compressed_builds_as_its_parquet_twin() {
         .unwrap_err();
         assert!(e.to_string().contains(needle), "{needle:?} in {e}");
     }
+}
+
+fn llmc_fineweb(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llmc_fineweb")
+        .join(name)
+}
+
+/// The shards llm.c's own `dev/data/fineweb.py` wrote (shards of 3000 tokens, the first the
+/// validation split, `<|endoftext|>` before each document; see
+/// `benches/torch/make_llmc_shards_fixture.py`) from the Parquet fixture's rows followed by
+/// its JSONL twin's: `--shard-tokens 3000 --val-shards 1 --document-token start` over the two
+/// files writes the same files, byte for byte, under the same names.
+#[test]
+fn shards_equal_llmc_fineweb_py_byte_for_byte() {
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(llmc_fineweb("MANIFEST.json")).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let format = format_for("llmc", tok.vocab_size()).unwrap();
+    let inputs = [
+        parquet_fixture("fineweb_like.parquet"),
+        parquet_fixture("fineweb_like.jsonl"),
+    ];
+    let options = CorpusOptions {
+        document_token: DocumentToken::Start,
+        sharding: Some(Sharding {
+            shard_tokens: 3000,
+            val_shards: 1,
+        }),
+        ..CorpusOptions::default()
+    };
+    let out = dir.path().join("fineweb.bin");
+    let r = build_corpus(&inputs, &tok, format, &options, &out, false).unwrap();
+    let shards = manifest["shards"].as_array().unwrap();
+    assert!(shards.len() >= 3, "the fixture has several train shards");
+    assert_eq!(r.shards.len(), shards.len());
+    assert_eq!(r.documents, manifest["documents"].as_u64().unwrap());
+    for (written, shard) in r.shards.iter().zip(shards) {
+        let name = shard["file"].as_str().unwrap();
+        assert_eq!(written.file_name().unwrap().to_str().unwrap(), name);
+        let theirs = std::fs::read(llmc_fineweb(name)).unwrap();
+        assert!(std::fs::read(written).unwrap() == theirs, "{name} differs");
+    }
+    let total: u64 = shards.iter().map(|s| s["tokens"].as_u64().unwrap()).sum();
+    assert_eq!(r.tokens, total);
+}
+
+/// Several inputs are one stream: shards of any size, read back in order, are the one-file
+/// build of the same inputs, which is each input's own build one after the other; a
+/// directory is its corpus files in name order.
+#[test]
+fn several_inputs_and_shards_are_one_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let format = format_for("llmc", tok.vocab_size()).unwrap();
+    let parquet = parquet_fixture("fineweb_like.parquet");
+    let jsonl = parquet_fixture("fineweb_like.jsonl");
+    // Each input alone, as before.
+    let alone = dir.path().join("alone.bin");
+    build_from_parquet(&parquet, &tok, format, "text", &alone, false).unwrap();
+    let first = read_tokens(&alone).0;
+    let kind = CorpusKind::Jsonl(Compression::None);
+    build_from_records(&jsonl, kind, &tok, format, "text", &alone, false).unwrap();
+    let second = read_tokens(&alone).0;
+    let inputs = vec![parquet.clone(), jsonl.clone()];
+    let one = dir.path().join("one.bin");
+    let r = build_corpus(
+        &inputs,
+        &tok,
+        format,
+        &CorpusOptions::default(),
+        &one,
+        false,
+    )
+    .unwrap();
+    let stream = read_tokens(&one).0;
+    assert_eq!(stream, [first, second].concat());
+    assert_eq!((r.documents, r.split_documents), (60, 0));
+    for (shard_tokens, val_shards) in [(1000, 0), (4096, 2), (7, 1), (100_000, 1)] {
+        let sub = dir.path().join(format!("s{shard_tokens}"));
+        std::fs::create_dir(&sub).unwrap();
+        let options = CorpusOptions {
+            sharding: Some(Sharding {
+                shard_tokens,
+                val_shards,
+            }),
+            ..CorpusOptions::default()
+        };
+        let r = build_corpus(&inputs, &tok, format, &options, &sub.join("c.bin"), false).unwrap();
+        assert_eq!(r.tokens, stream.len() as u64);
+        let mut read = Vec::new();
+        for shard in &r.shards {
+            let tokens = read_tokens(shard).0;
+            assert!(tokens.len() as u64 <= shard_tokens);
+            read.extend(tokens);
+        }
+        assert_eq!(read, stream, "shards of {shard_tokens}");
+        assert_eq!(
+            r.shards.len() as u64,
+            (stream.len() as u64).div_ceil(shard_tokens)
+        );
+    }
+    // A directory: its corpus files in name order; hidden and other files are not read.
+    let corpus = dir.path().join("corpus");
+    std::fs::create_dir(&corpus).unwrap();
+    std::fs::copy(&parquet, corpus.join("train-00001-of-00002.parquet")).unwrap();
+    std::fs::copy(&parquet, corpus.join("train-00000-of-00002.parquet")).unwrap();
+    std::fs::write(corpus.join(".gitattributes"), "*.parquet lfs").unwrap();
+    std::fs::write(corpus.join("README.md"), "# a dataset card").unwrap();
+    let listed = corpus_inputs(std::slice::from_ref(&corpus)).unwrap();
+    assert_eq!(
+        listed,
+        [
+            corpus.join("train-00000-of-00002.parquet"),
+            corpus.join("train-00001-of-00002.parquet")
+        ]
+    );
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    assert!(corpus_inputs(&[empty]).is_err());
+}
+
+/// Text files among the inputs: each one's documents, and the end-of-text token between
+/// files (never two files run together); with the token at the start, every document,
+/// the first included, starts with it.
+#[test]
+fn text_inputs_are_delimited_between_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let format = format_for("raw-u16", tok.vocab_size()).unwrap();
+    let a = dir.path().join("a.txt");
+    let b = dir.path().join("b.txt");
+    std::fs::write(&a, "first file|second doc").unwrap();
+    std::fs::write(&b, "last file").unwrap();
+    let ids = |t: &str| tok.encode(t).unwrap();
+    let out = dir.path().join("out.bin");
+    let run = |options: &CorpusOptions| {
+        build_corpus(&[a.clone(), b.clone()], &tok, format, options, &out, false).unwrap();
+        read_tokens(&out).0
+    };
+    let end = run(&CorpusOptions {
+        separator: Some("|".into()),
+        ..CorpusOptions::default()
+    });
+    let want = [
+        ids("first file"),
+        vec![GPT2_EOT],
+        ids("second doc"),
+        vec![GPT2_EOT],
+        ids("last file"),
+    ]
+    .concat();
+    assert_eq!(end, want);
+    let start = run(&CorpusOptions {
+        separator: Some("|".into()),
+        document_token: DocumentToken::Start,
+        ..CorpusOptions::default()
+    });
+    let want = [
+        vec![GPT2_EOT],
+        ids("first file"),
+        vec![GPT2_EOT],
+        ids("second doc"),
+        vec![GPT2_EOT],
+        ids("last file"),
+    ]
+    .concat();
+    assert_eq!(start, want);
+    // One text file and no separator: no token at all, as before.
+    build(&b, &tok, format, None, &out, false).unwrap();
+    assert_eq!(read_tokens(&out).0, ids("last file"));
+}
+
+/// A build refuses inputs it would destroy: the output itself, or a file named as one of the
+/// output's shards (which a sharded build removes first). Nothing is written or removed.
+#[test]
+fn a_build_never_overwrites_its_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let format = format_for("raw-u16", tok.vocab_size()).unwrap();
+    let shard_named = dir.path().join("c_000003.bin");
+    std::fs::write(&shard_named, "words in a text file").unwrap();
+    let options = CorpusOptions {
+        sharding: Some(Sharding {
+            shard_tokens: 10,
+            val_shards: 0,
+        }),
+        ..CorpusOptions::default()
+    };
+    let out = dir.path().join("c.bin");
+    let e = build_corpus(
+        std::slice::from_ref(&shard_named),
+        &tok,
+        format,
+        &options,
+        &out,
+        false,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("one of the output's shards"), "{e}");
+    assert!(shard_named.is_file());
+    let e = build_corpus(
+        std::slice::from_ref(&shard_named),
+        &tok,
+        format,
+        &CorpusOptions::default(),
+        &shard_named,
+        false,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("is the output file"), "{e}");
+    assert_eq!(
+        std::fs::read_to_string(&shard_named).unwrap(),
+        "words in a text file"
+    );
+    // A record corpus with a separator.
+    let e = build_corpus(
+        &[parquet_fixture("fineweb_like.parquet")],
+        &tok,
+        format,
+        &CorpusOptions {
+            separator: Some("|".into()),
+            ..CorpusOptions::default()
+        },
+        &out,
+        false,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("records are its documents"), "{e}");
 }

@@ -4,6 +4,7 @@
 pub mod llmc;
 pub mod megatron;
 pub mod raw;
+pub mod shards;
 pub mod writer;
 
 use std::fs;

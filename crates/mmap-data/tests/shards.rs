@@ -1,0 +1,279 @@
+//! `ShardedWriter`: a stream cut into shards of exactly N tokens reads back, as a glob or a
+//! directory, as the stream; llm.c's names; a dead build leaves only whole shards; an earlier
+//! set's tail is removed.
+
+use headroom_mmap_data::formats::shards::{shard_path, ShardedWriter, Sharding};
+use headroom_mmap_data::formats::{self, megatron};
+use headroom_mmap_data::{LlmcFlavor, OpenOptions, TokenDataset, TokenFileFormat, TokenType};
+use proptest::prelude::*;
+
+fn all_tokens(ds: &TokenDataset) -> Vec<u32> {
+    let mut out = Vec::new();
+    for seg in ds.segments() {
+        let t = seg.tokens();
+        out.extend((0..t.len()).map(|i| t.get(i).unwrap() as u32));
+    }
+    out
+}
+
+fn format_strategy() -> impl Strategy<Value = TokenFileFormat> {
+    prop_oneof![
+        Just(TokenFileFormat::Raw(TokenType::U16)),
+        Just(TokenFileFormat::Llmc(LlmcFlavor::Gpt2)),
+        Just(TokenFileFormat::Llmc(LlmcFlavor::Llama3)),
+        Just(TokenFileFormat::Megatron {
+            token_type: TokenType::U16,
+            document_len: 1 << 30,
+        }),
+    ]
+}
+
+fn megatron(format: TokenFileFormat) -> bool {
+    matches!(format, TokenFileFormat::Megatron { .. })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Any documents, any shard size, any split into write calls: every shard but the last
+    /// holds exactly `shard_tokens`, the shards in name order are the stream, the first
+    /// `val_shards` are named `_val_`, and a Megatron set's documents are the stream's
+    /// documents cut at the shard boundaries.
+    #[test]
+    fn shards_concatenate_to_the_stream(
+        format in format_strategy(),
+        documents in prop::collection::vec(prop::collection::vec(0u32..50_000, 1..40), 1..30),
+        shard_tokens in 1u64..90,
+        val_shards in 0u64..3,
+        piece in 1usize..17,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("corpus.bin");
+        let sharding = Sharding { shard_tokens, val_shards };
+        let mut writer = ShardedWriter::create(&out, format, Some(sharding)).unwrap();
+        let mut stream = Vec::new();
+        let mut starts = vec![0u64];
+        for doc in &documents {
+            for chunk in doc.chunks(piece) {
+                writer.write(chunk).unwrap();
+            }
+            writer.end_document().unwrap();
+            stream.extend_from_slice(doc);
+            starts.push(stream.len() as u64);
+        }
+        prop_assert_eq!(writer.tokens_written(), stream.len() as u64);
+        let written = writer.finish().unwrap();
+        let total = stream.len() as u64;
+        let expected_shards = total.div_ceil(shard_tokens);
+        prop_assert_eq!(written.shards.len() as u64, expected_shards);
+        prop_assert_eq!(written.tokens, total);
+        // A document is split where a cut falls strictly inside it.
+        let cuts: Vec<u64> = (1..expected_shards).map(|k| k * shard_tokens).collect();
+        let split = starts
+            .windows(2)
+            .filter(|w| cuts.iter().any(|&c| w[0] < c && c < w[1]))
+            .count() as u64;
+        prop_assert_eq!(written.split_documents, split);
+        for (k, shard) in written.shards.iter().enumerate() {
+            prop_assert_eq!(shard, &shard_path(&out, format, &sharding, k as u64));
+            let name = shard.file_name().unwrap().to_str().unwrap();
+            let split_name = match val_shards {
+                0 => format!("corpus_{k:06}.bin"),
+                v if (k as u64) < v => format!("corpus_val_{k:06}.bin"),
+                _ => format!("corpus_train_{k:06}.bin"),
+            };
+            prop_assert_eq!(name, split_name.as_str());
+            let ds = formats::open(shard, &OpenOptions::default()).unwrap();
+            let want = if (k as u64) + 1 < expected_shards {
+                shard_tokens
+            } else {
+                total - shard_tokens * k as u64
+            };
+            prop_assert_eq!(ds.total_tokens(), want);
+        }
+        // The set as `train --data` and `--val-data` read it: a glob per split, in name
+        // order ("train" sorts before "val", so the splits are globbed apart, as llm.c's
+        // users do).
+        let ext = if megatron(format) { "idx" } else { "bin" };
+        let globs: Vec<String> = match val_shards {
+            0 => vec![format!("corpus_*.{ext}")],
+            v if v >= expected_shards => vec![format!("corpus_val_*.{ext}")],
+            _ => vec![format!("corpus_val_*.{ext}"), format!("corpus_train_*.{ext}")],
+        };
+        let sets: Vec<TokenDataset> = globs
+            .iter()
+            .map(|g| formats::open(dir.path().join(g), &OpenOptions::default()).unwrap())
+            .collect();
+        let read: Vec<u32> = sets.iter().flat_map(all_tokens).collect();
+        prop_assert_eq!(read, stream.clone());
+        if megatron(format) {
+            let mut bounds: Vec<u64> = starts.clone();
+            bounds.extend(cuts.iter().copied());
+            bounds.sort_unstable();
+            bounds.dedup();
+            let docs: Vec<_> = sets.iter().flat_map(|s| s.documents().unwrap().to_vec()).collect();
+            prop_assert_eq!(docs.len(), bounds.len() - 1);
+            prop_assert_eq!(written.documents, Some(docs.len() as u64));
+            let mut at = 0u64;
+            for (d, w) in docs.iter().zip(bounds.windows(2)) {
+                prop_assert_eq!(d.len, w[1] - w[0]);
+                at += d.len;
+            }
+            prop_assert_eq!(at, total);
+        } else {
+            prop_assert_eq!(written.documents, None);
+        }
+    }
+}
+
+#[test]
+fn an_unsharded_writer_writes_the_one_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("one.bin");
+    let format = TokenFileFormat::Llmc(LlmcFlavor::Gpt2);
+    let mut writer = ShardedWriter::create(&out, format, None).unwrap();
+    writer.write(&[1, 2, 3]).unwrap();
+    writer.end_document().unwrap();
+    writer.write(&[4]).unwrap();
+    let written = writer.finish().unwrap();
+    assert_eq!(written.shards, vec![out.clone()]);
+    assert_eq!((written.tokens, written.split_documents), (4, 0));
+    let ds = formats::open(&out, &OpenOptions::default()).unwrap();
+    assert_eq!(all_tokens(&ds), vec![1, 2, 3, 4]);
+}
+
+#[test]
+fn a_build_that_dies_leaves_only_whole_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.bin");
+    let format = TokenFileFormat::Llmc(LlmcFlavor::Gpt2);
+    let sharding = Sharding {
+        shard_tokens: 5,
+        val_shards: 0,
+    };
+    let mut writer = ShardedWriter::create(&out, format, Some(sharding)).unwrap();
+    writer.write(&(0..13).collect::<Vec<u32>>()).unwrap();
+    // Two shards are full and in place; the third is only a temporary file.
+    assert!(dir.path().join("c_000001.bin").is_file());
+    assert!(!dir.path().join("c_000002.bin").exists());
+    drop(writer);
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["c_000000.bin", "c_000001.bin"]);
+    let ds = formats::open(dir.path(), &OpenOptions::default()).unwrap();
+    assert_eq!(all_tokens(&ds), (0..10).collect::<Vec<u32>>());
+}
+
+#[test]
+fn an_earlier_sets_shards_are_removed_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let format = TokenFileFormat::Raw(TokenType::U16);
+    for name in [
+        "fw_000000.bin",
+        "fw_val_000000.bin",
+        "fw_train_000007.bin",
+        "fw_train_000007.bin.lossmask",
+        "fw.bin",
+        "fw_notes.txt",
+        "fw_train_000001.idx",
+        "other_000001.bin",
+    ] {
+        std::fs::write(d.join(name), [0u8, 0]).unwrap();
+    }
+    let sharding = Sharding {
+        shard_tokens: 2,
+        val_shards: 1,
+    };
+    let mut writer = ShardedWriter::create(d.join("fw.bin"), format, Some(sharding)).unwrap();
+    writer.write(&[1, 2, 3]).unwrap();
+    let written = writer.finish().unwrap();
+    let removed: Vec<String> = written
+        .removed
+        .iter()
+        .map(|p| p.file_name().unwrap().to_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        removed,
+        [
+            "fw_000000.bin",
+            "fw_train_000007.bin",
+            "fw_train_000007.bin.lossmask",
+            "fw_val_000000.bin"
+        ]
+    );
+    let mut names: Vec<String> = std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "fw.bin",
+            "fw_notes.txt",
+            "fw_train_000001.bin",
+            "fw_train_000001.idx",
+            "fw_val_000000.bin",
+            "other_000001.bin"
+        ]
+    );
+}
+
+#[test]
+fn a_stream_ending_on_a_cut_leaves_no_empty_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c");
+    let format = TokenFileFormat::Megatron {
+        token_type: TokenType::I32,
+        document_len: 1 << 30,
+    };
+    let sharding = Sharding {
+        shard_tokens: 4,
+        val_shards: 0,
+    };
+    let mut writer = ShardedWriter::create(&out, format, Some(sharding)).unwrap();
+    writer.write(&[1, 2, 3, 4]).unwrap();
+    writer.end_document().unwrap();
+    writer.write(&[5, 6, 7, 8]).unwrap();
+    writer.end_document().unwrap();
+    let written = writer.finish().unwrap();
+    assert_eq!(written.shards.len(), 2);
+    assert_eq!((written.split_documents, written.documents), (0, Some(2)));
+    let (idx, bin) = megatron::megatron_paths(&dir.path().join("c_000001"));
+    assert!(idx.is_file() && bin.is_file());
+}
+
+#[test]
+fn bad_sizes_and_empty_streams_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.bin");
+    let llmc = TokenFileFormat::Llmc(LlmcFlavor::Gpt2);
+    let zero = Sharding {
+        shard_tokens: 0,
+        val_shards: 0,
+    };
+    assert!(ShardedWriter::create(&out, llmc, Some(zero)).is_err());
+    let huge = Sharding {
+        shard_tokens: 1 << 31,
+        val_shards: 0,
+    };
+    let e = ShardedWriter::create(&out, llmc, Some(huge)).unwrap_err();
+    assert!(e.to_string().contains("at most 2147483647"), "{e}");
+    // The raw format has no count to overflow.
+    let raw = TokenFileFormat::Raw(TokenType::U16);
+    assert!(ShardedWriter::create(&out, raw, Some(huge)).is_ok());
+    let fine = Sharding {
+        shard_tokens: 3,
+        val_shards: 0,
+    };
+    let e = ShardedWriter::create(&out, llmc, Some(fine))
+        .unwrap()
+        .finish()
+        .unwrap_err();
+    assert!(e.to_string().contains("c.bin"), "{e}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
