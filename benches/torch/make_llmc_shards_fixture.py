@@ -42,10 +42,6 @@ import sys
 import tempfile
 import types
 
-if "--quick" in sys.argv or not ({"--write", "--check"} & set(sys.argv)):
-    print("writes a fixture: run with --llmc PATH --write or --check", file=sys.stderr)
-    sys.exit(3)
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "crates", "parquet", "tests", "fixtures")
 OUT = os.path.join(ROOT, "crates", "trainer", "tests", "fixtures", "llmc_fineweb")
@@ -63,7 +59,9 @@ def rows():
     return parquet + lines
 
 
-def install_environment():
+def install_environment(documents):
+    """Stand in for the Hub and tiktoken's download: `load_dataset` returns `documents` (any
+    iterable of rows), `tiktoken.get_encoding("gpt2")` the r50k ranks."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
@@ -82,7 +80,6 @@ def install_environment():
     real_get_encoding = tiktoken.get_encoding
     tiktoken.get_encoding = lambda name: encoding if name == "gpt2" else real_get_encoding(name)
 
-    documents = rows()
     datasets = types.ModuleType("datasets")
 
     def load_dataset(path, name=None, split=None):
@@ -101,14 +98,14 @@ def install_environment():
 
     transformers.AutoTokenizer = AutoTokenizer
     sys.modules["transformers"] = transformers
-    return len(documents)
 
 
-def run_fineweb(llmc, work):
+def run_fineweb(llmc, work, args=ARGS):
+    """llm.c's fineweb.py with `args`, copied into `work`; the shards it wrote, by name."""
     for name in ("fineweb.py", "data_common.py"):
         shutil.copy(os.path.join(llmc, "dev", "data", name), work)
     sys.path.insert(0, work)
-    sys.argv = ["fineweb.py"] + ARGS
+    sys.argv = ["fineweb.py"] + args
     # fineweb.py's pool forks: the children inherit the stubs and the run's __main__.
     runpy.run_path(os.path.join(work, "fineweb.py"), run_name="__main__")
     return sorted(glob.glob(os.path.join(work, "fineweb10B", "*.bin")))
@@ -124,12 +121,16 @@ def llmc_commit(llmc, args):
 
 
 def main():
+    if "--quick" in sys.argv or not ({"--write", "--check"} & set(sys.argv)):
+        print("writes a fixture: run with --llmc PATH --write or --check", file=sys.stderr)
+        sys.exit(3)
     args = sys.argv[1:]
     if "--llmc" not in args:
         print("--llmc PATH: a checkout of karpathy/llm.c", file=sys.stderr)
         sys.exit(2)
     llmc = args[args.index("--llmc") + 1]
-    documents = install_environment()
+    documents = rows()
+    install_environment(documents)
     with tempfile.TemporaryDirectory() as work:
         shards = run_fineweb(llmc, work)
         written = {os.path.basename(p): open(p, "rb").read() for p in shards}
@@ -141,7 +142,7 @@ def main():
         "arguments": ARGS,
         "inputs": ["crates/parquet/tests/fixtures/fineweb_like.parquet",
                    "crates/parquet/tests/fixtures/fineweb_like.jsonl"],
-        "documents": documents,
+        "documents": len(documents),
         "shards": [
             {"file": name, "tokens": int.from_bytes(data[8:12], "little"),
              "sha256": hashlib.sha256(data).hexdigest()}

@@ -14,7 +14,13 @@ joined by `<|endoftext|>`, then times, alternating the four in each round:
   `<|endoftext|>`, written as uint16;
 - pyarrow reading the `text` column into Python strings alone (the decoding's share);
 - `headroom data build` of the same records as JSON lines: plain, gzip'd, and zstd'd by
-  `pzstd` (several frames with skippable frames between them), streamed.
+  `pzstd` (several frames with skippable frames between them), streamed;
+- the same rows as a directory of four Parquet files (a Hub split's shards) built into
+  llm.c's shards (`--shard-tokens`, `--val-shards 1`, `--document-token start`), and, with
+  `--llmc PATH` (a checkout of karpathy/llm.c), llm.c's own `dev/data/fineweb.py` writing
+  shards of the same size from the same rows (its `load_dataset` streams the four files'
+  `text` column with pyarrow; it runs `cpu_count() - 2` processes, at least one: one here).
+  The two sets of shards must be byte-identical.
 
 Each is a process of its own under `/usr/bin/time` (wall seconds and peak RSS). The token
 streams of headroom's Parquet build and of the tiktoken baseline must be equal, and the text
@@ -25,7 +31,7 @@ BPE is built from; this machine reaches no download), with tiktoken's own r50k p
 
 Usage, from the workspace root, after `cargo build --release -p headroom-trainer`:
 
-    python3 benches/torch/parquet_tokenize.py [--docs 40000] [--runs 3] [--out DIR]
+    python3 benches/torch/parquet_tokenize.py [--docs 40000] [--runs 3] [--out DIR] [--llmc PATH]
 
 Prints one JSON record per measurement and a markdown table. Not a paired bench:
 `cargo xtask bench` runs every script here with `--quick`, which exits 3 ("skipped").
@@ -39,6 +45,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 if "--quick" in sys.argv:
@@ -144,6 +151,28 @@ def baseline_tokenize(parquet, out):
     np.concatenate(chunks).tofile(out)
 
 
+def baseline_llmc(llmc, shard_dir, shard_tokens, out):
+    """llm.c's fineweb.py over the Parquet files of `shard_dir`, writing into `out`."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import make_llmc_shards_fixture as environment
+
+    files = sorted(glob.glob(os.path.join(shard_dir, "*.parquet")))
+
+    def rows():
+        for f in files:
+            for batch in pq.ParquetFile(f).iter_batches(columns=["text"]):
+                for text in batch.column(0).to_pylist():
+                    yield {"text": text}
+
+    environment.install_environment(rows())
+    args = ["-t", "classic", "-v", "10B", "-m", "gpt-2", "-s", str(shard_tokens)]
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    with tempfile.TemporaryDirectory() as work:
+        for shard in environment.run_fineweb(llmc, work, args):
+            shutil.move(shard, os.path.join(out, os.path.basename(shard)))
+
+
 def baseline_read(parquet):
     texts = pq.read_table(parquet, columns=["text"]).column("text").to_pylist()
     assert texts
@@ -154,6 +183,8 @@ def main():
         return baseline_tokenize(sys.argv[2], sys.argv[3])
     if len(sys.argv) > 1 and sys.argv[1] == "--baseline-read":
         return baseline_read(sys.argv[2])
+    if len(sys.argv) > 1 and sys.argv[1] == "--baseline-llmc":
+        return baseline_llmc(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     docs = arg("--docs", 40000)
     runs = arg("--runs", 3)
     out = arg("--out", "/tmp/headroom-parquet-bench")
@@ -180,6 +211,17 @@ def main():
         subprocess.run([zstd, "-q", "-f", "-p", "2", jsonl, "-o", jsonl + ".zst"]
                        if zstd.endswith("pzstd") else [zstd, "-q", "-f", jsonl, "-o", jsonl + ".zst"],
                        check=True)
+    # A Hub split's shards: the rows in four files, in order.
+    shard_dir = os.path.join(out, "hub_split")
+    shutil.rmtree(shard_dir, ignore_errors=True)
+    os.makedirs(shard_dir)
+    quarter = (len(rows) + 3) // 4
+    for k in range(4):
+        pq.write_table(pa.Table.from_pylist(rows[k * quarter:(k + 1) * quarter]),
+                       os.path.join(shard_dir, f"{k:03d}_00000.parquet"),
+                       row_group_size=2048, compression="snappy")
+    shard_tokens = arg("--shard-tokens", 5_000_000)
+    llmc = arg("--llmc", "")
     text_bytes = sum(len(r["text"].encode()) for r in rows)
     print(f"corpus: {docs} documents, {text_bytes / 1e6:.1f} MB of text, Parquet "
           f"{os.path.getsize(parquet) / 1e6:.1f} MB ({time.perf_counter() - start:.0f} s to write)",
@@ -198,6 +240,16 @@ def main():
         "nanogpt_tiktoken": [py, me, "--baseline-tokenize", parquet, os.path.join(out, "tiktoken.u16")],
         "pyarrow_read_text": [py, me, "--baseline-read", parquet],
     }
+    ours_dir = os.path.join(out, "headroom_shards")
+    theirs_dir = os.path.join(out, "llmc_shards")
+    commands["headroom_dir_to_llmc_shards"] = [
+        headroom, "data", "build", "--quiet", "--tokenizer", "gpt2", "--shard-tokens",
+        str(shard_tokens), "--val-shards", "1", "--document-token", "start", shard_dir,
+        os.path.join(ours_dir, "fineweb.bin")]
+    os.makedirs(ours_dir, exist_ok=True)
+    if llmc:
+        commands["llmc_fineweb_py"] = [py, me, "--baseline-llmc", llmc, shard_dir,
+                                       str(shard_tokens), theirs_dir]
     if zstd:
         commands["headroom_jsonl_zst"] = [headroom, "data", "build", "--quiet", "--tokenizer",
                                           "gpt2", jsonl + ".zst", os.path.join(out, "jsonl_zst.bin")]
@@ -221,6 +273,24 @@ def main():
         if os.path.exists(path) and not np.array_equal(
                 np.fromfile(path, dtype=np.uint16)[512:], ours):
             raise SystemExit(f"the {name} build differs from the Parquet build")
+    # The shards: their tokens are the Parquet build's with <|endoftext|> moved to the front
+    # of each document, and llm.c's fineweb.py wrote the same files.
+    ours_shards = sorted(glob.glob(os.path.join(ours_dir, "fineweb_*.bin")),
+                         key=lambda p: int(p[-10:-4]))
+    sharded = np.concatenate([np.fromfile(p, dtype=np.uint16)[512:] for p in ours_shards])
+    if not np.array_equal(sharded, np.concatenate([[EOT], ours[:-1]]).astype(np.uint16)):
+        raise SystemExit("the sharded build is not the Parquet build with each document's "
+                         "<|endoftext|> first")
+    if llmc:
+        names = sorted(os.listdir(theirs_dir))
+        if names != sorted(os.path.basename(p) for p in ours_shards):
+            raise SystemExit(f"llm.c wrote other shards: {names}")
+        for name in names:
+            with open(os.path.join(theirs_dir, name), "rb") as a, \
+                    open(os.path.join(ours_dir, name), "rb") as b:
+                if a.read() != b.read():
+                    raise SystemExit(f"{name} differs from llm.c's")
+        print(f"{len(names)} shards byte-identical to llm.c's fineweb.py", file=sys.stderr)
     print(f"token streams equal: {len(ours)} tokens", file=sys.stderr)
     print("| run | median wall | MB/s of text | peak RSS | vs headroom Parquet |")
     print("|---|---:|---:|---:|---:|")
