@@ -1154,8 +1154,10 @@ enum DataCommand {
             conflicts_with = "jsonl"
         )]
         document_token: String,
-        /// The input is JSONL examples (or a Parquet file of them: a Hugging Face dataset's
-        /// split, each row read as a line) for supervised fine-tuning in TRL's formats:
+        /// The input is JSONL examples (plain, or gzip- or zstd-compressed; or a Parquet file
+        /// of them: a Hugging Face dataset's split, each row read as a line; or several such
+        /// files, their examples one after the other) for supervised fine-tuning in TRL's
+        /// formats:
         /// prompt-completion lines (`{"prompt": …, "completion": …}`; only the completion
         /// counts in the loss) or `{"text": …}` lines (every token counts), and their
         /// conversational forms (prompt and completion as lists of `{"role", "content"}`
@@ -2450,7 +2452,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             packing_strategy,
             ..
         } => {
-            let input = one_input(&inputs, "--jsonl")?;
+            let inputs = crate::tokenize::corpus_inputs(&inputs)?;
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
             let format = crate::tokenize::format_for(&format, tok.vocab_size())?;
             let options = crate::tokenize::SftOptions {
@@ -2489,9 +2491,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
                     }
                 },
             };
-            let r = crate::tokenize::build_prompt_completion_with(
-                input, &tok, format, &out, !quiet, &options,
-            )?;
+            let r = crate::tokenize::build_examples(&inputs, &tok, format, &out, !quiet, &options)?;
             for (path, bytes) in &r.files {
                 say!("{:<13}{} ({bytes} bytes)", "wrote", path.display());
             }

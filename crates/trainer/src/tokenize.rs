@@ -614,6 +614,8 @@ enum Examples<'a> {
     Lines(Vec<(usize, &'a str)>),
     /// The file, parsed.
     Parquet(headroom_parquet::ParquetFile<'a>, &'a Path),
+    /// gzip- or zstd-compressed JSON lines, decompressed as they are read.
+    Compressed(Box<dyn std::io::BufRead + 'a>, &'a Path),
 }
 
 impl<'a> Examples<'a> {
@@ -622,6 +624,12 @@ impl<'a> Examples<'a> {
             let file = headroom_parquet::ParquetFile::parse(bytes)
                 .map_err(|e| err(input, e.to_string()))?;
             return Ok(Examples::Parquet(file, input));
+        }
+        if let Some(compression) = Compression::of_bytes(bytes) {
+            return Ok(Examples::Compressed(
+                decompressed(bytes, compression),
+                input,
+            ));
         }
         let text = std::str::from_utf8(bytes).map_err(|e| {
             err(
@@ -638,17 +646,19 @@ impl<'a> Examples<'a> {
         ))
     }
 
-    fn len(&self) -> u64 {
+    /// The examples, when known before reading them (not of a compressed file).
+    fn len(&self) -> Option<u64> {
         match self {
-            Examples::Lines(lines) => lines.len() as u64,
-            Examples::Parquet(file, _) => file.num_rows(),
+            Examples::Lines(lines) => Some(lines.len() as u64),
+            Examples::Parquet(file, _) => Some(file.num_rows()),
+            Examples::Compressed(..) => None,
         }
     }
 
     /// What an error's number counts.
     fn unit(&self) -> &'static str {
         match self {
-            Examples::Lines(_) => "line",
+            Examples::Lines(_) | Examples::Compressed(..) => "line",
             Examples::Parquet(..) => "row",
         }
     }
@@ -656,12 +666,32 @@ impl<'a> Examples<'a> {
     /// `each` over the examples in order, `batch` at a time; a Parquet file is decoded one
     /// row group at a time, so memory holds one group's rows.
     fn for_each_batch(
-        &self,
+        &mut self,
         batch: usize,
         mut each: impl FnMut(&[(usize, &str)]) -> Result<()>,
     ) -> Result<()> {
         match self {
             Examples::Lines(lines) => lines.chunks(batch).try_for_each(each),
+            Examples::Compressed(reader, input) => {
+                let mut number = 0usize;
+                loop {
+                    let mut lines = Vec::new();
+                    while lines.len() < batch {
+                        let Some(line) = next_line(reader, input, &mut number)? else {
+                            break;
+                        };
+                        if !line.trim().is_empty() {
+                            lines.push((number, line));
+                        }
+                    }
+                    if lines.is_empty() {
+                        return Ok(());
+                    }
+                    let borrowed: Vec<(usize, &str)> =
+                        lines.iter().map(|(n, l)| (*n, l.as_str())).collect();
+                    each(&borrowed)?;
+                }
+            }
             Examples::Parquet(file, input) => {
                 let mut number = 0;
                 for g in 0..file.num_row_groups() {
@@ -681,6 +711,53 @@ impl<'a> Examples<'a> {
                 Ok(())
             }
         }
+    }
+}
+
+/// The next line of `reader` (without its newline), numbering it; `None` at the end. A line
+/// longer than [`MAX_CORPUS_LINE_BYTES`] (a file without newlines, a decompression bomb) or
+/// not UTF-8 is an error naming it.
+fn next_line(
+    reader: &mut dyn std::io::BufRead,
+    input: &Path,
+    number: &mut usize,
+) -> Result<Option<String>> {
+    use std::io::{BufRead, Read};
+    let mut line = Vec::new();
+    let n = reader
+        .take(MAX_CORPUS_LINE_BYTES + 1)
+        .read_until(b'\n', &mut line)
+        .map_err(|e| err(input, format!("line {}: {e}", *number + 1)))?;
+    if n == 0 {
+        return Ok(None);
+    }
+    *number += 1;
+    if n as u64 > MAX_CORPUS_LINE_BYTES {
+        return Err(err(
+            input,
+            format!("line {number}: longer than {MAX_CORPUS_LINE_BYTES} bytes"),
+        ));
+    }
+    while line.last().is_some_and(|&b| b == b'\n' || b == b'\r') {
+        line.pop();
+    }
+    String::from_utf8(line)
+        .map(Some)
+        .map_err(|e| err(input, format!("line {number}: not UTF-8: {e}")))
+}
+
+/// `bytes`, decompressed as they are read.
+fn decompressed<'a, R: std::io::Read + 'a>(
+    source: R,
+    compression: Compression,
+) -> Box<dyn std::io::BufRead + 'a> {
+    let raw = std::io::BufReader::new(source);
+    match compression {
+        Compression::None => Box::new(raw),
+        Compression::Gzip => Box::new(std::io::BufReader::new(flate2::read::MultiGzDecoder::new(
+            raw,
+        ))),
+        Compression::Zstd => Box::new(std::io::BufReader::new(ZstdFrames::new(raw))),
     }
 }
 
@@ -936,8 +1013,8 @@ fn progress_bar(prefix: Option<&str>, total: Option<u64>, bytes: bool) -> indica
     };
     let template = match (total, bytes) {
         (Some(_), true) => "{prefix}{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        (Some(_), false) => "{prefix}{bar:40} {pos}/{len} rows, eta {eta}",
-        (None, _) => "{prefix}{spinner} {pos} lines",
+        (Some(_), false) => "{prefix}{bar:40} {pos}/{len} records, eta {eta}",
+        (None, _) => "{prefix}{spinner} {pos} records",
     };
     bar.set_style(
         indicatif::ProgressStyle::with_template(template)
@@ -1024,6 +1101,20 @@ pub enum Compression {
     Zstd,
 }
 
+impl Compression {
+    /// The compression a file starting with `head` has by its magic bytes: gzip (`1f 8b`),
+    /// zstd (a frame, or a skippable frame first, as `pzstd` writes); `None` for neither.
+    pub fn of_bytes(head: &[u8]) -> Option<Compression> {
+        if head.starts_with(&[0x1f, 0x8b]) {
+            return Some(Compression::Gzip);
+        }
+        // A skippable frame's magic is 0x184D2A50–5F.
+        let skippable =
+            head.len() >= 4 && head[0] & 0xf0 == 0x50 && head[1..4] == [0x2a, 0x4d, 0x18];
+        (head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) || skippable).then_some(Compression::Zstd)
+    }
+}
+
 impl CorpusKind {
     /// The kind of the file `input`: Parquet, gzip and zstd by their magic bytes, JSONL by
     /// its extension or when `fields` (a text field was named), else text.
@@ -1038,14 +1129,8 @@ impl CorpusKind {
         if head == b"PAR1" {
             return Ok(CorpusKind::Parquet);
         }
-        if head.starts_with(&[0x1f, 0x8b]) {
-            return Ok(CorpusKind::Jsonl(Compression::Gzip));
-        }
-        // A zstd frame, or a skippable one (0x184D2A50–5F), which `pzstd` writes first.
-        let skippable =
-            head.len() == 4 && head[0] & 0xf0 == 0x50 && head[1..] == [0x2a, 0x4d, 0x18];
-        if head == [0x28, 0xb5, 0x2f, 0xfd] || skippable {
-            return Ok(CorpusKind::Jsonl(Compression::Zstd));
+        if let Some(compression) = Compression::of_bytes(head) {
+            return Ok(CorpusKind::Jsonl(compression));
         }
         let jsonl = input
             .extension()
@@ -1265,15 +1350,10 @@ fn write_records(
         }
         CorpusKind::Jsonl(compression) => {
             let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
-            let raw = std::io::BufReader::new(file);
-            let lines: Box<dyn std::io::BufRead> = match compression {
-                Compression::None => Box::new(raw),
-                Compression::Gzip => Box::new(std::io::BufReader::new(
-                    flate2::read::MultiGzDecoder::new(raw),
-                )),
-                Compression::Zstd => Box::new(std::io::BufReader::new(ZstdFrames::new(raw))),
-            };
-            Corpus::Jsonl { lines, number: 0 }
+            Corpus::Jsonl {
+                lines: decompressed(file, compression),
+                number: 0,
+            }
         }
     };
     let bar = match &corpus {
@@ -1869,6 +1949,37 @@ pub fn build_prompt_completion_with(
     progress: bool,
     options: &SftOptions,
 ) -> Result<PromptCompletionReport> {
+    build_examples(
+        std::slice::from_ref(&input.to_path_buf()),
+        tok,
+        format,
+        out,
+        progress,
+        options,
+    )
+}
+
+/// [`build_prompt_completion_with`] of several files, one after the other, into one token
+/// file and its mask (a Hugging Face split in several Parquet shards, `train_sft-00000-of-00003`
+/// …): the examples of all, in order; with packing, packed together. Each input is JSON lines
+/// (plain, or gzip- or zstd-compressed, streamed) or a Parquet file; an input without
+/// examples is an error naming it.
+pub fn build_examples(
+    inputs: &[PathBuf],
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    out: &Path,
+    progress: bool,
+    options: &SftOptions,
+) -> Result<PromptCompletionReport> {
+    let Some(input) = inputs.first().map(PathBuf::as_path) else {
+        return Err(err(out, "no inputs"));
+    };
+    for other in inputs {
+        if same_file(other, out) {
+            return Err(err(other, "is the output file"));
+        }
+    }
     headroom_mmap_data::tools::check_vocab_fits(tok.vocab_size() as u64, format.token_type())?;
     // TRL's `processing_class.eos_token`, or its `eos_token` setting.
     let eot = match &options.eos_token {
@@ -1942,16 +2053,6 @@ pub fn build_prompt_completion_with(
             options.eos_token.as_deref(),
         )?);
     }
-    let map = map_file(input)?;
-    let examples = Examples::of(&map, input)?;
-    if examples.len() == 0 {
-        return Err(err(input, "no examples"));
-    }
-    let bar = if progress {
-        indicatif::ProgressBar::new(examples.len())
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
     // The mask belongs beside the token file (a Megatron pair's `.bin`).
     let mask_path = headroom_mmap_data::loss_mask_path(
         &headroom_mmap_data::formats::token_file_path(out, format),
@@ -1964,72 +2065,96 @@ pub fn build_prompt_completion_with(
     let mut kept: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
     // Examples encoded in parallel, written in order.
     let batch = rayon::current_num_threads().max(1) * 256;
-    let unit = examples.unit();
-    examples.for_each_batch(batch, |group| {
-        let encoded: Vec<_> = group
-            .par_iter()
-            .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, (unit, n), input))
-            .collect::<Result<_>>()?;
-        for (mut ids, mut flags, merged) in encoded {
-            if let (Some(max), Some(PackStrategy::BfdSplit)) = (options.max_length, options.pack) {
-                // Every piece packed, counted or not (TRL's packing has no filter).
+    let mut examples_read = 0u64;
+    for (k, input) in inputs.iter().enumerate() {
+        let input = input.as_path();
+        let map = map_file(input)?;
+        let mut examples = Examples::of(&map, input)?;
+        if examples.len() == Some(0) {
+            return Err(err(input, "no examples"));
+        }
+        let prefix = match inputs.len() {
+            1 => String::new(),
+            n => format!("[{}/{n}] ", k + 1),
+        };
+        let bar = match examples.len() {
+            Some(n) => progress_bar(progress.then_some(prefix.as_str()), Some(n), false),
+            None => progress_bar(progress.then_some(prefix.as_str()), None, false),
+        };
+        let unit = examples.unit();
+        let before = examples_read;
+        examples.for_each_batch(batch, |group| {
+            examples_read += group.len() as u64;
+            let encoded: Vec<_> = group
+                .par_iter()
+                .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, (unit, n), input))
+                .collect::<Result<_>>()?;
+            for (mut ids, mut flags, merged) in encoded {
+                if let (Some(max), Some(PackStrategy::BfdSplit)) =
+                    (options.max_length, options.pack)
+                {
+                    // Every piece packed, counted or not (TRL's packing has no filter).
+                    merges += u64::from(merged);
+                    truncated += u64::from(ids.len() > max);
+                    for (piece, piece_flags) in ids.chunks(max).zip(flags.chunks(max)) {
+                        packed_uncounted += u64::from(!piece_flags.contains(&true));
+                        let mut piece_flags = piece_flags.to_vec();
+                        piece_flags[0] = false;
+                        if kept.try_reserve(1).is_err() {
+                            return Err(err(input, "out of memory holding the examples to pack"));
+                        }
+                        kept.push((piece.to_vec(), piece_flags));
+                    }
+                    continue;
+                }
+                if let Some(max) = options.max_length {
+                    if ids.len() > max {
+                        truncated += 1;
+                        let cut = match options.truncation {
+                            Truncation::KeepStart => 0..max,
+                            Truncation::KeepEnd => ids.len() - max..ids.len(),
+                        };
+                        ids = ids[cut.clone()].to_vec();
+                        flags = flags[cut].to_vec();
+                    }
+                    // TRL's filter after its cut: an example without a counted token adds no loss.
+                    // TRL's packing has no such filter: the example still takes its room in a row.
+                    if !flags.contains(&true) {
+                        if options.pack.is_some() {
+                            packed_uncounted += 1;
+                        } else {
+                            dropped += 1;
+                            continue;
+                        }
+                    }
+                    if options.pad {
+                        flags[0] = false;
+                        ids.resize(max, eot);
+                        flags.resize(max, false);
+                    }
+                }
                 merges += u64::from(merged);
-                truncated += u64::from(ids.len() > max);
-                for (piece, piece_flags) in ids.chunks(max).zip(flags.chunks(max)) {
-                    packed_uncounted += u64::from(!piece_flags.contains(&true));
-                    let mut piece_flags = piece_flags.to_vec();
-                    piece_flags[0] = false;
+                if options.pack.is_some() {
+                    flags[0] = false;
                     if kept.try_reserve(1).is_err() {
                         return Err(err(input, "out of memory holding the examples to pack"));
                     }
-                    kept.push((piece.to_vec(), piece_flags));
+                    kept.push((ids, flags));
+                    continue;
                 }
-                continue;
+                writer.write(&ids)?;
+                writer.end_document()?;
+                mask.write(&flags)?;
+                counted += flags.iter().filter(|&&f| f).count() as u64;
             }
-            if let Some(max) = options.max_length {
-                if ids.len() > max {
-                    truncated += 1;
-                    let cut = match options.truncation {
-                        Truncation::KeepStart => 0..max,
-                        Truncation::KeepEnd => ids.len() - max..ids.len(),
-                    };
-                    ids = ids[cut.clone()].to_vec();
-                    flags = flags[cut].to_vec();
-                }
-                // TRL's filter after its cut: an example without a counted token adds no loss.
-                // TRL's packing has no such filter: the example still takes its room in a row.
-                if !flags.contains(&true) {
-                    if options.pack.is_some() {
-                        packed_uncounted += 1;
-                    } else {
-                        dropped += 1;
-                        continue;
-                    }
-                }
-                if options.pad {
-                    flags[0] = false;
-                    ids.resize(max, eot);
-                    flags.resize(max, false);
-                }
-            }
-            merges += u64::from(merged);
-            if options.pack.is_some() {
-                flags[0] = false;
-                if kept.try_reserve(1).is_err() {
-                    return Err(err(input, "out of memory holding the examples to pack"));
-                }
-                kept.push((ids, flags));
-                continue;
-            }
-            writer.write(&ids)?;
-            writer.end_document()?;
-            mask.write(&flags)?;
-            counted += flags.iter().filter(|&&f| f).count() as u64;
+            bar.inc(group.len() as u64);
+            Ok(())
+        })?;
+        bar.finish_and_clear();
+        if examples_read == before {
+            return Err(err(input, "no examples"));
         }
-        bar.inc(group.len() as u64);
-        Ok(())
-    })?;
-    bar.finish_and_clear();
+    }
     if counted == 0 && kept.iter().all(|(_, flags)| !flags.contains(&true)) {
         return Err(err(
             input,
@@ -2085,7 +2210,7 @@ pub fn build_prompt_completion_with(
     files.push((mask_path, mask_bytes));
     Ok(PromptCompletionReport {
         files,
-        examples: examples.len(),
+        examples: examples_read,
         tokens: written.tokens,
         counted,
         boundary_merges: merges,

@@ -2325,3 +2325,86 @@ fn data_build_shards_a_directory_and_train_reads_the_globs() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--tokenizer"), "{}", stderr(&o));
 }
+
+/// `data build --jsonl` over several files (a split's Parquet shards, compressed JSON lines)
+/// is their examples one after the other: the Parquet split, its rows gzip'd, and zstd'd
+/// build its own token file three times over, with three times its examples and counted
+/// tokens; an input without examples is named.
+#[test]
+fn jsonl_build_reads_several_and_compressed_inputs_in_order() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let parquet = fixtures.join("../parquet/tests/fixtures");
+    let chat = fixtures.join("tests/fixtures/sft/chat");
+    let split = parquet.join("sft_messages.parquet");
+    let lines = std::fs::read(parquet.join("sft_messages.jsonl")).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&lines).unwrap();
+    let gz_path = dir.path().join("rows.jsonl.gz");
+    std::fs::write(&gz_path, gz.finish().unwrap()).unwrap();
+    let zst_path = dir.path().join("rows.jsonl.zst");
+    let fastest = ruzstd::encoding::CompressionLevel::Fastest;
+    std::fs::write(
+        &zst_path,
+        ruzstd::encoding::compress_to_vec(&lines[..], fastest),
+    )
+    .unwrap();
+    let single = dir.path().join("single.bin");
+    let o = build_jsonl(&chat, "raw-u16", &["--quiet"], &split, &single);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary = |o: &Output, key: &str| -> u64 {
+        let out = stdout(o);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(key))
+            .unwrap_or_else(|| panic!("no {key} in {out}"));
+        line[13..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (examples, counted) = (summary(&o, "examples"), summary(&o, "counted"));
+    let three = dir.path().join("three.bin");
+    let o = headroom(&[
+        "data",
+        "build",
+        "--jsonl",
+        "--quiet",
+        "--tokenizer",
+        chat.to_str().unwrap(),
+        "--format",
+        "raw-u16",
+        split.to_str().unwrap(),
+        gz_path.to_str().unwrap(),
+        zst_path.to_str().unwrap(),
+        three.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(summary(&o, "examples"), 3 * examples);
+    assert_eq!(summary(&o, "counted"), 3 * counted);
+    let one = std::fs::read(&single).unwrap();
+    assert!(std::fs::read(&three).unwrap() == [one.clone(), one.clone(), one].concat());
+    // An empty compressed file among them is named.
+    let empty = dir.path().join("empty.jsonl.gz");
+    let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::fs::write(&empty, gz.finish().unwrap()).unwrap();
+    let o = headroom(&[
+        "data",
+        "build",
+        "--jsonl",
+        "--tokenizer",
+        chat.to_str().unwrap(),
+        split.to_str().unwrap(),
+        empty.to_str().unwrap(),
+        three.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("empty.jsonl.gz: no examples"),
+        "{}",
+        stderr(&o)
+    );
+}
