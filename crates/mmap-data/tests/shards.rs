@@ -67,13 +67,13 @@ proptest! {
         let expected_shards = total.div_ceil(shard_tokens);
         prop_assert_eq!(written.shards.len() as u64, expected_shards);
         prop_assert_eq!(written.tokens, total);
-        // A document is split where a cut falls strictly inside it.
+        // Cuts that fall strictly inside a document.
         let cuts: Vec<u64> = (1..expected_shards).map(|k| k * shard_tokens).collect();
-        let split = starts
-            .windows(2)
-            .filter(|w| cuts.iter().any(|&c| w[0] < c && c < w[1]))
+        let split = cuts
+            .iter()
+            .filter(|&&c| starts.windows(2).any(|w| w[0] < c && c < w[1]))
             .count() as u64;
-        prop_assert_eq!(written.split_documents, split);
+        prop_assert_eq!(written.cuts_inside_documents, split);
         for (k, shard) in written.shards.iter().enumerate() {
             prop_assert_eq!(shard, &shard_path(&out, format, &sharding, k as u64));
             let name = shard.file_name().unwrap().to_str().unwrap();
@@ -137,7 +137,7 @@ fn an_unsharded_writer_writes_the_one_file() {
     writer.write(&[4]).unwrap();
     let written = writer.finish().unwrap();
     assert_eq!(written.shards, vec![out.clone()]);
-    assert_eq!((written.tokens, written.split_documents), (4, 0));
+    assert_eq!((written.tokens, written.cuts_inside_documents), (4, 0));
     let ds = formats::open(&out, &OpenOptions::default()).unwrap();
     assert_eq!(all_tokens(&ds), vec![1, 2, 3, 4]);
 }
@@ -242,7 +242,10 @@ fn a_stream_ending_on_a_cut_leaves_no_empty_shard() {
     writer.end_document().unwrap();
     let written = writer.finish().unwrap();
     assert_eq!(written.shards.len(), 2);
-    assert_eq!((written.split_documents, written.documents), (0, Some(2)));
+    assert_eq!(
+        (written.cuts_inside_documents, written.documents),
+        (0, Some(2))
+    );
     let (idx, bin) = megatron::megatron_paths(&dir.path().join("c_000001"));
     assert!(idx.is_file() && bin.is_file());
 }
@@ -276,4 +279,81 @@ fn bad_sizes_and_empty_streams_are_refused() {
         .unwrap_err();
     assert!(e.to_string().contains("c.bin"), "{e}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// A set abandoned after its first `k` shards and resumed from there with the rest of
+    /// the stream is the set written in one go, file for file, byte for byte; the split
+    /// documents count the same when the resume says whether it continues a document.
+    #[test]
+    fn a_resumed_set_is_the_uninterrupted_set(
+        format in format_strategy(),
+        documents in prop::collection::vec(prop::collection::vec(0u32..50_000, 1..40), 2..25),
+        shard_tokens in 1u64..60,
+        stop in 1u64..6,
+    ) {
+        let sharding = Sharding { shard_tokens, val_shards: 1 };
+        let whole = tempfile::tempdir().unwrap();
+        let mut writer = ShardedWriter::create(whole.path().join("c.bin"), format, Some(sharding)).unwrap();
+        for doc in &documents {
+            writer.write(doc).unwrap();
+            writer.end_document().unwrap();
+        }
+        let all = writer.finish().unwrap();
+        let total: u64 = documents.iter().map(|d| d.len() as u64).sum();
+        let kept = stop.min(total / shard_tokens);
+        prop_assume!(kept >= 1);
+        // Write until `kept` shards are finished, then abandon (a stray later shard too).
+        let split = tempfile::tempdir().unwrap();
+        let out = split.path().join("c.bin");
+        let mut writer = ShardedWriter::create(&out, format, Some(sharding)).unwrap();
+        let cut = kept * shard_tokens;
+        let (mut at, mut continues) = (0u64, false);
+        for doc in &documents {
+            let end = at + doc.len() as u64;
+            if end <= cut {
+                writer.write(doc).unwrap();
+                writer.end_document().unwrap();
+            } else {
+                if at < cut {
+                    writer.write(&doc[..(cut - at) as usize]).unwrap();
+                    continues = true;
+                }
+                break;
+            }
+            at = end;
+        }
+        prop_assert_eq!(writer.shards_finished(), kept);
+        let partial = writer.abandon();
+        prop_assert_eq!(partial.shards.len() as u64, kept);
+        std::fs::write(shard_path(&out, format, &sharding, kept + 3), b"stray").unwrap();
+        let mut writer = ShardedWriter::resume(&out, format, sharding, kept, continues).unwrap();
+        let mut at = 0u64;
+        for doc in &documents {
+            let end = at + doc.len() as u64;
+            if end > cut {
+                let from = cut.saturating_sub(at) as usize;
+                writer.write(&doc[from..]).unwrap();
+                writer.end_document().unwrap();
+            }
+            at = end;
+        }
+        let rest = writer.finish().unwrap();
+        let names = |f: &[std::path::PathBuf]| -> Vec<std::ffi::OsString> {
+            f.iter().map(|p| p.file_name().unwrap().to_owned()).collect()
+        };
+        prop_assert_eq!(names(&rest.shards), names(&all.shards));
+        prop_assert_eq!(rest.tokens, total);
+        // The cut the stop fell at is counted once, by the writer that continues the document.
+        prop_assert_eq!(partial.cuts_inside_documents + rest.cuts_inside_documents, all.cuts_inside_documents);
+        for shard in &all.shards {
+            let theirs = std::fs::read(shard).unwrap();
+            let ours = std::fs::read(split.path().join(shard.file_name().unwrap())).unwrap();
+            prop_assert!(ours == theirs, "{:?} differs", shard.file_name());
+        }
+        let count = |d: &std::path::Path| std::fs::read_dir(d).unwrap().count();
+        prop_assert_eq!(count(split.path()), count(whole.path()));
+    }
 }

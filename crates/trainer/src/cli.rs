@@ -1141,6 +1141,13 @@ enum DataCommand {
         /// 'DIR/STEM_val_*.bin'`.
         #[arg(long, value_name = "K", requires = "shard_tokens")]
         val_shards: Option<u64>,
+        /// With `--shard-tokens`: continue the build of the same inputs and settings that
+        /// died (a crash, a kill, a job's time limit) from its last finished shard, instead of
+        /// starting over: the shards are written as one uninterrupted build would have
+        /// written them. Its progress is the hidden `.OUT.build.json` beside the shards,
+        /// saved at every finished shard and removed when the build completes.
+        #[arg(long, requires = "shard_tokens")]
+        resume: bool,
         /// With `--tokenizer`: where each document's delimiting token goes: `end` (the
         /// end-of-text token after each document: nanoGPT's prepare.py, Megatron's
         /// --append-eod) or `start` (the tokenizer's beginning-of-sequence token before each
@@ -2588,6 +2595,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             shard_tokens,
             val_shards,
             document_token,
+            resume,
             ..
         } => {
             let tok = crate::tokenize::Tokenizer::from_name(&name)?;
@@ -2613,6 +2621,8 @@ fn cmd_data(c: DataCommand) -> CliResult {
                         val_shards: val_shards.unwrap_or(0),
                     }
                 }),
+                resume,
+                stop_after_shards: None,
             };
             let r = crate::tokenize::build_corpus(&inputs, &tok, format, &options, &out, !quiet)?;
             let secs = start.elapsed().as_secs_f64();
@@ -2621,6 +2631,13 @@ fn cmd_data(c: DataCommand) -> CliResult {
                     "{:<13}{} (an earlier build's shard)",
                     "removed",
                     path.display()
+                );
+            }
+            if resume {
+                say!(
+                    "{:<13}after the {} shards an earlier run finished",
+                    "resumed",
+                    r.kept_shards
                 );
             }
             // The rows of the byte-level build's summary, and the text and speed. A set of
@@ -2649,12 +2666,12 @@ fn cmd_data(c: DataCommand) -> CliResult {
             say!("{:<13}{}", "documents", r.documents);
             if let Some(s) = options.sharding {
                 say!(
-                    "{:<13}{} of {} tokens ({} validation), {} documents continued across a cut",
+                    "{:<13}{} of {} tokens ({} validation), {} cuts inside a document",
                     "shards",
                     r.shards.len(),
                     s.shard_tokens,
                     s.val_shards.min(r.shards.len() as u64),
-                    r.split_documents
+                    r.cuts_inside_documents
                 );
             }
             if inputs.len() > 1 {

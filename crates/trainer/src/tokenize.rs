@@ -516,11 +516,17 @@ pub struct BuildReport {
     pub tokens: u64,
     /// Documents (records, separator-delimited pieces of text).
     pub documents: u64,
-    /// Documents that straddle a cut between two shards (continued in the next one, as
+    /// Cuts between shards that fall inside a document (continued in the next shard, as
     /// llm.c's `fineweb.py` cuts them).
-    pub split_documents: u64,
-    /// An earlier build's shards of the same name, removed before writing.
+    pub cuts_inside_documents: u64,
+    /// An earlier build's shards of the same name, removed before writing (resuming: the
+    /// shards after those kept).
     pub removed: Vec<PathBuf>,
+    /// The build stopped after [`CorpusOptions::stop_after_shards`] shards: `--resume`
+    /// continues it.
+    pub stopped: bool,
+    /// Resuming: the shards an earlier run had finished, kept as they were.
+    pub kept_shards: u64,
     /// Bytes of text read.
     pub text_bytes: u64,
     /// The format written (its token type fits the vocabulary).
@@ -789,6 +795,13 @@ pub struct CorpusOptions {
     pub document_token: DocumentToken,
     /// Write numbered shards of this many tokens instead of one file.
     pub sharding: Option<Sharding>,
+    /// Continue the sharded build that stopped or died here (its progress file beside the
+    /// shards, of the same inputs and settings): its finished shards are kept and the rest
+    /// written as the whole build would have written them.
+    pub resume: bool,
+    /// Sharded: stop cleanly after this many more shards, keeping the progress for
+    /// [`CorpusOptions::resume`] (a build spread over jobs with a time limit).
+    pub stop_after_shards: Option<u64>,
 }
 
 /// The delimiting token of a build, resolved against the tokenizer.
@@ -947,50 +960,370 @@ fn build_kinds(
         }
     };
     let text_field = options.text_field.as_deref().unwrap_or("text");
-    let mut writer = shards::ShardedWriter::create(out, format, options.sharding)?;
-    let (mut documents, mut text_bytes) = (0u64, 0u64);
+    let mut emitter = Emitter::start(inputs, tok, format, options, out)?;
     for (i, (input, kind)) in inputs.iter().enumerate() {
+        if emitter.resume_at.is_some_and(|at| at.input > i) {
+            continue;
+        }
         let prefix = if inputs.len() > 1 {
             format!("[{}/{}] ", i + 1, inputs.len())
         } else {
             String::new()
         };
         let last = i + 1 == inputs.len();
-        let (docs, bytes) = match kind {
+        let go_on = match kind {
             CorpusKind::Text => write_text(
-                input,
+                (i, input),
                 tok,
                 options.separator.as_deref(),
                 delimit,
                 last,
-                &mut writer,
+                &mut emitter,
                 progress.then_some(prefix.as_str()),
             )?,
             kind => write_records(
-                input,
+                (i, input),
                 *kind,
                 tok,
                 text_field,
                 delimit,
-                &mut writer,
+                &mut emitter,
                 progress.then_some(prefix.as_str()),
             )?,
         };
-        documents += docs;
-        text_bytes += bytes;
+        if !go_on {
+            break;
+        }
     }
-    let written = writer.finish()?;
-    Ok(BuildReport {
-        files: written.files,
-        shards: written.shards,
-        tokens: written.tokens,
-        documents,
-        split_documents: written.split_documents,
-        removed: written.removed,
-        text_bytes,
-        format,
-        vocab,
-    })
+    emitter.finish(format, vocab)
+}
+
+/// Where a build stands: the unit (a record, or a piece of a text file) the next token comes
+/// from, and how many of that unit's tokens are already written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Position {
+    input: usize,
+    unit: u64,
+    tokens: u64,
+    /// The unit continues a document begun before the cut.
+    inside_document: bool,
+}
+
+/// A sharded build's progress, saved beside its shards (a hidden file, which neither a
+/// directory nor a glob of the shards reads) each time a shard is finished, and removed when
+/// the build completes: `data build --resume` continues from it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct BuildState {
+    /// What must be the same for the shards to continue: the inputs (path, size, modification
+    /// time) and every setting that changes the tokens.
+    settings: serde_json::Value,
+    /// Shards finished.
+    shards: u64,
+    /// Where the finished shards end.
+    next: Position,
+    documents: u64,
+    text_bytes: u64,
+    cuts_inside_documents: u64,
+}
+
+/// The hidden progress file of a sharded build of `out`.
+fn state_path(out: &Path) -> PathBuf {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    out.with_file_name(format!(".{name}.build.json"))
+}
+
+/// Everything the tokens of a build depend on, to refuse a resume that would mix two builds.
+fn build_settings(
+    inputs: &[(PathBuf, CorpusKind)],
+    tok: &Tokenizer,
+    format: TokenFileFormat,
+    options: &CorpusOptions,
+) -> Result<serde_json::Value> {
+    let mut files = Vec::new();
+    for (path, _) in inputs {
+        let meta = std::fs::metadata(path).map_err(|e| err(path, e.to_string()))?;
+        let modified = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        files.push(serde_json::json!({
+            "path": path.display().to_string(),
+            "bytes": meta.len(),
+            "modified_ns": modified.to_string(),
+        }));
+    }
+    let tokenizer = match tok {
+        Tokenizer::Gpt2(_) => "gpt2".to_owned(),
+        Tokenizer::HuggingFace(t) => {
+            let bytes = std::fs::read(t.path()).map_err(|e| err(t.path(), e.to_string()))?;
+            format!(
+                "{} xxh3 {:016x}",
+                t.path().display(),
+                xxhash_rust::xxh3::xxh3_64(&bytes)
+            )
+        }
+    };
+    Ok(serde_json::json!({
+        "inputs": files,
+        "tokenizer": tokenizer,
+        "format": format!("{format:?}"),
+        "sharding": options.sharding.map(|s| [s.shard_tokens, s.val_shards]),
+        "document_token": format!("{:?}", options.document_token),
+        "separator": options.separator,
+        "text_field": options.text_field,
+        "fields_named": options.fields_named,
+    }))
+}
+
+/// The writer of a build and its progress: each unit's tokens go through [`Emitter::unit`],
+/// which skips what a resumed build already has and saves the progress at every finished
+/// shard.
+struct Emitter {
+    writer: shards::ShardedWriter,
+    /// Sharded builds only: the progress file and the settings it records.
+    state: Option<(PathBuf, serde_json::Value)>,
+    /// Resuming: the first unit not wholly in the kept shards.
+    resume_at: Option<Position>,
+    saved_shards: u64,
+    /// Shards finished when this run started, and how many more it may finish.
+    started_shards: u64,
+    stop_after: Option<u64>,
+    documents: u64,
+    text_bytes: u64,
+    split_before: u64,
+    stopped: bool,
+}
+
+impl Emitter {
+    /// The writer of a fresh build (an earlier set's shards and progress removed), or of a
+    /// resumed one (its finished shards kept, checked to be of the same inputs and settings).
+    fn start(
+        inputs: &[(PathBuf, CorpusKind)],
+        tok: &Tokenizer,
+        format: TokenFileFormat,
+        options: &CorpusOptions,
+        out: &Path,
+    ) -> Result<Emitter> {
+        let fresh = |writer| Emitter {
+            writer,
+            state: None,
+            resume_at: None,
+            saved_shards: 0,
+            started_shards: 0,
+            stop_after: options.stop_after_shards,
+            documents: 0,
+            text_bytes: 0,
+            split_before: 0,
+            stopped: false,
+        };
+        let Some(sharding) = options.sharding else {
+            if options.resume {
+                return Err(err(out, "only a sharded build (--shard-tokens) resumes"));
+            }
+            return Ok(fresh(shards::ShardedWriter::create(out, format, None)?));
+        };
+        let path = state_path(out);
+        let settings = build_settings(inputs, tok, format, options)?;
+        if !options.resume {
+            // The progress goes first: a crash between the two must not leave progress that
+            // points at removed shards.
+            remove_if_present(&path)?;
+            let mut emitter = fresh(shards::ShardedWriter::create(out, format, Some(sharding))?);
+            emitter.state = Some((path, settings));
+            return Ok(emitter);
+        }
+        let bytes = std::fs::read(&path).map_err(|e| {
+            err(
+                &path,
+                format!("no build of these shards to resume ({e}): build without --resume"),
+            )
+        })?;
+        let saved: BuildState = serde_json::from_slice(&bytes)
+            .map_err(|e| err(&path, format!("not a build's progress: {e}")))?;
+        if saved.settings != settings {
+            let changed = settings
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(k, v)| saved.settings.get(k.as_str()) != Some(v))
+                .map(|(k, _)| k.as_str())
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(err(
+                &path,
+                format!(
+                    "this build's {changed} changed since its shards were written: build \
+                     again without --resume"
+                ),
+            ));
+        }
+        let writer = shards::ShardedWriter::resume(
+            out,
+            format,
+            sharding,
+            saved.shards,
+            saved.next.inside_document && saved.next.tokens == 0,
+        )?;
+        Ok(Emitter {
+            writer,
+            state: Some((path, settings)),
+            resume_at: Some(saved.next),
+            saved_shards: saved.shards,
+            started_shards: saved.shards,
+            stop_after: options.stop_after_shards,
+            documents: saved.documents,
+            text_bytes: saved.text_bytes,
+            split_before: saved.cuts_inside_documents,
+            stopped: false,
+        })
+    }
+
+    /// Whether unit `unit` of input `input` lies wholly in a resumed build's kept shards.
+    fn already_written(&self, input: usize, unit: u64) -> bool {
+        self.resume_at
+            .is_some_and(|at| (input, unit) < (at.input, at.unit))
+    }
+
+    /// Write one unit's tokens (`sequence`: its delimiter included), which ends a document or
+    /// not and read `bytes` of text. Returns `false` when the build is to stop here
+    /// ([`CorpusOptions::stop_after_shards`]).
+    fn unit(
+        &mut self,
+        (input, unit): (usize, u64),
+        sequence: &[u32],
+        ends_document: bool,
+        bytes: u64,
+    ) -> Result<bool> {
+        if self.already_written(input, unit) {
+            return Ok(true);
+        }
+        let mut skip = 0;
+        if let Some(at) = self.resume_at.take() {
+            if (input, unit) == (at.input, at.unit) {
+                skip = usize::try_from(at.tokens).unwrap_or(usize::MAX);
+            }
+        }
+        let rest =
+            sequence.get(skip..).ok_or_else(|| {
+                err(
+                self.state.as_ref().map_or(Path::new(""), |(p, _)| p.as_path()),
+                "the progress points inside a unit shorter than it says: build without --resume",
+            )
+            })?;
+        if !rest.is_empty() {
+            self.writer.write(rest)?;
+        }
+        if ends_document {
+            self.writer.end_document()?;
+            self.documents += 1;
+        }
+        self.text_bytes += bytes;
+        let finished = self.writer.shards_finished();
+        if finished == self.saved_shards {
+            return Ok(true);
+        }
+        // A cut fell inside this write: the open shard holds only this unit's tail.
+        let open = self.writer.tokens_in_open_shard();
+        let next = if open == 0 {
+            Position {
+                input,
+                unit: unit + 1,
+                tokens: 0,
+                inside_document: !ends_document,
+            }
+        } else {
+            Position {
+                input,
+                unit,
+                tokens: sequence.len() as u64 - open,
+                inside_document: true,
+            }
+        };
+        let whole = open == 0;
+        let state = BuildState {
+            settings: self
+                .state
+                .as_ref()
+                .map_or(serde_json::Value::Null, |(_, s)| s.clone()),
+            shards: finished,
+            next,
+            documents: self.documents - u64::from(ends_document && !whole),
+            text_bytes: self.text_bytes - if whole { 0 } else { bytes },
+            cuts_inside_documents: self.split_before + self.writer.cuts_inside_documents(),
+        };
+        if let Some((path, _)) = &self.state {
+            let json = serde_json::to_vec_pretty(&state).map_err(|e| err(path, e.to_string()))?;
+            write_replacing(path, &json)?;
+        }
+        self.saved_shards = finished;
+        if self
+            .stop_after
+            .is_some_and(|n| finished - self.started_shards >= n)
+        {
+            self.stopped = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// The report; the last shard finished and the progress removed, unless the build
+    /// stopped early (then the open shard is dropped and the progress kept for `--resume`).
+    fn finish(self, format: TokenFileFormat, vocab: usize) -> Result<BuildReport> {
+        let split_before = self.split_before;
+        let kept_shards = self.started_shards;
+        let (written, stopped) = if self.stopped {
+            (self.writer.abandon(), true)
+        } else {
+            let written = self.writer.finish()?;
+            if let Some((path, _)) = &self.state {
+                remove_if_present(path)?;
+            }
+            (written, false)
+        };
+        Ok(BuildReport {
+            files: written.files,
+            shards: written.shards,
+            tokens: written.tokens,
+            documents: self.documents,
+            cuts_inside_documents: split_before + written.cuts_inside_documents,
+            removed: written.removed,
+            text_bytes: self.text_bytes,
+            format,
+            vocab,
+            stopped,
+            kept_shards,
+        })
+    }
+}
+
+/// Remove `path`; a file that is not there is fine.
+fn remove_if_present(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(err(path, e.to_string())),
+        _ => Ok(()),
+    }
+}
+
+/// Write `bytes` to `path` through a synced temporary file and a rename: a crash leaves the
+/// old file or the new one, never a torn one.
+fn write_replacing(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut temp = path.as_os_str().to_owned();
+    temp.push(".tmp");
+    let temp = PathBuf::from(temp);
+    let written = std::fs::File::create(&temp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&temp, path)) {
+        let _ = std::fs::remove_file(&temp);
+        return Err(err(path, e.to_string()));
+    }
+    Ok(())
 }
 
 /// Whether `a` and `b` are one file (both exist and have the same identity).
@@ -1024,57 +1357,73 @@ fn progress_bar(prefix: Option<&str>, total: Option<u64>, bytes: bool) -> indica
     bar
 }
 
-/// Write the text file `input`'s documents: returns (documents, bytes of text).
+/// Write the text file `input`'s documents, a piece (the build's unit) at a time; returns
+/// `false` when the build is to stop.
 fn write_text(
-    input: &Path,
+    (index, input): (usize, &Path),
     tok: &Tokenizer,
     separator: Option<&str>,
     delimit: Delimit,
     last_input: bool,
-    writer: &mut shards::ShardedWriter,
+    emitter: &mut Emitter,
     progress: Option<&str>,
-) -> Result<(u64, u64)> {
+) -> Result<bool> {
     let map = map_text(input)?;
     let text: &[u8] = &map;
     let pieces = pieces(tok, text, separator.map(str::as_bytes));
     let bar = progress_bar(progress, Some(text.len() as u64), true);
-    let mut documents = 0u64;
     // Batches of pieces encoded in parallel, written in order: memory stays bounded by a
     // batch's tokens, not the file's.
     let batch = rayon::current_num_threads().max(1) * 4;
+    let mut read_to = 0;
     for (bi, group) in pieces.chunks(batch).enumerate() {
-        let encoded: Vec<Vec<u32>> = group
+        let first = bi * batch;
+        let encoded: Vec<Option<Vec<u32>>> = group
             .par_iter()
-            .map(|&(_, s, e)| {
+            .enumerate()
+            .map(|(k, &(_, s, e))| {
+                if emitter.already_written(index, (first + k) as u64) {
+                    return Ok(None);
+                }
                 // Cuts fall on separators and ASCII bytes, so each piece is valid UTF-8.
                 let piece = std::str::from_utf8(&text[s..e])
                     .map_err(|e| err(input, format!("piece is not UTF-8: {e}")))?;
-                tok.encode(piece)
+                tok.encode(piece).map(Some)
             })
             .collect::<Result<_>>()?;
-        for (k, ids) in encoded.iter().enumerate() {
-            let i = bi * batch + k;
+        for (k, ids) in encoded.into_iter().enumerate() {
+            let i = first + k;
             let (doc, _, end) = group[k];
+            // The text read: up to this piece's end, and the file's tail with its last.
+            let upto = if i + 1 == pieces.len() {
+                text.len()
+            } else {
+                end
+            };
+            let bytes = (upto - read_to) as u64;
+            read_to = upto;
+            let Some(ids) = ids else { continue };
             let first_of_doc = i == 0 || pieces[i - 1].0 != doc;
-            if let (Delimit::Before(bos), true) = (delimit, first_of_doc) {
-                writer.write(&[bos])?;
-            }
-            writer.write(ids)?;
             let last_of_doc = pieces.get(i + 1).is_none_or(|p| p.0 != doc);
-            if last_of_doc {
-                documents += 1;
-                // Every document but the last input's tail ends with EOT.
-                let more = i + 1 < pieces.len() || !last_input;
-                if let (Delimit::After(eot), true) = (delimit, more) {
-                    writer.write(&[eot])?;
-                }
-                writer.end_document()?;
+            let mut sequence = Vec::with_capacity(ids.len() + 1);
+            if let (Delimit::Before(bos), true) = (delimit, first_of_doc) {
+                sequence.push(bos);
+            }
+            sequence.extend_from_slice(&ids);
+            // Every document but the last input's tail ends with EOT.
+            let more = i + 1 < pieces.len() || !last_input;
+            if let (Delimit::After(eot), true, true) = (delimit, last_of_doc, more) {
+                sequence.push(eot);
+            }
+            if !emitter.unit((index, i as u64), &sequence, last_of_doc, bytes)? {
+                bar.finish_and_clear();
+                return Ok(false);
             }
             bar.set_position(end as u64);
         }
     }
     bar.finish_and_clear();
-    Ok((documents, text.len() as u64))
+    Ok(true)
 }
 
 /// What a `data build` input is, by its first bytes and its name.
@@ -1314,21 +1663,21 @@ impl Corpus<'_> {
 }
 
 /// Write a corpus of records (a Parquet file's rows, JSON lines): each record's `text_field`
-/// is one document, delimited by `delimit` (nanoGPT's and llm.c's `fineweb.py` put the same
-/// token between documents). A Parquet file is decoded a row group at a time and only its
-/// text column (FineWeb as Hugging Face publishes it); JSON lines are streamed, through gzip
-/// or zstd if compressed, a batch at a time. Each batch's documents are encoded in parallel
-/// and written in order. A record whose text is null or missing is an error naming it.
-/// Returns (documents, bytes of text).
+/// is one document and the build's unit, delimited by `delimit` (nanoGPT's and llm.c's
+/// `fineweb.py` put the same token between documents). A Parquet file is decoded a row group
+/// at a time and only its text column (FineWeb as Hugging Face publishes it); JSON lines are
+/// streamed, through gzip or zstd if compressed, a batch at a time. Each batch's documents are
+/// encoded in parallel and written in order. A record whose text is null or missing is an
+/// error naming it. Returns `false` when the build is to stop.
 fn write_records(
-    input: &Path,
+    (index, input): (usize, &Path),
     kind: CorpusKind,
     tok: &Tokenizer,
     text_field: &str,
     delimit: Delimit,
-    writer: &mut shards::ShardedWriter,
+    emitter: &mut Emitter,
     progress: Option<&str>,
-) -> Result<(u64, u64)> {
+) -> Result<bool> {
     let map;
     let mut corpus = match kind {
         CorpusKind::Text => {
@@ -1360,12 +1709,33 @@ fn write_records(
         Corpus::Parquet { file, .. } => progress_bar(progress, Some(file.num_rows()), false),
         Corpus::Jsonl { .. } => progress_bar(progress, None, false),
     };
+    // Resuming: row groups wholly in the kept shards are not even decoded.
+    if let Corpus::Parquet {
+        file,
+        next_group,
+        number,
+        ..
+    } = &mut corpus
+    {
+        while let Some(rows) = file.row_group_rows(*next_group) {
+            if rows == 0 || !emitter.already_written(index, *number + rows - 1) {
+                break;
+            }
+            *number += rows;
+            *next_group += 1;
+        }
+        bar.set_position(*number);
+    }
     let unit = corpus.unit();
-    let (mut documents, mut text_bytes) = (0u64, 0u64);
+    let mut records = 0u64;
     while let Some(batch) = corpus.next_batch(input)? {
-        let encoded: Vec<(Vec<u32>, usize)> = batch
+        records += batch.len() as u64;
+        let encoded: Vec<Option<(Vec<u32>, usize)>> = batch
             .par_iter()
             .map(|(number, record)| {
+                if emitter.already_written(index, number - 1) {
+                    return Ok(None);
+                }
                 let text = record
                     .get(text_field)
                     .and_then(|v| v.as_str())
@@ -1381,40 +1751,40 @@ fn write_records(
                         )
                     })?;
                 // A long document is encoded in pieces cut where the tokenizer allows, as a
-                // text file's are.
+                // text file's are; the delimiter goes in the same sequence.
                 let mut ids = Vec::new();
+                if let Delimit::Before(bos) = delimit {
+                    ids.push(bos);
+                }
                 for (_, a, e) in pieces(tok, text.as_bytes(), None) {
                     let piece = text
                         .get(a..e)
                         .ok_or_else(|| err(input, "a piece cut inside a character"))?;
                     ids.extend(tok.encode(piece)?);
                 }
-                Ok((ids, text.len()))
+                if let Delimit::After(eot) = delimit {
+                    ids.push(eot);
+                }
+                Ok(Some((ids, text.len())))
             })
             .collect::<Result<_>>()?;
-        for (ids, len) in &encoded {
-            match delimit {
-                Delimit::Before(bos) => {
-                    writer.write(&[bos])?;
-                    writer.write(ids)?;
-                }
-                Delimit::After(eot) => {
-                    writer.write(ids)?;
-                    writer.write(&[eot])?;
-                }
-                Delimit::Nothing => writer.write(ids)?,
+        for ((number, _), done) in batch.iter().zip(encoded) {
+            let Some((sequence, len)) = done else {
+                continue;
+            };
+            if !emitter.unit((index, number - 1), &sequence, true, len as u64)? {
+                bar.finish_and_clear();
+                return Ok(false);
             }
-            writer.end_document()?;
-            documents += 1;
-            text_bytes += *len as u64;
         }
         bar.inc(batch.len() as u64);
     }
     bar.finish_and_clear();
-    if documents == 0 {
+    let skipped_groups = matches!(&corpus, Corpus::Parquet { number, .. } if *number > records);
+    if records == 0 && !skipped_groups {
         return Err(err(input, format!("no {unit}s")));
     }
-    Ok((documents, text_bytes))
+    Ok(true)
 }
 
 /// Tokenize a corpus of records into `out` in `format`: each Parquet row's or JSON line's

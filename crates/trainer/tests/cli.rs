@@ -2408,3 +2408,95 @@ fn jsonl_build_reads_several_and_compressed_inputs_in_order() {
         stderr(&o)
     );
 }
+
+/// A sharded build killed (SIGKILL) once it has finished a shard, then `--resume`d, writes
+/// the same shards byte for byte as a build that was never interrupted, and leaves no
+/// progress file behind.
+#[test]
+fn a_killed_sharded_build_resumes_to_the_same_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../parquet/tests/fixtures/fineweb_like.jsonl"),
+    )
+    .unwrap();
+    let corpus = dir.path().join("corpus.jsonl");
+    std::fs::write(&corpus, rows.repeat(150)).unwrap();
+    let build_into = |out: &std::path::Path, resume: bool| {
+        let mut command = common::headroom_command();
+        command.args([
+            "data",
+            "build",
+            "--quiet",
+            "--tokenizer",
+            "gpt2",
+            "--shard-tokens",
+            "20000",
+            "--val-shards",
+            "1",
+        ]);
+        if resume {
+            command.arg("--resume");
+        }
+        command.args([corpus.to_str().unwrap(), out.to_str().unwrap()]);
+        command
+    };
+    let whole = dir.path().join("whole");
+    std::fs::create_dir(&whole).unwrap();
+    let o = build_into(&whole.join("c.bin"), false).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let killed = dir.path().join("killed");
+    std::fs::create_dir(&killed).unwrap();
+    let progress = killed.join(".c.bin.build.json");
+    let mut child = build_into(&killed.join("c.bin"), false)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !progress.exists() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the build ended before finishing a shard"
+        );
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "no shard after 2 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(progress.exists(), "the kill left the progress");
+    let o = build_into(&killed.join("c.bin"), true).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("resumed      after the"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(!progress.exists());
+    let listing = |d: &std::path::Path| {
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| {
+                (
+                    e.file_name().into_string().unwrap(),
+                    std::fs::read(e.path()).unwrap(),
+                )
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let (a, b) = (listing(&whole), listing(&killed));
+    assert!(a.len() >= 5, "{} shards", a.len());
+    assert_eq!(
+        a.iter().map(|f| &f.0).collect::<Vec<_>>(),
+        b.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    assert!(
+        a == b,
+        "the resumed shards differ from the uninterrupted build's"
+    );
+}

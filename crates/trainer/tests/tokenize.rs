@@ -587,7 +587,7 @@ fn several_inputs_and_shards_are_one_stream() {
     .unwrap();
     let stream = read_tokens(&one).0;
     assert_eq!(stream, [first, second].concat());
-    assert_eq!((r.documents, r.split_documents), (60, 0));
+    assert_eq!((r.documents, r.cuts_inside_documents), (60, 0));
     for (shard_tokens, val_shards) in [(1000, 0), (4096, 2), (7, 1), (100_000, 1)] {
         let sub = dir.path().join(format!("s{shard_tokens}"));
         std::fs::create_dir(&sub).unwrap();
@@ -739,4 +739,210 @@ fn a_build_never_overwrites_its_inputs() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("records are its documents"), "{e}");
+}
+
+/// Every file in `dir` by name, with its bytes.
+fn files_in(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().unwrap().is_file())
+        .map(|e| {
+            (
+                e.file_name().into_string().unwrap(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A sharded build stopped after any number of shards and resumed, as many times as it
+/// takes, writes the same files byte for byte as one uninterrupted build, with the same
+/// counts: records (Parquet then JSON lines, llm.c's layout) and text files (documents cut
+/// into pieces, Megatron pairs whose indexes record the documents), shard sizes that cut
+/// inside documents and inside a unit's tokens.
+#[test]
+fn a_stopped_build_resumes_to_the_same_shards() {
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let text_a = root.path().join("a.txt");
+    let text_b = root.path().join("b.txt");
+    let words = std::fs::read_to_string(parquet_fixture("fineweb_like.jsonl")).unwrap();
+    std::fs::write(&text_a, words.replace("\"}", "|")).unwrap();
+    std::fs::write(&text_b, &words[..5000]).unwrap();
+    let records = vec![
+        parquet_fixture("fineweb_like.parquet"),
+        parquet_fixture("fineweb_like.jsonl"),
+    ];
+    let texts = vec![text_a, text_b];
+    let cases: [(&[PathBuf], &str, Option<&str>, DocumentToken); 2] = [
+        (&records, "llmc", None, DocumentToken::Start),
+        (&texts, "megatron", Some("|"), DocumentToken::End),
+    ];
+    for (inputs, format_name, separator, document_token) in cases {
+        let format = format_for(format_name, tok.vocab_size()).unwrap();
+        for shard_tokens in [997u64, 4000] {
+            let options = |resume: bool, stop: Option<u64>| CorpusOptions {
+                separator: separator.map(str::to_owned),
+                document_token,
+                sharding: Some(Sharding {
+                    shard_tokens,
+                    val_shards: 1,
+                }),
+                resume,
+                stop_after_shards: stop,
+                ..CorpusOptions::default()
+            };
+            let whole_dir = root
+                .path()
+                .join(format!("whole-{format_name}-{shard_tokens}"));
+            std::fs::create_dir(&whole_dir).unwrap();
+            let whole = build_corpus(
+                inputs,
+                &tok,
+                format,
+                &options(false, None),
+                &whole_dir.join("c.bin"),
+                false,
+            )
+            .unwrap();
+            assert!(!whole.stopped && whole.shards.len() >= 3);
+            assert!(
+                whole.cuts_inside_documents > 0,
+                "cuts fall inside documents"
+            );
+            let want = files_in(&whole_dir);
+            for stride in [1u64, 2] {
+                let dir = root
+                    .path()
+                    .join(format!("steps-{format_name}-{shard_tokens}-{stride}"));
+                std::fs::create_dir(&dir).unwrap();
+                let out = dir.join("c.bin");
+                let mut r = build_corpus(
+                    inputs,
+                    &tok,
+                    format,
+                    &options(false, Some(stride)),
+                    &out,
+                    false,
+                )
+                .unwrap();
+                let mut runs = 1;
+                while r.stopped {
+                    // A stopped build keeps its finished shards and its progress; a dead
+                    // one may also leave a shard it finished after saving its progress,
+                    // which the resume must rewrite rather than keep.
+                    assert!(dir.join(".c.bin.build.json").is_file());
+                    let ahead = shard_named(&dir, r.shards.len());
+                    std::fs::write(&ahead, b"a shard the progress does not know").unwrap();
+                    r = build_corpus(
+                        inputs,
+                        &tok,
+                        format,
+                        &options(true, Some(stride)),
+                        &out,
+                        false,
+                    )
+                    .unwrap();
+                    assert!(r.removed.contains(&ahead) || !ahead.exists());
+                    runs += 1;
+                }
+                assert!(runs >= 2, "the build stopped at least once");
+                assert!(!dir.join(".c.bin.build.json").exists());
+                let got = files_in(&dir);
+                let names = |f: &[(String, Vec<u8>)]| -> Vec<String> {
+                    f.iter().map(|(n, _)| n.clone()).collect()
+                };
+                assert_eq!(names(&got), names(&want), "{format_name} {shard_tokens}");
+                for ((name, a), (_, b)) in got.iter().zip(&want) {
+                    assert!(
+                        a == b,
+                        "{name} differs ({format_name}, {shard_tokens}, {stride})"
+                    );
+                }
+                assert_eq!(
+                    (r.tokens, r.documents, r.text_bytes, r.cuts_inside_documents),
+                    (
+                        whole.tokens,
+                        whole.documents,
+                        whole.text_bytes,
+                        whole.cuts_inside_documents
+                    ),
+                    "{format_name} {shard_tokens} {stride}"
+                );
+            }
+        }
+    }
+}
+
+/// The path of shard `index` of `c.bin` in `dir` (validation shard 0, then train).
+fn shard_named(dir: &Path, index: usize) -> PathBuf {
+    let split = if index == 0 { "val" } else { "train" };
+    dir.join(format!("c_{split}_{index:06}.bin"))
+}
+
+/// `--resume` continues only the same build: changed settings or inputs, no progress, or an
+/// unsharded build are refused with what changed, and nothing is removed.
+#[test]
+fn a_resume_of_another_build_is_refused() {
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let format = format_for("llmc", tok.vocab_size()).unwrap();
+    let input = dir.path().join("corpus.jsonl");
+    std::fs::copy(parquet_fixture("fineweb_like.jsonl"), &input).unwrap();
+    let out = dir.path().join("c.bin");
+    let options = |shard_tokens: u64, resume: bool| CorpusOptions {
+        sharding: Some(Sharding {
+            shard_tokens,
+            val_shards: 0,
+        }),
+        resume,
+        stop_after_shards: Some(2),
+        ..CorpusOptions::default()
+    };
+    let inputs = std::slice::from_ref(&input);
+    let e = build_corpus(inputs, &tok, format, &options(1000, true), &out, false).unwrap_err();
+    assert!(
+        e.to_string().contains("no build of these shards to resume"),
+        "{e}"
+    );
+    let r = build_corpus(inputs, &tok, format, &options(1000, false), &out, false).unwrap();
+    assert!(r.stopped && r.shards.len() == 2);
+    let before = files_in(dir.path());
+    let e = build_corpus(inputs, &tok, format, &options(999, true), &out, false).unwrap_err();
+    assert!(e.to_string().contains("sharding changed"), "{e}");
+    let mut other = options(1000, true);
+    other.document_token = DocumentToken::Start;
+    let e = build_corpus(inputs, &tok, format, &other, &out, false).unwrap_err();
+    assert!(e.to_string().contains("document_token changed"), "{e}");
+    let mut longer = std::fs::read(&input).unwrap();
+    longer.extend_from_slice(b"{\"text\": \"one more\"}\n");
+    std::fs::write(&input, longer).unwrap();
+    let e = build_corpus(inputs, &tok, format, &options(1000, true), &out, false).unwrap_err();
+    assert!(e.to_string().contains("inputs changed"), "{e}");
+    assert_eq!(
+        files_in(dir.path())
+            .into_iter()
+            .filter(|(n, _)| n != "corpus.jsonl")
+            .collect::<Vec<_>>(),
+        before
+            .into_iter()
+            .filter(|(n, _)| n != "corpus.jsonl")
+            .collect::<Vec<_>>()
+    );
+    let e = build_corpus(
+        inputs,
+        &tok,
+        format,
+        &CorpusOptions {
+            resume: true,
+            ..CorpusOptions::default()
+        },
+        &out,
+        false,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("only a sharded build"), "{e}");
 }

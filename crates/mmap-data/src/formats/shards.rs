@@ -81,29 +81,33 @@ fn stem_and_extension(out: &Path, format: TokenFileFormat) -> (String, Option<St
     }
 }
 
-/// True when the file name `name` is one of the shards [`shard_path`] names for `out`
-/// (any index, with or without a split), a Megatron shard's `.idx`, or the loss mask of one.
-fn is_shard_name(name: &str, stem: &str, ext: Option<&str>, megatron: bool) -> bool {
+/// The index of the shard the file name `name` is, among those [`shard_path`] names for
+/// `out` (any index, with or without a split), counting a Megatron shard's `.idx` and a
+/// shard's loss mask as the shard; `None` for any other name.
+fn shard_index(name: &str, stem: &str, ext: Option<&str>, megatron: bool) -> Option<u64> {
     let name = name
         .strip_suffix(crate::loss_mask::LOSS_MASK_SUFFIX)
         .unwrap_or(name);
-    let Some(rest) = name.strip_prefix(stem).and_then(|r| r.strip_prefix('_')) else {
-        return false;
-    };
+    let rest = name.strip_prefix(stem)?.strip_prefix('_')?;
     let rest = rest
         .strip_prefix("val_")
         .or_else(|| rest.strip_prefix("train_"))
         .unwrap_or(rest);
     let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
     if digits < 6 {
-        return false;
+        return None;
     }
     let tail = &rest[digits..];
-    match (ext, megatron) {
+    let ours = match (ext, megatron) {
         (_, true) => tail == ".bin" || tail == ".idx",
         (Some(ext), false) => tail.strip_prefix('.') == Some(ext),
         (None, false) => tail.is_empty(),
-    }
+    };
+    ours.then(|| rest[..digits].parse().ok()).flatten()
+}
+
+fn is_shard_name(name: &str, stem: &str, ext: Option<&str>, megatron: bool) -> bool {
+    shard_index(name, stem, ext, megatron).is_some()
 }
 
 /// A token stream written as one file, or as numbered shards of [`Sharding::shard_tokens`]
@@ -119,11 +123,11 @@ fn is_shard_name(name: &str, stem: &str, ext: Option<&str>, megatron: bool) -> b
 /// let sharding = Sharding { shard_tokens: 4, val_shards: 1 };
 /// let mut writer =
 ///     ShardedWriter::create(&out, TokenFileFormat::Llmc(LlmcFlavor::Gpt2), Some(sharding))?;
-/// writer.write(&[50256, 1, 2, 3, 4, 5])?; // straddles the first cut, after 4 tokens
+/// writer.write(&[50256, 1, 2, 3, 4, 5])?; // the first cut falls inside, after 4 tokens
 /// writer.end_document()?;
-/// writer.write(&[50256, 6, 7])?; // and this one the second
+/// writer.write(&[50256, 6, 7])?; // and the second here
 /// let written = writer.finish()?;
-/// assert_eq!((written.shards.len(), written.tokens, written.split_documents), (3, 9, 2));
+/// assert_eq!((written.shards.len(), written.tokens, written.cuts_inside_documents), (3, 9, 2));
 /// let train = open(dir.path().join("corpus_train_*.bin"), &OpenOptions::default())?;
 /// assert_eq!(train.total_tokens(), 5);
 /// # Ok(())
@@ -142,11 +146,9 @@ pub struct ShardedWriter {
     /// Tokens in the open shard.
     in_current: u64,
     written: ShardedFiles,
-    /// A shard was closed inside a document: if the next token continues it, it is split.
+    /// A shard was closed inside a document: if the next token continues it, the cut
+    /// counts in `cuts_inside_documents`.
     cut_inside_document: bool,
-    /// The open document is already counted in `split_documents` (it may straddle several
-    /// cuts).
-    document_counted: bool,
 }
 
 /// What a finished [`ShardedWriter`] wrote.
@@ -162,8 +164,9 @@ pub struct ShardedFiles {
     /// Documents in the Megatron indexes (a split document counts once per shard); `None`
     /// for formats without one.
     pub documents: Option<u64>,
-    /// Documents that straddle a cut between two shards.
-    pub split_documents: u64,
+    /// Cuts between two shards that fall inside a document (its tokens continue in the next
+    /// shard); a document longer than a shard holds several.
+    pub cuts_inside_documents: u64,
     /// Earlier shards of the same name that were removed before writing (with their loss
     /// masks), so that a glob over the new set cannot pick up an old run's tail.
     pub removed: Vec<PathBuf>,
@@ -190,18 +193,7 @@ impl ShardedWriter {
         let current = match &sharding {
             None => Some(TokenWriter::create(&out, format)?),
             Some(s) => {
-                if s.shard_tokens == 0 {
-                    return Err(DataError::InvalidConfig(
-                        "a shard must hold at least one token".into(),
-                    ));
-                }
-                if matches!(format, TokenFileFormat::Llmc(_)) && s.shard_tokens > i32::MAX as u64 {
-                    return Err(DataError::InvalidConfig(format!(
-                        "llm.c shards hold at most {} tokens, asked for {}",
-                        i32::MAX,
-                        s.shard_tokens
-                    )));
-                }
+                check_sharding(format, s)?;
                 written.removed = remove_earlier_shards(&out, format)?;
                 None
             }
@@ -215,13 +207,84 @@ impl ShardedWriter {
             in_current: 0,
             written,
             cut_inside_document: false,
-            document_counted: false,
+        })
+    }
+
+    /// Continue a sharded set whose first `kept` shards are complete (a build that died, or
+    /// stopped, after finishing them): those are kept as they are, the set's later shards
+    /// (and their loss masks) are removed, and writing starts at shard `kept`. Every kept
+    /// shard must exist ([`DataError::Io`] otherwise); each counts as full. The caller knows
+    /// where in its input the kept shards end (see `headroom data build --resume`);
+    /// `continues_document` says the first token written continues a document the last kept
+    /// shard ends inside, so that the cut counts in [`ShardedFiles::cuts_inside_documents`] as
+    /// in the uninterrupted build (pass `false` when the earlier run had already written that
+    /// continuation, and counted the cut).
+    pub fn resume(
+        out: impl AsRef<Path>,
+        format: TokenFileFormat,
+        sharding: Sharding,
+        kept: u64,
+        continues_document: bool,
+    ) -> Result<ShardedWriter> {
+        let out = out.as_ref().to_path_buf();
+        check_sharding(format, &sharding)?;
+        let mut files = Vec::new();
+        let mut shards = Vec::new();
+        for index in 0..kept {
+            let path = shard_path(&out, format, &sharding, index);
+            let bytes = fs::metadata(&path)
+                .map_err(|e| DataError::io(&path, e))?
+                .len();
+            files.push((path.clone(), bytes));
+            if let TokenFileFormat::Megatron { .. } = format {
+                let idx = megatron_paths(&path).0;
+                let idx_bytes = fs::metadata(&idx)
+                    .map_err(|e| DataError::io(&idx, e))?
+                    .len();
+                files.push((idx, idx_bytes));
+            }
+            shards.push(path);
+        }
+        let removed = remove_shards(&out, format, |index| index >= kept)?;
+        let written = ShardedFiles {
+            files,
+            shards,
+            tokens: kept.saturating_mul(sharding.shard_tokens),
+            // The kept shards' indexes are not read again: only new shards' documents count.
+            documents: matches!(format, TokenFileFormat::Megatron { .. }).then_some(0),
+            cuts_inside_documents: 0,
+            removed,
+        };
+        Ok(ShardedWriter {
+            out,
+            format,
+            sharding: Some(sharding),
+            current: None,
+            next_index: kept,
+            in_current: 0,
+            written,
+            cut_inside_document: continues_document,
         })
     }
 
     /// The format being written.
     pub fn format(&self) -> TokenFileFormat {
         self.format
+    }
+
+    /// Shards finished and in place (kept ones of a resumed set included).
+    pub fn shards_finished(&self) -> u64 {
+        self.written.shards.len() as u64
+    }
+
+    /// Tokens in the shard being filled (0 right after a cut).
+    pub fn tokens_in_open_shard(&self) -> u64 {
+        self.in_current
+    }
+
+    /// Cuts that fell inside a document so far.
+    pub fn cuts_inside_documents(&self) -> u64 {
+        self.written.cuts_inside_documents
     }
 
     /// Tokens written so far, over every shard.
@@ -247,9 +310,8 @@ impl ShardedWriter {
                 self.next_index += 1;
                 self.in_current = 0;
             }
-            if std::mem::take(&mut self.cut_inside_document) && !self.document_counted {
-                self.written.split_documents += 1;
-                self.document_counted = true;
+            if std::mem::take(&mut self.cut_inside_document) {
+                self.written.cuts_inside_documents += 1;
             }
             let room = sharding.shard_tokens - self.in_current;
             let take = usize::try_from(room).map_or(rest.len(), |r| r.min(rest.len()));
@@ -269,11 +331,17 @@ impl ShardedWriter {
     /// index, and a document's end is its end-of-text token.
     pub fn end_document(&mut self) -> Result<()> {
         self.cut_inside_document = false;
-        self.document_counted = false;
         match self.current.as_mut() {
             Some(w) => w.end_document(),
             None => Ok(()),
         }
+    }
+
+    /// Stop without finishing the open shard (its temporary file is removed): what the
+    /// finished shards hold, for a build to be resumed later.
+    pub fn abandon(mut self) -> ShardedFiles {
+        drop(self.current.take());
+        std::mem::take(&mut self.written)
     }
 
     /// Finish the open file. No tokens at all is [`DataError::Empty`], and nothing is left
@@ -310,6 +378,23 @@ impl ShardedWriter {
     }
 }
 
+/// A shard size of 0, or above an llm.c header's `i32` count, is refused.
+fn check_sharding(format: TokenFileFormat, s: &Sharding) -> Result<()> {
+    if s.shard_tokens == 0 {
+        return Err(DataError::InvalidConfig(
+            "a shard must hold at least one token".into(),
+        ));
+    }
+    if matches!(format, TokenFileFormat::Llmc(_)) && s.shard_tokens > i32::MAX as u64 {
+        return Err(DataError::InvalidConfig(format!(
+            "llm.c shards hold at most {} tokens, asked for {}",
+            i32::MAX,
+            s.shard_tokens
+        )));
+    }
+    Ok(())
+}
+
 fn finished() -> DataError {
     DataError::InvalidConfig("writer already finished".into())
 }
@@ -343,6 +428,15 @@ fn same_directory(a: &Path, b: &Path) -> bool {
 /// Remove every file in `out`'s directory named as one of its shards (or a shard's loss
 /// mask); returns them.
 fn remove_earlier_shards(out: &Path, format: TokenFileFormat) -> Result<Vec<PathBuf>> {
+    remove_shards(out, format, |_| true)
+}
+
+/// Remove the files of `out`'s shards whose index `remove` picks; returns them, sorted.
+fn remove_shards(
+    out: &Path,
+    format: TokenFileFormat,
+    remove: impl Fn(u64) -> bool,
+) -> Result<Vec<PathBuf>> {
     let dir = match out.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -361,7 +455,8 @@ fn remove_earlier_shards(out: &Path, format: TokenFileFormat) -> Result<Vec<Path
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
         let is_file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
-        if is_file && is_shard_name(name, &stem, ext.as_deref(), megatron) {
+        let index = shard_index(name, &stem, ext.as_deref(), megatron);
+        if is_file && index.is_some_and(&remove) {
             let path = entry.path();
             fs::remove_file(&path).map_err(|e| DataError::io(&path, e))?;
             removed.push(path);
