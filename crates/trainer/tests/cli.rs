@@ -2475,21 +2475,10 @@ fn a_killed_sharded_build_resumes_to_the_same_shards() {
         stdout(&o)
     );
     assert!(!progress.exists());
-    let listing = |d: &std::path::Path| {
-        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(d)
-            .unwrap()
-            .map(|e| e.unwrap())
-            .map(|e| {
-                (
-                    e.file_name().into_string().unwrap(),
-                    std::fs::read(e.path()).unwrap(),
-                )
-            })
-            .collect();
-        files.sort();
-        files
-    };
-    let (a, b) = (listing(&whole), listing(&killed));
+    let (a, b) = (
+        common::dir_files(&whole, None, &[]),
+        common::dir_files(&killed, None, &[]),
+    );
     assert!(a.len() >= 5, "{} shards", a.len());
     assert_eq!(
         a.iter().map(|f| &f.0).collect::<Vec<_>>(),

@@ -4,6 +4,9 @@
 //! and transformers give for a committed text;
 //! and token files built from text in pieces equal to a whole-text encode.
 
+#[allow(dead_code)] // only `dir_files` is used here
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use headroom_mmap_data::formats::shards::Sharding;
@@ -743,19 +746,7 @@ fn a_build_never_overwrites_its_inputs() {
 
 /// Every file in `dir` by name, with its bytes.
 fn files_in(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap())
-        .filter(|e| e.file_type().unwrap().is_file())
-        .map(|e| {
-            (
-                e.file_name().into_string().unwrap(),
-                std::fs::read(e.path()).unwrap(),
-            )
-        })
-        .collect();
-    files.sort();
-    files
+    common::dir_files(dir, None, &[])
 }
 
 /// A sharded build stopped after any number of shards and resumed, as many times as it

@@ -45,8 +45,9 @@ pub fn odd_json_values() -> Vec<serde_json::Value> {
 }
 
 /// The files of directory `dir`, sorted by name, `last` (when given) moved to the end and
-/// names in `skip` left out: the parts of a fuzz test's bundled input.
-#[allow(dead_code)] // only the fuzz_* tests use it
+/// names in `skip` left out: the parts of a fuzz test's bundled input, or a set of shards to
+/// compare.
+#[allow(dead_code)] // the fuzz_* tests and the shard tests use it
 pub fn dir_files(
     dir: &std::path::Path,
     last: Option<&str>,
