@@ -405,8 +405,11 @@ pub struct FileDescription {
     pub token_type: TokenType,
     /// Whether the token type was read, given or guessed.
     pub dtype_source: DtypeSource,
-    /// The files read with their sizes (Megatron: `.idx`, then `.bin`).
+    /// The files read with their sizes (Megatron: `.idx`, then `.bin`; a set: every shard's).
     pub files: Vec<(PathBuf, u64)>,
+    /// Token files (shards) described: 1 for a file or a Megatron pair, more for a set (a
+    /// directory or a glob of shards, as `train --data` reads one).
+    pub shards: usize,
     /// Bytes over all files.
     pub file_bytes: u64,
     /// Tokens in the file.
@@ -430,8 +433,28 @@ pub struct FileDescription {
 
 impl fmt::Display for FileDescription {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (path, bytes) in &self.files {
-            writeln!(f, "{:<12}{} ({} bytes)", "file", path.display(), bytes)?;
+        if self.files.len() > 6 {
+            let (first, last) = (&self.files[0].0, &self.files[self.files.len() - 1].0);
+            writeln!(
+                f,
+                "{:<12}{} files, {} … {} ({} bytes)",
+                "files",
+                self.files.len(),
+                first.display(),
+                last.display(),
+                self.file_bytes
+            )?;
+        } else {
+            for (path, bytes) in &self.files {
+                writeln!(f, "{:<12}{} ({} bytes)", "file", path.display(), bytes)?;
+            }
+        }
+        if self.shards > 1 {
+            writeln!(
+                f,
+                "{:<12}{} (read as one dataset, in name order)",
+                "shards", self.shards
+            )?;
         }
         writeln!(f, "{:<12}{}", "format", self.format)?;
         let source = match self.dtype_source {
@@ -493,11 +516,12 @@ impl fmt::Display for FileDescription {
 /// ([`DataError::Empty`]); a raw length that is not whole tokens ([`DataError::OddLength`]);
 /// a stored id that is negative or beyond `u32` ([`DataError::TokenOutOfRange`]).
 pub fn inspect(path: &Path, options: &InspectOptions) -> Result<FileDescription> {
-    if path.is_dir() {
-        return Err(DataError::InvalidConfig(format!(
-            "{} is a directory; inspect describes one file (or one Megatron pair)",
-            path.display()
-        )));
+    let glob = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.contains(['*', '?']));
+    if path.is_dir() || glob {
+        return inspect_set(path, options);
     }
     let (dataset, format, dtype_source, files) = open_detected(path, options)?;
     let token_type = dataset
@@ -540,6 +564,71 @@ pub fn inspect(path: &Path, options: &InspectOptions) -> Result<FileDescription>
         token_type,
         dtype_source,
         file_bytes: files.iter().map(|(_, n)| n).sum(),
+        files,
+        shards: 1,
+        tokens: dataset.total_tokens(),
+        documents: dataset.documents().map(|d| d.len() as u64),
+        min_id: stats.min_id,
+        max_id: stats.max_id,
+        distinct_ids: stats.distinct_ids,
+        distinct_ids_exact: stats.distinct_ids_exact,
+        first_tokens: stats.first_tokens,
+    })
+}
+
+/// [`inspect`] of a set of shards, a directory or a glob opened as `train --data` opens it:
+/// the first shard's format and token type (every shard must have that type), the ids and
+/// tokens over all of them, the loss masks' counts when the shards have them.
+fn inspect_set(path: &Path, options: &InspectOptions) -> Result<FileDescription> {
+    let what = path.display().to_string();
+    // The first shard decides how headerless shards are read: as it is detected.
+    let listed = crate::formats::open(path, &crate::formats::OpenOptions::default())?;
+    let first = listed
+        .segments()
+        .first()
+        .map(|s| PathBuf::from(s.name()))
+        .ok_or_else(|| DataError::Empty { what: what.clone() })?;
+    let (first_dataset, format, dtype_source, _) = open_detected(&first, options)?;
+    let token_type = first_dataset
+        .segments()
+        .first()
+        .map(|s| s.token_type())
+        .ok_or_else(|| DataError::Empty { what: what.clone() })?;
+    let dataset = crate::formats::open(
+        path,
+        &crate::formats::OpenOptions {
+            raw_token_type: token_type,
+        },
+    )?;
+    let mut files = Vec::new();
+    for segment in dataset.segments() {
+        let name = PathBuf::from(segment.name());
+        if segment.token_type() != token_type {
+            return Err(DataError::InvalidConfig(format!(
+                "{what}: {} holds {} tokens, {} holds {token_type}",
+                name.display(),
+                segment.token_type(),
+                first.display()
+            )));
+        }
+        if format == DetectedFormat::Megatron {
+            let idx = megatron::megatron_paths(&name).0;
+            files.push((idx.clone(), file_size(&idx)?));
+        }
+        files.push((name.clone(), file_size(&name)?));
+    }
+    let stats = scan_ids(&dataset, options)?;
+    let loss_mask = dataset
+        .has_loss_mask()
+        .then(|| (path.to_path_buf(), dataset.counted_tokens()));
+    Ok(FileDescription {
+        loss_mask,
+        path: path.to_path_buf(),
+        format,
+        token_type,
+        dtype_source,
+        file_bytes: files.iter().map(|(_, n)| n).sum(),
+        shards: dataset.segments().len(),
         files,
         tokens: dataset.total_tokens(),
         documents: dataset.documents().map(|d| d.len() as u64),

@@ -800,3 +800,63 @@ proptest! {
         prop_assert_eq!(decode_bytes(&tokens, Some(&separator)).unwrap(), text);
     }
 }
+
+/// `inspect` of a set of shards (a directory or a glob, as `train --data` reads one): the
+/// shards' files, their tokens and ids over all of them, the first shard's format; Megatron
+/// pairs with their indexes and documents; shards of two token types are refused.
+#[test]
+fn inspect_describes_a_set_of_shards() {
+    use headroom_mmap_data::formats::shards::{ShardedWriter, Sharding};
+    let dir = tempfile::tempdir().unwrap();
+    let stream: Vec<u32> = (0..25).map(|i| (i * 7) % 50).collect();
+    let sharding = Sharding {
+        shard_tokens: 10,
+        val_shards: 1,
+    };
+    let llmc = TokenFileFormat::Llmc(LlmcFlavor::Gpt2);
+    let mut writer = ShardedWriter::create(dir.path().join("c.bin"), llmc, Some(sharding)).unwrap();
+    writer.write(&stream).unwrap();
+    writer.finish().unwrap();
+    let all = inspect(dir.path(), &InspectOptions::default()).unwrap();
+    assert_eq!((all.shards, all.tokens, all.files.len()), (3, 25, 3));
+    assert_eq!(all.format, DetectedFormat::Llmc(LlmcFlavor::Gpt2));
+    assert_eq!((all.min_id, all.max_id), (0, 49));
+    let train = inspect(
+        &dir.path().join("c_train_*.bin"),
+        &InspectOptions::default(),
+    )
+    .unwrap();
+    assert_eq!((train.shards, train.tokens), (2, 15));
+    assert_eq!(train.first_tokens[0], stream[10]);
+    assert!(train.to_string().contains("shards      2"), "{train}");
+    // Megatron pairs: each shard's .idx beside its .bin, the documents of all.
+    let meg_dir = dir.path().join("meg");
+    std::fs::create_dir(&meg_dir).unwrap();
+    let megatron = TokenFileFormat::Megatron {
+        token_type: TokenType::U16,
+        document_len: 1 << 20,
+    };
+    let mut writer = ShardedWriter::create(meg_dir.join("m"), megatron, Some(sharding)).unwrap();
+    for doc in stream.chunks(4) {
+        writer.write(doc).unwrap();
+        writer.end_document().unwrap();
+    }
+    writer.finish().unwrap();
+    let m = inspect(&meg_dir, &InspectOptions::default()).unwrap();
+    assert_eq!((m.shards, m.tokens, m.files.len()), (3, 25, 6));
+    assert_eq!(m.format, DetectedFormat::Megatron);
+    // 7 documents of 4 tokens (the last of 1); the cut at 10 falls inside one, which each
+    // side's index records; the cut at 20 falls between two.
+    assert_eq!(m.documents, Some(8));
+    // Two token types in one set.
+    formats::write_tokens(
+        dir.path().join("c_train_000009.bin"),
+        &[1, 2, 3],
+        TokenFileFormat::Llmc(LlmcFlavor::Llama3),
+    )
+    .unwrap();
+    let e = inspect(dir.path(), &InspectOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("holds u32 tokens"), "{e}");
+    let empty = dir.path().join("none_*.bin");
+    assert!(inspect(&empty, &InspectOptions::default()).is_err());
+}

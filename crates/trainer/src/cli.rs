@@ -1246,9 +1246,10 @@ enum DataCommand {
         #[arg(long)]
         quiet: bool,
     },
-    /// Describe a token file: format, dtype, tokens, id range.
+    /// Describe a token file: format, dtype, tokens, id range; or a set of shards, a directory
+    /// or a glob (quoted: `'data/fineweb_train_*.bin'`) read as `train --data` reads it.
     Inspect {
-        /// The file.
+        /// The file, or a directory or glob of shards.
         path: PathBuf,
         /// Token type of a headerless raw file (guessed when absent).
         #[arg(long)]
@@ -2711,8 +2712,9 @@ fn cmd_data(c: DataCommand) -> CliResult {
             say!("{s}");
         }
         DataCommand::Inspect { path, rows, .. }
-            if crate::tokenize::CorpusKind::of(&path, false)?
-                == crate::tokenize::CorpusKind::Parquet =>
+            if path.is_file()
+                && crate::tokenize::CorpusKind::of(&path, false)?
+                    == crate::tokenize::CorpusKind::Parquet =>
         {
             inspect_parquet(&path, rows)?;
         }

@@ -2289,6 +2289,13 @@ fn data_build_shards_a_directory_and_train_reads_the_globs() {
     assert!(!dir.path().join("fineweb_train_000004.bin").exists());
     let train = dir.path().join("fineweb_train_*.bin");
     let val = dir.path().join("fineweb_val_*.bin");
+    let o = headroom(&["data", "inspect", train.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("tokens      7498"), "{}", stdout(&o));
+    let o = headroom(&["data", "inspect", dir.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("shards      2 "), "{}", stdout(&o));
+    assert!(stdout(&o).contains("tokens      16498"), "{}", stdout(&o));
     let o = headroom(&[
         "train",
         "--data",
