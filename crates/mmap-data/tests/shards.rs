@@ -357,3 +357,34 @@ proptest! {
         prop_assert_eq!(count(split.path()), count(whole.path()));
     }
 }
+
+/// A kept shard that changed since it was written (truncated here) stops a resume with the
+/// shard named, and nothing is removed.
+#[test]
+fn a_changed_kept_shard_stops_a_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.bin");
+    let format = TokenFileFormat::Llmc(LlmcFlavor::Gpt2);
+    let sharding = Sharding {
+        shard_tokens: 4,
+        val_shards: 0,
+    };
+    let mut writer = ShardedWriter::create(&out, format, Some(sharding)).unwrap();
+    writer.write(&[1, 2, 3, 4, 5, 6, 7, 8, 9]).unwrap();
+    writer.abandon();
+    let first = shard_path(&out, format, &sharding, 0);
+    let bytes = std::fs::read(&first).unwrap();
+    std::fs::write(&first, &bytes[..bytes.len() - 2]).unwrap();
+    let e = ShardedWriter::resume(&out, format, sharding, 2, false).unwrap_err();
+    assert!(e.to_string().contains("c_000000.bin"), "{e}");
+    assert!(
+        e.to_string().contains("changed since it was written"),
+        "{e}"
+    );
+    assert!(shard_path(&out, format, &sharding, 1).is_file());
+    // Intact, it continues.
+    std::fs::write(&first, &bytes).unwrap();
+    let mut writer = ShardedWriter::resume(&out, format, sharding, 2, false).unwrap();
+    writer.write(&[9]).unwrap();
+    assert_eq!(writer.finish().unwrap().tokens, 9);
+}

@@ -1161,6 +1161,12 @@ impl Emitter {
                 ),
             ));
         }
+        if saved.next.input >= inputs.len() {
+            return Err(err(
+                &path,
+                "the progress points past the last input: build without --resume",
+            ));
+        }
         let writer = shards::ShardedWriter::resume(
             out,
             format,

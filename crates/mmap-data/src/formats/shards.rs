@@ -230,11 +230,31 @@ impl ShardedWriter {
         check_sharding(format, &sharding)?;
         let mut files = Vec::new();
         let mut shards = Vec::new();
+        // A kept shard is full: its size says so, or it was changed since (truncated,
+        // replaced) and the set cannot continue from it.
+        let header = match format {
+            TokenFileFormat::Llmc(_) => crate::formats::llmc::LLMC_HEADER_BYTES as u64,
+            _ => 0,
+        };
+        let full = (format.token_type().width() as u64)
+            .checked_mul(sharding.shard_tokens)
+            .and_then(|b| b.checked_add(header))
+            .ok_or_else(|| DataError::InvalidConfig("shards too large to address".into()))?;
         for index in 0..kept {
             let path = shard_path(&out, format, &sharding, index);
             let bytes = fs::metadata(&path)
                 .map_err(|e| DataError::io(&path, e))?
                 .len();
+            if bytes != full {
+                return Err(DataError::corrupt(
+                    &path.display().to_string(),
+                    format!(
+                        "a finished shard of {} tokens is {full} bytes, this is {bytes}: it \
+                         changed since it was written",
+                        sharding.shard_tokens
+                    ),
+                ));
+            }
             files.push((path.clone(), bytes));
             if let TokenFileFormat::Megatron { .. } = format {
                 let idx = megatron_paths(&path).0;
