@@ -247,7 +247,7 @@ impl ShardedWriter {
                 .len();
             if bytes != full {
                 return Err(DataError::corrupt(
-                    &path.display().to_string(),
+                    path.display().to_string(),
                     format!(
                         "a finished shard of {} tokens is {full} bytes, this is {bytes}: it \
                          changed since it was written",
