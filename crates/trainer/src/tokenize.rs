@@ -1213,13 +1213,16 @@ impl Emitter {
                 skip = usize::try_from(at.tokens).unwrap_or(usize::MAX);
             }
         }
-        let rest =
-            sequence.get(skip..).ok_or_else(|| {
-                err(
-                self.state.as_ref().map_or(Path::new(""), |(p, _)| p.as_path()),
-                "the progress points inside a unit shorter than it says: build without --resume",
-            )
-            })?;
+        let Some(rest) = sequence.get(skip..) else {
+            let progress = self
+                .state
+                .as_ref()
+                .map_or(Path::new(""), |(p, _)| p.as_path());
+            return Err(err(
+                progress,
+                "the progress points past the end of a unit: build without --resume",
+            ));
+        };
         if !rest.is_empty() {
             self.writer.write(rest)?;
         }
