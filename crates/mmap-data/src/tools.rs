@@ -557,23 +557,45 @@ pub fn inspect(path: &Path, options: &InspectOptions) -> Result<FileDescription>
     } else {
         None
     };
-    Ok(FileDescription {
-        loss_mask,
-        path: path.to_path_buf(),
-        format,
-        token_type,
-        dtype_source,
-        file_bytes: files.iter().map(|(_, n)| n).sum(),
+    Ok(FileDescription::of(
+        path,
+        &dataset,
+        (format, token_type, dtype_source),
         files,
-        shards: 1,
-        tokens: dataset.total_tokens(),
-        documents: dataset.documents().map(|d| d.len() as u64),
-        min_id: stats.min_id,
-        max_id: stats.max_id,
-        distinct_ids: stats.distinct_ids,
-        distinct_ids_exact: stats.distinct_ids_exact,
-        first_tokens: stats.first_tokens,
-    })
+        stats,
+        loss_mask,
+    ))
+}
+
+impl FileDescription {
+    /// The description of `dataset`, read from `files` at `path`, given what was detected,
+    /// its ids' statistics and its loss mask.
+    fn of(
+        path: &Path,
+        dataset: &TokenDataset,
+        (format, token_type, dtype_source): (DetectedFormat, TokenType, DtypeSource),
+        files: Vec<(PathBuf, u64)>,
+        stats: IdStats,
+        loss_mask: Option<(PathBuf, u64)>,
+    ) -> FileDescription {
+        FileDescription {
+            loss_mask,
+            path: path.to_path_buf(),
+            format,
+            token_type,
+            dtype_source,
+            file_bytes: files.iter().map(|(_, n)| n).sum(),
+            files,
+            shards: dataset.segments().len(),
+            tokens: dataset.total_tokens(),
+            documents: dataset.documents().map(|d| d.len() as u64),
+            min_id: stats.min_id,
+            max_id: stats.max_id,
+            distinct_ids: stats.distinct_ids,
+            distinct_ids_exact: stats.distinct_ids_exact,
+            first_tokens: stats.first_tokens,
+        }
+    }
 }
 
 /// [`inspect`] of a set of shards, a directory or a glob opened as `train --data` opens it:
@@ -621,23 +643,14 @@ fn inspect_set(path: &Path, options: &InspectOptions) -> Result<FileDescription>
     let loss_mask = dataset
         .has_loss_mask()
         .then(|| (path.to_path_buf(), dataset.counted_tokens()));
-    Ok(FileDescription {
-        loss_mask,
-        path: path.to_path_buf(),
-        format,
-        token_type,
-        dtype_source,
-        file_bytes: files.iter().map(|(_, n)| n).sum(),
-        shards: dataset.segments().len(),
+    Ok(FileDescription::of(
+        path,
+        &dataset,
+        (format, token_type, dtype_source),
         files,
-        tokens: dataset.total_tokens(),
-        documents: dataset.documents().map(|d| d.len() as u64),
-        min_id: stats.min_id,
-        max_id: stats.max_id,
-        distinct_ids: stats.distinct_ids,
-        distinct_ids_exact: stats.distinct_ids_exact,
-        first_tokens: stats.first_tokens,
-    })
+        stats,
+        loss_mask,
+    ))
 }
 
 type Detected = (

@@ -679,15 +679,15 @@ impl<'a> Examples<'a> {
         match self {
             Examples::Lines(lines) => lines.chunks(batch).try_for_each(each),
             Examples::Compressed(reader, input) => {
-                let mut number = 0usize;
+                let mut number = 0u64;
                 loop {
                     let mut lines = Vec::new();
                     while lines.len() < batch {
-                        let Some(line) = next_line(reader, input, &mut number)? else {
+                        let Some(line) = next_line(reader.as_mut(), input, &mut number)? else {
                             break;
                         };
                         if !line.trim().is_empty() {
-                            lines.push((number, line));
+                            lines.push((number as usize, line));
                         }
                     }
                     if lines.is_empty() {
@@ -726,7 +726,7 @@ impl<'a> Examples<'a> {
 fn next_line(
     reader: &mut dyn std::io::BufRead,
     input: &Path,
-    number: &mut usize,
+    number: &mut u64,
 ) -> Result<Option<String>> {
     use std::io::{BufRead, Read};
     let mut line = Vec::new();
@@ -1629,40 +1629,23 @@ impl Corpus<'_> {
                 ))
             }
             Corpus::Jsonl { lines, number } => {
-                use std::io::{BufRead, Read};
                 let mut batch = Vec::new();
                 let mut bytes = 0;
-                let mut line = Vec::new();
                 while batch.len() < CORPUS_BATCH_DOCUMENTS && bytes < CORPUS_BATCH_BYTES {
-                    line.clear();
-                    let n = lines
-                        .by_ref()
-                        .take(MAX_CORPUS_LINE_BYTES + 1)
-                        .read_until(b'\n', &mut line)
-                        .map_err(|e| err(input, format!("line {}: {e}", *number + 1)))?;
-                    if n == 0 {
+                    let Some(text) = next_line(lines.as_mut(), input, number)? else {
                         break;
-                    }
-                    *number += 1;
-                    if n as u64 > MAX_CORPUS_LINE_BYTES {
-                        return Err(err(
-                            input,
-                            format!("line {number}: longer than {MAX_CORPUS_LINE_BYTES} bytes"),
-                        ));
-                    }
-                    let text = std::str::from_utf8(&line)
-                        .map_err(|e| err(input, format!("line {number}: not UTF-8: {e}")))?;
+                    };
                     if text.trim().is_empty() {
                         continue;
                     }
-                    let record = match serde_json::from_str(text) {
+                    let record = match serde_json::from_str(&text) {
                         Ok(serde_json::Value::Object(map)) => map,
                         Ok(_) => {
                             return Err(err(input, format!("line {number}: not a JSON object")))
                         }
                         Err(e) => return Err(err(input, format!("line {number}: not JSON: {e}"))),
                     };
-                    bytes += n;
+                    bytes += text.len() + 1;
                     batch.push((*number, record));
                 }
                 Ok((!batch.is_empty()).then_some(batch))
