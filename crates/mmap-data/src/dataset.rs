@@ -492,6 +492,7 @@ pub struct TokenDataset {
     segments: Vec<Segment>,
     documents: Option<Vec<Document>>,
     vocab_size: u64,
+    blend: Option<crate::blend::Blend>,
 }
 
 impl TokenDataset {
@@ -512,7 +513,76 @@ impl TokenDataset {
             segments,
             documents,
             vocab_size: 1 << 32,
+            blend: None,
         })
+    }
+
+    /// Several datasets drawn from in proportion to their weights (Megatron-LM's
+    /// `--data-path 0.7 web 0.3 code`): `(name, weight, dataset)` per source, at least one. The
+    /// segments are the sources' in order, and so are the documents when every source has a
+    /// document index. The vocabulary bound is the smallest of the sources'. Samplers draw
+    /// each source's share of the samples by [`crate::blend::BlendSchedule`], each source
+    /// through its own sampler. A source may have a loss mask while another has none (its
+    /// targets all count).
+    ///
+    /// ```
+    /// use headroom_mmap_data::{TokenDataset, TokenType};
+    ///
+    /// # fn main() -> headroom_mmap_data::Result<()> {
+    /// let web = TokenDataset::from_tokens(&[1; 1000], TokenType::U16)?;
+    /// let code = TokenDataset::from_tokens(&[2; 100], TokenType::U16)?;
+    /// let blend = TokenDataset::from_blend(vec![
+    ///     ("web".into(), 0.7, web),
+    ///     ("code".into(), 0.3, code),
+    /// ])?;
+    /// let sources = blend.blend().unwrap();
+    /// assert_eq!(sources.period(), 10);
+    /// assert_eq!(sources.shares(), [7, 3]);
+    /// assert_eq!(blend.segments().len(), 2);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_blend(parts: Vec<(String, f64, TokenDataset)>) -> Result<Self> {
+        if parts.iter().any(|(_, _, ds)| ds.blend.is_some()) {
+            return Err(DataError::InvalidConfig(
+                "a blend's source is itself a blend: list its sources in the outer blend".into(),
+            ));
+        }
+        let weights: Vec<f64> = parts.iter().map(|(_, w, _)| *w).collect();
+        let mut names = Vec::with_capacity(parts.len());
+        let mut ranges = Vec::with_capacity(parts.len());
+        let mut segments = Vec::new();
+        let mut documents = Some(Vec::new());
+        let mut vocab_size = 1u64 << 32;
+        for (name, _, ds) in parts {
+            let base = segments.len();
+            match (documents.as_mut(), ds.documents.as_ref()) {
+                (Some(all), Some(docs)) => {
+                    try_reserve(all, docs.len())?;
+                    all.extend(docs.iter().map(|d| Document {
+                        segment: d.segment + base,
+                        ..*d
+                    }));
+                }
+                _ => documents = None,
+            }
+            try_reserve(&mut segments, ds.segments.len())?;
+            segments.extend(ds.segments);
+            ranges.push(base..segments.len());
+            names.push(name);
+            vocab_size = vocab_size.min(ds.vocab_size);
+        }
+        let blend = crate::blend::Blend::new(names, &weights, ranges)?;
+        let mut ds = Self::from_segments(segments, documents)?;
+        ds.vocab_size = vocab_size;
+        ds.blend = Some(blend);
+        Ok(ds)
+    }
+
+    /// The sources and shares of a blended dataset ([`TokenDataset::from_blend`]); `None` for one
+    /// that is not a blend.
+    pub fn blend(&self) -> Option<&crate::blend::Blend> {
+        self.blend.as_ref()
     }
 
     /// An in-memory dataset of one segment holding `tokens` stored as `token_type`.
@@ -629,8 +699,8 @@ impl TokenDataset {
             .sum()
     }
 
-    /// A hash of the dataset's shape (segment lengths and types, documents, vocabulary) and of
-    /// its loss masks, stored in a saved loader position so it cannot be resumed against
+    /// A hash of the dataset's shape (segment lengths and types, documents, vocabulary, a
+    /// blend's shares) and of its loss masks, stored in a saved loader position so it cannot be resumed against
     /// different data (or the same tokens under another mask). Data without masks hashes
     /// the words it always did, so positions saved before masks existed still resume.
     ///
@@ -653,11 +723,14 @@ impl TokenDataset {
                     .map(|s| s.loss_mask.as_ref().map_or(0, |m| m.hash())),
             )
         });
+        // A blend adds its shares; data that is not a blend hashes the words it always did.
+        let blend = self.blend.iter().flat_map(|b| b.fingerprint_words());
         derive_seed_iter(
             head.into_iter()
                 .chain(segments)
                 .chain(documents)
-                .chain(masks.into_iter().flatten()),
+                .chain(masks.into_iter().flatten())
+                .chain(blend),
         )
     }
 

@@ -10,6 +10,8 @@
 //!   writer that cuts one stream into numbered shards ([`formats::shards`], llm.c's layout).
 //! - **Samplers** ([`WindowSampler`]): random windows (nanoGPT), shuffled non-overlapping
 //!   windows exactly once per epoch, document-aware windows, sharded by (rank, world).
+//! - **Blends** ([`blend`], [`TokenDataset::from_blend`]): several datasets drawn from in
+//!   fixed proportions by Megatron-LM's greedy rule, each through its own sampler.
 //! - **Loader** ([`Loader`]): crossbeam workers, bounded prefetch, no allocation per batch,
 //!   `u32` or `i64` output, a serialisable position ([`LoaderState`]) that resumes the identical
 //!   stream.
@@ -79,6 +81,7 @@
 //!   streamed until the disk is full.
 //! - Files must not be modified while a dataset over them is open (as with any memory map).
 
+pub mod blend;
 mod dataset;
 mod error;
 pub mod formats;
@@ -92,6 +95,7 @@ pub mod text;
 mod tokens;
 pub mod tools;
 
+pub use blend::{Blend, BlendSchedule, BlendSource};
 pub use dataset::{Document, DocumentBoundaries, Segment, SequenceIndex, TokenDataset};
 pub use error::{DataError, Result};
 pub use formats::llmc::LlmcFlavor;

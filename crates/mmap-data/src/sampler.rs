@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::blend::BlendSchedule;
 use crate::dataset::TokenDataset;
 use crate::permutation::FeistelPermutation;
 use crate::rng::{below_with, derive_seed, mix64, SplitMix64};
@@ -83,10 +84,13 @@ struct Unit {
     windows: u64,
 }
 
-/// The sampler for one dataset and one [`SamplerConfig`].
+/// The windows of one source: the whole dataset, or one source of a blend.
 #[derive(Clone, Debug)]
-pub struct WindowSampler {
-    config: SamplerConfig,
+struct SourceWindows {
+    /// The seed of this source's random choices.
+    seed: u64,
+    /// The shard this source's windows are dealt to (a blend's sources are not sharded).
+    shard: Shard,
     units: Vec<Unit>,
     /// `ends[i]`: windows in units `0..=i`.
     ends: Vec<u64>,
@@ -97,8 +101,19 @@ pub struct WindowSampler {
     per_rank: u64,
 }
 
+/// The sampler for one dataset and one [`SamplerConfig`].
+#[derive(Clone, Debug)]
+pub struct WindowSampler {
+    config: SamplerConfig,
+    /// One per blend source, or one for the whole dataset.
+    sources: Vec<SourceWindows>,
+    /// Which source each sample reads, for a blended dataset.
+    blend: Option<BlendSchedule>,
+}
+
 impl WindowSampler {
-    /// Build the sampler; fails if the configuration is invalid or no window fits the data.
+    /// Build the sampler; fails if the configuration is invalid or no window fits the data
+    /// (or, for a blend, one of its sources).
     pub fn new(dataset: &TokenDataset, config: SamplerConfig) -> Result<Self> {
         Shard::new(config.shard.rank, config.shard.world)?;
         if config.seq_len == 0 {
@@ -128,11 +143,155 @@ impl WindowSampler {
                 .map(|d| (d.segment, d.start, d.len))
                 .collect(),
         };
+        let Some(blend) = dataset.blend() else {
+            let source = SourceWindows::new(&config, config.seed, window, &runs)?;
+            return Ok(WindowSampler {
+                config,
+                sources: vec![source],
+                blend: None,
+            });
+        };
+        // A blend is sharded at the level of its own samples, as one process would read
+        // them: rank r of w takes samples r, r + w, … of the blend, and the sources' samplers
+        // are not sharded. So `w` ranks together read exactly the windows one process reads.
+        let mut source_config = config.clone();
+        source_config.shard = Shard::SINGLE;
+        let sources = blend
+            .sources()
+            .iter()
+            .enumerate()
+            .map(|(d, source)| {
+                // Runs are in segment order, so each source's are one contiguous stretch.
+                let first = runs.partition_point(|r| r.0 < source.segments.start);
+                let end = runs.partition_point(|r| r.0 < source.segments.end);
+                let seed = crate::blend::source_seed(config.seed, d);
+                SourceWindows::new(&source_config, seed, window, &runs[first..end]).map_err(|e| {
+                    DataError::InvalidConfig(format!("blend source {d} ({}): {e}", source.name))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(WindowSampler {
+            config,
+            sources,
+            blend: Some(BlendSchedule::new(&blend.shares())?),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SamplerConfig {
+        &self.config
+    }
+
+    /// Tokens per window (`seq_len + 1`).
+    pub fn window_len(&self) -> u64 {
+        self.config.seq_len + 1
+    }
+
+    /// Distinct windows over all ranks: possible starts (random mode) or windows per epoch
+    /// (for a blend, summed over its sources).
+    pub fn total_windows(&self) -> u64 {
+        self.sources.iter().map(|s| s.total).sum()
+    }
+
+    /// Windows this rank visits per epoch; `None` in random mode (no epochs) and for a blend
+    /// (each source has its own epochs: [`WindowSampler::source_epoch`]).
+    pub fn windows_per_epoch(&self) -> Option<u64> {
+        match (self.config.mode, &self.blend, self.sources.first()) {
+            (SamplingMode::RandomWindows, _, _) | (_, Some(_), _) | (_, _, None) => None,
+            (_, None, Some(s)) => Some(s.per_rank),
+        }
+    }
+
+    /// The epoch that the window at `position` belongs to (always 0 in random mode). For a
+    /// blend, the furthest epoch any source has reached by then.
+    pub fn epoch_of(&self, position: u64) -> u64 {
+        (0..self.sources.len())
+            .map(|d| self.source_epoch(d, position))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The blend schedule of a blended dataset's sampler.
+    pub fn blend(&self) -> Option<&BlendSchedule> {
+        self.blend.as_ref()
+    }
+
+    /// This rank's window at `position` as a sample of the blend: ranks take the blend's
+    /// samples in turn (`position · world + rank`).
+    fn blend_sample(&self, position: u64) -> u64 {
+        let Shard { rank, world } = self.config.shard;
+        position
+            .saturating_mul(u64::from(world))
+            .saturating_add(u64::from(rank))
+    }
+
+    /// Windows read from source `source` before this rank's window at `position`: for a
+    /// blend, by all ranks together (the blend's samples before it); for other data, by this
+    /// rank (`position` for source 0, 0 for any other).
+    pub fn source_windows(&self, source: usize, position: u64) -> u64 {
+        match &self.blend {
+            Some(b) => b.drawn(source, self.blend_sample(position)),
+            None if source == 0 => position,
+            None => 0,
+        }
+    }
+
+    /// The epoch of source `source` that this rank's window at `position` falls in, or would
+    /// if the window came from that source (0 in random mode and for no such source).
+    pub fn source_epoch(&self, source: usize, position: u64) -> u64 {
+        match (self.config.mode, self.sources.get(source)) {
+            (SamplingMode::RandomWindows, _) | (_, None) => 0,
+            (_, Some(s)) => self.source_windows(source, position) / s.per_rank,
+        }
+    }
+
+    /// Windows per epoch of source `source` (for a blend: all ranks' together, since a blend
+    /// is sharded at its own samples); `None` in random mode and for no such source.
+    pub fn source_windows_per_epoch(&self, source: usize) -> Option<u64> {
+        match self.config.mode {
+            SamplingMode::RandomWindows => None,
+            _ => self.sources.get(source).map(|s| s.per_rank),
+        }
+    }
+
+    /// Global window number `g` (`0..total_windows`) as a window; a blend's sources' windows
+    /// follow one another in source order.
+    pub fn global_window(&self, g: u64) -> Window {
+        let mut g = g;
+        for (d, s) in self.sources.iter().enumerate() {
+            if g < s.total || d + 1 == self.sources.len() {
+                return s.global_window(&self.config, g);
+            }
+            g -= s.total;
+        }
+        unreachable!("a sampler has at least one source")
+    }
+
+    /// The window this rank uses at `position` of its stream (0, 1, 2, …).
+    pub fn window(&self, position: u64) -> Window {
+        match &self.blend {
+            Some(b) => {
+                let (d, local) = b.source_of(self.blend_sample(position));
+                self.sources[d].window(&self.config, local)
+            }
+            None => self.sources[0].window(&self.config, position),
+        }
+    }
+}
+
+impl SourceWindows {
+    /// The windows of `runs` (segment, start, length) under `config`, drawn with `seed`.
+    fn new(
+        config: &SamplerConfig,
+        seed: u64,
+        window: u64,
+        runs: &[(usize, u64, u64)],
+    ) -> Result<Self> {
         let longest = runs.iter().map(|r| r.2).max().unwrap_or(0);
         let units: Vec<Unit> = runs
-            .into_iter()
-            .filter(|&(_, _, len)| len >= window)
-            .map(|(segment, start, len)| Unit {
+            .iter()
+            .filter(|&&(_, _, len)| len >= window)
+            .map(|&(segment, start, len)| Unit {
                 segment,
                 start,
                 windows: match config.mode {
@@ -168,8 +327,9 @@ impl WindowSampler {
                 "{total} windows cannot give every one of {world} ranks at least one"
             )));
         }
-        Ok(WindowSampler {
-            config,
+        Ok(SourceWindows {
+            seed,
+            shard: config.shard,
             units,
             ends,
             total,
@@ -178,39 +338,8 @@ impl WindowSampler {
         })
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &SamplerConfig {
-        &self.config
-    }
-
-    /// Tokens per window (`seq_len + 1`).
-    pub fn window_len(&self) -> u64 {
-        self.config.seq_len + 1
-    }
-
-    /// Distinct windows over all ranks: possible starts (random mode) or windows per epoch.
-    pub fn total_windows(&self) -> u64 {
-        self.total
-    }
-
-    /// Windows this rank visits per epoch; `None` in random mode (no epochs).
-    pub fn windows_per_epoch(&self) -> Option<u64> {
-        match self.config.mode {
-            SamplingMode::RandomWindows => None,
-            _ => Some(self.per_rank),
-        }
-    }
-
-    /// The epoch that the window at `position` belongs to (always 0 in random mode).
-    pub fn epoch_of(&self, position: u64) -> u64 {
-        match self.config.mode {
-            SamplingMode::RandomWindows => 0,
-            _ => position / self.per_rank,
-        }
-    }
-
-    /// Global window number `g` (`0..total_windows`) as a window.
-    pub fn global_window(&self, g: u64) -> Window {
+    /// Window number `g` (`0..total`) of this source.
+    fn global_window(&self, config: &SamplerConfig, g: u64) -> Window {
         let i = self
             .ends
             .partition_point(|&end| end <= g)
@@ -218,9 +347,9 @@ impl WindowSampler {
         let before = if i == 0 { 0 } else { self.ends[i - 1] };
         let unit = self.units[i];
         let local = g - before;
-        let offset = match self.config.mode {
+        let offset = match config.mode {
             SamplingMode::RandomWindows => local,
-            _ => local * self.config.seq_len,
+            _ => local * config.seq_len,
         };
         Window {
             segment: unit.segment,
@@ -228,25 +357,23 @@ impl WindowSampler {
         }
     }
 
-    /// The window this rank uses at `position` of its stream (0, 1, 2, …).
-    pub fn window(&self, position: u64) -> Window {
-        let Shard { rank, world } = self.config.shard;
-        match self.config.mode {
+    /// The window this rank reads at `position` of this source's own stream.
+    fn window(&self, config: &SamplerConfig, position: u64) -> Window {
+        let Shard { rank, world } = self.shard;
+        match config.mode {
             SamplingMode::RandomWindows => {
                 let (lo, hi) = self.rank_range;
                 // A counter-based stream per position: position p's draw never depends on any
                 // other position's, which is what makes resuming and parallel filling exact.
-                let mut rng =
-                    SplitMix64::new(self.config.seed ^ mix64(position ^ 0x5EED_0000_0000_0001));
-                self.global_window(lo + below_with(hi - lo, || rng.next_u64()))
+                let mut rng = SplitMix64::new(self.seed ^ mix64(position ^ 0x5EED_0000_0000_0001));
+                self.global_window(config, lo + below_with(hi - lo, || rng.next_u64()))
             }
             SamplingMode::EpochWindows | SamplingMode::DocumentWindows => {
                 let epoch = position / self.per_rank;
                 let j = position % self.per_rank;
                 let i = j * u64::from(world) + u64::from(rank);
-                let order =
-                    FeistelPermutation::new(self.total, derive_seed(&[self.config.seed, epoch]));
-                self.global_window(order.apply(i))
+                let order = FeistelPermutation::new(self.total, derive_seed(&[self.seed, epoch]));
+                self.global_window(config, order.apply(i))
             }
         }
     }
