@@ -780,10 +780,13 @@ struct RunArgs {
     /// Device memory budget in MiB: allocations beyond it fail with the tracker's report.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET_MIB))]
     budget_mib: Option<u64>,
-    /// Train on this token file (any format headroom data inspect recognises) instead of
-    /// the synthetic source.
-    #[arg(long)]
-    data: Option<PathBuf>,
+    /// Train on this token file (any format headroom data inspect recognises: a file, a
+    /// directory or a glob of shards) instead of the synthetic source. Several files as
+    /// Megatron-LM's --data-path, weight before each: `--data 0.7 web.bin 0.3 code.bin` draws
+    /// 70% of the windows from web.bin and 30% from code.bin, each shuffled through its own
+    /// epochs (weights need not sum to 1; a file smaller than its share is repeated).
+    #[arg(long, num_args = 1.., allow_negative_numbers = true, value_name = "[WEIGHT] PATH")]
+    data: Vec<PathBuf>,
     /// Where to run. cuda (built with the `cuda` feature): bf16 with flash attention only;
     /// masters and AdamW on the GPU unless an offload placement moves them to the host; without
     /// a GPU it fails with the typed "no CUDA device" error.
@@ -1393,6 +1396,36 @@ fn compute_device(d: DeviceArg) -> CliResult<ComputeDevice> {
     }
 }
 
+/// `--data`'s values: one path, or Megatron-LM's `WEIGHT PATH WEIGHT PATH …` for a blend;
+/// `None` without `--data`.
+fn data_source(values: &[PathBuf]) -> Result<Option<DataSource>, String> {
+    let usage = "--data: several files are given as weight-path pairs, as Megatron-LM's \
+                 --data-path: `--data 0.7 web.bin 0.3 code.bin`";
+    match values {
+        [] => Ok(None),
+        [path] => Ok(Some(DataSource::File(path.clone()))),
+        pairs if pairs.len() % 2 == 1 => {
+            Err(format!("{usage}; {} values are not pairs", pairs.len()))
+        }
+        pairs => {
+            let parts = pairs
+                .chunks_exact(2)
+                .map(|pair| {
+                    let text = pair[0].to_string_lossy();
+                    match text.parse::<f64>() {
+                        Ok(w) if w.is_finite() && w > 0.0 => Ok((w, pair[1].clone())),
+                        _ => Err(format!(
+                            "{usage}; `{text}` (before {}) is not a positive weight",
+                            pair[1].display()
+                        )),
+                    }
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            Ok(Some(DataSource::Blend(parts)))
+        }
+    }
+}
+
 /// Options for a run from the shared arguments; `probe` checks that a CUDA device exists
 /// (not needed to estimate).
 fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
@@ -1408,14 +1441,14 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
     o.device = device;
     // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary
     // unless --vocab says otherwise.
-    let vocab = match (run.vocab, &run.data, &o.data) {
-        (Some(v), _, _) => usize::try_from(v).map_err(|_| "--vocab is too large")?,
-        (None, None, DataSource::Synthetic(d)) => d.vocab as usize,
-        (None, _, _) => 50257,
-    };
-    if let Some(path) = &run.data {
-        o.data = DataSource::File(path.clone());
+    if let Some(data) = data_source(&run.data)? {
+        o.data = data;
     }
+    let vocab = match (run.vocab, &o.data) {
+        (Some(v), _) => usize::try_from(v).map_err(|_| "--vocab is too large")?,
+        (None, DataSource::Synthetic(d)) => d.vocab as usize,
+        (None, _) => 50257,
+    };
     match &run.init_from {
         Some(dir) => {
             let sized = run.vocab.is_some()
@@ -1650,6 +1683,9 @@ fn cmd_train_zero(
             headroom_tensor::isa::describe()
         );
         say!("optimizer: {}", o.describe_optimizer());
+        if let Some(line) = crate::train::describe_blend(o) {
+            say!("{line}");
+        }
         if let Some(line) = crate::train::describe_loss_mask(o) {
             say!("{line}");
         }
@@ -1864,6 +1900,9 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
         headroom_tensor::isa::describe()
     );
     say!("optimizer: {}", o.describe_optimizer());
+    if let Some(line) = crate::train::describe_blend(&o) {
+        say!("{line}");
+    }
     if let Some(line) = crate::train::describe_loss_mask(&o) {
         say!("{line}");
     }

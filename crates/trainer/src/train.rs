@@ -64,6 +64,11 @@ pub enum DataSource {
     Synthetic(SyntheticData),
     /// Any file headroom-mmap-data opens (nanoGPT raw u16, llm.c, Megatron, shards).
     File(PathBuf),
+    /// Several token files (each anything [`DataSource::File`] takes), drawn from in
+    /// proportion to their weights as Megatron-LM's `--data-path 0.7 web 0.3 code` draws
+    /// ([`TokenDataset::from_blend`]): each file through its own shuffled epochs, a file
+    /// smaller than its share of the run repeated.
+    Blend(Vec<(f64, PathBuf)>),
 }
 
 /// How the learning rate moves after the linear warmup: llm.c's `-k` schedulers, by their
@@ -1049,7 +1054,81 @@ pub(crate) fn data_name(data: &DataSource) -> String {
     match data {
         DataSource::Synthetic(_) => "the synthetic data".into(),
         DataSource::File(path) => path.display().to_string(),
+        DataSource::Blend(parts) => {
+            let parts: Vec<String> = parts
+                .iter()
+                .map(|(w, path)| format!("{w} {}", path.display()))
+                .collect();
+            format!("the blend {}", parts.join(" "))
+        }
     }
+}
+
+/// The token files of `data` as one dataset, each refused when it is text; `None` for the
+/// synthetic source.
+fn open_files(data: &DataSource) -> Option<Result<TokenDataset>> {
+    let open = |path: &std::path::Path| -> Result<TokenDataset> {
+        refuse_text(path)?;
+        Ok(headroom_mmap_data::open(path, &Default::default())?)
+    };
+    match data {
+        DataSource::Synthetic(_) => None,
+        DataSource::File(path) => Some(open(path)),
+        DataSource::Blend(parts) => Some((|| {
+            let sources = parts
+                .iter()
+                .map(|(weight, path)| Ok((path.display().to_string(), *weight, open(path)?)))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(TokenDataset::from_blend(sources)?)
+        })()),
+    }
+}
+
+/// The line `headroom train` prints for a blend (`None` for other data, or a blend that does
+/// not open: the run reports why): each file's share of the windows, its size, and how many
+/// of its epochs the run's `steps × batch` windows take, so a small file repeated many times
+/// is seen before the run rather than in its loss.
+pub fn describe_blend(opts: &TrainOptions) -> Option<String> {
+    if !matches!(opts.data, DataSource::Blend(_)) {
+        return None;
+    }
+    let ds = open_files(&opts.data)?.ok()?;
+    let blend = ds.blend()?;
+    let sampler = SamplerConfig {
+        mode: SamplingMode::EpochWindows,
+        seq_len: opts.seq as u64,
+        seed: opts.seed,
+        shard: Shard::SINGLE,
+    };
+    let sampler = headroom_mmap_data::WindowSampler::new(&ds, sampler).ok()?;
+    let windows = (opts.steps as u64).saturating_mul(opts.batch as u64);
+    let lines: Vec<String> = blend
+        .sources()
+        .iter()
+        .enumerate()
+        .map(|(d, source)| {
+            let tokens: u64 = ds.segments()[source.segments.clone()]
+                .iter()
+                .map(|s| s.len() as u64)
+                .sum();
+            let drawn = sampler.source_windows(d, windows);
+            let epoch = sampler.source_windows_per_epoch(d).unwrap_or(1).max(1);
+            let epochs = drawn as f64 / epoch as f64;
+            format!(
+                "  {:5.1}%  {}: {tokens} tokens, {epoch} windows an epoch; this run reads {drawn} \
+                 windows, {epochs:.2} epochs{}",
+                100.0 * source.fraction(blend.period()),
+                source.name,
+                if epochs > 1.0 { " (repeated)" } else { "" }
+            )
+        })
+        .collect();
+    Some(format!(
+        "data: a blend of {} files, window by window by Megatron-LM's rule (each file is \
+         shuffled through its own epochs):\n{}",
+        blend.sources().len(),
+        lines.join("\n")
+    ))
 }
 
 /// The fixed validation set of a run (`--val-data`): `batches` batches of the run's shape from
@@ -1061,7 +1140,7 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<TokenBatch>> {
     };
     refuse_text(&e.data)?;
     let ds = Arc::new(headroom_mmap_data::open(&e.data, &Default::default())?);
-    refuse_unindexed(&ds, opts.documents, &e.data)?;
+    refuse_unindexed(&ds, opts.documents, &e.data.display().to_string())?;
     let sampler = SamplerConfig {
         mode: SamplingMode::EpochWindows,
         seq_len: opts.seq as u64,
@@ -1080,12 +1159,7 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<TokenBatch>> {
 /// Whether the run's data has a loss mask (a file that does not open has none here: the run
 /// reports why when it opens it).
 pub fn data_has_loss_mask(opts: &TrainOptions) -> bool {
-    match &opts.data {
-        DataSource::File(path) => {
-            headroom_mmap_data::open(path, &Default::default()).is_ok_and(|d| d.has_loss_mask())
-        }
-        DataSource::Synthetic(_) => false,
-    }
+    open_files(&opts.data).is_some_and(|d| d.is_ok_and(|d| d.has_loss_mask()))
 }
 
 /// [`estimate::estimate`] of `opts` under `tech`, for its data: with a loss mask, the loader's
@@ -1114,11 +1188,8 @@ const DOCUMENT_SAMPLE_TOKENS: u64 = 1 << 24;
 /// The line `headroom train` prints for packed documents (`None` without them, or for data
 /// that does not open: the run reports why).
 pub fn describe_documents(opts: &TrainOptions) -> Option<String> {
-    let DataSource::File(path) = &opts.data else {
-        return None;
-    };
     let boundaries = opts.documents?;
-    let ds = headroom_mmap_data::open(path, &Default::default()).ok()?;
+    let ds = open_files(&opts.data)?.ok()?;
     const RULES: &str = "each token attends only within its own, positions restart at each, \
                          and a target that starts one is not counted";
     Some(match boundaries {
@@ -1180,10 +1251,7 @@ fn count_separators(data: &TokenDataset, separator: u32, limit: u64) -> (u64, u6
 /// The line `headroom train` prints for a dataset with a loss mask beside it (`None` for data
 /// without one, or that does not open: the run reports why).
 pub fn describe_loss_mask(opts: &TrainOptions) -> Option<String> {
-    let DataSource::File(path) = &opts.data else {
-        return None;
-    };
-    let ds = headroom_mmap_data::open(path, &Default::default()).ok()?;
+    let ds = open_files(&opts.data)?.ok()?;
     ds.has_loss_mask().then(|| {
         let (kept, total) = (ds.counted_tokens(), ds.total_tokens());
         format!(
@@ -1199,7 +1267,7 @@ pub fn describe_loss_mask(opts: &TrainOptions) -> Option<String> {
 fn refuse_unindexed(
     data: &TokenDataset,
     documents: Option<DocumentBoundaries>,
-    path: &std::path::Path,
+    name: &str,
 ) -> Result<()> {
     if documents == Some(DocumentBoundaries::Index)
         && data.segments().iter().any(|s| s.sequence_index().is_none())
@@ -1207,10 +1275,9 @@ fn refuse_unindexed(
         return Err(TrainError::Option {
             option: "--document-attention",
             reason: format!(
-                "{} has no document index (a Megatron .bin/.idx pair has one: `headroom data \
+                "{name} has no document index (a Megatron .bin/.idx pair has one: `headroom data \
                  build --format megatron`); if its documents each end with a separator token, \
                  name it with --document-separator (GPT-2's <|endoftext|> is 50256)",
-                path.display()
             ),
         });
     }
@@ -1220,25 +1287,23 @@ fn refuse_unindexed(
 /// The token dataset a run trains on (a token file, or the synthetic source generated in
 /// memory), with the synthetic source's entropy rate.
 pub fn open_data(opts: &TrainOptions) -> Result<(Arc<TokenDataset>, Option<f64>)> {
-    match &opts.data {
-        DataSource::Synthetic(d) => {
-            if opts.model.vocab < d.vocab as usize {
-                return Err(TrainError::Config(format!(
-                    "model vocab {} is smaller than the data's {}",
-                    opts.model.vocab, d.vocab
-                )));
-            }
-            let chain = MarkovChain::random(d.vocab, d.branching, d.seed)?;
-            let ds = chain.dataset(d.tokens, d.seed ^ 0x5eed)?;
-            Ok((Arc::new(ds), Some(chain.entropy_rate())))
-        }
-        DataSource::File(path) => {
-            refuse_text(path)?;
-            let ds = headroom_mmap_data::open(path, &Default::default())?;
-            refuse_unindexed(&ds, opts.documents, path)?;
-            Ok((Arc::new(ds), None))
-        }
+    if let Some(files) = open_files(&opts.data) {
+        let ds = files?;
+        refuse_unindexed(&ds, opts.documents, &data_name(&opts.data))?;
+        return Ok((Arc::new(ds), None));
     }
+    let DataSource::Synthetic(d) = &opts.data else {
+        return Err(TrainError::Config("no training data".into()));
+    };
+    if opts.model.vocab < d.vocab as usize {
+        return Err(TrainError::Config(format!(
+            "model vocab {} is smaller than the data's {}",
+            opts.model.vocab, d.vocab
+        )));
+    }
+    let chain = MarkovChain::random(d.vocab, d.branching, d.seed)?;
+    let ds = chain.dataset(d.tokens, d.seed ^ 0x5eed)?;
+    Ok((Arc::new(ds), Some(chain.entropy_rate())))
 }
 
 /// The CUDA model over host masters, its allocations reported to `tracker`.

@@ -575,6 +575,67 @@ fn text_given_as_data_is_refused_with_what_to_do() {
     assert!(stderr(&o).contains("headroom data build"), "{}", stderr(&o));
 }
 
+/// `--data W1 A W2 B` blends the files as Megatron's --data-path does, and says what each
+/// file's share of the run is; values that are not weight-path pairs are refused by name.
+#[test]
+fn data_takes_megatrons_weighted_blend() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    for (name, seed) in [("web.bin", "1"), ("code.bin", "2")] {
+        let o = headroom(&[
+            "data",
+            "synth",
+            &p(name),
+            "--vocab",
+            "64",
+            "--tokens",
+            "5000",
+            "--seed",
+            seed,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let train = |data: &[&str]| {
+        let mut args = vec![
+            "train", "--vocab", "64", "--steps", "2", "--batch", "4", "--seq",
+        ];
+        args.extend(["16", "--no-progress", "--data"]);
+        args.extend(data);
+        headroom(&args)
+    };
+    let (web, code) = (p("web.bin"), p("code.bin"));
+    let o = train(&["0.7", &web, "0.3", &code]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("data: a blend of 2 files"), "{out}");
+    assert!(
+        out.contains(&format!(" 70.0%  {web}: 5000 tokens")),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(" 30.0%  {code}: 5000 tokens")),
+        "{out}"
+    );
+    for bad in [
+        vec!["0.7", web.as_str(), "0.3"],
+        vec![web.as_str(), code.as_str()],
+        vec!["0", web.as_str(), "1", code.as_str()],
+        vec!["-1", web.as_str(), "1", code.as_str()],
+    ] {
+        let o = train(&bad);
+        assert!(!o.status.success(), "{bad:?}");
+        assert!(
+            stderr(&o).contains("weight-path pairs"),
+            "{bad:?}: {}",
+            stderr(&o)
+        );
+    }
+    // A file that is missing is named.
+    let o = train(&["1", &web, "1", &p("missing.bin")]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("missing.bin"), "{}", stderr(&o));
+}
+
 #[test]
 fn val_data_reports_a_validation_loss_in_lines_metrics_and_summary() {
     let dir = tempfile::tempdir().unwrap();

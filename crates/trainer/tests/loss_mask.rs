@@ -1,7 +1,8 @@
 //! Loss masks (supervised fine-tuning's completion-only loss): a masked target adds nothing to
 //! the loss or the gradient; a step's mean is over its counted targets whichever micro-batch or
 //! rank holds them; data without a mask trains exactly as before; `data build --jsonl` masks
-//! the prompts TRL masks.
+//! the prompts TRL masks. Blends (`--data 0.7 a 0.3 b`) of masked and unmasked files train,
+//! resume and shard over ZeRO ranks as one process.
 
 use headroom_ckpt::Schedule;
 use headroom_mmap_data::{
@@ -658,4 +659,51 @@ fn every_technique_trains_on_the_counted_targets() {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(apart > 1e-2, "{unmasked:?} vs {want:?}");
+}
+
+/// A blend of a masked file and an unmasked one: the masked file's windows count only their
+/// kept targets, the run resumes bit for bit, resuming it under other weights is refused, and
+/// ZeRO ranks (which take the blend's windows in turn) train it as one process does.
+#[test]
+fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let masked = masked_file(dir.path(), |i| i % 3 != 0);
+    let plain = dir.path().join("plain.bin");
+    let tokens: Vec<u32> = (0..3000u32).map(|i| (i * 7 + i / 5) % 61).collect();
+    formats::write_tokens(&plain, &tokens, TokenFileFormat::Raw(TokenType::U16)).unwrap();
+    let mut o = options(&masked);
+    o.data = DataSource::Blend(vec![(0.25, masked.clone()), (0.75, plain.clone())]);
+    assert!(headroom_trainer::train::data_has_loss_mask(&o));
+    let line = headroom_trainer::train::describe_blend(&o).unwrap();
+    assert!(line.contains(" 25.0%") && line.contains(" 75.0%"), "{line}");
+    // 6 steps of 4 windows of 16: 6 from the masked file (255 windows an epoch) and 18 from
+    // the plain one (187).
+    assert!(
+        line.contains("this run reads 6 windows") && line.contains("reads 18 windows"),
+        "{line}"
+    );
+
+    let (straight, rest, resumed) = straight_and_resumed(&o, dir.path());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rest), bits(&straight[3..]));
+    // Either file alone trains otherwise.
+    for alone in [&masked, &plain] {
+        let mut one = o.clone();
+        one.data = DataSource::File(alone.clone());
+        assert_ne!(bits(&losses(&one)), bits(&straight), "{}", alone.display());
+    }
+    let mut reweighted = resumed.clone();
+    reweighted.data = DataSource::Blend(vec![(0.5, masked.clone()), (0.5, plain.clone())]);
+    let e = train(&reweighted, |_| {}).unwrap_err().to_string();
+    assert!(e.contains("different dataset"), "{e}");
+
+    let close = |a: &[f32], b: &[f32]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| (x - y).abs() <= 2e-5 * y.abs())
+    };
+    let r = train_zero(&o, ZeroOptions::new(Stage::Zero1, 2), |_| {}).unwrap();
+    let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+    assert!(close(&l, &straight), "{l:?} vs {straight:?}");
 }
