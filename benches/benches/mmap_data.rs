@@ -6,7 +6,9 @@
 //! embedding input), the loader with u32 output, and a single thread calling `fill_batch`
 //! with no workers, each against the Python baseline (xtask fills in its value and the ratio);
 //! and a single thread's u32 batches without and with position ids of documents ending with
-//! `<|endoftext|>` (what `train --document-attention --document-separator 50256` loads).
+//! `<|endoftext|>` (what `train --document-attention --document-separator 50256` loads), and
+//! from a blend of the same file as 2 and as 8 sources (`train --data 0.7 A 0.3 B`: the blend
+//! schedule's lookup per row) against the plain file.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -14,6 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headroom_benches::{output_dir, record, Better, Record};
+use headroom_mmap_data::blend::{blend_shares, BlendSchedule};
 use headroom_mmap_data::rng::SplitMix64;
 use headroom_mmap_data::{
     formats, DocumentBoundaries, Loader, LoaderConfig, OpenOptions, OutputType, SamplerConfig,
@@ -161,6 +164,66 @@ fn main() {
         "headroom_inline_u32",
         measure(&data, OutputType::U32, 0, None, batches, repeats),
     );
+    // A blend's cost: the same file as 2 sources (0.7/0.3: a period of 10 samples; 1/√2: the
+    // longest period) and as 8 (weights 1..8), one thread, against the plain file measured in
+    // turn with them (rounds alternate, so the VM's slow phases hit every variant alike).
+    let blend = |weights: Vec<f64>| {
+        let sources = weights
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| (format!("source{i}"), w, (*data).clone()))
+            .collect();
+        Arc::new(TokenDataset::from_blend(sources).expect("blend"))
+    };
+    let variants = [
+        ("headroom_inline_u32_blend_baseline", Arc::clone(&data)),
+        ("headroom_inline_u32_blend2", blend(vec![0.7, 0.3])),
+        (
+            "headroom_inline_u32_blend2_long_period",
+            blend(vec![1.0, std::f64::consts::SQRT_2]),
+        ),
+        (
+            "headroom_inline_u32_blend8",
+            blend((1..=8).map(f64::from).collect()),
+        ),
+    ];
+    let mut rounds = vec![Vec::new(); variants.len()];
+    for _ in 0..repeats.max(7) {
+        for (runs, (_, dataset)) in rounds.iter_mut().zip(&variants) {
+            runs.push(measure(dataset, OutputType::U32, 0, None, batches, 1));
+        }
+    }
+    for (runs, (variant, _)) in rounds.into_iter().zip(&variants) {
+        emit(variant, median(runs));
+    }
+    // Building a schedule of the longest period (weights that are no ratio of small
+    // integers), by source count: once per loader.
+    for sources in [2usize, 64, 1024] {
+        let weights: Vec<f64> = (0..sources).map(|i| ((i + 2) as f64).sqrt()).collect();
+        let mut runs = Vec::new();
+        for _ in 0..repeats {
+            let start = Instant::now();
+            let shares = blend_shares(&weights).expect("shares");
+            std::hint::black_box(BlendSchedule::new(&shares).expect("schedule"));
+            runs.push(start.elapsed().as_secs_f64());
+        }
+        let secs = median(runs);
+        let bench = format!("mmap-data/blend_schedule_65536/{sources}_sources");
+        println!("{bench}: {:.2} ms", secs * 1e3);
+        let r = Record {
+            bench,
+            metric: "build_time".into(),
+            value: secs,
+            unit: "s".into(),
+            baseline: None,
+            baseline_value: None,
+            ratio: None,
+            better: Better::Lower,
+        };
+        if let Err(e) = record(&r) {
+            eprintln!("could not record {}: {e}", r.bench);
+        }
+    }
     emit(
         "headroom_inline_u32_eot_documents",
         measure(
