@@ -998,9 +998,11 @@ struct TrainArgs {
     /// Print a step line every N steps when there is no progress bar [default: 1].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: Option<u64>,
-    /// Validation token file: a mean loss over fixed windows of it (the same every time).
-    #[arg(long)]
-    val_data: Option<PathBuf>,
+    /// Validation token file: a mean loss over fixed windows of it (the same every time). A
+    /// blend as for --data (`--val-data 0.7 web_val.bin 0.3 code_val.bin`): one loss over
+    /// windows drawn by its weights, as Megatron-LM blends its validation sets.
+    #[arg(long, num_args = 1.., allow_negative_numbers = true, value_name = "[WEIGHT] PATH")]
+    val_data: Vec<PathBuf>,
     /// Steps between validations (0: only after the last step).
     #[arg(long, default_value_t = 0)]
     eval_every: usize,
@@ -1396,11 +1398,13 @@ fn compute_device(d: DeviceArg) -> CliResult<ComputeDevice> {
     }
 }
 
-/// `--data`'s values: one path, or Megatron-LM's `WEIGHT PATH WEIGHT PATH …` for a blend;
-/// `None` without `--data`.
-fn data_source(values: &[PathBuf]) -> Result<Option<DataSource>, String> {
-    let usage = "--data: several files are given as weight-path pairs, as Megatron-LM's \
-                 --data-path: `--data 0.7 web.bin 0.3 code.bin`";
+/// The values of `option` (`--data`, `--val-data`): one path, or Megatron-LM's
+/// `WEIGHT PATH WEIGHT PATH …` for a blend; `None` without the option.
+fn data_source(values: &[PathBuf], option: &str) -> Result<Option<DataSource>, String> {
+    let usage = format!(
+        "{option}: several files are given as weight-path pairs, as Megatron-LM's \
+         --data-path: `{option} 0.7 web.bin 0.3 code.bin`"
+    );
     match values {
         [] => Ok(None),
         [path] => Ok(Some(DataSource::File(path.clone()))),
@@ -1441,7 +1445,7 @@ fn options(run: &RunArgs, probe: bool) -> CliResult<TrainOptions> {
     o.device = device;
     // A token file may hold any GPT-2-tokenised text: its model gets GPT-2's vocabulary
     // unless --vocab says otherwise.
-    if let Some(data) = data_source(&run.data)? {
+    if let Some(data) = data_source(&run.data, "--data")? {
         o.data = data;
     }
     let vocab = match (run.vocab, &o.data) {
@@ -1857,7 +1861,7 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
     }
     o.resume_from = args.resume;
     o.stop_after = args.stop_after;
-    o.eval = args.val_data.map(|data| EvalOptions {
+    o.eval = data_source(&args.val_data, "--val-data")?.map(|data| EvalOptions {
         data,
         every: args.eval_every,
         batches: args.eval_batches,

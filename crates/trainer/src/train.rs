@@ -278,8 +278,10 @@ pub struct TrainOptions {
 /// Validation during a run (`--val-data`, `--eval-every`, `--eval-batches`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct EvalOptions {
-    /// The validation token file (any format headroom-mmap-data opens).
-    pub data: PathBuf,
+    /// The validation data: a token file (any format headroom-mmap-data opens) or a blend of
+    /// them ([`DataSource::Blend`]: one loss over windows drawn by the blend's weights, as
+    /// Megatron-LM's `--valid-data-path` blends them); not the synthetic source.
+    pub data: DataSource,
     /// Steps between evaluations (0: only after the last step). The last step is always
     /// evaluated.
     pub every: usize,
@@ -1138,9 +1140,12 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<TokenBatch>> {
     let Some(e) = &opts.eval else {
         return Ok(Vec::new());
     };
-    refuse_text(&e.data)?;
-    let ds = Arc::new(headroom_mmap_data::open(&e.data, &Default::default())?);
-    refuse_unindexed(&ds, opts.documents, &e.data.display().to_string())?;
+    let name = data_name(&e.data);
+    let ds = open_files(&e.data).ok_or_else(|| {
+        TrainError::Config("validation reads token files, not the synthetic source".into())
+    })??;
+    refuse_unindexed(&ds, opts.documents, &name)?;
+    let ds = Arc::new(ds);
     let sampler = SamplerConfig {
         mode: SamplingMode::EpochWindows,
         seq_len: opts.seq as u64,
@@ -1152,7 +1157,7 @@ pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<TokenBatch>> {
     cfg.documents = opts.documents;
     let mut val = Loader::new(ds, sampler, cfg, None)?;
     (0..e.batches)
-        .map(|_| batch_tokens(&*val.next_batch()?, opts.model.vocab, &e.data.display()))
+        .map(|_| batch_tokens(&*val.next_batch()?, opts.model.vocab, &name))
         .collect()
 }
 

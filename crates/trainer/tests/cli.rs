@@ -576,7 +576,8 @@ fn text_given_as_data_is_refused_with_what_to_do() {
 }
 
 /// `--data W1 A W2 B` blends the files as Megatron's --data-path does, and says what each
-/// file's share of the run is; values that are not weight-path pairs are refused by name.
+/// file's share of the run is; `--val-data` takes a blend too; values that are not weight-path
+/// pairs are refused by name.
 #[test]
 fn data_takes_megatrons_weighted_blend() {
     let dir = tempfile::tempdir().unwrap();
@@ -604,10 +605,21 @@ fn data_takes_megatrons_weighted_blend() {
         headroom(&args)
     };
     let (web, code) = (p("web.bin"), p("code.bin"));
-    let o = train(&["0.7", &web, "0.3", &code]);
+    let o = train(&[
+        "0.7",
+        &web,
+        "0.3",
+        &code,
+        "--val-data",
+        "1",
+        &code,
+        "1",
+        &web,
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.contains("data: a blend of 2 files"), "{out}");
+    assert!(out.contains("validation loss"), "{out}");
     assert!(
         out.contains(&format!(" 70.0%  {web}: 5000 tokens")),
         "{out}"
@@ -630,6 +642,13 @@ fn data_takes_megatrons_weighted_blend() {
             stderr(&o)
         );
     }
+    let o = train(&[&web, "--val-data", "1", &code, "2"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--val-data: several files"),
+        "{}",
+        stderr(&o)
+    );
     // A file that is missing is named.
     let o = train(&["1", &web, "1", &p("missing.bin")]);
     assert!(!o.status.success());

@@ -252,7 +252,7 @@ fn zero_ranks_weight_the_global_batch_by_its_counted_targets() {
     o.techniques.micro_batch = Some(1);
     // Validation on the masked file too: the counted targets of 2 batches, every 3 steps.
     o.eval = Some(headroom_trainer::train::EvalOptions {
-        data: path.clone(),
+        data: DataSource::File(path.clone()),
         every: 3,
         batches: 2,
     });
@@ -291,7 +291,7 @@ fn zero_ranks_train_packed_documents_as_one_process() {
     o.documents = Some(DocumentBoundaries::Index);
     o.techniques.micro_batch = Some(1);
     o.eval = Some(headroom_trainer::train::EvalOptions {
-        data: path.clone(),
+        data: DataSource::File(path.clone()),
         every: 3,
         batches: 2,
     });
@@ -495,7 +495,7 @@ fn separator_ended_documents_train_as_their_index_does() {
         let mut o = options(path);
         o.documents = Some(documents);
         o.eval = Some(headroom_trainer::train::EvalOptions {
-            data: path.to_path_buf(),
+            data: DataSource::File(path.to_path_buf()),
             every: 3,
             batches: 2,
         });
@@ -674,6 +674,12 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
     let mut o = options(&masked);
     o.data = DataSource::Blend(vec![(0.25, masked.clone()), (0.75, plain.clone())]);
     assert!(headroom_trainer::train::data_has_loss_mask(&o));
+    // Validation on a blend too (the other way round): one loss, every 3 steps.
+    o.eval = Some(headroom_trainer::train::EvalOptions {
+        data: DataSource::Blend(vec![(3.0, masked.clone()), (1.0, plain.clone())]),
+        every: 3,
+        batches: 2,
+    });
     let line = headroom_trainer::train::describe_blend(&o).unwrap();
     assert!(line.contains(" 25.0%") && line.contains(" 75.0%"), "{line}");
     // 6 steps of 4 windows of 16: 6 from the masked file (255 windows an epoch) and 18 from
@@ -683,9 +689,26 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
         "{line}"
     );
 
+    let single = train(&o, |_| {}).unwrap();
+    let single_val: Vec<f32> = single.steps.iter().filter_map(|s| s.val_loss).collect();
+    assert_eq!(single_val.len(), 2);
     let (straight, rest, resumed) = straight_and_resumed(&o, dir.path());
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&rest), bits(&straight[3..]));
+    // Validating on either file alone measures something else.
+    for alone in [&masked, &plain] {
+        let mut one = o.clone();
+        if let Some(e) = one.eval.as_mut() {
+            e.data = DataSource::File(alone.clone());
+        }
+        let val: Vec<f32> = train(&one, |_| {})
+            .unwrap()
+            .steps
+            .iter()
+            .filter_map(|s| s.val_loss)
+            .collect();
+        assert_ne!(bits(&val), bits(&single_val), "{}", alone.display());
+    }
     // Either file alone trains otherwise.
     for alone in [&masked, &plain] {
         let mut one = o.clone();
@@ -705,5 +728,7 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
     };
     let r = train_zero(&o, ZeroOptions::new(Stage::Zero1, 2), |_| {}).unwrap();
     let l: Vec<f32> = r.steps.iter().map(|s| s.loss).collect();
+    let v: Vec<f32> = r.steps.iter().filter_map(|s| s.val_loss).collect();
     assert!(close(&l, &straight), "{l:?} vs {straight:?}");
+    assert!(close(&v, &single_val), "{v:?} vs {single_val:?}");
 }

@@ -1,7 +1,7 @@
 //! End-to-end training on the synthetic source: reproducible, and it learns the source down
 //! to its entropy floor.
 
-use headroom_trainer::train::{train, TrainOptions};
+use headroom_trainer::train::{train, DataSource, TrainOptions};
 
 #[test]
 fn same_seed_same_losses_bit_for_bit() {
@@ -246,7 +246,7 @@ fn validation_loss_is_on_fixed_windows_and_falls() {
             steps: 40,
             batch: 8,
             eval: Some(EvalOptions {
-                data: val.clone(),
+                data: DataSource::File(val.clone()),
                 every,
                 batches: 4,
             }),

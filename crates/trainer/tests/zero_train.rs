@@ -840,7 +840,7 @@ fn validation_runs_on_every_stage_and_agrees_across_sharding() {
     for family in [Family::Gpt2, llama()] {
         let mut o = options(family, 2, 4);
         o.eval = Some(EvalOptions {
-            data: val.clone(),
+            data: DataSource::File(val.clone()),
             every: 2,
             batches: 2,
         });
@@ -888,7 +888,7 @@ fn validation_is_dealt_out_to_the_ranks_and_equals_one_process() {
     ] {
         let mut o = options(family, ranks, 3);
         o.eval = Some(EvalOptions {
-            data: val.clone(),
+            data: DataSource::File(val.clone()),
             every: 0,
             batches: 2,
         });
