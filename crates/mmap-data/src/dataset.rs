@@ -543,18 +543,52 @@ impl TokenDataset {
     /// # }
     /// ```
     pub fn from_blend(parts: Vec<(String, f64, TokenDataset)>) -> Result<Self> {
-        if parts.iter().any(|(_, _, ds)| ds.blend.is_some()) {
-            return Err(DataError::InvalidConfig(
-                "a blend's source is itself a blend: list its sources in the outer blend".into(),
-            ));
-        }
         let weights: Vec<f64> = parts.iter().map(|(_, w, _)| *w).collect();
         let mut names = Vec::with_capacity(parts.len());
         let mut ranges = Vec::with_capacity(parts.len());
+        let mut datasets = Vec::with_capacity(parts.len());
+        let mut end = 0;
+        for (name, _, ds) in parts {
+            ranges.push(end..end + ds.segments.len());
+            end += ds.segments.len();
+            names.push(name);
+            datasets.push(ds);
+        }
+        // Before concatenating: a blend's weights are checked first, and a nested blend
+        // refused by `concat`.
+        let blend = crate::blend::Blend::new(names, &weights, ranges)?;
+        let mut ds = Self::concat(datasets)?;
+        ds.blend = Some(blend);
+        Ok(ds)
+    }
+
+    /// Several datasets as one: their segments one after another (and their documents, when
+    /// every part has a document index), sampled as one dataset, every window of every part
+    /// once per epoch. The vocabulary bound is the smallest of the parts'; a part may have a
+    /// loss mask while another has none (its targets all count). Blends cannot be parts.
+    ///
+    /// ```
+    /// use headroom_mmap_data::{TokenDataset, TokenType};
+    ///
+    /// # fn main() -> headroom_mmap_data::Result<()> {
+    /// let a = TokenDataset::from_tokens(&[1; 1000], TokenType::U16)?;
+    /// let b = TokenDataset::from_tokens(&[2; 100], TokenType::U32)?;
+    /// let both = TokenDataset::concat(vec![a, b])?;
+    /// assert_eq!((both.segments().len(), both.total_tokens()), (2, 1100));
+    /// assert!(both.blend().is_none());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn concat(parts: Vec<TokenDataset>) -> Result<Self> {
+        if parts.iter().any(|ds| ds.blend.is_some()) {
+            return Err(DataError::InvalidConfig(
+                "a blend cannot be part of another dataset: list its sources in one blend".into(),
+            ));
+        }
         let mut segments = Vec::new();
         let mut documents = Some(Vec::new());
         let mut vocab_size = 1u64 << 32;
-        for (name, _, ds) in parts {
+        for ds in parts {
             let base = segments.len();
             match (documents.as_mut(), ds.documents.as_ref()) {
                 (Some(all), Some(docs)) => {
@@ -568,14 +602,10 @@ impl TokenDataset {
             }
             try_reserve(&mut segments, ds.segments.len())?;
             segments.extend(ds.segments);
-            ranges.push(base..segments.len());
-            names.push(name);
             vocab_size = vocab_size.min(ds.vocab_size);
         }
-        let blend = crate::blend::Blend::new(names, &weights, ranges)?;
         let mut ds = Self::from_segments(segments, documents)?;
         ds.vocab_size = vocab_size;
-        ds.blend = Some(blend);
         Ok(ds)
     }
 

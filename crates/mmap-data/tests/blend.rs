@@ -452,5 +452,48 @@ fn a_source_without_windows_is_named() {
     let err = WindowSampler::new(&blend, config).unwrap_err().to_string();
     assert!(err.contains("blend source 1 (short.bin)"), "{err}");
     let nested = TokenDataset::from_blend(vec![("inner".into(), 1.0, blend)]).unwrap_err();
-    assert!(nested.to_string().contains("itself a blend"), "{nested}");
+    assert!(nested.to_string().contains("cannot be part"), "{nested}");
+}
+
+/// Without weights, files are one dataset: every window of every file once per epoch, the
+/// sampler of the segments one after another (what a glob of shards gives).
+#[test]
+fn a_concatenation_is_one_dataset_of_every_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.bin");
+    formats::raw::write_raw(&a, &vec![1u32; 300], TokenType::U16).unwrap();
+    write_loss_mask(loss_mask_path(&a), &vec![false; 300]).unwrap();
+    let b = tokens(2, 100);
+    let parts = || vec![formats::open(&a, &Default::default()).unwrap(), b.clone()];
+    let both = TokenDataset::concat(parts()).unwrap();
+    assert!(both.blend().is_none() && both.has_loss_mask());
+    assert_eq!(both.counted_tokens(), 100);
+    let config = SamplerConfig {
+        mode: SamplingMode::EpochWindows,
+        seq_len: 10,
+        seed: 5,
+        shard: Shard::SINGLE,
+    };
+    let sampler = WindowSampler::new(&both, config).unwrap();
+    // 29 windows of a, 9 of b: each once in the epoch.
+    assert_eq!(sampler.windows_per_epoch(), Some(38));
+    let mut seen: Vec<(usize, u64)> = (0..38)
+        .map(|p| sampler.window(p))
+        .map(|w| (w.segment, w.start))
+        .collect();
+    seen.sort_unstable();
+    let expected: Vec<(usize, u64)> = (0..29)
+        .map(|i| (0, i * 10))
+        .chain((0..9).map(|i| (1, i * 10)))
+        .collect();
+    assert_eq!(seen, expected);
+    // The same segments as a blend are another dataset.
+    let blend = TokenDataset::from_blend(
+        parts()
+            .into_iter()
+            .map(|ds| ("part".to_string(), 1.0, ds))
+            .collect(),
+    )
+    .unwrap();
+    assert_ne!(blend.fingerprint(), both.fingerprint());
 }

@@ -781,10 +781,11 @@ struct RunArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_BUDGET_MIB))]
     budget_mib: Option<u64>,
     /// Train on this token file (any format headroom data inspect recognises: a file, a
-    /// directory or a glob of shards) instead of the synthetic source. Several files as
-    /// Megatron-LM's --data-path, weight before each: `--data 0.7 web.bin 0.3 code.bin` draws
-    /// 70% of the windows from web.bin and 30% from code.bin, each shuffled through its own
-    /// epochs (weights need not sum to 1; a file smaller than its share is repeated).
+    /// directory or a glob of shards) instead of the synthetic source. Several files are one
+    /// dataset (every window of each once per epoch); with a weight before each, a blend as
+    /// Megatron-LM's --data-path: `--data 0.7 web.bin 0.3 code.bin` draws 70% of the windows
+    /// from web.bin and 30% from code.bin, each shuffled through its own epochs (weights need
+    /// not sum to 1; a file smaller than its share is repeated).
     #[arg(long, num_args = 1.., allow_negative_numbers = true, value_name = "[WEIGHT] PATH")]
     data: Vec<PathBuf>,
     /// Where to run. cuda (built with the `cuda` feature): bf16 with flash attention only;
@@ -1398,31 +1399,34 @@ fn compute_device(d: DeviceArg) -> CliResult<ComputeDevice> {
     }
 }
 
-/// The values of `option` (`--data`, `--val-data`): one path, or Megatron-LM's
-/// `WEIGHT PATH WEIGHT PATH …` for a blend; `None` without the option.
+/// The values of `option` (`--data`, `--val-data`): one path; several paths, one dataset of
+/// them all; or Megatron-LM's `WEIGHT PATH WEIGHT PATH …` for a blend. `None` without the
+/// option.
 fn data_source(values: &[PathBuf], option: &str) -> Result<Option<DataSource>, String> {
     let usage = format!(
-        "{option}: several files are given as weight-path pairs, as Megatron-LM's \
-         --data-path: `{option} 0.7 web.bin 0.3 code.bin`"
+        "{option}: several files are paths (one dataset of them all) or weight-path pairs, as \
+         Megatron-LM's --data-path: `{option} 0.7 web.bin 0.3 code.bin`"
     );
+    let weight = |v: &PathBuf| v.to_str().and_then(|t| t.parse::<f64>().ok());
     match values {
         [] => Ok(None),
         [path] => Ok(Some(DataSource::File(path.clone()))),
+        paths if paths.iter().all(|v| weight(v).is_none()) => {
+            Ok(Some(DataSource::Files(paths.to_vec())))
+        }
         pairs if pairs.len() % 2 == 1 => {
-            Err(format!("{usage}; {} values are not pairs", pairs.len()))
+            Err(format!("{usage}; {} values are neither", pairs.len()))
         }
         pairs => {
             let parts = pairs
                 .chunks_exact(2)
-                .map(|pair| {
-                    let text = pair[0].to_string_lossy();
-                    match text.parse::<f64>() {
-                        Ok(w) if w.is_finite() && w > 0.0 => Ok((w, pair[1].clone())),
-                        _ => Err(format!(
-                            "{usage}; `{text}` (before {}) is not a positive weight",
-                            pair[1].display()
-                        )),
-                    }
+                .map(|pair| match weight(&pair[0]) {
+                    Some(w) if w.is_finite() && w > 0.0 => Ok((w, pair[1].clone())),
+                    _ => Err(format!(
+                        "{usage}; `{}` (before {}) is not a positive weight",
+                        pair[0].display(),
+                        pair[1].display()
+                    )),
                 })
                 .collect::<Result<Vec<_>, String>>()?;
             Ok(Some(DataSource::Blend(parts)))

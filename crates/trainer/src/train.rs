@@ -64,6 +64,9 @@ pub enum DataSource {
     Synthetic(SyntheticData),
     /// Any file headroom-mmap-data opens (nanoGPT raw u16, llm.c, Megatron, shards).
     File(PathBuf),
+    /// Several token files (each anything [`DataSource::File`] takes) as one dataset
+    /// ([`TokenDataset::concat`]): every window of every file once per epoch.
+    Files(Vec<PathBuf>),
     /// Several token files (each anything [`DataSource::File`] takes), drawn from in
     /// proportion to their weights as Megatron-LM's `--data-path 0.7 web 0.3 code` draws
     /// ([`TokenDataset::from_blend`]): each file through its own shuffled epochs, a file
@@ -1056,6 +1059,10 @@ pub(crate) fn data_name(data: &DataSource) -> String {
     match data {
         DataSource::Synthetic(_) => "the synthetic data".into(),
         DataSource::File(path) => path.display().to_string(),
+        DataSource::Files(paths) => {
+            let paths: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+            paths.join(" + ")
+        }
         DataSource::Blend(parts) => {
             let parts: Vec<String> = parts
                 .iter()
@@ -1076,6 +1083,10 @@ fn open_files(data: &DataSource) -> Option<Result<TokenDataset>> {
     match data {
         DataSource::Synthetic(_) => None,
         DataSource::File(path) => Some(open(path)),
+        DataSource::Files(paths) => Some((|| {
+            let parts = paths.iter().map(|p| open(p)).collect::<Result<Vec<_>>>()?;
+            Ok(TokenDataset::concat(parts)?)
+        })()),
         DataSource::Blend(parts) => Some((|| {
             let sources = parts
                 .iter()

@@ -576,8 +576,8 @@ fn text_given_as_data_is_refused_with_what_to_do() {
 }
 
 /// `--data W1 A W2 B` blends the files as Megatron's --data-path does, and says what each
-/// file's share of the run is; `--val-data` takes a blend too; values that are not weight-path
-/// pairs are refused by name.
+/// file's share of the run is; `--data A B` is one dataset of both; `--val-data` takes the
+/// same; values that are neither paths nor weight-path pairs are refused by name.
 #[test]
 fn data_takes_megatrons_weighted_blend() {
     let dir = tempfile::tempdir().unwrap();
@@ -628,9 +628,13 @@ fn data_takes_megatrons_weighted_blend() {
         out.contains(&format!(" 30.0%  {code}: 5000 tokens")),
         "{out}"
     );
+    // Paths alone: one dataset of both, as a glob of shards would be.
+    let o = train(&[&web, &code]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("data: a blend"), "{}", stdout(&o));
     for bad in [
         vec!["0.7", web.as_str(), "0.3"],
-        vec![web.as_str(), code.as_str()],
+        vec![web.as_str(), "1", code.as_str()],
         vec!["0", web.as_str(), "1", code.as_str()],
         vec!["-1", web.as_str(), "1", code.as_str()],
     ] {

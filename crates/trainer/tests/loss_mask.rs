@@ -732,3 +732,29 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
     assert!(close(&l, &straight), "{l:?} vs {straight:?}");
     assert!(close(&v, &single_val), "{v:?} vs {single_val:?}");
 }
+
+/// Files listed without weights are one dataset: the same run, bit for bit, as the directory
+/// that holds them read as shards.
+#[test]
+fn files_without_weights_train_as_their_directory_of_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("shards");
+    std::fs::create_dir(&shards).unwrap();
+    let mut files = Vec::new();
+    for (i, n) in [(0u32, 1500u32), (1, 900)] {
+        let path = shards.join(format!("part_{i}.bin"));
+        let tokens: Vec<u32> = (0..n).map(|t| (t * 5 + i * 17 + t / 7) % 61).collect();
+        formats::write_tokens(&path, &tokens, TokenFileFormat::Raw(TokenType::U16)).unwrap();
+        files.push(path);
+    }
+    let mut listed = options(&files[0]);
+    listed.data = DataSource::Files(files.clone());
+    let mut directory = listed.clone();
+    directory.data = DataSource::File(shards.clone());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let listed_losses = losses(&listed);
+    assert_eq!(bits(&listed_losses), bits(&losses(&directory)));
+    let mut first = listed.clone();
+    first.data = DataSource::File(files[0].clone());
+    assert_ne!(bits(&listed_losses), bits(&losses(&first)));
+}
