@@ -497,3 +497,39 @@ fn a_concatenation_is_one_dataset_of_every_window() {
     .unwrap();
     assert_ne!(blend.fingerprint(), both.fingerprint());
 }
+
+/// Positions a saved state can hold, up to the end of u64, give windows inside their source
+/// (every mode, every rank), never a panic or an overflow.
+#[test]
+fn a_blend_at_any_position_stays_inside_its_sources() {
+    let blend = three_sources(&[[50, 70], [33, 0], [400, 9]], [0.2, 1.0 / 3.0, 0.5]);
+    for mode in [SamplingMode::RandomWindows, SamplingMode::EpochWindows] {
+        for world in [1u32, 3, 7] {
+            let config = SamplerConfig {
+                mode,
+                seq_len: 16,
+                seed: 77,
+                shard: Shard::new(world - 1, world).unwrap(),
+            };
+            let sampler = WindowSampler::new(&blend, config).unwrap();
+            for p in [
+                0,
+                1,
+                29,
+                30,
+                u64::MAX / 3,
+                u64::MAX / 2,
+                u64::MAX - 1,
+                u64::MAX,
+            ] {
+                let w = sampler.window(p);
+                let segment = &blend.segments()[w.segment];
+                assert!(
+                    w.start + 16 < segment.len() as u64,
+                    "{mode:?} {world} {p}: {w:?}"
+                );
+                let _ = sampler.epoch_of(p);
+            }
+        }
+    }
+}
