@@ -999,11 +999,17 @@ struct TrainArgs {
     /// Print a step line every N steps when there is no progress bar [default: 1].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     log_every: Option<u64>,
-    /// Validation token file: a mean loss over fixed windows of it (the same every time). A
-    /// blend as for --data (`--val-data 0.7 web_val.bin 0.3 code_val.bin`): one loss over
-    /// windows drawn by its weights, as Megatron-LM blends its validation sets.
+    /// Validation token file: a mean loss over fixed windows of it (the same every time).
+    /// Several files or a blend as for --data (`--val-data 0.7 web_val.bin 0.3 code_val.bin`:
+    /// one loss over windows drawn by the weights, as Megatron-LM blends its validation sets).
+    /// Given again, another set with its own loss (`--val-data web_val.bin --val-data
+    /// code_val.bin`), and the loss over all of them.
     #[arg(long, num_args = 1.., allow_negative_numbers = true, value_name = "[WEIGHT] PATH")]
     val_data: Vec<PathBuf>,
+    /// `--val-data`'s values occurrence by occurrence (clap's derive flattens them into
+    /// `val_data`): filled by [`parse_cli`].
+    #[arg(skip)]
+    val_sets: Vec<Vec<PathBuf>>,
     /// Steps between validations (0: only after the last step).
     #[arg(long, default_value_t = 0)]
     eval_every: usize,
@@ -1399,6 +1405,37 @@ fn compute_device(d: DeviceArg) -> CliResult<ComputeDevice> {
     }
 }
 
+/// A step line's validation part: `  val L`, and each set's loss when there are several.
+fn val_text(s: &StepLog) -> String {
+    match (s.val_loss, s.val_losses.as_slice()) {
+        (None, _) => String::new(),
+        (Some(v), [] | [_]) => format!("  val {v:.4}"),
+        (Some(v), sets) => {
+            let sets: Vec<String> = sets.iter().map(|l| format!("{l:.4}")).collect();
+            format!("  val {v:.4} [{}]", sets.join(" "))
+        }
+    }
+}
+
+/// A metrics line with each validation set's loss by name (`val_losses`), when the step was
+/// evaluated on several sets; as it was otherwise.
+fn with_set_losses(
+    mut line: serde_json::Value,
+    s: &StepLog,
+    o: &TrainOptions,
+) -> serde_json::Value {
+    let sets = o.eval.as_ref().map_or(&[][..], |e| &e.sets[..]);
+    if s.val_losses.len() > 1 && s.val_losses.len() == sets.len() {
+        let by_name: serde_json::Map<String, serde_json::Value> = sets
+            .iter()
+            .zip(&s.val_losses)
+            .map(|(set, &loss)| (crate::train::data_name(set), serde_json::json!(loss)))
+            .collect();
+        line["val_losses"] = serde_json::Value::Object(by_name);
+    }
+    line
+}
+
 /// The values of `option` (`--data`, `--val-data`): one path; several paths, one dataset of
 /// them all; or Megatron-LM's `WEIGHT PATH WEIGHT PATH …` for a blend. `None` without the
 /// option.
@@ -1715,14 +1752,13 @@ fn cmd_train_zero(
                 "live_bytes": s.live_bytes, "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
                 "counted_targets": s.counted_targets,
             });
+            let line = with_set_losses(line, s, o);
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
                 metrics_failed(metrics_path, &mut metrics_err, e);
             }
         }
         if speak {
-            let val = s
-                .val_loss
-                .map_or(String::new(), |v| format!("  val {v:.4}"));
+            let val = val_text(s);
             say!(
                 "step {:>5}  loss {}{val}  {:>6.0} tok/s  largest rank: live {:.1} MiB  peak {:.1} MiB",
                 s.step,
@@ -1865,8 +1901,19 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
     }
     o.resume_from = args.resume;
     o.stop_after = args.stop_after;
-    o.eval = data_source(&args.val_data, "--val-data")?.map(|data| EvalOptions {
-        data,
+    // One set per --val-data; all its values as one set when the occurrences are unknown
+    // (arguments not parsed by `parse_cli`).
+    let occurrences = if args.val_sets.is_empty() && !args.val_data.is_empty() {
+        vec![args.val_data.clone()]
+    } else {
+        args.val_sets.clone()
+    };
+    let sets = occurrences
+        .iter()
+        .filter_map(|values| data_source(values, "--val-data").transpose())
+        .collect::<Result<Vec<_>, String>>()?;
+    o.eval = (!sets.is_empty()).then_some(EvalOptions {
+        sets,
         every: args.eval_every,
         batches: args.eval_batches,
     });
@@ -1949,14 +1996,13 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
                 "peak_bytes": s.peak_bytes, "val_loss": s.val_loss,
                 "counted_targets": s.counted_targets,
             });
+            let line = with_set_losses(line, s, &o);
             // Flushed per line: a killed run's file ends at a whole line.
             if let Err(e) = writeln!(w, "{line}").and_then(|()| w.flush()) {
                 metrics_failed(metrics_path, &mut metrics_err, e);
             }
         }
-        let val = s
-            .val_loss
-            .map_or(String::new(), |v| format!("  val {v:.4}"));
+        let val = val_text(s);
         let msg = format!(
             "loss {}{val}  {:>6.0} tok/s  live {:.1} MiB  peak {:.1} MiB",
             loss_text(s),
@@ -2015,6 +2061,11 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
     }
     if let Some((v, tokens)) = report.val_loss {
         say!("validation loss {v:.4} nats/token ({tokens} tokens)");
+        if report.val_losses.len() > 1 {
+            for (name, v, tokens) in &report.val_losses {
+                say!("  {name}: {v:.4} nats/token ({tokens} tokens)");
+            }
+        }
     }
     if let Some(d) = &report.last_checkpoint {
         say!("checkpoint: {}", d.display());
@@ -2870,6 +2921,25 @@ fn remove_stale_loss_mask(token_file: &Path) -> CliResult {
         );
     }
     Ok(())
+}
+
+/// This process's command line, as `Cli::parse` reads it (exiting with clap's message on a
+/// usage error or after `--help`), and with `train`'s `--val-data` kept occurrence by
+/// occurrence: each is a validation set of its own.
+fn parse_cli() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let mut cli =
+        Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut Cli::command()).exit());
+    if let (Some(Command::Train(args)), Some(("train", sub))) =
+        (cli.command.as_mut(), matches.subcommand())
+    {
+        args.val_sets = sub
+            .get_occurrences::<PathBuf>("val_data")
+            .map(|sets| sets.map(|set| set.cloned().collect()).collect())
+            .unwrap_or_default();
+    }
+    cli
 }
 
 fn run(cli: Cli, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
@@ -4307,7 +4377,7 @@ pub struct CliHooks<'a> {
 /// Run the `headroom` command on this process's arguments, printing the error chain on
 /// failure: the exit code to return from `main`.
 pub fn main_with(hooks: &CliHooks<'_>) -> ExitCode {
-    let result = run(Cli::parse(), hooks);
+    let result = run(parse_cli(), hooks);
     let _ = std::io::stdout().flush();
     if let Some(e) = STDOUT_ERROR
         .lock()

@@ -281,10 +281,12 @@ pub struct TrainOptions {
 /// Validation during a run (`--val-data`, `--eval-every`, `--eval-batches`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct EvalOptions {
-    /// The validation data: a token file (any format headroom-mmap-data opens) or a blend of
-    /// them ([`DataSource::Blend`]: one loss over windows drawn by the blend's weights, as
-    /// Megatron-LM's `--valid-data-path` blends them); not the synthetic source.
-    pub data: DataSource,
+    /// The validation sets, each measured on its own (as a dict of `eval_dataset`s in
+    /// transformers' Trainer): a token file (any format headroom-mmap-data opens), several as
+    /// one ([`DataSource::Files`]) or a blend ([`DataSource::Blend`]: one loss over windows
+    /// drawn by its weights, as Megatron-LM blends its validation sets); not the synthetic
+    /// source. At least one.
+    pub sets: Vec<DataSource>,
     /// Steps between evaluations (0: only after the last step). The last step is always
     /// evaluated.
     pub every: usize,
@@ -741,7 +743,7 @@ pub fn machine_memory_bytes() -> Option<u64> {
 }
 
 /// One step's figures.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepLog {
     /// 0-based step.
     pub step: usize,
@@ -765,8 +767,12 @@ pub struct StepLog {
     pub live_bytes: u64,
     /// Peak tracked device bytes so far.
     pub peak_bytes: u64,
-    /// Mean validation loss after this step, when the step was evaluated.
+    /// Mean validation loss after this step, when the step was evaluated: over every counted
+    /// target of every validation set (the one set's loss when there is one).
     pub val_loss: Option<f32>,
+    /// Each validation set's loss, in [`EvalOptions::sets`] order, when the step was
+    /// evaluated (empty otherwise).
+    pub val_losses: Vec<f32>,
     /// Targets the step's loss is the mean of: every target of the batch, or those its loss
     /// mask keeps (0: the step was skipped, its loss is NaN).
     pub counted_targets: u64,
@@ -793,6 +799,8 @@ pub struct TrainReport {
     pub last_checkpoint: Option<PathBuf>,
     /// The last validation loss, and the tokens it was measured on.
     pub val_loss: Option<(f32, u64)>,
+    /// The last validation loss of each set: its name, loss and tokens.
+    pub val_losses: Vec<(String, f32, u64)>,
 }
 
 impl TrainReport {
@@ -1144,31 +1152,80 @@ pub fn describe_blend(opts: &TrainOptions) -> Option<String> {
     ))
 }
 
-/// The fixed validation set of a run (`--val-data`): `batches` batches of the run's shape from
-/// a constant seed, read once (host vectors, outside the device ledger: a few KiB to MiB of
-/// token ids); empty without validation.
-pub fn validation_batches(opts: &TrainOptions) -> Result<Vec<TokenBatch>> {
+/// One validation set of a run: its name in messages and its fixed batches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidationSet {
+    /// What the set is called (its path, or its blend's weights and paths).
+    pub name: String,
+    /// The set's windows, `batches` batches of the run's shape.
+    pub batches: Vec<TokenBatch>,
+}
+
+impl ValidationSet {
+    /// The targets the set's loss is the mean of (those its loss mask keeps).
+    pub fn counted(&self) -> u64 {
+        self.batches
+            .iter()
+            .map(|b| counted_targets(&b.targets) as u64)
+            .sum()
+    }
+}
+
+/// The loss over every counted target of several sets, from each set's `(loss, counted)`: each
+/// set's loss weighted by its counted targets; one set's own loss when there is one (so a run
+/// with one set reports exactly what it did before sets were several). NaN when none counts.
+pub(crate) fn overall_loss(per_set: &[(f32, u64)]) -> f32 {
+    if let [(loss, _)] = per_set {
+        return *loss;
+    }
+    let (weighted, counted) = per_set
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .fold((0.0f64, 0u64), |(w, c), &(l, n)| {
+            (w + f64::from(l) * n as f64, c + n)
+        });
+    if counted == 0 {
+        f32::NAN
+    } else {
+        (weighted / counted as f64) as f32
+    }
+}
+
+/// The fixed validation sets of a run (`--val-data`): each `batches` batches of the run's
+/// shape from a constant seed, read once (host vectors, outside the device ledger: a few KiB
+/// to MiB of token ids); empty without validation.
+pub fn validation_sets(opts: &TrainOptions) -> Result<Vec<ValidationSet>> {
     let Some(e) = &opts.eval else {
         return Ok(Vec::new());
     };
-    let name = data_name(&e.data);
-    let ds = open_files(&e.data).ok_or_else(|| {
-        TrainError::Config("validation reads token files, not the synthetic source".into())
-    })??;
-    refuse_unindexed(&ds, opts.documents, &name)?;
-    let ds = Arc::new(ds);
-    let sampler = SamplerConfig {
-        mode: SamplingMode::EpochWindows,
-        seq_len: opts.seq as u64,
-        seed: VALIDATION_SEED,
-        shard: Shard::SINGLE,
-    };
-    let mut cfg = LoaderConfig::new(opts.batch);
-    cfg.output = OutputType::U32;
-    cfg.documents = opts.documents;
-    let mut val = Loader::new(ds, sampler, cfg, None)?;
-    (0..e.batches)
-        .map(|_| batch_tokens(&*val.next_batch()?, opts.model.vocab, &name))
+    if e.sets.is_empty() {
+        return Err(TrainError::Config(
+            "validation needs at least one set of token files".into(),
+        ));
+    }
+    e.sets
+        .iter()
+        .map(|set| {
+            let name = data_name(set);
+            let ds = open_files(set).ok_or_else(|| {
+                TrainError::Config("validation reads token files, not the synthetic source".into())
+            })??;
+            refuse_unindexed(&ds, opts.documents, &name)?;
+            let sampler = SamplerConfig {
+                mode: SamplingMode::EpochWindows,
+                seq_len: opts.seq as u64,
+                seed: VALIDATION_SEED,
+                shard: Shard::SINGLE,
+            };
+            let mut cfg = LoaderConfig::new(opts.batch);
+            cfg.output = OutputType::U32;
+            cfg.documents = opts.documents;
+            let mut val = Loader::new(Arc::new(ds), sampler, cfg, None)?;
+            let batches = (0..e.batches)
+                .map(|_| batch_tokens(&*val.next_batch()?, opts.model.vocab, &name))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(ValidationSet { name, batches })
+        })
         .collect()
 }
 
@@ -1870,7 +1927,7 @@ fn train_tracked(
         }
     };
 
-    let val_batches = validation_batches(opts)?;
+    let val_sets = validation_sets(opts)?;
 
     // fp32 masters: on the host when offloading a low-precision run (the device keeps only the
     // working copy); otherwise they are the device's weights. On CUDA they start on the host:
@@ -2088,6 +2145,7 @@ fn train_tracked(
     let mut stopped = false;
     let mut last_checkpoint = None;
     let mut last_val = None;
+    let mut last_vals = Vec::new();
     for step in start..end {
         if tracker.is_recording() {
             tracker.mark(&format!("step {step}"));
@@ -2148,18 +2206,29 @@ fn train_tracked(
             stepper.apply()?;
         }
         let seconds = t0.elapsed().as_secs_f64();
-        let val_loss = match &opts.eval {
+        let val_losses = match &opts.eval {
             Some(e) if (e.every > 0 && (step + 1) % e.every == 0) || step + 1 == end => {
                 let _phase = tracker.phase("eval");
-                let v = stepper.eval_loss(&val_batches, micro, opts.seq)?;
-                // The targets scored: those the validation file's loss mask keeps.
-                let scored = val_batches
+                // The targets scored: those each validation file's loss mask keeps.
+                let per_set = val_sets
                     .iter()
-                    .map(|b| counted_targets(&b.targets) as u64);
-                last_val = Some((v, scored.sum()));
-                Some(v)
+                    .map(|set| {
+                        Ok((
+                            stepper.eval_loss(&set.batches, micro, opts.seq)?,
+                            set.counted(),
+                        ))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let counted = per_set.iter().map(|&(_, n)| n).sum();
+                last_val = Some((overall_loss(&per_set), counted));
+                last_vals = val_sets
+                    .iter()
+                    .zip(&per_set)
+                    .map(|(set, &(loss, n))| (set.name.clone(), loss, n))
+                    .collect();
+                per_set.into_iter().map(|(loss, _)| loss).collect()
             }
-            _ => None,
+            _ => Vec::new(),
         };
         let log = StepLog {
             step,
@@ -2177,7 +2246,8 @@ fn train_tracked(
             tokens_per_s: tokens_per_step as f64 / seconds,
             live_bytes: tracker.live_bytes(dev),
             peak_bytes: tracker.peak_bytes(dev),
-            val_loss,
+            val_loss: (!val_losses.is_empty()).then(|| last_val.map_or(f32::NAN, |(v, _)| v)),
+            val_losses,
             counted_targets: counted,
         };
         on_step(&log);
@@ -2257,6 +2327,7 @@ fn train_tracked(
         stopped,
         last_checkpoint,
         val_loss: last_val,
+        val_losses: last_vals,
     })
 }
 #[cfg(test)]

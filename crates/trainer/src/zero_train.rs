@@ -117,7 +117,8 @@ pub struct ZeroReport {
 
 /// What a rank reports after each step.
 struct RankStep {
-    val_loss: Option<f32>,
+    /// Each validation set's loss, when the step was evaluated (empty otherwise).
+    val_losses: Vec<f32>,
     step: usize,
     loss_sum: f64,
     /// The global batch's counted targets (all of them without a loss mask).
@@ -145,8 +146,8 @@ struct Shared<'a> {
     /// The tokenizer and generation config rank 0 writes into every checkpoint: the resumed
     /// checkpoint's, else `--init-from`'s (none in a process without rank 0).
     companions: Companions,
-    /// The fixed validation batches (`--val-data`), global batch size each.
-    val: Vec<crate::train::TokenBatch>,
+    /// The fixed validation sets (`--val-data`), batches of the global batch size.
+    val: Vec<crate::train::ValidationSet>,
 }
 
 /// The state a resume starts from, checked against the run: a ZeRO checkpoint of any stage and
@@ -449,7 +450,7 @@ fn drive<C: Collective + 'static>(
         micro,
         resume,
         companions,
-        val: crate::train::validation_batches(opts)?,
+        val: crate::train::validation_sets(opts)?,
     };
     let local = comms.len();
     let (tx, rx) = mpsc::channel::<RankStep>();
@@ -496,7 +497,16 @@ fn drive<C: Collective + 'static>(
                     tokens_per_s: tokens_per_step as f64 / seconds,
                     live_bytes: done.iter().map(|r| r.live).max().unwrap_or(0),
                     peak_bytes: done.iter().map(|r| r.peak).max().unwrap_or(0),
-                    val_loss: first.val_loss,
+                    val_loss: (!first.val_losses.is_empty()).then(|| {
+                        let per_set: Vec<(f32, u64)> = first
+                            .val_losses
+                            .iter()
+                            .zip(&shared.val)
+                            .map(|(&loss, set)| (loss, set.counted()))
+                            .collect();
+                        crate::train::overall_loss(&per_set)
+                    }),
+                    val_losses: first.val_losses.clone(),
                     counted_targets: first.counted,
                 };
                 on_step(&log);
@@ -944,23 +954,21 @@ fn run_rank_on<C: Collective + 'static, B: RankBackend>(
             .map_err(zero_err)?
             .iter()
             .sum();
-        let val_loss = match &opts.eval {
+        let val_losses = match &opts.eval {
             Some(e) if (e.every > 0 && (step + 1) % e.every == 0) || step + 1 == end => {
                 let _phase = tracker.phase("eval");
-                Some(validation_loss(
-                    &model,
-                    &store,
-                    &shared.val,
-                    micro,
-                    opts.seq,
-                    rank,
-                    world,
-                )?)
+                shared
+                    .val
+                    .iter()
+                    .map(|set| {
+                        validation_loss(&model, &store, &set.batches, micro, opts.seq, rank, world)
+                    })
+                    .collect::<Result<Vec<_>>>()?
             }
-            _ => None,
+            _ => Vec::new(),
         };
         let report = RankStep {
-            val_loss,
+            val_losses,
             step,
             loss_sum,
             counted,

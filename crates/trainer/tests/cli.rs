@@ -628,6 +628,34 @@ fn data_takes_megatrons_weighted_blend() {
         out.contains(&format!(" 30.0%  {code}: 5000 tokens")),
         "{out}"
     );
+    // Two validation sets: each its own loss, in the step lines, the metrics and the summary.
+    let metrics = dir.path().join("m.jsonl");
+    let m = metrics.to_str().unwrap();
+    let o = train(&[
+        &web,
+        "--val-data",
+        &web,
+        "--val-data",
+        &code,
+        "--metrics",
+        m,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains(&format!("  {web}: ")) && out.contains(&format!("  {code}: ")),
+        "{out}"
+    );
+    let last = std::fs::read_to_string(&metrics).unwrap();
+    let last: serde_json::Value = serde_json::from_str(last.lines().last().unwrap()).unwrap();
+    let sets = last["val_losses"].as_object().unwrap();
+    assert_eq!(sets.len(), 2, "{last}");
+    assert!(sets[&web].is_number() && sets[&code].is_number(), "{last}");
+    let step_line = out
+        .lines()
+        .find(|l| l.starts_with("step") && l.contains("val"))
+        .unwrap();
+    assert!(step_line.contains(" ["), "{step_line}");
     // Paths alone: one dataset of both, as a glob of shards would be.
     let o = train(&[&web, &code]);
     assert!(o.status.success(), "{}", stderr(&o));

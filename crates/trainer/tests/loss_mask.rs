@@ -252,7 +252,7 @@ fn zero_ranks_weight_the_global_batch_by_its_counted_targets() {
     o.techniques.micro_batch = Some(1);
     // Validation on the masked file too: the counted targets of 2 batches, every 3 steps.
     o.eval = Some(headroom_trainer::train::EvalOptions {
-        data: DataSource::File(path.clone()),
+        sets: vec![DataSource::File(path.clone())],
         every: 3,
         batches: 2,
     });
@@ -291,7 +291,7 @@ fn zero_ranks_train_packed_documents_as_one_process() {
     o.documents = Some(DocumentBoundaries::Index);
     o.techniques.micro_batch = Some(1);
     o.eval = Some(headroom_trainer::train::EvalOptions {
-        data: DataSource::File(path.clone()),
+        sets: vec![DataSource::File(path.clone())],
         every: 3,
         batches: 2,
     });
@@ -495,7 +495,7 @@ fn separator_ended_documents_train_as_their_index_does() {
         let mut o = options(path);
         o.documents = Some(documents);
         o.eval = Some(headroom_trainer::train::EvalOptions {
-            data: DataSource::File(path.to_path_buf()),
+            sets: vec![DataSource::File(path.to_path_buf())],
             every: 3,
             batches: 2,
         });
@@ -676,7 +676,10 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
     assert!(headroom_trainer::train::data_has_loss_mask(&o));
     // Validation on a blend too (the other way round): one loss, every 3 steps.
     o.eval = Some(headroom_trainer::train::EvalOptions {
-        data: DataSource::Blend(vec![(3.0, masked.clone()), (1.0, plain.clone())]),
+        sets: vec![DataSource::Blend(vec![
+            (3.0, masked.clone()),
+            (1.0, plain.clone()),
+        ])],
         every: 3,
         batches: 2,
     });
@@ -695,11 +698,13 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
     let (straight, rest, resumed) = straight_and_resumed(&o, dir.path());
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&rest), bits(&straight[3..]));
-    // Validating on either file alone measures something else.
+    // Validating on either file alone measures something else; both as two sets, each is
+    // measured as it is alone, and the run's loss is over the two sets' counted targets.
+    let mut alone_vals = Vec::new();
     for alone in [&masked, &plain] {
         let mut one = o.clone();
         if let Some(e) = one.eval.as_mut() {
-            e.data = DataSource::File(alone.clone());
+            e.sets = vec![DataSource::File(alone.clone())];
         }
         let val: Vec<f32> = train(&one, |_| {})
             .unwrap()
@@ -708,7 +713,42 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
             .filter_map(|s| s.val_loss)
             .collect();
         assert_ne!(bits(&val), bits(&single_val), "{}", alone.display());
+        alone_vals.push(val);
     }
+    let mut two = o.clone();
+    if let Some(e) = two.eval.as_mut() {
+        e.sets = vec![
+            DataSource::File(masked.clone()),
+            DataSource::File(plain.clone()),
+        ];
+    }
+    let report = train(&two, |_| {}).unwrap();
+    let evaluated: Vec<&headroom_trainer::train::StepLog> = report
+        .steps
+        .iter()
+        .filter(|s| s.val_loss.is_some())
+        .collect();
+    assert_eq!(evaluated.len(), 2);
+    for (k, s) in evaluated.iter().enumerate() {
+        assert_eq!(
+            bits(&s.val_losses),
+            bits(&[alone_vals[0][k], alone_vals[1][k]])
+        );
+    }
+    // 2 batches of 4 × 16 targets: 2 of every 3 counted in the masked file, all in the plain.
+    let names: Vec<(&str, u64)> = report
+        .val_losses
+        .iter()
+        .map(|(name, _, n)| (name.rsplit('/').next().unwrap(), *n))
+        .collect();
+    let masked_counted = names[0].1;
+    assert!(masked_counted > 0 && masked_counted < 128, "{names:?}");
+    assert_eq!(names, [("sft.bin", masked_counted), ("plain.bin", 128)]);
+    let (last_masked, last_plain) = (alone_vals[0][1] as f64, alone_vals[1][1] as f64);
+    let overall =
+        (last_masked * masked_counted as f64 + last_plain * 128.0) / (masked_counted + 128) as f64;
+    let (v, n) = report.val_loss.unwrap();
+    assert_eq!((v, n), (overall as f32, masked_counted + 128));
     // Either file alone trains otherwise.
     for alone in [&masked, &plain] {
         let mut one = o.clone();
@@ -731,6 +771,20 @@ fn a_blend_of_masked_and_plain_files_trains_resumes_and_shards_as_one_process() 
     let v: Vec<f32> = r.steps.iter().filter_map(|s| s.val_loss).collect();
     assert!(close(&l, &straight), "{l:?} vs {straight:?}");
     assert!(close(&v, &single_val), "{v:?} vs {single_val:?}");
+    // Two sets over ranks: each set's loss and the overall one are one process's.
+    let r = train_zero(&two, ZeroOptions::new(Stage::Zero1, 2), |_| {}).unwrap();
+    for (zero, one) in r
+        .steps
+        .iter()
+        .zip(&report.steps)
+        .filter(|(s, _)| s.val_loss.is_some())
+    {
+        assert!(
+            close(&zero.val_losses, &one.val_losses),
+            "{zero:?} vs {one:?}"
+        );
+        assert!(close(&[zero.val_loss.unwrap()], &[one.val_loss.unwrap()]));
+    }
 }
 
 /// Files listed without weights are one dataset: the same run, bit for bit, as the directory

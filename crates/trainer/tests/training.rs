@@ -246,7 +246,7 @@ fn validation_loss_is_on_fixed_windows_and_falls() {
             steps: 40,
             batch: 8,
             eval: Some(EvalOptions {
-                data: DataSource::File(val.clone()),
+                sets: vec![DataSource::File(val.clone())],
                 every,
                 batches: 4,
             }),

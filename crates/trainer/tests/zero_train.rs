@@ -840,7 +840,7 @@ fn validation_runs_on_every_stage_and_agrees_across_sharding() {
     for family in [Family::Gpt2, llama()] {
         let mut o = options(family, 2, 4);
         o.eval = Some(EvalOptions {
-            data: DataSource::File(val.clone()),
+            sets: vec![DataSource::File(val.clone())],
             every: 2,
             batches: 2,
         });
@@ -872,7 +872,7 @@ fn validation_runs_on_every_stage_and_agrees_across_sharding() {
 /// chunks with the run's final parameters, whatever the rank count and stage.
 #[test]
 fn validation_is_dealt_out_to_the_ranks_and_equals_one_process() {
-    use headroom_trainer::train::{validation_batches, EvalOptions};
+    use headroom_trainer::train::{validation_sets, EvalOptions};
     let dir = std::env::temp_dir().join(format!("headroom-zero-val1-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let val = dir.join("val.bin");
@@ -888,7 +888,7 @@ fn validation_is_dealt_out_to_the_ranks_and_equals_one_process() {
     ] {
         let mut o = options(family, ranks, 3);
         o.eval = Some(EvalOptions {
-            data: DataSource::File(val.clone()),
+            sets: vec![DataSource::File(val.clone())],
             every: 0,
             batches: 2,
         });
@@ -909,7 +909,7 @@ fn validation_is_dealt_out_to_the_ranks_and_equals_one_process() {
         let rows = MICRO * SEQ;
         let g = Geometry::new(MICRO, SEQ);
         let (mut sum, mut n) = (0.0f64, 0usize);
-        for b in validation_batches(&o).unwrap() {
+        for b in &validation_sets(&o).unwrap()[0].batches {
             for (t, y) in b.tokens.chunks(rows).zip(b.targets.chunks(rows)) {
                 sum += model.loss(t, y, g).unwrap() as f64;
                 n += 1;
