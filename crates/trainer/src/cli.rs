@@ -1458,6 +1458,13 @@ fn data_source(values: &[PathBuf], option: &str) -> Result<Option<DataSource>, S
             let parts = pairs
                 .chunks_exact(2)
                 .map(|pair| match weight(&pair[0]) {
+                    // A directory named 2024 would otherwise be read as a weight in silence.
+                    Some(_) if pair[0].exists() => Err(format!(
+                        "{option}: `{}` is both a number and a file here: write it as ./{} to \
+                         read it as a file",
+                        pair[0].display(),
+                        pair[0].display()
+                    )),
                     Some(w) if w.is_finite() && w > 0.0 => Ok((w, pair[1].clone())),
                     _ => Err(format!(
                         "{usage}; `{}` (before {}) is not a positive weight",

@@ -681,6 +681,22 @@ fn data_takes_megatrons_weighted_blend() {
         "{}",
         stderr(&o)
     );
+    // A file named like a number is not taken for a weight in silence.
+    std::fs::copy(&web, dir.path().join("2024")).unwrap();
+    let o = common::headroom_command()
+        .current_dir(dir.path())
+        .args([
+            "train", "--vocab", "64", "--steps", "1", "--batch", "4", "--seq", "16",
+        ])
+        .args(["--data", "2024", "code.bin"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("both a number and a file"),
+        "{}",
+        stderr(&o)
+    );
     // A file that is missing is named.
     let o = train(&["1", &web, "1", &p("missing.bin")]);
     assert!(!o.status.success());
