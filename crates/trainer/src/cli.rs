@@ -1122,7 +1122,8 @@ enum DataCommand {
     /// in order as one stream, written as one file or as shards (`--shard-tokens`).
     Build {
         /// Input text: one file, or with `--tokenizer` several (and directories, each read as
-        /// its corpus files in name order), tokenized in the order given.
+        /// its corpus files in path order, subdirectories included: a Hub dataset's
+        /// snapshot), tokenized in the order given.
         #[arg(required = true, num_args = 1..)]
         inputs: Vec<PathBuf>,
         /// Output file; with `--shard-tokens`, the name its shards are numbered after

@@ -842,8 +842,11 @@ pub fn build(
 
 /// The files `data build` reads from `paths`, in order: a file as it is; a directory's
 /// corpus files (`.parquet`, `.jsonl`, `.json`, `.ndjson`, `.txt`, and `.gz` or `.zst`
-/// compressed ones; not hidden ones, not its subdirectories) in name order, as a Hugging Face
-/// dataset's shards are numbered. A directory with none is an error.
+/// compressed ones), its subdirectories' included, in path order, as a Hugging Face dataset's
+/// shards are numbered and laid out (FineWeb's `data/CC-MAIN-2024-10/000_00000.parquet`, a
+/// Hub snapshot's links to its blobs). Hidden files and directories (`.git`, `.cache`) and
+/// the `datasets` library's metadata (`dataset_info.json`, `state.json`, …) are not read. A
+/// directory with none is an error.
 pub fn corpus_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let mut inputs = Vec::new();
     for path in paths {
@@ -852,19 +855,7 @@ pub fn corpus_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
             continue;
         }
         let mut files = Vec::new();
-        for entry in std::fs::read_dir(path).map_err(|e| err(path, e.to_string()))? {
-            let entry = entry.map_err(|e| err(path, e.to_string()))?;
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            let corpus = [
-                ".parquet", ".jsonl", ".json", ".ndjson", ".txt", ".gz", ".zst",
-            ]
-            .iter()
-            .any(|ext| name.ends_with(ext));
-            if corpus && !name.starts_with('.') && entry.path().is_file() {
-                files.push(entry.path());
-            }
-        }
+        corpus_files_under(path, 0, &mut files)?;
         if files.is_empty() {
             return Err(err(
                 path,
@@ -876,6 +867,50 @@ pub fn corpus_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
         inputs.extend(files);
     }
     Ok(inputs)
+}
+
+/// Directory levels [`corpus_inputs`] descends: a Hub dataset nests two or three; a link
+/// that loops back up must not recurse for ever.
+const MAX_CORPUS_DEPTH: usize = 16;
+
+/// The corpus files under `dir` (`depth` levels below the directory given), appended to
+/// `files` in no particular order.
+fn corpus_files_under(dir: &Path, depth: usize, files: &mut Vec<PathBuf>) -> Result<()> {
+    // The `datasets` library's own files beside its data (`save_to_disk`, a cache directory).
+    const METADATA: [&str; 4] = [
+        "dataset_info.json",
+        "dataset_infos.json",
+        "dataset_dict.json",
+        "state.json",
+    ];
+    if depth > MAX_CORPUS_DEPTH {
+        return Err(err(
+            dir,
+            format!("more than {MAX_CORPUS_DEPTH} directory levels (a link that loops?)"),
+        ));
+    }
+    for entry in std::fs::read_dir(dir).map_err(|e| err(dir, e.to_string()))? {
+        let entry = entry.map_err(|e| err(dir, e.to_string()))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        if path.is_dir() {
+            corpus_files_under(&path, depth + 1, files)?;
+            continue;
+        }
+        let corpus = [
+            ".parquet", ".jsonl", ".json", ".ndjson", ".txt", ".gz", ".zst",
+        ]
+        .iter()
+        .any(|ext| name.ends_with(ext));
+        if corpus && !METADATA.contains(&name.as_ref()) && path.is_file() {
+            files.push(path);
+        }
+    }
+    Ok(())
 }
 
 /// Tokenize the corpus files `inputs`, in order, into one token stream written to `out` in

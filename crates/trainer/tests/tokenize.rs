@@ -562,7 +562,7 @@ fn shards_equal_llmc_fineweb_py_byte_for_byte() {
 
 /// Several inputs are one stream: shards of any size, read back in order, are the one-file
 /// build of the same inputs, which is each input's own build one after the other; a
-/// directory is its corpus files in name order.
+/// directory is its corpus files in path order, its subdirectories' included.
 #[test]
 fn several_inputs_and_shards_are_one_stream() {
     let dir = tempfile::tempdir().unwrap();
@@ -630,6 +630,39 @@ fn several_inputs_and_shards_are_one_stream() {
             corpus.join("train-00001-of-00002.parquet")
         ]
     );
+    // Subdirectories too, in path order (FineWeb's data/CC-MAIN-*/ layout), but not hidden
+    // ones nor the datasets library's metadata.
+    let nested = dir.path().join("fineweb");
+    for sub in ["data/CC-MAIN-2024-10", "data/CC-MAIN-2013-20", ".cache/x"] {
+        std::fs::create_dir_all(nested.join(sub)).unwrap();
+    }
+    for file in [
+        "data/CC-MAIN-2024-10/000_00000.parquet",
+        "data/CC-MAIN-2013-20/001_00000.parquet",
+        "data/CC-MAIN-2013-20/000_00000.parquet",
+        ".cache/x/000.parquet",
+    ] {
+        std::fs::copy(&parquet, nested.join(file)).unwrap();
+    }
+    for metadata in ["dataset_info.json", "state.json", "data/dataset_dict.json"] {
+        std::fs::write(nested.join(metadata), "{}").unwrap();
+    }
+    let listed = corpus_inputs(std::slice::from_ref(&nested)).unwrap();
+    assert_eq!(
+        listed,
+        [
+            nested.join("data/CC-MAIN-2013-20/000_00000.parquet"),
+            nested.join("data/CC-MAIN-2013-20/001_00000.parquet"),
+            nested.join("data/CC-MAIN-2024-10/000_00000.parquet"),
+        ]
+    );
+    #[cfg(unix)]
+    {
+        // A link back up is refused, not followed for ever.
+        std::os::unix::fs::symlink(&nested, nested.join("data/loop")).unwrap();
+        let e = corpus_inputs(std::slice::from_ref(&nested)).unwrap_err();
+        assert!(e.to_string().contains("directory levels"), "{e}");
+    }
     let empty = dir.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     assert!(corpus_inputs(&[empty]).is_err());
