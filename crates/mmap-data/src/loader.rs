@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::dataset::{
     positions_after_separator, try_with_capacity, DocumentBoundaries, TokenDataset,
 };
-use crate::sampler::{SamplerConfig, WindowSampler};
+use crate::sampler::{SamplerConfig, Window, WindowSampler};
 use crate::tokens::{OutputToken, OutputType};
 use crate::{DataError, Result};
 
@@ -401,53 +401,68 @@ fn fill_rows<O: OutputToken>(
     targets: &mut [O],
 ) -> Result<()> {
     let vocab = dataset.vocab_size();
-    let window_tokens = |row: usize| {
-        let window = sampler.window(first + row as u64);
+    let rows = inputs.len() / t.max(1);
+    // Each row's window is computed once per batch (a blend's schedule lookup or a random
+    // draw), for up to CHUNK rows at a time on the stack: the touch pass and the copy pass
+    // below both read it.
+    const CHUNK: usize = 64;
+    let mut windows = [Window {
+        segment: 0,
+        start: 0,
+    }; CHUNK];
+    let tokens_of = |window: &Window| {
         let segment = dataset.segments().get(window.segment);
         let start = usize::try_from(window.start).ok();
         let tokens = segment
             .zip(start)
             .and_then(|(s, start)| s.tokens().sub(start, t + 1));
-        (window, segment, tokens)
+        (segment, tokens)
     };
-    // Random windows of a large file miss the TLB and the caches. Touching one byte per cache
-    // line of every window first issues all those misses back to back, so the memory system
-    // serves them in parallel; the copy pass below then runs on cached lines.
-    let mut touched = 0u8;
-    for row in 0..inputs.len() / t.max(1) {
-        if let (_, _, Some(tokens)) = window_tokens(row) {
-            for &b in tokens.as_bytes().iter().step_by(64) {
-                touched ^= b;
+    for chunk_start in (0..rows).step_by(CHUNK) {
+        let chunk = CHUNK.min(rows - chunk_start);
+        for (i, w) in windows[..chunk].iter_mut().enumerate() {
+            *w = sampler.window(first + (chunk_start + i) as u64);
+        }
+        // Random windows of a large file miss the TLB and the caches. Touching one byte per
+        // cache line of every window first issues all those misses back to back, so the
+        // memory system serves them in parallel; the copy pass below then runs on cached
+        // lines.
+        let mut touched = 0u8;
+        for window in &windows[..chunk] {
+            if let (_, Some(tokens)) = tokens_of(window) {
+                for &b in tokens.as_bytes().iter().step_by(64) {
+                    touched ^= b;
+                }
             }
         }
-    }
-    std::hint::black_box(touched);
-    for (row, (x, y)) in inputs
-        .chunks_exact_mut(t)
-        .zip(targets.chunks_exact_mut(t))
-        .enumerate()
-    {
-        let (window, segment, tokens) = window_tokens(row);
-        let (Some(segment), Some(tokens)) = (segment, tokens) else {
-            return Err(DataError::InvalidConfig(format!(
-                "window {window:?} lies outside the dataset (sampler built for other data?)"
-            )));
-        };
-        // Targets are the inputs shifted by one: decode the T inputs once, copy T - 1 of them
-        // (cache-hot, already converted and checked), and decode only the last target.
-        let last = tokens.sub(t, 1).unwrap_or(tokens);
-        let checked = tokens.decode_into(x, vocab).and_then(|()| {
-            let (head, tail) = y.split_at_mut(t - 1);
-            head.copy_from_slice(x.get(1..).unwrap_or(&[]));
-            last.decode_into(tail, vocab).map_err(|(_, v)| (t, v))
-        });
-        if let Err((i, value)) = checked {
-            return Err(DataError::TokenOutOfRange {
-                what: segment.name().to_string(),
-                position: window.start + i as u64,
-                value: i128::from(value),
-                vocab_size: vocab,
+        std::hint::black_box(touched);
+        let span = chunk_start * t..(chunk_start + chunk) * t;
+        for ((window, x), y) in windows[..chunk]
+            .iter()
+            .zip(inputs[span.clone()].chunks_exact_mut(t))
+            .zip(targets[span].chunks_exact_mut(t))
+        {
+            let (Some(segment), Some(tokens)) = tokens_of(window) else {
+                return Err(DataError::InvalidConfig(format!(
+                    "window {window:?} lies outside the dataset (sampler built for other data?)"
+                )));
+            };
+            // Targets are the inputs shifted by one: decode the T inputs once, copy T - 1 of
+            // them (cache-hot, already converted and checked), and decode only the last target.
+            let last = tokens.sub(t, 1).unwrap_or(tokens);
+            let checked = tokens.decode_into(x, vocab).and_then(|()| {
+                let (head, tail) = y.split_at_mut(t - 1);
+                head.copy_from_slice(x.get(1..).unwrap_or(&[]));
+                last.decode_into(tail, vocab).map_err(|(_, v)| (t, v))
             });
+            if let Err((i, value)) = checked {
+                return Err(DataError::TokenOutOfRange {
+                    what: segment.name().to_string(),
+                    position: window.start + i as u64,
+                    value: i128::from(value),
+                    vocab_size: vocab,
+                });
+            }
         }
     }
     Ok(())
