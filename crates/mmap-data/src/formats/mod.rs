@@ -10,7 +10,7 @@ pub mod writer;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::dataset::{try_reserve, Document, Segment, TokenDataset};
+use crate::dataset::{Segment, TokenDataset};
 use crate::tokens::TokenType;
 use crate::{DataError, Result};
 
@@ -124,31 +124,27 @@ pub fn open_shards(files: &[PathBuf], options: &OpenOptions, what: &str) -> Resu
         .filter(|p| p.extension().is_some_and(|e| e == "idx"))
         .map(|p| megatron::megatron_paths(p).1)
         .collect();
-    let mut segments = Vec::new();
-    let mut documents: Option<Vec<Document>> = Some(Vec::new());
+    // Each pair or file as a dataset of its own, then one after another: a Megatron pair
+    // keeps its documents (renumbered) while every file has an index, as `concat` does.
+    let mut parts = Vec::new();
     for file in files {
         if megatron_bins.contains(file) {
             continue;
         }
         if file.extension().is_some_and(|e| e == "idx") {
-            let ds = open_megatron_masked(file)?;
-            let base = segments.len();
-            if let (Some(all), Some(docs)) = (documents.as_mut(), ds.documents()) {
-                try_reserve(all, docs.len())?;
-                all.extend(docs.iter().map(|d| Document {
-                    segment: d.segment + base,
-                    ..*d
-                }));
-            }
-            segments.extend(ds.segments().iter().cloned());
+            parts.push(open_megatron_masked(file)?);
         } else {
-            segments.push(open_file_segment(file, options)?);
-            documents = None;
+            parts.push(TokenDataset::from_segments(
+                vec![open_file_segment(file, options)?],
+                None,
+            )?);
         }
     }
-    if segments.is_empty() {
+    if parts.is_empty() {
         return Err(DataError::Empty { what: what.into() });
     }
+    let dataset = TokenDataset::concat(parts)?;
+    let segments = dataset.segments();
     let masked = segments.iter().filter(|s| s.loss_mask().is_some()).count();
     if masked > 0 && masked < segments.len() {
         let bare = segments
@@ -161,7 +157,7 @@ pub fn open_shards(files: &[PathBuf], options: &OpenOptions, what: &str) -> Resu
             segments.len()
         )));
     }
-    TokenDataset::from_segments(segments, documents)
+    Ok(dataset)
 }
 
 fn list_files(dir: &Path) -> Result<Vec<PathBuf>> {
