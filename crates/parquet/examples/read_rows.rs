@@ -1,13 +1,14 @@
-//! Read a Parquet file's rows and say how long it took:
+//! Read a Parquet or Arrow IPC file's rows and say how long it took:
 //! `cargo run --release -p headroom-parquet --example read_rows -- FILE [COLUMN…]`.
 //!
-//! Prints the row count, the row groups, and the median of 5 reads of the columns asked for
-//! (all of them by default), a row group at a time as `data build` reads a corpus, with the
-//! UTF-8 bytes of the text decoded; `--first N` prints the first N rows as JSON instead.
+//! Prints the row count, the row groups (record batches), and the median of 5 reads of the
+//! columns asked for (all of them by default), a group at a time as `data build` reads a
+//! corpus, with the UTF-8 bytes of the text decoded; `--first N` prints the first N rows as
+//! JSON instead.
 
 use std::time::Instant;
 
-use headroom_parquet::{ParquetFile, ReadOptions};
+use headroom_parquet::{ReadOptions, TableFile};
 
 fn text_bytes(value: &serde_json::Value) -> usize {
     match value {
@@ -32,15 +33,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .first()
         .ok_or("usage: read_rows FILE [COLUMN…] [--first N]")?;
     let bytes = std::fs::read(path)?;
-    let file = ParquetFile::parse(&bytes)?;
+    let file = TableFile::parse(&bytes)?;
     let options = ReadOptions {
         columns: (args.len() > 1).then(|| args[1..].to_vec()),
         ..ReadOptions::default()
     };
     println!(
-        "{path}: {} rows in {} row groups, fields {}",
+        "{path}: {}, {} rows in {} {}, fields {}",
+        file.describe(),
         file.num_rows(),
-        file.num_row_groups(),
+        file.num_groups(),
+        file.groups_name(),
         file.fields().join(", ")
     );
     if let Some(n) = first {
@@ -54,8 +57,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..5 {
         let start = Instant::now();
         text = 0;
-        for g in 0..file.num_row_groups() {
-            for row in file.row_group(g, &options)? {
+        for g in 0..file.num_groups() {
+            for row in file.group(g, &options)? {
                 text += row.values().map(text_bytes).sum::<usize>();
             }
         }

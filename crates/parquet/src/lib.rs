@@ -1,8 +1,9 @@
 //! # headroom-parquet
 //!
 //! Reads Apache Parquet files, the format Hugging Face datasets are published in (FineWeb,
-//! MMLU, UltraChat…), as rows of JSON objects: the shape `datasets`' `to_json` writes, so
-//! that everything that reads JSONL lines reads Parquet rows too.
+//! MMLU, UltraChat…), and Arrow IPC, the format `datasets` keeps them in on disk, as rows of
+//! JSON objects: the shape `datasets`' `to_json` writes, so that everything that reads JSONL
+//! lines reads Parquet and Arrow rows too.
 //!
 //! ```
 //! use headroom_parquet::{ParquetFile, ReadOptions};
@@ -16,6 +17,14 @@
 //! // Only the columns asked for are decoded.
 //! let only = ReadOptions { columns: Some(vec!["question".into()]), ..ReadOptions::default() };
 //! assert_eq!(file.rows(&only).unwrap()[0].len(), 1);
+//!
+//! // A `save_to_disk` shard, Arrow IPC, read the same way a record batch at a time.
+//! use headroom_parquet::TableFile;
+//! # let bytes = include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/arrow/hf_save_to_disk/data-00000-of-00002.arrow"));
+//! let shard = TableFile::parse(bytes).unwrap();
+//! assert_eq!(shard.describe(), "Arrow IPC stream");
+//! let first = shard.group(0, &ReadOptions::default()).unwrap();
+//! assert!(first[0]["text"].is_string());
 //! ```
 //!
 //! What it reads:
@@ -40,20 +49,30 @@
 //! the values one read materialises by [`ReadOptions::max_values`], both checked before the
 //! memory is taken, so a small hostile file cannot ask for a large allocation.
 //! `tests/pyarrow.rs` reads files pyarrow wrote (`benches/torch/make_parquet_fixture.py`)
-//! and compares every row with pyarrow's; `tests/fuzz.rs` feeds damaged ones.
+//! and compares every row with pyarrow's; `tests/fuzz_parquet.rs` feeds damaged ones.
+//!
+//! Arrow IPC ([`ArrowFile`], the [`arrow`] module) is read by the same rules: the format
+//! `datasets` caches every dataset in and `save_to_disk` writes. [`TableFile`] takes either
+//! by its magic bytes, a group (row group, record batch) at a time. `tests/arrow_ipc.rs` reads
+//! files pyarrow and `datasets` wrote (`benches/torch/make_arrow_fixture.py`).
 
+pub mod arrow;
 mod compress;
 mod encoding;
+mod flatbuf;
 mod meta;
 mod schema;
+mod table;
 mod thrift;
 
 use serde_json::{Map, Value};
 
+pub use crate::arrow::{is_arrow, ArrowError, ArrowFile, ArrowFormat};
 use crate::compress::Codec;
 use crate::encoding::{Bytes, LeafType};
 use crate::meta::{ColumnMeta, FileMeta, PageKind, PhysicalType};
 use crate::schema::{Leaf, Step};
+pub use crate::table::{TableError, TableFile, TableFormat};
 
 /// A row: the top-level fields read, by name.
 pub type Row = Map<String, Value>;
