@@ -257,8 +257,8 @@ impl Question {
     }
 }
 
-/// The questions of a JSONL file, one per non-blank line (or of a Parquet file, one per
-/// row); an error names the line.
+/// The questions of a JSONL file, one per non-blank line (or of a Parquet or Arrow file, one
+/// per row); an error names the line.
 pub fn read_questions(path: &Path) -> Result<Vec<Question>> {
     read_questions_with(path, None)
 }
@@ -864,9 +864,9 @@ pub fn fewshot_contexts(
 
 /// Each non-blank line of the JSONL file at `path` (at most `limit` bytes) through `parse`;
 /// an error names the file and the line, and a file without any is one too (`what` it
-/// lacks). A Parquet file (a Hugging Face dataset's split, known by its magic bytes) is read
-/// too: each row becomes the JSON line `datasets`' `to_json` would write for it
-/// ([`parquet_lines`]).
+/// lacks). A Parquet or Arrow file (a Hugging Face dataset's split as the Hub serves it or as
+/// `datasets` saved it, known by its magic bytes) is read too: each row becomes the JSON line
+/// `datasets`' `to_json` would write for it ([`table_lines`]).
 pub(crate) fn read_jsonl<T>(
     path: &Path,
     limit: u64,
@@ -900,8 +900,8 @@ pub(crate) fn read_jsonl_mapped<T>(
             }
         }
     };
-    let items = if is_parquet(&bytes) {
-        parquet_lines(&bytes)
+    let items = if is_table(&bytes) {
+        table_lines(&bytes)
             .map_err(|e| bad(e.to_string()))?
             .iter()
             .enumerate()
@@ -921,24 +921,25 @@ pub(crate) fn read_jsonl_mapped<T>(
     Ok(items)
 }
 
-/// Whether `bytes` are a Parquet file: `PAR1` at both ends (JSON text cannot start so).
-pub(crate) fn is_parquet(bytes: &[u8]) -> bool {
-    bytes.len() >= 12 && bytes.starts_with(b"PAR1") && bytes.ends_with(b"PAR1")
+/// Whether `bytes` are a Parquet file (`PAR1` at both ends) or Arrow IPC (`ARROW1`, a
+/// stream's `ff ff ff ff`): JSON text cannot start so.
+pub(crate) fn is_table(bytes: &[u8]) -> bool {
+    headroom_parquet::TableFormat::of(bytes).is_some()
 }
 
-/// The rows of the Parquet file `bytes`, each as a JSON object's text: what the JSONL
-/// readers parse. A row's fields are the file's top-level columns; lists are arrays, structs
-/// objects, text strings, NaN null ([`headroom_parquet`]).
-pub(crate) fn parquet_lines(
+/// The rows of the Parquet or Arrow file `bytes`, each as a JSON object's text: what the
+/// JSONL readers parse. A row's fields are the file's top-level columns; lists are arrays,
+/// structs objects, text strings, NaN null ([`headroom_parquet`]).
+pub(crate) fn table_lines(
     bytes: &[u8],
-) -> std::result::Result<Vec<String>, headroom_parquet::ParquetError> {
-    let file = headroom_parquet::ParquetFile::parse(bytes)?;
+) -> std::result::Result<Vec<String>, headroom_parquet::TableError> {
+    let file = headroom_parquet::TableFile::parse(bytes)?;
     Ok(row_lines(
         file.rows(&headroom_parquet::ReadOptions::default())?,
     ))
 }
 
-/// Parquet rows as JSON lines.
+/// Parquet or Arrow rows as JSON lines.
 pub(crate) fn row_lines(rows: Vec<headroom_parquet::Row>) -> Vec<String> {
     rows.into_iter()
         .map(|row| serde_json::Value::Object(row).to_string())

@@ -207,7 +207,7 @@ struct EvalArgs {
     /// With --choices, --completions or --generate: lm-eval's `doc_to_text`, the prompt of
     /// each document: the name of one of its fields, or a Jinja template over them
     /// (`"Question: {{question}}\nAnswer:"`), so that the documents can be a dataset's own
-    /// rows (a Hugging Face split, as Parquet or JSONL) rather than `context` lines. All
+    /// rows (a Hugging Face split, as Parquet, Arrow or JSONL) rather than `context` lines. All
     /// digits (with --doc-to-choice) is lm-eval's multiple input: the gold context's index.
     #[arg(long, value_name = "TEMPLATE", requires = "templated")]
     doc_to_text: Option<String>,
@@ -1275,30 +1275,38 @@ enum DataCommand {
         /// The tokenizer the file was built with (`gpt2`, or a tokenizer.json or its directory).
         #[arg(long)]
         tokenizer: Option<String>,
-        /// With a Parquet file (a Hugging Face split): print its first N rows as the JSON
-        /// lines `eval` and `data build --jsonl` read, to see the fields to name.
+        /// With a Parquet or Arrow file (a Hugging Face split, as the Hub serves it or as
+        /// `datasets` saved it): print its first N rows as the JSON lines `eval` and
+        /// `data build --jsonl` read, to see the fields to name.
         #[arg(long, value_name = "N")]
         rows: Option<usize>,
     },
 }
 
-/// `data inspect FILE.parquet`: its writer, rows, row groups and fields (those that cannot be
-/// read with why), and with `--rows N` its first N rows as JSON lines.
-fn inspect_parquet(path: &Path, rows: Option<usize>) -> CliResult {
-    let bytes = crate::bounded::read_file(path, crate::choices::MAX_QUESTIONS_BYTES)
-        .map_err(|why| format!("{}: {why}", path.display()))?;
-    let file = headroom_parquet::ParquetFile::parse(&bytes)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+/// `data inspect FILE.parquet` (or `.arrow`): its format and writer, rows, row groups or
+/// record batches, and fields (those that cannot be read with why), and with `--rows N` its
+/// first N rows as JSON lines.
+fn inspect_table(path: &Path, kind: crate::tokenize::CorpusKind, rows: Option<usize>) -> CliResult {
+    // Mapped, not read: a `datasets` cache file is often many gigabytes, and only its
+    // metadata and the first rows are looked at.
+    let bytes = crate::tokenize::map_file(path)?;
+    let file = if kind == crate::tokenize::CorpusKind::Parquet {
+        headroom_parquet::ParquetFile::parse(&bytes)
+            .map(headroom_parquet::TableFile::Parquet)
+            .map_err(headroom_parquet::TableError::from)
+    } else {
+        headroom_parquet::ArrowFile::parse(&bytes)
+            .map(headroom_parquet::TableFile::Arrow)
+            .map_err(headroom_parquet::TableError::from)
+    };
+    let file = file.map_err(|e| format!("{}: {e}", path.display()))?;
+    say!("{:<13}{}", "format", file.describe());
     say!(
-        "{:<13}Parquet ({})",
-        "format",
-        file.created_by().unwrap_or("writer unnamed")
-    );
-    say!(
-        "{:<13}{} in {} row groups",
+        "{:<13}{} in {} {}",
         "rows",
         file.num_rows(),
-        file.num_row_groups()
+        file.num_groups(),
+        file.groups_name()
     );
     say!("{:<13}{}", "fields", file.fields().join(", "));
     for (_, why) in file.unreadable_fields() {
@@ -1316,12 +1324,12 @@ fn inspect_parquet(path: &Path, rows: Option<usize>) -> CliResult {
             ..headroom_parquet::ReadOptions::default()
         };
         let mut shown = 0;
-        for g in 0..file.num_row_groups() {
+        for g in 0..file.num_groups() {
             if shown == n {
                 break;
             }
             let group = file
-                .row_group(g, &options)
+                .group(g, &options)
                 .map_err(|e| format!("{}: {e}", path.display()))?;
             for row in group.into_iter().take(n - shown) {
                 say!("{}", serde_json::Value::Object(row));
@@ -2805,7 +2813,7 @@ fn cmd_data(c: DataCommand) -> CliResult {
             let kind = crate::tokenize::CorpusKind::of(input, dataset_text_field.is_some())?;
             if kind != crate::tokenize::CorpusKind::Text {
                 return Err(
-                    "a Parquet or JSONL corpus needs --tokenizer: one token per byte \
+                    "a Parquet, Arrow or JSONL corpus needs --tokenizer: one token per byte \
                             reads a text file"
                         .into(),
                 );
@@ -2819,14 +2827,19 @@ fn cmd_data(c: DataCommand) -> CliResult {
         }
         DataCommand::Inspect { path, rows, .. }
             if path.is_file()
-                && crate::tokenize::CorpusKind::of(&path, false)?
-                    == crate::tokenize::CorpusKind::Parquet =>
+                && matches!(
+                    crate::tokenize::CorpusKind::of(&path, false)?,
+                    crate::tokenize::CorpusKind::Parquet | crate::tokenize::CorpusKind::Arrow
+                ) =>
         {
-            inspect_parquet(&path, rows)?;
+            let kind = crate::tokenize::CorpusKind::of(&path, false)?;
+            inspect_table(&path, kind, rows)?;
         }
         DataCommand::Inspect { rows: Some(_), .. } => {
             return Err(
-                "--rows: the file is not Parquet (token files show --show N tokens)".into(),
+                "--rows: the file is neither Parquet nor Arrow (token files show --show N \
+                 tokens)"
+                    .into(),
             );
         }
         DataCommand::Inspect {

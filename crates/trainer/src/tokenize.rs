@@ -599,7 +599,7 @@ fn map_text(input: &Path) -> Result<memmap2::Mmap> {
 }
 
 /// The file `input` mapped read-only, checked to be non-empty.
-fn map_file(input: &Path) -> Result<memmap2::Mmap> {
+pub(crate) fn map_file(input: &Path) -> Result<memmap2::Mmap> {
     let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
     let len = file
         .metadata()
@@ -612,24 +612,25 @@ fn map_file(input: &Path) -> Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(input, e.to_string()))
 }
 
-/// The examples of a `data build --jsonl` input: its non-blank JSONL lines, or a Parquet
-/// file's rows (a Hugging Face dataset's split), each as the JSON object `datasets`' `to_json`
-/// would write, read a row group at a time.
+/// The examples of a `data build --jsonl` input: its non-blank JSONL lines, or a Parquet or
+/// Arrow file's rows (a Hugging Face dataset's split, as the Hub serves it or as `datasets`
+/// saved it), each as the JSON object `datasets`' `to_json` would write, read a row group or
+/// record batch at a time.
 enum Examples<'a> {
     /// Each line numbered from 1.
     Lines(Vec<(usize, &'a str)>),
-    /// The file, parsed.
-    Parquet(headroom_parquet::ParquetFile<'a>, &'a Path),
+    /// The Parquet or Arrow file, parsed.
+    Table(headroom_parquet::TableFile<'a>, &'a Path),
     /// gzip- or zstd-compressed JSON lines, decompressed as they are read.
     Compressed(Box<dyn std::io::BufRead + 'a>, &'a Path),
 }
 
 impl<'a> Examples<'a> {
     fn of(bytes: &'a [u8], input: &'a Path) -> Result<Examples<'a>> {
-        if crate::choices::is_parquet(bytes) {
-            let file = headroom_parquet::ParquetFile::parse(bytes)
-                .map_err(|e| err(input, e.to_string()))?;
-            return Ok(Examples::Parquet(file, input));
+        if crate::choices::is_table(bytes) {
+            let file =
+                headroom_parquet::TableFile::parse(bytes).map_err(|e| err(input, e.to_string()))?;
+            return Ok(Examples::Table(file, input));
         }
         if let Some(compression) = Compression::of_bytes(bytes) {
             return Ok(Examples::Compressed(
@@ -640,7 +641,10 @@ impl<'a> Examples<'a> {
         let text = std::str::from_utf8(bytes).map_err(|e| {
             err(
                 input,
-                format!("neither Parquet nor UTF-8 JSONL (byte {})", e.valid_up_to()),
+                format!(
+                    "neither Parquet, Arrow nor UTF-8 JSONL (byte {})",
+                    e.valid_up_to()
+                ),
             )
         })?;
         Ok(Examples::Lines(
@@ -656,7 +660,7 @@ impl<'a> Examples<'a> {
     fn len(&self) -> Option<u64> {
         match self {
             Examples::Lines(lines) => Some(lines.len() as u64),
-            Examples::Parquet(file, _) => Some(file.num_rows()),
+            Examples::Table(file, _) => Some(file.num_rows()),
             Examples::Compressed(..) => None,
         }
     }
@@ -665,12 +669,12 @@ impl<'a> Examples<'a> {
     fn unit(&self) -> &'static str {
         match self {
             Examples::Lines(_) | Examples::Compressed(..) => "line",
-            Examples::Parquet(..) => "row",
+            Examples::Table(..) => "row",
         }
     }
 
-    /// `each` over the examples in order, `batch` at a time; a Parquet file is decoded one
-    /// row group at a time, so memory holds one group's rows.
+    /// `each` over the examples in order, `batch` at a time; a Parquet or Arrow file is
+    /// decoded one row group or record batch at a time, so memory holds one group's rows.
     fn for_each_batch(
         &mut self,
         batch: usize,
@@ -698,11 +702,11 @@ impl<'a> Examples<'a> {
                     each(&borrowed)?;
                 }
             }
-            Examples::Parquet(file, input) => {
+            Examples::Table(file, input) => {
                 let mut number = 0;
-                for g in 0..file.num_row_groups() {
+                for g in 0..file.num_groups() {
                     let rows = file
-                        .row_group(g, &headroom_parquet::ReadOptions::default())
+                        .group(g, &headroom_parquet::ReadOptions::default())
                         .map_err(|e| err(*input, e.to_string()))?;
                     let lines = crate::choices::row_lines(rows);
                     let numbered: Vec<(usize, &str)> = lines
@@ -841,12 +845,14 @@ pub fn build(
 }
 
 /// The files `data build` reads from `paths`, in order: a file as it is; a directory's
-/// corpus files (`.parquet`, `.jsonl`, `.json`, `.ndjson`, `.txt`, and `.gz` or `.zst`
-/// compressed ones), its subdirectories' included, in path order, as a Hugging Face dataset's
-/// shards are numbered and laid out (FineWeb's `data/CC-MAIN-2024-10/000_00000.parquet`, a
-/// Hub snapshot's links to its blobs). Hidden files and directories (`.git`, `.cache`) and
-/// the `datasets` library's metadata (`dataset_info.json`, `state.json`, …) are not read. A
-/// directory with none is an error.
+/// corpus files (`.parquet`, `.arrow`, `.jsonl`, `.json`, `.ndjson`, `.txt`, and `.gz` or
+/// `.zst` compressed ones), its subdirectories' included, in path order, as a Hugging Face
+/// dataset's shards are numbered and laid out (FineWeb's
+/// `data/CC-MAIN-2024-10/000_00000.parquet`, a Hub snapshot's links to its blobs,
+/// `save_to_disk`'s `data-00000-of-00004.arrow`). Hidden files and directories (`.git`,
+/// `.cache`), the `datasets` library's metadata (`dataset_info.json`, `state.json`, …) and
+/// the cache files its `map` and `filter` leave beside a split (`cache-*.arrow`, derived from
+/// it, so reading them too would repeat it) are not read. A directory with none is an error.
 pub fn corpus_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let mut inputs = Vec::new();
     for path in paths {
@@ -859,8 +865,8 @@ pub fn corpus_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
         if files.is_empty() {
             return Err(err(
                 path,
-                "a directory with no corpus files (.parquet, .jsonl, .json, .ndjson, .txt, \
-                 .gz, .zst)",
+                "a directory with no corpus files (.parquet, .arrow, .jsonl, .json, .ndjson, \
+                 .txt, .gz, .zst)",
             ));
         }
         files.sort();
@@ -902,11 +908,12 @@ fn corpus_files_under(dir: &Path, depth: usize, files: &mut Vec<PathBuf>) -> Res
             continue;
         }
         let corpus = [
-            ".parquet", ".jsonl", ".json", ".ndjson", ".txt", ".gz", ".zst",
+            ".parquet", ".arrow", ".jsonl", ".json", ".ndjson", ".txt", ".gz", ".zst",
         ]
         .iter()
         .any(|ext| name.ends_with(ext));
-        if corpus && !METADATA.contains(&name.as_ref()) && path.is_file() {
+        let derived = name.starts_with("cache-") && name.ends_with(".arrow");
+        if corpus && !derived && !METADATA.contains(&name.as_ref()) && path.is_file() {
             files.push(path);
         }
     }
@@ -954,7 +961,7 @@ fn build_kinds(
     if any_records && options.separator.is_some() {
         return Err(err(
             out,
-            "--separator: a Parquet or JSONL corpus's records are its documents",
+            "--separator: a Parquet, Arrow or JSONL corpus's records are its documents",
         ));
     }
     for (input, _) in inputs {
@@ -1477,6 +1484,9 @@ pub enum CorpusKind {
     Text,
     /// A Parquet file (`PAR1`): each row's text field a document.
     Parquet,
+    /// Arrow IPC (`ARROW1`, or a stream's `ff ff ff ff`), as `datasets` caches a dataset and
+    /// `save_to_disk` writes it: each row's text field a document.
+    Arrow,
     /// JSON lines (`.jsonl`, `.json`, `.ndjson`, or gzip- or zstd-compressed, known by their
     /// magic bytes: Dolma's `.json.gz`, the Pile's and DCLM's `.jsonl.zst`): each line's
     /// text field a document.
@@ -1509,26 +1519,28 @@ impl Compression {
 }
 
 impl CorpusKind {
-    /// The kind of the file `input`: Parquet, gzip and zstd by their magic bytes, JSONL by
-    /// its extension or when `fields` (a text field was named), else text.
+    /// The kind of the file `input`: Parquet, Arrow, gzip and zstd by their magic bytes (or
+    /// Arrow by its `.arrow` extension), JSONL by its extension or when `fields` (a text field
+    /// was named), else text.
     pub fn of(input: &Path, fields: bool) -> Result<CorpusKind> {
         use std::io::Read;
-        let mut head = [0u8; 4];
+        let mut head = [0u8; 8];
         let mut file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
         let n = file
             .read(&mut head)
             .map_err(|e| err(input, e.to_string()))?;
         let head = &head[..n];
-        if head == b"PAR1" {
+        if head.starts_with(b"PAR1") {
             return Ok(CorpusKind::Parquet);
+        }
+        let extension = input.extension().and_then(|e| e.to_str());
+        if headroom_parquet::is_arrow(head) || extension == Some("arrow") {
+            return Ok(CorpusKind::Arrow);
         }
         if let Some(compression) = Compression::of_bytes(head) {
             return Ok(CorpusKind::Jsonl(compression));
         }
-        let jsonl = input
-            .extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| matches!(e, "jsonl" | "json" | "ndjson"));
+        let jsonl = extension.is_some_and(|e| matches!(e, "jsonl" | "json" | "ndjson"));
         Ok(if jsonl || fields {
             CorpusKind::Jsonl(Compression::None)
         } else {
@@ -1611,14 +1623,15 @@ impl<R: std::io::BufRead> std::io::Read for ZstdFrames<R> {
     }
 }
 
-/// A Parquet row's or JSON line's fields.
+/// A Parquet or Arrow row's or JSON line's fields.
 type Record = serde_json::Map<String, serde_json::Value>;
 
-/// A corpus read in batches of `(number, record)`: a Parquet file a row group at a time (only
-/// the text column decoded), or JSON lines streamed through their decompressor.
+/// A corpus read in batches of `(number, record)`: a Parquet or Arrow file a row group or
+/// record batch at a time (only the text column decoded), or JSON lines streamed through
+/// their decompressor.
 enum Corpus<'a> {
-    Parquet {
-        file: headroom_parquet::ParquetFile<'a>,
+    Table {
+        file: Box<headroom_parquet::TableFile<'a>>,
         options: headroom_parquet::ReadOptions,
         next_group: usize,
         number: u64,
@@ -1633,7 +1646,7 @@ impl Corpus<'_> {
     /// What an error's number counts.
     fn unit(&self) -> &'static str {
         match self {
-            Corpus::Parquet { .. } => "row",
+            Corpus::Table { .. } => "row",
             Corpus::Jsonl { .. } => "line",
         }
     }
@@ -1641,17 +1654,17 @@ impl Corpus<'_> {
     /// The next batch of records (a line's or row's JSON object), numbered; `None` at the end.
     fn next_batch(&mut self, input: &Path) -> Result<Option<Vec<(u64, Record)>>> {
         match self {
-            Corpus::Parquet {
+            Corpus::Table {
                 file,
                 options,
                 next_group,
                 number,
             } => {
-                if *next_group == file.num_row_groups() {
+                if *next_group == file.num_groups() {
                     return Ok(None);
                 }
                 let rows = file
-                    .row_group(*next_group, options)
+                    .group(*next_group, options)
                     .map_err(|e| err(input, e.to_string()))?;
                 *next_group += 1;
                 Ok(Some(
@@ -1689,10 +1702,11 @@ impl Corpus<'_> {
     }
 }
 
-/// Write a corpus of records (a Parquet file's rows, JSON lines): each record's `text_field`
-/// is one document and the build's unit, delimited by `delimit` (nanoGPT's and llm.c's
-/// `fineweb.py` put the same token between documents). A Parquet file is decoded a row group
-/// at a time and only its text column (FineWeb as Hugging Face publishes it); JSON lines are
+/// Write a corpus of records (a Parquet or Arrow file's rows, JSON lines): each record's
+/// `text_field` is one document and the build's unit, delimited by `delimit` (nanoGPT's and
+/// llm.c's `fineweb.py` put the same token between documents). A Parquet or Arrow file is
+/// decoded a row group or record batch at a time and only its text column (FineWeb as Hugging
+/// Face publishes it, a dataset as `datasets` saved it); JSON lines are
 /// streamed, through gzip or zstd if compressed, a batch at a time. Each batch's documents are
 /// encoded in parallel and written in order. A record whose text is null or missing is an
 /// error naming it. Returns `false` when the build is to stop.
@@ -1710,11 +1724,20 @@ fn write_records(
         CorpusKind::Text => {
             return Err(err(input, "a text file has no records"));
         }
-        CorpusKind::Parquet => {
+        CorpusKind::Parquet | CorpusKind::Arrow => {
             map = map_file(input)?;
-            let file = headroom_parquet::ParquetFile::parse(&map)
-                .map_err(|e| err(input, e.to_string()))?;
-            Corpus::Parquet {
+            let file = if kind == CorpusKind::Parquet {
+                headroom_parquet::ParquetFile::parse(&map)
+                    .map(headroom_parquet::TableFile::Parquet)
+                    .map_err(headroom_parquet::TableError::from)
+            } else {
+                // Not by magic alone: a `.arrow` stream written before Arrow 0.15 has none.
+                headroom_parquet::ArrowFile::parse(&map)
+                    .map(headroom_parquet::TableFile::Arrow)
+                    .map_err(headroom_parquet::TableError::from)
+            };
+            let file = Box::new(file.map_err(|e| err(input, e.to_string()))?);
+            Corpus::Table {
                 file,
                 options: headroom_parquet::ReadOptions {
                     columns: Some(vec![text_field.to_owned()]),
@@ -1733,18 +1756,18 @@ fn write_records(
         }
     };
     let bar = match &corpus {
-        Corpus::Parquet { file, .. } => progress_bar(progress, Some(file.num_rows()), false),
+        Corpus::Table { file, .. } => progress_bar(progress, Some(file.num_rows()), false),
         Corpus::Jsonl { .. } => progress_bar(progress, None, false),
     };
-    // Resuming: row groups wholly in the kept shards are not even decoded.
-    if let Corpus::Parquet {
+    // Resuming: row groups (record batches) wholly in the kept shards are not even decoded.
+    if let Corpus::Table {
         file,
         next_group,
         number,
         ..
     } = &mut corpus
     {
-        while let Some(rows) = file.row_group_rows(*next_group) {
+        while let Some(rows) = file.group_rows(*next_group) {
             if rows == 0 || !emitter.already_written(index, *number + rows - 1) {
                 break;
             }
@@ -1807,7 +1830,7 @@ fn write_records(
         bar.inc(batch.len() as u64);
     }
     bar.finish_and_clear();
-    let skipped_groups = matches!(&corpus, Corpus::Parquet { number, .. } if *number > records);
+    let skipped_groups = matches!(&corpus, Corpus::Table { number, .. } if *number > records);
     if records == 0 && !skipped_groups {
         return Err(err(input, format!("no {unit}s")));
     }

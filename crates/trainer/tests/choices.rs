@@ -882,7 +882,8 @@ fn headroom_eval_choices_takes_lm_evals_gen_prefix() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--gen-prefix with multiple-input"));
 }
 
-/// MMLU's own rows (a Parquet split as the Hub serves it) under lm-eval's MMLU settings
+/// MMLU's own rows (a Parquet split as the Hub serves it, or Arrow as `datasets` saves it)
+/// under lm-eval's MMLU settings
 /// (`--doc-to-text`, `--doc-to-choice`, `--doc-to-target`) score as the same questions
 /// written out in headroom's shape, with five first-n examples from the rows themselves:
 /// every printed metric and every sample line equal. A template over a field a row lacks
@@ -955,6 +956,11 @@ fn a_datasets_rows_under_its_templates_score_as_converted_questions() {
     assert_eq!(from_rows, from_converted);
     assert_eq!(rows_samples.lines().count(), 20);
     assert_eq!(rows_samples, converted_samples);
+    // The same split as `datasets` keeps it on disk (Arrow IPC) scores the same.
+    let arrow_file = rows_file.with_file_name("arrow/mmlu_like.arrow");
+    let (from_arrow, arrow_samples) = run(&arrow_file, &templates, "arrow.jsonl");
+    assert_eq!(from_arrow, from_rows);
+    assert_eq!(arrow_samples, rows_samples);
     // The task's preset: the same settings, its first-n sampler and the subject's
     // description (no --fewshot-sampler given).
     let description =

@@ -1526,9 +1526,9 @@ fn build_jsonl(
 }
 
 /// A Parquet split (a Hugging Face dataset's file) builds the same token file and loss mask
-/// as the JSONL of the rows pyarrow reads from it: TRL's conversational and prompt-completion
-/// shapes, in row groups of 5, with a column TRL ignores; a row that is not an example is
-/// named by its row.
+/// as the JSONL of the rows pyarrow reads from it, and as the same split in Arrow IPC: TRL's
+/// conversational and prompt-completion shapes, in row groups of 5, with a column TRL
+/// ignores; a row that is not an example is named by its row.
 #[test]
 fn jsonl_build_reads_a_parquet_split_as_its_rows() {
     let dir = tempfile::tempdir().unwrap();
@@ -1562,6 +1562,15 @@ fn jsonl_build_reads_a_parquet_split_as_its_rows() {
             "{name}: Parquet and JSONL built differently"
         );
     }
+    // The prompt-completion split as `datasets` keeps it (Arrow IPC, batches of 7) builds the
+    // same token file and mask as its Parquet twin.
+    let out = dir.path().join("pc-arrow.bin");
+    let arrow = parquet.join("arrow/sft_prompt_completion.arrow");
+    let o = build_jsonl(&llama, "raw-u16", &["--quiet"], &arrow, &out);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let read = |p: &str| std::fs::read(dir.path().join(p)).unwrap();
+    assert!(read("pc-arrow.bin") == read("sft_prompt_completion-parquet.bin"));
+    assert!(read("pc-arrow.bin.lossmask") == read("sft_prompt_completion-parquet.bin.lossmask"));
     let o = build_jsonl(
         &chat,
         "raw-u16",
@@ -1626,6 +1635,32 @@ fn inspect_shows_a_parquet_files_fields_and_rows() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(shown, want);
+    // A `datasets` cache file (Arrow IPC, as `Dataset.map` wrote it): its record batches and
+    // its rows, the tokenized column a JSON array.
+    let cache = fixtures.join("arrow/hf_cache_map.arrow");
+    let o = headroom(&["data", "inspect", cache.to_str().unwrap(), "--rows", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for needle in [
+        "format       Arrow IPC stream",
+        "rows         30 in 4 record batches",
+        "fields       text, id, language_score, input_ids",
+    ] {
+        assert!(out.contains(needle), "{needle:?} in {out}");
+    }
+    let want: Vec<serde_json::Value> =
+        std::fs::read_to_string(fixtures.join("arrow/hf_cache_map.jsonl"))
+            .unwrap()
+            .lines()
+            .take(2)
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    let shown: Vec<serde_json::Value> = out
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(shown, want);
     let dir = tempfile::tempdir().unwrap();
     let tokens = dir.path().join("t.bin");
     let o = headroom(&[
@@ -1638,7 +1673,11 @@ fn inspect_shows_a_parquet_files_fields_and_rows() {
     assert!(o.status.success(), "{}", stderr(&o));
     let o = headroom(&["data", "inspect", tokens.to_str().unwrap(), "--rows", "2"]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("not Parquet"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("neither Parquet nor Arrow"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 /// A Parquet or JSONL corpus without `--jsonl` is one document a record, read from `text` or

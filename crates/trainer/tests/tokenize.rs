@@ -668,6 +668,84 @@ fn several_inputs_and_shards_are_one_stream() {
     assert!(corpus_inputs(&[empty]).is_err());
 }
 
+/// A dataset `datasets` saved (`save_to_disk`: two Arrow shards beside its metadata) builds
+/// the token file its Parquet twin builds, one document a row; a cache file `map` left beside
+/// it is not read from the directory, but reads as a corpus of its own when named.
+#[test]
+fn a_saved_hf_dataset_builds_as_its_parquet_twin() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::from_name("gpt2").unwrap();
+    let format = format_for("llmc", tok.vocab_size()).unwrap();
+    let twin = dir.path().join("parquet.bin");
+    build_from_parquet(
+        &parquet_fixture("fineweb_like.parquet"),
+        &tok,
+        format,
+        "text",
+        &twin,
+        false,
+    )
+    .unwrap();
+    let want = read_tokens(&twin).0;
+    let saved = dir.path().join("saved");
+    std::fs::create_dir(&saved).unwrap();
+    let fixture = parquet_fixture("arrow/hf_save_to_disk");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), saved.join(entry.file_name())).unwrap();
+    }
+    let cache = parquet_fixture("arrow/hf_cache_map.arrow");
+    std::fs::copy(&cache, saved.join("cache-5f1a2b3c4d5e6f70.arrow")).unwrap();
+    let inputs = corpus_inputs(std::slice::from_ref(&saved)).unwrap();
+    assert_eq!(
+        inputs,
+        [
+            saved.join("data-00000-of-00002.arrow"),
+            saved.join("data-00001-of-00002.arrow")
+        ]
+    );
+    assert_eq!(
+        CorpusKind::of(&inputs[0], false).unwrap(),
+        CorpusKind::Arrow
+    );
+    let out = dir.path().join("arrow.bin");
+    let r = build_corpus(
+        &inputs,
+        &tok,
+        format,
+        &CorpusOptions::default(),
+        &out,
+        false,
+    )
+    .unwrap();
+    assert_eq!(read_tokens(&out).0, want);
+    assert_eq!(r.documents, 30);
+    // The cache file alone: the same texts, beside a tokenized column.
+    let kind = CorpusKind::of(&cache, false).unwrap();
+    build_from_records(&cache, kind, &tok, format, "text", &out, false).unwrap();
+    assert_eq!(read_tokens(&out).0, want);
+    let e = build_from_records(&cache, kind, &tok, format, "input_ids", &out, false).unwrap_err();
+    assert!(e.to_string().contains("row 1: \"input_ids\" is []"), "{e}");
+    // A damaged shard is an Arrow error naming the file.
+    let mut bytes = std::fs::read(&inputs[1]).unwrap();
+    bytes.truncate(bytes.len() / 2);
+    std::fs::write(&inputs[1], bytes).unwrap();
+    let e = build_corpus(
+        &inputs,
+        &tok,
+        format,
+        &CorpusOptions::default(),
+        &out,
+        false,
+    )
+    .unwrap_err();
+    let e = e.to_string();
+    assert!(
+        e.contains("data-00001-of-00002.arrow") && e.contains("Arrow"),
+        "{e}"
+    );
+}
+
 /// Text files among the inputs: each one's documents, and the end-of-text token between
 /// files (never two files run together); with the token at the start, every document,
 /// the first included, starts with it.
