@@ -15,6 +15,10 @@ joined by `<|endoftext|>`, then times, alternating the four in each round:
 - pyarrow reading the `text` column into Python strings alone (the decoding's share);
 - `headroom data build` of the same records as JSON lines: plain, gzip'd, and zstd'd by
   `pzstd` (several frames with skippable frames between them), streamed;
+- with `datasets` installed, `headroom data build` of the same rows as `datasets` keeps them
+  on disk: the directory `Dataset.save_to_disk(num_shards=2)` writes (Arrow IPC streams, its
+  default record batches of 1 000 rows), and `datasets.load_from_disk` reading that
+  directory's `text` column into Python strings (the decoding's share, as above);
 - the same rows as a directory of four Parquet files (a Hub split's shards) built into
   llm.c's shards (`--shard-tokens`, `--val-shards 1`, `--document-token start`), and, with
   `--llmc PATH` (a checkout of karpathy/llm.c), llm.c's own `dev/data/fineweb.py` writing
@@ -178,11 +182,20 @@ def baseline_read(parquet):
     assert texts
 
 
+def baseline_read_saved(saved):
+    import datasets
+
+    texts = datasets.load_from_disk(saved).data.column("text").to_pylist()
+    assert texts
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--baseline-tokenize":
         return baseline_tokenize(sys.argv[2], sys.argv[3])
     if len(sys.argv) > 1 and sys.argv[1] == "--baseline-read":
         return baseline_read(sys.argv[2])
+    if len(sys.argv) > 1 and sys.argv[1] == "--baseline-read-saved":
+        return baseline_read_saved(sys.argv[2])
     if len(sys.argv) > 1 and sys.argv[1] == "--baseline-llmc":
         return baseline_llmc(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     docs = arg("--docs", 40000)
@@ -220,6 +233,16 @@ def main():
         pq.write_table(pa.Table.from_pylist(rows[k * quarter:(k + 1) * quarter]),
                        os.path.join(shard_dir, f"{k:03d}_00000.parquet"),
                        row_group_size=2048, compression="snappy")
+    # The rows as `datasets` keeps them: save_to_disk's Arrow shards.
+    saved = None
+    try:
+        import datasets
+
+        saved = os.path.join(out, "saved")
+        shutil.rmtree(saved, ignore_errors=True)
+        datasets.Dataset(table).save_to_disk(saved, num_shards=2)
+    except ImportError:
+        print("datasets is not installed: no save_to_disk run", file=sys.stderr)
     shard_tokens = arg("--shard-tokens", 5_000_000)
     llmc = arg("--llmc", "")
     text_bytes = sum(len(r["text"].encode()) for r in rows)
@@ -250,6 +273,10 @@ def main():
     if llmc:
         commands["llmc_fineweb_py"] = [py, me, "--baseline-llmc", llmc, shard_dir,
                                        str(shard_tokens), theirs_dir]
+    if saved:
+        commands["headroom_arrow_saved"] = [headroom, "data", "build", "--quiet", "--tokenizer",
+                                            "gpt2", saved, os.path.join(out, "arrow_saved.bin")]
+        commands["datasets_read_saved_text"] = [py, me, "--baseline-read-saved", saved]
     if zstd:
         commands["headroom_jsonl_zst"] = [headroom, "data", "build", "--quiet", "--tokenizer",
                                           "gpt2", jsonl + ".zst", os.path.join(out, "jsonl_zst.bin")]
@@ -268,7 +295,7 @@ def main():
                          f"{len(theirs)} tokens)")
     if not np.array_equal(ours[:-1], text_ids):
         raise SystemExit("the Parquet build is not the text build and a final <|endoftext|>")
-    for name in ("jsonl", "jsonl_gz", "jsonl_zst"):
+    for name in ("jsonl", "jsonl_gz", "jsonl_zst", "arrow_saved"):
         path = os.path.join(out, f"{name}.bin")
         if os.path.exists(path) and not np.array_equal(
                 np.fromfile(path, dtype=np.uint16)[512:], ours):
