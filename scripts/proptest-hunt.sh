@@ -8,7 +8,9 @@
 # failure prints the seed, the level and the command that replays it. Binaries slower than
 # --max-seconds on their first run are left out of the repeated rounds. --filter matches the
 # binary's file name: a crate's unit tests are headroom_<crate>-<hash>, an integration test is
-# named after its file (float8-<hash> for tests/float8.rs).
+# named after its file (float8-<hash> for tests/float8.rs). The trainer's integration tests are
+# one binary, integration-<hash>, slower than the default bound: hunt them with
+# `--filter '^integration-' --max-seconds 300`.
 #
 # Usage: scripts/proptest-hunt.sh [--rounds N] [--max-seconds S] [--filter REGEX]
 #                                 [--target-dir DIR]

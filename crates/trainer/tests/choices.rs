@@ -6,7 +6,7 @@
 //! and `headroom eval --choices` on one of them; the head on chosen rows alone equals those
 //! rows of the full logits.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

@@ -1,7 +1,7 @@
 //! The `headroom` command end to end: its subcommands run, print what they promise, and bad
 //! input exits non-zero with the error chain.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output};
 

@@ -4,7 +4,7 @@
 
 // Only the `cuda` tests run the program; without the feature the module would be dead code.
 #[cfg(feature = "cuda")]
-mod common;
+use crate::common;
 
 use headroom_attn::AttentionConfig;
 use headroom_offload::StatePrecision;

@@ -3,7 +3,7 @@
 //! transformers is the starting point (`--init-from`), training watches a validation loss on
 //! held-out text, and `sample` continues a prompt from the fine-tuned checkpoint in words.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

@@ -9,7 +9,7 @@
 //! `RegexFilter`, `MultiChoiceRegexFilter`, filter pipelines and `exact_match` on hand-made
 //! strings; the presets; and `headroom eval --generate`.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

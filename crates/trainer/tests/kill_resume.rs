@@ -4,11 +4,11 @@
 //! refused with a typed error. A resume that finishes with a different state is a silent
 //! mismatch, the one outcome that must never happen.
 //!
-//! `cargo test -p headroom-trainer --test kill_resume` runs a few kills (CI); the campaign for
+//! `cargo test -p headroom-trainer --test integration -- kill_resume::` runs a few kills (CI); the campaign for
 //! the results file sets `HEADROOM_KILLS` (e.g. 120), `HEADROOM_KILL_SEED` and `HEADROOM_BIN`,
 //! and runs the test with `--nocapture` to see the summary.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -1,7 +1,7 @@
 //! The profiler inside the trainer: every allocation labelled, the three report files written
 //! (also when the run fails out of budget), and the out-of-memory diagnosis of the command.
 
-mod common;
+use crate::common;
 
 use headroom_trainer::train::{train, MemoryOutputs, TrainOptions};
 

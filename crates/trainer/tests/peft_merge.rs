@@ -4,7 +4,7 @@
 //! adapter) logits; `headroom merge` writes a Hugging Face directory with those weights;
 //! adapters that do not fit the model are typed errors that change nothing.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

@@ -5,7 +5,7 @@
 //! and token files built from text in pieces equal to a whole-text encode.
 
 #[allow(dead_code)] // only `dir_files` is used here
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
