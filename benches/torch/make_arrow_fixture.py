@@ -14,7 +14,7 @@ pyarrow 26.0.1 and datasets 5.2.0):
     python3 benches/torch/make_arrow_fixture.py --write   # (re)write the committed fixtures
     python3 benches/torch/make_arrow_fixture.py --check   # re-read them, compare, write nothing
 
-Written under `crates/parquet/tests/fixtures/arrow/` (about 200 KB):
+Written under `crates/parquet/tests/fixtures/arrow/` (about 360 KB, the expected rows included):
 - the Parquet fixtures' types table (every supported column type, nulls at every level) in
   batches of 7 rows, as: `types_stream.arrow` (the stream format, as `datasets` writes),
   `types_file.arrow` (the file format, Feather v2), `types_zstd.arrow` and `types_lz4.arrow`
