@@ -172,7 +172,7 @@ struct EvalArgs {
     /// Token file (any mmap-data format); window w is tokens w·SEQ ..= w·SEQ + SEQ.
     #[arg(long, required_unless_present_any = ["choices", "documents", "completions", "generate"])]
     data: Option<PathBuf>,
-    /// Multiple-choice questions (JSONL or Parquet rows: `context`, `choices`, `gold` as an index, the
+    /// Multiple-choice questions (JSONL, Parquet or Arrow rows: `context`, `choices`, `gold` as an index, the
     /// choice's text or a list of indices) scored as lm-evaluation-harness scores them: each
     /// choice's log-likelihood after the context; prints acc, acc_norm, acc_bytes and
     /// exact_match with their standard errors. Multiple input (Winogrande): `choices` as
@@ -188,14 +188,14 @@ struct EvalArgs {
     /// tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "document_attention"])]
     documents: Option<PathBuf>,
-    /// Documents whose target is scored after their context (JSONL or Parquet rows, or a
+    /// Documents whose target is scored after their context (JSONL, Parquet or Arrow rows, or a
     /// dataset's own through --doc-to-text and --doc-to-target: `context` and `target`,
     /// or `text`, whose last word is the target, as lm-evaluation-harness's LAMBADA splits
     /// it); prints acc (the target is the greedy continuation) and perplexity with lm-eval's
     /// bootstrap standard error. Needs a tokenizer.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["data", "choices", "documents", "document_attention"])]
     completions: Option<PathBuf>,
-    /// Documents (JSONL or Parquet rows: `context`, and `target` as a text or a list of
+    /// Documents (JSONL, Parquet or Arrow rows: `context`, and `target` as a text or a list of
     /// texts; `choices` for a multi_choice_regex filter; or a dataset's own rows through
     /// --doc-to-text and --doc-to-target, which --preset sets) answered by
     /// greedy generation as lm-evaluation-harness runs its `generate_until` tasks (GSM8K):
@@ -1115,11 +1115,12 @@ enum DataCommand {
     },
     /// Tokenise a text file into a token file: one token per byte, or GPT-2's BPE or a
     /// Hugging Face tokenizer.json (`--tokenizer`). With `--tokenizer`, the input may be a
-    /// corpus of records: a Parquet file (FineWeb as Hugging Face publishes it) or JSON lines
-    /// (`.jsonl`, or gzip- or zstd-compressed: Dolma's `.json.gz`, DCLM's `.jsonl.zst`), each
-    /// record's `text` (or `--dataset-text-field`) one document, ended by the end-of-text
-    /// token; and it may be several files or directories of them (a dataset's shards), read
-    /// in order as one stream, written as one file or as shards (`--shard-tokens`).
+    /// corpus of records: a Parquet file (FineWeb as Hugging Face publishes it), an Arrow file
+    /// (a `datasets` cache file or `save_to_disk` shard) or JSON lines (`.jsonl`, or gzip- or
+    /// zstd-compressed: Dolma's `.json.gz`, DCLM's `.jsonl.zst`), each record's `text` (or
+    /// `--dataset-text-field`) one document, ended by the end-of-text token; and it may be
+    /// several files or directories of them (a dataset's shards), read in order as one
+    /// stream, written as one file or as shards (`--shard-tokens`).
     Build {
         /// Input text: one file, or with `--tokenizer` several (and directories, each read as
         /// its corpus files in path order, subdirectories included: a Hub dataset's
@@ -1174,7 +1175,7 @@ enum DataCommand {
             conflicts_with = "jsonl"
         )]
         document_token: String,
-        /// The input is JSONL examples (plain, or gzip- or zstd-compressed; or a Parquet file
+        /// The input is JSONL examples (plain, or gzip- or zstd-compressed; or a Parquet or Arrow file
         /// of them: a Hugging Face dataset's split, each row read as a line; or several such
         /// files, their examples one after the other) for supervised fine-tuning in TRL's
         /// formats:

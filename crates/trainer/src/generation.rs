@@ -125,8 +125,8 @@ impl Example for GenerationDoc {
     }
 }
 
-/// The documents of a JSONL file, one per non-blank line (or of a Parquet file, one per
-/// row); an error names the line.
+/// The documents of a JSONL file, one per non-blank line (or of a Parquet or Arrow file, one
+/// per row); an error names the line.
 pub fn read_generation_docs(path: &Path) -> Result<Vec<GenerationDoc>> {
     read_generation_docs_with(path, None)
 }

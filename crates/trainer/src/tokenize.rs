@@ -852,7 +852,8 @@ pub fn build(
 /// `save_to_disk`'s `data-00000-of-00004.arrow`). Hidden files and directories (`.git`,
 /// `.cache`), the `datasets` library's metadata (`dataset_info.json`, `state.json`, …) and
 /// the cache files its `map` and `filter` leave beside a split (`cache-*.arrow`, derived from
-/// it, so reading them too would repeat it) are not read. A directory with none is an error.
+/// it, so reading them too would repeat it) are not read. A directory with none is an error,
+/// and so is a `DatasetDict` of several splits (`dataset_dict.json`): one is to be named.
 pub fn corpus_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let mut inputs = Vec::new();
     for path in paths {
@@ -895,6 +896,7 @@ fn corpus_files_under(dir: &Path, depth: usize, files: &mut Vec<PathBuf>) -> Res
             format!("more than {MAX_CORPUS_DEPTH} directory levels (a link that loops?)"),
         ));
     }
+    refuse_several_splits(dir)?;
     for entry in std::fs::read_dir(dir).map_err(|e| err(dir, e.to_string()))? {
         let entry = entry.map_err(|e| err(dir, e.to_string()))?;
         let name = entry.file_name();
@@ -920,12 +922,50 @@ fn corpus_files_under(dir: &Path, depth: usize, files: &mut Vec<PathBuf>) -> Res
     Ok(())
 }
 
+/// A `DatasetDict` that `datasets` saved (`dataset_dict.json` listing its splits, a
+/// directory each) is refused when it holds several splits: read whole, its test split would be
+/// trained on with its train split. One split's directory is read like any other.
+fn refuse_several_splits(dir: &Path) -> Result<()> {
+    let manifest = dir.join("dataset_dict.json");
+    if !manifest.is_file() {
+        return Ok(());
+    }
+    // A DatasetDict's manifest is a few dozen bytes; anything larger is not one.
+    let Ok(text) = crate::bounded::read_file(&manifest, 1 << 20) else {
+        return Ok(());
+    };
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(&text) else {
+        return Ok(());
+    };
+    let splits: Vec<&str> = value["splits"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s.as_str()).collect())
+        .unwrap_or_default();
+    let present: Vec<&str> = splits
+        .into_iter()
+        .filter(|s| dir.join(s).is_dir())
+        .collect();
+    if present.len() > 1 {
+        return Err(err(
+            dir,
+            format!(
+                "a DatasetDict saved by `datasets`, with splits {} (its dataset_dict.json): \
+                 name one split's directory, e.g. {}, so that one split is not trained on \
+                 with another",
+                present.join(", "),
+                dir.join(present[0]).display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Tokenize the corpus files `inputs`, in order, into one token stream written to `out` in
 /// `format`, one file or shards ([`CorpusOptions::sharding`]). Each input is read by its kind
-/// ([`CorpusKind::of`]): a Parquet file's rows and JSON lines (plain, gzip or zstd) are one
-/// document each; a text file is its separator-delimited documents. Documents are delimited
-/// by [`CorpusOptions::document_token`]; with several inputs, a text file's last document is
-/// delimited too, so that files never run into each other.
+/// ([`CorpusKind::of`]): a Parquet or Arrow file's rows and JSON lines (plain, gzip or zstd)
+/// are one document each; a text file is its separator-delimited documents. Documents are
+/// delimited by [`CorpusOptions::document_token`]; with several inputs, a text file's last
+/// document is delimited too, so that files never run into each other.
 ///
 /// A build that fails leaves no partial file; a sharded one keeps the shards it finished (a
 /// prefix of the stream, each shard complete).
@@ -2382,7 +2422,7 @@ pub fn build_prompt_completion_with(
 /// [`build_prompt_completion_with`] of several files, one after the other, into one token
 /// file and its mask (a Hugging Face split in several Parquet shards, `train_sft-00000-of-00003`
 /// …): the examples of all, in order; with packing, packed together. Each input is JSON lines
-/// (plain, or gzip- or zstd-compressed, streamed) or a Parquet file; an input without
+/// (plain, or gzip- or zstd-compressed, streamed) or a Parquet or Arrow file; an input without
 /// examples is an error naming it.
 pub fn build_examples(
     inputs: &[PathBuf],

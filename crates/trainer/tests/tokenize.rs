@@ -670,7 +670,8 @@ fn several_inputs_and_shards_are_one_stream() {
 
 /// A dataset `datasets` saved (`save_to_disk`: two Arrow shards beside its metadata) builds
 /// the token file its Parquet twin builds, one document a row; a cache file `map` left beside
-/// it is not read from the directory, but reads as a corpus of its own when named.
+/// it is not read from the directory, but reads as a corpus of its own when named; a
+/// `DatasetDict` of two splits is refused unless one split is named.
 #[test]
 fn a_saved_hf_dataset_builds_as_its_parquet_twin() {
     let dir = tempfile::tempdir().unwrap();
@@ -726,6 +727,27 @@ fn a_saved_hf_dataset_builds_as_its_parquet_twin() {
     assert_eq!(read_tokens(&out).0, want);
     let e = build_from_records(&cache, kind, &tok, format, "input_ids", &out, false).unwrap_err();
     assert!(e.to_string().contains("row 1: \"input_ids\" is []"), "{e}");
+    // A DatasetDict (`DatasetDict.save_to_disk`: dataset_dict.json, a directory a split) is
+    // refused whole, so that its test split is not trained on; one split reads.
+    let dict = dir.path().join("dict");
+    for split in ["train", "test"] {
+        std::fs::create_dir_all(dict.join(split)).unwrap();
+        for shard in ["data-00000-of-00002.arrow", "state.json"] {
+            std::fs::copy(saved.join(shard), dict.join(split).join(shard)).unwrap();
+        }
+    }
+    std::fs::write(
+        dict.join("dataset_dict.json"),
+        r#"{"splits": ["train", "test"]}"#,
+    )
+    .unwrap();
+    let e = corpus_inputs(std::slice::from_ref(&dict)).unwrap_err();
+    assert!(
+        e.to_string().contains("DatasetDict") && e.to_string().contains("train, test"),
+        "{e}"
+    );
+    let train = corpus_inputs(&[dict.join("train")]).unwrap();
+    assert_eq!(train, [dict.join("train/data-00000-of-00002.arrow")]);
     // A damaged shard is an Arrow error naming the file.
     let mut bytes = std::fs::read(&inputs[1]).unwrap();
     bytes.truncate(bytes.len() / 2);
