@@ -32,7 +32,7 @@ use serde_json::Value;
 
 use crate::compress::{self, Codec};
 use crate::flatbuf::{self, Table};
-use crate::{ParquetError, ReadOptions, Row};
+use crate::{Budget, ParquetError, ReadOptions, Row};
 
 /// Why Arrow IPC data could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +74,7 @@ impl From<ParquetError> for ArrowError {
         match e {
             ParquetError::Unsupported(what) => ArrowError::Unsupported(what),
             ParquetError::Corrupt(what) => ArrowError::Corrupt(what),
+            ParquetError::OverBudget(what) => ArrowError::OverBudget(what),
             other => ArrowError::Corrupt(other.to_string()),
         }
     }
@@ -780,31 +781,6 @@ fn in_dictionary(e: ArrowError, id: i64) -> ArrowError {
         ArrowError::Corrupt(w) => ArrowError::Corrupt(format!("dictionary {id}: {w}")),
         ArrowError::Unsupported(w) => ArrowError::Unsupported(format!("dictionary {id}: {w}")),
         other => other,
-    }
-}
-
-struct Budget {
-    left: u64,
-    bound: u64,
-}
-
-impl Budget {
-    fn of(options: &ReadOptions) -> Budget {
-        Budget {
-            left: options.max_values,
-            bound: options.max_values,
-        }
-    }
-
-    fn spend(&mut self, n: u64) -> Result<()> {
-        if n > self.left {
-            return Err(ArrowError::OverBudget(format!(
-                "more than {} values (ReadOptions::max_values)",
-                self.bound
-            )));
-        }
-        self.left -= n;
-        Ok(())
     }
 }
 

@@ -515,13 +515,14 @@ fn in_column(e: ParquetError, g: usize, leaf: &Leaf) -> ParquetError {
 }
 
 /// The values one read may still materialise.
-struct Budget {
+/// What one call may still materialise of [`ReadOptions::max_values`] (Parquet and Arrow).
+pub(crate) struct Budget {
     left: u64,
     bound: u64,
 }
 
 impl Budget {
-    fn of(options: &ReadOptions) -> Budget {
+    pub(crate) fn of(options: &ReadOptions) -> Budget {
         Budget {
             left: options.max_values,
             bound: options.max_values,
@@ -538,7 +539,7 @@ impl Budget {
         Ok(())
     }
 
-    fn spend(&mut self, n: u64) -> Result<()> {
+    pub(crate) fn spend(&mut self, n: u64) -> Result<()> {
         self.check(n)?;
         self.left -= n;
         Ok(())

@@ -1291,16 +1291,8 @@ fn inspect_table(path: &Path, kind: crate::tokenize::CorpusKind, rows: Option<us
     // Mapped, not read: a `datasets` cache file is often many gigabytes, and only its
     // metadata and the first rows are looked at.
     let bytes = crate::tokenize::map_file(path)?;
-    let file = if kind == crate::tokenize::CorpusKind::Parquet {
-        headroom_parquet::ParquetFile::parse(&bytes)
-            .map(headroom_parquet::TableFile::Parquet)
-            .map_err(headroom_parquet::TableError::from)
-    } else {
-        headroom_parquet::ArrowFile::parse(&bytes)
-            .map(headroom_parquet::TableFile::Arrow)
-            .map_err(headroom_parquet::TableError::from)
-    };
-    let file = file.map_err(|e| format!("{}: {e}", path.display()))?;
+    let file = crate::tokenize::table_file(&bytes, kind)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     say!("{:<13}{}", "format", file.describe());
     say!(
         "{:<13}{} in {} {}",

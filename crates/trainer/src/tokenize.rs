@@ -1742,6 +1742,19 @@ impl Corpus<'_> {
     }
 }
 
+/// The Parquet or Arrow file `bytes`, parsed as `kind` says: by its kind, not its magic alone,
+/// since a `.arrow` stream written before Arrow 0.15 has none.
+pub(crate) fn table_file(
+    bytes: &[u8],
+    kind: CorpusKind,
+) -> std::result::Result<headroom_parquet::TableFile<'_>, headroom_parquet::TableError> {
+    Ok(if kind == CorpusKind::Parquet {
+        headroom_parquet::TableFile::Parquet(headroom_parquet::ParquetFile::parse(bytes)?)
+    } else {
+        headroom_parquet::TableFile::Arrow(headroom_parquet::ArrowFile::parse(bytes)?)
+    })
+}
+
 /// Write a corpus of records (a Parquet or Arrow file's rows, JSON lines): each record's
 /// `text_field` is one document and the build's unit, delimited by `delimit` (nanoGPT's and
 /// llm.c's `fineweb.py` put the same token between documents). A Parquet or Arrow file is
@@ -1766,17 +1779,7 @@ fn write_records(
         }
         CorpusKind::Parquet | CorpusKind::Arrow => {
             map = map_file(input)?;
-            let file = if kind == CorpusKind::Parquet {
-                headroom_parquet::ParquetFile::parse(&map)
-                    .map(headroom_parquet::TableFile::Parquet)
-                    .map_err(headroom_parquet::TableError::from)
-            } else {
-                // Not by magic alone: a `.arrow` stream written before Arrow 0.15 has none.
-                headroom_parquet::ArrowFile::parse(&map)
-                    .map(headroom_parquet::TableFile::Arrow)
-                    .map_err(headroom_parquet::TableError::from)
-            };
-            let file = Box::new(file.map_err(|e| err(input, e.to_string()))?);
+            let file = Box::new(table_file(&map, kind).map_err(|e| err(input, e.to_string()))?);
             Corpus::Table {
                 file,
                 options: headroom_parquet::ReadOptions {
