@@ -34,6 +34,8 @@ thirteen `.jsonl` of the types table are one file, which git stores once):
   unsigned 32-bit integers stored as INT64, as older files have them);
 - `fineweb_like`, `mmlu_like`, `ultrachat_like`: the columns, types and layout of FineWeb
   (datatrove), MMLU and UltraChat as the Hub serves them; `empty`: MMLU's schema, no rows;
+- `dict_repeated`: one long string dictionary-encoded in every row, a file far smaller than
+  what it expands to, for the reader's bound;
 - `sft_messages`, `sft_prompt_completion`: TRL's two dataset shapes (trl-lib/Capybara's
   `messages`, trl-lib/tldr's `prompt` and `completion`) in ASCII words, which the trainer's
   tests build into token files from the Parquet file and from its `.jsonl` alike;
@@ -512,6 +514,14 @@ def fixtures():
         ("sft_messages", "TRL's conversational shape (trl-lib/Capybara): messages and an ignored source column, ASCII words", sft_messages, {"row_group_size": 5}, {}),
         ("sft_prompt_completion", "TRL's prompt-completion shape (trl-lib/tldr): text prompt and completion, ASCII words", sft_pairs, {"row_group_size": 5}, {}),
         (
+            "dict_repeated",
+            "one 1 KiB string, dictionary-encoded, in 40 rows: each row's value copies the dictionary's text, which the "
+            "reader's max_values bound must count (a small file that expands)",
+            pa.table({"s": pa.array(["🦀 headroom " * 73 + "end"] * 40)}),
+            {},
+            {},
+        ),
+        (
             "empty",
             "MMLU's schema with no rows: one row group of 0 rows whose column chunks hold an empty dictionary page and no data page",
             mmlu.slice(0, 0),
@@ -799,7 +809,8 @@ def check():
         seen = layout(path, unsupported="unsupported" in extra)
         if seen != entry["layout"]:
             problems.append(f"{name}: layout differs from the manifest:\n  file:     {json.dumps(seen)}\n  manifest: {json.dumps(entry['layout'])}")
-    present = set(os.listdir(OUT_DIR))
+    # Subdirectories hold other scripts' fixtures (arrow/ is make_arrow_fixture.py's).
+    present = {f for f in os.listdir(OUT_DIR) if os.path.isfile(os.path.join(OUT_DIR, f))}
     for f in sorted(present - listed):
         problems.append(f"{f}: present but not in the manifest")
     for f in sorted(listed - present):

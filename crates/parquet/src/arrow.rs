@@ -32,7 +32,7 @@ use serde_json::Value;
 
 use crate::compress::{self, Codec};
 use crate::flatbuf::{self, Table};
-use crate::{Budget, ParquetError, ReadOptions, Row};
+use crate::{value_weight, Budget, ParquetError, ReadOptions, Row};
 
 /// Why Arrow IPC data could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -784,17 +784,6 @@ fn in_dictionary(e: ArrowError, id: i64) -> ArrowError {
     }
 }
 
-/// What `v` costs against the budget each time it is materialised: one per JSON value, and a
-/// string's or array's text counted at 32 bytes a value (a value's own size).
-fn weight(v: &Value) -> u64 {
-    match v {
-        Value::String(s) => 1 + s.len() as u64 / 32,
-        Value::Array(a) => 1 + a.iter().map(weight).sum::<u64>(),
-        Value::Object(o) => 1 + o.values().map(weight).sum::<u64>(),
-        _ => 1,
-    }
-}
-
 /// Walks a record batch's nodes and buffers in the schema's depth-first order.
 struct BatchReader<'a, 'o> {
     body: &'a [u8],
@@ -1000,7 +989,7 @@ impl<'a, 'o> BatchReader<'a, 'o> {
                             values.len()
                         ))
                     })?;
-                self.budget.spend(weight(v))?;
+                self.budget.spend(value_weight(v))?;
                 out.push(v.clone());
             }
             return Ok(out);

@@ -114,7 +114,9 @@ pub struct ReadOptions {
     /// The top-level fields to read, or all of them.
     pub columns: Option<Vec<String>>,
     /// The most leaf values (levels included: a null or an empty list counts) one call
-    /// materialises; a JSON value takes about 32 bytes plus its text.
+    /// materialises; a JSON value takes about 32 bytes plus its text. A value copied out of a
+    /// dictionary (Parquet's or Arrow's) also counts its text, at 32 bytes a value, each time a
+    /// row copies it: the page bound cannot see that expansion.
     pub max_values: u64,
     /// The largest page, decompressed.
     pub max_page_bytes: usize,
@@ -436,7 +438,14 @@ impl<'a> ParquetFile<'a> {
                     if leaf.max_def > 0 {
                         levels_v1(&mut bytes, def_encoding, leaf.max_def, n, &mut column.defs)?;
                     }
-                    column.push_values(&mut bytes, encoding, leaf, n, dictionary.as_deref())?;
+                    column.push_values(
+                        &mut bytes,
+                        encoding,
+                        leaf,
+                        n,
+                        dictionary.as_deref(),
+                        budget,
+                    )?;
                     read += n as u64;
                 }
                 PageKind::DataV2 {
@@ -472,7 +481,14 @@ impl<'a> ParquetFile<'a> {
                         rest.to_vec()
                     };
                     let mut bytes = Bytes::new(&page);
-                    column.push_values(&mut bytes, encoding, leaf, n, dictionary.as_deref())?;
+                    column.push_values(
+                        &mut bytes,
+                        encoding,
+                        leaf,
+                        n,
+                        dictionary.as_deref(),
+                        budget,
+                    )?;
                     read += n as u64;
                 }
                 PageKind::Other => {}
@@ -514,7 +530,17 @@ fn in_column(e: ParquetError, g: usize, leaf: &Leaf) -> ParquetError {
     }
 }
 
-/// The values one read may still materialise.
+/// What `v` costs against [`ReadOptions::max_values`] each time it is materialised: one per
+/// JSON value, and a string's text counted at 32 bytes a value (a value's own size).
+pub(crate) fn value_weight(v: &Value) -> u64 {
+    match v {
+        Value::String(s) => 1 + s.len() as u64 / 32,
+        Value::Array(a) => 1 + a.iter().map(value_weight).sum::<u64>(),
+        Value::Object(o) => 1 + o.values().map(value_weight).sum::<u64>(),
+        _ => 1,
+    }
+}
+
 /// What one call may still materialise of [`ReadOptions::max_values`] (Parquet and Arrow).
 pub(crate) struct Budget {
     left: u64,
@@ -564,6 +590,7 @@ impl Column {
         leaf: &Leaf,
         n: usize,
         dictionary: Option<&[Value]>,
+        budget: &mut Budget,
     ) -> Result<()> {
         let present = if leaf.max_def == 0 {
             n
@@ -573,7 +600,14 @@ impl Column {
                 .filter(|&&d| d == leaf.max_def)
                 .count()
         };
-        let decoded = values(bytes, encoding, &leaf.leaf_type, present, dictionary)?;
+        let decoded = values(
+            bytes,
+            encoding,
+            &leaf.leaf_type,
+            present,
+            dictionary,
+            budget,
+        )?;
         self.values.extend(decoded);
         Ok(())
     }
@@ -605,6 +639,7 @@ fn values(
     leaf: &LeafType,
     n: usize,
     dictionary: Option<&[Value]>,
+    budget: &mut Budget,
 ) -> Result<Vec<Value>> {
     let unfit = || {
         ParquetError::Corrupt(format!(
@@ -624,6 +659,14 @@ fn values(
             let width = usize::from(bytes.take(1)?[0]);
             let mut indices = Vec::new();
             encoding::rle_hybrid(bytes.rest(), width, n, &mut indices)?;
+            // Each index copies its value: a long string used many times costs its text each
+            // time, counted before any copy is made.
+            let copied: u64 = indices
+                .iter()
+                .filter_map(|&i| dictionary.get(i as usize))
+                .map(|v| value_weight(v) - 1)
+                .sum();
+            budget.spend(copied)?;
             indices
                 .iter()
                 .map(|&i| {

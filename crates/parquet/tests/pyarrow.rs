@@ -198,3 +198,30 @@ fn the_bounds_refuse_before_reading() {
     ));
     assert!(ParquetFile::parse(&bytes[..bytes.len() - 1]).is_err());
 }
+
+#[test]
+fn a_dictionary_value_copied_into_every_row_counts_its_text_each_time() {
+    // 40 rows of one 1 025-byte string, stored once in the dictionary page: the file is small,
+    // the rows are 41 KB of text. Counting one value per row (about 80 in all) would let a
+    // hostile file expand by its dictionary's size times its row count under any bound.
+    let bytes = std::fs::read(fixtures().join("dict_repeated.parquet")).unwrap();
+    let file = ParquetFile::parse(&bytes).unwrap();
+    let rows = file.rows(&ReadOptions::default()).unwrap();
+    assert_eq!(rows, expected("dict_repeated.jsonl"));
+    let text: usize = rows.iter().map(|r| r["s"].as_str().unwrap().len()).sum();
+    assert_eq!(text, 40 * 1025);
+    let tight = ReadOptions {
+        max_values: 500,
+        ..ReadOptions::default()
+    };
+    assert!(matches!(
+        file.rows(&tight),
+        Err(ParquetError::OverBudget(_))
+    ));
+    // 40 rows, 40 values, and 40 copies of 1 025 bytes at 32 bytes a value fit in 1 500.
+    let enough = ReadOptions {
+        max_values: 1_500,
+        ..ReadOptions::default()
+    };
+    assert_eq!(file.rows(&enough).unwrap().len(), 40);
+}
