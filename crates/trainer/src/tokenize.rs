@@ -598,6 +598,17 @@ fn map_text(input: &Path) -> Result<memmap2::Mmap> {
     Ok(map)
 }
 
+/// A record's tokens and the length of the text they encode.
+type EncodedRecord = (Vec<u32>, usize);
+
+/// A parallel map's results in input order, or the error of the earliest input that failed.
+/// rayon's `collect::<Result<_>>()` returns whichever error a worker met first, so a file with
+/// several bad records would be reported at a different record from run to run; the work of a
+/// batch after its first error is wasted, which only a failing build pays.
+fn first_error_in_order<T>(results: Vec<Result<T>>) -> Result<Vec<T>> {
+    results.into_iter().collect()
+}
+
 /// The file `input` mapped read-only, checked to be non-empty.
 pub(crate) fn map_file(input: &Path) -> Result<memmap2::Mmap> {
     let file = std::fs::File::open(input).map_err(|e| err(input, e.to_string()))?;
@@ -1469,7 +1480,7 @@ fn write_text(
     let mut read_to = 0;
     for (bi, group) in pieces.chunks(batch).enumerate() {
         let first = bi * batch;
-        let encoded: Vec<Option<Vec<u32>>> = group
+        let encoded: Vec<Result<Option<Vec<u32>>>> = group
             .par_iter()
             .enumerate()
             .map(|(k, &(_, s, e))| {
@@ -1481,7 +1492,8 @@ fn write_text(
                     .map_err(|e| err(input, format!("piece is not UTF-8: {e}")))?;
                 tok.encode(piece).map(Some)
             })
-            .collect::<Result<_>>()?;
+            .collect::<Vec<_>>();
+        let encoded: Vec<Option<Vec<u32>>> = first_error_in_order(encoded)?;
         for (k, ids) in encoded.into_iter().enumerate() {
             let i = first + k;
             let (doc, _, end) = group[k];
@@ -1823,7 +1835,8 @@ fn write_records(
     let mut records = 0u64;
     while let Some(batch) = corpus.next_batch(input)? {
         records += batch.len() as u64;
-        let encoded: Vec<Option<(Vec<u32>, usize)>> = batch
+        // Per record: its tokens and the bytes of text they came from, or None when written.
+        let encoded: Vec<Result<Option<EncodedRecord>>> = batch
             .par_iter()
             .map(|(number, record)| {
                 if emitter.already_written(index, number - 1) {
@@ -1860,7 +1873,8 @@ fn write_records(
                 }
                 Ok(Some((ids, text.len())))
             })
-            .collect::<Result<_>>()?;
+            .collect::<Vec<_>>();
+        let encoded: Vec<Option<EncodedRecord>> = first_error_in_order(encoded)?;
         for ((number, _), done) in batch.iter().zip(encoded) {
             let Some((sequence, len)) = done else {
                 continue;
@@ -2548,10 +2562,12 @@ pub fn build_examples(
         let before = examples_read;
         examples.for_each_batch(batch, |group| {
             examples_read += group.len() as u64;
-            let encoded: Vec<_> = group
-                .par_iter()
-                .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, (unit, n), input))
-                .collect::<Result<_>>()?;
+            let encoded = first_error_in_order(
+                group
+                    .par_iter()
+                    .map(|&(n, l)| encode_example(tok, &chat, options, eot, l, (unit, n), input))
+                    .collect(),
+            )?;
             for (mut ids, mut flags, merged) in encoded {
                 if let (Some(max), Some(PackStrategy::BfdSplit)) =
                     (options.max_length, options.pack)
