@@ -69,7 +69,7 @@ use serde::{Deserialize, Serialize};
 use headroom_lora::{LoraAdapter, LoraLinear};
 
 use crate::companions::{is_companion, Companions};
-use crate::model::{params, Family, FinetuneSpec, Model, ModelConfig, ModelOptions};
+use crate::model::{params, Family, FinetuneSpec, Model, ModelConfig, ModelOptions, RopeScaling};
 use crate::train::LrSchedule;
 use crate::{Result, TrainError};
 
@@ -653,6 +653,11 @@ pub(crate) fn hf_config(
             "torch_dtype": "float32",
         }),
     };
+    if let (Family::Llama(s), Some(object)) = (c.family, v.as_object_mut()) {
+        if let Some(scaling) = rope_scaling_json(&s.rope_scaling) {
+            object.insert("rope_scaling".into(), scaling);
+        }
+    }
     if let Some(object) = v.as_object_mut() {
         match token_ids {
             Some(ids) => object.extend(ids.iter().map(|(k, v)| (k.clone(), v.clone()))),
@@ -666,6 +671,30 @@ pub(crate) fn hf_config(
         }
     }
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
+}
+
+/// `rope_scaling` as transformers 4 writes it beside `rope_theta` (transformers 5 reads it into
+/// its `rope_parameters`), `None` when the frequencies are not rescaled.
+fn rope_scaling_json(scaling: &RopeScaling) -> Option<serde_json::Value> {
+    match *scaling {
+        RopeScaling::None => None,
+        RopeScaling::Linear { factor } => Some(serde_json::json!({
+            "rope_type": "linear",
+            "factor": factor,
+        })),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => Some(serde_json::json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        })),
+    }
 }
 
 /// The model's files as transformers writes them, written into `dir` (fsynced) and returned
@@ -2369,6 +2398,7 @@ mod tests {
                 kv_heads: 1,
                 ffn: 20,
                 rope_theta: 10_000.0,
+                rope_scaling: Default::default(),
                 norm_eps: 1e-5,
                 tied_head: false,
             }),

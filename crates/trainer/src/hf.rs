@@ -20,7 +20,7 @@ use headroom_tensor::{Cpu, CpuTensor};
 use serde_json::Value;
 
 use crate::model::params::{self, EachF32, TensorSink};
-use crate::model::{Family, LlamaShape, ModelConfig};
+use crate::model::{Family, LlamaShape, ModelConfig, RopeScaling};
 use crate::{Result, TrainError};
 
 /// The largest safetensors header read (transformers' files hold a few hundred KiB).
@@ -292,6 +292,54 @@ fn get_f64(cfg: &Value, path: &Path, key: &str) -> Result<Option<f64>> {
     }
 }
 
+/// The rescaling a `rope_parameters` (transformers 5) or `rope_scaling` (4) object names by
+/// its `rope_type` (`type` in configs older than transformers 4.43); a kind whose arithmetic
+/// is not implemented here is refused, never read as unscaled.
+fn rope_scaling(obj: &Value, path: &Path) -> Result<RopeScaling> {
+    let kind = match get_str(obj, path, "rope_type")? {
+        Some(k) => Some(k),
+        None => get_str(obj, path, "type")?,
+    };
+    let number = |key: &str| -> Result<f32> {
+        get_f64(obj, path, key)?
+            .map(|v| v as f32)
+            .ok_or_else(|| bad(path, format!("rope type {kind:?} needs {key}")))
+    };
+    let scaling = match kind {
+        None | Some("default") => RopeScaling::None,
+        Some("linear") => RopeScaling::Linear {
+            factor: number("factor")?,
+        },
+        Some("llama3") => RopeScaling::Llama3 {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_position_embeddings: get_usize(
+                obj,
+                path,
+                "original_max_position_embeddings",
+            )?,
+        },
+        Some(other) => {
+            return Err(bad(
+                path,
+                format!("rope type {other:?}: default, linear and llama3 load"),
+            ))
+        }
+    };
+    // A partial rotary factor rotates only the first dimensions of a head; Llama rotates all.
+    if let Some(f) = get_f64(obj, path, "partial_rotary_factor")? {
+        if f != 1.0 {
+            return Err(bad(
+                path,
+                format!("partial_rotary_factor {f}: every dimension rotates here"),
+            ));
+        }
+    }
+    scaling.check().map_err(|e| bad(path, e))?;
+    Ok(scaling)
+}
+
 /// The model shape a Hugging Face `config.json` describes (GPT-2 or Llama), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
@@ -401,15 +449,13 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters.
             let rope = get_object(&cfg, &path, "rope_parameters")?;
             let scaling = match rope {
-                Some(r) => get_str(r, &path, "rope_type")?,
-                None => match get_object(&cfg, &path, "rope_scaling")? {
-                    Some(s) => get_str(s, &path, "rope_type")?,
-                    None => None,
-                },
+                Some(r) => Some(r),
+                None => get_object(&cfg, &path, "rope_scaling")?,
             };
-            if !matches!(scaling, None | Some("default")) {
-                return Err(bad(&path, format!("rope type {scaling:?}: only default")));
-            }
+            let rope_scaling = match scaling {
+                Some(s) => rope_scaling(s, &path)?,
+                None => RopeScaling::None,
+            };
             let theta = match rope {
                 Some(r) => get_f64(r, &path, "rope_theta")?,
                 None => get_f64(&cfg, &path, "rope_theta")?,
@@ -442,6 +488,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     kv_heads,
                     ffn: get_usize(&cfg, &path, "intermediate_size")?,
                     rope_theta: theta as f32,
+                    rope_scaling,
                     norm_eps: get_f64(&cfg, &path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
                     tied_head: get_bool(&cfg, &path, "tie_word_embeddings")?.unwrap_or(false),
                 }),

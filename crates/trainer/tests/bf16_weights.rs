@@ -17,6 +17,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
             kv_heads: 4,
             ffn: 2048,
             rope_theta: 10_000.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         })

@@ -23,6 +23,7 @@ fn configs() -> [ModelConfig; 2] {
             kv_heads: 2,
             ffn: 24,
             rope_theta: 100.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         }),

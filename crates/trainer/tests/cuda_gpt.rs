@@ -49,6 +49,7 @@ fn llama() -> ModelConfig {
             kv_heads: 2,
             ffn: 384,
             rope_theta: 10_000.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         }),

@@ -20,6 +20,7 @@ fn model(llama: bool) -> ModelConfig {
             kv_heads: 2,
             ffn: 176,
             rope_theta: 10_000.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         })
@@ -113,6 +114,7 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
         kv_heads: 1,
         ffn: 40,
         rope_theta: 10_000.0,
+        rope_scaling: Default::default(),
         norm_eps: 1e-5,
         tied_head: false,
     });

@@ -24,6 +24,7 @@ fn model(llama: bool) -> ModelConfig {
             kv_heads: 2,
             ffn: 176,
             rope_theta: 10_000.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         })

@@ -46,6 +46,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
             ffn: 24,
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-5,
             tied_head,
         }),

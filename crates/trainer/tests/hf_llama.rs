@@ -3,13 +3,15 @@
 //! grouped-query attention and an untied head (in f32 and in bf16), with multi-head attention
 //! and a tied head, and a `GPT2LMHeadModel` saved in four shards — loaded from their
 //! `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and the
-//! mean cross-entropy within 1e-5, in f32.
+//! mean cross-entropy within 1e-5, in f32. Rescaled rotary embeddings (Llama 3.1's `llama3`,
+//! `linear`) against `benches/torch/make_rope_scaling_fixture.py`'s models, their inverse
+//! frequencies bit for bit.
 
 use std::path::PathBuf;
 
 use headroom_tensor::Cpu;
 use headroom_trainer::hf;
-use headroom_trainer::model::{Family, Geometry, Model, ModelOptions};
+use headroom_trainer::model::{Family, Geometry, Model, ModelOptions, RopeScaling};
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
@@ -56,7 +58,8 @@ fn matches_reference(name: &str) -> headroom_trainer::model::ModelConfig {
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let (tokens, targets) = (ids(&st, "tokens"), ids(&st, "targets"));
-    let g = Geometry::new(2, 16);
+    let shape = st.tensor("tokens").unwrap().shape().to_vec();
+    let g = Geometry::new(shape[0], shape[1]);
     let want = f32s(&st, "logits");
     let got = model.logits(&tokens, g).unwrap();
     assert_eq!(got.len(), want.len());
@@ -132,6 +135,182 @@ fn a_saved_llama_checkpoint_reads_back_unchanged() {
         }
         let report = train(&o, |_| {}).unwrap();
         let saved = report.last_checkpoint.unwrap();
+        let (cfg2, back) = hf::load(&saved, &cpu).unwrap();
+        assert_eq!(cfg2, cfg, "{name}");
+        for (a, b) in back.iter().zip(&masters) {
+            assert_eq!(
+                a.as_slice::<f32>().unwrap(),
+                b.as_slice::<f32>().unwrap(),
+                "{name}"
+            );
+        }
+    }
+}
+
+/// A rescaled fixture's shape and logits, and its inverse frequencies bit for bit.
+fn rescaled_matches_transformers(name: &str, want: RopeScaling) {
+    let cfg = matches_reference(name);
+    let Family::Llama(s) = cfg.family else {
+        panic!("{name} read as GPT-2");
+    };
+    assert_eq!((s.rope_theta, s.rope_scaling), (10_000.0, want), "{name}");
+    let bytes = std::fs::read(fixture(name).join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let inv_freq = s.rope().inv_freq(cfg.head_dim());
+    let theirs = f32s(&st, "inv_freq");
+    assert_eq!(
+        inv_freq.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+        theirs.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+        "{name}: {inv_freq:?} vs transformers' {theirs:?}"
+    );
+    // The rescaling moved the frequencies: a loader that ignored it would differ.
+    let plain = headroom_trainer::model::Rope::plain(s.rope_theta).inv_freq(cfg.head_dim());
+    assert_ne!(plain, inv_freq, "{name}");
+}
+
+#[test]
+fn llama3_rotary_scaling_matches_transformers() {
+    rescaled_matches_transformers(
+        "hf-llama3-rope",
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32,
+        },
+    );
+}
+
+#[test]
+fn linear_rotary_scaling_matches_transformers() {
+    rescaled_matches_transformers("hf-llama-linear-rope", RopeScaling::Linear { factor: 4.0 });
+}
+
+/// `config.json` of the llama3 fixture with `edit` applied, read back.
+fn read_edited(edit: impl FnOnce(&mut serde_json::Value)) -> headroom_trainer::Result<Family> {
+    let text = std::fs::read_to_string(fixture("hf-llama3-rope").join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    edit(&mut cfg);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    hf::read_config(dir.path()).map(|c| c.family)
+}
+
+#[test]
+fn rotary_scaling_reads_as_either_transformers_version_writes_it() {
+    let scaling = |f: Family| match f {
+        Family::Llama(s) => (s.rope_theta, s.rope_scaling),
+        Family::Gpt2 => panic!("read as GPT-2"),
+    };
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 32,
+    };
+    // transformers 4: rope_theta at the top, rope_scaling beside it (Llama 3.1's own file).
+    let v4 = read_edited(|c| {
+        let mut p = c["rope_parameters"].take();
+        p.as_object_mut().unwrap().remove("rope_theta");
+        let o = c.as_object_mut().unwrap();
+        o.remove("rope_parameters");
+        o.insert("rope_theta".into(), 10_000.0.into());
+        o.insert("rope_scaling".into(), p);
+    });
+    assert_eq!(scaling(v4.unwrap()), (10_000.0, llama3));
+    // Before transformers 4.43 the key was `type`.
+    let legacy = read_edited(|c| {
+        let o = c.as_object_mut().unwrap();
+        o.remove("rope_parameters");
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"type": "linear", "factor": 2.0}),
+        );
+    });
+    assert_eq!(
+        scaling(legacy.unwrap()),
+        (10_000.0, RopeScaling::Linear { factor: 2.0 })
+    );
+    let default = read_edited(|c| {
+        c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
+    });
+    assert_eq!(scaling(default.unwrap()), (500_000.0, RopeScaling::None));
+}
+
+#[test]
+fn rotary_scalings_not_implemented_or_out_of_range_are_refused() {
+    let refused = |edit: &dyn Fn(&mut serde_json::Value), what: &str| {
+        let err = read_edited(edit).unwrap_err().to_string();
+        assert!(err.contains(what), "{what}: {err}");
+    };
+    refused(
+        &|c| c["rope_parameters"]["rope_type"] = "yarn".into(),
+        "rope type \"yarn\"",
+    );
+    refused(
+        &|c| c["rope_parameters"]["rope_type"] = "dynamic".into(),
+        "rope type \"dynamic\"",
+    );
+    refused(
+        &|c| {
+            c["rope_parameters"]
+                .as_object_mut()
+                .unwrap()
+                .remove("factor");
+        },
+        "needs factor",
+    );
+    refused(
+        &|c| c["rope_parameters"]["low_freq_factor"] = 4.0.into(),
+        "below high_freq_factor",
+    );
+    refused(
+        &|c| c["rope_parameters"]["factor"] = 0.5.into(),
+        "at least 1",
+    );
+    refused(
+        &|c| c["rope_parameters"]["original_max_position_embeddings"] = 0.into(),
+        "original_max_position_embeddings",
+    );
+    refused(
+        &|c| c["rope_parameters"]["partial_rotary_factor"] = 0.5.into(),
+        "partial_rotary_factor",
+    );
+    refused(&|c| c["rope_parameters"]["factor"] = "8".into(), "factor");
+}
+
+/// A run from a rescaled model saves the rescaling: the checkpoint's `config.json` (written
+/// as transformers 4 writes it, `rope_scaling` beside `rope_theta`, which transformers 5.24
+/// reads into the same `rope_parameters`) loads back as the same model, weights unchanged.
+#[test]
+fn a_checkpoint_of_a_rescaled_llama_keeps_its_rotary_scaling() {
+    use headroom_trainer::train::{train, TrainOptions};
+    for name in ["hf-llama3-rope", "hf-llama-linear-rope"] {
+        let dir = fixture(name);
+        let cpu = Cpu::new();
+        let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let mut o = TrainOptions {
+            model: cfg,
+            init_from: Some(dir.clone()),
+            steps: 1,
+            lr: 1e-30,
+            seq: 48,
+            batch: 2,
+            save: Some((root.path().to_path_buf(), 0)),
+            ..TrainOptions::tiny_default()
+        };
+        if let headroom_trainer::train::DataSource::Synthetic(d) = &mut o.data {
+            d.vocab = cfg.vocab as u32;
+        }
+        let report = train(&o, |_| {}).unwrap();
+        let saved = report.last_checkpoint.unwrap();
+        let written: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(saved.join("config.json")).unwrap()).unwrap();
+        assert!(
+            written["rope_scaling"]["rope_type"].is_string(),
+            "{name}: {written}"
+        );
         let (cfg2, back) = hf::load(&saved, &cpu).unwrap();
         assert_eq!(cfg2, cfg, "{name}");
         for (a, b) in back.iter().zip(&masters) {

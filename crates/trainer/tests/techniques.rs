@@ -106,6 +106,7 @@ fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
             kv_heads: 1,
             ffn: 40,
             rope_theta: 10_000.0,
+            rope_scaling: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         })

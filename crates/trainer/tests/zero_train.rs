@@ -66,6 +66,7 @@ fn llama() -> Family {
         kv_heads: 1,
         ffn: 40,
         rope_theta: 10000.0,
+        rope_scaling: Default::default(),
         norm_eps: 1e-5,
         tied_head: false,
     })

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ops::rope::{Rope, RopeScaling};
 use crate::{Result, TrainError};
 
 /// Which architecture a [`ModelConfig`] describes, with what only that family has.
@@ -27,10 +28,24 @@ pub struct LlamaShape {
     pub ffn: usize,
     /// Rotary base (`rope_theta`).
     pub rope_theta: f32,
+    /// How the rotary frequencies are rescaled (`rope_scaling`, or transformers 5's
+    /// `rope_parameters`; absent in checkpoints written before it existed: none).
+    #[serde(default)]
+    pub rope_scaling: RopeScaling,
     /// RMSNorm epsilon (`rms_norm_eps`).
     pub norm_eps: f32,
     /// Whether the output head is the token embedding (`tie_word_embeddings`).
     pub tied_head: bool,
+}
+
+impl LlamaShape {
+    /// The rotary embedding: the base and its rescaling.
+    pub fn rope(&self) -> Rope {
+        Rope {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling,
+        }
+    }
 }
 
 /// The shape of a model of either family.
@@ -111,6 +126,7 @@ impl ModelConfig {
                 kv_heads: 2,
                 ffn: 176,
                 rope_theta: 10_000.0,
+                rope_scaling: Default::default(),
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
@@ -130,6 +146,7 @@ impl ModelConfig {
                 kv_heads: 2,
                 ffn: 1024,
                 rope_theta: 10_000.0,
+                rope_scaling: Default::default(),
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
@@ -268,6 +285,9 @@ impl ModelConfig {
                     "rope theta {} must be finite and above 1",
                     s.rope_theta
                 ));
+            }
+            if let Err(e) = s.rope_scaling.check() {
+                return bad(e);
             }
             if !(s.norm_eps.is_finite() && s.norm_eps > 0.0) {
                 return bad(format!(

@@ -22,6 +22,7 @@ use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Element, MemoryCategory, T
 use crate::model::ops::{HeadLossGrads, ModelOps};
 use crate::model::transformer::View;
 use crate::model::Precision;
+use crate::ops::rope::Rope;
 use crate::ops::{
     cross_entropy, embedding, gelu, layernorm, matmul, quant_matmul, rmsnorm, rope, swiglu,
 };
@@ -726,12 +727,12 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
-    fn rope(&self, x: &mut CpuTensor, theta: f32, pos0: usize, inverse: bool) -> Result<()> {
+    fn rope(&self, x: &mut CpuTensor, rope: Rope, pos0: usize, inverse: bool) -> Result<()> {
         let [_, _, t, hs] = dims4("rope", x)?;
         if hs % 2 != 0 {
             return Err(bad("rope", format!("odd head dimension {hs}")));
         }
-        let (cos, sin) = rope::tables_at(pos0, t, hs, theta);
+        let (cos, sin) = rope::tables_at(pos0, t, hs, rope);
         rope::apply(out(x)?, t, hs, &cos, &sin, inverse);
         Ok(())
     }
@@ -739,7 +740,7 @@ impl ModelOps for Cpu {
     fn rope_at(
         &self,
         x: &mut CpuTensor,
-        theta: f32,
+        rope: Rope,
         positions: &[u32],
         inverse: bool,
     ) -> Result<()> {
@@ -760,7 +761,7 @@ impl ModelOps for Cpu {
         let hi = positions.iter().copied().max().unwrap_or(0);
         let span = (hi - lo) as usize + 1;
         let (cos, sin, rows) = if span <= t {
-            let (cos, sin) = rope::tables_at(lo as usize, span, hs, theta);
+            let (cos, sin) = rope::tables_at(lo as usize, span, hs, rope);
             (
                 cos,
                 sin,
@@ -768,7 +769,7 @@ impl ModelOps for Cpu {
             )
         } else {
             // Token r of sequence b reads table row b·t + r.
-            let (cos, sin) = rope::tables_for(positions, hs, theta);
+            let (cos, sin) = rope::tables_for(positions, hs, rope);
             let rows = (0..b * t)
                 .map(|r| u32::try_from(r).map_err(|_| bad("rope", "rows exceed u32".into())))
                 .collect::<Result<Vec<_>>>()?;

@@ -329,7 +329,13 @@ impl ModelOps for Cuda {
         )?)
     }
 
-    fn rope(&self, x: &mut CudaTensor, theta: f32, pos0: usize, inverse: bool) -> Result<()> {
+    fn rope(
+        &self,
+        x: &mut CudaTensor,
+        rope: crate::ops::rope::Rope,
+        pos0: usize,
+        inverse: bool,
+    ) -> Result<()> {
         let &[_, _, t, hs] = x.shape().dims() else {
             return Err(bad("rope", format!("{:?} is not 4-d", x.shape().dims())));
         };
@@ -337,7 +343,7 @@ impl ModelOps for Cuda {
             return Err(bad("rope", format!("odd head dimension {hs}")));
         }
         // The CPU's tables, bit for bit: the angles never depend on the device's sin/cos.
-        let (cos, sin) = crate::ops::rope::tables_at(pos0, t, hs, theta);
+        let (cos, sin) = crate::ops::rope::tables_at(pos0, t, hs, rope);
         let (cos, sin) = {
             let _g = MemoryCategory::Workspace.enter();
             (

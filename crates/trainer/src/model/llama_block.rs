@@ -16,6 +16,7 @@ use crate::model::ops::ModelOps;
 use crate::model::params::llama_layer as o;
 use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
 use crate::model::Family;
+use crate::ops::rope::Rope;
 use crate::{Result, TrainError};
 
 /// What one Llama block keeps for its backward, besides its input. Low-precision modes keep
@@ -81,20 +82,20 @@ impl<B: ModelOps> Model<B> {
     fn rope(
         &self,
         x: &mut B::Tensor,
-        theta: f32,
+        rope: Rope,
         pos0: usize,
         g: Geometry<'_>,
         inverse: bool,
     ) -> Result<()> {
         match g.positions() {
-            Some(positions) => self.backend().rope_at(x, theta, positions, inverse),
-            None => self.backend().rope(x, theta, pos0, inverse),
+            Some(positions) => self.backend().rope_at(x, rope, positions, inverse),
+            None => self.backend().rope(x, rope, pos0, inverse),
         }
     }
 
-    fn rope_theta(&self) -> Result<f32> {
+    fn rotary(&self) -> Result<Rope> {
         match self.cfg.family {
-            Family::Llama(s) => Ok(s.rope_theta),
+            Family::Llama(s) => Ok(s.rope()),
             Family::Gpt2 => Err(TrainError::Config("GPT-2 has no rotary embedding".into())),
         }
     }
@@ -156,7 +157,7 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<BlockOutput<B::Tensor, LlamaSaved<B::Tensor>>> {
         let (c, nh, kvh) = (self.cfg.channels, self.cfg.heads, self.cfg.kv_heads());
         let f = self.cfg.ffn();
-        let theta = self.rope_theta()?;
+        let rope = self.rotary()?;
         let pos0 = kv.as_ref().map_or(0, |c| c.len());
         let be = self.backend();
 
@@ -164,11 +165,11 @@ impl<B: ModelOps> Model<B> {
         let (norm1, norm1_stats) = self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?;
         let _t = self.tag(l, "attn.q");
         let mut q = self.project_heads(l, bw, &norm1, o::Q, nh, g)?;
-        self.rope(&mut q, theta, pos0, g, false)?;
+        self.rope(&mut q, rope, pos0, g, false)?;
         let q = self.keep(q)?;
         let _t = self.tag(l, "attn.k");
         let mut k = self.project_heads(l, bw, &norm1, o::K, kvh, g)?;
-        self.rope(&mut k, theta, pos0, g, false)?;
+        self.rope(&mut k, rope, pos0, g, false)?;
         let k = self.keep(k)?;
         let _t = self.tag(l, "attn.v");
         let v = self.project_heads(l, bw, &norm1, o::V, kvh, g)?;
@@ -265,7 +266,7 @@ impl<B: ModelOps> Model<B> {
         g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         let (c, f) = (self.cfg.channels, self.cfg.ffn());
-        let theta = self.rope_theta()?;
+        let rope = self.rotary()?;
         let be = self.backend();
         let _t = self.tag(l, "recompute");
         let norm1 = match s.norm1 {
@@ -321,8 +322,8 @@ impl<B: ModelOps> Model<B> {
         let mut ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
         drop(dy);
         // The rotation is orthogonal: its backward rotates the gradient back.
-        self.rope(&mut ag.dq, theta, 0, g, true)?;
-        self.rope(&mut ag.dk, theta, 0, g, true)?;
+        self.rope(&mut ag.dq, rope, 0, g, true)?;
+        self.rope(&mut ag.dk, rope, 0, g, true)?;
         let _t = self.tag(l, "input_norm.backward");
         let mut dnorm1 = self.scratch([g.b, g.t, c])?;
         for (dh, off) in [(&ag.dq, o::Q), (&ag.dk, o::K), (&ag.dv, o::V)] {

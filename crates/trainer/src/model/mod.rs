@@ -15,6 +15,7 @@ pub mod params;
 mod precision;
 mod transformer;
 
+pub use crate::ops::rope::{Rope, RopeScaling};
 pub use config::{Family, LlamaShape, ModelConfig};
 pub use decode::{KvCache, LayerKv, KV_GROWTH};
 pub use finetune::{AdaptedModule, FinetuneBuilder, FinetuneSpec, QuantSpec};

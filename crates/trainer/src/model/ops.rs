@@ -21,6 +21,7 @@ use headroom_attn::{AttentionBackend, AttentionForward, AttentionGradients};
 use headroom_tensor::{DType, MemoryCategory, Tensor};
 
 use crate::model::Precision;
+use crate::ops::rope::Rope;
 use crate::Result;
 
 /// The gradients the fused head adds into, and the weight of each token's loss.
@@ -215,9 +216,9 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     /// Rotary position embedding in place on f32 `x` `[B, H, T, hs]`, position `pos0 + t` for
     /// row `t` of every sequence (`pos0` is 0 in training, the cache's length in a cached
     /// decode), in Hugging Face's rotate-half layout (dimension `i` pairs with `i + hs/2`,
-    /// frequency `theta^(-2i/hs)`). `inverse` rotates by the negative angle — the backward of
-    /// the forward rotation, which is orthogonal.
-    fn rope(&self, x: &mut Self::Tensor, theta: f32, pos0: usize, inverse: bool) -> Result<()>;
+    /// frequencies [`Rope::inv_freq`]). `inverse` rotates by the negative angle — the backward
+    /// of the forward rotation, which is orthogonal.
+    fn rope(&self, x: &mut Self::Tensor, rope: Rope, pos0: usize, inverse: bool) -> Result<()>;
 
     /// [`ModelOps::rope`] at given positions: row `t` of sequence `b` rotated by the angles of
     /// position `positions[b·T + t]` (packed documents restart at 0). The default refuses:
@@ -225,11 +226,11 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     fn rope_at(
         &self,
         x: &mut Self::Tensor,
-        theta: f32,
+        rope: Rope,
         positions: &[u32],
         inverse: bool,
     ) -> Result<()> {
-        let _ = (x, theta, positions, inverse);
+        let _ = (x, rope, positions, inverse);
         Err(crate::TrainError::Config(
             "rotary embeddings at per-document positions are not implemented on this backend"
                 .into(),

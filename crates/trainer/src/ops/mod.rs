@@ -364,7 +364,7 @@ mod rope_reference {
                     (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
                 })
                 .collect();
-            let (cos, sin) = rope::tables(t, hs, theta);
+            let (cos, sin) = rope::tables(t, hs, rope::Rope::plain(theta));
             let mut y = x.clone();
             rope::apply(&mut y, t, hs, &cos, &sin, false);
             let want = reference(&x, t, hs, theta);
@@ -375,6 +375,56 @@ mod rope_reference {
             rope::apply(&mut y, t, hs, &cos, &sin, true);
             for (a, b) in y.iter().zip(&x) {
                 prop_assert!((a - b).abs() <= 1e-5);
+            }
+        }
+
+        /// Llama 3's rescaling, against its definition in f64: a frequency whose wavelength is
+        /// below `original / high_freq_factor` is kept bit for bit, one above
+        /// `original / low_freq_factor` is divided by `factor` bit for bit, and one between is
+        /// the blend, within a few f32 ulps, between the two; the frequencies still fall.
+        #[test]
+        fn llama3_rescaling_keeps_blends_or_stretches_each_frequency(
+            half in 1usize..65,
+            theta in prop::sample::select(vec![100.0f32, 10_000.0, 500_000.0]),
+            factor in 1.0f32..64.0,
+            low in 0.5f32..2.0,
+            high_extra in 0.5f32..8.0,
+            original in 16usize..16_384,
+        ) {
+            let hs = 2 * half;
+            let high = low + high_extra;
+            let scaling = rope::RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            };
+            prop_assert!(scaling.check().is_ok());
+            let plain = rope::Rope::plain(theta).inv_freq(hs);
+            let scaled = rope::Rope { theta, scaling }.inv_freq(hs);
+            for (i, (&p, &s)) in plain.iter().zip(&scaled).enumerate() {
+                let wavelen = (2.0 * std::f64::consts::PI) as f32 / p;
+                if wavelen < (original as f64 / high as f64) as f32 {
+                    prop_assert_eq!(s.to_bits(), p.to_bits(), "{} kept", i);
+                } else if wavelen > (original as f64 / low as f64) as f32 {
+                    prop_assert_eq!(s.to_bits(), (p / factor).to_bits(), "{} stretched", i);
+                } else {
+                    let smooth = (original as f64 / wavelen as f64 - low as f64)
+                        / (high as f64 - low as f64);
+                    let want = (1.0 - smooth) * p as f64 / factor as f64 + smooth * p as f64;
+                    // f32's `original / wavelen − low` cancels near the low edge: the blend
+                    // weight is off by about ε·high/(high − low), which moves the frequency
+                    // by that much of `p` (the blend lies in [p/factor, p]).
+                    let span = (high - low) as f64;
+                    let tolerance = f32::EPSILON as f64 * p as f64 * (high as f64 / span + 6.0);
+                    prop_assert!(
+                        (s as f64 - want).abs() <= tolerance,
+                        "{} blended: {} vs {}", i, s, want
+                    );
+                }
+                if i > 0 {
+                    prop_assert!(s <= scaled[i - 1] * (1.0 + 4.0 * f32::EPSILON), "{} rises", i);
+                }
             }
         }
     }

@@ -1,32 +1,183 @@
 //! Rotary position embeddings in Hugging Face's rotate-half layout: in a head of `hs`
 //! dimensions, dimension `i < hs/2` and dimension `i + hs/2` form one pair, rotated by the
-//! angle `t · θ^(−2i/hs)` at position `t`.
+//! angle `t · inv_freq[i]` at position `t`, where `inv_freq[i] = θ^(−2i/hs)`, rescaled as
+//! [`RopeScaling`] says (Llama 3.1 and later stretch the low frequencies).
 //!
 //! The angles follow transformers' `LlamaRotaryEmbedding` in f32 (inverse frequencies as
-//! `1 / θ^(2i/hs)`, the angle as the f32 product `t · inv_freq`); cos and sin are evaluated
-//! in f64 and rounded, within an ulp of torch's f32 ones.
+//! `1 / θ^(2i/hs)`, rescaled by `ROPE_INIT_FUNCTIONS`' f32 arithmetic, the angle as the f32
+//! product `t · inv_freq`); cos and sin are evaluated in f64 and rounded, within an ulp of
+//! torch's f32 ones.
 
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// How the rotary frequencies are rescaled (Hugging Face's `rope_type`). Every kind here
+/// keeps transformers' attention factor of 1, so only the frequencies change.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// `default`: the frequencies as they are.
+    #[default]
+    None,
+    /// `linear` (position interpolation): every frequency divided by `factor`.
+    Linear {
+        /// How many times longer the context is than the one trained with.
+        factor: f32,
+    },
+    /// `llama3` (Llama 3.1, 3.2, 3.3): wavelengths longer than
+    /// `original_max_position_embeddings / low_freq_factor` are stretched by `factor`, those
+    /// shorter than `original_max_position_embeddings / high_freq_factor` are kept, and those
+    /// between are blended linearly in `original / wavelength`.
+    Llama3 {
+        /// The stretch of the lowest frequencies (8 in Llama 3.1, 32 in 3.2).
+        factor: f32,
+        /// Below this many turns over the original context a frequency is stretched.
+        low_freq_factor: f32,
+        /// Above this many turns over the original context a frequency is kept.
+        high_freq_factor: f32,
+        /// The context the model was first trained with (8192 for Llama 3).
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    /// Hugging Face's name of the kind (`rope_type`).
+    pub fn rope_type(&self) -> &'static str {
+        match self {
+            RopeScaling::None => "default",
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Llama3 { .. } => "llama3",
+        }
+    }
+
+    /// Why the parameters cannot be used, if they cannot: the bounds transformers'
+    /// `rope_config_validation` checks, and finiteness.
+    pub fn check(&self) -> Result<(), String> {
+        let factor_ok = |f: f32| f.is_finite() && f >= 1.0;
+        match *self {
+            RopeScaling::None => Ok(()),
+            RopeScaling::Linear { factor } if factor_ok(factor) => Ok(()),
+            RopeScaling::Linear { factor } => Err(format!(
+                "linear rope factor {factor} must be finite and at least 1"
+            )),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                if !factor_ok(factor) {
+                    return Err(format!(
+                        "llama3 rope factor {factor} must be finite and at least 1"
+                    ));
+                }
+                if !(low_freq_factor.is_finite()
+                    && high_freq_factor.is_finite()
+                    && 0.0 < low_freq_factor
+                    && low_freq_factor < high_freq_factor)
+                {
+                    return Err(format!(
+                        "llama3 rope: low_freq_factor {low_freq_factor} must be positive and \
+                         below high_freq_factor {high_freq_factor}"
+                    ));
+                }
+                if original_max_position_embeddings == 0
+                    || original_max_position_embeddings > 1 << 24
+                {
+                    return Err(format!(
+                        "llama3 rope: original_max_position_embeddings \
+                         {original_max_position_embeddings} out of 1..={}",
+                        1 << 24
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A model's rotary embedding: the base and its rescaling.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// The base `θ` (`rope_theta`).
+    pub theta: f32,
+    /// How the frequencies are rescaled.
+    pub scaling: RopeScaling,
+}
+
+impl Rope {
+    /// The rotary embedding of base `theta`, unscaled.
+    pub fn plain(theta: f32) -> Rope {
+        Rope {
+            theta,
+            scaling: RopeScaling::None,
+        }
+    }
+
+    /// The `hs/2` inverse frequencies, as transformers computes them in f32: `1 / θ^(2i/hs)`,
+    /// then the rescaling, operation by operation (no fused multiply-add, as torch's
+    /// element-wise kernels run them one at a time).
+    pub fn inv_freq(&self, hs: usize) -> Vec<f32> {
+        let base = (0..hs / 2).map(|i| 1.0 / self.theta.powf((2 * i) as f32 / hs as f32));
+        match self.scaling {
+            RopeScaling::None => base.collect(),
+            RopeScaling::Linear { factor } => base.map(|f| f / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                // transformers' `_compute_llama3_parameters`, with Python's scalars rounded to
+                // f32 where torch meets them with an f32 tensor.
+                let old = original_max_position_embeddings as f32;
+                let low_freq_wavelen =
+                    (original_max_position_embeddings as f64 / low_freq_factor as f64) as f32;
+                let high_freq_wavelen =
+                    (original_max_position_embeddings as f64 / high_freq_factor as f64) as f32;
+                let two_pi = (2.0 * std::f64::consts::PI) as f32;
+                let span = (high_freq_factor as f64 - low_freq_factor as f64) as f32;
+                base.map(|f| {
+                    let wavelen = two_pi / f;
+                    let stretched = if wavelen > low_freq_wavelen {
+                        f / factor
+                    } else {
+                        f
+                    };
+                    // `~(w < high) * ~(w > low)`; the same for the finite wavelengths here.
+                    let medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
+                    if medium {
+                        let smooth = (old / wavelen - low_freq_factor) / span;
+                        (1.0 - smooth) * stretched / factor + smooth * stretched
+                    } else {
+                        stretched
+                    }
+                })
+                .collect()
+            }
+        }
+    }
+}
 
 /// `cos` and `sin` of every (position, frequency): two `[t, hs/2]` tables.
-pub fn tables(t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
-    tables_at(0, t, hs, theta)
+pub fn tables(t: usize, hs: usize, rope: Rope) -> (Vec<f32>, Vec<f32>) {
+    tables_at(0, t, hs, rope)
 }
 
 /// [`tables`] for positions `pos0 .. pos0 + t` (a cached decode's new rows): row `r` holds
 /// the angles of position `pos0 + r`, the same values [`tables`] gives at that position.
-pub fn tables_at(pos0: usize, t: usize, hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
-    tables_of((pos0..pos0 + t).map(|p| p as f32), t, hs, theta)
+pub fn tables_at(pos0: usize, t: usize, hs: usize, rope: Rope) -> (Vec<f32>, Vec<f32>) {
+    tables_of((pos0..pos0 + t).map(|p| p as f32), t, hs, rope)
 }
 
 /// [`tables`] for the given positions: row `r` holds the angles of `positions[r]`, the same
 /// values [`tables`] gives at that position.
-pub fn tables_for(positions: &[u32], hs: usize, theta: f32) -> (Vec<f32>, Vec<f32>) {
+pub fn tables_for(positions: &[u32], hs: usize, rope: Rope) -> (Vec<f32>, Vec<f32>) {
     tables_of(
         positions.iter().map(|&p| p as f32),
         positions.len(),
         hs,
-        theta,
+        rope,
     )
 }
 
@@ -35,12 +186,10 @@ fn tables_of(
     positions: impl Iterator<Item = f32>,
     rows: usize,
     hs: usize,
-    theta: f32,
+    rope: Rope,
 ) -> (Vec<f32>, Vec<f32>) {
     let half = hs / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / theta.powf((2 * i) as f32 / hs as f32))
-        .collect();
+    let inv_freq = rope.inv_freq(hs);
     let mut cos = vec![0f32; rows * half];
     let mut sin = vec![0f32; rows * half];
     for (row, pos) in positions.take(rows).enumerate() {

@@ -1,0 +1,115 @@
+"""Write the rescaled-rotary Llama fixtures that crates/trainer/tests/hf_llama.rs reads.
+
+Llama 3.1, 3.2 and 3.3 checkpoints stretch their low rotary frequencies (`rope_type` "llama3"
+in `rope_parameters`, `rope_scaling` before transformers 5); older long-context fine-tunes
+divide every frequency (`linear`). transformers builds a small random LlamaForCausalLM with
+each and saves it with `save_pretrained`:
+- `hf-llama3-rope`: factor 8, low/high frequency factors 1 and 4 over an original context of
+  32, so at head dimension 16 one frequency is kept, one is blended and six are stretched;
+  the reference's 48 positions run past that original context;
+- `hf-llama-linear-rope`: factor 4.
+Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
+on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
+`inv_freq` buffer (which a loader must reproduce bit for bit).
+
+Not a comparison bench: it prints no records; without `--write` it exits with code 3
+("skipped"), which is what `cargo xtask bench --quick` sees.
+
+Run from the repository root (needs torch, transformers and safetensors; CI only reads the
+committed outputs, 290 KB):
+    python benches/torch/make_rope_scaling_fixture.py --write
+"""
+
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+OUT = os.path.join("crates", "trainer", "tests", "fixtures")
+SEQ = 48
+
+
+def perturb(model):
+    # As make_llama_fixture.py: weights far from the initialisation, norm gains away from 1.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+
+
+def build(name, rope_parameters, seed):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    perturb(model)
+    directory = os.path.join(OUT, name)
+    model.save_pretrained(directory, safe_serialization=True)
+
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=g)
+    targets = torch.randint(0, config.vocab_size, (2, SEQ), generator=g)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
+    inv_freq = model.model.rotary_emb.inv_freq.float()
+    assert model.model.rotary_emb.attention_scaling == 1.0
+    save_file(
+        {
+            "tokens": tokens.to(torch.int32).contiguous(),
+            "targets": targets.to(torch.int32).contiguous(),
+            "logits": logits.contiguous(),
+            "loss": loss.reshape(1).contiguous(),
+            "inv_freq": inv_freq.contiguous(),
+        },
+        os.path.join(directory, "reference.safetensors"),
+    )
+    print(f"{directory}: loss {loss.item():.6f}, inv_freq {inv_freq.tolist()}", file=sys.stderr)
+
+
+def main():
+    import transformers
+
+    build(
+        "hf-llama3-rope",
+        {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        seed=30,
+    )
+    build("hf-llama-linear-rope", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, seed=40)
+    with open(os.path.join(OUT, "hf-rope-scaling-versions.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    if "--write" not in sys.argv[1:]:
+        print("writes fixtures only with --write (not a comparison bench)", file=sys.stderr)
+        sys.exit(3)
+    main()
