@@ -607,7 +607,8 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// transformers' config for this shape: with it beside `model.safetensors`,
 /// `AutoModelForCausalLM.from_pretrained(dir)` loads the checkpoint — a `GPT2LMHeadModel` (no
 /// dropout, tanh GELU, layer norm ε 1e-5, head tied to `wte`) or a `LlamaForCausalLM` (SiLU,
-/// no biases, the run's RMSNorm ε, rotary base, key/value heads and head tying), with the
+/// no biases, the run's RMSNorm ε, rotary base and rescaling, key/value heads and head tying;
+/// a `Qwen2ForCausalLM` when q, k and v have biases), with the
 /// token ids the run carries from its base ([`Companions::token_ids`]).
 pub(crate) fn hf_config(
     c: &ModelConfig,
@@ -656,6 +657,19 @@ pub(crate) fn hf_config(
     if let (Family::Llama(s), Some(object)) = (c.family, v.as_object_mut()) {
         if let Some(scaling) = rope_scaling_json(&s.rope_scaling) {
             object.insert("rope_scaling".into(), scaling);
+        }
+        if s.qkv_bias {
+            // Qwen2's class: its q, k and v biases are built in, not settings, and its
+            // sliding window is off (every layer attends to the whole context).
+            object.insert(
+                "architectures".into(),
+                serde_json::json!(["Qwen2ForCausalLM"]),
+            );
+            object.insert("model_type".into(), "qwen2".into());
+            object.remove("attention_bias");
+            object.remove("mlp_bias");
+            object.insert("use_sliding_window".into(), false.into());
+            object.insert("max_window_layers".into(), c.layers.into());
         }
     }
     if let Some(object) = v.as_object_mut() {
@@ -2399,6 +2413,7 @@ mod tests {
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
+                qkv_bias: false,
                 norm_eps: 1e-5,
                 tied_head: false,
             }),

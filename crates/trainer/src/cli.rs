@@ -707,8 +707,8 @@ enum DeviceArg {
 /// Model, data and technique options shared by train, estimate and max-batch.
 #[derive(Args, Clone)]
 struct RunArgs {
-    /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel
-    /// or LlamaForCausalLM), or a headroom run (its newest checkpoint): its shape and weights
+    /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel,
+    /// LlamaForCausalLM or Qwen2ForCausalLM), or a headroom run (its newest checkpoint): its shape and weights
     /// replace --model and its size options.
     #[arg(long)]
     init_from: Option<PathBuf>,

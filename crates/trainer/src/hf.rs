@@ -1,6 +1,7 @@
 //! Hugging Face model directories in: `config.json` plus `model.safetensors` (or a sharded
-//! `model.safetensors.index.json`) for `GPT2LMHeadModel` and `LlamaForCausalLM`, with the
-//! tensor names and layouts transformers writes.
+//! `model.safetensors.index.json`) for `GPT2LMHeadModel`, `LlamaForCausalLM` and
+//! `Qwen2ForCausalLM` (Llama with q/k/v biases), with the tensor names and layouts
+//! transformers writes.
 //!
 //! Memory: each tensor is read from its file in bounded chunks straight into its fp32 master
 //! (allocated through the backend, so the tracker counts it as `Parameters`), converting
@@ -293,9 +294,12 @@ fn get_f64(cfg: &Value, path: &Path, key: &str) -> Result<Option<f64>> {
 }
 
 /// The rescaling a `rope_parameters` (transformers 5) or `rope_scaling` (4) object names by
-/// its `rope_type` (`type` in configs older than transformers 4.43); a kind whose arithmetic
-/// is not implemented here is refused, never read as unscaled.
-fn rope_scaling(obj: &Value, path: &Path) -> Result<RopeScaling> {
+/// its `rope_type` (`type` in configs older than transformers 4.43; neither is `default`, as
+/// there); a kind whose arithmetic is not implemented here is refused, never read as
+/// unscaled. `cfg` is the whole config: llama3's original context is, as transformers'
+/// `standardize_rope_params` takes it, a top-level `original_max_position_embeddings`, else
+/// the object's, else `max_position_embeddings`.
+fn rope_scaling(obj: &Value, cfg: &Value, path: &Path) -> Result<RopeScaling> {
     let kind = match get_str(obj, path, "rope_type")? {
         Some(k) => Some(k),
         None => get_str(obj, path, "type")?,
@@ -314,11 +318,17 @@ fn rope_scaling(obj: &Value, path: &Path) -> Result<RopeScaling> {
             factor: number("factor")?,
             low_freq_factor: number("low_freq_factor")?,
             high_freq_factor: number("high_freq_factor")?,
-            original_max_position_embeddings: get_usize(
-                obj,
-                path,
-                "original_max_position_embeddings",
-            )?,
+            original_max_position_embeddings: {
+                let key = "original_max_position_embeddings";
+                let present = |v: &Value| v.get(key).is_some_and(|x| !x.is_null());
+                if present(cfg) {
+                    get_usize(cfg, path, key)?
+                } else if present(obj) {
+                    get_usize(obj, path, key)?
+                } else {
+                    get_usize(cfg, path, "max_position_embeddings")?
+                }
+            },
         },
         Some(other) => {
             return Err(bad(
@@ -340,7 +350,7 @@ fn rope_scaling(obj: &Value, path: &Path) -> Result<RopeScaling> {
     Ok(scaling)
 }
 
-/// The model shape a Hugging Face `config.json` describes (GPT-2 or Llama), checked.
+/// The model shape a Hugging Face `config.json` describes (GPT-2, Llama or Qwen2), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
     let bytes = read_json(&path)?;
@@ -354,6 +364,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         .or_else(|| match cfg.get("model_type").and_then(Value::as_str) {
             Some("gpt2") => Some("GPT2LMHeadModel"),
             Some("llama") => Some("LlamaForCausalLM"),
+            Some("qwen2") => Some("Qwen2ForCausalLM"),
             _ => None,
         })
         .unwrap_or("(none)");
@@ -361,8 +372,11 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     // present must agree, or the two would load different models.
     let model_type = get_str(&cfg, &path, "model_type")?;
     match (model_type, arch) {
-        (None, _) | (Some("gpt2"), "GPT2LMHeadModel") | (Some("llama"), "LlamaForCausalLM") => {}
-        (Some(t), "GPT2LMHeadModel" | "LlamaForCausalLM") => {
+        (None, _)
+        | (Some("gpt2"), "GPT2LMHeadModel")
+        | (Some("llama"), "LlamaForCausalLM")
+        | (Some("qwen2"), "Qwen2ForCausalLM") => {}
+        (Some(t), "GPT2LMHeadModel" | "LlamaForCausalLM" | "Qwen2ForCausalLM") => {
             return Err(bad(
                 &path,
                 format!("model_type {t:?} is not the model_type of {arch}"),
@@ -436,14 +450,39 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 family: Family::Gpt2,
             }
         }
-        "LlamaForCausalLM" => {
+        // Qwen2 is Llama with biases on q, k and v (fixed, not a setting) and an optional
+        // sliding window, refused here: every layer must attend to the whole context.
+        "LlamaForCausalLM" | "Qwen2ForCausalLM" => {
+            let qwen2 = arch == "Qwen2ForCausalLM";
             let act = get_str(&cfg, &path, "hidden_act")?;
             if !matches!(act, None | Some("silu")) {
-                return Err(bad(&path, format!("Llama activation {act:?}: only silu")));
+                return Err(bad(&path, format!("{arch} activation {act:?}: only silu")));
             }
-            for flag in ["attention_bias", "mlp_bias"] {
-                if get_bool(&cfg, &path, flag)? == Some(true) {
-                    return Err(bad(&path, format!("{flag} is not supported")));
+            if qwen2 {
+                if get_bool(&cfg, &path, "use_sliding_window")? == Some(true) {
+                    return Err(bad(
+                        &path,
+                        "use_sliding_window: only full attention in every layer",
+                    ));
+                }
+                // transformers requires one type per layer.
+                let layers = get_usize(&cfg, &path, "num_hidden_layers")?;
+                if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
+                    let full = types.as_array().is_some_and(|a| {
+                        a.len() == layers && a.iter().all(|t| t == "full_attention")
+                    });
+                    if !full {
+                        return Err(bad(
+                            &path,
+                            format!("layer_types {types:.80}: only full_attention"),
+                        ));
+                    }
+                }
+            } else {
+                for flag in ["attention_bias", "mlp_bias"] {
+                    if get_bool(&cfg, &path, flag)? == Some(true) {
+                        return Err(bad(&path, format!("{flag} is not supported")));
+                    }
                 }
             }
             // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters.
@@ -453,7 +492,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 None => get_object(&cfg, &path, "rope_scaling")?,
             };
             let rope_scaling = match scaling {
-                Some(s) => rope_scaling(s, &path)?,
+                Some(s) => rope_scaling(s, &cfg, &path)?,
                 None => RopeScaling::None,
             };
             let theta = match rope {
@@ -491,13 +530,17 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     rope_scaling,
                     norm_eps: get_f64(&cfg, &path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
                     tied_head: get_bool(&cfg, &path, "tie_word_embeddings")?.unwrap_or(false),
+                    qkv_bias: qwen2,
                 }),
             }
         }
         other => {
             return Err(bad(
                 &path,
-                format!("architecture {other}: GPT2LMHeadModel and LlamaForCausalLM load"),
+                format!(
+                    "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM and \
+                     Qwen2ForCausalLM load"
+                ),
             ))
         }
     };

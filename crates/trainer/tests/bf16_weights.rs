@@ -18,6 +18,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
+            qkv_bias: false,
             norm_eps: 1e-5,
             tied_head: false,
         })

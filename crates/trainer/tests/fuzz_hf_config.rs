@@ -85,6 +85,7 @@ fn strict(file: &str, path: &str) -> Option<&'static [&'static str]> {
     const DEFAULT: &[&str] = &["null", "removed"];
     const OR_TRUE: &[&str] = &["null", "removed", "true"];
     const OR_EMPTY: &[&str] = &["null", "removed", "{}"];
+    const OR_FALSE: &[&str] = &["null", "removed", "false"];
     if file != "config.json" {
         return None;
     }
@@ -98,6 +99,9 @@ fn strict(file: &str, path: &str) -> Option<&'static [&'static str]> {
         | "/rope_parameters/rope_type" => Some(DEFAULT),
         // true: transformers ties and ignores a stored lm_head, as the loader does.
         "/tie_word_embeddings" => Some(OR_TRUE),
+        // Qwen2: a sliding window, or layers of another kind, would attend differently.
+        "/use_sliding_window" => Some(OR_FALSE),
+        "/layer_types" => Some(DEFAULT),
         "/rope_parameters" => Some(OR_EMPTY),
         _ => None,
     }
@@ -141,6 +145,8 @@ fn hugging_face_json_settings() {
     let cases = [
         ("hf-llama-gqa-untied", "config.json"),
         ("hf-llama-mha-tied", "config.json"),
+        ("hf-llama3-rope", "config.json"),
+        ("hf-qwen2", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

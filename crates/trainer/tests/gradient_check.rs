@@ -47,6 +47,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,
             rope_scaling: Default::default(),
+            qkv_bias: false,
             norm_eps: 1e-5,
             tied_head,
         }),
@@ -120,6 +121,25 @@ fn llama_gradients_match_finite_differences_flash() {
 #[test]
 fn llama_tied_multi_head_gradients_match_finite_differences() {
     check(llama(4, true), AttentionConfig::chunked());
+}
+
+/// Qwen2's q/k/v biases (a key bias moves the scores only through the rotation, which
+/// differs per position) and Llama 3's rescaled frequencies, whose backward rotates by the
+/// same rescaled angles.
+#[test]
+fn qwen2_biases_and_llama3_rope_gradients_match_finite_differences() {
+    let mut cfg = llama(2, true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.qkv_bias = true;
+        s.rope_scaling = headroom_trainer::model::RopeScaling::Llama3 {
+            factor: 4.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8,
+        };
+    }
+    assert_eq!(params::param_infos(&cfg).len(), cfg.tensor_count().unwrap());
+    check(cfg, AttentionConfig::flash());
 }
 
 #[test]

@@ -4,8 +4,8 @@
 //! and a tied head, and a `GPT2LMHeadModel` saved in four shards — loaded from their
 //! `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and the
 //! mean cross-entropy within 1e-5, in f32. Rescaled rotary embeddings (Llama 3.1's `llama3`,
-//! `linear`) against `benches/torch/make_rope_scaling_fixture.py`'s models, their inverse
-//! frequencies bit for bit.
+//! `linear`) and Qwen2 (q/k/v biases) against `benches/torch/make_llama_family_fixture.py`'s
+//! models, their inverse frequencies bit for bit.
 
 use std::path::PathBuf;
 
@@ -231,6 +231,25 @@ fn rotary_scaling_reads_as_either_transformers_version_writes_it() {
         scaling(legacy.unwrap()),
         (10_000.0, RopeScaling::Linear { factor: 2.0 })
     );
+    // llama3 without its original context takes transformers' fallbacks: a top-level key
+    // first, then max_position_embeddings.
+    let without = |c: &mut serde_json::Value| {
+        c["rope_parameters"]
+            .as_object_mut()
+            .unwrap()
+            .remove("original_max_position_embeddings");
+    };
+    let with_original = |n: usize| RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: n,
+    };
+    assert_eq!(scaling(read_edited(without).unwrap()).1, with_original(64));
+    let top_level = read_edited(|c| {
+        c["original_max_position_embeddings"] = 16.into();
+    });
+    assert_eq!(scaling(top_level.unwrap()).1, with_original(16));
     let default = read_edited(|c| {
         c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
     });
@@ -279,13 +298,14 @@ fn rotary_scalings_not_implemented_or_out_of_range_are_refused() {
     refused(&|c| c["rope_parameters"]["factor"] = "8".into(), "factor");
 }
 
-/// A run from a rescaled model saves the rescaling: the checkpoint's `config.json` (written
-/// as transformers 4 writes it, `rope_scaling` beside `rope_theta`, which transformers 5.24
-/// reads into the same `rope_parameters`) loads back as the same model, weights unchanged.
+/// A run from a rescaled Llama or a Qwen2 saves what makes it one: the checkpoint's
+/// `config.json` (`rope_scaling` beside `rope_theta`, as transformers 4 writes it and 5.24
+/// reads it into the same `rope_parameters`; Qwen2's class and model type) loads back as the
+/// same model, weights unchanged.
 #[test]
-fn a_checkpoint_of_a_rescaled_llama_keeps_its_rotary_scaling() {
+fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
     use headroom_trainer::train::{train, TrainOptions};
-    for name in ["hf-llama3-rope", "hf-llama-linear-rope"] {
+    for name in ["hf-llama3-rope", "hf-llama-linear-rope", "hf-qwen2"] {
         let dir = fixture(name);
         let cpu = Cpu::new();
         let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
@@ -307,10 +327,15 @@ fn a_checkpoint_of_a_rescaled_llama_keeps_its_rotary_scaling() {
         let saved = report.last_checkpoint.unwrap();
         let written: serde_json::Value =
             serde_json::from_slice(&std::fs::read(saved.join("config.json")).unwrap()).unwrap();
-        assert!(
-            written["rope_scaling"]["rope_type"].is_string(),
-            "{name}: {written}"
-        );
+        if name == "hf-qwen2" {
+            assert_eq!(written["architectures"][0], "Qwen2ForCausalLM", "{written}");
+            assert_eq!(written["model_type"], "qwen2", "{written}");
+        } else {
+            assert!(
+                written["rope_scaling"]["rope_type"].is_string(),
+                "{name}: {written}"
+            );
+        }
         let (cfg2, back) = hf::load(&saved, &cpu).unwrap();
         assert_eq!(cfg2, cfg, "{name}");
         for (a, b) in back.iter().zip(&masters) {
@@ -321,4 +346,150 @@ fn a_checkpoint_of_a_rescaled_llama_keeps_its_rotary_scaling() {
             );
         }
     }
+}
+
+#[test]
+fn qwen2_matches_transformers() {
+    let cfg = matches_reference("hf-qwen2");
+    let Family::Llama(s) = cfg.family else {
+        panic!("read as GPT-2");
+    };
+    assert!(s.qkv_bias && s.tied_head);
+    assert_eq!(
+        (s.kv_heads, s.rope_theta, s.rope_scaling, s.norm_eps),
+        (2, 1e6, RopeScaling::None, 1e-6)
+    );
+    // Three biases per block beside Llama's nine, named as transformers names them.
+    let infos = headroom_trainer::model::params::param_infos(&cfg);
+    assert_eq!(infos.len(), cfg.tensor_count().unwrap());
+    let numel: usize = infos
+        .iter()
+        .map(|i| i.shape.iter().product::<usize>())
+        .sum();
+    assert_eq!(cfg.parameter_count().unwrap(), numel as u64);
+    assert_eq!(
+        infos
+            .iter()
+            .filter(|i| i.name.ends_with("_proj.bias"))
+            .count(),
+        2 * 3
+    );
+}
+
+#[test]
+fn qwen2_settings_that_change_the_model_are_refused() {
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let text = std::fs::read_to_string(fixture("hf-qwen2").join("config.json")).unwrap();
+        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+        edit(&mut cfg);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        hf::read_config(dir.path()).map_err(|e| e.to_string())
+    };
+    let err = edited(&|c| c["use_sliding_window"] = true.into()).unwrap_err();
+    assert!(err.contains("use_sliding_window"), "{err}");
+    let err = edited(&|c| c["layer_types"][1] = "sliding_attention".into()).unwrap_err();
+    assert!(err.contains("only full_attention"), "{err}");
+    let err = edited(&|c| c["model_type"] = "llama".into()).unwrap_err();
+    assert!(
+        err.contains("not the model_type of Qwen2ForCausalLM"),
+        "{err}"
+    );
+    // Without `architectures`, the model type names the class.
+    let cfg = edited(&|c| {
+        c.as_object_mut().unwrap().remove("architectures");
+    })
+    .unwrap();
+    assert!(matches!(cfg.family, Family::Llama(s) if s.qkv_bias));
+    // transformers' own Llama with `attention_bias` biases o_proj too: still refused.
+    let text = std::fs::read_to_string(fixture("hf-llama3-rope").join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    cfg["attention_bias"] = true.into();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    let err = hf::read_config(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("attention_bias is not supported"), "{err}");
+}
+
+/// QLoRA on Qwen2 as a user runs it: the base frozen in NF4 (its biases kept as they are, as
+/// bitsandbytes keeps a `Linear4bit`'s bias), adapters on every block linear; the loss falls,
+/// and the
+/// merged model is a `Qwen2ForCausalLM` whose biases are the base's, bit for bit.
+#[test]
+fn qlora_on_qwen2_trains_and_merges_into_a_qwen2() {
+    use super::common::headroom_command;
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let run = |args: &[&str]| {
+        let o = headroom_command().args(args).output().unwrap();
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
+    };
+    run(&["data", "synth", &p("tok.bin"), "--vocab", "97"]);
+    let base = fixture("hf-qwen2");
+    let out = run(&[
+        "train",
+        "--init-from",
+        base.to_str().unwrap(),
+        "--lora-rank",
+        "8",
+        "--lora-targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "--quantize",
+        "nf4",
+        "--data",
+        &p("tok.bin"),
+        "--steps",
+        "60",
+        "--batch",
+        "4",
+        "--seq",
+        "32",
+        "--lr",
+        "1e-2",
+        "--metrics",
+        &p("metrics.jsonl"),
+        "--checkpoint-dir",
+        &p("run"),
+        "--merge-into",
+        &p("merged"),
+        "--no-progress",
+    ]);
+    let losses: Vec<f64> = std::fs::read_to_string(p("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+        .collect();
+    assert_eq!(losses.len(), 60, "{out}");
+    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+    assert!(
+        mean(&losses[50..]) < mean(&losses[..10]) - 0.3,
+        "losses {losses:?}"
+    );
+    let cpu = Cpu::new();
+    let (merged_cfg, merged) = hf::load(&dir.path().join("merged"), &cpu).unwrap();
+    let (base_cfg, masters) = hf::load(&base, &cpu).unwrap();
+    assert_eq!(merged_cfg, base_cfg);
+    let written: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("merged/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(written["architectures"][0], "Qwen2ForCausalLM");
+    let infos = headroom_trainer::model::params::param_infos(&base_cfg);
+    let mut biases = 0;
+    for ((info, a), b) in infos.iter().zip(&merged).zip(&masters) {
+        if info.name.ends_with("_proj.bias") {
+            biases += 1;
+            assert_eq!(
+                a.as_slice::<f32>().unwrap(),
+                b.as_slice::<f32>().unwrap(),
+                "{}",
+                info.name
+            );
+        }
+    }
+    assert_eq!(biases, 6);
 }

@@ -67,6 +67,7 @@ fn llama() -> Family {
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
+        qkv_bias: false,
         norm_eps: 1e-5,
         tied_head: false,
     })
@@ -244,6 +245,36 @@ fn every_stage_on_2_3_4_ranks_equals_one_process_bit_for_bit() {
                 );
             }
         }
+    }
+}
+
+/// Qwen2's q/k/v biases with Llama 3's rescaled rotary embedding and a tied head: the biases
+/// are parts like any other, so every stage on 2 ranks is still one process bit for bit.
+#[test]
+fn qwen2_with_rescaled_rope_under_every_stage_equals_one_process() {
+    let family = Family::Llama(LlamaShape {
+        kv_heads: 1,
+        ffn: 40,
+        rope_theta: 10000.0,
+        rope_scaling: headroom_trainer::model::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8,
+        },
+        qkv_bias: true,
+        norm_eps: 1e-6,
+        tied_head: true,
+    });
+    let o = options(family, 2, 8);
+    let mut refs = std::collections::HashMap::new();
+    for stage in Stage::ALL {
+        let want = refs
+            .entry(stage.reduction_order())
+            .or_insert_with(|| reference(&o, stage, 2));
+        let got = run(&o, stage, 2);
+        assert!(got.0[7] < got.0[0], "the loss falls");
+        assert_bitwise(&format!("qwen2 {stage} on 2 ranks"), &got, want);
     }
 }
 

@@ -32,6 +32,11 @@ pub struct LlamaShape {
     /// `rope_parameters`; absent in checkpoints written before it existed: none).
     #[serde(default)]
     pub rope_scaling: RopeScaling,
+    /// Whether the query, key and value projections add a bias (Qwen2's attention, saved as
+    /// `Qwen2ForCausalLM`; Llama's `attention_bias` also biases the output projection, which
+    /// is not supported).
+    #[serde(default)]
+    pub qkv_bias: bool,
     /// RMSNorm epsilon (`rms_norm_eps`).
     pub norm_eps: f32,
     /// Whether the output head is the token embedding (`tie_word_embeddings`).
@@ -127,6 +132,7 @@ impl ModelConfig {
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
+                qkv_bias: false,
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
@@ -147,6 +153,7 @@ impl ModelConfig {
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
+                qkv_bias: false,
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
@@ -188,7 +195,7 @@ impl ModelConfig {
         let (per_layer, outside) = match self.family {
             Family::Gpt2 => (crate::model::params::PER_LAYER, 4),
             Family::Llama(s) => (
-                crate::model::params::LLAMA_PER_LAYER,
+                crate::model::params::LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias),
                 2 + usize::from(!s.tied_head),
             ),
         };
@@ -199,7 +206,7 @@ impl ModelConfig {
     }
 
     /// Parameters, every product checked. GPT-2: `V·C + T·C + L·(12C² + 13C) + 2C`. Llama:
-    /// `V·C·(1 or 2) + L·(2C·(C + KV·hs) + 3C·F + 2C) + C`.
+    /// `V·C·(1 or 2) + L·(2C·(C + KV·hs) + 3C·F + 2C (+ C + 2·KV·hs with q/k/v biases)) + C`.
     pub fn parameter_count(&self) -> Result<u64> {
         let (v, t, l, c) = (
             self.vocab as u64,
@@ -225,12 +232,15 @@ impl ModelConfig {
                 let hs = c / (self.heads.max(1) as u64);
                 let kv = (s.kv_heads as u64).checked_mul(hs).ok_or_else(overflow)?;
                 let f = s.ffn as u64;
-                // q and o are C×C (heads·hs = C), k and v C×kv, three C×F, two norms.
+                // q and o are C×C (heads·hs = C), k and v C×kv, three C×F, two norms; with
+                // Qwen2's biases, C + 2·kv more.
+                let biases = if s.qkv_bias { c + 2 * kv } else { 0 };
                 let per_layer = c
                     .checked_add(kv)
                     .and_then(|x| x.checked_mul(c)?.checked_mul(2))
                     .and_then(|x| x.checked_add(c.checked_mul(f)?.checked_mul(3)?))
-                    .and_then(|x| x.checked_add(c.checked_mul(2)?));
+                    .and_then(|x| x.checked_add(c.checked_mul(2)?))
+                    .and_then(|x| x.checked_add(biases));
                 let heads = if s.tied_head { 1u64 } else { 2 };
                 v.checked_mul(c)
                     .and_then(|e| e.checked_mul(heads))

@@ -38,7 +38,8 @@ pub mod layer {
     pub const FC_PROJ_B: usize = 11;
 }
 
-/// Offsets of a Llama block's tensors within its 9.
+/// Offsets of a Llama block's tensors within its 9 (12 with Qwen2's q/k/v biases, which
+/// follow the nine so that every other offset is the same in both layouts).
 #[allow(missing_docs)]
 pub mod llama_layer {
     pub const INPUT_NORM: usize = 0;
@@ -50,6 +51,9 @@ pub mod llama_layer {
     pub const GATE: usize = 6;
     pub const UP: usize = 7;
     pub const DOWN: usize = 8;
+    pub const Q_BIAS: usize = 9;
+    pub const K_BIAS: usize = 10;
+    pub const V_BIAS: usize = 11;
 }
 
 /// Index of the token embedding (`wte`, `model.embed_tokens`; also a tied output head).
@@ -72,7 +76,7 @@ pub struct ParamInfo {
 pub fn per_layer(cfg: &ModelConfig) -> usize {
     match cfg.family {
         Family::Gpt2 => PER_LAYER,
-        Family::Llama(_) => LLAMA_PER_LAYER,
+        Family::Llama(s) => LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias),
     }
 }
 
@@ -162,6 +166,11 @@ pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
                 v.push(p(h("mlp.gate_proj.weight"), vec![f, c], false));
                 v.push(p(h("mlp.up_proj.weight"), vec![f, c], false));
                 v.push(p(h("mlp.down_proj.weight"), vec![c, f], false));
+                if s.qkv_bias {
+                    v.push(p(h("self_attn.q_proj.bias"), vec![q], false));
+                    v.push(p(h("self_attn.k_proj.bias"), vec![kv], false));
+                    v.push(p(h("self_attn.v_proj.bias"), vec![kv], false));
+                }
             }
             v.push(p("model.norm.weight".into(), vec![c], false));
             if !s.tied_head {

@@ -1,13 +1,17 @@
-"""Write the rescaled-rotary Llama fixtures that crates/trainer/tests/hf_llama.rs reads.
+"""Write the Llama-family fixtures that crates/trainer/tests/hf_llama.rs reads beside
+make_llama_fixture.py's: the variants of the architecture people fine-tune today.
 
 Llama 3.1, 3.2 and 3.3 checkpoints stretch their low rotary frequencies (`rope_type` "llama3"
 in `rope_parameters`, `rope_scaling` before transformers 5); older long-context fine-tunes
-divide every frequency (`linear`). transformers builds a small random LlamaForCausalLM with
-each and saves it with `save_pretrained`:
-- `hf-llama3-rope`: factor 8, low/high frequency factors 1 and 4 over an original context of
-  32, so at head dimension 16 one frequency is kept, one is blended and six are stretched;
-  the reference's 48 positions run past that original context;
-- `hf-llama-linear-rope`: factor 4.
+divide every frequency (`linear`). Qwen2 and Qwen2.5 are Llama with biases on the query, key
+and value projections. transformers builds a small random model of each and saves it with
+`save_pretrained`:
+- `hf-llama3-rope`: LlamaForCausalLM, factor 8, low/high frequency factors 1 and 4 over an
+  original context of 32, so at head dimension 16 one frequency is kept, one is blended and
+  six are stretched; the reference's 48 positions run past that original context;
+- `hf-llama-linear-rope`: LlamaForCausalLM, factor 4;
+- `hf-qwen2`: Qwen2ForCausalLM, grouped-query attention, tied head (as Qwen2.5-0.5B), rotary
+  base 1e6, biases drawn like every other weight.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer (which a loader must reproduce bit for bit).
@@ -16,8 +20,8 @@ Not a comparison bench: it prints no records; without `--write` it exits with co
 ("skipped"), which is what `cargo xtask bench --quick` sees.
 
 Run from the repository root (needs torch, transformers and safetensors; CI only reads the
-committed outputs, 290 KB):
-    python benches/torch/make_rope_scaling_fixture.py --write
+committed outputs, 430 KB):
+    python benches/torch/make_llama_family_fixture.py --write
 """
 
 import json
@@ -26,7 +30,7 @@ import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 OUT = os.path.join("crates", "trainer", "tests", "fixtures")
 SEQ = 48
@@ -42,8 +46,7 @@ def perturb(model):
                 p.copy_(0.15 * torch.randn_like(p))
 
 
-def build(name, rope_parameters, seed):
-    torch.manual_seed(seed)
+def llama(rope_parameters):
     config = LlamaConfig(
         vocab_size=97,
         hidden_size=32,
@@ -60,7 +63,32 @@ def build(name, rope_parameters, seed):
         hidden_act="silu",
         torch_dtype="float32",
     )
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    return config, LlamaForCausalLM
+
+
+def qwen2():
+    config = Qwen2Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    return config, Qwen2ForCausalLM
+
+
+def build(name, spec, seed):
+    torch.manual_seed(seed)
+    config, cls = spec
+    model = cls(config).to(torch.float32).eval()
     perturb(model)
     directory = os.path.join(OUT, name)
     model.save_pretrained(directory, safe_serialization=True)
@@ -92,18 +120,21 @@ def main():
 
     build(
         "hf-llama3-rope",
-        {
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
+        llama(
+            {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
         seed=30,
     )
-    build("hf-llama-linear-rope", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, seed=40)
-    with open(os.path.join(OUT, "hf-rope-scaling-versions.json"), "w") as f:
+    build("hf-llama-linear-rope", llama({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), seed=40)
+    build("hf-qwen2", qwen2(), seed=50)
+    with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")
 
