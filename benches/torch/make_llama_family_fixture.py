@@ -4,14 +4,16 @@ make_llama_fixture.py's: the variants of the architecture people fine-tune today
 Llama 3.1, 3.2 and 3.3 checkpoints stretch their low rotary frequencies (`rope_type` "llama3"
 in `rope_parameters`, `rope_scaling` before transformers 5); older long-context fine-tunes
 divide every frequency (`linear`). Qwen2 and Qwen2.5 are Llama with biases on the query, key
-and value projections. transformers builds a small random model of each and saves it with
+and value projections; Mistral is Llama with a sliding window, which v0.2 and later turn off. transformers builds a small random model of each and saves it with
 `save_pretrained`:
 - `hf-llama3-rope`: LlamaForCausalLM, factor 8, low/high frequency factors 1 and 4 over an
   original context of 32, so at head dimension 16 one frequency is kept, one is blended and
   six are stretched; the reference's 48 positions run past that original context;
 - `hf-llama-linear-rope`: LlamaForCausalLM, factor 4;
 - `hf-qwen2`: Qwen2ForCausalLM, grouped-query attention, tied head (as Qwen2.5-0.5B), rotary
-  base 1e6, biases drawn like every other weight.
+  base 1e6, biases drawn like every other weight;
+- `hf-mistral`: MistralForCausalLM without a sliding window (as Mistral 7B v0.2 and v0.3),
+  rotary base 1e6, one key/value head.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer (which a loader must reproduce bit for bit).
@@ -20,7 +22,7 @@ Not a comparison bench: it prints no records; without `--write` it exits with co
 ("skipped"), which is what `cargo xtask bench --quick` sees.
 
 Run from the repository root (needs torch, transformers and safetensors; CI only reads the
-committed outputs, 430 KB):
+committed outputs, 570 KB):
     python benches/torch/make_llama_family_fixture.py --write
 """
 
@@ -30,7 +32,14 @@ import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 OUT = os.path.join("crates", "trainer", "tests", "fixtures")
 SEQ = 48
@@ -85,6 +94,27 @@ def qwen2():
     return config, Qwen2ForCausalLM
 
 
+def mistral():
+    # Mistral 7B v0.3's settings in small: no sliding window, rotary base 1e6, 4 query heads
+    # over 1 key/value head, untied.
+    config = MistralConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        sliding_window=None,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    return config, MistralForCausalLM
+
+
 def build(name, spec, seed):
     torch.manual_seed(seed)
     config, cls = spec
@@ -134,6 +164,7 @@ def main():
     )
     build("hf-llama-linear-rope", llama({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), seed=40)
     build("hf-qwen2", qwen2(), seed=50)
+    build("hf-mistral", mistral(), seed=60)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

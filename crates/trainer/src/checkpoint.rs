@@ -69,7 +69,9 @@ use serde::{Deserialize, Serialize};
 use headroom_lora::{LoraAdapter, LoraLinear};
 
 use crate::companions::{is_companion, Companions};
-use crate::model::{params, Family, FinetuneSpec, Model, ModelConfig, ModelOptions, RopeScaling};
+use crate::model::{
+    params, Family, FinetuneSpec, LlamaClass, Model, ModelConfig, ModelOptions, RopeScaling,
+};
 use crate::train::LrSchedule;
 use crate::{Result, TrainError};
 
@@ -658,16 +660,20 @@ pub(crate) fn hf_config(
         if let Some(scaling) = rope_scaling_json(&s.rope_scaling) {
             object.insert("rope_scaling".into(), scaling);
         }
-        if s.qkv_bias {
-            // Qwen2's class: its q, k and v biases are built in, not settings, and its
-            // sliding window is off (every layer attends to the whole context).
+        if s.class != LlamaClass::Llama {
+            // Mistral's and Qwen2's classes have no bias settings (Qwen2's q, k and v biases
+            // are built in), and their sliding windows are off: every layer attends to the
+            // whole context.
             object.insert(
                 "architectures".into(),
-                serde_json::json!(["Qwen2ForCausalLM"]),
+                serde_json::json!([s.class.architecture()]),
             );
-            object.insert("model_type".into(), "qwen2".into());
+            object.insert("model_type".into(), s.class.model_type().into());
             object.remove("attention_bias");
             object.remove("mlp_bias");
+            object.insert("sliding_window".into(), serde_json::Value::Null);
+        }
+        if s.class == LlamaClass::Qwen2 {
             object.insert("use_sliding_window".into(), false.into());
             object.insert("max_window_layers".into(), c.layers.into());
         }
@@ -2413,7 +2419,7 @@ mod tests {
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
-                qkv_bias: false,
+                class: Default::default(),
                 norm_eps: 1e-5,
                 tied_head: false,
             }),

@@ -1,5 +1,6 @@
 //! Hugging Face model directories in: `config.json` plus `model.safetensors` (or a sharded
-//! `model.safetensors.index.json`) for `GPT2LMHeadModel`, `LlamaForCausalLM` and
+//! `model.safetensors.index.json`) for `GPT2LMHeadModel`, `LlamaForCausalLM`,
+//! `MistralForCausalLM` (Llama's computation without its sliding window) and
 //! `Qwen2ForCausalLM` (Llama with q/k/v biases), with the tensor names and layouts
 //! transformers writes.
 //!
@@ -21,7 +22,7 @@ use headroom_tensor::{Cpu, CpuTensor};
 use serde_json::Value;
 
 use crate::model::params::{self, EachF32, TensorSink};
-use crate::model::{Family, LlamaShape, ModelConfig, RopeScaling};
+use crate::model::{Family, LlamaClass, LlamaShape, ModelConfig, RopeScaling};
 use crate::{Result, TrainError};
 
 /// The largest safetensors header read (transformers' files hold a few hundred KiB).
@@ -350,7 +351,8 @@ fn rope_scaling(obj: &Value, cfg: &Value, path: &Path) -> Result<RopeScaling> {
     Ok(scaling)
 }
 
-/// The model shape a Hugging Face `config.json` describes (GPT-2, Llama or Qwen2), checked.
+/// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral or Qwen2),
+/// checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
     let bytes = read_json(&path)?;
@@ -363,27 +365,27 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         .and_then(Value::as_str)
         .or_else(|| match cfg.get("model_type").and_then(Value::as_str) {
             Some("gpt2") => Some("GPT2LMHeadModel"),
-            Some("llama") => Some("LlamaForCausalLM"),
-            Some("qwen2") => Some("Qwen2ForCausalLM"),
-            _ => None,
+            Some(t) => LlamaClass::ALL
+                .into_iter()
+                .find(|c| c.model_type() == t)
+                .map(LlamaClass::architecture),
+            None => None,
         })
         .unwrap_or("(none)");
     // transformers picks the model class by `model_type`; `architectures` only names it. Both
     // present must agree, or the two would load different models.
     let model_type = get_str(&cfg, &path, "model_type")?;
-    match (model_type, arch) {
-        (None, _)
-        | (Some("gpt2"), "GPT2LMHeadModel")
-        | (Some("llama"), "LlamaForCausalLM")
-        | (Some("qwen2"), "Qwen2ForCausalLM") => {}
-        (Some(t), "GPT2LMHeadModel" | "LlamaForCausalLM" | "Qwen2ForCausalLM") => {
+    let own_type = match arch {
+        "GPT2LMHeadModel" => Some("gpt2"),
+        other => LlamaClass::of_architecture(other).map(LlamaClass::model_type),
+    };
+    if let (Some(t), Some(own)) = (model_type, own_type) {
+        if t != own {
             return Err(bad(
                 &path,
                 format!("model_type {t:?} is not the model_type of {arch}"),
-            ))
+            ));
         }
-        // Another architecture: refused below by its name.
-        (Some(_), _) => {}
     }
     let config = match arch {
         "GPT2LMHeadModel" => {
@@ -452,13 +454,31 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         }
         // Qwen2 is Llama with biases on q, k and v (fixed, not a setting) and an optional
         // sliding window, refused here: every layer must attend to the whole context.
-        "LlamaForCausalLM" | "Qwen2ForCausalLM" => {
-            let qwen2 = arch == "Qwen2ForCausalLM";
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
+            let class = LlamaClass::of_architecture(arch).unwrap_or_default();
             let act = get_str(&cfg, &path, "hidden_act")?;
             if !matches!(act, None | Some("silu")) {
                 return Err(bad(&path, format!("{arch} activation {act:?}: only silu")));
             }
-            if qwen2 {
+            if class == LlamaClass::Mistral {
+                // MistralConfig's window is 4096 when the key is absent, none when null.
+                let window = match cfg.get("sliding_window") {
+                    None => Some(4096),
+                    Some(Value::Null) => None,
+                    Some(_) => Some(get_usize(&cfg, &path, "sliding_window")?),
+                };
+                let context = get_usize(&cfg, &path, "max_position_embeddings")?;
+                if let Some(w) = window.filter(|&w| w < context) {
+                    return Err(bad(
+                        &path,
+                        format!(
+                            "sliding_window {w} is shorter than max_position_embeddings \
+                             {context}: only full attention (Mistral 7B v0.2 and later have none)"
+                        ),
+                    ));
+                }
+            }
+            if class == LlamaClass::Qwen2 {
                 if get_bool(&cfg, &path, "use_sliding_window")? == Some(true) {
                     return Err(bad(
                         &path,
@@ -478,7 +498,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                         ));
                     }
                 }
-            } else {
+            } else if class == LlamaClass::Llama {
                 for flag in ["attention_bias", "mlp_bias"] {
                     if get_bool(&cfg, &path, flag)? == Some(true) {
                         return Err(bad(&path, format!("{flag} is not supported")));
@@ -530,7 +550,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     rope_scaling,
                     norm_eps: get_f64(&cfg, &path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
                     tied_head: get_bool(&cfg, &path, "tie_word_embeddings")?.unwrap_or(false),
-                    qkv_bias: qwen2,
+                    class,
                 }),
             }
         }
@@ -538,8 +558,8 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             return Err(bad(
                 &path,
                 format!(
-                    "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM and \
-                     Qwen2ForCausalLM load"
+                    "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM, \
+                     MistralForCausalLM and Qwen2ForCausalLM load"
                 ),
             ))
         }

@@ -18,7 +18,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
-            qkv_bias: false,
+            class: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         })

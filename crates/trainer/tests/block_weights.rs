@@ -24,7 +24,7 @@ fn configs() -> [ModelConfig; 2] {
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),
-            qkv_bias: false,
+            class: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         }),

@@ -31,7 +31,7 @@ fn config(llama: bool) -> ModelConfig {
                 // A small base, so that every frequency turns measurably within 20 positions.
                 rope_theta: 100.0,
                 rope_scaling: Default::default(),
-                qkv_bias: false,
+                class: Default::default(),
                 norm_eps: 1e-5,
                 tied_head: false,
             })

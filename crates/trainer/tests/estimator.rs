@@ -21,7 +21,7 @@ fn model(llama: bool) -> ModelConfig {
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
-            qkv_bias: false,
+            class: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         })
@@ -116,7 +116,7 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
         ffn: 40,
         rope_theta: 10_000.0,
         rope_scaling: Default::default(),
-        qkv_bias: false,
+        class: Default::default(),
         norm_eps: 1e-5,
         tied_head: false,
     });

@@ -25,7 +25,7 @@ fn model(llama: bool) -> ModelConfig {
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
-            qkv_bias: false,
+            class: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         })

@@ -147,6 +147,7 @@ fn hugging_face_json_settings() {
         ("hf-llama-mha-tied", "config.json"),
         ("hf-llama3-rope", "config.json"),
         ("hf-qwen2", "config.json"),
+        ("hf-mistral", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

@@ -47,7 +47,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,
             rope_scaling: Default::default(),
-            qkv_bias: false,
+            class: Default::default(),
             norm_eps: 1e-5,
             tied_head,
         }),
@@ -130,7 +130,7 @@ fn llama_tied_multi_head_gradients_match_finite_differences() {
 fn qwen2_biases_and_llama3_rope_gradients_match_finite_differences() {
     let mut cfg = llama(2, true);
     if let Family::Llama(s) = &mut cfg.family {
-        s.qkv_bias = true;
+        s.class = headroom_trainer::model::LlamaClass::Qwen2;
         s.rope_scaling = headroom_trainer::model::RopeScaling::Llama3 {
             factor: 4.0,
             low_freq_factor: 1.0,

@@ -193,7 +193,7 @@ fn incomplete_directories_are_typed_errors() {
         |_| {},
         |c| {
             c.as_object_mut().unwrap().remove("architectures");
-            c["model_type"] = "mistral".into();
+            c["model_type"] = "gemma".into();
         },
     );
     refused(&dir, "architecture");

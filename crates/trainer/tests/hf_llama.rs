@@ -4,14 +4,15 @@
 //! and a tied head, and a `GPT2LMHeadModel` saved in four shards — loaded from their
 //! `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and the
 //! mean cross-entropy within 1e-5, in f32. Rescaled rotary embeddings (Llama 3.1's `llama3`,
-//! `linear`) and Qwen2 (q/k/v biases) against `benches/torch/make_llama_family_fixture.py`'s
-//! models, their inverse frequencies bit for bit.
+//! `linear`), Qwen2 (q/k/v biases) and Mistral against
+//! `benches/torch/make_llama_family_fixture.py`'s models, their inverse frequencies bit for
+//! bit.
 
 use std::path::PathBuf;
 
 use headroom_tensor::Cpu;
 use headroom_trainer::hf;
-use headroom_trainer::model::{Family, Geometry, Model, ModelOptions, RopeScaling};
+use headroom_trainer::model::{Family, Geometry, LlamaClass, Model, ModelOptions, RopeScaling};
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
@@ -147,13 +148,11 @@ fn a_saved_llama_checkpoint_reads_back_unchanged() {
     }
 }
 
-/// A rescaled fixture's shape and logits, and its inverse frequencies bit for bit.
-fn rescaled_matches_transformers(name: &str, want: RopeScaling) {
-    let cfg = matches_reference(name);
+/// The fixture's rotary frequencies are transformers' `inv_freq` buffer, bit for bit.
+fn assert_inv_freq(name: &str, cfg: &headroom_trainer::model::ModelConfig) {
     let Family::Llama(s) = cfg.family else {
         panic!("{name} read as GPT-2");
     };
-    assert_eq!((s.rope_theta, s.rope_scaling), (10_000.0, want), "{name}");
     let bytes = std::fs::read(fixture(name).join("reference.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let inv_freq = s.rope().inv_freq(cfg.head_dim());
@@ -163,9 +162,19 @@ fn rescaled_matches_transformers(name: &str, want: RopeScaling) {
         theirs.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
         "{name}: {inv_freq:?} vs transformers' {theirs:?}"
     );
+}
+
+/// A rescaled fixture's shape and logits, and its inverse frequencies bit for bit.
+fn rescaled_matches_transformers(name: &str, want: RopeScaling) {
+    let cfg = matches_reference(name);
+    let Family::Llama(s) = cfg.family else {
+        panic!("{name} read as GPT-2");
+    };
+    assert_eq!((s.rope_theta, s.rope_scaling), (10_000.0, want), "{name}");
+    assert_inv_freq(name, &cfg);
     // The rescaling moved the frequencies: a loader that ignored it would differ.
     let plain = headroom_trainer::model::Rope::plain(s.rope_theta).inv_freq(cfg.head_dim());
-    assert_ne!(plain, inv_freq, "{name}");
+    assert_ne!(plain, s.rope().inv_freq(cfg.head_dim()), "{name}");
 }
 
 #[test]
@@ -305,7 +314,12 @@ fn rotary_scalings_not_implemented_or_out_of_range_are_refused() {
 #[test]
 fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
     use headroom_trainer::train::{train, TrainOptions};
-    for name in ["hf-llama3-rope", "hf-llama-linear-rope", "hf-qwen2"] {
+    for name in [
+        "hf-llama3-rope",
+        "hf-llama-linear-rope",
+        "hf-qwen2",
+        "hf-mistral",
+    ] {
         let dir = fixture(name);
         let cpu = Cpu::new();
         let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
@@ -330,6 +344,13 @@ fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
         if name == "hf-qwen2" {
             assert_eq!(written["architectures"][0], "Qwen2ForCausalLM", "{written}");
             assert_eq!(written["model_type"], "qwen2", "{written}");
+        } else if name == "hf-mistral" {
+            assert_eq!(
+                written["architectures"][0], "MistralForCausalLM",
+                "{written}"
+            );
+            assert_eq!(written["model_type"], "mistral", "{written}");
+            assert!(written["sliding_window"].is_null(), "{written}");
         } else {
             assert!(
                 written["rope_scaling"]["rope_type"].is_string(),
@@ -354,7 +375,8 @@ fn qwen2_matches_transformers() {
     let Family::Llama(s) = cfg.family else {
         panic!("read as GPT-2");
     };
-    assert!(s.qkv_bias && s.tied_head);
+    assert!(s.qkv_bias() && s.tied_head);
+    assert_inv_freq("hf-qwen2", &cfg);
     assert_eq!(
         (s.kv_heads, s.rope_theta, s.rope_scaling, s.norm_eps),
         (2, 1e6, RopeScaling::None, 1e-6)
@@ -400,7 +422,7 @@ fn qwen2_settings_that_change_the_model_are_refused() {
         c.as_object_mut().unwrap().remove("architectures");
     })
     .unwrap();
-    assert!(matches!(cfg.family, Family::Llama(s) if s.qkv_bias));
+    assert!(matches!(cfg.family, Family::Llama(s) if s.qkv_bias()));
     // transformers' own Llama with `attention_bias` biases o_proj too: still refused.
     let text = std::fs::read_to_string(fixture("hf-llama3-rope").join("config.json")).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -492,4 +514,49 @@ fn qlora_on_qwen2_trains_and_merges_into_a_qwen2() {
         }
     }
     assert_eq!(biases, 6);
+}
+
+#[test]
+fn mistral_matches_transformers() {
+    let cfg = matches_reference("hf-mistral");
+    let Family::Llama(s) = cfg.family else {
+        panic!("read as GPT-2");
+    };
+    assert_eq!(s.class, LlamaClass::Mistral);
+    assert!(!s.qkv_bias() && !s.tied_head);
+    assert_inv_freq("hf-mistral", &cfg);
+    assert_eq!((s.kv_heads, s.rope_theta), (1, 1e6));
+}
+
+/// Mistral's window: `null` is none, an absent key is MistralConfig's 4096; a window shorter
+/// than the context would mask what Llama's attention sees, so it is refused.
+#[test]
+fn a_mistral_sliding_window_shorter_than_the_context_is_refused() {
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let text = std::fs::read_to_string(fixture("hf-mistral").join("config.json")).unwrap();
+        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+        edit(&mut cfg);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        hf::read_config(dir.path()).map_err(|e| e.to_string())
+    };
+    let err = edited(&|c| c["sliding_window"] = 16.into()).unwrap_err();
+    assert!(err.contains("sliding_window 16 is shorter"), "{err}");
+    // 4096 by default: longer than this fixture's 64 positions, so nothing is masked.
+    assert!(edited(&|c| {
+        c.as_object_mut().unwrap().remove("sliding_window");
+    })
+    .is_ok());
+    let err = edited(&|c| {
+        c.as_object_mut().unwrap().remove("sliding_window");
+        c["max_position_embeddings"] = 32768.into();
+    })
+    .unwrap_err();
+    assert!(err.contains("sliding_window 4096 is shorter"), "{err}");
+    assert!(edited(&|c| c["sliding_window"] = 64.into()).is_ok());
+    let err = edited(&|c| c["model_type"] = "qwen2".into()).unwrap_err();
+    assert!(
+        err.contains("not the model_type of MistralForCausalLM"),
+        "{err}"
+    );
 }

@@ -43,7 +43,7 @@ fn llama() -> ModelConfig {
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),
-            qkv_bias: false,
+            class: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         }),

@@ -36,7 +36,7 @@ fn llama() -> Family {
         ffn: 24,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
-        qkv_bias: false,
+        class: Default::default(),
         norm_eps: 1e-5,
         tied_head: false,
     })

@@ -34,7 +34,7 @@ fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
-            qkv_bias: false,
+            class: Default::default(),
             norm_eps: 1e-5,
             tied_head: false,
         }),

@@ -67,7 +67,7 @@ fn llama() -> Family {
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
-        qkv_bias: false,
+        class: Default::default(),
         norm_eps: 1e-5,
         tied_head: false,
     })
@@ -262,7 +262,7 @@ fn qwen2_with_rescaled_rope_under_every_stage_equals_one_process() {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 8,
         },
-        qkv_bias: true,
+        class: headroom_trainer::model::LlamaClass::Qwen2,
         norm_eps: 1e-6,
         tied_head: true,
     });

@@ -32,18 +32,66 @@ pub struct LlamaShape {
     /// `rope_parameters`; absent in checkpoints written before it existed: none).
     #[serde(default)]
     pub rope_scaling: RopeScaling,
-    /// Whether the query, key and value projections add a bias (Qwen2's attention, saved as
-    /// `Qwen2ForCausalLM`; Llama's `attention_bias` also biases the output projection, which
-    /// is not supported).
+    /// The Hugging Face class: what the checkpoints are saved as, and whether q, k and v have
+    /// biases (Qwen2's; absent in checkpoints written before it existed: Llama).
     #[serde(default)]
-    pub qkv_bias: bool,
+    pub class: LlamaClass,
     /// RMSNorm epsilon (`rms_norm_eps`).
     pub norm_eps: f32,
     /// Whether the output head is the token embedding (`tie_word_embeddings`).
     pub tied_head: bool,
 }
 
+/// Which Hugging Face class a Llama-shaped model is. They compute alike but for Qwen2's
+/// biases: Mistral's sliding window is refused when it would cut the context, and so is
+/// Qwen2's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LlamaClass {
+    /// `LlamaForCausalLM` (Llama 1-3, TinyLlama, SmolLM, SmolLM2, …).
+    #[default]
+    Llama,
+    /// `MistralForCausalLM` (Mistral 7B v0.2 and v0.3): Llama's computation.
+    Mistral,
+    /// `Qwen2ForCausalLM` (Qwen2, Qwen2.5): biases on the query, key and value projections
+    /// (Llama's own `attention_bias` also biases the output projection; not supported).
+    Qwen2,
+}
+
+impl LlamaClass {
+    /// Every class.
+    pub const ALL: [LlamaClass; 3] = [LlamaClass::Llama, LlamaClass::Mistral, LlamaClass::Qwen2];
+
+    /// transformers' class name (`architectures`).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            LlamaClass::Llama => "LlamaForCausalLM",
+            LlamaClass::Mistral => "MistralForCausalLM",
+            LlamaClass::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// transformers' `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            LlamaClass::Llama => "llama",
+            LlamaClass::Mistral => "mistral",
+            LlamaClass::Qwen2 => "qwen2",
+        }
+    }
+
+    /// The class `architectures` names, if it is one of these.
+    pub fn of_architecture(name: &str) -> Option<LlamaClass> {
+        Self::ALL.into_iter().find(|c| c.architecture() == name)
+    }
+}
+
 impl LlamaShape {
+    /// Whether q, k and v add a bias (Qwen2).
+    pub fn qkv_bias(&self) -> bool {
+        self.class == LlamaClass::Qwen2
+    }
+
     /// The rotary embedding: the base and its rescaling.
     pub fn rope(&self) -> Rope {
         Rope {
@@ -132,7 +180,7 @@ impl ModelConfig {
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
-                qkv_bias: false,
+                class: Default::default(),
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
@@ -153,7 +201,7 @@ impl ModelConfig {
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
-                qkv_bias: false,
+                class: Default::default(),
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
@@ -195,7 +243,7 @@ impl ModelConfig {
         let (per_layer, outside) = match self.family {
             Family::Gpt2 => (crate::model::params::PER_LAYER, 4),
             Family::Llama(s) => (
-                crate::model::params::LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias),
+                crate::model::params::LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias()),
                 2 + usize::from(!s.tied_head),
             ),
         };
@@ -234,7 +282,7 @@ impl ModelConfig {
                 let f = s.ffn as u64;
                 // q and o are C×C (heads·hs = C), k and v C×kv, three C×F, two norms; with
                 // Qwen2's biases, C + 2·kv more.
-                let biases = if s.qkv_bias { c + 2 * kv } else { 0 };
+                let biases = if s.qkv_bias() { c + 2 * kv } else { 0 };
                 let per_layer = c
                     .checked_add(kv)
                     .and_then(|x| x.checked_mul(c)?.checked_mul(2))

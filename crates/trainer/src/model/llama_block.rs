@@ -134,7 +134,7 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<B::Tensor> {
         let hs = self.cfg.head_dim();
         let mut flat = self.scratch_overwritten([g.b, g.t, heads * hs])?;
-        self.block_linear(l, bw, w_off, self.qkv_bias(w_off), &mut flat, x)?;
+        self.block_linear(l, bw, w_off, self.qkv_bias_offset(w_off), &mut flat, x)?;
         let mut out = self.fresh_overwritten([g.b, heads, g.t, hs])?;
         self.backend().split_heads(&mut out, &flat, 0)?;
         Ok(out)
@@ -249,19 +249,19 @@ impl<B: ModelOps> Model<B> {
         };
         let mut flat = self.scratch_overwritten([b, t, heads * hs])?;
         self.backend().merge_heads(&mut flat, dh, 0)?;
-        let bias = self.qkv_bias(w_off);
+        let bias = self.qkv_bias_offset(w_off);
         self.block_linear_backward(l, bw, w_off, bias, dx, grads, &flat, x)
     }
 
     /// The offset of projection `w_off`'s bias: Qwen2's q, k and v have one, nothing else.
-    fn qkv_bias(&self, w_off: usize) -> Option<usize> {
+    fn qkv_bias_offset(&self, w_off: usize) -> Option<usize> {
         let Family::Llama(s) = self.cfg.family else {
             return None;
         };
         match w_off {
-            o::Q if s.qkv_bias => Some(o::Q_BIAS),
-            o::K if s.qkv_bias => Some(o::K_BIAS),
-            o::V if s.qkv_bias => Some(o::V_BIAS),
+            o::Q if s.qkv_bias() => Some(o::Q_BIAS),
+            o::K if s.qkv_bias() => Some(o::K_BIAS),
+            o::V if s.qkv_bias() => Some(o::V_BIAS),
             _ => None,
         }
     }

@@ -76,7 +76,7 @@ pub struct ParamInfo {
 pub fn per_layer(cfg: &ModelConfig) -> usize {
     match cfg.family {
         Family::Gpt2 => PER_LAYER,
-        Family::Llama(s) => LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias),
+        Family::Llama(s) => LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias()),
     }
 }
 
@@ -166,7 +166,7 @@ pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
                 v.push(p(h("mlp.gate_proj.weight"), vec![f, c], false));
                 v.push(p(h("mlp.up_proj.weight"), vec![f, c], false));
                 v.push(p(h("mlp.down_proj.weight"), vec![c, f], false));
-                if s.qkv_bias {
+                if s.qkv_bias() {
                     v.push(p(h("self_attn.q_proj.bias"), vec![q], false));
                     v.push(p(h("self_attn.k_proj.bias"), vec![kv], false));
                     v.push(p(h("self_attn.v_proj.bias"), vec![kv], false));
