@@ -109,42 +109,50 @@ fn gpt2_in_four_shards_matches_transformers() {
     );
 }
 
+/// Fixture `name` through a one-step run with an update below f32 resolution: the saved
+/// checkpoint's weights and shape read back unchanged. Returns its `config.json`.
+fn saved_and_read_back(name: &str, seq: usize) -> serde_json::Value {
+    use headroom_trainer::train::{train, TrainOptions};
+    let dir = fixture(name);
+    let cpu = Cpu::new();
+    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let mut o = TrainOptions {
+        model: cfg,
+        init_from: Some(dir.clone()),
+        steps: 1,
+        lr: 1e-30,
+        seq,
+        batch: 2,
+        save: Some((root.path().to_path_buf(), 0)),
+        ..TrainOptions::tiny_default()
+    };
+    if let headroom_trainer::train::DataSource::Synthetic(d) = &mut o.data {
+        d.vocab = cfg.vocab as u32;
+    }
+    let report = train(&o, |_| {}).unwrap();
+    let saved = report.last_checkpoint.unwrap();
+    let (cfg2, back) = hf::load(&saved, &cpu).unwrap();
+    assert_eq!(cfg2, cfg, "{name}");
+    for (a, b) in back.iter().zip(&masters) {
+        assert_eq!(
+            a.as_slice::<f32>().unwrap(),
+            b.as_slice::<f32>().unwrap(),
+            "{name}"
+        );
+    }
+    serde_json::from_slice(&std::fs::read(saved.join("config.json")).unwrap()).unwrap()
+}
+
 /// What headroom saves is what it loads: a run initialised from the fixture with an update
 /// below f32 resolution writes a checkpoint whose weights and shape read back unchanged.
 /// (`benches/torch/check_hf_export.py` shows transformers loading such a checkpoint with the
 /// reference's logits, 0 difference.)
 #[test]
 fn a_saved_llama_checkpoint_reads_back_unchanged() {
-    use headroom_trainer::train::{train, TrainOptions};
     for name in ["hf-llama-gqa-untied", "hf-llama-mha-tied"] {
-        let dir = fixture(name);
-        let cpu = Cpu::new();
-        let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
-        let root = tempfile::tempdir().unwrap();
-        let mut o = TrainOptions {
-            model: cfg,
-            init_from: Some(dir.clone()),
-            steps: 1,
-            lr: 1e-30,
-            seq: 16,
-            batch: 2,
-            save: Some((root.path().to_path_buf(), 0)),
-            ..TrainOptions::tiny_default()
-        };
-        if let headroom_trainer::train::DataSource::Synthetic(d) = &mut o.data {
-            d.vocab = cfg.vocab as u32;
-        }
-        let report = train(&o, |_| {}).unwrap();
-        let saved = report.last_checkpoint.unwrap();
-        let (cfg2, back) = hf::load(&saved, &cpu).unwrap();
-        assert_eq!(cfg2, cfg, "{name}");
-        for (a, b) in back.iter().zip(&masters) {
-            assert_eq!(
-                a.as_slice::<f32>().unwrap(),
-                b.as_slice::<f32>().unwrap(),
-                "{name}"
-            );
-        }
+        let written = saved_and_read_back(name, 16);
+        assert_eq!(written["architectures"][0], "LlamaForCausalLM", "{written}");
     }
 }
 
@@ -195,14 +203,22 @@ fn linear_rotary_scaling_matches_transformers() {
     rescaled_matches_transformers("hf-llama-linear-rope", RopeScaling::Linear { factor: 4.0 });
 }
 
-/// `config.json` of the llama3 fixture with `edit` applied, read back.
-fn read_edited(edit: impl FnOnce(&mut serde_json::Value)) -> headroom_trainer::Result<Family> {
-    let text = std::fs::read_to_string(fixture("hf-llama3-rope").join("config.json")).unwrap();
+/// `config.json` of fixture `name` with `edit` applied, read back.
+fn config_edited(
+    name: &str,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> headroom_trainer::Result<headroom_trainer::model::ModelConfig> {
+    let text = std::fs::read_to_string(fixture(name).join("config.json")).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
     edit(&mut cfg);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
-    hf::read_config(dir.path()).map(|c| c.family)
+    hf::read_config(dir.path())
+}
+
+/// The llama3 fixture's `config.json` with `edit` applied, read back.
+fn read_edited(edit: impl FnOnce(&mut serde_json::Value)) -> headroom_trainer::Result<Family> {
+    config_edited("hf-llama3-rope", edit).map(|c| c.family)
 }
 
 #[test]
@@ -313,34 +329,13 @@ fn rotary_scalings_not_implemented_or_out_of_range_are_refused() {
 /// same model, weights unchanged.
 #[test]
 fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
-    use headroom_trainer::train::{train, TrainOptions};
     for name in [
         "hf-llama3-rope",
         "hf-llama-linear-rope",
         "hf-qwen2",
         "hf-mistral",
     ] {
-        let dir = fixture(name);
-        let cpu = Cpu::new();
-        let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
-        let root = tempfile::tempdir().unwrap();
-        let mut o = TrainOptions {
-            model: cfg,
-            init_from: Some(dir.clone()),
-            steps: 1,
-            lr: 1e-30,
-            seq: 48,
-            batch: 2,
-            save: Some((root.path().to_path_buf(), 0)),
-            ..TrainOptions::tiny_default()
-        };
-        if let headroom_trainer::train::DataSource::Synthetic(d) = &mut o.data {
-            d.vocab = cfg.vocab as u32;
-        }
-        let report = train(&o, |_| {}).unwrap();
-        let saved = report.last_checkpoint.unwrap();
-        let written: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(saved.join("config.json")).unwrap()).unwrap();
+        let written = saved_and_read_back(name, 48);
         if name == "hf-qwen2" {
             assert_eq!(written["architectures"][0], "Qwen2ForCausalLM", "{written}");
             assert_eq!(written["model_type"], "qwen2", "{written}");
@@ -355,15 +350,6 @@ fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
             assert!(
                 written["rope_scaling"]["rope_type"].is_string(),
                 "{name}: {written}"
-            );
-        }
-        let (cfg2, back) = hf::load(&saved, &cpu).unwrap();
-        assert_eq!(cfg2, cfg, "{name}");
-        for (a, b) in back.iter().zip(&masters) {
-            assert_eq!(
-                a.as_slice::<f32>().unwrap(),
-                b.as_slice::<f32>().unwrap(),
-                "{name}"
             );
         }
     }
@@ -401,12 +387,7 @@ fn qwen2_matches_transformers() {
 #[test]
 fn qwen2_settings_that_change_the_model_are_refused() {
     let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
-        let text = std::fs::read_to_string(fixture("hf-qwen2").join("config.json")).unwrap();
-        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
-        edit(&mut cfg);
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
-        hf::read_config(dir.path()).map_err(|e| e.to_string())
+        config_edited("hf-qwen2", edit).map_err(|e| e.to_string())
     };
     let err = edited(&|c| c["use_sliding_window"] = true.into()).unwrap_err();
     assert!(err.contains("use_sliding_window"), "{err}");
@@ -424,12 +405,9 @@ fn qwen2_settings_that_change_the_model_are_refused() {
     .unwrap();
     assert!(matches!(cfg.family, Family::Llama(s) if s.qkv_bias()));
     // transformers' own Llama with `attention_bias` biases o_proj too: still refused.
-    let text = std::fs::read_to_string(fixture("hf-llama3-rope").join("config.json")).unwrap();
-    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
-    cfg["attention_bias"] = true.into();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
-    let err = hf::read_config(dir.path()).unwrap_err().to_string();
+    let err = read_edited(|c| c["attention_bias"] = true.into())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("attention_bias is not supported"), "{err}");
 }
 
@@ -533,12 +511,7 @@ fn mistral_matches_transformers() {
 #[test]
 fn a_mistral_sliding_window_shorter_than_the_context_is_refused() {
     let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
-        let text = std::fs::read_to_string(fixture("hf-mistral").join("config.json")).unwrap();
-        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
-        edit(&mut cfg);
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
-        hf::read_config(dir.path()).map_err(|e| e.to_string())
+        config_edited("hf-mistral", edit).map_err(|e| e.to_string())
     };
     let err = edited(&|c| c["sliding_window"] = 16.into()).unwrap_err();
     assert!(err.contains("sliding_window 16 is shorter"), "{err}");
