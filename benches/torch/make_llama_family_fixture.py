@@ -13,16 +13,20 @@ and value projections; Mistral is Llama with a sliding window, which v0.2 and la
 - `hf-qwen2`: Qwen2ForCausalLM, grouped-query attention, tied head (as Qwen2.5-0.5B), rotary
   base 1e6, biases drawn like every other weight;
 - `hf-mistral`: MistralForCausalLM without a sliding window (as Mistral 7B v0.2 and v0.3),
-  rotary base 1e6, one key/value head.
+  rotary base 1e6, one key/value head;
+- `hf-llama-yarn-rope`: LlamaForCausalLM with YaRN (as Qwen2.5's long-context settings add
+  it): factor 4 over an original context of 32, betas 8 and 0.5 and unrounded ramp ends, so
+  the ramp blends two frequencies; the attention factor 0.1·ln 4 + 1 scales cos and sin. Its
+  reference also holds the frequencies and factor of YaRN with transformers' defaults.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
-`inv_freq` buffer (which a loader must reproduce bit for bit).
+`inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
 
 Not a comparison bench: it prints no records; without `--write` it exits with code 3
 ("skipped"), which is what `cargo xtask bench --quick` sees.
 
 Run from the repository root (needs torch, transformers and safetensors; CI only reads the
-committed outputs, 570 KB):
+committed outputs, 720 KB):
     python benches/torch/make_llama_family_fixture.py --write
 """
 
@@ -32,6 +36,7 @@ import sys
 
 import torch
 from safetensors.torch import save_file
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -115,7 +120,18 @@ def mistral():
     return config, MistralForCausalLM
 
 
-def build(name, spec, seed):
+def yarn_defaults_inv_freq():
+    # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
+    # outwards, attention factor from the factor), for the rotary frequencies alone.
+    config, _ = llama(
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    )
+    fn = ROPE_INIT_FUNCTIONS["yarn"]
+    inv_freq, attention_factor = fn(config, "cpu")
+    return inv_freq.float(), attention_factor
+
+
+def build(name, spec, seed, extra=None):
     torch.manual_seed(seed)
     config, cls = spec
     model = cls(config).to(torch.float32).eval()
@@ -131,7 +147,6 @@ def build(name, spec, seed):
         logits = model(input_ids=tokens).logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
     inv_freq = model.model.rotary_emb.inv_freq.float()
-    assert model.model.rotary_emb.attention_scaling == 1.0
     save_file(
         {
             "tokens": tokens.to(torch.int32).contiguous(),
@@ -139,6 +154,8 @@ def build(name, spec, seed):
             "logits": logits.contiguous(),
             "loss": loss.reshape(1).contiguous(),
             "inv_freq": inv_freq.contiguous(),
+            "attention_scaling": torch.tensor([float(model.model.rotary_emb.attention_scaling)]),
+            **(extra or {}),
         },
         os.path.join(directory, "reference.safetensors"),
     )
@@ -165,6 +182,26 @@ def main():
     build("hf-llama-linear-rope", llama({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}), seed=40)
     build("hf-qwen2", qwen2(), seed=50)
     build("hf-mistral", mistral(), seed=60)
+    defaults, defaults_scaling = yarn_defaults_inv_freq()
+    build(
+        "hf-llama-yarn-rope",
+        llama(
+            {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 8.0,
+                "beta_slow": 0.5,
+                "truncate": False,
+            }
+        ),
+        seed=70,
+        extra={
+            "yarn_defaults_inv_freq": defaults.contiguous(),
+            "yarn_defaults_attention_scaling": torch.tensor([float(defaults_scaling)]),
+        },
+    )
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

@@ -714,6 +714,23 @@ fn rope_scaling_json(scaling: &RopeScaling) -> Option<serde_json::Value> {
             "high_freq_factor": high_freq_factor,
             "original_max_position_embeddings": original_max_position_embeddings,
         })),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            truncate,
+        } => Some(serde_json::json!({
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+            // Resolved from the factor (or mscale) when read: written so it reads back alike.
+            "attention_factor": attention_factor,
+            "truncate": truncate,
+        })),
     }
 }
 

@@ -297,9 +297,9 @@ fn get_f64(cfg: &Value, path: &Path, key: &str) -> Result<Option<f64>> {
 /// The rescaling a `rope_parameters` (transformers 5) or `rope_scaling` (4) object names by
 /// its `rope_type` (`type` in configs older than transformers 4.43; neither is `default`, as
 /// there); a kind whose arithmetic is not implemented here is refused, never read as
-/// unscaled. `cfg` is the whole config: llama3's original context is, as transformers'
-/// `standardize_rope_params` takes it, a top-level `original_max_position_embeddings`, else
-/// the object's, else `max_position_embeddings`.
+/// unscaled. `cfg` is the whole config: llama3's and yarn's original context is, as
+/// transformers' `standardize_rope_params` takes it, a top-level
+/// `original_max_position_embeddings`, else the object's, else `max_position_embeddings`.
 fn rope_scaling(obj: &Value, cfg: &Value, path: &Path) -> Result<RopeScaling> {
     let kind = match get_str(obj, path, "rope_type")? {
         Some(k) => Some(k),
@@ -310,6 +310,18 @@ fn rope_scaling(obj: &Value, cfg: &Value, path: &Path) -> Result<RopeScaling> {
             .map(|v| v as f32)
             .ok_or_else(|| bad(path, format!("rope type {kind:?} needs {key}")))
     };
+    // llama3's and yarn's original context, as transformers' `standardize_rope_params` takes it.
+    let original = || -> Result<usize> {
+        let key = "original_max_position_embeddings";
+        let present = |v: &Value| v.get(key).is_some_and(|x| !x.is_null());
+        if present(cfg) {
+            get_usize(cfg, path, key)
+        } else if present(obj) {
+            get_usize(obj, path, key)
+        } else {
+            get_usize(cfg, path, "max_position_embeddings")
+        }
+    };
     let scaling = match kind {
         None | Some("default") => RopeScaling::None,
         Some("linear") => RopeScaling::Linear {
@@ -319,22 +331,46 @@ fn rope_scaling(obj: &Value, cfg: &Value, path: &Path) -> Result<RopeScaling> {
             factor: number("factor")?,
             low_freq_factor: number("low_freq_factor")?,
             high_freq_factor: number("high_freq_factor")?,
-            original_max_position_embeddings: {
-                let key = "original_max_position_embeddings";
-                let present = |v: &Value| v.get(key).is_some_and(|x| !x.is_null());
-                if present(cfg) {
-                    get_usize(cfg, path, key)?
-                } else if present(obj) {
-                    get_usize(obj, path, key)?
-                } else {
-                    get_usize(cfg, path, "max_position_embeddings")?
-                }
-            },
+            original_max_position_embeddings: original()?,
         },
+        Some("yarn") => {
+            let original = original()?;
+            // Python's numbers, f64 until torch meets them: a missing factor is the context
+            // over the original, and the attention factor follows from the factor.
+            let factor = match get_f64(obj, path, "factor")? {
+                Some(f) => f,
+                None => get_usize(cfg, path, "max_position_embeddings")? as f64 / original as f64,
+            };
+            let mscale = |m: f64| {
+                if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * factor.ln() + 1.0
+                }
+            };
+            let truthy = |key: &str| -> Result<Option<f64>> {
+                Ok(get_f64(obj, path, key)?.filter(|&v| v != 0.0))
+            };
+            let attention_factor = match get_f64(obj, path, "attention_factor")? {
+                Some(a) => a,
+                None => match (truthy("mscale")?, truthy("mscale_all_dim")?) {
+                    (Some(m), Some(all)) => mscale(m) / mscale(all),
+                    _ => mscale(1.0),
+                },
+            };
+            RopeScaling::Yarn {
+                factor: factor as f32,
+                original_max_position_embeddings: original,
+                beta_fast: truthy("beta_fast")?.unwrap_or(32.0),
+                beta_slow: truthy("beta_slow")?.unwrap_or(1.0),
+                attention_factor: attention_factor as f32,
+                truncate: get_bool(obj, path, "truncate")?.unwrap_or(true),
+            }
+        }
         Some(other) => {
             return Err(bad(
                 path,
-                format!("rope type {other:?}: default, linear and llama3 load"),
+                format!("rope type {other:?}: default, linear, llama3 and yarn load"),
             ))
         }
     };

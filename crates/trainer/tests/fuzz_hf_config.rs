@@ -146,6 +146,7 @@ fn hugging_face_json_settings() {
         ("hf-llama-gqa-untied", "config.json"),
         ("hf-llama-mha-tied", "config.json"),
         ("hf-llama3-rope", "config.json"),
+        ("hf-llama-yarn-rope", "config.json"),
         ("hf-qwen2", "config.json"),
         ("hf-mistral", "config.json"),
         ("hf-gpt2-sharded", "config.json"),

@@ -142,6 +142,24 @@ fn qwen2_biases_and_llama3_rope_gradients_match_finite_differences() {
     check(cfg, AttentionConfig::flash());
 }
 
+/// YaRN scales cos and sin by its attention factor: the rotation is no longer orthogonal, and
+/// its backward (the negative angle, same scale) must still be its transpose.
+#[test]
+fn yarn_rope_gradients_match_finite_differences() {
+    let mut cfg = llama(2, false);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.rope_scaling = headroom_trainer::model::RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 8,
+            beta_fast: 4.0,
+            beta_slow: 0.5,
+            attention_factor: 1.3,
+            truncate: false,
+        };
+    }
+    check(cfg, AttentionConfig::naive());
+}
+
 #[test]
 fn attention_algorithms_give_the_same_gradients() {
     let cpu = Cpu::new();

@@ -169,7 +169,7 @@ fn malformed_directories_are_typed_errors() {
             &s,
             "rope",
             |_| {},
-            |c| c["rope_parameters"]["rope_type"] = "yarn".into(),
+            |c| c["rope_parameters"]["rope_type"] = "longrope".into(),
         ),
         "rope type",
     );

@@ -170,6 +170,12 @@ fn assert_inv_freq(name: &str, cfg: &headroom_trainer::model::ModelConfig) {
         theirs.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
         "{name}: {inv_freq:?} vs transformers' {theirs:?}"
     );
+    let scaling = f32s(&st, "attention_scaling")[0];
+    assert_eq!(
+        s.rope().attention_factor().to_bits(),
+        scaling.to_bits(),
+        "{name}: attention factor vs transformers' {scaling}"
+    );
 }
 
 /// A rescaled fixture's shape and logits, and its inverse frequencies bit for bit.
@@ -196,6 +202,55 @@ fn llama3_rotary_scaling_matches_transformers() {
             original_max_position_embeddings: 32,
         },
     );
+}
+
+/// YaRN with its ramp between two frequencies and cos and sin scaled; and YaRN with
+/// transformers' defaults (betas 32 and 1, rounded ends, the factor's attention factor) against
+/// the frequencies transformers computed for it.
+#[test]
+fn yarn_rotary_scaling_matches_transformers() {
+    let factor = (0.1 * 4f64.ln() + 1.0) as f32;
+    rescaled_matches_transformers(
+        "hf-llama-yarn-rope",
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 32,
+            beta_fast: 8.0,
+            beta_slow: 0.5,
+            attention_factor: factor,
+            truncate: false,
+        },
+    );
+    let cfg = config_edited("hf-llama-yarn-rope", |c| {
+        c["rope_parameters"] = serde_json::json!({
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        });
+    })
+    .unwrap();
+    let Family::Llama(s) = cfg.family else {
+        panic!("read as GPT-2");
+    };
+    let bytes = std::fs::read(fixture("hf-llama-yarn-rope").join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let theirs = f32s(&st, "yarn_defaults_inv_freq");
+    let ours = s.rope().inv_freq(cfg.head_dim());
+    assert_eq!(
+        ours.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+        theirs.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+        "{ours:?} vs transformers' {theirs:?}"
+    );
+    let scaling = f32s(&st, "yarn_defaults_attention_scaling")[0];
+    assert_eq!(s.rope().attention_factor(), scaling);
+    assert!(matches!(
+        s.rope_scaling,
+        RopeScaling::Yarn {
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -288,8 +343,8 @@ fn rotary_scalings_not_implemented_or_out_of_range_are_refused() {
         assert!(err.contains(what), "{what}: {err}");
     };
     refused(
-        &|c| c["rope_parameters"]["rope_type"] = "yarn".into(),
-        "rope type \"yarn\"",
+        &|c| c["rope_parameters"]["rope_type"] = "longrope".into(),
+        "rope type \"longrope\"",
     );
     refused(
         &|c| c["rope_parameters"]["rope_type"] = "dynamic".into(),
@@ -332,6 +387,7 @@ fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
     for name in [
         "hf-llama3-rope",
         "hf-llama-linear-rope",
+        "hf-llama-yarn-rope",
         "hf-qwen2",
         "hf-mistral",
     ] {

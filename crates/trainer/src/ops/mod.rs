@@ -378,6 +378,53 @@ mod rope_reference {
             }
         }
 
+        /// YaRN's frequencies lie between the interpolated (`p/factor`) and the kept (`p`)
+        /// ones and fall; its attention factor scales the tables' cos and sin. (When the
+        /// ramp's low end passes its clipped high end, every dimension is interpolated, the
+        /// first included, as in transformers.)
+        #[test]
+        fn yarn_frequencies_ramp_from_kept_to_interpolated(
+            half in 1usize..65,
+            theta in prop::sample::select(vec![100.0f32, 10_000.0, 1_000_000.0]),
+            factor in 1.0f32..64.0,
+            beta_fast in 2.0f64..64.0,
+            beta_slow in 0.25f64..2.0,
+            original in 16usize..65_536,
+            truncate in any::<bool>(),
+        ) {
+            let hs = 2 * half;
+            let scaling = rope::RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast,
+                beta_slow,
+                attention_factor: 1.25,
+                truncate,
+            };
+            prop_assert!(scaling.check().is_ok());
+            let yarn = rope::Rope { theta, scaling };
+            let plain = rope::Rope::plain(theta).inv_freq(hs);
+            let scaled = yarn.inv_freq(hs);
+            for (i, (&p, &s)) in plain.iter().zip(&scaled).enumerate() {
+                let interpolated = 1.0 / (factor * theta.powf((2 * i) as f32 / hs as f32));
+                let (lo, hi) = (interpolated.min(p), interpolated.max(p));
+                let slack = 4.0 * f32::EPSILON * hi;
+                prop_assert!(s >= lo - slack && s <= hi + slack, "{}: {} not in [{}, {}]", i, s, lo, hi);
+                if i > 0 {
+                    prop_assert!(s <= scaled[i - 1] * (1.0 + 4.0 * f32::EPSILON), "{} rises", i);
+                }
+            }
+            let (cos, sin) = rope::tables_at(3, 1, hs, yarn);
+            let (cos1, sin1) = rope::tables_at(3, 1, hs, rope::Rope { theta, scaling: rope::RopeScaling::Yarn {
+                factor, original_max_position_embeddings: original, beta_fast, beta_slow,
+                attention_factor: 1.0, truncate,
+            }});
+            for i in 0..half {
+                prop_assert_eq!(cos[i], cos1[i] * 1.25);
+                prop_assert_eq!(sin[i], sin1[i] * 1.25);
+            }
+        }
+
         /// Llama 3's rescaling, against its definition in f64: a frequency whose wavelength is
         /// below `original / high_freq_factor` is kept bit for bit, one above
         /// `original / low_freq_factor` is divided by `factor` bit for bit, and one between is

@@ -38,6 +38,26 @@ pub enum RopeScaling {
         /// The context the model was first trained with (8192 for Llama 3).
         original_max_position_embeddings: usize,
     },
+    /// `yarn` (YaRN, as Qwen2.5's long-context settings add it): frequencies that turn fewer
+    /// than `beta_slow` times over the original context are divided by `factor`, those that
+    /// turn more than `beta_fast` times are kept, a linear ramp over the dimensions between;
+    /// cos and sin are multiplied by `attention_factor`.
+    Yarn {
+        /// How many times longer the context is than the original.
+        factor: f32,
+        /// The context the model was first trained with.
+        original_max_position_embeddings: usize,
+        /// Rotations over the original context above which a frequency is kept (32).
+        beta_fast: f64,
+        /// Rotations over the original context below which a frequency is divided (1).
+        beta_slow: f64,
+        /// The factor on cos and sin: `0.1·ln(factor) + 1` unless the config names it
+        /// (or its `mscale`s).
+        attention_factor: f32,
+        /// Whether the ramp's ends are rounded outwards to whole dimensions (transformers'
+        /// default).
+        truncate: bool,
+    },
 }
 
 impl RopeScaling {
@@ -47,6 +67,7 @@ impl RopeScaling {
             RopeScaling::None => "default",
             RopeScaling::Linear { .. } => "linear",
             RopeScaling::Llama3 { .. } => "llama3",
+            RopeScaling::Yarn { .. } => "yarn",
         }
     }
 
@@ -81,19 +102,50 @@ impl RopeScaling {
                          below high_freq_factor {high_freq_factor}"
                     ));
                 }
-                if original_max_position_embeddings == 0
-                    || original_max_position_embeddings > 1 << 24
-                {
+                check_original(original_max_position_embeddings)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                ..
+            } => {
+                if !factor_ok(factor) {
                     return Err(format!(
-                        "llama3 rope: original_max_position_embeddings \
-                         {original_max_position_embeddings} out of 1..={}",
-                        1 << 24
+                        "yarn rope factor {factor} must be finite and at least 1"
                     ));
                 }
-                Ok(())
+                if !(beta_fast.is_finite() && beta_slow.is_finite() && beta_fast > 0.0)
+                    || beta_slow <= 0.0
+                {
+                    return Err(format!(
+                        "yarn rope: beta_fast {beta_fast} and beta_slow {beta_slow} must be \
+                         finite and positive"
+                    ));
+                }
+                if !(attention_factor.is_finite() && attention_factor > 0.0) {
+                    return Err(format!(
+                        "yarn rope: attention_factor {attention_factor} must be finite and \
+                         positive"
+                    ));
+                }
+                check_original(original_max_position_embeddings)
             }
         }
     }
+}
+
+/// An original context's bounds, as for the model's own.
+fn check_original(original: usize) -> Result<(), String> {
+    if original == 0 || original > 1 << 24 {
+        return Err(format!(
+            "rope: original_max_position_embeddings {original} out of 1..={}",
+            1 << 24
+        ));
+    }
+    Ok(())
 }
 
 /// A model's rotary embedding: the base and its rescaling.
@@ -155,6 +207,55 @@ impl Rope {
                 })
                 .collect()
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                // transformers' `_compute_yarn_parameters`: the ramp's ends in f64 as Python
+                // computes them, the blend in f32 as torch does.
+                let dim = hs as f64;
+                let theta = self.theta as f64;
+                let original = original_max_position_embeddings as f64;
+                let correction = |rotations: f64| {
+                    dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+                // Python's `max += 0.001` when the ends meet, then `max - min`.
+                let span = if low == high {
+                    (high + 0.001) - low
+                } else {
+                    high - low
+                };
+                (0..hs / 2)
+                    .map(|i| {
+                        let pos_freq = self.theta.powf((2 * i) as f32 / hs as f32);
+                        let extrapolation = 1.0 / pos_freq;
+                        let interpolation = 1.0 / (factor * pos_freq);
+                        let ramp = ((i as f32 - low as f32) / span as f32).clamp(0.0, 1.0);
+                        let kept = 1.0 - ramp;
+                        interpolation * (1.0 - kept) + extrapolation * kept
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The factor on cos and sin: 1 but for YaRN's `attention_factor`.
+    pub fn attention_factor(&self) -> f32 {
+        match self.scaling {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            _ => 1.0,
         }
     }
 }
@@ -190,13 +291,17 @@ fn tables_of(
 ) -> (Vec<f32>, Vec<f32>) {
     let half = hs / 2;
     let inv_freq = rope.inv_freq(hs);
+    // transformers multiplies its f32 cos and sin by the factor (YaRN's), in f32; 1 leaves
+    // them as they are. The rotation is then scaled, and its backward (the negative angle)
+    // is still its transpose.
+    let scale = rope.attention_factor();
     let mut cos = vec![0f32; rows * half];
     let mut sin = vec![0f32; rows * half];
     for (row, pos) in positions.take(rows).enumerate() {
         for (i, &f) in inv_freq.iter().enumerate() {
             let angle = (pos * f) as f64;
-            cos[row * half + i] = angle.cos() as f32;
-            sin[row * half + i] = angle.sin() as f32;
+            cos[row * half + i] = angle.cos() as f32 * scale;
+            sin[row * half + i] = angle.sin() as f32 * scale;
         }
     }
     (cos, sin)
