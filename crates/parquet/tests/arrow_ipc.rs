@@ -5,6 +5,8 @@
 //! reader refuses are refused by name and the others still read; damaged files are typed
 //! errors, never panics.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use headroom_fuzzkit::{fuzz_seeds, iterations, Field, Seed};
@@ -14,22 +16,15 @@ use headroom_parquet::{
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow")
+    common::fixture_dir("arrow")
 }
 
 fn manifest() -> Value {
-    let text = std::fs::read_to_string(fixtures().join("MANIFEST.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    common::manifest(&fixtures())
 }
 
 fn expected(name: &str) -> Vec<Row> {
-    let text = std::fs::read_to_string(fixtures().join(name)).unwrap();
-    text.lines()
-        .map(|l| match serde_json::from_str(l).unwrap() {
-            Value::Object(row) => row,
-            other => panic!("{name}: {other} is not an object"),
-        })
-        .collect()
+    common::expected(&fixtures(), name)
 }
 
 fn unsupported_of(entry: &Value) -> Vec<(String, String)> {
@@ -303,12 +298,7 @@ fn seed(name: &str) -> Seed {
 
 fn read(bytes: &[u8]) -> Result<(), ArrowError> {
     let file = ArrowFile::parse(bytes)?;
-    let options = ReadOptions {
-        columns: None,
-        max_values: 1 << 20,
-        max_page_bytes: 1 << 22,
-    };
-    let rows = file.rows(&options)?;
+    let rows = file.rows(&common::fuzz_options())?;
     assert_eq!(rows.len() as u64, file.num_rows());
     for row in &rows {
         assert_eq!(row.len(), file.fields().len());

@@ -7,10 +7,12 @@
 //! `HEADROOM_FUZZ_ITERS` scales the random inputs per campaign
 //! (`scripts/fuzz-long.sh --filter fuzz_parquet`).
 
+mod common;
+
 use std::path::Path;
 
 use headroom_fuzzkit::{fuzz_seeds, iterations, Field, Seed};
-use headroom_parquet::{ParquetError, ParquetFile, ReadOptions};
+use headroom_parquet::{ParquetError, ParquetFile};
 
 const CI_ITERATIONS: u64 = 1500;
 
@@ -30,12 +32,7 @@ fn seed(name: &str) -> Seed {
 
 fn read(bytes: &[u8]) -> Result<(), ParquetError> {
     let file = ParquetFile::parse(bytes)?;
-    let options = ReadOptions {
-        columns: None,
-        max_values: 1 << 20,
-        max_page_bytes: 1 << 22,
-    };
-    let rows = file.rows(&options)?;
+    let rows = file.rows(&common::fuzz_options())?;
     assert_eq!(rows.len() as u64, file.num_rows());
     for row in &rows {
         assert!(row.keys().all(|k| file.fields().contains(k)));

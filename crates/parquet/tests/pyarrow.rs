@@ -3,28 +3,23 @@
 //! row group at a time; the files using what this reader refuses are refused with a typed
 //! error naming the column, and their other columns still read.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 
 use headroom_parquet::{ParquetError, ParquetFile, ReadOptions, Row};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    common::fixture_dir("")
 }
 
 fn manifest() -> Value {
-    let text = std::fs::read_to_string(fixtures().join("MANIFEST.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    common::manifest(&fixtures())
 }
 
 fn expected(name: &str) -> Vec<Row> {
-    let text = std::fs::read_to_string(fixtures().join(name)).unwrap();
-    text.lines()
-        .map(|l| match serde_json::from_str(l).unwrap() {
-            Value::Object(row) => row,
-            other => panic!("{name}: {other} is not an object"),
-        })
-        .collect()
+    common::expected(&fixtures(), name)
 }
 
 #[test]
