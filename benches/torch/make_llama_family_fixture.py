@@ -4,8 +4,10 @@ make_llama_fixture.py's: the variants of the architecture people fine-tune today
 Llama 3.1, 3.2 and 3.3 checkpoints stretch their low rotary frequencies (`rope_type` "llama3"
 in `rope_parameters`, `rope_scaling` before transformers 5); older long-context fine-tunes
 divide every frequency (`linear`). Qwen2 and Qwen2.5 are Llama with biases on the query, key
-and value projections; Mistral is Llama with a sliding window, which v0.2 and later turn off. transformers builds a small random model of each and saves it with
-`save_pretrained`:
+and value projections; Mistral is Llama with a sliding window, which v0.2 and later turn off.
+Qwen3 drops Qwen2's biases, normalises each query and key head (RMSNorm over the head
+dimension, before the rotation) and sets its own head width, which Mistral Nemo does too.
+transformers builds a small random model of each and saves it with `save_pretrained`:
 - `hf-llama3-rope`: LlamaForCausalLM, factor 8, low/high frequency factors 1 and 4 over an
   original context of 32, so at head dimension 16 one frequency is kept, one is blended and
   six are stretched; the reference's 48 positions run past that original context;
@@ -17,7 +19,13 @@ and value projections; Mistral is Llama with a sliding window, which v0.2 and la
 - `hf-llama-yarn-rope`: LlamaForCausalLM with YaRN (as Qwen2.5's long-context settings add
   it): factor 4 over an original context of 32, betas 8 and 0.5 and unrounded ramp ends, so
   the ramp blends two frequencies; the attention factor 0.1·ln 4 + 1 scales cos and sin. Its
-  reference also holds the frequencies and factor of YaRN with transformers' defaults.
+  reference also holds the frequencies and factor of YaRN with transformers' defaults;
+- `hf-qwen3`: Qwen3ForCausalLM, 4 query heads of width 12 over 2 key/value heads on a model
+  32 wide (so q is 48 wide, o_proj 48 → 32), q_norm and k_norm, tied head (as Qwen3-0.6B),
+  rotary base 1e6. Its reference also holds PyTorch's gradient of the mean loss for every
+  parameter (`grad.<name>`);
+- `hf-mistral-head-dim`: MistralForCausalLM with head_dim 16 on a model 32 wide with 4 heads
+  (as Mistral Nemo sets 128 on 5120 with 32).
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -26,7 +34,7 @@ Not a comparison bench: it prints no records; without `--write` it exits with co
 ("skipped"), which is what `cargo xtask bench --quick` sees.
 
 Run from the repository root (needs torch, transformers and safetensors; CI only reads the
-committed outputs, 720 KB):
+committed outputs, 1 MB):
     python benches/torch/make_llama_family_fixture.py --write
 """
 
@@ -44,6 +52,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 OUT = os.path.join("crates", "trainer", "tests", "fixtures")
@@ -120,6 +130,34 @@ def mistral():
     return config, MistralForCausalLM
 
 
+def qwen3():
+    # Qwen3-0.6B's settings in small: head_dim not hidden_size / heads, tied, base 1e6.
+    config = Qwen3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        attention_bias=False,
+        use_sliding_window=False,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    return config, Qwen3ForCausalLM
+
+
+def mistral_head_dim():
+    config, cls = mistral()
+    config.head_dim = 16
+    return config, cls
+
+
 def yarn_defaults_inv_freq():
     # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
     # outwards, attention factor from the factor), for the rotary frequencies alone.
@@ -131,7 +169,7 @@ def yarn_defaults_inv_freq():
     return inv_freq.float(), attention_factor
 
 
-def build(name, spec, seed, extra=None):
+def build(name, spec, seed, extra=None, gradients=False):
     torch.manual_seed(seed)
     config, cls = spec
     model = cls(config).to(torch.float32).eval()
@@ -143,9 +181,14 @@ def build(name, spec, seed, extra=None):
     tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=g)
     targets = torch.randint(0, config.vocab_size, (2, SEQ), generator=g)
     model.config._attn_implementation = "eager"
-    with torch.no_grad():
-        logits = model(input_ids=tokens).logits.float()
+    logits = model(input_ids=tokens).logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
+    grads = {}
+    if gradients:
+        loss.backward()
+        # A tied head's gradient is the embedding's: named once, as the model names it.
+        grads = {f"grad.{n}": p.grad.float().contiguous() for n, p in model.named_parameters()}
+    logits, loss = logits.detach(), loss.detach()
     inv_freq = model.model.rotary_emb.inv_freq.float()
     save_file(
         {
@@ -156,6 +199,7 @@ def build(name, spec, seed, extra=None):
             "inv_freq": inv_freq.contiguous(),
             "attention_scaling": torch.tensor([float(model.model.rotary_emb.attention_scaling)]),
             **(extra or {}),
+            **grads,
         },
         os.path.join(directory, "reference.safetensors"),
     )
@@ -202,6 +246,8 @@ def main():
             "yarn_defaults_attention_scaling": torch.tensor([float(defaults_scaling)]),
         },
     )
+    build("hf-qwen3", qwen3(), seed=80, gradients=True)
+    build("hf-mistral-head-dim", mistral_head_dim(), seed=90)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

@@ -610,8 +610,9 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// `AutoModelForCausalLM.from_pretrained(dir)` loads the checkpoint — a `GPT2LMHeadModel` (no
 /// dropout, tanh GELU, layer norm ε 1e-5, head tied to `wte`) or a `LlamaForCausalLM` (SiLU,
 /// no biases, the run's RMSNorm ε, rotary base and rescaling, key/value heads and head tying;
-/// a `Qwen2ForCausalLM` when q, k and v have biases), with the
-/// token ids the run carries from its base ([`Companions::token_ids`]).
+/// a `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM` for a model of that
+/// class; the head width always written), with the token ids the run carries from its base
+/// ([`Companions::token_ids`]).
 pub(crate) fn hf_config(
     c: &ModelConfig,
     token_ids: Option<&serde_json::Map<String, serde_json::Value>>,
@@ -662,18 +663,20 @@ pub(crate) fn hf_config(
         }
         if s.class != LlamaClass::Llama {
             // Mistral's and Qwen2's classes have no bias settings (Qwen2's q, k and v biases
-            // are built in), and their sliding windows are off: every layer attends to the
-            // whole context.
+            // are built in), Qwen3's has attention_bias alone; their sliding windows are off:
+            // every layer attends to the whole context.
             object.insert(
                 "architectures".into(),
                 serde_json::json!([s.class.architecture()]),
             );
             object.insert("model_type".into(), s.class.model_type().into());
-            object.remove("attention_bias");
+            if s.class != LlamaClass::Qwen3 {
+                object.remove("attention_bias");
+            }
             object.remove("mlp_bias");
             object.insert("sliding_window".into(), serde_json::Value::Null);
         }
-        if s.class == LlamaClass::Qwen2 {
+        if matches!(s.class, LlamaClass::Qwen2 | LlamaClass::Qwen3) {
             object.insert("use_sliding_window".into(), false.into());
             object.insert("max_window_layers".into(), c.layers.into());
         }
@@ -2433,6 +2436,7 @@ mod tests {
         let llama = ModelConfig {
             family: Family::Llama(LlamaShape {
                 kv_heads: 1,
+                head_dim: None,
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),

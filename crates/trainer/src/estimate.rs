@@ -262,6 +262,9 @@ fn estimate_for(
     let bt = b * t;
     let btc = bt * c;
     let btf = bt * u(cfg.ffn());
+    // Queries' and the attention output's width: C, or NH·hs for a Llama with its own head
+    // width.
+    let btq = bt * u(cfg.attention_width());
     // Keys' and values' width: C, or KV·hs under grouped-query attention.
     let btk = bt * u(cfg.kv_heads() * cfg.head_dim());
     let selective = tech.model.selective || tech.checkpoint == CheckpointChoice::Selective;
@@ -273,10 +276,16 @@ fn estimate_for(
     // What selective recomputation drops: GPT-2's ln1, ln2 and GELU output; Llama's two norms
     // and the SwiGLU product.
     let dropped_by_selective = (2 * btc + btf) * a;
-    let attention_saved = (btc + 2 * btk) * a // q, k, v
-        + btc * a // attention output
+    // Qwen3's query and key norms keep their inputs and one statistic per head and position.
+    let qk_norms = match cfg.family {
+        Family::Llama(s) if s.qk_norm() => (btq + btk) * a + b * t * (h + u(s.kv_heads)) * 4,
+        _ => 0,
+    };
+    let attention_saved = (btq + 2 * btk) * a // q, k, v
+        + btq * a // attention output
         + b * h * t * 4 // logsumexp
-        + probs;
+        + probs
+        + qk_norms;
     let mlp_saved = if llama { 2 * btf * a } else { btf * a }; // gate and up, or fch
     let block_saved = 2 * norm_stats
         + attention_saved
@@ -803,12 +812,26 @@ fn llama_block_workspace(
     use params::llama_layer as o;
     let (c, f) = (u(cfg.channels), u(cfg.ffn()));
     let k = u(cfg.kv_heads() * cfg.head_dim());
-    let (btc, btf, btk) = (bt * c, bt * f, bt * k);
+    let (btc, btf, btk, btq) = (bt * c, bt * f, bt * k, bt * u(cfg.attention_width()));
     let (cu, fu, ku) = (cfg.channels, cfg.ffn(), cfg.kv_heads() * cfg.head_dim());
+    let wu = cfg.attention_width();
+    let qk_norm = matches!(cfg.family, Family::Llama(s) if s.qk_norm());
     // The incoming gradient.
     let (mlp_common, attn_common) = (btc, btc);
     // down's backward: dact.
     let first = lin.peak(mlp_common + btf, o::DOWN, fu, cu, true) * 4;
+    // From attention's backward on: dres2 and dq, dk, dv.
+    let attn_grads = attn_common + btc + btq + 2 * btk;
+    // Qwen3's query and key norms' backward: each head norm's input gradient beside the
+    // gradients (a bf16/f16 gain is read through an f32 copy; a frozen one's gradient lands
+    // in a scratch), the query's while dq is live, the key's once dq is replaced by it.
+    let hs = u(cfg.head_dim());
+    let gain = if low { hs } else { 0 } + if lin.finetune.is_some() { hs } else { 0 };
+    let head_norms = if qk_norm {
+        (attn_grads + btq + gain).max(attn_grads + btk + gain)
+    } else {
+        0
+    };
     let later = [
         // SwiGLU's backward: dgate, and dact becoming dup in place.
         mlp_common + 2 * btf,
@@ -817,11 +840,12 @@ fn llama_block_workspace(
         // up's backward: dup, dnorm2.
         lin.peak(mlp_common + btf + btc, o::UP, cu, fu, true),
         // o_proj's backward: dres2, atty, datty (atty is f32 scratch: no view).
-        lin.peak(attn_common + 3 * btc, o::O, cu, cu, false),
+        lin.peak(attn_common + btc + 2 * btq, o::O, wu, cu, false),
+        head_norms,
         // q's, k's and v's backward: dres2, dq, dk, dv, dnorm1, the merged head gradient.
-        lin.peak(attn_common + 3 * btc + 2 * btk + btc, o::Q, cu, cu, true),
-        lin.peak(attn_common + 3 * btc + 2 * btk + btk, o::K, cu, ku, true),
-        lin.peak(attn_common + 3 * btc + 2 * btk + btk, o::V, cu, ku, true),
+        lin.peak(attn_grads + btc + btq, o::Q, cu, wu, true),
+        lin.peak(attn_grads + btc + btk, o::K, cu, ku, true),
+        lin.peak(attn_grads + btc + btk, o::V, cu, ku, true),
     ]
     .into_iter()
     .max()
@@ -829,18 +853,19 @@ fn llama_block_workspace(
         * 4;
     // Attention's own workspace (naive's probability gradient, partials, scratch; reading
     // bf16/f16, a group of heads' f32 copies), with dres2, dy and dq/dk/dv.
-    let attention = (4 * btc + 2 * btk) * 4 + attn.backward;
+    let attention = (attn_grads + btq) * 4 + attn.backward;
     // The forward (`llama_block_forward`; its f32 outputs are workspace until rounded in low
     // precision): each projection with its output, q/k/v's through a flat scratch; attention
-    // with its own workspace.
+    // with its own workspace. Qwen3's head norms write a fresh output once their input is
+    // kept: less than the flat scratch and the heads together.
     let fresh = |elems: u64| if low { elems } else { 0 };
     let forward = [
-        lin.forward_peak(btc, o::Q, cu, cu, true),
+        lin.forward_peak(btq, o::Q, cu, wu, true),
         lin.forward_peak(btk, o::K, cu, ku, true),
         lin.forward_peak(btk, o::V, cu, ku, true),
-        btc + fresh(btc),
+        btq + fresh(btq),
         attn.forward(),
-        lin.forward_peak(btc + fresh(btc), o::O, cu, cu, false),
+        lin.forward_peak(btq + fresh(btc), o::O, wu, cu, false),
         lin.forward_peak(fresh(btf), o::GATE, cu, fu, true),
         lin.forward_peak(fresh(btf), o::UP, cu, fu, true),
         lin.forward_peak(fresh(btc), o::DOWN, fu, cu, true),

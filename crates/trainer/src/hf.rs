@@ -1,7 +1,8 @@
 //! Hugging Face model directories in: `config.json` plus `model.safetensors` (or a sharded
 //! `model.safetensors.index.json`) for `GPT2LMHeadModel`, `LlamaForCausalLM`,
-//! `MistralForCausalLM` (Llama's computation without its sliding window) and
-//! `Qwen2ForCausalLM` (Llama with q/k/v biases), with the tensor names and layouts
+//! `MistralForCausalLM` (Llama's computation without its sliding window), `Qwen2ForCausalLM`
+//! (Llama with q/k/v biases) and `Qwen3ForCausalLM` (Llama with an RMSNorm of each query and
+//! key head), any of the four with its own head width, with the tensor names and layouts
 //! transformers writes.
 //!
 //! Memory: each tensor is read from its file in bounded chunks straight into its fp32 master
@@ -387,8 +388,8 @@ fn rope_scaling(obj: &Value, cfg: &Value, path: &Path) -> Result<RopeScaling> {
     Ok(scaling)
 }
 
-/// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral or Qwen2),
-/// checked.
+/// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral, Qwen2 or
+/// Qwen3), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
     let bytes = read_json(&path)?;
@@ -489,8 +490,10 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             }
         }
         // Qwen2 is Llama with biases on q, k and v (fixed, not a setting) and an optional
-        // sliding window, refused here: every layer must attend to the whole context.
-        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" => {
+        // sliding window, refused here: every layer must attend to the whole context. Qwen3
+        // drops the biases (a setting, refused when on: it would bias o_proj too) and adds
+        // the query/key norms.
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM" => {
             let class = LlamaClass::of_architecture(arch).unwrap_or_default();
             let act = get_str(&cfg, &path, "hidden_act")?;
             if !matches!(act, None | Some("silu")) {
@@ -514,7 +517,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     ));
                 }
             }
-            if class == LlamaClass::Qwen2 {
+            if matches!(class, LlamaClass::Qwen2 | LlamaClass::Qwen3) {
                 if get_bool(&cfg, &path, "use_sliding_window")? == Some(true) {
                     return Err(bad(
                         &path,
@@ -534,11 +537,16 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                         ));
                     }
                 }
-            } else if class == LlamaClass::Llama {
-                for flag in ["attention_bias", "mlp_bias"] {
-                    if get_bool(&cfg, &path, flag)? == Some(true) {
-                        return Err(bad(&path, format!("{flag} is not supported")));
-                    }
+            }
+            // Mistral's and Qwen2's classes have no bias settings.
+            let bias_settings: &[&str] = match class {
+                LlamaClass::Llama => &["attention_bias", "mlp_bias"],
+                LlamaClass::Qwen3 => &["attention_bias"],
+                LlamaClass::Mistral | LlamaClass::Qwen2 => &[],
+            };
+            for &flag in bias_settings {
+                if get_bool(&cfg, &path, flag)? == Some(true) {
+                    return Err(bad(&path, format!("{flag} is not supported")));
                 }
             }
             // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters.
@@ -558,17 +566,16 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             .unwrap_or(10_000.0);
             let heads = get_usize(&cfg, &path, "num_attention_heads")?;
             let channels = get_usize(&cfg, &path, "hidden_size")?;
-            // transformers derives head_dim when it is absent or null; any other value must
-            // be an integer, and the product is checked because both come from the file.
-            if !matches!(cfg.get("head_dim"), None | Some(Value::Null)) {
-                let hd = get_usize(&cfg, &path, "head_dim")?;
-                if heads == 0 || hd.checked_mul(heads) != Some(channels) {
-                    return Err(bad(
-                        &path,
-                        format!("head_dim {hd} × {heads} heads is not hidden_size {channels}"),
-                    ));
-                }
-            }
+            // Llama's and Mistral's configs derive head_dim (hidden_size / heads) when it is
+            // absent or null; Qwen3's is 128 when absent. Kept only when it differs from the
+            // derived width, so such a model's shape reads as any Llama's.
+            let head_dim = match (cfg.get("head_dim"), class) {
+                (None, LlamaClass::Qwen3) => Some(128),
+                (None | Some(Value::Null), _) => None,
+                (Some(_), _) => Some(get_usize(&cfg, &path, "head_dim")?),
+            };
+            let head_dim =
+                head_dim.filter(|&hd| heads == 0 || hd.checked_mul(heads) != Some(channels));
             let kv_heads = match cfg.get("num_key_value_heads") {
                 None | Some(Value::Null) => heads,
                 Some(_) => get_usize(&cfg, &path, "num_key_value_heads")?,
@@ -581,6 +588,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 channels,
                 family: Family::Llama(LlamaShape {
                     kv_heads,
+                    head_dim,
                     ffn: get_usize(&cfg, &path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     rope_scaling,
@@ -595,7 +603,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 &path,
                 format!(
                     "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM, \
-                     MistralForCausalLM and Qwen2ForCausalLM load"
+                     MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM load"
                 ),
             ))
         }

@@ -15,6 +15,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
     let family = if llama {
         Family::Llama(LlamaShape {
             kv_heads: 4,
+            head_dim: None,
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -21,6 +21,7 @@ fn configs() -> [ModelConfig; 2] {
     let llama = ModelConfig {
         family: Family::Llama(LlamaShape {
             kv_heads: 2,
+            head_dim: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

@@ -47,6 +47,7 @@ fn llama() -> ModelConfig {
         channels: 256,
         family: Family::Llama(LlamaShape {
             kv_heads: 2,
+            head_dim: None,
             ffn: 384,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -18,6 +18,7 @@ fn model(llama: bool) -> ModelConfig {
     let family = if llama {
         Family::Llama(LlamaShape {
             kv_heads: 2,
+            head_dim: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
@@ -113,6 +114,7 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
     cfg.heads = 2;
     cfg.family = Family::Llama(LlamaShape {
         kv_heads: 1,
+        head_dim: None,
         ffn: 40,
         rope_theta: 10_000.0,
         rope_scaling: Default::default(),
@@ -135,6 +137,30 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
             ("narrow chunked fp32", chunked),
         ],
     );
+}
+
+/// Qwen3's shape: heads 24 wide on a model 64 wide (queries and the attention output 96
+/// wide), each query and key head normalised (its input and statistics kept), under the
+/// combinations that change what a block keeps and how its backward's moments line up.
+#[test]
+fn qwen3_estimates_equal_the_trackers_peaks() {
+    let mut cfg = model(true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Qwen3;
+        s.head_dim = Some(24);
+    }
+    let keep = [
+        "fp32 baseline",
+        "sqrt-n bf16 flash",
+        "full stack + accumulation",
+        "selective flash",
+        "every-2 fp16 flash fused",
+    ];
+    let combos = combos()
+        .into_iter()
+        .filter(|(name, _)| keep.contains(name))
+        .collect();
+    check(cfg, combos);
 }
 
 /// A vocabulary wider than two of the bf16 output's strips, so that under bf16 the head keeps

@@ -22,6 +22,7 @@ fn model(llama: bool) -> ModelConfig {
     let family = if llama {
         Family::Llama(LlamaShape {
             kv_heads: 2,
+            head_dim: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
@@ -224,4 +225,34 @@ fn llama_finetune_estimates_equal_the_trackers_peaks() {
 #[test]
 fn gpt2_finetune_estimates_equal_the_trackers_peaks() {
     check_family(false);
+}
+
+/// LoRA and QLoRA on Qwen3's shape: heads 24 wide on a model 64 wide (q_proj 96 × 64, o_proj
+/// 64 × 96), the query and key norms frozen with the base (their gains' gradients land in
+/// scratch), in fp32 and bf16 and under the full stack.
+#[test]
+fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
+    let keep = [
+        "fp32 dense all=true",
+        "bf16 nf4+dq all=true",
+        "bf16 nf4 all=false",
+        "bf16 nf4+dq every-1 flash fused offloaded 8-bit",
+        "… selective, micro-batch 2",
+    ];
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for (name, tech) in combos(true) {
+        if !keep.contains(&name.as_str()) {
+            continue;
+        }
+        let mut o = options(true, tech);
+        if let Family::Llama(s) = &mut o.model.family {
+            s.class = headroom_trainer::model::LlamaClass::Qwen3;
+            s.head_dim = Some(24);
+        }
+        check(&format!("qwen3 {name}"), &o, &mut failures);
+        ran += 1;
+    }
+    assert_eq!(ran, keep.len());
+    assert!(failures.is_empty(), "{failures:#?}");
 }

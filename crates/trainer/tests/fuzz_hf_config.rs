@@ -149,6 +149,7 @@ fn hugging_face_json_settings() {
         ("hf-llama-yarn-rope", "config.json"),
         ("hf-qwen2", "config.json"),
         ("hf-mistral", "config.json"),
+        ("hf-qwen3", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

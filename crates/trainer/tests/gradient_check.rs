@@ -43,6 +43,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
         channels: 16,
         family: Family::Llama(LlamaShape {
             kv_heads,
+            head_dim: None,
             ffn: 24,
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,
@@ -140,6 +141,22 @@ fn qwen2_biases_and_llama3_rope_gradients_match_finite_differences() {
     }
     assert_eq!(params::param_infos(&cfg).len(), cfg.tensor_count().unwrap());
     check(cfg, AttentionConfig::flash());
+}
+
+/// Qwen3: each query and key head RMS-normalised before the rotation (the norms' gains get
+/// gradients through the rotation and the attention), with heads 6 wide on a model 16 wide,
+/// so q is 24 wide and o_proj maps 24 back to 16.
+#[test]
+fn qwen3_head_norms_and_own_head_width_gradients_match_finite_differences() {
+    let mut cfg = llama(2, true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Qwen3;
+        s.head_dim = Some(6);
+    }
+    assert_eq!(cfg.attention_width(), 24);
+    assert_eq!(params::param_infos(&cfg).len(), cfg.tensor_count().unwrap());
+    check(cfg, AttentionConfig::flash());
+    check(cfg, AttentionConfig::naive());
 }
 
 /// YaRN scales cos and sin by its attention factor: the rotation is no longer orthogonal, and

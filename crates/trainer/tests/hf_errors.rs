@@ -527,8 +527,10 @@ fn a_non_finite_weight_is_refused_where_it_is_quantized() {
 }
 
 /// config.json values that the shape check multiplies are checked, not wrapped: 2^62 + 8 ×
-/// 4 heads is 2^64 + 32, which wraps to the fixture's hidden size of 32. A head_dim that is
-/// present must be an integer (null is transformers' "derive it").
+/// 4 heads is 2^64 + 32, which would wrap to the fixture's hidden size of 32. A head_dim that
+/// is present must be an integer (null is transformers' "derive it"); one that differs from
+/// hidden_size / heads is the model's own head width, so weights of the derived width are
+/// refused by their shapes.
 #[test]
 fn head_dim_is_an_integer_whose_product_is_checked() {
     let s = tempfile::tempdir().unwrap();
@@ -539,7 +541,7 @@ fn head_dim_is_an_integer_whose_product_is_checked() {
             |_| {},
             |c| c["head_dim"] = 4_611_686_018_427_387_912u64.into(),
         ),
-        "head_dim 4611686018427387912 × 4 heads is not hidden_size 32",
+        "head dimension 4611686018427387912 × 4 heads must be in 1..=131072",
     );
     refused(
         &variant(&s, "head-dim-text", |_| {}, |c| c["head_dim"] = "8".into()),
@@ -548,6 +550,10 @@ fn head_dim_is_an_integer_whose_product_is_checked() {
     refused(
         &variant(&s, "head-dim-float", |_| {}, |c| c["head_dim"] = 8.5.into()),
         "head_dim is not a non-negative integer",
+    );
+    refused(
+        &variant(&s, "head-dim-other", |_| {}, |c| c["head_dim"] = 4.into()),
+        "q_proj.weight has shape [32, 32], expected [16, 32]",
     );
     let derived = variant(&s, "head-dim-null", |_| {}, |c| c["head_dim"] = Value::Null);
     assert_eq!(masters(&derived), masters(&fixture()));

@@ -4,7 +4,8 @@
 //! and a tied head, and a `GPT2LMHeadModel` saved in four shards — loaded from their
 //! `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and the
 //! mean cross-entropy within 1e-5, in f32. Rescaled rotary embeddings (Llama 3.1's `llama3`,
-//! `linear`), Qwen2 (q/k/v biases) and Mistral against
+//! `linear`), Qwen2 (q/k/v biases), Mistral, Qwen3 (query/key norms, its own head width; its
+//! gradients against PyTorch's autograd too) and a Mistral with its own head width against
 //! `benches/torch/make_llama_family_fixture.py`'s models, their inverse frequencies bit for
 //! bit.
 
@@ -390,9 +391,20 @@ fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
         "hf-llama-yarn-rope",
         "hf-qwen2",
         "hf-mistral",
+        "hf-qwen3",
+        "hf-mistral-head-dim",
     ] {
         let written = saved_and_read_back(name, 48);
-        if name == "hf-qwen2" {
+        if name == "hf-qwen3" {
+            assert_eq!(written["architectures"][0], "Qwen3ForCausalLM", "{written}");
+            assert_eq!(written["model_type"], "qwen3", "{written}");
+            assert_eq!(written["head_dim"], 12, "{written}");
+            assert_eq!(written["attention_bias"], false, "{written}");
+            assert_eq!(written["use_sliding_window"], false, "{written}");
+        } else if name == "hf-mistral-head-dim" {
+            assert_eq!(written["model_type"], "mistral", "{written}");
+            assert_eq!(written["head_dim"], 16, "{written}");
+        } else if name == "hf-qwen2" {
             assert_eq!(written["architectures"][0], "Qwen2ForCausalLM", "{written}");
             assert_eq!(written["model_type"], "qwen2", "{written}");
         } else if name == "hf-mistral" {
@@ -467,12 +479,18 @@ fn qwen2_settings_that_change_the_model_are_refused() {
     assert!(err.contains("attention_bias is not supported"), "{err}");
 }
 
-/// QLoRA on Qwen2 as a user runs it: the base frozen in NF4 (its biases kept as they are, as
-/// bitsandbytes keeps a `Linear4bit`'s bias), adapters on every block linear; the loss falls,
-/// and the
-/// merged model is a `Qwen2ForCausalLM` whose biases are the base's, bit for bit.
-#[test]
-fn qlora_on_qwen2_trains_and_merges_into_a_qwen2() {
+/// QLoRA on fixture `name` as a user runs it: the base frozen in NF4, adapters on every block
+/// linear, 60 steps; the loss falls, and the merged model reads back as the base's shape.
+/// Returns the base's parameter names and masters, the merged masters and the merged
+/// `config.json`.
+fn qlora_trained_and_merged(
+    name: &str,
+) -> (
+    Vec<String>,
+    Vec<headroom_tensor::CpuTensor>,
+    Vec<headroom_tensor::CpuTensor>,
+    serde_json::Value,
+) {
     use super::common::headroom_command;
     let dir = tempfile::tempdir().unwrap();
     let p = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
@@ -486,7 +504,7 @@ fn qlora_on_qwen2_trains_and_merges_into_a_qwen2() {
         String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr)
     };
     run(&["data", "synth", &p("tok.bin"), "--vocab", "97"]);
-    let base = fixture("hf-qwen2");
+    let base = fixture(name);
     let out = run(&[
         "train",
         "--init-from",
@@ -520,34 +538,71 @@ fn qlora_on_qwen2_trains_and_merges_into_a_qwen2() {
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
         .collect();
-    assert_eq!(losses.len(), 60, "{out}");
+    assert_eq!(losses.len(), 60, "{name}: {out}");
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
     assert!(
         mean(&losses[50..]) < mean(&losses[..10]) - 0.3,
-        "losses {losses:?}"
+        "{name}: losses {losses:?}"
     );
     let cpu = Cpu::new();
     let (merged_cfg, merged) = hf::load(&dir.path().join("merged"), &cpu).unwrap();
     let (base_cfg, masters) = hf::load(&base, &cpu).unwrap();
-    assert_eq!(merged_cfg, base_cfg);
+    assert_eq!(merged_cfg, base_cfg, "{name}");
     let written: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.path().join("merged/config.json")).unwrap())
             .unwrap();
-    assert_eq!(written["architectures"][0], "Qwen2ForCausalLM");
-    let infos = headroom_trainer::model::params::param_infos(&base_cfg);
-    let mut biases = 0;
-    for ((info, a), b) in infos.iter().zip(&merged).zip(&masters) {
-        if info.name.ends_with("_proj.bias") {
-            biases += 1;
+    let names = headroom_trainer::model::params::param_infos(&base_cfg)
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    (names, masters, merged, written)
+}
+
+/// The merged tensors whose names end in `suffix` equal the base's bit for bit; how many.
+fn kept_from_the_base(
+    names: &[String],
+    masters: &[headroom_tensor::CpuTensor],
+    merged: &[headroom_tensor::CpuTensor],
+    suffix: &str,
+) -> usize {
+    let mut kept = 0;
+    for ((name, a), b) in names.iter().zip(merged).zip(masters) {
+        if name.ends_with(suffix) {
+            kept += 1;
             assert_eq!(
                 a.as_slice::<f32>().unwrap(),
                 b.as_slice::<f32>().unwrap(),
-                "{}",
-                info.name
+                "{name}"
             );
         }
     }
-    assert_eq!(biases, 6);
+    kept
+}
+
+/// QLoRA on Qwen2: the base's biases are kept as they are (as bitsandbytes keeps a
+/// `Linear4bit`'s bias), and the merged model is a `Qwen2ForCausalLM` whose biases are the
+/// base's, bit for bit.
+#[test]
+fn qlora_on_qwen2_trains_and_merges_into_a_qwen2() {
+    let (names, masters, merged, written) = qlora_trained_and_merged("hf-qwen2");
+    assert_eq!(written["architectures"][0], "Qwen2ForCausalLM");
+    assert_eq!(
+        kept_from_the_base(&names, &masters, &merged, "_proj.bias"),
+        6
+    );
+}
+
+/// QLoRA on Qwen3, whose q_proj (48 × 32) and o_proj (32 × 48) are not square: the merged
+/// model is a `Qwen3ForCausalLM` whose query and key norms are the base's, bit for bit.
+#[test]
+fn qlora_on_qwen3_trains_and_merges_into_a_qwen3() {
+    let (names, masters, merged, written) = qlora_trained_and_merged("hf-qwen3");
+    assert_eq!(written["architectures"][0], "Qwen3ForCausalLM");
+    assert_eq!(written["head_dim"], 12);
+    assert_eq!(
+        kept_from_the_base(&names, &masters, &merged, "_norm.weight"),
+        4
+    );
 }
 
 #[test]
@@ -588,4 +643,140 @@ fn a_mistral_sliding_window_shorter_than_the_context_is_refused() {
         err.contains("not the model_type of MistralForCausalLM"),
         "{err}"
     );
+}
+
+#[test]
+fn qwen3_matches_transformers() {
+    let cfg = matches_reference("hf-qwen3");
+    let Family::Llama(s) = cfg.family else {
+        panic!("read as GPT-2");
+    };
+    assert_eq!(s.class, LlamaClass::Qwen3);
+    assert!(s.qk_norm() && !s.qkv_bias() && s.tied_head);
+    assert_eq!(
+        (s.head_dim, cfg.head_dim(), cfg.attention_width()),
+        (Some(12), 12, 48)
+    );
+    assert_inv_freq("hf-qwen3", &cfg);
+    assert_eq!((s.kv_heads, s.rope_theta, s.norm_eps), (2, 1e6, 1e-6));
+    // Two head norms per block beside Llama's nine, `[head_dim]` each.
+    let infos = headroom_trainer::model::params::param_infos(&cfg);
+    assert_eq!(infos.len(), cfg.tensor_count().unwrap());
+    let numel: usize = infos
+        .iter()
+        .map(|i| i.shape.iter().product::<usize>())
+        .sum();
+    assert_eq!(cfg.parameter_count().unwrap(), numel as u64);
+    let norms: Vec<_> = infos
+        .iter()
+        .filter(|i| i.name.ends_with("q_norm.weight") || i.name.ends_with("k_norm.weight"))
+        .collect();
+    assert_eq!(norms.len(), 2 * 2);
+    assert!(norms.iter().all(|i| i.shape == [12]));
+}
+
+/// The gradient of the mean loss for every parameter against PyTorch's autograd on the same
+/// model and batch: the head norms' backward (through the rotation), the 48-wide queries and
+/// the tied head. Within 1e-4 of each tensor's largest gradient.
+#[test]
+fn qwen3_gradients_match_pytorch() {
+    use headroom_ckpt::Schedule;
+    use headroom_tensor::MemoryCategory;
+    use headroom_trainer::model::params;
+    let dir = fixture("hf-qwen3");
+    let cpu = Cpu::new();
+    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+    let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (tokens, targets) = (ids(&st, "tokens"), ids(&st, "targets"));
+    let g = Geometry::new(2, 48);
+    let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+    let all = Schedule::store_all(cfg.layers).unwrap();
+    model
+        .forward_backward(&tokens, &targets, g, &mut grads, 1.0 / 96.0, &all)
+        .unwrap();
+    for (info, got) in params::param_infos(&cfg).iter().zip(&grads) {
+        let want = f32s(&st, &format!("grad.{}", info.name));
+        let got = got.as_slice::<f32>().unwrap();
+        assert_eq!(got.len(), want.len(), "{}", info.name);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "{}: largest {scale:e}, worst difference {worst:e}",
+            info.name
+        );
+        assert!(scale > 0.0, "{}", info.name);
+        assert!(
+            worst <= 1e-4 * scale,
+            "{}: gradients differ by {worst} (largest {scale})",
+            info.name
+        );
+    }
+}
+
+#[test]
+fn qwen3_settings_that_change_the_model_are_refused() {
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        config_edited("hf-qwen3", edit).map_err(|e| e.to_string())
+    };
+    let err = edited(&|c| c["use_sliding_window"] = true.into()).unwrap_err();
+    assert!(err.contains("use_sliding_window"), "{err}");
+    let err = edited(&|c| c["layer_types"][0] = "sliding_attention".into()).unwrap_err();
+    assert!(err.contains("only full_attention"), "{err}");
+    // Qwen3's attention_bias biases o_proj as well as q, k and v.
+    let err = edited(&|c| c["attention_bias"] = true.into()).unwrap_err();
+    assert!(err.contains("attention_bias is not supported"), "{err}");
+    let err = edited(&|c| c["head_dim"] = 7.into()).unwrap_err();
+    assert!(err.contains("even head dimension"), "{err}");
+    let err = edited(&|c| c["head_dim"] = 0.into()).unwrap_err();
+    assert!(err.contains("head dimension 0"), "{err}");
+    let err = edited(&|c| c["head_dim"] = (1u64 << 40).into()).unwrap_err();
+    assert!(err.contains("head dimension"), "{err}");
+    // Qwen3Config's head_dim is 128 when absent, not hidden_size / heads.
+    let cfg = edited(&|c| {
+        c.as_object_mut().unwrap().remove("head_dim");
+    })
+    .unwrap();
+    assert_eq!((cfg.head_dim(), cfg.attention_width()), (128, 512));
+    // A head_dim equal to hidden_size / heads is the derived one: the shape reads as any
+    // Llama's.
+    let cfg = edited(&|c| c["head_dim"] = 8.into()).unwrap();
+    assert!(matches!(cfg.family, Family::Llama(s) if s.head_dim.is_none() && s.qk_norm()));
+    let err = edited(&|c| c["model_type"] = "qwen2".into()).unwrap_err();
+    assert!(
+        err.contains("not the model_type of Qwen3ForCausalLM"),
+        "{err}"
+    );
+}
+
+/// Mistral Nemo's shape in small: a head width (16) that is not hidden_size / heads (8), read
+/// from `head_dim`; Llama's and Mistral's derive it when the key is absent or null.
+#[test]
+fn a_mistral_with_its_own_head_width_matches_transformers() {
+    let cfg = matches_reference("hf-mistral-head-dim");
+    let Family::Llama(s) = cfg.family else {
+        panic!("read as GPT-2");
+    };
+    assert_eq!(s.class, LlamaClass::Mistral);
+    assert!(!s.qk_norm() && !s.qkv_bias());
+    assert_eq!(
+        (cfg.head_dim(), cfg.attention_width(), cfg.channels),
+        (16, 64, 32)
+    );
+    assert_inv_freq("hf-mistral-head-dim", &cfg);
+    for absent in [None, Some(serde_json::Value::Null)] {
+        let cfg = config_edited("hf-mistral-head-dim", |c| match &absent {
+            None => {
+                c.as_object_mut().unwrap().remove("head_dim");
+            }
+            Some(v) => c["head_dim"] = v.clone(),
+        })
+        .unwrap();
+        assert_eq!(cfg.head_dim(), 8);
+    }
 }

@@ -40,6 +40,7 @@ fn llama() -> ModelConfig {
         channels: 16,
         family: Family::Llama(LlamaShape {
             kv_heads: 2,
+            head_dim: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

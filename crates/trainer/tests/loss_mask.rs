@@ -33,6 +33,7 @@ fn config(family: Family) -> ModelConfig {
 fn llama() -> Family {
     Family::Llama(LlamaShape {
         kv_heads: 1,
+        head_dim: None,
         ffn: 24,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),

@@ -31,6 +31,7 @@ fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
     let family = match llama {
         Some(kv_heads) => Family::Llama(LlamaShape {
             kv_heads,
+            head_dim: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -104,6 +104,7 @@ fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
     let family = if llama {
         Family::Llama(LlamaShape {
             kv_heads: 1,
+            head_dim: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

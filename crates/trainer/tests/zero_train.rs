@@ -64,6 +64,7 @@ fn options(family: Family, ranks: usize, steps: usize) -> TrainOptions {
 fn llama() -> Family {
     Family::Llama(LlamaShape {
         kv_heads: 1,
+        head_dim: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
@@ -248,12 +249,14 @@ fn every_stage_on_2_3_4_ranks_equals_one_process_bit_for_bit() {
     }
 }
 
-/// Qwen2's q/k/v biases with Llama 3's rescaled rotary embedding and a tied head: the biases
-/// are parts like any other, so every stage on 2 ranks is still one process bit for bit.
+/// Qwen2's q/k/v biases with Llama 3's rescaled rotary embedding and a tied head, and Qwen3's
+/// query/key norms with heads 16 wide on a model 24 wide: the biases and the norms' gains are
+/// parts like any other, so every stage on 2 ranks is still one process bit for bit.
 #[test]
-fn qwen2_with_rescaled_rope_under_every_stage_equals_one_process() {
-    let family = Family::Llama(LlamaShape {
+fn qwen2_and_qwen3_under_every_stage_equal_one_process() {
+    let qwen2 = LlamaShape {
         kv_heads: 1,
+        head_dim: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: headroom_trainer::model::RopeScaling::Llama3 {
@@ -265,16 +268,24 @@ fn qwen2_with_rescaled_rope_under_every_stage_equals_one_process() {
         class: headroom_trainer::model::LlamaClass::Qwen2,
         norm_eps: 1e-6,
         tied_head: true,
-    });
-    let o = options(family, 2, 8);
-    let mut refs = std::collections::HashMap::new();
-    for stage in Stage::ALL {
-        let want = refs
-            .entry(stage.reduction_order())
-            .or_insert_with(|| reference(&o, stage, 2));
-        let got = run(&o, stage, 2);
-        assert!(got.0[7] < got.0[0], "the loss falls");
-        assert_bitwise(&format!("qwen2 {stage} on 2 ranks"), &got, want);
+    };
+    let qwen3 = LlamaShape {
+        head_dim: Some(16),
+        rope_scaling: Default::default(),
+        class: headroom_trainer::model::LlamaClass::Qwen3,
+        ..qwen2
+    };
+    for (name, shape) in [("qwen2", qwen2), ("qwen3", qwen3)] {
+        let o = options(Family::Llama(shape), 2, 8);
+        let mut refs = std::collections::HashMap::new();
+        for stage in Stage::ALL {
+            let want = refs
+                .entry(stage.reduction_order())
+                .or_insert_with(|| reference(&o, stage, 2));
+            let got = run(&o, stage, 2);
+            assert!(got.0[7] < got.0[0], "{name}: the loss falls");
+            assert_bitwise(&format!("{name} {stage} on 2 ranks"), &got, want);
+        }
     }
 }
 

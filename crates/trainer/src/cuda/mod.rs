@@ -100,8 +100,7 @@ pub fn check_options(cfg: &ModelConfig, opts: &ModelOptions) -> Result<()> {
     let hd = cfg.head_dim();
     if hd != 64 && hd != 128 {
         return refuse(format!(
-            "the CUDA flash kernels need head dimension 64 or 128, not {hd} ({} channels / {} heads)",
-            cfg.channels, cfg.heads
+            "the CUDA flash kernels need head dimension 64 or 128, not {hd}"
         ));
     }
     if let Some(0) = opts.loss_chunk {

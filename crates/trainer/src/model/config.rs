@@ -24,6 +24,11 @@ pub struct LlamaShape {
     /// Key/value heads (`num_key_value_heads`): a divisor of the query heads; fewer is
     /// grouped-query attention.
     pub kv_heads: usize,
+    /// Width of a head (`head_dim`) when it is not the model width over the heads, as in
+    /// Qwen3 and Mistral Nemo: q, k and v are then `heads · head_dim` wide, not `C` (absent in
+    /// checkpoints written before it existed: `C / heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
     /// Width of the SwiGLU MLP (`intermediate_size`).
     pub ffn: usize,
     /// Rotary base (`rope_theta`).
@@ -43,8 +48,8 @@ pub struct LlamaShape {
 }
 
 /// Which Hugging Face class a Llama-shaped model is. They compute alike but for Qwen2's
-/// biases: Mistral's sliding window is refused when it would cut the context, and so is
-/// Qwen2's.
+/// biases and Qwen3's query/key norms: a sliding window (Mistral's, Qwen2's, Qwen3's) is
+/// refused when it would cut the context.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LlamaClass {
@@ -56,11 +61,20 @@ pub enum LlamaClass {
     /// `Qwen2ForCausalLM` (Qwen2, Qwen2.5): biases on the query, key and value projections
     /// (Llama's own `attention_bias` also biases the output projection; not supported).
     Qwen2,
+    /// `Qwen3ForCausalLM` (Qwen3 dense): an RMSNorm over each query and key head (`q_norm`,
+    /// `k_norm`, gains `[head_dim]`) before the rotation, no biases, and usually a head width
+    /// that is not `C / heads`.
+    Qwen3,
 }
 
 impl LlamaClass {
     /// Every class.
-    pub const ALL: [LlamaClass; 3] = [LlamaClass::Llama, LlamaClass::Mistral, LlamaClass::Qwen2];
+    pub const ALL: [LlamaClass; 4] = [
+        LlamaClass::Llama,
+        LlamaClass::Mistral,
+        LlamaClass::Qwen2,
+        LlamaClass::Qwen3,
+    ];
 
     /// transformers' class name (`architectures`).
     pub fn architecture(self) -> &'static str {
@@ -68,6 +82,7 @@ impl LlamaClass {
             LlamaClass::Llama => "LlamaForCausalLM",
             LlamaClass::Mistral => "MistralForCausalLM",
             LlamaClass::Qwen2 => "Qwen2ForCausalLM",
+            LlamaClass::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 
@@ -77,6 +92,7 @@ impl LlamaClass {
             LlamaClass::Llama => "llama",
             LlamaClass::Mistral => "mistral",
             LlamaClass::Qwen2 => "qwen2",
+            LlamaClass::Qwen3 => "qwen3",
         }
     }
 
@@ -90,6 +106,11 @@ impl LlamaShape {
     /// Whether q, k and v add a bias (Qwen2).
     pub fn qkv_bias(&self) -> bool {
         self.class == LlamaClass::Qwen2
+    }
+
+    /// Whether each query and key head is RMS-normalised before the rotation (Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.class == LlamaClass::Qwen3
     }
 
     /// The rotary embedding: the base and its rescaling.
@@ -177,6 +198,7 @@ impl ModelConfig {
             channels: 64,
             family: Family::Llama(LlamaShape {
                 kv_heads: 2,
+                head_dim: None,
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -198,6 +220,7 @@ impl ModelConfig {
             channels: 384,
             family: Family::Llama(LlamaShape {
                 kv_heads: 2,
+                head_dim: None,
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -208,9 +231,20 @@ impl ModelConfig {
         }
     }
 
-    /// Head dimension.
+    /// Head dimension: a Llama's own `head_dim`, else `C / heads`.
     pub fn head_dim(&self) -> usize {
-        self.channels / self.heads.max(1)
+        match self.family {
+            Family::Llama(LlamaShape {
+                head_dim: Some(hs), ..
+            }) => hs,
+            _ => self.channels / self.heads.max(1),
+        }
+    }
+
+    /// Width of the queries and of the attention output, `heads · head_dim`: `C` unless a
+    /// Llama sets its own head width. Saturates; [`ModelConfig::validate`] bounds it.
+    pub fn attention_width(&self) -> usize {
+        self.heads.saturating_mul(self.head_dim())
     }
 
     /// Key/value heads (the query heads' count outside grouped-query attention).
@@ -240,12 +274,10 @@ impl ModelConfig {
     /// Parameter tensors: GPT-2's `wte`, `wpe`, 12 per block and `ln_f`'s two; Llama's
     /// embedding, 9 per block, the final norm and an untied head.
     pub fn tensor_count(&self) -> Result<usize> {
-        let (per_layer, outside) = match self.family {
-            Family::Gpt2 => (crate::model::params::PER_LAYER, 4),
-            Family::Llama(s) => (
-                crate::model::params::LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias()),
-                2 + usize::from(!s.tied_head),
-            ),
+        let per_layer = crate::model::params::per_layer(self);
+        let outside = match self.family {
+            Family::Gpt2 => 4,
+            Family::Llama(s) => 2 + usize::from(!s.tied_head),
         };
         self.layers
             .checked_mul(per_layer)
@@ -254,7 +286,8 @@ impl ModelConfig {
     }
 
     /// Parameters, every product checked. GPT-2: `V·C + T·C + L·(12C² + 13C) + 2C`. Llama:
-    /// `V·C·(1 or 2) + L·(2C·(C + KV·hs) + 3C·F + 2C (+ C + 2·KV·hs with q/k/v biases)) + C`.
+    /// `V·C·(1 or 2) + L·(2C·(NH·hs + KV·hs) + 3C·F + 2C (+ NH·hs + 2·KV·hs with q/k/v
+    /// biases, + 2·hs with query/key norms)) + C`.
     pub fn parameter_count(&self) -> Result<u64> {
         let (v, t, l, c) = (
             self.vocab as u64,
@@ -277,18 +310,20 @@ impl ModelConfig {
                     .ok_or_else(overflow)
             }
             Family::Llama(s) => {
-                let hs = c / (self.heads.max(1) as u64);
+                let hs = self.head_dim() as u64;
+                let q = (self.heads as u64).checked_mul(hs).ok_or_else(overflow)?;
                 let kv = (s.kv_heads as u64).checked_mul(hs).ok_or_else(overflow)?;
                 let f = s.ffn as u64;
-                // q and o are C×C (heads·hs = C), k and v C×kv, three C×F, two norms; with
-                // Qwen2's biases, C + 2·kv more.
-                let biases = if s.qkv_bias() { c + 2 * kv } else { 0 };
-                let per_layer = c
+                // q and o are C×q, k and v C×kv, three C×F, two norms; with Qwen2's biases,
+                // q + 2·kv more; with Qwen3's query and key norms, 2·hs more.
+                let biases = if s.qkv_bias() { q + 2 * kv } else { 0 };
+                let qk_norms = if s.qk_norm() { 2 * hs } else { 0 };
+                let per_layer = q
                     .checked_add(kv)
                     .and_then(|x| x.checked_mul(c)?.checked_mul(2))
                     .and_then(|x| x.checked_add(c.checked_mul(f)?.checked_mul(3)?))
                     .and_then(|x| x.checked_add(c.checked_mul(2)?))
-                    .and_then(|x| x.checked_add(biases));
+                    .and_then(|x| x.checked_add(biases)?.checked_add(qk_norms));
                 let heads = if s.tied_head { 1u64 } else { 2 };
                 v.checked_mul(c)
                     .and_then(|e| e.checked_mul(heads))
@@ -312,14 +347,34 @@ impl ModelConfig {
         {
             return bad(format!("every dimension must be positive: {self:?}"));
         }
-        if !self.channels.is_multiple_of(self.heads) {
-            return bad(format!(
-                "channels {} not divisible by heads {}",
-                self.channels, self.heads
-            ));
+        let own_head_dim = match self.family {
+            Family::Llama(s) => s.head_dim,
+            Family::Gpt2 => None,
+        };
+        match own_head_dim {
+            None if !self.channels.is_multiple_of(self.heads) => {
+                return bad(format!(
+                    "channels {} not divisible by heads {}",
+                    self.channels, self.heads
+                ));
+            }
+            Some(hs)
+                if hs == 0
+                    || self
+                        .heads
+                        .checked_mul(hs)
+                        .is_none_or(|w| w > Self::MAX_CHANNELS) =>
+            {
+                return bad(format!(
+                    "head dimension {hs} × {} heads must be in 1..={}",
+                    self.heads,
+                    Self::MAX_CHANNELS
+                ));
+            }
+            _ => {}
         }
         if let Family::Llama(s) = self.family {
-            let hs = self.channels / self.heads;
+            let hs = self.head_dim();
             if s.kv_heads == 0 || !self.heads.is_multiple_of(s.kv_heads) {
                 return bad(format!(
                     "key/value heads {} must divide the {} query heads",

@@ -1,6 +1,8 @@
 //! The Llama block: RMSNorm, attention with rotary positions and grouped-query heads, RMSNorm,
 //! SwiGLU MLP, no biases — forward (keeping [`LlamaSaved`]) and backward, written once over
-//! [`ModelOps`]. Transformers' `LlamaDecoderLayer` computes the same function.
+//! [`ModelOps`]. Transformers' `LlamaDecoderLayer` computes the same function; its classes'
+//! variations are here too: Qwen2's q/k/v biases and Qwen3's RMSNorm of each query and key
+//! head before the rotation.
 //!
 //! As in the GPT-2 block, every kept tensor is rounded to the storage precision as soon as it
 //! is computed and every later reader reads the rounded values, so checkpointed gradients
@@ -30,6 +32,11 @@ pub struct LlamaSaved<T = CpuTensor> {
     pub q: T,
     /// `[B, KV, T, hs]` keys after the rotary embedding.
     pub k: T,
+    /// Qwen3's per-head norm of the queries: its `[B, NH, T, hs]` input and `[B, NH, T]`
+    /// statistics (`None` without query/key norms).
+    pub q_norm: Option<HeadNorm<T>>,
+    /// Qwen3's per-head norm of the keys: `[B, KV, T, hs]` and `[B, KV, T]`.
+    pub k_norm: Option<HeadNorm<T>>,
     /// `[B, KV, T, hs]` values.
     pub v: T,
     /// Attention output `[B, NH, T, hs]`, logsumexp `[B, NH, T]` f32 (and naive attention's
@@ -50,9 +57,29 @@ pub struct LlamaSaved<T = CpuTensor> {
     pub act: Option<T>,
 }
 
+/// What the RMSNorm of each query or key head keeps for its backward: the projection's heads
+/// it normalised (storage precision) and its f32 reciprocal root mean squares, one per head
+/// and position.
+pub struct HeadNorm<T = CpuTensor> {
+    /// `[B, H, T, hs]` the heads before the norm.
+    pub input: T,
+    /// `[B, H, T]` f32 reciprocal root mean squares.
+    pub stats: NormStats<T>,
+}
+
+/// Rotated queries or keys, kept, and what their head norm keeps (Qwen3's; `None` otherwise).
+type RotatedHeads<T> = (T, Option<HeadNorm<T>>);
+
+impl<T: Tensor> HeadNorm<T> {
+    fn size_in_bytes(&self) -> usize {
+        self.input.size_in_bytes() + self.stats.size_in_bytes()
+    }
+}
+
 impl<T: Tensor> headroom_ckpt::SavedState for LlamaSaved<T> {
     fn size_in_bytes(&self) -> usize {
         let opt = |t: &Option<T>| t.as_ref().map_or(0, |t| t.size_in_bytes());
+        let head_norm = |n: &Option<HeadNorm<T>>| n.as_ref().map_or(0, HeadNorm::size_in_bytes);
         let a = &self.attn;
         [
             &self.q,
@@ -73,6 +100,8 @@ impl<T: Tensor> headroom_ckpt::SavedState for LlamaSaved<T> {
             + opt(&self.norm2)
             + opt(&self.act)
             + opt(&a.probs)
+            + head_norm(&self.q_norm)
+            + head_norm(&self.k_norm)
     }
 }
 
@@ -140,6 +169,76 @@ impl<B: ModelOps> Model<B> {
         Ok(out)
     }
 
+    /// Queries or keys: `x` projected by `w_off` into `heads` heads, each RMS-normalised with
+    /// the gain at `norm_off` when the class has query/key norms (Qwen3), rotated from
+    /// position `pos0`, kept. With the norm, its kept input and statistics come back for the
+    /// backward.
+    #[allow(clippy::too_many_arguments)]
+    fn rotated_heads(
+        &self,
+        l: usize,
+        bw: &[B::Tensor],
+        x: &B::Tensor,
+        (w_off, norm_off): (usize, usize),
+        heads: usize,
+        rope: Rope,
+        pos0: usize,
+        g: Geometry<'_>,
+    ) -> Result<RotatedHeads<B::Tensor>> {
+        let projected = self.project_heads(l, bw, x, w_off, heads, g)?;
+        let (mut rotated, norm) = match self.cfg.family {
+            Family::Llama(s) if s.qk_norm() => {
+                // Kept before the norm reads it, so a recomputed or stored backward sees the
+                // values the forward normalised. Keeping it costs B·T·(NH + KV)·hs elements
+                // per block; the alternative, recovering it from the kept rotated output,
+                // would divide by the gain (and by its bf16 rounding) or recompute the
+                // projection's GEMM.
+                let input = self.keep(projected)?;
+                let mut rstd = self.stat([g.b, heads, g.t])?;
+                let mut out = self.fresh_overwritten(input.shape().clone())?;
+                self.backend().rmsnorm(
+                    &mut out,
+                    &mut rstd,
+                    &input,
+                    at(bw, norm_off)?,
+                    s.norm_eps,
+                )?;
+                let stats = NormStats { mean: None, rstd };
+                (out, Some(HeadNorm { input, stats }))
+            }
+            _ => (projected, None),
+        };
+        self.rope(&mut rotated, rope, pos0, g, false)?;
+        Ok((self.keep(rotated)?, norm))
+    }
+
+    /// The backward of [`Model::rotated_heads`]' norm, when there is one: `dh`, the gradient
+    /// of the normalised heads, becomes that of the projection's; the gain's gradient
+    /// accumulates into `grads`.
+    fn head_norm_backward(
+        &self,
+        grads: &mut [B::Tensor],
+        bw: &[B::Tensor],
+        dh: B::Tensor,
+        norm: Option<&HeadNorm<B::Tensor>>,
+        norm_off: usize,
+    ) -> Result<B::Tensor> {
+        let Some(n) = norm else {
+            return Ok(dh);
+        };
+        let mut dinput = self.scratch(dh.shape().clone())?;
+        self.norm_backward(
+            &mut dinput,
+            self.param_grads(grads, norm_off, None).0,
+            None,
+            &dh,
+            &n.input,
+            at(bw, norm_off)?,
+            &n.stats,
+        )?;
+        Ok(dinput)
+    }
+
     /// Llama block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]`
     /// (storage precision) and, when `save`, what backward needs.
     ///
@@ -164,13 +263,11 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "input_norm");
         let (norm1, norm1_stats) = self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?;
         let _t = self.tag(l, "attn.q");
-        let mut q = self.project_heads(l, bw, &norm1, o::Q, nh, g)?;
-        self.rope(&mut q, rope, pos0, g, false)?;
-        let q = self.keep(q)?;
+        let (q, q_norm) =
+            self.rotated_heads(l, bw, &norm1, (o::Q, o::Q_NORM), nh, rope, pos0, g)?;
         let _t = self.tag(l, "attn.k");
-        let mut k = self.project_heads(l, bw, &norm1, o::K, kvh, g)?;
-        self.rope(&mut k, rope, pos0, g, false)?;
-        let k = self.keep(k)?;
+        let (k, k_norm) =
+            self.rotated_heads(l, bw, &norm1, (o::K, o::K_NORM), kvh, rope, pos0, g)?;
         let _t = self.tag(l, "attn.v");
         let v = self.project_heads(l, bw, &norm1, o::V, kvh, g)?;
         let v = self.keep(v)?;
@@ -178,7 +275,7 @@ impl<B: ModelOps> Model<B> {
         let kv = self.extend_kv(kv, k, v)?;
         let attn = self.attend(&q, &kv, g)?;
         let _t = self.tag(l, "attn.o_proj");
-        let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
+        let mut atty = self.scratch_overwritten([g.b, g.t, self.cfg.attention_width()])?;
         be.merge_heads(&mut atty, attn.output(), 0)?;
         let mut res2 = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(l, bw, o::O, None, &mut res2, &atty)?;
@@ -213,6 +310,8 @@ impl<B: ModelOps> Model<B> {
             norm1_stats,
             q,
             k,
+            q_norm,
+            k_norm,
             v,
             attn: attn.into_kept()?,
             res2,
@@ -325,9 +424,10 @@ impl<B: ModelOps> Model<B> {
         drop(dnorm2);
         // res2 = inp + o_proj(atty), atty = the attention output with heads merged.
         let _t = self.tag(l, "attn.backward");
-        let mut atty = self.scratch_overwritten([g.b, g.t, c])?;
+        let width = self.cfg.attention_width();
+        let mut atty = self.scratch_overwritten([g.b, g.t, width])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
-        let mut datty = self.scratch([g.b, g.t, c])?;
+        let mut datty = self.scratch([g.b, g.t, width])?;
         self.block_linear_backward(l, bw, o::O, None, &mut datty, grads, &dres2, &atty)?;
         drop(atty);
         let mut dy = self.scratch_overwritten(s.q.shape().clone())?;
@@ -338,12 +438,15 @@ impl<B: ModelOps> Model<B> {
         // The rotation is orthogonal: its backward rotates the gradient back.
         self.rope(&mut ag.dq, rope, 0, g, true)?;
         self.rope(&mut ag.dk, rope, 0, g, true)?;
+        let dq = self.head_norm_backward(grads, bw, ag.dq, s.q_norm.as_ref(), o::Q_NORM)?;
+        let dk = self.head_norm_backward(grads, bw, ag.dk, s.k_norm.as_ref(), o::K_NORM)?;
+        drop((s.q_norm, s.k_norm));
         let _t = self.tag(l, "input_norm.backward");
         let mut dnorm1 = self.scratch([g.b, g.t, c])?;
-        for (dh, off) in [(&ag.dq, o::Q), (&ag.dk, o::K), (&ag.dv, o::V)] {
+        for (dh, off) in [(&dq, o::Q), (&dk, o::K), (&ag.dv, o::V)] {
             self.project_heads_backward(l, bw, &mut dnorm1, grads, dh, &norm1, off)?;
         }
-        drop((ag, norm1));
+        drop((dq, dk, ag.dv, norm1));
         // The residual passes dres2 straight through to the block input.
         let mut dinp = dres2;
         self.norm_backward(

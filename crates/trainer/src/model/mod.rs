@@ -25,6 +25,6 @@ pub use precision::Precision;
 pub(crate) use transformer::View;
 pub use transformer::{
     check_batch, counted_targets, BlockOutput, BlockSaved, Documents, Geometry, Gpt2Saved,
-    HeadGrads, HeadWeights, LlamaSaved, Model, ModelOptions, NormStats, Part, PartStore,
+    HeadGrads, HeadNorm, HeadWeights, LlamaSaved, Model, ModelOptions, NormStats, Part, PartStore,
     IGNORE_TARGET,
 };

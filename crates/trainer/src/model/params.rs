@@ -38,8 +38,9 @@ pub mod layer {
     pub const FC_PROJ_B: usize = 11;
 }
 
-/// Offsets of a Llama block's tensors within its 9 (12 with Qwen2's q/k/v biases, which
-/// follow the nine so that every other offset is the same in both layouts).
+/// Offsets of a Llama block's tensors within its 9: 12 with Qwen2's q/k/v biases, 11 with
+/// Qwen3's query and key norms. Either follows the nine, so that every other offset is the
+/// same in every layout; no class has both, so they share offsets.
 #[allow(missing_docs)]
 pub mod llama_layer {
     pub const INPUT_NORM: usize = 0;
@@ -54,6 +55,8 @@ pub mod llama_layer {
     pub const Q_BIAS: usize = 9;
     pub const K_BIAS: usize = 10;
     pub const V_BIAS: usize = 11;
+    pub const Q_NORM: usize = 9;
+    pub const K_NORM: usize = 10;
 }
 
 /// Index of the token embedding (`wte`, `model.embed_tokens`; also a tied output head).
@@ -76,7 +79,9 @@ pub struct ParamInfo {
 pub fn per_layer(cfg: &ModelConfig) -> usize {
     match cfg.family {
         Family::Gpt2 => PER_LAYER,
-        Family::Llama(s) => LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias()),
+        Family::Llama(s) => {
+            LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias()) + 2 * usize::from(s.qk_norm())
+        }
     }
 }
 
@@ -170,6 +175,10 @@ pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
                     v.push(p(h("self_attn.q_proj.bias"), vec![q], false));
                     v.push(p(h("self_attn.k_proj.bias"), vec![kv], false));
                     v.push(p(h("self_attn.v_proj.bias"), vec![kv], false));
+                }
+                if s.qk_norm() {
+                    v.push(p(h("self_attn.q_norm.weight"), vec![hs], false));
+                    v.push(p(h("self_attn.k_norm.weight"), vec![hs], false));
                 }
             }
             v.push(p("model.norm.weight".into(), vec![c], false));

@@ -8,8 +8,8 @@
 //! everything transient (activation gradients, f32 views of low-precision tensors, scratch)
 //! under [`MemoryCategory::Workspace`], so the tracker's numbers are the model's.
 //!
-//! Notation: B batch, T sequence, C channels, NH heads, KV key/value heads, hs = C/NH, F the
-//! MLP width, V vocab.
+//! Notation: B batch, T sequence, C channels, NH heads, KV key/value heads, hs the head width
+//! (C/NH unless a Llama sets its own), F the MLP width, V vocab.
 
 use headroom_amp::{AutocastPreset, MasterWeights, MasterWeightsConfig};
 use headroom_attn::{AttentionConfig, DocumentMask};
@@ -18,7 +18,7 @@ use headroom_profiler::label_absolute;
 use headroom_tensor::{Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
 pub use crate::model::gpt2_block::Gpt2Saved;
-pub use crate::model::llama_block::LlamaSaved;
+pub use crate::model::llama_block::{HeadNorm, LlamaSaved};
 use crate::model::ops::{HeadLossGrads, ModelOps};
 use crate::model::params::{self, WPE, WTE};
 use crate::model::{Family, ModelConfig, Precision};
@@ -504,18 +504,18 @@ impl<B: ModelOps> Model<B> {
         w: &B::Tensor,
         stats: &NormStats<B::Tensor>,
     ) -> Result<()> {
-        let c = self.cfg.channels;
+        // A gain is `[C]`, or `[hs]` for Qwen3's query and key norms.
         let mut spare_w = None;
         let dw = match dw {
             Some(t) => t,
-            None => spare_w.insert(self.scratch([c])?),
+            None => spare_w.insert(self.scratch(w.shape().clone())?),
         };
         match &stats.mean {
             Some(mean) => {
                 let mut spare_b = None;
                 let db = match db {
                     Some(t) => t,
-                    None => spare_b.insert(self.scratch([c])?),
+                    None => spare_b.insert(self.scratch(w.shape().clone())?),
                 };
                 self.backend
                     .layernorm_backward(dx, dw, db, dy, x, w, mean, &stats.rstd)
