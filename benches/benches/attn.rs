@@ -19,6 +19,13 @@
 //! The torch script's records name `attn/<pass>/flash/T<N>` as their baseline, so the report
 //! shows torch / headroom-flash for the same run.
 //!
+//! Criterion group `attn/window` (sliding windows, Mistral's and Qwen2's): flash
+//! forward+backward at N = 4096 with windows of 512 and 1024 keys (`DocumentMask::narrowed`),
+//! function `flash_W<w>`, next to plain causal flash (`baseline_flash_causal`) in the same run.
+//! Records `attn/window/fwd_bwd/flash_W<w>/T4096`: `median_time` (ms) with the causal run as
+//! the baseline. Key tiles before a query tile's window are skipped, so the work falls from
+//! N²/2 to about N·W.
+//!
 //! With the `cuda` feature (issue 11) a GPU section runs after the CPU part: headroom's bf16
 //! FlashAttention-2 kernels, forward and forward+backward, at the shape of
 //! `benches/torch/attn.py --device cuda` (batch 4, 16 heads, N = 4096, head_dim 128, causal),
@@ -194,6 +201,76 @@ fn timings(c: &mut Criterion) {
             record_timings(pass, n, &medians_s, flops);
         }
         group.finish();
+    }
+}
+
+const WINDOW_SEQ: usize = 4096;
+const WINDOWS: [usize; 2] = [512, 1024];
+
+fn windows(c: &mut Criterion) {
+    use headroom_attn::DocumentMask;
+    let cpu = Cpu::new();
+    let n = WINDOW_SEQ;
+    let x = inputs(&cpu, n);
+    let config = AttentionConfig::flash().causal(true);
+    let mut group = c.benchmark_group("attn/window");
+    group.sampling_mode(SamplingMode::Flat);
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_millis(500));
+    let mut medians_s: Vec<(String, Option<usize>, f64)> = Vec::new();
+    let runs = std::iter::once(None).chain(WINDOWS.map(Some));
+    for window in runs {
+        let mask = window.map(|w| {
+            DocumentMask::causal(1, n)
+                .and_then(|m| m.narrowed(|_, i| (i + 1).saturating_sub(w)))
+                .expect("window mask")
+        });
+        let name = match window {
+            Some(w) => format!("flash_W{w}"),
+            None => "baseline_flash_causal".into(),
+        };
+        let mut per_call = Vec::new();
+        group.bench_function(BenchmarkId::new(&name, format!("T{n}")), |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let fwd = match &mask {
+                        Some(m) => cpu.attention_forward_documents(&x.q, &x.k, &x.v, &config, m),
+                        None => cpu.attention_forward(&x.q, &x.k, &x.v, &config),
+                    }
+                    .expect("forward");
+                    let g = cpu
+                        .attention_backward(&x.q, &x.k, &x.v, &fwd, &x.d_out)
+                        .expect("backward");
+                    black_box((fwd, g));
+                }
+                let took = start.elapsed();
+                per_call.push(took.as_secs_f64() / iters.max(1) as f64);
+                took
+            })
+        });
+        medians_s.push((name, window, median(per_call)));
+    }
+    group.finish();
+    let causal_s = medians_s
+        .iter()
+        .find(|(_, w, _)| w.is_none())
+        .map(|&(_, _, s)| s);
+    for (name, window, s) in &medians_s {
+        let bench = format!("attn/window/fwd_bwd/{}/T{n}", algo_id(name));
+        let baseline = window.map(|_| format!("attn/window/fwd_bwd/flash_causal/T{n}"));
+        let base_s = causal_s.filter(|_| baseline.is_some());
+        println!("{bench}: {:.1} ms", s * 1e3);
+        write(Record {
+            bench,
+            metric: "median_time".into(),
+            value: s * 1e3,
+            unit: "ms".into(),
+            baseline,
+            baseline_value: base_s.map(|b| b * 1e3),
+            ratio: base_s.map(|b| s / b),
+            better: Better::Lower,
+        });
     }
 }
 
@@ -692,7 +769,7 @@ mod on_cuda {
 }
 
 #[cfg(not(feature = "cuda"))]
-criterion_group!(benches, memory, timings);
+criterion_group!(benches, memory, timings, windows);
 #[cfg(feature = "cuda")]
-criterion_group!(benches, memory, timings, on_cuda::timings);
+criterion_group!(benches, memory, timings, windows, on_cuda::timings);
 criterion_main!(benches);

@@ -170,6 +170,89 @@ impl DocumentMask {
         })
     }
 
+    /// Plain causal attention as a mask: one document per batch row of `seq` positions, so
+    /// every query sees every key up to its own. What [`DocumentMask::narrowed`] starts from
+    /// when nothing is packed; it gives plain causal attention's bits.
+    ///
+    /// Errors: [`AttnError::PositionCount`] when `batch × seq` overflows or `seq` exceeds
+    /// u32.
+    pub fn causal(batch: usize, seq: usize) -> Result<Self> {
+        let count_error = |reason| AttnError::PositionCount {
+            batch,
+            seq,
+            got: 0,
+            reason,
+        };
+        let len = batch
+            .checked_mul(seq)
+            .ok_or_else(|| count_error("batch × seq overflows usize"))?;
+        if u32::try_from(seq).is_err() {
+            return Err(count_error(
+                "seq exceeds u32::MAX, the largest start a u32 can hold",
+            ));
+        }
+        Ok(DocumentMask {
+            batch,
+            seq,
+            starts: vec![0; len].into(),
+            hidden: None,
+        })
+    }
+
+    /// This mask with each query `row` of batch row `b` also kept from the keys before
+    /// `first_key(b, row)` (a key index): its first visible key becomes the later of the two.
+    /// A sliding window of `W` keys is `first_key = position + 1 − W` for the query's key
+    /// position — Mistral's and Qwen2's `sliding_window`, where a query sees `p − W < j ≤ p`.
+    /// Packed documents and padding keep their own bounds; the window only narrows them.
+    ///
+    /// The tiled kernels skip key tiles by the first row of a query tile, which needs first
+    /// keys that never decrease along a row: a window's (and a window's over documents) never
+    /// do.
+    ///
+    /// Errors: [`AttnError::MaskStart`] for the first query whose first key would be below
+    /// its predecessor's, or past u32.
+    ///
+    /// ```
+    /// use headroom_attn::DocumentMask;
+    ///
+    /// # fn main() -> Result<(), headroom_attn::AttnError> {
+    /// // A window of 3 keys over one row of 6: query i sees keys i − 2 ..= i.
+    /// let window = 3;
+    /// let mask = DocumentMask::causal(1, 6)?.narrowed(|_, i| (i + 1).saturating_sub(window))?;
+    /// let starts: Vec<_> = (0..6).map(|i| mask.document_start(0, i).unwrap()).collect();
+    /// assert_eq!(starts, [0, 0, 0, 1, 2, 3]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn narrowed(&self, first_key: impl Fn(usize, usize) -> usize) -> Result<Self> {
+        let mut starts = Vec::with_capacity(self.starts.len());
+        if self.seq > 0 {
+            for (b, row) in self.starts.chunks_exact(self.seq).enumerate() {
+                let mut previous = 0u32;
+                for (i, &start) in row.iter().enumerate() {
+                    let asked = first_key(b, i);
+                    let bad = |reason| AttnError::MaskStart {
+                        row: b,
+                        index: i,
+                        got: asked,
+                        reason,
+                    };
+                    let asked = u32::try_from(asked).map_err(|_| bad("exceeds u32::MAX"))?;
+                    let first = start.max(asked);
+                    if first < previous {
+                        return Err(bad("below the previous query's first key"));
+                    }
+                    starts.push(first);
+                    previous = first;
+                }
+            }
+        }
+        Ok(DocumentMask {
+            starts: starts.into(),
+            ..self.clone()
+        })
+    }
+
     /// Whether this is a [`DocumentMask::padding`] mask (every query's document starts at key
     /// 0; keys may outnumber queries).
     pub fn is_padding(&self) -> bool {
@@ -245,6 +328,49 @@ mod tests {
         assert_eq!(m.row_starts(1), Some(&[0u32, 1, 1, 1, 4][..]));
         let empty = DocumentMask::from_positions(3, 0, &[]).unwrap();
         assert_eq!((empty.documents(), empty.document_start(0, 0)), (0, None));
+    }
+
+    #[test]
+    fn a_window_narrows_documents_and_padding_without_widening_them() {
+        let docs = DocumentMask::from_positions(1, 6, &[0, 1, 2, 3, 0, 1]).unwrap();
+        let w = docs.narrowed(|_, i| (i + 1).saturating_sub(2)).unwrap();
+        assert_eq!(w.row_starts(0), Some(&[0u32, 0, 1, 2, 4, 4][..]));
+        assert!(!w.is_padding());
+        // A padded decode step: queries are the last 2 of 7 keys; their own keys 5 and 6.
+        let pad = DocumentMask::padding(2, 2, &[1..3, 0..0]).unwrap();
+        let w = pad.narrowed(|b, i| b + i + 3).unwrap();
+        assert_eq!(w.row_starts(0), Some(&[3u32, 4][..]));
+        assert_eq!(w.row_starts(1), Some(&[4u32, 5][..]));
+        assert_eq!((w.hidden_keys(0), w.is_padding()), (1..3, true));
+        let plain = DocumentMask::causal(2, 3).unwrap();
+        assert_eq!(plain.narrowed(|_, _| 0).unwrap(), plain);
+        assert_eq!(plain.documents(), 2);
+    }
+
+    #[test]
+    fn a_narrowing_that_shrinks_a_start_or_overflows_is_a_typed_error() {
+        let plain = DocumentMask::causal(2, 3).unwrap();
+        assert!(matches!(
+            plain.narrowed(|b, i| if b == 1 && i == 2 { 0 } else { 1 }),
+            Err(AttnError::MaskStart {
+                row: 1,
+                index: 2,
+                got: 0,
+                ..
+            })
+        ));
+        assert!(matches!(
+            plain.narrowed(|_, _| usize::MAX),
+            Err(AttnError::MaskStart {
+                row: 0,
+                index: 0,
+                ..
+            })
+        ));
+        assert!(matches!(
+            DocumentMask::causal(usize::MAX, 2),
+            Err(AttnError::PositionCount { .. })
+        ));
     }
 
     #[test]

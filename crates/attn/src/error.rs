@@ -99,6 +99,19 @@ pub enum AttnError {
         /// The rule it breaks.
         reason: &'static str,
     },
+    /// A narrowed mask's first visible keys ([`DocumentMask::narrowed`](crate::DocumentMask::narrowed))
+    /// decrease along a batch row, or exceed what a u32 holds.
+    #[error("narrowed mask: batch row {row}, index {index}: first key {got}: {reason}")]
+    MaskStart {
+        /// The batch row.
+        row: usize,
+        /// The query within the row.
+        index: usize,
+        /// The first key the narrowing asked for there.
+        got: usize,
+        /// The rule it breaks.
+        reason: &'static str,
+    },
     /// The tensor backend failed (allocation refused by a hook, out of memory, …).
     #[error(transparent)]
     Tensor(#[from] headroom_tensor::Error),

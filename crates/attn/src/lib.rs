@@ -66,6 +66,10 @@
 //!   attention (property-tested, same tolerances), a mask of one document per row gives plain
 //!   causal attention's bits, key tiles no query of a tile sees are skipped, and the mask
 //!   allocates nothing (the workspace predictions hold unchanged).
+//! - A sliding window is a mask too ([`DocumentMask::narrowed`]): each query's first visible
+//!   key moves up to `position + 1 − W`, and every algorithm equals the scalar reference with
+//!   exactly those keys (property-tested, with and without documents, in training shapes and
+//!   cached steps).
 //! - Bad shapes, dtypes or configs are a typed [`AttnError`] before anything is computed.
 
 pub mod accuracy;

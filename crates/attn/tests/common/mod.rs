@@ -158,6 +158,19 @@ pub fn visible(s: &Sizes, causal: bool, i: usize) -> usize {
 }
 
 pub fn reference(s: &Sizes, x: &Inputs, causal: bool, scale: f64) -> Reference {
+    reference_from(s, x, causal, scale, &|_, _| 0)
+}
+
+/// [`reference`] where query `i` of batch row `b` sees keys `first_key(b, i) ..` of its
+/// visible prefix only (a document's start, a sliding window's): the definition a mask is
+/// checked against.
+pub fn reference_from(
+    s: &Sizes,
+    x: &Inputs,
+    causal: bool,
+    scale: f64,
+    first_key: &dyn Fn(usize, usize) -> usize,
+) -> Reference {
     let (nq, nk, d) = (s.q_len, s.kv_len, s.head_dim);
     let group = s.q_heads / s.kv_heads;
     let mut r = Reference {
@@ -177,11 +190,19 @@ pub fn reference(s: &Sizes, x: &Inputs, causal: bool, scale: f64) -> Reference {
             let dout = |i: usize, c: usize| x.d_out[(bh * nq + i) * d + c] as f64;
             for i in 0..nq {
                 let vis = visible(s, causal, i);
-                if vis == 0 {
+                let first = first_key(b, i).min(vis);
+                if vis == first {
                     continue;
                 }
+                // Scores of the keys before `first` are -inf: probability 0, no gradient.
                 let scores: Vec<f64> = (0..vis)
-                    .map(|j| scale * (0..d).map(|c| q(i, c) * k(j, c)).sum::<f64>())
+                    .map(|j| {
+                        if j < first {
+                            f64::NEG_INFINITY
+                        } else {
+                            scale * (0..d).map(|c| q(i, c) * k(j, c)).sum::<f64>()
+                        }
+                    })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
