@@ -25,7 +25,11 @@ transformers builds a small random model of each and saves it with `save_pretrai
   rotary base 1e6. Its reference also holds PyTorch's gradient of the mean loss for every
   parameter (`grad.<name>`);
 - `hf-mistral-head-dim`: MistralForCausalLM with head_dim 16 on a model 32 wide with 4 heads
-  (as Mistral Nemo sets 128 on 5120 with 32).
+  (as Mistral Nemo sets 128 on 5120 with 32);
+- `hf-mistral-window`: MistralForCausalLM with a sliding window of 16 keys in every block (as
+  Mistral 7B v0.1 has 4096 over a context of 32768), so the reference's 48 positions cross it;
+- `hf-qwen2-window`: Qwen2ForCausalLM with `use_sliding_window`, a window of 16 keys from
+  block 1 on (`max_window_layers` 1): block 0 attends to everything, block 1 to its window.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -34,7 +38,7 @@ Not a comparison bench: it prints no records; without `--write` it exits with co
 ("skipped"), which is what `cargo xtask bench --quick` sees.
 
 Run from the repository root (needs torch, transformers and safetensors; CI only reads the
-committed outputs, 1 MB):
+committed outputs, 1.3 MB):
     python benches/torch/make_llama_family_fixture.py --write
 """
 
@@ -158,6 +162,33 @@ def mistral_head_dim():
     return config, cls
 
 
+def mistral_window():
+    config, cls = mistral()
+    config.sliding_window = 16
+    return config, cls
+
+
+def qwen2_window():
+    config = Qwen2Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=1,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    return config, Qwen2ForCausalLM
+
+
 def yarn_defaults_inv_freq():
     # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
     # outwards, attention factor from the factor), for the rotary frequencies alone.
@@ -248,6 +279,8 @@ def main():
     )
     build("hf-qwen3", qwen3(), seed=80, gradients=True)
     build("hf-mistral-head-dim", mistral_head_dim(), seed=90)
+    build("hf-mistral-window", mistral_window(), seed=100, gradients=True)
+    build("hf-qwen2-window", qwen2_window(), seed=110)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

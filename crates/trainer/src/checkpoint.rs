@@ -663,8 +663,8 @@ pub(crate) fn hf_config(
         }
         if s.class != LlamaClass::Llama {
             // Mistral's and Qwen2's classes have no bias settings (Qwen2's q, k and v biases
-            // are built in), Qwen3's has attention_bias alone; their sliding windows are off:
-            // every layer attends to the whole context.
+            // are built in), Qwen3's has attention_bias alone. A sliding window is written as
+            // the class reads it (null: none).
             object.insert(
                 "architectures".into(),
                 serde_json::json!([s.class.architecture()]),
@@ -674,11 +674,14 @@ pub(crate) fn hf_config(
                 object.remove("attention_bias");
             }
             object.remove("mlp_bias");
-            object.insert("sliding_window".into(), serde_json::Value::Null);
+            let window = s.sliding_window.map(|w| w.size);
+            object.insert("sliding_window".into(), window.into());
         }
         if matches!(s.class, LlamaClass::Qwen2 | LlamaClass::Qwen3) {
-            object.insert("use_sliding_window".into(), false.into());
-            object.insert("max_window_layers".into(), c.layers.into());
+            let window = s.sliding_window;
+            object.insert("use_sliding_window".into(), window.is_some().into());
+            let first = window.map_or(c.layers, |w| w.first_layer);
+            object.insert("max_window_layers".into(), first.into());
         }
     }
     if let Some(object) = v.as_object_mut() {
@@ -2437,6 +2440,7 @@ mod tests {
             family: Family::Llama(LlamaShape {
                 kv_heads: 1,
                 head_dim: None,
+                sliding_window: None,
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),

@@ -1,9 +1,9 @@
 //! Hugging Face model directories in: `config.json` plus `model.safetensors` (or a sharded
 //! `model.safetensors.index.json`) for `GPT2LMHeadModel`, `LlamaForCausalLM`,
-//! `MistralForCausalLM` (Llama's computation without its sliding window), `Qwen2ForCausalLM`
+//! `MistralForCausalLM` (Llama's computation over a sliding window), `Qwen2ForCausalLM`
 //! (Llama with q/k/v biases) and `Qwen3ForCausalLM` (Llama with an RMSNorm of each query and
-//! key head), any of the four with its own head width, with the tensor names and layouts
-//! transformers writes.
+//! key head), any of the four with its own head width, the last three with their sliding
+//! windows, with the tensor names and layouts transformers writes.
 //!
 //! Memory: each tensor is read from its file in bounded chunks straight into its fp32 master
 //! (allocated through the backend, so the tracker counts it as `Parameters`), converting
@@ -23,7 +23,7 @@ use headroom_tensor::{Cpu, CpuTensor};
 use serde_json::Value;
 
 use crate::model::params::{self, EachF32, TensorSink};
-use crate::model::{Family, LlamaClass, LlamaShape, ModelConfig, RopeScaling};
+use crate::model::{Family, LlamaClass, LlamaShape, ModelConfig, RopeScaling, SlidingWindow};
 use crate::{Result, TrainError};
 
 /// The largest safetensors header read (transformers' files hold a few hundred KiB).
@@ -388,6 +388,57 @@ fn rope_scaling(obj: &Value, cfg: &Value, path: &Path) -> Result<RopeScaling> {
     Ok(scaling)
 }
 
+/// Qwen2's and Qwen3's sliding window, as their configs set it: `use_sliding_window` turns on
+/// a window of `sliding_window` keys (4096 when absent) in the blocks from
+/// `max_window_layers` (28 when absent) on. `layer_types`, when present, must say the same:
+/// full attention up to a block, sliding from there on (transformers derives it so; another
+/// pattern is refused), and only full attention without `use_sliding_window`.
+fn qwen_sliding_window(cfg: &Value, path: &Path, layers: usize) -> Result<Option<SlidingWindow>> {
+    let on = get_bool(cfg, path, "use_sliding_window")? == Some(true);
+    let window = if on {
+        match cfg.get("sliding_window") {
+            None => Some(4096),
+            Some(Value::Null) => None,
+            Some(_) => Some(get_usize(cfg, path, "sliding_window")?),
+        }
+    } else {
+        None
+    };
+    let first_layer = match window {
+        Some(_) => match cfg.get("max_window_layers") {
+            None => 28,
+            Some(_) => get_usize(cfg, path, "max_window_layers")?,
+        },
+        None => layers,
+    };
+    // transformers requires one type per layer.
+    if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
+        let derived = types.as_array().is_some_and(|a| {
+            a.len() == layers
+                && a.iter().enumerate().all(|(l, t)| {
+                    let want = if l < first_layer {
+                        "full_attention"
+                    } else {
+                        "sliding_attention"
+                    };
+                    t == want
+                })
+        });
+        if !derived {
+            let expected = match window {
+                Some(_) => {
+                    format!("full_attention before block {first_layer}, sliding_attention from it")
+                }
+                None => "only full_attention without a sliding window".into(),
+            };
+            return Err(bad(path, format!("layer_types {types:.80}: {expected}")));
+        }
+    }
+    Ok(window
+        .filter(|_| first_layer < layers)
+        .map(|size| SlidingWindow { size, first_layer }))
+}
+
 /// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral, Qwen2 or
 /// Qwen3), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
@@ -489,55 +540,35 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 family: Family::Gpt2,
             }
         }
-        // Qwen2 is Llama with biases on q, k and v (fixed, not a setting) and an optional
-        // sliding window, refused here: every layer must attend to the whole context. Qwen3
-        // drops the biases (a setting, refused when on: it would bias o_proj too) and adds
-        // the query/key norms.
+        // Mistral is Llama over a sliding window (none from 7B v0.2 on). Qwen2 is Llama with
+        // biases on q, k and v (fixed, not a setting) and an optional sliding window in its
+        // later blocks. Qwen3 drops the biases (a setting, refused when on: it would bias
+        // o_proj too) and adds the query/key norms.
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM" => {
             let class = LlamaClass::of_architecture(arch).unwrap_or_default();
             let act = get_str(&cfg, &path, "hidden_act")?;
             if !matches!(act, None | Some("silu")) {
                 return Err(bad(&path, format!("{arch} activation {act:?}: only silu")));
             }
-            if class == LlamaClass::Mistral {
-                // MistralConfig's window is 4096 when the key is absent, none when null.
-                let window = match cfg.get("sliding_window") {
+            let layers = get_usize(&cfg, &path, "num_hidden_layers")?;
+            let context = get_usize(&cfg, &path, "max_position_embeddings")?;
+            let sliding_window = match class {
+                // MistralConfig's window is 4096 when the key is absent, none when null; it
+                // windows every block.
+                LlamaClass::Mistral => match cfg.get("sliding_window") {
                     None => Some(4096),
                     Some(Value::Null) => None,
                     Some(_) => Some(get_usize(&cfg, &path, "sliding_window")?),
-                };
-                let context = get_usize(&cfg, &path, "max_position_embeddings")?;
-                if let Some(w) = window.filter(|&w| w < context) {
-                    return Err(bad(
-                        &path,
-                        format!(
-                            "sliding_window {w} is shorter than max_position_embeddings \
-                             {context}: only full attention (Mistral 7B v0.2 and later have none)"
-                        ),
-                    ));
                 }
-            }
-            if matches!(class, LlamaClass::Qwen2 | LlamaClass::Qwen3) {
-                if get_bool(&cfg, &path, "use_sliding_window")? == Some(true) {
-                    return Err(bad(
-                        &path,
-                        "use_sliding_window: only full attention in every layer",
-                    ));
-                }
-                // transformers requires one type per layer.
-                let layers = get_usize(&cfg, &path, "num_hidden_layers")?;
-                if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
-                    let full = types.as_array().is_some_and(|a| {
-                        a.len() == layers && a.iter().all(|t| t == "full_attention")
-                    });
-                    if !full {
-                        return Err(bad(
-                            &path,
-                            format!("layer_types {types:.80}: only full_attention"),
-                        ));
-                    }
-                }
-            }
+                .map(|size| SlidingWindow {
+                    size,
+                    first_layer: 0,
+                }),
+                LlamaClass::Qwen2 | LlamaClass::Qwen3 => qwen_sliding_window(&cfg, &path, layers)?,
+                LlamaClass::Llama => None,
+            };
+            // A window no shorter than the context never hides a key.
+            let sliding_window = sliding_window.filter(|w| w.size < context);
             // Mistral's and Qwen2's classes have no bias settings.
             let bias_settings: &[&str] = match class {
                 LlamaClass::Llama => &["attention_bias", "mlp_bias"],
@@ -582,13 +613,14 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             };
             ModelConfig {
                 vocab: get_usize(&cfg, &path, "vocab_size")?,
-                max_seq: get_usize(&cfg, &path, "max_position_embeddings")?,
-                layers: get_usize(&cfg, &path, "num_hidden_layers")?,
+                max_seq: context,
+                layers,
                 heads,
                 channels,
                 family: Family::Llama(LlamaShape {
                     kv_heads,
                     head_dim,
+                    sliding_window,
                     ffn: get_usize(&cfg, &path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     rope_scaling,

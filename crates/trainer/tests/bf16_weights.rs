@@ -16,6 +16,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
         Family::Llama(LlamaShape {
             kv_heads: 4,
             head_dim: None,
+            sliding_window: None,
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

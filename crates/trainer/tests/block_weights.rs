@@ -22,6 +22,7 @@ fn configs() -> [ModelConfig; 2] {
         family: Family::Llama(LlamaShape {
             kv_heads: 2,
             head_dim: None,
+            sliding_window: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

@@ -48,6 +48,7 @@ fn llama() -> ModelConfig {
         family: Family::Llama(LlamaShape {
             kv_heads: 2,
             head_dim: None,
+            sliding_window: None,
             ffn: 384,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

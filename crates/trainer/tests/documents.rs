@@ -28,6 +28,7 @@ fn config(llama: bool) -> ModelConfig {
             Family::Llama(LlamaShape {
                 kv_heads: 2,
                 head_dim: None,
+                sliding_window: None,
                 ffn: 24,
                 // A small base, so that every frequency turns measurably within 20 positions.
                 rope_theta: 100.0,

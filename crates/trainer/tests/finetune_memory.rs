@@ -23,6 +23,7 @@ fn model(llama: bool) -> ModelConfig {
         Family::Llama(LlamaShape {
             kv_heads: 2,
             head_dim: None,
+            sliding_window: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

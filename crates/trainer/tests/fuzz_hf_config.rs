@@ -85,7 +85,7 @@ fn strict(file: &str, path: &str) -> Option<&'static [&'static str]> {
     const DEFAULT: &[&str] = &["null", "removed"];
     const OR_TRUE: &[&str] = &["null", "removed", "true"];
     const OR_EMPTY: &[&str] = &["null", "removed", "{}"];
-    const OR_FALSE: &[&str] = &["null", "removed", "false"];
+    const BOOLEAN: &[&str] = &["null", "removed", "false", "true"];
     if file != "config.json" {
         return None;
     }
@@ -99,8 +99,9 @@ fn strict(file: &str, path: &str) -> Option<&'static [&'static str]> {
         | "/rope_parameters/rope_type" => Some(DEFAULT),
         // true: transformers ties and ignores a stored lm_head, as the loader does.
         "/tie_word_embeddings" => Some(OR_TRUE),
-        // Qwen2: a sliding window, or layers of another kind, would attend differently.
-        "/use_sliding_window" => Some(OR_FALSE),
+        // Qwen2, Qwen3: a boolean (either is read as itself: the fixtures' windows are null
+        // or set), never another type read as one.
+        "/use_sliding_window" => Some(BOOLEAN),
         "/layer_types" => Some(DEFAULT),
         "/rope_parameters" => Some(OR_EMPTY),
         _ => None,
@@ -150,6 +151,7 @@ fn hugging_face_json_settings() {
         ("hf-qwen2", "config.json"),
         ("hf-mistral", "config.json"),
         ("hf-qwen3", "config.json"),
+        ("hf-qwen2-window", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

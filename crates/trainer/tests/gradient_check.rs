@@ -44,6 +44,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
         family: Family::Llama(LlamaShape {
             kv_heads,
             head_dim: None,
+            sliding_window: None,
             ffn: 24,
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,
@@ -157,6 +158,25 @@ fn qwen3_head_norms_and_own_head_width_gradients_match_finite_differences() {
     assert_eq!(params::param_infos(&cfg).len(), cfg.tensor_count().unwrap());
     check(cfg, AttentionConfig::flash());
     check(cfg, AttentionConfig::naive());
+}
+
+/// Sliding windows of 3 keys over the 6 positions: Mistral's in both blocks, Qwen2's from
+/// block 1 on. The backward must give the hidden keys no gradient from the queries past them.
+#[test]
+fn sliding_window_gradients_match_finite_differences() {
+    use headroom_trainer::model::{LlamaClass, SlidingWindow};
+    for (class, first_layer) in [(LlamaClass::Mistral, 0), (LlamaClass::Qwen2, 1)] {
+        let mut cfg = llama(2, false);
+        if let Family::Llama(s) = &mut cfg.family {
+            s.class = class;
+            s.sliding_window = Some(SlidingWindow {
+                size: 3,
+                first_layer,
+            });
+        }
+        check(cfg, AttentionConfig::flash());
+        check(cfg, AttentionConfig::chunked());
+    }
 }
 
 /// YaRN scales cos and sin by its attention factor: the rotation is no longer orthogonal, and

@@ -13,7 +13,9 @@ use std::path::PathBuf;
 
 use headroom_tensor::Cpu;
 use headroom_trainer::hf;
-use headroom_trainer::model::{Family, Geometry, LlamaClass, Model, ModelOptions, RopeScaling};
+use headroom_trainer::model::{
+    Family, Geometry, LlamaClass, Model, ModelOptions, RopeScaling, SlidingWindow,
+};
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
@@ -393,9 +395,17 @@ fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
         "hf-mistral",
         "hf-qwen3",
         "hf-mistral-head-dim",
+        "hf-mistral-window",
+        "hf-qwen2-window",
     ] {
         let written = saved_and_read_back(name, 48);
-        if name == "hf-qwen3" {
+        if name.ends_with("-window") {
+            assert_eq!(written["sliding_window"], 16, "{written}");
+            if name == "hf-qwen2-window" {
+                assert_eq!(written["use_sliding_window"], true, "{written}");
+                assert_eq!(written["max_window_layers"], 1, "{written}");
+            }
+        } else if name == "hf-qwen3" {
             assert_eq!(written["architectures"][0], "Qwen3ForCausalLM", "{written}");
             assert_eq!(written["model_type"], "qwen3", "{written}");
             assert_eq!(written["head_dim"], 12, "{written}");
@@ -457,10 +467,29 @@ fn qwen2_settings_that_change_the_model_are_refused() {
     let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
         config_edited("hf-qwen2", edit).map_err(|e| e.to_string())
     };
-    let err = edited(&|c| c["use_sliding_window"] = true.into()).unwrap_err();
-    assert!(err.contains("use_sliding_window"), "{err}");
+    // The fixture's window is null (transformers writes it so without use_sliding_window),
+    // and a window from block 28 on windows none of this model's two.
+    for window in [serde_json::Value::Null, 16.into()] {
+        let cfg = edited(&|c| {
+            c["use_sliding_window"] = true.into();
+            c["sliding_window"] = window.clone();
+        })
+        .unwrap();
+        assert!(matches!(cfg.family, Family::Llama(s) if s.sliding_window.is_none()));
+    }
     let err = edited(&|c| c["layer_types"][1] = "sliding_attention".into()).unwrap_err();
     assert!(err.contains("only full_attention"), "{err}");
+    // layer_types must be what transformers derives from max_window_layers.
+    let err = edited(&|c| {
+        c["use_sliding_window"] = true.into();
+        c["sliding_window"] = 16.into();
+        c["max_window_layers"] = 1.into();
+    })
+    .unwrap_err();
+    assert!(
+        err.contains("full_attention before block 1, sliding_attention from it"),
+        "{err}"
+    );
     let err = edited(&|c| c["model_type"] = "llama".into()).unwrap_err();
     assert!(
         err.contains("not the model_type of Qwen2ForCausalLM"),
@@ -617,32 +646,159 @@ fn mistral_matches_transformers() {
     assert_eq!((s.kv_heads, s.rope_theta), (1, 1e6));
 }
 
-/// Mistral's window: `null` is none, an absent key is MistralConfig's 4096; a window shorter
-/// than the context would mask what Llama's attention sees, so it is refused.
+/// Mistral's window as MistralConfig reads it: `null` is none, an absent key is 4096; a window
+/// no shorter than the context never hides a key, so it is none too.
 #[test]
-fn a_mistral_sliding_window_shorter_than_the_context_is_refused() {
-    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
-        config_edited("hf-mistral", edit).map_err(|e| e.to_string())
+fn a_mistral_sliding_window_is_read_as_transformers_reads_it() {
+    let window = |edit: &dyn Fn(&mut serde_json::Value)| match config_edited("hf-mistral", edit)
+        .unwrap()
+        .family
+    {
+        Family::Llama(s) => s.sliding_window,
+        Family::Gpt2 => panic!("read as GPT-2"),
     };
-    let err = edited(&|c| c["sliding_window"] = 16.into()).unwrap_err();
-    assert!(err.contains("sliding_window 16 is shorter"), "{err}");
+    let at = |size| {
+        Some(SlidingWindow {
+            size,
+            first_layer: 0,
+        })
+    };
+    assert_eq!(window(&|c| c["sliding_window"] = 16.into()), at(16));
+    assert_eq!(window(&|_| {}), None);
     // 4096 by default: longer than this fixture's 64 positions, so nothing is masked.
-    assert!(edited(&|c| {
-        c.as_object_mut().unwrap().remove("sliding_window");
-    })
-    .is_ok());
-    let err = edited(&|c| {
-        c.as_object_mut().unwrap().remove("sliding_window");
-        c["max_position_embeddings"] = 32768.into();
-    })
-    .unwrap_err();
-    assert!(err.contains("sliding_window 4096 is shorter"), "{err}");
-    assert!(edited(&|c| c["sliding_window"] = 64.into()).is_ok());
-    let err = edited(&|c| c["model_type"] = "qwen2".into()).unwrap_err();
+    assert_eq!(
+        window(&|c| {
+            c.as_object_mut().unwrap().remove("sliding_window");
+        }),
+        None
+    );
+    assert_eq!(
+        window(&|c| {
+            c.as_object_mut().unwrap().remove("sliding_window");
+            c["max_position_embeddings"] = 32768.into();
+        }),
+        at(4096)
+    );
+    assert_eq!(window(&|c| c["sliding_window"] = 64.into()), None);
+    let err = config_edited("hf-mistral", |c| c["sliding_window"] = 0.into())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("a window holds at least one key"), "{err}");
+    let err = config_edited("hf-mistral", |c| c["model_type"] = "qwen2".into())
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("not the model_type of MistralForCausalLM"),
         "{err}"
     );
+}
+
+/// Sliding windows against transformers: Mistral's in every block, Qwen2's from block 1 on;
+/// 16 keys, crossed by the reference's 48 positions (transformers' logits past position 16
+/// move by up to 4.5 without the window).
+#[test]
+fn sliding_windows_match_transformers() {
+    for (name, class, first_layer) in [
+        ("hf-mistral-window", LlamaClass::Mistral, 0),
+        ("hf-qwen2-window", LlamaClass::Qwen2, 1),
+    ] {
+        let cfg = matches_reference(name);
+        let Family::Llama(s) = cfg.family else {
+            panic!("{name} read as GPT-2");
+        };
+        assert_eq!(s.class, class, "{name}");
+        assert_eq!(
+            s.sliding_window,
+            Some(SlidingWindow {
+                size: 16,
+                first_layer
+            }),
+            "{name}"
+        );
+        assert_eq!(
+            (0..cfg.layers)
+                .map(|l| cfg.window_of(l))
+                .collect::<Vec<_>>(),
+            (0..cfg.layers)
+                .map(|l| (l >= first_layer).then_some(16))
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+/// Decoding with the key/value cache past the window: each step's logits are transformers'
+/// at that position (the cache keeps every key; the mask hides the old ones). Both reference
+/// rows at once, a 5-token prompt and then one token at a time to position 47.
+#[test]
+fn cached_decoding_past_a_sliding_window_matches_transformers() {
+    for name in ["hf-mistral-window", "hf-qwen2-window"] {
+        let dir = fixture(name);
+        let cpu = Cpu::new();
+        let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+        let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
+        let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let (tokens, want) = (ids(&st, "tokens"), f32s(&st, "logits"));
+        let (seq, v) = (48, cfg.vocab);
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let mut cache = model.kv_cache(2);
+        let prompt: Vec<u32> = (0..2)
+            .flat_map(|b| tokens[b * seq..b * seq + 5].to_vec())
+            .collect();
+        let mut logits = model.decode(&mut cache, &prompt).unwrap();
+        let mut worst = 0f32;
+        for p in 4..seq {
+            for b in 0..2 {
+                let at = (b * seq + p) * v;
+                for (a, w) in logits[b * v..(b + 1) * v].iter().zip(&want[at..at + v]) {
+                    worst = worst.max((a - w).abs());
+                }
+            }
+            if p + 1 < seq {
+                let next = [tokens[p + 1], tokens[seq + p + 1]];
+                logits = model.decode(&mut cache, &next).unwrap();
+            }
+        }
+        eprintln!("{name}: cached decoding, worst difference {worst:e} (largest logit {scale})");
+        assert!(worst <= 1e-4 * scale, "{name}: {worst} (scale {scale})");
+    }
+}
+
+/// A ragged batch past the window (rows of 30 and 45 tokens, left-padded in the cache): each
+/// row's window counts its own tokens, not the padding, so its logits are transformers' for
+/// the row alone, at the prompt's end and for the steps after it.
+#[test]
+fn a_padded_batch_counts_each_rows_window_in_its_own_tokens() {
+    let dir = fixture("hf-mistral-window");
+    let cpu = Cpu::new();
+    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+    let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (tokens, want) = (ids(&st, "tokens"), f32s(&st, "logits"));
+    let (seq, v) = (48, cfg.vocab);
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let lens = [30usize, 45];
+    let rows: Vec<&[u32]> = (0..2)
+        .map(|b| &tokens[b * seq..b * seq + lens[b]])
+        .collect();
+    let mut cache = model.kv_cache(2);
+    let mut logits = model.decode_ragged(&mut cache, &rows).unwrap();
+    let mut worst = 0f32;
+    for step in 0..3 {
+        for b in 0..2 {
+            let at = (b * seq + lens[b] - 1 + step) * v;
+            for (a, w) in logits[b * v..(b + 1) * v].iter().zip(&want[at..at + v]) {
+                worst = worst.max((a - w).abs());
+            }
+        }
+        let next = [tokens[lens[0] + step], tokens[seq + lens[1] + step]];
+        logits = model.decode(&mut cache, &next).unwrap();
+    }
+    eprintln!(
+        "padded decoding past the window: worst difference {worst:e} (largest logit {scale})"
+    );
+    assert!(worst <= 1e-4 * scale, "{worst} (scale {scale})");
 }
 
 #[test]
@@ -675,15 +831,14 @@ fn qwen3_matches_transformers() {
     assert!(norms.iter().all(|i| i.shape == [12]));
 }
 
-/// The gradient of the mean loss for every parameter against PyTorch's autograd on the same
-/// model and batch: the head norms' backward (through the rotation), the 48-wide queries and
-/// the tied head. Within 1e-4 of each tensor's largest gradient.
-#[test]
-fn qwen3_gradients_match_pytorch() {
+/// Fixture `name`'s gradient of the mean loss for every parameter against PyTorch's autograd
+/// on the same model and batch (its reference's `grad.<name>`), within 1e-4 of each tensor's
+/// largest gradient.
+fn gradients_match_pytorch(name: &str) {
     use headroom_ckpt::Schedule;
     use headroom_tensor::MemoryCategory;
     use headroom_trainer::model::params;
-    let dir = fixture("hf-qwen3");
+    let dir = fixture(name);
     let cpu = Cpu::new();
     let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
     let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
@@ -699,7 +854,7 @@ fn qwen3_gradients_match_pytorch() {
     for (info, got) in params::param_infos(&cfg).iter().zip(&grads) {
         let want = f32s(&st, &format!("grad.{}", info.name));
         let got = got.as_slice::<f32>().unwrap();
-        assert_eq!(got.len(), want.len(), "{}", info.name);
+        assert_eq!(got.len(), want.len(), "{name} {}", info.name);
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         let worst = got
             .iter()
@@ -707,16 +862,29 @@ fn qwen3_gradients_match_pytorch() {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         eprintln!(
-            "{}: largest {scale:e}, worst difference {worst:e}",
+            "{name} {}: largest {scale:e}, worst difference {worst:e}",
             info.name
         );
-        assert!(scale > 0.0, "{}", info.name);
+        assert!(scale > 0.0, "{name} {}", info.name);
         assert!(
             worst <= 1e-4 * scale,
-            "{}: gradients differ by {worst} (largest {scale})",
+            "{name} {}: gradients differ by {worst} (largest {scale})",
             info.name
         );
     }
+}
+
+/// Qwen3: the head norms' backward (through the rotation), the 48-wide queries and the tied
+/// head.
+#[test]
+fn qwen3_gradients_match_pytorch() {
+    gradients_match_pytorch("hf-qwen3");
+}
+
+/// A sliding window in the backward: keys past a query's window get no gradient from it.
+#[test]
+fn sliding_window_gradients_match_pytorch() {
+    gradients_match_pytorch("hf-mistral-window");
 }
 
 #[test]
@@ -724,8 +892,15 @@ fn qwen3_settings_that_change_the_model_are_refused() {
     let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
         config_edited("hf-qwen3", edit).map_err(|e| e.to_string())
     };
-    let err = edited(&|c| c["use_sliding_window"] = true.into()).unwrap_err();
-    assert!(err.contains("use_sliding_window"), "{err}");
+    // Qwen3's window from max_window_layers on, as Qwen2's; layer_types must agree.
+    let cfg = edited(&|c| {
+        c["use_sliding_window"] = true.into();
+        c["sliding_window"] = 8.into();
+        c["max_window_layers"] = 1.into();
+        c["layer_types"][1] = "sliding_attention".into();
+    })
+    .unwrap();
+    assert_eq!((cfg.window_of(0), cfg.window_of(1)), (None, Some(8)));
     let err = edited(&|c| c["layer_types"][0] = "sliding_attention".into()).unwrap_err();
     assert!(err.contains("only full_attention"), "{err}");
     // Qwen3's attention_bias biases o_proj as well as q, k and v.

@@ -41,6 +41,7 @@ fn llama() -> ModelConfig {
         family: Family::Llama(LlamaShape {
             kv_heads: 2,
             head_dim: None,
+            sliding_window: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

@@ -34,6 +34,7 @@ fn llama() -> Family {
     Family::Llama(LlamaShape {
         kv_heads: 1,
         head_dim: None,
+        sliding_window: None,
         ffn: 24,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),

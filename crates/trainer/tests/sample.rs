@@ -32,6 +32,7 @@ fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
         Some(kv_heads) => Family::Llama(LlamaShape {
             kv_heads,
             head_dim: None,
+            sliding_window: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

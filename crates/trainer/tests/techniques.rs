@@ -105,6 +105,7 @@ fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
         Family::Llama(LlamaShape {
             kv_heads: 1,
             head_dim: None,
+            sliding_window: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

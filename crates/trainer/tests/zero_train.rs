@@ -65,6 +65,7 @@ fn llama() -> Family {
     Family::Llama(LlamaShape {
         kv_heads: 1,
         head_dim: None,
+        sliding_window: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
@@ -257,6 +258,7 @@ fn qwen2_and_qwen3_under_every_stage_equal_one_process() {
     let qwen2 = LlamaShape {
         kv_heads: 1,
         head_dim: None,
+        sliding_window: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: headroom_trainer::model::RopeScaling::Llama3 {

@@ -37,6 +37,10 @@ pub struct LlamaShape {
     /// `rope_parameters`; absent in checkpoints written before it existed: none).
     #[serde(default)]
     pub rope_scaling: RopeScaling,
+    /// A sliding window of attention (`sliding_window`; absent in checkpoints written before
+    /// it existed, and for a window no shorter than the context: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<SlidingWindow>,
     /// The Hugging Face class: what the checkpoints are saved as, and whether q, k and v have
     /// biases (Qwen2's; absent in checkpoints written before it existed: Llama).
     #[serde(default)]
@@ -45,6 +49,18 @@ pub struct LlamaShape {
     pub norm_eps: f32,
     /// Whether the output head is the token embedding (`tie_word_embeddings`).
     pub tied_head: bool,
+}
+
+/// Attention over a sliding window: in the blocks from `first_layer` on, the query at position
+/// `p` sees the keys `p − size < j ≤ p` only (transformers' `sliding_window`; Mistral 7B v0.1
+/// windows every block, Qwen2's and Qwen3's `use_sliding_window` the blocks from
+/// `max_window_layers` on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlidingWindow {
+    /// Keys a query sees, its own included.
+    pub size: usize,
+    /// The first windowed block; the blocks before it attend to the whole context.
+    pub first_layer: usize,
 }
 
 /// Which Hugging Face class a Llama-shaped model is. They compute alike but for Qwen2's
@@ -199,6 +215,7 @@ impl ModelConfig {
             family: Family::Llama(LlamaShape {
                 kv_heads: 2,
                 head_dim: None,
+                sliding_window: None,
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -221,6 +238,7 @@ impl ModelConfig {
             family: Family::Llama(LlamaShape {
                 kv_heads: 2,
                 head_dim: None,
+                sliding_window: None,
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -228,6 +246,17 @@ impl ModelConfig {
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
+        }
+    }
+
+    /// The sliding window block `l` attends over (`None`: the whole context).
+    pub fn window_of(&self, l: usize) -> Option<usize> {
+        match self.family {
+            Family::Llama(LlamaShape {
+                sliding_window: Some(w),
+                ..
+            }) if l >= w.first_layer => Some(w.size),
+            _ => None,
         }
     }
 
@@ -398,6 +427,29 @@ impl ModelConfig {
                     "rope theta {} must be finite and above 1",
                     s.rope_theta
                 ));
+            }
+            if let Some(w) = s.sliding_window {
+                if w.size == 0 || w.first_layer >= self.layers {
+                    return bad(format!(
+                        "sliding window of {} keys from block {} (of {}): a window holds at \
+                         least one key and starts at an existing block",
+                        w.size, w.first_layer, self.layers
+                    ));
+                }
+                // What the class's config can say: Mistral windows every block, Qwen2 and
+                // Qwen3 the blocks from one on, Llama none.
+                let expressible = match s.class {
+                    LlamaClass::Llama => false,
+                    LlamaClass::Mistral => w.first_layer == 0,
+                    LlamaClass::Qwen2 | LlamaClass::Qwen3 => true,
+                };
+                if !expressible {
+                    return bad(format!(
+                        "{} cannot hold a sliding window from block {}",
+                        s.class.architecture(),
+                        w.first_layer
+                    ));
+                }
             }
             if let Err(e) = s.rope_scaling.check() {
                 return bad(e);

@@ -9,14 +9,14 @@
 //! equal stored ones bit for bit. The rotation is applied in f32 to the projection's output
 //! and the rotated q, k are what is kept (attention's backward needs them).
 
-use headroom_attn::AttentionForward;
+use headroom_attn::{AttentionForward, DocumentMask};
 use headroom_tensor::{CpuTensor, Tensor};
 
 use crate::model::decode::LayerKv;
 use crate::model::gpt2_block::at;
 use crate::model::ops::ModelOps;
 use crate::model::params::llama_layer as o;
-use crate::model::transformer::{BlockOutput, Geometry, Model, NormStats};
+use crate::model::transformer::{BlockOutput, Documents, Geometry, Model, NormStats};
 use crate::model::Family;
 use crate::ops::rope::Rope;
 use crate::{Result, TrainError};
@@ -239,6 +239,64 @@ impl<B: ModelOps> Model<B> {
         Ok(dinput)
     }
 
+    /// What block `l`'s attention sees when it has a sliding window that some query of this
+    /// step would look past: `g`'s mask narrowed so that the query at key position `p` sees
+    /// keys `p − W < j ≤ p` only (within its document, and past its row's padding). `None`
+    /// when the block has no window or every query's window holds all its keys — the
+    /// unwindowed computation, bit for bit.
+    ///
+    /// A cached step's queries are key positions `pos0 ..`; a padded row's window counts its
+    /// own tokens, so a start that falls after the row's hidden padding moves past it.
+    fn windowed(&self, l: usize, g: Geometry<'_>, pos0: usize) -> Result<Option<Documents>> {
+        let Some(w) = self.cfg.window_of(l) else {
+            return Ok(None);
+        };
+        if pos0 + g.t <= w {
+            return Ok(None);
+        }
+        let (b, t) = (g.b, g.t);
+        let first_of = |position: usize| (position + 1).saturating_sub(w);
+        let rows = |b: usize| (0..b).flat_map(move |_| pos0..pos0 + t);
+        let to_u32 = |p: usize| {
+            u32::try_from(p).map_err(|_| TrainError::Input(format!("position {p} exceeds u32")))
+        };
+        let (mask, positions) = match g.documents {
+            Some(d) if d.mask().is_padding() => {
+                let (mask, positions) = (d.mask(), d.positions());
+                let first = |row: usize, i: usize| {
+                    let start = first_of(positions[row * t + i] as usize);
+                    let hidden = mask.hidden_keys(row);
+                    if start < hidden.start {
+                        start
+                    } else {
+                        start + hidden.len()
+                    }
+                };
+                (mask.narrowed(first), positions.to_vec())
+            }
+            Some(d) => (
+                d.mask().narrowed(|_, i| first_of(pos0 + i)),
+                d.positions().to_vec(),
+            ),
+            None => {
+                // A cached step's queries are the last of the keys: a padding mask with
+                // nothing hidden says so.
+                let base = if pos0 == 0 {
+                    DocumentMask::causal(b, t)
+                } else {
+                    DocumentMask::padding(b, t, &vec![0..0; b])
+                };
+                let positions = rows(b).map(to_u32).collect::<Result<Vec<_>>>()?;
+                (
+                    base.and_then(|m| m.narrowed(|_, i| first_of(pos0 + i))),
+                    positions,
+                )
+            }
+        };
+        let mask = mask.map_err(|e| TrainError::Input(format!("sliding window: {e}")))?;
+        Ok(Some(Documents::padded(positions, mask)))
+    }
+
     /// Llama block `l` forward on `inp` `[B, T, C]`: the output residual `[B, T, C]`
     /// (storage precision) and, when `save`, what backward needs.
     ///
@@ -273,7 +331,19 @@ impl<B: ModelOps> Model<B> {
         let v = self.keep(v)?;
         let _t = self.tag(l, "attn.out");
         let kv = self.extend_kv(kv, k, v)?;
-        let attn = self.attend(&q, &kv, g)?;
+        let windowed = self.windowed(l, g, pos0)?;
+        let attn = match &windowed {
+            Some(d) => self.attend(
+                &q,
+                &kv,
+                Geometry {
+                    documents: Some(d),
+                    ..g
+                },
+            )?,
+            None => self.attend(&q, &kv, g)?,
+        };
+        drop(windowed);
         let _t = self.tag(l, "attn.o_proj");
         let mut atty = self.scratch_overwritten([g.b, g.t, self.cfg.attention_width()])?;
         be.merge_heads(&mut atty, attn.output(), 0)?;

@@ -16,7 +16,7 @@ mod precision;
 mod transformer;
 
 pub use crate::ops::rope::{Rope, RopeScaling};
-pub use config::{Family, LlamaClass, LlamaShape, ModelConfig};
+pub use config::{Family, LlamaClass, LlamaShape, ModelConfig, SlidingWindow};
 pub use decode::{KvCache, LayerKv, KV_GROWTH};
 pub use finetune::{AdaptedModule, FinetuneBuilder, FinetuneSpec, QuantSpec};
 pub use ops::{HeadLossGrads, ModelOps};

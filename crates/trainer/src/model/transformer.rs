@@ -176,8 +176,9 @@ impl Documents {
         })
     }
 
-    /// A cached decode step of a padded batch: each row's own `positions` `[B·T]` and the
-    /// padding mask that hides each row's padding keys from it.
+    /// Each row's own `positions` `[B·T]` with a mask the model built for them: a padded
+    /// batch's cached decode step (the padding mask hiding each row's padding keys), or a
+    /// block's sliding window narrowing what its queries see.
     pub(crate) fn padded(positions: Vec<u32>, mask: DocumentMask) -> Self {
         Documents { positions, mask }
     }
