@@ -94,8 +94,8 @@ def llama(rope_parameters):
     return config, LlamaForCausalLM
 
 
-def qwen2():
-    config = Qwen2Config(
+def qwen2(**overrides):
+    settings = dict(
         vocab_size=97,
         hidden_size=32,
         intermediate_size=72,
@@ -110,7 +110,8 @@ def qwen2():
         hidden_act="silu",
         torch_dtype="float32",
     )
-    return config, Qwen2ForCausalLM
+    # Given to the constructor, which derives layer_types from the window settings.
+    return Qwen2Config(**{**settings, **overrides}), Qwen2ForCausalLM
 
 
 def mistral():
@@ -169,24 +170,7 @@ def mistral_window():
 
 
 def qwen2_window():
-    config = Qwen2Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=72,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        use_sliding_window=True,
-        sliding_window=16,
-        max_window_layers=1,
-        hidden_act="silu",
-        torch_dtype="float32",
-    )
-    return config, Qwen2ForCausalLM
+    return qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=1)
 
 
 def yarn_defaults_inv_freq():

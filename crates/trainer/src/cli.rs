@@ -1721,11 +1721,8 @@ fn cmd_train_zero(
     let speak = rank == 0;
     if speak {
         say!(
-            "headroom train: {} {}L/{}H/{}C; global batch {}×{} over {world} ranks{}, {stage}, {} steps; {}; cpu kernels {}",
-            o.model.family_name(),
-            o.model.layers,
-            o.model.heads,
-            o.model.channels,
+            "headroom train: {}; global batch {}×{} over {world} ranks{}, {stage}, {} steps; {}; cpu kernels {}",
+            o.model.shape_name(),
             o.batch,
             o.seq,
             match dist {
@@ -1951,11 +1948,8 @@ fn cmd_train(args: TrainArgs, hooks: &CliHooks<'_>) -> CliResult<ExitCode> {
     let signal = install_signal_handlers()?;
     o.stop = Some(STOP.clone());
     say!(
-        "headroom train: {} {}L/{}H/{}C, context {}, vocab {}; batch {}×{}, {} steps; {}; cpu kernels {}",
-        o.model.family_name(),
-        o.model.layers,
-        o.model.heads,
-        o.model.channels,
+        "headroom train: {}, context {}, vocab {}; batch {}×{}, {} steps; {}; cpu kernels {}",
+        o.model.shape_name(),
         o.model.max_seq,
         o.model.vocab,
         o.batch,
@@ -2145,11 +2139,8 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
         standard_rungs(base.batch)
     };
     say!(
-        "headroom ladder: {} {}L/{}H/{}C vocab {}, batch {}×{}, {} steps per rung, budget {} MiB",
-        base.model.family_name(),
-        base.model.layers,
-        base.model.heads,
-        base.model.channels,
+        "headroom ladder: {} vocab {}, batch {}×{}, {} steps per rung, budget {} MiB",
+        base.model.shape_name(),
         base.model.vocab,
         base.batch,
         base.seq,
@@ -2185,11 +2176,8 @@ fn cmd_ladder(a: LadderArgs) -> CliResult {
 fn zero_ladder(base: &TrainOptions, budget: u64, budget_mib: u64) -> CliResult {
     use crate::ladder::{run_zero_ladder, zero_ladder_table, zero_rungs};
     say!(
-        "headroom ladder --zero: {} {}L/{}H/{}C vocab {}, global batch {}×{}, {} steps per rung, {} MiB per rank; {}",
-        base.model.family_name(),
-        base.model.layers,
-        base.model.heads,
-        base.model.channels,
+        "headroom ladder --zero: {} vocab {}, global batch {}×{}, {} steps per rung, {} MiB per rank; {}",
+        base.model.shape_name(),
         base.model.vocab,
         base.batch,
         base.seq,
@@ -2222,11 +2210,8 @@ fn cmd_estimate(args: EstimateArgs) -> CliResult {
     o.validate()?;
     let e = crate::train::estimate_with_data(&o, o.micro_batch()?, &o.techniques)?;
     say!(
-        "estimate for {} {}L/{}H/{}C vocab {} ({} parameters), batch {}×{}: {}; for this machine's cpu kernels ({})",
-        o.model.family_name(),
-        o.model.layers,
-        o.model.heads,
-        o.model.channels,
+        "estimate for {} vocab {} ({} parameters), batch {}×{}: {}; for this machine's cpu kernels ({})",
+        o.model.shape_name(),
         o.model.vocab,
         e.parameter_count,
         o.batch,
@@ -2298,12 +2283,9 @@ fn zero_estimate_report(o: &TrainOptions, stage: u8, ranks: usize) -> CliResult 
     let (e, micro) = crate::zero_train::estimate_run(o, &ZeroOptions::new(stage, ranks))?;
     let per_rank = o.batch / ranks;
     say!(
-        "{stage} over {ranks} ranks, per rank: {} {}L/{}H/{}C vocab {} ({} parameters), \
+        "{stage} over {ranks} ranks, per rank: {} vocab {} ({} parameters), \
          batch {}×{} per rank in micro-batches of {micro} (global batch {}): {}",
-        o.model.family_name(),
-        o.model.layers,
-        o.model.heads,
-        o.model.channels,
+        o.model.shape_name(),
         o.model.vocab,
         e.parameter_count,
         per_rank,
@@ -3018,11 +3000,8 @@ fn cmd_verify(path: &Path) -> CliResult {
     );
     let m = &v.config;
     say!(
-        "model: {} {}L/{}H/{}C, context {}, vocab {}, {} parameters",
-        m.family_name(),
-        m.layers,
-        m.heads,
-        m.channels,
+        "model: {}, context {}, vocab {}, {} parameters",
+        m.shape_name(),
         m.max_seq,
         m.vocab,
         m.parameter_count()?

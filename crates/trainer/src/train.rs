@@ -1780,11 +1780,8 @@ pub fn train(opts: &TrainOptions, mut on_step: impl FnMut(&StepLog)) -> Result<T
 pub(crate) fn timeline_title(opts: &TrainOptions) -> String {
     let tech = &opts.techniques;
     format!(
-        "{} {}L/{}H/{}C, batch {}×{}, {}, checkpoint {}",
-        opts.model.family_name(),
-        opts.model.layers,
-        opts.model.heads,
-        opts.model.channels,
+        "{}, batch {}×{}, {}, checkpoint {}",
+        opts.model.shape_name(),
         opts.batch,
         opts.seq,
         tech.model.precision.name(),

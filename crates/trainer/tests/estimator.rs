@@ -94,6 +94,16 @@ fn combos() -> Vec<(&'static str, Techniques)> {
     v
 }
 
+/// The combinations of [`combos`] named in `keep`, all of them.
+fn combos_named(keep: &[&str]) -> Vec<(&'static str, Techniques)> {
+    let picked: Vec<_> = combos()
+        .into_iter()
+        .filter(|(name, _)| keep.contains(name))
+        .collect();
+    assert_eq!(picked.len(), keep.len(), "{keep:?}");
+    picked
+}
+
 #[test]
 fn estimates_equal_the_trackers_peaks() {
     check_family(false);
@@ -151,18 +161,16 @@ fn qwen3_estimates_equal_the_trackers_peaks() {
         s.class = headroom_trainer::model::LlamaClass::Qwen3;
         s.head_dim = Some(24);
     }
-    let keep = [
-        "fp32 baseline",
-        "sqrt-n bf16 flash",
-        "full stack + accumulation",
-        "selective flash",
-        "every-2 fp16 flash fused",
-    ];
-    let combos = combos()
-        .into_iter()
-        .filter(|(name, _)| keep.contains(name))
-        .collect();
-    check(cfg, combos);
+    check(
+        cfg,
+        combos_named(&[
+            "fp32 baseline",
+            "sqrt-n bf16 flash",
+            "full stack + accumulation",
+            "selective flash",
+            "every-2 fp16 flash fused",
+        ]),
+    );
 }
 
 /// Mistral 7B v0.1's sliding window in small (16 keys of the 64 positions): the window is a
@@ -177,16 +185,14 @@ fn sliding_window_estimates_equal_the_trackers_peaks() {
             first_layer: 0,
         });
     }
-    let keep = [
-        "fp32 baseline",
-        "sqrt-n bf16 flash",
-        "selective fp16 chunked fused",
-    ];
-    let combos = combos()
-        .into_iter()
-        .filter(|(name, _)| keep.contains(name))
-        .collect();
-    check(cfg, combos);
+    check(
+        cfg,
+        combos_named(&[
+            "fp32 baseline",
+            "sqrt-n bf16 flash",
+            "selective fp16 chunked fused",
+        ]),
+    );
 }
 
 /// A vocabulary wider than two of the bf16 output's strips, so that under bf16 the head keeps

@@ -53,13 +53,28 @@ fn matches_transformers(name: &str, kv_heads: usize, tied: bool) {
     }
 }
 
-/// Load fixture `name`, compare logits and loss with transformers', return its shape.
-fn matches_reference(name: &str) -> headroom_trainer::model::ModelConfig {
-    let dir = fixture(name);
+/// The model in `dir` on the CPU, with its shape and the bytes of its
+/// `reference.safetensors`.
+fn loaded(dir: &std::path::Path) -> (headroom_trainer::model::ModelConfig, Model<Cpu>, Vec<u8>) {
     let cpu = Cpu::new();
-    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
+    let (cfg, masters) = hf::load(dir, &cpu).unwrap();
     let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
     let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    (cfg, model, bytes)
+}
+
+/// The largest |a − b| of `got` against `want`.
+fn worst_difference(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+}
+
+/// Load fixture `name`, compare logits and loss with transformers', return its shape.
+fn matches_reference(name: &str) -> headroom_trainer::model::ModelConfig {
+    let (cfg, model, bytes) = loaded(&fixture(name));
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let (tokens, targets) = (ids(&st, "tokens"), ids(&st, "targets"));
     let shape = st.tensor("tokens").unwrap().shape().to_vec();
@@ -68,11 +83,7 @@ fn matches_reference(name: &str) -> headroom_trainer::model::ModelConfig {
     let got = model.logits(&tokens, g).unwrap();
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst = worst_difference(&got, &want);
     eprintln!("{name}: largest logit {scale}, worst difference {worst:e}");
     assert!(
         worst <= 1e-4 * scale,
@@ -732,11 +743,7 @@ fn sliding_windows_match_transformers() {
 #[test]
 fn cached_decoding_past_a_sliding_window_matches_transformers() {
     for name in ["hf-mistral-window", "hf-qwen2-window"] {
-        let dir = fixture(name);
-        let cpu = Cpu::new();
-        let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
-        let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
-        let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+        let (cfg, model, bytes) = loaded(&fixture(name));
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let (tokens, want) = (ids(&st, "tokens"), f32s(&st, "logits"));
         let (seq, v) = (48, cfg.vocab);
@@ -750,9 +757,10 @@ fn cached_decoding_past_a_sliding_window_matches_transformers() {
         for p in 4..seq {
             for b in 0..2 {
                 let at = (b * seq + p) * v;
-                for (a, w) in logits[b * v..(b + 1) * v].iter().zip(&want[at..at + v]) {
-                    worst = worst.max((a - w).abs());
-                }
+                worst = worst.max(worst_difference(
+                    &logits[b * v..(b + 1) * v],
+                    &want[at..at + v],
+                ));
             }
             if p + 1 < seq {
                 let next = [tokens[p + 1], tokens[seq + p + 1]];
@@ -769,11 +777,7 @@ fn cached_decoding_past_a_sliding_window_matches_transformers() {
 /// the row alone, at the prompt's end and for the steps after it.
 #[test]
 fn a_padded_batch_counts_each_rows_window_in_its_own_tokens() {
-    let dir = fixture("hf-mistral-window");
-    let cpu = Cpu::new();
-    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
-    let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let (cfg, model, bytes) = loaded(&fixture("hf-mistral-window"));
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let (tokens, want) = (ids(&st, "tokens"), f32s(&st, "logits"));
     let (seq, v) = (48, cfg.vocab);
@@ -788,9 +792,10 @@ fn a_padded_batch_counts_each_rows_window_in_its_own_tokens() {
     for step in 0..3 {
         for b in 0..2 {
             let at = (b * seq + lens[b] - 1 + step) * v;
-            for (a, w) in logits[b * v..(b + 1) * v].iter().zip(&want[at..at + v]) {
-                worst = worst.max((a - w).abs());
-            }
+            worst = worst.max(worst_difference(
+                &logits[b * v..(b + 1) * v],
+                &want[at..at + v],
+            ));
         }
         let next = [tokens[lens[0] + step], tokens[seq + lens[1] + step]];
         logits = model.decode(&mut cache, &next).unwrap();
@@ -838,15 +843,12 @@ fn gradients_match_pytorch(name: &str) {
     use headroom_ckpt::Schedule;
     use headroom_tensor::MemoryCategory;
     use headroom_trainer::model::params;
-    let dir = fixture(name);
-    let cpu = Cpu::new();
-    let (cfg, masters) = hf::load(&dir, &cpu).unwrap();
-    let model = Model::from_masters(&cpu, cfg, ModelOptions::default(), masters).unwrap();
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let (cfg, model, bytes) = loaded(&fixture(name));
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let (tokens, targets) = (ids(&st, "tokens"), ids(&st, "targets"));
     let g = Geometry::new(2, 48);
-    let mut grads = params::alloc_like_params(&cpu, &cfg, MemoryCategory::Gradients).unwrap();
+    let mut grads =
+        params::alloc_like_params(&Cpu::new(), &cfg, MemoryCategory::Gradients).unwrap();
     let all = Schedule::store_all(cfg.layers).unwrap();
     model
         .forward_backward(&tokens, &targets, g, &mut grads, 1.0 / 96.0, &all)
@@ -856,11 +858,7 @@ fn gradients_match_pytorch(name: &str) {
         let got = got.as_slice::<f32>().unwrap();
         assert_eq!(got.len(), want.len(), "{name} {}", info.name);
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = worst_difference(got, &want);
         eprintln!(
             "{name} {}: largest {scale:e}, worst difference {worst:e}",
             info.name

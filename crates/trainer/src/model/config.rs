@@ -292,6 +292,29 @@ impl ModelConfig {
         }
     }
 
+    /// The shape in one line: the class (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`), blocks,
+    /// heads (with their width when it is not `C / heads`), width, and a sliding window:
+    /// `llama 2L/4H/64C`, `qwen3 28L/16H×128/1024C`, `mistral 32L/32H/4096C window 4096`.
+    pub fn shape_name(&self) -> String {
+        let (class, own_head_dim, window) = match self.family {
+            Family::Gpt2 => ("gpt2", None, None),
+            Family::Llama(s) => (s.class.model_type(), s.head_dim, s.sliding_window),
+        };
+        let heads = match own_head_dim {
+            Some(hs) => format!("{}H×{hs}", self.heads),
+            None => format!("{}H", self.heads),
+        };
+        let window = match window {
+            Some(w) if w.first_layer == 0 => format!(" window {}", w.size),
+            Some(w) => format!(" window {} from block {}", w.size, w.first_layer),
+            None => String::new(),
+        };
+        format!(
+            "{class} {}L/{heads}/{}C{window}",
+            self.layers, self.channels
+        )
+    }
+
     /// Short name of the family: `gpt2` or `llama`.
     pub fn family_name(&self) -> &'static str {
         match self.family {
