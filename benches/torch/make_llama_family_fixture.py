@@ -29,7 +29,10 @@ transformers builds a small random model of each and saves it with `save_pretrai
 - `hf-mistral-window`: MistralForCausalLM with a sliding window of 16 keys in every block (as
   Mistral 7B v0.1 has 4096 over a context of 32768), so the reference's 48 positions cross it;
 - `hf-qwen2-window`: Qwen2ForCausalLM with `use_sliding_window`, a window of 16 keys from
-  block 1 on (`max_window_layers` 1): block 0 attends to everything, block 1 to its window.
+  block 1 on (`max_window_layers` 1): block 0 attends to everything, block 1 to its window;
+- `hf-smollm3`: SmolLM3ForCausalLM, 3 blocks with a NoPE block every 2 (block 1 attends without
+  the rotary embedding; SmolLM3-3B has one every 4), tied head. Its reference also holds
+  PyTorch's gradients.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -38,7 +41,7 @@ Not a comparison bench: it prints no records; without `--write` it exits with co
 ("skipped"), which is what `cargo xtask bench --quick` sees.
 
 Run from the repository root (needs torch, transformers and safetensors; CI only reads the
-committed outputs, 1.3 MB):
+committed outputs, 1.6 MB):
     python benches/torch/make_llama_family_fixture.py --write
 """
 
@@ -58,6 +61,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 OUT = os.path.join("crates", "trainer", "tests", "fixtures")
@@ -173,6 +178,30 @@ def qwen2_window():
     return qwen2(use_sliding_window=True, sliding_window=16, max_window_layers=1)
 
 
+def smollm3():
+    config = SmolLM3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0},
+        no_rope_layer_interval=2,
+        # The defaults name ids of the 128k vocabulary; a padding id would also freeze its
+        # embedding row (nn.Embedding padding_idx), which no checkpoint records.
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    return config, SmolLM3ForCausalLM
+
+
 def yarn_defaults_inv_freq():
     # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
     # outwards, attention factor from the factor), for the rotary frequencies alone.
@@ -265,6 +294,7 @@ def main():
     build("hf-mistral-head-dim", mistral_head_dim(), seed=90)
     build("hf-mistral-window", mistral_window(), seed=100, gradients=True)
     build("hf-qwen2-window", qwen2_window(), seed=110)
+    build("hf-smollm3", smollm3(), seed=120, gradients=True)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

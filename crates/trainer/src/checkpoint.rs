@@ -670,12 +670,21 @@ pub(crate) fn hf_config(
                 serde_json::json!([s.class.architecture()]),
             );
             object.insert("model_type".into(), s.class.model_type().into());
-            if s.class != LlamaClass::Qwen3 {
+            // Qwen3 has attention_bias, SmolLM3 both.
+            if !matches!(s.class, LlamaClass::Qwen3 | LlamaClass::SmolLM3) {
                 object.remove("attention_bias");
             }
-            object.remove("mlp_bias");
+            if s.class != LlamaClass::SmolLM3 {
+                object.remove("mlp_bias");
+            }
             let window = s.sliding_window.map(|w| w.size);
             object.insert("sliding_window".into(), window.into());
+        }
+        if let (LlamaClass::SmolLM3, Some(k)) = (s.class, s.no_rope_interval) {
+            let rotates: Vec<u8> = (0..c.layers).map(|l| u8::from(c.rotates(l))).collect();
+            object.insert("no_rope_layer_interval".into(), k.into());
+            object.insert("no_rope_layers".into(), rotates.into());
+            object.insert("use_sliding_window".into(), false.into());
         }
         if matches!(s.class, LlamaClass::Qwen2 | LlamaClass::Qwen3) {
             let window = s.sliding_window;
@@ -2441,6 +2450,7 @@ mod tests {
                 kv_heads: 1,
                 head_dim: None,
                 sliding_window: None,
+                no_rope_interval: None,
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),

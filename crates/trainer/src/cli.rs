@@ -708,9 +708,9 @@ enum DeviceArg {
 #[derive(Args, Clone)]
 struct RunArgs {
     /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel,
-    /// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM), or a
-    /// headroom run (its newest checkpoint): its shape and weights replace --model and its size
-    /// options.
+    /// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
+    /// SmolLM3ForCausalLM), or a headroom run (its newest checkpoint): its shape and weights
+    /// replace --model and its size options.
     #[arg(long)]
     init_from: Option<PathBuf>,
     /// Model: GPT-2 tiny (tests, seconds), small (6L/6H/384, context 256), gpt2 (124M); or

@@ -1,9 +1,10 @@
 //! Hugging Face model directories in: `config.json` plus `model.safetensors` (or a sharded
 //! `model.safetensors.index.json`) for `GPT2LMHeadModel`, `LlamaForCausalLM`,
 //! `MistralForCausalLM` (Llama's computation over a sliding window), `Qwen2ForCausalLM`
-//! (Llama with q/k/v biases) and `Qwen3ForCausalLM` (Llama with an RMSNorm of each query and
-//! key head), any of the four with its own head width, the last three with their sliding
-//! windows, with the tensor names and layouts transformers writes.
+//! (Llama with q/k/v biases), `Qwen3ForCausalLM` (Llama with an RMSNorm of each query and
+//! key head) and `SmolLM3ForCausalLM` (Llama with blocks that skip the rotation), any of them
+//! with its own head width, Mistral and the Qwens with their sliding windows, with the tensor
+//! names and layouts transformers writes.
 //!
 //! Memory: each tensor is read from its file in bounded chunks straight into its fp32 master
 //! (allocated through the backend, so the tracker counts it as `Parameters`), converting
@@ -439,6 +440,70 @@ fn qwen_sliding_window(cfg: &Value, path: &Path, layers: usize) -> Result<Option
         .map(|size| SlidingWindow { size, first_layer }))
 }
 
+/// SmolLM3's NoPE blocks as its config sets them: one every `no_rope_layer_interval` (4 when
+/// absent) blocks. `no_rope_layers`, when present, must be that pattern (1: the block rotates,
+/// 0: it does not) — transformers derives it so; another is refused. Its sliding window falls
+/// on the NoPE blocks alone, which no window here expresses: refused when it would hide a key.
+fn smollm3_no_rope_interval(
+    cfg: &Value,
+    path: &Path,
+    layers: usize,
+    context: usize,
+) -> Result<usize> {
+    let interval = match cfg.get("no_rope_layer_interval") {
+        None => 4,
+        Some(_) => get_usize(cfg, path, "no_rope_layer_interval")?,
+    };
+    if interval == 0 {
+        return Err(bad(
+            path,
+            "no_rope_layer_interval 0: a block count must be positive",
+        ));
+    }
+    if let Some(list) = cfg.get("no_rope_layers").filter(|v| !v.is_null()) {
+        let derived = list.as_array().is_some_and(|a| {
+            a.len() == layers
+                && a.iter().enumerate().all(|(l, v)| {
+                    let rotates = !(l + 1).is_multiple_of(interval);
+                    v.as_u64() == Some(u64::from(rotates))
+                })
+        });
+        if !derived {
+            return Err(bad(
+                path,
+                format!(
+                    "no_rope_layers {list:.80}: only a NoPE block every \
+                     no_rope_layer_interval ({interval}) blocks"
+                ),
+            ));
+        }
+    }
+    if get_bool(cfg, path, "use_sliding_window")? == Some(true) {
+        let window = match cfg.get("sliding_window") {
+            None | Some(Value::Null) => None,
+            Some(_) => Some(get_usize(cfg, path, "sliding_window")?),
+        };
+        if window.is_some_and(|w| w < context) && interval <= layers {
+            return Err(bad(
+                path,
+                "use_sliding_window: SmolLM3's windows on its NoPE blocks are not supported",
+            ));
+        }
+    }
+    if let Some(types) = cfg.get("layer_types").filter(|v| !v.is_null()) {
+        let full = types
+            .as_array()
+            .is_some_and(|a| a.len() == layers && a.iter().all(|t| t == "full_attention"));
+        if !full {
+            return Err(bad(
+                path,
+                format!("layer_types {types:.80}: only full_attention"),
+            ));
+        }
+    }
+    Ok(interval)
+}
+
 /// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral, Qwen2 or
 /// Qwen3), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
@@ -544,7 +609,8 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         // biases on q, k and v (fixed, not a setting) and an optional sliding window in its
         // later blocks. Qwen3 drops the biases (a setting, refused when on: it would bias
         // o_proj too) and adds the query/key norms.
-        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM" => {
+        "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM"
+        | "SmolLM3ForCausalLM" => {
             let class = LlamaClass::of_architecture(arch).unwrap_or_default();
             let act = get_str(&cfg, &path, "hidden_act")?;
             if !matches!(act, None | Some("silu")) {
@@ -566,12 +632,19 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 }),
                 LlamaClass::Qwen2 | LlamaClass::Qwen3 => qwen_sliding_window(&cfg, &path, layers)?,
                 LlamaClass::Llama => None,
+                LlamaClass::SmolLM3 => None,
+            };
+            let no_rope_interval = match class {
+                LlamaClass::SmolLM3 => {
+                    Some(smollm3_no_rope_interval(&cfg, &path, layers, context)?)
+                }
+                _ => None,
             };
             // A window no shorter than the context never hides a key.
             let sliding_window = sliding_window.filter(|w| w.size < context);
             // Mistral's and Qwen2's classes have no bias settings.
             let bias_settings: &[&str] = match class {
-                LlamaClass::Llama => &["attention_bias", "mlp_bias"],
+                LlamaClass::Llama | LlamaClass::SmolLM3 => &["attention_bias", "mlp_bias"],
                 LlamaClass::Qwen3 => &["attention_bias"],
                 LlamaClass::Mistral | LlamaClass::Qwen2 => &[],
             };
@@ -621,6 +694,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     kv_heads,
                     head_dim,
                     sliding_window,
+                    no_rope_interval,
                     ffn: get_usize(&cfg, &path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     rope_scaling,
@@ -635,7 +709,8 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 &path,
                 format!(
                     "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM, \
-                     MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM load"
+                     MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and \
+                     SmolLM3ForCausalLM load"
                 ),
             ))
         }

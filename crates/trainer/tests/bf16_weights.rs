@@ -17,6 +17,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
             kv_heads: 4,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -23,6 +23,7 @@ fn configs() -> [ModelConfig; 2] {
             kv_heads: 2,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

@@ -49,6 +49,7 @@ fn llama() -> ModelConfig {
             kv_heads: 2,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 384,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -29,6 +29,7 @@ fn config(llama: bool) -> ModelConfig {
                 kv_heads: 2,
                 head_dim: None,
                 sliding_window: None,
+                no_rope_interval: None,
                 ffn: 24,
                 // A small base, so that every frequency turns measurably within 20 positions.
                 rope_theta: 100.0,

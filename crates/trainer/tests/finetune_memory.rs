@@ -24,6 +24,7 @@ fn model(llama: bool) -> ModelConfig {
             kv_heads: 2,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -102,7 +102,7 @@ fn strict(file: &str, path: &str) -> Option<&'static [&'static str]> {
         // Qwen2, Qwen3: a boolean (either is read as itself: the fixtures' windows are null
         // or set), never another type read as one.
         "/use_sliding_window" => Some(BOOLEAN),
-        "/layer_types" => Some(DEFAULT),
+        "/layer_types" | "/no_rope_layers" => Some(DEFAULT),
         "/rope_parameters" => Some(OR_EMPTY),
         _ => None,
     }
@@ -152,6 +152,7 @@ fn hugging_face_json_settings() {
         ("hf-mistral", "config.json"),
         ("hf-qwen3", "config.json"),
         ("hf-qwen2-window", "config.json"),
+        ("hf-smollm3", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

@@ -45,6 +45,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
             kv_heads,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 24,
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,

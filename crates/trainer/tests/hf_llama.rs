@@ -4,8 +4,10 @@
 //! and a tied head, and a `GPT2LMHeadModel` saved in four shards — loaded from their
 //! `save_pretrained` directories. Logits within 1e-4 relative (of the largest logit) and the
 //! mean cross-entropy within 1e-5, in f32. Rescaled rotary embeddings (Llama 3.1's `llama3`,
-//! `linear`), Qwen2 (q/k/v biases), Mistral, Qwen3 (query/key norms, its own head width; its
-//! gradients against PyTorch's autograd too) and a Mistral with its own head width against
+//! `linear`), Qwen2 (q/k/v biases), Mistral, Qwen3 (query/key norms, its own head width),
+//! SmolLM3 (NoPE blocks), sliding windows (Mistral's, Qwen2's; decoding past them too) and a
+//! Mistral with its own head width — the gradients of Qwen3, SmolLM3 and the windowed Mistral
+//! against PyTorch's autograd too — against
 //! `benches/torch/make_llama_family_fixture.py`'s models, their inverse frequencies bit for
 //! bit.
 
@@ -951,5 +953,67 @@ fn a_mistral_with_its_own_head_width_matches_transformers() {
         })
         .unwrap();
         assert_eq!(cfg.head_dim(), 8);
+    }
+}
+
+/// SmolLM3: every second block of the fixture attends without the rotary embedding (NoPE),
+/// read from `no_rope_layer_interval` and `no_rope_layers`; logits and every gradient against
+/// transformers and PyTorch.
+#[test]
+fn smollm3_matches_transformers() {
+    let cfg = matches_reference("hf-smollm3");
+    let Family::Llama(s) = cfg.family else {
+        panic!("read as GPT-2");
+    };
+    assert_eq!(
+        (s.class, s.no_rope_interval),
+        (LlamaClass::SmolLM3, Some(2))
+    );
+    assert_eq!(
+        (0..cfg.layers).map(|l| cfg.rotates(l)).collect::<Vec<_>>(),
+        [true, false, true]
+    );
+    assert_inv_freq("hf-smollm3", &cfg);
+    gradients_match_pytorch("hf-smollm3");
+    let written = saved_and_read_back("hf-smollm3", 48);
+    assert_eq!(
+        written["architectures"][0], "SmolLM3ForCausalLM",
+        "{written}"
+    );
+    assert_eq!(written["no_rope_layer_interval"], 2, "{written}");
+    assert_eq!(
+        written["no_rope_layers"],
+        serde_json::json!([1, 0, 1]),
+        "{written}"
+    );
+}
+
+#[test]
+fn smollm3_settings_that_change_the_model_are_refused() {
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        config_edited("hf-smollm3", edit).map_err(|e| e.to_string())
+    };
+    let err = edited(&|c| c["no_rope_layers"] = serde_json::json!([1, 1, 0])).unwrap_err();
+    assert!(err.contains("only a NoPE block every"), "{err}");
+    let err = edited(&|c| c["no_rope_layer_interval"] = 0.into()).unwrap_err();
+    assert!(err.contains("no_rope_layer_interval 0"), "{err}");
+    // Without the list, the interval alone: SmolLM3Config's 4 when absent too.
+    let cfg = edited(&|c| {
+        let o = c.as_object_mut().unwrap();
+        o.remove("no_rope_layers");
+        o.remove("no_rope_layer_interval");
+    })
+    .unwrap();
+    assert_eq!((cfg.rotates(1), cfg.rotates(3)), (true, false));
+    // Its window falls on the NoPE blocks alone.
+    let err = edited(&|c| {
+        c["use_sliding_window"] = true.into();
+        c["sliding_window"] = 16.into();
+    })
+    .unwrap_err();
+    assert!(err.contains("windows on its NoPE blocks"), "{err}");
+    for flag in ["attention_bias", "mlp_bias"] {
+        let err = edited(&|c| c[flag] = true.into()).unwrap_err();
+        assert!(err.contains("is not supported"), "{err}");
     }
 }

@@ -42,6 +42,7 @@ fn llama() -> ModelConfig {
             kv_heads: 2,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

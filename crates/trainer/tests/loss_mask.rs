@@ -35,6 +35,7 @@ fn llama() -> Family {
         kv_heads: 1,
         head_dim: None,
         sliding_window: None,
+        no_rope_interval: None,
         ffn: 24,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),

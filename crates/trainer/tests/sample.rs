@@ -33,6 +33,7 @@ fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
             kv_heads,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

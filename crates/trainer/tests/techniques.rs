@@ -106,6 +106,7 @@ fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
             kv_heads: 1,
             head_dim: None,
             sliding_window: None,
+            no_rope_interval: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -66,6 +66,7 @@ fn llama() -> Family {
         kv_heads: 1,
         head_dim: None,
         sliding_window: None,
+        no_rope_interval: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
@@ -259,6 +260,7 @@ fn qwen2_and_qwen3_under_every_stage_equal_one_process() {
         kv_heads: 1,
         head_dim: None,
         sliding_window: None,
+        no_rope_interval: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: headroom_trainer::model::RopeScaling::Llama3 {

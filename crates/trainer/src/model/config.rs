@@ -41,6 +41,11 @@ pub struct LlamaShape {
     /// it existed, and for a window no shorter than the context: none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<SlidingWindow>,
+    /// SmolLM3's NoPE blocks: every `k`-th block (blocks `k − 1`, `2k − 1`, …) attends without
+    /// the rotary embedding (`no_rope_layer_interval`; absent for every other class: every
+    /// block rotates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_rope_interval: Option<usize>,
     /// The Hugging Face class: what the checkpoints are saved as, and whether q, k and v have
     /// biases (Qwen2's; absent in checkpoints written before it existed: Llama).
     #[serde(default)]
@@ -81,15 +86,19 @@ pub enum LlamaClass {
     /// `k_norm`, gains `[head_dim]`) before the rotation, no biases, and usually a head width
     /// that is not `C / heads`.
     Qwen3,
+    /// `SmolLM3ForCausalLM` (SmolLM3): Llama whose every fourth block (by default) has no
+    /// rotary embedding (NoPE; [`LlamaShape::no_rope_interval`]).
+    SmolLM3,
 }
 
 impl LlamaClass {
     /// Every class.
-    pub const ALL: [LlamaClass; 4] = [
+    pub const ALL: [LlamaClass; 5] = [
         LlamaClass::Llama,
         LlamaClass::Mistral,
         LlamaClass::Qwen2,
         LlamaClass::Qwen3,
+        LlamaClass::SmolLM3,
     ];
 
     /// transformers' class name (`architectures`).
@@ -99,6 +108,7 @@ impl LlamaClass {
             LlamaClass::Mistral => "MistralForCausalLM",
             LlamaClass::Qwen2 => "Qwen2ForCausalLM",
             LlamaClass::Qwen3 => "Qwen3ForCausalLM",
+            LlamaClass::SmolLM3 => "SmolLM3ForCausalLM",
         }
     }
 
@@ -109,6 +119,7 @@ impl LlamaClass {
             LlamaClass::Mistral => "mistral",
             LlamaClass::Qwen2 => "qwen2",
             LlamaClass::Qwen3 => "qwen3",
+            LlamaClass::SmolLM3 => "smollm3",
         }
     }
 
@@ -216,6 +227,7 @@ impl ModelConfig {
                 kv_heads: 2,
                 head_dim: None,
                 sliding_window: None,
+                no_rope_interval: None,
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -239,6 +251,7 @@ impl ModelConfig {
                 kv_heads: 2,
                 head_dim: None,
                 sliding_window: None,
+                no_rope_interval: None,
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -246,6 +259,17 @@ impl ModelConfig {
                 norm_eps: 1e-5,
                 tied_head: false,
             }),
+        }
+    }
+
+    /// Whether block `l` rotates its queries and keys (all but SmolLM3's NoPE blocks).
+    pub fn rotates(&self, l: usize) -> bool {
+        match self.family {
+            Family::Llama(LlamaShape {
+                no_rope_interval: Some(k),
+                ..
+            }) => !(l + 1).is_multiple_of(k.max(1)),
+            _ => true,
         }
     }
 
@@ -293,12 +317,18 @@ impl ModelConfig {
     }
 
     /// The shape in one line: the class (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`), blocks,
-    /// heads (with their width when it is not `C / heads`), width, and a sliding window:
-    /// `llama 2L/4H/64C`, `qwen3 28L/16H×128/1024C`, `mistral 32L/32H/4096C window 4096`.
+    /// heads (with their width when it is not `C / heads`), width, a sliding window and NoPE
+    /// blocks: `llama 2L/4H/64C`, `qwen3 28L/16H×128/1024C`, `mistral 32L/32H/4096C window
+    /// 4096`, `smollm3 36L/16H/2048C NoPE every 4`.
     pub fn shape_name(&self) -> String {
-        let (class, own_head_dim, window) = match self.family {
-            Family::Gpt2 => ("gpt2", None, None),
-            Family::Llama(s) => (s.class.model_type(), s.head_dim, s.sliding_window),
+        let (class, own_head_dim, window, nope) = match self.family {
+            Family::Gpt2 => ("gpt2", None, None, None),
+            Family::Llama(s) => (
+                s.class.model_type(),
+                s.head_dim,
+                s.sliding_window,
+                s.no_rope_interval,
+            ),
         };
         let heads = match own_head_dim {
             Some(hs) => format!("{}H×{hs}", self.heads),
@@ -309,8 +339,9 @@ impl ModelConfig {
             Some(w) => format!(" window {} from block {}", w.size, w.first_layer),
             None => String::new(),
         };
+        let nope = nope.map_or(String::new(), |k| format!(" NoPE every {k}"));
         format!(
-            "{class} {}L/{heads}/{}C{window}",
+            "{class} {}L/{heads}/{}C{window}{nope}",
             self.layers, self.channels
         )
     }
@@ -462,7 +493,7 @@ impl ModelConfig {
                 // What the class's config can say: Mistral windows every block, Qwen2 and
                 // Qwen3 the blocks from one on, Llama none.
                 let expressible = match s.class {
-                    LlamaClass::Llama => false,
+                    LlamaClass::Llama | LlamaClass::SmolLM3 => false,
                     LlamaClass::Mistral => w.first_layer == 0,
                     LlamaClass::Qwen2 | LlamaClass::Qwen3 => true,
                 };
@@ -473,6 +504,18 @@ impl ModelConfig {
                         w.first_layer
                     ));
                 }
+            }
+            match (s.no_rope_interval, s.class) {
+                (None, LlamaClass::SmolLM3) | (Some(0), _) => {
+                    return bad("SmolLM3's NoPE interval must be a positive block count".into())
+                }
+                (Some(k), class) if class != LlamaClass::SmolLM3 => {
+                    return bad(format!(
+                        "{} cannot hold NoPE blocks (every {k}th)",
+                        class.architecture()
+                    ))
+                }
+                _ => {}
             }
             if let Err(e) = s.rope_scaling.check() {
                 return bad(e);

@@ -1,8 +1,8 @@
 //! The Llama block: RMSNorm, attention with rotary positions and grouped-query heads, RMSNorm,
 //! SwiGLU MLP, no biases — forward (keeping [`LlamaSaved`]) and backward, written once over
 //! [`ModelOps`]. Transformers' `LlamaDecoderLayer` computes the same function; its classes'
-//! variations are here too: Qwen2's q/k/v biases and Qwen3's RMSNorm of each query and key
-//! head before the rotation.
+//! variations are here too: Qwen2's q/k/v biases, Qwen3's RMSNorm of each query and key
+//! head before the rotation, SmolLM3's blocks without the rotation.
 //!
 //! As in the GPT-2 block, every kept tensor is rounded to the storage precision as soon as it
 //! is computed and every later reader reads the rounded values, so checkpointed gradients
@@ -171,7 +171,7 @@ impl<B: ModelOps> Model<B> {
 
     /// Queries or keys: `x` projected by `w_off` into `heads` heads, each RMS-normalised with
     /// the gain at `norm_off` when the class has query/key norms (Qwen3), rotated from
-    /// position `pos0`, kept. With the norm, its kept input and statistics come back for the
+    /// position `pos0` (unless the block is one of SmolLM3's NoPE blocks), kept. With the norm, its kept input and statistics come back for the
     /// backward.
     #[allow(clippy::too_many_arguments)]
     fn rotated_heads(
@@ -208,7 +208,10 @@ impl<B: ModelOps> Model<B> {
             }
             _ => (projected, None),
         };
-        self.rope(&mut rotated, rope, pos0, g, false)?;
+        // SmolLM3's NoPE blocks attend without positions.
+        if self.cfg.rotates(l) {
+            self.rope(&mut rotated, rope, pos0, g, false)?;
+        }
         Ok((self.keep(rotated)?, norm))
     }
 
@@ -506,8 +509,10 @@ impl<B: ModelOps> Model<B> {
         let mut ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
         drop(dy);
         // The rotation is orthogonal: its backward rotates the gradient back.
-        self.rope(&mut ag.dq, rope, 0, g, true)?;
-        self.rope(&mut ag.dk, rope, 0, g, true)?;
+        if self.cfg.rotates(l) {
+            self.rope(&mut ag.dq, rope, 0, g, true)?;
+            self.rope(&mut ag.dk, rope, 0, g, true)?;
+        }
         let dq = self.head_norm_backward(grads, bw, ag.dq, s.q_norm.as_ref(), o::Q_NORM)?;
         let dk = self.head_norm_backward(grads, bw, ag.dk, s.k_norm.as_ref(), o::K_NORM)?;
         drop((s.q_norm, s.k_norm));
