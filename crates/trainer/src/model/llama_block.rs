@@ -266,6 +266,12 @@ impl<B: ModelOps> Model<B> {
         let (mask, positions) = match g.documents {
             Some(d) if d.mask().is_padding() => {
                 let (mask, positions) = (d.mask(), d.positions());
+                if positions.len() != b * t {
+                    return Err(TrainError::Input(format!(
+                        "sliding window: {} positions for a step of {b} × {t}",
+                        positions.len()
+                    )));
+                }
                 let first = |row: usize, i: usize| {
                     let start = first_of(positions[row * t + i] as usize);
                     let hidden = mask.hidden_keys(row);
