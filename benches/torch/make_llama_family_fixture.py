@@ -66,6 +66,15 @@ from transformers import (
 )
 
 OUT = os.path.join("crates", "trainer", "tests", "fixtures")
+# What every model here shares: small, f32, SiLU, 64 positions.
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=72,
+    max_position_embeddings=64,
+    hidden_act="silu",
+    torch_dtype="float32",
+)
 SEQ = 48
 
 
@@ -81,20 +90,15 @@ def perturb(model):
 
 def llama(rope_parameters):
     config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=72,
+        **SMALL,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=64,
         rms_norm_eps=1e-5,
         rope_parameters=rope_parameters,
         tie_word_embeddings=False,
         attention_bias=False,
         mlp_bias=False,
-        hidden_act="silu",
-        torch_dtype="float32",
     )
     return config, LlamaForCausalLM
 
@@ -123,19 +127,14 @@ def mistral():
     # Mistral 7B v0.3's settings in small: no sliding window, rotary base 1e6, 4 query heads
     # over 1 key/value head, untied.
     config = MistralConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=72,
+        **SMALL,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=1,
-        max_position_embeddings=64,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         sliding_window=None,
         tie_word_embeddings=False,
-        hidden_act="silu",
-        torch_dtype="float32",
     )
     return config, MistralForCausalLM
 
@@ -143,21 +142,16 @@ def mistral():
 def qwen3():
     # Qwen3-0.6B's settings in small: head_dim not hidden_size / heads, tied, base 1e6.
     config = Qwen3Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=72,
+        **SMALL,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=12,
-        max_position_embeddings=64,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=True,
         attention_bias=False,
         use_sliding_window=False,
-        hidden_act="silu",
-        torch_dtype="float32",
     )
     return config, Qwen3ForCausalLM
 
@@ -180,13 +174,10 @@ def qwen2_window():
 
 def smollm3():
     config = SmolLM3Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=72,
+        **SMALL,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0},
         no_rope_layer_interval=2,
@@ -196,8 +187,6 @@ def smollm3():
         bos_token_id=None,
         eos_token_id=None,
         tie_word_embeddings=True,
-        hidden_act="silu",
-        torch_dtype="float32",
     )
     return config, SmolLM3ForCausalLM
 

@@ -55,6 +55,20 @@ fn matches_transformers(name: &str, kv_heads: usize, tied: bool) {
     }
 }
 
+/// [`matches_reference`] for a Llama-family fixture: its shape and what only a Llama has.
+fn llama_matches_reference(
+    name: &str,
+) -> (
+    headroom_trainer::model::ModelConfig,
+    headroom_trainer::model::LlamaShape,
+) {
+    let cfg = matches_reference(name);
+    let Family::Llama(s) = cfg.family else {
+        panic!("{name} read as GPT-2");
+    };
+    (cfg, s)
+}
+
 /// The model in `dir` on the CPU, with its shape and the bytes of its
 /// `reference.safetensors`.
 fn loaded(dir: &std::path::Path) -> (headroom_trainer::model::ModelConfig, Model<Cpu>, Vec<u8>) {
@@ -448,10 +462,7 @@ fn a_checkpoint_of_a_rescaled_llama_or_a_qwen2_keeps_its_layout() {
 
 #[test]
 fn qwen2_matches_transformers() {
-    let cfg = matches_reference("hf-qwen2");
-    let Family::Llama(s) = cfg.family else {
-        panic!("read as GPT-2");
-    };
+    let (cfg, s) = llama_matches_reference("hf-qwen2");
     assert!(s.qkv_bias() && s.tied_head);
     assert_inv_freq("hf-qwen2", &cfg);
     assert_eq!(
@@ -649,10 +660,7 @@ fn qlora_on_qwen3_trains_and_merges_into_a_qwen3() {
 
 #[test]
 fn mistral_matches_transformers() {
-    let cfg = matches_reference("hf-mistral");
-    let Family::Llama(s) = cfg.family else {
-        panic!("read as GPT-2");
-    };
+    let (cfg, s) = llama_matches_reference("hf-mistral");
     assert_eq!(s.class, LlamaClass::Mistral);
     assert!(!s.qkv_bias() && !s.tied_head);
     assert_inv_freq("hf-mistral", &cfg);
@@ -810,10 +818,7 @@ fn a_padded_batch_counts_each_rows_window_in_its_own_tokens() {
 
 #[test]
 fn qwen3_matches_transformers() {
-    let cfg = matches_reference("hf-qwen3");
-    let Family::Llama(s) = cfg.family else {
-        panic!("read as GPT-2");
-    };
+    let (cfg, s) = llama_matches_reference("hf-qwen3");
     assert_eq!(s.class, LlamaClass::Qwen3);
     assert!(s.qk_norm() && !s.qkv_bias() && s.tied_head);
     assert_eq!(
@@ -933,10 +938,7 @@ fn qwen3_settings_that_change_the_model_are_refused() {
 /// from `head_dim`; Llama's and Mistral's derive it when the key is absent or null.
 #[test]
 fn a_mistral_with_its_own_head_width_matches_transformers() {
-    let cfg = matches_reference("hf-mistral-head-dim");
-    let Family::Llama(s) = cfg.family else {
-        panic!("read as GPT-2");
-    };
+    let (cfg, s) = llama_matches_reference("hf-mistral-head-dim");
     assert_eq!(s.class, LlamaClass::Mistral);
     assert!(!s.qk_norm() && !s.qkv_bias());
     assert_eq!(
@@ -961,10 +963,7 @@ fn a_mistral_with_its_own_head_width_matches_transformers() {
 /// transformers and PyTorch.
 #[test]
 fn smollm3_matches_transformers() {
-    let cfg = matches_reference("hf-smollm3");
-    let Family::Llama(s) = cfg.family else {
-        panic!("read as GPT-2");
-    };
+    let (cfg, s) = llama_matches_reference("hf-smollm3");
     assert_eq!(
         (s.class, s.no_rope_interval),
         (LlamaClass::SmolLM3, Some(2))
