@@ -33,6 +33,11 @@ transformers builds a small random model of each and saves it with `save_pretrai
 - `hf-smollm3`: SmolLM3ForCausalLM, 3 blocks with a NoPE block every 2 (block 1 attends without
   the rotary embedding; SmolLM3-3B has one every 4), tied head. Its reference also holds
   PyTorch's gradients.
+- `hf-gemma3`: Gemma3ForCausalLM (Gemma 3 270M and 1B are this class): 3 blocks, block 1 with
+  full attention and blocks 0 and 2 over a window of 16 keys with their own rotary base (the
+  real models window five blocks of six), q/k norms, output norms, GeGLU, embedding scaled by
+  sqrt(32), head width 12 on a model 32 wide, tied head; norm gains stored as offsets from 1.
+  Its reference also holds PyTorch's gradients and the windowed blocks' `sliding_inv_freq`.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -59,6 +64,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     SmolLM3Config,
@@ -78,12 +85,13 @@ SMALL = dict(
 SEQ = 48
 
 
-def perturb(model):
-    # As make_llama_fixture.py: weights far from the initialisation, norm gains away from 1.
+def perturb(model, norm_center=1.0):
+    # As make_llama_fixture.py: weights far from the initialisation, norm gains away from 1
+    # (Gemma stores each gain as its offset from 1: centre 0).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(norm_center + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
 
@@ -191,6 +199,40 @@ def smollm3():
     return config, SmolLM3ForCausalLM
 
 
+def gemma3():
+    # Gemma 3 270M's and 1B's settings in small: query/key norms, output norms, GeGLU, the
+    # embedding scaled by sqrt(hidden_size), a head width of its own (48-wide q on a model 32
+    # wide), and a window of 16 keys in every block but every second (the real pattern is
+    # every sixth), whose rotary base is 1e4 against the full blocks' 1e6.
+    config = Gemma3TextConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=72,
+        max_position_embeddings=64,
+        hidden_activation="gelu_pytorch_tanh",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        query_pre_attn_scalar=12,
+        rms_norm_eps=1e-6,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        # As for SmolLM3: a padding id would freeze its embedding row, which no checkpoint
+        # records.
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    return config, Gemma3ForCausalLM
+
+
 def yarn_defaults_inv_freq():
     # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
     # outwards, attention factor from the factor), for the rotary frequencies alone.
@@ -202,11 +244,11 @@ def yarn_defaults_inv_freq():
     return inv_freq.float(), attention_factor
 
 
-def build(name, spec, seed, extra=None, gradients=False):
+def build(name, spec, seed, extra=None, gradients=False, norm_center=1.0):
     torch.manual_seed(seed)
     config, cls = spec
     model = cls(config).to(torch.float32).eval()
-    perturb(model)
+    perturb(model, norm_center)
     directory = os.path.join(OUT, name)
     model.save_pretrained(directory, safe_serialization=True)
 
@@ -222,7 +264,13 @@ def build(name, spec, seed, extra=None, gradients=False):
         # A tied head's gradient is the embedding's: named once, as the model names it.
         grads = {f"grad.{n}": p.grad.float().contiguous() for n, p in model.named_parameters()}
     logits, loss = logits.detach(), loss.detach()
-    inv_freq = model.model.rotary_emb.inv_freq.float()
+    rotary = model.model.rotary_emb
+    # Gemma 3 keeps one set of frequencies per layer type: the full blocks' are the model's.
+    if hasattr(rotary, "inv_freq"):
+        inv_freq, scaling = rotary.inv_freq.float(), rotary.attention_scaling
+    else:
+        inv_freq, scaling = rotary.full_attention_inv_freq.float(), rotary.full_attention_attention_scaling
+        extra = {**(extra or {}), "sliding_inv_freq": rotary.sliding_attention_inv_freq.float().contiguous()}
     save_file(
         {
             "tokens": tokens.to(torch.int32).contiguous(),
@@ -230,7 +278,7 @@ def build(name, spec, seed, extra=None, gradients=False):
             "logits": logits.contiguous(),
             "loss": loss.reshape(1).contiguous(),
             "inv_freq": inv_freq.contiguous(),
-            "attention_scaling": torch.tensor([float(model.model.rotary_emb.attention_scaling)]),
+            "attention_scaling": torch.tensor([float(scaling)]),
             **(extra or {}),
             **grads,
         },
@@ -284,6 +332,7 @@ def main():
     build("hf-mistral-window", mistral_window(), seed=100, gradients=True)
     build("hf-qwen2-window", qwen2_window(), seed=110)
     build("hf-smollm3", smollm3(), seed=120, gradients=True)
+    build("hf-gemma3", gemma3(), seed=130, gradients=True, norm_center=0.0)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

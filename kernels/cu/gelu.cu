@@ -1,4 +1,5 @@
-// GELU with the tanh approximation (GPT-2's gelu_new) and the residual add, f32.
+// GELU with the tanh approximation (GPT-2's gelu_new), Gemma's GeGLU gate built on it, and
+// the residual add, f32.
 //
 // The formulas are headroom-trainer's ops::gelu operation for operation, with the same
 // exp/tanh (hr_tanh_f32 ports its fast_math), every step an explicitly rounded intrinsic and
@@ -40,6 +41,41 @@ extern "C" __global__ void gelu_backward_f32(float* __restrict__ dinp,
         float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
         float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), sech2), du);
         dinp[i] = __fadd_rn(dinp[i], __fmul_rn(__fadd_rn(left, right), dout[i]));
+    }
+}
+
+// GeGLU's gate (Gemma's MLP): out = gelu(gate)·up, the forward's GELU operation for operation.
+extern "C" __global__ void geglu_forward_f32(float* __restrict__ out,
+                                             const float* __restrict__ gate,
+                                             const float* __restrict__ up, hr_u64 n) {
+    HR_GRID_STRIDE(i, n) {
+        float x = gate[i];
+        float t = hr_tanh_f32(hr_gelu_inner(x));
+        float g = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
+        out[i] = __fmul_rn(g, up[i]);
+    }
+}
+
+// dgate += gelu'(gate)·up·dout, dup += gelu(gate)·dout (accumulate, like the CPU op).
+extern "C" __global__ void geglu_backward_f32(float* __restrict__ dgate,
+                                              float* __restrict__ dup,
+                                              const float* __restrict__ gate,
+                                              const float* __restrict__ up,
+                                              const float* __restrict__ dout, hr_u64 n) {
+    HR_GRID_STRIDE(i, n) {
+        float x = gate[i];
+        float d = dout[i];
+        float t = hr_tanh_f32(hr_gelu_inner(x));
+        float g = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
+        float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
+        float three_k = __fmul_rn(3.0f, HR_GELU_K);
+        float du = __fmul_rn(HR_GELU_SQRT_2_OVER_PI,
+                             __fadd_rn(1.0f, __fmul_rn(__fmul_rn(three_k, x), x)));
+        float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+        float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), sech2), du);
+        float derivative = __fadd_rn(left, right);
+        dgate[i] = __fadd_rn(dgate[i], __fmul_rn(__fmul_rn(derivative, up[i]), d));
+        dup[i] = __fadd_rn(dup[i], __fmul_rn(g, d));
     }
 }
 

@@ -198,12 +198,20 @@ pub const COLUMN_SUM: KernelSource = trainer_op_source!(
     ["column_sum_partials_f32", "column_sum_finish_f32"]
 );
 
-/// Tanh-GELU and the residual add, grid-stride: `gelu_forward_f32(out, inp, n)`,
-/// `gelu_backward_f32(dinp, inp, dout, n)` (accumulates), `residual_add_f32(y, x, n)`.
+/// Tanh-GELU, GeGLU's gate and the residual add, grid-stride: `gelu_forward_f32(out, inp, n)`,
+/// `gelu_backward_f32(dinp, inp, dout, n)` (accumulates), `geglu_forward_f32(out, gate, up,
+/// n)`, `geglu_backward_f32(dgate, dup, gate, up, dout, n)` (accumulates),
+/// `residual_add_f32(y, x, n)`.
 pub const GELU: KernelSource = trainer_op_source!(
     "gelu",
     "../cu/gelu.cu",
-    ["gelu_forward_f32", "gelu_backward_f32", "residual_add_f32"]
+    [
+        "gelu_forward_f32",
+        "gelu_backward_f32",
+        "geglu_forward_f32",
+        "geglu_backward_f32",
+        "residual_add_f32",
+    ]
 );
 
 /// Fused softmax cross-entropy, one block per row: `cross_entropy_forward_f32(losses, logits,

@@ -599,6 +599,49 @@ fn emulated_gelu_and_residual_are_bitwise_equal_to_the_cpu_ops() {
     assert_bitwise("residual", &f32s(&got[y]), &want);
 }
 
+/// Gemma's GeGLU gate: the GELU's operations, so bitwise like the GELU.
+#[test]
+fn emulated_geglu_is_bitwise_equal_to_the_cpu_op() {
+    let Some(emu) = emulator() else { return };
+    let mut gate = golden_inputs();
+    gate.extend(values(5000, 53, 12.0));
+    gate.extend([0.0, -0.0, 88.0, -88.0, 1e-40, f32::INFINITY, f32::NAN]);
+    let n = gate.len();
+    let (up, dout) = (values(n, 54, 2.0), values(n, 55, 1.0));
+    let (dg0, du0) = (values(n, 56, 0.5), values(n, 57, 0.5));
+    let mut run = Run::new("geglu");
+    let (g, u, d, out, dg, du) = (
+        run.buf(&gate),
+        run.buf(&up),
+        run.buf(&dout),
+        run.buf(&vec![0f32; n]),
+        run.buf(&dg0),
+        run.buf(&du0),
+    );
+    use Arg::{Buf, U};
+    run.launch(
+        "geglu_forward_f32",
+        (3, 1),
+        BLOCK,
+        &[Buf(out), Buf(g), Buf(u), U(n as u64)],
+    );
+    run.launch(
+        "geglu_backward_f32",
+        (5, 1),
+        BLOCK,
+        &[Buf(dg), Buf(du), Buf(g), Buf(u), Buf(d), U(n as u64)],
+    );
+    let got = run.finish(emu);
+    let want: Vec<f32> = (0..n).map(|i| ref_geglu(gate[i], up[i])).collect();
+    assert_bitwise("geglu forward", &f32s(&got[out]), &want);
+    let want: Vec<(f32, f32)> = (0..n)
+        .map(|i| ref_geglu_backward(dg0[i], du0[i], gate[i], up[i], dout[i]))
+        .collect();
+    let (dgate, dup): (Vec<f32>, Vec<f32>) = want.into_iter().unzip();
+    assert_bitwise("geglu dgate", &f32s(&got[dg]), &dgate);
+    assert_bitwise("geglu dup", &f32s(&got[du]), &dup);
+}
+
 #[test]
 fn emulated_cross_entropy_matches_the_reference() {
     let Some(emu) = emulator() else { return };

@@ -1071,6 +1071,23 @@ fn llama_ops_match_the_cpu_references() {
     assert_close("swiglu dgate", &down(&cuda, &dg), &dgw, 1e-6, 1e-6);
     assert_close("swiglu dup", &down(&cuda, &du), &duw, 1e-6, 1e-6);
 
+    // GeGLU (Gemma's gate): the GELU's operations, bitwise.
+    let mut y = cuda.zeros([n], DType::F32).unwrap();
+    cuda.geglu_forward(&mut y, &gd, &ud).unwrap();
+    let want: Vec<f32> = (0..n).map(|i| ref_geglu(gate[i], upv[i])).collect();
+    assert_bitwise("geglu", &down(&cuda, &y), &want);
+    let (mut dg, mut du) = (
+        cuda.zeros([n], DType::F32).unwrap(),
+        cuda.zeros([n], DType::F32).unwrap(),
+    );
+    cuda.geglu_backward(&mut dg, &mut du, &gd, &ud, &dd)
+        .unwrap();
+    let (dgw, duw): (Vec<f32>, Vec<f32>) = (0..n)
+        .map(|i| ref_geglu_backward(0.0, 0.0, gate[i], upv[i], d[i]))
+        .unzip();
+    assert_bitwise("geglu dgate", &down(&cuda, &dg), &dgw);
+    assert_bitwise("geglu dup", &down(&cuda, &du), &duw);
+
     // Rotary embedding on the CPU's tables: bitwise, both directions.
     let (heads, t, hs) = (6usize, 33usize, 128usize);
     let x0 = values(heads * t * hs, 71, 3.0);

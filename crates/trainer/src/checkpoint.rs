@@ -670,8 +670,11 @@ pub(crate) fn hf_config(
                 serde_json::json!([s.class.architecture()]),
             );
             object.insert("model_type".into(), s.class.model_type().into());
-            // Qwen3 has attention_bias, SmolLM3 both.
-            if !matches!(s.class, LlamaClass::Qwen3 | LlamaClass::SmolLM3) {
+            // Qwen3 and Gemma 3 have attention_bias, SmolLM3 both.
+            if !matches!(
+                s.class,
+                LlamaClass::Qwen3 | LlamaClass::SmolLM3 | LlamaClass::Gemma3
+            ) {
                 object.remove("attention_bias");
             }
             if s.class != LlamaClass::SmolLM3 {
@@ -691,6 +694,32 @@ pub(crate) fn hf_config(
             object.insert("use_sliding_window".into(), window.is_some().into());
             let first = window.map_or(c.layers, |w| w.first_layer);
             object.insert("max_window_layers".into(), first.into());
+        }
+        if s.class == LlamaClass::Gemma3 {
+            // Gemma3TextConfig's names, as the Hub's configs write them (transformers 5 reads
+            // rope_theta, rope_local_base_freq and rope_scaling into its rope_parameters):
+            // the activation, the attention scale (1/√head_dim here), no soft-capping, one
+            // layer type per block.
+            for key in ["hidden_act", "mlp_bias"] {
+                object.remove(key);
+            }
+            let types: Vec<&str> = (0..c.layers)
+                .map(|l| match c.window_of(l) {
+                    Some(_) => "sliding_attention",
+                    None => "full_attention",
+                })
+                .collect();
+            object.extend([
+                ("hidden_activation".into(), "gelu_pytorch_tanh".into()),
+                ("query_pre_attn_scalar".into(), c.head_dim().into()),
+                ("layer_types".into(), types.into()),
+                ("attn_logit_softcapping".into(), serde_json::Value::Null),
+                ("final_logit_softcapping".into(), serde_json::Value::Null),
+                ("use_bidirectional_attention".into(), false.into()),
+            ]);
+            if let Some(theta) = s.sliding_window.and_then(|w| w.rope_theta) {
+                object.insert("rope_local_base_freq".into(), theta.into());
+            }
         }
     }
     if let Some(object) = v.as_object_mut() {

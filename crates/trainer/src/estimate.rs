@@ -287,7 +287,14 @@ fn estimate_for(
         + probs
         + qk_norms;
     let mlp_saved = if llama { 2 * btf * a } else { btf * a }; // gate and up, or fch
+                                                               // Gemma 3's output norms keep the o_proj and down outputs they normalise, and their
+                                                               // statistics.
+    let output_norms = match cfg.family {
+        Family::Llama(s) if s.output_norms() => 2 * (btc * a + norm_stats),
+        _ => 0,
+    };
     let block_saved = 2 * norm_stats
+        + output_norms
         + attention_saved
         + btc * a // res2
         + mlp_saved
@@ -816,10 +823,19 @@ fn llama_block_workspace(
     let (cu, fu, ku) = (cfg.channels, cfg.ffn(), cfg.kv_heads() * cfg.head_dim());
     let wu = cfg.attention_width();
     let qk_norm = matches!(cfg.family, Family::Llama(s) if s.qk_norm());
+    // Gemma 3's output norms: the gradient of each sublayer's output beside its residual's
+    // while that sublayer's output projection runs backward; each norm's kept input and
+    // statistics are dropped once its backward has run.
+    let output_norms = matches!(cfg.family, Family::Llama(s) if s.output_norms());
+    let (out_grad, out_norm_kept) = if output_norms {
+        (btc, btc * a + bt * 4)
+    } else {
+        (0, 0)
+    };
     // The incoming gradient.
     let (mlp_common, attn_common) = (btc, btc);
     // down's backward: dact.
-    let first = lin.peak(mlp_common + btf, o::DOWN, fu, cu, true) * 4;
+    let first = lin.peak(mlp_common + out_grad + btf, o::DOWN, fu, cu, true) * 4;
     // From attention's backward on: dres2 and dq, dk, dv.
     let attn_grads = attn_common + btc + btq + 2 * btk;
     // Qwen3's query and key norms' backward: each head norm's input gradient beside the
@@ -832,25 +848,25 @@ fn llama_block_workspace(
     } else {
         0
     };
-    let later = [
-        // SwiGLU's backward: dgate, and dact becoming dup in place.
+    let mlp = [
+        // The gate's backward: dgate, and dact becoming dup in place.
         mlp_common + 2 * btf,
         // gate's backward: dgate, dup, dnorm2.
         lin.peak(mlp_common + 2 * btf + btc, o::GATE, cu, fu, true),
         // up's backward: dup, dnorm2.
         lin.peak(mlp_common + btf + btc, o::UP, cu, fu, true),
-        // o_proj's backward: dres2, atty, datty (atty is f32 scratch: no view).
-        lin.peak(attn_common + btc + 2 * btq, o::O, wu, cu, false),
+        // o_proj's backward: dres2, (the output norm's input gradient,) atty, datty (atty is
+        // f32 scratch: no view).
+        lin.peak(attn_common + btc + out_grad + 2 * btq, o::O, wu, cu, false),
+    ];
+    let attention_side = [
         head_norms,
         // q's, k's and v's backward: dres2, dq, dk, dv, dnorm1, the merged head gradient.
         lin.peak(attn_grads + btc + btq, o::Q, cu, wu, true),
         lin.peak(attn_grads + btc + btk, o::K, cu, ku, true),
         lin.peak(attn_grads + btc + btk, o::V, cu, ku, true),
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0)
-        * 4;
+    ];
+    let most = |m: &[u64]| m.iter().copied().max().unwrap_or(0) * 4;
     // Attention's own workspace (naive's probability gradient, partials, scratch; reading
     // bf16/f16, a group of heads' f32 copies), with dres2, dy and dq/dk/dv.
     let attention = (attn_grads + btq) * 4 + attn.backward;
@@ -873,9 +889,19 @@ fn llama_block_workspace(
     .into_iter()
     .max()
     .map_or(0, |m| (m + forward_live) * 4);
-    // The SwiGLU output (kept, or recomputed under selective recomputation) is dropped right
-    // after down's backward: every later moment holds B·T·F fewer activation elements.
-    BlockWorkspace::new(first, later.max(attention), btf * a).with_forward(forward)
+    // The gate's output (kept, or recomputed under selective recomputation) is dropped right
+    // after down's backward: every later moment holds B·T·F fewer activation elements (and
+    // what the output norms kept, from the end of each one's backward).
+    let act = btf * a;
+    BlockWorkspace::from_moments(&[
+        (first, out_norm_kept),
+        (most(&mlp), out_norm_kept + act),
+        (
+            most(&attention_side).max(attention),
+            2 * out_norm_kept + act,
+        ),
+    ])
+    .with_forward(forward)
 }
 
 /// A GPT-2 block backward's workspace peak, moment by moment as `gpt2_block_backward`
@@ -960,9 +986,19 @@ impl BlockWorkspace {
     /// saved is dropped) and the largest of the later ones, after which `released` bytes of
     /// the block's activations are gone.
     fn new(first: u64, later: u64, released: u64) -> Self {
+        Self::from_moments(&[(first, 0), (later, released)])
+    }
+
+    /// From moments of the backward, each its workspace bytes and the activation bytes the
+    /// backward has dropped by then.
+    fn from_moments(moments: &[(u64, u64)]) -> Self {
         BlockWorkspace {
-            peak: first.max(later),
-            over_saved: first.max(later.saturating_sub(released)),
+            peak: moments.iter().map(|m| m.0).max().unwrap_or(0),
+            over_saved: moments
+                .iter()
+                .map(|&(workspace, released)| workspace.saturating_sub(released))
+                .max()
+                .unwrap_or(0),
         }
     }
 }

@@ -437,7 +437,165 @@ fn qwen_sliding_window(cfg: &Value, path: &Path, layers: usize) -> Result<Option
     }
     Ok(window
         .filter(|_| first_layer < layers)
-        .map(|size| SlidingWindow { size, first_layer }))
+        .map(|size| SlidingWindow::from_layer(size, first_layer)))
+}
+
+/// Gemma 3's attention pattern and rotary embeddings, as its configs set them: a window of
+/// `sliding_window` keys in every block but every `k`-th (`layer_types`; before it,
+/// `sliding_window_pattern`, 6 when absent), whose rotary base is `rope_local_base_freq`
+/// (10 000 when absent; transformers 5's `rope_parameters.sliding_attention`, which must not
+/// rescale) while the full-attention blocks take `rope_theta` (10⁶ when absent) and
+/// `rope_scaling` (`rope_parameters.full_attention`). Returns the window (`None`: every block
+/// attends to the whole context), the full blocks' base and their rescaling. Another pattern
+/// of `layer_types` is refused.
+fn gemma3_attention(
+    cfg: &Value,
+    path: &Path,
+    layers: usize,
+) -> Result<(Option<SlidingWindow>, f64, RopeScaling)> {
+    // transformers 5 writes one set of rotary parameters per layer type.
+    let by_type = get_object(cfg, path, "rope_parameters")?;
+    let typed = |name: &str| -> Result<Option<&Value>> {
+        match by_type {
+            Some(r) => get_object(r, path, name),
+            None => Ok(None),
+        }
+    };
+    let (full, sliding) = (typed("full_attention")?, typed("sliding_attention")?);
+    if by_type.is_some() && (full.is_none() || sliding.is_none()) {
+        return Err(bad(
+            path,
+            "Gemma 3's rope_parameters must hold full_attention and sliding_attention",
+        ));
+    }
+    let (theta, scaling) = match full {
+        Some(f) => (get_f64(f, path, "rope_theta")?, rope_scaling(f, cfg, path)?),
+        None => {
+            let scaling = match get_object(cfg, path, "rope_scaling")? {
+                Some(s) => rope_scaling(s, cfg, path)?,
+                None => RopeScaling::None,
+            };
+            (get_f64(cfg, path, "rope_theta")?, scaling)
+        }
+    };
+    let local_theta = match sliding {
+        Some(s) => {
+            if rope_scaling(s, cfg, path)? != RopeScaling::None {
+                return Err(bad(
+                    path,
+                    "rope_parameters.sliding_attention: the windowed blocks' rotary \
+                     embedding is not rescaled here",
+                ));
+            }
+            get_f64(s, path, "rope_theta")?
+        }
+        None => get_f64(cfg, path, "rope_local_base_freq")?,
+    }
+    .unwrap_or(10_000.0);
+    // Every k-th block attends to everything; all blocks windowed when none does.
+    let full_every = match cfg.get("layer_types").filter(|v| !v.is_null()) {
+        Some(types) => {
+            let list = types.as_array().filter(|a| a.len() == layers);
+            let first_full = list.and_then(|a| a.iter().position(|t| t == "full_attention"));
+            let k = first_full.map(|i| i + 1);
+            let derived = list.is_some_and(|a| {
+                a.iter().enumerate().all(|(l, t)| {
+                    let full = k.is_some_and(|k| (l + 1).is_multiple_of(k));
+                    t == if full {
+                        "full_attention"
+                    } else {
+                        "sliding_attention"
+                    }
+                })
+            });
+            if !derived {
+                return Err(bad(
+                    path,
+                    format!(
+                        "layer_types {types:.80}: only full_attention every k-th block, \
+                         sliding_attention in the others"
+                    ),
+                ));
+            }
+            k
+        }
+        None => {
+            let key = ["sliding_window_pattern", "_sliding_window_pattern"]
+                .into_iter()
+                .find(|k| cfg.get(*k).is_some_and(|v| !v.is_null()));
+            Some(match key {
+                Some(k) => get_usize(cfg, path, k)?,
+                None => 6,
+            })
+        }
+    };
+    if full_every == Some(0) {
+        return Err(bad(
+            path,
+            "sliding_window_pattern 0: a block count must be positive",
+        ));
+    }
+    let window = match (full_every, cfg.get("sliding_window")) {
+        // Every block full: nothing is windowed.
+        (Some(1), _) => None,
+        (_, None) => Some(4096),
+        (_, Some(Value::Null)) => {
+            return Err(bad(
+                path,
+                "sliding_window null with sliding_attention blocks is not supported",
+            ))
+        }
+        (_, Some(_)) => Some(get_usize(cfg, path, "sliding_window")?),
+    };
+    let window = window.map(|size| SlidingWindow {
+        size,
+        first_layer: 0,
+        // A pattern longer than the model leaves every block windowed, as none does.
+        full_every: full_every.filter(|&k| k <= layers),
+        rope_theta: Some(local_theta as f32),
+    });
+    Ok((window, theta.unwrap_or(1_000_000.0), scaling))
+}
+
+/// Gemma 3's settings that change the computation in ways not implemented here, refused
+/// unless they are off: attention logits scaled by anything but `1/√head_dim`
+/// (`query_pre_attn_scalar`), soft-capped logits (Gemma 2's), bidirectional attention
+/// (EmbeddingGemma), biased projections, and an activation other than the tanh GELU.
+fn gemma3_refusals(cfg: &Value, path: &Path, head_dim: usize) -> Result<()> {
+    let act = get_str(cfg, path, "hidden_activation")?.or(get_str(cfg, path, "hidden_act")?);
+    if !matches!(act, None | Some("gelu_pytorch_tanh")) {
+        return Err(bad(
+            path,
+            format!("Gemma 3 activation {act:?}: only gelu_pytorch_tanh"),
+        ));
+    }
+    if let Some(scalar) = get_f64(cfg, path, "query_pre_attn_scalar")? {
+        if scalar != head_dim as f64 {
+            return Err(bad(
+                path,
+                format!(
+                    "query_pre_attn_scalar {scalar}: attention here scales by \
+                     1/sqrt(head_dim {head_dim})"
+                ),
+            ));
+        }
+    } else if head_dim != 256 {
+        return Err(bad(
+            path,
+            format!("query_pre_attn_scalar absent (256): attention here scales by 1/sqrt(head_dim {head_dim})"),
+        ));
+    }
+    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if !matches!(cfg.get(key), None | Some(Value::Null)) {
+            return Err(bad(path, format!("{key} is not supported")));
+        }
+    }
+    for flag in ["use_bidirectional_attention", "attention_bias"] {
+        if get_bool(cfg, path, flag)? == Some(true) {
+            return Err(bad(path, format!("{flag} is not supported")));
+        }
+    }
+    Ok(())
 }
 
 /// SmolLM3's NoPE blocks as its config sets them: one every `no_rope_layer_interval` (4 when
@@ -504,8 +662,8 @@ fn smollm3_no_rope_interval(
     Ok(interval)
 }
 
-/// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral, Qwen2 or
-/// Qwen3), checked.
+/// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral, Qwen2,
+/// Qwen3, SmolLM3 or Gemma 3 text), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
     let bytes = read_json(&path)?;
@@ -610,10 +768,10 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         // later blocks. Qwen3 drops the biases (a setting, refused when on: it would bias
         // o_proj too) and adds the query/key norms.
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM"
-        | "SmolLM3ForCausalLM" => {
+        | "SmolLM3ForCausalLM" | "Gemma3ForCausalLM" => {
             let class = LlamaClass::of_architecture(arch).unwrap_or_default();
             let act = get_str(&cfg, &path, "hidden_act")?;
-            if !matches!(act, None | Some("silu")) {
+            if class != LlamaClass::Gemma3 && !matches!(act, None | Some("silu")) {
                 return Err(bad(&path, format!("{arch} activation {act:?}: only silu")));
             }
             let layers = get_usize(&cfg, &path, "num_hidden_layers")?;
@@ -626,13 +784,13 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     Some(Value::Null) => None,
                     Some(_) => Some(get_usize(&cfg, &path, "sliding_window")?),
                 }
-                .map(|size| SlidingWindow {
-                    size,
-                    first_layer: 0,
-                }),
+                .map(|size| SlidingWindow::from_layer(size, 0)),
                 LlamaClass::Qwen2 | LlamaClass::Qwen3 => qwen_sliding_window(&cfg, &path, layers)?,
-                LlamaClass::Llama => None,
-                LlamaClass::SmolLM3 => None,
+                LlamaClass::Llama | LlamaClass::SmolLM3 | LlamaClass::Gemma3 => None,
+            };
+            let gemma = match class {
+                LlamaClass::Gemma3 => Some(gemma3_attention(&cfg, &path, layers)?),
+                _ => None,
             };
             let no_rope_interval = match class {
                 LlamaClass::SmolLM3 => {
@@ -640,34 +798,46 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 }
                 _ => None,
             };
-            // A window no shorter than the context never hides a key.
-            let sliding_window = sliding_window.filter(|w| w.size < context);
-            // Mistral's and Qwen2's classes have no bias settings.
+            // A window no shorter than the context never hides a key. (Gemma 3's windowed
+            // blocks keep theirs: they rotate with their own base.)
+            let sliding_window = match gemma {
+                Some((window, ..)) => window,
+                None => sliding_window.filter(|w| w.size < context),
+            };
+            // Mistral's and Qwen2's classes have no bias settings; Gemma 3's are checked with
+            // its other settings.
             let bias_settings: &[&str] = match class {
                 LlamaClass::Llama | LlamaClass::SmolLM3 => &["attention_bias", "mlp_bias"],
                 LlamaClass::Qwen3 => &["attention_bias"],
-                LlamaClass::Mistral | LlamaClass::Qwen2 => &[],
+                LlamaClass::Mistral | LlamaClass::Qwen2 | LlamaClass::Gemma3 => &[],
             };
             for &flag in bias_settings {
                 if get_bool(&cfg, &path, flag)? == Some(true) {
                     return Err(bad(&path, format!("{flag} is not supported")));
                 }
             }
-            // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters.
-            let rope = get_object(&cfg, &path, "rope_parameters")?;
-            let scaling = match rope {
-                Some(r) => Some(r),
-                None => get_object(&cfg, &path, "rope_scaling")?,
+            // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters
+            // (Gemma 3's per layer type).
+            let (theta, rope_scaling) = match gemma {
+                Some((_, theta, scaling)) => (theta, scaling),
+                None => {
+                    let rope = get_object(&cfg, &path, "rope_parameters")?;
+                    let scaling = match rope {
+                        Some(r) => Some(r),
+                        None => get_object(&cfg, &path, "rope_scaling")?,
+                    };
+                    let rope_scaling = match scaling {
+                        Some(s) => rope_scaling(s, &cfg, &path)?,
+                        None => RopeScaling::None,
+                    };
+                    let theta = match rope {
+                        Some(r) => get_f64(r, &path, "rope_theta")?,
+                        None => get_f64(&cfg, &path, "rope_theta")?,
+                    }
+                    .unwrap_or(10_000.0);
+                    (theta, rope_scaling)
+                }
             };
-            let rope_scaling = match scaling {
-                Some(s) => rope_scaling(s, &cfg, &path)?,
-                None => RopeScaling::None,
-            };
-            let theta = match rope {
-                Some(r) => get_f64(r, &path, "rope_theta")?,
-                None => get_f64(&cfg, &path, "rope_theta")?,
-            }
-            .unwrap_or(10_000.0);
             let heads = get_usize(&cfg, &path, "num_attention_heads")?;
             let channels = get_usize(&cfg, &path, "hidden_size")?;
             // Llama's and Mistral's configs derive head_dim (hidden_size / heads) when it is
@@ -675,9 +845,14 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             // derived width, so such a model's shape reads as any Llama's.
             let head_dim = match (cfg.get("head_dim"), class) {
                 (None, LlamaClass::Qwen3) => Some(128),
+                (None, LlamaClass::Gemma3) => Some(256),
                 (None | Some(Value::Null), _) => None,
                 (Some(_), _) => Some(get_usize(&cfg, &path, "head_dim")?),
             };
+            if class == LlamaClass::Gemma3 {
+                let width = head_dim.unwrap_or(channels / heads.max(1));
+                gemma3_refusals(&cfg, &path, width)?;
+            }
             let head_dim =
                 head_dim.filter(|&hd| heads == 0 || hd.checked_mul(heads) != Some(channels));
             let kv_heads = match cfg.get("num_key_value_heads") {
@@ -699,7 +874,9 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     rope_theta: theta as f32,
                     rope_scaling,
                     norm_eps: get_f64(&cfg, &path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
-                    tied_head: get_bool(&cfg, &path, "tie_word_embeddings")?.unwrap_or(false),
+                    // Gemma's configs tie the head unless they say otherwise.
+                    tied_head: get_bool(&cfg, &path, "tie_word_embeddings")?
+                        .unwrap_or(class == LlamaClass::Gemma3),
                     class,
                 }),
             }
@@ -709,8 +886,8 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 &path,
                 format!(
                     "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM, \
-                     MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and \
-                     SmolLM3ForCausalLM load"
+                     MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
+                     SmolLM3ForCausalLM and Gemma3ForCausalLM load"
                 ),
             ))
         }

@@ -219,6 +219,27 @@ fn llama_with_grouped_query_attention_matches_the_cpu_in_bf16() {
     assert_matches_cpu(llama(), bf16());
 }
 
+/// Gemma 3 on the device: head norms, output norms, offset gains (the device's gains are
+/// `1 + w` built beside the kernels), the GELU gate, the scaled embedding, and windowed blocks
+/// with their own rotary base (a window as long as the batch: the device has no narrowed
+/// masks).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gemma3_matches_the_cpu_in_bf16() {
+    use headroom_trainer::model::{LlamaClass, SlidingWindow};
+    let mut cfg = llama();
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = LlamaClass::Gemma3;
+        s.head_dim = Some(24);
+        s.sliding_window = Some(SlidingWindow {
+            full_every: Some(2),
+            rope_theta: Some(100.0),
+            ..SlidingWindow::from_layer(cfg.max_seq, 0)
+        });
+    }
+    assert_matches_cpu(cfg, bf16());
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn chunked_head_and_selective_recomputation_match_the_cpu() {

@@ -175,6 +175,36 @@ fn qwen3_estimates_equal_the_trackers_peaks() {
     );
 }
 
+/// Gemma 3's shape: Qwen3's head norms on heads 24 wide, the attention's and the MLP's outputs
+/// normalised before the residual additions (each output and its statistics kept, and each
+/// norm's input gradient beside its residual's in the backward), a GELU gate, and a window of
+/// 16 keys in every block but every second, whose rotary base is its own.
+#[test]
+fn gemma3_estimates_equal_the_trackers_peaks() {
+    let mut cfg = model(true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Gemma3;
+        s.head_dim = Some(24);
+        s.tied_head = true;
+        s.sliding_window = Some(headroom_trainer::model::SlidingWindow {
+            full_every: Some(2),
+            rope_theta: Some(10_000.0),
+            ..headroom_trainer::model::SlidingWindow::from_layer(16, 0)
+        });
+        s.rope_theta = 1e6;
+    }
+    check(
+        cfg,
+        combos_named(&[
+            "fp32 baseline",
+            "sqrt-n bf16 flash",
+            "full stack + accumulation",
+            "selective flash",
+            "every-2 fp16 flash fused",
+        ]),
+    );
+}
+
 /// Mistral 7B v0.1's sliding window in small (16 keys of the 64 positions): the window is a
 /// narrowed mask, which allocates nothing the estimator does not count.
 #[test]
@@ -182,10 +212,7 @@ fn sliding_window_estimates_equal_the_trackers_peaks() {
     let mut cfg = model(true);
     if let Family::Llama(s) = &mut cfg.family {
         s.class = headroom_trainer::model::LlamaClass::Mistral;
-        s.sliding_window = Some(headroom_trainer::model::SlidingWindow {
-            size: 16,
-            first_layer: 0,
-        });
+        s.sliding_window = Some(headroom_trainer::model::SlidingWindow::from_layer(16, 0));
     }
     check(
         cfg,

@@ -231,7 +231,8 @@ fn gpt2_finetune_estimates_equal_the_trackers_peaks() {
 
 /// LoRA and QLoRA on Qwen3's shape: heads 24 wide on a model 64 wide (q_proj 96 × 64, o_proj
 /// 64 × 96), the query and key norms frozen with the base (their gains' gradients land in
-/// scratch), in fp32 and bf16 and under the full stack.
+/// scratch), in fp32 and bf16 and under the full stack; and on Gemma 3's, which adds the
+/// frozen output norms and the GELU gate.
 #[test]
 fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
     let keep = [
@@ -247,14 +248,19 @@ fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
         if !keep.contains(&name.as_str()) {
             continue;
         }
-        let mut o = options(true, tech);
-        if let Family::Llama(s) = &mut o.model.family {
-            s.class = headroom_trainer::model::LlamaClass::Qwen3;
-            s.head_dim = Some(24);
+        for class in [
+            headroom_trainer::model::LlamaClass::Qwen3,
+            headroom_trainer::model::LlamaClass::Gemma3,
+        ] {
+            let mut o = options(true, tech.clone());
+            if let Family::Llama(s) = &mut o.model.family {
+                s.class = class;
+                s.head_dim = Some(24);
+            }
+            check(&format!("{class:?} {name}"), &o, &mut failures);
+            ran += 1;
         }
-        check(&format!("qwen3 {name}"), &o, &mut failures);
-        ran += 1;
     }
-    assert_eq!(ran, keep.len());
+    assert_eq!(ran, 2 * keep.len());
     assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -161,6 +161,27 @@ fn qwen3_head_norms_and_own_head_width_gradients_match_finite_differences() {
     check(cfg, AttentionConfig::naive());
 }
 
+/// Gemma 3: head norms, norms on the attention's and the MLP's outputs, gains stored as
+/// offsets from 1, a GELU gate, the embedding scaled by √C, and a window of 3 keys in block 0
+/// (block 1 attends to everything) with its own rotary base.
+#[test]
+fn gemma3_gradients_match_finite_differences() {
+    use headroom_trainer::model::{LlamaClass, SlidingWindow};
+    let mut cfg = llama(2, true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = LlamaClass::Gemma3;
+        s.head_dim = Some(6);
+        s.sliding_window = Some(SlidingWindow {
+            full_every: Some(2),
+            rope_theta: Some(100.0),
+            ..SlidingWindow::from_layer(3, 0)
+        });
+    }
+    assert_eq!(params::param_infos(&cfg).len(), cfg.tensor_count().unwrap());
+    check(cfg, AttentionConfig::flash());
+    check(cfg, AttentionConfig::naive());
+}
+
 /// Sliding windows of 3 keys over the 6 positions: Mistral's in both blocks, Qwen2's from
 /// block 1 on. The backward must give the hidden keys no gradient from the queries past them.
 #[test]
@@ -170,10 +191,7 @@ fn sliding_window_gradients_match_finite_differences() {
         let mut cfg = llama(2, false);
         if let Family::Llama(s) = &mut cfg.family {
             s.class = class;
-            s.sliding_window = Some(SlidingWindow {
-                size: 3,
-                first_layer,
-            });
+            s.sliding_window = Some(SlidingWindow::from_layer(3, first_layer));
         }
         check(cfg, AttentionConfig::flash());
         check(cfg, AttentionConfig::chunked());

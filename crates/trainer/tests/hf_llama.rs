@@ -678,12 +678,7 @@ fn a_mistral_sliding_window_is_read_as_transformers_reads_it() {
         Family::Llama(s) => s.sliding_window,
         Family::Gpt2 => panic!("read as GPT-2"),
     };
-    let at = |size| {
-        Some(SlidingWindow {
-            size,
-            first_layer: 0,
-        })
-    };
+    let at = |size| Some(SlidingWindow::from_layer(size, 0));
     assert_eq!(window(&|c| c["sliding_window"] = 16.into()), at(16));
     assert_eq!(window(&|_| {}), None);
     // 4096 by default: longer than this fixture's 64 positions, so nothing is masked.
@@ -730,10 +725,7 @@ fn sliding_windows_match_transformers() {
         assert_eq!(s.class, class, "{name}");
         assert_eq!(
             s.sliding_window,
-            Some(SlidingWindow {
-                size: 16,
-                first_layer
-            }),
+            Some(SlidingWindow::from_layer(16, first_layer)),
             "{name}"
         );
         assert_eq!(
@@ -1015,4 +1007,191 @@ fn smollm3_settings_that_change_the_model_are_refused() {
         let err = edited(&|c| c[flag] = true.into()).unwrap_err();
         assert!(err.contains("is not supported"), "{err}");
     }
+}
+
+/// Gemma 3 (the class of Gemma 3 270M and 1B): query/key norms, norms on the attention's and
+/// the MLP's outputs, a GELU gate, the embedding scaled by √C, gains stored as offsets from 1,
+/// and a window over blocks 0 and 2 (block 1 attends to everything) whose rotary base is their
+/// own. Logits and every gradient against transformers and PyTorch; the saved checkpoint is a
+/// `Gemma3ForCausalLM` that reads back as the same model.
+#[test]
+fn gemma3_matches_transformers() {
+    let (cfg, s) = llama_matches_reference("hf-gemma3");
+    assert_eq!(s.class, LlamaClass::Gemma3);
+    assert!(s.qk_norm() && s.output_norms() && s.tied_head && !s.qkv_bias());
+    assert_eq!(
+        (
+            cfg.head_dim(),
+            cfg.attention_width(),
+            s.rope_theta,
+            s.norm_eps
+        ),
+        (12, 48, 1e6, 1e-6)
+    );
+    assert_eq!(
+        (0..cfg.layers)
+            .map(|l| cfg.window_of(l))
+            .collect::<Vec<_>>(),
+        [Some(16), None, Some(16)]
+    );
+    assert_inv_freq("hf-gemma3", &cfg);
+    // The windowed blocks' frequencies are transformers' sliding_attention buffer.
+    let bytes = std::fs::read(fixture("hf-gemma3").join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let local = cfg.rope_of(0).unwrap().inv_freq(cfg.head_dim());
+    let theirs = f32s(&st, "sliding_inv_freq");
+    assert_eq!(
+        local.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+        theirs.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+    );
+    assert_eq!(cfg.rope_of(1), Some(s.rope()));
+    // Four [C] norms and two [hs] head norms per block.
+    let infos = headroom_trainer::model::params::param_infos(&cfg);
+    assert_eq!(infos.len(), cfg.tensor_count().unwrap());
+    let numel: usize = infos
+        .iter()
+        .map(|i| i.shape.iter().product::<usize>())
+        .sum();
+    assert_eq!(cfg.parameter_count().unwrap(), numel as u64);
+    assert_eq!(
+        infos
+            .iter()
+            .filter(|i| i.name.contains("layers.0.") && i.name.ends_with("norm.weight"))
+            .count(),
+        6
+    );
+    gradients_match_pytorch("hf-gemma3");
+    let written = saved_and_read_back("hf-gemma3", 48);
+    assert_eq!(
+        written["architectures"][0], "Gemma3ForCausalLM",
+        "{written}"
+    );
+    assert_eq!(written["model_type"], "gemma3_text", "{written}");
+    assert_eq!(
+        written["layer_types"],
+        serde_json::json!(["sliding_attention", "full_attention", "sliding_attention"]),
+        "{written}"
+    );
+    assert_eq!(
+        (
+            &written["sliding_window"],
+            &written["rope_local_base_freq"],
+            &written["query_pre_attn_scalar"],
+            &written["hidden_activation"]
+        ),
+        (
+            &serde_json::json!(16),
+            &serde_json::json!(10000.0),
+            &serde_json::json!(12),
+            &serde_json::json!("gelu_pytorch_tanh")
+        ),
+        "{written}"
+    );
+}
+
+/// Gemma 3's configs as the Hub writes them (transformers 4: `rope_theta`,
+/// `rope_local_base_freq`, `sliding_window_pattern`) read as transformers 5 reads them, and
+/// the settings that change the computation in ways not implemented here are refused.
+#[test]
+fn gemma3_configs_read_as_transformers_reads_them() {
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        config_edited("hf-gemma3", edit).map_err(|e| e.to_string())
+    };
+    let reference = edited(&|_| {}).unwrap();
+    // The Hub's gemma-3-1b-it keys, in place of rope_parameters and layer_types.
+    let hub = edited(&|c| {
+        let o = c.as_object_mut().unwrap();
+        o.remove("rope_parameters");
+        o.remove("layer_types");
+        o.insert("rope_theta".into(), 1_000_000.0.into());
+        o.insert("rope_local_base_freq".into(), 10_000.0.into());
+        o.insert("sliding_window_pattern".into(), 2.into());
+        o.insert("rope_scaling".into(), serde_json::Value::Null);
+    })
+    .unwrap();
+    assert_eq!(hub, reference);
+    // Without a pattern, Gemma3TextConfig's: every sixth block full. Without a head width,
+    // its 256 (whose query_pre_attn_scalar default matches).
+    let defaults = edited(&|c| {
+        let o = c.as_object_mut().unwrap();
+        for key in [
+            "layer_types",
+            "_sliding_window_pattern",
+            "head_dim",
+            "query_pre_attn_scalar",
+        ] {
+            o.remove(key);
+        }
+        o.insert("num_hidden_layers".into(), 12.into());
+    })
+    .unwrap();
+    let full: Vec<usize> = (0..12)
+        .filter(|&l| defaults.window_of(l).is_none())
+        .collect();
+    assert_eq!((full, defaults.head_dim()), (vec![5, 11], 256));
+    // The full blocks' rescaling (Gemma 3 4B's linear 8), the windowed blocks' none.
+    let scaled = edited(&|c| {
+        c["rope_parameters"]["full_attention"] =
+            serde_json::json!({"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6});
+    })
+    .unwrap();
+    assert_eq!(
+        scaled.rope_of(1).unwrap().scaling,
+        RopeScaling::Linear { factor: 8.0 }
+    );
+    assert_eq!(scaled.rope_of(0).unwrap().scaling, RopeScaling::None);
+    type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
+    let refusals: [(Edit<'_>, &str); 8] = [
+        (
+            &|c| c["layer_types"][0] = "full_attention".into(),
+            "only full_attention every k-th block",
+        ),
+        (
+            &|c| c["query_pre_attn_scalar"] = 168.into(),
+            "query_pre_attn_scalar 168",
+        ),
+        (
+            &|c| c["attn_logit_softcapping"] = 50.0.into(),
+            "attn_logit_softcapping is not supported",
+        ),
+        (
+            &|c| c["final_logit_softcapping"] = 30.0.into(),
+            "final_logit_softcapping is not supported",
+        ),
+        (
+            &|c| c["use_bidirectional_attention"] = true.into(),
+            "use_bidirectional_attention is not supported",
+        ),
+        (
+            &|c| c["hidden_activation"] = "gelu".into(),
+            "only gelu_pytorch_tanh",
+        ),
+        (
+            &|c| {
+                c["rope_parameters"]["sliding_attention"] =
+                    serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+            },
+            "windowed blocks' rotary embedding is not rescaled",
+        ),
+        (
+            &|c| c["sliding_window"] = serde_json::Value::Null,
+            "sliding_window null",
+        ),
+    ];
+    for (edit, want) in refusals {
+        let err = edited(edit).unwrap_err();
+        assert!(err.contains(want), "{err} (wanted {want:?})");
+    }
+}
+
+/// QLoRA on Gemma 3: the merged model is a `Gemma3ForCausalLM` whose six norms per block (the
+/// head norms, the input norms and the output norms) are the base's, bit for bit.
+#[test]
+fn qlora_on_gemma3_trains_and_merges_into_a_gemma3() {
+    let (names, masters, merged, written) = qlora_trained_and_merged("hf-gemma3");
+    assert_eq!(written["architectures"][0], "Gemma3ForCausalLM");
+    assert_eq!(
+        kept_from_the_base(&names, &masters, &merged, "norm.weight"),
+        6 * 3 + 1
+    );
 }

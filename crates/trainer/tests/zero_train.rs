@@ -251,11 +251,12 @@ fn every_stage_on_2_3_4_ranks_equals_one_process_bit_for_bit() {
     }
 }
 
-/// Qwen2's q/k/v biases with Llama 3's rescaled rotary embedding and a tied head, and Qwen3's
-/// query/key norms with heads 16 wide on a model 24 wide: the biases and the norms' gains are
-/// parts like any other, so every stage on 2 ranks is still one process bit for bit.
+/// Qwen2's q/k/v biases with Llama 3's rescaled rotary embedding and a tied head, Qwen3's
+/// query/key norms with heads 16 wide on a model 24 wide, and Gemma 3's output norms: the
+/// biases and the norms' gains are parts like any other, so every stage on 2 ranks is still
+/// one process bit for bit.
 #[test]
-fn qwen2_and_qwen3_under_every_stage_equal_one_process() {
+fn qwen2_qwen3_and_gemma3_under_every_stage_equal_one_process() {
     let qwen2 = LlamaShape {
         kv_heads: 1,
         head_dim: None,
@@ -279,7 +280,18 @@ fn qwen2_and_qwen3_under_every_stage_equal_one_process() {
         class: headroom_trainer::model::LlamaClass::Qwen3,
         ..qwen2
     };
-    for (name, shape) in [("qwen2", qwen2), ("qwen3", qwen3)] {
+    // Gemma 3: the output norms' gains are parts too, the embedding scaled, a window of 4
+    // keys in every block but every second with its own rotary base.
+    let gemma3 = LlamaShape {
+        class: headroom_trainer::model::LlamaClass::Gemma3,
+        sliding_window: Some(headroom_trainer::model::SlidingWindow {
+            full_every: Some(2),
+            rope_theta: Some(100.0),
+            ..headroom_trainer::model::SlidingWindow::from_layer(4, 0)
+        }),
+        ..qwen3
+    };
+    for (name, shape) in [("qwen2", qwen2), ("qwen3", qwen3), ("gemma3", gemma3)] {
         let o = options(Family::Llama(shape), 2, 8);
         let mut refs = std::collections::HashMap::new();
         for stage in Stage::ALL {

@@ -1,6 +1,7 @@
 //! Tanh-GELU (headroom-trainer's `ops::gelu`) and the residual add on the device: elementwise,
 //! bitwise equal to the CPU (the kernels port the trainer's exp/tanh operation for operation).
-//! Also Llama's elementwise ops: SwiGLU (`ops::swiglu`, to a few ulp: another `exp`),
+//! GeGLU (`ops::glu`'s tanh-GELU gate, bitwise like the GELU) and Llama's elementwise ops:
+//! SwiGLU (`ops::swiglu`, to a few ulp: another `exp`),
 //! the rotary embedding (`ops::rope::apply`, bitwise on the CPU's tables) and the in-place
 //! rounding to bf16/f16 (bitwise).
 
@@ -85,23 +86,7 @@ impl Cuda {
         gate: &CudaTensor,
         up: &CudaTensor,
     ) -> Result<()> {
-        const OP: &str = "swiglu_forward";
-        self.check_devices(OP, &[out, gate, up])?;
-        let n = gate.numel();
-        for t in [&*out, gate, up] {
-            expect_f32(OP, t, n)?;
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let func = self.op_function(OP, "swiglu_forward_f32")?;
-        let n64 = n as u64;
-        let (g_b, u_b) = (self.buffer(OP, gate)?, self.buffer(OP, up)?);
-        let out_b = self.buffer_mut(OP, out)?;
-        let mut launch = OpLaunch::new(self, "swiglu_forward_f32", &func);
-        launch.output(out_b).input(g_b).input(u_b).u64(&n64);
-        // SAFETY: all three hold n f32 (checked); out is a distinct mutable borrow.
-        unsafe { launch.launch(self, OP, self.elementwise_config(n)) }
+        self.gated_forward("swiglu_forward", "swiglu_forward_f32", out, gate, up)
     }
 
     /// SwiGLU's backward: `dgate += ∂y/∂gate·dout`, `dup += silu(gate)·dout` (accumulates).
@@ -113,25 +98,92 @@ impl Cuda {
         up: &CudaTensor,
         dout: &CudaTensor,
     ) -> Result<()> {
-        const OP: &str = "swiglu_backward";
-        self.check_devices(OP, &[dgate, dup, gate, up, dout])?;
+        let kernel = "swiglu_backward_f32";
+        self.gated_backward("swiglu_backward", kernel, dgate, dup, gate, up, dout)
+    }
+
+    /// `out = gelu(gate)·up` (GeGLU, tanh GELU as [`Cuda::gelu_forward`]), f32, same element
+    /// count.
+    pub fn geglu_forward(
+        &self,
+        out: &mut CudaTensor,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+    ) -> Result<()> {
+        self.gated_forward("geglu_forward", "geglu_forward_f32", out, gate, up)
+    }
+
+    /// GeGLU's backward: `dgate += gelu'(gate)·up·dout`, `dup += gelu(gate)·dout`
+    /// (accumulates).
+    pub fn geglu_backward(
+        &self,
+        dgate: &mut CudaTensor,
+        dup: &mut CudaTensor,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        dout: &CudaTensor,
+    ) -> Result<()> {
+        let kernel = "geglu_backward_f32";
+        self.gated_backward("geglu_backward", kernel, dgate, dup, gate, up, dout)
+    }
+
+    /// A gated MLP's forward kernel `kernel(out, gate, up, n)`.
+    fn gated_forward(
+        &self,
+        op: &'static str,
+        kernel: &'static str,
+        out: &mut CudaTensor,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+    ) -> Result<()> {
+        self.check_devices(op, &[out, gate, up])?;
         let n = gate.numel();
-        for t in [&*dgate, &*dup, gate, up, dout] {
-            expect_f32(OP, t, n)?;
+        for t in [&*out, gate, up] {
+            expect_f32(op, t, n)?;
         }
         if n == 0 {
             return Ok(());
         }
-        let func = self.op_function(OP, "swiglu_backward_f32")?;
+        let func = self.op_function(op, kernel)?;
+        let n64 = n as u64;
+        let (g_b, u_b) = (self.buffer(op, gate)?, self.buffer(op, up)?);
+        let out_b = self.buffer_mut(op, out)?;
+        let mut launch = OpLaunch::new(self, kernel, &func);
+        launch.output(out_b).input(g_b).input(u_b).u64(&n64);
+        // SAFETY: all three hold n f32 (checked); out is a distinct mutable borrow.
+        unsafe { launch.launch(self, op, self.elementwise_config(n)) }
+    }
+
+    /// A gated MLP's backward kernel `kernel(dgate, dup, gate, up, dout, n)` (accumulates).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_backward(
+        &self,
+        op: &'static str,
+        kernel: &'static str,
+        dgate: &mut CudaTensor,
+        dup: &mut CudaTensor,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        dout: &CudaTensor,
+    ) -> Result<()> {
+        self.check_devices(op, &[dgate, dup, gate, up, dout])?;
+        let n = gate.numel();
+        for t in [&*dgate, &*dup, gate, up, dout] {
+            expect_f32(op, t, n)?;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let func = self.op_function(op, kernel)?;
         let n64 = n as u64;
         let (g_b, u_b, d_b) = (
-            self.buffer(OP, gate)?,
-            self.buffer(OP, up)?,
-            self.buffer(OP, dout)?,
+            self.buffer(op, gate)?,
+            self.buffer(op, up)?,
+            self.buffer(op, dout)?,
         );
-        let dg_b = self.buffer_mut(OP, dgate)?;
-        let du_b = self.buffer_mut(OP, dup)?;
-        let mut launch = OpLaunch::new(self, "swiglu_backward_f32", &func);
+        let dg_b = self.buffer_mut(op, dgate)?;
+        let du_b = self.buffer_mut(op, dup)?;
+        let mut launch = OpLaunch::new(self, kernel, &func);
         launch
             .output(dg_b)
             .output(du_b)
@@ -140,7 +192,7 @@ impl Cuda {
             .input(d_b)
             .u64(&n64);
         // SAFETY: all five hold n f32 (checked); the outputs are distinct mutable borrows.
-        unsafe { launch.launch(self, OP, self.elementwise_config(n)) }
+        unsafe { launch.launch(self, op, self.elementwise_config(n)) }
     }
 
     /// Rotate f32 `x` `[rows, hs]` in place by the rotary embedding of position `row % t`

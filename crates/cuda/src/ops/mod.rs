@@ -102,6 +102,10 @@ pub const OP_LAUNCH_SIGNATURES: &[(&str, &[ParamKind])] = &[
     ("gelu_forward_f32", &[Ptr, Ptr, U64]),
     // dinp, inp, dout, n
     ("gelu_backward_f32", &[Ptr, Ptr, Ptr, U64]),
+    // out, gate, up, n
+    ("geglu_forward_f32", &[Ptr, Ptr, Ptr, U64]),
+    // dgate, dup, gate, up, dout, n
+    ("geglu_backward_f32", &[Ptr, Ptr, Ptr, Ptr, Ptr, U64]),
     // y, x, n
     ("residual_add_f32", &[Ptr, Ptr, U64]),
     // losses, logits, targets, rows, v

@@ -62,6 +62,17 @@ pub fn ref_gelu_backward(dinp: f32, x: f32, d: f32) -> f32 {
     dinp + (0.5 * (1.0 + t) + 0.5 * x * sech2 * du) * d
 }
 
+/// headroom-trainer `ops::glu::forward::<GeluTanh>` (Gemma's GeGLU), one element.
+pub fn ref_geglu(g: f32, u: f32) -> f32 {
+    ref_gelu(g) * u
+}
+
+/// headroom-trainer `ops::glu::backward::<GeluTanh>`, one element: the new `(dgate, dup)`.
+pub fn ref_geglu_backward(dg: f32, du: f32, g: f32, u: f32, d: f32) -> (f32, f32) {
+    let derivative = ref_gelu_backward(0.0, g, 1.0);
+    (dg + derivative * u * d, du + ref_gelu(g) * d)
+}
+
 /// headroom-offload `reference::adamw_step` (PyTorch's single-tensor AdamW), transcribed:
 /// fused multiply-adds in ATen's lerp and in `addcmul`, every other operation rounded alone.
 pub fn ref_adamw(s: &AdamWStep, param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) {

@@ -59,13 +59,44 @@ pub struct LlamaShape {
 /// Attention over a sliding window: in the blocks from `first_layer` on, the query at position
 /// `p` sees the keys `p − size < j ≤ p` only (transformers' `sliding_window`; Mistral 7B v0.1
 /// windows every block, Qwen2's and Qwen3's `use_sliding_window` the blocks from
-/// `max_window_layers` on).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// `max_window_layers` on, Gemma 3 five blocks of every six).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SlidingWindow {
     /// Keys a query sees, its own included.
     pub size: usize,
     /// The first windowed block; the blocks before it attend to the whole context.
     pub first_layer: usize,
+    /// Gemma 3's pattern: every `k`-th block (blocks `k − 1`, `2k − 1`, …) attends to the
+    /// whole context (`sliding_window_pattern`, `layer_types`; absent for every other class:
+    /// every block from `first_layer` on is windowed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_every: Option<usize>,
+    /// Gemma 3's rotary base of the windowed blocks (`rope_local_base_freq`, transformers 5's
+    /// `rope_parameters.sliding_attention`), unscaled; the other blocks keep the model's
+    /// (absent: the model's in every block).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f32>,
+}
+
+impl SlidingWindow {
+    /// A window of `size` keys in every block from `first_layer` on, with the model's rotary
+    /// embedding (Mistral's, Qwen2's, Qwen3's).
+    pub fn from_layer(size: usize, first_layer: usize) -> Self {
+        SlidingWindow {
+            size,
+            first_layer,
+            full_every: None,
+            rope_theta: None,
+        }
+    }
+
+    /// Whether block `l` attends over the window.
+    pub fn covers(&self, l: usize) -> bool {
+        l >= self.first_layer
+            && self
+                .full_every
+                .is_none_or(|k| !(l + 1).is_multiple_of(k.max(1)))
+    }
 }
 
 /// Which Hugging Face class a Llama-shaped model is. They compute alike but for Qwen2's
@@ -89,16 +120,23 @@ pub enum LlamaClass {
     /// `SmolLM3ForCausalLM` (SmolLM3): Llama whose every fourth block (by default) has no
     /// rotary embedding (NoPE; [`LlamaShape::no_rope_interval`]).
     SmolLM3,
+    /// `Gemma3ForCausalLM` (Gemma 3 270M and 1B, text only): Qwen3's query/key norms; every
+    /// RMSNorm's gain is `1 + w`; a second norm on the attention's and the MLP's outputs
+    /// before each residual addition; a tanh-GELU gate (GeGLU) in the MLP; the token
+    /// embedding scaled by `√C`; windowed blocks with their own rotary base
+    /// ([`SlidingWindow`]).
+    Gemma3,
 }
 
 impl LlamaClass {
     /// Every class.
-    pub const ALL: [LlamaClass; 5] = [
+    pub const ALL: [LlamaClass; 6] = [
         LlamaClass::Llama,
         LlamaClass::Mistral,
         LlamaClass::Qwen2,
         LlamaClass::Qwen3,
         LlamaClass::SmolLM3,
+        LlamaClass::Gemma3,
     ];
 
     /// transformers' class name (`architectures`).
@@ -109,6 +147,7 @@ impl LlamaClass {
             LlamaClass::Qwen2 => "Qwen2ForCausalLM",
             LlamaClass::Qwen3 => "Qwen3ForCausalLM",
             LlamaClass::SmolLM3 => "SmolLM3ForCausalLM",
+            LlamaClass::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -120,6 +159,7 @@ impl LlamaClass {
             LlamaClass::Qwen2 => "qwen2",
             LlamaClass::Qwen3 => "qwen3",
             LlamaClass::SmolLM3 => "smollm3",
+            LlamaClass::Gemma3 => "gemma3_text",
         }
     }
 
@@ -129,15 +169,68 @@ impl LlamaClass {
     }
 }
 
+/// An RMSNorm's settings: `y = x · rstd · (w + gain_offset)`, `rstd = 1/√(mean(x²) + eps)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RmsNorm {
+    /// Added to the mean square before the root (`rms_norm_eps`).
+    pub eps: f32,
+    /// Added to each stored gain before it multiplies: 0, or Gemma's 1 (its gains are stored
+    /// as the offset from 1 and initialised to 0). The sum is rounded to f32 once, as
+    /// transformers' `1.0 + weight.float()` is.
+    pub gain_offset: f32,
+}
+
+/// The elementwise gate of a gated MLP, `act(gate) · up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpGate {
+    /// `silu(g) = g · σ(g)` (Llama's SwiGLU).
+    Silu,
+    /// GELU with the tanh approximation (Gemma's GeGLU, `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
 impl LlamaShape {
     /// Whether q, k and v add a bias (Qwen2).
     pub fn qkv_bias(&self) -> bool {
         self.class == LlamaClass::Qwen2
     }
 
-    /// Whether each query and key head is RMS-normalised before the rotation (Qwen3).
+    /// Whether each query and key head is RMS-normalised before the rotation (Qwen3, Gemma 3).
     pub fn qk_norm(&self) -> bool {
-        self.class == LlamaClass::Qwen3
+        matches!(self.class, LlamaClass::Qwen3 | LlamaClass::Gemma3)
+    }
+
+    /// Whether the attention's and the MLP's outputs are RMS-normalised before they are added
+    /// to the residual stream (Gemma 3's `post_attention_layernorm` and
+    /// `post_feedforward_layernorm`).
+    pub fn output_norms(&self) -> bool {
+        self.class == LlamaClass::Gemma3
+    }
+
+    /// Every RMSNorm of the model: its epsilon, and the `1` Gemma 3 adds to each stored gain.
+    pub fn rms_norm(&self) -> RmsNorm {
+        RmsNorm {
+            eps: self.norm_eps,
+            gain_offset: if self.class == LlamaClass::Gemma3 {
+                1.0
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// The MLP's gate: SiLU (SwiGLU), or Gemma 3's tanh GELU (GeGLU).
+    pub fn mlp_gate(&self) -> MlpGate {
+        match self.class {
+            LlamaClass::Gemma3 => MlpGate::GeluTanh,
+            _ => MlpGate::Silu,
+        }
+    }
+
+    /// What the token embedding is multiplied by: Gemma 3's `√C` as transformers rounds it to
+    /// f32 (`hidden_size ** 0.5` in Python, then an f32 tensor), 1 elsewhere (`None`).
+    pub fn embedding_scale(&self, channels: usize) -> Option<f32> {
+        (self.class == LlamaClass::Gemma3).then(|| (channels as f64).sqrt() as f32)
     }
 
     /// The rotary embedding: the base and its rescaling.
@@ -273,13 +366,46 @@ impl ModelConfig {
         }
     }
 
+    /// The rotary embedding of block `l`: the model's, Gemma 3's own base in its windowed
+    /// blocks, `None` in SmolLM3's NoPE blocks and for GPT-2.
+    pub fn rope_of(&self, l: usize) -> Option<Rope> {
+        let Family::Llama(s) = self.family else {
+            return None;
+        };
+        if !self.rotates(l) {
+            return None;
+        }
+        match s.sliding_window {
+            Some(SlidingWindow {
+                rope_theta: Some(theta),
+                ..
+            }) if self.windowed_block(l) => Some(Rope {
+                theta,
+                scaling: RopeScaling::None,
+            }),
+            _ => Some(s.rope()),
+        }
+    }
+
+    /// Whether block `l` is one of the sliding window's blocks (whether or not the window is
+    /// shorter than a step).
+    fn windowed_block(&self, l: usize) -> bool {
+        match self.family {
+            Family::Llama(LlamaShape {
+                sliding_window: Some(w),
+                ..
+            }) => w.covers(l),
+            _ => false,
+        }
+    }
+
     /// The sliding window block `l` attends over (`None`: the whole context).
     pub fn window_of(&self, l: usize) -> Option<usize> {
         match self.family {
             Family::Llama(LlamaShape {
                 sliding_window: Some(w),
                 ..
-            }) if l >= w.first_layer => Some(w.size),
+            }) if w.covers(l) => Some(w.size),
             _ => None,
         }
     }
@@ -316,10 +442,11 @@ impl ModelConfig {
         }
     }
 
-    /// The shape in one line: the class (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`), blocks,
-    /// heads (with their width when it is not `C / heads`), width, a sliding window and NoPE
-    /// blocks: `llama 2L/4H/64C`, `qwen3 28L/16H×128/1024C`, `mistral 32L/32H/4096C window
-    /// 4096`, `smollm3 36L/16H/2048C NoPE every 4`.
+    /// The shape in one line: the class (`gpt2`, `llama`, `mistral`, `qwen2`, `qwen3`,
+    /// `smollm3`, `gemma3_text`), blocks, heads (with their width when it is not `C / heads`),
+    /// width, a sliding window and NoPE blocks: `llama 2L/4H/64C`, `qwen3
+    /// 28L/16H×128/1024C`, `mistral 32L/32H/4096C window 4096`, `smollm3 36L/16H/2048C NoPE
+    /// every 4`, `gemma3_text 18L/4H×256/640C window 512, full every 6`.
     pub fn shape_name(&self) -> String {
         let (class, own_head_dim, window, nope) = match self.family {
             Family::Gpt2 => ("gpt2", None, None, None),
@@ -335,8 +462,16 @@ impl ModelConfig {
             None => format!("{}H", self.heads),
         };
         let window = match window {
-            Some(w) if w.first_layer == 0 => format!(" window {}", w.size),
-            Some(w) => format!(" window {} from block {}", w.size, w.first_layer),
+            Some(w) => {
+                let from = match w.first_layer {
+                    0 => String::new(),
+                    first => format!(" from block {first}"),
+                };
+                let full = w
+                    .full_every
+                    .map_or(String::new(), |k| format!(", full every {k}"));
+                format!(" window {}{from}{full}", w.size)
+            }
             None => String::new(),
         };
         let nope = nope.map_or(String::new(), |k| format!(" NoPE every {k}"));
@@ -370,7 +505,7 @@ impl ModelConfig {
 
     /// Parameters, every product checked. GPT-2: `V·C + T·C + L·(12C² + 13C) + 2C`. Llama:
     /// `V·C·(1 or 2) + L·(2C·(NH·hs + KV·hs) + 3C·F + 2C (+ NH·hs + 2·KV·hs with q/k/v
-    /// biases, + 2·hs with query/key norms)) + C`.
+    /// biases, + 2·hs with query/key norms, + 2C with output norms)) + C`.
     pub fn parameter_count(&self) -> Result<u64> {
         let (v, t, l, c) = (
             self.vocab as u64,
@@ -398,9 +533,11 @@ impl ModelConfig {
                 let kv = (s.kv_heads as u64).checked_mul(hs).ok_or_else(overflow)?;
                 let f = s.ffn as u64;
                 // q and o are C×q, k and v C×kv, three C×F, two norms; with Qwen2's biases,
-                // q + 2·kv more; with Qwen3's query and key norms, 2·hs more.
+                // q + 2·kv more; with query and key norms, 2·hs more; with Gemma 3's output
+                // norms, 2·C more.
                 let biases = if s.qkv_bias() { q + 2 * kv } else { 0 };
-                let qk_norms = if s.qk_norm() { 2 * hs } else { 0 };
+                let qk_norms =
+                    if s.qk_norm() { 2 * hs } else { 0 } + if s.output_norms() { 2 * c } else { 0 };
                 let per_layer = q
                     .checked_add(kv)
                     .and_then(|x| x.checked_mul(c)?.checked_mul(2))
@@ -492,17 +629,39 @@ impl ModelConfig {
                 }
                 // What the class's config can say: Mistral windows every block, Qwen2 and
                 // Qwen3 the blocks from one on, Llama none.
+                // Gemma 3 a window in every block but every k-th, with its own rotary base.
                 let expressible = match s.class {
                     LlamaClass::Llama | LlamaClass::SmolLM3 => false,
                     LlamaClass::Mistral => w.first_layer == 0,
                     LlamaClass::Qwen2 | LlamaClass::Qwen3 => true,
+                    LlamaClass::Gemma3 => w.first_layer == 0,
                 };
-                if !expressible {
+                let gemma = s.class == LlamaClass::Gemma3;
+                if !expressible
+                    || (w.full_every.is_some() && !gemma)
+                    || (w.rope_theta.is_some() && !gemma)
+                {
                     return bad(format!(
-                        "{} cannot hold a sliding window from block {}",
+                        "{} cannot hold a sliding window from block {}{}{}",
                         s.class.architecture(),
-                        w.first_layer
+                        w.first_layer,
+                        w.full_every
+                            .map_or(String::new(), |k| format!(", full every {k}")),
+                        w.rope_theta
+                            .map_or(String::new(), |t| format!(", rotary base {t}"))
                     ));
+                }
+                if w.full_every == Some(0) {
+                    return bad(
+                        "a sliding window's full-attention interval must be positive".into(),
+                    );
+                }
+                if let Some(theta) = w.rope_theta {
+                    if !(theta.is_finite() && theta > 1.0) {
+                        return bad(format!(
+                            "the windowed blocks' rope theta {theta} must be finite and above 1"
+                        ));
+                    }
                 }
             }
             match (s.no_rope_interval, s.class) {

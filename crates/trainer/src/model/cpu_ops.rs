@@ -21,11 +21,10 @@ use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Element, MemoryCategory, T
 
 use crate::model::ops::{HeadLossGrads, ModelOps};
 use crate::model::transformer::View;
-use crate::model::Precision;
+use crate::model::{Precision, RmsNorm};
+use crate::ops::glu::{self, Gate};
 use crate::ops::rope::Rope;
-use crate::ops::{
-    cross_entropy, embedding, gelu, layernorm, matmul, quant_matmul, rmsnorm, rope, swiglu,
-};
+use crate::ops::{cross_entropy, embedding, gelu, layernorm, matmul, quant_matmul, rmsnorm, rope};
 use crate::{Result, TrainError};
 
 /// `t` as f32: itself, or an upcast copy in workspace memory for as long as the view lives.
@@ -262,6 +261,72 @@ fn panel(scratch: &mut Option<CpuTensor>) -> Result<&mut [f32]> {
         Some(t) => out(t),
         None => Ok(&mut []),
     }
+}
+
+/// A gated MLP's `y = act(gate) · up` ([`glu`]), checked. `up` is read in `gate`'s type: both
+/// are kept in the run's storage precision (a mixed pair is a dtype error).
+fn gated<A: Gate>(op: &str, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
+    expect_len(op, "output", y, gate.numel())?;
+    expect_len(op, "up", up, gate.numel())?;
+    let y = out(y)?;
+    with_stored!(gate, |gs| glu::forward::<A, _>(y, gs, up.as_slice()?));
+    Ok(())
+}
+
+/// The backward of [`gated`], accumulating into `dgate` and `dup`.
+fn gated_backward<A: Gate>(
+    cpu: &Cpu,
+    op: &str,
+    dgate: &mut CpuTensor,
+    dup: &mut CpuTensor,
+    gate: &CpuTensor,
+    up: &CpuTensor,
+    dy: &CpuTensor,
+) -> Result<()> {
+    let n = gate.numel();
+    for (what, t) in [
+        ("gate gradient", &*dgate),
+        ("up gradient", &*dup),
+        ("up", up),
+        ("output gradient", dy),
+    ] {
+        expect_len(op, what, t, n)?;
+    }
+    let (dgate, dup, dyv) = (out(dgate)?, out(dup)?, f32_view(cpu, dy)?);
+    with_stored!(gate, |gs| glu::backward::<A, _>(
+        dgate,
+        dup,
+        gs,
+        up.as_slice()?,
+        dyv.s()?
+    ));
+    Ok(())
+}
+
+/// The backward of [`gated`] with up's gradient written over `dy`.
+fn gated_backward_in_place<A: Gate>(
+    op: &str,
+    dgate: &mut CpuTensor,
+    dy: &mut CpuTensor,
+    gate: &CpuTensor,
+    up: &CpuTensor,
+) -> Result<()> {
+    let n = gate.numel();
+    for (what, t) in [
+        ("gate gradient", &*dgate),
+        ("up", up),
+        ("output gradient", &*dy),
+    ] {
+        expect_len(op, what, t, n)?;
+    }
+    let (dgate, dy) = (out(dgate)?, out(dy)?);
+    with_stored!(gate, |gs| glu::backward_in_place::<A, _>(
+        dgate,
+        dy,
+        gs,
+        up.as_slice()?
+    ));
+    Ok(())
 }
 
 fn bad(op: &str, what: String) -> TrainError {
@@ -599,7 +664,7 @@ impl ModelOps for Cpu {
         rstd: &mut CpuTensor,
         x: &CpuTensor,
         w: &CpuTensor,
-        eps: f32,
+        norm: RmsNorm,
     ) -> Result<()> {
         let (n, c) = rows_cols(x);
         expect_len("rmsnorm", "output", y, n * c)?;
@@ -607,7 +672,8 @@ impl ModelOps for Cpu {
         expect_len("rmsnorm", "weight", w, c)?;
         let wv = f32_view(self, w)?;
         let (y, rstd) = (out(y)?, out(rstd)?);
-        with_stored!(x, |xs| rmsnorm::forward(y, rstd, xs, wv.s()?, eps, c));
+        let settings = (norm.eps, norm.gain_offset);
+        with_stored!(x, |xs| rmsnorm::forward(y, rstd, xs, wv.s()?, settings, c));
         Ok(())
     }
 
@@ -619,6 +685,7 @@ impl ModelOps for Cpu {
         x: &CpuTensor,
         w: &CpuTensor,
         rstd: &CpuTensor,
+        norm: RmsNorm,
     ) -> Result<()> {
         let (n, c) = rows_cols(x);
         for (what, t) in [("input gradient", &*dx), ("output gradient", dy)] {
@@ -637,6 +704,7 @@ impl ModelOps for Cpu {
             xs,
             wv.s()?,
             rstd,
+            norm.gain_offset,
             c
         ));
         Ok(())
@@ -665,13 +733,7 @@ impl ModelOps for Cpu {
     }
 
     fn swiglu(&self, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
-        expect_len("swiglu", "output", y, gate.numel())?;
-        expect_len("swiglu", "up", up, gate.numel())?;
-        let y = out(y)?;
-        // `up` is read in `gate`'s type: both are kept in the run's storage precision (a
-        // mixed pair is a dtype error).
-        with_stored!(gate, |gs| swiglu::forward(y, gs, up.as_slice()?));
-        Ok(())
+        gated::<glu::Silu>("swiglu", y, gate, up)
     }
 
     fn swiglu_backward(
@@ -682,24 +744,7 @@ impl ModelOps for Cpu {
         up: &CpuTensor,
         dy: &CpuTensor,
     ) -> Result<()> {
-        let n = gate.numel();
-        for (what, t) in [
-            ("gate gradient", &*dgate),
-            ("up gradient", &*dup),
-            ("up", up),
-            ("output gradient", dy),
-        ] {
-            expect_len("swiglu backward", what, t, n)?;
-        }
-        let (dgate, dup, dyv) = (out(dgate)?, out(dup)?, f32_view(self, dy)?);
-        with_stored!(gate, |gs| swiglu::backward(
-            dgate,
-            dup,
-            gs,
-            up.as_slice()?,
-            dyv.s()?
-        ));
-        Ok(())
+        gated_backward::<glu::Silu>(self, "swiglu backward", dgate, dup, gate, up, dy)
     }
 
     fn swiglu_backward_in_place(
@@ -709,22 +754,32 @@ impl ModelOps for Cpu {
         gate: &CpuTensor,
         up: &CpuTensor,
     ) -> Result<()> {
-        let n = gate.numel();
-        for (what, t) in [
-            ("gate gradient", &*dgate),
-            ("up", up),
-            ("output gradient", &*dy),
-        ] {
-            expect_len("swiglu backward", what, t, n)?;
-        }
-        let (dgate, dy) = (out(dgate)?, out(dy)?);
-        with_stored!(gate, |gs| swiglu::backward_in_place(
-            dgate,
-            dy,
-            gs,
-            up.as_slice()?
-        ));
-        Ok(())
+        gated_backward_in_place::<glu::Silu>("swiglu backward", dgate, dy, gate, up)
+    }
+
+    fn geglu(&self, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
+        gated::<glu::GeluTanh>("geglu", y, gate, up)
+    }
+
+    fn geglu_backward(
+        &self,
+        dgate: &mut CpuTensor,
+        dup: &mut CpuTensor,
+        gate: &CpuTensor,
+        up: &CpuTensor,
+        dy: &CpuTensor,
+    ) -> Result<()> {
+        gated_backward::<glu::GeluTanh>(self, "geglu backward", dgate, dup, gate, up, dy)
+    }
+
+    fn geglu_backward_in_place(
+        &self,
+        dgate: &mut CpuTensor,
+        dy: &mut CpuTensor,
+        gate: &CpuTensor,
+        up: &CpuTensor,
+    ) -> Result<()> {
+        gated_backward_in_place::<glu::GeluTanh>("geglu backward", dgate, dy, gate, up)
     }
 
     fn rope(&self, x: &mut CpuTensor, rope: Rope, pos0: usize, inverse: bool) -> Result<()> {

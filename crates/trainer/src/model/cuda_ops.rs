@@ -37,7 +37,7 @@ use headroom_cuda::{Cuda, CudaTensor, GemmOp, GemmShape, HeadLayout};
 use headroom_tensor::{Backend, DType, MemoryCategory, Tensor};
 
 use crate::model::ops::{HeadLossGrads, ModelOps};
-use crate::model::{Precision, View};
+use crate::model::{Precision, RmsNorm, View};
 use crate::{Result, TrainError};
 
 fn bad(op: &str, what: String) -> TrainError {
@@ -57,6 +57,20 @@ fn as_dtype<'a>(cuda: &Cuda, t: &'a CudaTensor, dtype: DType) -> Result<View<'a,
 
 fn f32_of<'a>(cuda: &Cuda, t: &'a CudaTensor) -> Result<View<'a, CudaTensor>> {
     as_dtype(cuda, t, DType::F32)
+}
+
+/// An RMSNorm's f32 gain: the stored one, or `w + offset` (Gemma's `1 + w`) in workspace
+/// memory — the sum one f32 rounding, as the CPU's op makes it — so the kernels stay the
+/// plain gain's.
+fn rms_gain<'a>(cuda: &Cuda, w: &'a CudaTensor, norm: RmsNorm) -> Result<View<'a, CudaTensor>> {
+    if norm.gain_offset == 0.0 {
+        return f32_of(cuda, w);
+    }
+    let wv = f32_of(cuda, w)?;
+    let _g = MemoryCategory::Workspace.enter();
+    let mut gain = cuda.upload(&vec![norm.gain_offset; w.numel()], w.shape().clone())?;
+    cuda.axpy(1.0, wv.tensor(), &mut gain)?;
+    Ok(View::Owned(gain))
 }
 
 /// The last dimension of `t`.
@@ -266,11 +280,11 @@ impl ModelOps for Cuda {
         rstd: &mut CudaTensor,
         x: &CudaTensor,
         w: &CudaTensor,
-        eps: f32,
+        norm: RmsNorm,
     ) -> Result<()> {
-        let (xv, wv) = (f32_of(self, x)?, f32_of(self, w)?);
+        let (xv, wv) = (f32_of(self, x)?, rms_gain(self, w, norm)?);
         let (x, w) = (xv.tensor(), wv.tensor());
-        Ok(self.rmsnorm_forward(y, rstd, x, w, cols(x), eps)?)
+        Ok(self.rmsnorm_forward(y, rstd, x, w, cols(x), norm.eps)?)
     }
 
     fn rmsnorm_backward(
@@ -281,8 +295,13 @@ impl ModelOps for Cuda {
         x: &CudaTensor,
         w: &CudaTensor,
         rstd: &CudaTensor,
+        norm: RmsNorm,
     ) -> Result<()> {
-        let (dyv, xv, wv) = (f32_of(self, dy)?, f32_of(self, x)?, f32_of(self, w)?);
+        let (dyv, xv, wv) = (
+            f32_of(self, dy)?,
+            f32_of(self, x)?,
+            rms_gain(self, w, norm)?,
+        );
         let (dy, x, w) = (dyv.tensor(), xv.tensor(), wv.tensor());
         Ok(Cuda::rmsnorm_backward(
             self,
@@ -320,6 +339,30 @@ impl ModelOps for Cuda {
     ) -> Result<()> {
         let (gv, uv, dyv) = (f32_of(self, gate)?, f32_of(self, up)?, f32_of(self, dy)?);
         Ok(Cuda::swiglu_backward(
+            self,
+            dgate,
+            dup,
+            gv.tensor(),
+            uv.tensor(),
+            dyv.tensor(),
+        )?)
+    }
+
+    fn geglu(&self, y: &mut CudaTensor, gate: &CudaTensor, up: &CudaTensor) -> Result<()> {
+        let (gv, uv) = (f32_of(self, gate)?, f32_of(self, up)?);
+        Ok(self.geglu_forward(y, gv.tensor(), uv.tensor())?)
+    }
+
+    fn geglu_backward(
+        &self,
+        dgate: &mut CudaTensor,
+        dup: &mut CudaTensor,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        dy: &CudaTensor,
+    ) -> Result<()> {
+        let (gv, uv, dyv) = (f32_of(self, gate)?, f32_of(self, up)?, f32_of(self, dy)?);
+        Ok(Cuda::geglu_backward(
             self,
             dgate,
             dup,

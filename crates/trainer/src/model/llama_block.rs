@@ -2,7 +2,10 @@
 //! SwiGLU MLP, no biases — forward (keeping [`LlamaSaved`]) and backward, written once over
 //! [`ModelOps`]. Transformers' `LlamaDecoderLayer` computes the same function; its classes'
 //! variations are here too: Qwen2's q/k/v biases, Qwen3's RMSNorm of each query and key
-//! head before the rotation, SmolLM3's blocks without the rotation.
+//! head before the rotation, SmolLM3's blocks without the rotation, and Gemma 3's
+//! (`Gemma3DecoderLayer`): Qwen3's head norms, a norm of the attention's and of the MLP's
+//! output before each residual addition, a GELU gate, its own rotary base in windowed blocks
+//! (the `1 + w` gains are the norm op's).
 //!
 //! As in the GPT-2 block, every kept tensor is rounded to the storage precision as soon as it
 //! is computed and every later reader reads the rounded values, so checkpointed gradients
@@ -17,7 +20,7 @@ use crate::model::gpt2_block::at;
 use crate::model::ops::ModelOps;
 use crate::model::params::llama_layer as o;
 use crate::model::transformer::{BlockOutput, Documents, Geometry, Model, NormStats};
-use crate::model::Family;
+use crate::model::{Family, MlpGate};
 use crate::ops::rope::Rope;
 use crate::{Result, TrainError};
 
@@ -34,9 +37,9 @@ pub struct LlamaSaved<T = CpuTensor> {
     pub k: T,
     /// Qwen3's per-head norm of the queries: its `[B, NH, T, hs]` input and `[B, NH, T]`
     /// statistics (`None` without query/key norms).
-    pub q_norm: Option<HeadNorm<T>>,
+    pub q_norm: Option<KeptNorm<T>>,
     /// Qwen3's per-head norm of the keys: `[B, KV, T, hs]` and `[B, KV, T]`.
-    pub k_norm: Option<HeadNorm<T>>,
+    pub k_norm: Option<KeptNorm<T>>,
     /// `[B, KV, T, hs]` values.
     pub v: T,
     /// Attention output `[B, NH, T, hs]`, logsumexp `[B, NH, T]` f32 (and naive attention's
@@ -52,25 +55,33 @@ pub struct LlamaSaved<T = CpuTensor> {
     pub gate: T,
     /// `[B, T, F]` up projection.
     pub up: T,
-    /// `[B, T, F]` `silu(gate) · up`, the down projection's input (`None` under selective
+    /// `[B, T, F]` `act(gate) · up`, the down projection's input (`None` under selective
     /// recomputation).
     pub act: Option<T>,
+    /// Gemma 3's norm of the attention's output: the `[B, T, C]` o_proj output it normalised
+    /// and its statistics (`None` without output norms).
+    pub attn_out_norm: Option<KeptNorm<T>>,
+    /// Gemma 3's norm of the MLP's output: the `[B, T, C]` down projection's output and its
+    /// statistics.
+    pub mlp_out_norm: Option<KeptNorm<T>>,
 }
 
-/// What the RMSNorm of each query or key head keeps for its backward: the projection's heads
-/// it normalised (storage precision) and its f32 reciprocal root mean squares, one per head
-/// and position.
-pub struct HeadNorm<T = CpuTensor> {
-    /// `[B, H, T, hs]` the heads before the norm.
+/// What an RMSNorm whose input is not otherwise kept keeps for its backward: that input
+/// (storage precision) and its f32 reciprocal root mean squares — a query or key head norm's
+/// `[B, H, T, hs]` heads and `[B, H, T]` statistics, an output norm's `[B, T, C]` and
+/// `[B, T]`.
+pub struct KeptNorm<T = CpuTensor> {
+    /// The norm's input.
     pub input: T,
-    /// `[B, H, T]` f32 reciprocal root mean squares.
+    /// f32 reciprocal root mean squares, one per row of the input.
     pub stats: NormStats<T>,
 }
 
-/// Rotated queries or keys, kept, and what their head norm keeps (Qwen3's; `None` otherwise).
-type RotatedHeads<T> = (T, Option<HeadNorm<T>>);
+/// A kept result and what its norm keeps, when it has one: rotated queries or keys and their
+/// head norm's (Qwen3's, Gemma 3's), a residual sum and its sublayer's output norm (Gemma 3's).
+type WithNorm<T> = (T, Option<KeptNorm<T>>);
 
-impl<T: Tensor> HeadNorm<T> {
+impl<T: Tensor> KeptNorm<T> {
     fn size_in_bytes(&self) -> usize {
         self.input.size_in_bytes() + self.stats.size_in_bytes()
     }
@@ -79,7 +90,7 @@ impl<T: Tensor> HeadNorm<T> {
 impl<T: Tensor> headroom_ckpt::SavedState for LlamaSaved<T> {
     fn size_in_bytes(&self) -> usize {
         let opt = |t: &Option<T>| t.as_ref().map_or(0, |t| t.size_in_bytes());
-        let head_norm = |n: &Option<HeadNorm<T>>| n.as_ref().map_or(0, HeadNorm::size_in_bytes);
+        let head_norm = |n: &Option<KeptNorm<T>>| n.as_ref().map_or(0, KeptNorm::size_in_bytes);
         let a = &self.attn;
         [
             &self.q,
@@ -102,6 +113,8 @@ impl<T: Tensor> headroom_ckpt::SavedState for LlamaSaved<T> {
             + opt(&a.probs)
             + head_norm(&self.q_norm)
             + head_norm(&self.k_norm)
+            + head_norm(&self.attn_out_norm)
+            + head_norm(&self.mlp_out_norm)
     }
 }
 
@@ -122,13 +135,6 @@ impl<B: ModelOps> Model<B> {
         }
     }
 
-    fn rotary(&self) -> Result<Rope> {
-        match self.cfg.family {
-            Family::Llama(s) => Ok(s.rope()),
-            Family::Gpt2 => Err(TrainError::Config("GPT-2 has no rotary embedding".into())),
-        }
-    }
-
     /// RMSNorm of `x` with block `l`'s gain at `w_off`: the output (kept in the storage
     /// precision) and its f32 statistics.
     fn block_rmsnorm(
@@ -143,11 +149,74 @@ impl<B: ModelOps> Model<B> {
         Ok((self.keep(out)?, stats))
     }
 
-    /// `silu(gate) · up` of the kept projections, kept.
-    fn block_swiglu(&self, gate: &B::Tensor, up: &B::Tensor) -> Result<B::Tensor> {
+    /// The MLP's gate, SiLU (SwiGLU) or Gemma's GELU (GeGLU).
+    fn mlp_gate(&self) -> MlpGate {
+        match self.cfg.family {
+            Family::Llama(s) => s.mlp_gate(),
+            Family::Gpt2 => MlpGate::Silu,
+        }
+    }
+
+    /// `act(gate) · up` of the kept projections, kept.
+    fn block_gated(&self, gate: &B::Tensor, up: &B::Tensor) -> Result<B::Tensor> {
         let mut out = self.fresh_overwritten(gate.shape().clone())?;
-        self.backend().swiglu(&mut out, gate, up)?;
+        match self.mlp_gate() {
+            MlpGate::Silu => self.backend().swiglu(&mut out, gate, up)?,
+            MlpGate::GeluTanh => self.backend().geglu(&mut out, gate, up)?,
+        }
         self.keep(out)
+    }
+
+    /// A sublayer's output `y` `[B, T, C]` (f32, fresh) added to the residual stream
+    /// `residual`, kept: with Gemma's output norms, `residual + norm(y)` with the gain at
+    /// `norm_off`, `y` kept first for the norm's backward.
+    fn add_to_residual(
+        &self,
+        bw: &[B::Tensor],
+        mut y: B::Tensor,
+        residual: &B::Tensor,
+        norm_off: usize,
+        g: Geometry<'_>,
+    ) -> Result<WithNorm<B::Tensor>> {
+        let output_norms = matches!(self.cfg.family, Family::Llama(s) if s.output_norms());
+        if !output_norms {
+            self.backend().axpy(1.0, residual, &mut y)?;
+            return Ok((self.keep(y)?, None));
+        }
+        let input = self.keep(y)?;
+        let (mut out, stats) = {
+            let mut out = self.fresh_overwritten([g.b, g.t, self.cfg.channels])?;
+            let stats = self.norm(&mut out, &input, at(bw, norm_off)?, None, g)?;
+            (out, stats)
+        };
+        self.backend().axpy(1.0, residual, &mut out)?;
+        Ok((self.keep(out)?, Some(KeptNorm { input, stats })))
+    }
+
+    /// The gradient that reaches a sublayer's output from `dres`, its residual sum's: itself,
+    /// or through Gemma's output norm (gain at `norm_off`, its gradient into `grads`).
+    fn output_norm_backward<'a>(
+        &self,
+        grads: &mut [B::Tensor],
+        bw: &[B::Tensor],
+        dres: &'a B::Tensor,
+        norm: Option<&KeptNorm<B::Tensor>>,
+        norm_off: usize,
+    ) -> Result<crate::model::transformer::View<'a, B::Tensor>> {
+        let Some(n) = norm else {
+            return Ok(crate::model::transformer::View::Borrowed(dres));
+        };
+        let mut dy = self.scratch(dres.shape().clone())?;
+        self.norm_backward(
+            &mut dy,
+            self.param_grads(grads, norm_off, None).0,
+            None,
+            dres,
+            &n.input,
+            at(bw, norm_off)?,
+            &n.stats,
+        )?;
+        Ok(crate::model::transformer::View::Owned(dy))
     }
 
     /// `x·Wᵀ` for block `l`'s projection `w_off`, split into `heads` heads `[B, heads, T, hs]`
@@ -170,9 +239,9 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// Queries or keys: `x` projected by `w_off` into `heads` heads, each RMS-normalised with
-    /// the gain at `norm_off` when the class has query/key norms (Qwen3), rotated from
-    /// position `pos0` (unless the block is one of SmolLM3's NoPE blocks), kept. With the norm, its kept input and statistics come back for the
-    /// backward.
+    /// the gain at `norm_off` when the class has query/key norms (Qwen3, Gemma 3), rotated by
+    /// `rope` from position `pos0` (`None`: one of SmolLM3's NoPE blocks), kept. With the
+    /// norm, its kept input and statistics come back for the backward.
     #[allow(clippy::too_many_arguments)]
     fn rotated_heads(
         &self,
@@ -181,10 +250,10 @@ impl<B: ModelOps> Model<B> {
         x: &B::Tensor,
         (w_off, norm_off): (usize, usize),
         heads: usize,
-        rope: Rope,
+        rope: Option<Rope>,
         pos0: usize,
         g: Geometry<'_>,
-    ) -> Result<RotatedHeads<B::Tensor>> {
+    ) -> Result<WithNorm<B::Tensor>> {
         let projected = self.project_heads(l, bw, x, w_off, heads, g)?;
         let (mut rotated, norm) = match self.cfg.family {
             Family::Llama(s) if s.qk_norm() => {
@@ -201,15 +270,15 @@ impl<B: ModelOps> Model<B> {
                     &mut rstd,
                     &input,
                     at(bw, norm_off)?,
-                    s.norm_eps,
+                    s.rms_norm(),
                 )?;
                 let stats = NormStats { mean: None, rstd };
-                (out, Some(HeadNorm { input, stats }))
+                (out, Some(KeptNorm { input, stats }))
             }
             _ => (projected, None),
         };
         // SmolLM3's NoPE blocks attend without positions.
-        if self.cfg.rotates(l) {
+        if let Some(rope) = rope {
             self.rope(&mut rotated, rope, pos0, g, false)?;
         }
         Ok((self.keep(rotated)?, norm))
@@ -223,7 +292,7 @@ impl<B: ModelOps> Model<B> {
         grads: &mut [B::Tensor],
         bw: &[B::Tensor],
         dh: B::Tensor,
-        norm: Option<&HeadNorm<B::Tensor>>,
+        norm: Option<&KeptNorm<B::Tensor>>,
         norm_off: usize,
     ) -> Result<B::Tensor> {
         let Some(n) = norm else {
@@ -323,7 +392,7 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<BlockOutput<B::Tensor, LlamaSaved<B::Tensor>>> {
         let (c, nh, kvh) = (self.cfg.channels, self.cfg.heads, self.cfg.kv_heads());
         let f = self.cfg.ffn();
-        let rope = self.rotary()?;
+        let rope = self.cfg.rope_of(l);
         let pos0 = kv.as_ref().map_or(0, |c| c.len());
         let be = self.backend();
 
@@ -356,11 +425,10 @@ impl<B: ModelOps> Model<B> {
         let _t = self.tag(l, "attn.o_proj");
         let mut atty = self.scratch_overwritten([g.b, g.t, self.cfg.attention_width()])?;
         be.merge_heads(&mut atty, attn.output(), 0)?;
-        let mut res2 = self.fresh_overwritten([g.b, g.t, c])?;
-        self.block_linear(l, bw, o::O, None, &mut res2, &atty)?;
+        let mut attn_out = self.fresh_overwritten([g.b, g.t, c])?;
+        self.block_linear(l, bw, o::O, None, &mut attn_out, &atty)?;
         drop(atty);
-        be.axpy(1.0, inp, &mut res2)?;
-        let res2 = self.keep(res2)?;
+        let (res2, attn_out_norm) = self.add_to_residual(bw, attn_out, inp, o::ATTN_OUT_NORM, g)?;
         let _t = self.tag(l, "post_norm");
         let (norm2, norm2_stats) = self.block_rmsnorm(bw, &res2, o::POST_NORM, g)?;
         let _t = self.tag(l, "mlp.gate");
@@ -372,12 +440,11 @@ impl<B: ModelOps> Model<B> {
         self.block_linear(l, bw, o::UP, None, &mut up, &norm2)?;
         let up = self.keep(up)?;
         let _t = self.tag(l, "mlp.act");
-        let act = self.block_swiglu(&gate, &up)?;
+        let act = self.block_gated(&gate, &up)?;
         let _t = self.tag(l, "mlp.down");
-        let mut out = self.fresh_overwritten([g.b, g.t, c])?;
-        self.block_linear(l, bw, o::DOWN, None, &mut out, &act)?;
-        be.axpy(1.0, &res2, &mut out)?;
-        let out = self.keep(out)?;
+        let mut mlp_out = self.fresh_overwritten([g.b, g.t, c])?;
+        self.block_linear(l, bw, o::DOWN, None, &mut mlp_out, &act)?;
+        let (out, mlp_out_norm) = self.add_to_residual(bw, mlp_out, &res2, o::MLP_OUT_NORM, g)?;
         if !save {
             return Ok((out, None));
         }
@@ -399,6 +466,8 @@ impl<B: ModelOps> Model<B> {
             gate,
             up,
             act: keep_unless_selective(act),
+            attn_out_norm,
+            mlp_out_norm,
         };
         Ok((out, Some(saved)))
     }
@@ -444,7 +513,7 @@ impl<B: ModelOps> Model<B> {
         }
     }
 
-    /// Llama block `l` backward: accumulates parameter gradients into `grads` (the block's 9 or 12),
+    /// Llama block `l` backward: accumulates parameter gradients into `grads` (the block's 9 to 13),
     /// returns the gradient of `inp`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn llama_block_backward(
@@ -458,7 +527,6 @@ impl<B: ModelOps> Model<B> {
         g: Geometry<'_>,
     ) -> Result<B::Tensor> {
         let (c, f) = (self.cfg.channels, self.cfg.ffn());
-        let rope = self.rotary()?;
         let be = self.backend();
         let _t = self.tag(l, "recompute");
         let norm1 = match s.norm1 {
@@ -471,17 +539,26 @@ impl<B: ModelOps> Model<B> {
         };
         let act = match s.act {
             Some(t) => t,
-            None => self.block_swiglu(&s.gate, &s.up)?,
+            None => self.block_gated(&s.gate, &s.up)?,
         };
 
-        // out = res2 + down(silu(gate)·up).
+        // out = res2 + down(act(gate)·up), or res2 + norm(down(…)) with output norms.
         let _t = self.tag(l, "mlp.backward");
+        let ddown =
+            self.output_norm_backward(grads, bw, dout, s.mlp_out_norm.as_ref(), o::MLP_OUT_NORM)?;
+        drop(s.mlp_out_norm);
         let mut dact = self.scratch([g.b, g.t, f])?;
-        self.block_linear_backward(l, bw, o::DOWN, None, &mut dact, grads, dout, &act)?;
-        drop(act);
+        let dy = ddown.tensor();
+        self.block_linear_backward(l, bw, o::DOWN, None, &mut dact, grads, dy, &act)?;
+        drop((act, ddown));
         let mut dgate = self.scratch([g.b, g.t, f])?;
         // up's gradient is written over the product's.
-        be.swiglu_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up)?;
+        match self.mlp_gate() {
+            MlpGate::Silu => be.swiglu_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up)?,
+            MlpGate::GeluTanh => {
+                be.geglu_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up)?
+            }
+        }
         let dup = dact;
         let mut dnorm2 = self.scratch([g.b, g.t, c])?;
         self.block_linear_backward(l, bw, o::GATE, None, &mut dnorm2, grads, &dgate, &norm2)?;
@@ -501,21 +578,31 @@ impl<B: ModelOps> Model<B> {
             &s.norm2_stats,
         )?;
         drop(dnorm2);
-        // res2 = inp + o_proj(atty), atty = the attention output with heads merged.
+        // res2 = inp + o_proj(atty) (or inp + norm(o_proj(atty))), atty = the attention
+        // output with heads merged.
         let _t = self.tag(l, "attn.backward");
         let width = self.cfg.attention_width();
+        let dattn_out = self.output_norm_backward(
+            grads,
+            bw,
+            &dres2,
+            s.attn_out_norm.as_ref(),
+            o::ATTN_OUT_NORM,
+        )?;
         let mut atty = self.scratch_overwritten([g.b, g.t, width])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
         let mut datty = self.scratch([g.b, g.t, width])?;
-        self.block_linear_backward(l, bw, o::O, None, &mut datty, grads, &dres2, &atty)?;
-        drop(atty);
+        let dy = dattn_out.tensor();
+        self.block_linear_backward(l, bw, o::O, None, &mut datty, grads, dy, &atty)?;
+        drop((atty, dattn_out));
+        drop(s.attn_out_norm);
         let mut dy = self.scratch_overwritten(s.q.shape().clone())?;
         be.split_heads(&mut dy, &datty, 0)?;
         drop(datty);
         let mut ag = self.attention_backward(&s.q, &s.k, &s.v, s.attn, &dy)?;
         drop(dy);
         // The rotation is orthogonal: its backward rotates the gradient back.
-        if self.cfg.rotates(l) {
+        if let Some(rope) = self.cfg.rope_of(l) {
             self.rope(&mut ag.dq, rope, 0, g, true)?;
             self.rope(&mut ag.dk, rope, 0, g, true)?;
         }

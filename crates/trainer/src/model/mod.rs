@@ -16,7 +16,7 @@ mod precision;
 mod transformer;
 
 pub use crate::ops::rope::{Rope, RopeScaling};
-pub use config::{Family, LlamaClass, LlamaShape, ModelConfig, SlidingWindow};
+pub use config::{Family, LlamaClass, LlamaShape, MlpGate, ModelConfig, RmsNorm, SlidingWindow};
 pub use decode::{KvCache, LayerKv, KV_GROWTH};
 pub use finetune::{AdaptedModule, FinetuneBuilder, FinetuneSpec, QuantSpec};
 pub use ops::{HeadLossGrads, ModelOps};
@@ -25,6 +25,6 @@ pub use precision::Precision;
 pub(crate) use transformer::View;
 pub use transformer::{
     check_batch, counted_targets, BlockOutput, BlockSaved, Documents, Geometry, Gpt2Saved,
-    HeadGrads, HeadNorm, HeadWeights, LlamaSaved, Model, ModelOptions, NormStats, Part, PartStore,
+    HeadGrads, HeadWeights, KeptNorm, LlamaSaved, Model, ModelOptions, NormStats, Part, PartStore,
     IGNORE_TARGET,
 };

@@ -20,7 +20,7 @@
 use headroom_attn::{AttentionBackend, AttentionForward, AttentionGradients};
 use headroom_tensor::{DType, MemoryCategory, Tensor};
 
-use crate::model::Precision;
+use crate::model::{Precision, RmsNorm};
 use crate::ops::rope::Rope;
 use crate::Result;
 
@@ -134,17 +134,21 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         rstd: &Self::Tensor,
     ) -> Result<()>;
 
-    /// RMSNorm (Llama's): `y = w · x · rstd`, `rstd = 1/√(mean(x²) + eps)` per row, kept.
+    /// RMSNorm (Llama's): `y = (w + offset) · (x · rstd)`, `rstd = 1/√(mean(x²) + eps)` per
+    /// row, kept; `norm` gives `eps` and the gain offset (0, or Gemma's 1: the sum is one f32
+    /// rounding, as transformers' `1.0 + weight.float()`).
     fn rmsnorm(
         &self,
         y: &mut Self::Tensor,
         rstd: &mut Self::Tensor,
         x: &Self::Tensor,
         w: &Self::Tensor,
-        eps: f32,
+        norm: RmsNorm,
     ) -> Result<()>;
 
-    /// RMSNorm's backward from the forward's `rstd` (accumulating).
+    /// RMSNorm's backward from the forward's `rstd` (accumulating); `dw` is the stored gain's
+    /// gradient, which the offset does not change.
+    #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward(
         &self,
         dx: &mut Self::Tensor,
@@ -153,6 +157,7 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         x: &Self::Tensor,
         w: &Self::Tensor,
         rstd: &Self::Tensor,
+        norm: RmsNorm,
     ) -> Result<()>;
 
     /// GELU, tanh approximation (GPT-2's `gelu_new`).
@@ -209,6 +214,40 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
             self.zeros(dy.shape().clone(), DType::F32)?
         };
         self.swiglu_backward(dgate, &mut dup, gate, up, dy)?;
+        *dy = dup;
+        Ok(())
+    }
+
+    /// GeGLU's gate (Gemma's MLP): `y = gelu(gate) · up` elementwise, with GELU's tanh
+    /// approximation ([`ModelOps::gelu`]'s).
+    fn geglu(&self, y: &mut Self::Tensor, gate: &Self::Tensor, up: &Self::Tensor) -> Result<()>;
+
+    /// GeGLU's backward: adds `gelu'(gate) · up · dy` into `dgate` and `gelu(gate) · dy` into
+    /// `dup`.
+    fn geglu_backward(
+        &self,
+        dgate: &mut Self::Tensor,
+        dup: &mut Self::Tensor,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        dy: &Self::Tensor,
+    ) -> Result<()>;
+
+    /// [`ModelOps::geglu_backward`] with `dup` replacing `dy`, as
+    /// [`ModelOps::swiglu_backward_in_place`] is for SwiGLU (the same default and the same
+    /// saving on the CPU).
+    fn geglu_backward_in_place(
+        &self,
+        dgate: &mut Self::Tensor,
+        dy: &mut Self::Tensor,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+    ) -> Result<()> {
+        let mut dup = {
+            let _g = MemoryCategory::Workspace.enter();
+            self.zeros(dy.shape().clone(), DType::F32)?
+        };
+        self.geglu_backward(dgate, &mut dup, gate, up, dy)?;
         *dy = dup;
         Ok(())
     }

@@ -39,8 +39,11 @@ pub mod layer {
 }
 
 /// Offsets of a Llama block's tensors within its 9: 12 with Qwen2's q/k/v biases, 11 with
-/// Qwen3's query and key norms. Either follows the nine, so that every other offset is the
-/// same in every layout; no class has both, so they share offsets.
+/// Qwen3's query and key norms, 13 with Gemma 3's query/key norms and output norms. Each
+/// follows the nine, so that every other offset is the same in every layout; no class has
+/// both biases and norms, so they share offsets. In Gemma 3, `POST_NORM` (Llama's
+/// `post_attention_layernorm`, the MLP's input norm) is `pre_feedforward_layernorm`, and its
+/// own `post_attention_layernorm` is `ATTN_OUT_NORM`.
 #[allow(missing_docs)]
 pub mod llama_layer {
     pub const INPUT_NORM: usize = 0;
@@ -57,6 +60,8 @@ pub mod llama_layer {
     pub const V_BIAS: usize = 11;
     pub const Q_NORM: usize = 9;
     pub const K_NORM: usize = 10;
+    pub const ATTN_OUT_NORM: usize = 11;
+    pub const MLP_OUT_NORM: usize = 12;
 }
 
 /// Index of the token embedding (`wte`, `model.embed_tokens`; also a tied output head).
@@ -80,7 +85,10 @@ pub fn per_layer(cfg: &ModelConfig) -> usize {
     match cfg.family {
         Family::Gpt2 => PER_LAYER,
         Family::Llama(s) => {
-            LLAMA_PER_LAYER + 3 * usize::from(s.qkv_bias()) + 2 * usize::from(s.qk_norm())
+            LLAMA_PER_LAYER
+                + 3 * usize::from(s.qkv_bias())
+                + 2 * usize::from(s.qk_norm())
+                + 2 * usize::from(s.output_norms())
         }
     }
 }
@@ -167,7 +175,14 @@ pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
                 v.push(p(h("self_attn.k_proj.weight"), vec![kv, c], false));
                 v.push(p(h("self_attn.v_proj.weight"), vec![kv, c], false));
                 v.push(p(h("self_attn.o_proj.weight"), vec![c, q], false));
-                v.push(p(h("post_attention_layernorm.weight"), vec![c], false));
+                // Gemma's post_attention_layernorm normalises the attention's output; the
+                // MLP's input norm is its pre_feedforward_layernorm.
+                let mlp_norm = if s.output_norms() {
+                    "pre_feedforward_layernorm.weight"
+                } else {
+                    "post_attention_layernorm.weight"
+                };
+                v.push(p(h(mlp_norm), vec![c], false));
                 v.push(p(h("mlp.gate_proj.weight"), vec![f, c], false));
                 v.push(p(h("mlp.up_proj.weight"), vec![f, c], false));
                 v.push(p(h("mlp.down_proj.weight"), vec![c, f], false));
@@ -179,6 +194,10 @@ pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
                 if s.qk_norm() {
                     v.push(p(h("self_attn.q_norm.weight"), vec![hs], false));
                     v.push(p(h("self_attn.k_norm.weight"), vec![hs], false));
+                }
+                if s.output_norms() {
+                    v.push(p(h("post_attention_layernorm.weight"), vec![c], false));
+                    v.push(p(h("post_feedforward_layernorm.weight"), vec![c], false));
                 }
             }
             v.push(p("model.norm.weight".into(), vec![c], false));
@@ -215,8 +234,8 @@ pub fn alloc_like_params(
 
 /// GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual projections scaled by
 /// 1/√(2·layers), zero biases, unit layer-norm gains. Llama's is transformers': N(0, 0.02)
-/// for every matrix and embedding (`initializer_range`), unit norm gains. Deterministic in
-/// `seed`.
+/// for every matrix and embedding (`initializer_range`), unit norm gains (Gemma's stored
+/// gains 0: each multiplies as `1 + w`). Deterministic in `seed`.
 pub fn init_params(cpu: &Cpu, cfg: &ModelConfig, seed: u64) -> Result<Vec<CpuTensor>> {
     let mut params = Vec::with_capacity(param_infos(cfg).len());
     init_params_each(cpu, cfg, seed, |_, t| {
@@ -256,8 +275,13 @@ pub fn init_params_into(
             if n.ends_with("bias") {
                 x.fill(0.0);
             } else if info.shape.len() == 1 {
-                // GPT-2's ln_*.weight, Llama's *layernorm.weight and model.norm.weight.
-                x.fill(1.0);
+                // GPT-2's ln_*.weight, Llama's *layernorm.weight and model.norm.weight: a
+                // unit gain, stored as Gemma's offset from 1.
+                let offset = match cfg.family {
+                    Family::Llama(s) => s.rms_norm().gain_offset,
+                    Family::Gpt2 => 0.0,
+                };
+                x.fill(1.0 - offset);
             } else {
                 let gpt2_residual = cfg.family == Family::Gpt2 && n.ends_with("c_proj.weight");
                 let std = if gpt2_residual { residual_std } else { 0.02 };

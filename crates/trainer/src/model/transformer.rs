@@ -18,7 +18,7 @@ use headroom_profiler::label_absolute;
 use headroom_tensor::{Cpu, CpuTensor, DType, MemoryCategory, Shape, Tensor};
 
 pub use crate::model::gpt2_block::Gpt2Saved;
-pub use crate::model::llama_block::{HeadNorm, LlamaSaved};
+pub use crate::model::llama_block::{KeptNorm, LlamaSaved};
 use crate::model::ops::{HeadLossGrads, ModelOps};
 use crate::model::params::{self, WPE, WTE};
 use crate::model::{Family, ModelConfig, Precision};
@@ -482,7 +482,7 @@ impl<B: ModelOps> Model<B> {
             }
             (Family::Llama(s), None) => {
                 let mut rstd = self.stat([g.b, g.t])?;
-                self.backend.rmsnorm(out, &mut rstd, x, w, s.norm_eps)?;
+                self.backend.rmsnorm(out, &mut rstd, x, w, s.rms_norm())?;
                 Ok(NormStats { mean: None, rstd })
             }
             _ => Err(TrainError::Config(
@@ -505,7 +505,7 @@ impl<B: ModelOps> Model<B> {
         w: &B::Tensor,
         stats: &NormStats<B::Tensor>,
     ) -> Result<()> {
-        // A gain is `[C]`, or `[hs]` for Qwen3's query and key norms.
+        // A gain is `[C]`, or `[hs]` for query and key norms.
         let mut spare_w = None;
         let dw = match dw {
             Some(t) => t,
@@ -521,10 +521,15 @@ impl<B: ModelOps> Model<B> {
                 self.backend
                     .layernorm_backward(dx, dw, db, dy, x, w, mean, &stats.rstd)
             }
-            None if db.is_none() => self.backend.rmsnorm_backward(dx, dw, dy, x, w, &stats.rstd),
-            None => Err(TrainError::Config(
-                "a norm's statistics do not match its gradients".into(),
-            )),
+            None => match (self.cfg.family, db) {
+                (Family::Llama(s), None) => {
+                    self.backend
+                        .rmsnorm_backward(dx, dw, dy, x, w, &stats.rstd, s.rms_norm())
+                }
+                _ => Err(TrainError::Config(
+                    "a norm's statistics do not match its gradients".into(),
+                )),
+            },
         }
     }
 
@@ -569,7 +574,18 @@ impl<B: ModelOps> Model<B> {
             }
             _ => self.backend.embed(&mut out, tokens, wte, wpe)?,
         }
+        if let Some(scale) = self.embedding_scale() {
+            self.backend.scale(&mut out, scale)?;
+        }
         self.keep(out)
+    }
+
+    /// What the token embedding's rows are multiplied by (Gemma's `√C`), if anything.
+    fn embedding_scale(&self) -> Option<f32> {
+        match self.cfg.family {
+            Family::Llama(s) => s.embedding_scale(self.cfg.channels),
+            Family::Gpt2 => None,
+        }
     }
 
     /// Token embeddings plus the learned position rows of `positions` (one per token), gathered
@@ -704,15 +720,20 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// Embedding backward: into the token embedding's gradient (and GPT-2's positions', at
-    /// the packed documents' positions when `g` has them).
+    /// the packed documents' positions when `g` has them). Gemma's scale multiplies `dres`
+    /// in place first (the chain's input gradient has no other reader).
     pub fn embed_backward(
         &self,
-        dres: &B::Tensor,
+        dres: &mut B::Tensor,
         tokens: &[u32],
         g: Geometry<'_>,
         dwte: &mut B::Tensor,
         dwpe: Option<&mut B::Tensor>,
     ) -> Result<()> {
+        if let Some(scale) = self.embedding_scale() {
+            self.backend.scale(dres, scale)?;
+        }
+        let dres = &*dres;
         match (dwpe, g.positions()) {
             (Some(dwpe), Some(positions)) => {
                 // Position rows are gathered like tokens, so their gradient scatters the same way.
@@ -980,7 +1001,7 @@ impl<B: ModelOps> Model<B> {
             .collect();
         let mut chain = Chain::new(layers);
         let mut loss = 0.0f32;
-        let out = chain.step(&self.backend, schedule, &x, |y| {
+        let mut out = chain.step(&self.backend, schedule, &x, |y| {
             let _l = label_absolute("head");
             let head_grad = if head == WTE {
                 &mut emb[..1]
@@ -1008,7 +1029,7 @@ impl<B: ModelOps> Model<B> {
         let _l = label_absolute("embed");
         self.with_staged_grads(emb, |emb| {
             let (wte, wpe) = emb.split_at_mut(1);
-            self.embed_backward(&out.input_grad, tokens, g, &mut wte[0], wpe.first_mut())
+            self.embed_backward(&mut out.input_grad, tokens, g, &mut wte[0], wpe.first_mut())
         })?;
         Ok((loss, out.stats))
     }
@@ -1110,7 +1131,7 @@ impl<B: ModelOps> Model<B> {
         let mut chain = Chain::new(layers);
         let mut loss = 0.0f32;
         let mut emb_grads: Option<Vec<B::Tensor>> = None;
-        let out = chain.step(&self.backend, schedule, &x, |y| {
+        let mut out = chain.step(&self.backend, schedule, &x, |y| {
             let _l = label_absolute("head");
             (|| {
                 let (hw, tied_w) = self.head_parts(store)?;
@@ -1147,7 +1168,7 @@ impl<B: ModelOps> Model<B> {
             None => store.grad_buffers(Part::Embeddings)?,
         };
         let (wte, wpe) = eg.split_at_mut(1);
-        self.embed_backward(&out.input_grad, tokens, g, &mut wte[0], wpe.first_mut())?;
+        self.embed_backward(&mut out.input_grad, tokens, g, &mut wte[0], wpe.first_mut())?;
         store.push_grads(Part::Embeddings, eg)?;
         Ok((loss, out.stats))
     }

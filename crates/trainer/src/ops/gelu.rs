@@ -19,9 +19,16 @@ pub fn forward<X: Operand>(out: &mut [f32], inp: &[X]) {
         .for_each(|(o, i)| widened_blocks(i, |at, xs| forward_piece(&mut o[at..], xs)));
 }
 
+/// `gelu(x)`, one element: [`forward`]'s operations.
+#[inline(always)]
+pub(crate) fn value(x: f32) -> f32 {
+    let u = SQRT_2_OVER_PI * (x + K * x * x * x);
+    0.5 * x * (1.0 + tanh(u))
+}
+
 /// `gelu'(x)`.
 #[inline(always)]
-fn derivative(x: f32) -> f32 {
+pub(crate) fn derivative(x: f32) -> f32 {
     let u = SQRT_2_OVER_PI * (x + K * x * x * x);
     let t = tanh(u);
     let sech2 = 1.0 - t * t;
@@ -56,8 +63,7 @@ pub fn backward_in_place<X: Operand>(dout: &mut [f32], inp: &[X]) {
 #[inline(always)]
 fn forward_body(out: &mut [f32], xs: &[f32]) {
     for (o, &x) in out.iter_mut().zip(xs) {
-        let u = SQRT_2_OVER_PI * (x + K * x * x * x);
-        *o = 0.5 * x * (1.0 + tanh(u));
+        *o = value(x);
     }
 }
 

@@ -12,6 +12,7 @@ pub mod cross_entropy;
 pub mod embedding;
 mod fast_math;
 pub mod gelu;
+pub mod glu;
 pub mod layernorm;
 pub mod matmul;
 pub mod quant_matmul;
@@ -263,22 +264,54 @@ mod gradient_checks {
             .map(|v| 1.0 + 0.5 * v)
             .collect::<Vec<_>>();
         let dout = rand_vec(23, n * c);
-        let f = |inp: &[f32], w: &[f32]| {
+        // Llama's gains, and Gemma's stored as their difference from 1.
+        for offset in [0.0f32, 1.0] {
+            let w: Vec<f32> = w.iter().map(|v| v - offset).collect();
+            let f = |inp: &[f32], w: &[f32]| {
+                let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+                rmsnorm::forward(&mut out, &mut r, inp, w, (1e-5, offset), c);
+                dot(&out, &dout)
+            };
             let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
-            rmsnorm::forward(&mut out, &mut r, inp, w, 1e-5, c);
+            rmsnorm::forward(&mut out, &mut r, &inp, &w, (1e-5, offset), c);
+            // Each output row has unit root mean square before the gain.
+            for (row, &s) in inp.chunks(c).zip(&r) {
+                let ms: f32 = row.iter().map(|v| (v * s) * (v * s)).sum::<f32>() / c as f32;
+                assert!((ms - 1.0).abs() < 1e-3, "{ms}");
+            }
+            let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+            rmsnorm::backward(&mut di, &mut dw, &dout, &inp, &w, &r, offset, c);
+            check("dinp", &mut inp.clone(), &di, &mut |x| f(x, &w));
+            check("dweight", &mut w.clone(), &dw, &mut |x| f(&inp, x));
+        }
+    }
+
+    #[test]
+    fn geglu_gradients_and_gelu_bits() {
+        use glu::{Gate, GeluTanh};
+        let n = 40;
+        let gate: Vec<f32> = rand_vec(27, n).iter().map(|v| 3.0 * v).collect();
+        let up = rand_vec(28, n);
+        let dout = rand_vec(29, n);
+        let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+        glu::backward::<GeluTanh, f32>(&mut dg, &mut du, &gate, &up, &dout);
+        let f = |g: &[f32], u: &[f32]| {
+            let mut out = vec![0.0; n];
+            glu::forward::<GeluTanh, f32>(&mut out, g, u);
             dot(&out, &dout)
         };
-        let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
-        rmsnorm::forward(&mut out, &mut r, &inp, &w, 1e-5, c);
-        // Each output row has unit root mean square before the gain.
-        for (row, &s) in inp.chunks(c).zip(&r) {
-            let ms: f32 = row.iter().map(|v| (v * s) * (v * s)).sum::<f32>() / c as f32;
-            assert!((ms - 1.0).abs() < 1e-3, "{ms}");
-        }
-        let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-        rmsnorm::backward(&mut di, &mut dw, &dout, &inp, &w, &r, c);
-        check("dinp", &mut inp.clone(), &di, &mut |x| f(x, &w));
-        check("dweight", &mut w.clone(), &dw, &mut |x| f(&inp, x));
+        check("dgate", &mut gate.clone(), &dg, &mut |x| f(x, &up));
+        check("dup", &mut up.clone(), &du, &mut |x| f(&gate, x));
+        // The gate is GPT-2's GELU: with up = 1, the same bits.
+        let (mut gated, mut plain) = (vec![0.0; n], vec![0.0; n]);
+        glu::forward::<GeluTanh, f32>(&mut gated, &gate, &vec![1.0; n]);
+        gelu::forward(&mut plain, &gate);
+        assert_eq!(gated, plain);
+        // In place: the bits of the accumulating backward into a zeroed up gradient.
+        let (mut dg2, mut d) = (vec![0.0; n], dout.clone());
+        glu::backward_in_place::<GeluTanh, f32>(&mut dg2, &mut d, &gate, &up);
+        assert_eq!((dg2, d), (dg, du));
+        assert_eq!(GeluTanh::value(2.0, 0.5), 0.5 * gelu::value(2.0));
     }
 
     #[test]
@@ -548,9 +581,9 @@ mod stored_inputs {
             same_as_f32_copy(&x, &layernorm)?;
             let rmsnorm = |x: Stored<'_>| {
                 let (mut y, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows]);
-                on_stored!(x, |s| rmsnorm::forward(&mut y, &mut rstd, s, &w, 1e-5, c));
+                on_stored!(x, |s| rmsnorm::forward(&mut y, &mut rstd, s, &w, (1e-5, 0.0), c));
                 let (mut dx, mut dw) = (vec![0.5; rows * c], vec![0.25; c]);
-                on_stored!(x, |s| rmsnorm::backward(&mut dx, &mut dw, &dy, s, &w, &rstd, c));
+                on_stored!(x, |s| rmsnorm::backward(&mut dx, &mut dw, &dy, s, &w, &rstd, 0.0, c));
                 [y, rstd, dx, dw].concat()
             };
             same_as_f32_copy(&x, &rmsnorm)?;
