@@ -708,8 +708,9 @@ enum DeviceArg {
 #[derive(Args, Clone)]
 struct RunArgs {
     /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel,
-    /// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-    /// SmolLM3ForCausalLM), or a headroom run (its newest checkpoint): its shape and weights
+    /// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    /// SmolLM3ForCausalLM or Gemma3ForCausalLM), or a headroom run (its newest checkpoint):
+    /// its shape and weights
     /// replace --model and its size options.
     #[arg(long)]
     init_from: Option<PathBuf>,

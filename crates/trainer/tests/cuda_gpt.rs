@@ -230,7 +230,7 @@ fn gemma3_matches_the_cpu_in_bf16() {
     let mut cfg = llama();
     if let Family::Llama(s) = &mut cfg.family {
         s.class = LlamaClass::Gemma3;
-        s.head_dim = Some(24);
+        s.head_dim = Some(128);
         s.sliding_window = Some(SlidingWindow {
             full_every: Some(2),
             rope_theta: Some(100.0),

@@ -104,6 +104,15 @@ fn strict(file: &str, path: &str) -> Option<&'static [&'static str]> {
         "/use_sliding_window" => Some(BOOLEAN),
         "/layer_types" | "/no_rope_layers" => Some(DEFAULT),
         "/rope_parameters" => Some(OR_EMPTY),
+        // Gemma 3: what transformers defaults to computes the fixture's model, or is refused.
+        "/hidden_activation"
+        | "/attn_logit_softcapping"
+        | "/final_logit_softcapping"
+        | "/rope_parameters/full_attention/rope_type"
+        | "/rope_parameters/sliding_attention/rope_type" => Some(DEFAULT),
+        "/use_bidirectional_attention" => Some(&["null", "removed", "false"]),
+        // The fixture's 12 is its head width; transformers' default, 256, is not.
+        "/query_pre_attn_scalar" => Some(&[]),
         _ => None,
     }
 }
@@ -153,6 +162,7 @@ fn hugging_face_json_settings() {
         ("hf-qwen3", "config.json"),
         ("hf-qwen2-window", "config.json"),
         ("hf-smollm3", "config.json"),
+        ("hf-gemma3", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

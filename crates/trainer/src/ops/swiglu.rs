@@ -1,5 +1,5 @@
 //! SwiGLU's elementwise gate (Llama's MLP): `silu(gate) · up`, `silu(g) = g · σ(g)` — the
-//! [`super::glu`] loops with [`Silu`](super::glu::Silu).
+//! [`super::glu`] loops with [`Silu`].
 
 use super::glu::{self, Silu};
 use super::matmul::Operand;
