@@ -535,12 +535,12 @@ mod tests {
         assert!(find("no_such_kernel").is_none());
         // 6 casts + 3 scales + 3 axpys + 4 sum-of-squares + 3 unscales, then 4 flash forwards
         // and 2 dot + 8 dQ/dK/dV flash backwards, then the trainer ops: 3 embedding,
-        // 3 layer norm, 2 column sum, 3 GELU/residual, 5 cross-entropy (3 f32, 2 on bf16
-        // logits), 4 AdamW, 1 rounding,
+        // 3 layer norm, 2 column sum, 5 GELU/GeGLU/residual, 5 cross-entropy (3 f32, 2 on
+        // bf16 logits), 4 AdamW, 1 rounding,
         // 5 head permutes, then the Llama ops: 1 token embedding, 3 RMSNorm, 2 SwiGLU,
         // 1 rotary embedding, 2 in-place roundings.
         // Then 3 quant4 kernels (headroom-quant).
-        assert_eq!(functions.len(), 19 + 4 + 10 + 26 + 9 + 3);
+        assert_eq!(functions.len(), 19 + 4 + 10 + 28 + 9 + 3);
         assert_eq!(find("flash_attn_bwd_dkdv_bf16_d128"), Some(&FLASH_ATTN_BWD));
         assert!(ALL.iter().all(|k| !ATTENTION.contains(k)));
         assert!(TRAINER_OPS
