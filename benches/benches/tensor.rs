@@ -32,6 +32,13 @@
 //! `HEADROOM_CPU_ISA=baseline`, `avx2` and unset compares those paths on one machine
 //! (`cargo bench -p headroom-benches --bench tensor -- tensor/gelu`).
 //!
+//! ## Gated MLPs
+//!
+//! Groups `tensor/glu_forward` and `tensor/glu_backward`: SwiGLU's and Gemma's GeGLU gate
+//! over Gemma 3 1B's MLP activation at 512 tokens; `HEADROOM_CPU_ISA=baseline` against unset
+//! compares the GELU gate's paths (`cargo bench -p headroom-benches --bench tensor --
+//! tensor/glu`).
+//!
 //! On a shared or noisy machine criterion's one-function-after-another timing drifts with the
 //! load; `HEADROOM_GEMM_PAIRED=<rounds>` first times the three variants *interleaved* (one call
 //! of each per round, the order rotating), and prints each one's median and the ratios of the
@@ -563,5 +570,39 @@ fn gelu(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, primitives, gemm, gelu);
+/// Elements of the gated-MLP benches: Gemma 3 1B's MLP activation at 512 tokens (512 × 6912).
+const GLU_ELEMS: usize = 512 * 6912;
+
+/// The gated MLPs' gate (the trainer's `ops::glu`): SwiGLU's SiLU and Gemma's tanh-GELU, f32,
+/// forward and backward (the accumulating form, as the GELU group times it); throughput in
+/// elements. The GELU gate's
+/// loops run on the widest vectors `HEADROOM_CPU_ISA` allows (the SiLU's call libm's `exp`),
+/// so runs under `baseline` and the native level compare its paths.
+fn glu(c: &mut Criterion) {
+    use headroom_trainer::ops::glu::{self, GeluTanh, Silu};
+    let gate = values(GLU_ELEMS, 7);
+    let up = values(GLU_ELEMS, 8);
+    let dout = values(GLU_ELEMS, 9);
+    let mut out = vec![0f32; GLU_ELEMS];
+    let mut dgate = vec![0f32; GLU_ELEMS];
+    for direction in ["forward", "backward"] {
+        let mut g = group(c, &format!("tensor/glu_{direction}"));
+        g.throughput(Throughput::Elements(GLU_ELEMS as u64));
+        g.bench_function("silu", |b| {
+            b.iter(|| match direction {
+                "forward" => glu::forward::<Silu, f32>(black_box(&mut out), &gate, &up),
+                _ => glu::backward::<Silu, f32>(&mut dgate, &mut out, &gate, &up, &dout),
+            })
+        });
+        g.bench_function("gelu_tanh", |b| {
+            b.iter(|| match direction {
+                "forward" => glu::forward::<GeluTanh, f32>(black_box(&mut out), &gate, &up),
+                _ => glu::backward::<GeluTanh, f32>(&mut dgate, &mut out, &gate, &up, &dout),
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, primitives, gemm, gelu, glu);
 criterion_main!(benches);

@@ -741,10 +741,11 @@ fn sliding_windows_match_transformers() {
 
 /// Decoding with the key/value cache past the window: each step's logits are transformers'
 /// at that position (the cache keeps every key; the mask hides the old ones). Both reference
-/// rows at once, a 5-token prompt and then one token at a time to position 47.
+/// rows at once, a 5-token prompt and then one token at a time to position 47. Gemma 3's
+/// windowed blocks between its full one, each with its own rotary base, too.
 #[test]
 fn cached_decoding_past_a_sliding_window_matches_transformers() {
-    for name in ["hf-mistral-window", "hf-qwen2-window"] {
+    for name in ["hf-mistral-window", "hf-qwen2-window", "hf-gemma3"] {
         let (cfg, model, bytes) = loaded(&fixture(name));
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let (tokens, want) = (ids(&st, "tokens"), f32s(&st, "logits"));
@@ -779,7 +780,13 @@ fn cached_decoding_past_a_sliding_window_matches_transformers() {
 /// the row alone, at the prompt's end and for the steps after it.
 #[test]
 fn a_padded_batch_counts_each_rows_window_in_its_own_tokens() {
-    let (cfg, model, bytes) = loaded(&fixture("hf-mistral-window"));
+    for name in ["hf-mistral-window", "hf-gemma3"] {
+        padded_decoding_matches_transformers(name);
+    }
+}
+
+fn padded_decoding_matches_transformers(name: &str) {
+    let (cfg, model, bytes) = loaded(&fixture(name));
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let (tokens, want) = (ids(&st, "tokens"), f32s(&st, "logits"));
     let (seq, v) = (48, cfg.vocab);
@@ -803,9 +810,10 @@ fn a_padded_batch_counts_each_rows_window_in_its_own_tokens() {
         logits = model.decode(&mut cache, &next).unwrap();
     }
     eprintln!(
-        "padded decoding past the window: worst difference {worst:e} (largest logit {scale})"
+        "{name}: padded decoding past the window: worst difference {worst:e} (largest logit \
+         {scale})"
     );
-    assert!(worst <= 1e-4 * scale, "{worst} (scale {scale})");
+    assert!(worst <= 1e-4 * scale, "{name}: {worst} (scale {scale})");
 }
 
 #[test]

@@ -11,11 +11,61 @@ use super::widened_block_pairs;
 const CHUNK: usize = 1 << 14;
 
 /// An activation that gates the up projection.
-pub trait Gate: Sync {
+pub trait Gate: Sync + Sized {
     /// `act(g) · u`.
     fn value(g: f32, u: f32) -> f32;
     /// `(act'(g) · u · d, act(g) · d)`: what the gate's and up's gradients receive.
     fn gradient_terms(g: f32, u: f32, d: f32) -> (f32, f32);
+
+    /// [`forward_body`] on a piece; a gate may run it on wider vectors (same bits).
+    fn forward_piece(out: &mut [f32], g: &[f32], u: &[f32]) {
+        forward_body::<Self>(out, g, u)
+    }
+
+    /// [`backward_body`] on a piece (same freedom).
+    fn backward_piece(dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], d: &[f32]) {
+        backward_body::<Self>(dg, du, g, u, d)
+    }
+
+    /// [`backward_in_place_body`] on a piece (same freedom).
+    fn backward_in_place_piece(dg: &mut [f32], d: &mut [f32], g: &[f32], u: &[f32]) {
+        backward_in_place_body::<Self>(dg, d, g, u)
+    }
+}
+
+/// `out[i] = act(g[i]) · u[i]`.
+#[inline(always)]
+pub fn forward_body<A: Gate>(out: &mut [f32], g: &[f32], u: &[f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+        *o = A::value(g, u);
+    }
+}
+
+/// `dg[i] += act'(g[i]) · u[i] · d[i]`, `du[i] += act(g[i]) · d[i]`.
+#[inline(always)]
+pub fn backward_body<A: Gate>(dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], d: &[f32]) {
+    let n = g
+        .len()
+        .min(u.len())
+        .min(d.len())
+        .min(dg.len())
+        .min(du.len());
+    for i in 0..n {
+        let (to_gate, to_up) = A::gradient_terms(g[i], u[i], d[i]);
+        dg[i] += to_gate;
+        du[i] += to_up;
+    }
+}
+
+/// `dg[i] += act'(g[i]) · u[i] · d[i]`, then `d[i] = 0 + act(g[i]) · d[i]`.
+#[inline(always)]
+pub fn backward_in_place_body<A: Gate>(dg: &mut [f32], d: &mut [f32], g: &[f32], u: &[f32]) {
+    let n = g.len().min(u.len()).min(d.len()).min(dg.len());
+    for i in 0..n {
+        let (to_gate, to_up) = A::gradient_terms(g[i], u[i], d[i]);
+        dg[i] += to_gate;
+        d[i] = 0.0 + to_up;
+    }
 }
 
 /// `silu(g) = g · σ(g)`, `σ(g) = 1 / (1 + e^−g)` (Llama's SwiGLU).
@@ -56,7 +106,61 @@ impl Gate for GeluTanh {
             super::gelu::value(g) * d,
         )
     }
+
+    // The tanh's exponential and selects are a few dozen operations per element, as in the
+    // GELU: the same loops compiled for AVX-512 and AVX2 give the baseline's bits (plain f32
+    // arithmetic, no reduction; `gelu_gate_isa_paths_give_the_baseline_bits`).
+    fn forward_piece(out: &mut [f32], g: &[f32], u: &[f32]) {
+        geglu_forward_piece(out, g, u)
+    }
+
+    fn backward_piece(dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], d: &[f32]) {
+        geglu_backward_piece(dg, du, g, u, d)
+    }
+
+    fn backward_in_place_piece(dg: &mut [f32], d: &mut [f32], g: &[f32], u: &[f32]) {
+        geglu_backward_in_place_piece(dg, d, g, u)
+    }
 }
+
+#[inline(always)]
+fn geglu_forward_body(out: &mut [f32], g: &[f32], u: &[f32]) {
+    forward_body::<GeluTanh>(out, g, u)
+}
+
+#[inline(always)]
+fn geglu_backward_body(dg: &mut [f32], du: &mut [f32], g: &[f32], u: &[f32], d: &[f32]) {
+    backward_body::<GeluTanh>(dg, du, g, u, d)
+}
+
+#[inline(always)]
+fn geglu_backward_in_place_body(dg: &mut [f32], d: &mut [f32], g: &[f32], u: &[f32]) {
+    backward_in_place_body::<GeluTanh>(dg, d, g, u)
+}
+
+headroom_tensor::multiversion!(
+    /// [`geglu_forward_body`] on the widest vectors allowed here.
+    fn geglu_forward_piece => geglu_forward_body(out: &mut [f32], g: &[f32], u: &[f32]) -> ()
+);
+headroom_tensor::multiversion!(
+    /// [`geglu_backward_body`] on the widest vectors allowed here.
+    fn geglu_backward_piece => geglu_backward_body(
+        dg: &mut [f32],
+        du: &mut [f32],
+        g: &[f32],
+        u: &[f32],
+        d: &[f32]
+    ) -> ()
+);
+headroom_tensor::multiversion!(
+    /// [`geglu_backward_in_place_body`] on the widest vectors allowed here.
+    fn geglu_backward_in_place_piece => geglu_backward_in_place_body(
+        dg: &mut [f32],
+        d: &mut [f32],
+        g: &[f32],
+        u: &[f32]
+    ) -> ()
+);
 
 /// `out = act(gate) · up`, `gate` and `up` in their stored type (see
 /// [`super::widened_block_pairs`]).
@@ -65,11 +169,7 @@ pub fn forward<A: Gate, X: Operand>(out: &mut [f32], gate: &[X], up: &[X]) {
         .zip(gate.par_chunks(CHUNK))
         .zip(up.par_chunks(CHUNK))
         .for_each(|((o, g), u)| {
-            widened_block_pairs(g, u, |at, g, u| {
-                for ((o, &g), &u) in o[at..].iter_mut().zip(g).zip(u) {
-                    *o = A::value(g, u);
-                }
-            })
+            widened_block_pairs(g, u, |at, g, u| A::forward_piece(&mut o[at..], g, u))
         });
 }
 
@@ -90,12 +190,7 @@ pub fn backward<A: Gate, X: Operand>(
         .zip(dout.par_chunks(CHUNK))
         .for_each(|((((dg, du), g), u), d)| {
             widened_block_pairs(g, u, |at, g, u| {
-                let (dg, du, d) = (&mut dg[at..], &mut du[at..], &d[at..]);
-                for i in 0..g.len() {
-                    let (to_gate, to_up) = A::gradient_terms(g[i], u[i], d[i]);
-                    dg[i] += to_gate;
-                    du[i] += to_up;
-                }
+                A::backward_piece(&mut dg[at..], &mut du[at..], g, u, &d[at..])
             })
         });
 }
@@ -116,12 +211,48 @@ pub fn backward_in_place<A: Gate, X: Operand>(
         .zip(up.par_chunks(CHUNK))
         .for_each(|(((dg, d), g), u)| {
             widened_block_pairs(g, u, |at, g, u| {
-                let (dg, d) = (&mut dg[at..], &mut d[at..]);
-                for i in 0..g.len() {
-                    let (to_gate, to_up) = A::gradient_terms(g[i], u[i], d[i]);
-                    dg[i] += to_gate;
-                    d[i] = 0.0 + to_up;
-                }
+                A::backward_in_place_piece(&mut dg[at..], &mut d[at..], g, u)
             })
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The GELU gate's pieces at the widest level allowed here give the baseline build's bits,
+    /// on values that cross the tanh's branches, its extremes and signed zeros, at lengths with
+    /// every vector tail.
+    #[test]
+    fn gelu_gate_isa_paths_give_the_baseline_bits() {
+        let mut g = crate::ops::test_values(11, 1000);
+        for (i, x) in g.iter_mut().enumerate() {
+            *x *= [0.2f32, 1.0, 4.0, 12.0, 40.0][i % 5];
+        }
+        g.extend([0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, f32::MIN_POSITIVE]);
+        let (u, d) = (
+            crate::ops::test_values(12, g.len()),
+            crate::ops::test_values(13, g.len()),
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for n in [0usize, 1, 7, 8, 15, 16, 17, 33, 100, g.len()] {
+            let (g, u, d) = (&g[..n], &u[..n], &d[..n]);
+            let (mut fast, mut plain) = (vec![0f32; n], vec![0f32; n]);
+            GeluTanh::forward_piece(&mut fast, g, u);
+            geglu_forward_body(&mut plain, g, u);
+            assert_eq!(bits(&fast), bits(&plain), "forward, n = {n}");
+            let (mut fast_g, mut fast_u) = (d.to_vec(), u.to_vec());
+            let (mut plain_g, mut plain_u) = (d.to_vec(), u.to_vec());
+            GeluTanh::backward_piece(&mut fast_g, &mut fast_u, g, u, d);
+            geglu_backward_body(&mut plain_g, &mut plain_u, g, u, d);
+            assert_eq!(bits(&fast_g), bits(&plain_g), "backward gate, n = {n}");
+            assert_eq!(bits(&fast_u), bits(&plain_u), "backward up, n = {n}");
+            let (mut fast_g, mut fast_d) = (u.to_vec(), d.to_vec());
+            let (mut plain_g, mut plain_d) = (u.to_vec(), d.to_vec());
+            GeluTanh::backward_in_place_piece(&mut fast_g, &mut fast_d, g, u);
+            geglu_backward_in_place_body(&mut plain_g, &mut plain_d, g, u);
+            assert_eq!(bits(&fast_g), bits(&plain_g), "in place gate, n = {n}");
+            assert_eq!(bits(&fast_d), bits(&plain_d), "in place, n = {n}");
+        }
+    }
 }
