@@ -38,6 +38,11 @@ transformers builds a small random model of each and saves it with `save_pretrai
   real models window five blocks of six), q/k norms, output norms, GeGLU, embedding scaled by
   sqrt(32), head width 12 on a model 32 wide, tied head; norm gains stored as offsets from 1.
   Its reference also holds PyTorch's gradients and the windowed blocks' `sliding_inv_freq`.
+- `hf-gemma3-multimodal`: Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B are this
+  class) around the same text model, with a one-layer SigLIP vision tower 16 wide and its
+  projector; the reference is the multimodal model's logits on text alone (no image tokens).
+- `hf-gemma3-scaled`: `hf-gemma3`'s shape with `query_pre_attn_scalar` 20 on heads of 12
+  (Gemma 3 27B has 168 on 128): attention scales by 20^-1/2.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -64,12 +69,15 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
+    SiglipVisionConfig,
 )
 
 OUT = os.path.join("crates", "trainer", "tests", "fixtures")
@@ -233,6 +241,36 @@ def gemma3():
     return config, Gemma3ForCausalLM
 
 
+def gemma3_scaled():
+    # Gemma 3 27B's attention scale in small: query_pre_attn_scalar (20) is not the head width
+    # (12), so q·k is scaled by 20^-1/2, not 12^-1/2.
+    config, cls = gemma3()
+    config.query_pre_attn_scalar = 20
+    return config, cls
+
+
+def gemma3_multimodal():
+    # Gemma 3 4B, 12B and 27B are Gemma3ForConditionalGeneration: the text model above under
+    # `language_model`, beside a SigLIP vision tower and its projector (tiny here, and unused
+    # by text-only inputs).
+    text, _ = gemma3()
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        # The image and image-boundary ids stay Gemma 3's (past this vocabulary): text alone.
+        mm_tokens_per_image=4,
+    )
+    return config, Gemma3ForConditionalGeneration
+
+
 def yarn_defaults_inv_freq():
     # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
     # outwards, attention factor from the factor), for the rotary frequencies alone.
@@ -252,19 +290,21 @@ def build(name, spec, seed, extra=None, gradients=False, norm_center=1.0):
     directory = os.path.join(OUT, name)
     model.save_pretrained(directory, safe_serialization=True)
 
+    # A multimodal model's text settings are its text_config's.
+    vocab = config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=g)
-    targets = torch.randint(0, config.vocab_size, (2, SEQ), generator=g)
+    tokens = torch.randint(0, vocab, (2, SEQ), generator=g)
+    targets = torch.randint(0, vocab, (2, SEQ), generator=g)
     model.config._attn_implementation = "eager"
     logits = model(input_ids=tokens).logits.float()
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
     grads = {}
     if gradients:
         loss.backward()
         # A tied head's gradient is the embedding's: named once, as the model names it.
         grads = {f"grad.{n}": p.grad.float().contiguous() for n, p in model.named_parameters()}
     logits, loss = logits.detach(), loss.detach()
-    rotary = model.model.rotary_emb
+    rotary = getattr(model.model, "language_model", model.model).rotary_emb
     # Gemma 3 keeps one set of frequencies per layer type: the full blocks' are the model's.
     if hasattr(rotary, "inv_freq"):
         inv_freq, scaling = rotary.inv_freq.float(), rotary.attention_scaling
@@ -333,6 +373,8 @@ def main():
     build("hf-qwen2-window", qwen2_window(), seed=110)
     build("hf-smollm3", smollm3(), seed=120, gradients=True)
     build("hf-gemma3", gemma3(), seed=130, gradients=True, norm_center=0.0)
+    build("hf-gemma3-multimodal", gemma3_multimodal(), seed=140, norm_center=0.0)
+    build("hf-gemma3-scaled", gemma3_scaled(), seed=150, norm_center=0.0)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

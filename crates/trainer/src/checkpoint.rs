@@ -711,7 +711,15 @@ pub(crate) fn hf_config(
                 .collect();
             object.extend([
                 ("hidden_activation".into(), "gelu_pytorch_tanh".into()),
-                ("query_pre_attn_scalar".into(), c.head_dim().into()),
+                (
+                    "query_pre_attn_scalar".into(),
+                    // Gemma3TextConfig types it as an int (strictly, in transformers 5).
+                    match s.query_pre_attn_scalar {
+                        Some(q) if q.fract() == 0.0 && q <= u32::MAX as f32 => (q as u32).into(),
+                        Some(q) => q.into(),
+                        None => c.head_dim().into(),
+                    },
+                ),
                 ("layer_types".into(), types.into()),
                 ("attn_logit_softcapping".into(), serde_json::Value::Null),
                 ("final_logit_softcapping".into(), serde_json::Value::Null),
@@ -2480,6 +2488,7 @@ mod tests {
                 head_dim: None,
                 sliding_window: None,
                 no_rope_interval: None,
+                query_pre_attn_scalar: None,
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),

@@ -709,9 +709,9 @@ enum DeviceArg {
 struct RunArgs {
     /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel,
     /// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-    /// SmolLM3ForCausalLM or Gemma3ForCausalLM), or a headroom run (its newest checkpoint):
-    /// its shape and weights
-    /// replace --model and its size options.
+    /// SmolLM3ForCausalLM, Gemma3ForCausalLM, or Gemma3ForConditionalGeneration's text model),
+    /// or a headroom run (its newest checkpoint): its shape and weights replace --model and
+    /// its size options.
     #[arg(long)]
     init_from: Option<PathBuf>,
     /// Model: GPT-2 tiny (tests, seconds), small (6L/6H/384, context 256), gpt2 (124M); or

@@ -558,31 +558,14 @@ fn gemma3_attention(
 }
 
 /// Gemma 3's settings that change the computation in ways not implemented here, refused
-/// unless they are off: attention logits scaled by anything but `1/√head_dim`
-/// (`query_pre_attn_scalar`), soft-capped logits (Gemma 2's), bidirectional attention
+/// unless they are off: soft-capped logits (Gemma 2's), bidirectional attention
 /// (EmbeddingGemma), biased projections, and an activation other than the tanh GELU.
-fn gemma3_refusals(cfg: &Value, path: &Path, head_dim: usize) -> Result<()> {
+fn gemma3_refusals(cfg: &Value, path: &Path) -> Result<()> {
     let act = get_str(cfg, path, "hidden_activation")?.or(get_str(cfg, path, "hidden_act")?);
     if !matches!(act, None | Some("gelu_pytorch_tanh")) {
         return Err(bad(
             path,
             format!("Gemma 3 activation {act:?}: only gelu_pytorch_tanh"),
-        ));
-    }
-    if let Some(scalar) = get_f64(cfg, path, "query_pre_attn_scalar")? {
-        if scalar != head_dim as f64 {
-            return Err(bad(
-                path,
-                format!(
-                    "query_pre_attn_scalar {scalar}: attention here scales by \
-                     1/sqrt(head_dim {head_dim})"
-                ),
-            ));
-        }
-    } else if head_dim != 256 {
-        return Err(bad(
-            path,
-            format!("query_pre_attn_scalar absent (256): attention here scales by 1/sqrt(head_dim {head_dim})"),
         ));
     }
     for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
@@ -665,54 +648,136 @@ fn smollm3_no_rope_interval(
 /// The model shape a Hugging Face `config.json` describes (GPT-2, Llama, Mistral, Qwen2,
 /// Qwen3, SmolLM3 or Gemma 3 text), checked.
 pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    Ok(read_config_and_layout(dir)?.0)
+}
+
+/// [`read_config`], and whether the directory is a multimodal model whose text model is read
+/// out of it (its tensors named under `language_model`, beside a vision tower's).
+fn read_config_and_layout(dir: &Path) -> Result<(ModelConfig, bool)> {
     let path = dir.join("config.json");
     let bytes = read_json(&path)?;
     let cfg: Value =
         serde_json::from_slice(&bytes).map_err(|e| bad(&path, format!("not JSON: {e}")))?;
-    let arch = cfg
-        .get("architectures")
+    let multimodal = architecture(&cfg) == GEMMA3_MULTIMODAL;
+    Ok((config_of(&cfg, &path)?, multimodal))
+}
+
+/// Gemma 3 4B, 12B and 27B: the Gemma 3 text model under `language_model`, beside a SigLIP
+/// vision tower and its projector.
+const GEMMA3_MULTIMODAL: &str = "Gemma3ForConditionalGeneration";
+
+/// The class a config names (`architectures`, else its `model_type`'s), or `(none)`.
+fn architecture(cfg: &Value) -> &str {
+    cfg.get("architectures")
         .and_then(Value::as_array)
         .and_then(|a| a.first())
         .and_then(Value::as_str)
         .or_else(|| match cfg.get("model_type").and_then(Value::as_str) {
             Some("gpt2") => Some("GPT2LMHeadModel"),
+            Some("gemma3") => Some(GEMMA3_MULTIMODAL),
             Some(t) => LlamaClass::ALL
                 .into_iter()
                 .find(|c| c.model_type() == t)
                 .map(LlamaClass::architecture),
             None => None,
         })
-        .unwrap_or("(none)");
+        .unwrap_or("(none)")
+}
+
+/// Gemma3TextConfig's defaults under `text` (the multimodal models' `text_config` names only
+/// what differs from them: Gemma 3 4B's gives six keys), as the text model's own config:
+/// `Gemma3ForCausalLM`, `gemma3_text`. `tie_word_embeddings` falls back on `outer`'s (the
+/// multimodal config's), then on true.
+fn gemma3_text_config(text: &Value, outer: Option<&Value>, path: &Path) -> Result<Value> {
+    let Value::Object(given) = text else {
+        return Err(bad(path, "text_config is not an object"));
+    };
+    let mut full = serde_json::json!({
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+    });
+    if let Some(o) = full.as_object_mut() {
+        let tied = given
+            .get("tie_word_embeddings")
+            .or_else(|| outer.and_then(|c| c.get("tie_word_embeddings")))
+            .cloned()
+            .unwrap_or(Value::Bool(true));
+        o.insert("tie_word_embeddings".into(), tied);
+        o.extend(given.iter().map(|(k, v)| (k.clone(), v.clone())));
+        o.insert(
+            "architectures".into(),
+            serde_json::json!([LlamaClass::Gemma3.architecture()]),
+        );
+        if let Some(t) = get_str(text, path, "model_type")? {
+            if t != LlamaClass::Gemma3.model_type() {
+                return Err(bad(
+                    path,
+                    format!("text_config model_type {t:?} is not gemma3_text"),
+                ));
+            }
+        }
+        o.insert("model_type".into(), LlamaClass::Gemma3.model_type().into());
+    }
+    Ok(full)
+}
+
+/// The model shape `cfg` (the JSON of `path`) describes.
+fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
+    let arch = architecture(cfg);
     // transformers picks the model class by `model_type`; `architectures` only names it. Both
     // present must agree, or the two would load different models.
-    let model_type = get_str(&cfg, &path, "model_type")?;
+    let model_type = get_str(cfg, path, "model_type")?;
     let own_type = match arch {
         "GPT2LMHeadModel" => Some("gpt2"),
+        GEMMA3_MULTIMODAL => Some("gemma3"),
         other => LlamaClass::of_architecture(other).map(LlamaClass::model_type),
     };
     if let (Some(t), Some(own)) = (model_type, own_type) {
         if t != own {
             return Err(bad(
-                &path,
+                path,
                 format!("model_type {t:?} is not the model_type of {arch}"),
             ));
         }
     }
+    // The text model of a multimodal Gemma 3, and Gemma3TextConfig's defaults where a text
+    // config leaves keys out. (Completing is idempotent: a completed config reads the same.)
+    if arch == GEMMA3_MULTIMODAL {
+        let text = get_object(cfg, path, "text_config")?
+            .ok_or_else(|| bad(path, "Gemma3ForConditionalGeneration without text_config"))?;
+        return config_of(&gemma3_text_config(text, Some(cfg), path)?, path);
+    }
+    let completed;
+    let cfg = if arch == LlamaClass::Gemma3.architecture() {
+        completed = gemma3_text_config(cfg, None, path)?;
+        &completed
+    } else {
+        cfg
+    };
     let config = match arch {
         "GPT2LMHeadModel" => {
-            let act = get_str(&cfg, &path, "activation_function")?;
+            let act = get_str(cfg, path, "activation_function")?;
             if !matches!(act, None | Some("gelu_new")) {
                 return Err(bad(
-                    &path,
+                    path,
                     format!("GPT-2 activation {act:?}: only gelu_new"),
                 ));
             }
-            let eps = get_f64(&cfg, &path, "layer_norm_epsilon")?.unwrap_or(1e-5);
+            let eps = get_f64(cfg, path, "layer_norm_epsilon")?.unwrap_or(1e-5);
             if (eps - 1e-5).abs() > 1e-12 {
-                return Err(bad(&path, format!("layer_norm_epsilon {eps}: only 1e-5")));
+                return Err(bad(path, format!("layer_norm_epsilon {eps}: only 1e-5")));
             }
-            if get_bool(&cfg, &path, "tie_word_embeddings")? == Some(false) {
-                return Err(bad(&path, "an untied GPT-2 head is not supported"));
+            if get_bool(cfg, path, "tie_word_embeddings")? == Some(false) {
+                return Err(bad(path, "an untied GPT-2 head is not supported"));
             }
             // transformers' GPT2Attention divides by sqrt(head_dim) only while
             // scale_attn_weights is truthy (default true), and also by layer index + 1 when
@@ -722,7 +787,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 None | Some(Value::Bool(true))
             ) {
                 return Err(bad(
-                    &path,
+                    path,
                     format!(
                         "scale_attn_weights {}: attention here always scales by 1/sqrt(head_dim)",
                         cfg["scale_attn_weights"]
@@ -734,7 +799,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 None | Some(Value::Null) | Some(Value::Bool(false))
             ) {
                 return Err(bad(
-                    &path,
+                    path,
                     format!(
                         "scale_attn_by_inverse_layer_idx {}: attention here never scales by \
                          layer index",
@@ -742,23 +807,23 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     ),
                 ));
             }
-            let channels = get_usize(&cfg, &path, "n_embd")?;
+            let channels = get_usize(cfg, path, "n_embd")?;
             // transformers' MLP is n_inner wide when it is set, 4·n_embd when null; ours is
             // always 4·n_embd.
             if !matches!(cfg.get("n_inner"), None | Some(Value::Null)) {
-                let inner = get_usize(&cfg, &path, "n_inner")?;
+                let inner = get_usize(cfg, path, "n_inner")?;
                 if Some(inner) != channels.checked_mul(4) {
                     return Err(bad(
-                        &path,
+                        path,
                         format!("n_inner {inner}: the MLP here is 4 × n_embd ({channels}) wide"),
                     ));
                 }
             }
             ModelConfig {
-                vocab: get_usize(&cfg, &path, "vocab_size")?,
-                max_seq: get_usize(&cfg, &path, "n_positions")?,
-                layers: get_usize(&cfg, &path, "n_layer")?,
-                heads: get_usize(&cfg, &path, "n_head")?,
+                vocab: get_usize(cfg, path, "vocab_size")?,
+                max_seq: get_usize(cfg, path, "n_positions")?,
+                layers: get_usize(cfg, path, "n_layer")?,
+                heads: get_usize(cfg, path, "n_head")?,
                 channels,
                 family: Family::Gpt2,
             }
@@ -770,32 +835,30 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM"
         | "SmolLM3ForCausalLM" | "Gemma3ForCausalLM" => {
             let class = LlamaClass::of_architecture(arch).unwrap_or_default();
-            let act = get_str(&cfg, &path, "hidden_act")?;
+            let act = get_str(cfg, path, "hidden_act")?;
             if class != LlamaClass::Gemma3 && !matches!(act, None | Some("silu")) {
-                return Err(bad(&path, format!("{arch} activation {act:?}: only silu")));
+                return Err(bad(path, format!("{arch} activation {act:?}: only silu")));
             }
-            let layers = get_usize(&cfg, &path, "num_hidden_layers")?;
-            let context = get_usize(&cfg, &path, "max_position_embeddings")?;
+            let layers = get_usize(cfg, path, "num_hidden_layers")?;
+            let context = get_usize(cfg, path, "max_position_embeddings")?;
             let sliding_window = match class {
                 // MistralConfig's window is 4096 when the key is absent, none when null; it
                 // windows every block.
                 LlamaClass::Mistral => match cfg.get("sliding_window") {
                     None => Some(4096),
                     Some(Value::Null) => None,
-                    Some(_) => Some(get_usize(&cfg, &path, "sliding_window")?),
+                    Some(_) => Some(get_usize(cfg, path, "sliding_window")?),
                 }
                 .map(|size| SlidingWindow::from_layer(size, 0)),
-                LlamaClass::Qwen2 | LlamaClass::Qwen3 => qwen_sliding_window(&cfg, &path, layers)?,
+                LlamaClass::Qwen2 | LlamaClass::Qwen3 => qwen_sliding_window(cfg, path, layers)?,
                 LlamaClass::Llama | LlamaClass::SmolLM3 | LlamaClass::Gemma3 => None,
             };
             let gemma = match class {
-                LlamaClass::Gemma3 => Some(gemma3_attention(&cfg, &path, layers)?),
+                LlamaClass::Gemma3 => Some(gemma3_attention(cfg, path, layers)?),
                 _ => None,
             };
             let no_rope_interval = match class {
-                LlamaClass::SmolLM3 => {
-                    Some(smollm3_no_rope_interval(&cfg, &path, layers, context)?)
-                }
+                LlamaClass::SmolLM3 => Some(smollm3_no_rope_interval(cfg, path, layers, context)?),
                 _ => None,
             };
             // A window no shorter than the context never hides a key. (Gemma 3's windowed
@@ -812,8 +875,8 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 LlamaClass::Mistral | LlamaClass::Qwen2 | LlamaClass::Gemma3 => &[],
             };
             for &flag in bias_settings {
-                if get_bool(&cfg, &path, flag)? == Some(true) {
-                    return Err(bad(&path, format!("{flag} is not supported")));
+                if get_bool(cfg, path, flag)? == Some(true) {
+                    return Err(bad(path, format!("{flag} is not supported")));
                 }
             }
             // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters
@@ -821,25 +884,25 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
             let (theta, rope_scaling) = match gemma {
                 Some((_, theta, scaling)) => (theta, scaling),
                 None => {
-                    let rope = get_object(&cfg, &path, "rope_parameters")?;
+                    let rope = get_object(cfg, path, "rope_parameters")?;
                     let scaling = match rope {
                         Some(r) => Some(r),
-                        None => get_object(&cfg, &path, "rope_scaling")?,
+                        None => get_object(cfg, path, "rope_scaling")?,
                     };
                     let rope_scaling = match scaling {
-                        Some(s) => rope_scaling(s, &cfg, &path)?,
+                        Some(s) => rope_scaling(s, cfg, path)?,
                         None => RopeScaling::None,
                     };
                     let theta = match rope {
-                        Some(r) => get_f64(r, &path, "rope_theta")?,
-                        None => get_f64(&cfg, &path, "rope_theta")?,
+                        Some(r) => get_f64(r, path, "rope_theta")?,
+                        None => get_f64(cfg, path, "rope_theta")?,
                     }
                     .unwrap_or(10_000.0);
                     (theta, rope_scaling)
                 }
             };
-            let heads = get_usize(&cfg, &path, "num_attention_heads")?;
-            let channels = get_usize(&cfg, &path, "hidden_size")?;
+            let heads = get_usize(cfg, path, "num_attention_heads")?;
+            let channels = get_usize(cfg, path, "hidden_size")?;
             // Llama's and Mistral's configs derive head_dim (hidden_size / heads) when it is
             // absent or null; Qwen3's is 128 when absent. Kept only when it differs from the
             // derived width, so such a model's shape reads as any Llama's.
@@ -847,20 +910,34 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                 (None, LlamaClass::Qwen3) => Some(128),
                 (None, LlamaClass::Gemma3) => Some(256),
                 (None | Some(Value::Null), _) => None,
-                (Some(_), _) => Some(get_usize(&cfg, &path, "head_dim")?),
+                (Some(_), _) => Some(get_usize(cfg, path, "head_dim")?),
             };
             if class == LlamaClass::Gemma3 {
-                let width = head_dim.unwrap_or(channels / heads.max(1));
-                gemma3_refusals(&cfg, &path, width)?;
+                gemma3_refusals(cfg, path)?;
             }
+            // Gemma 3 scales q·kᵀ by query_pre_attn_scalar^−½: kept when it is not the
+            // head width's own 1/√head_dim (27B's 168 on 128).
+            let query_pre_attn_scalar = match class {
+                LlamaClass::Gemma3 => {
+                    // null is no scale transformers can compute (`None ** -0.5`).
+                    if cfg.get("query_pre_attn_scalar") == Some(&Value::Null) {
+                        return Err(bad(path, "query_pre_attn_scalar is null"));
+                    }
+                    let width = head_dim.unwrap_or(channels / heads.max(1));
+                    get_f64(cfg, path, "query_pre_attn_scalar")?
+                        .filter(|&q| q != width as f64)
+                        .map(|q| q as f32)
+                }
+                _ => None,
+            };
             let head_dim =
                 head_dim.filter(|&hd| heads == 0 || hd.checked_mul(heads) != Some(channels));
             let kv_heads = match cfg.get("num_key_value_heads") {
                 None | Some(Value::Null) => heads,
-                Some(_) => get_usize(&cfg, &path, "num_key_value_heads")?,
+                Some(_) => get_usize(cfg, path, "num_key_value_heads")?,
             };
             ModelConfig {
-                vocab: get_usize(&cfg, &path, "vocab_size")?,
+                vocab: get_usize(cfg, path, "vocab_size")?,
                 max_seq: context,
                 layers,
                 heads,
@@ -870,12 +947,13 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
                     head_dim,
                     sliding_window,
                     no_rope_interval,
-                    ffn: get_usize(&cfg, &path, "intermediate_size")?,
+                    query_pre_attn_scalar,
+                    ffn: get_usize(cfg, path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     rope_scaling,
-                    norm_eps: get_f64(&cfg, &path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
+                    norm_eps: get_f64(cfg, path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
                     // Gemma's configs tie the head unless they say otherwise.
-                    tied_head: get_bool(&cfg, &path, "tie_word_embeddings")?
+                    tied_head: get_bool(cfg, path, "tie_word_embeddings")?
                         .unwrap_or(class == LlamaClass::Gemma3),
                     class,
                 }),
@@ -883,7 +961,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
         }
         other => {
             return Err(bad(
-                &path,
+                path,
                 format!(
                     "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM, \
                      MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
@@ -894,8 +972,33 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     };
     config
         .validate()
-        .map_err(|e| bad(&path, format!("unsupported shape: {e}")))?;
+        .map_err(|e| bad(path, format!("unsupported shape: {e}")))?;
     Ok(config)
+}
+
+/// A multimodal Gemma 3's text model, named as its own checkpoint names it: `model.X` for
+/// `language_model.model.X` (what transformers 4 and 5.24 save, and the Hub holds) or
+/// `model.language_model.X` (transformers 5's module names), `lm_head.weight` for
+/// `language_model.lm_head.weight`. The vision tower's and projector's tensors are dropped:
+/// headroom trains and saves the text model alone.
+fn text_tower(stored: BTreeMap<String, Stored>) -> BTreeMap<String, Stored> {
+    stored
+        .into_iter()
+        .filter_map(|(name, t)| {
+            let text = if let Some(rest) = name.strip_prefix("language_model.model.") {
+                format!("model.{rest}")
+            } else if let Some(rest) = name.strip_prefix("model.language_model.") {
+                format!("model.{rest}")
+            } else if let Some(rest) = name.strip_prefix("language_model.") {
+                rest.to_owned()
+            } else if name == "lm_head.weight" {
+                name
+            } else {
+                return None;
+            };
+            Some((text, t))
+        })
+        .collect()
 }
 
 /// Buffers some checkpoints store that are not parameters (GPT-2's causal masks, rotary
@@ -936,8 +1039,11 @@ pub fn load_each(
 /// embedding). The values are those of [`load_each`]'s f32 tensor cast to the dtype, bit for
 /// bit. GPT-2's `Conv1D` weights are read transposed, a band of rows at a time.
 pub fn load_into(dir: &Path, backend: &Cpu, sink: &mut impl TensorSink) -> Result<ModelConfig> {
-    let cfg = read_config(dir)?;
+    let (cfg, multimodal) = read_config_and_layout(dir)?;
     let mut stored = read_tensors(dir)?;
+    if multimodal {
+        stored = text_tower(stored);
+    }
     let infos = params::param_infos(&cfg);
     for (index, info) in infos.iter().enumerate() {
         // GPT2LMHeadModel saves its body under `transformer.`; our own export does not.

@@ -18,6 +18,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
             head_dim: None,
             sliding_window: None,
             no_rope_interval: None,
+            query_pre_attn_scalar: None,
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

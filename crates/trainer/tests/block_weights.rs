@@ -24,6 +24,7 @@ fn configs() -> [ModelConfig; 2] {
             head_dim: None,
             sliding_window: None,
             no_rope_interval: None,
+            query_pre_attn_scalar: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

@@ -30,6 +30,7 @@ fn config(llama: bool) -> ModelConfig {
                 head_dim: None,
                 sliding_window: None,
                 no_rope_interval: None,
+                query_pre_attn_scalar: None,
                 ffn: 24,
                 // A small base, so that every frequency turns measurably within 20 positions.
                 rope_theta: 100.0,

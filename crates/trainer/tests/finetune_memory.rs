@@ -25,6 +25,7 @@ fn model(llama: bool) -> ModelConfig {
             head_dim: None,
             sliding_window: None,
             no_rope_interval: None,
+            query_pre_attn_scalar: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -111,8 +111,6 @@ fn strict(file: &str, path: &str) -> Option<&'static [&'static str]> {
         | "/rope_parameters/full_attention/rope_type"
         | "/rope_parameters/sliding_attention/rope_type" => Some(DEFAULT),
         "/use_bidirectional_attention" => Some(&["null", "removed", "false"]),
-        // The fixture's 12 is its head width; transformers' default, 256, is not.
-        "/query_pre_attn_scalar" => Some(&[]),
         _ => None,
     }
 }

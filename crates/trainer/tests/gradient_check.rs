@@ -46,6 +46,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
             head_dim: None,
             sliding_window: None,
             no_rope_interval: None,
+            query_pre_attn_scalar: None,
             ffn: 24,
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,

@@ -1119,7 +1119,7 @@ fn gemma3_configs_read_as_transformers_reads_them() {
     .unwrap();
     assert_eq!(hub, reference);
     // Without a pattern, Gemma3TextConfig's: every sixth block full. Without a head width,
-    // its 256 (whose query_pre_attn_scalar default matches).
+    // its 256 (whose query_pre_attn_scalar default matches: no scale of its own).
     let defaults = edited(&|c| {
         let o = c.as_object_mut().unwrap();
         for key in [
@@ -1137,6 +1137,7 @@ fn gemma3_configs_read_as_transformers_reads_them() {
         .filter(|&l| defaults.window_of(l).is_none())
         .collect();
     assert_eq!((full, defaults.head_dim()), (vec![5, 11], 256));
+    assert!(matches!(defaults.family, Family::Llama(s) if s.softmax_scale().is_none()));
     // The full blocks' rescaling (Gemma 3 4B's linear 8), the windowed blocks' none.
     let scaled = edited(&|c| {
         c["rope_parameters"]["full_attention"] =
@@ -1155,8 +1156,8 @@ fn gemma3_configs_read_as_transformers_reads_them() {
             "only full_attention every k-th block",
         ),
         (
-            &|c| c["query_pre_attn_scalar"] = 168.into(),
-            "query_pre_attn_scalar 168",
+            &|c| c["query_pre_attn_scalar"] = (-4).into(),
+            "query_pre_attn_scalar -4 must be finite and positive",
         ),
         (
             &|c| c["attn_logit_softcapping"] = 50.0.into(),
@@ -1202,4 +1203,154 @@ fn qlora_on_gemma3_trains_and_merges_into_a_gemma3() {
         kept_from_the_base(&names, &masters, &merged, "norm.weight"),
         6 * 3 + 1
     );
+}
+
+/// Gemma 3 4B, 12B and 27B are `Gemma3ForConditionalGeneration`: the text model is read out of
+/// it (tensors under `language_model.model.`, as transformers and the Hub store them, the
+/// vision tower's dropped), its logits on text are the multimodal model's, and what a run
+/// saves is that text model, a `Gemma3ForCausalLM` that reads back as the same model.
+#[test]
+fn a_multimodal_gemma3s_text_model_matches_transformers() {
+    let (cfg, s) = llama_matches_reference("hf-gemma3-multimodal");
+    assert_eq!(s.class, LlamaClass::Gemma3);
+    let (text_only, _) = llama_matches_reference("hf-gemma3");
+    assert_eq!(
+        cfg, text_only,
+        "the same text settings as the text-only fixture"
+    );
+    let written = saved_and_read_back("hf-gemma3-multimodal", 48);
+    assert_eq!(
+        written["architectures"][0], "Gemma3ForCausalLM",
+        "{written}"
+    );
+    assert_eq!(written["model_type"], "gemma3_text", "{written}");
+}
+
+/// transformers 5's module names (`model.language_model.`, `model.vision_tower.`) read as the
+/// stored ones do; a text tensor under another name is still missing, and refused.
+#[test]
+fn a_multimodal_gemma3_reads_under_either_naming() {
+    let src = fixture("hf-gemma3-multimodal");
+    let renamed = |rename: &dyn Fn(&str) -> String| {
+        let dir = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+        }
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let header: serde_json::Map<String, serde_json::Value> = header
+            .into_iter()
+            .map(|(k, v)| {
+                if k == "__metadata__" {
+                    (k, v)
+                } else {
+                    (rename(&k), v)
+                }
+            })
+            .collect();
+        let mut text = serde_json::to_vec(&header).unwrap();
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend(text);
+        out.extend(&bytes[8 + n..]);
+        std::fs::write(dir.path().join("model.safetensors"), out).unwrap();
+        let got = hf::load(dir.path(), &Cpu::new()).map(|(c, m)| (c, m.len()));
+        (dir, got)
+    };
+    let (_, want) = renamed(&|k| k.to_owned());
+    let want = want.unwrap();
+    let (_, five) = renamed(&|k| {
+        if let Some(rest) = k.strip_prefix("language_model.model.") {
+            format!("model.language_model.{rest}")
+        } else {
+            format!("model.{k}")
+        }
+    });
+    assert_eq!(five.unwrap(), want);
+    let (_, extra) = renamed(&|k| k.replace("mlp.down_proj", "mlp.down_projection"));
+    let err = extra.unwrap_err().to_string();
+    assert!(err.contains("missing tensor"), "{err}");
+}
+
+/// The Hub's multimodal configs name only what differs from Gemma3TextConfig's defaults (4B's
+/// `text_config` holds six keys): filled in as transformers fills them, the text model's
+/// parameters are what transformers counts for it (`num_parameters()` of a
+/// `Gemma3ForCausalLM` on those settings, transformers 5.24). 27B's attention scale is not
+/// `1/√head_dim`: it is kept.
+#[test]
+fn the_hubs_multimodal_gemma3_configs_read_with_transformers_defaults() {
+    let hub = |text: serde_json::Value| {
+        config_edited("hf-gemma3-multimodal", |c| {
+            c["text_config"] = text.clone();
+        })
+    };
+    let four = hub(serde_json::json!({
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024
+    }))
+    .unwrap();
+    assert_eq!(four.parameter_count().unwrap(), 3_880_263_168);
+    assert_eq!(
+        (four.vocab, four.heads, four.kv_heads(), four.head_dim()),
+        (262_208, 8, 4, 256)
+    );
+    assert_eq!(
+        four.rope_of(5).unwrap().scaling,
+        RopeScaling::Linear { factor: 8.0 }
+    );
+    assert_eq!(four.window_of(4), Some(1024));
+    let twelve = hub(serde_json::json!({
+        "hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+        "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024
+    }))
+    .unwrap();
+    assert_eq!(twelve.parameter_count().unwrap(), 11_766_034_176);
+    let twenty_seven = hub(serde_json::json!({
+        "head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+        "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62,
+        "num_key_value_heads": 16, "query_pre_attn_scalar": 168,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024
+    }))
+    .unwrap();
+    let Family::Llama(s) = twenty_seven.family else {
+        panic!("27B read as GPT-2");
+    };
+    assert_eq!(
+        (s.query_pre_attn_scalar, s.softmax_scale()),
+        (Some(168.0), Some((168f64.powf(-0.5)) as f32))
+    );
+    let err = hub(serde_json::json!({"model_type": "siglip_vision_model"}))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not gemma3_text"), "{err}");
+}
+
+/// Gemma 3 27B's attention scale in small: `query_pre_attn_scalar` 20 on heads of 12, so
+/// attention scales `q·kᵀ` by 20^−½. Logits against transformers; the saved config keeps it.
+#[test]
+fn a_gemma3_attention_scale_of_its_own_matches_transformers() {
+    let (_, s) = llama_matches_reference("hf-gemma3-scaled");
+    assert_eq!(s.query_pre_attn_scalar, Some(20.0));
+    let written = saved_and_read_back("hf-gemma3-scaled", 48);
+    // An int, as Gemma3TextConfig types it.
+    assert_eq!(written["query_pre_attn_scalar"], 20, "{written}");
+    // Scaled as the head width would scale it, the logits are another model's.
+    let cpu = Cpu::new();
+    let (cfg, masters) = hf::load(&fixture("hf-gemma3-scaled"), &cpu).unwrap();
+    let mut unscaled = cfg;
+    if let Family::Llama(s) = &mut unscaled.family {
+        s.query_pre_attn_scalar = None;
+    }
+    let bytes = std::fs::read(fixture("hf-gemma3-scaled").join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let model = Model::from_masters(&cpu, unscaled, ModelOptions::default(), masters).unwrap();
+    let got = model
+        .logits(&ids(&st, "tokens"), Geometry::new(2, 48))
+        .unwrap();
+    assert!(worst_difference(&got, &f32s(&st, "logits")) > 1e-2);
 }

@@ -36,6 +36,7 @@ fn llama() -> Family {
         head_dim: None,
         sliding_window: None,
         no_rope_interval: None,
+        query_pre_attn_scalar: None,
         ffn: 24,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),

@@ -34,6 +34,7 @@ fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
             head_dim: None,
             sliding_window: None,
             no_rope_interval: None,
+            query_pre_attn_scalar: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

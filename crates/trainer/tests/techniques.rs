@@ -107,6 +107,7 @@ fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
             head_dim: None,
             sliding_window: None,
             no_rope_interval: None,
+            query_pre_attn_scalar: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -67,6 +67,7 @@ fn llama() -> Family {
         head_dim: None,
         sliding_window: None,
         no_rope_interval: None,
+        query_pre_attn_scalar: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
@@ -262,6 +263,7 @@ fn qwen2_qwen3_and_gemma3_under_every_stage_equal_one_process() {
         head_dim: None,
         sliding_window: None,
         no_rope_interval: None,
+        query_pre_attn_scalar: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: headroom_trainer::model::RopeScaling::Llama3 {

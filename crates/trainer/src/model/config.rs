@@ -46,6 +46,11 @@ pub struct LlamaShape {
     /// block rotates).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub no_rope_interval: Option<usize>,
+    /// Gemma 3's `query_pre_attn_scalar` when it is not the head width (27B's 168 on heads of
+    /// 128): attention scales `q·kᵀ` by its inverse square root instead of `1/√head_dim`
+    /// (absent: the head width's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_pre_attn_scalar: Option<f32>,
     /// The Hugging Face class: what the checkpoints are saved as, and whether q, k and v have
     /// biases (Qwen2's; absent in checkpoints written before it existed: Llama).
     #[serde(default)]
@@ -233,6 +238,13 @@ impl LlamaShape {
         (self.class == LlamaClass::Gemma3).then(|| (channels as f64).sqrt() as f32)
     }
 
+    /// The multiplier of `q·kᵀ` when it is not `1/√head_dim` (Gemma 3's
+    /// `query_pre_attn_scalar^−½`, rounded to f32 as torch rounds a Python float scale).
+    pub fn softmax_scale(&self) -> Option<f32> {
+        self.query_pre_attn_scalar
+            .map(|s| (f64::from(s)).powf(-0.5) as f32)
+    }
+
     /// The rotary embedding: the base and its rescaling.
     pub fn rope(&self) -> Rope {
         Rope {
@@ -321,6 +333,7 @@ impl ModelConfig {
                 head_dim: None,
                 sliding_window: None,
                 no_rope_interval: None,
+                query_pre_attn_scalar: None,
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -345,6 +358,7 @@ impl ModelConfig {
                 head_dim: None,
                 sliding_window: None,
                 no_rope_interval: None,
+                query_pre_attn_scalar: None,
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -678,6 +692,20 @@ impl ModelConfig {
             }
             if let Err(e) = s.rope_scaling.check() {
                 return bad(e);
+            }
+            match s.query_pre_attn_scalar {
+                Some(q) if s.class != LlamaClass::Gemma3 => {
+                    return bad(format!(
+                        "{} has no query_pre_attn_scalar ({q})",
+                        s.class.architecture()
+                    ))
+                }
+                Some(q) if !(q.is_finite() && q > 0.0) => {
+                    return bad(format!(
+                        "query_pre_attn_scalar {q} must be finite and positive"
+                    ))
+                }
+                _ => {}
             }
             if !(s.norm_eps.is_finite() && s.norm_eps > 0.0) {
                 return bad(format!(

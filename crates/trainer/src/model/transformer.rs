@@ -297,7 +297,7 @@ impl<B: ModelOps + Clone> Model<B> {
         Ok(Model {
             cfg,
             weights,
-            opts: causal(opts),
+            opts: causal(&cfg, opts),
             backend: backend.clone(),
             finetune: None,
         })
@@ -1340,12 +1340,15 @@ fn check_shape_and_options(cfg: &ModelConfig, opts: &ModelOptions) -> Result<()>
     Ok(())
 }
 
-/// The options a model runs with: a decoder's attention is always causal.
-fn causal(opts: ModelOptions) -> ModelOptions {
-    ModelOptions {
-        attention: opts.attention.causal(true),
-        ..opts
+/// The options a model of shape `cfg` runs with: a decoder's attention is always causal, and
+/// scaled as its class scales it (Gemma 3 27B's `query_pre_attn_scalar`) unless the options
+/// name a scale.
+fn causal(cfg: &ModelConfig, opts: ModelOptions) -> ModelOptions {
+    let mut attention = opts.attention.causal(true);
+    if let (Family::Llama(s), None) = (cfg.family, attention.softmax_scale) {
+        attention.softmax_scale = s.softmax_scale();
     }
+    ModelOptions { attention, ..opts }
 }
 
 /// headroom-amp's working-copy policy for `precision`.
