@@ -15,13 +15,29 @@ __device__ __forceinline__ float hr_gelu_inner(float x) {
     return __fmul_rn(HR_GELU_SQRT_2_OVER_PI, __fadd_rn(x, cube));
 }
 
+// 0.5·x·(1 + t), t = tanh(u(x)).
+__device__ __forceinline__ float hr_gelu_from_tanh(float x, float t) {
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
+}
+
+// gelu'(x) = 0.5·(1 + t) + 0.5·x·(1 − t²)·u'(x), t = tanh(u(x)).
+__device__ __forceinline__ float hr_gelu_derivative(float x, float t) {
+    float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
+    // SQRT_2_OVER_PI * (1.0 + 3.0 * K * x * x)
+    float three_k = __fmul_rn(3.0f, HR_GELU_K);
+    float du = __fmul_rn(HR_GELU_SQRT_2_OVER_PI,
+                         __fadd_rn(1.0f, __fmul_rn(__fmul_rn(three_k, x), x)));
+    float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+    float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), sech2), du);
+    return __fadd_rn(left, right);
+}
+
 // out = 0.5·x·(1 + tanh(u)).
 extern "C" __global__ void gelu_forward_f32(float* __restrict__ out,
                                             const float* __restrict__ inp, hr_u64 n) {
     HR_GRID_STRIDE(i, n) {
         float x = inp[i];
-        float t = hr_tanh_f32(hr_gelu_inner(x));
-        out[i] = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
+        out[i] = hr_gelu_from_tanh(x, hr_tanh_f32(hr_gelu_inner(x)));
     }
 }
 
@@ -31,16 +47,8 @@ extern "C" __global__ void gelu_backward_f32(float* __restrict__ dinp,
                                              const float* __restrict__ dout, hr_u64 n) {
     HR_GRID_STRIDE(i, n) {
         float x = inp[i];
-        float t = hr_tanh_f32(hr_gelu_inner(x));
-        float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
-        // SQRT_2_OVER_PI * (1.0 + 3.0 * K * x * x)
-        float three_k = __fmul_rn(3.0f, HR_GELU_K);
-        float du = __fmul_rn(HR_GELU_SQRT_2_OVER_PI,
-                             __fadd_rn(1.0f, __fmul_rn(__fmul_rn(three_k, x), x)));
-        // (0.5 * (1 + t) + 0.5 * x * sech2 * du) * d
-        float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
-        float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), sech2), du);
-        dinp[i] = __fadd_rn(dinp[i], __fmul_rn(__fadd_rn(left, right), dout[i]));
+        float derivative = hr_gelu_derivative(x, hr_tanh_f32(hr_gelu_inner(x)));
+        dinp[i] = __fadd_rn(dinp[i], __fmul_rn(derivative, dout[i]));
     }
 }
 
@@ -50,9 +58,7 @@ extern "C" __global__ void geglu_forward_f32(float* __restrict__ out,
                                              const float* __restrict__ up, hr_u64 n) {
     HR_GRID_STRIDE(i, n) {
         float x = gate[i];
-        float t = hr_tanh_f32(hr_gelu_inner(x));
-        float g = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
-        out[i] = __fmul_rn(g, up[i]);
+        out[i] = __fmul_rn(hr_gelu_from_tanh(x, hr_tanh_f32(hr_gelu_inner(x))), up[i]);
     }
 }
 
@@ -66,16 +72,9 @@ extern "C" __global__ void geglu_backward_f32(float* __restrict__ dgate,
         float x = gate[i];
         float d = dout[i];
         float t = hr_tanh_f32(hr_gelu_inner(x));
-        float g = __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
-        float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
-        float three_k = __fmul_rn(3.0f, HR_GELU_K);
-        float du = __fmul_rn(HR_GELU_SQRT_2_OVER_PI,
-                             __fadd_rn(1.0f, __fmul_rn(__fmul_rn(three_k, x), x)));
-        float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
-        float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), sech2), du);
-        float derivative = __fadd_rn(left, right);
+        float derivative = hr_gelu_derivative(x, t);
         dgate[i] = __fadd_rn(dgate[i], __fmul_rn(__fmul_rn(derivative, up[i]), d));
-        dup[i] = __fadd_rn(dup[i], __fmul_rn(g, d));
+        dup[i] = __fadd_rn(dup[i], __fmul_rn(hr_gelu_from_tanh(x, t), d));
     }
 }
 

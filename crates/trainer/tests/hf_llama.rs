@@ -88,6 +88,21 @@ fn worst_difference(got: &[f32], want: &[f32]) -> f32 {
         .fold(0f32, f32::max)
 }
 
+/// `cfg`'s parameters, checked against its own counts: one per tensor, their elements the
+/// parameter count.
+fn counted_param_infos(
+    cfg: &headroom_trainer::model::ModelConfig,
+) -> Vec<headroom_trainer::model::params::ParamInfo> {
+    let infos = headroom_trainer::model::params::param_infos(cfg);
+    assert_eq!(infos.len(), cfg.tensor_count().unwrap());
+    let numel: usize = infos
+        .iter()
+        .map(|i| i.shape.iter().product::<usize>())
+        .sum();
+    assert_eq!(cfg.parameter_count().unwrap(), numel as u64);
+    infos
+}
+
 /// Load fixture `name`, compare logits and loss with transformers', return its shape.
 fn matches_reference(name: &str) -> headroom_trainer::model::ModelConfig {
     let (cfg, model, bytes) = loaded(&fixture(name));
@@ -470,13 +485,7 @@ fn qwen2_matches_transformers() {
         (2, 1e6, RopeScaling::None, 1e-6)
     );
     // Three biases per block beside Llama's nine, named as transformers names them.
-    let infos = headroom_trainer::model::params::param_infos(&cfg);
-    assert_eq!(infos.len(), cfg.tensor_count().unwrap());
-    let numel: usize = infos
-        .iter()
-        .map(|i| i.shape.iter().product::<usize>())
-        .sum();
-    assert_eq!(cfg.parameter_count().unwrap(), numel as u64);
+    let infos = counted_param_infos(&cfg);
     assert_eq!(
         infos
             .iter()
@@ -828,13 +837,7 @@ fn qwen3_matches_transformers() {
     assert_inv_freq("hf-qwen3", &cfg);
     assert_eq!((s.kv_heads, s.rope_theta, s.norm_eps), (2, 1e6, 1e-6));
     // Two head norms per block beside Llama's nine, `[head_dim]` each.
-    let infos = headroom_trainer::model::params::param_infos(&cfg);
-    assert_eq!(infos.len(), cfg.tensor_count().unwrap());
-    let numel: usize = infos
-        .iter()
-        .map(|i| i.shape.iter().product::<usize>())
-        .sum();
-    assert_eq!(cfg.parameter_count().unwrap(), numel as u64);
+    let infos = counted_param_infos(&cfg);
     let norms: Vec<_> = infos
         .iter()
         .filter(|i| i.name.ends_with("q_norm.weight") || i.name.ends_with("k_norm.weight"))
@@ -1054,13 +1057,7 @@ fn gemma3_matches_transformers() {
     );
     assert_eq!(cfg.rope_of(1), Some(s.rope()));
     // Four [C] norms and two [hs] head norms per block.
-    let infos = headroom_trainer::model::params::param_infos(&cfg);
-    assert_eq!(infos.len(), cfg.tensor_count().unwrap());
-    let numel: usize = infos
-        .iter()
-        .map(|i| i.shape.iter().product::<usize>())
-        .sum();
-    assert_eq!(cfg.parameter_count().unwrap(), numel as u64);
+    let infos = counted_param_infos(&cfg);
     assert_eq!(
         infos
             .iter()

@@ -21,7 +21,7 @@ use headroom_tensor::{Backend, Cpu, CpuTensor, DType, Element, MemoryCategory, T
 
 use crate::model::ops::{HeadLossGrads, ModelOps};
 use crate::model::transformer::View;
-use crate::model::{Precision, RmsNorm};
+use crate::model::{MlpGate, Precision, RmsNorm};
 use crate::ops::glu::{self, Gate};
 use crate::ops::rope::Rope;
 use crate::ops::{cross_entropy, embedding, gelu, layernorm, matmul, quant_matmul, rmsnorm, rope};
@@ -732,54 +732,54 @@ impl ModelOps for Cpu {
         Ok(())
     }
 
-    fn swiglu(&self, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
-        gated::<glu::Silu>("swiglu", y, gate, up)
+    fn gated(
+        &self,
+        y: &mut CpuTensor,
+        gate: &CpuTensor,
+        up: &CpuTensor,
+        act: MlpGate,
+    ) -> Result<()> {
+        match act {
+            MlpGate::Silu => gated::<glu::Silu>("swiglu", y, gate, up),
+            MlpGate::GeluTanh => gated::<glu::GeluTanh>("geglu", y, gate, up),
+        }
     }
 
-    fn swiglu_backward(
+    fn gated_backward(
         &self,
         dgate: &mut CpuTensor,
         dup: &mut CpuTensor,
         gate: &CpuTensor,
         up: &CpuTensor,
         dy: &CpuTensor,
+        act: MlpGate,
     ) -> Result<()> {
-        gated_backward::<glu::Silu>(self, "swiglu backward", dgate, dup, gate, up, dy)
+        match act {
+            MlpGate::Silu => {
+                gated_backward::<glu::Silu>(self, "swiglu backward", dgate, dup, gate, up, dy)
+            }
+            MlpGate::GeluTanh => {
+                gated_backward::<glu::GeluTanh>(self, "geglu backward", dgate, dup, gate, up, dy)
+            }
+        }
     }
 
-    fn swiglu_backward_in_place(
+    fn gated_backward_in_place(
         &self,
         dgate: &mut CpuTensor,
         dy: &mut CpuTensor,
         gate: &CpuTensor,
         up: &CpuTensor,
+        act: MlpGate,
     ) -> Result<()> {
-        gated_backward_in_place::<glu::Silu>("swiglu backward", dgate, dy, gate, up)
-    }
-
-    fn geglu(&self, y: &mut CpuTensor, gate: &CpuTensor, up: &CpuTensor) -> Result<()> {
-        gated::<glu::GeluTanh>("geglu", y, gate, up)
-    }
-
-    fn geglu_backward(
-        &self,
-        dgate: &mut CpuTensor,
-        dup: &mut CpuTensor,
-        gate: &CpuTensor,
-        up: &CpuTensor,
-        dy: &CpuTensor,
-    ) -> Result<()> {
-        gated_backward::<glu::GeluTanh>(self, "geglu backward", dgate, dup, gate, up, dy)
-    }
-
-    fn geglu_backward_in_place(
-        &self,
-        dgate: &mut CpuTensor,
-        dy: &mut CpuTensor,
-        gate: &CpuTensor,
-        up: &CpuTensor,
-    ) -> Result<()> {
-        gated_backward_in_place::<glu::GeluTanh>("geglu backward", dgate, dy, gate, up)
+        match act {
+            MlpGate::Silu => {
+                gated_backward_in_place::<glu::Silu>("swiglu backward", dgate, dy, gate, up)
+            }
+            MlpGate::GeluTanh => {
+                gated_backward_in_place::<glu::GeluTanh>("geglu backward", dgate, dy, gate, up)
+            }
+        }
     }
 
     fn rope(&self, x: &mut CpuTensor, rope: Rope, pos0: usize, inverse: bool) -> Result<()> {

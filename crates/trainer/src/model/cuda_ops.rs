@@ -37,7 +37,7 @@ use headroom_cuda::{Cuda, CudaTensor, GemmOp, GemmShape, HeadLayout};
 use headroom_tensor::{Backend, DType, MemoryCategory, Tensor};
 
 use crate::model::ops::{HeadLossGrads, ModelOps};
-use crate::model::{Precision, RmsNorm, View};
+use crate::model::{MlpGate, Precision, RmsNorm, View};
 use crate::{Result, TrainError};
 
 fn bad(op: &str, what: String) -> TrainError {
@@ -324,52 +324,38 @@ impl ModelOps for Cuda {
         Ok(Cuda::gelu_backward(self, dx, xv.tensor(), dyv.tensor())?)
     }
 
-    fn swiglu(&self, y: &mut CudaTensor, gate: &CudaTensor, up: &CudaTensor) -> Result<()> {
+    fn gated(
+        &self,
+        y: &mut CudaTensor,
+        gate: &CudaTensor,
+        up: &CudaTensor,
+        act: MlpGate,
+    ) -> Result<()> {
         let (gv, uv) = (f32_of(self, gate)?, f32_of(self, up)?);
-        Ok(self.swiglu_forward(y, gv.tensor(), uv.tensor())?)
+        let (gate, up) = (gv.tensor(), uv.tensor());
+        match act {
+            MlpGate::Silu => self.swiglu_forward(y, gate, up)?,
+            MlpGate::GeluTanh => self.geglu_forward(y, gate, up)?,
+        }
+        Ok(())
     }
 
-    fn swiglu_backward(
+    fn gated_backward(
         &self,
         dgate: &mut CudaTensor,
         dup: &mut CudaTensor,
         gate: &CudaTensor,
         up: &CudaTensor,
         dy: &CudaTensor,
+        act: MlpGate,
     ) -> Result<()> {
         let (gv, uv, dyv) = (f32_of(self, gate)?, f32_of(self, up)?, f32_of(self, dy)?);
-        Ok(Cuda::swiglu_backward(
-            self,
-            dgate,
-            dup,
-            gv.tensor(),
-            uv.tensor(),
-            dyv.tensor(),
-        )?)
-    }
-
-    fn geglu(&self, y: &mut CudaTensor, gate: &CudaTensor, up: &CudaTensor) -> Result<()> {
-        let (gv, uv) = (f32_of(self, gate)?, f32_of(self, up)?);
-        Ok(self.geglu_forward(y, gv.tensor(), uv.tensor())?)
-    }
-
-    fn geglu_backward(
-        &self,
-        dgate: &mut CudaTensor,
-        dup: &mut CudaTensor,
-        gate: &CudaTensor,
-        up: &CudaTensor,
-        dy: &CudaTensor,
-    ) -> Result<()> {
-        let (gv, uv, dyv) = (f32_of(self, gate)?, f32_of(self, up)?, f32_of(self, dy)?);
-        Ok(Cuda::geglu_backward(
-            self,
-            dgate,
-            dup,
-            gv.tensor(),
-            uv.tensor(),
-            dyv.tensor(),
-        )?)
+        let (gate, up, dy) = (gv.tensor(), uv.tensor(), dyv.tensor());
+        match act {
+            MlpGate::Silu => Cuda::swiglu_backward(self, dgate, dup, gate, up, dy)?,
+            MlpGate::GeluTanh => Cuda::geglu_backward(self, dgate, dup, gate, up, dy)?,
+        }
+        Ok(())
     }
 
     fn rope(

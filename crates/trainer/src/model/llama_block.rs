@@ -160,10 +160,7 @@ impl<B: ModelOps> Model<B> {
     /// `act(gate) · up` of the kept projections, kept.
     fn block_gated(&self, gate: &B::Tensor, up: &B::Tensor) -> Result<B::Tensor> {
         let mut out = self.fresh_overwritten(gate.shape().clone())?;
-        match self.mlp_gate() {
-            MlpGate::Silu => self.backend().swiglu(&mut out, gate, up)?,
-            MlpGate::GeluTanh => self.backend().geglu(&mut out, gate, up)?,
-        }
+        self.backend().gated(&mut out, gate, up, self.mlp_gate())?;
         self.keep(out)
     }
 
@@ -553,12 +550,7 @@ impl<B: ModelOps> Model<B> {
         drop((act, ddown));
         let mut dgate = self.scratch([g.b, g.t, f])?;
         // up's gradient is written over the product's.
-        match self.mlp_gate() {
-            MlpGate::Silu => be.swiglu_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up)?,
-            MlpGate::GeluTanh => {
-                be.geglu_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up)?
-            }
-        }
+        be.gated_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up, self.mlp_gate())?;
         let dup = dact;
         let mut dnorm2 = self.scratch([g.b, g.t, c])?;
         self.block_linear_backward(l, bw, o::GATE, None, &mut dnorm2, grads, &dgate, &norm2)?;

@@ -20,7 +20,7 @@
 use headroom_attn::{AttentionBackend, AttentionForward, AttentionGradients};
 use headroom_tensor::{DType, MemoryCategory, Tensor};
 
-use crate::model::{Precision, RmsNorm};
+use crate::model::{MlpGate, Precision, RmsNorm};
 use crate::ops::rope::Rope;
 use crate::Result;
 
@@ -185,69 +185,46 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
         Ok(())
     }
 
-    /// SwiGLU's gate: `y = silu(gate) · up` elementwise.
-    fn swiglu(&self, y: &mut Self::Tensor, gate: &Self::Tensor, up: &Self::Tensor) -> Result<()>;
+    /// A gated MLP's gate, `y = act(gate) · up` elementwise: SiLU (Llama's SwiGLU) or GELU
+    /// with the tanh approximation (Gemma's GeGLU, [`ModelOps::gelu`]'s).
+    fn gated(
+        &self,
+        y: &mut Self::Tensor,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        act: MlpGate,
+    ) -> Result<()>;
 
-    /// SwiGLU's backward: adds `∂y/∂gate · dy` into `dgate` and `silu(gate) · dy` into `dup`.
-    fn swiglu_backward(
+    /// The gate's backward: adds `act'(gate) · up · dy` into `dgate` and `act(gate) · dy` into
+    /// `dup`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_backward(
         &self,
         dgate: &mut Self::Tensor,
         dup: &mut Self::Tensor,
         gate: &Self::Tensor,
         up: &Self::Tensor,
         dy: &Self::Tensor,
+        act: MlpGate,
     ) -> Result<()>;
 
-    /// [`ModelOps::swiglu_backward`] with `dup` replacing `dy` (the bits `swiglu_backward` gives
+    /// [`ModelOps::gated_backward`] with `dup` replacing `dy` (the bits `gated_backward` gives
     /// into a zeroed `dup`); adds into `dgate` as that does. The default allocates `dup`
     /// beside `dy` and moves it in; the CPU writes over `dy`, one `[N, F]` f32 buffer fewer in
     /// a Llama block's backward.
-    fn swiglu_backward_in_place(
+    fn gated_backward_in_place(
         &self,
         dgate: &mut Self::Tensor,
         dy: &mut Self::Tensor,
         gate: &Self::Tensor,
         up: &Self::Tensor,
+        act: MlpGate,
     ) -> Result<()> {
         let mut dup = {
             let _g = MemoryCategory::Workspace.enter();
             self.zeros(dy.shape().clone(), DType::F32)?
         };
-        self.swiglu_backward(dgate, &mut dup, gate, up, dy)?;
-        *dy = dup;
-        Ok(())
-    }
-
-    /// GeGLU's gate (Gemma's MLP): `y = gelu(gate) · up` elementwise, with GELU's tanh
-    /// approximation ([`ModelOps::gelu`]'s).
-    fn geglu(&self, y: &mut Self::Tensor, gate: &Self::Tensor, up: &Self::Tensor) -> Result<()>;
-
-    /// GeGLU's backward: adds `gelu'(gate) · up · dy` into `dgate` and `gelu(gate) · dy` into
-    /// `dup`.
-    fn geglu_backward(
-        &self,
-        dgate: &mut Self::Tensor,
-        dup: &mut Self::Tensor,
-        gate: &Self::Tensor,
-        up: &Self::Tensor,
-        dy: &Self::Tensor,
-    ) -> Result<()>;
-
-    /// [`ModelOps::geglu_backward`] with `dup` replacing `dy`, as
-    /// [`ModelOps::swiglu_backward_in_place`] is for SwiGLU (the same default and the same
-    /// saving on the CPU).
-    fn geglu_backward_in_place(
-        &self,
-        dgate: &mut Self::Tensor,
-        dy: &mut Self::Tensor,
-        gate: &Self::Tensor,
-        up: &Self::Tensor,
-    ) -> Result<()> {
-        let mut dup = {
-            let _g = MemoryCategory::Workspace.enter();
-            self.zeros(dy.shape().clone(), DType::F32)?
-        };
-        self.geglu_backward(dgate, &mut dup, gate, up, dy)?;
+        self.gated_backward(dgate, &mut dup, gate, up, dy, act)?;
         *dy = dup;
         Ok(())
     }
