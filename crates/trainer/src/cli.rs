@@ -2264,6 +2264,9 @@ fn cmd_estimate(args: EstimateArgs) -> CliResult {
             mib(rounding),
             mib(need)
         );
+        if let Err(e) = crate::estimate::cuda_runs(&o.model, &o.techniques.model) {
+            say!("note: train --device cuda refuses this run: {e}");
+        }
     }
     if let Some(b) = o.budget {
         say!(

@@ -147,6 +147,40 @@ pub fn loss_mask_flag_bytes(batch: usize, seq: usize) -> u64 {
     LOADER_BUFFERS * batch as u64 * seq as u64
 }
 
+/// What the CUDA model runs, checked without a device (so `estimate --device cuda` can say
+/// what `train --device cuda` would refuse): flash attention on bf16 (the only attention
+/// headroom-attn has on CUDA), head dimension 64 or 128 (its kernels'). The ops themselves
+/// take any precision; attention is what binds the model to bf16.
+pub fn cuda_runs(cfg: &ModelConfig, opts: &crate::model::ModelOptions) -> Result<()> {
+    cfg.validate()?;
+    let refuse = |m: String| Err(TrainError::Config(m));
+    if opts.precision != crate::model::Precision::Bf16 {
+        return refuse(format!(
+            "the CUDA model runs in bf16 only (flash attention's kernels), not {}",
+            opts.precision.name()
+        ));
+    }
+    if !matches!(
+        opts.attention.algorithm,
+        headroom_attn::Algorithm::Flash { .. }
+    ) {
+        return refuse(format!(
+            "the CUDA model runs flash attention only, not {}",
+            opts.attention.algorithm.name()
+        ));
+    }
+    let hd = cfg.head_dim();
+    if hd != 64 && hd != 128 {
+        return refuse(format!(
+            "the CUDA flash kernels need head dimension 64 or 128, not {hd}"
+        ));
+    }
+    if let Some(0) = opts.loss_chunk {
+        return refuse("loss chunk must be at least 1 row".into());
+    }
+    Ok(())
+}
+
 /// Predict peak bytes per category for `cfg` trained on micro-batches of `micro` sequences of
 /// `seq` tokens (`batch` per step) with `tech`.
 pub fn estimate(

@@ -2663,3 +2663,37 @@ fn a_killed_sharded_build_resumes_to_the_same_shards() {
         "the resumed shards differ from the uninterrupted build's"
     );
 }
+
+/// `estimate --device cuda` says what `train --device cuda` would refuse: a Gemma 3 with heads
+/// 12 wide (the device's flash kernels take 64 or 128). A shape the device runs gets no note.
+#[test]
+fn a_cuda_estimate_names_what_the_device_cannot_run() {
+    let gemma = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-gemma3");
+    let cuda = [
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--attention",
+        "flash",
+        "--seq",
+        "48",
+        "--batch",
+        "1",
+    ];
+    let mut args = vec!["estimate", "--init-from", gemma.to_str().unwrap()];
+    args.extend(cuda);
+    let o = headroom(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("train --device cuda refuses this run")
+            && out.contains("the CUDA flash kernels need head dimension 64 or 128, not 12"),
+        "{out}"
+    );
+    let mut args = vec!["estimate", "--model", "llama-small"];
+    args.extend(cuda);
+    let o = headroom(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("refuses"), "{}", stdout(&o));
+}

@@ -47,9 +47,7 @@ use headroom_cuda::{AdamWStep, Cuda, CudaTensor};
 use headroom_tensor::cpu::kernels::{axpy, FloatSlice};
 use headroom_tensor::{Backend, CpuTensor, DType, MemoryCategory, Tensor};
 
-use headroom_attn::Algorithm;
-
-use crate::model::{params, Model, ModelConfig, ModelOptions, Precision};
+use crate::model::{params, Model, ModelConfig, ModelOptions};
 use crate::{Result, TrainError};
 
 /// Check a per-parameter list (host or device) against the model's parameters: one f32 tensor
@@ -79,34 +77,10 @@ fn check_per_parameter<T: Tensor>(cfg: &ModelConfig, list: &[T], what: &str) -> 
     }
 }
 
-/// What the CUDA path runs, checked before any device work: flash attention on bf16 (the only
-/// attention headroom-attn has on CUDA), head dimension 64 or 128 (its kernels'). The ops
-/// themselves take any precision; attention is what binds the model to bf16.
+/// What the CUDA path runs, checked before any device work
+/// ([`crate::estimate::cuda_runs`]: flash attention on bf16, head dimension 64 or 128).
 pub fn check_options(cfg: &ModelConfig, opts: &ModelOptions) -> Result<()> {
-    cfg.validate()?;
-    let refuse = |m: String| Err(TrainError::Config(m));
-    if opts.precision != Precision::Bf16 {
-        return refuse(format!(
-            "the CUDA model runs in bf16 only (flash attention's kernels), not {}",
-            opts.precision.name()
-        ));
-    }
-    if !matches!(opts.attention.algorithm, Algorithm::Flash { .. }) {
-        return refuse(format!(
-            "the CUDA model runs flash attention only, not {}",
-            opts.attention.algorithm.name()
-        ));
-    }
-    let hd = cfg.head_dim();
-    if hd != 64 && hd != 128 {
-        return refuse(format!(
-            "the CUDA flash kernels need head dimension 64 or 128, not {hd}"
-        ));
-    }
-    if let Some(0) = opts.loss_chunk {
-        return refuse("loss chunk must be at least 1 row".into());
-    }
-    Ok(())
+    crate::estimate::cuda_runs(cfg, opts)
 }
 
 /// The model on `cuda` with working copies only, derived from fp32 `masters` that stay on the
@@ -241,6 +215,7 @@ pub fn add_grads_into(cuda: &Cuda, grads: &[CudaTensor], host: &mut [CpuTensor])
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Precision;
     use headroom_tensor::Cpu;
 
     #[test]
