@@ -599,6 +599,44 @@ fn emulated_gelu_and_residual_are_bitwise_equal_to_the_cpu_ops() {
     assert_bitwise("residual", &f32s(&got[y]), &want);
 }
 
+/// A gated MLP's kernels `<name>_forward_f32` and `<name>_backward_f32` under the emulator:
+/// the forward's output, then the gate's and up's gradients accumulated onto `dg0`, `du0`.
+fn run_gated(
+    emu: &Path,
+    name: &str,
+    gate: &[f32],
+    up: &[f32],
+    dout: &[f32],
+    dg0: &[f32],
+    du0: &[f32],
+) -> [Vec<f32>; 3] {
+    let n = gate.len();
+    let mut run = Run::new(name);
+    let (g, u, d, out, dg, du) = (
+        run.buf(gate),
+        run.buf(up),
+        run.buf(dout),
+        run.buf(&vec![0f32; n]),
+        run.buf(dg0),
+        run.buf(du0),
+    );
+    use Arg::{Buf, U};
+    run.launch(
+        &format!("{name}_forward_f32"),
+        (3, 1),
+        BLOCK,
+        &[Buf(out), Buf(g), Buf(u), U(n as u64)],
+    );
+    run.launch(
+        &format!("{name}_backward_f32"),
+        (5, 1),
+        BLOCK,
+        &[Buf(dg), Buf(du), Buf(g), Buf(u), Buf(d), U(n as u64)],
+    );
+    let got = run.finish(emu);
+    [f32s(&got[out]), f32s(&got[dg]), f32s(&got[du])]
+}
+
 /// Gemma's GeGLU gate: the GELU's operations, so bitwise like the GELU.
 #[test]
 fn emulated_geglu_is_bitwise_equal_to_the_cpu_op() {
@@ -609,37 +647,15 @@ fn emulated_geglu_is_bitwise_equal_to_the_cpu_op() {
     let n = gate.len();
     let (up, dout) = (values(n, 54, 2.0), values(n, 55, 1.0));
     let (dg0, du0) = (values(n, 56, 0.5), values(n, 57, 0.5));
-    let mut run = Run::new("geglu");
-    let (g, u, d, out, dg, du) = (
-        run.buf(&gate),
-        run.buf(&up),
-        run.buf(&dout),
-        run.buf(&vec![0f32; n]),
-        run.buf(&dg0),
-        run.buf(&du0),
-    );
-    use Arg::{Buf, U};
-    run.launch(
-        "geglu_forward_f32",
-        (3, 1),
-        BLOCK,
-        &[Buf(out), Buf(g), Buf(u), U(n as u64)],
-    );
-    run.launch(
-        "geglu_backward_f32",
-        (5, 1),
-        BLOCK,
-        &[Buf(dg), Buf(du), Buf(g), Buf(u), Buf(d), U(n as u64)],
-    );
-    let got = run.finish(emu);
+    let got = run_gated(emu, "geglu", &gate, &up, &dout, &dg0, &du0);
     let want: Vec<f32> = (0..n).map(|i| ref_geglu(gate[i], up[i])).collect();
-    assert_bitwise("geglu forward", &f32s(&got[out]), &want);
+    assert_bitwise("geglu forward", &got[0], &want);
     let want: Vec<(f32, f32)> = (0..n)
         .map(|i| ref_geglu_backward(dg0[i], du0[i], gate[i], up[i], dout[i]))
         .collect();
     let (dgate, dup): (Vec<f32>, Vec<f32>) = want.into_iter().unzip();
-    assert_bitwise("geglu dgate", &f32s(&got[dg]), &dgate);
-    assert_bitwise("geglu dup", &f32s(&got[du]), &dup);
+    assert_bitwise("geglu dgate", &got[1], &dgate);
+    assert_bitwise("geglu dup", &got[2], &dup);
 }
 
 #[test]
@@ -1028,35 +1044,13 @@ fn emulated_swiglu_matches_the_cpu_op() {
     let n = gate.len();
     let (up, dout) = (values(n, 49, 2.0), values(n, 50, 1.0));
     let (dg0, du0) = (values(n, 51, 0.5), values(n, 52, 0.5));
-    let mut run = Run::new("swiglu");
-    let (g, u, d, out, dg, du) = (
-        run.buf(&gate),
-        run.buf(&up),
-        run.buf(&dout),
-        run.buf(&vec![0f32; n]),
-        run.buf(&dg0),
-        run.buf(&du0),
-    );
-    use Arg::{Buf, U};
-    run.launch(
-        "swiglu_forward_f32",
-        (3, 1),
-        BLOCK,
-        &[Buf(out), Buf(g), Buf(u), U(n as u64)],
-    );
-    run.launch(
-        "swiglu_backward_f32",
-        (5, 1),
-        BLOCK,
-        &[Buf(dg), Buf(du), Buf(g), Buf(u), Buf(d), U(n as u64)],
-    );
-    let got = run.finish(emu);
+    let got = run_gated(emu, "swiglu", &gate, &up, &dout, &dg0, &du0);
     let fwd: Vec<f64> = (0..n).map(|i| ref_swiglu(gate[i], up[i]) as f64).collect();
     let bwd: Vec<(f32, f32)> = (0..n)
         .map(|i| ref_swiglu_backward(dg0[i], du0[i], gate[i], up[i], dout[i]))
         .collect();
     // e^x is the fast_math port in the kernel and libm's in the CPU op: a few ulp, not bits.
-    let (out, dg, du) = (f32s(&got[out]), f32s(&got[dg]), f32s(&got[du]));
+    let [out, dg, du] = got;
     let finite = |v: &[f32], w: &[f64]| -> (Vec<f32>, Vec<f64>) {
         v.iter()
             .zip(w)

@@ -155,6 +155,16 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
     );
 }
 
+/// The combinations that change what a block with head (and output) norms keeps and how its
+/// backward's moments line up.
+const HEAD_NORM_COMBOS: [&str; 5] = [
+    "fp32 baseline",
+    "sqrt-n bf16 flash",
+    "full stack + accumulation",
+    "selective flash",
+    "every-2 fp16 flash fused",
+];
+
 /// Qwen3's shape: heads 24 wide on a model 64 wide (queries and the attention output 96
 /// wide), each query and key head normalised (its input and statistics kept), under the
 /// combinations that change what a block keeps and how its backward's moments line up.
@@ -165,16 +175,7 @@ fn qwen3_estimates_equal_the_trackers_peaks() {
         s.class = headroom_trainer::model::LlamaClass::Qwen3;
         s.head_dim = Some(24);
     }
-    check(
-        cfg,
-        combos_named(&[
-            "fp32 baseline",
-            "sqrt-n bf16 flash",
-            "full stack + accumulation",
-            "selective flash",
-            "every-2 fp16 flash fused",
-        ]),
-    );
+    check(cfg, combos_named(&HEAD_NORM_COMBOS));
 }
 
 /// Gemma 3's shape: Qwen3's head norms on heads 24 wide, the attention's and the MLP's outputs
@@ -195,16 +196,7 @@ fn gemma3_estimates_equal_the_trackers_peaks() {
         });
         s.rope_theta = 1e6;
     }
-    check(
-        cfg,
-        combos_named(&[
-            "fp32 baseline",
-            "sqrt-n bf16 flash",
-            "full stack + accumulation",
-            "selective flash",
-            "every-2 fp16 flash fused",
-        ]),
-    );
+    check(cfg, combos_named(&HEAD_NORM_COMBOS));
 }
 
 /// Mistral 7B v0.1's sliding window in small (16 keys of the 64 positions): the window is a

@@ -390,27 +390,13 @@ impl ModelConfig {
             return None;
         }
         match s.sliding_window {
-            Some(SlidingWindow {
-                rope_theta: Some(theta),
-                ..
-            }) if self.windowed_block(l) => Some(Rope {
+            Some(w) if w.covers(l) => w.rope_theta.map(|theta| Rope {
                 theta,
                 scaling: RopeScaling::None,
             }),
-            _ => Some(s.rope()),
+            _ => None,
         }
-    }
-
-    /// Whether block `l` is one of the sliding window's blocks (whether or not the window is
-    /// shorter than a step).
-    fn windowed_block(&self, l: usize) -> bool {
-        match self.family {
-            Family::Llama(LlamaShape {
-                sliding_window: Some(w),
-                ..
-            }) => w.covers(l),
-            _ => false,
-        }
+        .or(Some(s.rope()))
     }
 
     /// The sliding window block `l` attends over (`None`: the whole context).
