@@ -43,6 +43,15 @@ transformers builds a small random model of each and saves it with `save_pretrai
   projector; the reference is the multimodal model's logits on text alone (no image tokens).
 - `hf-gemma3-scaled`: `hf-gemma3`'s shape with `query_pre_attn_scalar` 20 on heads of 12
   (Gemma 3 27B has 168 on 128): attention scales by 20^-1/2.
+- `hf-olmo2`: Olmo2ForCausalLM (OLMo 2 1B, 7B, 13B, 32B): no input norms, a norm on the
+  attention's and the MLP's outputs, q_norm and k_norm over the whole projections (48 and 24
+  wide: head width 12 on a model 32 wide), untied head. Its reference also holds PyTorch's
+  gradients.
+- `hf-olmo3`: Olmo3ForCausalLM (OLMo 3 7B, 32B): OLMo 2 with blocks 0 and 2 over a window of
+  16 keys and block 1 full (the real models have three windowed blocks of four); the full
+  block's rotary embedding is YaRN (factor 4 over an original context of 16), the windowed
+  blocks' is not rescaled. Its reference also holds PyTorch's gradients and the windowed
+  blocks' `sliding_inv_freq`.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -73,6 +82,10 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     SmolLM3Config,
@@ -271,6 +284,58 @@ def gemma3_multimodal():
     return config, Gemma3ForConditionalGeneration
 
 
+def olmo2():
+    # OLMo 2's settings in small: norms on the sublayers' outputs instead of their inputs,
+    # q/k norms over the whole projections, untied head; a head width of its own (12 on 32,
+    # which Olmo2Attention reads from head_dim when the config has it) so that the norms'
+    # widths differ from the model's.
+    config = Olmo2Config(
+        **SMALL,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        # As for SmolLM3: a padding id would freeze its embedding row.
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
+    return config, Olmo2ForCausalLM
+
+
+def olmo3():
+    # OLMo 3's pattern in small: a window of 16 keys in blocks 0 and 2, block 1 full; the full
+    # block's rotary embedding YaRN-scaled (as OLMo 3's long-context checkpoints), the
+    # windowed blocks' plain.
+    config = Olmo3Config(
+        **SMALL,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 500000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return config, Olmo3ForCausalLM
+
+
 def yarn_defaults_inv_freq():
     # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
     # outwards, attention factor from the factor), for the rotary frequencies alone.
@@ -375,6 +440,8 @@ def main():
     build("hf-gemma3", gemma3(), seed=130, gradients=True, norm_center=0.0)
     build("hf-gemma3-multimodal", gemma3_multimodal(), seed=140, norm_center=0.0)
     build("hf-gemma3-scaled", gemma3_scaled(), seed=150, norm_center=0.0)
+    build("hf-olmo2", olmo2(), seed=160, gradients=True)
+    build("hf-olmo3", olmo3(), seed=170, gradients=True)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

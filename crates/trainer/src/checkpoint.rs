@@ -670,18 +670,54 @@ pub(crate) fn hf_config(
                 serde_json::json!([s.class.architecture()]),
             );
             object.insert("model_type".into(), s.class.model_type().into());
-            // Qwen3 and Gemma 3 have attention_bias, SmolLM3 both.
+            // Qwen3, Gemma 3 and OLMo have attention_bias, SmolLM3 both; OLMo 2 has no
+            // window.
             if !matches!(
                 s.class,
-                LlamaClass::Qwen3 | LlamaClass::SmolLM3 | LlamaClass::Gemma3
+                LlamaClass::Qwen3
+                    | LlamaClass::SmolLM3
+                    | LlamaClass::Gemma3
+                    | LlamaClass::Olmo2
+                    | LlamaClass::Olmo3
             ) {
                 object.remove("attention_bias");
             }
             if s.class != LlamaClass::SmolLM3 {
                 object.remove("mlp_bias");
             }
-            let window = s.sliding_window.map(|w| w.size);
-            object.insert("sliding_window".into(), window.into());
+            if s.class != LlamaClass::Olmo2 {
+                let window = s.sliding_window.map(|w| w.size);
+                object.insert("sliding_window".into(), window.into());
+            }
+        }
+        if s.class == LlamaClass::Olmo3 {
+            // Olmo3Config's names: one layer type per block, and transformers 5's rotary
+            // parameters per layer type (its reading of rope_theta alone would give the
+            // windowed blocks its default base); rope_theta and rope_scaling stay beside them,
+            // the full blocks', for transformers 4.
+            let types = layer_types(c);
+            let mut full = rope_scaling_json(&s.rope_scaling)
+                .unwrap_or_else(|| serde_json::json!({ "rope_type": "default" }));
+            if let Some(f) = full.as_object_mut() {
+                f.insert("rope_theta".into(), s.rope_theta.into());
+            }
+            let sliding_theta = s
+                .sliding_window
+                .and_then(|w| w.rope_theta)
+                .unwrap_or(s.rope_theta);
+            object.extend([
+                ("layer_types".into(), types.into()),
+                (
+                    "rope_parameters".into(),
+                    serde_json::json!({
+                        "full_attention": full,
+                        "sliding_attention": {
+                            "rope_type": "default",
+                            "rope_theta": sliding_theta,
+                        },
+                    }),
+                ),
+            ]);
         }
         if let (LlamaClass::SmolLM3, Some(k)) = (s.class, s.no_rope_interval) {
             let rotates: Vec<u8> = (0..c.layers).map(|l| u8::from(c.rotates(l))).collect();
@@ -703,12 +739,7 @@ pub(crate) fn hf_config(
             for key in ["hidden_act", "mlp_bias"] {
                 object.remove(key);
             }
-            let types: Vec<&str> = (0..c.layers)
-                .map(|l| match c.window_of(l) {
-                    Some(_) => "sliding_attention",
-                    None => "full_attention",
-                })
-                .collect();
+            let types = layer_types(c);
             object.extend([
                 ("hidden_activation".into(), "gelu_pytorch_tanh".into()),
                 (
@@ -743,6 +774,17 @@ pub(crate) fn hf_config(
         }
     }
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
+}
+
+/// transformers' `layer_types`: `sliding_attention` for each windowed block,
+/// `full_attention` for the others.
+fn layer_types(c: &ModelConfig) -> Vec<&'static str> {
+    (0..c.layers)
+        .map(|l| match c.window_of(l) {
+            Some(_) => "sliding_attention",
+            None => "full_attention",
+        })
+        .collect()
 }
 
 /// `rope_scaling` as transformers 4 writes it beside `rope_theta` (transformers 5 reads it into

@@ -17,7 +17,7 @@ use headroom_profiler::PerCategory;
 use headroom_tensor::MemoryCategory;
 use serde::Serialize;
 
-use crate::model::{finetune, params, Family, FinetuneSpec, ModelConfig};
+use crate::model::{finetune, params, Family, FinetuneSpec, ModelConfig, QkNorm};
 use crate::ops::{matmul, quant_matmul};
 use crate::techniques::{block_schedule, CheckpointChoice, OptimizerPlacement, Techniques};
 use crate::{Result, TrainError};
@@ -309,10 +309,21 @@ fn estimate_for(
     let norm_stats = if llama { bt * 4 } else { 2 * bt * 4 };
     // What selective recomputation drops: GPT-2's ln1, ln2 and GELU output; Llama's two norms
     // and the SwiGLU product.
-    let dropped_by_selective = (2 * btc + btf) * a;
-    // Qwen3's query and key norms keep their inputs and one statistic per head and position.
+    // OLMo 2 has no input norms: nothing of them is kept or recomputed.
+    let input_norms = match cfg.family {
+        Family::Llama(s) => s.input_norms(),
+        Family::Gpt2 => true,
+    };
+    let kept_norms = if input_norms { 2 } else { 0 };
+    let dropped_by_selective = (kept_norms * btc + btf) * a;
+    // Query and key norms keep their inputs and one statistic per head and position (Qwen3's,
+    // Gemma 3's) or per position (OLMo 2's, over the whole projection).
     let qk_norms = match cfg.family {
-        Family::Llama(s) if s.qk_norm() => (btq + btk) * a + b * t * (h + u(s.kv_heads)) * 4,
+        Family::Llama(s) => match s.qk_norm_kind() {
+            Some(QkNorm::PerHead) => (btq + btk) * a + b * t * (h + u(s.kv_heads)) * 4,
+            Some(QkNorm::Projection) => (btq + btk) * a + 2 * bt * 4,
+            None => 0,
+        },
         _ => 0,
     };
     let attention_saved = (btq + 2 * btk) * a // q, k, v
@@ -327,7 +338,7 @@ fn estimate_for(
         Family::Llama(s) if s.output_norms() => 2 * (btc * a + norm_stats),
         _ => 0,
     };
-    let block_saved = 2 * norm_stats
+    let block_saved = kept_norms * norm_stats
         + output_norms
         + attention_saved
         + btc * a // res2
@@ -350,10 +361,10 @@ fn estimate_for(
     // the second norm's statistics live while its output is built (they are dropped at
     // once), so the moment is the larger of (both norms + those statistics) and (both norms +
     // the activation).
-    let recompute_extra = if selective {
-        2 * btc * a + (btc * a + norm_stats).max(btf * a)
-    } else {
-        0
+    let recompute_extra = match (selective, input_norms) {
+        (true, true) => 2 * btc * a + (btc * a + norm_stats).max(btf * a),
+        (true, false) => btf * a,
+        (false, _) => 0,
     };
     let est = TrainerEstimate {
         parameter_count: p,
@@ -856,8 +867,19 @@ fn llama_block_workspace(
     let (btc, btf, btk, btq) = (bt * c, bt * f, bt * k, bt * u(cfg.attention_width()));
     let (cu, fu, ku) = (cfg.channels, cfg.ffn(), cfg.kv_heads() * cfg.head_dim());
     let wu = cfg.attention_width();
-    let qk_norm = matches!(cfg.family, Family::Llama(s) if s.qk_norm());
-    // Gemma 3's output norms: the gradient of each sublayer's output beside its residual's
+    let (qk_norm, input_norms) = match cfg.family {
+        Family::Llama(s) => (s.qk_norm_kind(), s.input_norms()),
+        Family::Gpt2 => (None, true),
+    };
+    // OLMo 2's q and k gradients leave their norms merged, and without an input norm the
+    // q/k/v backward adds into dres2 itself: no dnorm1 and no merge scratch for them.
+    let (dnorm1, merge_q, merge_k) = match (input_norms, qk_norm) {
+        (false, Some(QkNorm::Projection)) => (0, 0, 0),
+        (false, _) => (0, btq, btk),
+        (true, Some(QkNorm::Projection)) => (btc, 0, 0),
+        (true, _) => (btc, btq, btk),
+    };
+    // Gemma 3's and OLMo 2's output norms: the gradient of each sublayer's output beside its residual's
     // while that sublayer's output projection runs backward; each norm's kept input and
     // statistics are dropped once its backward has run.
     let output_norms = matches!(cfg.family, Family::Llama(s) if s.output_norms());
@@ -872,15 +894,19 @@ fn llama_block_workspace(
     let first = lin.peak(mlp_common + out_grad + btf, o::DOWN, fu, cu, true) * 4;
     // From attention's backward on: dres2 and dq, dk, dv.
     let attn_grads = attn_common + btc + btq + 2 * btk;
-    // Qwen3's query and key norms' backward: each head norm's input gradient beside the
-    // gradients (a bf16/f16 gain is read through an f32 copy; a frozen one's gradient lands
-    // in a scratch), the query's while dq is live, the key's once dq is replaced by it.
+    // The query and key norms' backward: each norm's input gradient beside the gradients (a
+    // bf16/f16 gain is read through an f32 copy; a frozen one's gradient lands in a scratch),
+    // the query's while dq is live, the key's once dq is replaced by it. OLMo 2's merge the
+    // heads' gradient first, into a buffer that replaces them. Gains are a head wide, or the
+    // projection's width.
     let hs = u(cfg.head_dim());
-    let gain = if low { hs } else { 0 } + if lin.finetune.is_some() { hs } else { 0 };
-    let head_norms = if qk_norm {
-        (attn_grads + btq + gain).max(attn_grads + btk + gain)
-    } else {
-        0
+    let gain = |width: u64| width * (u64::from(low) + u64::from(lin.finetune.is_some()));
+    let head_norms = match qk_norm {
+        Some(QkNorm::PerHead) => (attn_grads + btq + gain(hs)).max(attn_grads + btk + gain(hs)),
+        Some(QkNorm::Projection) => {
+            (attn_grads + btq + gain(u(wu))).max(attn_grads + btk + gain(u(ku)))
+        }
+        None => 0,
     };
     let mlp = [
         // The gate's backward: dgate, and dact becoming dup in place.
@@ -896,9 +922,9 @@ fn llama_block_workspace(
     let attention_side = [
         head_norms,
         // q's, k's and v's backward: dres2, dq, dk, dv, dnorm1, the merged head gradient.
-        lin.peak(attn_grads + btc + btq, o::Q, cu, wu, true),
-        lin.peak(attn_grads + btc + btk, o::K, cu, ku, true),
-        lin.peak(attn_grads + btc + btk, o::V, cu, ku, true),
+        lin.peak(attn_grads + dnorm1 + merge_q, o::Q, cu, wu, true),
+        lin.peak(attn_grads + dnorm1 + merge_k, o::K, cu, ku, true),
+        lin.peak(attn_grads + dnorm1 + btk, o::V, cu, ku, true),
     ];
     let most = |m: &[u64]| m.iter().copied().max().unwrap_or(0) * 4;
     // Attention's own workspace (naive's probability gradient, partials, scratch; reading
@@ -907,11 +933,16 @@ fn llama_block_workspace(
     // The forward (`llama_block_forward`; its f32 outputs are workspace until rounded in low
     // precision): each projection with its output, q/k/v's through a flat scratch; attention
     // with its own workspace. Qwen3's head norms write a fresh output once their input is
-    // kept: less than the flat scratch and the heads together.
+    // kept: less than the flat scratch and the heads together. OLMo 2's q and k projections
+    // are the norm's kept input, fresh; its output is a scratch beside the fresh heads.
     let fresh = |elems: u64| if low { elems } else { 0 };
+    let (q_out, k_out) = match qk_norm {
+        Some(QkNorm::Projection) => (fresh(btq), fresh(btk)),
+        _ => (btq, btk),
+    };
     let forward = [
-        lin.forward_peak(btq, o::Q, cu, wu, true),
-        lin.forward_peak(btk, o::K, cu, ku, true),
+        lin.forward_peak(q_out, o::Q, cu, wu, true),
+        lin.forward_peak(k_out, o::K, cu, ku, true),
         lin.forward_peak(btk, o::V, cu, ku, true),
         btq + fresh(btq),
         attn.forward(),

@@ -440,19 +440,26 @@ fn qwen_sliding_window(cfg: &Value, path: &Path, layers: usize) -> Result<Option
         .map(|size| SlidingWindow::from_layer(size, first_layer)))
 }
 
-/// Gemma 3's attention pattern and rotary embeddings, as its configs set them: a window of
-/// `sliding_window` keys in every block but every `k`-th (`layer_types`; before it,
-/// `sliding_window_pattern`, 6 when absent), whose rotary base is `rope_local_base_freq`
-/// (10 000 when absent; transformers 5's `rope_parameters.sliding_attention`, which must not
-/// rescale) while the full-attention blocks take `rope_theta` (10⁶ when absent) and
-/// `rope_scaling` (`rope_parameters.full_attention`). Returns the window (`None`: every block
-/// attends to the whole context), the full blocks' base and their rescaling. Another pattern
-/// of `layer_types` is refused.
-fn gemma3_attention(
+/// The attention pattern and rotary embeddings of a class with layer types (Gemma 3, OLMo 3),
+/// as its configs set them: a window of `sliding_window` keys (4096 when absent) in every
+/// block but every `k`-th (`layer_types`; before it, Gemma's `sliding_window_pattern`; 6 for
+/// Gemma and 4 for OLMo when absent), whose rotary embedding is not rescaled while the
+/// full-attention blocks take `rope_theta` and `rope_scaling` (transformers 5's
+/// `rope_parameters.full_attention`; the base 10⁶ for Gemma and 5·10⁵ for OLMo when absent).
+/// The windowed blocks' base is transformers 5's `rope_parameters.sliding_attention`, which
+/// must not rescale; without it Gemma's `rope_local_base_freq` (10 000 when absent), and for
+/// OLMo 3 5·10⁵ whatever `rope_theta` says (transformers 5.24 gives the sliding blocks its
+/// default then; 4.x's Olmo3 gave them `rope_theta`, which the Hub's configs set to the same
+/// 5·10⁵). Returns the window (`None`: every block attends to the whole context), the full
+/// blocks' base and their rescaling. Another pattern of `layer_types` is refused.
+fn typed_attention(
     cfg: &Value,
     path: &Path,
     layers: usize,
+    class: LlamaClass,
 ) -> Result<(Option<SlidingWindow>, f64, RopeScaling)> {
+    let gemma = class == LlamaClass::Gemma3;
+    let (default_theta, default_every) = if gemma { (1e6, 6) } else { (5e5, 4) };
     // transformers 5 writes one set of rotary parameters per layer type.
     let by_type = get_object(cfg, path, "rope_parameters")?;
     let typed = |name: &str| -> Result<Option<&Value>> {
@@ -465,7 +472,7 @@ fn gemma3_attention(
     if by_type.is_some() && (full.is_none() || sliding.is_none()) {
         return Err(bad(
             path,
-            "Gemma 3's rope_parameters must hold full_attention and sliding_attention",
+            "rope_parameters by layer type must hold full_attention and sliding_attention",
         ));
     }
     let (theta, scaling) = match full {
@@ -489,9 +496,10 @@ fn gemma3_attention(
             }
             get_f64(s, path, "rope_theta")?
         }
-        None => get_f64(cfg, path, "rope_local_base_freq")?,
+        None if gemma => get_f64(cfg, path, "rope_local_base_freq")?,
+        None => None,
     }
-    .unwrap_or(10_000.0);
+    .unwrap_or(if gemma { 10_000.0 } else { default_theta });
     // Every k-th block attends to everything; all blocks windowed when none does.
     let full_every = match cfg.get("layer_types").filter(|v| !v.is_null()) {
         Some(types) => {
@@ -522,10 +530,11 @@ fn gemma3_attention(
         None => {
             let key = ["sliding_window_pattern", "_sliding_window_pattern"]
                 .into_iter()
+                .filter(|_| gemma)
                 .find(|k| cfg.get(*k).is_some_and(|v| !v.is_null()));
             Some(match key {
                 Some(k) => get_usize(cfg, path, k)?,
-                None => 6,
+                None => default_every,
             })
         }
     };
@@ -554,7 +563,7 @@ fn gemma3_attention(
         full_every: full_every.filter(|&k| k <= layers),
         rope_theta: Some(local_theta as f32),
     });
-    Ok((window, theta.unwrap_or(1_000_000.0), scaling))
+    Ok((window, theta.unwrap_or(default_theta), scaling))
 }
 
 /// Gemma 3's settings that change the computation in ways not implemented here, refused
@@ -831,9 +840,11 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
         // Mistral is Llama over a sliding window (none from 7B v0.2 on). Qwen2 is Llama with
         // biases on q, k and v (fixed, not a setting) and an optional sliding window in its
         // later blocks. Qwen3 drops the biases (a setting, refused when on: it would bias
-        // o_proj too) and adds the query/key norms.
+        // o_proj too) and adds the query/key norms. OLMo 2 moves the norms from the
+        // sublayers' inputs to their outputs and normalises the whole q and k projections;
+        // OLMo 3 adds Gemma 3's pattern of windowed blocks.
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM"
-        | "SmolLM3ForCausalLM" | "Gemma3ForCausalLM" => {
+        | "SmolLM3ForCausalLM" | "Gemma3ForCausalLM" | "Olmo2ForCausalLM" | "Olmo3ForCausalLM" => {
             let class = LlamaClass::of_architecture(arch).unwrap_or_default();
             let act = get_str(cfg, path, "hidden_act")?;
             if class != LlamaClass::Gemma3 && !matches!(act, None | Some("silu")) {
@@ -851,19 +862,25 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                 }
                 .map(|size| SlidingWindow::from_layer(size, 0)),
                 LlamaClass::Qwen2 | LlamaClass::Qwen3 => qwen_sliding_window(cfg, path, layers)?,
-                LlamaClass::Llama | LlamaClass::SmolLM3 | LlamaClass::Gemma3 => None,
+                LlamaClass::Llama
+                | LlamaClass::SmolLM3
+                | LlamaClass::Gemma3
+                | LlamaClass::Olmo2
+                | LlamaClass::Olmo3 => None,
             };
-            let gemma = match class {
-                LlamaClass::Gemma3 => Some(gemma3_attention(cfg, path, layers)?),
+            let typed = match class {
+                LlamaClass::Gemma3 | LlamaClass::Olmo3 => {
+                    Some(typed_attention(cfg, path, layers, class)?)
+                }
                 _ => None,
             };
             let no_rope_interval = match class {
                 LlamaClass::SmolLM3 => Some(smollm3_no_rope_interval(cfg, path, layers, context)?),
                 _ => None,
             };
-            // A window no shorter than the context never hides a key. (Gemma 3's windowed
-            // blocks keep theirs: they rotate with their own base.)
-            let sliding_window = match gemma {
+            // A window no shorter than the context never hides a key. (Gemma 3's and OLMo
+            // 3's windowed blocks keep theirs: they rotate with their own base.)
+            let sliding_window = match typed {
                 Some((window, ..)) => window,
                 None => sliding_window.filter(|w| w.size < context),
             };
@@ -871,7 +888,7 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
             // its other settings.
             let bias_settings: &[&str] = match class {
                 LlamaClass::Llama | LlamaClass::SmolLM3 => &["attention_bias", "mlp_bias"],
-                LlamaClass::Qwen3 => &["attention_bias"],
+                LlamaClass::Qwen3 | LlamaClass::Olmo2 | LlamaClass::Olmo3 => &["attention_bias"],
                 LlamaClass::Mistral | LlamaClass::Qwen2 | LlamaClass::Gemma3 => &[],
             };
             for &flag in bias_settings {
@@ -881,7 +898,7 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
             }
             // transformers 4 writes rope_theta (and rope_scaling); 5 writes rope_parameters
             // (Gemma 3's per layer type).
-            let (theta, rope_scaling) = match gemma {
+            let (theta, rope_scaling) = match typed {
                 Some((_, theta, scaling)) => (theta, scaling),
                 None => {
                     let rope = get_object(cfg, path, "rope_parameters")?;
@@ -951,7 +968,14 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                     ffn: get_usize(cfg, path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     rope_scaling,
-                    norm_eps: get_f64(cfg, path, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
+                    // Olmo2Config's and Olmo3Config's epsilon is 1e-5 when absent.
+                    norm_eps: get_f64(cfg, path, "rms_norm_eps")?.unwrap_or(
+                        if matches!(class, LlamaClass::Olmo2 | LlamaClass::Olmo3) {
+                            1e-5
+                        } else {
+                            1e-6
+                        },
+                    ) as f32,
                     // Gemma's configs tie the head unless they say otherwise.
                     tied_head: get_bool(cfg, path, "tie_word_embeddings")?
                         .unwrap_or(class == LlamaClass::Gemma3),
@@ -965,7 +989,8 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                 format!(
                     "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM, \
                      MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
-                     SmolLM3ForCausalLM and Gemma3ForCausalLM load"
+                     SmolLM3ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM and \
+                     Olmo3ForCausalLM load"
                 ),
             ))
         }

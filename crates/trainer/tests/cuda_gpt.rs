@@ -241,6 +241,18 @@ fn gemma3_matches_the_cpu_in_bf16() {
     assert_matches_cpu(cfg, bf16());
 }
 
+/// OLMo 2 on the device: no input norms, the output norms, and the query and key norms over
+/// the whole projections (rows of `heads · head_dim`), before the split into heads.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn olmo2_matches_the_cpu_in_bf16() {
+    let mut cfg = llama();
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Olmo2;
+    }
+    assert_matches_cpu(cfg, bf16());
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn chunked_head_and_selective_recomputation_match_the_cpu() {

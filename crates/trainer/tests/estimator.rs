@@ -199,6 +199,36 @@ fn gemma3_estimates_equal_the_trackers_peaks() {
     check(cfg, combos_named(&HEAD_NORM_COMBOS));
 }
 
+/// OLMo 2's shape: no input norms (the projections read the residual stream, and their input
+/// gradients add into the residual's), the output norms, and the query and key norms over the
+/// whole projections (heads 24 wide: a 96-wide query norm, its input and one statistic per
+/// position kept) under the same combinations.
+#[test]
+fn olmo2_estimates_equal_the_trackers_peaks() {
+    let mut cfg = model(true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Olmo2;
+        s.head_dim = Some(24);
+    }
+    check(cfg, combos_named(&HEAD_NORM_COMBOS));
+}
+
+/// OLMo 3's: OLMo 2's block under a window of 16 keys in every block but every second, with
+/// its own rotary base.
+#[test]
+fn olmo3_estimates_equal_the_trackers_peaks() {
+    let mut cfg = model(true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Olmo3;
+        s.sliding_window = Some(headroom_trainer::model::SlidingWindow {
+            full_every: Some(2),
+            rope_theta: Some(10_000.0),
+            ..headroom_trainer::model::SlidingWindow::from_layer(16, 0)
+        });
+    }
+    check(cfg, combos_named(&HEAD_NORM_COMBOS));
+}
+
 /// Mistral 7B v0.1's sliding window in small (16 keys of the 64 positions): the window is a
 /// narrowed mask, which allocates nothing the estimator does not count.
 #[test]

@@ -232,8 +232,9 @@ fn gpt2_finetune_estimates_equal_the_trackers_peaks() {
 
 /// LoRA and QLoRA on Qwen3's shape: heads 24 wide on a model 64 wide (q_proj 96 × 64, o_proj
 /// 64 × 96), the query and key norms frozen with the base (their gains' gradients land in
-/// scratch), in fp32 and bf16 and under the full stack; and on Gemma 3's, which adds the
-/// frozen output norms and the GELU gate.
+/// scratch), in fp32 and bf16 and under the full stack; on Gemma 3's, which adds the frozen
+/// output norms and the GELU gate; and on OLMo 2's, whose frozen query and key norms span the
+/// whole projections and whose sublayers read the residual stream un-normalised.
 #[test]
 fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
     let keep = [
@@ -252,6 +253,7 @@ fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
         for class in [
             headroom_trainer::model::LlamaClass::Qwen3,
             headroom_trainer::model::LlamaClass::Gemma3,
+            headroom_trainer::model::LlamaClass::Olmo2,
         ] {
             let mut o = options(true, tech.clone());
             if let Family::Llama(s) = &mut o.model.family {
@@ -262,6 +264,6 @@ fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
             ran += 1;
         }
     }
-    assert_eq!(ran, 2 * keep.len());
+    assert_eq!(ran, 3 * keep.len());
     assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -161,6 +161,8 @@ fn hugging_face_json_settings() {
         ("hf-qwen2-window", "config.json"),
         ("hf-smollm3", "config.json"),
         ("hf-gemma3", "config.json"),
+        ("hf-olmo2", "config.json"),
+        ("hf-olmo3", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

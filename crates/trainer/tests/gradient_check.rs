@@ -183,6 +183,29 @@ fn gemma3_gradients_match_finite_differences() {
     check(cfg, AttentionConfig::naive());
 }
 
+/// OLMo 2: no input norms, the output norms, and the query and key norms over the whole 24-
+/// and 12-wide projections (heads 6 wide on a model 16 wide); OLMo 3: the same block with a
+/// window of 3 keys in block 0 and its own rotary base there.
+#[test]
+fn olmo_gradients_match_finite_differences() {
+    use headroom_trainer::model::{LlamaClass, SlidingWindow};
+    for class in [LlamaClass::Olmo2, LlamaClass::Olmo3] {
+        let mut cfg = llama(2, true);
+        if let Family::Llama(s) = &mut cfg.family {
+            s.class = class;
+            s.head_dim = Some(6);
+            s.sliding_window = (class == LlamaClass::Olmo3).then_some(SlidingWindow {
+                full_every: Some(2),
+                rope_theta: Some(100.0),
+                ..SlidingWindow::from_layer(3, 0)
+            });
+        }
+        assert_eq!(params::param_infos(&cfg).len(), cfg.tensor_count().unwrap());
+        check(cfg, AttentionConfig::flash());
+        check(cfg, AttentionConfig::naive());
+    }
+}
+
 /// Sliding windows of 3 keys over the 6 positions: Mistral's in both blocks, Qwen2's from
 /// block 1 on. The backward must give the hidden keys no gradient from the queries past them.
 #[test]

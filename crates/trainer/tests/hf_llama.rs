@@ -754,7 +754,12 @@ fn sliding_windows_match_transformers() {
 /// windowed blocks between its full one, each with its own rotary base, too.
 #[test]
 fn cached_decoding_past_a_sliding_window_matches_transformers() {
-    for name in ["hf-mistral-window", "hf-qwen2-window", "hf-gemma3"] {
+    for name in [
+        "hf-mistral-window",
+        "hf-qwen2-window",
+        "hf-gemma3",
+        "hf-olmo3",
+    ] {
         let (cfg, model, bytes) = loaded(&fixture(name));
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let (tokens, want) = (ids(&st, "tokens"), f32s(&st, "logits"));
@@ -789,7 +794,7 @@ fn cached_decoding_past_a_sliding_window_matches_transformers() {
 /// the row alone, at the prompt's end and for the steps after it.
 #[test]
 fn a_padded_batch_counts_each_rows_window_in_its_own_tokens() {
-    for name in ["hf-mistral-window", "hf-gemma3"] {
+    for name in ["hf-mistral-window", "hf-gemma3", "hf-olmo3"] {
         padded_decoding_matches_transformers(name);
     }
 }
@@ -1350,4 +1355,255 @@ fn a_gemma3_attention_scale_of_its_own_matches_transformers() {
         .logits(&ids(&st, "tokens"), Geometry::new(2, 48))
         .unwrap();
     assert!(worst_difference(&got, &f32s(&st, "logits")) > 1e-2);
+}
+
+/// OLMo 2 (`Olmo2ForCausalLM`): no norm on either sublayer's input, a norm on each one's output
+/// before the residual addition, and the query and key norms over the whole 48- and 24-wide
+/// projections, before the split into heads of 12. Logits, loss and every gradient against
+/// transformers'; a run's checkpoint is an `Olmo2ForCausalLM` that reads back unchanged.
+#[test]
+fn olmo2_matches_transformers() {
+    use headroom_trainer::model::QkNorm;
+    let (cfg, s) = llama_matches_reference("hf-olmo2");
+    assert_eq!(s.class, LlamaClass::Olmo2);
+    assert!(!s.input_norms() && s.output_norms() && !s.tied_head && !s.qkv_bias());
+    assert_eq!(s.qk_norm_kind(), Some(QkNorm::Projection));
+    assert_eq!(
+        (
+            cfg.head_dim(),
+            cfg.attention_width(),
+            s.rope_theta,
+            s.norm_eps
+        ),
+        (12, 48, 5e5, 1e-6)
+    );
+    assert!((0..cfg.layers).all(|l| cfg.window_of(l).is_none()));
+    assert_inv_freq("hf-olmo2", &cfg);
+    let infos = counted_param_infos(&cfg);
+    let norms: Vec<(String, Vec<usize>)> = infos
+        .iter()
+        .filter(|i| i.name.contains("layers.0.") && i.name.ends_with("norm.weight"))
+        .map(|i| (i.name.clone(), i.shape.clone()))
+        .collect();
+    assert_eq!(
+        norms,
+        [
+            ("post_attention_layernorm", 32),
+            ("post_feedforward_layernorm", 32),
+            ("self_attn.q_norm", 48),
+            ("self_attn.k_norm", 24),
+        ]
+        .map(|(n, w)| (format!("model.layers.0.{n}.weight"), vec![w]))
+    );
+    gradients_match_pytorch("hf-olmo2");
+    let written = saved_and_read_back("hf-olmo2", 48);
+    assert_eq!(
+        (&written["architectures"][0], &written["model_type"]),
+        (
+            &serde_json::json!("Olmo2ForCausalLM"),
+            &serde_json::json!("olmo2")
+        ),
+        "{written}"
+    );
+    assert_eq!(written["attention_bias"], false, "{written}");
+    assert!(written.get("sliding_window").is_none(), "{written}");
+}
+
+/// OLMo 3 (`Olmo3ForCausalLM`): OLMo 2's block with windowed blocks around a full one; the
+/// full block rotates with YaRN, the windowed ones with their own unscaled base (the
+/// fixture's `sliding_inv_freq`, bit for bit). Logits, gradients, and a checkpoint whose
+/// `layer_types` and per-type `rope_parameters` read back as the same model.
+#[test]
+fn olmo3_matches_transformers() {
+    let (cfg, s) = llama_matches_reference("hf-olmo3");
+    assert_eq!(s.class, LlamaClass::Olmo3);
+    assert!(!s.input_norms() && s.output_norms() && s.qk_norm());
+    assert_eq!(
+        (0..cfg.layers)
+            .map(|l| cfg.window_of(l))
+            .collect::<Vec<_>>(),
+        [Some(16), None, Some(16)]
+    );
+    assert!(matches!(s.rope_scaling, RopeScaling::Yarn { factor, .. } if factor == 4.0));
+    assert_eq!(s.rope_theta, 5e5);
+    assert_inv_freq("hf-olmo3", &cfg);
+    let bytes = std::fs::read(fixture("hf-olmo3").join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let local = cfg.rope_of(0).unwrap();
+    assert_eq!((local.theta, local.scaling), (1e4, RopeScaling::None));
+    let theirs = f32s(&st, "sliding_inv_freq");
+    assert_eq!(
+        local
+            .inv_freq(cfg.head_dim())
+            .iter()
+            .map(|f| f.to_bits())
+            .collect::<Vec<_>>(),
+        theirs.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+    );
+    assert_eq!(cfg.rope_of(1), Some(s.rope()));
+    gradients_match_pytorch("hf-olmo3");
+    let written = saved_and_read_back("hf-olmo3", 48);
+    assert_eq!(written["architectures"][0], "Olmo3ForCausalLM", "{written}");
+    assert_eq!(
+        written["layer_types"],
+        serde_json::json!(["sliding_attention", "full_attention", "sliding_attention"]),
+        "{written}"
+    );
+    assert_eq!(
+        written["rope_parameters"]["sliding_attention"],
+        serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}),
+        "{written}"
+    );
+    assert_eq!(
+        (
+            &written["rope_parameters"]["full_attention"]["rope_type"],
+            &written["sliding_window"]
+        ),
+        (&serde_json::json!("yarn"), &serde_json::json!(16)),
+        "{written}"
+    );
+}
+
+/// OLMo's configs as transformers 5.24 reads them: Olmo2Config's and Olmo3Config's defaults
+/// (ε 1e-5, bases 10⁴ and 5·10⁵, OLMo 3's window of 4096 in three blocks of four), the Hub's
+/// transformers 4 keys (`rope_theta`, `rope_scaling` — whose base transformers 5.24 gives the
+/// full blocks only), and refusals of what would compute something else.
+#[test]
+fn olmo_configs_read_as_transformers_reads_them() {
+    let edited = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        config_edited(name, edit).map_err(|e| e.to_string())
+    };
+    let defaults = edited("hf-olmo2", &|c| {
+        let o = c.as_object_mut().unwrap();
+        for key in ["rms_norm_eps", "rope_parameters", "head_dim"] {
+            o.remove(key);
+        }
+    })
+    .unwrap();
+    let Family::Llama(s) = defaults.family else {
+        panic!("read as GPT-2");
+    };
+    assert_eq!(
+        (s.norm_eps, s.rope_theta, defaults.head_dim()),
+        (1e-5, 1e4, 8)
+    );
+    let olmo3 = edited("hf-olmo3", &|c| {
+        let o = c.as_object_mut().unwrap();
+        for key in ["layer_types", "sliding_window", "rope_parameters"] {
+            o.remove(key);
+        }
+        o.insert("num_hidden_layers".into(), 8.into());
+        o.insert("max_position_embeddings".into(), 65536.into());
+        o.insert("rope_theta".into(), 1e6.into());
+        o.insert(
+            "rope_scaling".into(),
+            serde_json::json!({"rope_type": "yarn", "factor": 8.0,
+                "original_max_position_embeddings": 8192}),
+        );
+    })
+    .unwrap();
+    let full: Vec<usize> = (0..8).filter(|&l| olmo3.window_of(l).is_none()).collect();
+    assert_eq!((full, olmo3.window_of(0)), (vec![3, 7], Some(4096)));
+    let (local, global) = (olmo3.rope_of(0).unwrap(), olmo3.rope_of(3).unwrap());
+    assert_eq!((local.theta, local.scaling), (5e5, RopeScaling::None));
+    assert!(
+        global.theta == 1e6
+            && matches!(global.scaling, RopeScaling::Yarn { factor, .. } if factor == 8.0)
+    );
+    type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
+    let refusals: [(&str, Edit<'_>, &str); 5] = [
+        (
+            "hf-olmo2",
+            &|c| c["attention_bias"] = true.into(),
+            "attention_bias is not supported",
+        ),
+        (
+            "hf-olmo2",
+            &|c| c["hidden_act"] = "gelu".into(),
+            "only silu",
+        ),
+        (
+            "hf-olmo3",
+            &|c| c["layer_types"][0] = "full_attention".into(),
+            "only full_attention every k-th block",
+        ),
+        (
+            "hf-olmo3",
+            &|c| {
+                c["rope_parameters"]["sliding_attention"] =
+                    serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+            },
+            "windowed blocks' rotary embedding is not rescaled",
+        ),
+        (
+            "hf-olmo3",
+            &|c| c["model_type"] = "olmo2".into(),
+            "is not the model_type of Olmo3ForCausalLM",
+        ),
+    ];
+    for (name, edit, want) in refusals {
+        let err = edited(name, edit).unwrap_err();
+        assert!(err.contains(want), "{err} (wanted {want:?})");
+    }
+}
+
+/// OLMo 2 1B, 7B, 13B and 32B and OLMo 3 7B and 32B, as their configs shape them, count the
+/// parameters transformers 5.24 counts (`sum(p.numel())` of `Olmo2ForCausalLM` /
+/// `Olmo3ForCausalLM` built on those settings).
+#[test]
+fn the_olmo_models_count_as_transformers_counts_them() {
+    let shaped = |name: &str, c: [usize; 6], vocab: usize, context: usize| {
+        config_edited(name, |cfg| {
+            let o = cfg.as_object_mut().unwrap();
+            for key in ["head_dim", "layer_types"] {
+                o.remove(key);
+            }
+            for (key, v) in [
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+            ]
+            .into_iter()
+            .zip(c)
+            {
+                o.insert(key.into(), v.into());
+            }
+            o.insert("vocab_size".into(), vocab.into());
+            o.insert("max_position_embeddings".into(), context.into());
+            if c[5] > 0 {
+                o.insert("sliding_window".into(), c[5].into());
+            }
+        })
+        .unwrap()
+        .parameter_count()
+        .unwrap()
+    };
+    let olmo2 = |c, vocab| shaped("hf-olmo2", c, vocab, 4096);
+    assert_eq!(olmo2([2048, 8192, 16, 16, 16, 0], 100_352), 1_484_916_736);
+    assert_eq!(olmo2([4096, 11008, 32, 32, 32, 0], 100_352), 7_298_617_344);
+    assert_eq!(olmo2([5120, 13824, 40, 40, 40, 0], 100_352), 13_716_198_400);
+    assert_eq!(olmo2([5120, 27648, 64, 40, 8, 0], 100_352), 32_234_279_936);
+    let olmo3 = |c, vocab| shaped("hf-olmo3", c, vocab, 65536);
+    assert_eq!(
+        olmo3([4096, 11008, 32, 32, 32, 4096], 100_278),
+        7_298_011_136
+    );
+    assert_eq!(
+        olmo3([5120, 27648, 64, 40, 8, 4096], 100_278),
+        32_233_522_176
+    );
+}
+
+/// QLoRA on OLMo 2: the merged model is an `Olmo2ForCausalLM` whose four norms per block (the
+/// output norms and the projection-wide query and key norms) are the base's, bit for bit.
+#[test]
+fn qlora_on_olmo2_trains_and_merges_into_an_olmo2() {
+    let (names, masters, merged, written) = qlora_trained_and_merged("hf-olmo2");
+    assert_eq!(written["architectures"][0], "Olmo2ForCausalLM");
+    assert_eq!(
+        kept_from_the_base(&names, &masters, &merged, "norm.weight"),
+        4 * 2 + 1
+    );
 }

@@ -253,11 +253,11 @@ fn every_stage_on_2_3_4_ranks_equals_one_process_bit_for_bit() {
 }
 
 /// Qwen2's q/k/v biases with Llama 3's rescaled rotary embedding and a tied head, Qwen3's
-/// query/key norms with heads 16 wide on a model 24 wide, and Gemma 3's output norms: the
-/// biases and the norms' gains are parts like any other, so every stage on 2 ranks is still
-/// one process bit for bit.
+/// query/key norms with heads 16 wide on a model 24 wide, Gemma 3's output norms, and OLMo 2's
+/// projection-wide query/key norms without input norms: the biases and the norms' gains are
+/// parts like any other, so every stage on 2 ranks is still one process bit for bit.
 #[test]
-fn qwen2_qwen3_and_gemma3_under_every_stage_equal_one_process() {
+fn qwen2_qwen3_gemma3_and_olmo2_under_every_stage_equal_one_process() {
     let qwen2 = LlamaShape {
         kv_heads: 1,
         head_dim: None,
@@ -293,7 +293,17 @@ fn qwen2_qwen3_and_gemma3_under_every_stage_equal_one_process() {
         }),
         ..qwen3
     };
-    for (name, shape) in [("qwen2", qwen2), ("qwen3", qwen3), ("gemma3", gemma3)] {
+    // OLMo 2: no input norms, the projection-wide query and key norms' gains as parts.
+    let olmo2 = LlamaShape {
+        class: headroom_trainer::model::LlamaClass::Olmo2,
+        ..qwen3
+    };
+    for (name, shape) in [
+        ("qwen2", qwen2),
+        ("qwen3", qwen3),
+        ("gemma3", gemma3),
+        ("olmo2", olmo2),
+    ] {
         let o = options(Family::Llama(shape), 2, 8);
         let mut refs = std::collections::HashMap::new();
         for stage in Stage::ALL {

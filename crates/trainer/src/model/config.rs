@@ -131,17 +131,38 @@ pub enum LlamaClass {
     /// embedding scaled by `√C`; windowed blocks with their own rotary base
     /// ([`SlidingWindow`]).
     Gemma3,
+    /// `Olmo2ForCausalLM` (OLMo 2): no norm on a sublayer's input; instead a norm on the
+    /// attention's and the MLP's outputs before each residual addition (Gemma 3's output norms
+    /// with plain gains), and an RMSNorm over the whole query and key projections
+    /// (`[heads · head_dim]` gains) before they are split into heads.
+    Olmo2,
+    /// `Olmo3ForCausalLM` (OLMo 3): OLMo 2 with a sliding window in three blocks of four,
+    /// whose rotary embedding is not rescaled ([`SlidingWindow`]).
+    Olmo3,
+}
+
+/// Where a class normalises its queries and keys (before the rotation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// Over each head: gains `[head_dim]`, one statistic per head and position (Qwen3's,
+    /// Gemma 3's `q_norm` and `k_norm`).
+    PerHead,
+    /// Over the whole projection before it is split into heads: gains `[heads · head_dim]`,
+    /// one statistic per position (OLMo 2's).
+    Projection,
 }
 
 impl LlamaClass {
     /// Every class.
-    pub const ALL: [LlamaClass; 6] = [
+    pub const ALL: [LlamaClass; 8] = [
         LlamaClass::Llama,
         LlamaClass::Mistral,
         LlamaClass::Qwen2,
         LlamaClass::Qwen3,
         LlamaClass::SmolLM3,
         LlamaClass::Gemma3,
+        LlamaClass::Olmo2,
+        LlamaClass::Olmo3,
     ];
 
     /// transformers' class name (`architectures`).
@@ -153,6 +174,8 @@ impl LlamaClass {
             LlamaClass::Qwen3 => "Qwen3ForCausalLM",
             LlamaClass::SmolLM3 => "SmolLM3ForCausalLM",
             LlamaClass::Gemma3 => "Gemma3ForCausalLM",
+            LlamaClass::Olmo2 => "Olmo2ForCausalLM",
+            LlamaClass::Olmo3 => "Olmo3ForCausalLM",
         }
     }
 
@@ -165,6 +188,8 @@ impl LlamaClass {
             LlamaClass::Qwen3 => "qwen3",
             LlamaClass::SmolLM3 => "smollm3",
             LlamaClass::Gemma3 => "gemma3_text",
+            LlamaClass::Olmo2 => "olmo2",
+            LlamaClass::Olmo3 => "olmo3",
         }
     }
 
@@ -200,16 +225,42 @@ impl LlamaShape {
         self.class == LlamaClass::Qwen2
     }
 
-    /// Whether each query and key head is RMS-normalised before the rotation (Qwen3, Gemma 3).
+    /// Whether the queries and keys are RMS-normalised before the rotation (Qwen3, Gemma 3,
+    /// OLMo 2 and 3).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.class, LlamaClass::Qwen3 | LlamaClass::Gemma3)
+        self.qk_norm_kind().is_some()
+    }
+
+    /// How the queries and keys are RMS-normalised, if they are: per head (Qwen3, Gemma 3) or
+    /// over the whole projection (OLMo 2 and 3).
+    pub fn qk_norm_kind(&self) -> Option<QkNorm> {
+        match self.class {
+            LlamaClass::Qwen3 | LlamaClass::Gemma3 => Some(QkNorm::PerHead),
+            LlamaClass::Olmo2 | LlamaClass::Olmo3 => Some(QkNorm::Projection),
+            _ => None,
+        }
     }
 
     /// Whether the attention's and the MLP's outputs are RMS-normalised before they are added
-    /// to the residual stream (Gemma 3's `post_attention_layernorm` and
+    /// to the residual stream (Gemma 3's and OLMo 2's `post_attention_layernorm` and
     /// `post_feedforward_layernorm`).
     pub fn output_norms(&self) -> bool {
-        self.class == LlamaClass::Gemma3
+        matches!(
+            self.class,
+            LlamaClass::Gemma3 | LlamaClass::Olmo2 | LlamaClass::Olmo3
+        )
+    }
+
+    /// Whether each sublayer normalises its input (`input_layernorm` before attention, the
+    /// MLP's input norm): every class but OLMo 2 and 3, which normalise the outputs instead.
+    pub fn input_norms(&self) -> bool {
+        !matches!(self.class, LlamaClass::Olmo2 | LlamaClass::Olmo3)
+    }
+
+    /// Whether a sliding window may skip blocks by a pattern (`full_every`) and rotate with a
+    /// base of its own: Gemma 3's and OLMo 3's `layer_types`.
+    pub fn typed_layers(&self) -> bool {
+        matches!(self.class, LlamaClass::Gemma3 | LlamaClass::Olmo3)
     }
 
     /// Every RMSNorm of the model: its epsilon, and the `1` Gemma 3 adds to each stored gain.
@@ -505,7 +556,8 @@ impl ModelConfig {
 
     /// Parameters, every product checked. GPT-2: `V·C + T·C + L·(12C² + 13C) + 2C`. Llama:
     /// `V·C·(1 or 2) + L·(2C·(NH·hs + KV·hs) + 3C·F + 2C (+ NH·hs + 2·KV·hs with q/k/v
-    /// biases, + 2·hs with query/key norms, + 2C with output norms)) + C`.
+    /// biases, + 2·hs with per-head query/key norms or NH·hs + KV·hs with projection-wide
+    /// ones, + 2C with output norms, − 2C without input norms)) + C`.
     pub fn parameter_count(&self) -> Result<u64> {
         let (v, t, l, c) = (
             self.vocab as u64,
@@ -533,16 +585,21 @@ impl ModelConfig {
                 let kv = (s.kv_heads as u64).checked_mul(hs).ok_or_else(overflow)?;
                 let f = s.ffn as u64;
                 // q and o are C×q, k and v C×kv, three C×F, two norms; with Qwen2's biases,
-                // q + 2·kv more; with query and key norms, 2·hs more; with Gemma 3's output
-                // norms, 2·C more.
+                // q + 2·kv more; with query and key norms, 2·hs (per head) or q + kv (over the
+                // projections) more; with output norms, 2·C more; without input norms (OLMo
+                // 2's), 2·C fewer.
                 let biases = if s.qkv_bias() { q + 2 * kv } else { 0 };
-                let qk_norms =
-                    if s.qk_norm() { 2 * hs } else { 0 } + if s.output_norms() { 2 * c } else { 0 };
+                let qk_norms = match s.qk_norm_kind() {
+                    Some(QkNorm::PerHead) => 2 * hs,
+                    Some(QkNorm::Projection) => q + kv,
+                    None => 0,
+                } + if s.output_norms() { 2 * c } else { 0 };
+                let input_norms = if s.input_norms() { 2 * c } else { 0 };
                 let per_layer = q
                     .checked_add(kv)
                     .and_then(|x| x.checked_mul(c)?.checked_mul(2))
                     .and_then(|x| x.checked_add(c.checked_mul(f)?.checked_mul(3)?))
-                    .and_then(|x| x.checked_add(c.checked_mul(2)?))
+                    .and_then(|x| x.checked_add(input_norms))
                     .and_then(|x| x.checked_add(biases)?.checked_add(qk_norms));
                 let heads = if s.tied_head { 1u64 } else { 2 };
                 v.checked_mul(c)
@@ -628,18 +685,19 @@ impl ModelConfig {
                     ));
                 }
                 // What the class's config can say: Mistral windows every block, Qwen2 and
-                // Qwen3 the blocks from one on, Llama none.
-                // Gemma 3 a window in every block but every k-th, with its own rotary base.
+                // Qwen3 the blocks from one on, Llama and OLMo 2 none; Gemma 3 and OLMo 3 a
+                // window in every block but every k-th, with its own rotary base.
                 let expressible = match s.class {
-                    LlamaClass::Llama | LlamaClass::SmolLM3 => false,
-                    LlamaClass::Mistral => w.first_layer == 0,
+                    LlamaClass::Llama | LlamaClass::SmolLM3 | LlamaClass::Olmo2 => false,
+                    LlamaClass::Mistral | LlamaClass::Gemma3 | LlamaClass::Olmo3 => {
+                        w.first_layer == 0
+                    }
                     LlamaClass::Qwen2 | LlamaClass::Qwen3 => true,
-                    LlamaClass::Gemma3 => w.first_layer == 0,
                 };
-                let gemma = s.class == LlamaClass::Gemma3;
+                let typed = s.typed_layers();
                 if !expressible
-                    || (w.full_every.is_some() && !gemma)
-                    || (w.rope_theta.is_some() && !gemma)
+                    || (w.full_every.is_some() && !typed)
+                    || (w.rope_theta.is_some() && !typed)
                 {
                     return bad(format!(
                         "{} cannot hold a sliding window from block {}{}{}",

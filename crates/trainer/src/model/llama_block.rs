@@ -5,7 +5,10 @@
 //! head before the rotation, SmolLM3's blocks without the rotation, and Gemma 3's
 //! (`Gemma3DecoderLayer`): Qwen3's head norms, a norm of the attention's and of the MLP's
 //! output before each residual addition, a GELU gate, its own rotary base in windowed blocks
-//! (the `1 + w` gains are the norm op's).
+//! (the `1 + w` gains are the norm op's); OLMo 2's (`Olmo2DecoderLayer`): Gemma's output norms
+//! without the input norms — each sublayer reads the residual stream itself and its input
+//! gradient adds straight into the residual's — and query/key norms over the whole
+//! projections, before the split into heads.
 //!
 //! As in the GPT-2 block, every kept tensor is rounded to the storage precision as soon as it
 //! is computed and every later reader reads the rounded values, so checkpointed gradients
@@ -20,25 +23,28 @@ use crate::model::gpt2_block::at;
 use crate::model::ops::ModelOps;
 use crate::model::params::llama_layer as o;
 use crate::model::transformer::{BlockOutput, Documents, Geometry, Model, NormStats};
-use crate::model::{Family, MlpGate};
+use crate::model::{Family, MlpGate, QkNorm};
 use crate::ops::rope::Rope;
 use crate::{Result, TrainError};
 
 /// What one Llama block keeps for its backward, besides its input. Low-precision modes keep
 /// these in bf16/f16, except the f32 statistics and log-sum-exp.
 pub struct LlamaSaved<T = CpuTensor> {
-    /// `[B, T, C]` input RMSNorm (`None` under selective recomputation).
+    /// `[B, T, C]` input RMSNorm (`None` under selective recomputation, and for OLMo 2,
+    /// which has no input norms).
     pub norm1: Option<T>,
-    /// `[B, T]` f32 its reciprocal root mean square.
-    pub norm1_stats: NormStats<T>,
+    /// `[B, T]` f32 its reciprocal root mean square (`None` for OLMo 2).
+    pub norm1_stats: Option<NormStats<T>>,
     /// `[B, NH, T, hs]` queries after the rotary embedding.
     pub q: T,
     /// `[B, KV, T, hs]` keys after the rotary embedding.
     pub k: T,
     /// Qwen3's per-head norm of the queries: its `[B, NH, T, hs]` input and `[B, NH, T]`
-    /// statistics (`None` without query/key norms).
+    /// statistics; OLMo 2's norm of the query projection: `[B, T, NH·hs]` and `[B, T]`
+    /// (`None` without query/key norms).
     pub q_norm: Option<KeptNorm<T>>,
-    /// Qwen3's per-head norm of the keys: `[B, KV, T, hs]` and `[B, KV, T]`.
+    /// The keys' norm: `[B, KV, T, hs]` and `[B, KV, T]`, or OLMo 2's `[B, T, KV·hs]` and
+    /// `[B, T]`.
     pub k_norm: Option<KeptNorm<T>>,
     /// `[B, KV, T, hs]` values.
     pub v: T,
@@ -47,10 +53,11 @@ pub struct LlamaSaved<T = CpuTensor> {
     pub attn: AttentionForward<T>,
     /// `[B, T, C]` residual after attention.
     pub res2: T,
-    /// `[B, T, C]` post-attention RMSNorm (`None` under selective recomputation).
+    /// `[B, T, C]` the MLP's input RMSNorm (`None` under selective recomputation, and for
+    /// OLMo 2).
     pub norm2: Option<T>,
-    /// `[B, T]` f32 its reciprocal root mean square.
-    pub norm2_stats: NormStats<T>,
+    /// `[B, T]` f32 its reciprocal root mean square (`None` for OLMo 2).
+    pub norm2_stats: Option<NormStats<T>>,
     /// `[B, T, F]` gate projection (SiLU's input).
     pub gate: T,
     /// `[B, T, F]` up projection.
@@ -58,18 +65,18 @@ pub struct LlamaSaved<T = CpuTensor> {
     /// `[B, T, F]` `act(gate) · up`, the down projection's input (`None` under selective
     /// recomputation).
     pub act: Option<T>,
-    /// Gemma 3's norm of the attention's output: the `[B, T, C]` o_proj output it normalised
-    /// and its statistics (`None` without output norms).
+    /// Gemma 3's and OLMo 2's norm of the attention's output: the `[B, T, C]` o_proj output
+    /// it normalised and its statistics (`None` without output norms).
     pub attn_out_norm: Option<KeptNorm<T>>,
-    /// Gemma 3's norm of the MLP's output: the `[B, T, C]` down projection's output and its
+    /// The norm of the MLP's output: the `[B, T, C]` down projection's output and its
     /// statistics.
     pub mlp_out_norm: Option<KeptNorm<T>>,
 }
 
 /// What an RMSNorm whose input is not otherwise kept keeps for its backward: that input
 /// (storage precision) and its f32 reciprocal root mean squares — a query or key head norm's
-/// `[B, H, T, hs]` heads and `[B, H, T]` statistics, an output norm's `[B, T, C]` and
-/// `[B, T]`.
+/// `[B, H, T, hs]` heads and `[B, H, T]` statistics, a projection norm's `[B, T, H·hs]` and
+/// `[B, T]`, an output norm's `[B, T, C]` and `[B, T]`.
 pub struct KeptNorm<T = CpuTensor> {
     /// The norm's input.
     pub input: T,
@@ -78,8 +85,12 @@ pub struct KeptNorm<T = CpuTensor> {
 }
 
 /// A kept result and what its norm keeps, when it has one: rotated queries or keys and their
-/// head norm's (Qwen3's, Gemma 3's), a residual sum and its sublayer's output norm (Gemma 3's).
+/// norm's (Qwen3's, Gemma 3's, OLMo 2's), a residual sum and its sublayer's output norm (Gemma
+/// 3's, OLMo 2's).
 type WithNorm<T> = (T, Option<KeptNorm<T>>);
+
+/// A sublayer's input norm and its statistics, or neither without input norms (OLMo 2).
+type SublayerInput<T> = (Option<T>, Option<NormStats<T>>);
 
 impl<T: Tensor> KeptNorm<T> {
     fn size_in_bytes(&self) -> usize {
@@ -105,8 +116,14 @@ impl<T: Tensor> headroom_ckpt::SavedState for LlamaSaved<T> {
         .iter()
         .map(|t| t.size_in_bytes())
         .sum::<usize>()
-            + self.norm1_stats.size_in_bytes()
-            + self.norm2_stats.size_in_bytes()
+            + self
+                .norm1_stats
+                .as_ref()
+                .map_or(0, NormStats::size_in_bytes)
+            + self
+                .norm2_stats
+                .as_ref()
+                .map_or(0, NormStats::size_in_bytes)
             + opt(&self.norm1)
             + opt(&self.norm2)
             + opt(&self.act)
@@ -147,6 +164,39 @@ impl<B: ModelOps> Model<B> {
         let mut out = self.fresh_overwritten([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, at(bw, w_off)?, None, g)?;
         Ok((self.keep(out)?, stats))
+    }
+
+    /// What a sublayer reads from the residual stream `x`: its RMSNorm with the gain at
+    /// `w_off` (kept) and the norm's statistics, or nothing for a class without input norms
+    /// (OLMo 2's sublayers read `x` itself).
+    fn sublayer_input(
+        &self,
+        bw: &[B::Tensor],
+        x: &B::Tensor,
+        w_off: usize,
+        g: Geometry<'_>,
+    ) -> Result<SublayerInput<B::Tensor>> {
+        if !self.input_norms() {
+            return Ok((None, None));
+        }
+        let (out, stats) = self.block_rmsnorm(bw, x, w_off, g)?;
+        Ok((Some(out), Some(stats)))
+    }
+
+    /// Whether the sublayers normalise their inputs (all but OLMo 2 and 3).
+    fn input_norms(&self) -> bool {
+        match self.cfg.family {
+            Family::Llama(s) => s.input_norms(),
+            Family::Gpt2 => true,
+        }
+    }
+
+    /// The offsets of the attention's and the MLP's output norms ([`o::attn_out_norm`]).
+    fn output_norm_offsets(&self) -> (usize, usize) {
+        match self.cfg.family {
+            Family::Llama(s) => (o::attn_out_norm(&s), o::mlp_out_norm(&s)),
+            Family::Gpt2 => (o::ATTN_OUT_NORM, o::MLP_OUT_NORM),
+        }
     }
 
     /// The MLP's gate, SiLU (SwiGLU) or Gemma's GELU (GeGLU).
@@ -235,10 +285,11 @@ impl<B: ModelOps> Model<B> {
         Ok(out)
     }
 
-    /// Queries or keys: `x` projected by `w_off` into `heads` heads, each RMS-normalised with
-    /// the gain at `norm_off` when the class has query/key norms (Qwen3, Gemma 3), rotated by
-    /// `rope` from position `pos0` (`None`: one of SmolLM3's NoPE blocks), kept. With the
-    /// norm, its kept input and statistics come back for the backward.
+    /// Queries or keys: `x` projected by `w_off` into `heads` heads, RMS-normalised with the
+    /// gain at `norm_off` when the class has query/key norms (each head: Qwen3, Gemma 3; the
+    /// whole projection before the split: OLMo 2), rotated by `rope` from position `pos0`
+    /// (`None`: one of SmolLM3's NoPE blocks), kept. With the norm, its kept input and
+    /// statistics come back for the backward.
     #[allow(clippy::too_many_arguments)]
     fn rotated_heads(
         &self,
@@ -251,9 +302,16 @@ impl<B: ModelOps> Model<B> {
         pos0: usize,
         g: Geometry<'_>,
     ) -> Result<WithNorm<B::Tensor>> {
+        let qk_norm = match self.cfg.family {
+            Family::Llama(s) => s.qk_norm_kind(),
+            Family::Gpt2 => None,
+        };
+        if qk_norm == Some(QkNorm::Projection) {
+            return self.rotated_projection(l, bw, x, (w_off, norm_off), heads, rope, pos0, g);
+        }
         let projected = self.project_heads(l, bw, x, w_off, heads, g)?;
         let (mut rotated, norm) = match self.cfg.family {
-            Family::Llama(s) if s.qk_norm() => {
+            Family::Llama(s) if qk_norm.is_some() => {
                 // Kept before the norm reads it, so a recomputed or stored backward sees the
                 // values the forward normalised. Keeping it costs B·T·(NH + KV)·hs elements
                 // per block; the alternative, recovering it from the kept rotated output,
@@ -281,8 +339,40 @@ impl<B: ModelOps> Model<B> {
         Ok((self.keep(rotated)?, norm))
     }
 
+    /// [`Model::rotated_heads`] with OLMo 2's norm over the whole projection: the projection's
+    /// `[B, T, heads·hs]` output is kept as the norm's input, the norm's output is split into
+    /// heads (workspace until then), rotated and kept.
+    #[allow(clippy::too_many_arguments)]
+    fn rotated_projection(
+        &self,
+        l: usize,
+        bw: &[B::Tensor],
+        x: &B::Tensor,
+        (w_off, norm_off): (usize, usize),
+        heads: usize,
+        rope: Option<Rope>,
+        pos0: usize,
+        g: Geometry<'_>,
+    ) -> Result<WithNorm<B::Tensor>> {
+        let hs = self.cfg.head_dim();
+        let mut projected = self.fresh_overwritten([g.b, g.t, heads * hs])?;
+        let bias = self.qkv_bias_offset(w_off);
+        self.block_linear(l, bw, w_off, bias, &mut projected, x)?;
+        let input = self.keep(projected)?;
+        let mut normed = self.scratch_overwritten([g.b, g.t, heads * hs])?;
+        let stats = self.norm(&mut normed, &input, at(bw, norm_off)?, None, g)?;
+        let mut rotated = self.fresh_overwritten([g.b, heads, g.t, hs])?;
+        self.backend().split_heads(&mut rotated, &normed, 0)?;
+        drop(normed);
+        if let Some(rope) = rope {
+            self.rope(&mut rotated, rope, pos0, g, false)?;
+        }
+        Ok((self.keep(rotated)?, Some(KeptNorm { input, stats })))
+    }
+
     /// The backward of [`Model::rotated_heads`]' norm, when there is one: `dh`, the gradient
-    /// of the normalised heads, becomes that of the projection's; the gain's gradient
+    /// of the normalised heads, becomes that of the projection's — `[B, H, T, hs]` after a
+    /// per-head norm, `[B, T, H·hs]` after OLMo 2's projection norm; the gain's gradient
     /// accumulates into `grads`.
     fn head_norm_backward(
         &self,
@@ -295,12 +385,22 @@ impl<B: ModelOps> Model<B> {
         let Some(n) = norm else {
             return Ok(dh);
         };
-        let mut dinput = self.scratch(dh.shape().clone())?;
+        // OLMo 2's norm read the projection before the split: the heads' gradient is merged
+        // back first (replacing dh, so no more is live than a per-head norm's backward holds).
+        let dy = if n.input.shape().dims().len() == 3 {
+            let mut merged = self.scratch_overwritten(n.input.shape().clone())?;
+            self.backend().merge_heads(&mut merged, &dh, 0)?;
+            drop(dh);
+            merged
+        } else {
+            dh
+        };
+        let mut dinput = self.scratch(dy.shape().clone())?;
         self.norm_backward(
             &mut dinput,
             self.param_grads(grads, norm_off, None).0,
             None,
-            &dh,
+            &dy,
             &n.input,
             at(bw, norm_off)?,
             &n.stats,
@@ -393,16 +493,17 @@ impl<B: ModelOps> Model<B> {
         let pos0 = kv.as_ref().map_or(0, |c| c.len());
         let be = self.backend();
 
+        let (attn_out_off, mlp_out_off) = self.output_norm_offsets();
+
         let _t = self.tag(l, "input_norm");
-        let (norm1, norm1_stats) = self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?;
+        let (norm1, norm1_stats) = self.sublayer_input(bw, inp, o::INPUT_NORM, g)?;
+        let x = norm1.as_ref().unwrap_or(inp);
         let _t = self.tag(l, "attn.q");
-        let (q, q_norm) =
-            self.rotated_heads(l, bw, &norm1, (o::Q, o::Q_NORM), nh, rope, pos0, g)?;
+        let (q, q_norm) = self.rotated_heads(l, bw, x, (o::Q, o::Q_NORM), nh, rope, pos0, g)?;
         let _t = self.tag(l, "attn.k");
-        let (k, k_norm) =
-            self.rotated_heads(l, bw, &norm1, (o::K, o::K_NORM), kvh, rope, pos0, g)?;
+        let (k, k_norm) = self.rotated_heads(l, bw, x, (o::K, o::K_NORM), kvh, rope, pos0, g)?;
         let _t = self.tag(l, "attn.v");
-        let v = self.project_heads(l, bw, &norm1, o::V, kvh, g)?;
+        let v = self.project_heads(l, bw, x, o::V, kvh, g)?;
         let v = self.keep(v)?;
         let _t = self.tag(l, "attn.out");
         let kv = self.extend_kv(kv, k, v)?;
@@ -425,29 +526,30 @@ impl<B: ModelOps> Model<B> {
         let mut attn_out = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(l, bw, o::O, None, &mut attn_out, &atty)?;
         drop(atty);
-        let (res2, attn_out_norm) = self.add_to_residual(bw, attn_out, inp, o::ATTN_OUT_NORM, g)?;
+        let (res2, attn_out_norm) = self.add_to_residual(bw, attn_out, inp, attn_out_off, g)?;
         let _t = self.tag(l, "post_norm");
-        let (norm2, norm2_stats) = self.block_rmsnorm(bw, &res2, o::POST_NORM, g)?;
+        let (norm2, norm2_stats) = self.sublayer_input(bw, &res2, o::POST_NORM, g)?;
+        let x = norm2.as_ref().unwrap_or(&res2);
         let _t = self.tag(l, "mlp.gate");
         let mut gate = self.fresh_overwritten([g.b, g.t, f])?;
-        self.block_linear(l, bw, o::GATE, None, &mut gate, &norm2)?;
+        self.block_linear(l, bw, o::GATE, None, &mut gate, x)?;
         let gate = self.keep(gate)?;
         let _t = self.tag(l, "mlp.up");
         let mut up = self.fresh_overwritten([g.b, g.t, f])?;
-        self.block_linear(l, bw, o::UP, None, &mut up, &norm2)?;
+        self.block_linear(l, bw, o::UP, None, &mut up, x)?;
         let up = self.keep(up)?;
         let _t = self.tag(l, "mlp.act");
         let act = self.block_gated(&gate, &up)?;
         let _t = self.tag(l, "mlp.down");
         let mut mlp_out = self.fresh_overwritten([g.b, g.t, c])?;
         self.block_linear(l, bw, o::DOWN, None, &mut mlp_out, &act)?;
-        let (out, mlp_out_norm) = self.add_to_residual(bw, mlp_out, &res2, o::MLP_OUT_NORM, g)?;
+        let (out, mlp_out_norm) = self.add_to_residual(bw, mlp_out, &res2, mlp_out_off, g)?;
         if !save {
             return Ok((out, None));
         }
         let (k, v) = kv.into_fresh()?;
         let sel = self.opts.selective;
-        let keep_unless_selective = |t: B::Tensor| if sel { None } else { Some(t) };
+        let keep_unless_selective = |t: Option<B::Tensor>| if sel { None } else { t };
         let saved = LlamaSaved {
             norm1: keep_unless_selective(norm1),
             norm1_stats,
@@ -462,7 +564,7 @@ impl<B: ModelOps> Model<B> {
             norm2_stats,
             gate,
             up,
-            act: keep_unless_selective(act),
+            act: keep_unless_selective(Some(act)),
             attn_out_norm,
             mlp_out_norm,
         };
@@ -470,8 +572,9 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// The backward of [`Model::project_heads`] for one of q, k, v: merges the heads'
-    /// gradient `dh` `[B, heads, T, hs]` and adds its input gradient into `dx`, its
-    /// parameters' gradients into `grads`.
+    /// gradient `dh` `[B, heads, T, hs]` (or takes it as it is, `[B, T, heads·hs]`, after
+    /// OLMo 2's projection norm) and adds its input gradient into `dx`, its parameters'
+    /// gradients into `grads`.
     #[allow(clippy::too_many_arguments)]
     fn project_heads_backward(
         &self,
@@ -483,8 +586,10 @@ impl<B: ModelOps> Model<B> {
         x: &B::Tensor,
         w_off: usize,
     ) -> Result<()> {
+        let bias = self.qkv_bias_offset(w_off);
         let (b, heads, t, hs) = match *dh.shape().dims() {
             [b, h, t, hs] => (b, h, t, hs),
+            [_, _, _] => return self.block_linear_backward(l, bw, w_off, bias, dx, grads, dh, x),
             ref other => {
                 return Err(TrainError::Input(format!(
                     "head gradient of shape {other:?} is not [B, H, T, hs]"
@@ -493,7 +598,6 @@ impl<B: ModelOps> Model<B> {
         };
         let mut flat = self.scratch_overwritten([b, t, heads * hs])?;
         self.backend().merge_heads(&mut flat, dh, 0)?;
-        let bias = self.qkv_bias_offset(w_off);
         self.block_linear_backward(l, bw, w_off, bias, dx, grads, &flat, x)
     }
 
@@ -525,14 +629,20 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<B::Tensor> {
         let (c, f) = (self.cfg.channels, self.cfg.ffn());
         let be = self.backend();
+        let input_norms = self.input_norms();
+        let (attn_out_off, mlp_out_off) = self.output_norm_offsets();
         let _t = self.tag(l, "recompute");
+        // What each sublayer read: its input norm (kept, or recomputed under selective
+        // recomputation), or OLMo 2's residual stream itself.
         let norm1 = match s.norm1 {
-            Some(t) => t,
-            None => self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?.0,
+            Some(t) => Some(t),
+            None if input_norms => Some(self.block_rmsnorm(bw, inp, o::INPUT_NORM, g)?.0),
+            None => None,
         };
         let norm2 = match s.norm2 {
-            Some(t) => t,
-            None => self.block_rmsnorm(bw, &s.res2, o::POST_NORM, g)?.0,
+            Some(t) => Some(t),
+            None if input_norms => Some(self.block_rmsnorm(bw, &s.res2, o::POST_NORM, g)?.0),
+            None => None,
         };
         let act = match s.act {
             Some(t) => t,
@@ -542,7 +652,7 @@ impl<B: ModelOps> Model<B> {
         // out = res2 + down(act(gate)·up), or res2 + norm(down(…)) with output norms.
         let _t = self.tag(l, "mlp.backward");
         let ddown =
-            self.output_norm_backward(grads, bw, dout, s.mlp_out_norm.as_ref(), o::MLP_OUT_NORM)?;
+            self.output_norm_backward(grads, bw, dout, s.mlp_out_norm.as_ref(), mlp_out_off)?;
         drop(s.mlp_out_norm);
         let mut dact = self.scratch([g.b, g.t, f])?;
         let dy = ddown.tensor();
@@ -552,35 +662,46 @@ impl<B: ModelOps> Model<B> {
         // up's gradient is written over the product's.
         be.gated_backward_in_place(&mut dgate, &mut dact, &s.gate, &s.up, self.mlp_gate())?;
         let dup = dact;
-        let mut dnorm2 = self.scratch([g.b, g.t, c])?;
-        self.block_linear_backward(l, bw, o::GATE, None, &mut dnorm2, grads, &dgate, &norm2)?;
+        // The gradient of the MLP's input: its norm's (dnorm2), or, without input norms, the
+        // residual's own, which starts as the block output's and takes gate's and up's
+        // input gradients directly.
+        let mut dmlp_in = if input_norms {
+            self.scratch([g.b, g.t, c])?
+        } else {
+            let mut dres2 = self.scratch_overwritten([g.b, g.t, c])?;
+            be.copy(dout, &mut dres2)?;
+            dres2
+        };
+        let x = norm2.as_ref().unwrap_or(&s.res2);
+        self.block_linear_backward(l, bw, o::GATE, None, &mut dmlp_in, grads, &dgate, x)?;
         drop(dgate);
-        self.block_linear_backward(l, bw, o::UP, None, &mut dnorm2, grads, &dup, &norm2)?;
+        self.block_linear_backward(l, bw, o::UP, None, &mut dmlp_in, grads, &dup, x)?;
         drop((dup, norm2));
         let _t = self.tag(l, "post_norm.backward");
-        let mut dres2 = self.scratch_overwritten([g.b, g.t, c])?;
-        be.copy(dout, &mut dres2)?;
-        self.norm_backward(
-            &mut dres2,
-            self.param_grads(grads, o::POST_NORM, None).0,
-            None,
-            &dnorm2,
-            &s.res2,
-            at(bw, o::POST_NORM)?,
-            &s.norm2_stats,
-        )?;
-        drop(dnorm2);
+        let dres2 = match &s.norm2_stats {
+            Some(stats) => {
+                let mut dres2 = self.scratch_overwritten([g.b, g.t, c])?;
+                be.copy(dout, &mut dres2)?;
+                self.norm_backward(
+                    &mut dres2,
+                    self.param_grads(grads, o::POST_NORM, None).0,
+                    None,
+                    &dmlp_in,
+                    &s.res2,
+                    at(bw, o::POST_NORM)?,
+                    stats,
+                )?;
+                drop(dmlp_in);
+                dres2
+            }
+            None => dmlp_in,
+        };
         // res2 = inp + o_proj(atty) (or inp + norm(o_proj(atty))), atty = the attention
         // output with heads merged.
         let _t = self.tag(l, "attn.backward");
         let width = self.cfg.attention_width();
-        let dattn_out = self.output_norm_backward(
-            grads,
-            bw,
-            &dres2,
-            s.attn_out_norm.as_ref(),
-            o::ATTN_OUT_NORM,
-        )?;
+        let dattn_out =
+            self.output_norm_backward(grads, bw, &dres2, s.attn_out_norm.as_ref(), attn_out_off)?;
         let mut atty = self.scratch_overwritten([g.b, g.t, width])?;
         be.merge_heads(&mut atty, &s.attn.output, 0)?;
         let mut datty = self.scratch([g.b, g.t, width])?;
@@ -602,22 +723,33 @@ impl<B: ModelOps> Model<B> {
         let dk = self.head_norm_backward(grads, bw, ag.dk, s.k_norm.as_ref(), o::K_NORM)?;
         drop((s.q_norm, s.k_norm));
         let _t = self.tag(l, "input_norm.backward");
-        let mut dnorm1 = self.scratch([g.b, g.t, c])?;
-        for (dh, off) in [(&dq, o::Q), (&dk, o::K), (&ag.dv, o::V)] {
-            self.project_heads_backward(l, bw, &mut dnorm1, grads, dh, &norm1, off)?;
-        }
-        drop((dq, dk, ag.dv, norm1));
-        // The residual passes dres2 straight through to the block input.
+        // The residual passes dres2 straight through to the block input; the attention's
+        // input gradient joins it through the input norm, or directly without one.
         let mut dinp = dres2;
-        self.norm_backward(
-            &mut dinp,
-            self.param_grads(grads, o::INPUT_NORM, None).0,
-            None,
-            &dnorm1,
-            inp,
-            at(bw, o::INPUT_NORM)?,
-            &s.norm1_stats,
-        )?;
+        let x = norm1.as_ref().unwrap_or(inp);
+        match &s.norm1_stats {
+            Some(stats) => {
+                let mut dnorm1 = self.scratch([g.b, g.t, c])?;
+                for (dh, off) in [(&dq, o::Q), (&dk, o::K), (&ag.dv, o::V)] {
+                    self.project_heads_backward(l, bw, &mut dnorm1, grads, dh, x, off)?;
+                }
+                drop((dq, dk, ag.dv, norm1));
+                self.norm_backward(
+                    &mut dinp,
+                    self.param_grads(grads, o::INPUT_NORM, None).0,
+                    None,
+                    &dnorm1,
+                    inp,
+                    at(bw, o::INPUT_NORM)?,
+                    stats,
+                )?;
+            }
+            None => {
+                for (dh, off) in [(&dq, o::Q), (&dk, o::K), (&ag.dv, o::V)] {
+                    self.project_heads_backward(l, bw, &mut dinp, grads, dh, x, off)?;
+                }
+            }
+        }
         Ok(dinp)
     }
 }

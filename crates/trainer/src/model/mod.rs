@@ -16,7 +16,9 @@ mod precision;
 mod transformer;
 
 pub use crate::ops::rope::{Rope, RopeScaling};
-pub use config::{Family, LlamaClass, LlamaShape, MlpGate, ModelConfig, RmsNorm, SlidingWindow};
+pub use config::{
+    Family, LlamaClass, LlamaShape, MlpGate, ModelConfig, QkNorm, RmsNorm, SlidingWindow,
+};
 pub use decode::{KvCache, LayerKv, KV_GROWTH};
 pub use finetune::{AdaptedModule, FinetuneBuilder, FinetuneSpec, QuantSpec};
 pub use ops::{HeadLossGrads, ModelOps};

@@ -12,7 +12,7 @@
 use headroom_tensor::cpu::kernels::{self, FloatSlice, FloatSliceMut};
 use headroom_tensor::{Backend, Cpu, CpuTensor, DType, MemoryCategory};
 
-use crate::model::{Family, ModelConfig};
+use crate::model::{Family, ModelConfig, QkNorm};
 use crate::Result;
 
 /// Tensors per GPT-2 block.
@@ -44,8 +44,34 @@ pub mod layer {
 /// both biases and norms, so they share offsets. In Gemma 3, `POST_NORM` (Llama's
 /// `post_attention_layernorm`, the MLP's input norm) is `pre_feedforward_layernorm`, and its
 /// own `post_attention_layernorm` is `ATTN_OUT_NORM`.
+///
+/// OLMo 2 has no input norms: its two output norms take their offsets, 0 and 5, and with its
+/// query and key norms it has 11 ([`llama_layer::attn_out_norm`],
+/// [`llama_layer::mlp_out_norm`]).
 #[allow(missing_docs)]
 pub mod llama_layer {
+    use crate::model::LlamaShape;
+
+    /// The offset of the norm of the attention's output: `ATTN_OUT_NORM`, or OLMo 2's
+    /// `INPUT_NORM` slot.
+    pub fn attn_out_norm(s: &LlamaShape) -> usize {
+        if s.input_norms() {
+            ATTN_OUT_NORM
+        } else {
+            INPUT_NORM
+        }
+    }
+
+    /// The offset of the norm of the MLP's output: `MLP_OUT_NORM`, or OLMo 2's `POST_NORM`
+    /// slot.
+    pub fn mlp_out_norm(s: &LlamaShape) -> usize {
+        if s.input_norms() {
+            MLP_OUT_NORM
+        } else {
+            POST_NORM
+        }
+    }
+
     pub const INPUT_NORM: usize = 0;
     pub const Q: usize = 1;
     pub const K: usize = 2;
@@ -89,6 +115,7 @@ pub fn per_layer(cfg: &ModelConfig) -> usize {
                 + 3 * usize::from(s.qkv_bias())
                 + 2 * usize::from(s.qk_norm())
                 + 2 * usize::from(s.output_norms())
+                - 2 * usize::from(!s.input_norms())
         }
     }
 }
@@ -168,20 +195,28 @@ pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
                 vec![cfg.vocab, c],
                 false,
             )];
+            // Gemma's and OLMo's post_attention_layernorm normalises the attention's output;
+            // Gemma's MLP input norm is its pre_feedforward_layernorm. OLMo has no input
+            // norms: its output norms take their slots.
+            let (first_norm, mlp_norm) = match (s.input_norms(), s.output_norms()) {
+                (false, _) => (
+                    "post_attention_layernorm.weight",
+                    "post_feedforward_layernorm.weight",
+                ),
+                (true, true) => ("input_layernorm.weight", "pre_feedforward_layernorm.weight"),
+                (true, false) => ("input_layernorm.weight", "post_attention_layernorm.weight"),
+            };
+            let (q_norm, k_norm) = match s.qk_norm_kind() {
+                Some(QkNorm::Projection) => (q, kv),
+                _ => (hs, hs),
+            };
             for l in 0..cfg.layers {
                 let h = |s: &str| format!("model.layers.{l}.{s}");
-                v.push(p(h("input_layernorm.weight"), vec![c], false));
+                v.push(p(h(first_norm), vec![c], false));
                 v.push(p(h("self_attn.q_proj.weight"), vec![q, c], false));
                 v.push(p(h("self_attn.k_proj.weight"), vec![kv, c], false));
                 v.push(p(h("self_attn.v_proj.weight"), vec![kv, c], false));
                 v.push(p(h("self_attn.o_proj.weight"), vec![c, q], false));
-                // Gemma's post_attention_layernorm normalises the attention's output; the
-                // MLP's input norm is its pre_feedforward_layernorm.
-                let mlp_norm = if s.output_norms() {
-                    "pre_feedforward_layernorm.weight"
-                } else {
-                    "post_attention_layernorm.weight"
-                };
                 v.push(p(h(mlp_norm), vec![c], false));
                 v.push(p(h("mlp.gate_proj.weight"), vec![f, c], false));
                 v.push(p(h("mlp.up_proj.weight"), vec![f, c], false));
@@ -192,10 +227,10 @@ pub fn param_infos(cfg: &ModelConfig) -> Vec<ParamInfo> {
                     v.push(p(h("self_attn.v_proj.bias"), vec![kv], false));
                 }
                 if s.qk_norm() {
-                    v.push(p(h("self_attn.q_norm.weight"), vec![hs], false));
-                    v.push(p(h("self_attn.k_norm.weight"), vec![hs], false));
+                    v.push(p(h("self_attn.q_norm.weight"), vec![q_norm], false));
+                    v.push(p(h("self_attn.k_norm.weight"), vec![k_norm], false));
                 }
-                if s.output_norms() {
+                if s.output_norms() && s.input_norms() {
                     v.push(p(h("post_attention_layernorm.weight"), vec![c], false));
                     v.push(p(h("post_feedforward_layernorm.weight"), vec![c], false));
                 }
