@@ -35,9 +35,10 @@
 //! ## Gated MLPs
 //!
 //! Groups `tensor/glu_forward` and `tensor/glu_backward`: SwiGLU's and Gemma's GeGLU gate
-//! over Gemma 3 1B's MLP activation at 512 tokens; `HEADROOM_CPU_ISA=baseline` against unset
-//! compares the GELU gate's paths (`cargo bench -p headroom-benches --bench tensor --
-//! tensor/glu`).
+//! over Gemma 3 1B's MLP activation at 512 tokens, beside `silu_libm`, the SiLU gate as it was
+//! before its loops vectorised (libm's scalar `exp`, the default pieces), the same-run
+//! baseline; `HEADROOM_CPU_ISA=baseline` against unset compares the gates' paths (`cargo bench
+//! -p headroom-benches --bench tensor -- tensor/glu`).
 //!
 //! On a shared or noisy machine criterion's one-function-after-another timing drifts with the
 //! load; `HEADROOM_GEMM_PAIRED=<rounds>` first times the three variants *interleaved* (one call
@@ -573,11 +574,27 @@ fn gelu(c: &mut Criterion) {
 /// Elements of the gated-MLP benches: Gemma 3 1B's MLP activation at 512 tokens (512 × 6912).
 const GLU_ELEMS: usize = 512 * 6912;
 
+/// SiLU through libm's scalar `exp` with the [`Gate`](headroom_trainer::ops::glu::Gate)
+/// trait's default (unvectorised) pieces: the trainer's SwiGLU gate before its loops used
+/// `fast_math::exp` and were compiled per instruction set.
+struct SiluLibm;
+
+impl headroom_trainer::ops::glu::Gate for SiluLibm {
+    fn value(g: f32, u: f32) -> f32 {
+        g * (1.0 / (1.0 + (-g).exp())) * u
+    }
+
+    fn gradient_terms(g: f32, u: f32, d: f32) -> (f32, f32) {
+        let s = 1.0 / (1.0 + (-g).exp());
+        (s * (1.0 + g * (1.0 - s)) * u * d, g * s * d)
+    }
+}
+
 /// The gated MLPs' gate (the trainer's `ops::glu`): SwiGLU's SiLU and Gemma's tanh-GELU, f32,
-/// forward and backward (the accumulating form, as the GELU group times it); throughput in
-/// elements. The GELU gate's
-/// loops run on the widest vectors `HEADROOM_CPU_ISA` allows (the SiLU's call libm's `exp`),
-/// so runs under `baseline` and the native level compare its paths.
+/// forward and backward (the accumulating form, as the GELU group times it), and
+/// [`SiluLibm`] as the baseline; throughput in elements. The gates' loops run on the widest
+/// vectors `HEADROOM_CPU_ISA` allows, so runs under `baseline` and the native level compare
+/// their paths.
 fn glu(c: &mut Criterion) {
     use headroom_trainer::ops::glu::{self, GeluTanh, Silu};
     let gate = values(GLU_ELEMS, 7);
@@ -588,6 +605,12 @@ fn glu(c: &mut Criterion) {
     for direction in ["forward", "backward"] {
         let mut g = group(c, &format!("tensor/glu_{direction}"));
         g.throughput(Throughput::Elements(GLU_ELEMS as u64));
+        g.bench_function("silu_libm", |b| {
+            b.iter(|| match direction {
+                "forward" => glu::forward::<SiluLibm, f32>(black_box(&mut out), &gate, &up),
+                _ => glu::backward::<SiluLibm, f32>(&mut dgate, &mut out, &gate, &up, &dout),
+            })
+        });
         g.bench_function("silu", |b| {
             b.iter(|| match direction {
                 "forward" => glu::forward::<Silu, f32>(black_box(&mut out), &gate, &up),

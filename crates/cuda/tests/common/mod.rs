@@ -212,8 +212,9 @@ pub fn ref_rmsnorm_backward(
     }
 }
 
+/// headroom-trainer `ops::glu`'s σ, transcribed (through `fast_math::exp`).
 fn ref_sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + ref_exp(-x))
 }
 
 /// headroom-trainer `ops::swiglu::forward`, one element.
