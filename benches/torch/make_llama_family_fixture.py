@@ -52,6 +52,11 @@ transformers builds a small random model of each and saves it with `save_pretrai
   block's rotary embedding is YaRN (factor 4 over an original context of 16), the windowed
   blocks' is not rescaled. Its reference also holds PyTorch's gradients and the windowed
   blocks' `sliding_inv_freq`.
+- `hf-granite`: GraniteForCausalLM (IBM Granite 3.x dense): Llama with an embedding
+  multiplier (12), a residual multiplier (0.22), an attention multiplier in place of
+  1/sqrt(head_dim) (0.2) and a logits divisor (6, where the real models have 8 or 16: a power
+  of two would hide a wrong order of rounding), tied head. Its reference also holds PyTorch's
+  gradients.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -86,6 +91,8 @@ from transformers import (
     Olmo2ForCausalLM,
     Olmo3Config,
     Olmo3ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     SmolLM3Config,
@@ -336,6 +343,29 @@ def olmo3():
     return config, Olmo3ForCausalLM
 
 
+def granite():
+    # Granite 3's scalars in small (its 2B and 8B have 12, 0.22, 1/64 or 1/128, and 8 or 16).
+    config = GraniteConfig(
+        **SMALL,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.2,
+        logits_scaling=6.0,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    return config, GraniteForCausalLM
+
+
 def yarn_defaults_inv_freq():
     # YaRN with every optional setting at transformers' default (betas 32 and 1, ends rounded
     # outwards, attention factor from the factor), for the rotary frequencies alone.
@@ -442,6 +472,7 @@ def main():
     build("hf-gemma3-scaled", gemma3_scaled(), seed=150, norm_center=0.0)
     build("hf-olmo2", olmo2(), seed=160, gradients=True)
     build("hf-olmo3", olmo3(), seed=170, gradients=True)
+    build("hf-granite", granite(), seed=180, gradients=True)
     with open(os.path.join(OUT, "hf-llama-family-versions.json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f, indent=1)
         f.write("\n")

@@ -670,8 +670,8 @@ pub(crate) fn hf_config(
                 serde_json::json!([s.class.architecture()]),
             );
             object.insert("model_type".into(), s.class.model_type().into());
-            // Qwen3, Gemma 3 and OLMo have attention_bias, SmolLM3 both; OLMo 2 has no
-            // window.
+            // Qwen3, Gemma 3 and OLMo have attention_bias, SmolLM3 and Granite both; OLMo 2
+            // and Granite have no window.
             if !matches!(
                 s.class,
                 LlamaClass::Qwen3
@@ -679,16 +679,26 @@ pub(crate) fn hf_config(
                     | LlamaClass::Gemma3
                     | LlamaClass::Olmo2
                     | LlamaClass::Olmo3
+                    | LlamaClass::Granite
             ) {
                 object.remove("attention_bias");
             }
-            if s.class != LlamaClass::SmolLM3 {
+            if !matches!(s.class, LlamaClass::SmolLM3 | LlamaClass::Granite) {
                 object.remove("mlp_bias");
             }
-            if s.class != LlamaClass::Olmo2 {
+            if !matches!(s.class, LlamaClass::Olmo2 | LlamaClass::Granite) {
                 let window = s.sliding_window.map(|w| w.size);
                 object.insert("sliding_window".into(), window.into());
             }
+        }
+        if let Some(m) = s.multipliers {
+            // GraniteConfig's names.
+            object.extend([
+                ("embedding_multiplier".into(), m.embedding.into()),
+                ("residual_multiplier".into(), m.residual.into()),
+                ("attention_multiplier".into(), m.attention.into()),
+                ("logits_scaling".into(), m.logits_scaling.into()),
+            ]);
         }
         if s.class == LlamaClass::Olmo3 {
             // Olmo3Config's names: one layer type per block, and transformers 5's rotary
@@ -2531,6 +2541,7 @@ mod tests {
                 sliding_window: None,
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
+                multipliers: None,
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),

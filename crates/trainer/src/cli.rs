@@ -710,7 +710,7 @@ struct RunArgs {
     /// Start from a Hugging Face model directory (config.json + safetensors, GPT2LMHeadModel,
     /// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
     /// SmolLM3ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration's text model,
-    /// Olmo2ForCausalLM, Olmo3ForCausalLM),
+    /// Olmo2ForCausalLM, Olmo3ForCausalLM, GraniteForCausalLM),
     /// or a headroom run (its newest checkpoint): its shape and weights replace --model and
     /// its size options.
     #[arg(long)]

@@ -882,11 +882,13 @@ fn llama_block_workspace(
     // Gemma 3's and OLMo 2's output norms: the gradient of each sublayer's output beside its residual's
     // while that sublayer's output projection runs backward; each norm's kept input and
     // statistics are dropped once its backward has run.
+    // Granite's residual multiplier: the scaled copy of the residual's gradient in its place.
     let output_norms = matches!(cfg.family, Family::Llama(s) if s.output_norms());
-    let (out_grad, out_norm_kept) = if output_norms {
-        (btc, btc * a + bt * 4)
-    } else {
-        (0, 0)
+    let residual_scale = matches!(cfg.family, Family::Llama(s) if s.residual_scale().is_some());
+    let (out_grad, out_norm_kept) = match (output_norms, residual_scale) {
+        (true, _) => (btc, btc * a + bt * 4),
+        (false, true) => (btc, 0),
+        (false, false) => (0, 0),
     };
     // The incoming gradient.
     let (mlp_common, attn_common) = (btc, btc);

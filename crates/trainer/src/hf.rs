@@ -24,7 +24,9 @@ use headroom_tensor::{Cpu, CpuTensor};
 use serde_json::Value;
 
 use crate::model::params::{self, EachF32, TensorSink};
-use crate::model::{Family, LlamaClass, LlamaShape, ModelConfig, RopeScaling, SlidingWindow};
+use crate::model::{
+    Family, LlamaClass, LlamaShape, ModelConfig, Multipliers, RopeScaling, SlidingWindow,
+};
 use crate::{Result, TrainError};
 
 /// The largest safetensors header read (transformers' files hold a few hundred KiB).
@@ -844,7 +846,8 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
         // sublayers' inputs to their outputs and normalises the whole q and k projections;
         // OLMo 3 adds Gemma 3's pattern of windowed blocks.
         "LlamaForCausalLM" | "MistralForCausalLM" | "Qwen2ForCausalLM" | "Qwen3ForCausalLM"
-        | "SmolLM3ForCausalLM" | "Gemma3ForCausalLM" | "Olmo2ForCausalLM" | "Olmo3ForCausalLM" => {
+        | "SmolLM3ForCausalLM" | "Gemma3ForCausalLM" | "Olmo2ForCausalLM" | "Olmo3ForCausalLM"
+        | "GraniteForCausalLM" => {
             let class = LlamaClass::of_architecture(arch).unwrap_or_default();
             let act = get_str(cfg, path, "hidden_act")?;
             if class != LlamaClass::Gemma3 && !matches!(act, None | Some("silu")) {
@@ -866,7 +869,8 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                 | LlamaClass::SmolLM3
                 | LlamaClass::Gemma3
                 | LlamaClass::Olmo2
-                | LlamaClass::Olmo3 => None,
+                | LlamaClass::Olmo3
+                | LlamaClass::Granite => None,
             };
             let typed = match class {
                 LlamaClass::Gemma3 | LlamaClass::Olmo3 => {
@@ -887,7 +891,9 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
             // Mistral's and Qwen2's classes have no bias settings; Gemma 3's are checked with
             // its other settings.
             let bias_settings: &[&str] = match class {
-                LlamaClass::Llama | LlamaClass::SmolLM3 => &["attention_bias", "mlp_bias"],
+                LlamaClass::Llama | LlamaClass::SmolLM3 | LlamaClass::Granite => {
+                    &["attention_bias", "mlp_bias"]
+                }
                 LlamaClass::Qwen3 | LlamaClass::Olmo2 | LlamaClass::Olmo3 => &["attention_bias"],
                 LlamaClass::Mistral | LlamaClass::Qwen2 | LlamaClass::Gemma3 => &[],
             };
@@ -949,6 +955,21 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
             };
             let head_dim =
                 head_dim.filter(|&hd| heads == 0 || hd.checked_mul(heads) != Some(channels));
+            // Granite's scalars, 1 when absent (GraniteConfig's defaults).
+            let multipliers = match class {
+                LlamaClass::Granite => {
+                    let read = |key: &str| -> Result<f32> {
+                        Ok(get_f64(cfg, path, key)?.unwrap_or(1.0) as f32)
+                    };
+                    Some(Multipliers {
+                        embedding: read("embedding_multiplier")?,
+                        residual: read("residual_multiplier")?,
+                        attention: read("attention_multiplier")?,
+                        logits_scaling: read("logits_scaling")?,
+                    })
+                }
+                _ => None,
+            };
             let kv_heads = match cfg.get("num_key_value_heads") {
                 None | Some(Value::Null) => heads,
                 Some(_) => get_usize(cfg, path, "num_key_value_heads")?,
@@ -965,6 +986,7 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                     sliding_window,
                     no_rope_interval,
                     query_pre_attn_scalar,
+                    multipliers,
                     ffn: get_usize(cfg, path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     rope_scaling,
@@ -989,8 +1011,8 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                 format!(
                     "architecture {other}: GPT2LMHeadModel, LlamaForCausalLM, \
                      MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
-                     SmolLM3ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM and \
-                     Olmo3ForCausalLM load"
+                     SmolLM3ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, \
+                     Olmo3ForCausalLM and GraniteForCausalLM load"
                 ),
             ))
         }

@@ -19,6 +19,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

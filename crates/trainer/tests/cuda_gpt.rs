@@ -51,6 +51,7 @@ fn llama() -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 384,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
@@ -249,6 +250,24 @@ fn olmo2_matches_the_cpu_in_bf16() {
     let mut cfg = llama();
     if let Family::Llama(s) = &mut cfg.family {
         s.class = headroom_trainer::model::LlamaClass::Olmo2;
+    }
+    assert_matches_cpu(cfg, bf16());
+}
+
+/// Granite on the device: its four scalars (the device's scale op on the embedding, each
+/// residual branch and the final norm's output; the softmax scale in the flash kernels).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn granite_matches_the_cpu_in_bf16() {
+    let mut cfg = llama();
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Granite;
+        s.multipliers = Some(headroom_trainer::model::Multipliers {
+            embedding: 12.0,
+            residual: 0.22,
+            attention: 0.05,
+            logits_scaling: 8.0,
+        });
     }
     assert_matches_cpu(cfg, bf16());
 }

@@ -31,6 +31,7 @@ fn config(llama: bool) -> ModelConfig {
                 sliding_window: None,
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
+                multipliers: None,
                 ffn: 24,
                 // A small base, so that every frequency turns measurably within 20 positions.
                 rope_theta: 100.0,

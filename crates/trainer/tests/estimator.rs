@@ -22,6 +22,7 @@ fn model(llama: bool) -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
@@ -131,6 +132,7 @@ fn narrow_grouped_heads_estimates_equal_the_trackers_peaks() {
         sliding_window: None,
         no_rope_interval: None,
         query_pre_attn_scalar: None,
+        multipliers: None,
         ffn: 40,
         rope_theta: 10_000.0,
         rope_scaling: Default::default(),
@@ -224,6 +226,24 @@ fn olmo3_estimates_equal_the_trackers_peaks() {
             full_every: Some(2),
             rope_theta: Some(10_000.0),
             ..headroom_trainer::model::SlidingWindow::from_layer(16, 0)
+        });
+    }
+    check(cfg, combos_named(&HEAD_NORM_COMBOS));
+}
+
+/// Granite's scalars: the scaled copy of each residual gradient in the backward (the
+/// embedding, attention and logits scalars allocate nothing), tied head.
+#[test]
+fn granite_estimates_equal_the_trackers_peaks() {
+    let mut cfg = model(true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Granite;
+        s.tied_head = true;
+        s.multipliers = Some(headroom_trainer::model::Multipliers {
+            embedding: 12.0,
+            residual: 0.22,
+            attention: 0.2,
+            logits_scaling: 6.0,
         });
     }
     check(cfg, combos_named(&HEAD_NORM_COMBOS));

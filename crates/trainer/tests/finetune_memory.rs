@@ -26,6 +26,7 @@ fn model(llama: bool) -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),
@@ -233,8 +234,9 @@ fn gpt2_finetune_estimates_equal_the_trackers_peaks() {
 /// LoRA and QLoRA on Qwen3's shape: heads 24 wide on a model 64 wide (q_proj 96 × 64, o_proj
 /// 64 × 96), the query and key norms frozen with the base (their gains' gradients land in
 /// scratch), in fp32 and bf16 and under the full stack; on Gemma 3's, which adds the frozen
-/// output norms and the GELU gate; and on OLMo 2's, whose frozen query and key norms span the
-/// whole projections and whose sublayers read the residual stream un-normalised.
+/// output norms and the GELU gate; on OLMo 2's, whose frozen query and key norms span the
+/// whole projections and whose sublayers read the residual stream un-normalised; and on
+/// Granite's, whose residual multiplier scales a copy of each residual gradient.
 #[test]
 fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
     let keep = [
@@ -254,16 +256,25 @@ fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
             headroom_trainer::model::LlamaClass::Qwen3,
             headroom_trainer::model::LlamaClass::Gemma3,
             headroom_trainer::model::LlamaClass::Olmo2,
+            headroom_trainer::model::LlamaClass::Granite,
         ] {
             let mut o = options(true, tech.clone());
             if let Family::Llama(s) = &mut o.model.family {
                 s.class = class;
                 s.head_dim = Some(24);
+                s.multipliers = (class == headroom_trainer::model::LlamaClass::Granite).then_some(
+                    headroom_trainer::model::Multipliers {
+                        embedding: 12.0,
+                        residual: 0.22,
+                        attention: 0.2,
+                        logits_scaling: 6.0,
+                    },
+                );
             }
             check(&format!("{class:?} {name}"), &o, &mut failures);
             ran += 1;
         }
     }
-    assert_eq!(ran, 3 * keep.len());
+    assert_eq!(ran, 4 * keep.len());
     assert!(failures.is_empty(), "{failures:#?}");
 }

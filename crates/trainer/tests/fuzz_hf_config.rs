@@ -163,6 +163,7 @@ fn hugging_face_json_settings() {
         ("hf-gemma3", "config.json"),
         ("hf-olmo2", "config.json"),
         ("hf-olmo3", "config.json"),
+        ("hf-granite", "config.json"),
         ("hf-gpt2-sharded", "config.json"),
         ("hf-gpt2-sharded", "model.safetensors.index.json"),
     ];

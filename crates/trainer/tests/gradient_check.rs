@@ -47,6 +47,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 24,
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,
@@ -204,6 +205,24 @@ fn olmo_gradients_match_finite_differences() {
         check(cfg, AttentionConfig::flash());
         check(cfg, AttentionConfig::naive());
     }
+}
+
+/// Granite: the embedding, each residual branch, `q·kᵀ` and the logits scaled by its four
+/// scalars (the logits' divisor not a power of two).
+#[test]
+fn granite_gradients_match_finite_differences() {
+    let mut cfg = llama(2, true);
+    if let Family::Llama(s) = &mut cfg.family {
+        s.class = headroom_trainer::model::LlamaClass::Granite;
+        s.multipliers = Some(headroom_trainer::model::Multipliers {
+            embedding: 3.0,
+            residual: 0.5,
+            attention: 0.3,
+            logits_scaling: 3.0,
+        });
+    }
+    check(cfg, AttentionConfig::flash());
+    check(cfg, AttentionConfig::naive());
 }
 
 /// Sliding windows of 3 keys over the 6 positions: Mistral's in both blocks, Qwen2's from

@@ -1607,3 +1607,131 @@ fn qlora_on_olmo2_trains_and_merges_into_an_olmo2() {
         4 * 2 + 1
     );
 }
+
+/// Granite (`GraniteForCausalLM`): Llama with its four scalars — the embedding ×12, each
+/// sublayer's output ×0.22 before the residual addition, `q·kᵀ` ×0.2 in place of `1/√8`, the
+/// logits ÷6. Logits, loss and every gradient against transformers'; a run's checkpoint is a
+/// `GraniteForCausalLM` with the same scalars that reads back unchanged.
+#[test]
+fn granite_matches_transformers() {
+    use headroom_trainer::model::Multipliers;
+    let (cfg, s) = llama_matches_reference("hf-granite");
+    assert_eq!(s.class, LlamaClass::Granite);
+    let want = Multipliers {
+        embedding: 12.0,
+        residual: 0.22,
+        attention: 0.2,
+        logits_scaling: 6.0,
+    };
+    assert_eq!(s.multipliers, Some(want));
+    assert_eq!(
+        (
+            s.embedding_scale(cfg.channels),
+            s.softmax_scale(),
+            s.residual_scale(),
+            s.logits_divisor()
+        ),
+        (Some(12.0), Some(0.2), Some(0.22), Some(6.0))
+    );
+    assert!(s.tied_head && s.input_norms() && !s.output_norms() && !s.qk_norm());
+    counted_param_infos(&cfg);
+    gradients_match_pytorch("hf-granite");
+    let written = saved_and_read_back("hf-granite", 48);
+    assert_eq!(
+        written["architectures"][0], "GraniteForCausalLM",
+        "{written}"
+    );
+    assert_eq!(written["model_type"], "granite", "{written}");
+    for key in [
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_multiplier",
+        "logits_scaling",
+    ] {
+        assert!(written[key].is_number(), "{key}: {written}");
+    }
+    assert!(written.get("sliding_window").is_none(), "{written}");
+}
+
+/// Granite's configs as transformers reads them: each scalar 1 when absent — attention then
+/// scales by 1, not `1/√head_dim` (GraniteAttention's `scaling` is the multiplier itself) —
+/// and a scalar that is not a positive number, or a bias, refused; Granite 3.3 2B's and 8B's
+/// shapes count the parameters transformers 5.24 counts (`sum(p.numel())` of a
+/// `GraniteForCausalLM` built on them).
+#[test]
+fn granite_configs_read_as_transformers_reads_them() {
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        config_edited("hf-granite", edit).map_err(|e| e.to_string())
+    };
+    let defaults = edited(&|c| {
+        let o = c.as_object_mut().unwrap();
+        for key in [
+            "embedding_multiplier",
+            "residual_multiplier",
+            "attention_multiplier",
+            "logits_scaling",
+        ] {
+            o.remove(key);
+        }
+    })
+    .unwrap();
+    let Family::Llama(s) = defaults.family else {
+        panic!("read as GPT-2");
+    };
+    assert_eq!(
+        (
+            s.embedding_scale(defaults.channels),
+            s.softmax_scale(),
+            s.residual_scale(),
+            s.logits_divisor()
+        ),
+        (None, Some(1.0), None, None)
+    );
+    type Edit<'a> = &'a dyn Fn(&mut serde_json::Value);
+    let refusals: [(Edit<'_>, &str); 4] = [
+        (
+            &|c| c["logits_scaling"] = 0.into(),
+            "logits_scaling 0 must be finite and positive",
+        ),
+        (
+            &|c| c["residual_multiplier"] = "x".into(),
+            "residual_multiplier",
+        ),
+        (
+            &|c| c["mlp_bias"] = true.into(),
+            "mlp_bias is not supported",
+        ),
+        (
+            &|c| c["attention_bias"] = true.into(),
+            "attention_bias is not supported",
+        ),
+    ];
+    for (edit, want) in refusals {
+        let err = edited(edit).unwrap_err();
+        assert!(err.contains(want), "{err} (wanted {want:?})");
+    }
+    let shaped = |c: [usize; 5]| {
+        config_edited("hf-granite", |cfg| {
+            let o = cfg.as_object_mut().unwrap();
+            for (key, v) in [
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+            ]
+            .into_iter()
+            .zip(c)
+            {
+                o.insert(key.into(), v.into());
+            }
+            o.insert("vocab_size".into(), 49_159.into());
+            o.insert("max_position_embeddings".into(), 131_072.into());
+        })
+        .unwrap()
+        .parameter_count()
+        .unwrap()
+    };
+    assert_eq!(shaped([2048, 8192, 40, 32, 8]), 2_533_539_840);
+    assert_eq!(shaped([4096, 12800, 40, 32, 8]), 8_170_864_640);
+}

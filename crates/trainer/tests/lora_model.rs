@@ -44,6 +44,7 @@ fn llama() -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

@@ -37,6 +37,7 @@ fn llama() -> Family {
         sliding_window: None,
         no_rope_interval: None,
         query_pre_attn_scalar: None,
+        multipliers: None,
         ffn: 24,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),

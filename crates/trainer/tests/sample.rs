@@ -35,6 +35,7 @@ fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

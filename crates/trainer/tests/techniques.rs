@@ -108,6 +108,7 @@ fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
             sliding_window: None,
             no_rope_interval: None,
             query_pre_attn_scalar: None,
+            multipliers: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -68,6 +68,7 @@ fn llama() -> Family {
         sliding_window: None,
         no_rope_interval: None,
         query_pre_attn_scalar: None,
+        multipliers: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
@@ -264,6 +265,7 @@ fn qwen2_qwen3_gemma3_and_olmo2_under_every_stage_equal_one_process() {
         sliding_window: None,
         no_rope_interval: None,
         query_pre_attn_scalar: None,
+        multipliers: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: headroom_trainer::model::RopeScaling::Llama3 {

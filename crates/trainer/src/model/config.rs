@@ -51,6 +51,10 @@ pub struct LlamaShape {
     /// (absent: the head width's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub query_pre_attn_scalar: Option<f32>,
+    /// Granite's four scalar multipliers (`Some` exactly for Granite: its defaults of 1 still
+    /// scale attention by 1, not `1/√head_dim`; absent for every other class).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multipliers: Option<Multipliers>,
     /// The Hugging Face class: what the checkpoints are saved as, and whether q, k and v have
     /// biases (Qwen2's; absent in checkpoints written before it existed: Llama).
     #[serde(default)]
@@ -59,6 +63,22 @@ pub struct LlamaShape {
     pub norm_eps: f32,
     /// Whether the output head is the token embedding (`tie_word_embeddings`).
     pub tied_head: bool,
+}
+
+/// Granite's scalars (`GraniteConfig`'s names in brackets), each read as an f32 as PyTorch
+/// multiplies an f32 tensor by a Python float.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Multipliers {
+    /// The token embedding's rows are multiplied by it (`embedding_multiplier`; 12 in
+    /// Granite 3).
+    pub embedding: f32,
+    /// Each sublayer's output is multiplied by it before the residual addition
+    /// (`residual_multiplier`; 0.22).
+    pub residual: f32,
+    /// The softmax scale of `q·kᵀ`, in place of `1/√head_dim` (`attention_multiplier`).
+    pub attention: f32,
+    /// The logits are divided by it (`logits_scaling`; 8 or 16).
+    pub logits_scaling: f32,
 }
 
 /// Attention over a sliding window: in the blocks from `first_layer` on, the query at position
@@ -139,6 +159,10 @@ pub enum LlamaClass {
     /// `Olmo3ForCausalLM` (OLMo 3): OLMo 2 with a sliding window in three blocks of four,
     /// whose rotary embedding is not rescaled ([`SlidingWindow`]).
     Olmo3,
+    /// `GraniteForCausalLM` (IBM Granite 3.x dense): Llama with four scalar multipliers — of
+    /// the embedding, of each sublayer's output before the residual addition, of `q·kᵀ` in
+    /// place of `1/√head_dim`, and a divisor of the logits ([`Multipliers`]).
+    Granite,
 }
 
 /// Where a class normalises its queries and keys (before the rotation).
@@ -154,7 +178,7 @@ pub enum QkNorm {
 
 impl LlamaClass {
     /// Every class.
-    pub const ALL: [LlamaClass; 8] = [
+    pub const ALL: [LlamaClass; 9] = [
         LlamaClass::Llama,
         LlamaClass::Mistral,
         LlamaClass::Qwen2,
@@ -163,6 +187,7 @@ impl LlamaClass {
         LlamaClass::Gemma3,
         LlamaClass::Olmo2,
         LlamaClass::Olmo3,
+        LlamaClass::Granite,
     ];
 
     /// transformers' class name (`architectures`).
@@ -176,6 +201,7 @@ impl LlamaClass {
             LlamaClass::Gemma3 => "Gemma3ForCausalLM",
             LlamaClass::Olmo2 => "Olmo2ForCausalLM",
             LlamaClass::Olmo3 => "Olmo3ForCausalLM",
+            LlamaClass::Granite => "GraniteForCausalLM",
         }
     }
 
@@ -190,6 +216,7 @@ impl LlamaClass {
             LlamaClass::Gemma3 => "gemma3_text",
             LlamaClass::Olmo2 => "olmo2",
             LlamaClass::Olmo3 => "olmo3",
+            LlamaClass::Granite => "granite",
         }
     }
 
@@ -284,16 +311,35 @@ impl LlamaShape {
     }
 
     /// What the token embedding is multiplied by: Gemma 3's `√C` as transformers rounds it to
-    /// f32 (`hidden_size ** 0.5` in Python, then an f32 tensor), 1 elsewhere (`None`).
+    /// f32 (`hidden_size ** 0.5` in Python, then an f32 tensor), Granite's
+    /// `embedding_multiplier` unless it is 1, 1 elsewhere (`None`).
     pub fn embedding_scale(&self, channels: usize) -> Option<f32> {
-        (self.class == LlamaClass::Gemma3).then(|| (channels as f64).sqrt() as f32)
+        if self.class == LlamaClass::Gemma3 {
+            return Some((channels as f64).sqrt() as f32);
+        }
+        self.multipliers.map(|m| m.embedding).filter(|&e| e != 1.0)
     }
 
     /// The multiplier of `q·kᵀ` when it is not `1/√head_dim` (Gemma 3's
-    /// `query_pre_attn_scalar^−½`, rounded to f32 as torch rounds a Python float scale).
+    /// `query_pre_attn_scalar^−½`, rounded to f32 as torch rounds a Python float scale;
+    /// Granite's `attention_multiplier`).
     pub fn softmax_scale(&self) -> Option<f32> {
         self.query_pre_attn_scalar
             .map(|s| (f64::from(s)).powf(-0.5) as f32)
+            .or(self.multipliers.map(|m| m.attention))
+    }
+
+    /// What each sublayer's output is multiplied by before the residual addition (Granite's
+    /// `residual_multiplier`), unless it is 1.
+    pub fn residual_scale(&self) -> Option<f32> {
+        self.multipliers.map(|m| m.residual).filter(|&r| r != 1.0)
+    }
+
+    /// What the logits are divided by (Granite's `logits_scaling`), unless it is 1.
+    pub fn logits_divisor(&self) -> Option<f32> {
+        self.multipliers
+            .map(|m| m.logits_scaling)
+            .filter(|&d| d != 1.0)
     }
 
     /// The rotary embedding: the base and its rescaling.
@@ -385,6 +431,7 @@ impl ModelConfig {
                 sliding_window: None,
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
+                multipliers: None,
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -410,6 +457,7 @@ impl ModelConfig {
                 sliding_window: None,
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
+                multipliers: None,
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -688,7 +736,10 @@ impl ModelConfig {
                 // Qwen3 the blocks from one on, Llama and OLMo 2 none; Gemma 3 and OLMo 3 a
                 // window in every block but every k-th, with its own rotary base.
                 let expressible = match s.class {
-                    LlamaClass::Llama | LlamaClass::SmolLM3 | LlamaClass::Olmo2 => false,
+                    LlamaClass::Llama
+                    | LlamaClass::SmolLM3
+                    | LlamaClass::Olmo2
+                    | LlamaClass::Granite => false,
                     LlamaClass::Mistral | LlamaClass::Gemma3 | LlamaClass::Olmo3 => {
                         w.first_layer == 0
                     }
@@ -750,6 +801,27 @@ impl ModelConfig {
                     ))
                 }
                 _ => {}
+            }
+            match (s.multipliers, s.class) {
+                (None, LlamaClass::Granite) => {
+                    return bad("a Granite model needs its four multipliers".into())
+                }
+                (Some(_), class) if class != LlamaClass::Granite => {
+                    return bad(format!("{} has no multipliers", class.architecture()))
+                }
+                (Some(m), _) => {
+                    for (name, v) in [
+                        ("embedding_multiplier", m.embedding),
+                        ("residual_multiplier", m.residual),
+                        ("attention_multiplier", m.attention),
+                        ("logits_scaling", m.logits_scaling),
+                    ] {
+                        if !(v.is_finite() && v > 0.0) {
+                            return bad(format!("{name} {v} must be finite and positive"));
+                        }
+                    }
+                }
+                (None, _) => {}
             }
             if !(s.norm_eps.is_finite() && s.norm_eps > 0.0) {
                 return bad(format!(

@@ -183,6 +183,14 @@ impl<B: ModelOps> Model<B> {
         Ok((Some(out), Some(stats)))
     }
 
+    /// Granite's residual multiplier, unless it is 1.
+    fn residual_scale(&self) -> Option<f32> {
+        match self.cfg.family {
+            Family::Llama(s) => s.residual_scale(),
+            Family::Gpt2 => None,
+        }
+    }
+
     /// Whether the sublayers normalise their inputs (all but OLMo 2 and 3).
     fn input_norms(&self) -> bool {
         match self.cfg.family {
@@ -216,7 +224,8 @@ impl<B: ModelOps> Model<B> {
 
     /// A sublayer's output `y` `[B, T, C]` (f32, fresh) added to the residual stream
     /// `residual`, kept: with Gemma's output norms, `residual + norm(y)` with the gain at
-    /// `norm_off`, `y` kept first for the norm's backward.
+    /// `norm_off`, `y` kept first for the norm's backward; with Granite's residual multiplier
+    /// `m`, `residual + y·m` (transformers' order: the product rounded, then the sum).
     fn add_to_residual(
         &self,
         bw: &[B::Tensor],
@@ -227,8 +236,16 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<WithNorm<B::Tensor>> {
         let output_norms = matches!(self.cfg.family, Family::Llama(s) if s.output_norms());
         if !output_norms {
+            if let Some(m) = self.residual_scale() {
+                self.backend().scale(&mut y, m)?;
+            }
             self.backend().axpy(1.0, residual, &mut y)?;
             return Ok((self.keep(y)?, None));
+        }
+        if self.residual_scale().is_some() {
+            return Err(TrainError::Config(
+                "a residual multiplier with output norms (no class has both)".into(),
+            ));
         }
         let input = self.keep(y)?;
         let (mut out, stats) = {
@@ -241,7 +258,8 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// The gradient that reaches a sublayer's output from `dres`, its residual sum's: itself,
-    /// or through Gemma's output norm (gain at `norm_off`, its gradient into `grads`).
+    /// Granite's `dres · m` (a scratch copy: `dres` goes on to the block's input), or through
+    /// Gemma's output norm (gain at `norm_off`, its gradient into `grads`).
     fn output_norm_backward<'a>(
         &self,
         grads: &mut [B::Tensor],
@@ -251,7 +269,13 @@ impl<B: ModelOps> Model<B> {
         norm_off: usize,
     ) -> Result<crate::model::transformer::View<'a, B::Tensor>> {
         let Some(n) = norm else {
-            return Ok(crate::model::transformer::View::Borrowed(dres));
+            let Some(m) = self.residual_scale() else {
+                return Ok(crate::model::transformer::View::Borrowed(dres));
+            };
+            let mut scaled = self.scratch_overwritten(dres.shape().clone())?;
+            self.backend().copy(dres, &mut scaled)?;
+            self.backend().scale(&mut scaled, m)?;
+            return Ok(crate::model::transformer::View::Owned(scaled));
         };
         let mut dy = self.scratch(dres.shape().clone())?;
         self.norm_backward(

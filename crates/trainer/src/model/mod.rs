@@ -17,7 +17,8 @@ mod transformer;
 
 pub use crate::ops::rope::{Rope, RopeScaling};
 pub use config::{
-    Family, LlamaClass, LlamaShape, MlpGate, ModelConfig, QkNorm, RmsNorm, SlidingWindow,
+    Family, LlamaClass, LlamaShape, MlpGate, ModelConfig, Multipliers, QkNorm, RmsNorm,
+    SlidingWindow,
 };
 pub use decode::{KvCache, LayerKv, KV_GROWTH};
 pub use finetune::{AdaptedModule, FinetuneBuilder, FinetuneSpec, QuantSpec};

@@ -627,7 +627,10 @@ impl<B: ModelOps> Model<B> {
     }
 
     /// The final norm of `x` `[B, T, C]` with its statistics (kept for backward), the output
-    /// rounded to the storage precision as the head's GEMM reads it.
+    /// rounded to the storage precision as the head's GEMM reads it. Granite's logits are
+    /// divided by `logits_scaling`: the norm's output is multiplied by its inverse instead, the
+    /// same logits bit for bit when it is a power of two (Granite's 8 and 16), and the head's
+    /// backward multiplies the gradient it gives the norm by the same (see [`Model::head`]).
     fn final_norm(
         &self,
         x: &B::Tensor,
@@ -636,8 +639,19 @@ impl<B: ModelOps> Model<B> {
     ) -> Result<(B::Tensor, NormStats<B::Tensor>)> {
         let mut out = self.stat([g.b, g.t, self.cfg.channels])?;
         let stats = self.norm(&mut out, x, hw.norm_w, hw.norm_b, g)?;
+        if let Some(d) = self.logits_divisor() {
+            self.backend.scale(&mut out, 1.0 / d)?;
+        }
         self.backend.round_to(&mut out, self.opts.precision)?;
         Ok((out, stats))
+    }
+
+    /// Granite's `logits_scaling`, unless it is 1.
+    fn logits_divisor(&self) -> Option<f32> {
+        match self.cfg.family {
+            Family::Llama(s) => s.logits_divisor(),
+            Family::Gpt2 => None,
+        }
     }
 
     /// Token rows per chunk of logits.
@@ -705,6 +719,9 @@ impl<B: ModelOps> Model<B> {
             }),
         )?;
         let mean = masked.mean(&self.backend.download::<f32>(&losses)?);
+        if let Some(d) = self.logits_divisor() {
+            self.backend.scale(&mut dlnf, 1.0 / d)?;
+        }
         let _l = label_absolute("head.dresidual");
         let mut dres = self.scratch([g.b, g.t, c])?;
         self.norm_backward(
