@@ -1552,48 +1552,44 @@ fn olmo_configs_read_as_transformers_reads_them() {
 /// `Olmo3ForCausalLM` built on those settings).
 #[test]
 fn the_olmo_models_count_as_transformers_counts_them() {
-    let shaped = |name: &str, c: [usize; 6], vocab: usize, context: usize| {
-        config_edited(name, |cfg| {
-            let o = cfg.as_object_mut().unwrap();
-            for key in ["head_dim", "layer_types"] {
-                o.remove(key);
-            }
-            for (key, v) in [
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-            ]
-            .into_iter()
-            .zip(c)
-            {
-                o.insert(key.into(), v.into());
-            }
-            o.insert("vocab_size".into(), vocab.into());
-            o.insert("max_position_embeddings".into(), context.into());
-            if c[5] > 0 {
-                o.insert("sliding_window".into(), c[5].into());
-            }
-        })
-        .unwrap()
-        .parameter_count()
-        .unwrap()
-    };
-    let olmo2 = |c, vocab| shaped("hf-olmo2", c, vocab, 4096);
-    assert_eq!(olmo2([2048, 8192, 16, 16, 16, 0], 100_352), 1_484_916_736);
-    assert_eq!(olmo2([4096, 11008, 32, 32, 32, 0], 100_352), 7_298_617_344);
-    assert_eq!(olmo2([5120, 13824, 40, 40, 40, 0], 100_352), 13_716_198_400);
-    assert_eq!(olmo2([5120, 27648, 64, 40, 8, 0], 100_352), 32_234_279_936);
-    let olmo3 = |c, vocab| shaped("hf-olmo3", c, vocab, 65536);
-    assert_eq!(
-        olmo3([4096, 11008, 32, 32, 32, 4096], 100_278),
-        7_298_011_136
-    );
-    assert_eq!(
-        olmo3([5120, 27648, 64, 40, 8, 4096], 100_278),
-        32_233_522_176
-    );
+    let olmo2 = |c, vocab| parameters_of_shape("hf-olmo2", c, vocab, 4096);
+    assert_eq!(olmo2([2048, 8192, 16, 16, 16], 100_352), 1_484_916_736);
+    assert_eq!(olmo2([4096, 11008, 32, 32, 32], 100_352), 7_298_617_344);
+    assert_eq!(olmo2([5120, 13824, 40, 40, 40], 100_352), 13_716_198_400);
+    assert_eq!(olmo2([5120, 27648, 64, 40, 8], 100_352), 32_234_279_936);
+    let olmo3 = |c, vocab| parameters_of_shape("hf-olmo3", c, vocab, 65536);
+    assert_eq!(olmo3([4096, 11008, 32, 32, 32], 100_278), 7_298_011_136);
+    assert_eq!(olmo3([5120, 27648, 64, 40, 8], 100_278), 32_233_522_176);
+}
+
+/// The parameters of fixture `name`'s class at a shape of its own: `[hidden_size,
+/// intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads]`, the
+/// vocabulary and the context (the fixture's head width and layer types dropped: derived,
+/// OLMo 3's window left at the fixture's, which changes no count).
+fn parameters_of_shape(name: &str, c: [usize; 5], vocab: usize, context: usize) -> u64 {
+    config_edited(name, |cfg| {
+        let o = cfg.as_object_mut().unwrap();
+        for key in ["head_dim", "layer_types"] {
+            o.remove(key);
+        }
+        for (key, v) in [
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ]
+        .into_iter()
+        .zip(c)
+        {
+            o.insert(key.into(), v.into());
+        }
+        o.insert("vocab_size".into(), vocab.into());
+        o.insert("max_position_embeddings".into(), context.into());
+    })
+    .unwrap()
+    .parameter_count()
+    .unwrap()
 }
 
 /// QLoRA on OLMo 2: the merged model is an `Olmo2ForCausalLM` whose four norms per block (the
@@ -1710,28 +1706,7 @@ fn granite_configs_read_as_transformers_reads_them() {
         let err = edited(edit).unwrap_err();
         assert!(err.contains(want), "{err} (wanted {want:?})");
     }
-    let shaped = |c: [usize; 5]| {
-        config_edited("hf-granite", |cfg| {
-            let o = cfg.as_object_mut().unwrap();
-            for (key, v) in [
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-            ]
-            .into_iter()
-            .zip(c)
-            {
-                o.insert(key.into(), v.into());
-            }
-            o.insert("vocab_size".into(), 49_159.into());
-            o.insert("max_position_embeddings".into(), 131_072.into());
-        })
-        .unwrap()
-        .parameter_count()
-        .unwrap()
-    };
+    let shaped = |c| parameters_of_shape("hf-granite", c, 49_159, 131_072);
     assert_eq!(shaped([2048, 8192, 40, 32, 8]), 2_533_539_840);
     assert_eq!(shaped([4096, 12800, 40, 32, 8]), 8_170_864_640);
 }

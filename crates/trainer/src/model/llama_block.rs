@@ -326,16 +326,12 @@ impl<B: ModelOps> Model<B> {
         pos0: usize,
         g: Geometry<'_>,
     ) -> Result<WithNorm<B::Tensor>> {
-        let qk_norm = match self.cfg.family {
-            Family::Llama(s) => s.qk_norm_kind(),
-            Family::Gpt2 => None,
-        };
-        if qk_norm == Some(QkNorm::Projection) {
-            return self.rotated_projection(l, bw, x, (w_off, norm_off), heads, rope, pos0, g);
-        }
-        let projected = self.project_heads(l, bw, x, w_off, heads, g)?;
         let (mut rotated, norm) = match self.cfg.family {
-            Family::Llama(s) if qk_norm.is_some() => {
+            Family::Llama(s) if s.qk_norm_kind() == Some(QkNorm::Projection) => {
+                self.projection_normed_heads(l, bw, x, (w_off, norm_off), heads, g)?
+            }
+            Family::Llama(s) if s.qk_norm() => {
+                let projected = self.project_heads(l, bw, x, w_off, heads, g)?;
                 // Kept before the norm reads it, so a recomputed or stored backward sees the
                 // values the forward normalised. Keeping it costs B·T·(NH + KV)·hs elements
                 // per block; the alternative, recovering it from the kept rotated output,
@@ -354,7 +350,7 @@ impl<B: ModelOps> Model<B> {
                 let stats = NormStats { mean: None, rstd };
                 (out, Some(KeptNorm { input, stats }))
             }
-            _ => (projected, None),
+            _ => (self.project_heads(l, bw, x, w_off, heads, g)?, None),
         };
         // SmolLM3's NoPE blocks attend without positions.
         if let Some(rope) = rope {
@@ -363,19 +359,16 @@ impl<B: ModelOps> Model<B> {
         Ok((self.keep(rotated)?, norm))
     }
 
-    /// [`Model::rotated_heads`] with OLMo 2's norm over the whole projection: the projection's
-    /// `[B, T, heads·hs]` output is kept as the norm's input, the norm's output is split into
-    /// heads (workspace until then), rotated and kept.
-    #[allow(clippy::too_many_arguments)]
-    fn rotated_projection(
+    /// OLMo 2's queries or keys before the rotation: the projection's `[B, T, heads·hs]`
+    /// output is kept as the norm's input (fresh), the norm's output is workspace until it is
+    /// split into `[B, heads, T, hs]` heads (fresh, not yet kept).
+    fn projection_normed_heads(
         &self,
         l: usize,
         bw: &[B::Tensor],
         x: &B::Tensor,
         (w_off, norm_off): (usize, usize),
         heads: usize,
-        rope: Option<Rope>,
-        pos0: usize,
         g: Geometry<'_>,
     ) -> Result<WithNorm<B::Tensor>> {
         let hs = self.cfg.head_dim();
@@ -385,13 +378,9 @@ impl<B: ModelOps> Model<B> {
         let input = self.keep(projected)?;
         let mut normed = self.scratch_overwritten([g.b, g.t, heads * hs])?;
         let stats = self.norm(&mut normed, &input, at(bw, norm_off)?, None, g)?;
-        let mut rotated = self.fresh_overwritten([g.b, heads, g.t, hs])?;
-        self.backend().split_heads(&mut rotated, &normed, 0)?;
-        drop(normed);
-        if let Some(rope) = rope {
-            self.rope(&mut rotated, rope, pos0, g, false)?;
-        }
-        Ok((self.keep(rotated)?, Some(KeptNorm { input, stats })))
+        let mut split = self.fresh_overwritten([g.b, heads, g.t, hs])?;
+        self.backend().split_heads(&mut split, &normed, 0)?;
+        Ok((split, Some(KeptNorm { input, stats })))
     }
 
     /// The backward of [`Model::rotated_heads`]' norm, when there is one: `dh`, the gradient
