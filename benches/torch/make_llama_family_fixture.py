@@ -45,8 +45,8 @@ transformers builds a small random model of each and saves it with `save_pretrai
   (Gemma 3 27B has 168 on 128): attention scales by 20^-1/2.
 - `hf-olmo2`: Olmo2ForCausalLM (OLMo 2 1B, 7B, 13B, 32B): no input norms, a norm on the
   attention's and the MLP's outputs, q_norm and k_norm over the whole projections (48 and 24
-  wide: head width 12 on a model 32 wide), untied head. Its reference also holds PyTorch's
-  gradients.
+  wide: head width 12 on a model 32 wide), untied head, Olmo2Config's padding id 1 (in every
+  fifth input position). Its reference also holds PyTorch's gradients.
 - `hf-olmo3`: Olmo3ForCausalLM (OLMo 3 7B, 32B): OLMo 2 with blocks 0 and 2 over a window of
   16 keys and block 1 full (the real models have three windowed blocks of four); the full
   block's rotary embedding is YaRN (factor 4 over an original context of 16), the windowed
@@ -55,8 +55,8 @@ transformers builds a small random model of each and saves it with `save_pretrai
 - `hf-granite`: GraniteForCausalLM (IBM Granite 3.x dense): Llama with an embedding
   multiplier (12), a residual multiplier (0.22), an attention multiplier in place of
   1/sqrt(head_dim) (0.2) and a logits divisor (6, where the real models have 8 or 16: a power
-  of two would hide a wrong order of rounding), tied head. Its reference also holds PyTorch's
-  gradients.
+  of two would hide a wrong order of rounding), tied head, padding id 0 (Granite's end of
+  text; in every fifth input position). Its reference also holds PyTorch's gradients.
 Beside each, `reference.safetensors`: fixed tokens `[2, 48]` and targets, the model's logits
 on them (eager attention, f32), their mean cross-entropy, and the rotary embedding's own
 `inv_freq` buffer and `attention_scaling` (which a loader must reproduce bit for bit).
@@ -304,8 +304,8 @@ def olmo2():
         head_dim=12,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        # As for SmolLM3: a padding id would freeze its embedding row.
-        pad_token_id=None,
+        # Olmo2Config's own padding id, 1: nn.Embedding(padding_idx=1) gives its row no
+        # gradient from the inputs (the reference's tokens hold it; see build()).
         bos_token_id=None,
         eos_token_id=None,
         tie_word_embeddings=False,
@@ -356,7 +356,9 @@ def granite():
         residual_multiplier=0.22,
         attention_multiplier=0.2,
         logits_scaling=6.0,
-        pad_token_id=None,
+        # Granite's padding id is its end of text, 0: that row's gradient comes from the tied
+        # head alone.
+        pad_token_id=0,
         bos_token_id=None,
         eos_token_id=None,
         tie_word_embeddings=True,
@@ -390,6 +392,11 @@ def build(name, spec, seed, extra=None, gradients=False, norm_center=1.0):
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, vocab, (2, SEQ), generator=g)
     targets = torch.randint(0, vocab, (2, SEQ), generator=g)
+    # A model with a padding index sees it in every fifth input position, so the reference's
+    # gradients show what padding_idx does.
+    pad = config.get_text_config().pad_token_id
+    if pad is not None:
+        tokens[:, ::5] = pad
     model.config._attn_implementation = "eager"
     logits = model(input_ids=tokens).logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))

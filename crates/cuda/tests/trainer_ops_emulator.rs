@@ -973,6 +973,58 @@ fn emulated_token_embedding_is_bitwise_equal_to_the_cpu_op() {
     assert_bitwise("dwte", &f32s(&got[dwte]), &want);
 }
 
+/// The padding index on the device: headroom-trainer's CUDA `embed_backward` renames the
+/// padding token to `u32::MAX` before upload, and the wte scatter skips a token past the
+/// vocabulary, so its rows add nothing — the CPU op's `skip`, bit for bit.
+#[test]
+fn emulated_token_embedding_backward_skips_the_padding_index() {
+    let Some(emu) = emulator() else { return };
+    let (rows, c, vocab, pad) = (13usize, 300usize, 1100usize, 7u32);
+    let mut tokens: Vec<u32> = (0..rows).map(|i| ((i * i * 7 + 3) % 1031) as u32).collect();
+    tokens[..5].copy_from_slice(&[pad, 1099, pad, 0, pad]);
+    let renamed: Vec<u32> = tokens
+        .iter()
+        .map(|&t| if t == pad { u32::MAX } else { t })
+        .collect();
+    let dout = values(rows * c, 43, 1.0);
+    let dwte0 = values(vocab * c, 44, 0.1);
+    let mut run = Run::new("embedding_padding");
+    let (dwte, d, tk) = (run.buf(&dwte0), run.buf(&dout), run.buf(&renamed));
+    use Arg::{Buf, U};
+    run.launch(
+        "embedding_backward_wte_f32",
+        ((vocab as u32).div_ceil(512), (c as u32).div_ceil(BLOCK)),
+        BLOCK,
+        &[
+            Buf(dwte),
+            Buf(d),
+            Buf(tk),
+            U(rows as u64),
+            U(c as u64),
+            U(vocab as u64),
+            U(512),
+        ],
+    );
+    let got = run.finish(emu);
+    let mut want = dwte0.clone();
+    for (drow, &t) in dout.chunks_exact(c).zip(&tokens) {
+        if t == pad {
+            continue;
+        }
+        for j in 0..c {
+            want[t as usize * c + j] += drow[j];
+        }
+    }
+    let got = f32s(&got[dwte]);
+    assert_bitwise("dwte", &got, &want);
+    let row = pad as usize * c;
+    assert_eq!(
+        &got[row..row + c],
+        &dwte0[row..row + c],
+        "the padding row moved"
+    );
+}
+
 #[test]
 fn emulated_rmsnorm_matches_the_cpu_op() {
     let Some(emu) = emulator() else { return };

@@ -612,7 +612,8 @@ fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// no biases, the run's RMSNorm ε, rotary base and rescaling, key/value heads and head tying;
 /// a `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM` for a model of that
 /// class; the head width always written), with the token ids the run carries from its base
-/// ([`Companions::token_ids`]).
+/// ([`Companions::token_ids`]) — but a Llama's `pad_token_id`, which is its embedding's padding
+/// index (`LlamaShape::padding_idx`, null for none).
 pub(crate) fn hf_config(
     c: &ModelConfig,
     token_ids: Option<&serde_json::Map<String, serde_json::Value>>,
@@ -782,6 +783,12 @@ pub(crate) fn hf_config(
                 object.insert("eos_token_id".into(), eos.into());
             }
         }
+    }
+
+    // The embedding's padding index is the model's own: written so that transformers builds
+    // the same `padding_idx` (null: none), whatever the class's default for a missing key.
+    if let (Family::Llama(s), Some(object)) = (c.family, v.as_object_mut()) {
+        object.insert("pad_token_id".into(), s.padding_idx.into());
     }
     serde_json::to_vec_pretty(&v).map_err(|e| err(dir, e.to_string()))
 }
@@ -2542,6 +2549,7 @@ mod tests {
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
                 multipliers: None,
+                padding_idx: None,
                 ffn: 20,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),

@@ -794,7 +794,8 @@ mod tests {
             serde_json::json!({"bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
                                "pad_token_id": null})
         );
-        // Written into config.json as they are; a key the base lacks stays absent.
+        // Written into config.json as they are; a key the base lacks stays absent, but for a
+        // Llama's pad_token_id, which is the model's padding index (none here: null).
         let cfg = crate::model::ModelConfig::llama_tiny(97);
         let written = |ids: Option<&serde_json::Map<String, serde_json::Value>>| {
             serde_json::from_slice::<serde_json::Value>(
@@ -809,7 +810,8 @@ mod tests {
         let mut only_eos = serde_json::Map::new();
         only_eos.insert("eos_token_id".into(), 2.into());
         let out = written(Some(&only_eos));
-        assert!(out.get("bos_token_id").is_none() && out.get("pad_token_id").is_none());
+        assert!(out.get("bos_token_id").is_none());
+        assert_eq!(out["pad_token_id"], serde_json::Value::Null);
         // No base: the last id stands in for both.
         let out = written(None);
         assert_eq!(

@@ -970,6 +970,25 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                 }
                 _ => None,
             };
+            // transformers builds every one of these classes' embeddings with
+            // `padding_idx=pad_token_id`; absent, the config class's default (SmolLM3's
+            // 128004, Gemma 3's 0, OLMo's 1, none elsewhere). nn.Embedding refuses an index
+            // past the vocabulary, and so does `validate`.
+            let padding_idx = match cfg.get("pad_token_id") {
+                None => match class {
+                    LlamaClass::SmolLM3 => Some(128_004),
+                    LlamaClass::Gemma3 => Some(0),
+                    LlamaClass::Olmo2 | LlamaClass::Olmo3 => Some(1),
+                    _ => None,
+                },
+                Some(Value::Null) => None,
+                Some(_) => {
+                    let p = get_usize(cfg, path, "pad_token_id")?;
+                    Some(u32::try_from(p).map_err(|_| {
+                        bad(path, format!("pad_token_id {p} does not fit a token id"))
+                    })?)
+                }
+            };
             let kv_heads = match cfg.get("num_key_value_heads") {
                 None | Some(Value::Null) => heads,
                 Some(_) => get_usize(cfg, path, "num_key_value_heads")?,
@@ -987,6 +1006,7 @@ fn config_of(cfg: &Value, path: &Path) -> Result<ModelConfig> {
                     no_rope_interval,
                     query_pre_attn_scalar,
                     multipliers,
+                    padding_idx,
                     ffn: get_usize(cfg, path, "intermediate_size")?,
                     rope_theta: theta as f32,
                     rope_scaling,

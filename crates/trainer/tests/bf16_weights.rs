@@ -20,6 +20,7 @@ fn model(llama: bool, vocab: usize) -> ModelConfig {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 2048,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -26,6 +26,7 @@ fn configs() -> [ModelConfig; 2] {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

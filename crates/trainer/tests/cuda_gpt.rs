@@ -52,6 +52,7 @@ fn llama() -> ModelConfig {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 384,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

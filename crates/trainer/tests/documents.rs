@@ -32,6 +32,7 @@ fn config(llama: bool) -> ModelConfig {
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
                 multipliers: None,
+                padding_idx: None,
                 ffn: 24,
                 // A small base, so that every frequency turns measurably within 20 positions.
                 rope_theta: 100.0,

@@ -27,6 +27,7 @@ fn model(llama: bool) -> ModelConfig {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 176,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

@@ -48,6 +48,7 @@ fn llama(kv_heads: usize, tied_head: bool) -> ModelConfig {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 24,
             // A small base, so that the 6 positions turn every frequency measurably.
             rope_theta: 100.0,

@@ -854,7 +854,7 @@ fn qwen3_matches_transformers() {
 /// Fixture `name`'s gradient of the mean loss for every parameter against PyTorch's autograd
 /// on the same model and batch (its reference's `grad.<name>`), within 1e-4 of each tensor's
 /// largest gradient.
-fn gradients_match_pytorch(name: &str) {
+fn gradients_match_pytorch(name: &str) -> Vec<headroom_tensor::CpuTensor> {
     use headroom_ckpt::Schedule;
     use headroom_tensor::MemoryCategory;
     use headroom_trainer::model::params;
@@ -885,6 +885,7 @@ fn gradients_match_pytorch(name: &str) {
             info.name
         );
     }
+    grads
 }
 
 /// Qwen3: the head norms' backward (through the rotation), the 48-wide queries and the tied
@@ -1395,8 +1396,20 @@ fn olmo2_matches_transformers() {
         ]
         .map(|(n, w)| (format!("model.layers.0.{n}.weight"), vec![w]))
     );
-    gradients_match_pytorch("hf-olmo2");
+    // Olmo2Config's padding index (the key is absent): the reference's inputs hold it in
+    // every fifth position, and its embedding row gets no gradient, in PyTorch and here.
+    assert_eq!(s.padding_idx, Some(1));
+    let grads = gradients_match_pytorch("hf-olmo2");
+    let wte = grads[0].as_slice::<f32>().unwrap();
+    let c = cfg.channels;
+    let bytes = std::fs::read(fixture("hf-olmo2").join("reference.safetensors")).unwrap();
+    let tokens = ids(&SafeTensors::deserialize(&bytes).unwrap(), "tokens");
+    let row = |t: u32| &wte[t as usize * c..(t as usize + 1) * c];
+    assert_eq!((tokens[0], tokens[5]), (1, 1));
+    assert!(row(1).iter().all(|&g| g == 0.0));
+    assert!(tokens[1] != 1 && row(tokens[1]).iter().any(|&g| g != 0.0));
     let written = saved_and_read_back("hf-olmo2", 48);
+    assert_eq!(written["pad_token_id"], 1, "{written}");
     assert_eq!(
         (&written["architectures"][0], &written["model_type"]),
         (
@@ -1631,6 +1644,9 @@ fn granite_matches_transformers() {
     );
     assert!(s.tied_head && s.input_norms() && !s.output_norms() && !s.qk_norm());
     counted_param_infos(&cfg);
+    // Granite's padding index is its end of text: with the head tied, that row's gradient is
+    // the head's alone (the fixture's inputs hold it in every fifth position).
+    assert_eq!(s.padding_idx, Some(0));
     gradients_match_pytorch("hf-granite");
     let written = saved_and_read_back("hf-granite", 48);
     assert_eq!(
@@ -1705,6 +1721,38 @@ fn granite_configs_read_as_transformers_reads_them() {
     for (edit, want) in refusals {
         let err = edited(edit).unwrap_err();
         assert!(err.contains(want), "{err} (wanted {want:?})");
+    }
+    // pad_token_id as transformers reads it into nn.Embedding's padding_idx: null is none,
+    // absent is the class's default (GraniteConfig's none, Olmo2Config's 1, Gemma3's 0,
+    // SmolLM3's 128004 — past a small vocabulary, which nn.Embedding refuses).
+    let padding = |name: &str, value: Option<serde_json::Value>| {
+        config_edited(name, |c| {
+            let o = c.as_object_mut().unwrap();
+            match &value {
+                Some(v) => o.insert("pad_token_id".into(), v.clone()),
+                None => o.remove("pad_token_id"),
+            };
+        })
+        .map(|cfg| match cfg.family {
+            Family::Llama(s) => s.padding_idx,
+            Family::Gpt2 => panic!("{name} read as GPT-2"),
+        })
+        .map_err(|e| e.to_string())
+    };
+    assert_eq!(padding("hf-granite", None), Ok(None));
+    assert_eq!(
+        padding("hf-granite", Some(serde_json::Value::Null)),
+        Ok(None)
+    );
+    assert_eq!(padding("hf-granite", Some(5.into())), Ok(Some(5)));
+    assert_eq!(padding("hf-olmo2", None), Ok(Some(1)));
+    assert_eq!(padding("hf-gemma3", None), Ok(Some(0)));
+    for (name, value) in [("hf-smollm3", None), ("hf-granite", Some(97.into()))] {
+        let err = padding(name, value).unwrap_err();
+        assert!(
+            err.contains("is not a row of the 97-token embedding"),
+            "{err}"
+        );
     }
     let shaped = |c| parameters_of_shape("hf-granite", c, 49_159, 131_072);
     assert_eq!(shaped([2048, 8192, 40, 32, 8]), 2_533_539_840);

@@ -45,6 +45,7 @@ fn llama() -> ModelConfig {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 24,
             rope_theta: 100.0,
             rope_scaling: Default::default(),

@@ -38,6 +38,7 @@ fn llama() -> Family {
         no_rope_interval: None,
         query_pre_attn_scalar: None,
         multipliers: None,
+        padding_idx: None,
         ffn: 24,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),

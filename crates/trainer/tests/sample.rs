@@ -36,6 +36,7 @@ fn cfg(llama: Option<usize>, max_seq: usize) -> ModelConfig {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

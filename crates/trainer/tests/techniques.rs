@@ -109,6 +109,7 @@ fn family_cfg(layers: usize, llama: bool) -> ModelConfig {
             no_rope_interval: None,
             query_pre_attn_scalar: None,
             multipliers: None,
+            padding_idx: None,
             ffn: 40,
             rope_theta: 10_000.0,
             rope_scaling: Default::default(),

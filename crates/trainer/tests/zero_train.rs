@@ -69,6 +69,7 @@ fn llama() -> Family {
         no_rope_interval: None,
         query_pre_attn_scalar: None,
         multipliers: None,
+        padding_idx: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
@@ -266,6 +267,7 @@ fn qwen2_qwen3_gemma3_and_olmo2_under_every_stage_equal_one_process() {
         no_rope_interval: None,
         query_pre_attn_scalar: None,
         multipliers: None,
+        padding_idx: None,
         ffn: 40,
         rope_theta: 10000.0,
         rope_scaling: headroom_trainer::model::RopeScaling::Llama3 {

@@ -55,6 +55,11 @@ pub struct LlamaShape {
     /// scale attention by 1, not `1/√head_dim`; absent for every other class).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multipliers: Option<Multipliers>,
+    /// The token whose embedding row takes no gradient from the tokens that look it up
+    /// (transformers' `pad_token_id`, PyTorch's `nn.Embedding(padding_idx=…)`); a tied head's
+    /// gradient still reaches it (absent in checkpoints written before it existed: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub padding_idx: Option<u32>,
     /// The Hugging Face class: what the checkpoints are saved as, and whether q, k and v have
     /// biases (Qwen2's; absent in checkpoints written before it existed: Llama).
     #[serde(default)]
@@ -432,6 +437,7 @@ impl ModelConfig {
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
                 multipliers: None,
+                padding_idx: None,
                 ffn: 176,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -458,6 +464,7 @@ impl ModelConfig {
                 no_rope_interval: None,
                 query_pre_attn_scalar: None,
                 multipliers: None,
+                padding_idx: None,
                 ffn: 1024,
                 rope_theta: 10_000.0,
                 rope_scaling: Default::default(),
@@ -822,6 +829,12 @@ impl ModelConfig {
                     }
                 }
                 (None, _) => {}
+            }
+            if let Some(p) = s.padding_idx.filter(|&p| p as usize >= self.vocab) {
+                return bad(format!(
+                    "padding index {p} is not a row of the {}-token embedding",
+                    self.vocab
+                ));
             }
             if !(s.norm_eps.is_finite() && s.norm_eps > 0.0) {
                 return bad(format!(

@@ -982,6 +982,7 @@ impl ModelOps for Cpu {
         dwpe: Option<&mut CpuTensor>,
         dy: &CpuTensor,
         tokens: &[u32],
+        skip: Option<u32>,
     ) -> Result<()> {
         let (vocab, c) = rows_cols(dwte);
         expect_len("embed backward", "output gradient", dy, tokens.len() * c)?;
@@ -992,6 +993,12 @@ impl ModelOps for Cpu {
             ));
         }
         match dwpe {
+            Some(_) if skip.is_some() => {
+                return Err(bad(
+                    "embed backward",
+                    "a padding index with learned positions".into(),
+                ))
+            }
             Some(dwpe) => {
                 let t = dy.shape().dims().get(1).copied().unwrap_or(1).max(1);
                 if !tokens.len().is_multiple_of(t) || dwpe.numel() < t * c {
@@ -1002,7 +1009,7 @@ impl ModelOps for Cpu {
                 }
                 embedding::backward(out(dwte)?, out(dwpe)?, dy.as_slice::<f32>()?, tokens, t, c);
             }
-            None => embedding::backward_tokens(out(dwte)?, dy.as_slice::<f32>()?, tokens, c),
+            None => embedding::backward_tokens(out(dwte)?, dy.as_slice::<f32>()?, tokens, c, skip),
         }
         Ok(())
     }

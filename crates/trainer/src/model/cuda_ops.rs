@@ -91,11 +91,17 @@ fn weight_dims(op: &str, w: &CudaTensor) -> Result<(usize, usize)> {
 
 /// Host token ids (checked below `vocab`) as a device u32 tensor in workspace memory.
 fn upload_tokens(cuda: &Cuda, op: &str, tokens: &[u32], vocab: usize) -> Result<CudaTensor> {
-    if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(bad(op, format!("token {t} ≥ vocab {vocab}")));
-    }
+    check_tokens(op, tokens, vocab)?;
     let _g = MemoryCategory::Workspace.enter();
     Ok(cuda.upload(tokens, [tokens.len()])?)
+}
+
+/// Every token a row of a `vocab`-row embedding.
+fn check_tokens(op: &str, tokens: &[u32], vocab: usize) -> Result<()> {
+    match tokens.iter().find(|&&t| t as usize >= vocab) {
+        Some(t) => Err(bad(op, format!("token {t} ≥ vocab {vocab}"))),
+        None => Ok(()),
+    }
 }
 
 /// The head layout of `heads` `[B, H, T, hs]` against columns `[col, col + H·hs)` of `wide`
@@ -503,9 +509,30 @@ impl ModelOps for Cuda {
         dwpe: Option<&mut CudaTensor>,
         dy: &CudaTensor,
         tokens: &[u32],
+        skip: Option<u32>,
     ) -> Result<()> {
         let c = cols(dwte);
-        let tok = upload_tokens(self, "embed backward", tokens, dwte.numel() / c)?;
+        let vocab = dwte.numel() / c;
+        let tok = match skip {
+            None => upload_tokens(self, "embed backward", tokens, vocab)?,
+            Some(skip) => {
+                if dwpe.is_some() {
+                    return Err(bad(
+                        "embed backward",
+                        "a padding index with learned positions".into(),
+                    ));
+                }
+                // The kernel skips a token past the vocabulary (embedding.cu): the skipped
+                // token's rows are renamed so, after the usual check.
+                check_tokens("embed backward", tokens, vocab)?;
+                let renamed: Vec<u32> = tokens
+                    .iter()
+                    .map(|&t| if t == skip { u32::MAX } else { t })
+                    .collect();
+                let _g = MemoryCategory::Workspace.enter();
+                self.upload(&renamed, [renamed.len()])?
+            }
+        };
         let dyv = f32_of(self, dy)?;
         match dwpe {
             Some(dwpe) => {

@@ -298,13 +298,15 @@ pub trait ModelOps: AttentionBackend + headroom_amp::AmpBackend {
     ) -> Result<()>;
 
     /// The embedding's backward: adds `dy`'s rows into the rows of `dwte` (and `dwpe`) they
-    /// came from, in token order (deterministic).
+    /// came from, in token order (deterministic). The rows of token `skip` add nothing
+    /// (PyTorch's `padding_idx`; only without `dwpe`).
     fn embed_backward(
         &self,
         dwte: &mut Self::Tensor,
         dwpe: Option<&mut Self::Tensor>,
         dy: &Self::Tensor,
         tokens: &[u32],
+        skip: Option<u32>,
     ) -> Result<()>;
 
     /// Columns `[col, col + H·hs)` of `x` `[B, T, W]` into heads `y` `[B, H, T, hs]`.

@@ -751,13 +751,21 @@ impl<B: ModelOps> Model<B> {
             self.backend.scale(dres, scale)?;
         }
         let dres = &*dres;
+        let padding = match self.cfg.family {
+            Family::Llama(s) => s.padding_idx,
+            Family::Gpt2 => None,
+        };
         match (dwpe, g.positions()) {
             (Some(dwpe), Some(positions)) => {
                 // Position rows are gathered like tokens, so their gradient scatters the same way.
-                self.backend.embed_backward(dwte, None, dres, tokens)?;
-                self.backend.embed_backward(dwpe, None, dres, positions)
+                self.backend
+                    .embed_backward(dwte, None, dres, tokens, None)?;
+                self.backend
+                    .embed_backward(dwpe, None, dres, positions, None)
             }
-            (dwpe, _) => self.backend.embed_backward(dwte, dwpe, dres, tokens),
+            (dwpe, _) => self
+                .backend
+                .embed_backward(dwte, dwpe, dres, tokens, padding),
         }
     }
 

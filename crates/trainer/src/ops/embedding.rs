@@ -55,8 +55,17 @@ pub fn forward_tokens<W: Operand>(out: &mut [f32], tokens: &[u32], wte: &[W], c:
 }
 
 /// Accumulate `dwte` from `dout`, rows in token order (deterministic).
-pub fn backward_tokens(dwte: &mut [f32], dout: &[f32], tokens: &[u32], c: usize) {
+pub fn backward_tokens(
+    dwte: &mut [f32],
+    dout: &[f32],
+    tokens: &[u32],
+    c: usize,
+    skip: Option<u32>,
+) {
     for (d, &tok) in dout.chunks_exact(c).zip(tokens) {
+        if Some(tok) == skip {
+            continue;
+        }
         for (e, g) in dwte[tok as usize * c..(tok as usize + 1) * c]
             .iter_mut()
             .zip(d)

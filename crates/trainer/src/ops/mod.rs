@@ -341,9 +341,14 @@ mod gradient_checks {
         assert_eq!(&out[2..4], &wte[6..8]);
         let dout: Vec<f32> = (0..6).map(|i| i as f32).collect();
         let mut dwte = vec![0.0; vocab * c];
-        embedding::backward_tokens(&mut dwte, &dout, &tokens, c);
+        embedding::backward_tokens(&mut dwte, &dout, &tokens, c, None);
         assert_eq!(&dwte[2..4], &[0.0 + 4.0, 1.0 + 5.0]);
         assert_eq!(&dwte[6..8], &[2.0, 3.0]);
+        // A padding index: its rows add nothing, the others as before.
+        let mut skipped = vec![0.5; vocab * c];
+        embedding::backward_tokens(&mut skipped, &dout, &tokens, c, Some(1));
+        assert_eq!(&skipped[2..4], &[0.5, 0.5]);
+        assert_eq!(&skipped[6..8], &[2.5, 3.5]);
     }
 }
 
