@@ -943,6 +943,27 @@ fn emulated_token_embedding_is_bitwise_equal_to_the_cpu_op() {
         ],
     );
     // The backward of the token embedding alone is the wte scatter alone.
+    launch_wte_backward(&mut run, (dwte, d, tk), rows, c, vocab);
+    let got = run.finish(emu);
+    let want: Vec<f32> = tokens
+        .iter()
+        .flat_map(|&t| wte[t as usize * c..][..c].to_vec())
+        .collect();
+    assert_bitwise("forward", &f32s(&got[out]), &want);
+    let want = wte_backward_reference(&dwte0, &dout, &tokens, c, None);
+    assert_bitwise("dwte", &f32s(&got[dwte]), &want);
+}
+
+/// `embedding_backward_wte_f32` on buffers `(dwte, dout, tokens)` of `rows` tokens, `c`
+/// channels, a `vocab`-row table, 512 vocabulary rows per block.
+fn launch_wte_backward(
+    run: &mut Run,
+    (dwte, d, tk): (usize, usize, usize),
+    rows: usize,
+    c: usize,
+    vocab: usize,
+) {
+    use Arg::{Buf, U};
     run.launch(
         "embedding_backward_wte_f32",
         ((vocab as u32).div_ceil(512), (c as u32).div_ceil(BLOCK)),
@@ -957,20 +978,27 @@ fn emulated_token_embedding_is_bitwise_equal_to_the_cpu_op() {
             U(512),
         ],
     );
-    let got = run.finish(emu);
-    let want: Vec<f32> = tokens
-        .iter()
-        .flat_map(|&t| wte[t as usize * c..][..c].to_vec())
-        .collect();
-    assert_bitwise("forward", &f32s(&got[out]), &want);
-    // The trainer's token-only backward: rows in token order into dwte.
-    let mut want = dwte0.clone();
-    for (drow, &t) in dout.chunks_exact(c).zip(&tokens) {
+}
+
+/// The trainer's token-only backward: `dout`'s rows in token order into `dwte0`, token
+/// `skip`'s rows left out.
+fn wte_backward_reference(
+    dwte0: &[f32],
+    dout: &[f32],
+    tokens: &[u32],
+    c: usize,
+    skip: Option<u32>,
+) -> Vec<f32> {
+    let mut want = dwte0.to_vec();
+    for (drow, &t) in dout.chunks_exact(c).zip(tokens) {
+        if Some(t) == skip {
+            continue;
+        }
         for j in 0..c {
             want[t as usize * c + j] += drow[j];
         }
     }
-    assert_bitwise("dwte", &f32s(&got[dwte]), &want);
+    want
 }
 
 /// The padding index on the device: headroom-trainer's CUDA `embed_backward` renames the
@@ -990,31 +1018,9 @@ fn emulated_token_embedding_backward_skips_the_padding_index() {
     let dwte0 = values(vocab * c, 44, 0.1);
     let mut run = Run::new("embedding_padding");
     let (dwte, d, tk) = (run.buf(&dwte0), run.buf(&dout), run.buf(&renamed));
-    use Arg::{Buf, U};
-    run.launch(
-        "embedding_backward_wte_f32",
-        ((vocab as u32).div_ceil(512), (c as u32).div_ceil(BLOCK)),
-        BLOCK,
-        &[
-            Buf(dwte),
-            Buf(d),
-            Buf(tk),
-            U(rows as u64),
-            U(c as u64),
-            U(vocab as u64),
-            U(512),
-        ],
-    );
+    launch_wte_backward(&mut run, (dwte, d, tk), rows, c, vocab);
     let got = run.finish(emu);
-    let mut want = dwte0.clone();
-    for (drow, &t) in dout.chunks_exact(c).zip(&tokens) {
-        if t == pad {
-            continue;
-        }
-        for j in 0..c {
-            want[t as usize * c + j] += drow[j];
-        }
-    }
+    let want = wte_backward_reference(&dwte0, &dout, &tokens, c, Some(pad));
     let got = f32s(&got[dwte]);
     assert_bitwise("dwte", &got, &want);
     let row = pad as usize * c;
