@@ -873,15 +873,14 @@ fn llama_block_workspace(
     };
     // OLMo 2's q and k gradients leave their norms merged, and without an input norm the
     // q/k/v backward adds into dres2 itself: no dnorm1 and no merge scratch for them.
-    let (dnorm1, merge_q, merge_k) = match (input_norms, qk_norm) {
-        (false, Some(QkNorm::Projection)) => (0, 0, 0),
-        (false, _) => (0, btq, btk),
-        (true, Some(QkNorm::Projection)) => (btc, 0, 0),
-        (true, _) => (btc, btq, btk),
+    let dnorm1 = if input_norms { btc } else { 0 };
+    let (merge_q, merge_k) = match qk_norm {
+        Some(QkNorm::Projection) => (0, 0),
+        _ => (btq, btk),
     };
-    // Gemma 3's and OLMo 2's output norms: the gradient of each sublayer's output beside its residual's
-    // while that sublayer's output projection runs backward; each norm's kept input and
-    // statistics are dropped once its backward has run.
+    // Gemma 3's and OLMo 2's output norms: the gradient of each sublayer's output beside its
+    // residual's while that sublayer's output projection runs backward; each norm's kept input
+    // and statistics are dropped once its backward has run.
     // Granite's residual multiplier: the scaled copy of the residual's gradient in its place.
     let output_norms = matches!(cfg.family, Family::Llama(s) if s.output_norms());
     let residual_scale = matches!(cfg.family, Family::Llama(s) if s.residual_scale().is_some());

@@ -241,12 +241,7 @@ fn granite_estimates_equal_the_trackers_peaks() {
     if let Family::Llama(s) = &mut cfg.family {
         s.class = headroom_trainer::model::LlamaClass::Granite;
         s.tied_head = true;
-        s.multipliers = Some(headroom_trainer::model::Multipliers {
-            embedding: 12.0,
-            residual: 0.22,
-            attention: 0.2,
-            logits_scaling: 6.0,
-        });
+        s.multipliers = Some(super::common::granite_multipliers());
     }
     check(cfg, combos_named(&HEAD_NORM_COMBOS));
 }

@@ -263,14 +263,8 @@ fn qwen3_finetune_estimates_equal_the_trackers_peaks() {
             if let Family::Llama(s) = &mut o.model.family {
                 s.class = class;
                 s.head_dim = Some(24);
-                s.multipliers = (class == headroom_trainer::model::LlamaClass::Granite).then_some(
-                    headroom_trainer::model::Multipliers {
-                        embedding: 12.0,
-                        residual: 0.22,
-                        attention: 0.2,
-                        logits_scaling: 6.0,
-                    },
-                );
+                s.multipliers = (class == headroom_trainer::model::LlamaClass::Granite)
+                    .then_some(super::common::granite_multipliers());
             }
             check(&format!("{class:?} {name}"), &o, &mut failures);
             ran += 1;

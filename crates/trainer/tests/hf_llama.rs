@@ -1623,15 +1623,9 @@ fn qlora_on_olmo2_trains_and_merges_into_an_olmo2() {
 /// `GraniteForCausalLM` with the same scalars that reads back unchanged.
 #[test]
 fn granite_matches_transformers() {
-    use headroom_trainer::model::Multipliers;
     let (cfg, s) = llama_matches_reference("hf-granite");
     assert_eq!(s.class, LlamaClass::Granite);
-    let want = Multipliers {
-        embedding: 12.0,
-        residual: 0.22,
-        attention: 0.2,
-        logits_scaling: 6.0,
-    };
+    let want = super::common::granite_multipliers();
     assert_eq!(s.multipliers, Some(want));
     assert_eq!(
         (

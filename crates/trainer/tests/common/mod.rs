@@ -88,3 +88,14 @@ pub fn safetensors_bundle(name: &str, files: &[(String, Vec<u8>)]) -> headroom_f
         .collect();
     headroom_fuzzkit::bundle(name, &parts)
 }
+
+/// The `hf-granite` fixture's scalars (Granite 3's embedding 12 and residual 0.22; an attention
+/// multiplier of 0.2 and a logits divisor of 6, not a power of two).
+pub fn granite_multipliers() -> headroom_trainer::model::Multipliers {
+    headroom_trainer::model::Multipliers {
+        embedding: 12.0,
+        residual: 0.22,
+        attention: 0.2,
+        logits_scaling: 6.0,
+    }
+}
